@@ -1,0 +1,324 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+One tagged union per channel; each channel has one `Codec` (see `ipc/codec.py`).
+Hot messages are `array_like=True, omit_defaults=True, gc=False` (vLLM v1 style).
+Token id lists travel as packed little-endian int32 `bytes` (see `pack_ids` / `unpack_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------
+
+
+def pack_ids(ids: list[int] | np.ndarray) -> bytes:
+    """Token ids -> packed int32 bytes (what every message carries)."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    """Packed int32 bytes -> read-only int32 array (a view, no copy)."""
+    if len(data) % 4:
+        raise ValueError(f"packed token ids must be a multiple of 4 bytes, got {len(data)}")
+    return np.frombuffer(data, dtype="<i4")
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per-request sampling parameters. Validated once, by `services.scheduler.validation`."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int = 0  # top-N logprobs per sampled token; 0 = only the sampled token's
+    seed: int | None = None  # None: the frontend assigns one at admission
+    priority: int = 0  # lower runs first; ties are FCFS
+
+
+class ChatMessage(msgspec.Struct, gc=False):
+    role: str
+    content: str
+
+
+class Usage(msgspec.Struct, array_like=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+# Finish reasons, as strings on the wire.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Error codes, shared by every error reply.
+ErrorCode = Literal[
+    "invalid_request",  # malformed message or invalid parameter
+    "prompt_too_long",
+    "overloaded",
+    "unknown_request",
+    "unavailable",
+    "internal",
+]
+
+# ---------------------------------------------------------------------------
+# client <-> frontend (DEALER -> ROUTER)
+# ---------------------------------------------------------------------------
+
+
+class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Start (or resume) a request. Exactly one of prompt / messages / prompt_token_ids is set.
+
+    A client resubmitting after a frontend died sends the same request_id with the output
+    token ids and the number of characters it already received; the stream continues from there.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: bytes | None = None
+    params: SamplingParams = SamplingParams()
+    stream: bool = True
+    resume_output_ids: bytes = b""
+    resume_num_chars: int = 0
+
+
+class Abort(msgspec.Struct, tag=True, gc=False):
+    request_id: str
+
+
+class Health(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+ClientRequest = Union[Generate, Abort, Health]
+
+
+class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """A piece of one request's output. `token_index` and `char_offset` are absolute positions
+    of the first token / character in this delta (DESIGN.md invariant 2)."""
+
+    request_id: str
+    token_index: int
+    char_offset: int
+    text: str
+    token_ids: bytes  # packed int32
+    logprobs: bytes = b""  # packed float32, one per token
+    top_logprobs: list[dict[int, float]] = []
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class ErrorReply(msgspec.Struct, tag=True, gc=False):
+    request_id: str  # "" when the request could not even be parsed
+    code: str
+    message: str
+
+
+class HealthReply(msgspec.Struct, tag=True, gc=False):
+    frontend_id: int
+    is_ready: bool
+    model: str
+    num_in_flight: int
+    max_model_len: int
+
+
+ClientReply = Union[Delta, ErrorReply, HealthReply]
+
+# ---------------------------------------------------------------------------
+# frontend -> scheduler, detokenizer -> scheduler (PUSH -> PULL)
+# ---------------------------------------------------------------------------
+
+
+class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized request. Re-sent with the outputs so far after a fault (resubmission):
+    the scheduler replaces any live request with the same id."""
+
+    request_id: str
+    frontend_id: int
+    prompt_ids: bytes  # packed int32
+    params: SamplingParams
+    output_ids: bytes = b""  # packed int32: tokens already generated (resubmission)
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
+    request_id: str
+    reason: str = "abort"  # "abort" (client) or "stop" (stop string hit)
+
+
+class ResyncShard(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Sent by the supervisor after a detokenizer restart: re-send full token history for
+    every live request of that shard."""
+
+    shard: int
+
+
+SchedulerInput = Union[SubmitRequest, AbortRequest, ResyncShard]
+
+# ---------------------------------------------------------------------------
+# scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
+# ---------------------------------------------------------------------------
+
+
+class TokenUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New output tokens of one request. `start_index` is the absolute output index of the
+    first id; start_index == 0 carries the full history and resets the receiver's state."""
+
+    request_id: str
+    frontend_id: int
+    start_index: int
+    token_ids: bytes  # packed int32
+    logprobs: bytes = b""  # packed float32
+    top_logprobs: list[dict[int, float]] = []
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    params: SamplingParams | None = None  # sent with start_index == 0
+
+
+class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
+    updates: list[TokenUpdate]
+
+
+class DropRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Forget these requests' detokenization state (aborted or replaced)."""
+
+    request_ids: list[str]
+
+
+DetokenizerInput = Union[TokenBatch, DropRequests]
+
+# ---------------------------------------------------------------------------
+# detokenizer -> frontend, scheduler -> frontend errors (PUSH -> PULL)
+# ---------------------------------------------------------------------------
+
+
+class DeltaBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
+    deltas: list[Delta]
+
+
+class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The engine refused or failed a request (overloaded, too long, internal)."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+class ResubmitAll(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Sent by the supervisor after a scheduler restart: resubmit every journaled request
+    of that engine group with the outputs seen so far."""
+
+    group: int
+
+
+FrontendInput = Union[DeltaBatch, RequestFailed, ResubmitAll]
+
+# ---------------------------------------------------------------------------
+# every stage <-> supervisor (DEALER -> ROUTER)
+# ---------------------------------------------------------------------------
+
+
+class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_in_flight: int = 0
+    num_malformed: int = 0
+    tokens_total: int = 0
+
+
+class Ready(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """A stage finished starting. `info` is free-form (model, KV capacity, ...)."""
+
+    name: str
+    pid: int
+    info: dict[str, str] = {}
+
+
+class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Liveness plus a progress counter: a stage with work whose progress stops is hung."""
+
+    name: str
+    pid: int
+    progress: int
+    has_work: bool
+    load: StageLoad = StageLoad()
+
+
+ControlUp = Union[Ready, Heartbeat]
+
+# Supervisor -> stage commands reuse the stage inputs above (ResyncShard, ResubmitAll)
+# plus these.
+
+
+class Shutdown(msgspec.Struct, tag=True, gc=False):
+    drain_seconds: float = 0.0
+
+
+class Reconfigure(msgspec.Struct, tag=True, gc=False):
+    """Live settings pushed on hot reload."""
+
+    log_level: str = "INFO"
+    num_detokenizers: int = 1
+    num_frontends: int = 1
+    max_num_waiting: int = 0
+
+
+ControlDown = Union[Shutdown, Reconfigure, ResyncShard, ResubmitAll]
+
+# ---------------------------------------------------------------------------
+# scheduler <-> gpu worker: step plans and results travel through shared-memory rings
+# (ipc/shm.py). The slot header is one of these; arrays follow in the slot.
+# ---------------------------------------------------------------------------
+
+
+class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Worker -> scheduler handshake once the model is loaded."""
+
+    rank: int
+    world_size: int
+    pid: int
+    model: str
+    dtype: str
+    device: str
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int] = []
+
+
+class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Step plan header (scheduler -> workers). Arrays in the slot are listed in
+    docs/internals.md; `num_tokens` flattened tokens over `num_seqs` sequences."""
+
+    step_id: int
+    num_tokens: int
+    num_seqs: int
+    max_top_logprobs: int
+
+
+class ResultHeader(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Step result header (worker rank 0 -> scheduler). error != "" means the step failed
+    (e.g. a plan with invalid blocks); the arrays are then absent."""
+
+    step_id: int
+    num_seqs: int
+    error: str = ""
