@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Triton kernels run in the interpreter on machines without CUDA; this must be set before any
+# module that defines a kernel is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from ipc.endpoints import SHM_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's, so the tiny model can serve real text
 
 
 def brigade_shm_objects() -> list[str]:
@@ -23,3 +28,41 @@ def no_leaked_shared_memory():
     yield
     leaked = sorted(set(brigade_shm_objects()) - before)
     assert not leaked, f"shared memory left in /dev/shm by the suite: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once to an HF-format dir (cached)."""
+    from services.gpu_worker.loader import prepare_model
+
+    return prepare_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (2 layers, GQA) with SmolLM2's tokenizer, for fast real-process tests."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
