@@ -92,7 +92,7 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: bytes | None = None
-    params: SamplingParams = SamplingParams()
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True
     resume_output_ids: bytes = b""
     resume_num_chars: int = 0
@@ -124,13 +124,13 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     usage: Usage | None = None
 
 
-class ErrorReply(msgspec.Struct, tag=True, gc=False):
+class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
     request_id: str  # "" when the request could not even be parsed
     code: str
     message: str
 
 
-class HealthReply(msgspec.Struct, tag=True, gc=False):
+class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
     frontend_id: int
     is_ready: bool
     model: str
@@ -244,7 +244,7 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     tokens_total: int = 0
 
 
-class Ready(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """A stage finished starting. `info` is free-form (model, KV capacity, ...)."""
 
     name: str
@@ -259,7 +259,7 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, g
     pid: int
     progress: int
     has_work: bool
-    load: StageLoad = StageLoad()
+    load: StageLoad = msgspec.field(default_factory=StageLoad)
 
 
 ControlUp = Union[Ready, Heartbeat]
@@ -268,11 +268,11 @@ ControlUp = Union[Ready, Heartbeat]
 # plus these.
 
 
-class Shutdown(msgspec.Struct, tag=True, gc=False):
+class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
     drain_seconds: float = 0.0
 
 
-class Reconfigure(msgspec.Struct, tag=True, gc=False):
+class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Live settings pushed on hot reload."""
 
     log_level: str = "INFO"
