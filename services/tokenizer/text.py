@@ -1,0 +1,124 @@
+"""The text side of a model dir without torch: `tokenizers` for ids, sandboxed jinja2 for chat.
+
+Behaves like transformers' AutoTokenizer on the same dir (encode, decode and apply_chat_template
+give identical results) but loads in milliseconds and keeps the light processes free of torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which chat templates do not want.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The same environment transformers renders chat templates in (untrusted code: sandboxed)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Owns one model dir's tokenizer.json, special tokens and chat template."""
+
+    def __init__(self, model_dir: Path | str) -> None:
+        model_dir = Path(model_dir)
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.special_tokens_map: dict[str, str] = {
+            name: content for name in _SPECIAL_TOKEN_NAMES if (content := _token_content(config.get(name)))
+        }
+        self.chat_template = self._find_chat_template(model_dir, config)
+        self.eos_token_ids = self._find_eos_ids(model_dir)
+
+    @staticmethod
+    def _find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+        path = model_dir / "chat_template.jinja"
+        if path.exists():
+            return path.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            return named.get("default")
+        return template
+
+    def _find_eos_ids(self, model_dir: Path) -> list[int]:
+        """eos from tokenizer_config plus generation_config / config (models often list several)."""
+        ids: set[int] = set()
+        eos = self.special_tokens_map.get("eos_token")
+        if eos is not None and (eos_id := self._tok.token_to_id(eos)) is not None:
+            ids.add(eos_id)
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(model_dir / name).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        return sorted(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (transformers' len(tokenizer))."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def special_token_ids(self) -> list[int]:
+        return sorted(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self._tok.id_to_token(i) for i in ids]
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text (not tokenized: the template writes the special
+        tokens as text and `encode` turns them back into their ids)."""
+        # Like transformers: keys set to None are absent for the template (`is defined` checks).
+        messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        return self._template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.special_tokens_map,
+        )
