@@ -1,0 +1,159 @@
+"""The run configuration: one YAML file decoded by msgspec into frozen, typed structs.
+
+Every field is documented in docs/config.md. Errors name the field path and the problem, e.g.
+`engine.max_num_seqs: expected int >= 1, got -3`. This module is light (no torch): every stage
+reads the same config from the run directory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema; the message names the field."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: str = ""  # "" = the embedded SmolLM2-135M-Instruct
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: Positive = 2048
+    cache_dir: str = ""  # "" = ~/.cache/brigade/models
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    device: Literal["cpu", "cuda"] = "cpu"
+    data_parallel: Positive = 1
+    tensor_parallel: Positive = 1
+    devices: list[NonNegative] = []  # CUDA device ids for all workers, in order; [] = 0..D*T-1
+    block_size: Positive = 16
+    kv_cache_mib: Positive = 512  # CPU KV budget per worker
+    gpu_memory_utilization: Fraction = 0.9
+    max_num_seqs: Positive = 64
+    max_num_batched_tokens: Positive = 2048
+    max_num_waiting: Positive = 1024
+    enable_prefix_caching: bool = True
+    threads: NonNegative = 0  # CPU threads per worker; 0 = all cores
+    step_timeout_s: Seconds = 120.0
+
+
+class FrontendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    replicas: Positive = 1
+    default_max_tokens: Positive = 256
+    max_prompt_chars: Positive = 1_000_000
+    client_timeout_s: Seconds = 600.0  # requests with no client activity this long are aborted
+
+
+class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    replicas: Positive = 1
+
+
+class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    restart_intensity: NonNegative = 5  # restarts allowed per stage within restart_period_s
+    restart_period_s: Seconds = 60.0
+    backoff_initial_s: Seconds = 0.2
+    backoff_max_s: Seconds = 5.0
+    heartbeat_interval_s: Seconds = 0.5
+    hang_timeout_s: Seconds = 60.0  # a stage with work and no progress this long is restarted
+    start_timeout_s: Seconds = 600.0
+    drain_timeout_s: Seconds = 10.0
+    metrics_port: NonNegative = 0  # 0 = no /metrics endpoint
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    frontend: FrontendConfig = FrontendConfig()
+    detokenizer: DetokenizerConfig = DetokenizerConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+
+
+_PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*?)`")
+_MISSING = object()
+
+
+def _lookup(raw: Any, path: str) -> Any:
+    node = raw
+    for part in path.split(".") if path else []:
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
+    """msgspec says ``Expected `int` >= 1 - at `$.engine.max_num_seqs` ``; we say
+    `engine.max_num_seqs: expected int >= 1, got -3`."""
+    text = str(exc)
+    match = _PATH_IN_ERROR.search(text)
+    where = match.group(1) if match else ""
+    unknown = _UNKNOWN_FIELD.search(text)
+    if unknown:
+        field = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return f"{field}: unknown field (see docs/config.md for the schema)"
+    problem = _PATH_IN_ERROR.sub("", text).strip().rstrip("-").strip().replace("`", "")
+    problem = problem[:1].lower() + problem[1:]
+    value = _lookup(raw, where)
+    if value is not _MISSING and ", got" not in problem and repr(value) not in problem:
+        problem += f", got {value!r}"
+    return f"{where}: {problem}" if where else problem
+
+
+def _parse_scalar(text: str) -> Any:
+    """`--set` values are YAML scalars: 3, 0.5, true, bfloat16, [0, 1]."""
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `key.path=value` override to the raw (not yet typed) config mapping."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key.path=value, got {assignment!r}")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = _parse_scalar(value)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config file (None = all defaults), apply overrides, validate."""
+    raw: Any = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, raw)) from None
+
+
+def dump_config(config: Config) -> bytes:
+    return msgspec.json.encode(config)
+
+
+def read_config(data: bytes) -> Config:
+    return msgspec.json.decode(data, type=Config)

@@ -1,0 +1,69 @@
+"""Detokenizer shard process: token batches in, text deltas out to the owning frontends, stop-string
+hits back to the schedulers as aborts. Light: no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq
+
+from ipc import messages as m
+from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
+from ipc.sockets import PullQueue, PushQueue
+from services.detokenizer.core import DetokenizerCore
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+from services.tokenizer.text import Tokenizer
+
+POLL_MS = 100
+
+
+def main() -> None:
+    stage, _ = parse_stage_args("detokenizer")
+    stopping = install_stop_handler()
+    config = stage.config
+    ctx = zmq.Context()
+    inbox = PullQueue(ctx, stage.endpoints.detokenizer_in(stage.index), DETOKENIZER_INPUT, bind=True)
+    frontends = [
+        PushQueue(ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT) for i in range(config.frontend.replicas)
+    ]
+    schedulers = [
+        PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
+        for g in range(config.engine.data_parallel)
+    ]
+    control = ControlChannel(ctx, stage)
+    core = DetokenizerCore(Tokenizer(Path(stage.info.model_dir)))
+    num_malformed = 0
+    num_batches = 0
+    control.ready(shard=str(stage.index))
+    stage.log.info("ready")
+    poller = zmq.Poller()
+    poller.register(inbox.socket, zmq.POLLIN)
+    while not stopping[0]:
+        if poller.poll(POLL_MS):
+            try:
+                message = inbox.get(0)
+            except MalformedMessage as exc:
+                num_malformed += 1
+                stage.log.warning("dropped a malformed message: %s", exc)
+                continue
+            if isinstance(message, m.TokenBatch):
+                deltas_by_frontend, stopped = core.handle(message)
+                for frontend_id, deltas in deltas_by_frontend.items():
+                    if 0 <= frontend_id < len(frontends):
+                        frontends[frontend_id].put(m.DeltaBatch(deltas))
+                for request_id in stopped:
+                    for scheduler in schedulers:  # unknown ids are ignored there, so broadcast
+                        scheduler.put(m.AbortRequest(request_id, "stop"))
+                num_batches += 1
+            elif isinstance(message, m.DropRequests):
+                core.drop(message.request_ids)
+        control.command()  # nothing to act on yet: reconfiguration needs no local state
+        control.heartbeat(
+            num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)
+        )
+    stage.log.info("stopping")
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Scheduler process of one engine group: admits tokenized requests, plans each step into the
+step ring, reads results, and sends token batches to the detokenizer shards.
+
+Worker loss (its process dies or a step times out) puts every running sequence back for
+recompute; the group resumes when a worker says hello again (DESIGN.md invariant 4).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import zmq
+
+from ipc import messages as m
+from ipc.codec import (
+    DETOKENIZER_INPUT,
+    FRONTEND_INPUT,
+    RESULT_HEADER,
+    SCHEDULER_INPUT,
+    STEP_HEADER,
+    WORKER_HELLO,
+    MalformedMessage,
+)
+from ipc.endpoints import shard_of
+from ipc.shm import RingTimeout, ShmRing
+from ipc.sockets import PullQueue, PushQueue, RouterSocket
+from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.plan import build_plan
+from services.scheduler.request import Request
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+
+IDLE_POLL_MS = 50
+RESULT_POLL_S = 0.2
+MAX_INPUTS_PER_STEP = 1024
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class SchedulerProcess:
+    """Owns the sockets and rings of one engine group and drives the pure `Scheduler` core."""
+
+    def __init__(self) -> None:
+        self.stage, _ = parse_stage_args("scheduler")
+        stage, config = self.stage, self.stage.config
+        self.group = stage.index
+        self.ctx = zmq.Context()
+        self.inbox = PullQueue(self.ctx, stage.endpoints.scheduler_in(self.group), SCHEDULER_INPUT, bind=True)
+        self.workers = RouterSocket(
+            self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_HELLO, WORKER_HELLO
+        )
+        self.detokenizers = [
+            PushQueue(self.ctx, stage.endpoints.detokenizer_in(j), DETOKENIZER_INPUT)
+            for j in range(config.detokenizer.replicas)
+        ]
+        self.frontends = [
+            PushQueue(self.ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT)
+            for i in range(config.frontend.replicas)
+        ]
+        self.control = ControlChannel(self.ctx, stage)
+        self.step_ring = ShmRing.attach(stage.endpoints.step_ring(self.group))
+        self.result_ring = ShmRing.attach(stage.endpoints.result_ring(self.group))
+        self.world_size = config.engine.tensor_parallel
+        self.hellos: dict[int, m.WorkerHello] = {}
+        self.worker_pids: list[int] = []
+        self.core: Scheduler | None = None
+        self.early: list[m.SubmitRequest] = []  # requests that came before the first worker
+        self.needs_full_history: set[str] = set()
+        self.num_malformed = 0
+        self.num_steps = 0
+        self.num_tokens = 0
+        self.next_step_id = 0
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def drain_inbox(self) -> None:
+        for _ in range(MAX_INPUTS_PER_STEP):
+            try:
+                message = self.inbox.get(0)
+            except MalformedMessage as exc:
+                self.num_malformed += 1
+                self.stage.log.warning("dropped a malformed message: %s", exc)
+                continue
+            if message is None:
+                return
+            if isinstance(message, m.SubmitRequest):
+                self.submit(message)
+            elif isinstance(message, m.AbortRequest):
+                self.abort(message.request_id)
+            else:
+                self.resync(message.shard)
+
+    def submit(self, submit: m.SubmitRequest) -> None:
+        if self.core is None:
+            if len(self.early) >= self.stage.config.engine.max_num_waiting:
+                self.refuse(submit, "overloaded", "engine is starting and its queue is full")
+            else:
+                self.early.append(submit)
+            return
+        request = Request(
+            request_id=submit.request_id,
+            frontend_id=submit.frontend_id,
+            prompt_ids=m.unpack_ids(submit.prompt_ids).tolist(),
+            output_ids=m.unpack_ids(submit.output_ids).tolist(),
+            params=submit.params,
+        )
+        try:
+            self.core.add(request)
+        except (Overloaded, PromptTooLong) as exc:
+            code = "overloaded" if isinstance(exc, Overloaded) else "prompt_too_long"
+            self.refuse(submit, code, str(exc))
+            return
+        # The detokenizer must (re)build this request's text from its whole history.
+        self.needs_full_history.add(submit.request_id)
+
+    def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
+        if 0 <= submit.frontend_id < len(self.frontends):
+            self.frontends[submit.frontend_id].put(m.RequestFailed(submit.request_id, code, message))
+
+    def abort(self, request_id: str) -> None:
+        self.early = [s for s in self.early if s.request_id != request_id]
+        if self.core is not None and self.core.abort(request_id):
+            self.detokenizers[shard_of(request_id, len(self.detokenizers))].put(m.DropRequests([request_id]))
+
+    def resync(self, shard: int) -> None:
+        """A detokenizer restarted: send it the whole history of each of its live requests."""
+        if self.core is None:
+            return
+        updates = [
+            self.full_history(request)
+            for request in self.core.live_requests()
+            if shard_of(request.request_id, len(self.detokenizers)) == shard
+        ]
+        if updates:
+            self.detokenizers[shard].put(m.TokenBatch(updates))
+        self.stage.log.info("resynced detokenizer %d with %d requests", shard, len(updates))
+
+    @staticmethod
+    def full_history(request: Request, finish_reason: str | None = None) -> m.TokenUpdate:
+        return m.TokenUpdate(
+            request_id=request.request_id,
+            frontend_id=request.frontend_id,
+            start_index=0,
+            token_ids=m.pack_ids(request.output_ids),
+            finish_reason=finish_reason,
+            prompt_tokens=len(request.prompt_ids),
+            cached_tokens=request.num_cached_tokens,
+            params=request.params,
+        )
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def accept_hellos(self, timeout: float) -> None:
+        try:
+            received = self.workers.recv(timeout)
+        except MalformedMessage:
+            self.num_malformed += 1
+            return
+        if received is None:
+            return
+        identity, hello = received
+        self.hellos[hello.rank] = hello
+        if len(self.hellos) < self.world_size:
+            return
+        # Every rank is here: start from clean rings, then let the workers read.
+        self.step_ring.reset()
+        self.result_ring.reset()
+        for rank in range(self.world_size):
+            self.workers.send(f"rank-{rank}".encode(), self.hellos[rank])
+        self.worker_pids = [h.pid for h in self.hellos.values()]
+        first = self.hellos[0]
+        if self.core is None:
+            engine = self.stage.config.engine
+            self.core = Scheduler(
+                SchedulerConfig(
+                    max_num_seqs=engine.max_num_seqs,
+                    max_num_batched_tokens=engine.max_num_batched_tokens,
+                    block_size=first.block_size,
+                    num_blocks=min(h.num_kv_blocks for h in self.hellos.values()),
+                    max_model_len=min(first.max_model_len, self.stage.config.model.max_model_len),
+                    max_num_waiting=engine.max_num_waiting,
+                    enable_prefix_caching=engine.enable_prefix_caching,
+                ),
+                eos_token_ids=first.eos_token_ids,
+            )
+            for submit in self.early:
+                self.submit(submit)
+            self.early.clear()
+            self.control.ready(kv_blocks=str(self.core.config.num_blocks))
+        self.hellos.clear()
+        self.stage.log.info("workers ready (pids %s)", self.worker_pids)
+
+    def is_worker_alive(self) -> bool:
+        for pid in self.worker_pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+        return bool(self.worker_pids)
+
+    def on_worker_lost(self, reason: str) -> None:
+        self.stage.log.warning("worker lost (%s): recomputing running sequences", reason)
+        self.worker_pids = []
+        if self.core is not None:
+            self.core.preempt_all()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def run_step(self) -> None:
+        assert self.core is not None
+        step = self.core.schedule()
+        if step is None:
+            return
+        step_id = self.next_step_id
+        self.next_step_id += 1
+        header, arrays = build_plan(step, step_id, self.core.config.block_size)
+        timeout = self.stage.config.engine.step_timeout_s
+        with self.step_ring.reserve(timeout) as slot:
+            for name, array in arrays.items():
+                slot.put(name, array)
+            slot.publish(STEP_HEADER.encode(header))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self.result_ring.read(0, RESULT_POLL_S) as view:
+                    result = RESULT_HEADER.decode(view.header)
+                    if result.error:
+                        raise RuntimeError(f"worker refused step {step_id}: {result.error}")
+                    outputs = self.core.update(
+                        step,
+                        view.arrays["sampled_ids"],
+                        view.arrays["sampled_logprobs"],
+                        view.arrays["top_ids"],
+                        view.arrays["top_logprobs"],
+                    )
+                break
+            except RingTimeout:
+                if not self.is_worker_alive():
+                    raise WorkerLost("worker process exited") from None
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"step {step_id} took longer than {timeout:.0f}s") from None
+        self.num_steps += 1
+        self.emit(outputs)
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+        assert self.core is not None
+        for out in outputs:
+            self.num_tokens += len(out.new_token_ids)
+            shard = shard_of(out.request_id, len(self.detokenizers))
+            if out.request_id in self.needs_full_history:
+                self.needs_full_history.discard(out.request_id)
+                request = self.core.get_request(out.request_id)
+                if request is not None or out.finish_reason is not None:
+                    update = self.full_history(request or out.request, out.finish_reason)
+                    batches[shard].append(update)
+                    continue
+            batches[shard].append(
+                m.TokenUpdate(
+                    request_id=out.request_id,
+                    frontend_id=out.frontend_id,
+                    start_index=out.start_index,
+                    token_ids=m.pack_ids(out.new_token_ids),
+                    logprobs=out.logprobs.astype("<f4").tobytes() if len(out.logprobs) else b"",
+                    top_logprobs=out.top_logprobs,
+                    finish_reason=out.finish_reason,
+                    prompt_tokens=out.num_prompt_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
+            )
+            if out.finish_reason is not None:
+                self.needs_full_history.discard(out.request_id)
+        for shard, updates in batches.items():
+            self.detokenizers[shard].put(m.TokenBatch(updates))
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        core = self.core
+        has_work = core is not None and bool(self.worker_pids) and (core.num_running + core.num_waiting) > 0
+        load = m.StageLoad(
+            num_running=core.num_running if core else 0,
+            num_waiting=(core.num_waiting if core else 0) + len(self.early),
+            kv_usage=core.kv_usage if core else 0.0,
+            num_malformed=self.num_malformed,
+            tokens_total=self.num_tokens,
+        )
+        self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
+
+    def run(self) -> None:
+        stopping = install_stop_handler()
+        self.stage.log.info("waiting for %d worker(s)", self.world_size)
+        while not stopping[0]:
+            self.drain_inbox()
+            command = self.control.command()
+            if isinstance(command, m.ResyncShard):
+                self.resync(command.shard)
+            has_work = self.core is not None and (self.core.num_running + self.core.num_waiting) > 0
+            if not self.worker_pids or not has_work:
+                self.accept_hellos(IDLE_POLL_MS / 1000)
+            if self.worker_pids and has_work:
+                try:
+                    self.run_step()
+                except WorkerLost as exc:
+                    self.on_worker_lost(str(exc))
+            self.heartbeat()
+        self.stage.log.info("stopping")
+        self.ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    SchedulerProcess().run()

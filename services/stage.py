@@ -1,0 +1,153 @@
+"""What every stage process shares: its identity, the run's config, logging, the control channel
+to the supervisor (Ready, heartbeats up; commands down), and dying with its parent.
+
+Light: no torch here (the frontend and the detokenizer import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from ipc import messages as m
+from ipc.codec import CONTROL_DOWN, CONTROL_UP
+from ipc.config import Config
+from ipc.endpoints import Endpoints
+from ipc.sockets import DealerSocket
+
+RUN_FILE = "run.json"
+
+
+class RunInfo(msgspec.Struct, frozen=True):
+    """run.json: what the supervisor tells stages and clients about a run."""
+
+    run_id: str
+    supervisor_pid: int
+    model_dir: str
+    model: str
+    frontends: list[str]
+    config: Config
+    is_ready: bool = False
+
+
+def read_run_info(run_dir: Path) -> RunInfo:
+    return msgspec.json.decode((run_dir / RUN_FILE).read_bytes(), type=RunInfo)
+
+
+def write_run_info(run_dir: Path, info: RunInfo) -> None:
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(info))
+    tmp.replace(run_dir / RUN_FILE)
+
+
+class JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "ts": round(record.created, 3),
+                "level": record.levelname,
+                "stage": record.name,
+                "pid": record.process,
+                "msg": record.getMessage(),
+            }
+        )
+
+
+def setup_logging(name: str, level: str = "INFO", fmt: str = "text") -> logging.Logger:
+    """One line per event, with stage name and pid; `fmt="json"` for machines."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(name)s pid=%(process)d] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    return logging.getLogger(name)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the supervisor dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@dataclass
+class Stage:
+    """Identity and shared context of one stage process."""
+
+    name: str
+    index: int
+    run_dir: Path
+    info: RunInfo
+    endpoints: Endpoints
+    log: logging.Logger
+
+    @property
+    def config(self) -> Config:
+        return self.info.config
+
+
+def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, argparse.Namespace]:
+    """Common command line of every stage: `--run-dir DIR --index I [--rank R]`."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{kind}")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--index", type=int, default=0, help="replica / shard / engine group index")
+    parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (gpu_worker)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    args = parser.parse_args(argv)
+    info = read_run_info(args.run_dir)
+    name = f"{kind}-{args.index}" + (f"-{args.rank}" if kind == "gpu_worker" else "")
+    log = setup_logging(name, info.config.supervisor.log_level, args.log_format)
+    if os.getppid() == info.supervisor_pid:
+        die_with_parent()
+    stage = Stage(name, args.index, args.run_dir, info, Endpoints(args.run_dir, info.run_id), log)
+    return stage, args
+
+
+class ControlChannel:
+    """DEALER to the supervisor: Ready once, heartbeats (rate-limited) and commands down."""
+
+    def __init__(self, ctx: zmq.Context, stage: Stage) -> None:
+        self.stage = stage
+        self.interval = stage.config.supervisor.heartbeat_interval_s
+        self.socket = DealerSocket(
+            ctx, stage.endpoints.supervisor(), CONTROL_DOWN, CONTROL_UP, identity=stage.name.encode()
+        )
+        self.last_beat = 0.0
+
+    def ready(self, **info: str) -> None:
+        self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
+
+    def heartbeat(self, progress: int, has_work: bool, load: m.StageLoad | None = None, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_beat >= self.interval:
+            self.last_beat = now
+            self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load or m.StageLoad()))
+
+    def command(self) -> m.ControlDown | None:
+        return self.socket.recv(0)
+
+
+def install_stop_handler() -> list[bool]:
+    """SIGTERM / SIGINT set a flag that the stage's loop checks (then it exits cleanly)."""
+    stopping = [False]
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping[0] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stopping

@@ -1,0 +1,478 @@
+"""Brigade supervisor: config -> shared memory and processes -> watch, restart -> clean shutdown.
+
+    python supervisor.py --config configs/default.yaml [--set key.path=value ...] [--run-dir DIR]
+    python supervisor.py status --run DIR [--json] [--once]
+
+The supervisor owns the run: the run directory, every shared-memory object (named after the run
+id), and every stage process. It restarts a stage that exits or hangs, and triggers the recovery
+that keeps every request (DESIGN.md invariant 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from ipc import messages as m
+from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
+from ipc.config import Config, ConfigError, load_config
+from ipc.endpoints import Endpoints, default_run_dir, make_run_dir
+from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
+from ipc.sockets import RouterSocket
+from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, write_run_info
+
+STATUS_FILE = "status.json"
+STOP_GRACE_S = 5.0
+RING_SLOTS = 2
+MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus eos/stop ids
+MAX_TOP_LOGPROBS = 20
+
+log = logging.getLogger("supervisor")
+
+
+class GiveUp(Exception):
+    """A stage restarted more often than the policy allows; the run ends."""
+
+
+def step_slot_bytes(config: Config) -> int:
+    """Bytes of one step-plan slot at the configured maxima (docs/internals.md lists the arrays)."""
+    engine = config.engine
+    tokens, seqs = engine.max_num_batched_tokens, engine.max_num_seqs
+    blocks_per_seq = math.ceil(config.model.max_model_len / engine.block_size)
+    per_token = 3 * 4  # input_ids, positions, slot_mapping
+    per_seq = 4 * (4 + 10) + 8 + 4 * blocks_per_seq  # offsets, sampling columns, seed, block table
+    history = seqs * config.model.max_model_len * 4
+    bias = seqs * MAX_BIAS_ENTRIES * 8
+    return tokens * per_token + seqs * per_seq + history + bias + 64 * 64 + 16384
+
+
+def result_slot_bytes(config: Config) -> int:
+    seqs = config.engine.max_num_seqs
+    return seqs * (8 + MAX_TOP_LOGPROBS * 8) + 64 * 16 + 4096
+
+
+@dataclass
+class StageProcess:
+    """One stage: how to start it, its process, and its health as the supervisor sees it."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    env: dict[str, str]
+    group: int = -1  # engine group of schedulers and workers
+    process: subprocess.Popen | None = None
+    is_ready: bool = False
+    restarts: deque = field(default_factory=deque)
+    num_restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None
+    last_beat: float = 0.0
+    progress: int = -1
+    progress_at: float = 0.0
+    load: m.StageLoad = field(default_factory=m.StageLoad)
+    tokens_rate: float = 0.0
+    rate_at: float = 0.0
+    has_work: bool = False
+    state: str = "starting"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+
+class Supervisor:
+    """Owns one run: its directory, shared memory, stage processes and their restarts."""
+
+    def __init__(self, config: Config, config_path: str | None, run_dir: Path, log_format: str) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.log_format = log_format
+        self.run_id = new_run_id()
+        self.endpoints = Endpoints(run_dir, self.run_id)
+        self.ctx = zmq.Context()
+        self.control: RouterSocket | None = None
+        self.rings: list[ShmRing] = []
+        self.stages: dict[str, StageProcess] = {}
+        self.signals: list[int] = []
+        self.is_draining = False
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def check_run_dir(self) -> None:
+        run_file = self.run_dir / RUN_FILE
+        if run_file.exists():
+            try:
+                other = read_run_info(self.run_dir)
+                os.kill(other.supervisor_pid, 0)
+            except (ProcessLookupError, msgspec.DecodeError, msgspec.ValidationError, OSError):
+                run_file.unlink(missing_ok=True)  # a dead run's leftovers
+            else:
+                raise GiveUp(
+                    f"a Brigade run is already live in {self.run_dir} (supervisor pid {other.supervisor_pid}); "
+                    "stop it first or pass --run-dir"
+                )
+        for stale in self.run_dir.glob("*.sock"):
+            stale.unlink(missing_ok=True)
+
+    def prepare_model(self) -> Path:
+        """Convert the model once (cached) in a child, so the supervisor never imports torch."""
+        model = self.config.model
+        log.info("preparing model %s", model.path or "(embedded SmolLM2-135M-Instruct)")
+        code = (
+            "import sys; from pathlib import Path; from services.gpu_worker.loader import prepare_model; "
+            "print(prepare_model(sys.argv[1] or None, Path(sys.argv[2]) if sys.argv[2] else None))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, model.path, model.cache_dir],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise GiveUp(f"could not prepare model {model.path or '(embedded)'} (exit {done.returncode})")
+        return Path(done.stdout.strip().splitlines()[-1])
+
+    def create_rings(self) -> None:
+        engine = self.config.engine
+        for group in range(engine.data_parallel):
+            self.rings.append(
+                ShmRing.create(
+                    self.endpoints.step_ring(group), RING_SLOTS, step_slot_bytes(self.config), engine.tensor_parallel
+                )
+            )
+            self.rings.append(
+                ShmRing.create(self.endpoints.result_ring(group), RING_SLOTS, result_slot_bytes(self.config), 1)
+            )
+
+    def plan_stages(self) -> None:
+        config = self.config
+        engine = config.engine
+        devices = engine.devices or list(range(engine.data_parallel * engine.tensor_parallel))
+        base = [sys.executable, "-m"]
+        common = ["--run-dir", str(self.run_dir), "--log-format", self.log_format]
+        env = dict(os.environ)
+
+        def add(name: str, kind: str, index: int, group: int = -1, rank: int | None = None, **extra: str) -> None:
+            argv = [*base, f"services.{kind}", *common, "--index", str(index)]
+            if rank is not None:
+                argv += ["--rank", str(rank)]
+            self.stages[name] = StageProcess(name, kind, argv, {**env, **extra}, group=group)
+
+        for j in range(config.detokenizer.replicas):
+            add(f"detokenizer-{j}", "detokenizer", j)
+        for g in range(engine.data_parallel):
+            add(f"scheduler-{g}", "scheduler", g, group=g)
+            for r in range(engine.tensor_parallel):
+                extra = {}
+                if engine.device == "cuda":
+                    extra["CUDA_VISIBLE_DEVICES"] = str(devices[g * engine.tensor_parallel + r])
+                add(f"gpu_worker-{g}-{r}", "gpu_worker", g, group=g, rank=r, **extra)
+        for i in range(config.frontend.replicas):
+            add(f"tokenizer-{i}", "tokenizer", i)
+
+    def spawn(self, stage: StageProcess) -> None:
+        stage.process = subprocess.Popen(stage.argv, env=stage.env, start_new_session=True, cwd=Path(__file__).parent)
+        stage.is_ready = False
+        stage.state = "starting"
+        stage.started_at = time.monotonic()
+        stage.last_beat = stage.started_at
+        stage.progress, stage.progress_at = -1, stage.started_at
+        stage.load, stage.rate_at, stage.has_work = m.StageLoad(), 0.0, False
+        stage.restart_at = None
+        log.info("started %s (pid %d)", stage.name, stage.pid)
+
+    def start(self) -> None:
+        self.check_run_dir()
+        swept = sweep_stale_runs()
+        if swept:
+            log.info("swept %d shared-memory objects of dead runs", len(swept))
+        model_dir = self.prepare_model()
+        self.create_rings()
+        self.control = RouterSocket(self.ctx, self.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
+        self.info = RunInfo(
+            run_id=self.run_id,
+            supervisor_pid=os.getpid(),
+            model_dir=str(model_dir),
+            model=self.config.model.path or "SmolLM2-135M-Instruct",
+            frontends=[self.endpoints.frontend(i) for i in range(self.config.frontend.replicas)],
+            config=self.config,
+        )
+        write_run_info(self.run_dir, self.info)
+        self.plan_stages()
+        for stage in self.stages.values():
+            self.spawn(stage)
+        deadline = time.monotonic() + self.config.supervisor.start_timeout_s
+        last_note = 0.0
+        while not all(s.is_ready for s in self.stages.values()):
+            if self.signals:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                waiting = [s.name for s in self.stages.values() if not s.is_ready]
+                raise GiveUp(f"stages not ready after {self.config.supervisor.start_timeout_s:.0f}s: {waiting}")
+            self.tick()
+            if time.monotonic() - last_note > 5:
+                waiting = [s.name for s in self.stages.values() if not s.is_ready]
+                log.info("waiting for %d stage(s) to be ready: %s", len(waiting), ", ".join(waiting))
+                last_note = time.monotonic()
+        write_run_info(self.run_dir, msgspec.structs.replace(self.info, is_ready=True))
+        client = f"python -m client --run {self.run_dir}"
+        print(f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}", flush=True)
+        print(f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True)
+
+    # -- watch ---------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One round of watching: control messages, exits, hangs, due restarts, status file."""
+        self.read_control(0.1)
+        now = time.monotonic()
+        policy = self.config.supervisor
+        for stage in self.stages.values():
+            if stage.restart_at is not None:
+                if now >= stage.restart_at:
+                    self.spawn(stage)
+                continue
+            code = stage.process.poll() if stage.process else None
+            if code is not None:
+                self.on_exit(stage, f"exited with code {code}")
+            elif stage.is_ready and now - stage.last_beat > policy.hang_timeout_s:
+                self.on_exit(stage, f"no heartbeat for {now - stage.last_beat:.0f}s", kill=True)
+            elif stage.is_ready and stage.has_work and now - stage.progress_at > policy.hang_timeout_s:
+                self.on_exit(stage, f"no progress for {now - stage.progress_at:.0f}s with work pending", kill=True)
+        self.write_status()
+
+    def read_control(self, timeout: float) -> None:
+        assert self.control is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                received = self.control.recv(max(0.0, deadline - time.monotonic()))
+            except MalformedMessage:
+                continue
+            if received is None:
+                return
+            _, message = received
+            stage = self.stages.get(message.name)
+            if stage is None or message.pid != stage.pid:
+                continue  # a late message from a process we already replaced
+            now = time.monotonic()
+            stage.last_beat = now
+            if isinstance(message, m.Ready):
+                self.on_ready(stage)
+            else:
+                if message.progress != stage.progress:
+                    stage.progress, stage.progress_at = message.progress, now
+                new_tokens = message.load.tokens_total - stage.load.tokens_total
+                if stage.rate_at and new_tokens >= 0:
+                    instant = new_tokens / max(now - stage.rate_at, 1e-3)
+                    stage.tokens_rate = 0.7 * stage.tokens_rate + 0.3 * instant
+                stage.rate_at = now
+                stage.load = message.load
+                stage.has_work = message.has_work
+
+    def on_ready(self, stage: StageProcess) -> None:
+        was_restart = stage.num_restarts > 0
+        stage.is_ready = True
+        stage.state = "running"
+        log.info("%s ready (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
+        if not was_restart:
+            return
+        if stage.kind == "detokenizer":
+            for other in self.stages.values():
+                if other.kind == "scheduler":
+                    self.command(other, m.ResyncShard(int(stage.name.rsplit("-", 1)[1])))
+        elif stage.kind == "scheduler":
+            for other in self.stages.values():
+                if other.kind == "tokenizer":
+                    self.command(other, m.ResubmitAll(stage.group))
+
+    def command(self, stage: StageProcess, message: m.ControlDown) -> None:
+        assert self.control is not None
+        self.control.send(stage.name.encode(), message)
+
+    def on_exit(self, stage: StageProcess, reason: str, kill: bool = False) -> None:
+        if kill and stage.process and stage.process.poll() is None:
+            os.killpg(stage.process.pid, signal.SIGKILL)
+            stage.process.wait()
+        log.warning("%s (pid %d) %s", stage.name, stage.pid, reason)
+        self.schedule_restart(stage, reason)
+        if stage.kind == "scheduler":
+            # Its workers handshake with one scheduler only: restart them with it.
+            for other in self.stages.values():
+                if other.kind == "gpu_worker" and other.group == stage.group and other.restart_at is None:
+                    if other.process and other.process.poll() is None:
+                        os.killpg(other.process.pid, signal.SIGKILL)
+                        other.process.wait()
+                    self.schedule_restart(other, f"its scheduler {reason}")
+
+    def schedule_restart(self, stage: StageProcess, reason: str) -> None:
+        policy = self.config.supervisor
+        now = time.monotonic()
+        stage.restarts.append(now)
+        while stage.restarts and now - stage.restarts[0] > policy.restart_period_s:
+            stage.restarts.popleft()
+        if len(stage.restarts) > policy.restart_intensity:
+            raise GiveUp(
+                f"{stage.name} failed {len(stage.restarts)} times within {policy.restart_period_s:.0f}s "
+                f"(last: {reason}); giving up"
+            )
+        stage.num_restarts += 1
+        backoff = min(policy.backoff_initial_s * 2 ** (len(stage.restarts) - 1), policy.backoff_max_s)
+        stage.restart_at = now + backoff
+        stage.is_ready = False
+        stage.state = "restarting"
+        log.info("restarting %s in %.1fs (restart %d)", stage.name, backoff, stage.num_restarts)
+
+    def write_status(self) -> None:
+        now = time.monotonic()
+        rows = [
+            {
+                "name": s.name,
+                "kind": s.kind,
+                "pid": s.pid,
+                "state": s.state,
+                "restarts": s.num_restarts,
+                "uptime_s": round(now - s.started_at, 1) if s.state == "running" else 0.0,
+                "queue_depth": s.load.num_waiting + s.load.num_in_flight,
+                "running": s.load.num_running,
+                "kv_usage": round(s.load.kv_usage, 4),
+                "tokens_per_s": round(s.tokens_rate, 1),
+                "malformed": s.load.num_malformed,
+            }
+            for s in self.stages.values()
+        ]
+        tmp = self.run_dir / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.replace(self.run_dir / STATUS_FILE)
+
+    def watch(self) -> None:
+        while not self.signals:
+            self.tick()
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Let in-flight requests finish, up to the grace period; a second signal cuts it short."""
+        frontends = [s for s in self.stages.values() if s.kind == "tokenizer"]
+        for stage in frontends:
+            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
+        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        num_signals = len(self.signals)
+        while time.monotonic() < deadline and len(self.signals) == num_signals:
+            self.read_control(0.2)
+            in_flight = sum(s.load.num_in_flight for s in frontends)
+            if in_flight == 0:
+                return
+        log.info("drain ended with requests still in flight")
+
+    def stop(self) -> None:
+        """Stop stages in order, unlink every shared-memory object and socket file."""
+        order = ["tokenizer", "scheduler", "gpu_worker", "detokenizer"]
+        for kind in order:
+            group = [s for s in self.stages.values() if s.kind == kind and s.process and s.process.poll() is None]
+            for stage in group:
+                os.killpg(stage.process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for stage in group:
+                try:
+                    stage.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(stage.process.pid, signal.SIGKILL)
+                    stage.process.wait()
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        self.ctx.destroy(linger=0)
+        for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
+            path.unlink(missing_ok=True)
+        log.info("stopped; shared memory and sockets removed")
+
+
+def status(run_dir: Path, as_json: bool, once: bool) -> int:
+    path = run_dir / STATUS_FILE
+    while True:
+        if not path.exists():
+            print(f"no live Brigade run in {run_dir}", file=sys.stderr)
+            return 1
+        rows = json.loads(path.read_text())
+        if as_json:
+            print(json.dumps(rows))
+            return 0
+        header = f"{'stage':<18}{'pid':>8}  {'state':<11}{'restarts':>8}{'uptime':>9}{'queue':>7}{'running':>8}{'kv':>7}{'tok/s':>8}"
+        lines = [header, "-" * len(header)]
+        for r in rows:
+            lines.append(
+                f"{r['name']:<18}{r['pid']:>8}  {r['state']:<11}{r['restarts']:>8}{r['uptime_s']:>8.0f}s"
+                f"{r['queue_depth']:>7}{r['running']:>8}{r['kv_usage'] * 100:>6.1f}%{r['tokens_per_s']:>8.1f}"
+            )
+        if once:
+            print("\n".join(lines))
+            return 0
+        print("\033[2J\033[H" + "\n".join(lines), flush=True)
+        time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "status":
+        parser = argparse.ArgumentParser(prog="supervisor.py status")
+        parser.add_argument("--run", type=Path, default=default_run_dir())
+        parser.add_argument("--json", action="store_true", help="print one JSON list and exit")
+        parser.add_argument("--once", action="store_true", help="print the table once instead of refreshing")
+        args = parser.parse_args(argv[1:])
+        return status(args.run, args.json, args.once)
+    parser = argparse.ArgumentParser(prog="supervisor.py", description="Run a Brigade serving pipeline.")
+    parser.add_argument("--config", help="YAML config file (see docs/config.md)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config field")
+    parser.add_argument("--run-dir", type=Path, default=None, help="run directory (default: per-user)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging("supervisor", config.supervisor.log_level, args.log_format)
+    run_dir = make_run_dir(args.run_dir or default_run_dir())
+    supervisor = Supervisor(config, args.config, run_dir, args.log_format)
+
+    def on_signal(signum: int, frame: object) -> None:
+        supervisor.signals.append(signum)
+        if len(supervisor.signals) > 1:
+            log.warning("second signal: stopping now")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        supervisor.start()
+        supervisor.watch()
+        log.info("signal received: draining")
+        supervisor.drain()
+    except GiveUp as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        log.info("interrupted during start")
+    finally:
+        supervisor.stop()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
