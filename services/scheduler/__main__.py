@@ -161,7 +161,7 @@ class SchedulerProcess:
             return
         if received is None:
             return
-        identity, hello = received
+        _, hello = received
         self.hellos[hello.rank] = hello
         if len(self.hellos) < self.world_size:
             return
