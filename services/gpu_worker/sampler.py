@@ -1,0 +1,250 @@
+"""Token sampling with position-keyed randomness (DESIGN.md invariant 5).
+
+Noise comes from a counter-based hash of (seed, sample_position, vocab index), so a request
+samples the same token alone, in any batch, in any row order, and after a recompute. Sampling is
+Gumbel-max: argmax(logits / T + gumbel) over the tokens that top-k / top-p / min-p allow, which
+draws from softmax(logits / T) renormalised over that set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# splitmix64 constants, as the signed int64 values of their bit patterns (torch int64 wraps).
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_NUM_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
+
+
+def _shr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64: torch's >> is arithmetic, so mask off the sign fill."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser: a bijection on 64 bits with full avalanche."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One int64 stream key per (seed, position) pair."""
+    return _mix64(_mix64(seeds.long() * _GOLDEN + _GOLDEN) ^ positions.long())
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), [n, V] float32: element (i, v) depends only on (seeds[i], positions[i], v).
+
+    `col_keys` is `vocab_col_keys(V)`: splitmix64's counter increments, precomputed per column.
+    """
+    z = _mix64(row_keys(seeds, positions)[:, None] + col_keys[None, :])
+    bits = _shr(z, 64 - _NUM_UNIFORM_BITS).float()
+    return (bits + 0.5) * (1.0 / 2**_NUM_UNIFORM_BITS)
+
+
+def vocab_col_keys(vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    return (torch.arange(vocab_size, dtype=torch.int64, device=device) + 1) * _GOLDEN
+
+
+@dataclass
+class SamplerOutput:
+    """One step's samples, on the sampler's device; K = max num_logprobs of the step (may be 0)."""
+
+    sampled_ids: torch.Tensor  # [S] int32
+    sampled_logprobs: torch.Tensor  # [S] float32, raw log-softmax at the sampled id
+    top_ids: torch.Tensor  # [S, K] int32
+    top_logprobs: torch.Tensor  # [S, K] float32
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """The result-ring arrays of docs/internals.md, on the host."""
+        return {
+            "sampled_ids": self.sampled_ids.cpu().numpy(),
+            "sampled_logprobs": self.sampled_logprobs.cpu().numpy(),
+            "top_ids": self.top_ids.cpu().numpy(),
+            "top_logprobs": self.top_logprobs.cpu().numpy(),
+        }
+
+
+class Sampler:
+    """Owns the per-column hash keys of one vocabulary on one device, and turns logits into tokens.
+
+    Decisions about which work to do are made from the host-side plan arrays, so the fast paths
+    (plain greedy, plain temperature) never synchronise with the device.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.col_keys = vocab_col_keys(vocab_size, self.device)
+
+    def sample(self, logits: torch.Tensor, arrays: dict[str, np.ndarray], rows: np.ndarray) -> SamplerOutput:
+        """Sample one token per row of `logits` [S, V]; `rows` are their step-plan row indices."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if logits.shape != (len(rows), self.vocab_size):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {len(rows)} rows x {self.vocab_size} vocab"
+            )
+        logits = logits.float()
+
+        # Logprobs are of the raw logits (before bias, penalties and temperature).
+        log_norm = torch.logsumexp(logits, dim=-1)
+        num_top = int(arrays["num_logprobs"][rows].max(initial=0))
+        top_logits, top_ids = torch.topk(logits, num_top, dim=-1)
+
+        scores = self.apply_bias_and_penalties(logits, arrays, rows)
+        random_local = np.flatnonzero(arrays["temperature"][rows] > 0)
+        if len(random_local) == len(rows):
+            sampled = self._sample_random(scores, arrays, rows)
+        else:
+            sampled = scores.argmax(dim=-1)
+            if len(random_local):
+                index = self._to_device(random_local)
+                sampled[index] = self._sample_random(scores[index], arrays, rows[random_local])
+
+        return SamplerOutput(
+            sampled_ids=sampled.int(),
+            sampled_logprobs=logits.gather(1, sampled[:, None])[:, 0] - log_norm,
+            top_ids=top_ids.int(),
+            top_logprobs=top_logits - log_norm[:, None],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def _sample_random(
+        self, scores: torch.Tensor, arrays: dict[str, np.ndarray], plan_rows: np.ndarray
+    ) -> torch.Tensor:
+        """Gumbel-max for rows with temperature > 0 (`scores` holds just those rows)."""
+        x = scores / self._to_device(arrays["temperature"][plan_rows].astype(np.float32))[:, None]
+        x = _filter(x, arrays, plan_rows, self._to_device)
+        noise = hash_uniform(
+            self._to_device(arrays["seeds"][plan_rows].astype(np.int64)),
+            self._to_device(arrays["sample_positions"][plan_rows].astype(np.int64)),
+            self.col_keys,
+        )
+        # Gumbel(u) = -log(-log(u)); filtered tokens stay -inf because the noise is finite.
+        return (x - torch.log(-torch.log(noise))).argmax(dim=-1)
+
+    def apply_bias_and_penalties(
+        self, logits: torch.Tensor, arrays: dict[str, np.ndarray], rows: np.ndarray
+    ) -> torch.Tensor:
+        """Logit bias, then repetition (prompt + output), then presence / frequency (output only).
+
+        Returns `logits` itself when no row uses any of them. The ragged index work is done on
+        the host (the plan is there) and only for rows that use it; the device sees one gather /
+        scatter per kind over the touched (row, token) pairs of the flattened logits.
+        """
+        bias_offsets = arrays["bias_offsets"]
+        has_bias = bias_offsets[rows + 1] > bias_offsets[rows]
+        repetition = arrays["repetition_penalty"][rows]
+        presence = arrays["presence_penalty"][rows]
+        frequency = arrays["frequency_penalty"][rows]
+        has_repetition = repetition != 1.0
+        has_output_penalty = (presence != 0.0) | (frequency != 0.0)
+        if not (has_bias.any() or has_repetition.any() or has_output_penalty.any()):
+            return logits
+
+        vocab_size = logits.shape[1]
+        scores = logits.clone()
+        flat = scores.view(-1)
+
+        if has_bias.any():
+            local, index, _ = _ragged(bias_offsets, rows, has_bias)
+            keys = _flat_keys(local, arrays["bias_ids"][index], vocab_size)
+            values = arrays["bias_values"][index].astype(np.float32)
+            flat.index_put_((self._to_device(keys),), self._to_device(values), accumulate=True)
+
+        history_offsets = arrays["history_offsets"]
+        history_ids = arrays["history_ids"]
+        if has_repetition.any():
+            local, index, _ = _ragged(history_offsets, rows, has_repetition)
+            keys = np.unique(_flat_keys(local, history_ids[index], vocab_size))
+            keys_dev = self._to_device(keys)
+            penalty = self._to_device(repetition[keys // vocab_size].astype(np.float32))
+            values = flat[keys_dev]
+            # HF: a repeated token becomes less likely whatever the sign of its logit.
+            flat[keys_dev] = torch.where(values > 0, values / penalty, values * penalty)
+
+        if has_output_penalty.any():
+            local, index, within = _ragged(history_offsets, rows, has_output_penalty)
+            is_output = within >= arrays["history_prompt_lens"][rows[local]]
+            keys, counts = np.unique(
+                _flat_keys(local[is_output], history_ids[index[is_output]], vocab_size), return_counts=True
+            )
+            key_rows = keys // vocab_size
+            delta = presence[key_rows] + frequency[key_rows] * counts
+            flat.index_put_(
+                (self._to_device(keys),), self._to_device(-delta.astype(np.float32)), accumulate=True
+            )
+        return scores
+
+
+def _filter(
+    x: torch.Tensor,
+    arrays: dict[str, np.ndarray],
+    plan_rows: np.ndarray,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> torch.Tensor:
+    """Top-k, then top-p on the renormalised survivors, then min-p, as -inf masks (HF order)."""
+    top_k = arrays["top_k"][plan_rows]
+    top_p = arrays["top_p"][plan_rows]
+    min_p = arrays["min_p"][plan_rows]
+    vocab_size = x.shape[1]
+    neg_inf = float("-inf")
+
+    is_top_k = (top_k > 0) & (top_k < vocab_size)
+    if is_top_k.any():
+        k = np.where(is_top_k, top_k, 1).astype(np.int64)
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, to_device(k - 1)[:, None])
+        kth = kth.masked_fill(~to_device(is_top_k)[:, None], neg_inf)
+        x = x.masked_fill(x < kth, neg_inf)
+
+    is_top_p = top_p < 1.0
+    if is_top_p.any():
+        sorted_x = torch.sort(x, dim=-1, descending=True).values
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Keep a token while the mass ranked above it is < top_p: the smallest set reaching top_p.
+        num_keep = (mass_before < to_device(top_p.astype(np.float32))[:, None]).sum(dim=-1).clamp_(min=1)
+        cutoff = sorted_x.gather(1, (num_keep - 1)[:, None])
+        cutoff = cutoff.masked_fill(~to_device(is_top_p)[:, None], neg_inf)
+        x = x.masked_fill(x < cutoff, neg_inf)
+
+    if (min_p > 0).any():
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
+        with np.errstate(divide="ignore"):
+            log_min_p = np.log(min_p.astype(np.float32))
+        floor = x.max(dim=-1, keepdim=True).values + to_device(log_min_p)[:, None]
+        x = x.masked_fill(x < floor, neg_inf)
+    return x
+
+
+def _ragged(
+    offsets: np.ndarray, rows: np.ndarray, is_used: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flatten the ragged spans of the used rows, vectorised.
+
+    Returns, per entry: its local row (an index into the sampled batch, not the plan), its index
+    into the flat ragged array, and its index within its own span.
+    """
+    local = np.flatnonzero(is_used)
+    plan_rows = rows[local]
+    starts = offsets[plan_rows].astype(np.int64)
+    lengths = offsets[plan_rows + 1].astype(np.int64) - starts
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(local, lengths), np.repeat(starts, lengths) + within, within
+
+
+def _flat_keys(local: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """(row, token) -> index into the flattened [S, V] logits. An id outside the vocab would land
+    in another row, so it fails the step instead."""
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token id out of the vocabulary [0, {vocab_size}) in a sampling array")
+    return local * vocab_size + ids
