@@ -106,7 +106,7 @@ def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
     problem = _PATH_IN_ERROR.sub("", text).strip().rstrip("-").strip().replace("`", "")
     problem = problem[:1].lower() + problem[1:]
     value = _lookup(raw, where)
-    if value is not _MISSING and ", got" not in problem and repr(value) not in problem:
+    if value is not _MISSING and ", got" not in problem and not problem.startswith("invalid enum value"):
         problem += f", got {value!r}"
     return f"{where}: {problem}" if where else problem
 
