@@ -41,6 +41,7 @@ class Frontend:
         )
         self.num_malformed = 0
         self.num_events = 0
+        self.is_draining = False
 
     def send(self, reply: Reply) -> None:
         if not self.clients.send(reply.identity, reply.message):
@@ -65,6 +66,9 @@ class Frontend:
             return
         identity, request = received
         if isinstance(request, m.Generate):
+            if self.is_draining:
+                self.send(Reply(identity, m.ErrorReply(request.request_id, "unavailable", "server is shutting down")))
+                return
             try:
                 entry = self.core.admit(identity, request)
             except RequestError as exc:
@@ -111,7 +115,9 @@ class Frontend:
                 self.send(reply)
 
     def on_command(self, command: m.ControlDown) -> None:
-        if isinstance(command, m.ResubmitAll):
+        if isinstance(command, m.Shutdown):
+            self.is_draining = True  # finish what is in flight, refuse anything new
+        elif isinstance(command, m.ResubmitAll):
             submissions = self.core.resubmissions(command.group)
             self.stage.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
             for submit in submissions:
