@@ -1,0 +1,612 @@
+"""Typed ZeroMQ sockets (mini-sglang style) that every stage talks through.
+
+Each wrapper owns one ZeroMQ socket and the codecs of its directions. Queues and message sizes are
+bounded, every wait has a timeout, sends never block forever (they return False when the peer is
+gone or its queue is full), and a bad frame raises `MalformedMessage` (`MalformedFrame` on a
+ROUTER, with the sender's identity) so the caller counts it and goes on.
+Extra frames carry raw tensor bytes to remote clients (vLLM v1 style: the msgspec message first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import socket as pysocket
+import stat
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+
+from ipc.codec import Codec, MalformedMessage
+from ipc.endpoints import make_run_dir
+
+T = TypeVar("T")
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+DEFAULT_HWM = 10_000
+DEFAULT_MAX_MSG_BYTES = 64 << 20
+DEFAULT_LINGER_MS = 1000
+DEFAULT_SEND_TIMEOUT_MS = 100
+ZERO_COPY_BYTES = 65536  # smaller frames are copied: cheaper than zero-copy bookkeeping
+
+Buffer = Any  # bytes, memoryview, numpy array: anything with the buffer protocol
+
+
+class AddressInUse(OSError):
+    """Another live socket is bound to this endpoint."""
+
+
+class InsecureRunDir(PermissionError):
+    """The directory of an ipc:// endpoint is readable or writable by other users."""
+
+
+class MessageTooLarge(ValueError):
+    """A frame larger than the socket's max_msg_bytes (the receiver would drop the connection)."""
+
+
+class MalformedFrame(MalformedMessage):
+    """A bad frame on a ROUTER socket; `identity` lets the caller answer the sender."""
+
+    def __init__(self, identity: bytes, reason: str) -> None:
+        super().__init__(reason)
+        self.identity = identity
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    """Limits applied to every socket by `configure_socket`."""
+
+    hwm: int = DEFAULT_HWM
+    max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES
+    linger_ms: int = DEFAULT_LINGER_MS
+    send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS
+
+
+DEFAULT_OPTIONS = SocketOptions()
+
+# ---------------------------------------------------------------------------
+# CURVE (tcp:// across hosts)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE key pair, z85-encoded."""
+
+    public: bytes
+    secret: bytes
+
+
+def generate_curve_keys() -> CurveKeys:
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public=public, secret=secret)
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """Server side: this socket's keys and the only client public keys it accepts."""
+
+    keys: CurveKeys
+    client_public_keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """Client side: this socket's keys and the server's public key."""
+
+    keys: CurveKeys
+    server_public_key: bytes
+
+
+class _AllowedKeys:
+    """ZAP credentials provider of one server socket (its own ZAP domain)."""
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self.keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class _Zap:
+    """One ZAP authenticator per ZeroMQ context (libzmq allows one), shared by its server sockets,
+    each in its own domain; stopped with the last of them."""
+
+    _lock = threading.Lock()
+    _by_context: dict[int, tuple[ThreadAuthenticator, set[str]]] = {}  # noqa: RUF012
+    _num_domains = 0
+
+    @classmethod
+    def add(cls, ctx: zmq.Context, keys: Sequence[bytes]) -> str:
+        with cls._lock:
+            address = ctx.underlying
+            if address not in cls._by_context:
+                # The authenticator's thread needs a sync context, even for an asyncio socket.
+                auth = ThreadAuthenticator(zmq.Context.shadow(address))
+                auth.start()
+                cls._by_context[address] = (auth, set())
+            auth, domains = cls._by_context[address]
+            cls._num_domains += 1
+            domain = f"brigade-{os.getpid()}-{cls._num_domains}"
+            auth.configure_curve_callback(domain, _AllowedKeys(keys))
+            domains.add(domain)
+            return domain
+
+    @classmethod
+    def remove(cls, ctx: zmq.Context, domain: str) -> None:
+        with cls._lock:
+            auth, domains = cls._by_context[ctx.underlying]
+            domains.discard(domain)
+            auth.credentials_providers.pop(domain, None)
+            if not domains:
+                auth.stop()
+                del cls._by_context[ctx.underlying]
+
+
+def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, curve: CurveServer | CurveClient) -> str | None:
+    """Set the CURVE options; returns the ZAP domain of a server socket."""
+    sock.curve_publickey = curve.keys.public
+    sock.curve_secretkey = curve.keys.secret
+    if isinstance(curve, CurveClient):
+        sock.curve_serverkey = curve.server_public_key
+        return None
+    # The authenticator must run before the socket binds: without a ZAP handler libzmq accepts anyone.
+    domain = _Zap.add(ctx, curve.client_public_keys)
+    sock.zap_domain = domain.encode()
+    sock.curve_server = True
+    return domain
+
+
+# ---------------------------------------------------------------------------
+# Socket setup
+# ---------------------------------------------------------------------------
+
+
+def configure_socket(sock: zmq.Socket, options: SocketOptions = DEFAULT_OPTIONS) -> None:
+    """Apply the safe defaults: bounded queues, message size, linger and send time."""
+    sock.sndhwm = options.hwm
+    sock.rcvhwm = options.hwm
+    sock.maxmsgsize = options.max_msg_bytes
+    sock.linger = options.linger_ms
+    sock.sndtimeo = options.send_timeout_ms
+    if sock.socket_type == zmq.ROUTER:
+        sock.router_mandatory = 1  # an unknown identity is an error (EHOSTUNREACH), not a silent drop
+
+
+def _prepare_ipc_path(path: Path) -> None:
+    """Private run dir, and never steal a socket file another process listens on."""
+    if not path.parent.exists():
+        make_run_dir(path.parent)
+    mode = stat.S_IMODE(path.parent.stat().st_mode)
+    if mode & 0o077:
+        raise InsecureRunDir(f"{path.parent} has mode {mode:o}; ipc sockets need a 0700 directory")
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise AddressInUse(f"{path} exists and is not a socket")
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # stale: its process died without cleaning up
+        return
+    finally:
+        probe.close()
+    raise AddressInUse(f"ipc://{path} is in use by a live process")
+
+
+def bind_endpoint(sock: zmq.Socket, endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        _prepare_ipc_path(Path(endpoint[len("ipc://") :]))
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise AddressInUse(f"{endpoint} is in use") from None
+        raise
+
+
+class _Base:
+    """Owns one configured ZeroMQ socket: binding, CURVE, the receive-timeout cache and closing."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        socket_type: int,
+        endpoint: str,
+        bind: bool,
+        options: SocketOptions,
+        curve: CurveServer | CurveClient | None,
+        identity: bytes | None = None,
+    ) -> None:
+        self.socket = ctx.socket(socket_type)
+        self._ctx = ctx
+        self._max_msg_bytes = options.max_msg_bytes
+        self._timeout_ms = -1
+        self._zap_domain: str | None = None
+        try:
+            configure_socket(self.socket, options)
+            if identity is not None:
+                self.socket.identity = identity  # must precede connect
+            if curve is not None:
+                self._zap_domain = _apply_curve(ctx, self.socket, curve)
+            if bind:
+                bind_endpoint(self.socket, endpoint)
+            else:
+                self.socket.connect(endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        """The bound or connected endpoint (with the real port after binding tcp://host:*)."""
+        return self.socket.last_endpoint.decode()
+
+    def _set_timeout(self, timeout: float | None) -> None:
+        # A socket option instead of a poller per call: the cheapest way to bound one recv.
+        ms = -1 if timeout is None else math.ceil(max(timeout, 0.0) * 1000)
+        if ms != self._timeout_ms:
+            self.socket.rcvtimeo = ms
+            self._timeout_ms = ms
+
+    def _parts(self, head: list[bytes], data: bytes, frames: Sequence[Buffer]) -> list[Buffer]:
+        """The frames of one message, refusing any the receiver would drop for its size."""
+        for part in (data, *frames):
+            if _nbytes(part) > self._max_msg_bytes:
+                raise MessageTooLarge(f"frame of {_nbytes(part)} bytes > {self._max_msg_bytes}")
+        return [*head, data, *frames]
+
+    def close(self) -> None:
+        if not self.socket.closed:
+            self.socket.close()
+        if self._zap_domain is not None:
+            _Zap.remove(self._ctx, self._zap_domain)
+            self._zap_domain = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sync(ctx: zmq.Context) -> zmq.Context:
+    """A sync context over the same libzmq context (so sync sockets work in asyncio code)."""
+    return zmq.Context.shadow(ctx.underlying) if isinstance(ctx, zmq.asyncio.Context) else ctx
+
+
+def _async(ctx: zmq.Context) -> zmq.asyncio.Context:
+    return ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context(shadow=ctx.underlying)
+
+
+def _nbytes(part: Buffer) -> int:
+    return part.nbytes if hasattr(part, "nbytes") else len(part)
+
+
+def _send(sock: zmq.Socket, parts: Sequence[Buffer]) -> bool:
+    """Send one multipart message; False when it would block past SNDTIMEO or the peer is gone."""
+    try:
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
+            sock.send(part, zmq.SNDMORE if i < last else 0, copy=_nbytes(part) < ZERO_COPY_BYTES)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    return True
+
+
+def _rest(sock: zmq.Socket) -> list[memoryview]:
+    frames = []
+    while sock.rcvmore:
+        frames.append(sock.recv(copy=False).buffer)
+    return frames
+
+
+def _no_frames(frames: list[memoryview], identity: bytes = b"") -> None:
+    if frames:
+        raise MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)")
+
+
+# ---------------------------------------------------------------------------
+# Sync sockets
+# ---------------------------------------------------------------------------
+
+
+class PushQueue(_Base, Generic[T]):
+    """The sending end of a one-way channel (PUSH)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        codec: Codec[T],
+        bind: bool = False,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+    ) -> None:
+        super().__init__(_sync(ctx), zmq.PUSH, endpoint, bind, options, curve)
+        self._codec = codec
+
+    def put(self, msg: T, frames: Sequence[Buffer] = ()) -> bool:
+        """Send; False (nothing sent) when the peer's queue is full or there is no peer."""
+        parts = self._parts([], self._codec.encode(msg), frames)
+        return _send(self.socket, parts)
+
+
+class PullQueue(_Base, Generic[T]):
+    """The receiving end of a one-way channel (PULL); `.socket` can go into a zmq.Poller."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        codec: Codec[T],
+        bind: bool = True,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+    ) -> None:
+        super().__init__(_sync(ctx), zmq.PULL, endpoint, bind, options, curve)
+        self._codec = codec
+
+    def get(self, timeout: float | None) -> T | None:
+        """The next message, or None after `timeout` seconds; raises MalformedMessage."""
+        got = self.get_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[1])
+        return got[0]
+
+    def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
+        self._set_timeout(timeout)
+        try:
+            data = self.socket.recv()
+        except zmq.Again:
+            return None
+        frames = _rest(self.socket)
+        return self._codec.decode(data), frames
+
+
+class RouterSocket(_Base, Generic[In, Out]):
+    """The serving end of a request/reply channel with many peers (ROUTER)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        in_codec: Codec[In],
+        out_codec: Codec[Out],
+        bind: bool = True,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+    ) -> None:
+        super().__init__(_sync(ctx), zmq.ROUTER, endpoint, bind, options, curve)
+        self._in = in_codec
+        self._out = out_codec
+
+    def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
+        """(identity, message), or None after `timeout` seconds; raises MalformedFrame."""
+        got = self.recv_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[2], got[0])
+        return got[0], got[1]
+
+    def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
+        self._set_timeout(timeout)
+        try:
+            identity = self.socket.recv()
+        except zmq.Again:
+            return None
+        data = self.socket.recv()  # the rest of a multipart message is already here
+        frames = _rest(self.socket)
+        try:
+            return identity, self._in.decode(data), frames
+        except MalformedMessage as exc:
+            raise MalformedFrame(identity, str(exc)) from None
+
+    def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
+        """False when the peer is gone or its queue is full."""
+        parts = self._parts([identity], self._out.encode(msg), frames)
+        return _send(self.socket, parts)
+
+
+class DealerSocket(_Base, Generic[In, Out]):
+    """The client end of a request/reply channel (DEALER)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        in_codec: Codec[In],
+        out_codec: Codec[Out],
+        bind: bool = False,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+        identity: bytes | None = None,
+    ) -> None:
+        super().__init__(_sync(ctx), zmq.DEALER, endpoint, bind, options, curve, identity)
+        self._in = in_codec
+        self._out = out_codec
+
+    def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
+        parts = self._parts([], self._out.encode(msg), frames)
+        return _send(self.socket, parts)
+
+    def recv(self, timeout: float | None) -> In | None:
+        got = self.recv_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[1])
+        return got[0]
+
+    def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
+        self._set_timeout(timeout)
+        try:
+            data = self.socket.recv()
+        except zmq.Again:
+            return None
+        frames = _rest(self.socket)
+        return self._in.decode(data), frames
+
+
+# ---------------------------------------------------------------------------
+# asyncio sockets (same methods, as coroutines)
+# ---------------------------------------------------------------------------
+
+
+async def _arest(sock: zmq.asyncio.Socket) -> list[memoryview]:
+    frames = []
+    while sock.rcvmore:
+        frames.append((await sock.recv(copy=False)).buffer)
+    return frames
+
+
+class AsyncPullQueue(_Base, Generic[T]):
+    """PullQueue for asyncio code."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        codec: Codec[T],
+        bind: bool = True,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+    ) -> None:
+        super().__init__(_async(ctx), zmq.PULL, endpoint, bind, options, curve)
+        self._codec = codec
+
+    async def get(self, timeout: float | None) -> T | None:
+        got = await self.get_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[1])
+        return got[0]
+
+    async def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
+        self._set_timeout(timeout)  # zmq.asyncio honours RCVTIMEO
+        try:
+            data = await self.socket.recv()
+        except zmq.Again:
+            return None
+        frames = await _arest(self.socket)
+        return self._codec.decode(data), frames
+
+
+class AsyncRouterSocket(_Base, Generic[In, Out]):
+    """RouterSocket for asyncio code."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        in_codec: Codec[In],
+        out_codec: Codec[Out],
+        bind: bool = True,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+    ) -> None:
+        super().__init__(_async(ctx), zmq.ROUTER, endpoint, bind, options, curve)
+        self._in = in_codec
+        self._out = out_codec
+
+    async def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
+        got = await self.recv_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[2], got[0])
+        return got[0], got[1]
+
+    async def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
+        self._set_timeout(timeout)
+        try:
+            identity = await self.socket.recv()
+        except zmq.Again:
+            return None
+        data = await self.socket.recv()
+        frames = await _arest(self.socket)
+        try:
+            return identity, self._in.decode(data), frames
+        except MalformedMessage as exc:
+            raise MalformedFrame(identity, str(exc)) from None
+
+    async def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
+        parts = self._parts([identity], self._out.encode(msg), frames)
+        return await _asend(self.socket, parts)
+
+
+class AsyncDealerSocket(_Base, Generic[In, Out]):
+    """DealerSocket for asyncio code."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        in_codec: Codec[In],
+        out_codec: Codec[Out],
+        bind: bool = False,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveServer | CurveClient | None = None,
+        identity: bytes | None = None,
+    ) -> None:
+        super().__init__(_async(ctx), zmq.DEALER, endpoint, bind, options, curve, identity)
+        self._in = in_codec
+        self._out = out_codec
+
+    async def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
+        parts = self._parts([], self._out.encode(msg), frames)
+        return await _asend(self.socket, parts)
+
+    async def recv(self, timeout: float | None) -> In | None:
+        got = await self.recv_frames(timeout)
+        if got is None:
+            return None
+        _no_frames(got[1])
+        return got[0]
+
+    async def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
+        self._set_timeout(timeout)
+        try:
+            data = await self.socket.recv()
+        except zmq.Again:
+            return None
+        frames = await _arest(self.socket)
+        return self._in.decode(data), frames
+
+
+async def _asend(sock: zmq.asyncio.Socket, parts: Sequence[Buffer]) -> bool:
+    try:
+        await sock.send_multipart(parts, copy=all(_nbytes(p) < ZERO_COPY_BYTES for p in parts))
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    return True
+
+
+def install_uvloop() -> bool:
+    """Use uvloop for asyncio when it is installed; returns whether it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
