@@ -1,0 +1,144 @@
+"""Start a real Brigade run (supervisor + every stage as OS processes) for a test, and tear it
+down completely afterwards, even when the test fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT, brigade_shm_objects
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+class Run:
+    """A live run: its directory, the supervisor process, and its log lines."""
+
+    def __init__(self, run_dir: Path, process: subprocess.Popen, lines: queue.Queue[str]) -> None:
+        self.run_dir = run_dir
+        self.process = process
+        self.lines = lines
+        self.log: list[str] = []
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            self.log.append(line)
+            if needle in line:
+                return line
+        tail = "".join(self.log[-40:])
+        raise AssertionError(f"no line containing {needle!r} within {timeout:.0f}s; log tail:\n{tail}")
+
+    def status(self) -> list[dict]:
+        done = subprocess.run(
+            [sys.executable, "supervisor.py", "status", "--run", str(self.run_dir), "--json"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def stage_pids(self, kind: str) -> list[int]:
+        return [row["pid"] for row in self.status() if row["kind"] == kind and row["state"] == "running"]
+
+    def wait_until_running(self, timeout: float) -> None:
+        """Every stage reports running (after a restart, say)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.status()
+            if rows and all(r["state"] == "running" for r in rows):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"stages not all running after {timeout:.0f}s: {self.status()}")
+
+
+def _pump(stream, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+@contextmanager
+def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> Iterator[Run]:
+    """`python supervisor.py --config ... --set ...` until ready; SIGTERM and full cleanup after."""
+    argv = [sys.executable, "supervisor.py", "--config", config, "--run-dir", str(run_dir)]
+    for override in overrides:
+        argv += ["--set", override]
+    process = subprocess.Popen(
+        argv,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+    run = Run(run_dir, process, lines)
+    try:
+        run.wait_for_line("ready", READY_TIMEOUT_S)
+        yield run
+    finally:
+        stop(run)
+
+
+def stop(run: Run) -> None:
+    """SIGTERM the supervisor; SIGKILL its whole session if it does not finish in time."""
+    if run.process.poll() is None:
+        run.process.send_signal(signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            run.process.wait(STOP_TIMEOUT_S)
+    kill_leftovers(run)
+    run.process.wait()
+
+
+def kill_leftovers(run: Run) -> None:
+    """Stages run in sessions of their own: find any still alive by their run dir and kill them."""
+    for pid in [run.process.pid, *stage_processes(run.run_dir)]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stage_processes(run_dir: Path) -> list[int]:
+    """Pids of processes whose command line names this run directory."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmdline and int(entry) != os.getpid():
+            pids.append(int(entry))
+    return pids
+
+
+def assert_clean(run_dir: Path, run_id: str | None = None) -> None:
+    """No stage process, socket file or shared-memory object of the run is left."""
+    deadline = time.monotonic() + 10
+    while stage_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stage_processes(run_dir), f"processes left: {stage_processes(run_dir)}"
+    assert not list(run_dir.glob("*.sock")), f"socket files left: {list(run_dir.glob('*.sock'))}"
+    if run_id is not None:
+        leftovers = [n for n in brigade_shm_objects() if run_id in n]
+        assert not leftovers, f"shared memory left: {leftovers}"
