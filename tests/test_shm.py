@@ -1,0 +1,256 @@
+"""Shared-memory ring and tensor pool, across real processes (spawn), always cleaned up."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from ipc.shm import RingTimeout, ShmRing, SlotOverflow, new_run_id, sweep_stale_runs
+from ipc.tensor_pool import PoolFull, TensorDescriptor, TensorPool, array_from_frame
+
+SPAWN = mp.get_context("spawn")
+WAIT = 30.0  # generous bound for any single wait on a loaded machine
+
+
+def slot_data(i: int) -> np.ndarray:
+    """The payload of slot i: its length and values both depend on i."""
+    n = 1 + (i * 7919) % 512
+    return np.arange(n, dtype=np.int64) + i * 1_000_003
+
+
+def read_slots(name: str, rank: int, num_slots: int, results) -> None:
+    """Reader process: check every slot against `slot_data`, report (rank, count, checksum, bad)."""
+    ring = ShmRing.attach(name)
+    checksum = num_bad = 0
+    for _ in range(num_slots):
+        with ring.read(rank, WAIT) as view:
+            i = int.from_bytes(view.header, "little")
+            data = view.arrays["data"]
+            num_bad += int(not np.array_equal(data, slot_data(i)))
+            checksum = (checksum + int(data.sum())) % (1 << 61)
+    ring.close()
+    results.put((rank, num_slots, checksum, num_bad))
+
+
+def negate_in_place(name: str, done) -> None:
+    """Reader process: negate the slot's array through its own view (proves shared memory)."""
+    ring = ShmRing.attach(name)
+    with ring.read(0, WAIT) as view:
+        view.arrays["x"] *= -1
+    ring.close()
+    done.set()
+
+
+def hold_slot(name: str, holding) -> None:
+    """Reader process: take a slot and never give it back."""
+    ring = ShmRing.attach(name)
+    with ring.read(0, WAIT):
+        holding.set()
+        time.sleep(WAIT)
+
+
+def check_pool(name: str, encoded: list[bytes], results) -> None:
+    """Pool receiver: map descriptors, report their sums, and negate the int64 tensor in place."""
+    pool = TensorPool.attach(name)
+    descs = [msgspec.msgpack.decode(data, type=TensorDescriptor) for data in encoded]
+    sums = [float(pool.view(d).sum()) for d in descs]
+    pool.view(descs[1])[...] *= -1
+    pool.close()
+    results.put(sums)
+
+
+@pytest.fixture
+def run_id() -> str:
+    return new_run_id()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list]:
+    """Rings, pools and processes to tear down even when the test fails."""
+    owned: list = []
+    yield owned
+    for obj in reversed(owned):
+        if isinstance(obj, mp.process.BaseProcess):
+            if obj.is_alive():
+                obj.kill()
+            obj.join(5)
+        else:
+            obj.close()
+            obj.unlink()
+
+
+def start(cleanup: list, target, *args) -> mp.process.BaseProcess:
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    cleanup.append(proc)
+    return proc
+
+
+def write_slots(ring: ShmRing, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        with ring.reserve(WAIT) as slot:
+            slot.put("data", slot_data(i))
+            slot.publish(i.to_bytes(8, "little"))
+
+
+@pytest.mark.timeout(120)
+def test_one_writer_three_readers_pass_10k_slots_intact(run_id, cleanup):
+    num_slots = 10_000
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=8, slot_bytes=8192, num_readers=3)
+    cleanup.append(ring)
+    results = SPAWN.Queue()
+    for rank in range(3):
+        start(cleanup, read_slots, ring.name, rank, num_slots, results)
+    write_slots(ring, 0, num_slots)
+    expected = sum(int(slot_data(i).sum()) for i in range(num_slots)) % (1 << 61)
+    reports = sorted(results.get(timeout=WAIT) for _ in range(3))
+    assert reports == [(rank, num_slots, expected, 0) for rank in range(3)]
+
+
+def test_reader_views_share_the_segment(run_id, cleanup):
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
+    cleanup.append(ring)
+    reader = ShmRing.attach(ring.name)
+    cleanup.append(reader)
+    with ring.reserve(WAIT) as slot:
+        written = slot.alloc("x", np.float32, (4, 8))
+        written[:] = np.arange(32, dtype=np.float32).reshape(4, 8)
+        slot.publish(b"h")
+    with reader.read(0, WAIT) as view:
+        x = view.arrays["x"]
+        assert view.header == b"h"
+        assert np.shares_memory(x, reader._buf)
+        assert view.tensors()["x"].data_ptr() == x.ctypes.data
+        np.testing.assert_array_equal(x, np.arange(32, dtype=np.float32).reshape(4, 8))
+
+    # Another process writes through its view; the writer's own view of the slot sees it.
+    with ring.reserve(WAIT) as slot:
+        written = slot.alloc("x", np.int32, (1000,))
+        written[:] = np.arange(1000)
+        slot.publish()
+    done = SPAWN.Event()
+    start(cleanup, negate_in_place, ring.name, done)
+    assert done.wait(WAIT)
+    np.testing.assert_array_equal(written, -np.arange(1000))
+
+
+def test_read_and_reserve_time_out(run_id, cleanup):
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
+    cleanup.append(ring)
+    t0 = time.monotonic()
+    with pytest.raises(RingTimeout), ring.read(0, 0.2):
+        pass
+    write_slots(ring, 0, 2)
+    with pytest.raises(RingTimeout), ring.reserve(0.2):
+        pass
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RingTimeout), ring.reserve(0.0):
+        pass  # the ring is still full: the failed reserve gave back what it took
+    # Draining frees the slots again; an unpublished reservation is discarded.
+    for i in range(2):
+        with ring.read(0, WAIT) as view:
+            assert int.from_bytes(view.header, "little") == i
+    with ring.reserve(WAIT) as slot, pytest.raises(SlotOverflow):
+        slot.alloc("big", np.uint8, (8192,))
+    with pytest.raises(RingTimeout), ring.read(0, 0.1):
+        pass
+
+
+def test_restarted_reader_resumes_where_it_left(run_id, cleanup):
+    ring = ShmRing.create(f"/brigade-{run_id}-result-0", num_slots=4, slot_bytes=4096, num_readers=1)
+    cleanup.append(ring)
+    write_slots(ring, 0, 3)
+    first = ShmRing.attach(ring.name)
+    with first.read(0, WAIT) as view:
+        assert int.from_bytes(view.header, "little") == 0
+    first.close()
+    second = ShmRing.attach(ring.name)
+    cleanup.append(second)
+    for i in (1, 2):
+        with second.read(0, WAIT) as view:
+            assert int.from_bytes(view.header, "little") == i
+            np.testing.assert_array_equal(view.arrays["data"], slot_data(i))
+
+
+@pytest.mark.timeout(90)
+def test_killed_reader_times_out_writer_and_reset_recovers(run_id, cleanup):
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=4, slot_bytes=8192, num_readers=1)
+    cleanup.append(ring)
+    holding = SPAWN.Event()
+    victim = start(cleanup, hold_slot, ring.name, holding)
+    write_slots(ring, 0, 1)
+    assert holding.wait(WAIT)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(WAIT)
+    write_slots(ring, 1, 3)  # the free slots fill up, then the writer waits for a dead reader
+    t0 = time.monotonic()
+    with pytest.raises(RingTimeout), ring.reserve(0.5):
+        pass
+    assert time.monotonic() - t0 < 5
+
+    ring.reset()
+    results = SPAWN.Queue()
+    start(cleanup, read_slots, ring.name, 0, 50, results)
+    write_slots(ring, 100, 50)
+    expected = sum(int(slot_data(i).sum()) for i in range(100, 150)) % (1 << 61)
+    assert results.get(timeout=WAIT) == (0, 50, expected, 0)
+
+
+def test_sweep_removes_dead_runs_only(run_id, cleanup):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dead_run = f"{dead.pid}x{os.urandom(4).hex()}"
+    dead_ring = ShmRing.create(f"/brigade-{dead_run}-step-0", num_slots=2, slot_bytes=4096, num_readers=2)
+    dead_pool = TensorPool.create(f"/brigade-{dead_run}-pool", 4096)
+    live_ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
+    cleanup.extend([dead_ring, dead_pool, live_ring])
+    removed = sweep_stale_runs()
+    ours = {n for n in removed if dead_run in n}
+    assert ours == {
+        f"brigade-{dead_run}-step-0",
+        f"brigade-{dead_run}-pool",
+        *(f"sem.brigade-{dead_run}-step-0-g0-{kind}{r}" for kind in ("space", "avail") for r in range(2)),
+    }
+    assert not any(run_id in n for n in removed)
+    assert not any(dead_run in n for n in os.listdir("/dev/shm"))
+    assert sum(run_id in n for n in os.listdir("/dev/shm")) == 3  # live segment + 2 semaphores
+    write_slots(live_ring, 0, 1)  # the live ring still works
+
+
+def test_tensor_pool_across_processes(run_id, cleanup):
+    pool = TensorPool.create(f"/brigade-{run_id}-pool", 1 << 20)
+    cleanup.append(pool)
+    a = pool.alloc((1000,), "float32")
+    b = pool.alloc((3, 4), "int64")
+    pool.view(a)[:] = np.linspace(0, 1, 1000, dtype=np.float32)
+    pool.view(b)[:] = np.arange(12).reshape(3, 4)
+    results = SPAWN.Queue()
+    proc = start(cleanup, check_pool, pool.name, [msgspec.msgpack.encode(d) for d in (a, b)], results)
+    sums = results.get(timeout=WAIT)
+    proc.join(WAIT)
+    assert sums == pytest.approx([float(np.linspace(0, 1, 1000, dtype=np.float32).sum()), 66.0])
+    np.testing.assert_array_equal(pool.view(b), -np.arange(12).reshape(3, 4))  # written by the child
+
+    frame = bytes(pool.frame(b))  # what a remote client receives
+    np.testing.assert_array_equal(array_from_frame(b, frame), pool.view(b))
+    with pytest.raises(ValueError):
+        array_from_frame(a, frame)
+
+    pool.free(a)
+    again = pool.alloc(4000)  # first fit: the freed block at the start is reused
+    assert again.offset == a.offset
+    with pytest.raises(PoolFull):
+        pool.alloc(2 << 20)
+    pool.free(again)
+    with pytest.raises(ValueError):
+        pool.free(again)  # not allocated any more
+    pool.free(b)
+    assert pool._free == [(0, pool.capacity)]  # freed neighbours merge back into one block
