@@ -1,0 +1,120 @@
+"""One request as the scheduler sees it: its tokens, its blocks and where its compute stands."""
+
+from __future__ import annotations
+
+import enum
+import zlib
+
+import numpy as np
+
+from ipc.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    ABORTED = 3
+
+
+class Request:
+    """Owns a request's token history (prompt + outputs so far), its KV blocks and its progress.
+
+    `num_computed_tokens` counts tokens whose KV is (being) written: it advances when a step is
+    planned, so a sequence with a step in flight has nothing left to compute until its sample
+    comes back. `num_preemptions` doubles as an epoch: results of a step planned before a
+    preemption are ignored.
+    """
+
+    __slots__ = (
+        "arrival_order",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "finish_reason",
+        "frontend_id",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_registered_blocks",
+        "num_tokens",
+        "output_ids",
+        "params",
+        "priority",
+        "prompt_ids",
+        "request_id",
+        "row",
+        "seed",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        frontend_id: int,
+        prompt_ids: list[int] | np.ndarray,
+        params: SamplingParams,
+        output_ids: list[int] | np.ndarray | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.frontend_id = frontend_id
+        self.prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int32)
+        self.output_ids: list[int] = [] if output_ids is None else [int(t) for t in output_ids]
+        self.num_tokens = len(self.prompt_ids) + len(self.output_ids)  # kept in step with output_ids
+        self.params = params
+        self.priority = params.priority
+        self.arrival_time = arrival_time
+        self.arrival_order = 0  # set by the scheduler at admission
+        # The frontend assigns seeds; a stable fallback keeps a seedless request reproducible.
+        self.seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits at the last admission
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of the tokens
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.row = -1  # row in the plan table while running
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> np.ndarray:
+        return self.token_slice(0, self.num_tokens)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else int(self.prompt_ids[-1])
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then first come first served."""
+        return (self.priority, self.arrival_order)
+
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """Token ids [start, end) of prompt + outputs as int32, without copying the whole history."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        outputs = np.array(self.output_ids[max(start - num_prompt, 0) : end - num_prompt], dtype=np.int32)
+        if start >= num_prompt:
+            return outputs
+        return np.concatenate((self.prompt_ids[start:], outputs))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
