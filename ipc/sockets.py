@@ -178,7 +178,7 @@ def configure_socket(sock: zmq.Socket, options: SocketOptions = DEFAULT_OPTIONS)
     sock.maxmsgsize = options.max_msg_bytes
     sock.linger = options.linger_ms
     sock.sndtimeo = options.send_timeout_ms
-    if sock.socket_type == zmq.ROUTER:
+    if sock.type == zmq.ROUTER:
         sock.router_mandatory = 1  # an unknown identity is an error (EHOSTUNREACH), not a silent drop
 
 
