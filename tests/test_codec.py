@@ -1,0 +1,185 @@
+"""Every wire message round-trips through its channel codec; anything else is MalformedMessage."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ipc import codec as C
+from ipc import messages as m
+from ipc.codec import Codec, MalformedMessage
+
+pytestmark = pytest.mark.timeout(120)
+
+PARAMS = m.SamplingParams(
+    max_tokens=7,
+    temperature=0.5,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=0.2,
+    frequency_penalty=0.3,
+    logit_bias={5: -100.0, 9: 2.5},
+    min_tokens=2,
+    ignore_eos=True,
+    stop_token_ids=[2, 3],
+    stop=["\n\n", "END"],
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    logprobs=3,
+    seed=1234,
+    priority=-1,
+)
+DELTA = m.Delta(
+    "req-1",
+    token_index=4,
+    char_offset=17,
+    text="héllo",
+    token_ids=m.pack_ids([10, 11]),
+    logprobs=b"\x00\x00\x80\xbf" * 2,
+    top_logprobs=[{10: -1.0, 12: -2.0}, {11: -0.5}],
+    finish_reason="stop",
+    usage=m.Usage(5, 6, cached_tokens=2),
+)
+UPDATE = m.TokenUpdate(
+    "req-1",
+    frontend_id=1,
+    start_index=0,
+    token_ids=m.pack_ids([1, 2, 3]),
+    logprobs=b"\x00" * 12,
+    top_logprobs=[{1: -0.1}],
+    finish_reason="length",
+    prompt_tokens=9,
+    cached_tokens=4,
+    params=PARAMS,
+)
+
+EXAMPLES: dict[str, list] = {
+    "CLIENT_REQUEST": [
+        m.Generate("a", prompt="hi", params=PARAMS, stream=False),
+        m.Generate("b", messages=[m.ChatMessage("user", "hey")], resume_output_ids=m.pack_ids([7]), resume_num_chars=3),
+        m.Generate("c", prompt_token_ids=m.pack_ids([1, 2])),
+        m.Abort("a"),
+        m.Health(),
+    ],
+    "CLIENT_REPLY": [DELTA, m.Delta("r", 0, 0, "", b""), m.ErrorReply("a", "overloaded", "busy"), m.HealthReply(0, True, "smol", 3, 2048)],
+    "SCHEDULER_INPUT": [
+        m.SubmitRequest("a", 2, m.pack_ids([1, 2]), PARAMS, output_ids=m.pack_ids([3]), arrival_time=1.5),
+        m.AbortRequest("a", "stop"),
+        m.ResyncShard(1),
+    ],
+    "DETOKENIZER_INPUT": [m.TokenBatch([UPDATE, m.TokenUpdate("b", 0, 3, m.pack_ids([4]))]), m.DropRequests(["a", "b"])],
+    "FRONTEND_INPUT": [m.DeltaBatch([DELTA]), m.RequestFailed("a", "prompt_too_long", "too long"), m.ResubmitAll(0)],
+    "CONTROL_UP": [
+        m.Ready("scheduler-0", 42, {"model": "smol"}),
+        m.Heartbeat("worker-0", 43, 1000, True, m.StageLoad(1, 2, 0.5, 3, 4, 5)),
+    ],
+    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResyncShard(0), m.ResubmitAll(1)],
+    "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
+    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
+    "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
+}
+CODECS: dict[str, Codec] = {name: obj for name, obj in vars(C).items() if isinstance(obj, Codec)}
+
+
+def channel_types(codec: Codec) -> tuple[type, ...]:
+    """The message classes a codec decodes (the members of its union)."""
+    decoded = codec._decoder.type
+    return typing.get_args(decoded) or (decoded,)
+
+
+def test_examples_cover_every_codec_and_message():
+    assert set(EXAMPLES) == set(CODECS)
+    tagged = {
+        cls
+        for _, cls in inspect.getmembers(m, inspect.isclass)
+        if issubclass(cls, msgspec.Struct) and cls.__module__ == m.__name__ and cls.__struct_config__.tag
+    }
+    covered = {type(msg) for msgs in EXAMPLES.values() for msg in msgs}
+    assert tagged <= covered
+    for name, msgs in EXAMPLES.items():
+        assert {type(msg) for msg in msgs} == set(channel_types(CODECS[name])), name
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_round_trip(name):
+    codec = CODECS[name]
+    for msg in EXAMPLES[name]:
+        data = codec.encode(msg)
+        assert codec.decode(data) == msg
+        assert codec.decode(memoryview(data)) == msg  # frames arrive as memoryviews
+
+
+def test_wrong_channel_and_truncation_are_malformed():
+    submit = C.SCHEDULER_INPUT.encode(EXAMPLES["SCHEDULER_INPUT"][0])
+    with pytest.raises(MalformedMessage):
+        C.DETOKENIZER_INPUT.decode(submit)
+    for cut in range(len(submit)):
+        with pytest.raises(MalformedMessage):
+            C.SCHEDULER_INPUT.decode(submit[:cut])
+    with pytest.raises(MalformedMessage):
+        C.CLIENT_REQUEST.decode(b"\x91" * 100_000)  # absurdly deep nesting
+
+
+def assert_malformed_or_valid(codec: Codec, data: bytes) -> None:
+    try:
+        msg = codec.decode(data)
+    except MalformedMessage:
+        return
+    assert isinstance(msg, channel_types(codec))
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=6)
+    | st.dictionaries(st.text(max_size=10) | st.integers(-(2**31), 2**31), children, max_size=6),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)  # hangs are caught by the test timeout
+@given(data=st.binary(max_size=512))
+def test_random_bytes_are_malformed_or_valid(data):
+    for codec in CODECS.values():
+        assert_malformed_or_valid(codec, data)
+
+
+@settings(max_examples=200, deadline=None)  # hangs are caught by the test timeout
+@given(value=values)
+def test_random_msgpack_structures_are_malformed_or_valid(value):
+    data = msgspec.msgpack.encode(value)
+    for codec in CODECS.values():
+        assert_malformed_or_valid(codec, data)
+
+
+def mutate(obj, draw, depth: int = 0):
+    """Replace one element somewhere inside a builtins tree with a random value."""
+    if isinstance(obj, (list, dict)) and obj and depth < 6 and draw(st.booleans()):
+        keys = list(range(len(obj))) if isinstance(obj, list) else list(obj)
+        key = draw(st.sampled_from(keys))
+        obj[key] = mutate(obj[key], draw, depth + 1)
+        return obj
+    return draw(values)
+
+
+@settings(max_examples=200, deadline=None)  # hangs are caught by the test timeout
+@given(data=st.data())
+def test_wrong_typed_fields_are_malformed_or_valid(data):
+    name = data.draw(st.sampled_from(sorted(EXAMPLES)))
+    msg = data.draw(st.sampled_from(EXAMPLES[name]))
+    tree = msgspec.to_builtins(msg, builtin_types=(bytes,))
+    assert_malformed_or_valid(CODECS[name], msgspec.msgpack.encode(mutate(tree, data.draw)))
