@@ -315,7 +315,7 @@ def test_out_of_vocab_history_fails_the_step():
 
 def test_logprobs_are_raw_log_softmax_with_k_shapes():
     torch.manual_seed(4)
-    logits = torch.randn(5, 300) * 3
+    logits = torch.randn(6, 300) * 3
     rows = [
         {
             "temperature": 0.7,
@@ -329,10 +329,12 @@ def test_logprobs_are_raw_log_softmax_with_k_shapes():
         {"temperature": 1.3, "top_k": 5, "seed": 2, "position": 1, "num_logprobs": 5},
         {"temperature": 0.5, "top_p": 0.5, "seed": 2, "position": 2},
         {"repetition_penalty": 2.0, "prompt": [0, 1, 2], "num_logprobs": 1},
+        {"temperature": 0.8, "seed": 1, "bias": {7: 100.0}, "num_logprobs": 2},
     ]
     out = sample(logits, rows)
     raw = torch.log_softmax(logits, dim=-1)
-    assert out.top_ids.shape == (5, 5) and out.top_logprobs.shape == (5, 5)
+    assert out.sampled_ids[5].item() == 7  # the bias decides the token, not its logprob
+    assert out.top_ids.shape == (6, 5) and out.top_logprobs.shape == (6, 5)
     assert out.top_ids.dtype == torch.int32 and out.top_logprobs.dtype == torch.float32
     expected_top = torch.topk(raw, 5, dim=-1)
     assert torch.equal(out.top_ids, expected_top.indices.int())
