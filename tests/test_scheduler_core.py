@@ -1,0 +1,578 @@
+"""Scheduler core, driven without processes by a fake executor that keeps a simulated KV cache.
+
+The fake executor writes each planned token into its KV slot and samples from what it reads
+back through the block tables (the two previous tokens), the seed and the position. Outputs
+therefore match an independent reference only when every plan reads the right KV: prefix
+sharing, chunking, preemption and recompute are all checked by comparing outputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ipc.messages import SamplingParams
+from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.plan import ScheduledStep, build_plan
+from services.scheduler.request import Request
+
+VOCAB = 40
+EOS = 0
+
+PLAN_SPEC = {  # docs/internals.md: name -> (dtype, shape in terms of T, S, M, H, B)
+    "input_ids": (np.int32, ("T",)),
+    "positions": (np.int32, ("T",)),
+    "slot_mapping": (np.int32, ("T",)),
+    "query_start_loc": (np.int32, ("S+1",)),
+    "seq_lens": (np.int32, ("S",)),
+    "block_tables": (np.int32, ("S", "M")),
+    "is_sampled": (np.uint8, ("S",)),
+    "temperature": (np.float32, ("S",)),
+    "top_k": (np.int32, ("S",)),
+    "top_p": (np.float32, ("S",)),
+    "min_p": (np.float32, ("S",)),
+    "repetition_penalty": (np.float32, ("S",)),
+    "presence_penalty": (np.float32, ("S",)),
+    "frequency_penalty": (np.float32, ("S",)),
+    "seeds": (np.int64, ("S",)),
+    "sample_positions": (np.int32, ("S",)),
+    "num_logprobs": (np.int32, ("S",)),
+    "history_offsets": (np.int32, ("S+1",)),
+    "history_ids": (np.int32, ("H",)),
+    "history_prompt_lens": (np.int32, ("S",)),
+    "bias_offsets": (np.int32, ("S+1",)),
+    "bias_ids": (np.int32, ("B",)),
+    "bias_values": (np.float32, ("B",)),
+}
+
+
+def mix(seed: int, position: int, prev: int, prev2: int) -> int:
+    """Deterministic 'model': the next token from seed, position and the two previous tokens."""
+    x = (
+        seed * 0x9E3779B1 + position * 0x85EBCA77 + (prev + 1) * 0xC2B2AE3D + (prev2 + 2) * 0x27D4EB2F
+    ) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x ^= x >> 12
+    return x % VOCAB
+
+
+def pick(seed: int, position: int, prev: int, prev2: int, banned: set[int]) -> int:
+    token = mix(seed, position, prev, prev2)
+    while token in banned:
+        token = (token + 1) % VOCAB
+    return token
+
+
+def reference_outputs(
+    prompt: list[int], outputs: list[int], params: SamplingParams, max_model_len: int
+) -> list[int]:
+    """What a request generates run alone, with the same finish rules as the scheduler."""
+    tokens = list(prompt) + list(outputs)
+    out = list(outputs)
+    seed = params.seed
+    while True:
+        banned = {t for t, v in params.logit_bias.items() if v == -np.inf}
+        if len(out) < params.min_tokens:
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
+        p = len(tokens)
+        token = pick(seed, p, tokens[p - 1], tokens[p - 2] if p >= 2 else -1, banned)
+        tokens.append(token)
+        out.append(token)
+        if len(out) > params.min_tokens and (
+            (token == EOS and not params.ignore_eos) or token in params.stop_token_ids
+        ):
+            return out
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+class FakeExecutor:
+    """Checks every plan against the contract and runs it on a simulated KV cache."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bs = sched.config.block_size
+        self.kv = np.full(sched.config.num_blocks * self.bs, -1, np.int64)  # token id per slot
+        self.num_steps = 0
+
+    def lose_kv(self) -> None:
+        self.kv[:] = -1
+
+    def run(self, step: ScheduledStep) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        sched, bs, cfg = self.sched, self.bs, self.sched.config
+        header, a = build_plan(step, self.num_steps, bs)
+        self.num_steps += 1
+        num_seqs = header.num_seqs
+        check_plan_shapes(a, header.num_tokens, num_seqs)
+        assert 0 < header.num_tokens <= cfg.max_num_batched_tokens
+        assert 0 < num_seqs <= cfg.max_num_seqs
+        qsl, seq_lens, bt = a["query_start_loc"], a["seq_lens"], a["block_tables"]
+        written_blocks: dict[int, int] = {}
+        for i, req in enumerate(step.seqs):
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            pos = a["positions"][lo:hi]
+            assert pos.tolist() == list(range(int(seq_lens[i]) - (hi - lo), int(seq_lens[i])))
+            assert (a["input_ids"][lo:hi] == req.token_slice(int(pos[0]), int(pos[-1]) + 1)).all()
+            assert (a["slot_mapping"][lo:hi] == bt[i, pos // bs] * bs + pos % bs).all()
+            num_blocks = -(-int(seq_lens[i]) // bs)
+            assert (bt[i, num_blocks:] == 0).all()
+            for block in set((a["slot_mapping"][lo:hi] // bs).tolist()):
+                # A written block belongs to this sequence alone.
+                assert written_blocks.setdefault(block, i) == i, "two sequences write one block"
+                assert sched.blocks.ref_counts[block] == 1, "a write into a shared block"
+                assert sched.blocks.block_hash[block] is None, "a write into a cached block"
+        self.kv[a["slot_mapping"]] = a["input_ids"]
+
+        sampled = np.full(num_seqs, -1, np.int32)
+        for i, req in enumerate(step.seqs):
+            n = int(seq_lens[i])
+            # Everything the sequence attends to must be its own tokens, read through its table.
+            slots = bt[i, np.arange(n) // bs] * bs + np.arange(n) % bs
+            assert (self.kv[slots] == req.token_slice(0, n)).all(), "stale or foreign KV read"
+            if not a["is_sampled"][i]:
+                continue
+            assert a["sample_positions"][i] == n
+            lo, hi = a["bias_offsets"][i], a["bias_offsets"][i + 1]
+            banned = {
+                int(t)
+                for t, v in zip(a["bias_ids"][lo:hi], a["bias_values"][lo:hi], strict=True)
+                if v == -np.inf
+            }
+            prev2 = int(self.kv[slots[-2]]) if n >= 2 else -1
+            sampled[i] = pick(int(a["seeds"][i]), n, int(self.kv[slots[-1]]), prev2, banned)
+        k = header.max_top_logprobs
+        top_ids = np.tile(np.arange(k, dtype=np.int32), (num_seqs, 1))
+        return sampled, -np.arange(num_seqs, dtype=np.float32), top_ids, np.zeros((num_seqs, k), np.float32)
+
+
+def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
+    assert set(a) == set(PLAN_SPEC)
+    dims = {"T": num_tokens, "S": num_seqs, "S+1": num_seqs + 1, "M": a["block_tables"].shape[1]}
+    dims["H"] = int(a["history_offsets"][-1])
+    dims["B"] = int(a["bias_offsets"][-1])
+    for name, (dtype, shape) in PLAN_SPEC.items():
+        assert a[name].dtype == dtype, name
+        assert a[name].shape == tuple(dims[d] for d in shape), name
+
+
+def make_request(rid: str, prompt: list[int], **params: object) -> Request:
+    params.setdefault("seed", 7)
+    return Request(rid, 0, np.array(prompt, np.int32), SamplingParams(**params))
+
+
+def drive(
+    sched: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
+) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        step = sched.schedule()
+        if step is None:
+            break
+        for out in sched.update(step, *executor.run(step)):
+            outputs.setdefault(out.request_id, []).append(out)
+    assert not sched.has_work
+    return outputs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    tokens: list[int] = []
+    for out in outs:
+        assert out.start_index == len(tokens)
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    bm = sched.blocks
+    assert all(r == 0 for r in bm.ref_counts)
+    assert bm.num_used == 0 and sched.kv_usage == 0.0
+    assert len(bm.free) + len(bm.evictable) == bm.num_blocks
+    assert set(bm.free).isdisjoint(bm.evictable)
+    assert all(bm.block_hash[b] is not None for b in bm.evictable)
+
+
+# -- property test ----------------------------------------------------------------------------
+
+PREFIXES = [[1 + (i * 7) % (VOCAB - 1) for i in range(12)], [3 + (i * 5) % (VOCAB - 3) for i in range(9)]]
+
+request_st = st.fixed_dictionaries(
+    {
+        "prefix": st.sampled_from([0, 1, None]),
+        "suffix": st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=20),
+        "max_tokens": st.integers(1, 16),
+        "min_tokens": st.integers(0, 3),
+        "ignore_eos": st.booleans(),
+        "stop": st.booleans(),
+        "priority": st.integers(0, 2),
+        "seed": st.integers(0, 2**31),
+        "penalty": st.booleans(),
+        "resume": st.integers(0, 3),
+    }
+)
+event_st = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "add", "step", "step", "abort", "unknown_abort", "lose_worker"]),
+        st.integers(0, 100),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([2, 4, 8]),
+    extra_blocks=st.integers(0, 12),
+    max_num_seqs=st.integers(1, 5),
+    max_num_batched_tokens=st.integers(1, 24),
+    caching=st.booleans(),
+    requests=st.lists(request_st, min_size=1, max_size=8),
+    events=event_st,
+)
+def test_random_traffic_keeps_invariants_and_outputs(
+    block_size: int,
+    extra_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    caching: bool,
+    requests: list[dict],
+    events: list[tuple[str, int]],
+) -> None:
+    max_model_len = 48
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_blocks=max_model_len // block_size + extra_blocks,
+        max_model_len=max_model_len,
+        max_num_waiting=64,
+        enable_prefix_caching=caching,
+        eos_token_ids=(EOS,),
+    )
+    sched = Scheduler(config)
+    executor = FakeExecutor(sched)
+    expected: dict[str, list[int]] = {}
+    params_of: dict[str, SamplingParams] = {}
+    got: dict[str, list[int]] = {}
+    ended: dict[str, str] = {}
+    pending = list(enumerate(requests))
+
+    def add_next() -> None:
+        idx, spec = pending.pop(0)
+        prompt = (PREFIXES[spec["prefix"]] if spec["prefix"] is not None else []) + spec["suffix"]
+        params = SamplingParams(
+            max_tokens=spec["max_tokens"],
+            min_tokens=spec["min_tokens"],
+            ignore_eos=spec["ignore_eos"],
+            stop_token_ids=[5] if spec["stop"] else [],
+            priority=spec["priority"],
+            seed=spec["seed"],
+            repetition_penalty=1.2 if spec["penalty"] else 1.0,
+            logit_bias={7: -np.inf} if spec["penalty"] else {},
+        )
+        full = reference_outputs(prompt, [], params, max_model_len)
+        # Some requests arrive as resubmissions that already carry their first outputs.
+        resumed = full[: min(spec["resume"], len(full) - 1)]
+        rid = f"r{idx}"
+        expected[rid] = full
+        params_of[rid] = params
+        got[rid] = list(resumed)
+        done = sched.add(Request(rid, 0, np.array(prompt, np.int32), params, output_ids=resumed))
+        assert done is None
+
+    def step_once() -> bool:
+        step = sched.schedule()
+        if step is None:
+            return False
+        for out in sched.update(step, *executor.run(step)):
+            rid = out.request_id
+            assert rid not in ended, "output after the end"
+            assert out.start_index == len(got[rid])
+            got[rid].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                ended[rid] = out.finish_reason
+        return True
+
+    for kind, arg in events:
+        if kind == "add" and pending:
+            add_next()
+        elif kind == "step":
+            step_once()
+        elif kind == "abort" and got:
+            rid = sorted(got)[arg % len(got)]
+            was_live = rid in sched.requests
+            assert sched.abort(rid) == was_live
+            if was_live:
+                ended[rid] = "abort"
+        elif kind == "unknown_abort":
+            before = sched.num_unknown_aborts
+            assert not sched.abort(f"nope-{arg}")
+            assert sched.num_unknown_aborts == before + 1
+        elif kind == "lose_worker":
+            sched.preempt_all()
+            executor.lose_kv()
+            assert sched.num_running == 0 and not sched.blocks.cached
+    while pending:
+        add_next()
+    for _ in range(5000):
+        if not step_once():
+            break
+    assert not sched.has_work and sched.num_waiting == 0 and sched.num_running == 0
+
+    assert set(ended) == set(expected), "every request ends exactly once"
+    for rid, reason in ended.items():
+        if reason == "abort":
+            assert got[rid] == expected[rid][: len(got[rid])]
+            continue
+        assert got[rid] == expected[rid], rid
+        p, last = params_of[rid], expected[rid][-1]
+        is_stop = len(expected[rid]) > p.min_tokens and (
+            (last == EOS and not p.ignore_eos) or last in p.stop_token_ids
+        )
+        assert reason == ("stop" if is_stop else "length")
+    if sched.num_preemptions:
+        event("preempted")
+    if sched.num_prefix_hit_tokens:
+        event("prefix cache hit")
+    assert_no_leaks(sched)
+
+
+# -- targeted behaviour ---------------------------------------------------------------------------
+
+
+def small_config(**kw: object) -> SchedulerConfig:
+    base = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_blocks=256,
+        max_model_len=1024,
+        max_num_waiting=16,
+        eos_token_ids=(EOS,),
+    )
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def test_shared_prefix_computes_only_the_rest() -> None:
+    sched = Scheduler(small_config(max_num_batched_tokens=512))
+    executor = FakeExecutor(sched)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(1, VOCAB, 256).tolist()
+    first = make_request("a", [*prefix, 11, 12, 13], max_tokens=3, ignore_eos=True)
+    sched.add(first)
+    drive(sched, executor)
+    assert sched.prefix_hit_rate == 0.0
+
+    sched.add(make_request("b", [*prefix, 21, 22, 23, 24, 25], max_tokens=3, ignore_eos=True))
+    step = sched.schedule()
+    assert step is not None and step.num_seqs == 1
+    assert int(step.starts[0]) == 256 and int(step.num_new_tokens[0]) == 5
+    assert step.seqs[0].num_cached_tokens == 256
+    assert sched.prefix_hit_rate == pytest.approx(256 / (259 + 261))
+    outs = sched.update(step, *executor.run(step))
+    assert outs[0].num_cached_tokens == 256
+    rest = drive(sched, executor)
+    params = step.seqs[0].params
+    assert tokens_of(outs + rest["b"]) == reference_outputs([*prefix, 21, 22, 23, 24, 25], [], params, 1024)
+    assert_no_leaks(sched)
+
+
+def test_identical_prompt_recomputes_its_last_token() -> None:
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    prompt = list(range(1, 33))  # exactly two full blocks
+    sched.add(make_request("a", prompt, max_tokens=1))
+    drive(sched, executor)
+    sched.add(make_request("b", prompt, max_tokens=1))
+    step = sched.schedule()
+    assert step is not None
+    # The last block is a hit too, but its last token must be computed to sample: only the
+    # first block is reused and the second is recomputed into a private block.
+    assert int(step.starts[0]) == 16 and int(step.num_new_tokens[0]) == 16
+    sched.update(step, *executor.run(step))
+
+
+def test_chunked_prefill_splits_within_budget_while_others_decode() -> None:
+    sched = Scheduler(small_config(max_num_batched_tokens=32))
+    executor = FakeExecutor(sched)
+    sched.add(make_request("short", [1, 2, 3], max_tokens=20, ignore_eos=True))
+    step = sched.schedule()
+    sched.update(step, *executor.run(step))
+    long_prompt = list(np.random.default_rng(1).integers(1, VOCAB, 100))
+    sched.add(make_request("long", long_prompt, max_tokens=2, ignore_eos=True))
+    chunks = []
+    while True:
+        step = sched.schedule()
+        assert step.num_tokens <= 32
+        assert step.seqs[0].request_id == "short" and step.num_decodes >= 1  # decodes go first
+        i = (
+            [r.request_id for r in step.seqs].index("long")
+            if "long" in [r.request_id for r in step.seqs]
+            else None
+        )
+        outs = sched.update(step, *executor.run(step))
+        if i is None:
+            continue
+        chunks.append((int(step.num_new_tokens[i]), bool(step.is_sampled[i])))
+        if step.is_sampled[i]:
+            assert [o.request_id for o in outs].count("long") == 1
+            break
+        assert "long" not in [o.request_id for o in outs]
+    assert chunks == [(31, False), (31, False), (31, False), (7, True)]
+
+
+def test_overload_and_prompt_too_long() -> None:
+    sched = Scheduler(small_config(max_num_waiting=2, max_model_len=64, num_blocks=8))
+    sched.add(make_request("a", [1, 2]))
+    sched.add(make_request("b", [1, 2]))
+    with pytest.raises(Overloaded, match="max_num_waiting=2"):
+        sched.add(make_request("c", [1, 2]))
+    sched.add(make_request("a", [3, 4]))  # a resubmission replaces, it does not queue more
+    assert sched.num_waiting == 2
+    with pytest.raises(PromptTooLong):
+        sched.add(make_request("d", list(range(1, 65))))
+    # A resubmission that already reached max_model_len is finished, not refused.
+    done = sched.add(Request("e", 0, np.arange(1, 60, dtype=np.int32), SamplingParams(), output_ids=[1] * 5))
+    assert done is not None and done.finish_reason == "length" and "e" not in sched.requests
+
+
+def test_resubmission_continues_at_its_position() -> None:
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    prompt = [4, 5, 6, 7, 8]
+    params = SamplingParams(max_tokens=8, seed=3, ignore_eos=True)
+    full = reference_outputs(prompt, [], params, 1024)
+    sched.add(Request("x", 0, np.array(prompt, np.int32), params))
+    step = sched.schedule()
+    sched.update(step, *executor.run(step))  # the old copy has one output
+    # The frontend resubmits with 3 outputs (it saw more than this scheduler did): replace.
+    sched.add(Request("x", 0, np.array(prompt, np.int32), params, output_ids=full[:3]))
+    assert sched.num_running == 0 and sched.num_waiting == 1 and sched.blocks.num_used == 0
+    step = sched.schedule()
+    assert int(step.starts[0]) + int(step.num_new_tokens[0]) == len(prompt) + 3
+    _, arrays = build_plan(step, 0, 16)
+    assert int(arrays["sample_positions"][0]) == len(prompt) + 3
+    outs = sched.update(step, *executor.run(step))
+    assert outs[0].start_index == 3
+    rest = drive(sched, executor)["x"]
+    assert [o.start_index for o in outs + rest] == list(range(3, 8))
+    assert [o.new_token_ids[0] for o in outs + rest] == full[3:]
+
+
+def test_resubmission_already_finished_ends_at_once() -> None:
+    sched = Scheduler(small_config())
+    params = SamplingParams(max_tokens=2, seed=1)
+    out = sched.add(Request("y", 0, np.array([1, 2], np.int32), params, output_ids=[9, 9]))
+    assert out is not None and out.finish_reason == "length" and out.start_index == 2
+    assert out.new_token_ids == [] and not sched.has_work
+
+
+def test_abort_is_idempotent_and_unknown_ids_are_counted() -> None:
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    sched.add(make_request("a", [1, 2, 3], max_tokens=50, ignore_eos=True))
+    sched.add(make_request("b", [1, 2, 3], max_tokens=50, ignore_eos=True))
+    step = sched.schedule()
+    result = executor.run(step)  # in flight
+    assert sched.abort("a") is True
+    assert sched.abort("a") is False
+    assert sched.abort("zzz") is False
+    assert sched.num_unknown_aborts == 2
+    # The in-flight step's result for "a" is dropped; "b" still gets its token.
+    outs = sched.update(step, *result)
+    assert [o.request_id for o in outs] == ["b"]
+    assert sched.abort("b") is True
+    assert_no_leaks(sched)
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_in_the_plan() -> None:
+    sched = Scheduler(small_config())
+    sched.add(make_request("m", [1, 2, 3], min_tokens=2, stop_token_ids=[5], logit_bias={9: 1.5}))
+    sched.add(make_request("p", [4, 5, 6], repetition_penalty=1.3, logprobs=3))
+    sched.add(make_request("q", [4, 5, 6], min_tokens=1, ignore_eos=True))
+    step = sched.schedule()
+    header, a = build_plan(step, 41, 16)
+    check_plan_shapes(a, header.num_tokens, header.num_seqs)
+    assert header.step_id == 41 and header.max_top_logprobs == 3
+    order = [r.request_id for r in step.seqs]
+    m, p, q = order.index("m"), order.index("p"), order.index("q")
+    lo, hi = a["bias_offsets"][m], a["bias_offsets"][m + 1]
+    bias = dict(zip(a["bias_ids"][lo:hi].tolist(), a["bias_values"][lo:hi].tolist(), strict=True))
+    assert bias == {9: 1.5, 5: -np.inf, EOS: -np.inf}
+    lo, hi = a["bias_offsets"][q], a["bias_offsets"][q + 1]
+    assert a["bias_ids"][lo:hi].tolist() == []  # ignore_eos and no stop ids: nothing to suppress
+    assert a["history_ids"][a["history_offsets"][p] : a["history_offsets"][p + 1]].tolist() == [4, 5, 6]
+    assert a["history_prompt_lens"][p] == 3 and a["history_offsets"][m] == a["history_offsets"][m + 1]
+    assert a["repetition_penalty"][p] == pytest.approx(1.3) and a["num_logprobs"][p] == 3
+    assert a["seeds"].tolist() == [r.seed for r in step.seqs]
+
+    executor = FakeExecutor(sched)
+    outs = {o.request_id: o for o in sched.update(step, *executor.run(step))}
+    assert outs["p"].top_logprobs == [{0: 0.0, 1: 0.0, 2: 0.0}] and outs["m"].top_logprobs == []
+    # Two more outputs for m: once it has min_tokens outputs, its eos/stop ids are no longer biased.
+    for _ in range(2):
+        step = sched.schedule()
+        if step is None or "m" not in [r.request_id for r in step.seqs]:
+            break
+        header, a = build_plan(step, 0, 16)
+        i = [r.request_id for r in step.seqs].index("m")
+        n_out = len(step.seqs[i].output_ids)
+        lo, hi = a["bias_offsets"][i], a["bias_offsets"][i + 1]
+        assert (-np.inf in a["bias_values"][lo:hi].tolist()) == (n_out < 2)
+        sched.update(step, *executor.run(step))
+
+
+def test_preemption_resumes_with_the_same_outputs() -> None:
+    # 3 sequences, blocks for about two: the latest arrival gets preempted and recomputes.
+    config = small_config(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=30, seed=s, ignore_eos=True) for s in range(3)]
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7] for i in range(3)]
+    sched = Scheduler(config)
+    executor = FakeExecutor(sched)
+    for i in range(3):
+        sched.add(Request(f"s{i}", 0, np.array(prompts[i], np.int32), params[i]))
+    outs = drive(sched, executor)
+    assert sched.num_preemptions > 0
+    for i in range(3):
+        assert tokens_of(outs[f"s{i}"]) == reference_outputs(prompts[i], [], params[i], 64)
+    assert_no_leaks(sched)
+
+
+def test_worker_loss_recomputes_and_ignores_the_lost_step() -> None:
+    sched = Scheduler(small_config(block_size=4))
+    executor = FakeExecutor(sched)
+    params = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    sched.add(Request("w", 0, np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32), params))
+    got: list[RequestOutput] = []
+    for _ in range(4):
+        step = sched.schedule()
+        got += sched.update(step, *executor.run(step))
+    lost = sched.schedule()
+    result = executor.run(lost)
+    sched.preempt_all()
+    executor.lose_kv()
+    assert sched.num_waiting == 1 and sched.kv_usage == 0.0 and not sched.blocks.cached
+    assert sched.update(lost, *result) == []  # the lost step's result arrives late: ignored
+    step = sched.schedule()
+    assert int(step.starts[0]) == 0 and int(step.num_new_tokens[0]) == 8 + 4  # prompt + outputs
+    got += sched.update(step, *executor.run(step))
+    got += drive(sched, executor).get("w", [])
+    assert tokens_of(got) == reference_outputs([3, 1, 4, 1, 5, 9, 2, 6], [], params, 1024)
+
+
+def test_priority_and_fcfs_order_admission() -> None:
+    sched = Scheduler(small_config(max_num_seqs=2))
+    sched.add(make_request("late-low", [1], priority=1))
+    sched.add(make_request("first", [1], priority=0))
+    sched.add(make_request("second", [1], priority=0))
+    step = sched.schedule()
+    assert [r.request_id for r in step.seqs] == ["first", "second"]
+    assert sched.num_waiting == 1 and sched.num_running == 2
+
+
+def test_config_rejects_a_pool_smaller_than_one_sequence() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        SchedulerConfig(block_size=16, num_blocks=4, max_model_len=128)
