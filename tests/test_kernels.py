@@ -1,0 +1,292 @@
+"""Triton kernels vs their torch references (interpreter on CPU), and each reference vs an independent computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.paged_attention import (
+    paged_decode_ref,
+    paged_decode_triton,
+    paged_prefill_ref,
+    paged_prefill_triton,
+)
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import make_cos_sin, rotary_ref, rotary_triton
+
+# The interpreter's tl.dot mis-handles bfloat16 (numpy has no bf16), so attention is checked in
+# fp32 and fp16; the element-wise kernels also run in bf16.
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=ATOL[actual.dtype], rtol=RTOL[actual.dtype])
+
+
+# ---------------------------------------------------------------- rms_norm
+
+
+def test_rms_norm_ref_matches_hf_and_formula():
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    out, residual_out = rms_norm_ref(x, weight, 1e-5, residual)
+    summed = (x + residual).double()
+    direct = summed / torch.sqrt((summed**2).sum(-1, keepdim=True) / 96 + 1e-5) * weight.double()
+    torch.testing.assert_close(out, direct.float())
+    assert torch.equal(residual_out, x + residual)
+    hf = LlamaRMSNorm(96, eps=1e-5)
+    hf.weight.data.copy_(weight)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-5)[0], hf(x).detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden_size", [64, 96, 576])
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rms_norm_triton(dtype: torch.dtype, hidden_size: int, has_residual: bool):
+    torch.manual_seed(hidden_size)
+    # A row-strided view (every other row of a wider buffer) checks the stride handling.
+    x = torch.randn(14, hidden_size, dtype=dtype)[::2]
+    residual = torch.randn(7, hidden_size, dtype=dtype) if has_residual else None
+    weight = torch.rand(hidden_size, dtype=dtype) + 0.5
+    out, residual_out = rms_norm_triton(x, weight, 1e-6, residual)
+    ref_out, ref_residual_out = rms_norm_ref(x, weight, 1e-6, residual)
+    assert_close(out, ref_out)
+    assert_close(residual_out, ref_residual_out)
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def _hf_rotary(head_dim: int, theta: float) -> LlamaRotaryEmbedding:
+    config = LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, rope_theta=theta, max_position_embeddings=512
+    )
+    return LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_make_cos_sin_matches_hf(head_dim: int):
+    positions = torch.arange(300)
+    cos, sin = _hf_rotary(head_dim, 100000.0)(torch.zeros(1, dtype=torch.float32), positions[None])
+    table = make_cos_sin(300, head_dim, 100000.0, torch.float32, "cpu")
+    torch.testing.assert_close(table[:, : head_dim // 2], cos[0, :, : head_dim // 2])
+    torch.testing.assert_close(table[:, head_dim // 2 :], sin[0, :, : head_dim // 2])
+
+
+def test_rotary_ref_matches_hf():
+    torch.manual_seed(0)
+    num_tokens, head_dim = 9, 32
+    q, k = torch.randn(num_tokens, 6, head_dim), torch.randn(num_tokens, 2, head_dim)
+    positions = torch.randint(0, 500, (num_tokens,))
+    cos, sin = _hf_rotary(head_dim, 10000.0)(q, positions[None])
+    # HF layout is [batch, heads, tokens, D]; ours is [tokens, heads, D].
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rotary_ref(q, k, positions, make_cos_sin(512, head_dim, 10000.0, torch.float32, "cpu"))
+    torch.testing.assert_close(q, hf_q[0].transpose(0, 1))
+    torch.testing.assert_close(k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (6, 2, 32), (9, 3, 64), (4, 1, 64)]
+)
+def test_rotary_triton(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    torch.manual_seed(num_q_heads * head_dim)
+    num_tokens = 11
+    # q and k are views into one fused qkv buffer, as the model produces them; v must stay untouched.
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    v_before = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].clone()
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    positions = torch.randint(0, 200, (num_tokens,), dtype=torch.int32)
+    cos_sin = make_cos_sin(200, head_dim, 10000.0, torch.float32, "cpu")
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_ref(q_ref, k_ref, positions, cos_sin)
+    rotary_triton(q, k, positions, cos_sin)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before)
+
+
+# ---------------------------------------------------------------- kv_store
+
+
+def _slots(num_tokens: int, num_slots: int) -> torch.Tensor:
+    """Distinct random slots with a few -1 (padding) entries."""
+    slots = torch.randperm(num_slots)[:num_tokens].to(torch.int32)
+    slots[::4] = -1
+    return slots
+
+
+def test_store_kv_ref_matches_flat_indexing():
+    torch.manual_seed(0)
+    k, v = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    k_cache, v_cache = torch.randn(6, 8, 2, 16), torch.randn(6, 8, 2, 16)
+    slots = _slots(10, 48)
+    expected_k, expected_v = k_cache.clone().view(48, 2, 16), v_cache.clone().view(48, 2, 16)
+    is_stored = slots >= 0
+    expected_k[slots[is_stored].long()] = k[is_stored]
+    expected_v[slots[is_stored].long()] = v[is_stored]
+    store_kv_ref(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(48, 2, 16), expected_k)
+    assert torch.equal(v_cache.view(48, 2, 16), expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(1, 16, 16), (3, 64, 8), (4, 32, 16)])
+def test_store_kv_triton(dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int):
+    torch.manual_seed(num_kv_heads * head_dim)
+    num_tokens, num_blocks = 13, 5
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, dtype=dtype)  # k and v as strided views
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = _slots(num_tokens, num_blocks * block_size)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    # A pure copy: bit-exact, and the random contents of unwritten slots survive.
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+class PagedKV:
+    """Dense per-sequence K/V plus the same data scattered into a paged cache over shuffled blocks."""
+
+    def __init__(
+        self, seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ):
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold noise that must never be read
+        self.k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.v_cache = torch.randn_like(self.k_cache)
+        block_ids = torch.randperm(num_blocks).tolist()
+        self.block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+        self.keys, self.values = [], []
+        for i, seq_len in enumerate(seq_lens):
+            k = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
+            v = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
+            for j in range(blocks_per_seq[i]):
+                block = block_ids.pop()
+                self.block_tables[i, j] = block
+                self.k_cache[block, : len(k[j * block_size :])] = k[j * block_size : (j + 1) * block_size]
+                self.v_cache[block, : len(v[j * block_size :])] = v[j * block_size : (j + 1) * block_size]
+            self.keys.append(k)
+            self.values.append(v)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense attention of the last q_len positions of a sequence over all its keys, in fp32."""
+    q_len, seq_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    q_pos = torch.arange(seq_len - q_len, seq_len)
+    is_visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().repeat_interleave(group, dim=1).transpose(0, 1),
+        v.float().repeat_interleave(group, dim=1).transpose(0, 1),
+        attn_mask=is_visible,
+        scale=scale,
+    )
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def _queries(seq_lens: list[int], q_lens: list[int], num_q_heads: int, head_dim: int, dtype: torch.dtype):
+    assert all(0 < q <= n for q, n in zip(q_lens, seq_lens, strict=True))
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, query_start_loc
+
+
+def test_paged_refs_match_dense_sdpa():
+    torch.manual_seed(0)
+    seq_lens, q_lens = [1, 16, 17, 40, 53], [1, 16, 5, 40, 1]
+    kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
+    q, query_start_loc = _queries(seq_lens, q_lens, 8, 32, torch.float32)
+    out = paged_prefill_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.2)
+    starts = query_start_loc.tolist()
+    for i in range(len(seq_lens)):
+        rows = slice(starts[i], starts[i + 1])
+        torch.testing.assert_close(out[rows], sdpa_causal(q[rows], kv.keys[i], kv.values[i], 0.2))
+    q_decode = torch.randn(len(seq_lens), 8, 32)
+    out = paged_decode_ref(q_decode, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
+    for i in range(len(seq_lens)):
+        torch.testing.assert_close(
+            out[i : i + 1], sdpa_causal(q_decode[i : i + 1], kv.keys[i], kv.values[i], 0.2)
+        )
+
+
+# (dtype, Hq, Hk, D): G = 1, 2, 4, 3 and MQA in fp32; fp16 (slow in the interpreter) on two of them.
+ATTENTION_SHAPES = [
+    (torch.float32, 4, 4, 32),
+    (torch.float32, 4, 2, 16),
+    (torch.float32, 8, 2, 64),
+    (torch.float32, 6, 2, 32),
+    (torch.float32, 4, 1, 32),
+    (torch.float16, 8, 2, 64),
+    (torch.float16, 6, 2, 32),
+]
+
+
+@pytest.mark.parametrize(("dtype", "num_q_heads", "num_kv_heads", "head_dim"), ATTENTION_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_triton(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, num_splits: int
+):
+    torch.manual_seed(num_q_heads * head_dim + num_splits)
+    block_size = 16
+    # 1, B, B+1 and several blocks; 130 spans three key tiles of 64. Short sequences leave later splits empty.
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 130]
+    kv = PagedKV(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
+    assert_close(paged_decode_triton(*args, num_splits=num_splits), paged_decode_ref(*args))
+
+
+@pytest.mark.parametrize(("dtype", "num_q_heads", "num_kv_heads", "head_dim"), ATTENTION_SHAPES)
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens", "block_size"),
+    [
+        ([1, 8, 9, 70], [1, 8, 9, 70], 8),  # fresh prompts at block boundaries; 70 spans two query tiles
+        ([40, 100], [7, 36], 16),  # chunked: cached prefix + new chunk
+        ([33, 5, 90, 17], [1, 5, 25, 1], 16),  # mixed: decodes, a fresh prompt and a chunk in one batch
+    ],
+)
+def test_paged_prefill_triton(
+    dtype: torch.dtype,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_lens: list[int],
+    q_lens: list[int],
+    block_size: int,
+):
+    torch.manual_seed(num_q_heads * head_dim + sum(seq_lens))
+    kv = PagedKV(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q, query_start_loc = _queries(seq_lens, q_lens, num_q_heads, head_dim, dtype)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, head_dim**-0.5)
+    assert_close(paged_prefill_triton(*args), paged_prefill_ref(*args))
+
+
+def test_decode_is_prefill_with_one_query():
+    """The two entry points agree on q_len == 1, so the model may route decodes through either."""
+    torch.manual_seed(1)
+    kv = PagedKV([3, 29, 64], 2, 32, 16, torch.float32)
+    q = torch.randn(3, 4, 32)
+    query_start_loc = torch.arange(4, dtype=torch.int32)
+    decode = paged_decode_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25)
+    prefill = paged_prefill_triton(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.25
+    )
+    torch.testing.assert_close(decode, prefill)
