@@ -1,0 +1,25 @@
+"""Brigade client SDK: `Client` (sync) and `AsyncClient` (asyncio) over ZeroMQ, and `python -m client`."""
+
+from client.async_sdk import AsyncClient
+from client.errors import (
+    BrigadeError,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+    RequestTimeout,
+    ServerUnavailable,
+)
+from client.sdk import Client, GenerateResult, StreamDelta
+
+__all__ = [
+    "AsyncClient",
+    "BrigadeError",
+    "Client",
+    "GenerateResult",
+    "InvalidRequest",
+    "Overloaded",
+    "PromptTooLong",
+    "RequestTimeout",
+    "ServerUnavailable",
+    "StreamDelta",
+]

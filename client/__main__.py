@@ -1,0 +1,118 @@
+"""`python -m client`: generate, chat (one shot or interactive) and health against a running Brigade."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from client.errors import BrigadeError
+from client.sdk import Client, StreamDelta
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    parser.add_argument("--run", metavar="DIR", help="run directory of the Brigade (default: the per-user one)")
+    parser.add_argument("--endpoint", action="append", help="frontend endpoint instead of --run (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=None)
+    sampling.add_argument("--temperature", type=float, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
+    sampling.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate = sub.add_parser("generate", parents=[sampling], help="continue a raw text prompt")
+    generate.add_argument("prompt", metavar="PROMPT")
+    chat = sub.add_parser("chat", parents=[sampling], help="one chat turn, or an interactive chat without MESSAGE")
+    chat.add_argument("message", metavar="MESSAGE", nargs="?")
+    chat.add_argument("--system", help="system prompt")
+    sub.add_parser("health", help="ask every frontend replica whether it is ready")
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _emit(deltas: Any, as_json: bool) -> str:
+    """Stream text to stdout (or collect it for --json); returns the whole text."""
+    text: list[str] = []
+    ids: list[int] = []
+    last: StreamDelta | None = None
+    for last in deltas:
+        text.append(last.text)
+        ids += last.token_ids
+        if not as_json:
+            print(last.text, end="", flush=True)
+    assert last is not None
+    usage = last.usage
+    if as_json:
+        print(json.dumps({
+            "text": "".join(text),
+            "token_ids": ids,
+            "finish_reason": last.finish_reason,
+            "usage": None if usage is None else {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "cached_tokens": usage.cached_tokens,
+            },
+        }, ensure_ascii=False))
+    else:
+        print(flush=True)
+    return "".join(text)
+
+
+def _interactive(client: Client, args: argparse.Namespace) -> None:
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"chatting with {client.model or 'Brigade'} (Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _emit(client.stream(messages=history, timeout=args.timeout, **_sampling(args)), as_json=False)
+        except BrigadeError as exc:
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with Client(args.run, endpoints=args.endpoint, timeout=args.timeout) as client:
+            if args.command == "health":
+                for reply in client.health(timeout=args.timeout or 5.0):
+                    print(json.dumps({
+                        "frontend_id": reply.frontend_id, "is_ready": reply.is_ready, "model": reply.model,
+                        "num_in_flight": reply.num_in_flight, "max_model_len": reply.max_model_len,
+                    }))
+            elif args.command == "generate":
+                _emit(client.stream(args.prompt, **_sampling(args)), args.json)
+            elif args.message is None:
+                _interactive(client, args)
+            else:
+                messages = [{"role": "system", "content": args.system}] if args.system else []
+                messages.append({"role": "user", "content": args.message})
+                _emit(client.stream(messages=messages, **_sampling(args)), args.json)
+    except BrigadeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""`AsyncClient`: the client SDK for asyncio code, driving the same `Session` as the sync client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from client.errors import ServerUnavailable
+from client.sdk import (
+    ConnectInfo,
+    GenerateResult,
+    Prompt,
+    Session,
+    StreamDelta,
+    make_generate,
+    open_dealer,
+    read_run,
+)
+from ipc import messages as m
+
+
+class AsyncClient:
+    """Asyncio client of a running Brigade: one DEALER per frontend replica and one reader task.
+
+    Cancelling the task that consumes a stream (or closing the stream) aborts the request.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        timeout: float | None = None,
+        failover_after: float = 5.0,
+        unavailable_after: float = 30.0,
+        curve_server_key: bytes | None = None,
+        curve_keys: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        info = ConnectInfo(list(endpoints), curve_server_key) if endpoints else read_run(run_dir)
+        self.model = info.model
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sockets = [
+            open_dealer(self._ctx, ep, info.curve_server_key or curve_server_key, curve_keys) for ep in info.endpoints
+        ]
+        self._poller = zmq.asyncio.Poller()
+        for sock in self._sockets:
+            self._poller.register(sock, zmq.POLLIN)
+        self._index = {sock: i for i, sock in enumerate(self._sockets)}
+        self.session = Session(info.endpoints, self._send, failover_after, unavailable_after)
+        self._tick_s = min(0.05, failover_after / 10)
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._reader: asyncio.Task | None = None
+
+    def _send(self, replica: int, frame: bytes) -> bool:
+        # A non-blocking send on an asyncio socket completes (or fails) before returning.
+        future = self._sockets[replica].send(frame, zmq.NOBLOCK)
+        return future.exception() is None
+
+    async def _read_forever(self) -> None:
+        while True:
+            is_unsent = any(s.replica is None and not s.is_done for s in self.session.requests.values())
+            # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
+            for sock, _ in await self._poller.poll(5 if is_unsent else int(self._tick_s * 1000)):
+                i = self._index[sock]
+                while True:
+                    try:
+                        frames = await sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.session.receive(i, frames[0])
+            self.session.tick()
+            for request_id, event in self._wakeups.items():
+                state = self.session.requests.get(request_id)
+                if state is None or state.ready or state.is_done:
+                    event.set()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    async def stream(
+        self,
+        prompt: Prompt | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield the output as it comes (use contextlib.aclosing to abort promptly on break)."""
+        generate = make_generate(request_id, prompt, messages, sampling)
+        self._ensure_reader()
+        state = self.session.submit(generate, timeout if timeout is not None else self.timeout)
+        wakeup = self._wakeups[state.request_id] = asyncio.Event()
+        try:
+            while True:
+                while state.ready:
+                    delta = state.ready.popleft()
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                if state.error is not None:
+                    raise state.error
+                wakeup.clear()
+                await wakeup.wait()
+        finally:
+            self._wakeups.pop(state.request_id, None)
+            self.session.cancel(state.request_id)
+
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None,
+                       **sampling: Any) -> GenerateResult:
+        return await self._collect(self.stream(prompt, timeout=timeout, request_id=request_id, **sampling))
+
+    async def chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
+                   request_id: str | None = None, **sampling: Any) -> GenerateResult:
+        return await self._collect(self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling))
+
+    @staticmethod
+    async def _collect(deltas: AsyncIterator[StreamDelta]) -> GenerateResult:
+        text, ids, logprobs, last = [], [], [], None
+        async with contextlib.aclosing(deltas):
+            async for last in deltas:
+                text.append(last.text)
+                ids += last.token_ids
+                logprobs += last.logprobs or []
+        assert last is not None and last.finish_reason is not None
+        return GenerateResult("".join(text), ids, last.finish_reason, last.usage, logprobs or None)
+
+    async def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
+        self._ensure_reader()
+        start = time.monotonic()
+        replicas = self.session.replicas
+        unsent = set(range(len(replicas)))  # a replica not connected yet refuses the probe: retry
+        while time.monotonic() - start < timeout and not all(r.health_at >= start for r in replicas):
+            unsent = {i for i in unsent if not self.session.probe(i)}
+            await asyncio.sleep(0.005 if unsent else self._tick_s)
+        replies = [r.health for r in replicas if r.health is not None and r.health_at >= start]
+        if not replies:
+            raise ServerUnavailable(f"no frontend answered a health check within {timeout:.0f}s")
+        return replies
+
+    async def close(self) -> None:
+        for request_id in list(self.session.requests):
+            self.session.cancel(request_id)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for sock in self._sockets:
+            sock.close(linger=100)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,41 @@
+"""Typed client errors, one per ErrorReply code a caller may want to handle differently."""
+
+from __future__ import annotations
+
+
+class BrigadeError(Exception):
+    """Base of every error the client raises; `code` is the server's ErrorReply code."""
+
+    code = "internal"
+
+
+class InvalidRequest(BrigadeError):
+    code = "invalid_request"
+
+
+class PromptTooLong(InvalidRequest):
+    code = "prompt_too_long"
+
+
+class Overloaded(BrigadeError):
+    code = "overloaded"
+
+
+class RequestTimeout(BrigadeError):
+    code = "timeout"
+
+
+class ServerUnavailable(BrigadeError):
+    code = "unavailable"
+
+
+_BY_CODE: dict[str, type[BrigadeError]] = {
+    cls.code: cls for cls in (InvalidRequest, PromptTooLong, Overloaded, ServerUnavailable)
+}
+
+
+def error_for(code: str, message: str) -> BrigadeError:
+    """The exception for an ErrorReply (unknown codes map to the base class)."""
+    error = _BY_CODE.get(code, BrigadeError)(message)
+    error.code = code
+    return error

@@ -1,0 +1,459 @@
+"""The ZeroMQ client SDK: a sans-IO session (replicas, exactly-once assembly, failover) and the
+synchronous `Client` around it. `client.async_sdk.AsyncClient` drives the same session from asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from client.errors import BrigadeError, InvalidRequest, RequestTimeout, ServerUnavailable, error_for
+from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
+from ipc.endpoints import default_run_dir
+from ipc.sockets import configure_socket
+
+MAX_SEED = 2**63
+MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class StreamDelta:
+    """New output of one request, in order and never repeated."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    usage: m.Usage | None = None
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: m.Usage | None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class ConnectInfo:
+    """Where a Brigade run listens: frontend endpoints and, for tcp://, its CURVE server key."""
+
+    endpoints: list[str]
+    curve_server_key: bytes | None = None
+    model: str = ""
+
+
+def read_run(run_dir: Path | str | None = None) -> ConnectInfo:
+    """Read RUN_DIR/run.json (written by the supervisor); the default run dir when None."""
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+    except FileNotFoundError:
+        raise ServerUnavailable(f"no Brigade running at {run_dir} (no run.json)") from None
+    except (OSError, ValueError) as exc:
+        raise ServerUnavailable(f"cannot read {run_dir / 'run.json'}: {exc}") from None
+    endpoints = info.get("frontends") or []
+    if not endpoints:
+        raise ServerUnavailable(f"{run_dir / 'run.json'} lists no frontends")
+    key = info.get("curve_server_key")
+    return ConnectInfo(list(endpoints), key.encode() if key else None, info.get("model", ""))
+
+
+def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
+    """SamplingParams from keyword arguments, with a client-chosen seed when sampling is random so
+    that a request resubmitted after a failover samples exactly the same tokens."""
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    try:
+        params = m.SamplingParams(**sampling)
+    except TypeError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if params.seed is None and params.temperature > 0:
+        params = msgspec.structs.replace(params, seed=random.randrange(MAX_SEED))
+    return params
+
+
+def make_generate(
+    request_id: str | None,
+    prompt: Prompt | None,
+    messages: Sequence[dict[str, str]] | None,
+    sampling: dict[str, Any],
+) -> m.Generate:
+    if (prompt is None) == (messages is None):
+        raise InvalidRequest("give exactly one of a prompt (text or token ids) and chat messages")
+    request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling))
+    if messages is not None:
+        request.messages = [m.ChatMessage(role=msg["role"], content=msg["content"]) for msg in messages]
+    elif isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids = m.pack_ids(list(prompt))
+    return request
+
+
+def open_dealer(ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None,
+                curve_keys: tuple[bytes, bytes] | None) -> zmq.Socket:
+    """A DEALER to one frontend. IMMEDIATE: a send to a replica that is down fails at once (and the
+    session tries another) instead of queueing for a peer that may never come back."""
+    sock = ctx.socket(zmq.DEALER)
+    configure_socket(sock)
+    sock.immediate = 1
+    sock.linger = 0
+    if curve_server_key is not None:
+        public, secret = curve_keys or zmq.curve_keypair()
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    sock.connect(endpoint)
+    return sock
+
+
+class RequestState:
+    """Owns one request's received output: assembles deltas exactly once, by absolute position."""
+
+    def __init__(self, generate: m.Generate, deadline: float | None, now: float) -> None:
+        self.generate = generate
+        self.deadline = deadline
+        self.replica: int | None = None  # the frontend it runs on; None = not sent yet
+        self.sent_at = now
+        self.heard_at = now  # last sign of life from the replica running it
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text_parts: list[str] = []
+        self.num_chars = 0
+        self.finish_reason: str | None = None
+        self.usage: m.Usage | None = None
+        self.error: BrigadeError | None = None
+        self.ready: deque[StreamDelta] = deque()
+        self._stash: list[m.Delta] = []
+
+    @property
+    def request_id(self) -> str:
+        return self.generate.request_id
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def resubmission(self) -> m.Generate:
+        """The same request, continuing after what was already received."""
+        return msgspec.structs.replace(
+            self.generate, resume_output_ids=m.pack_ids(self.token_ids), resume_num_chars=self.num_chars
+        )
+
+    def apply(self, delta: m.Delta) -> None:
+        """Take the part of `delta` not yet received; hold it back while an earlier part is missing."""
+        if self.finish_reason is not None:
+            return
+        self._stash.append(delta)
+        is_progress = True
+        while is_progress and self.finish_reason is None:
+            is_progress = False
+            for d in list(self._stash):
+                if d.token_index <= len(self.token_ids) and d.char_offset <= self.num_chars:
+                    self._stash.remove(d)
+                    self._take(d)
+                    is_progress = True
+        del self._stash[:-MAX_STASHED_DELTAS]
+
+    def _take(self, delta: m.Delta) -> None:
+        skip = len(self.token_ids) - delta.token_index
+        ids = m.unpack_ids(delta.token_ids)[skip:].tolist()
+        logprobs = np.frombuffer(delta.logprobs, "<f4")[skip:].tolist()
+        text = delta.text[self.num_chars - delta.char_offset :]
+        self.token_ids += ids
+        self.logprobs += logprobs
+        self.text_parts.append(text)
+        self.num_chars += len(text)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+        if ids or text or delta.finish_reason is not None:
+            self.ready.append(StreamDelta(text, ids, logprobs or None, delta.finish_reason, delta.usage))
+
+    def result(self) -> GenerateResult:
+        assert self.finish_reason is not None
+        return GenerateResult(
+            "".join(self.text_parts), self.token_ids, self.finish_reason, self.usage, self.logprobs or None
+        )
+
+
+@dataclass
+class _Replica:
+    endpoint: str
+    last_seen: float = -math.inf
+    last_probe: float = -math.inf
+    is_suspect: bool = False  # a request failed over away from it and it has not answered since
+    health: m.HealthReply | None = None
+    health_at: float = -math.inf
+
+
+class Session:
+    """Sans-IO core of both clients: owns the replicas' liveness and every in-flight request.
+
+    The caller feeds it received frames (`receive`) and calls `tick` a few times a second; the
+    session sends through `send(replica_index, frame) -> bool`, which must never block.
+    Failover: a replica that sends nothing (no delta, no health reply) for `failover_after`
+    seconds while running a request loses it to another replica, which resumes it from what the
+    client already has; a request that hears nothing for `unavailable_after` fails.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        send: Callable[[int, bytes], bool],
+        failover_after: float = 5.0,
+        unavailable_after: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replicas = [_Replica(ep) for ep in endpoints]
+        self.requests: dict[str, RequestState] = {}
+        self.failover_after = failover_after
+        self.unavailable_after = unavailable_after
+        self.probe_interval = failover_after / 4
+        self._send = send
+        self._clock = clock
+        self._next = 0  # round-robin start among equally loaded replicas
+        self.num_malformed = 0
+        self.num_failovers = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(self, generate: m.Generate, timeout: float | None) -> RequestState:
+        now = self._clock()
+        if generate.request_id in self.requests:
+            raise InvalidRequest(f"request {generate.request_id} is already in flight")
+        state = RequestState(generate, None if timeout is None else now + timeout, now)
+        self.requests[state.request_id] = state
+        self._dispatch(state, now, avoid=None)
+        return state
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a request; tell its replica to abort it unless it already finished."""
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.finish_reason is None and state.replica is not None:
+            self._send(state.replica, CLIENT_REQUEST.encode(m.Abort(request_id)))
+
+    def in_flight(self, replica: int) -> int:
+        return sum(1 for s in self.requests.values() if s.replica == replica and not s.is_done)
+
+    def _dispatch(self, state: RequestState, now: float, avoid: int | None) -> None:
+        """Send (or resend) a request to the best replica: live ones first, least loaded, round robin."""
+        n = len(self.replicas)
+        order = sorted(
+            range(n),
+            key=lambda i: (i == avoid and n > 1, self.replicas[i].is_suspect, self.in_flight(i), (i - self._next) % n),
+        )
+        frame = CLIENT_REQUEST.encode(state.resubmission())
+        state.replica = None
+        for i in order:
+            if self._send(i, frame):
+                state.replica, state.sent_at = i, now
+                self._next = (i + 1) % n
+                return
+
+    # -- input ---------------------------------------------------------------------------------
+
+    def receive(self, replica: int, frame: bytes) -> None:
+        try:
+            reply = CLIENT_REPLY.decode(frame)
+        except MalformedMessage:
+            self.num_malformed += 1
+            return
+        now = self._clock()
+        rep = self.replicas[replica]
+        rep.last_seen, rep.is_suspect = now, False
+        if isinstance(reply, m.HealthReply):
+            rep.health, rep.health_at = reply, now
+            return
+        state = self.requests.get(reply.request_id)
+        # Only the replica now running a request speaks for it: one we failed over from may
+        # still answer (an "abort" after our Abort) and must not end the request.
+        if state is None or state.replica != replica or state.is_done:
+            return
+        state.heard_at = now
+        if isinstance(reply, m.Delta):
+            state.apply(reply)
+        else:
+            state.error = error_for(reply.code, reply.message)
+
+    def tick(self) -> None:
+        """Timeouts, failover, unsent requests and health probes of replicas that went quiet."""
+        now = self._clock()
+        for state in self.requests.values():
+            if state.is_done:
+                continue
+            if state.deadline is not None and now >= state.deadline:
+                state.error = RequestTimeout(f"request {state.request_id} timed out")  # cancel() aborts it
+                continue
+            if state.replica is not None:
+                state.heard_at = max(state.heard_at, self.replicas[state.replica].last_seen)
+            if now - state.heard_at > self.unavailable_after:
+                state.error = ServerUnavailable(f"no frontend answered for {self.unavailable_after:.0f}s")
+            elif state.replica is None:
+                self._dispatch(state, now, avoid=None)
+            elif now - max(state.sent_at, self.replicas[state.replica].last_seen) > self.failover_after:
+                self._failover(state, now)
+        for i, rep in enumerate(self.replicas):
+            quiet = now - max(rep.last_seen, rep.last_probe)
+            if quiet > self.probe_interval and self.in_flight(i):
+                self.probe(i)
+
+    def _failover(self, state: RequestState, now: float) -> None:
+        old = state.replica
+        assert old is not None
+        self.replicas[old].is_suspect = True
+        self.num_failovers += 1
+        if len(self.replicas) > 1:
+            # If it was only slow, stop it; on the same replica the resubmission replaces it.
+            self._send(old, CLIENT_REQUEST.encode(m.Abort(state.request_id)))
+        self._dispatch(state, now, avoid=old)
+
+    def probe(self, replica: int) -> bool:
+        """Send a Health request; False when the replica is not connected."""
+        self.replicas[replica].last_probe = self._clock()
+        return self._send(replica, CLIENT_REQUEST.encode(m.Health()))
+
+
+class Client:
+    """Synchronous client of a running Brigade: one DEALER per frontend replica.
+
+    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        timeout: float | None = None,
+        failover_after: float = 5.0,
+        unavailable_after: float = 30.0,
+        curve_server_key: bytes | None = None,
+        curve_keys: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        info = ConnectInfo(list(endpoints), curve_server_key) if endpoints else read_run(run_dir)
+        self.model = info.model
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sockets = [
+            open_dealer(self._ctx, ep, info.curve_server_key or curve_server_key, curve_keys) for ep in info.endpoints
+        ]
+        self._poller = zmq.Poller()
+        for sock in self._sockets:
+            self._poller.register(sock, zmq.POLLIN)
+        self._index = {sock: i for i, sock in enumerate(self._sockets)}
+        self.session = Session(info.endpoints, self._send, failover_after, unavailable_after)
+        self._tick_s = min(0.05, failover_after / 10)
+
+    def _send(self, replica: int, frame: bytes) -> bool:
+        try:
+            self._sockets[replica].send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _pump(self, timeout: float) -> None:
+        for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
+            i = self._index[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.session.receive(i, frames[0])
+        self.session.tick()
+
+    def stream(
+        self,
+        prompt: Prompt | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[StreamDelta]:
+        """Yield the output as it comes; closing the iterator early aborts the request."""
+        generate = make_generate(request_id, prompt, messages, sampling)
+        return self._stream(generate, timeout if timeout is not None else self.timeout)
+
+    def _stream(self, generate: m.Generate, timeout: float | None) -> Iterator[StreamDelta]:
+        state = self.session.submit(generate, timeout)
+        try:
+            while True:
+                while state.ready:
+                    delta = state.ready.popleft()
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                if state.error is not None:
+                    raise state.error
+                # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
+                self._pump(self._tick_s if state.replica is not None else 0.005)
+        finally:
+            self.session.cancel(state.request_id)
+
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None,
+                 **sampling: Any) -> GenerateResult:
+        return self._collect(self.stream(prompt, timeout=timeout, request_id=request_id, **sampling))
+
+    def chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
+             request_id: str | None = None, **sampling: Any) -> GenerateResult:
+        """One assistant reply; the frontend applies the model's chat template."""
+        return self._collect(self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling))
+
+    def stream_chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
+                    request_id: str | None = None, **sampling: Any) -> Iterator[StreamDelta]:
+        return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+
+    @staticmethod
+    def _collect(deltas: Iterator[StreamDelta]) -> GenerateResult:
+        text, ids, logprobs, last = [], [], [], None
+        for last in deltas:
+            text.append(last.text)
+            ids += last.token_ids
+            logprobs += last.logprobs or []
+        assert last is not None and last.finish_reason is not None
+        return GenerateResult("".join(text), ids, last.finish_reason, last.usage, logprobs or None)
+
+    def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
+        """Ask every replica; the replies that came back within `timeout` (ServerUnavailable if none)."""
+        start = time.monotonic()
+        replicas = self.session.replicas
+        unsent = set(range(len(replicas)))  # a replica not connected yet refuses the probe: retry
+        while time.monotonic() - start < timeout and not all(r.health_at >= start for r in replicas):
+            unsent = {i for i in unsent if not self.session.probe(i)}
+            self._pump(0.005 if unsent else self._tick_s)
+        replies = [r.health for r in replicas if r.health is not None and r.health_at >= start]
+        if not replies:
+            raise ServerUnavailable(f"no frontend answered a health check within {timeout:.0f}s")
+        return replies
+
+    def close(self) -> None:
+        for request_id in list(self.session.requests):
+            self.session.cancel(request_id)
+        for sock in self._sockets:
+            sock.close(linger=100)  # let the aborts out
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

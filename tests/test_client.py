@@ -1,0 +1,464 @@
+"""Client SDK and CLI against fake frontends: real ZeroMQ ROUTER sockets in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from client import (
+    AsyncClient,
+    BrigadeError,
+    Client,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+    RequestTimeout,
+    ServerUnavailable,
+)
+from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
+from ipc.endpoints import make_run_dir
+
+from .conftest import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def token_text(token_id: int) -> str:
+    """The fake model's detokenizer: multi-character pieces, some non-ASCII."""
+    return f"<{token_id}é>"
+
+
+def expected_ids(prompt: str, n: int) -> list[int]:
+    return [100 + (len(prompt) * 7 + i) % 50 for i in range(n)]
+
+
+@dataclass
+class _Stream:
+    identity: bytes
+    request: m.Generate
+    ids: list[int]
+    next_index: int
+    num_sent: int = 0
+
+
+@dataclass
+class FakeFrontend:
+    """A frontend replica that streams `expected_ids(prompt, max_tokens)` one token per delta.
+
+    mode: "normal"; "dup" (every delta twice, plus an overlapping re-send); "error:<code>";
+    "hang" (answers Health, never Generate). `die_after` tokens: then it goes silent for good
+    (no deltas, no health replies), as a killed process would.
+    """
+
+    endpoint: str
+    mode: str = "normal"
+    die_after: int | None = None
+    interval: float = 0.002
+    frontend_id: int = 0
+    curve_keys: tuple[bytes, bytes] | None = None
+    received: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        if self.curve_keys is not None:
+            self._sock.curve_server = True
+            self._sock.curve_publickey, self._sock.curve_secretkey = self.curve_keys
+        self._sock.bind(self.endpoint)
+        self.last_endpoint = self._sock.last_endpoint.decode()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self.is_dead = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def requests(self, kind: type) -> list:
+        return [r for r in list(self.received) if isinstance(r, kind)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+
+    def _send(self, identity: bytes, reply: m.ClientReply) -> None:
+        self._sock.send_multipart([identity, CLIENT_REPLY.encode(reply)])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(int(self.interval * 1000) or 1):
+                identity, data = self._sock.recv_multipart()
+                request = CLIENT_REQUEST.decode(data)
+                self.received.append(request)
+                if not self.is_dead:
+                    self._handle(identity, request)
+            if not self.is_dead:
+                for stream in list(self._streams.values()):
+                    self._step(stream)
+
+    def _handle(self, identity: bytes, request: m.ClientRequest) -> None:
+        if isinstance(request, m.Health):
+            self._send(identity, m.HealthReply(self.frontend_id, True, "fake", len(self._streams), 2048))
+        elif isinstance(request, m.Abort):
+            self._streams.pop(request.request_id, None)
+        elif self.mode.startswith("error:"):
+            self._send(identity, m.ErrorReply(request.request_id, self.mode[6:], "refused by the fake"))
+        elif self.mode != "hang":
+            prompt = request.prompt or "".join(msg.role for msg in request.messages or [])
+            ids = expected_ids(prompt, request.params.max_tokens)
+            resume = m.unpack_ids(request.resume_output_ids).tolist()
+            assert resume == ids[: len(resume)], "resumed with ids this request never produced"
+            assert request.resume_num_chars == len("".join(map(token_text, resume)))
+            self._streams[request.request_id] = _Stream(identity, request, ids, len(resume))
+
+    def _delta(self, stream: _Stream, start: int, end: int) -> m.Delta:
+        ids = stream.ids[start:end]
+        return m.Delta(
+            request_id=stream.request.request_id,
+            token_index=start,
+            char_offset=len("".join(map(token_text, stream.ids[:start]))),
+            text="".join(map(token_text, ids)),
+            token_ids=m.pack_ids(ids),
+            logprobs=np.asarray([-0.25 * i for i in range(start, end)], "<f4").tobytes(),
+            finish_reason="length" if end == len(stream.ids) else None,
+            usage=m.Usage(3, len(stream.ids), 1) if end == len(stream.ids) else None,
+        )
+
+    def _step(self, stream: _Stream) -> None:
+        if self.die_after is not None and stream.num_sent >= self.die_after:
+            self.is_dead = True
+            return
+        i = stream.next_index
+        delta = self._delta(stream, i, i + 1)
+        if self.mode == "dup":
+            self._send(stream.identity, delta)
+            self._send(stream.identity, delta)
+            self._send(stream.identity, self._delta(stream, max(0, i - 2), i + 1))  # overlapping
+        self._send(stream.identity, delta)
+        stream.next_index += 1
+        stream.num_sent += 1
+        if stream.next_index == len(stream.ids):
+            del self._streams[stream.request.request_id]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return make_run_dir(tmp_path / "run")
+
+
+@pytest.fixture
+def fakes(run_dir: Path):
+    made: list[FakeFrontend] = []
+
+    def make(i: int = 0, **kw) -> FakeFrontend:
+        fake = FakeFrontend(f"ipc://{run_dir}/frontend-{i}.sock", frontend_id=i, **kw)
+        made.append(fake)
+        return fake
+
+    yield make
+    for fake in made:
+        fake.close()
+
+
+def expected_text(prompt: str, n: int) -> str:
+    return "".join(map(token_text, expected_ids(prompt, n)))
+
+
+def test_generate_and_stream(fakes) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        result = client.generate("hello", max_tokens=12)
+        assert result.text == expected_text("hello", 12)
+        assert result.token_ids == expected_ids("hello", 12)
+        assert result.finish_reason == "length"
+        assert result.usage == m.Usage(3, 12, 1)
+        assert result.logprobs == [-0.25 * i for i in range(12)]
+        deltas = list(client.stream("hey", max_tokens=5))
+    assert [d.token_ids for d in deltas] == [[i] for i in expected_ids("hey", 5)]
+    assert "".join(d.text for d in deltas) == expected_text("hey", 5)
+    assert [d.finish_reason for d in deltas] == [None] * 4 + ["length"]
+    (first, second) = fake.requests(m.Generate)
+    assert first.request_id != second.request_id and len(first.request_id) == 32
+    assert first.params.seed is not None  # assigned client-side: temperature 1.0 samples
+
+
+def test_chat_sends_messages(fakes) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        result = client.chat([{"role": "user", "content": "hi"}], max_tokens=3, temperature=0.0)
+    (request,) = fake.requests(m.Generate)
+    assert request.messages == [m.ChatMessage("user", "hi")] and request.prompt is None
+    assert request.params.seed is None  # greedy needs none
+    assert result.text == expected_text("user", 3)
+
+
+def test_exactly_once_with_duplicated_and_overlapping_deltas(fakes) -> None:
+    fake = fakes(mode="dup")
+    with Client(endpoints=[fake.endpoint]) as client:
+        deltas = list(client.stream("dups", max_tokens=20))
+    assert [i for d in deltas for i in d.token_ids] == expected_ids("dups", 20)
+    assert "".join(d.text for d in deltas) == expected_text("dups", 20)
+    assert all(d.text or d.token_ids or d.finish_reason for d in deltas)
+
+
+def test_out_of_order_deltas_are_assembled_in_order() -> None:
+    from client.sdk import RequestState
+
+    state = RequestState(m.Generate("r"), None, 0.0)
+    texts = ["ab", "c", "déf"]
+    deltas = [m.Delta("r", i, [0, 2, 3][i], t, m.pack_ids([i])) for i, t in enumerate(texts)]
+    deltas[2].finish_reason = "stop"
+    for d in (deltas[2], deltas[0], deltas[0], deltas[1]):
+        state.apply(d)
+    assert "".join(d.text for d in state.ready) == "abcdéf"
+    assert state.token_ids == [0, 1, 2] and state.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("invalid_request", InvalidRequest),
+        ("prompt_too_long", PromptTooLong),
+        ("overloaded", Overloaded),
+        ("unavailable", ServerUnavailable),
+        ("internal", BrigadeError),
+    ],
+)
+def test_error_mapping(fakes, code: str, error: type[BrigadeError]) -> None:
+    fake = fakes(mode=f"error:{code}")
+    with Client(endpoints=[fake.endpoint]) as client, pytest.raises(error, match="refused by the fake") as info:
+        client.generate("x")
+    assert info.value.code == code
+
+
+def test_invalid_sampling_argument_is_an_invalid_request(fakes) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client, pytest.raises(InvalidRequest):
+        client.generate("x", no_such_param=1)
+
+
+def test_timeout_raises_and_aborts(fakes) -> None:
+    fake = fakes(mode="hang")
+    with Client(endpoints=[fake.endpoint]) as client:
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            client.generate("x", timeout=0.3)
+        assert 0.3 <= time.monotonic() - start < 3
+        (request,) = fake.requests(m.Generate)
+        wait_for(lambda: fake.requests(m.Abort))
+    assert fake.requests(m.Abort)[0].request_id == request.request_id
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_breaking_out_of_a_stream_sends_abort(fakes) -> None:
+    fake = fakes(interval=0.01)
+    with Client(endpoints=[fake.endpoint]) as client:
+        for i, _ in enumerate(client.stream("long", max_tokens=1000)):
+            if i == 2:
+                break
+        wait_for(lambda: fake.requests(m.Abort))
+        (request,) = fake.requests(m.Generate)
+        assert fake.requests(m.Abort)[0].request_id == request.request_id
+        assert client.session.requests == {}
+
+
+def test_failover_resumes_on_another_replica(fakes) -> None:
+    dying, spare = fakes(0, die_after=7), fakes(1)
+    with Client(endpoints=[dying.endpoint, spare.endpoint], failover_after=0.3) as client:
+        client.health()  # both connected: round robin starts on the dying one
+        result = client.generate("failover", max_tokens=20)
+        assert client.session.num_failovers == 1
+    # One uninterrupted, duplicate-free result.
+    assert result.text == expected_text("failover", 20)
+    assert result.token_ids == expected_ids("failover", 20)
+    (first,) = dying.requests(m.Generate)
+    (resumed,) = spare.requests(m.Generate)
+    assert resumed.request_id == first.request_id and resumed.params == first.params
+    assert m.unpack_ids(resumed.resume_output_ids).tolist() == expected_ids("failover", 7)
+    assert resumed.resume_num_chars == len(expected_text("failover", 7))
+    assert dying.requests(m.Health), "the silent replica was probed before failing over"
+
+
+def test_requests_spread_across_replicas(fakes) -> None:
+    a, b = fakes(0), fakes(1)
+    with Client(endpoints=[a.endpoint, b.endpoint]) as client:
+        streams = [client.stream(f"p{i}", max_tokens=30) for i in range(4)]
+        firsts = [next(s) for s in streams]  # all four in flight at once
+        assert all(f.token_ids for f in firsts)
+        for s in streams:
+            s.close()
+    assert len(a.requests(m.Generate)) == 2 and len(b.requests(m.Generate)) == 2
+
+
+def test_no_frontend_is_server_unavailable(run_dir: Path) -> None:
+    with pytest.raises(ServerUnavailable, match=r"no run\.json"):
+        Client(run_dir)
+    with Client(endpoints=[f"ipc://{run_dir}/nobody.sock"], failover_after=0.1, unavailable_after=0.4) as client:
+        with pytest.raises(ServerUnavailable):
+            client.generate("x")
+        with pytest.raises(ServerUnavailable):
+            client.health(timeout=0.2)
+
+
+def test_health(fakes) -> None:
+    a, b = fakes(0), fakes(1)
+    with Client(endpoints=[a.endpoint, b.endpoint]) as client:
+        replies = client.health()
+    assert sorted(r.frontend_id for r in replies) == [0, 1] and all(r.is_ready for r in replies)
+
+
+def test_curve_over_tcp() -> None:
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    server_public, server_secret = zmq.curve_keypair()
+    fake = FakeFrontend("tcp://127.0.0.1:*", curve_keys=(server_public, server_secret))
+    endpoint = fake.last_endpoint
+    try:
+        with Client(endpoints=[endpoint], curve_server_key=server_public) as client:
+            assert client.generate("curvy", max_tokens=3).text == expected_text("curvy", 3)
+        wrong_key = zmq.curve_keypair()[0]
+        wrong = Client(endpoints=[endpoint], curve_server_key=wrong_key, failover_after=0.1, unavailable_after=0.5)
+        with wrong, pytest.raises(ServerUnavailable):
+            wrong.generate("curvy", max_tokens=3)
+    finally:
+        fake.close()
+    assert len(fake.requests(m.Generate)) == 1  # the wrong key never got through
+
+
+def test_async_generate_stream_and_cancel(fakes) -> None:
+    fake = fakes(interval=0.01)
+
+    async def main() -> None:
+        async with AsyncClient(endpoints=[fake.endpoint]) as client:
+            result = await client.generate("async", max_tokens=8)
+            assert result.text == expected_text("async", 8)
+            assert result.token_ids == expected_ids("async", 8)
+
+            received = []
+
+            async def consume() -> None:
+                async for delta in client.stream("cancel me", max_tokens=1000):
+                    received.append(delta)
+
+            task = asyncio.create_task(consume())
+            while len(received) < 2:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 5
+            while not fake.requests(m.Abort):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            with pytest.raises(RequestTimeout):
+                await client.generate("x", max_tokens=10_000, timeout=0.05)
+
+    asyncio.run(main())
+    cancelled = fake.requests(m.Generate)[1].request_id
+    assert cancelled in [a.request_id for a in fake.requests(m.Abort)]
+
+
+def test_async_failover(fakes) -> None:
+    dying, spare = fakes(0, die_after=4), fakes(1)
+
+    async def main() -> m.Usage:
+        async with AsyncClient(endpoints=[dying.endpoint, spare.endpoint], failover_after=0.3) as client:
+            await client.health()
+            result = await client.generate("afail", max_tokens=10)
+            assert result.text == expected_text("afail", 10)
+            return result.usage
+
+    assert asyncio.run(main()) == m.Usage(3, 10, 1)
+    assert m.unpack_ids(spare.requests(m.Generate)[0].resume_output_ids).tolist() == expected_ids("afail", 4)
+
+
+def write_run_json(run_dir: Path, endpoints: list[str]) -> None:
+    info = {"run_id": "test", "frontends": endpoints, "model": "fake"}
+    (run_dir / "run.json").write_text(json.dumps(info))
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_json(fakes, run_dir: Path) -> None:
+    fake = fakes()
+    write_run_json(run_dir, [fake.endpoint])
+    out = run_cli("--run", str(run_dir), "generate", "cli prompt", "--max-tokens", "6", "--seed", "3",
+                  "--stop", "a", "b", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got == {
+        "text": expected_text("cli prompt", 6),
+        "token_ids": expected_ids("cli prompt", 6),
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 6, "cached_tokens": 1},
+    }
+    (request,) = fake.requests(m.Generate)
+    assert request.prompt == "cli prompt" and request.params.stop == ["a", "b"] and request.params.seed == 3
+    chat = run_cli("--run", str(run_dir), "chat", "hi there", "--max-tokens", "2", "--temperature", "0")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == expected_text("user", 2) + "\n"
+    assert fake.requests(m.Generate)[1].messages == [m.ChatMessage("user", "hi there")]
+
+
+def test_cli_errors_are_one_line(fakes, run_dir: Path) -> None:
+    out = run_cli("--run", str(run_dir), "generate", "x")
+    assert out.returncode == 1 and out.stderr.startswith("error: no Brigade running")
+    assert len(out.stderr.strip().splitlines()) == 1
+    fake = fakes(mode="error:prompt_too_long")
+    write_run_json(run_dir, [fake.endpoint])
+    out = run_cli("--run", str(run_dir), "generate", "x", "--json")
+    assert out.returncode == 1 and out.stderr.strip() == "error: refused by the fake" and out.stdout == ""
+
+
+def test_cli_interactive_chat_keeps_history(fakes, run_dir: Path) -> None:
+    fake = fakes()
+    write_run_json(run_dir, [fake.endpoint])
+    out = subprocess.run(
+        [sys.executable, "-m", "client", "--run", str(run_dir), "chat", "--max-tokens", "2"],
+        cwd=REPO_ROOT, input="first\nsecond\n", capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = fake.requests(m.Generate)
+    assert [msg.content for msg in second.messages] == ["first", expected_text("user", 2), "second"]
+    assert first.request_id != second.request_id
+
+
+@pytest.mark.parametrize("module", ["client", "client.__main__", "services.tokenizer.text", "services.detokenizer.core"])
+def test_light_modules_do_not_import_torch(module: str) -> None:
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)
+
+
+def test_resubmission_keeps_everything_but_resume_fields() -> None:
+    from client.sdk import RequestState, make_generate
+
+    generate = make_generate(None, "p", None, {"temperature": 0.7, "stop": "x"})
+    assert generate.params.stop == ["x"] and generate.params.seed is not None
+    state = RequestState(generate, None, 0.0)
+    state.apply(m.Delta(generate.request_id, 0, 0, "ab", m.pack_ids([5, 6])))
+    again = state.resubmission()
+    assert msgspec.structs.replace(again, resume_output_ids=b"", resume_num_chars=0) == generate
+    assert m.unpack_ids(again.resume_output_ids).tolist() == [5, 6] and again.resume_num_chars == 2
