@@ -191,7 +191,7 @@ def test_core_groups_by_frontend_and_finishes(tokenizer: Tokenizer) -> None:
     assert receivers["a"].text == tokenizer.decode(a) and receivers["a"].ids == a
     assert receivers["b"].text == tokenizer.decode(b) and receivers["b"].ids == b
     assert receivers["a"].logprobs == [-0.5 * i for i in range(len(a))]
-    assert core.num_requests == 0  # forgotten after the final delta
+    assert core.num_live == 0  # forgotten after the final delta
 
 
 def test_core_stop_hit_reports_abort_and_drops_late_updates(tokenizer: Tokenizer) -> None:
@@ -210,7 +210,7 @@ def test_core_stop_hit_reports_abort_and_drops_late_updates(tokenizer: Tokenizer
     assert receiver.text == reference_stop(tokenizer.decode(ids), ["answer"], False)[0]
     assert receiver.finish_reason == "stop" and receiver.ids == ids[: stopped_at + 1]
     late = len(ids) - stopped_at - 1
-    assert core.num_late == late and core.num_unknown == 0 and core.num_requests == 0
+    assert core.num_late == late and core.num_unknown == 0 and core.num_live == 0
 
 
 def test_core_resync_and_duplicates_reconstruct_exact_text(tokenizer: Tokenizer) -> None:
@@ -261,7 +261,7 @@ def test_core_counts_unknown_and_gaps(tokenizer: Tokenizer) -> None:
     deltas, _ = core.handle(TokenBatch([update("r", 3, [11])]))
     assert deltas == {} and core.num_gaps == 1
     core.drop(["r"])
-    assert core.num_requests == 0
+    assert core.num_live == 0
     core.handle(TokenBatch([update("r", 1, [11])]))
     assert core.num_late == 1 and core.num_unknown == 1
 

@@ -161,7 +161,7 @@ class DetokenizerCore:
         self.num_duplicate_tokens = 0  # tokens received twice and trimmed
 
     @property
-    def num_requests(self) -> int:
+    def num_live(self) -> int:
         return len(self._requests)
 
     def handle(self, batch: TokenBatch) -> tuple[dict[int, list[Delta]], list[str]]:
