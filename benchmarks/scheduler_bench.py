@@ -74,22 +74,30 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         sched.update(step, *fake_result(header.num_seqs, header.max_top_logprobs))
         step_id += 1
 
-    times = np.empty(num_steps)
+    clock = time.perf_counter
+    times = np.empty((num_steps, 3))  # schedule, build_plan, update
     for t in range(num_steps):
         result = fake_result(num_seqs, 5 if mixed_params else 0)
-        t0 = time.perf_counter()
+        t0 = clock()
         step = sched.schedule()
+        t1 = clock()
         header, _ = build_plan(step, step_id, block_size)
+        t2 = clock()
         sched.update(step, *result)
-        times[t] = time.perf_counter() - t0
+        t3 = clock()
+        times[t] = (t1 - t0, t2 - t1, t3 - t2)
         assert header.num_seqs == num_seqs and header.num_tokens == num_seqs
         step_id += 1
     us = times * 1e6
+    total = us.sum(axis=1)
     return {
         "num_seqs": num_seqs,
-        "p50_us": float(np.percentile(us, 50)),
-        "p90_us": float(np.percentile(us, 90)),
-        "per_seq_us": float(np.percentile(us, 50)) / num_seqs,
+        "p50_us": float(np.percentile(total, 50)),
+        "p90_us": float(np.percentile(total, 90)),
+        "per_seq_us": float(np.percentile(total, 50)) / num_seqs,
+        "schedule_us_p50": float(np.percentile(us[:, 0], 50)),
+        "build_plan_us_p50": float(np.percentile(us[:, 1], 50)),
+        "update_us_p50": float(np.percentile(us[:, 2], 50)),
     }
 
 
@@ -112,9 +120,12 @@ def main() -> None:
     results["plan_us_p90"] = plain["p90_us"]
     results["planning"] = {"default_params": plain, "mixed_params": mixed}
     print(f"planning: schedule + build_plan + update, {args.num_seqs} seqs in steady decode")
-    print(f"{'params':<16}{'p50 µs':>10}{'p90 µs':>10}{'µs/seq':>10}")
+    print(f"{'params':<14}{'p50 µs':>9}{'p90 µs':>9}{'µs/seq':>8}{'schedule':>10}{'plan':>8}{'update':>8}")
     for name, r in (("default", plain), ("mixed (1/8)", mixed)):
-        print(f"{name:<16}{r['p50_us']:>10.1f}{r['p90_us']:>10.1f}{r['per_seq_us']:>10.2f}")
+        print(
+            f"{name:<14}{r['p50_us']:>9.1f}{r['p90_us']:>9.1f}{r['per_seq_us']:>8.2f}"
+            f"{r['schedule_us_p50']:>10.1f}{r['build_plan_us_p50']:>8.1f}{r['update_us_p50']:>8.1f}"
+        )
 
     # Further sections (e.g. the worker's busy fraction with a real worker) add their keys to
     # `results` here.

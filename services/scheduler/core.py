@@ -18,8 +18,18 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from ipc.messages import SamplingParams
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.plan import PlanTable, ScheduledStep
+from services.scheduler.plan import (
+    EOS_FROM,
+    HAS_STOP_IDS,
+    LAST_TOKEN,
+    NEEDS_HISTORY,
+    NUM_LOGPROBS,
+    STOP_LEN,
+    PlanTable,
+    ScheduledStep,
+)
 from services.scheduler.request import Request, RequestStatus
 
 
@@ -130,7 +140,9 @@ class Scheduler:
         """
         old = self.requests.get(req.request_id)
         if req.output_ids:
-            reason = self._finish_reason(req, req.output_ids[-1])
+            reason = self._finish_reason(
+                req.params, req.output_ids[-1], req.num_output_tokens, req.num_tokens
+            )
             if reason is not None:
                 if old is not None:
                     self._drop(old, RequestStatus.ABORTED)
@@ -198,14 +210,13 @@ class Scheduler:
         seqs: list[Request] = []
         rows: list[int] = []
         starts: list[int] = []
-        num_new: list[int] = []
         partial: list[Request] = []
 
         # 1. Decodes: one token each; one entering a new block may preempt the back of the line.
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            i += 1
+        # Preemption only removes sequences behind `req`, which this loop then never reaches.
+        for req in running:
+            if budget == 0:
+                break
             computed = req.num_computed_tokens
             n = req.num_tokens - computed
             if n != 1:
@@ -351,11 +362,12 @@ class Scheduler:
         ends = step.starts + step.num_new_tokens
         # A row's epoch moves when it is released (finish, abort, preemption, replacement).
         live = table.epoch[rows] == step.row_epochs
-        # Blocks filled by this step join the prefix cache.
-        if self.blocks.enable_prefix_caching:
-            for i in np.flatnonzero(live & (ends // bs > step.starts // bs)).tolist():
+        # Prompt blocks filled by this step join the prefix cache at once, for requests that
+        # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
+        if self.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
+            for i in range(step.num_decodes, len(seqs)):
                 req = seqs[i]
-                if ends[i] // bs > req.num_registered_blocks:
+                if live[i] and ends[i] // bs > req.num_registered_blocks:
                     self._register_blocks(req, int(ends[i]) // bs)
         sampled = np.flatnonzero(live & step.is_sampled)
         num_sampled = len(sampled)
@@ -364,67 +376,77 @@ class Scheduler:
         all_sampled = num_sampled == len(seqs)
         sampled_rows = rows if all_sampled else rows[sampled]
         tokens = sampled_ids if all_sampled else sampled_ids[sampled]
-        table.last_token[sampled_rows] = tokens
-        # Finish checks, vectorized; only candidates get a look in Python.
+        ints = table.ints
+        ints[LAST_TOKEN][sampled_rows] = tokens
+        # Finish checks, vectorized over the batch; only candidates get a look in Python.
         lens_after = (ends if all_sampled else ends[sampled]) + 1
-        candidates = (lens_after >= table.stop_len[sampled_rows]) | table.has_stop_ids[sampled_rows]
+        candidates = lens_after >= ints[STOP_LEN][sampled_rows]
+        candidates |= ints[HAS_STOP_IDS][sampled_rows] != 0
         if self.eos_token_ids:
-            is_eos = np.zeros(num_sampled, np.bool_)
+            eos_from = ints[EOS_FROM][sampled_rows]
             for e in self.eos_token_ids:
-                is_eos |= tokens == e
-            candidates |= is_eos & (lens_after > table.eos_from[sampled_rows])
-        wants_top = table.num_logprobs[sampled_rows] > 0
+                candidates |= (tokens == e) & (lens_after > eos_from)
+        num_logprobs = ints[NUM_LOGPROBS][sampled_rows]
+        needs_history = ints[NEEDS_HISTORY][sampled_rows]
 
         token_list = tokens.tolist()
         logprob_list = (sampled_logprobs if all_sampled else sampled_logprobs[sampled]).tolist()
-        reasons: list[str | None] = [None] * num_sampled
-        tops: list[list[dict[int, float]] | None] = [None] * num_sampled
         sampled_seqs = seqs if all_sampled else [seqs[i] for i in sampled.tolist()]
-        for req, token in zip(sampled_seqs, token_list, strict=True):
-            req.output_ids.append(token)
-            req.num_tokens += 1
-        for j in np.flatnonzero(table.needs_history[sampled_rows]).tolist():
+        reasons: list[str | None] = [None] * num_sampled
+        finishing = np.flatnonzero(candidates).tolist() if np.count_nonzero(candidates) else []
+        for j in finishing:
             req = sampled_seqs[j]
-            table.history[req.row][req.num_tokens - 1] = token_list[j]
-        for j in np.flatnonzero(candidates).tolist():
-            reasons[j] = self._finish_reason(sampled_seqs[j], token_list[j])
-        if top_ids is not None and top_logprobs is not None:
-            for j in np.flatnonzero(wants_top).tolist():
-                k = sampled_seqs[j].params.logprobs
+            reasons[j] = self._finish_reason(
+                req.params, token_list[j], req.num_output_tokens + 1, req.num_tokens + 1
+            )
+        tops: list[list[dict[int, float]]] = [[]] * num_sampled  # shared only until replaced below
+        if top_ids is not None and top_logprobs is not None and np.count_nonzero(num_logprobs):
+            for j in np.flatnonzero(num_logprobs).tolist():
+                k = int(num_logprobs[j])
                 i = int(sampled[j])
                 tops[j] = [dict(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist(), strict=True))]
 
-        outputs = [
-            RequestOutput(
-                req.request_id,
-                req.frontend_id,
-                req.num_tokens - len(req.prompt_ids) - 1,
-                [token],
-                [logprob],
-                top or [],
-                reason,
-                len(req.prompt_ids),
-                req.num_cached_tokens,
+        outputs: list[RequestOutput] = []
+        add_output = outputs.append
+        for req, token, logprob, top, reason in zip(
+            sampled_seqs, token_list, logprob_list, tops, reasons, strict=True
+        ):
+            output_ids = req.output_ids
+            add_output(
+                RequestOutput(
+                    req.request_id,
+                    req.frontend_id,
+                    len(output_ids),
+                    [token],
+                    [logprob],
+                    top or [],
+                    reason,
+                    len(req.prompt_ids),
+                    req.num_cached_tokens,
+                )
             )
-            for req, token, logprob, top, reason in zip(
-                sampled_seqs, token_list, logprob_list, tops, reasons, strict=True
-            )
-        ]
-        for req, reason in zip(sampled_seqs, reasons, strict=True) if candidates.any() else ():
-            if reason is not None:
+            output_ids.append(token)
+            req.num_tokens += 1
+        if np.count_nonzero(needs_history):
+            for j in np.flatnonzero(needs_history).tolist():
+                req = sampled_seqs[j]
+                table.history[req.row][req.num_tokens - 1] = token_list[j]
+        for j in finishing:
+            if reasons[j] is not None:
+                req = sampled_seqs[j]
                 self._drop(req, RequestStatus.FINISHED)
-                req.finish_reason = reason
+                req.finish_reason = reasons[j]
         return outputs
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        """Why a request stops after emitting `token` as its latest output, or None."""
-        p = req.params
-        num_out = len(req.output_ids)
-        if num_out > p.min_tokens and (
-            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+    def _finish_reason(
+        self, params: SamplingParams, token: int, num_outputs: int, num_tokens: int
+    ) -> str | None:
+        """Why a request stops once `token` is its latest output (with these counts), or None."""
+        if num_outputs > params.min_tokens and (
+            (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         ):
             return "stop"
-        if num_out >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_outputs >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
@@ -450,6 +472,12 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=_sort_key)
 
     def _release(self, req: Request) -> None:
+        """Free a request's row and blocks, first offering its full computed blocks to the cache."""
+        if (
+            self.blocks.enable_prefix_caching
+            and req.num_computed_tokens // self.block_size > req.num_registered_blocks
+        ):
+            self._register_blocks(req, req.num_computed_tokens // self.block_size)
         if req.row >= 0:
             self.table.release(req)
         self.blocks.release(req.block_ids)

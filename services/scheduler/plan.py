@@ -17,33 +17,43 @@ import numpy as np
 from ipc.messages import StepHeader
 from services.scheduler.request import Request
 
+# Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
+FLOAT_COLUMNS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+# Rows of PlanTable.ints.
+TOP_K, NUM_LOGPROBS, LAST_TOKEN, NEEDS_HISTORY, NEEDS_BIAS, STOP_LEN, EOS_FROM, HAS_STOP_IDS = range(8)
+NUM_INT_COLUMNS = 8
+NEVER = np.iinfo(np.int32).max
+
 
 class PlanTable:
-    """Owns the per-row columns of the running requests (a row is a running request's slot)."""
+    """Owns the per-row columns of the running requests (a row is a running request's slot).
+
+    Columns are grouped by dtype (`floats[column, row]`); each column is contiguous, so a step
+    gathers it with one 1-d fancy index.
+    """
 
     def __init__(self, num_rows: int, max_blocks_per_seq: int, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.epoch = np.zeros(num_rows, np.int64)  # bumped when a row is released: stale results
         self.block_tables = np.zeros((num_rows, max_blocks_per_seq), np.int32)
-        self.last_token = np.zeros(num_rows, np.int32)
-        self.temperature = np.zeros(num_rows, np.float32)
-        self.top_k = np.zeros(num_rows, np.int32)
-        self.top_p = np.ones(num_rows, np.float32)
-        self.min_p = np.zeros(num_rows, np.float32)
-        self.repetition_penalty = np.ones(num_rows, np.float32)
-        self.presence_penalty = np.zeros(num_rows, np.float32)
-        self.frequency_penalty = np.zeros(num_rows, np.float32)
+        self.floats = np.zeros((len(FLOAT_COLUMNS), num_rows), np.float32)
         self.seeds = np.zeros(num_rows, np.int64)
-        self.num_logprobs = np.zeros(num_rows, np.int32)
-        self.min_tokens = np.zeros(num_rows, np.int32)
-        self.needs_history = np.zeros(num_rows, np.bool_)
-        self.has_bias = np.zeros(num_rows, np.bool_)
-        # Finish checks of update(), by context length after appending the sampled token.
-        self.stop_len = np.zeros(num_rows, np.int32)  # "length" at or past this
-        self.eos_from = np.zeros(num_rows, np.int32)  # eos counts past this (min_tokens)
-        self.has_stop_ids = np.zeros(num_rows, np.bool_)
+        # TOP_K, NUM_LOGPROBS, LAST_TOKEN (the next decode input); NEEDS_HISTORY (penalties),
+        # NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by context length
+        # after appending the sampled token: "length" at STOP_LEN, eos counts past EOS_FROM
+        # (min_tokens), HAS_STOP_IDS sends the row to the per-sequence check.
+        self.ints = np.zeros((NUM_INT_COLUMNS, num_rows), np.int32)
         # Token history (prompt + outputs) of rows that apply penalties, so plans copy slices.
         self.history: dict[int, np.ndarray] = {}
+        # params.logit_bias of rows that have one, as (ids, values) arrays.
+        self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def assign(self, req: Request) -> None:
@@ -52,34 +62,35 @@ class PlanTable:
         req.row = row
         p = req.params
         self.block_tables[row, : len(req.block_ids)] = req.block_ids
-        self.last_token[row] = req.last_token_id
-        self.temperature[row] = p.temperature
-        self.top_k[row] = p.top_k
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.repetition_penalty[row] = p.repetition_penalty
-        self.presence_penalty[row] = p.presence_penalty
-        self.frequency_penalty[row] = p.frequency_penalty
+        self.floats[:, row] = [getattr(p, name) for name in FLOAT_COLUMNS]
         self.seeds[row] = req.seed
-        self.num_logprobs[row] = p.logprobs
-        self.min_tokens[row] = p.min_tokens
-        self.needs_history[row] = (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        needs_history = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self.ints[:, row] = (
+            p.top_k,
+            p.logprobs,
+            req.last_token_id,
+            needs_history,
+            bool(p.logit_bias) or p.min_tokens > 0,
+            min(req.num_prompt_tokens + p.max_tokens, self.max_model_len),
+            NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
+            bool(p.stop_token_ids),
         )
-        if self.needs_history[row]:
+        if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
             self.history[row] = buf
-        self.has_bias[row] = bool(p.logit_bias)
-        self.stop_len[row] = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
-        self.eos_from[row] = np.iinfo(np.int32).max if p.ignore_eos else req.num_prompt_tokens + p.min_tokens
-        self.has_stop_ids[row] = bool(p.stop_token_ids)
+        if p.logit_bias:
+            self.bias[row] = (
+                np.array(list(p.logit_bias), np.int32),
+                np.array(list(p.logit_bias.values()), np.float32),
+            )
 
     def release(self, req: Request) -> None:
         """Free a request's row; its block table row goes back to all zeros (the padding)."""
         self.block_tables[req.row, : len(req.block_ids)] = 0
         self.epoch[req.row] += 1
         self.history.pop(req.row, None)
+        self.bias.pop(req.row, None)
         self._free_rows.append(req.row)
         req.row = -1
 
@@ -87,7 +98,10 @@ class PlanTable:
 @dataclass(slots=True)
 class ScheduledStep:
     """One planned step: sequences in plan order (single-token decodes first), how many new
-    tokens each computes from which position, and whether its last token is sampled."""
+    tokens each computes from which position, and whether its last token is sampled.
+
+    `build_plan` reads the live plan table: build the plan right after `schedule()`, before the
+    scheduler changes again (abort, add, update)."""
 
     seqs: list[Request]
     rows: np.ndarray  # [S] intp: each sequence's plan-table row
@@ -127,13 +141,14 @@ def build_plan(
     rows = step.rows
     starts = step.starts
     num_new = step.num_new_tokens
+    # One 1-d gather per column: much cheaper than a 2-d gather along the second axis.
+    ints = table.ints
     seq_lens = starts + num_new
-    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
     if num_decodes == num_seqs:
-        query_start_loc[1:] = np.arange(1, num_seqs + 1, dtype=np.int32)
         positions = starts
         token_rows = rows
-        input_ids = table.last_token[rows]
+        input_ids = ints[LAST_TOKEN][rows]
     else:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -141,14 +156,15 @@ def build_plan(
         positions += np.repeat(starts - query_start_loc[:-1], num_new)
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
-        input_ids[:num_decodes] = table.last_token[rows[:num_decodes]]
+        input_ids[:num_decodes] = ints[LAST_TOKEN][rows[:num_decodes]]
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
-    slot_mapping = table.block_tables[token_rows, positions // block_size] * block_size
-    slot_mapping += positions % block_size
+    block_index, offset = np.divmod(positions, block_size)
+    slot_mapping = table.block_tables[token_rows, block_index] * block_size
+    slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = table.num_logprobs[rows]
+    num_logprobs = ints[NUM_LOGPROBS][rows]
 
     arrays = {
         "input_ids": input_ids,
@@ -158,19 +174,14 @@ def build_plan(
         "seq_lens": seq_lens,
         "block_tables": table.block_tables[rows, :max_blocks],
         "is_sampled": step.is_sampled.view(np.uint8),
-        "temperature": table.temperature[rows],
-        "top_k": table.top_k[rows],
-        "top_p": table.top_p[rows],
-        "min_p": table.min_p[rows],
-        "repetition_penalty": table.repetition_penalty[rows],
-        "presence_penalty": table.presence_penalty[rows],
-        "frequency_penalty": table.frequency_penalty[rows],
+        "top_k": ints[TOP_K][rows],
         "seeds": table.seeds[rows],
-        "sample_positions": seq_lens.copy(),
+        "sample_positions": seq_lens,  # the sampled token's position is the context length
         "num_logprobs": num_logprobs,
     }
-    arrays.update(_history(step, table.needs_history[rows], table.history))
-    arrays.update(_logit_bias(step, table.has_bias[rows], table.min_tokens[rows]))
+    arrays.update((name, column[rows]) for name, column in zip(FLOAT_COLUMNS, table.floats, strict=True))
+    arrays.update(_history(step, ints[NEEDS_HISTORY][rows], table.history))
+    arrays.update(_logit_bias(step, ints[NEEDS_BIAS][rows], table.bias))
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
@@ -193,41 +204,49 @@ def _history(
 ) -> dict[str, np.ndarray]:
     """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise)."""
     num_seqs = len(step.seqs)
-    offsets = np.zeros(num_seqs + 1, np.int32)
+    lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
-    users = np.flatnonzero(needs_history).tolist()
-    if users:
-        for i in users:
-            offsets[i + 1] = step.seqs[i].num_tokens
-            prompt_lens[i] = step.seqs[i].num_prompt_tokens
-        np.cumsum(offsets, out=offsets)
-    history = np.empty(int(offsets[-1]), np.int32)
+    users = np.flatnonzero(needs_history).tolist() if np.count_nonzero(needs_history) else []
+    parts = []
     for i in users:
-        history[offsets[i] : offsets[i + 1]] = buffers[int(step.rows[i])][: offsets[i + 1] - offsets[i]]
+        req = step.seqs[i]
+        parts.append(buffers[req.row][: req.num_tokens])
+        lens[i] = req.num_tokens
+        prompt_lens[i] = req.num_prompt_tokens
+    offsets = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    history = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return {"history_offsets": offsets, "history_ids": history, "history_prompt_lens": prompt_lens}
 
 
-def _logit_bias(step: ScheduledStep, has_bias: np.ndarray, min_tokens: np.ndarray) -> dict[str, np.ndarray]:
+def _logit_bias(
+    step: ScheduledStep, needs_bias: np.ndarray, static: dict[int, tuple[np.ndarray, np.ndarray]]
+) -> dict[str, np.ndarray]:
     """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens."""
     num_seqs = len(step.seqs)
-    offsets = np.zeros(num_seqs + 1, np.int32)
-    candidates = np.flatnonzero(has_bias | (min_tokens > 0)).tolist()
-    per_seq: list[tuple[int, dict[int, float]]] = []
-    for i in candidates:
+    lens = np.zeros(num_seqs, np.int32)
+    ids: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for i in np.flatnonzero(needs_bias).tolist() if np.count_nonzero(needs_bias) else []:
         req = step.seqs[i]
-        bias = dict(req.params.logit_bias)
-        if len(req.output_ids) < req.params.min_tokens:
-            suppressed = list(req.params.stop_token_ids)
-            if not req.params.ignore_eos:
+        p = req.params
+        if len(req.output_ids) < p.min_tokens:
+            suppressed = list(p.stop_token_ids)
+            if not p.ignore_eos:
                 suppressed.extend(step.eos_token_ids)
-            bias.update(dict.fromkeys(suppressed, -np.inf))
-        if bias:
-            per_seq.append((i, bias))
-            offsets[i + 1] = len(bias)
-    np.cumsum(offsets, out=offsets)
-    ids = np.empty(int(offsets[-1]), np.int32)
-    values = np.empty(int(offsets[-1]), np.float32)
-    for i, bias in per_seq:
-        ids[offsets[i] : offsets[i + 1]] = list(bias)
-        values[offsets[i] : offsets[i + 1]] = list(bias.values())
-    return {"bias_offsets": offsets, "bias_ids": ids, "bias_values": values}
+            bias = {**p.logit_bias, **dict.fromkeys(suppressed, -np.inf)}
+            ids.append(np.array(list(bias), np.int32))
+            values.append(np.array(list(bias.values()), np.float32))
+        elif req.row in static:
+            ids.append(static[req.row][0])
+            values.append(static[req.row][1])
+        else:
+            continue
+        lens[i] = len(ids[-1])
+    offsets = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    return {
+        "bias_offsets": offsets,
+        "bias_ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        "bias_values": np.concatenate(values) if values else np.zeros(0, np.float32),
+    }
