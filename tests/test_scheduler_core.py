@@ -576,3 +576,34 @@ def test_priority_and_fcfs_order_admission() -> None:
 def test_config_rejects_a_pool_smaller_than_one_sequence() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         SchedulerConfig(block_size=16, num_blocks=4, max_model_len=128)
+
+
+def test_overlap_plans_the_next_step_before_the_last_result() -> None:
+    # Planning step N+1 before step N's result: a sequence whose sample is in flight sits out,
+    # a chunked prompt keeps going, and the results still apply in order.
+    sched = Scheduler(small_config(max_num_batched_tokens=16))
+    executor = FakeExecutor(sched)
+    params = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
+    sched.add(Request("d", 0, np.array([1, 2, 3], np.int32), params))
+    sched.add(Request("c", 0, np.arange(1, 31, dtype=np.int32), params))
+    got: dict[str, list[RequestOutput]] = {"d": [], "c": []}
+    in_flight = []
+    for _ in range(100):
+        step = sched.schedule()
+        if step is not None:
+            ids = [r.request_id for r in step.seqs]
+            assert len(set(ids)) == len(ids)
+            for prev, _ in in_flight:  # nothing planned twice while its sample is in flight
+                assert not {r.request_id for r, s in zip(prev.seqs, prev.is_sampled, strict=True) if s} & set(
+                    ids
+                )
+            in_flight.append((step, executor.run(step)))
+        if not in_flight:
+            break
+        if len(in_flight) == 2 or step is None:
+            done, result = in_flight.pop(0)
+            for out in sched.update(done, *result):
+                got[out.request_id].append(out)
+    assert not sched.has_work
+    assert tokens_of(got["d"]) == reference_outputs([1, 2, 3], [], params, 1024)
+    assert tokens_of(got["c"]) == reference_outputs(list(range(1, 31)), [], params, 1024)
