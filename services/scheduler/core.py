@@ -136,8 +136,11 @@ class Scheduler:
         """Queue a request; a live request with the same id is replaced (resubmission).
 
         A resubmitted request whose outputs already meet a finish condition is not queued: its
-        final (empty) output is returned instead. Raises `PromptTooLong` or `Overloaded`.
+        final (empty) output is returned instead. Raises `PromptTooLong`, `Overloaded`, or
+        ValueError for an empty prompt.
         """
+        if not req.num_prompt_tokens:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt")
         old = self.requests.get(req.request_id)
         if req.output_ids:
             reason = self._finish_reason(
