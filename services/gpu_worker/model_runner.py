@@ -1,0 +1,152 @@
+"""The model runner: owns the model, its paged KV cache and the sampler; runs one step plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ipc.messages import StepHeader
+from services.gpu_worker.loader import load_weights
+from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class InvalidPlan(Exception):
+    """A step plan that would index outside the cache or the vocabulary; the step fails, not the worker."""
+
+
+class ModelRunner:
+    """Loads the model once, allocates the KV cache from a memory budget, and executes step plans."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str = "auto",
+        device: str = "cpu",
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        threads: int | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and threads:
+            torch.set_num_threads(threads)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}: one of {sorted(DTYPES)} or 'auto'")
+        self.dtype = DTYPES[dtype]
+        self.block_size = block_size
+        self.model_name = model_dir.name
+        raw = json.loads((model_dir / "config.json").read_text())
+        config = LlamaConfig.from_dict(raw)
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_model_len = config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(model_dir, raw)
+
+        self.model = LlamaModel(config, self.dtype, self.device, block_size)
+        load_weights(self.model, model_dir)
+        bytes_per_block = (
+            2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim
+            * self.dtype.itemsize
+        )  # fmt: skip
+        self.num_kv_blocks = max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
+        cache_shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Zeroed, so masked-out padding never reads NaN garbage.
+        self.kv_cache = [
+            (
+                torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(self.vocab_size, self.device)
+        log.info(
+            "model %s (%s on %s): %d KV blocks of %d tokens",
+            self.model_name, dtype, self.device, self.num_kv_blocks, block_size,
+        )  # fmt: skip
+
+    def _kv_budget(self, kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
+        if kv_cache_bytes is not None:
+            return kv_cache_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Whatever is in use now (weights, other processes) counts against the fraction.
+            return max(int(total * gpu_memory_utilization) - (total - free), 0)
+        return DEFAULT_CPU_KV_BYTES
+
+    def validate(self, arrays: dict[str, np.ndarray], header: StepHeader) -> None:
+        """Raise InvalidPlan before anything runs if the plan would index out of bounds."""
+        t, s = header.num_tokens, header.num_seqs
+        if t < 1 or s < 1:
+            raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
+        ids, positions = arrays["input_ids"][:t], arrays["positions"][:t]
+        slots, qsl = arrays["slot_mapping"][:t], arrays["query_start_loc"][: s + 1]
+        seq_lens, tables = arrays["seq_lens"][:s], arrays["block_tables"][:s]
+        if len(ids) != t or len(positions) != t or len(slots) != t or len(qsl) != s + 1 or len(seq_lens) != s:
+            raise InvalidPlan("plan arrays are shorter than the header says")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
+        if positions.min() < 0 or positions.max() >= self.max_model_len:
+            raise InvalidPlan(f"position out of range [0, {self.max_model_len})")
+        if slots.min() < -1 or slots.max() >= self.num_kv_blocks * self.block_size:
+            raise InvalidPlan("slot_mapping refers to a KV slot outside the cache")
+        if qsl[0] != 0 or qsl[-1] != t or (np.diff(qsl) < 1).any():
+            raise InvalidPlan("query_start_loc is not increasing from 0 to num_tokens")
+        needed = -(-seq_lens.astype(np.int64) // self.block_size)
+        if (seq_lens < np.diff(qsl)).any() or needed.max() > tables.shape[1]:
+            raise InvalidPlan("seq_lens do not fit the queries or the block tables")
+        used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
+        if used.min() < 0 or used.max() >= self.num_kv_blocks:
+            raise InvalidPlan(f"block id out of range [0, {self.num_kv_blocks})")
+
+    def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
+        """Run one step plan; returns the result arrays of docs/internals.md."""
+        self.validate(arrays, header)
+        t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
+        rows = np.flatnonzero(arrays["is_sampled"][:s])
+        meta = self.model.ops.prepare(arrays, t, s)
+        input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
+        result = {
+            "sampled_ids": np.full(s, -1, dtype=np.int32),
+            "sampled_logprobs": np.zeros(s, dtype=np.float32),
+            "top_ids": np.full((s, k), -1, dtype=np.int32),
+            "top_logprobs": np.full((s, k), -np.inf, dtype=np.float32),
+        }
+        sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, sample_tokens.to(self.device))
+        if len(rows) == 0:
+            return result
+        out = self.sampler.sample(logits, arrays, rows).numpy()
+        result["sampled_ids"][rows] = out["sampled_ids"]
+        result["sampled_logprobs"][rows] = out["sampled_logprobs"]
+        n = min(k, out["top_ids"].shape[1])
+        result["top_ids"][rows, :n] = out["top_ids"][:, :n]
+        result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
+        return result
+
+
+def _eos_token_ids(model_dir: Path, config: dict) -> list[int]:
+    """eos ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [config]
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids

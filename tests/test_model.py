@@ -1,0 +1,246 @@
+"""ModelRunner against HF transformers on the same weights: greedy tokens, logprobs, logits of
+mixed / chunked / block-boundary batches, and plan validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ipc.messages import StepHeader
+from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+
+BLOCK_SIZE = 16
+
+
+class PlanBuilder:
+    """A minimal scheduler for tests: sequences keep their blocks from a trivial counter."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.next_block = 0
+        self.blocks: dict[int, list[int]] = {}
+        self.num_cached: dict[int, int] = {}
+
+    def plan(
+        self, chunks: list[tuple[int, list[int], bool]], max_blocks: int = 64
+    ) -> tuple[dict[str, np.ndarray], StepHeader]:
+        """chunks: (seq id, new token ids, sample?) per sequence, in plan order."""
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for row, (seq, tokens, _) in enumerate(chunks):
+            blocks = self.blocks.setdefault(seq, [])
+            start = self.num_cached.get(seq, 0)
+            end = start + len(tokens)
+            while len(blocks) * bs < end:
+                blocks.append(self.next_block)
+                self.next_block += 1
+            for pos, tok in enumerate(tokens, start):
+                ids.append(tok)
+                positions.append(pos)
+                slots.append(blocks[pos // bs] * bs + pos % bs)
+            self.num_cached[seq] = end
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(end)
+            tables[row, : len(blocks)] = blocks
+        s = len(chunks)
+        arrays = {
+            "input_ids": np.array(ids, dtype=np.int32),
+            "positions": np.array(positions, dtype=np.int32),
+            "slot_mapping": np.array(slots, dtype=np.int32),
+            "query_start_loc": np.array(qsl, dtype=np.int32),
+            "seq_lens": np.array(seq_lens, dtype=np.int32),
+            "block_tables": tables,
+            "is_sampled": np.array([c[2] for c in chunks], dtype=np.uint8),
+            "temperature": np.zeros(s, dtype=np.float32),
+            "top_k": np.zeros(s, dtype=np.int32),
+            "top_p": np.ones(s, dtype=np.float32),
+            "min_p": np.zeros(s, dtype=np.float32),
+            "repetition_penalty": np.ones(s, dtype=np.float32),
+            "presence_penalty": np.zeros(s, dtype=np.float32),
+            "frequency_penalty": np.zeros(s, dtype=np.float32),
+            "seeds": np.zeros(s, dtype=np.int64),
+            "sample_positions": np.array(seq_lens, dtype=np.int32),
+            "num_logprobs": np.zeros(s, dtype=np.int32),
+            "history_offsets": np.zeros(s + 1, dtype=np.int32),
+            "history_ids": np.zeros(0, dtype=np.int32),
+            "history_prompt_lens": np.zeros(s, dtype=np.int32),
+            "bias_offsets": np.zeros(s + 1, dtype=np.int32),
+            "bias_ids": np.zeros(0, dtype=np.int32),
+            "bias_values": np.zeros(0, dtype=np.float32),
+        }
+        return arrays, StepHeader(step_id=0, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
+
+
+def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy generation of all prompts batched: one prefill step, then decode steps."""
+    builder = PlanBuilder(runner.block_size)
+    out: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    chunks = [(i, p, True) for i, p in enumerate(prompts)]
+    for _ in range(max_new):
+        result = runner.execute(*builder.plan(chunks))
+        for i in range(len(prompts)):
+            out[i].append(int(result["sampled_ids"][i]))
+            logprobs[i].append(float(result["sampled_logprobs"][i]))
+        chunks = [(i, [out[i][-1]], True) for i in range(len(prompts))]
+    return out, logprobs
+
+
+def runner_logits(runner: ModelRunner, builder: PlanBuilder, chunks: list[tuple[int, list[int], bool]]) -> torch.Tensor:
+    """Logits of the sampled rows of one step (the model called the way `execute` calls it)."""
+    arrays, header = builder.plan(chunks)
+    runner.validate(arrays, header)
+    meta = runner.model.ops.prepare(arrays, header.num_tokens, header.num_seqs)
+    rows = np.flatnonzero(arrays["is_sampled"])
+    sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
+    ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+    return runner.model.forward(ids, meta, runner.kv_cache, sample_tokens)
+
+
+# ---- SmolLM2 vs HF generate ------------------------------------------------------------------------
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in two sentences.",
+    "List three prime numbers.",
+    "hi",
+    "Translate 'good morning' into Spanish and German, then explain the difference in tone.",
+    "What is 12 times 7?",
+    "Give me a short tip for writing clean Python code, with a tiny example of a function.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+        for c in CHATS
+    ]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    assert len({len(p) for p in prompts}) > 4  # mixed prompt lengths
+    max_new = 32
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        gen = hf.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=pad,
+        )  # fmt: skip
+    hf_ids = gen.sequences[:, width:].tolist()
+    hf_logprobs = torch.stack(gen.scores, dim=1).log_softmax(-1)  # [B, new, V] (raw: greedy, no warpers)
+
+    runner = ModelRunner(smollm2_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=2)
+    batched, batched_lp = generate(runner, prompts, max_new)
+    for i, prompt in enumerate(prompts):
+        assert batched[i] == hf_ids[i], f"prompt {i} batched"
+        chosen = hf_logprobs[i, torch.arange(max_new), torch.tensor(hf_ids[i])]
+        np.testing.assert_allclose(batched_lp[i], chosen.numpy(), atol=1e-3)
+        alone, _ = generate(runner, [prompt], max_new)
+        assert alone[0] == hf_ids[i], f"prompt {i} alone"
+
+
+# ---- tiny model vs HF forward ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE)
+    return runner, hf
+
+
+def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0, -1].float()
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, n).tolist()
+
+
+def test_tiny_mixed_batch_matches_hf(tiny):
+    runner, hf = tiny
+    rng = np.random.default_rng(0)
+    builder = PlanBuilder()
+    histories = {i: random_ids(rng, n, runner.vocab_size) for i, n in enumerate([5, 17, 33, 2])}
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    for _ in range(3):  # decodes of the old sequences mixed with fresh prefills
+        new_seq = len(histories)
+        histories[new_seq] = random_ids(rng, int(rng.integers(2, 40)), runner.vocab_size)
+        chunks = [(new_seq, histories[new_seq], True)]
+        for i in list(histories)[:-1]:
+            token = int(rng.integers(0, runner.vocab_size))
+            histories[i].append(token)
+            chunks.append((i, [token], True))
+        logits = runner_logits(runner, builder, chunks)
+        for row, (seq, _, _) in enumerate(chunks):
+            torch.testing.assert_close(logits[row], hf_last_logits(hf, histories[seq]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length", [1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE])
+def test_tiny_block_boundaries(tiny, length):
+    runner, hf = tiny
+    rng = np.random.default_rng(length)
+    builder = PlanBuilder()
+    ids = random_ids(rng, length, runner.vocab_size)
+    logits = runner_logits(runner, builder, [(0, ids, True)])
+    torch.testing.assert_close(logits[0], hf_last_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    for _ in range(2):  # decode across the boundary
+        ids.append(int(rng.integers(0, runner.vocab_size)))
+        logits = runner_logits(runner, builder, [(0, ids[-1:], True)])
+        torch.testing.assert_close(logits[0], hf_last_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_chunked_prefill_equals_one_step(tiny):
+    runner, _ = tiny
+    rng = np.random.default_rng(1)
+    ids = random_ids(rng, 50, runner.vocab_size)
+    whole = runner_logits(runner, PlanBuilder(), [(0, ids, True)])
+    builder = PlanBuilder()
+    other = random_ids(rng, 9, runner.vocab_size)
+    runner_logits(runner, builder, [(1, other, False), (0, ids[:7], False)])
+    runner_logits(runner, builder, [(0, ids[7:23], False), (1, [5], False)])
+    chunked = runner_logits(runner, builder, [(1, [6], False), (0, ids[23:], True)])
+    torch.testing.assert_close(chunked[0], whole[0], atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_execute_results(tiny):
+    runner, hf = tiny
+    rng = np.random.default_rng(2)
+    prompts = [random_ids(rng, n, runner.vocab_size) for n in (3, 20)]
+    builder = PlanBuilder()
+    arrays, header = builder.plan([(0, prompts[0], True), (1, prompts[1][:10], False)])
+    arrays["num_logprobs"][:] = 3
+    header = StepHeader(step_id=1, num_tokens=header.num_tokens, num_seqs=2, max_top_logprobs=3)
+    result = runner.execute(arrays, header)
+    expected = hf_last_logits(hf, prompts[0]).log_softmax(-1)
+    assert result["sampled_ids"][0] == int(expected.argmax())
+    assert result["sampled_ids"][1] == -1
+    assert result["top_ids"].shape == (2, 3)
+    np.testing.assert_allclose(result["sampled_logprobs"][0], float(expected.max()), atol=1e-4)
+    np.testing.assert_array_equal(result["top_ids"][0], expected.topk(3).indices.numpy())
+
+
+def test_invalid_plans_raise(tiny):
+    runner, _ = tiny
+    arrays, header = PlanBuilder().plan([(0, [1, 2, 3], True)])
+    bad_block = {k: v.copy() for k, v in arrays.items()}
+    bad_block["block_tables"][0, 0] = runner.num_kv_blocks
+    with pytest.raises(InvalidPlan, match="block"):
+        runner.execute(bad_block, header)
+    bad_token = {k: v.copy() for k, v in arrays.items()}
+    bad_token["input_ids"][1] = runner.vocab_size
+    with pytest.raises(InvalidPlan, match="token"):
+        runner.execute(bad_token, header)
+    assert runner.execute(arrays, header)["sampled_ids"][0] >= 0  # still serves after a bad plan
