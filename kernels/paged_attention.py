@@ -218,10 +218,16 @@ def _dot_precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _block_n(head_dim: int) -> int:
-    # 64 keys x D <= 128 keeps K, V and the score tile comfortably in registers/shared memory on
-    # H100-class parts; halve it for D = 256 so the tile does not spill.
-    return 64 if head_dim <= 128 else 32
+def _launch_config(head_dim: int, is_decode: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): the largest key tile that ptxas compiles for sm_90 without spills.
+
+    The per-token block lookup makes every K/V element its own address, so register pressure,
+    not shared memory, bounds the tile: decode (16 rows) keeps 64 keys up to D = 128, prefill
+    (64 rows) trades keys for head_dim at a constant 4096-element K/V tile.
+    """
+    if is_decode:
+        return (64 if head_dim <= 128 else 32), (4 if head_dim <= 64 else 8)
+    return min(64, max(16, 4096 // head_dim)), 8
 
 
 @functools.cache
@@ -258,7 +264,7 @@ def paged_decode_triton(
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = _auto_num_splits(num_seqs * num_kv_heads, max_context, q.device)
-    block_n = _block_n(head_dim)
+    block_n, num_warps = _launch_config(head_dim, is_decode=True)
     kv_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     if num_splits > 1:
         partial_out = torch.empty(
@@ -277,7 +283,7 @@ def paged_decode_triton(
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
         IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -303,10 +309,11 @@ def paged_prefill_triton(
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    # 64 rows = 64 // group query tokens of the whole group: enough reuse of each K/V tile for
-    # tensor cores while the (rows x keys) score tile stays in registers.
+    # 64 rows = 64 // group query tokens of the whole group: one wgmma M tile on Hopper, and each
+    # K/V tile is reused by all of them.
     block_m = max(64, triton.next_power_of_2(group))
     block_q = block_m // group
+    block_n, num_warps = _launch_config(head_dim, is_decode=False)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, 1)](
         q, k_cache, v_cache, out, out, out, block_tables, query_start_loc, seq_lens,
         scale * math.log2(math.e),
@@ -314,8 +321,8 @@ def paged_prefill_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, block_tables.shape[1] * k_cache.shape[1],
         KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_block_n(head_dim),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out
