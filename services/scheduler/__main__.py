@@ -11,6 +11,7 @@ import os
 import time
 from collections import defaultdict
 
+import numpy as np
 import zmq
 
 from ipc import messages as m
@@ -27,7 +28,7 @@ from ipc.endpoints import shard_of
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket
 from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
-from services.scheduler.plan import build_plan
+from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
@@ -68,7 +69,8 @@ class SchedulerProcess:
         self.worker_pids: list[int] = []
         self.core: Scheduler | None = None
         self.early: list[m.SubmitRequest] = []  # requests that came before the first worker
-        self.needs_full_history: set[str] = set()
+        # Requests (re)admitted whose detokenizer state must be rebuilt from their whole history.
+        self.needs_full_history: dict[str, Request] = {}
         self.num_malformed = 0
         self.num_steps = 0
         self.num_tokens = 0
@@ -108,13 +110,14 @@ class SchedulerProcess:
             params=submit.params,
         )
         try:
-            self.core.add(request)
-        except (Overloaded, PromptTooLong) as exc:
-            code = "overloaded" if isinstance(exc, Overloaded) else "prompt_too_long"
+            finished = self.core.add(request)
+        except (Overloaded, PromptTooLong, ValueError) as exc:
+            code = {Overloaded: "overloaded", PromptTooLong: "prompt_too_long"}.get(type(exc), "invalid_request")
             self.refuse(submit, code, str(exc))
             return
-        # The detokenizer must (re)build this request's text from its whole history.
-        self.needs_full_history.add(submit.request_id)
+        self.needs_full_history[submit.request_id] = request
+        if finished is not None:  # a resubmission that had already met its end
+            self.emit([finished])
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
         if 0 <= submit.frontend_id < len(self.frontends):
@@ -122,6 +125,7 @@ class SchedulerProcess:
 
     def abort(self, request_id: str) -> None:
         self.early = [s for s in self.early if s.request_id != request_id]
+        self.needs_full_history.pop(request_id, None)
         if self.core is not None and self.core.abort(request_id):
             self.detokenizers[shard_of(request_id, len(self.detokenizers))].put(m.DropRequests([request_id]))
 
@@ -131,7 +135,7 @@ class SchedulerProcess:
             return
         updates = [
             self.full_history(request)
-            for request in self.core.live_requests()
+            for request in self.core.requests.values()
             if shard_of(request.request_id, len(self.detokenizers)) == shard
         ]
         if updates:
@@ -183,8 +187,8 @@ class SchedulerProcess:
                     max_model_len=min(first.max_model_len, self.stage.config.model.max_model_len),
                     max_num_waiting=engine.max_num_waiting,
                     enable_prefix_caching=engine.enable_prefix_caching,
-                ),
-                eos_token_ids=first.eos_token_ids,
+                    eos_token_ids=tuple(first.eos_token_ids),
+                )
             )
             for submit in self.early:
                 self.submit(submit)
@@ -230,7 +234,8 @@ class SchedulerProcess:
                 with self.result_ring.read(0, RESULT_POLL_S) as view:
                     result = RESULT_HEADER.decode(view.header)
                     if result.error:
-                        raise RuntimeError(f"worker refused step {step_id}: {result.error}")
+                        self.fail_step(step, result.error)
+                        return
                     outputs = self.core.update(
                         step,
                         view.arrays["sampled_ids"],
@@ -247,34 +252,37 @@ class SchedulerProcess:
         self.num_steps += 1
         self.emit(outputs)
 
+    def fail_step(self, step: ScheduledStep, error: str) -> None:
+        """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
+        self.stage.log.error("worker refused a step: %s", error)
+        for request in step.seqs:
+            submit = m.SubmitRequest(request.request_id, request.frontend_id, b"", request.params)
+            self.abort(request.request_id)
+            self.refuse(submit, "internal", f"the worker could not run this request: {error}")
+
     def emit(self, outputs: list[RequestOutput]) -> None:
         batches: dict[int, list[m.TokenUpdate]] = defaultdict(list)
         assert self.core is not None
         for out in outputs:
             self.num_tokens += len(out.new_token_ids)
             shard = shard_of(out.request_id, len(self.detokenizers))
-            if out.request_id in self.needs_full_history:
-                self.needs_full_history.discard(out.request_id)
-                request = self.core.get_request(out.request_id)
-                if request is not None or out.finish_reason is not None:
-                    update = self.full_history(request or out.request, out.finish_reason)
-                    batches[shard].append(update)
-                    continue
+            resumed = self.needs_full_history.pop(out.request_id, None)
+            if resumed is not None:
+                batches[shard].append(self.full_history(resumed, out.finish_reason))
+                continue
             batches[shard].append(
                 m.TokenUpdate(
                     request_id=out.request_id,
                     frontend_id=out.frontend_id,
                     start_index=out.start_index,
                     token_ids=m.pack_ids(out.new_token_ids),
-                    logprobs=out.logprobs.astype("<f4").tobytes() if len(out.logprobs) else b"",
+                    logprobs=np.asarray(out.logprobs, dtype="<f4").tobytes(),
                     top_logprobs=out.top_logprobs,
                     finish_reason=out.finish_reason,
                     prompt_tokens=out.num_prompt_tokens,
                     cached_tokens=out.num_cached_tokens,
                 )
             )
-            if out.finish_reason is not None:
-                self.needs_full_history.discard(out.request_id)
         for shard, updates in batches.items():
             self.detokenizers[shard].put(m.TokenBatch(updates))
 

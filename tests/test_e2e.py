@@ -1,0 +1,157 @@
+"""End to end through real processes: client -> frontend -> scheduler -> worker -> detokenizer ->
+client, on the embedded SmolLM2-135M in float32, checked against HF transformers `generate`."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from client import Client, InvalidRequest, PromptTooLong
+from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
+from tests.harness import assert_clean, brigade_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NEW_TOKENS = 24
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "请用中文介绍一下你自己。",
+    "Reply with three emoji that describe a happy birthday party 🎉",
+    "List three prime numbers.",
+    "Explain gravity to a child in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_dir: Path) -> dict[str, tuple[list[int], str]]:
+    """Greedy completions of every chat prompt by HF transformers on the same weights (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    reference = {}
+    for prompt in CHAT_PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        new_ids = out[0, ids.shape[1] :].tolist()
+        reference[prompt] = (new_ids, tokenizer.decode(new_ids, skip_special_tokens=True))
+    return reference
+
+
+@pytest.fixture(scope="module")
+def smol_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    run_dir = tmp_path_factory.mktemp("e2e")
+    with brigade_run(run_dir, "model.dtype=float32", "engine.max_num_seqs=32", "model.max_model_len=1024") as run:
+        yield run
+    assert_clean(run_dir)
+
+
+def chat(client: Client, prompt: str, stream: bool) -> tuple[list[int], str]:
+    messages = [{"role": "user", "content": prompt}]
+    if stream:
+        deltas = list(client.stream_chat(messages, max_tokens=NEW_TOKENS, temperature=0.0, timeout=300))
+        return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+    result = client.chat(messages, max_tokens=NEW_TOKENS, temperature=0.0, timeout=300)
+    return result.token_ids, result.text
+
+
+def test_greedy_matches_hf_with_16_in_flight(smol_run, hf_reference) -> None:
+    jobs = [(p, stream) for p in CHAT_PROMPTS for stream in (True, False)]  # 16 requests at once
+
+    def one(job: tuple[str, bool]) -> tuple[list[int], str]:
+        with Client(smol_run.run_dir) as client:
+            return chat(client, *job)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    for (prompt, stream), (ids, text) in zip(jobs, results, strict=True):
+        want_ids, want_text = hf_reference[prompt]
+        assert ids == want_ids, f"{prompt!r} (stream={stream})"
+        assert text == want_text, f"{prompt!r} (stream={stream})"
+
+
+def test_errors_are_typed_and_clear(smol_run) -> None:
+    with Client(smol_run.run_dir) as client:
+        with pytest.raises(InvalidRequest, match="temperature"):
+            client.generate("hi", temperature=-1.0, max_tokens=4, timeout=60)
+        with pytest.raises(PromptTooLong):
+            client.generate("hello " * 2000, max_tokens=4, timeout=60)
+        with pytest.raises(InvalidRequest):
+            client.generate([10**9], max_tokens=4, timeout=60)
+        assert client.generate("Hello", max_tokens=4, temperature=0.0, timeout=60).finish_reason == "length"
+
+
+def scheduler_load(run) -> tuple[int, int, float]:
+    rows = [r for r in run.status() if r["kind"] == "scheduler"]
+    return sum(r["running"] for r in rows), sum(r["queue_depth"] for r in rows), max(r["kv_usage"] for r in rows)
+
+
+def wait_idle(run, timeout: float = 60.0) -> tuple[int, int, float]:
+    deadline = time.monotonic() + timeout
+    load = scheduler_load(run)
+    while time.monotonic() < deadline and load != (0, 0, 0.0):
+        time.sleep(0.5)
+        load = scheduler_load(run)
+    return load
+
+
+def test_cancellation_frees_everything(smol_run) -> None:
+    rng = random.Random(0)
+    with Client(smol_run.run_dir) as client:
+        streams = [client.stream(f"Count to {i}:", max_tokens=64, temperature=0.0, timeout=300) for i in range(200)]
+        for stream in streams:
+            for _ in range(rng.randrange(0, 3)):
+                if next(stream, None) is None:
+                    break
+            stream.close()  # closing a stream aborts its request server-side
+    assert wait_idle(smol_run) == (0, 0, 0.0)
+
+
+def test_frontend_survives_10000_hostile_messages(smol_run) -> None:
+    rng = random.Random(1)
+    encoder = msgspec.msgpack.Encoder()
+    endpoint = f"ipc://{smol_run.run_dir / 'frontend-0.sock'}"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    valid = CLIENT_REQUEST.encode(m.Generate("x", prompt="hi"))
+    hostile = [
+        lambda: rng.randbytes(rng.randrange(0, 64)),
+        lambda: encoder.encode({"type": "Generate", "request_id": rng.random()}),
+        lambda: encoder.encode(["Generate", 1, 2, 3]),
+        lambda: encoder.encode({"type": "Nope"}),
+        lambda: valid[: rng.randrange(1, len(valid))],
+        lambda: encoder.encode({"type": "Generate", "request_id": "", "prompt": "x"}),
+        lambda: encoder.encode({"type": "Generate", "request_id": "a", "prompt": "x", "params": {"top_p": -5}}),
+        lambda: encoder.encode({"type": "Generate", "request_id": "b", "prompt_token_ids": b"\x01\x02\x03"}),
+        lambda: encoder.encode({"type": "Generate", "request_id": "c", "prompt": "\ud800".encode("utf-8", "surrogatepass")}),
+        lambda: encoder.encode({"type": "Abort", "request_id": "never-seen"}),
+    ]
+    try:
+        for i in range(10_000):
+            sock.send(hostile[i % len(hostile)](), zmq.NOBLOCK)
+        num_replies = 0
+        while sock.poll(2000):
+            reply = CLIENT_REPLY.decode(sock.recv())
+            assert isinstance(reply, m.ErrorReply | m.Delta)
+            num_replies += 1
+        assert num_replies > 1000  # every answerable message got an error reply
+    finally:
+        ctx.destroy(linger=0)
+    with Client(smol_run.run_dir) as client:
+        assert client.generate("Hello", max_tokens=4, temperature=0.0, timeout=60).finish_reason == "length"
+    assert all(r["restarts"] == 0 for r in smol_run.status() if r["kind"] == "tokenizer")

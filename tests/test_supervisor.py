@@ -1,0 +1,169 @@
+"""The supervisor with real processes: chaos (SIGKILL every stage kind under load, nothing lost),
+crash loops, shutdown under load, and the status command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from ipc.shm import sweep_stale_runs
+from tests.conftest import REPO_ROOT, brigade_shm_objects
+from tests.harness import assert_clean, brigade_run, stage_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NUM_REQUESTS = 32
+NEW_TOKENS = 40
+
+
+def run_streams(run_dir: Path, started: threading.Event | None = None) -> list[tuple[str, list[int]]]:
+    """32 greedy streaming requests at once; each result is (text, ids) assembled from its stream,
+    and a stream must never repeat or skip (the client checks positions; we check the text)."""
+    results: list[tuple[str, list[int]] | None] = [None] * NUM_REQUESTS
+    first_delta = threading.Barrier(NUM_REQUESTS + 1) if started else None
+
+    def one(i: int) -> None:
+        with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
+            text, ids, is_first = [], [], True
+            for delta in client.stream(
+                f"Story number {i}: once upon a time", max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=600
+            ):
+                text.append(delta.text)
+                ids += delta.token_ids
+                if is_first and first_delta is not None:
+                    is_first = False
+                    first_delta.wait(120)
+            results[i] = ("".join(text), ids)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
+    for t in threads:
+        t.start()
+    if first_delta is not None and started is not None:
+        first_delta.wait(120)
+        started.set()
+    for t in threads:
+        t.join(600)
+    assert all(r is not None for r in results), "a request did not complete"
+    return results  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def chaos_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    run_dir = tmp_path_factory.mktemp("chaos")
+    with brigade_run(
+        run_dir,
+        "model.dtype=float32",
+        "engine.max_num_seqs=32",
+        "model.max_model_len=512",
+        "supervisor.backoff_initial_s=0.1",
+    ) as run:
+        yield run
+    assert_clean(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fault_free(chaos_run) -> list[tuple[str, list[int]]]:
+    return run_streams(chaos_run.run_dir)
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "scheduler", "gpu_worker", "detokenizer"])
+def test_sigkill_loses_nothing(chaos_run, fault_free, kind: str) -> None:
+    started = threading.Event()
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_streams(chaos_run.run_dir, started)))
+    runner.start()
+    assert started.wait(300), "streams never started"
+    (pid,) = chaos_run.stage_pids(kind)
+    os.kill(pid, signal.SIGKILL)
+    runner.join(600)
+    assert outcome, "streams did not finish"
+    for i, ((text, ids), (want_text, want_ids)) in enumerate(zip(outcome[0], fault_free, strict=True)):
+        assert ids == want_ids, f"request {i} after killing {kind}"
+        assert text == want_text, f"request {i} after killing {kind}"
+    chaos_run.wait_until_running(120)
+    restarts = {r["name"]: r["restarts"] for r in chaos_run.status()}
+    assert any(n.startswith(kind) and c >= 1 for n, c in restarts.items()), restarts
+
+
+def test_status_json_lists_every_stage(chaos_run) -> None:
+    rows = chaos_run.status()
+    assert {r["kind"] for r in rows} == {"tokenizer", "scheduler", "gpu_worker", "detokenizer"}
+    for row in rows:
+        assert {"name", "kind", "pid", "state", "restarts"} <= row.keys()
+        os.kill(row["pid"], 0)  # a live process
+
+
+def test_crash_loop_gives_up_cleanly(tmp_path: Path, smollm2_dir: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    run_dir = tmp_path / "run"
+    before = set(brigade_shm_objects())
+    done = subprocess.run(
+        [
+            sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
+            "--set", f"model.path={broken}", "--set", "supervisor.restart_intensity=2",
+            "--set", "supervisor.backoff_initial_s=0.1",
+        ],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "gpu_worker-0-0 failed 3 times" in done.stderr
+    assert "giving up" in done.stderr
+    assert not stage_processes(run_dir)
+    assert set(brigade_shm_objects()) == before
+    assert not list(run_dir.glob("*.sock"))
+
+
+def test_shutdown_under_load_leaves_nothing(tmp_path: Path, smollm2_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, "model.dtype=float32", "supervisor.drain_timeout_s=2") as run:
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        client = Client(run_dir)
+        streams = [client.stream(f"Tell me about {i}", max_tokens=200, temperature=0.0, timeout=60) for i in range(8)]
+        for stream in streams:
+            next(stream)
+        run.process.send_signal(signal.SIGTERM)
+        assert run.process.wait(120) == 0
+        client.close()
+    assert_clean(run_dir, run_id)
+    assert not (run_dir / "run.json").exists()
+
+
+def is_alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper does not count)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_supervisor_sigkill_leaves_no_orphans_and_next_start_sweeps(tmp_path: Path, smollm2_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, "model.dtype=float32") as run:
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        pids = [r["pid"] for r in run.status()]
+        run.process.kill()
+        run.process.wait(30)
+        deadline = time.monotonic() + 30
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [p for p in pids if is_alive(p)]
+        assert not alive, f"stages outlived a SIGKILLed supervisor: {alive}"
+    assert any(run_id in n for n in brigade_shm_objects())  # nobody was left to unlink them...
+    swept = sweep_stale_runs()  # ...which is what the next start does first
+    assert any(run_id in n for n in swept)
+    assert not any(run_id in n for n in brigade_shm_objects())
