@@ -157,15 +157,18 @@ class SchedulerProcess:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def accept_hellos(self, timeout: float) -> None:
-        try:
-            received = self.workers.recv(timeout)
-        except MalformedMessage:
-            self.num_malformed += 1
-            return
-        if received is None:
-            return
-        _, hello = received
+    def accept_hellos(self) -> None:
+        while True:
+            try:
+                received = self.workers.recv(0)
+            except MalformedMessage:
+                self.num_malformed += 1
+                continue
+            if received is None:
+                return
+            self.on_hello(received[1])
+
+    def on_hello(self, hello: m.WorkerHello) -> None:
         self.hellos[hello.rank] = hello
         if len(self.hellos) < self.world_size:
             return
@@ -215,11 +218,12 @@ class SchedulerProcess:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def run_step(self) -> None:
+    def run_step(self) -> bool:
+        """Plan, execute and apply one step; False when there was nothing to run."""
         assert self.core is not None
         step = self.core.schedule()
         if step is None:
-            return
+            return False
         step_id = self.next_step_id
         self.next_step_id += 1
         header, arrays = build_plan(step, step_id, self.core.config.block_size)
@@ -235,7 +239,7 @@ class SchedulerProcess:
                     result = RESULT_HEADER.decode(view.header)
                     if result.error:
                         self.fail_step(step, result.error)
-                        return
+                        return True
                     outputs = self.core.update(
                         step,
                         view.arrays["sampled_ids"],
@@ -251,6 +255,7 @@ class SchedulerProcess:
                     raise WorkerLost(f"step {step_id} took longer than {timeout:.0f}s") from None
         self.num_steps += 1
         self.emit(outputs)
+        return True
 
     def fail_step(self, step: ScheduledStep, error: str) -> None:
         """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
@@ -290,7 +295,7 @@ class SchedulerProcess:
 
     def heartbeat(self) -> None:
         core = self.core
-        has_work = core is not None and bool(self.worker_pids) and (core.num_running + core.num_waiting) > 0
+        has_work = core is not None and bool(self.worker_pids) and core.has_work
         load = m.StageLoad(
             num_running=core.num_running if core else 0,
             num_waiting=(core.num_waiting if core else 0) + len(self.early),
@@ -302,20 +307,24 @@ class SchedulerProcess:
 
     def run(self) -> None:
         stopping = install_stop_handler()
+        poller = zmq.Poller()
+        for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
+            poller.register(sock, zmq.POLLIN)
         self.stage.log.info("waiting for %d worker(s)", self.world_size)
         while not stopping[0]:
             self.drain_inbox()
             command = self.control.command()
             if isinstance(command, m.ResyncShard):
                 self.resync(command.shard)
-            has_work = self.core is not None and (self.core.num_running + self.core.num_waiting) > 0
-            if not self.worker_pids or not has_work:
-                self.accept_hellos(IDLE_POLL_MS / 1000)
-            if self.worker_pids and has_work:
+            self.accept_hellos()
+            has_run = False
+            if self.worker_pids and self.core is not None and self.core.has_work:
                 try:
-                    self.run_step()
+                    has_run = self.run_step()
                 except WorkerLost as exc:
                     self.on_worker_lost(str(exc))
+            if not has_run:
+                poller.poll(IDLE_POLL_MS)
             self.heartbeat()
         self.stage.log.info("stopping")
         self.ctx.destroy(linger=0)
