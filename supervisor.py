@@ -15,16 +15,21 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import zmq
+from prometheus_client import CollectorRegistry, Metric, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
@@ -39,6 +44,8 @@ STOP_GRACE_S = 5.0
 RING_SLOTS = 2
 MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus eos/stop ids
 MAX_TOP_LOGPROBS = 20
+
+METRICS_DIR = "metrics"
 
 log = logging.getLogger("supervisor")
 
@@ -91,6 +98,35 @@ class StageProcess:
     @property
     def pid(self) -> int:
         return self.process.pid if self.process else 0
+
+
+class StageCollector:
+    """Prometheus gauges read from the stages' latest heartbeats (the supervisor's own view)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        stages = self.supervisor.stages.values()
+        schedulers = [s for s in stages if s.kind == "scheduler"]
+        running = GaugeMetricFamily("brigade_running_sequences", "Sequences running", labels=["stage"])
+        waiting = GaugeMetricFamily("brigade_waiting_sequences", "Sequences waiting", labels=["stage"])
+        kv = GaugeMetricFamily("brigade_kv_cache_usage", "Fraction of KV blocks in use", labels=["stage"])
+        hits = GaugeMetricFamily("brigade_prefix_cache_hit_rate", "Prompt tokens served from cache", labels=["stage"])
+        for s in schedulers:
+            running.add_metric([s.name], s.load.num_running)
+            waiting.add_metric([s.name], s.load.num_waiting)
+            kv.add_metric([s.name], s.load.kv_usage)
+            hits.add_metric([s.name], s.load.prefix_hit_rate)
+        slots = GaugeMetricFamily("brigade_shm_slots_in_use", "Shared-memory ring slots in use", labels=["ring"])
+        for ring in self.supervisor.rings:
+            slots.add_metric([ring.name], ring.num_in_use)
+        restarts = CounterMetricFamily("brigade_stage_restarts", "Restarts per stage", labels=["stage"])
+        malformed = CounterMetricFamily("brigade_malformed_messages", "Malformed messages rejected", labels=["stage"])
+        for s in stages:
+            restarts.add_metric([s.name], s.num_restarts)
+            malformed.add_metric([s.name], s.load.num_malformed)
+        yield from (running, waiting, kv, hits, slots, restarts, malformed)
 
 
 class Supervisor:
@@ -165,7 +201,7 @@ class Supervisor:
         devices = engine.devices or list(range(engine.data_parallel * engine.tensor_parallel))
         base = [sys.executable, "-m"]
         common = ["--run-dir", str(self.run_dir), "--log-format", self.log_format]
-        env = dict(os.environ)
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR)}
 
         def add(name: str, kind: str, index: int, group: int = -1, rank: int | None = None, **extra: str) -> None:
             argv = [*base, f"services.{kind}", *common, "--index", str(index)]
@@ -196,6 +232,17 @@ class Supervisor:
         stage.restart_at = None
         log.info("started %s (pid %d)", stage.name, stage.pid)
 
+    def serve_metrics(self) -> None:
+        """/metrics: the frontends' request metrics (multiprocess files) plus the stage gauges."""
+        port = self.config.supervisor.metrics_port
+        if not port:
+            return
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, str(self.run_dir / METRICS_DIR))
+        registry.register(StageCollector(self))
+        start_http_server(port, registry=registry)
+        log.info("metrics at http://localhost:%d/metrics", port)
+
     def start(self) -> None:
         self.check_run_dir()
         swept = sweep_stale_runs()
@@ -203,6 +250,10 @@ class Supervisor:
             log.info("swept %d shared-memory objects of dead runs", len(swept))
         model_dir = self.prepare_model()
         self.create_rings()
+        metrics_dir = self.run_dir / METRICS_DIR
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(mode=0o700)
+        self.serve_metrics()
         self.control = RouterSocket(self.ctx, self.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
         self.info = RunInfo(
             run_id=self.run_id,
@@ -399,6 +450,7 @@ class Supervisor:
         self.ctx.destroy(linger=0)
         for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
             path.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         log.info("stopped; shared memory and sockets removed")
 
 

@@ -242,6 +242,7 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_in_flight: int = 0
     num_malformed: int = 0
     tokens_total: int = 0
+    prefix_hit_rate: float = 0.0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

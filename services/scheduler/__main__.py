@@ -302,6 +302,7 @@ class SchedulerProcess:
             kv_usage=core.kv_usage if core else 0.0,
             num_malformed=self.num_malformed,
             tokens_total=self.num_tokens,
+            prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
         )
         self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
 

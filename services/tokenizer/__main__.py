@@ -12,6 +12,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_IN
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.frontend import FrontendCore, Reply, RequestError
+from services.tokenizer.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
@@ -38,6 +39,7 @@ class Frontend:
             max_model_len=config.model.max_model_len,
             max_prompt_chars=config.frontend.max_prompt_chars,
             default_max_tokens=config.frontend.default_max_tokens,
+            metrics=RequestMetrics(),
         )
         self.num_malformed = 0
         self.num_events = 0

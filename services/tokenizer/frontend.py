@@ -16,6 +16,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
+from services.tokenizer.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -43,7 +44,7 @@ class JournalEntry:
     text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
     logprobs: list[bytes] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -84,6 +85,7 @@ class FrontendCore:
         max_model_len: int,
         max_prompt_chars: int,
         default_max_tokens: int,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.frontend_id = frontend_id
@@ -91,6 +93,7 @@ class FrontendCore:
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
         self.default_max_tokens = default_max_tokens
+        self.metrics = metrics
         self.journal: dict[str, JournalEntry] = {}
         self.num_unknown_deltas = 0
         self.num_finished = 0
@@ -187,7 +190,10 @@ class FrontendCore:
         return min(range(self.num_groups), key=load.__getitem__)
 
     def abort(self, request_id: str) -> JournalEntry | None:
-        return self.journal.pop(request_id, None)
+        entry = self.journal.pop(request_id, None)
+        if entry is not None and self.metrics is not None:
+            self.metrics.on_finish("abort", entry.arrival, time.monotonic())
+        return entry
 
     # -- engine side ---------------------------------------------------------------------------
 
@@ -205,13 +211,19 @@ class FrontendCore:
             # so wait for that rather than forward out-of-order text.
             self.num_unknown_deltas += 1
             return None
-        entry.output_ids.extend(m.unpack_ids(fresh.token_ids).tolist())
+        new_ids = m.unpack_ids(fresh.token_ids)
+        entry.output_ids.extend(new_ids.tolist())
         entry.num_chars += len(fresh.text)
-        if entry.first_token_time is None and fresh.token_ids:
-            entry.first_token_time = time.monotonic()
+        now = time.monotonic()
+        if len(new_ids):
+            if self.metrics is not None:
+                self.metrics.on_tokens(entry.arrival, entry.last_token_time, now, len(new_ids))
+            entry.last_token_time = now
         if fresh.finish_reason is not None:
             self.journal.pop(delta.request_id, None)
             self.num_finished += 1
+            if self.metrics is not None:
+                self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
         if entry.is_stream:
             return Reply(entry.identity, fresh)
         entry.text.append(fresh.text)
@@ -234,6 +246,8 @@ class FrontendCore:
         entry = self.journal.pop(failure.request_id, None)
         if entry is None:
             return None
+        if self.metrics is not None:
+            self.metrics.on_finish(failure.code, entry.arrival, time.monotonic())
         return Reply(entry.identity, m.ErrorReply(failure.request_id, failure.code, failure.message))
 
     def resubmissions(self, group: int) -> list[m.SubmitRequest]:
