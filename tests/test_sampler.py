@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.sampler import Sampler, hash_uniform, vocab_col_keys
+from services.gpu_worker.sampler import TOP_P_CANDIDATES, Sampler, hash_uniform, vocab_col_keys
 
 MASK64 = 2**64 - 1
+MASK32 = 2**32 - 1
 GOLDEN = 0x9E3779B97F4A7C15
 
 DEFAULTS: dict[str, Any] = {
@@ -188,16 +189,20 @@ def test_different_positions_and_seeds_give_different_noise():
 
 
 def reference_uniform(seed: int, position: int, v: int) -> float:
-    """The hash in plain Python, on explicit 64-bit unsigned integers."""
+    """The hash in plain Python, on explicit unsigned integers: splitmix64 row key, lowbias32."""
 
-    def mix(z: int) -> int:
+    def splitmix64(z: int) -> int:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
         return z ^ (z >> 31)
 
-    key = mix(mix((seed * GOLDEN + GOLDEN) & MASK64) ^ position)
-    z = mix((key + (v + 1) * GOLDEN) & MASK64)
-    return ((z >> 41) + 0.5) / 2**23
+    key = splitmix64(splitmix64((seed * GOLDEN + GOLDEN) & MASK64) ^ position)
+    h = ((v + 1) * 0x9E3779B9 + key) & MASK32
+    h = ((h ^ (h >> 16)) * 0x7FEB352D) & MASK32
+    h ^= key >> 32
+    h = ((h ^ (h >> 15)) * 0x846CA68B) & MASK32
+    h ^= h >> 16
+    return ((h >> 9) + 0.5) / 2**23
 
 
 def test_hash_matches_unsigned_64_bit_reference_and_is_uniform():
@@ -246,9 +251,9 @@ def test_filters_keep_exactly_their_set_and_renormalise(params: dict[str, Any], 
 
 def test_top_k_on_large_vocab_never_leaves_the_k_most_likely():
     torch.manual_seed(2)
-    logits = torch.randn(1, 5000) * 2
-    rows = [{"temperature": 1.5, "top_k": 10, "seed": 3, "position": p} for p in range(2000)]
-    ids = sample(logits.expand(2000, -1).contiguous(), rows).sampled_ids
+    logits = torch.randn(1, 2000) * 2
+    rows = [{"temperature": 1.5, "top_k": 10, "seed": 3, "position": p} for p in range(1000)]
+    ids = sample(logits.expand(1000, -1).contiguous(), rows).sampled_ids
     top10 = set(torch.topk(logits[0], 10).indices.tolist())
     assert set(ids.tolist()) <= top10
     assert len(set(ids.tolist())) == 10
@@ -371,3 +376,23 @@ def test_sampling_leaves_the_callers_logits_alone():
         ],
     )
     assert torch.equal(logits, before)
+
+
+def test_top_p_nucleus_beyond_the_candidates_falls_back_to_a_full_sort():
+    vocab_size = 3000
+    flat = [-0.0002 * v for v in range(vocab_size)]  # nearly uniform: the nucleus is ~1700 wide
+    expected = reference_distribution(flat, 1.0, top_p=0.6)
+    nucleus_size = sum(p > 0 for p in expected)
+    assert nucleus_size > TOP_P_CANDIDATES
+    draws = 3000
+    peaked = torch.tensor(LOGITS + [-30.0] * (vocab_size - len(LOGITS)))
+    logits = torch.cat([torch.tensor([flat]).expand(draws, -1), peaked[None]])
+    rows = [{"temperature": 1.0, "top_p": 0.6, "seed": 11, "position": p} for p in range(draws)]
+    rows.append({"temperature": 1.0, "top_p": 0.75, "top_k": 40, "seed": 11, "position": 0})
+    ids = sample(logits, rows).sampled_ids
+    assert ids[:draws].max() < nucleus_size
+    assert (ids[:draws] >= TOP_P_CANDIDATES).sum() > 0  # the tail past the candidates is reachable
+    assert ids[draws] < 3
+    # The same rows alone (no fallback needed for the peaked one, a full sort for a flat one).
+    assert sample(logits[draws:], rows[draws:]).sampled_ids.item() == ids[draws]
+    assert sample(logits[5:6], rows[5:6]).sampled_ids.item() == ids[5]

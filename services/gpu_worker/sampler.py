@@ -14,42 +14,70 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# splitmix64 constants, as the signed int64 values of their bit patterns (torch int64 wraps).
-_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
+# Hash constants as the signed values of their bit patterns (torch integer ops wrap).
+_GOLDEN64 = 0x9E3779B97F4A7C15 - 2**64  # splitmix64
+_MIX64 = (0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)
+_GOLDEN32 = 0x9E3779B9 - 2**32  # lowbias32 (C. Wellons), per vocab index
+_MIX32 = (0x7FEB352D, 0x846CA68B - 2**32)
+TOP_P_CANDIDATES = 1024  # top-p without top-k looks for the nucleus among these first
 _NUM_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
 
 
-def _shr(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Logical right shift of int64: torch's >> is arithmetic, so mask off the sign fill."""
-    return (x >> shift) & ((1 << (64 - shift)) - 1)
+def _xorshift_(h: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
+    """h ^= h >>> shift, in place. torch's >> is arithmetic, so mask off the sign fill."""
+    torch.bitwise_right_shift(h, shift, out=tmp)
+    tmp &= (1 << (h.element_size() * 8 - shift)) - 1
+    h ^= tmp
 
 
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser: a bijection on 64 bits with full avalanche."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 as a signed int32, without relying on an overflowing cast."""
+    return (((x & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000).int()
+
+
+def _splitmix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
+    """The splitmix64 finaliser, in place: a bijection on 64 bits with full avalanche."""
+    for shift, mult in zip((30, 27), _MIX64, strict=True):
+        _xorshift_(z, shift, tmp)
+        z *= mult
+    _xorshift_(z, 31, tmp)
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One int64 stream key per (seed, position) pair."""
-    return _mix64(_mix64(seeds.long() * _GOLDEN + _GOLDEN) ^ positions.long())
+    """One int64 stream key per (seed, position) (cheap: one per row)."""
+    z = seeds.long() * _GOLDEN64 + _GOLDEN64
+    tmp = torch.empty_like(z)
+    _splitmix64_(z, tmp)
+    z ^= positions.long()
+    _splitmix64_(z, tmp)
+    return z
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), [n, V] float32: element (i, v) depends only on (seeds[i], positions[i], v).
 
-    `col_keys` is `vocab_col_keys(V)`: splitmix64's counter increments, precomputed per column.
+    Per element it is a 32-bit hash (int32 runs ~3x faster than int64 on CPUs) of the vocab
+    index, keyed by the 64-bit row key: its low half offsets the input, its high half is mixed in
+    between the two rounds, so different rows are unrelated streams, not shifts of each other.
+    `col_keys` is `vocab_col_keys(V, device)`.
     """
-    z = _mix64(row_keys(seeds, positions)[:, None] + col_keys[None, :])
-    bits = _shr(z, 64 - _NUM_UNIFORM_BITS).float()
-    return (bits + 0.5) * (1.0 / 2**_NUM_UNIFORM_BITS)
+    keys = row_keys(seeds, positions)
+    h = col_keys[None, :] + _to_int32(keys)[:, None]
+    tmp = torch.empty_like(h)
+    _xorshift_(h, 16, tmp)
+    h *= _MIX32[0]
+    h ^= _to_int32(keys >> 32)[:, None]
+    _xorshift_(h, 15, tmp)
+    h *= _MIX32[1]
+    _xorshift_(h, 16, tmp)
+    h >>= 32 - _NUM_UNIFORM_BITS  # keep the top bits (the best mixed by the multiplies)
+    h &= (1 << _NUM_UNIFORM_BITS) - 1
+    return h.float().add_(0.5).mul_(1.0 / 2**_NUM_UNIFORM_BITS)
 
 
 def vocab_col_keys(vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    return (torch.arange(vocab_size, dtype=torch.int64, device=device) + 1) * _GOLDEN
+    """Per-column int32 hash inputs: (v + 1) * golden ratio, wrapped to 32 bits."""
+    return _to_int32((torch.arange(vocab_size, dtype=torch.int64, device=device) + 1) * _GOLDEN32)
 
 
 @dataclass
@@ -123,13 +151,13 @@ class Sampler:
         """Gumbel-max for rows with temperature > 0 (`scores` holds just those rows)."""
         x = scores / self._to_device(arrays["temperature"][plan_rows].astype(np.float32))[:, None]
         x = _filter(x, arrays, plan_rows, self._to_device)
-        noise = hash_uniform(
+        u = hash_uniform(
             self._to_device(arrays["seeds"][plan_rows].astype(np.int64)),
             self._to_device(arrays["sample_positions"][plan_rows].astype(np.int64)),
             self.col_keys,
         )
-        # Gumbel(u) = -log(-log(u)); filtered tokens stay -inf because the noise is finite.
-        return (x - torch.log(-torch.log(noise))).argmax(dim=-1)
+        # x + Gumbel(u) = x - log(-log(u)); filtered tokens stay -inf because the noise is finite.
+        return x.sub_(u.log_().neg_().log_()).argmax(dim=-1)
 
     def apply_bias_and_penalties(
         self, logits: torch.Tensor, arrays: dict[str, np.ndarray], rows: np.ndarray
@@ -191,7 +219,13 @@ def _filter(
     plan_rows: np.ndarray,
     to_device: Callable[[np.ndarray], torch.Tensor],
 ) -> torch.Tensor:
-    """Top-k, then top-p on the renormalised survivors, then min-p, as -inf masks (HF order)."""
+    """Top-k, then top-p on the renormalised survivors, then min-p, as -inf masks (HF order).
+
+    Masks `x` in place (the caller owns it) and returns it. Both top-k and top-p work on one
+    `topk` of the candidates instead of sorting the whole vocabulary: the top-k survivors, or the
+    top `TOP_P_CANDIDATES` tokens, which nearly always hold the nucleus (rows where they do not
+    fall back to a full sort).
+    """
     top_k = arrays["top_k"][plan_rows]
     top_p = arrays["top_p"][plan_rows]
     min_p = arrays["min_p"][plan_rows]
@@ -199,30 +233,52 @@ def _filter(
     neg_inf = float("-inf")
 
     is_top_k = (top_k > 0) & (top_k < vocab_size)
-    if is_top_k.any():
-        k = np.where(is_top_k, top_k, 1).astype(np.int64)
-        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, to_device(k - 1)[:, None])
-        kth = kth.masked_fill(~to_device(is_top_k)[:, None], neg_inf)
-        x = x.masked_fill(x < kth, neg_inf)
-
     is_top_p = top_p < 1.0
-    if is_top_p.any():
-        sorted_x = torch.sort(x, dim=-1, descending=True).values
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # Keep a token while the mass ranked above it is < top_p: the smallest set reaching top_p.
-        num_keep = (mass_before < to_device(top_p.astype(np.float32))[:, None]).sum(dim=-1).clamp_(min=1)
-        cutoff = sorted_x.gather(1, (num_keep - 1)[:, None])
-        cutoff = cutoff.masked_fill(~to_device(is_top_p)[:, None], neg_inf)
-        x = x.masked_fill(x < cutoff, neg_inf)
+    if is_top_k.any() or is_top_p.any():
+        k = np.where(is_top_k, top_k, vocab_size).astype(np.int64)
+        is_wide = is_top_p & ~is_top_k  # top-p rows whose nucleus is not bounded by a top-k
+        width = min(vocab_size, max(int(k[is_top_k].max(initial=1)), TOP_P_CANDIDATES * bool(is_wide.any())))
+        k_dev = to_device(k)[:, None]
+        top_x = torch.topk(x, width, dim=-1).values  # sorted, descending
+        if is_top_k.any():
+            kth = top_x.gather(1, k_dev.clamp(max=width) - 1)
+            kth.masked_fill_(~to_device(is_top_k)[:, None], neg_inf)
+            x.masked_fill_(x < kth, neg_inf)
+            top_x.masked_fill_(torch.arange(width, device=x.device)[None, :] >= k_dev, neg_inf)
+        if is_top_p.any():
+            p = to_device(top_p.astype(np.float32))[:, None]
+            log_norm = torch.logsumexp(x, dim=-1, keepdim=True)  # over the top-k survivors
+            cutoff, candidate_mass = _nucleus_cutoff(top_x, log_norm, p)
+            if is_wide.any():
+                is_short = to_device(is_wide)[:, None] & (candidate_mass < p)
+                if is_short.any():  # the nucleus extends past the candidates: sort those rows
+                    short = is_short[:, 0].nonzero()[:, 0]
+                    sorted_x = torch.sort(x[short], dim=-1, descending=True).values
+                    cutoff[short] = _nucleus_cutoff(sorted_x, log_norm[short], p[short])[0]
+            cutoff.masked_fill_(~to_device(is_top_p)[:, None], neg_inf)
+            x.masked_fill_(x < cutoff, neg_inf)
 
     if (min_p > 0).any():
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
         with np.errstate(divide="ignore"):
             log_min_p = np.log(min_p.astype(np.float32))
         floor = x.max(dim=-1, keepdim=True).values + to_device(log_min_p)[:, None]
-        x = x.masked_fill(x < floor, neg_inf)
+        x.masked_fill_(x < floor, neg_inf)
     return x
+
+
+def _nucleus_cutoff(
+    sorted_x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest kept logit of each row's nucleus, and the mass of the given sorted prefix.
+
+    A token is kept while the mass ranked above it is < top_p: the smallest set whose mass
+    reaches top_p, and always at least the top token.
+    """
+    probs = (sorted_x - log_norm).exp_()
+    mass = probs.cumsum(dim=-1)
+    num_keep = (mass - probs < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return sorted_x.gather(1, num_keep - 1), mass[:, -1:]
 
 
 def _ragged(
