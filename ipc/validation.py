@@ -1,0 +1,142 @@
+"""The one place the request rules live: sampling parameters and prompt token ids.
+
+Pure Python (no torch, no numpy import): the frontend checks a request before tokenizing it
+further, and the scheduler checks it again on submission, with the same functions.
+
+Decisions:
+- `max_tokens` only has to be in [1, 1e6]; the scheduler clamps it to the room left in
+  max_model_len, so a long prompt with a large max_tokens is not an error.
+- A prompt must leave room for one output token: `num_prompt_tokens < max_model_len`.
+- User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
+  -inf is reserved for the scheduler (eos / stop ids under min_tokens) and never comes from a user.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ipc.messages import SamplingParams
+
+MAX_MAX_TOKENS = 1_000_000
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1_000_000
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PRESENCE_FREQUENCY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63  # exclusive: seeds travel as int64
+MAX_ABS_PRIORITY = 2**31
+
+
+class InvalidParams(ValueError):
+    """A request the engine refuses; `code` is the wire ErrorCode of the reply."""
+
+    code = "invalid_request"
+
+
+class PromptTooLong(InvalidParams):
+    """The prompt leaves no room for an output token within max_model_len."""
+
+    code = "prompt_too_long"
+
+
+def validate_params(
+    params: SamplingParams, *, vocab_size: int, max_model_len: int, num_prompt_tokens: int
+) -> None:
+    """Raise InvalidParams (naming the field) unless every parameter is in range."""
+    _check_prompt_len(num_prompt_tokens, max_model_len)
+    _check_int("max_tokens", params.max_tokens, 1, MAX_MAX_TOKENS)
+    _check_float("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
+    _check_int("top_k", params.top_k, 0, MAX_TOP_K - 1, hint=" (0 disables)")
+    _check_float("top_p", params.top_p, 0.0, 1.0, low_open=True)
+    _check_float("min_p", params.min_p, 0.0, 1.0)
+    _check_float("repetition_penalty", params.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+    lim = MAX_ABS_PRESENCE_FREQUENCY
+    _check_float("presence_penalty", params.presence_penalty, -lim, lim)
+    _check_float("frequency_penalty", params.frequency_penalty, -lim, lim)
+    _check_logit_bias(params.logit_bias, vocab_size)
+    _check_int("min_tokens", params.min_tokens, 0, params.max_tokens, hint=" (max_tokens)")
+    _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
+    _check_stop_strings(params.stop)
+    _check_int("logprobs", params.logprobs, 0, MAX_LOGPROBS)
+    if params.seed is not None:
+        _check_int("seed", params.seed, 0, MAX_SEED - 1)
+    _check_int("priority", params.priority, -MAX_ABS_PRIORITY, MAX_ABS_PRIORITY - 1)
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(getattr(params, name), bool):
+            raise InvalidParams(f"{name} must be a bool, got {getattr(params, name)!r}")
+
+
+def validate_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise unless the prompt is non-empty, leaves room for output, and every id is in the vocab.
+
+    Accepts a list or a numpy int array (checked with its own min/max, without importing numpy).
+    """
+    _check_prompt_len(len(ids), max_model_len)
+    lo, hi = (int(ids.min()), int(ids.max())) if hasattr(ids, "min") else (min(ids), max(ids))
+    if lo >= 0 and hi < vocab_size:
+        return
+    # Failure path only: name the first bad id and where it is.
+    index, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= int(t) < vocab_size)
+    raise InvalidParams(f"prompt token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
+
+
+def _check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens < 1:
+        raise InvalidParams("prompt is empty: at least one prompt token is required")
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLong(
+            f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: "
+            f"at most {max_model_len - 1} prompt tokens leave room for one output token"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, hint: str = "") -> None:
+    if not _is_int(value):
+        raise InvalidParams(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidParams(f"{name} must be in [{lo}, {hi}]{hint}, got {value}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParams(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidParams(f"{name} must be finite, got {value}")
+    if value > hi or value < lo or (low_open and value == lo):
+        interval = f"({lo:g}, {hi:g}]" if low_open else f"[{lo:g}, {hi:g}]"
+        raise InvalidParams(f"{name} must be in {interval}, got {value:g}")
+
+
+def _check_token_ids(name: str, ids: Any, vocab_size: int, max_count: int) -> None:
+    if len(ids) > max_count:
+        raise InvalidParams(f"{name} has {len(ids)} entries, at most {max_count} are allowed")
+    for token_id in ids:
+        if not _is_int(token_id) or not 0 <= token_id < vocab_size:
+            raise InvalidParams(f"{name} entry {token_id!r} is not a token id in [0, {vocab_size})")
+
+
+def _check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    _check_token_ids("logit_bias", list(bias), vocab_size, MAX_LOGIT_BIAS_ENTRIES)
+    for token_id, value in bias.items():
+        _check_float(f"logit_bias[{token_id}]", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+
+
+def _check_stop_strings(stop: Any) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidParams(f"stop has {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for text in stop:
+        if not isinstance(text, str) or not 1 <= len(text) <= MAX_STOP_STRING_CHARS:
+            raise InvalidParams(
+                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {text!r:.80}"
+            )
