@@ -358,7 +358,11 @@ def test_logprobs_are_raw_log_softmax_with_k_shapes():
 def test_mixed_greedy_and_random_rows():
     torch.manual_seed(5)
     logits = torch.randn(6, 2000)
-    rows = [{"temperature": 0.0 if i % 2 else 1.0, "seed": 40 + i, "position": i} for i in range(6)]
+    greedy_temperatures = [0.0, 1e-40, 0.0]  # a vanishing temperature is greedy, not inf / NaN
+    rows = [
+        {"temperature": greedy_temperatures[i // 2] if i % 2 else 1.0, "seed": 40 + i, "position": i}
+        for i in range(6)
+    ]
     out = sample(logits, rows).sampled_ids
     for i in range(6):
         assert out[i].item() == sample(logits[i : i + 1], [rows[i]]).sampled_ids.item()

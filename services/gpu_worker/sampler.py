@@ -19,6 +19,7 @@ _GOLDEN64 = 0x9E3779B97F4A7C15 - 2**64  # splitmix64
 _MIX64 = (0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)
 _GOLDEN32 = 0x9E3779B9 - 2**32  # lowbias32 (C. Wellons), per vocab index
 _MIX32 = (0x7FEB352D, 0x846CA68B - 2**32)
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as vLLM): logits / T would overflow
 TOP_P_CANDIDATES = 1024  # top-p without top-k looks for the nucleus among these first
 _NUM_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
 
@@ -126,7 +127,7 @@ class Sampler:
         top_logits, top_ids = torch.topk(logits, num_top, dim=-1)
 
         scores = self.apply_bias_and_penalties(logits, arrays, rows)
-        random_local = np.flatnonzero(arrays["temperature"][rows] > 0)
+        random_local = np.flatnonzero(arrays["temperature"][rows] >= MIN_TEMPERATURE)
         if len(random_local) == len(rows):
             sampled = self._sample_random(scores, arrays, rows)
         else:
