@@ -103,8 +103,9 @@ class SamplerOutput:
 class Sampler:
     """Owns the per-column hash keys of one vocabulary on one device, and turns logits into tokens.
 
-    Decisions about which work to do are made from the host-side plan arrays, so the fast paths
-    (plain greedy, plain temperature) never synchronise with the device.
+    Decisions about which work to do are made from the host-side plan arrays, so the device is
+    never waited on, except once in a step with top-p rows that have no top-k (to check that
+    the nucleus lies within the candidates).
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
@@ -226,6 +227,10 @@ def _filter(
     `topk` of the candidates instead of sorting the whole vocabulary: the top-k survivors, or the
     top `TOP_P_CANDIDATES` tokens, which nearly always hold the nucleus (rows where they do not
     fall back to a full sort).
+
+    Every step is per row and exact except the top-p mass (a float32 sum): its rounding may
+    depend on the candidate width, so a token whose mass-above lies within ~1e-7 of top_p could
+    flip between batch mixes. Greedy, temperature, top-k and min-p are exactly batch invariant.
     """
     top_k = arrays["top_k"][plan_rows]
     top_p = arrays["top_p"][plan_rows]
