@@ -30,7 +30,7 @@ def unpack_ids(data: bytes) -> np.ndarray:
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Per-request sampling parameters. Validated once, by `services.scheduler.validation`."""
+    """Per-request sampling parameters. Validated by `ipc.validation` (the frontend and the scheduler both call it)."""
 
     max_tokens: int = 128
     temperature: float = 1.0
