@@ -32,7 +32,6 @@ def main() -> None:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         block_size=engine.block_size,
         threads=engine.threads or None,
-        max_model_len=config.model.max_model_len,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",
