@@ -36,6 +36,7 @@ DEFAULT_HWM = 10_000
 DEFAULT_MAX_MSG_BYTES = 64 << 20
 DEFAULT_LINGER_MS = 1000
 DEFAULT_SEND_TIMEOUT_MS = 100
+_SNDMORE = int(zmq.SNDMORE)
 ZERO_COPY_BYTES = 65536  # smaller frames are copied: cheaper than zero-copy bookkeeping
 
 Buffer = Any  # bytes, memoryview, numpy array: anything with the buffer protocol
@@ -234,7 +235,7 @@ class _Base:
         self.socket = ctx.socket(socket_type)
         self._ctx = ctx
         self._max_msg_bytes = options.max_msg_bytes
-        self._timeout_ms = -1
+        self._timeout: float | None = None  # the socket's RCVTIMEO is -1 (none)
         self._zap_domain: str | None = None
         try:
             configure_socket(self.socket, options)
@@ -256,18 +257,18 @@ class _Base:
         return self.socket.last_endpoint.decode()
 
     def _set_timeout(self, timeout: float | None) -> None:
-        # A socket option instead of a poller per call: the cheapest way to bound one recv.
-        ms = -1 if timeout is None else math.ceil(max(timeout, 0.0) * 1000)
-        if ms != self._timeout_ms:
-            self.socket.rcvtimeo = ms
-            self._timeout_ms = ms
+        # A socket option, set only when it changes, instead of a poller per call: the cheapest
+        # way to bound one recv (the typed round trip must stay close to bare pyzmq).
+        if timeout != self._timeout:
+            self.socket.rcvtimeo = -1 if timeout is None else math.ceil(max(timeout, 0.0) * 1000)
+            self._timeout = timeout
 
-    def _parts(self, head: list[bytes], data: bytes, frames: Sequence[Buffer]) -> list[Buffer]:
-        """The frames of one message, refusing any the receiver would drop for its size."""
-        for part in (data, *frames):
-            if _nbytes(part) > self._max_msg_bytes:
-                raise MessageTooLarge(f"frame of {_nbytes(part)} bytes > {self._max_msg_bytes}")
-        return [*head, data, *frames]
+    def _check(self, data: bytes, frames: Sequence[Buffer]) -> bytes:
+        """Refuse a message with a frame that the receiver would drop for its size."""
+        sizes = [len(data), *map(_nbytes, frames)]
+        if max(sizes) > self._max_msg_bytes:
+            raise MessageTooLarge(f"frames of {sizes} bytes; the limit is {self._max_msg_bytes}")
+        return data
 
     def close(self) -> None:
         if not self.socket.closed:
@@ -293,15 +294,22 @@ def _async(ctx: zmq.Context) -> zmq.asyncio.Context:
 
 
 def _nbytes(part: Buffer) -> int:
-    return part.nbytes if hasattr(part, "nbytes") else len(part)
+    return memoryview(part).nbytes
 
 
-def _send(sock: zmq.Socket, parts: Sequence[Buffer]) -> bool:
-    """Send one multipart message; False when it would block past SNDTIMEO or the peer is gone."""
+def _send(sock: zmq.Socket, head: Sequence[bytes], data: bytes, frames: Sequence[Buffer]) -> bool:
+    """Send one message (routing frames, the encoded message, raw frames); False when it would
+    block past SNDTIMEO or the peer is gone."""
     try:
-        last = len(parts) - 1
-        for i, part in enumerate(parts):
-            sock.send(part, zmq.SNDMORE if i < last else 0, copy=_nbytes(part) < ZERO_COPY_BYTES)
+        for part in head:
+            sock.send(part, zmq.SNDMORE)
+        if not frames:
+            sock.send(data)
+            return True
+        sock.send(data, zmq.SNDMORE)
+        for i, frame in enumerate(frames):
+            flags = zmq.SNDMORE if i < len(frames) - 1 else 0
+            sock.send(frame, flags, copy=_nbytes(frame) < ZERO_COPY_BYTES)
     except zmq.Again:
         return False
     except zmq.ZMQError as exc:
@@ -312,19 +320,38 @@ def _send(sock: zmq.Socket, parts: Sequence[Buffer]) -> bool:
 
 
 def _rest(sock: zmq.Socket) -> list[memoryview]:
+    """The remaining frames of a message (the last frame received had MORE set)."""
     frames = []
-    while sock.rcvmore:
-        frames.append(sock.recv(copy=False).buffer)
-    return frames
+    while True:
+        frame = sock.recv(copy=False)
+        frames.append(frame.buffer)
+        if not frame.more:
+            return frames
 
 
-def _no_frames(frames: list[memoryview], identity: bytes = b"") -> None:
-    if frames:
-        raise MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)")
+async def _arest(sock: zmq.asyncio.Socket) -> list[memoryview]:
+    frames = []
+    while True:
+        frame = await sock.recv(copy=False)
+        frames.append(frame.buffer)
+        if not frame.more:
+            return frames
+
+
+def _extra_frames(frames: list[memoryview], identity: bytes = b"") -> MalformedFrame:
+    return MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)")
+
+
+def _decode(codec: Codec[T], frame: zmq.Frame, identity: bytes) -> T:
+    try:
+        return codec.decode(frame)
+    except MalformedMessage as exc:
+        raise MalformedFrame(identity, str(exc)) from None
 
 
 # ---------------------------------------------------------------------------
-# Sync sockets
+# Sync sockets. The no-extra-frames paths are written out: every Python call shows in the
+# round trip (benchmarks/ipc_bench.py).
 # ---------------------------------------------------------------------------
 
 
@@ -345,8 +372,14 @@ class PushQueue(_Base, Generic[T]):
 
     def put(self, msg: T, frames: Sequence[Buffer] = ()) -> bool:
         """Send; False (nothing sent) when the peer's queue is full or there is no peer."""
-        parts = self._parts([], self._codec.encode(msg), frames)
-        return _send(self.socket, parts)
+        data = self._codec.encode(msg)
+        if frames or len(data) > self._max_msg_bytes:
+            return _send(self.socket, (), self._check(data, frames), frames)
+        try:
+            self.socket.send(data)
+        except zmq.Again:
+            return False
+        return True
 
 
 class PullQueue(_Base, Generic[T]):
@@ -366,20 +399,25 @@ class PullQueue(_Base, Generic[T]):
 
     def get(self, timeout: float | None) -> T | None:
         """The next message, or None after `timeout` seconds; raises MalformedMessage."""
-        got = self.get_frames(timeout)
-        if got is None:
-            return None
-        _no_frames(got[1])
-        return got[0]
-
-    def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
-        self._set_timeout(timeout)
+        if timeout != self._timeout:
+            self._set_timeout(timeout)
         try:
-            data = self.socket.recv()
+            frame = self.socket.recv(copy=False)
         except zmq.Again:
             return None
-        frames = _rest(self.socket)
-        return self._codec.decode(data), frames
+        if frame.more:
+            raise _extra_frames(_rest(self.socket))
+        return self._codec.decode(frame)
+
+    def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
+        """The next message and its extra frames."""
+        self._set_timeout(timeout)
+        try:
+            frame = self.socket.recv(copy=False)
+        except zmq.Again:
+            return None
+        frames = _rest(self.socket) if frame.more else []
+        return self._codec.decode(frame), frames
 
 
 class RouterSocket(_Base, Generic[In, Out]):
@@ -401,29 +439,43 @@ class RouterSocket(_Base, Generic[In, Out]):
 
     def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         """(identity, message), or None after `timeout` seconds; raises MalformedFrame."""
-        got = self.recv_frames(timeout)
-        if got is None:
+        if timeout != self._timeout:
+            self._set_timeout(timeout)
+        try:
+            identity = self.socket.recv()
+        except zmq.Again:
             return None
-        _no_frames(got[2], got[0])
-        return got[0], got[1]
+        frame = self.socket.recv(copy=False)  # the rest of a multipart message is already here
+        if frame.more:
+            raise _extra_frames(_rest(self.socket), identity)
+        return identity, _decode(self._in, frame, identity)
 
     def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
+        """(identity, message, extra frames), or None after `timeout` seconds."""
         self._set_timeout(timeout)
         try:
             identity = self.socket.recv()
         except zmq.Again:
             return None
-        data = self.socket.recv()  # the rest of a multipart message is already here
-        frames = _rest(self.socket)
-        try:
-            return identity, self._in.decode(data), frames
-        except MalformedMessage as exc:
-            raise MalformedFrame(identity, str(exc)) from None
+        frame = self.socket.recv(copy=False)
+        frames = _rest(self.socket) if frame.more else []
+        return identity, _decode(self._in, frame, identity), frames
 
     def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
         """False when the peer is gone or its queue is full."""
-        parts = self._parts([identity], self._out.encode(msg), frames)
-        return _send(self.socket, parts)
+        data = self._out.encode(msg)
+        if frames or len(data) > self._max_msg_bytes:
+            return _send(self.socket, (identity,), self._check(data, frames), frames)
+        try:
+            self.socket.send(identity, _SNDMORE)
+            self.socket.send(data)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
 
 
 class DealerSocket(_Base, Generic[In, Out]):
@@ -445,36 +497,40 @@ class DealerSocket(_Base, Generic[In, Out]):
         self._out = out_codec
 
     def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        parts = self._parts([], self._out.encode(msg), frames)
-        return _send(self.socket, parts)
+        data = self._out.encode(msg)
+        if frames or len(data) > self._max_msg_bytes:
+            return _send(self.socket, (), self._check(data, frames), frames)
+        try:
+            self.socket.send(data)
+        except zmq.Again:
+            return False
+        return True
 
     def recv(self, timeout: float | None) -> In | None:
-        got = self.recv_frames(timeout)
-        if got is None:
+        """The next reply, or None after `timeout` seconds; raises MalformedMessage."""
+        if timeout != self._timeout:
+            self._set_timeout(timeout)
+        try:
+            frame = self.socket.recv(copy=False)
+        except zmq.Again:
             return None
-        _no_frames(got[1])
-        return got[0]
+        if frame.more:
+            raise _extra_frames(_rest(self.socket))
+        return self._in.decode(frame)
 
     def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
         self._set_timeout(timeout)
         try:
-            data = self.socket.recv()
+            frame = self.socket.recv(copy=False)
         except zmq.Again:
             return None
-        frames = _rest(self.socket)
-        return self._in.decode(data), frames
+        frames = _rest(self.socket) if frame.more else []
+        return self._in.decode(frame), frames
 
 
 # ---------------------------------------------------------------------------
 # asyncio sockets (same methods, as coroutines)
 # ---------------------------------------------------------------------------
-
-
-async def _arest(sock: zmq.asyncio.Socket) -> list[memoryview]:
-    frames = []
-    while sock.rcvmore:
-        frames.append((await sock.recv(copy=False)).buffer)
-    return frames
 
 
 class AsyncPullQueue(_Base, Generic[T]):
@@ -494,19 +550,18 @@ class AsyncPullQueue(_Base, Generic[T]):
 
     async def get(self, timeout: float | None) -> T | None:
         got = await self.get_frames(timeout)
-        if got is None:
-            return None
-        _no_frames(got[1])
-        return got[0]
+        if got is not None and got[1]:
+            raise _extra_frames(got[1])
+        return None if got is None else got[0]
 
     async def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
         self._set_timeout(timeout)  # zmq.asyncio honours RCVTIMEO
         try:
-            data = await self.socket.recv()
+            frame = await self.socket.recv(copy=False)
         except zmq.Again:
             return None
-        frames = await _arest(self.socket)
-        return self._codec.decode(data), frames
+        frames = await _arest(self.socket) if frame.more else []
+        return self._codec.decode(frame), frames
 
 
 class AsyncRouterSocket(_Base, Generic[In, Out]):
@@ -528,10 +583,9 @@ class AsyncRouterSocket(_Base, Generic[In, Out]):
 
     async def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         got = await self.recv_frames(timeout)
-        if got is None:
-            return None
-        _no_frames(got[2], got[0])
-        return got[0], got[1]
+        if got is not None and got[2]:
+            raise _extra_frames(got[2], got[0])
+        return None if got is None else (got[0], got[1])
 
     async def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
         self._set_timeout(timeout)
@@ -539,16 +593,12 @@ class AsyncRouterSocket(_Base, Generic[In, Out]):
             identity = await self.socket.recv()
         except zmq.Again:
             return None
-        data = await self.socket.recv()
-        frames = await _arest(self.socket)
-        try:
-            return identity, self._in.decode(data), frames
-        except MalformedMessage as exc:
-            raise MalformedFrame(identity, str(exc)) from None
+        frame = await self.socket.recv(copy=False)
+        frames = await _arest(self.socket) if frame.more else []
+        return identity, _decode(self._in, frame, identity), frames
 
     async def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        parts = self._parts([identity], self._out.encode(msg), frames)
-        return await _asend(self.socket, parts)
+        return await _asend(self.socket, [identity, self._check(self._out.encode(msg), frames), *frames])
 
 
 class AsyncDealerSocket(_Base, Generic[In, Out]):
@@ -570,27 +620,25 @@ class AsyncDealerSocket(_Base, Generic[In, Out]):
         self._out = out_codec
 
     async def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        parts = self._parts([], self._out.encode(msg), frames)
-        return await _asend(self.socket, parts)
+        return await _asend(self.socket, [self._check(self._out.encode(msg), frames), *frames])
 
     async def recv(self, timeout: float | None) -> In | None:
         got = await self.recv_frames(timeout)
-        if got is None:
-            return None
-        _no_frames(got[1])
-        return got[0]
+        if got is not None and got[1]:
+            raise _extra_frames(got[1])
+        return None if got is None else got[0]
 
     async def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
         self._set_timeout(timeout)
         try:
-            data = await self.socket.recv()
+            frame = await self.socket.recv(copy=False)
         except zmq.Again:
             return None
-        frames = await _arest(self.socket)
-        return self._in.decode(data), frames
+        frames = await _arest(self.socket) if frame.more else []
+        return self._in.decode(frame), frames
 
 
-async def _asend(sock: zmq.asyncio.Socket, parts: Sequence[Buffer]) -> bool:
+async def _asend(sock: zmq.asyncio.Socket, parts: list[Buffer]) -> bool:
     try:
         await sock.send_multipart(parts, copy=all(_nbytes(p) < ZERO_COPY_BYTES for p in parts))
     except zmq.Again:
