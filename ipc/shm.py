@@ -44,8 +44,9 @@ _MAGIC, _VERSION, _NUM_SLOTS, _SLOT_BYTES, _NUM_READERS, _GENERATION, _WRITE_IND
 _READ_INDEX = 8  # + reader rank
 MAX_READERS = CONTROL_BYTES // 8 - _READ_INDEX
 
-# Slot prefix, as int64 words.
-_META_OFFSET, _DIR_BYTES, _HEADER_BYTES, _SLOT_GENERATION, _SLOT_INDEX = range(5)
+# Slot prefix, as int64 words: where the directory starts (from the slot start), the directory's
+# length and the header's length.
+_SLOT_PREFIX_WORDS = 3
 
 _Directory = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, offset in slot)
 _dir_encoder = msgspec.msgpack.Encoder()
@@ -100,7 +101,8 @@ class ShmRing:
 
     @classmethod
     def create(cls, name: str, num_slots: int, slot_bytes: int, num_readers: int) -> ShmRing:
-        """Create the segment and its semaphores; the creator owns them (reset, unlink)."""
+        """Create the segment and its semaphores; the creator owns them (reset, unlink).
+        `slot_bytes` must hold a slot's arrays (each 64-byte aligned), directory and header."""
         if not 1 <= num_readers <= MAX_READERS or num_slots < 1:
             raise ValueError(f"bad ring geometry: {num_slots} slots, {num_readers} readers")
         slot_bytes = _align(slot_bytes + SLOT_PREFIX_BYTES)
@@ -267,8 +269,8 @@ class SlotWriter:
         if end > self._start + self._ring.slot_bytes:
             raise SlotOverflow(f"slot needs {end - self._start} bytes > {self._ring.slot_bytes}")
         self._buf[meta:end] = np.frombuffer(directory + header, np.uint8)
-        prefix = np.ndarray((_SLOT_INDEX + 1,), np.int64, self._buf, self._start)
-        prefix[:] = (meta - self._start, len(directory), len(header), self._ring._generation, self._index)
+        prefix = np.ndarray((_SLOT_PREFIX_WORDS,), np.int64, self._buf, self._start)
+        prefix[:] = (meta - self._start, len(directory), len(header))
         self.is_published = True
         self._ring._publish(self._index)
 
@@ -277,7 +279,7 @@ class SlotView:
     """A published slot as seen by a reader: the header bytes and zero-copy array views."""
 
     def __init__(self, buf: np.ndarray, start: int) -> None:
-        meta, dir_bytes, header_bytes = np.ndarray((3,), np.int64, buf, start).tolist()
+        meta, dir_bytes, header_bytes = np.ndarray((_SLOT_PREFIX_WORDS,), np.int64, buf, start).tolist()
         meta += start
         self.header = buf[meta + dir_bytes : meta + dir_bytes + header_bytes].tobytes()
         self.arrays: dict[str, np.ndarray] = {

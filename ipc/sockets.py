@@ -5,6 +5,8 @@ bounded, every wait has a timeout, sends never block forever (they return False 
 gone or its queue is full), and a bad frame raises `MalformedMessage` (`MalformedFrame` on a
 ROUTER, with the sender's identity) so the caller counts it and goes on.
 Extra frames carry raw tensor bytes to remote clients (vLLM v1 style: the msgspec message first).
+Sync sockets also accept a zmq.asyncio context: their sends never block long, so asyncio code
+pushes with a plain PushQueue.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ipc.endpoints import make_run_dir
 T = TypeVar("T")
 In = TypeVar("In")
 Out = TypeVar("Out")
+_S = TypeVar("_S", bound="_Base")
 
 DEFAULT_HWM = 10_000
 DEFAULT_MAX_MSG_BYTES = 64 << 20
@@ -277,7 +280,7 @@ class _Base:
             _Zap.remove(self._ctx, self._zap_domain)
             self._zap_domain = None
 
-    def __enter__(self):
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,19 +300,15 @@ def _nbytes(part: Buffer) -> int:
     return memoryview(part).nbytes
 
 
-def _send(sock: zmq.Socket, head: Sequence[bytes], data: bytes, frames: Sequence[Buffer]) -> bool:
-    """Send one message (routing frames, the encoded message, raw frames); False when it would
-    block past SNDTIMEO or the peer is gone."""
+def _send_frames(sock: zmq.Socket, head: Sequence[bytes], data: bytes, frames: Sequence[Buffer]) -> bool:
+    """Send a message with extra raw frames (big ones zero-copy); False when it would block past
+    SNDTIMEO or the peer is gone. ZeroMQ queues a multipart message whole or not at all."""
     try:
-        for part in head:
-            sock.send(part, zmq.SNDMORE)
-        if not frames:
-            sock.send(data)
-            return True
-        sock.send(data, zmq.SNDMORE)
+        for part in (*head, data):
+            sock.send(part, _SNDMORE)
+        last = len(frames) - 1
         for i, frame in enumerate(frames):
-            flags = zmq.SNDMORE if i < len(frames) - 1 else 0
-            sock.send(frame, flags, copy=_nbytes(frame) < ZERO_COPY_BYTES)
+            sock.send(frame, _SNDMORE if i < last else 0, copy=_nbytes(frame) < ZERO_COPY_BYTES)
     except zmq.Again:
         return False
     except zmq.ZMQError as exc:
@@ -374,7 +373,7 @@ class PushQueue(_Base, Generic[T]):
         """Send; False (nothing sent) when the peer's queue is full or there is no peer."""
         data = self._codec.encode(msg)
         if frames or len(data) > self._max_msg_bytes:
-            return _send(self.socket, (), self._check(data, frames), frames)
+            return _send_frames(self.socket, (), self._check(data, frames), frames)
         try:
             self.socket.send(data)
         except zmq.Again:
@@ -465,7 +464,7 @@ class RouterSocket(_Base, Generic[In, Out]):
         """False when the peer is gone or its queue is full."""
         data = self._out.encode(msg)
         if frames or len(data) > self._max_msg_bytes:
-            return _send(self.socket, (identity,), self._check(data, frames), frames)
+            return _send_frames(self.socket, (identity,), self._check(data, frames), frames)
         try:
             self.socket.send(identity, _SNDMORE)
             self.socket.send(data)
@@ -499,7 +498,7 @@ class DealerSocket(_Base, Generic[In, Out]):
     def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
         data = self._out.encode(msg)
         if frames or len(data) > self._max_msg_bytes:
-            return _send(self.socket, (), self._check(data, frames), frames)
+            return _send_frames(self.socket, (), self._check(data, frames), frames)
         try:
             self.socket.send(data)
         except zmq.Again:
