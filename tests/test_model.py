@@ -118,11 +118,11 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
         for c in CHATS
     ]
-    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert len({len(p) for p in prompts}) > 4  # mixed prompt lengths
     max_new = 32
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

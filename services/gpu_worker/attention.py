@@ -35,7 +35,7 @@ class StepMeta:
     store_tokens: torch.Tensor | None = None  # CPU: tokens with a KV slot, None when all have one
     # CPU: the q_len == 1 sequences attend as one padded batch; the rest one by one.
     decode_tokens: torch.Tensor | None = None  # [Sd] token indices, long
-    decode_slots: torch.Tensor | None = None  # [Sd * L] flat context slots, padded, long
+    decode_blocks: torch.Tensor | None = None  # [Sd * num_blocks] block ids of the contexts, padded, long
     decode_len: int = 0  # L, padded context length
     decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, L] additive (0 / -inf)
     is_all_decode: bool = False
@@ -115,10 +115,9 @@ class TorchOps:
             lens = seq_lens[decode]
             num_blocks = int(-(-lens.max() // bs))
             length = num_blocks * bs
-            slots = (tables[decode, :num_blocks, None] * bs + np.arange(bs)).reshape(-1)
             mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
             meta.decode_tokens = torch.from_numpy(qsl[decode])
-            meta.decode_slots = torch.from_numpy(slots)
+            meta.decode_blocks = torch.from_numpy(np.ascontiguousarray(tables[decode, :num_blocks]).reshape(-1))
             meta.decode_len = length
             meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
             meta.is_all_decode = len(decode) == num_tokens
@@ -156,10 +155,10 @@ class TorchOps:
         k_rows.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
         v_rows.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
         if meta.is_all_decode:
-            return self._decode(q, k_rows, v_rows, meta, scale).view(num_tokens, -1)
+            return self._decode(q, k_cache, v_cache, meta, scale).view(num_tokens, -1)
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_tokens is not None:
-            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_rows, v_rows, meta, scale)
+            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale)
         for seq in meta.prefills:
             ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
@@ -172,13 +171,15 @@ class TorchOps:
         return out.view(num_tokens, -1)
 
     def _decode(
-        self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: StepMeta, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMeta, scale: float
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = k_rows.shape[1] // head_dim
+        num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)
-        ctx_k = k_rows.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
-        ctx_v = v_rows.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        # Whole blocks are gathered (12 KiB rows: ~4x faster than per-slot rows) and used in place,
+        # transposed: CPU flash SDPA reads the strided [S, Hk, L, D] view without another copy.
+        ctx_k = k_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
+        ctx_v = v_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
         # The G query heads sharing a KV head become G query rows against it: no KV repeat.
         grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)

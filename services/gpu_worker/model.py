@@ -190,7 +190,7 @@ class LlamaModel:
         ops, eps, scale = self.ops, self.eps, self.scale
         hidden = F.embedding(input_ids, self.embed)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             q, k, v = ops.qkv_rotary(F.linear(x, layer.qkv, layer.qkv_bias), meta)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
