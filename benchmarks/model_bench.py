@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.messages import StepHeader  # noqa: E402
-from services.gpu_worker.loader import prepare_model  # noqa: E402
-from services.gpu_worker.model_runner import ModelRunner  # noqa: E402
+from ipc.messages import StepHeader
+from services.gpu_worker.loader import prepare_model
+from services.gpu_worker.model_runner import ModelRunner
 
 BATCHES = (1, 16, 64)
 TARGETS = {"64": 1.5, "1": 1.2}  # runner / HF, in bfloat16

@@ -73,7 +73,9 @@ class PlanBuilder:
         return arrays, StepHeader(step_id=0, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
+def generate(
+    runner: ModelRunner, prompts: list[list[int]], max_new: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy generation of all prompts batched: one prefill step, then decode steps."""
     builder = PlanBuilder(runner.block_size)
     out: list[list[int]] = [[] for _ in prompts]
@@ -88,7 +90,9 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int) -> tup
     return out, logprobs
 
 
-def runner_logits(runner: ModelRunner, builder: PlanBuilder, chunks: list[tuple[int, list[int], bool]]) -> torch.Tensor:
+def runner_logits(
+    runner: ModelRunner, builder: PlanBuilder, chunks: list[tuple[int, list[int], bool]]
+) -> torch.Tensor:
     """Logits of the sampled rows of one step (the model called the way `execute` calls it)."""
     arrays, header = builder.plan(chunks)
     runner.validate(arrays, header)
@@ -119,7 +123,9 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False
+        )
         for c in CHATS
     ]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -79,7 +79,9 @@ class TorchOps:
             x = x + residual
         return F.rms_norm(x, weight.shape, weight, eps), x
 
-    def qkv_rotary(self, qkv: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_rotary(
+        self, qkv: torch.Tensor, meta: StepMeta
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split qkv [T, (Hq + 2Hk) D] into q [T, Hq, D], k, v [T, Hk, D], q and k rotated (NeoX style)."""
         s, num_tokens = self.s, qkv.shape[0]
         qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, -1, s.head_dim)
@@ -117,7 +119,9 @@ class TorchOps:
             length = num_blocks * bs
             mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
             meta.decode_tokens = torch.from_numpy(qsl[decode])
-            meta.decode_blocks = torch.from_numpy(np.ascontiguousarray(tables[decode, :num_blocks]).reshape(-1))
+            meta.decode_blocks = torch.from_numpy(
+                np.ascontiguousarray(tables[decode, :num_blocks]).reshape(-1)
+            )
             meta.decode_len = length
             meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
             meta.is_all_decode = len(decode) == num_tokens
@@ -210,7 +214,9 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rms_norm(x, weight, eps, residual)
 
-    def qkv_rotary(self, qkv: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_rotary(
+        self, qkv: torch.Tensor, meta: StepMeta
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, num_tokens = self.s, qkv.shape[0]
         q = qkv[:, : s.q_size].view(num_tokens, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size : s.q_size + s.kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)

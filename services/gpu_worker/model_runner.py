@@ -61,7 +61,9 @@ class ModelRunner:
             2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim
             * self.dtype.itemsize
         )  # fmt: skip
-        self.num_kv_blocks = max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
+        self.num_kv_blocks = max(
+            self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1
+        )
         cache_shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # Zeroed, so masked-out padding never reads NaN garbage.
         self.kv_cache = [
