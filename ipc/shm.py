@@ -118,6 +118,12 @@ class ShmRing:
         """Map an existing ring; the geometry comes from its control page."""
         return cls(name, posix_ipc.SharedMemory(name), is_owner=False)
 
+    @property
+    def num_in_use(self) -> int:
+        """Slots published but not yet released by the slowest reader (for metrics)."""
+        readers = self._control[_READ_INDEX : _READ_INDEX + self.num_readers]
+        return int(self._control[_WRITE_INDEX] - readers.min())
+
     def _sem_name(self, generation: int, kind: str, rank: int) -> str:
         return f"{self.name}-g{generation}-{kind}{rank}"
 

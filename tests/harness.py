@@ -29,6 +29,7 @@ class Run:
         self.process = process
         self.lines = lines
         self.log: list[str] = []
+        self.metrics_port = 0  # set by tests that turn /metrics on
 
     def wait_for_line(self, needle: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout

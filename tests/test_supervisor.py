@@ -7,10 +7,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,16 +59,25 @@ def run_streams(run_dir: Path, started: threading.Event | None = None) -> list[t
     return results  # type: ignore[return-value]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def chaos_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
     run_dir = tmp_path_factory.mktemp("chaos")
+    port = free_port()
     with brigade_run(
         run_dir,
         "model.dtype=float32",
         "engine.max_num_seqs=32",
         "model.max_model_len=512",
         "supervisor.backoff_initial_s=0.1",
+        f"supervisor.metrics_port={port}",
     ) as run:
+        run.metrics_port = port
         yield run
     assert_clean(run_dir)
 
@@ -93,6 +104,30 @@ def test_sigkill_loses_nothing(chaos_run, fault_free, kind: str) -> None:
     chaos_run.wait_until_running(120)
     restarts = {r["name"]: r["restarts"] for r in chaos_run.status()}
     assert any(n.startswith(kind) and c >= 1 for n, c in restarts.items()), restarts
+
+
+def test_metrics_endpoint(chaos_run, fault_free) -> None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{chaos_run.metrics_port}/metrics", timeout=10).read().decode()
+    for name in (
+        "brigade_requests_total",
+        "brigade_time_to_first_token_seconds_bucket",
+        "brigade_inter_token_latency_seconds_bucket",
+        "brigade_e2e_request_latency_seconds_bucket",
+        "brigade_running_sequences",
+        "brigade_waiting_sequences",
+        "brigade_kv_cache_usage",
+        "brigade_prefix_cache_hit_rate",
+        "brigade_shm_slots_in_use",
+        "brigade_stage_restarts_total",
+        "brigade_malformed_messages_total",
+    ):
+        assert name in text, name
+    finished = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('brigade_requests_total{outcome="length"}')
+    ]
+    assert finished and finished[0] >= NUM_REQUESTS  # at least the fault-free round
 
 
 def test_status_json_lists_every_stage(chaos_run) -> None:
