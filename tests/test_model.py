@@ -250,3 +250,20 @@ def test_invalid_plans_raise(tiny):
     with pytest.raises(InvalidPlan, match="token"):
         runner.execute(bad_token, header)
     assert runner.execute(arrays, header)["sampled_ids"][0] >= 0  # still serves after a bad plan
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_half_precision_close_to_hf(tiny_model_dir, tiny, dtype):
+    """Half precision, both the GEMV path (1 row) and the upcast GEMM path (many rows)."""
+    _, hf = tiny
+    runner = ModelRunner(tiny_model_dir, dtype=dtype, kv_cache_bytes=1 << 20)
+    rng = np.random.default_rng(3)
+    ids = random_ids(rng, 24, runner.vocab_size)
+    builder = PlanBuilder()
+    prefill = runner_logits(runner, builder, [(0, ids, True)])
+    ids.append(7)
+    decode = runner_logits(runner, builder, [(0, [7], True)])
+    for logits, history in ((prefill[0], ids[:-1]), (decode[0], ids)):
+        expected = hf_last_logits(hf, history)
+        assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.999
+        torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
