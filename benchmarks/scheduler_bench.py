@@ -1,8 +1,9 @@
 """Scheduler benchmarks.
 
-Planning: the pure core's cost per step (schedule() + build_plan() + update()) with a batch of
-sequences in steady decode and a fake executor, so the number is the scheduler's own overhead,
-the time a worker would wait if planning did not overlap with execution.
+Planning: the pure core's cost per step (schedule() + build_plan() + update() + the conversion
+of the outputs to the detokenizers' TokenUpdate messages, as the scheduler process's emit() does)
+with a batch of sequences in steady decode and a fake executor, so the number is the scheduler's
+own overhead, the time a worker would wait if planning did not overlap with execution.
 
     python benchmarks/scheduler_bench.py --json results/scheduler.json
 """
@@ -22,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.messages import SamplingParams
+from services.scheduler.__main__ import token_batches
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.plan import build_plan
 from services.scheduler.request import Request
@@ -68,14 +70,16 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         return ids, np.zeros(num, np.float32), np.zeros((num, k), np.int32), np.zeros((num, k), np.float32)
 
     step_id = 0
-    while sched.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+    is_steady = False
+    while not is_steady:  # prefill until a step is all decodes
         step = sched.schedule()
         header, _ = build_plan(step, step_id, block_size)
-        sched.update(step, *fake_result(header.num_seqs, header.max_top_logprobs))
+        token_batches(sched.update(step, *fake_result(header.num_seqs, header.max_top_logprobs)), {}, 1)
+        is_steady = step.num_decodes == num_seqs
         step_id += 1
 
     clock = time.perf_counter
-    times = np.empty((num_steps, 3))  # schedule, build_plan, update
+    times = np.empty((num_steps, 4))  # schedule, build_plan, update, conversion to TokenUpdates
     for t in range(num_steps):
         result = fake_result(num_seqs, 5 if mixed_params else 0)
         t0 = clock()
@@ -83,10 +87,12 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         t1 = clock()
         header, _ = build_plan(step, step_id, block_size)
         t2 = clock()
-        sched.update(step, *result)
+        outputs = sched.update(step, *result)
         t3 = clock()
-        times[t] = (t1 - t0, t2 - t1, t3 - t2)
-        assert header.num_seqs == num_seqs and header.num_tokens == num_seqs
+        batches = token_batches(outputs, {}, 1)
+        t4 = clock()
+        times[t] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        assert header.num_seqs == num_seqs and header.num_tokens == num_seqs and len(batches[0]) == num_seqs
         step_id += 1
     us = times * 1e6
     total = us.sum(axis=1)
@@ -98,6 +104,7 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         "schedule_us_p50": float(np.percentile(us[:, 0], 50)),
         "build_plan_us_p50": float(np.percentile(us[:, 1], 50)),
         "update_us_p50": float(np.percentile(us[:, 2], 50)),
+        "emit_us_p50": float(np.percentile(us[:, 3], 50)),
     }
 
 
@@ -119,12 +126,16 @@ def main() -> None:
     results["plan_us_p50"] = plain["p50_us"]
     results["plan_us_p90"] = plain["p90_us"]
     results["planning"] = {"default_params": plain, "mixed_params": mixed}
-    print(f"planning: schedule + build_plan + update, {args.num_seqs} seqs in steady decode")
-    print(f"{'params':<14}{'p50 µs':>9}{'p90 µs':>9}{'µs/seq':>8}{'schedule':>10}{'plan':>8}{'update':>8}")
+    print(f"planning: schedule + build_plan + update + emit, {args.num_seqs} seqs in steady decode")
+    print(
+        f"{'params':<14}{'p50 µs':>9}{'p90 µs':>9}{'µs/seq':>8}"
+        f"{'schedule':>10}{'plan':>8}{'update':>8}{'emit':>8}"
+    )
     for name, r in (("default", plain), ("mixed (1/8)", mixed)):
         print(
             f"{name:<14}{r['p50_us']:>9.1f}{r['p90_us']:>9.1f}{r['per_seq_us']:>8.2f}"
             f"{r['schedule_us_p50']:>10.1f}{r['build_plan_us_p50']:>8.1f}{r['update_us_p50']:>8.1f}"
+            f"{r['emit_us_p50']:>8.1f}"
         )
 
     # Further sections (e.g. the worker's busy fraction with a real worker) add their keys to

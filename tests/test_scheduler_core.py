@@ -376,7 +376,7 @@ def test_shared_prefix_computes_only_the_rest() -> None:
     assert outs[0].num_cached_tokens == 256
     rest = drive(sched, executor)
     params = step.seqs[0].params
-    assert tokens_of(outs + rest["b"]) == reference_outputs([*prefix, 21, 22, 23, 24, 25], [], params, 1024)
+    assert tokens_of([*outs, *rest["b"]]) == reference_outputs([*prefix, 21, 22, 23, 24, 25], [], params, 1024)
     assert_no_leaks(sched)
 
 
@@ -458,8 +458,8 @@ def test_resubmission_continues_at_its_position() -> None:
     outs = sched.update(step, *executor.run(step))
     assert outs[0].start_index == 3
     rest = drive(sched, executor)["x"]
-    assert [o.start_index for o in outs + rest] == list(range(3, 8))
-    assert [o.new_token_ids[0] for o in outs + rest] == full[3:]
+    assert [o.start_index for o in [*outs, *rest]] == list(range(3, 8))
+    assert [o.new_token_ids[0] for o in [*outs, *rest]] == full[3:]
 
 
 def test_resubmission_already_finished_ends_at_once() -> None:
@@ -555,7 +555,7 @@ def test_worker_loss_recomputes_and_ignores_the_lost_step() -> None:
     sched.preempt_all()
     executor.lose_kv()
     assert sched.num_waiting == 1 and sched.kv_usage == 0.0 and not sched.blocks.cached
-    assert sched.update(lost, *result) == []  # the lost step's result arrives late: ignored
+    assert len(sched.update(lost, *result)) == 0  # the lost step's result arrives late: ignored
     step = sched.schedule()
     assert int(step.starts[0]) == 0 and int(step.num_new_tokens[0]) == 8 + 4  # prompt + outputs
     got += sched.update(step, *executor.run(step))

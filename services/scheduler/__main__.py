@@ -11,7 +11,6 @@ import os
 import time
 from collections import defaultdict
 
-import numpy as np
 import zmq
 
 from ipc import messages as m
@@ -27,7 +26,7 @@ from ipc.codec import (
 from ipc.endpoints import shard_of
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket
-from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
@@ -116,8 +115,10 @@ class SchedulerProcess:
             self.refuse(submit, code, str(exc))
             return
         self.needs_full_history[submit.request_id] = request
-        if finished is not None:  # a resubmission that had already met its end
-            self.emit([finished])
+        if finished is not None:  # a resubmission that had already met its end: its history, finished
+            del self.needs_full_history[submit.request_id]
+            shard = shard_of(submit.request_id, len(self.detokenizers))
+            self.detokenizers[shard].put(m.TokenBatch([self.full_history(request, finished.finish_reason)]))
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
         if 0 <= submit.frontend_id < len(self.frontends):
@@ -265,30 +266,9 @@ class SchedulerProcess:
             self.abort(request.request_id)
             self.refuse(submit, "internal", f"the worker could not run this request: {error}")
 
-    def emit(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[int, list[m.TokenUpdate]] = defaultdict(list)
-        assert self.core is not None
-        for out in outputs:
-            self.num_tokens += len(out.new_token_ids)
-            shard = shard_of(out.request_id, len(self.detokenizers))
-            resumed = self.needs_full_history.pop(out.request_id, None)
-            if resumed is not None:
-                batches[shard].append(self.full_history(resumed, out.finish_reason))
-                continue
-            batches[shard].append(
-                m.TokenUpdate(
-                    request_id=out.request_id,
-                    frontend_id=out.frontend_id,
-                    start_index=out.start_index,
-                    token_ids=m.pack_ids(out.new_token_ids),
-                    logprobs=np.asarray(out.logprobs, dtype="<f4").tobytes(),
-                    top_logprobs=out.top_logprobs,
-                    finish_reason=out.finish_reason,
-                    prompt_tokens=out.num_prompt_tokens,
-                    cached_tokens=out.num_cached_tokens,
-                )
-            )
-        for shard, updates in batches.items():
+    def emit(self, outputs: StepOutputs) -> None:
+        self.num_tokens += len(outputs)  # one new token per output
+        for shard, updates in token_batches(outputs, self.needs_full_history, len(self.detokenizers)).items():
             self.detokenizers[shard].put(m.TokenBatch(updates))
 
     # -- loop ----------------------------------------------------------------------------------
@@ -329,6 +309,27 @@ class SchedulerProcess:
             self.heartbeat()
         self.stage.log.info("stopping")
         self.ctx.destroy(linger=0)
+
+
+def token_batches(
+    outputs: StepOutputs, needs_full_history: dict[str, Request], num_shards: int
+) -> dict[int, list[m.TokenUpdate]]:
+    """A step's outputs as token updates grouped by detokenizer shard. A request in
+    `needs_full_history` (taken out of it) gets its whole history and params instead."""
+    updates = outputs.token_updates()
+    if needs_full_history:
+        for j, request_id in enumerate(outputs.request_ids):
+            resumed = needs_full_history.pop(request_id, None)
+            if resumed is not None:
+                updates[j] = SchedulerProcess.full_history(resumed, outputs.finish_reasons[j])
+    if not updates:
+        return {}
+    if num_shards == 1:
+        return {0: updates}
+    batches: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+    for update in updates:
+        batches[shard_of(update.request_id, num_shards)].append(update)
+    return batches
 
 
 if __name__ == "__main__":

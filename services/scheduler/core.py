@@ -13,19 +13,25 @@ are freed and it goes back to waiting with the tokens it generated, to be prefil
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, TokenUpdate
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (
     EOS_FROM,
+    FRONTEND,
     HAS_STOP_IDS,
     LAST_TOKEN,
     NEEDS_HISTORY,
+    NUM_CACHED,
+    NUM_COMPUTED,
     NUM_LOGPROBS,
+    NUM_PROMPT,
+    NUM_TOKENS,
     STOP_LEN,
     PlanTable,
     ScheduledStep,
@@ -80,6 +86,93 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_cached_tokens: int
 
 
+NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
+
+
+class StepOutputs:
+    """One step's results, packed: one new token for each request that sampled, in plan order,
+    as columns (lists and arrays) gathered from the plan table.
+
+    `token_updates()` turns them into wire messages in one C-level pass (the per-step hot path);
+    indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
+
+    __slots__ = (
+        "finish_reasons",
+        "frontend_ids",
+        "logprobs",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+        "request_ids",
+        "start_indices",
+        "token_ids",
+        "top_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        frontend_ids: list[int],
+        start_indices: list[int],
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        top_logprobs: list[list[dict[int, float]]],
+        finish_reasons: list[str | None],
+        num_prompt_tokens: list[int],
+        num_cached_tokens: list[int],
+    ) -> None:
+        self.request_ids = request_ids
+        self.frontend_ids = frontend_ids
+        self.start_indices = start_indices  # output index of each new token
+        self.token_ids = token_ids  # [N] int32
+        self.logprobs = logprobs  # [N] float32
+        self.top_logprobs = top_logprobs
+        self.finish_reasons = finish_reasons
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+
+    @classmethod
+    def empty(cls) -> StepOutputs:
+        return cls([], [], [], np.zeros(0, np.int32), np.zeros(0, np.float32), [], [], [], [])
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, j: int) -> RequestOutput:
+        return RequestOutput(
+            self.request_ids[j],
+            self.frontend_ids[j],
+            self.start_indices[j],
+            [int(self.token_ids[j])],
+            [float(self.logprobs[j])],
+            list(self.top_logprobs[j]),
+            self.finish_reasons[j],
+            self.num_prompt_tokens[j],
+            self.num_cached_tokens[j],
+        )
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return (self[j] for j in range(len(self)))
+
+    def token_updates(self) -> list[TokenUpdate]:
+        """One `TokenUpdate` per request, in order, with its token and logprob packed."""
+        # A 4-byte void view turns each element into its packed bytes in one C call, and map()
+        # builds the structs without running Python bytecode per request.
+        return list(
+            map(
+                TokenUpdate,
+                self.request_ids,
+                self.frontend_ids,
+                self.start_indices,
+                self.token_ids.astype("<i4", copy=False).view("V4").tolist(),
+                self.logprobs.astype("<f4", copy=False).view("V4").tolist(),
+                self.top_logprobs,
+                self.finish_reasons,
+                self.num_prompt_tokens,
+                self.num_cached_tokens,
+            )
+        )
+
+
 def _sort_key(req: Request) -> tuple[int, int]:
     return (req.priority, req.arrival_order)
 
@@ -98,6 +191,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _sort_key
         self.running: list[Request] = []  # sorted by _sort_key
+        self._order: np.ndarray | None = None  # plan-table rows of `running`; None when it changed
         self._next_arrival = 0
         self.num_unknown_aborts = 0
         self.num_preemptions = 0
@@ -199,6 +293,7 @@ class Scheduler:
         for req in reversed(self.running):
             self._preempt(req)
         self.running.clear()
+        self._order = None
         self.blocks.clear_cache()
 
     # -- planning -------------------------------------------------------------------------------
@@ -208,37 +303,41 @@ class Scheduler:
         bs = self.block_size
         blocks = self.blocks
         table = self.table
+        num_computed = table.ints[NUM_COMPUTED]
         running = self.running
         budget = self.config.max_num_batched_tokens
-        seqs: list[Request] = []
-        rows: list[int] = []
-        starts: list[int] = []
-        partial: list[Request] = []
 
-        # 1. Decodes: one token each; one entering a new block may preempt the back of the line.
-        # Preemption only removes sequences behind `req`, which this loop then never reaches.
-        for req in running:
-            if budget == 0:
-                break
-            computed = req.num_computed_tokens
-            n = req.num_tokens - computed
-            if n != 1:
-                if n > 1:
-                    partial.append(req)
-                continue
-            if not computed % bs and computed == len(req.block_ids) * bs:
-                if not blocks.num_available and not self._make_room(req, seqs):
-                    break  # req itself was preempted: it was the last in line
-                b = blocks.allocate(1)[0]
-                table.block_tables[req.row, len(req.block_ids)] = b
-                req.block_ids.append(b)
-            seqs.append(req)
-            rows.append(req.row)
-            starts.append(computed)
-            req.num_computed_tokens = computed + 1
-            budget -= 1
+        # 1. Decodes: running sequences with only their last sampled token to compute, in line
+        # order, up to the budget; found and advanced with numpy over their plan-table rows.
+        order = self._running_rows()
+        computed = num_computed[order]
+        pending = table.ints[NUM_TOKENS][order] - computed
+        decodes = np.flatnonzero(pending == 1)[:budget]
+        partial = [running[i] for i in np.flatnonzero(pending > 1).tolist()]
+        if len(decodes) == len(running):
+            seqs = running[:]
+            rows, starts = order, computed
+        else:
+            seqs = [running[i] for i in decodes.tolist()]
+            rows, starts = order[decodes], computed[decodes]
+        # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
+        # context fills its last block needs a new one; that may preempt the back of the line.
+        entering = np.flatnonzero(starts % bs == 0)
+        if len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
+            new_blocks = blocks.allocate(len(entering))
+            table.block_tables[rows[entering], starts[entering] // bs] = new_blocks
+            for j, b in zip(entering.tolist(), new_blocks, strict=True):
+                seqs[j].block_ids.append(b)
+        elif self._grow_decodes(seqs, entering.tolist()):
+            seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
+            rows = np.array([req.row for req in seqs], np.intp)
+            starts = num_computed[rows]
+        num_computed[rows] += 1
+        budget -= len(seqs)
         num_decodes = len(seqs)
-        num_new = [1] * num_decodes
+        more_rows: list[int] = []
+        more_starts: list[int] = []
+        num_new: list[int] = []
 
         # 2. Prompts (or recomputes) already under way, chunked to the budget and the free blocks.
         for req in partial:
@@ -246,19 +345,19 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted above
                 continue
-            computed = req.num_computed_tokens
-            room = (len(req.block_ids) + blocks.num_available) * bs - computed
+            done = int(num_computed[req.row])
+            room = (len(req.block_ids) + blocks.num_available) * bs - done
             if room <= 0:
                 if not self._make_room(req, seqs):
                     continue
-                room = (len(req.block_ids) + blocks.num_available) * bs - computed
-            n = min(req.num_tokens - computed, budget, room)
-            self._grow(req, computed + n)
+                room = (len(req.block_ids) + blocks.num_available) * bs - done
+            n = min(req.num_tokens - done, budget, room)
+            self._grow(req, done + n)
             seqs.append(req)
-            rows.append(req.row)
-            starts.append(computed)
+            more_rows.append(req.row)
+            more_starts.append(done)
             num_new.append(n)
-            req.num_computed_tokens = computed + n
+            num_computed[req.row] = done + n
             budget -= n
 
         # 3. Waiting requests, best first; stop at the first that does not fit (no overtaking).
@@ -266,48 +365,74 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             req = waiting[0]
             hits = self._prefix_hits(req)
-            computed = len(hits) * bs
-            room = (len(hits) + blocks.num_available_besides(hits)) * bs - computed
-            n = min(req.num_tokens - computed, budget, room)
+            done = len(hits) * bs
+            room = (len(hits) + blocks.num_available_besides(hits)) * bs - done
+            n = min(req.num_tokens - done, budget, room)
             if n <= 0:
                 break
             waiting.pop(0)
             blocks.acquire(hits)
             req.block_ids = hits
             req.num_registered_blocks = len(hits)
-            req.num_cached_tokens = computed
+            req.num_cached_tokens = done
             self.num_prefix_query_tokens += req.num_tokens
-            self.num_prefix_hit_tokens += computed
-            self._grow(req, computed + n)
+            self.num_prefix_hit_tokens += done
+            self._grow(req, done + n)
             req.status = RequestStatus.RUNNING
-            table.assign(req)
+            table.assign(req, done + n)
             bisect.insort(running, req, key=_sort_key)
+            self._order = None
             seqs.append(req)
-            rows.append(req.row)
-            starts.append(computed)
+            more_rows.append(req.row)
+            more_starts.append(done)
             num_new.append(n)
-            req.num_computed_tokens = computed + n
             budget -= n
 
         if not seqs:
             return None
-        row_array = np.array(rows, np.intp)
-        start_array = np.array(starts, np.int32)
-        new_array = np.array(num_new, np.int32)
         is_sampled = np.ones(len(seqs), np.bool_)
-        for j in range(num_decodes, len(seqs)):
-            is_sampled[j] = starts[j] + num_new[j] == seqs[j].num_tokens
+        if num_new:
+            rows = np.concatenate((rows, np.array(more_rows, np.intp)))
+            starts = np.concatenate((starts, np.array(more_starts, np.int32)))
+            new_array = np.concatenate((np.ones(num_decodes, np.int32), np.array(num_new, np.int32)))
+            for j in range(num_decodes, len(seqs)):
+                is_sampled[j] = starts[j] + new_array[j] == seqs[j].num_tokens
+        else:
+            new_array = np.ones(num_decodes, np.int32)
         return ScheduledStep(
             seqs=seqs,
-            rows=row_array,
-            row_epochs=table.epoch[row_array],
-            starts=start_array,
+            rows=rows,
+            row_epochs=table.epoch[rows],
+            starts=starts,
             num_new_tokens=new_array,
             is_sampled=is_sampled,
             num_decodes=num_decodes,
             table=table,
             eos_token_ids=self.config.eos_token_ids,
         )
+
+    def _running_rows(self) -> np.ndarray:
+        """Plan-table rows of the running sequences, in line order (cached until the line changes)."""
+        if self._order is None:
+            self._order = np.array([req.row for req in self.running], np.intp)
+        return self._order
+
+    def _grow_decodes(self, seqs: list[Request], entering: list[int]) -> bool:
+        """Give each decode `seqs[j]`, j in `entering`, its next block, preempting from the back
+        of the line when none is left; True when some of `seqs` were preempted."""
+        blocks = self.blocks
+        block_tables = self.table.block_tables
+        num_preemptions = self.num_preemptions
+        for j in entering:
+            req = seqs[j]
+            if req.status is not RequestStatus.RUNNING:  # preempted for an earlier decode
+                continue
+            if not blocks.num_available and not self._make_room(req, seqs[:j]):
+                break  # req itself was preempted: it was the last in line, and so were those after it
+            b = blocks.allocate(1)[0]
+            block_tables[req.row, len(req.block_ids)] = b
+            req.block_ids.append(b)
+        return self.num_preemptions != num_preemptions
 
     def _make_room(self, req: Request, planned: list[Request]) -> bool:
         """Preempt from the back of the line (lowest priority, latest arrival), sparing sequences
@@ -318,6 +443,7 @@ class Scheduler:
             while running[j] in planned:  # req is in running and unplanned, so this stops
                 j -= 1
             victim = running.pop(j)
+            self._order = None
             self._preempt(victim)
             if victim is req:
                 return False
@@ -353,10 +479,11 @@ class Scheduler:
         sampled_logprobs: np.ndarray,
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
-    ) -> list[RequestOutput]:
+    ) -> StepOutputs:
         """Apply one step's result: append sampled tokens, finish sequences, cache full blocks.
 
         Entries of requests preempted, aborted or replaced since the step was planned are ignored.
+        The result arrays may be views into a ring slot: nothing returned refers to them.
         """
         table = self.table
         bs = self.block_size
@@ -375,68 +502,59 @@ class Scheduler:
         sampled = np.flatnonzero(live & step.is_sampled)
         num_sampled = len(sampled)
         if num_sampled == 0:
-            return []
+            return StepOutputs.empty()
         all_sampled = num_sampled == len(seqs)
         sampled_rows = rows if all_sampled else rows[sampled]
-        tokens = sampled_ids if all_sampled else sampled_ids[sampled]
+        # Copies, never views of the result slot.
+        tokens = np.array(sampled_ids if all_sampled else sampled_ids[sampled], np.int32)
+        logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
         ints = table.ints
         ints[LAST_TOKEN][sampled_rows] = tokens
+        num_tokens = ints[NUM_TOKENS][sampled_rows] + 1
+        ints[NUM_TOKENS][sampled_rows] = num_tokens
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
-        lens_after = (ends if all_sampled else ends[sampled]) + 1
-        candidates = lens_after >= ints[STOP_LEN][sampled_rows]
+        candidates = num_tokens >= ints[STOP_LEN][sampled_rows]
         candidates |= ints[HAS_STOP_IDS][sampled_rows] != 0
         if self.eos_token_ids:
             eos_from = ints[EOS_FROM][sampled_rows]
             for e in self.eos_token_ids:
-                candidates |= (tokens == e) & (lens_after > eos_from)
+                candidates |= (tokens == e) & (num_tokens > eos_from)
+        num_prompt = ints[NUM_PROMPT][sampled_rows]
         num_logprobs = ints[NUM_LOGPROBS][sampled_rows]
         needs_history = ints[NEEDS_HISTORY][sampled_rows]
 
         token_list = tokens.tolist()
-        logprob_list = (sampled_logprobs if all_sampled else sampled_logprobs[sampled]).tolist()
-        sampled_seqs = seqs if all_sampled else [seqs[i] for i in sampled.tolist()]
+        # list.append over the rows' output lists, run by map() in C (append returns None).
+        any(map(list.append, table.output_ids[sampled_rows].tolist(), token_list))
         reasons: list[str | None] = [None] * num_sampled
         finishing = np.flatnonzero(candidates).tolist() if np.count_nonzero(candidates) else []
         for j in finishing:
-            req = sampled_seqs[j]
-            reasons[j] = self._finish_reason(
-                req.params, token_list[j], req.num_output_tokens + 1, req.num_tokens + 1
-            )
-        tops: list[list[dict[int, float]]] = [[]] * num_sampled  # shared only until replaced below
+            req = seqs[int(sampled[j])]
+            reasons[j] = self._finish_reason(req.params, token_list[j], req.num_output_tokens, req.num_tokens)
+        tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
         if top_ids is not None and top_logprobs is not None and np.count_nonzero(num_logprobs):
             for j in np.flatnonzero(num_logprobs).tolist():
                 k = int(num_logprobs[j])
                 i = int(sampled[j])
                 tops[j] = [dict(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist(), strict=True))]
-
-        outputs: list[RequestOutput] = []
-        add_output = outputs.append
-        for req, token, logprob, top, reason in zip(
-            sampled_seqs, token_list, logprob_list, tops, reasons, strict=True
-        ):
-            output_ids = req.output_ids
-            add_output(
-                RequestOutput(
-                    req.request_id,
-                    req.frontend_id,
-                    len(output_ids),
-                    [token],
-                    [logprob],
-                    top or [],
-                    reason,
-                    len(req.prompt_ids),
-                    req.num_cached_tokens,
-                )
-            )
-            output_ids.append(token)
-            req.num_tokens += 1
         if np.count_nonzero(needs_history):
             for j in np.flatnonzero(needs_history).tolist():
-                req = sampled_seqs[j]
+                req = seqs[int(sampled[j])]
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
+        outputs = StepOutputs(
+            table.request_ids[sampled_rows].tolist(),
+            ints[FRONTEND][sampled_rows].tolist(),
+            (num_tokens - 1 - num_prompt).tolist(),
+            tokens,
+            logprobs,
+            tops,
+            reasons,
+            num_prompt.tolist(),
+            ints[NUM_CACHED][sampled_rows].tolist(),
+        )
         for j in finishing:
             if reasons[j] is not None:
-                req = sampled_seqs[j]
+                req = seqs[int(sampled[j])]
                 self._drop(req, RequestStatus.FINISHED)
                 req.finish_reason = reasons[j]
         return outputs
@@ -476,16 +594,13 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Free a request's row and blocks, first offering its full computed blocks to the cache."""
-        if (
-            self.blocks.enable_prefix_caching
-            and req.num_computed_tokens // self.block_size > req.num_registered_blocks
-        ):
-            self._register_blocks(req, req.num_computed_tokens // self.block_size)
         if req.row >= 0:
+            num_full = int(self.table.ints[NUM_COMPUTED, req.row]) // self.block_size
+            if self.blocks.enable_prefix_caching and num_full > req.num_registered_blocks:
+                self._register_blocks(req, num_full)
             self.table.release(req)
         self.blocks.release(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
         req.num_registered_blocks = 0
 
     def _drop(self, req: Request, status: RequestStatus) -> None:
@@ -495,6 +610,7 @@ class Scheduler:
         while queue[i] is not req:  # equal keys: a replaced request shares its order
             i += 1
         del queue[i]
+        self._order = None
         self._release(req)
         req.status = status
         del self.requests[req.request_id]

@@ -27,8 +27,22 @@ FLOAT_COLUMNS = (
     "frequency_penalty",
 )
 # Rows of PlanTable.ints.
-TOP_K, NUM_LOGPROBS, LAST_TOKEN, NEEDS_HISTORY, NEEDS_BIAS, STOP_LEN, EOS_FROM, HAS_STOP_IDS = range(8)
-NUM_INT_COLUMNS = 8
+(
+    TOP_K,
+    NUM_LOGPROBS,
+    LAST_TOKEN,
+    NEEDS_HISTORY,
+    NEEDS_BIAS,
+    STOP_LEN,
+    EOS_FROM,
+    HAS_STOP_IDS,
+    NUM_COMPUTED,
+    NUM_TOKENS,
+    NUM_PROMPT,
+    NUM_CACHED,
+    FRONTEND,
+) = range(13)
+NUM_INT_COLUMNS = 13
 NEVER = np.iinfo(np.int32).max
 
 
@@ -48,15 +62,24 @@ class PlanTable:
         # TOP_K, NUM_LOGPROBS, LAST_TOKEN (the next decode input); NEEDS_HISTORY (penalties),
         # NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by context length
         # after appending the sampled token: "length" at STOP_LEN, eos counts past EOS_FROM
-        # (min_tokens), HAS_STOP_IDS sends the row to the per-sequence check.
+        # (min_tokens), HAS_STOP_IDS sends the row to the per-sequence check. The running
+        # request's counters: NUM_COMPUTED (tokens whose KV is, or is being, written: it advances
+        # when a step is planned), NUM_TOKENS (prompt + outputs, advances with each sample),
+        # NUM_PROMPT and NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them
+        # here, not on the request, so that one numpy operation advances every decode of a step.
+        # FRONTEND is the request's frontend id.
         self.ints = np.zeros((NUM_INT_COLUMNS, num_rows), np.int32)
+        # The request's id and its output_ids list (the same object), so that a step's outputs
+        # are gathered in C rather than read request by request.
+        self.request_ids = np.full(num_rows, None, object)
+        self.output_ids = np.full(num_rows, None, object)
         # Token history (prompt + outputs) of rows that apply penalties, so plans copy slices.
         self.history: dict[int, np.ndarray] = {}
         # params.logit_bias of rows that have one, as (ids, values) arrays.
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    def assign(self, req: Request) -> None:
+    def assign(self, req: Request, num_computed: int) -> None:
         """Give a request that starts running a row and fill the row from it."""
         row = self._free_rows.pop()
         req.row = row
@@ -74,7 +97,14 @@ class PlanTable:
             min(req.num_prompt_tokens + p.max_tokens, self.max_model_len),
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
             bool(p.stop_token_ids),
+            num_computed,
+            req.num_tokens,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            req.frontend_id,
         )
+        self.request_ids[row] = req.request_id
+        self.output_ids[row] = req.output_ids
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -89,6 +119,8 @@ class PlanTable:
         """Free a request's row; its block table row goes back to all zeros (the padding)."""
         self.block_tables[req.row, : len(req.block_ids)] = 0
         self.epoch[req.row] += 1
+        self.request_ids[req.row] = None
+        self.output_ids[req.row] = None
         self.history.pop(req.row, None)
         self.bias.pop(req.row, None)
         self._free_rows.append(req.row)
@@ -106,7 +138,7 @@ class ScheduledStep:
     seqs: list[Request]
     rows: np.ndarray  # [S] intp: each sequence's plan-table row
     row_epochs: np.ndarray  # [S] the rows' epochs when planned (a changed epoch = stale entry)
-    starts: np.ndarray  # [S] int32: num_computed_tokens before the step = first new position
+    starts: np.ndarray  # [S] int32: computed tokens before the step = first new position
     num_new_tokens: np.ndarray  # [S] int32
     is_sampled: np.ndarray  # [S] bool: the final chunk (or a decode) samples
     num_decodes: int  # seqs[:num_decodes] compute exactly one token, their last one, and sample
@@ -180,7 +212,7 @@ def build_plan(
         "num_logprobs": num_logprobs,
     }
     arrays.update((name, column[rows]) for name, column in zip(FLOAT_COLUMNS, table.floats, strict=True))
-    arrays.update(_history(step, ints[NEEDS_HISTORY][rows], table.history))
+    arrays.update(_history(step, table))
     arrays.update(_logit_bias(step, ints[NEEDS_BIAS][rows], table.bias))
     header = StepHeader(
         step_id=step_id,
@@ -199,14 +231,14 @@ def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlo
     return header
 
 
-def _history(
-    step: ScheduledStep, needs_history: np.ndarray, buffers: dict[int, np.ndarray]
-) -> dict[str, np.ndarray]:
+def _history(step: ScheduledStep, table: PlanTable) -> dict[str, np.ndarray]:
     """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise)."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
-    users = np.flatnonzero(needs_history).tolist() if np.count_nonzero(needs_history) else []
+    buffers = table.history
+    # Only rows that apply penalties have a buffer: none, no gather.
+    users = np.flatnonzero(table.ints[NEEDS_HISTORY][step.rows]).tolist() if buffers else []
     parts = []
     for i in users:
         req = step.seqs[i]
@@ -214,7 +246,8 @@ def _history(
         lens[i] = req.num_tokens
         prompt_lens[i] = req.num_prompt_tokens
     offsets = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(lens, out=offsets[1:])
+    if parts:
+        np.cumsum(lens, out=offsets[1:])
     history = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return {"history_offsets": offsets, "history_ids": history, "history_prompt_lens": prompt_lens}
 
@@ -244,7 +277,8 @@ def _logit_bias(
             continue
         lens[i] = len(ids[-1])
     offsets = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(lens, out=offsets[1:])
+    if ids:
+        np.cumsum(lens, out=offsets[1:])
     return {
         "bias_offsets": offsets,
         "bias_ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),

@@ -20,10 +20,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """Owns a request's token history (prompt + outputs so far), its KV blocks and its progress.
 
-    `num_computed_tokens` counts tokens whose KV is (being) written: it advances when a step is
-    planned, so a sequence with a step in flight has nothing left to compute until its sample
-    comes back. `num_preemptions` doubles as an epoch: results of a step planned before a
-    preemption are ignored.
+    While the request runs, how far its compute stands (tokens whose KV is, or is being, written)
+    lives in its plan-table row with the other per-step counters (plan.py), so that a step
+    advances every decode at once; a waiting request has computed nothing.
     """
 
     __slots__ = (
@@ -34,10 +33,8 @@ class Request:
         "finish_reason",
         "frontend_id",
         "num_cached_tokens",
-        "num_computed_tokens",
         "num_preemptions",
         "num_registered_blocks",
-        "num_tokens",
         "output_ids",
         "params",
         "priority",
@@ -61,7 +58,6 @@ class Request:
         self.frontend_id = frontend_id
         self.prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int32)
         self.output_ids: list[int] = [] if output_ids is None else [int(t) for t in output_ids]
-        self.num_tokens = len(self.prompt_ids) + len(self.output_ids)  # kept in step with output_ids
         self.params = params
         self.priority = params.priority
         self.arrival_time = arrival_time
@@ -70,13 +66,16 @@ class Request:
         self.seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
         self.num_preemptions = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of the tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.row = -1  # row in the plan table while running
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,5 +115,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+            f"row={self.row}, blocks={len(self.block_ids)})"
         )
