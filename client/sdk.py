@@ -202,6 +202,7 @@ class _Replica:
     is_suspect: bool = False  # a request failed over away from it and it has not answered since
     health: m.HealthReply | None = None
     health_at: float = -math.inf
+    incarnation: int | None = None  # of the frontend process last heard from
 
 
 class Session:
@@ -266,6 +267,8 @@ class Session:
             if self._send(i, frame):
                 state.replica, state.sent_at = i, now
                 self._next = (i + 1) % n
+                if self.replicas[i].incarnation is None:
+                    self.probe(i)  # learn which process holds the request, to notice a restart
                 return
 
     # -- input ---------------------------------------------------------------------------------
@@ -281,6 +284,9 @@ class Session:
         rep.last_seen, rep.is_suspect = now, False
         if isinstance(reply, m.HealthReply):
             rep.health, rep.health_at = reply, now
+            if rep.incarnation is not None and reply.incarnation != rep.incarnation:
+                self._resubmit_forgotten(replica, now)
+            rep.incarnation = reply.incarnation
             return
         state = self.requests.get(reply.request_id)
         # Only the replica now running a request speaks for it: one we failed over from may
@@ -314,6 +320,13 @@ class Session:
             quiet = now - max(rep.last_seen, rep.last_probe)
             if quiet > self.probe_interval and self.in_flight(i):
                 self.probe(i)
+
+    def _resubmit_forgotten(self, replica: int, now: float) -> None:
+        """The replica restarted (a new process answers at its endpoint): it lost our requests."""
+        for state in self.requests.values():
+            if state.replica == replica and not state.is_done:
+                self.num_failovers += 1
+                self._dispatch(state, now, avoid=None)
 
     def _failover(self, state: RequestState, now: float) -> None:
         old = state.replica

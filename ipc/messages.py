@@ -131,11 +131,15 @@ class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """`incarnation` changes when the frontend process restarts: a client that sees it change
+    knows the replica forgot its in-flight requests and resubmits them."""
+
     frontend_id: int
     is_ready: bool
     model: str
     num_in_flight: int
     max_model_len: int
+    incarnation: int = 0
 
 
 ClientReply = Union[Delta, ErrorReply, HealthReply]

@@ -26,6 +26,7 @@ from client import (
     RequestTimeout,
     ServerUnavailable,
 )
+from client.sdk import Session
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
 from ipc.endpoints import make_run_dir
@@ -462,3 +463,22 @@ def test_resubmission_keeps_everything_but_resume_fields() -> None:
     again = state.resubmission()
     assert msgspec.structs.replace(again, resume_output_ids=b"", resume_num_chars=0) == generate
     assert m.unpack_ids(again.resume_output_ids).tolist() == [5, 6] and again.resume_num_chars == 2
+
+
+def test_session_resubmits_when_a_replica_restarts() -> None:
+    """A new frontend process at the same endpoint (new incarnation) has forgotten our request:
+    the session resubmits it there with what it already received."""
+    sent: list[tuple[int, m.ClientRequest]] = []
+    session = Session(["ipc://a"], lambda i, frame: sent.append((i, CLIENT_REQUEST.decode(frame))) or True)
+    state = session.submit(m.Generate("r1", prompt="hi"), timeout=None)
+    assert isinstance(sent[-1][1], m.Health)  # it asks who holds the request
+    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 1, 2048, incarnation=7)))
+    delta = m.Delta("r1", 0, 0, "Hel", m.pack_ids([5, 6]))
+    session.receive(0, CLIENT_REPLY.encode(delta))
+    sent.clear()
+    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 0, 2048, incarnation=8)))
+    resubmits = [msg for _, msg in sent if isinstance(msg, m.Generate)]
+    assert len(resubmits) == 1
+    assert m.unpack_ids(resubmits[0].resume_output_ids).tolist() == [5, 6]
+    assert resubmits[0].resume_num_chars == 3
+    assert state.replica == 0 and not state.is_done

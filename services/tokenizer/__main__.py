@@ -3,6 +3,7 @@ text deltas back to clients. Light: no torch."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import zmq
@@ -44,6 +45,7 @@ class Frontend:
         self.num_malformed = 0
         self.num_events = 0
         self.is_draining = False
+        self.incarnation = random.getrandbits(63)  # tells clients that this process is new
 
     def send(self, reply: Reply) -> None:
         if not self.clients.send(reply.identity, reply.message):
@@ -95,6 +97,7 @@ class Frontend:
                         self.stage.info.model,
                         len(self.core.journal),
                         self.stage.config.model.max_model_len,
+                        self.incarnation,
                     ),
                 )
             )
