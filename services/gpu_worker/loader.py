@@ -169,6 +169,8 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / s for s in shards]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")

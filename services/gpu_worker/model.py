@@ -195,7 +195,7 @@ class LlamaModel:
 
     def finish_loading(self) -> None:
         """Fail loudly on missing weights (a silently random layer would still 'work')."""
-        expected = 3 + 7 * len(self.layers) - (1 if self.config.tie_word_embeddings else 0)
+        expected = 3 + 9 * len(self.layers) - (1 if self.config.tie_word_embeddings else 0)
         if self.config.attention_bias:
             expected += 3 * len(self.layers)
         if len(self._loaded) < expected:
