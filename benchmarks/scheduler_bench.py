@@ -5,6 +5,12 @@ of the outputs to the detokenizers' TokenUpdate messages, as the scheduler proce
 with a batch of sequences in steady decode and a fake executor, so the number is the scheduler's
 own overhead, the time a worker would wait if planning did not overlap with execution.
 
+Worker busy fraction: the real worker (ModelRunner on the embedded SmolLM2-135M, float32 on the
+CPU) in its own process, fed through the real step and result rings by the scheduler core,
+64 sequences decoding together: the fraction of the decode phase's wall time that the worker
+spends inside execute(), timed by the worker itself. What is missing is the hop and the
+scheduler's own work between steps, during which the worker waits.
+
     python benchmarks/scheduler_bench.py --json results/scheduler.json
 """
 
@@ -12,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import platform
 import sys
+import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +31,23 @@ import numpy as np
 # Run as a script from anywhere: the repository root holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.messages import SamplingParams
+from ipc.codec import RESULT_HEADER, STEP_HEADER
+from ipc.endpoints import Endpoints
+from ipc.messages import ResultHeader, SamplingParams
+from ipc.shm import RingTimeout, ShmRing, new_run_id
+from services.gpu_worker.loader import prepare_model
 from services.scheduler.__main__ import token_batches
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.plan import build_plan
 from services.scheduler.request import Request
 
 VOCAB_SIZE = 49152
+TARGETS = {"plan_us_p50": ("<", 300.0), "worker_busy_fraction": (">=", 0.95)}
+WORKER_DTYPE = "float32"  # the CPU's native matmul dtype (4 bytes, as the KV sizing assumes)
+BLOCK_SIZE = 16
+STEP_SLOT_BYTES = 4 << 20
+RESULT_SLOT_BYTES = 1 << 20
+STEP_TIMEOUT_S = 120.0
 
 
 def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params: bool) -> dict[str, float]:
@@ -108,6 +127,146 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
     }
 
 
+def worker_main(
+    model_dir: str, num_kv_blocks: int, step_ring: str, result_ring: str, conn: Connection
+) -> None:
+    """The worker side, as services/gpu_worker/__main__.py runs it, timing each execute()."""
+    from services.gpu_worker.model_runner import ModelRunner  # torch: this process only
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    bytes_per_block = 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] * head_dim * 4
+    runner = ModelRunner(
+        Path(model_dir), dtype=WORKER_DTYPE, device="cpu", kv_cache_bytes=num_kv_blocks * bytes_per_block
+    )
+    steps, results = ShmRing.attach(step_ring), ShmRing.attach(result_ring)
+    conn.send((runner.max_model_len, runner.eos_token_ids, runner.num_kv_blocks))
+    spans: list[tuple[int, float, float]] = []  # step id, execute start, execute end
+    clock = time.perf_counter
+    try:
+        while not conn.poll():  # the scheduler side says when to stop
+            try:
+                with steps.read(0, 0.2) as view:
+                    header = STEP_HEADER.decode(view.header)
+                    t0 = clock()
+                    arrays = runner.execute(view.arrays, header)
+                    t1 = clock()
+                    with results.reserve(STEP_TIMEOUT_S) as slot:
+                        for name, array in arrays.items():
+                            slot.put(name, array)
+                        slot.publish(RESULT_HEADER.encode(ResultHeader(header.step_id, header.num_seqs, "")))
+                spans.append((header.step_id, t0, t1))
+            except RingTimeout:
+                continue
+        conn.send(spans)
+    finally:
+        steps.close()
+        results.close()
+
+
+def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
+    """Drive the real worker process through the real rings with the scheduler core."""
+    model_dir = prepare_model(None)
+    block_size = BLOCK_SIZE
+    blocks_per_seq = -(-(prompt_len + max_tokens) // block_size)
+    num_kv_blocks = num_seqs * blocks_per_seq + 16
+    endpoints = Endpoints(tempfile.gettempdir(), new_run_id())
+    rings = [
+        ShmRing.create(endpoints.step_ring(0), 2, STEP_SLOT_BYTES, 1),
+        ShmRing.create(endpoints.result_ring(0), 2, RESULT_SLOT_BYTES, 1),
+    ]
+    step_ring, result_ring = rings
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    worker = ctx.Process(
+        target=worker_main,
+        args=(str(model_dir), num_kv_blocks, step_ring.name, result_ring.name, child_conn),
+        daemon=True,
+    )
+    worker.start()
+    try:
+        if not conn.poll(300):
+            raise RuntimeError("the worker did not load the model in 300 s")
+        max_model_len, eos_token_ids, num_blocks = conn.recv()
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=num_seqs,
+                max_num_batched_tokens=2048,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_model_len=min(max_model_len, 2048),
+                max_num_waiting=num_seqs,
+                eos_token_ids=tuple(eos_token_ids),
+            )
+        )
+        rng = np.random.default_rng(0)
+        for i in range(num_seqs):
+            params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
+            sched.add(Request(f"req-{i}", 0, rng.integers(3, VOCAB_SIZE, prompt_len, dtype=np.int32), params))
+        decode_steps: set[int] = set()
+        gaps: list[float] = []  # scheduler-side time from reading a result to publishing the next plan
+        clock = time.perf_counter
+        step_id, num_tokens, t_result = 0, 0, None
+        while (step := sched.schedule()) is not None:
+            header, arrays = build_plan(step, step_id, block_size)
+            with step_ring.reserve(STEP_TIMEOUT_S) as slot:
+                for name, array in arrays.items():
+                    slot.put(name, array)
+                slot.publish(STEP_HEADER.encode(header))
+            if t_result is not None and step.num_decodes == num_seqs:
+                gaps.append(clock() - t_result)
+            if step.num_decodes == num_seqs:
+                decode_steps.add(step_id)
+            while True:
+                try:
+                    with result_ring.read(0, 1.0) as view:
+                        result = RESULT_HEADER.decode(view.header)
+                        if result.error:
+                            raise RuntimeError(f"the worker refused step {step_id}: {result.error}")
+                        outputs = sched.update(
+                            step,
+                            view.arrays["sampled_ids"],
+                            view.arrays["sampled_logprobs"],
+                            view.arrays["top_ids"],
+                            view.arrays["top_logprobs"],
+                        )
+                    t_result = clock()
+                    break
+                except RingTimeout:
+                    if not worker.is_alive():
+                        raise RuntimeError(f"the worker exited (code {worker.exitcode})") from None
+            num_tokens += sum(len(u) for u in token_batches(outputs, {}, 1).values())
+            step_id += 1
+        conn.send("stop")
+        if not conn.poll(60):
+            raise RuntimeError("the worker did not report its timings")
+        spans = [span for span in conn.recv() if span[0] in decode_steps]
+    finally:
+        if worker.is_alive():
+            conn.send("stop")
+            worker.join(10)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(10)
+        conn.close()
+        for ring in rings:
+            ring.close()
+            ring.unlink()
+    busy = sum(t1 - t0 for _, t0, t1 in spans)
+    wall = spans[-1][2] - spans[0][1]
+    return {
+        "num_seqs": num_seqs,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "dtype": WORKER_DTYPE,
+        "num_tokens": num_tokens,
+        "num_decode_steps": len(spans),
+        "decode_step_ms_p50": float(np.median([t1 - t0 for _, t0, t1 in spans]) * 1e3),
+        "scheduler_gap_us_p50": float(np.median(gaps) * 1e6),
+        "worker_busy_fraction": busy / wall,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -116,6 +275,10 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--num-steps", type=int, default=2000)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--skip-worker", action="store_true", help="only the pure-core planning numbers")
+    parser.add_argument("--worker-seqs", type=int, default=64)
+    parser.add_argument("--worker-prompt-len", type=int, default=128)
+    parser.add_argument("--worker-new-tokens", type=int, default=128)
     args = parser.parse_args()
 
     results: dict[str, object] = {"machine": platform.processor() or platform.machine()}
@@ -138,8 +301,23 @@ def main() -> None:
             f"{r['emit_us_p50']:>8.1f}"
         )
 
-    # Further sections (e.g. the worker's busy fraction with a real worker) add their keys to
-    # `results` here.
+    # -- the real worker through the real rings --------------------------------------------------
+    if not args.skip_worker:
+        busy = bench_worker_busy(args.worker_seqs, args.worker_prompt_len, args.worker_new_tokens)
+        results["worker_busy_fraction"] = busy["worker_busy_fraction"]
+        results["worker"] = busy
+        print(
+            f"\nworker ({busy['dtype']}, CPU): {busy['num_seqs']} seqs, prompt {busy['prompt_len']}, "
+            f"{busy['max_tokens']} new tokens: decode step p50 {busy['decode_step_ms_p50']:.1f} ms, "
+            f"scheduler gap p50 {busy['scheduler_gap_us_p50']:.0f} µs, busy {busy['worker_busy_fraction']:.4f}"
+        )
+
+    print(f"\n{'metric':<24}{'value':>12}{'target':>12}  met")
+    for key, (op, target) in TARGETS.items():
+        if key in results:
+            value = float(results[key])  # type: ignore[arg-type]
+            met = value < target if op == "<" else value >= target
+            print(f"{key:<24}{value:>12.4g}{op + ' ' + format(target, 'g'):>12}  {'yes' if met else 'NO'}")
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from ipc import messages as m
+from ipc.codec import DETOKENIZER_INPUT
+from ipc.endpoints import shard_of
 from ipc.messages import SamplingParams
+from services.scheduler.__main__ import token_batches
 from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
@@ -607,3 +611,76 @@ def test_overlap_plans_the_next_step_before_the_last_result() -> None:
     assert not sched.has_work
     assert tokens_of(got["d"]) == reference_outputs([1, 2, 3], [], params, 1024)
     assert tokens_of(got["c"]) == reference_outputs(list(range(1, 31)), [], params, 1024)
+
+
+def test_decodes_entering_blocks_together_preempt_from_the_back() -> None:
+    # Equal prompts decode in lockstep, so every sequence needs its next block in the same step;
+    # with fewer blocks left than that, the back of the line is preempted and recomputes later.
+    config = small_config(block_size=4, num_blocks=20, max_model_len=64, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=20, seed=s, ignore_eos=True) for s in range(6)]
+    prompts = [[1 + i, 2, 3, 4] for i in range(6)]
+    sched = Scheduler(config)
+    executor = FakeExecutor(sched)
+    for i in range(6):
+        sched.add(Request(f"s{i}", 0, np.array(prompts[i], np.int32), params[i]))
+    outs: dict[str, list[RequestOutput]] = {}
+    num_batched_grows = 0
+    for _ in range(1000):
+        step = sched.schedule()
+        if step is None:
+            break
+        starts = step.starts[: step.num_decodes]
+        num_batched_grows += int(np.count_nonzero(starts % 4 == 0) > 1)
+        for out in sched.update(step, *executor.run(step)):
+            outs.setdefault(out.request_id, []).append(out)
+    assert not sched.has_work
+    assert sched.num_preemptions > 0 and num_batched_grows > 0
+    for i in range(6):
+        assert tokens_of(outs[f"s{i}"]) == reference_outputs(prompts[i], [], params[i], 64)
+    assert_no_leaks(sched)
+
+
+def test_token_updates_pack_each_output_for_the_wire() -> None:
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    sched.add(make_request("a", [1, 2, 3], max_tokens=2, ignore_eos=True, logprobs=2))
+    sched.add(make_request("b", [4, 5, 6, 7], max_tokens=1, ignore_eos=True))
+    for expected_finish in ({"a": None, "b": "length"}, {"a": "length"}):
+        step = sched.schedule()
+        outputs = sched.update(step, *executor.run(step))
+        updates = outputs.token_updates()
+        assert len(updates) == len(outputs) == len(expected_finish)
+        for out, update in zip(outputs, updates, strict=True):
+            assert out.finish_reason == expected_finish[out.request_id]
+            # What the scheduler process sends, decoded as the detokenizer decodes it.
+            batch = DETOKENIZER_INPUT.decode(DETOKENIZER_INPUT.encode(m.TokenBatch([update])))
+            got = batch.updates[0]
+            assert got.request_id == out.request_id and got.frontend_id == out.frontend_id
+            assert got.start_index == out.start_index
+            assert m.unpack_ids(got.token_ids).tolist() == out.new_token_ids
+            assert np.frombuffer(got.logprobs, "<f4").tolist() == out.logprobs
+            assert got.top_logprobs == out.top_logprobs and got.finish_reason == out.finish_reason
+            assert got.prompt_tokens == out.num_prompt_tokens and got.cached_tokens == out.num_cached_tokens
+    assert not sched.has_work
+
+
+def test_token_batches_group_by_shard_and_resend_full_histories() -> None:
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(6)]
+    for req in requests:
+        sched.add(req)
+    step = sched.schedule()
+    outputs = sched.update(step, *executor.run(step))
+    needs_full_history = {"r1": requests[1], "r4": requests[4]}
+    batches = token_batches(outputs, needs_full_history, 3)
+    assert not needs_full_history  # taken out once sent
+    sent = {u.request_id: (shard, u) for shard, updates in batches.items() for u in updates}
+    assert set(sent) == {r.request_id for r in requests}
+    for rid, (shard, update) in sent.items():
+        assert shard == shard_of(rid, 3)
+        if rid in ("r1", "r4"):
+            assert update.start_index == 0 and update.params is not None
+            assert m.unpack_ids(update.token_ids).tolist() == sched.requests[rid].output_ids
+        else:
+            assert update.params is None and len(update.token_ids) == 4

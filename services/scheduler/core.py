@@ -310,8 +310,8 @@ class Scheduler:
         # 1. Decodes: running sequences with only their last sampled token to compute, in line
         # order, up to the budget; found and advanced with numpy over their plan-table rows.
         order = self._running_rows()
-        computed = num_computed[order]
-        pending = table.ints[NUM_TOKENS][order] - computed
+        computed = num_computed.take(order)
+        pending = table.ints[NUM_TOKENS].take(order) - computed
         decodes = np.flatnonzero(pending == 1)[:budget]
         partial = [running[i] for i in np.flatnonzero(pending > 1).tolist()]
         if len(decodes) == len(running):
@@ -323,16 +323,16 @@ class Scheduler:
         # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
         # context fills its last block needs a new one; that may preempt the back of the line.
         entering = np.flatnonzero(starts % bs == 0)
-        if len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
+        if 0 < len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
             new_blocks = blocks.allocate(len(entering))
             table.block_tables[rows[entering], starts[entering] // bs] = new_blocks
             for j, b in zip(entering.tolist(), new_blocks, strict=True):
                 seqs[j].block_ids.append(b)
-        elif self._grow_decodes(seqs, entering.tolist()):
+        elif len(entering) and self._grow_decodes(seqs, entering.tolist()):
             seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
             rows = np.array([req.row for req in seqs], np.intp)
-            starts = num_computed[rows]
-        num_computed[rows] += 1
+            starts = num_computed.take(rows)
+        num_computed.put(rows, starts + 1)
         budget -= len(seqs)
         num_decodes = len(seqs)
         more_rows: list[int] = []
@@ -402,7 +402,7 @@ class Scheduler:
         return ScheduledStep(
             seqs=seqs,
             rows=rows,
-            row_epochs=table.epoch[rows],
+            row_epochs=table.epoch.take(rows),
             starts=starts,
             num_new_tokens=new_array,
             is_sampled=is_sampled,
@@ -491,7 +491,7 @@ class Scheduler:
         rows = step.rows
         ends = step.starts + step.num_new_tokens
         # A row's epoch moves when it is released (finish, abort, preemption, replacement).
-        live = table.epoch[rows] == step.row_epochs
+        live = table.epoch.take(rows) == step.row_epochs
         # Prompt blocks filled by this step join the prefix cache at once, for requests that
         # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
         if self.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
@@ -509,23 +509,23 @@ class Scheduler:
         tokens = np.array(sampled_ids if all_sampled else sampled_ids[sampled], np.int32)
         logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
         ints = table.ints
-        ints[LAST_TOKEN][sampled_rows] = tokens
-        num_tokens = ints[NUM_TOKENS][sampled_rows] + 1
-        ints[NUM_TOKENS][sampled_rows] = num_tokens
+        ints[LAST_TOKEN].put(sampled_rows, tokens)
+        num_tokens = ints[NUM_TOKENS].take(sampled_rows) + 1
+        ints[NUM_TOKENS].put(sampled_rows, num_tokens)
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
-        candidates = num_tokens >= ints[STOP_LEN][sampled_rows]
-        candidates |= ints[HAS_STOP_IDS][sampled_rows] != 0
+        candidates = num_tokens >= ints[STOP_LEN].take(sampled_rows)
+        candidates |= ints[HAS_STOP_IDS].take(sampled_rows) != 0
         if self.eos_token_ids:
-            eos_from = ints[EOS_FROM][sampled_rows]
+            eos_from = ints[EOS_FROM].take(sampled_rows)
             for e in self.eos_token_ids:
                 candidates |= (tokens == e) & (num_tokens > eos_from)
-        num_prompt = ints[NUM_PROMPT][sampled_rows]
-        num_logprobs = ints[NUM_LOGPROBS][sampled_rows]
-        needs_history = ints[NEEDS_HISTORY][sampled_rows]
+        num_prompt = ints[NUM_PROMPT].take(sampled_rows)
+        num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows)
+        needs_history = ints[NEEDS_HISTORY].take(sampled_rows)
 
         token_list = tokens.tolist()
         # list.append over the rows' output lists, run by map() in C (append returns None).
-        any(map(list.append, table.output_ids[sampled_rows].tolist(), token_list))
+        any(map(list.append, table.output_ids.take(sampled_rows).tolist(), token_list))
         reasons: list[str | None] = [None] * num_sampled
         finishing = np.flatnonzero(candidates).tolist() if np.count_nonzero(candidates) else []
         for j in finishing:
@@ -542,15 +542,15 @@ class Scheduler:
                 req = seqs[int(sampled[j])]
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
-            table.request_ids[sampled_rows].tolist(),
-            ints[FRONTEND][sampled_rows].tolist(),
+            table.request_ids.take(sampled_rows).tolist(),
+            ints[FRONTEND].take(sampled_rows).tolist(),
             (num_tokens - 1 - num_prompt).tolist(),
             tokens,
             logprobs,
             tops,
             reasons,
             num_prompt.tolist(),
-            ints[NUM_CACHED][sampled_rows].tolist(),
+            ints[NUM_CACHED].take(sampled_rows).tolist(),
         )
         for j in finishing:
             if reasons[j] is not None:

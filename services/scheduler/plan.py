@@ -180,7 +180,7 @@ def build_plan(
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
-        input_ids = ints[LAST_TOKEN][rows]
+        input_ids = ints[LAST_TOKEN].take(rows)
     else:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -188,7 +188,7 @@ def build_plan(
         positions += np.repeat(starts - query_start_loc[:-1], num_new)
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
-        input_ids[:num_decodes] = ints[LAST_TOKEN][rows[:num_decodes]]
+        input_ids[:num_decodes] = ints[LAST_TOKEN].take(rows[:num_decodes])
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
@@ -196,7 +196,7 @@ def build_plan(
     slot_mapping = table.block_tables[token_rows, block_index] * block_size
     slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = ints[NUM_LOGPROBS][rows]
+    num_logprobs = ints[NUM_LOGPROBS].take(rows)
 
     arrays = {
         "input_ids": input_ids,
@@ -206,14 +206,14 @@ def build_plan(
         "seq_lens": seq_lens,
         "block_tables": table.block_tables[rows, :max_blocks],
         "is_sampled": step.is_sampled.view(np.uint8),
-        "top_k": ints[TOP_K][rows],
-        "seeds": table.seeds[rows],
+        "top_k": ints[TOP_K].take(rows),
+        "seeds": table.seeds.take(rows),
         "sample_positions": seq_lens,  # the sampled token's position is the context length
         "num_logprobs": num_logprobs,
     }
-    arrays.update((name, column[rows]) for name, column in zip(FLOAT_COLUMNS, table.floats, strict=True))
+    arrays.update((name, column.take(rows)) for name, column in zip(FLOAT_COLUMNS, table.floats, strict=True))
     arrays.update(_history(step, table))
-    arrays.update(_logit_bias(step, ints[NEEDS_BIAS][rows], table.bias))
+    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows), table.bias))
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
