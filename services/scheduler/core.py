@@ -509,19 +509,19 @@ class Scheduler:
         tokens = np.array(sampled_ids if all_sampled else sampled_ids[sampled], np.int32)
         logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
         ints = table.ints
+        cols = ints.take(sampled_rows, axis=1)  # every int column of the sampled rows, one gather
         ints[LAST_TOKEN].put(sampled_rows, tokens)
-        num_tokens = ints[NUM_TOKENS].take(sampled_rows) + 1
+        num_tokens = cols[NUM_TOKENS] + 1
         ints[NUM_TOKENS].put(sampled_rows, num_tokens)
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
-        candidates = num_tokens >= ints[STOP_LEN].take(sampled_rows)
-        candidates |= ints[HAS_STOP_IDS].take(sampled_rows) != 0
+        candidates = num_tokens >= cols[STOP_LEN]
+        candidates |= cols[HAS_STOP_IDS] != 0
         if self.eos_token_ids:
-            eos_from = ints[EOS_FROM].take(sampled_rows)
             for e in self.eos_token_ids:
-                candidates |= (tokens == e) & (num_tokens > eos_from)
-        num_prompt = ints[NUM_PROMPT].take(sampled_rows)
-        num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows)
-        needs_history = ints[NEEDS_HISTORY].take(sampled_rows)
+                candidates |= (tokens == e) & (num_tokens > cols[EOS_FROM])
+        num_prompt = cols[NUM_PROMPT]
+        num_logprobs = cols[NUM_LOGPROBS]
+        needs_history = cols[NEEDS_HISTORY]
 
         token_list = tokens.tolist()
         # list.append over the rows' output lists, run by map() in C (append returns None).
@@ -543,14 +543,14 @@ class Scheduler:
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
             table.request_ids.take(sampled_rows).tolist(),
-            ints[FRONTEND].take(sampled_rows).tolist(),
+            cols[FRONTEND].tolist(),
             (num_tokens - 1 - num_prompt).tolist(),
             tokens,
             logprobs,
             tops,
             reasons,
             num_prompt.tolist(),
-            ints[NUM_CACHED].take(sampled_rows).tolist(),
+            cols[NUM_CACHED].tolist(),
         )
         for j in finishing:
             if reasons[j] is not None:

@@ -173,14 +173,14 @@ def build_plan(
     rows = step.rows
     starts = step.starts
     num_new = step.num_new_tokens
-    # One 1-d gather per column: much cheaper than a 2-d gather along the second axis.
-    ints = table.ints
+    # One gather per dtype group: take() along the rows gives each column contiguous.
+    ints = table.ints.take(rows, axis=1)
     seq_lens = starts + num_new
     query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
-        input_ids = ints[LAST_TOKEN].take(rows)
+        input_ids = ints[LAST_TOKEN]
     else:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -188,7 +188,7 @@ def build_plan(
         positions += np.repeat(starts - query_start_loc[:-1], num_new)
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
-        input_ids[:num_decodes] = ints[LAST_TOKEN].take(rows[:num_decodes])
+        input_ids[:num_decodes] = ints[LAST_TOKEN, :num_decodes]
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
@@ -196,7 +196,7 @@ def build_plan(
     slot_mapping = table.block_tables[token_rows, block_index] * block_size
     slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = ints[NUM_LOGPROBS].take(rows)
+    num_logprobs = ints[NUM_LOGPROBS]
 
     arrays = {
         "input_ids": input_ids,
@@ -204,16 +204,16 @@ def build_plan(
         "slot_mapping": slot_mapping,
         "query_start_loc": query_start_loc,
         "seq_lens": seq_lens,
-        "block_tables": table.block_tables[rows, :max_blocks],
+        "block_tables": table.block_tables[:, :max_blocks].take(rows, axis=0),
         "is_sampled": step.is_sampled.view(np.uint8),
-        "top_k": ints[TOP_K].take(rows),
+        "top_k": ints[TOP_K],
         "seeds": table.seeds.take(rows),
         "sample_positions": seq_lens,  # the sampled token's position is the context length
         "num_logprobs": num_logprobs,
     }
-    arrays.update((name, column.take(rows)) for name, column in zip(FLOAT_COLUMNS, table.floats, strict=True))
-    arrays.update(_history(step, table))
-    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows), table.bias))
+    arrays.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
+    arrays.update(_history(step, ints[NEEDS_HISTORY], table.history))
+    arrays.update(_logit_bias(step, ints[NEEDS_BIAS], table.bias))
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
@@ -231,14 +231,14 @@ def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlo
     return header
 
 
-def _history(step: ScheduledStep, table: PlanTable) -> dict[str, np.ndarray]:
+def _history(
+    step: ScheduledStep, needs_history: np.ndarray, buffers: dict[int, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise)."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
-    buffers = table.history
-    # Only rows that apply penalties have a buffer: none, no gather.
-    users = np.flatnonzero(table.ints[NEEDS_HISTORY][step.rows]).tolist() if buffers else []
+    users = np.flatnonzero(needs_history).tolist() if buffers else []  # no buffer: nobody needs one
     parts = []
     for i in users:
         req = step.seqs[i]
