@@ -132,9 +132,14 @@ class StageCollector:
 class Supervisor:
     """Owns one run: its directory, shared memory, stage processes and their restarts."""
 
-    def __init__(self, config: Config, config_path: str | None, run_dir: Path, log_format: str) -> None:
+    def __init__(
+        self, config: Config, config_path: str | None, overrides: list[str], run_dir: Path, log_format: str
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.overrides = overrides
+        self.config_mtime = Path(config_path).stat().st_mtime if config_path else 0.0
+        self.is_reload_requested = False
         self.run_dir = run_dir
         self.log_format = log_format
         self.run_id = new_run_id()
@@ -195,31 +200,31 @@ class Supervisor:
                 ShmRing.create(self.endpoints.result_ring(group), RING_SLOTS, result_slot_bytes(self.config), 1)
             )
 
-    def plan_stages(self) -> None:
-        config = self.config
-        engine = config.engine
-        devices = engine.devices or list(range(engine.data_parallel * engine.tensor_parallel))
-        base = [sys.executable, "-m"]
-        common = ["--run-dir", str(self.run_dir), "--log-format", self.log_format]
+    def add_stage(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
+        name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
+        argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
+        argv += ["--log-format", self.log_format, "--index", str(index)]
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR)}
+        if rank is not None:
+            argv += ["--rank", str(rank)]
+            engine = self.config.engine
+            if engine.device == "cuda":
+                devices = engine.devices or list(range(engine.data_parallel * engine.tensor_parallel))
+                env["CUDA_VISIBLE_DEVICES"] = str(devices[group * engine.tensor_parallel + rank])
+        stage = StageProcess(name, kind, argv, env, group=group)
+        self.stages[name] = stage
+        return stage
 
-        def add(name: str, kind: str, index: int, group: int = -1, rank: int | None = None, **extra: str) -> None:
-            argv = [*base, f"services.{kind}", *common, "--index", str(index)]
-            if rank is not None:
-                argv += ["--rank", str(rank)]
-            self.stages[name] = StageProcess(name, kind, argv, {**env, **extra}, group=group)
-
-        for j in range(config.detokenizer.replicas):
-            add(f"detokenizer-{j}", "detokenizer", j)
+    def plan_stages(self) -> None:
+        engine = self.config.engine
+        for j in range(self.config.detokenizer.replicas):
+            self.add_stage("detokenizer", j)
         for g in range(engine.data_parallel):
-            add(f"scheduler-{g}", "scheduler", g, group=g)
+            self.add_stage("scheduler", g, group=g)
             for r in range(engine.tensor_parallel):
-                extra = {}
-                if engine.device == "cuda":
-                    extra["CUDA_VISIBLE_DEVICES"] = str(devices[g * engine.tensor_parallel + r])
-                add(f"gpu_worker-{g}-{r}", "gpu_worker", g, group=g, rank=r, **extra)
-        for i in range(config.frontend.replicas):
-            add(f"tokenizer-{i}", "tokenizer", i)
+                self.add_stage("gpu_worker", g, group=g, rank=r)
+        for i in range(self.config.frontend.replicas):
+            self.add_stage("tokenizer", i)
 
     def spawn(self, stage: StageProcess) -> None:
         stage.process = subprocess.Popen(stage.argv, env=stage.env, start_new_session=True, cwd=Path(__file__).parent)
@@ -413,6 +418,114 @@ class Supervisor:
     def watch(self) -> None:
         while not self.signals:
             self.tick()
+            if self.is_reload_requested or self.config_file_changed():
+                self.is_reload_requested = False
+                self.reload()
+
+    def config_file_changed(self) -> bool:
+        if not self.config_path:
+            return False
+        try:
+            mtime = Path(self.config_path).stat().st_mtime
+        except OSError:
+            return False
+        changed, self.config_mtime = mtime != self.config_mtime, mtime
+        return changed
+
+    # -- hot reload ----------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Apply what is safe live (log level, replica counts of frontends and detokenizers,
+        the overload bound); log what needs a restart instead."""
+        try:
+            new = load_config(self.config_path, self.overrides)
+        except ConfigError as exc:
+            log.error("reload refused, config unchanged: %s", exc)
+            return
+        old = self.config
+        live = {"supervisor.log_level", "frontend.replicas", "detokenizer.replicas", "engine.max_num_waiting"}
+        changed = diff_fields(old, new)
+        for path in sorted(set(changed) - live):
+            log.warning("reload: %s changed but needs a restart to take effect; keeping the old value", path)
+        if not set(changed) & live:
+            log.info("reload: nothing to apply live")
+            return
+        applied = msgspec.structs.replace(
+            old,
+            supervisor=msgspec.structs.replace(old.supervisor, log_level=new.supervisor.log_level),
+            frontend=msgspec.structs.replace(old.frontend, replicas=new.frontend.replicas),
+            detokenizer=msgspec.structs.replace(old.detokenizer, replicas=new.detokenizer.replicas),
+            engine=msgspec.structs.replace(old.engine, max_num_waiting=new.engine.max_num_waiting),
+        )
+        logging.getLogger().setLevel(applied.supervisor.log_level)
+        self.rescale(applied)
+        log.info("reload applied: %s", ", ".join(sorted(set(changed) & live)))
+
+    def publish_config(self, config: Config) -> None:
+        """New stages read run.json at start; clients read the frontend list from it."""
+        self.config = config
+        self.info = msgspec.structs.replace(
+            self.info,
+            config=config,
+            frontends=[self.endpoints.frontend(i) for i in range(config.frontend.replicas)],
+        )
+        write_run_info(self.run_dir, self.info)
+
+    def reconfigure(self) -> None:
+        message = m.Reconfigure(
+            log_level=self.config.supervisor.log_level,
+            num_detokenizers=self.config.detokenizer.replicas,
+            num_frontends=self.config.frontend.replicas,
+            max_num_waiting=self.config.engine.max_num_waiting,
+        )
+        for stage in self.stages.values():
+            self.command(stage, message)
+
+    def wait_ready(self, stages: list[StageProcess]) -> None:
+        deadline = time.monotonic() + self.config.supervisor.start_timeout_s
+        while not all(s.is_ready for s in stages):
+            if time.monotonic() > deadline or self.signals:
+                raise GiveUp(f"stages not ready in time: {[s.name for s in stages if not s.is_ready]}")
+            self.tick()
+
+    def retire(self, stages: list[StageProcess]) -> None:
+        for stage in stages:
+            del self.stages[stage.name]
+            if stage.process and stage.process.poll() is None:
+                os.killpg(stage.process.pid, signal.SIGTERM)
+        for stage in stages:
+            if stage.process:
+                try:
+                    stage.process.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(stage.process.pid, signal.SIGKILL)
+                    stage.process.wait()
+            log.info("retired %s", stage.name)
+
+    def rescale(self, config: Config) -> None:
+        """Change replica counts without dropping a request: new replicas start before anyone
+        routes to them; removed ones stop only after everyone routes around them."""
+        old_frontends, old_detoks = self.config.frontend.replicas, self.config.detokenizer.replicas
+        self.publish_config(config)
+        added = [self.add_stage("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
+        added += [self.add_stage("tokenizer", i) for i in range(old_frontends, config.frontend.replicas)]
+        for stage in added:
+            self.spawn(stage)
+        self.wait_ready(added)
+        # Schedulers move every live request to its new detokenizer shard (full history, so the
+        # new shard rebuilds its text; receivers drop what they already have by position).
+        self.reconfigure()
+        removed_frontends = [self.stages[f"tokenizer-{i}"] for i in range(config.frontend.replicas, old_frontends)]
+        for stage in removed_frontends:
+            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
+        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        while any(s.load.num_in_flight for s in removed_frontends) and time.monotonic() < deadline:
+            self.read_control(0.2)
+        removed = removed_frontends + [
+            self.stages[f"detokenizer-{j}"] for j in range(config.detokenizer.replicas, old_detoks)
+        ]
+        self.read_control(1.0)  # let in-flight batches to the old shards land first
+        self.retire(removed)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -452,6 +565,18 @@ class Supervisor:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         log.info("stopped; shared memory and sockets removed")
+
+
+def diff_fields(old: msgspec.Struct, new: msgspec.Struct, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields whose values differ between two configs."""
+    paths = []
+    for spec in msgspec.structs.fields(old):
+        a, b = getattr(old, spec.name), getattr(new, spec.name)
+        if isinstance(a, msgspec.Struct):
+            paths += diff_fields(a, b, f"{prefix}{spec.name}.")
+        elif a != b:
+            paths.append(f"{prefix}{spec.name}")
+    return paths
 
 
 def status(run_dir: Path, as_json: bool, once: bool) -> int:
@@ -500,15 +625,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("supervisor", config.supervisor.log_level, args.log_format)
     run_dir = make_run_dir(args.run_dir or default_run_dir())
-    supervisor = Supervisor(config, args.config, run_dir, args.log_format)
+    supervisor = Supervisor(config, args.config, args.set, run_dir, args.log_format)
 
     def on_signal(signum: int, frame: object) -> None:
         supervisor.signals.append(signum)
         if len(supervisor.signals) > 1:
             log.warning("second signal: stopping now")
 
+    def on_hangup(signum: int, frame: object) -> None:
+        supervisor.is_reload_requested = True
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     code = 0
     try:
         supervisor.start()

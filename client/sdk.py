@@ -296,6 +296,10 @@ class Session:
         state.heard_at = now
         if isinstance(reply, m.Delta):
             state.apply(reply)
+        elif reply.code == "unavailable" and len(self.replicas) > 1:
+            rep.is_suspect = True  # draining or shutting down: another replica takes it
+            self.num_failovers += 1
+            self._dispatch(state, now, avoid=replica)
         else:
             state.error = error_for(reply.code, reply.message)
 

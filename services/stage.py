@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from ipc import messages as m
-from ipc.codec import CONTROL_DOWN, CONTROL_UP
+from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config
 from ipc.endpoints import Endpoints
 from ipc.sockets import DealerSocket
@@ -138,7 +138,14 @@ class ControlChannel:
             self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load or m.StageLoad()))
 
     def command(self) -> m.ControlDown | None:
-        return self.socket.recv(0)
+        """The next command from the supervisor, if any; a log level change applies here."""
+        try:
+            command = self.socket.recv(0)
+        except MalformedMessage:
+            return None
+        if isinstance(command, m.Reconfigure):
+            logging.getLogger().setLevel(command.log_level)
+        return command
 
 
 def install_stop_handler() -> list[bool]:

@@ -57,7 +57,12 @@ def main() -> None:
                 num_batches += 1
             elif isinstance(message, m.DropRequests):
                 core.drop(message.request_ids)
-        control.command()  # nothing to act on yet: reconfiguration needs no local state
+        command = control.command()
+        if isinstance(command, m.Reconfigure):  # frontends added or removed
+            frontends = frontends[: command.num_frontends] + [
+                PushQueue(ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT)
+                for i in range(len(frontends), command.num_frontends)
+            ]
         control.heartbeat(
             num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)
         )

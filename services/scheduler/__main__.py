@@ -7,6 +7,7 @@ recompute; the group resumes when a worker says hello again (DESIGN.md invariant
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -142,6 +143,39 @@ class SchedulerProcess:
         if updates:
             self.detokenizers[shard].put(m.TokenBatch(updates))
         self.stage.log.info("resynced detokenizer %d with %d requests", shard, len(updates))
+
+    def reconfigure(self, command: m.Reconfigure) -> None:
+        """Replica counts or the overload bound changed (hot reload)."""
+        self.frontends = self.frontends[: command.num_frontends] + [
+            PushQueue(self.ctx, self.stage.endpoints.frontend_in(i), FRONTEND_INPUT)
+            for i in range(len(self.frontends), command.num_frontends)
+        ]
+        if self.core is not None:
+            self.core.config = dataclasses.replace(self.core.config, max_num_waiting=command.max_num_waiting)
+        old_shards = len(self.detokenizers)
+        if command.num_detokenizers == old_shards:
+            return
+        self.detokenizers = self.detokenizers[: command.num_detokenizers] + [
+            PushQueue(self.ctx, self.stage.endpoints.detokenizer_in(j), DETOKENIZER_INPUT)
+            for j in range(old_shards, command.num_detokenizers)
+        ]
+        if self.core is None:
+            return
+        # Requests whose shard changed move with their whole history; the old shard forgets them.
+        moved: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+        dropped: dict[int, list[str]] = defaultdict(list)
+        for request in self.core.requests.values():
+            old = shard_of(request.request_id, old_shards)
+            new = shard_of(request.request_id, command.num_detokenizers)
+            if old != new:
+                moved[new].append(self.full_history(request))
+                if old < command.num_detokenizers:
+                    dropped[old].append(request.request_id)
+        for shard, ids in dropped.items():
+            self.detokenizers[shard].put(m.DropRequests(ids))
+        for shard, updates in moved.items():
+            self.detokenizers[shard].put(m.TokenBatch(updates))
+        self.stage.log.info("detokenizer shards %d -> %d", old_shards, command.num_detokenizers)
 
     @staticmethod
     def full_history(request: Request, finish_reason: str | None = None) -> m.TokenUpdate:
@@ -297,6 +331,8 @@ class SchedulerProcess:
             command = self.control.command()
             if isinstance(command, m.ResyncShard):
                 self.resync(command.shard)
+            elif isinstance(command, m.Reconfigure):
+                self.reconfigure(command)
             self.accept_hellos()
             has_run = False
             if self.worker_pids and self.core is not None and self.core.has_work:
