@@ -22,9 +22,9 @@ import numpy as np
 from ipc.messages import SamplingParams, TokenUpdate
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (
+    CHECK_FROM,
     EOS_FROM,
     FRONTEND,
-    HAS_STOP_IDS,
     LAST_TOKEN,
     NEEDS_HISTORY,
     NUM_CACHED,
@@ -32,7 +32,6 @@ from services.scheduler.plan import (
     NUM_LOGPROBS,
     NUM_PROMPT,
     NUM_TOKENS,
-    STOP_LEN,
     PlanTable,
     ScheduledStep,
 )
@@ -509,19 +508,18 @@ class Scheduler:
         tokens = np.array(sampled_ids if all_sampled else sampled_ids[sampled], np.int32)
         logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
         ints = table.ints
-        cols = ints.take(sampled_rows, axis=1)  # every int column of the sampled rows, one gather
         ints[LAST_TOKEN].put(sampled_rows, tokens)
-        num_tokens = cols[NUM_TOKENS] + 1
+        num_tokens = ints[NUM_TOKENS].take(sampled_rows) + 1
         ints[NUM_TOKENS].put(sampled_rows, num_tokens)
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
-        candidates = num_tokens >= cols[STOP_LEN]
-        candidates |= cols[HAS_STOP_IDS] != 0
-        if self.eos_token_ids:
-            for e in self.eos_token_ids:
-                candidates |= (tokens == e) & (num_tokens > cols[EOS_FROM])
-        num_prompt = cols[NUM_PROMPT]
-        num_logprobs = cols[NUM_LOGPROBS]
-        needs_history = cols[NEEDS_HISTORY]
+        candidates = num_tokens >= ints[CHECK_FROM].take(sampled_rows)
+        for e in self.eos_token_ids:
+            is_eos = tokens == e
+            if is_eos.any():
+                candidates |= is_eos & (num_tokens > ints[EOS_FROM].take(sampled_rows))
+        num_prompt = ints[NUM_PROMPT].take(sampled_rows)
+        num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows)
+        needs_history = ints[NEEDS_HISTORY].take(sampled_rows)
 
         token_list = tokens.tolist()
         # list.append over the rows' output lists, run by map() in C (append returns None).
@@ -543,14 +541,14 @@ class Scheduler:
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
             table.request_ids.take(sampled_rows).tolist(),
-            cols[FRONTEND].tolist(),
+            ints[FRONTEND].take(sampled_rows).tolist(),
             (num_tokens - 1 - num_prompt).tolist(),
             tokens,
             logprobs,
             tops,
             reasons,
             num_prompt.tolist(),
-            cols[NUM_CACHED].tolist(),
+            ints[NUM_CACHED].take(sampled_rows).tolist(),
         )
         for j in finishing:
             if reasons[j] is not None:

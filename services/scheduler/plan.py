@@ -33,16 +33,15 @@ FLOAT_COLUMNS = (
     LAST_TOKEN,
     NEEDS_HISTORY,
     NEEDS_BIAS,
-    STOP_LEN,
+    CHECK_FROM,
     EOS_FROM,
-    HAS_STOP_IDS,
     NUM_COMPUTED,
     NUM_TOKENS,
     NUM_PROMPT,
     NUM_CACHED,
     FRONTEND,
-) = range(13)
-NUM_INT_COLUMNS = 13
+) = range(12)
+NUM_INT_COLUMNS = 12
 NEVER = np.iinfo(np.int32).max
 
 
@@ -61,8 +60,9 @@ class PlanTable:
         self.seeds = np.zeros(num_rows, np.int64)
         # TOP_K, NUM_LOGPROBS, LAST_TOKEN (the next decode input); NEEDS_HISTORY (penalties),
         # NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by context length
-        # after appending the sampled token: "length" at STOP_LEN, eos counts past EOS_FROM
-        # (min_tokens), HAS_STOP_IDS sends the row to the per-sequence check. The running
+        # after appending the sampled token: from CHECK_FROM on, the sequence gets the
+        # per-sequence check (the "length" limit, or 0 when it has stop ids), and an eos counts
+        # past EOS_FROM (min_tokens). The running
         # request's counters: NUM_COMPUTED (tokens whose KV is, or is being, written: it advances
         # when a step is planned), NUM_TOKENS (prompt + outputs, advances with each sample),
         # NUM_PROMPT and NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them
@@ -94,9 +94,8 @@ class PlanTable:
             req.last_token_id,
             needs_history,
             bool(p.logit_bias) or p.min_tokens > 0,
-            min(req.num_prompt_tokens + p.max_tokens, self.max_model_len),
+            0 if p.stop_token_ids else min(req.num_prompt_tokens + p.max_tokens, self.max_model_len),
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
-            bool(p.stop_token_ids),
             num_computed,
             req.num_tokens,
             req.num_prompt_tokens,
@@ -173,14 +172,14 @@ def build_plan(
     rows = step.rows
     starts = step.starts
     num_new = step.num_new_tokens
-    # One gather per dtype group: take() along the rows gives each column contiguous.
-    ints = table.ints.take(rows, axis=1)
+    # 1-d take() per int column; the float columns in one take() along the rows.
+    ints = table.ints
     seq_lens = starts + num_new
     query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
-        input_ids = ints[LAST_TOKEN]
+        input_ids = ints[LAST_TOKEN].take(rows)
     else:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -188,7 +187,7 @@ def build_plan(
         positions += np.repeat(starts - query_start_loc[:-1], num_new)
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
-        input_ids[:num_decodes] = ints[LAST_TOKEN, :num_decodes]
+        input_ids[:num_decodes] = ints[LAST_TOKEN].take(rows[:num_decodes])
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
@@ -196,7 +195,7 @@ def build_plan(
     slot_mapping = table.block_tables[token_rows, block_index] * block_size
     slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = ints[NUM_LOGPROBS]
+    num_logprobs = ints[NUM_LOGPROBS].take(rows)
 
     arrays = {
         "input_ids": input_ids,
@@ -204,16 +203,17 @@ def build_plan(
         "slot_mapping": slot_mapping,
         "query_start_loc": query_start_loc,
         "seq_lens": seq_lens,
-        "block_tables": table.block_tables[:, :max_blocks].take(rows, axis=0),
+        "block_tables": table.block_tables[rows, :max_blocks],
         "is_sampled": step.is_sampled.view(np.uint8),
-        "top_k": ints[TOP_K],
+        "top_k": ints[TOP_K].take(rows),
         "seeds": table.seeds.take(rows),
         "sample_positions": seq_lens,  # the sampled token's position is the context length
         "num_logprobs": num_logprobs,
     }
     arrays.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
-    arrays.update(_history(step, ints[NEEDS_HISTORY], table.history))
-    arrays.update(_logit_bias(step, ints[NEEDS_BIAS], table.bias))
+    # Only rows that apply penalties have a history buffer: none, no gather.
+    arrays.update(_history(step, ints[NEEDS_HISTORY].take(rows) if table.history else None, table.history))
+    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows), table.bias))
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
@@ -232,13 +232,13 @@ def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlo
 
 
 def _history(
-    step: ScheduledStep, needs_history: np.ndarray, buffers: dict[int, np.ndarray]
+    step: ScheduledStep, needs_history: np.ndarray | None, buffers: dict[int, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise)."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
-    users = np.flatnonzero(needs_history).tolist() if buffers else []  # no buffer: nobody needs one
+    users = [] if needs_history is None else np.flatnonzero(needs_history).tolist()
     parts = []
     for i in users:
         req = step.seqs[i]
