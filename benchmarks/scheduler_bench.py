@@ -135,7 +135,9 @@ def worker_main(
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    bytes_per_block = 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] * head_dim * 4
+    bytes_per_block = (
+        2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] * head_dim * 4
+    )
     runner = ModelRunner(
         Path(model_dir), dtype=WORKER_DTYPE, device="cpu", kv_cache_bytes=num_kv_blocks * bytes_per_block
     )
@@ -204,7 +206,7 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
             params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
             sched.add(Request(f"req-{i}", 0, rng.integers(3, VOCAB_SIZE, prompt_len, dtype=np.int32), params))
         decode_steps: set[int] = set()
-        gaps: list[float] = []  # scheduler-side time from reading a result to publishing the next plan
+        gaps: list[float] = []  # scheduler side: from a result read to the next plan published
         clock = time.perf_counter
         step_id, num_tokens, t_result = 0, 0, None
         while (step := sched.schedule()) is not None:
@@ -220,6 +222,7 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
             while True:
                 try:
                     with result_ring.read(0, 1.0) as view:
+                        t_result = clock()
                         result = RESULT_HEADER.decode(view.header)
                         if result.error:
                             raise RuntimeError(f"the worker refused step {step_id}: {result.error}")
@@ -230,7 +233,6 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
                             view.arrays["top_ids"],
                             view.arrays["top_logprobs"],
                         )
-                    t_result = clock()
                     break
                 except RingTimeout:
                     if not worker.is_alive():

@@ -380,7 +380,9 @@ def test_shared_prefix_computes_only_the_rest() -> None:
     assert outs[0].num_cached_tokens == 256
     rest = drive(sched, executor)
     params = step.seqs[0].params
-    assert tokens_of([*outs, *rest["b"]]) == reference_outputs([*prefix, 21, 22, 23, 24, 25], [], params, 1024)
+    assert tokens_of([*outs, *rest["b"]]) == reference_outputs(
+        [*prefix, 21, 22, 23, 24, 25], [], params, 1024
+    )
     assert_no_leaks(sched)
 
 
