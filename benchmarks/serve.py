@@ -262,8 +262,8 @@ def warmup_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
 
 
 def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
-    """Enough requests for a steady state: twice the concurrency, at most concurrency + 64, >= 8."""
-    return args.num_prompts or max(8, min(2 * concurrency, concurrency + 64))
+    """One full wave per setting (at least 4 requests): enough for the steady state on a small CPU."""
+    return args.num_prompts or max(4, concurrency)
 
 
 def build_requests(args: argparse.Namespace, model_dir: Path, total: int) -> list[BenchRequest]:
@@ -439,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-max-concurrency", type=int, default=64,
                    help="peers skip concurrencies above this (256 is only Brigade's failure check)")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (capped by concurrency)")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per setting (0 = max(8, min(2c, c+64)))")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per setting (0 = max(4, concurrency))")
     p.add_argument("--dataset", choices=("chat", "random", "shared-prefix"), default="chat")
     p.add_argument("--input-len", default="64:256", help="random / suffix prompt length N or LOW:HIGH")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens every prompt shares")
@@ -469,6 +469,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (and SIGINT, which a background shell ignores) unwind through the `finally`s that
+    # stop the Brigade and llama-server this benchmark started.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     from services.gpu_worker.loader import prepare_model
 
     model_dir = prepare_model(None)
@@ -499,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
