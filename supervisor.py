@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,12 +47,19 @@ MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus e
 MAX_TOP_LOGPROBS = 20
 
 METRICS_DIR = "metrics"
+DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # torch.distributed rendezvous port of a worker's engine group
 
 log = logging.getLogger("supervisor")
 
 
 class GiveUp(Exception):
     """A stage restarted more often than the policy allows; the run ends."""
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def step_slot_bytes(config: Config) -> int:
@@ -207,6 +215,7 @@ class Supervisor:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR)}
         if rank is not None:
             argv += ["--rank", str(rank)]
+            env[DIST_PORT_ENV] = str(self.dist_ports[group])
             engine = self.config.engine
             if engine.device == "cuda":
                 devices = engine.devices or list(range(engine.data_parallel * engine.tensor_parallel))
@@ -217,6 +226,7 @@ class Supervisor:
 
     def plan_stages(self) -> None:
         engine = self.config.engine
+        self.dist_ports = [free_tcp_port() for _ in range(engine.data_parallel)]
         for j in range(self.config.detokenizer.replicas):
             self.add_stage("detokenizer", j)
         for g in range(engine.data_parallel):
@@ -366,14 +376,19 @@ class Supervisor:
             stage.process.wait()
         log.warning("%s (pid %d) %s", stage.name, stage.pid, reason)
         self.schedule_restart(stage, reason)
-        if stage.kind == "scheduler":
-            # Its workers handshake with one scheduler only: restart them with it.
-            for other in self.stages.values():
-                if other.kind == "gpu_worker" and other.group == stage.group and other.restart_at is None:
-                    if other.process and other.process.poll() is None:
-                        os.killpg(other.process.pid, signal.SIGKILL)
-                        other.process.wait()
-                    self.schedule_restart(other, f"its scheduler {reason}")
+        # Workers handshake with one scheduler, and tensor-parallel ranks wait on each other in
+        # collectives: either loss takes the group's other workers down with it.
+        is_group_loss = stage.kind == "scheduler" or (
+            stage.kind == "gpu_worker" and self.config.engine.tensor_parallel > 1
+        )
+        if not is_group_loss:
+            return
+        for other in self.stages.values():
+            if other.kind == "gpu_worker" and other.group == stage.group and other.restart_at is None:
+                if other.process and other.process.poll() is None:
+                    os.killpg(other.process.pid, signal.SIGKILL)
+                    other.process.wait()
+                self.schedule_restart(other, f"{stage.name} {reason}")
 
     def schedule_restart(self, stage: StageProcess, reason: str) -> None:
         policy = self.config.supervisor
