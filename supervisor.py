@@ -177,6 +177,32 @@ class Supervisor:
         for stale in self.run_dir.glob("*.sock"):
             stale.unlink(missing_ok=True)
 
+    def check_layout(self) -> None:
+        """Refuse a device layout this host cannot run, before anything starts."""
+        engine = self.config.engine
+        num_workers = engine.data_parallel * engine.tensor_parallel
+        if engine.devices and len(engine.devices) != num_workers:
+            raise GiveUp(
+                f"engine.devices lists {len(engine.devices)} devices but data_parallel x tensor_parallel = "
+                f"{engine.data_parallel} x {engine.tensor_parallel} = {num_workers} workers need one each"
+            )
+        if len(set(engine.devices)) != len(engine.devices):
+            raise GiveUp(f"engine.devices has duplicates: {engine.devices}")
+        if engine.device != "cuda":
+            return
+        count = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+        present = int(count.stdout.strip() or 0) if count.returncode == 0 else 0
+        wanted = engine.devices or list(range(num_workers))
+        missing = [d for d in wanted if d >= present]
+        if missing:
+            raise GiveUp(
+                f"engine.device is cuda and the layout needs devices {wanted}, but this host has {present} "
+                f"CUDA device(s): {missing} missing. Lower data_parallel / tensor_parallel or set engine.devices."
+            )
+
     def prepare_model(self) -> Path:
         """Convert the model once (cached) in a child, so the supervisor never imports torch."""
         model = self.config.model
@@ -260,6 +286,7 @@ class Supervisor:
 
     def start(self) -> None:
         self.check_run_dir()
+        self.check_layout()
         swept = sweep_stale_runs()
         if swept:
             log.info("swept %d shared-memory objects of dead runs", len(swept))

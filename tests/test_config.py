@@ -89,3 +89,21 @@ def test_bad_config_file_gives_a_clear_error_not_a_traceback(tmp_path, content: 
 def test_missing_config_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["engine.device=cuda", "engine.tensor_parallel=2"], "this host has 0 CUDA device(s)"),
+        (["engine.data_parallel=2", "engine.devices=[0]"], "engine.devices lists 1 devices"),
+        (["engine.data_parallel=2", "engine.devices=[1, 1]"], "engine.devices has duplicates"),
+    ],
+)
+def test_impossible_device_layout_is_refused(tmp_path, overrides: list[str], message: str) -> None:
+    argv = [sys.executable, "supervisor.py", "--run-dir", str(tmp_path / "run")]
+    for override in overrides:
+        argv += ["--set", override]
+    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
