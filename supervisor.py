@@ -485,7 +485,13 @@ class Supervisor:
             log.error("reload refused, config unchanged: %s", exc)
             return
         old = self.config
-        live = {"supervisor.log_level", "frontend.replicas", "detokenizer.replicas", "engine.max_num_waiting"}
+        live = {
+            "supervisor.log_level",
+            "frontend.replicas",
+            "frontend.default_max_tokens",
+            "detokenizer.replicas",
+            "engine.max_num_waiting",
+        }
         changed = diff_fields(old, new)
         for path in sorted(set(changed) - live):
             log.warning("reload: %s changed but needs a restart to take effect; keeping the old value", path)
@@ -495,7 +501,9 @@ class Supervisor:
         applied = msgspec.structs.replace(
             old,
             supervisor=msgspec.structs.replace(old.supervisor, log_level=new.supervisor.log_level),
-            frontend=msgspec.structs.replace(old.frontend, replicas=new.frontend.replicas),
+            frontend=msgspec.structs.replace(
+                old.frontend, replicas=new.frontend.replicas, default_max_tokens=new.frontend.default_max_tokens
+            ),
             detokenizer=msgspec.structs.replace(old.detokenizer, replicas=new.detokenizer.replicas),
             engine=msgspec.structs.replace(old.engine, max_num_waiting=new.engine.max_num_waiting),
         )
@@ -519,6 +527,7 @@ class Supervisor:
             num_detokenizers=self.config.detokenizer.replicas,
             num_frontends=self.config.frontend.replicas,
             max_num_waiting=self.config.engine.max_num_waiting,
+            default_max_tokens=self.config.frontend.default_max_tokens,
         )
         for stage in self.stages.values():
             self.command(stage, message)

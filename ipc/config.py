@@ -51,7 +51,6 @@ class FrontendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
     default_max_tokens: Positive = 256
     max_prompt_chars: Positive = 1_000_000
-    client_timeout_s: Seconds = 600.0  # requests with no client activity this long are aborted
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,7 +32,7 @@ def unpack_ids(data: bytes) -> np.ndarray:
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling parameters. Validated by `ipc.validation` (the frontend and the scheduler both call it)."""
 
-    max_tokens: int = 128
+    max_tokens: int | None = None  # None: the frontend's default (frontend.default_max_tokens)
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0
@@ -284,6 +284,7 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_detokenizers: int = 1
     num_frontends: int = 1
     max_num_waiting: int = 0
+    default_max_tokens: int = 256
 
 
 ControlDown = Union[Shutdown, Reconfigure, ResyncShard, ResubmitAll]

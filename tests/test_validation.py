@@ -22,6 +22,7 @@ NAN = float("nan")
 
 
 def check(num_prompt_tokens: int = 10, **fields: Any) -> None:
+    fields.setdefault("max_tokens", 128)  # the frontend fills in its default before validating
     validate_params(
         SamplingParams(**fields), vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=num_prompt_tokens
     )
@@ -29,6 +30,11 @@ def check(num_prompt_tokens: int = 10, **fields: Any) -> None:
 
 def test_defaults_are_valid():
     check()
+
+
+def test_unfilled_max_tokens_is_refused():
+    with pytest.raises(InvalidParams, match="max_tokens"):
+        check(max_tokens=None)
 
 
 BAD: list[tuple[str, Any]] = [
@@ -129,7 +135,7 @@ def test_edge_values_are_accepted(fields: dict[str, Any]):
 
 def test_a_wire_decoded_nan_is_rejected():
     """NaN arrives through msgpack, not only from Python callers."""
-    data = msgspec.msgpack.encode(SamplingParams(top_p=NAN))
+    data = msgspec.msgpack.encode(SamplingParams(max_tokens=8, top_p=NAN))
     params = msgspec.msgpack.decode(data, type=SamplingParams)
     with pytest.raises(InvalidParams, match="top_p must be finite"):
         validate_params(params, vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=3)

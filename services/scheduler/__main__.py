@@ -27,6 +27,7 @@ from ipc.codec import (
 from ipc.endpoints import shard_of
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket
+from ipc.validation import InvalidParams, validate_params
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
@@ -67,6 +68,7 @@ class SchedulerProcess:
         self.world_size = config.engine.tensor_parallel
         self.hellos: dict[int, m.WorkerHello] = {}
         self.worker_pids: list[int] = []
+        self.vocab_size = 0  # from the workers' hello
         self.core: Scheduler | None = None
         self.early: list[m.SubmitRequest] = []  # requests that came before the first worker
         # Requests (re)admitted whose detokenizer state must be rebuilt from their whole history.
@@ -101,6 +103,16 @@ class SchedulerProcess:
                 self.refuse(submit, "overloaded", "engine is starting and its queue is full")
             else:
                 self.early.append(submit)
+            return
+        try:  # the frontend validated it; a stray or corrupted submission must not crash us
+            validate_params(
+                submit.params,
+                vocab_size=self.vocab_size,
+                max_model_len=self.core.config.max_model_len,
+                num_prompt_tokens=len(submit.prompt_ids) // 4,
+            )
+        except InvalidParams as exc:
+            self.refuse(submit, exc.code, str(exc))
             return
         request = Request(
             request_id=submit.request_id,
@@ -214,6 +226,7 @@ class SchedulerProcess:
             self.workers.send(f"rank-{rank}".encode(), self.hellos[rank])
         self.worker_pids = [h.pid for h in self.hellos.values()]
         first = self.hellos[0]
+        self.vocab_size = first.vocab_size
         if self.core is None:
             engine = self.stage.config.engine
             self.core = Scheduler(

@@ -120,7 +120,9 @@ class Frontend:
                 self.send(reply)
 
     def on_command(self, command: m.ControlDown) -> None:
-        if isinstance(command, m.Shutdown):
+        if isinstance(command, m.Reconfigure):
+            self.core.default_max_tokens = command.default_max_tokens
+        elif isinstance(command, m.Shutdown):
             self.is_draining = True  # finish what is in flight, refuse anything new
         elif isinstance(command, m.ResubmitAll):
             submissions = self.core.resubmissions(command.group)

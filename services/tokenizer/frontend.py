@@ -107,6 +107,8 @@ class FrontendCore:
             raise RequestError("invalid_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
         prompt_ids = self._prompt_ids(request)
         params = request.params
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=self.default_max_tokens)
         try:
             validate_prompt_ids(prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len)
             validate_params(
