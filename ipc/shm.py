@@ -66,9 +66,11 @@ def _align(n: int) -> int:
 
 
 def _acquire(sem: posix_ipc.Semaphore, deadline: float) -> bool:
+    """False on timeout, and when a signal (SIGTERM: the stage is stopping) cut the wait short:
+    the caller sees a timeout and gets to check its stop flag."""
     try:
         sem.acquire(max(deadline - time.monotonic(), 0.0))
-    except posix_ipc.BusyError:
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
         return False
     return True
 

@@ -22,11 +22,27 @@ def brigade_shm_objects() -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if SHM_PREFIX in n)
 
 
+def owner_pid(name: str) -> int | None:
+    """Run ids are `{owner pid}x{hex}` (ipc.shm.new_run_id); None for other names."""
+    run_id = name.split(SHM_PREFIX, 1)[1].split("-", 1)[0]
+    pid, sep, _ = run_id.partition("x")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def is_orphan(name: str) -> bool:
+    """Left behind: its owner is dead, or it is this test process itself. A live owner that is
+    someone else (another run on this machine) is not the suite's leak."""
+    pid = owner_pid(name)
+    if pid is None or pid == os.getpid():
+        return True
+    return not os.path.exists(f"/proc/{pid}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory():
     before = set(brigade_shm_objects())
     yield
-    leaked = sorted(set(brigade_shm_objects()) - before)
+    leaked = sorted(n for n in set(brigade_shm_objects()) - before if is_orphan(n))
     assert not leaked, f"shared memory left in /dev/shm by the suite: {leaked}"
 
 
