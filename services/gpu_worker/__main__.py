@@ -1,11 +1,13 @@
-"""GPU worker process: load the model, say hello to the scheduler, then execute step plans read
-from the step ring (zero-copy views) and write results to the result ring (rank 0)."""
+"""GPU worker process: join the group's tensor-parallel process group (tensor_parallel > 1), load
+the model (this rank's shard), say hello to the scheduler, then execute step plans read from the
+step ring (zero-copy views) and write results to the result ring (rank 0)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import torch
 import zmq
 
 from ipc import messages as m
@@ -13,10 +15,15 @@ from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_HELLO, MalformedMessage
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+from services.gpu_worker.parallel import init_parallel
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
 READ_TIMEOUT_S = 0.5
 HELLO_RETRY_S = 2.0
+DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # set by the supervisor: the group's rendezvous port
+# A collective waits this long for the slowest rank: loading skew at start, and rank 0 blocked on
+# a full result ring for up to step_timeout_s while the others wait in the next step.
+MIN_COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def main() -> None:
@@ -24,6 +31,13 @@ def main() -> None:
     stopping = install_stop_handler()
     config, group, rank = stage.config, stage.index, args.rank
     engine = config.engine
+    parallel = init_parallel(
+        rank,
+        engine.tensor_parallel,
+        int(os.environ.get(DIST_PORT_ENV, "0")),
+        torch.device(engine.device),
+        max(MIN_COLLECTIVE_TIMEOUT_S, 2 * engine.step_timeout_s),
+    )
     runner = ModelRunner(
         Path(stage.info.model_dir),
         dtype=config.model.dtype,
@@ -32,6 +46,7 @@ def main() -> None:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         block_size=engine.block_size,
         threads=engine.threads or None,
+        parallel=parallel,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

@@ -258,8 +258,15 @@ class TritonOps:
         return out.view(q.shape[0], -1)
 
 
-def make_ops(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> TorchOps | TritonOps:
-    """The backend for `device`, chosen once at start."""
-    if device.type == "cuda":
+def make_ops(
+    shapes: Shapes, device: torch.device, dtype: torch.dtype, backend: str | None = None
+) -> TorchOps | TritonOps:
+    """The backend for `device`, chosen once at start. `backend` ("torch" or "triton") forces one:
+    tests run the Triton path on CPU tensors under TRITON_INTERPRET=1 to check its wiring."""
+    if backend is None:
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton":
         return TritonOps(shapes, device, dtype)
-    return TorchOps(shapes, device, dtype)
+    if backend == "torch":
+        return TorchOps(shapes, device, dtype)
+    raise ValueError(f"unknown attention backend {backend!r}: 'torch' or 'triton'")

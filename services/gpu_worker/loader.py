@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -177,19 +177,33 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, object]]:
-    """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not)."""
+ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterator[tuple[str, object]]:
+    """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not).
+
+    `shard_spec(name)` -> (dim, start, length) reads only that slice of the weight from the file
+    (a tensor-parallel rank's shard); None reads the whole tensor.
+    """
     from safetensors import safe_open
     from tqdm import tqdm
 
     for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                spec = shard_spec(name) if shard_spec is not None else None
+                if spec is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = spec
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, f.get_slice(name)[index]
 
 
 def load_weights(model, model_dir: Path) -> None:
-    """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`."""
-    for name, tensor in iter_weights(model_dir):
+    """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`, each read as
+    the slice `model.shard_spec(name)` names."""
+    for name, tensor in iter_weights(model_dir, model.shard_spec):
         model.load_hf_weight(name, tensor)
     model.finish_loading()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.attention import Shapes, StepMeta, make_ops
+from services.gpu_worker.parallel import Parallel
 
 
 @dataclass
@@ -95,47 +96,99 @@ def has_native_half_matmul(device: torch.device) -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-class LlamaLayer:
-    """One decoder layer's weights."""
+@dataclass(frozen=True)
+class Shard:
+    """The slices of the full model one tensor-parallel rank holds (all of it with one rank):
+    its query and KV heads, its columns of the MLP, and its rows of the vocabulary."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+    head_start: int
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+    intermediate_start: int
+    intermediate_size: int
+    vocab_start: int
+    num_vocab_rows: int  # rows of this rank's embedding that hold real tokens
+    vocab_shard_size: int  # rows of every rank's embedding (the last one is padded with zeros)
+
+    @classmethod
+    def of(cls, config: LlamaConfig, parallel: Parallel) -> Shard:
+        rank, world = parallel.rank, parallel.world_size
+        head_start, num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+        num_kv = config.num_key_value_heads
+        if num_kv % world == 0:
+            kv_head_start, num_kv_heads = parallel.split(num_kv, "num_key_value_heads")
+        elif world % num_kv == 0:
+            # More ranks than KV heads: each KV head is replicated on world / num_kv ranks, whose
+            # query heads all belong to it.
+            kv_head_start, num_kv_heads = rank // (world // num_kv), 1
+        else:
+            raise ValueError(f"num_key_value_heads ({num_kv}) and tensor_parallel ({world}) do not divide")
+        inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
+        vocab_shard = -(-config.vocab_size // world)
+        vocab_start = rank * vocab_shard
+        num_vocab_rows = max(min(vocab_shard, config.vocab_size - vocab_start), 0)
+        return cls(
+            head_start, num_heads, kv_head_start, num_kv_heads,
+            inter_start, inter_size, vocab_start, num_vocab_rows, vocab_shard,
+        )  # fmt: skip
+
+
+class LlamaLayer:
+    """One decoder layer's weights (this rank's shard of them)."""
+
+    def __init__(self, config: LlamaConfig, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
 
         h, d = config.hidden_size, config.head_dim
-        qkv_size = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+        qkv_size = (shard.num_heads + 2 * shard.num_kv_heads) * d
         self.input_norm = empty(h)
-        self.qkv = empty(qkv_size, h)
+        self.qkv = empty(qkv_size, h)  # column-parallel
         self.qkv_bias = empty(qkv_size) if config.attention_bias else None
-        self.o_proj = empty(h, config.num_attention_heads * d)
+        self.o_proj = empty(h, shard.num_heads * d)  # row-parallel
         self.post_norm = empty(h)
-        self.gate_up = empty(2 * config.intermediate_size, h)
-        self.down = empty(h, config.intermediate_size)
+        self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
+        self.down = empty(h, shard.intermediate_size)  # row-parallel
 
 
 class LlamaModel:
-    """Owns the weights and runs one step: tokens in, logits of the sampled rows out."""
+    """Owns the weights and runs one step: tokens in, logits of the sampled rows out.
+
+    With tensor parallelism each rank holds a `Shard`: QKV and gate_up are split by output rows
+    (heads, MLP columns), o_proj and down by input columns and summed over the ranks (all_reduce);
+    the embedding and the LM head are split by vocabulary rows. Every rank gets the full logits.
+    """
 
     def __init__(
-        self, config: LlamaConfig, dtype: torch.dtype, device: torch.device, block_size: int
+        self,
+        config: LlamaConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
+        backend: str | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.parallel = parallel
+        self.shard = shard = Shard.of(config, parallel)
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
-        self.embed = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = [LlamaLayer(config, dtype, device) for _ in range(config.num_hidden_layers)]
+        # Zeroed: the padding rows of the last vocabulary shard must give zero embeddings and logits.
+        self.embed = torch.zeros(shard.vocab_shard_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = [LlamaLayer(config, shard, dtype, device) for _ in range(config.num_hidden_layers)]
         self.norm = torch.empty(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if config.tie_word_embeddings else torch.empty_like(self.embed)
+        self.lm_head = self.embed if config.tie_word_embeddings else torch.zeros_like(self.embed)
         self.shapes = Shapes(
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             config.head_dim,
             block_size,
             rope_cos_sin(config, dtype, device),
         )
-        self.ops = make_ops(self.shapes, device, dtype)
+        self.ops = make_ops(self.shapes, device, dtype, backend)
         is_half = dtype in (torch.bfloat16, torch.float16)
         self.upcast_min_rows = sys.maxsize
         if is_half and not has_native_half_matmul(device):
@@ -144,20 +197,44 @@ class LlamaModel:
 
     # ---- weights ----------------------------------------------------------------------------------
 
+    def shard_spec(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of this rank's slice of the HF weight `name`; None = the whole
+        tensor (always, with one rank, so loading is unchanged)."""
+        if not self.parallel.is_parallel:
+            return None
+        sh, d = self.shard, self.config.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, sh.vocab_start, sh.num_vocab_rows
+        key = ".".join(name.split(".")[3:])
+        projection = key.rsplit(".", 1)[0]
+        if projection == "self_attn.q_proj":
+            return 0, sh.head_start * d, sh.num_heads * d
+        if projection in ("self_attn.k_proj", "self_attn.v_proj"):
+            return 0, sh.kv_head_start * d, sh.num_kv_heads * d
+        if projection == "self_attn.o_proj":
+            return 1, sh.head_start * d, sh.num_heads * d
+        if projection in ("mlp.gate_proj", "mlp.up_proj"):
+            return 0, sh.intermediate_start, sh.intermediate_size
+        if projection == "mlp.down_proj":
+            return 1, sh.intermediate_start, sh.intermediate_size
+        return None
+
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one HF-named weight into its (possibly merged) slot."""
+        """Copy one HF-named weight (this rank's slice of it, see `shard_spec`) into its
+        (possibly merged) slot."""
         if name.endswith("rotary_emb.inv_freq"):
             return
-        c = self.config
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        c, sh = self.config, self.shard
+        q_size, kv_size = sh.num_heads * c.head_dim, sh.num_kv_heads * c.head_dim
+        inter = sh.intermediate_size
         if name == "model.embed_tokens.weight":
-            dst = self.embed
+            dst = self.embed[: sh.num_vocab_rows]
         elif name == "model.norm.weight":
             dst = self.norm
         elif name == "lm_head.weight":
             if c.tie_word_embeddings:
                 return
-            dst = self.lm_head
+            dst = self.lm_head[: sh.num_vocab_rows]
         else:
             parts = name.split(".")
             if parts[:2] != ["model", "layers"]:
@@ -168,8 +245,8 @@ class LlamaModel:
                 "self_attn.q_proj.weight": (layer.qkv, 0, q_size),
                 "self_attn.k_proj.weight": (layer.qkv, q_size, kv_size),
                 "self_attn.v_proj.weight": (layer.qkv, q_size + kv_size, kv_size),
-                "mlp.gate_proj.weight": (layer.gate_up, 0, c.intermediate_size),
-                "mlp.up_proj.weight": (layer.gate_up, c.intermediate_size, c.intermediate_size),
+                "mlp.gate_proj.weight": (layer.gate_up, 0, inter),
+                "mlp.up_proj.weight": (layer.gate_up, inter, inter),
             }
             if layer.qkv_bias is not None:
                 merged["self_attn.q_proj.bias"] = (layer.qkv_bias, 0, q_size)
@@ -213,22 +290,37 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run all tokens; returns float32 logits [len(sample_tokens), V] of the sampled rows only."""
         ops, eps, scale = self.ops, self.eps, self.scale
+        reduce = self.parallel.all_reduce  # the identity with one rank
         linear = upcast_linear if input_ids.shape[0] >= self.upcast_min_rows else F.linear
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             q, k, v = ops.qkv_rotary(linear(x, layer.qkv, layer.qkv_bias), meta)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
-            x, residual = ops.rms_norm(linear(attn, layer.o_proj), layer.post_norm, eps, residual)
+            x, residual = ops.rms_norm(reduce(linear(attn, layer.o_proj)), layer.post_norm, eps, residual)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = linear(F.silu(gate) * up, layer.down)
+            hidden = reduce(linear(F.silu(gate) * up, layer.down))
         # Only the sampled rows go through the final norm and the LM head.
         last = (hidden[sample_tokens] + residual[sample_tokens]).contiguous()
         x, _ = ops.rms_norm(last, self.norm, eps, None)
         if last.shape[0] >= self.upcast_min_rows:
-            return F.linear(x.float(), self.lm_head.float())
-        return F.linear(x, self.lm_head).float()
+            logits = F.linear(x.float(), self.lm_head.float())
+        else:
+            logits = F.linear(x, self.lm_head).float()
+        if not self.parallel.is_parallel:
+            return logits
+        return self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; with vocabulary shards each rank looks up its own ids, zeros the rest,
+        and the sum over the ranks is the full lookup."""
+        if not self.parallel.is_parallel:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.shard.vocab_start
+        is_mine = (local >= 0) & (local < self.shard.num_vocab_rows)
+        hidden = F.embedding(torch.where(is_mine, local, 0), self.embed)
+        return self.parallel.all_reduce(hidden.masked_fill_(~is_mine.unsqueeze(-1), 0))
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from ipc.messages import StepHeader
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ class InvalidPlan(Exception):
 
 
 class ModelRunner:
-    """Loads the model once, allocates the KV cache from a memory budget, and executes step plans."""
+    """Loads the model (this rank's shard of it) once, allocates the KV cache from a memory budget,
+    and executes step plans. Every rank runs every plan; only the driver (rank 0) samples."""
 
     def __init__(
         self,
@@ -36,6 +38,8 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         block_size: int = 16,
         threads: int | None = None,
+        parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
+        backend: str | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -55,16 +59,18 @@ class ModelRunner:
         self.max_model_len = config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model_dir, raw)
 
-        self.model = LlamaModel(config, self.dtype, self.device, block_size)
+        self.parallel = parallel
+        self.model = LlamaModel(config, self.dtype, self.device, block_size, parallel, backend)
         load_weights(self.model, model_dir)
+        num_kv_heads = self.model.shapes.num_kv_heads  # this rank's
         bytes_per_block = (
-            2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim
-            * self.dtype.itemsize
-        )  # fmt: skip
-        self.num_kv_blocks = max(
-            self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1
+            2 * config.num_hidden_layers * block_size * num_kv_heads * config.head_dim * self.dtype.itemsize
         )
-        cache_shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Ranks share block ids, so every rank takes the smallest cache any of them can hold.
+        self.num_kv_blocks = parallel.min_int(
+            max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
+        )
+        cache_shape = (self.num_kv_blocks, block_size, num_kv_heads, config.head_dim)
         # Zeroed, so masked-out padding never reads NaN garbage.
         self.kv_cache = [
             (
@@ -128,7 +134,7 @@ class ModelRunner:
         }
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
         logits = self.model.forward(input_ids, meta, self.kv_cache, sample_tokens.to(self.device))
-        if len(rows) == 0:
+        if len(rows) == 0 or not self.parallel.is_driver:
             return result
         out = self.sampler.sample(logits, arrays, rows).numpy()
         result["sampled_ids"][rows] = out["sampled_ids"]

@@ -1,0 +1,84 @@
+"""Tensor parallelism: which slice of each weight a rank owns, and the few collectives the model
+runs (all_reduce after row-parallel layers, all_gather of the vocab-sharded logits).
+
+With one rank every collective is the identity and torch.distributed is never initialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This worker's place in its engine group: rank `rank` of `world_size` tensor-parallel ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and writes results; the other ranks only compute their shards."""
+        return self.rank == 0
+
+    def split(self, size: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's even share of `size` rows; refuses an uneven split."""
+        if size % self.world_size:
+            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel ({self.world_size})")
+        share = size // self.world_size
+        return self.rank * share, share
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial results, in place."""
+        if self.is_parallel:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' [.., n] shards concatenated along the last dim, in rank order."""
+        if not self.is_parallel:
+            return x
+        shards = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(shards, x.contiguous())
+        return torch.cat(shards, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over the ranks (the KV cache size every rank can hold)."""
+        if not self.is_parallel:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def _collective_device() -> torch.device:
+    is_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
+
+
+def init_parallel(rank: int, world_size: int, port: int, device: torch.device, timeout_s: float) -> Parallel:
+    """Join the group's process group (NCCL on CUDA, gloo on the CPU) over a 127.0.0.1 rendezvous.
+
+    `timeout_s` bounds every collective: a rank whose peer died fails instead of waiting forever
+    (gloo also fails at once when the peer's socket closes; the supervisor kills the group anyway).
+    """
+    if world_size == 1:
+        return Parallel()
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return Parallel(rank, world_size)

@@ -1,0 +1,184 @@
+"""Tensor-parallel ModelRunner (real processes over gloo) against the single-rank runner on the same
+weights: logits of prefill, chunked-prefill and decode steps, greedy tokens, KV cache agreement,
+and the shard-only weight reads."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.model_runner import ModelRunner
+from services.gpu_worker.parallel import Parallel
+from tests.test_model import PlanBuilder, runner_logits
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB_SIZE = 1001  # not divisible by 2 or 4: the last vocabulary shard is padded
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3, 8, 15, 16, 23, 42, 4, 4, 4, 99, 100, 101], [7, 8], [400] * 5]
+NEW_TOKENS = 6
+KV_MIB = 8
+CHILD_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with an untied LM head and an odd vocabulary (no tokenizer needed)."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tp-llama")
+    config = HFConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    )
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def steps(tokens: list[list[int]]) -> list[list[tuple[int, list[int], bool]]]:
+    """The plans of a greedy run that produced `tokens`: a prefill whose first prompt is split in
+    two chunks (mixed with the other prompts), then one decode step per generated token."""
+    first, rest = PROMPTS[0][:11], PROMPTS[0][11:]
+    plans = [
+        [(0, first, False), (1, PROMPTS[1], True), (2, PROMPTS[2], True)],
+        [(0, rest, True), (1, [tokens[1][0]], True), (2, [tokens[2][0]], True)],
+    ]
+    for n in range(1, NEW_TOKENS - 1):
+        plans.append([(0, [tokens[0][n - 1]], True), (1, [tokens[1][n]], True), (2, [tokens[2][n]], True)])
+    return plans
+
+
+def run_plans(runner: ModelRunner, plans: list) -> list[torch.Tensor]:
+    builder = PlanBuilder(runner.block_size)
+    return [runner_logits(runner, builder, chunks) for chunks in plans]
+
+
+def reference(model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and per-step logits of the single-rank runner (rows in plan order)."""
+    runner = ModelRunner(model_dir, dtype="float32", kv_cache_bytes=KV_MIB << 20)
+    builder = PlanBuilder(runner.block_size)
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    plan = [(0, PROMPTS[0][:11], False), (1, PROMPTS[1], True), (2, PROMPTS[2], True)]
+    logits = [runner_logits(runner, builder, plan)]
+    tokens[1].append(int(logits[0][0].argmax()))
+    tokens[2].append(int(logits[0][1].argmax()))
+    plan = [(0, PROMPTS[0][11:], True), (1, [tokens[1][0]], True), (2, [tokens[2][0]], True)]
+    for _ in range(NEW_TOKENS - 1):
+        logits.append(runner_logits(runner, builder, plan))
+        for i, row in enumerate(logits[-1]):
+            tokens[i].append(int(row.argmax()))
+        plan = [(i, [tokens[i][-1]], True) for i in range(3)]
+    return tokens, logits
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_main(rank: int, world: int, port: int, model_dir: str, plans: list, out: mp.Queue) -> None:
+    """One tensor-parallel rank: join the group, load its shard, run the plans, report."""
+    import torch.distributed as dist
+
+    from services.gpu_worker.parallel import init_parallel
+
+    torch.set_num_threads(1)
+    parallel = init_parallel(rank, world, port, torch.device("cpu"), 120)
+    # Different budgets per rank: the group must agree on the smallest.
+    budget = (KV_MIB << 20) // (rank + 1)
+    runner = ModelRunner(Path(model_dir), dtype="float32", kv_cache_bytes=budget, parallel=parallel)
+    logits = run_plans(runner, plans)
+    out.put((rank, runner.num_kv_blocks, logits if rank == 0 else None))
+    dist.destroy_process_group()
+
+
+def run_group(world: int, model_dir: Path, plans: list) -> dict[int, tuple[int, list | None]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world, port, str(model_dir), plans, out), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[int, list | None]] = {}
+    try:
+        for _ in range(world):
+            rank, num_blocks, logits = out.get(timeout=CHILD_TIMEOUT_S)
+            results[rank] = (num_blocks, logits)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    except queue.Empty:
+        raise AssertionError(f"ranks did not report within {CHILD_TIMEOUT_S}s: {[p.exitcode for p in procs]}") from None
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    return results
+
+
+@pytest.fixture(scope="module")
+def single(untied_model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+    return reference(untied_model_dir)
+
+
+# world 4 > 2 KV heads: each KV head is replicated on two ranks.
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_single_rank(untied_model_dir: Path, single, world: int) -> None:
+    tokens, want = single
+    results = run_group(world, untied_model_dir, steps(tokens))
+    got = results[0][1]
+    assert got is not None and len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape == (b.shape[0], VOCAB_SIZE), step
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"greedy token differs at step {step}"
+    # The smallest budget is the last rank's; its KV heads per rank computed from the geometry.
+    num_kv_heads = max(2 // world, 1)
+    bytes_per_block = 2 * 2 * 16 * num_kv_heads * 16 * 4
+    expected = ((KV_MIB << 20) // world) // bytes_per_block
+    assert {num_blocks for num_blocks, _ in results.values()} == {expected}
+
+
+def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> None:
+    """Each rank's tensors, read with get_slice, are exactly its rows / columns of the full weights."""
+    from services.gpu_worker.loader import load_weights
+
+    config = LlamaConfig.from_dict(__import__("json").loads((untied_model_dir / "config.json").read_text()))
+    full = LlamaModel(config, torch.float32, torch.device("cpu"), 16)
+    load_weights(full, untied_model_dir)
+    for rank in range(2):
+        part = LlamaModel(config, torch.float32, torch.device("cpu"), 16, Parallel(rank, 2))
+        load_weights(part, untied_model_dir)
+        sh, d = part.shard, config.head_dim
+        layer, whole = part.layers[1], full.layers[1]
+        q = whole.qkv[: 4 * d][sh.head_start * d : (sh.head_start + sh.num_heads) * d]
+        k = whole.qkv[4 * d : 6 * d][sh.kv_head_start * d : (sh.kv_head_start + sh.num_kv_heads) * d]
+        assert torch.equal(layer.qkv[: sh.num_heads * d], q)
+        assert torch.equal(layer.qkv[sh.num_heads * d : (sh.num_heads + sh.num_kv_heads) * d], k)
+        cols = slice(sh.intermediate_start, sh.intermediate_start + sh.intermediate_size)
+        assert torch.equal(layer.down, whole.down[:, cols])
+        assert torch.equal(layer.o_proj, whole.o_proj[:, sh.head_start * d : (sh.head_start + sh.num_heads) * d])
+        rows = sh.num_vocab_rows
+        assert torch.equal(part.lm_head[:rows], full.lm_head[sh.vocab_start : sh.vocab_start + rows])
+        assert not part.lm_head[rows:].any(), "padding rows must be zero"
+    assert np.isclose(sh.vocab_shard_size, -(-VOCAB_SIZE // 2))
