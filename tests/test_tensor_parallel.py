@@ -25,29 +25,40 @@ PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3, 8, 15, 16, 23, 42, 4, 4, 4, 99, 100,
 NEW_TOKENS = 6
 KV_MIB = 8
 CHILD_TIMEOUT_S = 240
+HEAD_DIM = 16
 
 
-@pytest.fixture(scope="module")
-def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_model(out: Path, num_heads: int, num_kv_heads: int) -> Path:
     """A tiny random Llama with an untied LM head and an odd vocabulary (no tokenizer needed)."""
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tp-llama")
     config = HFConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        hidden_size=num_heads * HEAD_DIM,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         eos_token_id=2,
     )
-    torch.manual_seed(1)
+    torch.manual_seed(num_heads)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tp-llama"), 4, 2)
+
+
+@pytest.fixture(scope="module")
+def uneven_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 KV groups of 2 query heads (SmolLM2's shape): 2 ranks hold 2 and 1 groups."""
+    return make_model(tmp_path_factory.mktemp("tp-llama-uneven"), 6, 3)
 
 
 def steps(tokens: list[list[int]]) -> list[list[tuple[int, list[int], bool]]]:
@@ -136,26 +147,25 @@ def run_group(world: int, model_dir: Path, plans: list) -> dict[int, tuple[int, 
     return results
 
 
-@pytest.fixture(scope="module")
-def single(untied_model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
-    return reference(untied_model_dir)
-
-
-# world 4 > 2 KV heads: each KV head is replicated on two ranks.
-@pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_matches_single_rank(untied_model_dir: Path, single, world: int) -> None:
-    tokens, want = single
-    results = run_group(world, untied_model_dir, steps(tokens))
+# world 4 > 2 KV heads: each KV head is replicated on two ranks; "uneven": 3 KV groups on 2 ranks.
+@pytest.mark.parametrize(("model", "world"), [("untied", 2), ("untied", 4), ("uneven", 2)])
+def test_tensor_parallel_matches_single_rank(request: pytest.FixtureRequest, model: str, world: int) -> None:
+    model_dir = request.getfixturevalue(f"{model}_model_dir")
+    num_kv = 2 if model == "untied" else 3
+    tokens, want = reference(model_dir)
+    results = run_group(world, model_dir, steps(tokens))
     got = results[0][1]
     assert got is not None and len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == b.shape == (b.shape[0], VOCAB_SIZE), step
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"greedy token differs at step {step}"
-    # The smallest budget is the last rank's; its KV heads per rank computed from the geometry.
-    num_kv_heads = max(2 // world, 1)
-    bytes_per_block = 2 * 2 * 16 * num_kv_heads * 16 * 4
-    expected = ((KV_MIB << 20) // world) // bytes_per_block
+    # Every rank holds the smallest cache any rank can: rank r has budget / (r + 1) and its own
+    # number of KV heads (2 layers x K and V x 16 tokens x heads x head_dim x 4 bytes per block).
+    def kv_heads(r: int) -> int:
+        return num_kv // world + (r < num_kv % world) if num_kv >= world else 1
+
+    expected = min(((KV_MIB << 20) // (r + 1)) // (2 * 2 * 16 * kv_heads(r) * HEAD_DIM * 4) for r in range(world))
     assert {num_blocks for num_blocks, _ in results.values()} == {expected}
 
 
@@ -171,6 +181,7 @@ def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> N
         load_weights(part, untied_model_dir)
         sh, d = part.shard, config.head_dim
         layer, whole = part.layers[1], full.layers[1]
+        assert sh.num_heads == 2 and sh.num_kv_heads == 1
         q = whole.qkv[: 4 * d][sh.head_start * d : (sh.head_start + sh.num_heads) * d]
         k = whole.qkv[4 * d : 6 * d][sh.kv_head_start * d : (sh.kv_head_start + sh.num_kv_heads) * d]
         assert torch.equal(layer.qkv[: sh.num_heads * d], q)

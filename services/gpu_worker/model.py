@@ -114,16 +114,20 @@ class Shard:
     @classmethod
     def of(cls, config: LlamaConfig, parallel: Parallel) -> Shard:
         rank, world = parallel.rank, parallel.world_size
-        head_start, num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
         num_kv = config.num_key_value_heads
-        if num_kv % world == 0:
-            kv_head_start, num_kv_heads = parallel.split(num_kv, "num_key_value_heads")
+        group = config.num_attention_heads // num_kv
+        if num_kv >= world:
+            # Whole KV groups (a KV head and its query heads) per rank; when they do not divide
+            # evenly (SmolLM2's 3 over 2 ranks) the first ranks take one group more.
+            kv_head_start, num_kv_heads = parallel.split_uneven(num_kv)
+            head_start, num_heads = kv_head_start * group, num_kv_heads * group
         elif world % num_kv == 0:
             # More ranks than KV heads: each KV head is replicated on world / num_kv ranks, whose
             # query heads all belong to it.
+            head_start, num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
             kv_head_start, num_kv_heads = rank // (world // num_kv), 1
         else:
-            raise ValueError(f"num_key_value_heads ({num_kv}) and tensor_parallel ({world}) do not divide")
+            raise ValueError(f"tensor_parallel ({world}) must be <= or a multiple of num_key_value_heads ({num_kv})")
         inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
         vocab_shard = -(-config.vocab_size // world)
         vocab_start = rank * vocab_shard

@@ -36,6 +36,12 @@ class Parallel:
         share = size // self.world_size
         return self.rank * share, share
 
+    def split_uneven(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's share of `size` rows, the first `size % world_size`
+        ranks taking one more."""
+        base, extra = divmod(size, self.world_size)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the ranks' partial results, in place."""
         if self.is_parallel:
