@@ -686,3 +686,13 @@ def test_token_batches_group_by_shard_and_resend_full_histories() -> None:
             assert m.unpack_ids(update.token_ids).tolist() == sched.requests[rid].output_ids
         else:
             assert update.params is None and len(update.token_ids) == 4
+
+
+def test_max_tokens_none_runs_to_max_model_len() -> None:
+    # The frontend fills in its default; a request that still has none is bounded by the model.
+    sched = Scheduler(small_config(max_model_len=40, num_blocks=8))
+    executor = FakeExecutor(sched)
+    sched.add(make_request("n", [1, 2, 3, 4, 5], ignore_eos=True))
+    outs = drive(sched, executor)["n"]
+    assert len(tokens_of(outs)) == 40 - 5 and outs[-1].finish_reason == "length"
+    assert_no_leaks(sched)

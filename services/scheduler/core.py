@@ -311,12 +311,14 @@ class Scheduler:
         order = self._running_rows()
         computed = num_computed.take(order)
         pending = table.ints[NUM_TOKENS].take(order) - computed
-        decodes = np.flatnonzero(pending == 1)[:budget]
-        partial = [running[i] for i in np.flatnonzero(pending > 1).tolist()]
-        if len(decodes) == len(running):
+        is_decode = pending == 1
+        if len(running) <= budget and is_decode.all():  # steady decode: the whole line
+            partial = []
             seqs = running[:]
             rows, starts = order, computed
         else:
+            decodes = np.flatnonzero(is_decode)[:budget]
+            partial = [running[i] for i in np.flatnonzero(pending > 1).tolist()]
             seqs = [running[i] for i in decodes.tolist()]
             rows, starts = order[decodes], computed[decodes]
         # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
@@ -518,8 +520,7 @@ class Scheduler:
             if is_eos.any():
                 candidates |= is_eos & (num_tokens > ints[EOS_FROM].take(sampled_rows))
         num_prompt = ints[NUM_PROMPT].take(sampled_rows)
-        num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows)
-        needs_history = ints[NEEDS_HISTORY].take(sampled_rows)
+        num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows) if table.num_logprob_rows else None
 
         token_list = tokens.tolist()
         # list.append over the rows' output lists, run by map() in C (append returns None).
@@ -530,13 +531,13 @@ class Scheduler:
             req = seqs[int(sampled[j])]
             reasons[j] = self._finish_reason(req.params, token_list[j], req.num_output_tokens, req.num_tokens)
         tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
-        if top_ids is not None and top_logprobs is not None and np.count_nonzero(num_logprobs):
+        if top_ids is not None and top_logprobs is not None and num_logprobs is not None:
             for j in np.flatnonzero(num_logprobs).tolist():
                 k = int(num_logprobs[j])
                 i = int(sampled[j])
                 tops[j] = [dict(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist(), strict=True))]
-        if np.count_nonzero(needs_history):
-            for j in np.flatnonzero(needs_history).tolist():
+        if table.history:  # only rows that apply penalties have one
+            for j in np.flatnonzero(ints[NEEDS_HISTORY].take(sampled_rows)).tolist():
                 req = seqs[int(sampled[j])]
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
@@ -565,7 +566,10 @@ class Scheduler:
             (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         ):
             return "stop"
-        if num_outputs >= params.max_tokens or num_tokens >= self.config.max_model_len:
+        # max_tokens None (the frontend fills in its default): only max_model_len bounds it.
+        if (params.max_tokens is not None and num_outputs >= params.max_tokens) or (
+            num_tokens >= self.config.max_model_len
+        ):
             return "length"
         return None
 

@@ -77,6 +77,9 @@ class PlanTable:
         self.history: dict[int, np.ndarray] = {}
         # params.logit_bias of rows that have one, as (ids, values) arrays.
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Rows that ask for top logprobs / need a bias: a step skips the columns nobody uses.
+        self.num_logprob_rows = 0
+        self.num_bias_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def assign(self, req: Request, num_computed: int) -> None:
@@ -94,7 +97,7 @@ class PlanTable:
             req.last_token_id,
             needs_history,
             bool(p.logit_bias) or p.min_tokens > 0,
-            0 if p.stop_token_ids else min(req.num_prompt_tokens + p.max_tokens, self.max_model_len),
+            0 if p.stop_token_ids else self._length_limit(req),
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
             num_computed,
             req.num_tokens,
@@ -104,6 +107,8 @@ class PlanTable:
         )
         self.request_ids[row] = req.request_id
         self.output_ids[row] = req.output_ids
+        self.num_logprob_rows += p.logprobs > 0
+        self.num_bias_rows += bool(p.logit_bias) or p.min_tokens > 0
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -114,10 +119,19 @@ class PlanTable:
                 np.array(list(p.logit_bias.values()), np.float32),
             )
 
+    def _length_limit(self, req: Request) -> int:
+        """Context length at which the request stops for "length" (max_tokens None: the model's)."""
+        max_tokens = req.params.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(req.num_prompt_tokens + max_tokens, self.max_model_len)
+
     def release(self, req: Request) -> None:
         """Free a request's row; its block table row goes back to all zeros (the padding)."""
         self.block_tables[req.row, : len(req.block_ids)] = 0
         self.epoch[req.row] += 1
+        self.num_logprob_rows -= self.ints[NUM_LOGPROBS, req.row] > 0
+        self.num_bias_rows -= self.ints[NEEDS_BIAS, req.row] != 0
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
@@ -195,7 +209,7 @@ def build_plan(
     slot_mapping = table.block_tables[token_rows, block_index] * block_size
     slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = ints[NUM_LOGPROBS].take(rows)
+    num_logprobs = ints[NUM_LOGPROBS].take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
 
     arrays = {
         "input_ids": input_ids,
@@ -213,12 +227,12 @@ def build_plan(
     arrays.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
     # Only rows that apply penalties have a history buffer: none, no gather.
     arrays.update(_history(step, ints[NEEDS_HISTORY].take(rows) if table.history else None, table.history))
-    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows), table.bias))
+    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows) if table.num_bias_rows else None, table.bias))
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
         num_seqs=num_seqs,
-        max_top_logprobs=int(num_logprobs.max()) if num_seqs else 0,
+        max_top_logprobs=int(num_logprobs.max()) if table.num_logprob_rows and num_seqs else 0,
     )
     return header, arrays
 
@@ -253,14 +267,14 @@ def _history(
 
 
 def _logit_bias(
-    step: ScheduledStep, needs_bias: np.ndarray, static: dict[int, tuple[np.ndarray, np.ndarray]]
+    step: ScheduledStep, needs_bias: np.ndarray | None, static: dict[int, tuple[np.ndarray, np.ndarray]]
 ) -> dict[str, np.ndarray]:
     """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     ids: list[np.ndarray] = []
     values: list[np.ndarray] = []
-    for i in np.flatnonzero(needs_bias).tolist() if np.count_nonzero(needs_bias) else []:
+    for i in [] if needs_bias is None else np.flatnonzero(needs_bias).tolist():
         req = step.seqs[i]
         p = req.params
         if len(req.output_ids) < p.min_tokens:
