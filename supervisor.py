@@ -35,7 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config, ConfigError, load_config
-from ipc.endpoints import Endpoints, default_run_dir, make_run_dir
+from ipc.endpoints import DIST_PORT_ENV, Endpoints, default_run_dir, make_run_dir
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket
 from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, write_run_info
@@ -47,7 +47,6 @@ MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus e
 MAX_TOP_LOGPROBS = 20
 
 METRICS_DIR = "metrics"
-DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # torch.distributed rendezvous port of a worker's engine group
 
 log = logging.getLogger("supervisor")
 

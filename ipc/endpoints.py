@@ -7,6 +7,7 @@ import zlib
 from pathlib import Path
 
 SHM_PREFIX = "brigade-"
+DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # set by the supervisor: a worker group's torch.distributed port
 
 
 def default_run_dir() -> Path:

@@ -12,6 +12,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_HELLO, MalformedMessage
+from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
@@ -20,7 +21,6 @@ from services.stage import ControlChannel, install_stop_handler, parse_stage_arg
 
 READ_TIMEOUT_S = 0.5
 HELLO_RETRY_S = 2.0
-DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # set by the supervisor: the group's rendezvous port
 # A collective waits this long for the slowest rank: loading skew at start, and rank 0 blocked on
 # a full result ring for up to step_timeout_s while the others wait in the next step.
 MIN_COLLECTIVE_TIMEOUT_S = 300.0
@@ -45,7 +45,8 @@ def main() -> None:
         kv_cache_bytes=engine.kv_cache_mib << 20,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         block_size=engine.block_size,
-        threads=engine.threads or None,
+        # Workers on one CPU host share its cores rather than each spinning on all of them.
+        threads=engine.threads or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
         parallel=parallel,
     )
     stage.log.info(
