@@ -61,28 +61,13 @@ class SlotOverflow(ValueError):
     """The arrays and header do not fit in one slot."""
 
 
-SPIN_S = 200e-6  # how long a waiter polls before it sleeps on the semaphore
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _acquire(sem: posix_ipc.Semaphore, deadline: float) -> bool:
-    """Spin briefly, then block. Waking a blocked process costs ~100 µs on a VM, more than a
-    whole handoff should; a short spin catches the common case of a slot published just after we
-    started waiting, and costs nothing measurable next to a model step.
-
-    False on timeout, and when a signal (SIGTERM: the stage is stopping) cut the wait short: the
-    caller sees a timeout and gets to check its stop flag."""
-    spin_until = min(time.monotonic() + SPIN_S, deadline)
-    while True:
-        try:
-            sem.acquire(0)
-            return True
-        except posix_ipc.BusyError:
-            if time.monotonic() >= spin_until:
-                break
+    """False on timeout, and when a signal (SIGTERM: the stage is stopping) cut the wait short:
+    the caller sees a timeout and gets to check its stop flag."""
     try:
         sem.acquire(max(deadline - time.monotonic(), 0.0))
     except (posix_ipc.BusyError, posix_ipc.SignalError):
