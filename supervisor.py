@@ -156,7 +156,8 @@ class Supervisor:
         self.rings: list[ShmRing] = []
         self.stages: dict[str, StageProcess] = {}
         self.signals: list[int] = []
-        self.is_draining = False
+        self.dist_ports: list[int] = []  # torch.distributed port of each engine group
+        self.info: RunInfo | None = None  # run.json, once the model is prepared
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -321,7 +322,8 @@ class Supervisor:
                 waiting = [s.name for s in self.stages.values() if not s.is_ready]
                 log.info("waiting for %d stage(s) to be ready: %s", len(waiting), ", ".join(waiting))
                 last_note = time.monotonic()
-        write_run_info(self.run_dir, msgspec.structs.replace(self.info, is_ready=True))
+        self.info = msgspec.structs.replace(self.info, is_ready=True)
+        write_run_info(self.run_dir, self.info)
         client = f"python -m client --run {self.run_dir}"
         print(f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}", flush=True)
         print(f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True)
