@@ -156,6 +156,7 @@ class Supervisor:
         self.rings: list[ShmRing] = []
         self.stages: dict[str, StageProcess] = {}
         self.signals: list[int] = []
+        self.loads_sent_at = 0.0
         self.dist_ports: list[int] = []  # torch.distributed port of each engine group
         self.info: RunInfo | None = None  # run.json, once the model is prepared
 
@@ -348,6 +349,19 @@ class Supervisor:
             elif stage.is_ready and stage.has_work and now - stage.progress_at > policy.hang_timeout_s:
                 self.on_exit(stage, f"no progress for {now - stage.progress_at:.0f}s with work pending", kill=True)
         self.write_status()
+        if now - self.loads_sent_at >= policy.heartbeat_interval_s:
+            self.send_group_loads()
+            self.loads_sent_at = now
+
+    def send_group_loads(self) -> None:
+        loads = [0.0] * self.config.engine.data_parallel
+        for stage in self.stages.values():
+            if stage.kind == "scheduler" and stage.group < len(loads):
+                loads[stage.group] = stage.load.num_running + stage.load.num_waiting + stage.load.kv_usage
+        message = m.GroupLoads(loads)
+        for stage in self.stages.values():
+            if stage.kind == "tokenizer" and stage.is_ready:
+                self.command(stage, message)
 
     def read_control(self, timeout: float) -> None:
         assert self.control is not None

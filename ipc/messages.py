@@ -287,7 +287,14 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     default_max_tokens: int = 256
 
 
-ControlDown = Union[Shutdown, Reconfigure, ResyncShard, ResubmitAll]
+class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Supervisor -> frontends, every heartbeat interval: the load each engine group reported
+    (running + waiting sequences, plus KV usage as a tie-break), for choosing a group."""
+
+    loads: list[float]
+
+
+ControlDown = Union[Shutdown, Reconfigure, ResyncShard, ResubmitAll, GroupLoads]
 
 # ---------------------------------------------------------------------------
 # scheduler <-> gpu worker: step plans and results travel through shared-memory rings

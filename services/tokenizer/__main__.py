@@ -120,7 +120,9 @@ class Frontend:
                 self.send(reply)
 
     def on_command(self, command: m.ControlDown) -> None:
-        if isinstance(command, m.Reconfigure):
+        if isinstance(command, m.GroupLoads) and len(command.loads) == self.core.num_groups:
+            self.core.group_loads = command.loads
+        elif isinstance(command, m.Reconfigure):
             self.core.default_max_tokens = command.default_max_tokens
         elif isinstance(command, m.Shutdown):
             self.is_draining = True  # finish what is in flight, refuse anything new

@@ -94,6 +94,7 @@ class FrontendCore:
         self.max_prompt_chars = max_prompt_chars
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
+        self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
         self.journal: dict[str, JournalEntry] = {}
         self.num_unknown_deltas = 0
         self.num_finished = 0
@@ -186,7 +187,9 @@ class FrontendCore:
             )
 
     def _least_loaded_group(self) -> int:
-        load = [0] * self.num_groups
+        """The group with the least reported load, counting our own in-flight requests on top
+        (they cover a burst that arrives between two load reports)."""
+        load = list(self.group_loads)
         for entry in self.journal.values():
             load[entry.group] += 1
         return min(range(self.num_groups), key=load.__getitem__)
