@@ -34,6 +34,11 @@ def test_gpu_example_loads() -> None:
     assert config.engine.data_parallel * config.engine.tensor_parallel == len(config.engine.devices)
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path) -> None:
+    assert isinstance(load_config(path), Config)
+
+
 def test_every_field_is_documented() -> None:
     doc = (REPO_ROOT / "docs" / "config.md").read_text()
     missing = [p for p in field_paths(Config) if f"`{p}`" not in doc]
