@@ -78,10 +78,13 @@ def setup_logging(name: str, level: str = "INFO", fmt: str = "text") -> logging.
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the supervisor dies, even by SIGKILL (Linux)."""
+    """Ask the kernel to SIGKILL us when the supervisor dies, even by SIGKILL (Linux). Not SIGTERM:
+    a stage busy in a long native call may not get to its stop flag, and with the supervisor
+    gone there is nothing left to shut down cleanly (it owns the shared memory, and the next
+    start sweeps it)."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 @dataclass
