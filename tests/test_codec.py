@@ -80,7 +80,7 @@ EXAMPLES: dict[str, list] = {
         m.Ready("scheduler-0", 42, {"model": "smol"}),
         m.Heartbeat("worker-0", 43, 1000, True, m.StageLoad(1, 2, 0.5, 3, 4, 5)),
     ],
-    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResyncShard(0), m.ResubmitAll(1)],
+    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResyncShard(0), m.ResubmitAll(1), m.GroupLoads([1.5, 0.0])],
     "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
