@@ -130,6 +130,8 @@ class ControlChannel:
             ctx, stage.endpoints.supervisor(), CONTROL_DOWN, CONTROL_UP, identity=stage.name.encode()
         )
         self.last_beat = 0.0
+        # Whether our parent is the supervisor (tests also start stages on their own).
+        self.is_supervised = os.getppid() == stage.info.supervisor_pid
 
     def ready(self, **info: str) -> None:
         self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
@@ -138,6 +140,10 @@ class ControlChannel:
         now = time.monotonic()
         if force or now - self.last_beat >= self.interval:
             self.last_beat = now
+            if self.is_supervised and os.getppid() != self.stage.info.supervisor_pid:
+                # The supervisor is gone (PDEATHSIG did not reach us): nothing is left to serve.
+                self.stage.log.error("supervisor %d is gone; exiting", self.stage.info.supervisor_pid)
+                os._exit(1)
             self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load or m.StageLoad()))
 
     def command(self) -> m.ControlDown | None:
