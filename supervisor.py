@@ -38,7 +38,7 @@ from ipc.config import Config, ConfigError, load_config
 from ipc.endpoints import DIST_PORT_ENV, Endpoints, default_run_dir, make_run_dir
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket
-from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, write_run_info
+from services.stage import RUN_FILE, SUPERVISOR_PID_ENV, RunInfo, read_run_info, setup_logging, write_run_info
 
 STATUS_FILE = "status.json"
 STOP_GRACE_S = 5.0
@@ -239,7 +239,11 @@ class Supervisor:
         name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
         argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
         argv += ["--log-format", self.log_format, "--index", str(index)]
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR)}
+        env = {
+            **os.environ,
+            "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR),
+            SUPERVISOR_PID_ENV: str(os.getpid()),
+        }
         if rank is not None:
             argv += ["--rank", str(rank)]
             env[DIST_PORT_ENV] = str(self.dist_ports[group])
@@ -317,11 +321,11 @@ class Supervisor:
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 waiting = [s.name for s in self.stages.values() if not s.is_ready]
-                raise GiveUp(f"stages not ready after {self.config.supervisor.start_timeout_s:.0f}s: {waiting}")
+                raise GiveUp(f"stages did not come up within {self.config.supervisor.start_timeout_s:.0f}s: {waiting}")
             self.tick()
             if time.monotonic() - last_note > 5:
                 waiting = [s.name for s in self.stages.values() if not s.is_ready]
-                log.info("waiting for %d stage(s) to be ready: %s", len(waiting), ", ".join(waiting))
+                log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
                 last_note = time.monotonic()
         self.info = msgspec.structs.replace(self.info, is_ready=True)
         write_run_info(self.run_dir, self.info)
@@ -396,7 +400,7 @@ class Supervisor:
         was_restart = stage.num_restarts > 0
         stage.is_ready = True
         stage.state = "running"
-        log.info("%s ready (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
+        log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
         if not was_restart:
             return
         if stage.kind == "detokenizer":

@@ -27,6 +27,8 @@ from ipc.endpoints import Endpoints
 from ipc.sockets import DealerSocket
 
 RUN_FILE = "run.json"
+# Set by the supervisor for the stages it spawns; stages that tests start on their own lack it.
+SUPERVISOR_PID_ENV = "BRIGADE_SUPERVISOR_PID"
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -97,6 +99,7 @@ class Stage:
     info: RunInfo
     endpoints: Endpoints
     log: logging.Logger
+    is_supervised: bool  # spawned by the supervisor (not by a test), so it must not outlive it
 
     @property
     def config(self) -> Config:
@@ -114,9 +117,15 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
     info = read_run_info(args.run_dir)
     name = f"{kind}-{args.index}" + (f"-{args.rank}" if kind == "gpu_worker" else "")
     log = setup_logging(name, info.config.supervisor.log_level, args.log_format)
-    if os.getppid() == info.supervisor_pid:
+    is_supervised = os.environ.get(SUPERVISOR_PID_ENV) == str(info.supervisor_pid)
+    if is_supervised:
         die_with_parent()
-    stage = Stage(name, args.index, args.run_dir, info, Endpoints(args.run_dir, info.run_id), log)
+        # PDEATHSIG only covers a supervisor dying from now on: one that died while we were still
+        # importing (torch takes seconds) has already orphaned us.
+        if os.getppid() != info.supervisor_pid:
+            log.error("supervisor %d died before this stage started; exiting", info.supervisor_pid)
+            sys.exit(1)
+    stage = Stage(name, args.index, args.run_dir, info, Endpoints(args.run_dir, info.run_id), log, is_supervised)
     return stage, args
 
 
@@ -130,8 +139,6 @@ class ControlChannel:
             ctx, stage.endpoints.supervisor(), CONTROL_DOWN, CONTROL_UP, identity=stage.name.encode()
         )
         self.last_beat = 0.0
-        # Whether our parent is the supervisor (tests also start stages on their own).
-        self.is_supervised = os.getppid() == stage.info.supervisor_pid
 
     def ready(self, **info: str) -> None:
         self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
@@ -140,7 +147,7 @@ class ControlChannel:
         now = time.monotonic()
         if force or now - self.last_beat >= self.interval:
             self.last_beat = now
-            if self.is_supervised and os.getppid() != self.stage.info.supervisor_pid:
+            if self.stage.is_supervised and os.getppid() != self.stage.info.supervisor_pid:
                 # The supervisor is gone (PDEATHSIG did not reach us): nothing is left to serve.
                 self.stage.log.error("supervisor %d is gone; exiting", self.stage.info.supervisor_pid)
                 os._exit(1)

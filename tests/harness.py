@@ -95,7 +95,9 @@ def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.y
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     run = Run(run_dir, process, lines)
     try:
-        run.wait_for_line("ready", READY_TIMEOUT_S)
+        # The contract: the first line containing "ready" says that every stage is up.
+        line = run.wait_for_line("ready", READY_TIMEOUT_S)
+        assert line.startswith("Brigade ready:"), f"a line said ready before every stage was up: {line!r}"
         yield run
     finally:
         stop(run)

@@ -186,13 +186,14 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: when the supervisor was started by a Python parent (this harness, "
-    "subprocess.Popen) and is then SIGKILLed, its stages survive (PPid 1) although they set "
-    "PR_SET_PDEATHSIG and check getppid() on every heartbeat; started from a shell, they all die. "
-    "Not understood yet; see the session note.",
-)
+def wait_all_gone(pids: dict[int, str], timeout: float) -> list[str]:
+    """Names of the processes still running after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pids[p] for p in pids if is_alive(p)]
+
+
 def test_supervisor_sigkill_leaves_no_orphans_and_next_start_sweeps(tmp_path: Path, smollm2_dir: Path) -> None:
     run_dir = tmp_path / "run"
     with brigade_run(run_dir, "model.dtype=float32") as run:
@@ -200,13 +201,39 @@ def test_supervisor_sigkill_leaves_no_orphans_and_next_start_sweeps(tmp_path: Pa
         stages = {r["pid"]: r["name"] for r in run.status()}
         run.process.kill()
         run.process.wait(30)
-        deadline = time.monotonic() + 90
-        while any(is_alive(p) for p in stages) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        alive = [stages[p] for p in stages if is_alive(p)]
+        alive = wait_all_gone(stages, 90)
     # Nobody was left to unlink the run's shared memory; the next start sweeps it first.
     left = any(run_id in n for n in brigade_shm_objects())
     swept = sweep_stale_runs()
     assert not alive, f"stages outlived a SIGKILLed supervisor: {alive}"
     assert left and any(run_id in n for n in swept)
     assert not any(run_id in n for n in brigade_shm_objects())
+
+
+def test_supervisor_sigkill_while_stages_start_leaves_no_orphans(tmp_path: Path, smollm2_dir: Path) -> None:
+    """Killed while its stages are still importing, before they could ask for PDEATHSIG: they must
+    notice at startup that the supervisor is gone (this once left a worker running forever)."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir)]
+    process = subprocess.Popen(
+        argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        started: dict[int, str] = {}
+        for line in process.stdout:  # "started gpu_worker-0-0 (pid 123)", one per stage
+            if " started " in line:
+                name, pid = line.split(" started ")[1].split(" (pid ")
+                started[int(pid.rstrip(")\n"))] = name
+            if len(started) == 4:
+                break
+        assert len(started) == 4, f"the supervisor did not start 4 stages: {started}"
+        process.kill()
+        process.wait(30)
+        alive = wait_all_gone(started, 90)
+    finally:
+        process.kill()
+        process.wait()
+        for pid in stage_processes(run_dir):
+            os.kill(pid, signal.SIGKILL)
+        sweep_stale_runs()
+    assert not alive, f"stages outlived a supervisor SIGKILLed while they started: {alive}"

@@ -35,7 +35,7 @@ def main() -> None:
     num_malformed = 0
     num_batches = 0
     control.ready(shard=str(stage.index))
-    stage.log.info("ready")
+    stage.log.info("serving")
     poller = zmq.Poller()
     poller.register(inbox.socket, zmq.POLLIN)
     while not stopping[0]:

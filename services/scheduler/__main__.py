@@ -246,7 +246,7 @@ class SchedulerProcess:
             self.early.clear()
             self.control.ready(kv_blocks=str(self.core.config.num_blocks))
         self.hellos.clear()
-        self.stage.log.info("workers ready (pids %s)", self.worker_pids)
+        self.stage.log.info("workers up (pids %s)", self.worker_pids)
 
     def is_worker_alive(self) -> bool:
         for pid in self.worker_pids:

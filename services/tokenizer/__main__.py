@@ -139,7 +139,7 @@ class Frontend:
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.control.socket.socket, zmq.POLLIN)
         self.control.ready(endpoint=self.stage.endpoints.frontend(self.stage.index))
-        self.stage.log.info("ready on %s", self.stage.endpoints.frontend(self.stage.index))
+        self.stage.log.info("serving on %s", self.stage.endpoints.frontend(self.stage.index))
         while not stopping[0]:
             events = dict(poller.poll(POLL_MS))
             if self.inbox.socket in events:
