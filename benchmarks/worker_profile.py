@@ -1,0 +1,155 @@
+"""Per-step time and op profile of the worker's ModelRunner on the embedded SmolLM2-135M.
+
+    python benchmarks/worker_profile.py --json FILE [--dtype float32] [--reps 5] [--top 12]
+
+Three steps, each run as a real plan through `ModelRunner.execute`:
+  decode1   batch-1 decode at context 256
+  decode64  batch-64 decode at context 128
+  mixed     8 prefills of 128 tokens plus 8 decodes at context 256
+The KV cache is not prefilled (timing does not depend on its values), so the script starts in
+seconds. It prints ms per step (median of --reps) and the top ops by self CPU time
+(torch.profiler), and writes both as JSON. On a shared machine compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.model_bench import static_plan
+from ipc.messages import StepHeader
+from services.gpu_worker.loader import prepare_model
+from services.gpu_worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+def concat_plans(
+    parts: list[tuple[dict[str, np.ndarray], StepHeader]],
+) -> tuple[dict[str, np.ndarray], StepHeader]:
+    """One plan of several static plans' sequences, in order (their block tables padded to one width)."""
+    width = max(a["block_tables"].shape[1] for a, _ in parts)
+    arrays: dict[str, np.ndarray] = {}
+    for name in parts[0][0]:
+        values = [a[name] for a, _ in parts]
+        if name == "block_tables":
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1]))) for v in values]
+        if name in ("query_start_loc", "history_offsets", "bias_offsets"):
+            shifted, total = [values[0][:1]], 0
+            for v in values:
+                shifted.append(v[1:] + total)
+                total += int(v[-1])
+            values = shifted
+        arrays[name] = np.concatenate(values)
+    num_tokens = sum(h.num_tokens for _, h in parts)
+    num_seqs = sum(h.num_seqs for _, h in parts)
+    return arrays, StepHeader(step_id=0, num_tokens=num_tokens, num_seqs=num_seqs, max_top_logprobs=0)
+
+
+class Blocks:
+    """Hands out disjoint block tables, as the scheduler would."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def table(self, batch: int, context: int) -> np.ndarray:
+        n = -(-context // BLOCK_SIZE)
+        table = self.next + np.arange(batch * n, dtype=np.int32).reshape(batch, n)
+        self.next += batch * n
+        return table
+
+
+def decode_plan(blocks: Blocks, batch: int, context: int, rng: np.random.Generator):
+    """batch sequences with context - 1 tokens cached, running their next token."""
+    tokens = rng.integers(3, 40000, (batch, 1))
+    positions = np.full((batch, 1), context - 1)
+    return static_plan(tokens, positions, np.full(batch, context), blocks.table(batch, context), BLOCK_SIZE)
+
+
+def prefill_plan(blocks: Blocks, batch: int, length: int, rng: np.random.Generator):
+    tokens = rng.integers(3, 40000, (batch, length))
+    positions = np.tile(np.arange(length), (batch, 1))
+    return static_plan(tokens, positions, np.full(batch, length), blocks.table(batch, length), BLOCK_SIZE)
+
+
+def scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
+    rng, blocks = np.random.default_rng(0), Blocks()
+    return {
+        "decode1": decode_plan(blocks, 1, 256, rng),
+        "decode64": decode_plan(blocks, 64, 128, rng),
+        "mixed": concat_plans([prefill_plan(blocks, 8, 128, rng), decode_plan(blocks, 8, 256, rng)]),
+    }
+
+
+def time_step(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], reps: int) -> list[float]:
+    runner.execute(*plan)  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runner.execute(*plan)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def top_ops(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], top: int) -> list[dict]:
+    """Ops by self CPU time over one step (ms per step and share of the step)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.execute(*plan)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_ms": e.self_cpu_time_total / 1e3,
+            "share": e.self_cpu_time_total / total,
+        }
+        for e in events[:top]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-profile", action="store_true", help="timings only")
+    args = parser.parse_args()
+    plans = scenarios()
+    num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
+    model_dir = prepare_model(None)
+    config = json.loads((model_dir / "config.json").read_text())
+    itemsize = getattr(torch, args.dtype).itemsize
+    kv_bytes = num_blocks * 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"]
+    kv_bytes *= config["head_dim"] * itemsize
+    runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
+    result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
+    for name, plan in plans.items():
+        times = time_step(runner, plan, args.reps)
+        entry = {"tokens": plan[1].num_tokens, "ms_p50": statistics.median(times), "ms": times}
+        print(f"\n{name}: {plan[1].num_tokens} tokens, {entry['ms_p50']:.1f} ms/step (p50 of {args.reps})")
+        if not args.no_profile:
+            entry["top_ops"] = top_ops(runner, plan, args.top)
+            for op in entry["top_ops"]:
+                print(
+                    f"  {op['op'][:44]:<44} {op['calls']:>6} calls {op['self_ms']:>8.2f} ms {op['share']:>6.1%}"
+                )
+        result["steps"][name] = entry
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
