@@ -39,6 +39,7 @@ def static_plan(
     slots = tables[seq_of, flat_pos // block_size] * block_size + flat_pos % block_size
     zeros_i, zeros_f = np.zeros(s, np.int32), np.zeros(s, np.float32)
     arrays = {
+        "rows": np.arange(s, dtype=np.int32),
         "input_ids": tokens.reshape(-1).astype(np.int32),
         "positions": flat_pos.astype(np.int32),
         "slot_mapping": slots.astype(np.int32),

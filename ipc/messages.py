@@ -318,6 +318,12 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     eos_token_ids: list[int] = []
 
 
+# In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row
+# (`rows`) in the previous step". The scheduler plans step N+1 while step N executes, before it
+# knows what N sampled (docs/internals.md, "Overlap").
+PLACEHOLDER_TOKEN = -1
+
+
 class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Step plan header (scheduler -> workers). Arrays in the slot are listed in
     docs/internals.md; `num_tokens` flattened tokens over `num_seqs` sequences."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.messages import StepHeader
+from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 
 BLOCK_SIZE = 16
@@ -21,6 +21,7 @@ class PlanBuilder:
         self.next_block = 0
         self.blocks: dict[int, list[int]] = {}
         self.num_cached: dict[int, int] = {}
+        self.next_step_id = 0  # consecutive, as the scheduler numbers them (placeholders rely on it)
 
     def plan(
         self, chunks: list[tuple[int, list[int], bool]], max_blocks: int = 64
@@ -46,6 +47,7 @@ class PlanBuilder:
             tables[row, : len(blocks)] = blocks
         s = len(chunks)
         arrays = {
+            "rows": np.array([c[0] for c in chunks], dtype=np.int32),  # the sequence id is its row
             "input_ids": np.array(ids, dtype=np.int32),
             "positions": np.array(positions, dtype=np.int32),
             "slot_mapping": np.array(slots, dtype=np.int32),
@@ -70,7 +72,8 @@ class PlanBuilder:
             "bias_ids": np.zeros(0, dtype=np.int32),
             "bias_values": np.zeros(0, dtype=np.float32),
         }
-        return arrays, StepHeader(step_id=0, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
+        self.next_step_id += 1
+        return arrays, StepHeader(step_id=self.next_step_id - 1, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
 
 
 def generate(
@@ -251,6 +254,71 @@ def test_invalid_plans_raise(tiny):
     with pytest.raises(InvalidPlan, match="token"):
         runner.execute(bad_token, header)
     assert runner.execute(arrays, header)["sampled_ids"][0] >= 0  # still serves after a bad plan
+
+
+def test_tiny_placeholders_decode_the_previous_samples(tiny):
+    """Decodes planned ahead (placeholder inputs) give the tokens of decodes with explicit ids,
+    with the rows out of plan order and a chunked prompt that samples late."""
+    runner, _ = tiny
+    rng = np.random.default_rng(4)
+    prompts = {5: random_ids(rng, 9, runner.vocab_size), 0: random_ids(rng, 20, runner.vocab_size)}
+    late = random_ids(rng, 30, runner.vocab_size)  # row 2: prefilled in two chunks
+
+    def run(explicit: bool) -> list[list[int]]:
+        builder = PlanBuilder()
+        sampled: list[list[int]] = []
+        last: dict[int, int] = {}
+        chunks = [(row, p, True) for row, p in prompts.items()] + [(2, late[:16], False)]
+        for step in range(6):
+            result = runner.execute(*builder.plan(chunks))["sampled_ids"]
+            sampled.append(result.tolist())
+            for (row, _, is_sampled), token in zip(chunks, result.tolist(), strict=True):
+                if is_sampled:
+                    last[row] = token
+            rows = [row for row, _, _ in chunks]
+            chunks = [(row, [last[row] if explicit else PLACEHOLDER_TOKEN], True) for row in rows if row in last]
+            if step == 0:
+                chunks.append((2, late[16:], True))
+        return sampled
+
+    assert run(explicit=False) == run(explicit=True)
+
+
+def test_invalid_placeholders_are_refused(tiny):
+    runner, _ = tiny
+    builder = PlanBuilder()
+    runner.execute(*builder.plan([(3, [10, 11, 12], True), (4, [13, 14], False)]))
+    refused = {
+        "no sample of its row": [(4, [PLACEHOLDER_TOKEN], True)],  # row 4 computed but did not sample
+        "a row never seen": [(9, [PLACEHOLDER_TOKEN], True)],
+        "not the sampled position": [(3, [15, PLACEHOLDER_TOKEN], True)],
+    }
+    for what, chunks in refused.items():
+        arrays, header = PlanBuilder().plan(chunks)
+        try:
+            runner.execute(arrays, StepHeader(1, header.num_tokens, header.num_seqs, 0))
+        except InvalidPlan as exc:
+            assert "placeholder" in str(exc), what
+        else:
+            pytest.fail(f"a placeholder with {what} was accepted")
+    arrays, header = builder.plan([(3, [PLACEHOLDER_TOKEN], True)])
+    with pytest.raises(InvalidPlan, match="placeholder"):  # one step too late
+        runner.execute(arrays, StepHeader(2, header.num_tokens, header.num_seqs, 0))
+    bad = {k: v.copy() for k, v in arrays.items()}
+    bad["rows"][0] = runner.max_num_seqs
+    with pytest.raises(InvalidPlan, match="row"):
+        runner.execute(bad, header)
+    bad = {k: v.copy() for k, v in arrays.items()}
+    bad["input_ids"][0] = -2
+    with pytest.raises(InvalidPlan, match="token id"):
+        runner.execute(bad, header)
+    bad = {k: v.copy() for k, v in arrays.items()}
+    bad["history_offsets"][1], bad["history_ids"] = 1, np.array([PLACEHOLDER_TOKEN], np.int32)
+    bad["repetition_penalty"][0] = 1.5
+    with pytest.raises(InvalidPlan, match="history"):
+        runner.execute(bad, header)
+    # Still serving, and the placeholder of the right step is filled in.
+    assert runner.execute(arrays, header)["sampled_ids"][0] >= 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from ipc.messages import PLACEHOLDER_TOKEN
 from services.gpu_worker.model import LlamaConfig, LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
 from services.gpu_worker.parallel import Parallel
@@ -74,6 +75,24 @@ def steps(tokens: list[list[int]]) -> list[list[tuple[int, list[int], bool]]]:
     return plans
 
 
+def placeholder_steps() -> list[list[tuple[int, list[int], bool]]]:
+    """The plans of `steps`, planned ahead as the scheduler does: every decode runs the token its
+    sequence sampled in the step before as a placeholder, which the ranks fill in."""
+    first, rest = PROMPTS[0][:11], PROMPTS[0][11:]
+    plans = [
+        [(0, first, False), (1, PROMPTS[1], True), (2, PROMPTS[2], True)],
+        [(0, rest, True), (1, [PLACEHOLDER_TOKEN], True), (2, [PLACEHOLDER_TOKEN], True)],
+    ]
+    plans += [[(i, [PLACEHOLDER_TOKEN], True) for i in range(3)]] * (NEW_TOKENS - 2)
+    return plans
+
+
+def execute_plans(runner: ModelRunner, plans: list) -> list[np.ndarray]:
+    """The sampled ids of each plan run through `execute` (greedy: the plans' temperature is 0)."""
+    builder = PlanBuilder(runner.block_size)
+    return [runner.execute(*builder.plan(chunks))["sampled_ids"] for chunks in plans]
+
+
 def run_plans(runner: ModelRunner, plans: list) -> list[torch.Tensor]:
     builder = PlanBuilder(runner.block_size)
     return [runner_logits(runner, builder, chunks) for chunks in plans]
@@ -103,8 +122,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, plans: list, out: mp.Queue) -> None:
-    """One tensor-parallel rank: join the group, load its shard, run the plans, report."""
+def rank_main(
+    rank: int, world: int, port: int, model_dir: str, plans: list, out: mp.Queue, execute: bool = False
+) -> None:
+    """One tensor-parallel rank: join the group, load its shard, run the plans, report (the logits,
+    or with `execute` the sampled ids of rank 0)."""
     import torch.distributed as dist
 
     from services.gpu_worker.parallel import init_parallel
@@ -114,17 +136,19 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, plans: list, out
     # Different budgets per rank: the group must agree on the smallest.
     budget = (KV_MIB << 20) // (rank + 1)
     runner = ModelRunner(Path(model_dir), dtype="float32", kv_cache_bytes=budget, parallel=parallel)
-    logits = run_plans(runner, plans)
-    out.put((rank, runner.num_kv_blocks, logits if rank == 0 else None))
+    results = execute_plans(runner, plans) if execute else run_plans(runner, plans)
+    out.put((rank, runner.num_kv_blocks, results if rank == 0 else None))
     dist.destroy_process_group()
 
 
-def run_group(world: int, model_dir: Path, plans: list) -> dict[int, tuple[int, list | None]]:
+def run_group(
+    world: int, model_dir: Path, plans: list, execute: bool = False
+) -> dict[int, tuple[int, list | None]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, str(model_dir), plans, out), daemon=True)
+        ctx.Process(target=rank_main, args=(r, world, port, str(model_dir), plans, out, execute), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -167,6 +191,18 @@ def test_tensor_parallel_matches_single_rank(request: pytest.FixtureRequest, mod
 
     expected = min(((KV_MIB << 20) // (r + 1)) // (2 * 2 * 16 * kv_heads(r) * HEAD_DIM * 4) for r in range(world))
     assert {num_blocks for num_blocks, _ in results.values()} == {expected}
+
+
+def test_tensor_parallel_ranks_fill_placeholders_alike(untied_model_dir: Path) -> None:
+    """Only rank 0 samples; the other ranks get each placeholder's token from it. A rank that ran
+    another token would change the all-reduced activations, and so rank 0's greedy tokens."""
+    tokens, _ = reference(untied_model_dir)
+    results = run_group(2, untied_model_dir, placeholder_steps(), execute=True)
+    sampled = results[0][1]
+    assert sampled is not None and len(sampled) == NEW_TOKENS
+    assert sampled[0].tolist() == [-1, tokens[1][0], tokens[2][0]]
+    for n in range(1, NEW_TOKENS):
+        assert sampled[n].tolist() == [tokens[0][n - 1], tokens[1][n], tokens[2][n]], f"step {n}"
 
 
 def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> None:

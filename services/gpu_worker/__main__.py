@@ -48,6 +48,7 @@ def main() -> None:
         # Workers on one CPU host share its cores rather than each spinning on all of them.
         threads=engine.threads or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
         parallel=parallel,
+        max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ipc.messages import StepHeader
+from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.model import LlamaConfig, LlamaModel
 from services.gpu_worker.parallel import Parallel
@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_MAX_NUM_SEQS = 1024  # plan-table rows (the scheduler's max_num_seqs) a plan may name
 
 
 class InvalidPlan(Exception):
@@ -40,6 +41,7 @@ class ModelRunner:
         threads: int | None = None,
         parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
         backend: str | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -80,6 +82,14 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(self.vocab_size, self.device)
+        # Placeholders: the token sampled last for each plan-table row (`rows` in the plan), kept
+        # on the device so that filling one in never waits for it; only the driver samples.
+        self.max_num_seqs = max_num_seqs
+        self._last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        # Which step sampled each row last, at which position: known from the plans alone, on
+        # every rank, so that every rank accepts or refuses a placeholder alike.
+        self._sampled_step = np.full(max_num_seqs, -1, np.int64)
+        self._sampled_position = np.full(max_num_seqs, -1, np.int64)
         log.info(
             "model %s (%s on %s): %d KV blocks of %d tokens",
             self.model_name, dtype, self.device, self.num_kv_blocks, block_size,
@@ -101,10 +111,12 @@ class ModelRunner:
             raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
         ids, positions = arrays["input_ids"][:t], arrays["positions"][:t]
         slots, qsl = arrays["slot_mapping"][:t], arrays["query_start_loc"][: s + 1]
-        seq_lens, tables = arrays["seq_lens"][:s], arrays["block_tables"][:s]
+        seq_lens, tables, rows = arrays["seq_lens"][:s], arrays["block_tables"][:s], arrays["rows"][:s]
         if len(ids) != t or len(positions) != t or len(slots) != t or len(qsl) != s + 1 or len(seq_lens) != s:
             raise InvalidPlan("plan arrays are shorter than the header says")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
+        if len(rows) != s or rows.min() < 0 or rows.max() >= self.max_num_seqs:
+            raise InvalidPlan(f"plan-table row out of range [0, {self.max_num_seqs}), or missing")
+        if ids.max() >= self.vocab_size or ((ids < 0) & (ids != PLACEHOLDER_TOKEN)).any():
             raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
         if positions.min() < 0 or positions.max() >= self.max_model_len:
             raise InvalidPlan(f"position out of range [0, {self.max_model_len})")
@@ -118,6 +130,17 @@ class ModelRunner:
         used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
         if used.min() < 0 or used.max() >= self.num_kv_blocks:
             raise InvalidPlan(f"block id out of range [0, {self.num_kv_blocks})")
+        history = arrays["history_ids"]
+        if len(history) and (history.min() < 0 or history.max() >= self.vocab_size):
+            # The scheduler never plans ahead a sequence that needs its history (no placeholder).
+            raise InvalidPlan(f"penalty history id out of range [0, {self.vocab_size})")
+        at, table_rows = _placeholders(arrays, t, s)
+        # Its row sampled exactly this position in the step just before: nothing else fills it.
+        is_known = (self._sampled_step[table_rows] == header.step_id - 1) & (
+            self._sampled_position[table_rows] == positions[at]
+        )
+        if not is_known.all():
+            raise InvalidPlan("placeholder token where this row sampled no token in the previous step")
 
     def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
         """Run one step plan; returns the result arrays of docs/internals.md."""
@@ -126,6 +149,9 @@ class ModelRunner:
         rows = np.flatnonzero(arrays["is_sampled"][:s])
         meta = self.model.ops.prepare(arrays, t, s)
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
+        at, table_rows = _placeholders(arrays, t, s)
+        if len(at):
+            self._fill_placeholders(input_ids, at, table_rows)
         result = {
             "sampled_ids": np.full(s, -1, dtype=np.int32),
             "sampled_logprobs": np.zeros(s, dtype=np.float32),
@@ -134,15 +160,40 @@ class ModelRunner:
         }
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
         logits = self.model.forward(input_ids, meta, self.kv_cache, sample_tokens.to(self.device))
+        sampled_table_rows = arrays["rows"][rows]
+        self._sampled_step[sampled_table_rows] = header.step_id
+        self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
         if len(rows) == 0 or not self.parallel.is_driver:
             return result
-        out = self.sampler.sample(logits, arrays, rows).numpy()
+        sampled = self.sampler.sample(logits, arrays, rows)
+        self._last_sampled[self._to_device(sampled_table_rows)] = sampled.sampled_ids.long()
+        out = sampled.numpy()
         result["sampled_ids"][rows] = out["sampled_ids"]
         result["sampled_logprobs"][rows] = out["sampled_logprobs"]
         n = min(k, out["top_ids"].shape[1])
         result["top_ids"][rows, :n] = out["top_ids"][:, :n]
         result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
         return result
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, at: np.ndarray, table_rows: np.ndarray) -> None:
+        """Put the token each plan-table row sampled in the previous step at the flat indices `at`
+        (validated). The driver has them; it hands them to the other ranks, so every rank runs
+        the same ids."""
+        if self.parallel.is_driver:
+            tokens = self._last_sampled[self._to_device(table_rows)]
+        else:
+            tokens = torch.empty(len(at), dtype=torch.int64, device=self.device)
+        input_ids[self._to_device(at)] = self.parallel.broadcast_from_driver(tokens)
+
+    def _to_device(self, index: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(index.astype(np.int64)).to(self.device, non_blocking=True)
+
+
+def _placeholders(arrays: dict[str, np.ndarray], t: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices of a plan's placeholder tokens, and the plan-table row of the sequence of each."""
+    at = np.flatnonzero(arrays["input_ids"][:t] == PLACEHOLDER_TOKEN)
+    seqs = np.searchsorted(arrays["query_start_loc"][: s + 1], at, side="right") - 1
+    return at, arrays["rows"][:s][seqs]
 
 
 def _eos_token_ids(model_dir: Path, config: dict) -> list[int]:

@@ -56,6 +56,12 @@ class Parallel:
         dist.all_gather(shards, x.contiguous())
         return torch.cat(shards, dim=-1)
 
+    def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the other ranks pass a buffer of the same shape)."""
+        if self.is_parallel:
+            dist.broadcast(x, src=0)
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (the KV cache size every rank can hold)."""
         if not self.is_parallel:
