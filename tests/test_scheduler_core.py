@@ -8,6 +8,10 @@ sharing, chunking, preemption and recompute are all checked by comparing outputs
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -16,9 +20,10 @@ from hypothesis import strategies as st
 from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT
 from ipc.endpoints import shard_of
-from ipc.messages import SamplingParams
+from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from services.scheduler.__main__ import token_batches
 from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.pipeline import StepPipeline, WorkerLost
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
 
@@ -26,6 +31,7 @@ VOCAB = 40
 EOS = 0
 
 PLAN_SPEC = {  # docs/internals.md: name -> (dtype, shape in terms of T, S, M, H, B)
+    "rows": (np.int32, ("S",)),
     "input_ids": (np.int32, ("T",)),
     "positions": (np.int32, ("T",)),
     "slot_mapping": (np.int32, ("T",)),
@@ -93,33 +99,88 @@ def reference_outputs(
             return out
 
 
+class Refused(Exception):
+    """The fake worker's InvalidPlan."""
+
+
 class FakeExecutor:
-    """Checks every plan against the contract and runs it on a simulated KV cache."""
+    """Checks every plan against the contract and runs it on a simulated KV cache, in order.
+
+    Like the worker, it fills a placeholder input with the token it sampled for that plan-table
+    row in the previous step, and refuses the step when it has none. It also serves as the
+    `StepExecutor` of a `StepPipeline`: a published step runs at once (the worker runs steps in
+    the order they are published, so running it before later changes to the scheduler is exact).
+    """
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.bs = sched.config.block_size
         self.kv = np.full(sched.config.num_blocks * self.bs, -1, np.int64)  # token id per slot
         self.num_steps = 0
+        self.last_sampled: dict[int, tuple[int, int, int]] = {}  # row -> (step id, position, token)
+        self.refuse_step_ids: set[int] = set()
+        self.num_placeholders = 0
+        self.results: deque[tuple[ResultHeader, dict[str, np.ndarray]]] = deque()
+        self.die_at_step: int | None = None  # result() of this step raises WorkerLost, once
 
     def lose_kv(self) -> None:
+        """The worker died: a new one knows nothing, and the old one's results are gone."""
         self.kv[:] = -1
+        self.last_sampled.clear()
+        self.results.clear()
 
-    def run(self, step: ScheduledStep) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        try:
+            sampled, logprobs, top_ids, top_logprobs = self.run(step, step_id)
+        except Refused as exc:
+            self.results.append((ResultHeader(step_id, step.num_seqs, str(exc)), {}))
+            return
+        arrays = {
+            "sampled_ids": sampled,
+            "sampled_logprobs": logprobs,
+            "top_ids": top_ids,
+            "top_logprobs": top_logprobs,
+        }
+        self.results.append((ResultHeader(step_id, step.num_seqs), arrays))
+
+    @contextmanager
+    def result(self) -> Iterator[tuple[ResultHeader, dict[str, np.ndarray]]]:
+        if self.results[0][0].step_id == self.die_at_step:
+            self.die_at_step = None
+            raise WorkerLost("the fake worker died")
+        yield self.results.popleft()
+
+    def run(
+        self, step: ScheduledStep, step_id: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         sched, bs, cfg = self.sched, self.bs, self.sched.config
-        header, a = build_plan(step, self.num_steps, bs)
-        self.num_steps += 1
+        step_id = self.num_steps if step_id is None else step_id
+        header, a = build_plan(step, step_id, bs)
+        self.num_steps = step_id + 1
+        if step_id in self.refuse_step_ids:
+            raise Refused(f"step {step_id} refused on purpose")
         num_seqs = header.num_seqs
         check_plan_shapes(a, header.num_tokens, num_seqs)
         assert 0 < header.num_tokens <= cfg.max_num_batched_tokens
         assert 0 < num_seqs <= cfg.max_num_seqs
+        assert a["rows"].tolist() == [req.row for req in step.seqs]
         qsl, seq_lens, bt = a["query_start_loc"], a["seq_lens"], a["block_tables"]
+        ids = a["input_ids"].astype(np.int64)
         written_blocks: dict[int, int] = {}
         for i, req in enumerate(step.seqs):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             pos = a["positions"][lo:hi]
             assert pos.tolist() == list(range(int(seq_lens[i]) - (hi - lo), int(seq_lens[i])))
-            assert (a["input_ids"][lo:hi] == req.token_slice(int(pos[0]), int(pos[-1]) + 1)).all()
+            for j in np.flatnonzero(ids[lo:hi] == PLACEHOLDER_TOKEN).tolist():
+                # Only the one token being sampled is unknown, and only in a decode.
+                assert i < step.num_decodes and pos[j] == req.num_tokens
+                step_of, position, token = self.last_sampled.get(int(a["rows"][i]), (-1, -1, -1))
+                if (step_of, position) != (step_id - 1, int(pos[j])):
+                    raise Refused(f"placeholder of row {a['rows'][i]} with no sample in step {step_id - 1}")
+                ids[lo + j] = token
+                self.num_placeholders += 1
+            known = min(hi - lo, req.num_tokens - int(pos[0]))
+            assert (ids[lo : lo + known] == req.token_slice(int(pos[0]), int(pos[0]) + known)).all()
             assert (a["slot_mapping"][lo:hi] == bt[i, pos // bs] * bs + pos % bs).all()
             num_blocks = -(-int(seq_lens[i]) // bs)
             assert (bt[i, num_blocks:] == 0).all()
@@ -128,14 +189,17 @@ class FakeExecutor:
                 assert written_blocks.setdefault(block, i) == i, "two sequences write one block"
                 assert sched.blocks.ref_counts[block] == 1, "a write into a shared block"
                 assert sched.blocks.block_hash[block] is None, "a write into a cached block"
-        self.kv[a["slot_mapping"]] = a["input_ids"]
+        self.kv[a["slot_mapping"]] = ids
 
         sampled = np.full(num_seqs, -1, np.int32)
+        logprobs = np.zeros(num_seqs, np.float32)
         for i, req in enumerate(step.seqs):
             n = int(seq_lens[i])
-            # Everything the sequence attends to must be its own tokens, read through its table.
+            # Everything the sequence attends to must be its own tokens, read through its table;
+            # a decode planned ahead also attends to its placeholder, filled in above.
             slots = bt[i, np.arange(n) // bs] * bs + np.arange(n) % bs
-            assert (self.kv[slots] == req.token_slice(0, n)).all(), "stale or foreign KV read"
+            known = min(n, req.num_tokens)
+            assert (self.kv[slots[:known]] == req.token_slice(0, known)).all(), "stale or foreign KV read"
             if not a["is_sampled"][i]:
                 continue
             assert a["sample_positions"][i] == n
@@ -147,9 +211,11 @@ class FakeExecutor:
             }
             prev2 = int(self.kv[slots[-2]]) if n >= 2 else -1
             sampled[i] = pick(int(a["seeds"][i]), n, int(self.kv[slots[-1]]), prev2, banned)
+            logprobs[i] = -(n % 7) - sampled[i] / VOCAB  # a function of the sample alone
+            self.last_sampled[int(a["rows"][i])] = (step_id, n, int(sampled[i]))
         k = header.max_top_logprobs
         top_ids = np.tile(np.arange(k, dtype=np.int32), (num_seqs, 1))
-        return sampled, -np.arange(num_seqs, dtype=np.float32), top_ids, np.zeros((num_seqs, k), np.float32)
+        return sampled, logprobs, top_ids, np.zeros((num_seqs, k), np.float32)
 
 
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
@@ -168,16 +234,17 @@ def make_request(rid: str, prompt: list[int], **params: object) -> Request:
 
 
 def drive(
-    sched: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
+    sched: Scheduler, executor: FakeExecutor, overlap: bool = False, max_steps: int = 10_000
 ) -> dict[str, list[RequestOutput]]:
+    """Run everything to the end through a step pipeline (one step at a time, or planned ahead)."""
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
     outputs: dict[str, list[RequestOutput]] = {}
     for _ in range(max_steps):
-        step = sched.schedule()
-        if step is None:
+        if not pipeline.has_work:
             break
-        for out in sched.update(step, *executor.run(step)):
+        for out in pipeline.advance() or []:
             outputs.setdefault(out.request_id, []).append(out)
-    assert not sched.has_work
+    assert not pipeline.has_work
     return outputs
 
 
@@ -244,6 +311,8 @@ def test_random_traffic_keeps_invariants_and_outputs(
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
+    """The same traffic through the step pipeline one step at a time and planned ahead: every
+    request ends exactly once, with the outputs it generates alone (a prefix when aborted)."""
     max_model_len = 48
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -255,16 +324,8 @@ def test_random_traffic_keeps_invariants_and_outputs(
         enable_prefix_caching=caching,
         eos_token_ids=(EOS,),
     )
-    sched = Scheduler(config)
-    executor = FakeExecutor(sched)
-    expected: dict[str, list[int]] = {}
-    params_of: dict[str, SamplingParams] = {}
-    got: dict[str, list[int]] = {}
-    ended: dict[str, str] = {}
-    pending = list(enumerate(requests))
-
-    def add_next() -> None:
-        idx, spec = pending.pop(0)
+    specs = []
+    for idx, spec in enumerate(requests):
         prompt = (PREFIXES[spec["prefix"]] if spec["prefix"] is not None else []) + spec["suffix"]
         params = SamplingParams(
             max_tokens=spec["max_tokens"],
@@ -278,25 +339,70 @@ def test_random_traffic_keeps_invariants_and_outputs(
         )
         full = reference_outputs(prompt, [], params, max_model_len)
         # Some requests arrive as resubmissions that already carry their first outputs.
-        resumed = full[: min(spec["resume"], len(full) - 1)]
-        rid = f"r{idx}"
-        expected[rid] = full
-        params_of[rid] = params
-        got[rid] = list(resumed)
-        done = sched.add(Request(rid, 0, np.array(prompt, np.int32), params, output_ids=resumed))
-        assert done is None
+        specs.append((f"r{idx}", prompt, params, full, full[: min(spec["resume"], len(full) - 1)]))
+    streams: dict[bool, dict[str, list[tuple[int, bytes]]]] = {}
+    for overlap in (False, True):
+        sched = Scheduler(config)
+        executor = FakeExecutor(sched)
+        streams[overlap], ended = run_traffic(sched, executor, overlap, specs, events)
+        got = {rid: [token for token, _ in stream] for rid, stream in streams[overlap].items()}
+        assert set(ended) == {rid for rid, *_ in specs}, "every request ends exactly once"
+        for rid, _, params, full, _ in specs:
+            if ended[rid] == "abort":
+                assert got[rid] == full[: len(got[rid])]
+                continue
+            assert got[rid] == full, rid
+            last = full[-1]
+            is_stop = len(full) > params.min_tokens and (
+                (last == EOS and not params.ignore_eos) or last in params.stop_token_ids
+            )
+            assert ended[rid] == ("stop" if is_stop else "length")
+        if sched.num_preemptions:
+            event(f"preempted (overlap={overlap})")
+        if sched.num_prefix_hit_tokens:
+            event(f"prefix cache hit (overlap={overlap})")
+        if executor.num_placeholders:
+            event("decoded from a placeholder")
+        assert_no_leaks(sched)
+    # Token for token, logprobs included, what the detokenizers get is the same either way (an
+    # abort lands at a different point of a request's life, so one stream is a prefix then).
+    for rid, stream in streams[False].items():
+        shorter = min(len(stream), len(streams[True][rid]))
+        assert stream[:shorter] == streams[True][rid][:shorter]
+        if ended[rid] != "abort":
+            assert stream == streams[True][rid]
+
+
+def run_traffic(
+    sched: Scheduler,
+    executor: FakeExecutor,
+    overlap: bool,
+    specs: list[tuple[str, list[int], SamplingParams, list[int], list[int]]],
+    events: list[tuple[str, int]],
+) -> tuple[dict[str, list[tuple[int, bytes]]], dict[str, str]]:
+    """Drive the events, then run until idle; returns each request's outputs (token, packed
+    logprob) as the detokenizer gets them, and how it ended."""
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
+    got: dict[str, list[tuple[int, bytes]]] = {}
+    ended: dict[str, str] = {}
+    pending = list(specs)
+
+    def add_next() -> None:
+        rid, prompt, params, _, resumed = pending.pop(0)
+        got[rid] = [(token, b"") for token in resumed]
+        assert sched.add(Request(rid, 0, np.array(prompt, np.int32), params, output_ids=resumed)) is None
 
     def step_once() -> bool:
-        step = sched.schedule()
-        if step is None:
+        outputs = pipeline.advance()
+        if outputs is None:
             return False
-        for out in sched.update(step, *executor.run(step)):
-            rid = out.request_id
+        for update in outputs.token_updates():  # what the detokenizer gets
+            rid = update.request_id
             assert rid not in ended, "output after the end"
-            assert out.start_index == len(got[rid])
-            got[rid].extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                ended[rid] = out.finish_reason
+            assert update.start_index == len(got[rid]), "a gap or a duplicate"
+            got[rid].append((int(m.unpack_ids(update.token_ids)[0]), update.logprobs))
+            if update.finish_reason is not None:
+                ended[rid] = update.finish_reason
         return True
 
     for kind, arg in events:
@@ -315,32 +421,21 @@ def test_random_traffic_keeps_invariants_and_outputs(
             assert not sched.abort(f"nope-{arg}")
             assert sched.num_unknown_aborts == before + 1
         elif kind == "lose_worker":
+            pipeline.drop_in_flight()
             sched.preempt_all()
             executor.lose_kv()
             assert sched.num_running == 0 and not sched.blocks.cached
     while pending:
         add_next()
     for _ in range(5000):
-        if not step_once():
+        if not step_once() and not pipeline.has_work:
             break
-    assert not sched.has_work and sched.num_waiting == 0 and sched.num_running == 0
+    assert not pipeline.has_work and sched.num_waiting == 0 and sched.num_running == 0
+    return got, ended
 
-    assert set(ended) == set(expected), "every request ends exactly once"
-    for rid, reason in ended.items():
-        if reason == "abort":
-            assert got[rid] == expected[rid][: len(got[rid])]
-            continue
-        assert got[rid] == expected[rid], rid
-        p, last = params_of[rid], expected[rid][-1]
-        is_stop = len(expected[rid]) > p.min_tokens and (
-            (last == EOS and not p.ignore_eos) or last in p.stop_token_ids
-        )
-        assert reason == ("stop" if is_stop else "length")
-    if sched.num_preemptions:
-        event("preempted")
-    if sched.num_prefix_hit_tokens:
-        event("prefix cache hit")
-    assert_no_leaks(sched)
+
+def refuse_nothing(requests: list[Request], error: str) -> None:
+    raise AssertionError(f"the fake worker refused a step: {error}")
 
 
 # -- targeted behaviour ---------------------------------------------------------------------------
@@ -531,7 +626,8 @@ def test_min_tokens_suppresses_eos_and_stop_ids_in_the_plan() -> None:
         sched.update(step, *executor.run(step))
 
 
-def test_preemption_resumes_with_the_same_outputs() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_resumes_with_the_same_outputs(overlap: bool) -> None:
     # 3 sequences, blocks for about two: the latest arrival gets preempted and recomputes.
     config = small_config(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=64)
     params = [SamplingParams(max_tokens=30, seed=s, ignore_eos=True) for s in range(3)]
@@ -540,8 +636,8 @@ def test_preemption_resumes_with_the_same_outputs() -> None:
     executor = FakeExecutor(sched)
     for i in range(3):
         sched.add(Request(f"s{i}", 0, np.array(prompts[i], np.int32), params[i]))
-    outs = drive(sched, executor)
-    assert sched.num_preemptions > 0
+    outs = drive(sched, executor, overlap)
+    assert sched.num_preemptions > 0 and (executor.num_placeholders > 0) == overlap
     for i in range(3):
         assert tokens_of(outs[f"s{i}"]) == reference_outputs(prompts[i], [], params[i], 64)
     assert_no_leaks(sched)
@@ -585,34 +681,180 @@ def test_config_rejects_a_pool_smaller_than_one_sequence() -> None:
 
 
 def test_overlap_plans_the_next_step_before_the_last_result() -> None:
-    # Planning step N+1 before step N's result: a sequence whose sample is in flight sits out,
-    # a chunked prompt keeps going, and the results still apply in order.
+    # Planning step N+1 before step N's result: a sequence whose sample is in flight decodes it
+    # from a placeholder, a chunked prompt keeps going, a sample known to be the last (length)
+    # is not planned ahead, and the results still apply in order.
     sched = Scheduler(small_config(max_num_batched_tokens=16))
     executor = FakeExecutor(sched)
     params = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
     sched.add(Request("d", 0, np.array([1, 2, 3], np.int32), params))
     sched.add(Request("c", 0, np.arange(1, 31, dtype=np.int32), params))
     got: dict[str, list[RequestOutput]] = {"d": [], "c": []}
-    in_flight = []
+    planned = {"d": 0, "c": 0}  # tokens computed
+    in_flight: deque[tuple[ScheduledStep, tuple]] = deque()
     for _ in range(100):
         step = sched.schedule()
         if step is not None:
-            ids = [r.request_id for r in step.seqs]
-            assert len(set(ids)) == len(ids)
-            for prev, _ in in_flight:  # nothing planned twice while its sample is in flight
-                assert not {r.request_id for r, s in zip(prev.seqs, prev.is_sampled, strict=True) if s} & set(
-                    ids
-                )
+            sampling = {
+                req.request_id
+                for prev, _ in in_flight
+                for req, is_sampled in zip(prev.seqs, prev.is_sampled, strict=True)
+                if is_sampled
+            }
+            for j, req in enumerate(step.seqs):
+                is_placeholder = j < step.num_decodes and bool(step.is_placeholder[j])
+                assert is_placeholder == (req.request_id in sampling)
+                planned[req.request_id] += int(step.num_new_tokens[j])
             in_flight.append((step, executor.run(step)))
         if not in_flight:
             break
         if len(in_flight) == 2 or step is None:
-            done, result = in_flight.pop(0)
+            done, result = in_flight.popleft()
             for out in sched.update(done, *result):
                 got[out.request_id].append(out)
-    assert not sched.has_work
+    assert not sched.has_work and executor.num_placeholders >= 8
     assert tokens_of(got["d"]) == reference_outputs([1, 2, 3], [], params, 1024)
     assert tokens_of(got["c"]) == reference_outputs(list(range(1, 31)), [], params, 1024)
+    assert planned == {"d": 3 + 5, "c": 30 + 5}  # never a decode past the last output
+
+
+def test_finish_while_planned_ahead_drops_what_followed() -> None:
+    # The eos comes back while the next decode is already in flight: that decode's result never
+    # reaches anyone, and the freed blocks go to the prefix cache with known tokens only.
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params = next(
+        p
+        for p in (SamplingParams(max_tokens=40, seed=s) for s in range(1000))
+        if 4 <= len(reference_outputs(prompt, [], p, 1024)) < 40
+    )
+    expected = reference_outputs(prompt, [], params, 1024)
+    assert expected[-1] == EOS
+    sched = Scheduler(small_config(block_size=4))
+    executor = FakeExecutor(sched)
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing)
+    sched.add(Request("e", 0, np.array(prompt, np.int32), params))
+    outputs = []
+    while pipeline.has_work:
+        out = pipeline.advance()
+        if out is not None:
+            outputs += list(out)
+    assert tokens_of(outputs) == expected and outputs[-1].finish_reason == "stop"
+    # One decode ran past the end (planned before the eos was known) and was dropped.
+    assert executor.num_steps == len(expected) + 1 and executor.num_placeholders == len(expected)
+    num_known = len(prompt) + len(expected)
+    assert len(sched.blocks.cached) == num_known // 4
+    assert_no_leaks(sched)
+
+
+def test_worker_lost_with_two_steps_in_flight_recomputes() -> None:
+    # The worker dies while the scheduler waits for step 0 and step 1 is queued behind it. Step
+    # 1's placeholder decode counts its unknown input as computed, here the last token of a
+    # block: preempting must not hash that block. Everything recomputes with the same outputs.
+    sched = Scheduler(small_config(block_size=4))
+    executor = FakeExecutor(sched)
+    executor.die_at_step = 0
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing)
+    params = SamplingParams(max_tokens=10, seed=2, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11]  # samples position 7; step 1 computes it, filling block 1
+    sched.add(Request("a", 0, np.array(prompt, np.int32), params))
+    with pytest.raises(WorkerLost):
+        pipeline.advance()
+    assert [entry.step_id for entry in pipeline.in_flight] == [1]
+    pipeline.drop_in_flight()
+    sched.preempt_all()
+    executor.lose_kv()
+    assert sched.num_waiting == 1 and not sched.blocks.cached
+    outputs = drive(sched, executor, overlap=True)["a"]
+    assert tokens_of(outputs) == reference_outputs(prompt, [], params, 1024)
+    assert_no_leaks(sched)
+
+
+def test_penalties_run_one_step_at_a_time() -> None:
+    # A penalty history cannot end in an unknown token: while such a sequence runs, the pipeline
+    # waits for each result before planning, and plans ahead again once it has left.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing)
+    plain = SamplingParams(max_tokens=12, seed=4, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=5, seed=5, ignore_eos=True, repetition_penalty=1.3)
+    sched.add(Request("plain", 0, np.array([1, 2, 3], np.int32), plain))
+    sched.add(Request("penalized", 0, np.array([4, 5, 6], np.int32), penalized))
+    got: dict[str, list[RequestOutput]] = {"plain": [], "penalized": []}
+    while pipeline.has_work:
+        for out in pipeline.advance() or []:
+            got[out.request_id].append(out)
+        if "penalized" in sched.requests:
+            assert not sched.can_plan_ahead and not pipeline.in_flight
+    assert tokens_of(got["plain"]) == reference_outputs([1, 2, 3], [], plain, 1024)
+    assert tokens_of(got["penalized"]) == reference_outputs([4, 5, 6], [], penalized, 1024)
+    assert pipeline.num_planned_ahead > 0
+
+
+def test_penalized_sequence_sits_out_a_step_planned_ahead() -> None:
+    # The core alone, planning with a step in flight: the penalized sequence, whose history would
+    # end in the unknown token, waits for its sample; the other one decodes on a placeholder.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    params = SamplingParams(max_tokens=3, seed=4, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=3, seed=5, ignore_eos=True, presence_penalty=0.5)
+    sched.add(Request("plain", 0, np.array([1, 2, 3], np.int32), params))
+    sched.add(Request("penalized", 0, np.array([4, 5, 6], np.int32), penalized))
+    first = sched.schedule()
+    first_result = executor.run(first)
+    ahead = sched.schedule()
+    assert [r.request_id for r in ahead.seqs] == ["plain"] and ahead.is_placeholder.all()
+    ahead_result = executor.run(ahead)
+    sched.update(first, *first_result)
+    sched.update(ahead, *ahead_result)
+    step = sched.schedule()  # nothing in flight: both decode known tokens, in line order
+    assert [r.request_id for r in step.seqs] == ["plain", "penalized"]
+    assert not step.is_placeholder.any()
+
+
+def test_min_tokens_counts_the_output_in_flight() -> None:
+    # The eos ban of min_tokens covers outputs before the one sampled; planned ahead, that count
+    # includes the output still in flight. Here the eos comes at the first output it may.
+    prompt = [2, 7, 1, 8]
+    params = next(
+        p
+        for p in (SamplingParams(max_tokens=20, min_tokens=3, seed=s) for s in range(10_000))
+        if len(reference_outputs(prompt, [], p, 1024)) == 4
+    )
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    sched.add(Request("m", 0, np.array(prompt, np.int32), params))
+    outputs = drive(sched, executor, overlap=True)["m"]
+    assert tokens_of(outputs) == reference_outputs(prompt, [], params, 1024)
+    assert outputs[-1].new_token_ids == [EOS] and executor.num_placeholders >= 3
+
+
+def test_refused_step_fails_its_requests_and_recomputes_the_next() -> None:
+    # The worker refuses step 1 (a bug): its request fails. Step 2, planned ahead of it, decodes
+    # from step 1's placeholders, so the worker refuses it too: the request that only joined
+    # in step 2 is not at fault, recomputes, and completes as if nothing happened.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    executor.refuse_step_ids = {1}
+    failed: list[tuple[list[str], str]] = []
+
+    def fail(requests: list[Request], error: str) -> None:  # as the scheduler process does
+        failed.append(([r.request_id for r in requests], error))
+        for req in requests:
+            sched.abort(req.request_id)
+
+    pipeline = StepPipeline(sched, executor, on_failed=fail)
+    params = SamplingParams(max_tokens=8, seed=6, ignore_eos=True)
+    sched.add(Request("bad", 0, np.array([1, 2, 3], np.int32), params))
+    pipeline.advance()  # applies step 0; step 1 (bad's decode) is in flight
+    sched.add(Request("good", 0, np.array([7, 8, 9], np.int32), params))
+    outputs = []
+    while pipeline.has_work:
+        outputs += list(pipeline.advance() or [])
+    assert [ids for ids, _ in failed] == [["bad"]] and "refused on purpose" in failed[0][1]
+    assert {o.request_id for o in outputs} == {"good"}
+    assert tokens_of(outputs) == reference_outputs([7, 8, 9], [], params, 1024)
+    assert sched.num_preemptions == 1  # good, recomputed once
+    assert_no_leaks(sched)
 
 
 def test_decodes_entering_blocks_together_preempt_from_the_back() -> None:

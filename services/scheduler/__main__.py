@@ -1,45 +1,33 @@
 """Scheduler process of one engine group: admits tokenized requests, plans each step into the
 step ring, reads results, and sends token batches to the detokenizer shards.
 
-Worker loss (its process dies or a step times out) puts every running sequence back for
-recompute; the group resumes when a worker says hello again (DESIGN.md invariant 4).
+Steps run through a `StepPipeline`, which plans step N+1 while the workers execute step N
+(pipeline.py). Worker loss (its process dies or a step times out) drops the steps in flight and
+puts every running sequence back for recompute; the group resumes when a worker says hello again
+(DESIGN.md invariant 4).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections import defaultdict
 
 import zmq
 
 from ipc import messages as m
-from ipc.codec import (
-    DETOKENIZER_INPUT,
-    FRONTEND_INPUT,
-    RESULT_HEADER,
-    SCHEDULER_INPUT,
-    STEP_HEADER,
-    WORKER_HELLO,
-    MalformedMessage,
-)
+from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import shard_of
-from ipc.shm import RingTimeout, ShmRing
+from ipc.shm import ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket
 from ipc.validation import InvalidParams, validate_params
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
-from services.scheduler.plan import ScheduledStep, build_plan
+from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
 IDLE_POLL_MS = 50
-RESULT_POLL_S = 0.2
 MAX_INPUTS_PER_STEP = 1024
-
-
-class WorkerLost(Exception):
-    pass
 
 
 class SchedulerProcess:
@@ -70,13 +58,13 @@ class SchedulerProcess:
         self.worker_pids: list[int] = []
         self.vocab_size = 0  # from the workers' hello
         self.core: Scheduler | None = None
+        self.pipeline: StepPipeline | None = None  # with the core, once the workers said hello
         self.early: list[m.SubmitRequest] = []  # requests that came before the first worker
         # Requests (re)admitted whose detokenizer state must be rebuilt from their whole history.
         self.needs_full_history: dict[str, Request] = {}
         self.num_malformed = 0
         self.num_steps = 0
         self.num_tokens = 0
-        self.next_step_id = 0
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -241,6 +229,17 @@ class SchedulerProcess:
                     eos_token_ids=tuple(first.eos_token_ids),
                 )
             )
+            self.pipeline = StepPipeline(
+                self.core,
+                RingExecutor(
+                    self.step_ring,
+                    self.result_ring,
+                    first.block_size,
+                    self.stage.config.engine.step_timeout_s,
+                    self.is_worker_alive,
+                ),
+                self.fail_requests,
+            )
             for submit in self.early:
                 self.submit(submit)
             self.early.clear()
@@ -261,54 +260,16 @@ class SchedulerProcess:
     def on_worker_lost(self, reason: str) -> None:
         self.stage.log.warning("worker lost (%s): recomputing running sequences", reason)
         self.worker_pids = []
-        if self.core is not None:
+        if self.core is not None and self.pipeline is not None:
+            self.pipeline.drop_in_flight()
             self.core.preempt_all()
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def run_step(self) -> bool:
-        """Plan, execute and apply one step; False when there was nothing to run."""
-        assert self.core is not None
-        step = self.core.schedule()
-        if step is None:
-            return False
-        step_id = self.next_step_id
-        self.next_step_id += 1
-        header, arrays = build_plan(step, step_id, self.core.config.block_size)
-        timeout = self.stage.config.engine.step_timeout_s
-        with self.step_ring.reserve(timeout) as slot:
-            for name, array in arrays.items():
-                slot.put(name, array)
-            slot.publish(STEP_HEADER.encode(header))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with self.result_ring.read(0, RESULT_POLL_S) as view:
-                    result = RESULT_HEADER.decode(view.header)
-                    if result.error:
-                        self.fail_step(step, result.error)
-                        return True
-                    outputs = self.core.update(
-                        step,
-                        view.arrays["sampled_ids"],
-                        view.arrays["sampled_logprobs"],
-                        view.arrays["top_ids"],
-                        view.arrays["top_logprobs"],
-                    )
-                break
-            except RingTimeout:
-                if not self.is_worker_alive():
-                    raise WorkerLost("worker process exited") from None
-                if time.monotonic() > deadline:
-                    raise WorkerLost(f"step {step_id} took longer than {timeout:.0f}s") from None
-        self.num_steps += 1
-        self.emit(outputs)
-        return True
-
-    def fail_step(self, step: ScheduledStep, error: str) -> None:
+    def fail_requests(self, requests: list[Request], error: str) -> None:
         """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
         self.stage.log.error("worker refused a step: %s", error)
-        for request in step.seqs:
+        for request in requests:
             submit = m.SubmitRequest(request.request_id, request.frontend_id, b"", request.params)
             self.abort(request.request_id)
             self.refuse(submit, "internal", f"the worker could not run this request: {error}")
@@ -322,7 +283,7 @@ class SchedulerProcess:
 
     def heartbeat(self) -> None:
         core = self.core
-        has_work = core is not None and bool(self.worker_pids) and core.has_work
+        has_work = self.pipeline is not None and bool(self.worker_pids) and self.pipeline.has_work
         load = m.StageLoad(
             num_running=core.num_running if core else 0,
             num_waiting=(core.num_waiting if core else 0) + len(self.early),
@@ -347,16 +308,20 @@ class SchedulerProcess:
             elif isinstance(command, m.Reconfigure):
                 self.reconfigure(command)
             self.accept_hellos()
-            has_run = False
-            if self.worker_pids and self.core is not None and self.core.has_work:
+            outputs = None
+            if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:
                 try:
-                    has_run = self.run_step()
+                    outputs = self.pipeline.advance()
                 except WorkerLost as exc:
                     self.on_worker_lost(str(exc))
-            if not has_run:
+            if outputs is None:
                 poller.poll(IDLE_POLL_MS)
+            else:
+                self.num_steps += 1
+                self.emit(outputs)
             self.heartbeat()
-        self.stage.log.info("stopping")
+        planned_ahead = self.pipeline.num_planned_ahead if self.pipeline else 0
+        self.stage.log.info("stopping after %d steps, %d planned ahead", self.num_steps, planned_ahead)
         self.ctx.destroy(linger=0)
 
 

@@ -8,6 +8,14 @@ is chunked over steps; only its final chunk samples. When a decode needs a block
 left, the lowest-priority, latest-arrived running sequence is preempted by recompute: its blocks
 are freed and it goes back to waiting with the tokens it generated, to be prefilled again later
 (sampling depends only on seed and position, so its outputs do not change).
+
+`schedule()` may plan the next step while the previous one still executes (at most one step in
+flight: the scheduler process's pipeline). A running sequence whose sample is in flight then
+decodes that token without knowing it: the plan carries a placeholder that the worker fills in
+from its own previous sample. `update()` applies results in order; whatever was planned for a
+sequence that finishes, leaves or is preempted meanwhile is dropped by its row's epoch. A
+sequence that applies penalties, or whose sample in flight is its last by length, sits such a
+step out (its history would end in the unknown token; or there is nothing left to decode).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from services.scheduler.plan import (
     EOS_FROM,
     FRONTEND,
     LAST_TOKEN,
+    LENGTH_LIMIT,
     NEEDS_HISTORY,
     NUM_CACHED,
     NUM_COMPUTED,
@@ -286,6 +295,15 @@ class Scheduler:
         req.finish_reason = "abort"
         return True
 
+    def recompute(self, requests: list[Request]) -> None:
+        """Put running requests back in line to recompute: a step of theirs will never have a
+        result (the worker refused it). They keep their outputs, like a preempted request."""
+        for req in requests:
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+        self._order = None
+
     def preempt_all(self) -> None:
         """The worker was lost: every running sequence recomputes later, keeping its outputs.
         The KV content is gone, so the prefix cache is cleared too."""
@@ -298,7 +316,10 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        """Plan the next step, or None when no sequence has anything to compute."""
+        """Plan the next step, or None when no sequence has anything to compute.
+
+        With a step in flight (at most one), its sampling sequences decode ahead on placeholders
+        where `_may_plan_ahead` allows; `build_plan` must follow before anything else changes."""
         bs = self.block_size
         blocks = self.blocks
         table = self.table
@@ -308,10 +329,15 @@ class Scheduler:
 
         # 1. Decodes: running sequences with only their last sampled token to compute, in line
         # order, up to the budget; found and advanced with numpy over their plan-table rows.
+        # That token is known (pending 1) or still being sampled by the step in flight (pending 0).
         order = self._running_rows()
         computed = num_computed.take(order)
-        pending = table.ints[NUM_TOKENS].take(order) - computed
+        known = table.ints[NUM_TOKENS].take(order)
+        pending = known - computed
         is_decode = pending == 1
+        in_flight = pending == 0
+        if in_flight.any():
+            is_decode |= in_flight & self._may_plan_ahead(order, known)
         if len(running) <= budget and is_decode.all():  # steady decode: the whole line
             partial = []
             seqs = running[:]
@@ -333,6 +359,8 @@ class Scheduler:
             seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
             rows = np.array([req.row for req in seqs], np.intp)
             starts = num_computed.take(rows)
+        # A decode starting at the known length runs the token in flight.
+        is_placeholder = starts == table.ints[NUM_TOKENS].take(rows)
         num_computed.put(rows, starts + 1)
         budget -= len(seqs)
         num_decodes = len(seqs)
@@ -408,9 +436,26 @@ class Scheduler:
             num_new_tokens=new_array,
             is_sampled=is_sampled,
             num_decodes=num_decodes,
+            is_placeholder=is_placeholder,
             table=table,
             eos_token_ids=self.config.eos_token_ids,
         )
+
+    def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Which of these rows, each with a sample in flight and `known` tokens, may decode that
+        sample before it is known: not when it is the last one by length, nor when the row
+        applies penalties (the worker would need the unknown token in its history)."""
+        ints = self.table.ints
+        allowed = known + 1 < ints[LENGTH_LIMIT].take(rows)
+        if self.table.history:
+            allowed &= ints[NEEDS_HISTORY].take(rows) == 0
+        return allowed
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """False while some running sequence applies penalties: planned ahead, it would sit out
+        every other step, so the caller rather plans synchronously until it leaves."""
+        return not self.table.history
 
     def _running_rows(self) -> np.ndarray:
         """Plan-table rows of the running sequences, in line order (cached until the line changes)."""
@@ -597,7 +642,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free a request's row and blocks, first offering its full computed blocks to the cache."""
         if req.row >= 0:
-            num_full = int(self.table.ints[NUM_COMPUTED, req.row]) // self.block_size
+            # A decode planned ahead counts its unknown input as computed: only known tokens hash.
+            num_full = min(int(self.table.ints[NUM_COMPUTED, req.row]), req.num_tokens) // self.block_size
             if self.blocks.enable_prefix_caching and num_full > req.num_registered_blocks:
                 self._register_blocks(req, num_full)
             self.table.release(req)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ipc.messages import StepHeader
+from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from services.scheduler.request import Request
 
 # Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
@@ -35,13 +35,14 @@ FLOAT_COLUMNS = (
     NEEDS_BIAS,
     CHECK_FROM,
     EOS_FROM,
+    LENGTH_LIMIT,
     NUM_COMPUTED,
     NUM_TOKENS,
     NUM_PROMPT,
     NUM_CACHED,
     FRONTEND,
-) = range(12)
-NUM_INT_COLUMNS = 12
+) = range(13)
+NUM_INT_COLUMNS = 13
 NEVER = np.iinfo(np.int32).max
 
 
@@ -62,7 +63,8 @@ class PlanTable:
         # NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by context length
         # after appending the sampled token: from CHECK_FROM on, the sequence gets the
         # per-sequence check (the "length" limit, or 0 when it has stop ids), and an eos counts
-        # past EOS_FROM (min_tokens). The running
+        # past EOS_FROM (min_tokens); LENGTH_LIMIT is the "length" limit itself, which tells
+        # schedule() that a sample in flight will be the last. The running
         # request's counters: NUM_COMPUTED (tokens whose KV is, or is being, written: it advances
         # when a step is planned), NUM_TOKENS (prompt + outputs, advances with each sample),
         # NUM_PROMPT and NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them
@@ -99,6 +101,7 @@ class PlanTable:
             bool(p.logit_bias) or p.min_tokens > 0,
             0 if p.stop_token_ids else self._length_limit(req),
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
+            self._length_limit(req),
             num_computed,
             req.num_tokens,
             req.num_prompt_tokens,
@@ -145,6 +148,9 @@ class ScheduledStep:
     """One planned step: sequences in plan order (single-token decodes first), how many new
     tokens each computes from which position, and whether its last token is sampled.
 
+    A decode planned while the step before it is still in flight runs the token that step
+    samples, unknown yet: its input is PLACEHOLDER_TOKEN, which the worker fills in.
+
     `build_plan` reads the live plan table: build the plan right after `schedule()`, before the
     scheduler changes again (abort, add, update)."""
 
@@ -155,6 +161,7 @@ class ScheduledStep:
     num_new_tokens: np.ndarray  # [S] int32
     is_sampled: np.ndarray  # [S] bool: the final chunk (or a decode) samples
     num_decodes: int  # seqs[:num_decodes] compute exactly one token, their last one, and sample
+    is_placeholder: np.ndarray  # [num_decodes] bool: the decode's input is still being sampled
     table: PlanTable
     eos_token_ids: tuple[int, ...]
 
@@ -169,6 +176,11 @@ class ScheduledStep:
     @property
     def seq_lens(self) -> np.ndarray:
         return self.starts + self.num_new_tokens
+
+    def live_seqs(self) -> list[Request]:
+        """The sequences whose rows were not released (finished, aborted, preempted) since planning."""
+        live = self.table.epoch.take(self.rows) == self.row_epochs
+        return [req for req, is_live in zip(self.seqs, live.tolist(), strict=True) if is_live]
 
 
 class PlanSlot(Protocol):
@@ -194,6 +206,7 @@ def build_plan(
         positions = starts
         token_rows = rows
         input_ids = ints[LAST_TOKEN].take(rows)
+        input_ids[step.is_placeholder] = PLACEHOLDER_TOKEN
     else:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -202,6 +215,7 @@ def build_plan(
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
         input_ids[:num_decodes] = ints[LAST_TOKEN].take(rows[:num_decodes])
+        input_ids[:num_decodes][step.is_placeholder] = PLACEHOLDER_TOKEN
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
@@ -212,6 +226,7 @@ def build_plan(
     num_logprobs = ints[NUM_LOGPROBS].take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
 
     arrays = {
+        "rows": rows.astype(np.int32),
         "input_ids": input_ids,
         "positions": positions,
         "slot_mapping": slot_mapping,
@@ -227,7 +242,9 @@ def build_plan(
     arrays.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
     # Only rows that apply penalties have a history buffer: none, no gather.
     arrays.update(_history(step, ints[NEEDS_HISTORY].take(rows) if table.history else None, table.history))
-    arrays.update(_logit_bias(step, ints[NEEDS_BIAS].take(rows) if table.num_bias_rows else None, table.bias))
+    arrays.update(
+        _logit_bias(step, ints[NEEDS_BIAS].take(rows) if table.num_bias_rows else None, table.bias, seq_lens)
+    )
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
@@ -248,7 +265,8 @@ def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlo
 def _history(
     step: ScheduledStep, needs_history: np.ndarray | None, buffers: dict[int, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise)."""
+    """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise).
+    Their history is always known: schedule() never plans them ahead with a placeholder."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
@@ -267,9 +285,15 @@ def _history(
 
 
 def _logit_bias(
-    step: ScheduledStep, needs_bias: np.ndarray | None, static: dict[int, tuple[np.ndarray, np.ndarray]]
+    step: ScheduledStep,
+    needs_bias: np.ndarray | None,
+    static: dict[int, tuple[np.ndarray, np.ndarray]],
+    sample_positions: np.ndarray,
 ) -> dict[str, np.ndarray]:
-    """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens."""
+    """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens.
+
+    The outputs before the sampled one are counted from its position, not from the request:
+    a decode planned ahead samples one past the output still in flight."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     ids: list[np.ndarray] = []
@@ -277,7 +301,7 @@ def _logit_bias(
     for i in [] if needs_bias is None else np.flatnonzero(needs_bias).tolist():
         req = step.seqs[i]
         p = req.params
-        if len(req.output_ids) < p.min_tokens:
+        if int(sample_positions[i]) - req.num_prompt_tokens < p.min_tokens:
             suppressed = list(p.stop_token_ids)
             if not p.ignore_eos:
                 suppressed.extend(step.eos_token_ids)

@@ -1,0 +1,190 @@
+"""The step pipeline of one engine group: it keeps up to two steps in flight so that the workers
+never wait on planning in steady decode (DESIGN.md, "Performance model").
+
+    scheduler: publish N | plan, publish N+1 | wait for N, update(N), emit | plan, publish N+2 | ...
+    worker:               executes N ......................| executes N+1 .........................
+
+Step N+1 is planned before N's result is applied: decodes of the sequences that N samples run on
+a placeholder the worker fills in (services/scheduler/core.py), and results are applied strictly
+in order. The pipeline runs one step at a time (plan, execute, apply) while the core cannot plan
+ahead (a running sequence applies penalties) and right after a refused step (see `_fail`).
+
+The executor is the transport: the shared-memory rings (`RingExecutor`) in the scheduler process
+and the scheduler benchmark, a fake in the core tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from ipc.codec import RESULT_HEADER, STEP_HEADER
+from ipc.messages import ResultHeader
+from ipc.shm import RingTimeout, ShmRing
+from services.scheduler.core import Scheduler, StepOutputs
+from services.scheduler.plan import ScheduledStep, write_plan
+from services.scheduler.request import Request
+
+RING_POLL_S = 0.2  # how often a wait on a ring looks whether the worker is still alive
+
+StepResult = tuple[ResultHeader, dict[str, np.ndarray]]
+T = TypeVar("T")
+
+
+class WorkerLost(Exception):
+    """The workers died or stopped answering: their steps are gone, every sequence recomputes."""
+
+
+class StepExecutor(Protocol):
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        """Hand a step to the workers, building its plan now (before the core changes again)."""
+        ...
+
+    def result(self) -> AbstractContextManager[StepResult]:
+        """The oldest step result not read yet; its arrays are valid inside the with-block."""
+        ...
+
+
+@dataclass(slots=True)
+class InFlight:
+    step_id: int
+    step: ScheduledStep
+    after_failure: bool = False  # planned before an earlier step was refused (see `_fail`)
+
+
+class StepPipeline:
+    """Drives the `Scheduler` core through an executor, one applied step per `advance()`."""
+
+    def __init__(
+        self,
+        core: Scheduler,
+        executor: StepExecutor,
+        on_failed: Callable[[list[Request], str], None],
+        overlap: bool = True,
+    ) -> None:
+        self.core = core
+        self.executor = executor
+        self.on_failed = on_failed  # the requests of a step the worker refused, and why
+        self.overlap = overlap
+        self.in_flight: deque[InFlight] = deque()
+        self.next_step_id = 0  # consecutive: a placeholder means "sampled in step_id - 1"
+        self.num_planned_ahead = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.in_flight) or self.core.has_work
+
+    def advance(self) -> StepOutputs | None:
+        """Publish what may run now, then wait for the oldest step in flight and apply its result.
+        None when there was nothing to run. Raises WorkerLost (then call `drop_in_flight`)."""
+        if not self.in_flight and not self._publish_next():
+            return None
+        if self._may_plan_ahead() and self._publish_next():
+            # Step N+1 is out before N's result: the worker starts it as soon as N is done.
+            self.num_planned_ahead += 1
+        return self._apply_oldest()
+
+    def drop_in_flight(self) -> None:
+        """The workers were lost with the steps they held; the caller recomputes everything."""
+        self.in_flight.clear()
+
+    def _may_plan_ahead(self) -> bool:
+        # Only one step ahead: a placeholder stands for the previous step's sample, no older one.
+        return (
+            self.overlap
+            and len(self.in_flight) == 1
+            and not self.in_flight[0].after_failure
+            and self.core.can_plan_ahead
+        )
+
+    def _publish_next(self) -> bool:
+        step = self.core.schedule()
+        if step is None:
+            return False
+        step_id = self.next_step_id
+        self.next_step_id += 1
+        self.executor.publish(step_id, step)
+        self.in_flight.append(InFlight(step_id, step))
+        return True
+
+    def _apply_oldest(self) -> StepOutputs:
+        entry = self.in_flight.popleft()
+        with self.executor.result() as (header, arrays):
+            if header.step_id != entry.step_id:  # results come in order; anything else is a bug
+                raise WorkerLost(f"got the result of step {header.step_id}, expected step {entry.step_id}")
+            if header.error:
+                self._fail(entry, header.error)
+                return StepOutputs.empty()
+            return self.core.update(
+                entry.step,
+                arrays["sampled_ids"],
+                arrays["sampled_logprobs"],
+                arrays["top_ids"],
+                arrays["top_logprobs"],
+            )
+
+    def _fail(self, entry: InFlight, error: str) -> None:
+        """The worker refused a step (a bug, not a fault): its requests fail rather than loop.
+
+        A step planned ahead of it ran on placeholders of the refused step, which sampled
+        nothing, so the worker refuses it too: its other sequences are not at fault and
+        recompute instead. The pipeline waits for that step before planning again."""
+        live = entry.step.live_seqs()
+        if entry.after_failure:
+            self.core.recompute(live)
+            return
+        self.on_failed(live, error)
+        for later in self.in_flight:
+            later.after_failure = True
+
+
+class RingExecutor:
+    """Steps through a group's shared-memory rings: plans into the step ring (every rank reads
+    them), results from the result ring (rank 0 writes them). Waits in slices of RING_POLL_S to
+    notice a dead worker early, and gives up after `timeout_s`."""
+
+    def __init__(
+        self,
+        step_ring: ShmRing,
+        result_ring: ShmRing,
+        block_size: int,
+        timeout_s: float,
+        is_alive: Callable[[], bool],
+    ) -> None:
+        self.step_ring = step_ring
+        self.result_ring = result_ring
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.is_alive = is_alive
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        with ExitStack() as stack:
+            slot = self._enter(stack, self.step_ring.reserve, f"no free step slot for step {step_id}")
+            header = write_plan(step, step_id, self.block_size, slot)
+            slot.publish(STEP_HEADER.encode(header))
+
+    @contextmanager
+    def result(self) -> Iterator[StepResult]:
+        with ExitStack() as stack:
+            view = self._enter(stack, partial(self.result_ring.read, 0), "no step result")
+            yield RESULT_HEADER.decode(view.header), view.arrays
+
+    def _enter(
+        self, stack: ExitStack, open_slot: Callable[[float], AbstractContextManager[T]], what: str
+    ) -> T:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return stack.enter_context(open_slot(RING_POLL_S))
+            except RingTimeout:
+                if not self.is_alive():
+                    raise WorkerLost("worker process exited") from None
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"{what} within {self.timeout_s:.0f}s") from None
