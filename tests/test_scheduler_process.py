@@ -1,0 +1,182 @@
+"""The scheduler and a real worker as OS processes, on the tiny model, without a supervisor: the
+test writes run.json and creates the rings as the supervisor does, and plays the frontend and the
+detokenizer on the scheduler's sockets. The overlapped step loop gives the greedy tokens of plain
+synchronous generation, and a worker SIGKILLed mid-generation is replaced without a request
+being lost, changed, repeated or cut."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from ipc import messages as m
+from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT
+from ipc.config import load_config
+from ipc.endpoints import Endpoints
+from ipc.shm import ShmRing, new_run_id
+from ipc.sockets import PullQueue, PushQueue
+from services.stage import RunInfo, write_run_info
+from supervisor import RING_SLOTS, result_slot_bytes, step_slot_bytes
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+NUM_REQUESTS = 6
+MAX_TOKENS = 160  # long enough that every request is still running when the worker is killed
+KILL_AFTER_TOKENS = 6
+WAIT_S = 300.0
+OVERRIDES = (
+    "model.dtype=float32",
+    "model.max_model_len=512",
+    "engine.kv_cache_mib=16",
+    "engine.threads=1",
+    "engine.max_num_seqs=16",
+    # Both runs compute every prompt from scratch, as the reference does.
+    "engine.enable_prefix_caching=false",
+)
+
+
+class Group:
+    """One engine group started by hand: run.json and the rings as the supervisor makes them, the
+    scheduler and worker processes, and the test's ends of the scheduler's sockets."""
+
+    def __init__(self, run_dir: Path, model_dir: Path) -> None:
+        self.run_dir = run_dir
+        config = load_config(None, OVERRIDES)
+        self.endpoints = Endpoints(run_dir, new_run_id())
+        write_run_info(run_dir, RunInfo(self.endpoints.run_id, os.getpid(), str(model_dir), "tiny", [], config))
+        self.rings: list[ShmRing] = []
+        self.processes: list[subprocess.Popen] = []
+        self.ctx = zmq.Context()
+        self.rings.append(ShmRing.create(self.endpoints.step_ring(0), RING_SLOTS, step_slot_bytes(config), 1))
+        self.rings.append(ShmRing.create(self.endpoints.result_ring(0), RING_SLOTS, result_slot_bytes(config), 1))
+        self.detokenizer = PullQueue(self.ctx, self.endpoints.detokenizer_in(0), DETOKENIZER_INPUT)
+        self.frontend = PullQueue(self.ctx, self.endpoints.frontend_in(0), FRONTEND_INPUT)
+        self.scheduler_in = PushQueue(self.ctx, self.endpoints.scheduler_in(0), SCHEDULER_INPUT)
+        self.scheduler = self.start("scheduler")
+        self.worker = self.start("gpu_worker")
+
+    def start(self, kind: str) -> subprocess.Popen:
+        with open(self.run_dir / f"{kind}-{len(self.processes)}.log", "w") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.processes.append(process)
+        return process
+
+    def log(self, process: subprocess.Popen) -> str:
+        kind = "scheduler" if process is self.scheduler else "gpu_worker"
+        return (self.run_dir / f"{kind}-{self.processes.index(process)}.log").read_text()
+
+    def submit(self, request_id: str, prompt: list[int]) -> None:
+        params = m.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1)
+        assert self.scheduler_in.put(m.SubmitRequest(request_id, 0, m.pack_ids(prompt), params))
+
+    def collect(self, got: dict[str, list[int]], until: Callable[[dict[str, list[int]]], bool]) -> None:
+        """Receive token updates into `got` until `until(got)`; every update must continue its
+        request exactly where it stands (no duplicate, no gap) and none may follow the last."""
+        deadline = time.monotonic() + WAIT_S
+        while not until(got):
+            failure = self.frontend.get(0)
+            assert failure is None, f"the scheduler failed a request: {failure}"
+            assert self.scheduler.poll() is None, f"the scheduler exited:\n{self.log(self.scheduler)}"
+            assert time.monotonic() < deadline, f"no progress in {WAIT_S:.0f}s: {[len(t) for t in got.values()]}"
+            batch = self.detokenizer.get(0.5)
+            if batch is None:
+                continue
+            assert isinstance(batch, m.TokenBatch), batch
+            for update in batch.updates:
+                tokens = got[update.request_id]
+                assert len(tokens) < MAX_TOKENS, f"{update.request_id}: output after its end"
+                assert update.start_index == len(tokens), f"{update.request_id}: a gap or a duplicate"
+                tokens.extend(m.unpack_ids(update.token_ids).tolist())
+                assert (update.finish_reason == "length") == (len(tokens) == MAX_TOKENS)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+        self.ctx.destroy(linger=0)
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+
+
+@pytest.fixture
+def group(tiny_model_dir: Path) -> Iterator[Group]:
+    # A short path: ipc:// socket paths are limited to about 100 bytes.
+    run_dir = Path(tempfile.mkdtemp(prefix="brigade-test-"))
+    group = None
+    try:
+        group = Group(run_dir, tiny_model_dir)
+        yield group
+    finally:
+        if group is not None:
+            group.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(3, 40_000, int(rng.integers(5, 40))).tolist() for _ in range(NUM_REQUESTS)]
+
+
+@pytest.fixture
+def reference(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Plain synchronous greedy generation in this process, every id explicit."""
+    from services.gpu_worker.model_runner import ModelRunner
+    from tests.test_model import generate
+
+    runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20, threads=1)
+    return generate(runner, prompts, MAX_TOKENS)[0]
+
+
+def test_worker_sigkill_mid_generation_loses_and_changes_nothing(
+    group: Group, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    # A run without the fault: the scheduler's overlapped loop against synchronous generation.
+    clean: dict[str, list[int]] = {f"clean-{i}": [] for i in range(NUM_REQUESTS)}
+    for i, prompt in enumerate(prompts):
+        group.submit(f"clean-{i}", prompt)
+    group.collect(clean, lambda got: all(len(t) == MAX_TOKENS for t in got.values()))
+    assert list(clean.values()) == reference
+
+    # The same requests again; the worker dies once each has a few tokens, and a new one starts.
+    faulty: dict[str, list[int]] = {f"faulty-{i}": [] for i in range(NUM_REQUESTS)}
+    for i, prompt in enumerate(prompts):
+        group.submit(f"faulty-{i}", prompt)
+    group.collect(faulty, lambda got: all(len(t) >= KILL_AFTER_TOKENS for t in got.values()))
+    group.worker.kill()
+    group.worker.wait(30)  # reaped: the scheduler sees the pid gone, not a zombie
+    assert all(len(t) < MAX_TOKENS for t in faulty.values()), "a request finished before the fault"
+    group.worker = group.start("gpu_worker")
+    group.collect(faulty, lambda got: all(len(t) == MAX_TOKENS for t in got.values()))
+    assert list(faulty.values()) == reference
+
+    group.scheduler.send_signal(signal.SIGTERM)
+    group.scheduler.wait(30)
+    log = group.log(group.scheduler)
+    assert "worker lost" in log
+    match = re.search(r"stopping after (\d+) steps, (\d+) planned ahead", log)
+    assert match is not None, log
+    num_steps, num_planned_ahead = int(match[1]), int(match[2])
+    # Nearly every decode step went out before the result of the step before it.
+    assert num_planned_ahead > 0.8 * num_steps, log
