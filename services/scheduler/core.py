@@ -181,6 +181,11 @@ class StepOutputs:
         )
 
 
+# Per-row lists that update() gathers: output lists, request ids, frontend ids, prompt lengths,
+# prefix hits.
+RowColumns = tuple[list[list[int]], list[str], list[int], list[int], list[int]]
+
+
 def _sort_key(req: Request) -> tuple[int, int]:
     return (req.priority, req.arrival_order)
 
@@ -200,6 +205,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _sort_key
         self.running: list[Request] = []  # sorted by _sort_key
         self._order: np.ndarray | None = None  # plan-table rows of `running`; None when it changed
+        self._line_columns: tuple[np.ndarray, RowColumns] | None = None  # see _row_columns
         self._next_arrival = 0
         self.num_unknown_aborts = 0
         self.num_preemptions = 0
@@ -535,12 +541,12 @@ class Scheduler:
         bs = self.block_size
         seqs = step.seqs
         rows = step.rows
-        ends = step.starts + step.num_new_tokens
         # A row's epoch moves when it is released (finish, abort, preemption, replacement).
         live = table.epoch.take(rows) == step.row_epochs
         # Prompt blocks filled by this step join the prefix cache at once, for requests that
         # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
         if self.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
+            ends = step.starts + step.num_new_tokens
             for i in range(step.num_decodes, len(seqs)):
                 req = seqs[i]
                 if live[i] and ends[i] // bs > req.num_registered_blocks:
@@ -566,10 +572,11 @@ class Scheduler:
                 candidates |= is_eos & (num_tokens > ints[EOS_FROM].take(sampled_rows))
         num_prompt = ints[NUM_PROMPT].take(sampled_rows)
         num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows) if table.num_logprob_rows else None
+        output_lists, request_ids, frontend_ids, prompt_lens, cached_lens = self._row_columns(sampled_rows)
 
         token_list = tokens.tolist()
         # list.append over the rows' output lists, run by map() in C (append returns None).
-        any(map(list.append, table.output_ids.take(sampled_rows).tolist(), token_list))
+        any(map(list.append, output_lists, token_list))
         reasons: list[str | None] = [None] * num_sampled
         finishing = np.flatnonzero(candidates).tolist() if np.count_nonzero(candidates) else []
         for j in finishing:
@@ -586,15 +593,15 @@ class Scheduler:
                 req = seqs[int(sampled[j])]
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
-            table.request_ids.take(sampled_rows).tolist(),
-            ints[FRONTEND].take(sampled_rows).tolist(),
+            request_ids,
+            frontend_ids,
             (num_tokens - 1 - num_prompt).tolist(),
             tokens,
             logprobs,
             tops,
             reasons,
-            num_prompt.tolist(),
-            ints[NUM_CACHED].take(sampled_rows).tolist(),
+            prompt_lens,
+            cached_lens,
         )
         for j in finishing:
             if reasons[j] is not None:
@@ -602,6 +609,30 @@ class Scheduler:
                 self._drop(req, RequestStatus.FINISHED)
                 req.finish_reason = reasons[j]
         return outputs
+
+    def _row_columns(self, rows: np.ndarray) -> RowColumns:
+        """What update() reads of these rows as Python lists: their output lists, request ids,
+        frontend ids, prompt lengths and prefix hits, none of which change while a row's request
+        runs. A steady decode step samples the whole running line (`rows is self._order`), so
+        the line's lists are gathered once, not once per step. The lists are shared by the
+        steps' outputs, which never change them.
+
+        A cached line still fits a later step that samples all of its rows: a row changes
+        request only when it is released, which makes a new line and changes the row's epoch, so
+        a step planned on the old line would not have sampled that row."""
+        if self._line_columns is not None and self._line_columns[0] is rows:
+            return self._line_columns[1]
+        table, ints = self.table, self.table.ints
+        columns = (
+            table.output_ids.take(rows).tolist(),
+            table.request_ids.take(rows).tolist(),
+            ints[FRONTEND].take(rows).tolist(),
+            ints[NUM_PROMPT].take(rows).tolist(),
+            ints[NUM_CACHED].take(rows).tolist(),
+        )
+        if rows is self._order:  # a new line is a new array: the old entry can never match it
+            self._line_columns = (rows, columns)
+        return columns
 
     def _finish_reason(
         self, params: SamplingParams, token: int, num_outputs: int, num_tokens: int
