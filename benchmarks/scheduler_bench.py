@@ -1,15 +1,17 @@
-"""Scheduler benchmarks.
+"""Scheduler benchmarks, both through the scheduler process's own step loop (`StepPipeline`,
+which plans step N+1 while step N executes).
 
 Planning: the pure core's cost per step (schedule() + build_plan() + update() + the conversion
 of the outputs to the detokenizers' TokenUpdate messages, as the scheduler process's emit() does)
-with a batch of sequences in steady decode and a fake executor, so the number is the scheduler's
-own overhead, the time a worker would wait if planning did not overlap with execution.
+with a batch of sequences in steady decode and an executor that answers at once with canned
+results, so the number is the scheduler's own work per step: what the worker would wait for if
+planning did not overlap with execution. Its "schedule" column includes the pipeline's own code.
 
 Worker busy fraction: the real worker (ModelRunner on the embedded SmolLM2-135M, float32 on the
-CPU) in its own process, fed through the real step and result rings by the scheduler core,
-64 sequences decoding together: the fraction of the decode phase's wall time that the worker
-spends inside execute(), timed by the worker itself. What is missing is the hop and the
-scheduler's own work between steps, during which the worker waits.
+CPU) in its own process, fed through the real step and result rings by the pipeline and the
+scheduler core, 64 sequences decoding together: the fraction of the decode phase's wall time that
+the worker spends inside execute(), timed by the worker itself. What is missing is the time the
+worker waits between steps (its gap: the ring hop, and planning where it does not overlap).
 
     python benchmarks/scheduler_bench.py --json results/scheduler.json
 """
@@ -17,12 +19,16 @@ scheduler's own work between steps, during which the worker waits.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import platform
 import sys
 import tempfile
 import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -38,7 +44,8 @@ from ipc.shm import RingTimeout, ShmRing, new_run_id
 from services.gpu_worker.loader import prepare_model
 from services.scheduler.__main__ import token_batches
 from services.scheduler.core import Scheduler, SchedulerConfig
-from services.scheduler.plan import build_plan
+from services.scheduler.pipeline import RingExecutor, StepPipeline, StepResult
+from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
 
 VOCAB_SIZE = 49152
@@ -83,48 +90,94 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         prompt = rng.integers(3, VOCAB_SIZE, prompt_len, dtype=np.int32)
         sched.add(Request(f"req-{i}", 0, prompt, params))
 
-    def fake_result(num: int, k: int) -> tuple[np.ndarray, ...]:
-        # Never an eos id (2), so the batch stays in steady decode.
-        ids = rng.integers(3, VOCAB_SIZE, num, dtype=np.int32)
-        return ids, np.zeros(num, np.float32), np.zeros((num, k), np.int32), np.zeros((num, k), np.float32)
-
-    step_id = 0
-    is_steady = False
-    while not is_steady:  # prefill until a step is all decodes
-        step = sched.schedule()
-        header, _ = build_plan(step, step_id, block_size)
-        token_batches(sched.update(step, *fake_result(header.num_seqs, header.max_top_logprobs)), {}, 1)
-        is_steady = step.num_decodes == num_seqs
-        step_id += 1
+    executor = InstantExecutor(block_size, num_seqs)
+    pipeline = StepPipeline(sched, executor, on_failed=refused)
+    while not executor.is_steady:  # prefill until a step is all decodes
+        token_batches(pipeline.advance(), {}, 1)
 
     clock = time.perf_counter
-    times = np.empty((num_steps, 4))  # schedule, build_plan, update, conversion to TokenUpdates
+    totals = np.empty(num_steps)
+    emits = np.empty(num_steps)
+    executor.times.clear()
+    planned_ahead = pipeline.num_planned_ahead
     for t in range(num_steps):
-        result = fake_result(num_seqs, 5 if mixed_params else 0)
         t0 = clock()
-        step = sched.schedule()
+        outputs = pipeline.advance()
         t1 = clock()
-        header, _ = build_plan(step, step_id, block_size)
-        t2 = clock()
-        outputs = sched.update(step, *result)
-        t3 = clock()
         batches = token_batches(outputs, {}, 1)
-        t4 = clock()
-        times[t] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-        assert header.num_seqs == num_seqs and header.num_tokens == num_seqs and len(batches[0]) == num_seqs
-        step_id += 1
-    us = times * 1e6
-    total = us.sum(axis=1)
+        t2 = clock()
+        totals[t], emits[t] = t1 - t0, t2 - t1
+        assert len(batches[0]) == num_seqs
+    assert executor.is_steady
+    plan_s, update_s = np.array(executor.times).T
+    us = 1e6
+    total = (totals + emits) * us
     return {
         "num_seqs": num_seqs,
+        "planned_ahead_fraction": (pipeline.num_planned_ahead - planned_ahead) / num_steps,
         "p50_us": float(np.percentile(total, 50)),
         "p90_us": float(np.percentile(total, 90)),
         "per_seq_us": float(np.percentile(total, 50)) / num_seqs,
-        "schedule_us_p50": float(np.percentile(us[:, 0], 50)),
-        "build_plan_us_p50": float(np.percentile(us[:, 1], 50)),
-        "update_us_p50": float(np.percentile(us[:, 2], 50)),
-        "emit_us_p50": float(np.percentile(us[:, 3], 50)),
+        "schedule_us_p50": float(np.percentile((totals - plan_s - update_s) * us, 50)),
+        "build_plan_us_p50": float(np.percentile(plan_s * us, 50)),
+        "update_us_p50": float(np.percentile(update_s * us, 50)),
+        "emit_us_p50": float(np.percentile(emits * us, 50)),
     }
+
+
+class PlanSlot(dict):
+    """A step slot in plain memory: keeps the plan's arrays (no copy into shared memory)."""
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        self[name] = array
+
+
+class InstantExecutor:
+    """A worker that answers every step at once, with random tokens that are never an eos (2), so
+    the batch stays in steady decode; times write_plan() and the update() in its result block.
+    The canned results are made ahead, outside the timed steps."""
+
+    def __init__(self, block_size: int, num_seqs: int) -> None:
+        self.block_size = block_size
+        self.num_seqs = num_seqs
+        rng = np.random.default_rng(1)
+        self.token_pool = itertools.cycle([rng.integers(3, VOCAB_SIZE, num_seqs, dtype=np.int32) for _ in range(64)])
+        self.zeros: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.results: deque[StepResult] = deque()
+        self.is_steady = False
+        self.times: list[tuple[float, float]] = []  # per applied step: plan, update (seconds)
+        self._plan_s: deque[float] = deque()
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        t0 = time.perf_counter()
+        header = write_plan(step, step_id, self.block_size, PlanSlot())
+        self._plan_s.append(time.perf_counter() - t0)
+        self.is_steady = step.num_decodes == self.num_seqs
+        num, k = header.num_seqs, header.max_top_logprobs
+        if (num, k) not in self.zeros:
+            self.zeros[num, k] = (
+                np.zeros(num, np.float32),
+                np.zeros((num, k), np.int32),
+                np.zeros((num, k), np.float32),
+            )
+        logprobs, top_ids, top_logprobs = self.zeros[num, k]
+        arrays = {
+            "sampled_ids": next(self.token_pool)[:num],
+            "sampled_logprobs": logprobs,
+            "top_ids": top_ids,
+            "top_logprobs": top_logprobs,
+        }
+        self.results.append((ResultHeader(step_id, num), arrays))
+
+    @contextmanager
+    def result(self) -> Iterator[StepResult]:
+        t0 = time.perf_counter()
+        yield self.results.popleft()
+        self.times.append((self._plan_s.popleft(), time.perf_counter() - t0))
+
+
+def refused(requests: list[Request], error: str) -> None:
+    raise RuntimeError(f"the worker refused a step: {error}")
 
 
 def worker_main(
@@ -166,6 +219,20 @@ def worker_main(
         results.close()
 
 
+class DecodeRecordingExecutor(RingExecutor):
+    """The scheduler's ring executor, noting which steps decode the whole batch."""
+
+    def __init__(self, num_seqs: int, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.num_seqs = num_seqs
+        self.decode_step_ids: set[int] = set()
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        super().publish(step_id, step)
+        if step.num_decodes == self.num_seqs:
+            self.decode_step_ids.add(step_id)
+
+
 def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
     """Drive the real worker process through the real rings with the scheduler core."""
     model_dir = prepare_model(None)
@@ -205,44 +272,19 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
         for i in range(num_seqs):
             params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
             sched.add(Request(f"req-{i}", 0, rng.integers(3, VOCAB_SIZE, prompt_len, dtype=np.int32), params))
-        decode_steps: set[int] = set()
-        gaps: list[float] = []  # scheduler side: from a result read to the next plan published
-        clock = time.perf_counter
-        step_id, num_tokens, t_result = 0, 0, None
-        while (step := sched.schedule()) is not None:
-            header, arrays = build_plan(step, step_id, block_size)
-            with step_ring.reserve(STEP_TIMEOUT_S) as slot:
-                for name, array in arrays.items():
-                    slot.put(name, array)
-                slot.publish(STEP_HEADER.encode(header))
-            if t_result is not None and step.num_decodes == num_seqs:
-                gaps.append(clock() - t_result)
-            if step.num_decodes == num_seqs:
-                decode_steps.add(step_id)
-            while True:
-                try:
-                    with result_ring.read(0, 1.0) as view:
-                        t_result = clock()
-                        result = RESULT_HEADER.decode(view.header)
-                        if result.error:
-                            raise RuntimeError(f"the worker refused step {step_id}: {result.error}")
-                        outputs = sched.update(
-                            step,
-                            view.arrays["sampled_ids"],
-                            view.arrays["sampled_logprobs"],
-                            view.arrays["top_ids"],
-                            view.arrays["top_logprobs"],
-                        )
-                    break
-                except RingTimeout:
-                    if not worker.is_alive():
-                        raise RuntimeError(f"the worker exited (code {worker.exitcode})") from None
-            num_tokens += sum(len(u) for u in token_batches(outputs, {}, 1).values())
-            step_id += 1
+        executor = DecodeRecordingExecutor(
+            num_seqs, step_ring, result_ring, block_size, STEP_TIMEOUT_S, worker.is_alive
+        )
+        pipeline = StepPipeline(sched, executor, on_failed=refused)
+        num_tokens = 0
+        while pipeline.has_work:
+            outputs = pipeline.advance()
+            if outputs is not None:
+                num_tokens += sum(len(u) for u in token_batches(outputs, {}, 1).values())
         conn.send("stop")
         if not conn.poll(60):
             raise RuntimeError("the worker did not report its timings")
-        spans = [span for span in conn.recv() if span[0] in decode_steps]
+        spans = [span for span in conn.recv() if span[0] in executor.decode_step_ids]
     finally:
         if worker.is_alive():
             conn.send("stop")
@@ -256,6 +298,8 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
             ring.unlink()
     busy = sum(t1 - t0 for _, t0, t1 in spans)
     wall = spans[-1][2] - spans[0][1]
+    # The worker's wait from the end of one decode step to the start of the next.
+    gaps = [b[1] - a[2] for a, b in itertools.pairwise(spans) if b[0] == a[0] + 1]
     return {
         "num_seqs": num_seqs,
         "prompt_len": prompt_len,
@@ -264,7 +308,8 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
         "num_tokens": num_tokens,
         "num_decode_steps": len(spans),
         "decode_step_ms_p50": float(np.median([t1 - t0 for _, t0, t1 in spans]) * 1e3),
-        "scheduler_gap_us_p50": float(np.median(gaps) * 1e6),
+        "worker_gap_us_p50": float(np.median(gaps) * 1e6),
+        "num_planned_ahead": pipeline.num_planned_ahead,
         "worker_busy_fraction": busy / wall,
     }
 
@@ -294,13 +339,13 @@ def main() -> None:
     print(f"planning: schedule + build_plan + update + emit, {args.num_seqs} seqs in steady decode")
     print(
         f"{'params':<14}{'p50 µs':>9}{'p90 µs':>9}{'µs/seq':>8}"
-        f"{'schedule':>10}{'plan':>8}{'update':>8}{'emit':>8}"
+        f"{'schedule':>10}{'plan':>8}{'update':>8}{'emit':>8}{'ahead':>7}"
     )
     for name, r in (("default", plain), ("mixed (1/8)", mixed)):
         print(
             f"{name:<14}{r['p50_us']:>9.1f}{r['p90_us']:>9.1f}{r['per_seq_us']:>8.2f}"
             f"{r['schedule_us_p50']:>10.1f}{r['build_plan_us_p50']:>8.1f}{r['update_us_p50']:>8.1f}"
-            f"{r['emit_us_p50']:>8.1f}"
+            f"{r['emit_us_p50']:>8.1f}{r['planned_ahead_fraction']:>7.2f}"
         )
 
     # -- the real worker through the real rings --------------------------------------------------
@@ -311,7 +356,7 @@ def main() -> None:
         print(
             f"\nworker ({busy['dtype']}, CPU): {busy['num_seqs']} seqs, prompt {busy['prompt_len']}, "
             f"{busy['max_tokens']} new tokens: decode step p50 {busy['decode_step_ms_p50']:.1f} ms, "
-            f"scheduler gap p50 {busy['scheduler_gap_us_p50']:.0f} µs, busy {busy['worker_busy_fraction']:.4f}"
+            f"worker gap p50 {busy['worker_gap_us_p50']:.0f} µs, busy {busy['worker_busy_fraction']:.4f}"
         )
 
     print(f"\n{'metric':<24}{'value':>12}{'target':>12}  met")
