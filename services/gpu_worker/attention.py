@@ -30,7 +30,9 @@ class StepMeta:
 
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long
-    cos: torch.Tensor | None = None  # CPU: [T, 1, D/2] rotary tables of the step's positions
+    # CPU: rotary tables of the step's positions, [T, 1, D]: cos repeated over both halves, and sin
+    # negated in the first half, so a rotation is x * cos + swap_halves(x) * sin.
+    cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None  # CPU: tokens with a KV slot, None when all have one
     # CPU: the q_len == 1 sequences attend as one padded batch; the rest one by one.
@@ -71,6 +73,11 @@ class TorchOps:
         self.block_size = shapes.block_size
         self.device = device
         self.dtype = dtype
+        # Full-width rotary tables [max_pos, D] (see StepMeta.cos), built once.
+        half = shapes.head_dim // 2
+        cos, sin = shapes.cos_sin[:, :half], shapes.cos_sin[:, half:]
+        self.cos = torch.cat((cos, cos), dim=-1)
+        self.sin = torch.cat((-sin, sin), dim=-1)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
@@ -86,9 +93,10 @@ class TorchOps:
         s, num_tokens = self.s, qkv.shape[0]
         qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, -1, s.head_dim)
         half = s.head_dim // 2
-        x1, x2 = qk[..., :half], qk[..., half:]
-        # One rotation for q and k heads together: half the per-layer op count.
-        qk = torch.cat((x1 * meta.cos - x2 * meta.sin, x2 * meta.cos + x1 * meta.sin), dim=-1)
+        # One rotation for q and k heads together, in three ops with the signed tables of `prepare`
+        # (seven with half-width ones: 50 -> 30 us a layer at one token, 78 -> 59 us at 64).
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk = torch.addcmul(qk * meta.cos, swapped, meta.sin)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
@@ -100,13 +108,11 @@ class TorchOps:
         q_lens = np.diff(qsl)
         slot_mapping = arrays["slot_mapping"][:num_tokens].astype(np.int64)
         positions = torch.from_numpy(arrays["positions"][:num_tokens].astype(np.int64))
-        table = self.s.cos_sin[positions].unsqueeze(1)
-        half = self.s.head_dim // 2
         meta = StepMeta(
             positions=positions,
             slot_mapping=torch.from_numpy(slot_mapping),
-            cos=table[..., :half],
-            sin=table[..., half:],
+            cos=self.cos[positions].unsqueeze(1),
+            sin=self.sin[positions].unsqueeze(1),
         )
         if (slot_mapping < 0).any():
             stored = np.flatnonzero(slot_mapping >= 0)
