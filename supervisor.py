@@ -42,7 +42,7 @@ from services.stage import RUN_FILE, SUPERVISOR_PID_ENV, RunInfo, read_run_info,
 
 STATUS_FILE = "status.json"
 STOP_GRACE_S = 5.0
-RING_SLOTS = 2
+RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
 MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus eos/stop ids
 MAX_TOP_LOGPROBS = 20
 
