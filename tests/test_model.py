@@ -212,6 +212,27 @@ def test_tiny_block_boundaries(tiny, length):
         torch.testing.assert_close(logits[0], hf_last_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_tiny_few_rows_use_transposed_weights(tiny):
+    """Steps of 1-3 rows multiply by the [in, out] weight copies (float32 on the CPU); they must
+    give HF's logits, as the 4-row step on the [out, in] weights does."""
+    runner, hf = tiny
+    model = runner.model
+    assert model.lm_head_t is not None and all(layer.transposed is not None for layer in model.layers)
+    torch.testing.assert_close(model.layers[0].transposed[2], model.layers[0].gate_up.t())
+    rng = np.random.default_rng(4)
+    builder = PlanBuilder()
+    histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(4)}
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    for num_seqs in (1, 2, 3, 4):  # the last one takes the [out, in] path
+        chunks = []
+        for i in range(num_seqs):
+            histories[i].append(int(rng.integers(0, runner.vocab_size)))
+            chunks.append((i, histories[i][-1:], True))
+        logits = runner_logits(runner, builder, chunks)
+        for row in range(num_seqs):
+            torch.testing.assert_close(logits[row], hf_last_logits(hf, histories[row]), atol=1e-4, rtol=1e-4)
+
+
 def test_tiny_chunked_prefill_equals_one_step(tiny):
     runner, _ = tiny
     rng = np.random.default_rng(1)
