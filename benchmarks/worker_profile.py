@@ -7,8 +7,8 @@ Three steps, each run as a real plan through `ModelRunner.execute`:
   decode64  batch-64 decode at context 128
   mixed     8 prefills of 128 tokens plus 8 decodes at context 256
 The KV cache is not prefilled (timing does not depend on its values), so the script starts in
-seconds. It prints ms per step (median of --reps) and the top ops by self CPU time
-(torch.profiler), and writes both as JSON. On a shared machine compare ratios within one run.
+seconds. It prints wall and process-CPU ms per step (median of --reps) and the top ops by self CPU time
+(torch.profiler), and writes both as JSON. On a shared machine use --threads 1 and compare CPU ms.
 """
 
 from __future__ import annotations
@@ -91,14 +91,19 @@ def scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
     }
 
 
-def time_step(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], reps: int) -> list[float]:
+def time_step(
+    runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], reps: int
+) -> tuple[list[float], list[float]]:
+    """Wall and process CPU ms of each rep. With one thread the CPU time hardly moves with the
+    machine's load (the wall time does), so it is the figure to compare on a shared host."""
     runner.execute(*plan)  # warm-up
-    times = []
+    wall, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         runner.execute(*plan)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    return wall, cpu
 
 
 def top_ops(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], top: int) -> list[dict]:
@@ -137,9 +142,18 @@ def main() -> None:
     runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
     result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
     for name, plan in plans.items():
-        times = time_step(runner, plan, args.reps)
-        entry = {"tokens": plan[1].num_tokens, "ms_p50": statistics.median(times), "ms": times}
-        print(f"\n{name}: {plan[1].num_tokens} tokens, {entry['ms_p50']:.1f} ms/step (p50 of {args.reps})")
+        wall, cpu = time_step(runner, plan, args.reps)
+        entry = {
+            "tokens": plan[1].num_tokens,
+            "ms_p50": statistics.median(wall),
+            "cpu_ms_p50": statistics.median(cpu),
+            "ms": wall,
+            "cpu_ms": cpu,
+        }
+        print(
+            f"\n{name}: {plan[1].num_tokens} tokens, {entry['ms_p50']:.1f} ms/step wall, "
+            f"{entry['cpu_ms_p50']:.1f} ms CPU (p50 of {args.reps})"
+        )
         if not args.no_profile:
             entry["top_ops"] = top_ops(runner, plan, args.top)
             for op in entry["top_ops"]:
