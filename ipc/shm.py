@@ -97,6 +97,8 @@ class ShmRing:
         self.num_readers = int(self._control[_NUM_READERS])
         self._generation = -1
         self._space: list[posix_ipc.Semaphore] = []
+        # The reader's views of each slot, rebuilt only when the slot's directory changes.
+        self._layouts: dict[int, _SlotLayout] = {}
         self._avail: list[posix_ipc.Semaphore] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -211,6 +213,17 @@ class ShmRing:
                 for sem in taken:
                     sem.release()
 
+    def _view(self, slot: int) -> SlotView:
+        start = self._slot_start(slot)
+        meta, dir_bytes, header_bytes = np.ndarray((_SLOT_PREFIX_WORDS,), np.int64, self._buf, start).tolist()
+        meta += start
+        directory = self._buf[meta : meta + dir_bytes].tobytes()
+        layout = self._layouts.get(slot)
+        if layout is None or layout.directory != directory:
+            layout = self._layouts[slot] = _SlotLayout(directory, self._buf, start)
+        header = self._buf[meta + dir_bytes : meta + dir_bytes + header_bytes].tobytes()
+        return SlotView(header, layout)
+
     def _slot_start(self, index: int) -> int:
         return CONTROL_BYTES + (index % self.num_slots) * self.slot_bytes
 
@@ -233,7 +246,7 @@ class ShmRing:
             raise RingTimeout(f"{self.name}: nothing published for reader {reader_rank} in {timeout}s")
         index = int(self._control[_READ_INDEX + reader_rank])
         try:
-            yield SlotView(self._buf, self._slot_start(index))
+            yield self._view(index % self.num_slots)
         finally:
             # After a reset this slot belongs to a dead generation: leave the new counts alone.
             if int(self._control[_GENERATION]) == generation:
@@ -283,23 +296,39 @@ class SlotWriter:
         self._ring._publish(self._index)
 
 
-class SlotView:
-    """A published slot as seen by a reader: the header bytes and zero-copy array views."""
+class _SlotLayout:
+    """Zero-copy views of the arrays a slot's directory describes. Steady decode publishes the same
+    shapes step after step, so a reader keeps them and skips rebuilding views after each wake-up:
+    that work sits on the handoff's latency path."""
 
-    def __init__(self, buf: np.ndarray, start: int) -> None:
-        meta, dir_bytes, header_bytes = np.ndarray((_SLOT_PREFIX_WORDS,), np.int64, buf, start).tolist()
-        meta += start
-        self.header = buf[meta + dir_bytes : meta + dir_bytes + header_bytes].tobytes()
+    def __init__(self, directory: bytes, buf: np.ndarray, start: int) -> None:
+        self.directory = directory
         self.arrays: dict[str, np.ndarray] = {
             name: np.ndarray(shape, np.dtype(dtype), buf, start + offset)
-            for name, dtype, shape, offset in _dir_decoder.decode(buf[meta : meta + dir_bytes])
+            for name, dtype, shape, offset in _dir_decoder.decode(directory)
         }
+        self.tensors: dict[str, torch.Tensor] | None = None
+
+
+class SlotView:
+    """A published slot as seen by a reader: the header bytes and zero-copy array views (shared
+    with later reads of the same slot layout: do not keep them past the with-block)."""
+
+    def __init__(self, header: bytes, layout: _SlotLayout) -> None:
+        self.header = header
+        self._layout = layout
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self._layout.arrays
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The arrays as torch tensors sharing the slot's memory (torch is imported only here)."""
-        import torch
+        if self._layout.tensors is None:
+            import torch
 
-        return {name: torch.from_numpy(array) for name, array in self.arrays.items()}
+            self._layout.tensors = {name: torch.from_numpy(array) for name, array in self.arrays.items()}
+        return self._layout.tensors
 
 
 # ---------------------------------------------------------------------------

@@ -115,6 +115,29 @@ def test_one_writer_three_readers_pass_10k_slots_intact(run_id, cleanup):
     assert reports == [(rank, num_slots, expected, 0) for rank in range(3)]
 
 
+def test_reader_reuses_views_only_while_the_slot_layout_is_unchanged(run_id, cleanup):
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=1, slot_bytes=4096, num_readers=1)
+    cleanup.append(ring)
+    reader = ShmRing.attach(ring.name)
+    cleanup.append(reader)
+    layouts = [("x", np.int32, (4,)), ("x", np.int32, (4,)), ("x", np.float64, (2, 3)), ("y", np.int32, (4,))]
+    seen = []
+    for i, (name, dtype, shape) in enumerate(layouts):
+        with ring.reserve(WAIT) as slot:
+            slot.alloc(name, dtype, shape)[:] = i + 1
+            slot.publish(bytes([i]))
+        with reader.read(0, WAIT) as view:
+            assert view.header == bytes([i])
+            assert list(view.arrays) == [name]
+            tensor = view.tensors()[name]
+            assert (view.arrays[name].dtype, view.arrays[name].shape) == (np.dtype(dtype), shape)
+            assert tuple(tensor.shape) == shape and bool((tensor == i + 1).all())
+            seen.append(tensor)
+    # Same directory: the very same views; a new dtype, shape or name: new ones.
+    assert seen[1] is seen[0]
+    assert seen[2] is not seen[1] and seen[3] is not seen[2]
+
+
 def test_reader_views_share_the_segment(run_id, cleanup):
     ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
     cleanup.append(ring)
