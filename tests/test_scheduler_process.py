@@ -52,9 +52,9 @@ class Group:
     """One engine group started by hand: run.json and the rings as the supervisor makes them, the
     scheduler and worker processes, and the test's ends of the scheduler's sockets."""
 
-    def __init__(self, run_dir: Path, model_dir: Path) -> None:
+    def __init__(self, run_dir: Path, model_dir: Path, overrides: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
-        config = load_config(None, OVERRIDES)
+        config = load_config(None, OVERRIDES + overrides)
         self.endpoints = Endpoints(run_dir, new_run_id())
         write_run_info(run_dir, RunInfo(self.endpoints.run_id, os.getpid(), str(model_dir), "tiny", [], config))
         self.rings: list[ShmRing] = []
@@ -120,12 +120,14 @@ class Group:
 
 
 @pytest.fixture
-def group(tiny_model_dir: Path) -> Iterator[Group]:
+def group(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Group]:
+    """A group with the OVERRIDES, plus those of `@pytest.mark.overrides(...)`."""
+    marker = request.node.get_closest_marker("overrides")
     # A short path: ipc:// socket paths are limited to about 100 bytes.
     run_dir = Path(tempfile.mkdtemp(prefix="brigade-test-"))
     group = None
     try:
-        group = Group(run_dir, tiny_model_dir)
+        group = Group(run_dir, tiny_model_dir, marker.args if marker else ())
         yield group
     finally:
         if group is not None:
@@ -180,3 +182,28 @@ def test_worker_sigkill_mid_generation_loses_and_changes_nothing(
     num_steps, num_planned_ahead = int(match[1]), int(match[2])
     # Nearly every decode step went out before the result of the step before it.
     assert num_planned_ahead > 0.8 * num_steps, log
+
+
+STALL_TIMEOUT_S = 5
+
+
+@pytest.mark.overrides(f"engine.step_timeout_s={STALL_TIMEOUT_S}")
+def test_stalled_worker_is_killed_and_replaced_without_changing_a_token(
+    group: Group, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """A worker alive but stuck past step_timeout_s (SIGSTOP here) is given up on and killed by
+    the scheduler; left alive it would never say hello again and the group would wait forever."""
+    got: dict[str, list[int]] = {f"stall-{i}": [] for i in range(NUM_REQUESTS)}
+    for i, prompt in enumerate(prompts):
+        group.submit(f"stall-{i}", prompt)
+    group.collect(got, lambda got: all(len(t) >= KILL_AFTER_TOKENS for t in got.values()))
+    group.worker.send_signal(signal.SIGSTOP)
+    try:
+        returncode = group.worker.wait(STALL_TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    assert returncode == -signal.SIGKILL, f"the stalled worker was not killed (exit {returncode})"
+    assert all(len(t) < MAX_TOKENS for t in got.values()), "a request finished before the stall"
+    group.worker = group.start("gpu_worker")
+    group.collect(got, lambda got: all(len(t) == MAX_TOKENS for t in got.values()))
+    assert list(got.values()) == reference

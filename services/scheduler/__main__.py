@@ -9,8 +9,10 @@ puts every running sequence back for recompute; the group resumes when a worker 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 from collections import defaultdict
 
 import zmq
@@ -259,6 +261,11 @@ class SchedulerProcess:
 
     def on_worker_lost(self, reason: str) -> None:
         self.stage.log.warning("worker lost (%s): recomputing running sequences", reason)
+        # A worker that is alive but late (a step past step_timeout_s) would never say hello again
+        # and the group would wait forever: kill it, and the supervisor starts a fresh one.
+        for pid in self.worker_pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self.worker_pids = []
         if self.core is not None and self.pipeline is not None:
             self.pipeline.drop_in_flight()
