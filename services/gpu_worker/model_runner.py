@@ -104,8 +104,9 @@ class ModelRunner:
             return max(int(total * gpu_memory_utilization) - (total - free), 0)
         return DEFAULT_CPU_KV_BYTES
 
-    def validate(self, arrays: dict[str, np.ndarray], header: StepHeader) -> None:
-        """Raise InvalidPlan before anything runs if the plan would index out of bounds."""
+    def validate(self, arrays: dict[str, np.ndarray], header: StepHeader) -> tuple[np.ndarray, np.ndarray]:
+        """Raise InvalidPlan before anything runs if the plan would index out of bounds. Returns
+        the plan's placeholders (`_placeholders`), checked, for execute to fill in."""
         t, s = header.num_tokens, header.num_seqs
         if t < 1 or s < 1:
             raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
@@ -141,15 +142,15 @@ class ModelRunner:
         )
         if not is_known.all():
             raise InvalidPlan("placeholder token where this row sampled no token in the previous step")
+        return at, table_rows
 
     def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
         """Run one step plan; returns the result arrays of docs/internals.md."""
-        self.validate(arrays, header)
+        at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         rows = np.flatnonzero(arrays["is_sampled"][:s])
         meta = self.model.ops.prepare(arrays, t, s)
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
-        at, table_rows = _placeholders(arrays, t, s)
         if len(at):
             self._fill_placeholders(input_ids, at, table_rows)
         result = {
