@@ -313,15 +313,13 @@ class LlamaModel:
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
         few_rows = self.lm_head_t is not None and num_tokens <= TRANSPOSED_MAX_ROWS
-        linear = upcast_linear if num_tokens >= self.upcast_min_rows else F.linear
-        linear = linear_t if few_rows else linear
+        linear = linear_t if few_rows else upcast_linear if num_tokens >= self.upcast_min_rows else F.linear
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            weights = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            if few_rows and layer.transposed is not None:
-                weights = layer.transposed
-            qkv_w, o_proj_w, gate_up_w, down_w = weights
+            # few_rows implies the transposed copies exist (made with lm_head_t).
+            weights = layer.transposed if few_rows else (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            qkv_w, o_proj_w, gate_up_w, down_w = weights  # type: ignore[misc]
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             q, k, v = ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), meta)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
