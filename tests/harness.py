@@ -76,13 +76,12 @@ def _pump(stream, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-@contextmanager
-def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> Iterator[Run]:
-    """`python supervisor.py --config ... --set ...` until ready; SIGTERM and full cleanup after."""
+def start_supervisor(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> subprocess.Popen:
+    """`python supervisor.py --config ... --set ...`, its output (stdout and stderr) as text lines."""
     argv = [sys.executable, "supervisor.py", "--config", config, "--run-dir", str(run_dir)]
     for override in overrides:
         argv += ["--set", override]
-    process = subprocess.Popen(
+    return subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
@@ -91,6 +90,12 @@ def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.y
         start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+@contextmanager
+def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> Iterator[Run]:
+    """The supervisor until ready; SIGTERM and full cleanup after."""
+    process = start_supervisor(run_dir, *overrides, config=config)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     run = Run(run_dir, process, lines)

@@ -20,7 +20,7 @@ import pytest
 from client import Client
 from ipc.shm import sweep_stale_runs
 from tests.conftest import REPO_ROOT, brigade_shm_objects
-from tests.harness import assert_clean, brigade_run, stage_processes
+from tests.harness import assert_clean, brigade_run, stage_processes, start_supervisor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -214,10 +214,7 @@ def test_supervisor_sigkill_while_stages_start_leaves_no_orphans(tmp_path: Path,
     """Killed while its stages are still importing, before they could ask for PDEATHSIG: they must
     notice at startup that the supervisor is gone (this once left a worker running forever)."""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir)]
-    process = subprocess.Popen(
-        argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    process = start_supervisor(run_dir)
     try:
         started: dict[int, str] = {}
         for line in process.stdout:  # "started gpu_worker-0-0 (pid 123)", one per stage
