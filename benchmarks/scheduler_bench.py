@@ -1,8 +1,8 @@
 """Scheduler benchmarks, both through the scheduler process's own step loop (`StepPipeline`,
 which plans step N+1 while step N executes).
 
-Planning: the pure core's cost per step (schedule() + build_plan() + update() + the conversion
-of the outputs to the detokenizers' TokenUpdate messages, as the scheduler process's emit() does)
+Planning: the pure core's cost per step (schedule() + build_plan() + update() + turning the
+outputs into the detokenizers' messages and encoding them, as the scheduler process's emit() does)
 with a batch of sequences in steady decode and an executor that answers at once with canned
 results, so the number is the scheduler's own work per step: what the worker would wait for if
 planning did not overlap with execution. Its "schedule" column includes the pipeline's own code.
@@ -37,12 +37,12 @@ import numpy as np
 # Run as a script from anywhere: the repository root holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc.codec import RESULT_HEADER, STEP_HEADER
+from ipc.codec import DETOKENIZER_INPUT, RESULT_HEADER, STEP_HEADER
 from ipc.endpoints import Endpoints
 from ipc.messages import ResultHeader, SamplingParams
 from ipc.shm import RingTimeout, ShmRing, new_run_id
 from services.gpu_worker.loader import prepare_model
-from services.scheduler.__main__ import token_batches
+from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepResult
 from services.scheduler.plan import ScheduledStep, write_plan
@@ -93,7 +93,7 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
     executor = InstantExecutor(block_size, num_seqs)
     pipeline = StepPipeline(sched, executor, on_failed=refused)
     while not executor.is_steady:  # prefill until a step is all decodes
-        token_batches(pipeline.advance(), {}, 1)
+        detokenizer_messages(pipeline.advance(), {}, 1)
 
     clock = time.perf_counter
     totals = np.empty(num_steps)
@@ -104,10 +104,10 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
         t0 = clock()
         outputs = pipeline.advance()
         t1 = clock()
-        batches = token_batches(outputs, {}, 1)
+        messages = [DETOKENIZER_INPUT.encode(message) for message in detokenizer_messages(outputs, {}, 1)[0]]
         t2 = clock()
         totals[t], emits[t] = t1 - t0, t2 - t1
-        assert len(batches[0]) == num_seqs
+        assert len(DETOKENIZER_INPUT.decode(messages[0]).request_ids) == num_seqs
     assert executor.is_steady
     plan_s, update_s = np.array(executor.times).T
     us = 1e6
@@ -280,7 +280,7 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
         while pipeline.has_work:
             outputs = pipeline.advance()
             if outputs is not None:
-                num_tokens += sum(len(u) for u in token_batches(outputs, {}, 1).values())
+                num_tokens += len(outputs)
         conn.send("stop")
         if not conn.poll(60):
             raise RuntimeError("the worker did not report its timings")

@@ -200,13 +200,61 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
     updates: list[TokenUpdate]
 
 
+class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One step's new token for each of several requests, as columns: entry j says what a
+    one-token TokenUpdate(request_ids[j], frontend_ids[j], ...) would. A steady decode step
+    sends one of these per detokenizer shard; building a struct per request cost the scheduler
+    ~0.3 µs each, every step."""
+
+    request_ids: list[str]
+    frontend_ids: list[int]
+    start_indices: bytes  # packed int32, one per request
+    token_ids: bytes  # packed int32, one per request
+    logprobs: bytes  # packed float32, one per request
+    top_logprobs: list[list[dict[int, float]]]  # per request: [] or one dict
+    finish_reasons: list[str | None]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        # Runs on decode too: a ragged message is malformed, not a crash downstream.
+        n = len(self.request_ids)
+        columns = (
+            self.frontend_ids,
+            self.top_logprobs,
+            self.finish_reasons,
+            self.prompt_tokens,
+            self.cached_tokens,
+        )
+        packed = (self.start_indices, self.token_ids, self.logprobs)
+        if any(len(c) != n for c in columns) or any(len(p) != 4 * n for p in packed):
+            raise ValueError(f"StepTokens columns must all hold {n} entries (4 bytes each when packed)")
+
+    def to_updates(self) -> list[TokenUpdate]:
+        """The same content as one TokenUpdate per request, in order."""
+        return list(
+            map(
+                TokenUpdate,
+                self.request_ids,
+                self.frontend_ids,
+                np.frombuffer(self.start_indices, "<i4").tolist(),
+                np.frombuffer(self.token_ids, "V4").tolist(),
+                np.frombuffer(self.logprobs, "V4").tolist(),
+                self.top_logprobs,
+                self.finish_reasons,
+                self.prompt_tokens,
+                self.cached_tokens,
+            )
+        )
+
+
 class DropRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Forget these requests' detokenization state (aborted or replaced)."""
 
     request_ids: list[str]
 
 
-DetokenizerInput = Union[TokenBatch, DropRequests]
+DetokenizerInput = Union[TokenBatch, StepTokens, DropRequests]
 
 # ---------------------------------------------------------------------------
 # detokenizer -> frontend, scheduler -> frontend errors (PUSH -> PULL)

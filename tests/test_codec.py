@@ -59,6 +59,17 @@ UPDATE = m.TokenUpdate(
     cached_tokens=4,
     params=PARAMS,
 )
+STEP_TOKENS = m.StepTokens(
+    ["a", "b"],
+    [0, 1],
+    m.pack_ids([3, 0]),
+    m.pack_ids([7, 8]),
+    b"\x00\x00\x80\xbf" * 2,
+    [[], [{8: -1.0}]],
+    [None, "stop"],
+    [4, 5],
+    [0, 2],
+)
 
 EXAMPLES: dict[str, list] = {
     "CLIENT_REQUEST": [
@@ -74,7 +85,11 @@ EXAMPLES: dict[str, list] = {
         m.AbortRequest("a", "stop"),
         m.ResyncShard(1),
     ],
-    "DETOKENIZER_INPUT": [m.TokenBatch([UPDATE, m.TokenUpdate("b", 0, 3, m.pack_ids([4]))]), m.DropRequests(["a", "b"])],
+    "DETOKENIZER_INPUT": [
+        m.TokenBatch([UPDATE, m.TokenUpdate("b", 0, 3, m.pack_ids([4]))]),
+        STEP_TOKENS,
+        m.DropRequests(["a", "b"]),
+    ],
     "FRONTEND_INPUT": [m.DeltaBatch([DELTA]), m.RequestFailed("a", "prompt_too_long", "too long"), m.ResubmitAll(0)],
     "CONTROL_UP": [
         m.Ready("scheduler-0", 42, {"model": "smol"}),
@@ -125,6 +140,17 @@ def test_wrong_channel_and_truncation_are_malformed():
             C.SCHEDULER_INPUT.decode(submit[:cut])
     with pytest.raises(MalformedMessage):
         C.CLIENT_REQUEST.decode(b"\x91" * 100_000)  # absurdly deep nesting
+
+
+def test_ragged_step_tokens_are_malformed():
+    # Columns of different lengths would pair one request's token with another's id.
+    good = msgspec.msgpack.decode(C.DETOKENIZER_INPUT.encode(STEP_TOKENS))
+    for column in range(1, len(good)):  # after the tag
+        ragged = list(good)
+        ragged[column] = ragged[column][1:]
+        with pytest.raises(MalformedMessage):
+            C.DETOKENIZER_INPUT.decode(msgspec.msgpack.encode(ragged))
+    assert C.DETOKENIZER_INPUT.decode(msgspec.msgpack.encode(good)) == STEP_TOKENS
 
 
 def assert_malformed_or_valid(codec: Codec, data: bytes) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipc.messages import Delta, SamplingParams, TokenBatch, TokenUpdate, pack_ids, unpack_ids
+from ipc.messages import Delta, SamplingParams, StepTokens, TokenBatch, TokenUpdate, pack_ids, unpack_ids
 from services.detokenizer.core import DetokenizerCore, IncrementalDetokenizer
 from services.tokenizer.text import Tokenizer
 
@@ -192,6 +192,33 @@ def test_core_groups_by_frontend_and_finishes(tokenizer: Tokenizer) -> None:
     assert receivers["b"].text == tokenizer.decode(b) and receivers["b"].ids == b
     assert receivers["a"].logprobs == [-0.5 * i for i in range(len(a))]
     assert core.num_live == 0  # forgotten after the final delta
+
+
+def test_step_tokens_give_the_deltas_of_the_same_token_batch(tokenizer: Tokenizer) -> None:
+    # The scheduler's columnar message must mean exactly what one TokenUpdate per request says.
+    ids = {rid: tokenizer.encode(text) for rid, text in (("a", TEXTS[2]), ("b", TEXTS[3]))}
+    by_batch, by_columns = DetokenizerCore(tokenizer), DetokenizerCore(tokenizer)
+    for i in range(max(map(len, ids.values()))):
+        updates = [
+            update(rid, i, [seq[i]], "length" if i == len(seq) - 1 else None, frontend_id=fid, prompt_tokens=7)
+            for fid, (rid, seq) in enumerate(ids.items())
+            if i < len(seq)
+        ]
+        columns = StepTokens(
+            [u.request_id for u in updates],
+            [u.frontend_id for u in updates],
+            pack_ids([u.start_index for u in updates]),
+            b"".join(u.token_ids for u in updates),
+            b"".join(u.logprobs for u in updates),
+            [u.top_logprobs for u in updates],
+            [u.finish_reason for u in updates],
+            [u.prompt_tokens for u in updates],
+            [u.cached_tokens for u in updates],
+        )
+        expected = by_batch.handle(TokenBatch(updates))
+        assert by_columns.handle(columns) == expected
+        assert expected[0]  # the test compares real deltas
+    assert by_batch.num_live == by_columns.num_live == 0
 
 
 def test_core_stop_hit_reports_abort_and_drops_late_updates(tokenizer: Tokenizer) -> None:

@@ -21,7 +21,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
-from services.scheduler.__main__ import token_batches
+from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
 from services.scheduler.pipeline import StepPipeline, WorkerLost
 from services.scheduler.plan import ScheduledStep, build_plan
@@ -396,7 +396,7 @@ def run_traffic(
         outputs = pipeline.advance()
         if outputs is None:
             return False
-        for update in outputs.token_updates():  # what the detokenizer gets
+        for update in outputs.step_tokens().to_updates():  # what the detokenizer gets
             rid = update.request_id
             assert rid not in ended, "output after the end"
             assert update.start_index == len(got[rid]), "a gap or a duplicate"
@@ -884,7 +884,7 @@ def test_decodes_entering_blocks_together_preempt_from_the_back() -> None:
     assert_no_leaks(sched)
 
 
-def test_token_updates_pack_each_output_for_the_wire() -> None:
+def test_step_tokens_carry_each_output_over_the_wire() -> None:
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
     sched.add(make_request("a", [1, 2, 3], max_tokens=2, ignore_eos=True, logprobs=2))
@@ -892,13 +892,13 @@ def test_token_updates_pack_each_output_for_the_wire() -> None:
     for expected_finish in ({"a": None, "b": "length"}, {"a": "length"}):
         step = sched.schedule()
         outputs = sched.update(step, *executor.run(step))
-        updates = outputs.token_updates()
+        # What the scheduler process sends, decoded as the detokenizer decodes it.
+        message = DETOKENIZER_INPUT.decode(DETOKENIZER_INPUT.encode(outputs.step_tokens()))
+        assert isinstance(message, m.StepTokens)
+        updates = message.to_updates()
         assert len(updates) == len(outputs) == len(expected_finish)
-        for out, update in zip(outputs, updates, strict=True):
+        for out, got in zip(outputs, updates, strict=True):
             assert out.finish_reason == expected_finish[out.request_id]
-            # What the scheduler process sends, decoded as the detokenizer decodes it.
-            batch = DETOKENIZER_INPUT.decode(DETOKENIZER_INPUT.encode(m.TokenBatch([update])))
-            got = batch.updates[0]
             assert got.request_id == out.request_id and got.frontend_id == out.frontend_id
             assert got.start_index == out.start_index
             assert m.unpack_ids(got.token_ids).tolist() == out.new_token_ids
@@ -908,7 +908,7 @@ def test_token_updates_pack_each_output_for_the_wire() -> None:
     assert not sched.has_work
 
 
-def test_token_batches_group_by_shard_and_resend_full_histories() -> None:
+def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None:
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
     requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(6)]
@@ -917,9 +917,13 @@ def test_token_batches_group_by_shard_and_resend_full_histories() -> None:
     step = sched.schedule()
     outputs = sched.update(step, *executor.run(step))
     needs_full_history = {"r1": requests[1], "r4": requests[4]}
-    batches = token_batches(outputs, needs_full_history, 3)
+    messages = detokenizer_messages(outputs, needs_full_history, 3)
     assert not needs_full_history  # taken out once sent
-    sent = {u.request_id: (shard, u) for shard, updates in batches.items() for u in updates}
+    sent: dict[str, tuple[int, m.TokenUpdate]] = {}
+    for shard, shard_messages in messages.items():
+        for message in shard_messages:
+            updates = message.updates if isinstance(message, m.TokenBatch) else message.to_updates()
+            sent.update((u.request_id, (shard, u)) for u in updates)
     assert set(sent) == {r.request_id for r in requests}
     for rid, (shard, update) in sent.items():
         assert shard == shard_of(rid, 3)
@@ -928,6 +932,7 @@ def test_token_batches_group_by_shard_and_resend_full_histories() -> None:
             assert m.unpack_ids(update.token_ids).tolist() == sched.requests[rid].output_ids
         else:
             assert update.params is None and len(update.token_ids) == 4
+            assert update.start_index == 0 and update.token_ids == m.pack_ids(sched.requests[rid].output_ids)
 
 
 def test_max_tokens_none_runs_to_max_model_len() -> None:

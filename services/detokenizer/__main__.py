@@ -46,7 +46,7 @@ def main() -> None:
                 num_malformed += 1
                 stage.log.warning("dropped a malformed message: %s", exc)
                 continue
-            if isinstance(message, m.TokenBatch):
+            if isinstance(message, m.TokenBatch | m.StepTokens):
                 deltas_by_frontend, stopped = core.handle(message)
                 for frontend_id, deltas in deltas_by_frontend.items():
                     if 0 <= frontend_id < len(frontends):

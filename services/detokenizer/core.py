@@ -11,7 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ipc.messages import Delta, SamplingParams, TokenBatch, TokenUpdate, Usage, pack_ids, unpack_ids
+from ipc.messages import (
+    Delta,
+    SamplingParams,
+    StepTokens,
+    TokenBatch,
+    TokenUpdate,
+    Usage,
+    pack_ids,
+    unpack_ids,
+)
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -164,11 +173,11 @@ class DetokenizerCore:
     def num_live(self) -> int:
         return len(self._requests)
 
-    def handle(self, batch: TokenBatch) -> tuple[dict[int, list[Delta]], list[str]]:
+    def handle(self, batch: TokenBatch | StepTokens) -> tuple[dict[int, list[Delta]], list[str]]:
         """Deltas grouped by frontend id, and the requests whose stop string hit (to abort)."""
         deltas: dict[int, list[Delta]] = {}
         stopped: list[str] = []
-        for update in batch.updates:
+        for update in batch.to_updates() if isinstance(batch, StepTokens) else batch.updates:
             request = self._request_for(update)
             if request is None:
                 continue

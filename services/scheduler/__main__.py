@@ -283,8 +283,9 @@ class SchedulerProcess:
 
     def emit(self, outputs: StepOutputs) -> None:
         self.num_tokens += len(outputs)  # one new token per output
-        for shard, updates in token_batches(outputs, self.needs_full_history, len(self.detokenizers)).items():
-            self.detokenizers[shard].put(m.TokenBatch(updates))
+        for shard, messages in detokenizer_messages(outputs, self.needs_full_history, len(self.detokenizers)).items():
+            for message in messages:
+                self.detokenizers[shard].put(message)
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -332,25 +333,31 @@ class SchedulerProcess:
         self.ctx.destroy(linger=0)
 
 
-def token_batches(
+def detokenizer_messages(
     outputs: StepOutputs, needs_full_history: dict[str, Request], num_shards: int
-) -> dict[int, list[m.TokenUpdate]]:
-    """A step's outputs as token updates grouped by detokenizer shard. A request in
-    `needs_full_history` (taken out of it) gets its whole history and params instead."""
-    updates = outputs.token_updates()
-    if needs_full_history:
-        for j, request_id in enumerate(outputs.request_ids):
-            resumed = needs_full_history.pop(request_id, None)
-            if resumed is not None:
-                updates[j] = SchedulerProcess.full_history(resumed, outputs.finish_reasons[j])
-    if not updates:
+) -> dict[int, list[m.TokenBatch | m.StepTokens]]:
+    """A step's outputs as messages per detokenizer shard: its new tokens as one StepTokens
+    each. A request in `needs_full_history` (taken out of it) gets its whole history and params
+    in a TokenBatch instead."""
+    if not len(outputs):
         return {}
-    if num_shards == 1:
-        return {0: updates}
-    batches: dict[int, list[m.TokenUpdate]] = defaultdict(list)
-    for update in updates:
-        batches[shard_of(update.request_id, num_shards)].append(update)
-    return batches
+    if num_shards == 1 and not needs_full_history:  # the hot path: no per-request Python
+        return {0: [outputs.step_tokens()]}
+    entries: dict[int, list[int]] = defaultdict(list)
+    full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+    for j, request_id in enumerate(outputs.request_ids):
+        shard = shard_of(request_id, num_shards)
+        resumed = needs_full_history.pop(request_id, None)
+        if resumed is None:
+            entries[shard].append(j)
+        else:
+            full[shard].append(SchedulerProcess.full_history(resumed, outputs.finish_reasons[j]))
+    messages: dict[int, list[m.TokenBatch | m.StepTokens]] = defaultdict(list)
+    for shard, updates in full.items():
+        messages[shard].append(m.TokenBatch(updates))
+    for shard, picked in entries.items():
+        messages[shard].append(outputs.step_tokens(picked))
+    return messages
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from ipc.messages import SamplingParams, TokenUpdate
+from ipc.messages import SamplingParams, StepTokens
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (
     CHECK_FROM,
@@ -101,7 +101,7 @@ class StepOutputs:
     """One step's results, packed: one new token for each request that sampled, in plan order,
     as columns (lists and arrays) gathered from the plan table.
 
-    `token_updates()` turns them into wire messages in one C-level pass (the per-step hot path);
+    `step_tokens()` is the wire message, made of the columns as they are (the per-step hot path);
     indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
 
     __slots__ = (
@@ -120,7 +120,7 @@ class StepOutputs:
         self,
         request_ids: list[str],
         frontend_ids: list[int],
-        start_indices: list[int],
+        start_indices: np.ndarray,
         token_ids: np.ndarray,
         logprobs: np.ndarray,
         top_logprobs: list[list[dict[int, float]]],
@@ -130,7 +130,7 @@ class StepOutputs:
     ) -> None:
         self.request_ids = request_ids
         self.frontend_ids = frontend_ids
-        self.start_indices = start_indices  # output index of each new token
+        self.start_indices = start_indices  # [N] int32: output index of each new token
         self.token_ids = token_ids  # [N] int32
         self.logprobs = logprobs  # [N] float32
         self.top_logprobs = top_logprobs
@@ -140,7 +140,7 @@ class StepOutputs:
 
     @classmethod
     def empty(cls) -> StepOutputs:
-        return cls([], [], [], np.zeros(0, np.int32), np.zeros(0, np.float32), [], [], [], [])
+        return cls([], [], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32), [], [], [], [])
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -149,7 +149,7 @@ class StepOutputs:
         return RequestOutput(
             self.request_ids[j],
             self.frontend_ids[j],
-            self.start_indices[j],
+            int(self.start_indices[j]),
             [int(self.token_ids[j])],
             [float(self.logprobs[j])],
             list(self.top_logprobs[j]),
@@ -161,23 +161,30 @@ class StepOutputs:
     def __iter__(self) -> Iterator[RequestOutput]:
         return (self[j] for j in range(len(self)))
 
-    def token_updates(self) -> list[TokenUpdate]:
-        """One `TokenUpdate` per request, in order, with its token and logprob packed."""
-        # A 4-byte void view turns each element into its packed bytes in one C call, and map()
-        # builds the structs without running Python bytecode per request.
-        return list(
-            map(
-                TokenUpdate,
+    def step_tokens(self, entries: list[int] | None = None) -> StepTokens:
+        """The wire message of these outputs (of `entries` only, when given), columns as they are."""
+        if entries is None:
+            return StepTokens(
                 self.request_ids,
                 self.frontend_ids,
-                self.start_indices,
-                self.token_ids.astype("<i4", copy=False).view("V4").tolist(),
-                self.logprobs.astype("<f4", copy=False).view("V4").tolist(),
+                self.start_indices.astype("<i4", copy=False).tobytes(),
+                self.token_ids.astype("<i4", copy=False).tobytes(),
+                self.logprobs.astype("<f4", copy=False).tobytes(),
                 self.top_logprobs,
                 self.finish_reasons,
                 self.num_prompt_tokens,
                 self.num_cached_tokens,
             )
+        return StepTokens(
+            [self.request_ids[e] for e in entries],
+            [self.frontend_ids[e] for e in entries],
+            self.start_indices[entries].astype("<i4").tobytes(),
+            self.token_ids[entries].astype("<i4").tobytes(),
+            self.logprobs[entries].astype("<f4").tobytes(),
+            [self.top_logprobs[e] for e in entries],
+            [self.finish_reasons[e] for e in entries],
+            [self.num_prompt_tokens[e] for e in entries],
+            [self.num_cached_tokens[e] for e in entries],
         )
 
 
@@ -206,6 +213,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by _sort_key
         self._order: np.ndarray | None = None  # plan-table rows of `running`; None when it changed
         self._line_columns: tuple[np.ndarray, RowColumns] | None = None  # see _row_columns
+        self._decode_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see _all_decode_columns
         self._next_arrival = 0
         self.num_unknown_aborts = 0
         self.num_preemptions = 0
@@ -335,27 +343,29 @@ class Scheduler:
 
         # 1. Decodes: running sequences with only their last sampled token to compute, in line
         # order, up to the budget; found and advanced with numpy over their plan-table rows.
-        # That token is known (pending 1) or still being sampled by the step in flight (pending 0).
+        # That token is known (pending 1) or still being sampled by the step in flight (pending 0:
+        # the decode's input is a placeholder).
         order = self._running_rows()
         computed = num_computed.take(order)
         known = table.ints[NUM_TOKENS].take(order)
         pending = known - computed
         is_decode = pending == 1
         in_flight = pending == 0
-        if in_flight.any():
+        # count_nonzero: a third of the cost of any()/all() on arrays this small, every step.
+        if np.count_nonzero(in_flight):
             is_decode |= in_flight & self._may_plan_ahead(order, known)
-        if len(running) <= budget and is_decode.all():  # steady decode: the whole line
+        if len(running) <= budget and np.count_nonzero(is_decode) == len(running):  # steady decode: the whole line
             partial = []
             seqs = running[:]
-            rows, starts = order, computed
+            rows, starts, is_placeholder = order, computed, in_flight
         else:
-            decodes = np.flatnonzero(is_decode)[:budget]
-            partial = [running[i] for i in np.flatnonzero(pending > 1).tolist()]
+            decodes = is_decode.nonzero()[0][:budget]
+            partial = [running[i] for i in (pending > 1).nonzero()[0].tolist()]
             seqs = [running[i] for i in decodes.tolist()]
-            rows, starts = order[decodes], computed[decodes]
+            rows, starts, is_placeholder = order[decodes], computed[decodes], in_flight[decodes]
         # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
         # context fills its last block needs a new one; that may preempt the back of the line.
-        entering = np.flatnonzero(starts % bs == 0)
+        entering = (starts % bs == 0).nonzero()[0]
         if 0 < len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
             new_blocks = blocks.allocate(len(entering))
             table.block_tables[rows[entering], starts[entering] // bs] = new_blocks
@@ -365,8 +375,7 @@ class Scheduler:
             seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
             rows = np.array([req.row for req in seqs], np.intp)
             starts = num_computed.take(rows)
-        # A decode starting at the known length runs the token in flight.
-        is_placeholder = starts == table.ints[NUM_TOKENS].take(rows)
+            is_placeholder = starts == table.ints[NUM_TOKENS].take(rows)
         num_computed.put(rows, starts + 1)
         budget -= len(seqs)
         num_decodes = len(seqs)
@@ -425,19 +434,20 @@ class Scheduler:
 
         if not seqs:
             return None
-        is_sampled = np.ones(len(seqs), np.bool_)
         if num_new:
             rows = np.concatenate((rows, np.array(more_rows, np.intp)))
             starts = np.concatenate((starts, np.array(more_starts, np.int32)))
             new_array = np.concatenate((np.ones(num_decodes, np.int32), np.array(num_new, np.int32)))
+            is_sampled = np.ones(len(seqs), np.bool_)
             for j in range(num_decodes, len(seqs)):
                 is_sampled[j] = starts[j] + new_array[j] == seqs[j].num_tokens
         else:
-            new_array = np.ones(num_decodes, np.int32)
+            is_sampled, new_array = self._all_decode_columns(num_decodes)
         return ScheduledStep(
             seqs=seqs,
             rows=rows,
             row_epochs=table.epoch.take(rows),
+            num_releases=table.num_releases,
             starts=starts,
             num_new_tokens=new_array,
             is_sampled=is_sampled,
@@ -446,6 +456,17 @@ class Scheduler:
             table=table,
             eos_token_ids=self.config.eos_token_ids,
         )
+
+    def _all_decode_columns(self, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """is_sampled and num_new_tokens of a step of `num_seqs` decodes: all ones, made once
+        per size and read-only, since steady decode asks for the same ones every step."""
+        columns = self._decode_columns.get(num_seqs)
+        if columns is None:
+            columns = (np.ones(num_seqs, np.bool_), np.ones(num_seqs, np.int32))
+            for column in columns:
+                column.flags.writeable = False
+            self._decode_columns[num_seqs] = columns
+        return columns
 
     def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray) -> np.ndarray:
         """Which of these rows, each with a sample in flight and `known` tokens, may decode that
@@ -541,17 +562,22 @@ class Scheduler:
         bs = self.block_size
         seqs = step.seqs
         rows = step.rows
-        # A row's epoch moves when it is released (finish, abort, preemption, replacement).
-        live = table.epoch.take(rows) == step.row_epochs
+        # A row's epoch moves when it is released (finish, abort, preemption, replacement);
+        # when no row was released since planning, every entry is live.
+        is_all_live = table.num_releases == step.num_releases
+        live = None if is_all_live else table.epoch.take(rows) == step.row_epochs
         # Prompt blocks filled by this step join the prefix cache at once, for requests that
         # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
         if self.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
             ends = step.starts + step.num_new_tokens
             for i in range(step.num_decodes, len(seqs)):
                 req = seqs[i]
-                if live[i] and ends[i] // bs > req.num_registered_blocks:
+                if (live is None or live[i]) and ends[i] // bs > req.num_registered_blocks:
                     self._register_blocks(req, int(ends[i]) // bs)
-        sampled = np.flatnonzero(live & step.is_sampled)
+        if live is None and step.num_decodes == len(seqs):  # steady decode: all of them
+            sampled = np.arange(len(seqs))
+        else:
+            sampled = np.flatnonzero(step.is_sampled if live is None else live & step.is_sampled)
         num_sampled = len(sampled)
         if num_sampled == 0:
             return StepOutputs.empty()
@@ -568,7 +594,7 @@ class Scheduler:
         candidates = num_tokens >= ints[CHECK_FROM].take(sampled_rows)
         for e in self.eos_token_ids:
             is_eos = tokens == e
-            if is_eos.any():
+            if np.count_nonzero(is_eos):
                 candidates |= is_eos & (num_tokens > ints[EOS_FROM].take(sampled_rows))
         num_prompt = ints[NUM_PROMPT].take(sampled_rows)
         num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows) if table.num_logprob_rows else None
@@ -595,7 +621,7 @@ class Scheduler:
         outputs = StepOutputs(
             request_ids,
             frontend_ids,
-            (num_tokens - 1 - num_prompt).tolist(),
+            num_tokens - 1 - num_prompt,
             tokens,
             logprobs,
             tops,

@@ -56,6 +56,7 @@ class PlanTable:
     def __init__(self, num_rows: int, max_blocks_per_seq: int, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.epoch = np.zeros(num_rows, np.int64)  # bumped when a row is released: stale results
+        self.num_releases = 0  # unchanged since a step was planned: none of its rows went stale
         self.block_tables = np.zeros((num_rows, max_blocks_per_seq), np.int32)
         self.floats = np.zeros((len(FLOAT_COLUMNS), num_rows), np.float32)
         self.seeds = np.zeros(num_rows, np.int64)
@@ -83,6 +84,10 @@ class PlanTable:
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        # The plan arrays of the last all-decode step that depend only on its rows, keyed by the
+        # rows array itself: the scheduler keeps that array while no row is assigned or released,
+        # so steady decode gathers them once (see build_plan).
+        self.decode_constants: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def assign(self, req: Request, num_computed: int) -> None:
         """Give a request that starts running a row and fill the row from it."""
@@ -133,6 +138,7 @@ class PlanTable:
         """Free a request's row; its block table row goes back to all zeros (the padding)."""
         self.block_tables[req.row, : len(req.block_ids)] = 0
         self.epoch[req.row] += 1
+        self.num_releases += 1
         self.num_logprob_rows -= self.ints[NUM_LOGPROBS, req.row] > 0
         self.num_bias_rows -= self.ints[NEEDS_BIAS, req.row] != 0
         self.request_ids[req.row] = None
@@ -157,6 +163,7 @@ class ScheduledStep:
     seqs: list[Request]
     rows: np.ndarray  # [S] intp: each sequence's plan-table row
     row_epochs: np.ndarray  # [S] the rows' epochs when planned (a changed epoch = stale entry)
+    num_releases: int  # the table's release count when planned: unchanged = no stale entry
     starts: np.ndarray  # [S] int32: computed tokens before the step = first new position
     num_new_tokens: np.ndarray  # [S] int32
     is_sampled: np.ndarray  # [S] bool: the final chunk (or a decode) samples
@@ -198,16 +205,17 @@ def build_plan(
     rows = step.rows
     starts = step.starts
     num_new = step.num_new_tokens
-    # 1-d take() per int column; the float columns in one take() along the rows.
     ints = table.ints
     seq_lens = starts + num_new
-    query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
         input_ids = ints[LAST_TOKEN].take(rows)
         input_ids[step.is_placeholder] = PLACEHOLDER_TOKEN
+        constants = _decode_constants(step)
     else:
+        constants = _row_constants(step)
+        query_start_loc = constants["query_start_loc"]
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         positions = np.arange(num_tokens, dtype=np.int32)
@@ -223,28 +231,21 @@ def build_plan(
     slot_mapping = table.block_tables[token_rows, block_index] * block_size
     slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
-    num_logprobs = ints[NUM_LOGPROBS].take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
-
     arrays = {
-        "rows": rows.astype(np.int32),
+        **constants,
         "input_ids": input_ids,
         "positions": positions,
         "slot_mapping": slot_mapping,
-        "query_start_loc": query_start_loc,
         "seq_lens": seq_lens,
         "block_tables": table.block_tables[rows, :max_blocks],
-        "is_sampled": step.is_sampled.view(np.uint8),
-        "top_k": ints[TOP_K].take(rows),
-        "seeds": table.seeds.take(rows),
         "sample_positions": seq_lens,  # the sampled token's position is the context length
-        "num_logprobs": num_logprobs,
     }
-    arrays.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
-    # Only rows that apply penalties have a history buffer: none, no gather.
-    arrays.update(_history(step, ints[NEEDS_HISTORY].take(rows) if table.history else None, table.history))
-    arrays.update(
-        _logit_bias(step, ints[NEEDS_BIAS].take(rows) if table.num_bias_rows else None, table.bias, seq_lens)
-    )
+    # Ragged spans change every step only where some row applies penalties or a bias.
+    if table.history:
+        arrays.update(_history(step))
+    if table.num_bias_rows:
+        arrays.update(_logit_bias(step, seq_lens))
+    num_logprobs = constants["num_logprobs"]
     header = StepHeader(
         step_id=step_id,
         num_tokens=len(input_ids),
@@ -252,6 +253,41 @@ def build_plan(
         max_top_logprobs=int(num_logprobs.max()) if table.num_logprob_rows and num_seqs else 0,
     )
     return header, arrays
+
+
+def _decode_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
+    """`_row_constants` of an all-decode step, reused while the step's rows are the last ones:
+    a row's sampling columns change only when it is assigned, and that makes new rows."""
+    cached = step.table.decode_constants
+    if cached is not None and cached[0] is step.rows:
+        return cached[1]
+    constants = _row_constants(step)
+    step.table.decode_constants = (step.rows, constants)
+    return constants
+
+
+def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
+    """The plan arrays that depend only on the step's rows (query_start_loc: a decode's)."""
+    table, rows = step.table, step.rows
+    num_seqs = len(rows)
+    ints = table.ints
+    constants = {
+        "rows": rows.astype(np.int32),
+        "query_start_loc": np.arange(num_seqs + 1, dtype=np.int32),
+        "is_sampled": step.is_sampled.view(np.uint8),
+        "top_k": ints[TOP_K].take(rows),
+        "seeds": table.seeds.take(rows),
+        "num_logprobs": (
+            ints[NUM_LOGPROBS].take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
+        ),
+    }
+    # 1-d take() per int column; the float columns in one take() along the rows.
+    constants.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
+    if not table.history:
+        constants.update(_history(step))
+    if not table.num_bias_rows:
+        constants.update(_logit_bias(step, step.starts + step.num_new_tokens))
+    return constants
 
 
 def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlot) -> StepHeader:
@@ -262,19 +298,19 @@ def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlo
     return header
 
 
-def _history(
-    step: ScheduledStep, needs_history: np.ndarray | None, buffers: dict[int, np.ndarray]
-) -> dict[str, np.ndarray]:
+def _history(step: ScheduledStep) -> dict[str, np.ndarray]:
     """Ragged prompt + output ids of the sequences that apply penalties (empty spans otherwise).
     Their history is always known: schedule() never plans them ahead with a placeholder."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     prompt_lens = np.zeros(num_seqs, np.int32)
-    users = [] if needs_history is None else np.flatnonzero(needs_history).tolist()
+    table = step.table
+    # Only rows that apply penalties have a history buffer: none, no gather.
+    users = np.flatnonzero(table.ints[NEEDS_HISTORY].take(step.rows)).tolist() if table.history else []
     parts = []
     for i in users:
         req = step.seqs[i]
-        parts.append(buffers[req.row][: req.num_tokens])
+        parts.append(table.history[req.row][: req.num_tokens])
         lens[i] = req.num_tokens
         prompt_lens[i] = req.num_prompt_tokens
     offsets = np.zeros(num_seqs + 1, np.int32)
@@ -284,12 +320,7 @@ def _history(
     return {"history_offsets": offsets, "history_ids": history, "history_prompt_lens": prompt_lens}
 
 
-def _logit_bias(
-    step: ScheduledStep,
-    needs_bias: np.ndarray | None,
-    static: dict[int, tuple[np.ndarray, np.ndarray]],
-    sample_positions: np.ndarray,
-) -> dict[str, np.ndarray]:
+def _logit_bias(step: ScheduledStep, sample_positions: np.ndarray) -> dict[str, np.ndarray]:
     """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens.
 
     The outputs before the sampled one are counted from its position, not from the request:
@@ -298,7 +329,10 @@ def _logit_bias(
     lens = np.zeros(num_seqs, np.int32)
     ids: list[np.ndarray] = []
     values: list[np.ndarray] = []
-    for i in [] if needs_bias is None else np.flatnonzero(needs_bias).tolist():
+    table = step.table
+    static = table.bias
+    users = np.flatnonzero(table.ints[NEEDS_BIAS].take(step.rows)).tolist() if table.num_bias_rows else []
+    for i in users:
         req = step.seqs[i]
         p = req.params
         if int(sample_positions[i]) - req.num_prompt_tokens < p.min_tokens:
