@@ -199,6 +199,10 @@ class TokenUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
     updates: list[TokenUpdate]
 
+    def to_updates(self) -> list[TokenUpdate]:
+        """The updates, as StepTokens.to_updates() gives them (so receivers treat both alike)."""
+        return self.updates
+
 
 class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
     """One step's new token for each of several requests, as columns: entry j says what a

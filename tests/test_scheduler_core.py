@@ -922,8 +922,7 @@ def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None
     sent: dict[str, tuple[int, m.TokenUpdate]] = {}
     for shard, shard_messages in messages.items():
         for message in shard_messages:
-            updates = message.updates if isinstance(message, m.TokenBatch) else message.to_updates()
-            sent.update((u.request_id, (shard, u)) for u in updates)
+            sent.update((u.request_id, (shard, u)) for u in message.to_updates())
     assert set(sent) == {r.request_id for r in requests}
     for rid, (shard, update) in sent.items():
         assert shard == shard_of(rid, 3)

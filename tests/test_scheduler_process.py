@@ -100,8 +100,8 @@ class Group:
             batch = self.detokenizer.get(0.5)
             if batch is None:
                 continue
-            assert isinstance(batch, m.TokenBatch), batch
-            for update in batch.updates:
+            assert isinstance(batch, m.TokenBatch | m.StepTokens), batch
+            for update in batch.to_updates():
                 tokens = got[update.request_id]
                 assert len(tokens) < MAX_TOKENS, f"{update.request_id}: output after its end"
                 assert update.start_index == len(tokens), f"{update.request_id}: a gap or a duplicate"

@@ -177,7 +177,7 @@ class DetokenizerCore:
         """Deltas grouped by frontend id, and the requests whose stop string hit (to abort)."""
         deltas: dict[int, list[Delta]] = {}
         stopped: list[str] = []
-        for update in batch.to_updates() if isinstance(batch, StepTokens) else batch.updates:
+        for update in batch.to_updates():
             request = self._request_for(update)
             if request is None:
                 continue
