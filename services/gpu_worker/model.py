@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,12 @@ UPCAST_MIN_ROWS = 4
 # kept (twice the weight memory: 540 MB more for SmolLM2).
 TRANSPOSED_MAX_ROWS = 3
 
+# float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies by weights reordered
+# once into its blocked layout (what inductor's CPU weight prepacking uses) instead of repacking
+# the [out, in] weights on every call. Measured at 4 / 16 / 64 / 256 rows: the LM head 3.6x / 2.5x /
+# 2.1x / 1.7x faster, gate_up 3.1x / 2.0x / 1.5x / 1.5x, the other projections 1.0-2.0x.
+CAN_PREPACK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
 
 def has_native_half_matmul(device: torch.device) -> bool:
     if device.type != "cpu":
@@ -161,8 +168,14 @@ class LlamaLayer:
         self.post_norm = empty(h)
         self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
         self.down = empty(h, shard.intermediate_size)  # row-parallel
-        # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows (TRANSPOSED_MAX_ROWS).
+        # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows (TRANSPOSED_MAX_ROWS),
+        # and reordered for oneDNN, for steps of more (CAN_PREPACK): float32 on the CPU only.
         self.transposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.prepacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
 
 
 class LlamaModel:
@@ -208,6 +221,7 @@ class LlamaModel:
             self.upcast_min_rows = UPCAST_MIN_ROWS
         self.keep_transposed = device.type == "cpu" and dtype == torch.float32
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, with keep_transposed
+        self.lm_head_prepacked: torch.Tensor | None = None  # with keep_transposed and CAN_PREPACK
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -296,7 +310,12 @@ class LlamaModel:
             for layer in self.layers:
                 t = (layer.qkv.t(), layer.o_proj.t(), layer.gate_up.t(), layer.down.t())
                 layer.transposed = (t[0].contiguous(), t[1].contiguous(), t[2].contiguous(), t[3].contiguous())
+                if CAN_PREPACK:
+                    p = [prepack(w) for w in layer.plain]
+                    layer.prepacked = (p[0], p[1], p[2], p[3])
             self.lm_head_t = self.lm_head.t().contiguous()
+            if CAN_PREPACK:
+                self.lm_head_prepacked = prepack(self.lm_head)
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -312,14 +331,12 @@ class LlamaModel:
         ops, eps, scale = self.ops, self.eps, self.scale
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
-        few_rows = self.lm_head_t is not None and num_tokens <= TRANSPOSED_MAX_ROWS
-        linear = linear_t if few_rows else upcast_linear if num_tokens >= self.upcast_min_rows else F.linear
+        layout = self._layout(num_tokens)
+        linear = self._linear(layout, num_tokens)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            # few_rows implies the transposed copies exist (made with lm_head_t).
-            weights = layer.transposed if few_rows else (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            qkv_w, o_proj_w, gate_up_w, down_w = weights  # type: ignore[misc]
+            qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             q, k, v = ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), meta)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
@@ -330,15 +347,32 @@ class LlamaModel:
         # Only the sampled rows go through the final norm and the LM head.
         last = (hidden[sample_tokens] + residual[sample_tokens]).contiguous()
         x, _ = ops.rms_norm(last, self.norm, eps, None)
-        if self.lm_head_t is not None and last.shape[0] <= TRANSPOSED_MAX_ROWS:
+        num_sampled = last.shape[0]
+        lm_layout = self._layout(num_sampled)
+        if lm_layout == "transposed":
             logits = x @ self.lm_head_t
-        elif last.shape[0] >= self.upcast_min_rows:
+        elif lm_layout == "prepacked":
+            logits = prepacked_linear(x, self.lm_head_prepacked)
+        elif num_sampled >= self.upcast_min_rows:
             logits = F.linear(x.float(), self.lm_head.float())
         else:
             logits = F.linear(x, self.lm_head).float()
         if not self.parallel.is_parallel:
             return logits
         return self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+
+    def _layout(self, num_rows: int) -> str:
+        """Which copy of the weights (a LlamaLayer attribute) multiplies a step of this many rows."""
+        if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
+            return "transposed"
+        return "plain" if self.lm_head_prepacked is None else "prepacked"
+
+    def _linear(self, layout: str, num_rows: int) -> Callable[..., torch.Tensor]:
+        if layout == "transposed":
+            return linear_t
+        if layout == "prepacked":
+            return prepacked_linear
+        return upcast_linear if num_rows >= self.upcast_min_rows else F.linear
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; with vocabulary shards each rank looks up its own ids, zeros the rest,
@@ -354,6 +388,16 @@ class LlamaModel:
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear from the [in, out] copy of the weight (see TRANSPOSED_MAX_ROWS)."""
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] float32 weight reordered into oneDNN's blocked layout (see CAN_PREPACK)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear from a `prepack`ed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
