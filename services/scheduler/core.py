@@ -30,11 +30,9 @@ import numpy as np
 from ipc.messages import SamplingParams, StepTokens
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (
-    CHECK_FROM,
     EOS_FROM,
     FRONTEND,
     LAST_TOKEN,
-    LENGTH_LIMIT,
     NEEDS_HISTORY,
     NUM_CACHED,
     NUM_COMPUTED,
@@ -346,14 +344,13 @@ class Scheduler:
         # That token is known (pending 1) or still being sampled by the step in flight (pending 0:
         # the decode's input is a placeholder).
         order = self._running_rows()
-        computed = num_computed.take(order)
-        known = table.ints[NUM_TOKENS].take(order)
+        computed, limits, known = table.ints[NUM_COMPUTED : NUM_TOKENS + 1].take(order, axis=1)
         pending = known - computed
         is_decode = pending == 1
         in_flight = pending == 0
         # count_nonzero: a third of the cost of any()/all() on arrays this small, every step.
         if np.count_nonzero(in_flight):
-            is_decode |= in_flight & self._may_plan_ahead(order, known)
+            is_decode |= in_flight & self._may_plan_ahead(order, known, limits)
         if len(running) <= budget and np.count_nonzero(is_decode) == len(running):  # steady decode: the whole line
             partial = []
             seqs = running[:]
@@ -468,14 +465,13 @@ class Scheduler:
             self._decode_columns[num_seqs] = columns
         return columns
 
-    def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray) -> np.ndarray:
-        """Which of these rows, each with a sample in flight and `known` tokens, may decode that
-        sample before it is known: not when it is the last one by length, nor when the row
-        applies penalties (the worker would need the unknown token in its history)."""
-        ints = self.table.ints
-        allowed = known + 1 < ints[LENGTH_LIMIT].take(rows)
+    def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray, limits: np.ndarray) -> np.ndarray:
+        """Which of these rows, each with a sample in flight, `known` tokens and its LENGTH_LIMIT,
+        may decode that sample before it is known: not when it is the last one by length, nor
+        when the row applies penalties (the worker would need the unknown token in its history)."""
+        allowed = known + 1 < limits
         if self.table.history:
-            allowed &= ints[NEEDS_HISTORY].take(rows) == 0
+            allowed &= self.table.ints[NEEDS_HISTORY].take(rows) == 0
         return allowed
 
     @property
@@ -588,15 +584,15 @@ class Scheduler:
         logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
         ints = table.ints
         ints[LAST_TOKEN].put(sampled_rows, tokens)
-        num_tokens = ints[NUM_TOKENS].take(sampled_rows) + 1
+        known, check_from, num_prompt = ints[NUM_TOKENS : NUM_PROMPT + 1].take(sampled_rows, axis=1)
+        num_tokens = known + 1
         ints[NUM_TOKENS].put(sampled_rows, num_tokens)
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
-        candidates = num_tokens >= ints[CHECK_FROM].take(sampled_rows)
+        candidates = num_tokens >= check_from
         for e in self.eos_token_ids:
             is_eos = tokens == e
             if np.count_nonzero(is_eos):
                 candidates |= is_eos & (num_tokens > ints[EOS_FROM].take(sampled_rows))
-        num_prompt = ints[NUM_PROMPT].take(sampled_rows)
         num_logprobs = ints[NUM_LOGPROBS].take(sampled_rows) if table.num_logprob_rows else None
         output_lists, request_ids, frontend_ids, prompt_lens, cached_lens = self._row_columns(sampled_rows)
 

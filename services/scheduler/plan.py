@@ -26,18 +26,19 @@ FLOAT_COLUMNS = (
     "presence_penalty",
     "frequency_penalty",
 )
-# Rows of PlanTable.ints.
+# Rows of PlanTable.ints. Ordered so that each step gathers what it reads with one take():
+# schedule() NUM_COMPUTED..NUM_TOKENS, update() NUM_TOKENS..NUM_PROMPT.
 (
     TOP_K,
     NUM_LOGPROBS,
     LAST_TOKEN,
     NEEDS_HISTORY,
     NEEDS_BIAS,
-    CHECK_FROM,
     EOS_FROM,
-    LENGTH_LIMIT,
     NUM_COMPUTED,
+    LENGTH_LIMIT,
     NUM_TOKENS,
+    CHECK_FROM,
     NUM_PROMPT,
     NUM_CACHED,
     FRONTEND,
@@ -104,11 +105,11 @@ class PlanTable:
             req.last_token_id,
             needs_history,
             bool(p.logit_bias) or p.min_tokens > 0,
-            0 if p.stop_token_ids else self._length_limit(req),
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
-            self._length_limit(req),
             num_computed,
+            self._length_limit(req),
             req.num_tokens,
+            0 if p.stop_token_ids else self._length_limit(req),
             req.num_prompt_tokens,
             req.num_cached_tokens,
             req.frontend_id,
