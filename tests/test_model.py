@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from services.gpu_worker.model import CAN_PREPACK, prepack, prepacked_linear
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 
 BLOCK_SIZE = 16
@@ -214,16 +215,18 @@ def test_tiny_block_boundaries(tiny, length):
 
 def test_tiny_few_rows_use_transposed_weights(tiny):
     """Steps of 1-3 rows multiply by the [in, out] weight copies (float32 on the CPU); they must
-    give HF's logits, as the 4-row step on the [out, in] weights does."""
+    give HF's logits, as the 4-row step on the prepacked (or, without oneDNN, [out, in]) weights does."""
     runner, hf = tiny
     model = runner.model
     assert model.lm_head_t is not None and all(layer.transposed is not None for layer in model.layers)
+    assert (model.lm_head_prepacked is not None) == CAN_PREPACK
+    assert all((layer.prepacked is not None) == CAN_PREPACK for layer in model.layers)
     torch.testing.assert_close(model.layers[0].transposed[2], model.layers[0].gate_up.t())
     rng = np.random.default_rng(4)
     builder = PlanBuilder()
     histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(4)}
     runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
-    for num_seqs in (1, 2, 3, 4):  # the last one takes the [out, in] path
+    for num_seqs in (1, 2, 3, 4):  # the last one takes the prepacked path
         chunks = []
         for i in range(num_seqs):
             histories[i].append(int(rng.integers(0, runner.vocab_size)))
@@ -231,6 +234,20 @@ def test_tiny_few_rows_use_transposed_weights(tiny):
         logits = runner_logits(runner, builder, chunks)
         for row in range(num_seqs):
             torch.testing.assert_close(logits[row], hf_last_logits(hf, histories[row]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CAN_PREPACK, reason="torch built without oneDNN")
+def test_prepacked_linear_matches_f_linear():
+    # With and without bias, on a non-contiguous input, for the row counts the model uses.
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    packed = prepack(weight)
+    for num_rows in (0, 1, 4, 64, 300):
+        x = torch.randn(40, num_rows, generator=gen).t()  # [num_rows, 40], transposed strides
+        for b in (None, bias):
+            expected = torch.nn.functional.linear(x, weight, b)
+            torch.testing.assert_close(prepacked_linear(x, packed, b), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_chunked_prefill_equals_one_step(tiny):

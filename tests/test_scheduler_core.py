@@ -919,10 +919,9 @@ def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None
     needs_full_history = {"r1": requests[1], "r4": requests[4]}
     messages = detokenizer_messages(outputs, needs_full_history, 3)
     assert not needs_full_history  # taken out once sent
-    sent: dict[str, tuple[int, m.TokenUpdate]] = {}
-    for shard, shard_messages in messages.items():
-        for message in shard_messages:
-            sent.update((u.request_id, (shard, u)) for u in message.to_updates())
+    sent_list = [(u.request_id, (shard, u)) for shard, ms in messages.items() for msg in ms for u in msg.to_updates()]
+    sent = dict(sent_list)
+    assert len(sent_list) == len(sent) == len(requests)  # each exactly once
     assert set(sent) == {r.request_id for r in requests}
     for rid, (shard, update) in sent.items():
         assert shard == shard_of(rid, 3)
@@ -932,6 +931,28 @@ def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None
         else:
             assert update.params is None and len(update.token_ids) == 4
             assert update.start_index == 0 and update.token_ids == m.pack_ids(sched.requests[rid].output_ids)
+
+
+def test_detokenizer_messages_one_shard_sends_full_histories_only_for_this_steps_requests() -> None:
+    # Requests wait in needs_full_history until their first token: others must not leave it.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(3)]
+    for req in requests:
+        sched.add(req)
+    step = sched.schedule()
+    outputs = sched.update(step, *executor.run(step))
+    waiting = make_request("w", [4, 5], max_tokens=3)
+    needs_full_history = {"w": waiting}
+    messages = detokenizer_messages(outputs, needs_full_history, 1)
+    assert list(messages) == [0] and len(messages[0]) == 1
+    assert messages[0][0].request_ids == ["r0", "r1", "r2"]
+    assert needs_full_history == {"w": waiting}
+    needs_full_history["r1"] = requests[1]
+    batch, columns = detokenizer_messages(outputs, needs_full_history, 1)[0]
+    assert isinstance(batch, m.TokenBatch) and [u.request_id for u in batch.updates] == ["r1"]
+    assert isinstance(columns, m.StepTokens) and columns.request_ids == ["r0", "r2"]
+    assert needs_full_history == {"w": waiting}
 
 
 def test_max_tokens_none_runs_to_max_model_len() -> None:

@@ -90,14 +90,18 @@ UPCAST_MIN_ROWS = 4
 # weights (W^T, row-major) much faster than the [out, in] ones F.linear takes: the 30 layers' gate_up
 # and down 0.84x / 0.68x / 0.68x the time at 1 / 2 / 3 rows, the LM head 0.53x at 1 row, a SmolLM2
 # batch-1 decode step 0.78x. From 4 rows on the GEMM is ~1.3x slower on them, so both layouts are
-# kept (twice the weight memory: 540 MB more for SmolLM2).
+# kept (540 MB more for SmolLM2; with CAN_PREPACK below, three copies in all).
 TRANSPOSED_MAX_ROWS = 3
 
 # float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies by weights reordered
-# once into its blocked layout (what inductor's CPU weight prepacking uses) instead of repacking
+# once into its blocked layout (oneDNN's weight prepacking, which inductor also uses) instead of repacking
 # the [out, in] weights on every call. Measured at 4 / 16 / 64 / 256 rows: the LM head 3.6x / 2.5x /
 # 2.1x / 1.7x faster, gate_up 3.1x / 2.0x / 1.5x / 1.5x, the other projections 1.0-2.0x.
-CAN_PREPACK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+CAN_PREPACK = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
 
 
 def has_native_half_matmul(device: torch.device) -> bool:

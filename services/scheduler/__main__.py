@@ -1,5 +1,5 @@
 """Scheduler process of one engine group: admits tokenized requests, plans each step into the
-step ring, reads results, and sends token batches to the detokenizer shards.
+step ring, reads results, and sends new tokens (StepTokens, TokenBatch) to the detokenizer shards.
 
 Steps run through a `StepPipeline`, which plans step N+1 while the workers execute step N
 (pipeline.py). Worker loss (its process dies or a step times out) drops the steps in flight and
@@ -341,17 +341,20 @@ def detokenizer_messages(
     in a TokenBatch instead."""
     if not len(outputs):
         return {}
-    if num_shards == 1 and not needs_full_history:  # the hot path: no per-request Python
+    # Requests wait in needs_full_history until their first token, so it is rarely empty under
+    # load; one set intersection finds the few that are in this step.
+    resumed = needs_full_history.keys() & outputs.request_ids if needs_full_history else ()
+    if num_shards == 1 and not resumed:  # the hot path: no per-request Python
         return {0: [outputs.step_tokens()]}
     entries: dict[int, list[int]] = defaultdict(list)
     full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
     for j, request_id in enumerate(outputs.request_ids):
-        shard = shard_of(request_id, num_shards)
-        resumed = needs_full_history.pop(request_id, None)
-        if resumed is None:
-            entries[shard].append(j)
+        shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
+        if request_id in resumed:
+            request = needs_full_history.pop(request_id)
+            full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j]))
         else:
-            full[shard].append(SchedulerProcess.full_history(resumed, outputs.finish_reasons[j]))
+            entries[shard].append(j)
     messages: dict[int, list[m.TokenBatch | m.StepTokens]] = defaultdict(list)
     for shard, updates in full.items():
         messages[shard].append(m.TokenBatch(updates))

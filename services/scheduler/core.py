@@ -176,9 +176,9 @@ class StepOutputs:
         return StepTokens(
             [self.request_ids[e] for e in entries],
             [self.frontend_ids[e] for e in entries],
-            self.start_indices[entries].astype("<i4").tobytes(),
-            self.token_ids[entries].astype("<i4").tobytes(),
-            self.logprobs[entries].astype("<f4").tobytes(),
+            self.start_indices[entries].astype("<i4", copy=False).tobytes(),
+            self.token_ids[entries].astype("<i4", copy=False).tobytes(),
+            self.logprobs[entries].astype("<f4", copy=False).tobytes(),
             [self.top_logprobs[e] for e in entries],
             [self.finish_reasons[e] for e in entries],
             [self.num_prompt_tokens[e] for e in entries],

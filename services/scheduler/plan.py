@@ -58,6 +58,7 @@ class PlanTable:
         self.max_model_len = max_model_len
         self.epoch = np.zeros(num_rows, np.int64)  # bumped when a row is released: stale results
         self.num_releases = 0  # unchanged since a step was planned: none of its rows went stale
+        self.num_assigns = 0
         self.block_tables = np.zeros((num_rows, max_blocks_per_seq), np.int32)
         self.floats = np.zeros((len(FLOAT_COLUMNS), num_rows), np.float32)
         self.seeds = np.zeros(num_rows, np.int64)
@@ -85,15 +86,16 @@ class PlanTable:
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
-        # The plan arrays of the last all-decode step that depend only on its rows, keyed by the
-        # rows array itself: the scheduler keeps that array while no row is assigned or released,
-        # so steady decode gathers them once (see build_plan).
-        self.decode_constants: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
+        # The plan arrays of the last all-decode step that depend only on its rows (read-only),
+        # valid while that rows array is planned again and no row was assigned or released since:
+        # steady decode gathers them once (see build_plan).
+        self.decode_constants: tuple[np.ndarray, int, int, dict[str, np.ndarray]] | None = None
 
     def assign(self, req: Request, num_computed: int) -> None:
         """Give a request that starts running a row and fill the row from it."""
         row = self._free_rows.pop()
         req.row = row
+        self.num_assigns += 1
         p = req.params
         self.block_tables[row, : len(req.block_ids)] = req.block_ids
         self.floats[:, row] = [getattr(p, name) for name in FLOAT_COLUMNS]
@@ -257,13 +259,16 @@ def build_plan(
 
 
 def _decode_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
-    """`_row_constants` of an all-decode step, reused while the step's rows are the last ones:
-    a row's sampling columns change only when it is assigned, and that makes new rows."""
-    cached = step.table.decode_constants
-    if cached is not None and cached[0] is step.rows:
-        return cached[1]
+    """`_row_constants` of an all-decode step, reused while the step's rows are the last ones and
+    unchanged: a row's sampling columns change only when it is assigned."""
+    table = step.table
+    cached = table.decode_constants
+    if cached is not None and cached[0] is step.rows and cached[1:3] == (table.num_assigns, table.num_releases):
+        return cached[3]
     constants = _row_constants(step)
-    step.table.decode_constants = (step.rows, constants)
+    for array in constants.values():
+        array.flags.writeable = False  # shared by the plans of later steps
+    table.decode_constants = (step.rows, table.num_assigns, table.num_releases, constants)
     return constants
 
 
