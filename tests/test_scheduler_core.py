@@ -22,7 +22,14 @@ from ipc.codec import DETOKENIZER_INPUT
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from services.scheduler.__main__ import detokenizer_messages
-from services.scheduler.core import Overloaded, PromptTooLong, RequestOutput, Scheduler, SchedulerConfig
+from services.scheduler.core import (
+    Overloaded,
+    PromptTooLong,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    StepOutputs,
+)
 from services.scheduler.pipeline import StepPipeline, WorkerLost
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
@@ -908,14 +915,19 @@ def test_step_tokens_carry_each_output_over_the_wire() -> None:
     assert not sched.has_work
 
 
-def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None:
+def first_outputs(num_requests: int) -> tuple[Scheduler, list[Request], StepOutputs]:
+    """A scheduler after the first step of `num_requests` short prompts (each samples its first token)."""
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
-    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(6)]
+    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(num_requests)]
     for req in requests:
         sched.add(req)
     step = sched.schedule()
-    outputs = sched.update(step, *executor.run(step))
+    return sched, requests, sched.update(step, *executor.run(step))
+
+
+def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None:
+    sched, requests, outputs = first_outputs(6)
     needs_full_history = {"r1": requests[1], "r4": requests[4]}
     messages = detokenizer_messages(outputs, needs_full_history, 3)
     assert not needs_full_history  # taken out once sent
@@ -935,13 +947,7 @@ def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None
 
 def test_detokenizer_messages_one_shard_sends_full_histories_only_for_this_steps_requests() -> None:
     # Requests wait in needs_full_history until their first token: others must not leave it.
-    sched = Scheduler(small_config())
-    executor = FakeExecutor(sched)
-    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(3)]
-    for req in requests:
-        sched.add(req)
-    step = sched.schedule()
-    outputs = sched.update(step, *executor.run(step))
+    _, requests, outputs = first_outputs(3)
     waiting = make_request("w", [4, 5], max_tokens=3)
     needs_full_history = {"w": waiting}
     messages = detokenizer_messages(outputs, needs_full_history, 1)
