@@ -137,7 +137,10 @@ def rank_main(
     budget = (KV_MIB << 20) // (rank + 1)
     runner = ModelRunner(Path(model_dir), dtype="float32", kv_cache_bytes=budget, parallel=parallel)
     results = execute_plans(runner, plans) if execute else run_plans(runner, plans)
-    out.put((rank, runner.num_kv_blocks, results if rank == 0 else None))
+    # As numpy arrays: a torch tensor crosses a Queue as a file descriptor that the parent fetches
+    # from this process, which races with its exit ("Connection reset by peer").
+    arrays = [r.numpy() if isinstance(r, torch.Tensor) else r for r in results]
+    out.put((rank, runner.num_kv_blocks, arrays if rank == 0 else None))
     dist.destroy_process_group()
 
 
@@ -182,6 +185,7 @@ def test_tensor_parallel_matches_single_rank(request: pytest.FixtureRequest, mod
     assert got is not None and len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == b.shape == (b.shape[0], VOCAB_SIZE), step
+        a = torch.from_numpy(a)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"greedy token differs at step {step}"
     # Every rank holds the smallest cache any rank can: rank r has budget / (r + 1) and its own
