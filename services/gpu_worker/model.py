@@ -312,11 +312,9 @@ class LlamaModel:
             raise ValueError(f"only {len(self._loaded)} of {expected} weights were found")
         if self.keep_transposed:
             for layer in self.layers:
-                t = (layer.qkv.t(), layer.o_proj.t(), layer.gate_up.t(), layer.down.t())
-                layer.transposed = (t[0].contiguous(), t[1].contiguous(), t[2].contiguous(), t[3].contiguous())
+                layer.transposed = tuple(w.t().contiguous() for w in layer.plain)  # type: ignore[assignment]
                 if CAN_PREPACK:
-                    p = [prepack(w) for w in layer.plain]
-                    layer.prepacked = (p[0], p[1], p[2], p[3])
+                    layer.prepacked = tuple(prepack(w) for w in layer.plain)  # type: ignore[assignment]
             self.lm_head_t = self.lm_head.t().contiguous()
             if CAN_PREPACK:
                 self.lm_head_prepacked = prepack(self.lm_head)
@@ -353,14 +351,11 @@ class LlamaModel:
         x, _ = ops.rms_norm(last, self.norm, eps, None)
         num_sampled = last.shape[0]
         lm_layout = self._layout(num_sampled)
-        if lm_layout == "transposed":
-            logits = x @ self.lm_head_t
-        elif lm_layout == "prepacked":
-            logits = prepacked_linear(x, self.lm_head_prepacked)
-        elif num_sampled >= self.upcast_min_rows:
-            logits = F.linear(x.float(), self.lm_head.float())
+        if lm_layout == "plain" and num_sampled >= self.upcast_min_rows:
+            logits = F.linear(x.float(), self.lm_head.float())  # float32 logits, not rounded back
         else:
-            logits = F.linear(x, self.lm_head).float()
+            lm_head = {"plain": self.lm_head, "transposed": self.lm_head_t, "prepacked": self.lm_head_prepacked}
+            logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
         if not self.parallel.is_parallel:
             return logits
         return self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]

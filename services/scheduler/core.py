@@ -161,28 +161,23 @@ class StepOutputs:
 
     def step_tokens(self, entries: list[int] | None = None) -> StepTokens:
         """The wire message of these outputs (of `entries` only, when given), columns as they are."""
-        if entries is None:
-            return StepTokens(
-                self.request_ids,
-                self.frontend_ids,
-                self.start_indices.astype("<i4", copy=False).tobytes(),
-                self.token_ids.astype("<i4", copy=False).tobytes(),
-                self.logprobs.astype("<f4", copy=False).tobytes(),
-                self.top_logprobs,
-                self.finish_reasons,
-                self.num_prompt_tokens,
-                self.num_cached_tokens,
-            )
+
+        def listed(column: list) -> list:
+            return column if entries is None else [column[e] for e in entries]
+
+        def packed(column: np.ndarray, dtype: str) -> bytes:
+            return (column if entries is None else column[entries]).astype(dtype, copy=False).tobytes()
+
         return StepTokens(
-            [self.request_ids[e] for e in entries],
-            [self.frontend_ids[e] for e in entries],
-            self.start_indices[entries].astype("<i4", copy=False).tobytes(),
-            self.token_ids[entries].astype("<i4", copy=False).tobytes(),
-            self.logprobs[entries].astype("<f4", copy=False).tobytes(),
-            [self.top_logprobs[e] for e in entries],
-            [self.finish_reasons[e] for e in entries],
-            [self.num_prompt_tokens[e] for e in entries],
-            [self.num_cached_tokens[e] for e in entries],
+            listed(self.request_ids),
+            listed(self.frontend_ids),
+            packed(self.start_indices, "<i4"),
+            packed(self.token_ids, "<i4"),
+            packed(self.logprobs, "<f4"),
+            listed(self.top_logprobs),
+            listed(self.finish_reasons),
+            listed(self.num_prompt_tokens),
+            listed(self.num_cached_tokens),
         )
 
 
