@@ -41,6 +41,7 @@ from services.scheduler.plan import (
     NUM_TOKENS,
     PlanTable,
     ScheduledStep,
+    SteadyLine,
 )
 from services.scheduler.request import Request, RequestStatus
 
@@ -207,6 +208,7 @@ class Scheduler:
         self._order: np.ndarray | None = None  # plan-table rows of `running`; None when it changed
         self._line_columns: tuple[np.ndarray, RowColumns] | None = None  # see _row_columns
         self._decode_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see _all_decode_columns
+        self._steady: SteadyLine | None = None  # of the line while it decodes whole, step after step
         self._next_arrival = 0
         self.num_unknown_aborts = 0
         self.num_preemptions = 0
@@ -358,16 +360,30 @@ class Scheduler:
         # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
         # context fills its last block needs a new one; that may preempt the back of the line.
         entering = (starts % bs == 0).nonzero()[0]
+        columns = starts[entering] // bs
+        new_blocks: list[int] = []
         if 0 < len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
             new_blocks = blocks.allocate(len(entering))
-            table.block_tables[rows[entering], starts[entering] // bs] = new_blocks
+            table.block_tables[rows[entering], columns] = new_blocks
             for j, b in zip(entering.tolist(), new_blocks, strict=True):
                 seqs[j].block_ids.append(b)
-        elif len(entering) and self._grow_decodes(seqs, entering.tolist()):
-            seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
-            rows = np.array([req.row for req in seqs], np.intp)
-            starts = num_computed.take(rows)
-            is_placeholder = starts == table.ints[NUM_TOKENS].take(rows)
+        elif len(entering):
+            self._steady = None  # these block-table writes are not mirrored in it
+            if self._grow_decodes(seqs, entering.tolist()):
+                seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
+                rows = np.array([req.row for req in seqs], np.intp)
+                starts = num_computed.take(rows)
+                is_placeholder = starts == table.ints[NUM_TOKENS].take(rows)
+        # The whole line decodes: keep its SteadyLine in step (any other step may write block
+        # tables that it does not see, so it goes).
+        if rows is order:
+            steady = self._steady
+            if steady is not None and steady.rows is order:
+                steady.advance(entering, columns, new_blocks, bs)
+            else:
+                steady = self._steady = SteadyLine(order, table.block_tables, starts, bs)
+        else:
+            steady = self._steady = None
         num_computed.put(rows, starts + 1)
         budget -= len(seqs)
         num_decodes = len(seqs)
@@ -447,6 +463,7 @@ class Scheduler:
             is_placeholder=is_placeholder,
             table=table,
             eos_token_ids=self.config.eos_token_ids,
+            steady=steady if not num_new else None,
         )
 
     def _all_decode_columns(self, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:

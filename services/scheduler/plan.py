@@ -152,6 +152,30 @@ class PlanTable:
         req.row = -1
 
 
+class SteadyLine:
+    """The block tables and KV slots of the running line's rows while the whole line decodes step
+    after step (steady decode). Gathered from the plan table once per line, then kept in step
+    with it: each steady step every row writes the slot after its last one, or the first slot of
+    the new block it enters. So a steady step's plan gathers nothing per row.
+
+    The arrays change in place when the next step is planned: a plan copies them into its slot
+    before that (write_plan)."""
+
+    def __init__(self, rows: np.ndarray, block_tables: np.ndarray, starts: np.ndarray, block_size: int) -> None:
+        self.rows = rows  # the line's rows array: the line is the same while this object is
+        self.block_tables = block_tables.take(rows, axis=0)
+        self.slot_mapping = self.block_tables[np.arange(len(rows)), starts // block_size] * block_size
+        self.slot_mapping += starts % block_size
+
+    def advance(self, entering: np.ndarray, columns: np.ndarray, new_blocks: list[int], block_size: int) -> None:
+        """One more steady step: rows `entering` got `new_blocks` at block `columns`."""
+        self.slot_mapping += 1
+        if len(entering):
+            blocks = np.array(new_blocks, np.int32)
+            self.block_tables[entering, columns] = blocks
+            self.slot_mapping[entering] = blocks * block_size
+
+
 @dataclass(slots=True)
 class ScheduledStep:
     """One planned step: sequences in plan order (single-token decodes first), how many new
@@ -160,8 +184,8 @@ class ScheduledStep:
     A decode planned while the step before it is still in flight runs the token that step
     samples, unknown yet: its input is PLACEHOLDER_TOKEN, which the worker fills in.
 
-    `build_plan` reads the live plan table: build the plan right after `schedule()`, before the
-    scheduler changes again (abort, add, update)."""
+    `build_plan` reads the live plan table (and `steady`): build the plan right after
+    `schedule()`, before the scheduler changes again (abort, add, update, schedule)."""
 
     seqs: list[Request]
     rows: np.ndarray  # [S] intp: each sequence's plan-table row
@@ -174,6 +198,7 @@ class ScheduledStep:
     is_placeholder: np.ndarray  # [num_decodes] bool: the decode's input is still being sampled
     table: PlanTable
     eos_token_ids: tuple[int, ...]
+    steady: SteadyLine | None = None  # a step of the whole running line, all decodes
 
     @property
     def num_seqs(self) -> int:
@@ -230,17 +255,22 @@ def build_plan(
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
-    block_index, offset = np.divmod(positions, block_size)
-    slot_mapping = table.block_tables[token_rows, block_index] * block_size
-    slot_mapping += offset
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
+    if step.steady is not None:
+        slot_mapping = step.steady.slot_mapping
+        block_tables = step.steady.block_tables[:, :max_blocks]
+    else:
+        block_index, offset = np.divmod(positions, block_size)
+        slot_mapping = table.block_tables[token_rows, block_index] * block_size
+        slot_mapping += offset
+        block_tables = table.block_tables[rows, :max_blocks]
     arrays = {
         **constants,
         "input_ids": input_ids,
         "positions": positions,
         "slot_mapping": slot_mapping,
         "seq_lens": seq_lens,
-        "block_tables": table.block_tables[rows, :max_blocks],
+        "block_tables": block_tables,
         "sample_positions": seq_lens,  # the sampled token's position is the context length
     }
     # Ragged spans change every step only where some row applies penalties or a bias.
