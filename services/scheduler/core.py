@@ -343,11 +343,15 @@ class Scheduler:
         order = self._running_rows()
         computed, limits, known = table.ints[NUM_COMPUTED : NUM_TOKENS + 1].take(order, axis=1)
         pending = known - computed
-        is_decode = pending == 1
         in_flight = pending == 0
         # count_nonzero: a third of the cost of any()/all() on arrays this small, every step.
-        if np.count_nonzero(in_flight):
-            is_decode |= in_flight & self._may_plan_ahead(order, known, limits)
+        num_in_flight = np.count_nonzero(in_flight)
+        if num_in_flight == len(running):  # steady decode planned ahead: every sample is in flight
+            is_decode = self._may_plan_ahead(order, known, limits)
+        else:
+            is_decode = pending == 1
+            if num_in_flight:
+                is_decode |= in_flight & self._may_plan_ahead(order, known, limits)
         if len(running) <= budget and np.count_nonzero(is_decode) == len(running):  # steady decode: the whole line
             partial = []
             seqs = running[:]
@@ -629,7 +633,7 @@ class Scheduler:
         outputs = StepOutputs(
             request_ids,
             frontend_ids,
-            num_tokens - 1 - num_prompt,
+            known - num_prompt,  # the new token's output index
             tokens,
             logprobs,
             tops,

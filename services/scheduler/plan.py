@@ -238,8 +238,11 @@ def build_plan(
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
-        input_ids = ints[LAST_TOKEN].take(rows)
-        input_ids[step.is_placeholder] = PLACEHOLDER_TOKEN
+        if np.count_nonzero(step.is_placeholder) == num_seqs:  # steady decode planned ahead
+            input_ids = np.full(num_seqs, PLACEHOLDER_TOKEN, np.int32)
+        else:
+            input_ids = ints[LAST_TOKEN].take(rows)
+            input_ids[step.is_placeholder] = PLACEHOLDER_TOKEN
         constants = _decode_constants(step)
     else:
         constants = _row_constants(step)
