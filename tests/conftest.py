@@ -46,6 +46,15 @@ def no_leaked_shared_memory():
     assert not leaked, f"shared memory left in /dev/shm by the suite: {leaked}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_decode_kernel_built() -> None:
+    """Compile the CPU decode-attention kernel (kernels/paged_decode_cpu.py) once, up front, so that
+    no worker process a test starts spends its start-up time limit waiting for the compiler."""
+    from kernels import paged_decode_cpu
+
+    paged_decode_cpu.load()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once to an HF-format dir (cached)."""

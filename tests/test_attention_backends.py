@@ -13,6 +13,7 @@ import torch
 
 from services.gpu_worker.attention import TorchOps, TritonOps
 from services.gpu_worker.model_runner import ModelRunner
+from tests.test_kernels import has_cpu_decode_kernel
 from tests.test_model import PlanBuilder, runner_logits
 
 pytestmark = [
@@ -59,3 +60,14 @@ def test_triton_backend_matches_torch(tiny_model_dir: Path, dtype: str) -> None:
 def test_unknown_backend_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="backend"):
         ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="cuda-graphs")
+
+
+def test_cpu_decode_kernel_matches_torch_ops(tiny_model_dir: Path) -> None:
+    """The CPU backend's decode with the C++ kernel (float32) against its gather + SDPA path."""
+    assert has_cpu_decode_kernel()
+    kernel_runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="torch")
+    sdpa_runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="torch")
+    assert kernel_runner.model.ops.has_decode_kernel
+    sdpa_runner.model.ops.has_decode_kernel = False
+    for step, (a, b) in enumerate(zip(greedy_logits(kernel_runner), greedy_logits(sdpa_runner), strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"step {step}")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from kernels import paged_decode_cpu
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.paged_attention import (
     paged_decode_ref,
@@ -290,3 +291,93 @@ def test_decode_is_prefill_with_one_query():
         q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.25
     )
     torch.testing.assert_close(decode, prefill)
+
+
+# ---------------------------------------------------------------- paged decode, C++ (CPU)
+
+
+def has_cpu_decode_kernel() -> bool:
+    """The C++ kernel must build wherever the CPU has AVX2 (a failed build fails these tests)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the C++ decode kernel needs AVX2 + FMA")
+    return paged_decode_cpu.load()
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2-135M
+        (4, 4, 32, 16),
+        (4, 2, 16, 8),
+        (8, 2, 128, 16),
+        (6, 2, 96, 1),
+        (4, 1, 256, 32),
+    ],
+)
+def test_paged_decode_cpu_matches_ref(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    assert has_cpu_decode_kernel()
+    torch.manual_seed(num_q_heads * head_dim + block_size)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 130]
+    kv = PagedKV(seq_lens, num_kv_heads, head_dim, block_size, torch.float32)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
+    assert_close(paged_decode_cpu.paged_decode_cpu(*args), paged_decode_ref(*args))
+    # A strided q (a view into the fused qkv projection, as the model passes it) reads the same.
+    qkv = torch.cat((q, torch.randn(len(seq_lens), 2, head_dim)), dim=1)
+    strided = (qkv[:, :num_q_heads], *args[1:])
+    assert_close(paged_decode_cpu.paged_decode_cpu(*strided), paged_decode_ref(*args))
+
+
+def test_paged_decode_cpu_is_batch_independent():
+    """A sequence's output does not depend on the others in its batch, bit for bit."""
+    assert has_cpu_decode_kernel()
+    torch.manual_seed(1)
+    kv = PagedKV([5, 40, 77], 3, 64, 16, torch.float32)
+    q = torch.randn(3, 9, 64)
+    together = paged_decode_cpu.paged_decode_cpu(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    for i in range(3):
+        alone = paged_decode_cpu.paged_decode_cpu(
+            q[i : i + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1], kv.seq_lens[i : i + 1], 0.125
+        )
+        assert torch.equal(alone, together[i : i + 1])
+
+
+def test_paged_decode_cpu_refuses_bad_input():
+    """Lengths, block ids and shapes are checked before any page is read: an error, not a crash."""
+    assert has_cpu_decode_kernel()
+    kv = PagedKV([20, 3], 2, 32, 16, torch.float32)
+    q = torch.randn(2, 4, 32)
+
+    def run(**changes):
+        args = {"q": q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "block_tables": kv.block_tables}
+        args |= {"seq_lens": kv.seq_lens, "scale": 0.2, **changes}
+        return paged_decode_cpu.paged_decode_cpu(**args)
+
+    bad_table = kv.block_tables.clone()
+    bad_table[0, 1] = kv.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id"):
+        run(block_tables=bad_table)
+    for length in (0, kv.block_tables.shape[1] * 16 + 1):
+        with pytest.raises(RuntimeError, match="length"):
+            run(seq_lens=torch.tensor([length, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="float32"):
+        run(q=q.double())
+    with pytest.raises(RuntimeError, match="head_dim"):
+        run(q=q[..., :24], k_cache=kv.k_cache[..., :24].contiguous(), v_cache=kv.v_cache[..., :24].contiguous())
+    with pytest.raises(RuntimeError, match="heads"):
+        run(q=torch.randn(2, 3, 32))
+    assert not paged_decode_cpu.supports(32, torch.bfloat16)
+
+
+def test_paged_decode_cpu_without_a_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A failed build is reported (False, logged), not raised: the CPU path keeps its torch ops."""
+    monkeypatch.setenv("BRIGADE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    paged_decode_cpu.load.cache_clear()
+    try:
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            assert not paged_decode_cpu.load()
+            assert not paged_decode_cpu.supports(64, torch.float32)
+        assert list(tmp_path.rglob("*.so*")) == []  # no half-written build left behind
+    finally:
+        paged_decode_cpu.load.cache_clear()

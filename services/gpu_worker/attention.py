@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import paged_decode_cpu
+
 
 @dataclass
 class PrefillSeq:
@@ -40,6 +42,9 @@ class StepMeta:
     decode_blocks: torch.Tensor | None = None  # [Sd * num_blocks] block ids of the contexts, padded, long
     decode_len: int = 0  # L, padded context length
     decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, L] additive (0 / -inf)
+    # CPU with the C++ decode kernel, instead of the four above but decode_tokens: pages read in place.
+    decode_tables: torch.Tensor | None = None  # [Sd, num_blocks] long
+    decode_lens: torch.Tensor | None = None  # [Sd] long
     is_all_decode: bool = False
     prefills: tuple[PrefillSeq, ...] = ()
     # CUDA: the plan arrays themselves.
@@ -64,15 +69,18 @@ class Shapes:
 
 
 class TorchOps:
-    """CPU path: torch ops over the same paged layout. Decode gathers each sequence's pages once
-    per layer (one index_select of contiguous [Hk*D] rows) and runs one batched SDPA with the
-    query heads of a KV group as the query rows, so grouped KV heads are never repeated."""
+    """CPU path: torch ops over the same paged layout. Decode in float32 runs the C++ kernel of
+    kernels/paged_decode_cpu.cpp, which reads the pages in place. Otherwise (other dtypes, or no
+    kernel) it gathers each sequence's pages once per layer (one index_select of contiguous [Hk*D]
+    rows) and runs one batched SDPA with the query heads of a KV group as the query rows, so
+    grouped KV heads are never repeated."""
 
     def __init__(self, shapes: Shapes, device: torch.device, dtype: torch.dtype) -> None:
         self.s = shapes
         self.block_size = shapes.block_size
         self.device = device
         self.dtype = dtype
+        self.has_decode_kernel = paged_decode_cpu.supports(shapes.head_dim, dtype)
         # Full-width rotary tables [max_pos, D] (see StepMeta.cos), built once.
         half = shapes.head_dim // 2
         cos, sin = shapes.cos_sin[:, :half], shapes.cos_sin[:, half:]
@@ -122,15 +130,18 @@ class TorchOps:
         if len(decode):
             lens = seq_lens[decode]
             num_blocks = int(-(-lens.max() // bs))
-            length = num_blocks * bs
-            mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
+            decode_tables = np.ascontiguousarray(tables[decode, :num_blocks])
             meta.decode_tokens = torch.from_numpy(qsl[decode])
-            meta.decode_blocks = torch.from_numpy(
-                np.ascontiguousarray(tables[decode, :num_blocks]).reshape(-1)
-            )
-            meta.decode_len = length
-            meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
             meta.is_all_decode = len(decode) == num_tokens
+            if self.has_decode_kernel:
+                meta.decode_tables = torch.from_numpy(decode_tables)
+                meta.decode_lens = torch.from_numpy(lens)
+            else:
+                length = num_blocks * bs
+                mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
+                meta.decode_blocks = torch.from_numpy(decode_tables.reshape(-1))
+                meta.decode_len = length
+                meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
         prefills = []
         for i in np.flatnonzero(q_lens > 1):
             length, q_len = int(seq_lens[i]), int(q_lens[i])
@@ -183,6 +194,8 @@ class TorchOps:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMeta, scale: float
     ) -> torch.Tensor:
+        if meta.decode_tables is not None:
+            return paged_decode_cpu.paged_decode_cpu(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)

@@ -1,0 +1,152 @@
+// Paged decode attention for the CPU (float32, AVX2 + FMA): one query token per sequence against
+// its context, read in place from the paged KV cache. The torch path gathers every sequence's
+// pages into a dense copy first and then runs SDPA; this reads each page once, where it lies.
+//
+// Registered as torch.ops.brigade.paged_decode; built on first use by kernels/paged_decode_cpu.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// The `group` query heads that share KV head `kv_head` attend over one sequence's `len` tokens:
+// scores for the whole context, softmax, then the weighted sum of values. With the head size a
+// compile-time constant, a query head (and the output accumulator) stays in registers.
+template <int D>
+void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+                    int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
+                    float scale, float* scores, float* out) {
+  constexpr int kVectors = D / 8;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 qv[kVectors];
+    for (int i = 0; i < kVectors; ++i) qv[i] = _mm256_loadu_ps(q + g * D + 8 * i);
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* keys = k_cache + table[b] * block_stride + kv_head * D;
+      const int64_t first = b * block_size, n = std::min(block_size, len - first);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* key = keys + t * token_stride;
+        // Two partial sums halve the dependency chain of the FMAs.
+        __m256 even = _mm256_mul_ps(qv[0], _mm256_loadu_ps(key));
+        __m256 odd = _mm256_setzero_ps();
+        for (int i = 1; i < kVectors; i += 2) {
+          odd = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(key + 8 * i), odd);
+          if (i + 1 < kVectors) even = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(key + 8 * i + 8), even);
+        }
+        const float score = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
+        scores[first + t] = score;
+        max_score = std::max(max_score, score);
+      }
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      scores[t] = std::exp(scores[t] - max_score);
+      sum += scores[t];
+    }
+    __m256 acc[kVectors];
+    for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* values = v_cache + table[b] * block_stride + kv_head * D;
+      const int64_t first = b * block_size, n = std::min(block_size, len - first);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* value = values + t * token_stride;
+        const __m256 p = _mm256_set1_ps(scores[first + t]);
+        for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * i), acc[i]);
+      }
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(out + g * D + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+}
+
+using AttendFn = decltype(&attend_kv_head<64>);
+
+AttendFn attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return &attend_kv_head<16>;
+    case 32: return &attend_kv_head<32>;
+    case 64: return &attend_kv_head<64>;
+    case 96: return &attend_kv_head<96>;
+    case 128: return &attend_kv_head<128>;
+    case 256: return &attend_kv_head<256>;
+    default: TORCH_CHECK(false, "paged_decode: head_dim ", head_dim, " is not one of 16, 32, 64, 96, 128, 256");
+  }
+}
+
+// q [S, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables [S, max_blocks];
+// seq_lens [S] (the context, the new token included, whose K/V are already in the cache).
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: q [S, Hq, D] and two caches [N, block_size, Hk, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  const auto queries = q.contiguous();
+  const auto tables = block_tables.to(at::kLong).contiguous();
+  const auto lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t num_seqs = queries.size(0), num_heads = queries.size(1), head_dim = queries.size(2);
+  const int64_t num_cache_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "paged_decode: query and cache heads do not match");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,
+              "paged_decode: one block table row and one length per sequence");
+  const AttendFn attend = attend_for(head_dim);
+  const int64_t max_blocks = tables.size(1), group = num_heads / num_kv_heads;
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  // Checked here, once, so that the kernel below never reads outside the cache.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = len_data[s];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "paged_decode: sequence ", s, " has length ", len,
+                " outside 1..", max_blocks * block_size);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t block = table_data[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_cache_blocks, "paged_decode: block id ", block, " out of range");
+    }
+  }
+  auto out = at::empty_like(queries);
+  const float* q_data = queries.data_ptr<float>();
+  const float* k_data = k_cache.data_ptr<float>();
+  const float* v_data = v_cache.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(max_blocks * block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t offset = (s * num_heads + h * group) * head_dim;
+      attend(q_data + offset, k_data, v_data, table_data + s * max_blocks, len_data[s], block_size,
+             num_kv_heads * head_dim, h, group, scale_f, scores.data(), out_data + offset);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(brigade, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(brigade, CPU, m) { m.impl("paged_decode", &paged_decode); }
