@@ -47,12 +47,12 @@ def no_leaked_shared_memory():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_decode_kernel_built() -> None:
-    """Compile the CPU decode-attention kernel (kernels/paged_decode_cpu.py) once, up front, so that
+def cpu_kernels_built() -> None:
+    """Compile the CPU kernels (kernels/cpu_ops.py) once, up front, so that
     no worker process a test starts spends its start-up time limit waiting for the compiler."""
-    from kernels import paged_decode_cpu
+    from kernels import cpu_ops
 
-    paged_decode_cpu.load()
+    cpu_ops.load()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import torch
 
 from services.gpu_worker.attention import TorchOps, TritonOps
 from services.gpu_worker.model_runner import ModelRunner
-from tests.test_kernels import has_cpu_decode_kernel
+from tests.test_kernels import has_cpu_kernels
 from tests.test_model import PlanBuilder, runner_logits
 
 pytestmark = [
@@ -64,7 +64,7 @@ def test_unknown_backend_is_refused(tiny_model_dir: Path) -> None:
 
 def test_cpu_decode_kernel_matches_torch_ops(tiny_model_dir: Path) -> None:
     """The CPU backend's decode with the C++ kernel (float32) against its gather + SDPA path."""
-    assert has_cpu_decode_kernel()
+    assert has_cpu_kernels()
     kernel_runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="torch")
     sdpa_runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="torch")
     assert kernel_runner.model.ops.has_decode_kernel

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import paged_decode_cpu
+from kernels import cpu_ops
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.paged_attention import (
     paged_decode_ref,
@@ -293,14 +293,14 @@ def test_decode_is_prefill_with_one_query():
     torch.testing.assert_close(decode, prefill)
 
 
-# ---------------------------------------------------------------- paged decode, C++ (CPU)
+# ---------------------------------------------------------------- C++ ops of the CPU path
 
 
-def has_cpu_decode_kernel() -> bool:
-    """The C++ kernel must build wherever the CPU has AVX2 (a failed build fails these tests)."""
+def has_cpu_kernels() -> bool:
+    """The C++ kernels must build wherever the CPU has AVX2 (a failed build fails these tests)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("the C++ decode kernel needs AVX2 + FMA")
-    return paged_decode_cpu.load()
+        pytest.skip("the C++ kernels need AVX2 + FMA")
+    return cpu_ops.load()
 
 
 @pytest.mark.parametrize(
@@ -315,28 +315,28 @@ def has_cpu_decode_kernel() -> bool:
     ],
 )
 def test_paged_decode_cpu_matches_ref(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
-    assert has_cpu_decode_kernel()
+    assert has_cpu_kernels()
     torch.manual_seed(num_q_heads * head_dim + block_size)
     seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 130]
     kv = PagedKV(seq_lens, num_kv_heads, head_dim, block_size, torch.float32)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
-    assert_close(paged_decode_cpu.paged_decode_cpu(*args), paged_decode_ref(*args))
+    assert_close(cpu_ops.paged_decode(*args), paged_decode_ref(*args))
     # A strided q (a view into the fused qkv projection, as the model passes it) reads the same.
     qkv = torch.cat((q, torch.randn(len(seq_lens), 2, head_dim)), dim=1)
     strided = (qkv[:, :num_q_heads], *args[1:])
-    assert_close(paged_decode_cpu.paged_decode_cpu(*strided), paged_decode_ref(*args))
+    assert_close(cpu_ops.paged_decode(*strided), paged_decode_ref(*args))
 
 
 def test_paged_decode_cpu_is_batch_independent():
     """A sequence's output does not depend on the others in its batch, bit for bit."""
-    assert has_cpu_decode_kernel()
+    assert has_cpu_kernels()
     torch.manual_seed(1)
     kv = PagedKV([5, 40, 77], 3, 64, 16, torch.float32)
     q = torch.randn(3, 9, 64)
-    together = paged_decode_cpu.paged_decode_cpu(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    together = cpu_ops.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
     for i in range(3):
-        alone = paged_decode_cpu.paged_decode_cpu(
+        alone = cpu_ops.paged_decode(
             q[i : i + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1], kv.seq_lens[i : i + 1], 0.125
         )
         assert torch.equal(alone, together[i : i + 1])
@@ -344,14 +344,14 @@ def test_paged_decode_cpu_is_batch_independent():
 
 def test_paged_decode_cpu_refuses_bad_input():
     """Lengths, block ids and shapes are checked before any page is read: an error, not a crash."""
-    assert has_cpu_decode_kernel()
+    assert has_cpu_kernels()
     kv = PagedKV([20, 3], 2, 32, 16, torch.float32)
     q = torch.randn(2, 4, 32)
 
     def run(**changes):
         args = {"q": q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "block_tables": kv.block_tables}
         args |= {"seq_lens": kv.seq_lens, "scale": 0.2, **changes}
-        return paged_decode_cpu.paged_decode_cpu(**args)
+        return cpu_ops.paged_decode(**args)
 
     bad_table = kv.block_tables.clone()
     bad_table[0, 1] = kv.k_cache.shape[0]
@@ -366,18 +366,45 @@ def test_paged_decode_cpu_refuses_bad_input():
         run(q=q[..., :24], k_cache=kv.k_cache[..., :24].contiguous(), v_cache=kv.v_cache[..., :24].contiguous())
     with pytest.raises(RuntimeError, match="heads"):
         run(q=torch.randn(2, 3, 32))
-    assert not paged_decode_cpu.supports(32, torch.bfloat16)
+    assert not cpu_ops.has_paged_decode(32, torch.bfloat16)
 
 
 def test_paged_decode_cpu_without_a_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A failed build is reported (False, logged), not raised: the CPU path keeps its torch ops."""
     monkeypatch.setenv("BRIGADE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    paged_decode_cpu.load.cache_clear()
+    cpu_ops.load.cache_clear()
     try:
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            assert not paged_decode_cpu.load()
-            assert not paged_decode_cpu.supports(64, torch.float32)
+            assert not cpu_ops.load()
+            assert not cpu_ops.has_paged_decode(64, torch.float32)
         assert list(tmp_path.rglob("*.so*")) == []  # no half-written build left behind
     finally:
-        paged_decode_cpu.load.cache_clear()
+        cpu_ops.load.cache_clear()
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (40, 7), (3, 130)])
+def test_few_rows_linear_matches_f_linear(in_features: int, out_features: int):
+    """0-4 rows, with and without bias, a strided input; in_features off the 32-wide loop too."""
+    assert has_cpu_kernels()
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for num_rows in range(5):
+        x = torch.randn(in_features, num_rows, generator=gen).t()  # [num_rows, in], transposed strides
+        for b in (None, bias):
+            got = cpu_ops.few_rows_linear(x, weight, b)
+            torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_few_rows_linear_refuses_bad_input():
+    assert has_cpu_kernels()
+    weight = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        cpu_ops.few_rows_linear(torch.randn(5, 16), weight)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_ops.few_rows_linear(torch.randn(2, 15), weight)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.few_rows_linear(torch.randn(2, 16, dtype=torch.float64), weight)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_ops.few_rows_linear(torch.randn(2, 16), weight, torch.randn(7))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from kernels import cpu_ops
 from services.gpu_worker.model import CAN_PREPACK, prepack, prepacked_linear
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 
@@ -213,20 +214,13 @@ def test_tiny_block_boundaries(tiny, length):
         torch.testing.assert_close(logits[0], hf_last_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_few_rows_use_transposed_weights(tiny):
-    """Steps of 1-3 rows multiply by the [in, out] weight copies (float32 on the CPU); they must
-    give HF's logits, as the 4-row step on the prepacked (or, without oneDNN, [out, in]) weights does."""
-    runner, hf = tiny
-    model = runner.model
-    assert model.lm_head_t is not None and all(layer.transposed is not None for layer in model.layers)
-    assert (model.lm_head_prepacked is not None) == CAN_PREPACK
-    assert all((layer.prepacked is not None) == CAN_PREPACK for layer in model.layers)
-    torch.testing.assert_close(model.layers[0].transposed[2], model.layers[0].gate_up.t())
+def few_row_steps_match_hf(runner: ModelRunner, hf, max_rows: int) -> None:
+    """Decode steps of 1..max_rows rows after one prefill give HF's logits."""
     rng = np.random.default_rng(4)
     builder = PlanBuilder()
-    histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(4)}
+    histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(max_rows)}
     runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
-    for num_seqs in (1, 2, 3, 4):  # the last one takes the prepacked path
+    for num_seqs in range(1, max_rows + 1):
         chunks = []
         for i in range(num_seqs):
             histories[i].append(int(rng.integers(0, runner.vocab_size)))
@@ -234,6 +228,29 @@ def test_tiny_few_rows_use_transposed_weights(tiny):
         logits = runner_logits(runner, builder, chunks)
         for row in range(num_seqs):
             torch.testing.assert_close(logits[row], hf_last_logits(hf, histories[row]), atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_few_rows_use_the_few_rows_kernel(tiny):
+    """Steps of 1-4 rows multiply through cpu_ops.few_rows_linear (float32 on the CPU) and must give
+    HF's logits, as the 5-row step on the prepacked (or, without oneDNN, [out, in]) weights does."""
+    runner, hf = tiny
+    model = runner.model
+    assert model.has_few_rows_linear and model.lm_head_t is None
+    assert [model._layout(n) for n in (1, 4)] == ["few_rows", "few_rows"]
+    assert (model.lm_head_prepacked is not None) == CAN_PREPACK
+    assert all((layer.prepacked is not None) == CAN_PREPACK for layer in model.layers)
+    few_row_steps_match_hf(runner, hf, 5)
+
+
+def test_tiny_without_the_kernel_uses_transposed_weights(tiny, tiny_model_dir, monkeypatch):
+    """Without the few-rows kernel (no compiler), 1-3 rows multiply by [in, out] weight copies."""
+    monkeypatch.setattr(cpu_ops, "has_few_rows_linear", lambda dtype: False)
+    runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE)
+    model = runner.model
+    assert model.lm_head_t is not None and all(layer.transposed is not None for layer in model.layers)
+    assert model._layout(3) == "transposed"
+    torch.testing.assert_close(model.layers[0].transposed[2], model.layers[0].gate_up.t())
+    few_row_steps_match_hf(runner, tiny[1], 4)
 
 
 @pytest.mark.skipif(not CAN_PREPACK, reason="torch built without oneDNN")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_decode_cpu
+from kernels import cpu_ops
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Shapes:
 
 class TorchOps:
     """CPU path: torch ops over the same paged layout. Decode in float32 runs the C++ kernel of
-    kernels/paged_decode_cpu.cpp, which reads the pages in place. Otherwise (other dtypes, or no
+    kernels/cpu_ops.cpp, which reads the pages in place. Otherwise (other dtypes, or no
     kernel) it gathers each sequence's pages once per layer (one index_select of contiguous [Hk*D]
     rows) and runs one batched SDPA with the query heads of a KV group as the query rows, so
     grouped KV heads are never repeated."""
@@ -80,7 +80,7 @@ class TorchOps:
         self.block_size = shapes.block_size
         self.device = device
         self.dtype = dtype
-        self.has_decode_kernel = paged_decode_cpu.supports(shapes.head_dim, dtype)
+        self.has_decode_kernel = cpu_ops.has_paged_decode(shapes.head_dim, dtype)
         # Full-width rotary tables [max_pos, D] (see StepMeta.cos), built once.
         half = shapes.head_dim // 2
         cos, sin = shapes.cos_sin[:, :half], shapes.cos_sin[:, half:]
@@ -195,7 +195,7 @@ class TorchOps:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMeta, scale: float
     ) -> torch.Tensor:
         if meta.decode_tables is not None:
-            return paged_decode_cpu.paged_decode_cpu(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)

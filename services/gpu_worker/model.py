@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from services.gpu_worker.attention import Shapes, StepMeta, make_ops
 from services.gpu_worker.parallel import Parallel
 
@@ -86,11 +87,13 @@ def rope_cos_sin(config: LlamaConfig, dtype: torch.dtype, device: torch.device) 
 # below it the GEMV is bound by reading weights, where half precision's half bytes win.
 UPCAST_MIN_ROWS = 4
 
-# float32 on the CPU: up to this many rows torch multiplies by a GEMV, which reads [in, out]
-# weights (W^T, row-major) much faster than the [out, in] ones F.linear takes: the 30 layers' gate_up
-# and down 0.84x / 0.68x / 0.68x the time at 1 / 2 / 3 rows, the LM head 0.53x at 1 row, a SmolLM2
-# batch-1 decode step 0.78x. From 4 rows on the GEMM is ~1.3x slower on them, so both layouts are
-# kept (540 MB more for SmolLM2; with CAN_PREPACK below, three copies in all).
+# float32 on the CPU, steps of up to cpu_ops.MAX_LINEAR_ROWS rows: the C++ few-rows linear reads
+# each [out, in] weight row once for all the rows, on every thread (SmolLM2's 30 layers at 2
+# threads: 22 / 21 / 31 / 30 ms at 1 / 2 / 3 / 4 rows against 37 / 57 / 72 / 136 ms for torch's
+# GEMV on [in, out] copies, 51 / 79 / 119 / 98 ms for F.linear). Without the kernel (no compiler)
+# up to this many rows multiply by [in, out] weight copies (W^T, row-major), which torch's GEMV
+# reads much faster than the [out, in] ones F.linear takes (a SmolLM2 batch-1 step 0.78x); that
+# fallback keeps a third copy of the weights (540 MB more for SmolLM2).
 TRANSPOSED_MAX_ROWS = 3
 
 # float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies by weights reordered
@@ -172,14 +175,17 @@ class LlamaLayer:
         self.post_norm = empty(h)
         self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
         self.down = empty(h, shard.intermediate_size)  # row-parallel
-        # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows (TRANSPOSED_MAX_ROWS),
-        # and reordered for oneDNN, for steps of more (CAN_PREPACK): float32 on the CPU only.
+        # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
+        # kernel (TRANSPOSED_MAX_ROWS), and reordered for oneDNN, for steps of more (CAN_PREPACK):
+        # float32 on the CPU only.
         self.transposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.prepacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.qkv, self.o_proj, self.gate_up, self.down
+
+    few_rows = plain  # what cpu_ops.few_rows_linear multiplies by
 
 
 class LlamaModel:
@@ -223,9 +229,10 @@ class LlamaModel:
         self.upcast_min_rows = sys.maxsize
         if is_half and not has_native_half_matmul(device):
             self.upcast_min_rows = UPCAST_MIN_ROWS
-        self.keep_transposed = device.type == "cpu" and dtype == torch.float32
-        self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, with keep_transposed
-        self.lm_head_prepacked: torch.Tensor | None = None  # with keep_transposed and CAN_PREPACK
+        self.is_cpu_float32 = device.type == "cpu" and dtype == torch.float32
+        self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_few_rows_linear(dtype)
+        self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
+        self.lm_head_prepacked: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -310,14 +317,18 @@ class LlamaModel:
             expected += 3 * len(self.layers)
         if len(self._loaded) < expected:
             raise ValueError(f"only {len(self._loaded)} of {expected} weights were found")
-        if self.keep_transposed:
-            for layer in self.layers:
+        if not self.is_cpu_float32:
+            return
+        keep_transposed = not self.has_few_rows_linear
+        for layer in self.layers:
+            if keep_transposed:
                 layer.transposed = tuple(w.t().contiguous() for w in layer.plain)  # type: ignore[assignment]
-                if CAN_PREPACK:
-                    layer.prepacked = tuple(prepack(w) for w in layer.plain)  # type: ignore[assignment]
-            self.lm_head_t = self.lm_head.t().contiguous()
             if CAN_PREPACK:
-                self.lm_head_prepacked = prepack(self.lm_head)
+                layer.prepacked = tuple(prepack(w) for w in layer.plain)  # type: ignore[assignment]
+        if keep_transposed:
+            self.lm_head_t = self.lm_head.t().contiguous()
+        if CAN_PREPACK:
+            self.lm_head_prepacked = prepack(self.lm_head)
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -354,7 +365,12 @@ class LlamaModel:
         if lm_layout == "plain" and num_sampled >= self.upcast_min_rows:
             logits = F.linear(x.float(), self.lm_head.float())  # float32 logits, not rounded back
         else:
-            lm_head = {"plain": self.lm_head, "transposed": self.lm_head_t, "prepacked": self.lm_head_prepacked}
+            lm_head = {
+                "plain": self.lm_head,
+                "few_rows": self.lm_head,
+                "transposed": self.lm_head_t,
+                "prepacked": self.lm_head_prepacked,
+            }
             logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
         if not self.parallel.is_parallel:
             return logits
@@ -362,11 +378,15 @@ class LlamaModel:
 
     def _layout(self, num_rows: int) -> str:
         """Which copy of the weights (a LlamaLayer attribute) multiplies a step of this many rows."""
+        if self.has_few_rows_linear and num_rows <= cpu_ops.MAX_LINEAR_ROWS:
+            return "few_rows"
         if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
             return "transposed"
         return "plain" if self.lm_head_prepacked is None else "prepacked"
 
     def _linear(self, layout: str, num_rows: int) -> Callable[..., torch.Tensor]:
+        if layout == "few_rows":
+            return cpu_ops.few_rows_linear
         if layout == "transposed":
             return linear_t
         if layout == "prepacked":

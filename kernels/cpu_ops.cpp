@@ -1,8 +1,12 @@
-// Paged decode attention for the CPU (float32, AVX2 + FMA): one query token per sequence against
-// its context, read in place from the paged KV cache. The torch path gathers every sequence's
-// pages into a dense copy first and then runs SDPA; this reads each page once, where it lies.
+// The CPU path's two C++ ops (float32, AVX2 + FMA), registered as torch.ops.brigade.* and built
+// on first use by kernels/cpu_ops.py:
 //
-// Registered as torch.ops.brigade.paged_decode; built on first use by kernels/paged_decode_cpu.py.
+// - paged_decode: one query token per sequence against its context, read in place from the paged
+//   KV cache. The torch path gathers every sequence's pages into a dense copy first and then runs
+//   SDPA; this reads each page once, where it lies.
+// - few_rows_linear: x @ W^T (+ bias) for a step of 1-4 rows, which is bound by reading the
+//   weights: each [out, in] weight row is read once for all the step's rows, the output rows split
+//   over the threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -141,12 +145,73 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+template <int R>
+void few_rows_times_weight(const float* x, const float* w, const float* bias, float* out, int64_t in_features,
+                           int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* row = w + n * in_features;
+    // Four partial sums per input row: enough independent FMAs to keep up with the weight stream.
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= in_features; k += 32) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256 wv = _mm256_loadu_ps(row + k + 8 * j);
+        for (int r = 0; r < R; ++r)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in_features + k + 8 * j), wv, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+      for (int64_t t = k; t < in_features; ++t) sum += x[r * in_features + t] * row[t];
+      out[r * out_features + n] = bias ? sum + bias[n] : sum;
+    }
+  }
+}
+
+// x [R, in] with R in 0..4, weight [out, in], bias [out] or none -> [R, out].
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "few_rows_linear: x [R, in] and weight [out, in]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "few_rows_linear: float32 only");
+  TORCH_CHECK(x.size(0) <= 4, "few_rows_linear: at most 4 rows, got ", x.size(0));
+  TORCH_CHECK(weight.is_contiguous(), "few_rows_linear: the weight must be contiguous");
+  const auto rows = x.contiguous();
+  const int64_t num_rows = rows.size(0), in_features = rows.size(1), out_features = weight.size(0);
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features, "few_rows_linear: bias [out]");
+    bias_c = bias->contiguous();
+  }
+  auto out = at::empty({num_rows, out_features}, rows.options());
+  if (num_rows == 0) return out;
+  const float* x_data = rows.data_ptr<float>();
+  const float* w_data = weight.data_ptr<float>();
+  const float* b_data = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  constexpr int64_t kGrain = 64;  // output rows per task: enough weight bytes to amortize the hand-off
+  at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
+    switch (num_rows) {
+      case 1: return few_rows_times_weight<1>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
+      case 2: return few_rows_times_weight<2>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
+      case 3: return few_rows_times_weight<3>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
+      default: return few_rows_times_weight<4>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(brigade, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(brigade, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(brigade, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("few_rows_linear", &few_rows_linear);
+}
