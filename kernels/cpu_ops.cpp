@@ -7,6 +7,12 @@
 // - few_rows_linear: x @ W^T (+ bias) for a step of 1-4 rows, which is bound by reading the
 //   weights: each [out, in] weight row is read once for all the step's rows, the output rows split
 //   over the threads.
+// - add_rms_norm: the residual add and RMSNorm of a decoder layer in one pass over each row (torch
+//   runs them as about ten small ops, which is most of their cost at a few rows).
+// - few_rows_linear_quantized: the same from weights kept in a GGUF block format (Q4_1, Q8_0),
+//   read as they are: a quarter (Q8_0) or a sixth (Q4_1) of the float32 bytes. It computes with the
+//   exact values the float32 copy holds (that copy is their dequantization), so a step gives the
+//   same logits whichever path its size takes, up to float32 summation order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -202,6 +209,160 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
+// GGUF blocks of 32 weights along a row (ggml's block_q4_1 and block_q8_0), their quants
+// reordered once at load (kernels/cpu_ops.py, `to_lanes`) so that 8 consecutive weights come out
+// of one 16-byte broadcast with per-lane shifts, no byte shuffles: weight k = 8 v + i (vector v,
+// lane i) sits in 32-bit word i % 4 of its 16 bytes, at nibble (Q4_1) or byte (Q8_0) position
+// 2 v + i / 4, counted within its 16-byte half for Q8_0.
+struct BlockQ4_1 {
+  uint16_t d, m;  // float16 scale and minimum: w = d * q + m, q in 0..15
+  uint8_t qs[16];
+};
+struct BlockQ8_0 {
+  uint16_t d;  // float16 scale: w = d * q, q in -128..127
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block layouts");
+constexpr int64_t kBlockWeights = 32;
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+inline __m256i broadcast16(const void* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// One block's four vectors of 8 weights, as the integers q (the scale and minimum apply outside).
+inline void unpack(const BlockQ4_1& block, __m256 q[4]) {
+  const __m256i words = broadcast16(block.qs);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i shifts = _mm256_setr_epi32(8 * v, 8 * v, 8 * v, 8 * v, 8 * v + 4, 8 * v + 4, 8 * v + 4, 8 * v + 4);
+    q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask));
+  }
+}
+inline void unpack(const BlockQ8_0& block, __m256 q[4]) {
+  const __m256i halves[2] = {broadcast16(block.qs), broadcast16(block.qs + 16)};
+  for (int v = 0; v < 4; ++v) {
+    // Byte position b moves to the top of its word, then an arithmetic shift sign-extends it.
+    const int low = 24 - 16 * (v % 2), high = low - 8;
+    const __m256i shifts = _mm256_setr_epi32(low, low, low, low, high, high, high, high);
+    q[v] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(halves[v / 2], shifts), 24));
+  }
+}
+// out[r, n] = sum over blocks b of d_b * (x_b . q_b) + m_b * sum(x_b) (Q4_1's minimum m_b). The
+// minimum's term goes into the same vector sum, as m_b times the block's 8-lane partial sums of x
+// (block_sums, made once per call): no scalar sum carried from block to block. Even and odd blocks
+// add into separate sums, so that the loop is bound by its work, not by FMA latency.
+template <typename Block, int R>
+inline void add_block(const float* x, const float* block_sums, const Block& block, int64_t b, int64_t num_blocks,
+                      __m256 acc[R]) {
+  __m256 q[4];
+  unpack(block, q);
+  const __m256 d = _mm256_set1_ps(half_to_float(block.d));
+  for (int r = 0; r < R; ++r) {
+    const float* xb = x + (r * num_blocks + b) * kBlockWeights;
+    const __m256 front = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]));
+    const __m256 back = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), q[2]));
+    acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(front, back), acc[r]);
+    if constexpr (std::is_same_v<Block, BlockQ4_1>) {
+      const __m256 m = _mm256_set1_ps(half_to_float(block.m));
+      acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(block_sums + (r * num_blocks + b) * 8), acc[r]);
+    }
+  }
+}
+
+template <typename Block, int R>
+void few_rows_times_blocks(const float* x, const float* block_sums, const Block* w, float* out,
+                           int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const Block* row = w + n * num_blocks;
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= num_blocks; b += 2) {
+      add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
+      add_block<Block, R>(x, block_sums, row[b + 1], b + 1, num_blocks, odd);
+    }
+    if (b < num_blocks) add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
+    for (int r = 0; r < R; ++r) out[r * out_features + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+  }
+}
+
+template <typename Block>
+at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
+  const int64_t num_blocks = in_features / kBlockWeights;
+  TORCH_CHECK(in_features % kBlockWeights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
+              "few_rows_linear_quantized: ", in_features, " inputs need ", num_blocks, " blocks of ",
+              sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
+  const auto rows = x.contiguous();
+  auto out = at::empty({num_rows, out_features}, rows.options());
+  if (num_rows == 0) return out;
+  const float* x_data = rows.data_ptr<float>();
+  // Each block's x as 8-lane partial sums (lane j: x[j] + x[8 + j] + x[16 + j] + x[24 + j]).
+  std::vector<float> block_sums(num_rows * num_blocks * 8);
+  for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
+    const float* xb = x_data + i * kBlockWeights;
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+    _mm256_storeu_ps(block_sums.data() + i * 8, sum);
+  }
+  const float* s_data = block_sums.data();
+  const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    switch (num_rows) {
+      case 1: return few_rows_times_blocks<Block, 1>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
+      case 2: return few_rows_times_blocks<Block, 2>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
+      case 3: return few_rows_times_blocks<Block, 3>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
+      default: return few_rows_times_blocks<Block, 4>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
+    }
+  });
+  return out;
+}
+
+// x [R, in] with R in 0..4, blocks [out, in / 32 * block bytes] uint8 in `format`, reordered by
+// `to_lanes` -> [R, out].
+at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "few_rows_linear_quantized: x [R, in] float32");
+  TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized: at most 4 rows, got ", x.size(0));
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "few_rows_linear_quantized: blocks [out, bytes] uint8, contiguous");
+  if (format == "Q4_1") return few_rows_blocks_linear<BlockQ4_1>(x, blocks);
+  if (format == "Q8_0") return few_rows_blocks_linear<BlockQ8_0>(x, blocks);
+  TORCH_CHECK(false, "few_rows_linear_quantized: unknown format ", format, " (Q4_1 or Q8_0)");
+}
+
+// summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  weight.numel() == x.size(1),
+              "add_rms_norm: x [T, H] and weight [H], float32");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!has_residual || residual->sizes() == x.sizes(), "add_rms_norm: residual must be shaped like x");
+  const auto rows = x.contiguous();
+  const auto w = weight.contiguous();
+  at::Tensor summed = has_residual ? rows + *residual : rows;
+  summed = summed.contiguous();
+  auto normed = at::empty_like(summed);
+  const int64_t num_rows = summed.size(0), hidden = summed.size(1);
+  const float* s_data = summed.data_ptr<float>();
+  const float* w_data = w.data_ptr<float>();
+  float* out = normed.data_ptr<float>();
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = s_data + t * hidden;
+      float squares = 0.f;
+      for (int64_t h = 0; h < hidden; ++h) squares += row[h] * row[h];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps_f);
+      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = row[h] * inv * w_data[h];
+    }
+  });
+  return {normed, summed};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(brigade, m) {
@@ -209,9 +370,13 @@ TORCH_LIBRARY(brigade, m) {
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(brigade, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("few_rows_linear", &few_rows_linear);
+  m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
+  m.impl("add_rms_norm", &add_rms_norm);
 }

@@ -1,5 +1,5 @@
-"""The CPU path's C++ ops (cpu_ops.cpp): paged decode attention and the few-rows linear,
-compiled on first use.
+"""The CPU path's C++ ops (cpu_ops.cpp): paged decode attention, the few-rows linear (from
+float32 or GGUF-quantized weights) and the fused residual add + RMSNorm, compiled on first use.
 
 The host's C++ compiler builds it once per source and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 20 s the first time, a
@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # paged_decode's compiled head sizes
 MAX_LINEAR_ROWS = 4  # few_rows_linear's
 BUILD_TIMEOUT_S = 600
-FLAGS = ("-shared", "-fPIC", "-std=c++20", "-O3", "-mavx2", "-mfma", "-fopenmp")
+FLAGS = ("-shared", "-fPIC", "-std=c++20", "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 
 
 def _compile_command(output: Path) -> list[str]:
@@ -87,7 +88,8 @@ def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and head_dim in HEAD_DIMS and load()
 
 
-def has_few_rows_linear(dtype: torch.dtype) -> bool:
+def has_kernels(dtype: torch.dtype) -> bool:
+    """The ops for float32 tensors of any shape: few_rows_linear(_quantized), add_rms_norm."""
     return dtype == torch.float32 and load()
 
 
@@ -107,3 +109,60 @@ def paged_decode(
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x of at most MAX_LINEAR_ROWS rows, from the [out, in] weight read once."""
     return torch.ops.brigade.few_rows_linear(x, weight, bias)
+
+
+QUANTIZED_FORMATS = ("Q4_1", "Q8_0")  # GGUF block formats few_rows_linear_quantized reads
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+BLOCK_WEIGHTS = 32
+
+
+def _lane_order() -> tuple[np.ndarray, np.ndarray]:
+    """For weight k = 8 v + i of a block: its 32-bit word (i % 4) and its position (2 v + i / 4)
+    in the layout the kernel reads (see cpu_ops.cpp)."""
+    k = np.arange(BLOCK_WEIGHTS)
+    v, i = k // 8, k % 8
+    return i % 4, 2 * v + i // 4
+
+
+def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """GGUF blocks [rows, bytes] (uint8) with their quants reordered for the kernel; the scales
+    and minimums stay where they are, and every weight keeps its value."""
+    if fmt not in QUANTIZED_FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}: expected one of {QUANTIZED_FORMATS}")
+    num_rows = blocks.shape[0]
+    size = BLOCK_BYTES[fmt]
+    grouped = blocks.reshape(num_rows, -1, size)
+    header = size - 16 if fmt == "Q4_1" else size - 32
+    quants = grouped[:, :, header:]
+    word, position = _lane_order()
+    out = grouped.copy()
+    if fmt == "Q4_1":
+        k = np.arange(BLOCK_WEIGHTS)
+        # GGUF: weight k < 16 is the low nibble of byte k, weight k >= 16 the high nibble of byte k - 16.
+        values = np.where(k < 16, quants[..., k % 16] & 0x0F, quants[..., k % 16] >> 4)
+        target = 4 * word + position // 2  # byte of the nibble
+        packed = np.zeros_like(quants)
+        for low_or_high in (0, 1):
+            chosen = position % 2 == low_or_high
+            packed[..., target[chosen]] |= (values[..., chosen] << (4 * low_or_high)).astype(np.uint8)
+        out[:, :, header:] = packed
+    else:  # Q8_0
+        half = position // 4  # vectors 0-1 read the first 16 bytes, 2-3 the second
+        target = 16 * half + 4 * word + position % 4
+        reordered = np.empty_like(quants)
+        reordered[..., target] = quants
+        out[:, :, header:] = reordered
+    return out.reshape(num_rows, -1)
+
+
+def few_rows_linear_quantized(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """F.linear for x of at most MAX_LINEAR_ROWS rows from weights in a GGUF block format:
+    blocks [out, in / 32 * block bytes] uint8, each row its GGUF blocks reordered by `to_lanes`."""
+    return torch.ops.brigade.few_rows_linear_quantized(x, blocks, fmt)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual), residual None meaning none, in one pass."""
+    return torch.ops.brigade.add_rms_norm(x, weight, eps, residual)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -408,3 +409,55 @@ def test_few_rows_linear_refuses_bad_input():
         cpu_ops.few_rows_linear(torch.randn(2, 16, dtype=torch.float64), weight)
     with pytest.raises(RuntimeError, match="bias"):
         cpu_ops.few_rows_linear(torch.randn(2, 16), weight, torch.randn(7))
+
+
+@pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5)])
+def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: int, out_features: int):
+    """GGUF blocks (made by gguf's own quantizer), reordered by to_lanes, multiply like their
+    dequantization (gguf's own) does with F.linear: 0-4 rows, strided input."""
+    assert has_cpu_kernels()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[fmt]
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    blocks = quantize(torch.randn(out_features, in_features, generator=gen).numpy(), qtype)
+    weight = torch.from_numpy(dequantize(blocks, qtype).astype("float32"))
+    lanes = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+    assert lanes.shape == blocks.shape and not np.array_equal(lanes.numpy(), blocks)
+    for num_rows in range(5):
+        x = torch.randn(in_features, num_rows, generator=gen).t()
+        got = cpu_ops.few_rows_linear_quantized(x, lanes, fmt)
+        torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_few_rows_linear_quantized_refuses_bad_input():
+    assert has_cpu_kernels()
+    blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
+    with pytest.raises(RuntimeError, match="unknown format"):
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks, "Q5_K")
+    with pytest.raises(RuntimeError, match="bytes"):
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, 96), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        cpu_ops.few_rows_linear_quantized(torch.randn(5, 64), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="uint8"):
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks.float(), "Q4_1")
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        cpu_ops.to_lanes(blocks.numpy(), "Q5_K")
+
+
+def test_add_rms_norm_matches_torch():
+    assert has_cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(576, generator=gen)
+    for num_rows in (1, 4, 64):
+        x, residual = torch.randn(num_rows, 576, generator=gen), torch.randn(num_rows, 576, generator=gen)
+        normed, summed = cpu_ops.add_rms_norm(x, weight, 1e-5, residual)
+        torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+        torch.testing.assert_close(normed, F.rms_norm(x + residual, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5)
+        normed, summed = cpu_ops.add_rms_norm(x, weight, 1e-5, None)
+        assert torch.equal(summed, x)
+        torch.testing.assert_close(normed, F.rms_norm(x, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_ops.add_rms_norm(x, weight, 1e-5, torch.randn(2, 576))

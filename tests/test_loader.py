@@ -43,6 +43,26 @@ def test_gguf_conversion_matches_transformers(smollm2_dir: Path):
         assert (smollm2_dir / name).exists(), name
 
 
+def test_gguf_blocks_are_the_converted_weights(smollm2_dir: Path):
+    """quantized.safetensors keeps every Q4_1 / Q8_0 weight as its GGUF blocks, rows in HF order
+    (Q and K unpermuted like the float32 copy): dequantized, each is exactly that copy."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    ours = load_file(str(smollm2_dir / "model.safetensors"))
+    with safe_open(str(smollm2_dir / loader.QUANTIZED_FILE), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        assert len(formats) == 211 and set(formats.values()) == {"Q4_1", "Q8_0"}  # 30 layers x 7, embedding
+        assert set(formats) <= set(ours)
+        for name in ("model.embed_tokens.weight", *(f"model.layers.{i}.{w}.weight" for i in (0, 29) for w in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))):  # fmt: skip
+            blocks = f.get_tensor(name).numpy()
+            weight = dequantize(blocks, GGMLQuantizationType[formats[name]]).astype("float32")
+            torch.testing.assert_close(torch.from_numpy(weight), ours[name], atol=0, rtol=0, msg=name)
+
+
 def test_cache_hit_is_fast_and_hf_dirs_pass_through(smollm2_dir: Path):
     start = time.perf_counter()
     assert prepare_model(None) == smollm2_dir

@@ -151,6 +151,10 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
     hf_logprobs = torch.stack(gen.scores, dim=1).log_softmax(-1)  # [B, new, V] (raw: greedy, no warpers)
 
     runner = ModelRunner(smollm2_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=2)
+    # Steps of 1-4 rows (each prompt alone below, and every decode step here) multiply from the
+    # GGUF blocks; the rest from the float32 copy.
+    assert all(q is not None for layer in runner.model.layers for q in layer.quantized)
+    assert runner.model.lm_head_quantized is not None
     batched, batched_lp = generate(runner, prompts, max_new)
     for i, prompt in enumerate(prompts):
         assert batched[i] == hf_ids[i], f"prompt {i} batched"
@@ -242,9 +246,33 @@ def test_tiny_few_rows_use_the_few_rows_kernel(tiny):
     few_row_steps_match_hf(runner, hf, 5)
 
 
+def test_gguf_blocks_that_differ_from_the_weights_are_refused(tiny, caplog):
+    """Blocks that do not hold the loaded weights (here: a fresh Q8_0 quantization of them, off by
+    its rounding) are not used: the weight stays float32, with a warning, and logits stay HF's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    runner, hf = tiny
+    model = runner.model
+    blocks, formats = {}, {}
+    for i in range(len(model.layers)):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        blocks[name] = torch.from_numpy(quantize(model.layers[i].down.numpy(), GGMLQuantizationType.Q8_0))
+        formats[name] = "Q8_0"
+    try:
+        with caplog.at_level("WARNING"):
+            model.load_quantized(blocks, formats)
+        assert all(layer.quantized == (None, None, None, None) for layer in model.layers)
+        assert "do not match" in caplog.text
+        few_row_steps_match_hf(runner, hf, 2)
+    finally:
+        for layer in model.layers:
+            layer.quantized = (None, None, None, None)
+
+
 def test_tiny_without_the_kernel_uses_transposed_weights(tiny, tiny_model_dir, monkeypatch):
     """Without the few-rows kernel (no compiler), 1-3 rows multiply by [in, out] weight copies."""
-    monkeypatch.setattr(cpu_ops, "has_few_rows_linear", lambda dtype: False)
+    monkeypatch.setattr(cpu_ops, "has_kernels", lambda dtype: False)
     runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE)
     model = runner.model
     assert model.lm_head_t is not None and all(layer.transposed is not None for layer in model.layers)

@@ -81,6 +81,7 @@ class TorchOps:
         self.device = device
         self.dtype = dtype
         self.has_decode_kernel = cpu_ops.has_paged_decode(shapes.head_dim, dtype)
+        self.has_norm_kernel = cpu_ops.has_kernels(dtype)
         # Full-width rotary tables [max_pos, D] (see StepMeta.cos), built once.
         half = shapes.head_dim // 2
         cos, sin = shapes.cos_sin[:, :half], shapes.cos_sin[:, half:]
@@ -90,6 +91,8 @@ class TorchOps:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.has_norm_kernel:  # one op instead of about ten (60 -> 14 us a call at one row)
+            return cpu_ops.add_rms_norm(x, weight, eps, residual)
         if residual is not None:
             x = x + residual
         return F.rms_norm(x, weight.shape, weight, eps), x

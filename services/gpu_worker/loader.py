@@ -1,7 +1,9 @@
 """Model files: turns a GGUF file or an HF dir into an HF-format dir, and loads its weights.
 
 A GGUF is converted once (dequantized weights, config.json, tokenizer files) into a cache dir; the
-light stages then read the tokenizer from that dir without torch.
+light stages then read the tokenizer from that dir without torch. The weights GGUF stores in a block
+format the CPU kernels read (Q4_1, Q8_0) are also kept as they are, in quantized.safetensors: a
+float32 CPU worker multiplies steps of few rows from those bytes (kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Part of the conversion cache key: a new version reconverts (2: quantized.safetensors).
+CONVERSION_VERSION = 2
+QUANTIZED_FILE = "quantized.safetensors"
+QUANTIZED_FORMATS = ("Q4_1", "Q8_0")  # the block formats kernels/cpu_ops.py reads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -45,7 +51,8 @@ def prepare_model(source: str | None, cache_dir: Path | None = None) -> Path:
     if path.suffix != ".gguf":
         raise ValueError(f"unsupported model source {path}: expected a .gguf file or an HF model dir")
     stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
@@ -120,27 +127,49 @@ def _gguf_config(reader) -> dict:
     return config
 
 
+def _hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, or None for tensors the model does not use."""
+    top = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head", "output_norm.weight": "model.norm"}
+    if gguf_name in top:
+        return top[gguf_name] + ".weight"
+    if gguf_name.startswith("blk."):
+        _, layer, kind, suffix = gguf_name.split(".")
+        if kind in GGUF_TO_HF:
+            return f"model.layers.{layer}.{GGUF_TO_HF[kind]}.{suffix}"
+    return None
+
+
+def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
+    """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted."""
+    if ".attn_q." in gguf_name:
+        return _unpermute(rows, config["num_attention_heads"])
+    if ".attn_k." in gguf_name:
+        return _unpermute(rows, config["num_key_value_heads"])
+    return rows
+
+
 def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if t.name in ("token_embd.weight", "output.weight", "output_norm.weight"):
-            name = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}[
-                t.name.split(".")[0]
-            ] + ".weight"
-        elif t.name.startswith("blk."):
-            _, layer, kind, suffix = t.name.split(".")
-            if kind not in GGUF_TO_HF:
-                continue
-            if kind == "attn_q":
-                w = _unpermute(w, config["num_attention_heads"])
-            elif kind == "attn_k":
-                w = _unpermute(w, config["num_key_value_heads"])
-            name = f"model.layers.{layer}.{GGUF_TO_HF[kind]}.{suffix}"
-        else:
+        name = _hf_name(t.name)
+        if name is None:
             continue
-        yield name, np.ascontiguousarray(w)
+        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
+        yield name, np.ascontiguousarray(_hf_rows(t.name, w, config))
+
+
+def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The 2-D weights in QUANTIZED_FORMATS as their raw GGUF blocks ([rows, bytes] uint8, rows in
+    HF order), and each one's format."""
+    blocks, formats = {}, {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type.name not in QUANTIZED_FORMATS or len(t.shape) != 2:
+            continue
+        blocks[name] = np.ascontiguousarray(_hf_rows(t.name, np.asarray(t.data), config))
+        formats[name] = t.tensor_type.name
+    return blocks, formats
 
 
 def convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -156,6 +185,9 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")
     )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    blocks, formats = _gguf_blocks(reader, config)
+    if blocks:
+        save_file(blocks, str(out / QUANTIZED_FILE), metadata={"formats": json.dumps(formats)})
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out))
     chat_template = _field(reader, "tokenizer.chat_template")
@@ -203,7 +235,15 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
 
 def load_weights(model, model_dir: Path) -> None:
     """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`, each read as
-    the slice `model.shard_spec(name)` names."""
+    the slice `model.shard_spec(name)` names; then, where the model takes them, the GGUF blocks
+    of quantized.safetensors via its `load_quantized(blocks, formats)`."""
     for name, tensor in iter_weights(model_dir, model.shard_spec):
         model.load_hf_weight(name, tensor)
     model.finish_loading()
+    path = model_dir / QUANTIZED_FILE
+    if model.takes_quantized and path.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            formats = json.loads(f.metadata()["formats"])
+            model.load_quantized({name: f.get_tensor(name) for name in f.keys()}, formats)  # noqa: SIM118

@@ -6,6 +6,7 @@ are plain tensors (merged QKV and gate_up projections), so a layer is a handful 
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from services.gpu_worker.attention import Shapes, StepMeta, make_ops
 from services.gpu_worker.parallel import Parallel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -159,6 +162,31 @@ class Shard:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight as GGUF blocks, in the order cpu_ops.few_rows_linear_quantized reads them."""
+
+    blocks: torch.Tensor  # [out, in / 32 * block bytes] uint8
+    format: str  # one of cpu_ops.QUANTIZED_FORMATS
+
+    @classmethod
+    def of(cls, parts: list[torch.Tensor], formats: list[str]) -> QuantizedWeight | None:
+        """The weight made of these HF weights' blocks stacked by rows; None unless one format."""
+        if len(set(formats)) != 1 or formats[0] not in cpu_ops.QUANTIZED_FORMATS:
+            return None
+        blocks = torch.cat(parts).numpy()
+        return cls(torch.from_numpy(cpu_ops.to_lanes(blocks, formats[0])), formats[0])
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Whether these blocks multiply like `weight` (which loading dequantized from them)."""
+        probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        if self.blocks.shape[0] != weight.shape[0]:
+            return False
+        expected = F.linear(probe, weight)
+        got = cpu_ops.few_rows_linear_quantized(probe, self.blocks, self.format)
+        return torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
 class LlamaLayer:
     """One decoder layer's weights (this rank's shard of them)."""
 
@@ -181,11 +209,18 @@ class LlamaLayer:
         self.transposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.prepacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+        # (qkv, o_proj, gate_up, down) in their GGUF block format where the model file has them
+        # (LlamaModel.load_quantized); None where it does not.
+        self.quantized: tuple[QuantizedWeight | None, ...] = (None, None, None, None)
+
     @property
     def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.qkv, self.o_proj, self.gate_up, self.down
 
-    few_rows = plain  # what cpu_ops.few_rows_linear multiplies by
+    @property
+    def few_rows(self) -> tuple[torch.Tensor | QuantizedWeight, ...]:
+        """What `few_rows_linear` multiplies by: the GGUF blocks where loaded, else the plain weight."""
+        return tuple(q if q is not None else w for q, w in zip(self.quantized, self.plain, strict=True))
 
 
 class LlamaModel:
@@ -230,9 +265,10 @@ class LlamaModel:
         if is_half and not has_native_half_matmul(device):
             self.upcast_min_rows = UPCAST_MIN_ROWS
         self.is_cpu_float32 = device.type == "cpu" and dtype == torch.float32
-        self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_few_rows_linear(dtype)
+        self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_kernels(dtype)
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
         self.lm_head_prepacked: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK
+        self.lm_head_quantized: QuantizedWeight | None = None  # see load_quantized
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -310,6 +346,37 @@ class LlamaModel:
         dst.copy_(tensor)
         self._loaded.add(name)
 
+    @property
+    def takes_quantized(self) -> bool:
+        """Whether `load_quantized` would use GGUF blocks: the few-rows kernel, one rank."""
+        return self.has_few_rows_linear and not self.parallel.is_parallel
+
+    def load_quantized(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
+        """Multiply steps of few rows from GGUF blocks (HF names) where they hold exactly the
+        weights loaded: each fused weight is checked against its float32 copy, and one that
+        differs (or is missing, or mixes formats) stays float32, with a warning."""
+
+        def quantized(names: list[str], weight: torch.Tensor) -> QuantizedWeight | None:
+            if not all(name in blocks for name in names):
+                return None
+            fused = QuantizedWeight.of([blocks[n] for n in names], [formats[n] for n in names])
+            if fused is not None and not fused.matches(weight):
+                log.warning("%s: the GGUF blocks do not match the loaded weights; using float32", names[0])
+                return None
+            return fused
+
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            names = (
+                [attn + f"{p}_proj.weight" for p in "qkv"],
+                [attn + "o_proj.weight"],
+                [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                [mlp + "down_proj.weight"],
+            )
+            layer.quantized = tuple(quantized(n, w) for n, w in zip(names, layer.plain, strict=True))
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_quantized = quantized([head], self.lm_head)
+
     def finish_loading(self) -> None:
         """Fail loudly on missing weights (a silently random layer would still 'work')."""
         expected = 3 + 9 * len(self.layers) - (1 if self.config.tie_word_embeddings else 0)
@@ -367,7 +434,7 @@ class LlamaModel:
         else:
             lm_head = {
                 "plain": self.lm_head,
-                "few_rows": self.lm_head,
+                "few_rows": self.lm_head if self.lm_head_quantized is None else self.lm_head_quantized,
                 "transposed": self.lm_head_t,
                 "prepacked": self.lm_head_prepacked,
             }
@@ -386,7 +453,7 @@ class LlamaModel:
 
     def _linear(self, layout: str, num_rows: int) -> Callable[..., torch.Tensor]:
         if layout == "few_rows":
-            return cpu_ops.few_rows_linear
+            return few_rows_linear
         if layout == "transposed":
             return linear_t
         if layout == "prepacked":
@@ -402,6 +469,16 @@ class LlamaModel:
         is_mine = (local >= 0) & (local < self.shard.num_vocab_rows)
         hidden = F.embedding(torch.where(is_mine, local, 0), self.embed)
         return self.parallel.all_reduce(hidden.masked_fill_(~is_mine.unsqueeze(-1), 0))
+
+
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear for a step of at most cpu_ops.MAX_LINEAR_ROWS rows, from float32 or GGUF blocks."""
+    if isinstance(weight, torch.Tensor):
+        return cpu_ops.few_rows_linear(x, weight, bias)
+    out = cpu_ops.few_rows_linear_quantized(x, weight.blocks, weight.format)
+    return out if bias is None else out.add_(bias)
 
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
