@@ -363,6 +363,79 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {normed, summed};
 }
 
+at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
+                      const c10::optional<at::Tensor>& bias) {
+  if (format.empty()) return few_rows_linear(x, weight, bias);
+  auto out = few_rows_linear_quantized(x, weight, format);
+  return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
+}
+
+// One decoder layer for a decode step of a few sequences (one token each), the ops above chained
+// in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
+// qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
+// token), its k and v stored at `slots`, and q attends over the pages. Weights with an empty
+// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized).
+// Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
+std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight, c10::string_view qkv_format,
+    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight, c10::string_view o_format,
+    const at::Tensor& gate_up_weight, c10::string_view gate_up_format, const at::Tensor& down_weight,
+    c10::string_view down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    int64_t num_heads, double scale) {
+  const int64_t num_tokens = hidden.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens && cos.size(-1) == head_dim &&
+                  slots.numel() == num_tokens && slots.scalar_type() == at::kLong,
+              "few_rows_decode_layer: cos / sin [T, D] and slots [T] long, one per token");
+  auto [x, summed] = add_rms_norm(hidden, input_norm, eps, residual);
+  auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "few_rows_decode_layer: qkv width");
+  const auto cos_c = cos.reshape({num_tokens, head_dim}).contiguous();
+  const auto sin_c = sin.reshape({num_tokens, head_dim}).contiguous();
+  float* qkv_data = qkv.data_ptr<float>();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  float* k_rows = k_cache.data_ptr<float>();
+  float* v_rows = v_cache.data_ptr<float>();
+  std::vector<float> rotated(head_dim);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* c = cos_c.data_ptr<float>() + t * head_dim;
+    const float* s = sin_c.data_ptr<float>() + t * head_dim;
+    float* row = qkv_data + t * qkv.size(1);
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // q heads, then k heads
+      float* v = row + h * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float partner = i < half ? v[i + half] : v[i - half];
+        const float a = v[i] * c[i], b = partner * s[i];
+        rotated[i] = a + b;
+      }
+      std::copy(rotated.begin(), rotated.end(), v);
+    }
+    const int64_t slot = slot_data[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "few_rows_decode_layer: slot ", slot, " out of range");
+    const float* k = row + num_heads * head_dim;
+    std::copy(k, k + kv_row, k_rows + slot * kv_row);
+    std::copy(k + kv_row, k + 2 * kv_row, v_rows + slot * kv_row);
+  }
+  const auto q = qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
+  const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const auto o = linear_any(attn.view({num_tokens, num_heads * head_dim}), o_weight, o_format, c10::nullopt);
+  auto [x2, summed2] = add_rms_norm(o, post_norm, eps, summed);
+  const auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt);
+  const int64_t inter = gate_up.size(1) / 2;
+  auto act = at::empty({num_tokens, inter}, gate_up.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = gu[t * 2 * inter + i];
+      a[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
+    }
+  return {linear_any(act, down_weight, down_format, c10::nullopt), summed2};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(brigade, m) {
@@ -372,6 +445,12 @@ TORCH_LIBRARY(brigade, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
+  m.def(
+      "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor qkv_weight, str qkv_format, Tensor? qkv_bias, Tensor o_weight, str o_format, "
+      "Tensor gate_up_weight, str gate_up_format, Tensor down_weight, str down_format, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
+      "int num_heads, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(brigade, CPU, m) {
@@ -379,4 +458,5 @@ TORCH_LIBRARY_IMPL(brigade, CPU, m) {
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("few_rows_decode_layer", &few_rows_decode_layer);
 }

@@ -1,5 +1,6 @@
 """The CPU path's C++ ops (cpu_ops.cpp): paged decode attention, the few-rows linear (from
-float32 or GGUF-quantized weights) and the fused residual add + RMSNorm, compiled on first use.
+float32 or GGUF-quantized weights), the fused residual add + RMSNorm, and a whole decoder layer
+for decode steps of a few sequences; compiled on first use.
 
 The host's C++ compiler builds it once per source and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 20 s the first time, a
@@ -166,3 +167,27 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), residual None meaning none, in one pass."""
     return torch.ops.brigade.add_rms_norm(x, weight, eps, residual)
+
+
+def few_rows_decode_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    weights: tuple,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for an all-decode step of at most MAX_LINEAR_ROWS tokens: (its output,
+    the residual stream). `weights`: qkv weight, format, bias; o_proj, format; gate_up, format;
+    down, format (format "" for float32 [out, in], else GGUF blocks). cos / sin: [T, D] signed
+    full-width rotary rows; slots, block_tables, seq_lens: int64."""
+    return torch.ops.brigade.few_rows_decode_layer(
+        hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads, scale
+    )

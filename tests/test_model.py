@@ -246,6 +246,27 @@ def test_tiny_few_rows_use_the_few_rows_kernel(tiny):
     few_row_steps_match_hf(runner, hf, 5)
 
 
+def test_one_op_layers_match_the_per_op_path(tiny_model_dir):
+    """Decode steps of 1-4 rows run each layer as one C++ op; the same steps through the per-op
+    path (rms_norm, rotary, KV store, attention, MLP as separate ops) give the same logits and
+    write the same KV cache."""
+    runners = [ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE) for _ in range(2)]
+    assert runners[0].model.has_one_op_layers
+    runners[1].model.has_one_op_layers = False
+    rng = np.random.default_rng(7)
+    histories = {i: random_ids(rng, 15 + i, runners[0].vocab_size) for i in range(4)}  # decodes cross a block
+    builders = [PlanBuilder(), PlanBuilder()]
+    for runner, builder in zip(runners, builders, strict=True):
+        runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    for num_seqs in (1, 4, 2, 3):
+        chunks = [(i, [int(rng.integers(0, runners[0].vocab_size))], True) for i in range(num_seqs)]
+        one_op, per_op = (runner_logits(r, b, chunks) for r, b in zip(runners, builders, strict=True))
+        torch.testing.assert_close(one_op, per_op, atol=1e-5, rtol=1e-5)
+    for (k0, v0), (k1, v1) in zip(runners[0].kv_cache, runners[1].kv_cache, strict=True):
+        torch.testing.assert_close(k0, k1, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v0, v1, atol=1e-6, rtol=1e-6)
+
+
 def test_gguf_blocks_that_differ_from_the_weights_are_refused(tiny, caplog):
     """Blocks that do not hold the loaded weights (here: a fresh Q8_0 quantization of them, off by
     its rounding) are not used: the weight stays float32, with a warning, and logits stay HF's."""

@@ -222,6 +222,14 @@ class LlamaLayer:
         """What `few_rows_linear` multiplies by: the GGUF blocks where loaded, else the plain weight."""
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.plain, strict=True))
 
+    @property
+    def decode_layer_weights(self) -> tuple:
+        """`few_rows` as cpu_ops.few_rows_decode_layer takes them: (tensor, format) each, the QKV bias third."""
+        flat: list = []
+        for w in self.few_rows:
+            flat += [w, ""] if isinstance(w, torch.Tensor) else [w.blocks, w.format]
+        return (*flat[:2], self.qkv_bias, *flat[2:])
+
 
 class LlamaModel:
     """Owns the weights and runs one step: tokens in, logits of the sampled rows out.
@@ -269,6 +277,8 @@ class LlamaModel:
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
         self.lm_head_prepacked: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK
         self.lm_head_quantized: QuantizedWeight | None = None  # see load_quantized
+        # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside).
+        self.has_one_op_layers = self.has_few_rows_linear and not parallel.is_parallel
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -415,7 +425,25 @@ class LlamaModel:
         linear = self._linear(layout, num_tokens)
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+        # A decode step of a few sequences runs each layer as one C++ op (cpu_ops.few_rows_decode_layer).
+        is_one_op_layers = (
+            self.has_one_op_layers
+            and layout == "few_rows"
+            and meta.decode_tables is not None
+            and meta.is_all_decode
+            and meta.store_tokens is None
+        )
+        if is_one_op_layers:
+            cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            if is_one_op_layers:
+                hidden, residual = cpu_ops.few_rows_decode_layer(
+                    hidden, residual, (layer.input_norm, layer.post_norm), eps, layer.decode_layer_weights,
+                    cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
+                    self.shapes.num_heads, scale,
+                )  # fmt: skip
+                continue
+            k_cache, v_cache = layer_cache
             qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             q, k, v = ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), meta)
