@@ -389,6 +389,10 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens && cos.size(-1) == head_dim &&
                   slots.numel() == num_tokens && slots.scalar_type() == at::kLong,
               "few_rows_decode_layer: cos / sin [T, D] and slots [T] long, one per token");
+  // The K/V rows are written before paged_decode checks the caches: check them here first.
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "few_rows_decode_layer: two contiguous float32 caches of one shape");
   auto [x, summed] = add_rms_norm(hidden, input_norm, eps, residual);
   auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "few_rows_decode_layer: qkv width");

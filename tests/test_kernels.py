@@ -461,3 +461,30 @@ def test_add_rms_norm_matches_torch():
         torch.testing.assert_close(normed, F.rms_norm(x, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         cpu_ops.add_rms_norm(x, weight, 1e-5, torch.randn(2, 576))
+
+
+def test_few_rows_decode_layer_refuses_bad_slots_and_caches():
+    """The one-op layer checks the KV slots and caches before it writes a row (the rest of its
+    input is checked by the ops it chains, tested above)."""
+    assert has_cpu_kernels()
+    hidden, heads, kv_heads, head_dim = 32, 2, 1, 16
+    qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden)
+    weights = (qkv, "", None, torch.randn(hidden, heads * head_dim), "", torch.randn(64, hidden), "",
+               torch.randn(hidden, 32), "")  # fmt: skip
+    kv = PagedKV([3], kv_heads, head_dim, 16, torch.float32)
+
+    def run(slots, k_cache=kv.k_cache):
+        return cpu_ops.few_rows_decode_layer(
+            torch.randn(1, hidden), None, (torch.ones(hidden), torch.ones(hidden)), 1e-5, weights,
+            torch.ones(1, head_dim), torch.zeros(1, head_dim), (k_cache, kv.v_cache), slots,
+            kv.block_tables.long(), kv.seq_lens.long(), heads, 0.25,
+        )  # fmt: skip
+
+    out, _ = run(torch.tensor([kv.block_tables[0, 0].item() * 16 + 2]))
+    assert out.shape == (1, hidden)
+    caches = kv.k_cache.clone(), kv.v_cache.clone()
+    with pytest.raises(RuntimeError, match="slot"):
+        run(torch.tensor([kv.k_cache.shape[0] * 16]))
+    with pytest.raises(RuntimeError, match="caches"):
+        run(torch.tensor([0]), k_cache=kv.k_cache.transpose(1, 2))
+    assert torch.equal(kv.k_cache, caches[0]) and torch.equal(kv.v_cache, caches[1])  # nothing written
