@@ -2,7 +2,7 @@
 float32 or GGUF-quantized weights), the fused residual add + RMSNorm, and a whole decoder layer
 for decode steps of a few sequences; compiled on first use.
 
-The host's C++ compiler builds it once per source and torch version into
+The host's C++ compiler builds them once per source, flags and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 20 s the first time, a
 quarter of a second to load after. Each build writes a private file and renames it into place,
 so concurrent workers never wait on each other's lock and a killed build leaves nothing half
@@ -59,7 +59,7 @@ def library_path() -> Path:
 
 @functools.cache
 def load() -> bool:
-    """Build (or find the build of) the op and load it; False, logged, where it cannot be."""
+    """Build (or find the build of) the ops and load them; False, logged, where they cannot be."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.info("cpu_ops: this CPU has no AVX2; the CPU path keeps its torch ops")
         return False

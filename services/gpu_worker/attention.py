@@ -69,9 +69,9 @@ class Shapes:
 
 
 class TorchOps:
-    """CPU path: torch ops over the same paged layout. Decode in float32 runs the C++ kernel of
-    kernels/cpu_ops.cpp, which reads the pages in place. Otherwise (other dtypes, or no
-    kernel) it gathers each sequence's pages once per layer (one index_select of contiguous [Hk*D]
+    """CPU path: torch ops over the same paged layout. In float32, decode attention and the
+    residual add + RMSNorm run the C++ ops of kernels/cpu_ops.cpp (decode reads the pages in
+    place). Otherwise (other dtypes, or no kernels) decode gathers each sequence's pages once per layer (one index_select of contiguous [Hk*D]
     rows) and runs one batched SDPA with the query heads of a KV group as the query rows, so
     grouped KV heads are never repeated."""
 
