@@ -152,6 +152,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// Calls f with the row count 1..4 as a compile-time constant (std::integral_constant), so the
+// few-rows loops keep one accumulator set per row in registers.
+template <typename F>
+void with_row_count(int64_t num_rows, F&& f) {
+  switch (num_rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 template <int R>
 void few_rows_times_weight(const float* x, const float* w, const float* bias, float* out, int64_t in_features,
                            int64_t out_features, int64_t begin, int64_t end) {
@@ -199,12 +211,9 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   float* out_data = out.data_ptr<float>();
   constexpr int64_t kGrain = 64;  // output rows per task: enough weight bytes to amortize the hand-off
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
-    switch (num_rows) {
-      case 1: return few_rows_times_weight<1>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
-      case 2: return few_rows_times_weight<2>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
-      case 3: return few_rows_times_weight<3>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
-      default: return few_rows_times_weight<4>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
-    }
+    with_row_count(num_rows, [&](auto rows) {
+      few_rows_times_weight<decltype(rows)::value>(x_data, w_data, b_data, out_data, in_features, out_features, begin, end);
+    });
   });
   return out;
 }
@@ -311,12 +320,10 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
   const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    switch (num_rows) {
-      case 1: return few_rows_times_blocks<Block, 1>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
-      case 2: return few_rows_times_blocks<Block, 2>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
-      case 3: return few_rows_times_blocks<Block, 3>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
-      default: return few_rows_times_blocks<Block, 4>(x_data, s_data, w_data, out_data, num_blocks, out_features, begin, end);
-    }
+    with_row_count(num_rows, [&](auto rows) {
+      few_rows_times_blocks<Block, decltype(rows)::value>(x_data, s_data, w_data, out_data, num_blocks, out_features,
+                                                          begin, end);
+    });
   });
   return out;
 }

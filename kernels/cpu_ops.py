@@ -112,8 +112,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.brigade.few_rows_linear(x, weight, bias)
 
 
-QUANTIZED_FORMATS = ("Q4_1", "Q8_0")  # GGUF block formats few_rows_linear_quantized reads
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # the GGUF block formats few_rows_linear_quantized reads
+QUANTIZED_FORMATS = tuple(BLOCK_BYTES)
 BLOCK_WEIGHTS = 32
 
 
