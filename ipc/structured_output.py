@@ -1,0 +1,194 @@
+"""What a request asks its output to match: the wire description, and its translation from the APIs.
+
+`StructuredOutput` is the one form every stage sees: a kind and one canonical text. The API
+forms map onto it here, in pure Python (no torch, no grammar engine), so the gateway and the
+frontend translate without loading anything heavy:
+
+- OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
+  {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint);
+- vLLM `structured_outputs`: exactly one of `json` (a schema, as an object or its text), `regex`,
+  `choice` (a list of strings) or `grammar` (EBNF / GBNF, or Lark);
+- OpenAI `tools` + `tool_choice` `required` or a named function: the schema that forces the call
+  (`for_tool_choice`).
+
+The canonical text is the cache key of the compiled grammar (services/scheduler/grammar_compiler.py).
+A schema is canonicalized as compact JSON with its keys in the order given, not sorted: the order of
+`properties` is the order the fields are generated in, so two orders are two different outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from ipc.validation import InvalidParams
+
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
+
+# Requests are bounded before anything compiles: the compiler has its own limits on top.
+MAX_SPEC_BYTES = 64 * 1024
+MAX_CHOICES = 1024
+MAX_TOOLS = 128
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """The constraint on one request's output.
+
+    kind: json (spec = a JSON schema), regex (spec = the pattern), choice (spec = a JSON list of
+    the allowed strings), grammar (spec = EBNF / GBNF or Lark).
+    strict: for json only: every keyword of the schema must be enforced, and one the engine cannot
+    enforce is an error; when false such a keyword is ignored (OpenAI's `strict` flag).
+    """
+
+    kind: StructuredKind
+    spec: str
+    strict: bool = True
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.kind}:{int(self.strict)}:{self.spec}"
+
+
+def canonical_schema(schema: Any, field: str) -> str:
+    """A JSON schema (object, bool or its JSON text) -> its canonical compact text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidParams(f"{field}: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidParams(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+    return _bounded(json.dumps(schema, separators=(",", ":"), ensure_ascii=False), field)
+
+
+def from_response_format(response_format: Mapping[str, Any] | None) -> StructuredOutput | None:
+    """OpenAI `response_format` -> the constraint (None for no constraint)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidParams("response_format: must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json", JSON_OBJECT_SCHEMA)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise InvalidParams("response_format.json_schema: must be an object with a 'schema'")
+        strict = spec.get("strict", False)
+        if not isinstance(strict, bool):
+            raise InvalidParams("response_format.json_schema.strict: must be a boolean")
+        schema = canonical_schema(spec["schema"], "response_format.json_schema.schema")
+        return StructuredOutput("json", schema, strict=strict)
+    raise InvalidParams(f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
+
+
+def from_structured_outputs(options: Mapping[str, Any] | None) -> StructuredOutput | None:
+    """vLLM `structured_outputs` (json / regex / choice / grammar, exactly one) -> the constraint."""
+    if options is None:
+        return None
+    if not isinstance(options, Mapping):
+        raise InvalidParams("structured_outputs: must be an object")
+    unknown = sorted(set(options) - set(KINDS))
+    if unknown:
+        raise InvalidParams(f"structured_outputs: unknown field(s) {unknown}; use one of {list(KINDS)}")
+    given = [k for k in KINDS if options.get(k) is not None]
+    if len(given) != 1:
+        raise InvalidParams(f"structured_outputs: set exactly one of {list(KINDS)}, got {given}")
+    kind = given[0]
+    value = options[kind]
+    field = f"structured_outputs.{kind}"
+    if kind == "json":
+        return StructuredOutput("json", canonical_schema(value, field))
+    if kind == "choice":
+        if (
+            not isinstance(value, Sequence)
+            or isinstance(value, str)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise InvalidParams(f"{field}: must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise InvalidParams(f"{field}: at most {MAX_CHOICES} choices, got {len(value)}")
+        return StructuredOutput("choice", _bounded(json.dumps(list(value), ensure_ascii=False), field))
+    if not isinstance(value, str) or not value:
+        raise InvalidParams(f"{field}: must be a non-empty string")
+    return StructuredOutput(kind, _bounded(value, field))
+
+
+def for_tool_choice(
+    tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, *, parallel_tool_calls: bool = True
+) -> StructuredOutput | None:
+    """The constraint that forces tool calls, or None where the model chooses (`auto`, `none`).
+
+    A named function: its `parameters` schema; the output is the arguments object, and the server
+    names the call. `required`: a JSON array of `{"name", "parameters"}` objects, one alternative per
+    tool, at least one item (exactly one unless `parallel_tool_calls`).
+    """
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    functions = tool_functions(tools)
+    if tool_choice == "required":
+        if not functions:
+            raise InvalidParams("tool_choice: 'required' needs at least one tool")
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, params in functions.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+        if not parallel_tool_calls:
+            array["maxItems"] = 1
+        return StructuredOutput("json", canonical_schema(array, "tools"))
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise InvalidParams(f"tool_choice: no tool named {name!r} (tools: {sorted(functions)})")
+        return StructuredOutput("json", canonical_schema(functions[name], f"tools[{name}].parameters"))
+    raise InvalidParams(
+        "tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
+    )
+
+
+def tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """OpenAI `tools` -> {function name: parameters schema}, in the order given."""
+    if tools is None:
+        return {}
+    if not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise InvalidParams("tools: must be a list")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidParams(f"tools: at most {MAX_TOOLS}, got {len(tools)}")
+    out: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
+            raise InvalidParams(f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParams(f"tools[{i}].function.name: must be a non-empty string")
+        if name in out:
+            raise InvalidParams(f"tools[{i}].function.name: {name!r} appears twice")
+        # A function without parameters takes an empty object (OpenAI's default).
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping):
+            raise InvalidParams(f"tools[{i}].function.parameters: must be a JSON schema object")
+        out[name] = dict(params)
+    return out
+
+
+def _bounded(text: str, field: str) -> str:
+    size = len(text.encode())
+    if size > MAX_SPEC_BYTES:
+        raise InvalidParams(f"{field}: {size} bytes, larger than the limit of {MAX_SPEC_BYTES}")
+    return text

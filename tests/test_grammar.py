@@ -1,0 +1,356 @@
+"""Compiled constraints and matchers (services/scheduler/grammar_compiler.py, grammar_matcher.py).
+
+Outputs come from random walks: seeded, each step a token the bitmask allows, until eos. Every
+finished output is checked independently of the engine: JSON against its schema with the
+`jsonschema` package, regex and grammar outputs with Python's `re`, choices by membership.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+import jsonschema
+import llguidance
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ipc.structured_output import StructuredOutput, for_tool_choice, from_response_format
+from services.scheduler.grammar_compiler import GrammarCompiler, GrammarError, load_grammar_tokenizer
+from services.scheduler.grammar_matcher import (
+    BitmaskFiller,
+    GrammarMatcher,
+    GrammarViolation,
+    allocate_bitmask,
+)
+
+MAX_WALK = 400
+# Tokens a walk prefers when they are allowed, so that strings and numbers end and walks finish.
+CLOSERS = set('"}],:0123456789')
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    hf = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    closers = [i for i in range(hf.get_vocab_size()) if hf.decode([i]) in CLOSERS]
+    return {"dir": smollm2_dir, "vocab": config["vocab_size"], "eos": eos_ids, "hf": hf, "closers": closers}
+
+
+@pytest.fixture(scope="module")
+def compiler(model):
+    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
+    compiler = GrammarCompiler(tok, threads=2)
+    yield compiler
+    compiler.close()
+
+
+def allowed(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids whose bit is set (unpacked independently of the engine)."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+def walk(compiler, model, spec: StructuredOutput, seed: int) -> tuple[str, list[int]]:
+    """A seeded random output under the constraint; returns its text (eos excluded) and tokens."""
+    rng = random.Random(seed)
+    matcher = GrammarMatcher(compiler.submit(spec).result(timeout=60))
+    bitmask = allocate_bitmask(1, model["vocab"])
+    closers, eos = model["closers"], set(model["eos"])
+    tokens: list[int] = []
+    for _ in range(MAX_WALK):
+        matcher.fill(bitmask, 0)
+        ok = allowed(bitmask[0], model["vocab"])
+        assert len(ok), "a live matcher always allows something"
+        ok_set = set(ok.tolist())
+        preferred = [t for t in closers if t in ok_set] + [t for t in model["eos"] if t in ok_set]
+        token = rng.choice(preferred) if preferred and rng.random() < 0.7 else int(rng.choice(ok))
+        if token in eos:
+            assert matcher.is_accepting
+            return model["hf"].decode(tokens, skip_special_tokens=False), tokens
+        matcher.advance([token])
+        tokens.append(token)
+    raise AssertionError(f"no eos after {MAX_WALK} tokens: {model['hf'].decode(tokens)!r}")
+
+
+SCHEMAS = {
+    "nested_objects": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 8},
+                    "address": {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string", "minLength": 1, "maxLength": 8},
+                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                        },
+                        "required": ["city", "zip"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["name", "address"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    "array_min_max_items": {
+        "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}},
+        "required": ["xs"],
+        "additionalProperties": False,
+    },
+    "enums": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "XL"]},
+            "level": {"enum": [1, 2, 3]},
+        },
+        "required": ["color", "size", "level"],
+        "additionalProperties": False,
+    },
+    "number_ranges": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1.5},
+            "delta": {"type": "integer", "minimum": -5, "maximum": 5},
+        },
+        "required": ["age", "ratio", "delta"],
+        "additionalProperties": False,
+    },
+    "optional_fields": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "label": {"type": "string", "maxLength": 6},
+            "done": {"type": "boolean"},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_validate(compiler, model, name):
+    schema = SCHEMAS[name]
+    spec = from_response_format(
+        {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    )
+    for seed in range(4):
+        text, _ = walk(compiler, model, spec, seed)
+        jsonschema.validate(json.loads(text), schema)
+        # One layout for every output: OpenAI's separators, no other whitespace outside strings.
+        assert "\n" not in text
+
+
+def test_optional_fields_are_sometimes_present_and_sometimes_not(compiler, model):
+    spec = StructuredOutput("json", json.dumps(SCHEMAS["optional_fields"]))
+    key_sets = {tuple(sorted(json.loads(walk(compiler, model, spec, seed)[0]))) for seed in range(12)}
+    assert len(key_sets) > 1, key_sets
+
+
+def test_json_object_gives_an_object(compiler, model):
+    spec = from_response_format({"type": "json_object"})
+    for seed in range(3):
+        assert isinstance(json.loads(walk(compiler, model, spec, seed)[0]), dict)
+
+
+def test_regex_choice_and_grammar_outputs(compiler, model):
+    regex = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2,4}")
+    choices = ["yes", "no", 'say "maybe"', "ünïcode"]
+    choice = StructuredOutput("choice", json.dumps(choices))
+    gbnf = StructuredOutput("grammar", 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]\n')
+    lark = StructuredOutput("grammar", 'start: "x=" NUM (";" "x=" NUM)*\nNUM: /[0-9]{1,3}/\n')
+    seen = set()
+    for seed in range(6):
+        assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", walk(compiler, model, regex, seed)[0])
+        text = walk(compiler, model, choice, seed)[0]
+        assert text in choices
+        seen.add(text)
+        assert re.fullmatch(r"\((\d|[1-9]\d)(\+(\d|[1-9]\d))*\)", walk(compiler, model, gbnf, seed)[0])
+        assert re.fullmatch(r"x=\d{1,3}(;x=\d{1,3})*", walk(compiler, model, lark, seed)[0])
+    assert len(seen) > 1
+
+
+def test_forced_tool_call_arguments_match_the_function_schema(compiler, model):
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    clock = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"]}
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time", "parameters": clock}},
+    ]
+    named = for_tool_choice(tools, {"type": "function", "function": {"name": "get_weather"}})
+    single = for_tool_choice(tools, "required", parallel_tool_calls=False)
+    for seed in range(4):
+        jsonschema.validate(json.loads(walk(compiler, model, named, seed)[0]), weather)
+        calls = json.loads(walk(compiler, model, single, seed)[0])
+        assert len(calls) == 1
+        for call in calls:
+            schema = {"get_weather": weather, "get_time": clock}[call["name"]]
+            jsonschema.validate(call["parameters"], schema)
+
+
+def test_rebuild_from_history_gives_identical_bitmasks(compiler, model):
+    spec = StructuredOutput("json", json.dumps(SCHEMAS["nested_objects"]))
+    _, tokens = walk(compiler, model, spec, seed=5)
+    compiled = compiler.submit(spec).result(timeout=60)
+    live = GrammarMatcher(compiled)
+    a = allocate_bitmask(1, model["vocab"])
+    b = allocate_bitmask(1, model["vocab"])
+    for cut in range(len(tokens) + 1):
+        rebuilt = GrammarMatcher(compiled, tokens[:cut])
+        live.fill(a, 0)
+        rebuilt.fill(b, 0)
+        assert np.array_equal(a, b), cut
+        assert (live.is_accepting, live.is_terminated) == (rebuilt.is_accepting, rebuilt.is_terminated)
+        if cut < len(tokens):
+            live.advance([tokens[cut]])
+    assert live.is_accepting and live.num_tokens == len(tokens)
+
+
+def test_batched_fill_matches_one_row_at_a_time(compiler, model):
+    specs = [StructuredOutput("json", json.dumps(SCHEMAS[name])) for name in sorted(SCHEMAS)] + [
+        StructuredOutput("regex", "[0-9]+x")
+    ]
+    matchers = []
+    for i, spec in enumerate(specs):
+        _, tokens = walk(compiler, model, spec, seed=i)
+        matchers.append(GrammarMatcher(compiler.submit(spec).result(timeout=60), tokens[: len(tokens) // 2]))
+    batched = allocate_bitmask(len(matchers) + 2, model["vocab"])
+    batched[len(matchers) :] = 7  # rows past the matchers must be left alone
+    BitmaskFiller(threads=2).fill(batched, matchers)
+    single = allocate_bitmask(1, model["vocab"])
+    for i, m in enumerate(matchers):
+        m.fill(single, 0)
+        assert np.array_equal(batched[i], single[0]), i
+    assert (batched[len(matchers) :] == 7).all()
+
+
+def test_eos_is_allowed_exactly_where_the_grammar_may_end(compiler, model):
+    eos = model["eos"][0]
+    hf = model["hf"]
+    matcher = GrammarMatcher(compiler.submit(StructuredOutput("regex", "ab+")).result(timeout=60))
+    bitmask = allocate_bitmask(1, model["vocab"])
+
+    def eos_allowed() -> bool:
+        matcher.fill(bitmask, 0)
+        return eos in set(allowed(bitmask[0], model["vocab"]).tolist())
+
+    assert not eos_allowed() and not matcher.is_accepting
+    matcher.advance(hf.encode("a", add_special_tokens=False).ids)
+    assert not eos_allowed()
+    matcher.advance(hf.encode("b", add_special_tokens=False).ids)
+    assert eos_allowed() and matcher.is_accepting and not matcher.is_terminated
+
+    done = GrammarMatcher(compiler.submit(StructuredOutput("choice", '["stop"]')).result(timeout=60))
+    done.advance(hf.encode("stop", add_special_tokens=False).ids)
+    done.fill(bitmask, 0)
+    assert done.is_terminated
+    assert allowed(bitmask[0], model["vocab"]).tolist() == sorted(model["eos"])
+
+
+def test_a_refused_token_raises_with_its_position(compiler, model):
+    matcher = GrammarMatcher(compiler.submit(StructuredOutput("regex", "[0-9]+")).result(timeout=60))
+    digit = model["hf"].encode("7", add_special_tokens=False).ids
+    letter = model["hf"].encode("z", add_special_tokens=False).ids
+    matcher.advance(digit)
+    with pytest.raises(GrammarViolation, match=f"position {len(digit)}"):
+        matcher.advance(letter)
+    with pytest.raises(GrammarViolation):
+        GrammarMatcher(compiler.submit(StructuredOutput("regex", "[0-9]+")).result(timeout=60), letter)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutput("json", '{"type": "strin"}'), "strin"),
+        (StructuredOutput("json", '{"$ref": "#/defs/missing"}'), "missing"),
+        (StructuredOutput("json", '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
+        (StructuredOutput("json", "{not json"), "json"),
+        (StructuredOutput("regex", "(ab"), "regex"),
+        (StructuredOutput("grammar", 'root ::= "a" undefined_rule'), "undefined_rule"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_errors_clearly(compiler, model, spec, message):
+    future = compiler.submit(spec)
+    with pytest.raises(GrammarError, match=re.escape(message)) as info:
+        future.result(timeout=60)
+    assert info.value.code == "invalid_request"
+    assert len(str(info.value)) <= 600
+    # The failure is cached (a resubmission fails at once), and the compiler serves others as before.
+    assert compiler.submit(spec) is future
+    assert walk(compiler, model, StructuredOutput("regex", "ok"), seed=0)[0] == "ok"
+
+
+def test_strict_false_ignores_keywords_the_engine_cannot_enforce(compiler, model):
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True}
+    lenient = from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert not lenient.strict
+    text, _ = walk(compiler, model, lenient, seed=1)
+    jsonschema.validate(json.loads(text), {k: v for k, v in schema.items() if k != "uniqueItems"})
+
+
+def test_a_grammar_over_the_engine_limits_errors(model):
+    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
+    small = GrammarCompiler(tok, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+    try:
+        spec = StructuredOutput("json", json.dumps({"enum": [f"value_{i}" for i in range(2000)]}))
+        with pytest.raises(GrammarError, match="too big"):
+            small.submit(spec).result(timeout=60)
+    finally:
+        small.close()
+
+
+def test_cache_is_keyed_by_text_and_bounded(model):
+    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
+    cache = GrammarCompiler(tok, max_entries=2)
+    try:
+        a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
+        first = cache.submit(a)
+        assert cache.submit(a) is first
+        assert cache.submit(StructuredOutput("regex", "a+", strict=False)) is not first
+        cache.submit(b)
+        cache.submit(c)
+        assert len(cache) == 2
+        assert cache.submit(c) is not first and cache.submit(a) is not first  # a was evicted
+        # An evicted grammar keeps working for whoever holds it.
+        assert GrammarMatcher(first.result(timeout=60)).num_tokens == 0
+    finally:
+        cache.close()
+
+
+def test_bitmask_layout_is_checked(compiler):
+    matcher = GrammarMatcher(compiler.submit(StructuredOutput("regex", "a")).result(timeout=60))
+    with pytest.raises(ValueError, match="int32"):
+        matcher.fill(np.zeros((1, 8), dtype=np.int64), 0)
+    with pytest.raises(ValueError, match="matchers"):
+        BitmaskFiller(1).fill(allocate_bitmask(0, 64), [matcher])
+
+
+def test_grammar_modules_do_not_import_torch():
+    code = (
+        "import sys; import ipc.structured_output, services.scheduler.grammar_compiler, "
+        "services.scheduler.grammar_matcher; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,142 @@
+"""The API forms of a constraint -> StructuredOutput (ipc/structured_output.py), and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from ipc.structured_output import (
+    MAX_SPEC_BYTES,
+    StructuredOutput,
+    for_tool_choice,
+    from_response_format,
+    from_structured_outputs,
+)
+from ipc.validation import InvalidParams
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "g"}},
+]
+
+
+def test_response_format_forms():
+    assert from_response_format(None) is None
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}) == StructuredOutput("json", '{"type":"object"}')
+    strict = from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
+    )
+    assert strict.kind == "json" and strict.strict
+    # Canonical text keeps the given key order: it is the order fields are generated in.
+    assert strict.spec == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert json.loads(strict.spec) == SCHEMA
+    loose = from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": json.dumps(SCHEMA)}}
+    )
+    assert loose.spec == strict.spec and not loose.strict
+    assert loose.cache_key != strict.cache_key
+
+
+def test_structured_outputs_forms():
+    assert from_structured_outputs(None) is None
+    assert (
+        from_structured_outputs({"json": SCHEMA}).spec
+        == from_response_format(
+            {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}}
+        ).spec
+    )
+    assert from_structured_outputs({"regex": "[a-z]+"}) == StructuredOutput("regex", "[a-z]+")
+    choice = from_structured_outputs({"choice": ["a", 'b"']})
+    assert choice.kind == "choice" and json.loads(choice.spec) == ["a", 'b"']
+    grammar = from_structured_outputs({"grammar": 'root ::= "x"', "json": None})
+    assert grammar == StructuredOutput("grammar", 'root ::= "x"')
+
+
+def test_struct_round_trips_on_the_wire():
+    spec = StructuredOutput("json", '{"type":"object"}', strict=False)
+    for codec in (msgspec.msgpack, msgspec.json):
+        assert codec.decode(codec.encode(spec), type=StructuredOutput) == spec
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(["yaml", "x"]), type=StructuredOutput)
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ({"type": "yaml"}, "response_format.type"),
+        ({"type": "json_schema"}, "json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": "{bad"}}, "not valid JSON"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
+        ("json", "must be an object"),
+    ],
+)
+def test_bad_response_format(form, message):
+    with pytest.raises(InvalidParams, match=message):
+        from_response_format(form)
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"xml": "a"}, "unknown field"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": "abc"}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty list"),
+        ({"choice": ["a"] * 2000}, "at most"),
+        ({"regex": ""}, "non-empty string"),
+        ({"grammar": 3}, "non-empty string"),
+    ],
+)
+def test_bad_structured_outputs(form, message):
+    with pytest.raises(InvalidParams, match=message):
+        from_structured_outputs(form)
+
+
+def test_a_constraint_over_the_size_limit_is_refused():
+    big = {"enum": ["x" * 100] * (MAX_SPEC_BYTES // 100)}
+    with pytest.raises(InvalidParams, match=f"limit of {MAX_SPEC_BYTES}"):
+        from_structured_outputs({"json": big})
+    with pytest.raises(InvalidParams, match="limit"):
+        from_structured_outputs({"regex": "a" * (MAX_SPEC_BYTES + 1)})
+
+
+def test_tool_choice_schemas():
+    assert for_tool_choice(TOOLS, "auto") is None
+    assert for_tool_choice(TOOLS, "none") is None
+    assert for_tool_choice(TOOLS, None) is None
+    named = for_tool_choice(TOOLS, {"type": "function", "function": {"name": "f"}})
+    assert json.loads(named.spec) == SCHEMA
+    no_params = for_tool_choice(TOOLS, {"type": "function", "function": {"name": "g"}})
+    assert json.loads(no_params.spec) == {"type": "object", "properties": {}}
+    required = json.loads(for_tool_choice(TOOLS, "required").spec)
+    assert required["minItems"] == 1 and "maxItems" not in required
+    assert [alt["properties"]["name"] for alt in required["items"]["anyOf"]] == [
+        {"const": "f"},
+        {"const": "g"},
+    ]
+    assert json.loads(for_tool_choice(TOOLS, "required", parallel_tool_calls=False).spec)["maxItems"] == 1
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "message"),
+    [
+        (TOOLS, {"type": "function", "function": {"name": "h"}}, "no tool named 'h'"),
+        ([], "required", "at least one tool"),
+        (TOOLS, "always", "tool_choice"),
+        ([{"type": "function"}], "required", r"tools\[0\]"),
+        ([{"type": "function", "function": {"name": ""}}], "required", "name"),
+        ([TOOLS[0], TOOLS[0]], "required", "twice"),
+        ([{"type": "function", "function": {"name": "f", "parameters": 3}}], "required", "parameters"),
+        ("f", "required", "must be a list"),
+    ],
+)
+def test_bad_tools(tools, choice, message):
+    with pytest.raises(InvalidParams, match=message):
+        for_tool_choice(tools, choice)
