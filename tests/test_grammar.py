@@ -354,3 +354,33 @@ def test_grammar_modules_do_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_workers_masking_keeps_exactly_the_tokens_the_grammar_accepts(compiler, model):
+    import torch
+
+    from services.gpu_worker.grammar_mask import apply_grammar_bitmask
+
+    spec = StructuredOutput("json", json.dumps(SCHEMAS["number_ranges"]))
+    compiled = compiler.submit(spec).result(timeout=60)
+    _, tokens = walk(compiler, model, spec, seed=2)
+    rng = np.random.default_rng(0)
+    for cut in (0, 3, len(tokens) // 2, len(tokens)):
+        bitmask = allocate_bitmask(1, model["vocab"])
+        GrammarMatcher(compiled, tokens[:cut]).fill(bitmask, 0)
+        scores = torch.zeros(2, model["vocab"])
+        apply_grammar_bitmask(scores, bitmask, np.array([1], dtype=np.int32))
+        kept = set(torch.isfinite(scores[1]).nonzero()[:, 0].tolist())
+        assert torch.isfinite(scores[0]).all()
+        assert kept == set(allowed(bitmask[0], model["vocab"]).tolist())
+        # Every kept token (a sample of them) extends the history; a sample of the others does not.
+        others = np.setdiff1d(np.arange(model["vocab"]), list(kept))
+        for t in [*rng.choice(sorted(kept), min(20, len(kept)), replace=False), *rng.choice(others, 20)]:
+            if int(t) in model["eos"]:
+                continue
+            try:
+                GrammarMatcher(compiled, [*tokens[:cut], int(t)])
+                accepted = True
+            except GrammarViolation:
+                accepted = False
+            assert accepted == (int(t) in kept), (cut, int(t))

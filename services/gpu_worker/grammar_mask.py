@@ -1,0 +1,44 @@
+"""Applies the step plan's grammar bitmask to the scores of the constrained rows, before sampling.
+
+The plan carries it only when some sampled row is constrained (`grammar_bitmask [C, ceil(V/32)]`
+int32 and `grammar_rows [C]`: the index, among the step's sampled rows, of each bitmask row; the
+layout is services/scheduler/grammar_matcher.py's). A step without one does no work at all, and
+rows not named are never touched. Masking depends on the row alone, so sampling stays batch-invariant.
+
+On CUDA the Triton kernel writes -inf over the disallowed tokens only; on the CPU the torch
+reference does the same (kernels/token_bitmask.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
+
+
+def check_grammar_bitmask(bitmask: np.ndarray, rows: np.ndarray, num_rows: int, vocab_size: int) -> None:
+    """Raise ValueError unless the plan's bitmask arrays fit a step of `num_rows` sampled rows."""
+    words = (vocab_size + 31) // 32
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != words:
+        raise ValueError(f"grammar_bitmask must be int32 [C, {words}], got {bitmask.dtype} {bitmask.shape}")
+    if rows.ndim != 1 or rows.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"grammar_rows {rows.shape} does not match grammar_bitmask {bitmask.shape}")
+    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows or len(np.unique(rows)) != len(rows)):
+        raise ValueError(f"grammar_rows must be distinct indices below {num_rows}")
+
+
+def apply_grammar_bitmask(scores: torch.Tensor, bitmask: np.ndarray | None, rows: np.ndarray | None) -> None:
+    """In place: scores[rows[i], t] = -inf for every token t that bitmask[i] does not allow."""
+    if bitmask is None or len(bitmask) == 0:
+        return
+    if rows is None:
+        raise ValueError("grammar_bitmask without grammar_rows")
+    check_grammar_bitmask(bitmask, rows, scores.shape[0], scores.shape[1])
+    device = scores.device
+    mask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(device, non_blocking=True)
+    index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int32)).to(device, non_blocking=True)
+    if scores.is_cuda:
+        apply_token_bitmask_triton(scores, mask, index)
+    else:
+        apply_token_bitmask_ref(scores, mask, index)
