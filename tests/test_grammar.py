@@ -27,6 +27,7 @@ from services.scheduler.grammar_matcher import (
     GrammarViolation,
     allocate_bitmask,
 )
+from services.tokenizer.tool_parsers import ToolParser
 
 MAX_WALK = 400
 # Tokens a walk prefers when they are allowed, so that strings and numbers end and walks finish.
@@ -192,20 +193,35 @@ def test_forced_tool_call_arguments_match_the_function_schema(compiler, model):
         "required": ["city", "unit"],
         "additionalProperties": False,
     }
-    clock = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"]}
+    clock = {
+        "type": "object",
+        "properties": {"tz": {"type": "string", "maxLength": 6}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    }
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
         {"type": "function", "function": {"name": "get_time", "parameters": clock}},
     ]
     named = for_tool_choice(tools, {"type": "function", "function": {"name": "get_weather"}})
     single = for_tool_choice(tools, "required", parallel_tool_calls=False)
+    several = for_tool_choice(tools, "required")
+    schemas = {"get_weather": weather, "get_time": clock}
     for seed in range(4):
-        jsonschema.validate(json.loads(walk(compiler, model, named, seed)[0]), weather)
-        calls = json.loads(walk(compiler, model, single, seed)[0])
-        assert len(calls) == 1
-        for call in calls:
-            schema = {"get_weather": weather, "get_time": clock}[call["name"]]
-            jsonschema.validate(call["parameters"], schema)
+        # The forced outputs parse into tool calls whose arguments match their function's schema.
+        text = walk(compiler, model, named, seed)[0]
+        parsed = ToolParser("named", function_name="get_weather").parse(text, "r")
+        assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(parsed.tool_calls[0]["function"]["arguments"]), weather)
+        for parallel, spec in ((False, single), (True, several)):
+            parsed = ToolParser("required", parallel_tool_calls=parallel).parse(
+                walk(compiler, model, spec, seed)[0], "r"
+            )
+            assert len(parsed.tool_calls) >= 1 and (parallel or len(parsed.tool_calls) == 1)
+            for call in parsed.tool_calls:
+                jsonschema.validate(
+                    json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]]
+                )
 
 
 def test_rebuild_from_history_gives_identical_bitmasks(compiler, model):

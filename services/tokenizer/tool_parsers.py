@@ -1,0 +1,400 @@
+"""Model text -> OpenAI `tool_calls`, whole or as stream deltas. Pure Python (the light stages use it).
+
+Formats (`make_tool_parser`):
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around
+  them is content (Qwen2.5- and SmolLM-class templates, and tools_prompt.py's instruction);
+- `llama3_json`: the whole output is `{"name": ..., "parameters": {...}}` calls joined by `;`,
+  optionally after `<|python_tag|>` (Llama 3.1+ JSON tool calling); any other output is content;
+- `named` / `required`: what ipc.structured_output.for_tool_choice forces: the arguments object
+  of the named function, or a JSON array of `{"name", "parameters"}`.
+
+One scanner serves both uses: `segments(text, final)` cuts the text into content and calls, where
+a call knows its name once the name's string is complete, and its arguments as the raw text the
+model wrote (a prefix of it while the call is still streaming). `ToolCallStream` turns the growth
+of those segments into deltas, so the concatenated argument deltas are exactly the final
+`arguments` string. Ids are derived from the request id and the call's index, so a stream
+resumed after a fault names its calls as before.
+
+A call whose JSON turns out invalid once complete, or that the output ends inside, is content
+(and `parse` reports no call for it); a stream cannot take back a call it has started, so it
+ends that call with the arguments sent so far.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+WHITESPACE = " \t\r\n"
+FORMATS = ("hermes", "llama3_json", "named", "required")
+
+
+class Incomplete(Exception):
+    """The text ends inside the JSON value being scanned."""
+
+
+class Invalid(Exception):
+    """The text cannot be what the format expects here."""
+
+
+@dataclass
+class Call:
+    """A tool call in the text: `args_end` is None while its arguments are still being written."""
+
+    name: str | None
+    args_start: int | None
+    args_end: int | None
+    complete: bool
+
+
+@dataclass
+class Content:
+    start: int
+    end: int
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def call_id(request_id: str, index: int) -> str:
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
+
+
+def finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
+    """OpenAI's finish_reason: tool_calls when the output made calls and was not cut short."""
+    return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
+
+
+# ------------------------------------------------------------------ the JSON scanner
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int:
+    """text[i] is '"': the index after the closing quote."""
+    i += 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    raise Incomplete
+
+
+def _value_end(text: str, i: int) -> int:
+    """The index after the JSON value starting at text[i] (its syntax is checked once complete)."""
+    if i >= len(text):
+        raise Incomplete
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] in "{[":
+        depth = 0
+        while i < len(text):
+            c = text[i]
+            if c == '"':
+                i = _string_end(text, i)
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        raise Incomplete
+    start = i
+    while i < len(text) and text[i] not in ",}]" + WHITESPACE:
+        i += 1
+    if i == len(text):
+        raise Incomplete  # a number or literal may still go on
+    if i == start:
+        raise Invalid
+    return i
+
+
+def _scan_call(text: str, i: int, args_key: str) -> tuple[Call, int | None]:
+    """The call object at text[i] ('{'): its name and arguments so far, and where it ends."""
+    if i >= len(text):
+        return Call(None, None, None, False), None
+    if text[i] != "{":
+        raise Invalid
+    call = Call(None, None, None, False)
+    i += 1
+    try:
+        while True:
+            i = _skip_ws(text, i)
+            if i >= len(text):
+                raise Incomplete
+            if text[i] == "}":
+                call.complete = True
+                return call, i + 1
+            if text[i] == ",":
+                i += 1
+                continue
+            if text[i] != '"':
+                raise Invalid
+            key_end = _string_end(text, i)
+            key = json.loads(text[i:key_end])
+            i = _skip_ws(text, key_end)
+            if i >= len(text):
+                raise Incomplete
+            if text[i] != ":":
+                raise Invalid
+            start = _skip_ws(text, i + 1)
+            if key == args_key:
+                call.args_start = start
+                if start < len(text) and text[start] != "{":
+                    raise Invalid
+            end = _value_end(text, start)
+            if key == "name":
+                name = json.loads(text[start:end])
+                if not isinstance(name, str):
+                    raise Invalid
+                call.name = name
+            elif key == args_key:
+                call.args_end = end
+            i = end
+    except Incomplete:
+        return call, None
+
+
+def _valid(text: str, start: int, end: int, call: Call) -> bool:
+    """A complete call is valid JSON with a string name and an object of arguments."""
+    try:
+        obj = json.loads(text[start:end])
+    except ValueError:
+        return False
+    return call.name is not None and isinstance(obj, dict) and call.args_end is not None
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag (it may be a tag yet)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ------------------------------------------------------------------ formats
+
+
+def _hermes(text: str, final: bool) -> list[Call | Content]:
+    out: list[Call | Content] = []
+    pos = 0
+    while True:
+        k = text.find(HERMES_OPEN, pos)
+        if k < 0:
+            end = len(text) if final else len(text) - _held_prefix(text[pos:], HERMES_OPEN)
+            out.append(Content(pos, end))
+            return out
+        out.append(Content(pos, k))
+        start = _skip_ws(text, k + len(HERMES_OPEN))
+        try:
+            call, end = _scan_call(text, start, "arguments")
+        except Invalid:
+            out.append(Content(k, len(text)))
+            return out
+        if end is None:
+            if final:  # the output ended inside the call
+                out.append(Content(k, len(text)))
+            else:
+                out.append(call)
+            return out
+        close = _skip_ws(text, end)
+        rest = text[close : close + len(HERMES_CLOSE)]
+        if not final and len(rest) < len(HERMES_CLOSE) and HERMES_CLOSE.startswith(rest):
+            out.append(Call(call.name, call.args_start, call.args_end, False))
+            return out
+        if not _valid(text, start, end, call) or (rest != HERMES_CLOSE and close < len(text)):
+            out.append(Content(k, len(text)))
+            return out
+        out.append(call)
+        # Some models end at eos without the closing tag; the call is whole all the same.
+        pos = close + len(HERMES_CLOSE) if rest == HERMES_CLOSE else close
+
+
+def _json_calls(text: str, final: bool, args_key: str, start: int, separator: str, closer: str | None):
+    """Calls one after another from text[start], joined by `separator`, up to `closer` if any."""
+    out: list[Call | Content] = []
+    i = start
+    while True:
+        i = _skip_ws(text, i)
+        try:
+            call, end = _scan_call(text, i, args_key)
+        except Invalid:
+            return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
+        if end is None:
+            return [*out, Content(i, len(text))] if final else [*out, call]
+        if not _valid(text, i, end, call):
+            return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
+        out.append(call)
+        i = _skip_ws(text, end)
+        if i < len(text) and text[i] == separator:
+            i += 1
+            continue
+        if closer is not None and i < len(text) and text[i] == closer:
+            i += 1
+        if i < len(text):
+            out.append(Content(i, len(text)))
+        return out
+
+
+def _llama3_json(text: str, final: bool) -> list[Call | Content]:
+    i = _skip_ws(text, 0)
+    if text.startswith(PYTHON_TAG, i):
+        i += len(PYTHON_TAG)
+    elif not final and PYTHON_TAG.startswith(text[i:]):
+        return []  # nothing yet, or the start of the tag
+    i = _skip_ws(text, i)
+    if i >= len(text):
+        return [] if not final else [Content(0, len(text))]
+    if text[i] != "{":
+        return [Content(0, len(text))]
+    return _json_calls(text, final, "parameters", i, ";", None)
+
+
+def _required(text: str, final: bool) -> list[Call | Content]:
+    i = _skip_ws(text, 0)
+    if i >= len(text):
+        return [] if not final else [Content(0, len(text))]
+    if text[i] != "[":
+        return [Content(0, len(text))]
+    return _json_calls(text, final, "parameters", i + 1, ",", "]")
+
+
+def _named(text: str, final: bool, name: str) -> list[Call | Content]:
+    start = _skip_ws(text, 0)
+    if start >= len(text):
+        return [] if not final else [Content(0, len(text))]
+    if text[start] != "{":
+        return [Content(0, len(text))]
+    try:
+        end = _value_end(text, start)
+    except Incomplete:
+        return [Content(0, len(text))] if final else [Call(name, start, None, False)]
+    try:
+        valid = isinstance(json.loads(text[start:end]), dict)
+    except ValueError:
+        valid = False
+    return [Call(name, start, end, True)] if valid else [Content(0, len(text))]
+
+
+class ToolParser:
+    """Cuts a model's output into content and tool calls, in one format."""
+
+    def __init__(
+        self, fmt: str, *, function_name: str | None = None, parallel_tool_calls: bool = True
+    ) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool call format {fmt!r}; use one of {list(FORMATS)}")
+        if (fmt == "named") != (function_name is not None):
+            raise ValueError("the 'named' format, and only it, takes a function_name")
+        self.format = fmt
+        self.function_name = function_name
+        self.max_calls = None if parallel_tool_calls else 1
+
+    def segments(self, text: str, final: bool) -> list[Call | Content]:
+        """Content and calls; with final=False, text still growing: the last piece may be partial,
+        and content that may be the start of a tag is held back."""
+        if self.format == "hermes":
+            out = _hermes(text, final)
+        elif self.format == "llama3_json":
+            out = _llama3_json(text, final)
+        elif self.format == "required":
+            out = _required(text, final)
+        else:
+            out = _named(text, final, self.function_name or "")
+        if self.max_calls is not None:
+            calls = 0
+            kept = []
+            for s in out:
+                calls += isinstance(s, Call)
+                if not isinstance(s, Call) or calls <= self.max_calls:
+                    kept.append(s)
+            out = kept
+        return out
+
+    def parse(self, text: str, request_id: str) -> ParsedOutput:
+        """The whole output -> content and OpenAI `tool_calls`."""
+        calls = []
+        content = []
+        for s in self.segments(text, final=True):
+            if isinstance(s, Content):
+                content.append(text[s.start : s.end])
+            elif s.complete:
+                arguments = text[s.args_start : s.args_end]
+                calls.append(_tool_call(call_id(request_id, len(calls)), s.name or "", arguments))
+        joined = "".join(content)
+        if calls:
+            return ParsedOutput(joined.strip() or None, calls)
+        return ParsedOutput(joined, [])
+
+
+def _tool_call(id_: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallStream:
+    """Feeds text deltas, returns OpenAI chat-completion delta objects (`{"content": ...}` and
+    `{"tool_calls": [...]}`); `finish()` flushes what was held back."""
+
+    def __init__(self, parser: ToolParser, request_id: str) -> None:
+        self.parser = parser
+        self.request_id = request_id
+        self.text = ""
+        self._content_sent = 0  # characters of content sent, over all content segments
+        self._calls_sent: list[int] = []  # per call: characters of its arguments sent
+        self.has_tool_calls = False
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        return self._diff(final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._diff(final=True)
+
+    def _diff(self, final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        content = ""
+        index = 0
+        for s in self.parser.segments(self.text, final):
+            if isinstance(s, Content):
+                # Whitespace between and after calls is layout, not content.
+                piece = self.text[s.start : s.end]
+                content += piece if not (self.has_tool_calls and not piece.strip()) else ""
+                continue
+            if index >= len(self._calls_sent):
+                if s.name is None:
+                    break  # its header can only go out with the name
+                self._calls_sent.append(0)
+                self.has_tool_calls = True
+                head = {"id": call_id(self.request_id, index), "type": "function"}
+                out.append(_call_delta(index, {**head, "function": {"name": s.name, "arguments": ""}}))
+            if s.args_start is not None:
+                args = self.text[s.args_start : len(self.text) if s.args_end is None else s.args_end]
+                sent = self._calls_sent[index]
+                if len(args) > sent:
+                    out.append(_call_delta(index, {"function": {"arguments": args[sent:]}}))
+                    self._calls_sent[index] = len(args)
+            index += 1
+        if len(content) > self._content_sent:
+            out.insert(0, {"content": content[self._content_sent :]})
+            self._content_sent = len(content)
+        return out
+
+
+def _call_delta(index: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, **body}]}

@@ -1,0 +1,197 @@
+"""Tool-call parsing (services/tokenizer/tool_parsers.py) whole and streamed, and tools in prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from services.tokenizer.tool_parsers import ToolCallStream, ToolParser, call_id, finish_reason
+from services.tokenizer.tools_prompt import (
+    template_renders_tools,
+    tool_format_for_template,
+    tools_instruction,
+)
+
+WEATHER = {"city": "Paris", "unit": "c", "note": 'a } " </tool_call> { [ \\'}
+HERMES = (
+    "Let me look that up.\n"
+    f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(WEATHER)}}}\n</tool_call>\n'
+    '<tool_call>\n{"arguments": {"tz": "UTC"}, "name": "get_time"}\n</tool_call>'
+)
+LLAMA = f'<|python_tag|>{{"name": "get_weather", "parameters": {json.dumps(WEATHER)}}}; {{"name": "get_time", "parameters": {{}}}}'
+REQUIRED = f'[{{"name": "get_weather", "parameters": {json.dumps(WEATHER)}}}, {{"name": "get_time", "parameters": {{"tz": "UTC"}}}}]'
+
+
+def calls(parsed) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+
+
+def test_hermes_calls_and_content():
+    parsed = ToolParser("hermes").parse(HERMES, "req-1")
+    assert parsed.content == "Let me look that up."
+    assert calls(parsed) == [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]
+    assert [c["id"] for c in parsed.tool_calls] == [call_id("req-1", 0), call_id("req-1", 1)]
+    assert len({c["id"] for c in parsed.tool_calls}) == 2
+    assert all(c["type"] == "function" for c in parsed.tool_calls)
+
+
+def test_hermes_without_calls_is_content():
+    parser = ToolParser("hermes")
+    for text in ["Plain answer.", "I would use <tool_call> tags.", "<tool_call>\nnot json\n</tool_call>"]:
+        parsed = parser.parse(text, "r")
+        assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_hermes_edge_cases():
+    parser = ToolParser("hermes")
+    # A call cut short (max_tokens) is not a call: the text stays content and the reason stays length.
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    parsed = parser.parse(cut, "r")
+    assert parsed.tool_calls == [] and parsed.content == cut
+    assert finish_reason("length", bool(parsed.tool_calls)) == "length"
+    # No closing tag before eos: the call is whole all the same.
+    open_end = '<tool_call>{"name": "f", "arguments": {"a": 1}}'
+    assert calls(parser.parse(open_end, "r")) == [("f", {"a": 1})]
+    # Invalid JSON once complete, a non-string name, non-object arguments: content.
+    for bad in [
+        '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "f"}</tool_call>',
+    ]:
+        assert parser.parse(bad, "r").tool_calls == [], bad
+    one = ToolParser("hermes", parallel_tool_calls=False).parse(HERMES, "r")
+    assert calls(one) == [("get_weather", WEATHER)]
+    assert finish_reason("stop", True) == "tool_calls" and finish_reason("stop", False) == "stop"
+
+
+def test_llama3_json_calls():
+    parser = ToolParser("llama3_json")
+    assert calls(parser.parse(LLAMA, "r")) == [("get_weather", WEATHER), ("get_time", {})]
+    assert parser.parse(LLAMA, "r").content is None
+    assert calls(parser.parse(' {"name": "f", "parameters": {"x": [1, 2]}}', "r")) == [("f", {"x": [1, 2]})]
+    for text in [
+        "The weather is fine.",
+        '{"answer": 42}',
+        '{"name": "f", "parameters": {"x": 1}',
+        "<|python_tag|>",
+    ]:
+        parsed = parser.parse(text, "r")
+        assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_forced_formats():
+    named = ToolParser("named", function_name="get_weather").parse(json.dumps(WEATHER), "r")
+    assert calls(named) == [("get_weather", WEATHER)] and named.content is None
+    required = ToolParser("required").parse(REQUIRED, "r")
+    assert calls(required) == [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]
+    cut = ToolParser("named", function_name="f").parse('{"a": ', "r")
+    assert cut.tool_calls == [] and cut.content == '{"a": '
+    with pytest.raises(ValueError, match="function_name"):
+        ToolParser("named")
+    with pytest.raises(ValueError, match="unknown tool call format"):
+        ToolParser("xml")
+
+
+def replay(parser: ToolParser, text: str, chunks: list[str]) -> tuple[str, list[dict]]:
+    """Stream the chunks; rebuild content and calls from the deltas as an OpenAI client does."""
+    stream = ToolCallStream(parser, "req-9")
+    content = ""
+    built: list[dict] = []
+    for delta in [d for chunk in chunks for d in stream.feed(chunk)] + stream.finish():
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            if call["index"] == len(built):
+                assert call["function"]["name"] and call["id"] and call["function"]["arguments"] == ""
+                built.append({"id": call["id"], "type": call["type"], "function": dict(call["function"])})
+            else:
+                assert "id" not in call and "name" not in call["function"]
+                built[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+    return content, built
+
+
+def chunkings(text: str, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    out = [list(text), [text]]
+    for _ in range(6):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(1, min(12, len(text) - 1))))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (ToolParser("hermes"), HERMES),
+        (ToolParser("hermes"), "No tools needed: <tool_x> is not a tag, and < neither."),
+        (ToolParser("hermes", parallel_tool_calls=False), HERMES),
+        (ToolParser("llama3_json"), LLAMA),
+        (ToolParser("llama3_json"), "Just text { with a brace."),
+        (ToolParser("required"), REQUIRED),
+        (ToolParser("named", function_name="get_weather"), json.dumps(WEATHER)),
+    ],
+)
+def test_streamed_deltas_rebuild_the_parse(parser, text):
+    whole = parser.parse(text, "req-9")
+    for chunks in chunkings(text, seed=len(text)):
+        content, built = replay(parser, text, chunks)
+        assert built == whole.tool_calls
+        assert content.strip() == (whole.content or "").strip()
+
+
+def test_stream_holds_back_a_possible_tag_and_sends_arguments_as_they_come():
+    stream = ToolCallStream(ToolParser("hermes"), "r")
+    assert stream.feed("Sure <tool_") == [{"content": "Sure "}]
+    assert stream.feed('call>{"name": "f", ') == [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": call_id("r", 0),
+                    "type": "function",
+                    "function": {"name": "f", "arguments": ""},
+                }
+            ]
+        }
+    ]
+    assert stream.feed('"arguments": {"a": ') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}
+    ]
+    assert stream.feed("1}}</tool_call>") == [{"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}]
+    assert stream.finish() == [] and stream.has_tool_calls
+
+
+def test_smollm2_template_does_not_render_tools(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    template = (smollm2_dir / "chat_template.jinja").read_text()
+    assert not template_renders_tools(template)
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert with_tools == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" not in with_tools
+    assert tool_format_for_template(template) == "hermes"
+
+
+def test_templates_that_render_tools_are_recognised():
+    hermes = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+    assert template_renders_tools(hermes)
+    assert tool_format_for_template(hermes) == "hermes"
+    llama = "{% if tools is not none %}{{ '<|python_tag|>' }}{% endif %}"
+    assert template_renders_tools(llama) and tool_format_for_template(llama) == "llama3_json"
+
+
+def test_the_instruction_lists_every_tool_in_the_format_the_parser_reads():
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "get_time", "description": "now, ünïcode"}},
+    ]
+    text = tools_instruction(tools)
+    listed = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0].splitlines()
+    assert [json.loads(line) for line in listed] == tools
+    example = text.split("<tool_call>", 1)[1]
+    assert '"name"' in example and '"arguments"' in example and example.rstrip().endswith("</tool_call>")
