@@ -252,7 +252,7 @@ def main() -> None:
             f"{mm(e['compile_ms']):>16} {mm(e['mask_fill_ms_per_step_batch64']):>16} "
             f"{mm(e['accept_ms_per_step_batch64']):>16}"
         )
-    print("(min/median; mask and accept: one step of all 64 rows)")
+    print("(min/median; mask and accept: one step of all 64 rows, so per row-token divide by 64)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

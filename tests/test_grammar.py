@@ -20,7 +20,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from ipc.structured_output import StructuredOutput, for_tool_choice, from_response_format
-from services.scheduler.grammar_compiler import GrammarCompiler, GrammarError, load_grammar_tokenizer
+from services.scheduler.grammar_compiler import (
+    GrammarCompiler,
+    GrammarError,
+    check_constraint,
+    load_grammar_tokenizer,
+)
 from services.scheduler.grammar_matcher import (
     BitmaskFiller,
     GrammarMatcher,
@@ -161,6 +166,16 @@ def test_optional_fields_are_sometimes_present_and_sometimes_not(compiler, model
     spec = StructuredOutput("json", json.dumps(SCHEMAS["optional_fields"]))
     key_sets = {tuple(sorted(json.loads(walk(compiler, model, spec, seed)[0]))) for seed in range(12)}
     assert len(key_sets) > 1, key_sets
+
+
+def test_check_constraint_passes_what_compiles():
+    for spec in [
+        StructuredOutput("json", json.dumps(SCHEMAS["nested_objects"])),
+        StructuredOutput("regex", "[a-z]+"),
+        StructuredOutput("choice", '["a", "b"]'),
+        StructuredOutput("grammar", 'root ::= "x" [0-9]*'),
+    ]:
+        check_constraint(spec)
 
 
 def test_json_object_gives_an_object(compiler, model):
@@ -306,6 +321,8 @@ def test_a_refused_token_raises_with_its_position(compiler, model):
     ],
 )
 def test_a_constraint_that_does_not_compile_errors_clearly(compiler, model, spec, message):
+    with pytest.raises(GrammarError, match=re.escape(message)):
+        check_constraint(spec)
     future = compiler.submit(spec)
     with pytest.raises(GrammarError, match=re.escape(message)) as info:
         future.result(timeout=60)
@@ -331,6 +348,9 @@ def test_a_grammar_over_the_engine_limits_errors(model):
         spec = StructuredOutput("json", json.dumps({"enum": [f"value_{i}" for i in range(2000)]}))
         with pytest.raises(GrammarError, match="too big"):
             small.submit(spec).result(timeout=60)
+        with pytest.raises(GrammarError, match="too big"):
+            check_constraint(spec, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+        check_constraint(spec)  # within the default limits
     finally:
         small.close()
 

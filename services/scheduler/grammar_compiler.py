@@ -12,7 +12,8 @@ with the very compiler that will run it, answering a bad one before it enters th
   keeps a request waiting until its future is done. Results, failures too, are cached by
   `StructuredOutput.cache_key` in an LRU of bounded size, so a resubmitted request (after any
   fault) finds its grammar again at no cost.
-- `compile_now(spec)`: the same compile, inline, for a stage that only checks (the frontend).
+- `check_constraint(spec)`: whether it compiles, without a tokenizer (about a millisecond): the
+  frontend's check, so that a bad constraint gets its error before it enters the pipeline.
 
 A constraint that cannot compile raises `GrammarError` (an `InvalidParams`: the request gets a clear
 invalid_request error, and nothing else in the batch is touched). Too large is bounded twice: the
@@ -98,6 +99,15 @@ def grammar_text(spec: StructuredOutput) -> str:
     except Exception as e:  # the engine's parsers raise ValueError or their own error types
         raise GrammarError(f"{spec.kind}: {_short(str(e))}") from None
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+def check_constraint(spec: StructuredOutput, limits: llguidance.LLParserLimits | None = None) -> None:
+    """Raise GrammarError unless the constraint compiles (within `limits`); needs no tokenizer."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar_text(spec), None, limits=limits
+    )
+    if is_error:
+        raise GrammarError(f"{spec.kind}: {_short(messages[0])}")
 
 
 class GrammarCompiler:
