@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -38,13 +37,12 @@ from ipc.config import Config, ConfigError, load_config
 from ipc.endpoints import DIST_PORT_ENV, Endpoints, default_run_dir, make_run_dir
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket
+from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.stage import RUN_FILE, SUPERVISOR_PID_ENV, RunInfo, read_run_info, setup_logging, write_run_info
 
 STATUS_FILE = "status.json"
 STOP_GRACE_S = 5.0
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
-MAX_BIAS_ENTRIES = 1100  # ipc.validation allows 1024 logit-bias entries, plus eos/stop ids
-MAX_TOP_LOGPROBS = 20
 
 METRICS_DIR = "metrics"
 
@@ -62,20 +60,15 @@ def free_tcp_port() -> int:
 
 
 def step_slot_bytes(config: Config) -> int:
-    """Bytes of one step-plan slot at the configured maxima (docs/internals.md lists the arrays)."""
+    """Bytes of one step-plan slot at the configured maxima (ipc/step_plan.py declares the arrays)."""
     engine = config.engine
-    tokens, seqs = engine.max_num_batched_tokens, engine.max_num_seqs
-    blocks_per_seq = math.ceil(config.model.max_model_len / engine.block_size)
-    per_token = 3 * 4  # input_ids, positions, slot_mapping
-    per_seq = 4 * (4 + 10) + 8 + 4 * blocks_per_seq  # offsets, sampling columns, seed, block table
-    history = seqs * config.model.max_model_len * 4
-    bias = seqs * MAX_BIAS_ENTRIES * 8
-    return tokens * per_token + seqs * per_seq + history + bias + 64 * 64 + 16384
+    max_model_len = config.model.max_model_len
+    limits = plan_limits(engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, engine.block_size)
+    return STEP_PLAN.slot_bytes(limits)
 
 
 def result_slot_bytes(config: Config) -> int:
-    seqs = config.engine.max_num_seqs
-    return seqs * (8 + MAX_TOP_LOGPROBS * 8) + 64 * 16 + 4096
+    return STEP_RESULT.slot_bytes(result_limits(config.engine.max_num_seqs))
 
 
 @dataclass

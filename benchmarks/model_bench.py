@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.messages import StepHeader
+from ipc.step_plan import STEP_PLAN, Dim
 from services.gpu_worker.loader import prepare_model
 from services.gpu_worker.model_runner import ModelRunner
 
@@ -37,33 +38,17 @@ def static_plan(
     flat_pos = positions.reshape(-1)
     seq_of = np.repeat(np.arange(s), q_len)
     slots = tables[seq_of, flat_pos // block_size] * block_size + flat_pos % block_size
-    zeros_i, zeros_f = np.zeros(s, np.int32), np.zeros(s, np.float32)
-    arrays = {
-        "rows": np.arange(s, dtype=np.int32),
-        "input_ids": tokens.reshape(-1).astype(np.int32),
-        "positions": flat_pos.astype(np.int32),
-        "slot_mapping": slots.astype(np.int32),
-        "query_start_loc": (np.arange(s + 1) * q_len).astype(np.int32),
-        "seq_lens": seq_lens.astype(np.int32),
-        "block_tables": tables,
-        "is_sampled": np.ones(s, np.uint8),
-        "temperature": zeros_f,
-        "top_k": zeros_i,
-        "top_p": np.ones(s, np.float32),
-        "min_p": zeros_f,
-        "repetition_penalty": np.ones(s, np.float32),
-        "presence_penalty": zeros_f,
-        "frequency_penalty": zeros_f,
-        "seeds": np.zeros(s, np.int64),
-        "sample_positions": seq_lens.astype(np.int32),
-        "num_logprobs": zeros_i,
-        "history_offsets": np.zeros(s + 1, np.int32),
-        "history_ids": np.zeros(0, np.int32),
-        "history_prompt_lens": zeros_i,
-        "bias_offsets": np.zeros(s + 1, np.int32),
-        "bias_ids": np.zeros(0, np.int32),
-        "bias_values": np.zeros(0, np.float32),
-    }
+    arrays = STEP_PLAN.neutral(
+        {Dim.TOKENS: s * q_len, Dim.ROWS: s},
+        rows=np.arange(s),
+        input_ids=tokens.reshape(-1),
+        positions=flat_pos,
+        slot_mapping=slots,
+        query_start_loc=np.arange(s + 1) * q_len,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        sample_positions=seq_lens,
+    )
     return arrays, StepHeader(step_id=0, num_tokens=s * q_len, num_seqs=s, max_top_logprobs=0)
 
 

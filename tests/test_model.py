@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.step_plan import STEP_PLAN, Dim
 from kernels import cpu_ops
 from services.gpu_worker.model import CAN_PREPACK, prepack, prepacked_linear
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
@@ -48,32 +49,18 @@ class PlanBuilder:
             seq_lens.append(end)
             tables[row, : len(blocks)] = blocks
         s = len(chunks)
-        arrays = {
-            "rows": np.array([c[0] for c in chunks], dtype=np.int32),  # the sequence id is its row
-            "input_ids": np.array(ids, dtype=np.int32),
-            "positions": np.array(positions, dtype=np.int32),
-            "slot_mapping": np.array(slots, dtype=np.int32),
-            "query_start_loc": np.array(qsl, dtype=np.int32),
-            "seq_lens": np.array(seq_lens, dtype=np.int32),
-            "block_tables": tables,
-            "is_sampled": np.array([c[2] for c in chunks], dtype=np.uint8),
-            "temperature": np.zeros(s, dtype=np.float32),
-            "top_k": np.zeros(s, dtype=np.int32),
-            "top_p": np.ones(s, dtype=np.float32),
-            "min_p": np.zeros(s, dtype=np.float32),
-            "repetition_penalty": np.ones(s, dtype=np.float32),
-            "presence_penalty": np.zeros(s, dtype=np.float32),
-            "frequency_penalty": np.zeros(s, dtype=np.float32),
-            "seeds": np.zeros(s, dtype=np.int64),
-            "sample_positions": np.array(seq_lens, dtype=np.int32),
-            "num_logprobs": np.zeros(s, dtype=np.int32),
-            "history_offsets": np.zeros(s + 1, dtype=np.int32),
-            "history_ids": np.zeros(0, dtype=np.int32),
-            "history_prompt_lens": np.zeros(s, dtype=np.int32),
-            "bias_offsets": np.zeros(s + 1, dtype=np.int32),
-            "bias_ids": np.zeros(0, dtype=np.int32),
-            "bias_values": np.zeros(0, dtype=np.float32),
-        }
+        arrays = STEP_PLAN.neutral(
+            {Dim.TOKENS: len(ids), Dim.ROWS: s},
+            rows=np.array([c[0] for c in chunks]),  # the sequence id is its row
+            input_ids=np.array(ids),
+            positions=np.array(positions),
+            slot_mapping=np.array(slots),
+            query_start_loc=np.array(qsl),
+            seq_lens=np.array(seq_lens),
+            block_tables=tables,
+            is_sampled=np.array([c[2] for c in chunks]),
+            sample_positions=np.array(seq_lens),
+        )
         self.next_step_id += 1
         return arrays, StepHeader(step_id=self.next_step_id - 1, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
 
@@ -422,6 +409,23 @@ def test_invalid_placeholders_are_refused(tiny):
     with pytest.raises(InvalidPlan, match="history"):
         runner.execute(bad, header)
     # Still serving, and the placeholder of the right step is filled in.
+    assert runner.execute(arrays, header)["sampled_ids"][0] >= 0
+
+
+def test_plans_that_do_not_match_the_spec_are_refused(tiny):
+    """A slot lacking an array, or with one of the wrong dtype or shape, fails the step (naming
+    the array) before anything runs; the runner keeps serving."""
+    runner, _ = tiny
+    arrays, header = PlanBuilder().plan([(0, [10, 11, 12], True)])
+    cases = {
+        "'seq_lens' is missing": {k: v for k, v in arrays.items() if k != "seq_lens"},
+        "'seeds' is int32, expected int64": {**arrays, "seeds": arrays["seeds"].astype(np.int32)},
+        "'positions' has shape": {**arrays, "positions": arrays["positions"][:2]},
+        "'bias_ids' has shape": {**arrays, "bias_offsets": np.array([0, 2], np.int32)},
+    }
+    for message, bad in cases.items():
+        with pytest.raises(InvalidPlan, match=message):
+            runner.execute(bad, header)
     assert runner.execute(arrays, header)["sampled_ids"][0] >= 0
 
 

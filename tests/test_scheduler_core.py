@@ -21,6 +21,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
+from ipc.step_plan import STEP_PLAN, Dim
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import (
     Overloaded,
@@ -36,34 +37,6 @@ from services.scheduler.request import Request
 
 VOCAB = 40
 EOS = 0
-
-PLAN_SPEC = {  # docs/internals.md: name -> (dtype, shape in terms of T, S, M, H, B)
-    "rows": (np.int32, ("S",)),
-    "input_ids": (np.int32, ("T",)),
-    "positions": (np.int32, ("T",)),
-    "slot_mapping": (np.int32, ("T",)),
-    "query_start_loc": (np.int32, ("S+1",)),
-    "seq_lens": (np.int32, ("S",)),
-    "block_tables": (np.int32, ("S", "M")),
-    "is_sampled": (np.uint8, ("S",)),
-    "temperature": (np.float32, ("S",)),
-    "top_k": (np.int32, ("S",)),
-    "top_p": (np.float32, ("S",)),
-    "min_p": (np.float32, ("S",)),
-    "repetition_penalty": (np.float32, ("S",)),
-    "presence_penalty": (np.float32, ("S",)),
-    "frequency_penalty": (np.float32, ("S",)),
-    "seeds": (np.int64, ("S",)),
-    "sample_positions": (np.int32, ("S",)),
-    "num_logprobs": (np.int32, ("S",)),
-    "history_offsets": (np.int32, ("S+1",)),
-    "history_ids": (np.int32, ("H",)),
-    "history_prompt_lens": (np.int32, ("S",)),
-    "bias_offsets": (np.int32, ("S+1",)),
-    "bias_ids": (np.int32, ("B",)),
-    "bias_values": (np.float32, ("B",)),
-}
-
 
 def mix(seed: int, position: int, prev: int, prev2: int) -> int:
     """Deterministic 'model': the next token from seed, position and the two previous tokens."""
@@ -226,13 +199,9 @@ class FakeExecutor:
 
 
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
-    assert set(a) == set(PLAN_SPEC)
-    dims = {"T": num_tokens, "S": num_seqs, "S+1": num_seqs + 1, "M": a["block_tables"].shape[1]}
-    dims["H"] = int(a["history_offsets"][-1])
-    dims["B"] = int(a["bias_offsets"][-1])
-    for name, (dtype, shape) in PLAN_SPEC.items():
-        assert a[name].dtype == dtype, name
-        assert a[name].shape == tuple(dims[d] for d in shape), name
+    """The plan is exactly the declared one (ipc/step_plan.py), and every array is there."""
+    assert set(a) == set(STEP_PLAN.names)
+    STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs})
 
 
 def make_request(rid: str, prompt: list[int], **params: object) -> Request:

@@ -15,6 +15,7 @@ from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
+from ipc.step_plan import STEP_RESULT
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.parallel import init_parallel
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
@@ -98,8 +99,8 @@ def main() -> None:
                     stage.log.error("step %d refused: %s", header.step_id, error)
                 if result_ring is not None:
                     with result_ring.reserve(engine.step_timeout_s) as slot:
-                        for name, array in results.items():
-                            slot.put(name, array)
+                        if not error:
+                            STEP_RESULT.write(slot, results)
                         slot.publish(RESULT_HEADER.encode(m.ResultHeader(header.step_id, header.num_seqs, error)))
         except RingTimeout:
             continue

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.model import LlamaConfig, LlamaModel
 from services.gpu_worker.parallel import Parallel
@@ -110,13 +111,15 @@ class ModelRunner:
         t, s = header.num_tokens, header.num_seqs
         if t < 1 or s < 1:
             raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
-        ids, positions = arrays["input_ids"][:t], arrays["positions"][:t]
-        slots, qsl = arrays["slot_mapping"][:t], arrays["query_start_loc"][: s + 1]
-        seq_lens, tables, rows = arrays["seq_lens"][:s], arrays["block_tables"][:s], arrays["rows"][:s]
-        if len(ids) != t or len(positions) != t or len(slots) != t or len(qsl) != s + 1 or len(seq_lens) != s:
-            raise InvalidPlan("plan arrays are shorter than the header says")
-        if len(rows) != s or rows.min() < 0 or rows.max() >= self.max_num_seqs:
-            raise InvalidPlan(f"plan-table row out of range [0, {self.max_num_seqs}), or missing")
+        try:
+            STEP_PLAN.check(arrays, {Dim.TOKENS: t, Dim.ROWS: s})
+        except SlotMismatch as exc:
+            raise InvalidPlan(str(exc)) from None
+        ids, positions, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
+        qsl, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
+        tables, rows = arrays["block_tables"], arrays["rows"]
+        if rows.min() < 0 or rows.max() >= self.max_num_seqs:
+            raise InvalidPlan(f"plan-table row out of range [0, {self.max_num_seqs})")
         if ids.max() >= self.vocab_size or ((ids < 0) & (ids != PLACEHOLDER_TOKEN)).any():
             raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
         if positions.min() < 0 or positions.max() >= self.max_model_len:
@@ -145,7 +148,7 @@ class ModelRunner:
         return at, table_rows
 
     def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
-        """Run one step plan; returns the result arrays of docs/internals.md."""
+        """Run one step plan; returns the result arrays (ipc/step_plan.py STEP_RESULT)."""
         at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         rows = np.flatnonzero(arrays["is_sampled"][:s])
@@ -153,12 +156,8 @@ class ModelRunner:
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
             self._fill_placeholders(input_ids, at, table_rows)
-        result = {
-            "sampled_ids": np.full(s, -1, dtype=np.int32),
-            "sampled_logprobs": np.zeros(s, dtype=np.float32),
-            "top_ids": np.full((s, k), -1, dtype=np.int32),
-            "top_logprobs": np.full((s, k), -np.inf, dtype=np.float32),
-        }
+        # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
+        result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
         logits = self.model.forward(input_ids, meta, self.kv_cache, sample_tokens.to(self.device))
         sampled_table_rows = arrays["rows"][rows]

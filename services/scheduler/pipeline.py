@@ -28,6 +28,7 @@ import numpy as np
 from ipc.codec import RESULT_HEADER, STEP_HEADER
 from ipc.messages import ResultHeader
 from ipc.shm import RingTimeout, ShmRing
+from ipc.step_plan import STEP_RESULT, Dim, SlotMismatch
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
@@ -174,7 +175,13 @@ class RingExecutor:
     def result(self) -> Iterator[StepResult]:
         with ExitStack() as stack:
             view = self._enter(stack, partial(self.result_ring.read, 0), "no step result")
-            yield RESULT_HEADER.decode(view.header), view.arrays
+            header, arrays = RESULT_HEADER.decode(view.header), view.arrays
+            if not header.error:
+                try:
+                    STEP_RESULT.check(arrays, {Dim.ROWS: header.num_seqs})
+                except SlotMismatch as exc:  # a worker bug: the step fails like a refused one
+                    header, arrays = ResultHeader(header.step_id, header.num_seqs, str(exc)), {}
+            yield header, arrays
 
     def _enter(
         self, stack: ExitStack, open_slot: Callable[[float], AbstractContextManager[T]], what: str

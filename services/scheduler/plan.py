@@ -1,4 +1,5 @@
-"""Step plans: the arrays of docs/internals.md that one step-ring slot carries to the workers.
+"""Step plans: the arrays that one step-ring slot carries to the workers (declared in
+ipc/step_plan.py, explained in docs/internals.md).
 
 Per-sequence values that do not change while a request runs (sampling parameters, block table,
 last token) live in a `PlanTable` row, written once when the request starts running or when it
@@ -10,11 +11,11 @@ copied per sequence, as slices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.step_plan import STEP_PLAN, SlotSink
 from services.scheduler.request import Request
 
 # Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
@@ -218,14 +219,10 @@ class ScheduledStep:
         return [req for req, is_live in zip(self.seqs, live.tolist(), strict=True) if is_live]
 
 
-class PlanSlot(Protocol):
-    def put(self, name: str, array: np.ndarray) -> None: ...
-
-
 def build_plan(
     step: ScheduledStep, step_id: int, block_size: int
 ) -> tuple[StepHeader, dict[str, np.ndarray]]:
-    """The step header and every step-plan array of docs/internals.md for this step."""
+    """The step header and every step-plan array (ipc/step_plan.py STEP_PLAN) for this step."""
     table = step.table
     seqs = step.seqs
     num_seqs = len(seqs)
@@ -329,11 +326,10 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     return constants
 
 
-def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: PlanSlot) -> StepHeader:
+def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: SlotSink) -> StepHeader:
     """Copy the plan's arrays into a step-ring slot; the caller publishes the returned header."""
     header, arrays = build_plan(step, step_id, block_size)
-    for name, array in arrays.items():
-        slot.put(name, array)
+    STEP_PLAN.write(slot, arrays)
     return header
 
 

@@ -1,0 +1,257 @@
+"""The step plan (scheduler -> workers) and the step result (worker rank 0 -> scheduler), declared
+once: every array a ring slot carries, its dtype, its shape in named dimensions, and whether it
+is always there.
+
+Everyone reads the same declaration: the scheduler writes plans through it
+(services/scheduler/plan.py `write_plan`), the worker refuses a plan that does not match it before
+anything runs (services/gpu_worker/model_runner.py `ModelRunner.validate`), the scheduler refuses
+a result that does not match it (services/scheduler/pipeline.py `RingExecutor`), the supervisor
+sizes the ring slots from it (`SlotSpec.slot_bytes`), and tests build plans from it
+(`SlotSpec.neutral`). docs/internals.md explains what each array means.
+
+A dimension's size comes from the slot header (tokens, rows, top-K), from another array's shape
+(the block-table width), or from the last entry of an offsets array (the ragged spans). A new
+array is one `ArraySpec` line; one that only some steps carry is declared `optional`, for example
+a per-row token bitmask for structured output:
+`ArraySpec("token_bitmask", np.int32, (Dim.ROWS, Dim.VOCAB_WORDS), optional=True)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ipc.shm import ALIGN
+from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
+
+class Dim(enum.Enum):
+    """The dimensions that array shapes are given in."""
+
+    TOKENS = "tokens"  # the step's flat batch of new tokens (header num_tokens)
+    ROWS = "rows"  # the step's sequences (header num_seqs)
+    ROW_OFFSETS = "rows+1"  # offsets: where each row's span starts, and where the last one ends
+    BLOCKS = "blocks"  # the block-table width: blocks of the step's longest sequence
+    HISTORY = "history"  # penalty-history ids of all rows together (history_offsets[-1])
+    BIAS = "bias"  # logit-bias entries of all rows together (bias_offsets[-1])
+    TOP_K = "top_k"  # top logprobs per row (header max_top_logprobs)
+    VOCAB_WORDS = "vocab_words"  # 32-bit words of a bitmask over the vocabulary
+
+
+class SlotSink(Protocol):
+    """Where `SlotSpec.write` puts arrays: a ring slot (ipc/shm.py `SlotWriter`) or a test's dict."""
+
+    def put(self, name: str, array: np.ndarray) -> None: ...
+
+
+class SlotMismatch(ValueError):
+    """A slot's arrays do not match their declaration; the message names the array."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple[Dim, ...]
+    fill: float = 0  # the neutral value (sampling option off), for `SlotSpec.neutral`
+    optional: bool = False  # only the steps that need it carry it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """The arrays of one kind of slot, in the order they are written."""
+
+    kind: str  # "step plan" or "step result", for messages
+    arrays: tuple[ArraySpec, ...]
+    # Dimensions read from an array's shape: the dimension -> (array, axis).
+    measured: Mapping[Dim, tuple[str, int]] = field(default_factory=dict)
+    # Ragged dimensions: the dimension -> the offsets array whose last entry is its size.
+    ragged: Mapping[Dim, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {spec.name: spec for spec in self.arrays})
+        object.__setattr__(self, "names", tuple(spec.name for spec in self.arrays))
+
+    def write(self, slot: SlotSink, arrays: Mapping[str, np.ndarray]) -> None:
+        """Put `arrays` into a slot in declared order; SlotMismatch (before the array is written)
+        for a missing or unknown array or a wrong dtype. Shapes are the worker's to check."""
+        num_written = 0
+        for spec in self.arrays:
+            array = arrays.get(spec.name)
+            if array is None:
+                if spec.optional:
+                    continue
+                raise SlotMismatch(f"{self.kind}: array {spec.name!r} is missing")
+            if array.dtype is not spec.dtype and array.dtype != spec.dtype:
+                raise SlotMismatch(
+                    f"{self.kind}: array {spec.name!r} is {array.dtype}, expected {spec.dtype}"
+                )
+            slot.put(spec.name, array)
+            num_written += 1
+        if num_written != len(arrays):
+            unknown = sorted(set(arrays) - set(self.names))  # type: ignore[attr-defined]
+            raise SlotMismatch(f"{self.kind}: unknown arrays {unknown}")
+
+    def check(self, arrays: Mapping[str, np.ndarray], sizes: Mapping[Dim, int]) -> dict[Dim, int]:
+        """Raise SlotMismatch unless `arrays` are exactly the declared ones, with their dtypes and
+        shapes for the header's `sizes`; returns every dimension's size."""
+        by_name: dict[str, ArraySpec] = self.by_name  # type: ignore[attr-defined]
+        for spec in self.arrays:
+            if spec.name not in arrays and not spec.optional:
+                raise SlotMismatch(f"{self.kind}: array {spec.name!r} is missing")
+        for name, array in arrays.items():
+            spec = by_name.get(name)
+            if spec is None:
+                raise SlotMismatch(f"{self.kind}: unknown array {name!r}")
+            if array.dtype != spec.dtype:
+                raise SlotMismatch(f"{self.kind}: array {name!r} is {array.dtype}, expected {spec.dtype}")
+        full = dict(sizes)
+        if Dim.ROWS in full:
+            full[Dim.ROW_OFFSETS] = full[Dim.ROWS] + 1
+        for dim, (name, axis) in self.measured.items():
+            if name in arrays:
+                self._check_ndim(name, arrays[name])
+                full[dim] = arrays[name].shape[axis]
+        for dim, name in self.ragged.items():
+            offsets = arrays[name]
+            self._check_shape(name, offsets, full)
+            full[dim] = int(offsets[-1]) if len(offsets) else 0
+        for name, array in arrays.items():
+            self._check_shape(name, array, full)
+        return full
+
+    def _check_ndim(self, name: str, array: np.ndarray) -> None:
+        spec: ArraySpec = self.by_name[name]  # type: ignore[attr-defined]
+        if array.ndim != len(spec.shape):
+            raise SlotMismatch(
+                f"{self.kind}: array {name!r} has {array.ndim} dimensions, expected {len(spec.shape)}"
+            )
+
+    def _check_shape(self, name: str, array: np.ndarray, sizes: Mapping[Dim, int]) -> None:
+        spec: ArraySpec = self.by_name[name]  # type: ignore[attr-defined]
+        expected = tuple(sizes[d] for d in spec.shape)
+        if array.shape != expected:
+            dims = ", ".join(d.value for d in spec.shape)
+            raise SlotMismatch(
+                f"{self.kind}: array {name!r} has shape {array.shape}, expected {expected} ({dims})"
+            )
+
+    def slot_bytes(self, limits: Mapping[Dim, int]) -> int:
+        """Bytes of a slot that holds every array at the `limits` of its dimensions (every
+        dimension any array uses must be given), each aligned, plus its directory and header."""
+        full = dict(limits)
+        if Dim.ROWS in full:
+            full[Dim.ROW_OFFSETS] = full[Dim.ROWS] + 1
+        total = HEADER_BYTES
+        for spec in self.arrays:
+            nbytes = spec.dtype.itemsize * math.prod(full[d] for d in spec.shape)
+            total += -(-nbytes // ALIGN) * ALIGN + ALIGN + DIRECTORY_BYTES_PER_ARRAY
+        return total
+
+    def neutral(self, sizes: Mapping[Dim, int], **arrays: np.ndarray) -> dict[str, np.ndarray]:
+        """A slot's arrays for these sizes: the given ones (cast to their dtype), and every other
+        required array filled with its neutral value, in declared order. Measured and ragged
+        dimensions not in `sizes` come from the given arrays (no offsets given: empty spans)."""
+        by_name: dict[str, ArraySpec] = self.by_name  # type: ignore[attr-defined]
+        unknown = sorted(set(arrays) - set(by_name))
+        if unknown:
+            raise SlotMismatch(f"{self.kind}: unknown arrays {unknown}")
+        given = {name: np.asarray(array, by_name[name].dtype) for name, array in arrays.items()}
+        full = dict(sizes)
+        if Dim.ROWS in full:
+            full[Dim.ROW_OFFSETS] = full[Dim.ROWS] + 1
+        for dim, (name, axis) in self.measured.items():
+            if dim not in full and name in given:
+                full[dim] = given[name].shape[axis]
+        for dim, name in self.ragged.items():
+            if dim not in full:
+                full[dim] = int(given[name][-1]) if name in given else 0
+        out = {}
+        for spec in self.arrays:
+            if spec.name in given:
+                out[spec.name] = given[spec.name]
+            elif not spec.optional:
+                out[spec.name] = np.full(tuple(full[d] for d in spec.shape), spec.fill, spec.dtype)
+        return out
+
+
+# A slot's directory entry (name, dtype, shape, offset) in msgpack, with room for long names.
+DIRECTORY_BYTES_PER_ARRAY = 128
+# The header (StepHeader; ResultHeader with an error message) and the slot's own bookkeeping.
+HEADER_BYTES = 16384
+
+T, S, S1, M = Dim.TOKENS, Dim.ROWS, Dim.ROW_OFFSETS, Dim.BLOCKS
+I32, F32 = np.int32, np.float32
+
+STEP_PLAN = SlotSpec(
+    "step plan",
+    (
+        ArraySpec("rows", I32, (S,)),
+        ArraySpec("input_ids", I32, (T,)),
+        ArraySpec("positions", I32, (T,)),
+        ArraySpec("slot_mapping", I32, (T,)),
+        ArraySpec("query_start_loc", I32, (S1,)),
+        ArraySpec("seq_lens", I32, (S,)),
+        ArraySpec("block_tables", I32, (S, M)),
+        ArraySpec("is_sampled", np.uint8, (S,), fill=1),
+        ArraySpec("temperature", F32, (S,)),
+        ArraySpec("top_k", I32, (S,)),
+        ArraySpec("top_p", F32, (S,), fill=1.0),
+        ArraySpec("min_p", F32, (S,)),
+        ArraySpec("repetition_penalty", F32, (S,), fill=1.0),
+        ArraySpec("presence_penalty", F32, (S,)),
+        ArraySpec("frequency_penalty", F32, (S,)),
+        ArraySpec("seeds", np.int64, (S,)),
+        ArraySpec("sample_positions", I32, (S,)),
+        ArraySpec("num_logprobs", I32, (S,)),
+        ArraySpec("history_offsets", I32, (S1,)),
+        ArraySpec("history_ids", I32, (Dim.HISTORY,)),
+        ArraySpec("history_prompt_lens", I32, (S,)),
+        ArraySpec("bias_offsets", I32, (S1,)),
+        ArraySpec("bias_ids", I32, (Dim.BIAS,)),
+        ArraySpec("bias_values", F32, (Dim.BIAS,)),
+    ),
+    measured={Dim.BLOCKS: ("block_tables", 1)},
+    ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
+)
+
+STEP_RESULT = SlotSpec(
+    "step result",
+    (
+        ArraySpec("sampled_ids", I32, (S,), fill=-1),
+        ArraySpec("sampled_logprobs", F32, (S,)),
+        ArraySpec("top_ids", I32, (S, Dim.TOP_K), fill=-1),
+        ArraySpec("top_logprobs", F32, (S, Dim.TOP_K), fill=-np.inf),
+    ),
+    measured={Dim.TOP_K: ("top_ids", 1)},
+)
+
+# The most logit-bias entries one row's plan carries: the user's, plus -inf on eos and stop ids
+# while min_tokens holds (eos ids: a handful per model).
+MAX_BIAS_ENTRIES_PER_ROW = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + 64
+
+
+def plan_limits(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> dict[Dim, int]:
+    """The largest size of each step-plan dimension under these engine settings."""
+    return {
+        Dim.TOKENS: max_num_batched_tokens,
+        Dim.ROWS: max_num_seqs,
+        Dim.BLOCKS: -(-max_model_len // block_size),
+        Dim.HISTORY: max_num_seqs * max_model_len,
+        Dim.BIAS: max_num_seqs * MAX_BIAS_ENTRIES_PER_ROW,
+    }
+
+
+def result_limits(max_num_seqs: int) -> dict[Dim, int]:
+    """The largest size of each step-result dimension."""
+    return {Dim.ROWS: max_num_seqs, Dim.TOP_K: MAX_LOGPROBS}
