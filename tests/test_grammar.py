@@ -50,9 +50,13 @@ def model(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def compiler(model):
-    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
-    compiler = GrammarCompiler(tok, threads=2)
+def tokenizer(model):
+    return load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    compiler = GrammarCompiler(tokenizer, threads=2)
     yield compiler
     compiler.close()
 
@@ -341,9 +345,8 @@ def test_strict_false_ignores_keywords_the_engine_cannot_enforce(compiler, model
     jsonschema.validate(json.loads(text), {k: v for k, v in schema.items() if k != "uniqueItems"})
 
 
-def test_a_grammar_over_the_engine_limits_errors(model):
-    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
-    small = GrammarCompiler(tok, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+def test_a_grammar_over_the_engine_limits_errors(tokenizer):
+    small = GrammarCompiler(tokenizer, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
     try:
         spec = StructuredOutput("json", json.dumps({"enum": [f"value_{i}" for i in range(2000)]}))
         with pytest.raises(GrammarError, match="too big"):
@@ -355,9 +358,8 @@ def test_a_grammar_over_the_engine_limits_errors(model):
         small.close()
 
 
-def test_cache_is_keyed_by_text_and_bounded(model):
-    tok = load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
-    cache = GrammarCompiler(tok, max_entries=2)
+def test_cache_is_keyed_by_text_and_bounded(tokenizer):
+    cache = GrammarCompiler(tokenizer, max_entries=2)
     try:
         a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
         first = cache.submit(a)

@@ -6,6 +6,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.tokenizer.tool_parsers import ToolCallStream, ToolParser, call_id, finish_reason
 from services.tokenizer.tools_prompt import (
@@ -195,3 +197,82 @@ def test_the_instruction_lists_every_tool_in_the_format_the_parser_reads():
     assert [json.loads(line) for line in listed] == tools
     example = text.split("<tool_call>", 1)[1]
     assert '"name"' in example and '"arguments"' in example and example.rstrip().endswith("</tool_call>")
+
+
+# ------------------------------------------------------------------ generated outputs
+
+NAMES = st.sampled_from(["get_weather", "get_time", "f", "名前"])
+ARGS = st.dictionaries(
+    st.text('ab"\\{}[]<>/ ün', max_size=6),
+    st.one_of(st.integers(-999, 999), st.text('x"{}<tool_call>', max_size=8), st.booleans(), st.none()),
+    max_size=3,
+)
+CONTENT = st.text("ab <>{}\n/_", max_size=12).map(lambda s: s.replace("<", "<tool_x ").lstrip("{"))
+NOT_A_CALL = st.sampled_from(["not json", '{"foo": 1}', "[1, 2]", '{"arguments": {}}', ""])
+
+
+@st.composite
+def hermes_outputs(draw) -> str:
+    parts = [draw(CONTENT)]
+    for _ in range(draw(st.integers(0, 3))):
+        if draw(st.booleans()):
+            name, args = draw(NAMES), draw(ARGS)
+            body = (
+                {"name": name, "arguments": args}
+                if draw(st.booleans())
+                else {"arguments": args, "name": name}
+            )
+            parts.append(
+                f"<tool_call>{draw(st.sampled_from(['', chr(10)]))}{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+            )
+        else:
+            parts.append(f"<tool_call>{draw(NOT_A_CALL)}</tool_call>")
+        parts.append(draw(st.sampled_from(["", "\n", " then "])))
+    return "".join(parts)
+
+
+@st.composite
+def llama_outputs(draw) -> str:
+    calls = [{"name": draw(NAMES), "parameters": draw(ARGS)} for _ in range(draw(st.integers(1, 3)))]
+    prefix = draw(st.sampled_from(["", "<|python_tag|>", " "]))
+    return prefix + "; ".join(json.dumps(c, ensure_ascii=False) for c in calls)
+
+
+def check_stream(parser: ToolParser, text: str, cuts: list[int]) -> None:
+    whole = parser.parse(text, "req-9")
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, built = replay(parser, text, chunks)
+    assert built == whole.tool_calls
+    assert content.strip() == (whole.content or "").strip()
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=hermes_outputs(), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_generated_hermes_outputs_stream_as_they_parse(text, cuts):
+    check_stream(ToolParser("hermes"), text, cuts)
+    expected = text.count('"name"')  # each generated call names itself once; no other piece does
+    assert len(ToolParser("hermes").parse(text, "r").tool_calls) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=llama_outputs(), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_generated_llama3_outputs_stream_as_they_parse(text, cuts):
+    check_stream(ToolParser("llama3_json"), text, cuts)
+    assert len(ToolParser("llama3_json").parse(text, "r").tool_calls) == text.count("; ") + 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    calls=st.lists(st.tuples(NAMES, ARGS), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_generated_forced_outputs_stream_as_they_parse(calls, cuts):
+    text = json.dumps([{"name": n, "parameters": a} for n, a in calls], ensure_ascii=False)
+    check_stream(ToolParser("required"), text, cuts)
+    parsed = ToolParser("required").parse(text, "r")
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls
+    ] == calls
+    named = json.dumps(calls[0][1], ensure_ascii=False)
+    check_stream(ToolParser("named", function_name="f"), named, cuts)

@@ -1,6 +1,6 @@
 """Model text -> OpenAI `tool_calls`, whole or as stream deltas. Pure Python (the light stages use it).
 
-Formats (`make_tool_parser`):
+Formats (`ToolParser(format)`):
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around
   them is content (Qwen2.5- and SmolLM-class templates, and tools_prompt.py's instruction);
 - `llama3_json`: the whole output is `{"name": ..., "parameters": {...}}` calls joined by `;`,
@@ -16,8 +16,9 @@ of those segments into deltas, so the concatenated argument deltas are exactly t
 resumed after a fault names its calls as before.
 
 A call whose JSON turns out invalid once complete, or that the output ends inside, is content
-(and `parse` reports no call for it); a stream cannot take back a call it has started, so it
-ends that call with the arguments sent so far.
+(and `parse` reports no call for it; a hermes block is content up to its closing tag, and parsing
+goes on after it). A stream cannot take back a call it has announced: it ends that call with the
+arguments sent so far, and the call's text never becomes content.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ class Invalid(Exception):
 
 @dataclass
 class Call:
-    """A tool call in the text: `args_end` is None while its arguments are still being written."""
+    """A tool call in the text, from `start` (its tag or its '{'); `args_end` is None while its
+    arguments are still being written."""
 
+    start: int
     name: str | None
     args_start: int | None
     args_end: int | None
@@ -127,11 +130,11 @@ def _value_end(text: str, i: int) -> int:
 
 def _scan_call(text: str, i: int, args_key: str) -> tuple[Call, int | None]:
     """The call object at text[i] ('{'): its name and arguments so far, and where it ends."""
+    call = Call(i, None, None, None, False)
     if i >= len(text):
-        return Call(None, None, None, False), None
+        return call, None
     if text[i] != "{":
         raise Invalid
-    call = Call(None, None, None, False)
     i += 1
     try:
         while True:
@@ -201,29 +204,34 @@ def _hermes(text: str, final: bool) -> list[Call | Content]:
             out.append(Content(pos, end))
             return out
         out.append(Content(pos, k))
-        start = _skip_ws(text, k + len(HERMES_OPEN))
+        body = _skip_ws(text, k + len(HERMES_OPEN))
         try:
-            call, end = _scan_call(text, start, "arguments")
+            call, end = _scan_call(text, body, "arguments")
         except Invalid:
-            out.append(Content(k, len(text)))
-            return out
-        if end is None:
-            if final:  # the output ended inside the call
-                out.append(Content(k, len(text)))
-            else:
+            call, end = None, None
+        if call is not None:
+            call.start = k
+            if end is None:  # still being written; at the end of the output, cut off: content
+                out.append(call if not final else Content(k, len(text)))
+                return out
+            close = _skip_ws(text, end)
+            rest = text[close : close + len(HERMES_CLOSE)]
+            if not final and len(rest) < len(HERMES_CLOSE) and HERMES_CLOSE.startswith(rest):
+                call.complete = False  # complete only with its closing tag
                 out.append(call)
-            return out
-        close = _skip_ws(text, end)
-        rest = text[close : close + len(HERMES_CLOSE)]
-        if not final and len(rest) < len(HERMES_CLOSE) and HERMES_CLOSE.startswith(rest):
-            out.append(Call(call.name, call.args_start, call.args_end, False))
-            return out
-        if not _valid(text, start, end, call) or (rest != HERMES_CLOSE and close < len(text)):
+                return out
+            # Some models end at eos without the closing tag; the call is whole all the same.
+            if _valid(text, body, end, call) and (rest == HERMES_CLOSE or close == len(text)):
+                out.append(call)
+                pos = close + len(rest)
+                continue
+        # Not a call: the block is content, up to its closing tag; parsing goes on after it.
+        close_at = text.find(HERMES_CLOSE, k)
+        if close_at < 0:
             out.append(Content(k, len(text)))
             return out
-        out.append(call)
-        # Some models end at eos without the closing tag; the call is whole all the same.
-        pos = close + len(HERMES_CLOSE) if rest == HERMES_CLOSE else close
+        out.append(Content(k, close_at + len(HERMES_CLOSE)))
+        pos = close_at + len(HERMES_CLOSE)
 
 
 def _json_calls(text: str, final: bool, args_key: str, start: int, separator: str, closer: str | None):
@@ -284,12 +292,12 @@ def _named(text: str, final: bool, name: str) -> list[Call | Content]:
     try:
         end = _value_end(text, start)
     except Incomplete:
-        return [Content(0, len(text))] if final else [Call(name, start, None, False)]
+        return [Content(0, len(text))] if final else [Call(start, name, start, None, False)]
     try:
         valid = isinstance(json.loads(text[start:end]), dict)
     except ValueError:
         valid = False
-    return [Call(name, start, end, True)] if valid else [Content(0, len(text))]
+    return [Call(start, name, start, end, True)] if valid else [Content(0, len(text))]
 
 
 class ToolParser:
@@ -333,7 +341,10 @@ class ToolParser:
         content = []
         for s in self.segments(text, final=True):
             if isinstance(s, Content):
-                content.append(text[s.start : s.end])
+                piece = text[s.start : s.end]
+                # Whitespace between and after calls is layout, not content (as in a stream).
+                if piece.strip() or not calls:
+                    content.append(piece)
             elif s.complete:
                 arguments = text[s.args_start : s.args_end]
                 calls.append(_tool_call(call_id(request_id, len(calls)), s.name or "", arguments))
@@ -349,15 +360,24 @@ def _tool_call(id_: str, name: str, arguments: str) -> dict[str, Any]:
 
 class ToolCallStream:
     """Feeds text deltas, returns OpenAI chat-completion delta objects (`{"content": ...}` and
-    `{"tool_calls": [...]}`); `finish()` flushes what was held back."""
+    `{"tool_calls": [...]}`), in text order; `finish()` flushes what was held back.
+
+    Pieces are tracked by where they start in the text, which only grows: a call keeps its index,
+    and a call once announced keeps it even if its JSON later proves invalid (its text never
+    becomes content). Whitespace between and after calls is layout, not content.
+    """
 
     def __init__(self, parser: ToolParser, request_id: str) -> None:
         self.parser = parser
         self.request_id = request_id
         self.text = ""
-        self._content_sent = 0  # characters of content sent, over all content segments
-        self._calls_sent: list[int] = []  # per call: characters of its arguments sent
-        self.has_tool_calls = False
+        self._content_sent: dict[int, int] = {}  # content piece start -> characters sent
+        self._call_index: dict[int, int] = {}  # call start -> its index
+        self._args_sent: list[int] = []  # per call index: characters of its arguments sent
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self._call_index)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
@@ -368,31 +388,31 @@ class ToolCallStream:
 
     def _diff(self, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        content = ""
-        index = 0
         for s in self.parser.segments(self.text, final):
             if isinstance(s, Content):
-                # Whitespace between and after calls is layout, not content.
-                piece = self.text[s.start : s.end]
-                content += piece if not (self.has_tool_calls and not piece.strip()) else ""
+                end = min([s.end, *(p for p in self._call_index if s.start <= p < s.end)])
+                piece = self.text[s.start : end]
+                sent = self._content_sent.get(s.start, 0)
+                if sent == 0 and self.has_tool_calls and not piece.strip():
+                    continue
+                if len(piece) > sent:
+                    out.append({"content": piece[sent:]})
+                    self._content_sent[s.start] = len(piece)
                 continue
-            if index >= len(self._calls_sent):
+            index = self._call_index.get(s.start)
+            if index is None:
                 if s.name is None:
                     break  # its header can only go out with the name
-                self._calls_sent.append(0)
-                self.has_tool_calls = True
+                index = self._call_index[s.start] = len(self._args_sent)
+                self._args_sent.append(0)
                 head = {"id": call_id(self.request_id, index), "type": "function"}
                 out.append(_call_delta(index, {**head, "function": {"name": s.name, "arguments": ""}}))
             if s.args_start is not None:
                 args = self.text[s.args_start : len(self.text) if s.args_end is None else s.args_end]
-                sent = self._calls_sent[index]
+                sent = self._args_sent[index]
                 if len(args) > sent:
                     out.append(_call_delta(index, {"function": {"arguments": args[sent:]}}))
-                    self._calls_sent[index] = len(args)
-            index += 1
-        if len(content) > self._content_sent:
-            out.insert(0, {"content": content[self._content_sent :]})
-            self._content_sent = len(content)
+                    self._args_sent[index] = len(args)
         return out
 
 
