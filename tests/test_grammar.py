@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from ipc.structured_output import StructuredOutput, for_tool_choice, from_response_format
+from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput, for_tool_choice, from_response_format
 from services.scheduler.grammar_compiler import (
     GrammarCompiler,
     GrammarError,
@@ -72,14 +72,14 @@ def walk(compiler, model, spec: StructuredOutput, seed: int) -> tuple[str, list[
     rng = random.Random(seed)
     matcher = GrammarMatcher(compiler.submit(spec).result(timeout=60))
     bitmask = allocate_bitmask(1, model["vocab"])
-    closers, eos = model["closers"], set(model["eos"])
+    favoured = np.array([*model["closers"], *model["eos"]])
+    eos = set(model["eos"])
     tokens: list[int] = []
     for _ in range(MAX_WALK):
         matcher.fill(bitmask, 0)
         ok = allowed(bitmask[0], model["vocab"])
         assert len(ok), "a live matcher always allows something"
-        ok_set = set(ok.tolist())
-        preferred = [t for t in closers if t in ok_set] + [t for t in model["eos"] if t in ok_set]
+        preferred = favoured[np.isin(favoured, ok)].tolist()
         token = rng.choice(preferred) if preferred and rng.random() < 0.7 else int(rng.choice(ok))
         if token in eos:
             assert matcher.is_accepting
@@ -354,6 +354,12 @@ def test_a_grammar_over_the_engine_limits_errors(tokenizer):
         with pytest.raises(GrammarError, match="too big"):
             check_constraint(spec, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
         check_constraint(spec)  # within the default limits
+        # The request-size bound holds for a constraint that did not come through the API forms.
+        huge = StructuredOutput("regex", "a" * (MAX_SPEC_BYTES + 1))
+        with pytest.raises(GrammarError, match="limit"):
+            check_constraint(huge)
+        with pytest.raises(GrammarError, match="limit"):
+            small.submit(huge).result(timeout=60)
     finally:
         small.close()
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from ipc.structured_output import StructuredOutput
+from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput
 from ipc.validation import InvalidParams
 
 # Long enough to say what is wrong and where; engine errors can quote the whole grammar.
@@ -82,6 +82,10 @@ def load_grammar_tokenizer(
 
 def grammar_text(spec: StructuredOutput) -> str:
     """The engine's grammar for a constraint (no compile yet); raises GrammarError on bad text."""
+    # Checked here too: a constraint may arrive straight off the wire, not through the API forms.
+    size = len(spec.spec.encode())
+    if size > MAX_SPEC_BYTES:
+        raise GrammarError(f"{spec.kind}: {size} bytes, larger than the limit of {MAX_SPEC_BYTES}")
     try:
         if spec.kind == "json":
             options = {**JSON_LAYOUT, "lenient": not spec.strict}
