@@ -79,23 +79,23 @@ class SlotSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {spec.name: spec for spec in self.arrays})
         object.__setattr__(self, "names", tuple(spec.name for spec in self.arrays))
+        object.__setattr__(self, "required", tuple(spec.name for spec in self.arrays if not spec.optional))
+        object.__setattr__(self, "optional", tuple(spec.name for spec in self.arrays if spec.optional))
 
     def write(self, slot: SlotSink, arrays: Mapping[str, np.ndarray]) -> None:
-        """Put `arrays` into a slot in declared order; SlotMismatch (before the array is written)
-        for a missing or unknown array or a wrong dtype. Shapes are the worker's to check."""
-        num_written = 0
-        for spec in self.arrays:
-            array = arrays.get(spec.name)
-            if array is None:
-                if spec.optional:
-                    continue
-                raise SlotMismatch(f"{self.kind}: array {spec.name!r} is missing")
-            if array.dtype is not spec.dtype and array.dtype != spec.dtype:
-                raise SlotMismatch(
-                    f"{self.kind}: array {spec.name!r} is {array.dtype}, expected {spec.dtype}"
-                )
-            slot.put(spec.name, array)
-            num_written += 1
+        """Put `arrays` into a slot in declared order; SlotMismatch for a missing or unknown array.
+        Dtypes and shapes are the reader's to check (`check`): this runs on every step."""
+        required: tuple[str, ...] = self.required  # type: ignore[attr-defined]
+        try:
+            for name in required:
+                slot.put(name, arrays[name])
+        except KeyError as exc:
+            raise SlotMismatch(f"{self.kind}: array {exc.args[0]!r} is missing") from None
+        num_written = len(required)
+        for name in self.optional:  # type: ignore[attr-defined]
+            if name in arrays:
+                slot.put(name, arrays[name])
+                num_written += 1
         if num_written != len(arrays):
             unknown = sorted(set(arrays) - set(self.names))  # type: ignore[attr-defined]
             raise SlotMismatch(f"{self.kind}: unknown arrays {unknown}")

@@ -10,13 +10,18 @@ copied per sequence, as slices.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, SlotSink
 from services.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from services.scheduler.decode import SteadyLine
 
 # Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
 FLOAT_COLUMNS = (
@@ -27,24 +32,30 @@ FLOAT_COLUMNS = (
     "presence_penalty",
     "frequency_penalty",
 )
-# Rows of PlanTable.ints. Ordered so that each step gathers what it reads with one take():
-# schedule() NUM_COMPUTED..NUM_TOKENS, update() NUM_TOKENS..NUM_PROMPT.
-(
-    TOP_K,
-    NUM_LOGPROBS,
-    LAST_TOKEN,
-    NEEDS_HISTORY,
-    NEEDS_BIAS,
-    EOS_FROM,
-    NUM_COMPUTED,
-    LENGTH_LIMIT,
-    NUM_TOKENS,
-    CHECK_FROM,
-    NUM_PROMPT,
-    NUM_CACHED,
-    FRONTEND,
-) = range(13)
-NUM_INT_COLUMNS = 13
+
+
+class IntColumn(enum.IntEnum):
+    """Rows of `PlanTable.ints`, each an int32 column over the plan-table rows (see PlanTable)."""
+
+    TOP_K = 0
+    NUM_LOGPROBS = 1
+    LAST_TOKEN = 2
+    NEEDS_HISTORY = 3
+    NEEDS_BIAS = 4
+    EOS_FROM = 5
+    NUM_COMPUTED = 6
+    LENGTH_LIMIT = 7
+    NUM_TOKENS = 8
+    CHECK_FROM = 9
+    NUM_PROMPT = 10
+    NUM_CACHED = 11
+    FRONTEND = 12
+
+
+# The columns a step gathers together, with one take() each: so they sit side by side.
+# schedule(): NUM_COMPUTED, LENGTH_LIMIT, NUM_TOKENS; update(): NUM_TOKENS, CHECK_FROM, NUM_PROMPT.
+SCHEDULE_COLUMNS = slice(IntColumn.NUM_COMPUTED.value, IntColumn.NUM_TOKENS.value + 1)
+UPDATE_COLUMNS = slice(IntColumn.NUM_TOKENS.value, IntColumn.NUM_PROMPT.value + 1)
 NEVER = np.iinfo(np.int32).max
 
 
@@ -59,22 +70,38 @@ class PlanTable:
         self.max_model_len = max_model_len
         self.epoch = np.zeros(num_rows, np.int64)  # bumped when a row is released: stale results
         self.num_releases = 0  # unchanged since a step was planned: none of its rows went stale
-        self.num_assigns = 0
         self.block_tables = np.zeros((num_rows, max_blocks_per_seq), np.int32)
         self.floats = np.zeros((len(FLOAT_COLUMNS), num_rows), np.float32)
         self.seeds = np.zeros(num_rows, np.int64)
-        # TOP_K, NUM_LOGPROBS, LAST_TOKEN (the next decode input); NEEDS_HISTORY (penalties),
-        # NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by context length
-        # after appending the sampled token: from CHECK_FROM on, the sequence gets the
-        # per-sequence check (the "length" limit, or 0 when it has stop ids), and an eos counts
+        # IntColumn: TOP_K, NUM_LOGPROBS, LAST_TOKEN (the next decode input); NEEDS_HISTORY
+        # (penalties), NEEDS_BIAS (logit_bias or min_tokens); and update()'s finish checks, by
+        # context length after appending the sampled token: from CHECK_FROM on, the sequence gets
+        # the per-sequence check (the "length" limit, or 0 when it has stop ids), and an eos counts
         # past EOS_FROM (min_tokens); LENGTH_LIMIT is the "length" limit itself, which tells
-        # schedule() that a sample in flight will be the last. The running
-        # request's counters: NUM_COMPUTED (tokens whose KV is, or is being, written: it advances
-        # when a step is planned), NUM_TOKENS (prompt + outputs, advances with each sample),
-        # NUM_PROMPT and NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them
-        # here, not on the request, so that one numpy operation advances every decode of a step.
-        # FRONTEND is the request's frontend id.
-        self.ints = np.zeros((NUM_INT_COLUMNS, num_rows), np.int32)
+        # schedule() that a sample in flight will be the last. The running request's counters:
+        # NUM_COMPUTED (tokens whose KV is, or is being, written: it advances when a step is
+        # planned), NUM_TOKENS (prompt + outputs, advances with each sample), NUM_PROMPT and
+        # NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them here, not on the
+        # request, so that one numpy operation advances every decode of a step. FRONTEND is the
+        # request's frontend id.
+        self.ints = np.zeros((len(IntColumn), num_rows), np.int32)
+        # Each column as a view, in IntColumn order: the per-step code reads a column without
+        # an enum member lookup.
+        (
+            self.top_k,
+            self.num_logprobs,
+            self.last_token,
+            self.needs_history,
+            self.needs_bias,
+            self.eos_from,
+            self.num_computed,
+            self.length_limit,
+            self.num_tokens,
+            self.check_from,
+            self.num_prompt,
+            self.num_cached,
+            self.frontend,
+        ) = self.ints
         # The request's id and its output_ids list (the same object), so that a step's outputs
         # are gathered in C rather than read request by request.
         self.request_ids = np.full(num_rows, None, object)
@@ -87,16 +114,15 @@ class PlanTable:
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
-        # The plan arrays of the last all-decode step that depend only on its rows (read-only),
-        # valid while that rows array is planned again and no row was assigned or released since:
-        # steady decode gathers them once (see build_plan).
-        self.decode_constants: tuple[np.ndarray, int, int, dict[str, np.ndarray]] | None = None
+        # The plan arrays of a whole-line decode step that depend only on its rows (read-only),
+        # with the running line's version they hold for: steady decode gathers them once (see
+        # build_plan). services/scheduler/decode.py `SteadyDecode.invalidate` drops them.
+        self.decode_constants: tuple[int, dict[str, np.ndarray]] | None = None
 
     def assign(self, req: Request, num_computed: int) -> None:
         """Give a request that starts running a row and fill the row from it."""
         row = self._free_rows.pop()
         req.row = row
-        self.num_assigns += 1
         p = req.params
         self.block_tables[row, : len(req.block_ids)] = req.block_ids
         self.floats[:, row] = [getattr(p, name) for name in FLOAT_COLUMNS]
@@ -143,38 +169,14 @@ class PlanTable:
         self.block_tables[req.row, : len(req.block_ids)] = 0
         self.epoch[req.row] += 1
         self.num_releases += 1
-        self.num_logprob_rows -= self.ints[NUM_LOGPROBS, req.row] > 0
-        self.num_bias_rows -= self.ints[NEEDS_BIAS, req.row] != 0
+        self.num_logprob_rows -= self.num_logprobs[req.row] > 0
+        self.num_bias_rows -= self.needs_bias[req.row] != 0
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
         self.bias.pop(req.row, None)
         self._free_rows.append(req.row)
         req.row = -1
-
-
-class SteadyLine:
-    """The block tables and KV slots of the running line's rows while the whole line decodes step
-    after step (steady decode). Gathered from the plan table once per line, then kept in step
-    with it: each steady step every row writes the slot after its last one, or the first slot of
-    the new block it enters. So a steady step's plan gathers nothing per row.
-
-    The arrays change in place when the next step is planned: a plan copies them into its slot
-    before that (write_plan)."""
-
-    def __init__(self, rows: np.ndarray, block_tables: np.ndarray, starts: np.ndarray, block_size: int) -> None:
-        self.rows = rows  # the line's rows array: the line is the same while this object is
-        self.block_tables = block_tables.take(rows, axis=0)
-        self.slot_mapping = self.block_tables[np.arange(len(rows)), starts // block_size] * block_size
-        self.slot_mapping += starts % block_size
-
-    def advance(self, entering: np.ndarray, columns: np.ndarray, new_blocks: list[int], block_size: int) -> None:
-        """One more steady step: rows `entering` got `new_blocks` at block `columns`."""
-        self.slot_mapping += 1
-        if len(entering):
-            blocks = np.array(new_blocks, np.int32)
-            self.block_tables[entering, columns] = blocks
-            self.slot_mapping[entering] = blocks * block_size
 
 
 @dataclass(slots=True)
@@ -199,7 +201,10 @@ class ScheduledStep:
     is_placeholder: np.ndarray  # [num_decodes] bool: the decode's input is still being sampled
     table: PlanTable
     eos_token_ids: tuple[int, ...]
-    steady: SteadyLine | None = None  # a step of the whole running line, all decodes
+    # The running line's version when this step is all of it, in line order, all decodes (steady
+    # decode; its SteadyLine then); -1 otherwise. Caches of such steps hold for that version.
+    line_version: int = -1
+    steady: SteadyLine | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -230,7 +235,6 @@ def build_plan(
     rows = step.rows
     starts = step.starts
     num_new = step.num_new_tokens
-    ints = table.ints
     seq_lens = starts + num_new
     if num_decodes == num_seqs:
         positions = starts
@@ -238,7 +242,7 @@ def build_plan(
         if np.count_nonzero(step.is_placeholder) == num_seqs:  # steady decode planned ahead
             input_ids = np.full(num_seqs, PLACEHOLDER_TOKEN, np.int32)
         else:
-            input_ids = ints[LAST_TOKEN].take(rows)
+            input_ids = table.last_token.take(rows)
             input_ids[step.is_placeholder] = PLACEHOLDER_TOKEN
         constants = _decode_constants(step)
     else:
@@ -250,7 +254,7 @@ def build_plan(
         positions += np.repeat(starts - query_start_loc[:-1], num_new)
         token_rows = np.repeat(rows, num_new)
         input_ids = np.empty(num_tokens, np.int32)
-        input_ids[:num_decodes] = ints[LAST_TOKEN].take(rows[:num_decodes])
+        input_ids[:num_decodes] = table.last_token.take(rows[:num_decodes])
         input_ids[:num_decodes][step.is_placeholder] = PLACEHOLDER_TOKEN
         for i in range(num_decodes, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
@@ -289,16 +293,19 @@ def build_plan(
 
 
 def _decode_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
-    """`_row_constants` of an all-decode step, reused while the step's rows are the last ones and
-    unchanged: a row's sampling columns change only when it is assigned."""
+    """`_row_constants` of an all-decode step, reused by the steps of one version of the running
+    line: its rows are the same, and a row's sampling columns change only when it is assigned
+    (which changes the line)."""
     table = step.table
+    if step.line_version < 0:
+        return _row_constants(step)
     cached = table.decode_constants
-    if cached is not None and cached[0] is step.rows and cached[1:3] == (table.num_assigns, table.num_releases):
-        return cached[3]
+    if cached is not None and cached[0] == step.line_version:
+        return cached[1]
     constants = _row_constants(step)
     for array in constants.values():
         array.flags.writeable = False  # shared by the plans of later steps
-    table.decode_constants = (step.rows, table.num_assigns, table.num_releases, constants)
+    table.decode_constants = (step.line_version, constants)
     return constants
 
 
@@ -306,15 +313,14 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     """The plan arrays that depend only on the step's rows (query_start_loc: a decode's)."""
     table, rows = step.table, step.rows
     num_seqs = len(rows)
-    ints = table.ints
     constants = {
         "rows": rows.astype(np.int32),
         "query_start_loc": np.arange(num_seqs + 1, dtype=np.int32),
         "is_sampled": step.is_sampled.view(np.uint8),
-        "top_k": ints[TOP_K].take(rows),
+        "top_k": table.top_k.take(rows),
         "seeds": table.seeds.take(rows),
         "num_logprobs": (
-            ints[NUM_LOGPROBS].take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
+            table.num_logprobs.take(rows) if table.num_logprob_rows else np.zeros(num_seqs, np.int32)
         ),
     }
     # 1-d take() per int column; the float columns in one take() along the rows.
@@ -341,7 +347,7 @@ def _history(step: ScheduledStep) -> dict[str, np.ndarray]:
     prompt_lens = np.zeros(num_seqs, np.int32)
     table = step.table
     # Only rows that apply penalties have a history buffer: none, no gather.
-    users = np.flatnonzero(table.ints[NEEDS_HISTORY].take(step.rows)).tolist() if table.history else []
+    users = np.flatnonzero(table.needs_history.take(step.rows)).tolist() if table.history else []
     parts = []
     for i in users:
         req = step.seqs[i]
@@ -366,7 +372,7 @@ def _logit_bias(step: ScheduledStep, sample_positions: np.ndarray) -> dict[str, 
     values: list[np.ndarray] = []
     table = step.table
     static = table.bias
-    users = np.flatnonzero(table.ints[NEEDS_BIAS].take(step.rows)).tolist() if table.num_bias_rows else []
+    users = np.flatnonzero(table.needs_bias.take(step.rows)).tolist() if table.num_bias_rows else []
     for i in users:
         req = step.seqs[i]
         p = req.params

@@ -1,0 +1,226 @@
+"""Decodes, and the steady-decode fast path: running sequences with only their last sampled token
+to compute, found and advanced with numpy over their plan-table rows.
+
+That token is known (the step that sampled it was applied) or still being sampled by the step in
+flight: the decode's input is then a placeholder that the worker fills in. When the whole running
+line decodes step after step (steady decode), what depends only on the line is gathered once and
+kept: the line's rows, its block tables and KV slots (`SteadyLine`), its all-ones columns, the
+per-row lists that `update()` reads, and the plan's per-row constants (`PlanTable.decode_constants`).
+Each is valid for one version of the running line (`SchedulerState.line_version`), and
+`invalidate()` drops them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.plan import SCHEDULE_COLUMNS
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.state import SchedulerState
+
+# Per-row lists that update() gathers: output lists, request ids, frontend ids, prompt lengths,
+# prefix hits.
+RowColumns = tuple[list[list[int]], list[str], list[int], list[int], list[int]]
+
+
+class SteadyLine:
+    """The block tables and KV slots of the running line's rows while the whole line decodes step
+    after step (steady decode). Gathered from the plan table once per line, then kept in step
+    with it: each steady step every row writes the slot after its last one, or the first slot of
+    the new block it enters. So a steady step's plan gathers nothing per row.
+
+    The arrays change in place when the next step is planned: a plan copies them into its slot
+    before that (write_plan)."""
+
+    def __init__(
+        self,
+        line_version: int,
+        rows: np.ndarray,
+        block_tables: np.ndarray,
+        starts: np.ndarray,
+        block_size: int,
+    ) -> None:
+        self.line_version = line_version  # the running line these rows are
+        self.block_tables = block_tables.take(rows, axis=0)
+        self.slot_mapping = self.block_tables[np.arange(len(rows)), starts // block_size] * block_size
+        self.slot_mapping += starts % block_size
+
+    def advance(
+        self, entering: np.ndarray, columns: np.ndarray, new_blocks: list[int], block_size: int
+    ) -> None:
+        """One more steady step: rows `entering` got `new_blocks` at block `columns`."""
+        self.slot_mapping += 1
+        if len(entering):
+            blocks = np.array(new_blocks, np.int32)
+            self.block_tables[entering, columns] = blocks
+            self.slot_mapping[entering] = blocks * block_size
+
+
+@dataclass(slots=True)
+class Decodes:
+    """The decodes of one step, in line order, and the running sequences with prompt left."""
+
+    seqs: list[Request]
+    rows: np.ndarray  # [D] intp plan-table rows
+    starts: np.ndarray  # [D] int32: computed tokens before the step
+    is_placeholder: np.ndarray  # [D] bool: the input is the sample in flight
+    partial: list[Request]  # running, with more than one token left to compute
+    line_version: int  # the line's version when the decodes are all of it, in order; else -1
+    steady: SteadyLine | None  # kept in step with the line while line_version >= 0
+
+
+class SteadyDecode:
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self._order: tuple[int, np.ndarray] | None = None  # (line version, rows of `running`)
+        self._steady: SteadyLine | None = None
+        self._line_columns: tuple[int, RowColumns] | None = None  # (line version, row_columns)
+        self._all_decode: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see all_decode_columns
+
+    def invalidate(self) -> None:
+        """Drop every cache of the fast path (they are rebuilt on the next steady step)."""
+        self._order = None
+        self._steady = None
+        self._line_columns = None
+        self.state.table.decode_constants = None
+
+    def plan(self, budget: int) -> Decodes:
+        """The decodes of the next step, up to `budget` of them, each given the block its token
+        needs (which may preempt from the back of the line); their NUM_COMPUTED advances."""
+        state = self.state
+        bs = state.block_size
+        blocks = state.blocks
+        table = state.table
+        running = state.running
+        version = state.line_version
+        order = self.running_rows()
+        computed, limits, known = table.ints[SCHEDULE_COLUMNS].take(order, axis=1)
+        pending = known - computed
+        in_flight = pending == 0
+        # count_nonzero rather than any()/all(): cheaper on arrays this small, every step.
+        num_in_flight = np.count_nonzero(in_flight)
+        if num_in_flight == len(running):  # steady decode planned ahead: every sample is in flight
+            is_decode = self._may_plan_ahead(order, known, limits)
+        else:
+            is_decode = pending == 1
+            if num_in_flight:
+                is_decode |= in_flight & self._may_plan_ahead(order, known, limits)
+        is_whole_line = len(running) <= budget and np.count_nonzero(is_decode) == len(running)
+        if is_whole_line:  # steady decode: the whole line
+            partial = []
+            seqs = running[:]
+            rows, starts, is_placeholder = order, computed, in_flight
+        else:
+            decodes = is_decode.nonzero()[0][:budget]
+            partial = [running[i] for i in (pending > 1).nonzero()[0].tolist()]
+            seqs = [running[i] for i in decodes.tolist()]
+            rows, starts, is_placeholder = order[decodes], computed[decodes], in_flight[decodes]
+        # A running sequence holds exactly the blocks of its computed tokens, so a decode whose
+        # context fills its last block needs a new one; that may preempt the back of the line.
+        entering = (starts % bs == 0).nonzero()[0]
+        columns = starts[entering] // bs
+        new_blocks: list[int] = []
+        if 0 < len(entering) <= blocks.num_available:  # the usual case: one batch, nobody preempted
+            new_blocks = blocks.allocate(len(entering))
+            table.block_tables[rows[entering], columns] = new_blocks
+            for j, b in zip(entering.tolist(), new_blocks, strict=True):
+                seqs[j].block_ids.append(b)
+        elif len(entering):
+            self._steady = None  # these block-table writes are not mirrored in it
+            if self._grow_decodes(seqs, entering.tolist()):
+                is_whole_line = False
+                seqs = [req for req in seqs if req.status is RequestStatus.RUNNING]
+                rows = np.array([req.row for req in seqs], np.intp)
+                starts = table.num_computed.take(rows)
+                is_placeholder = starts == table.num_tokens.take(rows)
+        # The whole line decodes: keep its SteadyLine in step (any other step may write block
+        # tables that it does not see, so it goes).
+        if is_whole_line:
+            steady = self._steady
+            if steady is not None and steady.line_version == version:
+                steady.advance(entering, columns, new_blocks, bs)
+            else:
+                steady = self._steady = SteadyLine(version, order, table.block_tables, starts, bs)
+        else:
+            steady = self._steady = None
+        table.num_computed.put(rows, starts + 1)
+        return Decodes(seqs, rows, starts, is_placeholder, partial, version if is_whole_line else -1, steady)
+
+    def running_rows(self) -> np.ndarray:
+        """Plan-table rows of the running sequences, in line order (kept while the line is)."""
+        version = self.state.line_version
+        if self._order is None or self._order[0] != version:
+            self._order = (version, np.array([req.row for req in self.state.running], np.intp))
+        return self._order[1]
+
+    def all_decode_columns(self, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """is_sampled and num_new_tokens of a step of `num_seqs` decodes: all ones, made once
+        per size and read-only, since steady decode asks for the same ones every step."""
+        columns = self._all_decode.get(num_seqs)
+        if columns is None:
+            columns = (np.ones(num_seqs, np.bool_), np.ones(num_seqs, np.int32))
+            for column in columns:
+                column.flags.writeable = False
+            self._all_decode[num_seqs] = columns
+        return columns
+
+    def row_columns(self, rows: np.ndarray, line_version: int) -> RowColumns:
+        """What update() reads of these rows as Python lists: their output lists, request ids,
+        frontend ids, prompt lengths and prefix hits, none of which change while a row's request
+        runs. A steady step that samples its whole line (`line_version` >= 0) reads the lists
+        gathered for that line, not once per step. The lists are shared by the steps' outputs,
+        which never change them.
+
+        A cached line still fits a later step of the same version that samples all of its rows:
+        a row changes request only when it is released, which changes the line and the row's
+        epoch, so a step planned on the old line would not have sampled that row."""
+        cached = self._line_columns
+        if line_version >= 0 and cached is not None and cached[0] == line_version:
+            return cached[1]
+        table = self.state.table
+        columns = (
+            table.output_ids.take(rows).tolist(),
+            table.request_ids.take(rows).tolist(),
+            table.frontend.take(rows).tolist(),
+            table.num_prompt.take(rows).tolist(),
+            table.num_cached.take(rows).tolist(),
+        )
+        if line_version >= 0 and line_version == self.state.line_version:
+            self._line_columns = (line_version, columns)
+        return columns
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """False while some running sequence applies penalties: planned ahead, it would sit out
+        every other step, so the caller rather plans synchronously until it leaves."""
+        return not self.state.table.history
+
+    def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray, limits: np.ndarray) -> np.ndarray:
+        """Which of these rows, each with a sample in flight, `known` tokens and its LENGTH_LIMIT,
+        may decode that sample before it is known: not when it is the last one by length, nor
+        when the row applies penalties (the worker would need the unknown token in its history)."""
+        allowed = known + 1 < limits
+        table = self.state.table
+        if table.history:
+            allowed &= table.needs_history.take(rows) == 0
+        return allowed
+
+    def _grow_decodes(self, seqs: list[Request], entering: list[int]) -> bool:
+        """Give each decode `seqs[j]`, j in `entering`, its next block, preempting from the back
+        of the line when none is left; True when some of `seqs` were preempted."""
+        state = self.state
+        blocks = state.blocks
+        block_tables = state.table.block_tables
+        num_preemptions = state.num_preemptions
+        for j in entering:
+            req = seqs[j]
+            if req.status is not RequestStatus.RUNNING:  # preempted for an earlier decode
+                continue
+            if not blocks.num_available and not state.make_room(req, seqs[:j]):
+                break  # req itself was preempted: it was the last in line, and so were those after it
+            b = blocks.allocate(1)[0]
+            block_tables[req.row, len(req.block_ids)] = b
+            req.block_ids.append(b)
+        return state.num_preemptions != num_preemptions

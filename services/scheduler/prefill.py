@@ -1,0 +1,104 @@
+"""Prefill: the prompts (or recomputes) of a step after its decodes. First the running sequences
+whose prompt is under way, then waiting requests, best first, each from its prefix-cache hits on;
+each chunked to what is left of the token budget and of the free blocks. A waiting request that
+gets a chunk enters the running line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.state import SchedulerState
+
+
+@dataclass(slots=True)
+class Chunks:
+    """The prefill chunks of one step, in plan order after its decodes."""
+
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # computed tokens before the chunk
+    num_new: list[int] = field(default_factory=list)
+
+
+NO_CHUNKS = Chunks()  # never appended to: `plan` fills only a Chunks of its own
+
+
+class Prefill:
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    def plan(self, partial: list[Request], seqs: list[Request], budget: int) -> Chunks:
+        """Chunks for `partial` (running, prompt under way), then for waiting requests, within
+        `budget` tokens, appended to the step's `seqs` (its decodes so far). Making room for a
+        chunk preempts from the back of the line, never a sequence already in `seqs`."""
+        state = self.state
+        if not partial and not state.waiting:  # steady decode: nothing to prefill
+            return NO_CHUNKS
+        bs = state.block_size
+        blocks = state.blocks
+        num_computed = state.table.num_computed
+        chunks = Chunks()
+
+        # Prompts (or recomputes) already under way.
+        for req in partial:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted for a decode
+                continue
+            done = int(num_computed[req.row])
+            room = (len(req.block_ids) + blocks.num_available) * bs - done
+            if room <= 0:
+                if not state.make_room(req, seqs):
+                    continue
+                room = (len(req.block_ids) + blocks.num_available) * bs - done
+            n = min(req.num_tokens - done, budget, room)
+            state.grow(req, done + n)
+            self._add(chunks, seqs, req, done, n)
+            num_computed[req.row] = done + n
+            budget -= n
+
+        # Waiting requests, best first; stop at the first that does not fit (no overtaking).
+        waiting = state.waiting
+        while waiting and budget > 0 and len(state.running) < state.config.max_num_seqs:
+            req = waiting[0]
+            hits = self._prefix_hits(req)
+            done = len(hits) * bs
+            room = (len(hits) + blocks.num_available_besides(hits)) * bs - done
+            n = min(req.num_tokens - done, budget, room)
+            if n <= 0:
+                break
+            waiting.pop(0)
+            blocks.acquire(hits)
+            req.block_ids = hits
+            req.num_registered_blocks = len(hits)
+            req.num_cached_tokens = done
+            self.num_prefix_query_tokens += req.num_tokens
+            self.num_prefix_hit_tokens += done
+            state.grow(req, done + n)
+            state.table.assign(req, done + n)
+            state.start_running(req)
+            self._add(chunks, seqs, req, done, n)
+            budget -= n
+        return chunks
+
+    @staticmethod
+    def _add(chunks: Chunks, seqs: list[Request], req: Request, done: int, n: int) -> None:
+        seqs.append(req)
+        chunks.rows.append(req.row)
+        chunks.starts.append(done)
+        chunks.num_new.append(n)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks covering a prefix of the request, always leaving its last token to compute
+        (so there are logits to sample, and no write lands in a shared block)."""
+        blocks = self.state.blocks
+        if not blocks.enable_prefix_caching:
+            return []
+        bs = self.state.block_size
+        num_full = (req.num_tokens - 1) // bs
+        if num_full > len(req.block_hashes):
+            start = len(req.block_hashes) * bs
+            blocks.extend_hashes(req.block_hashes, req.token_slice(start, num_full * bs))
+        return blocks.match_prefix(req.block_hashes[:num_full])

@@ -1,0 +1,242 @@
+"""Results: a step's sampled tokens applied to its requests (`Results.update`), the finish checks
+(eos, stop ids, length), and the per-step outputs for the detokenizers (`StepOutputs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+
+from ipc.messages import SamplingParams, StepTokens
+from services.scheduler.decode import SteadyDecode
+from services.scheduler.plan import UPDATE_COLUMNS, ScheduledStep
+from services.scheduler.request import RequestStatus
+from services.scheduler.state import SchedulerState
+
+
+class RequestOutput(msgspec.Struct, gc=False):
+    """New tokens of one request from one step; `start_index` is the output index of the first."""
+
+    request_id: str
+    frontend_id: int
+    start_index: int
+    new_token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
+
+
+class StepOutputs:
+    """One step's results, packed: one new token for each request that sampled, in plan order,
+    as columns (lists and arrays) gathered from the plan table.
+
+    `step_tokens()` is the wire message, made of the columns as they are (the per-step hot path);
+    indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
+
+    __slots__ = (
+        "finish_reasons",
+        "frontend_ids",
+        "logprobs",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+        "request_ids",
+        "start_indices",
+        "token_ids",
+        "top_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        frontend_ids: list[int],
+        start_indices: np.ndarray,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        top_logprobs: list[list[dict[int, float]]],
+        finish_reasons: list[str | None],
+        num_prompt_tokens: list[int],
+        num_cached_tokens: list[int],
+    ) -> None:
+        self.request_ids = request_ids
+        self.frontend_ids = frontend_ids
+        self.start_indices = start_indices  # [N] int32: output index of each new token
+        self.token_ids = token_ids  # [N] int32
+        self.logprobs = logprobs  # [N] float32
+        self.top_logprobs = top_logprobs
+        self.finish_reasons = finish_reasons
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+
+    @classmethod
+    def empty(cls) -> StepOutputs:
+        return cls(
+            [], [], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32), [], [], [], []
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, j: int) -> RequestOutput:
+        return RequestOutput(
+            self.request_ids[j],
+            self.frontend_ids[j],
+            int(self.start_indices[j]),
+            [int(self.token_ids[j])],
+            [float(self.logprobs[j])],
+            list(self.top_logprobs[j]),
+            self.finish_reasons[j],
+            self.num_prompt_tokens[j],
+            self.num_cached_tokens[j],
+        )
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return (self[j] for j in range(len(self)))
+
+    def step_tokens(self, entries: list[int] | None = None) -> StepTokens:
+        """The wire message of these outputs (of `entries` only, when given), columns as they are."""
+
+        def listed(column: list) -> list:
+            return column if entries is None else [column[e] for e in entries]
+
+        def packed(column: np.ndarray, dtype: str) -> bytes:
+            return (column if entries is None else column[entries]).astype(dtype, copy=False).tobytes()
+
+        return StepTokens(
+            listed(self.request_ids),
+            listed(self.frontend_ids),
+            packed(self.start_indices, "<i4"),
+            packed(self.token_ids, "<i4"),
+            packed(self.logprobs, "<f4"),
+            listed(self.top_logprobs),
+            listed(self.finish_reasons),
+            listed(self.num_prompt_tokens),
+            listed(self.num_cached_tokens),
+        )
+
+
+def finish_reason(
+    params: SamplingParams,
+    token: int,
+    num_outputs: int,
+    num_tokens: int,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> str | None:
+    """Why a request stops once `token` is its latest output (with these counts), or None."""
+    if num_outputs > params.min_tokens and (
+        (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+    ):
+        return "stop"
+    # max_tokens None (the frontend fills in its default): only max_model_len bounds it.
+    if (params.max_tokens is not None and num_outputs >= params.max_tokens) or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+class Results:
+    def __init__(self, state: SchedulerState, decode: SteadyDecode) -> None:
+        self.state = state
+        self.decode = decode  # keeps the running line's per-row lists
+
+    def update(
+        self,
+        step: ScheduledStep,
+        sampled_ids: np.ndarray,
+        sampled_logprobs: np.ndarray,
+        top_ids: np.ndarray | None = None,
+        top_logprobs: np.ndarray | None = None,
+    ) -> StepOutputs:
+        """Apply one step's result: append sampled tokens, finish sequences, cache full blocks.
+
+        Entries of requests preempted, aborted or replaced since the step was planned are ignored.
+        The result arrays may be views into a ring slot: nothing returned refers to them.
+        """
+        state = self.state
+        table = state.table
+        bs = state.block_size
+        seqs = step.seqs
+        rows = step.rows
+        # A row's epoch moves when it is released (finish, abort, preemption, replacement);
+        # when no row was released since planning, every entry is live.
+        is_all_live = table.num_releases == step.num_releases
+        live = None if is_all_live else table.epoch.take(rows) == step.row_epochs
+        # Prompt blocks filled by this step join the prefix cache at once, for requests that
+        # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
+        if state.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
+            ends = step.starts + step.num_new_tokens
+            for i in range(step.num_decodes, len(seqs)):
+                req = seqs[i]
+                if (live is None or live[i]) and ends[i] // bs > req.num_registered_blocks:
+                    state.register_blocks(req, int(ends[i]) // bs)
+        if live is None and step.num_decodes == len(seqs):  # steady decode: all of them
+            sampled = np.arange(len(seqs))
+        else:
+            sampled = np.flatnonzero(step.is_sampled if live is None else live & step.is_sampled)
+        num_sampled = len(sampled)
+        if num_sampled == 0:
+            return StepOutputs.empty()
+        all_sampled = num_sampled == len(seqs)
+        sampled_rows = rows if all_sampled else rows[sampled]
+        # Copies, never views of the result slot.
+        tokens = np.array(sampled_ids if all_sampled else sampled_ids[sampled], np.int32)
+        logprobs = np.array(sampled_logprobs if all_sampled else sampled_logprobs[sampled], np.float32)
+        table.last_token.put(sampled_rows, tokens)
+        known, check_from, num_prompt = table.ints[UPDATE_COLUMNS].take(sampled_rows, axis=1)
+        num_tokens = known + 1
+        table.num_tokens.put(sampled_rows, num_tokens)
+        # Finish checks, vectorized over the batch; only candidates get a look in Python.
+        candidates = num_tokens >= check_from
+        eos_token_ids = state.eos_token_ids
+        for e in eos_token_ids:
+            is_eos = tokens == e
+            if np.count_nonzero(is_eos):
+                candidates |= is_eos & (num_tokens > table.eos_from.take(sampled_rows))
+        num_logprobs = table.num_logprobs.take(sampled_rows) if table.num_logprob_rows else None
+        output_lists, request_ids, frontend_ids, prompt_lens, cached_lens = self.decode.row_columns(
+            sampled_rows, step.line_version if all_sampled else -1
+        )
+
+        token_list = tokens.tolist()
+        # list.append over the rows' output lists, run by map() in C (append returns None).
+        any(map(list.append, output_lists, token_list))
+        reasons: list[str | None] = [None] * num_sampled
+        finishing = np.flatnonzero(candidates).tolist() if np.count_nonzero(candidates) else []
+        max_model_len = state.config.max_model_len
+        for j in finishing:
+            req = seqs[int(sampled[j])]
+            reasons[j] = finish_reason(
+                req.params, token_list[j], req.num_output_tokens, req.num_tokens, eos_token_ids, max_model_len
+            )
+        tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
+        if top_ids is not None and top_logprobs is not None and num_logprobs is not None:
+            for j in np.flatnonzero(num_logprobs).tolist():
+                k = int(num_logprobs[j])
+                i = int(sampled[j])
+                tops[j] = [dict(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist(), strict=True))]
+        if table.history:  # only rows that apply penalties have one
+            for j in np.flatnonzero(table.needs_history.take(sampled_rows)).tolist():
+                req = seqs[int(sampled[j])]
+                table.history[req.row][req.num_tokens - 1] = token_list[j]
+        outputs = StepOutputs(
+            request_ids,
+            frontend_ids,
+            known - num_prompt,  # the new token's output index
+            tokens,
+            logprobs,
+            tops,
+            reasons,
+            prompt_lens,
+            cached_lens,
+        )
+        for j in finishing:
+            if reasons[j] is not None:
+                req = seqs[int(sampled[j])]
+                state.drop(req, RequestStatus.FINISHED)
+                req.finish_reason = reasons[j]
+        return outputs

@@ -1,0 +1,118 @@
+"""What every scheduling phase shares: the live requests (the waiting queue and the running line,
+each in priority order), the KV block pool, the plan table, and the moves of a request between
+them that take or free its blocks and its plan-table row.
+
+Every change of the running line (a request starts running, leaves it or is preempted) bumps
+`line_version`: the steady-decode caches (services/scheduler/decode.py) hold for one version.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.plan import PlanTable
+from services.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.scheduler.core import SchedulerConfig
+
+
+def sort_key(req: Request) -> tuple[int, int]:
+    """Line order: lower `params.priority` first, then first come first served."""
+    return (req.priority, req.arrival_order)
+
+
+class SchedulerState:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config  # replaced on hot reload (max_num_waiting): read it here, never keep it
+        self.block_size = config.block_size
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.table = PlanTable(config.max_num_seqs, max_blocks_per_seq, config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self.line_version = 0
+        self.num_preemptions = 0
+
+    def start_running(self, req: Request) -> None:
+        """Put an admitted request (its row assigned) into the running line."""
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=sort_key)
+        self.line_version += 1
+
+    def stop_running(self, req: Request) -> None:
+        """Take a running request out of the line (the caller then preempts or drops it)."""
+        self.running.remove(req)
+        self.line_version += 1
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's blocks and put it back in line (the caller took it out of
+        `running`); it keeps its outputs and recomputes prompt + outputs when readmitted."""
+        self.release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=sort_key)
+
+    def drop(self, req: Request, status: RequestStatus) -> None:
+        """Remove a live request for good (finished, aborted or replaced)."""
+        queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
+        i = bisect.bisect_left(queue, sort_key(req), key=sort_key)
+        while queue[i] is not req:  # equal keys: a replaced request shares its order
+            i += 1
+        del queue[i]
+        self.line_version += 1
+        self.release(req)
+        req.status = status
+        del self.requests[req.request_id]
+
+    def release(self, req: Request) -> None:
+        """Free a request's row and blocks, first offering its full computed blocks to the cache."""
+        if req.row >= 0:
+            # A decode planned ahead counts its unknown input as computed: only known tokens hash.
+            num_full = min(int(self.table.num_computed[req.row]), req.num_tokens) // self.block_size
+            if self.blocks.enable_prefix_caching and num_full > req.num_registered_blocks:
+                self.register_blocks(req, num_full)
+            self.table.release(req)
+        self.blocks.release(req.block_ids)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def register_blocks(self, req: Request, num_full: int) -> None:
+        """Offer the request's blocks that are now full of computed tokens to the prefix cache."""
+        blocks = self.blocks
+        if num_full > len(req.block_hashes):
+            start = len(req.block_hashes) * self.block_size
+            blocks.extend_hashes(req.block_hashes, req.token_slice(start, num_full * self.block_size))
+        for j in range(req.num_registered_blocks, num_full):
+            blocks.register(req.block_ids[j], req.block_hashes[j])
+        req.num_registered_blocks = num_full
+
+    def grow(self, req: Request, num_tokens: int) -> None:
+        """Allocate the blocks that `num_tokens` tokens of the request need (the caller checked room)."""
+        have = len(req.block_ids)
+        need = -(-num_tokens // self.block_size) - have
+        if need > 0:
+            new = self.blocks.allocate(need)
+            if req.row >= 0:
+                self.table.block_tables[req.row, have : have + need] = new
+            req.block_ids.extend(new)
+
+    def make_room(self, req: Request, planned: list[Request]) -> bool:
+        """Preempt from the back of the line (lowest priority, latest arrival), sparing sequences
+        already planned in this step, until a block is free. False when `req` itself had to go."""
+        running = self.running
+        while not self.blocks.num_available:
+            j = len(running) - 1
+            while running[j] in planned:  # req is in running and unplanned, so this stops
+                j -= 1
+            victim = running.pop(j)
+            self.line_version += 1
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
