@@ -5,7 +5,7 @@
 
 The supervisor owns the run: the run directory, every shared-memory object (named after the run
 id), and every stage process. It restarts a stage that exits or hangs, and triggers the recovery
-that keeps every request (DESIGN.md invariant 4).
+that keeps every request (docs/architecture.md invariant 4).
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class SlotView:
 
 
 # ---------------------------------------------------------------------------
-# Run ids and the sweep of dead runs (DESIGN.md invariant 6)
+# Run ids and the sweep of dead runs (docs/architecture.md invariant 6)
 # ---------------------------------------------------------------------------
 
 _RUN_OBJECT = re.compile(rf"^(?:sem\.)?{re.escape(SHM_PREFIX)}(\d+)x[0-9a-f]+-")

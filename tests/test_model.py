@@ -110,7 +110,7 @@ CHATS = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # ~100 s on an idle 2-core box; a busy shared one needs the headroom
+@pytest.mark.timeout(900)  # SmolLM2 on the CPU, with headroom for a loaded machine
 def test_smollm2_greedy_matches_hf(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -153,7 +153,7 @@ class _Request:
 class DetokenizerCore:
     """Owns the detokenization state of every live request of this shard, keyed by request id.
 
-    Positions make delivery idempotent (DESIGN.md invariant 2): every delta says where its first
+    Positions make delivery idempotent (docs/architecture.md invariant 2): every delta says where its first
     token and character sit in the request's output, so receivers drop what they already have.
     """
 

@@ -91,7 +91,7 @@ class TorchOps:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.has_norm_kernel:  # one op instead of about ten (60 -> 14 us a call at one row)
+        if self.has_norm_kernel:  # one op instead of about ten, whose dispatch dominates at few rows
             return cpu_ops.add_rms_norm(x, weight, eps, residual)
         if residual is not None:
             x = x + residual
@@ -105,7 +105,7 @@ class TorchOps:
         qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, -1, s.head_dim)
         half = s.head_dim // 2
         # One rotation for q and k heads together, in three ops with the signed tables of `prepare`
-        # (seven with half-width ones: 50 -> 30 us a layer at one token, 78 -> 59 us at 64).
+        # (seven with half-width ones), since per-op dispatch is most of a layer's time at few tokens.
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
         qk = torch.addcmul(qk * meta.cos, swapped, meta.sin)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
@@ -202,7 +202,7 @@ class TorchOps:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)
-        # Whole blocks are gathered (12 KiB rows: ~4x faster than per-slot rows) and used in place,
+        # Whole blocks are gathered (12 KiB rows: far fewer, larger copies than per-slot rows) and used in place,
         # transposed: CPU flash SDPA reads the strided [S, Hk, L, D] view without another copy.
         ctx_k = k_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
         ctx_v = v_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)

@@ -85,24 +85,22 @@ def rope_cos_sin(config: LlamaConfig, dtype: torch.dtype, device: torch.device) 
 
 
 # On CPUs without native bf16/fp16 matmul (no AVX512-BF16 / AMX), torch's half-precision GEMM runs
-# at a fraction of fp32 speed (measured 3.6x slower at 64 rows here). From this many rows on, the
-# weights are upcast per call and multiplied in fp32 (the same fp32 accumulation, then rounded back);
-# below it the GEMV is bound by reading weights, where half precision's half bytes win.
+# at a fraction of fp32 speed (docs/performance.md). From this many rows on, the weights are upcast
+# per call and multiplied in fp32 (the same fp32 accumulation, then rounded back); below it the GEMV
+# is bound by reading weights, where half precision's half bytes win.
 UPCAST_MIN_ROWS = 4
 
 # float32 on the CPU, steps of up to cpu_ops.MAX_LINEAR_ROWS rows: the C++ few-rows linear reads
-# each [out, in] weight row once for all the rows, on every thread (SmolLM2's 30 layers at 2
-# threads: 22 / 21 / 31 / 30 ms at 1 / 2 / 3 / 4 rows against 37 / 57 / 72 / 136 ms for torch's
-# GEMV on [in, out] copies, 51 / 79 / 119 / 98 ms for F.linear). Without the kernel (no compiler)
-# up to this many rows multiply by [in, out] weight copies (W^T, row-major), which torch's GEMV
-# reads much faster than the [out, in] ones F.linear takes (a SmolLM2 batch-1 step 0.78x); that
-# fallback keeps a third copy of the weights (540 MB more for SmolLM2).
+# each [out, in] weight row once for all the rows, on every thread: such a step is bound by
+# reading weights, which torch's GEMV and F.linear do less well (docs/performance.md has the step
+# times). Without the kernel (no compiler) up to this many rows multiply by [in, out] weight
+# copies (W^T, row-major), which torch's GEMV reads much faster than the [out, in] ones F.linear
+# takes; that fallback keeps a third copy of the weights (540 MB more for SmolLM2).
 TRANSPOSED_MAX_ROWS = 3
 
 # float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies by weights reordered
 # once into its blocked layout (oneDNN's weight prepacking, which inductor also uses) instead of repacking
-# the [out, in] weights on every call. Measured at 4 / 16 / 64 / 256 rows: the LM head 3.6x / 2.5x /
-# 2.1x / 1.7x faster, gate_up 3.1x / 2.0x / 1.5x / 1.5x, the other projections 1.0-2.0x.
+# the [out, in] weights on every call; the widest projections (LM head, gate_up) gain most.
 CAN_PREPACK = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -450,7 +448,7 @@ class LlamaModel:
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
             x, residual = ops.rms_norm(reduce(linear(attn, o_proj_w)), layer.post_norm, eps, residual)
             gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
-            # In place on silu's fresh output: one allocation less (152 -> 138 us at 64 rows).
+            # In place on silu's fresh output: one allocation less per layer.
             hidden = reduce(linear(F.silu(gate).mul_(up), down_w))
         # Only the sampled rows go through the final norm and the LM head.
         last = (hidden[sample_tokens] + residual[sample_tokens]).contiguous()

@@ -1,4 +1,4 @@
-"""Token sampling with position-keyed randomness (DESIGN.md invariant 5).
+"""Token sampling with position-keyed randomness (docs/architecture.md invariant 5).
 
 Noise comes from a counter-based hash of (seed, sample_position, vocab index), so a request
 samples the same token alone, in any batch, in any row order, and after a recompute. Sampling is
@@ -57,7 +57,7 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), [n, V] float32: element (i, v) depends only on (seeds[i], positions[i], v).
 
-    Per element it is a 32-bit hash (int32 runs ~3x faster than int64 on CPUs) of the vocab
+    Per element it is a 32-bit hash (CPUs vectorize int32 arithmetic twice as wide as int64) of the vocab
     index, keyed by the 64-bit row key: its low half offsets the input, its high half is mixed in
     between the two rounds, so different rows are unrelated streams, not shifts of each other.
     `col_keys` is `vocab_col_keys(V, device)`.

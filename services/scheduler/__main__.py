@@ -4,7 +4,7 @@ step ring, reads results, and sends new tokens (StepTokens, TokenBatch) to the d
 Steps run through a `StepPipeline`, which plans step N+1 while the workers execute step N
 (pipeline.py). Worker loss (its process dies or a step times out) drops the steps in flight and
 puts every running sequence back for recompute; the group resumes when a worker says hello again
-(DESIGN.md invariant 4).
+(docs/architecture.md invariant 4).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ transformers, so the scheduler stays as light as it is and the frontend can chec
 with the very compiler that will run it, answering a bad one before it enters the pipeline.
 
 - `load_grammar_tokenizer(model_dir, vocab_size, eos_token_ids)`: the engine's view of the
-  tokenizer (about 0.3 s; once per process). `vocab_size` is the model's (the lm_head width: the
+  tokenizer (slow to build, so once per process). `vocab_size` is the model's (the lm_head width: the
   bitmask width), which may exceed the tokenizer's; tokens past the tokenizer's are never allowed.
 - `GrammarCompiler.submit(spec) -> Future[CompiledGrammar]`: compiles on a worker thread (the
   engine releases the GIL while it builds), so a step never waits on a compile; the scheduler

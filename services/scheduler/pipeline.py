@@ -1,5 +1,5 @@
 """The step pipeline of one engine group: it keeps up to two steps in flight so that the workers
-never wait on planning in steady decode (DESIGN.md, "Performance model").
+never wait on planning in steady decode (docs/architecture.md, "Data plane").
 
     scheduler: publish N | plan, publish N+1 | wait for N, update(N), emit | plan, publish N+2 | ...
     worker:               executes N ......................| executes N+1 .........................

@@ -1,7 +1,7 @@
 """The frontend's logic, without sockets: validate, template, tokenize, journal, relay.
 
 The journal holds every in-flight request with what its client has been sent so far, so that
-after a scheduler restart the request is resubmitted with its outputs (DESIGN.md invariant 4), and
+after a scheduler restart the request is resubmitted with its outputs (docs/architecture.md invariant 4), and
 so that late or duplicated deltas are trimmed by position before they reach the client
 (invariant 2). Light: no torch.
 """
