@@ -7,7 +7,9 @@
   description) so that no cache of either library can answer;
 - mask: 64 matchers, each walking through the tokens of its own valid JSON instance of that schema;
   per step one batched fill of the packed int32 bitmask [64, ceil(vocab/32)] (the libraries'
-  parallel APIs) and one accept per row. Every row stays live for the whole walk.
+  parallel APIs) and one accept per row. Every row stays live for the whole walk;
+- worker apply: masking 64 float32 score rows with a mid-walk bitmask on the CPU
+  (services/gpu_worker/grammar_mask.py).
 
 Each measurement runs `--repeats` times; the table reports min and median (the host is shared).
 
@@ -185,6 +187,8 @@ def bench_engine(engine, token_rows: list[list[int]], vocab_size: int, repeats: 
             # The walk must stay valid: every next token is allowed by the mask just filled.
             for i, t in enumerate(tokens):
                 assert bitmask[i, t >> 5] >> (t & 31) & 1, (engine.name, step, i, t)
+            if step == steps // 2:
+                mid_walk_mask = bitmask.copy()
             start = time.perf_counter()
             engine.accept(matchers, tokens)
             accept_total += time.perf_counter() - start
@@ -196,7 +200,23 @@ def bench_engine(engine, token_rows: list[list[int]], vocab_size: int, repeats: 
         "mask_fill_ms_per_step_batch64": summary(fill_ms),
         "accept_ms_per_step_batch64": summary(accept_ms),
         "steps": steps,
-    }
+    }, mid_walk_mask
+
+
+def bench_worker_apply(bitmask: np.ndarray, vocab_size: int, repeats: int) -> dict:
+    """The worker's masking of 64 float32 rows (services/gpu_worker/grammar_mask.py, CPU path)."""
+    import torch
+
+    from services.gpu_worker.grammar_mask import apply_grammar_bitmask
+
+    scores = torch.randn(len(bitmask), vocab_size)
+    rows = np.arange(len(bitmask), dtype=np.int32)
+    samples = []
+    for _ in range(repeats * 10):
+        start = time.perf_counter()
+        apply_grammar_bitmask(scores, bitmask, rows)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return summary(samples)
 
 
 def main() -> None:
@@ -231,28 +251,28 @@ def main() -> None:
     }
     for name, cls in (("llguidance", LlguidanceEngine), ("xgrammar", XgrammarEngine)):
         entry = {"version": importlib.metadata.version(name), **import_cost(name)}
-        entry.update(
-            bench_engine(
-                cls(model_dir, vocab_size, eos_id, args.threads), token_rows, vocab_size, args.repeats
-            )
-        )
+        engine = cls(model_dir, vocab_size, eos_id, args.threads)
+        measured, mid_walk_mask = bench_engine(engine, token_rows, vocab_size, args.repeats)
+        entry.update(measured)
         result["libraries"][name] = entry
+    result["worker_apply_ms_batch64"] = bench_worker_apply(mid_walk_mask, vocab_size, args.repeats)
 
     print(f"batch {BATCH}, {args.threads} threads, {args.repeats} repeats, load {result['load_avg'][0]:.1f}")
     print(
         f"{'library':<12} {'import s':>9} {'torch?':>7} {'tokenizer s':>12} {'compile ms':>16} {'mask ms/step':>16} {'accept ms/step':>16}"
     )
+
+    def mm(s: dict) -> str:
+        return f"{s['min']:.2f}/{s['median']:.2f}"
+
     for name, e in result["libraries"].items():
-
-        def mm(s: dict) -> str:
-            return f"{s['min']:.2f}/{s['median']:.2f}"
-
         print(
             f"{name:<12} {e['import_s']:>9.2f} {e['imports_torch']!s:>7} {e['tokenizer_s']:>12.2f} "
             f"{mm(e['compile_ms']):>16} {mm(e['mask_fill_ms_per_step_batch64']):>16} "
             f"{mm(e['accept_ms_per_step_batch64']):>16}"
         )
     print("(min/median; mask and accept: one step of all 64 rows, so per row-token divide by 64)")
+    print(f"worker CPU masking of 64 float32 rows, ms: {mm(result['worker_apply_ms_batch64'])}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -70,9 +70,16 @@ def test_no_rows_is_a_no_op(apply):
     assert torch.equal(logits, before)
 
 
-def test_worker_apply_step():
-    logits, allowed, bitmask = case(5, [3, 1], 300, torch.float32, seed=7)
+@pytest.mark.parametrize("layout", ["float32", "bfloat16", "float32 strided"])
+@pytest.mark.parametrize("vocab", [300, 49152])
+def test_worker_apply_step(layout, vocab):
+    """Float32 takes the bit path; other dtypes and strided scores take the torch reference."""
+    dtype = torch.bfloat16 if layout == "bfloat16" else torch.float32
+    logits, allowed, bitmask = case(5, [3, 1], vocab, dtype, seed=7)
     want = expected(logits, allowed, [3, 1])
+    if layout.endswith("strided"):
+        logits = logits.t().contiguous().t()
+        assert not logits.is_contiguous()
     apply_grammar_bitmask(logits, bitmask, np.array([3, 1], dtype=np.int32))
     assert torch.equal(logits, want)
 
