@@ -502,18 +502,41 @@ def test_chunked_prefill_splits_within_budget_while_others_decode() -> None:
 
 
 def test_overload_and_prompt_too_long() -> None:
-    sched = Scheduler(small_config(max_num_waiting=2, max_model_len=64, num_blocks=8))
-    sched.add(make_request("a", [1, 2]))
-    sched.add(make_request("b", [1, 2]))
+    sched = Scheduler(small_config(max_num_seqs=2, max_num_waiting=2, max_model_len=64, num_blocks=8))
+    for rid in "abcd":  # 2 for the free slots, 2 waiting
+        sched.add(make_request(rid, [1, 2]))
     with pytest.raises(Overloaded, match="max_num_waiting=2"):
-        sched.add(make_request("c", [1, 2]))
+        sched.add(make_request("e", [1, 2]))
     sched.add(make_request("a", [3, 4]))  # a resubmission replaces, it does not queue more
-    assert sched.num_waiting == 2
+    assert sched.num_waiting == 4
     with pytest.raises(PromptTooLong):
         sched.add(make_request("d", list(range(1, 65))))
     # A resubmission that already reached max_model_len is finished, not refused.
     done = sched.add(Request("e", 0, np.arange(1, 60, dtype=np.int32), SamplingParams(), output_ids=[1] * 5))
     assert done is not None and done.finish_reason == "length" and "e" not in sched.requests
+
+
+def test_burst_fills_free_slots_before_the_waiting_bound_applies() -> None:
+    """Issue 14 item 12: with every slot idle, a burst is admitted up to the free slots plus
+    max_num_waiting; once the slots run, the bound counts only what waits beyond them."""
+    sched = Scheduler(small_config(max_num_seqs=8, max_num_waiting=2, max_num_batched_tokens=256))
+    accepted = []
+    for i in range(20):
+        try:
+            sched.add(make_request(f"r{i}", [1, 2, 3]))
+            accepted.append(i)
+        except Overloaded:
+            pass
+    assert accepted == list(range(10))
+    step = sched.schedule()
+    assert step is not None and len(step.seqs) == 8  # every slot runs; 2 still wait
+    assert (sched.num_running, sched.num_waiting) == (8, 2)
+    with pytest.raises(Overloaded):  # no slot free now: the 2 waiting are the bound
+        sched.add(make_request("late", [1, 2, 3]))
+    assert sched.abort("r0")  # a slot frees: one more may queue for it
+    sched.add(make_request("late", [1, 2, 3]))
+    with pytest.raises(Overloaded):
+        sched.add(make_request("later", [1, 2, 3]))
 
 
 def test_resubmission_continues_at_its_position() -> None:

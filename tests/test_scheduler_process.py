@@ -207,3 +207,33 @@ def test_stalled_worker_is_killed_and_replaced_without_changing_a_token(
     group.worker = group.start("gpu_worker")
     group.collect(got, lambda got: all(len(t) == MAX_TOKENS for t in got.values()))
     assert list(got.values()) == reference
+
+
+BURST = 40
+BURST_WAITING = 4
+
+
+@pytest.mark.overrides(f"engine.max_num_waiting={BURST_WAITING}")
+def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
+    """Issue 14 item 12: a burst into an idle group is admitted up to its free sequence slots
+    plus max_num_waiting (16 + 4 here), whether it lands before the worker is up or after; the
+    rest get a clear `overloaded`, and every admitted request completes."""
+    params = m.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, seed=1)
+    for i in range(BURST):
+        assert group.scheduler_in.put(m.SubmitRequest(f"burst-{i}", 0, m.pack_ids([5, 6, 7 + i]), params))
+    finished: set[str] = set()
+    refused: list[m.RequestFailed] = []
+    deadline = time.monotonic() + WAIT_S
+    while len(finished) + len(refused) < BURST:
+        assert time.monotonic() < deadline, f"{len(finished)} finished, {len(refused)} refused in {WAIT_S:.0f}s"
+        assert group.scheduler.poll() is None, f"the scheduler exited:\n{group.log(group.scheduler)}"
+        failure = group.frontend.get(0)
+        if failure is not None:
+            refused.append(failure)
+        batch = group.detokenizer.get(0.2)
+        if batch is not None:
+            finished |= {u.request_id for u in batch.to_updates() if u.finish_reason is not None}
+    max_num_seqs = load_config(None, OVERRIDES).engine.max_num_seqs
+    assert len(finished) >= max_num_seqs + BURST_WAITING, f"only {len(finished)} of {BURST} admitted"
+    assert all(isinstance(f, m.RequestFailed) and f.code == "overloaded" for f in refused), refused
+    assert not finished & {f.request_id for f in refused}

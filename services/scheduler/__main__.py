@@ -89,7 +89,8 @@ class SchedulerProcess:
 
     def submit(self, submit: m.SubmitRequest) -> None:
         if self.core is None:
-            if len(self.early) >= self.stage.config.engine.max_num_waiting:
+            engine = self.stage.config.engine  # the same bound as Scheduler.add, with every slot free
+            if len(self.early) >= engine.max_num_seqs + engine.max_num_waiting:
                 self.refuse(submit, "overloaded", "engine is starting and its queue is full")
             else:
                 self.early.append(submit)

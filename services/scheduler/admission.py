@@ -70,10 +70,14 @@ class Admission:
             req.arrival_order = old.arrival_order  # a resubmission keeps its place in line
             state.drop(old, RequestStatus.ABORTED)
         else:
-            if len(state.waiting) >= config.max_num_waiting:
+            # A request that the next step can give a free sequence slot is not waiting for room:
+            # only the queue past the free slots counts against the bound, so a burst into an
+            # idle engine fills its slots instead of being refused.
+            free_slots = config.max_num_seqs - len(state.running)
+            if len(state.waiting) - free_slots >= config.max_num_waiting:
                 raise Overloaded(
-                    f"scheduler overloaded: {len(state.waiting)} requests already waiting "
-                    f"(max_num_waiting={config.max_num_waiting}); retry later"
+                    f"scheduler overloaded: {len(state.waiting)} requests already waiting for "
+                    f"{free_slots} free sequence slots (max_num_waiting={config.max_num_waiting}); retry later"
                 )
             req.arrival_order = self.next_arrival
             self.next_arrival += 1
