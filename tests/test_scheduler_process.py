@@ -225,7 +225,7 @@ def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
     refused: list[m.RequestFailed] = []
     deadline = time.monotonic() + WAIT_S
     while len(finished) + len(refused) < BURST:
-        assert time.monotonic() < deadline, f"{len(finished)} finished, {len(refused)} refused in {WAIT_S:.0f}s"
+        assert time.monotonic() < deadline, f"{len(finished)} done, {len(refused)} refused in {WAIT_S:.0f}s"
         assert group.scheduler.poll() is None, f"the scheduler exited:\n{group.log(group.scheduler)}"
         failure = group.frontend.get(0)
         if failure is not None:
