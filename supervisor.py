@@ -397,9 +397,12 @@ class Supervisor:
         if not was_restart:
             return
         if stage.kind == "detokenizer":
+            # The frontends re-drive the shard: only their journals still know the requests the
+            # scheduler finished whose last text died with the detokenizer.
+            shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), self.config.detokenizer.replicas)
             for other in self.stages.values():
-                if other.kind == "scheduler":
-                    self.command(other, m.ResyncShard(int(stage.name.rsplit("-", 1)[1])))
+                if other.kind == "tokenizer":
+                    self.command(other, shard)
         elif stage.kind == "scheduler":
             for other in self.stages.values():
                 if other.kind == "tokenizer":

@@ -51,6 +51,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
     default_max_tokens: Positive = 256
     max_prompt_chars: Positive = 1_000_000
+    stall_timeout_s: Seconds = 10.0  # a request quiet this long is checked with its scheduler
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -166,14 +166,15 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     reason: str = "abort"  # "abort" (client) or "stop" (stop string hit)
 
 
-class ResyncShard(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Sent by the supervisor after a detokenizer restart: re-send full token history for
-    every live request of that shard."""
+class QueryRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Frontend -> scheduler: how far is each of these requests? Asked about journal entries with
+    no progress for frontend.stall_timeout_s; answered with `RequestProgress`."""
 
-    shard: int
+    frontend_id: int
+    request_ids: list[str]
 
 
-SchedulerInput = Union[SubmitRequest, AbortRequest, ResyncShard]
+SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests]
 
 # ---------------------------------------------------------------------------
 # scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
@@ -277,6 +278,18 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     message: str
 
 
+class RequestProgress(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Scheduler -> frontend, the answer to `QueryRequests`: the output tokens the scheduler holds
+    for each request, -1 for one it does not run (finished, aborted or never admitted)."""
+
+    request_ids: list[str]
+    num_output_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.num_output_tokens):
+            raise ValueError("RequestProgress needs one output count per request id")
+
+
 class ResubmitAll(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Sent by the supervisor after a scheduler restart: resubmit every journaled request
     of that engine group with the outputs seen so far."""
@@ -284,7 +297,17 @@ class ResubmitAll(msgspec.Struct, tag=True, array_like=True, gc=False):
     group: int
 
 
-FrontendInput = Union[DeltaBatch, RequestFailed, ResubmitAll]
+class ResubmitShard(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Sent by the supervisor after a detokenizer restart: resubmit every journaled request of
+    detokenizer shard `shard` (of `num_shards`) with the outputs seen so far. The dead shard may
+    have held the last text of requests that the scheduler had already finished and forgotten;
+    only the journal still knows them."""
+
+    shard: int
+    num_shards: int
+
+
+FrontendInput = Union[DeltaBatch, RequestFailed, RequestProgress, ResubmitAll]
 
 # ---------------------------------------------------------------------------
 # every stage <-> supervisor (DEALER -> ROUTER)
@@ -321,8 +344,7 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, g
 
 ControlUp = Union[Ready, Heartbeat]
 
-# Supervisor -> stage commands reuse the stage inputs above (ResyncShard, ResubmitAll)
-# plus these.
+# Supervisor -> stage commands reuse a stage input above (ResubmitAll) plus these.
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -346,7 +368,7 @@ class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
     loads: list[float]
 
 
-ControlDown = Union[Shutdown, Reconfigure, ResyncShard, ResubmitAll, GroupLoads]
+ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads]
 
 # ---------------------------------------------------------------------------
 # scheduler <-> gpu worker: step plans and results travel through shared-memory rings

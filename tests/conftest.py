@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 # Triton kernels run in the interpreter on machines without CUDA; this must be set before any
@@ -15,6 +16,32 @@ from ipc.endpoints import SHM_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's, so the tiny model can serve real text
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="seed of tests/test_chaos.py's fault plan (default: a new one each run, printed on failure)",
+    )
+
+
+@pytest.fixture
+def chaos_seed(request: pytest.FixtureRequest) -> int:
+    """The seed of a chaos test's fault plan: --chaos-seed, or a fresh one. A failing test
+    names it (pytest_runtest_makereport below), so that the same plan can be run again."""
+    seed = request.config.getoption("--chaos-seed")
+    return random.randrange(2**32) if seed is None else seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    seed = getattr(item, "funcargs", {}).get("chaos_seed")
+    if report.failed and seed is not None:
+        report.sections.append(("chaos seed", f"run this fault plan again with: --chaos-seed {seed}"))
+    return report
 
 
 def brigade_shm_objects() -> list[str]:

@@ -83,19 +83,24 @@ EXAMPLES: dict[str, list] = {
     "SCHEDULER_INPUT": [
         m.SubmitRequest("a", 2, m.pack_ids([1, 2]), PARAMS, output_ids=m.pack_ids([3]), arrival_time=1.5),
         m.AbortRequest("a", "stop"),
-        m.ResyncShard(1),
+        m.QueryRequests(1, ["a", "b"]),
     ],
     "DETOKENIZER_INPUT": [
         m.TokenBatch([UPDATE, m.TokenUpdate("b", 0, 3, m.pack_ids([4]))]),
         STEP_TOKENS,
         m.DropRequests(["a", "b"]),
     ],
-    "FRONTEND_INPUT": [m.DeltaBatch([DELTA]), m.RequestFailed("a", "prompt_too_long", "too long"), m.ResubmitAll(0)],
+    "FRONTEND_INPUT": [
+        m.DeltaBatch([DELTA]),
+        m.RequestFailed("a", "prompt_too_long", "too long"),
+        m.RequestProgress(["a", "b"], [3, -1]),
+        m.ResubmitAll(0),
+    ],
     "CONTROL_UP": [
         m.Ready("scheduler-0", 42, {"model": "smol"}),
         m.Heartbeat("worker-0", 43, 1000, True, m.StageLoad(1, 2, 0.5, 3, 4, 5)),
     ],
-    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResyncShard(0), m.ResubmitAll(1), m.GroupLoads([1.5, 0.0])],
+    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResubmitAll(1), m.ResubmitShard(0, 2), m.GroupLoads([1.5, 0.0])],
     "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
@@ -151,6 +156,13 @@ def test_ragged_step_tokens_are_malformed():
         with pytest.raises(MalformedMessage):
             C.DETOKENIZER_INPUT.decode(msgspec.msgpack.encode(ragged))
     assert C.DETOKENIZER_INPUT.decode(msgspec.msgpack.encode(good)) == STEP_TOKENS
+
+
+def test_ragged_request_progress_is_malformed():
+    # An answer that pairs counts with the wrong ids would make a frontend resubmit or fail them.
+    ragged = msgspec.msgpack.encode(["RequestProgress", ["a", "b"], [3]])
+    with pytest.raises(MalformedMessage):
+        C.FRONTEND_INPUT.decode(ragged)
 
 
 def assert_malformed_or_valid(codec: Codec, data: bytes) -> None:

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from ipc import messages as m
-from services.tokenizer.frontend import FrontendCore, RequestError, trim_delta
+from ipc.endpoints import shard_of
+from services.tokenizer.frontend import MAX_REDRIVES, FrontendCore, RequestError, trim_delta
 from services.tokenizer.text import Tokenizer
+
+STALL_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +20,15 @@ def core_factory(smollm2_dir: Path):
     tokenizer = Tokenizer(smollm2_dir)
 
     def make(num_groups: int = 1) -> FrontendCore:
-        return FrontendCore(tokenizer, 0, num_groups, max_model_len=256, max_prompt_chars=1000, default_max_tokens=7)
+        return FrontendCore(
+            tokenizer,
+            0,
+            num_groups,
+            max_model_len=256,
+            max_prompt_chars=1000,
+            default_max_tokens=7,
+            stall_timeout_s=STALL_S,
+        )
 
     return make
 
@@ -99,3 +110,113 @@ def test_trim_delta_keeps_logprobs_aligned() -> None:
     assert m.unpack_ids(trimmed.token_ids).tolist() == [3]
     assert trimmed.logprobs == (33).to_bytes(4, "little")
     assert trimmed.text == "bc"
+
+
+def test_resume_num_chars_cannot_exceed_the_resumed_text(core_factory) -> None:
+    """Issue 14 item 2: a resume claiming more characters than its tokens decode to would put
+    every delta behind a gap that never closes; it is refused at once instead."""
+    core = core_factory()
+    ids = core.tokenizer.encode("Hello world")
+    text = core.tokenizer.decode(ids)
+    for claimed in (len(text) + 1, 10**12):
+        with pytest.raises(RequestError, match="resume_num_chars") as info:
+            core.admit(b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=claimed))
+        assert info.value.code == "invalid_request"
+    with pytest.raises(RequestError, match="resume_num_chars"):
+        core.admit(b"c", m.Generate("r", prompt="x", resume_num_chars=1))  # characters of no tokens
+    entry = core.admit(b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=len(text)))
+    assert (entry.output_ids, entry.num_chars) == (ids, len(text))
+
+
+def ask(core: FrontendCore, now: float) -> list[str]:
+    """The ids the watchdog asks group 0's scheduler about at `now`."""
+    return core.stalled(now).get(0, [])
+
+
+def test_watchdog_leaves_a_legitimately_quiet_request_alone(core_factory) -> None:
+    """A long queue or prefill: the scheduler holds what the client has. Asked again and again,
+    the frontend never resubmits it (a resubmission would restart the prefill: a livelock)."""
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x"))
+    now = entry.progress_at
+    assert ask(core, now + STALL_S / 2) == []  # not quiet for long enough yet
+    for round_ in range(1, 6):
+        now += STALL_S
+        assert ask(core, now) == ["r"]
+        assert ask(core, now + 1) == []  # asked already: not again before another timeout
+        assert core.on_progress(m.RequestProgress(["r"], [0]), now + 1) == ([], []), round_
+
+
+def test_watchdog_redrives_a_request_the_engine_lost(core_factory) -> None:
+    """The scheduler no longer runs a request the client has no end of: after two answers in a
+    row say so, it is resubmitted with what the client has. An answer about a request that
+    moved on since the question changes nothing."""
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x"))
+    core.relay(m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6])))
+    now = entry.progress_at + STALL_S
+    assert ask(core, now) == ["r"]
+    # Its final text may still be on its way through the detokenizer: wait for a second answer.
+    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])
+    now += STALL_S
+    assert ask(core, now) == ["r"]
+    redrive, failed = core.on_progress(m.RequestProgress(["r"], [-1]), now)
+    assert redrive == [entry] and failed == []
+    assert m.unpack_ids(core.resubmission(entry).output_ids).tolist() == [5, 6]
+
+    # Progress between two answers starts the count over.
+    now += STALL_S
+    assert ask(core, now) == ["r"]
+    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])
+    assert ask(core, now + STALL_S) == ["r"]
+    core.relay(m.Delta("r", 2, 2, "c", m.pack_ids([7])))
+    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])  # moved since asked
+    now += 2 * STALL_S
+    assert ask(core, now) == ["r"]
+    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])  # the first of two again
+    now += STALL_S
+    assert ask(core, now) == ["r"]
+    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([entry], [])
+
+
+def test_a_gap_cannot_strand_a_request(core_factory) -> None:
+    """Deltas past a gap are never forwarded, and the request is not left waiting: the scheduler
+    holds tokens the client never got, so the watchdog re-drives it from the client's position.
+    One that keeps getting lost fails with a clear error rather than waiting forever."""
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x", stream=False))
+    core.relay(m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6])))
+    assert core.relay(m.Delta("r", 4, 4, "ef", m.pack_ids([9, 10]), finish_reason="length")) is None
+    assert core.num_gaps == 1 and "r" in core.journal
+    now = entry.progress_at
+    redrives = 0
+    failed: list = []
+    while not failed:
+        assert redrives <= MAX_REDRIVES
+        for _ in range(2):
+            now += STALL_S
+            assert ask(core, now) == ["r"]
+            redrive, failed = core.on_progress(m.RequestProgress(["r"], [6]), now)
+        if redrive:
+            assert redrive == [entry] and entry.output_ids == [5, 6]
+            redrives += 1
+    assert redrives == MAX_REDRIVES
+    (reply,) = failed
+    assert isinstance(reply.message, m.ErrorReply)
+    assert (reply.message.request_id, reply.message.code) == ("r", "internal")
+    assert "lost" in reply.message.message
+    assert "r" not in core.journal
+
+
+def test_detokenizer_restart_resubmits_exactly_its_shard(core_factory) -> None:
+    core = core_factory(num_groups=2)
+    ids = [f"req-{i}" for i in range(12)]
+    for rid in ids:
+        core.admit(b"c", m.Generate(rid, prompt="x"))
+    core.relay(m.Delta("req-0", 0, 0, "ab", m.pack_ids([5, 6])))
+    for shard in range(3):
+        again = core.shard_resubmissions(shard, 3)
+        assert sorted(s.request_id for _, s in again) == sorted(r for r in ids if shard_of(r, 3) == shard)
+        for group, submit in again:
+            assert group == core.journal[submit.request_id].group
+            assert m.unpack_ids(submit.output_ids).tolist() == core.journal[submit.request_id].output_ids

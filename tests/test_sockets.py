@@ -115,13 +115,13 @@ def test_push_pull_round_trip(ctx, owned, run_dir):
     sent = [
         m.SubmitRequest("r1", 0, m.pack_ids([1, 2, 3]), m.SamplingParams(max_tokens=5)),
         m.AbortRequest("r1", "stop"),
-        m.ResyncShard(3),
+        m.AbortRequest("r3"),
     ]
     assert all(push.put(msg) for msg in sent)
     assert [pull.get(WAIT) for _ in sent] == sent
-    assert push.put(m.ResyncShard(1), frames=[b"raw", memoryview(b"bytes")])
+    assert push.put(m.AbortRequest("r1"), frames=[b"raw", memoryview(b"bytes")])
     msg, frames = pull.get_frames(WAIT)
-    assert msg == m.ResyncShard(1) and [bytes(f) for f in frames] == [b"raw", b"bytes"]
+    assert msg == m.AbortRequest("r1") and [bytes(f) for f in frames] == [b"raw", b"bytes"]
     t0 = time.monotonic()
     assert pull.get(0.1) is None
     assert 0.09 < time.monotonic() - t0 < 2
@@ -230,10 +230,10 @@ def test_garbage_frames_raise_malformed_frame_with_identity(ctx, owned, run_dir)
     raw_push = ctx.socket(zmq.PUSH)
     raw_push.connect(ipc(run_dir, "in"))
     raw_push.send(C.CLIENT_REQUEST.encode(m.Health()))  # valid msgpack, wrong channel
-    raw_push.send(C.SCHEDULER_INPUT.encode(m.ResyncShard(0)))
+    raw_push.send(C.SCHEDULER_INPUT.encode(m.AbortRequest("r0")))
     with pytest.raises(MalformedMessage):
         pull.get(WAIT)
-    assert pull.get(WAIT) == m.ResyncShard(0)
+    assert pull.get(WAIT) == m.AbortRequest("r0")
     raw_push.close(0)
 
 
@@ -250,8 +250,8 @@ def test_second_bind_on_live_ipc_endpoint_is_refused_and_stale_file_is_reused(ct
     pull = PullQueue(ctx, endpoint, C.SCHEDULER_INPUT)
     push = PushQueue(ctx, endpoint, C.SCHEDULER_INPUT)
     owned += [pull, push]
-    assert push.put(m.ResyncShard(5))
-    assert pull.get(WAIT) == m.ResyncShard(5)
+    assert push.put(m.AbortRequest("r5"))
+    assert pull.get(WAIT) == m.AbortRequest("r5")
 
     plain = run_dir / "not-a-socket.sock"
     plain.write_text("")
@@ -285,7 +285,7 @@ def test_send_never_blocks_on_a_gone_or_full_peer(ctx, owned, run_dir):
     owned += [router, push]
     t0 = time.monotonic()
     assert not router.send(b"gone", m.ErrorReply("", "c", "m"))
-    results = [push.put(m.ResyncShard(i)) for i in range(10)]
+    results = [push.put(m.AbortRequest(f"r{i}")) for i in range(10)]
     assert results[0] and not results[-1]
     assert time.monotonic() - t0 < 5
 

@@ -85,7 +85,7 @@ class SchedulerProcess:
             elif isinstance(message, m.AbortRequest):
                 self.abort(message.request_id)
             else:
-                self.resync(message.shard)
+                self.report_progress(message)
 
     def submit(self, submit: m.SubmitRequest) -> None:
         if self.core is None:
@@ -134,18 +134,17 @@ class SchedulerProcess:
         if self.core is not None and self.core.abort(request_id):
             self.detokenizers[shard_of(request_id, len(self.detokenizers))].put(m.DropRequests([request_id]))
 
-    def resync(self, shard: int) -> None:
-        """A detokenizer restarted: send it the whole history of each of its live requests."""
-        if self.core is None:
+    def report_progress(self, query: m.QueryRequests) -> None:
+        """A frontend asks how far its quiet requests are (its watchdog): the outputs held for
+        each, -1 for one this scheduler does not run."""
+        if not 0 <= query.frontend_id < len(self.frontends):
             return
-        updates = [
-            self.full_history(request)
-            for request in self.core.requests.values()
-            if shard_of(request.request_id, len(self.detokenizers)) == shard
+        early = {s.request_id: len(s.output_ids) // 4 for s in self.early}
+        live = self.core.requests if self.core is not None else {}
+        counts = [
+            live[rid].num_output_tokens if rid in live else early.get(rid, -1) for rid in query.request_ids
         ]
-        if updates:
-            self.detokenizers[shard].put(m.TokenBatch(updates))
-        self.stage.log.info("resynced detokenizer %d with %d requests", shard, len(updates))
+        self.frontends[query.frontend_id].put(m.RequestProgress(query.request_ids, counts))
 
     def reconfigure(self, command: m.Reconfigure) -> None:
         """Replica counts or the overload bound changed (hot reload)."""
@@ -312,9 +311,7 @@ class SchedulerProcess:
         while not stopping[0]:
             self.drain_inbox()
             command = self.control.command()
-            if isinstance(command, m.ResyncShard):
-                self.resync(command.shard)
-            elif isinstance(command, m.Reconfigure):
+            if isinstance(command, m.Reconfigure):
                 self.reconfigure(command)
             self.accept_hellos()
             outputs = None

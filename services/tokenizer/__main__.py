@@ -4,6 +4,7 @@ text deltas back to clients. Light: no torch."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import zmq
@@ -41,7 +42,9 @@ class Frontend:
             max_prompt_chars=config.frontend.max_prompt_chars,
             default_max_tokens=config.frontend.default_max_tokens,
             metrics=RequestMetrics(),
+            stall_timeout_s=config.frontend.stall_timeout_s,
         )
+        self.next_stall_check = 0.0
         self.num_malformed = 0
         self.num_events = 0
         self.is_draining = False
@@ -118,6 +121,27 @@ class Frontend:
             reply = self.core.fail(message)
             if reply is not None:
                 self.send(reply)
+        elif isinstance(message, m.RequestProgress):
+            redrive, failed = self.core.on_progress(message, time.monotonic())
+            for entry in redrive:
+                self.stage.log.warning(
+                    "request %s lost upstream at %d tokens: resubmitting it",
+                    entry.submit.request_id,
+                    len(entry.output_ids),
+                )
+                self.schedulers[entry.group].put(self.core.resubmission(entry))
+            for reply in failed:
+                self.stage.log.error("request %s failed: %s", reply.message.request_id, reply.message.message)
+                self.send(reply)
+
+    def check_stalled(self) -> None:
+        """Ask the schedulers about requests that got nothing new for a while (the watchdog)."""
+        now = time.monotonic()
+        if now < self.next_stall_check:
+            return
+        self.next_stall_check = now + self.core.stall_timeout_s / 4
+        for group, request_ids in self.core.stalled(now).items():
+            self.schedulers[group].put(m.QueryRequests(self.stage.index, request_ids))
 
     def on_command(self, command: m.ControlDown) -> None:
         if isinstance(command, m.GroupLoads) and len(command.loads) == self.core.num_groups:
@@ -131,6 +155,11 @@ class Frontend:
             self.stage.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
             for submit in submissions:
                 self.schedulers[command.group].put(submit)
+        elif isinstance(command, m.ResubmitShard):
+            submissions = self.core.shard_resubmissions(command.shard, command.num_shards)
+            self.stage.log.info("detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions))
+            for group, submit in submissions:
+                self.schedulers[group].put(submit)
 
     def run(self) -> None:
         stopping = install_stop_handler()
@@ -151,6 +180,7 @@ class Frontend:
             command = self.control.command()
             if command is not None:
                 self.on_command(command)
+            self.check_stalled()
             self.control.heartbeat(
                 self.num_events,
                 has_work=False,

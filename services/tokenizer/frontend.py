@@ -1,26 +1,34 @@
 """The frontend's logic, without sockets: validate, template, tokenize, journal, relay.
 
 The journal holds every in-flight request with what its client has been sent so far, so that
-after a scheduler restart the request is resubmitted with its outputs (docs/architecture.md invariant 4), and
-so that late or duplicated deltas are trimmed by position before they reach the client
-(invariant 2). Light: no torch.
+late or duplicated deltas are trimmed by position before they reach the client (invariant 2 of
+docs/architecture.md), and so that the frontend can re-drive a request whose delivery broke
+(invariant 4): after a scheduler or detokenizer restart, and whenever its watchdog finds a quiet
+request that the engine no longer runs, it resubmits the request with the outputs its client
+already has. The journal forgets a request only once its client has the final delta. Light: no
+torch.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
 
 from ipc import messages as m
+from ipc.endpoints import shard_of
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 from services.tokenizer.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# Resubmissions of a quiet request that bring no progress before it is failed: one that the
+# engine keeps losing is a bug to report, not something to retry forever.
+MAX_REDRIVES = 3
 
 
 class RequestError(Exception):
@@ -45,6 +53,15 @@ class JournalEntry:
     logprobs: list[bytes] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
+    # The watchdog (FrontendCore.stalled / on_progress): when the client last got something new,
+    # when the scheduler was last asked about this request and whether that question is still
+    # open with nothing new since, how many answers in a row said the engine lost it, and the
+    # resubmissions since the last progress.
+    progress_at: float = field(default_factory=time.monotonic)
+    checked_at: float = 0.0
+    is_asked: bool = False
+    num_lost_checks: int = 0
+    num_redrives: int = 0
 
 
 @dataclass
@@ -86,6 +103,7 @@ class FrontendCore:
         max_prompt_chars: int,
         default_max_tokens: int,
         metrics: RequestMetrics | None = None,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.frontend_id = frontend_id
@@ -94,9 +112,11 @@ class FrontendCore:
         self.max_prompt_chars = max_prompt_chars
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
+        self.stall_timeout_s = stall_timeout_s
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
         self.journal: dict[str, JournalEntry] = {}
         self.num_unknown_deltas = 0
+        self.num_gaps = 0
         self.num_finished = 0
         self._rng = random.Random()
 
@@ -128,6 +148,16 @@ class FrontendCore:
             raise RequestError("invalid_request", str(exc)) from None
         if request.resume_num_chars < 0:
             raise RequestError("invalid_request", "resume_num_chars must be >= 0")
+        if request.resume_num_chars:
+            # A client has at most the text its tokens decode to; claiming more would put every
+            # delta of the request behind a gap that never closes.
+            resumed_chars = len(self.tokenizer.decode(resume_ids.tolist(), params.skip_special_tokens))
+            if request.resume_num_chars > resumed_chars:
+                raise RequestError(
+                    "invalid_request",
+                    f"resume_num_chars={request.resume_num_chars} exceeds the {resumed_chars} characters "
+                    f"that the {len(resume_ids)} resume_output_ids decode to",
+                )
         if params.seed is None:
             # Seeds are fixed here, once, so a resubmitted request samples the same tokens.
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
@@ -212,14 +242,15 @@ class FrontendCore:
         if fresh is None:
             return None
         if fresh.token_index != len(entry.output_ids) or fresh.char_offset != entry.num_chars:
-            # A gap: something upstream was lost. The scheduler resends full history on resync,
-            # so wait for that rather than forward out-of-order text.
-            self.num_unknown_deltas += 1
+            # A gap: something upstream was lost. Never forward out-of-order text; the request
+            # is re-driven from what the client has (a restart notice, or the watchdog).
+            self.num_gaps += 1
             return None
         new_ids = m.unpack_ids(fresh.token_ids)
         entry.output_ids.extend(new_ids.tolist())
         entry.num_chars += len(fresh.text)
         now = time.monotonic()
+        entry.progress_at, entry.is_asked, entry.num_lost_checks, entry.num_redrives = now, False, 0, 0
         if len(new_ids):
             if self.metrics is not None:
                 self.metrics.on_tokens(entry.arrival, entry.last_token_time, now, len(new_ids))
@@ -255,10 +286,75 @@ class FrontendCore:
             self.metrics.on_finish(failure.code, entry.arrival, time.monotonic())
         return Reply(entry.identity, m.ErrorReply(failure.request_id, failure.code, failure.message))
 
+    # -- re-driving delivery ------------------------------------------------------------------
+
+    @staticmethod
+    def resubmission(entry: JournalEntry) -> m.SubmitRequest:
+        """The request again, with the outputs its client already has: the scheduler replaces a
+        live copy, or finishes at once one whose outputs already meet its end, and the
+        detokenizer rebuilds its text from the whole history."""
+        return msgspec.structs.replace(entry.submit, output_ids=m.pack_ids(entry.output_ids))
+
     def resubmissions(self, group: int) -> list[m.SubmitRequest]:
-        """Every journaled request of `group`, with the outputs its client already has."""
+        """Every journaled request of engine group `group` (its scheduler restarted)."""
+        return [self.resubmission(e) for e in self.journal.values() if e.group == group]
+
+    def shard_resubmissions(self, shard: int, num_shards: int) -> list[tuple[int, m.SubmitRequest]]:
+        """(group, resubmission) of every journaled request of detokenizer shard `shard` (it
+        restarted, and with it went the text it had not yet delivered)."""
         return [
-            msgspec.structs.replace(e.submit, output_ids=m.pack_ids(e.output_ids))
-            for e in self.journal.values()
-            if e.group == group
+            (e.group, self.resubmission(e))
+            for request_id, e in self.journal.items()
+            if shard_of(request_id, num_shards) == shard
         ]
+
+    def stalled(self, now: float) -> dict[int, list[str]]:
+        """Ids, by engine group, of the requests that got nothing new for stall_timeout_s and
+        were not asked about within it: the frontend asks their scheduler (QueryRequests)."""
+        quiet: dict[int, list[str]] = defaultdict(list)
+        for request_id, entry in self.journal.items():
+            if now - max(entry.progress_at, entry.checked_at) >= self.stall_timeout_s:
+                entry.checked_at, entry.is_asked = now, True
+                quiet[entry.group].append(request_id)
+        return quiet
+
+    def on_progress(self, report: m.RequestProgress, now: float) -> tuple[list[JournalEntry], list[Reply]]:
+        """The scheduler's answer about quiet requests: the entries to resubmit, and the failures
+        to send.
+
+        Quiet is often legitimate (a long queue, a long prefill): the scheduler then holds exactly
+        the outputs the client has, and nothing is done. The engine has lost a request when the
+        scheduler no longer runs it, or holds tokens the client never got; that is acted on only
+        when two answers in a row, with nothing new between, say so, because the last text of a
+        request the scheduler just finished may still be on its way through the detokenizer.
+        """
+        redrive: list[JournalEntry] = []
+        failed: list[Reply] = []
+        for request_id, num_tokens in zip(report.request_ids, report.num_output_tokens, strict=True):
+            entry = self.journal.get(request_id)
+            if entry is None or not entry.is_asked:
+                continue  # finished, or moved on since the question
+            entry.is_asked = False
+            if 0 <= num_tokens <= len(entry.output_ids):
+                entry.num_lost_checks = 0
+                continue
+            entry.num_lost_checks += 1
+            if entry.num_lost_checks < 2:
+                continue
+            entry.num_lost_checks = 0
+            entry.num_redrives += 1
+            if entry.num_redrives <= MAX_REDRIVES:
+                entry.checked_at = now
+                redrive.append(entry)
+                continue
+            reply = self.fail(
+                m.RequestFailed(
+                    request_id,
+                    "internal",
+                    f"request lost: no output after {MAX_REDRIVES} resubmissions (the engine holds "
+                    f"{num_tokens} output tokens, the client {len(entry.output_ids)})",
+                )
+            )
+            if reply is not None:
+                failed.append(reply)
+        return redrive, failed

@@ -1,0 +1,300 @@
+"""Exactly-once delivery under faults, with real processes on the tiny model: requests that the
+scheduler finished while their text sat in a detokenizer that then died, requests the engine
+forgot, resumes that claim text they never had, and a seeded chaos run that SIGKILLs every stage
+kind (and SIGSTOPs the worker and the scheduler) at random moments while streamed and
+non-streamed requests are in flight. Every request must end with exactly the text of a calm run.
+
+`--chaos-seed N` replays a fault plan; a failing chaos test prints its seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from client import Client
+from client.sdk import make_generate
+from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
+from ipc.endpoints import Endpoints
+from ipc.sockets import PushQueue
+from services.stage import read_run_info
+from tests.harness import Run, assert_clean, brigade_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 240
+STALL_TIMEOUT_S = 1.0
+HANG_TIMEOUT_S = 5.0
+STEP_TIMEOUT_S = 3.0  # below hang_timeout_s: a stuck worker is the scheduler's to give up on first
+REQUEST_TIMEOUT_S = 120.0  # every client wait: a lost request fails the test instead of hanging it
+RECOVER_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request of the workload: greedy or seeded sampling, streamed or not."""
+
+    prompt: str
+    stream: bool
+    temperature: float
+    seed: int | None
+
+    def generate(self) -> m.Generate:
+        sampling = dict(max_tokens=MAX_TOKENS, temperature=self.temperature, ignore_eos=True)
+        if self.seed is not None:
+            sampling["seed"] = self.seed
+        return msgspec.structs.replace(make_generate(None, self.prompt, None, sampling), stream=self.stream)
+
+
+SPECS = [
+    Spec(f"Bucket {i} passes down the line and", stream=i % 2 == 0, temperature=0.0 if i < 4 else 0.8, seed=i)
+    for i in range(8)
+]
+
+Output = tuple[str, list[int]]
+
+
+def run_one(run_dir: Path, spec: Spec) -> Output:
+    """The request through the SDK's session (failover and resubmission included). The SDK
+    streams everything; a non-streamed request is the protocol's `stream=False`, answered with
+    one whole delta at the end."""
+    with Client(run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client:
+        deltas = list(client._stream(spec.generate(), REQUEST_TIMEOUT_S))
+    assert deltas and deltas[-1].finish_reason == "length", deltas[-1:]
+    if not spec.stream:
+        assert len(deltas) == 1, f"a non-streamed request got {len(deltas)} replies"
+    return "".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]
+
+
+def run_all(run_dir: Path, during: Callable[[], None] | None = None) -> list[Output]:
+    """Every spec at once; `during()` runs while they are in flight."""
+    results: list[Output | BaseException | None] = [None] * len(SPECS)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = run_one(run_dir, SPECS[i])
+        except BaseException as exc:  # reported below, with the others
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(SPECS))]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 30)
+    failures = {i: r for i, r in enumerate(results) if not isinstance(r, tuple)}
+    assert not failures, f"requests did not complete: {failures}"
+    return results  # type: ignore[return-value]
+
+
+def assert_same(got: list[Output], want: list[Output], what: str) -> None:
+    for i, ((text, ids), (want_text, want_ids)) in enumerate(zip(got, want, strict=True)):
+        assert len(ids) == MAX_TOKENS, f"{what}: request {i} has {len(ids)} tokens"
+        assert ids == want_ids, f"{what}: request {i} ({SPECS[i]}) changed its tokens"
+        assert text == want_text, f"{what}: request {i} ({SPECS[i]}) changed its text"
+
+
+def stage_rows(run: Run) -> list[dict]:
+    """The supervisor's status table, read straight from its file (cheap enough to poll)."""
+    try:
+        return json.loads((run.run_dir / "status.json").read_text())
+    except (OSError, ValueError):  # replaced while we read it
+        return []
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout: float = RECOVER_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def running_pid(run: Run, kind: str) -> int:
+    """The pid of the (single) stage of this kind, once it is up and running."""
+    pids: list[int] = []
+
+    def found() -> bool:
+        pids[:] = [r["pid"] for r in stage_rows(run) if r["kind"] == kind and r["state"] == "running"]
+        return len(pids) == 1
+
+    wait_for(f"{kind} running", found)
+    return pids[0]
+
+
+def all_running(run: Run) -> bool:
+    rows = stage_rows(run)
+    return bool(rows) and all(r["state"] == "running" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
+    run_dir = tmp_path_factory.mktemp("chaos")
+    with brigade_run(
+        run_dir,
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=1024",
+        "engine.kv_cache_mib=64",
+        "engine.threads=1",
+        "engine.max_num_seqs=16",
+        f"engine.step_timeout_s={STEP_TIMEOUT_S}",
+        f"supervisor.hang_timeout_s={HANG_TIMEOUT_S}",
+        "supervisor.restart_intensity=100",
+        "supervisor.backoff_initial_s=0.1",
+        "supervisor.backoff_max_s=0.5",
+        f"frontend.stall_timeout_s={STALL_TIMEOUT_S}",
+    ) as live:
+        run_id = read_run_info(run_dir).run_id
+        yield live
+    assert_clean(run_dir, run_id)
+
+
+@pytest.fixture(scope="module")
+def calm(run: Run) -> list[Output]:
+    """The fault-free outputs, from the same run."""
+    first = run_all(run.run_dir)
+    assert_same(run_all(run.run_dir), first, "a second calm run")
+    return first
+
+
+def test_detokenizer_death_after_the_scheduler_finished_loses_nothing(run: Run, calm: list[Output]) -> None:
+    """Issue 14 item 1. The detokenizer is stopped, so the scheduler finishes every request
+    while all their text waits in the detokenizer's queue; then it is killed. The scheduler has
+    forgotten these requests, so only the frontend's journal can re-drive them."""
+    detokenizer = running_pid(run, "detokenizer")
+    os.kill(detokenizer, signal.SIGSTOP)
+    try:
+
+        def kill_once_finished_upstream() -> None:
+            def scheduler(key: str) -> int:
+                return sum(r[key] for r in stage_rows(run) if r["kind"] == "scheduler")
+
+            wait_for("the scheduler running the requests", lambda: scheduler("running") > 0)
+            wait_for("the scheduler finishing them", lambda: scheduler("running") + scheduler("queue_depth") == 0)
+            with contextlib.suppress(ProcessLookupError):  # or the supervisor found it hung first
+                os.kill(detokenizer, signal.SIGKILL)
+
+        outputs = run_all(run.run_dir, during=kill_once_finished_upstream)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(detokenizer, signal.SIGKILL)
+    assert_same(outputs, calm, "after the detokenizer died holding every request's text")
+    wait_for("every stage running", lambda: all_running(run))
+
+
+def raw_request(run: Run, request: m.Generate, timeout: float) -> list[m.ClientReply]:
+    """Send one request on a bare DEALER; the replies until its end (or the timeout)."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(read_run_info(run.run_dir).frontends[0])
+        sock.send(CLIENT_REQUEST.encode(request))
+        replies: list[m.ClientReply] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not sock.poll(100):
+                continue
+            reply = CLIENT_REPLY.decode(sock.recv())
+            replies.append(reply)
+            if isinstance(reply, m.ErrorReply) or getattr(reply, "finish_reason", None) is not None:
+                break
+        return replies
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_resume_past_the_resumed_text_is_refused_at_once(run: Run, calm: list[Output]) -> None:
+    """Issue 14 item 2: a raw resume claiming 10**12 characters of 3 tokens used to wait behind a
+    gap forever (and held the drain at shutdown); it is an invalid_request now."""
+    request = m.Generate(
+        "resume-past-its-text",
+        prompt=SPECS[0].prompt,
+        params=m.SamplingParams(max_tokens=8, temperature=0.0),
+        resume_output_ids=m.pack_ids([300, 301, 302]),
+        resume_num_chars=10**12,
+    )
+    replies = raw_request(run, request, timeout=30)
+    assert replies, "no answer in 30 s"
+    (reply,) = replies
+    assert isinstance(reply, m.ErrorReply), reply
+    assert (reply.request_id, reply.code) == ("resume-past-its-text", "invalid_request")
+    assert "resume_num_chars" in reply.message
+    wait_for(
+        "the frontend holding nothing in flight",
+        lambda: all(r["queue_depth"] == 0 for r in stage_rows(run) if r["kind"] == "tokenizer"),
+        timeout=30,
+    )
+
+
+def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -> None:
+    """Issue 14 item 2: the scheduler loses a request the frontend still journals (an abort that
+    did not come from its client, here sent straight to the scheduler). The frontend's watchdog
+    sees no progress, learns from the scheduler that it no longer runs the request, and
+    resubmits it from what the client has: the client gets exactly the calm text."""
+    spec = SPECS[0]
+    generate = spec.generate()
+    endpoints = Endpoints(run.run_dir, read_run_info(run.run_dir).run_id)
+    ctx = zmq.Context()
+    try:
+        scheduler = PushQueue(ctx, endpoints.scheduler_in(0), SCHEDULER_INPUT)
+        with Client(run.run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client:
+            deltas = []
+            for delta in client._stream(generate, REQUEST_TIMEOUT_S):
+                if not deltas:
+                    assert scheduler.put(m.AbortRequest(generate.request_id))
+                deltas.append(delta)
+    finally:
+        ctx.destroy(linger=0)
+    assert ("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]) == calm[0]
+
+
+def fault_plan(seed: int) -> list[list[tuple[str, signal.Signals, float]]]:
+    """Waves of (stage kind, signal, delay after the wave starts): each kind SIGKILLed twice, the
+    worker and the scheduler SIGSTOPped (hung) once each, two faults per wave, in random order
+    and at random moments."""
+    rng = random.Random(seed)
+    faults = [(kind, signal.SIGKILL) for kind in ("tokenizer", "scheduler", "gpu_worker", "detokenizer")] * 2
+    faults += [("gpu_worker", signal.SIGSTOP), ("scheduler", signal.SIGSTOP)]
+    rng.shuffle(faults)
+    timed = [(kind, sig, rng.uniform(0.0, 1.5)) for kind, sig in faults]
+    return [timed[i : i + 2] for i in range(0, len(timed), 2)]
+
+
+def test_chaos_every_stage_killed_or_hung_loses_and_changes_nothing(
+    run: Run, calm: list[Output], chaos_seed: int
+) -> None:
+    for wave, faults in enumerate(fault_plan(chaos_seed)):
+        wait_for("every stage running", lambda: all_running(run))
+        injected: list[str] = []
+
+        def inject(faults: list[tuple[str, signal.Signals, float]] = faults, injected: list[str] = injected) -> None:
+            started = time.monotonic()
+            for kind, sig, delay in faults:
+                pid = running_pid(run, kind)
+                time.sleep(max(0.0, started + delay - time.monotonic()))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                injected.append(f"{sig.name} {kind} at {time.monotonic() - started:.2f}s")
+
+        outputs = run_all(run.run_dir, during=inject)
+        assert_same(outputs, calm, f"seed {chaos_seed}, wave {wave}: {injected}")
+    wait_for("every stage running", lambda: all_running(run))
+    restarts = {r["kind"]: 0 for r in stage_rows(run)}
+    for row in stage_rows(run):
+        restarts[row["kind"]] += row["restarts"]
+    assert all(n >= 2 for n in restarts.values()), restarts
