@@ -237,3 +237,22 @@ def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
     assert len(finished) >= max_num_seqs + BURST_WAITING, f"only {len(finished)} of {BURST} admitted"
     assert all(isinstance(f, m.RequestFailed) and f.code == "overloaded" for f in refused), refused
     assert not finished & {f.request_id for f in refused}
+
+
+def test_progress_query_reports_outputs_held_and_unknown_ids(group: Group, prompts: list[list[int]]) -> None:
+    """The frontend's watchdog asks how far its quiet requests are: the scheduler answers with
+    the output tokens it holds for each (at least what it has already sent on), -1 for one it
+    does not run."""
+    got: dict[str, list[int]] = {"asked": []}
+    group.submit("asked", prompts[0])
+    group.collect(got, lambda got: len(got["asked"]) >= KILL_AFTER_TOKENS)
+    assert group.scheduler_in.put(m.QueryRequests(0, ["asked", "never-submitted"]))
+    deadline = time.monotonic() + WAIT_S
+    reply = None
+    while reply is None:
+        assert time.monotonic() < deadline, "no answer to QueryRequests"
+        reply = group.frontend.get(0.5)
+    assert isinstance(reply, m.RequestProgress), reply
+    assert reply.request_ids == ["asked", "never-submitted"]
+    held, unknown = reply.num_output_tokens
+    assert KILL_AFTER_TOKENS <= held <= MAX_TOKENS and unknown == -1
