@@ -60,18 +60,18 @@ def test_plan_table_columns_are_named_and_grouped_for_one_take_each():
 
 
 def test_admission_queues_in_priority_order_and_refuses_overload():
-    state = SchedulerState(config())
+    state = SchedulerState(config(max_num_seqs=1))  # 1 free slot + max_num_waiting=3
     admission = Admission(state)
-    for rid, priority in (("a", 1), ("b", 0), ("c", 1)):
+    for rid, priority in (("a", 1), ("b", 0), ("c", 1), ("x", 2)):
         assert admission.add(request(rid, [1, 2, 3], priority=priority)) is None
-    assert [r.request_id for r in state.waiting] == ["b", "a", "c"]
+    assert [r.request_id for r in state.waiting] == ["b", "a", "c", "x"]
     with pytest.raises(Overloaded, match="max_num_waiting=3"):
         admission.add(request("d", [1]))
     with pytest.raises(PromptTooLong, match="max_model_len=64"):
         admission.add(request("a", list(range(1, 65))))  # a resubmission is not overload
     with pytest.raises(ValueError, match="empty prompt"):
         admission.add(request("e", []))
-    assert set(state.requests) == {"a", "b", "c"}
+    assert set(state.requests) == {"a", "b", "c", "x"}
 
 
 def test_admission_replaces_a_resubmission_in_place_and_finishes_one_that_is_done():
