@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # Triton kernels run in the interpreter on machines without CUDA; this must be set before any
@@ -93,8 +96,6 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (2 layers, GQA) with SmolLM2's tokenizer, for fast real-process tests."""
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,3 +119,28 @@ def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, out / name)
     return out
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """`pip install` of a wheel built from this tree, into a directory of its own: the `brigade`
+    script exactly as pip writes it, and the env (PYTHONPATH) that makes it import that copy."""
+    root = tmp_path_factory.mktemp("install")
+    source = root / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "supervisor.py", "brigade_cli.py"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    for package in ("ipc", "services", "kernels", "client", "supervision"):
+        if (REPO_ROOT / package).exists():
+            shutil.copytree(
+                REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
+            )
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(root / "dist")],
+                   check=True, timeout=300, cwd=root)  # fmt: skip
+    (wheel,) = (root / "dist").glob("brigade-*.whl")
+    site = root / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300)
+    script = site / "bin" / "brigade"
+    assert script.exists() and os.access(script, os.X_OK)
+    return script, {"PYTHONPATH": str(site)}

@@ -1,0 +1,144 @@
+"""The audit log: every administrative event of a run as one JSON line in `<run-dir>/audit.log`
+(or the file `audit_log_path` is given), with its time and its source.
+
+Events (the `event` field) and what else each line carries:
+
+- `reload`: `outcome` (`applied`, `partial` or `refused`), `applied` and `refused` (each
+  `{field path: [old, new]}`), `error` (why a config was refused outright);
+- `rescale`: `changes` (`{field path: [old, new]}`);
+- `stage_restart`: `stage`, `reason`, `restart` (its count), `backoff_s`;
+- `auth_failure`: `mechanism` (`api_key` or `curve`), `peer`, `reason`, and for an API key
+  `key_sha256` (the first 12 hex digits of the presented key's SHA-256, never the key).
+
+Several processes (the supervisor, gateway replicas) append to one file: each line is a single
+`write()` on an O_APPEND descriptor, which the kernel never interleaves with another's. Writing
+never raises: a full disk must not stop serving, so a failed write is logged and counted. Light
+(no torch): the gateway imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+AUDIT_FILE = "audit.log"
+MAX_TEXT_CHARS = 512  # peers and reasons may come from the network: bounded
+MAX_LINE_BYTES = 64 << 10
+
+log = logging.getLogger("audit")
+
+
+def audit_log_path(run_dir: Path, configured: str = "") -> Path:
+    """The configured path, or `<run-dir>/audit.log` when it is empty."""
+    return Path(configured) if configured else run_dir / AUDIT_FILE
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + "..."
+
+
+class AuditLog:
+    """Appends audit events of one source (`supervisor`, `gateway-0`, ...) to the audit file."""
+
+    def __init__(self, path: Path, source: str) -> None:
+        self.path = path
+        self.source = source
+        self.num_failed_writes = 0
+        self._encoder = msgspec.json.Encoder(enc_hook=str)  # anything unusual is written as text
+
+    def record(self, event: str, **fields: Any) -> None:
+        now = time.time()
+        stamp = (
+            datetime.fromtimestamp(now, timezone.utc)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z")
+        )
+        line = self._encoder.encode(
+            {"time": stamp, "ts": round(now, 3), "source": self.source, "event": event, **fields}
+        )
+        if len(line) > MAX_LINE_BYTES:
+            line = self._encoder.encode(
+                {"time": stamp, "ts": round(now, 3), "source": self.source, "event": event, "truncated": True}
+            )
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line + b"\n")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.num_failed_writes += 1
+            log.warning("audit log %s: could not write a %s event: %s", self.path, event, exc.strerror)
+
+    def reload(
+        self,
+        applied: dict[str, list[Any]],
+        refused: dict[str, list[Any]] | None = None,
+        error: str = "",
+    ) -> None:
+        """A config reload: what took effect, what needs a restart, or why nothing could."""
+        refused = refused or {}
+        outcome = "refused" if error or not applied else ("partial" if refused else "applied")
+        self.record("reload", outcome=outcome, applied=applied, refused=refused, error=_bounded(error))
+
+    def rescale(self, changes: dict[str, list[Any]]) -> None:
+        self.record("rescale", changes=changes)
+
+    def stage_restart(self, stage: str, reason: str, restart: int, backoff_s: float) -> None:
+        self.record(
+            "stage_restart",
+            stage=stage,
+            reason=_bounded(reason),
+            restart=restart,
+            backoff_s=round(backoff_s, 3),
+        )
+
+    def auth_failure(
+        self, mechanism: Literal["api_key", "curve"], peer: str, reason: str, presented_key: str | None = None
+    ) -> None:
+        fields: dict[str, Any] = {"mechanism": mechanism, "peer": _bounded(peer), "reason": _bounded(reason)}
+        if presented_key is not None:
+            fields["key_sha256"] = hashlib.sha256(presented_key.encode()).hexdigest()[:12]
+        self.record("auth_failure", **fields)
+
+
+class CurveFailureMonitor:
+    """Audits CURVE handshakes that fail on a server socket (a client with the wrong server key,
+    or one its authenticator refused), from the socket's monitor events. Call `poll()` from
+    the owner's loop; it never blocks."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    def __init__(self, socket: zmq.Socket, audit: AuditLog) -> None:
+        self.audit = audit
+        self.socket = socket
+        self.monitor = socket.get_monitor_socket(self.EVENTS)
+
+    def poll(self) -> int:
+        """Record every failure seen since the last call; how many there were."""
+        count = 0
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            endpoint = event["endpoint"].decode(errors="replace")
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = f"refused by the authenticator (status {event['value']})"
+            elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                reason = "cryptographic error: the client does not hold this server's key"
+            else:
+                reason = f"handshake protocol error {event['value']:#x}"
+            self.audit.auth_failure("curve", endpoint, reason)
+            count += 1
+        return count
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)

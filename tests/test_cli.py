@@ -1,0 +1,43 @@
+"""The `brigade` console script as pip installs it from a wheel built from this tree: its
+dispatch and its errors without a run (tests/test_operations.py drives it against a live one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def brigade(installed, *args: str) -> subprocess.CompletedProcess:
+    script, env = installed
+    return subprocess.run(
+        [str(script), *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_lists_the_commands(installed) -> None:
+    done = brigade(installed, "--help")
+    assert done.returncode == 0
+    for command in ("serve", "status", "chat", "generate", "health"):
+        assert f"  {command} " in done.stdout
+
+
+def test_bad_commands_and_arguments_are_clear_errors(installed, tmp_path: Path) -> None:
+    unknown = brigade(installed, "bogus")
+    assert unknown.returncode == 2 and "unknown command 'bogus'" in unknown.stderr
+    assert brigade(installed).returncode == 2
+    missing = brigade(installed, "status", "--run", str(tmp_path / "none"))
+    assert missing.returncode == 1 and "no live Brigade run" in missing.stderr
+    bad = brigade(installed, "serve", "--set", "engine.max_num_seqs=-3", "--run-dir", str(tmp_path / "run"))
+    assert bad.returncode == 2 and "engine.max_num_seqs: expected int >= 1, got -3" in bad.stderr
+
+
+def test_client_options_may_follow_the_command(installed, tmp_path: Path) -> None:
+    """`brigade chat --run DIR ...`: the client CLI gets `--run DIR chat ...` and looks there."""
+    done = brigade(installed, "health", "--run", str(tmp_path / "none"), "--timeout", "2")
+    assert done.returncode != 0
+    assert str(tmp_path / "none") in done.stderr
