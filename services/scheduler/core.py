@@ -159,12 +159,7 @@ class Scheduler:
     def preempt_all(self) -> None:
         """The worker was lost: every running sequence recomputes later, keeping its outputs.
         The KV content is gone, so the prefix cache is cleared too."""
-        state = self.state
-        for req in reversed(state.running):
-            state.preempt(req)
-        state.running.clear()
-        state.line_version += 1
-        state.blocks.clear_cache()
+        self.state.preempt_all()
         self.decode.invalidate()
 
     # -- planning -------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ def sort_key(req: Request) -> tuple[int, int]:
 
 
 class SchedulerState:
+    """The scheduler's shared state; every phase module reads and changes it through here."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config  # replaced on hot reload (max_num_waiting): read it here, never keep it
         self.block_size = config.block_size
@@ -57,6 +59,14 @@ class SchedulerState:
         req.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=sort_key)
+
+    def preempt_all(self) -> None:
+        """Preempt the whole running line; the KV content is gone, so the prefix cache goes too."""
+        for req in reversed(self.running):
+            self.preempt(req)
+        self.running.clear()
+        self.line_version += 1
+        self.blocks.clear_cache()
 
     def drop(self, req: Request, status: RequestStatus) -> None:
         """Remove a live request for good (finished, aborted or replaced)."""
