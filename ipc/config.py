@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_waiting: Positive = 1024
     enable_prefix_caching: bool = True
     threads: NonNegative = 0  # CPU threads per worker; 0 = all cores
-    step_timeout_s: Seconds = 120.0
+    step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 
 
 class FrontendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,7 +64,7 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backoff_initial_s: Seconds = 0.2
     backoff_max_s: Seconds = 5.0
     heartbeat_interval_s: Seconds = 0.5
-    hang_timeout_s: Seconds = 60.0  # a stage with work and no progress this long is restarted
+    hang_timeout_s: Seconds = 180.0  # a stage with work and no progress this long is restarted
     start_timeout_s: Seconds = 600.0
     drain_timeout_s: Seconds = 10.0
     metrics_port: NonNegative = 0  # 0 = no /metrics endpoint
@@ -81,6 +81,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*?)`")
+_KEY_IN_ERROR = re.compile(r"at `key` in `\$\.?(.*?)`")
 _MISSING = object()
 
 
@@ -97,6 +98,9 @@ def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
     """msgspec says ``Expected `int` >= 1 - at `$.engine.max_num_seqs` ``; we say
     `engine.max_num_seqs: expected int >= 1, got -3`."""
     text = str(exc)
+    key_error = _KEY_IN_ERROR.search(text)
+    if key_error:
+        return f"{key_error.group(1) or 'the top level'}: field names must be strings"
     match = _PATH_IN_ERROR.search(text)
     where = match.group(1) if match else ""
     unknown = _UNKNOWN_FIELD.search(text)
@@ -113,7 +117,10 @@ def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
 
 def _parse_scalar(text: str) -> Any:
     """`--set` values are YAML scalars: 3, 0.5, true, bfloat16, [0, 1]."""
-    return yaml.safe_load(text) if text.strip() else ""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set value {text!r} is not a YAML scalar: {exc}") from None
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -131,24 +138,55 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = _parse_scalar(value)
 
 
+def _read_yaml(path: str | Path) -> Any:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a config") from None
+
+
+def check_timeouts(config: Config) -> None:
+    """The supervisor must not give up on a stage before that stage could give up on what it waits
+    for: the scheduler waits up to step_timeout_s on its workers (then kills them itself), and
+    only heartbeats in between, so a hang_timeout_s as short would blame it for a stuck worker."""
+    step, hang = config.engine.step_timeout_s, config.supervisor.hang_timeout_s
+    if step >= hang:
+        raise ConfigError(
+            f"engine.step_timeout_s ({step:g}) must be below supervisor.hang_timeout_s ({hang:g}): a stuck "
+            "worker is detected by its scheduler after step_timeout_s, and the supervisor would otherwise "
+            "restart the waiting scheduler first"
+        )
+    beat = config.supervisor.heartbeat_interval_s
+    if beat >= hang:
+        raise ConfigError(
+            f"supervisor.heartbeat_interval_s ({beat:g}) must be below supervisor.hang_timeout_s ({hang:g}), "
+            "or every stage looks hung between two heartbeats"
+        )
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config file (None = all defaults), apply overrides, validate."""
-    raw: Any = {}
-    if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    raw = _read_yaml(path) if path is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for assignment in overrides:
         apply_override(raw, assignment)
     try:
-        return msgspec.convert(raw, Config)
+        config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw)) from None
+    check_timeouts(config)
+    return config
 
 
 def dump_config(config: Config) -> bytes:

@@ -74,11 +74,20 @@ def test_override_without_equals_is_an_error() -> None:
 
 @pytest.mark.parametrize(
     "content",
-    ["engine:\n  max_num_seqs: -3\n", "engine: [1, 2\n", "- a list\n", "model:\n  dtype: 7\n"],
+    [
+        b"engine:\n  max_num_seqs: -3\n",
+        b"engine: [1, 2\n",
+        b"- a list\n",
+        b"model:\n  dtype: 7\n",
+        b"engine:\n  max_num_seqs: 8 # caf\xe9\n",  # Latin-1, not UTF-8
+        b"engine:\n  1: 2\n",
+        b"[" * 5000,
+        b"engine:\n  step_timeout_s: 300\n",
+    ],
 )
-def test_bad_config_file_gives_a_clear_error_not_a_traceback(tmp_path, content: str) -> None:
+def test_bad_config_file_gives_a_clear_error_not_a_traceback(tmp_path, content: bytes) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(content)
+    path.write_bytes(content)
     done = subprocess.run(
         [sys.executable, "supervisor.py", "--config", str(path), "--run-dir", str(tmp_path / "run")],
         cwd=REPO_ROOT,
@@ -89,6 +98,51 @@ def test_bad_config_file_gives_a_clear_error_not_a_traceback(tmp_path, content: 
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("config error: ")
+
+
+def test_non_utf8_file_names_the_byte(tmp_path) -> None:
+    path = tmp_path / "latin1.yaml"
+    content = b"engine:\n  max_num_seqs: 8 # caf\xe9\n"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"is not UTF-8 text: byte 0xe9 at offset {content.index(0xE9)}$"):
+        load_config(path)
+
+
+def test_non_string_field_names_are_refused(tmp_path) -> None:
+    path = tmp_path / "int-keys.yaml"
+    path.write_text("engine:\n  1: 2\n")
+    with pytest.raises(ConfigError, match=r"^engine: field names must be strings"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["engine.step_timeout_s=60", "supervisor.hang_timeout_s=60"],
+        ["engine.step_timeout_s=120", "supervisor.hang_timeout_s=60"],
+        ["engine.step_timeout_s=300"],
+    ],
+)
+def test_step_timeout_must_be_below_hang_timeout(overrides: list[str]) -> None:
+    """The scheduler gives up on a stuck worker after step_timeout_s; a supervisor that gave up on
+    the waiting scheduler first would blame and restart the wrong stage."""
+    with pytest.raises(
+        ConfigError, match=r"engine.step_timeout_s \(\d+\) must be below supervisor.hang_timeout_s"
+    ):
+        load_config(None, overrides)
+
+
+def test_heartbeat_interval_must_be_below_hang_timeout() -> None:
+    with pytest.raises(ConfigError, match=r"supervisor.heartbeat_interval_s \(5\) must be below"):
+        load_config(
+            None,
+            ["engine.step_timeout_s=1", "supervisor.hang_timeout_s=4", "supervisor.heartbeat_interval_s=5"],
+        )
+
+
+def test_default_timeouts_agree() -> None:
+    config = load_config(None)
+    assert config.engine.step_timeout_s < config.supervisor.hang_timeout_s
 
 
 def test_missing_config_file(tmp_path) -> None:
