@@ -1,0 +1,58 @@
+"""The settings a hot reload applies to a live run, declared once. Every other changed field is
+logged as needing a restart. Each live setting reaches the stages as one field of the
+`Reconfigure` command (the supervisor also acts on the replica counts itself: it starts or
+retires replicas)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc import messages as m
+from ipc.config import Config
+
+# config path -> the Reconfigure field that carries it to the stages
+LIVE_SETTINGS: dict[str, str] = {
+    "supervisor.log_level": "log_level",
+    "frontend.replicas": "num_frontends",
+    "frontend.default_max_tokens": "default_max_tokens",
+    "detokenizer.replicas": "num_detokenizers",
+    "engine.max_num_waiting": "max_num_waiting",
+}
+
+
+def get_setting(config: msgspec.Struct, path: str) -> object:
+    node = config
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def with_setting(config: msgspec.Struct, path: str, value: object) -> msgspec.Struct:
+    """A copy of `config` (frozen structs) with the field at dotted `path` set to `value`."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return msgspec.structs.replace(config, **{head: value})
+    return msgspec.structs.replace(config, **{head: with_setting(getattr(config, head), rest, value)})
+
+
+def diff_fields(old: msgspec.Struct, new: msgspec.Struct, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields whose values differ between two configs."""
+    paths = []
+    for spec in msgspec.structs.fields(old):
+        a, b = getattr(old, spec.name), getattr(new, spec.name)
+        if isinstance(a, msgspec.Struct):
+            paths += diff_fields(a, b, f"{prefix}{spec.name}.")
+        elif a != b:
+            paths.append(f"{prefix}{spec.name}")
+    return paths
+
+
+def apply_live(old: Config, new: Config) -> Config:
+    """`old` with the live settings of `new`."""
+    for path in LIVE_SETTINGS:
+        old = with_setting(old, path, get_setting(new, path))
+    return old
+
+
+def reconfigure_message(config: Config) -> m.Reconfigure:
+    return m.Reconfigure(**{name: get_setting(config, path) for path, name in LIVE_SETTINGS.items()})

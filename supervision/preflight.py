@@ -1,0 +1,93 @@
+"""Checks that refuse a run before any stage spawns, when a stage would only fail at start-up
+and its restarts would loop: a device layout this host lacks, a model the configured
+tensor_parallel cannot split, a KV budget that cannot hold one sequence. Each message names the
+setting to change."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from ipc.config import Config
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Refused(Exception):
+    """The config cannot run here; the message says why and what to change."""
+
+
+def check_layout(config: Config) -> None:
+    """The workers' device layout against engine.devices and the CUDA devices present."""
+    engine = config.engine
+    num_workers = engine.data_parallel * engine.tensor_parallel
+    if engine.devices and len(engine.devices) != num_workers:
+        raise Refused(
+            f"engine.devices lists {len(engine.devices)} devices but data_parallel x tensor_parallel = "
+            f"{engine.data_parallel} x {engine.tensor_parallel} = {num_workers} workers need one each"
+        )
+    if len(set(engine.devices)) != len(engine.devices):
+        raise Refused(f"engine.devices has duplicates: {engine.devices}")
+    if engine.device != "cuda":
+        return
+    # In a child, so that the supervisor never imports torch.
+    count = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    present = int(count.stdout.strip() or 0) if count.returncode == 0 else 0
+    wanted = engine.devices or list(range(num_workers))
+    missing = [d for d in wanted if d >= present]
+    if missing:
+        raise Refused(
+            f"engine.device is cuda and the layout needs devices {wanted}, but this host has {present} "
+            f"CUDA device(s): {missing} missing. Lower data_parallel / tensor_parallel or set engine.devices."
+        )
+
+
+def check_model(config: Config, model_dir: Path) -> None:
+    """The prepared model's config.json against tensor_parallel and the KV budget (the same rules
+    the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`)."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+        num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
+        num_layers, intermediate = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
+    tp = config.engine.tensor_parallel
+    if num_kv_heads < tp and tp % num_kv_heads:
+        raise Refused(
+            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: it must be <= or a multiple of the "
+            f"model's {num_kv_heads} KV heads"
+        )
+    if num_kv_heads < tp and num_heads % tp:
+        raise Refused(
+            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its {num_heads} attention heads do "
+            f"not divide evenly over {tp} ranks"
+        )
+    if intermediate % tp:
+        raise Refused(
+            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its intermediate size "
+            f"{intermediate} is not divisible by {tp}"
+        )
+    engine = config.engine
+    if engine.device != "cpu":
+        return  # a CUDA worker's budget depends on free device memory: it checks at start
+    dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+    rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
+    bytes_per_block = 2 * num_layers * engine.block_size * rank_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    num_blocks = max((engine.kv_cache_mib << 20) // bytes_per_block, 1)
+    max_model_len = min(config.model.max_model_len, int(raw.get("max_position_embeddings", 2048)))
+    if num_blocks * engine.block_size < max_model_len:
+        need_mib = math.ceil(math.ceil(max_model_len / engine.block_size) * bytes_per_block / (1 << 20))
+        raise Refused(
+            f"engine.kv_cache_mib={engine.kv_cache_mib} holds {num_blocks} KV block(s) of {engine.block_size} "
+            f"tokens of {model_dir.name} ({bytes_per_block} bytes each in {dtype}), which cannot hold one "
+            f"sequence of max_model_len={max_model_len}: set engine.kv_cache_mib >= {need_mib} or lower "
+            "model.max_model_len"
+        )

@@ -1,0 +1,29 @@
+"""Turn the configured model into an HF-format directory (GGUF files are converted once, then
+cached) and print its path. The supervisor runs this as a child process,
+
+    python -m supervision.prepare_model SOURCE CACHE_DIR     ("" = the default for either)
+
+so that it never imports the loader's heavy dependencies itself. A failure is one line on stderr
+and exit code 1."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from services.gpu_worker.loader import prepare_model
+
+
+def main(argv: list[str]) -> int:
+    source, cache_dir = argv
+    try:
+        model_dir = prepare_model(source or None, Path(cache_dir) if cache_dir else None)
+    except (OSError, ValueError) as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,208 @@
+"""The stage processes of a run: which stages a config needs, and every process operation on
+them (spawn, kill-and-wait, reap) in one place. Each stage runs as `python -m services.<kind>`
+in a session of its own; its stderr passes through the supervisor, which keeps the last line
+as the reason when it fails to start."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ipc import messages as m
+from ipc.config import Config
+from ipc.endpoints import DIST_PORT_ENV
+from services.stage import SUPERVISOR_PID_ENV
+from supervision.health import Health
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+METRICS_DIR = "metrics"
+# Stopping goes from the entry of requests to their exit, so that nothing in flight is cut off
+# by a stage downstream stopping first.
+STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+STDERR_JOIN_S = 2.0  # for the last line of a stage that exited
+
+log = logging.getLogger("supervisor")
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class StageProcess:
+    """One stage: how to start it, its current process, and the supervisor's view of it."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    env: dict[str, str]
+    group: int = -1  # engine group of schedulers and workers
+    process: subprocess.Popen | None = None
+    is_ready: bool = False
+    was_ever_ready: bool = False
+    failures: deque[float] = field(default_factory=deque)  # for the restart policy
+    num_restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None
+    health: Health = field(default_factory=lambda: Health.started(0.0))
+    load: m.StageLoad = field(default_factory=m.StageLoad)
+    tokens_rate: float = 0.0
+    rate_at: float = 0.0
+    state: str = "starting"
+    last_stderr_line: str = ""
+    stderr_pump: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def last_words(self) -> str:
+        """The last line the exited process wrote to stderr (its error, typically)."""
+        if self.stderr_pump is not None:
+            self.stderr_pump.join(STDERR_JOIN_S)
+        return self.last_stderr_line
+
+
+class StageSet:
+    """Every stage of the run by name, and the process operations on them."""
+
+    def __init__(self, config: Config, run_dir: Path, log_format: str) -> None:
+        self.engine = config.engine  # fixed for the run: a reload cannot change it
+        self.run_dir = run_dir
+        self.log_format = log_format
+        self.stages: dict[str, StageProcess] = {}
+        self.dist_ports = [free_tcp_port() for _ in range(self.engine.data_parallel)]  # per engine group
+
+    def __iter__(self) -> Iterator[StageProcess]:
+        return iter(list(self.stages.values()))
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __getitem__(self, name: str) -> StageProcess:
+        return self.stages[name]
+
+    def get(self, name: str) -> StageProcess | None:
+        return self.stages.get(name)
+
+    def of_kind(self, kind: str) -> list[StageProcess]:
+        return [s for s in self.stages.values() if s.kind == kind]
+
+    def plan(self, config: Config) -> list[StageProcess]:
+        """The stages `config` needs, in start order. A new stage kind is one more line here
+        (and a place in STOP_ORDER)."""
+        stages = [self.add("detokenizer", j) for j in range(config.detokenizer.replicas)]
+        for g in range(config.engine.data_parallel):
+            stages.append(self.add("scheduler", g, group=g))
+            stages += [
+                self.add("gpu_worker", g, group=g, rank=r) for r in range(config.engine.tensor_parallel)
+            ]
+        stages += [self.add("tokenizer", i) for i in range(config.frontend.replicas)]
+        return stages
+
+    def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
+        name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
+        argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
+        argv += ["--log-format", self.log_format, "--index", str(index)]
+        env = {
+            **os.environ,
+            "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR),
+            SUPERVISOR_PID_ENV: str(os.getpid()),
+        }
+        if rank is not None:
+            argv += ["--rank", str(rank)]
+            env[DIST_PORT_ENV] = str(self.dist_ports[group])
+            if self.engine.device == "cuda":
+                devices = self.engine.devices or list(
+                    range(self.engine.data_parallel * self.engine.tensor_parallel)
+                )
+                env["CUDA_VISIBLE_DEVICES"] = str(devices[group * self.engine.tensor_parallel + rank])
+        stage = StageProcess(name, kind, argv, env, group=group)
+        self.stages[name] = stage
+        return stage
+
+    def spawn(self, stage: StageProcess) -> None:
+        stage.process = subprocess.Popen(
+            stage.argv, env=stage.env, start_new_session=True, cwd=REPO_ROOT, stderr=subprocess.PIPE
+        )
+        stage.last_stderr_line = ""
+        stage.stderr_pump = threading.Thread(
+            target=_pump_stderr, args=(stage, stage.process.stderr), name=f"stderr-{stage.name}", daemon=True
+        )
+        stage.stderr_pump.start()
+        now = time.monotonic()
+        stage.is_ready, stage.state, stage.started_at, stage.restart_at = False, "starting", now, None
+        stage.health = Health.started(now)
+        stage.load, stage.rate_at = m.StageLoad(), 0.0
+        log.info("started %s (pid %d)", stage.name, stage.pid)
+
+    def reap(self) -> list[tuple[StageProcess, int]]:
+        """The stages whose process exited since the last look (and that are not waiting for a
+        restart), with their exit codes."""
+        exited = []
+        for stage in self.stages.values():
+            if stage.restart_at is None and stage.process is not None:
+                code = stage.process.poll()
+                if code is not None:
+                    exited.append((stage, code))
+        return exited
+
+    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to every live stage's process group, wait for them all together up to
+        `grace_s`, and SIGKILL whatever is left (then wait for it too)."""
+        live = [s for s in stages if s.is_alive]
+        for stage in live:
+            _signal_group(stage, sig)
+        deadline = time.monotonic() + grace_s
+        for stage in live:
+            assert stage.process is not None
+            try:
+                stage.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(stage, signal.SIGKILL)
+                stage.process.wait()
+
+    def kill(self, stages: Iterable[StageProcess]) -> None:
+        """SIGKILL and wait: for stages that are hung or must go with another one."""
+        self.stop(stages, 0.0, signal.SIGKILL)
+
+    def remove(self, stages: Iterable[StageProcess]) -> None:
+        for stage in stages:
+            del self.stages[stage.name]
+
+
+def _signal_group(stage: StageProcess, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+        os.killpg(stage.pid, sig)
+
+
+def _pump_stderr(stage: StageProcess, pipe: IO[bytes]) -> None:
+    """Pass a stage's stderr through to ours, line by line, remembering the last one."""
+    out = sys.stderr.buffer
+    for line in pipe:
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our stderr is gone; keep draining, so that the stage never blocks on a full pipe
+        if line.strip():
+            stage.last_stderr_line = line.decode("utf-8", "replace").strip()
+    pipe.close()
