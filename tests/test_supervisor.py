@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,7 +16,7 @@ import pytest
 
 from client import Client
 from ipc.shm import sweep_stale_runs
-from tests.conftest import REPO_ROOT, brigade_shm_objects
+from tests.conftest import brigade_shm_objects
 from tests.harness import assert_clean, brigade_run, stage_processes, start_supervisor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -138,29 +135,28 @@ def test_status_json_lists_every_stage(chaos_run) -> None:
         os.kill(row["pid"], 0)  # a live process
 
 
-def test_crash_loop_gives_up_cleanly(tmp_path: Path, smollm2_dir: Path) -> None:
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, broken / name)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+def test_crash_loop_gives_up_cleanly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A stage that keeps failing after it was up is restarted `restart_intensity` times, then
+    the run ends with an error and leaves nothing behind. (A stage that fails its very first
+    start ends the run at once: tests/test_supervision_faults.py.)"""
     run_dir = tmp_path / "run"
-    before = set(brigade_shm_objects())
-    done = subprocess.run(
-        [
-            sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
-            "--set", f"model.path={broken}", "--set", "supervisor.restart_intensity=2",
-            "--set", "supervisor.backoff_initial_s=0.1",
-        ],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert "gpu_worker-0-0 failed 3 times" in done.stderr
-    assert "giving up" in done.stderr
-    assert not stage_processes(run_dir)
-    assert set(brigade_shm_objects()) == before
-    assert not list(run_dir.glob("*.sock"))
+    overrides = (
+        f"model.path={tiny_model_dir}",
+        "supervisor.restart_intensity=1",
+        "supervisor.backoff_initial_s=0.1",
+    )
+    with brigade_run(run_dir, *overrides) as run:
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        (pid,) = run.stage_pids("detokenizer")
+        os.kill(pid, signal.SIGKILL)
+        run.wait_for_line("detokenizer-0 up", 120)
+        (pid,) = run.stage_pids("detokenizer")
+        os.kill(pid, signal.SIGKILL)
+        line = run.wait_for_line("giving up", 120)
+        assert "detokenizer-0 failed 2 times within 60s" in line
+        assert run.process.wait(120) == 1
+    assert_clean(run_dir, run_id)
+    assert not (run_dir / "run.json").exists()
 
 
 def test_shutdown_under_load_leaves_nothing(tmp_path: Path, smollm2_dir: Path) -> None:
@@ -168,7 +164,9 @@ def test_shutdown_under_load_leaves_nothing(tmp_path: Path, smollm2_dir: Path) -
     with brigade_run(run_dir, "model.dtype=float32", "supervisor.drain_timeout_s=2") as run:
         run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
         client = Client(run_dir)
-        streams = [client.stream(f"Tell me about {i}", max_tokens=200, temperature=0.0, timeout=60) for i in range(8)]
+        streams = [
+            client.stream(f"Tell me about {i}", max_tokens=200, temperature=0.0, timeout=60) for i in range(8)
+        ]
         for stream in streams:
             next(stream)
         run.process.send_signal(signal.SIGTERM)
@@ -194,7 +192,9 @@ def wait_all_gone(pids: dict[int, str], timeout: float) -> list[str]:
     return [pids[p] for p in pids if is_alive(p)]
 
 
-def test_supervisor_sigkill_leaves_no_orphans_and_next_start_sweeps(tmp_path: Path, smollm2_dir: Path) -> None:
+def test_supervisor_sigkill_leaves_no_orphans_and_next_start_sweeps(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
     run_dir = tmp_path / "run"
     with brigade_run(run_dir, "model.dtype=float32") as run:
         run_id = json.loads((run_dir / "run.json").read_text())["run_id"]

@@ -239,6 +239,7 @@ class SchedulerProcess:
                     first.block_size,
                     self.stage.config.engine.step_timeout_s,
                     self.is_worker_alive,
+                    on_wait=self.heartbeat,
                 ),
                 self.fail_requests,
             )

@@ -149,7 +149,9 @@ class StepPipeline:
 class RingExecutor:
     """Steps through a group's shared-memory rings: plans into the step ring (every rank reads
     them), results from the result ring (rank 0 writes them). Waits in slices of RING_POLL_S to
-    notice a dead worker early, and gives up after `timeout_s`."""
+    notice a dead worker early, and gives up after `timeout_s`. Between slices it calls
+    `on_wait` (the scheduler heartbeats there: it is alive while its worker is slow or stuck, and
+    the supervisor must not blame it)."""
 
     def __init__(
         self,
@@ -158,12 +160,14 @@ class RingExecutor:
         block_size: int,
         timeout_s: float,
         is_alive: Callable[[], bool],
+        on_wait: Callable[[], None] = lambda: None,
     ) -> None:
         self.step_ring = step_ring
         self.result_ring = result_ring
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.is_alive = is_alive
+        self.on_wait = on_wait
 
     def publish(self, step_id: int, step: ScheduledStep) -> None:
         with ExitStack() as stack:
@@ -195,3 +199,4 @@ class RingExecutor:
                     raise WorkerLost("worker process exited") from None
                 if time.monotonic() > deadline:
                     raise WorkerLost(f"{what} within {self.timeout_s:.0f}s") from None
+                self.on_wait()
