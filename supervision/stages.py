@@ -119,6 +119,8 @@ class StageSet:
         return stages
 
     def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
+        if kind not in STOP_ORDER:
+            raise ValueError(f"stage kind {kind!r} has no place in STOP_ORDER, so it would never be stopped")
         name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
         argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
         argv += ["--log-format", self.log_format, "--index", str(index)]

@@ -153,3 +153,28 @@ def test_apply_live_takes_only_the_live_settings() -> None:
     assert reconfigure_message(applied) == m.Reconfigure(
         log_level="DEBUG", num_detokenizers=2, num_frontends=3, max_num_waiting=7, default_max_tokens=9
     )
+
+
+def test_stage_set_plans_every_stage_in_start_order(tmp_path) -> None:
+    from supervision.stages import StageSet
+
+    config = load_config(None, ["engine.data_parallel=2", "engine.tensor_parallel=2", "frontend.replicas=2"])
+    stages = StageSet(config, tmp_path, "text")
+    planned = [(s.name, s.group) for s in stages.plan(config)]
+    assert planned == [
+        ("detokenizer-0", -1),
+        ("scheduler-0", 0), ("gpu_worker-0-0", 0), ("gpu_worker-0-1", 0),
+        ("scheduler-1", 1), ("gpu_worker-1-0", 1), ("gpu_worker-1-1", 1),
+        ("tokenizer-0", -1), ("tokenizer-1", -1),
+    ]  # fmt: skip
+    worker = stages["gpu_worker-1-1"]
+    assert worker.argv[-2:] == ["--rank", "1"] and worker.argv[2] == "services.gpu_worker"
+    assert worker.env["BRIGADE_DIST_PORT"] == str(stages.dist_ports[1])
+    assert all(s.process is None for s in stages)  # planning spawns nothing
+
+
+def test_a_stage_kind_without_a_stop_place_is_refused(tmp_path) -> None:
+    from supervision.stages import StageSet
+
+    with pytest.raises(ValueError, match="STOP_ORDER"):
+        StageSet(load_config(None), tmp_path, "text").add("mystery", 0)
