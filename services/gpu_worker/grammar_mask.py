@@ -1,9 +1,10 @@
 """Applies the step plan's grammar bitmask to the scores of the constrained rows, before sampling.
 
-The plan carries it only when some sampled row is constrained (`grammar_bitmask [C, ceil(V/32)]`
-int32 and `grammar_rows [C]`: the index, among the step's sampled rows, of each bitmask row; the
-layout is services/scheduler/grammar_matcher.py's). A step without one does no work at all, and
-rows not named are never touched. Masking depends on the row alone, so sampling stays batch-invariant.
+The plan is to carry it only when some sampled row is constrained (`grammar_bitmask [C, ceil(V/32)]`
+int32 and `grammar_rows [C]`, docs/structured_output.md; the layout is
+services/scheduler/grammar_matcher.py's). Here `rows` are the logits rows the bitmask rows are for.
+A step without a bitmask does no work at all, and rows not named are never touched. Masking depends
+on the row alone, so sampling stays batch-invariant.
 
 On CUDA the Triton kernel writes -inf over the disallowed tokens only (kernels/token_bitmask.py).
 On the CPU, float32 scores are masked branch-free on their bits, `x & keep | ~keep & bits(-inf)`
