@@ -1,4 +1,6 @@
-"""Causal attention of new query tokens over the paged KV cache (prefill, chunked prefill, decode)."""
+"""Causal attention of new query tokens over the paged KV cache (prefill, chunked prefill, decode),
+optionally over a sliding window (each query sees its last `window` keys, itself included) and
+with soft-capped scores (cap * tanh(score / cap), Gemma 2)."""
 
 # Triton convention: compile-time (tl.constexpr) kernel parameters are UPPER_CASE.
 # ruff: noqa: N803
@@ -11,6 +13,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+LN2 = tl.constexpr(math.log(2.0))  # the kernel's scores are on the log2 scale
 
 
 def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -27,8 +31,11 @@ def paged_prefill_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Torch reference: query j of sequence i sits at seq_lens[i] - q_len_i + j and sees keys up to it."""
+    """Torch reference: query j of sequence i sits at seq_lens[i] - q_len_i + j and sees keys up to
+    it (and, with a window, after its position - window)."""
     group = q.shape[1] // k_cache.shape[2]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
@@ -37,8 +44,13 @@ def paged_prefill_ref(
         k = _gather_kv(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
         v = _gather_kv(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = seq_len - (end - begin) + torch.arange(end - begin, device=q.device)
-        is_visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        is_visible = k_pos <= q_pos[:, None]
+        if window:
+            is_visible &= k_pos > q_pos[:, None] - window
         probs = scores.masked_fill(~is_visible, float("-inf")).softmax(dim=-1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
@@ -51,10 +63,12 @@ def paged_decode_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference for one new token per sequence (the q_len == 1 case of prefill)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap)
 
 
 # num_seqs feeds the loop-carried bounds of the binary search: specializing it to constexpr 1
@@ -81,6 +95,7 @@ def _paged_attention_kernel(
     stride_bt,
     num_seqs,
     kv_per_split,
+    window,
     KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -90,6 +105,7 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Rows of the tile are (query token, query head) pairs: the GROUP query heads that share this
     # kv head ride along, so each K/V tile is loaded once for the whole group.
@@ -133,6 +149,9 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
+    if window > 0:
+        # ... and the window its first query row: keys before that are never loaded.
+        kv_lo = tl.maximum(kv_lo, context_len + q_block * BLOCK_Q - window + 1)
 
     # Finite floor for the running max keeps fully masked rows free of (-inf) - (-inf) = nan.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -147,7 +166,13 @@ def _paged_attention_kernel(
         kv_offs = kv_offs[:, None] + kv_head * stride_cache_head + dims[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=is_key[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0.0:
+            # cap * tanh(score / cap) on the natural-log scale, via tanh(x) = 1 - 2 / (exp(2x) + 1).
+            capped = 1.0 - 2.0 / (tl.exp(2.0 * (s * LN2) / SOFTCAP) + 1.0)
+            s = capped * (SOFTCAP / LN2)
         is_visible = is_key[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if window > 0:
+            is_visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(is_visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -189,7 +214,8 @@ def _merge_splits_kernel(
     splits = tl.arange(0, BLOCK_SPLITS)
     is_split = splits < num_splits
     lse = tl.load(partial_lse_ptr + part + splits, mask=is_split, other=float("-inf"))
-    # Split 0 always holds key 0, so the max is finite and empty splits get weight exp2(-inf) = 0.
+    # Some split holds the query's own key, so the max is finite and empty splits (all before the
+    # window, or past the context) get weight exp2(-inf) = 0.
     weight = tl.math.exp2(lse - tl.max(lse, axis=0))
     dims = tl.arange(0, HEAD_DIM)
     partial = tl.load(
@@ -252,6 +278,8 @@ def paged_decode_triton(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton decode: grid (sequence, kv head, key split); num_splits=None picks it from the GPU size."""
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -278,11 +306,11 @@ def paged_decode_triton(
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, kv_per_split,
+        num_seqs, kv_per_split, window,
         KV_BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
-        IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q),
+        IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
         num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
@@ -301,6 +329,8 @@ def paged_prefill_triton(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton prefill over ragged sequences: grid (query tile, kv head), tiles of BLOCK_M (token, head) rows."""
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -319,10 +349,10 @@ def paged_prefill_triton(
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, block_tables.shape[1] * k_cache.shape[1],
+        num_seqs, block_tables.shape[1] * k_cache.shape[1], window,
         KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q),
+        IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
         num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out

@@ -13,6 +13,7 @@ import torch
 
 from services.gpu_worker.attention import TorchOps, TritonOps
 from services.gpu_worker.model_runner import ModelRunner
+from tests.test_families import check_against_hf, load_family
 from tests.test_kernels import has_cpu_kernels
 from tests.test_model import PlanBuilder, runner_logits
 
@@ -71,3 +72,14 @@ def test_cpu_decode_kernel_matches_torch_ops(tiny_model_dir: Path) -> None:
     sdpa_runner.model.ops.has_decode_kernel = False
     for step, (a, b) in enumerate(zip(greedy_logits(kernel_runner), greedy_logits(sdpa_runner), strict=True)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+
+
+# Gemma 2: alternating windows and soft caps; Gemma 3: windows, per-layer ropes and q/k norms.
+@pytest.mark.timeout(600)  # the interpreter runs every kernel in Python: ~1-2 min each on a busy box
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_triton_backend_families_match_hf(family: str, tmp_path: Path) -> None:
+    """Sliding windows, soft caps and q/k norms through the Triton kernels: HF's greedy tokens and
+    logits over prefill, decode, a prefix hit and preemption."""
+    hf, runner = load_family(family, tmp_path / family, backend="triton")
+    assert all(isinstance(ops, TritonOps) for ops in runner.model.kind_ops)
+    check_against_hf(hf, runner)

@@ -488,3 +488,44 @@ def test_few_rows_decode_layer_refuses_bad_slots_and_caches():
     with pytest.raises(RuntimeError, match="caches"):
         run(torch.tensor([0]), k_cache=kv.k_cache.transpose(1, 2))
     assert torch.equal(kv.k_cache, caches[0]) and torch.equal(kv.v_cache, caches[1])  # nothing written
+
+
+def test_paged_refs_window_and_softcap_match_dense():
+    """The references' sliding window and soft cap against a dense computation written out here."""
+    torch.manual_seed(2)
+    seq_lens, q_lens, window, cap = [30, 45], [30, 6], 10, 1.5
+    kv = PagedKV(seq_lens, 2, 16, 8, torch.float32)
+    q, query_start_loc = _queries(seq_lens, q_lens, 4, 16, torch.float32)
+    out = paged_prefill_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window, cap)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        for j in range(q_lens[i]):
+            pos = seq_len - q_lens[i] + j
+            keys = range(max(pos - window + 1, 0), pos + 1)
+            k = kv.keys[i][list(keys)].repeat_interleave(2, dim=1)  # [L, Hq, D]
+            v = kv.values[i][list(keys)].repeat_interleave(2, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[starts[i] + j], k) * 0.3
+            probs = (cap * torch.tanh(scores / cap)).softmax(-1)
+            torch.testing.assert_close(out[starts[i] + j], torch.einsum("hk,khd->hd", probs, v))
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(10, 0.0), (0, 2.0), (21, 1.5)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_triton_window_softcap(window: int, softcap: float, num_splits: int):
+    torch.manual_seed(window + num_splits)
+    seq_lens = [1, 9, 16, 17, 53, 130]  # shorter and longer than the window; 130 spans three tiles
+    kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
+    q = torch.randn(len(seq_lens), 4, 32)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5)
+    got = paged_decode_triton(*args, num_splits=num_splits, window=window, softcap=softcap)
+    assert_close(got, paged_decode_ref(*args, window, softcap))
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(10, 0.0), (0, 2.0), (21, 1.5)])
+def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
+    torch.manual_seed(window)
+    seq_lens, q_lens = [33, 5, 90, 17, 70], [1, 5, 25, 1, 70]  # decodes, prompts, a chunk
+    kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
+    q, query_start_loc = _queries(seq_lens, q_lens, 4, 32, torch.float32)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
+    assert_close(paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap))

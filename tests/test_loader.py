@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from services.gpu_worker import loader
+from services.gpu_worker.architectures import ModelConfig
 from services.gpu_worker.loader import default_model_path, load_weights, prepare_model
-from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.model import LlamaModel
 
 
 @pytest.mark.slow
@@ -95,7 +96,7 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir: Path, tmp_pat
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     hf.save_pretrained(tmp_path, max_shard_size="2MB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    config = LlamaConfig.from_dict(json.loads((tiny_model_dir / "config.json").read_text()))
+    config = ModelConfig.from_dict(json.loads((tiny_model_dir / "config.json").read_text()))
     single = LlamaModel(config, torch.float32, torch.device("cpu"), 16)
     sharded = LlamaModel(config, torch.float32, torch.device("cpu"), 16)
     load_weights(single, tiny_model_dir)
@@ -116,7 +117,7 @@ def test_untied_head_and_qkv_bias_are_loaded(tmp_path: Path):
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(cfg)
     hf.save_pretrained(tmp_path)
-    config = LlamaConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    config = ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
     model = LlamaModel(config, torch.float32, torch.device("cpu"), 16)
     load_weights(model, tmp_path)
     assert model.lm_head is not model.embed

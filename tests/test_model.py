@@ -88,11 +88,11 @@ def runner_logits(
     """Logits of the sampled rows of one step (the model called the way `execute` calls it)."""
     arrays, header = builder.plan(chunks)
     runner.validate(arrays, header)
-    meta = runner.model.ops.prepare(arrays, header.num_tokens, header.num_seqs)
+    metas = runner.model.prepare(arrays, header.num_tokens, header.num_seqs)
     rows = np.flatnonzero(arrays["is_sampled"])
     sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
     ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
-    return runner.model.forward(ids, meta, runner.kv_cache, sample_tokens)
+    return runner.model.forward(ids, metas, runner.kv_cache, sample_tokens)
 
 
 # ---- SmolLM2 vs HF generate ------------------------------------------------------------------------

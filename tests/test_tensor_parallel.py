@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN
-from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.architectures import ModelConfig
+from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
 from services.gpu_worker.parallel import Parallel
 from tests.test_model import PlanBuilder, runner_logits
@@ -213,7 +214,7 @@ def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> N
     """Each rank's tensors, read with get_slice, are exactly its rows / columns of the full weights."""
     from services.gpu_worker.loader import load_weights
 
-    config = LlamaConfig.from_dict(__import__("json").loads((untied_model_dir / "config.json").read_text()))
+    config = ModelConfig.from_dict(__import__("json").loads((untied_model_dir / "config.json").read_text()))
     full = LlamaModel(config, torch.float32, torch.device("cpu"), 16)
     load_weights(full, untied_model_dir)
     for rank in range(2):

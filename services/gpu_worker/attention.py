@@ -54,18 +54,52 @@ class StepMeta:
 
 
 class Shapes:
-    """Head geometry and the rotary table [max_pos, D] (cos in the first half, sin in the second)."""
+    """Head geometry, the rotary table [max_pos, D] (cos in the first half, sin in the second),
+    and the attention variant: a sliding window (each query sees its last `window` keys, itself
+    included; 0 = all) and a soft cap on the scores (cap * tanh(score / cap); 0 = none)."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cos_sin: torch.Tensor
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        cos_sin: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.cos_sin = cos_sin
+        self.window = window
+        self.softcap = softcap
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+
+
+QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q_norm and k_norm weights [D], eps
+
+
+def norm_qk(qk: torch.Tensor, num_heads: int, qk_norms: QKNorms) -> torch.Tensor:
+    """RMSNorm over each head of qk [T, Hq + Hk, D]: the first num_heads with q_norm, the rest k_norm."""
+    q_weight, k_weight, eps = qk_norms
+    shape = (qk.shape[-1],)
+    q = F.rms_norm(qk[:, :num_heads], shape, q_weight, eps)
+    return torch.cat((q, F.rms_norm(qk[:, num_heads:], shape, k_weight, eps)), dim=1)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with scores capped to cap * tanh(score / cap) (Gemma 2), which SDPA cannot do:
+    q [B, Hk, R, D], k / v [B, Hk, L, D], mask broadcast to [B, Hk, R, L] (bool: True attends,
+    or additive)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+    return torch.matmul(scores.softmax(-1), v)
 
 
 class TorchOps:
@@ -80,7 +114,11 @@ class TorchOps:
         self.block_size = shapes.block_size
         self.device = device
         self.dtype = dtype
-        self.has_decode_kernel = cpu_ops.has_paged_decode(shapes.head_dim, dtype)
+        # The C++ decode reads whole contexts without a soft cap: windowed or capped attention
+        # keeps the torch path, which reads only the blocks inside the window.
+        self.has_decode_kernel = (
+            cpu_ops.has_paged_decode(shapes.head_dim, dtype) and not shapes.window and not shapes.softcap
+        )
         self.has_norm_kernel = cpu_ops.has_kernels(dtype)
         # Full-width rotary tables [max_pos, D] (see StepMeta.cos), built once.
         half = shapes.head_dim // 2
@@ -98,11 +136,14 @@ class TorchOps:
         return F.rms_norm(x, weight.shape, weight, eps), x
 
     def qkv_rotary(
-        self, qkv: torch.Tensor, meta: StepMeta
+        self, qkv: torch.Tensor, meta: StepMeta, qk_norms: QKNorms | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split qkv [T, (Hq + 2Hk) D] into q [T, Hq, D], k, v [T, Hk, D], q and k rotated (NeoX style)."""
+        """Split qkv [T, (Hq + 2Hk) D] into q [T, Hq, D], k, v [T, Hk, D], q and k rotated (NeoX
+        style), after their per-head RMSNorm where the model has one."""
         s, num_tokens = self.s, qkv.shape[0]
         qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, -1, s.head_dim)
+        if qk_norms is not None:
+            qk = norm_qk(qk, s.num_heads, qk_norms)
         half = s.head_dim // 2
         # One rotation for q and k heads together, in three ops with the signed tables of `prepare`
         # (seven with half-width ones), since per-op dispatch is most of a layer's time at few tokens.
@@ -129,31 +170,52 @@ class TorchOps:
             stored = np.flatnonzero(slot_mapping >= 0)
             meta.store_tokens = torch.from_numpy(stored)
             meta.slot_mapping = torch.from_numpy(slot_mapping[stored])
+        window = self.s.window
         decode = np.flatnonzero(q_lens == 1)
         if len(decode):
             lens = seq_lens[decode]
-            num_blocks = int(-(-lens.max() // bs))
-            decode_tables = np.ascontiguousarray(tables[decode, :num_blocks])
             meta.decode_tokens = torch.from_numpy(qsl[decode])
             meta.is_all_decode = len(decode) == num_tokens
             if self.has_decode_kernel:
-                meta.decode_tables = torch.from_numpy(decode_tables)
+                num_blocks = int(-(-lens.max() // bs))
+                meta.decode_tables = torch.from_numpy(np.ascontiguousarray(tables[decode, :num_blocks]))
                 meta.decode_lens = torch.from_numpy(lens)
             else:
+                # Each context from its first block inside the window (block 0 without one):
+                # blocks wholly before it are never read.
+                first = np.maximum(lens - window, 0) // bs if window else np.zeros_like(lens)
+                needed = -(-lens // bs)
+                num_blocks = int((needed - first).max())
+                columns = first[:, None] + np.arange(num_blocks)[None, :]
+                # Past a context's last block: its first block again (any real block; masked out).
+                columns = np.where(columns < needed[:, None], columns, first[:, None])
+                decode_tables = np.take_along_axis(tables[decode], columns, axis=1)
                 length = num_blocks * bs
-                mask = np.where(np.arange(length)[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
-                meta.decode_blocks = torch.from_numpy(decode_tables.reshape(-1))
+                key_pos = first[:, None] * bs + np.arange(length)[None, :]
+                is_key = key_pos < lens[:, None]
+                if window:
+                    is_key &= key_pos >= (lens - window)[:, None]
+                mask = np.where(is_key, 0.0, -np.inf).astype(np.float32)
+                meta.decode_blocks = torch.from_numpy(np.ascontiguousarray(decode_tables).reshape(-1))
                 meta.decode_len = length
                 meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
         prefills = []
         for i in np.flatnonzero(q_lens > 1):
             length, q_len = int(seq_lens[i]), int(q_lens[i])
-            num_blocks = -(-length // bs)
-            slots = (tables[i, :num_blocks, None] * bs + np.arange(bs)).reshape(-1)[:length]
+            # The first key any query of the chunk sees, and the block holding it.
+            start = max(length - q_len - window + 1, 0) if window else 0
+            first_block, num_blocks = start // bs, -(-length // bs)
+            block_slots = tables[i, first_block:num_blocks, None] * bs + np.arange(bs)
+            slots = block_slots.reshape(-1)[start - first_block * bs : length - first_block * bs]
             mask = None
-            if q_len != length:
+            is_windowed = window and length > window
+            if q_len != length or is_windowed:
                 query_pos = length - q_len + np.arange(q_len)
-                mask = torch.from_numpy(np.arange(length)[None, :] <= query_pos[:, None])
+                key_pos = np.arange(start, length)
+                is_key = key_pos[None, :] <= query_pos[:, None]
+                if is_windowed:
+                    is_key &= key_pos[None, :] > query_pos[:, None] - window
+                mask = torch.from_numpy(is_key)
             prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), torch.from_numpy(slots), mask))
         meta.prefills = tuple(prefills)
         return meta
@@ -187,10 +249,22 @@ class TorchOps:
             ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             seq_q = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-            o = F.scaled_dot_product_attention(
-                seq_q, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2),
-                attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=group > 1,
-            )  # fmt: skip
+            if self.s.softcap:
+                q_len, length = seq_q.shape[2], ctx_k.shape[1]
+                mask = seq.mask
+                if mask is None:
+                    mask = torch.ones(q_len, length, dtype=torch.bool).tril_(length - q_len)
+                # The G query heads of a KV head as G * q_len rows against it, as in decode.
+                grouped_q = seq_q.reshape(1, num_kv_heads, group * q_len, head_dim)
+                o = softcapped_attention(
+                    grouped_q, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask.repeat(group, 1),
+                    scale, self.s.softcap,
+                ).view(1, num_heads, q_len, head_dim)  # fmt: skip
+            else:
+                o = F.scaled_dot_product_attention(
+                    seq_q, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2),
+                    attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=group > 1,
+                )  # fmt: skip
             out[seq.start : seq.end] = o[0].transpose(0, 1)
         return out.view(num_tokens, -1)
 
@@ -208,7 +282,12 @@ class TorchOps:
         ctx_v = v_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
         # The G query heads sharing a KV head become G query rows against it: no KV repeat.
         grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(grouped_q, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
+        if self.s.softcap:
+            o = softcapped_attention(grouped_q, ctx_k, ctx_v, meta.decode_mask, scale, self.s.softcap)
+        else:
+            o = F.scaled_dot_product_attention(
+                grouped_q, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale
+            )
         return o.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -237,11 +316,14 @@ class TritonOps:
         return self._rms_norm(x, weight, eps, residual)
 
     def qkv_rotary(
-        self, qkv: torch.Tensor, meta: StepMeta
+        self, qkv: torch.Tensor, meta: StepMeta, qk_norms: QKNorms | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, num_tokens = self.s, qkv.shape[0]
         q = qkv[:, : s.q_size].view(num_tokens, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size : s.q_size + s.kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
+        if qk_norms is not None:
+            qk = norm_qk(torch.cat((q, k), dim=1), s.num_heads, qk_norms)
+            q, k = qk.split((s.num_heads, s.num_kv_heads), dim=1)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
         self._rotary(q, k, meta.positions, s.cos_sin)
         return q, k, v
@@ -271,12 +353,16 @@ class TritonOps:
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        window, softcap = self.s.window, self.s.softcap
         if meta.is_all_decode:
-            out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            out = self._decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window=window, softcap=softcap
+            )
         else:
             out = self._prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                window=window, softcap=softcap,
+            )  # fmt: skip
         return out.view(q.shape[0], -1)
 
 

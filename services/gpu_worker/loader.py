@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of the conversion cache key: a new version reconverts (2: quantized.safetensors).
 CONVERSION_VERSION = 2
@@ -42,7 +44,15 @@ def default_cache_dir() -> Path:
 
 
 def prepare_model(source: str | None, cache_dir: Path | None = None) -> Path:
-    """An HF-format model dir for `source` (None = the embedded default, a GGUF file, or an HF dir)."""
+    """An HF-format model dir for `source` (None = the embedded default, a GGUF file, or an HF
+    dir) that Brigade runs: a model it would run wrongly raises UnsupportedModel here, before
+    any stage starts (architectures.py)."""
+    model_dir = _model_dir(source, cache_dir)
+    ModelConfig.from_dir(model_dir)
+    return model_dir
+
+
+def _model_dir(source: str | None, cache_dir: Path | None) -> Path:
     path = Path(source if source is not None else default_model_path()).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -94,10 +104,39 @@ GGUF_TO_HF = {
 }
 
 
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
+GGUF_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+
+def check_gguf(reader) -> None:
+    """UnsupportedModel for a GGUF whose architecture or any used tensor type Brigade can't read."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"unsupported GGUF architecture {arch!r}; supported: {list(GGUF_ARCHITECTURES)}"
+        )
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none")
+    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+    if unknown:
+        # e.g. rope_freqs.weight (Llama 3.1+ rope scaling), which converting would drop.
+        raise UnsupportedModel(
+            f"unsupported GGUF tensor(s) {unknown[:3]}; supported: token_embd, output_norm, output and "
+            f"blk.N.{{{', '.join(GGUF_TO_HF)}}}"
+        )
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(GGUF_TENSOR_TYPES))
+    if unsupported:
+        raise UnsupportedModel(
+            f"unsupported GGUF tensor type(s) {unsupported}; supported: {list(GGUF_TENSOR_TYPES)}"
+        )
+
+
 def _gguf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}")
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
@@ -132,9 +171,10 @@ def _hf_name(gguf_name: str) -> str | None:
     top = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head", "output_norm.weight": "model.norm"}
     if gguf_name in top:
         return top[gguf_name] + ".weight"
-    if gguf_name.startswith("blk."):
-        _, layer, kind, suffix = gguf_name.split(".")
-        if kind in GGUF_TO_HF:
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk":
+        _, layer, kind, suffix = parts
+        if kind in GGUF_TO_HF and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{GGUF_TO_HF[kind]}.{suffix}"
     return None
 
@@ -180,6 +220,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     reader = gguf.GGUFReader(str(gguf_path))
+    check_gguf(reader)
     config = _gguf_config(reader)
     tensors = dict(
         tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")

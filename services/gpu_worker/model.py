@@ -1,7 +1,10 @@
-"""A compact Llama-family model for serving (Llama 2/3, Mistral, Qwen2 qkv bias, SmolLM2).
+"""A compact decoder for the Llama-style families of architectures.py (Llama 2/3, Mistral,
+Qwen2/2.5/3, Gemma 2/3, Phi-3, SmolLM2).
 
 Runs flattened variable-length batches that mix prefills and decodes over a paged KV cache. Weights
-are plain tensors (merged QKV and gate_up projections), so a layer is a handful of torch calls.
+are plain tensors (merged QKV and gate_up projections), so a layer is a handful of torch calls;
+what a family does differently is a ModelConfig field (q/k norms, sandwich norms, GeGLU, soft
+caps, sliding windows, per-layer ropes), never a branch on its name.
 """
 
 from __future__ import annotations
@@ -11,77 +14,48 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from services.gpu_worker.architectures import ModelConfig, RopeConfig
 from services.gpu_worker.attention import Shapes, StepMeta, make_ops
 from services.gpu_worker.parallel import Parallel
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LlamaConfig:
-    """The config.json fields the model uses."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    tie_word_embeddings: bool
-    attention_bias: bool
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LlamaConfig:
-        num_heads = d["num_attention_heads"]
-        rope_scaling = d.get("rope_scaling") or d.get("rope_parameters")
-        rope_theta = d.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 has qkv biases without saying so in its config.
-            attention_bias=d.get("attention_bias", False) or d.get("model_type") == "qwen2",
-        )
-
-
-def rope_cos_sin(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def rope_cos_sin(
+    rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """[max_pos, D] table: cos of each (position, frequency) in the first half, sin in the second.
-    Computed in float32 as HF does, then cast; llama3 frequency scaling applied when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
+    Computed in float32 as HF does (modeling_rope_utils), then cast."""
+    dim = head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+        old_len = rope.original_max_position_embeddings
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_medium, smoothed, scaled)
-    freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
+    elif rope.rope_type == "longrope":
+        # The short factors: ModelConfig caps the positions at the original length.
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponent)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if rope.attention_factor != 1.0:
+        table = table * rope.attention_factor
+    return table.to(dtype=dtype, device=device)
 
 
 # On CPUs without native bf16/fp16 matmul (no AVX512-BF16 / AMX), torch's half-precision GEMM runs
@@ -134,7 +108,7 @@ class Shard:
     vocab_shard_size: int  # rows of every rank's embedding (the last one is padded with zeros)
 
     @classmethod
-    def of(cls, config: LlamaConfig, parallel: Parallel) -> Shard:
+    def of(cls, config: ModelConfig, parallel: Parallel) -> Shard:
         rank, world = parallel.rank, parallel.world_size
         num_kv = config.num_key_value_heads
         group = config.num_attention_heads // num_kv
@@ -185,10 +159,13 @@ class QuantizedWeight:
         return torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
+
+
 class LlamaLayer:
     """One decoder layer's weights (this rank's shard of them)."""
 
-    def __init__(self, config: LlamaConfig, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
 
@@ -198,7 +175,13 @@ class LlamaLayer:
         self.qkv = empty(qkv_size, h)  # column-parallel
         self.qkv_bias = empty(qkv_size) if config.attention_bias else None
         self.o_proj = empty(h, shard.num_heads * d)  # row-parallel
-        self.post_norm = empty(h)
+        self.pre_mlp_norm = empty(h)
+        # Qwen3 / Gemma 3: RMSNorm over each q and k head, before rotary.
+        self.q_norm = empty(d) if config.qk_norm else None
+        self.k_norm = empty(d) if config.qk_norm else None
+        # Gemma 2 / 3: the attention output and the MLP output are normed too, before their residual add.
+        self.post_attn_norm = empty(h) if config.sandwich_norms else None
+        self.post_mlp_norm = empty(h) if config.sandwich_norms else None
         self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
         self.down = empty(h, shard.intermediate_size)  # row-parallel
         # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
@@ -239,7 +222,7 @@ class LlamaModel:
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
@@ -252,20 +235,28 @@ class LlamaModel:
         self.parallel = parallel
         self.shard = shard = Shard.of(config, parallel)
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
         # Zeroed: the padding rows of the last vocabulary shard must give zero embeddings and logits.
         self.embed = torch.zeros(shard.vocab_shard_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = [LlamaLayer(config, shard, dtype, device) for _ in range(config.num_hidden_layers)]
         self.norm = torch.empty(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if config.tie_word_embeddings else torch.zeros_like(self.embed)
-        self.shapes = Shapes(
-            shard.num_heads,
-            shard.num_kv_heads,
-            config.head_dim,
-            block_size,
-            rope_cos_sin(config, dtype, device),
-        )
-        self.ops = make_ops(self.shapes, device, dtype, backend)
+        # One attention backend per distinct (sliding window, rope) of the layers: each prepares
+        # its own step metadata (rotary rows, the keys its window reads) once per step.
+        self.attention_kinds = sorted(set(zip(config.layer_windows, config.layer_ropes, strict=True)))
+        kinds = list(zip(config.layer_windows, config.layer_ropes, strict=True))
+        self.layer_kinds = [self.attention_kinds.index(kind) for kind in kinds]
+        max_positions = config.max_position_embeddings
+        tables = [rope_cos_sin(r, config.head_dim, max_positions, dtype, device) for r in config.ropes]
+        self.kind_ops = []
+        for window, rope in self.attention_kinds:
+            shapes = Shapes(
+                shard.num_heads, shard.num_kv_heads, config.head_dim, block_size, tables[rope],
+                window=window, softcap=config.attn_softcap,
+            )  # fmt: skip
+            self.kind_ops.append(make_ops(shapes, device, dtype, backend))
+        self.ops = self.kind_ops[0]  # also runs the norms
+        self.shapes = self.ops.s
         is_half = dtype in (torch.bfloat16, torch.float16)
         self.upcast_min_rows = sys.maxsize
         if is_half and not has_native_half_matmul(device):
@@ -275,8 +266,11 @@ class LlamaModel:
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
         self.lm_head_prepacked: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK
         self.lm_head_quantized: QuantizedWeight | None = None  # see load_quantized
-        # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside).
-        self.has_one_op_layers = self.has_few_rows_linear and not parallel.is_parallel
+        # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
+        # where the layer is exactly what that op computes.
+        self.has_one_op_layers = (
+            self.has_few_rows_linear and not parallel.is_parallel and config.is_plain_llama
+        )
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -309,6 +303,23 @@ class LlamaModel:
         if name.endswith("rotary_emb.inv_freq"):
             return
         c, sh = self.config, self.shard
+        if c.fused_weights and name.endswith(FUSED_WEIGHTS):
+            # Phi-3's qkv_proj / gate_up_proj (whole: shard_spec does not slice them) as the
+            # q/k/v and gate/up weights they stack, each then sliced like a checkpoint's own.
+            prefix, fused = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+            q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            parts = (
+                {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+                if fused == "qkv_proj"
+                else {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}
+            )
+            if tensor.shape[0] != sum(parts.values()):
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(parts.values())}")
+            for part, piece in zip(parts, tensor.split(list(parts.values())), strict=True):
+                part_name = f"{prefix}.{part}.weight"
+                spec = self.shard_spec(part_name)
+                self.load_hf_weight(part_name, piece if spec is None else piece.narrow(*spec))
+            return
         q_size, kv_size = sh.num_heads * c.head_dim, sh.num_kv_heads * c.head_dim
         inter = sh.intermediate_size
         if name == "model.embed_tokens.weight":
@@ -321,7 +332,7 @@ class LlamaModel:
             dst = self.lm_head[: sh.num_vocab_rows]
         else:
             parts = name.split(".")
-            if parts[:2] != ["model", "layers"]:
+            if parts[:2] != ["model", "layers"] or int(parts[2]) >= len(self.layers):
                 raise KeyError(f"unexpected weight {name}")
             layer = self.layers[int(parts[2])]
             key = ".".join(parts[3:])
@@ -338,21 +349,49 @@ class LlamaModel:
                 merged["self_attn.v_proj.bias"] = (layer.qkv_bias, q_size + kv_size, kv_size)
             plain = {
                 "input_layernorm.weight": layer.input_norm,
-                "post_attention_layernorm.weight": layer.post_norm,
                 "self_attn.o_proj.weight": layer.o_proj,
                 "mlp.down_proj.weight": layer.down,
+                "self_attn.q_norm.weight": layer.q_norm,
+                "self_attn.k_norm.weight": layer.k_norm,
             }
+            if c.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
+                plain["post_attention_layernorm.weight"] = layer.post_attn_norm
+                plain["pre_feedforward_layernorm.weight"] = layer.pre_mlp_norm
+                plain["post_feedforward_layernorm.weight"] = layer.post_mlp_norm
+            else:
+                plain["post_attention_layernorm.weight"] = layer.pre_mlp_norm
             if key in merged:
                 whole, start, size = merged[key]
                 dst = whole.narrow(0, start, size)
-            elif key in plain:
+            elif plain.get(key) is not None:
                 dst = plain[key]
             else:
                 raise KeyError(f"unexpected weight {name}")
         if dst.shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
+        if c.norm_plus_one and name.endswith("norm.weight"):
+            dst.add_(1.0)  # Gemma's norms scale by (1 + w): stored as such once
         self._loaded.add(name)
+
+    def expected_weights(self) -> set[str]:
+        """The HF names of every weight the model needs (fused checkpoints' split into their parts)."""
+        c = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per_layer = ["input_layernorm", "post_attention_layernorm"]
+        per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
+        per_layer += [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        if c.qk_norm:
+            per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+        if c.sandwich_norms:
+            per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        biases = [f"self_attn.{p}_proj.bias" for p in "qkv"] if c.attention_bias else []
+        for i in range(c.num_hidden_layers):
+            names.update(f"model.layers.{i}.{w}.weight" for w in per_layer)
+            names.update(f"model.layers.{i}.{b}" for b in biases)
+        return names
 
     @property
     def takes_quantized(self) -> bool:
@@ -387,11 +426,9 @@ class LlamaModel:
 
     def finish_loading(self) -> None:
         """Fail loudly on missing weights (a silently random layer would still 'work')."""
-        expected = 3 + 9 * len(self.layers) - (1 if self.config.tie_word_embeddings else 0)
-        if self.config.attention_bias:
-            expected += 3 * len(self.layers)
-        if len(self._loaded) < expected:
-            raise ValueError(f"only {len(self._loaded)} of {expected} weights were found")
+        missing = sorted(self.expected_weights() - self._loaded)
+        if missing:
+            raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:3]}")
         if not self.is_cpu_float32:
             return
         keep_transposed = not self.has_few_rows_linear
@@ -407,22 +444,31 @@ class LlamaModel:
 
     # ---- forward ----------------------------------------------------------------------------------
 
+    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> list[StepMeta]:
+        """The step's attention metadata, one per attention kind (see `attention_kinds`)."""
+        return [ops.prepare(arrays, num_tokens, num_seqs) for ops in self.kind_ops]
+
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: StepMeta,
+        metas: list[StepMeta],
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         sample_tokens: torch.Tensor,
     ) -> torch.Tensor:
         """Run all tokens; returns float32 logits [len(sample_tokens), V] of the sampled rows only."""
-        ops, eps, scale = self.ops, self.eps, self.scale
+        c, ops, eps, scale = self.config, self.ops, self.eps, self.scale
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
         layout = self._layout(num_tokens)
         linear = self._linear(layout, num_tokens)
         hidden = self.embed_tokens(input_ids)
+        if c.embed_scale != 1.0:
+            # As HF does: the scale rounded to the activations' dtype first.
+            hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
+        activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         residual = None
+        meta = metas[0]
         # A decode step of a few sequences runs each layer as one C++ op (cpu_ops.few_rows_decode_layer).
         is_one_op_layers = (
             self.has_one_op_layers
@@ -433,23 +479,29 @@ class LlamaModel:
         )
         if is_one_op_layers:
             cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+        for layer, layer_cache, kind in zip(self.layers, kv_cache, self.layer_kinds, strict=True):
             if is_one_op_layers:
                 hidden, residual = cpu_ops.few_rows_decode_layer(
-                    hidden, residual, (layer.input_norm, layer.post_norm), eps, layer.decode_layer_weights,
+                    hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
                     cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
                     self.shapes.num_heads, scale,
                 )  # fmt: skip
                 continue
             k_cache, v_cache = layer_cache
+            layer_ops, layer_meta = self.kind_ops[kind], metas[kind]
             qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            q, k, v = ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), meta)
-            attn = ops.attention(q, k, v, k_cache, v_cache, meta, scale)
-            x, residual = ops.rms_norm(reduce(linear(attn, o_proj_w)), layer.post_norm, eps, residual)
+            qk_norms = None if layer.q_norm is None else (layer.q_norm, layer.k_norm, eps)
+            q, k, v = layer_ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), layer_meta, qk_norms)
+            attn = reduce(linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale), o_proj_w))
+            if layer.post_attn_norm is not None:
+                attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
+            x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
             gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
-            # In place on silu's fresh output: one allocation less per layer.
-            hidden = reduce(linear(F.silu(gate).mul_(up), down_w))
+            # In place on the activation's fresh output: one allocation less per layer.
+            hidden = reduce(linear(activation(gate).mul_(up), down_w))
+            if layer.post_mlp_norm is not None:
+                hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps, None)
         # Only the sampled rows go through the final norm and the LM head.
         last = (hidden[sample_tokens] + residual[sample_tokens]).contiguous()
         x, _ = ops.rms_norm(last, self.norm, eps, None)
@@ -465,9 +517,11 @@ class LlamaModel:
                 "prepacked": self.lm_head_prepacked,
             }
             logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
-        if not self.parallel.is_parallel:
-            return logits
-        return self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+        if self.parallel.is_parallel:
+            logits = self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+        if c.final_softcap:
+            logits = torch.tanh(logits / c.final_softcap).mul_(c.final_softcap)
+        return logits
 
     def _layout(self, num_rows: int) -> str:
         """Which copy of the weights (a LlamaLayer attribute) multiplies a step of this many rows."""

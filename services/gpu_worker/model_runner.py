@@ -11,8 +11,9 @@ import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch
+from services.gpu_worker.architectures import ModelConfig
 from services.gpu_worker.loader import load_weights
-from services.gpu_worker.model import LlamaConfig, LlamaModel
+from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
 
@@ -56,7 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model_name = model_dir.name
         raw = json.loads((model_dir / "config.json").read_text())
-        config = LlamaConfig.from_dict(raw)
+        config = ModelConfig.from_dict(raw)
         self.config = config
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
@@ -152,14 +153,14 @@ class ModelRunner:
         at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         rows = np.flatnonzero(arrays["is_sampled"][:s])
-        meta = self.model.ops.prepare(arrays, t, s)
+        metas = self.model.prepare(arrays, t, s)
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
             self._fill_placeholders(input_ids, at, table_rows)
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, sample_tokens.to(self.device))
+        logits = self.model.forward(input_ids, metas, self.kv_cache, sample_tokens.to(self.device))
         sampled_table_rows = arrays["rows"][rows]
         self._sampled_step[sampled_table_rows] = header.step_id
         self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]

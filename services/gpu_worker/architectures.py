@@ -1,0 +1,281 @@
+"""Which models Brigade runs, read from config.json: a `ModelConfig`, or an `UnsupportedModel`
+error that names the feature and lists what is supported.
+
+Everything a family does differently from Llama is a field here, read from the model's own config
+wherever it sets one, so the model code branches on features, never on family names. Nothing
+here imports torch: the supervisor checks a model with it (loader.prepare_model) before any
+stage starts, so a refusal comes before `ready` and the run exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+# HF architecture (config.json `architectures`) -> the family whose defaults apply.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+# config.json `model_type` of each family, for configs that name no architecture.
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+}  # fmt: skip
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # "su" is longrope's old name
+# HF activation names -> the gate activation the model applies (the MLP is always gated).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModel(ValueError):
+    """A model Brigade would run wrongly; raised at load, before any weight is read."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One rotary embedding: theta and its scaling (rope_type one of ROPE_TYPES)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, longrope
+    short_factor: tuple[float, ...] = ()  # longrope
+    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The config.json fields the model uses, every family difference explicit."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2)
+    activation: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_plus_one: bool = False  # norms scale by (1 + w) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2 / 3)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attention_scale: float = 0.0  # the softmax scale; 0 = head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax; 0 = none
+    final_softcap: float = 0.0  # the same on the logits
+    fused_weights: bool = False  # qkv_proj and gate_up_proj in the checkpoint (Phi-3)
+    # Per layer: its sliding window (0 = attends to the whole context) and its rope (index into ropes).
+    layer_windows: tuple[int, ...] = ()
+    layer_ropes: tuple[int, ...] = ()
+    ropes: tuple[RopeConfig, ...] = ()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """A Llama layer exactly (what cpu_ops.few_rows_decode_layer computes)."""
+        return (
+            self.activation == "silu"
+            and not (self.qk_norm or self.sandwich_norms or self.attn_softcap)
+            and not any(self.layer_windows)
+            and len(self.ropes) == 1
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """The config of an HF config.json dict; UnsupportedModel for anything Brigade would run wrongly."""
+        architecture, family = _architecture(d)
+        _refuse_quantization(d)
+        num_heads = d["num_attention_heads"]
+        num_layers = d["num_hidden_layers"]
+        hidden = d["hidden_size"]
+        head_dim = d.get("head_dim") or hidden // num_heads
+        is_gemma = family in ("gemma2", "gemma3")
+        activation_name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if activation_name not in ACTIVATIONS:
+            raise UnsupportedModel(
+                f"unsupported activation {activation_name!r} ({architecture}); supported: {sorted(ACTIVATIONS)}"
+            )
+        if (
+            d.get("partial_rotary_factor", 1.0) != 1.0
+            or _rope_dict(d).get("partial_rotary_factor", 1.0) != 1.0
+        ):
+            raise UnsupportedModel(
+                "unsupported partial_rotary_factor (rotary over part of each head); supported: 1.0"
+            )
+        if d.get("use_bidirectional_attention"):
+            raise UnsupportedModel(
+                "unsupported use_bidirectional_attention; supported: causal attention only"
+            )
+        layer_types = _layer_types(d, family, num_layers)
+        window = int(d.get("sliding_window") or 0)
+        if "sliding_attention" in layer_types and window <= 0:
+            raise UnsupportedModel("sliding_attention layers without a sliding_window")
+        ropes, layer_ropes = _ropes(d, family, layer_types)
+        attention_scale = 0.0
+        if d.get("query_pre_attn_scalar"):
+            attention_scale = float(d["query_pre_attn_scalar"]) ** -0.5
+        max_positions = d.get("max_position_embeddings", 2048)
+        if any(r.rope_type == "longrope" for r in ropes):
+            # LongRoPE switches every position to its long factors once a sequence passes the
+            # original length (HF recomputes the cache then); Brigade serves the short-factor
+            # range exactly, and no further.
+            max_positions = min(
+                r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"
+            )
+        return cls(
+            architecture=architecture,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
+            # Qwen2 has qkv biases without saying so in its config.
+            attention_bias=bool(d.get("attention_bias", False)) or family == "qwen2",
+            activation=ACTIVATIONS[activation_name],
+            qk_norm=family in ("qwen3", "gemma3"),
+            norm_plus_one=is_gemma,
+            sandwich_norms=is_gemma,
+            embed_scale=hidden**0.5 if is_gemma else 1.0,
+            attention_scale=attention_scale,
+            attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(d.get("final_logit_softcapping") or 0.0),
+            fused_weights=family == "phi3",
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
+            layer_ropes=layer_ropes,
+            ropes=ropes,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _architecture(d: dict) -> tuple[str, str]:
+    names = d.get("architectures") or []
+    supported = sorted(ARCHITECTURES)
+    if not names:
+        family = MODEL_TYPES.get(d.get("model_type", ""))
+        if family is None:
+            raise UnsupportedModel(
+                f"config.json names no architecture and model_type {d.get('model_type')!r} is not supported; "
+                f"supported architectures: {supported}"
+            )
+        return next(a for a, f in ARCHITECTURES.items() if f == family), family
+    if len(names) != 1 or names[0] not in ARCHITECTURES:
+        raise UnsupportedModel(f"unsupported architecture {names}; supported: {supported}")
+    return names[0], ARCHITECTURES[names[0]]
+
+
+def _refuse_quantization(d: dict) -> None:
+    quantization = d.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModel(
+            f"unsupported quantization_config (quant_method {method!r}); supported: unquantized "
+            "safetensors (float32, bfloat16, float16) and GGUF files"
+        )
+
+
+def _rope_dict(d: dict) -> dict:
+    """The one rope dict of a config: v5's rope_parameters or the older rope_scaling (+ rope_theta)."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if "rope_theta" not in params and d.get("rope_theta") is not None:
+        params["rope_theta"] = d["rope_theta"]
+    return params
+
+
+def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type
+    theta = float(params.get("rope_theta") or default_theta)
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"unsupported rope scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
+    if rope_type == "default":
+        return RopeConfig(theta)
+    if rope_type == "linear":
+        return RopeConfig(theta, "linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta, "llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )  # fmt: skip
+    # longrope, as HF computes it (modeling_rope_utils._compute_longrope_parameters).
+    original = int(d.get("original_max_position_embeddings") or params["original_max_position_embeddings"])
+    factor = params.get("factor") or d.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(
+        theta, "longrope", factor=float(factor), original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in params["short_factor"]), attention_factor=float(attention_factor),
+    )  # fmt: skip
+
+
+def _ropes(d: dict, family: str, layer_types: list[str]) -> tuple[tuple[RopeConfig, ...], tuple[int, ...]]:
+    """The distinct ropes and each layer's. Gemma 3's local layers have their own base (and no
+    scaling); v5 configs nest rope_parameters by layer type."""
+    params = d.get("rope_parameters") or {}
+    if set(params) & set(LAYER_TYPES):
+        by_type = {t: _rope({**params[t]}, d) for t in LAYER_TYPES if t in params}
+    elif family == "gemma3":
+        by_type = {
+            "full_attention": _rope(_rope_dict(d), d, default_theta=1_000_000.0),
+            "sliding_attention": RopeConfig(float(d.get("rope_local_base_freq", 10000.0))),
+        }
+    else:
+        one = _rope(_rope_dict(d), d)
+        by_type = dict.fromkeys(LAYER_TYPES, one)
+    ropes: list[RopeConfig] = []
+    for t in layer_types:
+        if by_type[t] not in ropes:
+            ropes.append(by_type[t])
+    return tuple(ropes), tuple(ropes.index(by_type[t]) for t in layer_types)
+
+
+def _layer_types(d: dict, family: str, num_layers: int) -> list[str]:
+    """Each layer's attention: "full_attention", or "sliding_attention" over the last sliding_window keys."""
+    types = d.get("layer_types")
+    if types is None:
+        window = d.get("sliding_window")
+        if family in ("mistral", "phi3") and window:
+            types = ["sliding_attention"] * num_layers
+        elif family in ("qwen2", "qwen3") and d.get("use_sliding_window") and window:
+            start = d.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+        elif family == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        elif family == "gemma3":
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+            ]
+        else:
+            types = ["full_attention"] * num_layers
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        raise UnsupportedModel(f"unsupported layer_types {unknown or types}; supported: {list(LAYER_TYPES)}")
+    return list(types)

@@ -1,0 +1,159 @@
+"""Each supported family against HF transformers on the same random weights, in float32: a tiny
+config made here, saved as an HF safetensors dir, then greedy tokens and logits of batched
+prefill, decode, a prefix-cache hit and a preempted-and-recomputed sequence.
+
+HF's side is a full forward over each whole history (no HF KV cache), so its sliding-window and
+soft-cap masks are the reference for ours over the paged cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.model_runner import ModelRunner
+from tests.test_model import PlanBuilder, runner_logits
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 320
+BLOCK = 16
+WINDOW = 12  # shorter than the prompts and not a multiple of the block size
+HEAD_DIM = 16
+NEW_TOKENS = 6
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0,
+)  # fmt: skip
+
+
+def _longrope_factors(seed: int) -> list[float]:
+    return (1.0 + np.random.default_rng(seed).random(HEAD_DIM // 2) * 3).tolist()
+
+
+# family -> (transformers config class name, its arguments beyond COMMON)
+FAMILIES = {
+    "llama3-untied": ("LlamaConfig", dict(
+        head_dim=HEAD_DIM, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )),
+    "llama-tied": ("LlamaConfig", dict(head_dim=HEAD_DIM, tie_word_embeddings=True)),
+    "mistral-sliding": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=WINDOW, tie_word_embeddings=False)),
+    "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # head_dim 32 with hidden 64 and 4 heads: taken from the config, not hidden / heads.
+    "qwen3-qk-norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(
+        head_dim=HEAD_DIM, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    )),
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=HEAD_DIM, num_hidden_layers=3, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    )),
+    "phi3-longrope": ("Phi3Config", dict(
+        tie_word_embeddings=False, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": _longrope_factors(1), "long_factor": _longrope_factors(2)},
+    )),
+}  # fmt: skip
+
+
+def save_random_model(family: str, out: Path) -> Path:
+    """A random model of `family` saved as HF safetensors. The weights are redrawn wider than HF's
+    init (and every norm away from 1), so greedy tokens have clear margins and each norm matters."""
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    config = getattr(transformers, class_name)(**{**COMMON, **extra})
+    torch.manual_seed(sorted(FAMILIES).index(family))
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+    model.save_pretrained(out)
+    return out
+
+
+def load_family(family: str, out: Path, backend: str | None = None) -> tuple:
+    """(HF model, our runner) of a fresh random `family` model saved under `out`."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_random_model(family, out)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend=backend)
+    return hf, runner
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request, tmp_path_factory):
+    return request.param, *load_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0, -1].float()
+
+
+def check_step(
+    hf, runner: ModelRunner, builder: PlanBuilder, chunks: list[tuple[int, list[int]]], histories: dict
+) -> None:
+    """Run one step (every chunk sampled), check each row's logits against HF on its whole history,
+    and append HF's greedy token to the history: ours must be the same."""
+    logits = runner_logits(runner, builder, [(seq, tokens, True) for seq, tokens in chunks])
+    for row, (seq, _) in enumerate(chunks):
+        expected = hf_logits(hf, histories[seq])
+        torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4, msg=f"seq {seq}")
+        assert int(logits[row].argmax()) == int(expected.argmax()), f"seq {seq}: greedy token differs"
+        histories[seq].append(int(expected.argmax()))
+
+
+def test_family_matches_hf(family_model):
+    _, hf, runner = family_model
+    check_against_hf(hf, runner)
+
+
+def check_against_hf(hf, runner: ModelRunner) -> None:
+    """Batched prefill, decodes across a block and the window, a prefix-cache hit, a preemption."""
+    rng = np.random.default_rng(0)
+    histories = {0: rng.integers(3, VOCAB, 37).tolist(), 1: rng.integers(3, VOCAB, 21).tolist()}
+    builder = PlanBuilder(BLOCK)
+    # Batched prefill of both prompts, then decodes (crossing a block boundary and the window).
+    check_step(hf, runner, builder, [(s, list(h)) for s, h in histories.items()], histories)
+    for _ in range(NEW_TOKENS):
+        check_step(hf, runner, builder, [(s, h[-1:]) for s, h in histories.items()], histories)
+
+    # Blocks wholly outside the window are never read: poisoned in the sliding layers, they must
+    # change nothing (a NaN read even under a -inf mask would reach the logits).
+    windows = runner.model.config.layer_windows
+    if any(windows):
+        assert len(histories[0]) - max(windows) >= BLOCK + 1  # block 0 is outside every window now
+        for (k_cache, v_cache), window in zip(runner.kv_cache, windows, strict=True):
+            if window:
+                k_cache[builder.blocks[0][0]] = v_cache[builder.blocks[0][0]] = float("nan")
+
+    # A prefix-cache hit: sequence 2 shares sequence 0's first two blocks and prefills only the rest.
+    shared = 2 * BLOCK
+    histories[2] = histories[0][:shared] + rng.integers(3, VOCAB, 9).tolist()
+    builder.blocks[2] = builder.blocks[0][:2]
+    builder.num_cached[2] = shared
+    check_step(hf, runner, builder, [(2, histories[2][shared:]), (0, histories[0][-1:])], histories)
+
+    # Preemption: sequence 1 loses its blocks and is recomputed (prompt + generated) in new ones,
+    # in two chunks; then all three decode on.
+    del builder.blocks[1]
+    builder.num_cached[1] = 0
+    runner_logits(runner, builder, [(1, histories[1][:20], False)])
+    check_step(hf, runner, builder, [(1, histories[1][20:]), (2, histories[2][-1:])], histories)
+    for _ in range(2):
+        check_step(hf, runner, builder, [(s, h[-1:]) for s, h in histories.items()], histories)
