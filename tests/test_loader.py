@@ -71,7 +71,7 @@ def test_cache_hit_is_fast_and_hf_dirs_pass_through(smollm2_dir: Path):
     assert prepare_model(str(smollm2_dir)) == smollm2_dir
 
 
-def test_crash_mid_convert_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_crash_mid_convert_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path):
     def crash(gguf_path: Path, out: Path) -> None:
         (out / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-convert")
@@ -81,13 +81,15 @@ def test_crash_mid_convert_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
         prepare_model(None, cache_dir=tmp_path)
     assert os.listdir(tmp_path) == []
 
+    config = (tiny_model_dir / "config.json").read_text()
+
     def complete(gguf_path: Path, out: Path) -> None:
-        (out / "config.json").write_text("{}")
+        (out / "config.json").write_text(config)
 
     monkeypatch.setattr(loader, "convert_gguf", complete)
     out = prepare_model(None, cache_dir=tmp_path)
     assert os.listdir(tmp_path) == [out.name]
-    assert (out / "config.json").read_text() == "{}"
+    assert (out / "config.json").read_text() == config
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir: Path, tmp_path: Path):

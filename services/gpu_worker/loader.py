@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -43,16 +44,58 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade")) / "models"
 
 
-def prepare_model(source: str | None, cache_dir: Path | None = None) -> Path:
-    """An HF-format model dir for `source` (None = the embedded default, a GGUF file, or an HF
-    dir) that Brigade runs: a model it would run wrongly raises UnsupportedModel here, before
-    any stage starts (architectures.py)."""
-    model_dir = _model_dir(source, cache_dir)
+def prepare_model(source: str | None, cache_dir: Path | None = None, revision: str = "") -> Path:
+    """An HF-format model dir for `source` (None = the embedded default, a GGUF file, an HF dir,
+    or a Hugging Face hub id at `revision`) that Brigade runs: a model it would run wrongly
+    raises UnsupportedModel here, before any stage starts (architectures.py)."""
+    model_dir = _model_dir(source, cache_dir, revision)
     ModelConfig.from_dir(model_dir)
     return model_dir
 
 
-def _model_dir(source: str | None, cache_dir: Path | None) -> Path:
+# owner/name, as the hub spells repository ids.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a snapshot needs: configs, weights, tokenizer files (never the *.bin / *.pth duplicates).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def hf_hub_cache() -> Path:
+    """The HF cache dir as huggingface_hub resolves it (HF_HUB_CACHE, else HF_HOME/hub), read now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home) / "hub"
+
+
+def resolve_hub_id(repo_id: str, revision: str = "") -> Path:
+    """The local snapshot dir of a hub model: from the HF cache if it is there, else downloaded
+    (unless HF_HUB_OFFLINE); FileNotFoundError, saying why, when neither works."""
+    from huggingface_hub import snapshot_download
+
+    cache = hf_hub_cache()
+    kwargs = dict(repo_id=repo_id, revision=revision or None, cache_dir=str(cache), allow_patterns=HUB_FILES)
+    try:
+        return Path(snapshot_download(**kwargs, local_files_only=True))
+    except Exception as cached_miss:  # noqa: BLE001 (huggingface_hub raises several kinds for a miss)
+        miss = cached_miss
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            return Path(snapshot_download(**kwargs))
+        except Exception as exc:  # noqa: BLE001 (network, auth, missing repo or revision)
+            reason = f"downloading failed: {type(exc).__name__}: {exc}"
+    at = f" at revision {revision!r}" if revision else ""
+    raise FileNotFoundError(
+        f"model {repo_id!r}{at} is not in the local HF cache {cache} ({type(miss).__name__}) and {reason}"
+    )
+
+
+def _model_dir(source: str | None, cache_dir: Path | None, revision: str) -> Path:
+    if source and not Path(source).expanduser().exists() and HUB_ID.match(source) and not source.endswith(".gguf"):
+        return resolve_hub_id(source, revision)
+    if revision:
+        raise ValueError(f"model.revision ({revision!r}) applies to hub ids only, not to the local path {source}")
     path = Path(source if source is not None else default_model_path()).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").exists():
