@@ -150,7 +150,7 @@ class Supervisor:
         log.info("preparing model %s", what)
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "supervision.prepare_model", model.path, model.cache_dir],
+                [sys.executable, "-m", "supervision.prepare_model", model.path, model.cache_dir, model.revision],
                 capture_output=True, text=True, cwd=REPO_ROOT, check=False,
                 timeout=PREPARE_TIMEOUT_S,
             )  # fmt: skip

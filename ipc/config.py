@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str = ""  # "" = the embedded SmolLM2-135M-Instruct
+    revision: str = ""  # of a hub id in `path`: a branch, tag or commit; "" = main
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: Positive = 2048
     cache_dir: str = ""  # "" = ~/.cache/brigade/models

@@ -1,7 +1,7 @@
 """Turn the configured model into an HF-format directory (GGUF files are converted once, then
 cached) and print its path. The supervisor runs this as a child process,
 
-    python -m supervision.prepare_model SOURCE CACHE_DIR     ("" = the default for either)
+    python -m supervision.prepare_model SOURCE CACHE_DIR REVISION     ("" = the default for each)
 
 so that it never imports the loader's heavy dependencies itself. A failure is one line on stderr
 and exit code 1."""
@@ -15,9 +15,9 @@ from services.gpu_worker.loader import prepare_model
 
 
 def main(argv: list[str]) -> int:
-    source, cache_dir = argv
+    source, cache_dir, revision = argv
     try:
-        model_dir = prepare_model(source or None, Path(cache_dir) if cache_dir else None)
+        model_dir = prepare_model(source or None, Path(cache_dir) if cache_dir else None, revision)
     except (OSError, ValueError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

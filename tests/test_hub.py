@@ -71,3 +71,14 @@ def test_refusal_in_a_fresh_process_names_the_model(hub_cache: Path) -> None:
     )  # fmt: skip
     assert done.returncode != 0
     assert "'acme/absent' is not in the local HF cache" in done.stderr
+
+
+def test_supervisor_refuses_an_absent_hub_revision_before_ready(hub_cache: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(tmp_path / "run"),
+         "--set", "model.path=acme/tiny", "--set", "model.revision=v3"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "'acme/tiny' at revision 'v3' is not in the local HF cache" in done.stderr
+    assert "ready" not in done.stdout

@@ -76,14 +76,14 @@ def resolve_hub_id(repo_id: str, revision: str = "") -> Path:
     kwargs = dict(repo_id=repo_id, revision=revision or None, cache_dir=str(cache), allow_patterns=HUB_FILES)
     try:
         return Path(snapshot_download(**kwargs, local_files_only=True))
-    except Exception as cached_miss:  # noqa: BLE001 (huggingface_hub raises several kinds for a miss)
+    except Exception as cached_miss:
         miss = cached_miss
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         reason = "HF_HUB_OFFLINE is set"
     else:
         try:
             return Path(snapshot_download(**kwargs))
-        except Exception as exc:  # noqa: BLE001 (network, auth, missing repo or revision)
+        except Exception as exc:
             reason = f"downloading failed: {type(exc).__name__}: {exc}"
     at = f" at revision {revision!r}" if revision else ""
     raise FileNotFoundError(
