@@ -8,6 +8,7 @@ from client.errors import (
     PromptTooLong,
     RequestTimeout,
     ServerUnavailable,
+    UntrustedRunDir,
 )
 from client.sdk import Client, GenerateResult, StreamDelta
 
@@ -22,4 +23,5 @@ __all__ = [
     "RequestTimeout",
     "ServerUnavailable",
     "StreamDelta",
+    "UntrustedRunDir",
 ]

@@ -6,56 +6,27 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from client.errors import ServerUnavailable
-from client.sdk import (
-    ConnectInfo,
-    GenerateResult,
-    Prompt,
-    Session,
-    StreamDelta,
-    make_generate,
-    open_dealer,
-    read_run,
-)
+from client.sdk import ClientBase, GenerateResult, Prompt, StreamDelta, make_generate
 from ipc import messages as m
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """Asyncio client of a running Brigade: one DEALER per frontend replica and one reader task.
 
     Cancelling the task that consumes a stream (or closing the stream) aborts the request.
     """
 
-    def __init__(
-        self,
-        run_dir: Path | str | None = None,
-        *,
-        endpoints: Sequence[str] | None = None,
-        timeout: float | None = None,
-        failover_after: float = 5.0,
-        unavailable_after: float = 30.0,
-        curve_server_key: bytes | None = None,
-        curve_keys: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        info = ConnectInfo(list(endpoints), curve_server_key) if endpoints else read_run(run_dir)
-        self.model = info.model
-        self.timeout = timeout
-        self._ctx = zmq.asyncio.Context()
-        self._sockets = [
-            open_dealer(self._ctx, ep, info.curve_server_key or curve_server_key, curve_keys) for ep in info.endpoints
-        ]
-        self._poller = zmq.asyncio.Poller()
-        for sock in self._sockets:
-            self._poller.register(sock, zmq.POLLIN)
-        self._index = {sock: i for i, sock in enumerate(self._sockets)}
-        self.session = Session(info.endpoints, self._send, failover_after, unavailable_after)
-        self._tick_s = min(0.05, failover_after / 10)
+    _context_type = zmq.asyncio.Context
+    _poller_type = zmq.asyncio.Poller
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._reader: asyncio.Task | None = None
 
@@ -115,13 +86,32 @@ class AsyncClient:
             self._wakeups.pop(state.request_id, None)
             self.session.cancel(state.request_id)
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None,
-                       **sampling: Any) -> GenerateResult:
+    async def generate(
+        self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any
+    ) -> GenerateResult:
         return await self._collect(self.stream(prompt, timeout=timeout, request_id=request_id, **sampling))
 
-    async def chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
-                   request_id: str | None = None, **sampling: Any) -> GenerateResult:
-        return await self._collect(self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling))
+    async def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> GenerateResult:
+        return await self._collect(
+            self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+        )
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamDelta]:
+        return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
 
     @staticmethod
     async def _collect(deltas: AsyncIterator[StreamDelta]) -> GenerateResult:
@@ -148,15 +138,11 @@ class AsyncClient:
         return replies
 
     async def close(self) -> None:
-        for request_id in list(self.session.requests):
-            self.session.cancel(request_id)
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        for sock in self._sockets:
-            sock.close(linger=100)
-        self._ctx.term()
+        self._close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

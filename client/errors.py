@@ -29,6 +29,13 @@ class ServerUnavailable(BrigadeError):
     code = "unavailable"
 
 
+class UntrustedRunDir(BrigadeError):
+    """The run dir or its run.json could be swapped by another user: connecting could send the
+    prompts to their socket. Raised by the client itself; no server sends it."""
+
+    code = "untrusted_run_dir"
+
+
 _BY_CODE: dict[str, type[BrigadeError]] = {
     cls.code: cls for cls in (InvalidRequest, PromptTooLong, Overloaded, ServerUnavailable)
 }

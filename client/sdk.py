@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,14 +21,23 @@ import msgspec
 import numpy as np
 import zmq
 
-from client.errors import BrigadeError, InvalidRequest, RequestTimeout, ServerUnavailable, error_for
+from client.errors import (
+    BrigadeError,
+    InvalidRequest,
+    RequestTimeout,
+    ServerUnavailable,
+    UntrustedRunDir,
+    error_for,
+)
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
-from ipc.endpoints import default_run_dir
+from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir
 from ipc.sockets import configure_socket
 
 MAX_SEED = 2**63
 MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
+RUN_CHECK_INTERVAL_S = 0.5  # how often a client with requests in flight checks that its run is alive
+CLOSE_LINGER_MS = 100  # lets the aborts of a closing client out, and bounds how long closing takes
 
 Prompt = str | Sequence[int]
 
@@ -58,36 +69,87 @@ class ConnectInfo:
     endpoints: list[str]
     curve_server_key: bytes | None = None
     model: str = ""
+    supervisor_pid: int | None = None  # from run.json: lets a client on this host see the run end
 
 
 def read_run(run_dir: Path | str | None = None) -> ConnectInfo:
-    """Read RUN_DIR/run.json (written by the supervisor); the default run dir when None."""
+    """Read RUN_DIR/run.json (written by the supervisor); the default run dir when None. The run
+    dir must be private to this user: whoever can swap run.json would receive our prompts."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    run_file = run_dir / "run.json"
+    if not os.path.lexists(run_file):
+        raise ServerUnavailable(f"no Brigade running at {run_dir} (no run.json)")
     try:
-        info = json.loads((run_dir / "run.json").read_text())
-    except FileNotFoundError:
-        raise ServerUnavailable(f"no Brigade running at {run_dir} (no run.json)") from None
+        check_private(run_dir)
+        check_run_file(run_file)
+        info = json.loads(run_file.read_text())
+    except InsecureRunDir as exc:
+        raise UntrustedRunDir(f"refusing to trust {run_file}: {exc}") from None
     except (OSError, ValueError) as exc:
-        raise ServerUnavailable(f"cannot read {run_dir / 'run.json'}: {exc}") from None
+        raise ServerUnavailable(f"cannot read {run_file}: {exc}") from None
     endpoints = info.get("frontends") or []
     if not endpoints:
-        raise ServerUnavailable(f"{run_dir / 'run.json'} lists no frontends")
+        raise ServerUnavailable(f"{run_file} lists no frontends")
     key = info.get("curve_server_key")
-    return ConnectInfo(list(endpoints), key.encode() if key else None, info.get("model", ""))
+    pid = info.get("supervisor_pid")
+    return ConnectInfo(list(endpoints), key.encode() if key else None, info.get("model", ""), pid)
+
+
+def is_process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    return True
+
+
+_PARAM_TYPES = {f.name: f.type for f in msgspec.structs.fields(m.SamplingParams)}
+
+
+def _convert(name: str, value: Any, type_: Any) -> Any:
+    """`value` as `type_`, strictly (16.0 is not an int, "16" is not a number), or InvalidRequest."""
+    try:
+        return msgspec.convert(value, type_)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{name}={value!r} has the wrong type: {exc}") from None
+
+
+def _check_text(name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be sent as UTF-8)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{name} is not valid text: {exc.reason} at position {exc.start}") from None
 
 
 def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
-    """SamplingParams from keyword arguments, with a client-chosen seed when sampling is random so
-    that a request resubmitted after a failover samples exactly the same tokens."""
+    """SamplingParams from keyword arguments, type-checked here so that a wrong type is a clear
+    error naming the field, with a client-chosen seed when sampling is random so that a request
+    resubmitted after a failover samples exactly the same tokens."""
+    unknown = sorted(set(sampling) - _PARAM_TYPES.keys())
+    if unknown:
+        raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    try:
-        params = m.SamplingParams(**sampling)
-    except TypeError as exc:
-        raise InvalidRequest(str(exc)) from None
+    values = {name: _convert(name, value, _PARAM_TYPES[name]) for name, value in sampling.items()}
+    for i, stop in enumerate(values.get("stop", [])):
+        _check_text(f"stop[{i}]", stop)
+    params = m.SamplingParams(**values)
     if params.seed is None and params.temperature > 0:
         params = msgspec.structs.replace(params, seed=random.randrange(MAX_SEED))
     return params
+
+
+def _prompt_ids(prompt: Sequence[int]) -> bytes:
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise InvalidRequest(
+                f"token ids must be a 1-D integer array, got {prompt.dtype} of shape {prompt.shape}"
+            )
+        return m.pack_ids(prompt)
+    return m.pack_ids(_convert("prompt (token ids)", list(prompt), list[int]))
 
 
 def make_generate(
@@ -96,20 +158,30 @@ def make_generate(
     messages: Sequence[dict[str, str]] | None,
     sampling: dict[str, Any],
 ) -> m.Generate:
+    """A Generate whose every field has its declared type: the frontend can parse it."""
     if (prompt is None) == (messages is None):
         raise InvalidRequest("give exactly one of a prompt (text or token ids) and chat messages")
+    if request_id is not None:
+        _check_text("request_id", _convert("request_id", request_id, str))
     request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling))
     if messages is not None:
-        request.messages = [m.ChatMessage(role=msg["role"], content=msg["content"]) for msg in messages]
+        request.messages = _convert("messages", list(messages), list[m.ChatMessage])
+        for i, message in enumerate(request.messages):
+            _check_text(f"messages[{i}].role", message.role)
+            _check_text(f"messages[{i}].content", message.content)
     elif isinstance(prompt, str):
+        _check_text("prompt", prompt)
         request.prompt = prompt
+    elif isinstance(prompt, (Sequence, np.ndarray)):
+        request.prompt_token_ids = _prompt_ids(prompt)
     else:
-        request.prompt_token_ids = m.pack_ids(list(prompt))
+        raise InvalidRequest(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
     return request
 
 
-def open_dealer(ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None,
-                curve_keys: tuple[bytes, bytes] | None) -> zmq.Socket:
+def open_dealer(
+    ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None, curve_keys: tuple[bytes, bytes] | None
+) -> zmq.Socket:
     """A DEALER to one frontend. IMMEDIATE: a send to a replica that is down fails at once (and the
     session tries another) instead of queueing for a peer that may never come back."""
     sock = ctx.socket(zmq.DEALER)
@@ -134,6 +206,7 @@ class RequestState:
         self.replica: int | None = None  # the frontend it runs on; None = not sent yet
         self.sent_at = now
         self.heard_at = now  # last sign of life from the replica running it
+        self.is_acked = False  # the replica running it has answered for it by id
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text_parts: list[str] = []
@@ -212,7 +285,8 @@ class Session:
     session sends through `send(replica_index, frame) -> bool`, which must never block.
     Failover: a replica that sends nothing (no delta, no health reply) for `failover_after`
     seconds while running a request loses it to another replica, which resumes it from what the
-    client already has; a request that hears nothing for `unavailable_after` fails.
+    client already has; a request that hears nothing for `unavailable_after` fails, and every
+    request fails at once when `is_run_alive` (a check of the run's supervisor) says it ended.
     """
 
     def __init__(
@@ -222,6 +296,7 @@ class Session:
         failover_after: float = 5.0,
         unavailable_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        is_run_alive: Callable[[], bool] | None = None,
     ) -> None:
         self.replicas = [_Replica(ep) for ep in endpoints]
         self.requests: dict[str, RequestState] = {}
@@ -230,6 +305,8 @@ class Session:
         self.probe_interval = failover_after / 4
         self._send = send
         self._clock = clock
+        self._is_run_alive = is_run_alive
+        self._run_checked_at = -math.inf
         self._next = 0  # round-robin start among equally loaded replicas
         self.num_malformed = 0
         self.num_failovers = 0
@@ -240,9 +317,17 @@ class Session:
         now = self._clock()
         if generate.request_id in self.requests:
             raise InvalidRequest(f"request {generate.request_id} is already in flight")
+        try:
+            CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
+        except (TypeError, UnicodeEncodeError) as exc:
+            raise InvalidRequest(f"request {generate.request_id} cannot be encoded: {exc}") from None
         state = RequestState(generate, None if timeout is None else now + timeout, now)
         self.requests[state.request_id] = state
-        self._dispatch(state, now, avoid=None)
+        try:
+            self._dispatch(state, now, avoid=None)
+        except BaseException:
+            del self.requests[state.request_id]
+            raise
         return state
 
     def cancel(self, request_id: str) -> None:
@@ -259,7 +344,12 @@ class Session:
         n = len(self.replicas)
         order = sorted(
             range(n),
-            key=lambda i: (i == avoid and n > 1, self.replicas[i].is_suspect, self.in_flight(i), (i - self._next) % n),
+            key=lambda i: (
+                i == avoid and n > 1,
+                self.replicas[i].is_suspect,
+                self.in_flight(i),
+                (i - self._next) % n,
+            ),
         )
         frame = CLIENT_REQUEST.encode(state.resubmission())
         state.replica = None
@@ -288,24 +378,46 @@ class Session:
                 self._resubmit_forgotten(replica, now)
             rep.incarnation = reply.incarnation
             return
+        if isinstance(reply, m.ErrorReply) and not reply.request_id:
+            self._fail_unattributed(replica, reply)
+            return
         state = self.requests.get(reply.request_id)
         # Only the replica now running a request speaks for it: one we failed over from may
         # still answer (an "abort" after our Abort) and must not end the request.
         if state is None or state.replica != replica or state.is_done:
             return
-        state.heard_at = now
+        state.heard_at, state.is_acked = now, True
         if isinstance(reply, m.Delta):
             state.apply(reply)
-        elif reply.code == "unavailable" and len(self.replicas) > 1:
+        elif reply.code == "unavailable" and self._has_other_live_replica(replica):
             rep.is_suspect = True  # draining or shutting down: another replica takes it
             self.num_failovers += 1
             self._dispatch(state, now, avoid=replica)
         else:
+            if reply.code == "unavailable":
+                rep.is_suspect = True
             state.error = error_for(reply.code, reply.message)
+
+    def _has_other_live_replica(self, replica: int) -> bool:
+        """Whether another replica may take a request: when the whole run is stopping, every one
+        says "unavailable" in turn and sending the request round them would only delay the error."""
+        return any(not rep.is_suspect for i, rep in enumerate(self.replicas) if i != replica)
+
+    def _fail_unattributed(self, replica: int, reply: m.ErrorReply) -> None:
+        """An error about a message the replica could not even read an id from. It answers each
+        connection's messages in order, and this session sends only well-formed requests, so the
+        culprits can only be requests it has not answered for yet: fail those rather than let
+        them wait for a reply that will never come."""
+        for state in self.requests.values():
+            if state.replica == replica and not state.is_acked and not state.is_done:
+                state.error = error_for(
+                    reply.code, f"the frontend could not read request {state.request_id}: {reply.message}"
+                )
 
     def tick(self) -> None:
         """Timeouts, failover, unsent requests and health probes of replicas that went quiet."""
         now = self._clock()
+        self._check_run(now)
         for state in self.requests.values():
             if state.is_done:
                 continue
@@ -324,6 +436,20 @@ class Session:
             quiet = now - max(rep.last_seen, rep.last_probe)
             if quiet > self.probe_interval and self.in_flight(i):
                 self.probe(i)
+
+    def _check_run(self, now: float) -> None:
+        """Fail everything in flight once the run itself is gone (its supervisor was killed and
+        took every stage with it): no replica will ever answer, so waiting out
+        `unavailable_after` would only delay the error."""
+        if self._is_run_alive is None or now - self._run_checked_at < RUN_CHECK_INTERVAL_S:
+            return
+        pending = [s for s in self.requests.values() if not s.is_done]
+        if not pending:
+            return
+        self._run_checked_at = now
+        if not self._is_run_alive():
+            for state in pending:
+                state.error = ServerUnavailable("the Brigade run ended (its supervisor is gone)")
 
     def _resubmit_forgotten(self, replica: int, now: float) -> None:
         """The replica restarted (a new process answers at its endpoint): it lost our requests."""
@@ -348,11 +474,22 @@ class Session:
         return self._send(replica, CLIENT_REQUEST.encode(m.Health()))
 
 
-class Client:
-    """Synchronous client of a running Brigade: one DEALER per frontend replica.
+def _close_sockets(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+    for sock in sockets:
+        sock.close(linger=CLOSE_LINGER_MS)
+    ctx.term()
 
-    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
+
+class ClientBase:
+    """What both clients share: where the run listens, one DEALER per frontend replica, the
+    session, and closing. A client that is dropped without `close()` closes its sockets when it
+    is collected, before its context: zmq's Context.term waits for every socket of the context,
+    so a context collected first (garbage cycles are finalized in any order) would hang the
+    process for good.
     """
+
+    _context_type: type[zmq.Context] = zmq.Context
+    _poller_type: type[zmq.Poller] = zmq.Poller
 
     def __init__(
         self,
@@ -368,16 +505,42 @@ class Client:
         info = ConnectInfo(list(endpoints), curve_server_key) if endpoints else read_run(run_dir)
         self.model = info.model
         self.timeout = timeout
-        self._ctx = zmq.Context()
-        self._sockets = [
-            open_dealer(self._ctx, ep, info.curve_server_key or curve_server_key, curve_keys) for ep in info.endpoints
-        ]
-        self._poller = zmq.Poller()
+        self._ctx = self._context_type()
+        self._sockets: list[zmq.Socket] = []
+        self._closer = weakref.finalize(self, _close_sockets, self._ctx, self._sockets)
+        for endpoint in info.endpoints:
+            self._sockets.append(
+                open_dealer(self._ctx, endpoint, info.curve_server_key or curve_server_key, curve_keys)
+            )
+        self._poller = self._poller_type()
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._index = {sock: i for i, sock in enumerate(self._sockets)}
-        self.session = Session(info.endpoints, self._send, failover_after, unavailable_after)
+        pid = info.supervisor_pid
+        self.session = Session(
+            info.endpoints,
+            self._send,
+            failover_after,
+            unavailable_after,
+            is_run_alive=None if pid is None else lambda: is_process_alive(pid),
+        )
         self._tick_s = min(0.05, failover_after / 10)
+
+    def _send(self, replica: int, frame: bytes) -> bool:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Abort what is in flight, then close the sockets (bounded by CLOSE_LINGER_MS)."""
+        for request_id in list(self.session.requests):
+            self.session.cancel(request_id)
+        self._closer()
+
+
+class Client(ClientBase):
+    """Synchronous client of a running Brigade: one DEALER per frontend replica.
+
+    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
+    """
 
     def _send(self, replica: int, frame: bytes) -> bool:
         try:
@@ -426,17 +589,32 @@ class Client:
         finally:
             self.session.cancel(state.request_id)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None,
-                 **sampling: Any) -> GenerateResult:
+    def generate(
+        self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any
+    ) -> GenerateResult:
         return self._collect(self.stream(prompt, timeout=timeout, request_id=request_id, **sampling))
 
-    def chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
-             request_id: str | None = None, **sampling: Any) -> GenerateResult:
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> GenerateResult:
         """One assistant reply; the frontend applies the model's chat template."""
-        return self._collect(self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling))
+        return self._collect(
+            self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+        )
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], *, timeout: float | None = None,
-                    request_id: str | None = None, **sampling: Any) -> Iterator[StreamDelta]:
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[StreamDelta]:
         return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
 
     @staticmethod
@@ -463,11 +641,7 @@ class Client:
         return replies
 
     def close(self) -> None:
-        for request_id in list(self.session.requests):
-            self.session.cancel(request_id)
-        for sock in self._sockets:
-            sock.close(linger=100)  # let the aborts out
-        self._ctx.term()
+        self._close()
 
     def __enter__(self) -> Client:
         return self

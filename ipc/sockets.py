@@ -28,7 +28,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from ipc.codec import Codec, MalformedMessage
-from ipc.endpoints import make_run_dir
+from ipc.endpoints import check_private, make_run_dir
 
 T = TypeVar("T")
 In = TypeVar("In")
@@ -47,10 +47,6 @@ Buffer = Any  # bytes, memoryview, numpy array: anything with the buffer protoco
 
 class AddressInUse(OSError):
     """Another live socket is bound to this endpoint."""
-
-
-class InsecureRunDir(PermissionError):
-    """The directory of an ipc:// endpoint is readable or writable by other users."""
 
 
 class MessageTooLarge(ValueError):
@@ -188,11 +184,10 @@ def configure_socket(sock: zmq.Socket, options: SocketOptions = DEFAULT_OPTIONS)
 
 def _prepare_ipc_path(path: Path) -> None:
     """Private run dir, and never steal a socket file another process listens on."""
-    if not path.parent.exists():
+    if os.path.lexists(path.parent):
+        check_private(path.parent, "the directory of an ipc socket")
+    else:
         make_run_dir(path.parent)
-    mode = stat.S_IMODE(path.parent.stat().st_mode)
-    if mode & 0o077:
-        raise InsecureRunDir(f"{path.parent} has mode {mode:o}; ipc sockets need a 0700 directory")
     try:
         st = path.lstat()
     except FileNotFoundError:

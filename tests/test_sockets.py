@@ -20,6 +20,7 @@ import zmq
 from ipc import codec as C
 from ipc import messages as m
 from ipc.codec import MalformedMessage
+from ipc.endpoints import InsecureRunDir
 from ipc.sockets import (
     AddressInUse,
     AsyncDealerSocket,
@@ -28,7 +29,6 @@ from ipc.sockets import (
     CurveClient,
     CurveServer,
     DealerSocket,
-    InsecureRunDir,
     MalformedFrame,
     MessageTooLarge,
     PullQueue,
