@@ -35,6 +35,22 @@ class Codec(Generic[T]):
             raise MalformedMessage(f"{type(exc).__name__}: {exc}") from None
 
 
+class _RequestIdOnly(msgspec.Struct):
+    request_id: str = ""
+
+
+_REQUEST_ID_DECODER = msgspec.msgpack.Decoder(_RequestIdOnly)
+
+
+def request_id_of(data: bytes | memoryview) -> str:
+    """The request id of a map-encoded message that failed to decode as a whole ("" when even that
+    is unreadable), so that an error about a bad request can still name it."""
+    try:
+        return _REQUEST_ID_DECODER.decode(data).request_id
+    except Exception:  # hostile input: nothing to attribute
+        return ""
+
+
 # One codec per channel, named after the receiving side.
 CLIENT_REQUEST: Codec[m.ClientRequest] = Codec(m.ClientRequest)
 CLIENT_REPLY: Codec[m.ClientReply] = Codec(m.ClientReply)

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from ipc.codec import Codec, MalformedMessage
+from ipc.codec import Codec, MalformedMessage, request_id_of
 from ipc.endpoints import check_private, make_run_dir
 
 T = TypeVar("T")
@@ -54,11 +54,13 @@ class MessageTooLarge(ValueError):
 
 
 class MalformedFrame(MalformedMessage):
-    """A bad frame on a ROUTER socket; `identity` lets the caller answer the sender."""
+    """A bad frame on a ROUTER socket; `identity` lets the caller answer the sender, and
+    `request_id` (when the frame has a readable one) lets the error name the request."""
 
-    def __init__(self, identity: bytes, reason: str) -> None:
+    def __init__(self, identity: bytes, reason: str, request_id: str = "") -> None:
         super().__init__(reason)
         self.identity = identity
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -332,15 +334,15 @@ async def _arest(sock: zmq.asyncio.Socket) -> list[memoryview]:
             return frames
 
 
-def _extra_frames(frames: list[memoryview], identity: bytes = b"") -> MalformedFrame:
-    return MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)")
+def _extra_frames(frames: list[memoryview], identity: bytes = b"", request_id: str = "") -> MalformedFrame:
+    return MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)", request_id)
 
 
 def _decode(codec: Codec[T], frame: zmq.Frame, identity: bytes) -> T:
     try:
         return codec.decode(frame)
     except MalformedMessage as exc:
-        raise MalformedFrame(identity, str(exc)) from None
+        raise MalformedFrame(identity, str(exc), request_id_of(frame)) from None
 
 
 # ---------------------------------------------------------------------------
@@ -441,7 +443,7 @@ class RouterSocket(_Base, Generic[In, Out]):
             return None
         frame = self.socket.recv(copy=False)  # the rest of a multipart message is already here
         if frame.more:
-            raise _extra_frames(_rest(self.socket), identity)
+            raise _extra_frames(_rest(self.socket), identity, request_id_of(frame))
         return identity, _decode(self._in, frame, identity)
 
     def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
@@ -578,7 +580,7 @@ class AsyncRouterSocket(_Base, Generic[In, Out]):
     async def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         got = await self.recv_frames(timeout)
         if got is not None and got[2]:
-            raise _extra_frames(got[2], got[0])
+            raise _extra_frames(got[2], got[0], getattr(got[1], "request_id", ""))
         return None if got is None else (got[0], got[1])
 
     async def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:

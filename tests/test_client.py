@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from client import (
     PromptTooLong,
     RequestTimeout,
     ServerUnavailable,
+    StreamDelta,
 )
 from client.sdk import Session
 from ipc import messages as m
@@ -59,7 +61,8 @@ class FakeFrontend:
     """A frontend replica that streams `expected_ids(prompt, max_tokens)` one token per delta.
 
     mode: "normal"; "dup" (every delta twice, plus an overlapping re-send); "error:<code>";
-    "hang" (answers Health, never Generate). `die_after` tokens: then it goes silent for good
+    "garbled" (answers Generate with an ErrorReply that has no request id, as a frontend does to a
+    message it cannot read); "hang" (answers Health, never Generate). `die_after` tokens: then it goes silent for good
     (no deltas, no health replies), as a killed process would.
     """
 
@@ -117,6 +120,8 @@ class FakeFrontend:
             self._streams.pop(request.request_id, None)
         elif self.mode.startswith("error:"):
             self._send(identity, m.ErrorReply(request.request_id, self.mode[6:], "refused by the fake"))
+        elif self.mode == "garbled":
+            self._send(identity, m.ErrorReply("", "invalid_request", "malformed message"))
         elif self.mode != "hang":
             prompt = request.prompt or "".join(msg.role for msg in request.messages or [])
             ids = expected_ids(prompt, request.params.max_tokens)
@@ -392,8 +397,8 @@ def test_async_failover(fakes) -> None:
     assert m.unpack_ids(spare.requests(m.Generate)[0].resume_output_ids).tolist() == expected_ids("afail", 4)
 
 
-def write_run_json(run_dir: Path, endpoints: list[str]) -> None:
-    info = {"run_id": "test", "frontends": endpoints, "model": "fake"}
+def write_run_json(run_dir: Path, endpoints: list[str], supervisor_pid: int | None = None) -> None:
+    info = {"run_id": "test", "frontends": endpoints, "model": "fake", "supervisor_pid": supervisor_pid}
     (run_dir / "run.json").write_text(json.dumps(info))
 
 
@@ -482,3 +487,170 @@ def test_session_resubmits_when_a_replica_restarts() -> None:
     assert m.unpack_ids(resubmits[0].resume_output_ids).tolist() == [5, 6]
     assert resubmits[0].resume_num_chars == 3
     assert state.replica == 0 and not state.is_done
+
+
+# -- requests the SDK must refuse itself (issue 14, item 3) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 16.0}, "max_tokens"),
+        ({"max_tokens": "16"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"top_k": 5.0}, "top_k"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 5]}, "stop"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"seed": 1.5}, "seed"),
+        ({"request_id": 5}, "request_id"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [1.5, 2]}, "prompt"),
+        ({"prompt": np.zeros(3, np.float32)}, "token ids"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 7}]}, "messages"),
+    ],
+)
+def test_wrongly_typed_arguments_are_refused_before_sending(fakes, kwargs: dict, field: str) -> None:
+    fake = fakes()
+    args = {"prompt": "x", **kwargs} if "messages" not in kwargs else kwargs
+    with Client(endpoints=[fake.endpoint]) as client:
+        with pytest.raises(InvalidRequest, match=field):
+            client.stream(timeout=5, **args)
+        assert client.session.requests == {}
+        assert client.generate("after", max_tokens=2).text == expected_text("after", 2)
+    assert [r.prompt for r in fake.requests(m.Generate)] == ["after"]
+
+
+def test_integral_values_convert_where_the_field_is_a_number(fakes) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        client.generate("x", max_tokens=2, temperature=1, top_p=1, logit_bias={5: 1}, stop_token_ids=(7,))
+        client.generate(np.arange(3, dtype=np.int64), max_tokens=2)
+    first, second = fake.requests(m.Generate)
+    assert first.params.temperature == 1.0 and first.params.logit_bias == {5: 1.0}
+    assert first.params.stop_token_ids == [7]
+    assert m.unpack_ids(second.prompt_token_ids).tolist() == [0, 1, 2]
+
+
+def test_an_error_without_a_request_id_fails_the_unanswered_request(fakes) -> None:
+    """A frontend that could not read a request answers with an empty id; the request it sent
+    must fail at once, not wait for a reply that never comes."""
+    fake = fakes(mode="garbled")
+    with Client(endpoints=[fake.endpoint]) as client:
+        start = time.monotonic()
+        with pytest.raises(InvalidRequest, match="could not read request"):
+            client.generate("x", timeout=20)
+        assert time.monotonic() - start < 10
+
+
+# -- one bad request must not poison a Client; an unclosed one must not hang (item 4) ---------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prompt": "\ud800"},
+        {"messages": [{"role": "user", "content": "a\udfffb"}]},
+        {"prompt": "x", "stop": "\ud800"},
+        {"prompt": "x", "request_id": "\ud800"},
+    ],
+)
+def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        for _ in range(2):
+            with pytest.raises(InvalidRequest, match="not valid text"):
+                client.generate(timeout=5, **kwargs) if "prompt" in kwargs else client.chat(timeout=5, **kwargs)
+        assert client.session.requests == {}
+        assert client.generate("fine", max_tokens=3, timeout=5).text == expected_text("fine", 3)
+
+
+UNCLOSED_CLIENTS = """
+import gc, sys
+from concurrent.futures import ThreadPoolExecutor
+from client import Client, ServerUnavailable
+
+def one(i):
+    client = Client(endpoints=[sys.argv[1]], failover_after=0.1, unavailable_after=0.3)
+    if i % 2:
+        return client.generate("x", max_tokens=2, timeout=5).text
+    try:
+        client.health(timeout=0.2)
+    except ServerUnavailable:
+        pass
+    # dropped without close(), as a thread pool's per-thread clients are
+
+with ThreadPoolExecutor(8) as pool:
+    texts = [t for t in pool.map(one, range(32)) if t]
+gc.collect()
+print(len(texts), len(set(texts)), flush=True)
+"""
+
+
+def test_clients_dropped_without_close_never_hang_the_process(fakes) -> None:
+    fake = fakes()
+    out = subprocess.run(
+        [sys.executable, "-c", UNCLOSED_CLIENTS, fake.endpoint],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["16", "1"]  # every generate answered, the same way
+
+
+# -- a run that ends is heard at once (item 5) ------------------------------------------------------
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(30)
+    return child.pid
+
+
+def test_a_dead_run_fails_requests_at_once(fakes, run_dir: Path) -> None:
+    """The supervisor was SIGKILLed (its stages die with it): run.json is left behind naming a
+    supervisor that is gone, and the client fails its requests without waiting out
+    unavailable_after. The fake still answers health probes, so only the run check can tell."""
+    fake = fakes(mode="hang")
+    write_run_json(run_dir, [fake.endpoint], supervisor_pid=dead_pid())
+    with Client(run_dir, unavailable_after=60) as client:
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="run ended"):
+            client.generate("x", timeout=30)
+        assert time.monotonic() - start < 10
+    assert fake.requests(m.Generate)
+
+
+def test_a_live_run_is_waited_for(fakes, run_dir: Path) -> None:
+    fake = fakes(mode="hang")
+    write_run_json(run_dir, [fake.endpoint], supervisor_pid=os.getpid())
+    with Client(run_dir, unavailable_after=60) as client, pytest.raises(RequestTimeout):
+        client.generate("x", timeout=2)
+
+
+def test_every_replica_stopping_fails_the_request_instead_of_bouncing(fakes) -> None:
+    a, b = fakes(0, mode="error:unavailable"), fakes(1, mode="error:unavailable")
+    with Client(endpoints=[a.endpoint, b.endpoint]) as client:
+        client.health()
+        with pytest.raises(ServerUnavailable, match="refused by the fake"):
+            client.generate("x", timeout=10)
+    assert len(a.requests(m.Generate)) + len(b.requests(m.Generate)) == 2
+
+
+def test_async_stream_chat(fakes) -> None:
+    fake = fakes()
+
+    async def main() -> list[StreamDelta]:
+        async with AsyncClient(endpoints=[fake.endpoint]) as client:
+            with pytest.raises(InvalidRequest, match="max_tokens"):
+                await client.generate("x", max_tokens="3")
+            stream = client.stream_chat([{"role": "user", "content": "hi"}], max_tokens=3)
+            return [d async for d in stream]
+
+    deltas = asyncio.run(main())
+    assert "".join(d.text for d in deltas) == expected_text("user", 3)
+    (request,) = fake.requests(m.Generate)
+    assert request.messages == [m.ChatMessage("user", "hi")]

@@ -69,32 +69,32 @@ def test_group_choice_follows_reported_load(core_factory) -> None:
     assert core.admit(b"c", m.Generate("a", prompt="x")).group == 1
     core.group_loads = [1.0, 2.0]
     assert core.admit(b"c", m.Generate("b", prompt="x")).group == 0
-    core.abort("b")
+    core.abort(b"c", "b")
     core.group_loads = [0.0, 0.0]  # equal reports: our own in-flight request ("a") breaks the tie
     assert core.admit(b"c", m.Generate("c", prompt="x")).group == 0
 
 
 def test_relay_is_exactly_once_by_position(core_factory) -> None:
     core = core_factory()
-    core.admit(b"c", m.Generate("r", prompt="x"))
-    first = core.relay(m.Delta("r", 0, 0, "Hel", m.pack_ids([1, 2])))
-    assert first is not None and first.message.text == "Hel"
-    again = m.Delta("r", 0, 0, "Hello", m.pack_ids([1, 2, 3]))  # re-sent from the start (a resync)
+    r = core.admit(b"c", m.Generate("r", prompt="x")).submit.request_id  # the engine's id
+    first = core.relay(m.Delta(r, 0, 0, "Hel", m.pack_ids([1, 2])))
+    assert first is not None and first.message.text == "Hel" and first.message.request_id == "r"
+    again = m.Delta(r, 0, 0, "Hello", m.pack_ids([1, 2, 3]))  # re-sent from the start (a resync)
     reply = core.relay(again)
     assert reply is not None
     assert (reply.message.text, reply.message.token_index, reply.message.char_offset) == ("lo", 2, 3)
     assert m.unpack_ids(reply.message.token_ids).tolist() == [3]
     assert core.relay(again) is None  # nothing new
-    assert core.relay(m.Delta("r", 9, 20, "gap", m.pack_ids([9]))) is None  # a gap is not forwarded
-    done = core.relay(m.Delta("r", 3, 5, "!", m.pack_ids([4]), finish_reason="stop"))
+    assert core.relay(m.Delta(r, 9, 20, "gap", m.pack_ids([9]))) is None  # a gap is not forwarded
+    done = core.relay(m.Delta(r, 3, 5, "!", m.pack_ids([4]), finish_reason="stop"))
     assert done is not None and done.message.finish_reason == "stop"
-    assert "r" not in core.journal
+    assert not core.journal and not core.engine_ids
 
 
 def test_resubmission_carries_what_the_client_has(core_factory) -> None:
     core = core_factory(num_groups=2)
     entry = core.admit(b"c", m.Generate("r", prompt="x"))
-    core.relay(m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6])))
+    core.relay(m.Delta(entry.submit.request_id, 0, 0, "ab", m.pack_ids([5, 6])))
     (again,) = core.resubmissions(entry.group)
     assert m.unpack_ids(again.output_ids).tolist() == [5, 6]
     assert again.params.seed == entry.submit.params.seed
@@ -138,13 +138,14 @@ def test_watchdog_leaves_a_legitimately_quiet_request_alone(core_factory) -> Non
     the frontend never resubmits it (a resubmission would restart the prefill: a livelock)."""
     core = core_factory()
     entry = core.admit(b"c", m.Generate("r", prompt="x"))
+    r = entry.submit.request_id  # the engine's id, which the scheduler is asked about
     now = entry.progress_at
     assert ask(core, now + STALL_S / 2) == []  # not quiet for long enough yet
     for round_ in range(1, 6):
         now += STALL_S
-        assert ask(core, now) == ["r"]
+        assert ask(core, now) == [r]
         assert ask(core, now + 1) == []  # asked already: not again before another timeout
-        assert core.on_progress(m.RequestProgress(["r"], [0]), now + 1) == ([], []), round_
+        assert core.on_progress(m.RequestProgress([r], [0]), now + 1) == ([], []), round_
 
 
 def test_watchdog_redrives_a_request_the_engine_lost(core_factory) -> None:
@@ -153,30 +154,31 @@ def test_watchdog_redrives_a_request_the_engine_lost(core_factory) -> None:
     moved on since the question changes nothing."""
     core = core_factory()
     entry = core.admit(b"c", m.Generate("r", prompt="x"))
-    core.relay(m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6])))
+    r = entry.submit.request_id
+    core.relay(m.Delta(r, 0, 0, "ab", m.pack_ids([5, 6])))
     now = entry.progress_at + STALL_S
-    assert ask(core, now) == ["r"]
+    assert ask(core, now) == [r]
     # Its final text may still be on its way through the detokenizer: wait for a second answer.
-    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])
     now += STALL_S
-    assert ask(core, now) == ["r"]
-    redrive, failed = core.on_progress(m.RequestProgress(["r"], [-1]), now)
+    assert ask(core, now) == [r]
+    redrive, failed = core.on_progress(m.RequestProgress([r], [-1]), now)
     assert redrive == [entry] and failed == []
     assert m.unpack_ids(core.resubmission(entry).output_ids).tolist() == [5, 6]
 
     # Progress between two answers starts the count over.
     now += STALL_S
-    assert ask(core, now) == ["r"]
-    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])
-    assert ask(core, now + STALL_S) == ["r"]
-    core.relay(m.Delta("r", 2, 2, "c", m.pack_ids([7])))
-    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])  # moved since asked
+    assert ask(core, now) == [r]
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])
+    assert ask(core, now + STALL_S) == [r]
+    core.relay(m.Delta(r, 2, 2, "c", m.pack_ids([7])))
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])  # moved since asked
     now += 2 * STALL_S
-    assert ask(core, now) == ["r"]
-    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([], [])  # the first of two again
+    assert ask(core, now) == [r]
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])  # the first of two again
     now += STALL_S
-    assert ask(core, now) == ["r"]
-    assert core.on_progress(m.RequestProgress(["r"], [-1]), now) == ([entry], [])
+    assert ask(core, now) == [r]
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([entry], [])
 
 
 def test_a_gap_cannot_strand_a_request(core_factory) -> None:
@@ -185,9 +187,10 @@ def test_a_gap_cannot_strand_a_request(core_factory) -> None:
     One that keeps getting lost fails with a clear error rather than waiting forever."""
     core = core_factory()
     entry = core.admit(b"c", m.Generate("r", prompt="x", stream=False))
-    core.relay(m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6])))
-    assert core.relay(m.Delta("r", 4, 4, "ef", m.pack_ids([9, 10]), finish_reason="length")) is None
-    assert core.num_gaps == 1 and "r" in core.journal
+    r = entry.submit.request_id
+    core.relay(m.Delta(r, 0, 0, "ab", m.pack_ids([5, 6])))
+    assert core.relay(m.Delta(r, 4, 4, "ef", m.pack_ids([9, 10]), finish_reason="length")) is None
+    assert core.num_gaps == 1 and r in core.journal
     now = entry.progress_at
     redrives = 0
     failed: list = []
@@ -195,8 +198,8 @@ def test_a_gap_cannot_strand_a_request(core_factory) -> None:
         assert redrives <= MAX_REDRIVES
         for _ in range(2):
             now += STALL_S
-            assert ask(core, now) == ["r"]
-            redrive, failed = core.on_progress(m.RequestProgress(["r"], [6]), now)
+            assert ask(core, now) == [r]
+            redrive, failed = core.on_progress(m.RequestProgress([r], [6]), now)
         if redrive:
             assert redrive == [entry] and entry.output_ids == [5, 6]
             redrives += 1
@@ -205,18 +208,46 @@ def test_a_gap_cannot_strand_a_request(core_factory) -> None:
     assert isinstance(reply.message, m.ErrorReply)
     assert (reply.message.request_id, reply.message.code) == ("r", "internal")
     assert "lost" in reply.message.message
-    assert "r" not in core.journal
+    assert r not in core.journal
 
 
 def test_detokenizer_restart_resubmits_exactly_its_shard(core_factory) -> None:
     core = core_factory(num_groups=2)
-    ids = [f"req-{i}" for i in range(12)]
-    for rid in ids:
-        core.admit(b"c", m.Generate(rid, prompt="x"))
-    core.relay(m.Delta("req-0", 0, 0, "ab", m.pack_ids([5, 6])))
+    ids = [core.admit(b"c", m.Generate(f"req-{i}", prompt="x")).submit.request_id for i in range(12)]
+    core.relay(m.Delta(ids[0], 0, 0, "ab", m.pack_ids([5, 6])))
     for shard in range(3):
         again = core.shard_resubmissions(shard, 3)
         assert sorted(s.request_id for _, s in again) == sorted(r for r in ids if shard_of(r, 3) == shard)
         for group, submit in again:
             assert group == core.journal[submit.request_id].group
             assert m.unpack_ids(submit.output_ids).tolist() == core.journal[submit.request_id].output_ids
+
+
+def test_request_ids_are_scoped_to_the_connection(core_factory) -> None:
+    """Two clients that pick the same request id get two engine requests, each relayed to its own
+    client; neither can abort the other's."""
+    core = core_factory()
+    mine = core.admit(b"alice", m.Generate("job-1", prompt="x"))
+    theirs = core.admit(b"mallory", m.Generate("job-1", prompt="y"))
+    assert mine.submit.request_id != theirs.submit.request_id
+    assert len(core.journal) == 2
+    reply = core.relay(m.Delta(mine.submit.request_id, 0, 0, "a", m.pack_ids([5])))
+    assert reply is not None and reply.identity == b"alice" and reply.message.request_id == "job-1"
+    assert core.abort(b"mallory", "job-2") is None
+    assert core.abort(b"eve", "job-1") is None
+    assert mine.submit.request_id in core.journal
+    assert core.abort(b"mallory", "job-1") is theirs
+    assert list(core.journal) == [mine.submit.request_id]
+
+
+def test_a_resubmission_on_the_same_connection_keeps_the_engine_id(core_factory) -> None:
+    core = core_factory()
+    first = core.admit(b"c", m.Generate("r", prompt="x"))
+    ids = core.tokenizer.encode("Hello")
+    resumed = m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=len("Hello"))
+    again = core.admit(b"c", resumed)
+    assert again.submit.request_id == first.submit.request_id and len(core.journal) == 1
+    assert core.fail(m.RequestFailed(again.submit.request_id, "internal", "boom")).message == m.ErrorReply(
+        "r", "internal", "boom"
+    )
+    assert not core.journal and not core.engine_ids

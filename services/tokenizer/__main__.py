@@ -18,6 +18,11 @@ from services.tokenizer.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
+# How often a client with requests in flight is sent a HealthReply. A send to a client that has
+# gone fails (ROUTER_MANDATORY), so a dead client's requests stop computing within about this
+# long even when nothing else is sent to it (a non-streamed request, or one still queued).
+KEEPALIVE_S = 1.0
+STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the frontend stops
 
 
 class Frontend:
@@ -27,7 +32,9 @@ class Frontend:
         self.stage, _ = parse_stage_args("tokenizer")
         stage, config = self.stage, self.stage.config
         self.ctx = zmq.Context()
-        self.clients = RouterSocket(self.ctx, stage.endpoints.frontend(stage.index), CLIENT_REQUEST, CLIENT_REPLY)
+        self.clients = RouterSocket(
+            self.ctx, stage.endpoints.frontend(stage.index), CLIENT_REQUEST, CLIENT_REPLY
+        )
         self.inbox = PullQueue(self.ctx, stage.endpoints.frontend_in(stage.index), FRONTEND_INPUT, bind=True)
         self.schedulers = [
             PushQueue(self.ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
@@ -49,32 +56,60 @@ class Frontend:
         self.num_events = 0
         self.is_draining = False
         self.incarnation = random.getrandbits(63)  # tells clients that this process is new
+        self.last_keepalive = 0.0
 
     def send(self, reply: Reply) -> None:
         if not self.clients.send(reply.identity, reply.message):
-            # The client is gone: stop spending compute on its request.
-            request_id = getattr(reply.message, "request_id", "")
-            if self.core.abort(request_id) is not None:
-                self.stage.log.info("client of %s disconnected; aborting it", request_id)
-                self._abort_upstream(request_id)
+            self._client_gone(reply.identity)
 
-    def _abort_upstream(self, request_id: str) -> None:
+    def _client_gone(self, identity: bytes) -> None:
+        """Stop spending compute on the requests of a client that disconnected."""
+        for entry in self.core.abort_connection(identity):
+            self.stage.log.info("client of %s disconnected; aborting it", entry.request_id)
+            self._abort_upstream(entry.submit.request_id)
+
+    def _abort_upstream(self, engine_id: str) -> None:
         for scheduler in self.schedulers:
-            scheduler.put(m.AbortRequest(request_id))
+            scheduler.put(m.AbortRequest(engine_id))
+
+    def health(self) -> m.HealthReply:
+        return m.HealthReply(
+            self.stage.index,
+            True,
+            self.stage.info.model,
+            len(self.core.journal),
+            self.stage.config.model.max_model_len,
+            self.incarnation,
+        )
+
+    def keep_alive(self) -> None:
+        """A HealthReply to every client with requests in flight: finds the ones that are gone."""
+        now = time.monotonic()
+        if now - self.last_keepalive < KEEPALIVE_S:
+            return
+        self.last_keepalive = now
+        health = self.health()
+        for identity in {entry.identity for entry in self.core.journal.values()}:
+            self.send(Reply(identity, health))
 
     def on_client(self) -> None:
         try:
             received = self.clients.recv(0)
         except MalformedFrame as exc:
             self.num_malformed += 1
-            self.clients.send(exc.identity, m.ErrorReply("", "invalid_request", f"malformed message: {exc}"))
+            error = m.ErrorReply(exc.request_id, "invalid_request", f"malformed message: {exc}")
+            self.clients.send(exc.identity, error)
             return
         if received is None:
             return
         identity, request = received
         if isinstance(request, m.Generate):
             if self.is_draining:
-                self.send(Reply(identity, m.ErrorReply(request.request_id, "unavailable", "server is shutting down")))
+                self.send(
+                    Reply(
+                        identity, m.ErrorReply(request.request_id, "unavailable", "server is shutting down")
+                    )
+                )
                 return
             try:
                 entry = self.core.admit(identity, request)
@@ -82,28 +117,24 @@ class Frontend:
                 self.send(Reply(identity, m.ErrorReply(request.request_id, exc.code, str(exc))))
                 return
             if not self.schedulers[entry.group].put(entry.submit):
-                self.core.abort(request.request_id)
-                self.send(Reply(identity, m.ErrorReply(request.request_id, "overloaded", "engine queue is full")))
-        elif isinstance(request, m.Abort):
-            entry = self.core.abort(request.request_id)
-            self._abort_upstream(request.request_id)
-            if entry is not None:
-                final = m.Delta(request.request_id, len(entry.output_ids), entry.num_chars, "", b"", finish_reason="abort")
-                self.send(Reply(identity, final))
-        else:
-            self.send(
-                Reply(
-                    identity,
-                    m.HealthReply(
-                        self.stage.index,
-                        True,
-                        self.stage.info.model,
-                        len(self.core.journal),
-                        self.stage.config.model.max_model_len,
-                        self.incarnation,
-                    ),
+                self.core.abort(identity, request.request_id)
+                self.send(
+                    Reply(identity, m.ErrorReply(request.request_id, "overloaded", "engine queue is full"))
                 )
+        elif isinstance(request, m.Abort):
+            # Only the connection that made a request may abort it.
+            entry = self.core.abort(identity, request.request_id)
+            if entry is None:
+                message = f"no request {request.request_id!r} of this connection is in flight"
+                self.send(Reply(identity, m.ErrorReply(request.request_id, "unknown_request", message)))
+                return
+            self._abort_upstream(entry.submit.request_id)
+            final = m.Delta(
+                request.request_id, len(entry.output_ids), entry.num_chars, "", b"", finish_reason="abort"
             )
+            self.send(Reply(identity, final))
+        else:
+            self.send(Reply(identity, self.health()))
 
     def on_engine(self) -> None:
         try:
@@ -152,7 +183,9 @@ class Frontend:
             self.is_draining = True  # finish what is in flight, refuse anything new
         elif isinstance(command, m.ResubmitAll):
             submissions = self.core.resubmissions(command.group)
-            self.stage.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
+            self.stage.log.info(
+                "scheduler %d restarted: resubmitting %d requests", command.group, len(submissions)
+            )
             for submit in submissions:
                 self.schedulers[command.group].put(submit)
         elif isinstance(command, m.ResubmitShard):
@@ -177,6 +210,7 @@ class Frontend:
             if self.clients.socket in events:
                 self.on_client()
                 self.num_events += 1
+            self.keep_alive()
             command = self.control.command()
             if command is not None:
                 self.on_command(command)
@@ -186,8 +220,17 @@ class Frontend:
                 has_work=False,
                 load=m.StageLoad(num_in_flight=len(self.core.journal), num_malformed=self.num_malformed),
             )
-        self.stage.log.info("stopping")
-        self.ctx.destroy(linger=0)
+        # The run is stopping or this replica is retired: every client hears it now instead of
+        # waiting for a reply that will never come (with other replicas, the SDK fails over).
+        dropped = self.core.drop_all()
+        for entry in dropped:
+            error = m.ErrorReply(
+                entry.request_id, "unavailable", "the frontend stopped (its Brigade run is ending)"
+            )
+            self.clients.send(entry.identity, error)
+            self._abort_upstream(entry.submit.request_id)
+        self.stage.log.info("stopping; failed the %d requests in flight", len(dropped))
+        self.ctx.destroy(linger=STOP_LINGER_MS)
 
 
 if __name__ == "__main__":

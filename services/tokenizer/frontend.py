@@ -7,12 +7,17 @@ docs/architecture.md), and so that the frontend can re-drive a request whose del
 request that the engine no longer runs, it resubmits the request with the outputs its client
 already has. The journal forgets a request only once its client has the final delta. Light: no
 torch.
+
+A client's request id is scoped to its connection (its ROUTER identity): the engine knows each
+request by an id of the frontend's own (`engine_id`), so another client that reuses the id, or
+sends an Abort for it, cannot touch it.
 """
 
 from __future__ import annotations
 
 import random
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,9 +46,11 @@ class RequestError(Exception):
 
 @dataclass
 class JournalEntry:
-    """One in-flight request: who asked, what was asked, and what the client has been sent."""
+    """One in-flight request: who asked, what was asked, and what the client has been sent.
+    `request_id` is the client's id; `submit.request_id` the engine's."""
 
     identity: bytes
+    request_id: str
     submit: m.SubmitRequest
     group: int
     is_stream: bool
@@ -114,7 +121,8 @@ class FrontendCore:
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
-        self.journal: dict[str, JournalEntry] = {}
+        self.journal: dict[str, JournalEntry] = {}  # by engine id
+        self.engine_ids: dict[tuple[bytes, str], str] = {}  # (identity, client's request id) -> engine id
         self.num_unknown_deltas = 0
         self.num_gaps = 0
         self.num_finished = 0
@@ -161,10 +169,14 @@ class FrontendCore:
         if params.seed is None:
             # Seeds are fixed here, once, so a resubmitted request samples the same tokens.
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
-        old = self.journal.get(request.request_id)
+        key = (identity, request.request_id)
+        # The same connection resubmitting its request (after a failover that found this replica
+        # alive after all) keeps the engine id, so the scheduler replaces the running copy.
+        engine_id = self.engine_ids.get(key) or f"{self.frontend_id}-{uuid.uuid4().hex}"
+        old = self.journal.get(engine_id)
         group = old.group if old else self._least_loaded_group()
         submit = m.SubmitRequest(
-            request_id=request.request_id,
+            request_id=engine_id,
             frontend_id=self.frontend_id,
             prompt_ids=m.pack_ids(prompt_ids),
             params=params,
@@ -173,13 +185,15 @@ class FrontendCore:
         )
         entry = JournalEntry(
             identity,
+            request.request_id,
             submit,
             group,
             request.stream,
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
         )
-        self.journal[request.request_id] = entry
+        self.journal[engine_id] = entry
+        self.engine_ids[key] = engine_id
         return entry
 
     def _prompt_ids(self, request: m.Generate) -> list[int]:
@@ -224,10 +238,32 @@ class FrontendCore:
             load[entry.group] += 1
         return min(range(self.num_groups), key=load.__getitem__)
 
-    def abort(self, request_id: str) -> JournalEntry | None:
-        entry = self.journal.pop(request_id, None)
-        if entry is not None and self.metrics is not None:
+    def abort(self, identity: bytes, request_id: str) -> JournalEntry | None:
+        """Forget the request `request_id` of the client at `identity` (None if it has none such);
+        the caller aborts `entry.submit.request_id` upstream."""
+        engine_id = self.engine_ids.get((identity, request_id))
+        if engine_id is None:
+            return None
+        entry = self._forget(engine_id)
+        if self.metrics is not None:
             self.metrics.on_finish("abort", entry.arrival, time.monotonic())
+        return entry
+
+    def abort_connection(self, identity: bytes) -> list[JournalEntry]:
+        """Forget every request of a client that is gone."""
+        ids = [rid for who, rid in self.engine_ids if who == identity]
+        return [entry for rid in ids if (entry := self.abort(identity, rid)) is not None]
+
+    def drop_all(self) -> list[JournalEntry]:
+        """Forget every request in flight (the frontend is stopping and fails them all)."""
+        entries = list(self.journal.values())
+        self.journal.clear()
+        self.engine_ids.clear()
+        return entries
+
+    def _forget(self, engine_id: str) -> JournalEntry:
+        entry = self.journal.pop(engine_id)
+        del self.engine_ids[entry.identity, entry.request_id]
         return entry
 
     # -- engine side ---------------------------------------------------------------------------
@@ -256,18 +292,18 @@ class FrontendCore:
                 self.metrics.on_tokens(entry.arrival, entry.last_token_time, now, len(new_ids))
             entry.last_token_time = now
         if fresh.finish_reason is not None:
-            self.journal.pop(delta.request_id, None)
+            self._forget(delta.request_id)
             self.num_finished += 1
             if self.metrics is not None:
                 self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
         if entry.is_stream:
-            return Reply(entry.identity, fresh)
+            return Reply(entry.identity, msgspec.structs.replace(fresh, request_id=entry.request_id))
         entry.text.append(fresh.text)
         entry.logprobs.append(fresh.logprobs)
         if fresh.finish_reason is None:
             return None
         whole = m.Delta(
-            request_id=delta.request_id,
+            request_id=entry.request_id,
             token_index=0,
             char_offset=0,
             text="".join(entry.text),
@@ -279,12 +315,12 @@ class FrontendCore:
         return Reply(entry.identity, whole)
 
     def fail(self, failure: m.RequestFailed) -> Reply | None:
-        entry = self.journal.pop(failure.request_id, None)
-        if entry is None:
+        if failure.request_id not in self.journal:
             return None
+        entry = self._forget(failure.request_id)
         if self.metrics is not None:
             self.metrics.on_finish(failure.code, entry.arrival, time.monotonic())
-        return Reply(entry.identity, m.ErrorReply(failure.request_id, failure.code, failure.message))
+        return Reply(entry.identity, m.ErrorReply(entry.request_id, failure.code, failure.message))
 
     # -- re-driving delivery ------------------------------------------------------------------
 
