@@ -33,7 +33,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config, ConfigError, load_config
-from ipc.endpoints import Endpoints, default_run_dir, make_run_dir
+from ipc.endpoints import Endpoints, InsecureRunDir, default_run_dir, make_run_dir
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
@@ -532,7 +532,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     setup_logging("supervisor", config.supervisor.log_level, args.log_format)
-    run_dir = make_run_dir(args.run_dir or default_run_dir())
+    try:
+        run_dir = make_run_dir(args.run_dir or default_run_dir())
+    except InsecureRunDir as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     supervisor = Supervisor(config, args.config, args.set, run_dir, args.log_format)
 
     def on_signal(signum: int, frame: object) -> None:

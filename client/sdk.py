@@ -96,13 +96,17 @@ def read_run(run_dir: Path | str | None = None) -> ConnectInfo:
 
 
 def is_process_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # alive, owned by someone else
-    return True
+        pass  # alive, owned by someone else
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc to tell a zombie apart
 
 
 _PARAM_TYPES = {f.name: f.type for f in msgspec.structs.fields(m.SamplingParams)}

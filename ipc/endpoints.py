@@ -43,22 +43,22 @@ def check_private(path: Path, what: str = "run dir") -> None:
         raise InsecureRunDir(f"{what} {path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})")
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise InsecureRunDir(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700")
-    _check_parents(path)
+    _check_ancestors(path.parent, path)
 
 
-def _check_parents(path: Path) -> None:
-    """Every directory above `path`, as written and with symlinks resolved, is ours or root's,
-    and others cannot rename its entries: not group/other writable, or sticky like /tmp (others
-    may add entries there but not replace ours)."""
-    written = Path(os.path.abspath(path.parent))
-    resolved = Path(os.path.realpath(path.parent))
+def _check_ancestors(start: Path, run_dir: Path) -> None:
+    """`start` and every directory above it, as written and with symlinks resolved, are ours or
+    root's, and others cannot rename their entries: not group/other writable, or sticky like
+    /tmp (others may add entries there but not replace ours)."""
+    written = Path(os.path.abspath(start))
+    resolved = Path(os.path.realpath(start))
     for parent in {written, *written.parents, resolved, *resolved.parents}:
         st = parent.lstat()
         mode = stat.S_IMODE(st.st_mode)
         is_shared_writable = mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX)
         if not _trusted_owner(st) or (is_shared_writable and not stat.S_ISLNK(st.st_mode)):
             raise InsecureRunDir(
-                f"{parent} (above the run dir {path}) is owned by uid {st.st_uid} with mode {mode:o}: "
+                f"{parent} (above the run dir {run_dir}) is owned by uid {st.st_uid} with mode {mode:o}: "
                 "another user could replace the run dir"
             )
 
@@ -76,6 +76,10 @@ def check_run_file(path: Path) -> None:
 def make_run_dir(path: Path) -> Path:
     """Create the run directory with mode 0700 (socket files inside are private), or check an
     existing one: raises InsecureRunDir when another user could tamper with it."""
+    # Check what exists before creating anything in it: root could create (and use) a run dir
+    # inside another user's directory.
+    existing = next(p for p in (path.parent, *path.parent.parents) if os.path.lexists(p))
+    _check_ancestors(existing, path)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = path.lstat()
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():

@@ -11,7 +11,6 @@ pushes with a plain PushQueue.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
@@ -220,7 +219,11 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str) -> None:
 
 
 class _Base:
-    """Owns one configured ZeroMQ socket: binding, CURVE, the receive-timeout cache and closing."""
+    """Owns one configured ZeroMQ socket: binding, CURVE, the receive-timeout cache and closing.
+    `_is_async` picks the context flavour, so a sync and an asyncio wrapper of one socket kind
+    share everything but their send and receive methods."""
+
+    _is_async = False
 
     def __init__(
         self,
@@ -232,6 +235,7 @@ class _Base:
         curve: CurveServer | CurveClient | None,
         identity: bytes | None = None,
     ) -> None:
+        ctx = _async(ctx) if self._is_async else _sync(ctx)
         self.socket = ctx.socket(socket_type)
         self._ctx = ctx
         self._max_msg_bytes = options.max_msg_bytes
@@ -363,7 +367,7 @@ class PushQueue(_Base, Generic[T]):
         options: SocketOptions = DEFAULT_OPTIONS,
         curve: CurveServer | CurveClient | None = None,
     ) -> None:
-        super().__init__(_sync(ctx), zmq.PUSH, endpoint, bind, options, curve)
+        super().__init__(ctx, zmq.PUSH, endpoint, bind, options, curve)
         self._codec = codec
 
     def put(self, msg: T, frames: Sequence[Buffer] = ()) -> bool:
@@ -378,8 +382,8 @@ class PushQueue(_Base, Generic[T]):
         return True
 
 
-class PullQueue(_Base, Generic[T]):
-    """The receiving end of a one-way channel (PULL); `.socket` can go into a zmq.Poller."""
+class _Pull(_Base, Generic[T]):
+    """What PullQueue and AsyncPullQueue share."""
 
     def __init__(
         self,
@@ -390,8 +394,12 @@ class PullQueue(_Base, Generic[T]):
         options: SocketOptions = DEFAULT_OPTIONS,
         curve: CurveServer | CurveClient | None = None,
     ) -> None:
-        super().__init__(_sync(ctx), zmq.PULL, endpoint, bind, options, curve)
+        super().__init__(ctx, zmq.PULL, endpoint, bind, options, curve)
         self._codec = codec
+
+
+class PullQueue(_Pull[T]):
+    """The receiving end of a one-way channel (PULL); `.socket` can go into a zmq.Poller."""
 
     def get(self, timeout: float | None) -> T | None:
         """The next message, or None after `timeout` seconds; raises MalformedMessage."""
@@ -416,8 +424,8 @@ class PullQueue(_Base, Generic[T]):
         return self._codec.decode(frame), frames
 
 
-class RouterSocket(_Base, Generic[In, Out]):
-    """The serving end of a request/reply channel with many peers (ROUTER)."""
+class _Router(_Base, Generic[In, Out]):
+    """What RouterSocket and AsyncRouterSocket share."""
 
     def __init__(
         self,
@@ -429,9 +437,13 @@ class RouterSocket(_Base, Generic[In, Out]):
         options: SocketOptions = DEFAULT_OPTIONS,
         curve: CurveServer | CurveClient | None = None,
     ) -> None:
-        super().__init__(_sync(ctx), zmq.ROUTER, endpoint, bind, options, curve)
+        super().__init__(ctx, zmq.ROUTER, endpoint, bind, options, curve)
         self._in = in_codec
         self._out = out_codec
+
+
+class RouterSocket(_Router[In, Out]):
+    """The serving end of a request/reply channel with many peers (ROUTER)."""
 
     def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         """(identity, message), or None after `timeout` seconds; raises MalformedFrame."""
@@ -474,8 +486,8 @@ class RouterSocket(_Base, Generic[In, Out]):
         return True
 
 
-class DealerSocket(_Base, Generic[In, Out]):
-    """The client end of a request/reply channel (DEALER)."""
+class _Dealer(_Base, Generic[In, Out]):
+    """What DealerSocket and AsyncDealerSocket share."""
 
     def __init__(
         self,
@@ -488,9 +500,13 @@ class DealerSocket(_Base, Generic[In, Out]):
         curve: CurveServer | CurveClient | None = None,
         identity: bytes | None = None,
     ) -> None:
-        super().__init__(_sync(ctx), zmq.DEALER, endpoint, bind, options, curve, identity)
+        super().__init__(ctx, zmq.DEALER, endpoint, bind, options, curve, identity)
         self._in = in_codec
         self._out = out_codec
+
+
+class DealerSocket(_Dealer[In, Out]):
+    """The client end of a request/reply channel (DEALER)."""
 
     def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
         data = self._out.encode(msg)
@@ -529,20 +545,10 @@ class DealerSocket(_Base, Generic[In, Out]):
 # ---------------------------------------------------------------------------
 
 
-class AsyncPullQueue(_Base, Generic[T]):
+class AsyncPullQueue(_Pull[T]):
     """PullQueue for asyncio code."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        endpoint: str,
-        codec: Codec[T],
-        bind: bool = True,
-        options: SocketOptions = DEFAULT_OPTIONS,
-        curve: CurveServer | CurveClient | None = None,
-    ) -> None:
-        super().__init__(_async(ctx), zmq.PULL, endpoint, bind, options, curve)
-        self._codec = codec
+    _is_async = True
 
     async def get(self, timeout: float | None) -> T | None:
         got = await self.get_frames(timeout)
@@ -560,22 +566,10 @@ class AsyncPullQueue(_Base, Generic[T]):
         return self._codec.decode(frame), frames
 
 
-class AsyncRouterSocket(_Base, Generic[In, Out]):
+class AsyncRouterSocket(_Router[In, Out]):
     """RouterSocket for asyncio code."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        endpoint: str,
-        in_codec: Codec[In],
-        out_codec: Codec[Out],
-        bind: bool = True,
-        options: SocketOptions = DEFAULT_OPTIONS,
-        curve: CurveServer | CurveClient | None = None,
-    ) -> None:
-        super().__init__(_async(ctx), zmq.ROUTER, endpoint, bind, options, curve)
-        self._in = in_codec
-        self._out = out_codec
+    _is_async = True
 
     async def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         got = await self.recv_frames(timeout)
@@ -597,23 +591,10 @@ class AsyncRouterSocket(_Base, Generic[In, Out]):
         return await _asend(self.socket, [identity, self._check(self._out.encode(msg), frames), *frames])
 
 
-class AsyncDealerSocket(_Base, Generic[In, Out]):
+class AsyncDealerSocket(_Dealer[In, Out]):
     """DealerSocket for asyncio code."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        endpoint: str,
-        in_codec: Codec[In],
-        out_codec: Codec[Out],
-        bind: bool = False,
-        options: SocketOptions = DEFAULT_OPTIONS,
-        curve: CurveServer | CurveClient | None = None,
-        identity: bytes | None = None,
-    ) -> None:
-        super().__init__(_async(ctx), zmq.DEALER, endpoint, bind, options, curve, identity)
-        self._in = in_codec
-        self._out = out_codec
+    _is_async = True
 
     async def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
         return await _asend(self.socket, [self._check(self._out.encode(msg), frames), *frames])
@@ -643,14 +624,4 @@ async def _asend(sock: zmq.asyncio.Socket, parts: list[Buffer]) -> bool:
         if exc.errno == zmq.EHOSTUNREACH:
             return False
         raise
-    return True
-
-
-def install_uvloop() -> bool:
-    """Use uvloop for asyncio when it is installed; returns whether it is."""
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import os
 import shutil
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import uvloop
 import zmq
 
 from ipc import codec as C
@@ -36,7 +36,6 @@ from ipc.sockets import (
     RouterSocket,
     SocketOptions,
     generate_curve_keys,
-    install_uvloop,
 )
 
 SPAWN = mp.get_context("spawn")
@@ -166,11 +165,7 @@ def test_async_sockets_round_trip(ctx, owned, run_dir):
         assert await dealer.recv(0.1) is None
         assert time.monotonic() - t0 < 2
 
-    try:
-        install_uvloop()
-        asyncio.run(main())
-    finally:
-        asyncio.set_event_loop_policy(None)
+    uvloop.run(main())  # the loop the gateway serves these sockets on
 
 
 def test_oversized_message_is_refused_and_receiver_keeps_serving(ctx, owned, run_dir):
