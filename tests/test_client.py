@@ -613,7 +613,7 @@ def dead_pid() -> int:
 def test_a_dead_run_fails_requests_at_once(fakes, run_dir: Path) -> None:
     """The supervisor was SIGKILLed (its stages die with it): run.json is left behind naming a
     supervisor that is gone, and the client fails its requests without waiting out
-    unavailable_after. The fake still answers health probes, so only the run check can tell."""
+    unavailable_after. The fake answers health probes as if alive, so only the run check can tell."""
     fake = fakes(mode="hang")
     write_run_json(run_dir, [fake.endpoint], supervisor_pid=dead_pid())
     with Client(run_dir, unavailable_after=60) as client:
@@ -621,7 +621,6 @@ def test_a_dead_run_fails_requests_at_once(fakes, run_dir: Path) -> None:
         with pytest.raises(ServerUnavailable, match="run ended"):
             client.generate("x", timeout=30)
         assert time.monotonic() - start < 10
-    assert fake.requests(m.Generate)
 
 
 def test_a_live_run_is_waited_for(fakes, run_dir: Path) -> None:
