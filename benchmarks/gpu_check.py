@@ -253,12 +253,12 @@ def decode_forward_graphs(runner: ModelRunner, batch: int, context: int, reps: i
     arrays, header = static_plan(
         tokens, np.full((batch, 1), context - 1), np.full(batch, context), tables, runner.block_size
     )
-    meta = model.ops.prepare(arrays, header.num_tokens, header.num_seqs)
+    metas = model.prepare(arrays, header.num_tokens, header.num_seqs)
     input_ids = torch.from_numpy(tokens.reshape(-1)).to(device)
     sample_tokens = torch.arange(batch, device=device)
 
     def forward() -> torch.Tensor:
-        return model.forward(input_ids, meta, runner.kv_cache, sample_tokens)
+        return model.forward(input_ids, metas, runner.kv_cache, sample_tokens)
 
     def timed(step) -> float:
         step()
