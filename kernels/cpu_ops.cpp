@@ -9,7 +9,8 @@
 //   over the threads.
 // - add_rms_norm: the residual add and RMSNorm of a decoder layer in one pass over each row (torch
 //   runs them as about ten small ops, which is most of their cost at a few rows).
-// - few_rows_linear_quantized: the same from weights kept in a GGUF block format (Q4_1, Q8_0),
+// - few_rows_linear_quantized: the same from weights kept in a GGUF block format (Q4_1, Q8_0, and
+//   the K-quants Q4_K, Q5_K, Q6_K),
 //   read as they are: a quarter (Q8_0) or a sixth (Q4_1) of the float32 bytes. It computes with the
 //   exact values the float32 copy holds (that copy is their dequantization), so a step gives the
 //   same logits whichever path its size takes, up to float32 summation order.
@@ -328,8 +329,127 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
   return out;
 }
 
-// x [R, in] with R in 0..4, blocks [out, in / 32 * block bytes] uint8 in `format`, reordered by
-// `to_lanes` -> [R, out].
+// GGUF K-quant super-blocks of 256 weights (ggml's block_q4_K, block_q5_K, block_q6_K), read as
+// the file stores them: each is expanded to float32 once per call (into 1 KiB on the stack) and
+// then multiplies every row of x, so the weights are read once for all the rows.
+struct BlockQ4_K {
+  uint16_t d, dmin;  // float16 super-scales of the 6-bit sub-block scales and minimums
+  uint8_t scales[12];
+  uint8_t qs[128];
+};
+struct BlockQ5_K {
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];  // the fifth bit of each weight
+  uint8_t qs[128];
+};
+struct BlockQ6_K {
+  uint8_t ql[128];  // low 4 bits
+  uint8_t qh[64];   // high 2 bits
+  int8_t scales[16];
+  uint16_t d;
+};
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant layouts");
+constexpr int64_t kSuperWeights = 256;
+
+// Sub-block j's 6-bit scale and minimum, packed in 12 bytes as ggml's get_scale_min_k4.
+inline void scale_min_k4(int j, const uint8_t* q, float& scale, float& min) {
+  if (j < 4) {
+    scale = q[j] & 63;
+    min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 256 weights of a super-block, as ggml's dequantize_row_q4_K / q5_K / q6_K compute them.
+inline void expand(const BlockQ4_K& b, float* y) {
+  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+  const uint8_t* q = b.qs;
+  for (int j = 0, is = 0; j < kSuperWeights; j += 64, is += 2, q += 32) {
+    float s1, m1, s2, m2;
+    scale_min_k4(is, b.scales, s1, m1);
+    scale_min_k4(is + 1, b.scales, s2, m2);
+    for (int l = 0; l < 32; ++l) y[j + l] = d * s1 * (q[l] & 0xF) - dmin * m1;
+    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d * s2 * (q[l] >> 4) - dmin * m2;
+  }
+}
+inline void expand(const BlockQ5_K& b, float* y) {
+  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+  const uint8_t* q = b.qs;
+  uint8_t u1 = 1, u2 = 2;
+  for (int j = 0, is = 0; j < kSuperWeights; j += 64, is += 2, q += 32, u1 <<= 2, u2 <<= 2) {
+    float s1, m1, s2, m2;
+    scale_min_k4(is, b.scales, s1, m1);
+    scale_min_k4(is + 1, b.scales, s2, m2);
+    for (int l = 0; l < 32; ++l) y[j + l] = d * s1 * ((q[l] & 0xF) + (b.qh[l] & u1 ? 16 : 0)) - dmin * m1;
+    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d * s2 * ((q[l] >> 4) + (b.qh[l] & u2 ? 16 : 0)) - dmin * m2;
+  }
+}
+inline void expand(const BlockQ6_K& b, float* y) {
+  const float d = half_to_float(b.d);
+  const uint8_t* ql = b.ql;
+  const uint8_t* qh = b.qh;
+  const int8_t* sc = b.scales;
+  for (int n = 0; n < kSuperWeights; n += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      y[n + l] = d * sc[is] * (int8_t((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+      y[n + l + 32] = d * sc[is + 2] * (int8_t((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      y[n + l + 64] = d * sc[is + 4] * (int8_t((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      y[n + l + 96] = d * sc[is + 6] * (int8_t((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+  }
+}
+
+template <typename Block, int R>
+void few_rows_times_super_blocks(const float* x, const Block* w, float* out, int64_t num_blocks,
+                                 int64_t out_features, int64_t begin, int64_t end) {
+  alignas(32) float y[kSuperWeights];
+  const int64_t in_features = num_blocks * kSuperWeights;
+  for (int64_t n = begin; n < end; ++n) {
+    const Block* row = w + n * num_blocks;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      expand(row[b], y);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * in_features + b * kSuperWeights;
+        for (int k = 0; k < kSuperWeights; k += 16) {
+          acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k), _mm256_load_ps(y + k), acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k + 8), _mm256_load_ps(y + k + 8), acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_features + n] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+template <typename Block>
+at::Tensor few_rows_super_blocks_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
+  const int64_t num_blocks = in_features / kSuperWeights;
+  TORCH_CHECK(in_features % kSuperWeights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
+              "few_rows_linear_quantized: ", in_features, " inputs need ", num_blocks, " super-blocks of ",
+              sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
+  const auto rows = x.contiguous();
+  auto out = at::empty({num_rows, out_features}, rows.options());
+  if (num_rows == 0) return out;
+  const float* x_data = rows.data_ptr<float>();
+  const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    with_row_count(num_rows, [&](auto rows) {
+      few_rows_times_super_blocks<Block, decltype(rows)::value>(x_data, w_data, out_data, num_blocks, out_features,
+                                                                begin, end);
+    });
+  });
+  return out;
+}
+
+// x [R, in] with R in 0..4, blocks [out, in / block weights * block bytes] uint8 in `format`
+// (Q4_1 and Q8_0 reordered by `to_lanes`, the K-quants as the file has them) -> [R, out].
 at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "few_rows_linear_quantized: x [R, in] float32");
   TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized: at most 4 rows, got ", x.size(0));
@@ -337,7 +457,10 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
               "few_rows_linear_quantized: blocks [out, bytes] uint8, contiguous");
   if (format == "Q4_1") return few_rows_blocks_linear<BlockQ4_1>(x, blocks);
   if (format == "Q8_0") return few_rows_blocks_linear<BlockQ8_0>(x, blocks);
-  TORCH_CHECK(false, "few_rows_linear_quantized: unknown format ", format, " (Q4_1 or Q8_0)");
+  if (format == "Q4_K") return few_rows_super_blocks_linear<BlockQ4_K>(x, blocks);
+  if (format == "Q5_K") return few_rows_super_blocks_linear<BlockQ5_K>(x, blocks);
+  if (format == "Q6_K") return few_rows_super_blocks_linear<BlockQ6_K>(x, blocks);
+  TORCH_CHECK(false, "few_rows_linear_quantized: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
 }
 
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.

@@ -112,9 +112,13 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.brigade.few_rows_linear(x, weight, bias)
 
 
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # the GGUF block formats few_rows_linear_quantized reads
+# The GGUF block formats few_rows_linear_quantized reads: bytes of a block of BLOCK_WEIGHTS (Q4_1,
+# Q8_0) or of a K-quant super-block of SUPER_BLOCK_WEIGHTS.
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 QUANTIZED_FORMATS = tuple(BLOCK_BYTES)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # read as the file has them (no `to_lanes` reorder)
 BLOCK_WEIGHTS = 32
+SUPER_BLOCK_WEIGHTS = 256
 
 
 def _lane_order() -> tuple[np.ndarray, np.ndarray]:
@@ -127,9 +131,11 @@ def _lane_order() -> tuple[np.ndarray, np.ndarray]:
 
 def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
     """GGUF blocks [rows, bytes] (uint8) with their quants reordered for the kernel; the scales
-    and minimums stay where they are, and every weight keeps its value."""
+    and minimums stay where they are, and every weight keeps its value. K-quants stay as they are."""
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}: expected one of {QUANTIZED_FORMATS}")
+    if fmt in K_QUANTS:
+        return blocks
     num_rows = blocks.shape[0]
     size = BLOCK_BYTES[fmt]
     grouped = blocks.reshape(num_rows, -1, size)

@@ -411,7 +411,7 @@ def test_few_rows_linear_refuses_bad_input():
         cpu_ops.few_rows_linear(torch.randn(2, 16), weight, torch.randn(7))
 
 
-@pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the K-quants: test_few_rows_linear_k_quants_...
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5)])
 def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: int, out_features: int):
     """GGUF blocks (made by gguf's own quantizer), reordered by to_lanes, multiply like their
@@ -436,7 +436,7 @@ def test_few_rows_linear_quantized_refuses_bad_input():
     assert has_cpu_kernels()
     blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
     with pytest.raises(RuntimeError, match="unknown format"):
-        cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks, "Q5_K")
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks, "Q3_K")
     with pytest.raises(RuntimeError, match="bytes"):
         cpu_ops.few_rows_linear_quantized(torch.randn(1, 96), blocks, "Q4_1")
     with pytest.raises(RuntimeError, match="at most 4 rows"):
@@ -444,7 +444,7 @@ def test_few_rows_linear_quantized_refuses_bad_input():
     with pytest.raises(RuntimeError, match="uint8"):
         cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks.float(), "Q4_1")
     with pytest.raises(ValueError, match="unknown quantized format"):
-        cpu_ops.to_lanes(blocks.numpy(), "Q5_K")
+        cpu_ops.to_lanes(blocks.numpy(), "Q3_K")
 
 
 def test_add_rms_norm_matches_torch():
@@ -529,3 +529,41 @@ def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
     q, query_start_loc = _queries(seq_lens, q_lens, 4, 32, torch.float32)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
     assert_close(paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap))
+
+
+def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> np.ndarray:
+    """Random super-blocks [rows, bytes] of a K-quant, every byte random except the float16
+    super-scales, set to small finite values (random bytes could make them inf or nan)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (num_rows, in_features // weights, size), dtype=np.uint8)
+    scales = (rng.random((num_rows, in_features // weights, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if fmt == "Q6_K":  # d is the last two bytes
+        blocks[..., size - 2 :] = scales[..., :2]
+    else:  # d and dmin lead the block
+        blocks[..., :4] = scales.reshape(num_rows, -1, 4)
+    return blocks.reshape(num_rows, -1)
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str):
+    """Each K-quant GEMV from its own super-blocks against x @ W^T with W from gguf's dequantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out_features, in_features = 70, 512  # two super-blocks a row; an odd number of rows
+    blocks = random_k_quant_blocks(fmt, out_features, in_features, seed=len(fmt) + ord(fmt[1]))
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float32))
+    assert weight.shape == (out_features, in_features) and torch.isfinite(weight).all()
+    packed = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+    for num_rows in range(5):
+        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
+        got, expected = cpu_ops.few_rows_linear_quantized(x, packed, fmt), x @ weight.T
+        scale = float(expected.abs().max()) if num_rows else 1.0
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)
+    with pytest.raises(RuntimeError, match="super-blocks"):
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, 256), packed, fmt)

@@ -2,8 +2,9 @@
 
 A GGUF is converted once (dequantized weights, config.json, tokenizer files) into a cache dir; the
 light stages then read the tokenizer from that dir without torch. The weights GGUF stores in a block
-format the CPU kernels read (Q4_1, Q8_0) are also kept as they are, in quantized.safetensors: a
-float32 CPU worker multiplies steps of few rows from those bytes (kernels/cpu_ops.py).
+format the CPU kernels read (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are also kept as they are, in
+quantized.safetensors: a float32 CPU worker multiplies steps of few rows from those bytes
+(kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of the conversion cache key: a new version reconverts (2: quantized.safetensors).
 CONVERSION_VERSION = 2
 QUANTIZED_FILE = "quantized.safetensors"
-QUANTIZED_FORMATS = ("Q4_1", "Q8_0")  # the block formats kernels/cpu_ops.py reads
+QUANTIZED_FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block formats kernels/cpu_ops.py reads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

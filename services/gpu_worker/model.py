@@ -138,7 +138,7 @@ class Shard:
 class QuantizedWeight:
     """A weight as GGUF blocks, in the order cpu_ops.few_rows_linear_quantized reads them."""
 
-    blocks: torch.Tensor  # [out, in / 32 * block bytes] uint8
+    blocks: torch.Tensor  # [out, in / block weights * block bytes] uint8
     format: str  # one of cpu_ops.QUANTIZED_FORMATS
 
     @classmethod
