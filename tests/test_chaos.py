@@ -31,6 +31,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
 from ipc.endpoints import Endpoints
 from ipc.sockets import PushQueue
 from services.stage import read_run_info
+from services.tokenizer.frontend import engine_id
 from tests.harness import Run, assert_clean, brigade_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -243,24 +244,42 @@ def test_resume_past_the_resumed_text_is_refused_at_once(run: Run, calm: list[Ou
 
 def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -> None:
     """Issue 14 item 2: the scheduler loses a request the frontend still journals (an abort that
-    did not come from its client, here sent straight to the scheduler). The frontend's watchdog
-    sees no progress, learns from the scheduler that it no longer runs the request, and
-    resubmits it from what the client has: the client gets exactly the calm text."""
-    spec = SPECS[0]
-    generate = spec.generate()
+    did not come from its client, here sent straight to the scheduler under the engine's id of
+    the request). The frontend's watchdog sees no progress, learns from the scheduler that it no
+    longer runs the request, and resubmits it from what the client has: the client gets exactly
+    the calm text."""
+    generate = SPECS[0].generate()
+    assert SPECS[0].stream
+    identity = b"forgetful-client"  # a connection of known identity: the engine id is derivable
     endpoints = Endpoints(run.run_dir, read_run_info(run.run_dir).run_id)
     ctx = zmq.Context()
     try:
         scheduler = PushQueue(ctx, endpoints.scheduler_in(0), SCHEDULER_INPUT)
-        with Client(run.run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client:
-            deltas = []
-            for delta in client._stream(generate, REQUEST_TIMEOUT_S):
-                if not deltas:
-                    assert scheduler.put(m.AbortRequest(generate.request_id))
-                deltas.append(delta)
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.identity = identity
+        sock.connect(read_run_info(run.run_dir).frontends[0])
+        sock.send(CLIENT_REQUEST.encode(generate))
+        text, ids = "", []
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while True:
+            assert time.monotonic() < deadline, "the request did not finish"
+            if not sock.poll(100):
+                continue
+            reply = CLIENT_REPLY.decode(sock.recv())
+            if isinstance(reply, m.HealthReply):
+                continue  # the frontend's keepalive
+            assert isinstance(reply, m.Delta), reply
+            assert (reply.token_index, reply.char_offset) == (len(ids), len(text))
+            if not ids:
+                assert scheduler.put(m.AbortRequest(engine_id(0, identity, generate.request_id)))
+            text += reply.text
+            ids += m.unpack_ids(reply.token_ids).tolist()
+            if reply.finish_reason is not None:
+                break
     finally:
         ctx.destroy(linger=0)
-    assert ("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]) == calm[0]
+    assert (text, ids) == calm[0]
 
 
 def fault_plan(seed: int) -> list[list[tuple[str, signal.Signals, float]]]:

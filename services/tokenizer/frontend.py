@@ -9,15 +9,15 @@ already has. The journal forgets a request only once its client has the final de
 torch.
 
 A client's request id is scoped to its connection (its ROUTER identity): the engine knows each
-request by an id of the frontend's own (`engine_id`), so another client that reuses the id, or
-sends an Abort for it, cannot touch it.
+request by an id derived from both (`engine_id`), so another client that reuses the id, or sends
+an Abort for it, cannot touch it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -34,6 +34,14 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Resubmissions of a quiet request that bring no progress before it is failed: one that the
 # engine keeps losing is a bug to report, not something to retry forever.
 MAX_REDRIVES = 3
+
+
+def engine_id(frontend_id: int, identity: bytes, request_id: str) -> str:
+    """The id the engine knows a client's request by: unique per (frontend, connection, client
+    id), fixed size whatever the client chose, and the same when that connection resubmits its
+    request, so the scheduler replaces the running copy."""
+    key = len(identity).to_bytes(2, "little") + identity + request_id.encode()
+    return f"{frontend_id}-{hashlib.blake2b(key, digest_size=12).hexdigest()}"
 
 
 class RequestError(Exception):
@@ -170,13 +178,11 @@ class FrontendCore:
             # Seeds are fixed here, once, so a resubmitted request samples the same tokens.
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         key = (identity, request.request_id)
-        # The same connection resubmitting its request (after a failover that found this replica
-        # alive after all) keeps the engine id, so the scheduler replaces the running copy.
-        engine_id = self.engine_ids.get(key) or f"{self.frontend_id}-{uuid.uuid4().hex}"
-        old = self.journal.get(engine_id)
+        engine = engine_id(self.frontend_id, identity, request.request_id)
+        old = self.journal.get(engine)
         group = old.group if old else self._least_loaded_group()
         submit = m.SubmitRequest(
-            request_id=engine_id,
+            request_id=engine,
             frontend_id=self.frontend_id,
             prompt_ids=m.pack_ids(prompt_ids),
             params=params,
@@ -192,8 +198,8 @@ class FrontendCore:
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
         )
-        self.journal[engine_id] = entry
-        self.engine_ids[key] = engine_id
+        self.journal[engine] = entry
+        self.engine_ids[key] = engine
         return entry
 
     def _prompt_ids(self, request: m.Generate) -> list[int]:
