@@ -9,7 +9,7 @@ import pytest
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
-from services.tokenizer.frontend import MAX_REDRIVES, FrontendCore, RequestError, trim_delta
+from services.tokenizer.frontend import engine_id, MAX_REDRIVES, FrontendCore, RequestError, trim_delta
 from services.tokenizer.text import Tokenizer
 
 STALL_S = 10.0
@@ -230,6 +230,7 @@ def test_request_ids_are_scoped_to_the_connection(core_factory) -> None:
     mine = core.admit(b"alice", m.Generate("job-1", prompt="x"))
     theirs = core.admit(b"mallory", m.Generate("job-1", prompt="y"))
     assert mine.submit.request_id != theirs.submit.request_id
+    assert mine.submit.request_id == engine_id(0, b"alice", "job-1")  # what a test may name upstream
     assert len(core.journal) == 2
     reply = core.relay(m.Delta(mine.submit.request_id, 0, 0, "a", m.pack_ids([5])))
     assert reply is not None and reply.identity == b"alice" and reply.message.request_id == "job-1"
