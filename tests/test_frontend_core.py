@@ -9,7 +9,7 @@ import pytest
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
-from services.tokenizer.frontend import engine_id, MAX_REDRIVES, FrontendCore, RequestError, trim_delta
+from services.tokenizer.frontend import MAX_REDRIVES, FrontendCore, RequestError, engine_id, trim_delta
 from services.tokenizer.text import Tokenizer
 
 STALL_S = 10.0
