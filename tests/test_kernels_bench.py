@@ -1,0 +1,47 @@
+"""benchmarks/kernels_bench.py --quick: every C++ op is timed against its reference at the
+embedded model's shapes, and agrees with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OPS = {
+    "paged_decode",
+    "few_rows_linear",
+    "few_rows_linear_quantized",
+    "add_rms_norm",
+    "few_rows_decode_layer",
+}
+
+
+@pytest.mark.timeout(600)
+def test_quick_run_times_every_op_against_its_reference(tmp_path: Path) -> None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the C++ kernels need AVX2 + FMA")
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/kernels_bench.py", "--quick", "--json", str(out)],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True,
+        timeout=540,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["shapes"]["hidden"] == 576 and report["shapes"]["head_dim"] == 64  # SmolLM2-135M
+    assert {r["op"] for r in report["results"]} == OPS
+    formats = {r["case"].split()[0] for r in report["results"] if r["op"] == "few_rows_linear_quantized"}
+    assert formats == {"Q4_1", "Q8_0"}
+    for r in report["results"]:
+        for side in ("kernel_us", "ref_us"):
+            t = r[side]
+            assert 0 < t["min"] <= t["median"] <= t["max"], r
+        assert r["speedup"] > 0 and r["matches"] and r["max_abs_diff"] < 1e-3, r
+    assert report["repeats"] == 3 and report["quick"] is True
+    assert "paged_decode" in proc.stdout and "ref/op" in proc.stdout  # the printed table
