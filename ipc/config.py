@@ -68,7 +68,7 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hang_timeout_s: Seconds = 180.0  # a stage with work and no progress this long is restarted
     start_timeout_s: Seconds = 600.0
     drain_timeout_s: Seconds = 10.0
-    metrics_port: NonNegative = 0  # 0 = no /metrics endpoint
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8001  # 0 = no /metrics endpoint
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 

@@ -322,6 +322,8 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_malformed: int = 0
     tokens_total: int = 0
     prefix_hit_rate: float = 0.0
+    gpu_memory_allocated: int = 0  # bytes, CUDA workers only
+    gpu_memory_reserved: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -79,6 +79,9 @@ def _pump(stream, lines: queue.Queue[str]) -> None:
 def start_supervisor(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> subprocess.Popen:
     """`python supervisor.py --config ... --set ...`, its output (stdout and stderr) as text lines."""
     argv = [sys.executable, "supervisor.py", "--config", config, "--run-dir", str(run_dir)]
+    if not any(o.startswith("supervisor.metrics_port=") for o in overrides):
+        # /metrics is on by default on a fixed port; tests that want it pass a free one.
+        overrides = ("supervisor.metrics_port=0", *overrides)
     for override in overrides:
         argv += ["--set", override]
     return subprocess.Popen(

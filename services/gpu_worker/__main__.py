@@ -16,6 +16,7 @@ from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
 from ipc.step_plan import STEP_RESULT
+from services.gpu_worker.memory import MemoryMonitor
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.parallel import init_parallel
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
@@ -57,6 +58,7 @@ def main() -> None:
     )
     ctx = zmq.Context()
     control = ControlChannel(ctx, stage)
+    memory = MemoryMonitor(runner.device, config.supervisor.heartbeat_interval_s)
     scheduler = DealerSocket(
         ctx, stage.endpoints.scheduler_workers(group), WORKER_HELLO, WORKER_HELLO, identity=f"rank-{rank}".encode()
     )
@@ -88,7 +90,7 @@ def main() -> None:
     stage.log.info("serving steps")
     num_steps = 0
     while not stopping[0]:
-        control.heartbeat(num_steps, has_work=False)
+        control.heartbeat(num_steps, has_work=False, load=memory.load())
         try:
             with step_ring.read(rank, READ_TIMEOUT_S) as view:
                 header = STEP_HEADER.decode(view.header)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import time
 from collections import defaultdict
 
 import zmq
@@ -23,6 +24,7 @@ from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket
 from ipc.validation import InvalidParams, validate_params
+from services.metrics import EngineMetrics
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
 from services.scheduler.request import Request
@@ -67,6 +69,7 @@ class SchedulerProcess:
         self.num_malformed = 0
         self.num_steps = 0
         self.num_tokens = 0
+        self.metrics = EngineMetrics(stage.info.model, self.group)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class SchedulerProcess:
             prompt_ids=m.unpack_ids(submit.prompt_ids).tolist(),
             output_ids=m.unpack_ids(submit.output_ids).tolist(),
             params=submit.params,
+            arrival_time=time.monotonic(),
         )
         try:
             finished = self.core.add(request)
@@ -302,6 +306,8 @@ class SchedulerProcess:
             prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
         )
         self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
+        if core is not None:
+            self.metrics.update(core.queue_times, core.num_prefix_query_tokens, core.num_prefix_hit_tokens)
 
     def run(self) -> None:
         stopping = install_stop_handler()

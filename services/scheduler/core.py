@@ -25,6 +25,7 @@ step out (its history would end in the unknown token; or there is nothing left t
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,8 +126,17 @@ class Scheduler:
         return self.prefill.num_prefix_hit_tokens / queried if queried else 0.0
 
     @property
+    def num_prefix_query_tokens(self) -> int:
+        return self.prefill.num_prefix_query_tokens
+
+    @property
     def num_prefix_hit_tokens(self) -> int:
         return self.prefill.num_prefix_hit_tokens
+
+    @property
+    def queue_times(self) -> deque[float]:
+        """Queue times of requests scheduled for the first time, for the process to drain."""
+        return self.prefill.queue_times
 
     @property
     def num_preemptions(self) -> int:

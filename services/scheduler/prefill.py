@@ -5,6 +5,8 @@ gets a chunk enters the running line."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.request import Request, RequestStatus
@@ -21,6 +23,7 @@ class Chunks:
 
 
 NO_CHUNKS = Chunks()  # never appended to: `plan` fills only a Chunks of its own
+QUEUE_TIMES_KEPT = 4096
 
 
 class Prefill:
@@ -28,6 +31,9 @@ class Prefill:
         self.state = state
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # Seconds from arrival (Request.arrival_time, monotonic) to first being scheduled, for the
+        # process to drain into its metrics; bounded in case nobody does.
+        self.queue_times: deque[float] = deque(maxlen=QUEUE_TIMES_KEPT)
 
     def plan(self, partial: list[Request], seqs: list[Request], budget: int) -> Chunks:
         """Chunks for `partial` (running, prompt under way), then for waiting requests, within
@@ -70,6 +76,8 @@ class Prefill:
             if n <= 0:
                 break
             waiting.pop(0)
+            if req.num_preemptions == 0:
+                self.queue_times.append(time.monotonic() - req.arrival_time)
             blocks.acquire(hits)
             req.block_ids = hits
             req.num_registered_blocks = len(hits)

@@ -12,9 +12,9 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket
+from services.metrics import RequestMetrics
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.frontend import FrontendCore, Reply, RequestError
-from services.tokenizer.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
@@ -48,7 +48,7 @@ class Frontend:
             max_model_len=config.model.max_model_len,
             max_prompt_chars=config.frontend.max_prompt_chars,
             default_max_tokens=config.frontend.default_max_tokens,
-            metrics=RequestMetrics(),
+            metrics=RequestMetrics(stage.info.model),
             stall_timeout_s=config.frontend.stall_timeout_s,
         )
         self.next_stall_check = 0.0

@@ -26,7 +26,7 @@ import msgspec
 from ipc import messages as m
 from ipc.endpoints import shard_of
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
-from services.tokenizer.metrics import RequestMetrics
+from services.metrics import RequestMetrics
 from services.tokenizer.text import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -295,7 +295,9 @@ class FrontendCore:
         entry.progress_at, entry.is_asked, entry.num_lost_checks, entry.num_redrives = now, False, 0, 0
         if len(new_ids):
             if self.metrics is not None:
-                self.metrics.on_tokens(entry.arrival, entry.last_token_time, now, len(new_ids))
+                self.metrics.on_tokens(
+                    entry.arrival, entry.last_token_time, now, len(new_ids), len(entry.submit.prompt_ids) // 4
+                )
             entry.last_token_time = now
         if fresh.finish_reason is not None:
             self._forget(delta.request_id)

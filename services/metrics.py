@@ -1,0 +1,311 @@
+"""Every Prometheus metric Brigade exports, defined here and nowhere else (docs/metrics.md).
+
+Names follow vLLM's with the `brigade:` prefix, so dashboards and alerts written for vLLM work
+after a prefix swap. Two sources feed one /metrics page:
+
+- Request and engine metrics are observed where they happen (the frontend replicas, the
+  schedulers) in Prometheus multiprocess mode: each process writes its own files under the run's
+  metrics directory (PROMETHEUS_MULTIPROC_DIR, set by the supervisor for every stage), and a
+  reader sums them. Counters of a process that died stay in the sum, so a stage restart never
+  makes a counter go back.
+- Stage gauges (queue depths, KV usage, restarts, CPU, memory) come from the heartbeats the
+  supervisor already receives. It writes them to `stages.json` in the metrics directory
+  (`write_stage_samples`); `StageCollector` turns that file into metric families at scrape
+  time, and reads each stage's CPU and resident memory from /proc then.
+
+Whoever serves /metrics (the supervisor's `metrics_port`, or the gateway) serves
+`registry_for_run(run_dir)`, so every server shows the same numbers. Light: no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, Metric, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+PREFIX = "brigade:"
+METRICS_DIR = "metrics"  # under the run directory; the stages' PROMETHEUS_MULTIPROC_DIR
+STAGES_FILE = "stages.json"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Inter-token gaps of a CPU decode sit between a few ms and a few hundred.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+SUCCESS_REASONS = ("stop", "length", "abort")
+# Exported only by runs on CUDA; a dashboard panel over them is empty on the CPU.
+CUDA_ONLY = (f"{PREFIX}gpu_memory_allocated_bytes", f"{PREFIX}gpu_memory_reserved_bytes")
+
+log = logging.getLogger("metrics")
+
+
+def metrics_dir(run_dir: Path) -> Path:
+    return run_dir / METRICS_DIR
+
+
+# -- observed in the stages (multiprocess files) -------------------------------------------------
+
+
+class RequestMetrics:
+    """Per-request metrics of a frontend replica, observed as deltas reach the client."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.success = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests by finish reason",
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
+        self.failure = Counter(
+            f"{PREFIX}request_failure",
+            "Requests that ended in an error, by code",
+            [*labels, "code"],
+            registry=registry,
+        )
+        # Children bound once: labels() is a dict lookup plus a lock, not worth paying per token.
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens",
+            "Prompt tokens of requests whose prefill finished",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Output tokens delivered", labels, registry=registry
+        ).labels(model_name)
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Arrival to first output token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.inter_token = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Time between output deltas, per token",
+            labels,
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Arrival to last delta",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+
+    def on_tokens(
+        self, arrival: float, last: float | None, now: float, num_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        """`num_tokens` new output tokens reached the client; `last` is when the previous ones did."""
+        self.generation_tokens.inc(num_tokens)
+        if last is None:
+            self.ttft.observe(now - arrival)
+            self.prompt_tokens.inc(num_prompt_tokens)
+        elif num_tokens:
+            self.inter_token.observe((now - last) / num_tokens)
+
+    def on_finish(self, reason: str, arrival: float, now: float) -> None:
+        """`reason` is a finish reason (stop, length, abort) or an error code (overloaded, ...)."""
+        if reason in SUCCESS_REASONS:
+            self.success.labels(self.model_name, reason).inc()
+        else:
+            self.failure.labels(self.model_name, reason).inc()
+        self.e2e.observe(now - arrival)
+
+
+class EngineMetrics:
+    """Metrics a scheduler observes: time in the waiting queue and prefix-cache lookups."""
+
+    def __init__(self, model_name: str, engine: int, registry: CollectorRegistry = REGISTRY) -> None:
+        labels = ["model_name", "engine"]
+        values = (model_name, str(engine))
+        self.queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds",
+            "Arrival at the scheduler to first being scheduled",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self.prefix_queries = Counter(
+            f"{PREFIX}prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.prefix_hits = Counter(
+            f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=registry
+        ).labels(*values)
+        self.queries_seen = 0
+        self.hits_seen = 0
+
+    def update(self, queue_times: deque[float], num_queries: int, num_hits: int) -> None:
+        """Observe queue times (taking them out of the deque) and the cache's running totals."""
+        while queue_times:
+            self.queue_time.observe(queue_times.popleft())
+        if num_queries > self.queries_seen:
+            self.prefix_queries.inc(num_queries - self.queries_seen)
+            self.prefix_hits.inc(num_hits - self.hits_seen)
+            self.queries_seen, self.hits_seen = num_queries, num_hits
+
+
+# -- stage gauges (from heartbeats, through stages.json) -----------------------------------------
+
+
+class StageSample(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One stage as the supervisor last saw it."""
+
+    name: str
+    kind: str
+    pid: int
+    state: str
+    restarts: int = 0
+    engine: int = -1  # engine group of schedulers and workers
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_malformed: int = 0
+    gpu_memory_allocated: int = 0
+    gpu_memory_reserved: int = 0
+
+
+class RingSample(msgspec.Struct, frozen=True):
+    name: str
+    slots_in_use: int
+
+
+class StageSamples(msgspec.Struct, frozen=True):
+    model_name: str
+    device: str
+    stages: list[StageSample]
+    rings: list[RingSample] = []
+
+
+def write_stage_samples(run_dir: Path, samples: StageSamples) -> None:
+    """Atomically replace the run's stages.json (readers never see half a file)."""
+    directory = metrics_dir(run_dir)
+    tmp = directory / (STAGES_FILE + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(samples))
+    tmp.replace(directory / STAGES_FILE)
+
+
+def read_stage_samples(run_dir: Path) -> StageSamples | None:
+    try:
+        return msgspec.json.decode((metrics_dir(run_dir) / STAGES_FILE).read_bytes(), type=StageSamples)
+    except (OSError, msgspec.DecodeError):
+        return None  # not written yet, or a run that is gone
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of a live process, from /proc; None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        statm = Path(f"/proc/{pid}/statm").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; the fields we need follow its closing paren.
+    fields = stat.rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / _CLOCK_TICKS, int(statm.split()[1]) * _PAGE_SIZE
+
+
+class StageCollector:
+    """Metric families from the run's stages.json, read at each scrape."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def collect(self) -> Iterator[Metric]:
+        samples = read_stage_samples(self.run_dir)
+        if samples is None:
+            return
+        engine_labels = ["model_name", "engine"]
+        running = GaugeMetricFamily(
+            f"{PREFIX}num_requests_running", "Requests in the running batch", labels=engine_labels
+        )
+        waiting = GaugeMetricFamily(
+            f"{PREFIX}num_requests_waiting", "Requests waiting to run", labels=engine_labels
+        )
+        kv = GaugeMetricFamily(
+            f"{PREFIX}kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full)",
+            labels=engine_labels,
+        )
+        stage_labels = ["stage", "kind"]
+        restarts = CounterMetricFamily(
+            f"{PREFIX}stage_restarts", "Restarts of each stage", labels=stage_labels
+        )
+        malformed = CounterMetricFamily(
+            f"{PREFIX}malformed_messages", "Malformed messages a stage rejected", labels=stage_labels
+        )
+        cpu = CounterMetricFamily(
+            f"{PREFIX}stage_cpu_seconds", "CPU time of the stage's current process", labels=stage_labels
+        )
+        rss = GaugeMetricFamily(
+            f"{PREFIX}stage_resident_memory_bytes", "Resident memory", labels=stage_labels
+        )
+        up = GaugeMetricFamily(
+            f"{PREFIX}stage_up", "1 while the stage is running and ready", labels=stage_labels
+        )
+        families = [running, waiting, kv, restarts, malformed, cpu, rss, up]
+        is_cuda = samples.device == "cuda"
+        if is_cuda:
+            allocated = GaugeMetricFamily(CUDA_ONLY[0], "GPU memory held by tensors", labels=stage_labels)
+            reserved = GaugeMetricFamily(
+                CUDA_ONLY[1], "GPU memory reserved by the allocator", labels=stage_labels
+            )
+            families += [allocated, reserved]
+        for s in samples.stages:
+            values = [s.name, s.kind]
+            if s.kind == "scheduler":
+                engine = [samples.model_name, str(s.engine)]
+                running.add_metric(engine, s.num_running)
+                waiting.add_metric(engine, s.num_waiting)
+                kv.add_metric(engine, s.kv_usage)
+            restarts.add_metric(values, s.restarts)
+            malformed.add_metric(values, s.num_malformed)
+            up.add_metric(values, 1.0 if s.state == "running" else 0.0)
+            usage = process_usage(s.pid) if s.pid else None
+            if usage is not None:
+                cpu.add_metric(values, usage[0])
+                rss.add_metric(values, usage[1])
+            if is_cuda and s.kind == "gpu_worker":
+                allocated.add_metric(values, s.gpu_memory_allocated)
+                reserved.add_metric(values, s.gpu_memory_reserved)
+        slots = GaugeMetricFamily(
+            f"{PREFIX}shm_slots_in_use", "Shared-memory ring slots in use", labels=["ring"]
+        )
+        for ring in samples.rings:
+            slots.add_metric([ring.name], ring.slots_in_use)
+        yield from families
+        yield slots
+
+
+def registry_for_run(run_dir: Path) -> CollectorRegistry:
+    """Everything of one run: the stages' multiprocess files plus the stage gauges."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(metrics_dir(run_dir)))
+    registry.register(StageCollector(run_dir))
+    return registry
+
+
+def serve(run_dir: Path, port: int, host: str = "0.0.0.0") -> bool:
+    """Serve /metrics on `port` in a thread. A port already taken is logged, not fatal: serving
+    requests matters more than exporting numbers about them."""
+    try:
+        start_http_server(port, addr=host, registry=registry_for_run(run_dir))
+    except OSError as exc:
+        log.warning("metrics port %d unavailable (%s); /metrics is off for this run", port, exc.strerror)
+        return False
+    log.info("metrics at http://localhost:%d/metrics", port)
+    return True

@@ -1,0 +1,232 @@
+"""services/metrics.py: multiprocess request and engine metrics summed across real processes, the
+stage gauges read from stages.json and /proc, and the /metrics server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services import metrics
+from services.metrics import (
+    RequestMetrics,
+    RingSample,
+    StageSample,
+    StageSamples,
+    process_usage,
+    registry_for_run,
+    write_stage_samples,
+)
+from tests.conftest import REPO_ROOT
+
+MODEL = "tiny-model"
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of everything the registry exports."""
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def run_dir_with_metrics(tmp_path: Path) -> Path:
+    metrics.metrics_dir(tmp_path).mkdir()
+    return tmp_path
+
+
+def observe_in_process(run_dir: Path, code: str) -> None:
+    """Run `code` in a fresh interpreter whose prometheus_client writes multiprocess files."""
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics.metrics_dir(run_dir)),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    prelude = "from collections import deque\nfrom services.metrics import RequestMetrics, EngineMetrics\n"
+    subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        env=env,
+        cwd=REPO_ROOT,
+        check=True,
+        timeout=60,
+    )
+
+
+def test_request_metrics_from_two_processes_sum(tmp_path: Path) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    # Each replica: one request of 10 prompt tokens, first token at 0.2 s, then 4 tokens 0.1 s later
+    # (0.025 s per token), finished by length at 0.5 s; plus one overloaded request.
+    code = f"""
+        r = RequestMetrics({MODEL!r})
+        r.on_tokens(10.0, None, 10.2, 1, 10)
+        r.on_tokens(10.0, 10.2, 10.3, 4, 10)
+        r.on_finish("length", 10.0, 10.5)
+        r.on_finish("overloaded", 11.0, 11.001)
+    """
+    observe_in_process(run_dir, code)
+    observe_in_process(run_dir, code)
+    got = scrape(registry_for_run(run_dir))
+    model = (("model_name", MODEL),)
+    assert got[("brigade:prompt_tokens_total", model)] == 20
+    assert got[("brigade:generation_tokens_total", model)] == 10
+    assert got[("brigade:request_success_total", (("finished_reason", "length"), *model))] == 2
+    assert got[("brigade:request_failure_total", (("code", "overloaded"), *model))] == 2
+    assert got[("brigade:time_to_first_token_seconds_count", model)] == 2
+    assert got[("brigade:time_to_first_token_seconds_sum", model)] == pytest.approx(0.4)
+    # 0.2 s lands in the 0.25 bucket, not the 0.1 one.
+    assert got[("brigade:time_to_first_token_seconds_bucket", (("le", "0.1"), *model))] == 0
+    assert got[("brigade:time_to_first_token_seconds_bucket", (("le", "0.25"), *model))] == 2
+    assert got[("brigade:inter_token_latency_seconds_sum", model)] == pytest.approx(0.05)
+    assert got[("brigade:e2e_request_latency_seconds_count", model)] == 4
+    assert got[("brigade:e2e_request_latency_seconds_sum", model)] == pytest.approx(2 * 0.501)
+
+
+def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    observe_in_process(
+        run_dir,
+        f"""
+        e = EngineMetrics({MODEL!r}, 1)
+        times = deque([0.003, 0.7])
+        e.update(times, 100, 32)
+        assert not times
+        e.update(times, 100, 32)   # nothing new: nothing counted twice
+        e.update(times, 164, 96)
+        """,
+    )
+    got = scrape(registry_for_run(run_dir))
+    labels = (("engine", "1"), ("model_name", MODEL))
+    assert got[("brigade:prefix_cache_queries_total", labels)] == 164
+    assert got[("brigade:prefix_cache_hits_total", labels)] == 96
+    assert got[("brigade:request_queue_time_seconds_count", labels)] == 2
+    assert got[("brigade:request_queue_time_seconds_sum", labels)] == pytest.approx(0.703)
+    assert (
+        got[
+            (
+                "brigade:request_queue_time_seconds_bucket",
+                (("engine", "1"), ("le", "0.005"), ("model_name", MODEL)),
+            )
+        ]
+        == 1
+    )
+
+
+def test_request_metrics_on_a_private_registry() -> None:
+    registry = CollectorRegistry()
+    r = RequestMetrics(MODEL, registry=registry)
+    r.on_finish("stop", 0.0, 1.0)
+    r.on_finish("abort", 0.0, 1.0)
+    got = scrape(registry)
+    assert got[("brigade:request_success_total", (("finished_reason", "stop"), ("model_name", MODEL)))] == 1
+    assert got[("brigade:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))] == 1
+
+
+def vm_rss_bytes(pid: int) -> int:
+    """Resident memory as /proc/PID/status reports it (kB), a second source besides statm."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def samples(device: str = "cpu", pid: int | None = None) -> StageSamples:
+    pid = os.getpid() if pid is None else pid
+    return StageSamples(
+        model_name=MODEL,
+        device=device,
+        stages=[
+            StageSample("scheduler-0", "scheduler", pid, "running", restarts=2, engine=0, num_running=3,
+                        num_waiting=5, kv_usage=0.25, num_malformed=1),
+            StageSample("gpu_worker-0-0", "gpu_worker", pid, "restarting", engine=0,
+                        gpu_memory_allocated=1 << 30, gpu_memory_reserved=2 << 30),
+        ],
+        rings=[RingSample("/brigade-x-step-0", 1)],
+    )  # fmt: skip
+
+
+def test_stage_gauges_from_stages_file(tmp_path: Path) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples())
+    sum(range(2_000_000))  # some CPU time of our own to read back
+    got = scrape(registry_for_run(run_dir))
+    engine = (("engine", "0"), ("model_name", MODEL))
+    assert got[("brigade:num_requests_running", engine)] == 3
+    assert got[("brigade:num_requests_waiting", engine)] == 5
+    assert got[("brigade:kv_cache_usage_perc", engine)] == 0.25
+    scheduler = (("kind", "scheduler"), ("stage", "scheduler-0"))
+    worker = (("kind", "gpu_worker"), ("stage", "gpu_worker-0-0"))
+    assert got[("brigade:stage_restarts_total", scheduler)] == 2
+    assert got[("brigade:malformed_messages_total", scheduler)] == 1
+    assert got[("brigade:stage_up", scheduler)] == 1
+    assert got[("brigade:stage_up", worker)] == 0
+    assert got[("brigade:shm_slots_in_use", (("ring", "/brigade-x-step-0"),))] == 1
+    times = os.times()
+    assert got[("brigade:stage_cpu_seconds_total", scheduler)] == pytest.approx(
+        times.user + times.system, abs=0.5
+    )
+    assert got[("brigade:stage_resident_memory_bytes", scheduler)] == pytest.approx(
+        vm_rss_bytes(os.getpid()), rel=0.1
+    )
+    # On the CPU there is no GPU memory to report.
+    assert not any(name.startswith("brigade:gpu_memory") for name, _ in got)
+
+
+def test_gpu_memory_gauges_on_cuda(tmp_path: Path) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples(device="cuda"))
+    got = scrape(registry_for_run(run_dir))
+    worker = (("kind", "gpu_worker"), ("stage", "gpu_worker-0-0"))
+    assert got[("brigade:gpu_memory_allocated_bytes", worker)] == 1 << 30
+    assert got[("brigade:gpu_memory_reserved_bytes", worker)] == 2 << 30
+    assert {name for name, _ in got if name.startswith("brigade:gpu_memory")} == set(metrics.CUDA_ONLY)
+
+
+def test_gone_process_and_missing_or_corrupt_stages_file(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_usage(child.pid) is None
+    run_dir = run_dir_with_metrics(tmp_path)
+    assert not [n for n, _ in scrape(registry_for_run(run_dir)) if n.startswith("brigade:")]
+    (metrics.metrics_dir(run_dir) / metrics.STAGES_FILE).write_text("{not json")
+    assert not [n for n, _ in scrape(registry_for_run(run_dir)) if n.startswith("brigade:")]
+    write_stage_samples(run_dir, samples(pid=child.pid))
+    got = scrape(registry_for_run(run_dir))
+    assert got[("brigade:stage_restarts_total", (("kind", "scheduler"), ("stage", "scheduler-0")))] == 2
+    assert not [n for n, _ in got if n == "brigade:stage_cpu_seconds_total"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_and_a_taken_port(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples())
+    port = free_port()
+    assert metrics.serve(run_dir, port, host="127.0.0.1")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "metrics server never answered"
+            time.sleep(0.1)
+    assert 'brigade:num_requests_running{engine="0",model_name="tiny-model"} 3.0' in text
+    with caplog.at_level(logging.WARNING, logger="metrics"):
+        assert not metrics.serve(run_dir, port, host="127.0.0.1")
+    assert f"metrics port {port} unavailable" in caplog.text
