@@ -72,12 +72,17 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class ObservabilityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    audit_log: str = ""  # "" = <run-dir>/audit.log
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     frontend: FrontendConfig = FrontendConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
