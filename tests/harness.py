@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -76,9 +76,16 @@ def _pump(stream, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-def start_supervisor(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> subprocess.Popen:
-    """`python supervisor.py --config ... --set ...`, its output (stdout and stderr) as text lines."""
-    argv = [sys.executable, "supervisor.py", "--config", config, "--run-dir", str(run_dir)]
+def start_supervisor(
+    run_dir: Path,
+    *overrides: str,
+    config: str = "configs/default.yaml",
+    command: Sequence[str] = (sys.executable, "supervisor.py"),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """`python supervisor.py --config ... --set ...` (or another `command` taking the same
+    arguments, such as `brigade serve`), its output (stdout and stderr) as text lines."""
+    argv = [*command, "--config", config, "--run-dir", str(run_dir)]
     if not any(o.startswith("supervisor.metrics_port=") for o in overrides):
         # /metrics is on by default on a fixed port; tests that want it pass a free one.
         overrides = ("supervisor.metrics_port=0", *overrides)
@@ -91,14 +98,20 @@ def start_supervisor(run_dir: Path, *overrides: str, config: str = "configs/defa
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
     )
 
 
 @contextmanager
-def brigade_run(run_dir: Path, *overrides: str, config: str = "configs/default.yaml") -> Iterator[Run]:
+def brigade_run(
+    run_dir: Path,
+    *overrides: str,
+    config: str = "configs/default.yaml",
+    command: Sequence[str] = (sys.executable, "supervisor.py"),
+    env: dict[str, str] | None = None,
+) -> Iterator[Run]:
     """The supervisor until ready; SIGTERM and full cleanup after."""
-    process = start_supervisor(run_dir, *overrides, config=config)
+    process = start_supervisor(run_dir, *overrides, config=config, command=command, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     run = Run(run_dir, process, lines)
