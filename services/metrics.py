@@ -36,7 +36,6 @@ STAGES_FILE = "stages.json"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Inter-token gaps of a CPU decode sit between a few ms and a few hundred.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
-SUCCESS_REASONS = ("stop", "length", "abort")
 # Exported only by runs on CUDA; a dashboard panel over them is empty on the CPU.
 CUDA_ONLY = (f"{PREFIX}gpu_memory_allocated_bytes", f"{PREFIX}gpu_memory_reserved_bytes")
 
@@ -112,12 +111,14 @@ class RequestMetrics:
             self.inter_token.observe((now - last) / num_tokens)
 
     def on_finish(self, reason: str, arrival: float, now: float) -> None:
-        """`reason` is a finish reason (stop, length, abort) or an error code (overloaded, ...)."""
-        if reason in SUCCESS_REASONS:
-            self.success.labels(self.model_name, reason).inc()
-        else:
-            self.failure.labels(self.model_name, reason).inc()
+        """A request finished with `reason`: stop, length or abort."""
+        self.success.labels(self.model_name, reason).inc()
         self.e2e.observe(now - arrival)
+
+    def on_failure(self, code: str) -> None:
+        """A request ended in an error (`overloaded`, `invalid_request`, ...). Not in the latency
+        histograms: a refusal's few microseconds would hide the latency of the served."""
+        self.failure.labels(self.model_name, code).inc()
 
 
 class EngineMetrics:

@@ -67,13 +67,13 @@ def observe_in_process(run_dir: Path, code: str) -> None:
 def test_request_metrics_from_two_processes_sum(tmp_path: Path) -> None:
     run_dir = run_dir_with_metrics(tmp_path)
     # Each replica: one request of 10 prompt tokens, first token at 0.2 s, then 4 tokens 0.1 s later
-    # (0.025 s per token), finished by length at 0.5 s; plus one overloaded request.
+    # (0.025 s per token), finished by length at 0.5 s; and one refused as overloaded.
     code = f"""
         r = RequestMetrics({MODEL!r})
         r.on_tokens(10.0, None, 10.2, 1, 10)
         r.on_tokens(10.0, 10.2, 10.3, 4, 10)
         r.on_finish("length", 10.0, 10.5)
-        r.on_finish("overloaded", 11.0, 11.001)
+        r.on_failure("overloaded")
     """
     observe_in_process(run_dir, code)
     observe_in_process(run_dir, code)
@@ -89,8 +89,9 @@ def test_request_metrics_from_two_processes_sum(tmp_path: Path) -> None:
     assert got[("brigade:time_to_first_token_seconds_bucket", (("le", "0.1"), *model))] == 0
     assert got[("brigade:time_to_first_token_seconds_bucket", (("le", "0.25"), *model))] == 2
     assert got[("brigade:inter_token_latency_seconds_sum", model)] == pytest.approx(0.05)
-    assert got[("brigade:e2e_request_latency_seconds_count", model)] == 4
-    assert got[("brigade:e2e_request_latency_seconds_sum", model)] == pytest.approx(2 * 0.501)
+    # A refusal is counted, but stays out of the latency histograms.
+    assert got[("brigade:e2e_request_latency_seconds_count", model)] == 2
+    assert got[("brigade:e2e_request_latency_seconds_sum", model)] == pytest.approx(2 * 0.5)
 
 
 def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ class Frontend:
             for g in range(config.engine.data_parallel)
         ]
         self.control = ControlChannel(self.ctx, stage)
+        self.metrics = RequestMetrics(stage.info.model)
         self.core = FrontendCore(
             Tokenizer(Path(stage.info.model_dir)),
             frontend_id=stage.index,
@@ -48,7 +49,7 @@ class Frontend:
             max_model_len=config.model.max_model_len,
             max_prompt_chars=config.frontend.max_prompt_chars,
             default_max_tokens=config.frontend.default_max_tokens,
-            metrics=RequestMetrics(stage.info.model),
+            metrics=self.metrics,
             stall_timeout_s=config.frontend.stall_timeout_s,
         )
         self.next_stall_check = 0.0
@@ -114,10 +115,11 @@ class Frontend:
             try:
                 entry = self.core.admit(identity, request)
             except RequestError as exc:
+                self.metrics.on_failure(exc.code)
                 self.send(Reply(identity, m.ErrorReply(request.request_id, exc.code, str(exc))))
                 return
             if not self.schedulers[entry.group].put(entry.submit):
-                self.core.abort(identity, request.request_id)
+                self.core.refuse(identity, request.request_id, "overloaded")
                 self.send(
                     Reply(identity, m.ErrorReply(request.request_id, "overloaded", "engine queue is full"))
                 )

@@ -255,6 +255,15 @@ class FrontendCore:
             self.metrics.on_finish("abort", entry.arrival, time.monotonic())
         return entry
 
+    def refuse(self, identity: bytes, request_id: str, code: str) -> None:
+        """Forget a request just admitted that could not be sent on (the engine queue is full):
+        a failure with `code`, not an abort."""
+        engine_id = self.engine_ids.get((identity, request_id))
+        if engine_id is not None:
+            self._forget(engine_id)
+            if self.metrics is not None:
+                self.metrics.on_failure(code)
+
     def abort_connection(self, identity: bytes) -> list[JournalEntry]:
         """Forget every request of a client that is gone."""
         ids = [rid for who, rid in self.engine_ids if who == identity]
@@ -327,7 +336,7 @@ class FrontendCore:
             return None
         entry = self._forget(failure.request_id)
         if self.metrics is not None:
-            self.metrics.on_finish(failure.code, entry.arrival, time.monotonic())
+            self.metrics.on_failure(failure.code)
         return Reply(entry.identity, m.ErrorReply(entry.request_id, failure.code, failure.message))
 
     # -- re-driving delivery ------------------------------------------------------------------
