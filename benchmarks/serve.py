@@ -3,7 +3,7 @@
     python benchmarks/serve.py [--run DIR | --start] [--config FILE] [--set key=value ...]
         [--concurrency 1,16,64,256] [--request-rate R] [--dataset chat|random|shared-prefix]
         [--output-len 128] [--dtype float32] [--llama-server PATH | --build-llama-server]
-        [--json FILE] [--plot FILE] [--smoke]
+        [--json FILE] [--plot FILE] [--smoke] [--mlflow TRACKING_URI [--mlflow-experiment NAME]]
 
 Every engine gets the same prompts (token ids) and output lengths (ignore_eos, greedy), engines
 run back to back in one invocation. Per concurrency it reports request throughput, output tokens/s,
@@ -454,6 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path)
     p.add_argument("--log-dir", type=Path, help="where engine logs go (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="CI: tiny concurrency, few tokens, no llama.cpp (< 1 min)")
+    p.add_argument("--mlflow", metavar="TRACKING_URI",
+                   help="log the run to MLflow: parameters, per-concurrency metrics, the JSON report, the plot")
+    p.add_argument("--mlflow-experiment", default="brigade-benchmarks")
     args = p.parse_args(argv)
     if args.smoke:
         args.concurrency, args.output_len, args.num_prompts = "1,2", "4", 2
@@ -502,7 +505,53 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
+    if args.mlflow:
+        plot_path = args.plot or log_dir / "serve.png"
+        if not args.plot:
+            plot(report, plot_path)
+        run_id = log_to_mlflow(report, plot_path, args.mlflow, args.mlflow_experiment)
+        print(f"MLflow run {run_id} in experiment {args.mlflow_experiment!r} at {args.mlflow}", flush=True)
     return 0
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def log_to_mlflow(report: dict, plot_path: Path, tracking_uri: str, experiment: str) -> str:
+    """One MLflow run per benchmark: the command, config and machine as parameters; each
+    engine's numbers per concurrency as metrics (the concurrency is the step); the report and the
+    plot as artifacts. Returns the MLflow run id."""
+    from mlflow import MlflowClient  # the optional extra: pip install '.[mlflow]'
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    run_id = client.create_run(experiment_id, run_name="serve-benchmark").info.run_id
+    params = {"command": report["command"], "model": report["model"],
+              **flatten(report["config"], "config."), **flatten(report["machine"], "machine.")}
+    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())][:100])
+    now_ms = int(time.time() * 1000)
+    metrics = []
+    for engine in ENGINES:
+        for concurrency, stats in report.get(engine, {}).get("settings", {}).items():
+            for key, value in flatten(stats).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    metrics.append(Metric(f"{engine}.{key}", float(value), now_ms, int(concurrency)))
+    for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+    client.log_dict(run_id, report, "serve.json")
+    client.log_artifact(run_id, str(plot_path))
+    client.set_terminated(run_id)
+    return run_id
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

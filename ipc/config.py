@@ -72,8 +72,17 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class MlflowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tracking_uri: str = ""  # "" = off; sqlite:///path.db, http://host:5000, file:/path
+    experiment: str = "brigade"
+    interval_s: Seconds = 30.0
+    sample_requests: NonNegative = 0  # requests (prompt and output) logged per interval; 0 = none
+    max_buffered: Positive = 1000  # points kept while the server is unreachable; older ones are dropped
+
+
 class ObservabilityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     audit_log: str = ""  # "" = <run-dir>/audit.log
+    mlflow: MlflowConfig = MlflowConfig()
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

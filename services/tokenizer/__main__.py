@@ -13,6 +13,7 @@ from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket
 from services.metrics import RequestMetrics
+from services.request_sample import RequestSampler
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.frontend import FrontendCore, Reply, RequestError
 from services.tokenizer.text import Tokenizer
@@ -51,6 +52,7 @@ class Frontend:
             default_max_tokens=config.frontend.default_max_tokens,
             metrics=self.metrics,
             stall_timeout_s=config.frontend.stall_timeout_s,
+            sampler=self._request_sampler(),
         )
         self.next_stall_check = 0.0
         self.num_malformed = 0
@@ -58,6 +60,12 @@ class Frontend:
         self.is_draining = False
         self.incarnation = random.getrandbits(63)  # tells clients that this process is new
         self.last_keepalive = 0.0
+
+    def _request_sampler(self) -> RequestSampler | None:
+        mlflow = self.stage.config.observability.mlflow
+        if not (mlflow.tracking_uri and mlflow.sample_requests):
+            return None
+        return RequestSampler(self.stage.run_dir, self.stage.index, mlflow.sample_requests, mlflow.interval_s)
 
     def send(self, reply: Reply) -> None:
         if not self.clients.send(reply.identity, reply.message):

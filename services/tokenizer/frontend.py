@@ -27,6 +27,7 @@ from ipc import messages as m
 from ipc.endpoints import shard_of
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 from services.metrics import RequestMetrics
+from services.request_sample import RequestSampler
 from services.tokenizer.text import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -77,6 +78,7 @@ class JournalEntry:
     is_asked: bool = False
     num_lost_checks: int = 0
     num_redrives: int = 0
+    sample: list[str] | None = None  # the output text so far of a request in the MLflow sample
 
 
 @dataclass
@@ -119,6 +121,7 @@ class FrontendCore:
         default_max_tokens: int,
         metrics: RequestMetrics | None = None,
         stall_timeout_s: float = 10.0,
+        sampler: RequestSampler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.frontend_id = frontend_id
@@ -128,6 +131,7 @@ class FrontendCore:
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
+        self.sampler = sampler
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
         self.journal: dict[str, JournalEntry] = {}  # by engine id
         self.engine_ids: dict[tuple[bytes, str], str] = {}  # (identity, client's request id) -> engine id
@@ -198,6 +202,8 @@ class FrontendCore:
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
         )
+        if self.sampler is not None and self.sampler.wants(time.monotonic()):
+            entry.sample = []
         self.journal[engine] = entry
         self.engine_ids[key] = engine
         return entry
@@ -308,9 +314,14 @@ class FrontendCore:
                     entry.arrival, entry.last_token_time, now, len(new_ids), len(entry.submit.prompt_ids) // 4
                 )
             entry.last_token_time = now
+        if entry.sample is not None:
+            entry.sample.append(fresh.text)
         if fresh.finish_reason is not None:
             self._forget(delta.request_id)
             self.num_finished += 1
+            if entry.sample is not None and self.sampler is not None:
+                prompt = self.tokenizer.decode(m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False)
+                self.sampler.record(entry.request_id, prompt, "".join(entry.sample), fresh.finish_reason)
             if self.metrics is not None:
                 self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
         if entry.is_stream:
