@@ -21,14 +21,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import zmq
-from prometheus_client import CollectorRegistry, Metric, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
@@ -37,8 +33,11 @@ from ipc.endpoints import Endpoints, InsecureRunDir, default_run_dir, make_run_d
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
+from services import metrics
+from services.audit import AuditLog, audit_log_path
+from services.mlflow_sink import MlflowSink
 from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, write_run_info
-from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, reconfigure_message
+from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, reconfigure_message
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model
 from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, StageProcess, StageSet
@@ -67,39 +66,29 @@ def result_slot_bytes(config: Config) -> int:
     return STEP_RESULT.slot_bytes(result_limits(config.engine.max_num_seqs))
 
 
-class StageCollector:
-    """Prometheus gauges read from the stages' latest heartbeats (the supervisor's own view)."""
+def file_signature(path: str | None) -> tuple[int, int, int, int] | None:
+    """What tells a changed config file: its inode as well as its mtime and size, because a
+    Kubernetes ConfigMap update swaps a symlink over to a new file, whose mtime may equal the
+    old one's; None while it cannot be read."""
+    if not path:
+        return None
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
 
-    def collect(self) -> Iterator[Metric]:
-        stages = list(self.supervisor.stages)
-        schedulers = [s for s in stages if s.kind == "scheduler"]
-        running = GaugeMetricFamily("brigade_running_sequences", "Sequences running", labels=["stage"])
-        waiting = GaugeMetricFamily("brigade_waiting_sequences", "Sequences waiting", labels=["stage"])
-        kv = GaugeMetricFamily("brigade_kv_cache_usage", "Fraction of KV blocks in use", labels=["stage"])
-        hits = GaugeMetricFamily(
-            "brigade_prefix_cache_hit_rate", "Prompt tokens served from cache", labels=["stage"]
-        )
-        for s in schedulers:
-            running.add_metric([s.name], s.load.num_running)
-            waiting.add_metric([s.name], s.load.num_waiting)
-            kv.add_metric([s.name], s.load.kv_usage)
-            hits.add_metric([s.name], s.load.prefix_hit_rate)
-        slots = GaugeMetricFamily(
-            "brigade_shm_slots_in_use", "Shared-memory ring slots in use", labels=["ring"]
-        )
-        for ring in self.supervisor.rings:
-            slots.add_metric([ring.name], ring.num_in_use)
-        restarts = CounterMetricFamily("brigade_stage_restarts", "Restarts per stage", labels=["stage"])
-        malformed = CounterMetricFamily(
-            "brigade_malformed_messages", "Malformed messages rejected", labels=["stage"]
-        )
-        for s in stages:
-            restarts.add_metric([s.name], s.num_restarts)
-            malformed.add_metric([s.name], s.load.num_malformed)
-        yield from (running, waiting, kv, hits, slots, restarts, malformed)
+def flat_config(config: msgspec.Struct, prefix: str = "") -> dict[str, str]:
+    """Every config field as `dotted.path: value` (the MLflow run's parameters)."""
+    flat: dict[str, str] = {}
+    for spec in msgspec.structs.fields(config):
+        value = getattr(config, spec.name)
+        if isinstance(value, msgspec.Struct):
+            flat.update(flat_config(value, f"{prefix}{spec.name}."))
+        else:
+            flat[f"{prefix}{spec.name}"] = str(value)
+    return flat
 
 
 class Supervisor:
@@ -111,7 +100,7 @@ class Supervisor:
         self.config = config
         self.config_path = config_path
         self.overrides = overrides
-        self.config_mtime = Path(config_path).stat().st_mtime if config_path else 0.0
+        self.config_signature = file_signature(config_path)
         self.is_reload_requested = False
         self.run_dir = run_dir
         self.run_id = new_run_id()
@@ -121,6 +110,8 @@ class Supervisor:
         self.rings: list[ShmRing] = []
         self.stages = StageSet(config, run_dir, log_format)
         self.policy = RestartPolicy.from_config(config.supervisor)
+        self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
+        self.mlflow: MlflowSink | None = None
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
         self.info: RunInfo | None = None  # run.json, once the model is prepared
@@ -184,15 +175,18 @@ class Supervisor:
             )
 
     def serve_metrics(self) -> None:
-        """/metrics: the frontends' request metrics (multiprocess files) plus the stage gauges."""
-        port = self.config.supervisor.metrics_port
-        if not port:
+        """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port."""
+        if self.config.supervisor.metrics_port:
+            metrics.serve(self.run_dir, self.config.supervisor.metrics_port)
+
+    def start_mlflow(self) -> None:
+        config = self.config.observability.mlflow
+        if not config.tracking_uri:
             return
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, str(self.run_dir / METRICS_DIR))
-        registry.register(StageCollector(self))
-        start_http_server(port, registry=registry)
-        log.info("metrics at http://localhost:%d/metrics", port)
+        params = flat_config(self.config)
+        params["model"] = self.info.model if self.info else ""
+        self.mlflow = MlflowSink(config, self.run_dir, f"brigade-{self.run_id}", params)
+        self.mlflow.start()
 
     def start(self) -> None:
         self.check_run_dir()
@@ -240,6 +234,7 @@ class Supervisor:
         self.info = msgspec.structs.replace(self.info, is_ready=True)
         write_run_info(self.run_dir, self.info)
         client = f"python -m client --run {self.run_dir}"
+        self.start_mlflow()
         print(f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}", flush=True)
         print(
             f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True
@@ -278,6 +273,7 @@ class Supervisor:
         self.write_status()
         if now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s:
             self.send_group_loads()
+            self.write_stage_samples()
             self.loads_sent_at = now
 
     def on_failure(self, stage: StageProcess, reason: str) -> None:
@@ -310,6 +306,7 @@ class Supervisor:
         stage.is_ready = False
         stage.state = "restarting"
         log.info("restarting %s in %.1fs (restart %d)", stage.name, delay, stage.num_restarts)
+        self.audit.stage_restart(stage.name, reason, stage.num_restarts, delay)
 
     def send_group_loads(self) -> None:
         loads = [0.0] * self.config.engine.data_parallel
@@ -369,6 +366,21 @@ class Supervisor:
         assert self.control is not None
         self.control.send(stage.name.encode(), message)
 
+    def write_stage_samples(self) -> None:
+        """What /metrics reports of each stage (services/metrics.py reads it at scrape time)."""
+        stages = [
+            metrics.StageSample(
+                s.name, s.kind, s.pid, s.state, s.num_restarts, s.group, s.load.num_running, s.load.num_waiting,
+                s.load.kv_usage, s.load.num_malformed, s.load.gpu_memory_allocated, s.load.gpu_memory_reserved,
+            )
+            for s in self.stages
+        ]  # fmt: skip
+        supervisor = metrics.StageSample("supervisor", "supervisor", os.getpid(), "running")
+        rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.rings]
+        model = self.info.model if self.info else ""
+        samples = metrics.StageSamples(model, self.config.engine.device, [supervisor, *stages], rings)
+        metrics.write_stage_samples(self.run_dir, samples)
+
     def write_status(self) -> None:
         now = time.monotonic()
         rows = [
@@ -392,14 +404,9 @@ class Supervisor:
         tmp.replace(self.run_dir / STATUS_FILE)
 
     def config_file_changed(self) -> bool:
-        if not self.config_path:
-            return False
-        try:
-            mtime = Path(self.config_path).stat().st_mtime
-        except OSError:
-            return False
-        changed, self.config_mtime = mtime != self.config_mtime, mtime
-        return changed
+        signature = file_signature(self.config_path)
+        changed, self.config_signature = signature != self.config_signature, signature
+        return changed and signature is not None
 
     # -- hot reload ----------------------------------------------------------------------------
 
@@ -410,11 +417,19 @@ class Supervisor:
             new = load_config(self.config_path, self.overrides)
         except ConfigError as exc:
             log.error("reload refused, config unchanged: %s", exc)
+            self.audit.reload({}, error=str(exc))
             return
         except Exception:  # whatever a config file does, it must not end a live run
             log.exception("reload refused, config unchanged: the config could not be read")
+            self.audit.reload({}, error="the config could not be read")
             return
         changed = diff_fields(self.config, new)
+        diff = {path: [get_setting(self.config, path), get_setting(new, path)] for path in changed}
+        if diff:
+            self.audit.reload(
+                applied={p: v for p, v in diff.items() if p in LIVE_SETTINGS},
+                refused={p: v for p, v in diff.items() if p not in LIVE_SETTINGS},
+            )
         for path in sorted(set(changed) - LIVE_SETTINGS.keys()):
             log.warning("reload: %s changed but needs a restart to take effect; keeping the old value", path)
         live = sorted(set(changed) & LIVE_SETTINGS.keys())
@@ -447,6 +462,13 @@ class Supervisor:
         """Change replica counts without dropping a request: new replicas start before anyone
         routes to them; removed ones stop only after everyone routes around them."""
         old_frontends, old_detoks = self.config.frontend.replicas, self.config.detokenizer.replicas
+        replicas = {
+            "frontend.replicas": [old_frontends, config.frontend.replicas],
+            "detokenizer.replicas": [old_detoks, config.detokenizer.replicas],
+        }
+        changes = {path: counts for path, counts in replicas.items() if counts[0] != counts[1]}
+        if changes:
+            self.audit.rescale(changes)
         self.publish_config(config)
         added = [self.stages.add("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
         added += [self.stages.add("tokenizer", i) for i in range(old_frontends, config.frontend.replicas)]
@@ -493,6 +515,8 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stop stages in order, unlink every shared-memory object and socket file."""
+        if self.mlflow is not None:
+            self.mlflow.stop()
         for kind in STOP_ORDER:
             self.stages.stop(self.stages.of_kind(kind), STOP_GRACE_S)
         for ring in self.rings:

@@ -23,11 +23,11 @@ from typing import IO
 from ipc import messages as m
 from ipc.config import Config
 from ipc.endpoints import DIST_PORT_ENV
+from services.metrics import METRICS_DIR
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-METRICS_DIR = "metrics"
 # Stopping goes from the entry of requests to their exit, so that nothing in flight is cut off
 # by a stage downstream stopping first.
 STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
