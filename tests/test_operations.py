@@ -5,6 +5,7 @@ through a Kubernetes-style ConfigMap symlink swap."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -105,10 +106,21 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, install
     config = ConfigMapDir(root / "etc", "frontend:\n  replicas: 1\n")
     port = free_port()
     run_dir = root / "run"
+    mlflow = []
+    if importlib.util.find_spec("mlflow") is not None:
+        from mlflow import MlflowClient
+
+        uri = f"sqlite:///{root / 'mlflow.db'}"  # its tables made here, so the run's sink starts fast
+        MlflowClient(tracking_uri=uri).create_experiment(
+            "ops", artifact_location=(root / "artifacts").as_uri()
+        )
+        mlflow = [f"observability.mlflow.tracking_uri={uri}", "observability.mlflow.experiment=ops",
+                  "observability.mlflow.interval_s=1", "observability.mlflow.sample_requests=2"]  # fmt: skip
     with brigade_run(
         run_dir,
         f"model.path={tiny_model_dir}",
         *TINY,
+        *mlflow,
         f"supervisor.metrics_port={port}",
         config=str(config.path),
         command=[str(script), "serve"],
@@ -118,6 +130,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, install
         run.configmap = config  # type: ignore[attr-defined]
         run.env = env  # type: ignore[attr-defined]
         run.script = script  # type: ignore[attr-defined]
+        run.mlflow_uri = mlflow[0].split("=", 1)[1] if mlflow else None  # type: ignore[attr-defined]
         yield run
     assert_clean(run_dir)
 
@@ -211,6 +224,36 @@ def test_every_dashboard_metric_is_in_the_live_metrics(live: Run, tiny_model_dir
     assert {s.labels["stage"] for s in samples["brigade:stage_cpu_seconds_total"]} >= {
         "supervisor", "tokenizer-0", "scheduler-0", "gpu_worker-0-0", "detokenizer-0"}  # fmt: skip
     assert all(s.value > 1e6 for s in samples["brigade:stage_resident_memory_bytes"])
+
+
+def test_mlflow_sink_logs_the_live_run(live: Run) -> None:
+    uri = live.mlflow_uri  # type: ignore[attr-defined]
+    if uri is None:
+        pytest.skip("mlflow is not installed (pip install '.[mlflow]')")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    with Client(live.run_dir) as brigade_client:
+        brigade_client.generate(
+            "A sampled request", max_tokens=6, temperature=0, ignore_eos=True, timeout=120
+        )
+    deadline = time.monotonic() + 120
+    while True:
+        (experiment,) = [e for e in client.search_experiments() if e.name == "ops"]
+        runs = client.search_runs([experiment.experiment_id])
+        history = client.get_metric_history(runs[0].info.run_id, "generation_tok_per_s") if runs else []
+        samples = client.list_artifacts(runs[0].info.run_id, "samples") if runs else []
+        if (any(h.value > 0 for h in history) and samples) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(runs) == 1 and runs[0].info.run_name.startswith("brigade-")
+    assert runs[0].data.params["engine.max_num_seqs"] == "8"
+    assert any(h.value > 0 for h in history), "no throughput point reached MLflow"
+    assert samples, "no request sample reached MLflow"
+    for artifact in samples:
+        local = client.download_artifacts(runs[0].info.run_id, artifact.path, str(live.run_dir / "dl"))
+        for sample in json.loads(Path(local).read_text()):
+            assert {"request_id", "prompt", "output", "finish_reason"} <= sample.keys()
 
 
 def audit_lines(run: Run) -> list[dict]:
