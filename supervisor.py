@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,15 +80,19 @@ def file_signature(path: str | None) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
+SECRET_FIELD = re.compile(r"(^|_)(keys?|secret|password)$")
+
+
 def flat_config(config: msgspec.Struct, prefix: str = "") -> dict[str, str]:
-    """Every config field as `dotted.path: value` (the MLflow run's parameters)."""
+    """Every config field as `dotted.path: value` (the MLflow run's parameters); keys and
+    secrets (`gateway.api_keys`, ...) only as redacted."""
     flat: dict[str, str] = {}
     for spec in msgspec.structs.fields(config):
         value = getattr(config, spec.name)
         if isinstance(value, msgspec.Struct):
             flat.update(flat_config(value, f"{prefix}{spec.name}."))
         else:
-            flat[f"{prefix}{spec.name}"] = str(value)
+            flat[f"{prefix}{spec.name}"] = "<redacted>" if SECRET_FIELD.search(spec.name) else str(value)
     return flat
 
 

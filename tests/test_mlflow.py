@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -213,3 +214,26 @@ def test_benchmark_logs_params_metrics_and_plot(tmp_path: Path, tracking: tuple[
     assert {h.value for h in client.get_metric_history(run_id, "brigade.ttft_ms.p50")} == {120.0, 300.0}
     names = {f.path for f in client.list_artifacts(run_id)}
     assert {"serve.json", "serve.png"} <= names
+
+
+class SecretsInner(msgspec.Struct, frozen=True):
+    api_keys: tuple[str, ...] = ("sk-1",)
+    curve_secret_key: str = "s3cret"
+    max_num_batched_tokens: int = 2048
+
+
+class SecretsOuter(msgspec.Struct, frozen=True):
+    gateway: SecretsInner = SecretsInner()
+
+
+def test_run_params_are_the_config_with_secrets_redacted() -> None:
+    from ipc.config import load_config
+    from supervisor import flat_config
+
+    assert flat_config(SecretsOuter()) == {
+        "gateway.api_keys": "<redacted>",
+        "gateway.curve_secret_key": "<redacted>",
+        "gateway.max_num_batched_tokens": "2048",
+    }
+    params = flat_config(load_config(REPO_ROOT / "configs" / "default.yaml"))
+    assert params["engine.max_num_seqs"] == "64" and params["observability.mlflow.interval_s"] == "30.0"
