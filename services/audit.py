@@ -1,5 +1,5 @@
 """The audit log: every administrative event of a run as one JSON line in `<run-dir>/audit.log`
-(or the file `audit_log_path` is given), with its time and its source.
+(`observability.audit_log` moves it), with its time and its source.
 
 Events (the `event` field) and what else each line carries:
 
@@ -38,7 +38,7 @@ log = logging.getLogger("audit")
 
 
 def audit_log_path(run_dir: Path, configured: str = "") -> Path:
-    """The configured path, or `<run-dir>/audit.log` when it is empty."""
+    """`observability.audit_log`, or `<run-dir>/audit.log` when it is empty."""
     return Path(configured) if configured else run_dir / AUDIT_FILE
 
 

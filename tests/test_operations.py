@@ -9,11 +9,9 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -32,31 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "brigade.json"
 TINY = ("model.dtype=float32", "model.max_model_len=256", "engine.kv_cache_mib=16", "engine.threads=1",
         "engine.max_num_seqs=8", "supervisor.backoff_initial_s=0.1")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """`pip install` of a wheel built from this tree, into a directory of its own: the `brigade`
-    script exactly as pip writes it, and the env (PYTHONPATH) that makes it import that copy."""
-    root = tmp_path_factory.mktemp("install")
-    source = root / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", "supervisor.py", "brigade_cli.py"):
-        shutil.copy(REPO_ROOT / name, source / name)
-    for package in ("ipc", "services", "kernels", "client", "supervision"):
-        if (REPO_ROOT / package).exists():
-            shutil.copytree(
-                REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
-            )
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(root / "dist")],
-                   check=True, timeout=300, cwd=root)  # fmt: skip
-    (wheel,) = (root / "dist").glob("brigade-*.whl")
-    site = root / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300)
-    script = site / "bin" / "brigade"
-    assert script.exists() and os.access(script, os.X_OK)
-    return script, {"PYTHONPATH": str(site)}
 
 
 def free_port() -> int:
