@@ -231,3 +231,32 @@ def test_serve_and_a_taken_port(tmp_path: Path, caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.WARNING, logger="metrics"):
         assert not metrics.serve(run_dir, port, host="127.0.0.1")
     assert f"metrics port {port} unavailable" in caplog.text
+
+
+def test_frontend_counts_outcomes_once(smollm2_dir: Path) -> None:
+    """Through the frontend's core: a finished request, an abort and a refusal each land in
+    their own counter, and a refusal is neither an abort nor in the latency histograms."""
+    from ipc import messages as m
+    from services.tokenizer.frontend import FrontendCore
+    from services.tokenizer.text import Tokenizer
+
+    registry = CollectorRegistry()
+    core = FrontendCore(
+        Tokenizer(smollm2_dir), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=4,
+        metrics=RequestMetrics(MODEL, registry=registry),
+    )  # fmt: skip
+    done = core.admit(b"c", m.Generate("done", prompt="Hello"))
+    core.relay(m.Delta(done.submit.request_id, 0, 0, "Hi", m.pack_ids([42, 43]), finish_reason="length"))
+    core.admit(b"c", m.Generate("gone", prompt="Hello"))
+    assert core.abort(b"c", "gone") is not None
+    core.admit(b"c", m.Generate("full", prompt="Hello"))
+    core.refuse(b"c", "full", "overloaded")
+    assert not core.journal
+    got = scrape(registry)
+    model = ("model_name", MODEL)
+    assert got[("brigade:request_success_total", (("finished_reason", "length"), model))] == 1
+    assert got[("brigade:request_success_total", (("finished_reason", "abort"), model))] == 1
+    assert got[("brigade:request_failure_total", (("code", "overloaded"), model))] == 1
+    assert got[("brigade:e2e_request_latency_seconds_count", (model,))] == 2
+    assert got[("brigade:generation_tokens_total", (model,))] == 2
+    assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
