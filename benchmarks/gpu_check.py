@@ -291,11 +291,16 @@ def decode_forward_graphs(runner: ModelRunner, batch: int, context: int, reps: i
         diff = (captured - expected).abs().max().item()
         graph_ms = timed(graph.replay)
     except Exception as exc:  # any capture failure is a finding, not a crash of the check
-        return result | {"graph_ms": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        return result | {"graph_ms": None, "error": one_line(exc)}
     return result | {"graph_ms": graph_ms, "speedup": result["eager_ms"] / graph_ms, "max_abs_diff": diff}
 
 
 # ---------------------------------------------------------------- report
+
+
+def one_line(exc: Exception) -> str:
+    """An error for the JSON and a markdown table cell."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split()).replace("|", "/")[:500]
 
 
 def markdown(result: dict) -> str:
@@ -318,6 +323,9 @@ def markdown(result: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in map(str, BATCHES):
+        if b in result["errors"]:
+            lines.append(f"| {b} | failed: {result['errors'][b]} | | | | | |")
+            continue
         g = result["cuda_graphs"]["per_batch"][b]
         graph = "n/a" if g["graph_ms"] is None else f"{g['graph_ms']:.2f}"
         speedup = f"{g['speedup']:.2f}x" if "speedup" in g else "n/a"
@@ -380,12 +388,21 @@ def main() -> None:
     result["model"] |= {"num_params": num_params, "prompt_len": prompt_len, "decode_steps": steps}
     result["prefill_tok_s"], result["decode_tok_s"] = {}, {}
     graphs: dict = {"available": device.type == "cuda", "per_batch": {}}
+    result["errors"] = {}
     for batch in BATCHES:
-        prefill, decode = prefill_and_decode(runner, batch, prompt_len, steps)
+        try:
+            prefill, decode = prefill_and_decode(runner, batch, prompt_len, steps)
+            graph = decode_forward_graphs(runner, batch, prompt_len + 1, reps)
+        except RuntimeError as exc:  # out of memory, a kernel that fails: the other batches still run
+            result["errors"][str(batch)] = one_line(exc)
+            print(f"batch {batch}: {result['errors'][str(batch)]}", flush=True)
+            continue
         result["prefill_tok_s"][str(batch)], result["decode_tok_s"][str(batch)] = prefill, decode
-        graphs["per_batch"][str(batch)] = decode_forward_graphs(runner, batch, prompt_len + 1, reps)
-        print(f"batch {batch}: prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s, "
-              f"forward {graphs['per_batch'][str(batch)]}", flush=True)  # fmt: skip
+        graphs["per_batch"][str(batch)] = graph
+        print(
+            f"batch {batch}: prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s, forward {graph}",
+            flush=True,
+        )
     if not graphs["available"]:
         graphs["reason"] = "CUDA graphs need a CUDA device; the eager forward is timed alone"
     result["cuda_graphs"] = graphs

@@ -41,6 +41,7 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     assert result["roofline_tok_s"] == pytest.approx(
         result["matmul_tflops"] * 1e12 / (2 * model["num_params"])
     )
+    assert result["errors"] == {}
     for b in BATCHES:
         assert result["prefill_tok_s"][b] > 0 and result["decode_tok_s"][b] > 0
 
