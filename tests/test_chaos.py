@@ -185,7 +185,9 @@ def test_detokenizer_death_after_the_scheduler_finished_loses_nothing(run: Run, 
                 return sum(r[key] for r in stage_rows(run) if r["kind"] == "scheduler")
 
             wait_for("the scheduler running the requests", lambda: scheduler("running") > 0)
-            wait_for("the scheduler finishing them", lambda: scheduler("running") + scheduler("queue_depth") == 0)
+            wait_for(
+                "the scheduler finishing them", lambda: scheduler("running") + scheduler("queue_depth") == 0
+            )
             with contextlib.suppress(ProcessLookupError):  # or the supervisor found it hung first
                 os.kill(detokenizer, signal.SIGKILL)
 
@@ -301,7 +303,9 @@ def test_chaos_every_stage_killed_or_hung_loses_and_changes_nothing(
         wait_for("every stage running", lambda: all_running(run))
         injected: list[str] = []
 
-        def inject(faults: list[tuple[str, signal.Signals, float]] = faults, injected: list[str] = injected) -> None:
+        def inject(
+            faults: list[tuple[str, signal.Signals, float]] = faults, injected: list[str] = injected
+        ) -> None:
             started = time.monotonic()
             for kind, sig, delay in faults:
                 pid = running_pid(run, kind)

@@ -120,11 +120,15 @@ def test_resume_num_chars_cannot_exceed_the_resumed_text(core_factory) -> None:
     text = core.tokenizer.decode(ids)
     for claimed in (len(text) + 1, 10**12):
         with pytest.raises(RequestError, match="resume_num_chars") as info:
-            core.admit(b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=claimed))
+            core.admit(
+                b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=claimed)
+            )
         assert info.value.code == "invalid_request"
     with pytest.raises(RequestError, match="resume_num_chars"):
         core.admit(b"c", m.Generate("r", prompt="x", resume_num_chars=1))  # characters of no tokens
-    entry = core.admit(b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=len(text)))
+    entry = core.admit(
+        b"c", m.Generate("r", prompt="x", resume_output_ids=m.pack_ids(ids), resume_num_chars=len(text))
+    )
     assert (entry.output_ids, entry.num_chars) == (ids, len(text))
 
 

@@ -200,7 +200,9 @@ class Frontend:
                 self.schedulers[command.group].put(submit)
         elif isinstance(command, m.ResubmitShard):
             submissions = self.core.shard_resubmissions(command.shard, command.num_shards)
-            self.stage.log.info("detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions))
+            self.stage.log.info(
+                "detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions)
+            )
             for group, submit in submissions:
                 self.schedulers[group].put(submit)
 
