@@ -198,7 +198,7 @@ class Frontend:
             )
             for submit in submissions:
                 self.schedulers[command.group].put(submit)
-        elif isinstance(command, m.ResubmitShard):
+        elif isinstance(command, m.ResubmitShard) and 0 <= command.shard < command.num_shards:
             submissions = self.core.shard_resubmissions(command.shard, command.num_shards)
             self.stage.log.info(
                 "detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions)
