@@ -240,7 +240,8 @@ class Supervisor:
         write_run_info(self.run_dir, self.info)
         client = f"python -m client --run {self.run_dir}"
         self.start_mlflow()
-        print(f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}", flush=True)
+        ready = f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}"
+        print(ready + http_line(self.config), flush=True)
         print(
             f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True
         )
@@ -467,9 +468,11 @@ class Supervisor:
         """Change replica counts without dropping a request: new replicas start before anyone
         routes to them; removed ones stop only after everyone routes around them."""
         old_frontends, old_detoks = self.config.frontend.replicas, self.config.detokenizer.replicas
+        old_gateways = self.config.gateway.replicas
         replicas = {
             "frontend.replicas": [old_frontends, config.frontend.replicas],
             "detokenizer.replicas": [old_detoks, config.detokenizer.replicas],
+            "gateway.replicas": [old_gateways, config.gateway.replicas],
         }
         changes = {path: counts for path, counts in replicas.items() if counts[0] != counts[1]}
         if changes:
@@ -477,6 +480,7 @@ class Supervisor:
         self.publish_config(config)
         added = [self.stages.add("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
         added += [self.stages.add("tokenizer", i) for i in range(old_frontends, config.frontend.replicas)]
+        added += [self.stages.add("gateway", i) for i in range(old_gateways, config.gateway.replicas)]
         for stage in added:
             self.stages.spawn(stage)
         self.wait_ready(added)
@@ -496,6 +500,9 @@ class Supervisor:
         removed = removed_frontends + [
             self.stages[f"detokenizer-{j}"] for j in range(config.detokenizer.replicas, old_detoks)
         ]
+        # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
+        # shutdown); the other replicas keep the port.
+        removed += [self.stages[f"gateway-{i}"] for i in range(config.gateway.replicas, old_gateways)]
         self.read_control(1.0)  # let in-flight batches to the old shards land first
         self.stages.remove(removed)
         self.stages.stop(removed, STOP_GRACE_S)
@@ -533,6 +540,14 @@ class Supervisor:
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         log.info("stopped; shared memory and sockets removed")
 
+
+def http_line(config: Config) -> str:
+    """Where the OpenAI-compatible API listens, for the ready line ("" when it is off)."""
+    gateway = config.gateway
+    if not gateway.replicas:
+        return ""
+    host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
+    return f"; OpenAI API at http://{host}:{gateway.port}/v1"
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv

@@ -118,7 +118,7 @@ def default_llama_server() -> Path | None:
     return built if built.exists() else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -128,7 +128,7 @@ def _free_port() -> int:
 def llama_server(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int,
                  log_path: Path) -> Iterator[int]:
     """Run `llama-server` with `slots` parallel slots on 127.0.0.1; yields its port; kills it after."""
-    port = _free_port()
+    port = free_port()
     argv = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--parallel", str(slots), "--ctx-size", str(slots * ctx_per_slot),
@@ -181,12 +181,47 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
             raise RuntimeError(f"llama-server: HTTP {status}: {(await reader.read(500)).decode(errors='replace')}")
         body_chunks = _chunked(reader) if headers.get("transfer-encoding") == "chunked" else _plain(reader)
         async for event in _sse_events(body_chunks):
+            if event is None:  # data: [DONE]
+                return
             if "error" in event:
                 raise RuntimeError(f"llama-server: {event['error']}")
             if event.get("stop"):
                 return
             # One event per sampled token (newer servers also list them under "tokens").
             yield len(event.get("tokens") or [None])
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def openai_stream(port: int, request: BenchRequest, model: str = "") -> AsyncIterator[int]:
+    """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway), streamed, greedy,
+    ignore_eos; yields the number of tokens of each event (counted from its logprobs entries)."""
+    body = json.dumps({
+        "model": model, "prompt": request.prompt_ids, "max_tokens": request.output_len, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+    }).encode()  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        )
+        await writer.drain()
+        status, headers = await _read_head(reader)
+        if status == 429:
+            raise PeerOverloaded("gateway: 429")
+        if status != 200:
+            raise RuntimeError(f"gateway: HTTP {status}: {(await reader.read(500)).decode(errors='replace')}")
+        body_chunks = _chunked(reader) if headers.get("transfer-encoding") == "chunked" else _plain(reader)
+        async for event in _sse_events(body_chunks):
+            if event is None:  # data: [DONE]
+                return
+            if "error" in event:
+                raise RuntimeError(f"gateway: {event['error']}")
+            for choice in event["choices"]:
+                yield len((choice.get("logprobs") or {}).get("tokens") or [])
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -213,7 +248,8 @@ async def _plain(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
         yield data
 
 
-async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
+async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict | None]:
+    """The JSON of each `data:` line; None for `data: [DONE]`."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
@@ -221,4 +257,4 @@ async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
             event, buffer = buffer.split(b"\n\n", 1)
             for line in event.splitlines():
                 if line.startswith(b"data: "):
-                    yield json.loads(line[6:])
+                    yield None if line == b"data: [DONE]" else json.loads(line[6:])

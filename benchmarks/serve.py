@@ -1,6 +1,7 @@
-"""Serving benchmark: Brigade through the client SDK against HF transformers and llama.cpp's server.
+"""Serving benchmark: Brigade through the client SDK (or its OpenAI HTTP API, `--backend http`)
+against HF transformers and llama.cpp's server.
 
-    python benchmarks/serve.py [--run DIR | --start] [--config FILE] [--set key=value ...]
+    python benchmarks/serve.py [--run DIR | --start] [--backend sdk|http] [--config FILE] [--set key=value ...]
         [--concurrency 1,16,64,256] [--request-rate R] [--dataset chat|random|shared-prefix]
         [--output-len 128] [--dtype float32] [--llama-server PATH | --build-llama-server]
         [--json FILE] [--plot FILE] [--smoke] [--mlflow TRACKING_URI [--mlflow-experiment NAME]]
@@ -217,7 +218,7 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
         yield Path(args.run)
         return
     run_dir = Path(tempfile.mkdtemp(prefix="brigade-bench-"))
-    overrides = [f"model.dtype={args.dtype}", *args.set]
+    overrides = [f"model.dtype={args.dtype}", f"gateway.port={peers.free_port()}", *args.set]
     run = BrigadeProcess(run_dir, args.config, overrides, log_dir / "brigade.log")
     info.update(supervisor_pid=run.process.pid, run_dir=str(run_dir))
     try:
@@ -232,10 +233,24 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
 
 async def brigade_settings(run_dir: Path, requests: list[BenchRequest],
                            args: argparse.Namespace) -> dict[str, dict]:
-    """Warm up once, then every concurrency of the sweep through one AsyncClient."""
+    """Warm up once, then every concurrency of the sweep: through one AsyncClient (`--backend sdk`),
+    or streamed over the gateway's OpenAI API (`--backend http`), as llama.cpp's server is driven."""
     from client.async_sdk import AsyncClient
+    from services.stage import read_run_info
 
-    per_setting = {}
+    async def sweep(send: SendFn) -> dict[str, dict]:
+        per_setting = {}
+        await drive(send, warmup_requests(requests), 1, None, args.seed, "brigade warmup")
+        for c in args.concurrency:
+            results, duration = await drive(send, requests[: num_prompts(args, c)], c, args.request_rate,
+                                            args.seed, f"brigade ({args.backend}) c={c}")
+            per_setting[str(c)] = setting_stats(results, duration)
+            print_setting(f"brigade ({args.backend})", c, per_setting[str(c)])
+        return per_setting
+
+    if args.backend == "http":
+        port = read_run_info(run_dir).config.gateway.port
+        return await sweep(lambda request: peers.openai_stream(port, request))
     async with AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def send(request: BenchRequest) -> AsyncIterator[int]:
@@ -245,13 +260,7 @@ async def brigade_settings(run_dir: Path, requests: list[BenchRequest],
                 async for delta in stream:
                     yield len(delta.token_ids)
 
-        await drive(send, warmup_requests(requests), 1, None, args.seed, "brigade warmup")
-        for c in args.concurrency:
-            results, duration = await drive(send, requests[: num_prompts(args, c)], c, args.request_rate,
-                                            args.seed, f"brigade c={c}")
-            per_setting[str(c)] = setting_stats(results, duration)
-            print_setting("brigade", c, per_setting[str(c)])
-    return per_setting
+        return await sweep(send)
 
 
 def warmup_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
@@ -294,7 +303,7 @@ def run_brigade(args: argparse.Namespace, requests: list[BenchRequest], log_dir:
     info: dict = {}
     with brigade(args, log_dir, info) as run_dir:
         per_setting = asyncio.run(brigade_settings(run_dir, requests, args))
-    return {**engine_report(per_setting), **info}
+    return {**engine_report(per_setting, f"driven through the {args.backend} backend"), **info}
 
 
 def run_hf(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]) -> dict:
@@ -446,6 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", default="128", help="output tokens N or LOW:HIGH (ignore_eos)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--engines", default="brigade,hf,llamacpp")
+    p.add_argument("--backend", choices=("sdk", "http"), default="sdk",
+                   help="drive Brigade through the client SDK or its OpenAI HTTP API (the gateway)")
     p.add_argument("--llama-server", help="path of a llama-server binary")
     p.add_argument("--build-llama-server", action="store_true", help="build llama-server if none is found")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="peer threads (default: every core)")

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from client.errors import ServerUnavailable
-from client.sdk import ClientBase, GenerateResult, Prompt, StreamDelta, make_generate
+from client.sdk import ClientBase, GenerateResult, Prompt, StreamDelta, collect_result, make_generate
 from ipc import messages as m
 
 
@@ -115,14 +115,8 @@ class AsyncClient(ClientBase):
 
     @staticmethod
     async def _collect(deltas: AsyncIterator[StreamDelta]) -> GenerateResult:
-        text, ids, logprobs, last = [], [], [], None
         async with contextlib.aclosing(deltas):
-            async for last in deltas:
-                text.append(last.text)
-                ids += last.token_ids
-                logprobs += last.logprobs or []
-        assert last is not None and last.finish_reason is not None
-        return GenerateResult("".join(text), ids, last.finish_reason, last.usage, logprobs or None)
+            return collect_result([delta async for delta in deltas])
 
     async def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
         self._ensure_reader()

@@ -48,9 +48,10 @@ class StreamDelta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # the sampled tokens' (with logprobs >= 0 asked: always)
     finish_reason: str | None = None
     usage: m.Usage | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the top `logprobs` ids -> logprob
 
 
 @dataclass
@@ -60,6 +61,7 @@ class GenerateResult:
     finish_reason: str
     usage: m.Usage | None
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -201,6 +203,22 @@ def open_dealer(
     return sock
 
 
+def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
+    """One result from a whole stream's deltas."""
+    last = deltas[-1]
+    assert last.finish_reason is not None
+    logprobs = [x for d in deltas for x in d.logprobs or []]
+    top_logprobs = [x for d in deltas for x in d.top_logprobs or []]
+    return GenerateResult(
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        last.finish_reason,
+        last.usage,
+        logprobs or None,
+        top_logprobs or None,
+    )
+
+
 class RequestState:
     """Owns one request's received output: assembles deltas exactly once, by absolute position."""
 
@@ -213,6 +231,7 @@ class RequestState:
         self.is_acked = False  # the replica running it has answered for it by id
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
         self.text_parts: list[str] = []
         self.num_chars = 0
         self.finish_reason: str | None = None
@@ -254,20 +273,29 @@ class RequestState:
         skip = len(self.token_ids) - delta.token_index
         ids = m.unpack_ids(delta.token_ids)[skip:].tolist()
         logprobs = np.frombuffer(delta.logprobs, "<f4")[skip:].tolist()
+        top_logprobs = delta.top_logprobs[skip:]
         text = delta.text[self.num_chars - delta.char_offset :]
         self.token_ids += ids
         self.logprobs += logprobs
+        self.top_logprobs += top_logprobs
         self.text_parts.append(text)
         self.num_chars += len(text)
         if delta.finish_reason is not None:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
         if ids or text or delta.finish_reason is not None:
-            self.ready.append(StreamDelta(text, ids, logprobs or None, delta.finish_reason, delta.usage))
+            self.ready.append(
+                StreamDelta(text, ids, logprobs or None, delta.finish_reason, delta.usage, top_logprobs or None)
+            )
 
     def result(self) -> GenerateResult:
         assert self.finish_reason is not None
         return GenerateResult(
-            "".join(self.text_parts), self.token_ids, self.finish_reason, self.usage, self.logprobs or None
+            "".join(self.text_parts),
+            self.token_ids,
+            self.finish_reason,
+            self.usage,
+            self.logprobs or None,
+            self.top_logprobs or None,
         )
 
 
@@ -623,13 +651,7 @@ class Client(ClientBase):
 
     @staticmethod
     def _collect(deltas: Iterator[StreamDelta]) -> GenerateResult:
-        text, ids, logprobs, last = [], [], [], None
-        for last in deltas:
-            text.append(last.text)
-            ids += last.token_ids
-            logprobs += last.logprobs or []
-        assert last is not None and last.finish_reason is not None
-        return GenerateResult("".join(text), ids, last.finish_reason, last.usage, logprobs or None)
+        return collect_result(list(deltas))
 
     def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
         """Ask every replica; the replies that came back within `timeout` (ServerUnavailable if none)."""

@@ -18,6 +18,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,15 @@ class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     replicas: Positive = 1
 
 
+class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    replicas: NonNegative = 1  # HTTP processes sharing one port (SO_REUSEPORT); 0 = no HTTP API
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    api_keys: list[str] = []  # [] = open, unless BRIGADE_API_KEYS lists some
+    served_model_name: str = ""  # "" = the model's name
+    max_concurrent_requests: Positive = 512  # per replica; past it, 429
+
+
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restart_intensity: NonNegative = 5  # restarts allowed per stage within restart_period_s
     restart_period_s: Seconds = 60.0
@@ -90,6 +100,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineConfig = EngineConfig()
     frontend: FrontendConfig = FrontendConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
+    gateway: GatewayConfig = GatewayConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
 

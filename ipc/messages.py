@@ -359,6 +359,7 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     log_level: str = "INFO"
     num_detokenizers: int = 1
     num_frontends: int = 1
+    num_gateways: int = 1
     max_num_waiting: int = 0
     default_max_tokens: int = 256
 

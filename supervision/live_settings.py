@@ -16,6 +16,7 @@ LIVE_SETTINGS: dict[str, str] = {
     "frontend.replicas": "num_frontends",
     "frontend.default_max_tokens": "default_max_tokens",
     "detokenizer.replicas": "num_detokenizers",
+    "gateway.replicas": "num_gateways",
     "engine.max_num_waiting": "max_num_waiting",
 }
 

@@ -30,7 +30,7 @@ from supervision.health import Health
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Stopping goes from the entry of requests to their exit, so that nothing in flight is cut off
 # by a stage downstream stopping first.
-STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+STOP_ORDER = ("gateway", "tokenizer", "scheduler", "gpu_worker", "detokenizer")
 STDERR_JOIN_S = 2.0  # for the last line of a stage that exited
 
 log = logging.getLogger("supervisor")
@@ -116,6 +116,7 @@ class StageSet:
                 self.add("gpu_worker", g, group=g, rank=r) for r in range(config.engine.tensor_parallel)
             ]
         stages += [self.add("tokenizer", i) for i in range(config.frontend.replicas)]
+        stages += [self.add("gateway", i) for i in range(config.gateway.replicas)]
         return stages
 
     def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:

@@ -16,6 +16,7 @@ import signal
 import time
 from collections import defaultdict
 
+import numpy as np
 import zmq
 
 from ipc import messages as m
@@ -184,12 +185,28 @@ class SchedulerProcess:
         self.stage.log.info("detokenizer shards %d -> %d", old_shards, command.num_detokenizers)
 
     @staticmethod
-    def full_history(request: Request, finish_reason: str | None = None) -> m.TokenUpdate:
+    def full_history(
+        request: Request,
+        finish_reason: str | None = None,
+        newest: tuple[float, list[dict[int, float]]] | None = None,
+    ) -> m.TokenUpdate:
+        """The request's whole output so far. `newest` is the logprob and top logprobs of its last
+        token, just sampled; the scheduler keeps no logprobs of earlier tokens, which go as NaN and
+        {}: every receiver already has them (they are what a resubmission or resync starts from)."""
+        logprobs, top_logprobs = b"", []
+        if newest is not None and request.output_ids:
+            column = np.full(len(request.output_ids), np.nan, "<f4")
+            column[-1] = newest[0]
+            logprobs = column.tobytes()
+            if newest[1]:
+                top_logprobs = [{}] * (len(request.output_ids) - 1) + newest[1]
         return m.TokenUpdate(
             request_id=request.request_id,
             frontend_id=request.frontend_id,
             start_index=0,
             token_ids=m.pack_ids(request.output_ids),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             finish_reason=finish_reason,
             prompt_tokens=len(request.prompt_ids),
             cached_tokens=request.num_cached_tokens,
@@ -357,7 +374,8 @@ def detokenizer_messages(
         shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
         if request_id in resumed:
             request = needs_full_history.pop(request_id)
-            full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j]))
+            newest = (float(outputs.logprobs[j]), outputs.top_logprobs[j])
+            full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j], newest))
         else:
             entries[shard].append(j)
     messages: dict[int, list[m.TokenBatch | m.StepTokens]] = defaultdict(list)

@@ -67,6 +67,7 @@ class JournalEntry:
     num_chars: int = 0
     text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
     logprobs: list[bytes] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     # The watchdog (FrontendCore.stalled / on_progress): when the client last got something new,
@@ -328,6 +329,7 @@ class FrontendCore:
             return Reply(entry.identity, msgspec.structs.replace(fresh, request_id=entry.request_id))
         entry.text.append(fresh.text)
         entry.logprobs.append(fresh.logprobs)
+        entry.top_logprobs += fresh.top_logprobs
         if fresh.finish_reason is None:
             return None
         whole = m.Delta(
@@ -337,6 +339,7 @@ class FrontendCore:
             text="".join(entry.text),
             token_ids=m.pack_ids(entry.output_ids),
             logprobs=b"".join(entry.logprobs),
+            top_logprobs=entry.top_logprobs,
             finish_reason=fresh.finish_reason,
             usage=fresh.usage,
         )

@@ -1,0 +1,110 @@
+"""Gateway replica process: the OpenAI-compatible HTTP API on a port shared by every replica.
+
+The replica binds its listening socket itself with SO_REUSEPORT, so `gateway.replicas` processes
+accept on one port and the kernel spreads connections over them; a replica that dies loses
+only its own connections (clients retry, or resume a stream with Last-Event-ID). It reaches the
+frontends through the asyncio client SDK, which fails requests over between frontend replicas.
+Light: no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+import zmq
+
+from client.async_sdk import AsyncClient
+from ipc import messages as m
+from services.gateway.app import Gateway, GatewaySettings
+from services.stage import ControlChannel, Stage, parse_stage_args
+from services.tokenizer.text import Tokenizer
+
+API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
+LISTEN_BACKLOG = 2048
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+def api_keys(configured: list[str]) -> frozenset[str]:
+    from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",")]
+    return frozenset(k for k in [*configured, *from_env] if k)
+
+
+def max_body_bytes(stage: Stage) -> int:
+    """A prompt at the frontend's character limit with every character JSON-escaped (\\uXXXX),
+    plus room for the rest of the body."""
+    return 6 * stage.config.frontend.max_prompt_chars + (1 << 20)
+
+
+async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, url: str) -> None:
+    """Ready once the server listens; then heartbeats, and Shutdown stops the server."""
+    control = ControlChannel(zmq.Context.instance(), stage)
+    while not server.started:
+        await asyncio.sleep(0.01)
+    control.ready(url=url)
+    stage.log.info("serving the OpenAI API at %s", url)
+    while not server.should_exit:
+        command = control.command()
+        if isinstance(command, m.Shutdown):
+            server.should_exit = True
+        load = m.StageLoad(num_in_flight=gateway.num_in_flight)
+        control.heartbeat(gateway.num_responses, has_work=False, load=load)
+        await asyncio.sleep(control.interval / 2)
+
+
+async def serve(stage: Stage) -> None:
+    config = stage.config.gateway
+    sock = listen_socket(config.host, config.port)
+    client = AsyncClient(stage.run_dir)
+    settings = GatewaySettings(
+        model=config.served_model_name or stage.info.model,
+        max_model_len=stage.config.model.max_model_len,
+        api_keys=api_keys(config.api_keys),
+        max_concurrent_requests=config.max_concurrent_requests,
+        max_body_bytes=max_body_bytes(stage),
+        run_dir=stage.run_dir,
+        metrics_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+    )
+    gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            gateway.app(),
+            loop="none",
+            http="httptools",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=stage.config.supervisor.drain_timeout_s,
+        )
+    )
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    control = asyncio.create_task(control_loop(stage, server, gateway, f"http://{host}:{config.port}/v1"))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        control.cancel()
+        await client.close()
+
+
+def main() -> None:
+    stage, _ = parse_stage_args("gateway")
+    import uvloop
+
+    uvloop.run(serve(stage))
+
+
+if __name__ == "__main__":
+    main()

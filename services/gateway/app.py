@@ -1,0 +1,354 @@
+"""The OpenAI-compatible HTTP API of one gateway replica (a Starlette app).
+
+Each generation request becomes one Brigade request per choice, sent through the asyncio SDK
+(`services/gateway/runner.py`); replies are OpenAI's JSON or server-sent events. A request that
+the engine refuses before its first output gets its HTTP error status; a stream that fails later
+ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Send
+
+from client.async_sdk import AsyncClient
+from client.errors import BrigadeError
+from client.sdk import StreamDelta
+from services.gateway import protocol as p
+from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
+from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
+from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
+from services.gateway.metrics import HttpMetrics
+from services.gateway.runner import run_jobs
+from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
+from services.tokenizer.text import Tokenizer
+
+STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
+JSON = "application/json"
+DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413
+CLIENT_CLOSED = 499  # the status nginx logs for a client that went away before the reply
+
+
+@dataclass
+class GatewaySettings:
+    model: str  # the served model name
+    max_model_len: int
+    api_keys: frozenset[str]
+    max_concurrent_requests: int
+    max_body_bytes: int
+    run_dir: Path
+    metrics_dir: str | None  # PROMETHEUS_MULTIPROC_DIR: every process's metrics of the run
+
+
+def json_response(
+    body: msgspec.Struct | dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type=JSON)
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error.body(), error.status, error.headers, media_type=JSON)
+
+
+def to_piece(delta: StreamDelta) -> Piece:
+    return Piece(
+        delta.text, delta.token_ids, delta.logprobs or [], delta.top_logprobs or [], delta.finish_reason
+    )
+
+
+def engine_group_ready(run_dir: Path) -> bool:
+    """An engine group can serve: its scheduler and every one of its workers are running."""
+    try:
+        rows = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    groups: dict[str, bool] = {}
+    for row in rows:
+        if row.get("kind") in ("scheduler", "gpu_worker"):
+            group = row["name"].split("-")[1]
+            groups[group] = groups.get(group, True) and row.get("state") == "running"
+    return any(groups.values())
+
+
+class Gateway:
+    """Routes, auth, body limits and the per-replica concurrency bound around one AsyncClient."""
+
+    def __init__(self, settings: GatewaySettings, client: AsyncClient, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = HttpMetrics()
+        self.num_in_flight = 0
+        self.num_responses = 0  # the heartbeat's progress counter
+        self.started = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ]
+        handlers = {
+            HTTPException: self.on_http_exception,
+            ApiError: self.on_api_error,
+            Exception: self.on_crash,
+        }
+        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def on_http_exception(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            error = ApiError(404, f"no route {request.url.path}", code="not_found")
+        else:
+            error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return self.finish(request, error_response(error))
+
+    async def on_api_error(self, request: Request, exc: ApiError) -> Response:
+        return self.finish(request, error_response(exc))
+
+    async def on_crash(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"))
+
+    def finish(self, request: Request, response: Response) -> Response:
+        self.count(request.url.path, response.status_code)
+        return response
+
+    def count(self, path: str, status: int) -> None:
+        self.num_responses += 1
+        self.metrics.on_response(path, status)
+
+    def check_key(self, request: Request) -> None:
+        if not self.settings.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
+            raise ApiError(
+                401, "missing or invalid API key (send Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+
+    async def read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+        self.check_key(request)
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > DRAIN_FACTOR * limit:
+            raise ApiError(
+                413,
+                f"request body of {int(length)} bytes exceeds the limit of {limit}",
+                code="request_too_large",
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_FACTOR * limit:
+                break
+            if size <= limit:
+                chunks.append(chunk)
+        if size > limit:
+            # A body somewhat over the limit is read to its end first, so that the client, still
+            # sending, reads the 413 instead of a reset connection; a far larger one is cut off.
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        try:
+            body = msgspec.json.decode(b"".join(chunks), type=kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise from_decode_error(exc) from None
+        model = getattr(body, "model", "")
+        if model and model != self.settings.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.model!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return body
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        body = await self.read_body(request, p.ChatCompletionRequest)
+        plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
+        names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
+        fmt = ChatFormat(self.settings.model, names, plan.logprobs)
+        return self.generate(request, body, plan, fmt)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.read_body(request, p.CompletionRequest)
+        plan = plan_completion(body, header_seed(request.headers.get(SEED_HEADER)))
+        names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
+        fmt = CompletionFormat(self.settings.model, names, plan.logprobs)
+        return self.generate(request, body, plan, fmt)
+
+    def generate(
+        self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
+    ) -> Response:
+        if self.num_in_flight >= self.settings.max_concurrent_requests:
+            raise ApiError(
+                429,
+                f"this replica is serving {self.num_in_flight} requests, its limit; retry after {RETRY_AFTER_S}s",
+                code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
+        self.num_in_flight += 1  # here, not in work(): requests arriving together all see it
+        headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        path = request.url.path
+
+        async def work(send: Send) -> None:
+            timer = self.metrics.timer()
+            feed = run_jobs(self.client, plan.jobs)
+            status = 200
+            try:
+                try:
+                    first = await anext(feed, None)
+                    timer.on_output(first[1].token_ids if first else [])
+                    if not body.stream:
+                        reply = await self.collect(first, feed, plan, fmt, timer)
+                        await send_all(send, json_response(reply, 200, headers))
+                        timer.on_finish()
+                        return
+                except BrigadeError as exc:  # nothing sent yet: the error gets its own status
+                    error = from_engine(exc, plan.aliases)
+                    status = error.status
+                    await send_all(send, error_response(error))
+                    return
+                raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
+                await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+                async for chunk in self.stream_events(first, feed, plan, fmt, cursor, include_usage, timer):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                timer.on_finish()
+            except (asyncio.CancelledError, OSError):
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                await feed.aclose()
+                self.num_in_flight -= 1
+                self.count(path, status)
+
+        return WatchedResponse(work)
+
+    async def collect(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
+                      plan: Plan, fmt: ChatFormat | CompletionFormat, timer: Any) -> msgspec.Struct:  # fmt: skip
+        choices = [ChoiceOutput() for _ in plan.jobs]
+        usages = {}
+        item = first
+        while item is not None:
+            index, delta = item
+            choices[index].add(to_piece(delta))
+            if delta.usage is not None:
+                usages[index] = delta.usage
+            item = await anext(feed, None)
+            if item is not None:
+                timer.on_output(item[1].token_ids)
+        return fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+
+    async def stream_events(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
+                            plan: Plan, fmt: ChatFormat | CompletionFormat, cursor: Cursor, include_usage: bool,
+                            timer: Any) -> AsyncIterator[bytes]:  # fmt: skip
+        usages = {}
+        if not cursor.is_resumed:
+            for job in plan.jobs:
+                chunk = fmt.first_chunk(job.index)
+                if chunk is not None:
+                    yield event(chunk, cursor.event_id())
+        item = first
+        while item is not None:
+            index, delta = item
+            if delta.usage is not None:
+                usages[index] = delta.usage
+            text_offset = cursor.chars(index)
+            piece = cursor.advance(index, to_piece(delta))
+            if piece is not None:
+                yield event(fmt.chunk(index, piece, text_offset), cursor.event_id())
+            try:
+                item = await anext(feed, None)
+            except BrigadeError as exc:
+                yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
+                break
+            if item is not None:
+                timer.on_output(item[1].token_ids)
+        if include_usage and usages:
+            yield event(
+                fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+            )
+        yield DONE
+
+    # -- the rest of the API -----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.check_key(request)
+        card = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
+        return self.finish(request, json_response(p.ModelList([card])))
+
+    async def health(self, request: Request) -> Response:
+        """200 only while an engine group can serve and a frontend answers (load balancers and
+        Kubernetes probes route by it)."""
+        if engine_group_ready(self.settings.run_dir):
+            try:
+                replies = await self.client.health(timeout=2.0)
+            except BrigadeError:
+                replies = []
+            if any(r.is_ready for r in replies):
+                return self.finish(request, json_response({"status": "ok"}))
+        error = ApiError(503, "no engine is ready to serve", code="unavailable", headers={"Retry-After": "1"})
+        return self.finish(request, error_response(error))
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.settings.metrics_dir), media_type=self.metrics.content_type)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.read_body(request, p.TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            messages = [
+                {"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
+                for m in body.messages
+            ]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt
+                )
+            except Exception as exc:  # a template may raise on unusual conversations
+                raise invalid(f"chat template failed: {exc}", "messages") from None
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        reply: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.settings.max_model_len,
+            "tokens": ids,
+        }
+        reply["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return self.finish(request, json_response(reply))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.read_body(request, p.DetokenizeRequest)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
+        return self.finish(request, json_response({"prompt": self.tokenizer.decode(body.tokens)}))
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+async def send_all(send: Send, response: Response) -> None:
+    """Send a whole (small, in-memory) response through a raw ASGI `send`."""
+    await response({"type": "http"}, _no_receive, send)

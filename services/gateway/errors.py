@@ -1,0 +1,95 @@
+"""HTTP errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the
+mapping from decode failures and the engine's error codes to them."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from client.errors import BrigadeError
+from services.gateway.protocol import ErrorBody, ErrorResponse
+
+# msgspec says "Expected `float | null`, got `str` - at `$.temperature`"
+_PATH_IN_ERROR = re.compile(r" - at (?:`key` in )?`\$(.*?)`")
+# The engine's messages start with the field they are about (ipc/validation.py).
+_LEADING_FIELD = re.compile(r"^([A-Za-z_]+)")
+RETRY_AFTER_S = 1
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error reply; `param` names the offending request field where there is one."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        error = ErrorBody(self.message, ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
+        return msgspec.json.encode(ErrorResponse(error))
+
+
+def invalid(message: str, param: str | None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> ApiError:
+    """A body that is not JSON, or not the request's shape: 400 naming the field."""
+    if not isinstance(exc, msgspec.ValidationError):
+        return invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
+    text = str(exc)
+    match = _PATH_IN_ERROR.search(text)
+    path = match.group(1).lstrip(".") if match else ""
+    problem = _PATH_IN_ERROR.sub("", text).replace("`", "")
+    missing = re.match(r"Object missing required field (\w+)", problem)
+    if missing:
+        field = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return invalid(f"{field}: required field is missing", field, "missing_required_parameter")
+    return invalid(f"{path or 'body'}: {problem[:1].lower()}{problem[1:]}", path or None, "invalid_type")
+
+
+def from_engine(exc: BrigadeError, aliases: dict[str, str]) -> ApiError:
+    """The engine refused or could not run a request. `aliases` maps the engine's field names to
+    the ones this request used (max_tokens -> max_completion_tokens, logprobs -> top_logprobs)."""
+    code = exc.code
+    message = str(exc)
+    if code in ("invalid_request", "prompt_too_long"):
+        match = _LEADING_FIELD.match(message)
+        param = aliases.get(match.group(1), match.group(1)) if match else None
+        return ApiError(
+            400,
+            message,
+            param=param,
+            code="context_length_exceeded" if code == "prompt_too_long" else "invalid_value",
+        )
+    if code == "overloaded":
+        return ApiError(429, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if code == "timeout":
+        return ApiError(504, message, code="timeout")
+    if code == "unavailable":
+        return ApiError(503, message, code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(500, message, code=code)

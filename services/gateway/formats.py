@@ -1,0 +1,167 @@
+"""Brigade output -> OpenAI response bodies: whole responses, stream chunks, logprobs, usage.
+
+`ChatFormat` and `CompletionFormat` have the same methods, so the endpoint code is one for both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ipc import messages as m
+from services.gateway import protocol as p
+from services.tokenizer.text import Tokenizer
+
+
+@dataclass
+class Piece:
+    """New output of one choice: text, token ids, their logprobs and top-N alternatives."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceOutput:
+    """A whole choice, for non-streamed replies."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.text.append(piece.text)
+        self.token_ids += piece.token_ids
+        self.logprobs += piece.logprobs
+        self.top_logprobs += piece.top_logprobs
+        self.finish_reason = piece.finish_reason or self.finish_reason
+
+    def piece(self) -> Piece:
+        return Piece("".join(self.text), self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason)
+
+
+def usage_out(usages: dict[int, m.Usage], prompt_of: dict[int, int]) -> p.UsageOut:
+    """OpenAI counts each prompt once and every choice's completion tokens."""
+    prompt_tokens: dict[int, int] = {}
+    completion = cached = 0
+    for index, usage in usages.items():
+        prompt_tokens[prompt_of[index]] = usage.prompt_tokens
+        completion += usage.completion_tokens
+        cached += usage.cached_tokens
+    prompt = sum(prompt_tokens.values())
+    return p.UsageOut(prompt, completion, prompt + completion, p.PromptTokensDetails(cached))
+
+
+class TokenNames:
+    """How logprob entries name tokens: their text, or vLLM's `token_id:N`."""
+
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def name(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class ChatFormat:
+    def __init__(self, model: str, names: TokenNames, top_n: int | None) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.names = names
+        self.top_n = top_n  # None: no logprobs in the reply
+
+    def _logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
+        if self.top_n is None:
+            return None
+        content = []
+        for k, (token_id, logprob) in enumerate(zip(piece.token_ids, piece.logprobs, strict=True)):
+            tops = piece.top_logprobs[k] if k < len(piece.top_logprobs) else {}
+            top = [
+                p.TopLogprob(name, lp, list(name.encode()))
+                for name, lp in (
+                    (self.names.name(i), lp) for i, lp in sorted(tops.items(), key=lambda x: -x[1])
+                )
+            ][: self.top_n]
+            name = self.names.name(token_id)
+            content.append(p.TokenLogprob(name, logprob, list(name.encode()), top))
+        return p.ChatLogprobs(content)
+
+    def first_chunk(self, index: int) -> msgspec.Struct | None:
+        return self._chunk([p.ChatChunkChoice(index, p.ChatDelta(role="assistant", content=""))])
+
+    def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
+        delta = (
+            p.ChatDelta(content=piece.text) if piece.text or piece.finish_reason is None else p.ChatDelta()
+        )
+        return self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece), piece.finish_reason)])
+
+    def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
+        return self._chunk([], usage)
+
+    def _chunk(
+        self, choices: list[p.ChatChunkChoice], usage: p.UsageOut | None = None
+    ) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(self.id, self.created, self.model, choices, usage)
+
+    def whole(self, choices: list[ChoiceOutput], usage: p.UsageOut) -> msgspec.Struct:
+        out = []
+        for index, choice in enumerate(choices):
+            piece = choice.piece()
+            message = p.ChatMessageOut("assistant", piece.text)
+            out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
+        return p.ChatCompletion(self.id, self.created, self.model, out, usage)
+
+
+class CompletionFormat:
+    def __init__(self, model: str, names: TokenNames, top_n: int | None) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.names = names
+        self.top_n = top_n
+
+    def _logprobs(self, piece: Piece, text_offset: int) -> p.CompletionLogprobs | None:
+        if self.top_n is None:
+            return None
+        tokens = [self.names.name(i) for i in piece.token_ids]
+        offsets = []
+        for name in tokens:
+            offsets.append(text_offset)
+            text_offset += len(name)
+        tops = None
+        if self.top_n:
+            tops = [
+                {self.names.name(i): lp for i, lp in sorted(t.items(), key=lambda x: -x[1])[: self.top_n]}
+                for t in piece.top_logprobs
+            ]
+        return p.CompletionLogprobs(tokens, piece.logprobs, tops, offsets)
+
+    def first_chunk(self, index: int) -> msgspec.Struct | None:
+        return None
+
+    def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
+        choice = p.CompletionChoice(
+            index, piece.text, self._logprobs(piece, text_offset), piece.finish_reason
+        )
+        return p.Completion(self.id, self.created, self.model, [choice], None)
+
+    def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
+        return p.Completion(self.id, self.created, self.model, [], usage)
+
+    def whole(self, choices: list[ChoiceOutput], usage: p.UsageOut) -> msgspec.Struct:
+        out = []
+        for index, choice in enumerate(choices):
+            piece = choice.piece()
+            out.append(p.CompletionChoice(index, piece.text, self._logprobs(piece, 0), piece.finish_reason))
+        return p.Completion(self.id, self.created, self.model, out, usage)

@@ -1,0 +1,216 @@
+"""OpenAI's request and response bodies as msgspec Structs (plus vLLM's sampling extensions).
+
+Requests decode strictly by type (a wrong type is a 400 naming the field) and ignore unknown
+fields, as OpenAI's server does. Responses encode every field, nulls included, in OpenAI's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """What chat and completions requests share: OpenAI's sampling fields and vLLM's extras."""
+
+    model: str = ""
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    # A string, a list of strings, token ids, or a list of token id lists. msgspec decodes one
+    # array type per union, so the list's items are checked for one kind in services/gateway/jobs.py.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    tokens: list[int]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageOut(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    role: str
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut | None
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    """Stream deltas carry only what is new (OpenAI omits role after the first chunk)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "brigade"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody

@@ -1,0 +1,55 @@
+"""Run a request's jobs through the asyncio SDK and merge their deltas into one ordered feed.
+
+The first choice of each prompt is submitted alone; the others follow once it has produced its
+first delta, when its prompt's KV blocks are computed and in the prefix cache, so n choices
+share one prefill. Closing the feed (a client disconnect cancels it) aborts every job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from client.async_sdk import AsyncClient
+from client.errors import BrigadeError
+from client.sdk import StreamDelta
+from services.gateway.jobs import Job
+
+
+async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Yield (choice index, delta) as they come, until every job finished; raises the first
+    job's BrigadeError."""
+    feed: asyncio.Queue[tuple[int, StreamDelta | None, BrigadeError | None]] = asyncio.Queue()
+    prefilled = {job.prompt_index: asyncio.Event() for job in jobs}
+    leaders = {job.prompt_index: job.index for job in reversed(jobs)}
+
+    async def run(job: Job) -> None:
+        is_leader = leaders[job.prompt_index] == job.index
+        if not is_leader:
+            await prefilled[job.prompt_index].wait()
+        try:
+            stream = client.stream(job.prompt, messages=job.messages, **job.sampling)
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    prefilled[job.prompt_index].set()
+                    feed.put_nowait((job.index, delta, None))
+        except BrigadeError as exc:
+            prefilled[job.prompt_index].set()
+            feed.put_nowait((job.index, None, exc))
+
+    tasks = [asyncio.create_task(run(job)) for job in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            index, delta, error = await feed.get()
+            if error is not None:
+                raise error
+            assert delta is not None
+            if delta.finish_reason is not None:
+                remaining -= 1
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,117 @@
+"""Server-sent events with resumable ids, and a response that notices a client going away.
+
+Every event's `id:` is the absolute position of the output after it: `tokens.chars` of each
+choice, comma-separated (DESIGN.md invariant 2: outputs carry absolute positions). A client that
+lost the stream re-POSTs the same body with `Last-Event-ID`; the request runs again (greedy or
+with the same seed, so with the same tokens) and `Cursor` passes on only what lies past that
+position, the way the frontend trims a resubmitted request's deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from services.gateway.errors import invalid
+from services.gateway.formats import Piece
+
+SSE_HEADERS = {
+    "content-type": "text/event-stream; charset=utf-8",
+    "cache-control": "no-cache",
+    "x-accel-buffering": "no",
+}
+DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+
+
+def event(body: msgspec.Struct, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    return head + b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+class Cursor:
+    """Absolute output positions of each choice, and the position a resumed stream starts after."""
+
+    def __init__(self, num_choices: int, last_event_id: str | None) -> None:
+        self.positions = [(0, 0)] * num_choices
+        self.is_resumed = last_event_id is not None
+        self.resume_after = (
+            self._parse(last_event_id, num_choices) if last_event_id is not None else [(0, 0)] * num_choices
+        )
+
+    @staticmethod
+    def _parse(text: str, num_choices: int) -> list[tuple[int, int]]:
+        try:
+            positions = [tuple(int(x) for x in part.split(".")) for part in text.strip().split(",")]
+        except ValueError:
+            positions = []
+        if len(positions) != num_choices or any(len(x) != 2 or min(x) < 0 for x in positions):
+            raise invalid(
+                f"Last-Event-ID must be the id of an event of this request ({num_choices} x tokens.chars), "
+                f"got {text[:80]!r}",
+                "Last-Event-ID",
+            )
+        return positions  # type: ignore[return-value]
+
+    def advance(self, index: int, piece: Piece) -> Piece | None:
+        """The part of `piece` past what the client has; None when there is nothing new."""
+        tokens, chars = self.positions[index]
+        self.positions[index] = (tokens + len(piece.token_ids), chars + len(piece.text))
+        skip_tokens = max(0, self.resume_after[index][0] - tokens)
+        skip_chars = max(0, self.resume_after[index][1] - chars)
+        if skip_tokens == 0 and skip_chars == 0:
+            return piece
+        fresh = Piece(
+            piece.text[skip_chars:],
+            piece.token_ids[skip_tokens:],
+            piece.logprobs[skip_tokens:],
+            piece.top_logprobs[skip_tokens:],
+            piece.finish_reason,
+        )
+        if not fresh.text and not fresh.token_ids and fresh.finish_reason is None:
+            return None
+        return fresh
+
+    def chars(self, index: int) -> int:
+        """Characters of choice `index` before the piece just advanced past (for text offsets)."""
+        return self.positions[index][1]
+
+    def event_id(self) -> str:
+        return ",".join(
+            f"{max(t, rt)}.{max(c, rc)}"
+            for (t, c), (rt, rc) in zip(self.positions, self.resume_after, strict=True)
+        )
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class WatchedResponse(Response):
+    """Runs `work(send)` (which sends the whole response) while watching the connection: a client
+    that goes away, before the reply or during a stream, cancels the work, and with it the
+    engine requests (the SDK aborts a stream that is closed)."""
+
+    def __init__(self, work: Callable[[Send], Awaitable[None]]) -> None:
+        self.work = work
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self.work(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await work
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
