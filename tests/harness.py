@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -76,6 +77,12 @@ def _pump(stream, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def start_supervisor(
     run_dir: Path,
     *overrides: str,
@@ -89,7 +96,9 @@ def start_supervisor(
     if not any(o.startswith("supervisor.metrics_port=") for o in overrides):
         # /metrics is on by default on a fixed port; tests that want it pass a free one.
         overrides = ("supervisor.metrics_port=0", *overrides)
-    for override in overrides:
+    # Never the default port 8000: runs of other tests (or a user's Brigade) may hold it. A test's
+    # own gateway.port override comes later and wins.
+    for override in (f"gateway.port={free_port()}", *overrides):
         argv += ["--set", override]
     return subprocess.Popen(
         argv,

@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from client import Client
-from tests.harness import assert_clean, brigade_run
+from tests.harness import assert_clean, brigade_run, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,12 +31,6 @@ MAX_PROMPT_CHARS = 100_000
 MAX_BODY_BYTES = 6 * MAX_PROMPT_CHARS + (1 << 20)  # services/gateway/__main__.py: max_body_bytes
 HTTP_TIMEOUT_S = 120.0
 CHAT = [{"role": "user", "content": "Write a haiku about buckets."}]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Gateway:
@@ -378,17 +373,17 @@ def test_models_health_tokenize_detokenize_metrics(gw: Gateway, hf_tokenizer) ->
 # -- errors -----------------------------------------------------------------------------------
 
 
-def test_every_error_status_through_the_openai_client(gw: Gateway) -> None:
+def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer) -> None:
     api = gw.openai(max_retries=0)
     with pytest.raises(openai.BadRequestError) as bad:
         api.chat.completions.create(model=gw.model, messages=CHAT, temperature=-1)
     assert bad.value.body["param"] == "temperature" and bad.value.body["type"] == "invalid_request_error"
+    long_prompt = "hello " * (MAX_MODEL_LEN + 10)
     with pytest.raises(openai.BadRequestError) as too_long:
-        api.completions.create(model=gw.model, prompt="hello " * (MAX_MODEL_LEN + 10), max_tokens=4)
-    assert (
-        str(MAX_MODEL_LEN) in too_long.value.body["message"]
-        and str(MAX_MODEL_LEN + 10) in too_long.value.body["message"]
-    )
+        api.completions.create(model=gw.model, prompt=long_prompt, max_tokens=4)
+    message = too_long.value.body["message"]
+    num_tokens = len(hf_tokenizer(long_prompt, add_special_tokens=False).input_ids)
+    assert f"{num_tokens} tokens" in message and f"max_model_len is {MAX_MODEL_LEN}" in message
     assert too_long.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gw.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -594,7 +589,7 @@ def kill_gateways(gw: Gateway, replicas: list[int]) -> None:
 
 
 def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
-    prompts = [f"Story number {i}:" for i in range(2 * MAX_CONCURRENT)]
+    prompts = [f"Story number {i}:" for i in range(MAX_CONCURRENT + 4)]
     with Client(gw.run.run_dir) as sdk:
         want = [
             sdk.generate(p, max_tokens=48, temperature=0.0, ignore_eos=True, timeout=HTTP_TIMEOUT_S).text
@@ -617,11 +612,11 @@ def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
     gw.run.wait_until_running(120)
 
     # Streams: kill every replica, so that every stream breaks; each resumes with Last-Event-ID.
-    body = {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.7, "seed": 5,
+    body = {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0.7, "seed": 5,
             "stream": True, "ignore_eos": True}  # fmt: skip
     _, whole = gw.curl_stream(body)
     want_text = "".join(text_of(e) for e in whole)
-    streams = [stream_lines(gw, body) for _ in range(3)]
+    streams = [stream_lines(gw, body) for _ in range(2)]
     heard = [[next(s) for _ in range(3)] for s in streams]  # every stream has begun
     kill_gateways(gw, [0, 1])
     texts = []
@@ -670,3 +665,11 @@ def test_health_is_503_while_no_engine_can_serve(gw: Gateway) -> None:
     assert 503 in statuses
     gw.run.wait_until_running(180)
     assert gw.request("GET", "/health")[0] == 200
+
+
+def test_the_gateway_never_imports_torch() -> None:
+    code = "import sys, services.gateway.__main__; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False"
