@@ -97,7 +97,7 @@ def start_supervisor(
         # /metrics is on by default on a fixed port; tests that want it pass a free one.
         overrides = ("supervisor.metrics_port=0", *overrides)
     # Never the default port 8000: runs of other tests (or a user's Brigade) may hold it. A test's
-    # own gateway.port override comes later and wins.
+    # own gateway.port override comes later and wins (a port in its config file would not).
     for override in (f"gateway.port={free_port()}", *overrides):
         argv += ["--set", override]
     return subprocess.Popen(

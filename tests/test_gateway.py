@@ -387,6 +387,9 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
     assert too_long.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gw.url}/v1", api_key="wrong", max_retries=0).models.list()
+    audited = [json.loads(line) for line in (gw.run.run_dir / "audit.log").read_text().splitlines()]
+    refused = [a for a in audited if a["event"] == "auth_failure" and a["mechanism"] == "api_key"]
+    assert refused and refused[-1]["reason"] == "unknown API key" and "wrong" not in json.dumps(refused)
     env_keyed = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=ENV_KEY, max_retries=0)
     assert env_keyed.models.list().data[0].id == gw.model  # BRIGADE_API_KEYS adds keys
     with pytest.raises(openai.NotFoundError) as unknown:
@@ -673,3 +676,43 @@ def test_the_gateway_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "False"
+
+
+def gateway_rows(run) -> list[str]:
+    return sorted(r["name"] for r in run.status() if r["kind"] == "gateway" and r["state"] == "running")
+
+
+def wait_for_gateways(run, names: list[str], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gateway_rows(run) != names:
+        assert time.monotonic() < deadline, f"gateways {gateway_rows(run)}, expected {names}"
+        time.sleep(0.2)
+
+
+def test_gateway_replicas_change_on_hot_reload(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config, port = tmp_path / "brigade.yaml", free_port()
+
+    def write_config(replicas: int) -> None:
+        config.write_text(
+            f"model: {{path: '{tiny_model_dir}', max_model_len: 256}}\ngateway: {{replicas: {replicas}}}\n"
+        )
+
+    write_config(1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, f"gateway.port={port}", config=str(config)) as run:
+        assert gateway_rows(run) == ["gateway-0"]
+        write_config(2)
+        run.process.send_signal(signal.SIGHUP)
+        wait_for_gateways(run, ["gateway-0", "gateway-1"])
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="open", timeout=HTTP_TIMEOUT_S)
+        for _ in range(4):  # new connections, spread over both replicas by the kernel
+            reply = api.completions.create(
+                model=str(tiny_model_dir), prompt="Hi", max_tokens=2, temperature=0
+            )
+            assert reply.choices[0].finish_reason in ("length", "stop")
+        write_config(0)
+        run.process.send_signal(signal.SIGHUP)
+        wait_for_gateways(run, [])
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    assert_clean(run_dir)

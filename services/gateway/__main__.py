@@ -19,6 +19,7 @@ import zmq
 
 from client.async_sdk import AsyncClient
 from ipc import messages as m
+from services.audit import AuditLog, audit_log_path
 from services.gateway.app import Gateway, GatewaySettings
 from services.stage import ControlChannel, Stage, parse_stage_args
 from services.tokenizer.text import Tokenizer
@@ -77,6 +78,7 @@ async def serve(stage: Stage) -> None:
         max_body_bytes=max_body_bytes(stage),
         run_dir=stage.run_dir,
         metrics_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+        audit=AuditLog(audit_log_path(stage.run_dir), stage.name),
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
