@@ -140,6 +140,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
         [
             "frontend.replicas=3",
             "detokenizer.replicas=2",
+            "gateway.replicas=2",
             "engine.max_num_waiting=7",
             "frontend.default_max_tokens=9",
             "supervisor.log_level=DEBUG",
@@ -151,7 +152,12 @@ def test_apply_live_takes_only_the_live_settings() -> None:
     assert sorted(diff_fields(old, applied)) == sorted(LIVE_SETTINGS)
     assert sorted(diff_fields(applied, new)) == ["engine.max_num_seqs", "model.max_model_len"]
     assert reconfigure_message(applied) == m.Reconfigure(
-        log_level="DEBUG", num_detokenizers=2, num_frontends=3, max_num_waiting=7, default_max_tokens=9
+        log_level="DEBUG",
+        num_detokenizers=2,
+        num_frontends=3,
+        num_gateways=2,
+        max_num_waiting=7,
+        default_max_tokens=9,
     )
 
 
@@ -166,6 +172,7 @@ def test_stage_set_plans_every_stage_in_start_order(tmp_path) -> None:
         ("scheduler-0", 0), ("gpu_worker-0-0", 0), ("gpu_worker-0-1", 0),
         ("scheduler-1", 1), ("gpu_worker-1-0", 1), ("gpu_worker-1-1", 1),
         ("tokenizer-0", -1), ("tokenizer-1", -1),
+        ("gateway-0", -1),
     ]  # fmt: skip
     worker = stages["gpu_worker-1-1"]
     assert worker.argv[-2:] == ["--rank", "1"] and worker.argv[2] == "services.gpu_worker"
