@@ -130,11 +130,12 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             f"gateway.max_concurrent_requests={MAX_CONCURRENT}",
             f"frontend.max_prompt_chars={MAX_PROMPT_CHARS}",
         ) as run:
+            os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))
             assert f"http://127.0.0.1:{port}/v1" in ready
             yield Gateway(run, port, str(tiny_model_dir))
     finally:
-        del os.environ["BRIGADE_API_KEYS"]
+        os.environ.pop("BRIGADE_API_KEYS", None)
     assert_clean(run_dir)
 
 
