@@ -121,6 +121,47 @@ class RequestMetrics:
         self.failure.labels(self.model_name, code).inc()
 
 
+class HttpMetrics:
+    """A gateway replica's HTTP metrics: responses by path and status, and the latencies a client
+    sees at the HTTP edge (arrival to first token, between tokens, to the last byte)."""
+
+    # Unknown paths share one label: a scanner must not create a series per URL it tries.
+    PATHS = frozenset(
+        {
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models",
+            "/health",
+            "/metrics",
+            "/tokenize",
+            "/detokenize",
+        }
+    )
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter(
+            f"{PREFIX}http_requests",
+            "HTTP responses by path and status",
+            ["path", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}http_time_to_first_token_seconds", "HTTP arrival to first output token",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.inter_token = Histogram(
+            f"{PREFIX}http_inter_token_latency_seconds", "HTTP time between output tokens, per token",
+            buckets=TOKEN_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            f"{PREFIX}http_e2e_request_latency_seconds", "HTTP arrival to the end of the reply",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+
+    def on_response(self, path: str, status: int) -> None:
+        self.requests.labels(path if path in self.PATHS else "other", str(status)).inc()
+
+
 class EngineMetrics:
     """Metrics a scheduler observes: time in the waiting queue and prefix-cache lookups."""
 

@@ -512,9 +512,8 @@ def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> 
 
 def abort_count(gw: Gateway) -> float:
     metrics = gw.request("GET", "/metrics")[2].decode()
-    return sum(
-        float(v) for v in re.findall(r'^brigade\S*requests_total\{outcome="abort"\} (\S+)$', metrics, re.M)
-    )
+    pattern = r'^brigade:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, metrics, re.M))
 
 
 def wait_running(gw: Gateway, timeout: float = 60.0) -> None:

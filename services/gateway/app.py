@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,9 +33,10 @@ from services.gateway import protocol as p
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
-from services.gateway.metrics import HttpMetrics
+from services.gateway.metrics import RequestTimer
 from services.gateway.runner import run_jobs
 from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
+from services.metrics import HttpMetrics, registry_for_run
 from services.tokenizer.text import Tokenizer
 
 STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
@@ -51,7 +53,6 @@ class GatewaySettings:
     max_concurrent_requests: int
     max_body_bytes: int
     run_dir: Path
-    metrics_dir: str | None  # PROMETHEUS_MULTIPROC_DIR: every process's metrics of the run
     audit: AuditLog  # refused API keys are audited (services/audit.py)
 
 
@@ -214,7 +215,7 @@ class Gateway:
         path = request.url.path
 
         async def work(send: Send) -> None:
-            timer = self.metrics.timer()
+            timer = RequestTimer(self.metrics)
             feed = run_jobs(self.client, plan.jobs)
             status = 200
             try:
@@ -314,7 +315,8 @@ class Gateway:
         return self.finish(request, error_response(error))
 
     async def prometheus(self, request: Request) -> Response:
-        return Response(self.metrics.render(self.settings.metrics_dir), media_type=self.metrics.content_type)
+        body = generate_latest(registry_for_run(self.settings.run_dir))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.TokenizeRequest)
