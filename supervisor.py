@@ -1,7 +1,7 @@
 """Brigade supervisor: config -> shared memory and processes -> watch, restart -> clean shutdown.
 
     python supervisor.py --config configs/default.yaml [--set key.path=value ...] [--run-dir DIR]
-    python supervisor.py status --run DIR [--json] [--watch]
+    python supervisor.py status --run DIR [--json] [--watch | --once]
 
 The supervisor owns the run: the run directory, every shared-memory object (named after the run
 id), and every stage process. It restarts a stage that exits or hangs, and triggers the recovery
