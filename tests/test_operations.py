@@ -139,7 +139,7 @@ def test_brigade_status(live: Run) -> None:
     done = brigade(live, "status", "--run", str(live.run_dir), "--json")
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
-    assert {r["kind"] for r in rows} == {"tokenizer", "scheduler", "gpu_worker", "detokenizer"}
+    assert {r["kind"] for r in rows} == {"tokenizer", "scheduler", "gpu_worker", "detokenizer", "gateway"}
     table = brigade(live, "status", "--run", str(live.run_dir), "--once", timeout=30)
     assert table.returncode == 0 and "scheduler-0" in table.stdout
     missing = brigade(live, "status", "--run", str(live.run_dir / "nope"), timeout=30)
