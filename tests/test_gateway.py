@@ -330,6 +330,7 @@ def test_logprobs_end_to_end(gw: Gateway) -> None:
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert all(re.fullmatch(r"token_id:\d+", t) for t in logprobs.tokens)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     assert all(
         len(top) == 2 and t in top for t, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True)
     )

@@ -82,3 +82,22 @@ def test_smoke_run_reports_brigade_and_hf(tmp_path) -> None:
     assert not stage_processes(run_dir)
     assert not run_dir.exists()
     assert not [n for n in brigade_shm_objects() if f"{SHM_PREFIX}{pid}x" in n]
+
+
+@pytest.mark.slow
+def test_smoke_run_over_http_counts_every_token(tmp_path) -> None:
+    """`--backend http` drives Brigade through the gateway's streamed OpenAI API."""
+    out = tmp_path / "serve.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/serve.py", "--smoke", "--engines", "brigade", "--backend", "http",
+         "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["brigade"]["note"] == "driven through the http backend"
+    for stats in report["brigade"]["settings"].values():
+        assert stats["failures"]["total"] == 0, stats["failures"]
+        assert stats["num_output_tokens"] == stats["num_requests"] * int(report["config"]["output_len"])
+        assert stats["ttft_ms"]["p50"] > 0
+    assert report["brigade"]["leftovers"] == []

@@ -67,10 +67,11 @@ class TokenNames:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
 
-    def name(self, token_id: int) -> str:
-        if self.as_ids:
-            return f"token_id:{token_id}"
+    def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
 
 
 class ChatFormat:
@@ -136,9 +137,9 @@ class CompletionFormat:
             return None
         tokens = [self.names.name(i) for i in piece.token_ids]
         offsets = []
-        for name in tokens:
+        for token_id in piece.token_ids:
             offsets.append(text_offset)
-            text_offset += len(name)
+            text_offset += len(self.names.text(token_id))
         tops = None
         if self.top_n:
             tops = [
