@@ -77,7 +77,7 @@ async def serve(stage: Stage) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         max_body_bytes=max_body_bytes(stage),
         run_dir=stage.run_dir,
-        audit=AuditLog(audit_log_path(stage.run_dir), stage.name),
+        audit=AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name),
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
