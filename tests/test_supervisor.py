@@ -129,7 +129,8 @@ def test_metrics_endpoint(chaos_run, fault_free) -> None:
 
 def test_status_json_lists_every_stage(chaos_run) -> None:
     rows = chaos_run.status()
-    assert {r["kind"] for r in rows} == {"tokenizer", "scheduler", "gpu_worker", "detokenizer"}
+    # configs/default.yaml runs one of each kind, the HTTP gateway included (gateway.replicas=1)
+    assert {r["kind"] for r in rows} == {"gateway", "tokenizer", "scheduler", "gpu_worker", "detokenizer"}
     for row in rows:
         assert {"name", "kind", "pid", "state", "restarts"} <= row.keys()
         os.kill(row["pid"], 0)  # a live process
