@@ -95,8 +95,9 @@ def test_smoke_run_over_http_counts_every_token(tmp_path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["brigade"]["note"] == "driven through the http backend"
-    for stats in report["brigade"]["settings"].values():
+    assert "brigade" not in report  # only the HTTP backend was asked for
+    assert report["brigade_http"]["note"] == "driven through the http backend"
+    for stats in report["brigade_http"]["settings"].values():
         assert stats["failures"]["total"] == 0, stats["failures"]
         assert stats["num_output_tokens"] == stats["num_requests"] * int(report["config"]["output_len"])
         assert stats["ttft_ms"]["p50"] > 0
