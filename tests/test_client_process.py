@@ -93,10 +93,11 @@ def collect(sock: zmq.Socket, request_id: str, first: m.Delta | None = None) -> 
         delta = next_reply(sock)
 
 
-def metric(run: Run, name: str, labels: str) -> float:
+def metric(run: Run, name: str, label: str) -> float:
+    """The sum of `name`'s samples whose labels include `label` (e.g. 'finished_reason="abort"')."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10).read().decode()
-    found = re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    samples = re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for labels, value in samples if label in labels.split(","))
 
 
 # -- item 3: an error about a request names it ------------------------------------------------------
@@ -184,8 +185,8 @@ def test_a_dead_clients_non_streamed_requests_are_aborted(tiny_run: Run) -> None
     """Nothing is sent to a client while its non-streamed requests compute, so only the
     frontend's keepalive can find it gone: its requests end as aborted, not as finished."""
     aborted, finished = (
-        metric(tiny_run, "brigade_requests_total", 'outcome="abort"'),
-        metric(tiny_run, "brigade_requests_total", 'outcome="length"'),
+        metric(tiny_run, "brigade:request_success_total", 'finished_reason="abort"'),
+        metric(tiny_run, "brigade:request_success_total", 'finished_reason="length"'),
     )
     endpoint = f"ipc://{tiny_run.run_dir / 'frontend-0.sock'}"
     client = subprocess.Popen(
@@ -202,10 +203,10 @@ def test_a_dead_clients_non_streamed_requests_are_aborted(tiny_run: Run) -> None
         client.kill()
         client.wait(30)
     deadline = time.monotonic() + WAIT_S
-    while metric(tiny_run, "brigade_requests_total", 'outcome="abort"') < aborted + 20:
+    while metric(tiny_run, "brigade:request_success_total", 'finished_reason="abort"') < aborted + 20:
         assert time.monotonic() < deadline, "the dead client's requests were not aborted"
         time.sleep(0.5)
-    assert metric(tiny_run, "brigade_requests_total", 'outcome="length"') == finished
+    assert metric(tiny_run, "brigade:request_success_total", 'finished_reason="length"') == finished
     deadline = time.monotonic() + WAIT_S
     while sum(r["running"] + r["queue_depth"] for r in tiny_run.status() if r["kind"] == "scheduler"):
         assert time.monotonic() < deadline, "the scheduler still runs the dead client's requests"
