@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.peers import RequestResult
-from benchmarks.serve import percentile, setting_stats, summarize_ms
+from benchmarks.serve import evaluate_targets, parse_args, percentile, setting_stats, summarize_ms
 from ipc.endpoints import SHM_PREFIX
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import stage_processes
@@ -101,4 +101,28 @@ def test_smoke_run_over_http_counts_every_token(tmp_path) -> None:
         assert stats["failures"]["total"] == 0, stats["failures"]
         assert stats["num_output_tokens"] == stats["num_requests"] * int(report["config"]["output_len"])
         assert stats["ttft_ms"]["p50"] > 0
-    assert report["brigade"]["leftovers"] == []
+    assert report["brigade_http"]["leftovers"] == []
+
+
+def _engine(settings: dict[str, dict]) -> dict:
+    return {"settings": settings}
+
+
+def test_http_targets_compare_against_the_sdk_in_the_same_report() -> None:
+    """The gateway's targets: c=64 tok/s >= 0.95x the SDK's; c=1 TTFT p50 <= 1.05x the SDK's + 2 ms."""
+    sdk = _engine({"1": {"ttft_ms": {"p50": 100.0}}, "64": {"output_tok_s": 200.0}})
+
+    def verdicts(tok_s: float, ttft: float) -> list[bool | None]:
+        http = _engine({"1": {"ttft_ms": {"p50": ttft}}, "64": {"output_tok_s": tok_s}})
+        return [t["met"] for t in evaluate_targets({"brigade": sdk, "brigade_http": http})[:2]]
+
+    assert verdicts(190.0, 107.0) == [True, True]  # 0.95x exactly; 1.05 x 100 + 2
+    assert verdicts(189.0, 107.1) == [False, False]
+    assert [t["met"] for t in evaluate_targets({"brigade": sdk})[:2]] == [None, None]  # HTTP not measured
+
+
+def test_backend_takes_one_or_both_and_refuses_others() -> None:
+    assert parse_args(["--backend", "sdk,http"]).backends == ["sdk", "http"]
+    assert parse_args([]).backends == ["sdk"]
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "grpc"])
