@@ -161,71 +161,57 @@ def _is_healthy(port: int) -> bool:
         return False
 
 
-async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
-    """POST /completion (streaming, greedy, ignore_eos); yields the number of tokens of each event."""
-    body = json.dumps({
-        "prompt": request.prompt_ids, "n_predict": request.output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True,
-    }).encode()
+async def _post_events(port: int, path: str, body: dict, peer: str, overloaded_status: int) -> AsyncIterator[dict]:
+    """POST a streamed JSON request over one HTTP/1.1 connection; yield its SSE events' JSON until
+    `data: [DONE]` or the end. `overloaded_status` (the peer's "no free slot") is PeerOverloaded."""
+    data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
-            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
         )
         await writer.drain()
         status, headers = await _read_head(reader)
-        if status == 503:
-            raise PeerOverloaded("llama-server: 503 (no free slot)")
+        if status == overloaded_status:
+            raise PeerOverloaded(f"{peer}: {status}")
         if status != 200:
-            raise RuntimeError(f"llama-server: HTTP {status}: {(await reader.read(500)).decode(errors='replace')}")
+            raise RuntimeError(f"{peer}: HTTP {status}: {(await reader.read(500)).decode(errors='replace')}")
         body_chunks = _chunked(reader) if headers.get("transfer-encoding") == "chunked" else _plain(reader)
         async for event in _sse_events(body_chunks):
             if event is None:  # data: [DONE]
                 return
             if "error" in event:
-                raise RuntimeError(f"llama-server: {event['error']}")
-            if event.get("stop"):
-                return
-            # One event per sampled token (newer servers also list them under "tokens").
-            yield len(event.get("tokens") or [None])
+                raise RuntimeError(f"{peer}: {event['error']}")
+            yield event
     finally:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
+    """POST /completion (streaming, greedy, ignore_eos); yields the number of tokens of each event."""
+    body = {"prompt": request.prompt_ids, "n_predict": request.output_len, "ignore_eos": True,
+            "temperature": 0.0, "stream": True}
+    # aclosing: returning at "stop" closes the connection now, not when the generator is collected.
+    async with contextlib.aclosing(_post_events(port, "/completion", body, "llama-server", 503)) as events:
+        async for event in events:
+            if event.get("stop"):
+                return
+            # One event per sampled token (newer servers also list them under "tokens").
+            yield len(event.get("tokens") or [None])
 
 
 async def openai_stream(port: int, request: BenchRequest, model: str = "") -> AsyncIterator[int]:
     """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway), streamed, greedy,
     ignore_eos; yields the number of tokens of each event (counted from its logprobs entries)."""
-    body = json.dumps({
-        "model": model, "prompt": request.prompt_ids, "max_tokens": request.output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True,
-    }).encode()  # fmt: skip
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-        )
-        await writer.drain()
-        status, headers = await _read_head(reader)
-        if status == 429:
-            raise PeerOverloaded("gateway: 429")
-        if status != 200:
-            raise RuntimeError(f"gateway: HTTP {status}: {(await reader.read(500)).decode(errors='replace')}")
-        body_chunks = _chunked(reader) if headers.get("transfer-encoding") == "chunked" else _plain(reader)
-        async for event in _sse_events(body_chunks):
-            if event is None:  # data: [DONE]
-                return
-            if "error" in event:
-                raise RuntimeError(f"gateway: {event['error']}")
+    body = {"model": model, "prompt": request.prompt_ids, "max_tokens": request.output_len, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, "gateway", 429)) as events:
+        async for event in events:
             for choice in event["choices"]:
                 yield len((choice.get("logprobs") or {}).get("tokens") or [])
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
