@@ -29,6 +29,27 @@ def unpack_ids(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4")
 
 
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """The constraint on one request's output.
+
+    kind: json (spec = a JSON schema), regex (spec = the pattern), choice (spec = a JSON list of
+    the allowed strings), grammar (spec = EBNF / GBNF or Lark).
+    strict: for json only: every keyword of the schema must be enforced, and one the engine cannot
+    enforce is an error; when false such a keyword is ignored (OpenAI's `strict` flag).
+    """
+
+    kind: StructuredKind
+    spec: str
+    strict: bool = True
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.kind}:{int(self.strict)}:{self.spec}"
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling parameters. Validated by `ipc.validation` (the frontend and the scheduler both call it)."""
 
@@ -50,6 +71,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int = 0  # top-N logprobs per sampled token; 0 = only the sampled token's
     seed: int | None = None  # None: the frontend assigns one at admission
     priority: int = 0  # lower runs first; ties are FCFS
+    structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
 
 
 class ChatMessage(msgspec.Struct, gc=False):

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
+from ipc.messages import StructuredKind, StructuredOutput
 from ipc.validation import InvalidParams
 
-StructuredKind = Literal["json", "regex", "choice", "grammar"]
+__all__ = ["StructuredKind", "StructuredOutput"]
+
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
 
 # Requests are bounded before anything compiles: the compiler has its own limits on top.
@@ -35,24 +35,6 @@ MAX_CHOICES = 1024
 MAX_TOOLS = 128
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
-
-
-class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
-    """The constraint on one request's output.
-
-    kind: json (spec = a JSON schema), regex (spec = the pattern), choice (spec = a JSON list of
-    the allowed strings), grammar (spec = EBNF / GBNF or Lark).
-    strict: for json only: every keyword of the schema must be enforced, and one the engine cannot
-    enforce is an error; when false such a keyword is ignored (OpenAI's `strict` flag).
-    """
-
-    kind: StructuredKind
-    spec: str
-    strict: bool = True
-
-    @property
-    def cache_key(self) -> str:
-        return f"{self.kind}:{int(self.strict)}:{self.spec}"
 
 
 def canonical_schema(schema: Any, field: str) -> str:
