@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from client.errors import ServerUnavailable
-from client.sdk import ClientBase, GenerateResult, Prompt, StreamDelta, collect_result, make_generate
+from client.sdk import (
+    ClientBase,
+    GenerateResult,
+    HealthCheck,
+    Prompt,
+    StreamDelta,
+    collect_result,
+    make_generate,
+)
 from ipc import messages as m
 
 
@@ -119,17 +125,12 @@ class AsyncClient(ClientBase):
             return collect_result([delta async for delta in deltas])
 
     async def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
+        """Ask every replica; the replies that came back within `timeout` (ServerUnavailable if none)."""
         self._ensure_reader()
-        start = time.monotonic()
-        replicas = self.session.replicas
-        unsent = set(range(len(replicas)))  # a replica not connected yet refuses the probe: retry
-        while time.monotonic() - start < timeout and not all(r.health_at >= start for r in replicas):
-            unsent = {i for i in unsent if not self.session.probe(i)}
-            await asyncio.sleep(0.005 if unsent else self._tick_s)
-        replies = [r.health for r in replicas if r.health is not None and r.health_at >= start]
-        if not replies:
-            raise ServerUnavailable(f"no frontend answered a health check within {timeout:.0f}s")
-        return replies
+        check = HealthCheck(self.session, timeout, self._tick_s)
+        while (wait := check.next_wait()) is not None:
+            await asyncio.sleep(wait)
+        return check.replies()
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -219,6 +219,35 @@ def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
     )
 
 
+class HealthCheck:
+    """One health check of every replica, without IO (both clients run it): `next_wait` probes the
+    replicas not asked yet and says how long to wait for replies (None when done); the caller waits
+    while receiving and asks again; `replies` is the outcome."""
+
+    def __init__(self, session: Session, timeout: float, tick_s: float) -> None:
+        self.session = session
+        self.timeout = timeout
+        self.tick_s = tick_s
+        self.start = time.monotonic()
+        # A replica not connected yet refuses the probe: it is retried.
+        self.unsent = set(range(len(session.replicas)))
+
+    def next_wait(self) -> float | None:
+        replicas = self.session.replicas
+        if time.monotonic() - self.start >= self.timeout or all(r.health_at >= self.start for r in replicas):
+            return None
+        self.unsent = {i for i in self.unsent if not self.session.probe(i)}
+        return 0.005 if self.unsent else self.tick_s
+
+    def replies(self) -> list[m.HealthReply]:
+        """The replies that came back during the check; ServerUnavailable when none did."""
+        start = self.start
+        replies = [r.health for r in self.session.replicas if r.health is not None and r.health_at >= start]
+        if not replies:
+            raise ServerUnavailable(f"no frontend answered a health check within {self.timeout:.0f}s")
+        return replies
+
+
 class RequestState:
     """Owns one request's received output: assembles deltas exactly once, by absolute position."""
 
@@ -655,16 +684,10 @@ class Client(ClientBase):
 
     def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
         """Ask every replica; the replies that came back within `timeout` (ServerUnavailable if none)."""
-        start = time.monotonic()
-        replicas = self.session.replicas
-        unsent = set(range(len(replicas)))  # a replica not connected yet refuses the probe: retry
-        while time.monotonic() - start < timeout and not all(r.health_at >= start for r in replicas):
-            unsent = {i for i in unsent if not self.session.probe(i)}
-            self._pump(0.005 if unsent else self._tick_s)
-        replies = [r.health for r in replicas if r.health is not None and r.health_at >= start]
-        if not replies:
-            raise ServerUnavailable(f"no frontend answered a health check within {timeout:.0f}s")
-        return replies
+        check = HealthCheck(self.session, timeout, self._tick_s)
+        while (wait := check.next_wait()) is not None:
+            self._pump(wait)
+        return check.replies()
 
     def close(self) -> None:
         self._close()
