@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ipc.codec import DETOKENIZER_INPUT, RESULT_HEADER, STEP_HEADER
 from ipc.endpoints import Endpoints
 from ipc.messages import ResultHeader, SamplingParams
+from ipc.sampling_defaults import fill_defaults
 from ipc.shm import RingTimeout, ShmRing, new_run_id
 from services.gpu_worker.loader import prepare_model
 from services.scheduler.__main__ import detokenizer_messages
@@ -47,6 +48,12 @@ from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepResult
 from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
+
+
+def engine_params(**fields) -> SamplingParams:
+    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    return fill_defaults(SamplingParams(**fields))
+
 
 VOCAB_SIZE = 49152
 TARGETS = {"plan_us_p50": ("<", 300.0), "worker_busy_fraction": (">=", 0.95)}
@@ -76,9 +83,9 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
     sched = Scheduler(config)
     rng = np.random.default_rng(0)
     for i in range(num_seqs):
-        params = SamplingParams(max_tokens=num_steps + 32, seed=i, ignore_eos=True)
+        params = engine_params(max_tokens=num_steps + 32, seed=i, ignore_eos=True)
         if mixed_params and i % 8 == 0:
-            params = SamplingParams(
+            params = engine_params(
                 max_tokens=num_steps + 32,
                 seed=i,
                 repetition_penalty=1.1,
@@ -270,7 +277,7 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
         )
         rng = np.random.default_rng(0)
         for i in range(num_seqs):
-            params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
+            params = engine_params(max_tokens=max_tokens, seed=i, ignore_eos=True)
             sched.add(Request(f"req-{i}", 0, rng.integers(3, VOCAB_SIZE, prompt_len, dtype=np.int32), params))
         executor = DecodeRecordingExecutor(
             num_seqs, step_ring, result_ring, block_size, STEP_TIMEOUT_S, worker.is_alive

@@ -143,7 +143,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     for i, stop in enumerate(values.get("stop", [])):
         _check_text(f"stop[{i}]", stop)
     params = m.SamplingParams(**values)
-    if params.seed is None and params.temperature > 0:
+    # An unset temperature may turn out random (the model's default): it gets a seed too.
+    if params.seed is None and (params.temperature is None or params.temperature > 0):
         params = msgspec.structs.replace(params, seed=random.randrange(MAX_SEED))
     return params
 

@@ -31,6 +31,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: Positive = 2048
     cache_dir: str = ""  # "" = ~/.cache/brigade/models
+    generation_config: Literal["auto", "none"] = "auto"  # sampling defaults from the model's file, or not
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -54,11 +54,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """Per-request sampling parameters. Validated by `ipc.validation` (the frontend and the scheduler both call it)."""
 
     max_tokens: int | None = None  # None: the frontend's default (frontend.default_max_tokens)
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: unset; the frontend fills in the model's generation_config value, else the engine's
+    # (ipc/sampling_defaults.py), so the scheduler and workers only see concrete values.
+    temperature: float | None = None
+    top_k: int | None = None  # 0 = disabled
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}

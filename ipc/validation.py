@@ -7,6 +7,8 @@ Decisions:
 - `max_tokens` only has to be in [1, 1e6]; the scheduler clamps it to the room left in
   max_model_len, so a long prompt with a large max_tokens is not an error.
 - A prompt must leave room for one output token: `num_prompt_tokens < max_model_len`.
+- The sampling fields a request may leave unset (None) must be set by the time these checks
+  run: the frontend fills them from the model's defaults first (ipc/sampling_defaults.py).
 - User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
   -inf is reserved for the scheduler (eos / stop ids under min_tokens) and never comes from a user.
 """
@@ -32,6 +34,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
+# The fields a request may leave None for the frontend to fill (ipc/sampling_defaults.py).
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class InvalidParams(ValueError):
@@ -51,6 +55,9 @@ def validate_params(
 ) -> None:
     """Raise InvalidParams (naming the field) unless every parameter is in range."""
     _check_prompt_len(num_prompt_tokens, max_model_len)
+    for name in DEFAULTED_FIELDS:
+        if getattr(params, name) is None:
+            raise InvalidParams(f"{name} is unset: the frontend fills in its default before the engine")
     _check_int("max_tokens", params.max_tokens, 1, MAX_MAX_TOKENS)
     _check_float("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
     _check_int("top_k", params.top_k, 0, MAX_TOP_K - 1, hint=" (0 disables)")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ipc.config import Config
+from ipc.sampling_defaults import model_defaults
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -59,6 +60,10 @@ def check_model(config: Config, model_dir: Path) -> None:
         num_layers, intermediate = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
+    try:  # the frontends read the same defaults at start; a bad file would crash-loop them
+        model_defaults(model_dir, config.model.generation_config)
+    except ValueError as exc:
+        raise Refused(f"{exc} (or set model.generation_config=none)") from None
     tp = config.engine.tensor_parallel
     if num_kv_heads < tp and tp % num_kv_heads:
         raise Refused(

@@ -21,6 +21,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
+from ipc.sampling_defaults import fill_defaults
 from ipc.step_plan import STEP_PLAN, Dim
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import (
@@ -34,6 +35,12 @@ from services.scheduler.core import (
 from services.scheduler.pipeline import StepPipeline, WorkerLost
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
+
+
+def engine_params(**fields) -> SamplingParams:
+    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    return fill_defaults(SamplingParams(**fields))
+
 
 VOCAB = 40
 EOS = 0
@@ -206,7 +213,7 @@ def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) 
 
 def make_request(rid: str, prompt: list[int], **params: object) -> Request:
     params.setdefault("seed", 7)
-    return Request(rid, 0, np.array(prompt, np.int32), SamplingParams(**params))
+    return Request(rid, 0, np.array(prompt, np.int32), engine_params(**params))
 
 
 def drive(
@@ -303,7 +310,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
     specs = []
     for idx, spec in enumerate(requests):
         prompt = (PREFIXES[spec["prefix"]] if spec["prefix"] is not None else []) + spec["suffix"]
-        params = SamplingParams(
+        params = engine_params(
             max_tokens=spec["max_tokens"],
             min_tokens=spec["min_tokens"],
             ignore_eos=spec["ignore_eos"],
@@ -512,7 +519,7 @@ def test_overload_and_prompt_too_long() -> None:
     with pytest.raises(PromptTooLong):
         sched.add(make_request("d", list(range(1, 65))))
     # A resubmission that already reached max_model_len is finished, not refused.
-    done = sched.add(Request("e", 0, np.arange(1, 60, dtype=np.int32), SamplingParams(), output_ids=[1] * 5))
+    done = sched.add(Request("e", 0, np.arange(1, 60, dtype=np.int32), engine_params(), output_ids=[1] * 5))
     assert done is not None and done.finish_reason == "length" and "e" not in sched.requests
 
 
@@ -543,7 +550,7 @@ def test_resubmission_continues_at_its_position() -> None:
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
     prompt = [4, 5, 6, 7, 8]
-    params = SamplingParams(max_tokens=8, seed=3, ignore_eos=True)
+    params = engine_params(max_tokens=8, seed=3, ignore_eos=True)
     full = reference_outputs(prompt, [], params, 1024)
     sched.add(Request("x", 0, np.array(prompt, np.int32), params))
     step = sched.schedule()
@@ -564,7 +571,7 @@ def test_resubmission_continues_at_its_position() -> None:
 
 def test_resubmission_already_finished_ends_at_once() -> None:
     sched = Scheduler(small_config())
-    params = SamplingParams(max_tokens=2, seed=1)
+    params = engine_params(max_tokens=2, seed=1)
     out = sched.add(Request("y", 0, np.array([1, 2], np.int32), params, output_ids=[9, 9]))
     assert out is not None and out.finish_reason == "length" and out.start_index == 2
     assert out.new_token_ids == [] and not sched.has_work
@@ -629,7 +636,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids_in_the_plan() -> None:
 def test_preemption_resumes_with_the_same_outputs(overlap: bool) -> None:
     # 3 sequences, blocks for about two: the latest arrival gets preempted and recomputes.
     config = small_config(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=64)
-    params = [SamplingParams(max_tokens=30, seed=s, ignore_eos=True) for s in range(3)]
+    params = [engine_params(max_tokens=30, seed=s, ignore_eos=True) for s in range(3)]
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7] for i in range(3)]
     sched = Scheduler(config)
     executor = FakeExecutor(sched)
@@ -645,7 +652,7 @@ def test_preemption_resumes_with_the_same_outputs(overlap: bool) -> None:
 def test_worker_loss_recomputes_and_ignores_the_lost_step() -> None:
     sched = Scheduler(small_config(block_size=4))
     executor = FakeExecutor(sched)
-    params = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    params = engine_params(max_tokens=12, seed=5, ignore_eos=True)
     sched.add(Request("w", 0, np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32), params))
     got: list[RequestOutput] = []
     for _ in range(4):
@@ -685,7 +692,7 @@ def test_overlap_plans_the_next_step_before_the_last_result() -> None:
     # is not planned ahead, and the results still apply in order.
     sched = Scheduler(small_config(max_num_batched_tokens=16))
     executor = FakeExecutor(sched)
-    params = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
+    params = engine_params(max_tokens=6, seed=9, ignore_eos=True)
     sched.add(Request("d", 0, np.array([1, 2, 3], np.int32), params))
     sched.add(Request("c", 0, np.arange(1, 31, dtype=np.int32), params))
     got: dict[str, list[RequestOutput]] = {"d": [], "c": []}
@@ -723,7 +730,7 @@ def test_finish_while_planned_ahead_drops_what_followed() -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     params = next(
         p
-        for p in (SamplingParams(max_tokens=40, seed=s) for s in range(1000))
+        for p in (engine_params(max_tokens=40, seed=s) for s in range(1000))
         if 4 <= len(reference_outputs(prompt, [], p, 1024)) < 40
     )
     expected = reference_outputs(prompt, [], params, 1024)
@@ -753,7 +760,7 @@ def test_worker_lost_with_two_steps_in_flight_recomputes() -> None:
     executor = FakeExecutor(sched)
     executor.die_at_step = 0
     pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing)
-    params = SamplingParams(max_tokens=10, seed=2, ignore_eos=True)
+    params = engine_params(max_tokens=10, seed=2, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10, 11]  # samples position 7; step 1 computes it, filling block 1
     sched.add(Request("a", 0, np.array(prompt, np.int32), params))
     with pytest.raises(WorkerLost):
@@ -774,8 +781,8 @@ def test_penalties_run_one_step_at_a_time() -> None:
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
     pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing)
-    plain = SamplingParams(max_tokens=12, seed=4, ignore_eos=True)
-    penalized = SamplingParams(max_tokens=5, seed=5, ignore_eos=True, repetition_penalty=1.3)
+    plain = engine_params(max_tokens=12, seed=4, ignore_eos=True)
+    penalized = engine_params(max_tokens=5, seed=5, ignore_eos=True, repetition_penalty=1.3)
     sched.add(Request("plain", 0, np.array([1, 2, 3], np.int32), plain))
     sched.add(Request("penalized", 0, np.array([4, 5, 6], np.int32), penalized))
     got: dict[str, list[RequestOutput]] = {"plain": [], "penalized": []}
@@ -794,8 +801,8 @@ def test_penalized_sequence_sits_out_a_step_planned_ahead() -> None:
     # end in the unknown token, waits for its sample; the other one decodes on a placeholder.
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
-    params = SamplingParams(max_tokens=3, seed=4, ignore_eos=True)
-    penalized = SamplingParams(max_tokens=3, seed=5, ignore_eos=True, presence_penalty=0.5)
+    params = engine_params(max_tokens=3, seed=4, ignore_eos=True)
+    penalized = engine_params(max_tokens=3, seed=5, ignore_eos=True, presence_penalty=0.5)
     sched.add(Request("plain", 0, np.array([1, 2, 3], np.int32), params))
     sched.add(Request("penalized", 0, np.array([4, 5, 6], np.int32), penalized))
     first = sched.schedule()
@@ -816,7 +823,7 @@ def test_min_tokens_counts_the_output_in_flight() -> None:
     prompt = [2, 7, 1, 8]
     params = next(
         p
-        for p in (SamplingParams(max_tokens=20, min_tokens=3, seed=s) for s in range(10_000))
+        for p in (engine_params(max_tokens=20, min_tokens=3, seed=s) for s in range(10_000))
         if len(reference_outputs(prompt, [], p, 1024)) == 4
     )
     sched = Scheduler(small_config())
@@ -842,7 +849,7 @@ def test_refused_step_fails_its_requests_and_recomputes_the_next() -> None:
             sched.abort(req.request_id)
 
     pipeline = StepPipeline(sched, executor, on_failed=fail)
-    params = SamplingParams(max_tokens=8, seed=6, ignore_eos=True)
+    params = engine_params(max_tokens=8, seed=6, ignore_eos=True)
     sched.add(Request("bad", 0, np.array([1, 2, 3], np.int32), params))
     pipeline.advance()  # applies step 0; step 1 (bad's decode) is in flight
     sched.add(Request("good", 0, np.array([7, 8, 9], np.int32), params))
@@ -860,7 +867,7 @@ def test_decodes_entering_blocks_together_preempt_from_the_back() -> None:
     # Equal prompts decode in lockstep, so every sequence needs its next block in the same step;
     # with fewer blocks left than that, the back of the line is preempted and recomputes later.
     config = small_config(block_size=4, num_blocks=20, max_model_len=64, max_num_batched_tokens=64)
-    params = [SamplingParams(max_tokens=20, seed=s, ignore_eos=True) for s in range(6)]
+    params = [engine_params(max_tokens=20, seed=s, ignore_eos=True) for s in range(6)]
     prompts = [[1 + i, 2, 3, 4] for i in range(6)]
     sched = Scheduler(config)
     executor = FakeExecutor(sched)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ipc.messages import PLACEHOLDER_TOKEN, SamplingParams
+from ipc.sampling_defaults import fill_defaults
 from services.scheduler.admission import Admission, Overloaded, PromptTooLong
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.plan import SCHEDULE_COLUMNS, UPDATE_COLUMNS, IntColumn, PlanTable, build_plan
@@ -17,6 +18,12 @@ from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import finish_reason
 from services.scheduler.state import SchedulerState
+
+
+def engine_params(**fields) -> SamplingParams:
+    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    return fill_defaults(SamplingParams(**fields))
+
 
 EOS = 0
 
@@ -37,7 +44,7 @@ def config(**overrides: object) -> SchedulerConfig:
 def request(rid: str, prompt: list[int], **params: object) -> Request:
     params.setdefault("seed", 1)
     params.setdefault("max_tokens", 8)
-    return Request(rid, 0, np.array(prompt, np.int32), SamplingParams(**params))
+    return Request(rid, 0, np.array(prompt, np.int32), engine_params(**params))
 
 
 # -- plan-table columns --------------------------------------------------------------------------
@@ -237,13 +244,13 @@ def test_decode_plans_the_placeholder_of_a_sample_in_flight():
 
 def test_finish_reason_rules():
     eos = frozenset({EOS})
-    p = SamplingParams(max_tokens=4, stop_token_ids=[9], min_tokens=1)
+    p = engine_params(max_tokens=4, stop_token_ids=[9], min_tokens=1)
     assert finish_reason(p, EOS, 1, 10, eos, 64) is None  # min_tokens holds
     assert finish_reason(p, EOS, 2, 10, eos, 64) == "stop"
     assert finish_reason(p, 9, 2, 10, eos, 64) == "stop"
     assert finish_reason(p, 5, 4, 10, eos, 64) == "length"
     assert finish_reason(p, 5, 2, 64, eos, 64) == "length"
-    assert finish_reason(SamplingParams(ignore_eos=True), EOS, 3, 10, eos, 64) is None
+    assert finish_reason(engine_params(ignore_eos=True), EOS, 3, 10, eos, 64) is None
 
 
 def test_results_append_finish_and_drop_entries_gone_since_planning():

@@ -25,6 +25,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT
 from ipc.config import load_config
 from ipc.endpoints import Endpoints
+from ipc.sampling_defaults import fill_defaults
 from ipc.shm import ShmRing, new_run_id
 from ipc.sockets import PullQueue, PushQueue
 from services.stage import RunInfo, write_run_info
@@ -85,7 +86,7 @@ class Group:
         return (self.run_dir / f"{kind}-{self.processes.index(process)}.log").read_text()
 
     def submit(self, request_id: str, prompt: list[int]) -> None:
-        params = m.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1)
+        params = fill_defaults(m.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1))
         assert self.scheduler_in.put(m.SubmitRequest(request_id, 0, m.pack_ids(prompt), params))
 
     def collect(self, got: dict[str, list[int]], until: Callable[[dict[str, list[int]]], bool]) -> None:
@@ -218,7 +219,7 @@ def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
     """Issue 14 item 12: a burst into an idle group is admitted up to its free sequence slots
     plus max_num_waiting (16 + 4 here), whether it lands before the worker is up or after; the
     rest get a clear `overloaded`, and every admitted request completes."""
-    params = m.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, seed=1)
+    params = fill_defaults(m.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, seed=1))
     for i in range(BURST):
         assert group.scheduler_in.put(m.SubmitRequest(f"burst-{i}", 0, m.pack_ids([5, 6, 7 + i]), params))
     finished: set[str] = set()

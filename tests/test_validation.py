@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ipc.messages import SamplingParams
+from ipc.sampling_defaults import fill_defaults
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -22,9 +23,9 @@ NAN = float("nan")
 
 
 def check(num_prompt_tokens: int = 10, **fields: Any) -> None:
-    fields.setdefault("max_tokens", 128)  # the frontend fills in its default before validating
+    fields.setdefault("max_tokens", 128)  # the frontend fills in its defaults before validating
     validate_params(
-        SamplingParams(**fields), vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=num_prompt_tokens
+        fill_defaults(SamplingParams(**fields)), vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=num_prompt_tokens
     )
 
 
@@ -35,6 +36,14 @@ def test_defaults_are_valid():
 def test_unfilled_max_tokens_is_refused():
     with pytest.raises(InvalidParams, match="max_tokens"):
         check(max_tokens=None)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"])
+def test_an_unfilled_sampling_default_is_refused(name: str):
+    """The scheduler validates too: a request that skipped the frontend's defaults never runs."""
+    params = msgspec.structs.replace(fill_defaults(SamplingParams(max_tokens=8)), **{name: None})
+    with pytest.raises(InvalidParams, match=f"{name} is unset"):
+        validate_params(params, vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=3)
 
 
 BAD: list[tuple[str, Any]] = [
@@ -135,7 +144,7 @@ def test_edge_values_are_accepted(fields: dict[str, Any]):
 
 def test_a_wire_decoded_nan_is_rejected():
     """NaN arrives through msgpack, not only from Python callers."""
-    data = msgspec.msgpack.encode(SamplingParams(max_tokens=8, top_p=NAN))
+    data = msgspec.msgpack.encode(fill_defaults(SamplingParams(max_tokens=8, top_p=NAN)))
     params = msgspec.msgpack.decode(data, type=SamplingParams)
     with pytest.raises(InvalidParams, match="top_p must be finite"):
         validate_params(params, vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=3)

@@ -56,16 +56,16 @@ def header_seed(value: str | None) -> int | None:
 
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    top_k = req.top_k if req.top_k is not None else 0
     return {
         "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if top_k == -1 else top_k,  # vLLM's -1 also disables
-        "min_p": req.min_p or 0.0,
+        # None where the request sets none: the frontend takes the model's default (generation_config).
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's -1 also disables
+        "min_p": req.min_p,
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "repetition_penalty": req.repetition_penalty,
         "logit_bias": dict(req.logit_bias or {}),
         "ignore_eos": req.ignore_eos,
         "min_tokens": req.min_tokens,

@@ -210,6 +210,23 @@ def _gguf_config(reader) -> dict:
     return config
 
 
+# GGUF's sampling keys (general.sampling.*) -> generation_config.json fields.
+GGUF_SAMPLING = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_generation_config(reader) -> dict:
+    """The sampling defaults a GGUF's author recorded (general.sampling.*), as the fields of a
+    generation_config.json (ipc/sampling_defaults.py reads and checks them); {} when it has none."""
+    found = {hf: _field(reader, f"general.sampling.{key}") for key, hf in GGUF_SAMPLING.items()}
+    return {name: value for name, value in found.items() if value is not None}
+
+
 def _hf_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor, or None for tensors the model does not use."""
     top = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head", "output_norm.weight": "model.norm"}
@@ -278,6 +295,9 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     chat_template = _field(reader, "tokenizer.chat_template")
     if chat_template and not (out / "chat_template.jinja").exists():
         (out / "chat_template.jinja").write_text(chat_template)
+    generation = gguf_generation_config(reader)
+    if generation:
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 

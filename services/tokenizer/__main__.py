@@ -11,6 +11,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
+from ipc.sampling_defaults import model_defaults
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
@@ -53,6 +54,7 @@ class Frontend:
             metrics=self.metrics,
             stall_timeout_s=config.frontend.stall_timeout_s,
             sampler=self._request_sampler(),
+            sampling_defaults=model_defaults(stage.info.model_dir, config.model.generation_config),
         )
         self.next_stall_check = 0.0
         self.num_malformed = 0

@@ -25,6 +25,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
+from ipc.sampling_defaults import fill_defaults
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
@@ -123,6 +124,7 @@ class FrontendCore:
         metrics: RequestMetrics | None = None,
         stall_timeout_s: float = 10.0,
         sampler: RequestSampler | None = None,
+        sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.frontend_id = frontend_id
@@ -133,6 +135,7 @@ class FrontendCore:
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
         self.sampler = sampler
+        self.sampling_defaults = sampling_defaults or {}  # the model's (ipc/sampling_defaults.py)
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
         self.journal: dict[str, JournalEntry] = {}  # by engine id
         self.engine_ids: dict[tuple[bytes, str], str] = {}  # (identity, client's request id) -> engine id
@@ -151,6 +154,8 @@ class FrontendCore:
         params = request.params
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.default_max_tokens)
+        # Filled once, here, so every later stage (and a resubmission) sees the same values.
+        params = fill_defaults(params, self.sampling_defaults)
         try:
             validate_prompt_ids(prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len)
             validate_params(
