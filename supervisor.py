@@ -41,7 +41,7 @@ from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, writ
 from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, reconfigure_message
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model
-from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, StageProcess, StageSet
+from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, RingSpec, StageProcess, make_stage_set
 from supervision.status import STATUS_FILE, status
 
 STOP_GRACE_S = 5.0
@@ -113,7 +113,7 @@ class Supervisor:
         self.ctx = zmq.Context()
         self.control: RouterSocket | None = None
         self.rings: list[ShmRing] = []
-        self.stages = StageSet(config, run_dir, log_format)
+        self.stages = make_stage_set(config, run_dir, log_format, self.endpoints)
         self.policy = RestartPolicy.from_config(config.supervisor)
         self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
         self.mlflow: MlflowSink | None = None
@@ -163,21 +163,15 @@ class Supervisor:
         return Path(done.stdout.strip().splitlines()[-1])
 
     def create_rings(self) -> None:
+        """Each engine group's step and result rings, where the stage set puts the group."""
         engine = self.config.engine
+        specs = []
         for group in range(engine.data_parallel):
-            self.rings.append(
-                ShmRing.create(
-                    self.endpoints.step_ring(group),
-                    RING_SLOTS,
-                    step_slot_bytes(self.config),
-                    engine.tensor_parallel,
-                )
-            )
-            self.rings.append(
-                ShmRing.create(
-                    self.endpoints.result_ring(group), RING_SLOTS, result_slot_bytes(self.config), 1
-                )
-            )
+            step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
+            step_bytes = step_slot_bytes(self.config)
+            specs.append(RingSpec(group, step, RING_SLOTS, step_bytes, engine.tensor_parallel))
+            specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(self.config), 1))
+        self.rings = self.stages.create_rings(specs)
 
     def serve_metrics(self) -> None:
         """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port."""
@@ -202,6 +196,7 @@ class Supervisor:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
             model_dir = self.prepare_model()
             check_model(self.config, model_dir)
+            self.stages.place()
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         self.create_rings()
@@ -336,7 +331,7 @@ class Supervisor:
                 return
             _, message = received
             stage = self.stages.get(message.name)
-            if stage is None or message.pid != stage.pid:
+            if stage is None or not self.stages.is_current(stage, message.pid):
                 continue  # a late message from a process we already replaced
             now = time.monotonic()
             if isinstance(message, m.Ready):
@@ -402,6 +397,7 @@ class Supervisor:
                 "kv_usage": round(s.load.kv_usage, 4),
                 "tokens_per_s": round(s.tokens_rate, 1),
                 "malformed": s.load.num_malformed,
+                **({"node": s.node} if s.node else {}),
             }
             for s in self.stages
         ]
@@ -534,6 +530,7 @@ class Supervisor:
         for ring in self.rings:
             ring.close()
             ring.unlink()
+        self.stages.close()
         self.ctx.destroy(linger=0)
         for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
             path.unlink(missing_ok=True)

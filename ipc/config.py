@@ -7,6 +7,7 @@ reads the same config from the run directory.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -96,6 +97,15 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     mlflow: MlflowConfig = MlflowConfig()
 
 
+class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: Literal["local", "ray"] = "local"  # ray: stages placed on a Ray cluster (pip install '.[ray]')
+    ray_address: str = "auto"  # ray.init's address; auto = the cluster this host belongs to
+    engine_resources: dict[str, float] = {}  # custom resources one engine group takes from its node
+    engine_cpus: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # CPUs one engine group takes from its node
+    light_resources: dict[str, float] = {}  # what each frontend, detokenizer, gateway takes; {} = head node
+    placement_timeout_s: Seconds = 120.0  # an engine group with no node by then fails the start
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -104,6 +114,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gateway: GatewayConfig = GatewayConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -201,6 +212,37 @@ def check_timeouts(config: Config) -> None:
         )
 
 
+# Ray's own resources, which the config names by their fields (engine_cpus; GPUs come from
+# engine.tensor_parallel), so that one amount has one place.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_cluster(config: Config) -> None:
+    """Resource amounts that Ray could never place, and a Ray backend without Ray installed,
+    are refused here rather than as a placement that waits forever or an ImportError."""
+    cluster = config.cluster
+    for section in ("engine_resources", "light_resources"):
+        for name, amount in getattr(cluster, section).items():
+            if name in _RAY_BUILTIN_RESOURCES:
+                raise ConfigError(
+                    f"cluster.{section}.{name}: {name} is Ray's own resource; use cluster.engine_cpus for CPUs, "
+                    "engine.device=cuda with engine.tensor_parallel for GPUs, and custom names here"
+                )
+            if not amount > 0:
+                raise ConfigError(f"cluster.{section}.{name}: expected an amount > 0, got {amount!r}")
+    if cluster.backend != "ray":
+        return
+    if config.engine.device == "cpu" and cluster.engine_cpus == 0 and not cluster.engine_resources:
+        raise ConfigError(
+            "cluster.engine_cpus is 0 and cluster.engine_resources is empty: an engine group on the CPU "
+            "would ask Ray for nothing, so nothing would say which nodes can hold it"
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            "cluster.backend: ray needs the ray package, which is not installed: pip install '.[ray]'"
+        )
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config file (None = all defaults), apply overrides, validate."""
     raw = _read_yaml(path) if path is not None else {}
@@ -213,6 +255,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
+    check_cluster(config)
     return config
 
 

@@ -29,6 +29,9 @@ from ipc.sockets import DealerSocket
 RUN_FILE = "run.json"
 # Set by the supervisor for the stages it spawns; stages that tests start on their own lack it.
 SUPERVISOR_PID_ENV = "BRIGADE_SUPERVISOR_PID"
+# Set when a stage's parent is not the supervisor: on a Ray node its parent is the stage's host
+# actor (supervision/ray_stages.py), and the stage lives and dies with that instead.
+PARENT_PID_ENV = "BRIGADE_PARENT_PID"
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -80,9 +83,9 @@ def setup_logging(name: str, level: str = "INFO", fmt: str = "text") -> logging.
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL us when the supervisor dies, even by SIGKILL (Linux). Not SIGTERM:
-    a stage busy in a long native call may not get to its stop flag, and with the supervisor
-    gone there is nothing left to shut down cleanly (it owns the shared memory, and the next
+    """Ask the kernel to SIGKILL us when our parent (the supervisor, or a Ray node's stage host)
+    dies, even by SIGKILL (Linux). Not SIGTERM: a stage busy in a long native call may not get to
+    its stop flag, and with the parent gone there is nothing left to shut down cleanly (it owns the shared memory, and the next
     start sweeps it)."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
@@ -100,6 +103,7 @@ class Stage:
     endpoints: Endpoints
     log: logging.Logger
     is_supervised: bool  # spawned by the supervisor (not by a test), so it must not outlive it
+    parent_pid: int  # the supervisor, or the Ray actor that hosts this stage
 
     @property
     def config(self) -> Config:
@@ -118,14 +122,16 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
     name = f"{kind}-{args.index}" + (f"-{args.rank}" if kind == "gpu_worker" else "")
     log = setup_logging(name, info.config.supervisor.log_level, args.log_format)
     is_supervised = os.environ.get(SUPERVISOR_PID_ENV) == str(info.supervisor_pid)
+    parent_pid = int(os.environ.get(PARENT_PID_ENV, info.supervisor_pid))
     if is_supervised:
         die_with_parent()
-        # PDEATHSIG only covers a supervisor dying from now on: one that died while we were still
+        # PDEATHSIG only covers a parent dying from now on: one that died while we were still
         # importing (torch takes seconds) has already orphaned us.
-        if os.getppid() != info.supervisor_pid:
-            log.error("supervisor %d died before this stage started; exiting", info.supervisor_pid)
+        if os.getppid() != parent_pid:
+            log.error("parent %d died before this stage started; exiting", parent_pid)
             sys.exit(1)
-    stage = Stage(name, args.index, args.run_dir, info, Endpoints(args.run_dir, info.run_id), log, is_supervised)
+    endpoints = Endpoints(args.run_dir, info.run_id)
+    stage = Stage(name, args.index, args.run_dir, info, endpoints, log, is_supervised, parent_pid)
     return stage, args
 
 
@@ -147,9 +153,9 @@ class ControlChannel:
         now = time.monotonic()
         if force or now - self.last_beat >= self.interval:
             self.last_beat = now
-            if self.stage.is_supervised and os.getppid() != self.stage.info.supervisor_pid:
-                # The supervisor is gone (PDEATHSIG did not reach us): nothing is left to serve.
-                self.stage.log.error("supervisor %d is gone; exiting", self.stage.info.supervisor_pid)
+            if self.stage.is_supervised and os.getppid() != self.stage.parent_pid:
+                # The parent is gone (PDEATHSIG did not reach us): nothing is left to serve.
+                self.stage.log.error("parent %d is gone; exiting", self.stage.parent_pid)
                 os._exit(1)
             self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load or m.StageLoad()))
 

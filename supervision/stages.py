@@ -22,7 +22,8 @@ from typing import IO
 
 from ipc import messages as m
 from ipc.config import Config
-from ipc.endpoints import DIST_PORT_ENV
+from ipc.endpoints import DIST_PORT_ENV, Endpoints
+from ipc.shm import ShmRing
 from services.metrics import METRICS_DIR
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
@@ -40,6 +41,17 @@ def free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """One shared-memory ring of an engine group, as ShmRing.create takes it."""
+
+    group: int
+    name: str
+    num_slots: int
+    slot_bytes: int
+    num_readers: int
 
 
 @dataclass
@@ -65,6 +77,7 @@ class StageProcess:
     state: str = "starting"
     last_stderr_line: str = ""
     stderr_pump: threading.Thread | None = None
+    node: str = ""  # the Ray node it runs on; "" on the local backend
 
     @property
     def pid(self) -> int:
@@ -81,8 +94,18 @@ class StageProcess:
         return self.last_stderr_line
 
 
+def make_stage_set(config: Config, run_dir: Path, log_format: str, endpoints: Endpoints) -> StageSet:
+    """The stage set of `cluster.backend`; Ray is imported only when it is the backend."""
+    if config.cluster.backend == "ray":
+        from supervision.ray_stages import RayStageSet
+
+        return RayStageSet(config, run_dir, log_format, endpoints)
+    return StageSet(config, run_dir, log_format)
+
+
 class StageSet:
-    """Every stage of the run by name, and the process operations on them."""
+    """Every stage of the run by name, and the process operations on them: here, processes on
+    this host (supervision/ray_stages.py has the same interface over a Ray cluster)."""
 
     def __init__(self, config: Config, run_dir: Path, log_format: str) -> None:
         self.engine = config.engine  # fixed for the run: a reload cannot change it
@@ -125,24 +148,50 @@ class StageSet:
         name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
         argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
         argv += ["--log-format", self.log_format, "--index", str(index)]
+        if rank is not None:
+            argv += ["--rank", str(rank)]
+        stage = StageProcess(name, kind, argv, {**os.environ, **self.stage_env(group, rank)}, group=group)
+        self.stages[name] = stage
+        return stage
+
+    def stage_env(self, group: int, rank: int | None) -> dict[str, str]:
+        """What a stage's environment adds to the supervisor's."""
         env = {
-            **os.environ,
             "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR),
             SUPERVISOR_PID_ENV: str(os.getpid()),
         }
         if rank is not None:
-            argv += ["--rank", str(rank)]
             env[DIST_PORT_ENV] = str(self.dist_ports[group])
             if self.engine.device == "cuda":
                 devices = self.engine.devices or list(
                     range(self.engine.data_parallel * self.engine.tensor_parallel)
                 )
                 env["CUDA_VISIBLE_DEVICES"] = str(devices[group * self.engine.tensor_parallel + rank])
-        stage = StageProcess(name, kind, argv, env, group=group)
-        self.stages[name] = stage
-        return stage
+        return env
+
+    # -- the run's resources ---------------------------------------------------------------------
+
+    def place(self) -> None:
+        """Reserve where the engine groups run (nothing to do on one host)."""
+
+    def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
+        """The engine groups' shared-memory rings, on this host; the supervisor unlinks them."""
+        return [ShmRing.create(s.name, s.num_slots, s.slot_bytes, s.num_readers) for s in specs]
+
+    def close(self) -> None:
+        """Release what `place` reserved, once every stage has stopped."""
+
+    # -- processes -------------------------------------------------------------------------------
 
     def spawn(self, stage: StageProcess) -> None:
+        self.launch(stage)
+        now = time.monotonic()
+        stage.is_ready, stage.state, stage.started_at, stage.restart_at = False, "starting", now, None
+        stage.health = Health.started(now)
+        stage.load, stage.rate_at = m.StageLoad(), 0.0
+        log.info("started %s (pid %d)", stage.name, stage.pid)
+
+    def launch(self, stage: StageProcess) -> None:
         stage.process = subprocess.Popen(
             stage.argv, env=stage.env, start_new_session=True, cwd=REPO_ROOT, stderr=subprocess.PIPE
         )
@@ -151,11 +200,11 @@ class StageSet:
             target=_pump_stderr, args=(stage, stage.process.stderr), name=f"stderr-{stage.name}", daemon=True
         )
         stage.stderr_pump.start()
-        now = time.monotonic()
-        stage.is_ready, stage.state, stage.started_at, stage.restart_at = False, "starting", now, None
-        stage.health = Health.started(now)
-        stage.load, stage.rate_at = m.StageLoad(), 0.0
-        log.info("started %s (pid %d)", stage.name, stage.pid)
+
+    def is_current(self, stage: StageProcess, pid: int) -> bool:
+        """Whether a message from `pid` comes from the stage's current process (not one that
+        was replaced)."""
+        return pid == stage.pid
 
     def reap(self) -> list[tuple[StageProcess, int]]:
         """The stages whose process exited since the last look (and that are not waiting for a
@@ -173,28 +222,28 @@ class StageSet:
         `grace_s`, and SIGKILL whatever is left (then wait for it too)."""
         live = [s for s in stages if s.is_alive]
         for stage in live:
-            _signal_group(stage, sig)
+            self.send_signal(stage, sig)
         deadline = time.monotonic() + grace_s
         for stage in live:
             assert stage.process is not None
             try:
                 stage.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(stage, signal.SIGKILL)
+                self.send_signal(stage, signal.SIGKILL)
                 stage.process.wait()
 
     def kill(self, stages: Iterable[StageProcess]) -> None:
         """SIGKILL and wait: for stages that are hung or must go with another one."""
         self.stop(stages, 0.0, signal.SIGKILL)
 
+    def send_signal(self, stage: StageProcess, sig: int) -> None:
+        """`sig` to the stage's whole process group (it runs in a session of its own)."""
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            os.killpg(stage.pid, sig)
+
     def remove(self, stages: Iterable[StageProcess]) -> None:
         for stage in stages:
             del self.stages[stage.name]
-
-
-def _signal_group(stage: StageProcess, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-        os.killpg(stage.pid, sig)
 
 
 def _pump_stderr(stage: StageProcess, pipe: IO[bytes]) -> None:

@@ -166,3 +166,63 @@ def test_impossible_device_layout_is_refused(tmp_path, overrides: list[str], mes
     assert done.returncode == 1
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.backend=slurm"], "cluster.backend: invalid enum value 'slurm'"),
+        (["cluster.engine_resources={GPU: 1}"], "cluster.engine_resources.GPU: GPU is Ray's own resource"),
+        (["cluster.light_resources={CPU: 1}"], "cluster.light_resources.CPU: CPU is Ray's own resource"),
+        (["cluster.engine_resources={engine: 0}"], "cluster.engine_resources.engine: expected an amount > 0"),
+        (["cluster.engine_resources={engine: many}"], "cluster.engine_resources[...]: expected float, got str"),
+        (["cluster.engine_cpus=-1"], "cluster.engine_cpus: expected float >= 0.0"),
+        (
+            ["cluster.backend=ray", "cluster.engine_cpus=0"],
+            "cluster.engine_cpus is 0 and cluster.engine_resources",
+        ),
+    ],
+)
+def test_cluster_errors_name_the_field(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_ray_backend_without_ray_installed_says_how_to_install_it(monkeypatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"ray needs the ray package.*pip install '\.\[ray\]'"):
+        load_config(None, ["cluster.backend=ray"])
+    assert load_config(None).cluster.backend == "local"  # the default never needs it
+
+
+def test_the_local_backend_never_imports_ray(tmp_path) -> None:
+    """The supervisor, its stage set, every stage's shared code and the client, on the default
+    backend, in a fresh interpreter (so that no other test's import of ray counts)."""
+    script = (
+        "import sys, pathlib\n"
+        "import supervisor, client, services.stage, services.tokenizer.frontend, services.detokenizer.core\n"
+        "from ipc.config import load_config\n"
+        "from ipc.endpoints import Endpoints\n"
+        "from supervision.stages import make_stage_set\n"
+        "run_dir = pathlib.Path(sys.argv[1])\n"
+        "stages = make_stage_set(load_config('configs/default.yaml'), run_dir, 'text', Endpoints(run_dir, 'x'))\n"
+        "stages.plan(load_config(None))\n"
+        "stages.place(); stages.close()\n"
+        "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n"
+        "print(type(stages).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "StageSet"

@@ -1,0 +1,384 @@
+"""The stage set on a Ray cluster (`cluster.backend: ray`): Ray places, Brigade supervises.
+
+Ray does what it is good at: each engine group (a scheduler and its tensor-parallel workers) is
+one STRICT_PACK placement group, so its stages share a node, and with it /dev/shm for the step
+rings; that node has the group's resources (`cluster.engine_resources`, `cluster.engine_cpus`,
+a GPU per worker); when the node dies, Ray places the group again on a node with room. The
+frontends, detokenizers and gateways go to the head node, or where `cluster.light_resources` are.
+
+Each stage still runs as its own OS process, spawned exactly as the local StageSet spawns it, by
+a small host actor (`StageHost`) on the stage's node. The supervisor sees it through
+`RemoteProcess`, which has the part of Popen's interface StageSet uses (pid, poll, wait), so the
+watch loop, the restart policy, the heartbeats, resubmission and hot reload stay Brigade's; an
+actor that dies with its node reads as a process killed by SIGKILL, which Brigade restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import posix_ipc
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from ipc.config import Config
+from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX, Endpoints
+from ipc.shm import SHM_DIR, ShmRing
+from services.metrics import METRICS_DIR
+from services.stage import PARENT_PID_ENV, RUN_FILE
+from supervision.preflight import Refused
+from supervision.stages import REPO_ROOT, RingSpec, StageProcess, StageSet, free_tcp_port
+
+POLL_INTERVAL_S = 0.2  # how often a stage's host is asked whether its process is still alive
+START_WAIT_S = 30.0  # a message may come from a process whose host has not yet told us its pid
+CALL_TIMEOUT_S = 30.0  # for the calls that stop and clean up (a dead node answers with an error)
+NODE_LOST = -signal.SIGKILL  # a stage whose host died with its node was killed, not failing by itself
+ENGINE_KINDS = ("scheduler", "gpu_worker")
+
+log = logging.getLogger("supervisor")
+
+
+def boot_id() -> str:
+    """Tells hosts apart: Ray nodes on one machine (as in tests) share it, and so share the run
+    directory and /dev/shm with the supervisor."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+# -- on the node --------------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0, max_restarts=0)  # a dead host is restarted by Brigade's policy, not Ray's
+class StageHost:
+    """Runs one stage process on its node, as the local StageSet runs one on the supervisor's
+    host: `python -m services.<kind>` in a session of its own, its stderr passed through."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.last_line = ""
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        run_file: bytes,
+        supervisor_host: str,
+        group: GroupSetup | None,
+    ) -> dict[str, Any]:
+        run_dir = Path(argv[argv.index("--run-dir") + 1])
+        if boot_id() != supervisor_host:
+            _materialize_run_dir(run_dir, run_file)
+        env = {**os.environ, **env, PARENT_PID_ENV: str(os.getpid())}
+        if group is not None:
+            env[DIST_PORT_ENV] = str(group.prepare())
+        # Ray's sync actors run their methods on the main thread, the one whose exit PDEATHSIG
+        # follows: the stage (services/stage.py die_with_parent) dies with this actor.
+        self.process = subprocess.Popen(
+            [sys.executable, *argv], env=env, start_new_session=True, cwd=REPO_ROOT, stderr=subprocess.PIPE
+        )
+        threading.Thread(target=self._pump_stderr, args=(self.process.stderr,), daemon=True).start()
+        return {"pid": self.process.pid, "node": ray.get_runtime_context().get_node_id()}
+
+    def poll(self) -> tuple[int | None, str]:
+        assert self.process is not None
+        return self.process.poll(), self.last_line
+
+    def send_signal(self, sig: int) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def _pump_stderr(self, pipe: IO[bytes]) -> None:
+        for line in pipe:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+            if line.strip():
+                self.last_line = line.decode("utf-8", "replace").strip()
+        pipe.close()
+
+
+class GroupSetup:
+    """What an engine group's stages need on the node that holds the group: its shared-memory
+    rings and its torch.distributed port. Whichever stage of the group starts first on a node
+    makes them; the others find them (under a lock, in a file named like the rings, so the same
+    cleanup and the same sweep of dead runs remove it)."""
+
+    def __init__(self, run_id: str, group: int, rings: list[RingSpec]) -> None:
+        self.state_path = Path(SHM_DIR) / f"{SHM_PREFIX}{run_id}-group-{group}.json"
+        self.rings = rings
+
+    def prepare(self) -> int:
+        """The group's dist port on this node, after making sure its rings exist here."""
+        fd = os.open(self.state_path, os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+") as state:
+            fcntl.flock(state, fcntl.LOCK_EX)
+            text = state.read()
+            if text:
+                return json.loads(text)["dist_port"]
+            for spec in self.rings:
+                with contextlib.suppress(posix_ipc.ExistentialError):  # left by an earlier host here
+                    ShmRing.create(spec.name, spec.num_slots, spec.slot_bytes, spec.num_readers).close()
+            port = free_tcp_port()
+            state.write(json.dumps({"dist_port": port}))
+            return port
+
+
+def _materialize_run_dir(run_dir: Path, run_file: bytes) -> None:
+    """On a host other than the supervisor's, the run directory a stage reads its run.json from."""
+    from ipc.endpoints import make_run_dir
+
+    make_run_dir(run_dir)
+    (run_dir / METRICS_DIR).mkdir(mode=0o700, exist_ok=True)
+    tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"
+    tmp.write_bytes(run_file)
+    tmp.replace(run_dir / RUN_FILE)
+
+
+@ray.remote(num_cpus=0)
+def _clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str]:
+    """Remove what the run left on one node: shared memory (rings, semaphores, group state) and,
+    off the supervisor's host, the run directory's files."""
+    removed = []
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(shm_prefix) or entry.startswith("sem." + shm_prefix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, entry))
+                removed.append(entry)
+    if boot_id() != supervisor_host:
+        root = Path(run_dir)
+        for path in [root / RUN_FILE, *root.glob("*.sock")]:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            for path in (root / METRICS_DIR).iterdir():
+                path.unlink()
+            (root / METRICS_DIR).rmdir()
+    return removed
+
+
+# -- in the supervisor --------------------------------------------------------------------------
+
+
+class RemoteProcess:
+    """A stage process on a Ray node, seen through its host actor with the part of Popen's
+    interface that StageSet uses (pid, poll, wait): stop, kill and reap stay the local ones."""
+
+    def __init__(self, host: ray.actor.ActorHandle, started: ray.ObjectRef) -> None:
+        self.host = host
+        self.started: ray.ObjectRef | None = started  # until the host has spawned the process
+        self.pid = 0
+        self.node = ""
+        self.returncode: int | None = None
+        self.last_line = ""
+        self._poll: ray.ObjectRef | None = None
+        self._poll_at = 0.0
+
+    def settle(self, timeout: float = 0.0) -> bool:
+        """Take the host's answer to `start` if it came (within `timeout`); False while it has not."""
+        if self.started is None:
+            return True
+        ready, _ = ray.wait([self.started], timeout=timeout)
+        if not ready:
+            return False
+        try:
+            info = ray.get(self.started)
+        except RayActorError:
+            self.returncode, self.last_line = NODE_LOST, "its Ray node (or host actor) died before it started"
+        except RayError as exc:  # the host could not start it: a fault of the run, not of the node
+            self.returncode, self.last_line = 1, str(exc).strip().splitlines()[-1]
+        else:
+            self.pid, self.node = info["pid"], info["node"]
+        self.started = None
+        return True
+
+    def poll(self) -> int | None:
+        if self.returncode is not None or not self.settle() or self.returncode is not None:
+            return self.returncode
+        now = time.monotonic()
+        if self._poll is None:
+            if now < self._poll_at:
+                return None
+            self._poll = self.host.poll.remote()
+        ready, _ = ray.wait([self._poll], timeout=0)
+        if not ready:
+            return None
+        answer, self._poll, self._poll_at = self._poll, None, now + POLL_INTERVAL_S
+        try:
+            code, self.last_line = ray.get(answer)
+        except RayActorError:
+            code, self.last_line = NODE_LOST, "its Ray node (or host actor) died"
+        self.returncode = code
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"stage pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if not self.settle():
+            self.release()  # still waiting for a node: there is no process to signal
+            self.returncode = -sig
+            return
+        if self.returncode is not None:
+            return
+        with contextlib.suppress(RayError, GetTimeoutError):
+            ray.get(self.host.send_signal.remote(sig), timeout=CALL_TIMEOUT_S)
+        if sig == signal.SIGKILL:
+            self.release()  # if the node no longer answers, its process goes with its actor
+
+    def release(self) -> None:
+        """End the host actor (and so, by PDEATHSIG, whatever is left of its process)."""
+        with contextlib.suppress(RayError):
+            ray.kill(self.host, no_restart=True)
+
+
+class RayStageSet(StageSet):
+    """StageSet whose processes run on a Ray cluster's nodes (see the module docstring)."""
+
+    def __init__(self, config: Config, run_dir: Path, log_format: str, endpoints: Endpoints) -> None:
+        super().__init__(config, run_dir, log_format)
+        self.cluster = config.cluster
+        self.endpoints = endpoints
+        self.supervisor_host = boot_id()
+        self.groups: list[PlacementGroup] = []
+        self.rings: dict[int, list[RingSpec]] = {}
+        self.head_node = ""
+        self.hosts: list[ray.actor.ActorHandle] = []  # every host ever started, for close
+
+    def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
+        stage = super().add(kind, index, group, rank)
+        # The node gives the rest: its own environment (Ray sets CUDA_VISIBLE_DEVICES there) and
+        # the group's dist port (GroupSetup).
+        stage.env = super().stage_env(group, None)
+        return stage
+
+    # -- the run's resources ---------------------------------------------------------------------
+
+    def group_bundle(self) -> dict[str, float]:
+        bundle = dict(self.cluster.engine_resources)
+        if self.cluster.engine_cpus:
+            bundle["CPU"] = self.cluster.engine_cpus
+        if self.engine.device == "cuda":
+            bundle["GPU"] = float(self.engine.tensor_parallel)
+        return bundle
+
+    def place(self) -> None:
+        """Join the cluster and reserve a node for every engine group, or refuse the start."""
+        address = self.cluster.ray_address
+        # Ray's core worker installs its own handlers for these (SIGTERM dumps a stack and aborts);
+        # the supervisor's drain-then-stop on a signal must stay.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            ray.init(address=address, namespace="brigade", logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise Refused(f"cannot join the Ray cluster at cluster.ray_address={address!r}: {exc}") from None
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        self.head_node = ray.get_runtime_context().get_node_id()
+        bundle = self.group_bundle()
+        for group in range(self.engine.data_parallel):
+            name = f"{SHM_PREFIX}{self.endpoints.run_id}-group-{group}"
+            self.groups.append(placement_group([bundle], strategy="STRICT_PACK", name=name))
+        timeout = self.cluster.placement_timeout_s
+        ready, _ = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
+        if len(ready) < len(self.groups):
+            raise Refused(
+                f"{len(self.groups) - len(ready)} of {len(self.groups)} engine group(s) found no Ray node "
+                f"with {bundle} free within cluster.placement_timeout_s={timeout:g}s "
+                f"(the cluster has {ray.available_resources()} free)"
+            )
+        for group, pg in enumerate(self.groups):
+            node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+            log.info("engine group %d placed on Ray node %s (%s)", group, node, bundle)
+
+    def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
+        """The rings are made on each group's node, by the first of its stages to start there."""
+        for spec in specs:
+            self.rings.setdefault(spec.group, []).append(spec)
+        return []
+
+    def close(self) -> None:
+        """No actor, placement group or shared memory of the run is left on any node."""
+        if not ray.is_initialized():
+            return
+        for host in self.hosts:
+            with contextlib.suppress(RayError):
+                ray.kill(host, no_restart=True)
+        for pg in self.groups:
+            with contextlib.suppress(RayError):
+                remove_placement_group(pg)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        cleanups = [
+            _clean_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                self.endpoints.shm_prefix().lstrip("/"), str(self.run_dir), self.supervisor_host
+            )
+            for node in nodes
+        ]
+        with contextlib.suppress(RayError, GetTimeoutError):
+            ray.get(cleanups, timeout=CALL_TIMEOUT_S)
+        ray.shutdown()
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def launch(self, stage: StageProcess) -> None:
+        if isinstance(stage.process, RemoteProcess):
+            stage.process.release()  # the host of the process this one replaces
+        options: dict[str, Any] = {}
+        if stage.kind in ENGINE_KINDS:
+            pg = self.groups[stage.group]
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0
+            )
+            if stage.kind == "gpu_worker" and self.engine.device == "cuda":
+                options["num_gpus"] = 1
+            setup = GroupSetup(self.endpoints.run_id, stage.group, self.rings[stage.group])
+        else:
+            if self.cluster.light_resources:
+                options["resources"] = dict(self.cluster.light_resources)
+            else:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.head_node, soft=False)
+            setup = None
+        host = StageHost.options(**options).remote()
+        self.hosts.append(host)
+        run_file = (self.run_dir / RUN_FILE).read_bytes()
+        started = host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, setup)
+        stage.process = RemoteProcess(host, started)  # type: ignore[assignment]
+        stage.node, stage.stderr_pump, stage.last_stderr_line = "", None, ""
+
+    def is_current(self, stage: StageProcess, pid: int) -> bool:
+        # A stage can talk before its host's answer to `start` (which carries the pid) is read.
+        process = stage.process
+        if isinstance(process, RemoteProcess) and process.started is not None:
+            process.settle(START_WAIT_S)
+        return pid == stage.pid
+
+    def reap(self) -> list[tuple[StageProcess, int]]:
+        for stage in self.stages.values():
+            process = stage.process
+            if isinstance(process, RemoteProcess):
+                process.poll()
+                stage.node = process.node
+                stage.last_stderr_line = process.last_line
+        return super().reap()
+
+    def send_signal(self, stage: StageProcess, sig: int) -> None:
+        if isinstance(stage.process, RemoteProcess):
+            stage.process.send_signal(sig)

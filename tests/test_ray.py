@@ -1,0 +1,180 @@
+"""The Ray backend (`cluster.backend: ray`, supervision/ray_stages.py) on a real multi-node Ray
+cluster that the test starts on this machine with Ray's own `ray.cluster_utils.Cluster`: a head
+node and two engine nodes, each with a resource of its own. Placement, serving, the loss of the
+node that holds the engine group in the middle of requests, and a run that leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from services.stage import read_run_info
+from tests.conftest import REPO_ROOT, brigade_shm_objects
+from tests.harness import assert_clean, brigade_run, start_supervisor
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ENGINE_NODES = ("node_a", "node_b")  # each engine node's own resource says which node it is
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+MAX_TOKENS = 200  # enough that the node is removed while the requests are still decoding
+CLIENT_TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Cluster, dict[str, str]]]:
+    """Head (where the supervisor's driver attaches) plus two engine nodes; one CPU each, so that
+    each engine node holds exactly one engine group. Shut down even when a test fails."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
+    try:
+        nodes = {
+            name: cluster.add_node(num_cpus=1, resources={"engine": 1, name: 1}) for name in ENGINE_NODES
+        }
+        cluster.wait_for_nodes()
+        yield cluster, {name: node.node_id for name, node in nodes.items()}
+    finally:
+        cluster.shutdown()
+
+
+def ray_overrides(cluster: Cluster, model_dir: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=512", "engine.threads=1",
+        "gateway.replicas=0", "cluster.backend=ray", f"cluster.ray_address={cluster.address}",
+        "cluster.engine_resources={engine: 1}", "supervisor.start_timeout_s=300", *extra,
+    )  # fmt: skip
+
+
+def nodes_of(run) -> dict[str, str]:
+    return {row["name"]: row.get("node", "") for row in run.status()}
+
+
+def leftovers_in_ray(cluster: Cluster, run_id: str) -> tuple[list[str], list[str]]:
+    """Actors of the run still alive, and its placement groups not removed (asked in a child,
+    so that this process never joins the cluster it must shut down)."""
+    script = (
+        "import json, ray, ray._private.state as state\n"
+        f"ray.init(address={cluster.address!r}, namespace='brigade', logging_level='ERROR')\n"
+        "actors = [a['ActorID'] for a in state.actors().values() if a['State'] != 'DEAD']\n"
+        "groups = [g['name'] for g in ray.util.placement_group_table().values() if g['state'] != 'REMOVED']\n"
+        "print(json.dumps([actors, groups]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=True
+    )
+    actors, groups = json.loads(done.stdout.strip().splitlines()[-1])
+    return actors, [g for g in groups if run_id in g]
+
+
+def drain(run) -> list[str]:
+    """The run's log lines, including those after the ready line that nobody waited for."""
+    while not run.lines.empty():
+        run.log.append(run.lines.get_nowait())
+    return run.log
+
+
+def generate_all(run_dir: Path, prompts: list[str]) -> list[str]:
+    with Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client:
+        return [
+            client.generate(
+                p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
+            ).text
+            for p in prompts
+        ]
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_group_that_no_node_can_hold_is_refused_clearly(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    ray_cluster, _ = cluster
+    overrides = ray_overrides(
+        ray_cluster,
+        tiny_model_dir,
+        "cluster.engine_resources={accelerator: 1}",
+        "cluster.placement_timeout_s=5",
+    )
+    process = start_supervisor(tmp_path / "run", *overrides)
+    try:
+        out, _ = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    assert process.returncode == 1, out
+    assert "found no Ray node with {'accelerator': 1.0, 'CPU': 1.0} free" in out, out
+    actors, groups = leftovers_in_ray(ray_cluster, "")
+    assert groups == [] and actors == [], (actors, groups)
+
+
+@pytest.mark.timeout(600)
+def test_group_lands_on_an_engine_node_and_survives_that_nodes_removal(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    ray_cluster, engine_nodes = cluster
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *ray_overrides(ray_cluster, tiny_model_dir)) as run:
+        run_id = read_run_info(run_dir).run_id
+        placed = nodes_of(run)
+        head = ray_cluster.head_node.node_id
+        group_node = placed["scheduler-0"]
+        assert group_node in engine_nodes.values(), placed
+        assert placed["gpu_worker-0-0"] == group_node, placed  # one group, one node (its /dev/shm)
+        assert placed["tokenizer-0"] == head and placed["detokenizer-0"] == head, placed
+
+        calm = generate_all(run_dir, PROMPTS)
+        assert all(len(text) > 0 for text in calm)
+
+        # The same requests again, and the node that holds the group goes away while they decode.
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+        first_tokens = [threading.Event() for _ in PROMPTS]
+
+        def stream(i: int) -> None:
+            try:
+                with Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client:
+                    parts = []
+                    for delta in client.stream(
+                        PROMPTS[i],
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        ignore_eos=True,
+                        timeout=CLIENT_TIMEOUT_S,
+                    ):
+                        parts.append(delta.text)
+                        first_tokens[i].set()
+                    results[i] = "".join(parts)
+            except BaseException as exc:
+                errors.append(exc)
+                first_tokens[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(PROMPTS))]
+        for thread in threads:
+            thread.start()
+        for event in first_tokens:
+            assert event.wait(CLIENT_TIMEOUT_S)
+        [lost] = [node for node in ray_cluster.worker_nodes if node.node_id == group_node]
+        ray_cluster.remove_node(lost)
+        for thread in threads:
+            thread.join(CLIENT_TIMEOUT_S + 30)
+        assert not errors, errors
+        assert [results[i] for i in range(len(PROMPTS))] == calm
+
+        run.wait_until_running(120)
+        moved = nodes_of(run)
+        assert moved["scheduler-0"] in set(engine_nodes.values()) - {group_node}, moved
+        assert moved["gpu_worker-0-0"] == moved["scheduler-0"], moved
+        rows = {row["name"]: row for row in run.status()}
+        assert rows["scheduler-0"]["restarts"] >= 1 and rows["gpu_worker-0-0"]["restarts"] >= 1
+        assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
+    assert run.process.returncode == 0, "".join(drain(run)[-60:])
+    assert_clean(run_dir, run_id)
+    actors, groups = leftovers_in_ray(ray_cluster, run_id)
+    assert actors == [] and groups == [], (actors, groups)
+    assert not [name for name in brigade_shm_objects() if run_id in name]
