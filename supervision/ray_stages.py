@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -143,12 +144,12 @@ def _materialize_run_dir(run_dir: Path, run_file: bytes) -> None:
     make_run_dir(run_dir)
     (run_dir / METRICS_DIR).mkdir(mode=0o700, exist_ok=True)
     tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"
-    tmp.write_bytes(run_file)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+        out.write(run_file)  # private, as the supervisor writes it: it may carry the run's keys
     tmp.replace(run_dir / RUN_FILE)
 
 
-@ray.remote(num_cpus=0)
-def _clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str]:
+def clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str]:
     """Remove what the run left on one node: shared memory (rings, semaphores, group state) and,
     off the supervisor's host, the run directory's files."""
     removed = []
@@ -166,6 +167,9 @@ def _clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str
                 path.unlink()
             (root / METRICS_DIR).rmdir()
     return removed
+
+
+_clean_node = ray.remote(num_cpus=0)(clean_node)
 
 
 # -- in the supervisor --------------------------------------------------------------------------
@@ -261,6 +265,7 @@ class RayStageSet(StageSet):
         self.rings: dict[int, list[RingSpec]] = {}
         self.head_node = ""
         self.hosts: list[ray.actor.ActorHandle] = []  # every host ever started, for close
+        self.old_pids: dict[str, set[int]] = {}  # of each stage's replaced processes
 
     def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
         stage = super().add(kind, index, group, rank)
@@ -341,6 +346,7 @@ class RayStageSet(StageSet):
     def launch(self, stage: StageProcess) -> None:
         if isinstance(stage.process, RemoteProcess):
             stage.process.release()  # the host of the process this one replaces
+            self.old_pids.setdefault(stage.name, set()).add(stage.process.pid)
         options: dict[str, Any] = {}
         if stage.kind in ENGINE_KINDS:
             pg = self.groups[stage.group]
@@ -364,9 +370,11 @@ class RayStageSet(StageSet):
         stage.node, stage.stderr_pump, stage.last_stderr_line = "", None, ""
 
     def is_current(self, stage: StageProcess, pid: int) -> bool:
-        # A stage can talk before its host's answer to `start` (which carries the pid) is read.
+        # A stage can talk before its host's answer to `start` (which carries the pid) is read;
+        # a replaced process's late messages must not wait for a host that has no node yet.
         process = stage.process
-        if isinstance(process, RemoteProcess) and process.started is not None:
+        is_replaced = pid in self.old_pids.get(stage.name, ())
+        if isinstance(process, RemoteProcess) and process.started is not None and not is_replaced:
             process.settle(START_WAIT_S)
         return pid == stage.pid
 
@@ -382,3 +390,10 @@ class RayStageSet(StageSet):
     def send_signal(self, stage: StageProcess, sig: int) -> None:
         if isinstance(stage.process, RemoteProcess):
             stage.process.send_signal(sig)
+
+    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+        stages = list(stages)
+        super().stop(stages, grace_s, sig)
+        for stage in stages:  # a retired replica's host has nothing left to do
+            if isinstance(stage.process, RemoteProcess):
+                stage.process.release()

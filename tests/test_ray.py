@@ -6,6 +6,9 @@ node that holds the engine group in the middle of requests, and a run that leave
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import stat
 import subprocess
 import sys
 import threading
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from client import Client
+from client.errors import Overloaded, RequestTimeout, ServerUnavailable
 from services.stage import read_run_info
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import assert_clean, brigade_run, start_supervisor
@@ -22,12 +26,15 @@ from tests.harness import assert_clean, brigade_run, start_supervisor
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from supervision.ray_stages import boot_id  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 ENGINE_NODES = ("node_a", "node_b")  # each engine node's own resource says which node it is
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 200  # enough that the node is removed while the requests are still decoding
 CLIENT_TIMEOUT_S = 240.0
+NO_ROOM_WAIT_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +180,71 @@ def test_group_lands_on_an_engine_node_and_survives_that_nodes_removal(
         rows = {row["name"]: row for row in run.status()}
         assert rows["scheduler-0"]["restarts"] >= 1 and rows["gpu_worker-0-0"]["restarts"] >= 1
         assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
+
+        # No node has room: the group waits, and a request whose deadline passes meanwhile gets
+        # a clear error rather than a hang ...
+        [second] = [node for node in ray_cluster.worker_nodes if node.node_id == moved["scheduler-0"]]
+        ray_cluster.remove_node(second)
+        no_room = pytest.raises((RequestTimeout, Overloaded, ServerUnavailable))
+        with (
+            Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client,
+            no_room as refused,
+        ):
+            client.generate(
+                PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True, timeout=NO_ROOM_WAIT_S
+            )
+        assert str(refused.value), refused
+        # ... and it serves again, with the same text, once a node with room joins.
+        joined = ray_cluster.add_node(num_cpus=1, resources={"engine": 1, "node_c": 1})
+        run.wait_until_running(180)
+        assert nodes_of(run)["scheduler-0"] == joined.node_id
+        assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, run_id)
     actors, groups = leftovers_in_ray(ray_cluster, run_id)
     assert actors == [] and groups == [], (actors, groups)
     assert not [name for name in brigade_shm_objects() if run_id in name]
+
+
+def test_group_setup_makes_the_rings_once_per_node_and_keeps_the_port(tmp_path: Path) -> None:
+    """What the first stage of a group to start on a node makes there, the others find; the
+    node's cleanup removes it all."""
+    from ipc.shm import ShmRing
+    from supervision.ray_stages import GroupSetup, clean_node
+    from supervision.stages import RingSpec
+
+    run_id = f"{os.getpid()}x{secrets.token_hex(4)}"
+    rings = [
+        RingSpec(0, f"/brigade-{run_id}-step-0", 2, 4096, 2),
+        RingSpec(0, f"/brigade-{run_id}-result-0", 2, 512, 1),
+    ]
+    try:
+        port = GroupSetup(run_id, 0, rings).prepare()
+        assert GroupSetup(run_id, 0, rings).prepare() == port  # a later host of the group on this node
+        step = ShmRing.attach(rings[0].name)
+        assert step.num_readers == 2
+        step.close()
+        assert any(run_id in name for name in brigade_shm_objects())
+    finally:
+        removed = clean_node(f"brigade-{run_id}-", str(tmp_path), supervisor_host=boot_id())
+    assert f"brigade-{run_id}-group-0.json" in removed and f"brigade-{run_id}-step-0" in removed
+    assert not [name for name in brigade_shm_objects() if run_id in name]
+
+
+def test_a_node_off_the_supervisors_host_gets_a_private_run_dir_and_loses_it_at_cleanup(
+    tmp_path: Path,
+) -> None:
+    from supervision.ray_stages import _materialize_run_dir, clean_node
+
+    run_dir = tmp_path / "elsewhere" / "run"
+    _materialize_run_dir(run_dir, b'{"run_id": "x"}')
+    assert (run_dir / "run.json").read_bytes() == b'{"run_id": "x"}'
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "run.json").stat().st_mode) == 0o600
+    (run_dir / "scheduler-0-in.sock").touch()
+    clean_node("brigade-none-", str(run_dir), supervisor_host="another host")
+    assert list(run_dir.iterdir()) == []
+    # On the supervisor's own host its run dir is the supervisor's to clean, not the node's.
+    _materialize_run_dir(run_dir, b"{}")
+    clean_node("brigade-none-", str(run_dir), supervisor_host=boot_id())
+    assert (run_dir / "run.json").exists()
