@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import stat
 import subprocess
 import sys
@@ -16,12 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from client import Client
 from client.errors import Overloaded, RequestTimeout, ServerUnavailable
 from services.stage import read_run_info
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import assert_clean, brigade_run, start_supervisor
+from tests.test_reload import wait_for_stages
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -81,6 +84,12 @@ def leftovers_in_ray(cluster: Cluster, run_id: str) -> tuple[list[str], list[str
     return actors, [g for g in groups if run_id in g]
 
 
+def write_replicas(path: Path, replicas: int) -> None:
+    path.write_text(
+        yaml.safe_dump({"frontend": {"replicas": replicas}, "detokenizer": {"replicas": replicas}})
+    )
+
+
 def drain(run) -> list[str]:
     """The run's log lines, including those after the ready line that nobody waited for."""
     while not run.lines.empty():
@@ -121,12 +130,14 @@ def test_an_engine_group_that_no_node_can_hold_is_refused_clearly(
 
 
 @pytest.mark.timeout(600)
-def test_group_lands_on_an_engine_node_and_survives_that_nodes_removal(
+def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_live(
     tmp_path: Path, cluster, tiny_model_dir
 ) -> None:
     ray_cluster, engine_nodes = cluster
     run_dir = tmp_path / "run"
-    with brigade_run(run_dir, *ray_overrides(ray_cluster, tiny_model_dir)) as run:
+    config = tmp_path / "replicas.yaml"  # what the hot reload at the end changes; the rest is --set
+    write_replicas(config, 1)
+    with brigade_run(run_dir, *ray_overrides(ray_cluster, tiny_model_dir), config=str(config)) as run:
         run_id = read_run_info(run_dir).run_id
         placed = nodes_of(run)
         head = ray_cluster.head_node.node_id
@@ -199,6 +210,18 @@ def test_group_lands_on_an_engine_node_and_survives_that_nodes_removal(
         run.wait_until_running(180)
         assert nodes_of(run)["scheduler-0"] == joined.node_id
         assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
+
+        # Hot reload is Brigade's as on one host: new replicas start on the head node, retired
+        # ones leave no host actor behind (checked with the rest after the run).
+        write_replicas(config, 2)
+        run.process.send_signal(signal.SIGHUP)
+        wait_for_stages(run, frontends=2, detokenizers=2)
+        placed = nodes_of(run)
+        assert placed["tokenizer-1"] == head and placed["detokenizer-1"] == head, placed
+        assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
+        write_replicas(config, 1)
+        run.process.send_signal(signal.SIGHUP)
+        wait_for_stages(run, frontends=1, detokenizers=1)
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, run_id)
     actors, groups = leftovers_in_ray(ray_cluster, run_id)
