@@ -36,7 +36,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ipc.config import Config
-from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX, Endpoints
+from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
 from ipc.shm import SHM_DIR, ShmRing
 from services.metrics import METRICS_DIR
 from services.stage import PARENT_PID_ENV, RUN_FILE
@@ -76,8 +76,16 @@ class StageHost:
         env: dict[str, str],
         run_file: bytes,
         supervisor_host: str,
+        address: str,
         group: GroupSetup | None,
     ) -> dict[str, Any]:
+        """Spawn the stage; `address` is where the run's links expect this node to be."""
+        here = ray.util.get_node_ip_address()
+        if here != address:
+            raise RuntimeError(
+                f"Ray placed this stage on a node at {here}, but the run's links were planned with it at "
+                f"{address}: moving a stage to another host's address needs a restart of the run"
+            )
         run_dir = Path(argv[argv.index("--run-dir") + 1])
         if boot_id() != supervisor_host:
             _materialize_run_dir(run_dir, run_file)
@@ -256,14 +264,16 @@ class RemoteProcess:
 class RayStageSet(StageSet):
     """StageSet whose processes run on a Ray cluster's nodes (see the module docstring)."""
 
-    def __init__(self, config: Config, run_dir: Path, log_format: str, endpoints: Endpoints) -> None:
+    def __init__(self, config: Config, run_dir: Path, log_format: str, run_id: str) -> None:
         super().__init__(config, run_dir, log_format)
         self.cluster = config.cluster
-        self.endpoints = endpoints
+        self.run_id = run_id
         self.supervisor_host = boot_id()
         self.groups: list[PlacementGroup] = []
         self.rings: dict[int, list[RingSpec]] = {}
         self.head_node = ""
+        self.head_address = ""
+        self.addresses: dict[str, str] = {}  # stage name -> its node's address, off the head's
         self.hosts: list[ray.actor.ActorHandle] = []  # every host ever started, for close
         self.old_pids: dict[str, set[int]] = {}  # of each stage's replaced processes
 
@@ -284,8 +294,10 @@ class RayStageSet(StageSet):
             bundle["GPU"] = float(self.engine.tensor_parallel)
         return bundle
 
-    def place(self) -> None:
-        """Join the cluster and reserve a node for every engine group, or refuse the start."""
+    def place(self) -> dict[str, str]:
+        """Join the cluster and reserve a node for every engine group, or refuse the start.
+        Returns the address of each engine stage whose node has another address than the
+        head node's (where the supervisor and, by default, the light stages run)."""
         address = self.cluster.ray_address
         # Ray's core worker installs its own handlers for these (SIGTERM dumps a stack and aborts);
         # the supervisor's drain-then-stop on a signal must stay.
@@ -298,9 +310,10 @@ class RayStageSet(StageSet):
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         self.head_node = ray.get_runtime_context().get_node_id()
+        self.head_address = ray.util.get_node_ip_address()
         bundle = self.group_bundle()
         for group in range(self.engine.data_parallel):
-            name = f"{SHM_PREFIX}{self.endpoints.run_id}-group-{group}"
+            name = f"{SHM_PREFIX}{self.run_id}-group-{group}"
             self.groups.append(placement_group([bundle], strategy="STRICT_PACK", name=name))
         timeout = self.cluster.placement_timeout_s
         ready, _ = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
@@ -310,9 +323,17 @@ class RayStageSet(StageSet):
                 f"with {bundle} free within cluster.placement_timeout_s={timeout:g}s "
                 f"(the cluster has {ray.available_resources()} free)"
             )
+        address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         for group, pg in enumerate(self.groups):
             node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
-            log.info("engine group %d placed on Ray node %s (%s)", group, node, bundle)
+            log.info(
+                "engine group %d placed on Ray node %s at %s (%s)", group, node, address_of[node], bundle
+            )
+            if address_of[node] != self.head_address:
+                names = [f"scheduler-{group}"]
+                names += [f"gpu_worker-{group}-{r}" for r in range(self.engine.tensor_parallel)]
+                self.addresses.update(dict.fromkeys(names, address_of[node]))
+        return dict(self.addresses)
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The rings are made on each group's node, by the first of its stages to start there."""
@@ -333,7 +354,7 @@ class RayStageSet(StageSet):
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         cleanups = [
             _clean_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                self.endpoints.shm_prefix().lstrip("/"), str(self.run_dir), self.supervisor_host
+                f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host
             )
             for node in nodes
         ]
@@ -355,7 +376,7 @@ class RayStageSet(StageSet):
             )
             if stage.kind == "gpu_worker" and self.engine.device == "cuda":
                 options["num_gpus"] = 1
-            setup = GroupSetup(self.endpoints.run_id, stage.group, self.rings[stage.group])
+            setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group])
         else:
             if self.cluster.light_resources:
                 options["resources"] = dict(self.cluster.light_resources)
@@ -365,7 +386,8 @@ class RayStageSet(StageSet):
         host = StageHost.options(**options).remote()
         self.hosts.append(host)
         run_file = (self.run_dir / RUN_FILE).read_bytes()
-        started = host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, setup)
+        address = self.addresses.get(stage.name, self.head_address)
+        started = host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, address, setup)
         stage.process = RemoteProcess(host, started)  # type: ignore[assignment]
         stage.node, stage.stderr_pump, stage.last_stderr_line = "", None, ""
 

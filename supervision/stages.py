@@ -22,7 +22,7 @@ from typing import IO
 
 from ipc import messages as m
 from ipc.config import Config
-from ipc.endpoints import DIST_PORT_ENV, Endpoints
+from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import ShmRing
 from services.metrics import METRICS_DIR
 from services.stage import SUPERVISOR_PID_ENV
@@ -94,12 +94,12 @@ class StageProcess:
         return self.last_stderr_line
 
 
-def make_stage_set(config: Config, run_dir: Path, log_format: str, endpoints: Endpoints) -> StageSet:
+def make_stage_set(config: Config, run_dir: Path, log_format: str, run_id: str) -> StageSet:
     """The stage set of `cluster.backend`; Ray is imported only when it is the backend."""
     if config.cluster.backend == "ray":
         from supervision.ray_stages import RayStageSet
 
-        return RayStageSet(config, run_dir, log_format, endpoints)
+        return RayStageSet(config, run_dir, log_format, run_id)
     return StageSet(config, run_dir, log_format)
 
 
@@ -171,8 +171,10 @@ class StageSet:
 
     # -- the run's resources ---------------------------------------------------------------------
 
-    def place(self) -> None:
-        """Reserve where the engine groups run (nothing to do on one host)."""
+    def place(self) -> dict[str, str]:
+        """Reserve where the engine groups run; returns the address of every stage that runs on
+        another host than the supervisor's (none here), for the run's links."""
+        return {}
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The engine groups' shared-memory rings, on this host; the supervisor unlinks them."""
