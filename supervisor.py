@@ -30,14 +30,23 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config, ConfigError, load_config
-from ipc.endpoints import Endpoints, InsecureRunDir, default_run_dir, make_run_dir
+from ipc.endpoints import (
+    PORT_SPAN,
+    Endpoints,
+    InsecureRunDir,
+    NetworkPlan,
+    default_run_dir,
+    free_port_base,
+    make_run_dir,
+)
+from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
-from ipc.sockets import RouterSocket
+from ipc.sockets import RouterSocket, close_context
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
-from services.stage import RUN_FILE, RunInfo, read_run_info, setup_logging, write_run_info
+from services.stage import RUN_FILE, AuthFailures, RunInfo, read_run_info, setup_logging, write_run_info
 from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, reconfigure_message
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model
@@ -46,6 +55,7 @@ from supervision.status import STATUS_FILE, status
 
 STOP_GRACE_S = 5.0
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
+CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
 PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
 
 log = logging.getLogger("supervisor")
@@ -109,17 +119,20 @@ class Supervisor:
         self.is_reload_requested = False
         self.run_dir = run_dir
         self.run_id = new_run_id()
-        self.endpoints = Endpoints(run_dir, self.run_id)
+        self.endpoints = Endpoints(run_dir, self.run_id)  # ipc:// until plan_network
         self.ctx = zmq.Context()
         self.control: RouterSocket | None = None
         self.rings: list[ShmRing] = []
         self.stages = make_stage_set(config, run_dir, log_format, self.run_id)
         self.policy = RestartPolicy.from_config(config.supervisor)
         self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
+        self.auth_failures = AuthFailures(self.audit, log)
         self.mlflow: MlflowSink | None = None
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
         self.info: RunInfo | None = None  # run.json, once the model is prepared
+        self.network_plan = NetworkPlan()
+        self.client_keys_file = ""
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -162,6 +175,31 @@ class Supervisor:
             )
         return Path(done.stdout.strip().splitlines()[-1])
 
+    def plan_network(self) -> None:
+        """Ports and CURVE keys of the run's tcp:// links (none for an ipc:// run): the configured
+        port base or a free one, and the keys of `network.keys_dir` or a fresh set in the run dir."""
+        network = self.config.network
+        if network.transport != "tcp":
+            self.endpoints = Endpoints(self.run_dir, self.run_id, network)
+            return
+        try:
+            port_base = network.port_base or free_port_base(network.bind_host or network.host)
+            keys_dir = Path(network.keys_dir) if network.keys_dir else self.run_dir / CURVE_DIR
+            keys = None
+            if network.curve:
+                keys = load_run_keys(keys_dir) if network.keys_dir else create_key_files(keys_dir)
+        except (BadKeyFile, OSError) as exc:
+            raise GiveUp(f"network: {exc}") from None
+        self.network_plan = NetworkPlan(port_base, {}, keys)
+        self.client_keys_file = str(keys_dir / f"client{SECRET_SUFFIX}") if keys else ""
+        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
+        log.info(
+            "tcp:// links on ports %d-%d%s",
+            port_base,
+            port_base + PORT_SPAN - 1,
+            " with CURVE" if keys else "",
+        )
+
     def create_rings(self) -> None:
         """Each engine group's step and result rings, where the stage set puts the group."""
         engine = self.config.engine
@@ -191,6 +229,7 @@ class Supervisor:
         self.check_run_dir()
         try:
             check_layout(self.config)
+            self.plan_network()
             swept = sweep_stale_runs()
             if swept:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
@@ -208,13 +247,18 @@ class Supervisor:
         metrics_dir.mkdir(mode=0o700)
         self.serve_metrics()
         self.control = RouterSocket(self.ctx, self.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
+        self.auth_failures.watch(self.control)
+        keys = self.network_plan.keys
         self.info = RunInfo(
             run_id=self.run_id,
             supervisor_pid=os.getpid(),
             model_dir=str(model_dir),
             model=self.config.model.path or "SmolLM2-135M-Instruct",
-            frontends=[self.endpoints.frontend(i) for i in range(self.config.frontend.replicas)],
+            frontends=[str(self.endpoints.frontend(i)) for i in range(self.config.frontend.replicas)],
             config=self.config,
+            network=self.network_plan,
+            curve_server_key=keys.server_public if keys else "",
+            curve_client_keys=self.client_keys_file,
         )
         write_run_info(self.run_dir, self.info)
         for stage in self.stages.plan(self.config):
@@ -256,6 +300,7 @@ class Supervisor:
     def tick(self) -> None:
         """One round of watching: control messages, exits, hangs, due restarts, status file."""
         self.read_control(0.1)
+        self.auth_failures.poll()
         now = time.monotonic()
         for stage in self.stages:
             if stage.restart_at is not None and now >= stage.restart_at:
@@ -376,10 +421,13 @@ class Supervisor:
             metrics.StageSample(
                 s.name, s.kind, s.pid, s.state, s.num_restarts, s.group, s.load.num_running, s.load.num_waiting,
                 s.load.kv_usage, s.load.num_malformed, s.load.gpu_memory_allocated, s.load.gpu_memory_reserved,
+                s.load.num_auth_failures,
             )
             for s in self.stages
         ]  # fmt: skip
-        supervisor = metrics.StageSample("supervisor", "supervisor", os.getpid(), "running")
+        supervisor = metrics.StageSample(
+            "supervisor", "supervisor", os.getpid(), "running", num_auth_failures=self.auth_failures.count
+        )
         rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.rings]
         model = self.info.model if self.info else ""
         samples = metrics.StageSamples(model, self.config.engine.device, [supervisor, *stages], rings)
@@ -452,7 +500,7 @@ class Supervisor:
         self.info = msgspec.structs.replace(
             self.info,
             config=config,
-            frontends=[self.endpoints.frontend(i) for i in range(config.frontend.replicas)],
+            frontends=[str(self.endpoints.frontend(i)) for i in range(config.frontend.replicas)],
         )
         write_run_info(self.run_dir, self.info)
 
@@ -534,10 +582,12 @@ class Supervisor:
             ring.close()
             ring.unlink()
         self.stages.close()
-        self.ctx.destroy(linger=0)
+        close_context(self.ctx, 0)
         for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
+        if not self.config.network.keys_dir:
+            shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
         log.info("stopped; shared memory and sockets removed")
 
 
@@ -548,6 +598,7 @@ def http_line(config: Config) -> str:
         return ""
     host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
     return f"; OpenAI API at http://{host}:{gateway.port}/v1"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv

@@ -2,6 +2,7 @@
 
 from client.async_sdk import AsyncClient
 from client.errors import (
+    AuthenticationFailed,
     BrigadeError,
     InvalidRequest,
     Overloaded,
@@ -14,6 +15,7 @@ from client.sdk import Client, GenerateResult, StreamDelta
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationFailed",
     "BrigadeError",
     "Client",
     "GenerateResult",

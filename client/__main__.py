@@ -13,8 +13,24 @@ from client.sdk import Client, StreamDelta
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
-    parser.add_argument("--run", metavar="DIR", help="run directory of the Brigade (default: the per-user one)")
-    parser.add_argument("--endpoint", action="append", help="frontend endpoint instead of --run (repeatable)")
+    parser.add_argument(
+        "--run",
+        metavar="DIR|FILE",
+        help="run directory of the Brigade, or its run.json (default: the per-user one)",
+    )
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        help="frontend endpoint instead of --run, e.g. tcp://host:port (repeatable)",
+    )
+    parser.add_argument(
+        "--server-key",
+        metavar="KEY|FILE",
+        help="the run's CURVE server public key (z85) or its certificate file",
+    )
+    parser.add_argument(
+        "--keys", metavar="FILE", help="this client's CURVE secret certificate (the run's client.key_secret)"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
     sub = parser.add_subparsers(dest="command", required=True)
     sampling = argparse.ArgumentParser(add_help=False)
@@ -27,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate = sub.add_parser("generate", parents=[sampling], help="continue a raw text prompt")
     generate.add_argument("prompt", metavar="PROMPT")
-    chat = sub.add_parser("chat", parents=[sampling], help="one chat turn, or an interactive chat without MESSAGE")
+    chat = sub.add_parser(
+        "chat", parents=[sampling], help="one chat turn, or an interactive chat without MESSAGE"
+    )
     chat.add_argument("message", metavar="MESSAGE", nargs="?")
     chat.add_argument("--system", help="system prompt")
     sub.add_parser("health", help="ask every frontend replica whether it is ready")
@@ -52,16 +70,23 @@ def _emit(deltas: Any, as_json: bool) -> str:
     assert last is not None
     usage = last.usage
     if as_json:
-        print(json.dumps({
-            "text": "".join(text),
-            "token_ids": ids,
-            "finish_reason": last.finish_reason,
-            "usage": None if usage is None else {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "cached_tokens": usage.cached_tokens,
-            },
-        }, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "finish_reason": last.finish_reason,
+                    "usage": None
+                    if usage is None
+                    else {
+                        "prompt_tokens": usage.prompt_tokens,
+                        "completion_tokens": usage.completion_tokens,
+                        "cached_tokens": usage.cached_tokens,
+                    },
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         print(flush=True)
     return "".join(text)
@@ -80,7 +105,9 @@ def _interactive(client: Client, args: argparse.Namespace) -> None:
             continue
         history.append({"role": "user", "content": line})
         try:
-            reply = _emit(client.stream(messages=history, timeout=args.timeout, **_sampling(args)), as_json=False)
+            reply = _emit(
+                client.stream(messages=history, timeout=args.timeout, **_sampling(args)), as_json=False
+            )
         except BrigadeError as exc:
             history.pop()
             print(f"error: {exc}", file=sys.stderr)
@@ -91,13 +118,27 @@ def _interactive(client: Client, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with Client(args.run, endpoints=args.endpoint, timeout=args.timeout) as client:
+        client = Client(
+            args.run,
+            endpoints=args.endpoint,
+            timeout=args.timeout,
+            server_key=args.server_key,
+            keys=args.keys,
+        )
+        with client:
             if args.command == "health":
                 for reply in client.health(timeout=args.timeout or 5.0):
-                    print(json.dumps({
-                        "frontend_id": reply.frontend_id, "is_ready": reply.is_ready, "model": reply.model,
-                        "num_in_flight": reply.num_in_flight, "max_model_len": reply.max_model_len,
-                    }))
+                    print(
+                        json.dumps(
+                            {
+                                "frontend_id": reply.frontend_id,
+                                "is_ready": reply.is_ready,
+                                "model": reply.model,
+                                "num_in_flight": reply.num_in_flight,
+                                "max_model_len": reply.max_model_len,
+                            }
+                        )
+                    )
             elif args.command == "generate":
                 _emit(client.stream(args.prompt, **_sampling(args)), args.json)
             elif args.message is None:

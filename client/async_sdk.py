@@ -53,6 +53,7 @@ class AsyncClient(ClientBase):
                     except zmq.Again:
                         break
                     self.session.receive(i, frames[0])
+            self._read_handshakes()
             self.session.tick()
             for request_id, event in self._wakeups.items():
                 state = self.session.requests.get(request_id)

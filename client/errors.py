@@ -29,6 +29,11 @@ class ServerUnavailable(BrigadeError):
     code = "unavailable"
 
 
+class AuthenticationFailed(ServerUnavailable):
+    """The CURVE handshake with the run failed (a wrong or missing server key or client key), or
+    a tcp:// endpoint beyond this host was given no keys. Raised by the client itself."""
+
+
 class UntrustedRunDir(BrigadeError):
     """The run dir or its run.json could be swapped by another user: connecting could send the
     prompts to their socket. Raised by the client itself; no server sends it."""

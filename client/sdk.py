@@ -20,8 +20,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from client.errors import (
+    AuthenticationFailed,
     BrigadeError,
     InvalidRequest,
     RequestTimeout,
@@ -31,7 +33,8 @@ from client.errors import (
 )
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
-from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir
+from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_loopback
+from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
 from ipc.sockets import configure_socket
 
 MAX_SEED = 2**63
@@ -64,25 +67,36 @@ class GenerateResult:
     top_logprobs: list[dict[int, float]] | None = None
 
 
+ServerKey = bytes | str | Path  # 40 z85 characters, or a certificate file holding the key
+ClientKeys = tuple[bytes | str, bytes | str] | str | Path  # (public, secret) z85, or a secret certificate
+
+
 @dataclass
 class ConnectInfo:
-    """Where a Brigade run listens: frontend endpoints and, for tcp://, its CURVE server key."""
+    """Where a Brigade run listens: frontend endpoints and, for tcp:// with CURVE, the server's
+    public key and the client's key pair."""
 
     endpoints: list[str]
     curve_server_key: bytes | None = None
+    curve_keys: CurveKeys | None = None
+    curve_keys_file: Path | None = None  # named by run.json; read unless keys are given
     model: str = ""
     supervisor_pid: int | None = None  # from run.json: lets a client on this host see the run end
 
 
-def read_run(run_dir: Path | str | None = None) -> ConnectInfo:
-    """Read RUN_DIR/run.json (written by the supervisor); the default run dir when None. The run
-    dir must be private to this user: whoever can swap run.json would receive our prompts."""
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-    run_file = run_dir / "run.json"
+def read_run(run: Path | str | None = None) -> ConnectInfo:
+    """Read a run's run.json (written by the supervisor): RUN_DIR/run.json, or the file itself
+    (a copy on another host, say); the default run dir when None. A run dir must be private to
+    this user and run.json writable only by it: whoever can swap run.json would receive our
+    prompts. The client key file it names is taken relative to run.json's directory."""
+    path = Path(run) if run is not None else default_run_dir()
+    is_file = path.is_file()
+    run_file = path if is_file else path / "run.json"
     if not os.path.lexists(run_file):
-        raise ServerUnavailable(f"no Brigade running at {run_dir} (no run.json)")
+        raise ServerUnavailable(f"no Brigade running at {path} (no run.json)")
     try:
-        check_private(run_dir)
+        if not is_file:
+            check_private(path)
         check_run_file(run_file)
         info = json.loads(run_file.read_text())
     except InsecureRunDir as exc:
@@ -93,8 +107,67 @@ def read_run(run_dir: Path | str | None = None) -> ConnectInfo:
     if not endpoints:
         raise ServerUnavailable(f"{run_file} lists no frontends")
     key = info.get("curve_server_key")
+    keys_file = info.get("curve_client_keys")
+    keys_path = run_file.parent / keys_file if keys_file else None
     pid = info.get("supervisor_pid")
-    return ConnectInfo(list(endpoints), key.encode() if key else None, info.get("model", ""), pid)
+    return ConnectInfo(
+        list(endpoints), key.encode() if key else None, None, keys_path, info.get("model", ""), pid
+    )
+
+
+def _client_keys(keys: ClientKeys) -> CurveKeys:
+    try:
+        if isinstance(keys, tuple):
+            public, secret = (k.encode() if isinstance(k, str) else k for k in keys)
+            if len(public) != 40 or len(secret) != 40:
+                raise BadKeyFile("keys must be a (public, secret) pair of 40-character z85 keys")
+            return CurveKeys(public, secret)
+        return load_secret_file(keys)
+    except BadKeyFile as exc:
+        raise AuthenticationFailed(str(exc)) from None
+
+
+def _server_key(key: ServerKey) -> bytes:
+    try:
+        return load_public_key(key)
+    except BadKeyFile as exc:
+        raise AuthenticationFailed(str(exc)) from None
+
+
+def connect_info(
+    target: Path | str | None,
+    endpoints: Sequence[str] | None,
+    server_key: ServerKey | None,
+    keys: ClientKeys | None,
+) -> ConnectInfo:
+    """Where to connect and with which keys: frontend endpoints (`target` "tcp://..." or
+    "ipc://...", or `endpoints`), or a run dir / run.json file; explicit keys win over the run's.
+    A tcp:// endpoint beyond loopback without keys is refused here: a Brigade run there only
+    talks CURVE, and failing now is clearer than a handshake that never succeeds."""
+    if isinstance(target, str) and target.startswith(("tcp://", "ipc://")):
+        endpoints = [target, *(endpoints or [])]
+    info = ConnectInfo(list(endpoints)) if endpoints else read_run(target)
+    if server_key is not None:
+        info.curve_server_key = _server_key(server_key)
+    if keys is not None:
+        info.curve_keys = _client_keys(keys)
+    elif info.curve_keys_file is not None:
+        info.curve_keys = _client_keys(info.curve_keys_file)
+    if (info.curve_server_key is None) != (info.curve_keys is None):
+        raise AuthenticationFailed(
+            "CURVE needs both server_key= (the run's server public key) and keys= (the run's client "
+            "key pair, e.g. <run-dir>/curve/client.key_secret); got only "
+            + ("server_key" if info.curve_server_key is not None else "keys")
+        )
+    if info.curve_server_key is None:
+        for endpoint in info.endpoints:
+            host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+            if endpoint.startswith("tcp://") and not is_loopback(host):
+                raise AuthenticationFailed(
+                    f"{endpoint} is beyond this host: pass server_key= and keys= (a Brigade run "
+                    "accepts tcp:// clients only with its CURVE keys), or a run file that names them"
+                )
+    return info
 
 
 def is_process_alive(pid: int) -> bool:
@@ -187,7 +260,7 @@ def make_generate(
 
 
 def open_dealer(
-    ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None, curve_keys: tuple[bytes, bytes] | None
+    ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None, curve_keys: CurveKeys | None
 ) -> zmq.Socket:
     """A DEALER to one frontend. IMMEDIATE: a send to a replica that is down fails at once (and the
     session tries another) instead of queueing for a peer that may never come back."""
@@ -195,13 +268,38 @@ def open_dealer(
     configure_socket(sock)
     sock.immediate = 1
     sock.linger = 0
-    if curve_server_key is not None:
-        public, secret = curve_keys or zmq.curve_keypair()
+    if endpoint.startswith("tcp://["):
+        sock.ipv6 = True
+    if curve_server_key is not None and curve_keys is not None:
         sock.curve_serverkey = curve_server_key
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
+        sock.curve_publickey = curve_keys.public
+        sock.curve_secretkey = curve_keys.secret
     sock.connect(endpoint)
     return sock
+
+
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def handshake_failure(event: dict[str, Any], has_keys: bool) -> str | None:
+    """Why a monitor event says the handshake failed; None for a success."""
+    kind, value = event["event"], event["value"]
+    if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return None
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the server refused this client's key (status {value}): is `keys` the run's client key?"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "the server and this client disagree on CURVE: a CURVE server needs server_key and keys"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"handshake protocol error {value:#x}"
+    if not has_keys:
+        return "the server dropped the handshake: a Brigade run over tcp:// needs server_key and keys"
+    return "the server dropped the handshake: is `server_key` the run's server public key?"
 
 
 def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
@@ -314,7 +412,9 @@ class RequestState:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
         if ids or text or delta.finish_reason is not None:
             self.ready.append(
-                StreamDelta(text, ids, logprobs or None, delta.finish_reason, delta.usage, top_logprobs or None)
+                StreamDelta(
+                    text, ids, logprobs or None, delta.finish_reason, delta.usage, top_logprobs or None
+                )
             )
 
     def result(self) -> GenerateResult:
@@ -338,6 +438,7 @@ class _Replica:
     health: m.HealthReply | None = None
     health_at: float = -math.inf
     incarnation: int | None = None  # of the frontend process last heard from
+    handshake_error: str | None = None  # the last CURVE handshake failed, and none succeeded since
 
 
 class Session:
@@ -476,10 +577,26 @@ class Session:
                     reply.code, f"the frontend could not read request {state.request_id}: {reply.message}"
                 )
 
+    def on_handshake(self, replica: int, error: str | None) -> None:
+        """A CURVE handshake with `replica` succeeded (None) or failed (why)."""
+        self.replicas[replica].handshake_error = error
+
+    def _check_handshakes(self) -> None:
+        """Fail everything in flight when every replica refused our handshake: no request can
+        get through, and waiting out `unavailable_after` would only delay a clear error."""
+        errors = [rep.handshake_error for rep in self.replicas]
+        if not all(errors):
+            return
+        why = "; ".join(sorted({f"{rep.endpoint}: {rep.handshake_error}" for rep in self.replicas}))
+        for state in self.requests.values():
+            if not state.is_done:
+                state.error = AuthenticationFailed(f"CURVE handshake failed with every frontend: {why}")
+
     def tick(self) -> None:
         """Timeouts, failover, unsent requests and health probes of replicas that went quiet."""
         now = self._clock()
         self._check_run(now)
+        self._check_handshakes()
         for state in self.requests.values():
             if state.is_done:
                 continue
@@ -536,9 +653,11 @@ class Session:
         return self._send(replica, CLIENT_REQUEST.encode(m.Health()))
 
 
-def _close_sockets(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+def _close_sockets(ctx: zmq.Context, sockets: list[zmq.Socket], monitors: dict[int, zmq.Socket]) -> None:
     for sock in sockets:
         sock.close(linger=CLOSE_LINGER_MS)
+    for monitor in monitors.values():
+        monitor.close(linger=0)
     ctx.term()
 
 
@@ -555,25 +674,33 @@ class ClientBase:
 
     def __init__(
         self,
-        run_dir: Path | str | None = None,
+        target: Path | str | None = None,
         *,
         endpoints: Sequence[str] | None = None,
         timeout: float | None = None,
         failover_after: float = 5.0,
         unavailable_after: float = 30.0,
-        curve_server_key: bytes | None = None,
-        curve_keys: tuple[bytes, bytes] | None = None,
+        server_key: ServerKey | None = None,
+        keys: ClientKeys | None = None,
     ) -> None:
-        info = ConnectInfo(list(endpoints), curve_server_key) if endpoints else read_run(run_dir)
+        info = connect_info(target, endpoints, server_key, keys)
         self.model = info.model
         self.timeout = timeout
         self._ctx = self._context_type()
         self._sockets: list[zmq.Socket] = []
-        self._closer = weakref.finalize(self, _close_sockets, self._ctx, self._sockets)
-        for endpoint in info.endpoints:
-            self._sockets.append(
-                open_dealer(self._ctx, endpoint, info.curve_server_key or curve_server_key, curve_keys)
-            )
+        self._monitors: dict[int, zmq.Socket] = {}  # replica -> sync PAIR, also for an asyncio client
+        self._has_keys = info.curve_keys is not None
+        self._closer = weakref.finalize(self, _close_sockets, self._ctx, self._sockets, self._monitors)
+        monitor_ctx = zmq.Context.shadow(self._ctx.underlying)
+        for replica, endpoint in enumerate(info.endpoints):
+            sock = open_dealer(self._ctx, endpoint, info.curve_server_key, info.curve_keys)
+            self._sockets.append(sock)
+            if endpoint.startswith("tcp://"):  # where a handshake can fail: tell why, at once
+                address = f"inproc://brigade-client-{id(self)}-{replica}"
+                sock.monitor(address, HANDSHAKE_EVENTS)
+                monitor = monitor_ctx.socket(zmq.PAIR)
+                monitor.connect(address)
+                self._monitors[replica] = monitor
         self._poller = self._poller_type()
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
@@ -590,6 +717,13 @@ class ClientBase:
 
     def _send(self, replica: int, frame: bytes) -> bool:
         raise NotImplementedError
+
+    def _read_handshakes(self) -> None:
+        """Tell the session how the CURVE handshakes went (non-blocking)."""
+        for replica, monitor in self._monitors.items():
+            while monitor.poll(0):
+                event = parse_monitor_message(monitor.recv_multipart())
+                self.session.on_handshake(replica, handshake_failure(event, self._has_keys))
 
     def _close(self) -> None:
         """Abort what is in flight, then close the sockets (bounded by CLOSE_LINGER_MS)."""
@@ -620,6 +754,7 @@ class Client(ClientBase):
                 except zmq.Again:
                     break
                 self.session.receive(i, frames[0])
+        self._read_handshakes()
         self.session.tick()
 
     def stream(

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from ipc.endpoints import PORT_SPAN, PORTS_PER_KIND, is_loopback
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -106,6 +108,15 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     placement_timeout_s: Seconds = 120.0  # an engine group with no node by then fails the start
 
 
+class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    transport: Literal["ipc", "tcp"] = "ipc"  # tcp = every ZeroMQ link over tcp://, even on one host
+    host: str = "127.0.0.1"  # this host's address: where peers connect to its tcp:// links
+    bind_host: str = ""  # the address tcp:// links listen on; "" = host (0.0.0.0 = every interface)
+    port_base: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0 = the supervisor picks free ports
+    curve: bool = True  # CURVE on every tcp:// link; false only when listening on loopback
+    keys_dir: str = ""  # "" = a fresh key set per run under <run-dir>/curve; else read from here
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -115,6 +126,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     cluster: ClusterConfig = ClusterConfig()
+    network: NetworkConfig = NetworkConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -243,6 +255,38 @@ def check_cluster(config: Config) -> None:
         )
 
 
+def check_network(config: Config) -> None:
+    """tcp:// links: CURVE unless only this host can reach them, and ports that fit the layout
+    (ipc/endpoints.py gives each link kind a block of PORTS_PER_KIND ports from port_base)."""
+    network = config.network
+    if network.transport != "tcp":
+        return
+    listen = network.bind_host or network.host
+    if not network.curve and not (is_loopback(listen) and is_loopback(network.host)):
+        raise ConfigError(
+            f"network.curve: plain tcp:// without CURVE listening on {listen!r} would let anyone who "
+            "reaches that address read prompts and drive the engine; set network.curve: true, or "
+            "bind to loopback (network.host and network.bind_host 127.0.0.1)"
+        )
+    if network.port_base and network.port_base + PORT_SPAN > 65536:
+        raise ConfigError(
+            f"network.port_base: the run uses {PORT_SPAN} ports from port_base; {network.port_base} "
+            f"leaves too few below 65536 (use at most {65536 - PORT_SPAN})"
+        )
+    counts = {
+        "frontend.replicas": config.frontend.replicas,
+        "detokenizer.replicas": config.detokenizer.replicas,
+        "engine.data_parallel": config.engine.data_parallel,
+    }
+    for path, count in counts.items():
+        if count > PORTS_PER_KIND:
+            raise ConfigError(f"{path}: at most {PORTS_PER_KIND} over tcp:// (one port each), got {count}")
+    if network.keys_dir and not Path(network.keys_dir).is_dir():
+        raise ConfigError(
+            f"network.keys_dir: {network.keys_dir} is not a directory (make one: python -m ipc.keys DIR)"
+        )
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config file (None = all defaults), apply overrides, validate."""
     raw = _read_yaml(path) if path is not None else {}
@@ -256,6 +300,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
     check_cluster(config)
+    check_network(config)
     return config
 
 

@@ -1,11 +1,29 @@
-"""Names of every socket and shared-memory object of a run. Nobody builds them by hand."""
+"""Names of every socket and shared-memory object of a run. Nobody builds them by hand.
+
+A ZeroMQ link is `ipc://` (a socket file in the run dir) when both of its ends run on one host,
+and `tcp://` with CURVE when they do not, or when `network.transport` is `tcp`. `choose_link`
+makes that choice for one link; `Endpoints` applies it to every link of a run. Shared memory
+never leaves a host: a scheduler and its workers always share one.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import random
+import socket
 import stat
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ipc.keys import CurveClient, CurveServer, RunKeys
+
+if TYPE_CHECKING:
+    from ipc.config import NetworkConfig
 
 SHM_PREFIX = "brigade-"
 DIST_PORT_ENV = "BRIGADE_DIST_PORT"  # set by the supervisor: a worker group's torch.distributed port
@@ -93,33 +111,186 @@ def shard_of(request_id: str, num_shards: int) -> int:
     return zlib.crc32(request_id.encode()) % num_shards
 
 
-class Endpoints:
-    """Every endpoint and shared-memory name of one run."""
+# tcp:// ports: each link kind owns a block of PORTS_PER_KIND ports from the run's port base,
+# so that every process computes the same port for a link without asking anyone.
+LINK_KINDS = ("supervisor", "frontend", "frontend_in", "scheduler_in", "scheduler_workers", "detokenizer_in")
+PORTS_PER_KIND = 64
+PORT_SPAN = len(LINK_KINDS) * PORTS_PER_KIND
+_PORT_BASE_TRIES = 100
+_EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here: stay below it
 
-    def __init__(self, run_dir: Path | str, run_id: str) -> None:
+
+@dataclass(frozen=True)
+class Link:
+    """One ZeroMQ link: the endpoint its server binds and the one its clients connect to, and the
+    CURVE settings of each side (None on ipc://). The socket wrappers in ipc/sockets.py take a
+    Link and pick the side from their `bind` flag."""
+
+    bind: str
+    connect: str
+    server_curve: CurveServer | None = None
+    client_curve: CurveClient | None = None
+
+    def __str__(self) -> str:
+        return self.connect
+
+
+class NetworkPlan(msgspec.Struct, frozen=True):
+    """What the supervisor decided about the run's links (in run.json): the port base it chose,
+    the host of every stage that does not run on `network.host`, and the CURVE keys."""
+
+    port_base: int = 0
+    hosts: dict[str, str] = {}  # stage name (`scheduler-1`) -> its host's address
+    keys: RunKeys | None = None
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def link_port(port_base: int, kind: str, index: int) -> int:
+    """The tcp port of link `kind` number `index` (ValueError past its block)."""
+    if not 0 <= index < PORTS_PER_KIND:
+        raise ValueError(f"{kind} {index}: at most {PORTS_PER_KIND} links of a kind over tcp://")
+    return port_base + LINK_KINDS.index(kind) * PORTS_PER_KIND + index
+
+
+def choose_link(
+    name: str,
+    *,
+    same_host: bool,
+    host: str,
+    port: int,
+    run_dir: Path | str,
+    network: NetworkConfig,
+    keys: RunKeys | None,
+    is_public: bool = False,
+) -> Link:
+    """The endpoints and CURVE settings of one link, from where its two ends run.
+
+    `same_host`: whether the server and every client of the link run on one host; `host`: the
+    server's host address (what clients connect to); `port`: its tcp port (`link_port`).
+    ipc:// (`RUN_DIR/NAME.sock`) when `same_host` and `network.transport` is `ipc`; otherwise
+    tcp://, listening on `network.bind_host` (or `host`), with CURVE from `keys` unless
+    `network.curve` is off. `is_public`: a link SDK clients connect to (a frontend's), whose
+    server accepts the client key as well as the stage key. Raises ValueError for a tcp:// link
+    without CURVE that would listen beyond loopback, or one with CURVE but no keys.
+    """
+    if same_host and network.transport == "ipc":
+        endpoint = f"ipc://{Path(run_dir) / name}.sock"
+        return Link(endpoint, endpoint)
+    listen = network.bind_host or host
+    bind, connect = tcp_endpoint(listen, port), tcp_endpoint(host, port)
+    if not network.curve:
+        if not (is_loopback(listen) and is_loopback(host)):
+            raise ValueError(f"{name}: plain tcp:// on {listen} without CURVE is refused beyond loopback")
+        return Link(bind, connect)
+    if keys is None:
+        raise ValueError(f"{name}: a tcp:// link with CURVE needs the run's keys")
+    server = keys.public_server() if is_public else keys.internal_server()
+    return Link(bind, connect, server, keys.stage_client())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address or "localhost") reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port_base(host: str) -> int:
+    """A port base whose PORT_SPAN ports are all free on `host` now (below the ephemeral range,
+    where the kernel does not hand out ports to outgoing connections)."""
+    low = 10_000
+    for _ in range(_PORT_BASE_TRIES):
+        base = random.randrange(low, _EPHEMERAL_LOW - PORT_SPAN)
+        if all(_is_free(host, port) for port in range(base, base + PORT_SPAN)):
+            return base
+    raise OSError(f"no {PORT_SPAN} free consecutive tcp ports on {host}; set network.port_base")
+
+
+def _is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Endpoints:
+    """Every link and shared-memory name of one run, as seen from the process on host `here`.
+
+    Without `network` (tests, tools) every link is ipc://. A run spread over several hosts
+    (`plan.hosts`) puts every link on tcp:// but the scheduler-workers one: a scheduler and its
+    workers share a host, and its shared memory.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        run_id: str,
+        network: NetworkConfig | None = None,
+        plan: NetworkPlan | None = None,
+        here: str = "",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_id = run_id
+        self.network = network
+        self.plan = plan or NetworkPlan()
+        self.default_host = network.host if network is not None else "127.0.0.1"
+        self.here = here or self.default_host
+        hosts = {self.default_host, *self.plan.hosts.values()}
+        self.is_single_host = len(hosts) == 1
 
-    def _ipc(self, name: str) -> str:
-        return f"ipc://{self.run_dir / name}.sock"
+    def host_of(self, stage: str) -> str:
+        """The address of the host that stage `stage` (`scheduler-0`, `tokenizer-1`) runs on."""
+        return self.plan.hosts.get(stage, self.default_host)
 
-    def frontend(self, i: int) -> str:
-        return self._ipc(f"frontend-{i}")
+    def _link(self, kind: str, index: int, name: str, server: str, is_public: bool = False) -> Link:
+        if self.network is None:
+            endpoint = f"ipc://{self.run_dir / name}.sock"
+            return Link(endpoint, endpoint)
+        same_host = self.is_single_host or kind == "scheduler_workers"
+        is_tcp = self.network.transport == "tcp" or not same_host
+        return choose_link(
+            name,
+            same_host=same_host,
+            host=self.host_of(server),
+            port=link_port(self.plan.port_base, kind, index) if is_tcp else 0,
+            run_dir=self.run_dir,
+            network=self.network,
+            keys=self.plan.keys,
+            is_public=is_public,
+        )
 
-    def frontend_in(self, i: int) -> str:
-        return self._ipc(f"frontend-{i}-in")
+    def frontend(self, i: int) -> Link:
+        """A frontend replica's client-facing ROUTER (SDK clients and gateways connect)."""
+        return self._link("frontend", i, f"frontend-{i}", f"tokenizer-{i}", is_public=True)
 
-    def scheduler_in(self, group: int) -> str:
-        return self._ipc(f"scheduler-{group}-in")
+    def frontend_in(self, i: int) -> Link:
+        return self._link("frontend_in", i, f"frontend-{i}-in", f"tokenizer-{i}")
 
-    def scheduler_workers(self, group: int) -> str:
-        return self._ipc(f"scheduler-{group}-workers")
+    def scheduler_in(self, group: int) -> Link:
+        return self._link("scheduler_in", group, f"scheduler-{group}-in", f"scheduler-{group}")
 
-    def detokenizer_in(self, shard: int) -> str:
-        return self._ipc(f"detokenizer-{shard}-in")
+    def scheduler_workers(self, group: int) -> Link:
+        return self._link("scheduler_workers", group, f"scheduler-{group}-workers", f"scheduler-{group}")
 
-    def supervisor(self) -> str:
-        return self._ipc("supervisor")
+    def detokenizer_in(self, shard: int) -> Link:
+        return self._link("detokenizer_in", shard, f"detokenizer-{shard}-in", f"detokenizer-{shard}")
+
+    def supervisor(self) -> Link:
+        return self._link("supervisor", 0, "supervisor", "supervisor")
+
+    def dist_host(self, group: int) -> str:
+        """Where tensor-parallel rank 0 of `group` listens for torch.distributed: its node's address."""
+        return self.host_of(f"scheduler-{group}")
 
     def step_ring(self, group: int) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-step-{group}"

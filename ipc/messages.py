@@ -348,6 +348,7 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prefix_hit_rate: float = 0.0
     gpu_memory_allocated: int = 0  # bytes, CUDA workers only
     gpu_memory_reserved: int = 0
+    num_auth_failures: int = 0  # CURVE handshakes this process's server sockets refused
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -27,7 +27,8 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from ipc.codec import Codec, MalformedMessage, request_id_of
-from ipc.endpoints import check_private, make_run_dir
+from ipc.endpoints import Link, check_private, make_run_dir
+from ipc.keys import CurveClient, CurveServer
 
 T = TypeVar("T")
 In = TypeVar("In")
@@ -79,35 +80,6 @@ DEFAULT_OPTIONS = SocketOptions()
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CurveKeys:
-    """A CURVE key pair, z85-encoded."""
-
-    public: bytes
-    secret: bytes
-
-
-def generate_curve_keys() -> CurveKeys:
-    public, secret = zmq.curve_keypair()
-    return CurveKeys(public=public, secret=secret)
-
-
-@dataclass(frozen=True)
-class CurveServer:
-    """Server side: this socket's keys and the only client public keys it accepts."""
-
-    keys: CurveKeys
-    client_public_keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class CurveClient:
-    """Client side: this socket's keys and the server's public key."""
-
-    keys: CurveKeys
-    server_public_key: bytes
-
-
 class _AllowedKeys:
     """ZAP credentials provider of one server socket (its own ZAP domain)."""
 
@@ -145,12 +117,29 @@ class _Zap:
     @classmethod
     def remove(cls, ctx: zmq.Context, domain: str) -> None:
         with cls._lock:
+            if ctx.underlying not in cls._by_context:
+                return  # close_context stopped it already
             auth, domains = cls._by_context[ctx.underlying]
             domains.discard(domain)
             auth.credentials_providers.pop(domain, None)
             if not domains:
                 auth.stop()
                 del cls._by_context[ctx.underlying]
+
+    @classmethod
+    def stop(cls, ctx: zmq.Context) -> None:
+        with cls._lock:
+            entry = cls._by_context.pop(ctx.underlying, None)
+        if entry is not None:
+            entry[0].stop()
+
+
+def close_context(ctx: zmq.Context, linger_ms: int) -> None:
+    """Close every socket of `ctx`, and `ctx`. Stops its ZAP authenticator first: that thread's
+    sockets would keep the context's term() waiting for good. A CURVE server socket refuses
+    handshakes meanwhile (ZAP_ENFORCE_DOMAIN) rather than accepting anyone."""
+    _Zap.stop(ctx)
+    ctx.destroy(linger=linger_ms)
 
 
 def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, curve: CurveServer | CurveClient) -> str | None:
@@ -163,6 +152,7 @@ def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, curve: CurveServer | CurveC
     # The authenticator must run before the socket binds: without a ZAP handler libzmq accepts anyone.
     domain = _Zap.add(ctx, curve.client_public_keys)
     sock.zap_domain = domain.encode()
+    sock.zap_enforce_domain = True  # no ZAP handler (it stopped) = refuse, not accept
     sock.curve_server = True
     return domain
 
@@ -229,14 +219,18 @@ class _Base:
         self,
         ctx: zmq.Context,
         socket_type: int,
-        endpoint: str,
+        endpoint: str | Link,
         bind: bool,
         options: SocketOptions,
         curve: CurveServer | CurveClient | None,
         identity: bytes | None = None,
     ) -> None:
+        if isinstance(endpoint, Link):
+            curve = curve or (endpoint.server_curve if bind else endpoint.client_curve)
+            endpoint = endpoint.bind if bind else endpoint.connect
         ctx = _async(ctx) if self._is_async else _sync(ctx)
         self.socket = ctx.socket(socket_type)
+        self.is_curve_server = isinstance(curve, CurveServer)
         self._ctx = ctx
         self._max_msg_bytes = options.max_msg_bytes
         self._timeout: float | None = None  # the socket's RCVTIMEO is -1 (none)
@@ -245,6 +239,8 @@ class _Base:
             configure_socket(self.socket, options)
             if identity is not None:
                 self.socket.identity = identity  # must precede connect
+            if endpoint.startswith("tcp://["):
+                self.socket.ipv6 = True
             if curve is not None:
                 self._zap_domain = _apply_curve(ctx, self.socket, curve)
             if bind:
@@ -361,7 +357,7 @@ class PushQueue(_Base, Generic[T]):
     def __init__(
         self,
         ctx: zmq.Context,
-        endpoint: str,
+        endpoint: str | Link,
         codec: Codec[T],
         bind: bool = False,
         options: SocketOptions = DEFAULT_OPTIONS,
@@ -388,7 +384,7 @@ class _Pull(_Base, Generic[T]):
     def __init__(
         self,
         ctx: zmq.Context,
-        endpoint: str,
+        endpoint: str | Link,
         codec: Codec[T],
         bind: bool = True,
         options: SocketOptions = DEFAULT_OPTIONS,
@@ -430,7 +426,7 @@ class _Router(_Base, Generic[In, Out]):
     def __init__(
         self,
         ctx: zmq.Context,
-        endpoint: str,
+        endpoint: str | Link,
         in_codec: Codec[In],
         out_codec: Codec[Out],
         bind: bool = True,
@@ -492,7 +488,7 @@ class _Dealer(_Base, Generic[In, Out]):
     def __init__(
         self,
         ctx: zmq.Context,
-        endpoint: str,
+        endpoint: str | Link,
         in_codec: Codec[In],
         out_codec: Codec[Out],
         bind: bool = False,

@@ -8,7 +8,9 @@ Events (the `event` field) and what else each line carries:
 - `rescale`: `changes` (`{field path: [old, new]}`);
 - `stage_restart`: `stage`, `reason`, `restart` (its count), `backoff_s`;
 - `auth_failure`: `mechanism` (`api_key` or `curve`), `peer`, `reason`, and for an API key
-  `key_sha256` (the first 12 hex digits of the presented key's SHA-256, never the key).
+  `key_sha256` (the first 12 hex digits of the presented key's SHA-256, never the key); for
+  CURVE, `count`: the refused handshakes of that reason the line stands for (a client with a
+  wrong key retries every few hundred milliseconds; one line per poll, not one per attempt).
 
 Several processes (the supervisor, gateway replicas) append to one file: each line is a single
 `write()` on an O_APPEND descriptor, which the kernel never interleaves with another's. Writing
@@ -103,9 +105,16 @@ class AuditLog:
         )
 
     def auth_failure(
-        self, mechanism: Literal["api_key", "curve"], peer: str, reason: str, presented_key: str | None = None
+        self,
+        mechanism: Literal["api_key", "curve"],
+        peer: str,
+        reason: str,
+        presented_key: str | None = None,
+        count: int = 1,
     ) -> None:
         fields: dict[str, Any] = {"mechanism": mechanism, "peer": _bounded(peer), "reason": _bounded(reason)}
+        if mechanism == "curve":
+            fields["count"] = count
         if presented_key is not None:
             fields["key_sha256"] = hashlib.sha256(presented_key.encode()).hexdigest()[:12]
         self.record("auth_failure", **fields)
@@ -124,20 +133,24 @@ class CurveFailureMonitor:
         self.monitor = socket.get_monitor_socket(self.EVENTS)
 
     def poll(self) -> int:
-        """Record every failure seen since the last call; how many there were."""
-        count = 0
+        """Record every failure seen since the last call, one line per endpoint and reason; how
+        many there were."""
+        counts: dict[tuple[str, str], int] = {}
         while self.monitor.poll(0):
             event = parse_monitor_message(self.monitor.recv_multipart())
             endpoint = event["endpoint"].decode(errors="replace")
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                reason = f"refused by the authenticator (status {event['value']})"
+                reason = f"refused by the authenticator (status {event['value']}): not one of the run's client keys"
             elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
                 reason = "cryptographic error: the client does not hold this server's key"
+            elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                reason = "mechanism mismatch: the client does not speak CURVE (no keys)"
             else:
                 reason = f"handshake protocol error {event['value']:#x}"
-            self.audit.auth_failure("curve", endpoint, reason)
-            count += 1
-        return count
+            counts[endpoint, reason] = counts.get((endpoint, reason), 0) + 1
+        for (endpoint, reason), count in counts.items():
+            self.audit.auth_failure("curve", endpoint, reason, count=count)
+        return sum(counts.values())
 
     def close(self) -> None:
         self.socket.disable_monitor()

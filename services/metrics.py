@@ -215,6 +215,7 @@ class StageSample(msgspec.Struct, frozen=True, omit_defaults=True):
     num_malformed: int = 0
     gpu_memory_allocated: int = 0
     gpu_memory_reserved: int = 0
+    num_auth_failures: int = 0
 
 
 class RingSample(msgspec.Struct, frozen=True):
@@ -290,6 +291,11 @@ class StageCollector:
         malformed = CounterMetricFamily(
             f"{PREFIX}malformed_messages", "Malformed messages a stage rejected", labels=stage_labels
         )
+        curve_failures = CounterMetricFamily(
+            f"{PREFIX}curve_auth_failures",
+            "CURVE handshakes a stage's tcp:// server sockets refused (a wrong or missing key)",
+            labels=stage_labels,
+        )
         cpu = CounterMetricFamily(
             f"{PREFIX}stage_cpu_seconds", "CPU time of the stage's current process", labels=stage_labels
         )
@@ -299,7 +305,7 @@ class StageCollector:
         up = GaugeMetricFamily(
             f"{PREFIX}stage_up", "1 while the stage is running and ready", labels=stage_labels
         )
-        families = [running, waiting, kv, restarts, malformed, cpu, rss, up]
+        families = [running, waiting, kv, restarts, malformed, curve_failures, cpu, rss, up]
         is_cuda = samples.device == "cuda"
         if is_cuda:
             allocated = GaugeMetricFamily(CUDA_ONLY[0], "GPU memory held by tensors", labels=stage_labels)
@@ -316,6 +322,7 @@ class StageCollector:
                 kv.add_metric(engine, s.kv_usage)
             restarts.add_metric(values, s.restarts)
             malformed.add_metric(values, s.num_malformed)
+            curve_failures.add_metric(values, s.num_auth_failures)
             up.add_metric(values, 1.0 if s.state == "running" else 0.0)
             usage = process_usage(s.pid) if s.pid else None
             if usage is not None:

@@ -23,8 +23,9 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config
-from ipc.endpoints import Endpoints
+from ipc.endpoints import Endpoints, NetworkPlan
 from ipc.sockets import DealerSocket
+from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 
 RUN_FILE = "run.json"
 # Set by the supervisor for the stages it spawns; stages that tests start on their own lack it.
@@ -41,9 +42,12 @@ class RunInfo(msgspec.Struct, frozen=True):
     supervisor_pid: int
     model_dir: str
     model: str
-    frontends: list[str]
+    frontends: list[str]  # the client-facing endpoints SDK clients connect to
     config: Config
     is_ready: bool = False
+    network: NetworkPlan = NetworkPlan()  # ports, hosts and CURVE keys (ipc/endpoints.py)
+    curve_server_key: str = ""  # the server public key, for SDK clients of a tcp:// run
+    curve_client_keys: str = ""  # the client's secret certificate file (ipc/keys.py)
 
 
 def read_run_info(run_dir: Path) -> RunInfo:
@@ -51,9 +55,18 @@ def read_run_info(run_dir: Path) -> RunInfo:
 
 
 def write_run_info(run_dir: Path, info: RunInfo) -> None:
+    """Atomically, and private to this user: it carries the run's CURVE secret keys."""
     tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_bytes(msgspec.json.encode(info))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(msgspec.json.encode(info))
+    tmp.chmod(0o600)
     tmp.replace(run_dir / RUN_FILE)
+
+
+def run_endpoints(run_dir: Path, info: RunInfo, here: str = "") -> Endpoints:
+    """The run's links as the process on host `here` (default: `network.host`) sees them."""
+    return Endpoints(run_dir, info.run_id, info.config.network, info.network, here)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -75,7 +88,9 @@ def setup_logging(name: str, level: str = "INFO", fmt: str = "text") -> logging.
     if fmt == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(name)s pid=%(process)d] %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s [%(name)s pid=%(process)d] %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -130,13 +145,42 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
         if os.getppid() != parent_pid:
             log.error("parent %d died before this stage started; exiting", parent_pid)
             sys.exit(1)
-    endpoints = Endpoints(args.run_dir, info.run_id)
+    endpoints = run_endpoints(args.run_dir, info, info.network.hosts.get(name, ""))
     stage = Stage(name, args.index, args.run_dir, info, endpoints, log, is_supervised, parent_pid)
     return stage, args
 
 
+class AuthFailures:
+    """Refused CURVE handshakes on one process's server sockets: logged, written to the audit log
+    and counted (the count rides on the heartbeats to /metrics). Polled from the owner's loop;
+    never blocks, never raises."""
+
+    def __init__(self, audit: AuditLog, log: logging.Logger) -> None:
+        self.audit = audit
+        self.log = log
+        self.monitors: list[CurveFailureMonitor] = []
+        self.count = 0
+
+    def watch(self, *sockets: object) -> None:
+        """Watch those of `sockets` (ipc/sockets.py wrappers) that are CURVE servers."""
+        for sock in sockets:
+            if getattr(sock, "is_curve_server", False):
+                self.monitors.append(CurveFailureMonitor(sock.socket, self.audit))  # type: ignore[attr-defined]
+
+    def poll(self) -> None:
+        for monitor in self.monitors:
+            new = monitor.poll()
+            if new:
+                self.count += new
+                self.log.warning(
+                    "refused %d CURVE handshake(s) on %s (%d so far; see the audit log)",
+                    new, monitor.socket.last_endpoint.decode(), self.count,
+                )  # fmt: skip
+
+
 class ControlChannel:
-    """DEALER to the supervisor: Ready once, heartbeats (rate-limited) and commands down."""
+    """DEALER to the supervisor: Ready once, heartbeats (rate-limited) and commands down. Also
+    watches the stage's CURVE server sockets (`watch`): each heartbeat reports their refusals."""
 
     def __init__(self, ctx: zmq.Context, stage: Stage) -> None:
         self.stage = stage
@@ -145,11 +189,18 @@ class ControlChannel:
             ctx, stage.endpoints.supervisor(), CONTROL_DOWN, CONTROL_UP, identity=stage.name.encode()
         )
         self.last_beat = 0.0
+        audit = AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
+        self.auth_failures = AuthFailures(audit, stage.log)
+
+    def watch(self, *sockets: object) -> None:
+        self.auth_failures.watch(*sockets)
 
     def ready(self, **info: str) -> None:
         self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
 
-    def heartbeat(self, progress: int, has_work: bool, load: m.StageLoad | None = None, force: bool = False) -> None:
+    def heartbeat(
+        self, progress: int, has_work: bool, load: m.StageLoad | None = None, force: bool = False
+    ) -> None:
         now = time.monotonic()
         if force or now - self.last_beat >= self.interval:
             self.last_beat = now
@@ -157,7 +208,9 @@ class ControlChannel:
                 # The parent is gone (PDEATHSIG did not reach us): nothing is left to serve.
                 self.stage.log.error("parent %d is gone; exiting", self.stage.parent_pid)
                 os._exit(1)
-            self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load or m.StageLoad()))
+            self.auth_failures.poll()
+            load = msgspec.structs.replace(load or m.StageLoad(), num_auth_failures=self.auth_failures.count)
+            self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load))
 
     def command(self) -> m.ControlDown | None:
         """The next command from the supervisor, if any; a log level change applies here."""

@@ -37,9 +37,9 @@ STDERR_JOIN_S = 2.0  # for the last line of a stage that exited
 log = logging.getLogger("supervisor")
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -112,7 +112,8 @@ class StageSet:
         self.run_dir = run_dir
         self.log_format = log_format
         self.stages: dict[str, StageProcess] = {}
-        self.dist_ports = [free_tcp_port() for _ in range(self.engine.data_parallel)]  # per engine group
+        # Per engine group: where its tensor-parallel rank 0 listens for torch.distributed.
+        self.dist_ports = [free_tcp_port(config.network.host) for _ in range(self.engine.data_parallel)]
 
     def __iter__(self) -> Iterator[StageProcess]:
         return iter(list(self.stages.values()))

@@ -6,16 +6,24 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import msgspec
+import zmq
+
+from ipc import messages as m
+from ipc.codec import CLIENT_REQUEST
+from ipc.keys import load_secret_file
+from services.stage import read_run_info
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 
 READY_TIMEOUT_S = 300.0
@@ -175,3 +183,44 @@ def assert_clean(run_dir: Path, run_id: str | None = None) -> None:
     if run_id is not None:
         leftovers = [n for n in brigade_shm_objects() if run_id in n]
         assert not leftovers, f"shared memory left: {leftovers}"
+
+
+def frontend_dealer(
+    ctx: zmq.Context, run_dir: Path, index: int = 0, identity: bytes | None = None
+) -> zmq.Socket:
+    """A bare DEALER to frontend `index`, as a client that speaks the wire protocol itself: with
+    the run's client CURVE keys when its links are tcp:// (run.json names them)."""
+    info = read_run_info(run_dir)
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if identity is not None:
+        sock.identity = identity
+    if info.curve_server_key:
+        keys = load_secret_file(info.curve_client_keys)
+        sock.curve_serverkey = info.curve_server_key.encode()
+        sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
+    sock.connect(info.frontends[index])
+    return sock
+
+
+def hostile_messages(rng: random.Random) -> list[Callable[[], bytes]]:
+    """Makers of messages a frontend must answer or drop without dying: random bytes, wrong
+    types, unknown tags, truncations, bad values, lone surrogates, aborts of unknown ids."""
+    encoder = msgspec.msgpack.Encoder()
+    valid = CLIENT_REQUEST.encode(m.Generate("x", prompt="hi"))
+    return [
+        lambda: rng.randbytes(rng.randrange(0, 64)),
+        lambda: encoder.encode({"type": "Generate", "request_id": rng.random()}),
+        lambda: encoder.encode(["Generate", 1, 2, 3]),
+        lambda: encoder.encode({"type": "Nope"}),
+        lambda: valid[: rng.randrange(1, len(valid))],
+        lambda: encoder.encode({"type": "Generate", "request_id": "", "prompt": "x"}),
+        lambda: encoder.encode(
+            {"type": "Generate", "request_id": "a", "prompt": "x", "params": {"top_p": -5}}
+        ),
+        lambda: encoder.encode({"type": "Generate", "request_id": "b", "prompt_token_ids": b"\x01\x02\x03"}),
+        lambda: encoder.encode(
+            {"type": "Generate", "request_id": "c", "prompt": "\ud800".encode("utf-8", "surrogatepass")}
+        ),
+        lambda: encoder.encode({"type": "Abort", "request_id": "never-seen"}),
+    ]

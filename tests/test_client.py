@@ -19,6 +19,7 @@ import zmq
 
 from client import (
     AsyncClient,
+    AuthenticationFailed,
     BrigadeError,
     Client,
     InvalidRequest,
@@ -339,11 +340,12 @@ def test_curve_over_tcp() -> None:
     fake = FakeFrontend("tcp://127.0.0.1:*", curve_keys=(server_public, server_secret))
     endpoint = fake.last_endpoint
     try:
-        with Client(endpoints=[endpoint], curve_server_key=server_public) as client:
+        keys = zmq.curve_keypair()  # the fake frontend has no authenticator: any client key passes
+        with Client(endpoint, server_key=server_public, keys=keys) as client:
             assert client.generate("curvy", max_tokens=3).text == expected_text("curvy", 3)
         wrong_key = zmq.curve_keypair()[0]
-        wrong = Client(endpoints=[endpoint], curve_server_key=wrong_key, failover_after=0.1, unavailable_after=0.5)
-        with wrong, pytest.raises(ServerUnavailable):
+        wrong = Client(endpoint, server_key=wrong_key, keys=keys, failover_after=0.1, unavailable_after=30)
+        with wrong, pytest.raises(AuthenticationFailed, match="server_key"):
             wrong.generate("curvy", max_tokens=3)
     finally:
         fake.close()

@@ -8,14 +8,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
 
 from client import Client, InvalidRequest, PromptTooLong
 from ipc import messages as m
-from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
-from tests.harness import assert_clean, brigade_run
+from ipc.codec import CLIENT_REPLY
+from tests.harness import assert_clean, brigade_run, frontend_dealer, hostile_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -121,27 +120,10 @@ def test_cancellation_frees_everything(smol_run) -> None:
 
 
 def test_frontend_survives_10000_hostile_messages(smol_run) -> None:
-    rng = random.Random(1)
-    encoder = msgspec.msgpack.Encoder()
-    endpoint = f"ipc://{smol_run.run_dir / 'frontend-0.sock'}"
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
+    sock = frontend_dealer(ctx, smol_run.run_dir)
     sock.sndtimeo = 10_000  # the frontend reads as fast as it can; wait for it rather than drop
-    sock.connect(endpoint)
-    valid = CLIENT_REQUEST.encode(m.Generate("x", prompt="hi"))
-    hostile = [
-        lambda: rng.randbytes(rng.randrange(0, 64)),
-        lambda: encoder.encode({"type": "Generate", "request_id": rng.random()}),
-        lambda: encoder.encode(["Generate", 1, 2, 3]),
-        lambda: encoder.encode({"type": "Nope"}),
-        lambda: valid[: rng.randrange(1, len(valid))],
-        lambda: encoder.encode({"type": "Generate", "request_id": "", "prompt": "x"}),
-        lambda: encoder.encode({"type": "Generate", "request_id": "a", "prompt": "x", "params": {"top_p": -5}}),
-        lambda: encoder.encode({"type": "Generate", "request_id": "b", "prompt_token_ids": b"\x01\x02\x03"}),
-        lambda: encoder.encode({"type": "Generate", "request_id": "c", "prompt": "\ud800".encode("utf-8", "surrogatepass")}),
-        lambda: encoder.encode({"type": "Abort", "request_id": "never-seen"}),
-    ]
+    hostile = hostile_messages(random.Random(1))
     try:
         for i in range(10_000):
             sock.send(hostile[i % len(hostile)]())

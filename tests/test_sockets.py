@@ -21,13 +21,12 @@ from ipc import codec as C
 from ipc import messages as m
 from ipc.codec import MalformedMessage
 from ipc.endpoints import InsecureRunDir
+from ipc.keys import CurveClient, CurveServer, generate_curve_keys
 from ipc.sockets import (
     AddressInUse,
     AsyncDealerSocket,
     AsyncPullQueue,
     AsyncRouterSocket,
-    CurveClient,
-    CurveServer,
     DealerSocket,
     MalformedFrame,
     MessageTooLarge,
@@ -35,7 +34,6 @@ from ipc.sockets import (
     PushQueue,
     RouterSocket,
     SocketOptions,
-    generate_curve_keys,
 )
 
 SPAWN = mp.get_context("spawn")

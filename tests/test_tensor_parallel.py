@@ -133,7 +133,7 @@ def rank_main(
     from services.gpu_worker.parallel import init_parallel
 
     torch.set_num_threads(1)
-    parallel = init_parallel(rank, world, port, torch.device("cpu"), 120)
+    parallel = init_parallel(rank, world, "127.0.0.1", port, torch.device("cpu"), 120)
     # Different budgets per rank: the group must agree on the smallest.
     budget = (KV_MIB << 20) // (rank + 1)
     runner = ModelRunner(Path(model_dir), dtype="float32", kv_cache_bytes=budget, parallel=parallel)

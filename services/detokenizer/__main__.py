@@ -9,7 +9,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
-from ipc.sockets import PullQueue, PushQueue
+from ipc.sockets import PullQueue, PushQueue, close_context
 from services.detokenizer.core import DetokenizerCore
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.text import Tokenizer
@@ -31,6 +31,7 @@ def main() -> None:
         for g in range(config.engine.data_parallel)
     ]
     control = ControlChannel(ctx, stage)
+    control.watch(inbox)
     core = DetokenizerCore(Tokenizer(Path(stage.info.model_dir)))
     num_malformed = 0
     num_batches = 0
@@ -67,7 +68,7 @@ def main() -> None:
             num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)
         )
     stage.log.info("stopping")
-    ctx.destroy(linger=0)
+    close_context(ctx, 0)
 
 
 if __name__ == "__main__":

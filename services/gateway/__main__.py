@@ -69,7 +69,9 @@ async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, u
 async def serve(stage: Stage) -> None:
     config = stage.config.gateway
     sock = listen_socket(config.host, config.port)
-    client = AsyncClient(stage.run_dir)
+    keys = stage.info.network.keys  # a stage's own key: the run's client key file may be elsewhere
+    curve = {"server_key": keys.server_public, "keys": (keys.stage_public, keys.stage_secret)} if keys else {}
+    client = AsyncClient(stage.run_dir, **curve)
     settings = GatewaySettings(
         model=config.served_model_name or stage.info.model,
         max_model_len=stage.config.model.max_model_len,

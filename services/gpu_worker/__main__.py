@@ -14,7 +14,7 @@ from ipc import messages as m
 from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
-from ipc.sockets import DealerSocket
+from ipc.sockets import DealerSocket, close_context
 from ipc.step_plan import STEP_RESULT
 from services.gpu_worker.memory import MemoryMonitor
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
@@ -36,6 +36,7 @@ def main() -> None:
     parallel = init_parallel(
         rank,
         engine.tensor_parallel,
+        stage.endpoints.dist_host(group),
         int(os.environ.get(DIST_PORT_ENV, "0")),
         torch.device(engine.device),
         max(MIN_COLLECTIVE_TIMEOUT_S, 2 * engine.step_timeout_s),
@@ -108,7 +109,7 @@ def main() -> None:
             continue
         num_steps += 1
     stage.log.info("stopping")
-    ctx.destroy(linger=0)
+    close_context(ctx, 0)
 
 
 if __name__ == "__main__":

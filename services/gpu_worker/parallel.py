@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ipc.endpoints import tcp_endpoint
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -76,8 +78,11 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
 
 
-def init_parallel(rank: int, world_size: int, port: int, device: torch.device, timeout_s: float) -> Parallel:
-    """Join the group's process group (NCCL on CUDA, gloo on the CPU) over a 127.0.0.1 rendezvous.
+def init_parallel(
+    rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float
+) -> Parallel:
+    """Join the group's process group (NCCL on CUDA, gloo on the CPU), meeting at rank 0's `host`
+    (its node's address, `network.host`; 127.0.0.1 by default) and `port`.
 
     `timeout_s` bounds every collective: a rank whose peer died fails instead of waiting forever
     (gloo also fails at once when the peer's socket closes; the supervisor kills the group anyway).
@@ -88,7 +93,7 @@ def init_parallel(rank: int, world_size: int, port: int, device: torch.device, t
         torch.cuda.set_device(device.index or 0)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=tcp_endpoint(host, port),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -23,7 +23,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
-from ipc.sockets import PullQueue, PushQueue, RouterSocket
+from ipc.sockets import PullQueue, PushQueue, RouterSocket, close_context
 from ipc.validation import InvalidParams, validate_params
 from services.metrics import EngineMetrics
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
@@ -56,6 +56,7 @@ class SchedulerProcess:
             for i in range(config.frontend.replicas)
         ]
         self.control = ControlChannel(self.ctx, stage)
+        self.control.watch(self.inbox, self.workers)
         self.step_ring = ShmRing.attach(stage.endpoints.step_ring(self.group))
         self.result_ring = ShmRing.attach(stage.endpoints.result_ring(self.group))
         self.world_size = config.engine.tensor_parallel
@@ -352,7 +353,7 @@ class SchedulerProcess:
             self.heartbeat()
         planned_ahead = self.pipeline.num_planned_ahead if self.pipeline else 0
         self.stage.log.info("stopping after %d steps, %d planned ahead", self.num_steps, planned_ahead)
-        self.ctx.destroy(linger=0)
+        close_context(self.ctx, 0)
 
 
 def detokenizer_messages(

@@ -12,7 +12,7 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
 from ipc.sampling_defaults import model_defaults
-from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket
+from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket, close_context
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
@@ -43,6 +43,7 @@ class Frontend:
             for g in range(config.engine.data_parallel)
         ]
         self.control = ControlChannel(self.ctx, stage)
+        self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
         self.core = FrontendCore(
             Tokenizer(Path(stage.info.model_dir)),
@@ -214,7 +215,7 @@ class Frontend:
         poller.register(self.clients.socket, zmq.POLLIN)
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.control.socket.socket, zmq.POLLIN)
-        self.control.ready(endpoint=self.stage.endpoints.frontend(self.stage.index))
+        self.control.ready(endpoint=str(self.stage.endpoints.frontend(self.stage.index)))
         self.stage.log.info("serving on %s", self.stage.endpoints.frontend(self.stage.index))
         while not stopping[0]:
             events = dict(poller.poll(POLL_MS))
@@ -244,7 +245,7 @@ class Frontend:
             self.clients.send(entry.identity, error)
             self._abort_upstream(entry.submit.request_id)
         self.stage.log.info("stopping; failed the %d requests in flight", len(dropped))
-        self.ctx.destroy(linger=STOP_LINGER_MS)
+        close_context(self.ctx, STOP_LINGER_MS)
 
 
 if __name__ == "__main__":

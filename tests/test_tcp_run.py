@@ -1,0 +1,220 @@
+"""A whole run with every link over tcp:// and CURVE (`network.transport: tcp`), real processes on
+the tiny random Llama: SDK requests are served (greedy ids equal HF transformers'); clients with
+a wrong key, no key or the wrong server key are refused within a deadline, counted in
+`brigade:curve_auth_failures_total`, written to the audit log, and the run serves on; the client
+key opens no internal link; hostile messages over CURVE kill nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import stat
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from client import AuthenticationFailed, Client
+from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
+from ipc.keys import load_secret_file
+from services.stage import read_run_info, run_endpoints
+from tests.harness import Run, assert_clean, brigade_run, free_port, frontend_dealer, hostile_messages
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REFUSED_WITHIN_S = 20.0  # a refused client hears it this soon (it is about a second when idle)
+WAIT_S = 120.0
+PROMPT_IDS = [1, 450, 4996, 17354, 1701, 284, 1190, 690]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
+    run_dir = tmp_path_factory.mktemp("tcp-run")
+    port = free_port()
+    with brigade_run(
+        run_dir,
+        "network.transport=tcp",
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=512",
+        "engine.kv_cache_mib=32",
+        "engine.threads=1",
+        "gateway.replicas=0",
+        f"supervisor.metrics_port={port}",
+    ) as run:
+        run.metrics_port = port
+        run_id = read_run_info(run_dir).run_id
+        yield run
+    assert_clean(run_dir, run_id)
+    assert not (run_dir / "curve").exists(), "the run's keys outlived it"
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir: Path) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT_IDS]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(PROMPT_IDS) :].tolist()
+
+
+def greedy(client: Client) -> list[int]:
+    result = client.generate(
+        PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S
+    )
+    assert result.finish_reason == "length"
+    return result.token_ids
+
+
+def metric(run: Run, name: str, stage: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10).read().decode()
+    samples = re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for labels, value in samples if f'stage="{stage}"' in labels.split(","))
+
+
+def curve_failures(run: Run, source: str) -> list[dict]:
+    path = run.run_dir / "audit.log"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [
+        x
+        for x in lines
+        if x["event"] == "auth_failure" and x["mechanism"] == "curve" and x["source"] == source
+    ]
+
+
+def wait_for(what: str, condition, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def test_every_link_is_tcp_and_the_keys_are_private(tcp_run: Run) -> None:
+    info = read_run_info(tcp_run.run_dir)
+    assert not list(tcp_run.run_dir.glob("*.sock")), "an ipc:// socket in a tcp run"
+    assert info.frontends == [f"tcp://127.0.0.1:{info.network.port_base + 64}"]
+    assert info.network.keys is not None and info.curve_server_key == info.network.keys.server_public
+    endpoints = run_endpoints(tcp_run.run_dir, info)
+    for link in (endpoints.supervisor(), endpoints.scheduler_in(0), endpoints.scheduler_workers(0)):
+        assert link.connect.startswith("tcp://127.0.0.1:") and link.server_curve is not None
+    for path in [tcp_run.run_dir / "run.json", *(tcp_run.run_dir / "curve").iterdir()]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_sdk_requests_over_tcp_with_curve(tcp_run: Run, hf_greedy: list[int], tmp_path: Path) -> None:
+    info = read_run_info(tcp_run.run_dir)
+    with Client(tcp_run.run_dir) as client:
+        assert greedy(client) == hf_greedy
+    # As a remote client would: the endpoint, the server key and the client's certificate.
+    keys_file = tmp_path / "client.key_secret"
+    shutil.copy(info.curve_client_keys, keys_file)
+    with Client(info.frontends[0], server_key=info.curve_server_key, keys=keys_file) as client:
+        assert greedy(client) == hf_greedy
+    # Or with a copy of run.json and the key file beside it.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    run_json = json.loads((tcp_run.run_dir / "run.json").read_text())
+    run_json["curve_client_keys"] = "client.key_secret"
+    (bundle / "run.json").write_text(json.dumps(run_json))
+    shutil.copy(keys_file, bundle / "client.key_secret")
+    with Client(bundle / "run.json") as client:
+        assert greedy(client) == hf_greedy
+
+
+def refused_within(make_client, match: str) -> float:
+    start = time.monotonic()
+    with make_client() as client, pytest.raises(AuthenticationFailed, match=match):
+        client.generate("let me in", max_tokens=4, timeout=WAIT_S)
+    elapsed = time.monotonic() - start
+    assert elapsed < REFUSED_WITHIN_S, f"refused only after {elapsed:.1f}s"
+    return elapsed
+
+
+def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf_greedy: list[int]) -> None:
+    info = read_run_info(tcp_run.run_dir)
+    endpoint, server_key = info.frontends[0], info.curve_server_key
+    before = metric(tcp_run, "brigade:curve_auth_failures_total", "tokenizer-0")
+    refused_within(
+        lambda: Client(endpoint, server_key=server_key, keys=zmq.curve_keypair()), "refused this client's key"
+    )
+    refused_within(lambda: Client(endpoint), "needs server_key and keys|disagree on CURVE")
+    wrong_server = zmq.curve_keypair()[0]
+    refused_within(
+        lambda: Client(endpoint, server_key=wrong_server, keys=info.curve_client_keys), "server_key"
+    )
+    wait_for(
+        "the refusals counted on /metrics",
+        lambda: metric(tcp_run, "brigade:curve_auth_failures_total", "tokenizer-0") >= before + 3,
+    )
+    reasons = " | ".join(line["reason"] for line in curve_failures(tcp_run, "tokenizer-0"))
+    assert "not one of the run's client keys" in reasons
+    assert "does not speak CURVE" in reasons
+    assert "does not hold this server's key" in reasons
+    assert all(row["restarts"] == 0 for row in tcp_run.status())
+    with Client(tcp_run.run_dir) as client:
+        assert greedy(client) == hf_greedy
+
+
+def test_the_client_key_opens_no_internal_link(tcp_run: Run) -> None:
+    """The client key reaches the frontends only: a client that tries the scheduler's inbox with
+    it is refused there, and the run goes on."""
+    info = read_run_info(tcp_run.run_dir)
+    link = run_endpoints(tcp_run.run_dir, info).scheduler_in(0)
+    assert link.client_curve is not None
+    client_keys = load_secret_file(info.curve_client_keys)
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.immediate = 1  # a send fails unless the handshake succeeded
+        push.curve_serverkey = link.client_curve.server_public_key
+        push.curve_publickey, push.curve_secretkey = client_keys.public, client_keys.secret
+        push.connect(link.connect)
+        deadline = time.monotonic() + REFUSED_WITHIN_S
+        while not curve_failures(tcp_run, "scheduler-0"):
+            assert time.monotonic() < deadline, "the scheduler did not refuse the client key"
+            with pytest.raises(zmq.Again):
+                push.send(SCHEDULER_INPUT.encode(m.AbortRequest("never-seen")), zmq.NOBLOCK)
+            time.sleep(0.2)
+    finally:
+        ctx.destroy(linger=0)
+    assert "not one of the run's client keys" in curve_failures(tcp_run, "scheduler-0")[0]["reason"]
+    assert all(row["restarts"] == 0 for row in tcp_run.status())
+
+
+def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[int]) -> None:
+    ctx = zmq.Context()
+    hostile = hostile_messages(random.Random(2))
+    try:
+        sock = frontend_dealer(ctx, tcp_run.run_dir)
+        sock.sndtimeo = 10_000  # CURVE handshake first; then the frontend reads as fast as it can
+        for i in range(2000):
+            sock.send(hostile[i % len(hostile)]())
+        num_replies = 0
+        while sock.poll(3000):
+            reply = CLIENT_REPLY.decode(sock.recv())
+            assert isinstance(reply, m.ErrorReply | m.Delta | m.HealthReply)
+            num_replies += 1
+        assert num_replies > 200  # every answerable message got an error reply
+    finally:
+        ctx.destroy(linger=0)
+    with Client(tcp_run.run_dir) as client:
+        assert greedy(client) == hf_greedy
+    assert all(row["restarts"] == 0 for row in tcp_run.status())
