@@ -28,11 +28,10 @@ from client import Client
 from client.sdk import make_generate
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
-from ipc.endpoints import Endpoints
 from ipc.sockets import PushQueue
-from services.stage import read_run_info
+from services.stage import read_run_info, run_endpoints
 from services.tokenizer.frontend import engine_id
-from tests.harness import Run, assert_clean, brigade_run
+from tests.harness import Run, assert_clean, brigade_run, frontend_dealer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -141,11 +140,15 @@ def all_running(run: Run) -> bool:
     return bool(rows) and all(r["state"] == "running" for r in rows)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
-    run_dir = tmp_path_factory.mktemp("chaos")
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Run]:
+    """The same run with its links over ipc://, and over tcp:// with CURVE on loopback."""
+    run_dir = tmp_path_factory.mktemp(f"chaos-{request.param}")
     with brigade_run(
         run_dir,
+        f"network.transport={request.param}",
         f"model.path={tiny_model_dir}",
         "model.dtype=float32",
         "model.max_model_len=1024",
@@ -203,9 +206,7 @@ def raw_request(run: Run, request: m.Generate, timeout: float) -> list[m.ClientR
     """Send one request on a bare DEALER; the replies until its end (or the timeout)."""
     ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(read_run_info(run.run_dir).frontends[0])
+        sock = frontend_dealer(ctx, run.run_dir)
         sock.send(CLIENT_REQUEST.encode(request))
         replies: list[m.ClientReply] = []
         deadline = time.monotonic() + timeout
@@ -253,14 +254,11 @@ def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -
     generate = SPECS[0].generate()
     assert SPECS[0].stream
     identity = b"forgetful-client"  # a connection of known identity: the engine id is derivable
-    endpoints = Endpoints(run.run_dir, read_run_info(run.run_dir).run_id)
+    endpoints = run_endpoints(run.run_dir, read_run_info(run.run_dir))
     ctx = zmq.Context()
     try:
-        scheduler = PushQueue(ctx, endpoints.scheduler_in(0), SCHEDULER_INPUT)
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.identity = identity
-        sock.connect(read_run_info(run.run_dir).frontends[0])
+        scheduler = PushQueue(ctx, endpoints.scheduler_in(0), SCHEDULER_INPUT)  # with the stage key over tcp
+        sock = frontend_dealer(ctx, run.run_dir, identity=identity)
         sock.send(CLIENT_REQUEST.encode(generate))
         text, ids = "", []
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
