@@ -37,6 +37,7 @@ from ipc.endpoints import (
     NetworkPlan,
     default_run_dir,
     free_port_base,
+    is_loopback,
     make_run_dir,
 )
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
@@ -175,13 +176,17 @@ class Supervisor:
             )
         return Path(done.stdout.strip().splitlines()[-1])
 
-    def plan_network(self) -> None:
-        """Ports and CURVE keys of the run's tcp:// links (none for an ipc:// run): the configured
-        port base or a free one, and the keys of `network.keys_dir` or a fresh set in the run dir."""
-        network = self.config.network
-        if network.transport != "tcp":
+    def plan_network(self, hosts: dict[str, str] | None = None) -> None:
+        """Ports and CURVE keys of the run's tcp:// links: the configured port base or a free one,
+        and the keys of `network.keys_dir` or a fresh set in the run dir. `hosts` places stages
+        on other hosts (stage name -> address; the rest run on `network.host`): their links go
+        over tcp:// whatever `network.transport` says. None of this for a one-host ipc:// run."""
+        network, hosts = self.config.network, hosts or {}
+        if network.transport != "tcp" and not hosts:
             self.endpoints = Endpoints(self.run_dir, self.run_id, network)
             return
+        if not network.curve and not all(map(is_loopback, hosts.values())):
+            raise GiveUp("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
         try:
             port_base = network.port_base or free_port_base(network.bind_host or network.host)
             keys_dir = Path(network.keys_dir) if network.keys_dir else self.run_dir / CURVE_DIR
@@ -190,15 +195,11 @@ class Supervisor:
                 keys = load_run_keys(keys_dir) if network.keys_dir else create_key_files(keys_dir)
         except (BadKeyFile, OSError) as exc:
             raise GiveUp(f"network: {exc}") from None
-        self.network_plan = NetworkPlan(port_base, {}, keys)
+        self.network_plan = NetworkPlan(port_base, hosts, keys)
         self.client_keys_file = str(keys_dir / f"client{SECRET_SUFFIX}") if keys else ""
         self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
-        log.info(
-            "tcp:// links on ports %d-%d%s",
-            port_base,
-            port_base + PORT_SPAN - 1,
-            " with CURVE" if keys else "",
-        )
+        first, last, curve = port_base, port_base + PORT_SPAN - 1, " with CURVE" if keys else ""
+        log.info("tcp:// links on ports %d-%d%s", first, last, curve)
 
     def create_rings(self) -> None:
         """Each engine group's step and result rings, where the stage set puts the group."""

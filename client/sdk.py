@@ -88,7 +88,7 @@ def read_run(run: Path | str | None = None) -> ConnectInfo:
     """Read a run's run.json (written by the supervisor): RUN_DIR/run.json, or the file itself
     (a copy on another host, say); the default run dir when None. A run dir must be private to
     this user and run.json writable only by it: whoever can swap run.json would receive our
-    prompts. The client key file it names is taken relative to run.json's directory."""
+    prompts. The client key file it names is looked for beside run.json too."""
     path = Path(run) if run is not None else default_run_dir()
     is_file = path.is_file()
     run_file = path if is_file else path / "run.json"
@@ -108,11 +108,18 @@ def read_run(run: Path | str | None = None) -> ConnectInfo:
         raise ServerUnavailable(f"{run_file} lists no frontends")
     key = info.get("curve_server_key")
     keys_file = info.get("curve_client_keys")
-    keys_path = run_file.parent / keys_file if keys_file else None
+    keys_path = _beside(run_file, Path(keys_file)) if keys_file else None
     pid = info.get("supervisor_pid")
     return ConnectInfo(
         list(endpoints), key.encode() if key else None, None, keys_path, info.get("model", ""), pid
     )
+
+
+def _beside(run_file: Path, keys_file: Path) -> Path:
+    """The client key file run.json names; on another host (a copy of run.json), the file of
+    that name beside the copy."""
+    named = run_file.parent / keys_file
+    return named if named.exists() else run_file.parent / keys_file.name
 
 
 def _client_keys(keys: ClientKeys) -> CurveKeys:

@@ -39,6 +39,7 @@ class Run:
         self.lines = lines
         self.log: list[str] = []
         self.metrics_port = 0  # set by tests that turn /metrics on
+        self.http_port = 0  # set by tests that talk to its gateway
 
     def wait_for_line(self, needle: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout

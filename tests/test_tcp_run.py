@@ -6,6 +6,7 @@ key opens no internal link; hostile messages over CURVE kill nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -16,10 +17,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import zmq
 
-from client import AuthenticationFailed, Client
+from client import AsyncClient, AuthenticationFailed, Client
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
 from ipc.keys import load_secret_file
@@ -37,7 +39,7 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
     run_dir = tmp_path_factory.mktemp("tcp-run")
-    port = free_port()
+    port, http_port = free_port(), free_port()
     with brigade_run(
         run_dir,
         "network.transport=tcp",
@@ -46,10 +48,11 @@ def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         "model.max_model_len=512",
         "engine.kv_cache_mib=32",
         "engine.threads=1",
-        "gateway.replicas=0",
+        f"gateway.port={http_port}",
         f"supervisor.metrics_port={port}",
     ) as run:
         run.metrics_port = port
+        run.http_port = http_port
         run_id = read_run_info(run_dir).run_id
         yield run
     assert_clean(run_dir, run_id)
@@ -127,15 +130,50 @@ def test_sdk_requests_over_tcp_with_curve(tcp_run: Run, hf_greedy: list[int], tm
     shutil.copy(info.curve_client_keys, keys_file)
     with Client(info.frontends[0], server_key=info.curve_server_key, keys=keys_file) as client:
         assert greedy(client) == hf_greedy
-    # Or with a copy of run.json and the key file beside it.
+    # Or with a copy of run.json and the key file beside it (the path run.json names is elsewhere).
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     run_json = json.loads((tcp_run.run_dir / "run.json").read_text())
-    run_json["curve_client_keys"] = "client.key_secret"
+    run_json["curve_client_keys"] = "/on/the/server/host/curve/client.key_secret"
     (bundle / "run.json").write_text(json.dumps(run_json))
     shutil.copy(keys_file, bundle / "client.key_secret")
     with Client(bundle / "run.json") as client:
         assert greedy(client) == hf_greedy
+
+
+def test_the_gateway_and_the_async_client_over_tcp(tcp_run: Run, hf_greedy: list[int]) -> None:
+    """The gateway reaches the frontends through the asyncio SDK with the stage key; an
+    AsyncClient of our own, with the run's keys, and one with a wrong key."""
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{tcp_run.http_port}/v1", api_key="open", timeout=WAIT_S)
+    reply = api.completions.create(
+        model=api.models.list().data[0].id,
+        prompt=PROMPT_IDS,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    with Client(tcp_run.run_dir) as client:
+        want = client.generate(
+            PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S
+        )
+    assert want.token_ids == hf_greedy
+    assert (reply.choices[0].text, reply.usage.completion_tokens) == (want.text, NEW_TOKENS)
+    info = read_run_info(tcp_run.run_dir)
+
+    async def main() -> None:
+        async with AsyncClient(tcp_run.run_dir) as client:
+            result = await client.generate(
+                PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S
+            )
+            assert result.token_ids == hf_greedy
+        wrong = AsyncClient(info.frontends[0], server_key=info.curve_server_key, keys=zmq.curve_keypair())
+        async with wrong:
+            start = time.monotonic()
+            with pytest.raises(AuthenticationFailed, match="refused this client's key"):
+                await wrong.generate("let me in", max_tokens=4, timeout=WAIT_S)
+            assert time.monotonic() - start < REFUSED_WITHIN_S
+
+    asyncio.run(main())
 
 
 def refused_within(make_client, match: str) -> float:
@@ -159,14 +197,26 @@ def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf
     refused_within(
         lambda: Client(endpoint, server_key=wrong_server, keys=info.curve_client_keys), "server_key"
     )
+    # A client that gives up at once may close before the server has read its greeting; a plain
+    # socket that stays makes sure the server sees a client without CURVE.
+    ctx = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.DEALER)
+        plain.linger = 0
+        plain.connect(endpoint)
+
+        def reasons() -> str:
+            return " | ".join(line["reason"] for line in curve_failures(tcp_run, "tokenizer-0"))
+
+        wait_for("a client without CURVE audited", lambda: "does not speak CURVE" in reasons())
+    finally:
+        ctx.destroy(linger=0)
+    assert "not one of the run's client keys" in reasons()
+    assert "does not hold this server's key" in reasons()
     wait_for(
         "the refusals counted on /metrics",
         lambda: metric(tcp_run, "brigade:curve_auth_failures_total", "tokenizer-0") >= before + 3,
     )
-    reasons = " | ".join(line["reason"] for line in curve_failures(tcp_run, "tokenizer-0"))
-    assert "not one of the run's client keys" in reasons
-    assert "does not speak CURVE" in reasons
-    assert "does not hold this server's key" in reasons
     assert all(row["restarts"] == 0 for row in tcp_run.status())
     with Client(tcp_run.run_dir) as client:
         assert greedy(client) == hf_greedy
