@@ -7,11 +7,16 @@ key opens no internal link; hostile messages over CURVE kill nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
+import os
 import random
 import re
 import shutil
+import socket
 import stat
+import struct
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +29,7 @@ import zmq
 from client import AsyncClient, AuthenticationFailed, Client
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
+from ipc.endpoints import PORT_SPAN
 from ipc.keys import load_secret_file
 from services.stage import read_run_info, run_endpoints
 from tests.harness import Run, assert_clean, brigade_run, free_port, frontend_dealer, hostile_messages
@@ -268,3 +274,70 @@ def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[
     with Client(tcp_run.run_dir) as client:
         assert greedy(client) == hf_greedy
     assert all(row["restarts"] == 0 for row in tcp_run.status())
+
+
+def node_address() -> str | None:
+    """This host's address on its default route (none: the test is skipped)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))  # sends nothing: it only picks the route's source address
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def tcp_peers(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the remote end of every established IPv4 TCP connection of `pid`."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    peers = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        if state == "01" and inode in inodes:  # ESTABLISHED
+            address, port = remote.split(":")
+            peers.add((socket.inet_ntoa(struct.pack("<I", int(address, 16))), int(port, 16)))
+    return peers
+
+
+@pytest.mark.timeout(900)
+def test_a_run_on_the_node_address_with_tensor_parallel(
+    tmp_path: Path, tiny_model_dir: Path, hf_greedy: list[int]
+) -> None:
+    """Every link, and torch.distributed between the two tensor-parallel ranks, on the node's
+    address rather than loopback: the workers hold no connection to 127.0.0.1."""
+    host = node_address()
+    if host is None:
+        pytest.skip("no non-loopback IPv4 address")
+    run_dir = tmp_path / "run"
+    with brigade_run(
+        run_dir,
+        "network.transport=tcp",
+        f"network.host={host}",
+        "engine.tensor_parallel=2",
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=512",
+        "engine.kv_cache_mib=32",
+        "engine.threads=1",
+        "gateway.replicas=0",
+    ) as run:
+        info = read_run_info(run_dir)
+        assert info.frontends[0].startswith(f"tcp://{host}:")
+        with Client(run_dir) as client:
+            result = client.generate(
+                PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S
+            )
+        assert result.token_ids == hf_greedy
+        links = range(info.network.port_base, info.network.port_base + PORT_SPAN)
+        for pid in run.stage_pids("gpu_worker"):
+            peers = tcp_peers(pid)
+            assert peers and all(address == host for address, _ in peers), peers
+            assert any(port not in links for _, port in peers), f"no torch.distributed connection: {peers}"
+        run_id = info.run_id
+    assert_clean(run_dir, run_id)

@@ -250,3 +250,10 @@ def test_a_remote_endpoint_without_keys_is_refused_at_once() -> None:
         Client("tcp://10.1.2.3:7000", server_key=zmq.curve_keypair()[0])
     with pytest.raises(AuthenticationFailed, match="40-character"):
         Client("tcp://10.1.2.3:7000", server_key=zmq.curve_keypair()[0], keys=(b"short", b"keys"))
+
+
+def test_the_interface_of_an_address_is_found() -> None:
+    from services.gpu_worker.parallel import interface_of  # torch: only in this test
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: on no interface of this host

@@ -6,13 +6,19 @@ With one rank every collective is the identity and torch.distributed is never in
 
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ipc.endpoints import tcp_endpoint
+from ipc.endpoints import is_loopback, tcp_endpoint
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,12 @@ def init_parallel(
     """
     if world_size == 1:
         return Parallel()
+    interface = None if is_loopback(host) else interface_of(host)
+    if interface is not None:
+        # gloo's and NCCL's own connections between the ranks go over the interface the
+        # hostname resolves to (often loopback) unless told: on the node's address, as the rendezvous.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
     dist.init_process_group(
@@ -99,3 +111,17 @@ def init_parallel(
         timeout=timedelta(seconds=timeout_s),
     )
     return Parallel(rank, world_size)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 `address` (None: none here, or IPv6)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
