@@ -185,6 +185,11 @@ class Supervisor:
         if network.transport != "tcp" and not hosts:
             self.endpoints = Endpoints(self.run_dir, self.run_id, network)
             return
+        if hosts and is_loopback(network.host):
+            raise GiveUp(
+                f"network.host is {network.host}, but stages run on other hosts ({sorted(set(hosts.values()))}) "
+                "that must reach this one: set network.host to this host's address"
+            )
         if not network.curve and not all(map(is_loopback, hosts.values())):
             raise GiveUp("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
         try:
@@ -230,16 +235,12 @@ class Supervisor:
         self.check_run_dir()
         try:
             check_layout(self.config)
-            self.plan_network()
             swept = sweep_stale_runs()
             if swept:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
             model_dir = self.prepare_model()
             check_model(self.config, model_dir)
-            hosts = self.stages.place()
-            if hosts:  # links between hosts need tcp:// with CURVE (the transport half of issue 19)
-                addresses = sorted(set(hosts.values()))
-                raise Refused(f"engine groups were placed on nodes at other addresses ({addresses}): not supported yet")
+            self.plan_network(self.stages.place())
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         self.create_rings()

@@ -3,6 +3,7 @@ down completely afterwards, even when the test fails."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -225,3 +226,14 @@ def hostile_messages(rng: random.Random) -> list[Callable[[], bytes]]:
         ),
         lambda: encoder.encode({"type": "Abort", "request_id": "never-seen"}),
     ]
+
+
+def node_address() -> str | None:
+    """This host's address on its default route (none: the test is skipped)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))  # sends nothing: it only picks the route's source address
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address

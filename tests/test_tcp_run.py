@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import random
@@ -32,7 +31,15 @@ from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
 from ipc.endpoints import PORT_SPAN
 from ipc.keys import load_secret_file
 from services.stage import read_run_info, run_endpoints
-from tests.harness import Run, assert_clean, brigade_run, free_port, frontend_dealer, hostile_messages
+from tests.harness import (
+    Run,
+    assert_clean,
+    brigade_run,
+    free_port,
+    frontend_dealer,
+    hostile_messages,
+    node_address,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -274,17 +281,6 @@ def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[
     with Client(tcp_run.run_dir) as client:
         assert greedy(client) == hf_greedy
     assert all(row["restarts"] == 0 for row in tcp_run.status())
-
-
-def node_address() -> str | None:
-    """This host's address on its default route (none: the test is skipped)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("198.51.100.1", 9))  # sends nothing: it only picks the route's source address
-        except OSError:
-            return None
-        address = probe.getsockname()[0]
-    return None if ipaddress.ip_address(address).is_loopback else address
 
 
 def tcp_peers(pid: int) -> set[tuple[str, int]]:

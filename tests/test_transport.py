@@ -24,9 +24,11 @@ from ipc.endpoints import (
     choose_link,
     free_port_base,
     link_port,
+    make_run_dir,
 )
 from ipc.keys import KEY_NAMES, BadKeyFile, create_key_files, load_public_key, load_run_keys, load_secret_file
 from tests.conftest import REPO_ROOT
+from tests.harness import node_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,3 +259,31 @@ def test_the_interface_of_an_address_is_found() -> None:
 
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("203.0.113.77") is None  # TEST-NET-3: on no interface of this host
+
+
+def test_stages_placed_on_other_hosts_get_tcp_links_with_keys(tmp_path: Path) -> None:
+    """What the supervisor makes of `StageSet.place()`'s answer (stage name -> address): a plan
+    with those hosts and a key set, or a clear refusal when the others could not reach it."""
+    from supervisor import GiveUp, Supervisor
+
+    placed = {"scheduler-0": "10.0.0.7", "gpu_worker-0-0": "10.0.0.7"}
+    run_dir = make_run_dir(tmp_path / "run")
+    loopback = Supervisor(load_config(None), None, [], run_dir, "text")
+    try:
+        with pytest.raises(GiveUp, match=r"network\.host is 127\.0\.0\.1, but stages run on other hosts"):
+            loopback.plan_network(placed)
+    finally:
+        loopback.ctx.destroy(linger=0)
+    here = node_address()
+    if here is None:
+        pytest.skip("no non-loopback IPv4 address")
+    head = Supervisor(load_config(None, [f"network.host={here}"]), None, [], run_dir, "text")
+    try:
+        head.plan_network(placed)
+    finally:
+        head.ctx.destroy(linger=0)
+    assert head.network_plan.hosts == placed and head.network_plan.keys is not None
+    assert head.endpoints.scheduler_in(0).connect.startswith("tcp://10.0.0.7:")
+    assert head.endpoints.frontend(0).connect.startswith(f"tcp://{here}:")
+    assert head.endpoints.scheduler_workers(0).connect.startswith("ipc://")
+    assert stat.S_IMODE((run_dir / "curve" / "stage.key_secret").stat().st_mode) == 0o600
