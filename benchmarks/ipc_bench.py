@@ -2,13 +2,15 @@
 
 - memcpy bandwidth of a 64 MiB numpy buffer (the yardstick);
 - control round trip DEALER <-> ROUTER over ipc://: bare pyzmq vs the typed sockets with a real
-  msgspec message (echo server in another process);
+  msgspec message (echo server in another process); and the typed sockets over each kind of link
+  a run can have: ipc://, tcp:// on loopback, tcp:// with CURVE (`--links` measures only these);
 - bulk handoff to another process, for 4 KiB, 1 MiB and 64 MiB: the shm ring (writer publishes a
   slot it already filled in place -> reader holds a torch view), one ZeroMQ frame with copy=True
   (-> torch.frombuffer), and multiprocessing.Queue (pickle). Latencies are perf_counter_ns values
   compared across processes (CLOCK_MONOTONIC is system-wide).
 
     python benchmarks/ipc_bench.py --json results/ipc.json
+    python benchmarks/ipc_bench.py --links
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc import codec as C
 from ipc import messages as m
+from ipc.config import NetworkConfig
+from ipc.endpoints import Link, choose_link, free_port_base
+from ipc.keys import create_key_files
 from ipc.shm import ShmRing, new_run_id
 from ipc.sockets import DealerSocket, RouterSocket
 
@@ -90,7 +95,7 @@ def raw_echo(endpoint: str, ready) -> None:
     ctx.term()
 
 
-def typed_echo(endpoint: str, ready) -> None:
+def typed_echo(endpoint: str | Link, ready) -> None:
     ctx = zmq.Context()
     with RouterSocket(ctx, endpoint, C.SCHEDULER_INPUT, C.SCHEDULER_INPUT) as router:
         ready.set()
@@ -151,6 +156,67 @@ def bench_rtt(run_dir: Path) -> tuple[float, float]:
     return p50_us(raw_ns), p50_us(typed_ns)
 
 
+def run_links(run_dir: Path) -> dict[str, Link]:
+    """One link of each kind a run can have, on this host."""
+    keys = create_key_files(run_dir / "curve")
+    base = free_port_base("127.0.0.1")
+    common = {"same_host": True, "host": "127.0.0.1", "run_dir": run_dir}
+    return {
+        "ipc": choose_link("rtt", port=0, network=NetworkConfig(), keys=None, **common),
+        "tcp": choose_link(
+            "rtt", port=base, network=NetworkConfig(transport="tcp", curve=False), keys=None, **common
+        ),
+        "tcp_curve": choose_link(
+            "rtt", port=base + 1, network=NetworkConfig(transport="tcp"), keys=keys, **common
+        ),
+    }
+
+
+def bench_link_rtt(run_dir: Path) -> dict[str, float]:
+    """p50 round trips (µs) of the typed sockets over each kind of link, alternated so that all
+    see the same machine load."""
+    links = run_links(run_dir)
+    ready = {name: SPAWN.Event() for name in links}
+    procs = [SPAWN.Process(target=typed_echo, args=(links[n], ready[n]), daemon=True) for n in links]
+    for proc in procs:
+        proc.start()
+    ctx = zmq.Context()
+    dealers = {
+        name: DealerSocket(ctx, link, C.SCHEDULER_INPUT, C.SCHEDULER_INPUT) for name, link in links.items()
+    }
+    message = m.AbortRequest("req-0123456789abcdef0123456789", "abort")
+    samples: dict[str, list[int]] = {name: [] for name in links}
+    try:
+        assert all(event.wait(WAIT) for event in ready.values()), "echo servers did not start"
+        for i in range(RTT_WARMUP + RTT_SAMPLES):
+            for name, dealer in dealers.items():
+                t0 = time.perf_counter_ns()
+                dealer.send(message)
+                reply = dealer.recv(WAIT)
+                t1 = time.perf_counter_ns()
+                assert reply == message, f"{name}: no echo"
+                if i >= RTT_WARMUP:
+                    samples[name].append(t1 - t0)
+        for dealer in dealers.values():
+            dealer.send(m.AbortRequest("stop"))
+            dealer.recv(WAIT)
+    finally:
+        for dealer in dealers.values():
+            dealer.close()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        ctx.term()
+    return {name: p50_us(ns) for name, ns in samples.items()}
+
+
+def print_link_rtt(link_rtt: dict[str, float]) -> None:
+    print(
+        "typed round trip p50 by link: " + ", ".join(f"{name} {us:.1f} µs" for name, us in link_rtt.items())
+    )
+
+
 # ---------------------------------------------------------------------------
 # bulk handoff: one receiver process for the three transports, in turn
 # ---------------------------------------------------------------------------
@@ -203,7 +269,9 @@ def receiver(ring_name: str, zmq_ep: str, ack_ep: str, queue, acks, results) -> 
 
 
 def bench_handoff(run_dir: Path) -> dict[str, dict[str, float]]:
-    ring = ShmRing.create(f"/brigade-{new_run_id()}-bench", num_slots=1, slot_bytes=max(SIZES) + 4096, num_readers=1)
+    ring = ShmRing.create(
+        f"/brigade-{new_run_id()}-bench", num_slots=1, slot_bytes=max(SIZES) + 4096, num_readers=1
+    )
     zmq_ep, ack_ep = f"ipc://{run_dir}/bulk.sock", f"ipc://{run_dir}/ack.sock"
     queue, acks, results = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
     proc = SPAWN.Process(target=receiver, args=(ring.name, zmq_ep, ack_ep, queue, acks, results), daemon=True)
@@ -259,13 +327,25 @@ def bench_handoff(run_dir: Path) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--links", action="store_true", help="only the round trip by kind of link")
     args = parser.parse_args()
 
     run_dir = Path(tempfile.mkdtemp(prefix="brigade-bench-"))
     t_start = time.perf_counter()
+    if args.links:
+        try:
+            link_rtt = bench_link_rtt(run_dir)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print_link_rtt(link_rtt)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"link_rtt_us_p50": link_rtt}, indent=2))
+        return
     try:
         memcpy_gbps = bench_memcpy()
         raw_rtt, typed_rtt = bench_rtt(run_dir)
+        link_rtt = bench_link_rtt(run_dir)
         handoff = bench_handoff(run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -280,16 +360,22 @@ def main() -> None:
         "memcpy_gbps": memcpy_gbps,
         "raw_zmq_rtt_us_p50": raw_rtt,
         "brigade_rtt_us_p50": typed_rtt,
+        "link_rtt_us_p50": link_rtt,
         "shm_handoff_us_p50": shm,
         "zmq_copy_us_p50": zmq_copy,
         "pickle_queue_us_p50": handoff["pickle"],
         "targets_met": targets,
         "seconds": time.perf_counter() - t_start,
-        "platform": {"machine": platform.machine(), "cpus": mp.cpu_count(), "python": platform.python_version()},
+        "platform": {
+            "machine": platform.machine(),
+            "cpus": mp.cpu_count(),
+            "python": platform.python_version(),
+        },
     }
 
     print(f"memcpy 64 MiB: {memcpy_gbps:.1f} GB/s")
     print(f"round trip p50: raw pyzmq {raw_rtt:.1f} µs, typed sockets {typed_rtt:.1f} µs")
+    print_link_rtt(link_rtt)
     print(f"{'bytes':>10} {'shm ring µs':>12} {'zmq copy µs':>12} {'mp.Queue µs':>12}")
     for size in map(str, SIZES):
         print(f"{size:>10} {shm[size]:>12.1f} {zmq_copy[size]:>12.1f} {handoff['pickle'][size]:>12.1f}")

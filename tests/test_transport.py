@@ -287,3 +287,15 @@ def test_stages_placed_on_other_hosts_get_tcp_links_with_keys(tmp_path: Path) ->
     assert head.endpoints.frontend(0).connect.startswith(f"tcp://{here}:")
     assert head.endpoints.scheduler_workers(0).connect.startswith("ipc://")
     assert stat.S_IMODE((run_dir / "curve" / "stage.key_secret").stat().st_mode) == 0o600
+
+
+@pytest.mark.timeout(180)
+def test_the_link_round_trip_benchmark_measures_every_kind_of_link(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from benchmarks import ipc_bench
+
+    monkeypatch.setattr(ipc_bench, "RTT_WARMUP", 5)
+    monkeypatch.setattr(ipc_bench, "RTT_SAMPLES", 20)
+    rtt = ipc_bench.bench_link_rtt(tmp_path)
+    assert set(rtt) == {"ipc", "tcp", "tcp_curve"} and all(us > 0 for us in rtt.values())
