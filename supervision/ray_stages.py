@@ -351,14 +351,16 @@ class RayStageSet(StageSet):
         for pg in self.groups:
             with contextlib.suppress(RayError):
                 remove_placement_group(pg)
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        cleanups = [
-            _clean_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host
-            )
-            for node in nodes
-        ]
-        with contextlib.suppress(RayError, GetTimeoutError):
+        # A cluster that went away meanwhile took the nodes' leftovers with it; this host's are
+        # swept at the next start (sweep_stale_runs).
+        with contextlib.suppress(RayError, ConnectionError):
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            cleanups = [
+                _clean_node.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host)
+                for node in nodes
+            ]
             ray.get(cleanups, timeout=CALL_TIMEOUT_S)
         ray.shutdown()
 
