@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 import zmq
 
 from client import AsyncClient, AuthenticationFailed, Client
@@ -31,6 +33,7 @@ from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
 from ipc.endpoints import PORT_SPAN
 from ipc.keys import load_secret_file
 from services.stage import read_run_info, run_endpoints
+from tests.conftest import REPO_ROOT
 from tests.harness import (
     Run,
     assert_clean,
@@ -52,6 +55,8 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
     run_dir = tmp_path_factory.mktemp("tcp-run")
+    config = run_dir.parent / "tcp-run.yaml"  # a file of its own: the rescale test edits it
+    shutil.copy(REPO_ROOT / "configs" / "default.yaml", config)
     port, http_port = free_port(), free_port()
     with brigade_run(
         run_dir,
@@ -63,6 +68,7 @@ def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         "engine.threads=1",
         f"gateway.port={http_port}",
         f"supervisor.metrics_port={port}",
+        config=str(config),
     ) as run:
         run.metrics_port = port
         run.http_port = http_port
@@ -235,11 +241,13 @@ def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf
         assert greedy(client) == hf_greedy
 
 
-def test_the_client_key_opens_no_internal_link(tcp_run: Run) -> None:
-    """The client key reaches the frontends only: a client that tries the scheduler's inbox with
-    it is refused there, and the run goes on."""
+@pytest.mark.parametrize("server", ["scheduler-0", "supervisor"])
+def test_the_client_key_opens_no_internal_link(tcp_run: Run, server: str) -> None:
+    """The client key reaches the frontends only: a client that tries the scheduler's inbox or
+    the supervisor's control socket with it is refused there, counted, and the run goes on."""
     info = read_run_info(tcp_run.run_dir)
-    link = run_endpoints(tcp_run.run_dir, info).scheduler_in(0)
+    endpoints = run_endpoints(tcp_run.run_dir, info)
+    link = endpoints.scheduler_in(0) if server == "scheduler-0" else endpoints.supervisor()
     assert link.client_curve is not None
     client_keys = load_secret_file(info.curve_client_keys)
     ctx = zmq.Context()
@@ -251,14 +259,15 @@ def test_the_client_key_opens_no_internal_link(tcp_run: Run) -> None:
         push.curve_publickey, push.curve_secretkey = client_keys.public, client_keys.secret
         push.connect(link.connect)
         deadline = time.monotonic() + REFUSED_WITHIN_S
-        while not curve_failures(tcp_run, "scheduler-0"):
-            assert time.monotonic() < deadline, "the scheduler did not refuse the client key"
+        while not curve_failures(tcp_run, server):
+            assert time.monotonic() < deadline, f"{server} did not refuse the client key"
             with pytest.raises(zmq.Again):
                 push.send(SCHEDULER_INPUT.encode(m.AbortRequest("never-seen")), zmq.NOBLOCK)
             time.sleep(0.2)
     finally:
         ctx.destroy(linger=0)
-    assert "not one of the run's client keys" in curve_failures(tcp_run, "scheduler-0")[0]["reason"]
+    assert "not one of the run's client keys" in curve_failures(tcp_run, server)[0]["reason"]
+    wait_for("the refusal counted", lambda: metric(tcp_run, "brigade:curve_auth_failures_total", server) >= 1)
     assert all(row["restarts"] == 0 for row in tcp_run.status())
 
 
@@ -281,6 +290,27 @@ def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[
     with Client(tcp_run.run_dir) as client:
         assert greedy(client) == hf_greedy
     assert all(row["restarts"] == 0 for row in tcp_run.status())
+
+
+def test_new_replicas_get_their_own_tcp_links(tcp_run: Run, hf_greedy: list[int]) -> None:
+    """A hot reload to 2 frontends and 2 detokenizers: the new ones listen on their own ports
+    (with CURVE), run.json lists both frontends, and requests over either are served."""
+    config = tcp_run.run_dir.parent / "tcp-run.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["frontend"]["replicas"] = raw["detokenizer"]["replicas"] = 2
+    config.write_text(yaml.safe_dump(raw))
+    tcp_run.process.send_signal(signal.SIGHUP)
+    wait_for("two frontends in run.json", lambda: len(read_run_info(tcp_run.run_dir).frontends) == 2)
+    wait_for(
+        "every stage running",
+        lambda: len(tcp_run.stage_pids("tokenizer")) == 2 and len(tcp_run.stage_pids("detokenizer")) == 2,
+    )
+    info = read_run_info(tcp_run.run_dir)
+    assert info.frontends[1] == f"tcp://127.0.0.1:{info.network.port_base + 65}"
+    for endpoint in info.frontends:
+        with Client(endpoint, server_key=info.curve_server_key, keys=info.curve_client_keys) as client:
+            assert greedy(client) == hf_greedy
+            assert client.health(timeout=30)[0].is_ready
 
 
 def tcp_peers(pid: int) -> set[tuple[str, int]]:
