@@ -21,13 +21,29 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's, so the tiny model can serve real text
 
 
+TRANSPORT_ENV = "BRIGADE_TEST_TRANSPORT"  # tests/harness.py starts every run with this network.transport
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--transport",
+        choices=("ipc", "tcp"),
+        default=None,
+        help="network.transport of every run tests/harness.py starts (tcp: every link over loopback "
+        "tcp:// with CURVE); a test's own override wins",
+    )
     parser.addoption(
         "--chaos-seed",
         type=int,
         default=None,
         help="seed of tests/test_chaos.py's fault plan (default: a new one each run, printed on failure)",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    transport = config.getoption("--transport")
+    if transport is not None:
+        os.environ[TRANSPORT_ENV] = transport  # inherited by the test processes' children too
 
 
 @pytest.fixture

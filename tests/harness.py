@@ -25,7 +25,7 @@ from ipc import messages as m
 from ipc.codec import CLIENT_REQUEST
 from ipc.keys import load_secret_file
 from services.stage import read_run_info
-from tests.conftest import REPO_ROOT, brigade_shm_objects
+from tests.conftest import REPO_ROOT, TRANSPORT_ENV, brigade_shm_objects
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -108,7 +108,10 @@ def start_supervisor(
         overrides = ("supervisor.metrics_port=0", *overrides)
     # Never the default port 8000: runs of other tests (or a user's Brigade) may hold it. A test's
     # own gateway.port override comes later and wins (a port in its config file would not).
-    for override in (f"gateway.port={free_port()}", *overrides):
+    # `--transport` (tests/conftest.py) comes first too, so a test's own choice wins.
+    transport = os.environ.get(TRANSPORT_ENV)
+    first = [f"gateway.port={free_port()}", *([f"network.transport={transport}"] if transport else [])]
+    for override in (*first, *overrides):
         argv += ["--set", override]
     return subprocess.Popen(
         argv,

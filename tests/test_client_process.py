@@ -24,7 +24,7 @@ from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
 from ipc.shm import sweep_stale_runs
 from tests.conftest import REPO_ROOT
-from tests.harness import Run, assert_clean, brigade_run, stage_processes
+from tests.harness import Run, assert_clean, brigade_run, frontend_dealer, stage_processes
 from tests.test_supervisor import free_port, wait_all_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,9 +59,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 def raw_dealer(run: Run) -> Iterator[zmq.Socket]:
     """A bare DEALER to frontend 0, as a client that speaks the wire protocol itself."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(f"ipc://{run.run_dir / 'frontend-0.sock'}")
+    sock = frontend_dealer(ctx, run.run_dir)
     try:
         yield sock
     finally:
@@ -168,11 +166,12 @@ def test_another_connection_can_neither_take_over_nor_abort_a_request(tiny_run: 
 
 DEAD_CLIENT = """
 import sys, time, zmq
+from pathlib import Path
 from ipc import messages as m
 from ipc.codec import CLIENT_REQUEST
+from tests.harness import frontend_dealer
 ctx = zmq.Context()
-sock = ctx.socket(zmq.DEALER)
-sock.connect(sys.argv[1])
+sock = frontend_dealer(ctx, Path(sys.argv[1]))
 params = m.SamplingParams(max_tokens=int(sys.argv[2]), temperature=0.0, ignore_eos=True)
 for i in range(20):
     sock.send(CLIENT_REQUEST.encode(m.Generate(f"quiet-{i}", prompt=f"Tell me about {i}", params=params, stream=False)))
@@ -188,9 +187,8 @@ def test_a_dead_clients_non_streamed_requests_are_aborted(tiny_run: Run) -> None
         metric(tiny_run, "brigade:request_success_total", 'finished_reason="abort"'),
         metric(tiny_run, "brigade:request_success_total", 'finished_reason="length"'),
     )
-    endpoint = f"ipc://{tiny_run.run_dir / 'frontend-0.sock'}"
     client = subprocess.Popen(
-        [sys.executable, "-c", DEAD_CLIENT, endpoint, str(LONG.max_tokens)],
+        [sys.executable, "-c", DEAD_CLIENT, str(tiny_run.run_dir), str(LONG.max_tokens)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )  # fmt: skip
     try:

@@ -299,3 +299,17 @@ def test_the_link_round_trip_benchmark_measures_every_kind_of_link(
     monkeypatch.setattr(ipc_bench, "RTT_SAMPLES", 20)
     rtt = ipc_bench.bench_link_rtt(tmp_path)
     assert set(rtt) == {"ipc", "tcp", "tcp_curve"} and all(us > 0 for us in rtt.values())
+
+
+def test_the_cli_refuses_a_remote_endpoint_without_keys_and_reads_key_files(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "client", *args, "generate", "hi", "--max-tokens", "1"]
+        return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+    done = cli("--endpoint", "tcp://10.1.2.3:7000")
+    assert done.returncode == 1 and "beyond this host: pass server_key= and keys=" in done.stderr
+    create_key_files(tmp_path / "k")
+    (tmp_path / "k" / "client.key_secret").chmod(0o644)
+    done = cli("--endpoint", "tcp://10.1.2.3:7000", "--server-key", str(tmp_path / "k" / "server.key"),
+               "--keys", str(tmp_path / "k" / "client.key_secret"))  # fmt: skip
+    assert done.returncode == 1 and "chmod 600" in done.stderr
