@@ -66,11 +66,14 @@ class GiveUp(Exception):
     """The run cannot go on (a stage failed too often, or cannot start at all); the run ends."""
 
 
-def step_slot_bytes(config: Config) -> int:
-    """Bytes of one step-plan slot at the configured maxima (ipc/step_plan.py declares the arrays)."""
+def step_slot_bytes(config: Config, vocab_size: int) -> int:
+    """Bytes of one step-plan slot at the configured maxima (ipc/step_plan.py declares the arrays),
+    for a model of `vocab_size` (every row constrained: a full grammar bitmask)."""
     engine = config.engine
     max_model_len = config.model.max_model_len
-    limits = plan_limits(engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, engine.block_size)
+    limits = plan_limits(
+        engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, engine.block_size, vocab_size
+    )
     return STEP_PLAN.slot_bytes(limits)
 
 
@@ -206,13 +209,15 @@ class Supervisor:
         first, last, curve = port_base, port_base + PORT_SPAN - 1, " with CURVE" if keys else ""
         log.info("tcp:// links on ports %d-%d%s", first, last, curve)
 
-    def create_rings(self) -> None:
+    def create_rings(self, model_dir: Path) -> None:
         """Each engine group's step and result rings, where the stage set puts the group."""
         engine = self.config.engine
+        # check_model has read this config.json already: it is there and well-formed.
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         specs = []
         for group in range(engine.data_parallel):
             step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
-            step_bytes = step_slot_bytes(self.config)
+            step_bytes = step_slot_bytes(self.config, vocab_size)
             specs.append(RingSpec(group, step, RING_SLOTS, step_bytes, engine.tensor_parallel))
             specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(self.config), 1))
         self.rings = self.stages.create_rings(specs)
@@ -243,7 +248,7 @@ class Supervisor:
             self.plan_network(self.stages.place())
         except Refused as exc:
             raise GiveUp(str(exc)) from None
-        self.create_rings()
+        self.create_rings(model_dir)
         metrics_dir = self.run_dir / METRICS_DIR
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)

@@ -11,9 +11,9 @@ sizes the ring slots from it (`SlotSpec.slot_bytes`), and tests build plans from
 
 A dimension's size comes from the slot header (tokens, rows, top-K), from another array's shape
 (the block-table width), or from the last entry of an offsets array (the ragged spans). A new
-array is one `ArraySpec` line; one that only some steps carry is declared `optional`, for example
-a per-row token bitmask for structured output:
-`ArraySpec("token_bitmask", np.int32, (Dim.ROWS, Dim.VOCAB_WORDS), optional=True)`.
+array is one `ArraySpec` line; one that only some steps carry is declared `optional`: the grammar
+bitmask of structured output (docs/structured_output.md) is there only when some sampled row is
+constrained, and has a row only for those (`Dim.CONSTRAINED`), so other rows and steps pay nothing.
 """
 
 from __future__ import annotations
@@ -41,12 +41,17 @@ class Dim(enum.Enum):
     BIAS = "bias"  # logit-bias entries of all rows together (bias_offsets[-1])
     TOP_K = "top_k"  # top logprobs per row (header max_top_logprobs)
     VOCAB_WORDS = "vocab_words"  # 32-bit words of a bitmask over the vocabulary
+    CONSTRAINED = "constrained"  # the step's sampled rows under a grammar (grammar_rows)
 
 
 class SlotSink(Protocol):
     """Where `SlotSpec.write` puts arrays: a ring slot (ipc/shm.py `SlotWriter`) or a test's dict."""
 
     def put(self, name: str, array: np.ndarray) -> None: ...
+
+    def alloc(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable array in the slot, to fill in place (the grammar bitmask)."""
+        ...
 
 
 class SlotMismatch(ValueError):
@@ -81,6 +86,10 @@ class SlotSpec:
         object.__setattr__(self, "names", tuple(spec.name for spec in self.arrays))
         object.__setattr__(self, "required", tuple(spec.name for spec in self.arrays if not spec.optional))
         object.__setattr__(self, "optional", tuple(spec.name for spec in self.arrays if spec.optional))
+
+    def required_specs(self) -> tuple[ArraySpec, ...]:
+        """The arrays every slot of this kind carries."""
+        return tuple(spec for spec in self.arrays if not spec.optional)
 
     def write(self, slot: SlotSink, arrays: Mapping[str, np.ndarray]) -> None:
         """Put `arrays` into a slot in declared order; SlotMismatch for a missing or unknown array.
@@ -218,8 +227,12 @@ STEP_PLAN = SlotSpec(
         ArraySpec("bias_offsets", I32, (S1,)),
         ArraySpec("bias_ids", I32, (Dim.BIAS,)),
         ArraySpec("bias_values", F32, (Dim.BIAS,)),
+        # Structured output: grammar_rows[i] is the plan index of a sampled row, and bit t % 32 of
+        # grammar_bitmask[i, t // 32] is set when that row may sample token t.
+        ArraySpec("grammar_rows", I32, (Dim.CONSTRAINED,), optional=True),
+        ArraySpec("grammar_bitmask", I32, (Dim.CONSTRAINED, Dim.VOCAB_WORDS), optional=True),
     ),
-    measured={Dim.BLOCKS: ("block_tables", 1)},
+    measured={Dim.BLOCKS: ("block_tables", 1), Dim.CONSTRAINED: ("grammar_rows", 0)},
     ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
 )
 
@@ -240,16 +253,23 @@ MAX_BIAS_ENTRIES_PER_ROW = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + 64
 
 
 def plan_limits(
-    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int, vocab_size: int
 ) -> dict[Dim, int]:
-    """The largest size of each step-plan dimension under these engine settings."""
+    """The largest size of each step-plan dimension under these engine settings and vocabulary."""
     return {
         Dim.TOKENS: max_num_batched_tokens,
         Dim.ROWS: max_num_seqs,
         Dim.BLOCKS: -(-max_model_len // block_size),
         Dim.HISTORY: max_num_seqs * max_model_len,
         Dim.BIAS: max_num_seqs * MAX_BIAS_ENTRIES_PER_ROW,
+        Dim.CONSTRAINED: max_num_seqs,
+        Dim.VOCAB_WORDS: vocab_words(vocab_size),
     }
+
+
+def vocab_words(vocab_size: int) -> int:
+    """32-bit words of a bitmask with one bit per token."""
+    return (vocab_size + 31) // 32
 
 
 def result_limits(max_num_seqs: int) -> dict[Dim, int]:

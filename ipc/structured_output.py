@@ -23,14 +23,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ipc.messages import StructuredKind, StructuredOutput
-from ipc.validation import InvalidParams
+from ipc.validation import MAX_SPEC_BYTES, STRUCTURED_KINDS, InvalidParams
 
-__all__ = ["StructuredKind", "StructuredOutput"]
+__all__ = ["MAX_SPEC_BYTES", "StructuredKind", "StructuredOutput"]
 
-KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
-
-# Requests are bounded before anything compiles: the compiler has its own limits on top.
-MAX_SPEC_BYTES = 64 * 1024
+KINDS: tuple[str, ...] = STRUCTURED_KINDS
 MAX_CHOICES = 1024
 MAX_TOOLS = 128
 

@@ -11,6 +11,11 @@ Decisions:
   run: the frontend fills them from the model's defaults first (ipc/sampling_defaults.py).
 - User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
   -inf is reserved for the scheduler (eos / stop ids under min_tokens) and never comes from a user.
+- A `structured` constraint is checked for its form here (kind, text, size); whether it compiles is
+  the grammar engine's to say (services/scheduler/grammar_compiler.py `check_constraint`, which the
+  frontend calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
+  where the output ends, and once it must end eos is the only token its mask allows, so holding eos
+  back would leave a row with no token to sample.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, StructuredOutput
 
 MAX_MAX_TOKENS = 1_000_000
 MAX_TEMPERATURE = 100.0
@@ -36,6 +41,9 @@ MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
 # The fields a request may leave None for the frontend to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+# A constraint's text is bounded before anything compiles; the compiler has its own limits on top.
+MAX_SPEC_BYTES = 64 * 1024
 
 
 class InvalidParams(ValueError):
@@ -78,6 +86,8 @@ def validate_params(
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(params, name), bool):
             raise InvalidParams(f"{name} must be a bool, got {getattr(params, name)!r}")
+    if params.structured is not None:
+        _check_structured(params)
 
 
 def validate_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
@@ -137,6 +147,27 @@ def _check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
     _check_token_ids("logit_bias", list(bias), vocab_size, MAX_LOGIT_BIAS_ENTRIES)
     for token_id, value in bias.items():
         _check_float(f"logit_bias[{token_id}]", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+
+
+def _check_structured(params: SamplingParams) -> None:
+    spec = params.structured
+    if not isinstance(spec, StructuredOutput):
+        raise InvalidParams(f"structured must be a StructuredOutput, got {type(spec).__name__}")
+    if spec.kind not in STRUCTURED_KINDS:
+        raise InvalidParams(f"structured.kind must be one of {list(STRUCTURED_KINDS)}, got {spec.kind!r}")
+    if not isinstance(spec.spec, str) or not spec.spec:
+        raise InvalidParams(f"structured.spec must be a non-empty string, got {spec.spec!r:.80}")
+    size = len(spec.spec.encode())
+    if size > MAX_SPEC_BYTES:
+        raise InvalidParams(f"structured.spec: {size} bytes, larger than the limit of {MAX_SPEC_BYTES}")
+    if not isinstance(spec.strict, bool):
+        raise InvalidParams(f"structured.strict must be a bool, got {spec.strict!r}")
+    for name, conflicts in (("min_tokens", params.min_tokens > 0), ("ignore_eos", params.ignore_eos)):
+        if conflicts:
+            raise InvalidParams(
+                f"{name} cannot be combined with structured output: the grammar decides where the "
+                "output ends (eos is the only token it allows once complete)"
+            )
 
 
 def _check_stop_strings(stop: Any) -> None:

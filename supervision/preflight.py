@@ -58,8 +58,11 @@ def check_model(config: Config, model_dir: Path) -> None:
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
         num_layers, intermediate = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
+        vocab_size = int(raw["vocab_size"])  # the supervisor sizes the grammar bitmask by it
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
+    if vocab_size < 1:
+        raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
     try:  # the frontends read the same defaults at start; a bad file would crash-loop them
         model_defaults(model_dir, config.model.generation_config)
     except ValueError as exc:

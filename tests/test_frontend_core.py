@@ -256,3 +256,26 @@ def test_a_resubmission_on_the_same_connection_keeps_the_engine_id(core_factory)
         "r", "internal", "boom"
     )
     assert not core.journal and not core.engine_ids
+
+
+def test_constraints_are_checked_at_admission_naming_the_field(core_factory) -> None:
+    """A constraint that does not compile, or one combined with min_tokens, is refused before it
+    enters the pipeline; a good one passes, and a repeated check is answered from the cache."""
+    core = core_factory()
+
+    def generate(spec: m.StructuredOutput, **params: object) -> m.Generate:
+        return m.Generate("r", prompt="x", params=m.SamplingParams(structured=spec, **params))
+
+    bad = m.StructuredOutput("json", '{"type": "array", "uniqueItems": true}')
+    for _ in range(2):  # the second answer comes from the frontend's cache of checked constraints
+        with pytest.raises(RequestError, match=r"structured\.json: .*uniqueItems") as info:
+            core.admit(b"c", generate(bad))
+        assert info.value.code == "invalid_request"
+    with pytest.raises(RequestError, match=r"structured\.regex: "):
+        core.admit(b"c", generate(m.StructuredOutput("regex", "([")))
+    good = m.StructuredOutput("regex", "[0-9]{3}")
+    with pytest.raises(RequestError, match="min_tokens cannot be combined"):
+        core.admit(b"c", generate(good, min_tokens=1))
+    entry = core.admit(b"c", generate(good))
+    assert entry.submit.params.structured == good
+    assert list(core.journal) == [entry.submit.request_id]

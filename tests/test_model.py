@@ -444,3 +444,58 @@ def test_tiny_half_precision_close_to_hf(tiny_model_dir, tiny, dtype):
         expected = hf_last_logits(hf, history)
         assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.999
         torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
+
+
+def bitmask_allowing(allowed: list[list[int]], vocab_size: int) -> np.ndarray:
+    """Packed int32 bitmask rows (bit t % 32 of word t // 32), one per list of allowed tokens."""
+    bits = np.zeros((len(allowed), -(-vocab_size // 32) * 32), np.uint8)
+    for row, tokens in enumerate(allowed):
+        bits[row, tokens] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_grammar_bitmask_restricts_only_its_rows(tiny):
+    """Plan row 1 of 3 may only sample the tokens its bitmask row allows (none of them the token
+    it samples unconstrained); the other rows sample exactly what they do without a mask."""
+    runner, _ = tiny
+    chunks = [(0, [10, 11, 12], True), (1, [13, 14], True), (2, [15, 16, 17, 18], True)]
+    arrays, header = PlanBuilder().plan(chunks)
+    free = runner.execute(arrays, header)["sampled_ids"]
+    allowed = [t for t in (3, 77, 501) if t != free[1]]
+    grammar = {
+        "grammar_rows": np.array([1], np.int32),
+        "grammar_bitmask": bitmask_allowing([allowed], runner.vocab_size),
+    }
+    arrays, header = PlanBuilder().plan(chunks)
+    masked = runner.execute({**arrays, **grammar}, header)["sampled_ids"]
+    assert masked[1] in allowed
+    assert masked[0] == free[0] and masked[2] == free[2]
+
+
+def test_bad_grammar_arrays_are_refused_naming_them(tiny):
+    runner, _ = tiny
+    arrays, header = PlanBuilder().plan([(0, [10, 11], True), (1, [12, 13, 14], False)])
+    mask = bitmask_allowing([[5]], runner.vocab_size)
+    cases = {
+        "must come together": {**arrays, "grammar_rows": np.array([0], np.int32)},
+        "'grammar_bitmask' has shape": {
+            **arrays,
+            "grammar_rows": np.array([0], np.int32),
+            "grammar_bitmask": mask[:, :-1],
+        },
+        "grammar_rows must be distinct indices below 2": {
+            **arrays,
+            "grammar_rows": np.array([2], np.int32),
+            "grammar_bitmask": mask,
+        },
+        "grammar_rows names a row that samples nothing": {
+            **arrays,
+            "grammar_rows": np.array([1], np.int32),
+            "grammar_bitmask": mask,
+        },
+    }
+    for message, bad in cases.items():
+        with pytest.raises(InvalidPlan, match=message):
+            runner.execute(bad, header)
+    good = {**arrays, "grammar_rows": np.array([0], np.int32), "grammar_bitmask": mask}
+    assert runner.execute(good, header)["sampled_ids"][0] == 5

@@ -400,3 +400,40 @@ def test_top_p_nucleus_beyond_the_candidates_falls_back_to_a_full_sort():
     # The same rows alone (no fallback needed for the peaked one, a full sort for a flat one).
     assert sample(logits[draws:], rows[draws:]).sampled_ids.item() == ids[draws]
     assert sample(logits[5:6], rows[5:6]).sampled_ids.item() == ids[5]
+
+
+def grammar_arrays(plan_rows: list[int], allowed: list[list[int]], vocab_size: int) -> dict[str, np.ndarray]:
+    bits = np.zeros((len(allowed), -(-vocab_size // 32) * 32), np.uint8)
+    for row, tokens in enumerate(allowed):
+        bits[row, tokens] = 1
+    return {
+        "grammar_rows": np.array(plan_rows, np.int32),
+        "grammar_bitmask": np.packbits(bits, axis=1, bitorder="little").view(np.int32),
+    }
+
+
+def test_grammar_bitmask_is_applied_per_row_and_stays_batch_invariant():
+    """A constrained row samples among its allowed tokens only, with raw logprobs; seeded, it
+    samples the same token alone and in a batch in any order, with its bitmask row following it."""
+    vocab = 100
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab)
+    rows = [
+        {"temperature": 1.0, "seed": 5, "position": 9},
+        {"temperature": 0.0},
+        {"temperature": 0.7, "seed": 2},
+    ]
+    allowed = [[1, 2, 3, 40], [7, 8]]
+    plan = {**make_plan(rows), **grammar_arrays([0, 2], allowed, vocab)}
+    sampler = Sampler(vocab, "cpu")
+    batch = sampler.sample(logits.clone(), plan, np.arange(3))
+    ids = batch.sampled_ids.tolist()
+    assert ids[0] in allowed[0] and ids[2] in allowed[1]
+    assert ids[1] == int(logits[1].argmax())  # unconstrained: untouched
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor(ids)]
+    torch.testing.assert_close(batch.sampled_logprobs, expected)
+    for order in ([2, 0], [0], [2]):
+        local = [i for i, r in enumerate(order) if r in (0, 2)]
+        sub = {**make_plan(rows), **grammar_arrays(order, [allowed[(0, None, 1)[r]] for r in order], vocab)}
+        sub_ids = sampler.sample(logits[order].clone(), sub, np.array(order)).sampled_ids.tolist()
+        assert [sub_ids[i] for i in local] == [ids[order[i]] for i in local], order

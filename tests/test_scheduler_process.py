@@ -6,6 +6,7 @@ being lost, changed, repeated or cut."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,7 +62,9 @@ class Group:
         self.rings: list[ShmRing] = []
         self.processes: list[subprocess.Popen] = []
         self.ctx = zmq.Context()
-        self.rings.append(ShmRing.create(self.endpoints.step_ring(0), RING_SLOTS, step_slot_bytes(config), 1))
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        step_bytes = step_slot_bytes(config, vocab_size)
+        self.rings.append(ShmRing.create(self.endpoints.step_ring(0), RING_SLOTS, step_bytes, 1))
         self.rings.append(ShmRing.create(self.endpoints.result_ring(0), RING_SLOTS, result_slot_bytes(config), 1))
         self.detokenizer = PullQueue(self.ctx, self.endpoints.detokenizer_in(0), DETOKENIZER_INPUT)
         self.frontend = PullQueue(self.ctx, self.endpoints.frontend_in(0), FRONTEND_INPUT)

@@ -14,7 +14,6 @@ from ipc.step_plan import (
     MAX_BIAS_ENTRIES_PER_ROW,
     STEP_PLAN,
     STEP_RESULT,
-    ArraySpec,
     Dim,
     SlotMismatch,
     SlotSpec,
@@ -47,7 +46,7 @@ def plan(**arrays: np.ndarray) -> dict[str, np.ndarray]:
 
 def test_neutral_plan_matches_the_declaration():
     arrays = plan()
-    assert list(arrays) == list(STEP_PLAN.names)  # declared order
+    assert list(arrays) == list(STEP_PLAN.required)  # declared order; no optional array
     sizes = STEP_PLAN.check(arrays, SIZES)
     assert sizes[Dim.BLOCKS] == 2 and sizes[Dim.HISTORY] == 0 and sizes[Dim.BIAS] == 0
     assert arrays["top_p"].tolist() == [1.0, 1.0] and arrays["repetition_penalty"].tolist() == [1.0, 1.0]
@@ -102,19 +101,26 @@ def test_ragged_spans_are_sized_by_their_offsets():
         STEP_PLAN.check(arrays, SIZES)
 
 
-def test_an_optional_array_may_be_absent_but_not_wrong():
-    """How a per-row token bitmask (structured output) would be declared."""
-    bitmask = ArraySpec("token_bitmask", np.int32, (Dim.ROWS, Dim.VOCAB_WORDS), optional=True)
-    spec = SlotSpec("step plan", (*STEP_PLAN.arrays, bitmask), STEP_PLAN.measured, STEP_PLAN.ragged)
+def test_the_grammar_arrays_may_be_absent_but_not_wrong():
+    """The structured-output arrays: only some steps carry them, with one bitmask row per
+    constrained row (measured from grammar_rows), each as wide as the vocabulary in words."""
     sizes = {**SIZES, Dim.VOCAB_WORDS: 4}
     arrays = plan()
-    spec.check(arrays, sizes)  # absent: fine
-    spec.check({**arrays, "token_bitmask": np.zeros((2, 4), np.int32)}, sizes)
-    with pytest.raises(SlotMismatch, match="'token_bitmask' has shape"):
-        spec.check({**arrays, "token_bitmask": np.zeros((2, 3), np.int32)}, sizes)
-    assert "token_bitmask" not in spec.neutral({**sizes, Dim.BLOCKS: 2})
-    limits = {**plan_limits(4, 16, 64, 16), Dim.VOCAB_WORDS: 1000}
-    assert spec.slot_bytes(limits) >= STEP_PLAN.slot_bytes(limits) + 4 * 1000 * 4
+    assert "grammar_rows" not in arrays and "grammar_bitmask" not in arrays
+    STEP_PLAN.check(arrays, sizes)  # absent: fine
+    one = {"grammar_rows": np.array([1], np.int32), "grammar_bitmask": np.zeros((1, 4), np.int32)}
+    assert STEP_PLAN.check({**arrays, **one}, sizes)[Dim.CONSTRAINED] == 1
+    with pytest.raises(SlotMismatch, match="'grammar_bitmask' has shape"):
+        STEP_PLAN.check({**arrays, **one, "grammar_bitmask": np.zeros((1, 3), np.int32)}, sizes)
+    with pytest.raises(SlotMismatch, match="'grammar_bitmask' has shape"):
+        STEP_PLAN.check({**arrays, **one, "grammar_bitmask": np.zeros((2, 4), np.int32)}, sizes)
+    with pytest.raises(SlotMismatch, match="'grammar_rows' is int64"):
+        STEP_PLAN.check({**arrays, **one, "grammar_rows": np.array([1])}, sizes)
+    assert "grammar_bitmask" not in STEP_PLAN.neutral({**sizes, Dim.BLOCKS: 2})
+    limits = plan_limits(4, 16, 64, 16, vocab_size=32000)
+    assert limits[Dim.VOCAB_WORDS] == 1000 and limits[Dim.CONSTRAINED] == 4
+    without = SlotSpec("step plan", STEP_PLAN.required_specs(), STEP_PLAN.measured, STEP_PLAN.ragged)
+    assert STEP_PLAN.slot_bytes(limits) >= without.slot_bytes(limits) + 4 * 1000 * 4
 
 
 class DictSlot(dict):
@@ -126,7 +132,7 @@ def test_write_puts_the_declared_arrays_in_order_and_refuses_the_rest():
     arrays = dict(reversed(plan().items()))
     slot = DictSlot()
     STEP_PLAN.write(slot, arrays)
-    assert list(slot) == list(STEP_PLAN.names)
+    assert list(slot) == list(STEP_PLAN.required)
     with pytest.raises(SlotMismatch, match="'rows' is missing"):
         STEP_PLAN.write(DictSlot(), {k: v for k, v in arrays.items() if k != "rows"})
     with pytest.raises(SlotMismatch, match=r"unknown arrays \['mask'\]"):
@@ -143,8 +149,13 @@ def test_slots_sized_from_the_spec_hold_the_largest_plan_and_result(run_id):
     written into a real ring slot of the size the supervisor gives it; the same for a result."""
     config = Config()
     engine = config.engine
+    vocab_size = 49152
     limits = plan_limits(
-        engine.max_num_seqs, engine.max_num_batched_tokens, config.model.max_model_len, engine.block_size
+        engine.max_num_seqs,
+        engine.max_num_batched_tokens,
+        config.model.max_model_len,
+        engine.block_size,
+        vocab_size,
     )
     assert limits[Dim.BIAS] == engine.max_num_seqs * MAX_BIAS_ENTRIES_PER_ROW
     assert MAX_BIAS_ENTRIES_PER_ROW > MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS
@@ -153,16 +164,19 @@ def test_slots_sized_from_the_spec_hold_the_largest_plan_and_result(run_id):
         limits,
         history_offsets=np.arange(rows + 1) * config.model.max_model_len,
         bias_offsets=np.arange(rows + 1) * MAX_BIAS_ENTRIES_PER_ROW,
+        grammar_rows=np.arange(rows),  # every row constrained
+        grammar_bitmask=np.zeros((rows, limits[Dim.VOCAB_WORDS])),
     )
-    STEP_PLAN.check(largest, {Dim.TOKENS: limits[Dim.TOKENS], Dim.ROWS: rows})
+    sizes = {Dim.TOKENS: limits[Dim.TOKENS], Dim.ROWS: rows, Dim.VOCAB_WORDS: limits[Dim.VOCAB_WORDS]}
+    STEP_PLAN.check(largest, sizes)
     header = STEP_HEADER.encode(StepHeader(2**62, limits[Dim.TOKENS], rows, MAX_LOGPROBS))
-    ring = ShmRing.create(f"/brigade-{run_id}-step-0", 1, step_slot_bytes(config), 1)
+    ring = ShmRing.create(f"/brigade-{run_id}-step-0", 1, step_slot_bytes(config, vocab_size), 1)
     try:
         with ring.reserve(1.0) as slot:
             STEP_PLAN.write(slot, largest)
             slot.publish(header)
         with ring.read(0, 1.0) as view:
-            STEP_PLAN.check(view.arrays, {Dim.TOKENS: limits[Dim.TOKENS], Dim.ROWS: rows})
+            STEP_PLAN.check(view.arrays, sizes)
     finally:
         ring.close()
         ring.unlink()

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, StructuredOutput
 from ipc.sampling_defaults import fill_defaults
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 
@@ -93,13 +93,18 @@ BAD: list[tuple[str, Any]] = [
     ("temperature", "hot"),
     ("max_tokens", 3.5),
     ("top_k", True),
+    ("structured", "json"),
+    ("structured.kind", StructuredOutput("yaml", "x")),  # type: ignore[arg-type]
+    ("structured.spec", StructuredOutput("regex", "")),
+    ("structured.spec: 65537 bytes", StructuredOutput("regex", "a" * (64 * 1024 + 1))),
+    ("structured.strict", StructuredOutput("json", "{}", strict=1)),  # type: ignore[arg-type]
 ]
 
 
 @pytest.mark.parametrize(("field", "value"), BAD)
 def test_bad_values_are_rejected_naming_the_field(field: str, value: Any):
     with pytest.raises(InvalidParams, match=field) as info:
-        check(**{field: value})
+        check(**{field.split(".")[0]: value})
     assert info.type is InvalidParams  # not PromptTooLong
     assert info.value.code == "invalid_request"
 
@@ -134,7 +139,17 @@ EDGES: list[dict[str, Any]] = [
     {"seed": 0},
     {"seed": 2**63 - 1},
     {"priority": -(2**31)},
+    {"structured": StructuredOutput("json", '{"type":"object"}')},
+    {"structured": StructuredOutput("choice", '["a","b"]'), "stop_token_ids": [0]},
 ]
+
+
+@pytest.mark.parametrize("field", ["min_tokens", "ignore_eos"])
+def test_structured_output_refuses_min_tokens_and_ignore_eos(field: str):
+    """The grammar decides where a constrained output ends: eos cannot be held back."""
+    value = {"min_tokens": 2, "ignore_eos": True}[field]
+    with pytest.raises(InvalidParams, match=f"{field} cannot be combined with structured output"):
+        check(structured=StructuredOutput("regex", "[0-9]+"), **{field: value})
 
 
 @pytest.mark.parametrize("fields", EDGES)

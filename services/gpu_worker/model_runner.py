@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
-from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch
+from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
 from services.gpu_worker.architectures import ModelConfig
+from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
@@ -113,9 +114,13 @@ class ModelRunner:
         if t < 1 or s < 1:
             raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
         try:
-            STEP_PLAN.check(arrays, {Dim.TOKENS: t, Dim.ROWS: s})
+            STEP_PLAN.check(
+                arrays, {Dim.TOKENS: t, Dim.ROWS: s, Dim.VOCAB_WORDS: vocab_words(self.vocab_size)}
+            )
         except SlotMismatch as exc:
             raise InvalidPlan(str(exc)) from None
+        if "grammar_rows" in arrays or "grammar_bitmask" in arrays:
+            _check_grammar(arrays, s, self.vocab_size)
         ids, positions, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
         qsl, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
         tables, rows = arrays["block_tables"], arrays["rows"]
@@ -188,6 +193,19 @@ class ModelRunner:
 
     def _to_device(self, index: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(index.astype(np.int64)).to(self.device, non_blocking=True)
+
+
+def _check_grammar(arrays: dict[str, np.ndarray], num_seqs: int, vocab_size: int) -> None:
+    """The grammar arrays come together, and name distinct rows that sample."""
+    if "grammar_rows" not in arrays or "grammar_bitmask" not in arrays:
+        raise InvalidPlan("step plan: grammar_rows and grammar_bitmask must come together")
+    grammar_rows = arrays["grammar_rows"]
+    try:
+        check_grammar_bitmask(arrays["grammar_bitmask"], grammar_rows, num_seqs, vocab_size)
+    except ValueError as exc:
+        raise InvalidPlan(f"step plan: {exc}") from None
+    if len(grammar_rows) and not arrays["is_sampled"][grammar_rows].all():
+        raise InvalidPlan("step plan: grammar_rows names a row that samples nothing")
 
 
 def _placeholders(arrays: dict[str, np.ndarray], t: int, s: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,9 @@
 Noise comes from a counter-based hash of (seed, sample_position, vocab index), so a request
 samples the same token alone, in any batch, in any row order, and after a recompute. Sampling is
 Gumbel-max: argmax(logits / T + gumbel) over the tokens that top-k / top-p / min-p allow, which
-draws from softmax(logits / T) renormalised over that set.
+draws from softmax(logits / T) renormalised over that set. A constrained row's grammar bitmask
+removes the tokens its grammar refuses first (after bias and penalties); it depends on the row
+alone, so sampling stays batch-invariant.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from services.gpu_worker.grammar_mask import apply_grammar_bitmask
 
 # Hash constants as the signed values of their bit patterns (torch integer ops wrap).
 _GOLDEN64 = 0x9E3779B97F4A7C15 - 2**64  # splitmix64
@@ -128,6 +132,11 @@ class Sampler:
         top_logits, top_ids = torch.topk(logits, num_top, dim=-1)
 
         scores = self.apply_bias_and_penalties(logits, arrays, rows)
+        bitmask = arrays.get("grammar_bitmask")
+        if bitmask is not None and len(bitmask):
+            # In place, even on the raw logits: what the logprobs read of them below is the sampled
+            # token's, which the mask allows.
+            apply_grammar_bitmask(scores, bitmask, _local_rows(rows, arrays["grammar_rows"]))
         random_local = np.flatnonzero(arrays["temperature"][rows] >= MIN_TEMPERATURE)
         if len(random_local) == len(rows):
             sampled = self._sample_random(scores, arrays, rows)
@@ -285,6 +294,12 @@ def _nucleus_cutoff(
     mass = probs.cumsum(dim=-1)
     num_keep = (mass - probs < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     return sorted_x.gather(1, num_keep - 1), mass[:, -1:]
+
+
+def _local_rows(rows: np.ndarray, plan_rows: np.ndarray) -> np.ndarray:
+    """Where each of `plan_rows` (plan indices, all among `rows`) is in `rows`: its logits row."""
+    order = np.argsort(rows, kind="stable")
+    return order[np.searchsorted(rows, plan_rows, sorter=order)]
 
 
 def _ragged(

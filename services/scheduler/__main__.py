@@ -27,11 +27,14 @@ from ipc.sockets import PullQueue, PushQueue, RouterSocket, close_context
 from ipc.validation import InvalidParams, validate_params
 from services.metrics import EngineMetrics
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
+from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
+from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
 IDLE_POLL_MS = 50
+COMPILE_POLL_MS = 1  # while a grammar compiles: its request starts as soon as it is done
 MAX_INPUTS_PER_STEP = 1024
 
 
@@ -126,9 +129,25 @@ class SchedulerProcess:
             return
         self.needs_full_history[submit.request_id] = request
         if finished is not None:  # a resubmission that had already met its end: its history, finished
-            del self.needs_full_history[submit.request_id]
-            shard = shard_of(submit.request_id, len(self.detokenizers))
-            self.detokenizers[shard].put(m.TokenBatch([self.full_history(request, finished.finish_reason)]))
+            self.send_finished(request, finished.finish_reason)
+
+    def send_finished(self, request: Request, finish_reason: str | None) -> None:
+        """A request that ended without a step: its whole history, finished, to its detokenizer."""
+        self.needs_full_history.pop(request.request_id, None)
+        shard = shard_of(request.request_id, len(self.detokenizers))
+        self.detokenizers[shard].put(m.TokenBatch([self.full_history(request, finish_reason)]))
+
+    def poll_grammars(self) -> None:
+        """Constrained requests whose grammar compiled join the queue; the others fail."""
+        if self.core is None or not self.core.num_compiling:
+            return
+        finished, failed = self.core.poll_grammars()
+        for request in finished:
+            self.send_finished(request, request.finish_reason)
+        for request, error in failed:
+            self.needs_full_history.pop(request.request_id, None)
+            submit = m.SubmitRequest(request.request_id, request.frontend_id, b"", request.params)
+            self.refuse(submit, "invalid_request", error)
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
         if 0 <= submit.frontend_id < len(self.frontends):
@@ -251,7 +270,8 @@ class SchedulerProcess:
                     max_num_waiting=engine.max_num_waiting,
                     enable_prefix_caching=engine.enable_prefix_caching,
                     eos_token_ids=tuple(first.eos_token_ids),
-                )
+                ),
+                self.load_grammars(first),
             )
             self.pipeline = StepPipeline(
                 self.core,
@@ -271,6 +291,17 @@ class SchedulerProcess:
             self.control.ready(kv_blocks=str(self.core.config.num_blocks))
         self.hellos.clear()
         self.stage.log.info("workers up (pids %s)", self.worker_pids)
+
+    def load_grammars(self, hello: m.WorkerHello) -> Grammars | None:
+        """The grammar engine for structured output, over the model's tokenizer and vocabulary (the
+        lm_head width, which is the bitmask's); None, and structured requests refused, when the
+        model has no tokenizer.json or no eos token for a grammar to end on."""
+        try:
+            tokenizer = load_grammar_tokenizer(self.stage.info.model_dir, hello.vocab_size, hello.eos_token_ids)
+        except (OSError, ValueError) as exc:
+            self.stage.log.warning("structured output is off: %s", exc)
+            return None
+        return Grammars(GrammarCompiler(tokenizer), hello.vocab_size)
 
     def is_worker_alive(self) -> bool:
         for pid in self.worker_pids:
@@ -335,6 +366,7 @@ class SchedulerProcess:
         self.stage.log.info("waiting for %d worker(s)", self.world_size)
         while not stopping[0]:
             self.drain_inbox()
+            self.poll_grammars()
             command = self.control.command()
             if isinstance(command, m.Reconfigure):
                 self.reconfigure(command)
@@ -346,7 +378,8 @@ class SchedulerProcess:
                 except WorkerLost as exc:
                     self.on_worker_lost(str(exc))
             if outputs is None:
-                poller.poll(IDLE_POLL_MS)
+                compiling = self.core is not None and self.core.num_compiling
+                poller.poll(COMPILE_POLL_MS if compiling else IDLE_POLL_MS)
             else:
                 self.num_steps += 1
                 self.emit(outputs)

@@ -1,10 +1,14 @@
 """Admission: requests into the waiting queue (new, or resubmitted after a fault) and out of the
-scheduler by abort; the queue's bound (overload is a clear error, not unbounded memory)."""
+scheduler by abort; the queue's bound (overload is a clear error, not unbounded memory). A
+constrained request whose grammar is not compiled yet waits outside the queue until
+`poll_compiling` lets it in (services/scheduler/grammars.py)."""
 
 from __future__ import annotations
 
 import bisect
 
+from services.scheduler.grammar_compiler import GrammarError
+from services.scheduler.grammars import matcher_for
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import RequestOutput, finish_reason
 from services.scheduler.state import SchedulerState, sort_key
@@ -66,6 +70,14 @@ class Admission:
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "
                 f"tokens leave no room under max_model_len={config.max_model_len}"
             )
+        spec = req.params.structured
+        if spec is not None:
+            if state.grammars is None:
+                raise GrammarError("structured: this engine has no grammar compiler")
+            req.grammar_future = state.grammars.submit(spec)
+            if req.grammar_future.done():  # cached: ready now (raises GrammarError)
+                req.grammar = matcher_for(req, req.grammar_future)
+                req.grammar_future = None
         if old is not None:
             req.arrival_order = old.arrival_order  # a resubmission keeps its place in line
             state.drop(old, RequestStatus.ABORTED)
@@ -74,17 +86,68 @@ class Admission:
             # only the queue past the free slots counts against the bound, so a burst into an
             # idle engine fills its slots instead of being refused.
             free_slots = config.max_num_seqs - len(state.running)
-            if len(state.waiting) - free_slots >= config.max_num_waiting:
+            num_waiting = len(state.waiting) + len(state.compiling)
+            if num_waiting - free_slots >= config.max_num_waiting:
                 raise Overloaded(
-                    f"scheduler overloaded: {len(state.waiting)} requests already waiting for "
+                    f"scheduler overloaded: {num_waiting} requests already waiting for "
                     f"{free_slots} free sequence slots (max_num_waiting={config.max_num_waiting}); retry later"
                 )
             req.arrival_order = self.next_arrival
             self.next_arrival += 1
-        req.status = RequestStatus.WAITING
         state.requests[req.request_id] = req
+        if req.grammar_future is not None:
+            req.status = RequestStatus.COMPILING
+            state.compiling.append(req)
+            return None
+        if req.grammar is not None and req.grammar.is_terminated:
+            return self._finish_complete(req)
+        req.status = RequestStatus.WAITING
         bisect.insort(state.waiting, req, key=sort_key)
         return None
+
+    def poll_compiling(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Queue the constrained requests whose compile is done, in arrival order. Returns those
+        whose outputs already complete their grammar (a resubmission: finished, with no more
+        output), and those that failed (their constraint does not compile), each with its error."""
+        state = self.state
+        if not state.compiling or not any(req.grammar_future.done() for req in state.compiling):  # type: ignore[union-attr]
+            return [], []
+        finished: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for req in [r for r in state.compiling if r.grammar_future.done()]:  # type: ignore[union-attr]
+            state.compiling.remove(req)
+            future, req.grammar_future = req.grammar_future, None
+            try:
+                req.grammar = matcher_for(req, future)  # type: ignore[arg-type]
+            except GrammarError as exc:
+                del state.requests[req.request_id]
+                req.status = RequestStatus.ABORTED
+                failed.append((req, str(exc)))
+                continue
+            if req.grammar.is_terminated:
+                self._finish_complete(req)
+                finished.append(req)
+                continue
+            req.status = RequestStatus.WAITING
+            bisect.insort(state.waiting, req, key=sort_key)
+        return finished, failed
+
+    def _finish_complete(self, req: Request) -> RequestOutput:
+        """A request whose outputs complete its grammar: nothing more can follow, so it is done."""
+        self.state.requests.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "stop"
+        return RequestOutput(
+            req.request_id,
+            req.frontend_id,
+            req.num_output_tokens,
+            [],
+            [],
+            [],
+            "stop",
+            req.num_prompt_tokens,
+            0,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop a live request without further output; False (and counted) when it is unknown."""

@@ -19,8 +19,13 @@ flight: the scheduler process's pipeline). A running sequence whose sample is in
 decodes that token without knowing it: the plan carries a placeholder that the worker fills in
 from its own previous sample. `update()` applies results in order; whatever was planned for a
 sequence that finishes, leaves or is preempted meanwhile is dropped by its row's epoch. A
-sequence that applies penalties, or whose sample in flight is its last by length, sits such a
-step out (its history would end in the unknown token; or there is nothing left to decode).
+sequence that applies penalties or is constrained by a grammar, or whose sample in flight is its
+last by length, sits such a step out (its history, or its grammar bitmask, would need the unknown
+token; or there is nothing left to decode).
+
+Structured output (grammars.py): a constrained request compiles its grammar outside the queue
+(`poll_grammars` lets it in, or fails it), each step's plan carries the bitmask rows of its
+constrained sampled rows, and `update()` advances their matchers.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 from services.scheduler.admission import Admission, Overloaded, PromptTooLong
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.decode import SteadyDecode
+from services.scheduler.grammars import Grammars, plan_grammar
 from services.scheduler.plan import PlanTable, ScheduledStep
 from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
@@ -72,8 +78,8 @@ class Scheduler:
     """Owns the live requests of one engine group (waiting and running), the KV block pool and
     the plan table; turns them into steps and step results into request outputs."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.state = SchedulerState(config)
+    def __init__(self, config: SchedulerConfig, grammars: Grammars | None = None) -> None:
+        self.state = SchedulerState(config, grammars)
         self.admission = Admission(self.state)
         self.decode = SteadyDecode(self.state)
         self.prefill = Prefill(self.state)
@@ -108,7 +114,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.state.waiting)
+        return len(self.state.waiting) + len(self.state.compiling)
+
+    @property
+    def num_compiling(self) -> int:
+        """Constrained requests whose grammar is still compiling."""
+        return len(self.state.compiling)
 
     @property
     def has_work(self) -> bool:
@@ -156,6 +167,12 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Drop a live request without further output; False (and counted) when it is unknown."""
         return self.admission.abort(request_id)
+
+    def poll_grammars(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Let in the constrained requests whose grammar is compiled (`Admission.poll_compiling`).
+        Returns the resubmissions already complete (finished, nothing more to output) and the
+        requests that failed, each with its error; both are gone from the scheduler."""
+        return self.admission.poll_compiling()
 
     def recompute(self, requests: list[Request]) -> None:
         """Put running requests back in line to recompute: a step of theirs will never have a
@@ -214,6 +231,11 @@ class Scheduler:
             eos_token_ids=state.config.eos_token_ids,
             line_version=-1 if chunks.num_new else decodes.line_version,
             steady=None if chunks.num_new else decodes.steady,
+            grammar=(
+                plan_grammar(state.grammars, seqs, table.constrained.take(rows), is_sampled)
+                if table.num_grammar_rows
+                else None
+            ),
         )
 
     @property

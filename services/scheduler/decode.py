@@ -193,18 +193,23 @@ class SteadyDecode:
 
     @property
     def can_plan_ahead(self) -> bool:
-        """False while some running sequence applies penalties: planned ahead, it would sit out
-        every other step, so the caller rather plans synchronously until it leaves."""
-        return not self.state.table.history
+        """False while some running sequence applies penalties or is constrained: planned ahead,
+        it would sit out every other step, so the caller rather plans synchronously until it
+        leaves."""
+        table = self.state.table
+        return not table.history and not table.num_grammar_rows
 
     def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray, limits: np.ndarray) -> np.ndarray:
         """Which of these rows, each with a sample in flight, `known` tokens and its LENGTH_LIMIT,
         may decode that sample before it is known: not when it is the last one by length, nor
-        when the row applies penalties (the worker would need the unknown token in its history)."""
+        when the row applies penalties (the worker would need the unknown token in its history),
+        nor when it is constrained (its grammar bitmask depends on that token)."""
         allowed = known + 1 < limits
         table = self.state.table
         if table.history:
             allowed &= table.needs_history.take(rows) == 0
+        if table.num_grammar_rows:
+            allowed &= ~table.constrained.take(rows)
         return allowed
 
     def _grow_decodes(self, seqs: list[Request], entering: list[int]) -> bool:

@@ -22,6 +22,7 @@ from services.scheduler.request import Request
 
 if TYPE_CHECKING:
     from services.scheduler.decode import SteadyLine
+    from services.scheduler.grammars import GrammarPlan
 
 # Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
 FLOAT_COLUMNS = (
@@ -110,9 +111,13 @@ class PlanTable:
         self.history: dict[int, np.ndarray] = {}
         # params.logit_bias of rows that have one, as (ids, values) arrays.
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # Rows that ask for top logprobs / need a bias: a step skips the columns nobody uses.
+        # Rows under a grammar (structured output): their matcher is the request's `grammar`.
+        self.constrained = np.zeros(num_rows, np.bool_)
+        # Rows that ask for top logprobs / need a bias / are constrained: a step skips the columns
+        # and arrays nobody uses.
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
+        self.num_grammar_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # The plan arrays of a whole-line decode step that depend only on its rows (read-only),
         # with the running line's version they hold for: steady decode gathers them once (see
@@ -147,6 +152,9 @@ class PlanTable:
         self.output_ids[row] = req.output_ids
         self.num_logprob_rows += p.logprobs > 0
         self.num_bias_rows += bool(p.logit_bias) or p.min_tokens > 0
+        if req.grammar is not None:
+            self.constrained[row] = True
+            self.num_grammar_rows += 1
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -171,6 +179,8 @@ class PlanTable:
         self.num_releases += 1
         self.num_logprob_rows -= self.num_logprobs[req.row] > 0
         self.num_bias_rows -= self.needs_bias[req.row] != 0
+        self.num_grammar_rows -= self.constrained[req.row]
+        self.constrained[req.row] = False
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
@@ -205,6 +215,7 @@ class ScheduledStep:
     # decode; its SteadyLine then); -1 otherwise. Caches of such steps hold for that version.
     line_version: int = -1
     steady: SteadyLine | None = None
+    grammar: GrammarPlan | None = None  # the constrained sampled rows, when there are any
 
     @property
     def num_seqs(self) -> int:
@@ -228,6 +239,23 @@ def build_plan(
     step: ScheduledStep, step_id: int, block_size: int
 ) -> tuple[StepHeader, dict[str, np.ndarray]]:
     """The step header and every step-plan array (ipc/step_plan.py STEP_PLAN) for this step."""
+    header, arrays = _build(step, step_id, block_size)
+    if step.grammar is not None:
+        arrays.update(step.grammar.arrays())
+    return header, arrays
+
+
+def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: SlotSink) -> StepHeader:
+    """Copy the plan's arrays into a step-ring slot; the caller publishes the returned header.
+    The grammar bitmask is filled in the slot itself: it is the largest array a plan can carry."""
+    header, arrays = _build(step, step_id, block_size)
+    STEP_PLAN.write(slot, arrays)
+    if step.grammar is not None:
+        step.grammar.write(slot)
+    return header
+
+
+def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHeader, dict[str, np.ndarray]]:
     table = step.table
     seqs = step.seqs
     num_seqs = len(seqs)
@@ -330,13 +358,6 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     if not table.num_bias_rows:
         constants.update(_logit_bias(step, step.starts + step.num_new_tokens))
     return constants
-
-
-def write_plan(step: ScheduledStep, step_id: int, block_size: int, slot: SlotSink) -> StepHeader:
-    """Copy the plan's arrays into a step-ring slot; the caller publishes the returned header."""
-    header, arrays = build_plan(step, step_id, block_size)
-    STEP_PLAN.write(slot, arrays)
-    return header
 
 
 def _history(step: ScheduledStep) -> dict[str, np.ndarray]:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import enum
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ipc.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from services.scheduler.grammar_compiler import CompiledGrammar
+    from services.scheduler.grammar_matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -15,6 +22,7 @@ class RequestStatus(enum.Enum):
     RUNNING = 1
     FINISHED = 2
     ABORTED = 3
+    COMPILING = 4  # constrained, waiting for its grammar outside the waiting queue (grammars.py)
 
 
 class Request:
@@ -32,6 +40,8 @@ class Request:
         "block_ids",
         "finish_reason",
         "frontend_id",
+        "grammar",
+        "grammar_future",
         "num_cached_tokens",
         "num_preemptions",
         "num_registered_blocks",
@@ -72,6 +82,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of the tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.row = -1  # row in the plan table while running
+        # Structured output (params.structured): the compile while it runs, then the matcher,
+        # which stays in step with output_ids (services/scheduler/grammars.py).
+        self.grammar_future: Future[CompiledGrammar] | None = None
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

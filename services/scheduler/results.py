@@ -10,8 +10,9 @@ import numpy as np
 
 from ipc.messages import SamplingParams, StepTokens
 from services.scheduler.decode import SteadyDecode
+from services.scheduler.grammar_matcher import GrammarViolation
 from services.scheduler.plan import UPDATE_COLUMNS, ScheduledStep
-from services.scheduler.request import RequestStatus
+from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import SchedulerState
 
 
@@ -144,6 +145,37 @@ class Results:
         self.state = state
         self.decode = decode  # keeps the running line's per-row lists
 
+    def _advance_grammars(
+        self,
+        seqs: list[Request],
+        sampled: np.ndarray,
+        sampled_rows: np.ndarray,
+        tokens: list[int],
+        reasons: list[str | None],
+        finishing: list[int],
+    ) -> list[int]:
+        """Advance the matchers of the constrained rows by their new token; returns `finishing`
+        with the rows whose grammar is now complete ("stop": nothing but eos could follow, so no
+        step is spent on it) and those whose token it refused ("error": the worker samples under
+        the mask, so that is a bug, and the request must not drift on unconstrained)."""
+        constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
+        if not constrained:
+            return finishing
+        ending = set(finishing)
+        for j in constrained:
+            matcher = seqs[int(sampled[j])].grammar
+            try:
+                matcher.advance((tokens[j],))  # type: ignore[union-attr]
+            except GrammarViolation:
+                reasons[j] = "error"
+                ending.add(j)
+                continue
+            # Complete on the last token that max_tokens allowed is complete, not cut off.
+            if reasons[j] in (None, "length") and matcher.is_terminated:  # type: ignore[union-attr]
+                reasons[j] = "stop"
+                ending.add(j)
+        return sorted(ending)
+
     def update(
         self,
         step: ScheduledStep,
@@ -213,6 +245,8 @@ class Results:
             reasons[j] = finish_reason(
                 req.params, token_list[j], req.num_output_tokens, req.num_tokens, eos_token_ids, max_model_len
             )
+        if table.num_grammar_rows:
+            finishing = self._advance_grammars(seqs, sampled, sampled_rows, token_list, reasons, finishing)
         tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
         if top_ids is not None and top_logprobs is not None and num_logprobs is not None:
             for j in np.flatnonzero(num_logprobs).tolist():

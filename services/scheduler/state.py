@@ -17,6 +17,7 @@ from services.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from services.scheduler.core import SchedulerConfig
+    from services.scheduler.grammars import Grammars
 
 
 def sort_key(req: Request) -> tuple[int, int]:
@@ -27,7 +28,7 @@ def sort_key(req: Request) -> tuple[int, int]:
 class SchedulerState:
     """The scheduler's shared state; every phase module reads and changes it through here."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, grammars: Grammars | None = None) -> None:
         self.config = config  # replaced on hot reload (max_num_waiting): read it here, never keep it
         self.block_size = config.block_size
         self.eos_token_ids = frozenset(config.eos_token_ids)
@@ -37,6 +38,8 @@ class SchedulerState:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
+        self.grammars = grammars  # None: the engine refuses structured output
+        self.compiling: list[Request] = []  # constrained, their grammar still compiling (arrival order)
         self.line_version = 0
         self.num_preemptions = 0
 
@@ -70,12 +73,15 @@ class SchedulerState:
 
     def drop(self, req: Request, status: RequestStatus) -> None:
         """Remove a live request for good (finished, aborted or replaced)."""
-        queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
-        i = bisect.bisect_left(queue, sort_key(req), key=sort_key)
-        while queue[i] is not req:  # equal keys: a replaced request shares its order
-            i += 1
-        del queue[i]
-        self.line_version += 1
+        if req.status is RequestStatus.COMPILING:
+            self.compiling.remove(req)
+        else:
+            queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
+            i = bisect.bisect_left(queue, sort_key(req), key=sort_key)
+            while queue[i] is not req:  # equal keys: a replaced request shares its order
+                i += 1
+            del queue[i]
+            self.line_version += 1
         self.release(req)
         req.status = status
         del self.requests[req.request_id]

@@ -29,6 +29,7 @@ from ipc.sampling_defaults import fill_defaults
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
+from services.scheduler.grammar_compiler import GrammarError, check_constraint
 from services.tokenizer.text import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -36,6 +37,9 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Resubmissions of a quiet request that bring no progress before it is failed: one that the
 # engine keeps losing is a bug to report, not something to retry forever.
 MAX_REDRIVES = 3
+# Constraints already checked (and the error of each bad one), by their text: a workload reuses a
+# few schemas, and a check compiles the grammar (about a millisecond).
+MAX_CHECKED_CONSTRAINTS = 256
 
 
 def engine_id(frontend_id: int, identity: bytes, request_id: str) -> str:
@@ -143,6 +147,7 @@ class FrontendCore:
         self.num_gaps = 0
         self.num_finished = 0
         self._rng = random.Random()
+        self._checked: dict[str, str] = {}  # constraint cache_key -> "" or its error, oldest first
 
     # -- client side ---------------------------------------------------------------------------
 
@@ -164,6 +169,8 @@ class FrontendCore:
                 max_model_len=self.max_model_len,
                 num_prompt_tokens=len(prompt_ids),
             )
+            if params.structured is not None:
+                self._check_constraint(params.structured)
             resume_ids = m.unpack_ids(request.resume_output_ids)
             validate_prompt_ids(
                 resume_ids.tolist() or [0], vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
@@ -213,6 +220,23 @@ class FrontendCore:
         self.journal[engine] = entry
         self.engine_ids[key] = engine
         return entry
+
+    def _check_constraint(self, spec: m.StructuredOutput) -> None:
+        """Raise InvalidParams unless the constraint compiles: the scheduler would refuse it too,
+        but only after the request crossed the pipeline (the SDK and the CLI skip the gateway)."""
+        key = spec.cache_key
+        error = self._checked.pop(key, None)
+        if error is None:
+            try:
+                check_constraint(spec)
+                error = ""
+            except GrammarError as exc:
+                error = f"structured.{exc}"
+        self._checked[key] = error  # most recent last
+        if len(self._checked) > MAX_CHECKED_CONSTRAINTS:
+            del self._checked[next(iter(self._checked))]
+        if error:
+            raise InvalidParams(error)
 
     def _prompt_ids(self, request: m.Generate) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]

@@ -1,0 +1,331 @@
+"""Structured output in the scheduler core, without processes (services/scheduler/grammars.py and
+its hooks in admission, decode, plan and results): the real grammar engine over SmolLM2's
+tokenizer, and a fake worker that samples, seeded by (seed, position), among the tokens the plan's
+bitmask allows. Outputs are validated with `jsonschema` and `re`; the bitmask rows are checked
+against a matcher rebuilt independently from each request's output so far."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams, StructuredOutput
+from ipc.step_plan import STEP_PLAN, Dim, vocab_words
+from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
+from services.scheduler.grammar_matcher import GrammarMatcher
+from services.scheduler.grammars import Grammars
+from services.scheduler.pipeline import StepPipeline
+from services.scheduler.plan import ScheduledStep, build_plan, write_plan
+from services.scheduler.request import Request, RequestStatus
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "c": {"enum": ["x", "yz"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "c"],
+    "additionalProperties": False,
+}
+JSON_SPEC = StructuredOutput("json", json.dumps(SCHEMA))
+REGEX = r"[ab]{2,4}-[0-9]"
+REGEX_SPEC = StructuredOutput("regex", REGEX)
+BAD_SPEC = StructuredOutput("json", json.dumps({"type": "array", "uniqueItems": True}))
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir: Path) -> dict:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return {
+        "dir": smollm2_dir,
+        "vocab": config["vocab_size"],
+        "eos": eos if isinstance(eos, list) else [eos],
+        "hf": Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")),
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    return load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
+
+
+def make_core(model, tokenizer, **overrides: object) -> Scheduler:
+    values = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "block_size": BLOCK,
+        "num_blocks": 256,
+        "max_model_len": 256,
+        "eos_token_ids": tuple(model["eos"]),
+    }
+    return Scheduler(
+        SchedulerConfig(**{**values, **overrides}), Grammars(GrammarCompiler(tokenizer), model["vocab"])
+    )
+
+
+def request(
+    rid: str, spec: StructuredOutput | None, output_ids: list[int] | None = None, **params
+) -> Request:
+    params.setdefault("max_tokens", 40)
+    params.setdefault("seed", sum(map(ord, rid)))
+    prompt = np.arange(1, 6 + len(rid), dtype=np.int32)
+    return Request(rid, 0, prompt, SamplingParams(structured=spec, **params), output_ids)
+
+
+def allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size])
+
+
+class MaskedWorker:
+    """Runs plans like a worker that samples under the grammar bitmask: a constrained row picks,
+    by a hash of (seed, position), one of the tokens its bitmask row allows, eos first once the
+    output is long enough (so walks end); an unconstrained row picks a plain token. Also checks
+    every plan's grammar arrays."""
+
+    def __init__(self, model: dict) -> None:
+        self.vocab = model["vocab"]
+        self.eos = model["eos"]
+        self.results: deque[tuple[ResultHeader, dict[str, np.ndarray]]] = deque()
+        self.num_masked_rows = 0
+        self.num_placeholder_rows_constrained = 0
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        header, a = build_plan(step, step_id, BLOCK)
+        sizes = STEP_PLAN.check(
+            a,
+            {
+                Dim.TOKENS: header.num_tokens,
+                Dim.ROWS: header.num_seqs,
+                Dim.VOCAB_WORDS: vocab_words(self.vocab),
+            },
+        )
+        masks = {}
+        if "grammar_rows" in a:
+            assert sizes[Dim.CONSTRAINED] == len(a["grammar_rows"]) > 0
+            assert a["is_sampled"][a["grammar_rows"]].all()
+            for i, row in zip(a["grammar_rows"].tolist(), a["grammar_bitmask"], strict=True):
+                masks[i] = allowed(row, self.vocab)
+                if i < step.num_decodes and a["input_ids"][i] == PLACEHOLDER_TOKEN:
+                    self.num_placeholder_rows_constrained += 1
+        sampled = np.full(header.num_seqs, -1, np.int32)
+        for i in np.flatnonzero(a["is_sampled"]).tolist():
+            position = int(a["sample_positions"][i])
+            h = (int(a["seeds"][i]) * 1_000_003 + position * 7919) % 2**31
+            if i in masks:
+                ok = masks[i]
+                assert len(ok), "an all-zero bitmask row"
+                eos_ok = [e for e in self.eos if e in set(ok.tolist())]
+                sampled[i] = eos_ok[0] if eos_ok and h % 3 else ok[h % len(ok)]
+                self.num_masked_rows += 1
+            else:
+                sampled[i] = 100 + h % 1000
+        arrays = {
+            "sampled_ids": sampled,
+            "sampled_logprobs": np.zeros(header.num_seqs, np.float32),
+            "top_ids": np.zeros((header.num_seqs, 0), np.int32),
+            "top_logprobs": np.zeros((header.num_seqs, 0), np.float32),
+        }
+        self.results.append((ResultHeader(step_id, header.num_seqs), arrays))
+
+    @contextmanager
+    def result(self) -> Iterator[tuple[ResultHeader, dict[str, np.ndarray]]]:
+        yield self.results.popleft()
+
+
+def drive(core: Scheduler, worker: MaskedWorker, overlap: bool = True, max_steps: int = 2000) -> dict:
+    """Run the core through a pipeline until it is idle; the outputs and finish of each request,
+    and the failures that `poll_grammars` reported."""
+    pipeline = StepPipeline(core, worker, on_failed=lambda reqs, error: pytest.fail(error), overlap=overlap)
+    outputs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    for _ in range(max_steps):
+        done, bad = core.poll_grammars()
+        finished.update((r.request_id, r.finish_reason) for r in done)
+        failed.update((r.request_id, error) for r, error in bad)
+        if not pipeline.has_work:
+            break
+        step = pipeline.advance()
+        if step is None:
+            assert time.monotonic() < deadline, "compiles never finished"
+            time.sleep(0.002)
+            continue
+        for out in step:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert not pipeline.has_work, "the core never went idle"
+    return {"outputs": outputs, "finished": finished, "failed": failed}
+
+
+def text(model, tokens: list[int]) -> str:
+    return model["hf"].decode([t for t in tokens if t not in model["eos"]])
+
+
+def test_constrained_outputs_follow_their_grammar_while_others_run_free(model, tokenizer):
+    core = make_core(model, tokenizer)
+    worker = MaskedWorker(model)
+    reqs = [
+        request("json-1", JSON_SPEC),
+        request("plain", None, max_tokens=12),
+        request("json-2", JSON_SPEC),
+        request("regex", REGEX_SPEC),
+    ]
+    for req in reqs:
+        assert core.add(req) is None
+    got = drive(core, worker)
+    assert got["finished"] == {"json-1": "stop", "plain": "length", "json-2": "stop", "regex": "stop"}
+    for rid in ("json-1", "json-2"):
+        jsonschema.validate(json.loads(text(model, got["outputs"][rid])), SCHEMA)
+    assert re.fullmatch(REGEX, text(model, got["outputs"]["regex"]))
+    assert len(got["outputs"]["plain"]) == 12
+    assert worker.num_masked_rows > 0 and worker.num_placeholder_rows_constrained == 0
+    assert core.table.num_grammar_rows == 0 and not core.table.constrained.any()
+
+
+def test_bitmask_rows_are_those_of_a_matcher_rebuilt_from_the_outputs(model, tokenizer):
+    """Each plan's bitmask row for a request equals the mask of a matcher built independently
+    from that request's outputs so far; the unconstrained row has no bitmask row."""
+    core = make_core(model, tokenizer)
+    compiled = GrammarCompiler(tokenizer).compile_now(JSON_SPEC)
+    core.add(request("plain", None, max_tokens=6))
+    core.add(request("json", JSON_SPEC))
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    worker = MaskedWorker(model)
+    num_checked = 0
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        _, plan = build_plan(step, 0, BLOCK)
+        seqs = {req.request_id: i for i, req in enumerate(step.seqs)}
+        json_req = core.requests.get("json")
+        if json_req is not None and step.is_sampled[seqs["json"]]:
+            assert plan["grammar_rows"].tolist() == [seqs["json"]]
+            expected = np.zeros((1, vocab_words(model["vocab"])), np.int32)
+            GrammarMatcher(compiled, json_req.output_ids).fill(expected, 0)
+            assert np.array_equal(plan["grammar_bitmask"], expected)
+            num_checked += 1
+        else:
+            assert "grammar_rows" not in plan and "grammar_bitmask" not in plan
+        worker.publish(0, step)
+        with worker.result() as (_, arrays):
+            core.update(step, arrays["sampled_ids"], arrays["sampled_logprobs"])
+    assert num_checked >= 3
+
+
+def test_write_plan_fills_the_bitmask_in_the_slot_itself(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC))
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    step = core.schedule()
+
+    class Slot(dict):
+        def put(self, name, array):
+            self[name] = array.copy()
+
+        def alloc(self, name, dtype, shape):
+            self[name] = np.full(shape, -7, dtype)  # not zeros: every word must be written
+            return self[name]
+
+    slot = Slot()
+    write_plan(step, 0, BLOCK, slot)
+    _, expected = build_plan(step, 0, BLOCK)
+    assert slot["grammar_rows"].tolist() == expected["grammar_rows"].tolist() == [0]
+    assert np.array_equal(slot["grammar_bitmask"], expected["grammar_bitmask"])
+    assert not core.can_plan_ahead  # a constrained row runs: no step planned ahead of its sample
+
+
+def test_a_request_waits_for_its_compile_without_holding_up_others(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC))
+    core.add(request("plain", None, max_tokens=4))
+    if core.num_compiling:  # the usual case: a new schema compiles on the compiler's thread
+        assert core.requests["json"].status is RequestStatus.COMPILING
+        step = core.schedule()
+        assert [r.request_id for r in step.seqs] == ["plain"]
+    # A second request with the same constraint finds it cached: queued at once.
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    core.add(request("json-again", JSON_SPEC))
+    assert core.requests["json-again"].status is RequestStatus.WAITING
+    assert core.num_compiling == 0
+
+
+def test_an_uncompilable_constraint_fails_alone(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC))
+    core.add(request("bad", BAD_SPEC))
+    core.add(request("plain", None, max_tokens=5))
+    got = drive(core, MaskedWorker(model))
+    assert set(got["failed"]) == {"bad"} and "structured.json:" in got["failed"]["bad"]
+    assert "uniqueItems" in got["failed"]["bad"]
+    assert got["finished"] == {"json": "stop", "plain": "length"}
+    # Now cached as a failure: refused at once, naming the field.
+    with pytest.raises(ValueError, match=r"structured\.json: .*uniqueItems"):
+        core.add(request("bad-again", BAD_SPEC))
+    assert "bad-again" not in core.requests
+
+
+def test_a_cut_off_output_is_a_length_finish(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC, max_tokens=3))
+    got = drive(core, MaskedWorker(model))
+    assert got["finished"] == {"json": "length"} and len(got["outputs"]["json"]) == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text(model, got["outputs"]["json"]))
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7])
+def test_a_resubmission_continues_exactly_like_the_calm_run(model, tokenizer, cut):
+    """A new scheduler (a restart: empty cache) given the outputs so far continues with the same
+    tokens as a run that was never interrupted; outputs that already complete the grammar finish
+    at once."""
+    calm_core = make_core(model, tokenizer)
+    calm_core.add(request("json", JSON_SPEC))
+    calm = drive(calm_core, MaskedWorker(model))
+    tokens = calm["outputs"]["json"]
+    assert calm["finished"] == {"json": "stop"} and len(tokens) > cut
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC, output_ids=tokens[:cut]))
+    resumed = drive(core, MaskedWorker(model))
+    assert tokens[:cut] + resumed["outputs"]["json"] == tokens
+    assert resumed["finished"] == {"json": "stop"}
+    done = make_core(model, tokenizer)
+    complete = [t for t in tokens if t not in model["eos"]]
+    finished = done.add(request("json", JSON_SPEC, output_ids=complete))
+    if finished is None:  # compiling: poll tells it is complete
+        got = drive(done, MaskedWorker(model))
+        assert got["finished"] == {"json": "stop"} and not got["outputs"]
+    else:
+        assert finished.finish_reason == "stop" and finished.new_token_ids == []
+
+
+def test_outputs_from_history_that_break_the_grammar_are_refused(model, tokenizer):
+    core = make_core(model, tokenizer)
+    bad_history = model["hf"].encode("not json").ids
+    core.add(request("json", JSON_SPEC))  # warm the cache
+    drive(core, MaskedWorker(model))
+    with pytest.raises(ValueError, match="output_ids do not follow the constraint"):
+        core.add(request("resumed", JSON_SPEC, output_ids=bad_history))
