@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from client.errors import BrigadeError
+from client.errors import BrigadeError, InvalidRequest
 from client.sdk import Client, StreamDelta
 
 
@@ -41,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
     sampling.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    constraint = sampling.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE|JSON", help="constrain the output to this JSON schema")
+    constraint.add_argument("--regex", metavar="PATTERN", help="constrain the output to match this regex")
+    constraint.add_argument("--choice", metavar="A,B,...", help="the output is one of these comma-separated strings")
+    constraint.add_argument("--grammar", metavar="FILE|TEXT", help="constrain the output to this EBNF/GBNF or Lark")
     generate = sub.add_parser("generate", parents=[sampling], help="continue a raw text prompt")
     generate.add_argument("prompt", metavar="PROMPT")
     chat = sub.add_parser(
@@ -53,8 +59,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "regex")
+    sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.json_schema is not None:
+        sampling["json_schema"] = _file_or_text(args.json_schema)
+    if args.choice is not None:
+        sampling["choice"] = args.choice.split(",")
+    if args.grammar is not None:
+        sampling["grammar"] = _file_or_text(args.grammar)
+    return sampling
+
+
+def _file_or_text(value: str) -> str:
+    """The contents of the file `value` names, or `value` itself when no such file exists."""
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long text is no file name (ENAMETOOLONG)
+        return value
+    if not is_file:
+        return value
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {value}: {exc}") from None
 
 
 def _emit(deltas: Any, as_json: bool) -> str:

@@ -36,6 +36,8 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
 from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_loopback
 from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
 from ipc.sockets import configure_socket
+from ipc.structured_output import from_structured_outputs
+from ipc.validation import InvalidParams
 
 MAX_SEED = 2**63
 MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
@@ -210,10 +212,36 @@ def _check_text(name: str, text: str) -> None:
         raise InvalidRequest(f"{name} is not valid text: {exc.reason} at position {exc.start}") from None
 
 
+# The output constraint's shorthands, each one kind of `structured` (ipc/structured_output.py).
+_CONSTRAINT_KWARGS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _structured(sampling: dict[str, Any]) -> None:
+    """Replace a constraint shorthand in `sampling` (json_schema= a schema as a dict or its JSON
+    text, regex=, choice= a list of strings, grammar= EBNF or Lark) by the `structured` it means;
+    at most one of them and `structured` may be given."""
+    given = [name for name in ("structured", *_CONSTRAINT_KWARGS) if sampling.get(name) is not None]
+    if len(given) > 1:
+        raise InvalidRequest(f"give at most one output constraint, got {', '.join(given)}")
+    for name, kind in _CONSTRAINT_KWARGS.items():
+        value = sampling.pop(name, None)
+        if value is None:
+            continue
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise InvalidRequest(f"json_schema must be a dict or its JSON text, got {type(value).__name__}")
+        try:
+            sampling["structured"] = from_structured_outputs({kind: value})
+        except InvalidParams as exc:  # its message names the API form's field: name ours instead
+            raise InvalidRequest(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
+
+
 def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     """SamplingParams from keyword arguments, type-checked here so that a wrong type is a clear
     error naming the field, with a client-chosen seed when sampling is random so that a request
-    resubmitted after a failover samples exactly the same tokens."""
+    resubmitted after a failover samples exactly the same tokens. An output constraint is
+    `structured=StructuredOutput(...)` or one of its shorthands (`_structured`)."""
+    sampling = dict(sampling)
+    _structured(sampling)
     unknown = sorted(set(sampling) - _PARAM_TYPES.keys())
     if unknown:
         raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")

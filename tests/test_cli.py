@@ -41,3 +41,24 @@ def test_client_options_may_follow_the_command(installed, tmp_path: Path) -> Non
     done = brigade(installed, "health", "--run", str(tmp_path / "none"), "--timeout", "2")
     assert done.returncode != 0
     assert str(tmp_path / "none") in done.stderr
+
+
+def test_constraint_flags_become_the_sdk_shorthands(tmp_path: Path) -> None:
+    """--json-schema and --grammar take a file or the text itself, --choice a comma-separated list;
+    at most one of them (argparse refuses two)."""
+    from client.__main__ import _parser, _sampling
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+
+    def sampling(*args: str) -> dict:
+        return _sampling(_parser().parse_args(["generate", "hi", *args]))
+
+    assert sampling("--json-schema", str(schema)) == {"json_schema": '{"type": "object"}'}
+    assert sampling("--json-schema", '{"type": "array"}') == {"json_schema": '{"type": "array"}'}
+    assert sampling("--json-schema", "{" + "x" * 5000 + "}") == {"json_schema": "{" + "x" * 5000 + "}"}
+    assert sampling("--regex", "[0-9]+", "--max-tokens", "3") == {"max_tokens": 3, "regex": "[0-9]+"}
+    assert sampling("--choice", "red,green") == {"choice": ["red", "green"]}
+    assert sampling("--grammar", 'root ::= "x"') == {"grammar": 'root ::= "x"'}
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["generate", "hi", "--regex", "a", "--choice", "a,b"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -655,3 +656,56 @@ def test_async_stream_chat(fakes) -> None:
     assert "".join(d.text for d in deltas) == expected_text("user", 3)
     (request,) = fake.requests(m.Generate)
     assert request.messages == [m.ChatMessage("user", "hi")]
+
+
+# -- output constraints: `structured=` or one shorthand ----------------------------------------------
+
+
+def test_output_constraints_reach_the_frontend_as_structured(fakes) -> None:
+    """Each shorthand sends the StructuredOutput it means (what the gateway's API forms give too);
+    the async client takes them alike."""
+    fake = fakes()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wanted = [
+        m.StructuredOutput("json", '{"type":"object","properties":{"a":{"type":"integer"}}}'),
+        m.StructuredOutput("json", '{"type":"object"}'),
+        m.StructuredOutput("regex", "[0-9]+"),
+        m.StructuredOutput("choice", '["yes", "no"]'),
+        m.StructuredOutput("grammar", 'root ::= "x"'),
+        m.StructuredOutput("regex", "a|b", strict=True),
+    ]
+    with Client(endpoints=[fake.endpoint]) as client:
+        client.generate("x", max_tokens=1, json_schema=schema)
+        client.generate("x", max_tokens=1, json_schema='{"type": "object"}')
+        client.generate("x", max_tokens=1, regex="[0-9]+")
+        client.chat([{"role": "user", "content": "ok?"}], max_tokens=1, choice=["yes", "no"])
+        client.generate("x", max_tokens=1, grammar='root ::= "x"')
+        client.generate("x", max_tokens=1, structured=m.StructuredOutput("regex", "a|b"))
+
+    async def main() -> None:
+        async with AsyncClient(endpoints=[fake.endpoint]) as client:
+            await client.generate("x", max_tokens=1, regex="[0-9]+")
+
+    asyncio.run(main())
+    assert [g.params.structured for g in fake.requests(m.Generate)] == [*wanted, wanted[2]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"regex": "a", "choice": ["a"]}, "at most one output constraint, got regex, choice"),
+        ({"structured": m.StructuredOutput("regex", "a"), "json_schema": {}}, "got structured, json_schema"),
+        ({"json_schema": 5}, "json_schema must be a dict or its JSON text"),
+        ({"json_schema": "{not json"}, "json_schema: not valid JSON"),
+        ({"choice": "yes"}, "choice: must be a non-empty list"),
+        ({"choice": []}, "choice: must be a non-empty list"),
+        ({"regex": 5}, "regex: must be a non-empty string"),
+        ({"grammar": ""}, "grammar: must be a non-empty string"),
+        ({"structured": "json"}, "structured="),
+    ],
+)
+def test_bad_output_constraints_are_refused_before_sending(fakes, kwargs: dict, message: str) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client, pytest.raises(InvalidRequest, match=re.escape(message)):
+        client.generate("x", max_tokens=1, timeout=5, **kwargs)
+    assert fake.requests(m.Generate) == []
