@@ -20,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams, StructuredOutput
+from ipc.sampling_defaults import fill_defaults
 from ipc.step_plan import STEP_PLAN, Dim, vocab_words
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
@@ -85,7 +86,7 @@ def request(
     params.setdefault("max_tokens", 40)
     params.setdefault("seed", sum(map(ord, rid)))
     prompt = np.arange(1, 6 + len(rid), dtype=np.int32)
-    return Request(rid, 0, prompt, SamplingParams(structured=spec, **params), output_ids)
+    return Request(rid, 0, prompt, fill_defaults(SamplingParams(structured=spec, **params)), output_ids)
 
 
 def allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
