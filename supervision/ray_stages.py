@@ -125,9 +125,10 @@ class GroupSetup:
     makes them; the others find them (under a lock, in a file named like the rings, so the same
     cleanup and the same sweep of dead runs remove it)."""
 
-    def __init__(self, run_id: str, group: int, rings: list[RingSpec]) -> None:
+    def __init__(self, run_id: str, group: int, rings: list[RingSpec], dist_host: str) -> None:
         self.state_path = Path(SHM_DIR) / f"{SHM_PREFIX}{run_id}-group-{group}.json"
         self.rings = rings
+        self.dist_host = dist_host  # where rank 0 listens (Endpoints.dist_host: the node's address)
 
     def prepare(self) -> int:
         """The group's dist port on this node, after making sure its rings exist here."""
@@ -140,7 +141,7 @@ class GroupSetup:
             for spec in self.rings:
                 with contextlib.suppress(posix_ipc.ExistentialError):  # left by an earlier host here
                     ShmRing.create(spec.name, spec.num_slots, spec.slot_bytes, spec.num_readers).close()
-            port = free_tcp_port()
+            port = free_tcp_port(self.dist_host)
             state.write(json.dumps({"dist_port": port}))
             return port
 
@@ -267,6 +268,7 @@ class RayStageSet(StageSet):
     def __init__(self, config: Config, run_dir: Path, log_format: str, run_id: str) -> None:
         super().__init__(config, run_dir, log_format)
         self.cluster = config.cluster
+        self.network = config.network
         self.run_id = run_id
         self.supervisor_host = boot_id()
         self.groups: list[PlacementGroup] = []
@@ -378,7 +380,8 @@ class RayStageSet(StageSet):
             )
             if stage.kind == "gpu_worker" and self.engine.device == "cuda":
                 options["num_gpus"] = 1
-            setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group])
+            dist_host = self.addresses.get(f"scheduler-{stage.group}", self.network.host)
+            setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group], dist_host)
         else:
             if self.cluster.light_resources:
                 options["resources"] = dict(self.cluster.light_resources)

@@ -1,7 +1,9 @@
 """The Ray backend (`cluster.backend: ray`, supervision/ray_stages.py) on a real multi-node Ray
 cluster that the test starts on this machine with Ray's own `ray.cluster_utils.Cluster`: a head
-node and two engine nodes, each with a resource of its own. Placement, serving, the loss of the
-node that holds the engine group in the middle of requests, and a run that leaves nothing."""
+node, two engine nodes, each with a resource of its own, and a far engine node at an address of
+its own. Placement, serving over tcp:// with CURVE (a wrong key refused), the loss of the node
+that holds the engine group in the middle of requests, no room and a node joining, a hot
+reload, links across addresses, and runs that leave nothing."""
 
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+import zmq
 
-from client import Client
+from client import AuthenticationFailed, Client
 from client.errors import Overloaded, RequestTimeout, ServerUnavailable
-from services.stage import read_run_info
+from services.stage import read_run_info, run_endpoints
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import assert_clean, brigade_run, start_supervisor
 from tests.test_reload import wait_for_stages
@@ -34,9 +38,13 @@ from supervision.ray_stages import boot_id  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ENGINE_NODES = ("node_a", "node_b")  # each engine node's own resource says which node it is
+FAR_NODE, FAR_ADDRESS = "far_engine", "127.0.0.2"
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 200  # enough that the node is removed while the requests are still decoding
 CLIENT_TIMEOUT_S = 240.0
+REFUSED_WITHIN_S = 30.0
+PROMPT_IDS = [1, 450, 4996, 17354, 1701, 284, 1190, 690]
+NEW_TOKENS = 12
 NO_ROOM_WAIT_S = 15.0
 
 
@@ -49,6 +57,8 @@ def cluster() -> Iterator[tuple[Cluster, dict[str, str]]]:
         nodes = {
             name: cluster.add_node(num_cpus=1, resources={"engine": 1, name: 1}) for name in ENGINE_NODES
         }
+        # Another "host": a node at its own loopback address, so the links to it cross addresses.
+        nodes[FAR_NODE] = cluster.add_node(num_cpus=1, resources={FAR_NODE: 1}, node_ip_address=FAR_ADDRESS)
         cluster.wait_for_nodes()
         yield cluster, {name: node.node_id for name, node in nodes.items()}
     finally:
@@ -82,6 +92,15 @@ def leftovers_in_ray(cluster: Cluster, run_id: str) -> tuple[list[str], list[str
     )
     actors, groups = json.loads(done.stdout.strip().splitlines()[-1])
     return actors, [g for g in groups if run_id in g]
+
+
+def assert_refuses_a_wrong_key(endpoint: str, server_key: str) -> None:
+    """A client with a key of its own making is refused, soon, and the run goes on."""
+    start = time.monotonic()
+    wrong = Client(endpoint, server_key=server_key, keys=zmq.curve_keypair())
+    with wrong, pytest.raises(AuthenticationFailed, match="refused this client's key"):
+        wrong.generate("let me in", max_tokens=4, timeout=CLIENT_TIMEOUT_S)
+    assert time.monotonic() - start < REFUSED_WITHIN_S
 
 
 def write_replicas(path: Path, replicas: int) -> None:
@@ -133,12 +152,17 @@ def test_an_engine_group_that_no_node_can_hold_is_refused_clearly(
 def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_live(
     tmp_path: Path, cluster, tiny_model_dir
 ) -> None:
-    ray_cluster, engine_nodes = cluster
+    ray_cluster, nodes = cluster
+    engine_nodes = {name: nodes[name] for name in ENGINE_NODES}
     run_dir = tmp_path / "run"
     config = tmp_path / "replicas.yaml"  # what the hot reload at the end changes; the rest is --set
     write_replicas(config, 1)
-    with brigade_run(run_dir, *ray_overrides(ray_cluster, tiny_model_dir), config=str(config)) as run:
-        run_id = read_run_info(run_dir).run_id
+    overrides = ray_overrides(ray_cluster, tiny_model_dir, "network.transport=tcp")
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
+        info = read_run_info(run_dir)
+        run_id = info.run_id
+        assert not list(run_dir.glob("*.sock")), "an ipc:// link in a network.transport=tcp run"
+        assert_refuses_a_wrong_key(info.frontends[0], info.curve_server_key)
         placed = nodes_of(run)
         head = ray_cluster.head_node.node_id
         group_node = placed["scheduler-0"]
@@ -229,6 +253,62 @@ def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_
     assert not [name for name in brigade_shm_objects() if run_id in name]
 
 
+@pytest.mark.timeout(400)
+def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    """The far node has an address of its own: the links that cross to it are tcp:// with CURVE
+    (ipc/endpoints.py, from the addresses place() found), the scheduler-workers link stays
+    inside the node, and greedy output equals HF transformers'."""
+    ray_cluster, nodes = cluster
+    head_address = ray_cluster.address.rsplit(":", 1)[0]  # the head node's, where the supervisor runs
+    run_dir = tmp_path / "run"
+    overrides = ray_overrides(
+        ray_cluster,
+        tiny_model_dir,
+        f"cluster.engine_resources={{{FAR_NODE}: 1}}",
+        f"network.host={head_address}",
+    )
+    with brigade_run(run_dir, *overrides) as run:
+        info = read_run_info(run_dir)
+        assert nodes_of(run)["scheduler-0"] == nodes[FAR_NODE]
+        assert info.network.hosts == {"scheduler-0": FAR_ADDRESS, "gpu_worker-0-0": FAR_ADDRESS}
+        endpoints = run_endpoints(run_dir, info)
+        to_scheduler = endpoints.scheduler_in(0)
+        assert (
+            to_scheduler.connect.startswith(f"tcp://{FAR_ADDRESS}:") and to_scheduler.server_curve is not None
+        )
+        assert endpoints.detokenizer_in(0).connect.startswith(f"tcp://{head_address}:")
+        assert endpoints.scheduler_workers(0).connect.startswith("ipc://")  # inside the far node
+        assert info.frontends[0].startswith(f"tcp://{head_address}:")
+        with Client(run_dir) as client:
+            result = client.generate(
+                PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
+            )
+        assert result.token_ids == hf_greedy(tiny_model_dir)
+        assert_refuses_a_wrong_key(info.frontends[0], info.curve_server_key)
+    assert run.process.returncode == 0, "".join(drain(run)[-60:])
+    assert_clean(run_dir, info.run_id)
+    actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
+    assert actors == [] and groups == [], (actors, groups)
+
+
+def hf_greedy(model_dir: Path) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT_IDS]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(PROMPT_IDS) :].tolist()
+
+
 def test_group_setup_makes_the_rings_once_per_node_and_keeps_the_port(tmp_path: Path) -> None:
     """What the first stage of a group to start on a node makes there, the others find; the
     node's cleanup removes it all."""
@@ -242,8 +322,10 @@ def test_group_setup_makes_the_rings_once_per_node_and_keeps_the_port(tmp_path: 
         RingSpec(0, f"/brigade-{run_id}-result-0", 2, 512, 1),
     ]
     try:
-        port = GroupSetup(run_id, 0, rings).prepare()
-        assert GroupSetup(run_id, 0, rings).prepare() == port  # a later host of the group on this node
+        port = GroupSetup(run_id, 0, rings, "127.0.0.1").prepare()
+        assert (
+            GroupSetup(run_id, 0, rings, "127.0.0.1").prepare() == port
+        )  # a later host of the group on this node
         step = ShmRing.attach(rings[0].name)
         assert step.num_readers == 2
         step.close()
