@@ -110,6 +110,45 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gguf_reference_weights() -> dict:
+    """The embedded GGUF's weights as transformers' own GGUF reader dequantizes them (float32,
+    HF names, the tied lm_head alias left out): the independent reference for Brigade's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from services.gpu_worker.loader import default_model_path
+
+    # from_pretrained(gguf_file=) minus its accelerate requirement.
+    gguf = Path(default_model_path())
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=meta)["tensors"]
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return {"config": config, "tensors": tensors}
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(
+    smollm2_dir: Path, gguf_reference_weights: dict, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """SmolLM2 as an HF float32 checkpoint of transformers' dequantization of the GGUF, with the
+    converted dir's config and tokenizer: what HF references load (the conversion cache keeps
+    the quantized weights as blocks, and only a bfloat16 rounding of them for HF)."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("smollm2-hf-float32")
+    tensors = {name: t.contiguous() for name, t in gguf_reference_weights["tensors"].items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (2 layers, GQA) with SmolLM2's tokenizer, for fast real-process tests."""
     import torch

@@ -32,13 +32,13 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_dir: Path) -> dict[str, tuple[list[int], str]]:
+def hf_reference(smollm2_dir: Path, smollm2_hf_dir: Path) -> dict[str, tuple[list[int], str]]:
     """Greedy completions of every chat prompt by HF transformers on the same weights (float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
     reference = {}
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)

@@ -111,7 +111,7 @@ CHATS = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # SmolLM2 on the CPU, with headroom for a loaded machine
-def test_smollm2_greedy_matches_hf(smollm2_dir):
+def test_smollm2_greedy_matches_hf(smollm2_dir, smollm2_hf_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -124,7 +124,7 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert len({len(p) for p in prompts}) > 4  # mixed prompt lengths
     max_new = 32
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

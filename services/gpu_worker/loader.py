@@ -1,14 +1,18 @@
 """Model files: turns a GGUF file or an HF dir into an HF-format dir, and loads its weights.
 
-A GGUF is converted once (dequantized weights, config.json, tokenizer files) into a cache dir; the
-light stages then read the tokenizer from that dir without torch. The weights GGUF stores in a block
-format the CPU kernels read (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are also kept as they are, in
-quantized.safetensors: a float32 CPU worker multiplies steps of few rows from those bytes
-(kernels/cpu_ops.py).
+A GGUF is converted once (weights, config.json, tokenizer files) into a cache dir; the light stages
+then read the tokenizer from that dir without torch. Every quantized weight is kept as the GGUF's
+own blocks, in quantized.safetensors, and the worker dequantizes those (gguf's own dequantizer: the
+exact float32 values) when it loads; a float32 CPU worker also multiplies steps of few rows from the
+blocks where the kernels read their format (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu_ops.py).
+model.safetensors holds the F32 / F16 / BF16 tensors as the file has them and the quantized ones
+rounded to bfloat16, only so that the dir stays an HF checkpoint that transformers can load (with
+that rounding: docs/models.md); the worker never reads those bfloat16 copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -24,10 +28,13 @@ import numpy as np
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of the conversion cache key: a new version reconverts (2: quantized.safetensors).
-CONVERSION_VERSION = 2
+# Part of the conversion cache key: a new version reconverts (2: quantized.safetensors; 3: every
+# quantized weight as blocks, model.safetensors in bfloat16 instead of float32).
+CONVERSION_VERSION = 3
 QUANTIZED_FILE = "quantized.safetensors"
 QUANTIZED_FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block formats kernels/cpu_ops.py reads
+# GGUF tensor types stored as themselves in model.safetensors (exact); the rest are blocks.
+PLAIN_TYPES = ("F32", "F16", "BF16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -249,7 +256,15 @@ def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
     return rows
 
 
-def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+def _is_blocks(tensor) -> bool:
+    """Whether a GGUF tensor is kept as its blocks (a quantized 2-D weight)."""
+    return tensor.tensor_type.name not in PLAIN_TYPES and len(tensor.shape) == 2
+
+
+def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
+    """(HF name, torch tensor) for model.safetensors: F32 / F16 / BF16 as they are, quantized
+    weights dequantized and rounded to bfloat16 (the HF-loadable copy; see the module doc)."""
+    import torch
     from gguf.quants import dequantize
 
     for t in reader.tensors:
@@ -257,26 +272,40 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         if name is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
-        yield name, np.ascontiguousarray(_hf_rows(t.name, w, config))
+        w = torch.from_numpy(np.ascontiguousarray(_hf_rows(t.name, w, config)))
+        if _is_blocks(t):
+            yield name, w.to(torch.bfloat16)
+        else:  # exact: F16 and BF16 as such, F32 (and any quantized 1-D tensor) in float32
+            yield name, w.to({"F16": torch.float16, "BF16": torch.bfloat16}.get(t.tensor_type.name, torch.float32))
 
 
 def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The 2-D weights in QUANTIZED_FORMATS as their raw GGUF blocks ([rows, bytes] uint8, rows in
-    HF order), and each one's format."""
+    """Every quantized 2-D weight as its raw GGUF blocks ([rows, bytes] uint8, rows in HF order),
+    and each one's format."""
     blocks, formats = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None or t.tensor_type.name not in QUANTIZED_FORMATS or len(t.shape) != 2:
+        if name is None or not _is_blocks(t):
             continue
         blocks[name] = np.ascontiguousarray(_hf_rows(t.name, np.asarray(t.data), config))
         formats[name] = t.tensor_type.name
     return blocks, formats
 
 
+def dequantize_blocks(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """[rows, bytes] GGUF blocks of format `fmt` -> the float32 weight [rows, in], exactly as gguf
+    dequantizes them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float32, copy=False)
+
+
 def convert_gguf(gguf_path: Path, out: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files of a GGUF into `out`."""
     import gguf
     from safetensors.numpy import save_file
+    from safetensors.torch import save_file as save_torch_file
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -286,7 +315,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     tensors = dict(
         tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")
     )
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_torch_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
     blocks, formats = _gguf_blocks(reader, config)
     if blocks:
         save_file(blocks, str(out / QUANTIZED_FILE), metadata={"formats": json.dumps(formats)})
@@ -318,33 +348,45 @@ ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
 
 def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterator[tuple[str, object]]:
-    """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not).
+    """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not); a
+    weight that quantized.safetensors holds as GGUF blocks comes from those, dequantized to its
+    exact float32 values (not the bfloat16 copy beside it).
 
     `shard_spec(name)` -> (dim, start, length) reads only that slice of the weight from the file
     (a tensor-parallel rank's shard); None reads the whole tensor.
     """
+    import torch
     from safetensors import safe_open
     from tqdm import tqdm
 
-    for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                spec = shard_spec(name) if shard_spec is not None else None
-                if spec is None:
-                    yield name, f.get_tensor(name)
-                    continue
-                dim, start, length = spec
-                index = (slice(None),) * dim + (slice(start, start + length),)
-                yield name, f.get_slice(name)[index]
+    blocks_path = model_dir / QUANTIZED_FILE
+    with contextlib.ExitStack() as stack:
+        blocks, formats = None, {}
+        if blocks_path.exists():
+            blocks = stack.enter_context(safe_open(str(blocks_path), framework="numpy"))
+            formats = json.loads(blocks.metadata()["formats"])
+        for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    spec = shard_spec(name) if shard_spec is not None else None
+                    if name in formats:
+                        tensor = torch.from_numpy(dequantize_blocks(blocks.get_tensor(name), formats[name]))
+                        yield name, tensor if spec is None else tensor.narrow(*spec)
+                    elif spec is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        dim, start, length = spec
+                        index = (slice(None),) * dim + (slice(start, start + length),)
+                        yield name, f.get_slice(name)[index]
 
 
 def load_weights(model, model_dir: Path) -> None:
     """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`, each read as
     the slice `model.shard_spec(name)` names; then, where the model takes them, the GGUF blocks
-    of quantized.safetensors via its `load_quantized(blocks, formats)`."""
+    of quantized.safetensors via its `load_quantized(blocks, formats)`; then `finish_loading`
+    (which makes the kernels' copies knowing which weights have blocks)."""
     for name, tensor in iter_weights(model_dir, model.shard_spec):
         model.load_hf_weight(name, tensor)
-    model.finish_loading()
     path = model_dir / QUANTIZED_FILE
     if model.takes_quantized and path.exists():
         from safetensors import safe_open
@@ -352,3 +394,4 @@ def load_weights(model, model_dir: Path) -> None:
         with safe_open(str(path), framework="pt") as f:
             formats = json.loads(f.metadata()["formats"])
             model.load_quantized({name: f.get_tensor(name) for name in f.keys()}, formats)  # noqa: SIM118
+    model.finish_loading()
