@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.gpu_worker import loader
+from services.gpu_worker.model import CAN_PREPACK
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_kernels import has_cpu_kernels, random_k_quant_blocks
 from tests.test_model import PlanBuilder, random_ids, runner_logits
@@ -68,6 +69,9 @@ def test_k_quant_weights_multiply_from_their_blocks(k_quant_model: Path) -> None
         qkv, o_proj, gate_up, down = layer.quantized
         assert qkv is None  # q / k Q4_K with v Q6_K: one fused weight cannot mix formats
         assert (o_proj.format, gate_up.format, down.format) == ("Q4_K", "Q5_K", "Q6_K")
+        if CAN_PREPACK:  # blocks serve steps of few rows, the prepacked copy wider ones: no plain copy
+            assert layer.o_proj.numel() == layer.gate_up.numel() == layer.down.numel() == 0
+            assert layer.qkv.numel() > 0  # no blocks: the few-rows kernel reads it
     rng = np.random.default_rng(0)
     builder = PlanBuilder()
     histories = {i: random_ids(rng, 9 + i, 300) for i in range(4)}

@@ -425,22 +425,34 @@ class LlamaModel:
         self.lm_head_quantized = quantized([head], self.lm_head)
 
     def finish_loading(self) -> None:
-        """Fail loudly on missing weights (a silently random layer would still 'work')."""
+        """Fail loudly on missing weights (a silently random layer would still 'work'); on the
+        CPU in float32, make the copies the kernels read (after `load_quantized`, if any)."""
         missing = sorted(self.expected_weights() - self._loaded)
         if missing:
             raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:3]}")
         if not self.is_cpu_float32:
             return
         keep_transposed = not self.has_few_rows_linear
+        # A plain [out, in] weight that has GGUF blocks is read by no step once it is prepacked:
+        # steps of few rows multiply by the blocks, wider ones by the prepacked copy. It is freed
+        # layer by layer, so that the model never holds two float32 copies of itself (SmolLM2:
+        # 425 MB less resident, and a lower peak while loading).
+        drops_plain = CAN_PREPACK and not keep_transposed
+        released = torch.empty(0, dtype=self.dtype, device=self.device)
         for layer in self.layers:
             if keep_transposed:
                 layer.transposed = tuple(w.t().contiguous() for w in layer.plain)  # type: ignore[assignment]
             if CAN_PREPACK:
                 layer.prepacked = tuple(prepack(w) for w in layer.plain)  # type: ignore[assignment]
+            for name, blocks in zip(("qkv", "o_proj", "gate_up", "down"), layer.quantized, strict=True):
+                if drops_plain and blocks is not None:
+                    setattr(layer, name, released)
         if keep_transposed:
             self.lm_head_t = self.lm_head.t().contiguous()
         if CAN_PREPACK:
             self.lm_head_prepacked = prepack(self.lm_head)
+            if drops_plain and self.lm_head_quantized is not None and not self.config.tie_word_embeddings:
+                self.lm_head = released  # a tied head is the embedding, which lookups still read
 
     # ---- forward ----------------------------------------------------------------------------------
 
