@@ -276,7 +276,8 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
         if _is_blocks(t):
             yield name, w.to(torch.bfloat16)
         else:  # exact: F16 and BF16 as such, F32 (and any quantized 1-D tensor) in float32
-            yield name, w.to({"F16": torch.float16, "BF16": torch.bfloat16}.get(t.tensor_type.name, torch.float32))
+            kind = {"F16": torch.float16, "BF16": torch.bfloat16}.get(t.tensor_type.name, torch.float32)
+            yield name, w.to(kind)
 
 
 def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
