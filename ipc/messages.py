@@ -418,6 +418,9 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int] = []
+    # The window every layer's attention reads within (its largest); 0 when some layer reads the
+    # whole context. KV blocks wholly before it are never read again (the scheduler frees them).
+    sliding_window: int = 0
 
 
 # In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row

@@ -1,6 +1,7 @@
-"""A non-Llama family served end to end through real processes (supervisor, frontend, scheduler,
-worker, detokenizer): a random Gemma 2 (sliding-window layers shorter than the prompts, soft caps,
-sandwich norms) with SmolLM2's tokenizer, whose greedy tokens must be HF's."""
+"""Non-Llama families served end to end through real processes (supervisor, frontend, scheduler,
+worker, detokenizer) with SmolLM2's tokenizer, whose greedy tokens must be HF's: a random Gemma 2
+(sliding-window layers shorter than the prompts, soft caps, sandwich norms), and a random Mistral
+whose sequences fit the KV pool only because blocks behind the window are freed."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def gemma2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
-def hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
+def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int = NEW_TOKENS) -> list[int]:
     """HF's greedy continuation by full forwards (its masks, no HF KV cache)."""
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +54,7 @@ def hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
     ).eval()
     ids = list(prompt)
     with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
+        for _ in range(num_tokens):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
@@ -76,5 +77,58 @@ def test_gemma2_served_greedy_matches_hf(gemma2_dir: Path, tmp_path: Path) -> No
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(one, prompts))
+    assert got == expected
+    assert_clean(run_dir)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Mistral whose KV blocks are large (8 KV heads x 64): 1 MiB of cache holds just 8
+    blocks of 16 tokens, so blocks released behind the window are soon handed to other sequences."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("mistral-serving")
+    config = MistralConfig(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=64, sliding_window=20,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = MistralForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+def test_mistral_served_in_a_pool_its_sequences_only_fit_windowed(mistral_dir: Path, tmp_path: Path) -> None:
+    """Three sequences of up to 30 + 70 tokens at once in 8 blocks of 16 (128 tokens): they fit
+    only because the scheduler frees the blocks behind the 20-token window, which other
+    sequences then reuse; a repeated prompt hits the prefix cache. Greedy tokens are HF's."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (30, 25, 18)]
+    prompts.append(list(prompts[0]))  # a prefix-cache hit on the first one's blocks
+    new_tokens = 70
+    expected = [hf_greedy(mistral_dir, p, new_tokens) for p in prompts[:3]]
+    expected.append(expected[0])
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={mistral_dir}", "model.dtype=float32", "model.max_model_len=128",
+        "engine.kv_cache_mib=1", "engine.block_size=16",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+
+        def one(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                result = client.generate(prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300)
+                return result.token_ids
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(one, prompts[:3]))
+        got.append(one(prompts[3]))
     assert got == expected
     assert_clean(run_dir)

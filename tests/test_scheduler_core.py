@@ -182,11 +182,13 @@ class FakeExecutor:
         logprobs = np.zeros(num_seqs, np.float32)
         for i, req in enumerate(step.seqs):
             n = int(seq_lens[i])
-            # Everything the sequence attends to must be its own tokens, read through its table;
-            # a decode planned ahead also attends to its placeholder, filled in above.
+            # Everything the sequence attends to (all of it, or its last sliding_window keys) must be
+            # its own tokens, read through its table; a decode planned ahead also attends to its
+            # placeholder, filled in above.
             slots = bt[i, np.arange(n) // bs] * bs + np.arange(n) % bs
             known = min(n, req.num_tokens)
-            assert (self.kv[slots[:known]] == req.token_slice(0, known)).all(), "stale or foreign KV read"
+            first = max(n - cfg.sliding_window, 0) if cfg.sliding_window else 0
+            assert (self.kv[slots[first:known]] == req.token_slice(first, known)).all(), "stale or foreign KV read"
             if not a["is_sampled"][i]:
                 continue
             assert a["sample_positions"][i] == n
@@ -283,6 +285,7 @@ event_st = st.lists(
     max_num_seqs=st.integers(1, 5),
     max_num_batched_tokens=st.integers(1, 24),
     caching=st.booleans(),
+    sliding_window=st.sampled_from([0, 0, 2, 5, 9]),
     requests=st.lists(request_st, min_size=1, max_size=8),
     events=event_st,
 )
@@ -292,6 +295,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     caching: bool,
+    sliding_window: int,
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
@@ -307,6 +311,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
         max_num_waiting=64,
         enable_prefix_caching=caching,
         eos_token_ids=(EOS,),
+        sliding_window=sliding_window,  # decodes release the blocks behind the window
     )
     specs = []
     for idx, spec in enumerate(requests):

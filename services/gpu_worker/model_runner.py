@@ -63,6 +63,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model_dir, raw)
+        windows = config.layer_windows
+        self.sliding_window = max(windows) if windows and min(windows) > 0 else 0
 
         self.parallel = parallel
         self.model = LlamaModel(config, self.dtype, self.device, block_size, parallel, backend)

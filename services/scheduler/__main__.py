@@ -270,6 +270,7 @@ class SchedulerProcess:
                     max_num_waiting=engine.max_num_waiting,
                     enable_prefix_caching=engine.enable_prefix_caching,
                     eos_token_ids=tuple(first.eos_token_ids),
+                    sliding_window=first.sliding_window,
                 ),
                 self.load_grammars(first),
             )

@@ -59,11 +59,16 @@ class SchedulerConfig:
     max_num_waiting: int = 1024
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    # Every layer reads only a query's last `sliding_window` keys (0: some layer reads them all):
+    # a decode releases the blocks wholly before that window (SchedulerState.release_before_window).
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
         # One sequence alone must always fit, or it would preempt itself forever.

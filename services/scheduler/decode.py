@@ -127,6 +127,9 @@ class SteadyDecode:
             table.block_tables[rows[entering], columns] = new_blocks
             for j, b in zip(entering.tolist(), new_blocks, strict=True):
                 seqs[j].block_ids.append(b)
+            if self.state.config.sliding_window:
+                for j, start in zip(entering.tolist(), starts[entering].tolist(), strict=True):
+                    self.state.release_before_window(seqs[j], start)
         elif len(entering):
             self._steady = None  # these block-table writes are not mirrored in it
             if self._grow_decodes(seqs, entering.tolist()):
@@ -228,4 +231,7 @@ class SteadyDecode:
             b = blocks.allocate(1)[0]
             block_tables[req.row, len(req.block_ids)] = b
             req.block_ids.append(b)
+            if state.config.sliding_window:
+                # The block just entered starts at the query's position: the window ends there.
+                state.release_before_window(req, (len(req.block_ids) - 1) * state.block_size)
         return state.num_preemptions != num_preemptions

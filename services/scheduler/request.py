@@ -45,6 +45,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "num_registered_blocks",
+        "num_released_blocks",
         "output_ids",
         "params",
         "priority",
@@ -81,6 +82,9 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of the tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # Leading blocks already given back because no layer's window reaches them any more
+        # (SchedulerState.release_before_window); block_ids keeps their ids, which nothing reads.
+        self.num_released_blocks = 0
         self.row = -1  # row in the plan table while running
         # Structured output (params.structured): the compile while it runs, then the matcher,
         # which stays in step with output_ids (services/scheduler/grammars.py).

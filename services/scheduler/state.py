@@ -94,9 +94,27 @@ class SchedulerState:
             if self.blocks.enable_prefix_caching and num_full > req.num_registered_blocks:
                 self.register_blocks(req, num_full)
             self.table.release(req)
-        self.blocks.release(req.block_ids)
+        self.blocks.release(req.block_ids[req.num_released_blocks :])
         req.block_ids = []
         req.num_registered_blocks = 0
+        req.num_released_blocks = 0
+
+    def release_before_window(self, req: Request, position: int) -> None:
+        """Give back the running request's leading blocks that lie wholly before the sliding
+        window of its query at `position` (config.sliding_window; later queries look later still).
+
+        The block table keeps their ids: the attention of every layer reads only keys inside its
+        window, so a released block that another sequence reuses is never read through this
+        table. A full computed block joins the prefix cache first, as it would on release.
+        """
+        window = self.config.sliding_window
+        num_before = min((position - window + 1) // self.block_size, len(req.block_ids))
+        if not window or num_before <= req.num_released_blocks:
+            return
+        if self.blocks.enable_prefix_caching and num_before > req.num_registered_blocks:
+            self.register_blocks(req, num_before)
+        self.blocks.release(req.block_ids[req.num_released_blocks : num_before])
+        req.num_released_blocks = num_before
 
     def register_blocks(self, req: Request, num_full: int) -> None:
         """Offer the request's blocks that are now full of computed tokens to the prefix cache."""

@@ -1,0 +1,139 @@
+"""The scheduler gives back the KV blocks that fall wholly behind every layer's sliding window:
+the block accounting as a decode moves on, with prefix caching and preemption, against the fake
+worker of tests/test_scheduler_core.py (which checks every read within the window is the
+sequence's own token) and the reference outputs computed there independently of the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.pipeline import StepPipeline
+from tests.test_scheduler_core import (
+    EOS,
+    FakeExecutor,
+    assert_no_leaks,
+    make_request,
+    reference_outputs,
+    refuse_nothing,
+    tokens_of,
+)
+
+BS = 4
+WINDOW = 6
+MAX_MODEL_LEN = 96
+
+
+def config(**overrides: object) -> SchedulerConfig:
+    base = dict(
+        max_num_seqs=4, max_num_batched_tokens=64, block_size=BS, num_blocks=MAX_MODEL_LEN // BS,
+        max_model_len=MAX_MODEL_LEN, max_num_waiting=8, eos_token_ids=(EOS,), sliding_window=WINDOW,
+    )  # fmt: skip
+    base.update(overrides)
+    return SchedulerConfig(**base)
+
+
+def run(
+    sched: Scheduler, requests: list, overlap: bool, on_step=None, executor: FakeExecutor | None = None
+) -> dict[str, list[int]]:
+    """Every request to its end; `executor` (the simulated KV cache) defaults to a fresh one."""
+    for req in requests:
+        assert sched.add(req) is None
+    executor = executor or FakeExecutor(sched)
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
+    outputs: dict[str, list] = {}
+    for _ in range(2000):
+        if not pipeline.has_work:
+            break
+        for out in pipeline.advance() or []:
+            outputs.setdefault(out.request_id, []).append(out)
+        if on_step is not None:
+            on_step()
+    assert not pipeline.has_work
+    return {rid: tokens_of(outs) for rid, outs in outputs.items()}
+
+
+def held_blocks(sched: Scheduler, rid: str) -> int:
+    req = sched.requests.get(rid)
+    return 0 if req is None else len(req.block_ids) - req.num_released_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decode_holds_only_the_blocks_its_window_reads(overlap: bool) -> None:
+    sched = Scheduler(config())
+    prompt = list(range(1, 11))
+    req = make_request("a", prompt, max_tokens=70, ignore_eos=True)
+    most = [0]
+
+    def check() -> None:
+        if "a" in sched.requests and sched.requests["a"].status.name == "RUNNING":
+            most[0] = max(most[0], held_blocks(sched, "a"))
+            assert sched.blocks.num_used == held_blocks(sched, "a")
+
+    got = run(sched, [req], overlap, check)
+    assert got["a"] == reference_outputs(prompt, [], req.params, MAX_MODEL_LEN)
+    # The window's keys span at most ceil((WINDOW - 1) / BS) + 1 blocks, plus the block being
+    # entered; 80 tokens without the window would hold 20.
+    assert most[0] <= -(-(WINDOW - 1) // BS) + 2
+    assert_no_leaks(sched)
+
+
+def test_without_a_window_every_block_stays() -> None:
+    sched = Scheduler(config(sliding_window=0))
+    req = make_request("a", list(range(1, 11)), max_tokens=70, ignore_eos=True)
+    most = [0]
+    got = run(sched, [req], False, lambda: most.__setitem__(0, max(most[0], held_blocks(sched, "a"))))
+    assert got["a"] == reference_outputs(list(range(1, 11)), [], req.params, MAX_MODEL_LEN)
+    assert most[0] == -(-79 // BS)  # every token but the last one has KV: 79 tokens, 20 blocks
+    assert_no_leaks(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_decodes_fit_together_once_blocks_behind_the_window_are_freed(overlap: bool) -> None:
+    """Four sequences of 90 tokens in a pool of 24 blocks (one sequence's worth): without the
+    window they preempt each other, with it none is preempted; outputs are the reference's."""
+    prompts = [[1 + (i * 3 + j) % 30 for j in range(10)] for i in range(4)]
+    outputs = {}
+    for window in (0, WINDOW):
+        sched = Scheduler(config(sliding_window=window))
+        reqs = [
+            make_request(f"r{i}", p, max_tokens=80, ignore_eos=True, seed=i) for i, p in enumerate(prompts)
+        ]
+        outputs[window] = run(sched, reqs, overlap)
+        for i, p in enumerate(prompts):
+            assert outputs[window][f"r{i}"] == reference_outputs(p, [], reqs[i].params, MAX_MODEL_LEN)
+        assert (sched.num_preemptions > 0) == (window == 0)
+        assert_no_leaks(sched)
+
+
+def test_preempted_windowed_sequences_recompute_the_same_outputs() -> None:
+    """A pool too small even with the window (4 sequences holding 2-4 blocks each, 8 blocks):
+    preemptions happen, and every output is still the reference's."""
+    sched = Scheduler(config(max_model_len=32, num_blocks=8))
+    prompts = [[2 + (i * 5 + j) % 30 for j in range(9)] for i in range(4)]
+    reqs = [
+        make_request(f"p{i}", p, max_tokens=22, ignore_eos=True, seed=10 + i) for i, p in enumerate(prompts)
+    ]
+    got = run(sched, reqs, False)
+    for i, p in enumerate(prompts):
+        assert got[f"p{i}"] == reference_outputs(p, [], reqs[i].params, 32)
+    assert sched.num_preemptions > 0
+    assert_no_leaks(sched)
+
+
+def test_blocks_released_behind_the_window_serve_a_later_prefix_hit() -> None:
+    """A generated block released behind the window joins the prefix cache first: a request
+    whose prompt is the first one's prompt + outputs reuses it, and computes the right tokens."""
+    sched = Scheduler(config())
+    executor = FakeExecutor(sched)  # one KV cache for both requests
+    prompt = list(range(1, 11))
+    first = make_request("first", prompt, max_tokens=30, ignore_eos=True)
+    got = run(sched, [first], False, executor=executor)
+    history = prompt + got["first"]
+    second = make_request("second", history[:36], max_tokens=8, ignore_eos=True, seed=3)
+    again = run(sched, [second], False, executor=executor)
+    assert again["second"] == reference_outputs(history[:36], [], second.params, MAX_MODEL_LEN)
+    # The 8 leading full blocks of its 36 tokens (the last token is always computed); the
+    # generated ones among them were released behind the first request's window while it ran.
+    assert sched.num_prefix_hit_tokens == 32
+    assert_no_leaks(sched)
