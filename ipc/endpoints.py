@@ -14,7 +14,6 @@ import random
 import socket
 import stat
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,19 +119,37 @@ _PORT_BASE_TRIES = 100
 _EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here: stay below it
 
 
-@dataclass(frozen=True)
-class Link:
-    """One ZeroMQ link: the endpoint its server binds and the one its clients connect to, and the
-    CURVE settings of each side (None on ipc://). The socket wrappers in ipc/sockets.py take a
-    Link and pick the side from their `bind` flag."""
+class Link(str):
+    """One ZeroMQ link. As a string it is the endpoint its clients connect to, so it goes wherever
+    an endpoint string goes (zmq's connect, logs, run.json); `bind` is the endpoint its server
+    binds, and `server_curve` / `client_curve` the CURVE settings of each side (None on ipc://).
+    The socket wrappers in ipc/sockets.py pick the side, and its CURVE, from their `bind` flag."""
 
     bind: str
-    connect: str
-    server_curve: CurveServer | None = None
-    client_curve: CurveClient | None = None
+    server_curve: CurveServer | None
+    client_curve: CurveClient | None
 
-    def __str__(self) -> str:
-        return self.connect
+    def __new__(
+        cls,
+        bind: str,
+        connect: str,
+        server_curve: CurveServer | None = None,
+        client_curve: CurveClient | None = None,
+    ) -> Link:
+        link = super().__new__(cls, connect)
+        link.bind, link.server_curve, link.client_curve = bind, server_curve, client_curve
+        return link
+
+    @property
+    def connect(self) -> str:
+        return str.__str__(self)
+
+    def __getnewargs__(self) -> tuple:  # type: ignore[override]
+        return (self.bind, self.connect, self.server_curve, self.client_curve)
+
+    def __repr__(self) -> str:
+        curve = " with CURVE" if self.server_curve is not None else ""
+        return f"Link(bind={self.bind!r}, connect={self.connect!r}{curve})"
 
 
 class NetworkPlan(msgspec.Struct, frozen=True):
