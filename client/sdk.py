@@ -57,16 +57,27 @@ class StreamDelta:
     finish_reason: str | None = None
     usage: m.Usage | None = None
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top `logprobs` ids -> logprob
+    tools: m.ParsedTools | None = None  # the last delta of a chat with tools: content and calls
 
 
 @dataclass
 class GenerateResult:
-    text: str
+    text: str  # the model's whole output, tool-call markup included
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "tool_calls" when a chat with tools ended in calls
     usage: m.Usage | None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    tools: m.ParsedTools | None = None  # with tools: the text cut into content and tool calls
+
+    @property
+    def tool_calls(self) -> list[m.ToolCall]:
+        return self.tools.calls if self.tools is not None else []
+
+    @property
+    def content(self) -> str | None:
+        """The reply's text without its tool calls (OpenAI's message.content)."""
+        return self.tools.content if self.tools is not None else self.text
 
 
 ServerKey = bytes | str | Path  # 40 z85 characters, or a certificate file holding the key
@@ -267,10 +278,62 @@ def _prompt_ids(prompt: Sequence[int]) -> bytes:
     return m.pack_ids(_convert("prompt (token ids)", list(prompt), list[int]))
 
 
+def make_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> m.Tools | None:
+    """OpenAI `tools`, `tool_choice` ("none", "auto", "required" or {"type": "function",
+    "function": {"name"}}) and `parallel_tool_calls` -> what the frontend reads; the frontend
+    checks the tools themselves."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequest(f"tool_choice={tool_choice!r} needs tools")
+        return None
+    try:
+        text = json.dumps(tools, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"tools must be JSON (OpenAI's tools list): {exc}") from None
+    parallel = _convert(
+        "parallel_tool_calls", True if parallel_tool_calls is None else parallel_tool_calls, bool
+    )
+    if tool_choice is None or tool_choice in ("none", "auto", "required"):
+        return m.Tools(text, tool_choice or "auto", parallel=parallel)
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise InvalidRequest(
+            f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+            f"{{'name': ...}}}}, got {tool_choice!r}"
+        )
+    return m.Tools(text, "function", name, parallel)
+
+
+def chat_message(i: int, message: Any) -> m.ChatMessage:
+    """One chat message (a dict) -> the wire form. Assistant `tool_calls` may come in OpenAI's
+    shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`)."""
+    if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+        calls = [
+            {"id": c.get("id"), **c["function"]}
+            if isinstance(c, dict) and isinstance(c.get("function"), dict)
+            else c
+            for c in message["tool_calls"]
+        ]
+        message = {**message, "tool_calls": calls}
+    converted = _convert(f"messages[{i}]", message, m.ChatMessage)
+    _check_text(f"messages[{i}].role", converted.role)
+    if converted.content is not None:
+        _check_text(f"messages[{i}].content", converted.content)
+    elif not (converted.role == "assistant" and converted.tool_calls):
+        raise InvalidRequest(
+            f"messages[{i}].content is required (only an assistant's tool calls may go without)"
+        )
+    return converted
+
+
 def make_generate(
     request_id: str | None,
     prompt: Prompt | None,
-    messages: Sequence[dict[str, str]] | None,
+    messages: Sequence[dict[str, Any]] | None,
     sampling: dict[str, Any],
 ) -> m.Generate:
     """A Generate whose every field has its declared type: the frontend can parse it."""
@@ -278,12 +341,16 @@ def make_generate(
         raise InvalidRequest("give exactly one of a prompt (text or token ids) and chat messages")
     if request_id is not None:
         _check_text("request_id", _convert("request_id", request_id, str))
-    request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling))
+    tools = make_tools(
+        sampling.pop("tools", None),
+        sampling.pop("tool_choice", None),
+        sampling.pop("parallel_tool_calls", None),
+    )
+    if tools is not None and messages is None:
+        raise InvalidRequest("tools can only be offered to a chat (messages)")
+    request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools)
     if messages is not None:
-        request.messages = _convert("messages", list(messages), list[m.ChatMessage])
-        for i, message in enumerate(request.messages):
-            _check_text(f"messages[{i}].role", message.role)
-            _check_text(f"messages[{i}].content", message.content)
+        request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):
         _check_text("prompt", prompt)
         request.prompt = prompt
@@ -350,6 +417,7 @@ def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
         last.usage,
         logprobs or None,
         top_logprobs or None,
+        last.tools,
     )
 
 
@@ -399,6 +467,7 @@ class RequestState:
         self.num_chars = 0
         self.finish_reason: str | None = None
         self.usage: m.Usage | None = None
+        self.tools: m.ParsedTools | None = None
         self.error: BrigadeError | None = None
         self.ready: deque[StreamDelta] = deque()
         self._stash: list[m.Delta] = []
@@ -444,11 +513,17 @@ class RequestState:
         self.text_parts.append(text)
         self.num_chars += len(text)
         if delta.finish_reason is not None:
-            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+            self.finish_reason, self.usage, self.tools = delta.finish_reason, delta.usage, delta.tools
         if ids or text or delta.finish_reason is not None:
             self.ready.append(
                 StreamDelta(
-                    text, ids, logprobs or None, delta.finish_reason, delta.usage, top_logprobs or None
+                    text,
+                    ids,
+                    logprobs or None,
+                    delta.finish_reason,
+                    delta.usage,
+                    top_logprobs or None,
+                    delta.tools,
                 )
             )
 
@@ -461,6 +536,7 @@ class RequestState:
             self.usage,
             self.logprobs or None,
             self.top_logprobs or None,
+            self.tools,
         )
 
 

@@ -76,9 +76,47 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
 
 
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
+    """One function call an assistant made: `arguments` is the JSON text the model wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, gc=False):
+    """One turn. content may be None where OpenAI allows it (an assistant turn that only calls
+    tools); `tool_calls` are an assistant's calls, `tool_call_id` names the call a `tool` turn
+    answers. Fields are appended with defaults, so older encodings still decode."""
+
     role: str
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required", "function"]
+
+
+class Tools(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """The functions a chat request offers the model (OpenAI `tools`, `tool_choice`,
+    `parallel_tool_calls`). `tools` is their JSON text: the frontend renders it into the prompt
+    and derives the forced-call constraint from it (ipc/structured_output.py, for_tool_choice).
+    choice `function` forces the call of `function`."""
+
+    tools: str
+    choice: ToolChoice = "auto"
+    function: str = ""
+    parallel: bool = True
+
+
+class ParsedTools(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A finished tools request's output, cut into content and calls by the model family's
+    parser (services/tokenizer/tool_parsers.py); on its final Delta only."""
+
+    content: str | None = None
+    calls: list[ToolCall] = []
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):
@@ -88,7 +126,7 @@ class Usage(msgspec.Struct, array_like=True, gc=False):
 
 
 # Finish reasons, as strings on the wire.
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 # Error codes, shared by every error reply.
 ErrorCode = Literal[
@@ -120,6 +158,7 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     stream: bool = True
     resume_output_ids: bytes = b""
     resume_num_chars: int = 0
+    tools: Tools | None = None  # chat only: the functions the model may call
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):
@@ -146,6 +185,7 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     top_logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None
     usage: Usage | None = None
+    tools: ParsedTools | None = None  # the final delta of a request with tools
 
 
 class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):

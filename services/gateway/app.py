@@ -38,6 +38,7 @@ from services.gateway.runner import run_jobs
 from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
 from services.metrics import HttpMetrics, registry_for_run
 from services.tokenizer.text import Tokenizer
+from services.tokenizer.tools_prompt import auto_tool_format, tool_parser_for
 
 STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
 JSON = "application/json"
@@ -68,7 +69,12 @@ def error_response(error: ApiError) -> Response:
 
 def to_piece(delta: StreamDelta) -> Piece:
     return Piece(
-        delta.text, delta.token_ids, delta.logprobs or [], delta.top_logprobs or [], delta.finish_reason
+        delta.text,
+        delta.token_ids,
+        delta.logprobs or [],
+        delta.top_logprobs or [],
+        delta.finish_reason,
+        delta.tools,
     )
 
 
@@ -97,6 +103,7 @@ class Gateway:
         self.num_in_flight = 0
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
+        self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the frontend's too
 
     def app(self) -> Starlette:
         routes = [
@@ -188,7 +195,8 @@ class Gateway:
         body = await self.read_body(request, p.ChatCompletionRequest)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
-        fmt = ChatFormat(self.settings.model, names, plan.logprobs)
+        parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
+        fmt = ChatFormat(self.settings.model, names, plan.logprobs, parser, plan.call_id_base)
         return self.generate(request, body, plan, fmt)
 
     async def completions(self, request: Request) -> Response:
@@ -278,7 +286,11 @@ class Gateway:
             if delta.usage is not None:
                 usages[index] = delta.usage
             text_offset = cursor.chars(index)
-            piece = cursor.advance(index, to_piece(delta))
+            whole = to_piece(delta)
+            piece = cursor.advance(index, whole)
+            fmt.skip(
+                index, whole.text[: len(whole.text) - len(piece.text)] if piece is not None else whole.text
+            )
             if piece is not None:
                 yield event(fmt.chunk(index, piece, text_offset), cursor.event_id())
             try:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from ipc import messages as m
 from services.gateway import protocol as p
 from services.tokenizer.text import Tokenizer
+from services.tokenizer.tool_parsers import ToolCallStream, ToolParser, finish_reason
 
 
 @dataclass
@@ -25,6 +27,7 @@ class Piece:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None = None
+    tools: m.ParsedTools | None = None  # the last piece of a chat with tools: the frontend's parse
 
 
 @dataclass
@@ -36,6 +39,7 @@ class ChoiceOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    tools: m.ParsedTools | None = None
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
@@ -43,9 +47,17 @@ class ChoiceOutput:
         self.logprobs += piece.logprobs
         self.top_logprobs += piece.top_logprobs
         self.finish_reason = piece.finish_reason or self.finish_reason
+        self.tools = piece.tools or self.tools
 
     def piece(self) -> Piece:
-        return Piece("".join(self.text), self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason)
+        return Piece(
+            "".join(self.text),
+            self.token_ids,
+            self.logprobs,
+            self.top_logprobs,
+            self.finish_reason,
+            self.tools,
+        )
 
 
 def usage_out(usages: dict[int, m.Usage], prompt_of: dict[int, int]) -> p.UsageOut:
@@ -74,13 +86,62 @@ class TokenNames:
         return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
 
 
+def merge_tool_deltas(items: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """ToolCallStream's deltas of one piece -> one chunk's content and tool_calls (a call's
+    argument pieces joined), so that every chunk carries the event id of its position."""
+    content = "".join(item["content"] for item in items if "content" in item) or None
+    calls: dict[int, dict[str, Any]] = {}
+    for item in items:
+        for call in item.get("tool_calls", []):
+            have = calls.get(call["index"])
+            if have is None:
+                calls[call["index"]] = {**call, "function": dict(call["function"])}
+            else:
+                function = have["function"]
+                function["arguments"] = function.get("arguments", "") + call["function"]["arguments"]
+    return content, list(calls.values()) or None
+
+
+def tool_calls_out(tools: m.ParsedTools) -> list[p.ToolCallOut] | msgspec.UnsetType:
+    calls = [p.ToolCallOut(c.id, p.FunctionCallOut(c.name, c.arguments)) for c in tools.calls]
+    return calls or msgspec.UNSET
+
+
 class ChatFormat:
-    def __init__(self, model: str, names: TokenNames, top_n: int | None) -> None:
+    """Chat bodies. With a tool parser, a stream's text is read into content and tool-call deltas
+    here (the frontend's parse of the whole output comes only with the last delta), one
+    `ToolCallStream` per choice, fed everything before a resumed stream's position silently."""
+
+    def __init__(
+        self,
+        model: str,
+        names: TokenNames,
+        top_n: int | None,
+        tool_parser: ToolParser | None = None,
+        call_id_base: str = "",
+    ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.names = names
         self.top_n = top_n  # None: no logprobs in the reply
+        self.tool_parser = tool_parser
+        self.call_id_base = call_id_base
+        self.tool_streams: dict[int, ToolCallStream] = {}
+
+    def _tool_stream(self, index: int) -> ToolCallStream:
+        assert self.tool_parser is not None
+        stream = self.tool_streams.get(index)
+        if stream is None:
+            stream = self.tool_streams[index] = ToolCallStream(
+                self.tool_parser, f"{self.call_id_base}.{index}"
+            )
+        return stream
+
+    def skip(self, index: int, text: str) -> None:
+        """Text of choice `index` that a resumed client already has: read, not sent."""
+        if self.tool_parser is not None and text:
+            self._tool_stream(index).feed(text)
 
     def _logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
         if self.top_n is None:
@@ -102,10 +163,19 @@ class ChatFormat:
         return self._chunk([p.ChatChunkChoice(index, p.ChatDelta(role="assistant", content=""))])
 
     def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
-        delta = (
-            p.ChatDelta(content=piece.text) if piece.text or piece.finish_reason is None else p.ChatDelta()
-        )
-        return self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece), piece.finish_reason)])
+        reason = piece.finish_reason
+        if self.tool_parser is None:
+            delta = p.ChatDelta(content=piece.text) if piece.text or reason is None else p.ChatDelta()
+        else:
+            stream = self._tool_stream(index)
+            items = stream.feed(piece.text)
+            if reason is not None:
+                items += stream.finish()
+                # What was streamed decides: a call once announced stays a call.
+                reason = finish_reason("stop" if reason == "tool_calls" else reason, stream.has_tool_calls)
+            content, tool_calls = merge_tool_deltas(items)
+            delta = p.ChatDelta(content=content, tool_calls=tool_calls)
+        return self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece), reason)])
 
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return self._chunk([], usage)
@@ -119,7 +189,12 @@ class ChatFormat:
         out = []
         for index, choice in enumerate(choices):
             piece = choice.piece()
-            message = p.ChatMessageOut("assistant", piece.text)
+            if piece.tools is None:
+                message = p.ChatMessageOut("assistant", piece.text)
+            else:
+                message = p.ChatMessageOut(
+                    "assistant", piece.tools.content, tool_calls=tool_calls_out(piece.tools)
+                )
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
         return p.ChatCompletion(self.id, self.created, self.model, out, usage)
 
@@ -150,6 +225,9 @@ class CompletionFormat:
 
     def first_chunk(self, index: int) -> msgspec.Struct | None:
         return None
+
+    def skip(self, index: int, text: str) -> None:
+        pass
 
     def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
         choice = p.CompletionChoice(

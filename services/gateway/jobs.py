@@ -7,16 +7,35 @@ so seeded choices are reproducible one by one and a resumed request samples the 
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from services.gateway.errors import invalid
+import msgspec
+
+from client.errors import InvalidRequest
+from client.sdk import make_tools
+from ipc import messages as m
+from ipc.structured_output import (
+    StructuredOutput,
+    for_tool_choice,
+    from_response_format,
+    from_structured_outputs,
+    tool_functions,
+)
+from ipc.validation import InvalidParams
+from services.gateway.errors import ApiError, invalid
 from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
+from services.scheduler.grammar_compiler import GrammarError, check_constraint
 
 MAX_SEED = 2**63  # seeds travel as int64 (ipc.validation)
 MAX_CHOICES = 64  # prompts x n per HTTP request
 SEED_HEADER = "x-brigade-seed"
+# ipc/structured_output.py's messages start with the field they are about: "tools[0].function.name: ..."
+_FIELD = re.compile(r"^([\w.\[\]]+):")
 
 
 @dataclass
@@ -26,8 +45,8 @@ class Job:
     index: int
     prompt_index: int  # choices of one prompt share its KV blocks (submitted after the first)
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
-    sampling: dict[str, Any]
+    messages: list[dict[str, Any]] | None
+    sampling: dict[str, Any]  # the SDK's keyword arguments: sampling, constraint, tools
 
 
 @dataclass
@@ -39,6 +58,10 @@ class Plan:
     seed: int | None
     aliases: dict[str, str]
     logprobs: int | None  # top-N per token wanted in the reply; None = no logprobs
+    tools: m.Tools | None = None  # chat: the functions offered, for reading the stream's calls
+    # Streamed calls are named from this and their index: a digest of the body and the seed, so a
+    # stream resumed with Last-Event-ID (the same body) names its calls as before.
+    call_id_base: str = ""
 
 
 def header_seed(value: str | None) -> int | None:
@@ -87,6 +110,90 @@ def _seed(req: SamplingFields, sampling: dict[str, Any], resumed_seed: int | Non
     return resumed_seed if resumed_seed is not None else random.randrange(MAX_SEED)
 
 
+def _named(exc: InvalidParams) -> ApiError:
+    """ipc/structured_output.py's refusal as a 400 naming its field."""
+    match = _FIELD.match(str(exc))
+    return invalid(str(exc), match.group(1) if match else None)
+
+
+@lru_cache(maxsize=256)
+def _compile_error(spec: StructuredOutput) -> str | None:
+    """Why the grammar engine cannot compile `spec` (None: it can); cached, since clients reuse a
+    few schemas and a check compiles the grammar."""
+    try:
+        check_constraint(spec)
+    except GrammarError as exc:
+        return str(exc)
+    return None
+
+
+def _compiles(spec: StructuredOutput, field: str) -> StructuredOutput:
+    error = _compile_error(spec)
+    if error is not None:
+        raise invalid(f"{field}: {error}", field)
+    return spec
+
+
+def _structured(req: SamplingFields) -> tuple[StructuredOutput | None, str]:
+    """The request's output constraint and the field it came from (checked: it compiles)."""
+    try:
+        from_format = from_response_format(req.response_format)
+        from_options = from_structured_outputs(req.structured_outputs)
+    except InvalidParams as exc:
+        raise _named(exc) from None
+    if from_format is not None and from_options is not None:
+        raise invalid("give response_format or structured_outputs, not both", "structured_outputs")
+    if from_format is not None:
+        return _compiles(from_format, "response_format"), "response_format"
+    if from_options is not None:
+        field = f"structured_outputs.{from_options.kind}"
+        return _compiles(from_options, field), "structured_outputs"
+    return None, ""
+
+
+def _tool_sampling(req: ChatCompletionRequest, constrained_by: str) -> dict[str, Any]:
+    """Check `tools`, `tool_choice` and `parallel_tool_calls`; the SDK's keyword arguments for
+    them. The frontend renders the tools and derives the forced call's constraint itself (for
+    the SDK's requests too): here they are only checked, so that a bad one is a 400 naming it."""
+    choice = req.tool_choice
+    if req.tools is None:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return {}
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if (
+            choice.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise invalid(
+                "tool_choice: a named function is {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
+    elif choice not in (None, "none", "auto", "required"):
+        raise invalid(
+            f"tool_choice: must be none, auto, required or a named function, got {choice!r}", "tool_choice"
+        )
+    try:
+        tool_functions(req.tools)
+        forced = for_tool_choice(req.tools, choice, parallel_tool_calls=req.parallel_tool_calls)
+    except InvalidParams as exc:
+        raise _named(exc) from None
+    if forced is not None:
+        if constrained_by:
+            raise invalid(
+                f"tool_choice {choice!r} forces a tool call, which cannot be combined with {constrained_by}",
+                constrained_by,
+            )
+        _compiles(forced, "tools")
+    return {"tools": req.tools, "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls}
+
+
+def _call_id_base(req: ChatCompletionRequest, seed: int | None) -> str:
+    return hashlib.blake2b(msgspec.json.encode(req) + str(seed).encode(), digest_size=12).hexdigest()
+
+
 def _check_n(n: int, num_prompts: int) -> None:
     if n < 1:
         raise invalid(f"n must be >= 1, got {n}", "n")
@@ -101,6 +208,22 @@ def _jobs(prompts: list[tuple[Any, Any]], n: int, sampling: dict[str, Any], seed
             choice = dict(sampling, seed=None if seed is None else (seed + j) % MAX_SEED)
             jobs.append(Job(p * n + j, p, prompt, messages, choice))
     return jobs
+
+
+def _message(i: int, message: ChatMessageIn) -> dict[str, Any]:
+    """One chat message as the SDK takes it; an assistant turn that only calls tools has no content."""
+    out: dict[str, Any] = {"role": message.role}
+    out["content"] = None if message.content is None and message.tool_calls else _message_text(i, message)
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _message_text(i: int, message: ChatMessageIn) -> str:
@@ -125,16 +248,30 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     _check_n(req.n, 1)
-    messages = [{"role": m.role, "content": _message_text(i, m)} for i, m in enumerate(req.messages)]
+    messages = [_message(i, message) for i, message in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     sampling = _sampling(req, max_tokens, top_n)
+    structured, constrained_by = _structured(req)
+    tool_sampling = _tool_sampling(req, constrained_by)
+    sampling.update(tool_sampling)
+    if structured is not None:
+        sampling["structured"] = structured
     seed = _seed(req, sampling, resumed_seed)
-    aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+    aliases = {"logprobs": "top_logprobs", "prompt": "messages", "structured": constrained_by or "structured"}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
+    try:
+        tools = make_tools(req.tools, req.tool_choice, req.parallel_tool_calls) if tool_sampling else None
+    except InvalidRequest as exc:
+        raise invalid(str(exc), "tool_choice") from None
     return Plan(
-        _jobs([(None, messages)], req.n, sampling, seed), seed, aliases, top_n if req.logprobs else None
+        _jobs([(None, messages)], req.n, sampling, seed),
+        seed,
+        aliases,
+        top_n if req.logprobs else None,
+        tools,
+        _call_id_base(req, seed),
     )
 
 
@@ -163,6 +300,9 @@ def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:
     _check_n(req.n, len(prompts))
     top_n = req.logprobs or 0
     sampling = _sampling(req, req.max_tokens, top_n)
+    structured, constrained_by = _structured(req)
+    if structured is not None:
+        sampling["structured"] = structured
     seed = _seed(req, sampling, resumed_seed)
     jobs = _jobs([(p, None) for p in prompts], req.n, sampling, seed)
-    return Plan(jobs, seed, {}, req.logprobs)
+    return Plan(jobs, seed, {"structured": constrained_by or "structured"}, req.logprobs)

@@ -6,7 +6,7 @@ fields, as OpenAI's server does. Responses encode every field, nulls included, i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -22,10 +22,23 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, frozen=True):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct, frozen=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call it answers
 
 
 class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +65,9 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     user: str | None = None
+    # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
+    response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -60,6 +76,9 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -121,10 +140,22 @@ class ChatLogprobs(msgspec.Struct):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: Literal["function"] = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     role: str
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # absent when there are none
 
 
 class ChatChoice(msgspec.Struct):
@@ -149,6 +180,9 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    # {"index", "id", "type", "function": {"name", "arguments"}}: a call's first delta has its
+    # id and name, later ones add to its arguments (services/tokenizer/tool_parsers.py)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -72,6 +72,7 @@ class Cursor:
             piece.logprobs[skip_tokens:],
             piece.top_logprobs[skip_tokens:],
             piece.finish_reason,
+            piece.tools,
         )
         if not fresh.text and not fresh.token_ids and fresh.finish_reason is None:
             return None

@@ -16,21 +16,32 @@ an Abort for it, cannot touch it.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import msgspec
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
 from ipc.sampling_defaults import fill_defaults
+from ipc.structured_output import for_tool_choice, tool_functions
 from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
 from services.scheduler.grammar_compiler import GrammarError, check_constraint
 from services.tokenizer.text import Tokenizer
+from services.tokenizer.tool_parsers import ToolParser, finish_reason
+from services.tokenizer.tools_prompt import (
+    auto_tool_format,
+    template_messages,
+    template_renders_tools,
+    tool_parser_for,
+)
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -85,6 +96,9 @@ class JournalEntry:
     num_lost_checks: int = 0
     num_redrives: int = 0
     sample: list[str] | None = None  # the output text so far of a request in the MLflow sample
+    # Cuts the finished output into content and tool calls (a request with tools, unless its
+    # tool_choice is none); `text` then holds the whole output, streamed or not.
+    tool_parser: ToolParser | None = None
 
 
 @dataclass
@@ -155,8 +169,11 @@ class FrontendCore:
         """Validate and tokenize a Generate; journal it. Raises RequestError."""
         if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError("invalid_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
-        prompt_ids = self._prompt_ids(request)
+        tools = self._tools(request)
+        prompt_ids = self._prompt_ids(request, tools)
         params = request.params
+        if tools is not None:
+            params = self._forced_call(request.tools, tools, params)
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.default_max_tokens)
         # Filled once, here, so every later stage (and a resubmission) sees the same values.
@@ -181,10 +198,12 @@ class FrontendCore:
             raise RequestError("invalid_request", str(exc)) from None
         if request.resume_num_chars < 0:
             raise RequestError("invalid_request", "resume_num_chars must be >= 0")
+        resumed_text = ""
         if request.resume_num_chars:
             # A client has at most the text its tokens decode to; claiming more would put every
             # delta of the request behind a gap that never closes.
-            resumed_chars = len(self.tokenizer.decode(resume_ids.tolist(), params.skip_special_tokens))
+            resumed_text = self.tokenizer.decode(resume_ids.tolist(), params.skip_special_tokens)
+            resumed_chars = len(resumed_text)
             if request.resume_num_chars > resumed_chars:
                 raise RequestError(
                     "invalid_request",
@@ -215,6 +234,10 @@ class FrontendCore:
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
         )
+        if request.tools is not None:
+            entry.tool_parser = tool_parser_for(request.tools, self.auto_tool_format)
+        if entry.tool_parser is not None and request.resume_num_chars:
+            entry.text.append(resumed_text[: request.resume_num_chars])  # the parse needs the whole output
         if self.sampler is not None and self.sampler.wants(time.monotonic()):
             entry.sample = []
         self.journal[engine] = entry
@@ -238,7 +261,57 @@ class FrontendCore:
         if error:
             raise InvalidParams(error)
 
-    def _prompt_ids(self, request: m.Generate) -> list[int]:
+    @staticmethod
+    def _tools(request: m.Generate) -> list[dict] | None:
+        """The request's OpenAI `tools`, parsed; None when it offers none."""
+        if request.tools is None:
+            return None
+        if request.messages is None:
+            raise RequestError("invalid_request", "tools: only a chat request (messages) can offer tools")
+        try:
+            tools = json.loads(request.tools.tools)
+        except ValueError as exc:
+            raise RequestError("invalid_request", f"tools: not valid JSON: {exc}") from None
+        try:
+            tool_functions(tools)  # the shape the template and the instruction read
+        except InvalidParams as exc:
+            raise RequestError("invalid_request", str(exc)) from None
+        if request.tools.choice == "function" and not request.tools.function:
+            raise RequestError("invalid_request", "tool_choice: a forced function needs its name")
+        return tools
+
+    @staticmethod
+    def _forced_call(spec: m.Tools, tools: list[dict], params: m.SamplingParams) -> m.SamplingParams:
+        """Under tool_choice required or a named function the output is generated under the
+        call's schema, so its arguments always parse (ipc/structured_output.py, for_tool_choice)."""
+        choice: Any = spec.choice
+        if spec.choice == "function":
+            choice = {"type": "function", "function": {"name": spec.function}}
+        try:
+            forced = for_tool_choice(tools, choice, parallel_tool_calls=spec.parallel)
+        except InvalidParams as exc:
+            raise RequestError("invalid_request", str(exc)) from None
+        if forced is None:
+            return params
+        if params.structured is not None:
+            raise RequestError(
+                "invalid_request",
+                f"tool_choice: {spec.choice!r} forces a tool call, which cannot be combined with another "
+                "output constraint (response_format or structured_outputs)",
+            )
+        return msgspec.structs.replace(params, structured=forced)
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template renders `tools` (else the frontend instructs)."""
+        template = self.tokenizer.chat_template
+        return template is not None and template_renders_tools(template)
+
+    @cached_property
+    def auto_tool_format(self) -> str:
+        return auto_tool_format(self.tokenizer.chat_template)
+
+    def _prompt_ids(self, request: m.Generate, tools: list[dict] | None) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
@@ -253,10 +326,19 @@ class FrontendCore:
                     raise RequestError(
                         "invalid_request", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}"
                     )
-            self._check_chars(sum(len(x.content) for x in request.messages))
+                if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                    raise RequestError(
+                        "invalid_request",
+                        f"messages[{i}].content is required (only an assistant's tool calls may go without)",
+                    )
+            tools_chars = len(request.tools.tools) if request.tools is not None else 0
+            self._check_chars(sum(len(x.content or "") for x in request.messages) + tools_chars)
+            # tool_choice none: the model is not offered the tools, so it answers in text.
+            offered = tools if request.tools is not None and request.tools.choice != "none" else None
+            messages, template_tools = template_messages(request.messages, offered, self.renders_tools)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    [{"role": x.role, "content": x.content} for x in request.messages], add_generation_prompt=True
+                    messages, add_generation_prompt=True, tools=template_tools
                 )
             except Exception as exc:  # a template may raise on unusual conversations
                 raise RequestError("invalid_request", f"chat template failed: {exc}") from None
@@ -346,6 +428,8 @@ class FrontendCore:
             entry.last_token_time = now
         if entry.sample is not None:
             entry.sample.append(fresh.text)
+        if entry.tool_parser is not None or not entry.is_stream:
+            entry.text.append(fresh.text)
         if fresh.finish_reason is not None:
             self._forget(delta.request_id)
             self.num_finished += 1
@@ -354,9 +438,10 @@ class FrontendCore:
                 self.sampler.record(entry.request_id, prompt, "".join(entry.sample), fresh.finish_reason)
             if self.metrics is not None:
                 self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
+            if entry.tool_parser is not None:
+                fresh = self._with_tool_calls(entry, fresh)
         if entry.is_stream:
             return Reply(entry.identity, msgspec.structs.replace(fresh, request_id=entry.request_id))
-        entry.text.append(fresh.text)
         entry.logprobs.append(fresh.logprobs)
         entry.top_logprobs += fresh.top_logprobs
         if fresh.finish_reason is None:
@@ -371,8 +456,24 @@ class FrontendCore:
             top_logprobs=entry.top_logprobs,
             finish_reason=fresh.finish_reason,
             usage=fresh.usage,
+            tools=fresh.tools,
         )
         return Reply(entry.identity, whole)
+
+    @staticmethod
+    def _with_tool_calls(entry: JournalEntry, final: m.Delta) -> m.Delta:
+        """The final delta of a tools request, with its whole output cut into content and calls.
+        Parsed here, once, so that every client (SDK, CLI, gateway) gets the same calls; call ids
+        derive from the client's request id, so a resubmitted request names them alike."""
+        assert entry.tool_parser is not None
+        parsed = entry.tool_parser.parse("".join(entry.text), entry.request_id)
+        calls = [
+            m.ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls
+        ]
+        reason = finish_reason(final.finish_reason or "stop", bool(calls))
+        return msgspec.structs.replace(
+            final, finish_reason=reason, tools=m.ParsedTools(parsed.content, calls)
+        )
 
     def fail(self, failure: m.RequestFailed) -> Reply | None:
         if failure.request_id not in self.journal:

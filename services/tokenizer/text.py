@@ -113,12 +113,18 @@ class Tokenizer:
             raise ValueError("this model has no chat template")
         return _compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text (not tokenized: the template writes the special
-        tokens as text and `encode` turns them back into their ids)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render a conversation (and the OpenAI `tools` it may call) to the prompt text (not
+        tokenized: the template writes the special tokens as text and `encode` turns them back
+        into their ids)."""
         # Like transformers: keys set to None are absent for the template (`is defined` checks).
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
         return self._template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
             **self.special_tokens_map,
         )

@@ -16,6 +16,9 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ipc.messages import ChatMessage, ToolCall, Tools
+from services.tokenizer.tool_parsers import ToolParser
+
 
 def template_renders_tools(template_source: str) -> bool:
     """Whether the chat template reads the `tools` variable at all."""
@@ -31,6 +34,27 @@ def tool_format_for_template(template_source: str | None) -> str:
     return "hermes"
 
 
+def auto_tool_format(template_source: str | None) -> str:
+    """The format the model writes calls in by itself: its template's, or, for a template that
+    ignores tools, the format `tools_instruction` asks for (hermes)."""
+    if template_source is not None and template_renders_tools(template_source):
+        return tool_format_for_template(template_source)
+    return "hermes"
+
+
+def tool_parser_for(tools: Tools, auto_format: str) -> ToolParser | None:
+    """The parser that reads a request's output back into calls; None under tool_choice none
+    (OpenAI: the model answers in text, and nothing it writes is a call). The frontend (whole
+    outputs) and the gateway (stream deltas) both take it from here."""
+    if tools.choice == "none":
+        return None
+    if tools.choice == "required":
+        return ToolParser("required", parallel_tool_calls=tools.parallel)
+    if tools.choice == "function":
+        return ToolParser("named", function_name=tools.function)
+    return ToolParser(auto_format, parallel_tool_calls=tools.parallel)
+
+
 def tools_instruction(tools: Sequence[Mapping[str, Any]]) -> str:
     """A system-message paragraph that lists the tools and asks for Hermes-style calls."""
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
@@ -41,3 +65,63 @@ def tools_instruction(tools: Sequence[Mapping[str, Any]]) -> str:
         "one call per block:\n"
         '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
     )
+
+
+def hermes_call(call: ToolCall) -> str:
+    """A past call as the Hermes block the instruction asks for (and the hermes parser reads)."""
+    return f'<tool_call>\n{{"name": {json.dumps(call.name, ensure_ascii=False)}, "arguments": {call.arguments}}}\n</tool_call>'
+
+
+def template_messages(
+    messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None, renders_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation as the chat template reads it, and the `tools` to pass the template.
+
+    A template that renders tools gets OpenAI's message shapes (arguments as objects, as
+    transformers and vLLM pass them). For one that does not, past calls become Hermes blocks in
+    the assistant's text and the tools become `tools_instruction` in the system message, so the
+    model sees the same protocol it is asked to answer in.
+    """
+    if renders_tools:
+        return [_openai_message(x) for x in messages], tools
+    out = [{"role": x.role, "content": _flat_content(x)} for x in messages]
+    if tools:
+        instruction = tools_instruction(tools)
+        if out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{instruction}" if out[0]["content"] else instruction
+        else:
+            out.insert(0, {"role": "system", "content": instruction})
+    return out, None
+
+
+def _flat_content(message: ChatMessage) -> str:
+    parts = [message.content] if message.content else []
+    parts += [hermes_call(call) for call in message.tool_calls or []]
+    return "\n".join(parts)
+
+
+def _openai_message(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    return out
+
+
+def _arguments(text: str) -> Any:
+    """Templates write arguments with `tojson`: give them the object, or the text when it is none."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text

@@ -1,0 +1,483 @@
+"""Structured output and tool calling through the HTTP gateway, end to end: one real Brigade run of
+SmolLM2-135M, driven by the real `openai` client (and the SDK for the raw text). Outputs are
+validated against their schemas with `jsonschema`; regexes with `re`; tool calls parse and match
+their function's parameters."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from client import Client
+from services.tokenizer.tool_parsers import ToolParser
+from tests.harness import assert_clean, brigade_run, free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+HTTP_TIMEOUT_S = 300.0
+SAMPLED = [(0.0, None), (1.0, 1234)]  # greedy, and temperature 1 with a seed
+SAMPLED_IDS = ["greedy", "seeded"]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 2},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "score": {"type": "number", "minimum": 0, "maximum": 1},  # optional
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 12}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Time in a timezone", "parameters": TIME},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris? And the time in Tokyo?"}]
+# Under tool_choice auto the model decides; this regex makes SmolLM2 write one Hermes call, which
+# the hermes parser must then read back into tool_calls (the `auto` path, end to end).
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}", "unit": "celsius"\}\}\n</tool_call>'
+
+
+class Gateway:
+    def __init__(self, run, port: int) -> None:
+        self.run = run
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0
+        )
+
+    def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=HTTP_TIMEOUT_S)
+        try:
+            conn.request(
+                "POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})}
+            )
+            reply = conn.getresponse()
+            return reply.status, reply.read()
+        finally:
+            conn.close()
+
+    def events(self, body: dict, headers: dict[str, str] | None = None) -> list[tuple[str | None, dict]]:
+        """A streamed chat's SSE events as (id, data), [DONE] left out."""
+        status, data = self.post("/v1/chat/completions", {**body, "stream": True}, headers)
+        assert status == 200, data
+        out = []
+        for block in data.decode().split("\n\n"):
+            fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+            if "data" in fields and fields["data"] != "[DONE]":
+                out.append((fields.get("id"), json.loads(fields["data"])))
+        return out
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    run_dir = tmp_path_factory.mktemp("gw-structured")
+    port = free_port()
+    with brigade_run(
+        run_dir, f"model.path={smollm2_dir}", "model.max_model_len=2048", f"gateway.port={port}"
+    ) as run:
+        yield Gateway(run, port)
+    assert_clean(run_dir)
+
+
+def chat(gw: Gateway, messages: list[dict], temperature: float, seed: int | None, **kwargs):
+    return gw.client.chat.completions.create(
+        model="", messages=messages, temperature=temperature, seed=seed, **kwargs
+    )
+
+
+def streamed_chat(gw: Gateway, messages: list[dict], temperature: float, seed: int | None, **kwargs):
+    """A streamed chat assembled as the openai client's users do: content, calls by index, finish."""
+    stream = gw.client.chat.completions.create(
+        model="", messages=messages, temperature=temperature, seed=seed, stream=True, **kwargs
+    )
+    content, calls, finish = [], {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content.append(delta.content or "")
+            for call in delta.tool_calls or []:
+                have = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+                if call.id:
+                    assert have["id"] is None, "a call's id comes once"
+                    have["id"], have["name"] = call.id, call.function.name
+                have["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return "".join(content), [calls[i] for i in sorted(calls)], finish
+
+
+def check_calls(calls: list[tuple[str, str]]) -> None:
+    """Each (name, arguments) names an offered tool and its arguments match its parameters."""
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+# -- response_format and structured_outputs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
+def test_json_schema_strict_output_validates(gw: Gateway, temperature: float, seed: int | None) -> None:
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    reply = chat(gw, ASK_PERSON, temperature, seed, max_tokens=150, response_format=response_format)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    content, calls, finish = streamed_chat(
+        gw, ASK_PERSON, temperature, seed, max_tokens=150, response_format=response_format
+    )
+    assert (content, calls, finish) == (choice.message.content, [], "stop")  # same seed, same tokens
+
+
+@pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
+def test_json_object_output_is_an_object(gw: Gateway, temperature: float, seed: int | None) -> None:
+    reply = chat(gw, ASK_PERSON, temperature, seed, max_tokens=60, response_format={"type": "json_object"})
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # a small model may fill an object until max_tokens: then it says so
+        assert choice.finish_reason == "length"
+        assert choice.message.content.startswith("{")
+
+
+@pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
+def test_structured_outputs_regex_and_choice_through_extra_body(
+    gw: Gateway, temperature: float, seed: int | None
+) -> None:
+    regex = r"[0-9]{3}-[0-9]{4}"
+    reply = gw.client.completions.create(
+        model="", prompt="My phone number is", max_tokens=12, temperature=temperature, seed=seed,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )  # fmt: skip
+    assert re.fullmatch(regex, reply.choices[0].text), reply.choices[0].text
+    assert reply.choices[0].finish_reason == "stop"
+    choices = ["sunny", "rainy", "cloudy"]
+    reply = chat(
+        gw, [{"role": "user", "content": "Weather?"}], temperature, seed, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )  # fmt: skip
+    assert reply.choices[0].message.content in choices
+    grammar = 'start: "The answer is " ("yes" | "no") "."'
+    reply = chat(
+        gw, [{"role": "user", "content": "Is water wet?"}], temperature, seed, max_tokens=12,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )  # fmt: skip
+    assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
+
+
+def test_json_cut_by_max_tokens_finishes_with_length(gw: Gateway) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = chat(gw, ASK_PERSON, 0.0, None, max_tokens=6, response_format=response_format)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.content)
+    # A forced call cut short is no call: its text is the content, and the reason is length.
+    reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=6, tools=TOOLS, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls
+    assert choice.message.content.startswith("[")
+
+
+# -- tools ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
+def test_tool_choice_required_gives_calls_that_match_their_schema(
+    gw: Gateway, temperature: float, seed: int | None
+) -> None:
+    reply = chat(gw, ASK_WEATHER, temperature, seed, max_tokens=80, tools=TOOLS, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    check_calls([(c.function.name, c.function.arguments) for c in calls])
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    assert len({c.id for c in calls}) == len(calls)
+    content, streamed, finish = streamed_chat(
+        gw, ASK_WEATHER, temperature, seed, max_tokens=80, tools=TOOLS, tool_choice="required"
+    )
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_function_call(gw: Gateway, stream: bool) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    if stream:
+        content, calls, finish = streamed_chat(
+            gw, ASK_WEATHER, 1.0, 7, max_tokens=40, tools=TOOLS, tool_choice=named
+        )
+        found = [(c["name"], c["arguments"]) for c in calls]
+    else:
+        choice = chat(gw, ASK_WEATHER, 1.0, 7, max_tokens=40, tools=TOOLS, tool_choice=named).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        found = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert finish == "tool_calls"
+    assert not content
+    assert len(found) == 1 and found[0][0] == "get_time"
+    check_calls(found)
+
+
+def test_parallel_tool_calls_false_gives_one_call(gw: Gateway) -> None:
+    for seed in (1, 2, 3):
+        reply = chat(
+            gw,
+            ASK_WEATHER,
+            1.0,
+            seed,
+            max_tokens=80,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert len(choice.message.tool_calls) == 1
+        check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_a_hermes_call_out_of_the_text(gw: Gateway, stream: bool) -> None:
+    """Under auto the text is parsed: a regex makes the model write a Hermes call, the gateway
+    returns it as tool_calls and nothing of it as content."""
+    kwargs = dict(
+        max_tokens=60,
+        tools=TOOLS,
+        tool_choice="auto",
+        extra_body={"structured_outputs": {"regex": HERMES_CALL}},
+    )
+    if stream:
+        content, calls, finish = streamed_chat(gw, ASK_WEATHER, 0.0, None, **kwargs)
+        found = [(c["name"], c["arguments"]) for c in calls]
+    else:
+        choice = chat(gw, ASK_WEATHER, 0.0, None, **kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        found = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert finish == "tool_calls"
+    assert not content
+    assert len(found) == 1 and found[0][0] == "get_weather"
+    check_calls(found)
+
+
+def test_auto_output_is_the_hermes_parse_of_the_models_text(gw: Gateway) -> None:
+    """Whatever SmolLM2 writes by itself under auto, the reply is the hermes parser's reading of
+    that text (the raw text comes from the SDK: the same greedy request)."""
+    with Client(run_dir=gw.run.run_dir) as sdk:
+        raw = sdk.chat(ASK_WEATHER, max_tokens=60, temperature=0.0, tools=TOOLS, tool_choice="auto")
+    parsed = ToolParser("hermes").parse(raw.text, "any")
+    choice = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=60, tools=TOOLS, tool_choice="auto").choices[0]
+    assert choice.message.content == parsed.content
+    got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
+    assert choice.finish_reason == ("tool_calls" if got else raw.finish_reason)
+
+
+def test_tool_choice_none_answers_in_text(gw: Gateway) -> None:
+    choice = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=20, tools=TOOLS, tool_choice="none").choices[0]
+    plain = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=20).choices[0]
+    assert not choice.message.tool_calls
+    assert choice.message.content == plain.message.content  # the tools are not offered at all
+
+
+def test_a_conversation_with_earlier_calls_and_their_results(gw: Gateway) -> None:
+    """OpenAI's shapes for a call and its answer are accepted and answered (how they are rendered
+    is tests/test_frontend_tools.py's)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"result": "sunny, 21 C"}'},
+    ]
+    reply = chat(gw, history, 0.0, None, max_tokens=20, tools=TOOLS).choices[0]
+    assert reply.finish_reason in ("stop", "length", "tool_calls")
+    assert reply.message.content or reply.message.tool_calls
+
+
+def test_resumed_stream_names_its_calls_the_same(gw: Gateway) -> None:
+    body = {
+        "messages": ASK_WEATHER, "max_tokens": 80, "temperature": 1.0, "seed": 11,
+        "tools": TOOLS, "tool_choice": "required",
+    }  # fmt: skip
+    events = gw.events(body)
+    middle = next(
+        i
+        for i, (_, data) in enumerate(events)
+        if data["choices"] and data["choices"][0]["delta"].get("tool_calls") and i > 2
+    )
+    last_id = events[middle][0]
+    resumed = gw.events(body, {"last-event-id": last_id})
+
+    def assemble(evs):
+        calls: dict[int, dict] = {}
+        for _, data in evs:
+            for choice in data["choices"]:
+                for call in choice["delta"].get("tool_calls") or []:
+                    have = calls.setdefault(call["index"], {"arguments": ""})
+                    for key in ("id", "type"):
+                        if key in call:
+                            have[key] = call[key]
+                    function = call.get("function", {})
+                    if "name" in function:
+                        have["name"] = function["name"]
+                    have["arguments"] += function.get("arguments", "")
+        return calls
+
+    assert assemble(events[: middle + 1] + resumed) == assemble(events)
+    assert resumed[-1][1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_sdk_chat_returns_tool_calls(gw: Gateway) -> None:
+    with Client(run_dir=gw.run.run_dir) as sdk:
+        result = sdk.chat(ASK_WEATHER, max_tokens=80, temperature=0.0, tools=TOOLS, tool_choice="required")
+        named = sdk.chat(
+            ASK_WEATHER, max_tokens=40, temperature=0.0, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+    assert result.finish_reason == "tool_calls"
+    check_calls([(c.name, c.arguments) for c in result.tool_calls])
+    assert result.content is None and result.text.startswith("[")
+    assert [c.name for c in named.tool_calls] == ["get_weather"]
+    check_calls([(c.name, c.arguments) for c in named.tool_calls])
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+BAD = {
+    "response_format_type": ({"response_format": {"type": "xml"}}, "response_format.type"),
+    "json_schema_without_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema",
+    ),
+    "json_schema_strict_not_bool": (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+        "response_format.json_schema.strict",
+    ),
+    "schema_does_not_compile": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "array", "uniqueItems": True}, "strict": True},
+            }
+        },
+        "response_format",
+    ),
+    "schema_too_large": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"description": "x" * 70_000}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    "two_structured_outputs": ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    "unknown_structured_output": ({"structured_outputs": {"xml": "a"}}, "structured_outputs"),
+    "bad_regex": ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    "empty_choice": ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    "bad_grammar": ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs.grammar"),
+    "both_constraints": (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+    ),
+    "tool_not_a_function": ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    "tool_without_name": ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    "tools_not_a_list": ({"tools": {"a": 1}}, "tools"),
+    "unknown_named_tool": (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    "bad_tool_choice": ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    "tool_choice_without_tools": ({"tool_choice": "required"}, "tool_choice"),
+    "forced_tools_and_response_format": (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    "tool_schema_does_not_compile": (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_structured_and_tool_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
+    extra, param = BAD[case]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    status, data = gw.post("/v1/chat/completions", body)
+    error = json.loads(data)["error"]
+    assert status == 400, (status, error)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    extra_body = (
+        {"structured_outputs": body.pop("structured_outputs")} if "structured_outputs" in body else None
+    )
+    with pytest.raises(openai.BadRequestError):  # the openai client sees it as such
+        gw.client.chat.completions.create(model="", extra_body=extra_body, **body)
+
+
+def test_bad_constraints_on_completions_and_the_server_keeps_serving(gw: Gateway) -> None:
+    status, data = gw.post("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "("}})
+    assert status == 400 and json.loads(data)["error"]["param"] == "structured_outputs.regex"
+    reply = gw.client.completions.create(model="", prompt="Hello", max_tokens=3, temperature=0.0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=40, tools=TOOLS, tool_choice="required")
+    assert reply.choices[0].finish_reason == "tool_calls"
