@@ -295,6 +295,9 @@ def test_forced_output_is_read_as_calls(smol: FrontendCore) -> None:
     (reply,) = finish(smol, entry, '[{"name": "get_time", "parameters": {}}]')
     assert reply.finish_reason == "tool_calls"
     assert reply.tools == m.ParsedTools(None, [m.ToolCall(call_id("req", 0), "get_time", "{}")])
+    entry = chat(smol, "cut", [m.ChatMessage(**x) for x in ASK], tools("required"))
+    (reply,) = finish(smol, entry, '[{"name": "get_ti', reason="length")
+    assert (reply.finish_reason, reply.tools) == ("length", m.ParsedTools('[{"name": "get_ti', []))
     entry = chat(smol, "fn", [m.ChatMessage(**x) for x in ASK], tools("function", "get_weather"))
     (reply,) = finish(smol, entry, '{"city": "Oslo"}')
     assert reply.tools == m.ParsedTools(

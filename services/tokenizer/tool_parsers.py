@@ -245,7 +245,10 @@ def _json_calls(text: str, final: bool, args_key: str, start: int, separator: st
         except Invalid:
             return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
         if end is None:
-            return [*out, Content(i, len(text))] if final else [*out, call]
+            if not final:
+                return [*out, call]
+            # Cut off: the call is content, and with no call before it so is the whole output.
+            return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
         if not _valid(text, i, end, call):
             return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
         out.append(call)
