@@ -68,7 +68,7 @@ class AsyncClient(ClientBase):
         self,
         prompt: Prompt | None = None,
         *,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
         **sampling: Any,
@@ -100,7 +100,7 @@ class AsyncClient(ClientBase):
 
     async def chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         *,
         timeout: float | None = None,
         request_id: str | None = None,
@@ -112,7 +112,7 @@ class AsyncClient(ClientBase):
 
     def stream_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         *,
         timeout: float | None = None,
         request_id: str | None = None,

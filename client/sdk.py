@@ -872,7 +872,7 @@ class Client(ClientBase):
         self,
         prompt: Prompt | None = None,
         *,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
         **sampling: Any,
@@ -904,20 +904,22 @@ class Client(ClientBase):
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         *,
         timeout: float | None = None,
         request_id: str | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        """One assistant reply; the frontend applies the model's chat template."""
+        """One assistant reply; the frontend applies the model's chat template. `tools=`,
+        `tool_choice=` and `parallel_tool_calls=` take OpenAI's forms; the result's `tool_calls`
+        and `content` are the reply cut into calls and text (finish_reason "tool_calls")."""
         return self._collect(
             self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
         )
 
     def stream_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         *,
         timeout: float | None = None,
         request_id: str | None = None,
