@@ -320,7 +320,7 @@ def test_auto_reads_a_hermes_call_out_of_the_text(gw: Gateway, stream: bool) -> 
 def test_auto_output_is_the_hermes_parse_of_the_models_text(gw: Gateway) -> None:
     """Whatever SmolLM2 writes by itself under auto, the reply is the hermes parser's reading of
     that text (the raw text comes from the SDK: the same greedy request)."""
-    with Client(run_dir=gw.run.run_dir) as sdk:
+    with Client(gw.run.run_dir) as sdk:
         raw = sdk.chat(ASK_WEATHER, max_tokens=30, temperature=0.0, tools=TOOLS, tool_choice="auto")
     parsed = ToolParser("hermes").parse(raw.text, "any")
     choice = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=30, tools=TOOLS, tool_choice="auto").choices[0]
@@ -389,7 +389,7 @@ def test_resumed_stream_names_its_calls_the_same(gw: Gateway) -> None:
 
 
 def test_sdk_chat_returns_tool_calls(gw: Gateway) -> None:
-    with Client(run_dir=gw.run.run_dir) as sdk:
+    with Client(gw.run.run_dir) as sdk:
         result = sdk.chat(ASK_WEATHER, max_tokens=80, temperature=0.0, tools=TOOLS, tool_choice="required")
         named = sdk.chat(
             ASK_WEATHER, max_tokens=40, temperature=0.0, tools=TOOLS,
