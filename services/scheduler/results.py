@@ -145,37 +145,6 @@ class Results:
         self.state = state
         self.decode = decode  # keeps the running line's per-row lists
 
-    def _advance_grammars(
-        self,
-        seqs: list[Request],
-        sampled: np.ndarray,
-        sampled_rows: np.ndarray,
-        tokens: list[int],
-        reasons: list[str | None],
-        finishing: list[int],
-    ) -> list[int]:
-        """Advance the matchers of the constrained rows by their new token; returns `finishing`
-        with the rows whose grammar is now complete ("stop": nothing but eos could follow, so no
-        step is spent on it) and those whose token it refused ("error": the worker samples under
-        the mask, so that is a bug, and the request must not drift on unconstrained)."""
-        constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
-        if not constrained:
-            return finishing
-        ending = set(finishing)
-        for j in constrained:
-            matcher = seqs[int(sampled[j])].grammar
-            try:
-                matcher.advance((tokens[j],))  # type: ignore[union-attr]
-            except GrammarViolation:
-                reasons[j] = "error"
-                ending.add(j)
-                continue
-            # Complete on the last token that max_tokens allowed is complete, not cut off.
-            if reasons[j] in (None, "length") and matcher.is_terminated:  # type: ignore[union-attr]
-                reasons[j] = "stop"
-                ending.add(j)
-        return sorted(ending)
-
     def update(
         self,
         step: ScheduledStep,
@@ -274,3 +243,34 @@ class Results:
                 state.drop(req, RequestStatus.FINISHED)
                 req.finish_reason = reasons[j]
         return outputs
+
+    def _advance_grammars(
+        self,
+        seqs: list[Request],
+        sampled: np.ndarray,
+        sampled_rows: np.ndarray,
+        tokens: list[int],
+        reasons: list[str | None],
+        finishing: list[int],
+    ) -> list[int]:
+        """Advance the matchers of the constrained rows by their new token; returns `finishing`
+        with the rows whose grammar is now complete ("stop": nothing but eos could follow, so no
+        step is spent on it) and those whose token it refused ("error": the worker samples under
+        the mask, so that is a bug, and the request must not drift on unconstrained)."""
+        constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
+        if not constrained:
+            return finishing
+        ending = set(finishing)
+        for j in constrained:
+            matcher = seqs[int(sampled[j])].grammar
+            try:
+                matcher.advance((tokens[j],))  # type: ignore[union-attr]
+            except GrammarViolation:
+                reasons[j] = "error"
+                ending.add(j)
+                continue
+            # Complete on the last token that max_tokens allowed is complete, not cut off.
+            if reasons[j] in (None, "length") and matcher.is_terminated:  # type: ignore[union-attr]
+                reasons[j] = "stop"
+                ending.add(j)
+        return sorted(ending)

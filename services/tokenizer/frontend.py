@@ -255,6 +255,8 @@ class FrontendCore:
                 error = ""
             except GrammarError as exc:
                 error = f"structured.{exc}"
+            except Exception as exc:  # whatever else the grammar engine raises: the request's fault
+                error = f"structured.{spec.kind}: {type(exc).__name__}: {exc}"[:600]
         self._checked[key] = error  # most recent last
         if len(self._checked) > MAX_CHECKED_CONSTRAINTS:
             del self._checked[next(iter(self._checked))]
