@@ -25,7 +25,7 @@ def _usage() -> str:
         "  status    the stages of a live run (python supervisor.py status)\n"
         "  chat      one chat turn, or an interactive chat (python -m client chat)\n"
         "  generate  continue a raw text prompt (python -m client generate)\n"
-        "  health    ask every frontend replica whether it is ready (python -m client health)\n"
+        "  health    ask every tokenizer replica whether it is ready (python -m client health)\n"
     )
 
 

@@ -261,7 +261,7 @@ class Supervisor:
             supervisor_pid=os.getpid(),
             model_dir=str(model_dir),
             model=self.config.model.path or "SmolLM2-135M-Instruct",
-            frontends=[str(self.endpoints.frontend(i)) for i in range(self.config.frontend.replicas)],
+            tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(self.config.tokenizer.replicas)],
             config=self.config,
             network=self.network_plan,
             curve_server_key=keys.server_public if keys else "",
@@ -409,7 +409,7 @@ class Supervisor:
         if not was_restart:
             return
         if stage.kind == "detokenizer":
-            # The frontends re-drive the shard: only their journals still know the requests the
+            # The tokenizers re-drive the shard: only their journals still know the requests the
             # scheduler finished whose last text died with the detokenizer.
             shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), self.config.detokenizer.replicas)
             for other in self.stages.of_kind("tokenizer"):
@@ -502,12 +502,12 @@ class Supervisor:
         log.info("reload applied: %s", ", ".join(live))
 
     def publish_config(self, config: Config) -> None:
-        """New stages read run.json at start; clients read the frontend list from it."""
+        """New stages read run.json at start; clients read the tokenizer list from it."""
         self.config = config
         self.info = msgspec.structs.replace(
             self.info,
             config=config,
-            frontends=[str(self.endpoints.frontend(i)) for i in range(config.frontend.replicas)],
+            tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(config.tokenizer.replicas)],
         )
         write_run_info(self.run_dir, self.info)
 
@@ -521,10 +521,10 @@ class Supervisor:
     def rescale(self, config: Config) -> None:
         """Change replica counts without dropping a request: new replicas start before anyone
         routes to them; removed ones stop only after everyone routes around them."""
-        old_frontends, old_detoks = self.config.frontend.replicas, self.config.detokenizer.replicas
+        old_tokenizers, old_detoks = self.config.tokenizer.replicas, self.config.detokenizer.replicas
         old_gateways = self.config.gateway.replicas
         replicas = {
-            "frontend.replicas": [old_frontends, config.frontend.replicas],
+            "tokenizer.replicas": [old_tokenizers, config.tokenizer.replicas],
             "detokenizer.replicas": [old_detoks, config.detokenizer.replicas],
             "gateway.replicas": [old_gateways, config.gateway.replicas],
         }
@@ -533,7 +533,7 @@ class Supervisor:
             self.audit.rescale(changes)
         self.publish_config(config)
         added = [self.stages.add("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
-        added += [self.stages.add("tokenizer", i) for i in range(old_frontends, config.frontend.replicas)]
+        added += [self.stages.add("tokenizer", i) for i in range(old_tokenizers, config.tokenizer.replicas)]
         added += [self.stages.add("gateway", i) for i in range(old_gateways, config.gateway.replicas)]
         for stage in added:
             self.stages.spawn(stage)
@@ -543,15 +543,15 @@ class Supervisor:
         message = reconfigure_message(self.config)
         for stage in self.stages:
             self.command(stage, message)
-        removed_frontends = [
-            self.stages[f"tokenizer-{i}"] for i in range(config.frontend.replicas, old_frontends)
+        removed_tokenizers = [
+            self.stages[f"tokenizer-{i}"] for i in range(config.tokenizer.replicas, old_tokenizers)
         ]
-        for stage in removed_frontends:
+        for stage in removed_tokenizers:
             self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
-        while any(s.load.num_in_flight for s in removed_frontends) and time.monotonic() < deadline:
+        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
             self.read_control(0.2)
-        removed = removed_frontends + [
+        removed = removed_tokenizers + [
             self.stages[f"detokenizer-{j}"] for j in range(config.detokenizer.replicas, old_detoks)
         ]
         # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
@@ -567,14 +567,14 @@ class Supervisor:
 
     def drain(self) -> None:
         """Let in-flight requests finish, up to the grace period; a second signal cuts it short."""
-        frontends = self.stages.of_kind("tokenizer")
-        for stage in frontends:
+        tokenizers = self.stages.of_kind("tokenizer")
+        for stage in tokenizers:
             self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
         num_signals = len(self.signals)
         while time.monotonic() < deadline and len(self.signals) == num_signals:
             self.read_control(0.2)
-            in_flight = sum(s.load.num_in_flight for s in frontends)
+            in_flight = sum(s.load.num_in_flight for s in tokenizers)
             if in_flight == 0:
                 return
         log.info("drain ended with requests still in flight")

@@ -51,7 +51,7 @@ from services.scheduler.request import Request
 
 
 def engine_params(**fields) -> SamplingParams:
-    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    """SamplingParams as the tokenizer forwards them: unset sampling fields take the engine's defaults."""
     return fill_defaults(SamplingParams(**fields))
 
 

@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--endpoint",
         action="append",
-        help="frontend endpoint instead of --run, e.g. tcp://host:port (repeatable)",
+        help="tokenizer endpoint instead of --run, e.g. tcp://host:port (repeatable)",
     )
     parser.add_argument(
         "--server-key",
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("message", metavar="MESSAGE", nargs="?")
     chat.add_argument("--system", help="system prompt")
-    sub.add_parser("health", help="ask every frontend replica whether it is ready")
+    sub.add_parser("health", help="ask every tokenizer replica whether it is ready")
     return parser
 
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         json.dumps(
                             {
-                                "frontend_id": reply.frontend_id,
+                                "tokenizer_id": reply.tokenizer_id,
                                 "is_ready": reply.is_ready,
                                 "model": reply.model,
                                 "num_in_flight": reply.num_in_flight,

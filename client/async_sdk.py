@@ -23,7 +23,7 @@ from ipc import messages as m
 
 
 class AsyncClient(ClientBase):
-    """Asyncio client of a running Brigade: one DEALER per frontend replica and one reader task.
+    """Asyncio client of a running Brigade: one DEALER per tokenizer replica and one reader task.
 
     Cancelling the task that consumes a stream (or closing the stream) aborts the request.
     """

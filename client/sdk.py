@@ -86,7 +86,7 @@ ClientKeys = tuple[bytes | str, bytes | str] | str | Path  # (public, secret) z8
 
 @dataclass
 class ConnectInfo:
-    """Where a Brigade run listens: frontend endpoints and, for tcp:// with CURVE, the server's
+    """Where a Brigade run listens: tokenizer endpoints and, for tcp:// with CURVE, the server's
     public key and the client's key pair."""
 
     endpoints: list[str]
@@ -116,9 +116,9 @@ def read_run(run: Path | str | None = None) -> ConnectInfo:
         raise UntrustedRunDir(f"refusing to trust {run_file}: {exc}") from None
     except (OSError, ValueError) as exc:
         raise ServerUnavailable(f"cannot read {run_file}: {exc}") from None
-    endpoints = info.get("frontends") or []
+    endpoints = info.get("tokenizers") or []
     if not endpoints:
-        raise ServerUnavailable(f"{run_file} lists no frontends")
+        raise ServerUnavailable(f"{run_file} lists no tokenizers")
     key = info.get("curve_server_key")
     keys_file = info.get("curve_client_keys")
     keys_path = _beside(run_file, Path(keys_file)) if keys_file else None
@@ -160,7 +160,7 @@ def connect_info(
     server_key: ServerKey | None,
     keys: ClientKeys | None,
 ) -> ConnectInfo:
-    """Where to connect and with which keys: frontend endpoints (`target` "tcp://..." or
+    """Where to connect and with which keys: tokenizer endpoints (`target` "tcp://..." or
     "ipc://...", or `endpoints`), or a run dir / run.json file; explicit keys win over the run's.
     A tcp:// endpoint beyond loopback without keys is refused here: a Brigade run there only
     talks CURVE, and failing now is clearer than a handshake that never succeeds."""
@@ -280,7 +280,7 @@ def _prompt_ids(prompt: Sequence[int]) -> bytes:
 
 def make_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> m.Tools | None:
     """OpenAI `tools`, `tool_choice` ("none", "auto", "required" or {"type": "function",
-    "function": {"name"}}) and `parallel_tool_calls` -> what the frontend reads; the frontend
+    "function": {"name"}}) and `parallel_tool_calls` -> what the tokenizer reads; the tokenizer
     checks the tools themselves."""
     if tools is None:
         if tool_choice not in (None, "none"):
@@ -336,7 +336,7 @@ def make_generate(
     messages: Sequence[dict[str, Any]] | None,
     sampling: dict[str, Any],
 ) -> m.Generate:
-    """A Generate whose every field has its declared type: the frontend can parse it."""
+    """A Generate whose every field has its declared type: the tokenizer can parse it."""
     if (prompt is None) == (messages is None):
         raise InvalidRequest("give exactly one of a prompt (text or token ids) and chat messages")
     if request_id is not None:
@@ -364,7 +364,7 @@ def make_generate(
 def open_dealer(
     ctx: zmq.Context, endpoint: str, curve_server_key: bytes | None, curve_keys: CurveKeys | None
 ) -> zmq.Socket:
-    """A DEALER to one frontend. IMMEDIATE: a send to a replica that is down fails at once (and the
+    """A DEALER to one tokenizer. IMMEDIATE: a send to a replica that is down fails at once (and the
     session tries another) instead of queueing for a peer that may never come back."""
     sock = ctx.socket(zmq.DEALER)
     configure_socket(sock)
@@ -446,7 +446,7 @@ class HealthCheck:
         start = self.start
         replies = [r.health for r in self.session.replicas if r.health is not None and r.health_at >= start]
         if not replies:
-            raise ServerUnavailable(f"no frontend answered a health check within {self.timeout:.0f}s")
+            raise ServerUnavailable(f"no tokenizer answered a health check within {self.timeout:.0f}s")
         return replies
 
 
@@ -456,7 +456,7 @@ class RequestState:
     def __init__(self, generate: m.Generate, deadline: float | None, now: float) -> None:
         self.generate = generate
         self.deadline = deadline
-        self.replica: int | None = None  # the frontend it runs on; None = not sent yet
+        self.replica: int | None = None  # the tokenizer it runs on; None = not sent yet
         self.sent_at = now
         self.heard_at = now  # last sign of life from the replica running it
         self.is_acked = False  # the replica running it has answered for it by id
@@ -548,7 +548,7 @@ class _Replica:
     is_suspect: bool = False  # a request failed over away from it and it has not answered since
     health: m.HealthReply | None = None
     health_at: float = -math.inf
-    incarnation: int | None = None  # of the frontend process last heard from
+    incarnation: int | None = None  # of the tokenizer process last heard from
     handshake_error: str | None = None  # the last CURVE handshake failed, and none succeeded since
 
 
@@ -685,7 +685,7 @@ class Session:
         for state in self.requests.values():
             if state.replica == replica and not state.is_acked and not state.is_done:
                 state.error = error_for(
-                    reply.code, f"the frontend could not read request {state.request_id}: {reply.message}"
+                    reply.code, f"the tokenizer could not read request {state.request_id}: {reply.message}"
                 )
 
     def on_handshake(self, replica: int, error: str | None) -> None:
@@ -701,7 +701,7 @@ class Session:
         why = "; ".join(sorted({f"{rep.endpoint}: {rep.handshake_error}" for rep in self.replicas}))
         for state in self.requests.values():
             if not state.is_done:
-                state.error = AuthenticationFailed(f"CURVE handshake failed with every frontend: {why}")
+                state.error = AuthenticationFailed(f"CURVE handshake failed with every tokenizer: {why}")
 
     def tick(self) -> None:
         """Timeouts, failover, unsent requests and health probes of replicas that went quiet."""
@@ -717,7 +717,7 @@ class Session:
             if state.replica is not None:
                 state.heard_at = max(state.heard_at, self.replicas[state.replica].last_seen)
             if now - state.heard_at > self.unavailable_after:
-                state.error = ServerUnavailable(f"no frontend answered for {self.unavailable_after:.0f}s")
+                state.error = ServerUnavailable(f"no tokenizer answered for {self.unavailable_after:.0f}s")
             elif state.replica is None:
                 self._dispatch(state, now, avoid=None)
             elif now - max(state.sent_at, self.replicas[state.replica].last_seen) > self.failover_after:
@@ -773,7 +773,7 @@ def _close_sockets(ctx: zmq.Context, sockets: list[zmq.Socket], monitors: dict[i
 
 
 class ClientBase:
-    """What both clients share: where the run listens, one DEALER per frontend replica, the
+    """What both clients share: where the run listens, one DEALER per tokenizer replica, the
     session, and closing. A client that is dropped without `close()` closes its sockets when it
     is collected, before its context: zmq's Context.term waits for every socket of the context,
     so a context collected first (garbage cycles are finalized in any order) would hang the
@@ -844,7 +844,7 @@ class ClientBase:
 
 
 class Client(ClientBase):
-    """Synchronous client of a running Brigade: one DEALER per frontend replica.
+    """Synchronous client of a running Brigade: one DEALER per tokenizer replica.
 
     Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
     """
@@ -910,7 +910,7 @@ class Client(ClientBase):
         request_id: str | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        """One assistant reply; the frontend applies the model's chat template. `tools=`,
+        """One assistant reply; the tokenizer applies the model's chat template. `tools=`,
         `tool_choice=` and `parallel_tool_calls=` take OpenAI's forms; the result's `tool_calls`
         and `content` are the reply cut into calls and text (finish_reason "tool_calls")."""
         return self._collect(

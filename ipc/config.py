@@ -53,7 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 
 
-class FrontendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
     default_max_tokens: Positive = 256
     max_prompt_chars: Positive = 1_000_000
@@ -104,7 +104,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ray_address: str = "auto"  # ray.init's address; auto = the cluster this host belongs to
     engine_resources: dict[str, float] = {}  # custom resources one engine group takes from its node
     engine_cpus: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # CPUs one engine group takes from its node
-    light_resources: dict[str, float] = {}  # what each frontend, detokenizer, gateway takes; {} = head node
+    light_resources: dict[str, float] = {}  # what each tokenizer, detokenizer, gateway takes; {} = head node
     placement_timeout_s: Seconds = 120.0  # an engine group with no node by then fails the start
 
 
@@ -120,7 +120,7 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
-    frontend: FrontendConfig = FrontendConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
     gateway: GatewayConfig = GatewayConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
@@ -274,7 +274,7 @@ def check_network(config: Config) -> None:
             f"leaves too few below 65536 (use at most {65536 - PORT_SPAN})"
         )
     counts = {
-        "frontend.replicas": config.frontend.replicas,
+        "tokenizer.replicas": config.tokenizer.replicas,
         "detokenizer.replicas": config.detokenizer.replicas,
         "engine.data_parallel": config.engine.data_parallel,
     }

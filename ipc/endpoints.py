@@ -112,7 +112,7 @@ def shard_of(request_id: str, num_shards: int) -> int:
 
 # tcp:// ports: each link kind owns a block of PORTS_PER_KIND ports from the run's port base,
 # so that every process computes the same port for a link without asking anyone.
-LINK_KINDS = ("supervisor", "frontend", "frontend_in", "scheduler_in", "scheduler_workers", "detokenizer_in")
+LINK_KINDS = ("supervisor", "tokenizer", "tokenizer_in", "scheduler_in", "scheduler_workers", "detokenizer_in")
 PORTS_PER_KIND = 64
 PORT_SPAN = len(LINK_KINDS) * PORTS_PER_KIND
 _PORT_BASE_TRIES = 100
@@ -189,7 +189,7 @@ def choose_link(
     server's host address (what clients connect to); `port`: its tcp port (`link_port`).
     ipc:// (`RUN_DIR/NAME.sock`) when `same_host` and `network.transport` is `ipc`; otherwise
     tcp://, listening on `network.bind_host` (or `host`), with CURVE from `keys` unless
-    `network.curve` is off. `is_public`: a link SDK clients connect to (a frontend's), whose
+    `network.curve` is off. `is_public`: a link SDK clients connect to (a tokenizer's), whose
     server accepts the client key as well as the stage key. Raises ValueError for a tcp:// link
     without CURVE that would listen beyond loopback, or one with CURVE but no keys.
     """
@@ -286,12 +286,12 @@ class Endpoints:
             is_public=is_public,
         )
 
-    def frontend(self, i: int) -> Link:
-        """A frontend replica's client-facing ROUTER (SDK clients and gateways connect)."""
-        return self._link("frontend", i, f"frontend-{i}", f"tokenizer-{i}", is_public=True)
+    def tokenizer(self, i: int) -> Link:
+        """A tokenizer replica's client-facing ROUTER (SDK clients and gateways connect)."""
+        return self._link("tokenizer", i, f"tokenizer-{i}", f"tokenizer-{i}", is_public=True)
 
-    def frontend_in(self, i: int) -> Link:
-        return self._link("frontend_in", i, f"frontend-{i}-in", f"tokenizer-{i}")
+    def tokenizer_in(self, i: int) -> Link:
+        return self._link("tokenizer_in", i, f"tokenizer-{i}-in", f"tokenizer-{i}")
 
     def scheduler_in(self, group: int) -> Link:
         return self._link("scheduler_in", group, f"scheduler-{group}-in", f"scheduler-{group}")

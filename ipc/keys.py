@@ -4,7 +4,7 @@ A run has three key pairs (z85-encoded, as libzmq's CURVE wants them):
 
 - `server`: every socket that binds a tcp:// link;
 - `stage`: every stage's connecting socket; the internal links accept only this key;
-- `client`: SDK clients; a frontend's client-facing socket accepts it (and the stage key, which
+- `client`: SDK clients; a tokenizer's client-facing socket accepts it (and the stage key, which
   the gateway uses), so that holding the client key never opens the engine's internal links.
 
 The files are ZeroMQ's certificate format (`zmq.auth.load_certificate` reads them):
@@ -77,7 +77,7 @@ class RunKeys(msgspec.Struct, frozen=True):
         return CurveServer(_pair(self.server_public, self.server_secret), (self.stage_public.encode(),))
 
     def public_server(self) -> CurveServer:
-        """A frontend's client-facing socket: SDK clients and stages (the gateway) may connect."""
+        """A tokenizer's client-facing socket: SDK clients and stages (the gateway) may connect."""
         allowed = (self.stage_public.encode(), self.client_public.encode())
         return CurveServer(_pair(self.server_public, self.server_secret), allowed)
 

@@ -51,10 +51,10 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, froz
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Per-request sampling parameters. Validated by `ipc.validation` (the frontend and the scheduler both call it)."""
+    """Per-request sampling parameters. Validated by `ipc.validation` (the tokenizer and the scheduler both call it)."""
 
-    max_tokens: int | None = None  # None: the frontend's default (frontend.default_max_tokens)
-    # None: unset; the frontend fills in the model's generation_config value, else the engine's
+    max_tokens: int | None = None  # None: the tokenizer's default (tokenizer.default_max_tokens)
+    # None: unset; the tokenizer fills in the model's generation_config value, else the engine's
     # (ipc/sampling_defaults.py), so the scheduler and workers only see concrete values.
     temperature: float | None = None
     top_k: int | None = None  # 0 = disabled
@@ -71,7 +71,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int = 0  # top-N logprobs per sampled token; 0 = only the sampled token's
-    seed: int | None = None  # None: the frontend assigns one at admission
+    seed: int | None = None  # None: the tokenizer assigns one at admission
     priority: int = 0  # lower runs first; ties are FCFS
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
 
@@ -101,7 +101,7 @@ ToolChoice = Literal["none", "auto", "required", "function"]
 
 class Tools(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """The functions a chat request offers the model (OpenAI `tools`, `tool_choice`,
-    `parallel_tool_calls`). `tools` is their JSON text: the frontend renders it into the prompt
+    `parallel_tool_calls`). `tools` is their JSON text: the tokenizer renders it into the prompt
     and derives the forced-call constraint from it (ipc/structured_output.py, for_tool_choice).
     choice `function` forces the call of `function`."""
 
@@ -139,14 +139,14 @@ ErrorCode = Literal[
 ]
 
 # ---------------------------------------------------------------------------
-# client <-> frontend (DEALER -> ROUTER)
+# client <-> tokenizer (DEALER -> ROUTER)
 # ---------------------------------------------------------------------------
 
 
 class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Start (or resume) a request. Exactly one of prompt / messages / prompt_token_ids is set.
 
-    A client resubmitting after a frontend died sends the same request_id with the output
+    A client resubmitting after a tokenizer died sends the same request_id with the output
     token ids and the number of characters it already received; the stream continues from there.
     """
 
@@ -195,10 +195,10 @@ class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """`incarnation` changes when the frontend process restarts: a client that sees it change
+    """`incarnation` changes when the tokenizer process restarts: a client that sees it change
     knows the replica forgot its in-flight requests and resubmits them."""
 
-    frontend_id: int
+    tokenizer_id: int
     is_ready: bool
     model: str
     num_in_flight: int
@@ -209,7 +209,7 @@ class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
 ClientReply = Union[Delta, ErrorReply, HealthReply]
 
 # ---------------------------------------------------------------------------
-# frontend -> scheduler, detokenizer -> scheduler (PUSH -> PULL)
+# tokenizer -> scheduler, detokenizer -> scheduler (PUSH -> PULL)
 # ---------------------------------------------------------------------------
 
 
@@ -218,7 +218,7 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     the scheduler replaces any live request with the same id."""
 
     request_id: str
-    frontend_id: int
+    tokenizer_id: int
     prompt_ids: bytes  # packed int32
     params: SamplingParams
     output_ids: bytes = b""  # packed int32: tokens already generated (resubmission)
@@ -231,10 +231,10 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class QueryRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Frontend -> scheduler: how far is each of these requests? Asked about journal entries with
-    no progress for frontend.stall_timeout_s; answered with `RequestProgress`."""
+    """Tokenizer -> scheduler: how far is each of these requests? Asked about journal entries with
+    no progress for tokenizer.stall_timeout_s; answered with `RequestProgress`."""
 
-    frontend_id: int
+    tokenizer_id: int
     request_ids: list[str]
 
 
@@ -250,7 +250,7 @@ class TokenUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     first id; start_index == 0 carries the full history and resets the receiver's state."""
 
     request_id: str
-    frontend_id: int
+    tokenizer_id: int
     start_index: int
     token_ids: bytes  # packed int32
     logprobs: bytes = b""  # packed float32
@@ -271,12 +271,12 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
     """One step's new token for each of several requests, as columns: entry j says what a
-    one-token TokenUpdate(request_ids[j], frontend_ids[j], ...) would. A steady decode step
+    one-token TokenUpdate(request_ids[j], tokenizer_ids[j], ...) would. A steady decode step
     sends one of these per detokenizer shard, not a struct per request: that would put a Python
     object per running request on the scheduler's every step."""
 
     request_ids: list[str]
-    frontend_ids: list[int]
+    tokenizer_ids: list[int]
     start_indices: bytes  # packed int32, one per request
     token_ids: bytes  # packed int32, one per request
     logprobs: bytes  # packed float32, one per request
@@ -289,7 +289,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
         # Runs on decode too: a ragged message is malformed, not a crash downstream.
         n = len(self.request_ids)
         columns = (
-            self.frontend_ids,
+            self.tokenizer_ids,
             self.top_logprobs,
             self.finish_reasons,
             self.prompt_tokens,
@@ -305,7 +305,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
             map(
                 TokenUpdate,
                 self.request_ids,
-                self.frontend_ids,
+                self.tokenizer_ids,
                 np.frombuffer(self.start_indices, "<i4").tolist(),
                 np.frombuffer(self.token_ids, "V4").tolist(),
                 np.frombuffer(self.logprobs, "V4").tolist(),
@@ -326,7 +326,7 @@ class DropRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
 DetokenizerInput = Union[TokenBatch, StepTokens, DropRequests]
 
 # ---------------------------------------------------------------------------
-# detokenizer -> frontend, scheduler -> frontend errors (PUSH -> PULL)
+# detokenizer -> tokenizer, scheduler -> tokenizer errors (PUSH -> PULL)
 # ---------------------------------------------------------------------------
 
 
@@ -343,7 +343,7 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class RequestProgress(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Scheduler -> frontend, the answer to `QueryRequests`: the output tokens the scheduler holds
+    """Scheduler -> tokenizer, the answer to `QueryRequests`: the output tokens the scheduler holds
     for each request, -1 for one it does not run (finished, aborted or never admitted)."""
 
     request_ids: list[str]
@@ -371,7 +371,7 @@ class ResubmitShard(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_shards: int
 
 
-FrontendInput = Union[DeltaBatch, RequestFailed, RequestProgress, ResubmitAll]
+TokenizerInput = Union[DeltaBatch, RequestFailed, RequestProgress, ResubmitAll]
 
 # ---------------------------------------------------------------------------
 # every stage <-> supervisor (DEALER -> ROUTER)
@@ -423,14 +423,14 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
 
     log_level: str = "INFO"
     num_detokenizers: int = 1
-    num_frontends: int = 1
+    num_tokenizers: int = 1
     num_gateways: int = 1
     max_num_waiting: int = 0
     default_max_tokens: int = 256
 
 
 class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Supervisor -> frontends, every heartbeat interval: the load each engine group reported
+    """Supervisor -> tokenizers, every heartbeat interval: the load each engine group reported
     (running + waiting sequences, plus KV usage as a tie-break), for choosing a group."""
 
     loads: list[float]

@@ -2,7 +2,7 @@
 `--generation-config auto` chooses them: the model's generation_config.json where it sets one,
 else the engine's neutral value.
 
-The frontend fills them in (`fill_defaults`) before a request goes on, so the scheduler and the
+The tokenizer fills them in (`fill_defaults`) before a request goes on, so the scheduler and the
 workers only ever see concrete values (ipc/validation.py refuses an unset one). Light: no torch.
 
 Like vLLM, only the values that differ from transformers' own GenerationConfig defaults count as

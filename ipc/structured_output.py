@@ -2,7 +2,7 @@
 
 `StructuredOutput` is the one form every stage sees: a kind and one canonical text. The API
 forms map onto it here, in pure Python (no torch, no grammar engine), so the gateway and the
-frontend translate without loading anything heavy:
+tokenizer translate without loading anything heavy:
 
 - OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint);

@@ -1,6 +1,6 @@
 """The one place the request rules live: sampling parameters and prompt token ids.
 
-Pure Python (no torch, no numpy import): the frontend checks a request before tokenizing it
+Pure Python (no torch, no numpy import): the tokenizer checks a request before tokenizing it
 further, and the scheduler checks it again on submission, with the same functions.
 
 Decisions:
@@ -8,12 +8,12 @@ Decisions:
   max_model_len, so a long prompt with a large max_tokens is not an error.
 - A prompt must leave room for one output token: `num_prompt_tokens < max_model_len`.
 - The sampling fields a request may leave unset (None) must be set by the time these checks
-  run: the frontend fills them from the model's defaults first (ipc/sampling_defaults.py).
+  run: the tokenizer fills them from the model's defaults first (ipc/sampling_defaults.py).
 - User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
   -inf is reserved for the scheduler (eos / stop ids under min_tokens) and never comes from a user.
 - A `structured` constraint is checked for its form here (kind, text, size); whether it compiles is
   the grammar engine's to say (services/scheduler/grammar_compiler.py `check_constraint`, which the
-  frontend calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
+  tokenizer calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
   where the output ends, and once it must end eos is the only token its mask allows, so holding eos
   back would leave a row with no token to sample.
 """
@@ -39,7 +39,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
-# The fields a request may leave None for the frontend to fill (ipc/sampling_defaults.py).
+# The fields a request may leave None for the tokenizer to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 # A constraint's text is bounded before anything compiles; the compiler has its own limits on top.
@@ -65,7 +65,7 @@ def validate_params(
     _check_prompt_len(num_prompt_tokens, max_model_len)
     for name in DEFAULTED_FIELDS:
         if getattr(params, name) is None:
-            raise InvalidParams(f"{name} is unset: the frontend fills in its default before the engine")
+            raise InvalidParams(f"{name} is unset: the tokenizer fills in its default before the engine")
     _check_int("max_tokens", params.max_tokens, 1, MAX_MAX_TOKENS)
     _check_float("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
     _check_int("top_k", params.top_k, 0, MAX_TOP_K - 1, hint=" (0 disables)")

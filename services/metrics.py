@@ -3,7 +3,7 @@
 Names follow vLLM's with the `brigade:` prefix, so dashboards and alerts written for vLLM work
 after a prefix swap. Two sources feed one /metrics page:
 
-- Request and engine metrics are observed where they happen (the frontend replicas, the
+- Request and engine metrics are observed where they happen (the tokenizer replicas, the
   schedulers) in Prometheus multiprocess mode: each process writes its own files under the run's
   metrics directory (PROMETHEUS_MULTIPROC_DIR, set by the supervisor for every stage), and a
   reader sums them. Counters of a process that died stay in the sum, so a stage restart never
@@ -50,7 +50,7 @@ def metrics_dir(run_dir: Path) -> Path:
 
 
 class RequestMetrics:
-    """Per-request metrics of a frontend replica, observed as deltas reach the client."""
+    """Per-request metrics of a tokenizer replica, observed as deltas reach the client."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
         labels = ["model_name"]

@@ -68,7 +68,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
 
 @dataclass
 class Snapshot:
-    """Totals of one scrape, summed over labels (every frontend, engine and model)."""
+    """Totals of one scrape, summed over labels (every tokenizer, engine and model)."""
 
     at: float
     counters: dict[str, float] = field(default_factory=dict)

@@ -1,10 +1,10 @@
 """A bounded sample of requests and their outputs, for the MLflow sink
 (`observability.mlflow.sample_requests`; off by default: prompts and outputs are user data).
 
-A frontend picks at most `per_interval` requests per interval at admission, keeps their output
+A tokenizer picks at most `per_interval` requests per interval at admission, keeps their output
 text while they run, and appends each finished one as a JSON line to its own file,
-`<run-dir>/metrics/samples-<frontend>.jsonl`; the sink takes the files over (`take_samples`).
-Light (no torch): the frontend imports it.
+`<run-dir>/metrics/samples-<tokenizer>.jsonl`; the sink takes the files over (`take_samples`).
+Light (no torch): the tokenizer imports it.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from services.metrics import metrics_dir
 
 SAMPLES_PREFIX = "samples-"
 MAX_TEXT_CHARS = 8192  # of a prompt or an output, per sample
-MAX_FILE_BYTES = 16 << 20  # a frontend stops adding while no sink takes its file
+MAX_FILE_BYTES = 16 << 20  # a tokenizer stops adding while no sink takes its file
 
 log = logging.getLogger("request_sample")
 
 
 class RequestSampler:
-    """A frontend's side of the request sample: at most `per_interval` finished requests per
-    `interval_s`, appended as JSON lines to the frontend's own samples file for the sink to take."""
+    """A tokenizer's side of the request sample: at most `per_interval` finished requests per
+    `interval_s`, appended as JSON lines to the tokenizer's own samples file for the sink to take."""
 
-    def __init__(self, run_dir: Path, frontend: int, per_interval: int, interval_s: float) -> None:
-        self.path = metrics_dir(run_dir) / f"{SAMPLES_PREFIX}{frontend}.jsonl"
+    def __init__(self, run_dir: Path, tokenizer: int, per_interval: int, interval_s: float) -> None:
+        self.path = metrics_dir(run_dir) / f"{SAMPLES_PREFIX}{tokenizer}.jsonl"
         self.per_interval = per_interval
         self.interval_s = interval_s
         self.window_start = -math.inf
@@ -67,12 +67,12 @@ class RequestSampler:
 
 
 def take_samples(run_dir: Path, limit: int) -> list[dict[str, Any]]:
-    """The frontends' samples since the last call (at most `limit`); their files start over."""
+    """The tokenizers' samples since the last call (at most `limit`); their files start over."""
     taken: list[dict[str, Any]] = []
     for path in sorted(metrics_dir(run_dir).glob(f"{SAMPLES_PREFIX}*.jsonl")):
         claimed = path.with_suffix(".taking")
         try:
-            path.replace(claimed)  # the frontend's next append starts a new file
+            path.replace(claimed)  # the tokenizer's next append starts a new file
             text = claimed.read_text(errors="replace")
             claimed.unlink()
         except OSError:
@@ -81,5 +81,5 @@ def take_samples(run_dir: Path, limit: int) -> list[dict[str, Any]]:
             try:
                 taken.append(json.loads(line))
             except ValueError:
-                continue  # a line cut short by a frontend that died mid-write
+                continue  # a line cut short by a tokenizer that died mid-write
     return taken[:limit]

@@ -1,7 +1,7 @@
 """What every stage process shares: its identity, the run's config, logging, the control channel
 to the supervisor (Ready, heartbeats up; commands down), and dying with its parent.
 
-Light: no torch here (the frontend and the detokenizer import it).
+Light: no torch here (the tokenizer and the detokenizer import it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class RunInfo(msgspec.Struct, frozen=True):
     supervisor_pid: int
     model_dir: str
     model: str
-    frontends: list[str]  # the client-facing endpoints SDK clients connect to
+    tokenizers: list[str]  # the client-facing endpoints SDK clients connect to
     config: Config
     is_ready: bool = False
     network: NetworkPlan = NetworkPlan()  # ports, hosts and CURVE keys (ipc/endpoints.py)

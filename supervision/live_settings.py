@@ -13,8 +13,8 @@ from ipc.config import Config
 # config path -> the Reconfigure field that carries it to the stages
 LIVE_SETTINGS: dict[str, str] = {
     "supervisor.log_level": "log_level",
-    "frontend.replicas": "num_frontends",
-    "frontend.default_max_tokens": "default_max_tokens",
+    "tokenizer.replicas": "num_tokenizers",
+    "tokenizer.default_max_tokens": "default_max_tokens",
     "detokenizer.replicas": "num_detokenizers",
     "gateway.replicas": "num_gateways",
     "engine.max_num_waiting": "max_num_waiting",

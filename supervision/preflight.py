@@ -63,7 +63,7 @@ def check_model(config: Config, model_dir: Path) -> None:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
-    try:  # the frontends read the same defaults at start; a bad file would crash-loop them
+    try:  # the tokenizers read the same defaults at start; a bad file would crash-loop them
         model_defaults(model_dir, config.model.generation_config)
     except ValueError as exc:
         raise Refused(f"{exc} (or set model.generation_config=none)") from None

@@ -4,7 +4,7 @@ Ray does what it is good at: each engine group (a scheduler and its tensor-paral
 one STRICT_PACK placement group, so its stages share a node, and with it /dev/shm for the step
 rings; that node has the group's resources (`cluster.engine_resources`, `cluster.engine_cpus`,
 a GPU per worker); when the node dies, Ray places the group again on a node with room. The
-frontends, detokenizers and gateways go to the head node, or where `cluster.light_resources` are.
+tokenizers, detokenizers and gateways go to the head node, or where `cluster.light_resources` are.
 
 Each stage still runs as its own OS process, spawned exactly as the local StageSet spawns it, by
 a small host actor (`StageHost`) on the stage's node. The supervisor sees it through

@@ -139,7 +139,7 @@ class StageSet:
             stages += [
                 self.add("gpu_worker", g, group=g, rank=r) for r in range(config.engine.tensor_parallel)
             ]
-        stages += [self.add("tokenizer", i) for i in range(config.frontend.replicas)]
+        stages += [self.add("tokenizer", i) for i in range(config.tokenizer.replicas)]
         stages += [self.add("gateway", i) for i in range(config.gateway.replicas)]
         return stages
 

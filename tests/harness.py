@@ -201,10 +201,10 @@ def assert_clean(run_dir: Path, run_id: str | None = None) -> None:
         assert not leftovers, f"shared memory left: {leftovers}"
 
 
-def frontend_dealer(
+def tokenizer_dealer(
     ctx: zmq.Context, run_dir: Path, index: int = 0, identity: bytes | None = None
 ) -> zmq.Socket:
-    """A bare DEALER to frontend `index`, as a client that speaks the wire protocol itself: with
+    """A bare DEALER to tokenizer `index`, as a client that speaks the wire protocol itself: with
     the run's client CURVE keys when its links are tcp:// (run.json names them)."""
     info = read_run_info(run_dir)
     sock = ctx.socket(zmq.DEALER)
@@ -215,12 +215,12 @@ def frontend_dealer(
         keys = load_secret_file(info.curve_client_keys)
         sock.curve_serverkey = info.curve_server_key.encode()
         sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
-    sock.connect(info.frontends[index])
+    sock.connect(info.tokenizers[index])
     return sock
 
 
 def hostile_messages(rng: random.Random) -> list[Callable[[], bytes]]:
-    """Makers of messages a frontend must answer or drop without dying: random bytes, wrong
+    """Makers of messages a tokenizer must answer or drop without dying: random bytes, wrong
     types, unknown tags, truncations, bad values, lone surrogates, aborts of unknown ids."""
     encoder = msgspec.msgpack.Encoder()
     valid = CLIENT_REQUEST.encode(m.Generate("x", prompt="hi"))

@@ -59,10 +59,10 @@ def test_every_event_kind_is_one_valid_line(tmp_path: Path) -> None:
     path = tmp_path / "audit.log"
     audit = AuditLog(path, "supervisor")
     before = time.time()
-    audit.reload(applied={"frontend.replicas": [1, 2]}, refused={"engine.block_size": [16, 32]})
+    audit.reload(applied={"tokenizer.replicas": [1, 2]}, refused={"engine.block_size": [16, 32]})
     audit.reload(applied={"supervisor.log_level": ["INFO", "DEBUG"]})
     audit.reload(applied={}, error="engine.max_num_seqs: expected int >= 1, got -3")
-    audit.rescale({"frontend.replicas": [1, 2], "detokenizer.replicas": [2, 1]})
+    audit.rescale({"tokenizer.replicas": [1, 2], "detokenizer.replicas": [2, 1]})
     audit.stage_restart("scheduler-0", "exited with code -9", restart=1, backoff_s=0.2)
     audit.auth_failure("api_key", "10.0.0.7:51234", "unknown API key", presented_key="sk-secret-123")
     audit.auth_failure("curve", "tcp://0.0.0.0:7000", "cryptographic error")
@@ -101,7 +101,7 @@ def test_processes_appending_at_once_never_interleave(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path; from services.audit import AuditLog\n"
         "a = AuditLog(Path(sys.argv[1]), sys.argv[2])\n"
-        "for i in range(300): a.rescale({'frontend.replicas': [i, i + 1], 'pad': ['y' * 2000, 0]})\n"
+        "for i in range(300): a.rescale({'tokenizer.replicas': [i, i + 1], 'pad': ['y' * 2000, 0]})\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     writers = [
@@ -113,7 +113,7 @@ def test_processes_appending_at_once_never_interleave(tmp_path: Path) -> None:
     got = lines(path)
     assert len(got) == 900
     for k in range(3):
-        mine = [g["changes"]["frontend.replicas"][0] for g in got if g["source"] == f"gateway-{k}"]
+        mine = [g["changes"]["tokenizer.replicas"][0] for g in got if g["source"] == f"gateway-{k}"]
         assert mine == list(range(300))
 
 
@@ -137,7 +137,7 @@ def test_curve_handshake_failures_are_audited(tmp_path: Path) -> None:
         server.curve_server = True
         server.curve_publickey, server.curve_secretkey = server_public, server_secret
         port = server.bind_to_random_port("tcp://127.0.0.1")
-        monitor = CurveFailureMonitor(server, AuditLog(path, "frontend-0"))
+        monitor = CurveFailureMonitor(server, AuditLog(path, "tokenizer-0"))
 
         def client(server_key: bytes) -> zmq.Socket:
             sock = ctx.socket(zmq.DEALER)
@@ -164,7 +164,7 @@ def test_curve_handshake_failures_are_audited(tmp_path: Path) -> None:
         got = lines(path)
         for line in got:
             check(line)
-        assert got[0]["mechanism"] == "curve" and got[0]["source"] == "frontend-0"
+        assert got[0]["mechanism"] == "curve" and got[0]["source"] == "tokenizer-0"
         assert "server's key" in got[0]["reason"]
         assert got[0]["peer"] == f"tcp://127.0.0.1:{port}"
         monitor.close()

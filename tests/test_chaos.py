@@ -30,8 +30,8 @@ from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
 from ipc.sockets import PushQueue
 from services.stage import read_run_info, run_endpoints
-from services.tokenizer.frontend import engine_id
-from tests.harness import Run, assert_clean, brigade_run, frontend_dealer
+from services.tokenizer.core import engine_id
+from tests.harness import Run, assert_clean, brigade_run, tokenizer_dealer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -160,7 +160,7 @@ def run(
         "supervisor.restart_intensity=100",
         "supervisor.backoff_initial_s=0.1",
         "supervisor.backoff_max_s=0.5",
-        f"frontend.stall_timeout_s={STALL_TIMEOUT_S}",
+        f"tokenizer.stall_timeout_s={STALL_TIMEOUT_S}",
     ) as live:
         run_id = read_run_info(run_dir).run_id
         yield live
@@ -178,7 +178,7 @@ def calm(run: Run) -> list[Output]:
 def test_detokenizer_death_after_the_scheduler_finished_loses_nothing(run: Run, calm: list[Output]) -> None:
     """Issue 14 item 1. The detokenizer is stopped, so the scheduler finishes every request
     while all their text waits in the detokenizer's queue; then it is killed. The scheduler has
-    forgotten these requests, so only the frontend's journal can re-drive them."""
+    forgotten these requests, so only the tokenizer's journal can re-drive them."""
     detokenizer = running_pid(run, "detokenizer")
     os.kill(detokenizer, signal.SIGSTOP)
     try:
@@ -206,7 +206,7 @@ def raw_request(run: Run, request: m.Generate, timeout: float) -> list[m.ClientR
     """Send one request on a bare DEALER; the replies until its end (or the timeout)."""
     ctx = zmq.Context()
     try:
-        sock = frontend_dealer(ctx, run.run_dir)
+        sock = tokenizer_dealer(ctx, run.run_dir)
         sock.send(CLIENT_REQUEST.encode(request))
         replies: list[m.ClientReply] = []
         deadline = time.monotonic() + timeout
@@ -239,16 +239,16 @@ def test_resume_past_the_resumed_text_is_refused_at_once(run: Run, calm: list[Ou
     assert (reply.request_id, reply.code) == ("resume-past-its-text", "invalid_request")
     assert "resume_num_chars" in reply.message
     wait_for(
-        "the frontend holding nothing in flight",
+        "the tokenizer holding nothing in flight",
         lambda: all(r["queue_depth"] == 0 for r in stage_rows(run) if r["kind"] == "tokenizer"),
         timeout=30,
     )
 
 
 def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -> None:
-    """Issue 14 item 2: the scheduler loses a request the frontend still journals (an abort that
+    """Issue 14 item 2: the scheduler loses a request the tokenizer still journals (an abort that
     did not come from its client, here sent straight to the scheduler under the engine's id of
-    the request). The frontend's watchdog sees no progress, learns from the scheduler that it no
+    the request). The tokenizer's watchdog sees no progress, learns from the scheduler that it no
     longer runs the request, and resubmits it from what the client has: the client gets exactly
     the calm text."""
     generate = SPECS[0].generate()
@@ -258,7 +258,7 @@ def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -
     ctx = zmq.Context()
     try:
         scheduler = PushQueue(ctx, endpoints.scheduler_in(0), SCHEDULER_INPUT)  # with the stage key over tcp
-        sock = frontend_dealer(ctx, run.run_dir, identity=identity)
+        sock = tokenizer_dealer(ctx, run.run_dir, identity=identity)
         sock.send(CLIENT_REQUEST.encode(generate))
         text, ids = "", []
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -268,7 +268,7 @@ def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -
                 continue
             reply = CLIENT_REPLY.decode(sock.recv())
             if isinstance(reply, m.HealthReply):
-                continue  # the frontend's keepalive
+                continue  # the tokenizer's keepalive
             assert isinstance(reply, m.Delta), reply
             assert (reply.token_index, reply.char_offset) == (len(ids), len(text))
             if not ids:

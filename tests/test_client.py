@@ -1,4 +1,4 @@
-"""Client SDK and CLI against fake frontends: real ZeroMQ ROUTER sockets in threads."""
+"""Client SDK and CLI against fake tokenizers: real ZeroMQ ROUTER sockets in threads."""
 
 from __future__ import annotations
 
@@ -59,11 +59,11 @@ class _Stream:
 
 
 @dataclass
-class FakeFrontend:
-    """A frontend replica that streams `expected_ids(prompt, max_tokens)` one token per delta.
+class FakeTokenizer:
+    """A tokenizer replica that streams `expected_ids(prompt, max_tokens)` one token per delta.
 
     mode: "normal"; "dup" (every delta twice, plus an overlapping re-send); "error:<code>";
-    "garbled" (answers Generate with an ErrorReply that has no request id, as a frontend does to a
+    "garbled" (answers Generate with an ErrorReply that has no request id, as a tokenizer does to a
     message it cannot read); "hang" (answers Health, never Generate). `die_after` tokens: then it goes silent for good
     (no deltas, no health replies), as a killed process would.
     """
@@ -72,7 +72,7 @@ class FakeFrontend:
     mode: str = "normal"
     die_after: int | None = None
     interval: float = 0.002
-    frontend_id: int = 0
+    tokenizer_id: int = 0
     curve_keys: tuple[bytes, bytes] | None = None
     received: list = field(default_factory=list)
 
@@ -117,7 +117,7 @@ class FakeFrontend:
 
     def _handle(self, identity: bytes, request: m.ClientRequest) -> None:
         if isinstance(request, m.Health):
-            self._send(identity, m.HealthReply(self.frontend_id, True, "fake", len(self._streams), 2048))
+            self._send(identity, m.HealthReply(self.tokenizer_id, True, "fake", len(self._streams), 2048))
         elif isinstance(request, m.Abort):
             self._streams.pop(request.request_id, None)
         elif self.mode.startswith("error:"):
@@ -169,10 +169,10 @@ def run_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def fakes(run_dir: Path):
-    made: list[FakeFrontend] = []
+    made: list[FakeTokenizer] = []
 
-    def make(i: int = 0, **kw) -> FakeFrontend:
-        fake = FakeFrontend(f"ipc://{run_dir}/frontend-{i}.sock", frontend_id=i, **kw)
+    def make(i: int = 0, **kw) -> FakeTokenizer:
+        fake = FakeTokenizer(f"ipc://{run_dir}/tokenizer-{i}.sock", tokenizer_id=i, **kw)
         made.append(fake)
         return fake
 
@@ -317,7 +317,7 @@ def test_requests_spread_across_replicas(fakes) -> None:
     assert len(a.requests(m.Generate)) == 2 and len(b.requests(m.Generate)) == 2
 
 
-def test_no_frontend_is_server_unavailable(run_dir: Path) -> None:
+def test_no_tokenizer_is_server_unavailable(run_dir: Path) -> None:
     with pytest.raises(ServerUnavailable, match=r"no run\.json"):
         Client(run_dir)
     with Client(endpoints=[f"ipc://{run_dir}/nobody.sock"], failover_after=0.1, unavailable_after=0.4) as client:
@@ -331,17 +331,17 @@ def test_health(fakes) -> None:
     a, b = fakes(0), fakes(1)
     with Client(endpoints=[a.endpoint, b.endpoint]) as client:
         replies = client.health()
-    assert sorted(r.frontend_id for r in replies) == [0, 1] and all(r.is_ready for r in replies)
+    assert sorted(r.tokenizer_id for r in replies) == [0, 1] and all(r.is_ready for r in replies)
 
 
 def test_curve_over_tcp() -> None:
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
     server_public, server_secret = zmq.curve_keypair()
-    fake = FakeFrontend("tcp://127.0.0.1:*", curve_keys=(server_public, server_secret))
+    fake = FakeTokenizer("tcp://127.0.0.1:*", curve_keys=(server_public, server_secret))
     endpoint = fake.last_endpoint
     try:
-        keys = zmq.curve_keypair()  # the fake frontend has no authenticator: any client key passes
+        keys = zmq.curve_keypair()  # the fake tokenizer has no authenticator: any client key passes
         with Client(endpoint, server_key=server_public, keys=keys) as client:
             assert client.generate("curvy", max_tokens=3).text == expected_text("curvy", 3)
         wrong_key = zmq.curve_keypair()[0]
@@ -401,7 +401,7 @@ def test_async_failover(fakes) -> None:
 
 
 def write_run_json(run_dir: Path, endpoints: list[str], supervisor_pid: int | None = None) -> None:
-    info = {"run_id": "test", "frontends": endpoints, "model": "fake", "supervisor_pid": supervisor_pid}
+    info = {"run_id": "test", "tokenizers": endpoints, "model": "fake", "supervisor_pid": supervisor_pid}
     (run_dir / "run.json").write_text(json.dumps(info))
 
 
@@ -474,7 +474,7 @@ def test_resubmission_keeps_everything_but_resume_fields() -> None:
 
 
 def test_session_resubmits_when_a_replica_restarts() -> None:
-    """A new frontend process at the same endpoint (new incarnation) has forgotten our request:
+    """A new tokenizer process at the same endpoint (new incarnation) has forgotten our request:
     the session resubmits it there with what it already received."""
     sent: list[tuple[int, m.ClientRequest]] = []
     session = Session(["ipc://a"], lambda i, frame: sent.append((i, CLIENT_REQUEST.decode(frame))) or True)
@@ -540,7 +540,7 @@ def test_integral_values_convert_where_the_field_is_a_number(fakes) -> None:
 
 
 def test_an_error_without_a_request_id_fails_the_unanswered_request(fakes) -> None:
-    """A frontend that could not read a request answers with an empty id; the request it sent
+    """A tokenizer that could not read a request answers with an empty id; the request it sent
     must fail at once, not wait for a reply that never comes."""
     fake = fakes(mode="garbled")
     with Client(endpoints=[fake.endpoint]) as client:
@@ -661,7 +661,7 @@ def test_async_stream_chat(fakes) -> None:
 # -- output constraints: `structured=` or one shorthand ----------------------------------------------
 
 
-def test_output_constraints_reach_the_frontend_as_structured(fakes) -> None:
+def test_output_constraints_reach_the_tokenizer_as_structured(fakes) -> None:
     """Each shorthand sends the StructuredOutput it means (what the gateway's API forms give too);
     the async client takes them alike."""
     fake = fakes()

@@ -1,4 +1,4 @@
-"""The client SDK and the frontend with real processes, on the tiny random Llama: an error names
+"""The client SDK and the tokenizer with real processes, on the tiny random Llama: an error names
 the request it is about, a request belongs to the connection that made it, a dead client's
 requests stop computing, and the end of a run reaches its clients at once."""
 
@@ -24,7 +24,7 @@ from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
 from ipc.shm import sweep_stale_runs
 from tests.conftest import REPO_ROOT
-from tests.harness import Run, assert_clean, brigade_run, frontend_dealer, stage_processes
+from tests.harness import Run, assert_clean, brigade_run, stage_processes, tokenizer_dealer
 from tests.test_supervisor import free_port, wait_all_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -57,9 +57,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 @contextmanager
 def raw_dealer(run: Run) -> Iterator[zmq.Socket]:
-    """A bare DEALER to frontend 0, as a client that speaks the wire protocol itself."""
+    """A bare DEALER to tokenizer 0, as a client that speaks the wire protocol itself."""
     ctx = zmq.Context()
-    sock = frontend_dealer(ctx, run.run_dir)
+    sock = tokenizer_dealer(ctx, run.run_dir)
     try:
         yield sock
     finally:
@@ -169,9 +169,9 @@ import sys, time, zmq
 from pathlib import Path
 from ipc import messages as m
 from ipc.codec import CLIENT_REQUEST
-from tests.harness import frontend_dealer
+from tests.harness import tokenizer_dealer
 ctx = zmq.Context()
-sock = frontend_dealer(ctx, Path(sys.argv[1]))
+sock = tokenizer_dealer(ctx, Path(sys.argv[1]))
 params = m.SamplingParams(max_tokens=int(sys.argv[2]), temperature=0.0, ignore_eos=True)
 for i in range(20):
     sock.send(CLIENT_REQUEST.encode(m.Generate(f"quiet-{i}", prompt=f"Tell me about {i}", params=params, stream=False)))
@@ -182,7 +182,7 @@ time.sleep(600)
 
 def test_a_dead_clients_non_streamed_requests_are_aborted(tiny_run: Run) -> None:
     """Nothing is sent to a client while its non-streamed requests compute, so only the
-    frontend's keepalive can find it gone: its requests end as aborted, not as finished."""
+    tokenizer's keepalive can find it gone: its requests end as aborted, not as finished."""
     aborted, finished = (
         metric(tiny_run, "brigade:request_success_total", 'finished_reason="abort"'),
         metric(tiny_run, "brigade:request_success_total", 'finished_reason="length"'),
@@ -216,7 +216,7 @@ def test_a_dead_clients_non_streamed_requests_are_aborted(tiny_run: Run) -> None
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_a_run_that_ends_fails_its_requests_at_once(tmp_path: Path, tiny_model_dir: Path, how: str) -> None:
-    """SIGTERM: the supervisor stops its frontends, which fail what is in flight first. SIGKILL:
+    """SIGTERM: the supervisor stops its tokenizers, which fail what is in flight first. SIGKILL:
     the stages die with the supervisor and nobody is left to say so; the client sees that the run's
     supervisor is gone. Either way the client knows within seconds, not after unavailable_after."""
     run_dir = tmp_path / "run"
@@ -237,7 +237,7 @@ def test_a_run_that_ends_fails_its_requests_at_once(tmp_path: Path, tiny_model_d
             assert not wait_all_gone(stages, 90)
     finally:
         sweep_stale_runs()  # after a SIGKILL nobody was left to unlink the run's shared memory
-    assert ("run ended" if how == "sigkill" else "frontend stopped") in str(info.value)
+    assert ("run ended" if how == "sigkill" else "tokenizer stopped") in str(info.value)
     assert waited < 20, f"the client heard of the end after {waited:.1f}s"
     assert not stage_processes(run_dir)
     if how == "sigterm":

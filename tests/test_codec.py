@@ -49,7 +49,7 @@ DELTA = m.Delta(
 )
 UPDATE = m.TokenUpdate(
     "req-1",
-    frontend_id=1,
+    tokenizer_id=1,
     start_index=0,
     token_ids=m.pack_ids([1, 2, 3]),
     logprobs=b"\x00" * 12,
@@ -90,7 +90,7 @@ EXAMPLES: dict[str, list] = {
         STEP_TOKENS,
         m.DropRequests(["a", "b"]),
     ],
-    "FRONTEND_INPUT": [
+    "TOKENIZER_INPUT": [
         m.DeltaBatch([DELTA]),
         m.RequestFailed("a", "prompt_too_long", "too long"),
         m.RequestProgress(["a", "b"], [3, -1]),
@@ -159,10 +159,10 @@ def test_ragged_step_tokens_are_malformed():
 
 
 def test_ragged_request_progress_is_malformed():
-    # An answer that pairs counts with the wrong ids would make a frontend resubmit or fail them.
+    # An answer that pairs counts with the wrong ids would make a tokenizer resubmit or fail them.
     ragged = msgspec.msgpack.encode(["RequestProgress", ["a", "b"], [3]])
     with pytest.raises(MalformedMessage):
-        C.FRONTEND_INPUT.decode(ragged)
+        C.TOKENIZER_INPUT.decode(ragged)
 
 
 def assert_malformed_or_valid(codec: Codec, data: bytes) -> None:

@@ -206,7 +206,7 @@ def test_the_local_backend_never_imports_ray(tmp_path) -> None:
     backend, in a fresh interpreter (so that no other test's import of ray counts)."""
     script = (
         "import sys, pathlib\n"
-        "import supervisor, client, services.stage, services.tokenizer.frontend, services.detokenizer.core\n"
+        "import supervisor, client, services.stage, services.tokenizer.core, services.detokenizer.core\n"
         "from ipc.config import load_config\n"
         "from supervision.stages import make_stage_set\n"
         "run_dir = pathlib.Path(sys.argv[1])\n"

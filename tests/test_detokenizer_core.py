@@ -141,7 +141,7 @@ def test_stop_strings_match_reference(tokenizer: Tokenizer, include: bool, case:
 
 
 class Receiver:
-    """What a frontend or client does with deltas: keep each position once, in order."""
+    """What a tokenizer or client does with deltas: keep each position once, in order."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -163,10 +163,10 @@ class Receiver:
 
 def update(request_id: str, start: int, ids: list[int], finish: str | None = None, **kw) -> TokenUpdate:
     logprobs = struct.pack(f"<{len(ids)}f", *(-0.5 * (start + i) for i in range(len(ids))))
-    return TokenUpdate(request_id, kw.pop("frontend_id", 0), start, pack_ids(ids), logprobs, finish_reason=finish, **kw)
+    return TokenUpdate(request_id, kw.pop("tokenizer_id", 0), start, pack_ids(ids), logprobs, finish_reason=finish, **kw)
 
 
-def test_core_groups_by_frontend_and_finishes(tokenizer: Tokenizer) -> None:
+def test_core_groups_by_tokenizer_and_finishes(tokenizer: Tokenizer) -> None:
     core = DetokenizerCore(tokenizer)
     a, b = tokenizer.encode(TEXTS[2]), tokenizer.encode(TEXTS[3])
     receivers = {"a": Receiver(), "b": Receiver()}
@@ -177,7 +177,7 @@ def test_core_groups_by_frontend_and_finishes(tokenizer: Tokenizer) -> None:
             if i < len(ids):
                 finish = "length" if i == len(ids) - 1 else None
                 extra = {"params": params, "prompt_tokens": 7, "cached_tokens": 3} if i == 0 else {}
-                updates.append(update(rid, i, [ids[i]], finish, frontend_id=fid, **extra))
+                updates.append(update(rid, i, [ids[i]], finish, tokenizer_id=fid, **extra))
         deltas, stopped = core.handle(TokenBatch(updates))
         assert not stopped
         assert set(deltas) <= {0, 1}
@@ -200,13 +200,13 @@ def test_step_tokens_give_the_deltas_of_the_same_token_batch(tokenizer: Tokenize
     by_batch, by_columns = DetokenizerCore(tokenizer), DetokenizerCore(tokenizer)
     for i in range(max(map(len, ids.values()))):
         updates = [
-            update(rid, i, [seq[i]], "length" if i == len(seq) - 1 else None, frontend_id=fid, prompt_tokens=7)
+            update(rid, i, [seq[i]], "length" if i == len(seq) - 1 else None, tokenizer_id=fid, prompt_tokens=7)
             for fid, (rid, seq) in enumerate(ids.items())
             if i < len(seq)
         ]
         columns = StepTokens(
             [u.request_id for u in updates],
-            [u.frontend_id for u in updates],
+            [u.tokenizer_id for u in updates],
             pack_ids([u.start_index for u in updates]),
             b"".join(u.token_ids for u in updates),
             b"".join(u.logprobs for u in updates),

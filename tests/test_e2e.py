@@ -1,4 +1,4 @@
-"""End to end through real processes: client -> frontend -> scheduler -> worker -> detokenizer ->
+"""End to end through real processes: client -> tokenizer -> scheduler -> worker -> detokenizer ->
 client, on the embedded SmolLM2-135M in float32, checked against HF transformers `generate`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zmq
 from client import Client, InvalidRequest, PromptTooLong
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY
-from tests.harness import assert_clean, brigade_run, frontend_dealer, hostile_messages
+from tests.harness import assert_clean, brigade_run, hostile_messages, tokenizer_dealer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -119,10 +119,10 @@ def test_cancellation_frees_everything(smol_run) -> None:
     assert wait_idle(smol_run) == (0, 0, 0.0)
 
 
-def test_frontend_survives_10000_hostile_messages(smol_run) -> None:
+def test_tokenizer_survives_10000_hostile_messages(smol_run) -> None:
     ctx = zmq.Context()
-    sock = frontend_dealer(ctx, smol_run.run_dir)
-    sock.sndtimeo = 10_000  # the frontend reads as fast as it can; wait for it rather than drop
+    sock = tokenizer_dealer(ctx, smol_run.run_dir)
+    sock.sndtimeo = 10_000  # the tokenizer reads as fast as it can; wait for it rather than drop
     hostile = hostile_messages(random.Random(1))
     try:
         for i in range(10_000):

@@ -1,4 +1,4 @@
-"""Non-Llama families served end to end through real processes (supervisor, frontend, scheduler,
+"""Non-Llama families served end to end through real processes (supervisor, tokenizer, scheduler,
 worker, detokenizer) with SmolLM2's tokenizer, whose greedy tokens must be HF's: a random Gemma 2
 (sliding-window layers shorter than the prompts, soft caps, sandwich norms), and a random Mistral
 whose sequences fit the KV pool only because blocks behind the window are freed."""

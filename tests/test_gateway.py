@@ -128,7 +128,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             "gateway.replicas=2",
             f"gateway.api_keys=[{CONFIG_KEY}]",
             f"gateway.max_concurrent_requests={MAX_CONCURRENT}",
-            f"frontend.max_prompt_chars={MAX_PROMPT_CHARS}",
+            f"tokenizer.max_prompt_chars={MAX_PROMPT_CHARS}",
         ) as run:
             os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))

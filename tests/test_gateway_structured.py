@@ -339,7 +339,7 @@ def test_tool_choice_none_answers_in_text(gw: Gateway) -> None:
 
 def test_a_conversation_with_earlier_calls_and_their_results(gw: Gateway) -> None:
     """OpenAI's shapes for a call and its answer are accepted and answered (how they are rendered
-    is tests/test_frontend_tools.py's)."""
+    is tests/test_tokenizer_tools.py's)."""
     call = {
         "id": "call_1",
         "type": "function",

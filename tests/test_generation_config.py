@@ -18,7 +18,7 @@ from ipc.config import load_config
 from ipc.sampling_defaults import ENGINE_DEFAULTS, fill_defaults, model_defaults
 from services.gateway.jobs import plan_completion
 from services.gateway.protocol import CompletionRequest
-from services.tokenizer.frontend import FrontendCore
+from services.tokenizer.core import TokenizerCore
 from services.tokenizer.text import Tokenizer
 from supervision.preflight import Refused, check_model
 from tests.conftest import TINY_VOCAB_SIZE
@@ -71,7 +71,7 @@ def test_a_bad_generation_config_refuses_the_run(
     (model_dir / "generation_config.json").write_text(text)
     with pytest.raises(ValueError, match=match):
         model_defaults(model_dir)
-    # Before any stage starts (the frontends would crash-loop on it), naming the way out.
+    # Before any stage starts (the tokenizers would crash-loop on it), naming the way out.
     with pytest.raises(Refused, match=f"generation_config.json.*{match}.*generation_config=none"):
         check_model(load_config(None, ["model.max_model_len=256"]), model_dir)
     check_model(load_config(None, ["model.max_model_len=256", "model.generation_config=none"]), model_dir)
@@ -83,12 +83,12 @@ def test_an_unknown_mode_is_a_config_error() -> None:
 
 
 @pytest.fixture(scope="module")
-def frontend(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def tokenizer(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     model_dir = tmp_path_factory.mktemp("generation-config")
     write_generation_config(model_dir, **MODEL_DEFAULTS)
 
-    def make(mode: str = "auto") -> FrontendCore:
-        return FrontendCore(
+    def make(mode: str = "auto") -> TokenizerCore:
+        return TokenizerCore(
             Tokenizer(smollm2_dir),
             0,
             1,
@@ -101,29 +101,29 @@ def frontend(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-def forwarded(core: FrontendCore, params: m.SamplingParams) -> m.SamplingParams:
-    """The params the frontend sends on to the scheduler for a request with `params`."""
+def forwarded(core: TokenizerCore, params: m.SamplingParams) -> m.SamplingParams:
+    """The params the tokenizer sends on to the scheduler for a request with `params`."""
     return core.admit(b"c", m.Generate("r", prompt="Hello", params=params)).submit.params
 
 
-def test_unset_fields_take_the_models_values(frontend) -> None:
-    params = forwarded(frontend(), m.SamplingParams())
+def test_unset_fields_take_the_models_values(tokenizer) -> None:
+    params = forwarded(tokenizer(), m.SamplingParams())
     assert {name: getattr(params, name) for name in MODEL_DEFAULTS} == MODEL_DEFAULTS
 
 
-def test_an_explicit_value_wins_over_the_models(frontend) -> None:
-    params = forwarded(frontend(), m.SamplingParams(temperature=0.0, top_k=0, repetition_penalty=1.0))
+def test_an_explicit_value_wins_over_the_models(tokenizer) -> None:
+    params = forwarded(tokenizer(), m.SamplingParams(temperature=0.0, top_k=0, repetition_penalty=1.0))
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 0, 1.0)
     assert (params.top_p, params.min_p) == (MODEL_DEFAULTS["top_p"], MODEL_DEFAULTS["min_p"])
 
 
-def test_mode_none_forwards_the_engine_defaults(frontend) -> None:
-    params = forwarded(frontend("none"), m.SamplingParams())
+def test_mode_none_forwards_the_engine_defaults(tokenizer) -> None:
+    params = forwarded(tokenizer("none"), m.SamplingParams())
     assert {name: getattr(params, name) for name in ENGINE_DEFAULTS} == ENGINE_DEFAULTS
 
 
 def test_sdk_and_gateway_send_unset_fields_as_none() -> None:
-    """The frontend can only apply the model's defaults to fields the client left unset."""
+    """The tokenizer can only apply the model's defaults to fields the client left unset."""
     params = make_params({"max_tokens": 4})
     assert all(getattr(params, name) is None for name in ENGINE_DEFAULTS)
     assert params.seed is not None  # the model's temperature may sample: a resubmission needs the seed

@@ -233,15 +233,15 @@ def test_serve_and_a_taken_port(tmp_path: Path, caplog: pytest.LogCaptureFixture
     assert f"metrics port {port} unavailable" in caplog.text
 
 
-def test_frontend_counts_outcomes_once(smollm2_dir: Path) -> None:
-    """Through the frontend's core: a finished request, an abort and a refusal each land in
+def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
+    """Through the tokenizer's core: a finished request, an abort and a refusal each land in
     their own counter, and a refusal is neither an abort nor in the latency histograms."""
     from ipc import messages as m
-    from services.tokenizer.frontend import FrontendCore
+    from services.tokenizer.core import TokenizerCore
     from services.tokenizer.text import Tokenizer
 
     registry = CollectorRegistry()
-    core = FrontendCore(
+    core = TokenizerCore(
         Tokenizer(smollm2_dir), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=4,
         metrics=RequestMetrics(MODEL, registry=registry),
     )  # fmt: skip

@@ -76,7 +76,7 @@ class ConfigMapDir:
 def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, installed) -> Run:
     script, env = installed
     root = tmp_path_factory.mktemp("ops")
-    config = ConfigMapDir(root / "etc", "frontend:\n  replicas: 1\n")
+    config = ConfigMapDir(root / "etc", "tokenizer:\n  replicas: 1\n")
     port = free_port()
     run_dir = root / "run"
     mlflow = []
@@ -257,19 +257,19 @@ def test_stage_restart_is_audited(live: Run) -> None:
 
 def test_configmap_swap_reloads_and_is_audited(live: Run) -> None:
     configmap: ConfigMapDir = live.configmap  # type: ignore[attr-defined]
-    configmap.update("frontend:\n  replicas: 2\n")
+    configmap.update("tokenizer:\n  replicas: 2\n")
     applied = wait_for_audit(live, lambda e: e["event"] == "reload" and e["outcome"] == "applied")
-    assert applied["applied"] == {"frontend.replicas": [1, 2]} and applied["refused"] == {}
+    assert applied["applied"] == {"tokenizer.replicas": [1, 2]} and applied["refused"] == {}
     rescale = wait_for_audit(live, lambda e: e["event"] == "rescale")
-    assert rescale["changes"] == {"frontend.replicas": [1, 2]}
+    assert rescale["changes"] == {"tokenizer.replicas": [1, 2]}
     live.wait_until_running(180)
     assert len(live.stage_pids("tokenizer")) == 2
-    configmap.update("frontend:\n  replicas: 2\nengine:\n  block_size: 32\n")
+    configmap.update("tokenizer:\n  replicas: 2\nengine:\n  block_size: 32\n")
     refused = wait_for_audit(
         live, lambda e: e["event"] == "reload" and e["outcome"] == "refused" and e["refused"]
     )
     assert refused["refused"] == {"engine.block_size": [16, 32]} and refused["applied"] == {}
-    configmap.update("frontend:\n  replicas: -1\n")
+    configmap.update("tokenizer:\n  replicas: -1\n")
     error = wait_for_audit(live, lambda e: e["event"] == "reload" and e["error"])
-    assert "frontend.replicas" in error["error"]
+    assert "tokenizer.replicas" in error["error"]
     assert live.process.poll() is None  # a bad config never ends the run

@@ -105,7 +105,7 @@ def assert_refuses_a_wrong_key(endpoint: str, server_key: str) -> None:
 
 def write_replicas(path: Path, replicas: int) -> None:
     path.write_text(
-        yaml.safe_dump({"frontend": {"replicas": replicas}, "detokenizer": {"replicas": replicas}})
+        yaml.safe_dump({"tokenizer": {"replicas": replicas}, "detokenizer": {"replicas": replicas}})
     )
 
 
@@ -162,7 +162,7 @@ def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_
         info = read_run_info(run_dir)
         run_id = info.run_id
         assert not list(run_dir.glob("*.sock")), "an ipc:// link in a network.transport=tcp run"
-        assert_refuses_a_wrong_key(info.frontends[0], info.curve_server_key)
+        assert_refuses_a_wrong_key(info.tokenizers[0], info.curve_server_key)
         placed = nodes_of(run)
         head = ray_cluster.head_node.node_id
         group_node = placed["scheduler-0"]
@@ -239,13 +239,13 @@ def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_
         # ones leave no host actor behind (checked with the rest after the run).
         write_replicas(config, 2)
         run.process.send_signal(signal.SIGHUP)
-        wait_for_stages(run, frontends=2, detokenizers=2)
+        wait_for_stages(run, tokenizers=2, detokenizers=2)
         placed = nodes_of(run)
         assert placed["tokenizer-1"] == head and placed["detokenizer-1"] == head, placed
         assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
         write_replicas(config, 1)
         run.process.send_signal(signal.SIGHUP)
-        wait_for_stages(run, frontends=1, detokenizers=1)
+        wait_for_stages(run, tokenizers=1, detokenizers=1)
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, run_id)
     actors, groups = leftovers_in_ray(ray_cluster, run_id)
@@ -280,13 +280,13 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
         )
         assert endpoints.detokenizer_in(0).connect.startswith(f"tcp://{head_address}:")
         assert endpoints.scheduler_workers(0).connect.startswith("ipc://")  # inside the far node
-        assert info.frontends[0].startswith(f"tcp://{head_address}:")
+        assert info.tokenizers[0].startswith(f"tcp://{head_address}:")
         with Client(run_dir) as client:
             result = client.generate(
                 PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
             )
         assert result.token_ids == hf_greedy(tiny_model_dir)
-        assert_refuses_a_wrong_key(info.frontends[0], info.curve_server_key)
+        assert_refuses_a_wrong_key(info.tokenizers[0], info.curve_server_key)
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, info.run_id)
     actors, groups = leftovers_in_ray(ray_cluster, info.run_id)

@@ -1,4 +1,4 @@
-"""Hot reload: replica counts of frontends and detokenizers change live (SIGHUP or a config file
+"""Hot reload: replica counts of tokenizers and detokenizers change live (SIGHUP or a config file
 edit) without dropping or changing a single request; unsafe changes are logged, not applied."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ NUM_REQUESTS = 8
 NEW_TOKENS = 48
 
 
-def write_config(path: Path, model_dir: Path, frontends: int, detokenizers: int, max_model_len: int = 512) -> None:
+def write_config(path: Path, model_dir: Path, tokenizers: int, detokenizers: int, max_model_len: int = 512) -> None:
     config = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
     config["model"].update(path=str(model_dir), dtype="float32", max_model_len=max_model_len)
-    config["frontend"]["replicas"] = frontends
+    config["tokenizer"]["replicas"] = tokenizers
     config["detokenizer"]["replicas"] = detokenizers
     path.write_text(yaml.safe_dump(config))
 
@@ -56,39 +56,39 @@ def streams(run_dir: Path, during=None) -> list[str]:
     return results  # type: ignore[return-value]
 
 
-def wait_for_stages(run: Run, frontends: int, detokenizers: int, timeout: float = 120) -> None:
+def wait_for_stages(run: Run, tokenizers: int, detokenizers: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = run.status()
         kinds = [r["kind"] for r in rows if r["state"] == "running"]
-        if (kinds.count("tokenizer"), kinds.count("detokenizer")) == (frontends, detokenizers) and len(kinds) == len(rows):
+        if (kinds.count("tokenizer"), kinds.count("detokenizer")) == (tokenizers, detokenizers) and len(kinds) == len(rows):
             return
         time.sleep(0.2)
-    raise AssertionError(f"expected {frontends} frontends and {detokenizers} detokenizers: {run.status()}")
+    raise AssertionError(f"expected {tokenizers} tokenizers and {detokenizers} detokenizers: {run.status()}")
 
 
 def test_replicas_change_live_without_losing_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = tmp_path / "brigade.yaml"
-    write_config(config, tiny_model_dir, frontends=1, detokenizers=1)
+    write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)
     run_dir = tmp_path / "run"
     with brigade_run(run_dir, config=str(config)) as run:
         reference = streams(run_dir)
 
         def scale_up() -> None:
-            write_config(config, tiny_model_dir, frontends=2, detokenizers=2)
+            write_config(config, tiny_model_dir, tokenizers=2, detokenizers=2)
             run.process.send_signal(signal.SIGHUP)
 
         assert streams(run_dir, during=scale_up) == reference
-        wait_for_stages(run, frontends=2, detokenizers=2)
+        wait_for_stages(run, tokenizers=2, detokenizers=2)
         assert streams(run_dir) == reference  # requests now spread over both replicas
 
         def scale_down() -> None:
-            write_config(config, tiny_model_dir, frontends=1, detokenizers=1)  # the file watch sees it
+            write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)  # the file watch sees it
 
         assert streams(run_dir, during=scale_down) == reference
-        wait_for_stages(run, frontends=1, detokenizers=1)
+        wait_for_stages(run, tokenizers=1, detokenizers=1)
 
-        write_config(config, tiny_model_dir, frontends=1, detokenizers=1, max_model_len=256)
+        write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1, max_model_len=256)
         run.process.send_signal(signal.SIGHUP)
         run.wait_for_line("model.max_model_len changed but needs a restart", 60)
     assert_clean(run_dir)

@@ -138,11 +138,11 @@ def test_apply_live_takes_only_the_live_settings() -> None:
     new = load_config(
         None,
         [
-            "frontend.replicas=3",
+            "tokenizer.replicas=3",
             "detokenizer.replicas=2",
             "gateway.replicas=2",
             "engine.max_num_waiting=7",
-            "frontend.default_max_tokens=9",
+            "tokenizer.default_max_tokens=9",
             "supervisor.log_level=DEBUG",
             "model.max_model_len=256",
             "engine.max_num_seqs=8",
@@ -154,7 +154,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
     assert reconfigure_message(applied) == m.Reconfigure(
         log_level="DEBUG",
         num_detokenizers=2,
-        num_frontends=3,
+        num_tokenizers=3,
         num_gateways=2,
         max_num_waiting=7,
         default_max_tokens=9,
@@ -164,7 +164,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
 def test_stage_set_plans_every_stage_in_start_order(tmp_path) -> None:
     from supervision.stages import StageSet
 
-    config = load_config(None, ["engine.data_parallel=2", "engine.tensor_parallel=2", "frontend.replicas=2"])
+    config = load_config(None, ["engine.data_parallel=2", "engine.tensor_parallel=2", "tokenizer.replicas=2"])
     stages = StageSet(config, tmp_path, "text")
     planned = [(s.name, s.group) for s in stages.plan(config)]
     assert planned == [

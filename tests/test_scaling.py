@@ -1,4 +1,4 @@
-"""Scaling with real processes on the CPU (gloo): data parallel groups with frontend and detokenizer
+"""Scaling with real processes on the CPU (gloo): data parallel groups with tokenizer and detokenizer
 replicas, and tensor parallel ranks, give the same greedy outputs as one worker; a SIGKILLed rank
 restarts its whole group and no request is lost or changed."""
 
@@ -22,7 +22,7 @@ SHORT_TOKENS = 16
 FAULT_TOKENS = 96  # long enough that every stream is still running when a rank is killed
 COMMON = ("model.dtype=float32", "model.max_model_len=512", "engine.kv_cache_mib=64", "engine.threads=1",
           "supervisor.backoff_initial_s=0.1")  # fmt: skip
-DATA_PARALLEL = ("engine.data_parallel=2", "frontend.replicas=2", "detokenizer.replicas=2")
+DATA_PARALLEL = ("engine.data_parallel=2", "tokenizer.replicas=2", "detokenizer.replicas=2")
 TENSOR_PARALLEL = ("engine.tensor_parallel=2",)
 
 Output = tuple[str, list[int]]

@@ -38,7 +38,7 @@ from services.scheduler.request import Request
 
 
 def engine_params(**fields) -> SamplingParams:
-    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    """SamplingParams as the tokenizer forwards them: unset sampling fields take the engine's defaults."""
     return fill_defaults(SamplingParams(**fields))
 
 
@@ -561,7 +561,7 @@ def test_resubmission_continues_at_its_position() -> None:
     sched.add(Request("x", 0, np.array(prompt, np.int32), params))
     step = sched.schedule()
     sched.update(step, *executor.run(step))  # the old copy has one output
-    # The frontend resubmits with 3 outputs (it saw more than this scheduler did): replace.
+    # The tokenizer resubmits with 3 outputs (it saw more than this scheduler did): replace.
     sched.add(Request("x", 0, np.array(prompt, np.int32), params, output_ids=full[:3]))
     assert sched.num_running == 0 and sched.num_waiting == 1 and sched.blocks.num_used == 0
     step = sched.schedule()
@@ -911,7 +911,7 @@ def test_step_tokens_carry_each_output_over_the_wire() -> None:
         assert len(updates) == len(outputs) == len(expected_finish)
         for out, got in zip(outputs, updates, strict=True):
             assert out.finish_reason == expected_finish[out.request_id]
-            assert got.request_id == out.request_id and got.frontend_id == out.frontend_id
+            assert got.request_id == out.request_id and got.tokenizer_id == out.tokenizer_id
             assert got.start_index == out.start_index
             assert m.unpack_ids(got.token_ids).tolist() == out.new_token_ids
             assert np.frombuffer(got.logprobs, "<f4").tolist() == out.logprobs
@@ -967,7 +967,7 @@ def test_detokenizer_messages_one_shard_sends_full_histories_only_for_this_steps
 
 
 def test_max_tokens_none_runs_to_max_model_len() -> None:
-    # The frontend fills in its default; a request that still has none is bounded by the model.
+    # The tokenizer fills in its default; a request that still has none is bounded by the model.
     sched = Scheduler(small_config(max_model_len=40, num_blocks=8))
     executor = FakeExecutor(sched)
     sched.add(make_request("n", [1, 2, 3, 4, 5], ignore_eos=True))

@@ -21,7 +21,7 @@ from services.scheduler.state import SchedulerState
 
 
 def engine_params(**fields) -> SamplingParams:
-    """SamplingParams as the frontend forwards them: unset sampling fields take the engine's defaults."""
+    """SamplingParams as the tokenizer forwards them: unset sampling fields take the engine's defaults."""
     return fill_defaults(SamplingParams(**fields))
 
 

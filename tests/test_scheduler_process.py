@@ -1,5 +1,5 @@
 """The scheduler and a real worker as OS processes, on the tiny model, without a supervisor: the
-test writes run.json and creates the rings as the supervisor does, and plays the frontend and the
+test writes run.json and creates the rings as the supervisor does, and plays the tokenizer and the
 detokenizer on the scheduler's sockets. The overlapped step loop gives the greedy tokens of plain
 synchronous generation, and a worker SIGKILLed mid-generation is replaced without a request
 being lost, changed, repeated or cut."""
@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from ipc import messages as m
-from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT
+from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT
 from ipc.config import load_config
 from ipc.endpoints import Endpoints
 from ipc.sampling_defaults import fill_defaults
@@ -67,7 +67,7 @@ class Group:
         self.rings.append(ShmRing.create(self.endpoints.step_ring(0), RING_SLOTS, step_bytes, 1))
         self.rings.append(ShmRing.create(self.endpoints.result_ring(0), RING_SLOTS, result_slot_bytes(config), 1))
         self.detokenizer = PullQueue(self.ctx, self.endpoints.detokenizer_in(0), DETOKENIZER_INPUT)
-        self.frontend = PullQueue(self.ctx, self.endpoints.frontend_in(0), FRONTEND_INPUT)
+        self.tokenizer = PullQueue(self.ctx, self.endpoints.tokenizer_in(0), TOKENIZER_INPUT)
         self.scheduler_in = PushQueue(self.ctx, self.endpoints.scheduler_in(0), SCHEDULER_INPUT)
         self.scheduler = self.start("scheduler")
         self.worker = self.start("gpu_worker")
@@ -97,7 +97,7 @@ class Group:
         request exactly where it stands (no duplicate, no gap) and none may follow the last."""
         deadline = time.monotonic() + WAIT_S
         while not until(got):
-            failure = self.frontend.get(0)
+            failure = self.tokenizer.get(0)
             assert failure is None, f"the scheduler failed a request: {failure}"
             assert self.scheduler.poll() is None, f"the scheduler exited:\n{self.log(self.scheduler)}"
             assert time.monotonic() < deadline, f"no progress in {WAIT_S:.0f}s: {[len(t) for t in got.values()]}"
@@ -231,7 +231,7 @@ def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
     while len(finished) + len(refused) < BURST:
         assert time.monotonic() < deadline, f"{len(finished)} done, {len(refused)} refused in {WAIT_S:.0f}s"
         assert group.scheduler.poll() is None, f"the scheduler exited:\n{group.log(group.scheduler)}"
-        failure = group.frontend.get(0)
+        failure = group.tokenizer.get(0)
         if failure is not None:
             refused.append(failure)
         batch = group.detokenizer.get(0.2)
@@ -244,7 +244,7 @@ def test_burst_fills_every_free_slot_before_refusing(group: Group) -> None:
 
 
 def test_progress_query_reports_outputs_held_and_unknown_ids(group: Group, prompts: list[list[int]]) -> None:
-    """The frontend's watchdog asks how far its quiet requests are: the scheduler answers with
+    """The tokenizer's watchdog asks how far its quiet requests are: the scheduler answers with
     the output tokens it holds for each (at least what it has already sent on), -1 for one it
     does not run."""
     got: dict[str, list[int]] = {"asked": []}
@@ -255,7 +255,7 @@ def test_progress_query_reports_outputs_held_and_unknown_ids(group: Group, promp
     reply = None
     while reply is None:
         assert time.monotonic() < deadline, "no answer to QueryRequests"
-        reply = group.frontend.get(0.5)
+        reply = group.tokenizer.get(0.5)
     assert isinstance(reply, m.RequestProgress), reply
     assert reply.request_ids == ["asked", "never-submitted"]
     held, unknown = reply.num_output_tokens

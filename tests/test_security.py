@@ -37,7 +37,7 @@ def owned_by_other(path: Path, mode: int = 0o755) -> Path:
 
 def write_run(run_dir: Path, mode: int = 0o644) -> Path:
     run_file = run_dir / "run.json"
-    run_file.write_text(json.dumps({"run_id": "t", "frontends": [f"ipc://{run_dir}/frontend-0.sock"]}))
+    run_file.write_text(json.dumps({"run_id": "t", "tokenizers": [f"ipc://{run_dir}/tokenizer-0.sock"]}))
     run_file.chmod(mode)
     return run_file
 

@@ -126,7 +126,7 @@ def test_push_pull_round_trip(ctx, owned, run_dir):
 
 
 def test_router_dealer_round_trip_across_processes(ctx, owned, run_dir):
-    endpoint = ipc(run_dir, "frontend-0")
+    endpoint = ipc(run_dir, "tokenizer-0")
     ready = SPAWN.Event()
     server = start(owned, echo_server, endpoint, ready)
     assert ready.wait(WAIT)
@@ -148,8 +148,8 @@ def test_async_sockets_round_trip(ctx, owned, run_dir):
     async def main() -> None:
         router = AsyncRouterSocket(ctx, ipc(run_dir, "f"), C.CLIENT_REQUEST, C.CLIENT_REPLY)
         dealer = AsyncDealerSocket(ctx, ipc(run_dir, "f"), C.CLIENT_REPLY, C.CLIENT_REQUEST, identity=b"me")
-        pull = AsyncPullQueue(ctx, ipc(run_dir, "in"), C.FRONTEND_INPUT)
-        push = PushQueue(ctx, ipc(run_dir, "in"), C.FRONTEND_INPUT)
+        pull = AsyncPullQueue(ctx, ipc(run_dir, "in"), C.TOKENIZER_INPUT)
+        push = PushQueue(ctx, ipc(run_dir, "in"), C.TOKENIZER_INPUT)
         owned.extend([router, dealer, pull, push])
         assert await dealer.send(m.Health())
         assert await router.recv(WAIT) == (b"me", m.Health())

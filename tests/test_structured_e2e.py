@@ -1,5 +1,5 @@
 """Structured output end to end, through real processes on SmolLM2-135M: the SDK's request reaches
-the frontend (which checks the constraint), the scheduler (compile, matcher, bitmask rows in the
+the tokenizer (which checks the constraint), the scheduler (compile, matcher, bitmask rows in the
 step ring) and the worker (masking before sampling). Outputs are validated independently: JSON
 with the `jsonschema` package, regex with Python's `re`, choices by membership.
 
@@ -138,7 +138,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator
         "supervisor.restart_intensity=100",
         "supervisor.backoff_initial_s=0.1",
         "supervisor.backoff_max_s=0.5",
-        "frontend.stall_timeout_s=1.0",
+        "tokenizer.stall_timeout_s=1.0",
     ) as live:
         yield live
     assert_clean(run_dir)

@@ -39,9 +39,9 @@ from tests.harness import (
     assert_clean,
     brigade_run,
     free_port,
-    frontend_dealer,
     hostile_messages,
     node_address,
+    tokenizer_dealer,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -131,7 +131,7 @@ def wait_for(what: str, condition, timeout: float = WAIT_S) -> None:
 def test_every_link_is_tcp_and_the_keys_are_private(tcp_run: Run) -> None:
     info = read_run_info(tcp_run.run_dir)
     assert not list(tcp_run.run_dir.glob("*.sock")), "an ipc:// socket in a tcp run"
-    assert info.frontends == [f"tcp://127.0.0.1:{info.network.port_base + 64}"]
+    assert info.tokenizers == [f"tcp://127.0.0.1:{info.network.port_base + 64}"]
     assert info.network.keys is not None and info.curve_server_key == info.network.keys.server_public
     endpoints = run_endpoints(tcp_run.run_dir, info)
     for link in (endpoints.supervisor(), endpoints.scheduler_in(0), endpoints.scheduler_workers(0)):
@@ -147,7 +147,7 @@ def test_sdk_requests_over_tcp_with_curve(tcp_run: Run, hf_greedy: list[int], tm
     # As a remote client would: the endpoint, the server key and the client's certificate.
     keys_file = tmp_path / "client.key_secret"
     shutil.copy(info.curve_client_keys, keys_file)
-    with Client(info.frontends[0], server_key=info.curve_server_key, keys=keys_file) as client:
+    with Client(info.tokenizers[0], server_key=info.curve_server_key, keys=keys_file) as client:
         assert greedy(client) == hf_greedy
     # Or with a copy of run.json and the key file beside it (the path run.json names is elsewhere).
     bundle = tmp_path / "bundle"
@@ -161,7 +161,7 @@ def test_sdk_requests_over_tcp_with_curve(tcp_run: Run, hf_greedy: list[int], tm
 
 
 def test_the_gateway_and_the_async_client_over_tcp(tcp_run: Run, hf_greedy: list[int]) -> None:
-    """The gateway reaches the frontends through the asyncio SDK with the stage key; an
+    """The gateway reaches the tokenizers through the asyncio SDK with the stage key; an
     AsyncClient of our own, with the run's keys, and one with a wrong key."""
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{tcp_run.http_port}/v1", api_key="open", timeout=WAIT_S)
     reply = api.completions.create(
@@ -185,7 +185,7 @@ def test_the_gateway_and_the_async_client_over_tcp(tcp_run: Run, hf_greedy: list
                 PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S
             )
             assert result.token_ids == hf_greedy
-        wrong = AsyncClient(info.frontends[0], server_key=info.curve_server_key, keys=zmq.curve_keypair())
+        wrong = AsyncClient(info.tokenizers[0], server_key=info.curve_server_key, keys=zmq.curve_keypair())
         async with wrong:
             start = time.monotonic()
             with pytest.raises(AuthenticationFailed, match="refused this client's key"):
@@ -206,7 +206,7 @@ def refused_within(make_client, match: str) -> float:
 
 def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf_greedy: list[int]) -> None:
     info = read_run_info(tcp_run.run_dir)
-    endpoint, server_key = info.frontends[0], info.curve_server_key
+    endpoint, server_key = info.tokenizers[0], info.curve_server_key
     before = metric(tcp_run, "brigade:curve_auth_failures_total", "tokenizer-0")
     refused_within(
         lambda: Client(endpoint, server_key=server_key, keys=zmq.curve_keypair()), "refused this client's key"
@@ -243,7 +243,7 @@ def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf
 
 @pytest.mark.parametrize("server", ["scheduler-0", "supervisor"])
 def test_the_client_key_opens_no_internal_link(tcp_run: Run, server: str) -> None:
-    """The client key reaches the frontends only: a client that tries the scheduler's inbox or
+    """The client key reaches the tokenizers only: a client that tries the scheduler's inbox or
     the supervisor's control socket with it is refused there, counted, and the run goes on."""
     info = read_run_info(tcp_run.run_dir)
     endpoints = run_endpoints(tcp_run.run_dir, info)
@@ -275,8 +275,8 @@ def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[
     ctx = zmq.Context()
     hostile = hostile_messages(random.Random(2))
     try:
-        sock = frontend_dealer(ctx, tcp_run.run_dir)
-        sock.sndtimeo = 10_000  # CURVE handshake first; then the frontend reads as fast as it can
+        sock = tokenizer_dealer(ctx, tcp_run.run_dir)
+        sock.sndtimeo = 10_000  # CURVE handshake first; then the tokenizer reads as fast as it can
         for i in range(2000):
             sock.send(hostile[i % len(hostile)]())
         num_replies = 0
@@ -293,21 +293,21 @@ def test_hostile_messages_over_curve_kill_nothing(tcp_run: Run, hf_greedy: list[
 
 
 def test_new_replicas_get_their_own_tcp_links(tcp_run: Run, hf_greedy: list[int]) -> None:
-    """A hot reload to 2 frontends and 2 detokenizers: the new ones listen on their own ports
-    (with CURVE), run.json lists both frontends, and requests over either are served."""
+    """A hot reload to 2 tokenizers and 2 detokenizers: the new ones listen on their own ports
+    (with CURVE), run.json lists both tokenizers, and requests over either are served."""
     config = tcp_run.run_dir.parent / "tcp-run.yaml"
     raw = yaml.safe_load(config.read_text())
-    raw["frontend"]["replicas"] = raw["detokenizer"]["replicas"] = 2
+    raw["tokenizer"]["replicas"] = raw["detokenizer"]["replicas"] = 2
     config.write_text(yaml.safe_dump(raw))
     tcp_run.process.send_signal(signal.SIGHUP)
-    wait_for("two frontends in run.json", lambda: len(read_run_info(tcp_run.run_dir).frontends) == 2)
+    wait_for("two tokenizers in run.json", lambda: len(read_run_info(tcp_run.run_dir).tokenizers) == 2)
     wait_for(
         "every stage running",
         lambda: len(tcp_run.stage_pids("tokenizer")) == 2 and len(tcp_run.stage_pids("detokenizer")) == 2,
     )
     info = read_run_info(tcp_run.run_dir)
-    assert info.frontends[1] == f"tcp://127.0.0.1:{info.network.port_base + 65}"
-    for endpoint in info.frontends:
+    assert info.tokenizers[1] == f"tcp://127.0.0.1:{info.network.port_base + 65}"
+    for endpoint in info.tokenizers:
         with Client(endpoint, server_key=info.curve_server_key, keys=info.curve_client_keys) as client:
             assert greedy(client) == hf_greedy
             assert client.health(timeout=30)[0].is_ready
@@ -354,7 +354,7 @@ def test_a_run_on_the_node_address_with_tensor_parallel(
         "gateway.replicas=0",
     ) as run:
         info = read_run_info(run_dir)
-        assert info.frontends[0].startswith(f"tcp://{host}:")
+        assert info.tokenizers[0].startswith(f"tcp://{host}:")
         with Client(run_dir) as client:
             result = client.generate(
                 PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=WAIT_S

@@ -105,21 +105,21 @@ def test_plain_tcp_beyond_loopback_or_curve_without_keys_is_refused(keys) -> Non
 
 def test_ports_are_one_block_per_link_kind() -> None:
     assert link_port(20000, "supervisor", 0) == 20000
-    assert link_port(20000, "frontend", 3) == 20000 + PORTS_PER_KIND + 3
+    assert link_port(20000, "tokenizer", 3) == 20000 + PORTS_PER_KIND + 3
     assert link_port(20000, "detokenizer_in", 0) == 20000 + PORT_SPAN - PORTS_PER_KIND
     with pytest.raises(ValueError, match="at most"):
-        link_port(20000, "frontend", PORTS_PER_KIND)
+        link_port(20000, "tokenizer", PORTS_PER_KIND)
     endpoints = Endpoints("/r", "run", TCP, NetworkPlan(30000, {}, None))
     with pytest.raises(ValueError):
-        endpoints.frontend(0)  # tcp with CURVE and no keys
+        endpoints.tokenizer(0)  # tcp with CURVE and no keys
 
 
 def test_every_link_of_a_tcp_run_has_its_own_port(keys) -> None:
     ports = set()
     plan = NetworkPlan(30000, {}, keys)
     endpoints = Endpoints("/r", "run", TCP, plan)
-    for link in (endpoints.supervisor(), endpoints.frontend(0), endpoints.frontend_in(0), endpoints.scheduler_in(0),
-                 endpoints.scheduler_workers(0), endpoints.detokenizer_in(0), endpoints.frontend(1)):  # fmt: skip
+    for link in (endpoints.supervisor(), endpoints.tokenizer(0), endpoints.tokenizer_in(0), endpoints.scheduler_in(0),
+                 endpoints.scheduler_workers(0), endpoints.detokenizer_in(0), endpoints.tokenizer(1)):  # fmt: skip
         ports.add(int(link.connect.rsplit(":", 1)[1]))
     assert len(ports) == 7 and all(30000 <= p < 30000 + PORT_SPAN for p in ports)
 
@@ -128,7 +128,7 @@ def test_a_run_over_several_hosts_keeps_the_scheduler_and_its_workers_on_ipc(key
     plan = NetworkPlan(30000, {"scheduler-1": "10.0.0.7", "gpu_worker-1-0": "10.0.0.7"}, keys)
     here = Endpoints("/r", "run", NetworkConfig(), plan)  # the head node, at network.host
     assert here.scheduler_in(1).connect == f"tcp://10.0.0.7:{link_port(30000, 'scheduler_in', 1)}"
-    assert here.frontend_in(0).connect == f"tcp://127.0.0.1:{link_port(30000, 'frontend_in', 0)}"
+    assert here.tokenizer_in(0).connect == f"tcp://127.0.0.1:{link_port(30000, 'tokenizer_in', 0)}"
     assert here.scheduler_workers(1).connect == "ipc:///r/scheduler-1-workers.sock"
     assert here.dist_host(1) == "10.0.0.7" and here.dist_host(0) == "127.0.0.1"
     single = Endpoints("/r", "run", NetworkConfig(), NetworkPlan())
@@ -212,8 +212,8 @@ def test_plain_tcp_beyond_loopback_is_a_config_error() -> None:
 def test_network_layout_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"network\.port_base"):
         load_config(None, ["network.transport=tcp", "network.port_base=65500"])
-    with pytest.raises(ConfigError, match=r"frontend\.replicas: at most 64"):
-        load_config(None, ["network.transport=tcp", "frontend.replicas=65"])
+    with pytest.raises(ConfigError, match=r"tokenizer\.replicas: at most 64"):
+        load_config(None, ["network.transport=tcp", "tokenizer.replicas=65"])
     with pytest.raises(ConfigError, match=r"network\.keys_dir"):
         load_config(None, ["network.transport=tcp", f"network.keys_dir={tmp_path / 'none'}"])
     with pytest.raises(ConfigError, match=r"network\.transport"):
@@ -284,7 +284,7 @@ def test_stages_placed_on_other_hosts_get_tcp_links_with_keys(tmp_path: Path) ->
         head.ctx.destroy(linger=0)
     assert head.network_plan.hosts == placed and head.network_plan.keys is not None
     assert head.endpoints.scheduler_in(0).connect.startswith("tcp://10.0.0.7:")
-    assert head.endpoints.frontend(0).connect.startswith(f"tcp://{here}:")
+    assert head.endpoints.tokenizer(0).connect.startswith(f"tcp://{here}:")
     assert head.endpoints.scheduler_workers(0).connect.startswith("ipc://")
     assert stat.S_IMODE((run_dir / "curve" / "stage.key_secret").stat().st_mode) == 0o600
 

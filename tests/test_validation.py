@@ -23,7 +23,7 @@ NAN = float("nan")
 
 
 def check(num_prompt_tokens: int = 10, **fields: Any) -> None:
-    fields.setdefault("max_tokens", 128)  # the frontend fills in its defaults before validating
+    fields.setdefault("max_tokens", 128)  # the tokenizer fills in its defaults before validating
     validate_params(
         fill_defaults(SamplingParams(**fields)), vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=num_prompt_tokens
     )
@@ -40,7 +40,7 @@ def test_unfilled_max_tokens_is_refused():
 
 @pytest.mark.parametrize("name", ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"])
 def test_an_unfilled_sampling_default_is_refused(name: str):
-    """The scheduler validates too: a request that skipped the frontend's defaults never runs."""
+    """The scheduler validates too: a request that skipped the tokenizer's defaults never runs."""
     params = msgspec.structs.replace(fill_defaults(SamplingParams(max_tokens=8)), **{name: None})
     with pytest.raises(InvalidParams, match=f"{name} is unset"):
         validate_params(params, vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=3)

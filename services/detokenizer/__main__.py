@@ -1,4 +1,4 @@
-"""Detokenizer shard process: token batches in, text deltas out to the owning frontends, stop-string
+"""Detokenizer shard process: token batches in, text deltas out to the owning tokenizers, stop-string
 hits back to the schedulers as aborts. Light: no torch."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import zmq
 
 from ipc import messages as m
-from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
+from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
 from ipc.sockets import PullQueue, PushQueue, close_context
 from services.detokenizer.core import DetokenizerCore
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
@@ -23,8 +23,8 @@ def main() -> None:
     config = stage.config
     ctx = zmq.Context()
     inbox = PullQueue(ctx, stage.endpoints.detokenizer_in(stage.index), DETOKENIZER_INPUT, bind=True)
-    frontends = [
-        PushQueue(ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT) for i in range(config.frontend.replicas)
+    tokenizers = [
+        PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT) for i in range(config.tokenizer.replicas)
     ]
     schedulers = [
         PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
@@ -48,10 +48,10 @@ def main() -> None:
                 stage.log.warning("dropped a malformed message: %s", exc)
                 continue
             if isinstance(message, m.TokenBatch | m.StepTokens):
-                deltas_by_frontend, stopped = core.handle(message)
-                for frontend_id, deltas in deltas_by_frontend.items():
-                    if 0 <= frontend_id < len(frontends):
-                        frontends[frontend_id].put(m.DeltaBatch(deltas))
+                deltas_by_tokenizer, stopped = core.handle(message)
+                for tokenizer_id, deltas in deltas_by_tokenizer.items():
+                    if 0 <= tokenizer_id < len(tokenizers):
+                        tokenizers[tokenizer_id].put(m.DeltaBatch(deltas))
                 for request_id in stopped:
                     for scheduler in schedulers:  # unknown ids are ignored there, so broadcast
                         scheduler.put(m.AbortRequest(request_id, "stop"))
@@ -59,10 +59,10 @@ def main() -> None:
             elif isinstance(message, m.DropRequests):
                 core.drop(message.request_ids)
         command = control.command()
-        if isinstance(command, m.Reconfigure):  # frontends added or removed
-            frontends = frontends[: command.num_frontends] + [
-                PushQueue(ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT)
-                for i in range(len(frontends), command.num_frontends)
+        if isinstance(command, m.Reconfigure):  # tokenizers added or removed
+            tokenizers = tokenizers[: command.num_tokenizers] + [
+                PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
+                for i in range(len(tokenizers), command.num_tokenizers)
             ]
         control.heartbeat(
             num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings: token updates in, text deltas with absolute positions out.
 
 Pure logic (no sockets, no torch): the detokenizer process feeds it `TokenBatch`es and ships what it
-returns (deltas to the frontends, stop-string hits to the scheduler as aborts).
+returns (deltas to the tokenizers, stop-string hits to the scheduler as aborts).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class IncrementalDetokenizer:
 class _Request:
     detok: IncrementalDetokenizer
     params: SamplingParams
-    frontend_id: int
+    tokenizer_id: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -174,7 +174,7 @@ class DetokenizerCore:
         return len(self._requests)
 
     def handle(self, batch: TokenBatch | StepTokens) -> tuple[dict[int, list[Delta]], list[str]]:
-        """Deltas grouped by frontend id, and the requests whose stop string hit (to abort)."""
+        """Deltas grouped by tokenizer id, and the requests whose stop string hit (to abort)."""
         deltas: dict[int, list[Delta]] = {}
         stopped: list[str] = []
         for update in batch.to_updates():
@@ -183,7 +183,7 @@ class DetokenizerCore:
                 continue
             delta, is_stop_hit = self._apply(request, update)
             if delta is not None:
-                deltas.setdefault(request.frontend_id, []).append(delta)
+                deltas.setdefault(request.tokenizer_id, []).append(delta)
             if is_stop_hit:
                 stopped.append(update.request_id)
         return deltas, stopped
@@ -198,7 +198,7 @@ class DetokenizerCore:
         if update.start_index == 0:  # full history: start over (a resync or a resubmission)
             old = self._requests.get(request_id)
             params = update.params or (old.params if old else SamplingParams())
-            request = _Request(IncrementalDetokenizer(self._tokenizer, params), params, update.frontend_id)
+            request = _Request(IncrementalDetokenizer(self._tokenizer, params), params, update.tokenizer_id)
             self._requests[request_id] = request
             self._finished.pop(request_id, None)
             return request
@@ -216,7 +216,7 @@ class DetokenizerCore:
 
     def _apply(self, request: _Request, update: TokenUpdate) -> tuple[Delta | None, bool]:
         detok = request.detok
-        request.frontend_id = update.frontend_id
+        request.tokenizer_id = update.tokenizer_id
         request.prompt_tokens = max(request.prompt_tokens, update.prompt_tokens)
         request.cached_tokens = max(request.cached_tokens, update.cached_tokens)
         skip = detok.num_tokens - update.start_index  # tokens we already have

@@ -3,7 +3,7 @@
 The replica binds its listening socket itself with SO_REUSEPORT, so `gateway.replicas` processes
 accept on one port and the kernel spreads connections over them; a replica that dies loses
 only its own connections (clients retry, or resume a stream with Last-Event-ID). It reaches the
-frontends through the asyncio client SDK, which fails requests over between frontend replicas.
+tokenizers through the asyncio client SDK, which fails requests over between tokenizer replicas.
 Light: no torch.
 """
 
@@ -45,9 +45,9 @@ def api_keys(configured: list[str]) -> frozenset[str]:
 
 
 def max_body_bytes(stage: Stage) -> int:
-    """A prompt at the frontend's character limit with every character JSON-escaped (\\uXXXX),
+    """A prompt at the tokenizer's character limit with every character JSON-escaped (\\uXXXX),
     plus room for the rest of the body."""
-    return 6 * stage.config.frontend.max_prompt_chars + (1 << 20)
+    return 6 * stage.config.tokenizer.max_prompt_chars + (1 << 20)
 
 
 async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, url: str) -> None:

@@ -103,7 +103,7 @@ class Gateway:
         self.num_in_flight = 0
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
-        self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the frontend's too
+        self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
 
     def app(self) -> Starlette:
         routes = [
@@ -314,7 +314,7 @@ class Gateway:
         return self.finish(request, json_response(p.ModelList([card])))
 
     async def health(self, request: Request) -> Response:
-        """200 only while an engine group can serve and a frontend answers (load balancers and
+        """200 only while an engine group can serve and a tokenizer answers (load balancers and
         Kubernetes probes route by it)."""
         if engine_group_ready(self.settings.run_dir):
             try:

@@ -27,7 +27,7 @@ class Piece:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None = None
-    tools: m.ParsedTools | None = None  # the last piece of a chat with tools: the frontend's parse
+    tools: m.ParsedTools | None = None  # the last piece of a chat with tools: the tokenizer's parse
 
 
 @dataclass
@@ -109,7 +109,7 @@ def tool_calls_out(tools: m.ParsedTools) -> list[p.ToolCallOut] | msgspec.UnsetT
 
 class ChatFormat:
     """Chat bodies. With a tool parser, a stream's text is read into content and tool-call deltas
-    here (the frontend's parse of the whole output comes only with the last delta), one
+    here (the tokenizer's parse of the whole output comes only with the last delta), one
     `ToolCallStream` per choice, fed everything before a resumed stream's position silently."""
 
     def __init__(

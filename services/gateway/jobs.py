@@ -81,7 +81,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {
         "max_tokens": max_tokens,
-        # None where the request sets none: the frontend takes the model's default (generation_config).
+        # None where the request sets none: the tokenizer takes the model's default (generation_config).
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's -1 also disables
@@ -153,7 +153,7 @@ def _structured(req: SamplingFields) -> tuple[StructuredOutput | None, str]:
 
 def _tool_sampling(req: ChatCompletionRequest, constrained_by: str) -> dict[str, Any]:
     """Check `tools`, `tool_choice` and `parallel_tool_calls`; the SDK's keyword arguments for
-    them. The frontend renders the tools and derives the forced call's constraint itself (for
+    them. The tokenizer renders the tools and derives the forced call's constraint itself (for
     the SDK's requests too): here they are only checked, so that a bad one is a 400 naming it."""
     choice = req.tool_choice
     if req.tools is None:

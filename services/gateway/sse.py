@@ -4,7 +4,7 @@ Every event's `id:` is the absolute position of the output after it: `tokens.cha
 choice, comma-separated (DESIGN.md invariant 2: outputs carry absolute positions). A client that
 lost the stream re-POSTs the same body with `Last-Event-ID`; the request runs again (greedy or
 with the same seed, so with the same tokens) and `Cursor` passes on only what lies past that
-position, the way the frontend trims a resubmitted request's deltas.
+position, the way the tokenizer trims a resubmitted request's deltas.
 """
 
 from __future__ import annotations

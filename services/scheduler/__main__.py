@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from ipc import messages as m
-from ipc.codec import DETOKENIZER_INPUT, FRONTEND_INPUT, SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
+from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
 from ipc.sockets import PullQueue, PushQueue, RouterSocket, close_context
@@ -54,9 +54,9 @@ class SchedulerProcess:
             PushQueue(self.ctx, stage.endpoints.detokenizer_in(j), DETOKENIZER_INPUT)
             for j in range(config.detokenizer.replicas)
         ]
-        self.frontends = [
-            PushQueue(self.ctx, stage.endpoints.frontend_in(i), FRONTEND_INPUT)
-            for i in range(config.frontend.replicas)
+        self.tokenizers = [
+            PushQueue(self.ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
+            for i in range(config.tokenizer.replicas)
         ]
         self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.inbox, self.workers)
@@ -103,7 +103,7 @@ class SchedulerProcess:
             else:
                 self.early.append(submit)
             return
-        try:  # the frontend validated it; a stray or corrupted submission must not crash us
+        try:  # the tokenizer validated it; a stray or corrupted submission must not crash us
             validate_params(
                 submit.params,
                 vocab_size=self.vocab_size,
@@ -115,7 +115,7 @@ class SchedulerProcess:
             return
         request = Request(
             request_id=submit.request_id,
-            frontend_id=submit.frontend_id,
+            tokenizer_id=submit.tokenizer_id,
             prompt_ids=m.unpack_ids(submit.prompt_ids).tolist(),
             output_ids=m.unpack_ids(submit.output_ids).tolist(),
             params=submit.params,
@@ -146,12 +146,12 @@ class SchedulerProcess:
             self.send_finished(request, request.finish_reason)
         for request, error in failed:
             self.needs_full_history.pop(request.request_id, None)
-            submit = m.SubmitRequest(request.request_id, request.frontend_id, b"", request.params)
+            submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
             self.refuse(submit, "invalid_request", error)
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
-        if 0 <= submit.frontend_id < len(self.frontends):
-            self.frontends[submit.frontend_id].put(m.RequestFailed(submit.request_id, code, message))
+        if 0 <= submit.tokenizer_id < len(self.tokenizers):
+            self.tokenizers[submit.tokenizer_id].put(m.RequestFailed(submit.request_id, code, message))
 
     def abort(self, request_id: str) -> None:
         self.early = [s for s in self.early if s.request_id != request_id]
@@ -160,22 +160,22 @@ class SchedulerProcess:
             self.detokenizers[shard_of(request_id, len(self.detokenizers))].put(m.DropRequests([request_id]))
 
     def report_progress(self, query: m.QueryRequests) -> None:
-        """A frontend asks how far its quiet requests are (its watchdog): the outputs held for
+        """A tokenizer asks how far its quiet requests are (its watchdog): the outputs held for
         each, -1 for one this scheduler does not run."""
-        if not 0 <= query.frontend_id < len(self.frontends):
+        if not 0 <= query.tokenizer_id < len(self.tokenizers):
             return
         early = {s.request_id: len(s.output_ids) // 4 for s in self.early}
         live = self.core.requests if self.core is not None else {}
         counts = [
             live[rid].num_output_tokens if rid in live else early.get(rid, -1) for rid in query.request_ids
         ]
-        self.frontends[query.frontend_id].put(m.RequestProgress(query.request_ids, counts))
+        self.tokenizers[query.tokenizer_id].put(m.RequestProgress(query.request_ids, counts))
 
     def reconfigure(self, command: m.Reconfigure) -> None:
         """Replica counts or the overload bound changed (hot reload)."""
-        self.frontends = self.frontends[: command.num_frontends] + [
-            PushQueue(self.ctx, self.stage.endpoints.frontend_in(i), FRONTEND_INPUT)
-            for i in range(len(self.frontends), command.num_frontends)
+        self.tokenizers = self.tokenizers[: command.num_tokenizers] + [
+            PushQueue(self.ctx, self.stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
+            for i in range(len(self.tokenizers), command.num_tokenizers)
         ]
         if self.core is not None:
             self.core.config = dataclasses.replace(self.core.config, max_num_waiting=command.max_num_waiting)
@@ -222,7 +222,7 @@ class SchedulerProcess:
                 top_logprobs = [{}] * (len(request.output_ids) - 1) + newest[1]
         return m.TokenUpdate(
             request_id=request.request_id,
-            frontend_id=request.frontend_id,
+            tokenizer_id=request.tokenizer_id,
             start_index=0,
             token_ids=m.pack_ids(request.output_ids),
             logprobs=logprobs,
@@ -332,7 +332,7 @@ class SchedulerProcess:
         """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
         self.stage.log.error("worker refused a step: %s", error)
         for request in requests:
-            submit = m.SubmitRequest(request.request_id, request.frontend_id, b"", request.params)
+            submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
             self.abort(request.request_id)
             self.refuse(submit, "internal", f"the worker could not run this request: {error}")
 

@@ -56,7 +56,7 @@ class Admission:
                 req.finish_reason = reason
                 return RequestOutput(
                     req.request_id,
-                    req.frontend_id,
+                    req.tokenizer_id,
                     req.num_output_tokens,
                     [],
                     [],
@@ -139,7 +139,7 @@ class Admission:
         req.finish_reason = "stop"
         return RequestOutput(
             req.request_id,
-            req.frontend_id,
+            req.tokenizer_id,
             req.num_output_tokens,
             [],
             [],

@@ -20,7 +20,7 @@ from services.scheduler.plan import SCHEDULE_COLUMNS
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import SchedulerState
 
-# Per-row lists that update() gathers: output lists, request ids, frontend ids, prompt lengths,
+# Per-row lists that update() gathers: output lists, request ids, tokenizer ids, prompt lengths,
 # prefix hits.
 RowColumns = tuple[list[list[int]], list[str], list[int], list[int], list[int]]
 
@@ -171,7 +171,7 @@ class SteadyDecode:
 
     def row_columns(self, rows: np.ndarray, line_version: int) -> RowColumns:
         """What update() reads of these rows as Python lists: their output lists, request ids,
-        frontend ids, prompt lengths and prefix hits, none of which change while a row's request
+        tokenizer ids, prompt lengths and prefix hits, none of which change while a row's request
         runs. A steady step that samples its whole line (`line_version` >= 0) reads the lists
         gathered for that line, not once per step. The lists are shared by the steps' outputs,
         which never change them.
@@ -186,7 +186,7 @@ class SteadyDecode:
         columns = (
             table.output_ids.take(rows).tolist(),
             table.request_ids.take(rows).tolist(),
-            table.frontend.take(rows).tolist(),
+            table.tokenizer.take(rows).tolist(),
             table.num_prompt.take(rows).tolist(),
             table.num_cached.take(rows).tolist(),
         )

@@ -1,7 +1,7 @@
 """Compiling structured-output constraints into grammars, off the hot path, cached by their text.
 
 The engine is llguidance (docs/structured_output.md says why): it imports neither torch nor
-transformers, so the scheduler stays as light as it is and the frontend can check a constraint
+transformers, so the scheduler stays as light as it is and the tokenizer can check a constraint
 with the very compiler that will run it, answering a bad one before it enters the pipeline.
 
 - `load_grammar_tokenizer(model_dir, vocab_size, eos_token_ids)`: the engine's view of the
@@ -13,7 +13,7 @@ with the very compiler that will run it, answering a bad one before it enters th
   `StructuredOutput.cache_key` in an LRU of bounded size, so a resubmitted request (after any
   fault) finds its grammar again at no cost.
 - `check_constraint(spec)`: whether it compiles, without a tokenizer (about a millisecond): the
-  frontend's check, so that a bad constraint gets its error before it enters the pipeline.
+  tokenizer's check, so that a bad constraint gets its error before it enters the pipeline.
 
 A constraint that cannot compile raises `GrammarError` (an `InvalidParams`: the request gets a clear
 invalid_request error, and nothing else in the batch is touched). Too large is bounded twice: the

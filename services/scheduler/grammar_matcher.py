@@ -5,7 +5,7 @@ when token `t` is allowed. Only constrained sequences have a row (the plan says 
 row is for), so unconstrained ones cost nothing, and a step without any has no bitmask at all.
 
 - `GrammarMatcher(compiled, history)`: a fresh matcher advanced through `history`, the output
-  tokens so far. After any fault (a dead worker, scheduler, frontend, gateway) the scheduler
+  tokens so far. After any fault (a dead worker, scheduler, tokenizer, gateway) the scheduler
   rebuilds every matcher this way from the token history it resumes with, and the state, and so
   every later bitmask, is exactly the one the lost matcher had.
 - `advance(tokens)`: the tokens a step appended. A token the grammar refuses can only come from a

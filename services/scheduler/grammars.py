@@ -5,7 +5,7 @@ and the bitmask rows of its matcher in the step plans (docs/structured_output.md
   queue, so it holds up no other request; a cached grammar (the same constraint text, or a request
   resubmitted after a fault) is ready at once and queues like any other.
 - Its `GrammarMatcher` is built from its output tokens so far, so a resubmission after any fault
-  (worker, scheduler, frontend) continues in exactly the state the lost one had, and advances with
+  (worker, scheduler, tokenizer) continues in exactly the state the lost one had, and advances with
   each token the request appends (`Results.update`).
 - A step's plan carries a bitmask row only for the constrained rows that sample in it
   (`GrammarPlan`), filled by the engine's threads straight into the step-ring slot.

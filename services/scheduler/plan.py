@@ -50,7 +50,7 @@ class IntColumn(enum.IntEnum):
     CHECK_FROM = 9
     NUM_PROMPT = 10
     NUM_CACHED = 11
-    FRONTEND = 12
+    TOKENIZER = 12
 
 
 # The columns a step gathers together, with one take() each: so they sit side by side.
@@ -83,8 +83,8 @@ class PlanTable:
         # NUM_COMPUTED (tokens whose KV is, or is being, written: it advances when a step is
         # planned), NUM_TOKENS (prompt + outputs, advances with each sample), NUM_PROMPT and
         # NUM_CACHED (prefix-cache hits at admission); the scheduler keeps them here, not on the
-        # request, so that one numpy operation advances every decode of a step. FRONTEND is the
-        # request's frontend id.
+        # request, so that one numpy operation advances every decode of a step. TOKENIZER is the
+        # request's tokenizer id.
         self.ints = np.zeros((len(IntColumn), num_rows), np.int32)
         # Each column as a view, in IntColumn order: the per-step code reads a column without
         # an enum member lookup.
@@ -101,7 +101,7 @@ class PlanTable:
             self.check_from,
             self.num_prompt,
             self.num_cached,
-            self.frontend,
+            self.tokenizer,
         ) = self.ints
         # The request's id and its output_ids list (the same object), so that a step's outputs
         # are gathered in C rather than read request by request.
@@ -146,7 +146,7 @@ class PlanTable:
             0 if p.stop_token_ids else self._length_limit(req),
             req.num_prompt_tokens,
             req.num_cached_tokens,
-            req.frontend_id,
+            req.tokenizer_id,
         )
         self.request_ids[row] = req.request_id
         self.output_ids[row] = req.output_ids

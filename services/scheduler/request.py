@@ -39,7 +39,6 @@ class Request:
         "block_hashes",
         "block_ids",
         "finish_reason",
-        "frontend_id",
         "grammar",
         "grammar_future",
         "num_cached_tokens",
@@ -54,26 +53,27 @@ class Request:
         "row",
         "seed",
         "status",
+        "tokenizer_id",
     )
 
     def __init__(
         self,
         request_id: str,
-        frontend_id: int,
+        tokenizer_id: int,
         prompt_ids: list[int] | np.ndarray,
         params: SamplingParams,
         output_ids: list[int] | np.ndarray | None = None,
         arrival_time: float = 0.0,
     ) -> None:
         self.request_id = request_id
-        self.frontend_id = frontend_id
+        self.tokenizer_id = tokenizer_id
         self.prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int32)
         self.output_ids: list[int] = [] if output_ids is None else [int(t) for t in output_ids]
         self.params = params
         self.priority = params.priority
         self.arrival_time = arrival_time
         self.arrival_order = 0  # set by the scheduler at admission
-        # The frontend assigns seeds; a stable fallback keeps a seedless request reproducible.
+        # The tokenizer assigns seeds; a stable fallback keeps a seedless request reproducible.
         self.seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -20,7 +20,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     """New tokens of one request from one step; `start_index` is the output index of the first."""
 
     request_id: str
-    frontend_id: int
+    tokenizer_id: int
     start_index: int
     new_token_ids: list[int]
     logprobs: list[float]
@@ -42,20 +42,20 @@ class StepOutputs:
 
     __slots__ = (
         "finish_reasons",
-        "frontend_ids",
         "logprobs",
         "num_cached_tokens",
         "num_prompt_tokens",
         "request_ids",
         "start_indices",
         "token_ids",
+        "tokenizer_ids",
         "top_logprobs",
     )
 
     def __init__(
         self,
         request_ids: list[str],
-        frontend_ids: list[int],
+        tokenizer_ids: list[int],
         start_indices: np.ndarray,
         token_ids: np.ndarray,
         logprobs: np.ndarray,
@@ -65,7 +65,7 @@ class StepOutputs:
         num_cached_tokens: list[int],
     ) -> None:
         self.request_ids = request_ids
-        self.frontend_ids = frontend_ids
+        self.tokenizer_ids = tokenizer_ids
         self.start_indices = start_indices  # [N] int32: output index of each new token
         self.token_ids = token_ids  # [N] int32
         self.logprobs = logprobs  # [N] float32
@@ -86,7 +86,7 @@ class StepOutputs:
     def __getitem__(self, j: int) -> RequestOutput:
         return RequestOutput(
             self.request_ids[j],
-            self.frontend_ids[j],
+            self.tokenizer_ids[j],
             int(self.start_indices[j]),
             [int(self.token_ids[j])],
             [float(self.logprobs[j])],
@@ -110,7 +110,7 @@ class StepOutputs:
 
         return StepTokens(
             listed(self.request_ids),
-            listed(self.frontend_ids),
+            listed(self.tokenizer_ids),
             packed(self.start_indices, "<i4"),
             packed(self.token_ids, "<i4"),
             packed(self.logprobs, "<f4"),
@@ -134,7 +134,7 @@ def finish_reason(
         (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
     ):
         return "stop"
-    # max_tokens None (the frontend fills in its default): only max_model_len bounds it.
+    # max_tokens None (the tokenizer fills in its default): only max_model_len bounds it.
     if (params.max_tokens is not None and num_outputs >= params.max_tokens) or num_tokens >= max_model_len:
         return "length"
     return None
@@ -199,7 +199,7 @@ class Results:
             if np.count_nonzero(is_eos):
                 candidates |= is_eos & (num_tokens > table.eos_from.take(sampled_rows))
         num_logprobs = table.num_logprobs.take(sampled_rows) if table.num_logprob_rows else None
-        output_lists, request_ids, frontend_ids, prompt_lens, cached_lens = self.decode.row_columns(
+        output_lists, request_ids, tokenizer_ids, prompt_lens, cached_lens = self.decode.row_columns(
             sampled_rows, step.line_version if all_sampled else -1
         )
 
@@ -228,7 +228,7 @@ class Results:
                 table.history[req.row][req.num_tokens - 1] = token_list[j]
         outputs = StepOutputs(
             request_ids,
-            frontend_ids,
+            tokenizer_ids,
             known - num_prompt,  # the new token's output index
             tokens,
             logprobs,

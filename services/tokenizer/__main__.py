@@ -1,4 +1,4 @@
-"""Frontend (tokenizer) replica process: the client-facing ROUTER, the journal, and the relay of
+"""Tokenizer replica process: the client-facing ROUTER, the journal, and the relay of
 text deltas back to clients. Light: no torch."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import zmq
 
 from ipc import messages as m
-from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT, MalformedMessage
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
 from ipc.sampling_defaults import model_defaults
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket, close_context
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
-from services.tokenizer.frontend import FrontendCore, Reply, RequestError
+from services.tokenizer.core import Reply, RequestError, TokenizerCore
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
@@ -24,10 +24,10 @@ POLL_MS = 100
 # gone fails (ROUTER_MANDATORY), so a dead client's requests stop computing within about this
 # long even when nothing else is sent to it (a non-streamed request, or one still queued).
 KEEPALIVE_S = 1.0
-STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the frontend stops
+STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the tokenizer stops
 
 
-class Frontend:
+class TokenizerProcess:
     """Owns the sockets of one replica and moves messages between them and the core."""
 
     def __init__(self) -> None:
@@ -35,9 +35,9 @@ class Frontend:
         stage, config = self.stage, self.stage.config
         self.ctx = zmq.Context()
         self.clients = RouterSocket(
-            self.ctx, stage.endpoints.frontend(stage.index), CLIENT_REQUEST, CLIENT_REPLY
+            self.ctx, stage.endpoints.tokenizer(stage.index), CLIENT_REQUEST, CLIENT_REPLY
         )
-        self.inbox = PullQueue(self.ctx, stage.endpoints.frontend_in(stage.index), FRONTEND_INPUT, bind=True)
+        self.inbox = PullQueue(self.ctx, stage.endpoints.tokenizer_in(stage.index), TOKENIZER_INPUT, bind=True)
         self.schedulers = [
             PushQueue(self.ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
             for g in range(config.engine.data_parallel)
@@ -45,15 +45,15 @@ class Frontend:
         self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
-        self.core = FrontendCore(
+        self.core = TokenizerCore(
             Tokenizer(Path(stage.info.model_dir)),
-            frontend_id=stage.index,
+            tokenizer_id=stage.index,
             num_groups=config.engine.data_parallel,
             max_model_len=config.model.max_model_len,
-            max_prompt_chars=config.frontend.max_prompt_chars,
-            default_max_tokens=config.frontend.default_max_tokens,
+            max_prompt_chars=config.tokenizer.max_prompt_chars,
+            default_max_tokens=config.tokenizer.default_max_tokens,
             metrics=self.metrics,
-            stall_timeout_s=config.frontend.stall_timeout_s,
+            stall_timeout_s=config.tokenizer.stall_timeout_s,
             sampler=self._request_sampler(),
             sampling_defaults=model_defaults(stage.info.model_dir, config.model.generation_config),
         )
@@ -215,8 +215,8 @@ class Frontend:
         poller.register(self.clients.socket, zmq.POLLIN)
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.control.socket.socket, zmq.POLLIN)
-        self.control.ready(endpoint=str(self.stage.endpoints.frontend(self.stage.index)))
-        self.stage.log.info("serving on %s", self.stage.endpoints.frontend(self.stage.index))
+        self.control.ready(endpoint=str(self.stage.endpoints.tokenizer(self.stage.index)))
+        self.stage.log.info("serving on %s", self.stage.endpoints.tokenizer(self.stage.index))
         while not stopping[0]:
             events = dict(poller.poll(POLL_MS))
             if self.inbox.socket in events:
@@ -240,7 +240,7 @@ class Frontend:
         dropped = self.core.drop_all()
         for entry in dropped:
             error = m.ErrorReply(
-                entry.request_id, "unavailable", "the frontend stopped (its Brigade run is ending)"
+                entry.request_id, "unavailable", "the tokenizer stopped (its Brigade run is ending)"
             )
             self.clients.send(entry.identity, error)
             self._abort_upstream(entry.submit.request_id)
@@ -249,4 +249,4 @@ class Frontend:
 
 
 if __name__ == "__main__":
-    Frontend().run()
+    TokenizerProcess().run()

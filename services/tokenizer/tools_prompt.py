@@ -2,7 +2,7 @@
 
 A template that reads `tools` (Qwen2.5, Llama 3.1+, Hermes) renders them itself: pass them to it.
 SmolLM2-135M-Instruct's template never reads `tools` (tests/test_tool_parsers.py checks it with
-transformers), so for such a template the frontend adds `tools_instruction(tools)` to the system
+transformers), so for such a template the tokenizer adds `tools_instruction(tools)` to the system
 message: it asks for the Hermes format, which tool_parsers.py's `hermes` parser reads back.
 """
 
@@ -44,7 +44,7 @@ def auto_tool_format(template_source: str | None) -> str:
 
 def tool_parser_for(tools: Tools, auto_format: str) -> ToolParser | None:
     """The parser that reads a request's output back into calls; None under tool_choice none
-    (OpenAI: the model answers in text, and nothing it writes is a call). The frontend (whole
+    (OpenAI: the model answers in text, and nothing it writes is a call). The tokenizer (whole
     outputs) and the gateway (stream deltas) both take it from here."""
     if tools.choice == "none":
         return None

@@ -1,4 +1,4 @@
-"""The frontend as an OS process, with the test playing its scheduler and detokenizer on the real
+"""The tokenizer as an OS process, with the test playing its scheduler and detokenizer on the real
 sockets: the watchdog leaves a legitimately quiet request alone, re-drives one the engine lost
 from exactly what the client has, and fails with a clear error one that keeps getting lost
 (issue 14 item 2). The test writes run.json as the supervisor does; no other stage runs."""
@@ -18,13 +18,13 @@ import pytest
 import zmq
 
 from ipc import messages as m
-from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, FRONTEND_INPUT, SCHEDULER_INPUT
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT, TOKENIZER_INPUT
 from ipc.config import load_config
 from ipc.endpoints import Endpoints
 from ipc.shm import new_run_id
 from ipc.sockets import PullQueue, PushQueue
 from services.stage import RunInfo, write_run_info
-from services.tokenizer.frontend import MAX_REDRIVES
+from services.tokenizer.core import MAX_REDRIVES
 from tests.conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,18 +34,18 @@ WAIT_S = 60.0
 
 
 class FakeEngine:
-    """A frontend process, and the test's ends of its sockets: the client's DEALER, the
-    scheduler's inbox (PULL) and the frontend's engine inbox (PUSH)."""
+    """A tokenizer process, and the test's ends of its sockets: the client's DEALER, the
+    scheduler's inbox (PULL) and the tokenizer's engine inbox (PUSH)."""
 
     def __init__(self, run_dir: Path, model_dir: Path) -> None:
-        config = load_config(None, [f"frontend.stall_timeout_s={STALL_TIMEOUT_S}"])
+        config = load_config(None, [f"tokenizer.stall_timeout_s={STALL_TIMEOUT_S}"])
         self.endpoints = Endpoints(run_dir, new_run_id())
         write_run_info(
             run_dir, RunInfo(self.endpoints.run_id, os.getpid(), str(model_dir), "tiny", [], config)
         )
         self.ctx = zmq.Context()
         self.scheduler = PullQueue(self.ctx, self.endpoints.scheduler_in(0), SCHEDULER_INPUT, bind=True)
-        self.log_path = run_dir / "frontend.log"
+        self.log_path = run_dir / "tokenizer.log"
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.tokenizer", "--run-dir", str(run_dir)],
@@ -54,10 +54,10 @@ class FakeEngine:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.engine_out = PushQueue(self.ctx, self.endpoints.frontend_in(0), FRONTEND_INPUT)
+        self.engine_out = PushQueue(self.ctx, self.endpoints.tokenizer_in(0), TOKENIZER_INPUT)
         self.client = self.ctx.socket(zmq.DEALER)
         self.client.linger = 0
-        self.client.connect(self.endpoints.frontend(0))
+        self.client.connect(self.endpoints.tokenizer(0))
 
     def send(self, request: m.Generate) -> None:
         self.client.send(CLIENT_REQUEST.encode(request))
@@ -67,7 +67,7 @@ class FakeEngine:
         played with `answer` (and any submission must not come)."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the frontend exited:\n{self.log_path.read_text()}"
+            assert self.process.poll() is None, f"the tokenizer exited:\n{self.log_path.read_text()}"
             assert self.play_scheduler(answer) is None, "an unexpected submission"
             if self.client.poll(50):
                 reply = CLIENT_REPLY.decode(self.client.recv())
@@ -94,7 +94,7 @@ class FakeEngine:
         submissions: list[m.SubmitRequest] = []
         deadline = time.monotonic() + timeout
         while not until(submissions) and time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the frontend exited:\n{self.log_path.read_text()}"
+            assert self.process.poll() is None, f"the tokenizer exited:\n{self.log_path.read_text()}"
             submission = self.play_scheduler(answer)
             if submission is not None:
                 submissions.append(submission)
@@ -138,7 +138,7 @@ def test_watchdog_redrives_a_lost_request_from_what_the_client_has(engine: FakeE
     assert isinstance(reply, m.Delta) and (reply.request_id, reply.text) == ("job", "ab")
 
     # Queued or prefilling: the scheduler holds exactly the client's 2 tokens. Asked again and
-    # again, the frontend must not resubmit (that would restart a long prefill forever).
+    # again, the tokenizer must not resubmit (that would restart a long prefill forever).
     quiet = engine.serve(answer=lambda rid: 2, until=lambda subs: bool(subs), timeout=8 * STALL_TIMEOUT_S)
     assert quiet == [], "a legitimately quiet request was resubmitted"
 

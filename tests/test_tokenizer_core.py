@@ -1,4 +1,4 @@
-"""The frontend's core without sockets: admission, group choice, journal, and relaying deltas by
+"""The tokenizer's core without sockets: admission, group choice, journal, and relaying deltas by
 absolute position (exactly once, whatever upstream re-sends)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
-from services.tokenizer.frontend import MAX_REDRIVES, FrontendCore, RequestError, engine_id, trim_delta
+from services.tokenizer.core import MAX_REDRIVES, RequestError, TokenizerCore, engine_id, trim_delta
 from services.tokenizer.text import Tokenizer
 
 STALL_S = 10.0
@@ -19,8 +19,8 @@ STALL_S = 10.0
 def core_factory(smollm2_dir: Path):
     tokenizer = Tokenizer(smollm2_dir)
 
-    def make(num_groups: int = 1) -> FrontendCore:
-        return FrontendCore(
+    def make(num_groups: int = 1) -> TokenizerCore:
+        return TokenizerCore(
             tokenizer,
             0,
             num_groups,
@@ -132,14 +132,14 @@ def test_resume_num_chars_cannot_exceed_the_resumed_text(core_factory) -> None:
     assert (entry.output_ids, entry.num_chars) == (ids, len(text))
 
 
-def ask(core: FrontendCore, now: float) -> list[str]:
+def ask(core: TokenizerCore, now: float) -> list[str]:
     """The ids the watchdog asks group 0's scheduler about at `now`."""
     return core.stalled(now).get(0, [])
 
 
 def test_watchdog_leaves_a_legitimately_quiet_request_alone(core_factory) -> None:
     """A long queue or prefill: the scheduler holds what the client has. Asked again and again,
-    the frontend never resubmits it (a resubmission would restart the prefill: a livelock)."""
+    the tokenizer never resubmits it (a resubmission would restart the prefill: a livelock)."""
     core = core_factory()
     entry = core.admit(b"c", m.Generate("r", prompt="x"))
     r = entry.submit.request_id  # the engine's id, which the scheduler is asked about
@@ -267,7 +267,7 @@ def test_constraints_are_checked_at_admission_naming_the_field(core_factory) -> 
         return m.Generate("r", prompt="x", params=m.SamplingParams(structured=spec, **params))
 
     bad = m.StructuredOutput("json", '{"type": "array", "uniqueItems": true}')
-    for _ in range(2):  # the second answer comes from the frontend's cache of checked constraints
+    for _ in range(2):  # the second answer comes from the tokenizer's cache of checked constraints
         with pytest.raises(RequestError, match=r"structured\.json: .*uniqueItems") as info:
             core.admit(b"c", generate(bad))
         assert info.value.code == "invalid_request"

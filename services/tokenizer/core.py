@@ -1,8 +1,8 @@
-"""The frontend's logic, without sockets: validate, template, tokenize, journal, relay.
+"""The tokenizer's logic, without sockets: validate, template, tokenize, journal, relay.
 
 The journal holds every in-flight request with what its client has been sent so far, so that
 late or duplicated deltas are trimmed by position before they reach the client (invariant 2 of
-docs/architecture.md), and so that the frontend can re-drive a request whose delivery broke
+docs/architecture.md), and so that the tokenizer can re-drive a request whose delivery broke
 (invariant 4): after a scheduler or detokenizer restart, and whenever its watchdog finds a quiet
 request that the engine no longer runs, it resubmits the request with the outputs its client
 already has. The journal forgets a request only once its client has the final delta. Light: no
@@ -53,16 +53,16 @@ MAX_REDRIVES = 3
 MAX_CHECKED_CONSTRAINTS = 256
 
 
-def engine_id(frontend_id: int, identity: bytes, request_id: str) -> str:
-    """The id the engine knows a client's request by: unique per (frontend, connection, client
+def engine_id(tokenizer_id: int, identity: bytes, request_id: str) -> str:
+    """The id the engine knows a client's request by: unique per (tokenizer, connection, client
     id), fixed size whatever the client chose, and the same when that connection resubmits its
     request, so the scheduler replaces the running copy."""
     key = len(identity).to_bytes(2, "little") + identity + request_id.encode()
-    return f"{frontend_id}-{hashlib.blake2b(key, digest_size=12).hexdigest()}"
+    return f"{tokenizer_id}-{hashlib.blake2b(key, digest_size=12).hexdigest()}"
 
 
 class RequestError(Exception):
-    """A request the frontend refuses; `code` is one of ipc.messages.ErrorCode."""
+    """A request the tokenizer refuses; `code` is one of ipc.messages.ErrorCode."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -86,7 +86,7 @@ class JournalEntry:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
-    # The watchdog (FrontendCore.stalled / on_progress): when the client last got something new,
+    # The watchdog (TokenizerCore.stalled / on_progress): when the client last got something new,
     # when the scheduler was last asked about this request and whether that question is still
     # open with nothing new since, how many answers in a row said the engine lost it, and the
     # resubmissions since the last progress.
@@ -128,13 +128,13 @@ def trim_delta(delta: m.Delta, num_tokens: int, num_chars: int) -> m.Delta | Non
     )
 
 
-class FrontendCore:
-    """Validation, templating, tokenization and the journal of one frontend replica."""
+class TokenizerCore:
+    """Validation, templating, tokenization and the journal of one tokenizer replica."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        frontend_id: int,
+        tokenizer_id: int,
         num_groups: int,
         max_model_len: int,
         max_prompt_chars: int,
@@ -145,7 +145,7 @@ class FrontendCore:
         sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.frontend_id = frontend_id
+        self.tokenizer_id = tokenizer_id
         self.num_groups = num_groups
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
@@ -214,12 +214,12 @@ class FrontendCore:
             # Seeds are fixed here, once, so a resubmitted request samples the same tokens.
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         key = (identity, request.request_id)
-        engine = engine_id(self.frontend_id, identity, request.request_id)
+        engine = engine_id(self.tokenizer_id, identity, request.request_id)
         old = self.journal.get(engine)
         group = old.group if old else self._least_loaded_group()
         submit = m.SubmitRequest(
             request_id=engine,
-            frontend_id=self.frontend_id,
+            tokenizer_id=self.tokenizer_id,
             prompt_ids=m.pack_ids(prompt_ids),
             params=params,
             output_ids=resume_ids.tobytes(),
@@ -305,7 +305,7 @@ class FrontendCore:
 
     @cached_property
     def renders_tools(self) -> bool:
-        """Whether the model's chat template renders `tools` (else the frontend instructs)."""
+        """Whether the model's chat template renders `tools` (else the tokenizer instructs)."""
         template = self.tokenizer.chat_template
         return template is not None and template_renders_tools(template)
 
@@ -390,7 +390,7 @@ class FrontendCore:
         return [entry for rid in ids if (entry := self.abort(identity, rid)) is not None]
 
     def drop_all(self) -> list[JournalEntry]:
-        """Forget every request in flight (the frontend is stopping and fails them all)."""
+        """Forget every request in flight (the tokenizer is stopping and fails them all)."""
         entries = list(self.journal.values())
         self.journal.clear()
         self.engine_ids.clear()
@@ -509,7 +509,7 @@ class FrontendCore:
 
     def stalled(self, now: float) -> dict[int, list[str]]:
         """Ids, by engine group, of the requests that got nothing new for stall_timeout_s and
-        were not asked about within it: the frontend asks their scheduler (QueryRequests)."""
+        were not asked about within it: the tokenizer asks their scheduler (QueryRequests)."""
         quiet: dict[int, list[str]] = defaultdict(list)
         for request_id, entry in self.journal.items():
             if now - max(entry.progress_at, entry.checked_at) >= self.stall_timeout_s:

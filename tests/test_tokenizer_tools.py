@@ -1,4 +1,4 @@
-"""The frontend's side of tool calling, without sockets: tools in the prompt (the model's template,
+"""The tokenizer's side of tool calling, without sockets: tools in the prompt (the model's template,
 or the instruction for one that ignores tools), the forced-call constraint, and the parse of the
 finished output into content and calls (streamed, whole, resumed)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from ipc import messages as m
 from ipc.structured_output import for_tool_choice
-from services.tokenizer.frontend import FrontendCore, RequestError
+from services.tokenizer.core import RequestError, TokenizerCore
 from services.tokenizer.text import Tokenizer
 from services.tokenizer.tool_parsers import call_id
 from services.tokenizer.tools_prompt import tools_instruction
@@ -93,14 +93,14 @@ QWEN_STYLE_TEMPLATE = """\
 """
 
 
-def make_core(model_dir: Path) -> FrontendCore:
-    return FrontendCore(
+def make_core(model_dir: Path) -> TokenizerCore:
+    return TokenizerCore(
         Tokenizer(model_dir), 0, 1, max_model_len=2048, max_prompt_chars=100_000, default_max_tokens=16
     )
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir: Path) -> FrontendCore:
+def smol(smollm2_dir: Path) -> TokenizerCore:
     return make_core(smollm2_dir)
 
 
@@ -117,11 +117,11 @@ def tools(choice: str = "auto", function: str = "", parallel: bool = True) -> m.
     return m.Tools(json.dumps(TOOLS), choice, function, parallel)
 
 
-def chat(core: FrontendCore, request_id: str, messages: list[m.ChatMessage], spec: m.Tools | None, **kw):
+def chat(core: TokenizerCore, request_id: str, messages: list[m.ChatMessage], spec: m.Tools | None, **kw):
     return core.admit(b"c", m.Generate(request_id, messages=messages, tools=spec, **kw))
 
 
-def prompt_text(core: FrontendCore, entry) -> str:
+def prompt_text(core: TokenizerCore, entry) -> str:
     return core.tokenizer.decode(m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False)
 
 
@@ -132,7 +132,7 @@ def hf_prompt(model_dir: Path, messages: list[dict], tools_: list[dict] | None =
     return hf.apply_chat_template(messages, tools=tools_, tokenize=False, add_generation_prompt=True)
 
 
-def finish(core: FrontendCore, entry, text: str, reason: str = "stop", pieces: int = 1) -> list[m.Delta]:
+def finish(core: TokenizerCore, entry, text: str, reason: str = "stop", pieces: int = 1) -> list[m.Delta]:
     """Relay `text` as the engine would (in `pieces` deltas, the last one finishing); the replies."""
     engine = entry.submit.request_id
     replies, start = [], len(entry.output_ids)
@@ -153,7 +153,7 @@ def finish(core: FrontendCore, entry, text: str, reason: str = "stop", pieces: i
 # -- tools into the prompt --------------------------------------------------------------------------
 
 
-def test_a_template_that_ignores_tools_gets_the_instruction(smol: FrontendCore, smollm2_dir: Path) -> None:
+def test_a_template_that_ignores_tools_gets_the_instruction(smol: TokenizerCore, smollm2_dir: Path) -> None:
     entry = chat(smol, "a", [m.ChatMessage(**x) for x in ASK], tools())
     expected = hf_prompt(smollm2_dir, [{"role": "system", "content": tools_instruction(TOOLS)}, *ASK])
     assert prompt_text(smol, entry) == expected
@@ -165,7 +165,7 @@ def test_a_template_that_ignores_tools_gets_the_instruction(smol: FrontendCore, 
     assert prompt_text(smol, entry) == expected
 
 
-def test_tool_choice_none_offers_no_tools(smol: FrontendCore, smollm2_dir: Path) -> None:
+def test_tool_choice_none_offers_no_tools(smol: TokenizerCore, smollm2_dir: Path) -> None:
     entry = chat(smol, "n", [m.ChatMessage(**x) for x in ASK], tools("none"))
     assert prompt_text(smol, entry) == hf_prompt(smollm2_dir, ASK)
     assert entry.tool_parser is None and entry.submit.params.structured is None
@@ -174,7 +174,7 @@ def test_tool_choice_none_offers_no_tools(smol: FrontendCore, smollm2_dir: Path)
 
 
 def test_earlier_calls_become_hermes_text_for_a_template_without_tools(
-    smol: FrontendCore, smollm2_dir: Path
+    smol: TokenizerCore, smollm2_dir: Path
 ) -> None:
     history = [
         m.ChatMessage(**ASK[0]),
@@ -225,7 +225,7 @@ def test_a_template_that_renders_tools_gets_them_with_openai_messages(qwen_style
 # -- the forced call ---------------------------------------------------------------------------------
 
 
-def test_required_and_named_choices_constrain_the_output(smol: FrontendCore) -> None:
+def test_required_and_named_choices_constrain_the_output(smol: TokenizerCore) -> None:
     entry = chat(smol, "r", [m.ChatMessage(**x) for x in ASK], tools("required", parallel=False))
     assert entry.submit.params.structured == for_tool_choice(TOOLS, "required", parallel_tool_calls=False)
     named = {"type": "function", "function": {"name": "get_time"}}
@@ -266,7 +266,7 @@ def test_bad_tools_are_refused(smollm2_dir: Path, spec: m.Tools, kwargs: dict, m
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_auto_output_is_cut_into_content_and_calls(smol: FrontendCore, stream: bool) -> None:
+def test_auto_output_is_cut_into_content_and_calls(smol: TokenizerCore, stream: bool) -> None:
     entry = chat(smol, f"auto-{stream}", [m.ChatMessage(**x) for x in ASK], tools(), stream=stream)
     text = "Let me look.\n" + CALL
     replies = finish(smol, entry, text, pieces=4)
@@ -280,7 +280,7 @@ def test_auto_output_is_cut_into_content_and_calls(smol: FrontendCore, stream: b
     assert len(replies) == (4 if stream else 1)
 
 
-def test_parallel_false_keeps_the_first_call_and_length_is_no_call(smol: FrontendCore) -> None:
+def test_parallel_false_keeps_the_first_call_and_length_is_no_call(smol: TokenizerCore) -> None:
     entry = chat(smol, "one", [m.ChatMessage(**x) for x in ASK], tools(parallel=False))
     (reply,) = finish(smol, entry, CALL + "\n" + CALL.replace("Paris", "Rome"))
     assert [c.arguments for c in reply.tools.calls] == ['{"city": "Paris"}']
@@ -290,7 +290,7 @@ def test_parallel_false_keeps_the_first_call_and_length_is_no_call(smol: Fronten
     assert reply.tools == m.ParsedTools(CALL[:30], [])
 
 
-def test_forced_output_is_read_as_calls(smol: FrontendCore) -> None:
+def test_forced_output_is_read_as_calls(smol: TokenizerCore) -> None:
     entry = chat(smol, "req", [m.ChatMessage(**x) for x in ASK], tools("required"))
     (reply,) = finish(smol, entry, '[{"name": "get_time", "parameters": {}}]')
     assert reply.finish_reason == "tool_calls"
@@ -305,8 +305,8 @@ def test_forced_output_is_read_as_calls(smol: FrontendCore) -> None:
     )
 
 
-def test_a_resumed_request_parses_the_text_its_client_already_had(smol: FrontendCore) -> None:
-    """A client that failed over resubmits with what it has: the new frontend's parse covers it."""
+def test_a_resumed_request_parses_the_text_its_client_already_had(smol: TokenizerCore) -> None:
+    """A client that failed over resubmits with what it has: the new tokenizer's parse covers it."""
     ids = smol.tokenizer.encode(CALL)
     head_ids = ids[:5]
     head = smol.tokenizer.decode(head_ids)
