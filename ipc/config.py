@@ -8,6 +8,7 @@ reads the same config from the run directory.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -179,6 +180,10 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if not sep or not key:
         raise ConfigError(f"--set expects key.path=value, got {assignment!r}")
     parts = key.strip().split(".")
+    if parts[0] in DEPRECATED_SECTIONS:
+        new = DEPRECATED_SECTIONS[parts[0]]
+        logging.getLogger("brigade.config").warning("%s: section %r is deprecated: call it %r", key, parts[0], new)
+        parts[0] = new
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -292,6 +297,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw = _read_yaml(path) if path is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    _rename_deprecated_sections(raw)
     for assignment in overrides:
         apply_override(raw, assignment)
     try:
@@ -302,6 +308,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     check_cluster(config)
     check_network(config)
     return config
+
+
+# Old section name -> its name now. The tokenizer stage's section was called `frontend` until the
+# stage got one name everywhere (docs/architecture.md, "Names").
+DEPRECATED_SECTIONS = {"frontend": "tokenizer"}
+
+
+def _rename_deprecated_sections(raw: dict[str, Any]) -> None:
+    for old, new in DEPRECATED_SECTIONS.items():
+        if old not in raw:
+            continue
+        section = raw.pop(old)
+        if not isinstance(section, dict):
+            raise ConfigError(f"{old}: must be a mapping (and it is deprecated: call the section {new!r})")
+        current = raw.setdefault(new, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"{new}: must be a mapping")
+        both = sorted(set(section) & set(current))
+        if both:
+            raise ConfigError(f"{both} set under both {old!r} (deprecated) and {new!r}: keep only {new!r}")
+        current.update(section)
+        logging.getLogger("brigade.config").warning("config section %r is deprecated: call it %r", old, new)
 
 
 def dump_config(config: Config) -> bytes:

@@ -225,3 +225,16 @@ def test_the_local_backend_never_imports_ray(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "StageSet"
+
+
+def test_deprecated_frontend_section_still_configures_the_tokenizer(tmp_path, caplog) -> None:
+    """The tokenizer stage's section was `frontend`: old files and overrides keep working, with a warning."""
+    path = tmp_path / "old.yaml"
+    path.write_text("frontend:\n  replicas: 2\n")
+    with caplog.at_level("WARNING", logger="brigade.config"):
+        config = load_config(path, ["frontend.default_max_tokens=7"])
+    assert (config.tokenizer.replicas, config.tokenizer.default_max_tokens) == (2, 7)
+    assert "deprecated" in caplog.text
+    path.write_text("frontend:\n  replicas: 2\ntokenizer:\n  replicas: 3\n")
+    with pytest.raises(ConfigError, match="replicas"):
+        load_config(path)
