@@ -270,6 +270,62 @@ class _Base:
             raise MessageTooLarge(f"frames of {sizes} bytes; the limit is {self._max_msg_bytes}")
         return data
 
+    # PUSH, PULL and DEALER move one message (one frame, plus any extra frames) with no identity
+    # in front: one implementation each of sending, and of receiving sync and asyncio.
+
+    def _send_one(self, data: bytes, frames: Sequence[Buffer]) -> bool:
+        """Send without blocking; False (nothing sent) when the peer's queue is full or there is no peer."""
+        if frames or len(data) > self._max_msg_bytes:
+            return _send_frames(self.socket, (), self._check(data, frames), frames)
+        try:
+            self.socket.send(data)
+        except zmq.Again:
+            return False
+        return True
+
+    def _recv_one(self, codec: Codec[Any], timeout: float | None) -> Any:
+        """The next message, or None after `timeout` seconds; raises MalformedMessage (sync)."""
+        if timeout != self._timeout:
+            self._set_timeout(timeout)
+        try:
+            frame = self.socket.recv(copy=False)
+        except zmq.Again:
+            return None
+        if frame.more:
+            raise _extra_frames(_rest(self.socket))
+        return codec.decode(frame)
+
+    def _recv_one_frames(
+        self, codec: Codec[Any], timeout: float | None
+    ) -> tuple[Any, list[memoryview]] | None:
+        """The next message and its extra frames, or None after `timeout` seconds (sync)."""
+        self._set_timeout(timeout)
+        try:
+            frame = self.socket.recv(copy=False)
+        except zmq.Again:
+            return None
+        frames = _rest(self.socket) if frame.more else []
+        return codec.decode(frame), frames
+
+    async def _arecv_one(self, codec: Codec[Any], timeout: float | None) -> Any:
+        """The next message, or None after `timeout` seconds; raises MalformedMessage (asyncio)."""
+        got = await self._arecv_one_frames(codec, timeout)
+        if got is not None and got[1]:
+            raise _extra_frames(got[1])
+        return None if got is None else got[0]
+
+    async def _arecv_one_frames(
+        self, codec: Codec[Any], timeout: float | None
+    ) -> tuple[Any, list[memoryview]] | None:
+        """The next message and its extra frames, or None after `timeout` seconds (asyncio)."""
+        self._set_timeout(timeout)  # zmq.asyncio honours RCVTIMEO
+        try:
+            frame = await self.socket.recv(copy=False)
+        except zmq.Again:
+            return None
+        frames = await _arest(self.socket) if frame.more else []
+        return codec.decode(frame), frames
+
     def close(self) -> None:
         if not self.socket.closed:
             self.socket.close()
@@ -346,8 +402,8 @@ def _decode(codec: Codec[T], frame: zmq.Frame, identity: bytes) -> T:
 
 
 # ---------------------------------------------------------------------------
-# Sync sockets. The no-extra-frames paths are written out: every Python call shows in the
-# round trip (benchmarks/ipc_bench.py).
+# Sync sockets. A message with no extra frames takes a short path (one send or recv, no lists):
+# the typed round trip must stay close to bare pyzmq's (benchmarks/ipc_bench.py).
 # ---------------------------------------------------------------------------
 
 
@@ -368,14 +424,7 @@ class PushQueue(_Base, Generic[T]):
 
     def put(self, msg: T, frames: Sequence[Buffer] = ()) -> bool:
         """Send; False (nothing sent) when the peer's queue is full or there is no peer."""
-        data = self._codec.encode(msg)
-        if frames or len(data) > self._max_msg_bytes:
-            return _send_frames(self.socket, (), self._check(data, frames), frames)
-        try:
-            self.socket.send(data)
-        except zmq.Again:
-            return False
-        return True
+        return self._send_one(self._codec.encode(msg), frames)
 
 
 class _Pull(_Base, Generic[T]):
@@ -399,25 +448,11 @@ class PullQueue(_Pull[T]):
 
     def get(self, timeout: float | None) -> T | None:
         """The next message, or None after `timeout` seconds; raises MalformedMessage."""
-        if timeout != self._timeout:
-            self._set_timeout(timeout)
-        try:
-            frame = self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        if frame.more:
-            raise _extra_frames(_rest(self.socket))
-        return self._codec.decode(frame)
+        return self._recv_one(self._codec, timeout)
 
     def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
         """The next message and its extra frames."""
-        self._set_timeout(timeout)
-        try:
-            frame = self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = _rest(self.socket) if frame.more else []
-        return self._codec.decode(frame), frames
+        return self._recv_one_frames(self._codec, timeout)
 
 
 class _Router(_Base, Generic[In, Out]):
@@ -505,35 +540,14 @@ class DealerSocket(_Dealer[In, Out]):
     """The client end of a request/reply channel (DEALER)."""
 
     def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        data = self._out.encode(msg)
-        if frames or len(data) > self._max_msg_bytes:
-            return _send_frames(self.socket, (), self._check(data, frames), frames)
-        try:
-            self.socket.send(data)
-        except zmq.Again:
-            return False
-        return True
+        return self._send_one(self._out.encode(msg), frames)
 
     def recv(self, timeout: float | None) -> In | None:
         """The next reply, or None after `timeout` seconds; raises MalformedMessage."""
-        if timeout != self._timeout:
-            self._set_timeout(timeout)
-        try:
-            frame = self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        if frame.more:
-            raise _extra_frames(_rest(self.socket))
-        return self._in.decode(frame)
+        return self._recv_one(self._in, timeout)
 
     def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
-        self._set_timeout(timeout)
-        try:
-            frame = self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = _rest(self.socket) if frame.more else []
-        return self._in.decode(frame), frames
+        return self._recv_one_frames(self._in, timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -547,19 +561,10 @@ class AsyncPullQueue(_Pull[T]):
     _is_async = True
 
     async def get(self, timeout: float | None) -> T | None:
-        got = await self.get_frames(timeout)
-        if got is not None and got[1]:
-            raise _extra_frames(got[1])
-        return None if got is None else got[0]
+        return await self._arecv_one(self._codec, timeout)
 
     async def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
-        self._set_timeout(timeout)  # zmq.asyncio honours RCVTIMEO
-        try:
-            frame = await self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = await _arest(self.socket) if frame.more else []
-        return self._codec.decode(frame), frames
+        return await self._arecv_one_frames(self._codec, timeout)
 
 
 class AsyncRouterSocket(_Router[In, Out]):
@@ -596,19 +601,10 @@ class AsyncDealerSocket(_Dealer[In, Out]):
         return await _asend(self.socket, [self._check(self._out.encode(msg), frames), *frames])
 
     async def recv(self, timeout: float | None) -> In | None:
-        got = await self.recv_frames(timeout)
-        if got is not None and got[1]:
-            raise _extra_frames(got[1])
-        return None if got is None else got[0]
+        return await self._arecv_one(self._in, timeout)
 
     async def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
-        self._set_timeout(timeout)
-        try:
-            frame = await self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = await _arest(self.socket) if frame.more else []
-        return self._in.decode(frame), frames
+        return await self._arecv_one_frames(self._in, timeout)
 
 
 async def _asend(sock: zmq.asyncio.Socket, parts: list[Buffer]) -> bool:
