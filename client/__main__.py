@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from client.errors import BrigadeError, InvalidRequest
 from client.sdk import Client, StreamDelta
 
@@ -43,10 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
     sampling.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     constraint = sampling.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", metavar="FILE|JSON", help="constrain the output to this JSON schema")
+    constraint.add_argument(
+        "--json-schema", metavar="FILE|JSON", help="constrain the output to this JSON schema"
+    )
     constraint.add_argument("--regex", metavar="PATTERN", help="constrain the output to match this regex")
-    constraint.add_argument("--choice", metavar="A,B,...", help="the output is one of these comma-separated strings")
-    constraint.add_argument("--grammar", metavar="FILE|TEXT", help="constrain the output to this EBNF/GBNF or Lark")
+    constraint.add_argument(
+        "--choice", metavar="A,B,...", help="the output is one of these comma-separated strings"
+    )
+    constraint.add_argument(
+        "--grammar", metavar="FILE|TEXT", help="constrain the output to this EBNF/GBNF or Lark"
+    )
     generate = sub.add_parser("generate", parents=[sampling], help="continue a raw text prompt")
     generate.add_argument("prompt", metavar="PROMPT")
     chat = sub.add_parser(
@@ -54,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("message", metavar="MESSAGE", nargs="?")
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument(
+        "--tools", metavar="FILE|JSON", help="functions the model may call: OpenAI's tools list"
+    )
+    chat.add_argument(
+        "--tool-choice",
+        metavar="none|auto|required|NAME",
+        help="auto (the default with --tools), none, required, or the name of the function to call",
+    )
+    chat.add_argument(
+        "--no-parallel-tool-calls", action="store_true", help="at most one tool call in a reply"
+    )
     sub.add_parser("health", help="ask every tokenizer replica whether it is ready")
     return parser
 
@@ -68,6 +87,23 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     if args.grammar is not None:
         sampling["grammar"] = _file_or_text(args.grammar)
     return sampling
+
+
+def _tools(args: argparse.Namespace) -> dict[str, Any]:
+    """--tools, --tool-choice and --no-parallel-tool-calls -> the SDK's tools arguments (chat only)."""
+    if getattr(args, "tools", None) is None:
+        if getattr(args, "tool_choice", None) is not None or getattr(args, "no_parallel_tool_calls", False):
+            raise InvalidRequest("--tool-choice and --no-parallel-tool-calls need --tools")
+        return {}
+    text = _file_or_text(args.tools)
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"--tools: not JSON (OpenAI's tools list): {exc}") from None
+    choice: Any = args.tool_choice
+    if choice is not None and choice not in ("none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": not args.no_parallel_tool_calls}
 
 
 def _file_or_text(value: str) -> str:
@@ -97,6 +133,7 @@ def _emit(deltas: Any, as_json: bool) -> str:
             print(last.text, end="", flush=True)
     assert last is not None
     usage = last.usage
+    calls = [] if last.tools is None else [msgspec.structs.asdict(call) for call in last.tools.calls]
     if as_json:
         print(
             json.dumps(
@@ -104,6 +141,7 @@ def _emit(deltas: Any, as_json: bool) -> str:
                     "text": "".join(text),
                     "token_ids": ids,
                     "finish_reason": last.finish_reason,
+                    **({} if last.tools is None else {"content": last.tools.content, "tool_calls": calls}),
                     "usage": None
                     if usage is None
                     else {
@@ -117,6 +155,10 @@ def _emit(deltas: Any, as_json: bool) -> str:
         )
     else:
         print(flush=True)
+        for (
+            call
+        ) in calls:  # the streamed text shows the model's call markup; these are the calls read from it
+            print(f"tool call {call['id']}: {call['name']}({call['arguments']})", flush=True)
     return "".join(text)
 
 
@@ -170,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "generate":
                 _emit(client.stream(args.prompt, **_sampling(args)), args.json)
             elif args.message is None:
+                if args.tools is not None:
+                    raise InvalidRequest("--tools needs a MESSAGE (the interactive chat takes no tools)")
                 _interactive(client, args)
             else:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
                 messages.append({"role": "user", "content": args.message})
-                _emit(client.stream(messages=messages, **_sampling(args)), args.json)
+                _emit(client.stream(messages=messages, **_sampling(args), **_tools(args)), args.json)
     except BrigadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

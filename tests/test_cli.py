@@ -3,6 +3,7 @@ dispatch and its errors without a run (tests/test_operations.py drives it agains
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -62,3 +63,32 @@ def test_constraint_flags_become_the_sdk_shorthands(tmp_path: Path) -> None:
     assert sampling("--grammar", 'root ::= "x"') == {"grammar": 'root ::= "x"'}
     with pytest.raises(SystemExit):
         _parser().parse_args(["generate", "hi", "--regex", "a", "--choice", "a,b"])
+
+
+def test_tool_flags_become_the_sdk_tools_arguments(tmp_path: Path) -> None:
+    """--tools takes a file or the JSON itself; --tool-choice NAME forces that function; the flags
+    without --tools, or tools that are not JSON, are clear errors."""
+    from client.__main__ import _parser, _tools
+    from client.errors import InvalidRequest
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+
+    def parsed(*args: str) -> dict:
+        return _tools(_parser().parse_args(["chat", "hi", *args]))
+
+    assert parsed() == {}
+    assert parsed("--tools", str(path)) == {"tools": tools, "tool_choice": None, "parallel_tool_calls": True}
+    assert parsed(
+        "--tools", json.dumps(tools), "--tool-choice", "get_weather", "--no-parallel-tool-calls"
+    ) == {
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }
+    assert parsed("--tools", str(path), "--tool-choice", "required")["tool_choice"] == "required"
+    with pytest.raises(InvalidRequest, match="need --tools"):
+        parsed("--tool-choice", "auto")
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        parsed("--tools", "[{")

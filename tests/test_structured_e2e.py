@@ -266,3 +266,53 @@ def test_the_cli_constrains_its_output(run: Run, tmp_path: Path) -> None:
     check_date(outputs["regex"]["text"])
     jsonschema.validate(json.loads(outputs["json"]["text"]), flag)
     assert outputs["json"]["finish_reason"] == "stop"
+
+
+def test_the_cli_chat_calls_a_forced_tool(run: Run, tmp_path: Path) -> None:
+    """`chat --tools FILE --tool-choice NAME --json`: the reply is a call of NAME whose arguments
+    parse and match the function's parameters (jsonschema), with finish_reason tool_calls."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools = tmp_path / "tools.json"
+    tools.write_text(
+        json.dumps([{"type": "function", "function": {"name": "forecast", "parameters": parameters}}])
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client",
+            "--run",
+            str(run.run_dir),
+            "--timeout",
+            str(TIMEOUT_S),
+            "chat",
+            "What will the weather be in Paris this week?",
+            "--tools",
+            str(tools),
+            "--tool-choice",
+            "forecast",
+            "--max-tokens",
+            "40",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert reply["finish_reason"] == "tool_calls", reply
+    [call] = reply["tool_calls"]
+    assert call["name"] == "forecast" and call["id"]
+    jsonschema.validate(json.loads(call["arguments"]), parameters)
