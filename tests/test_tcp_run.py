@@ -241,22 +241,14 @@ def test_wrong_and_missing_keys_are_refused_counted_and_audited(tcp_run: Run, hf
         assert greedy(client) == hf_greedy
 
 
-@pytest.mark.parametrize(
-    "server",
-    [
-        "scheduler-0",
-        pytest.param(
-            "supervisor",
-            marks=pytest.mark.skip(
-                reason="known defect, open in issue 19's note: the supervisor's control socket refuses the "
-                "client key, but no refusal reaches the audit log or the metric"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("server", ["scheduler-0", "supervisor"])
 def test_the_client_key_opens_no_internal_link(tcp_run: Run, server: str) -> None:
     """The client key reaches the tokenizers only: a client that tries the scheduler's inbox or
-    the supervisor's control socket with it is refused there, counted, and the run goes on."""
+    the supervisor's control socket with it is refused there, counted, and the run goes on.
+
+    The probe is the socket type each server expects (PUSH to the scheduler's PULL, DEALER to
+    the supervisor's ROUTER): libzmq checks the peer's socket type while the ZAP request is out,
+    and a mismatch drops the connection before the refusal is ever reported."""
     info = read_run_info(tcp_run.run_dir)
     endpoints = run_endpoints(tcp_run.run_dir, info)
     link = endpoints.scheduler_in(0) if server == "scheduler-0" else endpoints.supervisor()
@@ -264,17 +256,17 @@ def test_the_client_key_opens_no_internal_link(tcp_run: Run, server: str) -> Non
     client_keys = load_secret_file(info.curve_client_keys)
     ctx = zmq.Context()
     try:
-        push = ctx.socket(zmq.PUSH)
-        push.linger = 0
-        push.immediate = 1  # a send fails unless the handshake succeeded
-        push.curve_serverkey = link.client_curve.server_public_key
-        push.curve_publickey, push.curve_secretkey = client_keys.public, client_keys.secret
-        push.connect(link.connect)
+        probe = ctx.socket(zmq.PUSH if server == "scheduler-0" else zmq.DEALER)
+        probe.linger = 0
+        probe.immediate = 1  # a send fails unless the handshake succeeded
+        probe.curve_serverkey = link.client_curve.server_public_key
+        probe.curve_publickey, probe.curve_secretkey = client_keys.public, client_keys.secret
+        probe.connect(link.connect)
         deadline = time.monotonic() + REFUSED_WITHIN_S
         while not curve_failures(tcp_run, server):
             assert time.monotonic() < deadline, f"{server} did not refuse the client key"
             with pytest.raises(zmq.Again):
-                push.send(SCHEDULER_INPUT.encode(m.AbortRequest("never-seen")), zmq.NOBLOCK)
+                probe.send(SCHEDULER_INPUT.encode(m.AbortRequest("never-seen")), zmq.NOBLOCK)
             time.sleep(0.2)
     finally:
         ctx.destroy(linger=0)
