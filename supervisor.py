@@ -41,6 +41,7 @@ from ipc.endpoints import (
     make_run_dir,
 )
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
+from ipc.sampling_defaults import describe_defaults
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
@@ -244,10 +245,11 @@ class Supervisor:
             if swept:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
             model_dir = self.prepare_model()
-            check_model(self.config, model_dir)
+            sampling_defaults = check_model(self.config, model_dir)
             self.plan_network(self.stages.place())
         except Refused as exc:
             raise GiveUp(str(exc)) from None
+        log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
         self.create_rings(model_dir)
         metrics_dir = self.run_dir / METRICS_DIR
         shutil.rmtree(metrics_dir, ignore_errors=True)

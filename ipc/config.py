@@ -36,6 +36,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: Positive = 2048
     cache_dir: str = ""  # "" = ~/.cache/brigade/models
     generation_config: Literal["auto", "none"] = "auto"  # sampling defaults from the model's file, or not
+    override_generation_config: dict[str, float | int] = {}  # on top of those, e.g. {"temperature": 0.7}
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -182,7 +183,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     parts = key.strip().split(".")
     if parts[0] in DEPRECATED_SECTIONS:
         new = DEPRECATED_SECTIONS[parts[0]]
-        logging.getLogger("brigade.config").warning("%s: section %r is deprecated: call it %r", key, parts[0], new)
+        logging.getLogger("brigade.config").warning(
+            "%s: section %r is deprecated: call it %r", key, parts[0], new
+        )
         parts[0] = new
     node = raw
     for part in parts[:-1]:

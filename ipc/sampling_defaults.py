@@ -41,6 +41,10 @@ HF_DEFAULTS: dict[str, float | int] = {
     "repetition_penalty": 1.0,
 }
 GENERATION_CONFIG = "generation_config.json"
+# The embedded SmolLM2-135M-Instruct declares no sampling values (neither its GGUF nor its HF
+# release's generation_config.json); its model card samples with these, so the embedded model
+# uses them unless the run's config overrides them (model.override_generation_config).
+EMBEDDED_MODEL_DEFAULTS: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9}
 
 
 def model_defaults(model_dir: str | Path, mode: GenerationConfigMode = "auto") -> dict[str, float | int]:
@@ -73,12 +77,45 @@ def model_defaults(model_dir: str | Path, mode: GenerationConfigMode = "auto") -
     return defaults
 
 
-def _checked(path: Path, name: str, value: object) -> float | int:
+def run_defaults(
+    model_dir: str | Path,
+    mode: GenerationConfigMode = "auto",
+    overrides: dict[str, float | int] | None = None,
+    is_embedded_model: bool = False,
+) -> dict[str, float | int]:
+    """What a run fills unset fields with: the model's values (`model_defaults`; the model card's
+    for the embedded model, which declares none), with the config's `overrides` on top, as vLLM's
+    `--override-generation-config` (with mode "none", only the overrides). ValueError, naming
+    the field, for a value the engine could not sample with."""
+    try:
+        defaults = model_defaults(model_dir, mode)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or set model.generation_config=none)") from None
+    if is_embedded_model and mode == "auto" and not defaults:
+        defaults = dict(EMBEDDED_MODEL_DEFAULTS)
+    for name, value in (overrides or {}).items():
+        if name not in DEFAULTED_FIELDS:
+            raise ValueError(
+                f"model.override_generation_config: unknown field {name!r}; it may set {', '.join(DEFAULTED_FIELDS)}"
+            )
+        defaults[name] = _checked("model.override_generation_config", name, value)
+    return defaults
+
+
+def describe_defaults(defaults: dict[str, float | int]) -> str:
+    """One line for the log: every defaulted field's value, and which came from the engine."""
+    values = {name: defaults.get(name, ENGINE_DEFAULTS[name]) for name in DEFAULTED_FIELDS}
+    engine = [name for name in DEFAULTED_FIELDS if name not in defaults]
+    text = ", ".join(f"{name}={value}" for name, value in values.items())
+    return f"{text} ({'the engine defaults: ' + ', '.join(engine) if engine else 'none from the engine'})"
+
+
+def _checked(where: str | Path, name: str, value: object) -> float | int:
     params = SamplingParams(max_tokens=1, **{**ENGINE_DEFAULTS, name: value})
     try:
         validate_params(params, vocab_size=1, max_model_len=2, num_prompt_tokens=1)
     except InvalidParams as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
     return value  # type: ignore[return-value]  (validate_params checked its type)
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ipc.config import Config
-from ipc.sampling_defaults import model_defaults
+from ipc.sampling_defaults import run_defaults
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -49,9 +49,10 @@ def check_layout(config: Config) -> None:
         )
 
 
-def check_model(config: Config, model_dir: Path) -> None:
+def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     """The prepared model's config.json against tensor_parallel and the KV budget (the same rules
-    the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`)."""
+    the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
+    Returns the sampling values that requests which set none will take (`run_defaults`)."""
     try:
         raw = json.loads((model_dir / "config.json").read_text())
         num_heads = int(raw["num_attention_heads"])
@@ -64,9 +65,14 @@ def check_model(config: Config, model_dir: Path) -> None:
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
     try:  # the tokenizers read the same defaults at start; a bad file would crash-loop them
-        model_defaults(model_dir, config.model.generation_config)
+        sampling_defaults = run_defaults(
+            model_dir,
+            config.model.generation_config,
+            config.model.override_generation_config,
+            is_embedded_model=not config.model.path,
+        )
     except ValueError as exc:
-        raise Refused(f"{exc} (or set model.generation_config=none)") from None
+        raise Refused(str(exc)) from None
     tp = config.engine.tensor_parallel
     if num_kv_heads < tp and tp % num_kv_heads:
         raise Refused(
@@ -99,3 +105,4 @@ def check_model(config: Config, model_dir: Path) -> None:
             f"sequence of max_model_len={max_model_len}: set engine.kv_cache_mib >= {need_mib} or lower "
             "model.max_model_len"
         )
+    return sampling_defaults

@@ -41,10 +41,14 @@ def hf_reference(smollm2_dir: Path, smollm2_hf_dir: Path) -> dict[str, tuple[lis
     model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
     reference = {}
     for prompt in CHAT_PROMPTS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            out = model.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )
         new_ids = out[0, ids.shape[1] :].tolist()
         reference[prompt] = (new_ids, tokenizer.decode(new_ids, skip_special_tokens=True))
     return reference
@@ -53,7 +57,9 @@ def hf_reference(smollm2_dir: Path, smollm2_hf_dir: Path) -> dict[str, tuple[lis
 @pytest.fixture(scope="module")
 def smol_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
     run_dir = tmp_path_factory.mktemp("e2e")
-    with brigade_run(run_dir, "model.dtype=float32", "engine.max_num_seqs=32", "model.max_model_len=1024") as run:
+    with brigade_run(
+        run_dir, "model.dtype=float32", "engine.max_num_seqs=32", "model.max_model_len=1024"
+    ) as run:
         yield run
     assert_clean(run_dir)
 
@@ -82,6 +88,14 @@ def test_greedy_matches_hf_with_16_in_flight(smol_run, hf_reference) -> None:
         assert text == want_text, f"{prompt!r} (stream={stream})"
 
 
+def test_the_embedded_model_samples_with_its_model_cards_values(smol_run) -> None:
+    """SmolLM2 declares no sampling values, so a request (the CLI chat's, say) that sets none
+    takes its model card's temperature 0.2 and top_p 0.9, not the engine's 1.0; the supervisor
+    says so before ready."""
+    said = [line for line in smol_run.log if "a request that sets no sampling values takes" in line]
+    assert said and "temperature=0.2, top_p=0.9, top_k=0," in said[0], smol_run.log[-20:]
+
+
 def test_errors_are_typed_and_clear(smol_run) -> None:
     with Client(smol_run.run_dir) as client:
         with pytest.raises(InvalidRequest, match="temperature"):
@@ -95,7 +109,11 @@ def test_errors_are_typed_and_clear(smol_run) -> None:
 
 def scheduler_load(run) -> tuple[int, int, float]:
     rows = [r for r in run.status() if r["kind"] == "scheduler"]
-    return sum(r["running"] for r in rows), sum(r["queue_depth"] for r in rows), max(r["kv_usage"] for r in rows)
+    return (
+        sum(r["running"] for r in rows),
+        sum(r["queue_depth"] for r in rows),
+        max(r["kv_usage"] for r in rows),
+    )
 
 
 def wait_idle(run, timeout: float = 60.0) -> tuple[int, int, float]:
@@ -110,7 +128,9 @@ def wait_idle(run, timeout: float = 60.0) -> tuple[int, int, float]:
 def test_cancellation_frees_everything(smol_run) -> None:
     rng = random.Random(0)
     with Client(smol_run.run_dir) as client:
-        streams = [client.stream(f"Count to {i}:", max_tokens=64, temperature=0.0, timeout=300) for i in range(200)]
+        streams = [
+            client.stream(f"Count to {i}:", max_tokens=64, temperature=0.0, timeout=300) for i in range(200)
+        ]
         for stream in streams:
             for _ in range(rng.randrange(0, 3)):
                 if next(stream, None) is None:

@@ -15,7 +15,13 @@ import pytest
 from client.sdk import make_params
 from ipc import messages as m
 from ipc.config import load_config
-from ipc.sampling_defaults import ENGINE_DEFAULTS, fill_defaults, model_defaults
+from ipc.sampling_defaults import (
+    EMBEDDED_MODEL_DEFAULTS,
+    ENGINE_DEFAULTS,
+    fill_defaults,
+    model_defaults,
+    run_defaults,
+)
 from services.gateway.jobs import plan_completion
 from services.gateway.protocol import CompletionRequest
 from services.tokenizer.core import TokenizerCore
@@ -75,6 +81,54 @@ def test_a_bad_generation_config_refuses_the_run(
     with pytest.raises(Refused, match=f"generation_config.json.*{match}.*generation_config=none"):
         check_model(load_config(None, ["model.max_model_len=256"]), model_dir)
     check_model(load_config(None, ["model.max_model_len=256", "model.generation_config=none"]), model_dir)
+
+
+def test_the_config_overrides_the_models_values_as_vllm_does(tmp_path: Path) -> None:
+    """model.override_generation_config goes on top of the model's values (vLLM's
+    --override-generation-config); with mode none it is all there is. The embedded model, which
+    declares nothing, takes its model card's values; a model of one's own never does."""
+    assert run_defaults(tmp_path) == {}
+    assert (
+        run_defaults(tmp_path, is_embedded_model=True)
+        == EMBEDDED_MODEL_DEFAULTS
+        == {
+            "temperature": 0.2,
+            "top_p": 0.9,
+        }
+    )
+    assert run_defaults(tmp_path, "auto", {"temperature": 0.7, "top_k": 40}, is_embedded_model=True) == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+    }
+    assert run_defaults(tmp_path, "none", {"min_p": 0.1}, is_embedded_model=True) == {"min_p": 0.1}
+    write_generation_config(tmp_path, **MODEL_DEFAULTS)
+    assert run_defaults(tmp_path, "auto", {"top_k": 5}, is_embedded_model=True) == {
+        **MODEL_DEFAULTS,
+        "top_k": 5,
+    }
+    config = load_config(None, ["model.override_generation_config.repetition_penalty=1.2"])
+    assert config.model.override_generation_config == {"repetition_penalty": 1.2}
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("temprature=0.5", "unknown field 'temprature'; it may set temperature, top_p"),
+        ("top_k=2.5", "top_k must be an integer"),
+        ("temperature=-1", "temperature must be in"),
+        ("top_p=0", "top_p"),
+    ],
+)
+def test_a_bad_override_refuses_the_run_naming_it(tiny_model_dir: Path, override: str, match: str) -> None:
+    config = load_config(None, ["model.max_model_len=256", f"model.override_generation_config.{override}"])
+    with pytest.raises(Refused, match=f"model.override_generation_config: {match}"):
+        check_model(config, tiny_model_dir)
+
+
+def test_a_non_number_override_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="override_generation_config"):
+        load_config(None, ["model.override_generation_config.temperature=hot"])
 
 
 def test_an_unknown_mode_is_a_config_error() -> None:
@@ -240,6 +294,32 @@ def test_served_requests_take_the_models_defaults_and_eos(llama_dir: Path, tmp_p
     # At temperature 100 over the whole vocabulary, 30 tokens that all equal greedy's would mean
     # the request's own top_k and temperature were ignored (the seeds fix the draw: no flakiness).
     assert any(tokens != greedy for tokens in sampled)
+    assert_clean(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_served_requests_take_the_configs_overrides(llama_dir: Path, tmp_path: Path) -> None:
+    """With the model's file ignored (mode none), override_generation_config alone sets the
+    defaults: top_k=1 makes a request that sets nothing greedy even at temperature 100."""
+    from client import Client
+
+    prompt = np.random.default_rng(2).integers(3, TINY_VOCAB_SIZE, 12).tolist()
+    greedy = hf_greedy(llama_dir, prompt, NEW_TOKENS)
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={llama_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "model.generation_config=none",
+        "model.override_generation_config.top_k=1",
+        "model.override_generation_config.temperature=100",
+    )
+    with brigade_run(run_dir, *overrides) as run, Client(run_dir) as client:
+        result = client.generate(prompt, max_tokens=NEW_TOKENS, seed=3, ignore_eos=True, timeout=300)
+        said = [line for line in run.log if "a request that sets no sampling values takes" in line]
+    assert result.token_ids == greedy
+    assert "temperature=100, top_p=1.0, top_k=1," in said[0]
     assert_clean(run_dir)
 
 

@@ -11,7 +11,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
-from ipc.sampling_defaults import model_defaults
+from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket, close_context
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
@@ -37,7 +37,9 @@ class TokenizerProcess:
         self.clients = RouterSocket(
             self.ctx, stage.endpoints.tokenizer(stage.index), CLIENT_REQUEST, CLIENT_REPLY
         )
-        self.inbox = PullQueue(self.ctx, stage.endpoints.tokenizer_in(stage.index), TOKENIZER_INPUT, bind=True)
+        self.inbox = PullQueue(
+            self.ctx, stage.endpoints.tokenizer_in(stage.index), TOKENIZER_INPUT, bind=True
+        )
         self.schedulers = [
             PushQueue(self.ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
             for g in range(config.engine.data_parallel)
@@ -55,7 +57,12 @@ class TokenizerProcess:
             metrics=self.metrics,
             stall_timeout_s=config.tokenizer.stall_timeout_s,
             sampler=self._request_sampler(),
-            sampling_defaults=model_defaults(stage.info.model_dir, config.model.generation_config),
+            sampling_defaults=run_defaults(
+                stage.info.model_dir,
+                config.model.generation_config,
+                config.model.override_generation_config,
+                is_embedded_model=not config.model.path,
+            ),
         )
         self.next_stall_check = 0.0
         self.num_malformed = 0
