@@ -461,6 +461,9 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # The window every layer's attention reads within (its largest); 0 when some layer reads the
     # whole context. KV blocks wholly before it are never read again (the scheduler frees them).
     sliding_window: int = 0
+    # LongRoPE (Phi-3): original_max_position_embeddings, past which a sequence rotates every
+    # position with the long factors (the scheduler recomputes it then); 0 without LongRoPE.
+    long_rope_from: int = 0
 
 
 # In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row

@@ -76,6 +76,7 @@ def main() -> None:
         max_model_len=runner.max_model_len,
         eos_token_ids=list(runner.eos_token_ids),
         sliding_window=runner.sliding_window,
+        long_rope_from=runner.long_rope_from,
     )
     control.ready(kv_blocks=str(runner.num_kv_blocks), device=str(runner.device), dtype=hello.dtype)
     # The scheduler echoes the hello once it has reset the rings for us; only then do we read.

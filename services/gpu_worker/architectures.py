@@ -49,7 +49,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 0  # llama3, longrope
-    short_factor: tuple[float, ...] = ()  # longrope
+    short_factor: tuple[float, ...] = ()  # longrope: up to original_max_position_embeddings
+    long_factor: tuple[float, ...] = ()  # longrope: sequences longer than that
     attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
 
 
@@ -86,6 +87,12 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attention_scale or self.head_dim**-0.5
+
+    @property
+    def long_rope_from(self) -> int:
+        """LongRoPE: a sequence longer than this rotates every position with the long factors
+        (original_max_position_embeddings); 0 without LongRoPE."""
+        return next((r.original_max_position_embeddings for r in self.ropes if r.rope_type == "longrope"), 0)
 
     @property
     def is_plain_llama(self) -> bool:
@@ -128,17 +135,13 @@ class ModelConfig:
         if "sliding_attention" in layer_types and window <= 0:
             raise UnsupportedModel("sliding_attention layers without a sliding_window")
         ropes, layer_ropes = _ropes(d, family, layer_types)
+        if len({r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"}) > 1:
+            raise UnsupportedModel(
+                "unsupported LongRoPE ropes with different original lengths; supported: one"
+            )
         attention_scale = 0.0
         if d.get("query_pre_attn_scalar"):
             attention_scale = float(d["query_pre_attn_scalar"]) ** -0.5
-        max_positions = d.get("max_position_embeddings", 2048)
-        if any(r.rope_type == "longrope" for r in ropes):
-            # LongRoPE switches every position to its long factors once a sequence passes the
-            # original length (HF recomputes the cache then); Brigade serves the short-factor
-            # range exactly, and no further.
-            max_positions = min(
-                r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"
-            )
         return cls(
             architecture=architecture,
             vocab_size=d["vocab_size"],
@@ -148,7 +151,7 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position_embeddings=max_positions,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
             # Qwen2 has qkv biases without saying so in its config.
@@ -231,7 +234,8 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(
         theta, "longrope", factor=float(factor), original_max_position_embeddings=original,
-        short_factor=tuple(float(f) for f in params["short_factor"]), attention_factor=float(attention_factor),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention_factor),
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ class PrefillSeq:
 class StepMeta:
     """Everything attention needs for one step, built once from the plan arrays."""
 
-    positions: torch.Tensor  # [T] long
+    rope_rows: torch.Tensor  # [T] long: each token's row of the rotary table (see rotary_rows)
     slot_mapping: torch.Tensor  # [T] long
     # CPU: rotary tables of the step's positions, [T, 1, D]: cos repeated over both halves, and sin
     # negated in the first half, so a rotation is x * cos + swap_halves(x) * sin.
@@ -54,8 +54,9 @@ class StepMeta:
 
 
 class Shapes:
-    """Head geometry, the rotary table [max_pos, D] (cos in the first half, sin in the second),
-    and the attention variant: a sliding window (each query sees its last `window` keys, itself
+    """Head geometry, the rotary table [max_pos, D] (cos in the first half, sin in the second;
+    LongRoPE's has the long factors' rows after the short ones', from row `long_rope_rows`), and
+    the attention variant: a sliding window (each query sees its last `window` keys, itself
     included; 0 = all) and a soft cap on the scores (cap * tanh(score / cap); 0 = none)."""
 
     def __init__(
@@ -67,6 +68,7 @@ class Shapes:
         cos_sin: torch.Tensor,
         window: int = 0,
         softcap: float = 0.0,
+        long_rope_rows: int = 0,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -75,8 +77,22 @@ class Shapes:
         self.cos_sin = cos_sin
         self.window = window
         self.softcap = softcap
+        self.long_rope_rows = long_rope_rows
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+
+
+def rotary_rows(
+    arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int, long_rope_rows: int
+) -> np.ndarray:
+    """The row of the rotary table each token rotates by: its position, plus `long_rope_rows`
+    for the tokens of the sequences the plan marks `long_rope` (LongRoPE's long factors)."""
+    rows = arrays["positions"][:num_tokens].astype(np.int64)
+    is_long = arrays.get("long_rope")
+    if long_rope_rows and is_long is not None:
+        q_lens = np.diff(arrays["query_start_loc"][: num_seqs + 1])
+        rows += np.repeat(is_long[:num_seqs].astype(np.int64) * long_rope_rows, q_lens)
+    return rows
 
 
 QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q_norm and k_norm weights [D], eps
@@ -159,12 +175,12 @@ class TorchOps:
         tables = arrays["block_tables"][:num_seqs].astype(np.int64)
         q_lens = np.diff(qsl)
         slot_mapping = arrays["slot_mapping"][:num_tokens].astype(np.int64)
-        positions = torch.from_numpy(arrays["positions"][:num_tokens].astype(np.int64))
+        rope_rows = torch.from_numpy(rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows))
         meta = StepMeta(
-            positions=positions,
+            rope_rows=rope_rows,
             slot_mapping=torch.from_numpy(slot_mapping),
-            cos=self.cos[positions].unsqueeze(1),
-            sin=self.sin[positions].unsqueeze(1),
+            cos=self.cos[rope_rows].unsqueeze(1),
+            sin=self.sin[rope_rows].unsqueeze(1),
         )
         if (slot_mapping < 0).any():
             stored = np.flatnonzero(slot_mapping >= 0)
@@ -325,15 +341,16 @@ class TritonOps:
             qk = norm_qk(torch.cat((q, k), dim=1), s.num_heads, qk_norms)
             q, k = qk.split((s.num_heads, s.num_kv_heads), dim=1)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
-        self._rotary(q, k, meta.positions, s.cos_sin)
+        self._rotary(q, k, meta.rope_rows, s.cos_sin)
         return q, k, v
 
     def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
         def to_device(name: str, n: int) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
 
+        rope_rows = rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows)
         return StepMeta(
-            positions=to_device("positions", num_tokens),
+            rope_rows=torch.from_numpy(rope_rows).to(self.device, non_blocking=True),
             slot_mapping=to_device("slot_mapping", num_tokens),
             is_all_decode=num_tokens == num_seqs,
             block_tables=to_device("block_tables", num_seqs),

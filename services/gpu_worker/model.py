@@ -33,12 +33,16 @@ def rope_cos_sin(
     rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[max_pos, D] table: cos of each (position, frequency) in the first half, sin in the second.
+    LongRoPE's is [2 * max_pos, D]: the short factors' rows, then the long factors' (a token of a
+    sequence in the long regime rotates by row max_pos + position: attention.rotary_rows).
     Computed in float32 as HF does (modeling_rope_utils), then cast."""
     dim = head_dim
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freqs = [1.0 / (rope.theta**exponent)]
     if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
+        inv_freqs = [inv_freqs[0] / rope.factor]
     elif rope.rope_type == "llama3":
+        inv_freq = inv_freqs[0]
         factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
         old_len = rope.original_max_position_embeddings
         wavelen = 2 * math.pi / inv_freq
@@ -46,12 +50,14 @@ def rope_cos_sin(
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
+        inv_freqs = [torch.where(is_medium, smoothed, scaled)]
     elif rope.rope_type == "longrope":
-        # The short factors: ModelConfig caps the positions at the original length.
-        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponent)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        inv_freqs = [
+            1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponent)
+            for factors in (rope.short_factor, rope.long_factor)
+        ]
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])
     table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     if rope.attention_factor != 1.0:
         table = table * rope.attention_factor
@@ -253,6 +259,7 @@ class LlamaModel:
             shapes = Shapes(
                 shard.num_heads, shard.num_kv_heads, config.head_dim, block_size, tables[rope],
                 window=window, softcap=config.attn_softcap,
+                long_rope_rows=max_positions if config.ropes[rope].rope_type == "longrope" else 0,
             )  # fmt: skip
             self.kind_ops.append(make_ops(shapes, device, dtype, backend))
         self.ops = self.kind_ops[0]  # also runs the norms

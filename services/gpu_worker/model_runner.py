@@ -63,6 +63,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model_dir, raw)
+        # LongRoPE: a sequence longer than this rotates with the long factors (the plan says which).
+        self.long_rope_from = config.long_rope_from
         windows = config.layer_windows
         self.sliding_window = max(windows) if windows and min(windows) > 0 else 0
 
@@ -142,6 +144,11 @@ class ModelRunner:
         used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
         if used.min() < 0 or used.max() >= self.num_kv_blocks:
             raise InvalidPlan(f"block id out of range [0, {self.num_kv_blocks})")
+        if "long_rope" in arrays:
+            if not self.long_rope_from:
+                raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
+            if arrays["long_rope"].max() > 1:
+                raise InvalidPlan("step plan: long_rope is not 0 or 1")
         history = arrays["history_ids"]
         if len(history) and (history.min() < 0 or history.max() >= self.vocab_size):
             # The scheduler never plans ahead a sequence that needs its history (no placeholder).
