@@ -103,6 +103,8 @@ class FakeExecutor:
         self.sched = sched
         self.bs = sched.config.block_size
         self.kv = np.full(sched.config.num_blocks * self.bs, -1, np.int64)  # token id per slot
+        # LongRoPE: whether each slot's key was rotated with the long factors (the plan's long_rope).
+        self.kv_long = np.zeros(sched.config.num_blocks * self.bs, np.bool_)
         self.num_steps = 0
         self.last_sampled: dict[int, tuple[int, int, int]] = {}  # row -> (step id, position, token)
         self.refuse_step_ids: set[int] = set()
@@ -148,6 +150,9 @@ class FakeExecutor:
             raise Refused(f"step {step_id} refused on purpose")
         num_seqs = header.num_seqs
         check_plan_shapes(a, header.num_tokens, num_seqs)
+        long_from = cfg.long_rope_from
+        is_long = a["long_rope"].astype(np.bool_) if "long_rope" in a else np.zeros(num_seqs, np.bool_)
+        assert long_from or not is_long.any()
         assert 0 < header.num_tokens <= cfg.max_num_batched_tokens
         assert 0 < num_seqs <= cfg.max_num_seqs
         assert a["rows"].tolist() == [req.row for req in step.seqs]
@@ -168,6 +173,9 @@ class FakeExecutor:
                 self.num_placeholders += 1
             known = min(hi - lo, req.num_tokens - int(pos[0]))
             assert (ids[lo : lo + known] == req.token_slice(int(pos[0]), int(pos[0]) + known)).all()
+            if long_from:  # long exactly when the sequence is longer than the original length
+                assert is_long[i] == (req.num_tokens > long_from), "a sequence in the wrong rope regime"
+                assert is_long[i] or seq_lens[i] <= long_from
             assert (a["slot_mapping"][lo:hi] == bt[i, pos // bs] * bs + pos % bs).all()
             num_blocks = -(-int(seq_lens[i]) // bs)
             assert (bt[i, num_blocks:] == 0).all()
@@ -177,6 +185,7 @@ class FakeExecutor:
                 assert sched.blocks.ref_counts[block] == 1, "a write into a shared block"
                 assert sched.blocks.block_hash[block] is None, "a write into a cached block"
         self.kv[a["slot_mapping"]] = ids
+        self.kv_long[a["slot_mapping"]] = np.repeat(is_long, np.diff(qsl))
 
         sampled = np.full(num_seqs, -1, np.int32)
         logprobs = np.zeros(num_seqs, np.float32)
@@ -189,6 +198,7 @@ class FakeExecutor:
             known = min(n, req.num_tokens)
             first = max(n - cfg.sliding_window, 0) if cfg.sliding_window else 0
             assert (self.kv[slots[first:known]] == req.token_slice(first, known)).all(), "stale or foreign KV read"
+            assert (self.kv_long[slots[first:n]] == is_long[i]).all(), "a key rotated in the other regime"
             if not a["is_sampled"][i]:
                 continue
             assert a["sample_positions"][i] == n
@@ -209,8 +219,9 @@ class FakeExecutor:
 
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
     """The plan is exactly the declared one (ipc/step_plan.py), and every required array is there
-    (the optional grammar arrays only come with constrained rows, which this traffic has none of)."""
-    assert set(a) == set(STEP_PLAN.required)
+    (the optional grammar arrays only come with constrained rows, which this traffic has none of;
+    long_rope with LongRoPE's long rows)."""
+    assert set(a) - {"long_rope"} == set(STEP_PLAN.required)
     STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs})
 
 
@@ -286,6 +297,7 @@ event_st = st.lists(
     max_num_batched_tokens=st.integers(1, 24),
     caching=st.booleans(),
     sliding_window=st.sampled_from([0, 0, 2, 5, 9]),
+    long_rope_from=st.sampled_from([0, 0, 7, 13]),
     requests=st.lists(request_st, min_size=1, max_size=8),
     events=event_st,
 )
@@ -296,6 +308,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
     max_num_batched_tokens: int,
     caching: bool,
     sliding_window: int,
+    long_rope_from: int,
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
@@ -312,6 +325,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
         enable_prefix_caching=caching,
         eos_token_ids=(EOS,),
         sliding_window=sliding_window,  # decodes release the blocks behind the window
+        long_rope_from=long_rope_from,  # sequences growing past it recompute in the long regime
     )
     specs = []
     for idx, spec in enumerate(requests):

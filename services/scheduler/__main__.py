@@ -271,6 +271,7 @@ class SchedulerProcess:
                     enable_prefix_caching=engine.enable_prefix_caching,
                     eos_token_ids=tuple(first.eos_token_ids),
                     sliding_window=first.sliding_window,
+                    long_rope_from=first.long_rope_from,
                 ),
                 self.load_grammars(first),
             )

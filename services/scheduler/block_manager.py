@@ -46,11 +46,12 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free) - len(self.evictable)
 
-    def extend_hashes(self, block_hashes: list[bytes], token_ids: np.ndarray) -> None:
+    def extend_hashes(self, block_hashes: list[bytes], token_ids: np.ndarray, root: bytes = b"") -> None:
         """Append the chained hashes of the full blocks in `token_ids`, the tokens that follow
-        the blocks already hashed."""
+        the blocks already hashed; the chain starts from `root` (Request.hash_root), so that
+        blocks of the same tokens computed differently never match."""
         bs = self.block_size
-        parent = block_hashes[-1] if block_hashes else b""
+        parent = block_hashes[-1] if block_hashes else root
         for start in range(0, len(token_ids) - bs + 1, bs):
             parent = hash_block(parent, token_ids[start : start + bs])
             block_hashes.append(parent)

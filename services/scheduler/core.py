@@ -62,6 +62,9 @@ class SchedulerConfig:
     # Every layer reads only a query's last `sliding_window` keys (0: some layer reads them all):
     # a decode releases the blocks wholly before that window (SchedulerState.release_before_window).
     sliding_window: int = 0
+    # LongRoPE (Phi-3): original_max_position_embeddings (0: no LongRoPE). A sequence longer than
+    # this rotates with the long factors; one that grows past it recomputes (decode.py).
+    long_rope_from: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -69,6 +72,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.long_rope_from < 0:
+            raise ValueError(f"long_rope_from must be >= 0, got {self.long_rope_from}")
         if self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
         # One sequence alone must always fit, or it would preempt itself forever.

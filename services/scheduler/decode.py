@@ -90,6 +90,8 @@ class SteadyDecode:
         """The decodes of the next step, up to `budget` of them, each given the block its token
         needs (which may preempt from the back of the line); their NUM_COMPUTED advances."""
         state = self.state
+        if state.config.long_rope_from:
+            self._recompute_past_short_rope()
         bs = state.block_size
         blocks = state.blocks
         table = state.table
@@ -209,11 +211,33 @@ class SteadyDecode:
         nor when it is constrained (its grammar bitmask depends on that token)."""
         allowed = known + 1 < limits
         table = self.state.table
+        long_from = self.state.config.long_rope_from
+        if long_from:
+            # Position long_from of a short-regime row is not decoded but recomputed, from its token.
+            allowed &= (known != long_from) | table.long_rope.take(rows)
         if table.history:
             allowed &= table.needs_history.take(rows) == 0
         if table.num_grammar_rows:
             allowed &= ~table.constrained.take(rows)
         return allowed
+
+    def _recompute_past_short_rope(self) -> None:
+        """LongRoPE: a short-regime sequence whose next token is at position long_from (its
+        length passes the original one) leaves the short regime: from there on HF rotates its
+        whole context with the long factors (Phi-3's generate drops its KV cache at that step).
+        So it is preempted by recompute; readmitted longer than the original length, it is long
+        (Prefill.choose_rope), its cached short blocks never matching."""
+        state = self.state
+        table = state.table
+        long_from = state.config.long_rope_from
+        order = self.running_rows()
+        crossing = table.num_computed.take(order) == long_from
+        crossing &= table.num_tokens.take(order) > long_from
+        crossing &= ~table.long_rope.take(order)
+        for i in reversed(crossing.nonzero()[0].tolist()):
+            req = state.running[i]
+            state.stop_running(req)
+            state.preempt(req)
 
     def _grow_decodes(self, seqs: list[Request], entering: list[int]) -> bool:
         """Give each decode `seqs[j]`, j in `entering`, its next block, preempting from the back

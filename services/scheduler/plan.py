@@ -113,11 +113,14 @@ class PlanTable:
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Rows under a grammar (structured output): their matcher is the request's `grammar`.
         self.constrained = np.zeros(num_rows, np.bool_)
+        # Rows whose tokens rotate with LongRoPE's long factors (Request.is_long_rope).
+        self.long_rope = np.zeros(num_rows, np.bool_)
         # Rows that ask for top logprobs / need a bias / are constrained: a step skips the columns
         # and arrays nobody uses.
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self.num_grammar_rows = 0
+        self.num_long_rope_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # The plan arrays of a whole-line decode step that depend only on its rows (read-only),
         # with the running line's version they hold for: steady decode gathers them once (see
@@ -155,6 +158,9 @@ class PlanTable:
         if req.grammar is not None:
             self.constrained[row] = True
             self.num_grammar_rows += 1
+        if req.is_long_rope:
+            self.long_rope[row] = True
+            self.num_long_rope_rows += 1
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -181,6 +187,8 @@ class PlanTable:
         self.num_bias_rows -= self.needs_bias[req.row] != 0
         self.num_grammar_rows -= self.constrained[req.row]
         self.constrained[req.row] = False
+        self.num_long_rope_rows -= self.long_rope[req.row]
+        self.long_rope[req.row] = False
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
@@ -353,6 +361,8 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     }
     # 1-d take() per int column; the float columns in one take() along the rows.
     constants.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
+    if table.num_long_rope_rows:
+        constants["long_rope"] = table.long_rope.take(rows).view(np.uint8)
     if not table.history:
         constants.update(_history(step))
     if not table.num_bias_rows:

@@ -69,6 +69,7 @@ class Prefill:
         waiting = state.waiting
         while waiting and budget > 0 and len(state.running) < state.config.max_num_seqs:
             req = waiting[0]
+            self.choose_rope(req)
             hits = self._prefix_hits(req)
             done = len(hits) * bs
             room = (len(hits) + blocks.num_available_besides(hits)) * bs - done
@@ -98,6 +99,16 @@ class Prefill:
         chunks.starts.append(done)
         chunks.num_new.append(n)
 
+    def choose_rope(self, req: Request) -> None:
+        """LongRoPE: a request longer than the original length rotates every position with the
+        long factors, as HF's forward over its whole sequence does (docs/models.md); a change of
+        regime drops its block hashes, which chain from it (Request.hash_root)."""
+        long_from = self.state.config.long_rope_from
+        is_long = 0 < long_from < req.num_tokens
+        if is_long != req.is_long_rope:
+            req.is_long_rope = is_long
+            req.block_hashes = []
+
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks covering a prefix of the request, always leaving its last token to compute
         (so there are logits to sample, and no write lands in a shared block)."""
@@ -108,5 +119,5 @@ class Prefill:
         num_full = (req.num_tokens - 1) // bs
         if num_full > len(req.block_hashes):
             start = len(req.block_hashes) * bs
-            blocks.extend_hashes(req.block_hashes, req.token_slice(start, num_full * bs))
+            blocks.extend_hashes(req.block_hashes, req.token_slice(start, num_full * bs), req.hash_root)
         return blocks.match_prefix(req.block_hashes[:num_full])

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from services.scheduler.grammar_matcher import GrammarMatcher
 
 
+LONG_ROPE_HASH_ROOT = b"long rope"
+
+
 class RequestStatus(enum.Enum):
     WAITING = 0
     RUNNING = 1
@@ -41,6 +44,7 @@ class Request:
         "finish_reason",
         "grammar",
         "grammar_future",
+        "is_long_rope",
         "num_cached_tokens",
         "num_preemptions",
         "num_registered_blocks",
@@ -86,6 +90,9 @@ class Request:
         # (SchedulerState.release_before_window); block_ids keeps their ids, which nothing reads.
         self.num_released_blocks = 0
         self.row = -1  # row in the plan table while running
+        # LongRoPE: whether its KV is rotated with the long factors, chosen at each admission
+        # (Prefill.choose_rope): a sequence longer than the original length is, as in HF.
+        self.is_long_rope = False
         # Structured output (params.structured): the compile while it runs, then the matcher,
         # which stays in step with output_ids (services/scheduler/grammars.py).
         self.grammar_future: Future[CompiledGrammar] | None = None
@@ -110,6 +117,12 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else int(self.prompt_ids[-1])
+
+    @property
+    def hash_root(self) -> bytes:
+        """Where its block-hash chain starts: the long regime's blocks hold other keys than the
+        short one's for the same tokens, so the two never share cached blocks."""
+        return LONG_ROPE_HASH_ROOT if self.is_long_rope else b""
 
     @property
     def is_finished(self) -> bool:

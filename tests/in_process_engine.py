@@ -1,0 +1,80 @@
+"""The scheduler core and a real ModelRunner in one process, through the real step pipeline: for
+tests that check served tokens against HF where the scheduler's choices (chunks, prefix hits,
+preemption, freed blocks) matter, without the processes and rings around them."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from ipc.messages import ResultHeader
+from services.gpu_worker.model_runner import ModelRunner
+from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.pipeline import StepPipeline
+from services.scheduler.plan import ScheduledStep, build_plan
+from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing
+
+# Per request: its tokens, their logprobs and their top logprobs.
+Served = tuple[list[int], list[float], list[dict[int, float]]]
+
+
+class RunnerExecutor:
+    """The step pipeline's executor over a ModelRunner: each published step runs at once (the
+    worker runs steps in publication order, so this is exact)."""
+
+    def __init__(self, runner: ModelRunner, block_size: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.results: deque[tuple[ResultHeader, dict[str, np.ndarray]]] = deque()
+        self.num_long_rope_steps = 0  # steps whose plan marked some row long (LongRoPE)
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        header, arrays = build_plan(step, step_id, self.block_size)
+        self.num_long_rope_steps += "long_rope" in arrays and bool(arrays["long_rope"].any())
+        self.results.append((ResultHeader(step_id, step.num_seqs), self.runner.execute(arrays, header)))
+
+    @contextmanager
+    def result(self) -> Iterator[tuple[ResultHeader, dict[str, np.ndarray]]]:
+        yield self.results.popleft()
+
+
+def serve(
+    runner: ModelRunner,
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    num_logprobs: int,
+    overlap: bool = True,
+    on_step: Callable[[Scheduler], None] | None = None,
+    **config: int,
+) -> tuple[Scheduler, RunnerExecutor, dict[str, Served]]:
+    """Every prompt greedily to max_tokens, added at once; `config` overrides the SchedulerConfig
+    (by default: the runner's block size, pool, max_model_len, window and LongRoPE length)."""
+    settings = dict(
+        max_num_seqs=4, max_num_batched_tokens=256, block_size=runner.block_size,
+        num_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len,
+        sliding_window=runner.sliding_window, long_rope_from=runner.long_rope_from,
+    )  # fmt: skip
+    sched = Scheduler(SchedulerConfig(**{**settings, **config}))
+    for rid, prompt in prompts.items():
+        req = make_request(rid, prompt, temperature=0.0, max_tokens=max_tokens, logprobs=num_logprobs)
+        assert sched.add(req) is None
+    executor = RunnerExecutor(runner, runner.block_size)
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
+    outputs: dict[str, Served] = {}
+    for _ in range(5000):
+        if not pipeline.has_work:
+            break
+        for out in pipeline.advance() or []:
+            tokens, logprobs, tops = outputs.setdefault(out.request_id, ([], [], []))
+            assert out.start_index == len(tokens)
+            tokens.extend(out.new_token_ids)
+            logprobs.extend(out.logprobs)
+            tops.extend(out.top_logprobs)
+        if on_step is not None:
+            on_step(sched)
+    assert not pipeline.has_work
+    assert_no_leaks(sched)
+    return sched, executor, outputs
