@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import torch
 
 from ipc.messages import ResultHeader
 from services.gpu_worker.model_runner import ModelRunner
@@ -44,14 +45,15 @@ class RunnerExecutor:
 def serve(
     runner: ModelRunner,
     prompts: dict[str, list[int]],
-    max_tokens: int,
+    max_tokens: int | dict[str, int],
     num_logprobs: int,
     overlap: bool = True,
     on_step: Callable[[Scheduler], None] | None = None,
     **config: int,
 ) -> tuple[Scheduler, RunnerExecutor, dict[str, Served]]:
-    """Every prompt greedily to max_tokens, added at once; `config` overrides the SchedulerConfig
-    (by default: the runner's block size, pool, max_model_len, window and LongRoPE length)."""
+    """Every prompt greedily to max_tokens (one for all, or by id), added at once; `config`
+    overrides the SchedulerConfig (by default: the runner's block size, pool, max_model_len,
+    window and LongRoPE length)."""
     settings = dict(
         max_num_seqs=4, max_num_batched_tokens=256, block_size=runner.block_size,
         num_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len,
@@ -59,7 +61,8 @@ def serve(
     )  # fmt: skip
     sched = Scheduler(SchedulerConfig(**{**settings, **config}))
     for rid, prompt in prompts.items():
-        req = make_request(rid, prompt, temperature=0.0, max_tokens=max_tokens, logprobs=num_logprobs)
+        limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
+        req = make_request(rid, prompt, temperature=0.0, max_tokens=limit, logprobs=num_logprobs)
         assert sched.add(req) is None
     executor = RunnerExecutor(runner, runner.block_size)
     pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
@@ -78,3 +81,20 @@ def serve(
     assert not pipeline.has_work
     assert_no_leaks(sched)
     return sched, executor, outputs
+
+
+def check_against_hf(hf, prompt: list[int], served: Served, num_logprobs: int, atol: float) -> None:
+    """Each served token is HF's greedy one after the history so far (one HF forward over all of
+    it, no HF cache), with HF's logprob and top `num_logprobs` logprobs within `atol`."""
+    tokens, logprobs, tops = served
+    history = list(prompt)
+    for i, token in enumerate(tokens):
+        with torch.inference_mode():
+            expected = torch.log_softmax(hf(torch.tensor([history])).logits[0, -1].float(), dim=-1)
+        assert token == int(expected.argmax()), f"token {i} (position {len(history)}) differs from HF"
+        assert abs(logprobs[i] - float(expected[token])) < atol, f"token {i}: logprob"
+        top_ids = expected.topk(num_logprobs).indices.tolist()
+        assert sorted(tops[i]) == sorted(top_ids), f"token {i}: top ids"
+        for t in top_ids:
+            assert abs(tops[i][t] - float(expected[t])) < atol, f"token {i}: top logprob of {t}"
+        history.append(token)

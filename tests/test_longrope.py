@@ -195,18 +195,7 @@ def serve(
 
 
 def check_against_hf(hf, prompt: list[int], served: Served) -> None:
-    """Each served token is HF's greedy one after the history so far, with HF's logprobs."""
-    tokens, logprobs, tops = served
-    history = list(prompt)
-    for i, token in enumerate(tokens):
-        expected = torch.log_softmax(hf_logits(hf, history), dim=-1)
-        assert token == int(expected.argmax()), f"token {i} (position {len(history)}) differs from HF"
-        assert abs(logprobs[i] - float(expected[token])) < ATOL, f"token {i}: logprob"
-        top_ids = expected.topk(TOP).indices.tolist()
-        assert sorted(tops[i]) == sorted(top_ids), f"token {i}: top ids"
-        for t in top_ids:
-            assert abs(tops[i][t] - float(expected[t])) < ATOL, f"token {i}: top logprob of {t}"
-        history.append(token)
+    in_process_engine.check_against_hf(hf, prompt, served, TOP, ATOL)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -191,13 +191,17 @@ class FakeExecutor:
         logprobs = np.zeros(num_seqs, np.float32)
         for i, req in enumerate(step.seqs):
             n = int(seq_lens[i])
-            # Everything the sequence attends to (all of it, or its last sliding_window keys) must be
-            # its own tokens, read through its table; a decode planned ahead also attends to its
-            # placeholder, filled in above.
+            # Everything the sequence attends to (all of it, or the sliding_window keys up to each of
+            # its queries, the first at n - q_len) must be its own tokens, read through its table,
+            # in blocks it still holds; a decode planned ahead also attends to its placeholder,
+            # filled in above.
             slots = bt[i, np.arange(n) // bs] * bs + np.arange(n) % bs
             known = min(n, req.num_tokens)
-            first = max(n - cfg.sliding_window, 0) if cfg.sliding_window else 0
+            q_len = int(qsl[i + 1] - qsl[i])
+            first = max(n - q_len - cfg.sliding_window + 1, 0) if cfg.sliding_window else 0
             assert (self.kv[slots[first:known]] == req.token_slice(first, known)).all(), "stale or foreign KV read"
+            read_blocks = np.unique(slots[first:n] // bs)
+            assert (np.array(sched.blocks.ref_counts)[read_blocks] > 0).all(), "a read of a released block"
             assert (self.kv_long[slots[first:n]] == is_long[i]).all(), "a key rotated in the other regime"
             if not a["is_sampled"][i]:
                 continue

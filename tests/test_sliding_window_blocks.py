@@ -5,7 +5,9 @@ sequence's own token) and the reference outputs computed there independently of 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.pipeline import StepPipeline
@@ -78,6 +80,50 @@ def test_a_decode_holds_only_the_blocks_its_window_reads(overlap: bool) -> None:
     assert_no_leaks(sched)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_chunked_prefill_holds_only_the_blocks_its_window_reads(overlap: bool) -> None:
+    """An 80-token prompt in chunks of 8: each chunk first gives back the blocks wholly behind
+    its first query's window, so the pool stays nearly free all through the prefill."""
+    chunk = 8
+    sched = Scheduler(config(max_num_batched_tokens=chunk))
+    prompt = [1 + (j * 7) % 30 for j in range(80)]
+    req = make_request("a", prompt, max_tokens=4, ignore_eos=True)
+    # A chunk's queries read back to WINDOW - 1 keys before its first: those blocks and the chunk's.
+    bound = -(-(WINDOW - 1 + chunk) // BS) + 1
+    most = [0]
+
+    def check() -> None:
+        if "a" in sched.requests and sched.requests["a"].status.name == "RUNNING":
+            most[0] = max(most[0], held_blocks(sched, "a"))
+            assert sched.blocks.num_used == held_blocks(sched, "a")
+            assert sched.blocks.num_available >= sched.blocks.num_blocks - bound
+
+    got = run(sched, [req], overlap, check)
+    assert got["a"] == reference_outputs(prompt, [], req.params, MAX_MODEL_LEN)
+    assert most[0] <= bound  # 80 tokens without the window would hold 20 blocks
+    assert_no_leaks(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_prompt_prefills_beside_a_long_decode_only_windowed(overlap: bool) -> None:
+    """A 90-token prompt chunked by 8 beside a decode that grows to 90, in a pool of 24 blocks
+    (96 tokens): the prompt alone holds 23 blocks unless its prefill gives back the blocks behind
+    the window, so only then is nobody preempted; outputs are the reference's either way."""
+    decode_prompt = list(range(1, 11))
+    long_prompt = [2 + (j * 5) % 30 for j in range(90)]
+    for window in (0, WINDOW):
+        sched = Scheduler(config(sliding_window=window, max_num_batched_tokens=8))
+        reqs = [
+            make_request("decode", decode_prompt, max_tokens=80, ignore_eos=True, seed=1),
+            make_request("prompt", long_prompt, max_tokens=4, ignore_eos=True, seed=2),
+        ]
+        got = run(sched, reqs, overlap)
+        assert got["decode"] == reference_outputs(decode_prompt, [], reqs[0].params, MAX_MODEL_LEN)
+        assert got["prompt"] == reference_outputs(long_prompt, [], reqs[1].params, MAX_MODEL_LEN)
+        assert (sched.num_preemptions > 0) == (window == 0)
+        assert_no_leaks(sched)
+
+
 def test_without_a_window_every_block_stays() -> None:
     sched = Scheduler(config(sliding_window=0))
     req = make_request("a", list(range(1, 11)), max_tokens=70, ignore_eos=True)
@@ -137,3 +183,41 @@ def test_blocks_released_behind_the_window_serve_a_later_prefix_hit() -> None:
     # generated ones among them were released behind the first request's window while it ran.
     assert sched.num_prefix_hit_tokens == 32
     assert_no_leaks(sched)
+
+
+# ---- a served Mistral against HF ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_chunked_prefill_freeing_blocks_behind_the_window_still_generates_hf_tokens(tmp_path) -> None:
+    """A random Mistral (window 12) served in this process with chunks of 8, in a pool of 25
+    blocks of 4 (100 tokens): a 90-token prompt prefills beside a growing decode, holding only
+    the blocks its chunks' windows read, nobody is preempted, and every token and logprob is HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from services.gpu_worker.model_runner import ModelRunner
+    from tests.in_process_engine import check_against_hf, serve
+    from tests.test_families import WINDOW as MISTRAL_WINDOW
+    from tests.test_families import save_random_model
+
+    path = save_random_model("mistral-sliding", tmp_path / "mistral")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BS)
+    assert runner.sliding_window == MISTRAL_WINDOW
+    chunk = 8
+    bound = -(-(MISTRAL_WINDOW - 1 + chunk) // BS) + 1
+    rng = np.random.default_rng(5)
+    prompts = {"decode": rng.integers(3, 320, 12).tolist(), "prompt": rng.integers(3, 320, 90).tolist()}
+    most = [0]
+
+    def check(sched: Scheduler) -> None:
+        most[0] = max(most[0], held_blocks(sched, "prompt"))
+
+    sched, _, served = serve(
+        runner, prompts, max_tokens={"decode": 40, "prompt": 6}, num_logprobs=3, on_step=check,
+        max_num_batched_tokens=chunk, num_blocks=25, max_model_len=100,
+    )  # fmt: skip
+    for rid, prompt in prompts.items():
+        check_against_hf(hf, prompt, served[rid], 3, 2e-4)
+    assert most[0] <= bound  # 23 blocks without freeing behind the window
+    assert sched.num_preemptions == 0

@@ -60,7 +60,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
     # Every layer reads only a query's last `sliding_window` keys (0: some layer reads them all):
-    # a decode releases the blocks wholly before that window (SchedulerState.release_before_window).
+    # decodes and prefill chunks release the blocks wholly before that window
+    # (SchedulerState.release_before_window).
     sliding_window: int = 0
     # LongRoPE (Phi-3): original_max_position_embeddings (0: no LongRoPE). A sequence longer than
     # this rotates with the long factors; one that grows past it recomputes (decode.py).

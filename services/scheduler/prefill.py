@@ -1,7 +1,8 @@
 """Prefill: the prompts (or recomputes) of a step after its decodes. First the running sequences
 whose prompt is under way, then waiting requests, best first, each from its prefix-cache hits on;
 each chunked to what is left of the token budget and of the free blocks. A waiting request that
-gets a chunk enters the running line."""
+gets a chunk enters the running line. When every layer has a sliding window, each chunk first
+gives back the blocks wholly behind the window of its first query (as decodes do)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Prefill:
         bs = state.block_size
         blocks = state.blocks
         num_computed = state.table.num_computed
+        is_windowed = state.config.sliding_window > 0
         chunks = Chunks()
 
         # Prompts (or recomputes) already under way.
@@ -54,6 +56,10 @@ class Prefill:
             if req.status is not RequestStatus.RUNNING:  # preempted for a decode
                 continue
             done = int(num_computed[req.row])
+            if is_windowed:
+                # No query of this chunk (the first at `done`) or after it reads before its window:
+                # those blocks go back before the chunk takes new ones.
+                state.release_before_window(req, done)
             room = (len(req.block_ids) + blocks.num_available) * bs - done
             if room <= 0:
                 if not state.make_room(req, seqs):
@@ -88,6 +94,8 @@ class Prefill:
             state.grow(req, done + n)
             state.table.assign(req, done + n)
             state.start_running(req)
+            if is_windowed:  # prefix hits wholly behind the first chunk's window
+                state.release_before_window(req, done)
             self._add(chunks, seqs, req, done, n)
             budget -= n
         return chunks
