@@ -1,7 +1,8 @@
 """Non-Llama families served end to end through real processes (supervisor, tokenizer, scheduler,
 worker, detokenizer) with SmolLM2's tokenizer, whose greedy tokens must be HF's: a random Gemma 2
-(sliding-window layers shorter than the prompts, soft caps, sandwich norms), and a random Mistral
-whose sequences fit the KV pool only because blocks behind the window are freed."""
+(sliding-window layers shorter than the prompts, soft caps, sandwich norms), a random Mistral
+whose sequences fit the KV pool only because blocks behind the window are freed, and a random
+Phi-3 with LongRoPE served past its original length."""
 
 from __future__ import annotations
 
@@ -132,5 +133,60 @@ def test_mistral_served_in_a_pool_its_sequences_only_fit_windowed(mistral_dir: P
         with ThreadPoolExecutor(3) as pool:
             got = list(pool.map(one, prompts[:3]))
         got.append(one(prompts[3]))
+    assert got == expected
+    assert_clean(run_dir)
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Phi-3 with LongRoPE whose original length is 32 of its 128 positions."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    out = tmp_path_factory.mktemp("phi3-longrope-serving")
+    rng = np.random.default_rng(6)
+    config = Phi3Config(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + 3 * rng.random(8)).tolist(), "long_factor": (1 + 3 * rng.random(8)).tolist(),
+        },
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+def test_phi3_longrope_served_past_its_original_length_matches_hf(phi3_longrope_dir: Path, tmp_path: Path) -> None:
+    """Served up to max_position_embeddings (128), not the original 32: a prompt whose generation
+    passes 32 (the scheduler recomputes it in the long regime, as the worker's hello told it to)
+    and one longer than 32, in chunks of 16, greedy tokens HF's."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (24, 50)]
+    new_tokens = 16
+    expected = [hf_greedy(phi3_longrope_dir, p, new_tokens) for p in prompts]
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={phi3_longrope_dir}", "model.dtype=float32", "model.max_model_len=128",
+        "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+
+        def one(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                result = client.generate(prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300)
+                return result.token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, prompts))
     assert got == expected
     assert_clean(run_dir)
