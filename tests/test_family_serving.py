@@ -166,7 +166,9 @@ def phi3_longrope_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def test_phi3_longrope_served_past_its_original_length_matches_hf(phi3_longrope_dir: Path, tmp_path: Path) -> None:
+def test_phi3_longrope_served_past_its_original_length_matches_hf(
+    phi3_longrope_dir: Path, tmp_path: Path
+) -> None:
     """Served up to max_position_embeddings (128), not the original 32: a prompt whose generation
     passes 32 (the scheduler recomputes it in the long regime, as the worker's hello told it to)
     and one longer than 32, in chunks of 16, greedy tokens HF's."""
@@ -183,7 +185,9 @@ def test_phi3_longrope_served_past_its_original_length_matches_hf(phi3_longrope_
 
         def one(prompt: list[int]) -> list[int]:
             with Client(run_dir) as client:
-                result = client.generate(prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300)
+                result = client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                )
                 return result.token_ids
 
         with ThreadPoolExecutor(len(prompts)) as pool:
