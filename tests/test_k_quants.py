@@ -71,7 +71,9 @@ def test_k_quant_weights_multiply_from_their_blocks(k_quant_model: Path) -> None
         assert (o_proj.format, gate_up.format, down.format) == ("Q4_K", "Q5_K", "Q6_K")
         if CAN_PREPACK:  # blocks serve steps of few rows, the prepacked copy wider ones: no plain copy
             assert layer.o_proj.numel() == layer.gate_up.numel() == layer.down.numel() == 0
-            assert layer.qkv.numel() > 0  # no blocks: the few-rows kernel reads it
+            assert all(w.is_mkldnn for w in layer.onednn[1:])
+            # No blocks: one plain copy, for both the few-rows kernel and oneDNN.
+            assert layer.qkv.numel() > 0 and layer.onednn[0] is layer.qkv
     rng = np.random.default_rng(0)
     builder = PlanBuilder()
     histories = {i: random_ids(rng, 9 + i, 300) for i in range(4)}

@@ -10,7 +10,7 @@ import torch
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, Dim
 from kernels import cpu_ops
-from services.gpu_worker.model import CAN_PREPACK, prepack, prepacked_linear
+from services.gpu_worker.model import CAN_PREPACK, onednn_linear, prepack
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 
 BLOCK_SIZE = 16
@@ -223,13 +223,17 @@ def few_row_steps_match_hf(runner: ModelRunner, hf, max_rows: int) -> None:
 
 def test_tiny_few_rows_use_the_few_rows_kernel(tiny):
     """Steps of 1-4 rows multiply through cpu_ops.few_rows_linear (float32 on the CPU) and must give
-    HF's logits, as the 5-row step on the prepacked (or, without oneDNN, [out, in]) weights does."""
+    HF's logits, as the 5-row step through oneDNN (or, without it, F.linear) does. A float32
+    checkpoint keeps one float32 copy of each weight: the plain [out, in] one, which both read."""
     runner, hf = tiny
     model = runner.model
     assert model.has_few_rows_linear and model.lm_head_t is None
     assert [model._layout(n) for n in (1, 4)] == ["few_rows", "few_rows"]
-    assert (model.lm_head_prepacked is not None) == CAN_PREPACK
-    assert all((layer.prepacked is not None) == CAN_PREPACK for layer in model.layers)
+    assert model._layout(5) == ("onednn" if CAN_PREPACK else "plain")
+    if CAN_PREPACK:
+        assert model.lm_head_onednn is model.lm_head
+        for layer in model.layers:
+            assert all(w is p for w, p in zip(layer.onednn, layer.plain, strict=True))
     few_row_steps_match_hf(runner, hf, 5)
 
 
@@ -290,8 +294,9 @@ def test_tiny_without_the_kernel_uses_transposed_weights(tiny, tiny_model_dir, m
 
 
 @pytest.mark.skipif(not CAN_PREPACK, reason="torch built without oneDNN")
-def test_prepacked_linear_matches_f_linear():
-    # With and without bias, on a non-contiguous input, for the row counts the model uses.
+def test_onednn_linear_matches_f_linear():
+    # Prepacked and plain weights, with and without bias, on a non-contiguous input, for the row
+    # counts the model uses.
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 40, generator=gen)
     bias = torch.randn(48, generator=gen)
@@ -300,7 +305,8 @@ def test_prepacked_linear_matches_f_linear():
         x = torch.randn(40, num_rows, generator=gen).t()  # [num_rows, 40], transposed strides
         for b in (None, bias):
             expected = torch.nn.functional.linear(x, weight, b)
-            torch.testing.assert_close(prepacked_linear(x, packed, b), expected, atol=1e-5, rtol=1e-5)
+            for w in (packed, weight):
+                torch.testing.assert_close(onednn_linear(x, w, b), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_chunked_prefill_equals_one_step(tiny):

@@ -78,9 +78,12 @@ UPCAST_MIN_ROWS = 4
 # takes; that fallback keeps a third copy of the weights (540 MB more for SmolLM2).
 TRANSPOSED_MAX_ROWS = 3
 
-# float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies by weights reordered
-# once into its blocked layout (oneDNN's weight prepacking, which inductor also uses) instead of repacking
-# the [out, in] weights on every call; the widest projections (LM head, gate_up) gain most.
+# float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies (torch's MKL sgemm is
+# slower on these steps; docs/performance.md). It reads one float32 copy of each weight: the plain
+# [out, in] one that the few-rows kernel also reads, or, where the few-rows path reads GGUF blocks
+# instead, the weight reordered once into oneDNN's blocked layout (oneDNN's weight prepacking, which
+# inductor also uses) and the plain one freed. Prepacking every weight would keep two float32 copies
+# for a mere 1.0-1.3x on wide steps.
 CAN_PREPACK = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -191,10 +194,11 @@ class LlamaLayer:
         self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
         self.down = empty(h, shard.intermediate_size)  # row-parallel
         # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
-        # kernel (TRANSPOSED_MAX_ROWS), and reordered for oneDNN, for steps of more (CAN_PREPACK):
+        # kernel (TRANSPOSED_MAX_ROWS), and as oneDNN multiplies them in steps of more (CAN_PREPACK:
+        # prepacked where GGUF blocks replace the plain weight, else the plain weight itself):
         # float32 on the CPU only.
         self.transposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.prepacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.onednn: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
         # (qkv, o_proj, gate_up, down) in their GGUF block format where the model file has them
         # (LlamaModel.load_quantized); None where it does not.
@@ -271,7 +275,7 @@ class LlamaModel:
         self.is_cpu_float32 = device.type == "cpu" and dtype == torch.float32
         self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_kernels(dtype)
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
-        self.lm_head_prepacked: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK
+        self.lm_head_onednn: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK: see LlamaLayer
         self.lm_head_quantized: QuantizedWeight | None = None  # see load_quantized
         # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
         # where the layer is exactly what that op computes.
@@ -440,26 +444,35 @@ class LlamaModel:
         if not self.is_cpu_float32:
             return
         keep_transposed = not self.has_few_rows_linear
-        # A plain [out, in] weight that has GGUF blocks is read by no step once it is prepacked:
-        # steps of few rows multiply by the blocks, wider ones by the prepacked copy. It is freed
-        # layer by layer, so that the model never holds two float32 copies of itself (SmolLM2:
-        # 425 MB less resident, and a lower peak while loading).
+        # One float32 copy of each weight (CAN_PREPACK): a plain [out, in] weight that has GGUF
+        # blocks is read by no step once prepacked (steps of few rows multiply by the blocks), so
+        # it is replaced by its prepacked copy, layer by layer, and the peak while loading stays
+        # one copy too; every other weight stays plain, for the few-rows kernel and oneDNN alike.
         drops_plain = CAN_PREPACK and not keep_transposed
         released = torch.empty(0, dtype=self.dtype, device=self.device)
         for layer in self.layers:
             if keep_transposed:
                 layer.transposed = tuple(w.t().contiguous() for w in layer.plain)  # type: ignore[assignment]
-            if CAN_PREPACK:
-                layer.prepacked = tuple(prepack(w) for w in layer.plain)  # type: ignore[assignment]
-            for name, blocks in zip(("qkv", "o_proj", "gate_up", "down"), layer.quantized, strict=True):
+            if not CAN_PREPACK:
+                continue
+            names = ("qkv", "o_proj", "gate_up", "down")
+            onednn = []
+            for name, weight, blocks in zip(names, layer.plain, layer.quantized, strict=True):
                 if drops_plain and blocks is not None:
+                    onednn.append(prepack(weight))
                     setattr(layer, name, released)
+                else:
+                    onednn.append(weight)
+            layer.onednn = tuple(onednn)  # type: ignore[assignment]
         if keep_transposed:
             self.lm_head_t = self.lm_head.t().contiguous()
         if CAN_PREPACK:
-            self.lm_head_prepacked = prepack(self.lm_head)
+            # A tied head is the embedding, which lookups still read: it stays plain.
             if drops_plain and self.lm_head_quantized is not None and not self.config.tie_word_embeddings:
-                self.lm_head = released  # a tied head is the embedding, which lookups still read
+                self.lm_head_onednn = prepack(self.lm_head)
+                self.lm_head = released
+            else:
+                self.lm_head_onednn = self.lm_head
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -533,7 +546,7 @@ class LlamaModel:
                 "plain": self.lm_head,
                 "few_rows": self.lm_head if self.lm_head_quantized is None else self.lm_head_quantized,
                 "transposed": self.lm_head_t,
-                "prepacked": self.lm_head_prepacked,
+                "onednn": self.lm_head_onednn,
             }
             logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
         if self.parallel.is_parallel:
@@ -548,15 +561,15 @@ class LlamaModel:
             return "few_rows"
         if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
             return "transposed"
-        return "plain" if self.lm_head_prepacked is None else "prepacked"
+        return "plain" if self.lm_head_onednn is None else "onednn"
 
     def _linear(self, layout: str, num_rows: int) -> Callable[..., torch.Tensor]:
         if layout == "few_rows":
             return few_rows_linear
         if layout == "transposed":
             return linear_t
-        if layout == "prepacked":
-            return prepacked_linear
+        if layout == "onednn":
+            return onednn_linear
         return upcast_linear if num_rows >= self.upcast_min_rows else F.linear
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -590,8 +603,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear from a `prepack`ed weight."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through oneDNN, from a `prepack`ed weight or a plain [out, in] one."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
