@@ -1,5 +1,6 @@
-"""A model whose weights are K-quants, mixed per tensor as a Q4_K_M file mixes them: steps of few
-rows multiply from the super-blocks themselves and give HF's logits on the dequantized weights."""
+"""A model whose weights are K-quants, mixed per tensor as a Q4_K_M file mixes them (also within a
+fused weight): steps of few rows multiply from the super-blocks themselves and give HF's logits on
+the dequantized weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from services.gpu_worker import loader
-from services.gpu_worker.model import CAN_PREPACK
+from services.gpu_worker.model import CAN_PREPACK, MixedQuantizedWeight
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_kernels import has_cpu_kernels, random_k_quant_blocks
 from tests.test_model import PlanBuilder, random_ids, runner_logits
@@ -21,9 +22,10 @@ pytestmark = [
     pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2"),
 ]
 
-# As llama.cpp's Q4_K_M: most weights Q4_K, v and down Q6_K; gate Q5_K here to cover all three.
+# As llama.cpp's Q4_K_M: most weights Q4_K, v and down Q6_K (so the fused qkv mixes two formats);
+# gate Q5_K here to cover all three, and to mix the fused gate_up too.
 FORMATS = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K",
-           "gate_proj": "Q5_K", "up_proj": "Q5_K", "down_proj": "Q6_K"}  # fmt: skip
+           "gate_proj": "Q5_K", "up_proj": "Q4_K", "down_proj": "Q6_K"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,31 +62,136 @@ def k_quant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_k_quant_weights_multiply_from_their_blocks(k_quant_model: Path) -> None:
+def test_k_quant_weights_multiply_from_their_blocks(
+    k_quant_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
     runner = ModelRunner(k_quant_model, dtype="float32", kv_cache_bytes=4 << 20)
     for layer in runner.model.layers:
         qkv, o_proj, gate_up, down = layer.quantized
-        assert qkv is None  # q / k Q4_K with v Q6_K: one fused weight cannot mix formats
-        assert (o_proj.format, gate_up.format, down.format) == ("Q4_K", "Q5_K", "Q6_K")
+        # q / k Q4_K with v Q6_K, gate Q5_K with up Q4_K: each run of one format its own blocks.
+        assert isinstance(qkv, MixedQuantizedWeight) and isinstance(gate_up, MixedQuantizedWeight)
+        assert [p.format for p in qkv.parts] == ["Q4_K", "Q6_K"]
+        assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
+        assert [p.format for p in gate_up.parts] == ["Q5_K", "Q4_K"]
+        assert (o_proj.format, down.format) == ("Q4_K", "Q6_K")
+        assert not layer.runs_as_one_op  # few_rows_decode_layer takes one format per weight
         if CAN_PREPACK:  # blocks serve steps of few rows, the prepacked copy wider ones: no plain copy
-            assert layer.o_proj.numel() == layer.gate_up.numel() == layer.down.numel() == 0
-            assert all(w.is_mkldnn for w in layer.onednn[1:])
-            # No blocks: one plain copy, for both the few-rows kernel and oneDNN.
-            assert layer.qkv.numel() > 0 and layer.onednn[0] is layer.qkv
+            assert all(w.numel() == 0 for w in layer.plain)
+            assert all(w.is_mkldnn for w in layer.onednn)
+    # With the plain weights freed nothing but the blocks can serve a step of few rows; count
+    # that the mixed ones do.
+    calls = []
+    multiply = MixedQuantizedWeight.multiply
+
+    def counted(self: MixedQuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return multiply(self, x)
+
+    monkeypatch.setattr(MixedQuantizedWeight, "multiply", counted)
     rng = np.random.default_rng(0)
     builder = PlanBuilder()
     histories = {i: random_ids(rng, 9 + i, 300) for i in range(4)}
-    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    prefill = runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])  # 42 rows: oneDNN
+    for row, history in histories.items():
+        with torch.inference_mode():
+            expected = hf(torch.tensor([history])).logits[0, -1]
+        torch.testing.assert_close(prefill[row], expected, atol=1e-4, rtol=1e-4)
     for num_seqs in (1, 4, 2):  # all-decode steps of few rows: the super-block kernels
         chunks = []
         for i in range(num_seqs):
             histories[i].append(int(rng.integers(0, 300)))
             chunks.append((i, histories[i][-1:], True))
+        calls.clear()
         logits = runner_logits(runner, builder, chunks)
+        assert calls == [num_seqs] * 2 * len(runner.model.layers)  # qkv and gate_up, every layer
         for row in range(num_seqs):
             with torch.inference_mode():
                 expected = hf(torch.tensor([histories[row]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+
+
+def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (the inverse of loader._unpermute), on weights or raw blocks."""
+    grouped = rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def test_a_q4_k_m_gguf_multiplies_from_its_blocks(
+    k_quant_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fixture's blocks written as a GGUF file (Q/K rows in llama.cpp's order), converted as a
+    worker start converts it: the fused weights mix formats, run from their blocks, and give HF's
+    logits on gguf's dequantization of them."""
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with safe_open(str(k_quant_model / loader.QUANTIZED_FILE), framework="numpy") as f:
+        formats = json.loads(f.metadata()["formats"])
+        blocks = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    with safe_open(str(k_quant_model / "model.safetensors"), framework="numpy") as f:
+        plain = {name: f.get_tensor(name) for name in f.keys() if name not in blocks}  # noqa: SIM118
+    config = json.loads((k_quant_model / "config.json").read_text())
+    hf_to_gguf = {hf: g for g, hf in loader.GGUF_TO_HF.items()}
+    path = tmp_path / "k-quants.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    for name in sorted({*plain, *blocks}):
+        if name in top:
+            gguf_name = top[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            gguf_name = f"blk.{layer}.{hf_to_gguf['.'.join(rest[:-1])]}.weight"
+        data = blocks[name] if name in blocks else plain[name]
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        projection = name.split(".")[-2]
+        if projection in heads:
+            data = _permute(data, heads[projection])
+        raw = gguf.GGMLQuantizationType[formats[name]] if name in blocks else None
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    class NoTokenizer:  # this GGUF has no vocabulary; the runner needs none
+        def save_pretrained(self, out: str) -> None:
+            pass
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *args, **kwargs: NoTokenizer())
+    model_dir = loader.prepare_model(str(path), cache_dir=tmp_path / "cache")
+    runner = ModelRunner(model_dir, dtype="float32", kv_cache_bytes=4 << 20)
+    for layer in runner.model.layers:
+        qkv, o_proj, gate_up, down = layer.quantized
+        assert isinstance(qkv, MixedQuantizedWeight) and isinstance(gate_up, MixedQuantizedWeight)
+        assert o_proj is not None and down is not None
+        if CAN_PREPACK:
+            assert all(w.numel() == 0 for w in layer.plain)  # only the blocks serve steps of few rows
+    hf = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    builder = PlanBuilder()
+    histories = {i: random_ids(rng, 5 + i, 300) for i in range(2)}
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    for _ in range(3):
+        chunks = []
+        for i in histories:
+            histories[i].append(int(rng.integers(0, 300)))
+            chunks.append((i, histories[i][-1:], True))
+        logits = runner_logits(runner, builder, chunks)
+        for row, history in histories.items():
+            with torch.inference_mode():
+                expected = hf(torch.tensor([history])).logits[0, -1]
             torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)

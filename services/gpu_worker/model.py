@@ -150,22 +150,60 @@ class QuantizedWeight:
     blocks: torch.Tensor  # [out, in / block weights * block bytes] uint8
     format: str  # one of cpu_ops.QUANTIZED_FORMATS
 
-    @classmethod
-    def of(cls, parts: list[torch.Tensor], formats: list[str]) -> QuantizedWeight | None:
-        """The weight made of these HF weights' blocks stacked by rows; None unless one format."""
-        if len(set(formats)) != 1 or formats[0] not in cpu_ops.QUANTIZED_FORMATS:
-            return None
-        blocks = torch.cat(parts).numpy()
-        return cls(torch.from_numpy(cpu_ops.to_lanes(blocks, formats[0])), formats[0])
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
 
-    def matches(self, weight: torch.Tensor) -> bool:
-        """Whether these blocks multiply like `weight` (which loading dequantized from them)."""
-        probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        if self.blocks.shape[0] != weight.shape[0]:
-            return False
-        expected = F.linear(probe, weight)
-        got = cpu_ops.few_rows_linear_quantized(probe, self.blocks, self.format)
-        return torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T for x of at most cpu_ops.MAX_LINEAR_ROWS rows."""
+        return cpu_ops.few_rows_linear_quantized(x, self.blocks, self.format)
+
+
+@dataclass(frozen=True)
+class MixedQuantizedWeight:
+    """A fused weight whose parts are blocks of different formats (a Q4_K_M file's Q4_K q / k
+    with Q6_K v): each run of rows of one format multiplies into its own columns of the output.
+    cpu_ops.few_rows_decode_layer takes one format per weight, so a layer with one runs op by op
+    (`LlamaLayer.runs_as_one_op`)."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.multiply(x) for part in self.parts], dim=-1)
+
+
+Blocks = QuantizedWeight | MixedQuantizedWeight
+
+
+def blocks_of(parts: list[torch.Tensor], formats: list[str]) -> Blocks | None:
+    """The weight made of these HF weights' blocks stacked by rows; None where a format is not one
+    the kernels read."""
+    if any(fmt not in cpu_ops.QUANTIZED_FORMATS for fmt in formats):
+        return None
+    runs: list[tuple[str, list[torch.Tensor]]] = []
+    for part, fmt in zip(parts, formats, strict=True):
+        if runs and runs[-1][0] == fmt:
+            runs[-1][1].append(part)
+        else:
+            runs.append((fmt, [part]))
+    weights = [
+        QuantizedWeight(torch.from_numpy(cpu_ops.to_lanes(torch.cat(p).numpy(), fmt)), fmt) for fmt, p in runs
+    ]
+    return weights[0] if len(weights) == 1 else MixedQuantizedWeight(tuple(weights))
+
+
+def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
+    """Whether these blocks multiply like `weight` (which loading dequantized from them)."""
+    if blocks.out_features != weight.shape[0]:
+        return False
+    probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = F.linear(probe, weight)
+    tolerance = 1e-4 * float(expected.abs().max())
+    return torch.allclose(blocks.multiply(probe), expected, rtol=1e-4, atol=tolerance)
 
 
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
@@ -202,16 +240,21 @@ class LlamaLayer:
 
         # (qkv, o_proj, gate_up, down) in their GGUF block format where the model file has them
         # (LlamaModel.load_quantized); None where it does not.
-        self.quantized: tuple[QuantizedWeight | None, ...] = (None, None, None, None)
+        self.quantized: tuple[Blocks | None, ...] = (None, None, None, None)
 
     @property
     def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.qkv, self.o_proj, self.gate_up, self.down
 
     @property
-    def few_rows(self) -> tuple[torch.Tensor | QuantizedWeight, ...]:
+    def few_rows(self) -> tuple[torch.Tensor | Blocks, ...]:
         """What `few_rows_linear` multiplies by: the GGUF blocks where loaded, else the plain weight."""
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.plain, strict=True))
+
+    @property
+    def runs_as_one_op(self) -> bool:
+        """Whether cpu_ops.few_rows_decode_layer can take these weights: one format each."""
+        return not any(isinstance(q, MixedQuantizedWeight) for q in self.quantized)
 
     @property
     def decode_layer_weights(self) -> tuple:
@@ -276,7 +319,7 @@ class LlamaModel:
         self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_kernels(dtype)
         self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
         self.lm_head_onednn: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK: see LlamaLayer
-        self.lm_head_quantized: QuantizedWeight | None = None  # see load_quantized
+        self.lm_head_quantized: Blocks | None = None  # see load_quantized
         # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
         # where the layer is exactly what that op computes.
         self.has_one_op_layers = (
@@ -412,13 +455,14 @@ class LlamaModel:
     def load_quantized(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
         """Multiply steps of few rows from GGUF blocks (HF names) where they hold exactly the
         weights loaded: each fused weight is checked against its float32 copy, and one that
-        differs (or is missing, or mixes formats) stays float32, with a warning."""
+        differs stays float32, with a warning; so does, silently, one with a part that has no
+        blocks or blocks of a format the kernels do not read."""
 
-        def quantized(names: list[str], weight: torch.Tensor) -> QuantizedWeight | None:
+        def quantized(names: list[str], weight: torch.Tensor) -> Blocks | None:
             if not all(name in blocks for name in names):
                 return None
-            fused = QuantizedWeight.of([blocks[n] for n in names], [formats[n] for n in names])
-            if fused is not None and not fused.matches(weight):
+            fused = blocks_of([blocks[n] for n in names], [formats[n] for n in names])
+            if fused is not None and not multiplies_like(fused, weight):
                 log.warning("%s: the GGUF blocks do not match the loaded weights; using float32", names[0])
                 return None
             return fused
@@ -512,7 +556,7 @@ class LlamaModel:
         if is_one_op_layers:
             cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
         for layer, layer_cache, kind in zip(self.layers, kv_cache, self.layer_kinds, strict=True):
-            if is_one_op_layers:
+            if is_one_op_layers and layer.runs_as_one_op:
                 hidden, residual = cpu_ops.few_rows_decode_layer(
                     hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
                     cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
@@ -584,12 +628,12 @@ class LlamaModel:
 
 
 def few_rows_linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | Blocks, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """F.linear for a step of at most cpu_ops.MAX_LINEAR_ROWS rows, from float32 or GGUF blocks."""
     if isinstance(weight, torch.Tensor):
         return cpu_ops.few_rows_linear(x, weight, bias)
-    out = cpu_ops.few_rows_linear_quantized(x, weight.blocks, weight.format)
+    out = weight.multiply(x)
     return out if bias is None else out.add_(bias)
 
 
