@@ -1,6 +1,7 @@
 """Tensor-parallel ModelRunner (real processes over gloo) against the single-rank runner on the same
 weights: logits of prefill, chunked-prefill and decode steps, greedy tokens, KV cache agreement,
-and the shard-only weight reads."""
+and the shard-only weight reads; and the families of test_families.py whose layers differ from
+Llama's, at two ranks, against HF transformers."""
 
 from __future__ import annotations
 
@@ -63,12 +64,14 @@ def uneven_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tp-llama-uneven"), 6, 3)
 
 
-def steps(tokens: list[list[int]]) -> list[list[tuple[int, list[int], bool]]]:
+def steps(
+    tokens: list[list[int]], prompts: list[list[int]] = PROMPTS
+) -> list[list[tuple[int, list[int], bool]]]:
     """The plans of a greedy run that produced `tokens`: a prefill whose first prompt is split in
     two chunks (mixed with the other prompts), then one decode step per generated token."""
-    first, rest = PROMPTS[0][:11], PROMPTS[0][11:]
+    first, rest = prompts[0][:11], prompts[0][11:]
     plans = [
-        [(0, first, False), (1, PROMPTS[1], True), (2, PROMPTS[2], True)],
+        [(0, first, False), (1, prompts[1], True), (2, prompts[2], True)],
         [(0, rest, True), (1, [tokens[1][0]], True), (2, [tokens[2][0]], True)],
     ]
     for n in range(1, NEW_TOKENS - 1):
@@ -234,3 +237,50 @@ def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> N
         assert torch.equal(part.lm_head[:rows], full.lm_head[sh.vocab_start : sh.vocab_start + rows])
         assert not part.lm_head[rows:].any(), "padding rows must be zero"
     assert np.isclose(sh.vocab_shard_size, -(-VOCAB_SIZE // 2))
+
+
+# Within test_families.VOCAB; the first prompt is longer than its sliding window (12 tokens).
+FAMILY_PROMPTS = [
+    [5, 17, 300, 42, 9, 77, 310, 3, 8, 15, 16, 23, 42, 4, 4, 4, 99, 100, 101],
+    [7, 8],
+    [200] * 5,
+]
+
+
+def step_histories(prompts: list[list[int]], tokens: list[list[int]]) -> list[list[list[int]]]:
+    """Each sampled row's whole history in the plans of `steps(tokens, prompts)`, step by step."""
+    histories = [[prompts[1], prompts[2]]]
+    for m in range(1, NEW_TOKENS):
+        histories.append([prompts[i] + tokens[i][: m - (i == 0)] for i in range(3)])
+    return histories
+
+
+# Qwen3: q/k norms; Gemma 2: soft caps, alternating windows, sandwich norms, GeGLU; Phi-3: fused
+# qkv and gate_up, longrope; Mistral: a sliding window. All with 4 query and 2 KV heads: a KV head
+# (and its 2 query heads) per rank.
+@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma2", "phi3-longrope", "mistral-sliding"])
+def test_tensor_parallel_families_match_hf(tmp_path: Path, family: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_families import hf_logits, save_random_model
+
+    model_dir = save_random_model(family, tmp_path / family)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    tokens = []
+    for prompt in FAMILY_PROMPTS:  # HF's greedy continuation of each prompt
+        ids = list(prompt)
+        for _ in range(NEW_TOKENS):
+            ids.append(int(hf_logits(hf, ids).argmax()))
+        tokens.append(ids[len(prompt) :])
+    results = run_group(2, model_dir, steps(tokens, FAMILY_PROMPTS))
+    got = results[0][1]
+    histories = step_histories(FAMILY_PROMPTS, tokens)
+    assert got is not None and len(got) == len(histories)
+    for step, (rows, row_histories) in enumerate(zip(got, histories, strict=True)):
+        assert rows.shape[0] == len(row_histories), step
+        for row, history in zip(rows, row_histories, strict=True):
+            expected = hf_logits(hf, history)
+            got_row = torch.from_numpy(row)
+            torch.testing.assert_close(got_row, expected, atol=2e-4, rtol=2e-4, msg=f"step {step}")
+            assert int(row.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
