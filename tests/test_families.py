@@ -42,6 +42,10 @@ FAMILIES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     )),
     "llama-tied": ("LlamaConfig", dict(head_dim=HEAD_DIM, tie_word_embeddings=True)),
+    # attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and down; one KV head.
+    "llama-biases-mqa": ("LlamaConfig", dict(
+        head_dim=HEAD_DIM, num_key_value_heads=1, attention_bias=True, mlp_bias=True,
+    )),
     "mistral-sliding": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=WINDOW, tie_word_embeddings=False)),
     "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # head_dim 32 with hidden 64 and 4 heads: taken from the config, not hidden / heads.
@@ -157,3 +161,27 @@ def check_against_hf(hf, runner: ModelRunner) -> None:
     check_step(hf, runner, builder, [(1, histories[1][20:]), (2, histories[2][-1:])], histories)
     for _ in range(2):
         check_step(hf, runner, builder, [(s, h[-1:]) for s, h in histories.items()], histories)
+
+
+@pytest.mark.parametrize(
+    ("class_name", "config_bias", "want"),
+    [
+        # (qkv, o_proj, mlp) biases, as each family's HF class builds its projections.
+        ("LlamaConfig", dict(attention_bias=True, mlp_bias=True), (True, True, True)),
+        ("LlamaConfig", dict(), (False, False, False)),
+        ("Qwen2Config", dict(), (True, False, False)),
+        ("Qwen3Config", dict(attention_bias=True), (True, True, False)),
+        ("Gemma2Config", dict(attention_bias=True), (True, True, False)),
+        ("MistralConfig", dict(attention_bias=True), (False, False, False)),  # MistralAttention has none
+        ("Phi3Config", dict(attention_bias=True, mlp_bias=True), (False, False, False)),
+    ],
+)
+def test_bias_flags_follow_each_familys_hf_class(class_name: str, config_bias: dict, want: tuple) -> None:
+    import transformers
+
+    from services.gpu_worker.architectures import ModelConfig
+
+    config = getattr(transformers, class_name)(**{**COMMON, **config_bias}).to_dict()
+    config["architectures"] = [class_name.replace("Config", "ForCausalLM")]
+    parsed = ModelConfig.from_dict(config)
+    assert (parsed.attention_bias, parsed.o_proj_bias, parsed.mlp_bias) == want

@@ -31,8 +31,9 @@ CHILD_TIMEOUT_S = 240
 HEAD_DIM = 16
 
 
-def make_model(out: Path, num_heads: int, num_kv_heads: int) -> Path:
-    """A tiny random Llama with an untied LM head and an odd vocabulary (no tokenizer needed)."""
+def make_model(out: Path, num_heads: int, num_kv_heads: int, biases: bool = False) -> Path:
+    """A tiny random Llama with an untied LM head and an odd vocabulary (no tokenizer needed);
+    with `biases`, every projection has a random one (HF's init makes them zero)."""
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
@@ -47,9 +48,16 @@ def make_model(out: Path, num_heads: int, num_kv_heads: int) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=False,
         eos_token_id=2,
+        attention_bias=biases,
+        mlp_bias=biases,
     )
     torch.manual_seed(num_heads)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out)
     return out
 
 
@@ -62,6 +70,12 @@ def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def uneven_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 KV groups of 2 query heads (SmolLM2's shape): 2 ranks hold 2 and 1 groups."""
     return make_model(tmp_path_factory.mktemp("tp-llama-uneven"), 6, 3)
+
+
+@pytest.fixture(scope="module")
+def biased_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """attention_bias and mlp_bias: the row-parallel projections' biases are added once, not per rank."""
+    return make_model(tmp_path_factory.mktemp("tp-llama-biased"), 4, 2, biases=True)
 
 
 def steps(
@@ -179,10 +193,10 @@ def run_group(
 
 
 # world 4 > 2 KV heads: each KV head is replicated on two ranks; "uneven": 3 KV groups on 2 ranks.
-@pytest.mark.parametrize(("model", "world"), [("untied", 2), ("untied", 4), ("uneven", 2)])
+@pytest.mark.parametrize(("model", "world"), [("untied", 2), ("untied", 4), ("uneven", 2), ("biased", 2)])
 def test_tensor_parallel_matches_single_rank(request: pytest.FixtureRequest, model: str, world: int) -> None:
     model_dir = request.getfixturevalue(f"{model}_model_dir")
-    num_kv = 2 if model == "untied" else 3
+    num_kv = 3 if model == "uneven" else 2
     tokens, want = reference(model_dir)
     results = run_group(world, model_dir, steps(tokens))
     got = results[0][1]

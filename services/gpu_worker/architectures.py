@@ -33,6 +33,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # "su" is longrope's o
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).
+ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3")
 
 
 class UnsupportedModel(ValueError):
@@ -69,7 +71,9 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool = False  # q, k and v projections have biases (Qwen2)
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2, and attention_bias below)
+    o_proj_bias: bool = False  # o_proj has one too (attention_bias in Llama, Qwen3 and Gemma; not Qwen2)
+    mlp_bias: bool = False  # gate, up and down projections have biases (Llama's mlp_bias)
     activation: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh" (GeGLU)
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
     norm_plus_one: bool = False  # norms scale by (1 + w) (Gemma)
@@ -100,6 +104,7 @@ class ModelConfig:
         return (
             self.activation == "silu"
             and not (self.qk_norm or self.sandwich_norms or self.attn_softcap)
+            and not (self.o_proj_bias or self.mlp_bias)
             and not any(self.layer_windows)
             and len(self.ropes) == 1
         )
@@ -114,6 +119,7 @@ class ModelConfig:
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
         is_gemma = family in ("gemma2", "gemma3")
+        has_attention_bias = bool(d.get("attention_bias", False))
         activation_name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if activation_name not in ACTIVATIONS:
             raise UnsupportedModel(
@@ -154,8 +160,11 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
-            # Qwen2 has qkv biases without saying so in its config.
-            attention_bias=bool(d.get("attention_bias", False)) or family == "qwen2",
+            # Qwen2 has qkv biases without saying so in its config; the families whose HF classes
+            # read attention_bias put it on all four projections. Mistral and Phi-3 have none.
+            attention_bias=family == "qwen2" or (family in ALL_PROJECTION_BIAS and has_attention_bias),
+            o_proj_bias=family in ALL_PROJECTION_BIAS and has_attention_bias,
+            mlp_bias=family == "llama" and bool(d.get("mlp_bias", False)),
             activation=ACTIVATIONS[activation_name],
             qk_norm=family in ("qwen3", "gemma3"),
             norm_plus_one=is_gemma,

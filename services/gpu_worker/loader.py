@@ -207,6 +207,7 @@ def _gguf_config(reader) -> dict:
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_down.bias" in tensor_names,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }

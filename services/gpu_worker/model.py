@@ -222,6 +222,8 @@ class LlamaLayer:
         self.qkv = empty(qkv_size, h)  # column-parallel
         self.qkv_bias = empty(qkv_size) if config.attention_bias else None
         self.o_proj = empty(h, shard.num_heads * d)  # row-parallel
+        # Biases of the row-parallel projections are whole: added once, after the all_reduce.
+        self.o_bias = empty(h) if config.o_proj_bias else None
         self.pre_mlp_norm = empty(h)
         # Qwen3 / Gemma 3: RMSNorm over each q and k head, before rotary.
         self.q_norm = empty(d) if config.qk_norm else None
@@ -231,6 +233,8 @@ class LlamaLayer:
         self.post_mlp_norm = empty(h) if config.sandwich_norms else None
         self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
         self.down = empty(h, shard.intermediate_size)  # row-parallel
+        self.gate_up_bias = empty(2 * shard.intermediate_size) if config.mlp_bias else None
+        self.down_bias = empty(h) if config.mlp_bias else None
         # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
         # kernel (TRANSPOSED_MAX_ROWS), and as oneDNN multiplies them in steps of more (CAN_PREPACK:
         # prepacked where GGUF blocks replace the plain weight, else the plain weight itself):
@@ -338,7 +342,9 @@ class LlamaModel:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return 0, sh.vocab_start, sh.num_vocab_rows
         key = ".".join(name.split(".")[3:])
-        projection = key.rsplit(".", 1)[0]
+        projection, _, kind = key.rpartition(".")
+        if kind == "bias" and projection in ("self_attn.o_proj", "mlp.down_proj"):
+            return None  # whole on every rank (LlamaLayer.o_bias)
         if projection == "self_attn.q_proj":
             return 0, sh.head_start * d, sh.num_heads * d
         if projection in ("self_attn.k_proj", "self_attn.v_proj"):
@@ -401,12 +407,17 @@ class LlamaModel:
                 merged["self_attn.q_proj.bias"] = (layer.qkv_bias, 0, q_size)
                 merged["self_attn.k_proj.bias"] = (layer.qkv_bias, q_size, kv_size)
                 merged["self_attn.v_proj.bias"] = (layer.qkv_bias, q_size + kv_size, kv_size)
+            if layer.gate_up_bias is not None:
+                merged["mlp.gate_proj.bias"] = (layer.gate_up_bias, 0, inter)
+                merged["mlp.up_proj.bias"] = (layer.gate_up_bias, inter, inter)
             plain = {
                 "input_layernorm.weight": layer.input_norm,
                 "self_attn.o_proj.weight": layer.o_proj,
                 "mlp.down_proj.weight": layer.down,
                 "self_attn.q_norm.weight": layer.q_norm,
                 "self_attn.k_norm.weight": layer.k_norm,
+                "self_attn.o_proj.bias": layer.o_bias,
+                "mlp.down_proj.bias": layer.down_bias,
             }
             if c.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
                 plain["post_attention_layernorm.weight"] = layer.post_attn_norm
@@ -442,6 +453,8 @@ class LlamaModel:
         if c.sandwich_norms:
             per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         biases = [f"self_attn.{p}_proj.bias" for p in "qkv"] if c.attention_bias else []
+        biases += ["self_attn.o_proj.bias"] if c.o_proj_bias else []
+        biases += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")] if c.mlp_bias else []
         for i in range(c.num_hidden_layers):
             names.update(f"model.layers.{i}.{w}.weight" for w in per_layer)
             names.update(f"model.layers.{i}.{b}" for b in biases)
@@ -570,12 +583,16 @@ class LlamaModel:
             qk_norms = None if layer.q_norm is None else (layer.q_norm, layer.k_norm, eps)
             q, k, v = layer_ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), layer_meta, qk_norms)
             attn = reduce(linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale), o_proj_w))
+            if layer.o_bias is not None:
+                attn.add_(layer.o_bias)
             if layer.post_attn_norm is not None:
                 attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
             x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
-            gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+            gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
             # In place on the activation's fresh output: one allocation less per layer.
             hidden = reduce(linear(activation(gate).mul_(up), down_w))
+            if layer.down_bias is not None:
+                hidden.add_(layer.down_bias)
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps, None)
         # Only the sampled rows go through the final norm and the LM head.
