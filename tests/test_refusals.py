@@ -113,8 +113,9 @@ GGUF_REFUSED = {
     # IQ2_XXS: 66-byte blocks of 256 weights, which Brigade does not read.
     "tensor type": ("llama", {"blk.0.ffn_down.weight": (np.zeros((2, 66), np.uint8), "IQ2_XXS")}, {},
                     r"unsupported GGUF tensor type\(s\) \['IQ2_XXS'\]"),
-    "tensor": ("llama", {"rope_freqs.weight": (np.ones(8, np.float32), "F32")}, {},
-               r"unsupported GGUF tensor\(s\) \['rope_freqs.weight'\]"),
+    # A mixture-of-experts router, which no supported family has.
+    "tensor": ("llama", {"blk.0.ffn_gate_inp.weight": (np.ones((4, 32), np.float32), "F32")}, {},
+               r"unsupported GGUF tensor\(s\) \['blk.0.ffn_gate_inp.weight'\]"),
     "rope scaling": ("llama", {"token_embd.weight": (np.zeros((4, 32), np.float32), "F32")},
                      {"llama.rope.scaling.type": "yarn"}, "unsupported GGUF rope scaling type 'yarn'"),
 }  # fmt: skip

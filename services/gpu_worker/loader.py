@@ -170,11 +170,10 @@ def check_gguf(reader) -> None:
             f"unsupported GGUF architecture {arch!r}; supported: {list(GGUF_ARCHITECTURES)}"
         )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none")
-    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+    if scaling not in (None, "none", "linear"):
+        raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none, linear")
+    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None and t.name != ROPE_FREQS]
     if unknown:
-        # e.g. rope_freqs.weight (Llama 3.1+ rope scaling), which converting would drop.
         raise UnsupportedModel(
             f"unsupported GGUF tensor(s) {unknown[:3]}; supported: token_embd, output_norm, output and "
             f"blk.N.{{{', '.join(GGUF_TO_HF)}}}"
@@ -205,6 +204,7 @@ def _gguf_config(reader) -> dict:
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _gguf_rope_scaling(reader, arch),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": "blk.0.ffn_down.bias" in tensor_names,
@@ -216,6 +216,65 @@ def _gguf_config(reader) -> dict:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: llama3 rope scaling, as per-dimension divisors
+# Where llama3's parameters are searched for, to match a GGUF's rope_freqs (see _llama3_scaling).
+LLAMA3_ORIGINAL_CONTEXTS = tuple(1 << k for k in range(5, 21))
+LLAMA3_FREQ_FACTORS = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (1.0, 16.0), (0.5, 4.0), (2.0, 8.0))
+
+
+def _gguf_rope_scaling(reader, arch: str) -> dict | None:
+    """The config's rope_scaling: a GGUF's `rope.scaling.type` linear, or Llama 3.1+'s llama3
+    scaling, which llama.cpp's converter records only as the rope_freqs.weight tensor."""
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is None:
+        return None
+    from gguf.quants import dequantize
+
+    hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
+    head_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    return _llama3_scaling(divisors, head_dim, theta, None if original is None else int(original))
+
+
+def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original: int | None) -> dict | None:
+    """The llama3 rope_scaling whose per-dimension divisors of the rotary frequencies (as
+    llama.cpp's converter computes them) are `divisors`; None when they are all 1. The factor is
+    the largest divisor; the original context and the low / high frequency factors are searched
+    for among common values, and only an exact match is accepted."""
+    if divisors.shape != (head_dim // 2,):
+        raise UnsupportedModel(f"GGUF {ROPE_FREQS} has {divisors.size} values, expected {head_dim // 2}")
+    if np.allclose(divisors, 1.0, rtol=0, atol=1e-7):
+        return None
+    factor = float(divisors.max())
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    contexts = ((original,) if original else ()) + LLAMA3_ORIGINAL_CONTEXTS
+    for context in contexts:
+        for low, high in LLAMA3_FREQ_FACTORS:
+            smooth = (context / wavelen - low) / (high - low)
+            expected = np.where(
+                wavelen < context / high,
+                1.0,
+                np.where(wavelen > context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+            )
+            if np.allclose(expected, divisors, rtol=1e-5, atol=0):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": context,
+                }
+    raise UnsupportedModel(
+        f"GGUF {ROPE_FREQS} is not llama3 rope scaling for any original context in "
+        f"{LLAMA3_ORIGINAL_CONTEXTS[0]}..{LLAMA3_ORIGINAL_CONTEXTS[-1]} and low / high frequency factors in "
+        f"{list(LLAMA3_FREQ_FACTORS)}; supported: llama3 scaling (Llama 3.1+), linear, none"
+    )
 
 
 # GGUF's sampling keys (general.sampling.*) -> generation_config.json fields.

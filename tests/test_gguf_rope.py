@@ -1,0 +1,168 @@
+"""Rope scaling of GGUF files: Llama 3.1+ records its llama3 scaling only as the rope_freqs.weight
+tensor (llama.cpp's converter), and a GGUF may say `rope.scaling.type linear`. Both convert into a
+config that gives HF's logits; any other scaling is refused by name (tests/test_refusals.py).
+
+The rope_freqs values are computed here as llama.cpp's convert_hf_to_gguf.py computes them (in
+float32 torch), independently of the loader's search for the matching parameters."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker import loader
+from services.gpu_worker.architectures import UnsupportedModel
+from services.gpu_worker.model_runner import ModelRunner
+from tests.test_model import PlanBuilder, random_ids, runner_logits
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 300
+
+
+def llama_cpp_rope_freqs(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_factors for a llama3 rope_scaling (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+@pytest.mark.parametrize(
+    ("factor", "low", "high", "original", "theta", "head_dim"),
+    [
+        (8.0, 1.0, 4.0, 8192, 500000.0, 128),  # Llama 3.1 / 3.3
+        (32.0, 1.0, 4.0, 8192, 500000.0, 64),  # Llama 3.2 1B
+        (32.0, 1.0, 4.0, 8192, 500000.0, 128),  # Llama 3.2 3B
+        (4.0, 1.0, 4.0, 64, 10000.0, 16),  # the small model below
+    ],
+)
+def test_rope_freqs_give_back_llama3_parameters(
+    factor: float, low: float, high: float, original: int, theta: float, head_dim: int
+) -> None:
+    scaling = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high}
+    scaling["original_max_position_embeddings"] = original
+    divisors = llama_cpp_rope_freqs(scaling, theta, head_dim).astype(np.float64)
+    found = loader._llama3_scaling(divisors, head_dim, theta, None)
+    assert found == {"rope_type": "llama3", **scaling}
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused() -> None:
+    assert loader._llama3_scaling(np.ones(8), 16, 10000.0, None) is None
+    with pytest.raises(UnsupportedModel, match=r"rope_freqs\.weight is not llama3 rope scaling"):
+        loader._llama3_scaling(np.linspace(1.0, 3.0, 8), 16, 10000.0, None)
+    with pytest.raises(UnsupportedModel, match="has 4 values, expected 8"):
+        loader._llama3_scaling(np.ones(4), 16, 10000.0, None)
+
+
+def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (the inverse of loader._unpermute)."""
+    grouped = rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_llama_gguf(hf_dir: Path, path: Path, scaling: dict | None) -> Path:
+    """A float32 GGUF of an HF Llama dir, named and ordered as llama.cpp's converter writes it:
+    llama3 scaling as rope_freqs.weight, linear scaling as rope.scaling.* keys."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    theta = config.rope_parameters["rope_theta"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(theta)
+    writer.add_vocab_size(config.vocab_size)
+    if scaling is not None and scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    if scaling is not None and scaling["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(scaling, theta, config.head_dim))
+    to_gguf = {hf: g for g, hf in loader.GGUF_TO_HF.items()}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for name, data in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        if name in top:
+            gguf_name = top[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            gguf_name = f"blk.{layer}.{to_gguf['.'.join(rest[:-1])]}.weight"
+        projection = name.split(".")[-2]
+        if projection in heads:
+            data = _permute(data, heads[projection])
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+    ids=["llama3", "linear"],
+)  # fmt: skip
+def test_a_scaled_llama_gguf_gives_hfs_logits(
+    scaling: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random Llama whose rotary dimensions fall in all three llama3 bands (head_dim 16, theta
+    1e4, original context 64), through its GGUF, against HF on the original weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={**scaling, "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "hf"
+    LlamaForCausalLM(config).save_pretrained(hf_dir)
+    path = write_llama_gguf(hf_dir, tmp_path / "scaled.gguf", scaling)
+
+    class NoTokenizer:  # this GGUF has no vocabulary; the runner needs none
+        def save_pretrained(self, out: str) -> None:
+            pass
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *args, **kwargs: NoTokenizer())
+    model_dir = loader.prepare_model(str(path), cache_dir=tmp_path / "cache")
+    runner = ModelRunner(model_dir, dtype="float32", kv_cache_bytes=4 << 20)
+    rope = runner.model.config.ropes[0]
+    assert rope.rope_type == scaling["rope_type"]
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(3)
+    history = random_ids(rng, 90, VOCAB)  # past the original context: every band matters
+    builder = PlanBuilder()
+    logits = runner_logits(runner, builder, [(0, history, True)])
+    for _ in range(3):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([history])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+        history.append(int(expected.argmax()))
+        logits = runner_logits(runner, builder, [(0, history[-1:], True)])
