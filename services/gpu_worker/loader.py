@@ -308,7 +308,11 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
-    """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted."""
+    """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted
+    where llama.cpp's converter permuted them (llama and mistral, whose rope it runs on
+    interleaved pairs; Qwen2's NeoX rope keeps HF's order)."""
+    if config["model_type"] != "llama":
+        return rows
     if ".attn_q." in gguf_name:
         return _unpermute(rows, config["num_attention_heads"])
     if ".attn_k." in gguf_name:

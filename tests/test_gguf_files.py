@@ -1,4 +1,4 @@
-"""Rope scaling of GGUF files: Llama 3.1+ records its llama3 scaling only as the rope_freqs.weight
+"""GGUF files as llama.cpp's converter writes them. Rope scaling: Llama 3.1+ records its llama3 scaling only as the rope_freqs.weight
 tensor (llama.cpp's converter), and a GGUF may say `rope.scaling.type linear`. Both convert into a
 config that gives HF's logits; any other scaling is refused by name (tests/test_refusals.py).
 
@@ -75,16 +75,17 @@ def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_llama_gguf(hf_dir: Path, path: Path, scaling: dict | None) -> Path:
-    """A float32 GGUF of an HF Llama dir, named and ordered as llama.cpp's converter writes it:
-    llama3 scaling as rope_freqs.weight, linear scaling as rope.scaling.* keys."""
+def write_gguf(hf_dir: Path, path: Path, scaling: dict | None = None, arch: str = "llama") -> Path:
+    """A float32 GGUF of an HF Llama or Qwen2 dir, named and ordered as llama.cpp's converter
+    writes it: Q and K rows permuted for llama only (its Qwen2 keeps HF's order), llama3 scaling
+    as rope_freqs.weight, linear scaling as rope.scaling.* keys."""
     import gguf
     from safetensors.numpy import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
     theta = config.rope_parameters["rope_theta"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -108,9 +109,9 @@ def write_llama_gguf(hf_dir: Path, path: Path, scaling: dict | None) -> Path:
             gguf_name = top[name]
         else:
             _, _, layer, *rest = name.split(".")
-            gguf_name = f"blk.{layer}.{to_gguf['.'.join(rest[:-1])]}.weight"
+            gguf_name = f"blk.{layer}.{to_gguf['.'.join(rest[:-1])]}.{rest[-1]}"
         projection = name.split(".")[-2]
-        if projection in heads:
+        if projection in heads and arch == "llama":
             data = _permute(data, heads[projection])
         writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()
@@ -144,20 +145,29 @@ def test_a_scaled_llama_gguf_gives_hfs_logits(
     torch.manual_seed(0)
     hf_dir = tmp_path / "hf"
     LlamaForCausalLM(config).save_pretrained(hf_dir)
-    path = write_llama_gguf(hf_dir, tmp_path / "scaled.gguf", scaling)
+    path = write_gguf(hf_dir, tmp_path / "scaled.gguf", scaling)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    assert runner.model.config.ropes[0].rope_type == scaling["rope_type"]
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
 
-    class NoTokenizer:  # this GGUF has no vocabulary; the runner needs none
+
+def gguf_runner(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+    """A runner on the GGUF, converted as a worker start converts it."""
+
+    class NoTokenizer:  # these GGUFs have no vocabulary; the runner needs none
         def save_pretrained(self, out: str) -> None:
             pass
 
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *args, **kwargs: NoTokenizer())
     model_dir = loader.prepare_model(str(path), cache_dir=tmp_path / "cache")
-    runner = ModelRunner(model_dir, dtype="float32", kv_cache_bytes=4 << 20)
-    rope = runner.model.config.ropes[0]
-    assert rope.rope_type == scaling["rope_type"]
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return ModelRunner(model_dir, dtype="float32", kv_cache_bytes=4 << 20)
+
+
+def check_against_hf(runner: ModelRunner, hf) -> None:
+    """A 90-token prefill (past the original context of the scaled models: every rope band
+    matters) and three decodes, logits against HF's full forward."""
     rng = np.random.default_rng(3)
-    history = random_ids(rng, 90, VOCAB)  # past the original context: every band matters
+    history = random_ids(rng, 90, VOCAB)
     builder = PlanBuilder()
     logits = runner_logits(runner, builder, [(0, history, True)])
     for _ in range(3):
@@ -166,3 +176,28 @@ def test_a_scaled_llama_gguf_gives_hfs_logits(
         torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
         history.append(int(expected.argmax()))
         logits = runner_logits(runner, builder, [(0, history[-1:], True)])
+
+
+def test_a_qwen2_gguf_gives_hfs_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp writes Qwen2's Q and K rows in HF's order (its rope is the NeoX one), and its
+    q/k/v biases: the loader must not reorder them as it does a llama GGUF's."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # HF's init makes them zero
+    model.save_pretrained(tmp_path / "hf")
+    runner = gguf_runner(
+        write_gguf(tmp_path / "hf", tmp_path / "qwen2.gguf", arch="qwen2"), tmp_path, monkeypatch
+    )
+    assert runner.model.config.attention_bias
+    check_against_hf(
+        runner, AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    )
