@@ -76,9 +76,9 @@ def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, path: Path, scaling: dict | None = None, arch: str = "llama") -> Path:
-    """A float32 GGUF of an HF Llama or Qwen2 dir, named and ordered as llama.cpp's converter
-    writes it: Q and K rows permuted for llama only (its Qwen2 keeps HF's order), llama3 scaling
-    as rope_freqs.weight, linear scaling as rope.scaling.* keys."""
+    """A float32 GGUF of an HF Llama, Qwen2 or Qwen3 dir, named and ordered as llama.cpp's
+    converter writes it: Q and K rows permuted for llama only (Qwen's keep HF's order), llama3
+    scaling as rope_freqs.weight, linear scaling as rope.scaling.* keys."""
     import gguf
     from safetensors.numpy import load_file
     from transformers import AutoConfig
@@ -95,11 +95,16 @@ def write_gguf(hf_dir: Path, path: Path, scaling: dict | None = None, arch: str 
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config.vocab_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
     if scaling is not None and scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
     if scaling is not None and scaling["rope_type"] == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(scaling, theta, config.head_dim))
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(scaling, theta, head_dim))
     to_gguf = {hf: g for g, hf in loader.GGUF_TO_HF.items()}
     top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
            "model.norm.weight": "output_norm.weight"}  # fmt: skip
@@ -178,26 +183,33 @@ def check_against_hf(runner: ModelRunner, hf) -> None:
         logits = runner_logits(runner, builder, [(0, history[-1:], True)])
 
 
-def test_a_qwen2_gguf_gives_hfs_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """llama.cpp writes Qwen2's Q and K rows in HF's order (its rope is the NeoX one), and its
-    q/k/v biases: the loader must not reorder them as it does a llama GGUF's."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp writes Qwen's Q and K rows in HF's order (its rope is the NeoX one): the loader
+    must not reorder them as it does a llama GGUF's. Qwen2 with its q/k/v biases; Qwen3 with q/k
+    norms, tied embeddings and a head_dim that is not hidden / heads (key_length in the file)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen2Config(
+    common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
+    if family == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     torch.manual_seed(1)
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.5)  # HF's init makes them zero
+            if name.endswith(".bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.5)  # HF's init makes them 0 and 1
     model.save_pretrained(tmp_path / "hf")
-    runner = gguf_runner(
-        write_gguf(tmp_path / "hf", tmp_path / "qwen2.gguf", arch="qwen2"), tmp_path, monkeypatch
-    )
-    assert runner.model.config.attention_bias
+    path = write_gguf(tmp_path / "hf", tmp_path / f"{family}.gguf", arch=family)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed = runner.model.config
+    assert (parsed.architecture, parsed.head_dim) == (type(model).__name__, 32 if family == "qwen3" else 16)
     check_against_hf(
         runner, AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     )

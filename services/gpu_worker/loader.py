@@ -152,10 +152,18 @@ GGUF_TO_HF = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# GGUF architecture -> the HF architecture its converted config names.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
 GGUF_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -192,15 +200,15 @@ def _gguf_config(reader) -> dict:
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
     config = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": "llama" if arch == "mistral" else arch,
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        "head_dim": _gguf_head_dim(reader, arch),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -224,6 +232,14 @@ LLAMA3_ORIGINAL_CONTEXTS = tuple(1 << k for k in range(5, 21))
 LLAMA3_FREQ_FACTORS = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (1.0, 16.0), (0.5, 4.0), (2.0, 8.0))
 
 
+def _gguf_head_dim(reader, arch: str) -> int:
+    """llama.cpp writes a head_dim that is not hidden / heads as key_length (Qwen3), and llama's
+    as its rope dimension count too."""
+    hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    return int(key_length or _field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+
+
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     """The config's rope_scaling: a GGUF's `rope.scaling.type` linear, or Llama 3.1+'s llama3
     scaling, which llama.cpp's converter records only as the rope_freqs.weight tensor."""
@@ -234,8 +250,7 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
         return None
     from gguf.quants import dequantize
 
-    hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
-    head_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+    head_dim = _gguf_head_dim(reader, arch)
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
     original = _field(reader, f"{arch}.rope.scaling.original_context_length")
