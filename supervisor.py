@@ -37,7 +37,6 @@ from ipc.endpoints import (
     NetworkPlan,
     default_run_dir,
     free_port_base,
-    is_loopback,
     make_run_dir,
 )
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
@@ -51,7 +50,7 @@ from services.mlflow_sink import MlflowSink
 from services.stage import RUN_FILE, AuthFailures, RunInfo, read_run_info, setup_logging, write_run_info
 from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, reconfigure_message
 from supervision.policy import RestartPolicy, is_fatal_start_failure
-from supervision.preflight import Refused, check_layout, check_model
+from supervision.preflight import Refused, check_hosts, check_layout, check_model
 from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, RingSpec, StageProcess, make_stage_set
 from supervision.status import STATUS_FILE, status
 
@@ -138,6 +137,7 @@ class Supervisor:
         self.info: RunInfo | None = None  # run.json, once the model is prepared
         self.network_plan = NetworkPlan()
         self.client_keys_file = ""
+        self.stages.on_group_moved = self.move_group
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -189,13 +189,10 @@ class Supervisor:
         if network.transport != "tcp" and not hosts:
             self.endpoints = Endpoints(self.run_dir, self.run_id, network)
             return
-        if hosts and is_loopback(network.host):
-            raise GiveUp(
-                f"network.host is {network.host}, but stages run on other hosts ({sorted(set(hosts.values()))}) "
-                "that must reach this one: set network.host to this host's address"
-            )
-        if not network.curve and not all(map(is_loopback, hosts.values())):
-            raise GiveUp("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
+        try:
+            check_hosts(network, hosts)
+        except Refused as exc:
+            raise GiveUp(str(exc)) from None
         try:
             port_base = network.port_base or free_port_base(network.bind_host or network.host)
             keys_dir = Path(network.keys_dir) if network.keys_dir else self.run_dir / CURVE_DIR
@@ -209,6 +206,33 @@ class Supervisor:
         self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
         first, last, curve = port_base, port_base + PORT_SPAN - 1, " with CURVE" if keys else ""
         log.info("tcp:// links on ports %d-%d%s", first, last, curve)
+
+    def move_group(self, group: int, address: str) -> None:
+        """The cluster placed engine group `group` again on a node at `address` (its node died):
+        re-plan the links whose server is in the group (same ports and CURVE keys, the new
+        address), publish them in run.json for the group's new processes, and tell the running
+        tokenizers and detokenizers to reconnect (Relink) before the group starts there. Raises
+        Refused when this run's links cannot follow: links that are ipc:// because every stage
+        ran on this host at start, or an address that the checks at start would refuse."""
+        network = self.config.network
+        if self.endpoints.is_single_host and network.transport != "tcp":
+            raise Refused(
+                f"engine group {group} was placed again on a node at {address}, but this run's links are "
+                "ipc:// (all its stages were on one host at start): set network.transport: tcp for a run "
+                "whose engine groups may move to other hosts"
+            )
+        names = [s.name for s in self.stages if s.group == group]
+        hosts = {**self.network_plan.hosts, **dict.fromkeys(names, address)}
+        check_hosts(network, hosts)
+        self.network_plan = msgspec.structs.replace(self.network_plan, hosts=hosts)
+        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
+        if self.info is not None:
+            self.info = msgspec.structs.replace(self.info, network=self.network_plan)
+            write_run_info(self.run_dir, self.info)
+        log.info("engine group %d moved to a node at %s: its links follow", group, address)
+        relink = m.Relink(hosts)
+        for stage in [*self.stages.of_kind("tokenizer"), *self.stages.of_kind("detokenizer")]:
+            self.command(stage, relink)
 
     def create_rings(self, model_dir: Path) -> None:
         """Each engine group's step and result rings, where the stage set puts the group."""
@@ -408,6 +432,9 @@ class Supervisor:
         stage.is_ready = stage.was_ever_ready = True
         stage.state = "running"
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
+        if stage.kind in ("tokenizer", "detokenizer") and self.network_plan.hosts:
+            # It may have read run.json just before an engine group moved (move_group).
+            self.command(stage, m.Relink(self.network_plan.hosts))
         if not was_restart:
             return
         if stage.kind == "detokenizer":

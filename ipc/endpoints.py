@@ -157,7 +157,10 @@ class NetworkPlan(msgspec.Struct, frozen=True):
     the host of every stage that does not run on `network.host`, and the CURVE keys."""
 
     port_base: int = 0
-    hosts: dict[str, str] = {}  # stage name (`scheduler-1`) -> its host's address
+    # Stage name (`scheduler-1`) -> its host's address. A stage that the cluster places back on
+    # `network.host` keeps its entry: a run with any entry spans hosts for good, so that its
+    # links stay the tcp:// ones its running stages use.
+    hosts: dict[str, str] = {}
     keys: RunKeys | None = None
 
 
@@ -262,8 +265,7 @@ class Endpoints:
         self.plan = plan or NetworkPlan()
         self.default_host = network.host if network is not None else "127.0.0.1"
         self.here = here or self.default_host
-        hosts = {self.default_host, *self.plan.hosts.values()}
-        self.is_single_host = len(hosts) == 1
+        self.is_single_host = not self.plan.hosts
 
     def host_of(self, stage: str) -> str:
         """The address of the host that stage `stage` (`scheduler-0`, `tokenizer-1`) runs on."""

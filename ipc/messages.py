@@ -436,7 +436,17 @@ class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
     loads: list[float]
 
 
-ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads]
+class Relink(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Supervisor -> tokenizers and detokenizers, when an engine group was placed again on a node
+    at another address (its node died; supervision/ray_stages.py): the run's stage hosts now
+    (`NetworkPlan.hosts`). A receiver reconnects each of its links whose server moved; ports and
+    CURVE keys stay the run's. The ResubmitAll that follows once the group is up goes over the
+    new links."""
+
+    hosts: dict[str, str]
+
+
+ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads, Relink]
 
 # ---------------------------------------------------------------------------
 # scheduler <-> gpu worker: step plans and results travel through shared-memory rings

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,10 @@ import msgspec
 import zmq
 
 from ipc import messages as m
-from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
+from ipc.codec import CONTROL_DOWN, CONTROL_UP, Codec, MalformedMessage
 from ipc.config import Config
-from ipc.endpoints import Endpoints, NetworkPlan
-from ipc.sockets import DealerSocket
+from ipc.endpoints import Endpoints, Link, NetworkPlan
+from ipc.sockets import DealerSocket, PushQueue
 from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 
 RUN_FILE = "run.json"
@@ -123,6 +124,34 @@ class Stage:
     @property
     def config(self) -> Config:
         return self.info.config
+
+    def relink(self, hosts: dict[str, str]) -> Endpoints:
+        """Take the run's new stage hosts (a Relink): this stage's endpoints are re-planned from
+        them. Returns the endpoints as they were, to tell which links moved (`reconnect_moved`)."""
+        old = self.endpoints
+        network = msgspec.structs.replace(self.info.network, hosts=hosts)
+        self.info = msgspec.structs.replace(self.info, network=network)
+        self.endpoints = run_endpoints(self.run_dir, self.info, hosts.get(self.name, ""))
+        return old
+
+
+def reconnect_moved(
+    ctx: zmq.Context,
+    queues: list[PushQueue],
+    old: Callable[[int], Link],
+    new: Callable[[int], Link],
+    codec: Codec,
+    log: logging.Logger,
+) -> None:
+    """Replace, in place, each of `queues` (the PUSH to link `old(i)`) whose link moved to
+    another endpoint by one to `new(i)`. What the old socket still held was bound for a process
+    that is gone; the resubmission after its restart covers it."""
+    for i, queue in enumerate(queues):
+        link = new(i)
+        if link.connect != old(i).connect:
+            queue.close()
+            queues[i] = PushQueue(ctx, link, codec)
+            log.info("reconnected %s -> %s", old(i).connect, link.connect)
 
 
 def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, argparse.Namespace]:

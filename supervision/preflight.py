@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ipc.config import Config
+from ipc.config import Config, NetworkConfig
+from ipc.endpoints import is_loopback
 from ipc.sampling_defaults import run_defaults
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -19,6 +20,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class Refused(Exception):
     """The config cannot run here; the message says why and what to change."""
+
+
+def check_hosts(network: NetworkConfig, hosts: dict[str, str]) -> None:
+    """Stages on other hosts (`hosts`: stage name -> address) must reach this one, and links
+    that leave loopback need CURVE."""
+    if hosts and is_loopback(network.host):
+        raise Refused(
+            f"network.host is {network.host}, but stages run on other hosts ({sorted(set(hosts.values()))}) "
+            "that must reach this one: set network.host to this host's address"
+        )
+    if not network.curve and not all(map(is_loopback, hosts.values())):
+        raise Refused("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
 
 
 def check_layout(config: Config) -> None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,6 +70,10 @@ class StageHost:
         self.process: subprocess.Popen | None = None
         self.last_line = ""
 
+    def locate(self) -> str:
+        """The address of the node Ray placed this host on."""
+        return ray.util.get_node_ip_address()
+
     def start(
         self,
         argv: list[str],
@@ -79,13 +83,11 @@ class StageHost:
         address: str,
         group: GroupSetup | None,
     ) -> dict[str, Any]:
-        """Spawn the stage; `address` is where the run's links expect this node to be."""
+        """Spawn the stage; `address` is where the run's links expect this node to be (what
+        `locate` said, unless the node changed in between)."""
         here = ray.util.get_node_ip_address()
         if here != address:
-            raise RuntimeError(
-                f"Ray placed this stage on a node at {here}, but the run's links were planned with it at "
-                f"{address}: moving a stage to another host's address needs a restart of the run"
-            )
+            raise RuntimeError(f"this stage's node is at {here}, but the run's links have it at {address}")
         run_dir = Path(argv[argv.index("--run-dir") + 1])
         if boot_id() != supervisor_host:
             _materialize_run_dir(run_dir, run_file)
@@ -136,13 +138,17 @@ class GroupSetup:
         with os.fdopen(fd, "r+") as state:
             fcntl.flock(state, fcntl.LOCK_EX)
             text = state.read()
-            if text:
+            if text and json.loads(text)["dist_host"] == self.dist_host:
                 return json.loads(text)["dist_port"]
             for spec in self.rings:
                 with contextlib.suppress(posix_ipc.ExistentialError):  # left by an earlier host here
                     ShmRing.create(spec.name, spec.num_slots, spec.slot_bytes, spec.num_readers).close()
+            # A group placed again at another address (nodes of one machine share /dev/shm) picks
+            # its port afresh: the old one was free only on the old address.
             port = free_tcp_port(self.dist_host)
-            state.write(json.dumps({"dist_port": port}))
+            state.seek(0)
+            state.truncate()
+            state.write(json.dumps({"dist_host": self.dist_host, "dist_port": port}))
             return port
 
 
@@ -186,11 +192,17 @@ _clean_node = ray.remote(num_cpus=0)(clean_node)
 
 class RemoteProcess:
     """A stage process on a Ray node, seen through its host actor with the part of Popen's
-    interface that StageSet uses (pid, poll, wait): stop, kill and reap stay the local ones."""
+    interface that StageSet uses (pid, poll, wait): stop, kill and reap stay the local ones.
 
-    def __init__(self, host: ray.actor.ActorHandle, started: ray.ObjectRef) -> None:
+    It starts in two steps, neither of which blocks the supervisor: the host says where Ray
+    placed it (`locate`), then `start(address)` spawns the process there, after the run's links
+    have followed the node if it has a new address (RayStageSet.start_at)."""
+
+    def __init__(self, host: ray.actor.ActorHandle, start: Callable[[str], ray.ObjectRef]) -> None:
         self.host = host
-        self.started: ray.ObjectRef | None = started  # until the host has spawned the process
+        self.start = start
+        self.located: ray.ObjectRef | None = host.locate.remote()  # until Ray has placed the host
+        self.started: ray.ObjectRef | None = None  # then until the host has spawned the process
         self.pid = 0
         self.node = ""
         self.returncode: int | None = None
@@ -198,11 +210,29 @@ class RemoteProcess:
         self._poll: ray.ObjectRef | None = None
         self._poll_at = 0.0
 
+    @property
+    def is_settled(self) -> bool:
+        return self.located is None and self.started is None
+
     def settle(self, timeout: float = 0.0) -> bool:
-        """Take the host's answer to `start` if it came (within `timeout`); False while it has not."""
+        """Take the host's answers to `locate` and `start` if they came (within `timeout`);
+        False while they have not."""
+        deadline = time.monotonic() + timeout
+        if self.located is not None:
+            ready, _ = ray.wait([self.located], timeout=timeout)
+            if not ready:
+                return False
+            try:
+                address = ray.get(self.located)
+                self.started = self.start(address)
+            except RayActorError:
+                self.returncode, self.last_line = NODE_LOST, "its Ray node (or host actor) died at start"
+            except Refused as exc:  # the run's links cannot follow it there
+                self.returncode, self.last_line = 1, str(exc)
+            self.located = None
         if self.started is None:
             return True
-        ready, _ = ray.wait([self.started], timeout=timeout)
+        ready, _ = ray.wait([self.started], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             return False
         try:
@@ -332,9 +362,7 @@ class RayStageSet(StageSet):
                 "engine group %d placed on Ray node %s at %s (%s)", group, node, address_of[node], bundle
             )
             if address_of[node] != self.head_address:
-                names = [f"scheduler-{group}"]
-                names += [f"gpu_worker-{group}-{r}" for r in range(self.engine.tensor_parallel)]
-                self.addresses.update(dict.fromkeys(names, address_of[node]))
+                self.addresses.update(dict.fromkeys(self.group_names(group), address_of[node]))
         return dict(self.addresses)
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
@@ -380,28 +408,47 @@ class RayStageSet(StageSet):
             )
             if stage.kind == "gpu_worker" and self.engine.device == "cuda":
                 options["num_gpus"] = 1
-            dist_host = self.addresses.get(f"scheduler-{stage.group}", self.network.host)
-            setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group], dist_host)
+        elif self.cluster.light_resources:
+            options["resources"] = dict(self.cluster.light_resources)
         else:
-            if self.cluster.light_resources:
-                options["resources"] = dict(self.cluster.light_resources)
-            else:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.head_node, soft=False)
-            setup = None
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.head_node, soft=False)
         host = StageHost.options(**options).remote()
         self.hosts.append(host)
-        run_file = (self.run_dir / RUN_FILE).read_bytes()
-        address = self.addresses.get(stage.name, self.head_address)
-        started = host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, address, setup)
-        stage.process = RemoteProcess(host, started)  # type: ignore[assignment]
+        stage.process = RemoteProcess(host, lambda address: self.start_at(stage, host, address))  # type: ignore[assignment]
         stage.node, stage.stderr_pump, stage.last_stderr_line = "", None, ""
+
+    def start_at(self, stage: StageProcess, host: ray.actor.ActorHandle, address: str) -> ray.ObjectRef:
+        """Start `stage` on its host, which Ray placed on a node at `address`. An engine group
+        found at another address than its links have moved there (its node died): the links
+        follow it first (`on_group_moved`). Raises Refused when they cannot."""
+        planned = self.addresses.get(stage.name, self.head_address)
+        if address != planned:
+            if stage.kind not in ENGINE_KINDS or self.on_group_moved is None:
+                raise Refused(
+                    f"Ray placed {stage.name} on a node at {address}, but the run's links have it at {planned}: "
+                    "only engine groups can move to another address while the run goes on"
+                )
+            self.on_group_moved(stage.group, address)
+            self.addresses.update(dict.fromkeys(self.group_names(stage.group), address))
+        setup = None
+        if stage.kind in ENGINE_KINDS:
+            # Where its rank 0 listens, as Endpoints.dist_host has it.
+            dist_host = self.addresses.get(f"scheduler-{stage.group}", self.network.host)
+            setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group], dist_host)
+        run_file = (self.run_dir / RUN_FILE).read_bytes()  # after any move: the links as they are now
+        return host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, address, setup)
+
+    def group_names(self, group: int) -> list[str]:
+        """The stages of engine group `group`: its scheduler and its workers."""
+        workers = [f"gpu_worker-{group}-{r}" for r in range(self.engine.tensor_parallel)]
+        return [f"scheduler-{group}", *workers]
 
     def is_current(self, stage: StageProcess, pid: int) -> bool:
         # A stage can talk before its host's answer to `start` (which carries the pid) is read;
         # a replaced process's late messages must not wait for a host that has no node yet.
         process = stage.process
         is_replaced = pid in self.old_pids.get(stage.name, ())
-        if isinstance(process, RemoteProcess) and process.started is not None and not is_replaced:
+        if isinstance(process, RemoteProcess) and not process.is_settled and not is_replaced:
             process.settle(START_WAIT_S)
         return pid == stage.pid
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -112,6 +112,9 @@ class StageSet:
         self.run_dir = run_dir
         self.log_format = log_format
         self.stages: dict[str, StageProcess] = {}
+        # (group, address): the cluster placed an engine group again on a host at another address;
+        # the supervisor re-plans its links or raises Refused. Only a cluster's stage set calls it.
+        self.on_group_moved: Callable[[int, str], None] | None = None
         # Per engine group: where its tensor-parallel rank 0 listens for torch.distributed.
         self.dist_ports = [free_tcp_port(config.network.host) for _ in range(self.engine.data_parallel)]
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -126,6 +126,44 @@ def generate_all(run_dir: Path, prompts: list[str]) -> list[str]:
         ]
 
 
+def stream_through_fault(run_dir: Path, prompts: list[str], fault: Callable[[], None]) -> list[str]:
+    """Stream every prompt (greedy, each in a client of its own), call `fault` once every stream
+    has its first text, and return the texts; any client error fails the test."""
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+    first_tokens = [threading.Event() for _ in prompts]
+
+    def stream(i: int) -> None:
+        try:
+            with Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client:
+                parts = []
+                for delta in client.stream(
+                    prompts[i],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=CLIENT_TIMEOUT_S,
+                ):
+                    parts.append(delta.text)
+                    first_tokens[i].set()
+                results[i] = "".join(parts)
+        except BaseException as exc:
+            errors.append(exc)
+            first_tokens[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for event in first_tokens:
+        assert event.wait(CLIENT_TIMEOUT_S)
+    fault()
+    for thread in threads:
+        thread.join(CLIENT_TIMEOUT_S + 30)
+    assert not errors, errors
+    assert not [t for t in threads if t.is_alive()], "a stream did not end"
+    return [results[i] for i in range(len(prompts))]
+
+
 @pytest.mark.timeout(240)
 def test_an_engine_group_that_no_node_can_hold_is_refused_clearly(
     tmp_path: Path, cluster, tiny_model_dir
@@ -174,39 +212,8 @@ def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_
         assert all(len(text) > 0 for text in calm)
 
         # The same requests again, and the node that holds the group goes away while they decode.
-        results: dict[int, str] = {}
-        errors: list[BaseException] = []
-        first_tokens = [threading.Event() for _ in PROMPTS]
-
-        def stream(i: int) -> None:
-            try:
-                with Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client:
-                    parts = []
-                    for delta in client.stream(
-                        PROMPTS[i],
-                        max_tokens=MAX_TOKENS,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        timeout=CLIENT_TIMEOUT_S,
-                    ):
-                        parts.append(delta.text)
-                        first_tokens[i].set()
-                    results[i] = "".join(parts)
-            except BaseException as exc:
-                errors.append(exc)
-                first_tokens[i].set()
-
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(PROMPTS))]
-        for thread in threads:
-            thread.start()
-        for event in first_tokens:
-            assert event.wait(CLIENT_TIMEOUT_S)
         [lost] = [node for node in ray_cluster.worker_nodes if node.node_id == group_node]
-        ray_cluster.remove_node(lost)
-        for thread in threads:
-            thread.join(CLIENT_TIMEOUT_S + 30)
-        assert not errors, errors
-        assert [results[i] for i in range(len(PROMPTS))] == calm
+        assert stream_through_fault(run_dir, PROMPTS, lambda: ray_cluster.remove_node(lost)) == calm
 
         run.wait_until_running(120)
         moved = nodes_of(run)
@@ -291,6 +298,55 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
     assert_clean(run_dir, info.run_id)
     actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
     assert actors == [] and groups == [], (actors, groups)
+
+
+@pytest.mark.timeout(500)
+def test_a_group_whose_node_dies_is_served_again_from_a_node_at_another_address(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    """The far node (at 127.0.0.2) holds the group and is removed while requests decode; Ray
+    places the group again on a node at the head's address. The supervisor re-plans the group's
+    links there (same ports, same CURVE keys), the tokenizer and the detokenizer reconnect
+    (Relink), the requests are resubmitted, and every text equals the un-faulted run's."""
+    ray_cluster, nodes = cluster
+    head_address = ray_cluster.address.rsplit(":", 1)[0]
+    run_dir = tmp_path / "run"
+    overrides = ray_overrides(
+        ray_cluster,
+        tiny_model_dir,
+        f"cluster.engine_resources={{{FAR_NODE}: 1}}",
+        f"network.host={head_address}",
+    )
+    with brigade_run(run_dir, *overrides) as run:
+        info = read_run_info(run_dir)
+        assert nodes_of(run)["scheduler-0"] == nodes[FAR_NODE]
+        before = run_endpoints(run_dir, info).scheduler_in(0).connect
+        assert before.startswith(f"tcp://{FAR_ADDRESS}:")
+        calm = generate_all(run_dir, PROMPTS)
+        # Where the group can go next: a node with the group's resource, at the head's address.
+        spare = ray_cluster.add_node(num_cpus=1, resources={FAR_NODE: 1})
+        ray_cluster.wait_for_nodes()
+        [far] = [node for node in ray_cluster.worker_nodes if node.node_id == nodes[FAR_NODE]]
+        assert stream_through_fault(run_dir, PROMPTS, lambda: ray_cluster.remove_node(far)) == calm
+
+        run.wait_until_running(120)
+        assert nodes_of(run)["scheduler-0"] == spare.node_id
+        moved = read_run_info(run_dir)
+        assert moved.network.hosts == {"scheduler-0": head_address, "gpu_worker-0-0": head_address}
+        assert (moved.network.port_base, moved.network.keys) == (info.network.port_base, info.network.keys)
+        after = run_endpoints(run_dir, moved).scheduler_in(0).connect
+        assert after == before.replace(FAR_ADDRESS, head_address, 1)
+        log = "".join(drain(run))
+        assert f"engine group 0 moved to a node at {head_address}" in log, log[-4000:]
+        reconnected = [line for line in log.splitlines() if f"reconnected {before} -> {after}" in line]
+        for stage in ("tokenizer-0", "detokenizer-0"):  # each was told, and followed
+            assert any(f"[{stage} pid=" in line for line in reconnected), log[-4000:]
+        assert generate_all(run_dir, PROMPTS[:1]) == calm[:1]
+    assert run.process.returncode == 0, "".join(drain(run)[-60:])
+    assert_clean(run_dir, info.run_id)
+    actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
+    assert actors == [] and groups == [], (actors, groups)
+    assert not [name for name in brigade_shm_objects() if info.run_id in name]
 
 
 def hf_greedy(model_dir: Path) -> list[int]:

@@ -5,6 +5,7 @@ to send to a remote endpoint without keys."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import stat
 import subprocess
@@ -133,6 +134,59 @@ def test_a_run_over_several_hosts_keeps_the_scheduler_and_its_workers_on_ipc(key
     assert here.dist_host(1) == "10.0.0.7" and here.dist_host(0) == "127.0.0.1"
     single = Endpoints("/r", "run", NetworkConfig(), NetworkPlan())
     assert single.scheduler_in(1).connect == "ipc:///r/scheduler-1-in.sock"
+
+
+def test_a_group_placed_back_at_the_heads_address_keeps_the_run_on_tcp(keys) -> None:
+    """A stage that the cluster moved back to `network.host` keeps its entry in the plan, and
+    the run its tcp:// links: its running stages connect to them."""
+    plan = NetworkPlan(30000, {"scheduler-0": "127.0.0.1", "gpu_worker-0-0": "127.0.0.1"}, keys)
+    endpoints = Endpoints("/r", "run", NetworkConfig(), plan)
+    assert not endpoints.is_single_host
+    assert endpoints.supervisor().connect == f"tcp://127.0.0.1:{link_port(30000, 'supervisor', 0)}"
+    assert endpoints.scheduler_in(0).connect == f"tcp://127.0.0.1:{link_port(30000, 'scheduler_in', 0)}"
+    assert endpoints.scheduler_workers(0).connect == "ipc:///r/scheduler-0-workers.sock"
+
+
+@pytest.mark.timeout(60)
+def test_reconnect_moved_follows_only_the_links_whose_server_moved(keys) -> None:
+    """After a Relink, the PUSH to a scheduler that moved (127.0.0.2 -> 127.0.0.1, same port,
+    same CURVE keys) reaches its new address; the one to a scheduler that stayed is untouched."""
+    from ipc import messages as m
+    from ipc.codec import SCHEDULER_INPUT
+    from ipc.sockets import PullQueue, PushQueue, close_context
+    from services.stage import reconnect_moved
+
+    base = free_port_base("127.0.0.1")
+    before = NetworkPlan(base, {"scheduler-0": "127.0.0.2", "scheduler-1": "127.0.0.1"}, keys)
+    after = NetworkPlan(base, {"scheduler-0": "127.0.0.1", "scheduler-1": "127.0.0.1"}, keys)
+    old, new = Endpoints("/r", "run", TCP, before), Endpoints("/r", "run", TCP, after)
+    ctx = zmq.Context()
+    try:
+        moved_server = PullQueue(ctx, new.scheduler_in(0), SCHEDULER_INPUT, bind=True)
+        queues = [PushQueue(ctx, old.scheduler_in(g), SCHEDULER_INPUT) for g in range(2)]
+        stayed = queues[1]
+        reconnect_moved(ctx, queues, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, logging.getLogger())
+        assert queues[1] is stayed and queues[0].socket.last_endpoint.decode() == new.scheduler_in(0).connect
+        assert queues[0].put(m.AbortRequest("r-1"))
+        assert moved_server.get(10.0) == m.AbortRequest("r-1")  # through the CURVE handshake
+    finally:
+        close_context(ctx, 0)
+
+
+def test_an_ipc_run_refuses_to_follow_a_group_to_another_host(tmp_path: Path) -> None:
+    """Every link of a one-host ipc:// run is a socket file: a group that lands at another
+    address cannot be reached from there, which the move says instead of starting it."""
+    from supervision.preflight import Refused
+    from supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None), None, [], make_run_dir(tmp_path / "run"), "text")
+    try:
+        supervisor.plan_network({})
+        with pytest.raises(Refused, match=r"links are ipc:// .* set network\.transport: tcp"):
+            supervisor.move_group(0, "10.0.0.7")
+    finally:
+        supervisor.ctx.destroy(linger=0)
+    assert supervisor.network_plan.hosts == {}
 
 
 def test_a_free_port_base_has_every_port_free() -> None:

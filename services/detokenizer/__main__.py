@@ -11,7 +11,7 @@ from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
 from ipc.sockets import PullQueue, PushQueue, close_context
 from services.detokenizer.core import DetokenizerCore
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args, reconnect_moved
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
@@ -64,6 +64,10 @@ def main() -> None:
                 PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
                 for i in range(len(tokenizers), command.num_tokenizers)
             ]
+        elif isinstance(command, m.Relink):  # an engine group moved to another host
+            old = stage.relink(command.hosts)
+            new = stage.endpoints
+            reconnect_moved(ctx, schedulers, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, stage.log)
         control.heartbeat(
             num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)
         )

@@ -15,7 +15,7 @@ from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket, close_context
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args, reconnect_moved
 from services.tokenizer.core import Reply, RequestError, TokenizerCore
 from services.tokenizer.text import Tokenizer
 
@@ -199,6 +199,12 @@ class TokenizerProcess:
             self.core.group_loads = command.loads
         elif isinstance(command, m.Reconfigure):
             self.core.default_max_tokens = command.default_max_tokens
+        elif isinstance(command, m.Relink):  # an engine group moved to another host
+            old = self.stage.relink(command.hosts)
+            new = self.stage.endpoints
+            reconnect_moved(
+                self.ctx, self.schedulers, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, self.stage.log
+            )
         elif isinstance(command, m.Shutdown):
             self.is_draining = True  # finish what is in flight, refuse anything new
         elif isinstance(command, m.ResubmitAll):
