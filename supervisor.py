@@ -48,7 +48,14 @@ from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
 from services.stage import RUN_FILE, AuthFailures, RunInfo, read_run_info, setup_logging, write_run_info
-from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, reconfigure_message
+from supervision.live_settings import (
+    LIVE_SETTINGS,
+    apply_live,
+    diff_fields,
+    get_setting,
+    reconfigure_message,
+    with_setting,
+)
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_hosts, check_layout, check_model
 from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, RingSpec, StageProcess, make_stage_set
@@ -234,18 +241,18 @@ class Supervisor:
         for stage in [*self.stages.of_kind("tokenizer"), *self.stages.of_kind("detokenizer")]:
             self.command(stage, relink)
 
-    def create_rings(self, model_dir: Path) -> None:
-        """Each engine group's step and result rings, where the stage set puts the group."""
+    def create_rings(self, model_dir: Path, groups: range) -> None:
+        """The step and result rings of engine groups `groups`, where the stage set puts them."""
         engine = self.config.engine
         # check_model has read this config.json already: it is there and well-formed.
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         specs = []
-        for group in range(engine.data_parallel):
+        for group in groups:
             step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
             step_bytes = step_slot_bytes(self.config, vocab_size)
             specs.append(RingSpec(group, step, RING_SLOTS, step_bytes, engine.tensor_parallel))
             specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(self.config), 1))
-        self.rings = self.stages.create_rings(specs)
+        self.rings += self.stages.create_rings(specs)
 
     def serve_metrics(self) -> None:
         """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port."""
@@ -274,7 +281,7 @@ class Supervisor:
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
-        self.create_rings(model_dir)
+        self.create_rings(model_dir, range(self.config.engine.data_parallel))
         metrics_dir = self.run_dir / METRICS_DIR
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)
@@ -547,21 +554,83 @@ class Supervisor:
                 raise GiveUp(f"stages not ready in time: {[s.name for s in stages if not s.is_ready]}")
             self.tick()
 
+    def place_groups(self, config: Config) -> Config:
+        """Room for the engine groups that `config` adds: `config`, or, when the cluster has no
+        room for them within cluster.placement_timeout_s (or this host lacks their devices),
+        `config` with the old engine.data_parallel (the reload keeps it, and says why)."""
+        old_groups = self.config.engine.data_parallel
+        try:
+            check_layout(config)
+            self.stages.place_groups(config.engine)
+            deadline = time.monotonic() + config.cluster.placement_timeout_s
+            while self.stages.unplaced():
+                if time.monotonic() > deadline:
+                    raise Refused(
+                        f"engine groups {self.stages.unplaced()} found no room within "
+                        f"cluster.placement_timeout_s={config.cluster.placement_timeout_s:g}s"
+                    )
+                self.tick()
+        except Refused as exc:
+            log.error("reload: engine.data_parallel stays %d: %s", old_groups, exc)
+            self.stages.release_groups(self.config.engine)
+            return with_setting(config, "engine.data_parallel", old_groups)
+        return config
+
+    def retire_groups(self, groups: range) -> None:
+        """Stop engine groups `groups`, which the tokenizers no longer send new requests to
+        (Reconfigure): they finish what they run, up to supervisor.drain_timeout_s; then the
+        tokenizers move whatever is left to the other groups (RetireGroups)."""
+        retiring = [s for s in self.stages if s.group in groups]
+        schedulers = [s for s in retiring if s.kind == "scheduler"]
+        # Loads from after the Reconfigure: a request sent just before it is counted too.
+        self.read_control(2 * self.config.supervisor.heartbeat_interval_s)
+        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+
+        def is_busy() -> bool:
+            return any(s.load.num_running or s.load.num_waiting for s in schedulers)
+
+        while is_busy() and time.monotonic() < deadline:
+            self.read_control(0.2)
+        self.stages.remove(retiring)
+        self.stages.stop(retiring, STOP_GRACE_S)
+        self.stages.release_groups(self.config.engine)
+        names = {
+            name for g in groups for name in (self.endpoints.step_ring(g), self.endpoints.result_ring(g))
+        }
+        for ring in [r for r in self.rings if r.name in names]:
+            ring.close()
+            ring.unlink()
+            self.rings.remove(ring)
+        retired = m.RetireGroups(groups.start)
+        for stage in [*self.stages.of_kind("tokenizer"), *self.stages.of_kind("detokenizer")]:
+            self.command(stage, retired)
+        log.info("retired engine groups %d-%d", groups.start, groups.stop - 1)
+
     def rescale(self, config: Config) -> None:
-        """Change replica counts without dropping a request: new replicas start before anyone
-        routes to them; removed ones stop only after everyone routes around them."""
+        """Change replica and engine group counts without dropping a request: new replicas and
+        groups start before anyone routes to them; removed ones stop only after everyone routes
+        around them (and a removed group has drained)."""
         old_tokenizers, old_detoks = self.config.tokenizer.replicas, self.config.detokenizer.replicas
-        old_gateways = self.config.gateway.replicas
+        old_gateways, old_groups = self.config.gateway.replicas, self.config.engine.data_parallel
+        if config.engine.data_parallel > old_groups:
+            config = self.place_groups(config)
         replicas = {
             "tokenizer.replicas": [old_tokenizers, config.tokenizer.replicas],
             "detokenizer.replicas": [old_detoks, config.detokenizer.replicas],
             "gateway.replicas": [old_gateways, config.gateway.replicas],
+            "engine.data_parallel": [old_groups, config.engine.data_parallel],
         }
         changes = {path: counts for path, counts in replicas.items() if counts[0] != counts[1]}
         if changes:
             self.audit.rescale(changes)
         self.publish_config(config)
+        new_groups = range(old_groups, config.engine.data_parallel)
+        self.create_rings(Path(self.info.model_dir), new_groups)
         added = [self.stages.add("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
+        for g in new_groups:
+            added.append(self.stages.add("scheduler", g, group=g))
+            ranks = range(config.engine.tensor_parallel)
+            added += [self.stages.add("gpu_worker", g, group=g, rank=r) for r in ranks]
         added += [self.stages.add("tokenizer", i) for i in range(old_tokenizers, config.tokenizer.replicas)]
         added += [self.stages.add("gateway", i) for i in range(old_gateways, config.gateway.replicas)]
         for stage in added:
@@ -569,9 +638,12 @@ class Supervisor:
         self.wait_ready(added)
         # Schedulers move every live request to its new detokenizer shard (full history, so the
         # new shard rebuilds its text; receivers drop what they already have by position).
+        # Tokenizers route new requests to the groups below engine.data_parallel only.
         message = reconfigure_message(self.config)
         for stage in self.stages:
             self.command(stage, message)
+        if config.engine.data_parallel < old_groups:
+            self.retire_groups(range(config.engine.data_parallel, old_groups))
         removed_tokenizers = [
             self.stages[f"tokenizer-{i}"] for i in range(config.tokenizer.replicas, old_tokenizers)
         ]

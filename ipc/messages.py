@@ -427,6 +427,7 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_gateways: int = 1
     max_num_waiting: int = 0
     default_max_tokens: int = 256
+    num_groups: int = 1  # engine groups that take new requests (engine.data_parallel)
 
 
 class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -446,7 +447,15 @@ class Relink(msgspec.Struct, tag=True, array_like=True, gc=False):
     hosts: dict[str, str]
 
 
-ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads, Relink]
+class RetireGroups(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Supervisor -> tokenizers and detokenizers, once the engine groups at or above `num_groups`
+    have drained and stopped (hot reload of engine.data_parallel): close their links; a
+    tokenizer resubmits what it still had on them to the remaining groups."""
+
+    num_groups: int
+
+
+ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads, Relink, RetireGroups]
 
 # ---------------------------------------------------------------------------
 # scheduler <-> gpu worker: step plans and results travel through shared-memory rings

@@ -1,7 +1,7 @@
 """The settings a hot reload applies to a live run, declared once. Every other changed field is
 logged as needing a restart. Each live setting reaches the stages as one field of the
-`Reconfigure` command (the supervisor also acts on the replica counts itself: it starts or
-retires replicas)."""
+`Reconfigure` command (the supervisor also acts on the replica and engine group counts itself:
+it starts or retires replicas and groups)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ LIVE_SETTINGS: dict[str, str] = {
     "detokenizer.replicas": "num_detokenizers",
     "gateway.replicas": "num_gateways",
     "engine.max_num_waiting": "max_num_waiting",
+    "engine.data_parallel": "num_groups",
 }
 
 

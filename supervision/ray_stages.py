@@ -35,7 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from ipc.config import Config
+from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
 from ipc.shm import SHM_DIR, ShmRing
 from services.metrics import METRICS_DIR
@@ -302,6 +302,7 @@ class RayStageSet(StageSet):
         self.run_id = run_id
         self.supervisor_host = boot_id()
         self.groups: list[PlacementGroup] = []
+        self.placing: dict[int, ray.ObjectRef] = {}  # group -> its placement group's ready(), until ready
         self.rings: dict[int, list[RingSpec]] = {}
         self.head_node = ""
         self.head_address = ""
@@ -343,12 +344,11 @@ class RayStageSet(StageSet):
                 signal.signal(sig, handler)
         self.head_node = ray.get_runtime_context().get_node_id()
         self.head_address = ray.util.get_node_ip_address()
+        self.place_groups(self.engine)
         bundle = self.group_bundle()
-        for group in range(self.engine.data_parallel):
-            name = f"{SHM_PREFIX}{self.run_id}-group-{group}"
-            self.groups.append(placement_group([bundle], strategy="STRICT_PACK", name=name))
         timeout = self.cluster.placement_timeout_s
-        ready, _ = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
+        ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.groups), timeout=timeout)
+        self.placing.clear()
         if len(ready) < len(self.groups):
             raise Refused(
                 f"{len(self.groups) - len(ready)} of {len(self.groups)} engine group(s) found no Ray node "
@@ -364,6 +364,30 @@ class RayStageSet(StageSet):
             if address_of[node] != self.head_address:
                 self.addresses.update(dict.fromkeys(self.group_names(group), address_of[node]))
         return dict(self.addresses)
+
+    def place_groups(self, engine: EngineConfig) -> None:
+        """A placement group for each engine group that has none yet; Ray finds them a node."""
+        self.engine = engine
+        bundle = self.group_bundle()
+        for group in range(len(self.groups), engine.data_parallel):
+            name = f"{SHM_PREFIX}{self.run_id}-group-{group}"
+            self.groups.append(placement_group([bundle], strategy="STRICT_PACK", name=name))
+            self.placing[group] = self.groups[group].ready()
+
+    def unplaced(self) -> list[int]:
+        if self.placing:
+            ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.placing), timeout=0)
+            self.placing = {group: ref for group, ref in self.placing.items() if ref not in ready}
+        return sorted(self.placing)
+
+    def release_groups(self, engine: EngineConfig) -> None:
+        self.engine = engine
+        for pg in self.groups[engine.data_parallel :]:
+            with contextlib.suppress(RayError):
+                remove_placement_group(pg)
+        del self.groups[engine.data_parallel :]
+        self.placing = {group: ref for group, ref in self.placing.items() if group < engine.data_parallel}
+        self.rings = {group: specs for group, specs in self.rings.items() if group < engine.data_parallel}
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The rings are made on each group's node, by the first of its stages to start there."""

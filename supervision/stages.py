@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from ipc import messages as m
-from ipc.config import Config
+from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import ShmRing
 from services.metrics import METRICS_DIR
@@ -108,7 +108,8 @@ class StageSet:
     this host (supervision/ray_stages.py has the same interface over a Ray cluster)."""
 
     def __init__(self, config: Config, run_dir: Path, log_format: str) -> None:
-        self.engine = config.engine  # fixed for the run: a reload cannot change it
+        self.engine = config.engine  # a reload changes only data_parallel (place_groups, release_groups)
+        self.dist_host = config.network.host
         self.run_dir = run_dir
         self.log_format = log_format
         self.stages: dict[str, StageProcess] = {}
@@ -116,7 +117,7 @@ class StageSet:
         # the supervisor re-plans its links or raises Refused. Only a cluster's stage set calls it.
         self.on_group_moved: Callable[[int, str], None] | None = None
         # Per engine group: where its tensor-parallel rank 0 listens for torch.distributed.
-        self.dist_ports = [free_tcp_port(config.network.host) for _ in range(self.engine.data_parallel)]
+        self.dist_ports = [free_tcp_port(self.dist_host) for _ in range(self.engine.data_parallel)]
 
     def __iter__(self) -> Iterator[StageProcess]:
         return iter(list(self.stages.values()))
@@ -179,6 +180,22 @@ class StageSet:
         """Reserve where the engine groups run; returns the address of every stage that runs on
         another host than the supervisor's (none here), for the run's links."""
         return {}
+
+    def place_groups(self, engine: EngineConfig) -> None:
+        """Reserve room for the engine groups a hot reload adds (up to engine.data_parallel);
+        `unplaced` tells those still waiting for it."""
+        self.engine = engine
+        added = range(len(self.dist_ports), engine.data_parallel)
+        self.dist_ports += [free_tcp_port(self.dist_host) for _ in added]
+
+    def unplaced(self) -> list[int]:
+        return []
+
+    def release_groups(self, engine: EngineConfig) -> None:
+        """Give back what the engine groups at or above engine.data_parallel held (a hot reload
+        retired them, and their stages have stopped)."""
+        self.engine = engine
+        del self.dist_ports[engine.data_parallel :]
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The engine groups' shared-memory rings, on this host; the supervisor unlinks them."""

@@ -19,17 +19,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_REQUESTS = 8
 NEW_TOKENS = 48
+GROUP_TOKENS = 400  # long enough that a group retired mid-stream still runs some
 
 
-def write_config(path: Path, model_dir: Path, tokenizers: int, detokenizers: int, max_model_len: int = 512) -> None:
+def write_config(
+    path: Path, model_dir: Path, tokenizers: int, detokenizers: int, max_model_len: int = 512, **engine: int
+) -> None:
     config = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
     config["model"].update(path=str(model_dir), dtype="float32", max_model_len=max_model_len)
     config["tokenizer"]["replicas"] = tokenizers
     config["detokenizer"]["replicas"] = detokenizers
+    config["engine"].update(engine)
     path.write_text(yaml.safe_dump(config))
 
 
-def streams(run_dir: Path, during=None) -> list[str]:
+def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[str]:
     """NUM_REQUESTS greedy streams; `during()` runs once every stream has produced output."""
     results: list[str | None] = [None] * NUM_REQUESTS
     barrier = threading.Barrier(NUM_REQUESTS + 1)
@@ -37,7 +41,9 @@ def streams(run_dir: Path, during=None) -> list[str]:
     def one(i: int) -> None:
         with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
             text, is_first = [], True
-            for delta in client.stream(f"request {i}:", max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=300):
+            for delta in client.stream(
+                f"request {i}:", max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+            ):
                 text.append(delta.text)
                 if is_first:
                     is_first = False
@@ -56,15 +62,21 @@ def streams(run_dir: Path, during=None) -> list[str]:
     return results  # type: ignore[return-value]
 
 
-def wait_for_stages(run: Run, tokenizers: int, detokenizers: int, timeout: float = 120) -> None:
+def wait_for_stages(
+    run: Run, tokenizers: int, detokenizers: int, timeout: float = 120, schedulers: int | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = run.status()
         kinds = [r["kind"] for r in rows if r["state"] == "running"]
-        if (kinds.count("tokenizer"), kinds.count("detokenizer")) == (tokenizers, detokenizers) and len(kinds) == len(rows):
+        counts = (kinds.count("tokenizer"), kinds.count("detokenizer"), kinds.count("scheduler"))
+        wanted = (tokenizers, detokenizers, counts[2] if schedulers is None else schedulers)
+        if counts == wanted and len(kinds) == len(rows):
             return
         time.sleep(0.2)
-    raise AssertionError(f"expected {tokenizers} tokenizers and {detokenizers} detokenizers: {run.status()}")
+    raise AssertionError(
+        f"expected {tokenizers} tokenizers, {detokenizers} detokenizers, {schedulers} schedulers: {run.status()}"
+    )
 
 
 def test_replicas_change_live_without_losing_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -91,4 +103,41 @@ def test_replicas_change_live_without_losing_requests(tmp_path: Path, tiny_model
         write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1, max_model_len=256)
         run.process.send_signal(signal.SIGHUP)
         run.wait_for_line("model.max_model_len changed but needs a restart", 60)
+    assert_clean(run_dir)
+
+
+def test_engine_groups_are_added_and_retired_live_without_losing_requests(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """engine.data_parallel 1 -> 2 -> 1 by hot reload, each while requests stream: the new group
+    takes requests once it is up; the retired one stops taking them, and what it still ran when
+    supervisor.drain_timeout_s ended is moved to the other group. Greedy text is unchanged."""
+    config = tmp_path / "brigade.yaml"
+    layout = {"threads": 1}
+    write_config(config, tiny_model_dir, 1, 1, data_parallel=1, **layout)
+    run_dir = tmp_path / "run"
+    # A short drain, so that the retired group still runs requests when it stops (the move).
+    with brigade_run(run_dir, "supervisor.drain_timeout_s=0.5", config=str(config)) as run:
+        reference = streams(run_dir, new_tokens=GROUP_TOKENS)
+
+        def grow() -> None:
+            write_config(config, tiny_model_dir, 1, 1, data_parallel=2, **layout)
+            run.process.send_signal(signal.SIGHUP)
+
+        assert streams(run_dir, during=grow, new_tokens=GROUP_TOKENS) == reference
+        wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=2)
+        assert {r["name"] for r in run.status()} >= {"scheduler-1", "gpu_worker-1-0"}
+
+        def shrink() -> None:
+            write_config(config, tiny_model_dir, 1, 1, data_parallel=1, **layout)
+            run.process.send_signal(signal.SIGHUP)
+
+        assert streams(run_dir, during=shrink, new_tokens=GROUP_TOKENS) == reference
+        wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=1)
+        names = {r["name"] for r in run.status()}
+        assert "scheduler-1" not in names and "gpu_worker-1-0" not in names, names
+        moved = run.wait_for_line("engine groups from 1 on retired: moving", 60)
+        assert int(moved.split("moving ")[1].split()[0]) > 0, moved  # group 1 had requests
+        assert streams(run_dir, new_tokens=GROUP_TOKENS) == reference  # group 0 serves on alone
+    assert run.process.returncode == 0
     assert_clean(run_dir)

@@ -142,6 +142,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
             "detokenizer.replicas=2",
             "gateway.replicas=2",
             "engine.max_num_waiting=7",
+            "engine.data_parallel=3",
             "tokenizer.default_max_tokens=9",
             "supervisor.log_level=DEBUG",
             "model.max_model_len=256",
@@ -158,6 +159,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
         num_gateways=2,
         max_num_waiting=7,
         default_max_tokens=9,
+        num_groups=3,
     )
 
 

@@ -59,11 +59,19 @@ def main() -> None:
             elif isinstance(message, m.DropRequests):
                 core.drop(message.request_ids)
         command = control.command()
-        if isinstance(command, m.Reconfigure):  # tokenizers added or removed
+        if isinstance(command, m.Reconfigure):  # tokenizers or engine groups added or removed
             tokenizers = tokenizers[: command.num_tokenizers] + [
                 PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
                 for i in range(len(tokenizers), command.num_tokenizers)
             ]
+            schedulers += [  # retiring groups keep theirs until RetireGroups
+                PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
+                for g in range(len(schedulers), command.num_groups)
+            ]
+        elif isinstance(command, m.RetireGroups):
+            for queue in schedulers[command.num_groups :]:
+                queue.close()
+            del schedulers[command.num_groups :]
         elif isinstance(command, m.Relink):  # an engine group moved to another host
             old = stage.relink(command.hosts)
             new = stage.endpoints

@@ -199,6 +199,22 @@ class TokenizerProcess:
             self.core.group_loads = command.loads
         elif isinstance(command, m.Reconfigure):
             self.core.default_max_tokens = command.default_max_tokens
+            self.core.set_num_groups(command.num_groups)
+            self.schedulers += [  # added groups; retiring ones keep theirs until RetireGroups
+                PushQueue(self.ctx, self.stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
+                for g in range(len(self.schedulers), command.num_groups)
+            ]
+        elif isinstance(command, m.RetireGroups):
+            self.core.set_num_groups(command.num_groups)
+            moved = self.core.move_retired()
+            self.stage.log.info(
+                "engine groups from %d on retired: moving %d requests", command.num_groups, len(moved)
+            )
+            for group, submit in moved:
+                self.schedulers[group].put(submit)
+            for queue in self.schedulers[command.num_groups :]:
+                queue.close()
+            del self.schedulers[command.num_groups :]
         elif isinstance(command, m.Relink):  # an engine group moved to another host
             old = self.stage.relink(command.hosts)
             new = self.stage.endpoints
@@ -207,7 +223,7 @@ class TokenizerProcess:
             )
         elif isinstance(command, m.Shutdown):
             self.is_draining = True  # finish what is in flight, refuse anything new
-        elif isinstance(command, m.ResubmitAll):
+        elif isinstance(command, m.ResubmitAll) and command.group < len(self.schedulers):
             submissions = self.core.resubmissions(command.group)
             self.stage.log.info(
                 "scheduler %d restarted: resubmitting %d requests", command.group, len(submissions)

@@ -361,8 +361,27 @@ class TokenizerCore:
         (they cover a burst that arrives between two load reports)."""
         load = list(self.group_loads)
         for entry in self.journal.values():
-            load[entry.group] += 1
+            if entry.group < self.num_groups:  # not one of a retiring group (set_num_groups)
+                load[entry.group] += 1
         return min(range(self.num_groups), key=load.__getitem__)
+
+    def set_num_groups(self, num_groups: int) -> None:
+        """Engine groups were added or are retiring (hot reload of engine.data_parallel): new
+        requests go to groups below `num_groups` only. Those in flight on a retiring group stay
+        there until it drains, or `move_retired` moves what is left."""
+        if num_groups != self.num_groups:
+            self.num_groups = num_groups
+            self.group_loads = [0.0] * num_groups  # until the next report
+
+    def move_retired(self) -> list[tuple[int, m.SubmitRequest]]:
+        """(group, resubmission) of every journaled request still on a retired group (one at or
+        above num_groups, now stopped), each moved to the least loaded remaining group."""
+        moved = []
+        for entry in self.journal.values():
+            if entry.group >= self.num_groups:
+                entry.group = self._least_loaded_group()
+                moved.append((entry.group, self.resubmission(entry)))
+        return moved
 
     def abort(self, identity: bytes, request_id: str) -> JournalEntry | None:
         """Forget the request `request_id` of the client at `identity` (None if it has none such);
