@@ -367,7 +367,7 @@ class RayStageSet(StageSet):
 
     def place_groups(self, engine: EngineConfig) -> None:
         """A placement group for each engine group that has none yet; Ray finds them a node."""
-        self.engine = engine
+        super().place_groups(engine)
         bundle = self.group_bundle()
         for group in range(len(self.groups), engine.data_parallel):
             name = f"{SHM_PREFIX}{self.run_id}-group-{group}"
@@ -381,7 +381,7 @@ class RayStageSet(StageSet):
         return sorted(self.placing)
 
     def release_groups(self, engine: EngineConfig) -> None:
-        self.engine = engine
+        super().release_groups(engine)
         for pg in self.groups[engine.data_parallel :]:
             with contextlib.suppress(RayError):
                 remove_placement_group(pg)

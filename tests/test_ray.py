@@ -41,6 +41,7 @@ ENGINE_NODES = ("node_a", "node_b")  # each engine node's own resource says whic
 FAR_NODE, FAR_ADDRESS = "far_engine", "127.0.0.2"
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 200  # enough that the node is removed while the requests are still decoding
+GROUP_TOKENS = 400  # enough that a group retired mid-stream still runs some when it stops
 CLIENT_TIMEOUT_S = 240.0
 REFUSED_WITHIN_S = 30.0
 PROMPT_IDS = [1, 450, 4996, 17354, 1701, 284, 1190, 690]
@@ -116,17 +117,19 @@ def drain(run) -> list[str]:
     return run.log
 
 
-def generate_all(run_dir: Path, prompts: list[str]) -> list[str]:
+def generate_all(run_dir: Path, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
     with Client(run_dir, failover_after=5.0, unavailable_after=CLIENT_TIMEOUT_S) as client:
         return [
             client.generate(
-                p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
+                p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
             ).text
             for p in prompts
         ]
 
 
-def stream_through_fault(run_dir: Path, prompts: list[str], fault: Callable[[], None]) -> list[str]:
+def stream_through_fault(
+    run_dir: Path, prompts: list[str], fault: Callable[[], None], max_tokens: int = MAX_TOKENS
+) -> list[str]:
     """Stream every prompt (greedy, each in a client of its own), call `fault` once every stream
     has its first text, and return the texts; any client error fails the test."""
     results: dict[int, str] = {}
@@ -139,7 +142,7 @@ def stream_through_fault(run_dir: Path, prompts: list[str], fault: Callable[[], 
                 parts = []
                 for delta in client.stream(
                     prompts[i],
-                    max_tokens=MAX_TOKENS,
+                    max_tokens=max_tokens,
                     temperature=0.0,
                     ignore_eos=True,
                     timeout=CLIENT_TIMEOUT_S,
@@ -184,6 +187,52 @@ def test_an_engine_group_that_no_node_can_hold_is_refused_clearly(
     assert "found no Ray node with {'accelerator': 1.0, 'CPU': 1.0} free" in out, out
     actors, groups = leftovers_in_ray(ray_cluster, "")
     assert groups == [] and actors == [], (actors, groups)
+
+
+@pytest.mark.timeout(500)
+def test_engine_groups_are_added_on_another_node_and_retired_live(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    """engine.data_parallel 1 -> 2 -> 1 by hot reload while requests stream: the new group gets a
+    placement group of its own, on the other engine node; the retired one drains, and what it
+    still ran when supervisor.drain_timeout_s ended moves to group 0. Greedy text is unchanged,
+    and the retired group leaves no placement group or actor behind."""
+    ray_cluster, nodes = cluster
+    engine_nodes = {nodes[name] for name in ENGINE_NODES}
+    run_dir = tmp_path / "run"
+    config = tmp_path / "groups.yaml"
+    config.write_text(yaml.safe_dump({"engine": {"data_parallel": 1}}))
+    overrides = ray_overrides(ray_cluster, tiny_model_dir, "supervisor.drain_timeout_s=0.5")
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
+        run_id = read_run_info(run_dir).run_id
+        first = nodes_of(run)["scheduler-0"]
+        assert first in engine_nodes
+        calm = generate_all(run_dir, PROMPTS, GROUP_TOKENS)
+
+        def reload_groups(count: int) -> None:
+            config.write_text(yaml.safe_dump({"engine": {"data_parallel": count}}))
+            run.process.send_signal(signal.SIGHUP)
+
+        assert stream_through_fault(run_dir, PROMPTS, lambda: reload_groups(2), GROUP_TOKENS) == calm
+        wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=2, timeout=180)
+        placed = nodes_of(run)
+        assert placed["scheduler-1"] == placed["gpu_worker-1-0"] in engine_nodes - {first}, placed
+        _, groups = leftovers_in_ray(ray_cluster, run_id)
+        assert sorted(groups) == [f"brigade-{run_id}-group-0", f"brigade-{run_id}-group-1"]
+
+        assert stream_through_fault(run_dir, PROMPTS * 2, lambda: reload_groups(1), GROUP_TOKENS) == calm * 2
+        wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=1, timeout=180)
+        assert "scheduler-1" not in nodes_of(run)
+        moved = run.wait_for_line("engine groups from 1 on retired: moving", 60)
+        assert int(moved.split("moving ")[1].split()[0]) > 0, moved  # group 1 still had requests
+        _, groups = leftovers_in_ray(ray_cluster, run_id)
+        assert groups == [f"brigade-{run_id}-group-0"]
+        assert generate_all(run_dir, PROMPTS[:1], GROUP_TOKENS) == calm[:1]
+    assert run.process.returncode == 0, "".join(drain(run)[-60:])
+    assert_clean(run_dir, run_id)
+    actors, groups = leftovers_in_ray(ray_cluster, run_id)
+    assert actors == [] and groups == [], (actors, groups)
+    assert not [name for name in brigade_shm_objects() if run_id in name]
 
 
 @pytest.mark.timeout(600)
