@@ -74,6 +74,26 @@ def test_group_choice_follows_reported_load(core_factory) -> None:
     assert core.admit(b"c", m.Generate("c", prompt="x")).group == 0
 
 
+def test_retiring_groups_take_no_new_requests_and_hand_theirs_over(core_factory) -> None:
+    """engine.data_parallel 3 -> 2 (hot reload): new requests avoid group 2 at once; once it has
+    stopped, its requests move, with their outputs so far, to the least loaded of the others."""
+    core = core_factory(num_groups=3)
+    core.group_loads = [5.0, 5.0, 0.0]
+    on_two = core.admit(b"c", m.Generate("a", prompt="x"))
+    assert on_two.group == 2
+    core.relay(m.Delta(on_two.submit.request_id, 0, 0, "ab", m.pack_ids([5, 6])))
+    core.set_num_groups(2)
+    assert core.admit(b"c", m.Generate("b", prompt="x")).group in (0, 1)
+    core.group_loads = [3.0, 1.0]
+    [(group, again)] = core.move_retired()
+    assert group == 1 and core.journal[on_two.submit.request_id].group == 1
+    assert again.request_id == on_two.submit.request_id and m.unpack_ids(again.output_ids).tolist() == [5, 6]
+    assert core.move_retired() == []  # nothing is left on a retired group
+    core.set_num_groups(3)  # grown again: the new group is chosen when it is the least loaded
+    core.group_loads = [9.0, 9.0, 0.0]
+    assert core.admit(b"c", m.Generate("c", prompt="x")).group == 2
+
+
 def test_relay_is_exactly_once_by_position(core_factory) -> None:
     core = core_factory()
     r = core.admit(b"c", m.Generate("r", prompt="x")).submit.request_id  # the engine's id
