@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             leftovers = run.stop()
             if leftovers:
                 print(f"warning: Brigade left {leftovers} behind (removed)", file=sys.stderr)
+            shutil.rmtree(run.run_dir, ignore_errors=True)
+            print(f"the run's log: {run.log_path}")
         cluster.shutdown()
     return 0
 
