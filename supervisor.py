@@ -363,6 +363,7 @@ class Supervisor:
         if now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s:
             self.send_group_loads()
             self.write_stage_samples()
+            self.stages.gather_metrics()
             self.loads_sent_at = now
 
     def on_failure(self, stage: StageProcess, reason: str) -> None:

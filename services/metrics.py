@@ -32,6 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "brigade:"
 METRICS_DIR = "metrics"  # under the run directory; the stages' PROMETHEUS_MULTIPROC_DIR
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STAGES_FILE = "stages.json"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Inter-token gaps of a CPU decode sit between a few ms and a few hundred.

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,13 +39,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
 from ipc.shm import SHM_DIR, ShmRing
-from services.metrics import METRICS_DIR
+from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import PARENT_PID_ENV, RUN_FILE
 from supervision.preflight import Refused
 from supervision.stages import REPO_ROOT, RingSpec, StageProcess, StageSet, free_tcp_port
 
 POLL_INTERVAL_S = 0.2  # how often a stage's host is asked whether its process is still alive
 START_WAIT_S = 30.0  # a message may come from a process whose host has not yet told us its pid
+METRICS_GATHER_S = 2.0  # how often the Prometheus files of stages on other nodes are copied here
 CALL_TIMEOUT_S = 30.0  # for the calls that stop and clean up (a dead node answers with an error)
 NODE_LOST = -signal.SIGKILL  # a stage whose host died with its node was killed, not failing by itself
 ENGINE_KINDS = ("scheduler", "gpu_worker")
@@ -69,6 +71,7 @@ class StageHost:
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
         self.last_line = ""
+        self.metrics_dir: Path | None = None  # where its stage writes Prometheus files, off the head node
 
     def locate(self) -> str:
         """The address of the node Ray placed this host on."""
@@ -82,6 +85,7 @@ class StageHost:
         supervisor_host: str,
         address: str,
         group: GroupSetup | None,
+        head_node: str,
     ) -> dict[str, Any]:
         """Spawn the stage; `address` is where the run's links expect this node to be (what
         `locate` said, unless the node changed in between)."""
@@ -92,6 +96,13 @@ class StageHost:
         if boot_id() != supervisor_host:
             _materialize_run_dir(run_dir, run_file)
         env = {**os.environ, **env, PARENT_PID_ENV: str(os.getpid())}
+        node = ray.get_runtime_context().get_node_id()
+        if node != head_node:
+            # A directory per node: the supervisor gathers each node's files (`read_metrics`)
+            # into its own metrics dir, where a node's own could collide with another's pids.
+            self.metrics_dir = run_dir / METRICS_DIR / f"node-{node}"
+            self.metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            env[METRICS_DIR_ENV] = str(self.metrics_dir)
         if group is not None:
             env[DIST_PORT_ENV] = str(group.prepare())
         # Ray's sync actors run their methods on the main thread, the one whose exit PDEATHSIG
@@ -100,7 +111,11 @@ class StageHost:
             [sys.executable, *argv], env=env, start_new_session=True, cwd=REPO_ROOT, stderr=subprocess.PIPE
         )
         threading.Thread(target=self._pump_stderr, args=(self.process.stderr,), daemon=True).start()
-        return {"pid": self.process.pid, "node": ray.get_runtime_context().get_node_id()}
+        return {"pid": self.process.pid, "node": node}
+
+    def read_metrics(self) -> dict[str, bytes]:
+        """The Prometheus multiprocess files of the run's stages on this node."""
+        return read_node_metrics(self.metrics_dir) if self.metrics_dir else {}
 
     def poll(self) -> tuple[int | None, str]:
         assert self.process is not None
@@ -177,11 +192,33 @@ def clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str]
         root = Path(run_dir)
         for path in [root / RUN_FILE, *root.glob("*.sock")]:
             path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            for path in (root / METRICS_DIR).iterdir():
-                path.unlink()
-            (root / METRICS_DIR).rmdir()
+        shutil.rmtree(root / METRICS_DIR, ignore_errors=True)
     return removed
+
+
+def read_node_metrics(metrics_dir: Path) -> dict[str, bytes]:
+    """The Prometheus multiprocess files in `metrics_dir`, each only its used part (the first 4
+    bytes say how much of the preallocated file that is)."""
+    files = {}
+    for path in metrics_dir.glob("*.db"):
+        with contextlib.suppress(OSError):
+            data = path.read_bytes()
+            if len(data) >= 8:
+                files[path.name] = data[: max(8, int.from_bytes(data[:4], "little"))]
+    return files
+
+
+def write_node_metrics(metrics_dir: Path, node: str, files: dict[str, bytes]) -> None:
+    """Copies of one node's Prometheus files (StageHost.read_metrics) in the run's metrics dir,
+    their pids tagged with the node (`counter_123.db` -> `counter_<node>-123.db`), each replaced
+    whole so that a scrape never reads half a file."""
+    for name, data in files.items():
+        head, _, pid = name.rpartition("_")
+        if not head or "/" in name:
+            continue  # not a multiprocess file's name
+        tmp = metrics_dir / f".{name}.{node}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(metrics_dir / f"{head}_{node[:16]}-{pid}")
 
 
 _clean_node = ray.remote(num_cpus=0)(clean_node)
@@ -309,6 +346,8 @@ class RayStageSet(StageSet):
         self.addresses: dict[str, str] = {}  # stage name -> its node's address, off the head's
         self.hosts: list[ray.actor.ActorHandle] = []  # every host ever started, for close
         self.old_pids: dict[str, set[int]] = {}  # of each stage's replaced processes
+        self.metrics_answers: dict[str, ray.ObjectRef] = {}  # node -> its StageHost.read_metrics, pending
+        self.metrics_due = 0.0
 
     def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
         stage = super().add(kind, index, group, rank)
@@ -460,12 +499,36 @@ class RayStageSet(StageSet):
             dist_host = self.addresses.get(f"scheduler-{stage.group}", self.network.host)
             setup = GroupSetup(self.run_id, stage.group, self.rings[stage.group], dist_host)
         run_file = (self.run_dir / RUN_FILE).read_bytes()  # after any move: the links as they are now
-        return host.start.remote(stage.argv[1:], stage.env, run_file, self.supervisor_host, address, setup)
+        return host.start.remote(
+            stage.argv[1:], stage.env, run_file, self.supervisor_host, address, setup, self.head_node
+        )
 
     def group_names(self, group: int) -> list[str]:
         """The stages of engine group `group`: its scheduler and its workers."""
         workers = [f"gpu_worker-{group}-{r}" for r in range(self.engine.tensor_parallel)]
         return [f"scheduler-{group}", *workers]
+
+    def gather_metrics(self) -> None:
+        """Every METRICS_GATHER_S, ask one host on each node but the head for its node's
+        Prometheus files, and copy the answers that came into this run's metrics dir: /metrics
+        then sums them with the head's (a dead node's last copies stay, as a dead process's
+        files do). Never waits."""
+        for node, answer in list(self.metrics_answers.items()):
+            if not ray.wait([answer], timeout=0)[0]:
+                continue
+            del self.metrics_answers[node]
+            with contextlib.suppress(RayError, OSError):  # a node that went meanwhile keeps its last copies
+                write_node_metrics(self.run_dir / METRICS_DIR, node, ray.get(answer))
+        now = time.monotonic()
+        if now < self.metrics_due:
+            return
+        self.metrics_due = now + METRICS_GATHER_S
+        for stage in self.stages.values():
+            process = stage.process
+            if not isinstance(process, RemoteProcess) or process.returncode is not None:
+                continue
+            if process.node and process.node != self.head_node and process.node not in self.metrics_answers:
+                self.metrics_answers[process.node] = process.host.read_metrics.remote()
 
     def is_current(self, stage: StageProcess, pid: int) -> bool:
         # A stage can talk before its host's answer to `start` (which carries the pid) is read;

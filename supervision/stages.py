@@ -24,7 +24,7 @@ from ipc import messages as m
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import ShmRing
-from services.metrics import METRICS_DIR
+from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
 
@@ -162,7 +162,7 @@ class StageSet:
     def stage_env(self, group: int, rank: int | None) -> dict[str, str]:
         """What a stage's environment adds to the supervisor's."""
         env = {
-            "PROMETHEUS_MULTIPROC_DIR": str(self.run_dir / METRICS_DIR),
+            METRICS_DIR_ENV: str(self.run_dir / METRICS_DIR),
             SUPERVISOR_PID_ENV: str(os.getpid()),
         }
         if rank is not None:
@@ -200,6 +200,10 @@ class StageSet:
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The engine groups' shared-memory rings, on this host; the supervisor unlinks them."""
         return [ShmRing.create(s.name, s.num_slots, s.slot_bytes, s.num_readers) for s in specs]
+
+    def gather_metrics(self) -> None:
+        """Bring the Prometheus files of stages on other hosts into this run's metrics dir (there
+        are none here: every stage writes to it directly)."""
 
     def close(self) -> None:
         """Release what `place` reserved, once every stage has stopped."""

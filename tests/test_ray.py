@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from client import AuthenticationFailed, Client
 from client.errors import Overloaded, RequestTimeout, ServerUnavailable
 from services.stage import read_run_info, run_endpoints
 from tests.conftest import REPO_ROOT, brigade_shm_objects
-from tests.harness import assert_clean, brigade_run, start_supervisor
+from tests.harness import assert_clean, brigade_run, free_port, start_supervisor
 from tests.test_reload import wait_for_stages
 
 ray = pytest.importorskip("ray")
@@ -319,11 +320,13 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
     ray_cluster, nodes = cluster
     head_address = ray_cluster.address.rsplit(":", 1)[0]  # the head node's, where the supervisor runs
     run_dir = tmp_path / "run"
+    metrics_port = free_port()
     overrides = ray_overrides(
         ray_cluster,
         tiny_model_dir,
         f"cluster.engine_resources={{{FAR_NODE}: 1}}",
         f"network.host={head_address}",
+        f"supervisor.metrics_port={metrics_port}",
     )
     with brigade_run(run_dir, *overrides) as run:
         info = read_run_info(run_dir)
@@ -343,6 +346,11 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
             )
         assert result.token_ids == hf_greedy(tiny_model_dir)
         assert_refuses_a_wrong_key(info.tokenizers[0], info.curve_server_key)
+        # The far scheduler's engine metrics are written on its node, in a directory of the node's
+        # own, and reach the head's /metrics only by being gathered from there.
+        far_dir = run_dir / "metrics" / f"node-{nodes[FAR_NODE]}"
+        assert list(far_dir.glob("*.db")), list((run_dir / "metrics").iterdir())
+        assert queue_time_count(metrics_port, engine=0) == 1.0  # the one request of this run
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, info.run_id)
     actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
@@ -396,6 +404,19 @@ def test_a_group_whose_node_dies_is_served_again_from_a_node_at_another_address(
     actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
     assert actors == [] and groups == [], (actors, groups)
     assert not [name for name in brigade_shm_objects() if info.run_id in name]
+
+
+def queue_time_count(port: int, engine: int, timeout: float = 60.0) -> float:
+    """`brigade:request_queue_time_seconds_count` of engine group `engine` on the run's /metrics,
+    once it is there (the gathering from other nodes runs every few seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("brigade:request_queue_time_seconds_count{") and f'engine="{engine}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        assert time.monotonic() < deadline, f"no queue time of engine {engine} in /metrics:\n{text[-3000:]}"
+        time.sleep(1.0)
 
 
 def hf_greedy(model_dir: Path) -> list[int]:
@@ -458,3 +479,25 @@ def test_a_node_off_the_supervisors_host_gets_a_private_run_dir_and_loses_it_at_
     _materialize_run_dir(run_dir, b"{}")
     clean_node("brigade-none-", str(run_dir), supervisor_host=boot_id())
     assert (run_dir / "run.json").exists()
+
+
+def test_two_nodes_metrics_with_the_same_pids_are_both_counted(tmp_path: Path) -> None:
+    """What gather_metrics copies from two nodes whose stages had the same pid: both are summed
+    on the head's /metrics, neither overwrites the other."""
+    from services import metrics
+    from supervision.ray_stages import read_node_metrics, write_node_metrics
+    from tests.test_metrics import observe_in_process, scrape
+
+    node_run = tmp_path / "node"
+    metrics.metrics_dir(node_run).mkdir(parents=True)
+    observe_in_process(node_run, "EngineMetrics('m', 0).update(deque([0.5]), 40, 8)")
+    files = read_node_metrics(metrics.metrics_dir(node_run))
+    assert files and all(len(data) < 4096 for data in files.values())  # the used part only
+    head = tmp_path / "head"
+    metrics.metrics_dir(head).mkdir(parents=True)
+    for node in ("a" * 56, "b" * 56):
+        write_node_metrics(metrics.metrics_dir(head), node, files)
+    got = scrape(metrics.registry_for_run(head))
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert got[("brigade:prefix_cache_queries_total", labels)] == 80
+    assert got[("brigade:request_queue_time_seconds_count", labels)] == 2
