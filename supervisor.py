@@ -215,16 +215,17 @@ class Supervisor:
         log.info("tcp:// links on ports %d-%d%s", first, last, curve)
 
     def move_group(self, group: int, address: str) -> None:
-        """The cluster placed engine group `group` again on a node at `address` (its node died):
-        re-plan the links whose server is in the group (same ports and CURVE keys, the new
-        address), publish them in run.json for the group's new processes, and tell the running
-        tokenizers and detokenizers to reconnect (Relink) before the group starts there. Raises
-        Refused when this run's links cannot follow: links that are ipc:// because every stage
-        ran on this host at start, or an address that the checks at start would refuse."""
+        """The cluster placed engine group `group` on a node at `address`, another than its links
+        have (its node died, or a hot reload added it there): re-plan the links whose server is
+        in the group (same ports and CURVE keys, the new address), publish them in run.json for
+        the group's new processes, and tell the running tokenizers and detokenizers to reconnect
+        (Relink) before the group starts there. Raises Refused when this run's links cannot
+        follow: links that are ipc:// because every stage ran on this host at start, or an
+        address that the checks at start would refuse."""
         network = self.config.network
         if self.endpoints.is_single_host and network.transport != "tcp":
             raise Refused(
-                f"engine group {group} was placed again on a node at {address}, but this run's links are "
+                f"engine group {group} is placed on a node at {address}, but this run's links are "
                 "ipc:// (all its stages were on one host at start): set network.transport: tcp for a run "
                 "whose engine groups may move to other hosts"
             )

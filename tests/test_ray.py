@@ -350,7 +350,7 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
         # own, and reach the head's /metrics only by being gathered from there.
         far_dir = run_dir / "metrics" / f"node-{nodes[FAR_NODE]}"
         assert list(far_dir.glob("*.db")), list((run_dir / "metrics").iterdir())
-        assert queue_time_count(metrics_port, engine=0) == 1.0  # the one request of this run
+        wait_for_queue_time_count(metrics_port, engine=0, expected=1.0)  # the one request of this run
     assert run.process.returncode == 0, "".join(drain(run)[-60:])
     assert_clean(run_dir, info.run_id)
     actors, groups = leftovers_in_ray(ray_cluster, info.run_id)
@@ -406,16 +406,20 @@ def test_a_group_whose_node_dies_is_served_again_from_a_node_at_another_address(
     assert not [name for name in brigade_shm_objects() if info.run_id in name]
 
 
-def queue_time_count(port: int, engine: int, timeout: float = 60.0) -> float:
-    """`brigade:request_queue_time_seconds_count` of engine group `engine` on the run's /metrics,
-    once it is there (the gathering from other nodes runs every few seconds)."""
+def wait_for_queue_time_count(port: int, engine: int, expected: float, timeout: float = 60.0) -> None:
+    """`brigade:request_queue_time_seconds_count` of engine group `engine` on the run's /metrics
+    reaches `expected` (the gathering from other nodes runs every few seconds)."""
     deadline = time.monotonic() + timeout
     while True:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith("brigade:request_queue_time_seconds_count{") and f'engine="{engine}"' in line:
-                return float(line.rsplit(" ", 1)[1])
-        assert time.monotonic() < deadline, f"no queue time of engine {engine} in /metrics:\n{text[-3000:]}"
+        counts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("brigade:request_queue_time_seconds_count{") and f'engine="{engine}"' in line
+        ]
+        if counts == [expected]:
+            return
+        assert time.monotonic() < deadline, f"queue times of engine {engine}: {counts}, not [{expected}]"
         time.sleep(1.0)
 
 
