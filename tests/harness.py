@@ -251,3 +251,21 @@ def node_address() -> str | None:
             return None
         address = probe.getsockname()[0]
     return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt_ids` (float32, no eos: exactly
+    `num_tokens`), the independent reference for what a run serves."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()

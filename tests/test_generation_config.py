@@ -28,7 +28,7 @@ from services.tokenizer.core import TokenizerCore
 from services.tokenizer.text import Tokenizer
 from supervision.preflight import Refused, check_model
 from tests.conftest import TINY_VOCAB_SIZE
-from tests.harness import assert_clean, brigade_run
+from tests.harness import assert_clean, brigade_run, hf_greedy
 
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
 
@@ -233,22 +233,6 @@ def llama_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, out / name)
     return out
-
-
-def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=num_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from client import AuthenticationFailed, Client
 from client.errors import Overloaded, RequestTimeout, ServerUnavailable
 from services.stage import read_run_info, run_endpoints
 from tests.conftest import REPO_ROOT, brigade_shm_objects
-from tests.harness import assert_clean, brigade_run, free_port, start_supervisor
+from tests.harness import assert_clean, brigade_run, free_port, hf_greedy, start_supervisor
 from tests.test_reload import wait_for_stages
 
 ray = pytest.importorskip("ray")
@@ -344,7 +344,7 @@ def test_a_group_on_a_node_at_another_address_is_served_over_tcp_with_curve(
             result = client.generate(
                 PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=CLIENT_TIMEOUT_S
             )
-        assert result.token_ids == hf_greedy(tiny_model_dir)
+        assert result.token_ids == hf_greedy(tiny_model_dir, PROMPT_IDS, NEW_TOKENS)
         assert_refuses_a_wrong_key(info.tokenizers[0], info.curve_server_key)
         # The far scheduler's engine metrics are written on its node, in a directory of the node's
         # own, and reach the head's /metrics only by being gathered from there.
@@ -421,22 +421,6 @@ def wait_for_queue_time_count(port: int, engine: int, expected: float, timeout: 
             return
         assert time.monotonic() < deadline, f"queue times of engine {engine}: {counts}, not [{expected}]"
         time.sleep(1.0)
-
-
-def hf_greedy(model_dir: Path) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT_IDS]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(PROMPT_IDS) :].tolist()
 
 
 def test_group_setup_makes_the_rings_once_per_node_and_keeps_the_port(tmp_path: Path) -> None:

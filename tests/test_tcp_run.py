@@ -33,6 +33,7 @@ from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
 from ipc.endpoints import PORT_SPAN
 from ipc.keys import load_secret_file
 from services.stage import read_run_info, run_endpoints
+from tests import harness
 from tests.conftest import REPO_ROOT
 from tests.harness import (
     Run,
@@ -80,19 +81,7 @@ def tcp_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
 
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_model_dir: Path) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT_IDS]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(PROMPT_IDS) :].tolist()
+    return harness.hf_greedy(tiny_model_dir, PROMPT_IDS, NEW_TOKENS)
 
 
 def greedy(client: Client) -> list[int]:
