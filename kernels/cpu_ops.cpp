@@ -1,4 +1,4 @@
-// The CPU path's two C++ ops (float32, AVX2 + FMA), registered as torch.ops.brigade.* and built
+// The CPU path's C++ ops (float32, AVX2 + FMA), registered as torch.ops.brigade.* and built
 // on first use by kernels/cpu_ops.py:
 //
 // - paged_decode: one query token per sequence against its context, read in place from the paged
@@ -14,6 +14,8 @@
 //   read as they are: a quarter (Q8_0) or a sixth (Q4_1) of the float32 bytes. It computes with the
 //   exact values the float32 copy holds (that copy is their dequantization), so a step gives the
 //   same logits whichever path its size takes, up to float32 summation order.
+// - few_rows_linear_quantized_int8: the same blocks against activations quantized to 8 bits, with
+//   integer dot products, as llama.cpp computes them (opt-in: it changes the numbers).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -463,6 +466,263 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
   TORCH_CHECK(false, "few_rows_linear_quantized: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
 }
 
+// ---- 8-bit activations (opt-in: engine.cpu_int8_activations) ----
+//
+// As llama.cpp does: each row of x is quantized into blocks of 32 int8 values q = round(x / d),
+// d = max |x| / 127 (kept float32, where ggml rounds it to float16), with d * sum(q) for the
+// formats whose blocks carry a minimum (ggml's block_q8_1). A block's dot product with the weight
+// quants is then exact in int32 (_mm256_maddubs_epi16 on unsigned x signed bytes, pairs summed by
+// _mm256_madd_epi16), and only the scales are float. It changes the numbers (the activations'
+// rounding), which is why it is opt-in.
+struct ActivationBlocks {
+  std::vector<int8_t> q;  // [R, blocks, 32], each block's values in the byte order its weights unpack to
+  std::vector<float> d;   // [R, blocks] scale
+  std::vector<float> s;   // [R, blocks] d * sum(q)
+};
+
+// Where weight k of a block lands in the 32 bytes its format unpacks to (unpack_bytes below): the
+// activations are stored in that order, so the weights need no byte shuffle.
+using BytePositions = std::array<uint8_t, kBlockWeights>;
+constexpr BytePositions natural_positions() {
+  BytePositions p{};
+  for (int k = 0; k < kBlockWeights; ++k) p[k] = k;
+  return p;
+}
+// The `to_lanes` order (see BlockQ4_1): weight k = 8 v + i is nibble (2 v + i / 4) % 2 of byte
+// 4 (i % 4) + (2 v + i / 4) / 2; low nibbles unpack to bytes 0-15, high nibbles to 16-31.
+constexpr BytePositions q4_1_positions() {
+  BytePositions p{};
+  for (int k = 0; k < kBlockWeights; ++k) {
+    const int v = k / 8, i = k % 8, position = 2 * v + i / 4;
+    p[k] = 4 * (i % 4) + position / 2 + 16 * (position % 2);
+  }
+  return p;
+}
+// Q8_0 in `to_lanes` order: byte 16 (position / 4) + 4 (i % 4) + position % 4.
+constexpr BytePositions q8_0_positions() {
+  BytePositions p{};
+  for (int k = 0; k < kBlockWeights; ++k) {
+    const int v = k / 8, i = k % 8, position = 2 * v + i / 4;
+    p[k] = 16 * (position / 4) + 4 * (i % 4) + position % 4;
+  }
+  return p;
+}
+
+ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t num_blocks,
+                                      const BytePositions& positions) {
+  ActivationBlocks a{std::vector<int8_t>(num_rows * num_blocks * kBlockWeights),
+                     std::vector<float>(num_rows * num_blocks), std::vector<float>(num_rows * num_blocks)};
+  for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
+    const float* xb = x + i * kBlockWeights;
+    float amax = 0.f;
+    bool is_finite = true;
+    for (int k = 0; k < kBlockWeights; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      is_finite = is_finite && std::isfinite(xb[k]);
+    }
+    if (!is_finite) {  // as in float32: the block's outputs become NaN (its quants stay 0)
+      a.d[i] = a.s[i] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int k = 0; k < kBlockWeights; ++k) {
+      const int q = static_cast<int>(std::nearbyint(xb[k] * inverse));  // ties to even, as np.rint
+      a.q[i * kBlockWeights + positions[k]] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    a.d[i] = d;
+    a.s[i] = d * static_cast<float>(sum);
+  }
+  return a;
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The 8 int32 lane sums of unsigned bytes u times signed bytes s (lane j: bytes 4 j .. 4 j + 3).
+// maddubs saturates pairs at int16: u <= 63 (or the sign trick's |w| <= 128) times |s| <= 127 fits.
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+// The same for signed bytes w: |w| against s with w's sign moved onto s.
+inline __m256i dot_i8_i8(__m256i w, __m256i s) { return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+
+inline __m256i unpack_bytes(const BlockQ4_1& block) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// Block b of weight row `block` against block b of every row of x: acc[r] += d_w d_x (q_w . q_x),
+// and minimums[r] += m_w s_x for Q4_1.
+template <typename Block, int R>
+inline void add_int8_block(const ActivationBlocks& a, const Block& block, int64_t b, int64_t num_blocks, __m256 acc[R],
+                           float minimums[R]) {
+  const float dw = half_to_float(block.d);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = r * num_blocks + b;
+    const __m256i xq = load32(a.q.data() + i * kBlockWeights);
+    __m256i dot;
+    if constexpr (std::is_same_v<Block, BlockQ4_1>) {
+      dot = dot_u8_i8(unpack_bytes(block), xq);
+      minimums[r] += half_to_float(block.m) * a.s[i];
+    } else {
+      dot = dot_i8_i8(load32(block.qs), xq);
+    }
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d[i]), _mm256_cvtepi32_ps(dot), acc[r]);
+  }
+}
+
+// Even and odd blocks add into separate sums, so that the loop is bound by its work, not by the
+// latency of the additions.
+template <typename Block, int R>
+void int8_times_blocks(const ActivationBlocks& a, const Block* w, float* out, int64_t num_blocks,
+                       int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const Block* row = w + n * num_blocks;
+    __m256 even[R], odd[R];
+    float even_min[R], odd_min[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), even_min[r] = odd_min[r] = 0.f;
+    int64_t b = 0;
+    for (; b + 2 <= num_blocks; b += 2) {
+      add_int8_block<Block, R>(a, row[b], b, num_blocks, even, even_min);
+      add_int8_block<Block, R>(a, row[b + 1], b + 1, num_blocks, odd, odd_min);
+    }
+    if (b < num_blocks) add_int8_block<Block, R>(a, row[b], b, num_blocks, even, even_min);
+    for (int r = 0; r < R; ++r)
+      out[r * out_features + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r])) + (even_min[r] + odd_min[r]);
+  }
+}
+
+// The K-quants against 32-value activation blocks (finer than ggml's one scale per 256, Q8_K):
+// each 32-weight sub-block of a super-block meets activation block 8 b + j.
+inline __m256 scale_pair(float low, float high) { return _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low)); }
+
+template <typename Block, int R>
+void int8_times_super_blocks(const ActivationBlocks& a, const Block* w, float* out, int64_t num_blocks,
+                             int64_t out_features, int64_t begin, int64_t end) {
+  constexpr int kSub = kSuperWeights / kBlockWeights;
+  const int64_t num_act_blocks = num_blocks * kSub;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = begin; n < end; ++n) {
+    const Block* row = w + n * num_blocks;
+    // Even and odd sub-blocks add into separate sums (FMA latency); the minimums' terms of a
+    // super-block's 8 sub-blocks go in one vector FMA.
+    __m256 acc[2][R], minimums[R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = minimums[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const Block& block = row[b];
+      __m256i quants[kSub];  // sub-block j's 32 weights as bytes, natural order
+      if constexpr (std::is_same_v<Block, BlockQ6_K>) {
+        // Signed 6-bit quants (q - 32); each sub-block of 32 has two scales, one per 16 weights.
+        const __m256i low2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* ql = block.ql + 64 * half;
+          const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(block.qh + 32 * half);
+          const auto high = [&](int shift) {
+            return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), low2), 4);
+          };
+          quants[4 * half + 0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), high(0)), offset);
+          quants[4 * half + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), high(2)), offset);
+          quants[4 * half + 2] =
+              _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4)), offset);
+          quants[4 * half + 3] =
+              _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6)), offset);
+        }
+        const float d = half_to_float(block.d);
+        for (int j = 0; j < kSub; ++j) {
+          // Sub-block j = 4 half + t holds scales 8 half + 2 t and 8 half + 2 t + 1.
+          const int first = 8 * (j / 4) + 2 * (j % 4);
+          const __m256 scales = _mm256_set_m128(_mm_set1_ps(d * block.scales[first + 1]),
+                                                _mm_set1_ps(d * block.scales[first]));
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = r * num_act_blocks + b * kSub + j;
+            const __m256i dot = dot_i8_i8(quants[j], load32(a.q.data() + i * kBlockWeights));
+            const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d[i]));
+            acc[j & 1][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j & 1][r]);
+          }
+        }
+      } else {
+        // Unsigned 4-bit (Q4_K) or 5-bit (Q5_K) quants, a 6-bit scale and minimum per sub-block.
+        for (int c = 0; c < kSub / 2; ++c) {
+          const __m256i q = load32(block.qs + 32 * c);
+          quants[2 * c] = _mm256_and_si256(q, low4);
+          quants[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        }
+        if constexpr (std::is_same_v<Block, BlockQ5_K>) {
+          const __m256i h = load32(block.qh), bit5 = _mm256_set1_epi8(0x10);
+          for (int j = 0; j < kSub; ++j) {
+            const __m256i mask = _mm256_set1_epi8(static_cast<char>(1 << j));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, mask), mask);
+            quants[j] = _mm256_or_si256(quants[j], _mm256_and_si256(set, bit5));
+          }
+        }
+        const float d = half_to_float(block.d), dmin = half_to_float(block.dmin);
+        alignas(32) float scales[kSub], mins[kSub];
+        for (int j = 0; j < kSub; ++j) {
+          scale_min_k4(j, block.scales, scales[j], mins[j]);
+          scales[j] *= d;
+          mins[j] *= dmin;
+        }
+        const __m256 min_vector = _mm256_load_ps(mins);
+        for (int r = 0; r < R; ++r) {
+          const int64_t first = r * num_act_blocks + b * kSub;
+          for (int j = 0; j < kSub; ++j) {
+            const __m256i dot = dot_u8_i8(quants[j], load32(a.q.data() + (first + j) * kBlockWeights));
+            acc[j & 1][r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * a.d[first + j]), _mm256_cvtepi32_ps(dot),
+                                            acc[j & 1][r]);
+          }
+          minimums[r] = _mm256_fmadd_ps(min_vector, _mm256_loadu_ps(a.s.data() + first), minimums[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      out[r * out_features + n] = horizontal_sum(_mm256_sub_ps(_mm256_add_ps(acc[0][r], acc[1][r]), minimums[r]));
+  }
+}
+
+template <typename Block>
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks, const BytePositions& positions) {
+  constexpr bool is_k_quant = !std::is_same_v<Block, BlockQ4_1> && !std::is_same_v<Block, BlockQ8_0>;
+  constexpr int64_t block_weights = is_k_quant ? kSuperWeights : kBlockWeights;
+  const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
+  const int64_t num_blocks = in_features / block_weights;
+  TORCH_CHECK(in_features % block_weights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
+              "few_rows_linear_quantized_int8: ", in_features, " inputs need ", num_blocks, " blocks of ",
+              sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
+  const auto rows = x.contiguous();
+  auto out = at::empty({num_rows, out_features}, rows.options());
+  if (num_rows == 0) return out;
+  const ActivationBlocks a =
+      quantize_activations(rows.data_ptr<float>(), num_rows, in_features / kBlockWeights, positions);
+  const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    with_row_count(num_rows, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (is_k_quant)
+        int8_times_super_blocks<Block, R>(a, w_data, out_data, num_blocks, out_features, begin, end);
+      else
+        int8_times_blocks<Block, R>(a, w_data, out_data, num_blocks, out_features, begin, end);
+    });
+  });
+  return out;
+}
+
+// few_rows_linear_quantized with x quantized to 8 bits (see ActivationBlocks); the same blocks.
+at::Tensor few_rows_linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "few_rows_linear_quantized_int8: x [R, in] float32");
+  TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized_int8: at most 4 rows, got ", x.size(0));
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "few_rows_linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
+  static constexpr BytePositions kQ4_1 = q4_1_positions(), kQ8_0 = q8_0_positions(), kNatural = natural_positions();
+  if (format == "Q4_1") return int8_linear<BlockQ4_1>(x, blocks, kQ4_1);
+  if (format == "Q8_0") return int8_linear<BlockQ8_0>(x, blocks, kQ8_0);
+  if (format == "Q4_K") return int8_linear<BlockQ4_K>(x, blocks, kNatural);
+  if (format == "Q5_K") return int8_linear<BlockQ5_K>(x, blocks, kNatural);
+  if (format == "Q6_K") return int8_linear<BlockQ6_K>(x, blocks, kNatural);
+  TORCH_CHECK(false, "few_rows_linear_quantized_int8: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+}
+
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& residual) {
@@ -494,9 +754,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, bool int8_activations) {
   if (format.empty()) return few_rows_linear(x, weight, bias);
-  auto out = few_rows_linear_quantized(x, weight, format);
+  auto out = int8_activations ? few_rows_linear_quantized_int8(x, weight, format)
+                              : few_rows_linear_quantized(x, weight, format);
   return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
 }
 
@@ -504,7 +765,8 @@ at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string
 // in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
 // qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
 // token), its k and v stored at `slots`, and q attends over the pages. Weights with an empty
-// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized).
+// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized, or its _int8
+// twin with int8_activations).
 // Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
 std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
@@ -513,7 +775,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     const at::Tensor& gate_up_weight, c10::string_view gate_up_format, const at::Tensor& down_weight,
     c10::string_view down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    int64_t num_heads, double scale) {
+    int64_t num_heads, double scale, bool int8_activations) {
   const int64_t num_tokens = hidden.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens && cos.size(-1) == head_dim &&
@@ -524,7 +786,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
                   v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "few_rows_decode_layer: two contiguous float32 caches of one shape");
   auto [x, summed] = add_rms_norm(hidden, input_norm, eps, residual);
-  auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias);
+  auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias, int8_activations);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "few_rows_decode_layer: qkv width");
   const auto cos_c = cos.reshape({num_tokens, head_dim}).contiguous();
   const auto sin_c = sin.reshape({num_tokens, head_dim}).contiguous();
@@ -555,9 +817,9 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
   }
   const auto q = qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
   const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale);
-  const auto o = linear_any(attn.view({num_tokens, num_heads * head_dim}), o_weight, o_format, c10::nullopt);
+  const auto o = linear_any(attn.view({num_tokens, num_heads * head_dim}), o_weight, o_format, c10::nullopt, int8_activations);
   auto [x2, summed2] = add_rms_norm(o, post_norm, eps, summed);
-  const auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt);
+  const auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt, int8_activations);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = at::empty({num_tokens, inter}, gate_up.options());
   const float* gu = gate_up.data_ptr<float>();
@@ -567,7 +829,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
       const float g = gu[t * 2 * inter + i];
       a[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
     }
-  return {linear_any(act, down_weight, down_format, c10::nullopt), summed2};
+  return {linear_any(act, down_weight, down_format, c10::nullopt, int8_activations), summed2};
 }
 
 }  // namespace
@@ -578,19 +840,21 @@ TORCH_LIBRARY(brigade, m) {
       "float scale) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
+  m.def("few_rows_linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(
       "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor qkv_weight, str qkv_format, Tensor? qkv_bias, Tensor o_weight, str o_format, "
       "Tensor gate_up_weight, str gate_up_format, Tensor down_weight, str down_format, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
-      "int num_heads, float scale) -> (Tensor, Tensor)");
+      "int num_heads, float scale, bool int8_activations=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(brigade, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
+  m.impl("few_rows_linear_quantized_int8", &few_rows_linear_quantized_int8);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("few_rows_decode_layer", &few_rows_decode_layer);
 }

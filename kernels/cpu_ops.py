@@ -1,6 +1,7 @@
 """The CPU path's C++ ops (cpu_ops.cpp): paged decode attention, the few-rows linear (from
-float32 or GGUF-quantized weights), the fused residual add + RMSNorm, and a whole decoder layer
-for decode steps of a few sequences; compiled on first use.
+float32 or GGUF-quantized weights, the latter also against 8-bit activations), the fused
+residual add + RMSNorm, and a whole decoder layer for decode steps of a few sequences; compiled
+on first use.
 
 The host's C++ compiler builds them once per source, flags and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 20 s the first time, a
@@ -189,11 +190,22 @@ def few_rows_decode_layer(
     seq_lens: torch.Tensor,
     num_heads: int,
     scale: float,
+    int8_activations: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for an all-decode step of at most MAX_LINEAR_ROWS tokens: (its output,
     the residual stream). `weights`: qkv weight, format, bias; o_proj, format; gate_up, format;
     down, format (format "" for float32 [out, in], else GGUF blocks). cos / sin: [T, D] signed
-    full-width rotary rows; slots, block_tables, seq_lens: int64."""
+    full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
+    blocks multiply by few_rows_linear_quantized_int8."""
     return torch.ops.brigade.few_rows_decode_layer(
-        hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads, scale
-    )
+        hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads,
+        scale, int8_activations,
+    )  # fmt: skip
+
+
+def few_rows_linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """few_rows_linear_quantized with x quantized to 8 bits first, as llama.cpp does: each row in
+    blocks of 32 values, q = rint(x / d) with d = max|x| / 127 (float32), then integer dot products
+    with the weight quants and float scales. Not the float32 result: the activations are rounded
+    (engine.cpu_int8_activations opts in)."""
+    return torch.ops.brigade.few_rows_linear_quantized_int8(x, blocks, fmt)

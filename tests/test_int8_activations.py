@@ -1,0 +1,146 @@
+"""The opt-in 8-bit-activation GEMV (cpu_ops.few_rows_linear_quantized_int8) against an independent
+numpy reference: the activations quantized the same way (blocks of 32, d = max|x| / 127,
+q = rint(x / d)), then exact integer dot products with the weight quants and the scales applied
+after, in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kernels import cpu_ops
+from tests.test_kernels import has_cpu_kernels, random_k_quant_blocks
+
+
+def quantize_activations_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [R, in] float32 -> (q [R, in / 32, 32] int64, d [R, in / 32] float32), computed as the
+    kernel does in float32: d = max|x| / 127, q = rint(x * (1 / d)), ties to even."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    return np.rint(blocks * inverse[..., None]).astype(np.int64), d
+
+
+def q4_1_or_q8_0_ref(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """x @ W^T from GGUF Q4_1 / Q8_0 blocks in the file's order: per block, d_w d_x (q_w . q_x)
+    in exact integers, plus m_w d_x sum(q_x) for Q4_1."""
+    out_features = blocks.shape[0]
+    size = cpu_ops.BLOCK_BYTES[fmt]
+    raw = blocks.reshape(out_features, -1, size)
+    d_w = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [out, blocks]
+    if fmt == "Q4_1":
+        m_w = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        packed = raw[..., 4:].astype(np.int64)
+        q_w = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # weight k < 16: low nibble of byte k
+    else:
+        q_w = raw[..., 2:].copy().view(np.int8).astype(np.int64)
+    q_x, d_x = quantize_activations_ref(x)
+    dots = np.einsum("rbk,obk->rob", q_x, q_w)  # exact: int64
+    out = np.einsum("rob,ob,rb->ro", dots.astype(np.float64), d_w, d_x.astype(np.float64))
+    if fmt == "Q4_1":
+        out += np.einsum("ob,rb->ro", m_w, d_x.astype(np.float64) * q_x.sum(-1))
+    return out
+
+
+def k_quant_ref(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """x @ W^T with W from gguf's own K-quant dequantizer and x its 8-bit rounding (d_x q_x): the
+    same sum as the kernel's integer dots with scales after (each sub-block's weights are
+    d s q - dmin m), up to the rounding of W's float32 values."""
+    weight = dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float64)
+    q_x, d_x = quantize_activations_ref(x)
+    rounded = (q_x * d_x[..., None].astype(np.float64)).reshape(x.shape)
+    return rounded @ weight.T
+
+
+def make_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    if fmt in cpu_ops.K_QUANTS:  # gguf cannot quantize to these: random super-blocks
+        return random_k_quant_blocks(fmt, out_features, in_features, seed)
+    weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    return quantize(weight, GGMLQuantizationType[fmt])
+
+
+SHAPES = {  # (in, out): SmolLM2's qkv and down, an odd number of blocks and of output rows, one block
+    "Q4_1": [(576, 960), (1536, 70), (96, 7), (32, 1)],
+    "Q8_0": [(576, 960), (1536, 70), (96, 7), (32, 1)],
+    "Q4_K": [(512, 70), (256, 3)],
+    "Q5_K": [(512, 70), (256, 3)],
+    "Q6_K": [(512, 70), (256, 3)],
+}
+CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
+
+
+@pytest.mark.parametrize(("fmt", "in_features", "out_features"), CASES)
+def test_int8_linear_matches_the_integer_reference(fmt: str, in_features: int, out_features: int):
+    """0-4 rows, strided input: the kernel equals the reference up to float32 summation order,
+    and stays within the activations' rounding of the float-activation kernel."""
+    assert has_cpu_kernels()
+    blocks = make_blocks(fmt, out_features, in_features, seed=in_features + out_features)
+    packed = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+    reference = k_quant_ref if fmt in cpu_ops.K_QUANTS else q4_1_or_q8_0_ref
+    gen = torch.Generator().manual_seed(in_features)
+    for num_rows in range(5):
+        x = torch.randn(in_features, num_rows, generator=gen).t()  # [num_rows, in], transposed strides
+        got = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+        assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+        if num_rows == 0:
+            continue
+        expected = reference(x.numpy(), blocks, fmt)
+        scale = float(np.abs(expected).max())
+        # One unit off in one integer dot moves an output by about 1e-4 of its largest value.
+        np.testing.assert_allclose(got.double().numpy(), expected, rtol=1e-5, atol=5e-6 * scale)
+        float_activations = cpu_ops.few_rows_linear_quantized(x, packed, fmt).double().numpy()
+        assert np.abs(float_activations - expected).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+def test_int8_linear_rows_are_independent_and_zero_rows_give_zero(fmt: str):
+    """Each row is quantized on its own (no batch-wide scale): a row's output does not depend on
+    its batchmates; an all-zero row (d = 0) gives zeros, not NaN."""
+    assert has_cpu_kernels()
+    in_features = 512
+    packed = torch.from_numpy(cpu_ops.to_lanes(make_blocks(fmt, 9, in_features, seed=1), fmt))
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(2))
+    x[2] = 0.0
+    x[3] *= 1000.0
+    together = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+    for r in range(4):
+        alone = cpu_ops.few_rows_linear_quantized_int8(x[r : r + 1], packed, fmt)
+        torch.testing.assert_close(together[r : r + 1], alone, rtol=0, atol=0)
+    assert torch.equal(together[2], torch.zeros(9))
+
+
+@pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+def test_int8_linear_propagates_nan_and_inf(fmt: str):
+    """A non-finite activation makes its row's outputs NaN, as float32 would, rather than being
+    quantized into plausible numbers; the other rows are untouched."""
+    assert has_cpu_kernels()
+    packed = torch.from_numpy(cpu_ops.to_lanes(make_blocks(fmt, 5, 256, seed=3), fmt))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    x[0, 7], x[1, 200] = float("nan"), float("inf")
+    out = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+    assert out[:2].isnan().all() and out[2].isfinite().all()
+
+
+def test_int8_linear_refuses_bad_input():
+    assert has_cpu_kernels()
+    blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
+    int8_linear = cpu_ops.few_rows_linear_quantized_int8
+    with pytest.raises(RuntimeError, match="unknown format"):
+        int8_linear(torch.randn(1, 64), blocks, "Q3_K")
+    with pytest.raises(RuntimeError, match="bytes"):
+        int8_linear(torch.randn(1, 96), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="bytes"):
+        int8_linear(torch.randn(1, 64), blocks, "Q8_0")  # 40 bytes are not whole Q8_0 blocks for 64 inputs
+    with pytest.raises(RuntimeError, match="bytes"):
+        int8_linear(torch.randn(1, 64), blocks, "Q4_K")  # 64 inputs are not whole super-blocks
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        int8_linear(torch.randn(5, 64), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="uint8"):
+        int8_linear(torch.randn(1, 64), blocks.float(), "Q4_1")
+    with pytest.raises(RuntimeError, match="float32"):
+        int8_linear(torch.randn(1, 64, dtype=torch.float64), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match=r"x \[R, in\]"):
+        int8_linear(torch.randn(64), blocks, "Q4_1")
