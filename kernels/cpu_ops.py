@@ -53,7 +53,9 @@ def _compile_command(output: Path) -> list[str]:
 
 def library_path() -> Path:
     """Where the build for this source, these flags and this torch lives."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*FLAGS, torch.__version__)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*FLAGS, torch.__version__)).encode()).hexdigest()[
+        :16
+    ]
     root = Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
     return root / "kernels" / f"cpu_ops-{key}.so"
 
@@ -73,7 +75,11 @@ def load() -> bool:
             os.close(fd)
             try:
                 subprocess.run(
-                    _compile_command(Path(tmp)), check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+                    _compile_command(Path(tmp)),
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=BUILD_TIMEOUT_S,
                 )
                 os.replace(tmp, path)
             finally:
