@@ -78,19 +78,27 @@ def calls_per_sample(fn: Callable[[], object]) -> int:
 
 
 def compare(
-    op: str, case: str, kernel: Callable[[], torch.Tensor], ref: Callable[[], torch.Tensor], repeats: int
+    op: str,
+    case: str,
+    kernel: Callable[[], torch.Tensor],
+    ref: Callable[[], torch.Tensor],
+    repeats: int,
+    baseline: Callable[[], torch.Tensor] | None = None,
 ) -> dict:
-    """A/B timing of one case plus the agreement of the two outputs."""
+    """A/B timing of one case plus the agreement of the two outputs. `baseline`, where given, is a
+    third side timed in the same alternation (an op this one would replace, not a reference:
+    its output is not compared), reported as `baseline_us` and `speedup_vs_baseline`."""
     got, want = kernel(), ref()
-    calls = {"kernel": calls_per_sample(kernel), "ref": calls_per_sample(ref)}
-    samples: dict[str, list[float]] = {"kernel": [], "ref": []}
+    sides = {"kernel": kernel, "ref": ref, **({"baseline": baseline} if baseline else {})}
+    calls = {name: calls_per_sample(fn) for name, fn in sides.items()}
+    samples: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
-        samples["kernel"].append(per_call_us(kernel, calls["kernel"]))
-        samples["ref"].append(per_call_us(ref, calls["ref"]))
+        for name, fn in sides.items():
+            samples[name].append(per_call_us(fn, calls[name]))
     stats = {
         name: {"min": min(s), "median": statistics.median(s), "max": max(s)} for name, s in samples.items()
     }
-    return {
+    result = {
         "op": op,
         "case": case,
         "kernel_us": stats["kernel"],
@@ -99,6 +107,10 @@ def compare(
         "max_abs_diff": (got - want).abs().max().item(),
         "matches": torch.allclose(got, want, atol=ATOL * max(1.0, want.abs().max().item()), rtol=RTOL),
     }
+    if baseline:
+        result["baseline_us"] = stats["baseline"]
+        result["speedup_vs_baseline"] = stats["baseline"]["median"] / stats["kernel"]["median"]
+    return result
 
 
 # ---------------------------------------------------------------- the cases
@@ -212,6 +224,50 @@ def few_rows_linear_quantized_cases(
     return out, skipped
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as few_rows_linear_quantized_int8 rounds it: blocks of 32, d = max|x| / 127, d * rint(x / d)."""
+    blocks = x.reshape(x.shape[0], -1, cpu_ops.BLOCK_WEIGHTS)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def int8_linear_cases(
+    shapes: Shapes, rows: tuple[int, ...], names: list[str], formats: tuple[str, ...], repeats: int
+) -> list[dict]:
+    """8-bit activations: the reference multiplies x's 8-bit rounding (int8_rounded) by the blocks'
+    dequantization; the baseline is the float-activation kernel on the same blocks, which the
+    option replaces. Weights that are not whole blocks are skipped (listed by the float cases)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    rng, gen, out = np.random.default_rng(5), torch.Generator().manual_seed(5), []
+    for name in names:
+        out_features, in_features = shapes.linears()[name]
+        weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
+        for fmt in formats:
+            qtype = GGMLQuantizationType[fmt]
+            if in_features % GGML_QUANT_SIZES[qtype][0]:
+                continue
+            blocks = gguf_blocks(weight, fmt, rng)
+            dequantized = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
+            lanes = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+            for num_rows in rows:
+                x = torch.randn(num_rows, in_features, generator=gen)
+                out.append(
+                    compare(
+                        "few_rows_linear_quantized_int8",
+                        f"{fmt} {name} {out_features}x{in_features}, {num_rows} rows",
+                        lambda x=x, b=lanes, f=fmt: cpu_ops.few_rows_linear_quantized_int8(x, b, f),
+                        lambda x=x, w=dequantized: F.linear(int8_rounded(x), w),
+                        repeats,
+                        baseline=lambda x=x, b=lanes, f=fmt: cpu_ops.few_rows_linear_quantized(x, b, f),
+                    )
+                )
+    return out
+
+
 def add_rms_norm_cases(shapes: Shapes, rows: tuple[int, ...], repeats: int) -> list[dict]:
     """Both outputs (the normed rows and the residual sum) compared, as one concatenation."""
     gen, out = torch.Generator().manual_seed(3), []
@@ -317,6 +373,7 @@ def run(shapes: Shapes, quick: bool, repeats: int) -> tuple[list[dict], list[str
         *paged_decode_cases(shapes, batches, context, repeats),
         *few_rows_linear_cases(shapes, rows, names, repeats),
         *quantized,
+        *int8_linear_cases(shapes, rows, names, cpu_ops.QUANTIZED_FORMATS, repeats),
         *add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
         *few_rows_decode_layer_cases(shapes, rows, context, repeats),
     ]
@@ -324,12 +381,17 @@ def run(shapes: Shapes, quick: bool, repeats: int) -> tuple[list[dict], list[str
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'op':<26} {'case':<40} {'op us min/med/max':>24} {'ref us min/med/max':>24} {'ref/op':>7} ok")
+    print(
+        f"{'op':<30} {'case':<40} {'op us min/med/max':>24} {'ref us min/med/max':>24} {'ref/op':>7} ok"
+        f" {'baseline/op':>11}"
+    )
     for r in results:
         k, f = r["kernel_us"], r["ref_us"]
+        vs_baseline = f" {r['speedup_vs_baseline']:>11.2f}" if "baseline_us" in r else ""
         print(
-            f"{r['op']:<26} {r['case']:<40} {k['min']:>8.1f}/{k['median']:>7.1f}/{k['max']:>7.1f} "
-            f"{f['min']:>8.1f}/{f['median']:>7.1f}/{f['max']:>7.1f} {r['speedup']:>7.2f} {'yes' if r['matches'] else 'NO'}"
+            f"{r['op']:<30} {r['case']:<40} {k['min']:>8.1f}/{k['median']:>7.1f}/{k['max']:>7.1f} "
+            f"{f['min']:>8.1f}/{f['median']:>7.1f}/{f['max']:>7.1f} {r['speedup']:>7.2f} "
+            f"{'yes' if r['matches'] else 'NO ':<3}{vs_baseline}"
         )
 
 

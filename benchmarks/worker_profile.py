@@ -9,6 +9,8 @@ Three steps, each run as a real plan through `ModelRunner.execute`:
 The KV cache is not prefilled (timing does not depend on its values), so the script starts in
 seconds. It prints wall and process-CPU ms per step (median of --reps) and the top ops by self CPU time
 (torch.profiler), and writes both as JSON. On a shared machine use --threads 1 and compare CPU ms.
+With --int8-ab it runs only decode steps of 1 and 4 rows (context 256) with
+engine.cpu_int8_activations off and on, alternating in one process, and prints both and on / off.
 """
 
 from __future__ import annotations
@@ -106,6 +108,42 @@ def time_step(
     return wall, cpu
 
 
+def int8_ab(runner: ModelRunner, reps: int) -> dict:
+    """Decode steps of 1 and 4 rows with engine.cpu_int8_activations off and on, in one process on
+    the same weights (the model reads the flag per step), alternating ABBA rep by rep so that load
+    on a shared host hits both sides alike."""
+    rng, blocks = np.random.default_rng(1), Blocks()
+    plans = {"decode1": decode_plan(blocks, 1, 256, rng), "decode4": decode_plan(blocks, 4, 256, rng)}
+    model, result = runner.model, {}
+    for name, plan in plans.items():
+        wall: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, list[float]] = {False: [], True: []}
+        for int8 in (False, True):  # warm-up
+            model.int8_activations = int8
+            runner.execute(*plan)
+        for rep in range(reps):
+            for int8 in (False, True) if rep % 2 == 0 else (True, False):
+                model.int8_activations = int8
+                start, start_cpu = time.perf_counter(), time.process_time()
+                runner.execute(*plan)
+                wall[int8].append((time.perf_counter() - start) * 1e3)
+                cpu[int8].append((time.process_time() - start_cpu) * 1e3)
+        model.int8_activations = False
+        entry = {
+            side: {"ms_p50": statistics.median(wall[int8]), "cpu_ms_p50": statistics.median(cpu[int8])}
+            for side, int8 in (("off", False), ("on", True))
+        }
+        entry["on_over_off_cpu"] = entry["on"]["cpu_ms_p50"] / entry["off"]["cpu_ms_p50"]
+        entry["on_over_off_wall"] = entry["on"]["ms_p50"] / entry["off"]["ms_p50"]
+        print(
+            f"{name} int8 activations off / on: {entry['off']['ms_p50']:.2f} / {entry['on']['ms_p50']:.2f} ms wall, "
+            f"{entry['off']['cpu_ms_p50']:.2f} / {entry['on']['cpu_ms_p50']:.2f} ms CPU "
+            f"(on/off {entry['on_over_off_wall']:.2f} wall, {entry['on_over_off_cpu']:.2f} CPU; p50 of {reps})"
+        )
+        result[name] = entry
+    return result
+
+
 def top_ops(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], top: int) -> list[dict]:
     """Ops by self CPU time over one step (ms per step and share of the step)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -131,6 +169,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-profile", action="store_true", help="timings only")
+    parser.add_argument(
+        "--int8-ab",
+        action="store_true",
+        help="only decode1 / decode4 with 8-bit activations off vs on, alternating",
+    )
     args = parser.parse_args()
     plans = scenarios()
     num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
@@ -141,6 +184,9 @@ def main() -> None:
     kv_bytes *= config["head_dim"] * itemsize
     runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
     result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
+    if args.int8_ab:
+        plans = {}
+        result["int8_ab"] = int8_ab(runner, args.reps)
     for name, plan in plans.items():
         wall, cpu = time_step(runner, plan, args.reps)
         entry = {

@@ -52,6 +52,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_waiting: Positive = 1024
     enable_prefix_caching: bool = True
     threads: NonNegative = 0  # CPU threads per worker; 0 = all cores
+    cpu_int8_activations: bool = False  # GGUF-block GEMVs on 8-bit activations (changes the numbers)
     step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 
 
@@ -232,6 +233,17 @@ def check_timeouts(config: Config) -> None:
         )
 
 
+def check_engine(config: Config) -> None:
+    """Options that would silently do nothing where they cannot apply are refused instead."""
+    if config.engine.cpu_int8_activations and (
+        config.engine.device != "cpu" or config.model.dtype not in ("auto", "float32")
+    ):
+        raise ConfigError(
+            "engine.cpu_int8_activations: applies to the CPU path in float32 only (engine.device=cpu, "
+            f"model.dtype auto or float32), got engine.device={config.engine.device}, model.dtype={config.model.dtype}"
+        )
+
+
 # Ray's own resources, which the config names by their fields (engine_cpus; GPUs come from
 # engine.tensor_parallel), so that one amount has one place.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -308,6 +320,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
+    check_engine(config)
     check_cluster(config)
     check_network(config)
     return config

@@ -140,6 +140,23 @@ def test_heartbeat_interval_must_be_below_hang_timeout() -> None:
         )
 
 
+def test_int8_activations_are_off_by_default_and_only_on_the_cpu_in_float32() -> None:
+    """They change the numbers, so only an explicit opt-in turns them on; where they could not
+    apply (a GPU, half precision) the option is refused rather than silently ignored."""
+    assert load_config(None).engine.cpu_int8_activations is False
+    assert load_config(None, ["engine.cpu_int8_activations=true"]).engine.cpu_int8_activations is True
+    assert load_config(
+        None, ["engine.cpu_int8_activations=true", "model.dtype=float32"]
+    ).engine.cpu_int8_activations
+    for overrides in (["engine.device=cuda"], ["model.dtype=bfloat16"]):
+        with pytest.raises(
+            ConfigError, match=r"engine\.cpu_int8_activations: applies to the CPU path in float32"
+        ):
+            load_config(None, ["engine.cpu_int8_activations=true", *overrides])
+    with pytest.raises(ConfigError, match=r"engine\.cpu_int8_activations: expected bool, got int"):
+        load_config(None, ["engine.cpu_int8_activations=1"])
+
+
 def test_default_timeouts_agree() -> None:
     config = load_config(None)
     assert config.engine.step_timeout_s < config.supervisor.hang_timeout_s

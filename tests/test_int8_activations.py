@@ -144,3 +144,75 @@ def test_int8_linear_refuses_bad_input():
         int8_linear(torch.randn(1, 64, dtype=torch.float64), blocks, "Q4_1")
     with pytest.raises(RuntimeError, match=r"x \[R, in\]"):
         int8_linear(torch.randn(64), blocks, "Q4_1")
+
+
+# ---- SmolLM2 with engine.cpu_int8_activations ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(smollm2_dir):
+    from services.gpu_worker.model_runner import ModelRunner
+
+    assert has_cpu_kernels()
+    runner = ModelRunner(
+        smollm2_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=2, int8_activations=True
+    )
+    assert runner.model.int8_activations and runner.model.reads_gguf_blocks
+    return runner
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # HF and Brigade on SmolLM2, on a loaded machine
+def test_smollm2_with_int8_activations_stays_close_to_hf(smollm2_int8, smollm2_dir, smollm2_hf_dir):
+    """Teacher-forced on HF float32's greedy tokens (benchmarks/int8_accuracy.py, on fewer prompts
+    and tokens): the 8-bit decode steps pick HF's token nearly always, their logits move by the
+    activations' rounding (more than float32 summation order would), and no more than that."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.int8_accuracy import chat_prompts, compare, hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+    prompts = chat_prompts(smollm2_dir)[:4]
+    references = [hf_greedy(hf, prompt, 16) for prompt in prompts]
+    report = compare(smollm2_int8, prompts, references)
+    assert report["steps"] == 4 * 15
+    assert report["top1_agreement"] >= 0.9, report
+    assert 0.01 < report["max_abs_logit_diff"] < 3.0, report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_int8_activations_reach_both_decode_paths(smollm2_int8):
+    """Decode steps of 1-4 rows with the option on move the logits off the float-activation ones,
+    by the activations' rounding and no more, through the one-op layers
+    (cpu_ops.few_rows_decode_layer) and through the per-op path alike. (The two int8 paths are not
+    compared with each other: one rounding that flips between them, from float32 summation order,
+    changes the next layers' activations by a quant, which flips many more: they differ about as
+    much as either does from float.)"""
+    from tests.test_model import PlanBuilder, random_ids, runner_logits
+
+    runner = smollm2_int8
+    model = runner.model
+    assert model.has_one_op_layers
+    rng = np.random.default_rng(11)
+    builder = PlanBuilder(runner.block_size)
+    histories = {i: random_ids(rng, 20 + 3 * i, runner.vocab_size) for i in range(4)}
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    try:
+        for num_seqs in (1, 4, 2, 3):
+            chunks = [(i, [int(rng.integers(0, runner.vocab_size))], True) for i in range(num_seqs)]
+            arrays, header = builder.plan(chunks)
+            # The same plan four times: each run writes the same K/V slots, so all read one context.
+            logits = {}
+            for one_op in (True, False):
+                for int8 in (True, False):
+                    model.has_one_op_layers, model.int8_activations = one_op, int8
+                    metas = model.prepare(arrays, header.num_tokens, header.num_seqs)
+                    ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+                    logits[one_op, int8] = model.forward(ids, metas, runner.kv_cache, torch.arange(num_seqs))
+            torch.testing.assert_close(logits[True, False], logits[False, False], atol=1e-4, rtol=1e-4)
+            for one_op in (True, False):
+                moved = float((logits[one_op, True] - logits[one_op, False]).abs().max())
+                assert 0.01 < moved < 3.0, (num_seqs, one_op, moved)
+    finally:
+        model.has_one_op_layers, model.int8_activations = True, True

@@ -52,6 +52,7 @@ def main() -> None:
         threads=engine.threads or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
+        int8_activations=engine.cpu_int8_activations,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

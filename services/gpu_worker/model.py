@@ -154,8 +154,11 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.blocks.shape[0]
 
-    def multiply(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T for x of at most cpu_ops.MAX_LINEAR_ROWS rows."""
+    def multiply(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+        """x @ W^T for x of at most cpu_ops.MAX_LINEAR_ROWS rows (x quantized to 8 bits first with
+        int8_activations: cpu_ops.few_rows_linear_quantized_int8)."""
+        if int8_activations:
+            return cpu_ops.few_rows_linear_quantized_int8(x, self.blocks, self.format)
         return cpu_ops.few_rows_linear_quantized(x, self.blocks, self.format)
 
 
@@ -172,8 +175,8 @@ class MixedQuantizedWeight:
     def out_features(self) -> int:
         return sum(part.out_features for part in self.parts)
 
-    def multiply(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part.multiply(x) for part in self.parts], dim=-1)
+    def multiply(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+        return torch.cat([part.multiply(x, int8_activations) for part in self.parts], dim=-1)
 
 
 Blocks = QuantizedWeight | MixedQuantizedWeight
@@ -285,6 +288,7 @@ class LlamaModel:
         block_size: int,
         parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
         backend: str | None = None,
+        int8_activations: bool = False,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -329,6 +333,10 @@ class LlamaModel:
         self.has_one_op_layers = (
             self.has_few_rows_linear and not parallel.is_parallel and config.is_plain_llama
         )
+        # engine.cpu_int8_activations: steps of few rows multiply the GGUF blocks by 8-bit
+        # activations (cpu_ops.few_rows_linear_quantized_int8), as llama.cpp does; float32 weights
+        # and wider steps are unchanged.
+        self.int8_activations = int8_activations
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -465,6 +473,12 @@ class LlamaModel:
         """Whether `load_quantized` would use GGUF blocks: the few-rows kernel, one rank."""
         return self.has_few_rows_linear and not self.parallel.is_parallel
 
+    @property
+    def reads_gguf_blocks(self) -> bool:
+        """Whether steps of few rows multiply any weight from its GGUF blocks (after `load_quantized`)."""
+        quantized = [q for layer in self.layers for q in layer.quantized] + [self.lm_head_quantized]
+        return any(q is not None for q in quantized)
+
     def load_quantized(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
         """Multiply steps of few rows from GGUF blocks (HF names) where they hold exactly the
         weights loaded: each fused weight is checked against its float32 copy, and one that
@@ -573,7 +587,7 @@ class LlamaModel:
                 hidden, residual = cpu_ops.few_rows_decode_layer(
                     hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
                     cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
-                    self.shapes.num_heads, scale,
+                    self.shapes.num_heads, scale, self.int8_activations,
                 )  # fmt: skip
                 continue
             k_cache, v_cache = layer_cache
@@ -626,7 +640,9 @@ class LlamaModel:
 
     def _linear(self, layout: str, num_rows: int) -> Callable[..., torch.Tensor]:
         if layout == "few_rows":
-            return few_rows_linear
+            return (
+                partial(few_rows_linear, int8_activations=True) if self.int8_activations else few_rows_linear
+            )
         if layout == "transposed":
             return linear_t
         if layout == "onednn":
@@ -645,12 +661,16 @@ class LlamaModel:
 
 
 def few_rows_linear(
-    x: torch.Tensor, weight: torch.Tensor | Blocks, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | Blocks,
+    bias: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
-    """F.linear for a step of at most cpu_ops.MAX_LINEAR_ROWS rows, from float32 or GGUF blocks."""
+    """F.linear for a step of at most cpu_ops.MAX_LINEAR_ROWS rows, from float32 or GGUF blocks
+    (those against x quantized to 8 bits with int8_activations)."""
     if isinstance(weight, torch.Tensor):
         return cpu_ops.few_rows_linear(x, weight, bias)
-    out = weight.multiply(x)
+    out = weight.multiply(x, int8_activations)
     return out if bias is None else out.add_(bias)
 
 

@@ -45,6 +45,7 @@ class ModelRunner:
         parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
         backend: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        int8_activations: bool = False,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -69,8 +70,15 @@ class ModelRunner:
         self.sliding_window = max(windows) if windows and min(windows) > 0 else 0
 
         self.parallel = parallel
-        self.model = LlamaModel(config, self.dtype, self.device, block_size, parallel, backend)
+        self.model = LlamaModel(
+            config, self.dtype, self.device, block_size, parallel, backend, int8_activations
+        )
         load_weights(self.model, model_dir)
+        if int8_activations and not self.model.reads_gguf_blocks:
+            log.warning(
+                "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
+                self.model_name,
+            )
         num_kv_heads = self.model.shapes.num_kv_heads  # this rank's
         bytes_per_block = (
             2 * config.num_hidden_layers * block_size * num_kv_heads * config.head_dim * self.dtype.itemsize
