@@ -10,7 +10,8 @@ The KV cache is not prefilled (timing does not depend on its values), so the scr
 seconds. It prints wall and process-CPU ms per step (median of --reps) and the top ops by self CPU time
 (torch.profiler), and writes both as JSON. On a shared machine use --threads 1 and compare CPU ms.
 With --int8-ab it runs only decode steps of 1 and 4 rows (context 256) with
-engine.cpu_int8_activations off and on, alternating in one process, and prints both and on / off.
+engine.cpu_int8_activations off and on, alternating in one process, and prints both and on / off;
+then the model's own GGUF-block GEMVs alone, off and on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.model_bench import static_plan
 from ipc.messages import StepHeader
+from kernels import cpu_ops
 from services.gpu_worker.loader import prepare_model
+from services.gpu_worker.model import QuantizedWeight
 from services.gpu_worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -144,6 +147,44 @@ def int8_ab(runner: ModelRunner, reps: int) -> dict:
     return result
 
 
+def in_features(weight: QuantizedWeight) -> int:
+    per_block = cpu_ops.SUPER_BLOCK_WEIGHTS if weight.format in cpu_ops.K_QUANTS else cpu_ops.BLOCK_WEIGHTS
+    return weight.blocks.shape[1] // cpu_ops.BLOCK_BYTES[weight.format] * per_block
+
+
+def int8_gemv_ab(runner: ModelRunner, reps: int) -> dict:
+    """The model's own GGUF-block GEMVs alone (the 30 layers' four, then the LM head) with float32
+    and with 8-bit activations, alternating, at 1 and 4 rows: thread CPU ms, min and median."""
+    model, result = runner.model, {}
+    weights = [q for layer in model.layers for q in layer.quantized if q is not None]
+    kernels = {"off": cpu_ops.few_rows_linear_quantized, "on": cpu_ops.few_rows_linear_quantized_int8}
+    for rows in (1, cpu_ops.MAX_LINEAR_ROWS):
+        inputs = {in_features(q): torch.randn(rows, in_features(q)) for q in weights}
+        head = model.lm_head_quantized
+        head_x = torch.randn(rows, in_features(head))
+        samples: dict[str, dict[str, list[float]]] = {side: {"layers": [], "lm_head": []} for side in kernels}
+        for _ in range(reps):
+            for side, multiply in kernels.items():
+                start = time.thread_time()
+                for q in weights:
+                    multiply(inputs[in_features(q)], q.blocks, q.format)
+                middle = time.thread_time()
+                multiply(head_x, head.blocks, head.format)
+                samples[side]["layers"].append((middle - start) * 1e3)
+                samples[side]["lm_head"].append((time.thread_time() - middle) * 1e3)
+        entry = {
+            side: {part: {"min": min(v), "median": statistics.median(v)} for part, v in parts.items()}
+            for side, parts in samples.items()
+        }
+        print(
+            f"{rows} rows, GEMVs alone, int8 activations off / on (thread CPU ms, min): layers "
+            f"{entry['off']['layers']['min']:.2f} / {entry['on']['layers']['min']:.2f}, LM head "
+            f"{entry['off']['lm_head']['min']:.2f} / {entry['on']['lm_head']['min']:.2f}"
+        )
+        result[f"{rows} rows"] = entry
+    return result
+
+
 def top_ops(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], top: int) -> list[dict]:
     """Ops by self CPU time over one step (ms per step and share of the step)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -187,6 +228,7 @@ def main() -> None:
     if args.int8_ab:
         plans = {}
         result["int8_ab"] = int8_ab(runner, args.reps)
+        result["int8_gemv_ab"] = int8_gemv_ab(runner, args.reps)
     for name, plan in plans.items():
         wall, cpu = time_step(runner, plan, args.reps)
         entry = {
