@@ -216,3 +216,37 @@ def test_smollm2_int8_activations_reach_both_decode_paths(smollm2_int8):
                 assert 0.01 < moved < 3.0, (num_seqs, one_op, moved)
     finally:
         model.has_one_op_layers, model.int8_activations = True, True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # SmolLM2 served through real processes, on a loaded machine
+def test_served_smollm2_takes_the_option(smollm2_int8, smollm2_dir, tmp_path):
+    """`engine.cpu_int8_activations=true` reaches the worker: served greedy chats give the tokens
+    of an in-process runner with 8-bit activations, on prompts where those differ from the
+    float32 ones (so the float path could not pass)."""
+    from benchmarks.int8_accuracy import chat_prompts
+    from client import Client
+    from services.gpu_worker.model_runner import ModelRunner
+    from tests.harness import assert_clean, brigade_run
+    from tests.test_model import CHATS, generate
+
+    new_tokens = 32
+    prompts = chat_prompts(smollm2_dir)
+    int8_ids = [generate(smollm2_int8, [p], new_tokens)[0][0] for p in prompts]
+    float_runner = ModelRunner(smollm2_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=2)
+    float_ids = [generate(float_runner, [p], new_tokens)[0][0] for p in prompts]
+    differing = [i for i in range(len(prompts)) if int8_ids[i] != float_ids[i]]
+    assert differing, "no prompt tells the two paths apart"
+    run_dir = tmp_path / "run"
+    with (
+        brigade_run(
+            run_dir, "model.dtype=float32", "engine.threads=2", "engine.cpu_int8_activations=true"
+        ) as run,
+        Client(run.run_dir) as client,
+    ):
+        for i in differing:
+            messages = [{"role": "user", "content": CHATS[i]}]
+            result = client.chat(messages, max_tokens=new_tokens, temperature=0.0, timeout=300)
+            assert result.token_ids == int8_ids[i][: len(result.token_ids)], CHATS[i]
+            assert result.finish_reason == "stop" or len(result.token_ids) == new_tokens
+    assert_clean(run_dir)
