@@ -33,7 +33,7 @@ from benchmarks.model_bench import static_plan
 from ipc.messages import StepHeader
 from kernels import cpu_ops
 from services.gpu_worker.loader import prepare_model
-from services.gpu_worker.model import QuantizedWeight
+from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight
 from services.gpu_worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -156,20 +156,23 @@ def int8_gemv_ab(runner: ModelRunner, reps: int) -> dict:
     """The model's own GGUF-block GEMVs alone (the 30 layers' four, then the LM head) with float32
     and with 8-bit activations, alternating, at 1 and 4 rows: thread CPU ms, min and median."""
     model, result = runner.model, {}
-    weights = [q for layer in model.layers for q in layer.quantized if q is not None]
-    kernels = {"off": cpu_ops.few_rows_linear_quantized, "on": cpu_ops.few_rows_linear_quantized_int8}
+    # A fused weight of several formats is its parts, each multiplied on its own.
+    quantized = [q for layer in model.layers for q in layer.quantized if q is not None]
+    weights = [p for q in quantized for p in (q.parts if isinstance(q, MixedQuantizedWeight) else (q,))]
+    head = model.lm_head_quantized
+    assert isinstance(head, QuantizedWeight)  # one tensor, so one format
+    sides = {"off": False, "on": True}
     for rows in (1, cpu_ops.MAX_LINEAR_ROWS):
         inputs = {in_features(q): torch.randn(rows, in_features(q)) for q in weights}
-        head = model.lm_head_quantized
         head_x = torch.randn(rows, in_features(head))
-        samples: dict[str, dict[str, list[float]]] = {side: {"layers": [], "lm_head": []} for side in kernels}
+        samples: dict[str, dict[str, list[float]]] = {side: {"layers": [], "lm_head": []} for side in sides}
         for _ in range(reps):
-            for side, multiply in kernels.items():
+            for side, int8 in sides.items():
                 start = time.thread_time()
                 for q in weights:
-                    multiply(inputs[in_features(q)], q.blocks, q.format)
+                    q.multiply(inputs[in_features(q)], int8)
                 middle = time.thread_time()
-                multiply(head_x, head.blocks, head.format)
+                head.multiply(head_x, int8)
                 samples[side]["layers"].append((middle - start) * 1e3)
                 samples[side]["lm_head"].append((time.thread_time() - middle) * 1e3)
         entry = {
