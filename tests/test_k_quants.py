@@ -86,9 +86,9 @@ def test_k_quant_weights_multiply_from_their_blocks(
     calls = []
     multiply = MixedQuantizedWeight.multiply
 
-    def counted(self: MixedQuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    def counted(self: MixedQuantizedWeight, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
         calls.append(x.shape[0])
-        return multiply(self, x)
+        return multiply(self, x, int8_activations)
 
     monkeypatch.setattr(MixedQuantizedWeight, "multiply", counted)
     rng = np.random.default_rng(0)
