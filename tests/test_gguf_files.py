@@ -8,6 +8,7 @@ float32 torch), independently of the loader's search for the matching parameters
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from services.gpu_worker import loader
-from services.gpu_worker.architectures import UnsupportedModel
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_model import PlanBuilder, random_ids, runner_logits
 
@@ -168,11 +169,11 @@ def gguf_runner(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return ModelRunner(model_dir, dtype="float32", kv_cache_bytes=4 << 20)
 
 
-def check_against_hf(runner: ModelRunner, hf) -> None:
-    """A 90-token prefill (past the original context of the scaled models: every rope band
+def check_against_hf(runner: ModelRunner, hf, prompt_len: int = 90) -> None:
+    """A prefill (by default past the original context of the scaled models: every rope band
     matters) and three decodes, logits against HF's full forward."""
     rng = np.random.default_rng(3)
-    history = random_ids(rng, 90, VOCAB)
+    history = random_ids(rng, prompt_len, VOCAB)
     builder = PlanBuilder()
     logits = runner_logits(runner, builder, [(0, history, True)])
     for _ in range(3):
@@ -213,3 +214,86 @@ def test_a_qwen_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: 
     check_against_hf(
         runner, AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     )
+
+
+# HF -> llama.cpp names of Phi-3's tensors (its converter's tensor map), written out here
+# independently of the loader's map.
+PHI3_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def test_a_phi3_longrope_gguf_gives_hfs_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3 as llama.cpp writes it: fused attn_qkv and ffn_up (gate and up) in HF's order, its
+    longrope factors as rope_factors_long / short tensors, the original context and the
+    attention factor as metadata. The converted config's ropes equal the HF checkpoint's exactly
+    (short and long factors, the original length, the attention factor), and the logits are HF's
+    within the original length (past it, the scheduler picks the regime: tests/test_longrope.py)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    rng = np.random.default_rng(4)
+    # float32 values, as the GGUF stores them, so that the converted factors equal these exactly
+    long = (1.0 + rng.random(8) * 3).astype(np.float32).tolist()
+    short = (1.0 + rng.random(8)).astype(np.float32).tolist()
+    config = Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": long, "short_factor": short},
+    )  # fmt: skip
+    torch.manual_seed(2)
+    Phi3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(256)
+    writer.add_rope_scaling_orig_ctx_len(64)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(16)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(0)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 64) / math.log(64)))  # as its converter
+    writer.add_tensor("rope_factors_long.weight", np.array(long, np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(short, np.float32))
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    for name, data in sorted(load_file(str(tmp_path / "hf" / "model.safetensors")).items()):
+        if name in top:
+            writer.add_tensor(top[name], data)
+        else:
+            _, _, layer, *rest = name.split(".")
+            writer.add_tensor(f"blk.{layer}.{PHI3_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    (ours,), (theirs,) = runner.model.config.ropes, ModelConfig.from_dir(tmp_path / "hf").ropes
+    assert ours.rope_type == "longrope"
+    assert replace(ours, attention_factor=1.0) == replace(theirs, attention_factor=1.0)
+    assert ours.attention_factor == pytest.approx(theirs.attention_factor, rel=1e-6)  # float32 in the file
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    check_against_hf(runner, hf, prompt_len=40)
+
+
+def test_a_phi3_gguf_with_partial_rotary_is_refused(tmp_path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "phi3")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_rope_dimension_count(8)  # half of each 16-dimension head
+    writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="rope over 8 of each head's 16 dimensions"):
+        loader.check_gguf(gguf.GGUFReader(str(tmp_path / "partial.gguf")))

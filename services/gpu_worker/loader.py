@@ -163,7 +163,12 @@ GGUF_ARCHITECTURES = {
     "mistral": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Phi-3's fused tensors, which llama.cpp names like the unfused ones of the other architectures.
+PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
 GGUF_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -180,12 +185,24 @@ def check_gguf(reader) -> None:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none, linear")
-    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None and t.name != ROPE_FREQS]
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if _hf_name(t.name, arch) is None and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+    ]
     if unknown:
         raise UnsupportedModel(
             f"unsupported GGUF tensor(s) {unknown[:3]}; supported: token_embd, output_norm, output and "
             f"blk.N.{{{', '.join(GGUF_TO_HF)}}}"
         )
+    if arch == "phi3":  # its converter writes the rotary dimensions, hidden / heads unless partial
+        hidden, heads = _field(reader, "phi3.embedding_length"), _field(reader, "phi3.attention.head_count")
+        rope_dims = _field(reader, "phi3.rope.dimension_count")
+        if rope_dims is not None and hidden and heads and rope_dims != hidden // heads:
+            raise UnsupportedModel(
+                f"unsupported GGUF rope over {rope_dims} of each head's {hidden // heads} dimensions "
+                "(partial_rotary_factor); supported: all of them"
+            )
     unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(GGUF_TENSOR_TYPES))
     if unsupported:
         raise UnsupportedModel(
@@ -199,10 +216,11 @@ def _gguf_config(reader) -> dict:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    embedding_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": "llama" if arch == "mistral" else arch,
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else embedding_rows)),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
@@ -219,6 +237,11 @@ def _gguf_config(reader) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if arch == "phi3":  # a longrope model's original length, and Phi-3's window, where set
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            config["original_max_position_embeddings"] = int(original)
+        config["sliding_window"] = int(_field(reader, f"{arch}.attention.sliding_window", 0)) or None
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
@@ -245,6 +268,17 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     scaling, which llama.cpp's converter records only as the rope_freqs.weight tensor."""
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    factors = {t.name: t for t in reader.tensors if t.name in ROPE_FACTORS}
+    if factors:
+        from gguf.quants import dequantize
+
+        long, short = (
+            dequantize(factors[name].data, factors[name].tensor_type).astype(np.float64).reshape(-1).tolist()
+            for name in ROPE_FACTORS
+        )
+        scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+        attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        return scaling if attention_factor is None else {**scaling, "attention_factor": float(attention_factor)}
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is None:
         return None
@@ -309,16 +343,18 @@ def gguf_generation_config(reader) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None for tensors the model does not use."""
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    """The HF name of a GGUF tensor of architecture `arch`, or None for tensors the model does
+    not use."""
     top = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head", "output_norm.weight": "model.norm"}
     if gguf_name in top:
         return top[gguf_name] + ".weight"
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
-        if kind in GGUF_TO_HF and suffix in ("weight", "bias"):
-            return f"model.layers.{layer}.{GGUF_TO_HF[kind]}.{suffix}"
+        names = {**GGUF_TO_HF, **PHI3_FUSED} if arch == "phi3" else GGUF_TO_HF
+        if kind in names and suffix in ("weight", "bias"):
+            return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None
 
 
@@ -346,8 +382,9 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
     import torch
     from gguf.quants import dequantize
 
+    arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -363,8 +400,9 @@ def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str,
     """Every quantized 2-D weight as its raw GGUF blocks ([rows, bytes] uint8, rows in HF order),
     and each one's format."""
     blocks, formats = {}, {}
+    arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None or not _is_blocks(t):
             continue
         blocks[name] = np.ascontiguousarray(_hf_rows(t.name, np.asarray(t.data), config))
