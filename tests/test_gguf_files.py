@@ -297,3 +297,87 @@ def test_a_phi3_gguf_with_partial_rotary_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModel, match="rope over 8 of each head's 16 dimensions"):
         loader.check_gguf(gguf.GGUFReader(str(tmp_path / "partial.gguf")))
+
+
+# HF -> llama.cpp names of Gemma's layer tensors (its converters' tensor map).
+GEMMA_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2 / 3 as llama.cpp writes them: every norm stored as (1 + w), no LM head (tied), the
+    window (and Gemma 2's soft caps, Gemma 3's global rope base and linear scaling) as metadata,
+    no attention scale (llama.cpp's rule: head_dim below 27B). A prompt longer than the window:
+    the sliding layers (every other one in Gemma 2, five in six in Gemma 3) matter."""
+    import gguf
+    import transformers
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=256, sliding_window=24, pad_token_id=0,
+    )  # fmt: skip
+    if family == "gemma2":
+        config = transformers.Gemma2Config(
+            **common, num_hidden_layers=2, attn_logit_softcapping=20.0, final_logit_softcapping=10.0
+        )
+    else:
+        config = transformers.Gemma3TextConfig(
+            **common, num_hidden_layers=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )  # fmt: skip
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.08)  # norms away from 0: (1 + w) matters
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"{family}.gguf"
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_sliding_window(24)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(20.0)
+        writer.add_final_logit_softcapping(10.0)
+    else:
+        writer.add_rope_freq_base(1e6)  # the global layers'
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(8.0)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for name, data in sorted(load_file(str(tmp_path / "hf" / "model.safetensors")).items()):
+        if name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # as llama.cpp's Gemma converters
+        if name in top:
+            writer.add_tensor(top[name], data)
+        elif name != "lm_head.weight":
+            _, _, layer, *rest = name.split(".")
+            writer.add_tensor(f"blk.{layer}.{GEMMA_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed, want = runner.model.config, ModelConfig.from_dir(tmp_path / "hf")
+    assert parsed.architecture == want.architecture and parsed.tie_word_embeddings
+    fields = ("attn_softcap", "final_softcap", "layer_windows", "layer_ropes", "ropes", "attention_scale")
+    assert [getattr(parsed, f) for f in fields] == [getattr(want, f) for f in fields]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    check_against_hf(runner, hf, prompt_len=40)

@@ -108,8 +108,8 @@ def test_embedded_gguf_passes_the_check() -> None:
 
 
 GGUF_REFUSED = {
-    "architecture": ("gemma2", {"token_embd.weight": (np.zeros((4, 32), np.float32), "F32")}, {},
-                     "unsupported GGUF architecture 'gemma2'"),
+    "architecture": ("falcon", {"token_embd.weight": (np.zeros((4, 32), np.float32), "F32")}, {},
+                     "unsupported GGUF architecture 'falcon'"),
     # IQ2_XXS: 66-byte blocks of 256 weights, which Brigade does not read.
     "tensor type": ("llama", {"blk.0.ffn_down.weight": (np.zeros((2, 66), np.uint8), "IQ2_XXS")}, {},
                     r"unsupported GGUF tensor type\(s\) \['IQ2_XXS'\]"),

@@ -164,9 +164,21 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+GGUF_MODEL_TYPES = {"mistral": "llama", "gemma3": "gemma3_text"}  # the others' are their arch
+# llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
+# layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Phi-3's fused tensors, which llama.cpp names like the unfused ones of the other architectures.
 PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma's norms: four a layer, two of them under names the other architectures use otherwise.
+GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
@@ -219,7 +231,7 @@ def _gguf_config(reader) -> dict:
     embedding_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": "llama" if arch == "mistral" else arch,
+        "model_type": GGUF_MODEL_TYPES.get(arch, arch),
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else embedding_rows)),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
@@ -237,6 +249,8 @@ def _gguf_config(reader) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if arch in GEMMA_27B_LAYERS:
+        config.update(_gemma_config(reader, config, arch))
     if arch == "phi3":  # a longrope model's original length, and Phi-3's window, where set
         original = _field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
@@ -253,6 +267,32 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: llama3 rope scaling, as per-dime
 # Where llama3's parameters are searched for, to match a GGUF's rope_freqs (see _llama3_scaling).
 LLAMA3_ORIGINAL_CONTEXTS = tuple(1 << k for k in range(5, 21))
 LLAMA3_FREQ_FACTORS = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (1.0, 16.0), (0.5, 4.0), (2.0, 8.0))
+
+
+def _gemma_config(reader, config: dict, arch: str) -> dict:
+    """What a Gemma 2 / 3 GGUF implies beyond Llama's fields, as llama.cpp reads it. The file
+    records no attention scale: llama.cpp takes hidden / heads for the 27B models and head_dim
+    otherwise, as Gemma's own code does. Gemma 2 alternates sliding and full layers; Gemma 3 has
+    one full layer in six, whose rope is the file's (base and linear scaling), while its sliding
+    layers keep base 10000 without scaling."""
+    layers = config["num_hidden_layers"]
+    is_27b = layers == GEMMA_27B_LAYERS[arch]
+    pattern = 2 if arch == "gemma2" else 6
+    scalar = config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
+    gemma = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window", 4096)),  # llama.cpp's default
+        "layer_types": [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ],
+    }
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = 10000.0
+    return gemma
 
 
 def _gguf_head_dim(reader, arch: str) -> int:
@@ -278,7 +318,9 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
         )
         scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
         attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
-        return scaling if attention_factor is None else {**scaling, "attention_factor": float(attention_factor)}
+        if attention_factor is not None:
+            scaling["attention_factor"] = float(attention_factor)
+        return scaling
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is None:
         return None
@@ -352,7 +394,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
-        names = {**GGUF_TO_HF, **PHI3_FUSED} if arch == "phi3" else GGUF_TO_HF
+        names = {**GGUF_TO_HF, **{"phi3": PHI3_FUSED, "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}.get(arch, {})}
         if kind in names and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None
@@ -388,6 +430,8 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
         if name is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if arch in GEMMA_27B_LAYERS and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's norms as (1 + w); HF's hold w
         w = torch.from_numpy(np.ascontiguousarray(_hf_rows(t.name, w, config)))
         if _is_blocks(t):
             yield name, w.to(torch.bfloat16)
