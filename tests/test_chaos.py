@@ -288,12 +288,16 @@ FAULTED_KINDS = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
 
 def fault_plan(seed: int) -> list[list[tuple[str, signal.Signals, float]]]:
     """Waves of (stage kind, signal, delay after the wave starts): each kind SIGKILLed twice, the
-    worker and the scheduler SIGSTOPped (hung) once each, two faults per wave, in random order
-    and at random moments."""
+    worker and the scheduler SIGSTOPped (hung) once each, two faults of two kinds per wave, in
+    random order and at random moments."""
     rng = random.Random(seed)
     faults = [(kind, signal.SIGKILL) for kind in FAULTED_KINDS] * 2
     faults += [("gpu_worker", signal.SIGSTOP), ("scheduler", signal.SIGSTOP)]
+    # A wave never faults one kind twice: the second fault would read the pid the first just
+    # killed (status has not caught up) and hit nothing, so that kind would miss a restart.
     rng.shuffle(faults)
+    while any(faults[i][0] == faults[i + 1][0] for i in range(0, len(faults), 2)):
+        rng.shuffle(faults)
     timed = [(kind, sig, rng.uniform(0.0, 1.5)) for kind, sig in faults]
     return [timed[i : i + 2] for i in range(0, len(timed), 2)]
 
