@@ -225,7 +225,7 @@ def few_rows_linear_quantized_cases(
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as few_rows_linear_quantized_int8 rounds it: blocks of 32, d = max|x| / 127, d * rint(x / d)."""
+    """x as linear_quantized_int8 rounds it: blocks of 32, d = max|x| / 127, d * rint(x / d)."""
     blocks = x.reshape(x.shape[0], -1, cpu_ops.BLOCK_WEIGHTS)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -257,9 +257,9 @@ def int8_linear_cases(
                 x = torch.randn(num_rows, in_features, generator=gen)
                 out.append(
                     compare(
-                        "few_rows_linear_quantized_int8",
+                        "linear_quantized_int8",
                         f"{fmt} {name} {out_features}x{in_features}, {num_rows} rows",
-                        lambda x=x, b=lanes, f=fmt: cpu_ops.few_rows_linear_quantized_int8(x, b, f),
+                        lambda x=x, b=lanes, f=fmt: cpu_ops.linear_quantized_int8(x, b, f),
                         lambda x=x, w=dequantized: F.linear(int8_rounded(x), w),
                         repeats,
                         baseline=lambda x=x, b=lanes, f=fmt: cpu_ops.few_rows_linear_quantized(x, b, f),

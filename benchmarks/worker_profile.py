@@ -111,12 +111,23 @@ def time_step(
     return wall, cpu
 
 
-def int8_ab(runner: ModelRunner, reps: int) -> dict:
-    """Decode steps of 1 and 4 rows with engine.cpu_int8_activations off and on, in one process on
-    the same weights (the model reads the flag per step), alternating ABBA rep by rep so that load
-    on a shared host hits both sides alike."""
+def int8_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
     rng, blocks = np.random.default_rng(1), Blocks()
-    plans = {"decode1": decode_plan(blocks, 1, 256, rng), "decode4": decode_plan(blocks, 4, 256, rng)}
+    return {
+        "decode1": decode_plan(blocks, 1, 256, rng),
+        "decode4": decode_plan(blocks, 4, 256, rng),
+        "decode16": decode_plan(blocks, 16, 256, rng),
+        "decode64": decode_plan(blocks, 64, 128, rng),
+        "prefill42": prefill_plan(blocks, 1, 42, rng),
+    }
+
+
+def int8_ab(
+    runner: ModelRunner, plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
+) -> dict:
+    """Decode steps of 1, 4, 16 and 64 rows and a 42-token prefill with engine.cpu_int8_activations
+    off and on, in one process on the same weights (the model reads the flag per step), alternating
+    ABBA rep by rep so that load on a shared host hits both sides alike."""
     model, result = runner.model, {}
     for name, plan in plans.items():
         wall: dict[bool, list[float]] = {False: [], True: []}
@@ -216,10 +227,10 @@ def main() -> None:
     parser.add_argument(
         "--int8-ab",
         action="store_true",
-        help="only decode1 / decode4 with 8-bit activations off vs on, alternating",
+        help="only decode1 / 4 / 16 / 64 and prefill42 with 8-bit activations off vs on, alternating",
     )
     args = parser.parse_args()
-    plans = scenarios()
+    plans = int8_ab_scenarios() if args.int8_ab else scenarios()
     num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
     model_dir = prepare_model(None)
     config = json.loads((model_dir / "config.json").read_text())
@@ -229,8 +240,8 @@ def main() -> None:
     runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
     result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
     if args.int8_ab:
+        result["int8_ab"] = int8_ab(runner, plans, args.reps)
         plans = {}
-        result["int8_ab"] = int8_ab(runner, args.reps)
         result["int8_gemv_ab"] = int8_gemv_ab(runner, args.reps)
     for name, plan in plans.items():
         wall, cpu = time_step(runner, plan, args.reps)

@@ -14,8 +14,9 @@
 //   read as they are: a quarter (Q8_0) or a sixth (Q4_1) of the float32 bytes. It computes with the
 //   exact values the float32 copy holds (that copy is their dequantization), so a step gives the
 //   same logits whichever path its size takes, up to float32 summation order.
-// - few_rows_linear_quantized_int8: the same blocks against activations quantized to 8 bits, with
-//   integer dot products, as llama.cpp computes them (opt-in: it changes the numbers).
+// - linear_quantized_int8: the same blocks against activations quantized to 8 bits, with integer
+//   dot products, as llama.cpp computes them, for any number of rows (opt-in: it changes the
+//   numbers).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -480,6 +481,17 @@ struct ActivationBlocks {
   std::vector<float> s;   // [R, blocks] d * sum(q)
 };
 
+// Rows of ActivationBlocks from one row on, as the kernels read them: block b of row r at r * blocks + b.
+struct ActivationRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+inline ActivationRows rows_from(const ActivationBlocks& a, int64_t first_row, int64_t num_blocks) {
+  const int64_t i = first_row * num_blocks;
+  return {a.q.data() + i * kBlockWeights, a.d.data() + i, a.s.data() + i};
+}
+
 // Where weight k of a block lands in the 32 bytes its format unpacks to (unpack_bytes below): the
 // activations are stored in that order, so the weights need no byte shuffle.
 using BytePositions = std::array<uint8_t, kBlockWeights>;
@@ -508,31 +520,79 @@ constexpr BytePositions q8_0_positions() {
   return p;
 }
 
+// Packing a block's four int32 vectors to bytes (packs_epi32, then packs_epi16) leaves value
+// k = 8 v + i (vector v, lane i) at byte 16 (i / 4) + 4 v + i % 4. One dword permute and one
+// in-lane byte shuffle move them on to their BytePositions: each 16-byte half of every order
+// here draws on at most four of the packed dwords, which the permute gathers into that half.
+struct BytePermutation {
+  __m256i dwords;
+  __m256i bytes;
+};
+BytePermutation permutation_to(const BytePositions& positions) {
+  std::array<int, kBlockWeights> source{};  // target byte -> packed byte
+  for (int k = 0; k < kBlockWeights; ++k) source[positions[k]] = 16 * (k % 8 / 4) + 4 * (k / 8) + k % 4;
+  alignas(32) int32_t dwords[8] = {};
+  alignas(32) int8_t bytes[32] = {};
+  for (int half = 0; half < 2; ++half) {
+    std::vector<int> used;  // the packed dwords this half draws on, in permute order
+    for (int t = 16 * half; t < 16 * half + 16; ++t) {
+      const int dword = source[t] / 4;
+      auto it = std::find(used.begin(), used.end(), dword);
+      if (it == used.end()) {
+        TORCH_CHECK(used.size() < 4, "int8 activations: a byte order this permutation cannot make");
+        used.push_back(dword);
+        it = used.end() - 1;
+      }
+      bytes[t] = static_cast<int8_t>(4 * (it - used.begin()) + source[t] % 4);
+    }
+    for (size_t j = 0; j < used.size(); ++j) dwords[4 * half + j] = used[j];
+  }
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(dwords)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes))};
+}
+
+inline int horizontal_sum_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(x);
+}
+inline float horizontal_max(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
 ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t num_blocks,
-                                      const BytePositions& positions) {
+                                      const BytePermutation& order) {
   ActivationBlocks a{std::vector<int8_t>(num_rows * num_blocks * kBlockWeights),
                      std::vector<float>(num_rows * num_blocks), std::vector<float>(num_rows * num_blocks)};
+  const __m256 sign = _mm256_set1_ps(-0.f), largest = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
     const float* xb = x + i * kBlockWeights;
-    float amax = 0.f;
-    bool is_finite = true;
-    for (int k = 0; k < kBlockWeights; ++k) {
-      amax = std::max(amax, std::fabs(xb[k]));
-      is_finite = is_finite && std::isfinite(xb[k]);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      const __m256 magnitude = _mm256_andnot_ps(sign, v[j]);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(magnitude, largest, _CMP_LE_OQ));  // false for NaN
+      amax = _mm256_max_ps(amax, magnitude);
     }
-    if (!is_finite) {  // as in float32: the block's outputs become NaN (its quants stay 0)
+    if (finite != 0xFF) {  // as in float32: the block's outputs become NaN (its quants stay 0)
       a.d[i] = a.s[i] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
-    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int k = 0; k < kBlockWeights; ++k) {
-      const int q = static_cast<int>(std::nearbyint(xb[k] * inverse));  // ties to even, as np.rint
-      a.q[i * kBlockWeights + positions[k]] = static_cast<int8_t>(q);
-      sum += q;
-    }
+    const float d = horizontal_max(amax) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    __m256i q[4];
+    // cvtps rounds as MXCSR says: to nearest, ties to even (np.rint).
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + i * kBlockWeights),
+                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(packed, order.dwords), order.bytes));
     a.d[i] = d;
-    a.s[i] = d * static_cast<float>(sum);
+    a.s[i] = d * static_cast<float>(horizontal_sum_epi32(
+                     _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
   }
   return a;
 }
@@ -555,12 +615,12 @@ inline __m256i unpack_bytes(const BlockQ4_1& block) {
 // Block b of weight row `block` against block b of every row of x: acc[r] += d_w d_x (q_w . q_x),
 // and minimums[r] += m_w s_x for Q4_1.
 template <typename Block, int R>
-inline void add_int8_block(const ActivationBlocks& a, const Block& block, int64_t b, int64_t num_blocks, __m256 acc[R],
+inline void add_int8_block(ActivationRows a, const Block& block, int64_t b, int64_t num_blocks, __m256 acc[R],
                            float minimums[R]) {
   const float dw = half_to_float(block.d);
   for (int r = 0; r < R; ++r) {
     const int64_t i = r * num_blocks + b;
-    const __m256i xq = load32(a.q.data() + i * kBlockWeights);
+    const __m256i xq = load32(a.q + i * kBlockWeights);
     __m256i dot;
     if constexpr (std::is_same_v<Block, BlockQ4_1>) {
       dot = dot_u8_i8(unpack_bytes(block), xq);
@@ -575,8 +635,8 @@ inline void add_int8_block(const ActivationBlocks& a, const Block& block, int64_
 // Even and odd blocks add into separate sums, so that the loop is bound by its work, not by the
 // latency of the additions.
 template <typename Block, int R>
-void int8_times_blocks(const ActivationBlocks& a, const Block* w, float* out, int64_t num_blocks,
-                       int64_t out_features, int64_t begin, int64_t end) {
+void int8_times_blocks(ActivationRows a, const Block* w, float* out, int64_t num_blocks, int64_t out_features,
+                       int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = w + n * num_blocks;
     __m256 even[R], odd[R];
@@ -598,7 +658,7 @@ void int8_times_blocks(const ActivationBlocks& a, const Block* w, float* out, in
 inline __m256 scale_pair(float low, float high) { return _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low)); }
 
 template <typename Block, int R>
-void int8_times_super_blocks(const ActivationBlocks& a, const Block* w, float* out, int64_t num_blocks,
+void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64_t num_blocks,
                              int64_t out_features, int64_t begin, int64_t end) {
   constexpr int kSub = kSuperWeights / kBlockWeights;
   const int64_t num_act_blocks = num_blocks * kSub;
@@ -636,7 +696,7 @@ void int8_times_super_blocks(const ActivationBlocks& a, const Block* w, float* o
                                                 _mm_set1_ps(d * block.scales[first]));
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * num_act_blocks + b * kSub + j;
-            const __m256i dot = dot_i8_i8(quants[j], load32(a.q.data() + i * kBlockWeights));
+            const __m256i dot = dot_i8_i8(quants[j], load32(a.q + i * kBlockWeights));
             const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d[i]));
             acc[j & 1][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j & 1][r]);
           }
@@ -667,11 +727,11 @@ void int8_times_super_blocks(const ActivationBlocks& a, const Block* w, float* o
         for (int r = 0; r < R; ++r) {
           const int64_t first = r * num_act_blocks + b * kSub;
           for (int j = 0; j < kSub; ++j) {
-            const __m256i dot = dot_u8_i8(quants[j], load32(a.q.data() + (first + j) * kBlockWeights));
+            const __m256i dot = dot_u8_i8(quants[j], load32(a.q + (first + j) * kBlockWeights));
             acc[j & 1][r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * a.d[first + j]), _mm256_cvtepi32_ps(dot),
                                             acc[j & 1][r]);
           }
-          minimums[r] = _mm256_fmadd_ps(min_vector, _mm256_loadu_ps(a.s.data() + first), minimums[r]);
+          minimums[r] = _mm256_fmadd_ps(min_vector, _mm256_loadu_ps(a.s + first), minimums[r]);
         }
       }
     }
@@ -687,40 +747,46 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks, const Byte
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
   const int64_t num_blocks = in_features / block_weights;
   TORCH_CHECK(in_features % block_weights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
-              "few_rows_linear_quantized_int8: ", in_features, " inputs need ", num_blocks, " blocks of ",
+              "linear_quantized_int8: ", in_features, " inputs need ", num_blocks, " blocks of ",
               sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
   const auto rows = x.contiguous();
   auto out = at::empty({num_rows, out_features}, rows.options());
   if (num_rows == 0) return out;
+  const int64_t num_act_blocks = in_features / kBlockWeights;
   const ActivationBlocks a =
-      quantize_activations(rows.data_ptr<float>(), num_rows, in_features / kBlockWeights, positions);
+      quantize_activations(rows.data_ptr<float>(), num_rows, num_act_blocks, permutation_to(positions));
   const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
   float* out_data = out.data_ptr<float>();
+  // Output features split over the threads; each task passes its weight rows once per chunk of up
+  // to four rows of x, while they are still in cache.
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    with_row_count(num_rows, [&](auto rows) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (is_k_quant)
-        int8_times_super_blocks<Block, R>(a, w_data, out_data, num_blocks, out_features, begin, end);
-      else
-        int8_times_blocks<Block, R>(a, w_data, out_data, num_blocks, out_features, begin, end);
-    });
+    for (int64_t first = 0; first < num_rows; first += 4) {
+      with_row_count(std::min<int64_t>(4, num_rows - first), [&](auto chunk) {
+        constexpr int R = decltype(chunk)::value;
+        const ActivationRows rows_of_chunk = rows_from(a, first, num_act_blocks);
+        float* chunk_out = out_data + first * out_features;
+        if constexpr (is_k_quant)
+          int8_times_super_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, begin, end);
+        else
+          int8_times_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, begin, end);
+      });
+    }
   });
   return out;
 }
 
-// few_rows_linear_quantized with x quantized to 8 bits (see ActivationBlocks); the same blocks.
-at::Tensor few_rows_linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "few_rows_linear_quantized_int8: x [R, in] float32");
-  TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized_int8: at most 4 rows, got ", x.size(0));
+// x [R, in] (any R) times GGUF blocks with x quantized to 8 bits (see ActivationBlocks).
+at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quantized_int8: x [R, in] float32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "few_rows_linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
+              "linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
   static constexpr BytePositions kQ4_1 = q4_1_positions(), kQ8_0 = q8_0_positions(), kNatural = natural_positions();
   if (format == "Q4_1") return int8_linear<BlockQ4_1>(x, blocks, kQ4_1);
   if (format == "Q8_0") return int8_linear<BlockQ8_0>(x, blocks, kQ8_0);
   if (format == "Q4_K") return int8_linear<BlockQ4_K>(x, blocks, kNatural);
   if (format == "Q5_K") return int8_linear<BlockQ5_K>(x, blocks, kNatural);
   if (format == "Q6_K") return int8_linear<BlockQ6_K>(x, blocks, kNatural);
-  TORCH_CHECK(false, "few_rows_linear_quantized_int8: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(false, "linear_quantized_int8: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
 }
 
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
@@ -756,7 +822,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
                       const c10::optional<at::Tensor>& bias, bool int8_activations) {
   if (format.empty()) return few_rows_linear(x, weight, bias);
-  auto out = int8_activations ? few_rows_linear_quantized_int8(x, weight, format)
+  auto out = int8_activations ? linear_quantized_int8(x, weight, format)
                               : few_rows_linear_quantized(x, weight, format);
   return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
 }
@@ -765,8 +831,8 @@ at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string
 // in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
 // qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
 // token), its k and v stored at `slots`, and q attends over the pages. Weights with an empty
-// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized, or its _int8
-// twin with int8_activations).
+// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized, or
+// linear_quantized_int8 with int8_activations).
 // Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
 std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
@@ -840,7 +906,7 @@ TORCH_LIBRARY(brigade, m) {
       "float scale) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
-  m.def("few_rows_linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
+  m.def("linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(
       "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
@@ -854,7 +920,7 @@ TORCH_LIBRARY_IMPL(brigade, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
-  m.impl("few_rows_linear_quantized_int8", &few_rows_linear_quantized_int8);
+  m.impl("linear_quantized_int8", &linear_quantized_int8);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("few_rows_decode_layer", &few_rows_decode_layer);
 }

@@ -202,16 +202,17 @@ def few_rows_decode_layer(
     the residual stream). `weights`: qkv weight, format, bias; o_proj, format; gate_up, format;
     down, format (format "" for float32 [out, in], else GGUF blocks). cos / sin: [T, D] signed
     full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
-    blocks multiply by few_rows_linear_quantized_int8."""
+    blocks multiply by linear_quantized_int8."""
     return torch.ops.brigade.few_rows_decode_layer(
         hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads,
         scale, int8_activations,
     )  # fmt: skip
 
 
-def few_rows_linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """few_rows_linear_quantized with x quantized to 8 bits first, as llama.cpp does: each row in
-    blocks of 32 values, q = rint(x / d) with d = max|x| / 127 (float32), then integer dot products
-    with the weight quants and float scales. Not the float32 result: the activations are rounded
+def linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x @ W^T for x of any number of rows from GGUF blocks (as few_rows_linear_quantized reads
+    them), with x quantized to 8 bits first, as llama.cpp does: each row in blocks of 32 values,
+    q = rint(x / d) with d = max|x| / 127 (float32), then integer dot products with the weight
+    quants and float scales. Not the float32 result: the activations are rounded
     (engine.cpu_int8_activations opts in)."""
-    return torch.ops.brigade.few_rows_linear_quantized_int8(x, blocks, fmt)
+    return torch.ops.brigade.linear_quantized_int8(x, blocks, fmt)

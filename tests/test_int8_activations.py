@@ -1,4 +1,4 @@
-"""The opt-in 8-bit-activation GEMV (cpu_ops.few_rows_linear_quantized_int8) against an independent
+"""The opt-in 8-bit-activation GEMV (cpu_ops.linear_quantized_int8) against an independent
 numpy reference: the activations quantized the same way (blocks of 32, d = max|x| / 127,
 q = rint(x / d)), then exact integer dot products with the weight quants and the scales applied
 after, in float64."""
@@ -74,16 +74,18 @@ CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
 
 @pytest.mark.parametrize(("fmt", "in_features", "out_features"), CASES)
 def test_int8_linear_matches_the_integer_reference(fmt: str, in_features: int, out_features: int):
-    """0-4 rows, strided input: the kernel equals the reference up to float32 summation order,
-    and stays within the activations' rounding of the float-activation kernel."""
+    """0-5 and 11 rows (chunks of four and a partial one), strided input: the kernel equals the
+    reference up to float32 summation order, and stays within the activations' rounding of the
+    float-activation result."""
     assert has_cpu_kernels()
     blocks = make_blocks(fmt, out_features, in_features, seed=in_features + out_features)
     packed = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
     reference = k_quant_ref if fmt in cpu_ops.K_QUANTS else q4_1_or_q8_0_ref
     gen = torch.Generator().manual_seed(in_features)
-    for num_rows in range(5):
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float32))
+    for num_rows in (0, 1, 2, 3, 4, 5, 11):
         x = torch.randn(in_features, num_rows, generator=gen).t()  # [num_rows, in], transposed strides
-        got = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+        got = cpu_ops.linear_quantized_int8(x, packed, fmt)
         assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
         if num_rows == 0:
             continue
@@ -91,7 +93,7 @@ def test_int8_linear_matches_the_integer_reference(fmt: str, in_features: int, o
         scale = float(np.abs(expected).max())
         # One unit off in one integer dot moves an output by about 1e-4 of its largest value.
         np.testing.assert_allclose(got.double().numpy(), expected, rtol=1e-5, atol=5e-6 * scale)
-        float_activations = cpu_ops.few_rows_linear_quantized(x, packed, fmt).double().numpy()
+        float_activations = torch.nn.functional.linear(x, weight).double().numpy()
         assert np.abs(float_activations - expected).max() < 0.05 * scale
 
 
@@ -105,9 +107,9 @@ def test_int8_linear_rows_are_independent_and_zero_rows_give_zero(fmt: str):
     x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(2))
     x[2] = 0.0
     x[3] *= 1000.0
-    together = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+    together = cpu_ops.linear_quantized_int8(x, packed, fmt)
     for r in range(4):
-        alone = cpu_ops.few_rows_linear_quantized_int8(x[r : r + 1], packed, fmt)
+        alone = cpu_ops.linear_quantized_int8(x[r : r + 1], packed, fmt)
         torch.testing.assert_close(together[r : r + 1], alone, rtol=0, atol=0)
     assert torch.equal(together[2], torch.zeros(9))
 
@@ -120,14 +122,14 @@ def test_int8_linear_propagates_nan_and_inf(fmt: str):
     packed = torch.from_numpy(cpu_ops.to_lanes(make_blocks(fmt, 5, 256, seed=3), fmt))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
     x[0, 7], x[1, 200] = float("nan"), float("inf")
-    out = cpu_ops.few_rows_linear_quantized_int8(x, packed, fmt)
+    out = cpu_ops.linear_quantized_int8(x, packed, fmt)
     assert out[:2].isnan().all() and out[2].isfinite().all()
 
 
 def test_int8_linear_refuses_bad_input():
     assert has_cpu_kernels()
     blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
-    int8_linear = cpu_ops.few_rows_linear_quantized_int8
+    int8_linear = cpu_ops.linear_quantized_int8
     with pytest.raises(RuntimeError, match="unknown format"):
         int8_linear(torch.randn(1, 64), blocks, "Q3_K")
     with pytest.raises(RuntimeError, match="bytes"):
@@ -136,8 +138,6 @@ def test_int8_linear_refuses_bad_input():
         int8_linear(torch.randn(1, 64), blocks, "Q8_0")  # 40 bytes are not whole Q8_0 blocks for 64 inputs
     with pytest.raises(RuntimeError, match="bytes"):
         int8_linear(torch.randn(1, 64), blocks, "Q4_K")  # 64 inputs are not whole super-blocks
-    with pytest.raises(RuntimeError, match="at most 4 rows"):
-        int8_linear(torch.randn(5, 64), blocks, "Q4_1")
     with pytest.raises(RuntimeError, match="uint8"):
         int8_linear(torch.randn(1, 64), blocks.float(), "Q4_1")
     with pytest.raises(RuntimeError, match="float32"):
@@ -219,11 +219,59 @@ def test_smollm2_int8_activations_reach_both_decode_paths(smollm2_int8):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_int8_activations_reach_wider_steps_up_to_their_limit(smollm2_int8):
+    """Steps of 5 to INT8_BLOCKS_MAX_ROWS rows (decodes of 8 sequences, prefills of 20 and of
+    exactly the limit) multiply the GGUF blocks by 8-bit activations too: their logits move off
+    the float ones by the activations' rounding. A wider step (and its LM head, for as many rows)
+    keeps oneDNN's float32 GEMM, so the option does not change its logits at all."""
+    from services.gpu_worker.model import INT8_BLOCKS_MAX_ROWS
+    from tests.test_model import PlanBuilder, random_ids, runner_logits
+
+    runner = smollm2_int8
+    model = runner.model
+    rng = np.random.default_rng(12)
+    builder = PlanBuilder(runner.block_size)
+    histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(8)}
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    steps = {
+        "decode of 8": [(i, [int(rng.integers(0, runner.vocab_size))], True) for i in range(8)],
+        "prefill of 20": [(100, random_ids(rng, 20, runner.vocab_size), True)],
+        "prefill at the limit": [(101, random_ids(rng, INT8_BLOCKS_MAX_ROWS, runner.vocab_size), True)],
+        "prefill past it": [(102, random_ids(rng, INT8_BLOCKS_MAX_ROWS + 9, runner.vocab_size), True)],
+    }
+    try:
+        for name, chunks in steps.items():
+            arrays, header = builder.plan(chunks)
+            # A prefill samples its last row; past the limit every row, so the head is as wide.
+            sampled = {
+                "decode of 8": torch.arange(header.num_seqs),
+                "prefill past it": torch.arange(header.num_tokens),
+            }.get(name, torch.tensor([header.num_tokens - 1]))
+            logits = {}
+            for int8 in (True, False):  # the same plan twice: both runs write the same K/V slots
+                model.int8_activations = int8
+                metas = model.prepare(arrays, header.num_tokens, header.num_seqs)
+                ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+                logits[int8] = model.forward(ids, metas, runner.kv_cache, sampled)
+            moved = float((logits[True] - logits[False]).abs().max())
+            if name == "prefill past it":
+                assert moved == 0.0, (name, moved)
+            else:
+                assert 0.01 < moved < 3.0, (name, moved)
+    finally:
+        model.int8_activations = True
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # SmolLM2 served through real processes, on a loaded machine
 def test_served_smollm2_takes_the_option(smollm2_int8, smollm2_dir, tmp_path):
     """`engine.cpu_int8_activations=true` reaches the worker: served greedy chats give the tokens
     of an in-process runner with 8-bit activations, on prompts where those differ from the
-    float32 ones (so the float path could not pass)."""
+    float32 ones (so the float path could not pass). Prefix caching is off: with the option a
+    row's numbers depend on its step's width (8-bit up to INT8_BLOCKS_MAX_ROWS rows, float32
+    past it), so a prompt whose cached prefix was computed in another step would not compare with
+    the runner's single prefill."""
     from benchmarks.int8_accuracy import chat_prompts
     from client import Client
     from services.gpu_worker.model_runner import ModelRunner
@@ -240,7 +288,11 @@ def test_served_smollm2_takes_the_option(smollm2_int8, smollm2_dir, tmp_path):
     run_dir = tmp_path / "run"
     with (
         brigade_run(
-            run_dir, "model.dtype=float32", "engine.threads=2", "engine.cpu_int8_activations=true"
+            run_dir,
+            "model.dtype=float32",
+            "engine.threads=2",
+            "engine.cpu_int8_activations=true",
+            "engine.enable_prefix_caching=false",
         ) as run,
         Client(run.run_dir) as client,
     ):

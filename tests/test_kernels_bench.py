@@ -19,7 +19,7 @@ OPS = {
     "paged_decode",
     "few_rows_linear",
     "few_rows_linear_quantized",
-    "few_rows_linear_quantized_int8",
+    "linear_quantized_int8",
     "add_rms_norm",
     "few_rows_decode_layer",
 }
@@ -41,7 +41,7 @@ def test_quick_run_times_every_op_against_its_reference(tmp_path: Path) -> None:
     assert {r["op"] for r in report["results"]} == OPS
     formats = {r["case"].split()[0] for r in report["results"] if r["op"] == "few_rows_linear_quantized"}
     assert formats == set(cpu_ops.QUANTIZED_FORMATS)  # each format on at least one weight
-    int8 = [r for r in report["results"] if r["op"] == "few_rows_linear_quantized_int8"]
+    int8 = [r for r in report["results"] if r["op"] == "linear_quantized_int8"]
     assert {r["case"].split()[0] for r in int8} == set(cpu_ops.QUANTIZED_FORMATS)
     # Timed against the float-activation kernel it replaces, in the same alternation.
     assert all(r["baseline_us"]["min"] > 0 and r["speedup_vs_baseline"] > 0 for r in int8)

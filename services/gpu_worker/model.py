@@ -84,6 +84,12 @@ TRANSPOSED_MAX_ROWS = 3
 # instead, the weight reordered once into oneDNN's blocked layout (oneDNN's weight prepacking, which
 # inductor also uses) and the plain one freed. Prepacking every weight would keep two float32 copies
 # for a mere 1.0-1.3x on wide steps.
+# engine.cpu_int8_activations, from cpu_ops.MAX_LINEAR_ROWS + 1 rows up to this many: weights with
+# GGUF blocks multiply them against 8-bit activations (cpu_ops.linear_quantized_int8) instead of
+# their oneDNN float32 copy; wider steps keep oneDNN, whose float32 GEMM is as fast there and
+# faster at 64 rows (docs/performance.md, "8-bit activations").
+INT8_BLOCKS_MAX_ROWS = 32
+
 CAN_PREPACK = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -155,10 +161,10 @@ class QuantizedWeight:
         return self.blocks.shape[0]
 
     def multiply(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
-        """x @ W^T for x of at most cpu_ops.MAX_LINEAR_ROWS rows (x quantized to 8 bits first with
-        int8_activations: cpu_ops.few_rows_linear_quantized_int8)."""
+        """x @ W^T: for x of at most cpu_ops.MAX_LINEAR_ROWS rows, or of any number with x
+        quantized to 8 bits first (int8_activations: cpu_ops.linear_quantized_int8)."""
         if int8_activations:
-            return cpu_ops.few_rows_linear_quantized_int8(x, self.blocks, self.format)
+            return cpu_ops.linear_quantized_int8(x, self.blocks, self.format)
         return cpu_ops.few_rows_linear_quantized(x, self.blocks, self.format)
 
 
@@ -259,6 +265,13 @@ class LlamaLayer:
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.plain, strict=True))
 
     @property
+    def int8_blocks(self) -> tuple[torch.Tensor | Blocks, ...]:
+        """What `int8_blocks_linear` multiplies by in wider steps with 8-bit activations: the GGUF
+        blocks where loaded, else the oneDNN copy."""
+        assert self.onednn is not None
+        return tuple(q if q is not None else w for q, w in zip(self.quantized, self.onednn, strict=True))
+
+    @property
     def runs_as_one_op(self) -> bool:
         """Whether cpu_ops.few_rows_decode_layer can take these weights: one format each."""
         return not any(isinstance(q, MixedQuantizedWeight) for q in self.quantized)
@@ -334,7 +347,7 @@ class LlamaModel:
             self.has_few_rows_linear and not parallel.is_parallel and config.is_plain_llama
         )
         # engine.cpu_int8_activations: steps of few rows multiply the GGUF blocks by 8-bit
-        # activations (cpu_ops.few_rows_linear_quantized_int8), as llama.cpp does; float32 weights
+        # activations (cpu_ops.linear_quantized_int8), as llama.cpp does; float32 weights
         # and wider steps are unchanged.
         self.int8_activations = int8_activations
         self._loaded: set[str] = set()
@@ -622,6 +635,7 @@ class LlamaModel:
                 "few_rows": self.lm_head if self.lm_head_quantized is None else self.lm_head_quantized,
                 "transposed": self.lm_head_t,
                 "onednn": self.lm_head_onednn,
+                "int8_blocks": self.lm_head_onednn if self.lm_head_quantized is None else self.lm_head_quantized,
             }
             logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
         if self.parallel.is_parallel:
@@ -634,6 +648,8 @@ class LlamaModel:
         """Which copy of the weights (a LlamaLayer attribute) multiplies a step of this many rows."""
         if self.has_few_rows_linear and num_rows <= cpu_ops.MAX_LINEAR_ROWS:
             return "few_rows"
+        if self.int8_activations and self.lm_head_onednn is not None and num_rows <= INT8_BLOCKS_MAX_ROWS:
+            return "int8_blocks"
         if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
             return "transposed"
         return "plain" if self.lm_head_onednn is None else "onednn"
@@ -643,6 +659,8 @@ class LlamaModel:
             return (
                 partial(few_rows_linear, int8_activations=True) if self.int8_activations else few_rows_linear
             )
+        if layout == "int8_blocks":
+            return int8_blocks_linear
         if layout == "transposed":
             return linear_t
         if layout == "onednn":
@@ -671,6 +689,17 @@ def few_rows_linear(
     if isinstance(weight, torch.Tensor):
         return cpu_ops.few_rows_linear(x, weight, bias)
     out = weight.multiply(x, int8_activations)
+    return out if bias is None else out.add_(bias)
+
+
+def int8_blocks_linear(
+    x: torch.Tensor, weight: torch.Tensor | Blocks, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear for a wider step with 8-bit activations: from the GGUF blocks where the weight
+    has them (cpu_ops.linear_quantized_int8), else from its oneDNN copy."""
+    if isinstance(weight, torch.Tensor):
+        return onednn_linear(x, weight, bias)
+    out = weight.multiply(x, int8_activations=True)
     return out if bias is None else out.add_(bias)
 
 
