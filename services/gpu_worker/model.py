@@ -346,9 +346,9 @@ class LlamaModel:
         self.has_one_op_layers = (
             self.has_few_rows_linear and not parallel.is_parallel and config.is_plain_llama
         )
-        # engine.cpu_int8_activations: steps of few rows multiply the GGUF blocks by 8-bit
-        # activations (cpu_ops.linear_quantized_int8), as llama.cpp does; float32 weights
-        # and wider steps are unchanged.
+        # engine.cpu_int8_activations: steps of up to INT8_BLOCKS_MAX_ROWS rows multiply the GGUF
+        # blocks by 8-bit activations (cpu_ops.linear_quantized_int8), as llama.cpp does;
+        # float32 weights and wider steps are unchanged.
         self.int8_activations = int8_activations
         self._loaded: set[str] = set()
 
