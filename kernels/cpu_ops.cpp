@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -334,8 +335,7 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
 }
 
 // GGUF K-quant super-blocks of 256 weights (ggml's block_q4_K, block_q5_K, block_q6_K), read as
-// the file stores them: each is expanded to float32 once per call (into 1 KiB on the stack) and
-// then multiplies every row of x, so the weights are read once for all the rows.
+// the file stores them.
 struct BlockQ4_K {
   uint16_t d, dmin;  // float16 super-scales of the 6-bit sub-block scales and minimums
   uint8_t scales[12];
@@ -367,66 +367,128 @@ inline void scale_min_k4(int j, const uint8_t* q, float& scale, float& min) {
   }
 }
 
-// The 256 weights of a super-block, as ggml's dequantize_row_q4_K / q5_K / q6_K compute them.
-inline void expand(const BlockQ4_K& b, float* y) {
-  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
-  const uint8_t* q = b.qs;
-  for (int j = 0, is = 0; j < kSuperWeights; j += 64, is += 2, q += 32) {
-    float s1, m1, s2, m2;
-    scale_min_k4(is, b.scales, s1, m1);
-    scale_min_k4(is + 1, b.scales, s2, m2);
-    for (int l = 0; l < 32; ++l) y[j + l] = d * s1 * (q[l] & 0xF) - dmin * m1;
-    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d * s2 * (q[l] >> 4) - dmin * m2;
-  }
+// Eight bytes from p, each widened to a 32-bit lane.
+inline __m256i widen8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-inline void expand(const BlockQ5_K& b, float* y) {
-  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
-  const uint8_t* q = b.qs;
-  uint8_t u1 = 1, u2 = 2;
-  for (int j = 0, is = 0; j < kSuperWeights; j += 64, is += 2, q += 32, u1 <<= 2, u2 <<= 2) {
-    float s1, m1, s2, m2;
-    scale_min_k4(is, b.scales, s1, m1);
-    scale_min_k4(is + 1, b.scales, s2, m2);
-    for (int l = 0; l < 32; ++l) y[j + l] = d * s1 * ((q[l] & 0xF) + (b.qh[l] & u1 ? 16 : 0)) - dmin * m1;
-    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d * s2 * ((q[l] >> 4) + (b.qh[l] & u2 ? 16 : 0)) - dmin * m2;
-  }
+
+// Q4_K / Q5_K's eight 6-bit sub-block scales and minimums (scale_min_k4 for j = 0..7) as float32
+// times the super-scales, all eight at once: the 12 bytes regrouped with ggml's 32-bit masks into
+// eight scale bytes then eight minimum bytes.
+inline void scales_mins_k4(const uint8_t* packed, float d, float dmin, float scales[8], float mins[8]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);  // minimums 4-7
+  const uint32_t mins_low = u[1] & kLow6;                       // minimums 0-3
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);         // scales 4-7
+  u[2] = mins_low;
+  u[0] &= kLow6;  // scales 0-3
+  const auto to_float = [&](const uint32_t* bytes, float factor, float* into) {
+    const __m256 v = _mm256_cvtepi32_ps(widen8(reinterpret_cast<const uint8_t*>(bytes)));
+    _mm256_storeu_ps(into, _mm256_mul_ps(v, _mm256_set1_ps(factor)));
+  };
+  to_float(u, d, scales);
+  to_float(u + 2, dmin, mins);
 }
-inline void expand(const BlockQ6_K& b, float* y) {
-  const float d = half_to_float(b.d);
-  const uint8_t* ql = b.ql;
-  const uint8_t* qh = b.qh;
-  const int8_t* sc = b.scales;
-  for (int n = 0; n < kSuperWeights; n += 128, ql += 64, qh += 32, sc += 8) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      y[n + l] = d * sc[is] * (int8_t((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-      y[n + l + 32] = d * sc[is + 2] * (int8_t((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-      y[n + l + 64] = d * sc[is + 4] * (int8_t((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-      y[n + l + 96] = d * sc[is + 6] * (int8_t((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+
+// The 256 weights of a super-block, as ggml's dequantize_row_q4_K / q5_K / q6_K compute them, in
+// vectors of 8: emit(w, k) for weights k .. k + 7. Each vector's quants come from 8 bytes widened
+// to 32-bit lanes, so that a nibble (and Q5_K's fifth bit, Q6_K's two high bits) is a per-lane
+// shift and mask, and its scale (and minimum) one broadcast.
+template <typename Block, typename Emit>
+inline void for_each_weight_vector(const Block& block, Emit&& emit) {
+  if constexpr (std::is_same_v<Block, BlockQ6_K>) {
+    // Per 128 weights (one half): ql[64] low 4 bits, qh[32] high 2 bits, eight scales of 16
+    // weights. ql byte l holds weights l (low nibble) and l + 64 (high), byte l + 32 weights l + 32
+    // and l + 96; qh byte l the high bits of l, l + 32, l + 64, l + 96 (bits 0-1, 2-3, 4-5, 6-7).
+    alignas(32) float scales[16], offsets[16];  // d * scale, and -32 d * scale (w = s q - 32 s)
+    const float d = half_to_float(block.d);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 s = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.scales + 8 * half)))),
+          _mm256_set1_ps(d));
+      _mm256_store_ps(scales + 8 * half, s);
+      _mm256_store_ps(offsets + 8 * half, _mm256_mul_ps(s, _mm256_set1_ps(-32.f)));
+    }
+    const __m256i low4 = _mm256_set1_epi32(0x0F), high2 = _mm256_set1_epi32(0x30);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = block.ql + 64 * half;
+      const uint8_t* qh = block.qh + 32 * half;
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m256i a = widen8(ql + 8 * v), b = widen8(ql + 32 + 8 * v), h = widen8(qh + 8 * v);
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi32(h, 4), high2)),
+            _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi32(h, 2), high2)),
+            _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(h, high2)),
+            _mm256_or_si256(_mm256_srli_epi32(b, 4), _mm256_and_si256(_mm256_srli_epi32(h, 2), high2)),
+        };
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const int scale = 8 * half + 2 * t + v / 2;  // weights 32 t + 8 v .. + 7 of the half
+          emit(_mm256_fmadd_ps(_mm256_broadcast_ss(scales + scale), _mm256_cvtepi32_ps(q[t]),
+                               _mm256_broadcast_ss(offsets + scale)),
+               128 * half + 32 * t + 8 * v);
+        }
+      }
+    }
+  } else {
+    // Per 64 weights (c): qs[32 c .. 32 c + 31] hold sub-block 2 c in their low nibbles and 2 c + 1
+    // in their high ones; Q5_K's qh byte l has weight l of sub-block j in bit j.
+    alignas(32) float scales[8], mins[8];
+    scales_mins_k4(block.scales, half_to_float(block.d), half_to_float(block.dmin), scales, mins);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m256i raw = widen8(block.qs + 32 * c + 8 * v);
+        __m256i q[2] = {_mm256_and_si256(raw, low4), _mm256_srli_epi32(raw, 4)};
+        if constexpr (std::is_same_v<Block, BlockQ5_K>) {
+          const __m256i high = _mm256_slli_epi32(widen8(block.qh + 8 * v), 4);  // bit j now at 4 + j
+          const __m256i bit4 = _mm256_set1_epi32(0x10);
+          for (int t = 0; t < 2; ++t)
+            q[t] = _mm256_or_si256(q[t], _mm256_and_si256(_mm256_srli_epi32(high, 2 * c + t), bit4));
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t) {
+          const int j = 2 * c + t;
+          emit(_mm256_fmsub_ps(_mm256_broadcast_ss(scales + j), _mm256_cvtepi32_ps(q[t]), _mm256_broadcast_ss(mins + j)),
+               64 * c + 32 * t + 8 * v);
+        }
+      }
     }
   }
 }
 
+// Each super-block's weights are made once (for_each_weight_vector) and multiply every row of x,
+// so the blocks are read once for all the rows. Enough separate sums per row (8 at one row) that
+// the loop is bound by its work, not by the latency of the FMAs.
 template <typename Block, int R>
 void few_rows_times_super_blocks(const float* x, const Block* w, float* out, int64_t num_blocks,
                                  int64_t out_features, int64_t begin, int64_t end) {
-  alignas(32) float y[kSuperWeights];
+  constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
   const int64_t in_features = num_blocks * kSuperWeights;
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = w + n * num_blocks;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
-      expand(row[b], y);
-      for (int r = 0; r < R; ++r) {
-        const float* xb = x + r * in_features + b * kSuperWeights;
-        for (int k = 0; k < kSuperWeights; k += 16) {
-          acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k), _mm256_load_ps(y + k), acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k + 8), _mm256_load_ps(y + k + 8), acc[r][1]);
-        }
-      }
+      const float* xb = x + b * kSuperWeights;
+      for_each_weight_vector(row[b], [&](__m256 weights, int k) {
+        const int chain = (k / 8) % kChains;
+        for (int r = 0; r < R; ++r)
+          acc[r][chain] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(xb + r * in_features + k), acc[r][chain]);
+      });
     }
-    for (int r = 0; r < R; ++r) out[r * out_features + n] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+      out[r * out_features + n] = horizontal_sum(sum);
+    }
   }
 }
 
