@@ -367,6 +367,8 @@ inline void scale_min_k4(int j, const uint8_t* q, float& scale, float& min) {
   }
 }
 
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
 // Eight bytes from p, each widened to a 32-bit lane.
 inline __m256i widen8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -392,46 +394,56 @@ inline void scales_mins_k4(const uint8_t* packed, float d, float dmin, float sca
   to_float(u + 2, dmin, mins);
 }
 
+// A sub-block's 32 quant bytes as four vectors of 8 weights in 32-bit lanes (Signed: int8).
+template <bool Signed>
+inline void widen32(__m256i bytes, __m256i out[4]) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m128i eight = i % 2 ? _mm_unpackhi_epi64(halves[i / 2], halves[i / 2]) : halves[i / 2];
+    out[i] = Signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+  }
+}
+
 // The 256 weights of a super-block, as ggml's dequantize_row_q4_K / q5_K / q6_K compute them, in
-// vectors of 8: emit(w, k) for weights k .. k + 7. Each vector's quants come from 8 bytes widened
-// to 32-bit lanes, so that a nibble (and Q5_K's fifth bit, Q6_K's two high bits) is a per-lane
-// shift and mask, and its scale (and minimum) one broadcast.
+// vectors of 8: emit(w, k) for weights k .. k + 7, with one broadcast scale (and minimum) each.
+// Q4_K widens 8 quant bytes to 32-bit lanes and takes a nibble with a per-lane shift and mask;
+// Q5_K and Q6_K, which combine two bit fields a weight, combine them on 32 bytes at a time first.
 template <typename Block, typename Emit>
 inline void for_each_weight_vector(const Block& block, Emit&& emit) {
   if constexpr (std::is_same_v<Block, BlockQ6_K>) {
     // Per 128 weights (one half): ql[64] low 4 bits, qh[32] high 2 bits, eight scales of 16
     // weights. ql byte l holds weights l (low nibble) and l + 64 (high), byte l + 32 weights l + 32
     // and l + 96; qh byte l the high bits of l, l + 32, l + 64, l + 96 (bits 0-1, 2-3, 4-5, 6-7).
-    alignas(32) float scales[16], offsets[16];  // d * scale, and -32 d * scale (w = s q - 32 s)
+    alignas(32) float scales[16];
     const float d = half_to_float(block.d);
     for (int half = 0; half < 2; ++half) {
-      const __m256 s = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.scales + 8 * half)))),
-          _mm256_set1_ps(d));
-      _mm256_store_ps(scales + 8 * half, s);
-      _mm256_store_ps(offsets + 8 * half, _mm256_mul_ps(s, _mm256_set1_ps(-32.f)));
+      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.scales + 8 * half));
+      const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+      _mm256_store_ps(scales + 8 * half, _mm256_mul_ps(scale, _mm256_set1_ps(d)));
     }
-    const __m256i low4 = _mm256_set1_epi32(0x0F), high2 = _mm256_set1_epi32(0x30);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const uint8_t* ql = block.ql + 64 * half;
-      const uint8_t* qh = block.qh + 32 * half;
+      const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(block.qh + 32 * half);
+      // Bits shift and shift + 1 of each qh byte moved to bits 4-5 (epi16 shifts, then masked).
+      const auto high = [&](int shift) {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), low2), 4);
+      };
+      const __m256i quants[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), high(0)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4), high(2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6)),
+      };
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m256i a = widen8(ql + 8 * v), b = widen8(ql + 32 + 8 * v), h = widen8(qh + 8 * v);
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi32(h, 4), high2)),
-            _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi32(h, 2), high2)),
-            _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(h, high2)),
-            _mm256_or_si256(_mm256_srli_epi32(b, 4), _mm256_and_si256(_mm256_srli_epi32(h, 2), high2)),
-        };
+      for (int t = 0; t < 4; ++t) {  // weights 32 t .. 32 t + 31 of the half, w = scale (q - 32)
+        __m256i q[4];
+        widen32<true>(_mm256_sub_epi8(quants[t], offset), q);
 #pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const int scale = 8 * half + 2 * t + v / 2;  // weights 32 t + 8 v .. + 7 of the half
-          emit(_mm256_fmadd_ps(_mm256_broadcast_ss(scales + scale), _mm256_cvtepi32_ps(q[t]),
-                               _mm256_broadcast_ss(offsets + scale)),
+        for (int v = 0; v < 4; ++v)
+          emit(_mm256_mul_ps(_mm256_broadcast_ss(scales + 8 * half + 2 * t + v / 2), _mm256_cvtepi32_ps(q[v])),
                128 * half + 32 * t + 8 * v);
-        }
       }
     }
   } else {
@@ -439,24 +451,34 @@ inline void for_each_weight_vector(const Block& block, Emit&& emit) {
     // in their high ones; Q5_K's qh byte l has weight l of sub-block j in bit j.
     alignas(32) float scales[8], mins[8];
     scales_mins_k4(block.scales, half_to_float(block.d), half_to_float(block.dmin), scales, mins);
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    const auto emit_vector = [&](__m256i q, int j, int k) {  // w = scale_j q - min_j
+      emit(_mm256_fmsub_ps(_mm256_broadcast_ss(scales + j), _mm256_cvtepi32_ps(q), _mm256_broadcast_ss(mins + j)),
+           k);
+    };
+    if constexpr (std::is_same_v<Block, BlockQ5_K>) {
+      const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), h = load32(block.qh);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i raw = load32(block.qs + 32 * (j / 2));
+        const __m256i nibble = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);
+        // Bit j of each qh byte moved to bit 4 (epi16 shifts: what crosses a byte is masked off).
+        const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+        const __m256i fifth = _mm256_and_si256(moved, bit4);
+        __m256i q[4];
+        widen32<false>(_mm256_or_si256(nibble, fifth), q);
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
+        for (int v = 0; v < 4; ++v) emit_vector(q[v], j, 32 * j + 8 * v);
+      }
+    } else {
+      const __m256i low4 = _mm256_set1_epi32(0x0F);
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m256i raw = widen8(block.qs + 32 * c + 8 * v);
-        __m256i q[2] = {_mm256_and_si256(raw, low4), _mm256_srli_epi32(raw, 4)};
-        if constexpr (std::is_same_v<Block, BlockQ5_K>) {
-          const __m256i high = _mm256_slli_epi32(widen8(block.qh + 8 * v), 4);  // bit j now at 4 + j
-          const __m256i bit4 = _mm256_set1_epi32(0x10);
-          for (int t = 0; t < 2; ++t)
-            q[t] = _mm256_or_si256(q[t], _mm256_and_si256(_mm256_srli_epi32(high, 2 * c + t), bit4));
-        }
+      for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const __m256i raw = widen8(block.qs + 32 * c + 8 * v);
+          const __m256i q[2] = {_mm256_and_si256(raw, low4), _mm256_srli_epi32(raw, 4)};
 #pragma GCC unroll 2
-        for (int t = 0; t < 2; ++t) {
-          const int j = 2 * c + t;
-          emit(_mm256_fmsub_ps(_mm256_broadcast_ss(scales + j), _mm256_cvtepi32_ps(q[t]), _mm256_broadcast_ss(mins + j)),
-               64 * c + 32 * t + 8 * v);
+          for (int t = 0; t < 2; ++t) emit_vector(q[t], 2 * c + t, 64 * c + 32 * t + 8 * v);
         }
       }
     }
@@ -658,8 +680,6 @@ ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t 
   }
   return a;
 }
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // The 8 int32 lane sums of unsigned bytes u times signed bytes s (lane j: bytes 4 j .. 4 j + 3).
 // maddubs saturates pairs at int16: u <= 63 (or the sign trick's |w| <= 128) times |s| <= 127 fits.

@@ -550,20 +550,22 @@ def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) 
 
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
-def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str):
-    """Each K-quant GEMV from its own super-blocks against x @ W^T with W from gguf's dequantizer."""
+@pytest.mark.parametrize(("in_features", "out_features"), [(512, 70), (256, 3), (1536, 33)])
+def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str, in_features: int, out_features: int):
+    """Each K-quant GEMV from its own super-blocks against x @ W^T with W from gguf's dequantizer:
+    one to six super-blocks a row (random bytes: every quant, high-bit and scale pattern), an odd
+    number of outputs, 0-4 rows, a strided x."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    out_features, in_features = 70, 512  # two super-blocks a row; an odd number of rows
-    blocks = random_k_quant_blocks(fmt, out_features, in_features, seed=len(fmt) + ord(fmt[1]))
+    blocks = random_k_quant_blocks(fmt, out_features, in_features, seed=len(fmt) + ord(fmt[1]) + in_features)
     weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float32))
     assert weight.shape == (out_features, in_features) and torch.isfinite(weight).all()
     packed = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
     for num_rows in range(5):
-        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
+        x = torch.randn(in_features, num_rows, generator=torch.Generator().manual_seed(num_rows)).t()
         got, expected = cpu_ops.few_rows_linear_quantized(x, packed, fmt), x @ weight.T
         scale = float(expected.abs().max()) if num_rows else 1.0
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)
     with pytest.raises(RuntimeError, match="super-blocks"):
-        cpu_ops.few_rows_linear_quantized(torch.randn(1, 256), packed, fmt)
+        cpu_ops.few_rows_linear_quantized(torch.randn(1, in_features + 256), packed, fmt)
