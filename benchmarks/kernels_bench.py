@@ -2,13 +2,17 @@
 SmolLM2-135M, A/B in one run.
 
     python benchmarks/kernels_bench.py --json FILE [--repeats 15] [--threads N] [--quick]
+        [--ops OP,OP] [--weight OUTxIN ...]
 
 The shapes come from the converted model's config.json (`prepare_model(None)`); the weights and
 activations are random float32 (GGUF blocks made by gguf's own quantizer for the quantized
 linear). Each repeat times the op and then its reference on the same inputs (alternating, so a
 load spike on this shared machine hits both); the table gives min / median / max microseconds per
 call of each and the median ratio (reference / op: above 1, the op is faster). Every case also
-checks that the two agree (`matches`), so a figure never comes from a wrong result.
+checks that the two agree (`matches`), so a figure never comes from a wrong result. `--ops`
+runs only the named ops; `--weight` adds a weight shape to the linear ops' cases (a larger one
+than SmolLM2's, streamed from memory rather than cache, or one whose rows are whole K-quant
+super-blocks).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Shapes:
         self.vocab = config["vocab_size"]
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.rope_theta = float(config.get("rope_theta") or 10000.0)
+        self.extra_linears: dict[str, tuple[int, int]] = {}  # --weight
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """name -> (out, in) of the model's fused projections and its LM head."""
@@ -61,6 +66,7 @@ class Shapes:
             "gate_up": (2 * self.intermediate, self.hidden),
             "down": (self.hidden, self.intermediate),
             "lm_head": (self.vocab, self.hidden),
+            **self.extra_linears,
         }
 
 
@@ -361,23 +367,53 @@ def few_rows_decode_layer_cases(
 # ---------------------------------------------------------------- main
 
 
-def run(shapes: Shapes, quick: bool, repeats: int) -> tuple[list[dict], list[str]]:
+OPS = ("paged_decode", "few_rows_linear", "few_rows_linear_quantized", "few_rows_linear_quantized_int8",
+       "add_rms_norm", "few_rows_decode_layer")  # fmt: skip
+
+
+def run(
+    shapes: Shapes, quick: bool, repeats: int, ops: tuple[str, ...] = OPS
+) -> tuple[list[dict], list[str]]:
     rows = (1, cpu_ops.MAX_LINEAR_ROWS)
-    names = ["qkv", "down"] if quick else list(shapes.linears())
+    names = ["qkv", "down", *shapes.extra_linears] if quick else list(shapes.linears())
     context = 64 if quick else 256
     batches = (1, cpu_ops.MAX_LINEAR_ROWS) if quick else (1, cpu_ops.MAX_LINEAR_ROWS, 16, 64)
-    quantized, skipped = few_rows_linear_quantized_cases(
-        shapes, rows, names, cpu_ops.QUANTIZED_FORMATS, repeats
-    )
-    results = [
-        *paged_decode_cases(shapes, batches, context, repeats),
-        *few_rows_linear_cases(shapes, rows, names, repeats),
-        *quantized,
-        *int8_linear_cases(shapes, rows, names, cpu_ops.QUANTIZED_FORMATS, repeats),
-        *add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
-        *few_rows_decode_layer_cases(shapes, rows, context, repeats),
-    ]
-    return results, skipped
+    formats = cpu_ops.QUANTIZED_FORMATS
+    skipped: list[str] = []
+
+    def quantized() -> list[dict]:
+        found, skips = few_rows_linear_quantized_cases(shapes, rows, names, formats, repeats)
+        skipped.extend(skips)
+        return found
+
+    cases = {
+        "paged_decode": lambda: paged_decode_cases(shapes, batches, context, repeats),
+        "few_rows_linear": lambda: few_rows_linear_cases(shapes, rows, names, repeats),
+        "few_rows_linear_quantized": quantized,
+        "few_rows_linear_quantized_int8": lambda: int8_linear_cases(shapes, rows, names, formats, repeats),
+        "add_rms_norm": lambda: add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
+        "few_rows_decode_layer": lambda: few_rows_decode_layer_cases(shapes, rows, context, repeats),
+    }
+    return [result for op in ops for result in cases[op]()], skipped
+
+
+def weight_shape(text: str) -> tuple[int, int]:
+    out_features, _, in_features = text.partition("x")
+    try:
+        shape = int(out_features), int(in_features)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not OUTxIN (e.g. 6144x4096)") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both sizes must be positive")
+    return shape
+
+
+def op_list(text: str) -> tuple[str, ...]:
+    ops = tuple(op for op in text.split(",") if op)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown or text!r}: choose from {', '.join(OPS)}")
+    return ops
 
 
 def print_table(results: list[dict]) -> None:
@@ -401,6 +437,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and 3 repeats (CI)")
+    parser.add_argument("--ops", type=op_list, default=OPS, help=f"comma-separated, of {', '.join(OPS)}")
+    parser.add_argument("--weight", type=weight_shape, action="append", default=[], metavar="OUTxIN",
+                        help="an extra weight shape for the linear ops (repeatable)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -411,8 +450,9 @@ def main() -> None:
     model_dir = prepare_model(None)
     config = json.loads((model_dir / "config.json").read_text())
     shapes = Shapes(config)
+    shapes.extra_linears = {f"weight{n}": shape for n, shape in enumerate(args.weight, 1)}
     repeats = 3 if args.quick else args.repeats
-    results, skipped = run(shapes, args.quick, repeats)
+    results, skipped = run(shapes, args.quick, repeats, args.ops)
     print_table(results)
     for reason in skipped:
         print(f"skipped {reason}")
