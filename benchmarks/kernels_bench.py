@@ -367,7 +367,7 @@ def few_rows_decode_layer_cases(
 # ---------------------------------------------------------------- main
 
 
-OPS = ("paged_decode", "few_rows_linear", "few_rows_linear_quantized", "few_rows_linear_quantized_int8",
+OPS = ("paged_decode", "few_rows_linear", "few_rows_linear_quantized", "linear_quantized_int8",
        "add_rms_norm", "few_rows_decode_layer")  # fmt: skip
 
 
@@ -390,7 +390,7 @@ def run(
         "paged_decode": lambda: paged_decode_cases(shapes, batches, context, repeats),
         "few_rows_linear": lambda: few_rows_linear_cases(shapes, rows, names, repeats),
         "few_rows_linear_quantized": quantized,
-        "few_rows_linear_quantized_int8": lambda: int8_linear_cases(shapes, rows, names, formats, repeats),
+        "linear_quantized_int8": lambda: int8_linear_cases(shapes, rows, names, formats, repeats),
         "add_rms_norm": lambda: add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
         "few_rows_decode_layer": lambda: few_rows_decode_layer_cases(shapes, rows, context, repeats),
     }
