@@ -635,6 +635,15 @@ BytePermutation permutation_to(const BytePositions& positions) {
           _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes))};
 }
 
+// The byte order of a format's unpacked weights, as a permutation made once per format.
+template <typename Block>
+const BytePermutation& activation_order() {
+  static const BytePermutation order = permutation_to(std::is_same_v<Block, BlockQ4_1>   ? q4_1_positions()
+                                                      : std::is_same_v<Block, BlockQ8_0> ? q8_0_positions()
+                                                                                         : natural_positions());
+  return order;
+}
+
 inline int horizontal_sum_epi32(__m256i v) {
   __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -823,7 +832,7 @@ void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64
 }
 
 template <typename Block>
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks, const BytePositions& positions) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks) {
   constexpr bool is_k_quant = !std::is_same_v<Block, BlockQ4_1> && !std::is_same_v<Block, BlockQ8_0>;
   constexpr int64_t block_weights = is_k_quant ? kSuperWeights : kBlockWeights;
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
@@ -836,7 +845,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks, const Byte
   if (num_rows == 0) return out;
   const int64_t num_act_blocks = in_features / kBlockWeights;
   const ActivationBlocks a =
-      quantize_activations(rows.data_ptr<float>(), num_rows, num_act_blocks, permutation_to(positions));
+      quantize_activations(rows.data_ptr<float>(), num_rows, num_act_blocks, activation_order<Block>());
   const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
   float* out_data = out.data_ptr<float>();
   // Output features split over the threads; each task passes its weight rows once per chunk of up
@@ -862,12 +871,11 @@ at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quantized_int8: x [R, in] float32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
-  static constexpr BytePositions kQ4_1 = q4_1_positions(), kQ8_0 = q8_0_positions(), kNatural = natural_positions();
-  if (format == "Q4_1") return int8_linear<BlockQ4_1>(x, blocks, kQ4_1);
-  if (format == "Q8_0") return int8_linear<BlockQ8_0>(x, blocks, kQ8_0);
-  if (format == "Q4_K") return int8_linear<BlockQ4_K>(x, blocks, kNatural);
-  if (format == "Q5_K") return int8_linear<BlockQ5_K>(x, blocks, kNatural);
-  if (format == "Q6_K") return int8_linear<BlockQ6_K>(x, blocks, kNatural);
+  if (format == "Q4_1") return int8_linear<BlockQ4_1>(x, blocks);
+  if (format == "Q8_0") return int8_linear<BlockQ8_0>(x, blocks);
+  if (format == "Q4_K") return int8_linear<BlockQ4_K>(x, blocks);
+  if (format == "Q5_K") return int8_linear<BlockQ5_K>(x, blocks);
+  if (format == "Q6_K") return int8_linear<BlockQ6_K>(x, blocks);
   TORCH_CHECK(false, "linear_quantized_int8: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
 }
 
