@@ -231,7 +231,7 @@ def few_rows_linear_quantized_cases(
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as linear_quantized_int8 rounds it: blocks of 32, d = max|x| / 127, d * rint(x / d)."""
+    """x as linear_quantized_int8 rounds it: blocks of 32, d = max|x| / 127, d * rint(x * (1 / d))."""
     blocks = x.reshape(x.shape[0], -1, cpu_ops.BLOCK_WEIGHTS)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))

@@ -117,7 +117,9 @@ def int8_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
         "decode1": decode_plan(blocks, 1, 256, rng),
         "decode4": decode_plan(blocks, 4, 256, rng),
         "decode16": decode_plan(blocks, 16, 256, rng),
-        "decode64": decode_plan(blocks, 64, 128, rng),
+        "decode32": decode_plan(blocks, 32, 256, rng),
+        "prefill32": prefill_plan(blocks, 1, 32, rng),
+        # Past INT8_BLOCKS_MAX_ROWS: the option reaches only the one-row LM head here.
         "prefill42": prefill_plan(blocks, 1, 42, rng),
     }
 
@@ -125,8 +127,8 @@ def int8_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
 def int8_ab(
     runner: ModelRunner, plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
 ) -> dict:
-    """Decode steps of 1, 4, 16 and 64 rows and a 42-token prefill with engine.cpu_int8_activations
-    off and on, in one process on the same weights (the model reads the flag per step), alternating
+    """Decode steps of 1, 4, 16 and 32 rows and prefills of 32 and 42 tokens with
+    engine.cpu_int8_activations off and on, in one process on the same weights (the model reads the flag per step), alternating
     ABBA rep by rep so that load on a shared host hits both sides alike."""
     model, result = runner.model, {}
     for name, plan in plans.items():
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--int8-ab",
         action="store_true",
-        help="only decode1 / 4 / 16 / 64 and prefill42 with 8-bit activations off vs on, alternating",
+        help="only decode1 / 4 / 16 / 32, prefill32 and prefill42 with 8-bit activations off vs on, alternating",
     )
     args = parser.parse_args()
     plans = int8_ab_scenarios() if args.int8_ab else scenarios()

@@ -676,7 +676,10 @@ ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t 
       a.d[i] = a.s[i] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
-    const float d = horizontal_max(amax) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    // A block below the smallest normal scale counts as zeros: 1 / d would overflow to inf.
+    float d = horizontal_max(amax) / 127.f;
+    if (!(d >= std::numeric_limits<float>::min())) d = 0.f;
+    const float inverse = d > 0.f ? 1.f / d : 0.f;
     __m256i q[4];
     // cvtps rounds as MXCSR says: to nearest, ties to even (np.rint).
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
@@ -848,19 +851,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks) {
       quantize_activations(rows.data_ptr<float>(), num_rows, num_act_blocks, activation_order<Block>());
   const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
   float* out_data = out.data_ptr<float>();
-  // Output features split over the threads; each task passes its weight rows once per chunk of up
-  // to four rows of x, while they are still in cache.
+  // Output features split over the threads; each task takes its weight rows in tiles small enough
+  // for L1 and passes every chunk of up to four rows of x over a tile before the next.
+  constexpr int64_t kTileRows = 16;
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < num_rows; first += 4) {
-      with_row_count(std::min<int64_t>(4, num_rows - first), [&](auto chunk) {
-        constexpr int R = decltype(chunk)::value;
-        const ActivationRows rows_of_chunk = rows_from(a, first, num_act_blocks);
-        float* chunk_out = out_data + first * out_features;
-        if constexpr (is_k_quant)
-          int8_times_super_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, begin, end);
-        else
-          int8_times_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, begin, end);
-      });
+    for (int64_t tile = begin; tile < end; tile += kTileRows) {
+      const int64_t tile_end = std::min(end, tile + kTileRows);
+      for (int64_t first = 0; first < num_rows; first += 4) {
+        with_row_count(std::min<int64_t>(4, num_rows - first), [&](auto chunk) {
+          constexpr int R = decltype(chunk)::value;
+          const ActivationRows rows_of_chunk = rows_from(a, first, num_act_blocks);
+          float* chunk_out = out_data + first * out_features;
+          if constexpr (is_k_quant)
+            int8_times_super_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, tile,
+                                              tile_end);
+          else
+            int8_times_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, tile, tile_end);
+        });
+      }
     }
   });
   return out;

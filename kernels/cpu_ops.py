@@ -212,7 +212,7 @@ def few_rows_decode_layer(
 def linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """x @ W^T for x of any number of rows from GGUF blocks (as few_rows_linear_quantized reads
     them), with x quantized to 8 bits first, as llama.cpp does: each row in blocks of 32 values,
-    q = rint(x / d) with d = max|x| / 127 (float32), then integer dot products with the weight
+    q = rint(x * (1 / d)) with d = max|x| / 127 (float32), then integer dot products with the weight
     quants and float scales. Not the float32 result: the activations are rounded
     (engine.cpu_int8_activations opts in)."""
     return torch.ops.brigade.linear_quantized_int8(x, blocks, fmt)

@@ -17,9 +17,11 @@ from tests.test_kernels import has_cpu_kernels, random_k_quant_blocks
 
 def quantize_activations_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [R, in] float32 -> (q [R, in / 32, 32] int64, d [R, in / 32] float32), computed as the
-    kernel does in float32: d = max|x| / 127, q = rint(x * (1 / d)), ties to even."""
+    kernel does in float32: d = max|x| / 127, q = rint(x * (1 / d)), ties to even; a block whose
+    d is below float32's smallest normal number is all zeros."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
     d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    d[d < np.finfo(np.float32).tiny] = 0  # a block below the smallest normal scale counts as zeros
     inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     return np.rint(blocks * inverse[..., None]).astype(np.int64), d
 
@@ -112,6 +114,34 @@ def test_int8_linear_rows_are_independent_and_zero_rows_give_zero(fmt: str):
         alone = cpu_ops.linear_quantized_int8(x[r : r + 1], packed, fmt)
         torch.testing.assert_close(together[r : r + 1], alone, rtol=0, atol=0)
     assert torch.equal(together[2], torch.zeros(9))
+
+
+@pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+def test_int8_linear_counts_a_block_of_tiny_values_as_zeros(fmt: str):
+    """A block whose largest value is below 127 times float32's smallest normal number (1 / d
+    would overflow) multiplies as zeros, with the right sign everywhere else; a block of small
+    normal values still quantizes."""
+    in_features = 256 if fmt in cpu_ops.K_QUANTS else 64
+    blocks = make_blocks(fmt, 9, in_features, seed=5)
+    packed = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, in_features, generator=gen)
+    x[0, :32] *= 1e-38  # denormal scale: zeros
+    x[1] *= 1e-37  # every block below the threshold: the whole row is zeros
+    x[2, :32] *= 1e-30  # small but normal: quantized as usual
+    got = cpu_ops.linear_quantized_int8(x, packed, fmt)
+    reference = k_quant_ref if fmt in cpu_ops.K_QUANTS else q4_1_or_q8_0_ref
+    expected = reference(x.numpy(), blocks, fmt)
+    assert torch.isfinite(got).all()
+    zeroed = x.clone()
+    zeroed[0, :32] = 0
+    torch.testing.assert_close(
+        got[0], cpu_ops.linear_quantized_int8(zeroed[:1], packed, fmt)[0], rtol=0, atol=0
+    )
+    assert got[1].abs().max() == 0
+    np.testing.assert_allclose(
+        got.double().numpy(), expected, rtol=1e-5, atol=5e-6 * float(np.abs(expected).max())
+    )
 
 
 @pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
@@ -220,44 +250,56 @@ def test_smollm2_int8_activations_reach_both_decode_paths(smollm2_int8):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_smollm2_int8_activations_reach_wider_steps_up_to_their_limit(smollm2_int8):
+def test_smollm2_int8_activations_reach_wider_steps_up_to_their_limit(smollm2_int8, monkeypatch):
     """Steps of 5 to INT8_BLOCKS_MAX_ROWS rows (decodes of 8 sequences, prefills of 20 and of
-    exactly the limit) multiply the GGUF blocks by 8-bit activations too: their logits move off
-    the float ones by the activations' rounding. A wider step (and its LM head, for as many rows)
-    keeps oneDNN's float32 GEMM, so the option does not change its logits at all."""
+    exactly the limit) multiply every layer's GGUF blocks by 8-bit activations, at the step's
+    width, and their logits move off the float ones by the activations' rounding. One row more
+    and the layers keep oneDNN's float32 GEMM; with every row sampled the LM head is as wide, and
+    the option changes nothing at all."""
     from services.gpu_worker.model import INT8_BLOCKS_MAX_ROWS
     from tests.test_model import PlanBuilder, random_ids, runner_logits
 
     runner = smollm2_int8
     model = runner.model
+    widths: list[int] = []  # rows of every 8-bit multiply
+    int8_linear = cpu_ops.linear_quantized_int8
+
+    def recording(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+        widths.append(x.shape[0])
+        return int8_linear(x, blocks, fmt)
+
     rng = np.random.default_rng(12)
     builder = PlanBuilder(runner.block_size)
     histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(8)}
     runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
-    steps = {
-        "decode of 8": [(i, [int(rng.integers(0, runner.vocab_size))], True) for i in range(8)],
-        "prefill of 20": [(100, random_ids(rng, 20, runner.vocab_size), True)],
-        "prefill at the limit": [(101, random_ids(rng, INT8_BLOCKS_MAX_ROWS, runner.vocab_size), True)],
-        "prefill past it": [(102, random_ids(rng, INT8_BLOCKS_MAX_ROWS + 9, runner.vocab_size), True)],
+    limit = INT8_BLOCKS_MAX_ROWS
+    steps = {  # name: (chunks, rows sampled, width of the layers' 8-bit multiplies or None)
+        "decode of 8": ([(i, [int(rng.integers(0, runner.vocab_size))], True) for i in range(8)], 8, 8),
+        "prefill of 20": ([(100, random_ids(rng, 20, runner.vocab_size), True)], 1, 20),
+        "prefill at the limit": ([(101, random_ids(rng, limit, runner.vocab_size), True)], 1, limit),
+        "prefill past it": ([(102, random_ids(rng, limit + 1, runner.vocab_size), True)], limit + 1, None),
     }
+    monkeypatch.setattr(cpu_ops, "linear_quantized_int8", recording)
     try:
-        for name, chunks in steps.items():
+        for name, (chunks, num_sampled, width) in steps.items():
             arrays, header = builder.plan(chunks)
-            # A prefill samples its last row; past the limit every row, so the head is as wide.
-            sampled = {
-                "decode of 8": torch.arange(header.num_seqs),
-                "prefill past it": torch.arange(header.num_tokens),
-            }.get(name, torch.tensor([header.num_tokens - 1]))
+            sampled = torch.arange(header.num_tokens - num_sampled, header.num_tokens)
             logits = {}
             for int8 in (True, False):  # the same plan twice: both runs write the same K/V slots
                 model.int8_activations = int8
+                widths.clear()
                 metas = model.prepare(arrays, header.num_tokens, header.num_seqs)
                 ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
                 logits[int8] = model.forward(ids, metas, runner.kv_cache, sampled)
+                if int8:
+                    int8_widths = list(widths)
             moved = float((logits[True] - logits[False]).abs().max())
-            if name == "prefill past it":
+            if width is None:
+                assert int8_widths == [], name
                 assert moved == 0.0, (name, moved)
             else:
+                # qkv, o_proj, gate_up and down of every layer, then the LM head at the sampled rows.
+                assert int8_widths == [width] * 4 * len(model.layers) + [num_sampled], name
                 assert 0.01 < moved < 3.0, (name, moved)
     finally:
         model.int8_activations = True

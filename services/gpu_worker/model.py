@@ -79,22 +79,22 @@ UPCAST_MIN_ROWS = 4
 TRANSPOSED_MAX_ROWS = 3
 
 # float32 on the CPU, from TRANSPOSED_MAX_ROWS + 1 rows on: oneDNN multiplies (torch's MKL sgemm is
-# slower on these steps; docs/performance.md). It reads one float32 copy of each weight: the plain
-# [out, in] one that the few-rows kernel also reads, or, where the few-rows path reads GGUF blocks
-# instead, the weight reordered once into oneDNN's blocked layout (oneDNN's weight prepacking, which
-# inductor also uses) and the plain one freed. Prepacking every weight would keep two float32 copies
-# for a mere 1.0-1.3x on wide steps.
-# engine.cpu_int8_activations, from cpu_ops.MAX_LINEAR_ROWS + 1 rows up to this many: weights with
-# GGUF blocks multiply them against 8-bit activations (cpu_ops.linear_quantized_int8) instead of
-# their oneDNN float32 copy; wider steps keep oneDNN, whose float32 GEMM is as fast there and
-# faster at 64 rows (docs/performance.md, "8-bit activations").
-INT8_BLOCKS_MAX_ROWS = 32
-
+# slower on these steps; docs/performance.md), except where INT8_BLOCKS_MAX_ROWS says otherwise.
+# It reads one float32 copy of each weight: the plain [out, in] one that the few-rows kernel also
+# reads, or, where the few-rows path reads GGUF blocks instead, the weight reordered once into
+# oneDNN's blocked layout (oneDNN's weight prepacking, which inductor also uses) and the plain one
+# freed. Prepacking every weight would keep two float32 copies for a mere 1.0-1.3x on wide steps.
 CAN_PREPACK = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+
+# engine.cpu_int8_activations, with the few-rows kernels: steps of cpu_ops.MAX_LINEAR_ROWS + 1 up to
+# this many rows multiply the weights that have GGUF blocks against 8-bit activations
+# (cpu_ops.linear_quantized_int8) instead of their oneDNN float32 copy; wider steps keep oneDNN,
+# whose float32 GEMM is as fast there and faster at 64 rows (docs/performance.md, "8-bit activations").
+INT8_BLOCKS_MAX_ROWS = 32
 
 
 def has_native_half_matmul(device: torch.device) -> bool:
@@ -138,7 +138,9 @@ class Shard:
             head_start, num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
             kv_head_start, num_kv_heads = rank // (world // num_kv), 1
         else:
-            raise ValueError(f"tensor_parallel ({world}) must be <= or a multiple of num_key_value_heads ({num_kv})")
+            raise ValueError(
+                f"tensor_parallel ({world}) must be <= or a multiple of num_key_value_heads ({num_kv})"
+            )
         inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
         vocab_shard = -(-config.vocab_size // world)
         vocab_start = rank * vocab_shard
@@ -338,7 +340,9 @@ class LlamaModel:
             self.upcast_min_rows = UPCAST_MIN_ROWS
         self.is_cpu_float32 = device.type == "cpu" and dtype == torch.float32
         self.has_few_rows_linear = self.is_cpu_float32 and cpu_ops.has_kernels(dtype)
-        self.lm_head_t: torch.Tensor | None = None  # [in, out] copy of lm_head, CPU float32 without the kernel
+        self.lm_head_t: torch.Tensor | None = (
+            None  # [in, out] copy of lm_head, CPU float32 without the kernel
+        )
         self.lm_head_onednn: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK: see LlamaLayer
         self.lm_head_quantized: Blocks | None = None  # see load_quantized
         # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
@@ -635,7 +639,9 @@ class LlamaModel:
                 "few_rows": self.lm_head if self.lm_head_quantized is None else self.lm_head_quantized,
                 "transposed": self.lm_head_t,
                 "onednn": self.lm_head_onednn,
-                "int8_blocks": self.lm_head_onednn if self.lm_head_quantized is None else self.lm_head_quantized,
+                "int8_blocks": self.lm_head_onednn
+                if self.lm_head_quantized is None
+                else self.lm_head_quantized,
             }
             logits = self._linear(lm_layout, num_sampled)(x, lm_head[lm_layout]).float()
         if self.parallel.is_parallel:
@@ -648,7 +654,12 @@ class LlamaModel:
         """Which copy of the weights (a LlamaLayer attribute) multiplies a step of this many rows."""
         if self.has_few_rows_linear and num_rows <= cpu_ops.MAX_LINEAR_ROWS:
             return "few_rows"
-        if self.int8_activations and self.lm_head_onednn is not None and num_rows <= INT8_BLOCKS_MAX_ROWS:
+        if (
+            self.int8_activations
+            and self.has_few_rows_linear
+            and self.lm_head_onednn is not None
+            and num_rows <= INT8_BLOCKS_MAX_ROWS
+        ):
             return "int8_blocks"
         if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
             return "transposed"
