@@ -503,8 +503,10 @@ class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class ResultHeader(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """Step result header (worker rank 0 -> scheduler). error != "" means the step failed
-    (e.g. a plan with invalid blocks); the arrays are then absent."""
+    (e.g. a plan with invalid blocks); the arrays are then absent. `execute_s` is the worker's
+    own time for the step (model and sampling), which the scheduler exports as a metric."""
 
     step_id: int
     num_seqs: int
     error: str = ""
+    execute_s: float = 0.0

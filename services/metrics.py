@@ -164,7 +164,8 @@ class HttpMetrics:
 
 
 class EngineMetrics:
-    """Metrics a scheduler observes: time in the waiting queue and prefix-cache lookups."""
+    """Metrics a scheduler observes: time in the waiting queue, prefix-cache lookups, and the
+    workers' time per step."""
 
     def __init__(self, model_name: str, engine: int, registry: CollectorRegistry = REGISTRY) -> None:
         labels = ["model_name", "engine"]
@@ -185,13 +186,34 @@ class EngineMetrics:
         self.prefix_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=registry
         ).labels(*values)
+        execute_time = Histogram(
+            f"{PREFIX}step_execute_time_seconds",
+            "The worker's time to run one step (model and sampling)",
+            [*labels, "phase"],
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.execute_time = {
+            is_prefill: execute_time.labels(*values, "prefill" if is_prefill else "decode")
+            for is_prefill in (False, True)
+        }
         self.queries_seen = 0
         self.hits_seen = 0
 
-    def update(self, queue_times: deque[float], num_queries: int, num_hits: int) -> None:
-        """Observe queue times (taking them out of the deque) and the cache's running totals."""
+    def update(
+        self,
+        queue_times: deque[float],
+        num_queries: int,
+        num_hits: int,
+        execute_times: deque[tuple[bool, float]],
+    ) -> None:
+        """Observe queue times and step times (taking them out of their deques: (whether the step
+        computed prompt tokens, seconds)) and the cache's running totals."""
         while queue_times:
             self.queue_time.observe(queue_times.popleft())
+        while execute_times:
+            is_prefill, seconds = execute_times.popleft()
+            self.execute_time[is_prefill].observe(seconds)
         if num_queries > self.queries_seen:
             self.prefix_queries.inc(num_queries - self.queries_seen)
             self.prefix_hits.inc(num_hits - self.hits_seen)

@@ -101,10 +101,11 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
         f"""
         e = EngineMetrics({MODEL!r}, 1)
         times = deque([0.003, 0.7])
-        e.update(times, 100, 32)
-        assert not times
-        e.update(times, 100, 32)   # nothing new: nothing counted twice
-        e.update(times, 164, 96)
+        steps = deque([(True, 0.12), (False, 0.013), (False, 0.015)])
+        e.update(times, 100, 32, steps)
+        assert not times and not steps
+        e.update(times, 100, 32, steps)   # nothing new: nothing counted twice
+        e.update(times, 164, 96, steps)
         """,
     )
     got = scrape(registry_for_run(run_dir))
@@ -113,6 +114,11 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
     assert got[("brigade:prefix_cache_hits_total", labels)] == 96
     assert got[("brigade:request_queue_time_seconds_count", labels)] == 2
     assert got[("brigade:request_queue_time_seconds_sum", labels)] == pytest.approx(0.703)
+    decode, prefill = ((*labels, ("phase", phase)) for phase in ("decode", "prefill"))
+    assert got[("brigade:step_execute_time_seconds_count", decode)] == 2
+    assert got[("brigade:step_execute_time_seconds_sum", decode)] == pytest.approx(0.028)
+    assert got[("brigade:step_execute_time_seconds_count", prefill)] == 1
+    assert got[("brigade:step_execute_time_seconds_sum", prefill)] == pytest.approx(0.12)
     assert (
         got[
             (

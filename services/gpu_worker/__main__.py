@@ -5,6 +5,7 @@ step ring (zero-copy views) and write results to the result ring (rank 0)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -98,16 +99,19 @@ def main() -> None:
         try:
             with step_ring.read(rank, READ_TIMEOUT_S) as view:
                 header = STEP_HEADER.decode(view.header)
+                started = time.perf_counter()
                 try:
                     results, error = runner.execute(view.arrays, header), ""
                 except InvalidPlan as exc:
                     results, error = {}, str(exc)
                     stage.log.error("step %d refused: %s", header.step_id, error)
+                execute_s = time.perf_counter() - started
                 if result_ring is not None:
                     with result_ring.reserve(engine.step_timeout_s) as slot:
                         if not error:
                             STEP_RESULT.write(slot, results)
-                        slot.publish(RESULT_HEADER.encode(m.ResultHeader(header.step_id, header.num_seqs, error)))
+                        result = m.ResultHeader(header.step_id, header.num_seqs, error, execute_s)
+                        slot.publish(RESULT_HEADER.encode(result))
         except RingTimeout:
             continue
         num_steps += 1

@@ -357,8 +357,13 @@ class SchedulerProcess:
             prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
         )
         self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
-        if core is not None:
-            self.metrics.update(core.queue_times, core.num_prefix_query_tokens, core.num_prefix_hit_tokens)
+        if core is not None and self.pipeline is not None:
+            self.metrics.update(
+                core.queue_times,
+                core.num_prefix_query_tokens,
+                core.num_prefix_hit_tokens,
+                self.pipeline.execute_times,
+            )
 
     def run(self) -> None:
         stopping = install_stop_handler()

@@ -34,6 +34,7 @@ from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
 
 RING_POLL_S = 0.2  # how often a wait on a ring looks whether the worker is still alive
+MAX_EXECUTE_TIMES = 4096  # step times kept for the metrics until the next heartbeat takes them
 
 StepResult = tuple[ResultHeader, dict[str, np.ndarray]]
 T = TypeVar("T")
@@ -77,6 +78,8 @@ class StepPipeline:
         self.in_flight: deque[InFlight] = deque()
         self.next_step_id = 0  # consecutive: a placeholder means "sampled in step_id - 1"
         self.num_planned_ahead = 0
+        # (computed prompt tokens, the worker's execute_s) of each applied step, for the metrics.
+        self.execute_times: deque[tuple[bool, float]] = deque(maxlen=MAX_EXECUTE_TIMES)
 
     @property
     def has_work(self) -> bool:
@@ -123,6 +126,7 @@ class StepPipeline:
             if header.error:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
+            self.execute_times.append((entry.step.num_decodes < entry.step.num_seqs, header.execute_s))
             return self.core.update(
                 entry.step,
                 arrays["sampled_ids"],
