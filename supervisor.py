@@ -141,6 +141,7 @@ class Supervisor:
         self.mlflow: MlflowSink | None = None
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
+        self.status_states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
         self.info: RunInfo | None = None  # run.json, once the model is prepared
         self.network_plan = NetworkPlan()
         self.client_keys_file = ""
@@ -360,8 +361,15 @@ class Supervisor:
             if reason is not None and stage.restart_at is None:
                 self.stages.kill([stage])
                 self.on_failure(stage, reason)
-        self.write_status()
-        if now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s:
+        # status.json is rewritten when a stage changed state, at once (the gateway's /health and
+        # `status` read it), and with fresh loads once per heartbeat interval: a rewrite costs a
+        # file write and a rename, too much for every tick.
+        is_due = now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s
+        states = [(s.name, s.pid, s.state, s.num_restarts) for s in self.stages]
+        if is_due or states != self.status_states:
+            self.write_status()
+            self.status_states = states
+        if is_due:
             self.send_group_loads()
             self.write_stage_samples()
             self.stages.gather_metrics()
