@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -50,12 +51,17 @@ EXECUTE_TIME = f"{PREFIX}step_execute_time_seconds"
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of `pid` so far (0 for a process that is gone)."""
+    """CPU seconds of every live thread of `pid` so far, from the scheduler's nanosecond counts
+    (utime and stime in /proc/PID/stat count 10 ms ticks, too coarse for an idle stage); 0 for a
+    process that is gone."""
+    total_ns = 0
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                total_ns += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total_ns / 1e9
 
 
 def run_processes(run_dir: Path, supervisor_pid: int) -> dict[str, tuple[str, int]]:
@@ -171,8 +177,13 @@ def idle_cpu(run_dir: Path, supervisor_pid: int, seconds: float) -> dict[str, fl
     return {name: (process_cpu_s(pid) - before[name]) / seconds * 1e3 for name, (_, pid) in processes.items()}
 
 
-def measure(run_dir: Path, supervisor_pid: int, requests: list[BenchRequest], concurrency: int) -> dict:
-    """One concurrency: CPU per token of each process, the worker's step times, TTFT split."""
+def measure(
+    run_dir: Path, supervisor_pid: int, requests: list[BenchRequest], concurrency: int, idle: dict[str, float]
+) -> dict:
+    """One concurrency: CPU per token of each process, the worker's step times, TTFT split.
+    `idle` (ms CPU per second while idle) splits each process's CPU into what it spends by the
+    clock (polls, timers, status files) and what each token adds, so that runs on a loaded host,
+    which stream fewer tokens per second, compare with runs on a quiet one."""
     port = read_run_info(run_dir).config.gateway.port
     processes = run_processes(run_dir, supervisor_pid)
     steps_before = execute_totals(run_dir)
@@ -187,11 +198,12 @@ def measure(run_dir: Path, supervisor_pid: int, requests: list[BenchRequest], co
     num_tokens = sum(r["num_tokens"] for r in results)
     per_token = {name: (cpu_after[name] - cpu_before[name]) / num_tokens * 1e3 for name in processes}
     per_token[CLIENT] = client_s / num_tokens * 1e3
+    marginal = {name: ms - idle.get(name, 0.0) * wall_s / num_tokens for name, ms in per_token.items()}
     kinds = {name: kind for name, (kind, _) in processes.items()} | {CLIENT: CLIENT}
     non_worker = sum(ms for name, ms in per_token.items() if kinds[name] != WORKER)
     decode_ms = mean_ms(steps_after, steps_before, "decode")
     prefill_ms = mean_ms(steps_after, steps_before, "prefill")
-    ttft = percentile([r["ttft_ms"] for r in results], 50)
+    ttft_mean = sum(r["ttft_ms"] for r in results) / len(results)
     return {
         "concurrency": concurrency,
         "requests": len(results),
@@ -199,15 +211,22 @@ def measure(run_dir: Path, supervisor_pid: int, requests: list[BenchRequest], co
         "wall_s": round(wall_s, 3),
         "wall_ms_per_token": wall_s / num_tokens * 1e3,
         "tpot_ms_p50": percentile([r["tpot_ms"] for r in results], 50),
-        "ttft_ms_p50": ttft,
+        "ttft_ms_p50": percentile([r["ttft_ms"] for r in results], 50),
+        "ttft_ms_mean": ttft_mean,
         "worker_decode_step_ms": decode_ms,
         "worker_prefill_step_ms": prefill_ms,
         # At one stream the first token waits for one prefill step; the rest is the pipeline's.
-        "ttft_outside_prefill_ms": ttft - prefill_ms if prefill_ms is not None and concurrency == 1 else None,
+        "ttft_outside_prefill_ms": ttft_mean - prefill_ms
+        if prefill_ms is not None and concurrency == 1
+        else None,
         "cpu_ms_per_token": per_token,
         "cpu_ms_per_s": {name: ms * num_tokens / wall_s for name, ms in per_token.items()},
+        "marginal_cpu_ms_per_token": marginal,
         "kinds": kinds,
         "non_worker_cpu_ms_per_token": non_worker,
+        "non_worker_marginal_cpu_ms_per_token": sum(
+            ms for name, ms in marginal.items() if kinds[name] != WORKER
+        ),
     }
 
 
@@ -218,20 +237,31 @@ def print_idle(idle: dict[str, float], seconds: float) -> None:
 
 
 def print_table(result: dict) -> None:
-    print(f"\nconcurrency {result['concurrency']}: {result['requests']} requests, {result['output_tokens']} tokens "
-          f"in {result['wall_s']:.2f} s")  # fmt: skip
-    print(f"  {'process':24s} {'ms CPU / token':>15s}")
+    print(
+        f"\nconcurrency {result['concurrency']}: {result['requests']} requests, {result['output_tokens']} tokens "
+        f"in {result['wall_s']:.2f} s"
+    )
+    print(f"  {'process':24s} {'ms CPU / token':>15s} {'of it by the clock':>19s} {'per token':>10s}")
+    marginal = result["marginal_cpu_ms_per_token"]
     for name, ms in sorted(result["cpu_ms_per_token"].items(), key=lambda item: -item[1]):
-        print(f"  {name:24s} {ms:15.3f}")
-    print(f"  {'non-worker total':24s} {result['non_worker_cpu_ms_per_token']:15.3f}")
+        print(f"  {name:24s} {ms:15.3f} {ms - marginal[name]:19.3f} {marginal[name]:10.3f}")
+    total, total_marginal = (
+        result["non_worker_cpu_ms_per_token"],
+        result["non_worker_marginal_cpu_ms_per_token"],
+    )
+    print(f"  {'non-worker total':24s} {total:15.3f} {total - total_marginal:19.3f} {total_marginal:10.3f}")
 
     def fmt(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.2f} ms"
 
-    print(f"  wall per token {fmt(result['wall_ms_per_token'])}, TPOT p50 {fmt(result['tpot_ms_p50'])}, "
-          f"worker decode step {fmt(result['worker_decode_step_ms'])}")  # fmt: skip
-    print(f"  TTFT p50 {fmt(result['ttft_ms_p50'])}, worker prefill step {fmt(result['worker_prefill_step_ms'])}, "
-          f"outside the prefill {fmt(result['ttft_outside_prefill_ms'])}")  # fmt: skip
+    print(
+        f"  wall per token {fmt(result['wall_ms_per_token'])}, TPOT p50 {fmt(result['tpot_ms_p50'])}, "
+        f"worker decode step {fmt(result['worker_decode_step_ms'])}"
+    )
+    print(
+        f"  TTFT mean {fmt(result['ttft_ms_mean'])} (p50 {fmt(result['ttft_ms_p50'])}), worker prefill step "
+        f"{fmt(result['worker_prefill_step_ms'])}, outside the prefill {fmt(result['ttft_outside_prefill_ms'])}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         run.wait_ready(READY_TIMEOUT_S)
+        report["run_id"] = read_run_info(run_dir).run_id
         model_dir = Path(read_run_info(run_dir).model_dir)
         total = max(args.requests, max(args.concurrency))
         prompts = datasets.chat_requests(model_dir, total, (args.output_len, args.output_len), args.seed)
@@ -273,9 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         report["idle_cpu_ms_per_s"] = idle_cpu(run_dir, run.process.pid, args.idle_s)
         print_idle(report["idle_cpu_ms_per_s"], args.idle_s)
         for concurrency in args.concurrency:
-            result = measure(
-                run_dir, run.process.pid, prompts[: max(args.requests, concurrency)], concurrency
-            )
+            requests = prompts[: max(args.requests, concurrency)]
+            result = measure(run_dir, run.process.pid, requests, concurrency, report["idle_cpu_ms_per_s"])
             report["results"].append(result)
             print_table(result)
         if args.profile:
