@@ -227,6 +227,11 @@ class ControlChannel:
     def ready(self, **info: str) -> None:
         self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
 
+    def seconds_until_due(self) -> float:
+        """How long until `heartbeat` sends again: how long a stage with nothing to do and all of
+        its inputs in a poll may sleep."""
+        return max(0.0, self.last_beat + self.interval - time.monotonic())
+
     def heartbeat(
         self, progress: int, has_work: bool, load: m.StageLoad | None = None, force: bool = False
     ) -> None:

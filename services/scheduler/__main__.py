@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import time
@@ -33,7 +34,7 @@ from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
-IDLE_POLL_MS = 50
+BLOCKED_POLL_MS = 50  # work that could not be planned now: look again soon
 COMPILE_POLL_MS = 1  # while a grammar compiles: its request starts as soon as it is done
 MAX_INPUTS_PER_STEP = 1024
 
@@ -365,6 +366,16 @@ class SchedulerProcess:
                 self.pipeline.execute_times,
             )
 
+    def idle_poll_ms(self) -> int:
+        """How long the loop may wait on its sockets when no step ran."""
+        if self.core is not None and self.core.num_compiling:
+            return COMPILE_POLL_MS
+        if self.pipeline is not None and self.pipeline.has_work:
+            return BLOCKED_POLL_MS
+        # Nothing to do: every input (requests, hellos, commands) wakes the poll, so only the next
+        # heartbeat bounds it; waking 20 times a second for nothing took CPU from the workers.
+        return max(1, math.ceil(self.control.seconds_until_due() * 1000))
+
     def run(self) -> None:
         stopping = install_stop_handler()
         poller = zmq.Poller()
@@ -385,8 +396,7 @@ class SchedulerProcess:
                 except WorkerLost as exc:
                     self.on_worker_lost(str(exc))
             if outputs is None:
-                compiling = self.core is not None and self.core.num_compiling
-                poller.poll(COMPILE_POLL_MS if compiling else IDLE_POLL_MS)
+                poller.poll(self.idle_poll_ms())
             else:
                 self.num_steps += 1
                 self.emit(outputs)
