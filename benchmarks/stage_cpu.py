@@ -312,10 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             first = args.concurrency[0]
             profile(run_dir, run.process.pid, prompts[: max(args.requests, first)], first, args.profile)
             print(f"\npy-spy profiles (c={first}) in {args.profile}")
+    except BaseException:
+        print(f"the run's log is kept: {run.log_path}", file=sys.stderr)
+        raise
     finally:
         report["leftovers"] = run.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    run.log_path.unlink()  # kept when the run failed, for its log
+    run.log_path.unlink()
     if report["leftovers"]:
         print(f"warning: the run left {report['leftovers']} behind (removed)", file=sys.stderr)
     if args.json:
