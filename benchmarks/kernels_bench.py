@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from kernels.paged_attention import paged_decode_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import make_cos_sin, rotary_ref
 from services.gpu_worker.loader import prepare_model
+from services.gpu_worker.model import CAN_PREPACK, INT8_BLOCKS_MAX_ROWS, onednn_linear, prepack
 
 BLOCK_SIZE = 16
 MIN_SAMPLE_S = 2e-3  # each timed sample repeats a call until it lasts this long (timer resolution)
@@ -242,8 +244,9 @@ def int8_linear_cases(
     shapes: Shapes, rows: tuple[int, ...], names: list[str], formats: tuple[str, ...], repeats: int
 ) -> list[dict]:
     """8-bit activations: the reference multiplies x's 8-bit rounding (int8_rounded) by the blocks'
-    dequantization; the baseline is the float-activation kernel on the same blocks, which the
-    option replaces. Weights that are not whole blocks are skipped (listed by the float cases)."""
+    dequantization; the baseline is what the option replaces: the float-activation kernel on the
+    same blocks for steps of few rows, oneDNN on the prepacked dequantization for wider ones.
+    Weights that are not whole blocks are skipped (listed by the float cases)."""
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
@@ -259,8 +262,17 @@ def int8_linear_cases(
             blocks = gguf_blocks(weight, fmt, rng)
             dequantized = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
             lanes = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
+            prepacked = prepack(dequantized) if CAN_PREPACK else dequantized
             for num_rows in rows:
                 x = torch.randn(num_rows, in_features, generator=gen)
+                if num_rows <= cpu_ops.MAX_LINEAR_ROWS:
+                    baseline = partial(cpu_ops.few_rows_linear_quantized, x, lanes, fmt)
+                else:
+                    baseline = (
+                        partial(onednn_linear, x, prepacked)
+                        if CAN_PREPACK
+                        else partial(F.linear, x, prepacked)
+                    )
                 out.append(
                     compare(
                         "linear_quantized_int8",
@@ -268,7 +280,7 @@ def int8_linear_cases(
                         lambda x=x, b=lanes, f=fmt: cpu_ops.linear_quantized_int8(x, b, f),
                         lambda x=x, w=dequantized: F.linear(int8_rounded(x), w),
                         repeats,
-                        baseline=lambda x=x, b=lanes, f=fmt: cpu_ops.few_rows_linear_quantized(x, b, f),
+                        baseline=baseline,
                     )
                 )
     return out
@@ -375,6 +387,8 @@ def run(
     shapes: Shapes, quick: bool, repeats: int, ops: tuple[str, ...] = OPS
 ) -> tuple[list[dict], list[str]]:
     rows = (1, cpu_ops.MAX_LINEAR_ROWS)
+    # 8-bit activations also reach wider steps, up to INT8_BLOCKS_MAX_ROWS.
+    int8_rows = rows if quick else (*rows, 16, INT8_BLOCKS_MAX_ROWS)
     names = ["qkv", "down", *shapes.extra_linears] if quick else list(shapes.linears())
     context = 64 if quick else 256
     batches = (1, cpu_ops.MAX_LINEAR_ROWS) if quick else (1, cpu_ops.MAX_LINEAR_ROWS, 16, 64)
@@ -390,7 +404,7 @@ def run(
         "paged_decode": lambda: paged_decode_cases(shapes, batches, context, repeats),
         "few_rows_linear": lambda: few_rows_linear_cases(shapes, rows, names, repeats),
         "few_rows_linear_quantized": quantized,
-        "linear_quantized_int8": lambda: int8_linear_cases(shapes, rows, names, formats, repeats),
+        "linear_quantized_int8": lambda: int8_linear_cases(shapes, int8_rows, names, formats, repeats),
         "add_rms_norm": lambda: add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
         "few_rows_decode_layer": lambda: few_rows_decode_layer_cases(shapes, rows, context, repeats),
     }
