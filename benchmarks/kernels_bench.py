@@ -343,7 +343,7 @@ def few_rows_decode_layer_cases(
     )
     norms = (torch.rand(shapes.hidden, generator=gen) + 0.5, torch.rand(shapes.hidden, generator=gen) + 0.5)
     cos_sin = make_cos_sin(context, shapes.head_dim, shapes.rope_theta, torch.float32, "cpu")
-    layer_weights = (weights[0], "", None, weights[1], "", weights[2], "", weights[3], "")
+    layer_weights = ([weights[0]], [""], None, [weights[1]], [""], [weights[2]], [""], [weights[3]], [""])
     half = shapes.head_dim // 2
     full_cos = torch.cat((cos_sin[:, :half], cos_sin[:, :half]), dim=-1)
     signed_sin = torch.cat((-cos_sin[:, half:], cos_sin[:, half:]), dim=-1)

@@ -5,10 +5,11 @@ multiplied from its blocks (what the worker does) or from its float32 dequantiza
 
 Writes once (into /tmp) a random Llama whose projections are random K-quant super-blocks, as
 converting a Q4_K_M GGUF stores them: q, k, o, gate, up Q4_K; v, down Q6_K. `small` is 8 layers of
-hidden 1024, `8b` 2 layers of Llama-3-8B's shapes. Loads it twice: as the worker does (the mixed
-qkv from its blocks, its layer then op by op) and with mixed fused weights left float32 (their
-layer one C++ op, as before MixedQuantizedWeight). Prints the median process CPU ms of decode
-steps of 1 and 4 sequences (and the minimum, steadier on a shared host), the two alternating within each rep.
+hidden 1024, `8b` 2 layers of Llama-3-8B's shapes. Loads it three times: as the worker does (the
+mixed qkv from its blocks, each layer one C++ op), the same run op by op (as the worker did while
+the one-op layer took one format per weight), and with mixed fused weights left float32 (their
+layer one C++ op). Prints the median and minimum process CPU ms of decode steps of 1 and 4
+sequences, the three alternating within each rep, and each side's ratio to float32.
 """
 
 from __future__ import annotations
@@ -88,15 +89,16 @@ def main() -> None:
     def runner() -> ModelRunner:
         return ModelRunner(model_dir, dtype="float32", kv_cache_bytes=256 << 20, threads=args.threads)
 
-    runners = {"blocks": runner()}
-    assert not runners["blocks"].model.layers[0].runs_as_one_op
+    runners = {"one op": runner(), "op by op": runner()}
+    runners["op by op"].model.has_one_op_layers = False
     blocks_of = model_module.blocks_of
     model_module.blocks_of = lambda parts, formats: (
         blocks_of(parts, formats) if len(set(formats)) == 1 else None
     )
     runners["float32"] = runner()
     model_module.blocks_of = blocks_of
-    assert runners["float32"].model.layers[0].runs_as_one_op
+    assert isinstance(runners["one op"].model.layers[0].quantized[0], model_module.MixedQuantizedWeight)
+    assert runners["float32"].model.layers[0].quantized[0] is None
     rng, tables = np.random.default_rng(0), Blocks()
     for batch in (1, 4):
         plan = decode_plan(tables, batch, 128, rng)
@@ -110,11 +112,13 @@ def main() -> None:
                 cpu_ms[name].append((time.process_time() - start) * 1e3)
         median = {name: statistics.median(ms) for name, ms in cpu_ms.items()}
         least = {name: min(ms) for name, ms in cpu_ms.items()}
+        ratios = {name: f" ({median[name] / median['float32']:.2f} / {least[name] / least['float32']:.2f})"
+                  for name in runners if name != "float32"}  # fmt: skip
+        sides = ", ".join(
+            f"{name} {median[name]:.1f} / {least[name]:.1f} ms{ratios.get(name, '')}" for name in runners
+        )
         print(
-            f"{args.shape} decode{batch} ({args.threads} threads), median / min: mixed qkv from blocks "
-            f"{median['blocks']:.1f} / {least['blocks']:.1f} ms, float32 {median['float32']:.1f} / "
-            f"{least['float32']:.1f} ms; blocks / float32 {median['blocks'] / median['float32']:.2f} / "
-            f"{least['blocks'] / least['float32']:.2f}",
+            f"{args.shape} decode{batch} ({args.threads} threads), median / min (/ float32): {sides}",
             flush=True,
         )
 

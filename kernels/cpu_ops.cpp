@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -917,7 +918,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {normed, summed};
 }
 
-at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
+at::Tensor linear_one(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
                       const c10::optional<at::Tensor>& bias, bool int8_activations) {
   if (format.empty()) return few_rows_linear(x, weight, bias);
   auto out = int8_activations ? linear_quantized_int8(x, weight, format)
@@ -925,19 +926,35 @@ at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, c10::string
   return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
 }
 
+// A weight given as parts stacked by rows, each with its format: one part, or a fused weight whose
+// parts are blocks of different formats (a Q4_K_M file's Q4_K q / k with Q6_K v), each part
+// multiplying into its own columns of the output.
+at::Tensor linear_any(const at::Tensor& x, at::TensorList parts, c10::ArrayRef<std::string> formats,
+                      const c10::optional<at::Tensor>& bias, bool int8_activations) {
+  TORCH_CHECK(!parts.empty() && parts.size() == formats.size(),
+              "few_rows_decode_layer: a weight needs one or more parts and one format each, got ", parts.size(),
+              " parts and ", formats.size(), " formats");
+  if (parts.size() == 1) return linear_one(x, parts[0], formats[0], bias, int8_activations);
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < parts.size(); ++i)
+    outs.push_back(linear_one(x, parts[i], formats[i], c10::nullopt, int8_activations));
+  auto out = at::cat(outs, 1);
+  return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
+}
+
 // One decoder layer for a decode step of a few sequences (one token each), the ops above chained
 // in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
 // qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
-// token), its k and v stored at `slots`, and q attends over the pages. Weights with an empty
-// format are float32 [out, in]; the others GGUF blocks (few_rows_linear_quantized, or
-// linear_quantized_int8 with int8_activations).
+// token), its k and v stored at `slots`, and q attends over the pages. Each weight is a list of
+// parts (linear_any): one with an empty format is float32 [out, in], the others GGUF blocks
+// (few_rows_linear_quantized, or linear_quantized_int8 with int8_activations).
 // Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
 std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight, c10::string_view qkv_format,
-    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight, c10::string_view o_format,
-    const at::Tensor& gate_up_weight, c10::string_view gate_up_format, const at::Tensor& down_weight,
-    c10::string_view down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& post_norm, double eps, at::TensorList qkv_weight, c10::ArrayRef<std::string> qkv_format,
+    const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_weight, c10::ArrayRef<std::string> o_format,
+    at::TensorList gate_up_weight, c10::ArrayRef<std::string> gate_up_format, at::TensorList down_weight,
+    c10::ArrayRef<std::string> down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     int64_t num_heads, double scale, bool int8_activations) {
   const int64_t num_tokens = hidden.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
@@ -1008,8 +1025,9 @@ TORCH_LIBRARY(brigade, m) {
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(
       "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor qkv_weight, str qkv_format, Tensor? qkv_bias, Tensor o_weight, str o_format, "
-      "Tensor gate_up_weight, str gate_up_format, Tensor down_weight, str down_format, Tensor cos, Tensor sin, "
+      "Tensor[] qkv_weight, str[] qkv_format, Tensor? qkv_bias, Tensor[] o_weight, str[] o_format, "
+      "Tensor[] gate_up_weight, str[] gate_up_format, Tensor[] down_weight, str[] down_format, Tensor cos, "
+      "Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
       "int num_heads, float scale, bool int8_activations=False) -> (Tensor, Tensor)");
 }

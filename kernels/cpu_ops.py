@@ -199,8 +199,10 @@ def few_rows_decode_layer(
     int8_activations: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for an all-decode step of at most MAX_LINEAR_ROWS tokens: (its output,
-    the residual stream). `weights`: qkv weight, format, bias; o_proj, format; gate_up, format;
-    down, format (format "" for float32 [out, in], else GGUF blocks). cos / sin: [T, D] signed
+    the residual stream). `weights`: qkv parts, formats, bias; o_proj parts, formats; gate_up
+    parts, formats; down parts, formats. A weight's parts are stacked by rows, each multiplying into
+    its own output columns (format "" for float32 [out, in], else GGUF blocks): one part, or a
+    fused weight whose parts have different formats. cos / sin: [T, D] signed
     full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
     blocks multiply by linear_quantized_int8."""
     return torch.ops.brigade.few_rows_decode_layer(

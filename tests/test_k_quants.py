@@ -65,11 +65,17 @@ def k_quant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_k_quant_weights_multiply_from_their_blocks(
     k_quant_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Decode steps of few rows from the mixed-format blocks, each layer as one C++ op (its fused
+    weights passed as their parts) and op by op: both give HF's logits and each other's."""
     from transformers import AutoModelForCausalLM
 
+    from kernels import cpu_ops
+
     hf = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
-    runner = ModelRunner(k_quant_model, dtype="float32", kv_cache_bytes=4 << 20)
-    for layer in runner.model.layers:
+    runners = [ModelRunner(k_quant_model, dtype="float32", kv_cache_bytes=4 << 20) for _ in range(2)]
+    assert runners[0].model.has_one_op_layers
+    runners[1].model.has_one_op_layers = False
+    for layer in runners[0].model.layers:
         qkv, o_proj, gate_up, down = layer.quantized
         # q / k Q4_K with v Q6_K, gate Q5_K with up Q4_K: each run of one format its own blocks.
         assert isinstance(qkv, MixedQuantizedWeight) and isinstance(gate_up, MixedQuantizedWeight)
@@ -77,40 +83,56 @@ def test_k_quant_weights_multiply_from_their_blocks(
         assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
         assert [p.format for p in gate_up.parts] == ["Q5_K", "Q4_K"]
         assert (o_proj.format, down.format) == ("Q4_K", "Q6_K")
-        assert not layer.runs_as_one_op  # few_rows_decode_layer takes one format per weight
         if CAN_PREPACK:  # blocks serve steps of few rows, the prepacked copy wider ones: no plain copy
             assert all(w.numel() == 0 for w in layer.plain)
             assert all(w.is_mkldnn for w in layer.onednn)
     # With the plain weights freed nothing but the blocks can serve a step of few rows; count
-    # that the mixed ones do.
-    calls = []
-    multiply = MixedQuantizedWeight.multiply
+    # that the mixed ones do, on either path.
+    layer_formats, mixed_calls = [], []
+    decode_layer, multiply = cpu_ops.few_rows_decode_layer, MixedQuantizedWeight.multiply
+
+    def counted_layer(*args, **kwargs):
+        weights = args[4]
+        layer_formats.append((weights[1], weights[6]))  # qkv's and gate_up's part formats
+        return decode_layer(*args, **kwargs)
 
     def counted(self: MixedQuantizedWeight, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
-        calls.append(x.shape[0])
+        mixed_calls.append(x.shape[0])
         return multiply(self, x, int8_activations)
 
+    monkeypatch.setattr(cpu_ops, "few_rows_decode_layer", counted_layer)
     monkeypatch.setattr(MixedQuantizedWeight, "multiply", counted)
     rng = np.random.default_rng(0)
-    builder = PlanBuilder()
+    builders = [PlanBuilder(), PlanBuilder()]
     histories = {i: random_ids(rng, 9 + i, 300) for i in range(4)}
-    prefill = runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])  # 42 rows: oneDNN
-    for row, history in histories.items():
-        with torch.inference_mode():
-            expected = hf(torch.tensor([history])).logits[0, -1]
-        torch.testing.assert_close(prefill[row], expected, atol=1e-4, rtol=1e-4)
-    for num_seqs in (1, 4, 2):  # all-decode steps of few rows: the super-block kernels
+    for runner, builder in zip(runners, builders, strict=True):
+        prefill = runner_logits(
+            runner, builder, [(i, h, True) for i, h in histories.items()]
+        )  # 42 rows: oneDNN
+        for row, history in histories.items():
+            with torch.inference_mode():
+                expected = hf(torch.tensor([history])).logits[0, -1]
+            torch.testing.assert_close(prefill[row], expected, atol=1e-4, rtol=1e-4)
+    num_layers = len(runners[0].model.layers)
+    for num_seqs in (1, 4, 2, 3):  # all-decode steps of few rows: the super-block kernels
         chunks = []
         for i in range(num_seqs):
             histories[i].append(int(rng.integers(0, 300)))
             chunks.append((i, histories[i][-1:], True))
-        calls.clear()
-        logits = runner_logits(runner, builder, chunks)
-        assert calls == [num_seqs] * 2 * len(runner.model.layers)  # qkv and gate_up, every layer
+        layer_formats.clear()
+        mixed_calls.clear()
+        one_op = runner_logits(runners[0], builders[0], chunks)
+        assert layer_formats == [(["Q4_K", "Q6_K"], ["Q5_K", "Q4_K"])] * num_layers and not mixed_calls
+        layer_formats.clear()
+        per_op = runner_logits(runners[1], builders[1], chunks)
+        assert (
+            mixed_calls == [num_seqs] * 2 * num_layers and not layer_formats
+        )  # qkv and gate_up, every layer
+        torch.testing.assert_close(one_op, per_op, atol=1e-5, rtol=1e-5)
         for row in range(num_seqs):
             with torch.inference_mode():
                 expected = hf(torch.tensor([histories[row]])).logits[0, -1]
-            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(one_op[row], expected, atol=1e-4, rtol=1e-4)
 
 
 def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:

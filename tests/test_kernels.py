@@ -469,8 +469,8 @@ def test_few_rows_decode_layer_refuses_bad_slots_and_caches():
     assert has_cpu_kernels()
     hidden, heads, kv_heads, head_dim = 32, 2, 1, 16
     qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden)
-    weights = (qkv, "", None, torch.randn(hidden, heads * head_dim), "", torch.randn(64, hidden), "",
-               torch.randn(hidden, 32), "")  # fmt: skip
+    weights = ([qkv], [""], None, [torch.randn(hidden, heads * head_dim)], [""], [torch.randn(64, hidden)], [""],
+               [torch.randn(hidden, 32)], [""])  # fmt: skip
     kv = PagedKV([3], kv_heads, head_dim, 16, torch.float32)
 
     def run(slots, k_cache=kv.k_cache):

@@ -173,9 +173,8 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class MixedQuantizedWeight:
     """A fused weight whose parts are blocks of different formats (a Q4_K_M file's Q4_K q / k
-    with Q6_K v): each run of rows of one format multiplies into its own columns of the output.
-    cpu_ops.few_rows_decode_layer takes one format per weight, so a layer with one runs op by op
-    (`LlamaLayer.runs_as_one_op`)."""
+    with Q6_K v): each run of rows of one format multiplies into its own columns of the output
+    (here, and in cpu_ops.few_rows_decode_layer, which takes a weight as its parts)."""
 
     parts: tuple[QuantizedWeight, ...]
 
@@ -274,16 +273,14 @@ class LlamaLayer:
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.onednn, strict=True))
 
     @property
-    def runs_as_one_op(self) -> bool:
-        """Whether cpu_ops.few_rows_decode_layer can take these weights: one format each."""
-        return not any(isinstance(q, MixedQuantizedWeight) for q in self.quantized)
-
-    @property
     def decode_layer_weights(self) -> tuple:
-        """`few_rows` as cpu_ops.few_rows_decode_layer takes them: (tensor, format) each, the QKV bias third."""
+        """`few_rows` as cpu_ops.few_rows_decode_layer takes them: (parts, formats) each, the QKV
+        bias third."""
         flat: list = []
         for w in self.few_rows:
-            flat += [w, ""] if isinstance(w, torch.Tensor) else [w.blocks, w.format]
+            parts = w.parts if isinstance(w, MixedQuantizedWeight) else (w,)
+            flat.append([p if isinstance(p, torch.Tensor) else p.blocks for p in parts])
+            flat.append(["" if isinstance(p, torch.Tensor) else p.format for p in parts])
         return (*flat[:2], self.qkv_bias, *flat[2:])
 
 
@@ -600,7 +597,7 @@ class LlamaModel:
         if is_one_op_layers:
             cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
         for layer, layer_cache, kind in zip(self.layers, kv_cache, self.layer_kinds, strict=True):
-            if is_one_op_layers and layer.runs_as_one_op:
+            if is_one_op_layers:
                 hidden, residual = cpu_ops.few_rows_decode_layer(
                     hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
                     cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
