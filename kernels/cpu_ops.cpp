@@ -357,17 +357,6 @@ struct BlockQ6_K {
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant layouts");
 constexpr int64_t kSuperWeights = 256;
 
-// Sub-block j's 6-bit scale and minimum, packed in 12 bytes as ggml's get_scale_min_k4.
-inline void scale_min_k4(int j, const uint8_t* q, float& scale, float& min) {
-  if (j < 4) {
-    scale = q[j] & 63;
-    min = q[j + 4] & 63;
-  } else {
-    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Eight bytes from p, each widened to a 32-bit lane.
@@ -375,8 +364,8 @@ inline __m256i widen8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Q4_K / Q5_K's eight 6-bit sub-block scales and minimums (scale_min_k4 for j = 0..7) as float32
-// times the super-scales, all eight at once: the 12 bytes regrouped with ggml's 32-bit masks into
+// Q4_K / Q5_K's eight 6-bit sub-block scales and minimums (ggml's get_scale_min_k4 for j = 0..7)
+// as float32 times the super-scales, all eight at once: the 12 bytes regrouped with ggml's 32-bit masks into
 // eight scale bytes then eight minimum bytes.
 inline void scales_mins_k4(const uint8_t* packed, float d, float dmin, float scales[8], float mins[8]) {
   uint32_t u[4];
@@ -405,6 +394,36 @@ inline void widen32(__m256i bytes, __m256i out[4]) {
   }
 }
 
+// Q6_K, half `half` (128 weights) of a super-block: the signed quants q - 32 of its sub-blocks
+// 4 half + t (t = 0..3), 32 bytes each. ql byte l holds weights l (low nibble) and l + 64 (high),
+// byte l + 32 weights l + 32 and l + 96; qh byte l the high bits of l, l + 32, l + 64, l + 96
+// (bits 0-1, 2-3, 4-5, 6-7). Both bit fields combine on 32 bytes at a time.
+inline void q6_k_quants(const BlockQ6_K& block, int half, __m256i quants[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
+  const uint8_t* ql = block.ql + 64 * half;
+  const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(block.qh + 32 * half);
+  // Bits shift and shift + 1 of each qh byte moved to bits 4-5 (epi16 shifts, then masked).
+  const auto high = [&](int shift) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), low2), 4);
+  };
+  quants[0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), high(0)), offset);
+  quants[1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), high(2)), offset);
+  quants[2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4)), offset);
+  quants[3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6)), offset);
+}
+
+// Q5_K's sub-block j (0..7): its 32 five-bit quants as bytes. qs[32 c .. 32 c + 31] hold
+// sub-block 2 c in their low nibbles and 2 c + 1 in their high ones; qh byte l has weight l of
+// sub-block j in bit j.
+inline __m256i q5_k_quants(const BlockQ5_K& block, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), h = load32(block.qh);
+  const __m256i raw = load32(block.qs + 32 * (j / 2));
+  const __m256i nibble = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);
+  // Bit j of each qh byte moved to bit 4 (epi16 shifts: what crosses a byte is masked off).
+  const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+  return _mm256_or_si256(nibble, _mm256_and_si256(moved, bit4));
+}
+
 // The 256 weights of a super-block, as ggml's dequantize_row_q4_K / q5_K / q6_K compute them, in
 // vectors of 8: emit(w, k) for weights k .. k + 7, with one broadcast scale (and minimum) each.
 // Q4_K widens 8 quant bytes to 32-bit lanes and takes a nibble with a per-lane shift and mask;
@@ -412,9 +431,7 @@ inline void widen32(__m256i bytes, __m256i out[4]) {
 template <typename Block, typename Emit>
 inline void for_each_weight_vector(const Block& block, Emit&& emit) {
   if constexpr (std::is_same_v<Block, BlockQ6_K>) {
-    // Per 128 weights (one half): ql[64] low 4 bits, qh[32] high 2 bits, eight scales of 16
-    // weights. ql byte l holds weights l (low nibble) and l + 64 (high), byte l + 32 weights l + 32
-    // and l + 96; qh byte l the high bits of l, l + 32, l + 64, l + 96 (bits 0-1, 2-3, 4-5, 6-7).
+    // Per 128 weights (one half, q6_k_quants): eight scales of 16 weights.
     alignas(32) float scales[16];
     const float d = half_to_float(block.d);
     for (int half = 0; half < 2; ++half) {
@@ -422,25 +439,14 @@ inline void for_each_weight_vector(const Block& block, Emit&& emit) {
       const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
       _mm256_store_ps(scales + 8 * half, _mm256_mul_ps(scale, _mm256_set1_ps(d)));
     }
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = block.ql + 64 * half;
-      const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(block.qh + 32 * half);
-      // Bits shift and shift + 1 of each qh byte moved to bits 4-5 (epi16 shifts, then masked).
-      const auto high = [&](int shift) {
-        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), low2), 4);
-      };
-      const __m256i quants[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4), high(0)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4), high(2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6)),
-      };
+      __m256i quants[4];
+      q6_k_quants(block, half, quants);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {  // weights 32 t .. 32 t + 31 of the half, w = scale (q - 32)
         __m256i q[4];
-        widen32<true>(_mm256_sub_epi8(quants[t], offset), q);
+        widen32<true>(quants[t], q);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v)
           emit(_mm256_mul_ps(_mm256_broadcast_ss(scales + 8 * half + 2 * t + v / 2), _mm256_cvtepi32_ps(q[v])),
@@ -457,16 +463,10 @@ inline void for_each_weight_vector(const Block& block, Emit&& emit) {
            k);
     };
     if constexpr (std::is_same_v<Block, BlockQ5_K>) {
-      const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), h = load32(block.qh);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256i raw = load32(block.qs + 32 * (j / 2));
-        const __m256i nibble = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);
-        // Bit j of each qh byte moved to bit 4 (epi16 shifts: what crosses a byte is masked off).
-        const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
-        const __m256i fifth = _mm256_and_si256(moved, bit4);
         __m256i q[4];
-        widen32<false>(_mm256_or_si256(nibble, fifth), q);
+        widen32<false>(q5_k_quants(block, j), q);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) emit_vector(q[v], j, 32 * j + 8 * v);
       }
@@ -769,20 +769,7 @@ void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64
       __m256i quants[kSub];  // sub-block j's 32 weights as bytes, natural order
       if constexpr (std::is_same_v<Block, BlockQ6_K>) {
         // Signed 6-bit quants (q - 32); each sub-block of 32 has two scales, one per 16 weights.
-        const __m256i low2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
-        for (int half = 0; half < 2; ++half) {
-          const uint8_t* ql = block.ql + 64 * half;
-          const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(block.qh + 32 * half);
-          const auto high = [&](int shift) {
-            return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), low2), 4);
-          };
-          quants[4 * half + 0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), high(0)), offset);
-          quants[4 * half + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), high(2)), offset);
-          quants[4 * half + 2] =
-              _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4)), offset);
-          quants[4 * half + 3] =
-              _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6)), offset);
-        }
+        for (int half = 0; half < 2; ++half) q6_k_quants(block, half, quants + 4 * half);
         const float d = half_to_float(block.d);
         for (int j = 0; j < kSub; ++j) {
           // Sub-block j = 4 half + t holds scales 8 half + 2 t and 8 half + 2 t + 1.
@@ -798,26 +785,17 @@ void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64
         }
       } else {
         // Unsigned 4-bit (Q4_K) or 5-bit (Q5_K) quants, a 6-bit scale and minimum per sub-block.
-        for (int c = 0; c < kSub / 2; ++c) {
-          const __m256i q = load32(block.qs + 32 * c);
-          quants[2 * c] = _mm256_and_si256(q, low4);
-          quants[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        }
         if constexpr (std::is_same_v<Block, BlockQ5_K>) {
-          const __m256i h = load32(block.qh), bit5 = _mm256_set1_epi8(0x10);
-          for (int j = 0; j < kSub; ++j) {
-            const __m256i mask = _mm256_set1_epi8(static_cast<char>(1 << j));
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, mask), mask);
-            quants[j] = _mm256_or_si256(quants[j], _mm256_and_si256(set, bit5));
+          for (int j = 0; j < kSub; ++j) quants[j] = q5_k_quants(block, j);
+        } else {
+          for (int c = 0; c < kSub / 2; ++c) {
+            const __m256i q = load32(block.qs + 32 * c);
+            quants[2 * c] = _mm256_and_si256(q, low4);
+            quants[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
           }
         }
-        const float d = half_to_float(block.d), dmin = half_to_float(block.dmin);
         alignas(32) float scales[kSub], mins[kSub];
-        for (int j = 0; j < kSub; ++j) {
-          scale_min_k4(j, block.scales, scales[j], mins[j]);
-          scales[j] *= d;
-          mins[j] *= dmin;
-        }
+        scales_mins_k4(block.scales, half_to_float(block.d), half_to_float(block.dmin), scales, mins);
         const __m256 min_vector = _mm256_load_ps(mins);
         for (int r = 0; r < R; ++r) {
           const int64_t first = r * num_act_blocks + b * kSub;
