@@ -380,6 +380,11 @@ def open_dealer(
     return sock
 
 
+# A dropped CURVE handshake is the server's answer only when drops go on this long (see
+# Session.on_handshake); the socket reconnects every 100 ms (libzmq's default), so a wrong server
+# key is reported about this soon.
+HANDSHAKE_DROPS_FOR_S = 2.0
+
 HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -550,6 +555,7 @@ class _Replica:
     health_at: float = -math.inf
     incarnation: int | None = None  # of the tokenizer process last heard from
     handshake_error: str | None = None  # the last CURVE handshake failed, and none succeeded since
+    dropped_since: float | None = None  # the first dropped handshake since the last success
 
 
 class Session:
@@ -688,9 +694,23 @@ class Session:
                     reply.code, f"the tokenizer could not read request {state.request_id}: {reply.message}"
                 )
 
-    def on_handshake(self, replica: int, error: str | None) -> None:
-        """A CURVE handshake with `replica` succeeded (None) or failed (why)."""
-        self.replicas[replica].handshake_error = error
+    def on_handshake(self, replica: int, error: str | None, is_dropped: bool = False) -> None:
+        """A CURVE handshake with `replica` succeeded (None) or failed (why). A dropped one (the
+        server closed it without a reason) is what a wrong server key gives, on every retry, but
+        also a tokenizer killed mid-handshake, once, before its restart answers: it counts only
+        once drops have gone on for HANDSHAKE_DROPS_FOR_S with no success between."""
+        rep = self.replicas[replica]
+        if error is None:
+            rep.handshake_error, rep.dropped_since = None, None
+            return
+        if not is_dropped:
+            rep.handshake_error = error
+            return
+        now = self._clock()
+        if rep.dropped_since is None:
+            rep.dropped_since = now
+        if now - rep.dropped_since >= HANDSHAKE_DROPS_FOR_S:
+            rep.handshake_error = error
 
     def _check_handshakes(self) -> None:
         """Fail everything in flight when every replica refused our handshake: no request can
@@ -834,7 +854,8 @@ class ClientBase:
         for replica, monitor in self._monitors.items():
             while monitor.poll(0):
                 event = parse_monitor_message(monitor.recv_multipart())
-                self.session.on_handshake(replica, handshake_failure(event, self._has_keys))
+                is_dropped = event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                self.session.on_handshake(replica, handshake_failure(event, self._has_keys), is_dropped)
 
     def _close(self) -> None:
         """Abort what is in flight, then close the sockets (bounded by CLOSE_LINGER_MS)."""

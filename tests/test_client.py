@@ -492,6 +492,36 @@ def test_session_resubmits_when_a_replica_restarts() -> None:
     assert state.replica == 0 and not state.is_done
 
 
+def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None:
+    """A tokenizer killed mid-handshake drops it once and answers after its restart: requests
+    stay in flight. A wrong server key drops every retry: after HANDSHAKE_DROPS_FOR_S of drops with
+    no success, every request fails with AuthenticationFailed. A refused key fails at once."""
+    from client.sdk import HANDSHAKE_DROPS_FOR_S
+
+    now = [0.0]
+    session = Session(["tcp://a"], lambda i, frame: True, clock=lambda: now[0])
+    state = session.submit(m.Generate("r1", prompt="hi"), timeout=None)
+    session.on_handshake(0, "the server dropped the handshake", is_dropped=True)
+    now[0] += HANDSHAKE_DROPS_FOR_S + 1  # no drop since: a restart, not a refusal
+    session.tick()
+    assert state.error is None
+    session.on_handshake(0, None)  # the restarted tokenizer answers
+    for _ in range(4):  # then drops on every retry, 0.1 s apart, for less than the grace
+        now[0] += 0.1
+        session.on_handshake(0, "the server dropped the handshake", is_dropped=True)
+    session.tick()
+    assert state.error is None
+    now[0] += HANDSHAKE_DROPS_FOR_S
+    session.on_handshake(0, "the server dropped the handshake", is_dropped=True)
+    session.tick()
+    assert isinstance(state.error, AuthenticationFailed) and "dropped the handshake" in str(state.error)
+    refused = Session(["tcp://b"], lambda i, frame: True, clock=lambda: now[0])
+    other = refused.submit(m.Generate("r2", prompt="hi"), timeout=None)
+    refused.on_handshake(0, "the server refused this client's key (status 400)")
+    refused.tick()
+    assert isinstance(other.error, AuthenticationFailed)
+
+
 # -- requests the SDK must refuse itself (issue 14, item 3) ---------------------------------------
 
 
