@@ -83,9 +83,14 @@ class Run:
         raise AssertionError(f"stages not all running after {timeout:.0f}s: {self.status()}")
 
 
-def _pump(stream, lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line)
+def _pump(stream, lines: queue.Queue[str], log_path: Path) -> None:
+    """Every line to the test's queue, and to a file beside the run directory that outlives the
+    run (`<run dir>.log`), so a failed test's stage logs can be read after it."""
+    with open(log_path, "a") if log_path.parent.is_dir() else open(os.devnull, "w") as log:
+        for line in stream:
+            lines.put(line)
+            log.write(line)
+            log.flush()
 
 
 def free_port() -> int:
@@ -146,7 +151,7 @@ def brigade_run(
     """The supervisor until ready; SIGTERM and full cleanup after."""
     process = start_supervisor(run_dir, *overrides, config=config, command=command, env=env)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+    threading.Thread(target=_pump, args=(process.stdout, lines, run_dir.with_name(run_dir.name + ".log")), daemon=True).start()
     run = Run(run_dir, process, lines)
     try:
         # The contract: the first line containing "ready" says that every stage is up.
