@@ -355,6 +355,18 @@ struct BlockQ6_K {
   uint16_t d;
 };
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant layouts");
+
+// Calls `linear(Block{})` with the block type that `format` names: the one place where a format's
+// name becomes its type (the ops take the name, as the GGUF reader and the model code spell it).
+template <typename Linear>
+at::Tensor with_block_type(c10::string_view format, const char* op, Linear&& linear) {
+  if (format == "Q4_1") return linear(BlockQ4_1{});
+  if (format == "Q8_0") return linear(BlockQ8_0{});
+  if (format == "Q4_K") return linear(BlockQ4_K{});
+  if (format == "Q5_K") return linear(BlockQ5_K{});
+  if (format == "Q6_K") return linear(BlockQ6_K{});
+  TORCH_CHECK(false, op, ": unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+}
 constexpr int64_t kSuperWeights = 256;
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -544,12 +556,14 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
   TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized: at most 4 rows, got ", x.size(0));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "few_rows_linear_quantized: blocks [out, bytes] uint8, contiguous");
-  if (format == "Q4_1") return few_rows_blocks_linear<BlockQ4_1>(x, blocks);
-  if (format == "Q8_0") return few_rows_blocks_linear<BlockQ8_0>(x, blocks);
-  if (format == "Q4_K") return few_rows_super_blocks_linear<BlockQ4_K>(x, blocks);
-  if (format == "Q5_K") return few_rows_super_blocks_linear<BlockQ5_K>(x, blocks);
-  if (format == "Q6_K") return few_rows_super_blocks_linear<BlockQ6_K>(x, blocks);
-  TORCH_CHECK(false, "few_rows_linear_quantized: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  return with_block_type(format, "few_rows_linear_quantized", [&](auto block) {
+    using Block = decltype(block);
+    if constexpr (std::is_same_v<Block, BlockQ4_1> || std::is_same_v<Block, BlockQ8_0>) {
+      return few_rows_blocks_linear<Block>(x, blocks);
+    } else {
+      return few_rows_super_blocks_linear<Block>(x, blocks);
+    }
+  });
 }
 
 // ---- 8-bit activations (opt-in: engine.cpu_int8_activations) ----
@@ -858,12 +872,8 @@ at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quantized_int8: x [R, in] float32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
-  if (format == "Q4_1") return int8_linear<BlockQ4_1>(x, blocks);
-  if (format == "Q8_0") return int8_linear<BlockQ8_0>(x, blocks);
-  if (format == "Q4_K") return int8_linear<BlockQ4_K>(x, blocks);
-  if (format == "Q5_K") return int8_linear<BlockQ5_K>(x, blocks);
-  if (format == "Q6_K") return int8_linear<BlockQ6_K>(x, blocks);
-  TORCH_CHECK(false, "linear_quantized_int8: unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  return with_block_type(format, "linear_quantized_int8",
+                         [&](auto block) { return int8_linear<decltype(block)>(x, blocks); });
 }
 
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
