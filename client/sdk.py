@@ -553,7 +553,6 @@ class _Replica:
     is_suspect: bool = False  # a request failed over away from it and it has not answered since
     health: m.HealthReply | None = None
     health_at: float = -math.inf
-    incarnation: int | None = None  # of the tokenizer process last heard from
     handshake_error: str | None = None  # the last CURVE handshake failed, and none succeeded since
     dropped_since: float | None = None  # the first dropped handshake since the last success
 
@@ -567,6 +566,8 @@ class Session:
     seconds while running a request loses it to another replica, which resumes it from what the
     client already has; a request that hears nothing for `unavailable_after` fails, and every
     request fails at once when `is_run_alive` (a check of the run's supervisor) says it ended.
+    Every `failover_after / 4` seconds a replica running our requests is probed with their ids;
+    those it answers it does not hold are resubmitted (`_resubmit_missing`).
     """
 
     def __init__(
@@ -637,8 +638,6 @@ class Session:
             if self._send(i, frame):
                 state.replica, state.sent_at = i, now
                 self._next = (i + 1) % n
-                if self.replicas[i].incarnation is None:
-                    self.probe(i)  # learn which process holds the request, to notice a restart
                 return
 
     # -- input ---------------------------------------------------------------------------------
@@ -654,9 +653,7 @@ class Session:
         rep.last_seen, rep.is_suspect = now, False
         if isinstance(reply, m.HealthReply):
             rep.health, rep.health_at = reply, now
-            if rep.incarnation is not None and reply.incarnation != rep.incarnation:
-                self._resubmit_forgotten(replica, now)
-            rep.incarnation = reply.incarnation
+            self._resubmit_missing(replica, reply.missing, now)
             return
         if isinstance(reply, m.ErrorReply) and not reply.request_id:
             self._fail_unattributed(replica, reply)
@@ -724,7 +721,7 @@ class Session:
                 state.error = AuthenticationFailed(f"CURVE handshake failed with every tokenizer: {why}")
 
     def tick(self) -> None:
-        """Timeouts, failover, unsent requests and health probes of replicas that went quiet."""
+        """Timeouts, failover, unsent requests and health probes of replicas running our requests."""
         now = self._clock()
         self._check_run(now)
         self._check_handshakes()
@@ -743,8 +740,7 @@ class Session:
             elif now - max(state.sent_at, self.replicas[state.replica].last_seen) > self.failover_after:
                 self._failover(state, now)
         for i, rep in enumerate(self.replicas):
-            quiet = now - max(rep.last_seen, rep.last_probe)
-            if quiet > self.probe_interval and self.in_flight(i):
+            if now - rep.last_probe > self.probe_interval and self.in_flight(i):
                 self.probe(i)
 
     def _check_run(self, now: float) -> None:
@@ -761,10 +757,13 @@ class Session:
             for state in pending:
                 state.error = ServerUnavailable("the Brigade run ended (its supervisor is gone)")
 
-    def _resubmit_forgotten(self, replica: int, now: float) -> None:
-        """The replica restarted (a new process answers at its endpoint): it lost our requests."""
-        for state in self.requests.values():
-            if state.replica == replica and not state.is_done:
+    def _resubmit_missing(self, replica: int, request_ids: list[str], now: float) -> None:
+        """The replica answered a probe without these requests: a restart lost them, or they were
+        lost on the way (a connection that dropped under them). Each goes again, with what was
+        received so far; one that has ended or moved since the probe is left alone."""
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is not None and state.replica == replica and not state.is_done:
                 self.num_failovers += 1
                 self._dispatch(state, now, avoid=None)
 
@@ -779,9 +778,11 @@ class Session:
         self._dispatch(state, now, avoid=old)
 
     def probe(self, replica: int) -> bool:
-        """Send a Health request; False when the replica is not connected."""
+        """Ask the replica whether it is alive and which of our requests on it it holds; False
+        when it is not connected."""
         self.replicas[replica].last_probe = self._clock()
-        return self._send(replica, CLIENT_REQUEST.encode(m.Health()))
+        running = [s.request_id for s in self.requests.values() if s.replica == replica and not s.is_done]
+        return self._send(replica, CLIENT_REQUEST.encode(m.Health(running)))
 
 
 def _close_sockets(ctx: zmq.Context, sockets: list[zmq.Socket], monitors: dict[int, zmq.Socket]) -> None:

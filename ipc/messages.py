@@ -166,7 +166,10 @@ class Abort(msgspec.Struct, tag=True, gc=False):
 
 
 class Health(msgspec.Struct, tag=True, gc=False):
-    pass
+    """A liveness probe. `request_ids` are the connection's requests that the client believes
+    this replica runs; the reply names those it does not hold."""
+
+    request_ids: list[str] = []
 
 
 ClientRequest = Union[Generate, Abort, Health]
@@ -195,15 +198,17 @@ class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """`incarnation` changes when the tokenizer process restarts: a client that sees it change
-    knows the replica forgot its in-flight requests and resubmits them."""
+    """`missing`: the probe's request ids that this replica holds no request for, on this
+    connection. The replica answers a connection's messages in order, so a request sent before
+    the probe and missing here was lost (a restart, a request lost in a dropped connection) and
+    the client resubmits it; a request that ended had its final reply delivered before this."""
 
     tokenizer_id: int
     is_ready: bool
     model: str
     num_in_flight: int
     max_model_len: int
-    incarnation: int = 0
+    missing: list[str] = []
 
 
 ClientReply = Union[Delta, ErrorReply, HealthReply]

@@ -282,6 +282,41 @@ def test_a_request_the_engine_forgot_is_redriven(run: Run, calm: list[Output]) -
     assert (text, ids) == calm[0]
 
 
+def test_a_request_sent_to_a_tokenizer_that_dies_before_reading_it_is_resubmitted(
+    run: Run, calm: list[Output]
+) -> None:
+    """The client is connected, the tokenizer is stopped, the request goes into the connection
+    and the tokenizer is killed before it reads it: the request never reached any process. The
+    client's probes name its requests; the restarted tokenizer answers that it holds none of
+    them, and the client resubmits. (Found by --chaos-seed 278338493 over tcp: a client that had
+    not heard from the first process took the restarted one for the one holding its request,
+    and waited for it until its timeout.)"""
+    wait_for("every stage running", lambda: all_running(run))
+    tokenizer = running_pid(run, "tokenizer")
+    results: list[Output | BaseException] = []
+    with Client(run.run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client:
+        # IMMEDIATE: the DEALER can send once its connection (and CURVE handshake) is complete.
+        assert client._sockets[0].poll(10_000, zmq.POLLOUT), "the client did not connect"
+        os.kill(tokenizer, signal.SIGSTOP)
+
+        def collect() -> None:
+            try:
+                deltas = list(client._stream(SPECS[0].generate(), REQUEST_TIMEOUT_S))
+                results.append(("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]))
+            except BaseException as exc:  # reported below
+                results.append(exc)
+
+        thread = threading.Thread(target=collect, daemon=True)
+        thread.start()
+        time.sleep(0.5)  # the request (and any probe) is written into the stopped peer's socket
+        os.kill(tokenizer, signal.SIGKILL)
+        thread.join(REQUEST_TIMEOUT_S + 30)
+        assert results and isinstance(results[0], tuple), results
+        assert client.session.num_failovers >= 1, "the request was not resubmitted"
+    assert results[0] == calm[0]
+    wait_for("every stage running", lambda: all_running(run))
+
+
 # The stages a request passes through on the SDK's path (the HTTP gateway has its own kill test).
 FAULTED_KINDS = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
 

@@ -473,23 +473,39 @@ def test_resubmission_keeps_everything_but_resume_fields() -> None:
     assert m.unpack_ids(again.resume_output_ids).tolist() == [5, 6] and again.resume_num_chars == 2
 
 
-def test_session_resubmits_when_a_replica_restarts() -> None:
-    """A new tokenizer process at the same endpoint (new incarnation) has forgotten our request:
-    the session resubmits it there with what it already received."""
+def test_session_resubmits_what_a_probed_replica_does_not_hold() -> None:
+    """A probe names the requests the session believes the replica runs. Those the reply lists
+    as missing (a restarted process forgot them, or they were lost on a dropped connection) are
+    resubmitted there with what was already received; the others, and a missing one that has
+    ended since, are left alone."""
+    clock = [0.0]
     sent: list[tuple[int, m.ClientRequest]] = []
-    session = Session(["ipc://a"], lambda i, frame: sent.append((i, CLIENT_REQUEST.decode(frame))) or True)
-    state = session.submit(m.Generate("r1", prompt="hi"), timeout=None)
-    assert isinstance(sent[-1][1], m.Health)  # it asks who holds the request
-    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 1, 2048, incarnation=7)))
-    delta = m.Delta("r1", 0, 0, "Hel", m.pack_ids([5, 6]))
-    session.receive(0, CLIENT_REPLY.encode(delta))
+    session = Session(
+        ["ipc://a"],
+        lambda i, frame: sent.append((i, CLIENT_REQUEST.decode(frame))) or True,
+        failover_after=4.0,
+        clock=lambda: clock[0],
+    )
+    lost = session.submit(m.Generate("lost", prompt="hi"), timeout=None)
+    kept = session.submit(m.Generate("kept", prompt="hi"), timeout=None)
+    ended = session.submit(m.Generate("ended", prompt="hi"), timeout=None)
+    session.receive(0, CLIENT_REPLY.encode(m.Delta("lost", 0, 0, "Hel", m.pack_ids([5, 6]))))
     sent.clear()
-    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 0, 2048, incarnation=8)))
+    clock[0] = 1.1  # past the probe interval (failover_after / 4)
+    session.tick()
+    probes = [msg for _, msg in sent if isinstance(msg, m.Health)]
+    assert len(probes) == 1 and sorted(probes[0].request_ids) == ["ended", "kept", "lost"]
+    session.receive(0, CLIENT_REPLY.encode(m.Delta("ended", 0, 0, "x", m.pack_ids([7]), finish_reason="stop")))
+    sent.clear()
+    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 0, 2048, missing=["lost", "ended"])))
     resubmits = [msg for _, msg in sent if isinstance(msg, m.Generate)]
-    assert len(resubmits) == 1
+    assert [r.request_id for r in resubmits] == ["lost"]
     assert m.unpack_ids(resubmits[0].resume_output_ids).tolist() == [5, 6]
     assert resubmits[0].resume_num_chars == 3
-    assert state.replica == 0 and not state.is_done
+    assert lost.replica == 0 and not lost.is_done and not kept.is_done and ended.finish_reason == "stop"
+    sent.clear()
+    session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 2, 2048)))
+    assert not sent, "a reply that misses nothing resubmits nothing"
 
 
 def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None:

@@ -3,6 +3,7 @@ client, on the embedded SmolLM2-135M in float32, checked against HF transformers
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,10 @@ import zmq
 
 from client import Client, InvalidRequest, PromptTooLong
 from ipc import messages as m
-from ipc.codec import CLIENT_REPLY
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
+from ipc.sockets import PushQueue
+from services.stage import read_run_info, run_endpoints
+from services.tokenizer.core import engine_id
 from tests.harness import assert_clean, brigade_run, hostile_messages, tokenizer_dealer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -107,13 +111,22 @@ def test_errors_are_typed_and_clear(smol_run) -> None:
         assert client.generate("Hello", max_tokens=4, temperature=0.0, timeout=60).finish_reason == "length"
 
 
-def scheduler_load(run) -> tuple[int, int, float]:
-    rows = [r for r in run.status() if r["kind"] == "scheduler"]
+def scheduler_load(run, from_file: bool = False) -> tuple[int, int, float]:
+    """(running, waiting, KV usage) of the schedulers: by `supervisor.py status`, or read
+    straight from the supervisor's status.json (cheap enough to poll)."""
+    rows = [r for r in (status_rows(run) if from_file else run.status()) if r["kind"] == "scheduler"]
     return (
         sum(r["running"] for r in rows),
         sum(r["queue_depth"] for r in rows),
         max(r["kv_usage"] for r in rows),
     )
+
+
+def status_rows(run) -> list[dict]:
+    try:
+        return json.loads((run.run_dir / "status.json").read_text())
+    except (OSError, ValueError):  # replaced while we read it
+        return []
 
 
 def wait_idle(run, timeout: float = 60.0) -> tuple[int, int, float]:
@@ -136,6 +149,65 @@ def test_cancellation_frees_everything(smol_run) -> None:
                 if next(stream, None) is None:
                     break
             stream.close()  # closing a stream aborts its request server-side
+    assert wait_idle(smol_run) == (0, 0, 0.0)
+
+
+def test_a_probe_is_answered_with_the_requests_its_connection_does_not_hold(smol_run) -> None:
+    """The client's resubmission rule rests on this answer: a connection asking about its own
+    request in flight hears nothing of it; about an id it never sent, or about another
+    connection's request, it hears "missing"."""
+    ctx = zmq.Context()
+    try:
+        owner = tokenizer_dealer(ctx, smol_run.run_dir)
+        stranger = tokenizer_dealer(ctx, smol_run.run_dir)
+        params = m.SamplingParams(max_tokens=2000)
+        owner.send(CLIENT_REQUEST.encode(m.Generate("held", prompt="Count to a thousand:", params=params, stream=False)))
+        owner.send(CLIENT_REQUEST.encode(m.Health(["held", "never-sent"])))
+        stranger.send(CLIENT_REQUEST.encode(m.Health(["held"])))
+        for sock, want in ((owner, ["never-sent"]), (stranger, ["held"])):
+            assert sock.poll(30_000), "no answer to the probe"
+            reply = CLIENT_REPLY.decode(sock.recv())
+            assert isinstance(reply, m.HealthReply), reply
+            assert reply.missing == want
+        owner.send(CLIENT_REQUEST.encode(m.Abort("held")))
+    finally:
+        ctx.destroy(linger=0)
+    assert wait_idle(smol_run) == (0, 0, 0.0)
+
+
+def test_a_running_copy_nobody_waits_for_is_aborted(smol_run) -> None:
+    """A tokenizer that died left its requests running; their clients resubmit them on new
+    connections (new engine ids), so the old copies compute for nobody. The restarted tokenizer,
+    which gets their deltas, aborts them. Here the orphan is pushed straight to the scheduler,
+    under an engine id no tokenizer journals: it must stop within a small fraction of the time
+    its 900 tokens take (timed on a real request, in this run); without the abort it runs on."""
+    with Client(smol_run.run_dir) as client:
+        started = time.monotonic()
+        client.generate("Once upon a time", max_tokens=64, temperature=0.0, ignore_eos=True, timeout=120)
+        per_token_s = (time.monotonic() - started) / 64
+    info = read_run_info(smol_run.run_dir)
+    ctx = zmq.Context()
+    try:
+        scheduler = PushQueue(ctx, run_endpoints(smol_run.run_dir, info).scheduler_in(0), SCHEDULER_INPUT)
+        orphan = m.SubmitRequest(
+            request_id=engine_id(0, b"a connection that died", "orphan"),
+            tokenizer_id=0,
+            prompt_ids=m.pack_ids([1, 2, 3, 4]),
+            params=m.SamplingParams(
+                max_tokens=900, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, ignore_eos=True
+            ),
+        )
+        assert scheduler.put(orphan)
+        started = time.monotonic()
+        full_s = 900 * per_token_s
+        seen_running_s = 0.0  # when the scheduler last reported a running request
+        while time.monotonic() < started + 0.3 * full_s:
+            if scheduler_load(smol_run, from_file=True)[0]:
+                seen_running_s = time.monotonic() - started
+            time.sleep(0.05)
+    finally:
+        ctx.destroy(linger=0)
+    assert seen_running_s < 0.15 * full_s, (seen_running_s, full_s)
     assert wait_idle(smol_run) == (0, 0, 0.0)
 
 

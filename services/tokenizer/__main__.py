@@ -3,7 +3,6 @@ text deltas back to clients. Light: no torch."""
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
@@ -68,7 +67,6 @@ class TokenizerProcess:
         self.num_malformed = 0
         self.num_events = 0
         self.is_draining = False
-        self.incarnation = random.getrandbits(63)  # tells clients that this process is new
         self.last_keepalive = 0.0
 
     def _request_sampler(self) -> RequestSampler | None:
@@ -91,14 +89,14 @@ class TokenizerProcess:
         for scheduler in self.schedulers:
             scheduler.put(m.AbortRequest(engine_id))
 
-    def health(self) -> m.HealthReply:
+    def health(self, missing: list[str] | None = None) -> m.HealthReply:
         return m.HealthReply(
             self.stage.index,
             True,
             self.stage.info.model,
             len(self.core.journal),
             self.stage.config.model.max_model_len,
-            self.incarnation,
+            missing or [],
         )
 
     def keep_alive(self) -> None:
@@ -154,7 +152,7 @@ class TokenizerProcess:
             )
             self.send(Reply(identity, final))
         else:
-            self.send(Reply(identity, self.health()))
+            self.send(Reply(identity, self.health(self.core.missing(identity, request.request_ids))))
 
     def on_engine(self) -> None:
         try:
@@ -165,6 +163,11 @@ class TokenizerProcess:
             return
         if isinstance(message, m.DeltaBatch):
             for delta in message.deltas:
+                if delta.request_id not in self.core.journal and delta.finish_reason is None:
+                    # A copy nobody here waits for: its admitter was a process at this index that
+                    # died, and its client has resubmitted it on a new connection (a new engine
+                    # id). Stop it computing for nobody.
+                    self._abort_upstream(delta.request_id)
                 reply = self.core.relay(delta)
                 if reply is not None:
                     self.send(reply)

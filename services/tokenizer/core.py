@@ -383,6 +383,10 @@ class TokenizerCore:
                 moved.append((entry.group, self.resubmission(entry)))
         return moved
 
+    def missing(self, identity: bytes, request_ids: list[str]) -> list[str]:
+        """Those of a connection's `request_ids` that this replica holds no request for."""
+        return [rid for rid in request_ids if (identity, rid) not in self.engine_ids]
+
     def abort(self, identity: bytes, request_id: str) -> JournalEntry | None:
         """Forget the request `request_id` of the client at `identity` (None if it has none such);
         the caller aborts `entry.submit.request_id` upstream."""
