@@ -89,7 +89,9 @@ def chat_requests(model_dir: Path, num: int, output_len: tuple[int, int], seed: 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rng = np.random.default_rng(seed)
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
         for p in CHAT_PROMPTS
     ]
     encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -102,14 +104,25 @@ def random_requests(
 ) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     in_lens, out_lens = _draw(rng, input_len, num), _draw(rng, output_len, num)
-    return [BenchRequest(_random_ids(rng, vocab_size, int(n)), int(o)) for n, o in zip(in_lens, out_lens, strict=True)]
+    return [
+        BenchRequest(_random_ids(rng, vocab_size, int(n)), int(o))
+        for n, o in zip(in_lens, out_lens, strict=True)
+    ]
 
 
 def shared_prefix_requests(
-    vocab_size: int, num: int, prefix_len: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+    vocab_size: int,
+    num: int,
+    prefix_len: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
 ) -> list[BenchRequest]:
     """Every prompt is the same `prefix_len` random tokens followed by its own random suffix."""
     rng = np.random.default_rng(seed)
     prefix = _random_ids(rng, vocab_size, prefix_len)
     in_lens, out_lens = _draw(rng, input_len, num), _draw(rng, output_len, num)
-    return [BenchRequest(prefix + _random_ids(rng, vocab_size, int(n)), int(o)) for n, o in zip(in_lens, out_lens, strict=True)]
+    return [
+        BenchRequest(prefix + _random_ids(rng, vocab_size, int(n)), int(o))
+        for n, o in zip(in_lens, out_lens, strict=True)
+    ]

@@ -91,17 +91,27 @@ def hf_static_batches(model, requests: list[BenchRequest], batch: int) -> tuple[
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=pad_id, streamer=clock,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                streamer=clock,
             )
         steps = clock.times[1:]
         assert out.shape[1] - width == len(steps) == new_tokens, (out.shape, width, len(steps))
         for r in chunk:
             own = steps[: r.output_len]
-            results.append(RequestResult(
-                start=start - begin, num_output=r.output_len, ttft=own[0] - start, e2e=own[-1] - start,
-                itls=[b - a for a, b in itertools.pairwise(own)],
-            ))
+            results.append(
+                RequestResult(
+                    start=start - begin,
+                    num_output=r.output_len,
+                    ttft=own[0] - start,
+                    e2e=own[-1] - start,
+                    itls=[b - a for a, b in itertools.pairwise(own)],
+                )
+            )
     return results, time.perf_counter() - begin
 
 
@@ -125,14 +135,28 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int,
-                 log_path: Path) -> Iterator[int]:
+def llama_server(
+    binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log_path: Path
+) -> Iterator[int]:
     """Run `llama-server` with `slots` parallel slots on 127.0.0.1; yields its port; kills it after."""
     port = free_port()
     argv = [
-        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-        "--parallel", str(slots), "--ctx-size", str(slots * ctx_per_slot),
-        "--threads", str(threads), "--threads-batch", str(threads), "--cont-batching",
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(slots * ctx_per_slot),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--cont-batching",
     ]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,7 +185,9 @@ def _is_healthy(port: int) -> bool:
         return False
 
 
-async def _post_events(port: int, path: str, body: dict, peer: str, overloaded_status: int) -> AsyncIterator[dict]:
+async def _post_events(
+    port: int, path: str, body: dict, peer: str, overloaded_status: int
+) -> AsyncIterator[dict]:
     """POST a streamed JSON request over one HTTP/1.1 connection; yield its SSE events' JSON until
     `data: [DONE]` or the end. `overloaded_status` (the peer's "no free slot") is PeerOverloaded."""
     data = json.dumps(body).encode()
@@ -169,7 +195,8 @@ async def _post_events(port: int, path: str, body: dict, peer: str, overloaded_s
     try:
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
-            + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+            + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
         )
         await writer.drain()
         status, headers = await _read_head(reader)
@@ -192,8 +219,13 @@ async def _post_events(port: int, path: str, body: dict, peer: str, overloaded_s
 
 async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
     """POST /completion (streaming, greedy, ignore_eos); yields the number of tokens of each event."""
-    body = {"prompt": request.prompt_ids, "n_predict": request.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True}
+    body = {
+        "prompt": request.prompt_ids,
+        "n_predict": request.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
     # aclosing: returning at "stop" closes the connection now, not when the generator is collected.
     async with contextlib.aclosing(_post_events(port, "/completion", body, "llama-server", 503)) as events:
         async for event in events:
@@ -206,8 +238,16 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
 async def openai_stream(port: int, request: BenchRequest, model: str = "") -> AsyncIterator[int]:
     """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway), streamed, greedy,
     ignore_eos; yields the number of tokens of each event (counted from its logprobs entries)."""
-    body = {"model": model, "prompt": request.prompt_ids, "max_tokens": request.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": request.prompt_ids,
+        "max_tokens": request.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     async with contextlib.aclosing(_post_events(port, "/v1/completions", body, "gateway", 429)) as events:
         async for event in events:
             for choice in event["choices"]:

@@ -148,7 +148,9 @@ class InstantExecutor:
         self.block_size = block_size
         self.num_seqs = num_seqs
         rng = np.random.default_rng(1)
-        self.token_pool = itertools.cycle([rng.integers(3, VOCAB_SIZE, num_seqs, dtype=np.int32) for _ in range(64)])
+        self.token_pool = itertools.cycle(
+            [rng.integers(3, VOCAB_SIZE, num_seqs, dtype=np.int32) for _ in range(64)]
+        )
         self.zeros: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.results: deque[StepResult] = deque()
         self.is_steady = False

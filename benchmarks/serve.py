@@ -100,8 +100,14 @@ def setting_stats(results: list[RequestResult], duration: float) -> dict:
 # -- the load generator ---------------------------------------------------------------------------
 
 
-async def drive(send: SendFn, requests: list[BenchRequest], concurrency: int, request_rate: float | None,
-                seed: int, desc: str) -> tuple[list[RequestResult], float]:
+async def drive(
+    send: SendFn,
+    requests: list[BenchRequest],
+    concurrency: int,
+    request_rate: float | None,
+    seed: int,
+    desc: str,
+) -> tuple[list[RequestResult], float]:
     """Send `requests` (one task each) with at most `concurrency` in flight; with `request_rate`,
     arrivals are Poisson at that rate. Returns per-request results and the wall time."""
     gate = asyncio.Semaphore(concurrency)
@@ -130,7 +136,8 @@ async def drive(send: SendFn, requests: list[BenchRequest], concurrency: int, re
                     result.error = f"got {result.num_output} of {request.output_len} tokens"
             except Exception as exc:  # every failure is counted, none stops the benchmark
                 result.is_overload = getattr(exc, "code", None) == "overloaded" or isinstance(
-                    exc, peers.PeerOverloaded)
+                    exc, peers.PeerOverloaded
+                )
                 result.error = "overloaded" if result.is_overload else f"{type(exc).__name__}: {exc}"[:200]
             bar.update()
             return result
@@ -159,8 +166,13 @@ class BrigadeProcess:
         self.run_dir = run_dir
         self.log_path = log_path
         self.process = subprocess.Popen(
-            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -234,8 +246,9 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
             print(f"warning: Brigade left {info['leftovers']} behind (removed)", file=sys.stderr)
 
 
-async def brigade_settings(run_dir: Path, requests: list[BenchRequest], args: argparse.Namespace,
-                           backend: str) -> dict[str, dict]:
+async def brigade_settings(
+    run_dir: Path, requests: list[BenchRequest], args: argparse.Namespace, backend: str
+) -> dict[str, dict]:
     """Warm up once, then every concurrency of the sweep: through one AsyncClient (`--backend sdk`),
     or streamed over the gateway's OpenAI API (`--backend http`), as llama.cpp's server is driven."""
     from client.async_sdk import AsyncClient
@@ -245,8 +258,14 @@ async def brigade_settings(run_dir: Path, requests: list[BenchRequest], args: ar
         per_setting = {}
         await drive(send, warmup_requests(requests), 1, None, args.seed, "brigade warmup")
         for c in args.concurrency:
-            results, duration = await drive(send, requests[: num_prompts(args, c)], c, args.request_rate,
-                                            args.seed, f"{BACKEND_ENGINES[backend]} c={c}")
+            results, duration = await drive(
+                send,
+                requests[: num_prompts(args, c)],
+                c,
+                args.request_rate,
+                args.seed,
+                f"{BACKEND_ENGINES[backend]} c={c}",
+            )
             per_setting[str(c)] = setting_stats(results, duration)
             print_setting(BACKEND_ENGINES[backend], c, per_setting[str(c)])
         return per_setting
@@ -257,8 +276,9 @@ async def brigade_settings(run_dir: Path, requests: list[BenchRequest], args: ar
     async with AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def send(request: BenchRequest) -> AsyncIterator[int]:
-            stream = client.stream(request.prompt_ids, max_tokens=request.output_len, temperature=0.0,
-                                   ignore_eos=True)
+            stream = client.stream(
+                request.prompt_ids, max_tokens=request.output_len, temperature=0.0, ignore_eos=True
+            )
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     yield len(delta.token_ids)
@@ -311,7 +331,10 @@ def run_brigade(args: argparse.Namespace, requests: list[BenchRequest], log_dir:
             per_backend[backend] = asyncio.run(brigade_settings(run_dir, requests, args, backend))
     # `info` (leftovers above all) is complete only once the run has stopped.
     return {
-        BACKEND_ENGINES[backend]: {**engine_report(per_setting, f"driven through the {backend} backend"), **info}
+        BACKEND_ENGINES[backend]: {
+            **engine_report(per_setting, f"driven through the {backend} backend"),
+            **info,
+        }
         for backend, per_setting in per_backend.items()
     }
 
@@ -330,8 +353,9 @@ def run_hf(args: argparse.Namespace, model_dir: Path, requests: list[BenchReques
 def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], log_dir: Path) -> dict:
     binary = Path(args.llama_server) if args.llama_server else peers.default_llama_server()
     if binary is None and args.build_llama_server:
-        built = subprocess.run([str(REPO / "benchmarks" / "build_llama_server.sh")], check=True,
-                               capture_output=True, text=True)
+        built = subprocess.run(
+            [str(REPO / "benchmarks" / "build_llama_server.sh")], check=True, capture_output=True, text=True
+        )
         binary = Path(built.stdout.strip().splitlines()[-1])
     if binary is None or not binary.exists():
         note = "skipped: no llama-server (give --llama-server PATH or --build-llama-server)"
@@ -343,15 +367,23 @@ def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], log_dir
     ctx_per_slot = max(len(r.prompt_ids) + r.output_len for r in requests) + 16
     per_setting = {}
     for c in args.peer_concurrency:
-        with peers.llama_server(binary, gguf, c, ctx_per_slot, args.threads, log_dir / "llama-server.log") as port:
+        with peers.llama_server(
+            binary, gguf, c, ctx_per_slot, args.threads, log_dir / "llama-server.log"
+        ) as port:
 
             def send(request: BenchRequest, port: int = port) -> AsyncIterator[int]:
                 return peers.llama_stream(port, request)
 
             async def setting(c: int = c, send: SendFn = send) -> tuple[list[RequestResult], float]:
                 await drive(send, warmup_requests(requests), 1, None, args.seed, "llama.cpp warmup")
-                return await drive(send, requests[: num_prompts(args, c)], c, args.request_rate, args.seed,
-                                   f"llama.cpp c={c}")
+                return await drive(
+                    send,
+                    requests[: num_prompts(args, c)],
+                    c,
+                    args.request_rate,
+                    args.seed,
+                    f"llama.cpp c={c}",
+                )
 
             results, duration = asyncio.run(setting())
         per_setting[str(c)] = setting_stats(results, duration)
@@ -381,8 +413,16 @@ def evaluate_targets(report: dict) -> list[dict]:
     """The open targets; `met` is None when a number it needs was not measured. Brigade meets
     llama.cpp over the same protocol (HTTP) when the gateway was measured, else through the SDK."""
 
-    def ratio(engine: str, c: str, path: tuple[str, ...], peer: str, bound: float, is_higher_better: bool,
-              name: str, slack: float = 0.0) -> dict:
+    def ratio(
+        engine: str,
+        c: str,
+        path: tuple[str, ...],
+        peer: str,
+        bound: float,
+        is_higher_better: bool,
+        name: str,
+        slack: float = 0.0,
+    ) -> dict:
         ours, theirs = _stat(report, engine, c, *path), _stat(report, peer, c, *path)
         if ours is None or theirs is None or not theirs:
             return {"target": name, "value": None, "met": None}
@@ -393,15 +433,54 @@ def evaluate_targets(report: dict) -> list[dict]:
     ours = "brigade_http" if "brigade_http" in report else "brigade"
     failures_256 = _stat(report, ours, "256", "failures", "total")
     return [
-        ratio("brigade_http", "64", ("output_tok_s",), "brigade", 0.95, True, "c=64 output tok/s over HTTP >= 0.95x the SDK's"),
-        ratio("brigade_http", "1", ("ttft_ms", "p50"), "brigade", 1.05, False,
-              "c=1 TTFT p50 over HTTP <= 1.05x the SDK's + 2 ms", slack=2.0),
-        ratio(ours, "1", ("tpot_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TPOT p50 ({ours}) <= 1.0x llama.cpp"),
-        ratio(ours, "1", ("ttft_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TTFT p50 ({ours}) <= 1.0x llama.cpp"),
-        ratio(ours, "16", ("output_tok_s",), "llamacpp", 1.5, True, f"c=16 output tok/s ({ours}) >= 1.5x llama.cpp"),
-        ratio(ours, "64", ("output_tok_s",), "llamacpp", 2.5, True, f"c=64 output tok/s ({ours}) >= 2.5x llama.cpp"),
-        {"target": f"c=256 zero failed requests ({ours})", "value": failures_256,
-         "met": None if failures_256 is None else failures_256 == 0},
+        ratio(
+            "brigade_http",
+            "64",
+            ("output_tok_s",),
+            "brigade",
+            0.95,
+            True,
+            "c=64 output tok/s over HTTP >= 0.95x the SDK's",
+        ),
+        ratio(
+            "brigade_http",
+            "1",
+            ("ttft_ms", "p50"),
+            "brigade",
+            1.05,
+            False,
+            "c=1 TTFT p50 over HTTP <= 1.05x the SDK's + 2 ms",
+            slack=2.0,
+        ),
+        ratio(
+            ours, "1", ("tpot_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TPOT p50 ({ours}) <= 1.0x llama.cpp"
+        ),
+        ratio(
+            ours, "1", ("ttft_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TTFT p50 ({ours}) <= 1.0x llama.cpp"
+        ),
+        ratio(
+            ours,
+            "16",
+            ("output_tok_s",),
+            "llamacpp",
+            1.5,
+            True,
+            f"c=16 output tok/s ({ours}) >= 1.5x llama.cpp",
+        ),
+        ratio(
+            ours,
+            "64",
+            ("output_tok_s",),
+            "llamacpp",
+            2.5,
+            True,
+            f"c=64 output tok/s ({ours}) >= 2.5x llama.cpp",
+        ),
+        {
+            "target": f"c=256 zero failed requests ({ours})",
+            "value": failures_256,
+            "met": None if failures_256 is None else failures_256 == 0,
+        },
     ]
 
 
@@ -420,22 +499,33 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("output tokens/s", ("output_tok_s",)), ("TTFT p50 (ms)", ("ttft_ms", "p50")),
-              ("TPOT p50 (ms)", ("tpot_ms", "p50")))
+    panels = (
+        ("output tokens/s", ("output_tok_s",)),
+        ("TTFT p50 (ms)", ("ttft_ms", "p50")),
+        ("TPOT p50 (ms)", ("tpot_ms", "p50")),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     for ax, (label, key) in zip(axes, panels, strict=True):
         for engine in ENGINES:
             settings = report.get(engine, {}).get("settings", {})
             xs = sorted(settings, key=int)
             if xs:
-                ax.plot([int(x) for x in xs], [_stat(report, engine, x, *key) for x in xs], marker="o", label=engine)
+                ax.plot(
+                    [int(x) for x in xs],
+                    [_stat(report, engine, x, *key) for x in xs],
+                    marker="o",
+                    label=engine,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"{report['model']} on {report['machine']['cpu']} ({report['config']['dtype']}, "
-                 f"{report['config']['output_len']} output tokens)", fontsize=9)
+    fig.suptitle(
+        f"{report['model']} on {report['machine']['cpu']} ({report['config']['dtype']}, "
+        f"{report['config']['output_len']} output tokens)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -448,8 +538,13 @@ def machine_info() -> dict:
                 cpu = line.split(":", 1)[1].strip()
                 break
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1), "python": platform.python_version(),
-            "loadavg_1m_at_start": os.getloadavg()[0]}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": round(mem_gib, 1),
+        "python": platform.python_version(),
+        "loadavg_1m_at_start": os.getloadavg()[0],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -458,31 +553,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--run", help="attach to the Brigade running in this run dir")
     where.add_argument("--start", action="store_true", help="start a Brigade here (the default)")
     p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)"
+    )
     p.add_argument("--concurrency", default="1,16,64,256", help="comma-separated concurrency sweep")
-    p.add_argument("--peer-max-concurrency", type=int, default=64,
-                   help="peers skip concurrencies above this (256 is only Brigade's failure check)")
-    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (capped by concurrency)")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per setting (0 = max(4, concurrency))")
+    p.add_argument(
+        "--peer-max-concurrency",
+        type=int,
+        default=64,
+        help="peers skip concurrencies above this (256 is only Brigade's failure check)",
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals per second (capped by concurrency)"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=0, help="requests per setting (0 = max(4, concurrency))"
+    )
     p.add_argument("--dataset", choices=("chat", "random", "shared-prefix"), default="chat")
     p.add_argument("--input-len", default="64:256", help="random / suffix prompt length N or LOW:HIGH")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens every prompt shares")
     p.add_argument("--output-len", default="128", help="output tokens N or LOW:HIGH (ignore_eos)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--engines", default="brigade,hf,llamacpp")
-    p.add_argument("--backend", default="sdk",
-                   help="drive Brigade through the client SDK (sdk), its OpenAI HTTP API (http: the gateway), "
-                        "or both against the same run (sdk,http)")
+    p.add_argument(
+        "--backend",
+        default="sdk",
+        help="drive Brigade through the client SDK (sdk), its OpenAI HTTP API (http: the gateway), "
+        "or both against the same run (sdk,http)",
+    )
     p.add_argument("--llama-server", help="path of a llama-server binary")
     p.add_argument("--build-llama-server", action="store_true", help="build llama-server if none is found")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="peer threads (default: every core)")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="peer threads (default: every core)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     p.add_argument("--log-dir", type=Path, help="where engine logs go (default: a temp dir)")
-    p.add_argument("--smoke", action="store_true", help="CI: tiny concurrency, few tokens, no llama.cpp (< 1 min)")
-    p.add_argument("--mlflow", metavar="TRACKING_URI",
-                   help="log the run to MLflow: parameters, per-concurrency metrics, the JSON report, the plot")
+    p.add_argument(
+        "--smoke", action="store_true", help="CI: tiny concurrency, few tokens, no llama.cpp (< 1 min)"
+    )
+    p.add_argument(
+        "--mlflow",
+        metavar="TRACKING_URI",
+        help="log the run to MLflow: parameters, per-concurrency metrics, the JSON report, the plot",
+    )
     p.add_argument("--mlflow-experiment", default="brigade-benchmarks")
     args = p.parse_args(argv)
     if args.smoke:
@@ -516,19 +631,29 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/serve.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": "SmolLM2-135M-Instruct",
         "machine": machine_info(),
-        "config": {"dataset": args.dataset, "output_len": args.output_len, "dtype": args.dtype,
-                   "concurrency": args.concurrency, "request_rate": args.request_rate,
-                   "mean_prompt_len": float(np.mean([len(r.prompt_ids) for r in requests])),
-                   "brigade_config": args.run or args.config, "brigade_overrides": args.set},
+        "config": {
+            "dataset": args.dataset,
+            "output_len": args.output_len,
+            "dtype": args.dtype,
+            "concurrency": args.concurrency,
+            "request_rate": args.request_rate,
+            "mean_prompt_len": float(np.mean([len(r.prompt_ids) for r in requests])),
+            "brigade_config": args.run or args.config,
+            "brigade_overrides": args.set,
+        },
     }
-    print(f"{len(requests)} prompts ({args.dataset}, mean {report['config']['mean_prompt_len']:.0f} tokens), "
-          f"logs in {log_dir}", flush=True)
+    print(
+        f"{len(requests)} prompts ({args.dataset}, mean {report['config']['mean_prompt_len']:.0f} tokens), "
+        f"logs in {log_dir}",
+        flush=True,
+    )
     if "brigade" in args.engines:
         report.update(run_brigade(args, requests, log_dir))
     if "hf" in args.engines:
         report["hf"] = run_hf(args, model_dir, requests)
-    report["llamacpp"] = (run_llamacpp(args, requests, log_dir) if "llamacpp" in args.engines
-                          else {"skipped": "not selected"})
+    report["llamacpp"] = (
+        run_llamacpp(args, requests, log_dir) if "llamacpp" in args.engines else {"skipped": "not selected"}
+    )
     report["targets"] = evaluate_targets(report)
     print_targets(report["targets"])
     if args.json:
@@ -566,8 +691,12 @@ def log_to_mlflow(report: dict, plot_path: Path, tracking_uri: str, experiment: 
     found = client.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else client.create_experiment(experiment)
     run_id = client.create_run(experiment_id, run_name="serve-benchmark").info.run_id
-    params = {"command": report["command"], "model": report["model"],
-              **flatten(report["config"], "config."), **flatten(report["machine"], "machine.")}
+    params = {
+        "command": report["command"],
+        "model": report["model"],
+        **flatten(report["config"], "config."),
+        **flatten(report["machine"], "machine."),
+    }
     client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())][:100])
     now_ms = int(time.time() * 1000)
     metrics = []

@@ -112,7 +112,14 @@ def shard_of(request_id: str, num_shards: int) -> int:
 
 # tcp:// ports: each link kind owns a block of PORTS_PER_KIND ports from the run's port base,
 # so that every process computes the same port for a link without asking anyone.
-LINK_KINDS = ("supervisor", "tokenizer", "tokenizer_in", "scheduler_in", "scheduler_workers", "detokenizer_in")
+LINK_KINDS = (
+    "supervisor",
+    "tokenizer",
+    "tokenizer_in",
+    "scheduler_in",
+    "scheduler_workers",
+    "detokenizer_in",
+)
 PORTS_PER_KIND = 64
 PORT_SPAN = len(LINK_KINDS) * PORTS_PER_KIND
 _PORT_BASE_TRIES = 100

@@ -148,8 +148,12 @@ class ShmRing:
         if generation == self._generation:
             return
         self._close_semaphores()
-        self._space = [posix_ipc.Semaphore(self._sem_name(generation, "space", r)) for r in range(self.num_readers)]
-        self._avail = [posix_ipc.Semaphore(self._sem_name(generation, "avail", r)) for r in range(self.num_readers)]
+        self._space = [
+            posix_ipc.Semaphore(self._sem_name(generation, "space", r)) for r in range(self.num_readers)
+        ]
+        self._avail = [
+            posix_ipc.Semaphore(self._sem_name(generation, "avail", r)) for r in range(self.num_readers)
+        ]
         self._generation = generation
 
     def _close_semaphores(self) -> None:

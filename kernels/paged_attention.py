@@ -68,7 +68,9 @@ def paged_decode_ref(
 ) -> torch.Tensor:
     """Torch reference for one new token per sequence (the q_len == 1 case of prefill)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap)
+    return paged_prefill_ref(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap
+    )
 
 
 # num_seqs feeds the loop-carried bounds of the binary search: specializing it to constexpr 1

@@ -151,7 +151,9 @@ def brigade_run(
     """The supervisor until ready; SIGTERM and full cleanup after."""
     process = start_supervisor(run_dir, *overrides, config=config, command=command, env=env)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_pump, args=(process.stdout, lines, run_dir.with_name(run_dir.name + ".log")), daemon=True).start()
+    threading.Thread(
+        target=_pump, args=(process.stdout, lines, run_dir.with_name(run_dir.name + ".log")), daemon=True
+    ).start()
     run = Run(run_dir, process, lines)
     try:
         # The contract: the first line containing "ready" says that every stage is up.

@@ -247,7 +247,10 @@ def test_out_of_order_deltas_are_assembled_in_order() -> None:
 )
 def test_error_mapping(fakes, code: str, error: type[BrigadeError]) -> None:
     fake = fakes(mode=f"error:{code}")
-    with Client(endpoints=[fake.endpoint]) as client, pytest.raises(error, match="refused by the fake") as info:
+    with (
+        Client(endpoints=[fake.endpoint]) as client,
+        pytest.raises(error, match="refused by the fake") as info,
+    ):
         client.generate("x")
     assert info.value.code == code
 
@@ -320,7 +323,9 @@ def test_requests_spread_across_replicas(fakes) -> None:
 def test_no_tokenizer_is_server_unavailable(run_dir: Path) -> None:
     with pytest.raises(ServerUnavailable, match=r"no run\.json"):
         Client(run_dir)
-    with Client(endpoints=[f"ipc://{run_dir}/nobody.sock"], failover_after=0.1, unavailable_after=0.4) as client:
+    with Client(
+        endpoints=[f"ipc://{run_dir}/nobody.sock"], failover_after=0.1, unavailable_after=0.4
+    ) as client:
         with pytest.raises(ServerUnavailable):
             client.generate("x")
         with pytest.raises(ServerUnavailable):
@@ -407,15 +412,31 @@ def write_run_json(run_dir: Path, endpoints: list[str], supervisor_pid: int | No
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "client", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def test_cli_json(fakes, run_dir: Path) -> None:
     fake = fakes()
     write_run_json(run_dir, [fake.endpoint])
-    out = run_cli("--run", str(run_dir), "generate", "cli prompt", "--max-tokens", "6", "--seed", "3",
-                  "--stop", "a", "b", "--json")
+    out = run_cli(
+        "--run",
+        str(run_dir),
+        "generate",
+        "cli prompt",
+        "--max-tokens",
+        "6",
+        "--seed",
+        "3",
+        "--stop",
+        "a",
+        "b",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got == {
@@ -447,7 +468,11 @@ def test_cli_interactive_chat_keeps_history(fakes, run_dir: Path) -> None:
     write_run_json(run_dir, [fake.endpoint])
     out = subprocess.run(
         [sys.executable, "-m", "client", "--run", str(run_dir), "chat", "--max-tokens", "2"],
-        cwd=REPO_ROOT, input="first\nsecond\n", capture_output=True, text=True, timeout=30,
+        cwd=REPO_ROOT,
+        input="first\nsecond\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     first, second = fake.requests(m.Generate)
@@ -455,7 +480,9 @@ def test_cli_interactive_chat_keeps_history(fakes, run_dir: Path) -> None:
     assert first.request_id != second.request_id
 
 
-@pytest.mark.parametrize("module", ["client", "client.__main__", "services.tokenizer.text", "services.detokenizer.core"])
+@pytest.mark.parametrize(
+    "module", ["client", "client.__main__", "services.tokenizer.text", "services.detokenizer.core"]
+)
 def test_light_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)
@@ -495,7 +522,9 @@ def test_session_resubmits_what_a_probed_replica_does_not_hold() -> None:
     session.tick()
     probes = [msg for _, msg in sent if isinstance(msg, m.Health)]
     assert len(probes) == 1 and sorted(probes[0].request_ids) == ["ended", "kept", "lost"]
-    session.receive(0, CLIENT_REPLY.encode(m.Delta("ended", 0, 0, "x", m.pack_ids([7]), finish_reason="stop")))
+    session.receive(
+        0, CLIENT_REPLY.encode(m.Delta("ended", 0, 0, "x", m.pack_ids([7]), finish_reason="stop"))
+    )
     sent.clear()
     session.receive(0, CLIENT_REPLY.encode(m.HealthReply(0, True, "x", 0, 2048, missing=["lost", "ended"])))
     resubmits = [msg for _, msg in sent if isinstance(msg, m.Generate)]
@@ -613,7 +642,9 @@ def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
     with Client(endpoints=[fake.endpoint]) as client:
         for _ in range(2):
             with pytest.raises(InvalidRequest, match="not valid text"):
-                client.generate(timeout=5, **kwargs) if "prompt" in kwargs else client.chat(timeout=5, **kwargs)
+                client.generate(timeout=5, **kwargs) if "prompt" in kwargs else client.chat(
+                    timeout=5, **kwargs
+                )
         assert client.session.requests == {}
         assert client.generate("fine", max_tokens=3, timeout=5).text == expected_text("fine", 3)
 

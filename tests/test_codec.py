@@ -74,12 +74,22 @@ STEP_TOKENS = m.StepTokens(
 EXAMPLES: dict[str, list] = {
     "CLIENT_REQUEST": [
         m.Generate("a", prompt="hi", params=PARAMS, stream=False),
-        m.Generate("b", messages=[m.ChatMessage("user", "hey")], resume_output_ids=m.pack_ids([7]), resume_num_chars=3),
+        m.Generate(
+            "b",
+            messages=[m.ChatMessage("user", "hey")],
+            resume_output_ids=m.pack_ids([7]),
+            resume_num_chars=3,
+        ),
         m.Generate("c", prompt_token_ids=m.pack_ids([1, 2])),
         m.Abort("a"),
         m.Health(),
     ],
-    "CLIENT_REPLY": [DELTA, m.Delta("r", 0, 0, "", b""), m.ErrorReply("a", "overloaded", "busy"), m.HealthReply(0, True, "smol", 3, 2048)],
+    "CLIENT_REPLY": [
+        DELTA,
+        m.Delta("r", 0, 0, "", b""),
+        m.ErrorReply("a", "overloaded", "busy"),
+        m.HealthReply(0, True, "smol", 3, 2048),
+    ],
     "SCHEDULER_INPUT": [
         m.SubmitRequest("a", 2, m.pack_ids([1, 2]), PARAMS, output_ids=m.pack_ids([3]), arrival_time=1.5),
         m.AbortRequest("a", "stop"),
@@ -100,8 +110,15 @@ EXAMPLES: dict[str, list] = {
         m.Ready("scheduler-0", 42, {"model": "smol"}),
         m.Heartbeat("worker-0", 43, 1000, True, m.StageLoad(1, 2, 0.5, 3, 4, 5)),
     ],
-    "CONTROL_DOWN": [m.Shutdown(2.0), m.Reconfigure("DEBUG", 2, 3, 100), m.ResubmitAll(1), m.ResubmitShard(0, 2), m.GroupLoads([1.5, 0.0]),
-                     m.Relink({"scheduler-0": "10.0.0.7"}), m.RetireGroups(1)],
+    "CONTROL_DOWN": [
+        m.Shutdown(2.0),
+        m.Reconfigure("DEBUG", 2, 3, 100),
+        m.ResubmitAll(1),
+        m.ResubmitShard(0, 2),
+        m.GroupLoads([1.5, 0.0]),
+        m.Relink({"scheduler-0": "10.0.0.7"}),
+        m.RetireGroups(1),
+    ],
     "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
@@ -184,8 +201,10 @@ scalars = (
 )
 values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=6)
-    | st.dictionaries(st.text(max_size=10) | st.integers(-(2**31), 2**31), children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=6)
+        | st.dictionaries(st.text(max_size=10) | st.integers(-(2**31), 2**31), children, max_size=6)
+    ),
     max_leaves=20,
 )
 

@@ -192,7 +192,10 @@ def test_impossible_device_layout_is_refused(tmp_path, overrides: list[str], mes
         (["cluster.engine_resources={GPU: 1}"], "cluster.engine_resources.GPU: GPU is Ray's own resource"),
         (["cluster.light_resources={CPU: 1}"], "cluster.light_resources.CPU: CPU is Ray's own resource"),
         (["cluster.engine_resources={engine: 0}"], "cluster.engine_resources.engine: expected an amount > 0"),
-        (["cluster.engine_resources={engine: many}"], "cluster.engine_resources[...]: expected float, got str"),
+        (
+            ["cluster.engine_resources={engine: many}"],
+            "cluster.engine_resources[...]: expected float, got str",
+        ),
         (["cluster.engine_cpus=-1"], "cluster.engine_cpus: expected float >= 0.0"),
         (
             ["cluster.backend=ray", "cluster.engine_cpus=0"],

@@ -56,7 +56,9 @@ def chunked(ids: list[int], rng: random.Random | None) -> list[list[int]]:
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("random_chunks", [False, True])
-def test_deltas_concatenate_to_full_decode(tokenizer: Tokenizer, skip_special_tokens: bool, random_chunks: bool) -> None:
+def test_deltas_concatenate_to_full_decode(
+    tokenizer: Tokenizer, skip_special_tokens: bool, random_chunks: bool
+) -> None:
     rng = random.Random(2) if random_chunks else None
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     for ids in token_sequences(tokenizer):
@@ -119,7 +121,9 @@ def test_stop_strings_match_reference(tokenizer: Tokenizer, include: bool, case:
     full = tokenizer.decode(ids)
     expected, is_hit = reference_stop(full, stops, include)
     for rng in (None, random.Random(case)):
-        detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=stops, include_stop_str_in_output=include))
+        detok = IncrementalDetokenizer(
+            tokenizer, SamplingParams(stop=stops, include_stop_str_in_output=include)
+        )
         emitted, consumed, finish = "", 0, None
         chunks = chunked(ids, rng)
         for i, chunk in enumerate(chunks):
@@ -163,7 +167,9 @@ class Receiver:
 
 def update(request_id: str, start: int, ids: list[int], finish: str | None = None, **kw) -> TokenUpdate:
     logprobs = struct.pack(f"<{len(ids)}f", *(-0.5 * (start + i) for i in range(len(ids))))
-    return TokenUpdate(request_id, kw.pop("tokenizer_id", 0), start, pack_ids(ids), logprobs, finish_reason=finish, **kw)
+    return TokenUpdate(
+        request_id, kw.pop("tokenizer_id", 0), start, pack_ids(ids), logprobs, finish_reason=finish, **kw
+    )
 
 
 def test_core_groups_by_tokenizer_and_finishes(tokenizer: Tokenizer) -> None:
@@ -200,7 +206,9 @@ def test_step_tokens_give_the_deltas_of_the_same_token_batch(tokenizer: Tokenize
     by_batch, by_columns = DetokenizerCore(tokenizer), DetokenizerCore(tokenizer)
     for i in range(max(map(len, ids.values()))):
         updates = [
-            update(rid, i, [seq[i]], "length" if i == len(seq) - 1 else None, tokenizer_id=fid, prompt_tokens=7)
+            update(
+                rid, i, [seq[i]], "length" if i == len(seq) - 1 else None, tokenizer_id=fid, prompt_tokens=7
+            )
             for fid, (rid, seq) in enumerate(ids.items())
             if i < len(seq)
         ]
@@ -227,7 +235,9 @@ def test_core_stop_hit_reports_abort_and_drops_late_updates(tokenizer: Tokenizer
     params = SamplingParams(stop=["answer"])
     receiver, stopped_at = Receiver(), None
     for i, token_id in enumerate(ids):
-        deltas, stopped = core.handle(TokenBatch([update("r", i, [token_id], params=params if i == 0 else None)]))
+        deltas, stopped = core.handle(
+            TokenBatch([update("r", i, [token_id], params=params if i == 0 else None)])
+        )
         for delta in deltas.get(0, []):
             receiver.apply(delta)
         if stopped:

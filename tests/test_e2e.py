@@ -161,7 +161,11 @@ def test_a_probe_is_answered_with_the_requests_its_connection_does_not_hold(smol
         owner = tokenizer_dealer(ctx, smol_run.run_dir)
         stranger = tokenizer_dealer(ctx, smol_run.run_dir)
         params = m.SamplingParams(max_tokens=2000)
-        owner.send(CLIENT_REQUEST.encode(m.Generate("held", prompt="Count to a thousand:", params=params, stream=False)))
+        owner.send(
+            CLIENT_REQUEST.encode(
+                m.Generate("held", prompt="Count to a thousand:", params=params, stream=False)
+            )
+        )
         owner.send(CLIENT_REQUEST.encode(m.Health(["held", "never-sent"])))
         stranger.send(CLIENT_REQUEST.encode(m.Health(["held"])))
         for sock, want in ((owner, ["never-sent"]), (stranger, ["held"])):
@@ -194,7 +198,13 @@ def test_a_running_copy_nobody_waits_for_is_aborted(smol_run) -> None:
             tokenizer_id=0,
             prompt_ids=m.pack_ids([1, 2, 3, 4]),
             params=m.SamplingParams(
-                max_tokens=900, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, ignore_eos=True
+                max_tokens=900,
+                temperature=0.0,
+                top_k=0,
+                top_p=1.0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                ignore_eos=True,
             ),
         )
         assert scheduler.put(orphan)

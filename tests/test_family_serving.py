@@ -127,7 +127,9 @@ def test_mistral_served_in_a_pool_its_sequences_only_fit_windowed(mistral_dir: P
 
         def one(prompt: list[int]) -> list[int]:
             with Client(run_dir) as client:
-                result = client.generate(prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300)
+                result = client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                )
                 return result.token_ids
 
         with ThreadPoolExecutor(3) as pool:

@@ -51,7 +51,9 @@ def test_hub_id_under_hf_home(hub_cache: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_missing_hub_model_offline_is_refused(hub_cache: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"'acme/absent' is not in the local HF cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(
+        FileNotFoundError, match=r"'acme/absent' is not in the local HF cache .*HF_HUB_OFFLINE"
+    ):
         prepare_model("acme/absent")
     with pytest.raises(FileNotFoundError, match="at revision 'v3'"):
         prepare_model("acme/tiny", revision="v3")

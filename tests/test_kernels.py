@@ -364,7 +364,11 @@ def test_paged_decode_cpu_refuses_bad_input():
     with pytest.raises(RuntimeError, match="float32"):
         run(q=q.double())
     with pytest.raises(RuntimeError, match="head_dim"):
-        run(q=q[..., :24], k_cache=kv.k_cache[..., :24].contiguous(), v_cache=kv.v_cache[..., :24].contiguous())
+        run(
+            q=q[..., :24],
+            k_cache=kv.k_cache[..., :24].contiguous(),
+            v_cache=kv.v_cache[..., :24].contiguous(),
+        )
     with pytest.raises(RuntimeError, match="heads"):
         run(q=torch.randn(2, 3, 32))
     assert not cpu_ops.has_paged_decode(32, torch.bfloat16)
@@ -455,7 +459,9 @@ def test_add_rms_norm_matches_torch():
         x, residual = torch.randn(num_rows, 576, generator=gen), torch.randn(num_rows, 576, generator=gen)
         normed, summed = cpu_ops.add_rms_norm(x, weight, 1e-5, residual)
         torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
-        torch.testing.assert_close(normed, F.rms_norm(x + residual, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            normed, F.rms_norm(x + residual, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5
+        )
         normed, summed = cpu_ops.add_rms_norm(x, weight, 1e-5, None)
         assert torch.equal(summed, x)
         torch.testing.assert_close(normed, F.rms_norm(x, (576,), weight, 1e-5), atol=1e-5, rtol=1e-5)
@@ -496,7 +502,9 @@ def test_paged_refs_window_and_softcap_match_dense():
     seq_lens, q_lens, window, cap = [30, 45], [30, 6], 10, 1.5
     kv = PagedKV(seq_lens, 2, 16, 8, torch.float32)
     q, query_start_loc = _queries(seq_lens, q_lens, 4, 16, torch.float32)
-    out = paged_prefill_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window, cap)
+    out = paged_prefill_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window, cap
+    )
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens):
         for j in range(q_lens[i]):
@@ -528,7 +536,9 @@ def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
     kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
     q, query_start_loc = _queries(seq_lens, q_lens, 4, 32, torch.float32)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
-    assert_close(paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap))
+    assert_close(
+        paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap)
+    )
 
 
 def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> np.ndarray:

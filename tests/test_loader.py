@@ -70,7 +70,9 @@ def test_cache_hit_is_fast_and_hf_dirs_pass_through(smollm2_dir: Path):
     assert prepare_model(str(smollm2_dir)) == smollm2_dir
 
 
-def test_crash_mid_convert_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path):
+def test_crash_mid_convert_leaves_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+):
     def crash(gguf_path: Path, out: Path) -> None:
         (out / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-convert")

@@ -62,7 +62,9 @@ class PlanBuilder:
             sample_positions=np.array(seq_lens),
         )
         self.next_step_id += 1
-        return arrays, StepHeader(step_id=self.next_step_id - 1, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0)
+        return arrays, StepHeader(
+            step_id=self.next_step_id - 1, num_tokens=len(ids), num_seqs=s, max_top_logprobs=0
+        )
 
 
 def generate(
@@ -241,7 +243,10 @@ def test_one_op_layers_match_the_per_op_path(tiny_model_dir):
     """Decode steps of 1-4 rows run each layer as one C++ op; the same steps through the per-op
     path (rms_norm, rotary, KV store, attention, MLP as separate ops) give the same logits and
     write the same KV cache."""
-    runners = [ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE) for _ in range(2)]
+    runners = [
+        ModelRunner(tiny_model_dir, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE)
+        for _ in range(2)
+    ]
     assert runners[0].model.has_one_op_layers
     runners[1].model.has_one_op_layers = False
     rng = np.random.default_rng(7)
@@ -373,7 +378,9 @@ def test_tiny_placeholders_decode_the_previous_samples(tiny):
                 if is_sampled:
                     last[row] = token
             rows = [row for row, _, _ in chunks]
-            chunks = [(row, [last[row] if explicit else PLACEHOLDER_TOKEN], True) for row in rows if row in last]
+            chunks = [
+                (row, [last[row] if explicit else PLACEHOLDER_TOKEN], True) for row in rows if row in last
+            ]
             if step == 0:
                 chunks.append((2, late[16:], True))
         return sampled

@@ -39,7 +39,9 @@ def outputs(run_dir: Path, max_tokens: int, during: Callable[[], None] | None = 
         with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
             text, ids, is_first = [], [], True
             prompt = f"Item {i}: the quick brown fox"
-            for delta in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600):
+            for delta in client.stream(
+                prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600
+            ):
                 text.append(delta.text)
                 ids += delta.token_ids
                 if is_first:
@@ -72,7 +74,9 @@ def tiny_args(tiny_model_dir: Path) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def tiny_single(tmp_path_factory: pytest.TempPathFactory, tiny_args: tuple[str, ...]) -> dict[int, list[Output]]:
+def tiny_single(
+    tmp_path_factory: pytest.TempPathFactory, tiny_args: tuple[str, ...]
+) -> dict[int, list[Output]]:
     """The reference: one group, one worker."""
     run_dir = tmp_path_factory.mktemp("tiny-single")
     with brigade_run(run_dir, *tiny_args) as run:

@@ -45,6 +45,7 @@ def engine_params(**fields) -> SamplingParams:
 VOCAB = 40
 EOS = 0
 
+
 def mix(seed: int, position: int, prev: int, prev2: int) -> int:
     """Deterministic 'model': the next token from seed, position and the two previous tokens."""
     x = (
@@ -199,7 +200,9 @@ class FakeExecutor:
             known = min(n, req.num_tokens)
             q_len = int(qsl[i + 1] - qsl[i])
             first = max(n - q_len - cfg.sliding_window + 1, 0) if cfg.sliding_window else 0
-            assert (self.kv[slots[first:known]] == req.token_slice(first, known)).all(), "stale or foreign KV read"
+            assert (self.kv[slots[first:known]] == req.token_slice(first, known)).all(), (
+                "stale or foreign KV read"
+            )
             read_blocks = np.unique(slots[first:n] // bs)
             assert (np.array(sched.blocks.ref_counts)[read_blocks] > 0).all(), "a read of a released block"
             assert (self.kv_long[slots[first:n]] == is_long[i]).all(), "a key rotated in the other regime"
@@ -942,7 +945,9 @@ def first_outputs(num_requests: int) -> tuple[Scheduler, list[Request], StepOutp
     """A scheduler after the first step of `num_requests` short prompts (each samples its first token)."""
     sched = Scheduler(small_config())
     executor = FakeExecutor(sched)
-    requests = [make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(num_requests)]
+    requests = [
+        make_request(f"r{i}", [1, 2, 3 + i], max_tokens=3, ignore_eos=True) for i in range(num_requests)
+    ]
     for req in requests:
         sched.add(req)
     step = sched.schedule()
@@ -954,7 +959,9 @@ def test_detokenizer_messages_group_by_shard_and_resend_full_histories() -> None
     needs_full_history = {"r1": requests[1], "r4": requests[4]}
     messages = detokenizer_messages(outputs, needs_full_history, 3)
     assert not needs_full_history  # taken out once sent
-    sent_list = [(u.request_id, (shard, u)) for shard, ms in messages.items() for msg in ms for u in msg.to_updates()]
+    sent_list = [
+        (u.request_id, (shard, u)) for shard, ms in messages.items() for msg in ms for u in msg.to_updates()
+    ]
     sent = dict(sent_list)
     assert len(sent_list) == len(sent) == len(requests)  # each exactly once
     assert set(sent) == {r.request_id for r in requests}

@@ -58,14 +58,18 @@ class Group:
         self.run_dir = run_dir
         config = load_config(None, OVERRIDES + overrides)
         self.endpoints = Endpoints(run_dir, new_run_id())
-        write_run_info(run_dir, RunInfo(self.endpoints.run_id, os.getpid(), str(model_dir), "tiny", [], config))
+        write_run_info(
+            run_dir, RunInfo(self.endpoints.run_id, os.getpid(), str(model_dir), "tiny", [], config)
+        )
         self.rings: list[ShmRing] = []
         self.processes: list[subprocess.Popen] = []
         self.ctx = zmq.Context()
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         step_bytes = step_slot_bytes(config, vocab_size)
         self.rings.append(ShmRing.create(self.endpoints.step_ring(0), RING_SLOTS, step_bytes, 1))
-        self.rings.append(ShmRing.create(self.endpoints.result_ring(0), RING_SLOTS, result_slot_bytes(config), 1))
+        self.rings.append(
+            ShmRing.create(self.endpoints.result_ring(0), RING_SLOTS, result_slot_bytes(config), 1)
+        )
         self.detokenizer = PullQueue(self.ctx, self.endpoints.detokenizer_in(0), DETOKENIZER_INPUT)
         self.tokenizer = PullQueue(self.ctx, self.endpoints.tokenizer_in(0), TOKENIZER_INPUT)
         self.scheduler_in = PushQueue(self.ctx, self.endpoints.scheduler_in(0), SCHEDULER_INPUT)
@@ -89,7 +93,9 @@ class Group:
         return (self.run_dir / f"{kind}-{self.processes.index(process)}.log").read_text()
 
     def submit(self, request_id: str, prompt: list[int]) -> None:
-        params = fill_defaults(m.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1))
+        params = fill_defaults(
+            m.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1)
+        )
         assert self.scheduler_in.put(m.SubmitRequest(request_id, 0, m.pack_ids(prompt), params))
 
     def collect(self, got: dict[str, list[int]], until: Callable[[dict[str, list[int]]], bool]) -> None:
@@ -100,7 +106,9 @@ class Group:
             failure = self.tokenizer.get(0)
             assert failure is None, f"the scheduler failed a request: {failure}"
             assert self.scheduler.poll() is None, f"the scheduler exited:\n{self.log(self.scheduler)}"
-            assert time.monotonic() < deadline, f"no progress in {WAIT_S:.0f}s: {[len(t) for t in got.values()]}"
+            assert time.monotonic() < deadline, (
+                f"no progress in {WAIT_S:.0f}s: {[len(t) for t in got.values()]}"
+            )
             batch = self.detokenizer.get(0.5)
             if batch is None:
                 continue

@@ -37,8 +37,10 @@ def test_summary_is_in_ms_and_matches_numpy() -> None:
 
 
 def test_setting_stats_counts_tokens_failures_and_tpot() -> None:
-    ok = [RequestResult(start=0.0, num_output=5, ttft=0.1, e2e=0.5, itls=[0.1] * 4),
-          RequestResult(start=0.0, num_output=3, ttft=0.2, e2e=0.4, itls=[0.1] * 2)]
+    ok = [
+        RequestResult(start=0.0, num_output=5, ttft=0.1, e2e=0.5, itls=[0.1] * 4),
+        RequestResult(start=0.0, num_output=3, ttft=0.2, e2e=0.4, itls=[0.1] * 2),
+    ]
     overload = RequestResult(start=0.0, error="overloaded", is_overload=True)
     other = RequestResult(start=0.0, error="boom")
     stats = setting_stats([*ok, overload, other], duration=2.0)
@@ -54,9 +56,21 @@ def test_smoke_run_reports_brigade_and_hf(tmp_path) -> None:
     out = tmp_path / "serve.json"
     plot = tmp_path / "serve.png"
     done = subprocess.run(
-        [sys.executable, "benchmarks/serve.py", "--smoke", "--json", str(out), "--plot", str(plot),
-         "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+        [
+            sys.executable,
+            "benchmarks/serve.py",
+            "--smoke",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -35,7 +35,11 @@ def run_streams(run_dir: Path, started: threading.Event | None = None) -> list[t
         with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
             text, ids, is_first = [], [], True
             for delta in client.stream(
-                f"Story number {i}: once upon a time", max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=600
+                f"Story number {i}: once upon a time",
+                max_tokens=NEW_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=600,
             ):
                 text.append(delta.text)
                 ids += delta.token_ids
@@ -104,7 +108,11 @@ def test_sigkill_loses_nothing(chaos_run, fault_free, kind: str) -> None:
 
 
 def test_metrics_endpoint(chaos_run, fault_free) -> None:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{chaos_run.metrics_port}/metrics", timeout=10).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{chaos_run.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
     for name in (  # docs/metrics.md
         "brigade:request_success_total",
         "brigade:time_to_first_token_seconds_bucket",

@@ -183,7 +183,9 @@ def run_group(
             p.join(30)
             assert p.exitcode == 0, f"rank exited with {p.exitcode}"
     except queue.Empty:
-        raise AssertionError(f"ranks did not report within {CHILD_TIMEOUT_S}s: {[p.exitcode for p in procs]}") from None
+        raise AssertionError(
+            f"ranks did not report within {CHILD_TIMEOUT_S}s: {[p.exitcode for p in procs]}"
+        ) from None
     finally:
         for p in procs:
             if p.is_alive():
@@ -206,12 +208,15 @@ def test_tensor_parallel_matches_single_rank(request: pytest.FixtureRequest, mod
         a = torch.from_numpy(a)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"greedy token differs at step {step}"
+
     # Every rank holds the smallest cache any rank can: rank r has budget / (r + 1) and its own
     # number of KV heads (2 layers x K and V x 16 tokens x heads x head_dim x 4 bytes per block).
     def kv_heads(r: int) -> int:
         return num_kv // world + (r < num_kv % world) if num_kv >= world else 1
 
-    expected = min(((KV_MIB << 20) // (r + 1)) // (2 * 2 * 16 * kv_heads(r) * HEAD_DIM * 4) for r in range(world))
+    expected = min(
+        ((KV_MIB << 20) // (r + 1)) // (2 * 2 * 16 * kv_heads(r) * HEAD_DIM * 4) for r in range(world)
+    )
     assert {num_blocks for num_blocks, _ in results.values()} == {expected}
 
 
@@ -246,7 +251,9 @@ def test_shard_weights_are_slices_of_the_full_model(untied_model_dir: Path) -> N
         assert torch.equal(layer.qkv[sh.num_heads * d : (sh.num_heads + sh.num_kv_heads) * d], k)
         cols = slice(sh.intermediate_start, sh.intermediate_start + sh.intermediate_size)
         assert torch.equal(layer.down, whole.down[:, cols])
-        assert torch.equal(layer.o_proj, whole.o_proj[:, sh.head_start * d : (sh.head_start + sh.num_heads) * d])
+        assert torch.equal(
+            layer.o_proj, whole.o_proj[:, sh.head_start * d : (sh.head_start + sh.num_heads) * d]
+        )
         rows = sh.num_vocab_rows
         assert torch.equal(part.lm_head[:rows], full.lm_head[sh.vocab_start : sh.vocab_start + rows])
         assert not part.lm_head[rows:].any(), "padding rows must be zero"

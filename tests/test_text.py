@@ -68,7 +68,9 @@ def test_decode_matches_transformers(tokenizer: Tokenizer, hf_tokenizer, skip_sp
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(tokenizer: Tokenizer, hf_tokenizer, add_generation_prompt: bool) -> None:
+def test_chat_template_matches_transformers(
+    tokenizer: Tokenizer, hf_tokenizer, add_generation_prompt: bool
+) -> None:
     for messages in CONVERSATIONS:
         expected = hf_tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt

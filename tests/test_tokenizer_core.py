@@ -122,9 +122,14 @@ def test_resubmission_carries_what_the_client_has(core_factory) -> None:
 
 
 def test_trim_delta_keeps_logprobs_aligned() -> None:
-    delta = m.Delta("r", 0, 0, "abc", m.pack_ids([1, 2, 3]), logprobs=b"".join(
-        x.to_bytes(4, "little") for x in (11, 22, 33)
-    ))
+    delta = m.Delta(
+        "r",
+        0,
+        0,
+        "abc",
+        m.pack_ids([1, 2, 3]),
+        logprobs=b"".join(x.to_bytes(4, "little") for x in (11, 22, 33)),
+    )
     trimmed = trim_delta(delta, num_tokens=2, num_chars=1)
     assert trimmed is not None
     assert m.unpack_ids(trimmed.token_ids).tolist() == [3]

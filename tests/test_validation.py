@@ -25,7 +25,10 @@ NAN = float("nan")
 def check(num_prompt_tokens: int = 10, **fields: Any) -> None:
     fields.setdefault("max_tokens", 128)  # the tokenizer fills in its defaults before validating
     validate_params(
-        fill_defaults(SamplingParams(**fields)), vocab_size=VOCAB, max_model_len=MAX_LEN, num_prompt_tokens=num_prompt_tokens
+        fill_defaults(SamplingParams(**fields)),
+        vocab_size=VOCAB,
+        max_model_len=MAX_LEN,
+        num_prompt_tokens=num_prompt_tokens,
     )
 
 

@@ -24,7 +24,8 @@ def main() -> None:
     ctx = zmq.Context()
     inbox = PullQueue(ctx, stage.endpoints.detokenizer_in(stage.index), DETOKENIZER_INPUT, bind=True)
     tokenizers = [
-        PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT) for i in range(config.tokenizer.replicas)
+        PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
+        for i in range(config.tokenizer.replicas)
     ]
     schedulers = [
         PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
@@ -77,7 +78,9 @@ def main() -> None:
             new = stage.endpoints
             reconnect_moved(ctx, schedulers, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, stage.log)
         control.heartbeat(
-            num_batches, has_work=False, load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed)
+            num_batches,
+            has_work=False,
+            load=m.StageLoad(num_in_flight=core.num_live, num_malformed=num_malformed),
         )
     stage.log.info("stopping")
     close_context(ctx, 0)

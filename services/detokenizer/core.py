@@ -130,7 +130,9 @@ class IncrementalDetokenizer:
                 return k
         return 0
 
-    def _emit(self, offset: int, num_tokens: int, finish_reason: str | None, is_stop_hit: bool = False) -> DetokOutput:
+    def _emit(
+        self, offset: int, num_tokens: int, finish_reason: str | None, is_stop_hit: bool = False
+    ) -> DetokOutput:
         if finish_reason is not None:
             self.is_finished = True
             end = len(self._text)
@@ -252,4 +254,3 @@ class DetokenizerCore:
         self._finished[request_id] = None
         if len(self._finished) > self._num_remembered_finished:
             self._finished.popitem(last=False)
-

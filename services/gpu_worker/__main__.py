@@ -50,20 +50,29 @@ def main() -> None:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         block_size=engine.block_size,
         # Workers on one CPU host share its cores rather than each spinning on all of them.
-        threads=engine.threads or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
+        threads=engine.threads
+        or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
         int8_activations=engine.cpu_int8_activations,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",
-        runner.model_name, runner.dtype, runner.device, runner.num_kv_blocks, runner.block_size,
+        runner.model_name,
+        runner.dtype,
+        runner.device,
+        runner.num_kv_blocks,
+        runner.block_size,
     )
     ctx = zmq.Context()
     control = ControlChannel(ctx, stage)
     memory = MemoryMonitor(runner.device, config.supervisor.heartbeat_interval_s)
     scheduler = DealerSocket(
-        ctx, stage.endpoints.scheduler_workers(group), WORKER_HELLO, WORKER_HELLO, identity=f"rank-{rank}".encode()
+        ctx,
+        stage.endpoints.scheduler_workers(group),
+        WORKER_HELLO,
+        WORKER_HELLO,
+        identity=f"rank-{rank}".encode(),
     )
     hello = m.WorkerHello(
         rank=rank,

@@ -71,7 +71,10 @@ def hf_hub_cache() -> Path:
     """The HF cache dir as huggingface_hub resolves it (HF_HUB_CACHE, else HF_HOME/hub), read now."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    home = (
+        os.environ.get("HF_HOME")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    )
     return Path(home) / "hub"
 
 
@@ -100,10 +103,17 @@ def resolve_hub_id(repo_id: str, revision: str = "") -> Path:
 
 
 def _model_dir(source: str | None, cache_dir: Path | None, revision: str) -> Path:
-    if source and not Path(source).expanduser().exists() and HUB_ID.match(source) and not source.endswith(".gguf"):
+    if (
+        source
+        and not Path(source).expanduser().exists()
+        and HUB_ID.match(source)
+        and not source.endswith(".gguf")
+    ):
         return resolve_hub_id(source, revision)
     if revision:
-        raise ValueError(f"model.revision ({revision!r}) applies to hub ids only, not to the local path {source}")
+        raise ValueError(
+            f"model.revision ({revision!r}) applies to hub ids only, not to the local path {source}"
+        )
     path = Path(source if source is not None else default_model_path()).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -285,7 +295,9 @@ def _gemma_config(reader, config: dict, arch: str) -> dict:
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
         "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
-        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window", 4096)),  # llama.cpp's default
+        "sliding_window": int(
+            _field(reader, f"{arch}.attention.sliding_window", 4096)
+        ),  # llama.cpp's default
         "layer_types": [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         ],
@@ -388,13 +400,20 @@ def gguf_generation_config(reader) -> dict:
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor of architecture `arch`, or None for tensors the model does
     not use."""
-    top = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head", "output_norm.weight": "model.norm"}
+    top = {
+        "token_embd.weight": "model.embed_tokens",
+        "output.weight": "lm_head",
+        "output_norm.weight": "model.norm",
+    }
     if gguf_name in top:
         return top[gguf_name] + ".weight"
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
-        names = {**GGUF_TO_HF, **{"phi3": PHI3_FUSED, "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}.get(arch, {})}
+        names = {
+            **GGUF_TO_HF,
+            **{"phi3": PHI3_FUSED, "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}.get(arch, {}),
+        }
         if kind in names and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None

@@ -125,7 +125,9 @@ class SchedulerProcess:
         try:
             finished = self.core.add(request)
         except (Overloaded, PromptTooLong, ValueError) as exc:
-            code = {Overloaded: "overloaded", PromptTooLong: "prompt_too_long"}.get(type(exc), "invalid_request")
+            code = {Overloaded: "overloaded", PromptTooLong: "prompt_too_long"}.get(
+                type(exc), "invalid_request"
+            )
             self.refuse(submit, code, str(exc))
             return
         self.needs_full_history[submit.request_id] = request
@@ -300,7 +302,9 @@ class SchedulerProcess:
         lm_head width, which is the bitmask's); None, and structured requests refused, when the
         model has no tokenizer.json or no eos token for a grammar to end on."""
         try:
-            tokenizer = load_grammar_tokenizer(self.stage.info.model_dir, hello.vocab_size, hello.eos_token_ids)
+            tokenizer = load_grammar_tokenizer(
+                self.stage.info.model_dir, hello.vocab_size, hello.eos_token_ids
+            )
         except (OSError, ValueError) as exc:
             self.stage.log.warning("structured output is off: %s", exc)
             return None
@@ -340,7 +344,9 @@ class SchedulerProcess:
 
     def emit(self, outputs: StepOutputs) -> None:
         self.num_tokens += len(outputs)  # one new token per output
-        for shard, messages in detokenizer_messages(outputs, self.needs_full_history, len(self.detokenizers)).items():
+        for shard, messages in detokenizer_messages(
+            outputs, self.needs_full_history, len(self.detokenizers)
+        ).items():
             for message in messages:
                 self.detokenizers[shard].put(message)
 

@@ -179,7 +179,9 @@ class TokenizerCore:
         # Filled once, here, so every later stage (and a resubmission) sees the same values.
         params = fill_defaults(params, self.sampling_defaults)
         try:
-            validate_prompt_ids(prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len)
+            validate_prompt_ids(
+                prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
+            )
             validate_params(
                 params,
                 vocab_size=self.tokenizer.vocab_size,
@@ -190,7 +192,9 @@ class TokenizerCore:
                 self._check_constraint(params.structured)
             resume_ids = m.unpack_ids(request.resume_output_ids)
             validate_prompt_ids(
-                resume_ids.tolist() or [0], vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
+                resume_ids.tolist() or [0],
+                vocab_size=self.tokenizer.vocab_size,
+                max_model_len=self.max_model_len,
             )
         except PromptTooLong as exc:
             raise RequestError("prompt_too_long", str(exc)) from None
@@ -326,7 +330,8 @@ class TokenizerCore:
             for i, message in enumerate(request.messages):
                 if message.role not in CHAT_ROLES:
                     raise RequestError(
-                        "invalid_request", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}"
+                        "invalid_request",
+                        f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}",
                     )
                 if message.content is None and not (message.role == "assistant" and message.tool_calls):
                     raise RequestError(
@@ -459,7 +464,9 @@ class TokenizerCore:
             self._forget(delta.request_id)
             self.num_finished += 1
             if entry.sample is not None and self.sampler is not None:
-                prompt = self.tokenizer.decode(m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False)
+                prompt = self.tokenizer.decode(
+                    m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False
+                )
                 self.sampler.record(entry.request_id, prompt, "".join(entry.sample), fresh.finish_reason)
             if self.metrics is not None:
                 self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
