@@ -148,6 +148,40 @@ def smollm2_hf_dir(
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def save_random_model(
+    config,
+    out: Path,
+    seed: int,
+    std: float,
+    embed_std: float | None = None,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """A random HF model of `config` saved under `out` as safetensors. The weights are redrawn
+    wider than HF's init (normal with `std`, `embed_std` for the embedding and the head) and every
+    norm away from 1 (uniform in [0.5, 1.5]), so greedy tokens have clear margins and each norm
+    matters. With `tokenizer_from`, that model's tokenizer files are copied beside it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                is_embedding = "embed" in name or "lm_head" in name
+                p.normal_(0.0, embed_std if is_embedding and embed_std is not None else std)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES if tokenizer_from is not None else ():
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (2 layers, GQA) with SmolLM2's tokenizer, for fast real-process tests."""

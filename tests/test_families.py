@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.gpu_worker.model_runner import ModelRunner
+from tests.conftest import save_random_model
 from tests.test_model import PlanBuilder, runner_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,30 +71,20 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def save_random_model(family: str, out: Path) -> Path:
-    """A random model of `family` saved as HF safetensors. The weights are redrawn wider than HF's
-    init (and every norm away from 1), so greedy tokens have clear margins and each norm matters."""
+def save_random_family_model(family: str, out: Path) -> Path:
+    """A random model of `family` saved as HF safetensors (see save_random_model)."""
     import transformers
 
     class_name, extra = FAMILIES[family]
     config = getattr(transformers, class_name)(**{**COMMON, **extra})
-    torch.manual_seed(sorted(FAMILIES).index(family))
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
-    model.save_pretrained(out)
-    return out
+    return save_random_model(config, out, seed=sorted(FAMILIES).index(family), std=0.08, embed_std=0.15)
 
 
 def load_family(family: str, out: Path, backend: str | None = None) -> tuple:
     """(HF model, our runner) of a fresh random `family` model saved under `out`."""
     from transformers import AutoModelForCausalLM
 
-    path = save_random_model(family, out)
+    path = save_random_family_model(family, out)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend=backend)
     return hf, runner

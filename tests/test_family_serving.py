@@ -6,7 +6,6 @@ Phi-3 with LongRoPE served past its original length."""
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from client import Client
-from tests.conftest import TINY_VOCAB_SIZE
+from tests.conftest import TINY_VOCAB_SIZE, save_random_model
 from tests.harness import assert_clean, brigade_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,7 +24,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def gemma2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config
 
     out = tmp_path_factory.mktemp("gemma2-serving")
     config = Gemma2Config(
@@ -34,16 +33,7 @@ def gemma2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         sliding_window=10, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(3)
-    model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, out / name)
-    return out
+    return save_random_model(config, out, seed=3, std=0.1, tokenizer_from=smollm2_dir)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int = NEW_TOKENS) -> list[int]:
@@ -86,7 +76,7 @@ def test_gemma2_served_greedy_matches_hf(gemma2_dir: Path, tmp_path: Path) -> No
 def mistral_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Mistral whose KV blocks are large (8 KV heads x 64): 1 MiB of cache holds just 8
     blocks of 16 tokens, so blocks released behind the window are soon handed to other sequences."""
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig
 
     out = tmp_path_factory.mktemp("mistral-serving")
     config = MistralConfig(
@@ -94,16 +84,7 @@ def mistral_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         num_attention_heads=8, num_key_value_heads=8, head_dim=64, sliding_window=20,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(4)
-    model = MistralForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, out / name)
-    return out
+    return save_random_model(config, out, seed=4, std=0.05, tokenizer_from=smollm2_dir)
 
 
 @pytest.mark.timeout(900)  # HF's reference by full forwards, 150 of them, on a loaded host
@@ -142,7 +123,7 @@ def test_mistral_served_in_a_pool_its_sequences_only_fit_windowed(mistral_dir: P
 @pytest.fixture(scope="module")
 def phi3_longrope_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Phi-3 with LongRoPE whose original length is 32 of its 128 positions."""
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Phi3Config
 
     out = tmp_path_factory.mktemp("phi3-longrope-serving")
     rng = np.random.default_rng(6)
@@ -156,16 +137,7 @@ def phi3_longrope_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactor
             "short_factor": (1 + 3 * rng.random(8)).tolist(), "long_factor": (1 + 3 * rng.random(8)).tolist(),
         },
     )  # fmt: skip
-    torch.manual_seed(5)
-    model = Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, out / name)
-    return out
+    return save_random_model(config, out, seed=5, std=0.1, tokenizer_from=smollm2_dir)
 
 
 def test_phi3_longrope_served_past_its_original_length_matches_hf(

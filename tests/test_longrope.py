@@ -25,6 +25,7 @@ from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.pipeline import StepPipeline
 from tests import in_process_engine
+from tests.conftest import save_random_model
 from tests.in_process_engine import RunnerExecutor, Served
 from tests.test_families import COMMON, _longrope_factors
 from tests.test_model import PlanBuilder, runner_logits
@@ -54,17 +55,9 @@ def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "short_factor": _longrope_factors(1), "long_factor": _longrope_factors(2),
         },
     )  # fmt: skip
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
-    out = tmp_path_factory.mktemp("phi3-longrope-32")
-    model.save_pretrained(out)
-    return out
+    return save_random_model(
+        config, tmp_path_factory.mktemp("phi3-longrope-32"), seed=3, std=0.08, embed_std=0.15
+    )
 
 
 @pytest.fixture(scope="module")

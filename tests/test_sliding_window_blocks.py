@@ -198,9 +198,9 @@ def test_a_chunked_prefill_freeing_blocks_behind_the_window_still_generates_hf_t
     from services.gpu_worker.model_runner import ModelRunner
     from tests.in_process_engine import check_against_hf, serve
     from tests.test_families import WINDOW as MISTRAL_WINDOW
-    from tests.test_families import save_random_model
+    from tests.test_families import save_random_family_model
 
-    path = save_random_model("mistral-sliding", tmp_path / "mistral")
+    path = save_random_family_model("mistral-sliding", tmp_path / "mistral")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BS)
     assert runner.sliding_window == MISTRAL_WINDOW

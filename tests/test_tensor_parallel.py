@@ -283,9 +283,9 @@ def step_histories(prompts: list[list[int]], tokens: list[list[int]]) -> list[li
 def test_tensor_parallel_families_match_hf(tmp_path: Path, family: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tests.test_families import hf_logits, save_random_model
+    from tests.test_families import hf_logits, save_random_family_model
 
-    model_dir = save_random_model(family, tmp_path / family)
+    model_dir = save_random_family_model(family, tmp_path / family)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     hf.eval()
     tokens = []
