@@ -10,7 +10,6 @@ non-streamed requests are in flight. Every request must end with exactly the tex
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -72,7 +71,12 @@ def run_one(run_dir: Path, spec: Spec) -> Output:
     streams everything; a non-streamed request is the protocol's `stream=False`, answered with
     one whole delta at the end."""
     with Client(run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client:
-        deltas = list(client._stream(spec.generate(), REQUEST_TIMEOUT_S))
+        return collect(client, spec)
+
+
+def collect(client: Client, spec: Spec) -> Output:
+    """`spec` through `client`: its whole text and tokens, checked to end at the length limit."""
+    deltas = list(client._stream(spec.generate(), REQUEST_TIMEOUT_S))
     assert deltas and deltas[-1].finish_reason == "length", deltas[-1:]
     if not spec.stream:
         assert len(deltas) == 1, f"a non-streamed request got {len(deltas)} replies"
@@ -108,14 +112,6 @@ def assert_same(got: list[Output], want: list[Output], what: str) -> None:
         assert text == want_text, f"{what}: request {i} ({SPECS[i]}) changed its text"
 
 
-def stage_rows(run: Run) -> list[dict]:
-    """The supervisor's status table, read straight from its file (cheap enough to poll)."""
-    try:
-        return json.loads((run.run_dir / "status.json").read_text())
-    except (OSError, ValueError):  # replaced while we read it
-        return []
-
-
 def wait_for(what: str, condition: Callable[[], bool], timeout: float = RECOVER_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -128,7 +124,7 @@ def running_pid(run: Run, kind: str) -> int:
     pids: list[int] = []
 
     def found() -> bool:
-        pids[:] = [r["pid"] for r in stage_rows(run) if r["kind"] == kind and r["state"] == "running"]
+        pids[:] = [r["pid"] for r in run.read_status() if r["kind"] == kind and r["state"] == "running"]
         return len(pids) == 1
 
     wait_for(f"{kind} running", found)
@@ -136,7 +132,7 @@ def running_pid(run: Run, kind: str) -> int:
 
 
 def all_running(run: Run) -> bool:
-    rows = stage_rows(run)
+    rows = run.read_status()
     return bool(rows) and all(r["state"] == "running" for r in rows)
 
 
@@ -185,7 +181,7 @@ def test_detokenizer_death_after_the_scheduler_finished_loses_nothing(run: Run, 
 
         def kill_once_finished_upstream() -> None:
             def scheduler(key: str) -> int:
-                return sum(r[key] for r in stage_rows(run) if r["kind"] == "scheduler")
+                return sum(r[key] for r in run.read_status() if r["kind"] == "scheduler")
 
             wait_for("the scheduler running the requests", lambda: scheduler("running") > 0)
             wait_for(
@@ -240,7 +236,7 @@ def test_resume_past_the_resumed_text_is_refused_at_once(run: Run, calm: list[Ou
     assert "resume_num_chars" in reply.message
     wait_for(
         "the tokenizer holding nothing in flight",
-        lambda: all(r["queue_depth"] == 0 for r in stage_rows(run) if r["kind"] == "tokenizer"),
+        lambda: all(r["queue_depth"] == 0 for r in run.read_status() if r["kind"] == "tokenizer"),
         timeout=30,
     )
 
@@ -299,14 +295,13 @@ def test_a_request_sent_to_a_tokenizer_that_dies_before_reading_it_is_resubmitte
         assert client._sockets[0].poll(10_000, zmq.POLLOUT), "the client did not connect"
         os.kill(tokenizer, signal.SIGSTOP)
 
-        def collect() -> None:
+        def first_spec() -> None:
             try:
-                deltas = list(client._stream(SPECS[0].generate(), REQUEST_TIMEOUT_S))
-                results.append(("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]))
+                results.append(collect(client, SPECS[0]))
             except BaseException as exc:  # reported below
                 results.append(exc)
 
-        thread = threading.Thread(target=collect, daemon=True)
+        thread = threading.Thread(target=first_spec, daemon=True)
         thread.start()
         time.sleep(0.5)  # the request (and any probe) is written into the stopped peer's socket
         os.kill(tokenizer, signal.SIGKILL)
@@ -359,7 +354,7 @@ def test_chaos_every_stage_killed_or_hung_loses_and_changes_nothing(
         assert_same(outputs, calm, f"seed {chaos_seed}, wave {wave}: {injected}")
     wait_for("every stage running", lambda: all_running(run))
     restarts = dict.fromkeys(FAULTED_KINDS, 0)
-    for row in stage_rows(run):
+    for row in run.read_status():
         if row["kind"] in restarts:
             restarts[row["kind"]] += row["restarts"]
     assert all(n >= 2 for n in restarts.values()), restarts

@@ -3,7 +3,6 @@ client, on the embedded SmolLM2-135M in float32, checked against HF transformers
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ import zmq
 from client import Client, InvalidRequest, PromptTooLong
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
+from ipc.sampling_defaults import fill_defaults
 from ipc.sockets import PushQueue
 from services.stage import read_run_info, run_endpoints
 from services.tokenizer.core import engine_id
@@ -114,19 +114,12 @@ def test_errors_are_typed_and_clear(smol_run) -> None:
 def scheduler_load(run, from_file: bool = False) -> tuple[int, int, float]:
     """(running, waiting, KV usage) of the schedulers: by `supervisor.py status`, or read
     straight from the supervisor's status.json (cheap enough to poll)."""
-    rows = [r for r in (status_rows(run) if from_file else run.status()) if r["kind"] == "scheduler"]
+    rows = [r for r in (run.read_status() if from_file else run.status()) if r["kind"] == "scheduler"]
     return (
         sum(r["running"] for r in rows),
         sum(r["queue_depth"] for r in rows),
         max(r["kv_usage"] for r in rows),
     )
-
-
-def status_rows(run) -> list[dict]:
-    try:
-        return json.loads((run.run_dir / "status.json").read_text())
-    except (OSError, ValueError):  # replaced while we read it
-        return []
 
 
 def wait_idle(run, timeout: float = 60.0) -> tuple[int, int, float]:
@@ -197,15 +190,7 @@ def test_a_running_copy_nobody_waits_for_is_aborted(smol_run) -> None:
             request_id=engine_id(0, b"a connection that died", "orphan"),
             tokenizer_id=0,
             prompt_ids=m.pack_ids([1, 2, 3, 4]),
-            params=m.SamplingParams(
-                max_tokens=900,
-                temperature=0.0,
-                top_k=0,
-                top_p=1.0,
-                min_p=0.0,
-                repetition_penalty=1.0,
-                ignore_eos=True,
-            ),
+            params=fill_defaults(m.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)),
         )
         assert scheduler.put(orphan)
         started = time.monotonic()
