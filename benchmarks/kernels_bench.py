@@ -387,8 +387,8 @@ def run(
     shapes: Shapes, quick: bool, repeats: int, ops: tuple[str, ...] = OPS
 ) -> tuple[list[dict], list[str]]:
     rows = (1, cpu_ops.MAX_LINEAR_ROWS)
-    # 8-bit activations also reach wider steps, up to INT8_BLOCKS_MAX_ROWS.
-    int8_rows = rows if quick else (*rows, 16, INT8_BLOCKS_MAX_ROWS)
+    # 8-bit activations also reach wider steps, up to INT8_BLOCKS_MAX_ROWS (AVX2's, the widest).
+    int8_rows = rows if quick else (*rows, 16, INT8_BLOCKS_MAX_ROWS["avx2"])
     names = ["qkv", "down", *shapes.extra_linears] if quick else list(shapes.linears())
     context = 64 if quick else 256
     batches = (1, cpu_ops.MAX_LINEAR_ROWS) if quick else (1, cpu_ops.MAX_LINEAR_ROWS, 16, 64)

@@ -17,6 +17,11 @@
 // - linear_quantized_int8: the same blocks against activations quantized to 8 bits, with integer
 //   dot products, as llama.cpp computes them, for any number of rows (opt-in: it changes the
 //   numbers).
+//
+// kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
+// torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
+// torch.ops.brigade_avx512). Where a kernel has a 512-bit form (BRIGADE_AVX512 below) that build
+// uses it; the rest compiles the same 256-bit code in both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +37,14 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define BRIGADE_AVX512 1
+#endif
+#ifndef BRIGADE_OPS_NAMESPACE
+#define BRIGADE_OPS_NAMESPACE brigade
+#endif
+
 namespace {
 
 inline float horizontal_sum(__m256 v) {
@@ -41,6 +54,31 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// The float vector the few-rows kernels below compute in: 16 lanes in the AVX-512 build, 8 in the
+// AVX2 one, so that one kernel serves both.
+#ifdef BRIGADE_AVX512
+using Floats = __m512;
+constexpr int kLanes = 16;
+inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline Floats broadcast_float(float v) { return _mm512_set1_ps(v); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Floats add_floats(Floats a, Floats b) { return _mm512_add_ps(a, b); }
+inline Floats mul_floats(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline Floats fma_floats(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline float sum_floats(Floats v) { return _mm512_reduce_add_ps(v); }
+#else
+using Floats = __m256;
+constexpr int kLanes = 8;
+inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline Floats broadcast_float(float v) { return _mm256_set1_ps(v); }
+inline Floats zero_floats() { return _mm256_setzero_ps(); }
+inline Floats add_floats(Floats a, Floats b) { return _mm256_add_ps(a, b); }
+inline Floats mul_floats(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+inline Floats fma_floats(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+inline float sum_floats(Floats v) { return horizontal_sum(v); }
+#endif
 // The `group` query heads that share KV head `kv_head` attend over one sequence's `len` tokens:
 // scores for the whole context, softmax, then the weighted sum of values. With the head size a
 // compile-time constant, a query head (and the output accumulator) stays in registers.
@@ -177,19 +215,19 @@ void few_rows_times_weight(const float* x, const float* w, const float* bias, fl
   for (int64_t n = begin; n < end; ++n) {
     const float* row = w + n * in_features;
     // Four partial sums per input row: enough independent FMAs to keep up with the weight stream.
-    __m256 acc[R][4];
+    Floats acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) acc[r][j] = zero_floats();
     int64_t k = 0;
-    for (; k + 32 <= in_features; k += 32) {
+    for (; k + 4 * kLanes <= in_features; k += 4 * kLanes) {
       for (int j = 0; j < 4; ++j) {
-        const __m256 wv = _mm256_loadu_ps(row + k + 8 * j);
+        const Floats wv = load_floats(row + k + kLanes * j);
         for (int r = 0; r < R; ++r)
-          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in_features + k + 8 * j), wv, acc[r][j]);
+          acc[r][j] = fma_floats(load_floats(x + r * in_features + k + kLanes * j), wv, acc[r][j]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      float sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+      float sum = sum_floats(add_floats(add_floats(acc[r][0], acc[r][1]), add_floats(acc[r][2], acc[r][3])));
       for (int64_t t = k; t < in_features; ++t) sum += x[r * in_features + t] * row[t];
       out[r * out_features + n] = bias ? sum + bias[n] : sum;
     }
@@ -247,8 +285,31 @@ inline __m256i broadcast16(const void* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One block's four vectors of 8 weights, as the integers q (the scale and minimum apply outside).
-inline void unpack(const BlockQ4_1& block, __m256 q[4]) {
+constexpr int kBlockVectors = kBlockWeights / kLanes;  // vectors of weights in a block: 4, or 2
+
+// One block's weights as the integers q (the scale and minimum apply outside), in vectors of
+// kLanes consecutive weights. In the `to_lanes` order, lane j of a vector of the AVX-512 build
+// (weights 0-15, or 16-31) is 32-bit word j % 4 of its 16 bytes, as the broadcast puts it there,
+// at nibble or byte position j / 4 (4 + j / 4 for Q4_1's weights 16-31).
+#ifdef BRIGADE_AVX512
+inline __m512i broadcast16x4(const void* p) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
+  const __m512i words = broadcast16x4(block.qs), mask = _mm512_set1_epi32(0x0F);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), mask));
+  q[1] = _mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), mask));
+}
+inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
+  // Byte position b moves to the top of its word, then an arithmetic shift sign-extends it.
+  const __m512i shifts = _mm512_setr_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+  for (int v = 0; v < 2; ++v)
+    q[v] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(broadcast16x4(block.qs + 16 * v), shifts), 24));
+}
+#else
+inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
   const __m256i words = broadcast16(block.qs);
   const __m256i mask = _mm256_set1_epi32(0x0F);
   for (int v = 0; v < 4; ++v) {
@@ -256,7 +317,7 @@ inline void unpack(const BlockQ4_1& block, __m256 q[4]) {
     q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask));
   }
 }
-inline void unpack(const BlockQ8_0& block, __m256 q[4]) {
+inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
   const __m256i halves[2] = {broadcast16(block.qs), broadcast16(block.qs + 16)};
   for (int v = 0; v < 4; ++v) {
     // Byte position b moves to the top of its word, then an arithmetic shift sign-extends it.
@@ -265,24 +326,26 @@ inline void unpack(const BlockQ8_0& block, __m256 q[4]) {
     q[v] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(halves[v / 2], shifts), 24));
   }
 }
+#endif
 // out[r, n] = sum over blocks b of d_b * (x_b . q_b) + m_b * sum(x_b) (Q4_1's minimum m_b). The
-// minimum's term goes into the same vector sum, as m_b times the block's 8-lane partial sums of x
+// minimum's term goes into the same vector sum, as m_b times the block's kLanes partial sums of x
 // (block_sums, made once per call): no scalar sum carried from block to block. Even and odd blocks
 // add into separate sums, so that the loop is bound by its work, not by FMA latency.
 template <typename Block, int R>
 inline void add_block(const float* x, const float* block_sums, const Block& block, int64_t b, int64_t num_blocks,
-                      __m256 acc[R]) {
-  __m256 q[4];
+                      Floats acc[R]) {
+  Floats q[kBlockVectors];
   unpack(block, q);
-  const __m256 d = _mm256_set1_ps(half_to_float(block.d));
+  const Floats d = broadcast_float(half_to_float(block.d));
   for (int r = 0; r < R; ++r) {
     const float* xb = x + (r * num_blocks + b) * kBlockWeights;
-    const __m256 front = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]));
-    const __m256 back = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), q[2]));
-    acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(front, back), acc[r]);
+    Floats dot = fma_floats(load_floats(xb + kLanes), q[1], mul_floats(load_floats(xb), q[0]));
+    if constexpr (kBlockVectors == 4)
+      dot = add_floats(dot, fma_floats(load_floats(xb + 3 * kLanes), q[3], mul_floats(load_floats(xb + 2 * kLanes), q[2])));
+    acc[r] = fma_floats(d, dot, acc[r]);
     if constexpr (std::is_same_v<Block, BlockQ4_1>) {
-      const __m256 m = _mm256_set1_ps(half_to_float(block.m));
-      acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(block_sums + (r * num_blocks + b) * 8), acc[r]);
+      const Floats m = broadcast_float(half_to_float(block.m));
+      acc[r] = fma_floats(m, load_floats(block_sums + (r * num_blocks + b) * kLanes), acc[r]);
     }
   }
 }
@@ -292,15 +355,15 @@ void few_rows_times_blocks(const float* x, const float* block_sums, const Block*
                            int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = w + n * num_blocks;
-    __m256 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    Floats even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = zero_floats();
     int64_t b = 0;
     for (; b + 2 <= num_blocks; b += 2) {
       add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
       add_block<Block, R>(x, block_sums, row[b + 1], b + 1, num_blocks, odd);
     }
     if (b < num_blocks) add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
-    for (int r = 0; r < R; ++r) out[r * out_features + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < R; ++r) out[r * out_features + n] = sum_floats(add_floats(even[r], odd[r]));
   }
 }
 
@@ -315,13 +378,13 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
   auto out = at::empty({num_rows, out_features}, rows.options());
   if (num_rows == 0) return out;
   const float* x_data = rows.data_ptr<float>();
-  // Each block's x as 8-lane partial sums (lane j: x[j] + x[8 + j] + x[16 + j] + x[24 + j]).
-  std::vector<float> block_sums(num_rows * num_blocks * 8);
+  // Each block's x as kLanes partial sums (lane j: the sum of x[j + kLanes v] over its vectors v).
+  std::vector<float> block_sums(num_rows * num_blocks * kLanes);
   for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
     const float* xb = x_data + i * kBlockWeights;
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-    _mm256_storeu_ps(block_sums.data() + i * 8, sum);
+    Floats sum = add_floats(load_floats(xb), load_floats(xb + kLanes));
+    if constexpr (kBlockVectors == 4) sum = add_floats(sum, add_floats(load_floats(xb + 16), load_floats(xb + 24)));
+    store_floats(block_sums.data() + i * kLanes, sum);
   }
   const float* s_data = block_sums.data();
   const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
@@ -709,10 +772,15 @@ ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t 
 }
 
 // The 8 int32 lane sums of unsigned bytes u times signed bytes s (lane j: bytes 4 j .. 4 j + 3).
-// maddubs saturates pairs at int16: u <= 63 (or the sign trick's |w| <= 128) times |s| <= 127 fits.
+// AVX2's maddubs saturates pairs at int16: u <= 63 (or the sign trick's |w| <= 128) times
+// |s| <= 127 fits, so both forms give the same exact sums.
+#ifdef BRIGADE_AVX512
+inline __m256i dot_u8_i8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#else
 inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+#endif
 // The same for signed bytes w: |w| against s with w's sign moved onto s.
 inline __m256i dot_i8_i8(__m256i w, __m256i s) { return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
 
@@ -1003,7 +1071,11 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
 
 }  // namespace
 
-TORCH_LIBRARY(brigade, m) {
+// One level of indirection, so that TORCH_LIBRARY sees the namespace BRIGADE_OPS_NAMESPACE names.
+#define BRIGADE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define BRIGADE_LIBRARY_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+
+BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
@@ -1020,7 +1092,7 @@ TORCH_LIBRARY(brigade, m) {
       "int num_heads, float scale, bool int8_activations=False) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(brigade, CPU, m) {
+BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);

@@ -4,11 +4,18 @@ residual add + RMSNorm, and a whole decoder layer for decode steps of a few sequ
 on first use.
 
 The host's C++ compiler builds them once per source, flags and torch version into
-$BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 20 s the first time, a
+$BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 30 s the first time, a
 quarter of a second to load after. Each build writes a private file and renames it into place,
 so concurrent workers never wait on each other's lock and a killed build leaves nothing half
 written. Without a compiler or AVX2 + FMA the CPU path keeps its torch ops (gather + SDPA,
 F.linear); `load()` logs why.
+
+The source is built for an instruction set (ISAS): "avx2" (AVX2 + FMA + F16C), or "avx512"
+(AVX-512 F/BW/VL/DQ with VNNI), whose kernels compute 16 floats a vector and whose 8-bit dot
+products are VNNI's. `isa()` picks the widest one this CPU has; BRIGADE_CPU_ISA=avx2 asks for the
+narrower one (an A/B, or a CPU whose AVX-512 is slower). Each build registers its ops under its
+own namespace (torch.ops.brigade, torch.ops.brigade_avx512), so both can be loaded into one
+process, which is how the tests hold each against the references.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +41,62 @@ BUILD_TIMEOUT_S = 600
 FLAGS = ("-shared", "-fPIC", "-std=c++20", "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 
 
-def _compile_command(output: Path) -> list[str]:
+@dataclass(frozen=True)
+class Isa:
+    """One build of cpu_ops.cpp: the compiler flags it adds, the /proc/cpuinfo flags a CPU needs to
+    run it, and the torch.ops namespace its ops register under."""
+
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    namespace: str
+
+
+ISAS = {
+    "avx2": Isa((), frozenset({"avx2", "fma", "f16c"}), "brigade"),
+    "avx512": Isa(
+        (
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512vnni",
+            "-DBRIGADE_OPS_NAMESPACE=brigade_avx512",
+        ),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+        "brigade_avx512",
+    ),
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def available_isas() -> list[str]:
+    """The builds this CPU can run, narrowest first."""
+    return [name for name, isa in ISAS.items() if isa.cpu_flags <= cpu_flags()]
+
+
+@functools.cache
+def isa() -> str:
+    """The build the CPU path uses: BRIGADE_CPU_ISA if set, else the widest this CPU runs."""
+    wanted = os.environ.get("BRIGADE_CPU_ISA", "")
+    if wanted:
+        if wanted not in ISAS:
+            raise ValueError(f"BRIGADE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
+        return wanted
+    available = available_isas()
+    return available[-1] if available else "avx2"
+
+
+def _compile_command(output: Path, isa_name: str) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -41,6 +104,7 @@ def _compile_command(output: Path) -> list[str]:
         os.environ.get("CXX", "c++"),
         str(SOURCE),
         *FLAGS,
+        *ISAS[isa_name].flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-isystem{path}" for path in include_paths()),
         *(f"-L{path}" for path in library_paths()),
@@ -51,31 +115,37 @@ def _compile_command(output: Path) -> list[str]:
     ]
 
 
-def library_path() -> Path:
+def library_path(isa_name: str) -> Path:
     """Where the build for this source, these flags and this torch lives."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*FLAGS, torch.__version__)).encode()).hexdigest()[
-        :16
-    ]
+    flags = " ".join((*FLAGS, *ISAS[isa_name].flags, torch.__version__))
+    key = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
-    return root / "kernels" / f"cpu_ops-{key}.so"
+    return root / "kernels" / f"cpu_ops-{isa_name}-{key}.so"
+
+
+def load() -> bool:
+    """Build (or find the build of) the ops for `isa()` and load them; False, logged, where they cannot be."""
+    return load_isa(isa())
 
 
 @functools.cache
-def load() -> bool:
-    """Build (or find the build of) the ops and load them; False, logged, where they cannot be."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("cpu_ops: this CPU has no AVX2; the CPU path keeps its torch ops")
+def load_isa(isa_name: str) -> bool:
+    """load() for one build: False, logged, where the CPU lacks its instructions or it cannot be built."""
+    missing = ISAS[isa_name].cpu_flags - cpu_flags()
+    if missing or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("cpu_ops: this CPU lacks %s for the %s kernels; the CPU path keeps its torch ops",
+                 ", ".join(sorted(missing)) or "AVX2", isa_name)  # fmt: skip
         return False
-    path = library_path()
+    path = library_path(isa_name)
     try:
         if not path.exists():
-            log.info("cpu_ops: compiling the CPU kernels once (about 20 s) into %s", path)
+            log.info("cpu_ops: compiling the %s CPU kernels once (about 30 s) into %s", isa_name, path)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
             os.close(fd)
             try:
                 subprocess.run(
-                    _compile_command(Path(tmp)),
+                    _compile_command(Path(tmp), isa_name),
                     check=True,
                     capture_output=True,
                     text=True,
@@ -90,6 +160,11 @@ def load() -> bool:
         log.warning("cpu_ops: not available (%s); the CPU path keeps its torch ops", detail)
         return False
     return True
+
+
+def ops():
+    """The loaded ops of the build the CPU path uses (torch.ops.brigade or torch.ops.brigade_avx512)."""
+    return getattr(torch.ops, ISAS[isa()].namespace)
 
 
 def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
@@ -111,12 +186,12 @@ def paged_decode(
 ) -> torch.Tensor:
     """q [S, Hq, D] (one token per sequence) over its context in the caches [N, block_size, Hk, D]:
     block_tables [S, max_blocks] and seq_lens [S] (int64 avoids a conversion per call) -> [S, Hq, D]."""
-    return torch.ops.brigade.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return ops().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x of at most MAX_LINEAR_ROWS rows, from the [out, in] weight read once."""
-    return torch.ops.brigade.few_rows_linear(x, weight, bias)
+    return ops().few_rows_linear(x, weight, bias)
 
 
 # The GGUF block formats few_rows_linear_quantized reads: bytes of a block of BLOCK_WEIGHTS (Q4_1,
@@ -172,14 +247,14 @@ def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
 def few_rows_linear_quantized(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """F.linear for x of at most MAX_LINEAR_ROWS rows from weights in a GGUF block format:
     blocks [out, in / 32 * block bytes] uint8, each row its GGUF blocks reordered by `to_lanes`."""
-    return torch.ops.brigade.few_rows_linear_quantized(x, blocks, fmt)
+    return ops().few_rows_linear_quantized(x, blocks, fmt)
 
 
 def add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), residual None meaning none, in one pass."""
-    return torch.ops.brigade.add_rms_norm(x, weight, eps, residual)
+    return ops().add_rms_norm(x, weight, eps, residual)
 
 
 def few_rows_decode_layer(
@@ -205,7 +280,7 @@ def few_rows_decode_layer(
     fused weight whose parts have different formats. cos / sin: [T, D] signed
     full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
     blocks multiply by linear_quantized_int8."""
-    return torch.ops.brigade.few_rows_decode_layer(
+    return ops().few_rows_decode_layer(
         hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads,
         scale, int8_activations,
     )  # fmt: skip
@@ -217,4 +292,4 @@ def linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> to
     q = rint(x * (1 / d)) with d = max|x| / 127 (float32), then integer dot products with the weight
     quants and float scales. Not the float32 result: the activations are rounded
     (engine.cpu_int8_activations opts in)."""
-    return torch.ops.brigade.linear_quantized_int8(x, blocks, fmt)
+    return ops().linear_quantized_int8(x, blocks, fmt)

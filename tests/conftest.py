@@ -101,6 +101,22 @@ def cpu_kernels_built() -> None:
     cpu_ops.load()
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a C++-kernel test once per build of cpu_ops (kernels/cpu_ops.py, ISAS) that this CPU
+    can run, with the module's ops pointed at that build; a build the CPU lacks is skipped."""
+    from kernels import cpu_ops
+
+    name = request.param
+    if name not in cpu_ops.available_isas():
+        pytest.skip(f"this CPU cannot run the {name} build of the CPU kernels")
+    monkeypatch.setenv("BRIGADE_CPU_ISA", name)
+    cpu_ops.isa.cache_clear()
+    request.addfinalizer(cpu_ops.isa.cache_clear)
+    assert cpu_ops.load(), f"the {name} build of the CPU kernels failed"
+    return name
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once to an HF-format dir (cached)."""

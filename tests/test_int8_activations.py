@@ -75,6 +75,7 @@ CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
 
 
 @pytest.mark.parametrize(("fmt", "in_features", "out_features"), CASES)
+@pytest.mark.usefixtures("cpu_isa")
 def test_int8_linear_matches_the_integer_reference(fmt: str, in_features: int, out_features: int):
     """0-5 and 11 rows (chunks of four and a partial one), strided input: the kernel equals the
     reference up to float32 summation order, and stays within the activations' rounding of the
@@ -100,6 +101,7 @@ def test_int8_linear_matches_the_integer_reference(fmt: str, in_features: int, o
 
 
 @pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+@pytest.mark.usefixtures("cpu_isa")
 def test_int8_linear_rows_are_independent_and_zero_rows_give_zero(fmt: str):
     """Each row is quantized on its own (no batch-wide scale): a row's output does not depend on
     its batchmates; an all-zero row (d = 0) gives zeros, not NaN."""
@@ -117,6 +119,7 @@ def test_int8_linear_rows_are_independent_and_zero_rows_give_zero(fmt: str):
 
 
 @pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+@pytest.mark.usefixtures("cpu_isa")
 def test_int8_linear_counts_a_block_of_tiny_values_as_zeros(fmt: str):
     """A block whose largest value is below 127 times float32's smallest normal number (1 / d
     would overflow) multiplies as zeros, with the right sign everywhere else; a block of small
@@ -145,6 +148,7 @@ def test_int8_linear_counts_a_block_of_tiny_values_as_zeros(fmt: str):
 
 
 @pytest.mark.parametrize("fmt", cpu_ops.QUANTIZED_FORMATS)
+@pytest.mark.usefixtures("cpu_isa")
 def test_int8_linear_propagates_nan_and_inf(fmt: str):
     """A non-finite activation makes its row's outputs NaN, as float32 would, rather than being
     quantized into plausible numbers; the other rows are untouched."""
@@ -261,6 +265,9 @@ def test_smollm2_int8_activations_reach_wider_steps_up_to_their_limit(smollm2_in
 
     runner = smollm2_int8
     model = runner.model
+    # The widest limit of any build (AVX2's); the AVX-512 build's own stops at the few-rows steps.
+    assert model.int8_blocks_max_rows == INT8_BLOCKS_MAX_ROWS[cpu_ops.isa()]
+    monkeypatch.setattr(model, "int8_blocks_max_rows", INT8_BLOCKS_MAX_ROWS["avx2"])
     widths: list[int] = []  # rows of every 8-bit multiply
     int8_linear = cpu_ops.linear_quantized_int8
 
@@ -272,7 +279,7 @@ def test_smollm2_int8_activations_reach_wider_steps_up_to_their_limit(smollm2_in
     builder = PlanBuilder(runner.block_size)
     histories = {i: random_ids(rng, 12 + i, runner.vocab_size) for i in range(8)}
     runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
-    limit = INT8_BLOCKS_MAX_ROWS
+    limit = model.int8_blocks_max_rows
     steps = {  # name: (chunks, rows sampled, width of the layers' 8-bit multiplies or None)
         "decode of 8": ([(i, [int(rng.integers(0, runner.vocab_size))], True) for i in range(8)], 8, 8),
         "prefill of 20": ([(100, random_ids(rng, 20, runner.vocab_size), True)], 1, 20),

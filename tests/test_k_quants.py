@@ -62,6 +62,7 @@ def k_quant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.usefixtures("cpu_isa")
 def test_k_quant_weights_multiply_from_their_blocks(
     k_quant_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

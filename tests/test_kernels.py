@@ -315,6 +315,7 @@ def has_cpu_kernels() -> bool:
         (4, 1, 256, 32),
     ],
 )
+@pytest.mark.usefixtures("cpu_isa")
 def test_paged_decode_cpu_matches_ref(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
     assert has_cpu_kernels()
     torch.manual_seed(num_q_heads * head_dim + block_size)
@@ -329,6 +330,7 @@ def test_paged_decode_cpu_matches_ref(num_q_heads: int, num_kv_heads: int, head_
     assert_close(cpu_ops.paged_decode(*strided), paged_decode_ref(*args))
 
 
+@pytest.mark.usefixtures("cpu_isa")
 def test_paged_decode_cpu_is_batch_independent():
     """A sequence's output does not depend on the others in its batch, bit for bit."""
     assert has_cpu_kernels()
@@ -378,17 +380,70 @@ def test_paged_decode_cpu_without_a_compiler_falls_back(monkeypatch: pytest.Monk
     """A failed build is reported (False, logged), not raised: the CPU path keeps its torch ops."""
     monkeypatch.setenv("BRIGADE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    cpu_ops.load.cache_clear()
+    cpu_ops.load_isa.cache_clear()
     try:
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
             assert not cpu_ops.load()
             assert not cpu_ops.has_paged_decode(64, torch.float32)
         assert list(tmp_path.rglob("*.so*")) == []  # no half-written build left behind
     finally:
-        cpu_ops.load.cache_clear()
+        cpu_ops.load_isa.cache_clear()
+
+
+def test_the_kernels_build_for_the_widest_instruction_set_the_cpu_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """isa() takes the widest build whose CPU flags are all present, BRIGADE_CPU_ISA overrides it
+    (an unknown name is an error that lists the known ones), and a build the CPU cannot run is
+    refused before anything is compiled."""
+    avx2_only = cpu_ops.ISAS["avx2"].cpu_flags | {"sse4_2"}
+    try:
+        monkeypatch.delenv("BRIGADE_CPU_ISA", raising=False)
+        for flags, widest in ((avx2_only, "avx2"), (avx2_only | cpu_ops.ISAS["avx512"].cpu_flags, "avx512")):
+            monkeypatch.setattr(cpu_ops, "cpu_flags", lambda flags=flags: frozenset(flags))
+            cpu_ops.isa.cache_clear()
+            assert cpu_ops.isa() == widest
+            assert cpu_ops.available_isas()[-1] == widest
+        monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset(avx2_only))
+        cpu_ops.load_isa.cache_clear()
+        monkeypatch.setenv("BRIGADE_CACHE", "/nonexistent/never-built")
+        assert not cpu_ops.load_isa("avx512")  # lacks avx512f: refused, nothing built
+        monkeypatch.setenv("BRIGADE_CPU_ISA", "avx2")
+        cpu_ops.isa.cache_clear()
+        assert cpu_ops.isa() == "avx2"
+        monkeypatch.setenv("BRIGADE_CPU_ISA", "sse9")
+        cpu_ops.isa.cache_clear()
+        with pytest.raises(ValueError, match="avx2, avx512"):
+            cpu_ops.isa()
+    finally:
+        cpu_ops.isa.cache_clear()
+        cpu_ops.load_isa.cache_clear()
+
+
+def test_both_builds_load_into_one_process_under_their_own_namespaces() -> None:
+    """Where the CPU runs both builds, each registers its ops apart (the tests use that to hold
+    each against the references); their float results agree to rounding, their 8-bit ones exactly."""
+    if cpu_ops.available_isas() != ["avx2", "avx512"]:
+        pytest.skip("this CPU runs only the AVX2 build")
+    assert all(cpu_ops.load_isa(name) for name in cpu_ops.ISAS)
+    narrow, wide = (getattr(torch.ops, isa.namespace) for isa in cpu_ops.ISAS.values())
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 576, generator=gen).numpy()
+    blocks = torch.from_numpy(cpu_ops.to_lanes(quantize(weight, GGMLQuantizationType.Q8_0), "Q8_0"))
+    x = torch.randn(3, 576, generator=gen)
+    assert_close(
+        wide.few_rows_linear_quantized(x, blocks, "Q8_0"), narrow.few_rows_linear_quantized(x, blocks, "Q8_0")
+    )
+    assert torch.equal(
+        wide.linear_quantized_int8(x, blocks, "Q8_0"), narrow.linear_quantized_int8(x, blocks, "Q8_0")
+    )
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (40, 7), (3, 130)])
+@pytest.mark.usefixtures("cpu_isa")
 def test_few_rows_linear_matches_f_linear(in_features: int, out_features: int):
     """0-4 rows, with and without bias, a strided input; in_features off the 32-wide loop too."""
     assert has_cpu_kernels()
@@ -417,6 +472,7 @@ def test_few_rows_linear_refuses_bad_input():
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the K-quants: test_few_rows_linear_k_quants_...
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5)])
+@pytest.mark.usefixtures("cpu_isa")
 def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: int, out_features: int):
     """GGUF blocks (made by gguf's own quantizer), reordered by to_lanes, multiply like their
     dequantization (gguf's own) does with F.linear: 0-4 rows, strided input."""
@@ -451,6 +507,7 @@ def test_few_rows_linear_quantized_refuses_bad_input():
         cpu_ops.to_lanes(blocks.numpy(), "Q3_K")
 
 
+@pytest.mark.usefixtures("cpu_isa")
 def test_add_rms_norm_matches_torch():
     assert has_cpu_kernels()
     gen = torch.Generator().manual_seed(3)
@@ -561,6 +618,7 @@ def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) 
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize(("in_features", "out_features"), [(512, 70), (256, 3), (1536, 33)])
+@pytest.mark.usefixtures("cpu_isa")
 def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str, in_features: int, out_features: int):
     """Each K-quant GEMV from its own super-blocks against x @ W^T with W from gguf's dequantizer:
     one to six super-blocks a row (random bytes: every quant, high-bit and scale pattern), an odd

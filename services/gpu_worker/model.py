@@ -94,7 +94,9 @@ CAN_PREPACK = (
 # this many rows multiply the weights that have GGUF blocks against 8-bit activations
 # (cpu_ops.linear_quantized_int8) instead of their oneDNN float32 copy; wider steps keep oneDNN,
 # whose float32 GEMM is as fast there and faster at 64 rows (docs/performance.md, "8-bit activations").
-INT8_BLOCKS_MAX_ROWS = 32
+# Per build of the kernels (cpu_ops.isa()): on an AVX-512 CPU oneDNN's GEMM is AVX-512 too, and
+# faster than the 8-bit kernel from 5 rows on, so there the option stops at the few-rows steps.
+INT8_BLOCKS_MAX_ROWS = {"avx2": 32, "avx512": cpu_ops.MAX_LINEAR_ROWS}
 
 
 def has_native_half_matmul(device: torch.device) -> bool:
@@ -347,10 +349,11 @@ class LlamaModel:
         self.has_one_op_layers = (
             self.has_few_rows_linear and not parallel.is_parallel and config.is_plain_llama
         )
-        # engine.cpu_int8_activations: steps of up to INT8_BLOCKS_MAX_ROWS rows multiply the GGUF
+        # engine.cpu_int8_activations: steps of up to int8_blocks_max_rows rows multiply the GGUF
         # blocks by 8-bit activations (cpu_ops.linear_quantized_int8), as llama.cpp does;
         # float32 weights and wider steps are unchanged.
         self.int8_activations = int8_activations
+        self.int8_blocks_max_rows = INT8_BLOCKS_MAX_ROWS[cpu_ops.isa()]
         self._loaded: set[str] = set()
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -655,7 +658,7 @@ class LlamaModel:
             self.int8_activations
             and self.has_few_rows_linear
             and self.lm_head_onednn is not None
-            and num_rows <= INT8_BLOCKS_MAX_ROWS
+            and num_rows <= self.int8_blocks_max_rows
         ):
             return "int8_blocks"
         if self.lm_head_t is not None and num_rows <= TRANSPOSED_MAX_ROWS:
