@@ -54,3 +54,27 @@ def test_quick_run_times_every_op_against_its_reference(tmp_path: Path) -> None:
         assert r["speedup"] > 0 and r["matches"] and r["max_abs_diff"] < 1e-3, r
     assert report["repeats"] == 3 and report["quick"] is True
     assert "paged_decode" in proc.stdout and "ref/op" in proc.stdout  # the printed table
+
+
+@pytest.mark.timeout(300)
+def test_isa_ab_times_both_builds_on_every_weight_and_they_agree(tmp_path: Path) -> None:
+    """benchmarks/isa_ab.py: each few-rows op of the AVX2 build against the AVX-512 one, on every
+    SmolLM2 weight shape, in one process; the builds agree on every case."""
+    if cpu_ops.available_isas() != list(cpu_ops.ISAS):
+        pytest.skip("this CPU runs only the AVX2 build")
+    out = tmp_path / "isa.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/isa_ab.py", "--repeats", "1", "--rows", "1,3", "--json", str(out)],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert {r["weight"] for r in results} == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
+    assert {r["rows"] for r in results} == {1, 3}
+    assert {r["op"] for r in results} == {
+        "few_rows_linear_quantized Q4_1", "few_rows_linear_quantized Q8_0",
+        "linear_quantized_int8 Q4_1", "linear_quantized_int8 Q8_0", "few_rows_linear float32",
+    }  # fmt: skip
+    assert all(r["matches"] and r["us"]["avx2"]["min"] > 0 and r["avx2_over_avx512"] > 0 for r in results)
