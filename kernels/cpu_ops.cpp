@@ -383,7 +383,8 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
   for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
     const float* xb = x_data + i * kBlockWeights;
     Floats sum = add_floats(load_floats(xb), load_floats(xb + kLanes));
-    if constexpr (kBlockVectors == 4) sum = add_floats(sum, add_floats(load_floats(xb + 16), load_floats(xb + 24)));
+    if constexpr (kBlockVectors == 4)
+      sum = add_floats(sum, add_floats(load_floats(xb + 2 * kLanes), load_floats(xb + 3 * kLanes)));
     store_floats(block_sums.data() + i * kLanes, sum);
   }
   const float* s_data = block_sums.data();

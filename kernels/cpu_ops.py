@@ -51,8 +51,9 @@ class Isa:
     namespace: str
 
 
+AVX2_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 ISAS = {
-    "avx2": Isa((), frozenset({"avx2", "fma", "f16c"}), "brigade"),
+    "avx2": Isa((), AVX2_CPU_FLAGS, "brigade"),
     "avx512": Isa(
         (
             "-mavx512f",
@@ -62,7 +63,7 @@ ISAS = {
             "-mavx512vnni",
             "-DBRIGADE_OPS_NAMESPACE=brigade_avx512",
         ),
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+        AVX2_CPU_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
         "brigade_avx512",
     ),
 }
@@ -70,13 +71,15 @@ ISAS = {
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags; where that cannot be read, AVX2's if torch's own check finds
+    it (as before there were several builds), else none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return frozenset()
+    return AVX2_CPU_FLAGS if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else frozenset()
 
 
 def available_isas() -> list[str]:

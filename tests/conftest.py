@@ -108,6 +108,7 @@ def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     from kernels import cpu_ops
 
     name = request.param
+    assert list(cpu_ops.ISAS) == ["avx2", "avx512"], "the fixture's params must name every build"
     if name not in cpu_ops.available_isas():
         pytest.skip(f"this CPU cannot run the {name} build of the CPU kernels")
     monkeypatch.setenv("BRIGADE_CPU_ISA", name)

@@ -420,6 +420,26 @@ def test_the_kernels_build_for_the_widest_instruction_set_the_cpu_has(
         cpu_ops.load_isa.cache_clear()
 
 
+def test_without_a_readable_cpuinfo_the_cpu_counts_as_avx2_by_torchs_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Unreadable:
+        def __init__(self, *_: object) -> None:
+            pass
+
+        def read_text(self) -> str:
+            raise PermissionError("/proc/cpuinfo")
+
+    monkeypatch.setattr(cpu_ops, "Path", Unreadable)
+    cpu_ops.cpu_flags.cache_clear()
+    try:
+        has_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        assert cpu_ops.cpu_flags() == (cpu_ops.AVX2_CPU_FLAGS if has_avx2 else frozenset())
+        assert cpu_ops.available_isas() == (["avx2"] if has_avx2 else [])
+    finally:
+        cpu_ops.cpu_flags.cache_clear()
+
+
 def test_both_builds_load_into_one_process_under_their_own_namespaces() -> None:
     """Where the CPU runs both builds, each registers its ops apart (the tests use that to hold
     each against the references); their float results agree to rounding, their 8-bit ones exactly."""
