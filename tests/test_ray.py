@@ -203,7 +203,10 @@ def test_engine_groups_are_added_on_another_node_and_retired_live(
     run_dir = tmp_path / "run"
     config = tmp_path / "groups.yaml"
     config.write_text(yaml.safe_dump({"engine": {"data_parallel": 1}}))
-    overrides = ray_overrides(ray_cluster, tiny_model_dir, "supervisor.drain_timeout_s=0.5")
+    # A short drain and heartbeat (the retirement reads loads for two beats first), so that the
+    # retired group still runs requests when it stops (the move) even on a fast CPU.
+    drain = ("supervisor.drain_timeout_s=0.05", "supervisor.heartbeat_interval_s=0.1")
+    overrides = ray_overrides(ray_cluster, tiny_model_dir, *drain)
     with brigade_run(run_dir, *overrides, config=str(config)) as run:
         run_id = read_run_info(run_dir).run_id
         first = nodes_of(run)["scheduler-0"]

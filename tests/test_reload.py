@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_REQUESTS = 8
 NEW_TOKENS = 48
-GROUP_TOKENS = 400  # long enough that a group retired mid-stream still runs some
+GROUP_TOKENS = 1000  # long enough that a group retired mid-stream still runs some
 
 
 def write_config(
@@ -113,15 +113,20 @@ def test_engine_groups_are_added_and_retired_live_without_losing_requests(
     takes requests once it is up; the retired one stops taking them, and what it still ran when
     supervisor.drain_timeout_s ended is moved to the other group. Greedy text is unchanged."""
     config = tmp_path / "brigade.yaml"
-    layout = {"threads": 1}
-    write_config(config, tiny_model_dir, 1, 1, data_parallel=1, **layout)
+
+    def write_groups(data_parallel: int) -> None:
+        write_config(config, tiny_model_dir, 1, 1, GROUP_TOKENS + 64, data_parallel=data_parallel, threads=1)
+
+    write_groups(1)
     run_dir = tmp_path / "run"
-    # A short drain, so that the retired group still runs requests when it stops (the move).
-    with brigade_run(run_dir, "supervisor.drain_timeout_s=0.5", config=str(config)) as run:
+    # A short drain and heartbeat (the retirement reads loads for two beats first), so that the
+    # retired group still runs requests when it stops (the move) even on a fast CPU.
+    drain = ("supervisor.drain_timeout_s=0.05", "supervisor.heartbeat_interval_s=0.1")
+    with brigade_run(run_dir, *drain, config=str(config)) as run:
         reference = streams(run_dir, new_tokens=GROUP_TOKENS)
 
         def grow() -> None:
-            write_config(config, tiny_model_dir, 1, 1, data_parallel=2, **layout)
+            write_groups(2)
             run.process.send_signal(signal.SIGHUP)
 
         assert streams(run_dir, during=grow, new_tokens=GROUP_TOKENS) == reference
@@ -129,7 +134,7 @@ def test_engine_groups_are_added_and_retired_live_without_losing_requests(
         assert {r["name"] for r in run.status()} >= {"scheduler-1", "gpu_worker-1-0"}
 
         def shrink() -> None:
-            write_config(config, tiny_model_dir, 1, 1, data_parallel=1, **layout)
+            write_groups(1)
             run.process.send_signal(signal.SIGHUP)
 
         assert streams(run_dir, during=shrink, new_tokens=GROUP_TOKENS) == reference
