@@ -162,7 +162,7 @@ def int8_ab(
 
 def in_features(weight: QuantizedWeight) -> int:
     per_block = cpu_ops.SUPER_BLOCK_WEIGHTS if weight.format in cpu_ops.K_QUANTS else cpu_ops.BLOCK_WEIGHTS
-    return weight.blocks.shape[1] // cpu_ops.BLOCK_BYTES[weight.format] * per_block
+    return weight.blocks.shape[1] // cpu_ops.PACKED_BLOCK_BYTES[weight.format] * per_block
 
 
 def int8_gemv_ab(runner: ModelRunner, reps: int) -> dict:

@@ -263,21 +263,54 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
-// GGUF blocks of 32 weights along a row (ggml's block_q4_1 and block_q8_0), their quants
-// reordered once at load (kernels/cpu_ops.py, `to_lanes`) so that 8 consecutive weights come out
-// of one 16-byte broadcast with per-lane shifts, no byte shuffles: weight k = 8 v + i (vector v,
-// lane i) sits in 32-bit word i % 4 of its 16 bytes, at nibble (Q4_1) or byte (Q8_0) position
-// 2 v + i / 4, counted within its 16-byte half for Q8_0.
+// GGUF blocks of 32 weights along a row (ggml's block_q4_1 and block_q8_0), packed once at load
+// (kernels/cpu_ops.py, `to_lanes`):
+// - the quants reordered so that 8 consecutive weights come out of one 16-byte broadcast with
+//   per-lane shifts, no byte shuffles: weight k = 8 v + i (vector v, lane i) sits in 32-bit word
+//   i % 4 of its 16 bytes, at nibble (Q4_1) or byte (Q8_0) position 2 v + i / 4, counted within
+//   its 16-byte half for Q8_0;
+// - the float16 scale widened to float32 in front of its quants, so that an FMA takes it straight
+//   from memory instead of converting it in every block;
+// - Q4_1's minimums moved out of the blocks to the end of their row, float32 [blocks]: their term,
+//   sum over blocks of m_b * sum(x_b), is one short dot product per row instead of work per block.
 struct BlockQ4_1 {
-  uint16_t d, m;  // float16 scale and minimum: w = d * q + m, q in 0..15
+  float d;  // w = d * q + m, q in 0..15, m in the row's minimums
   uint8_t qs[16];
 };
 struct BlockQ8_0 {
-  uint16_t d;  // float16 scale: w = d * q, q in -128..127
+  float d;  // w = d * q, q in -128..127
   int8_t qs[32];
 };
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block layouts");
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 36, "packed block layouts");
 constexpr int64_t kBlockWeights = 32;
+
+// A row of packed blocks: its blocks, then (Q4_1) its minimums.
+template <typename Block>
+constexpr bool kHasMinimums = std::is_same_v<Block, BlockQ4_1>;
+template <typename Block>
+constexpr int64_t row_bytes(int64_t num_blocks) {
+  return num_blocks * (int64_t(sizeof(Block)) + (kHasMinimums<Block> ? int64_t(sizeof(float)) : 0));
+}
+template <typename Block>
+struct PackedRow {
+  const Block* blocks;
+  const float* minimums;  // [blocks], Q4_1 only
+};
+template <typename Block>
+inline PackedRow<Block> packed_row(const uint8_t* base, int64_t n, int64_t num_blocks) {
+  const uint8_t* row = base + n * row_bytes<Block>(num_blocks);
+  return {reinterpret_cast<const Block*>(row), reinterpret_cast<const float*>(row + num_blocks * sizeof(Block))};
+}
+
+// sum of a[i] * b[i] over n floats.
+inline float dot_product(const float* a, const float* b, int64_t n) {
+  Floats sum = zero_floats();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) sum = fma_floats(load_floats(a + i), load_floats(b + i), sum);
+  float total = sum_floats(sum);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -327,43 +360,41 @@ inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
   }
 }
 #endif
-// out[r, n] = sum over blocks b of d_b * (x_b . q_b) + m_b * sum(x_b) (Q4_1's minimum m_b). The
-// minimum's term goes into the same vector sum, as m_b times the block's kLanes partial sums of x
-// (block_sums, made once per call): no scalar sum carried from block to block. Even and odd blocks
-// add into separate sums, so that the loop is bound by its work, not by FMA latency.
+// out[r, n] = sum over blocks b of d_b * (x_b . q_b), plus for Q4_1 the minimums' term
+// sum over b of m_b * sum(x_b) (block_sums, made once per call). Even and odd blocks add into
+// separate sums, so that the loop is bound by its work, not by FMA latency.
 template <typename Block, int R>
-inline void add_block(const float* x, const float* block_sums, const Block& block, int64_t b, int64_t num_blocks,
-                      Floats acc[R]) {
+inline void add_block(const float* x, const Block& block, int64_t b, int64_t num_blocks, Floats acc[R]) {
   Floats q[kBlockVectors];
   unpack(block, q);
-  const Floats d = broadcast_float(half_to_float(block.d));
+  const Floats d = broadcast_float(block.d);
   for (int r = 0; r < R; ++r) {
     const float* xb = x + (r * num_blocks + b) * kBlockWeights;
     Floats dot = fma_floats(load_floats(xb + kLanes), q[1], mul_floats(load_floats(xb), q[0]));
     if constexpr (kBlockVectors == 4)
       dot = add_floats(dot, fma_floats(load_floats(xb + 3 * kLanes), q[3], mul_floats(load_floats(xb + 2 * kLanes), q[2])));
     acc[r] = fma_floats(d, dot, acc[r]);
-    if constexpr (std::is_same_v<Block, BlockQ4_1>) {
-      const Floats m = broadcast_float(half_to_float(block.m));
-      acc[r] = fma_floats(m, load_floats(block_sums + (r * num_blocks + b) * kLanes), acc[r]);
-    }
   }
 }
 
 template <typename Block, int R>
-void few_rows_times_blocks(const float* x, const float* block_sums, const Block* w, float* out,
+void few_rows_times_blocks(const float* x, const float* block_sums, const uint8_t* w, float* out,
                            int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const Block* row = w + n * num_blocks;
+    const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
     Floats even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = zero_floats();
     int64_t b = 0;
     for (; b + 2 <= num_blocks; b += 2) {
-      add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
-      add_block<Block, R>(x, block_sums, row[b + 1], b + 1, num_blocks, odd);
+      add_block<Block, R>(x, row.blocks[b], b, num_blocks, even);
+      add_block<Block, R>(x, row.blocks[b + 1], b + 1, num_blocks, odd);
     }
-    if (b < num_blocks) add_block<Block, R>(x, block_sums, row[b], b, num_blocks, even);
-    for (int r = 0; r < R; ++r) out[r * out_features + n] = sum_floats(add_floats(even[r], odd[r]));
+    if (b < num_blocks) add_block<Block, R>(x, row.blocks[b], b, num_blocks, even);
+    for (int r = 0; r < R; ++r) {
+      float sum = sum_floats(add_floats(even[r], odd[r]));
+      if constexpr (kHasMinimums<Block>) sum += dot_product(row.minimums, block_sums + r * num_blocks, num_blocks);
+      out[r * out_features + n] = sum;
+    }
   }
 }
 
@@ -371,24 +402,24 @@ template <typename Block>
 at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks) {
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
   const int64_t num_blocks = in_features / kBlockWeights;
-  TORCH_CHECK(in_features % kBlockWeights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
-              "few_rows_linear_quantized: ", in_features, " inputs need ", num_blocks, " blocks of ",
-              sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
+  TORCH_CHECK(in_features % kBlockWeights == 0 && blocks.size(1) == row_bytes<Block>(num_blocks),
+              "few_rows_linear_quantized: ", in_features, " inputs need ", row_bytes<Block>(num_blocks),
+              " bytes of packed blocks a row, the weight has ", blocks.size(1));
   const auto rows = x.contiguous();
   auto out = at::empty({num_rows, out_features}, rows.options());
   if (num_rows == 0) return out;
   const float* x_data = rows.data_ptr<float>();
-  // Each block's x as kLanes partial sums (lane j: the sum of x[j + kLanes v] over its vectors v).
-  std::vector<float> block_sums(num_rows * num_blocks * kLanes);
-  for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
+  // Each block's sum of x, for the minimums' term.
+  std::vector<float> block_sums(kHasMinimums<Block> ? num_rows * num_blocks : 0);
+  for (size_t i = 0; i < block_sums.size(); ++i) {
     const float* xb = x_data + i * kBlockWeights;
     Floats sum = add_floats(load_floats(xb), load_floats(xb + kLanes));
     if constexpr (kBlockVectors == 4)
       sum = add_floats(sum, add_floats(load_floats(xb + 2 * kLanes), load_floats(xb + 3 * kLanes)));
-    store_floats(block_sums.data() + i * kLanes, sum);
+    block_sums[i] = sum_floats(sum);
   }
   const float* s_data = block_sums.data();
-  const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
     with_row_count(num_rows, [&](auto rows) {
@@ -793,16 +824,17 @@ inline __m256i unpack_bytes(const BlockQ4_1& block) {
 // Block b of weight row `block` against block b of every row of x: acc[r] += d_w d_x (q_w . q_x),
 // and minimums[r] += m_w s_x for Q4_1.
 template <typename Block, int R>
-inline void add_int8_block(ActivationRows a, const Block& block, int64_t b, int64_t num_blocks, __m256 acc[R],
+inline void add_int8_block(ActivationRows a, PackedRow<Block> row, int64_t b, int64_t num_blocks, __m256 acc[R],
                            float minimums[R]) {
-  const float dw = half_to_float(block.d);
+  const Block& block = row.blocks[b];
+  const float dw = block.d;
   for (int r = 0; r < R; ++r) {
     const int64_t i = r * num_blocks + b;
     const __m256i xq = load32(a.q + i * kBlockWeights);
     __m256i dot;
-    if constexpr (std::is_same_v<Block, BlockQ4_1>) {
+    if constexpr (kHasMinimums<Block>) {
       dot = dot_u8_i8(unpack_bytes(block), xq);
-      minimums[r] += half_to_float(block.m) * a.s[i];
+      minimums[r] += row.minimums[b] * a.s[i];
     } else {
       dot = dot_i8_i8(load32(block.qs), xq);
     }
@@ -813,19 +845,19 @@ inline void add_int8_block(ActivationRows a, const Block& block, int64_t b, int6
 // Even and odd blocks add into separate sums, so that the loop is bound by its work, not by the
 // latency of the additions.
 template <typename Block, int R>
-void int8_times_blocks(ActivationRows a, const Block* w, float* out, int64_t num_blocks, int64_t out_features,
+void int8_times_blocks(ActivationRows a, const uint8_t* w, float* out, int64_t num_blocks, int64_t out_features,
                        int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const Block* row = w + n * num_blocks;
+    const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
     __m256 even[R], odd[R];
     float even_min[R], odd_min[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), even_min[r] = odd_min[r] = 0.f;
     int64_t b = 0;
     for (; b + 2 <= num_blocks; b += 2) {
-      add_int8_block<Block, R>(a, row[b], b, num_blocks, even, even_min);
-      add_int8_block<Block, R>(a, row[b + 1], b + 1, num_blocks, odd, odd_min);
+      add_int8_block<Block, R>(a, row, b, num_blocks, even, even_min);
+      add_int8_block<Block, R>(a, row, b + 1, num_blocks, odd, odd_min);
     }
-    if (b < num_blocks) add_int8_block<Block, R>(a, row[b], b, num_blocks, even, even_min);
+    if (b < num_blocks) add_int8_block<Block, R>(a, row, b, num_blocks, even, even_min);
     for (int r = 0; r < R; ++r)
       out[r * out_features + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r])) + (even_min[r] + odd_min[r]);
   }
@@ -902,16 +934,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks) {
   constexpr int64_t block_weights = is_k_quant ? kSuperWeights : kBlockWeights;
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
   const int64_t num_blocks = in_features / block_weights;
-  TORCH_CHECK(in_features % block_weights == 0 && blocks.size(1) == num_blocks * int64_t(sizeof(Block)),
-              "linear_quantized_int8: ", in_features, " inputs need ", num_blocks, " blocks of ",
-              sizeof(Block), " bytes a row, the weight has ", blocks.size(1), " bytes");
+  TORCH_CHECK(in_features % block_weights == 0 && blocks.size(1) == row_bytes<Block>(num_blocks),
+              "linear_quantized_int8: ", in_features, " inputs need ", row_bytes<Block>(num_blocks),
+              " bytes of blocks a row, the weight has ", blocks.size(1));
   const auto rows = x.contiguous();
   auto out = at::empty({num_rows, out_features}, rows.options());
   if (num_rows == 0) return out;
   const int64_t num_act_blocks = in_features / kBlockWeights;
   const ActivationBlocks a =
       quantize_activations(rows.data_ptr<float>(), num_rows, num_act_blocks, activation_order<Block>());
-  const Block* w_data = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   float* out_data = out.data_ptr<float>();
   // Output features split over the threads; each task takes its weight rows in tiles small enough
   // for L1 and passes every chunk of up to four rows of x over a tile before the next.
@@ -925,8 +957,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks) {
           const ActivationRows rows_of_chunk = rows_from(a, first, num_act_blocks);
           float* chunk_out = out_data + first * out_features;
           if constexpr (is_k_quant)
-            int8_times_super_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, tile,
-                                              tile_end);
+            int8_times_super_blocks<Block, R>(rows_of_chunk, reinterpret_cast<const Block*>(w_data), chunk_out,
+                                              num_blocks, out_features, tile, tile_end);
           else
             int8_times_blocks<Block, R>(rows_of_chunk, w_data, chunk_out, num_blocks, out_features, tile, tile_end);
         });

@@ -198,12 +198,14 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 # The GGUF block formats few_rows_linear_quantized reads: bytes of a block of BLOCK_WEIGHTS (Q4_1,
-# Q8_0) or of a K-quant super-block of SUPER_BLOCK_WEIGHTS.
+# Q8_0) or of a K-quant super-block of SUPER_BLOCK_WEIGHTS, as the file stores them.
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 QUANTIZED_FORMATS = tuple(BLOCK_BYTES)
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # read as the file has them (no `to_lanes` reorder)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # read as the file has them (`to_lanes` leaves them be)
 BLOCK_WEIGHTS = 32
 SUPER_BLOCK_WEIGHTS = 256
+# Bytes a block takes in a row that `to_lanes` packed: float32 scales (and Q4_1's minimums).
+PACKED_BLOCK_BYTES = BLOCK_BYTES | {"Q4_1": 24, "Q8_0": 36}
 
 
 def _lane_order() -> tuple[np.ndarray, np.ndarray]:
@@ -215,41 +217,45 @@ def _lane_order() -> tuple[np.ndarray, np.ndarray]:
 
 
 def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """GGUF blocks [rows, bytes] (uint8) with their quants reordered for the kernel; the scales
-    and minimums stay where they are, and every weight keeps its value. K-quants stay as they are."""
+    """GGUF blocks [rows, bytes] (uint8) packed as the kernels read them (cpu_ops.cpp, BlockQ4_1):
+    each block's float16 scale widened to float32 in front of its quants, the quants reordered,
+    and Q4_1's minimums, float32, moved to the end of their row. Every weight keeps its value
+    (a float16 is exact in float32). K-quants stay as they are."""
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}: expected one of {QUANTIZED_FORMATS}")
     if fmt in K_QUANTS:
         return blocks
     num_rows = blocks.shape[0]
-    size = BLOCK_BYTES[fmt]
-    grouped = blocks.reshape(num_rows, -1, size)
-    header = size - 16 if fmt == "Q4_1" else size - 32
-    quants = grouped[:, :, header:]
+    grouped = blocks.reshape(num_rows, -1, BLOCK_BYTES[fmt])
+    num_blocks = grouped.shape[1]
+    halves = np.ascontiguousarray(grouped[:, :, : 4 if fmt == "Q4_1" else 2]).view(np.float16)
+    scales = halves[..., 0].astype(np.float32)
+    quants = grouped[:, :, -16:] if fmt == "Q4_1" else grouped[:, :, -32:]
     word, position = _lane_order()
-    out = grouped.copy()
     if fmt == "Q4_1":
         k = np.arange(BLOCK_WEIGHTS)
         # GGUF: weight k < 16 is the low nibble of byte k, weight k >= 16 the high nibble of byte k - 16.
         values = np.where(k < 16, quants[..., k % 16] & 0x0F, quants[..., k % 16] >> 4)
         target = 4 * word + position // 2  # byte of the nibble
-        packed = np.zeros_like(quants)
+        reordered = np.zeros_like(quants)
         for low_or_high in (0, 1):
             chosen = position % 2 == low_or_high
-            packed[..., target[chosen]] |= (values[..., chosen] << (4 * low_or_high)).astype(np.uint8)
-        out[:, :, header:] = packed
+            reordered[..., target[chosen]] |= (values[..., chosen] << (4 * low_or_high)).astype(np.uint8)
     else:  # Q8_0
         half = position // 4  # vectors 0-1 read the first 16 bytes, 2-3 the second
         target = 16 * half + 4 * word + position % 4
         reordered = np.empty_like(quants)
         reordered[..., target] = quants
-        out[:, :, header:] = reordered
-    return out.reshape(num_rows, -1)
+    packed = np.concatenate([scales[..., None].view(np.uint8), reordered], axis=2).reshape(num_rows, -1)
+    if fmt == "Q4_1":
+        minimums = halves[..., 1].astype(np.float32).view(np.uint8).reshape(num_rows, 4 * num_blocks)
+        packed = np.concatenate([packed, minimums], axis=1)
+    return packed
 
 
 def few_rows_linear_quantized(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """F.linear for x of at most MAX_LINEAR_ROWS rows from weights in a GGUF block format:
-    blocks [out, in / 32 * block bytes] uint8, each row its GGUF blocks reordered by `to_lanes`."""
+    blocks [out, in / 32 * PACKED_BLOCK_BYTES] uint8, each row its GGUF blocks packed by `to_lanes`."""
     return ops().few_rows_linear_quantized(x, blocks, fmt)
 
 

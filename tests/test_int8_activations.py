@@ -162,14 +162,14 @@ def test_int8_linear_propagates_nan_and_inf(fmt: str):
 
 def test_int8_linear_refuses_bad_input():
     assert has_cpu_kernels()
-    blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
+    blocks = torch.zeros(4, 48, dtype=torch.uint8)  # Q4_1: 2 packed blocks of 24 bytes a row = 64 inputs
     int8_linear = cpu_ops.linear_quantized_int8
     with pytest.raises(RuntimeError, match="unknown format"):
         int8_linear(torch.randn(1, 64), blocks, "Q3_K")
     with pytest.raises(RuntimeError, match="bytes"):
         int8_linear(torch.randn(1, 96), blocks, "Q4_1")
     with pytest.raises(RuntimeError, match="bytes"):
-        int8_linear(torch.randn(1, 64), blocks, "Q8_0")  # 40 bytes are not whole Q8_0 blocks for 64 inputs
+        int8_linear(torch.randn(1, 64), blocks, "Q8_0")  # 64 inputs need 2 packed Q8_0 blocks, 72 bytes
     with pytest.raises(RuntimeError, match="bytes"):
         int8_linear(torch.randn(1, 64), blocks, "Q4_K")  # 64 inputs are not whole super-blocks
     with pytest.raises(RuntimeError, match="uint8"):

@@ -494,7 +494,7 @@ def test_few_rows_linear_refuses_bad_input():
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5)])
 @pytest.mark.usefixtures("cpu_isa")
 def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: int, out_features: int):
-    """GGUF blocks (made by gguf's own quantizer), reordered by to_lanes, multiply like their
+    """GGUF blocks (made by gguf's own quantizer), packed by to_lanes, multiply like their
     dequantization (gguf's own) does with F.linear: 0-4 rows, strided input."""
     assert has_cpu_kernels()
     from gguf import GGMLQuantizationType
@@ -505,7 +505,8 @@ def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: in
     blocks = quantize(torch.randn(out_features, in_features, generator=gen).numpy(), qtype)
     weight = torch.from_numpy(dequantize(blocks, qtype).astype("float32"))
     lanes = torch.from_numpy(cpu_ops.to_lanes(blocks, fmt))
-    assert lanes.shape == blocks.shape and not np.array_equal(lanes.numpy(), blocks)
+    num_blocks = in_features // cpu_ops.BLOCK_WEIGHTS
+    assert lanes.shape == (out_features, num_blocks * cpu_ops.PACKED_BLOCK_BYTES[fmt])
     for num_rows in range(5):
         x = torch.randn(in_features, num_rows, generator=gen).t()
         got = cpu_ops.few_rows_linear_quantized(x, lanes, fmt)
@@ -514,7 +515,7 @@ def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: in
 
 def test_few_rows_linear_quantized_refuses_bad_input():
     assert has_cpu_kernels()
-    blocks = torch.zeros(4, 40, dtype=torch.uint8)  # Q4_1: 2 blocks of 20 bytes a row = 64 inputs
+    blocks = torch.zeros(4, 48, dtype=torch.uint8)  # Q4_1: 2 packed blocks of 24 bytes a row = 64 inputs
     with pytest.raises(RuntimeError, match="unknown format"):
         cpu_ops.few_rows_linear_quantized(torch.randn(1, 64), blocks, "Q3_K")
     with pytest.raises(RuntimeError, match="bytes"):
