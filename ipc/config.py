@@ -53,6 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     threads: NonNegative = 0  # CPU threads per worker; 0 = all cores
     cpu_int8_activations: bool = False  # GGUF-block GEMVs on 8-bit activations (changes the numbers)
+    cpu_affinity: bool = True  # CPU workers' threads one per core, other stages off their main cores
     step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 
 

@@ -27,6 +27,7 @@ from ipc.config import Config
 from ipc.endpoints import Endpoints, Link, NetworkPlan
 from ipc.sockets import DealerSocket, PushQueue
 from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
+from services.cpu_cores import light_stage_cores, pin_process, usable_cores
 
 RUN_FILE = "run.json"
 # Set by the supervisor for the stages it spawns; stages that tests start on their own lack it.
@@ -174,6 +175,8 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
         if os.getppid() != parent_pid:
             log.error("parent %d died before this stage started; exiting", parent_pid)
             sys.exit(1)
+    if kind != "gpu_worker" and (cores := light_stage_cores(info.config, usable_cores())):
+        pin_process(cores)  # off the workers' main cores (services/cpu_cores.py)
     endpoints = run_endpoints(args.run_dir, info, info.network.hosts.get(name, ""))
     stage = Stage(name, args.index, args.run_dir, info, endpoints, log, is_supervised, parent_pid)
     return stage, args

@@ -24,6 +24,7 @@ from ipc import messages as m
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import ShmRing
+from services.cpu_cores import usable_cores, worker_env
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
@@ -176,6 +177,8 @@ class StageSet:
                     range(self.engine.data_parallel * self.engine.tensor_parallel)
                 )
                 env["CUDA_VISIBLE_DEVICES"] = str(devices[group * self.engine.tensor_parallel + rank])
+            else:
+                env |= worker_env(self.engine, group, rank, usable_cores())
         return env
 
     # -- the run's resources ---------------------------------------------------------------------

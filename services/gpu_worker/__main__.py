@@ -17,6 +17,7 @@ from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket, close_context
 from ipc.step_plan import STEP_RESULT
+from services.cpu_cores import run_cores, worker_threads
 from services.gpu_worker.memory import MemoryMonitor
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.parallel import init_parallel
@@ -50,8 +51,7 @@ def main() -> None:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         block_size=engine.block_size,
         # Workers on one CPU host share its cores rather than each spinning on all of them.
-        threads=engine.threads
-        or max(1, (os.cpu_count() or 1) // (engine.data_parallel * engine.tensor_parallel)),
+        threads=worker_threads(engine, len(run_cores())),
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
         int8_activations=engine.cpu_int8_activations,
