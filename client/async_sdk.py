@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from client.sdk import (
     ClientBase,
@@ -26,39 +25,59 @@ class AsyncClient(ClientBase):
     """Asyncio client of a running Brigade: one DEALER per tokenizer replica and one reader task.
 
     Cancelling the task that consumes a stream (or closing the stream) aborts the request.
-    """
 
-    _context_type = zmq.asyncio.Context
-    _poller_type = zmq.asyncio.Poller
+    The sockets are plain zmq sockets whose file descriptors the event loop watches (add_reader):
+    zmq.asyncio makes futures and poller registrations for every message, several times the cost
+    of the message itself, and a gateway streams every token through here.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._reader: asyncio.Task | None = None
+        self._readable: asyncio.Event | None = None  # the reader task's (bound to its loop)
 
     def _send(self, replica: int, frame: bytes) -> bool:
-        # A non-blocking send on an asyncio socket completes (or fails) before returning.
-        future = self._sockets[replica].send(frame, zmq.NOBLOCK)
-        return future.exception() is None
+        try:
+            self._sockets[replica].send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        # A zmq file descriptor signals only changes it has not been asked about: a send can take
+        # in a reply without it firing again, so the reader looks for itself.
+        if self._readable is not None:
+            self._readable.set()
+        return True
+
+    def _receive_all(self) -> None:
+        """Every message waiting on any socket, into the session (never blocks)."""
+        for i, sock in enumerate(self._sockets):
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.session.receive(i, sock.recv_multipart(zmq.NOBLOCK)[0])
 
     async def _read_forever(self) -> None:
-        while True:
-            is_unsent = any(s.replica is None and not s.is_done for s in self.session.requests.values())
-            # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
-            for sock, _ in await self._poller.poll(5 if is_unsent else int(self._tick_s * 1000)):
-                i = self._index[sock]
-                while True:
-                    try:
-                        frames = await sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.session.receive(i, frames[0])
-            self._read_handshakes()
-            self.session.tick()
-            for request_id, event in self._wakeups.items():
-                state = self.session.requests.get(request_id)
-                if state is None or state.ready or state.is_done:
-                    event.set()
+        loop = asyncio.get_running_loop()
+        readable = self._readable = asyncio.Event()
+        descriptors = [sock.getsockopt(zmq.FD) for sock in self._sockets]
+        for fd in descriptors:
+            loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                readable.clear()
+                self._receive_all()
+                self._read_handshakes()
+                self.session.tick()
+                for request_id, event in self._wakeups.items():
+                    state = self.session.requests.get(request_id)
+                    if state is None or state.ready or state.is_done:
+                        event.set()
+                is_unsent = any(s.replica is None and not s.is_done for s in self.session.requests.values())
+                # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.005 if is_unsent else self._tick_s):
+                        await readable.wait()
+        finally:
+            for fd in descriptors:
+                loop.remove_reader(fd)
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():

@@ -801,9 +801,6 @@ class ClientBase:
     process for good.
     """
 
-    _context_type: type[zmq.Context] = zmq.Context
-    _poller_type: type[zmq.Poller] = zmq.Poller
-
     def __init__(
         self,
         target: Path | str | None = None,
@@ -818,7 +815,7 @@ class ClientBase:
         info = connect_info(target, endpoints, server_key, keys)
         self.model = info.model
         self.timeout = timeout
-        self._ctx = self._context_type()
+        self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         self._monitors: dict[int, zmq.Socket] = {}  # replica -> sync PAIR, also for an asyncio client
         self._has_keys = info.curve_keys is not None
@@ -833,10 +830,6 @@ class ClientBase:
                 monitor = monitor_ctx.socket(zmq.PAIR)
                 monitor.connect(address)
                 self._monitors[replica] = monitor
-        self._poller = self._poller_type()
-        for sock in self._sockets:
-            self._poller.register(sock, zmq.POLLIN)
-        self._index = {sock: i for i, sock in enumerate(self._sockets)}
         pid = info.supervisor_pid
         self.session = Session(
             info.endpoints,
@@ -870,6 +863,13 @@ class Client(ClientBase):
 
     Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._poller = zmq.Poller()
+        for sock in self._sockets:
+            self._poller.register(sock, zmq.POLLIN)
+        self._index = {sock: i for i, sock in enumerate(self._sockets)}
 
     def _send(self, replica: int, frame: bytes) -> bool:
         try:
