@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -274,10 +274,11 @@ class LlamaLayer:
         assert self.onednn is not None
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.onednn, strict=True))
 
-    @property
+    @cached_property
     def decode_layer_weights(self) -> tuple:
         """`few_rows` as cpu_ops.few_rows_decode_layer takes them: (parts, formats) each, the QKV
-        bias third."""
+        bias third. Made by the first decode step, after loading (the weights do not change
+        then), instead of once a layer in every step."""
         flat: list = []
         for w in self.few_rows:
             parts = w.parts if isinstance(w, MixedQuantizedWeight) else (w,)
