@@ -347,11 +347,3 @@ def _rename_deprecated_sections(raw: dict[str, Any]) -> None:
             raise ConfigError(f"{both} set under both {old!r} (deprecated) and {new!r}: keep only {new!r}")
         current.update(section)
         logging.getLogger("brigade.config").warning("config section %r is deprecated: call it %r", old, new)
-
-
-def dump_config(config: Config) -> bytes:
-    return msgspec.json.encode(config)
-
-
-def read_config(data: bytes) -> Config:
-    return msgspec.json.decode(data, type=Config)

@@ -5,8 +5,8 @@ bounded, every wait has a timeout, sends never block forever (they return False 
 gone or its queue is full), and a bad frame raises `MalformedMessage` (`MalformedFrame` on a
 ROUTER, with the sender's identity) so the caller counts it and goes on.
 Extra frames carry raw tensor bytes to remote clients (vLLM v1 style: the msgspec message first).
-Sync sockets also accept a zmq.asyncio context: their sends never block long, so asyncio code
-pushes with a plain PushQueue.
+Asyncio code (the gateway's `AsyncClient`) watches these sockets' descriptors with its loop's
+`add_reader` instead of zmq.asyncio, whose per-message futures cost more than the message.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import zmq
-import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from ipc.codec import Codec, MalformedMessage, request_id_of
@@ -209,11 +208,7 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str) -> None:
 
 
 class _Base:
-    """Owns one configured ZeroMQ socket: binding, CURVE, the receive-timeout cache and closing.
-    `_is_async` picks the context flavour, so a sync and an asyncio wrapper of one socket kind
-    share everything but their send and receive methods."""
-
-    _is_async = False
+    """Owns one configured ZeroMQ socket: binding, CURVE, the receive-timeout cache and closing."""
 
     def __init__(
         self,
@@ -228,7 +223,6 @@ class _Base:
         if isinstance(endpoint, Link):
             curve = curve or (endpoint.server_curve if bind else endpoint.client_curve)
             endpoint = endpoint.bind if bind else endpoint.connect
-        ctx = _async(ctx) if self._is_async else _sync(ctx)
         self.socket = ctx.socket(socket_type)
         self.is_curve_server = isinstance(curve, CurveServer)
         self._ctx = ctx
@@ -307,25 +301,6 @@ class _Base:
         frames = _rest(self.socket) if frame.more else []
         return codec.decode(frame), frames
 
-    async def _arecv_one(self, codec: Codec[Any], timeout: float | None) -> Any:
-        """The next message, or None after `timeout` seconds; raises MalformedMessage (asyncio)."""
-        got = await self._arecv_one_frames(codec, timeout)
-        if got is not None and got[1]:
-            raise _extra_frames(got[1])
-        return None if got is None else got[0]
-
-    async def _arecv_one_frames(
-        self, codec: Codec[Any], timeout: float | None
-    ) -> tuple[Any, list[memoryview]] | None:
-        """The next message and its extra frames, or None after `timeout` seconds (asyncio)."""
-        self._set_timeout(timeout)  # zmq.asyncio honours RCVTIMEO
-        try:
-            frame = await self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = await _arest(self.socket) if frame.more else []
-        return codec.decode(frame), frames
-
     def close(self) -> None:
         if not self.socket.closed:
             self.socket.close()
@@ -338,15 +313,6 @@ class _Base:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _sync(ctx: zmq.Context) -> zmq.Context:
-    """A sync context over the same libzmq context (so sync sockets work in asyncio code)."""
-    return zmq.Context.shadow(ctx.underlying) if isinstance(ctx, zmq.asyncio.Context) else ctx
-
-
-def _async(ctx: zmq.Context) -> zmq.asyncio.Context:
-    return ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context(shadow=ctx.underlying)
 
 
 def _nbytes(part: Buffer) -> int:
@@ -376,15 +342,6 @@ def _rest(sock: zmq.Socket) -> list[memoryview]:
     frames = []
     while True:
         frame = sock.recv(copy=False)
-        frames.append(frame.buffer)
-        if not frame.more:
-            return frames
-
-
-async def _arest(sock: zmq.asyncio.Socket) -> list[memoryview]:
-    frames = []
-    while True:
-        frame = await sock.recv(copy=False)
         frames.append(frame.buffer)
         if not frame.more:
             return frames
@@ -427,8 +384,8 @@ class PushQueue(_Base, Generic[T]):
         return self._send_one(self._codec.encode(msg), frames)
 
 
-class _Pull(_Base, Generic[T]):
-    """What PullQueue and AsyncPullQueue share."""
+class PullQueue(_Base, Generic[T]):
+    """The receiving end of a one-way channel (PULL); `.socket` can go into a zmq.Poller."""
 
     def __init__(
         self,
@@ -442,10 +399,6 @@ class _Pull(_Base, Generic[T]):
         super().__init__(ctx, zmq.PULL, endpoint, bind, options, curve)
         self._codec = codec
 
-
-class PullQueue(_Pull[T]):
-    """The receiving end of a one-way channel (PULL); `.socket` can go into a zmq.Poller."""
-
     def get(self, timeout: float | None) -> T | None:
         """The next message, or None after `timeout` seconds; raises MalformedMessage."""
         return self._recv_one(self._codec, timeout)
@@ -455,8 +408,8 @@ class PullQueue(_Pull[T]):
         return self._recv_one_frames(self._codec, timeout)
 
 
-class _Router(_Base, Generic[In, Out]):
-    """What RouterSocket and AsyncRouterSocket share."""
+class RouterSocket(_Base, Generic[In, Out]):
+    """The serving end of a request/reply channel with many peers (ROUTER)."""
 
     def __init__(
         self,
@@ -471,10 +424,6 @@ class _Router(_Base, Generic[In, Out]):
         super().__init__(ctx, zmq.ROUTER, endpoint, bind, options, curve)
         self._in = in_codec
         self._out = out_codec
-
-
-class RouterSocket(_Router[In, Out]):
-    """The serving end of a request/reply channel with many peers (ROUTER)."""
 
     def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
         """(identity, message), or None after `timeout` seconds; raises MalformedFrame."""
@@ -517,8 +466,8 @@ class RouterSocket(_Router[In, Out]):
         return True
 
 
-class _Dealer(_Base, Generic[In, Out]):
-    """What DealerSocket and AsyncDealerSocket share."""
+class DealerSocket(_Base, Generic[In, Out]):
+    """The client end of a request/reply channel (DEALER)."""
 
     def __init__(
         self,
@@ -535,10 +484,6 @@ class _Dealer(_Base, Generic[In, Out]):
         self._in = in_codec
         self._out = out_codec
 
-
-class DealerSocket(_Dealer[In, Out]):
-    """The client end of a request/reply channel (DEALER)."""
-
     def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
         return self._send_one(self._out.encode(msg), frames)
 
@@ -548,72 +493,3 @@ class DealerSocket(_Dealer[In, Out]):
 
     def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
         return self._recv_one_frames(self._in, timeout)
-
-
-# ---------------------------------------------------------------------------
-# asyncio sockets (same methods, as coroutines)
-# ---------------------------------------------------------------------------
-
-
-class AsyncPullQueue(_Pull[T]):
-    """PullQueue for asyncio code."""
-
-    _is_async = True
-
-    async def get(self, timeout: float | None) -> T | None:
-        return await self._arecv_one(self._codec, timeout)
-
-    async def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
-        return await self._arecv_one_frames(self._codec, timeout)
-
-
-class AsyncRouterSocket(_Router[In, Out]):
-    """RouterSocket for asyncio code."""
-
-    _is_async = True
-
-    async def recv(self, timeout: float | None) -> tuple[bytes, In] | None:
-        got = await self.recv_frames(timeout)
-        if got is not None and got[2]:
-            raise _extra_frames(got[2], got[0], getattr(got[1], "request_id", ""))
-        return None if got is None else (got[0], got[1])
-
-    async def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
-        self._set_timeout(timeout)
-        try:
-            identity = await self.socket.recv()
-        except zmq.Again:
-            return None
-        frame = await self.socket.recv(copy=False)
-        frames = await _arest(self.socket) if frame.more else []
-        return identity, _decode(self._in, frame, identity), frames
-
-    async def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        return await _asend(self.socket, [identity, self._check(self._out.encode(msg), frames), *frames])
-
-
-class AsyncDealerSocket(_Dealer[In, Out]):
-    """DealerSocket for asyncio code."""
-
-    _is_async = True
-
-    async def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        return await _asend(self.socket, [self._check(self._out.encode(msg), frames), *frames])
-
-    async def recv(self, timeout: float | None) -> In | None:
-        return await self._arecv_one(self._in, timeout)
-
-    async def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
-        return await self._arecv_one_frames(self._in, timeout)
-
-
-async def _asend(sock: zmq.asyncio.Socket, parts: list[Buffer]) -> bool:
-    try:
-        await sock.send_multipart(parts, copy=all(_nbytes(p) < ZERO_COPY_BYTES for p in parts))
-    except zmq.Again:
-        return False
-    except zmq.ZMQError as exc:
-        if exc.errno == zmq.EHOSTUNREACH:
-            return False
-        raise
-    return True

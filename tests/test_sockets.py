@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvloop
 import zmq
 
 from ipc import codec as C
@@ -24,9 +23,6 @@ from ipc.endpoints import InsecureRunDir
 from ipc.keys import CurveClient, CurveServer, generate_curve_keys
 from ipc.sockets import (
     AddressInUse,
-    AsyncDealerSocket,
-    AsyncPullQueue,
-    AsyncRouterSocket,
     DealerSocket,
     MalformedFrame,
     MessageTooLarge,
@@ -142,28 +138,6 @@ def test_router_dealer_round_trip_across_processes(ctx, owned, run_dir):
     assert [bytes(f) for f in frames] == [payload, b"x"]
     server.join(WAIT)
     assert server.exitcode == 0
-
-
-def test_async_sockets_round_trip(ctx, owned, run_dir):
-    async def main() -> None:
-        router = AsyncRouterSocket(ctx, ipc(run_dir, "f"), C.CLIENT_REQUEST, C.CLIENT_REPLY)
-        dealer = AsyncDealerSocket(ctx, ipc(run_dir, "f"), C.CLIENT_REPLY, C.CLIENT_REQUEST, identity=b"me")
-        pull = AsyncPullQueue(ctx, ipc(run_dir, "in"), C.TOKENIZER_INPUT)
-        push = PushQueue(ctx, ipc(run_dir, "in"), C.TOKENIZER_INPUT)
-        owned.extend([router, dealer, pull, push])
-        assert await dealer.send(m.Health())
-        assert await router.recv(WAIT) == (b"me", m.Health())
-        assert await router.send(b"me", m.ErrorReply("", "code", "msg"), frames=[b"t"])
-        assert await dealer.recv_frames(WAIT) == (m.ErrorReply("", "code", "msg"), [memoryview(b"t")])
-        assert not await router.send(b"nobody", m.ErrorReply("", "code", "msg"))
-        assert push.put(m.ResubmitAll(2))
-        assert await pull.get(WAIT) == m.ResubmitAll(2)
-        t0 = time.monotonic()
-        assert await pull.get(0.1) is None
-        assert await dealer.recv(0.1) is None
-        assert time.monotonic() - t0 < 2
-
-    uvloop.run(main())  # the loop the gateway serves these sockets on
 
 
 def test_oversized_message_is_refused_and_receiver_keeps_serving(ctx, owned, run_dir):
