@@ -31,7 +31,6 @@ from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config, ConfigError, load_config
 from ipc.endpoints import (
-    PORT_SPAN,
     Endpoints,
     InsecureRunDir,
     NetworkPlan,
@@ -40,6 +39,7 @@ from ipc.endpoints import (
     make_run_dir,
 )
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
+from ipc.ports import PORT_SPAN
 from ipc.sampling_defaults import describe_defaults
 from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context

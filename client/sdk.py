@@ -33,8 +33,9 @@ from client.errors import (
 )
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
-from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_loopback
+from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir
 from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
+from ipc.ports import is_loopback
 from ipc.sockets import configure_socket
 from ipc.structured_output import from_structured_outputs
 from ipc.validation import InvalidParams

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from ipc.endpoints import PORT_SPAN, PORTS_PER_KIND, is_loopback
+from ipc.ports import PORT_SPAN, PORTS_PER_KIND, is_loopback
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

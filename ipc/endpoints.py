@@ -8,7 +8,6 @@ never leaves a host: a scheduler and its workers always share one.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import random
 import socket
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ipc.keys import CurveClient, CurveServer, RunKeys
+from ipc.ports import PORT_SPAN, is_loopback, link_port, tcp_endpoint
 
 if TYPE_CHECKING:
     from ipc.config import NetworkConfig
@@ -110,18 +110,6 @@ def shard_of(request_id: str, num_shards: int) -> int:
     return zlib.crc32(request_id.encode()) % num_shards
 
 
-# tcp:// ports: each link kind owns a block of PORTS_PER_KIND ports from the run's port base,
-# so that every process computes the same port for a link without asking anyone.
-LINK_KINDS = (
-    "supervisor",
-    "tokenizer",
-    "tokenizer_in",
-    "scheduler_in",
-    "scheduler_workers",
-    "detokenizer_in",
-)
-PORTS_PER_KIND = 64
-PORT_SPAN = len(LINK_KINDS) * PORTS_PER_KIND
 _PORT_BASE_TRIES = 100
 _EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here: stay below it
 
@@ -171,17 +159,6 @@ class NetworkPlan(msgspec.Struct, frozen=True):
     keys: RunKeys | None = None
 
 
-def tcp_endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def link_port(port_base: int, kind: str, index: int) -> int:
-    """The tcp port of link `kind` number `index` (ValueError past its block)."""
-    if not 0 <= index < PORTS_PER_KIND:
-        raise ValueError(f"{kind} {index}: at most {PORTS_PER_KIND} links of a kind over tcp://")
-    return port_base + LINK_KINDS.index(kind) * PORTS_PER_KIND + index
-
-
 def choose_link(
     name: str,
     *,
@@ -216,16 +193,6 @@ def choose_link(
         raise ValueError(f"{name}: a tcp:// link with CURVE needs the run's keys")
     server = keys.public_server() if is_public else keys.internal_server()
     return Link(bind, connect, server, keys.stage_client())
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an IP address or "localhost") reaches only this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def free_port_base(host: str) -> int:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ipc.config import Config, NetworkConfig
-from ipc.endpoints import is_loopback
+from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -30,8 +30,8 @@ import zmq
 from client import AsyncClient, AuthenticationFailed, Client
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, SCHEDULER_INPUT
-from ipc.endpoints import PORT_SPAN
 from ipc.keys import load_secret_file
+from ipc.ports import PORT_SPAN
 from services.stage import read_run_info, run_endpoints
 from tests import harness
 from tests.conftest import REPO_ROOT

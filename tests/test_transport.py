@@ -17,17 +17,9 @@ import zmq
 
 from client import AuthenticationFailed, Client
 from ipc.config import ConfigError, NetworkConfig, load_config
-from ipc.endpoints import (
-    PORT_SPAN,
-    PORTS_PER_KIND,
-    Endpoints,
-    NetworkPlan,
-    choose_link,
-    free_port_base,
-    link_port,
-    make_run_dir,
-)
+from ipc.endpoints import Endpoints, NetworkPlan, choose_link, free_port_base, make_run_dir
 from ipc.keys import KEY_NAMES, BadKeyFile, create_key_files, load_public_key, load_run_keys, load_secret_file
+from ipc.ports import PORT_SPAN, PORTS_PER_KIND, link_port
 from tests.conftest import REPO_ROOT
 from tests.harness import node_address
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ipc.endpoints import is_loopback, tcp_endpoint
+from ipc.ports import is_loopback, tcp_endpoint
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
