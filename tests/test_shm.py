@@ -275,10 +275,14 @@ def test_sweep_removes_dead_runs_only(cleanup):
         "brigade-{}-step-0",
         *(f"sem.brigade-{{}}-step-0-g0-{kind}{r}" for kind in ("space", "avail") for r in range(2)),
     }
-    assert run_objects(other_namespace_run) == live_objects == {
-        *(n.format(other_namespace_run) for n in ring_objects),
-        f"brigade-{other_namespace_run}-run.lock",
-    }
+    assert (
+        run_objects(other_namespace_run)
+        == live_objects
+        == {
+            *(n.format(other_namespace_run) for n in ring_objects),
+            f"brigade-{other_namespace_run}-run.lock",
+        }
+    )
     assert {n for n in removed if dead_run in n} == {
         *(n.format(dead_run) for n in ring_objects),
         f"brigade-{dead_run}-run.lock",
