@@ -110,9 +110,8 @@ def probe_port(host: str, port: int) -> None:
     another server. Bound without SO_REUSEPORT, which the gateway replicas set to share the port,
     so that their port-sharing group admits nobody else's."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(
-            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-        )  # a closed connection's TIME_WAIT is no owner
+        # SO_REUSEADDR: a closed connection of an earlier run, in TIME_WAIT, is no owner.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
 
 
@@ -233,8 +232,11 @@ class Supervisor:
     def claim_gateway_port(self) -> None:
         """Hold gateway.port for this run's gateway replicas (they share it through SO_REUSEPORT,
         which would as well let another run's replicas in, and the kernel split the connections
-        between the runs): refused when another Brigade run holds it or anything listens on it."""
+        between the runs): refused when another Brigade run holds it or anything listens on it.
+        On a Ray cluster the gateways may run on another host than this one: not checked there."""
         gateway = self.config.gateway
+        if self.config.cluster.backend != "local":
+            return
         try:
             lock = gateway_port_lock(gateway.port)
         except OSError:

@@ -159,6 +159,13 @@ def saw(run: Run, needle: str, timeout: float) -> str:
     return next((line for line in run.log if needle in line), None) or run.wait_for_line(needle, timeout)
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Atomically, as an editor or a ConfigMap update does: a reload never reads half a file."""
+    new = path.with_name(path.name + ".new")
+    new.write_text(text)
+    new.replace(path)
+
+
 def fill(path: Path) -> None:
     """Write zeros to `path` until its filesystem is full."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -183,12 +190,22 @@ def test_a_full_run_dir_filesystem_does_not_end_the_run(owned: Run) -> None:
         assert ask(owned) in ("stop", "length")
         with Client(owned.run_dir) as client:
             assert client.generate("Hi", max_tokens=3, temperature=0, timeout=120).token_ids
+        # A rescale that cannot publish run.json (new stages read it) is refused, not half done.
+        config_path: Path = owned.config_path  # type: ignore[attr-defined]
+        original = config_path.read_text()
+        config = yaml.safe_load(original)
+        config.setdefault("tokenizer", {})["replicas"] = 2
+        replace_text(config_path, yaml.safe_dump(config))  # the supervisor sees the change
+        line = owned.wait_for_line("reload: replica and engine group counts stay as they were", 60)
+        assert "could not write run.json: No space left on device" in line
+        replace_text(config_path, original)
         assert owned.process.poll() is None
     finally:
         filler.unlink()
     saw(owned, "status.json written again", 30)
     restarts = {r["name"]: r["restarts"] for r in owned.read_status()}
-    assert restarts["detokenizer-0"] == restarts["tokenizer-0"] == 1
+    assert restarts == {**restarts, "detokenizer-0": 1, "tokenizer-0": 1}
+    assert "tokenizer-1" not in restarts
 
 
 def test_a_fifo_in_place_of_the_config_never_blocks_the_supervisor(owned: Run) -> None:
