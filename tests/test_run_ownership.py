@@ -22,7 +22,7 @@ import yaml
 
 from client import Client
 from tests.conftest import REPO_ROOT
-from tests.harness import Run, brigade_run, free_port
+from tests.harness import Run, assert_clean, brigade_run, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -61,6 +61,7 @@ def owned(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             run.http_port, run.metrics_port = port, metrics_port
             run.config_path = config_path  # type: ignore[attr-defined]
             yield run
+        assert_clean(run_dir)
     finally:
         subprocess.run(["umount", "-l", str(run_dir)], check=False)
 
