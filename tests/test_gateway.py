@@ -751,9 +751,13 @@ def test_responses_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -
 
 
 def test_unknown_response_ids_get_404(gw: Gateway) -> None:
-    for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/../../run.json")):
+    # Only ids the store makes name a file: "..", "run" or "status" reach nothing of the run dir.
+    for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/run"),
+                         ("GET", "/v1/responses/..")):  # fmt: skip
         status, _, data = gw.request(method, path)
-        assert status == 404 and json.loads(data)["error"]["type"] == "invalid_request_error", data
+        error = json.loads(data)["error"]
+        assert status == 404 and error["message"].startswith("Response with id"), data
+    assert (gw.run.run_dir / "run.json").exists()
 
 
 def test_developer_role_is_the_system_role(gw: Gateway) -> None:
