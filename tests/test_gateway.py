@@ -500,6 +500,8 @@ def test_anthropic_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:
     openai_tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                       "parameters": t["input_schema"]}} for t in tools]  # fmt: skip
     want, usage = chat_sampled(gw, chat_messages, 16, tools=openai_tools)
+    counted = client.messages.count_tokens(model=gw.model, messages=answer, tools=tools)
+    assert counted.input_tokens == reply.usage.input_tokens
     got_text = "".join(b.text for b in reply.content if b.type == "text")
     assert got_text == (want.message.content or "") and reply.usage.input_tokens == usage.prompt_tokens
 

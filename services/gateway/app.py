@@ -165,16 +165,18 @@ class Gateway:
     def check_key(self, request: Request) -> None:
         if not self.settings.api_keys:
             return
-        if request.headers.get("x-api-key", "").strip() in self.settings.api_keys:
-            return  # Anthropic's clients send their key so
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
+        bearer = key.strip() if scheme.lower() == "bearer" else ""
+        # Anthropic's clients send their key as x-api-key.
+        given = [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
+        if not any(k in self.settings.api_keys for k in given):
             peer = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
-            is_bearer = scheme.lower() == "bearer"
-            reason = "unknown API key" if is_bearer else "no Authorization: Bearer header"
-            self.settings.audit.auth_failure("api_key", peer, reason, key.strip() if is_bearer else None)
+            reason = "unknown API key" if given else "no Authorization: Bearer or x-api-key header"
+            self.settings.audit.auth_failure("api_key", peer, reason, given[0] if given else None)
             raise ApiError(
-                401, "missing or invalid API key (send Authorization: Bearer KEY)", code="invalid_api_key"
+                401,
+                "missing or invalid API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                code="invalid_api_key",
             )
 
     async def read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:

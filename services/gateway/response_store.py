@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.protocol import ChatMessageIn
+
 SUFFIX = ".json"
 TMP_PREFIX = "."  # temporary files: hidden, never read as responses
 # A temporary file older than this was left by a replica killed mid-write.
@@ -28,12 +30,13 @@ _ID = re.compile(r"^resp_[0-9a-f]{32}$")  # ids we make; anything else names no 
 
 
 class StoredResponse(msgspec.Struct):
-    """The Response body as returned, and the conversation it ended (chat messages in the SDK's
-    dict form, instructions left out: OpenAI does not carry them over to the next response)."""
+    """The Response body as returned, and the conversation it ended (chat messages, instructions
+    left out: OpenAI does not carry them over to the next response). Typed, so that a file of
+    another shape reads as absent rather than failing the request that continues it."""
 
     created_at: float
     response: dict[str, Any]
-    conversation: list[dict[str, Any]]
+    conversation: list[ChatMessageIn]
 
 
 class ResponseStore:
@@ -52,16 +55,22 @@ class ResponseStore:
         return self.directory / f"{response_id}{SUFFIX}" if _ID.match(response_id) else None
 
     def put(self, response_id: str, entry: StoredResponse) -> bool:
-        """Store `entry` (False: the store is off, or the entry is over the size limit)."""
+        """Store `entry` (False: the store is off, the entry is over the size limit, or the
+        disk refused it)."""
         path = self._path(response_id)
         data = msgspec.json.encode(entry)
         if not self.enabled or path is None or len(data) > self.max_entry_bytes:
             return False
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.directory / f"{TMP_PREFIX}{response_id}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:  # a full disk costs the conversation its continuation, not the reply
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
         self.prune()
         return True
 

@@ -299,7 +299,8 @@ class ResponsesReply:
                      for item in self.output if item["type"] == "function_call"]  # fmt: skip
             said["content"] = "".join(texts) if texts or not calls else None
             said["tool_calls"] = calls or None
-            entry = StoredResponse(time.time(), body, [*self.conversation, said])
+            conversation = msgspec.convert([*self.conversation, said], list[p.ChatMessageIn])
+            entry = StoredResponse(time.time(), body, conversation)
             await asyncio.to_thread(self.store.put, self.id, entry)
         return body
 
@@ -419,7 +420,7 @@ class ResponsesApi:
             if previous is None:
                 raise ApiError(400, f"Previous response with id {req.previous_response_id[:80]!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")  # fmt: skip
-            conversation = previous.conversation
+            conversation = msgspec.to_builtins(previous.conversation)
         conversation = [*conversation, *input_messages(req.input)]
         try:
             plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
