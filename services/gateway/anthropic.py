@@ -156,11 +156,12 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, b
     """OpenAI's tools, tool_choice and parallel_tool_calls for Anthropic's."""
     tools = None
     if req.tools is not None:
-        tools = [
-            {"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}}
-            for t in req.tools
-        ]  # fmt: skip
+        tools = []
+        for tool in req.tools:
+            function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+            if tool.description is not None:
+                function["description"] = tool.description
+            tools.append({"type": "function", "function": function})
     choice = req.tool_choice
     if choice is None:
         return tools, None, True
