@@ -77,6 +77,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     api_keys: list[str] = []  # [] = open, unless BRIGADE_API_KEYS lists some
     served_model_name: str = ""  # "" = the model's name
     max_concurrent_requests: Positive = 512  # per replica; past it, 429
+    # /v1/responses kept for previous_response_id and GET, in <run-dir>/responses (every replica's)
+    responses_max_stored: NonNegative = 1000  # 0 = store none (store: true is then ignored)
+    responses_max_age_s: Seconds = 7 * 86400.0
 
 
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -370,6 +372,410 @@ def test_models_health_tokenize_detokenize_metrics(gw: Gateway, hf_tokenizer) ->
     assert count and float(count.group(1)) >= 5  # summed over both replicas' files
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert re.search(rf"^brigade:http_{name}_count (\S+)$", metrics, re.M), name
+
+
+# -- Anthropic's Messages API, OpenAI's Responses API -----------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+SYSTEM = "You answer briefly."
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}  # fmt: skip
+
+
+def anthropic_client(gw: Gateway, **kwargs) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=CONFIG_KEY, timeout=HTTP_TIMEOUT_S, **kwargs)
+
+
+def chat_greedy(gw: Gateway, messages: list[dict], max_tokens: int, **kwargs):
+    reply = gw.openai().chat.completions.create(
+        model=gw.model, messages=messages, max_tokens=max_tokens, **{"temperature": 0} | kwargs
+    )
+    return reply.choices[0], reply.usage
+
+
+def chat_sampled(gw: Gateway, messages: list[dict], max_tokens: int, **kwargs):
+    """Temperature 1 with seed 7: varied text even from the tiny model (whose greedy chat is
+    newlines), the same only for the same prompt tokens."""
+    return chat_greedy(gw, messages, max_tokens, **kwargs | {"temperature": 1.0, "seed": 7})
+
+
+def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: Gateway) -> None:
+    client = anthropic_client(gw)
+    want, usage = chat_greedy(gw, [{"role": "system", "content": SYSTEM}, *CHAT], 24)
+    greedy = {"extra_body": {"temperature": 0}}  # anthropic's client sends temperature only so
+    kwargs = {"model": gw.model, "system": SYSTEM, "messages": CHAT, "max_tokens": 24, **greedy}
+    reply = client.messages.create(**kwargs)
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == want.message.content
+    assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.finish_reason]
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+    counted = client.messages.count_tokens(model=gw.model, system=SYSTEM, messages=CHAT)
+    assert counted.input_tokens == usage.prompt_tokens
+
+    with client.messages.stream(**kwargs) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == want.message.content and final.content[0].text == streamed
+    assert final.stop_reason == reply.stop_reason and final.usage.output_tokens == usage.completion_tokens
+    assert final.usage.input_tokens == usage.prompt_tokens
+
+    # The tiny model's greedy chat is newlines; sampled with one seed (X-Brigade-Seed, as for
+    # chat) it is varied text, the same only if the prompt's tokens are.
+    seeded = kwargs | {"extra_body": {"temperature": 1.0}, "extra_headers": {"x-brigade-seed": "7"}}
+    want_seeded = gw.openai().chat.completions.create(
+        model=gw.model, messages=[{"role": "system", "content": SYSTEM}, *CHAT], max_tokens=24, temperature=1.0,
+        seed=7,
+    )  # fmt: skip
+    full = want_seeded.choices[0].message.content
+    assert len(set(full)) > 3 and client.messages.create(**seeded).content[0].text == full
+
+    # A stop sequence cut out of the middle of that text: the reply ends before it and says so.
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    stopped = client.messages.create(**seeded | {"stop_sequences": ["\u2603", stop]})
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == full[: full.index(stop)]
+    with client.messages.stream(**seeded | {"stop_sequences": [stop]}) as stream:
+        assert "".join(stream.text_stream) == full[: full.index(stop)]
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+    shaped = client.messages.create(
+        **kwargs | {"max_tokens": 32}, output_config={"format": {"type": "json_schema", "schema": NUMBER}}
+    )
+    jsonschema.validate(json.loads(shaped.content[0].text), NUMBER)
+
+
+def test_anthropic_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:
+    client = anthropic_client(gw)
+    tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {
+        "model": gw.model,
+        "messages": ask,
+        "max_tokens": 100,
+        "tools": tools,
+        "extra_body": {"temperature": 0},
+    }
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        reply = client.messages.create(**forced, tool_choice=choice)
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        assert reply.stop_reason == "tool_use" and len(uses) >= 1 and uses[0].name == "get_weather", reply
+        jsonschema.validate(uses[0].input, WEATHER)
+        with client.messages.stream(**forced, tool_choice=choice) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+            (b.name, b.input) for b in uses
+        ]
+        assert final.stop_reason == "tool_use"
+
+    call = uses[0]
+    answer = [
+        *ask,
+        {"role": "assistant", "content": [call.model_dump()]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21C"}],
+        },
+    ]
+    seeded = {"extra_body": {"temperature": 1.0}, "extra_headers": {"x-brigade-seed": "7"}}
+    reply = client.messages.create(model=gw.model, messages=answer, max_tokens=16, tools=tools, **seeded)
+    # The same conversation in chat's shapes (an independent check of the translation).
+    chat_messages = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": call.name, "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21C"},
+    ]  # fmt: skip
+    openai_tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                      "parameters": t["input_schema"]}} for t in tools]  # fmt: skip
+    want, usage = chat_sampled(gw, chat_messages, 16, tools=openai_tools)
+    counted = client.messages.count_tokens(model=gw.model, messages=answer, tools=tools)
+    assert counted.input_tokens == reply.usage.input_tokens
+    got_text = "".join(b.text for b in reply.content if b.type == "text")
+    assert got_text == (want.message.content or "") and reply.usage.input_tokens == usage.prompt_tokens
+
+
+ANTHROPIC_BAD_BODIES = {
+    "missing max_tokens": ({"messages": CHAT}, "max_tokens"),
+    "system role in messages": ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    "image block": (
+        {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+    "tool_use from the user": (
+        {
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+            ],
+        },
+        "tool_use blocks belong to assistant messages",
+    ),
+    "tool choice without its name": (
+        {
+            "max_tokens": 4,
+            "messages": CHAT,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool"},
+        },
+        "tool_choice",
+    ),
+    "tool choice without tools": (
+        {"max_tokens": 4, "messages": CHAT, "tool_choice": {"type": "any"}},
+        "tools",
+    ),
+    "no messages": ({"max_tokens": 4, "messages": []}, "messages"),
+    "negative temperature": ({"max_tokens": 4, "messages": CHAT, "temperature": -1}, "temperature"),
+    "not JSON": (b"{", "JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ANTHROPIC_BAD_BODIES))
+def test_anthropic_bad_input_gets_400_in_anthropics_shape(gw: Gateway, case: str) -> None:
+    body, named = ANTHROPIC_BAD_BODIES[case]
+    status, _, data = gw.request("POST", "/v1/messages", body, {"authorization": "", "x-api-key": CONFIG_KEY})
+    error = json.loads(data)
+    assert status == 400 and error["type"] == "error", error
+    assert error["error"]["type"] == "invalid_request_error" and named in error["error"]["message"], error
+
+
+def test_anthropic_errors_through_the_anthropic_client(gw: Gateway) -> None:
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=gw.url, api_key="wrong", max_retries=0).messages.create(
+            model=gw.model, messages=CHAT, max_tokens=4
+        )
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        anthropic_client(gw, max_retries=0).messages.create(
+            model=gw.model, messages=CHAT, max_tokens=4, extra_body={"top_p": 7}
+        )
+    assert (
+        bad.value.body["error"]["type"] == "invalid_request_error"
+        and "top_p" in bad.value.body["error"]["message"]
+    )
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client(gw, max_retries=0).messages.create(model="claude-9", messages=CHAT, max_tokens=4)
+
+
+def response_events(gw: Gateway, **kwargs) -> list:
+    return list(gw.openai().responses.create(model=gw.model, stream=True, **kwargs))
+
+
+def test_responses_equal_chat_streamed_and_not(gw: Gateway) -> None:
+    api = gw.openai()
+    want, usage = chat_greedy(gw, [{"role": "system", "content": SYSTEM}, *CHAT], 24)
+    kwargs = {"instructions": SYSTEM, "input": CHAT, "max_output_tokens": 24, "temperature": 0}
+    reply = api.responses.create(model=gw.model, **kwargs)
+    assert reply.object == "response" and reply.id.startswith("resp_")
+    assert reply.output_text == want.message.content and [i.type for i in reply.output] == ["message"]
+    assert reply.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+    # Sampled with one seed (X-Brigade-Seed), the text is varied and the same only if the prompt is.
+    want_seeded = api.chat.completions.create(
+        model=gw.model, messages=CHAT, max_tokens=24, temperature=1.0, seed=7
+    )
+    as_string = api.responses.create(
+        model=gw.model, input=CHAT[0]["content"], max_output_tokens=24, temperature=1.0,
+        extra_headers={"x-brigade-seed": "7"},
+    )  # fmt: skip
+    assert len(set(as_string.output_text)) > 3
+    assert as_string.output_text == want_seeded.choices[0].message.content
+
+    events = response_events(gw, **kwargs)
+    kinds = [e.type for e in events]
+    end = "response.incomplete" if reply.status == "incomplete" else "response.completed"
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", end,
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == want.message.content == events[-1].response.output_text
+
+    shaped = api.responses.create(
+        model=gw.model, input=CHAT, max_output_tokens=32, temperature=0,
+        text={"format": {"type": "json_schema", "name": "number", "schema": NUMBER, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(shaped.output_text), NUMBER)
+
+
+def test_responses_function_call_round_trip_and_the_store(gw: Gateway) -> None:
+    api = gw.openai(max_retries=0)
+    tools = [
+        {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}
+    ]
+    ask = "What is the weather in Paris?"
+    kwargs = {"model": gw.model, "input": ask, "max_output_tokens": 100, "temperature": 0, "tools": tools,
+              "tool_choice": {"type": "function", "name": "get_weather"}}  # fmt: skip
+    first = api.responses.create(**kwargs)
+    calls = [i for i in first.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", first.output
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+
+    events = response_events(gw, **{k: v for k, v in kwargs.items() if k != "model"})
+    done = [
+        e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"
+    ]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert arguments == calls[0].arguments and "response.function_call_arguments.done" in [
+        e.type for e in events
+    ]
+
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21C"}
+    seeded = {"temperature": 1.0, "extra_headers": {"x-brigade-seed": "7"}}
+    second = api.responses.create(
+        model=gw.model,
+        previous_response_id=first.id,
+        input=[result],
+        max_output_tokens=16,
+        tools=tools,
+        **seeded,
+    )
+    chat_messages = [
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": c.call_id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments}} for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "Sunny, 21C"},
+    ]  # fmt: skip
+    openai_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                    for t in tools]  # fmt: skip
+    want, usage = chat_sampled(gw, chat_messages, 16, tools=openai_tools)
+    assert len(set(second.output_text)) > 3
+    assert (
+        second.output_text == (want.message.content or "")
+        and second.usage.input_tokens == usage.prompt_tokens
+    )
+    # The same turn sent whole, without previous_response_id, is the same request.
+    whole = api.responses.create(
+        model=gw.model, input=[{"role": "user", "content": ask}, *[c.model_dump() for c in first.output], result],
+        max_output_tokens=16, tools=tools, **seeded,
+    )  # fmt: skip
+    assert whole.output_text == second.output_text
+
+    assert api.responses.retrieve(second.id).output_text == second.output_text
+    api.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(second.id)
+    unstored = api.responses.create(model=gw.model, input=ask, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as unknown:
+        api.responses.create(model=gw.model, input=ask, previous_response_id=unstored.id)
+    assert unknown.value.body["param"] == "previous_response_id"
+
+
+def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway) -> None:
+    api = gw.openai(max_retries=5)
+    first = api.responses.create(model=gw.model, input=CHAT, max_output_tokens=8, temperature=0)
+    # Whichever replica stored it, one of these reads is served by the other one, and one by a
+    # replica restarted after SIGKILL.
+    for replica in (0, 1):
+        kill_gateways(gw, [replica])
+        assert api.responses.retrieve(first.id).output_text == first.output_text
+        gw.run.wait_until_running(120)
+    follow = api.responses.create(
+        model=gw.model, previous_response_id=first.id, input="And another?", max_output_tokens=8,
+        temperature=1.0, extra_headers={"x-brigade-seed": "7"},
+    )  # fmt: skip
+    said = {"role": "assistant", "content": first.output_text}
+    want, _ = chat_sampled(gw, [*CHAT, said, {"role": "user", "content": "And another?"}], 8)
+    assert follow.output_text == want.message.content
+
+
+RESPONSES_BAD_BODIES = {
+    "no input": ({}, "input", "missing_required_parameter"),
+    "unknown item type": (
+        {"input": [{"type": "reasoning", "summary": []}]},
+        "input[0].type",
+        "invalid_value",
+    ),
+    "bad role": ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role", "invalid_value"),
+    "image part": (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0].type",
+        "invalid_value",
+    ),
+    "function call without call_id": (
+        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0].call_id",
+        "missing_required_parameter",
+    ),
+    "web search tool": ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
+    "bad tool choice": (
+        {"input": "hi", "tool_choice": {"type": "file_search"}},
+        "tool_choice",
+        "invalid_value",
+    ),
+    "bad schema": (
+        {
+            "input": "hi",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wizard"}}},
+        },
+        "text.format",
+        "invalid_value",
+    ),
+    "unknown previous response": (
+        {"input": "hi", "previous_response_id": "resp_" + "0" * 32},
+        "previous_response_id",
+        "previous_response_not_found",
+    ),
+    "negative max_output_tokens": (
+        {"input": "hi", "max_output_tokens": -3},
+        "max_output_tokens",
+        "invalid_value",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES_BAD_BODIES))
+def test_responses_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
+    body, param, code = RESPONSES_BAD_BODIES[case]
+    status, error = gw.error("/v1/responses", body)
+    assert status == 400, error
+    assert (error["param"] or "").startswith(param) and error["code"] == code, error
+
+
+def test_unknown_response_ids_get_404(gw: Gateway) -> None:
+    # Only ids the store makes name a file: "..", "run" or "status" reach nothing of the run dir.
+    for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/run"),
+                         ("GET", "/v1/responses/..")):  # fmt: skip
+        status, _, data = gw.request(method, path)
+        error = json.loads(data)["error"]
+        assert status == 404 and error["message"].startswith("Response with id"), data
+    assert (gw.run.run_dir / "run.json").exists()
+
+
+def test_developer_role_is_the_system_role(gw: Gateway) -> None:
+    as_system, _ = chat_sampled(gw, [{"role": "system", "content": SYSTEM}, *CHAT], 12)
+    as_developer, _ = chat_sampled(gw, [{"role": "developer", "content": SYSTEM}, *CHAT], 12)
+    without, _ = chat_sampled(gw, CHAT, 12)
+    assert as_developer.message.content == as_system.message.content != without.message.content
+
+
+def test_models_retrieve_by_id(gw: Gateway) -> None:
+    api = gw.openai(max_retries=0)
+    card = api.models.retrieve(gw.model)
+    assert card.id == gw.model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.models.retrieve("gpt-17")
+    assert unknown.value.body["code"] == "model_not_found"
 
 
 # -- errors -----------------------------------------------------------------------------------

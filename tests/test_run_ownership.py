@@ -152,7 +152,7 @@ def test_unauthenticated_requests_are_audited_in_aggregate(owned: Run) -> None:
     assert sum(e["count"] for e in lines) == num_requests
     assert len(lines) <= 2 * 30, f"{len(lines)} audit lines for {num_requests} refusals"
     assert {e["peer"] for e in lines} == {"127.0.0.1"}
-    assert {e["reason"] for e in lines} == {"no Authorization: Bearer header"}
+    assert {e["reason"] for e in lines} == {"no Authorization: Bearer or x-api-key header"}
 
 
 def saw(run: Run, needle: str, timeout: float) -> str:

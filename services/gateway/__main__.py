@@ -83,6 +83,8 @@ async def serve(stage: Stage) -> None:
         key_failures=ApiKeyFailures(
             AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
         ),
+        responses_max_stored=config.responses_max_stored,
+        responses_max_age_s=config.responses_max_age_s,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

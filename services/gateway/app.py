@@ -55,6 +55,8 @@ class GatewaySettings:
     max_body_bytes: int
     run_dir: Path
     key_failures: ApiKeyFailures  # refused API keys are audited, aggregated (services/audit.py)
+    responses_max_stored: int = 1000  # gateway.responses_max_stored (services/gateway/response_store.py)
+    responses_max_age_s: float = 7 * 86400.0
 
 
 def json_response(
@@ -106,10 +108,25 @@ class Gateway:
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
 
     def app(self) -> Starlette:
+        # Imported here: these APIs are built on this module's Gateway (translated.py).
+        from services.gateway.anthropic import MessagesApi
+        from services.gateway.response_store import ResponseStore
+        from services.gateway.responses import ResponsesApi
+
+        settings = self.settings
+        store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
+                              settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
+        messages, responses = MessagesApi(self), ResponsesApi(self, store)
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/messages", messages.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -149,13 +166,17 @@ class Gateway:
         if not self.settings.api_keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
+        bearer = key.strip() if scheme.lower() == "bearer" else ""
+        # Anthropic's clients send their key as x-api-key.
+        given = [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
+        if not any(k in self.settings.api_keys for k in given):
             peer = request.client.host if request.client else "unknown"
-            is_bearer = scheme.lower() == "bearer"
-            reason = "unknown API key" if is_bearer else "no Authorization: Bearer header"
-            self.settings.key_failures.record(peer, reason, key.strip() if is_bearer else None)
+            reason = "unknown API key" if given else "no Authorization: Bearer or x-api-key header"
+            self.settings.key_failures.record(peer, reason, given[0] if given else None)
             raise ApiError(
-                401, "missing or invalid API key (send Authorization: Bearer KEY)", code="invalid_api_key"
+                401,
+                "missing or invalid API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                code="invalid_api_key",
             )
 
     async def read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
@@ -312,6 +333,15 @@ class Gateway:
         self.check_key(request)
         card = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
         return self.finish(request, json_response(p.ModelList([card])))
+
+    async def model(self, request: Request) -> Response:
+        self.check_key(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.settings.model:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {self.settings.model!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        card = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
+        return self.finish(request, json_response(card))
 
     async def health(self, request: Request) -> Response:
         """200 only while an engine group can serve and a tokenizer answers (load balancers and

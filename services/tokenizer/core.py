@@ -44,7 +44,7 @@ from services.tokenizer.tools_prompt import (
 )
 
 MAX_REQUEST_ID_CHARS = 256
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system
 # Resubmissions of a quiet request that bring no progress before it is failed: one that the
 # engine keeps losing is a bug to report, not something to retry forever.
 MAX_REDRIVES = 3

@@ -84,7 +84,7 @@ def template_messages(
     """
     if renders_tools:
         return [_openai_message(x) for x in messages], tools
-    out = [{"role": x.role, "content": _flat_content(x)} for x in messages]
+    out = [{"role": template_role(x.role), "content": _flat_content(x)} for x in messages]
     if tools:
         instruction = tools_instruction(tools)
         if out[0]["role"] == "system":
@@ -94,6 +94,12 @@ def template_messages(
     return out, None
 
 
+def template_role(role: str) -> str:
+    """OpenAI's `developer` role (its newer name for the system prompt) is `system` to a chat
+    template: templates know only system, user, assistant and tool."""
+    return "system" if role == "developer" else role
+
+
 def _flat_content(message: ChatMessage) -> str:
     parts = [message.content] if message.content else []
     parts += [hermes_call(call) for call in message.tool_calls or []]
@@ -101,7 +107,7 @@ def _flat_content(message: ChatMessage) -> str:
 
 
 def _openai_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    out: dict[str, Any] = {"role": template_role(message.role), "content": message.content}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

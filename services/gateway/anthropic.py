@@ -1,0 +1,408 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+A Messages request is translated into a chat completion (`translated.py`): `system` becomes the
+system message, `tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` turns,
+`tools` / `tool_choice` OpenAI's (auto -> auto, any -> required, tool -> the named function,
+none -> none). The reply comes back as content blocks (`text`, `tool_use`) with Anthropic's
+stop reasons, or as its stream events. Errors are `{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from client.errors import InvalidRequest
+from client.sdk import chat_message
+from services.gateway import protocol as p
+from services.gateway.app import JSON, Gateway
+from services.gateway.errors import ApiError, invalid
+from services.gateway.formats import Piece
+from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
+from services.gateway.translated import named_event, run_translated
+from services.tokenizer.tools_prompt import template_messages, template_renders_tools
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+TOOL_CHOICES: dict[str, str] = {"auto": "auto", "any": "required", "none": "none"}
+# The chat path's names for a tool's fields, in its error messages -> Anthropic's.
+_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description)?")
+_CHAT_FORMAT_FIELD = re.compile(r"response_format(\.json_schema)?")
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type", frozen=True):
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", frozen=True):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", frozen=True):
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock
+
+
+class MessageIn(msgspec.Struct, frozen=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolIn(msgspec.Struct, frozen=True):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+
+
+class ToolChoiceIn(msgspec.Struct, frozen=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    messages: list[MessageIn]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+
+
+class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
+    max_tokens: int  # required, as Anthropic's API has it
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
+
+
+def _text(blocks: str | list[TextBlock]) -> str:
+    return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
+
+
+def _turns(i: int, message: MessageIn) -> list[dict[str, Any]]:
+    """One Anthropic message -> chat messages: a user's tool results become `tool` turns (before
+    its text: they answer the calls just made), an assistant's tool uses its `tool_calls`."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts, calls, results = [], [], []
+    for k, block in enumerate(message.content):
+        field = f"messages[{i}].content[{k}]"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise invalid(f"{field}: tool_use blocks belong to assistant messages", f"{field}.type")
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
+            )
+        else:
+            if message.role != "user":
+                raise invalid(f"{field}: tool_result blocks belong to user messages", f"{field}.type")
+            content = _text(block.content)
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {content}" if block.is_error else content})  # fmt: skip
+    text = "".join(texts)
+    if message.role == "assistant":
+        # A turn that only calls tools has no content (null, as OpenAI's).
+        return [
+            {
+                "role": "assistant",
+                "content": None if calls and not text else text,
+                "tool_calls": calls or None,
+            }
+        ]
+    return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    if not req.messages:
+        raise invalid("messages: at least one message is required", "messages")
+    system = _text(req.system) if req.system is not None else ""
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, message in enumerate(req.messages):
+        messages += _turns(i, message)
+    return messages
+
+
+def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, bool]:
+    """OpenAI's tools, tool_choice and parallel_tool_calls for Anthropic's."""
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for tool in req.tools:
+            function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+            if tool.description is not None:
+                function["description"] = tool.description
+            tools.append({"type": "function", "function": function})
+    choice = req.tool_choice
+    if choice is None:
+        return tools, None, True
+    if choice.type == "tool":
+        if choice.name is None:
+            raise invalid("tool_choice: type tool needs the tool's name", "tool_choice.name")
+        return (
+            tools,
+            {"type": "function", "function": {"name": choice.name}},
+            not choice.disable_parallel_tool_use,
+        )
+    return tools, TOOL_CHOICES[choice.type], not choice.disable_parallel_tool_use
+
+
+def _anthropic_field(text: str) -> str:
+    def rename(match: re.Match[str]) -> str:
+        field = {"parameters": "input_schema", None: ""}.get(match.group(2), match.group(2))
+        return f"tools[{match.group(1)}].{field}" if field else f"tools[{match.group(1)}]"
+
+    return _CHAT_FORMAT_FIELD.sub("output_config.format", _CHAT_TOOL_FIELD.sub(rename, text))
+
+
+def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+        raise invalid(
+            "output_config.format must be {'type': 'json_schema', 'schema': {...}}", "output_config.format"
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
+    tools, tool_choice, parallel = _tools(req)
+    body = {
+        "messages": _chat_messages(req),
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        # The stop sequence stays in the engine's output, so that the reply can say which one it
+        # was (stop_sequence); AnthropicReply cuts it off.
+        "stop": req.stop_sequences,
+        "include_stop_str_in_output": bool(req.stop_sequences),
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "response_format": _response_format(req.output_config),
+    }
+    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+def error_body(error: ApiError) -> bytes:
+    message = _anthropic_field(error.message)
+    kind = ERROR_TYPES.get(error.status, "api_error")
+    return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is ({} for text that is not one, which
+    only a model free to write anything, under tool_choice auto, can produce)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class AnthropicReply:
+    """The Translation (translated.py) of one Messages request."""
+
+    def __init__(self, model: str, stop_sequences: list[str]) -> None:
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model = model
+        self.stop_sequences = stop_sequences
+        self.text = ""  # the engine's output so far, stop sequence included
+        self.stop_sequence: str | None = None
+        self.stop_reason: str | None = None
+        self.block: Literal["text", "tool_use"] | None = None  # the open content block
+        self.num_blocks = 0
+
+    def _stop_hit(self, text: str, finish_reason: str | None) -> str | None:
+        if finish_reason != "stop":
+            return None
+        return next((s for s in self.stop_sequences if text.endswith(s)), None)
+
+    def _stop_reason(self, finish_reason: str | None) -> str:
+        if self.stop_sequence is not None:
+            return "stop_sequence"
+        return STOP_REASONS.get(finish_reason or "", "end_turn")
+
+    def piece(self, piece: Piece) -> Piece:
+        self.text += piece.text
+        hit = self._stop_hit(self.text, piece.finish_reason)
+        if hit is not None:
+            self.stop_sequence = hit
+            # The detokenizer holds back a possible stop sequence's start, so the whole
+            # sequence comes in the last piece.
+            piece.text = piece.text[: max(0, len(piece.text) - len(hit))]
+        return piece
+
+    def _message(self, content: list[dict[str, Any]], usage: p.UsageOut | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": self.stop_reason,
+            "stop_sequence": self.stop_sequence,
+            "usage": {
+                "input_tokens": usage.prompt_tokens if usage else 0,
+                "output_tokens": usage.completion_tokens if usage else 0,
+                "cache_read_input_tokens": usage.prompt_tokens_details.cached_tokens
+                if usage and usage.prompt_tokens_details else 0,
+            },
+        }  # fmt: skip
+
+    async def whole(self, completion: p.ChatCompletion) -> bytes:
+        choice = completion.choices[0]
+        text = choice.message.content or ""
+        self.stop_sequence = self._stop_hit(text, choice.finish_reason)
+        if self.stop_sequence is not None:
+            text = text[: -len(self.stop_sequence)]
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        for call in choice.message.tool_calls or []:
+            content.append({"type": "tool_use", "id": call.id, "name": call.function.name,
+                            "input": _tool_input(call.function.arguments)})  # fmt: skip
+        self.stop_reason = self._stop_reason(choice.finish_reason)
+        return msgspec.json.encode(self._message(content, completion.usage))
+
+    def opening(self) -> list[bytes]:
+        start = {"type": "message_start", "message": self._message([], None)}
+        return [named_event("message_start", start), named_event("ping", {"type": "ping"})]
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.block = block["type"]
+        event = {"type": "content_block_start", "index": self.num_blocks, "content_block": block}
+        return [*out, named_event("content_block_start", event)]
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        self.block = None
+        self.num_blocks += 1
+        return [
+            named_event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})
+        ]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return named_event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.num_blocks, "delta": delta}
+        )
+
+    def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]:
+        out: list[bytes] = []
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                if self.block != "text":
+                    out += self._open({"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": delta.content}))
+            for call in delta.tool_calls or []:
+                if "id" in call:  # a call's first delta
+                    out += self._open(
+                        {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
+                    )
+                arguments = call["function"].get("arguments")
+                if arguments:
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            if choice.finish_reason is not None:
+                self.stop_reason = self._stop_reason(choice.finish_reason)
+        return out
+
+    async def closing(self, usage: p.UsageOut) -> list[bytes]:
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+            "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens},
+        }
+        return [
+            *self._close(),
+            named_event("message_delta", delta),
+            named_event("message_stop", {"type": "message_stop"}),
+        ]
+
+    def error_body(self, error: ApiError) -> bytes:
+        return error_body(error)
+
+    def error_event(self, error: ApiError) -> bytes:
+        return b"event: error\ndata: " + error_body(error) + b"\n\n"
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+class MessagesApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def _error(self, request: Request, error: ApiError) -> Response:
+        return self.gateway.finish(request, Response(error_body(error), error.status, error.headers, JSON))
+
+    async def messages(self, request: Request) -> Response:
+        try:
+            req = await self.gateway.read_body(request, MessagesRequest)
+            plan = plan_chat(chat_request(req), header_seed(request.headers.get(SEED_HEADER)))
+            reply = AnthropicReply(self.gateway.settings.model, list(req.stop_sequences or []))
+            return run_translated(self.gateway, request, plan, reply, req.stream)
+        except ApiError as error:
+            return self._error(request, error)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's length in tokens as the tokenizer stage renders it (chat template, tools
+        through the template or the tools instruction), without running the model."""
+        try:
+            req = await self.gateway.read_body(request, CountTokensRequest)
+            messages = _chat_messages(req)
+            tools, tool_choice, _ = _tools(req)
+            try:
+                wire = [chat_message(i, m) for i, m in enumerate(messages)]
+            except InvalidRequest as exc:
+                raise invalid(str(exc), "messages") from None
+            template = self.gateway.tokenizer.chat_template
+            renders = template is not None and template_renders_tools(template)
+            offered = tools if tool_choice != "none" else None
+            rendered, template_tools = template_messages(wire, offered, renders)
+            try:
+                text = self.gateway.tokenizer.apply_chat_template(
+                    rendered, add_generation_prompt=True, tools=template_tools
+                )
+            except Exception as exc:  # a template may raise on unusual conversations
+                raise invalid(f"chat template failed: {exc}", "messages") from None
+            count = len(self.gateway.tokenizer.encode(text))
+            return self.gateway.finish(
+                request, Response(msgspec.json.encode({"input_tokens": count}), 200, media_type=JSON)
+            )
+        except ApiError as error:
+            return self._error(request, error)

@@ -1,0 +1,450 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A Responses request is translated into a chat completion (`translated.py`): `instructions`
+becomes the system message, `input` (a string, or message, `function_call` and
+`function_call_output` items) the conversation, function `tools` / `tool_choice` OpenAI chat's,
+`text.format` the chat's `response_format`, `max_output_tokens` its `max_tokens`. The reply comes
+back as output items (`message` with `output_text`, `function_call`), or as the Responses event
+stream. With `store` (the default, as OpenAI's), the response and its conversation are kept in
+the run's `ResponseStore`, so that `previous_response_id` continues it on any replica. Reasoning
+items are not produced (nor accepted as input) yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.gateway import protocol as p
+from services.gateway.app import Gateway, json_response
+from services.gateway.errors import ApiError, invalid
+from services.gateway.formats import Piece
+from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
+from services.gateway.response_store import ResponseStore, StoredResponse
+from services.gateway.translated import named_event, run_translated
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+TOOL_CHOICES = ("none", "auto", "required")
+# The chat path's names in its error messages -> the Responses API's.
+_RENAMES = [
+    (re.compile(r"tools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"response_format\.json_schema\b"), "text.format"),
+    (re.compile(r"response_format\b"), "text.format"),
+    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"^messages\b"), "input"),
+]
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class ContentPartIn(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, frozen=True):
+    """One input item; `type` says which fields it needs (message: role, content;
+    function_call: call_id, name, arguments; function_call_output: call_id, output)."""
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[ContentPartIn] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPartIn] | None = None
+
+
+class ToolIn(msgspec.Struct, frozen=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, frozen=True):
+    format: dict[str, Any] | None = None
+
+
+class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+def _item_text(field: str, content: str | list[ContentPartIn] | None) -> str:
+    if content is None:
+        raise invalid(f"{field}: required", field, "missing_required_parameter")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise invalid(f"{field}[{k}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, got "
+                          f"type {part.type!r}", f"{field}[{k}].type")  # fmt: skip
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _required(field: str, value: str | None) -> str:
+    if value is None:
+        raise invalid(f"{field}: required", field, "missing_required_parameter")
+    return value
+
+
+def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
+    """`input` -> chat messages (the SDK's dicts). Consecutive function calls join the assistant
+    turn before them, as one chat turn with several tool_calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        field = f"input[{i}]"
+        if item.type == "message":
+            if item.role not in ROLES:
+                raise invalid(
+                    f"{field}.role must be one of {list(ROLES)}, got {item.role!r}", f"{field}.role"
+                )
+            messages.append({"role": item.role, "content": _item_text(f"{field}.content", item.content)})
+        elif item.type == "function_call":
+            call = {
+                "id": _required(f"{field}.call_id", item.call_id),
+                "type": "function",
+                "function": {"name": _required(f"{field}.name", item.name),
+                             "arguments": _required(f"{field}.arguments", item.arguments)},
+            }  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            output = (
+                item.output if isinstance(item.output, str) else _item_text(f"{field}.output", item.output)
+            )
+            messages.append({"role": "tool", "tool_call_id": _required(f"{field}.call_id", item.call_id),
+                             "content": output})  # fmt: skip
+        else:
+            raise invalid(
+                f"{field}.type: must be message, function_call or function_call_output, got {item.type!r}",
+                f"{field}.type",
+            )
+    return messages
+
+
+def _chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if tool.type != "function":
+            raise invalid(
+                f"tools[{i}].type: only function tools are supported, got {tool.type!r}", f"tools[{i}].type"
+            )
+        function: dict[str, Any] = {"name": _required(f"tools[{i}].name", tool.name)}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice  # the chat path checks the value
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise invalid("tool_choice: a named function is {'type': 'function', 'name': ...}", "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return fmt  # json_object, or a type the chat path refuses naming it
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A chat-path error, in the Responses API's field names."""
+    message, param = error.message, error.param
+    for pattern, name in _RENAMES:
+        message = pattern.sub(name, message)
+        param = pattern.sub(name, param) if param is not None else None
+    return ApiError(error.status, message, param=param, code=error.code, headers=error.headers)
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> p.ChatCompletionRequest:
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body = {
+        "messages": system + conversation,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _chat_tools(req),
+        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text),
+    }
+    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+def _error_fields(error: ApiError) -> dict[str, Any]:
+    return {"code": error.code, "message": error.message, "param": error.param}
+
+
+class ResponsesReply:
+    """The Translation (translated.py) of one Responses request; stores the response when done."""
+
+    def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict[str, Any]],
+                 store: ResponseStore) -> None:  # fmt: skip
+        self.req = req
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model = model
+        self.conversation = conversation
+        self.store = store
+        self.output: list[dict[str, Any]] = []
+        self.open_item: dict[str, Any] | None = None  # the item the stream is adding to
+        self.finish_reason: str | None = None
+        self.sequence_number = 0
+
+    def body(self, status: str, usage: p.UsageOut | None) -> dict[str, Any]:
+        req = self.req
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": None,
+            "store": req.store and self.store.enabled,
+            "temperature": req.temperature,
+            "text": {"format": fmt},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": [msgspec.structs.asdict(t) for t in req.tools or []],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": None if usage is None else {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {
+                    "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+                },
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            },
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }  # fmt: skip
+
+    @staticmethod
+    def _message_item() -> dict[str, Any]:
+        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                "role": "assistant", "content": []}  # fmt: skip
+
+    @staticmethod
+    def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+                "arguments": arguments, "status": "in_progress"}  # fmt: skip
+
+    async def _finish(self, usage: p.UsageOut | None) -> dict[str, Any]:
+        """The final body; stored (before the client hears of it, so that a next request naming
+        it finds it on any replica)."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        body = self.body(status, usage)
+        if self.req.store and self.store.enabled:
+            said = {"role": "assistant", "content": None, "tool_calls": None}
+            texts = [
+                part["text"] for item in self.output if item["type"] == "message" for part in item["content"]
+            ]
+            calls = [{"id": item["call_id"], "type": "function",
+                      "function": {"name": item["name"], "arguments": item["arguments"]}}
+                     for item in self.output if item["type"] == "function_call"]  # fmt: skip
+            said["content"] = "".join(texts) if texts or not calls else None
+            said["tool_calls"] = calls or None
+            conversation = msgspec.convert([*self.conversation, said], list[p.ChatMessageIn])
+            entry = StoredResponse(time.time(), body, conversation)
+            await asyncio.to_thread(self.store.put, self.id, entry)
+        return body
+
+    def piece(self, piece: Piece) -> Piece:
+        return piece
+
+    async def whole(self, completion: p.ChatCompletion) -> bytes:
+        choice = completion.choices[0]
+        self.finish_reason = choice.finish_reason
+        text = choice.message.content or ""
+        calls = choice.message.tool_calls or []
+        if text or not calls:
+            item = self._message_item()
+            item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+            self.output.append(item)
+        for call in calls:
+            self.output.append(self._call_item(call.id, call.function.name, call.function.arguments))
+        for item in self.output:
+            item["status"] = "completed"
+        return msgspec.json.encode(await self._finish(completion.usage))
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return named_event(kind, body)
+
+    def opening(self) -> list[bytes]:
+        body = self.body("in_progress", None)
+        return [
+            self._event("response.created", response=body),
+            self._event("response.in_progress", response=body),
+        ]
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.open_item = item
+        self.output.append(item)
+        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            item["content"].append(part)
+            out.append(self._event("response.content_part.added", item_id=item["id"],
+                                   output_index=len(self.output) - 1, content_index=0, part=part))  # fmt: skip
+        return out
+
+    def _close(self) -> list[bytes]:
+        item = self.open_item
+        if item is None:
+            return []
+        self.open_item = None
+        where = {"item_id": item["id"], "output_index": len(self.output) - 1}
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = [self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
+                   self._event("response.content_part.done", **where, content_index=0, part=part)]  # fmt: skip
+        else:
+            out = [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])]
+        out.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
+        return out
+
+    def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]:
+        out: list[bytes] = []
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                if self.open_item is None or self.open_item["type"] != "message":
+                    out += self._open(self._message_item())
+                assert self.open_item is not None
+                where = {"item_id": self.open_item["id"], "output_index": len(self.output) - 1}
+                self.open_item["content"][0]["text"] += delta.content
+                out.append(self._event("response.output_text.delta", **where, content_index=0,
+                                       delta=delta.content, logprobs=[]))  # fmt: skip
+            for call in delta.tool_calls or []:
+                if "id" in call:  # a call's first delta
+                    out += self._open(self._call_item(call["id"], call["function"]["name"], ""))
+                arguments = call["function"].get("arguments")
+                if arguments and self.open_item is not None:
+                    self.open_item["arguments"] += arguments
+                    out.append(self._event("response.function_call_arguments.delta", item_id=self.open_item["id"],
+                                           output_index=len(self.output) - 1, delta=arguments))  # fmt: skip
+            self.finish_reason = choice.finish_reason or self.finish_reason
+        return out
+
+    async def closing(self, usage: p.UsageOut) -> list[bytes]:
+        out = self._close()
+        if not self.output:  # an empty reply is still one (empty) message, as the whole reply has it
+            out += self._open(self._message_item()) + self._close()
+        body = await self._finish(usage)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        return [*out, self._event(kind, response=body)]
+
+    def error_body(self, error: ApiError) -> bytes:
+        return error.body()
+
+    def error_event(self, error: ApiError) -> bytes:
+        return self._event("error", **_error_fields(error))
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id {response_id[:80]!r} not found.", code="not_found")
+
+
+class ResponsesApi:
+    def __init__(self, gateway: Gateway, store: ResponseStore) -> None:
+        self.gateway = gateway
+        self.store = store
+
+    async def create(self, request: Request) -> Response:
+        req = await self.gateway.read_body(request, ResponsesRequest)
+        conversation: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = await asyncio.to_thread(self.store.get, req.previous_response_id)
+            if previous is None:
+                raise ApiError(400, f"Previous response with id {req.previous_response_id[:80]!r} not found.",
+                               param="previous_response_id", code="previous_response_not_found")  # fmt: skip
+            conversation = msgspec.to_builtins(previous.conversation)
+        conversation = [*conversation, *input_messages(req.input)]
+        try:
+            plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
+        except ApiError as error:
+            raise renamed(error) from None
+        plan.aliases.update(
+            {"max_tokens": "max_output_tokens", "prompt": "input", "structured": "text.format"}
+        )
+        reply = ResponsesReply(req, self.gateway.settings.model, conversation, self.store)
+        return run_translated(self.gateway, request, plan, reply, req.stream)
+
+    async def retrieve(self, request: Request) -> Response:
+        self.gateway.check_key(request)
+        response_id = request.path_params["response_id"]
+        entry = await asyncio.to_thread(self.store.get, response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        return self.gateway.finish(request, json_response(entry.response))
+
+    async def delete(self, request: Request) -> Response:
+        self.gateway.check_key(request)
+        response_id = request.path_params["response_id"]
+        if not await asyncio.to_thread(self.store.delete, response_id):
+            raise _not_found(response_id)
+        return self.gateway.finish(
+            request, json_response({"id": response_id, "object": "response", "deleted": True})
+        )
