@@ -60,7 +60,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
     default_max_tokens: Positive = 256
+    # A request's work budget on the single-threaded tokenizer (and the gateway's /tokenize): all
+    # the text that reaches the chat template (tool calls and tools JSON included) and the prompt
+    # it renders to, the number of messages, and the time the template may take to render.
     max_prompt_chars: Positive = 1_000_000
+    max_messages: Positive = 4096
+    template_timeout_s: Seconds = 1.0
     stall_timeout_s: Seconds = 10.0  # a request quiet this long is checked with its scheduler
 
 
@@ -75,6 +80,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     api_keys: list[str] = []  # [] = open, unless BRIGADE_API_KEYS lists some
     served_model_name: str = ""  # "" = the model's name
     max_concurrent_requests: Positive = 512  # per replica; past it, 429
+    # Slow clients (slowloris): the request line and headers must arrive within header_timeout_s
+    # and in at most max_header_bytes, the body within body_timeout_s; an idle kept-alive
+    # connection is closed after keep_alive_timeout_s.
+    header_timeout_s: Seconds = 10.0
+    max_header_bytes: Positive = 64 * 1024
+    body_timeout_s: Seconds = 60.0
+    keep_alive_timeout_s: Seconds = 5.0
 
 
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
