@@ -41,6 +41,10 @@ from ipc.structured_output import from_structured_outputs
 from ipc.validation import InvalidParams
 
 MAX_SEED = 2**63
+# The widths integers travel in: msgpack's int64 for sampling parameters, packed int32 for token
+# ids. A wider value is refused here, naming its field, instead of failing in the encoder.
+INT64_RANGE = (-(2**63), 2**63 - 1)
+INT32_RANGE = (-(2**31), 2**31 - 1)
 MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
 RUN_CHECK_INTERVAL_S = 0.5  # how often a client with requests in flight checks that its run is alive
 CLOSE_LINGER_MS = 100  # lets the aborts of a closing client out, and bounds how long closing takes
@@ -213,7 +217,21 @@ def _convert(name: str, value: Any, type_: Any) -> Any:
     try:
         return msgspec.convert(value, type_)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"{name}={value!r} has the wrong type: {exc}") from None
+        raise InvalidRequest(f"{name}={value!r:.80} has the wrong type: {exc}") from None
+
+
+def _check_int_range(name: str, value: Any) -> None:
+    """Refuse an integer (or a list's item, or a dict's key) wider than int64."""
+    if isinstance(value, dict):
+        candidates: Any = value.keys()
+    elif isinstance(value, list):
+        candidates = value
+    else:
+        candidates = [value]
+    lo, hi = INT64_RANGE
+    for x in candidates:
+        if isinstance(x, int) and not lo <= x <= hi:
+            raise InvalidRequest(f"{name}: {x} is out of range (integers travel as 64-bit, [{lo}, {hi}])")
 
 
 def _check_text(name: str, text: str) -> None:
@@ -260,6 +278,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     values = {name: _convert(name, value, _PARAM_TYPES[name]) for name, value in sampling.items()}
+    for name, value in values.items():
+        _check_int_range(name, value)
     for i, stop in enumerate(values.get("stop", [])):
         _check_text(f"stop[{i}]", stop)
     params = m.SamplingParams(**values)
@@ -270,13 +290,26 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
 
 
 def _prompt_ids(prompt: Sequence[int]) -> bytes:
+    """Token ids packed as int32; an id outside that range is refused (packing would raise, or
+    wrap a numpy array's id silently into another token)."""
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
             raise InvalidRequest(
                 f"token ids must be a 1-D integer array, got {prompt.dtype} of shape {prompt.shape}"
             )
-        return m.pack_ids(prompt)
-    return m.pack_ids(_convert("prompt (token ids)", list(prompt), list[int]))
+        ids: Any = prompt
+    else:
+        ids = _convert("prompt (token ids)", list(prompt), list[int])
+    lo, hi = INT32_RANGE
+    if len(ids) == 0:
+        return b""
+    smallest, largest = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+    if not lo <= int(smallest) <= int(largest) <= hi:
+        index, bad = next((i, int(x)) for i, x in enumerate(ids) if not lo <= int(x) <= hi)
+        raise InvalidRequest(
+            f"prompt: token id {bad} at index {index} is out of range (ids travel as 32-bit)"
+        )
+    return m.pack_ids(ids)
 
 
 def make_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> m.Tools | None:
@@ -601,8 +634,10 @@ class Session:
             raise InvalidRequest(f"request {generate.request_id} is already in flight")
         try:
             CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
-        except (TypeError, UnicodeEncodeError) as exc:
-            raise InvalidRequest(f"request {generate.request_id} cannot be encoded: {exc}") from None
+        except Exception as exc:  # whatever the encoder refuses is this request's fault alone
+            raise InvalidRequest(
+                f"request {generate.request_id} cannot be encoded: {type(exc).__name__}: {exc}"
+            ) from None
         state = RequestState(generate, None if timeout is None else now + timeout, now)
         self.requests[state.request_id] = state
         try:

@@ -62,7 +62,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
     default_max_tokens: Positive = 256
+    # A request's work budget on the single-threaded tokenizer (and the gateway's /tokenize): all
+    # the text that reaches the chat template (tool calls and tools JSON included) and the prompt
+    # it renders to, the number of messages, and the time the template may take to render.
     max_prompt_chars: Positive = 1_000_000
+    max_messages: Positive = 4096
+    template_timeout_s: Seconds = 1.0
     stall_timeout_s: Seconds = 10.0  # a request quiet this long is checked with its scheduler
 
 
@@ -80,6 +85,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # /v1/responses kept for previous_response_id and GET, in <run-dir>/responses (every replica's)
     responses_max_stored: NonNegative = 1000  # 0 = store none (store: true is then ignored)
     responses_max_age_s: Seconds = 7 * 86400.0
+    # Slow clients (slowloris): the request line and headers must arrive within header_timeout_s
+    # and in at most max_header_bytes, the body within body_timeout_s; an idle kept-alive
+    # connection is closed after keep_alive_timeout_s.
+    header_timeout_s: Seconds = 10.0
+    max_header_bytes: Positive = 64 * 1024
+    body_timeout_s: Seconds = 60.0
+    keep_alive_timeout_s: Seconds = 5.0
 
 
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

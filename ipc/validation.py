@@ -11,6 +11,10 @@ Decisions:
   run: the tokenizer fills them from the model's defaults first (ipc/sampling_defaults.py).
 - User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
   -inf is reserved for the scheduler (eos / stop ids under min_tokens) and never comes from a user.
+- A prompt's work budget (tokenizer.max_prompt_chars, tokenizer.max_messages) counts every
+  character that reaches the chat template: contents, roles, names, tool call ids, names and
+  arguments, and the tools JSON. The tokenizer and the gateway's /tokenize render and encode on one
+  thread, so a request past it is refused before any of that work (`check_chat_budget`).
 - A `structured` constraint is checked for its form here (kind, text, size); whether it compiles is
   the grammar engine's to say (services/scheduler/grammar_compiler.py `check_constraint`, which the
   tokenizer calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
@@ -24,7 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ipc.messages import SamplingParams, StructuredOutput
+from ipc.messages import ChatMessage, SamplingParams, StructuredOutput
 
 MAX_MAX_TOKENS = 1_000_000
 MAX_TEMPERATURE = 100.0
@@ -102,6 +106,42 @@ def validate_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int)
     # Failure path only: name the first bad id and where it is.
     index, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= int(t) < vocab_size)
     raise InvalidParams(f"prompt token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
+
+
+def chat_chars(messages: Sequence[ChatMessage]) -> int:
+    """Every character of a conversation that reaches the chat template."""
+    total = 0
+    for message in messages:
+        total += len(message.role) + len(message.content or "")
+        total += len(message.name or "") + len(message.tool_call_id or "")
+        for call in message.tool_calls or ():
+            total += len(call.id) + len(call.name) + len(call.arguments)
+    return total
+
+
+def check_prompt_chars(num_chars: int, max_chars: int, counted: str = "") -> None:
+    """`counted` says what the characters are of, when not the prompt text itself."""
+    if num_chars > max_chars:
+        raise PromptTooLong(
+            f"prompt: {num_chars} characters{counted}; the limit is {max_chars} (tokenizer.max_prompt_chars)"
+        )
+
+
+def check_message_count(num_messages: int, max_messages: int) -> None:
+    if num_messages > max_messages:
+        raise InvalidParams(
+            f"messages: {num_messages} messages; the limit is {max_messages} (tokenizer.max_messages)"
+        )
+
+
+def check_chat_budget(
+    messages: Sequence[ChatMessage], tools_json: str, *, max_chars: int, max_messages: int
+) -> None:
+    """Raise unless a chat is within the per-request budget: at most `max_messages` messages and
+    `max_chars` characters in them and the tools JSON together."""
+    check_message_count(len(messages), max_messages)
+    num_chars = chat_chars(messages) + len(tools_json)
+    check_prompt_chars(num_chars, max_chars, " in the messages, their tool calls and the tools")
 
 
 def _check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:

@@ -649,6 +649,51 @@ def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
         assert client.generate("fine", max_tokens=3, timeout=5).text == expected_text("fine", 3)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": [2**31]}, "prompt"),
+        ({"prompt": np.array([1, 2**40], np.int64)}, "prompt"),  # would wrap silently into another id
+        ({"prompt": "x", "max_tokens": 2**64}, "max_tokens"),
+        ({"prompt": "x", "logit_bias": {2**70: 1.0}}, "logit_bias"),
+        ({"prompt": "x", "stop_token_ids": [1, -(2**63) - 1]}, "stop_token_ids"),
+        ({"prompt": "x", "seed": 2**64 + 5}, "seed"),
+    ],
+)
+def test_integers_wider_than_the_wire_are_refused_naming_the_field(fakes, kwargs: dict, field: str) -> None:
+    """Integers past what the wire carries (int64 parameters, int32 token ids) made the packer
+    raise OverflowError, which no caller expected: the gateway's job task died silently and its
+    HTTP request hung. They are an InvalidRequest naming the field, for both clients."""
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        with pytest.raises(InvalidRequest, match=f"^{field}: .* out of range"):
+            client.generate(timeout=5, **kwargs)
+        assert client.session.requests == {}
+        assert client.generate("after", max_tokens=2, timeout=5).text == expected_text("after", 2)
+
+    async def main() -> None:
+        async with AsyncClient(endpoints=[fake.endpoint]) as client:
+            with pytest.raises(InvalidRequest, match=f"^{field}: .* out of range"):
+                await client.generate(timeout=5, **kwargs)
+            assert (await client.generate("async", max_tokens=2, timeout=5)).text == expected_text("async", 2)
+
+    asyncio.run(main())
+    assert [r.prompt for r in fake.requests(m.Generate)] == ["after", "async"]
+
+
+def test_session_submit_turns_any_encoding_failure_into_an_invalid_request() -> None:
+    """A Generate built without make_generate (a caller of the sans-IO Session) that the encoder
+    cannot pack is that request's InvalidRequest, not an exception that escapes a task."""
+    session = Session(["inproc://nowhere"], lambda replica, frame: True)
+    for generate in (
+        m.Generate("big", prompt="x", params=m.SamplingParams(max_tokens=2**64)),
+        m.Generate("bias", prompt="x", params=m.SamplingParams(logit_bias={2**70: 1.0})),
+    ):
+        with pytest.raises(InvalidRequest, match="cannot be encoded: OverflowError"):
+            session.submit(generate, timeout=None)
+    assert session.requests == {}
+
+
 UNCLOSED_CLIENTS = """
 import gc, sys
 from concurrent.futures import ThreadPoolExecutor

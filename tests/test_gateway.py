@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,9 @@ MAX_MODEL_LEN = 1024
 MAX_CONCURRENT = 8
 MAX_PROMPT_CHARS = 100_000
 MAX_BODY_BYTES = 6 * MAX_PROMPT_CHARS + (1 << 20)  # services/gateway/__main__.py: max_body_bytes
+MAX_MESSAGES = 64
+HEADER_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 5.0
 HTTP_TIMEOUT_S = 120.0
 CHAT = [{"role": "user", "content": "Write a haiku about buckets."}]
 
@@ -131,6 +135,9 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             f"gateway.api_keys=[{CONFIG_KEY}]",
             f"gateway.max_concurrent_requests={MAX_CONCURRENT}",
             f"tokenizer.max_prompt_chars={MAX_PROMPT_CHARS}",
+            f"tokenizer.max_messages={MAX_MESSAGES}",
+            f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
+            f"gateway.body_timeout_s={BODY_TIMEOUT_S}",
         ) as run:
             os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))
@@ -912,6 +919,197 @@ def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> 
             sock.recv(4096)
     assert sorted(gw.run.stage_pids("gateway")) == pids
     assert gw.request("GET", "/health")[0] == 200
+
+
+# -- hostile input: every request gets an answer, and none can stall the others (issue #29) -------
+
+
+def http_requests_count(gw: Gateway, path: str, status: int) -> float:
+    metrics = gw.request("GET", "/metrics")[2].decode()
+    pattern = rf'^brigade:http_requests_total\{{path="{re.escape(path)}",status="{status}"\}} (\S+)$'
+    match = re.search(pattern, metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_integers_past_the_wire_get_400_naming_the_field(gw: Gateway) -> None:
+    """Integers wider than the wire made the SDK's packer raise OverflowError, which killed the
+    gateway's job task silently: the client waited forever and the slot stayed taken. Each is a
+    400 naming its field, through the openai client and a raw connection."""
+    api = gw.openai(max_retries=0).with_options(timeout=60.0)  # main hung here: fail, do not wait
+    calls = [
+        ("prompt", lambda: api.completions.create(model=gw.model, prompt=[2**31], max_tokens=2)),
+        ("max_tokens", lambda: api.completions.create(model=gw.model, prompt="hi", max_tokens=2**64)),
+        (
+            "logit_bias",
+            lambda: api.completions.create(
+                model=gw.model, prompt="hi", max_tokens=2, logit_bias={str(2**70): 1}
+            ),
+        ),
+        (
+            "max_completion_tokens",
+            lambda: api.chat.completions.create(model=gw.model, messages=CHAT, max_completion_tokens=2**64),
+        ),
+        (
+            "stop_token_ids",
+            lambda: api.chat.completions.create(
+                model=gw.model, messages=CHAT, max_tokens=2, extra_body={"stop_token_ids": [2**64]}
+            ),
+        ),
+    ]
+    for param, call in calls:
+        with pytest.raises(openai.BadRequestError) as bad:
+            call()
+        assert bad.value.body["param"] == param, bad.value.body
+        assert "out of range" in bad.value.body["message"]
+    status, error = gw.error("/v1/completions", b'{"prompt": [1, 2, 18446744073709551616], "stream": true}')
+    assert status == 400 and error["param"] == "prompt" and "index 2" in error["message"]
+    # Every request ended (none holds a slot): all of a replica's slots still serve.
+    with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
+        replies = list(
+            pool.map(
+                lambda _: gw.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                range(MAX_CONCURRENT),
+            )
+        )
+    assert [r[0] for r in replies] == [200] * MAX_CONCURRENT
+
+
+def test_deeply_nested_json_is_a_counted_400(gw: Gateway) -> None:
+    """10k levels of JSON, or a 700-deep JSON schema, ran the decoder (or what came after it) out
+    of stack: a 500 with a traceback per request, not counted in the HTTP metrics."""
+    path = "/v1/chat/completions"
+    before = http_requests_count(gw, path, 400)
+    # Under a field that takes any JSON (response_format), where the decoder recurses per level.
+    nested = b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"x": '
+    nested += b"[" * 10_000 + b"]" * 10_000 + b"}}"
+    status, error = gw.error(path, nested)
+    assert status == 400 and error["code"] == "invalid_json", error
+    assert "nested 10002 levels deep" in error["message"]
+    schema: dict = {"type": "string"}
+    for _ in range(700):
+        schema = {"type": "array", "items": schema}
+    response_format = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        gw.openai(max_retries=0).chat.completions.create(
+            model=gw.model, messages=CHAT, max_tokens=2, response_format=response_format
+        )
+    assert "levels deep" in bad.value.body["message"]
+    assert http_requests_count(gw, path, 400) >= before + 2
+
+
+def test_requests_past_the_work_budget_get_400_naming_the_limit(gw: Gateway) -> None:
+    """/tokenize rendered and encoded any prompt under the body limit on the gateway's event loop
+    (7 MB stalled every stream for 15 s); a chat's messages and tool-call arguments were not
+    counted. Each is refused by the budget, naming it."""
+    status, error = gw.error("/tokenize", {"prompt": "x" * (MAX_PROMPT_CHARS + 1)})
+    assert status == 400 and error["param"] == "prompt" and "tokenizer.max_prompt_chars" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    status, error = gw.error("/tokenize", {"messages": many})
+    assert status == 400 and error["param"] == "messages" and "tokenizer.max_messages" in error["message"]
+    status, error = gw.error("/detokenize", {"tokens": [1] * (MAX_PROMPT_CHARS + 1)})
+    assert status == 400 and error["param"] == "tokens"
+    api = gw.openai(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=many, max_tokens=2)
+    assert bad.value.body["param"] == "messages" and "tokenizer.max_messages" in bad.value.body["message"]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"x": "' + "a" * MAX_PROMPT_CHARS + '"}'},
+    }
+    history = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+    ]
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history, max_tokens=2)
+    assert bad.value.body["param"] == "messages" and "tokenizer.max_prompt_chars" in bad.value.body["message"]
+    # Within the budget /tokenize still answers, from its worker thread.
+    status, _, body = gw.request("POST", "/tokenize", {"messages": many[:MAX_MESSAGES]})
+    assert status == 200 and json.loads(body)["count"] > MAX_MESSAGES
+
+
+def test_a_stream_keeps_its_tokens_coming_beside_huge_requests(gw: Gateway) -> None:
+    """Huge /tokenize and chat requests, sent back to back for as long as a normal stream runs:
+    each over the budget fails alone, naming its limit, and the stream receives its tokens while
+    they are in flight."""
+    many = [{"role": "user", "content": "a"}] * 20_000
+    attack_bodies = [  # path, body, the limit it is refused by (None: within every budget)
+        ("/tokenize", {"prompt": "x " * MAX_PROMPT_CHARS}, "tokenizer.max_prompt_chars"),
+        ("/tokenize", {"messages": many}, "tokenizer.max_messages"),
+        ("/v1/chat/completions", {"messages": many, "max_tokens": 2}, "tokenizer.max_messages"),
+        ("/tokenize", {"prompt": "hello " * (MAX_PROMPT_CHARS // 6)}, None),
+    ]
+    stream_done = threading.Event()
+    attacks: list[tuple[float, float]] = []
+    wrong: list[tuple[str, str | None, int, bytes]] = []
+
+    def attack() -> None:
+        while not stream_done.is_set():
+            for path, body, limit in attack_bodies:
+                start = time.monotonic()
+                status, _, reply = gw.request("POST", path, body)
+                attacks.append((start, time.monotonic()))
+                if status != (400 if limit else 200) or (limit and limit.encode() not in reply):
+                    wrong.append((path, limit, status, reply[:300]))
+
+    stream_body = {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+                   "stream": True, "ignore_eos": True}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        attackers = [pool.submit(attack) for _ in range(2)]
+        while len(attacks) < 2:  # the attack is under way before the stream starts
+            time.sleep(0.01)
+        arrivals = []
+        try:
+            for line in stream_lines(gw, stream_body):
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+        finally:
+            stream_done.set()
+        for attacker in attackers:
+            attacker.result(timeout=HTTP_TIMEOUT_S)
+    assert not wrong, wrong
+    assert len(arrivals) >= 64  # one event per token, at least
+    during = [t for t in arrivals if any(start <= t <= end for start, end in attacks)]
+    assert during, "no token arrived while an attack request was in flight"
+
+
+def test_a_stalled_header_is_closed_within_the_header_timeout(gw: Gateway) -> None:
+    """Slowloris: half a request line and headers, then nothing. uvicorn held such connections
+    forever; now the header deadline (gateway.header_timeout_s, 2 s here) closes them."""
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HEADER_TIMEOUT_S + 30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        reply = sock.recv(4096)  # socket.timeout here: the server never closed it
+        assert reply.startswith(b"HTTP/1.1 408") or reply == b"", reply
+        while reply:
+            reply = sock.recv(4096)  # then the server closes
+
+
+def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
+    body = json.dumps({"prompt": "x" * 200, "max_tokens": 1}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=0.5) as sock:
+        sock.sendall(head)
+        reply = b""
+        deadline = time.monotonic() + BODY_TIMEOUT_S + 30
+        for byte in body:
+            assert time.monotonic() < deadline, "the trickled body was never cut off"
+            try:
+                sock.sendall(bytes([byte]))
+                reply += sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:  # reset: the server closed the connection
+                break
+            if reply:
+                break
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert b"gateway.body_timeout_s" in reply
 
 
 # -- disconnects ------------------------------------------------------------------------------

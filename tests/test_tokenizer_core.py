@@ -304,3 +304,81 @@ def test_constraints_are_checked_at_admission_naming_the_field(core_factory) -> 
     entry = core.admit(b"c", generate(good))
     assert entry.submit.params.structured == good
     assert list(core.journal) == [entry.submit.request_id]
+
+
+# -- the per-request work budget (issue #29): the tokenizer renders and encodes on one thread ---
+
+
+def budget_core(smollm2_dir: Path, **budget) -> TokenizerCore:
+    """A core whose context is long enough that only the budget can refuse these requests."""
+    kwargs = {"max_prompt_chars": 1000, **budget}
+    return TokenizerCore(Tokenizer(smollm2_dir), 0, 1, max_model_len=8192, default_max_tokens=7, **kwargs)
+
+
+def tool_turn(arguments: str, name: str = "f", call_id: str = "call_0") -> m.ChatMessage:
+    return m.ChatMessage("assistant", None, tool_calls=[m.ToolCall(call_id, name, arguments)])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [m.ChatMessage("user", "hi"), tool_turn('{"x": "' + "a" * 1000 + '"}')],  # arguments
+        [m.ChatMessage("user", "hi"), tool_turn("{}", name="f" * 1000)],  # the function's name
+        [m.ChatMessage("user", "hi"), tool_turn("{}", call_id="c" * 1000)],  # the call's id
+        [m.ChatMessage("user", "hi", name="n" * 1000)],
+        [m.ChatMessage("tool", "ok", tool_call_id="t" * 1000)],
+    ],
+    ids=["arguments", "call name", "call id", "name", "tool_call_id"],
+)
+def test_every_text_that_reaches_the_template_counts_toward_max_prompt_chars(
+    smollm2_dir: Path, messages: list[m.ChatMessage]
+) -> None:
+    """Only `content` and the tools JSON were counted: 6M characters of tool-call arguments went
+    through to the template and the encoder, and stalled every stream for 10 s."""
+    core = budget_core(smollm2_dir)
+    with pytest.raises(
+        RequestError, match=r"^prompt: \d+ characters in the messages.*tokenizer.max_prompt_chars"
+    ):
+        core.admit(b"c", m.Generate("r", messages=messages))
+    assert not core.journal
+
+
+def test_more_messages_than_max_messages_are_refused_before_rendering(smollm2_dir: Path) -> None:
+    core = budget_core(smollm2_dir, max_messages=8)
+    messages = [m.ChatMessage("user", "a")] * 9
+    with pytest.raises(
+        RequestError, match=r"^messages: 9 messages; the limit is 8 \(tokenizer.max_messages\)"
+    ) as info:
+        core.admit(b"c", m.Generate("r", messages=messages))
+    assert info.value.code == "invalid_request"
+    assert core.admit(b"c", m.Generate("ok", messages=messages[:8])).request_id == "ok"
+
+
+def test_the_rendered_prompt_counts_toward_max_prompt_chars(smollm2_dir: Path) -> None:
+    """The template adds text of its own to every message (many one-character messages render to
+    a prompt many times their size, full of special tokens, the slowest text to encode)."""
+    core = budget_core(smollm2_dir)
+    messages = [m.ChatMessage("user", "a")] * 150  # 750 characters in, more than 2000 rendered
+    with pytest.raises(
+        RequestError, match=r"^prompt: \d+ characters once rendered by the chat template"
+    ) as info:
+        core.admit(b"c", m.Generate("r", messages=messages))
+    assert info.value.code == "prompt_too_long"
+
+
+def test_a_template_past_its_time_budget_fails_the_request_alone(smollm2_dir: Path) -> None:
+    core = budget_core(smollm2_dir, template_timeout_s=1e-9)
+    with pytest.raises(
+        RequestError, match=r"^messages: the chat template took more than .*template_timeout_s"
+    ):
+        core.admit(b"c", m.Generate("r", messages=[m.ChatMessage("user", "hi")] * 4))
+    assert not core.journal
+    assert core.admit(b"c", m.Generate("plain", prompt="hi")).request_id == "plain"  # no template
+
+
+def test_deeply_nested_tools_json_is_refused_not_a_crash(smollm2_dir: Path) -> None:
+    """json.loads on 10k levels raised RecursionError out of admit, which killed the stage."""
+    core = budget_core(smollm2_dir, max_prompt_chars=100_000)
+    tools = m.Tools("[" * 10_000 + "]" * 10_000)
+    with pytest.raises(RequestError, match=r"^tools: JSON nested 10000 levels deep; the limit is \d+"):
+        core.admit(b"c", m.Generate("r", messages=[m.ChatMessage("user", "hi")], tools=tools))

@@ -222,6 +222,20 @@ def test_a_template_that_renders_tools_gets_them_with_openai_messages(qwen_style
     assert core.auto_tool_format == "hermes"
 
 
+def test_deeply_nested_past_arguments_are_passed_as_text_not_a_crash(qwen_style_dir: Path) -> None:
+    """A template that renders tools gets past calls' arguments as objects (json.loads): 1500
+    levels of nesting raised RecursionError out of admit, which killed the tokenizer stage."""
+    core = make_core(qwen_style_dir)
+    nested = "[" * 1500 + "]" * 1500  # past the json module's recursion limit (1000)
+    history = [
+        m.ChatMessage(**ASK[0]),
+        m.ChatMessage("assistant", None, [m.ToolCall("call_1", "get_weather", nested)]),
+        m.ChatMessage("tool", "ok", tool_call_id="call_1"),
+    ]
+    entry = chat(core, "deep", history, tools())
+    assert nested in prompt_text(core, entry)
+
+
 # -- the forced call ---------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from client.async_sdk import AsyncClient
 from ipc import messages as m
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
 from services.gateway.app import Gateway, GatewaySettings
+from services.gateway.connection import guarded_protocol
 from services.stage import ControlChannel, Stage, parse_stage_args
 from services.tokenizer.text import Tokenizer
 
@@ -83,6 +84,10 @@ async def serve(stage: Stage) -> None:
         key_failures=ApiKeyFailures(
             AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
         ),
+        max_prompt_chars=stage.config.tokenizer.max_prompt_chars,
+        max_messages=stage.config.tokenizer.max_messages,
+        template_timeout_s=stage.config.tokenizer.template_timeout_s,
+        body_timeout_s=config.body_timeout_s,
         responses_max_stored=config.responses_max_stored,
         responses_max_age_s=config.responses_max_age_s,
     )
@@ -91,7 +96,8 @@ async def serve(stage: Stage) -> None:
         uvicorn.Config(
             gateway.app(),
             loop="none",
-            http="httptools",
+            http=guarded_protocol(config.header_timeout_s, config.max_header_bytes),
+            timeout_keep_alive=config.keep_alive_timeout_s,
             lifespan="off",
             access_log=False,
             log_config=None,

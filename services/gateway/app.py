@@ -4,12 +4,17 @@ Each generation request becomes one Brigade request per choice, sent through the
 (`services/gateway/runner.py`); replies are OpenAI's JSON or server-sent events. A request that
 the engine refuses before its first output gets its HTTP error status; a stream that fails later
 ends with an error event.
+
+The event loop serves every connection of the replica, so it runs no request's heavy CPU work:
+/tokenize and /detokenize render and encode on a worker thread, under the tokenizer's budgets
+(characters, messages, template time), and a body is measured for nesting before it is decoded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +33,15 @@ from starlette.types import Send
 from client.async_sdk import AsyncClient
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
+from ipc import messages as m
+from ipc.json_depth import check_json_depth
+from ipc.validation import (
+    InvalidParams,
+    PromptTooLong,
+    check_chat_budget,
+    check_message_count,
+    check_prompt_chars,
+)
 from services.audit import ApiKeyFailures
 from services.gateway import protocol as p
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
@@ -37,13 +51,15 @@ from services.gateway.metrics import RequestTimer
 from services.gateway.runner import run_jobs
 from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
 from services.metrics import HttpMetrics, registry_for_run
-from services.tokenizer.text import Tokenizer
+from services.tokenizer.text import TemplateTimeout, Tokenizer
 from services.tokenizer.tools_prompt import auto_tool_format, tool_parser_for
 
 STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
 JSON = "application/json"
 DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413
 CLIENT_CLOSED = 499  # the status nginx logs for a client that went away before the reply
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +71,11 @@ class GatewaySettings:
     max_body_bytes: int
     run_dir: Path
     key_failures: ApiKeyFailures  # refused API keys are audited, aggregated (services/audit.py)
+    # The tokenizer's per-request budgets (tokenizer.*), which /tokenize keeps too.
+    max_prompt_chars: int
+    max_messages: int
+    template_timeout_s: float
+    body_timeout_s: float  # the whole body must arrive within this (gateway.body_timeout_s)
     responses_max_stored: int = 1000  # gateway.responses_max_stored (services/gateway/response_store.py)
     responses_max_age_s: float = 7 * 86400.0
 
@@ -152,7 +173,9 @@ class Gateway:
         return self.finish(request, error_response(exc))
 
     async def on_crash(self, request: Request, exc: Exception) -> Response:
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"))
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}"[:1000], code="internal")
+        return self.finish(request, error_response(error))
 
     def finish(self, request: Request, response: Response) -> Response:
         self.count(request.url.path, response.status_code)
@@ -190,18 +213,32 @@ class Gateway:
                 code="request_too_large",
             )
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > DRAIN_FACTOR * limit:
-                break
-            if size <= limit:
-                chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    if size <= limit:
+                        chunks.append(chunk)
+        except TimeoutError:  # a client trickling its body (slowloris) holds the connection no longer
+            raise ApiError(
+                408,
+                f"request body not received within {self.settings.body_timeout_s:g}s (gateway.body_timeout_s)",
+                code="request_timeout",
+                headers={"connection": "close"},
+            ) from None
         if size > limit:
             # A body somewhat over the limit is read to its end first, so that the client, still
             # sending, reads the 413 instead of a reset connection; a far larger one is cut off.
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        data = b"".join(chunks)
         try:
-            body = msgspec.json.decode(b"".join(chunks), type=kind)
+            check_json_depth(data, "request body")  # the decoder and all after it recurse per level
+        except InvalidParams as exc:
+            raise invalid(str(exc), None, "invalid_json") from None
+        try:
+            body = msgspec.json.decode(data, type=kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
         model = getattr(body, "model", "")
@@ -214,6 +251,10 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
+        try:  # before any work per message (the tokenizer checks the whole budget)
+            check_message_count(len(body.messages), self.settings.max_messages)
+        except InvalidParams as exc:
+            raise invalid(str(exc), "messages") from None
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
@@ -260,6 +301,14 @@ class Gateway:
                     error = from_engine(exc, plan.aliases)
                     status = error.status
                     await send_all(send, error_response(error))
+                    return
+                except OSError:
+                    raise
+                except Exception as exc:  # a bug: this request fails with a 500, logged, not silently
+                    log.exception("%s failed", path)
+                    status = 500
+                    message = f"internal error: {type(exc).__name__}: {exc}"[:1000]
+                    await send_all(send, error_response(ApiError(500, message, code="internal")))
                     return
                 raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
                 await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
@@ -364,35 +413,62 @@ class Gateway:
         body = await self.read_body(request, p.TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            messages = [
-                {"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
-                for m in body.messages
-            ]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=body.add_generation_prompt
-                )
-            except Exception as exc:  # a template may raise on unusual conversations
-                raise invalid(f"chat template failed: {exc}", "messages") from None
-            ids = self.tokenizer.encode(text)
-        else:
-            ids = self.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        reply: dict[str, Any] = {
-            "count": len(ids),
-            "max_model_len": self.settings.max_model_len,
-            "tokens": ids,
-        }
-        reply["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        ids, token_strs = await asyncio.to_thread(self._tokenize, body)
+        reply = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
+        reply["token_strs"] = token_strs
         return self.finish(request, json_response(reply))
+
+    def _tokenize(self, body: p.TokenizeRequest) -> tuple[list[int], list[str | None] | None]:
+        """Render and encode (on a worker thread) under the budgets a generation request has."""
+        field = "prompt" if body.messages is None else "messages"
+        limit = self.settings.max_prompt_chars
+        try:
+            if body.messages is not None:
+                messages = [
+                    m.ChatMessage(x.role, x.content if isinstance(x.content, str) else "")
+                    for x in body.messages
+                ]
+                check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        [{"role": x.role, "content": x.content} for x in messages],
+                        add_generation_prompt=body.add_generation_prompt,
+                        timeout_s=self.settings.template_timeout_s,
+                    )
+                except TemplateTimeout as exc:
+                    raise invalid(f"messages: {exc}", "messages") from None
+                except Exception as exc:  # a template may raise on unusual conversations
+                    raise invalid(f"chat template failed: {exc}", "messages") from None
+                check_prompt_chars(len(text), limit, " once rendered by the chat template")
+                ids = self.tokenizer.encode(text)
+            else:
+                prompt = body.prompt or ""
+                check_prompt_chars(len(prompt), limit)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+        except PromptTooLong as exc:
+            raise invalid(str(exc), field, "context_length_exceeded") from None
+        except InvalidParams as exc:
+            raise invalid(str(exc), field) from None
+        return ids, self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.DetokenizeRequest)
+        if len(body.tokens) > self.settings.max_prompt_chars:
+            raise invalid(
+                f"tokens: {len(body.tokens)} ids; the limit is {self.settings.max_prompt_chars} "
+                "(tokenizer.max_prompt_chars)",
+                "tokens",
+            )
+        return self.finish(
+            request, json_response({"prompt": await asyncio.to_thread(self._detokenize, body)})
+        )
+
+    def _detokenize(self, body: p.DetokenizeRequest) -> str:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
-        return self.finish(request, json_response({"prompt": self.tokenizer.decode(body.tokens)}))
+        return self.tokenizer.decode(body.tokens)
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -2,19 +2,24 @@
 
 The first choice of each prompt is submitted alone; the others follow once it has produced its
 first delta, when its prompt's KV blocks are computed and in the prefix cache, so n choices
-share one prefill. Closing the feed (a client disconnect cancels it) aborts every job.
+share one prefill. Closing the feed (a client disconnect cancels it) aborts every job. Any
+exception a job raises ends the request with an error: a job task that died silently would
+leave the feed waiting forever, the client without a byte, and the request's slot taken.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from client.async_sdk import AsyncClient
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
 from services.gateway.jobs import Job
+
+log = logging.getLogger(__name__)
 
 
 async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
@@ -37,6 +42,10 @@ async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[
         except BrigadeError as exc:
             prefilled[job.prompt_index].set()
             feed.put_nowait((job.index, None, exc))
+        except Exception as exc:  # a bug, or input no check foresaw: the request fails, loudly
+            log.exception("choice %d of a request failed", job.index)
+            prefilled[job.prompt_index].set()
+            feed.put_nowait((job.index, None, BrigadeError(f"internal error: {type(exc).__name__}: {exc}")))
 
     tasks = [asyncio.create_task(run(job)) for job in jobs]
     try:

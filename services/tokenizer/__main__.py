@@ -52,6 +52,8 @@ class TokenizerProcess:
             num_groups=config.engine.data_parallel,
             max_model_len=config.model.max_model_len,
             max_prompt_chars=config.tokenizer.max_prompt_chars,
+            max_messages=config.tokenizer.max_messages,
+            template_timeout_s=config.tokenizer.template_timeout_s,
             default_max_tokens=config.tokenizer.default_max_tokens,
             metrics=self.metrics,
             stall_timeout_s=config.tokenizer.stall_timeout_s,
@@ -133,6 +135,12 @@ class TokenizerProcess:
             except RequestError as exc:
                 self.metrics.on_failure(exc.code)
                 self.send(Reply(identity, m.ErrorReply(request.request_id, exc.code, str(exc))))
+                return
+            except Exception as exc:  # a bug, or input no check foresaw: this request fails, not the stage
+                self.stage.log.exception("admitting request %r failed", request.request_id)
+                self.metrics.on_failure("internal")
+                message = f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
+                self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", message)))
                 return
             if not self.schedulers[entry.group].put(entry.submit):
                 self.core.refuse(identity, request.request_id, "overloaded")

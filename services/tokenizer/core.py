@@ -28,13 +28,21 @@ import msgspec
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
+from ipc.json_depth import check_json_depth
 from ipc.sampling_defaults import fill_defaults
 from ipc.structured_output import for_tool_choice, tool_functions
-from ipc.validation import InvalidParams, PromptTooLong, validate_params, validate_prompt_ids
+from ipc.validation import (
+    InvalidParams,
+    PromptTooLong,
+    check_chat_budget,
+    check_prompt_chars,
+    validate_params,
+    validate_prompt_ids,
+)
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
 from services.scheduler.grammar_compiler import GrammarError, check_constraint
-from services.tokenizer.text import Tokenizer
+from services.tokenizer.text import TemplateTimeout, Tokenizer
 from services.tokenizer.tool_parsers import ToolParser, finish_reason
 from services.tokenizer.tools_prompt import (
     auto_tool_format,
@@ -143,12 +151,16 @@ class TokenizerCore:
         stall_timeout_s: float = 10.0,
         sampler: RequestSampler | None = None,
         sampling_defaults: dict[str, float | int] | None = None,
+        max_messages: int = 4096,
+        template_timeout_s: float = 1.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.tokenizer_id = tokenizer_id
         self.num_groups = num_groups
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
+        self.max_messages = max_messages
+        self.template_timeout_s = template_timeout_s
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
@@ -169,6 +181,7 @@ class TokenizerCore:
         """Validate and tokenize a Generate; journal it. Raises RequestError."""
         if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError("invalid_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+        self._check_budget(request)
         tools = self._tools(request)
         prompt_ids = self._prompt_ids(request, tools)
         params = request.params
@@ -267,6 +280,22 @@ class TokenizerCore:
         if error:
             raise InvalidParams(error)
 
+    def _check_budget(self, request: m.Generate) -> None:
+        """Refuse a request whose text is past the work budget before any work on it: this stage
+        renders and encodes every request on one thread, which all streams share."""
+        try:
+            if request.prompt is not None:
+                check_prompt_chars(len(request.prompt), self.max_prompt_chars)
+            if request.messages is not None:
+                check_chat_budget(
+                    request.messages,
+                    request.tools.tools if request.tools is not None else "",
+                    max_chars=self.max_prompt_chars,
+                    max_messages=self.max_messages,
+                )
+        except InvalidParams as exc:
+            raise RequestError(exc.code, str(exc)) from None
+
     @staticmethod
     def _tools(request: m.Generate) -> list[dict] | None:
         """The request's OpenAI `tools`, parsed; None when it offers none."""
@@ -274,6 +303,10 @@ class TokenizerCore:
             return None
         if request.messages is None:
             raise RequestError("invalid_request", "tools: only a chat request (messages) can offer tools")
+        try:
+            check_json_depth(request.tools.tools, "tools")
+        except InvalidParams as exc:
+            raise RequestError("invalid_request", str(exc)) from None
         try:
             tools = json.loads(request.tools.tools)
         except ValueError as exc:
@@ -322,7 +355,6 @@ class TokenizerCore:
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
         if request.prompt is not None:
-            self._check_chars(len(request.prompt))
             return self.tokenizer.encode(request.prompt)
         if request.messages is not None:
             if not request.messages:
@@ -338,28 +370,29 @@ class TokenizerCore:
                         "invalid_request",
                         f"messages[{i}].content is required (only an assistant's tool calls may go without)",
                     )
-            tools_chars = len(request.tools.tools) if request.tools is not None else 0
-            self._check_chars(sum(len(x.content or "") for x in request.messages) + tools_chars)
             # tool_choice none: the model is not offered the tools, so it answers in text.
             offered = tools if request.tools is not None and request.tools.choice != "none" else None
             messages, template_tools = template_messages(request.messages, offered, self.renders_tools)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tools=template_tools
+                    messages,
+                    add_generation_prompt=True,
+                    tools=template_tools,
+                    timeout_s=self.template_timeout_s,
                 )
+            except TemplateTimeout as exc:
+                raise RequestError("invalid_request", f"messages: {exc}") from None
             except Exception as exc:  # a template may raise on unusual conversations
                 raise RequestError("invalid_request", f"chat template failed: {exc}") from None
+            try:  # what encoding costs is bounded by the rendered text
+                check_prompt_chars(len(text), self.max_prompt_chars, " once rendered by the chat template")
+            except PromptTooLong as exc:
+                raise RequestError(exc.code, str(exc)) from None
             return self.tokenizer.encode(text)
         try:
             return m.unpack_ids(request.prompt_token_ids or b"").tolist()
         except ValueError as exc:
             raise RequestError("invalid_request", f"prompt_token_ids: {exc}") from None
-
-    def _check_chars(self, num_chars: int) -> None:
-        if num_chars > self.max_prompt_chars:
-            raise RequestError(
-                "prompt_too_long", f"prompt has {num_chars} characters; the limit is {self.max_prompt_chars}"
-            )
 
     def _least_loaded_group(self) -> int:
         """The group with the least reported load, counting our own in-flight requests on top

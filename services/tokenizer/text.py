@@ -7,6 +7,7 @@ give identical results) but loads in milliseconds and keeps the light processes 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -53,6 +54,10 @@ def _tojson(
 ) -> str:
     # jinja's own tojson escapes HTML characters, which chat templates do not want.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class TemplateTimeout(ValueError):
+    """The chat template ran past its time budget (tokenizer.template_timeout_s)."""
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -133,16 +138,31 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        timeout_s: float | None = None,
     ) -> str:
         """Render a conversation (and the OpenAI `tools` it may call) to the prompt text (not
         tokenized: the template writes the special tokens as text and `encode` turns them back
-        into their ids)."""
+        into their ids). Past `timeout_s` the rendering stops with TemplateTimeout: it is
+        checked between the pieces the template writes, so a template that spends long on one
+        conversation (a loop over every pair of messages, say) is stopped, not waited out."""
         # Like transformers: keys set to None are absent for the template (`is defined` checks).
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        return self._template.render(
+        pieces = self._template.generate(
             messages=messages,
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens_map,
         )
+        if timeout_s is None:
+            return "".join(pieces)
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for piece in pieces:
+            out.append(piece)
+            if time.monotonic() > deadline:
+                pieces.close()
+                raise TemplateTimeout(
+                    f"the chat template took more than {timeout_s:g}s to render (tokenizer.template_timeout_s)"
+                )
+        return "".join(out)

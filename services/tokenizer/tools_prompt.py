@@ -128,6 +128,6 @@ def _arguments(text: str) -> Any:
     """Templates write arguments with `tojson`: give them the object, or the text when it is none."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the decoder's stack: not an object to give
         return text
     return value if isinstance(value, dict) else text

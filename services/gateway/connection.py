@@ -1,0 +1,72 @@
+"""Deadlines for slow HTTP clients, which uvicorn does not have.
+
+uvicorn closes an idle kept-alive connection (timeout_keep_alive), but a connection that sends
+part of a request line or of its headers and then stalls (slowloris) is held forever, and the
+headers may grow without bound. The protocol here gives every request `header_timeout_s` from its
+first byte (or from the connection's opening) to complete its headers, in at most
+`max_header_bytes`; past either, the client gets 408 or 431 and the connection is closed. The body
+has its own deadline where it is read (Gateway.read_body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+HEADERS_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
+def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a header deadline and a header size limit."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.header_timer: asyncio.TimerHandle | None = None
+            self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+
+        def _await_headers(self) -> None:
+            if self.header_bytes is None:
+                self.header_bytes = 0
+                self.header_timer = self.loop.call_later(header_timeout_s, self._refuse, REQUEST_TIMEOUT)
+
+        def _headers_done(self) -> None:
+            self.header_bytes = None
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def _refuse(self, reply: bytes) -> None:
+            self._headers_done()
+            if not self.transport.is_closing():
+                self.transport.write(reply)
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.header_bytes is None and (self.cycle is None or self.cycle.response_complete):
+                self._await_headers()  # the first bytes of a kept-alive connection's next request
+            if self.header_bytes is not None:
+                self.header_bytes += len(data)
+            super().data_received(data)
+            # Checked after parsing: the chunk that completes the headers may carry body too.
+            if self.header_bytes is not None and self.header_bytes > max_header_bytes:
+                self._refuse(HEADERS_TOO_LARGE)
+
+        def on_headers_complete(self) -> None:
+            self._headers_done()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._headers_done()
+            super().connection_lost(exc)
+
+    return GuardedHttpToolsProtocol
