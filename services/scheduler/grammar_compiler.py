@@ -261,21 +261,34 @@ def _start_matcher(
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=budgets.limits)
     _first_mask(matcher, tokenizer)
     elapsed, grown = time.perf_counter() - started, allocated_bytes() - before
+    error = _start_error(matcher, elapsed, grown, budgets)
+    if error is not None:
+        # Gone before the error is raised: a cached failure keeps its traceback, and the frames in
+        # it their locals; a refused matcher can hold tens of MB of lexer states.
+        del matcher
+        raise GrammarError(f"{spec.kind}: {error}")
+    return matcher, max(grown, MIN_GRAMMAR_BYTES)
+
+
+def _start_error(
+    matcher: llguidance.LLMatcher, elapsed: float, grown: int, budgets: GrammarBudgets
+) -> str | None:
+    """Why a compiled matcher at its start is refused (None: it is not)."""
     if _matches_nothing(matcher):
-        raise GrammarError(f"{spec.kind}: {MATCHES_NOTHING}")
+        return MATCHES_NOTHING
     if matcher.is_error():  # past the engine's limits already (its lexer, its parser)
-        raise GrammarError(f"{spec.kind}: {short_error(matcher.get_error())}")
+        return short_error(matcher.get_error())
     if elapsed > budgets.compile_timeout_s:
-        raise GrammarError(
-            f"{spec.kind}: too complex: compiling it took {elapsed * 1000:.0f} ms, over the budget of "
+        return (
+            f"too complex: compiling it took {elapsed * 1000:.0f} ms, over the budget of "
             f"{budgets.compile_timeout_s * 1000:.0f} ms (structured.compile_timeout_ms)"
         )
     if grown > budgets.max_grammar_bytes:
-        raise GrammarError(
-            f"{spec.kind}: too complex: compiling it took {grown / MIB:.1f} MiB, over the budget of "
+        return (
+            f"too complex: compiling it took {grown / MIB:.1f} MiB, over the budget of "
             f"{budgets.max_grammar_bytes / MIB:.1f} MiB (structured.max_grammar_mib)"
         )
-    return matcher, max(grown, MIN_GRAMMAR_BYTES)
+    return None
 
 
 class GrammarCompiler:
