@@ -140,7 +140,11 @@ def test_tool_choice_schemas():
             {"type": "function", "function": {"name": "say"}},
             r"tools\[0\]\.function\.parameters: tool 'say' must take a JSON Schema of type 'object'",
         ),
-        ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}], "required", "'object'"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}],
+            "required",
+            "'object'",
+        ),
     ],
 )
 def test_bad_tools(tools, choice, message):

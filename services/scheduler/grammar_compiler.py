@@ -306,6 +306,7 @@ class GrammarCompiler:
         self.budgets = budgets or GrammarBudgets()
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._weights: dict[str, int] = {}  # of the done entries
+        self._compiling: dict[str, Future[CompiledGrammar]] = {}  # not weighed yet
         self._num_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
 
@@ -318,6 +319,7 @@ class GrammarCompiler:
             return future
         future = self._pool.submit(self.compile_now, spec)
         self._cache[key] = future
+        self._compiling[key] = future
         self._evict()
         return future
 
@@ -330,11 +332,12 @@ class GrammarCompiler:
     def _evict(self) -> None:
         # Evicting only forgets the entry: requests holding its future or matchers keep working,
         # and the memory goes when the last of them does.
-        for key, future in self._cache.items():
-            if key not in self._weights and future.done():
-                weight = FAILED_ENTRY_BYTES if future.exception() else future.result().num_bytes
-                self._weights[key] = weight
-                self._num_bytes += weight
+        for key, future in [(k, f) for k, f in self._compiling.items() if f.done()]:
+            del self._compiling[key]
+            failed = future.cancelled() or future.exception() is not None
+            weight = FAILED_ENTRY_BYTES if failed else future.result().num_bytes
+            self._weights[key] = weight
+            self._num_bytes += weight
         while self._num_bytes > self.budgets.cache_bytes and self._weights:
             key = next(k for k in self._cache if k in self._weights)
             del self._cache[key]
