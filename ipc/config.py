@@ -71,6 +71,17 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stall_timeout_s: Seconds = 10.0  # a request quiet this long is checked with its scheduler
 
 
+class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Budgets of structured output (docs/structured_output.md, "Budgets"): what one constraint
+    may cost the scheduler before it is refused, or failed while it generates."""
+
+    compile_timeout_ms: Positive = 1000  # compile + first mask of one constraint
+    max_grammar_mib: Positive = 16  # memory that compile + first mask may allocate
+    grammar_cache_mib: Positive = 128  # compiled grammars kept, estimated by their allocations
+    mask_timeout_ms: Positive = 200  # one request's mask in one step
+    lexer_fuel: Positive = 200_000  # llguidance's initial_lexer_fuel (its default: 1_000_000)
+
+
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
 
@@ -149,6 +160,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     observability: ObservabilityConfig = ObservabilityConfig()
     cluster: ClusterConfig = ClusterConfig()
     network: NetworkConfig = NetworkConfig()
+    structured: StructuredConfig = StructuredConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")

@@ -158,10 +158,20 @@ def tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
             raise InvalidParams(f"tools[{i}].function.name: must be a non-empty string")
         if name in out:
             raise InvalidParams(f"tools[{i}].function.name: {name!r} appears twice")
-        # A function without parameters takes an empty object (OpenAI's default).
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        # A function without parameters (or with an empty schema) takes an empty object (OpenAI's
+        # default).
+        params = fn.get("parameters", {})
+        if isinstance(params, Mapping) and not params:
+            params = {"type": "object", "properties": {}}
         if not isinstance(params, Mapping):
             raise InvalidParams(f"tools[{i}].function.parameters: must be a JSON schema object")
+        # Arguments are a JSON object (OpenAI refuses any other schema): a forced call under a
+        # string schema would come back as plain content, with no tool call at all.
+        if params.get("type") != "object":
+            raise InvalidParams(
+                f"tools[{i}].function.parameters: tool {name!r} must take a JSON Schema of type "
+                f"'object', got type {params.get('type')!r}"
+            )
         out[name] = dict(params)
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -114,8 +115,16 @@ class Gateway:
 def gw(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
     run_dir = tmp_path_factory.mktemp("gw-structured")
     port = free_port()
+    # A grammar budget above the 38 MiB that `(a{700}){700}b` takes, so that such regexes get
+    # past their compile and fail while generating (the default refuses them at compile), and a
+    # cache too small to keep two of them: the pathological-regex test exercises both.
     with brigade_run(
-        run_dir, f"model.path={smollm2_dir}", "model.max_model_len=2048", f"gateway.port={port}"
+        run_dir,
+        f"model.path={smollm2_dir}",
+        "model.max_model_len=2048",
+        f"gateway.port={port}",
+        "structured.max_grammar_mib=64",
+        "structured.grammar_cache_mib=64",
     ) as run:
         yield Gateway(run, port)
     assert_clean(run_dir)
@@ -454,12 +463,30 @@ BAD = {
         {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
         "response_format",
     ),
+    "regex_matches_nothing": ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex"),
+    "grammar_matches_nothing": (
+        {"structured_outputs": {"grammar": "start: start"}},
+        "structured_outputs.grammar",
+    ),
+    "tool_parameters_not_an_object": (
+        {
+            "tools": [{"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "say"}},
+        },
+        "tools[0].function.parameters",
+    ),
     "tool_schema_does_not_compile": (
         {
             "tools": [
                 {
                     "type": "function",
-                    "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"x": {"type": "array", "uniqueItems": True}},
+                        },
+                    },
                 }
             ],
             "tool_choice": "required",
@@ -492,3 +519,68 @@ def test_bad_constraints_on_completions_and_the_server_keeps_serving(gw: Gateway
     assert reply.choices[0].finish_reason in ("stop", "length")
     reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=40, tools=TOOLS, tool_choice="required")
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_forced_call_with_non_object_parameters_is_refused_naming_the_tool(gw: Gateway) -> None:
+    """It used to come back as content, finish_reason stop and no tool_calls."""
+    tools = [{"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(gw, ASK_WEATHER, 0.0, None, max_tokens=8, tools=tools, tool_choice="required")
+    assert "'say'" in info.value.message and "'object'" in info.value.message
+
+
+def test_a_constraint_that_matches_nothing_is_a_400_not_an_empty_success(gw: Gateway) -> None:
+    """`[^\\s\\S]` and `start: start` used to give 200, text "" and finish_reason stop."""
+    for kind, spec in (("regex", r"[^\s\S]"), ("grammar", "start: start")):
+        with pytest.raises(openai.BadRequestError, match="matches no output at all"):
+            gw.client.completions.create(
+                model="", prompt="Hi", max_tokens=4, extra_body={"structured_outputs": {kind: spec}}
+            )
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_pathological_regexes_fail_alone_with_their_reason_in_bounded_memory(gw: Gateway) -> None:
+    """On main, two `(a{600}){611}` requests made an unrelated stream 5x slower, each distinct
+    `(a{700}){700}b{k}` kept about 160 MB in the scheduler (852 -> 1806 MB after 6), and
+    `(a{1000}){1000}` finished "error" with no reason. Here each fails on its own with a 400 that
+    says why (the engine's lexer gives up on the first token: the fixture's grammar budget lets
+    them past their compile), an unrelated stream runs to its end beside them, and the
+    scheduler's memory stays within a bound: the byte-bounded cache holds at most one of them."""
+    (scheduler,) = gw.run.stage_pids("scheduler")
+    before = rss_mib(scheduler)
+    unrelated: dict = {}
+    thread = threading.Thread(
+        target=lambda: unrelated.update(reply=streamed_chat(gw, ASK_PERSON, 0.0, None, max_tokens=48))
+    )
+    thread.start()
+    patterns = [f"(a{{700}}){{700}}b{{{k}}}" for k in range(1, 7)] + ["(a{600}){611}", "(a{1000}){1000}"]
+    try:
+        for i, pattern in enumerate(patterns):
+            with pytest.raises(openai.BadRequestError) as info:
+                gw.client.completions.create(
+                    model="",
+                    prompt="a",
+                    max_tokens=8,
+                    stream=i % 2 == 1,
+                    extra_body={"structured_outputs": {"regex": pattern}},
+                )
+            message = info.value.message
+            assert "- structured.regex: " in message, message
+            assert "lexer error" in message or "too complex" in message, message
+    finally:
+        thread.join(timeout=HTTP_TIMEOUT_S)
+    content, _, finish = unrelated["reply"]
+    assert finish == "length" and content
+    growth = rss_mib(scheduler) - before
+    assert growth < 200, f"scheduler RSS grew {growth:.0f} MiB over {len(patterns)} pathological regexes"
+    # And the engine still serves constrained requests.
+    reply = gw.client.completions.create(
+        model="", prompt="Year:", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
+    )
+    assert re.fullmatch("[0-9]{4}", reply.choices[0].text)

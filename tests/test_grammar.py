@@ -21,6 +21,9 @@ from tokenizers import Tokenizer
 
 from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput, for_tool_choice, from_response_format
 from services.scheduler.grammar_compiler import (
+    MIB,
+    MIN_GRAMMAR_BYTES,
+    GrammarBudgets,
     GrammarCompiler,
     GrammarError,
     check_constraint,
@@ -346,13 +349,14 @@ def test_strict_false_ignores_keywords_the_engine_cannot_enforce(compiler, model
 
 
 def test_a_grammar_over_the_engine_limits_errors(tokenizer):
-    small = GrammarCompiler(tokenizer, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+    tight = GrammarBudgets(limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+    small = GrammarCompiler(tokenizer, budgets=tight)
     try:
         spec = StructuredOutput("json", json.dumps({"enum": [f"value_{i}" for i in range(2000)]}))
         with pytest.raises(GrammarError, match="too big"):
             small.submit(spec).result(timeout=60)
         with pytest.raises(GrammarError, match="too big"):
-            check_constraint(spec, limits=llguidance.LLParserLimits(initial_lexer_fuel=1000))
+            check_constraint(spec, tight)
         check_constraint(spec)  # within the default limits
         # The request-size bound holds for a constraint that did not come through the API forms.
         huge = StructuredOutput("regex", "a" * (MAX_SPEC_BYTES + 1))
@@ -364,21 +368,114 @@ def test_a_grammar_over_the_engine_limits_errors(tokenizer):
         small.close()
 
 
-def test_cache_is_keyed_by_text_and_bounded(tokenizer):
-    cache = GrammarCompiler(tokenizer, max_entries=2)
+def test_cache_is_keyed_by_text_and_bounded_in_bytes(tokenizer):
+    # Room for many light grammars (tens of KiB each), not for two heavy ones (about 5 MiB each).
+    cache = GrammarCompiler(tokenizer, budgets=GrammarBudgets(cache_bytes=8 * MIB))
     try:
-        a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
+        a = StructuredOutput("regex", "a+")
         first = cache.submit(a)
         assert cache.submit(a) is first
         assert cache.submit(StructuredOutput("regex", "a+", strict=False)) is not first
-        cache.submit(b)
-        cache.submit(c)
+        light = [StructuredOutput("regex", f"[a-z]{{1,{n}}}") for n in range(2, 8)]
+        futures = [cache.submit(spec) for spec in light]
+        weights = [future.result(timeout=60).num_bytes for future in futures]
+        assert all(MIN_GRAMMAR_BYTES <= w < MIB // 4 for w in weights), weights
+        assert len(cache) == 8 and cache.num_bytes <= 8 * MIB  # all light: nothing evicted
+        # A heavy grammar weighs what its compile allocated; a second one pushes out the least
+        # recently used entries until the cache is within its bound again.
+        heavy = [StructuredOutput("regex", f"(a{{300}}){{{n}}}") for n in (40, 41)]
+        first_heavy = cache.submit(heavy[0])
+        assert first_heavy.result(timeout=60).num_bytes > 2 * MIB
+        assert cache.submit(light[-1]) is futures[-1]  # used again: the most recent light one
+        assert cache.submit(heavy[1]).result(timeout=60).num_bytes > 2 * MIB
+        assert cache.num_bytes <= 8 * MIB
+        assert cache.submit(light[-1]) is futures[-1]  # kept
         assert len(cache) == 2
-        assert cache.submit(c) is not first and cache.submit(a) is not first  # a was evicted
+        assert cache.submit(heavy[0]) is not first_heavy  # evicted: compiled anew
         # An evicted grammar keeps working for whoever holds it.
         assert GrammarMatcher(first.result(timeout=60)).num_tokens == 0
     finally:
         cache.close()
+
+
+def test_a_compile_over_its_time_or_memory_budget_is_refused(tokenizer):
+    heavy = StructuredOutput("regex", "(a{300}){40}")  # about 5 MiB and 10-30 ms to compile
+    for budgets, message in [
+        (
+            GrammarBudgets(max_grammar_bytes=1 * MIB),
+            r"MiB, over the budget of 1\.0 MiB \(structured\.max_grammar_mib\)",
+        ),
+        (
+            GrammarBudgets(compile_timeout_s=1e-6),
+            r"ms, over the budget of 0 ms \(structured\.compile_timeout_ms\)",
+        ),
+    ]:
+        compiler = GrammarCompiler(tokenizer, budgets=budgets)
+        try:
+            with pytest.raises(GrammarError, match=message):
+                compiler.submit(heavy).result(timeout=60)
+            assert compiler.submit(heavy).exception() is not None  # the refusal is cached
+        finally:
+            compiler.close()
+    # Within the default budgets, and the pathological regexes of issue 29 are refused by them.
+    compiler = GrammarCompiler(tokenizer)
+    try:
+        compiler.compile_now(heavy)
+        for pattern in ("(a{600}){611}", "(a{700}){700}b{3}", "(a{1000}){1000}"):
+            with pytest.raises(GrammarError, match=r"regex: too complex: .*structured\.max_grammar_mib"):
+                compiler.compile_now(StructuredOutput("regex", pattern))
+    finally:
+        compiler.close()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput("regex", r"[^\s\S]"),
+        StructuredOutput("grammar", "start: start"),
+        StructuredOutput("grammar", 'root ::= root "a"'),
+    ],
+)
+def test_a_constraint_that_matches_nothing_is_refused(compiler, spec):
+    """Such a constraint used to "succeed" with an empty text and finish_reason stop."""
+    message = f"{spec.kind}: the constraint matches no output at all"
+    with pytest.raises(GrammarError, match=re.escape(message)):
+        check_constraint(spec)  # the gateway's and the tokenizer's check, no tokenizer needed
+    with pytest.raises(GrammarError, match=re.escape(message)):
+        compiler.submit(spec).result(timeout=60)
+
+
+def test_a_grammar_past_the_lexer_limit_at_its_start_is_refused(tokenizer):
+    """It used to compile, and its matcher allowed only eos: an empty "stop" output."""
+    tight = GrammarBudgets(limits=llguidance.LLParserLimits(max_lexer_states=20))
+    compiler = GrammarCompiler(tokenizer, budgets=tight)
+    try:
+        with pytest.raises(GrammarError, match=r"regex: .*lexer"):
+            compiler.compile_now(StructuredOutput("regex", "[a-z]{1,50}@[0-9]{1,50}"))
+    finally:
+        compiler.close()
+
+
+def test_a_mask_over_its_time_budget_fails_its_matcher_alone(tokenizer):
+    # llguidance's own limits (the engine's default fuel is lower), so this regex gets to
+    # generate: each of its masks takes 0.15-0.3 s, a plain regex's tens of microseconds.
+    loose = GrammarBudgets(
+        compile_timeout_s=120, max_grammar_bytes=1 << 40, limits=llguidance.LLParserLimits()
+    )
+    compiler = GrammarCompiler(tokenizer, budgets=loose)
+    try:
+        slow = GrammarMatcher(compiler.compile_now(StructuredOutput("regex", "(a{600}){611}")))
+        quick = GrammarMatcher(compiler.compile_now(StructuredOutput("regex", "[0-9]+")))
+    finally:
+        compiler.close()
+    bitmask = allocate_bitmask(2, tokenizer.vocab_size)
+    BitmaskFiller(budget_s=0.05).fill(bitmask, [quick, slow])
+    assert (
+        slow.failure is not None and "over the budget of 50 ms (structured.mask_timeout_ms)" in slow.failure
+    )
+    assert quick.failure is None
+    assert len(allowed(bitmask[0], tokenizer.vocab_size)) == 10  # both rows filled all the same
+    assert len(allowed(bitmask[1], tokenizer.vocab_size)) >= 1
 
 
 def test_bitmask_layout_is_checked(compiler):

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
@@ -23,8 +24,13 @@ from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams, Struct
 from ipc.sampling_defaults import fill_defaults
 from ipc.step_plan import STEP_PLAN, Dim, vocab_words
 from services.scheduler.core import Scheduler, SchedulerConfig
-from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
-from services.scheduler.grammar_matcher import GrammarMatcher
+from services.scheduler.grammar_compiler import (
+    GrammarBudgets,
+    GrammarCompiler,
+    load_grammar_tokenizer,
+    parser_limits,
+)
+from services.scheduler.grammar_matcher import BitmaskFiller, GrammarMatcher
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import StepPipeline
 from services.scheduler.plan import ScheduledStep, build_plan, write_plan
@@ -66,7 +72,7 @@ def tokenizer(model):
     return load_grammar_tokenizer(model["dir"], model["vocab"], model["eos"])
 
 
-def make_core(model, tokenizer, **overrides: object) -> Scheduler:
+def make_core(model, tokenizer, grammars: Grammars | None = None, **overrides: object) -> Scheduler:
     values = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
@@ -76,7 +82,8 @@ def make_core(model, tokenizer, **overrides: object) -> Scheduler:
         "eos_token_ids": tuple(model["eos"]),
     }
     return Scheduler(
-        SchedulerConfig(**{**values, **overrides}), Grammars(GrammarCompiler(tokenizer), model["vocab"])
+        SchedulerConfig(**{**values, **overrides}),
+        grammars or Grammars(GrammarCompiler(tokenizer), model["vocab"]),
     )
 
 
@@ -151,7 +158,7 @@ class MaskedWorker:
 
 def drive(core: Scheduler, worker: MaskedWorker, overlap: bool = True, max_steps: int = 2000) -> dict:
     """Run the core through a pipeline until it is idle; the outputs and finish of each request,
-    and the failures that `poll_grammars` reported."""
+    and the failures that `poll_grammars` and the steps reported."""
     pipeline = StepPipeline(core, worker, on_failed=lambda reqs, error: pytest.fail(error), overlap=overlap)
     outputs: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
@@ -168,7 +175,10 @@ def drive(core: Scheduler, worker: MaskedWorker, overlap: bool = True, max_steps
             assert time.monotonic() < deadline, "compiles never finished"
             time.sleep(0.002)
             continue
+        failed.update((f.request_id, f"{f.code}: {f.message}") for f in step.failures)
         for out in step:
+            if out.request_id in failed:
+                continue
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 finished[out.request_id] = out.finish_reason
@@ -287,6 +297,32 @@ def test_an_uncompilable_constraint_fails_alone(model, tokenizer):
     with pytest.raises(ValueError, match=r"structured\.json: .*uniqueItems"):
         core.add(request("bad-again", BAD_SPEC))
     assert "bad-again" not in core.requests
+
+
+@pytest.mark.parametrize("cause", ["mask_budget", "engine_limit"])
+def test_a_constraint_too_costly_to_generate_fails_alone_with_its_reason(model, tokenizer, cause):
+    """`(a{600}){611}` under llguidance's own limits takes 0.15-0.3 s per mask (every other
+    request's step waited for it); under a lower lexer fuel the engine gives up on its first
+    token. Either way it used to finish "error" with no reason, or not at all; now it fails alone,
+    with its reason, and the others run to their ends."""
+    if cause == "mask_budget":
+        limits, filler = llguidance.LLParserLimits(), BitmaskFiller(budget_s=0.05)
+        reason = r"invalid_request: structured\.regex: too complex: .* \(structured\.mask_timeout_ms\)"
+    else:
+        limits, filler = parser_limits(), BitmaskFiller()
+        reason = r"invalid_request: structured\.regex: while generating: token \d+ at output position 0 refused by the grammar: lexer error: too many expressions constructed"
+    budgets = GrammarBudgets(compile_timeout_s=120, max_grammar_bytes=1 << 40, limits=limits)
+    grammars = Grammars(GrammarCompiler(tokenizer, budgets=budgets), model["vocab"], filler)
+    core = make_core(model, tokenizer, grammars)
+    core.add(request("json", JSON_SPEC))
+    core.add(request("slow", StructuredOutput("regex", "(a{600}){611}")))
+    core.add(request("plain", None, max_tokens=5))
+    got = drive(core, MaskedWorker(model))
+    assert set(got["failed"]) == {"slow"}
+    assert re.fullmatch(reason, got["failed"]["slow"]), got["failed"]["slow"]
+    assert got["finished"] == {"json": "stop", "plain": "length"}
+    jsonschema.validate(json.loads(text(model, got["outputs"]["json"])), SCHEMA)
+    assert "slow" not in core.requests and core.table.num_grammar_rows == 0
 
 
 def test_a_cut_off_output_is_a_length_finish(model, tokenizer):

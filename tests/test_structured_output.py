@@ -135,6 +135,16 @@ def test_tool_choice_schemas():
         ([TOOLS[0], TOOLS[0]], "required", "twice"),
         ([{"type": "function", "function": {"name": "f", "parameters": 3}}], "required", "parameters"),
         ("f", "required", "must be a list"),
+        (
+            [{"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}],
+            {"type": "function", "function": {"name": "say"}},
+            r"tools\[0\]\.function\.parameters: tool 'say' must take a JSON Schema of type 'object'",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}],
+            "required",
+            "'object'",
+        ),
     ],
 )
 def test_bad_tools(tools, choice, message):

@@ -28,7 +28,14 @@ from ipc.sockets import PullQueue, PushQueue, RouterSocket, close_context
 from ipc.validation import InvalidParams, validate_params
 from services.metrics import EngineMetrics
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
-from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
+from services.scheduler.grammar_compiler import (
+    MIB,
+    GrammarBudgets,
+    GrammarCompiler,
+    load_grammar_tokenizer,
+    parser_limits,
+)
+from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
 from services.scheduler.request import Request
@@ -153,8 +160,11 @@ class SchedulerProcess:
             self.refuse(submit, "invalid_request", error)
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
-        if 0 <= submit.tokenizer_id < len(self.tokenizers):
-            self.tokenizers[submit.tokenizer_id].put(m.RequestFailed(submit.request_id, code, message))
+        self.send_failure(submit.tokenizer_id, submit.request_id, code, message)
+
+    def send_failure(self, tokenizer_id: int, request_id: str, code: str, message: str) -> None:
+        if 0 <= tokenizer_id < len(self.tokenizers):
+            self.tokenizers[tokenizer_id].put(m.RequestFailed(request_id, code, message))
 
     def abort(self, request_id: str) -> None:
         self.early = [s for s in self.early if s.request_id != request_id]
@@ -308,7 +318,15 @@ class SchedulerProcess:
         except (OSError, ValueError) as exc:
             self.stage.log.warning("structured output is off: %s", exc)
             return None
-        return Grammars(GrammarCompiler(tokenizer), hello.vocab_size)
+        structured = self.stage.config.structured
+        budgets = GrammarBudgets(
+            compile_timeout_s=structured.compile_timeout_ms / 1000,
+            max_grammar_bytes=structured.max_grammar_mib * MIB,
+            cache_bytes=structured.grammar_cache_mib * MIB,
+            limits=parser_limits(structured.lexer_fuel),
+        )
+        filler = BitmaskFiller(budget_s=structured.mask_timeout_ms / 1000)
+        return Grammars(GrammarCompiler(tokenizer, budgets=budgets), hello.vocab_size, filler)
 
     def is_worker_alive(self) -> bool:
         for pid in self.worker_pids:
@@ -349,6 +367,13 @@ class SchedulerProcess:
         ).items():
             for message in messages:
                 self.detokenizers[shard].put(message)
+        for failure in outputs.failures:
+            # The detokenizer forgets it (after the tokens it already has), and its tokenizer
+            # answers the client with the error, whatever text is still on its way.
+            self.needs_full_history.pop(failure.request_id, None)
+            shard = shard_of(failure.request_id, len(self.detokenizers))
+            self.detokenizers[shard].put(m.DropRequests([failure.request_id]))
+            self.send_failure(failure.tokenizer_id, failure.request_id, failure.code, failure.message)
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -423,11 +448,14 @@ def detokenizer_messages(
     # Requests wait in needs_full_history until their first token, so it is rarely empty under
     # load; one set intersection finds the few that are in this step.
     resumed = needs_full_history.keys() & outputs.request_ids if needs_full_history else ()
-    if num_shards == 1 and not resumed:  # the hot path: no per-request Python
+    failed = {failure.request_id for failure in outputs.failures}
+    if num_shards == 1 and not resumed and not failed:  # the hot path: no per-request Python
         return {0: [outputs.step_tokens()]}
     entries: dict[int, list[int]] = defaultdict(list)
     full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
     for j, request_id in enumerate(outputs.request_ids):
+        if request_id in failed:  # its token broke (or never got) its grammar's checks
+            continue
         shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
         if request_id in resumed:
             request = needs_full_history.pop(request_id)

@@ -11,7 +11,10 @@ row is for), so unconstrained ones cost nothing, and a step without any has no b
 - `advance(tokens)`: the tokens a step appended. A token the grammar refuses can only come from a
   bug (the worker samples under the mask), so it raises `GrammarViolation` rather than drifting on.
 - `BitmaskFiller.fill(bitmask, matchers)`: row i <- matchers[i], on the engine's thread pool and
-  straight into the array given (a step-slot view in shared memory: no copy).
+  straight into the array given (a step-slot view in shared memory: no copy). A matcher whose mask
+  takes longer than the filler's budget gets a `failure`: its request is failed after this step
+  (services/scheduler/results.py), so one pathological constraint cannot slow every other
+  request's steps for the rest of its output.
 
 eos: the model's eos tokens (given to `load_grammar_tokenizer`) are allowed exactly where the grammar
 may end, and are the only tokens allowed once it must end (`is_terminated`). A request's own
@@ -20,16 +23,23 @@ stop_token_ids are ordinary tokens to the grammar: allowed only where the gramma
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 import llguidance
 import numpy as np
 
-from services.scheduler.grammar_compiler import CompiledGrammar
+from services.scheduler.grammar_compiler import CompiledGrammar, short_error
 
 
 class GrammarViolation(RuntimeError):
-    """A token the request's grammar does not allow reached its matcher."""
+    """A token the request's grammar does not allow reached its matcher. `over_limits`: the engine
+    refused it because the grammar went past the engine's limits (the constraint's fault, not a
+    bug: the token was allowed by the mask)."""
+
+    def __init__(self, message: str, *, over_limits: bool = False) -> None:
+        super().__init__(message)
+        self.over_limits = over_limits
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -41,20 +51,24 @@ def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
 
 
 class GrammarMatcher:
-    __slots__ = ("_matcher", "key", "num_tokens")
+    __slots__ = ("_matcher", "failure", "key", "num_tokens")
 
     def __init__(self, compiled: CompiledGrammar, history: Iterable[int] = ()) -> None:
         self.key = compiled.key
         self._matcher = compiled.new_matcher()
         self.num_tokens = 0
+        self.failure: str | None = None  # why the request must fail (set by BitmaskFiller)
         self.advance(history)
 
     def advance(self, tokens: Iterable[int]) -> None:
         for token in tokens:
             if not self._matcher.consume_token(int(token)):
+                error = short_error(self._matcher.get_error())
                 raise GrammarViolation(
-                    f"token {int(token)} at output position {self.num_tokens} refused by the grammar: "
-                    f"{self._matcher.get_error()}"
+                    f"token {int(token)} at output position {self.num_tokens} refused by the grammar: {error}",
+                    # The engine names its limits so ("lexer error: too many expressions
+                    # constructed", "... too complex"); a plain refusal is "... doesn't satisfy".
+                    over_limits="lexer error" in error or "too complex" in error.lower(),
                 )
             self.num_tokens += 1
 
@@ -76,10 +90,19 @@ class GrammarMatcher:
 
 
 class BitmaskFiller:
-    """Fills many rows at once on the engine's own threads (the GIL is released while it works)."""
+    """Fills many rows at once on the engine's own threads (the GIL is released while it works).
 
-    def __init__(self, threads: int | None = None) -> None:
+    `budget_s` bounds one matcher's mask in one step. A fill whose whole batch stays within it (the
+    common case by far: a row takes tens of microseconds) costs nothing more. A slower one fills
+    each row again alone, timed, to find the matchers over the budget (their masks are the same);
+    those get a `failure`. That second fill costs at most one more mask per row, once: a matcher
+    that failed is gone after this step."""
+
+    def __init__(self, threads: int | None = None, budget_s: float = 0.2) -> None:
+        if budget_s <= 0:
+            raise ValueError(f"budget_s must be positive, got {budget_s}")
         self._executor = llguidance.LLExecutor(num_threads=threads)
+        self.budget_s = budget_s
 
     def fill(self, bitmask: np.ndarray, matchers: Sequence[GrammarMatcher]) -> None:
         """bitmask[i] <- the allowed tokens of matchers[i]; rows past len(matchers) are untouched."""
@@ -89,9 +112,21 @@ class BitmaskFiller:
         if not matchers:
             return
         pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        started = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
         )
+        if time.perf_counter() - started <= self.budget_s:
+            return
+        for i, matcher in enumerate(matchers):
+            started = time.perf_counter()
+            matcher.fill(bitmask, i)
+            elapsed = time.perf_counter() - started
+            if elapsed > self.budget_s:
+                matcher.failure = (
+                    f"too complex: its grammar's mask took {elapsed * 1000:.0f} ms in one step, over the "
+                    f"budget of {self.budget_s * 1000:.0f} ms (structured.mask_timeout_ms)"
+                )
 
 
 def _check_bitmask(bitmask: np.ndarray) -> None:

@@ -30,6 +30,15 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_cached_tokens: int
 
 
+class RequestFailure(msgspec.Struct, frozen=True, gc=False):
+    """A request failed while it generated (its grammar went past a budget or a limit)."""
+
+    request_id: str
+    tokenizer_id: int
+    code: str  # an ipc.messages.ErrorCode
+    message: str
+
+
 NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
 
 
@@ -41,6 +50,7 @@ class StepOutputs:
     indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
 
     __slots__ = (
+        "failures",
         "finish_reasons",
         "logprobs",
         "num_cached_tokens",
@@ -73,6 +83,9 @@ class StepOutputs:
         self.finish_reasons = finish_reasons
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = num_cached_tokens
+        # Requests this step failed, gone from the scheduler: their error goes to their tokenizer
+        # (an error reply with its reason), and their token of this step nowhere.
+        self.failures: list[RequestFailure] = []
 
     @classmethod
     def empty(cls) -> StepOutputs:
@@ -214,8 +227,11 @@ class Results:
             reasons[j] = finish_reason(
                 req.params, token_list[j], req.num_output_tokens, req.num_tokens, eos_token_ids, max_model_len
             )
+        failures: list[RequestFailure] = []
         if table.num_grammar_rows:
-            finishing = self._advance_grammars(seqs, sampled, sampled_rows, token_list, reasons, finishing)
+            finishing = self._advance_grammars(
+                seqs, sampled, sampled_rows, token_list, reasons, finishing, failures
+            )
         tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
         if top_ids is not None and top_logprobs is not None and num_logprobs is not None:
             for j in np.flatnonzero(num_logprobs).tolist():
@@ -242,6 +258,12 @@ class Results:
                 req = seqs[int(sampled[j])]
                 state.drop(req, RequestStatus.FINISHED)
                 req.finish_reason = reasons[j]
+        if failures:
+            outputs.failures = failures
+            for failure in failures:
+                req = state.requests[failure.request_id]
+                state.drop(req, RequestStatus.ABORTED)
+                req.finish_reason = "error"
         return outputs
 
     def _advance_grammars(
@@ -252,25 +274,49 @@ class Results:
         tokens: list[int],
         reasons: list[str | None],
         finishing: list[int],
+        failures: list[RequestFailure],
     ) -> list[int]:
         """Advance the matchers of the constrained rows by their new token; returns `finishing`
         with the rows whose grammar is now complete ("stop": nothing but eos could follow, so no
-        step is spent on it) and those whose token it refused ("error": the worker samples under
-        the mask, so that is a bug, and the request must not drift on unconstrained)."""
+        step is spent on it). Appends to `failures` the rows whose mask went over its time budget
+        (`GrammarMatcher.failure`) and those whose token the grammar refused: past the engine's
+        limits (the constraint's fault), or a bug (the worker samples under the mask); either
+        way the request must not drift on unconstrained. Their reasons stay None."""
         constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
         if not constrained:
             return finishing
         ending = set(finishing)
         for j in constrained:
-            matcher = seqs[int(sampled[j])].grammar
-            try:
-                matcher.advance((tokens[j],))  # type: ignore[union-attr]
-            except GrammarViolation:
-                reasons[j] = "error"
-                ending.add(j)
+            req = seqs[int(sampled[j])]
+            matcher = req.grammar
+            assert matcher is not None
+            kind = req.params.structured.kind if req.params.structured else "grammar"
+            failure = None
+            if matcher.failure is not None:
+                failure = RequestFailure(
+                    req.request_id,
+                    req.tokenizer_id,
+                    "invalid_request",
+                    f"structured.{kind}: {matcher.failure}",
+                )
+            else:
+                try:
+                    matcher.advance((tokens[j],))
+                except GrammarViolation as exc:
+                    code = "invalid_request" if exc.over_limits else "internal"
+                    failure = RequestFailure(
+                        req.request_id,
+                        req.tokenizer_id,
+                        code,
+                        f"structured.{kind}: while generating: {exc}"[:600],
+                    )
+            if failure is not None:
+                failures.append(failure)
+                reasons[j] = None
+                ending.discard(j)
                 continue
             # Complete on the last token that max_tokens allowed is complete, not cut off.
-            if reasons[j] in (None, "length") and matcher.is_terminated:  # type: ignore[union-attr]
+            if reasons[j] in (None, "length") and matcher.is_terminated:
                 reasons[j] = "stop"
                 ending.add(j)
         return sorted(ending)
