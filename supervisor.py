@@ -13,15 +13,18 @@ live settings, the checks before start; this file is the watch loop around them.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -41,14 +44,14 @@ from ipc.endpoints import (
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
 from ipc.sampling_defaults import describe_defaults
-from ipc.shm import ShmRing, new_run_id, sweep_stale_runs
+from ipc.shm import RunLock, ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from ipc.topology import STOP_ORDER, Topology, diff
 from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
-from services.stage import RUN_FILE, AuthFailures, RunInfo, read_run_info, setup_logging, write_run_info
+from services.stage import RUN_FILE, AuthFailures, RunInfo, setup_logging, write_run_info
 from supervision.live_settings import (
     LIVE_SETTINGS,
     apply_live,
@@ -65,6 +68,7 @@ from supervision.status import STATUS_FILE, status
 STOP_GRACE_S = 5.0
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
 CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
+RUN_DIR_LOCK = "supervisor.lock"  # flocked by the run dir's live supervisor (Supervisor.claim_run_dir)
 # The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
 PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
 PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
@@ -89,6 +93,53 @@ def step_slot_bytes(config: Config, vocab_size: int) -> int:
 
 def result_slot_bytes(config: Config) -> int:
     return STEP_RESULT.slot_bytes(result_limits(config.engine.max_num_seqs))
+
+
+def gateway_port_lock(port: int) -> socket.socket:
+    """A lock on `port` among Brigade runs: an abstract Unix socket named after it, which only one
+    process of a network namespace (the scope of TCP ports) can bind, and which the kernel frees
+    when its holder dies. Raises OSError (EADDRINUSE) while another run holds it."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0brigade-gateway-port-{port}")
+    except OSError:
+        lock.close()
+        raise
+    return lock
+
+
+def probe_port(host: str, port: int) -> None:
+    """Raises OSError when any socket listens on (host, port): one of another run's gateways, or
+    another server. Bound without SO_REUSEPORT, which the gateway replicas set to share the port,
+    so that their port-sharing group admits nobody else's."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: a closed connection of an earlier run, in TIME_WAIT, is no owner.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+
+
+class RunDirWrites:
+    """The files the watch loop rewrites in the run dir (status.json, metrics/stages.json): a full
+    disk must not end the run. A failed write is logged once, when that file's writes start
+    failing, and once when they work again; meanwhile the file keeps its last content, and each
+    later update tries again."""
+
+    def __init__(self) -> None:
+        self.failing: set[str] = set()
+
+    def attempt(self, what: str, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as exc:
+            if what not in self.failing:
+                log.error(
+                    "could not write %s (%s); serving on, and retrying with each update", what, exc.strerror
+                )
+                self.failing.add(what)
+            return
+        if what in self.failing:
+            self.failing.discard(what)
+            log.info("%s written again", what)
 
 
 def file_signature(path: str | None) -> tuple[int, int, int, int] | None:
@@ -150,24 +201,62 @@ class Supervisor:
         self.network_plan = NetworkPlan()
         self.client_keys_file = ""
         self.stages.on_group_moved = self.move_group
+        # What this supervisor holds, and so may remove at stop (docs/architecture.md invariant 9).
+        self.run_dir_lock: int | None = None  # claim_run_dir; the run dir's files are ours
+        self.run_lock: RunLock | None = None  # the run's shared memory is alive (ipc/shm.py)
+        self.gateway_port: socket.socket | None = None  # claim_gateway_port
+        self.writes = RunDirWrites()
 
     # -- start ---------------------------------------------------------------------------------
 
-    def check_run_dir(self) -> None:
-        run_file = self.run_dir / RUN_FILE
-        if run_file.exists():
-            try:
-                other = read_run_info(self.run_dir)
-                os.kill(other.supervisor_pid, 0)
-            except (ProcessLookupError, msgspec.DecodeError, msgspec.ValidationError, OSError):
-                run_file.unlink(missing_ok=True)  # a dead run's leftovers
-            else:
-                raise GiveUp(
-                    f"a Brigade run is already live in {self.run_dir} (supervisor pid {other.supervisor_pid}); "
-                    "stop it first or pass --run-dir"
-                )
-        for stale in self.run_dir.glob("*.sock"):
-            stale.unlink(missing_ok=True)
+    def claim_run_dir(self) -> None:
+        """Take the run dir for this run: an flock on its lock file, held until the supervisor
+        exits (the kernel drops it even on SIGKILL), tells a live run, in whatever PID namespace,
+        from a dead one's leftovers, from the first moment (run.json comes only after the model
+        is prepared). Raises GiveUp, having touched nothing, while another supervisor holds it."""
+        fd = os.open(self.run_dir / RUN_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise GiveUp(
+                f"a Brigade run is already live in {self.run_dir} (supervisor pid {holder}); "
+                "stop it first or pass --run-dir"
+            ) from None
+        self.run_dir_lock = fd
+        try:  # the holder's pid, for the refusal above: nice to have, on a full disk too
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock")]:
+            stale.unlink(missing_ok=True)  # a dead run's leftovers
+
+    def claim_gateway_port(self) -> None:
+        """Hold gateway.port for this run's gateway replicas (they share it through SO_REUSEPORT,
+        which would as well let another run's replicas in, and the kernel split the connections
+        between the runs): refused when another Brigade run holds it or anything listens on it.
+        On a Ray cluster the gateways may run on another host than this one: not checked there."""
+        gateway = self.config.gateway
+        if self.config.cluster.backend != "local":
+            return
+        try:
+            lock = gateway_port_lock(gateway.port)
+        except OSError:
+            raise GiveUp(
+                f"gateway.port {gateway.port} is already served by another Brigade run on this host; "
+                "set gateway.port to another port (or stop that run)"
+            ) from None
+        try:
+            probe_port(gateway.host, gateway.port)
+        except OSError as exc:
+            lock.close()
+            raise GiveUp(
+                f"gateway.port {gateway.port} on {gateway.host} is in use ({exc.strerror}); "
+                "set gateway.port to a free port"
+            ) from None
+        self.gateway_port = lock
 
     def prepare_model(self) -> Path:
         """Convert the model once (cached) in a child, so the supervisor never imports torch."""
@@ -243,8 +332,7 @@ class Supervisor:
             self.info = msgspec.structs.replace(self.info, network=self.network_plan)
             write_run_info(self.run_dir, self.info)
         log.info("engine group %d moved to a node at %s: its links follow", group, address)
-        self.topology = msgspec.structs.replace(self.topology, hosts=hosts)
-        self.broadcast_topology(self.topology)
+        self.broadcast_topology(msgspec.structs.replace(self.topology, hosts=hosts))
 
     def create_rings(self, model_dir: Path, groups: range) -> None:
         """The step and result rings of engine groups `groups`, where the stage set puts them."""
@@ -260,9 +348,14 @@ class Supervisor:
         self.rings += self.stages.create_rings(specs)
 
     def serve_metrics(self) -> None:
-        """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port."""
-        if self.config.supervisor.metrics_port:
-            metrics.serve(self.run_dir, self.config.supervisor.metrics_port)
+        """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port, at
+        supervisor.metrics_host (by default the gateway's host: a loopback-only API exports no
+        numbers to the network either)."""
+        supervisor = self.config.supervisor
+        if supervisor.metrics_port:
+            metrics.serve(
+                self.run_dir, supervisor.metrics_port, supervisor.metrics_host or self.config.gateway.host
+            )
 
     def start_mlflow(self) -> None:
         config = self.config.observability.mlflow
@@ -274,7 +367,10 @@ class Supervisor:
         self.mlflow.start()
 
     def start(self) -> None:
-        self.check_run_dir()
+        self.claim_run_dir()
+        if self.config.gateway.replicas:
+            self.claim_gateway_port()
+        self.run_lock = RunLock(self.run_id)  # before any shared memory of the run exists
         try:
             check_layout(self.config)
             swept = sweep_stale_runs()
@@ -307,7 +403,7 @@ class Supervisor:
             curve_server_key=keys.server_public if keys else "",
             curve_client_keys=self.client_keys_file,
         )
-        write_run_info(self.run_dir, self.info)
+        self.write_run_file()
         for spec in self.topology.stages():
             self.stages.spawn(self.stages.add(spec))
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
@@ -326,7 +422,7 @@ class Supervisor:
                 log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
                 last_note = time.monotonic()
         self.info = msgspec.structs.replace(self.info, is_ready=True)
-        write_run_info(self.run_dir, self.info)
+        self.write_run_file()
         client = f"python -m client --run {self.run_dir}"
         self.start_mlflow()
         ready = f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}"
@@ -334,6 +430,12 @@ class Supervisor:
         print(
             f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True
         )
+
+    def write_run_file(self) -> None:
+        try:
+            write_run_info(self.run_dir, self.info)
+        except OSError as exc:
+            raise GiveUp(f"could not write {self.run_dir / RUN_FILE}: {exc.strerror}") from None
 
     # -- watch ---------------------------------------------------------------------------------
 
@@ -372,11 +474,11 @@ class Supervisor:
         is_due = now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s
         states = [(s.name, s.pid, s.state, s.num_restarts) for s in self.stages]
         if is_due or states != self.status_states:
-            self.write_status()
+            self.writes.attempt(STATUS_FILE, self.write_status)
             self.status_states = states
         if is_due:
             self.send_group_loads()
-            self.write_stage_samples()
+            self.writes.attempt(f"{METRICS_DIR}/{metrics.STAGES_FILE}", self.write_stage_samples)
             self.stages.gather_metrics()
             self.loads_sent_at = now
 
@@ -526,7 +628,9 @@ class Supervisor:
         """Apply the live settings (supervision/live_settings.py); log the changes that need a
         restart. A config that does not load is refused and the run goes on unchanged."""
         try:
-            new = load_config(self.config_path, self.overrides)
+            # Only a regular file, read without blocking: a FIFO put in its place must not stop
+            # the watch loop (no restarts, no signals) until someone writes to it.
+            new = load_config(self.config_path, self.overrides, regular_file_only=True)
         except ConfigError as exc:
             log.error("reload refused, config unchanged: %s", exc)
             self.audit.reload({}, error=str(exc))
@@ -550,18 +654,24 @@ class Supervisor:
             return
         applied = apply_live(self.config, new)
         logging.getLogger().setLevel(applied.supervisor.log_level)
-        self.change_topology(applied)
+        try:
+            self.change_topology(applied)
+        except Refused as exc:
+            log.error("reload: replica and engine group counts stay as they were: %s", exc)
+            self.audit.reload({}, error=str(exc))
+            return
         log.info("reload applied: %s", ", ".join(live))
 
     def publish_config(self, config: Config) -> None:
-        """New stages read run.json at start; clients read the tokenizer list from it."""
-        self.config = config
-        self.info = msgspec.structs.replace(
+        """New stages read run.json at start; clients read the tokenizer list from it. Raises
+        OSError (a full disk), and then nothing changed."""
+        info = msgspec.structs.replace(
             self.info,
             config=config,
             tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(config.tokenizer.replicas)],
         )
-        write_run_info(self.run_dir, self.info)
+        write_run_info(self.run_dir, info)
+        self.config, self.info = config, info
 
     def wait_ready(self, stages: list[StageProcess]) -> None:
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
@@ -600,12 +710,19 @@ class Supervisor:
         old_counts = self.replica_counts(self.config)
         if config.engine.data_parallel > self.topology.num_groups:
             config = self.place_groups(config)
+        try:
+            if config.gateway.replicas and self.gateway_port is None:
+                self.claim_gateway_port()  # gateway.port and host are not live: the same
+            self.publish_config(config)
+        except (GiveUp, OSError) as exc:
+            self.stages.release_groups(self.config.engine)  # what place_groups reserved
+            reason = f"could not write {RUN_FILE}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
+            raise Refused(reason) from None
         new_counts = self.replica_counts(config)
         changes = {path: [old_counts[path], n] for path, n in new_counts.items() if n != old_counts[path]}
         if changes:
             self.audit.rescale(changes)
         step = diff(self.topology, Topology.of(config, self.topology.hosts))
-        self.publish_config(config)
         self.create_rings(
             Path(self.info.model_dir), range(self.topology.num_groups, config.engine.data_parallel)
         )
@@ -697,7 +814,9 @@ class Supervisor:
         log.info("drain ended with requests still in flight")
 
     def stop(self) -> None:
-        """Stop stages in order, unlink every shared-memory object and socket file."""
+        """Stop the stages in order and remove what this supervisor created: its shared memory,
+        and the run dir's sockets and files once it had claimed the run dir. A supervisor
+        refused at start leaves the live run there untouched (docs/architecture.md invariant 9)."""
         if self.mlflow is not None:
             self.mlflow.stop()
         for kind in STOP_ORDER:
@@ -707,11 +826,20 @@ class Supervisor:
             ring.unlink()
         self.stages.close()
         close_context(self.ctx, 0)
+        if self.run_lock is not None:
+            self.run_lock.release()  # last of the run's shared memory
+        if self.gateway_port is not None:
+            self.gateway_port.close()
+        if self.run_dir_lock is None:
+            return
         for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         if not self.config.network.keys_dir:
             shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
+        # The lock file stays: unlinking it would let a supervisor that opened it meanwhile lock
+        # a file nobody else can see any more.
+        os.close(self.run_dir_lock)
         log.info("stopped; shared memory and sockets removed")
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -87,6 +89,7 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_timeout_s: Seconds = 600.0
     drain_timeout_s: Seconds = 10.0
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8001  # 0 = no /metrics endpoint
+    metrics_host: str = ""  # where /metrics listens; "" = gateway.host
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
@@ -198,9 +201,34 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = _parse_scalar(value)
 
 
-def _read_yaml(path: str | Path) -> Any:
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_bytes(path: str | Path, regular_file_only: bool) -> bytes:
+    """The file's bytes, at most MAX_CONFIG_BYTES. With `regular_file_only`, nothing else is
+    read (a FIFO, a device), and the open never blocks: a supervisor reloading its config must
+    not hang in open() or read() until someone writes to a FIFO."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_NONBLOCK if regular_file_only else 0)
+    fd = os.open(path, flags)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        if regular_file_only and not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path} is not a regular file (a FIFO or a device?): not read")
+        data = b""
+        while len(data) <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is over {MAX_CONFIG_BYTES} bytes: too large to be a config")
+    return data
+
+
+def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
+    try:
+        text = _read_config_bytes(path, regular_file_only).decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -308,9 +336,12 @@ def check_network(config: Config) -> None:
         )
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config file (None = all defaults), apply overrides, validate."""
-    raw = _read_yaml(path) if path is not None else {}
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), regular_file_only: bool = False
+) -> Config:
+    """Read a YAML config file (None = all defaults), apply overrides, validate. A reload passes
+    `regular_file_only` (see _read_config_bytes); a start reads `--config <(...)` too."""
+    raw = _read_yaml(path, regular_file_only) if path is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     _rename_deprecated_sections(raw)

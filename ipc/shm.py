@@ -14,6 +14,7 @@ peer that died or lags behind can never disturb the counts of the new generation
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import mmap
 import os
@@ -336,35 +337,85 @@ class SlotView:
 
 
 # ---------------------------------------------------------------------------
-# Run ids and the sweep of dead runs (docs/architecture.md invariant 6)
+# Run ids, the run's liveness lock, and the sweep of dead runs (docs/architecture.md
+# invariants 6 and 9)
 # ---------------------------------------------------------------------------
 
-_RUN_OBJECT = re.compile(rf"^(?:sem\.)?{re.escape(SHM_PREFIX)}(\d+)x[0-9a-f]+-")
+_RUN_OBJECT = re.compile(rf"^(?:sem\.)?{re.escape(SHM_PREFIX)}(\d+x[0-9a-f]+)-")
+RUN_LOCK_SUFFIX = "-run.lock"
 
 
 def new_run_id() -> str:
-    """`{pid}x{random hex}`: unique, and the owner pid can be read back by `sweep_stale_runs`."""
+    """`{pid}x{random hex}`: unique (the pid only helps a person tell runs apart)."""
     return f"{os.getpid()}x{secrets.token_hex(4)}"
 
 
-def _is_alive(pid: int) -> bool:
+def run_lock_path(run_id: str, shm_dir: str = SHM_DIR) -> str:
+    return os.path.join(shm_dir, f"{SHM_PREFIX}{run_id}{RUN_LOCK_SUFFIX}")
+
+
+class RunLock:
+    """An exclusive flock, held for a run's whole life, on a file beside its shared memory. It
+    proves the run alive to a sweep from any process that sees the same /dev/shm, whatever PID
+    namespace it runs in (containers started with --ipc=host share /dev/shm, not their pids).
+    The kernel drops the lock when the holder dies, even by SIGKILL."""
+
+    def __init__(self, run_id: str, shm_dir: str = SHM_DIR) -> None:
+        self.path = run_lock_path(run_id, shm_dir)
+        # Locked under another name first, so that no sweep ever sees the file unlocked. Not
+        # inherited by the stages (Python's descriptors are close-on-exec): only the
+        # supervisor's life counts, as only the supervisor unlinks the run's objects.
+        locking = f"{self.path}.new"
+        self._fd = os.open(locking, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(locking, self.path)
+
+    def release(self) -> None:
+        """At shutdown, after the run's other objects are unlinked: the lock file goes last."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _lock_if_dead(lock_path: str) -> int | None:
+    """A descriptor holding the run's lock when its holder is gone (close it when done); None
+    while the run lives or when it has no lock file (one of a Brigade from before run locks, or
+    objects a test made by hand: nothing proves those dead, so they are left alone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
+        fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: the run is alive, in this PID namespace or another
+        os.close(fd)
+        return None
+    return fd
 
 
 def sweep_stale_runs(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the segments and semaphores of runs whose owner process is dead; returns their names."""
-    removed = []
+    """Remove the segments and semaphores of runs proven dead: their run lock file is there and
+    nobody holds its lock. Returns the names removed (the lock file last of each run)."""
+    runs: dict[str, list[str]] = {}
     for entry in sorted(os.listdir(shm_dir)):
         match = _RUN_OBJECT.match(entry)
-        if match is None or _is_alive(int(match.group(1))):
+        if match is not None:
+            runs.setdefault(match.group(1), []).append(entry)
+    removed = []
+    for run_id, entries in runs.items():
+        lock_path = run_lock_path(run_id, shm_dir)
+        fd = _lock_if_dead(lock_path)
+        if fd is None:
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(shm_dir, entry))
-            removed.append(entry)
+        try:
+            lock_name = os.path.basename(lock_path)
+            for entry in [e for e in entries if e != lock_name] + [lock_name]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_dir, entry))
+                    removed.append(entry)
+        finally:
+            os.close(fd)
     return removed

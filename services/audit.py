@@ -7,15 +7,18 @@ Events (the `event` field) and what else each line carries:
   `{field path: [old, new]}`), `error` (why a config was refused outright);
 - `rescale`: `changes` (`{field path: [old, new]}`);
 - `stage_restart`: `stage`, `reason`, `restart` (its count), `backoff_s`;
-- `auth_failure`: `mechanism` (`api_key` or `curve`), `peer`, `reason`, and for an API key
-  `key_sha256` (the first 12 hex digits of the presented key's SHA-256, never the key); for
-  CURVE, `count`: the refused handshakes of that reason the line stands for (a client with a
-  wrong key retries every few hundred milliseconds; one line per poll, not one per attempt).
+- `auth_failure`: `mechanism` (`api_key` or `curve`), `peer`, `reason`, `count` (the refusals
+  the line stands for), and for an API key `key_sha256` (the first 12 hex digits of the
+  presented key's SHA-256, never the key; of the first key presented, when the line stands for
+  several). Refusals are aggregated, not one line each: a client retrying with a wrong key, or
+  hammering the HTTP API without one, would otherwise fill the disk. CURVE: one line per
+  endpoint and reason per poll. API keys (`ApiKeyFailures`): the first refusal of a client
+  address and reason within a second is written at once, the rest of that second as one line.
 
 Several processes (the supervisor, gateway replicas) append to one file: each line is a single
 `write()` on an O_APPEND descriptor, which the kernel never interleaves with another's. Writing
-never raises: a full disk must not stop serving, so a failed write is logged and counted. Light
-(no torch): the gateway imports it.
+never raises: a full disk must not stop serving, so a failed write is counted, and logged once
+when writes start failing and once when they work again. Light (no torch): the gateway imports it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class AuditLog:
         self.path = path
         self.source = source
         self.num_failed_writes = 0
+        self.failing_since = 0  # num_failed_writes when writes last started failing (is_failing)
+        self.is_failing = False
         self._encoder = msgspec.json.Encoder(enc_hook=str)  # anything unusual is written as text
 
     def record(self, event: str, **fields: Any) -> None:
@@ -79,7 +84,17 @@ class AuditLog:
                 os.close(fd)
         except OSError as exc:
             self.num_failed_writes += 1
-            log.warning("audit log %s: could not write a %s event: %s", self.path, event, exc.strerror)
+            if not self.is_failing:
+                self.is_failing, self.failing_since = True, self.num_failed_writes - 1
+                log.warning(
+                    "audit log %s: could not write a %s event: %s (further failures are counted, not logged)",
+                    self.path, event, exc.strerror,
+                )  # fmt: skip
+            return
+        if self.is_failing:
+            self.is_failing = False
+            lost = self.num_failed_writes - self.failing_since
+            log.warning("audit log %s written again; %d event(s) were lost meanwhile", self.path, lost)
 
     def reload(
         self,
@@ -113,11 +128,51 @@ class AuditLog:
         count: int = 1,
     ) -> None:
         fields: dict[str, Any] = {"mechanism": mechanism, "peer": _bounded(peer), "reason": _bounded(reason)}
-        if mechanism == "curve":
-            fields["count"] = count
+        fields["count"] = count
         if presented_key is not None:
             fields["key_sha256"] = hashlib.sha256(presented_key.encode()).hexdigest()[:12]
         self.record("auth_failure", **fields)
+
+
+class ApiKeyFailures:
+    """Refused API keys of one gateway replica, aggregated per client address and reason: the
+    first of each within `interval_s` is written at once, the others of that interval as one line
+    with their `count` when it ends (`flush`, which the owner's loop calls; `record` too). Bounded
+    whatever the clients send: at most MAX_PEERS addresses are tracked an interval, the rest
+    counted under the peer "(other clients)"."""
+
+    MAX_PEERS = 64
+    OTHERS = "(other clients)"
+
+    def __init__(self, audit: AuditLog, interval_s: float = 1.0) -> None:
+        self.audit = audit
+        self.interval_s = interval_s
+        self.window_start = time.monotonic()
+        # (peer, reason) -> [refusals not yet written, the first such key presented]
+        self.pending: dict[tuple[str, str], list[Any]] = {}
+
+    def record(self, peer: str, reason: str, presented_key: str | None = None) -> None:
+        self.flush()
+        if (peer, reason) not in self.pending and len(self.pending) >= self.MAX_PEERS:
+            peer = self.OTHERS
+        entry = self.pending.get((peer, reason))
+        if entry is None:  # the first in this interval: written now, so that it is seen at once
+            self.pending[peer, reason] = [0, None]
+            self.audit.auth_failure("api_key", peer, reason, presented_key)
+        else:
+            entry[0] += 1
+            entry[1] = entry[1] if entry[1] is not None else presented_key
+
+    def flush(self, force: bool = False) -> None:
+        """Write the interval's aggregated refusals once it has ended (now, with `force`)."""
+        now = time.monotonic()
+        if not force and now - self.window_start < self.interval_s:
+            return
+        for (peer, reason), (count, key) in self.pending.items():
+            if count:
+                self.audit.auth_failure("api_key", peer, reason, key, count=count)
+        self.pending.clear()
+        self.window_start = now
 
 
 class CurveFailureMonitor:

@@ -26,7 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, Metric, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Metric,
+    start_http_server,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -47,6 +55,41 @@ def metrics_dir(run_dir: Path) -> Path:
     return run_dir / METRICS_DIR
 
 
+# Each process's multiprocess files, one per metric type (Brigade has counters and histograms),
+# allocated in full before prometheus_client maps them: it makes them sparse and writes through
+# the mapping, and a page written on a full filesystem (a tmpfs run dir) faults with SIGBUS,
+# which killed a stage at every restart. 1 MiB holds thousands of series, far more than a stage
+# makes, so prometheus_client never grows them (growing is sparse again).
+METRICS_FILE_BYTES = 1 << 20
+METRICS_FILE_TYPES = ("counter", "histogram")
+_reserved_by_pid = 0
+
+
+def reserve_metrics_files() -> None:
+    """Allocate this process's multiprocess files (once). On a full disk the process's metrics
+    stay in its memory instead, off /metrics (logged): serving matters more than its numbers."""
+    global _reserved_by_pid
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if (
+        not directory
+        or _reserved_by_pid == os.getpid()
+        or not getattr(values.ValueClass, "_multiprocess", False)
+    ):
+        return
+    _reserved_by_pid = os.getpid()
+    try:
+        for kind in METRICS_FILE_TYPES:
+            fd = os.open(os.path.join(directory, f"{kind}_{os.getpid()}.db"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, METRICS_FILE_BYTES)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        values.ValueClass = values.MutexValue
+        log.warning("no room for this process's metrics files in %s (%s): its metrics are off /metrics until it restarts",
+                    directory, exc.strerror)  # fmt: skip
+
+
 # -- observed in the stages (multiprocess files) -------------------------------------------------
 
 
@@ -54,6 +97,7 @@ class RequestMetrics:
     """Per-request metrics of a tokenizer replica, observed as deltas reach the client."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+        reserve_metrics_files()
         labels = ["model_name"]
         self.model_name = model_name
         self.success = Counter(
@@ -140,6 +184,7 @@ class HttpMetrics:
     )
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        reserve_metrics_files()
         self.requests = Counter(
             f"{PREFIX}http_requests",
             "HTTP responses by path and status",
@@ -168,6 +213,7 @@ class EngineMetrics:
     workers' time per step."""
 
     def __init__(self, model_name: str, engine: int, registry: CollectorRegistry = REGISTRY) -> None:
+        reserve_metrics_files()
         labels = ["model_name", "engine"]
         values = (model_name, str(engine))
         self.queue_time = Histogram(
@@ -371,13 +417,13 @@ def registry_for_run(run_dir: Path) -> CollectorRegistry:
     return registry
 
 
-def serve(run_dir: Path, port: int, host: str = "0.0.0.0") -> bool:
-    """Serve /metrics on `port` in a thread. A port already taken is logged, not fatal: serving
-    requests matters more than exporting numbers about them."""
+def serve(run_dir: Path, port: int, host: str) -> bool:
+    """Serve /metrics on `host`:`port` in a thread. A port already taken is logged, not fatal:
+    serving requests matters more than exporting numbers about them."""
     try:
         start_http_server(port, addr=host, registry=registry_for_run(run_dir))
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); /metrics is off for this run", port, exc.strerror)
         return False
-    log.info("metrics at http://localhost:%d/metrics", port)
+    log.info("metrics at http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
     return True

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import zmq
 
-from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
+from services.audit import ApiKeyFailures, AuditLog, CurveFailureMonitor, audit_log_path
 from tests.conftest import REPO_ROOT
 
 CHANGE = {"type": "object", "additionalProperties": {"type": "array", "minItems": 2, "maxItems": 2}}
@@ -123,6 +123,48 @@ def test_a_failed_write_is_counted_not_raised(tmp_path: Path, caplog: pytest.Log
         audit.stage_restart("tokenizer-0", "exited with code 1", restart=2, backoff_s=0.4)
     assert audit.num_failed_writes == 1
     assert "could not write a stage_restart event" in caplog.text
+
+
+def test_a_failing_audit_log_is_logged_once_until_it_works_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk fails every write: one warning then, one when writes work again."""
+    path = tmp_path / "missing-dir" / "audit.log"
+    audit = AuditLog(path, "supervisor")
+    with caplog.at_level(logging.WARNING, logger="audit"):
+        for restart in range(50):
+            audit.stage_restart("tokenizer-0", "exited with code 1", restart=restart, backoff_s=0.4)
+        path.parent.mkdir()
+        audit.stage_restart("tokenizer-0", "exited with code 1", restart=50, backoff_s=0.4)
+    assert audit.num_failed_writes == 50
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "could not write a stage_restart event" in messages[0]
+    assert "written again; 50 event(s) were lost" in messages[1]
+    assert [line["restart"] for line in lines(path)] == [50]
+
+
+def test_refused_api_keys_are_aggregated_and_bounded(tmp_path: Path) -> None:
+    """A client hammering the HTTP API with a wrong key, or many without one, cost a few lines an
+    interval, not one per request; the counts add up to every refusal."""
+    path = tmp_path / "audit.log"
+    failures = ApiKeyFailures(AuditLog(path, "gateway-0"), interval_s=3600)
+    for _ in range(1000):
+        failures.record("10.0.0.7", "unknown API key", "sk-wrong")
+    for i in range(1000):
+        failures.record(f"10.1.{i // 256}.{i % 256}", "no Authorization: Bearer header")
+    assert len(lines(path)) == 1 + ApiKeyFailures.MAX_PEERS  # each first refusal is written at once
+    failures.flush(force=True)
+    got = lines(path)
+    for line in got:
+        check(line)
+    assert sum(line["count"] for line in got) == 2000
+    assert len(got) <= 2 * (ApiKeyFailures.MAX_PEERS + 1)
+    wrong_key = [line for line in got if line["peer"] == "10.0.0.7"]
+    assert [line["count"] for line in wrong_key] == [1, 999]
+    assert {line["key_sha256"] for line in wrong_key} == {hashlib.sha256(b"sk-wrong").hexdigest()[:12]}
+    assert "sk-wrong" not in path.read_text()
+    assert sum(line["count"] for line in got if line["peer"] == ApiKeyFailures.OTHERS) == 1000 - 63
 
 
 @pytest.mark.timeout(60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -259,3 +260,17 @@ def test_deprecated_frontend_section_still_configures_the_tokenizer(tmp_path, ca
     path.write_text("frontend:\n  replicas: 2\ntokenizer:\n  replicas: 3\n")
     with pytest.raises(ConfigError, match="replicas"):
         load_config(path)
+
+
+@pytest.mark.timeout(30)
+def test_a_reload_reads_only_a_bounded_regular_file_and_never_blocks(tmp_path) -> None:
+    """A FIFO put in the config's place would block a reload in open() until someone writes to
+    it, and the supervisor's watch loop with it."""
+    fifo = tmp_path / "brigade.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(fifo, regular_file_only=True)
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match="too large to be a config"):
+        load_config(huge, regular_file_only=True)

@@ -266,3 +266,43 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     assert got[("brigade:e2e_request_latency_seconds_count", (model,))] == 2
     assert got[("brigade:generation_tokens_total", (model,))] == 2
     assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
+
+
+OBSERVE_ON_A_FULL_DISK = """
+from services.metrics import RequestMetrics
+request = RequestMetrics("m")
+request.success.labels("m", "stop").inc()
+for i in range(2000):  # new series: pages of the metrics file the first ones did not touch
+    request.success.labels(f"model-{i}", "length").inc()
+print("observed", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_observing_metrics_on_a_full_disk_lives(tmp_path: Path) -> None:
+    """prometheus_client maps sparse files: the first write to a page of one on a full tmpfs
+    faulted with SIGBUS, and a stage restarted on a full run dir died at once, every time."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(directory)], check=False
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        observe = [sys.executable, "-c", OBSERVE_ON_A_FULL_DISK]
+        env = {**os.environ, metrics.METRICS_DIR_ENV: str(directory)}
+        roomy = subprocess.run(observe, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert roomy.returncode == 0 and not roomy.stderr, roomy.stderr
+        filler = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with pytest.raises(OSError):
+            while True:
+                os.write(filler, bytes(64 << 10))
+        os.close(filler)
+        full = subprocess.run(observe, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert full.returncode == 0, f"exit {full.returncode}: {full.stderr}"
+        assert full.stdout == "observed\n"
+        assert "no room for this process's metrics files" in full.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import pytest
 
 from ipc.shm import RingTimeout, ShmRing, SlotOverflow, new_run_id, sweep_stale_runs
 from ipc.tensor_pool import PoolFull, TensorDescriptor, TensorPool, array_from_frame
+from tests.conftest import REPO_ROOT
 
 SPAWN = mp.get_context("spawn")
 WAIT = 30.0  # generous bound for any single wait on a loaded machine
@@ -82,6 +84,10 @@ def cleanup() -> Iterator[list]:
             if obj.is_alive():
                 obj.kill()
             obj.join(5)
+        elif isinstance(obj, subprocess.Popen):
+            obj.kill()
+            obj.wait()
+            sweep_stale_runs()  # its run is dead now: its lock proves it
         else:
             obj.close()
             obj.unlink()
@@ -227,25 +233,66 @@ def test_killed_reader_times_out_writer_and_reset_recovers(run_id, cleanup):
     assert results.get(timeout=WAIT) == (0, 50, expected, 0)
 
 
-def test_sweep_removes_dead_runs_only(run_id, cleanup):
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    dead_run = f"{dead.pid}x{os.urandom(4).hex()}"
-    dead_ring = ShmRing.create(f"/brigade-{dead_run}-step-0", num_slots=2, slot_bytes=4096, num_readers=2)
-    dead_pool = TensorPool.create(f"/brigade-{dead_run}-pool", 4096)
-    live_ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
-    cleanup.extend([dead_ring, dead_pool, live_ring])
+HOLD_A_RUN = """
+import sys, time
+from ipc.shm import RunLock, ShmRing
+run_id = sys.argv[1]
+lock = RunLock(run_id)
+ring = ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=2, slot_bytes=4096, num_readers=2)
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_a_run(run_id: str, cleanup: list) -> subprocess.Popen:
+    """A process that owns a run as a supervisor does: its lock, then a ring."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_RUN, run_id], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
+    cleanup.append(process)
+    assert process.stdout.readline() == "holding\n"
+    return process
+
+
+def run_objects(run_id: str) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if run_id in n}
+
+
+def test_sweep_removes_dead_runs_only(cleanup):
+    """Only a run whose lock nobody holds is dead. A live run seen from another PID namespace
+    (containers sharing /dev/shm) names a pid this one does not have: its lock keeps it."""
+    dead_run, other_namespace_run = f"999999997x{os.urandom(4).hex()}", f"999999999x{os.urandom(4).hex()}"
+    dead = hold_a_run(dead_run, cleanup)
+    live = hold_a_run(other_namespace_run, cleanup)
+    dead.kill()
+    dead.wait(WAIT)
+    unlocked_run = f"999999998x{os.urandom(4).hex()}"  # no lock file: nothing proves it dead
+    unlocked = ShmRing.create(f"/brigade-{unlocked_run}-step-0", num_slots=2, slot_bytes=4096, num_readers=1)
+    cleanup.append(unlocked)
+    live_objects = run_objects(other_namespace_run)
     removed = sweep_stale_runs()
-    ours = {n for n in removed if dead_run in n}
-    assert ours == {
-        f"brigade-{dead_run}-step-0",
-        f"brigade-{dead_run}-pool",
-        *(f"sem.brigade-{dead_run}-step-0-g0-{kind}{r}" for kind in ("space", "avail") for r in range(2)),
+    ring_objects = {
+        "brigade-{}-step-0",
+        *(f"sem.brigade-{{}}-step-0-g0-{kind}{r}" for kind in ("space", "avail") for r in range(2)),
     }
-    assert not any(run_id in n for n in removed)
-    assert not any(dead_run in n for n in os.listdir("/dev/shm"))
-    assert sum(run_id in n for n in os.listdir("/dev/shm")) == 3  # live segment + 2 semaphores
-    write_slots(live_ring, 0, 1)  # the live ring still works
+    assert (
+        run_objects(other_namespace_run)
+        == live_objects
+        == {
+            *(n.format(other_namespace_run) for n in ring_objects),
+            f"brigade-{other_namespace_run}-run.lock",
+        }
+    )
+    assert {n for n in removed if dead_run in n} == {
+        *(n.format(dead_run) for n in ring_objects),
+        f"brigade-{dead_run}-run.lock",
+    }
+    assert removed[-1] == f"brigade-{dead_run}-run.lock"  # the lock file goes last
+    assert not run_objects(dead_run)
+    assert len(run_objects(unlocked_run)) == 3  # segment + 2 semaphores
+    live.kill()
+    live.wait(WAIT)
+    assert {n for n in sweep_stale_runs() if other_namespace_run in n} == live_objects
 
 
 def test_tensor_pool_across_processes(run_id, cleanup):

@@ -19,7 +19,7 @@ import zmq
 
 from client.async_sdk import AsyncClient
 from ipc import messages as m
-from services.audit import AuditLog, audit_log_path
+from services.audit import ApiKeyFailures, AuditLog, audit_log_path
 from services.gateway.app import Gateway, GatewaySettings
 from services.stage import ControlChannel, Stage, parse_stage_args
 from services.tokenizer.text import Tokenizer
@@ -63,6 +63,7 @@ async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, u
             server.should_exit = True
         load = m.StageLoad(num_in_flight=gateway.num_in_flight)
         control.heartbeat(gateway.num_responses, has_work=False, load=load)
+        gateway.settings.key_failures.flush()
         await asyncio.sleep(control.interval / 2)
 
 
@@ -79,7 +80,9 @@ async def serve(stage: Stage) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         max_body_bytes=max_body_bytes(stage),
         run_dir=stage.run_dir,
-        audit=AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name),
+        key_failures=ApiKeyFailures(
+            AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
+        ),
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
@@ -99,6 +102,7 @@ async def serve(stage: Stage) -> None:
         await server.serve(sockets=[sock])
     finally:
         control.cancel()
+        settings.key_failures.flush(force=True)
         await client.close()
 
 

@@ -28,7 +28,7 @@ from starlette.types import Send
 from client.async_sdk import AsyncClient
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
-from services.audit import AuditLog
+from services.audit import ApiKeyFailures
 from services.gateway import protocol as p
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
@@ -54,7 +54,7 @@ class GatewaySettings:
     max_concurrent_requests: int
     max_body_bytes: int
     run_dir: Path
-    audit: AuditLog  # refused API keys are audited (services/audit.py)
+    key_failures: ApiKeyFailures  # refused API keys are audited, aggregated (services/audit.py)
 
 
 def json_response(
@@ -150,10 +150,10 @@ class Gateway:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
-            peer = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
+            peer = request.client.host if request.client else "unknown"
             is_bearer = scheme.lower() == "bearer"
             reason = "unknown API key" if is_bearer else "no Authorization: Bearer header"
-            self.settings.audit.auth_failure("api_key", peer, reason, key.strip() if is_bearer else None)
+            self.settings.key_failures.record(peer, reason, key.strip() if is_bearer else None)
             raise ApiError(
                 401, "missing or invalid API key (send Authorization: Bearer KEY)", code="invalid_api_key"
             )
