@@ -47,6 +47,7 @@ from ipc.sampling_defaults import describe_defaults
 from ipc.shm import RunLock, ShmRing, new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
+from ipc.topology import STOP_ORDER, Topology, diff
 from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
@@ -61,13 +62,15 @@ from supervision.live_settings import (
 )
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_hosts, check_layout, check_model
-from supervision.stages import METRICS_DIR, REPO_ROOT, STOP_ORDER, RingSpec, StageProcess, make_stage_set
+from supervision.stages import METRICS_DIR, REPO_ROOT, RingSpec, StageProcess, make_stage_set
 from supervision.status import STATUS_FILE, status
 
 STOP_GRACE_S = 5.0
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
 CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
 RUN_DIR_LOCK = "supervisor.lock"  # flocked by the run dir's live supervisor (Supervisor.claim_run_dir)
+# The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
+PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
 PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
 
 log = logging.getLogger("supervisor")
@@ -186,6 +189,7 @@ class Supervisor:
         self.control: RouterSocket | None = None
         self.rings: list[ShmRing] = []
         self.stages = make_stage_set(config, run_dir, log_format, self.run_id)
+        self.topology = Topology.of(config)  # with the stages' hosts once placed (start)
         self.policy = RestartPolicy.from_config(config.supervisor)
         self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
         self.auth_failures = AuthFailures(self.audit, log)
@@ -308,8 +312,8 @@ class Supervisor:
         """The cluster placed engine group `group` on a node at `address`, another than its links
         have (its node died, or a hot reload added it there): re-plan the links whose server is
         in the group (same ports and CURVE keys, the new address), publish them in run.json for
-        the group's new processes, and tell the running tokenizers and detokenizers to reconnect
-        (Relink) before the group starts there. Raises Refused when this run's links cannot
+        the group's new processes, and tell the running stages (TopologyChanged), whose links to
+        the group reconnect before it starts there. Raises Refused when this run's links cannot
         follow: links that are ipc:// because every stage ran on this host at start, or an
         address that the checks at start would refuse."""
         network = self.config.network
@@ -328,9 +332,7 @@ class Supervisor:
             self.info = msgspec.structs.replace(self.info, network=self.network_plan)
             write_run_info(self.run_dir, self.info)
         log.info("engine group %d moved to a node at %s: its links follow", group, address)
-        relink = m.Relink(hosts)
-        for stage in [*self.stages.of_kind("tokenizer"), *self.stages.of_kind("detokenizer")]:
-            self.command(stage, relink)
+        self.broadcast_topology(msgspec.structs.replace(self.topology, hosts=hosts))
 
     def create_rings(self, model_dir: Path, groups: range) -> None:
         """The step and result rings of engine groups `groups`, where the stage set puts them."""
@@ -376,7 +378,9 @@ class Supervisor:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
             model_dir = self.prepare_model()
             sampling_defaults = check_model(self.config, model_dir)
-            self.plan_network(self.stages.place())
+            hosts = self.stages.place()
+            self.plan_network(hosts)
+            self.topology = Topology.of(self.config, hosts)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
@@ -400,8 +404,8 @@ class Supervisor:
             curve_client_keys=self.client_keys_file,
         )
         self.write_run_file()
-        for stage in self.stages.plan(self.config):
-            self.stages.spawn(stage)
+        for spec in self.topology.stages():
+            self.stages.spawn(self.stages.add(spec))
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
         last_note = 0.0
         while not all(s.is_ready for s in self.stages):
@@ -552,9 +556,10 @@ class Supervisor:
         stage.is_ready = stage.was_ever_ready = True
         stage.state = "running"
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
-        if stage.kind in ("tokenizer", "detokenizer") and self.network_plan.hosts:
-            # It may have read run.json just before an engine group moved (move_group).
-            self.command(stage, m.Relink(self.network_plan.hosts))
+        if stage.kind in PEER_KINDS:
+            # It sized its links from run.json's config, which does not show engine groups
+            # still retiring, nor a group that moved after it read run.json (move_group).
+            self.command(stage, m.TopologyChanged(self.topology))
         if not was_restart:
             return
         if stage.kind == "detokenizer":
@@ -641,16 +646,16 @@ class Supervisor:
                 applied={p: v for p, v in diff.items() if p in LIVE_SETTINGS},
                 refused={p: v for p, v in diff.items() if p not in LIVE_SETTINGS},
             )
-        for path in sorted(set(changed) - LIVE_SETTINGS.keys()):
+        for path in sorted(set(changed) - set(LIVE_SETTINGS)):
             log.warning("reload: %s changed but needs a restart to take effect; keeping the old value", path)
-        live = sorted(set(changed) & LIVE_SETTINGS.keys())
+        live = sorted(set(changed) & set(LIVE_SETTINGS))
         if not live:
             log.info("reload: nothing to apply live")
             return
         applied = apply_live(self.config, new)
         logging.getLogger().setLevel(applied.supervisor.log_level)
         try:
-            self.rescale(applied)
+            self.change_topology(applied)
         except Refused as exc:
             log.error("reload: replica and engine group counts stay as they were: %s", exc)
             self.audit.reload({}, error=str(exc))
@@ -697,13 +702,75 @@ class Supervisor:
             return with_setting(config, "engine.data_parallel", old_groups)
         return config
 
+    def change_topology(self, config: Config) -> None:
+        """Apply `config`'s replica and engine group counts without dropping a request
+        (ipc/topology.py's Transition): new stages start before anyone routes to them; removed
+        ones stop only after everyone routes around them, and a removed engine group after it has
+        drained. The live settings reach every stage as Reconfigure once the new ones are up."""
+        old_counts = self.replica_counts(self.config)
+        if config.engine.data_parallel > self.topology.num_groups:
+            config = self.place_groups(config)
+        try:
+            if config.gateway.replicas and self.gateway_port is None:
+                self.claim_gateway_port()  # gateway.port and host are not live: the same
+            self.publish_config(config)
+        except (GiveUp, OSError) as exc:
+            self.stages.release_groups(self.config.engine)  # what place_groups reserved
+            reason = f"could not write {RUN_FILE}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
+            raise Refused(reason) from None
+        new_counts = self.replica_counts(config)
+        changes = {path: [old_counts[path], n] for path, n in new_counts.items() if n != old_counts[path]}
+        if changes:
+            self.audit.rescale(changes)
+        step = diff(self.topology, Topology.of(config, self.topology.hosts))
+        self.create_rings(
+            Path(self.info.model_dir), range(self.topology.num_groups, config.engine.data_parallel)
+        )
+        added = [self.stages.add(spec) for spec in step.added]
+        for stage in added:
+            self.stages.spawn(stage)
+        self.wait_ready(added)
+        # Schedulers move every live request to its new detokenizer shard (full history, so the
+        # new shard rebuilds its text; receivers drop what they already have by position).
+        # Tokenizers route new requests to the groups that still take them.
+        self.broadcast_topology(step.during)
+        for stage in self.stages:
+            self.command(stage, reconfigure_message(self.config))
+        if step.draining:
+            self.retire_groups(step.draining)
+            self.broadcast_topology(step.after)  # the tokenizers move what was left on them
+        # The retired groups' stages are gone already; the removed replicas go now.
+        removed = [stage for spec in step.removed if (stage := self.stages.get(spec.name))]
+        removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
+        for stage in removed_tokenizers:
+            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
+        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
+            self.read_control(0.2)
+        # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
+        # shutdown); the other replicas keep the port.
+        self.read_control(1.0)  # let in-flight batches to the old shards land first
+        self.stages.remove(removed)
+        self.stages.stop(removed, STOP_GRACE_S)
+        for stage in removed:
+            log.info("retired %s", stage.name)
+
+    @staticmethod
+    def replica_counts(config: Config) -> dict[str, int]:
+        """The counts a reload may change, by config path (for the audit log)."""
+        return {
+            "tokenizer.replicas": config.tokenizer.replicas,
+            "detokenizer.replicas": config.detokenizer.replicas,
+            "gateway.replicas": config.gateway.replicas,
+            "engine.data_parallel": config.engine.data_parallel,
+        }
+
     def retire_groups(self, groups: range) -> None:
-        """Stop engine groups `groups`, which the tokenizers no longer send new requests to
-        (Reconfigure): they finish what they run, up to supervisor.drain_timeout_s; then the
-        tokenizers move whatever is left to the other groups (RetireGroups)."""
+        """Stop engine groups `groups`, which the tokenizers no longer send new requests to: they
+        finish what they run, up to supervisor.drain_timeout_s, then stop, and their rings go."""
         retiring = [s for s in self.stages if s.group in groups]
         schedulers = [s for s in retiring if s.kind == "scheduler"]
-        # Loads from after the Reconfigure: a request sent just before it is counted too.
+        # Loads from after the TopologyChanged: a request sent just before it is counted too.
         self.read_control(2 * self.config.supervisor.heartbeat_interval_s)
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
 
@@ -722,75 +789,13 @@ class Supervisor:
             ring.close()
             ring.unlink()
             self.rings.remove(ring)
-        retired = m.RetireGroups(groups.start)
-        for stage in [*self.stages.of_kind("tokenizer"), *self.stages.of_kind("detokenizer")]:
-            self.command(stage, retired)
         log.info("retired engine groups %d-%d", groups.start, groups.stop - 1)
 
-    def rescale(self, config: Config) -> None:
-        """Change replica and engine group counts without dropping a request: new replicas and
-        groups start before anyone routes to them; removed ones stop only after everyone routes
-        around them (and a removed group has drained)."""
-        old_tokenizers, old_detoks = self.config.tokenizer.replicas, self.config.detokenizer.replicas
-        old_gateways, old_groups = self.config.gateway.replicas, self.config.engine.data_parallel
-        if config.engine.data_parallel > old_groups:
-            config = self.place_groups(config)
-        replicas = {
-            "tokenizer.replicas": [old_tokenizers, config.tokenizer.replicas],
-            "detokenizer.replicas": [old_detoks, config.detokenizer.replicas],
-            "gateway.replicas": [old_gateways, config.gateway.replicas],
-            "engine.data_parallel": [old_groups, config.engine.data_parallel],
-        }
-        changes = {path: counts for path, counts in replicas.items() if counts[0] != counts[1]}
-        try:
-            if config.gateway.replicas and self.gateway_port is None:
-                self.claim_gateway_port()  # gateway.port and host are not live: the same
-            self.publish_config(config)
-        except (GiveUp, OSError) as exc:
-            self.stages.release_groups(self.config.engine)  # what place_groups reserved
-            reason = f"could not write {RUN_FILE}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
-            raise Refused(reason) from None
-        if changes:
-            self.audit.rescale(changes)
-        new_groups = range(old_groups, config.engine.data_parallel)
-        self.create_rings(Path(self.info.model_dir), new_groups)
-        added = [self.stages.add("detokenizer", j) for j in range(old_detoks, config.detokenizer.replicas)]
-        for g in new_groups:
-            added.append(self.stages.add("scheduler", g, group=g))
-            ranks = range(config.engine.tensor_parallel)
-            added += [self.stages.add("gpu_worker", g, group=g, rank=r) for r in ranks]
-        added += [self.stages.add("tokenizer", i) for i in range(old_tokenizers, config.tokenizer.replicas)]
-        added += [self.stages.add("gateway", i) for i in range(old_gateways, config.gateway.replicas)]
-        for stage in added:
-            self.stages.spawn(stage)
-        self.wait_ready(added)
-        # Schedulers move every live request to its new detokenizer shard (full history, so the
-        # new shard rebuilds its text; receivers drop what they already have by position).
-        # Tokenizers route new requests to the groups below engine.data_parallel only.
-        message = reconfigure_message(self.config)
+    def broadcast_topology(self, topology: Topology) -> None:
+        self.topology = topology
         for stage in self.stages:
-            self.command(stage, message)
-        if config.engine.data_parallel < old_groups:
-            self.retire_groups(range(config.engine.data_parallel, old_groups))
-        removed_tokenizers = [
-            self.stages[f"tokenizer-{i}"] for i in range(config.tokenizer.replicas, old_tokenizers)
-        ]
-        for stage in removed_tokenizers:
-            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
-        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
-        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
-            self.read_control(0.2)
-        removed = removed_tokenizers + [
-            self.stages[f"detokenizer-{j}"] for j in range(config.detokenizer.replicas, old_detoks)
-        ]
-        # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
-        # shutdown); the other replicas keep the port.
-        removed += [self.stages[f"gateway-{i}"] for i in range(config.gateway.replicas, old_gateways)]
-        self.read_control(1.0)  # let in-flight batches to the old shards land first
-        self.stages.remove(removed)
-        self.stages.stop(removed, STOP_GRACE_S)
-        for stage in removed:
-            log.info("retired %s", stage.name)
+            if stage.kind in PEER_KINDS:
+                self.command(stage, m.TopologyChanged(topology))
 
     # -- stop ----------------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from typing import Literal, Union
 import msgspec
 import numpy as np
 
+from ipc.topology import Topology
+
 # ---------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------
@@ -424,15 +426,19 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Live settings pushed on hot reload."""
+    """Live settings pushed on hot reload (supervision/live_settings.py)."""
 
     log_level: str = "INFO"
-    num_detokenizers: int = 1
-    num_tokenizers: int = 1
-    num_gateways: int = 1
     max_num_waiting: int = 0
     default_max_tokens: int = 256
-    num_groups: int = 1  # engine groups that take new requests (engine.data_parallel)
+
+
+class TopologyChanged(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Supervisor -> every stage, when replicas or engine groups are added or retired, when an
+    engine group is placed on another node, and to each stage as it comes up: the run's
+    topology now. A stage resizes its links to its peers from it (services/peers.py)."""
+
+    topology: Topology
 
 
 class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -442,25 +448,7 @@ class GroupLoads(msgspec.Struct, tag=True, array_like=True, gc=False):
     loads: list[float]
 
 
-class Relink(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Supervisor -> tokenizers and detokenizers, when an engine group was placed again on a node
-    at another address (its node died; supervision/ray_stages.py): the run's stage hosts now
-    (`NetworkPlan.hosts`). A receiver reconnects each of its links whose server moved; ports and
-    CURVE keys stay the run's. The ResubmitAll that follows once the group is up goes over the
-    new links."""
-
-    hosts: dict[str, str]
-
-
-class RetireGroups(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Supervisor -> tokenizers and detokenizers, once the engine groups at or above `num_groups`
-    have drained and stopped (hot reload of engine.data_parallel): close their links; a
-    tokenizer resubmits what it still had on them to the remaining groups."""
-
-    num_groups: int
-
-
-ControlDown = Union[Shutdown, Reconfigure, ResubmitAll, ResubmitShard, GroupLoads, Relink, RetireGroups]
+ControlDown = Union[Shutdown, Reconfigure, TopologyChanged, ResubmitAll, ResubmitShard, GroupLoads]
 
 # ---------------------------------------------------------------------------
 # scheduler <-> gpu worker: step plans and results travel through shared-memory rings

@@ -127,7 +127,7 @@ class Stage:
         return self.info.config
 
     def relink(self, hosts: dict[str, str]) -> Endpoints:
-        """Take the run's new stage hosts (a Relink): this stage's endpoints are re-planned from
+        """Take the run's new stage hosts (TopologyChanged): this stage's endpoints are re-planned from
         them. Returns the endpoints as they were, to tell which links moved (`reconnect_moved`)."""
         old = self.endpoints
         network = msgspec.structs.replace(self.info.network, hosts=hosts)

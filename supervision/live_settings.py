@@ -1,7 +1,7 @@
 """The settings a hot reload applies to a live run, declared once. Every other changed field is
 logged as needing a restart. Each live setting reaches the stages as one field of the
-`Reconfigure` command (the supervisor also acts on the replica and engine group counts itself:
-it starts or retires replicas and groups)."""
+`Reconfigure` command; the replica and engine group counts change the run's topology instead
+(ipc/topology.py), which the supervisor carries out and sends as `TopologyChanged`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ from ipc import messages as m
 from ipc.config import Config
 
 # config path -> the Reconfigure field that carries it to the stages
-LIVE_SETTINGS: dict[str, str] = {
+RECONFIGURED: dict[str, str] = {
     "supervisor.log_level": "log_level",
-    "tokenizer.replicas": "num_tokenizers",
     "tokenizer.default_max_tokens": "default_max_tokens",
-    "detokenizer.replicas": "num_detokenizers",
-    "gateway.replicas": "num_gateways",
     "engine.max_num_waiting": "max_num_waiting",
-    "engine.data_parallel": "num_groups",
 }
+# The counts of ipc/topology.py's Topology.of: a change starts or retires stages.
+TOPOLOGY_SETTINGS = ("tokenizer.replicas", "detokenizer.replicas", "gateway.replicas", "engine.data_parallel")
+LIVE_SETTINGS = (*RECONFIGURED, *TOPOLOGY_SETTINGS)
 
 
 def get_setting(config: msgspec.Struct, path: str) -> object:
@@ -57,4 +56,4 @@ def apply_live(old: Config, new: Config) -> Config:
 
 
 def reconfigure_message(config: Config) -> m.Reconfigure:
-    return m.Reconfigure(**{name: get_setting(config, path) for path, name in LIVE_SETTINGS.items()})
+    return m.Reconfigure(**{name: get_setting(config, path) for path, name in RECONFIGURED.items()})

@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
 from ipc.shm import SHM_DIR, ShmRing
+from ipc.topology import StageSpec
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import PARENT_PID_ENV, RUN_FILE
 from supervision.preflight import Refused
@@ -349,11 +350,11 @@ class RayStageSet(StageSet):
         self.metrics_answers: dict[str, ray.ObjectRef] = {}  # node -> its StageHost.read_metrics, pending
         self.metrics_due = 0.0
 
-    def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
-        stage = super().add(kind, index, group, rank)
+    def add(self, spec: StageSpec) -> StageProcess:
+        stage = super().add(spec)
         # The node gives the rest: its own environment (Ray sets CUDA_VISIBLE_DEVICES there) and
         # the group's dist port (GroupSetup).
-        stage.env = super().stage_env(group, None)
+        stage.env = super().stage_env(spec.group, None)
         return stage
 
     # -- the run's resources ---------------------------------------------------------------------

@@ -24,15 +24,13 @@ from ipc import messages as m
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import ShmRing
+from ipc.topology import STOP_ORDER, StageSpec
 from services.cpu_cores import usable_cores, worker_env
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Stopping goes from the entry of requests to their exit, so that nothing in flight is cut off
-# by a stage downstream stopping first.
-STOP_ORDER = ("gateway", "tokenizer", "scheduler", "gpu_worker", "detokenizer")
 STDERR_JOIN_S = 2.0  # for the last line of a stage that exited
 
 log = logging.getLogger("supervisor")
@@ -139,29 +137,19 @@ class StageSet:
     def of_kind(self, kind: str) -> list[StageProcess]:
         return [s for s in self.stages.values() if s.kind == kind]
 
-    def plan(self, config: Config) -> list[StageProcess]:
-        """The stages `config` needs, in start order. A new stage kind is one more line here
-        (and a place in STOP_ORDER)."""
-        stages = [self.add("detokenizer", j) for j in range(config.detokenizer.replicas)]
-        for g in range(config.engine.data_parallel):
-            stages.append(self.add("scheduler", g, group=g))
-            stages += [
-                self.add("gpu_worker", g, group=g, rank=r) for r in range(config.engine.tensor_parallel)
-            ]
-        stages += [self.add("tokenizer", i) for i in range(config.tokenizer.replicas)]
-        stages += [self.add("gateway", i) for i in range(config.gateway.replicas)]
-        return stages
-
-    def add(self, kind: str, index: int, group: int = -1, rank: int | None = None) -> StageProcess:
-        if kind not in STOP_ORDER:
-            raise ValueError(f"stage kind {kind!r} has no place in STOP_ORDER, so it would never be stopped")
-        name = f"{kind}-{index}" + (f"-{rank}" if rank is not None else "")
-        argv = [sys.executable, "-m", f"services.{kind}", "--run-dir", str(self.run_dir)]
-        argv += ["--log-format", self.log_format, "--index", str(index)]
-        if rank is not None:
-            argv += ["--rank", str(rank)]
-        stage = StageProcess(name, kind, argv, {**os.environ, **self.stage_env(group, rank)}, group=group)
-        self.stages[name] = stage
+    def add(self, spec: StageSpec) -> StageProcess:
+        """The stage `spec` names (ipc/topology.py gives them, in start order); spawns nothing."""
+        if spec.kind not in STOP_ORDER:
+            raise ValueError(
+                f"stage kind {spec.kind!r} has no place in STOP_ORDER, so it would never be stopped"
+            )
+        argv = [sys.executable, "-m", f"services.{spec.kind}", "--run-dir", str(self.run_dir)]
+        argv += ["--log-format", self.log_format, "--index", str(spec.index)]
+        if spec.rank is not None:
+            argv += ["--rank", str(spec.rank)]
+        env = {**os.environ, **self.stage_env(spec.group, spec.rank)}
+        stage = StageProcess(spec.name, spec.kind, argv, env, group=spec.group)
+        self.stages[spec.name] = stage
         return stage
 
     def stage_env(self, group: int, rank: int | None) -> dict[str, str]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ipc import codec as C
 from ipc import messages as m
 from ipc.codec import Codec, MalformedMessage
+from ipc.topology import Topology
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,12 +113,11 @@ EXAMPLES: dict[str, list] = {
     ],
     "CONTROL_DOWN": [
         m.Shutdown(2.0),
-        m.Reconfigure("DEBUG", 2, 3, 100),
+        m.Reconfigure("DEBUG", 100, 64),
+        m.TopologyChanged(Topology(2, 2, 1, 3, 2, 1, {"scheduler-0": "10.0.0.7"})),
         m.ResubmitAll(1),
         m.ResubmitShard(0, 2),
         m.GroupLoads([1.5, 0.0]),
-        m.Relink({"scheduler-0": "10.0.0.7"}),
-        m.RetireGroups(1),
     ],
     "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],

@@ -10,8 +10,16 @@ import pytest
 
 from ipc import messages as m
 from ipc.config import SupervisorConfig, load_config
+from ipc.topology import StageSpec, Topology
 from supervision.health import Health
-from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, reconfigure_message
+from supervision.live_settings import (
+    LIVE_SETTINGS,
+    RECONFIGURED,
+    TOPOLOGY_SETTINGS,
+    apply_live,
+    diff_fields,
+    reconfigure_message,
+)
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 
 
@@ -125,8 +133,9 @@ def test_idle_stage_is_never_hung_while_it_beats() -> None:
     assert health.hang_reason(100.0, timeout_s=10.0) is None
 
 
-def test_live_settings_are_exactly_the_reconfigure_fields() -> None:
-    assert sorted(LIVE_SETTINGS.values()) == sorted(f.name for f in msgspec.structs.fields(m.Reconfigure))
+def test_live_settings_are_the_reconfigure_fields_and_the_topology_counts() -> None:
+    assert sorted(RECONFIGURED.values()) == sorted(f.name for f in msgspec.structs.fields(m.Reconfigure))
+    assert set(LIVE_SETTINGS) == set(RECONFIGURED) | set(TOPOLOGY_SETTINGS)
     config = load_config(None)
     for path in LIVE_SETTINGS:
         section, name = path.split(".")
@@ -153,14 +162,11 @@ def test_apply_live_takes_only_the_live_settings() -> None:
     assert sorted(diff_fields(old, applied)) == sorted(LIVE_SETTINGS)
     assert sorted(diff_fields(applied, new)) == ["engine.max_num_seqs", "model.max_model_len"]
     assert reconfigure_message(applied) == m.Reconfigure(
-        log_level="DEBUG",
-        num_detokenizers=2,
-        num_tokenizers=3,
-        num_gateways=2,
-        max_num_waiting=7,
-        default_max_tokens=9,
-        num_groups=3,
+        log_level="DEBUG", max_num_waiting=7, default_max_tokens=9
     )
+    topology = Topology.of(applied)
+    assert (topology.num_tokenizers, topology.num_detokenizers, topology.num_gateways) == (3, 2, 2)
+    assert topology.num_groups == topology.num_routed_groups == 3
 
 
 def test_stage_set_plans_every_stage_in_start_order(tmp_path) -> None:
@@ -168,7 +174,7 @@ def test_stage_set_plans_every_stage_in_start_order(tmp_path) -> None:
 
     config = load_config(None, ["engine.data_parallel=2", "engine.tensor_parallel=2", "tokenizer.replicas=2"])
     stages = StageSet(config, tmp_path, "text")
-    planned = [(s.name, s.group) for s in stages.plan(config)]
+    planned = [(stages.add(spec).name, spec.group) for spec in Topology.of(config).stages()]
     assert planned == [
         ("detokenizer-0", -1),
         ("scheduler-0", 0), ("gpu_worker-0-0", 0), ("gpu_worker-0-1", 0),
@@ -186,4 +192,4 @@ def test_a_stage_kind_without_a_stop_place_is_refused(tmp_path) -> None:
     from supervision.stages import StageSet
 
     with pytest.raises(ValueError, match="STOP_ORDER"):
-        StageSet(load_config(None), tmp_path, "text").add("mystery", 0)
+        StageSet(load_config(None), tmp_path, "text").add(StageSpec("mystery", 0))

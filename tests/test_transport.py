@@ -141,7 +141,7 @@ def test_a_group_placed_back_at_the_heads_address_keeps_the_run_on_tcp(keys) -> 
 
 @pytest.mark.timeout(60)
 def test_reconnect_moved_follows_only_the_links_whose_server_moved(keys) -> None:
-    """After a Relink, the PUSH to a scheduler that moved (127.0.0.2 -> 127.0.0.1, same port,
+    """After a TopologyChanged that moves a group, the PUSH to a scheduler that moved (127.0.0.2 -> 127.0.0.1, same port,
     same CURVE keys) reaches its new address; the one to a scheduler that stayed is untouched."""
     from ipc import messages as m
     from ipc.codec import SCHEDULER_INPUT

@@ -8,10 +8,11 @@ from pathlib import Path
 import zmq
 
 from ipc import messages as m
-from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
-from ipc.sockets import PullQueue, PushQueue, close_context
+from ipc.codec import DETOKENIZER_INPUT, MalformedMessage
+from ipc.sockets import PullQueue, close_context
 from services.detokenizer.core import DetokenizerCore
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args, reconnect_moved
+from services.peers import Peers
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
@@ -20,17 +21,10 @@ POLL_MS = 100
 def main() -> None:
     stage, _ = parse_stage_args("detokenizer")
     stopping = install_stop_handler()
-    config = stage.config
     ctx = zmq.Context()
     inbox = PullQueue(ctx, stage.endpoints.detokenizer_in(stage.index), DETOKENIZER_INPUT, bind=True)
-    tokenizers = [
-        PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
-        for i in range(config.tokenizer.replicas)
-    ]
-    schedulers = [
-        PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
-        for g in range(config.engine.data_parallel)
-    ]
+    peers = Peers(ctx, stage, tokenizers=True, schedulers=True)
+    tokenizers, schedulers = peers.tokenizers, peers.schedulers  # resized in place by peers.apply
     control = ControlChannel(ctx, stage)
     control.watch(inbox)
     core = DetokenizerCore(Tokenizer(Path(stage.info.model_dir)))
@@ -60,23 +54,8 @@ def main() -> None:
             elif isinstance(message, m.DropRequests):
                 core.drop(message.request_ids)
         command = control.command()
-        if isinstance(command, m.Reconfigure):  # tokenizers or engine groups added or removed
-            tokenizers = tokenizers[: command.num_tokenizers] + [
-                PushQueue(ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
-                for i in range(len(tokenizers), command.num_tokenizers)
-            ]
-            schedulers += [  # retiring groups keep theirs until RetireGroups
-                PushQueue(ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
-                for g in range(len(schedulers), command.num_groups)
-            ]
-        elif isinstance(command, m.RetireGroups):
-            for queue in schedulers[command.num_groups :]:
-                queue.close()
-            del schedulers[command.num_groups :]
-        elif isinstance(command, m.Relink):  # an engine group moved to another host
-            old = stage.relink(command.hosts)
-            new = stage.endpoints
-            reconnect_moved(ctx, schedulers, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, stage.log)
+        if isinstance(command, m.TopologyChanged):
+            peers.apply(command.topology)
         control.heartbeat(
             num_batches,
             has_work=False,

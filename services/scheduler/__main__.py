@@ -21,12 +21,14 @@ import numpy as np
 import zmq
 
 from ipc import messages as m
-from ipc.codec import DETOKENIZER_INPUT, SCHEDULER_INPUT, TOKENIZER_INPUT, WORKER_HELLO, MalformedMessage
+from ipc.codec import SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
-from ipc.sockets import PullQueue, PushQueue, RouterSocket, close_context
+from ipc.sockets import PullQueue, RouterSocket, close_context
+from ipc.topology import Topology
 from ipc.validation import InvalidParams, validate_params
 from services.metrics import EngineMetrics
+from services.peers import Peers
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.grammar_compiler import (
     MIB,
@@ -58,14 +60,11 @@ class SchedulerProcess:
         self.workers = RouterSocket(
             self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_HELLO, WORKER_HELLO
         )
-        self.detokenizers = [
-            PushQueue(self.ctx, stage.endpoints.detokenizer_in(j), DETOKENIZER_INPUT)
-            for j in range(config.detokenizer.replicas)
-        ]
-        self.tokenizers = [
-            PushQueue(self.ctx, stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
-            for i in range(config.tokenizer.replicas)
-        ]
+        self.peers = Peers(self.ctx, stage, tokenizers=True, detokenizers=True)
+        self.tokenizers, self.detokenizers = (
+            self.peers.tokenizers,
+            self.peers.detokenizers,
+        )  # resized in place
         self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.inbox, self.workers)
         self.step_ring = ShmRing.attach(stage.endpoints.step_ring(self.group))
@@ -185,37 +184,31 @@ class SchedulerProcess:
         self.tokenizers[query.tokenizer_id].put(m.RequestProgress(query.request_ids, counts))
 
     def reconfigure(self, command: m.Reconfigure) -> None:
-        """Replica counts or the overload bound changed (hot reload)."""
-        self.tokenizers = self.tokenizers[: command.num_tokenizers] + [
-            PushQueue(self.ctx, self.stage.endpoints.tokenizer_in(i), TOKENIZER_INPUT)
-            for i in range(len(self.tokenizers), command.num_tokenizers)
-        ]
+        """The overload bound changed (hot reload)."""
         if self.core is not None:
             self.core.config = dataclasses.replace(self.core.config, max_num_waiting=command.max_num_waiting)
-        old_shards = len(self.detokenizers)
-        if command.num_detokenizers == old_shards:
+
+    def on_topology(self, topology: Topology) -> None:
+        """Tokenizers or detokenizer shards were added or removed: requests whose shard changed
+        move to the new one with their whole history, and the old shard forgets them."""
+        old_shards = self.peers.apply(topology).num_detokenizers
+        new_shards = topology.num_detokenizers
+        if new_shards == old_shards or self.core is None:
             return
-        self.detokenizers = self.detokenizers[: command.num_detokenizers] + [
-            PushQueue(self.ctx, self.stage.endpoints.detokenizer_in(j), DETOKENIZER_INPUT)
-            for j in range(old_shards, command.num_detokenizers)
-        ]
-        if self.core is None:
-            return
-        # Requests whose shard changed move with their whole history; the old shard forgets them.
         moved: dict[int, list[m.TokenUpdate]] = defaultdict(list)
         dropped: dict[int, list[str]] = defaultdict(list)
         for request in self.core.requests.values():
             old = shard_of(request.request_id, old_shards)
-            new = shard_of(request.request_id, command.num_detokenizers)
+            new = shard_of(request.request_id, new_shards)
             if old != new:
                 moved[new].append(self.full_history(request))
-                if old < command.num_detokenizers:
+                if old < new_shards:
                     dropped[old].append(request.request_id)
         for shard, ids in dropped.items():
             self.detokenizers[shard].put(m.DropRequests(ids))
         for shard, updates in moved.items():
             self.detokenizers[shard].put(m.TokenBatch(updates))
-        self.stage.log.info("detokenizer shards %d -> %d", old_shards, command.num_detokenizers)
+        self.stage.log.info("detokenizer shards %d -> %d", old_shards, new_shards)
 
     @staticmethod
     def full_history(
@@ -419,6 +412,8 @@ class SchedulerProcess:
             command = self.control.command()
             if isinstance(command, m.Reconfigure):
                 self.reconfigure(command)
+            elif isinstance(command, m.TopologyChanged):
+                self.on_topology(command.topology)
             self.accept_hellos()
             outputs = None
             if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:

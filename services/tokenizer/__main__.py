@@ -9,12 +9,14 @@ from pathlib import Path
 import zmq
 
 from ipc import messages as m
-from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT, TOKENIZER_INPUT, MalformedMessage
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMessage
 from ipc.sampling_defaults import run_defaults
-from ipc.sockets import MalformedFrame, PullQueue, PushQueue, RouterSocket, close_context
+from ipc.sockets import MalformedFrame, PullQueue, RouterSocket, close_context
+from ipc.topology import Topology
 from services.metrics import RequestMetrics
+from services.peers import Peers
 from services.request_sample import RequestSampler
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args, reconnect_moved
+from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.core import Reply, RequestError, TokenizerCore
 from services.tokenizer.text import Tokenizer
 
@@ -39,10 +41,8 @@ class TokenizerProcess:
         self.inbox = PullQueue(
             self.ctx, stage.endpoints.tokenizer_in(stage.index), TOKENIZER_INPUT, bind=True
         )
-        self.schedulers = [
-            PushQueue(self.ctx, stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
-            for g in range(config.engine.data_parallel)
-        ]
+        self.peers = Peers(self.ctx, stage, schedulers=True)
+        self.schedulers = self.peers.schedulers  # one per engine group, resized in place
         self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
@@ -210,28 +210,8 @@ class TokenizerProcess:
             self.core.group_loads = command.loads
         elif isinstance(command, m.Reconfigure):
             self.core.default_max_tokens = command.default_max_tokens
-            self.core.set_num_groups(command.num_groups)
-            self.schedulers += [  # added groups; retiring ones keep theirs until RetireGroups
-                PushQueue(self.ctx, self.stage.endpoints.scheduler_in(g), SCHEDULER_INPUT)
-                for g in range(len(self.schedulers), command.num_groups)
-            ]
-        elif isinstance(command, m.RetireGroups):
-            self.core.set_num_groups(command.num_groups)
-            moved = self.core.move_retired()
-            self.stage.log.info(
-                "engine groups from %d on retired: moving %d requests", command.num_groups, len(moved)
-            )
-            for group, submit in moved:
-                self.schedulers[group].put(submit)
-            for queue in self.schedulers[command.num_groups :]:
-                queue.close()
-            del self.schedulers[command.num_groups :]
-        elif isinstance(command, m.Relink):  # an engine group moved to another host
-            old = self.stage.relink(command.hosts)
-            new = self.stage.endpoints
-            reconnect_moved(
-                self.ctx, self.schedulers, old.scheduler_in, new.scheduler_in, SCHEDULER_INPUT, self.stage.log
-            )
+        elif isinstance(command, m.TopologyChanged):
+            self.on_topology(command.topology)
         elif isinstance(command, m.Shutdown):
             self.is_draining = True  # finish what is in flight, refuse anything new
         elif isinstance(command, m.ResubmitAll) and command.group < len(self.schedulers):
@@ -247,6 +227,19 @@ class TokenizerProcess:
                 "detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions)
             )
             for group, submit in submissions:
+                self.schedulers[group].put(submit)
+
+    def on_topology(self, topology: Topology) -> None:
+        """Route new requests to the groups that take them; once retired groups have stopped,
+        move what was left on them to the others."""
+        self.core.set_num_groups(topology.num_routed_groups)
+        old = self.peers.apply(topology)
+        if topology.num_groups < old.num_groups:
+            moved = self.core.move_retired()
+            self.stage.log.info(
+                "engine groups from %d on retired: moving %d requests", topology.num_groups, len(moved)
+            )
+            for group, submit in moved:
                 self.schedulers[group].put(submit)
 
     def run(self) -> None:
