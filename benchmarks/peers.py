@@ -137,9 +137,13 @@ def default_llama_server() -> Path | None:
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    cache = Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
-    built = cache / "llama.cpp" / "build" / "bin" / "llama-server"
+    built = brigade_cache() / "llama.cpp" / "build" / "bin" / "llama-server"
     return built if built.exists() else None
+
+
+def brigade_cache() -> Path:
+    """Brigade's cache dir (BRIGADE_CACHE, else ~/.cache/brigade), where the peers' builds go too."""
+    return Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
 
 
 def free_port() -> int:
@@ -254,15 +258,19 @@ def vllm_version(venv: Path) -> str:
     return ", ".join(found) or "unknown version"
 
 
-def vllm_model_dir(model_dir: Path, out: Path) -> Path:
+def vllm_model_dir(model_dir: Path) -> Path:
     """Brigade's prepared HF dir (converted once from the GGUF: config.json, model.safetensors,
-    tokenizer files) as vLLM loads it: symlinks in `out` to every file but the GGUF blocks that only
-    Brigade reads. vLLM thus serves the same weights, dequantized and rounded to bfloat16 by the
-    conversion (services/gpu_worker/loader.py)."""
+    tokenizer files) as vLLM loads it: symlinks, in the cache, to every file but the GGUF blocks that
+    only Brigade reads. vLLM thus serves the same weights, dequantized and rounded to bfloat16 by the
+    conversion (services/gpu_worker/loader.py). The dir's path stays the same from run to run
+    because vLLM's compiled-kernel cache is keyed by it (a new path compiles for minutes again)."""
+    out = brigade_cache() / "vllm" / model_dir.name
     out.mkdir(parents=True, exist_ok=True)
     for path in sorted(model_dir.iterdir()):
         if path.is_file() and path.name not in BRIGADE_ONLY_FILES:
-            (out / path.name).symlink_to(path.resolve())
+            link = out / path.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.resolve())
     return out
 
 

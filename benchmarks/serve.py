@@ -418,16 +418,15 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequ
         print(f"warning: vLLM runs without {settings['missing']} preloaded (see docs/performance.md)")
     max_model_len = max(len(r.prompt_ids) + r.output_len for r in requests) + 16
     max_num_seqs = max(args.peer_concurrency)
-    with tempfile.TemporaryDirectory(prefix="brigade-vllm-model-") as served:
-        served_dir = peers.vllm_model_dir(model_dir, Path(served))
-        with peers.vllm_server(
-            python, served_dir, max_num_seqs, max_model_len, args.vllm_dtype, env, log_dir / "vllm.log"
-        ) as port:
+    served_dir = peers.vllm_model_dir(model_dir)
+    with peers.vllm_server(
+        python, served_dir, max_num_seqs, max_model_len, args.vllm_dtype, env, log_dir / "vllm.log"
+    ) as port:
 
-            def send(request: BenchRequest) -> AsyncIterator[int]:
-                return peers.openai_stream(port, request, peers.VLLM_MODEL_NAME, "vLLM")
+        def send(request: BenchRequest) -> AsyncIterator[int]:
+            return peers.openai_stream(port, request, peers.VLLM_MODEL_NAME, "vLLM")
 
-            per_setting = asyncio.run(sweep("vllm", send, requests, args, args.peer_concurrency))
+        per_setting = asyncio.run(sweep("vllm", send, requests, args, args.peer_concurrency))
     note = (
         f"{peers.vllm_version(venv)} from {venv}, OpenAI /v1/completions streamed, {args.vllm_dtype}, "
         f"max_num_seqs {max_num_seqs}, max_model_len {max_model_len}"

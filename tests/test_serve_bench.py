@@ -210,15 +210,19 @@ def test_vllm_is_an_engine_and_without_a_venv_it_is_skipped_saying_why(tmp_path,
         parse_args(["--engines", "brigade,vllm2"])
 
 
-def test_vllm_model_dir_is_the_prepared_dir_without_the_gguf_blocks(tmp_path) -> None:
-    """vLLM loads every *.safetensors of its dir; the GGUF blocks share the weights' names."""
-    prepared = tmp_path / "prepared"
-    prepared.mkdir()
+def test_vllm_model_dir_is_the_prepared_dir_without_the_gguf_blocks(tmp_path, monkeypatch) -> None:
+    """vLLM loads every *.safetensors of its dir, and the GGUF blocks share the weights' names; the
+    dir is the same on every run (vLLM's compile cache is keyed by its path)."""
+    monkeypatch.setenv("BRIGADE_CACHE", str(tmp_path / "cache"))
+    prepared = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1-0123abcd"
+    prepared.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "quantized.safetensors", "tokenizer.json"):
         (prepared / name).write_text(name)
-    served = vllm_model_dir(prepared, tmp_path / "served")
+    served = vllm_model_dir(prepared)
+    assert served == tmp_path / "cache" / "vllm" / prepared.name
     assert sorted(p.name for p in served.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (served / "model.safetensors").resolve() == prepared / "model.safetensors"
+    assert vllm_model_dir(prepared) == served  # a second run links the same files again
 
 
 # A stand-in for a peer server: answers /health and forks a worker into its process group that
