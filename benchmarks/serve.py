@@ -431,7 +431,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequ
         f"{peers.vllm_version(venv)} from {venv}, OpenAI /v1/completions streamed, {args.vllm_dtype}, "
         f"max_num_seqs {max_num_seqs}, max_model_len {max_model_len}"
     )
-    return {**engine_report(per_setting, note), "cpu_settings": settings}
+    return {**engine_report(per_setting, note), "dtype": args.vllm_dtype, "cpu_settings": settings}
 
 
 def print_setting(engine: str, concurrency: int, s: dict) -> None:
@@ -561,7 +561,8 @@ def plot(report: dict, path: Path) -> None:
                     [int(x) for x in xs],
                     [_stat(report, engine, x, *key) for x in xs],
                     marker="o",
-                    label=engine,
+                    # A peer in another dtype than the title's (vLLM's bfloat16) says so.
+                    label=f"{engine} ({report[engine]['dtype']})" if "dtype" in report[engine] else engine,
                 )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
