@@ -52,6 +52,7 @@ from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
 from services.stage import RUN_FILE, AuthFailures, RunInfo, setup_logging, write_run_info
+from supervision.backends import make_stage_set
 from supervision.live_settings import (
     LIVE_SETTINGS,
     apply_live,
@@ -62,7 +63,7 @@ from supervision.live_settings import (
 )
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_hosts, check_layout, check_model
-from supervision.stages import METRICS_DIR, REPO_ROOT, RingSpec, StageProcess, make_stage_set
+from supervision.stages import METRICS_DIR, REPO_ROOT, RingSpec, StageProcess
 from supervision.status import STATUS_FILE, status
 
 STOP_GRACE_S = 5.0
@@ -265,7 +266,7 @@ class Supervisor:
         log.info("preparing model %s", what)
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "supervision.prepare_model", model.path, model.cache_dir, model.revision],
+                [sys.executable, "-m", "services.gpu_worker.prepare", model.path, model.cache_dir, model.revision],
                 capture_output=True, text=True, cwd=REPO_ROOT, check=False,
                 timeout=PREPARE_TIMEOUT_S,
             )  # fmt: skip

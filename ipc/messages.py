@@ -115,7 +115,7 @@ class Tools(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc
 
 class ParsedTools(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A finished tools request's output, cut into content and calls by the model family's
-    parser (services/tokenizer/tool_parsers.py); on its final Delta only."""
+    parser (services/common/tool_parsers.py); on its final Delta only."""
 
     content: str | None = None
     calls: list[ToolCall] = []

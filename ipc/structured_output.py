@@ -11,7 +11,7 @@ tokenizer translate without loading anything heavy:
 - OpenAI `tools` + `tool_choice` `required` or a named function: the schema that forces the call
   (`for_tool_choice`).
 
-The canonical text is the cache key of the compiled grammar (services/scheduler/grammar_compiler.py).
+The canonical text is the cache key of the compiled grammar (services/common/grammar_compiler.py).
 A schema is canonicalized as compact JSON with its keys in the order given, not sorted: the order of
 `properties` is the order the fields are generated in, so two orders are two different outputs.
 """

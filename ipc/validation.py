@@ -16,7 +16,7 @@ Decisions:
   arguments, and the tools JSON. The tokenizer and the gateway's /tokenize render and encode on one
   thread, so a request past it is refused before any of that work (`check_chat_budget`).
 - A `structured` constraint is checked for its form here (kind, text, size); whether it compiles is
-  the grammar engine's to say (services/scheduler/grammar_compiler.py `check_constraint`, which the
+  the grammar engine's to say (services/common/grammar_compiler.py `check_constraint`, which the
   tokenizer calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
   where the output ends, and once it must end eos is the only token its mask allows, so holding eos
   back would leave a row with no token to sample.

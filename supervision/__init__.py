@@ -2,9 +2,12 @@
 
 - policy.py: when a stage is restarted, after what delay, and when the run gives up (pure);
 - health.py: when a live stage counts as hung, from its heartbeats (pure);
-- stages.py: the stage processes: planning, spawn, kill-and-wait, reap;
+- stages.py: the stage processes: spawn, kill-and-wait, reap (ray_stages.py: the same on Ray;
+  backends.py picks one);
 - live_settings.py: the settings a hot reload may change, declared once;
 - preflight.py: refusing a layout or model the engine cannot run, before anything spawns;
-- prepare_model.py: converting the model in a child process (`python -m supervision.prepare_model`);
 - status.py: `python supervisor.py status`.
+
+The run's topology (which stages, in which order) is `ipc/topology.py`; the model is converted
+in a child process, `python -m services.gpu_worker.prepare`, so the supervisor never imports torch.
 """

@@ -481,7 +481,7 @@ def test_cli_interactive_chat_keeps_history(fakes, run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["client", "client.__main__", "services.tokenizer.text", "services.detokenizer.core"]
+    "module", ["client", "client.__main__", "services.common.text", "services.detokenizer.core"]
 )
 def test_light_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"

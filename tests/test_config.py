@@ -229,7 +229,7 @@ def test_the_local_backend_never_imports_ray(tmp_path) -> None:
         "import sys, pathlib\n"
         "import supervisor, client, services.stage, services.tokenizer.core, services.detokenizer.core\n"
         "from ipc.config import load_config\n"
-        "from supervision.stages import make_stage_set\n"
+        "from supervision.backends import make_stage_set\n"
         "run_dir = pathlib.Path(sys.argv[1])\n"
         "stages = make_stage_set(load_config('configs/default.yaml'), run_dir, 'text', 'x')\n"
         "from ipc.topology import Topology\n"

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ipc.structured_output import StructuredOutput
+from services.common.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
+from services.common.text import Tokenizer
 from services.gpu_worker.grammar_mask import apply_grammar_bitmask
 from services.gpu_worker.sampler import Sampler
-from services.scheduler.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
 from services.scheduler.grammar_matcher import GrammarMatcher, allocate_bitmask
-from services.tokenizer.text import Tokenizer
 from tests.test_sampler import make_plan
 
 MAX_NEW_TOKENS = 64

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ipc.messages import Delta, SamplingParams, StepTokens, TokenBatch, TokenUpdate, pack_ids, unpack_ids
+from services.common.text import Tokenizer
 from services.detokenizer.core import DetokenizerCore, IncrementalDetokenizer
-from services.tokenizer.text import Tokenizer
 
 from .conftest import REPO_ROOT
 

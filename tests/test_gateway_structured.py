@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from client import Client
-from services.tokenizer.tool_parsers import ToolParser
+from services.common.tool_parsers import ToolParser
 from tests.harness import assert_clean, brigade_run, free_port
 
 pytestmark = pytest.mark.timeout(600)

@@ -22,10 +22,10 @@ from ipc.sampling_defaults import (
     model_defaults,
     run_defaults,
 )
+from services.common.text import Tokenizer
 from services.gateway.jobs import plan_completion
 from services.gateway.protocol import CompletionRequest
 from services.tokenizer.core import TokenizerCore
-from services.tokenizer.text import Tokenizer
 from supervision.preflight import Refused, check_model
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.harness import assert_clean, brigade_run, hf_greedy

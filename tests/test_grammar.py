@@ -1,4 +1,4 @@
-"""Compiled constraints and matchers (services/scheduler/grammar_compiler.py, grammar_matcher.py).
+"""Compiled constraints and matchers (services/common/grammar_compiler.py, grammar_matcher.py).
 
 Outputs come from random walks: seeded, each step a token the bitmask allows, until eos. Every
 finished output is checked independently of the engine: JSON against its schema with the
@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput, for_tool_choice, from_response_format
-from services.scheduler.grammar_compiler import (
+from services.common.grammar_compiler import (
     MIB,
     MIN_GRAMMAR_BYTES,
     GrammarBudgets,
@@ -29,13 +29,13 @@ from services.scheduler.grammar_compiler import (
     check_constraint,
     load_grammar_tokenizer,
 )
+from services.common.tool_parsers import ToolParser
 from services.scheduler.grammar_matcher import (
     BitmaskFiller,
     GrammarMatcher,
     GrammarViolation,
     allocate_bitmask,
 )
-from services.tokenizer.tool_parsers import ToolParser
 
 MAX_WALK = 400
 # Tokens a walk prefers when they are allowed, so that strings and numbers end and walks finish.
@@ -488,7 +488,7 @@ def test_bitmask_layout_is_checked(compiler):
 
 def test_grammar_modules_do_not_import_torch():
     code = (
-        "import sys; import ipc.structured_output, services.scheduler.grammar_compiler, "
+        "import sys; import ipc.structured_output, services.common.grammar_compiler, "
         "services.scheduler.grammar_matcher; print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run(

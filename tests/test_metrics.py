@@ -243,8 +243,8 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     """Through the tokenizer's core: a finished request, an abort and a refusal each land in
     their own counter, and a refusal is neither an abort nor in the latency histograms."""
     from ipc import messages as m
+    from services.common.text import Tokenizer
     from services.tokenizer.core import TokenizerCore
-    from services.tokenizer.text import Tokenizer
 
     registry = CollectorRegistry()
     core = TokenizerCore(

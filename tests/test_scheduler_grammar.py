@@ -23,13 +23,13 @@ from tokenizers import Tokenizer
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams, StructuredOutput
 from ipc.sampling_defaults import fill_defaults
 from ipc.step_plan import STEP_PLAN, Dim, vocab_words
-from services.scheduler.core import Scheduler, SchedulerConfig
-from services.scheduler.grammar_compiler import (
+from services.common.grammar_compiler import (
     GrammarBudgets,
     GrammarCompiler,
     load_grammar_tokenizer,
     parser_limits,
 )
+from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.grammar_matcher import BitmaskFiller, GrammarMatcher
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import StepPipeline

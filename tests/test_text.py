@@ -1,4 +1,4 @@
-"""services.tokenizer.text.Tokenizer against transformers' AutoTokenizer on the same model dir."""
+"""services.common.text.Tokenizer against transformers' AutoTokenizer on the same model dir."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from services.tokenizer.text import Tokenizer
+from services.common.text import Tokenizer
 
 from .conftest import REPO_ROOT
 
@@ -110,5 +110,5 @@ def test_template_is_sandboxed(tmp_path: Path, smollm2_dir: Path) -> None:
 
 
 def test_does_not_import_torch() -> None:
-    code = "import services.tokenizer.text, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import services.common.text, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)

@@ -9,8 +9,8 @@ import pytest
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
+from services.common.text import Tokenizer
 from services.tokenizer.core import MAX_REDRIVES, RequestError, TokenizerCore, engine_id, trim_delta
-from services.tokenizer.text import Tokenizer
 
 STALL_S = 10.0
 

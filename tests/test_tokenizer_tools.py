@@ -13,10 +13,10 @@ import pytest
 
 from ipc import messages as m
 from ipc.structured_output import for_tool_choice
+from services.common.text import Tokenizer
+from services.common.tool_parsers import call_id
+from services.common.tools_prompt import tools_instruction
 from services.tokenizer.core import RequestError, TokenizerCore
-from services.tokenizer.text import Tokenizer
-from services.tokenizer.tool_parsers import call_id
-from services.tokenizer.tools_prompt import tools_instruction
 
 WEATHER = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""Tool-call parsing (services/tokenizer/tool_parsers.py) whole and streamed, and tools in prompts."""
+"""Tool-call parsing (services/common/tool_parsers.py) whole and streamed, and tools in prompts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.tool_parsers import ToolCallStream, ToolParser, call_id, finish_reason
-from services.tokenizer.tools_prompt import (
+from services.common.tool_parsers import ToolCallStream, ToolParser, call_id, finish_reason
+from services.common.tools_prompt import (
     template_renders_tools,
     tool_format_for_template,
     tools_instruction,

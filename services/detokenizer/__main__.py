@@ -10,10 +10,10 @@ import zmq
 from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT, MalformedMessage
 from ipc.sockets import PullQueue, close_context
+from services.common.text import Tokenizer
 from services.detokenizer.core import DetokenizerCore
 from services.peers import Peers
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
-from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
 

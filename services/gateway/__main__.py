@@ -20,10 +20,11 @@ import zmq
 from client.async_sdk import AsyncClient
 from ipc import messages as m
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
+from services.common.text import Tokenizer
 from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
+from services.gateway.routes import build_app
 from services.stage import ControlChannel, Stage, parse_stage_args
-from services.tokenizer.text import Tokenizer
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -94,7 +95,7 @@ async def serve(stage: Stage) -> None:
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
         uvicorn.Config(
-            gateway.app(),
+            build_app(gateway),
             loop="none",
             http=guarded_protocol(config.header_timeout_s, config.max_header_bytes),
             timeout_keep_alive=config.keep_alive_timeout_s,

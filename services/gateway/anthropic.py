@@ -20,13 +20,13 @@ from starlette.responses import Response
 
 from client.errors import InvalidRequest
 from client.sdk import chat_message
+from services.common.tools_prompt import template_messages, template_renders_tools
 from services.gateway import protocol as p
 from services.gateway.app import JSON, Gateway
 from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.translated import named_event, run_translated
-from services.tokenizer.tools_prompt import template_messages, template_renders_tools
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -23,11 +23,9 @@ from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Send
 
 from client.async_sdk import AsyncClient
@@ -43,6 +41,8 @@ from ipc.validation import (
     check_prompt_chars,
 )
 from services.audit import ApiKeyFailures
+from services.common.text import TemplateTimeout, Tokenizer
+from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
@@ -51,8 +51,6 @@ from services.gateway.metrics import RequestTimer
 from services.gateway.runner import run_jobs
 from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
 from services.metrics import HttpMetrics, registry_for_run
-from services.tokenizer.text import TemplateTimeout, Tokenizer
-from services.tokenizer.tools_prompt import auto_tool_format, tool_parser_for
 
 STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
 JSON = "application/json"
@@ -127,38 +125,6 @@ class Gateway:
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
-
-    def app(self) -> Starlette:
-        # Imported here: these APIs are built on this module's Gateway (translated.py).
-        from services.gateway.anthropic import MessagesApi
-        from services.gateway.response_store import ResponseStore
-        from services.gateway.responses import ResponsesApi
-
-        settings = self.settings
-        store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
-                              settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
-        messages, responses = MessagesApi(self), ResponsesApi(self, store)
-        routes = [
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/messages", messages.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-            Route("/v1/responses", responses.create, methods=["POST"]),
-            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
-            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.prometheus, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
-        ]
-        handlers = {
-            HTTPException: self.on_http_exception,
-            ApiError: self.on_api_error,
-            Exception: self.on_crash,
-        }
-        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from services.common.text import Tokenizer
+from services.common.tool_parsers import ToolCallStream, ToolParser, finish_reason
 from services.gateway import protocol as p
-from services.tokenizer.text import Tokenizer
-from services.tokenizer.tool_parsers import ToolCallStream, ToolParser, finish_reason
 
 
 @dataclass

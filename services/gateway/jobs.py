@@ -27,9 +27,9 @@ from ipc.structured_output import (
     tool_functions,
 )
 from ipc.validation import InvalidParams
+from services.common.grammar_compiler import GrammarError, check_constraint
 from services.gateway.errors import ApiError, invalid
 from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
-from services.scheduler.grammar_compiler import GrammarError, check_constraint
 
 MAX_SEED = 2**63  # seeds travel as int64 (ipc.validation)
 MAX_CHOICES = 64  # prompts x n per HTTP request

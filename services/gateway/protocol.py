@@ -181,7 +181,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     # {"index", "id", "type", "function": {"name", "arguments"}}: a call's first delta has its
-    # id and name, later ones add to its arguments (services/tokenizer/tool_parsers.py)
+    # id and name, later ones add to its arguments (services/common/tool_parsers.py)
     tool_calls: list[dict[str, Any]] | None = None
 
 

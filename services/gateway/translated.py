@@ -23,6 +23,7 @@ from starlette.types import Send
 
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
+from services.common.tools_prompt import tool_parser_for
 from services.gateway import protocol as p
 from services.gateway.app import CLIENT_CLOSED, JSON, Gateway, send_all, to_piece
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_engine
@@ -31,7 +32,6 @@ from services.gateway.jobs import SEED_HEADER, Plan
 from services.gateway.metrics import RequestTimer
 from services.gateway.runner import run_jobs
 from services.gateway.sse import SSE_HEADERS, WatchedResponse
-from services.tokenizer.tools_prompt import tool_parser_for
 
 _encoder = msgspec.json.Encoder()
 

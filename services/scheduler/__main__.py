@@ -27,16 +27,16 @@ from ipc.shm import ShmRing
 from ipc.sockets import PullQueue, RouterSocket, close_context
 from ipc.topology import Topology
 from ipc.validation import InvalidParams, validate_params
-from services.metrics import EngineMetrics
-from services.peers import Peers
-from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
-from services.scheduler.grammar_compiler import (
+from services.common.grammar_compiler import (
     MIB,
     GrammarBudgets,
     GrammarCompiler,
     load_grammar_tokenizer,
     parser_limits,
 )
+from services.metrics import EngineMetrics
+from services.peers import Peers
+from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 
-from services.scheduler.grammar_compiler import GrammarError
+from services.common.grammar_compiler import GrammarError
 from services.scheduler.grammars import matcher_for
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import RequestOutput, finish_reason

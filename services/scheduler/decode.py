@@ -16,46 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.plan import SCHEDULE_COLUMNS
+from services.scheduler.plan import SCHEDULE_COLUMNS, SteadyLine
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import SchedulerState
 
 # Per-row lists that update() gathers: output lists, request ids, tokenizer ids, prompt lengths,
 # prefix hits.
 RowColumns = tuple[list[list[int]], list[str], list[int], list[int], list[int]]
-
-
-class SteadyLine:
-    """The block tables and KV slots of the running line's rows while the whole line decodes step
-    after step (steady decode). Gathered from the plan table once per line, then kept in step
-    with it: each steady step every row writes the slot after its last one, or the first slot of
-    the new block it enters. So a steady step's plan gathers nothing per row.
-
-    The arrays change in place when the next step is planned: a plan copies them into its slot
-    before that (write_plan)."""
-
-    def __init__(
-        self,
-        line_version: int,
-        rows: np.ndarray,
-        block_tables: np.ndarray,
-        starts: np.ndarray,
-        block_size: int,
-    ) -> None:
-        self.line_version = line_version  # the running line these rows are
-        self.block_tables = block_tables.take(rows, axis=0)
-        self.slot_mapping = self.block_tables[np.arange(len(rows)), starts // block_size] * block_size
-        self.slot_mapping += starts % block_size
-
-    def advance(
-        self, entering: np.ndarray, columns: np.ndarray, new_blocks: list[int], block_size: int
-    ) -> None:
-        """One more steady step: rows `entering` got `new_blocks` at block `columns`."""
-        self.slot_mapping += 1
-        if len(entering):
-            blocks = np.array(new_blocks, np.int32)
-            self.block_tables[entering, columns] = blocks
-            self.slot_mapping[entering] = blocks * block_size
 
 
 @dataclass(slots=True)

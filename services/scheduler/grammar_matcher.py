@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import llguidance
 import numpy as np
 
-from services.scheduler.grammar_compiler import CompiledGrammar, short_error
+from services.common.grammar_compiler import CompiledGrammar, short_error
 
 
 class GrammarViolation(RuntimeError):

@@ -24,7 +24,7 @@ import numpy as np
 
 from ipc.messages import StructuredOutput
 from ipc.step_plan import SlotSink, vocab_words
-from services.scheduler.grammar_compiler import CompiledGrammar, GrammarCompiler, GrammarError
+from services.common.grammar_compiler import CompiledGrammar, GrammarCompiler, GrammarError
 from services.scheduler.grammar_matcher import BitmaskFiller, GrammarMatcher, GrammarViolation
 from services.scheduler.request import Request
 

@@ -21,7 +21,6 @@ from ipc.step_plan import STEP_PLAN, SlotSink
 from services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from services.scheduler.decode import SteadyLine
     from services.scheduler.grammars import GrammarPlan
 
 # Rows of PlanTable.floats: the float32 sampling columns, named as in the plan.
@@ -195,6 +194,39 @@ class PlanTable:
         self.bias.pop(req.row, None)
         self._free_rows.append(req.row)
         req.row = -1
+
+
+class SteadyLine:
+    """The block tables and KV slots of the running line's rows while the whole line decodes step
+    after step (steady decode). Gathered from the plan table once per line, then kept in step
+    with it: each steady step every row writes the slot after its last one, or the first slot of
+    the new block it enters. So a steady step's plan gathers nothing per row.
+
+    The arrays change in place when the next step is planned: a plan copies them into its slot
+    before that (write_plan)."""
+
+    def __init__(
+        self,
+        line_version: int,
+        rows: np.ndarray,
+        block_tables: np.ndarray,
+        starts: np.ndarray,
+        block_size: int,
+    ) -> None:
+        self.line_version = line_version  # the running line these rows are
+        self.block_tables = block_tables.take(rows, axis=0)
+        self.slot_mapping = self.block_tables[np.arange(len(rows)), starts // block_size] * block_size
+        self.slot_mapping += starts % block_size
+
+    def advance(
+        self, entering: np.ndarray, columns: np.ndarray, new_blocks: list[int], block_size: int
+    ) -> None:
+        """One more steady step: rows `entering` got `new_blocks` at block `columns`."""
+        self.slot_mapping += 1
+        if len(entering):
+            blocks = np.array(new_blocks, np.int32)
+            self.block_tables[entering, columns] = blocks
+            self.slot_mapping[entering] = blocks * block_size
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from ipc.messages import SamplingParams
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from services.scheduler.grammar_compiler import CompiledGrammar
+    from services.common.grammar_compiler import CompiledGrammar
     from services.scheduler.grammar_matcher import GrammarMatcher
 
 

@@ -12,11 +12,11 @@ import bisect
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.plan import PlanTable
 from services.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.core import SchedulerConfig
     from services.scheduler.grammars import Grammars
 
 

@@ -13,12 +13,12 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMe
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket, close_context
 from ipc.topology import Topology
+from services.common.text import Tokenizer
 from services.metrics import RequestMetrics
 from services.peers import Peers
 from services.request_sample import RequestSampler
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 from services.tokenizer.core import Reply, RequestError, TokenizerCore
-from services.tokenizer.text import Tokenizer
 
 POLL_MS = 100
 # How often a client with requests in flight is sent a HealthReply. A send to a client that has

@@ -39,17 +39,17 @@ from ipc.validation import (
     validate_params,
     validate_prompt_ids,
 )
-from services.metrics import RequestMetrics
-from services.request_sample import RequestSampler
-from services.scheduler.grammar_compiler import GrammarError, check_constraint
-from services.tokenizer.text import TemplateTimeout, Tokenizer
-from services.tokenizer.tool_parsers import ToolParser, finish_reason
-from services.tokenizer.tools_prompt import (
+from services.common.grammar_compiler import GrammarError, check_constraint
+from services.common.text import TemplateTimeout, Tokenizer
+from services.common.tool_parsers import ToolParser, finish_reason
+from services.common.tools_prompt import (
     auto_tool_format,
     template_messages,
     template_renders_tools,
     tool_parser_for,
 )
+from services.metrics import RequestMetrics
+from services.request_sample import RequestSampler
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system

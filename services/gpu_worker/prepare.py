@@ -1,9 +1,10 @@
 """Turn the configured model into an HF-format directory (GGUF files are converted once, then
 cached) and print its path. The supervisor runs this as a child process,
 
-    python -m supervision.prepare_model SOURCE CACHE_DIR REVISION     ("" = the default for each)
+    python -m services.gpu_worker.prepare SOURCE CACHE_DIR REVISION     ("" = the default for each)
 
-so that it never imports the loader's heavy dependencies itself. A failure is one line on stderr
+so that it never imports the loader's heavy dependencies itself (torch, gguf). It lives beside
+the loader: the worker's folder owns model files. A failure is one line on stderr
 and exit code 1."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ipc.messages import ChatMessage, ToolCall, Tools
-from services.tokenizer.tool_parsers import ToolParser
+from services.common.tool_parsers import ToolParser
 
 
 def template_renders_tools(template_source: str) -> bool:

@@ -1,0 +1,42 @@
+"""The gateway's HTTP routes: OpenAI's API served by `Gateway` (app.py), Anthropic's Messages API
+(anthropic.py) and the Responses API (responses.py), the last two built on the Gateway."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from services.gateway.anthropic import MessagesApi
+from services.gateway.app import Gateway
+from services.gateway.errors import ApiError
+from services.gateway.response_store import ResponseStore
+from services.gateway.responses import ResponsesApi
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    settings = gateway.settings
+    store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
+                          settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
+    messages, responses = MessagesApi(gateway), ResponsesApi(gateway, store)
+    routes = [
+        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", gateway.model, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.prometheus, methods=["GET"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+    ]
+    handlers = {
+        HTTPException: gateway.on_http_exception,
+        ApiError: gateway.on_api_error,
+        Exception: gateway.on_crash,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
