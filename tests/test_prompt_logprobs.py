@@ -5,14 +5,18 @@ the prefix cache (which a request asking for prompt logprobs does not reuse)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from client.sdk import RequestState
+from ipc import messages as m
 from services.gpu_worker.model_runner import ModelRunner
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.pipeline import StepPipeline
-from services.scheduler.request import Request
+from services.scheduler.request import PromptScores, Request
+from services.tokenizer.core import trim_delta
 from tests.in_process_engine import RunnerExecutor
 from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing
 
@@ -113,3 +117,32 @@ def test_prompt_logprobs_match_hf_short_chunked_and_past_the_prefix_cache(engine
     assert reused.num_cached_tokens >= BLOCK_SIZE, "the cache held the prefix"
     check_against_hf(hf, again)
     assert_no_leaks(sched)
+
+
+def test_prompt_logprobs_reach_a_receiver_once() -> None:
+    """Invariant 2 for prompt logprobs: the scheduler keeps each position once however often a
+    chunk is computed, and they travel with output token 0, so a receiver that has it (a
+    resubmission's whole-history delta, a delta delivered twice) does not take them again."""
+    scores = PromptScores(num_prompt_tokens=5)
+    scores.add(1, [-1.0, -2.0], [1, 2], [{7: -1.0}, {8: -0.5}])
+    scores.add(1, [-9.0, -9.0, -3.0], [9, 9, 3], [{}, {}, {9: -0.1}])  # the chunk again, and more
+    assert (scores.logprobs, scores.ranks, scores.is_complete) == ([-1.0, -2.0, -3.0], [1, 2, 3], False)
+    with pytest.raises(ValueError, match="from token 6"):
+        scores.add(6, [-1.0], [1], [{}])
+
+    prompt = m.PromptLogprobs(
+        m.pack_ids([3, 4]), np.array([np.nan, -0.5], "<f4").tobytes(), m.pack_ids([0, 2]), [{}, {4: -0.5}]
+    )
+    first = m.Delta("r", 0, 0, "ab", m.pack_ids([5, 6]), prompt_logprobs=prompt)
+    assert trim_delta(first, 0, 0) is first
+    again = trim_delta(first, 1, 1)  # the client has token 0: the rest, without them
+    assert again is not None and again.token_index == 1 and again.prompt_logprobs is None
+
+    state = RequestState(m.Generate("r", prompt="x"), None, 0.0)
+    state.apply(first)
+    state.apply(first)
+    resent = msgspec.structs.replace(first, text="abc", token_ids=m.pack_ids([5, 6, 7]), finish_reason="stop")
+    state.apply(resent)  # a resubmission's whole history, past what the client has
+    deltas = list(state.ready)
+    assert [d.prompt_logprobs is not None for d in deltas] == [True, False]
+    assert state.result().prompt_logprobs.values() == [None, -0.5]
