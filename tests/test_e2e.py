@@ -240,7 +240,10 @@ def test_tokenizer_survives_10000_hostile_messages(smol_run) -> None:
 
 # -- scoring prompts over HTTP: lm-evaluation-harness' multiple choice ------------------------------
 
-# A small multiple-choice task: (context, choices, index of the right one).
+# A small multiple-choice task: (context, choices, index of the right one), each context after a
+# few-shot preamble longer than a KV block, as lm-eval's few-shot prompts are: every request
+# shares it, so the prefix cache holds it for all but the first.
+FEW_SHOT = "Answer each question.\n\nQuestion: What is two plus two?\nAnswer: four\n\nQuestion: What do bees make?\nAnswer: honey\n\n"
 MULTIPLE_CHOICE = [
     ("Question: What is the capital of France?\nAnswer:", [" Paris", " London", " Berlin", " a fish"], 0),
     ("Question: How many legs does a spider have?\nAnswer:", [" six", " eight", " two", " none"], 1),
@@ -313,17 +316,17 @@ def accuracy(loglikelihoods: list[float]) -> float:
 
 
 def test_lm_eval_multiple_choice_scores_as_hf_does(smol_run, hf_smollm2) -> None:
-    """Every (context, choice) pair of a task shares its context with the task's other choices,
-    so without the rule that prompt logprobs skip the prefix cache, all but the first would score
-    only their last tokens."""
+    """Every request shares the few-shot preamble, and each context with its other choices: without
+    the rule that prompt logprobs skip the prefix cache, all but the first would lack the
+    logprobs of the cached positions."""
     tokenizer, model = hf_smollm2
     url = gateway_url(smol_run)
     requests = []
     for context, choices, _ in MULTIPLE_CHOICE:
         for choice in choices:
             # lm-eval's _encode_pair: the whole string's tokens, split where the context's end.
-            whole = tokenizer(context + choice, add_special_tokens=False).input_ids
-            num_context = len(tokenizer(context, add_special_tokens=False).input_ids)
+            whole = tokenizer(FEW_SHOT + context + choice, add_special_tokens=False).input_ids
+            num_context = len(tokenizer(FEW_SHOT + context, add_special_tokens=False).input_ids)
             requests.append((whole[:num_context], whole[num_context:]))
     model_name = json.loads(urllib.request.urlopen(f"{url}/models", timeout=60).read())["data"][0]["id"]
     served = lm_eval_loglikelihoods(url, model_name, requests)
