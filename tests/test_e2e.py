@@ -266,21 +266,22 @@ def lm_eval_loglikelihoods(
 ) -> list[tuple[float, bool]]:
     """What lm-evaluation-harness' `local-completions` model does for loglikelihood requests
     (lm_eval/models/openai_completions.py, 0.4: `_create_payload(generate=False)` and
-    `parse_logprobs`): one batch of context + continuation token ids, echoed with the top-1
-    logprob and one generated token; each continuation's loglikelihood is the sum of its tokens'
-    logprobs, greedy when each is the top one."""
-    payload = {
-        "model": model,
-        "prompt": [context + continuation for context, continuation in requests],
-        "temperature": 0,
-        "max_tokens": 1,
-        "logprobs": 1,
-        "seed": 1234,
-        "echo": True,
-    }
-    body = json.loads(http_post(f"{url}/completions", payload))
+    `parse_logprobs`), at its default batch size of 1: one request after the other, each a batch
+    of one context + continuation in token ids, echoed with the top-1 logprob and one generated
+    token; a continuation's loglikelihood is the sum of its tokens' logprobs, greedy when each is
+    the top one. One after the other, each request finds the ones before in the prefix cache."""
     results = []
-    for choice, (context, _) in zip(sorted(body["choices"], key=lambda c: c["index"]), requests, strict=True):
+    for context, continuation in requests:
+        payload = {
+            "model": model,
+            "prompt": [context + continuation],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        }
+        (choice,) = json.loads(http_post(f"{url}/completions", payload))["choices"]
         ctxlen = len(context)
         token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
         top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
