@@ -93,7 +93,9 @@ def step_slot_bytes(config: Config, vocab_size: int) -> int:
 
 
 def result_slot_bytes(config: Config) -> int:
-    return STEP_RESULT.slot_bytes(result_limits(config.engine.max_num_seqs))
+    return STEP_RESULT.slot_bytes(
+        result_limits(config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
+    )
 
 
 def gateway_port_lock(port: int) -> socket.socket:

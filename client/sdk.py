@@ -63,6 +63,7 @@ class StreamDelta:
     usage: m.Usage | None = None
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top `logprobs` ids -> logprob
     tools: m.ParsedTools | None = None  # the last delta of a chat with tools: content and calls
+    prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked: on the first delta
 
 
 @dataclass
@@ -74,6 +75,7 @@ class GenerateResult:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     tools: m.ParsedTools | None = None  # with tools: the text cut into content and tool calls
+    prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked
 
     @property
     def tool_calls(self) -> list[m.ToolCall]:
@@ -457,6 +459,7 @@ def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
         logprobs or None,
         top_logprobs or None,
         last.tools,
+        next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
     )
 
 
@@ -507,6 +510,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.usage: m.Usage | None = None
         self.tools: m.ParsedTools | None = None
+        self.prompt_logprobs: m.PromptLogprobs | None = None
         self.error: BrigadeError | None = None
         self.ready: deque[StreamDelta] = deque()
         self._stash: list[m.Delta] = []
@@ -546,6 +550,9 @@ class RequestState:
         logprobs = np.frombuffer(delta.logprobs, "<f4")[skip:].tolist()
         top_logprobs = delta.top_logprobs[skip:]
         text = delta.text[self.num_chars - delta.char_offset :]
+        # They belong to output token 0: taken with it, once.
+        prompt_logprobs = delta.prompt_logprobs if skip == 0 and delta.token_index == 0 else None
+        self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
         self.token_ids += ids
         self.logprobs += logprobs
         self.top_logprobs += top_logprobs
@@ -563,6 +570,7 @@ class RequestState:
                     delta.usage,
                     top_logprobs or None,
                     delta.tools,
+                    prompt_logprobs,
                 )
             )
 
@@ -576,6 +584,7 @@ class RequestState:
             self.logprobs or None,
             self.top_logprobs or None,
             self.tools,
+            self.prompt_logprobs,
         )
 
 

@@ -73,6 +73,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int = 0  # top-N logprobs per sampled token; 0 = only the sampled token's
+    # The prompt's own logprobs (vLLM's prompt_logprobs): each prompt token's, with the top N at
+    # its position; None = none. The engine then computes every prompt position (no prefix-cache
+    # reuse for the request) and returns them once, with its first output token.
+    prompt_logprobs: int | None = None
     seed: int | None = None  # None: the tokenizer assigns one at admission
     priority: int = 0  # lower runs first; ties are FCFS
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
@@ -119,6 +123,26 @@ class ParsedTools(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
     content: str | None = None
     calls: list[ToolCall] = []
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """A prompt's logprobs (SamplingParams.prompt_logprobs): for each prompt token, its log
+    probability given the tokens before it, NaN for the first (nothing predicts it), the top-N
+    ids at its position and its rank among all tokens (0 for the first). They belong to output
+    position 0: they travel on the Delta whose `token_index` is 0, and a receiver that already
+    has output token 0 already has them (docs/architecture.md invariant 2)."""
+
+    token_ids: bytes  # packed int32: the prompt as the engine ran it
+    logprobs: bytes  # packed float32, one per prompt token
+    ranks: bytes  # packed int32, one per prompt token: 1 = the likeliest
+    top_logprobs: list[dict[int, float]]  # one per prompt token ({} for the first)
+
+    def values(self) -> list[float | None]:
+        """The logprobs as a list, None for the first token (as OpenAI and vLLM return it)."""
+        out: list[float | None] = np.frombuffer(self.logprobs, "<f4").tolist()
+        if out:
+            out[0] = None
+        return out
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):
@@ -191,6 +215,7 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     finish_reason: str | None = None
     usage: Usage | None = None
     tools: ParsedTools | None = None  # the final delta of a request with tools
+    prompt_logprobs: PromptLogprobs | None = None  # on the delta of token_index 0, when asked
 
 
 class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -266,6 +291,7 @@ class TokenUpdate(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     params: SamplingParams | None = None  # sent with start_index == 0
+    prompt_logprobs: PromptLogprobs | None = None  # with start_index == 0, when asked
 
 
 class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -42,6 +42,8 @@ class Dim(enum.Enum):
     TOP_K = "top_k"  # top logprobs per row (header max_top_logprobs)
     VOCAB_WORDS = "vocab_words"  # 32-bit words of a bitmask over the vocabulary
     CONSTRAINED = "constrained"  # the step's sampled rows under a grammar (grammar_rows)
+    SCORED = "scored"  # the step's prompt positions whose next prompt token is scored (prompt logprobs)
+    PROMPT_TOP_K = "prompt_top_k"  # top logprobs per scored prompt position
 
 
 class SlotSink(Protocol):
@@ -234,6 +236,10 @@ STEP_PLAN = SlotSpec(
         # grammar_bitmask[i, t // 32] is set when that row may sample token t.
         ArraySpec("grammar_rows", I32, (Dim.CONSTRAINED,), optional=True),
         ArraySpec("grammar_bitmask", I32, (Dim.CONSTRAINED, Dim.VOCAB_WORDS), optional=True),
+        # Prompt logprobs: prompt_targets[i] is the prompt token that follows token i, whose
+        # logprob token i's logits give (-1: not wanted); num_prompt_logprobs is each row's top-N.
+        ArraySpec("prompt_targets", I32, (T,), optional=True),
+        ArraySpec("num_prompt_logprobs", I32, (S,), optional=True),
     ),
     measured={Dim.BLOCKS: ("block_tables", 1), Dim.CONSTRAINED: ("grammar_rows", 0)},
     ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
@@ -246,8 +252,18 @@ STEP_RESULT = SlotSpec(
         ArraySpec("sampled_logprobs", F32, (S,)),
         ArraySpec("top_ids", I32, (S, Dim.TOP_K), fill=-1),
         ArraySpec("top_logprobs", F32, (S, Dim.TOP_K), fill=-np.inf),
+        # Prompt logprobs, one entry per plan token with prompt_targets >= 0, in plan order: the
+        # target's logprob and rank (1 = likeliest), and the top PROMPT_TOP_K at that position.
+        ArraySpec("prompt_logprobs", F32, (Dim.SCORED,), optional=True),
+        ArraySpec("prompt_ranks", I32, (Dim.SCORED,), optional=True),
+        ArraySpec("prompt_top_ids", I32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-1, optional=True),
+        ArraySpec("prompt_top_logprobs", F32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-np.inf, optional=True),
     ),
-    measured={Dim.TOP_K: ("top_ids", 1)},
+    measured={
+        Dim.TOP_K: ("top_ids", 1),
+        Dim.SCORED: ("prompt_logprobs", 0),
+        Dim.PROMPT_TOP_K: ("prompt_top_ids", 1),
+    },
 )
 
 # The most logit-bias entries one row's plan carries: the user's, plus -inf on eos and stop ids
@@ -275,6 +291,11 @@ def vocab_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def result_limits(max_num_seqs: int) -> dict[Dim, int]:
-    """The largest size of each step-result dimension."""
-    return {Dim.ROWS: max_num_seqs, Dim.TOP_K: MAX_LOGPROBS}
+def result_limits(max_num_seqs: int, max_num_batched_tokens: int) -> dict[Dim, int]:
+    """The largest size of each step-result dimension (every token of a step may be scored)."""
+    return {
+        Dim.ROWS: max_num_seqs,
+        Dim.TOP_K: MAX_LOGPROBS,
+        Dim.SCORED: max_num_batched_tokens,
+        Dim.PROMPT_TOP_K: MAX_LOGPROBS,
+    }

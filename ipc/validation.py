@@ -84,6 +84,8 @@ def validate_params(
     _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
     _check_stop_strings(params.stop)
     _check_int("logprobs", params.logprobs, 0, MAX_LOGPROBS)
+    if params.prompt_logprobs is not None:
+        _check_int("prompt_logprobs", params.prompt_logprobs, 0, MAX_LOGPROBS)
     if params.seed is not None:
         _check_int("seed", params.seed, 0, MAX_SEED - 1)
     _check_int("priority", params.priority, -MAX_ABS_PRIORITY, MAX_ABS_PRIORITY - 1)

@@ -3,8 +3,11 @@ client, on the embedded SmolLM2-135M in float32, checked against HF transformers
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,13 +39,21 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_dir: Path, smollm2_hf_dir: Path) -> dict[str, tuple[list[int], str]]:
-    """Greedy completions of every chat prompt by HF transformers on the same weights (float32)."""
+def hf_smollm2(smollm2_dir: Path, smollm2_hf_dir: Path):
+    """HF transformers' tokenizer and model on the same weights (float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+    return tokenizer, AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_smollm2) -> dict[str, tuple[list[int], str]]:
+    """Greedy completions of every chat prompt by HF transformers on the same weights (float32)."""
+    import torch
+
+    tokenizer, model = hf_smollm2
     reference = {}
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(
@@ -225,3 +236,154 @@ def test_tokenizer_survives_10000_hostile_messages(smol_run) -> None:
     with Client(smol_run.run_dir) as client:
         assert client.generate("Hello", max_tokens=4, temperature=0.0, timeout=60).finish_reason == "length"
     assert all(r["restarts"] == 0 for r in smol_run.status() if r["kind"] == "tokenizer")
+
+
+# -- scoring prompts over HTTP: lm-evaluation-harness' multiple choice ------------------------------
+
+# A small multiple-choice task: (context, choices, index of the right one), each context after a
+# few-shot preamble longer than a KV block, as lm-eval's few-shot prompts are: every request
+# shares it, so the prefix cache holds it for all but the first.
+FEW_SHOT = "Answer each question.\n\nQuestion: What is two plus two?\nAnswer: four\n\nQuestion: What do bees make?\nAnswer: honey\n\n"
+MULTIPLE_CHOICE = [
+    ("Question: What is the capital of France?\nAnswer:", [" Paris", " London", " Berlin", " a fish"], 0),
+    ("Question: How many legs does a spider have?\nAnswer:", [" six", " eight", " two", " none"], 1),
+    ("The opposite of hot is", [" warm", " blue", " cold", " loud"], 2),
+    ("Question: Which animal says moo?\nAnswer:", [" a cat", " a dog", " a duck", " a cow"], 3),
+    ("Water freezes at zero degrees", [" Celsius", " Kelvin", " Fahrenheit", " north"], 0),
+    ("Question: What color is the sky on a clear day?\nAnswer:", [" green", " blue", " red", " black"], 1),
+]
+
+
+def gateway_url(run) -> str:
+    ready = next(line for line in run.log if line.startswith("Brigade ready:"))
+    match = re.search(r"http://[\d.]+:\d+/v1", ready)
+    assert match, ready
+    return match.group(0)
+
+
+def lm_eval_loglikelihoods(
+    url: str, model: str, requests: list[tuple[list[int], list[int]]]
+) -> list[tuple[float, bool]]:
+    """What lm-evaluation-harness' `local-completions` model does for loglikelihood requests
+    (lm_eval/models/openai_completions.py, 0.4: `_create_payload(generate=False)` and
+    `parse_logprobs`), at its default batch size of 1: one request after the other, each a batch
+    of one context + continuation in token ids, echoed with the top-1 logprob and one generated
+    token; a continuation's loglikelihood is the sum of its tokens' logprobs, greedy when each is
+    the top one. One after the other, each request finds the ones before in the prefix cache."""
+    results = []
+    for context, continuation in requests:
+        payload = {
+            "model": model,
+            "prompt": [context + continuation],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        }
+        (choice,) = json.loads(http_post(f"{url}/completions", payload))["choices"]
+        ctxlen = len(context)
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs, strict=True))
+        results.append((sum(token_logprobs), is_greedy))
+    return results
+
+
+def http_post(url: str, payload: dict) -> bytes:
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        return reply.read()
+
+
+def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([context + continuation])).logits[0, len(context) - 1 : -1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    target = torch.tensor(continuation)
+    chosen = log_probs[torch.arange(len(continuation)), target]
+    return float(chosen.sum()), bool((log_probs.argmax(dim=-1) == target).all())
+
+
+def accuracy(loglikelihoods: list[float]) -> float:
+    hits, at = 0, 0
+    for _, choices, gold in MULTIPLE_CHOICE:
+        scores = loglikelihoods[at : at + len(choices)]
+        hits += scores.index(max(scores)) == gold
+        at += len(choices)
+    return hits / len(MULTIPLE_CHOICE)
+
+
+def test_lm_eval_multiple_choice_scores_as_hf_does(smol_run, hf_smollm2) -> None:
+    """Every request shares the few-shot preamble, and each context with its other choices: without
+    the rule that prompt logprobs skip the prefix cache, all but the first would lack the
+    logprobs of the cached positions."""
+    tokenizer, model = hf_smollm2
+    url = gateway_url(smol_run)
+    requests = []
+    for context, choices, _ in MULTIPLE_CHOICE:
+        for choice in choices:
+            # lm-eval's _encode_pair: the whole string's tokens, split where the context's end.
+            whole = tokenizer(FEW_SHOT + context + choice, add_special_tokens=False).input_ids
+            num_context = len(tokenizer(FEW_SHOT + context, add_special_tokens=False).input_ids)
+            requests.append((whole[:num_context], whole[num_context:]))
+    model_name = json.loads(urllib.request.urlopen(f"{url}/models", timeout=60).read())["data"][0]["id"]
+    served = lm_eval_loglikelihoods(url, model_name, requests)
+    want = [hf_loglikelihood(model, context, continuation) for context, continuation in requests]
+    for (ll, is_greedy), (want_ll, want_greedy) in zip(served, want, strict=True):
+        assert abs(ll - want_ll) < 1e-3 and is_greedy == want_greedy
+    assert accuracy([ll for ll, _ in served]) == accuracy([ll for ll, _ in want])
+
+
+def test_prompt_logprobs_over_http_echo_alone_and_vllm_fields(smol_run, hf_smollm2) -> None:
+    import openai
+    import torch
+
+    tokenizer, model = hf_smollm2
+    api = openai.OpenAI(base_url=gateway_url(smol_run), api_key="none", timeout=300)
+    name = api.models.list().data[0].id
+    prompt = "The bucket brigade passed water along the line"
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    want = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+    # echo with max_tokens 0: the prompt alone, scored, OpenAI's shape (the first token's None).
+    alone = api.completions.create(
+        model=name, prompt=prompt, echo=True, max_tokens=0, logprobs=2, temperature=0
+    )
+    choice = alone.choices[0]
+    assert choice.text == prompt and alone.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [tokenizer.decode([i]) for i in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.text_offset[0] == 0
+    assert all(abs(a - b) < 1e-3 for a, b in zip(choice.logprobs.token_logprobs[1:], want, strict=True))
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+
+    # vLLM's prompt_logprobs, on a completion's choice and on a chat response.
+    reply = api.completions.create(
+        model=name, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for j, entry in enumerate(entries[1:]):
+        token = entry[str(ids[j + 1])]
+        assert abs(token["logprob"] - want[j]) < 1e-3 and token["rank"] >= 1
+        assert token["decoded_token"] == tokenizer.decode([ids[j + 1]])
+        best = str(int(expected[j].argmax()))
+        assert entry[best]["rank"] == 1
+    chat = api.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    chat_ids = tokenizer(text, add_special_tokens=False).input_ids
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert len(chat_entries) == len(chat_ids) and chat_entries[0] is None
+    assert all(list(entry) == [str(i)] for entry, i in zip(chat_entries[1:], chat_ids[1:], strict=True))

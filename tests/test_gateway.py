@@ -180,8 +180,12 @@ def test_chat_greedy_equals_the_sdk_streamed_and_not(gw: Gateway, hf_tokenizer) 
         )
     )  # fmt: skip
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    # As OpenAI's: every piece of text comes before the finish, which has a chunk of its own.
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == want.text
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == want.finish_reason
+    assert last.delta.content is None and last.delta.role is None and last.logprobs is None
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == num_prompt
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -224,7 +228,10 @@ def test_completions_prompt_forms_streamed_and_not(gw: Gateway, hf_tokenizer) ->
         stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(stream)
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[0].text
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert "".join(c.choices[0].text for c in text_chunks) == want[0].text
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert (last.text, last.logprobs, last.finish_reason) == ("", None, "length")
     assert chunks[-1].usage.completion_tokens == 12
 
 
@@ -369,6 +376,20 @@ def test_models_health_tokenize_detokenize_metrics(gw: Gateway, hf_tokenizer) ->
     assert status == 200 and json.loads(body)["prompt"] == hf_tokenizer.decode(
         reply["tokens"], skip_special_tokens=True
     )
+    # vLLM's /tokenizer_info, as lm-evaluation-harness' remote tokenizer reads it.
+    status, _, body = gw.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    assert status == 200 and info["eos_token"] == hf_tokenizer.eos_token
+    assert info["bos_token"] == hf_tokenizer.bos_token
+    assert info["chat_template"] == hf_tokenizer.chat_template
+    assert info["model_max_length"] == hf_tokenizer.model_max_length
+    assert info["tokenizer_class"] in (
+        type(hf_tokenizer).__name__,
+        type(hf_tokenizer).__name__.removesuffix("Fast"),
+    )
+    assert "added_tokens_decoder" not in info
+    status, _, _ = gw.request("GET", "/tokenizer_info", headers={"authorization": ""})
+    assert status == 401
 
     status, headers, body = gw.request("GET", "/metrics")
     metrics = body.decode()
@@ -785,6 +806,31 @@ def test_models_retrieve_by_id(gw: Gateway) -> None:
     assert unknown.value.body["code"] == "model_not_found"
 
 
+def test_echo_leads_each_choice_with_its_prompt(gw: Gateway, hf_tokenizer) -> None:
+    """Scores are checked against HF on SmolLM2 in tests/test_e2e.py; here the forms: echo with
+    n > 1 and token-id prompts, max_tokens 0 (the prompt alone), and what echo refuses."""
+    api = gw.openai()
+    prompt = "Once upon a time"
+    ids = hf_tokenizer(prompt, add_special_tokens=False).input_ids
+    prompts = [prompt, "The bucket brigade"]
+    reply = api.completions.create(
+        model=gw.model, prompt=prompts, echo=True, max_tokens=3, n=2, temperature=0
+    )
+    assert [c.text[: len(prompts[c.index // 2])] for c in reply.choices] == [prompt, prompt, *prompts[1:] * 2]
+    assert reply.choices[0].text == reply.choices[1].text and len(reply.choices[0].text) > len(prompt)
+    alone = api.completions.create(model=gw.model, prompt=ids, echo=True, max_tokens=0, logprobs=0)
+    choice = alone.choices[0]
+    assert choice.text == prompt and alone.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.top_logprobs is None  # logprobs 0: OpenAI's null
+    for body, param in (
+        ({"prompt": prompt, "echo": True, "stream": True}, "echo"),  # positions resume by output only
+        ({"prompt": prompt, "max_tokens": 0}, "max_tokens"),  # the engine always samples
+    ):
+        status, error = gw.error("/v1/completions", body)
+        assert status == 400 and error["param"] == param, error
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -873,6 +919,26 @@ BAD_BODIES = {
         "invalid_value",
     ),
     "invalid utf-8": (b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
+    "echoed logprobs over the limit": (
+        b'{"prompt": "hi", "echo": true, "logprobs": 21}',
+        "logprobs",
+        "invalid_value",
+    ),
+    "negative prompt_logprobs": (
+        b'{"prompt": "hi", "prompt_logprobs": -1}',
+        "prompt_logprobs",
+        "invalid_value",
+    ),
+    "prompt_logprobs over the limit": (
+        b'{"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}',
+        "prompt_logprobs",
+        "invalid_value",
+    ),
+    "prompt_logprobs with stream": (
+        b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}',
+        "prompt_logprobs",
+        "invalid_value",
+    ),
 }
 
 

@@ -181,7 +181,15 @@ def test_slots_sized_from_the_spec_hold_the_largest_plan_and_result(run_id):
         ring.close()
         ring.unlink()
 
-    result = STEP_RESULT.neutral(result_limits(engine.max_num_seqs))
+    limits = result_limits(engine.max_num_seqs, engine.max_num_batched_tokens)
+    scored = (limits[Dim.SCORED], limits[Dim.PROMPT_TOP_K])
+    result = STEP_RESULT.neutral(  # with every prompt token of the step scored, at the most top-N
+        limits,
+        prompt_logprobs=np.zeros(scored[0]),
+        prompt_ranks=np.ones(scored[0]),
+        prompt_top_ids=np.zeros(scored),
+        prompt_top_logprobs=np.zeros(scored),
+    )
     assert result["top_ids"].shape == (engine.max_num_seqs, MAX_LOGPROBS)
     ring = ShmRing.create(f"/brigade-{run_id}-result-0", 1, result_slot_bytes(config), 1)
     try:

@@ -30,6 +30,11 @@ _SPECIAL_TOKEN_NAMES = (
 )
 
 
+# tokenizer_config.json fields that /tokenizer_info leaves out: file paths, and the added-token
+# table (its tokens are in the vocabulary, and it is large).
+_NOT_INFO = frozenset({"vocab_file", "merges_file", "tokenizer_file", "added_tokens_decoder"})
+
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
     if isinstance(value, dict):
@@ -83,6 +88,21 @@ class Tokenizer:
         }
         self.chat_template = self._find_chat_template(model_dir, config)
         self.eos_token_ids = self._find_eos_ids(model_dir)
+        self._config = config
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's GET /tokenizer_info answers: tokenizer_config.json's fields (special tokens
+        as their text; no file paths, no added-token table), `tokenizer_class` and the chat
+        template."""
+        info = {
+            name: _token_content(value) if name in _SPECIAL_TOKEN_NAMES else value
+            for name, value in self._config.items()
+            if name not in _NOT_INFO
+        }
+        info["tokenizer_class"] = self._config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        return info
 
     @staticmethod
     def _find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:

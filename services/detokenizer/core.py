@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ipc.messages import (
     Delta,
+    PromptLogprobs,
     SamplingParams,
     StepTokens,
     TokenBatch,
@@ -150,6 +151,8 @@ class _Request:
     tokenizer_id: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Until the delta of output token 0 carries them on (they belong to its position).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DetokenizerCore:
@@ -201,6 +204,7 @@ class DetokenizerCore:
             old = self._requests.get(request_id)
             params = update.params or (old.params if old else SamplingParams())
             request = _Request(IncrementalDetokenizer(self._tokenizer, params), params, update.tokenizer_id)
+            request.prompt_logprobs = update.prompt_logprobs
             self._requests[request_id] = request
             self._finished.pop(request_id, None)
             return request
@@ -247,6 +251,8 @@ class DetokenizerCore:
             self._remember_finished(update.request_id)
         if not n and not out.text and out.finish_reason is None:
             return None, False
+        if token_index == 0 and request.prompt_logprobs is not None:
+            delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         # A stop hit on the scheduler's own final update needs no abort: it already finished.
         return delta, out.is_stop_hit and update.finish_reason is None
 

@@ -96,6 +96,7 @@ def to_piece(delta: StreamDelta) -> Piece:
         delta.top_logprobs or [],
         delta.finish_reason,
         delta.tools,
+        delta.prompt_logprobs,
     )
 
 
@@ -224,14 +225,21 @@ class Gateway:
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
-        fmt = ChatFormat(self.settings.model, names, plan.logprobs, parser, plan.call_id_base)
+        fmt = ChatFormat(
+            self.settings.model, names, plan.logprobs, parser, plan.call_id_base, plan.prompt_logprobs
+        )
         return self.generate(request, body, plan, fmt)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_body(request, p.CompletionRequest)
         plan = plan_completion(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
-        fmt = CompletionFormat(self.settings.model, names, plan.logprobs)
+        echo_prompts = (
+            {job.index: job.prompt for job in plan.jobs if job.prompt is not None} if plan.echo else None
+        )
+        fmt = CompletionFormat(
+            self.settings.model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only
+        )
         return self.generate(request, body, plan, fmt)
 
     def generate(
@@ -328,7 +336,8 @@ class Gateway:
                 index, whole.text[: len(whole.text) - len(piece.text)] if piece is not None else whole.text
             )
             if piece is not None:
-                yield event(fmt.chunk(index, piece, text_offset), cursor.event_id())
+                for chunk in fmt.chunks(index, piece, text_offset):
+                    yield event(chunk, cursor.event_id())
             try:
                 item = await anext(feed, None)
             except BrigadeError as exc:
@@ -435,6 +444,13 @@ class Gateway:
         if bad is not None:
             raise invalid(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
         return self.tokenizer.decode(body.tokens)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's: the tokenizer's configuration (tokenizer_config.json, special tokens as their
+        text), its class and the chat template, for clients that tokenize on the server's behalf
+        (lm-evaluation-harness' remote tokenizer)."""
+        self.check_key(request)
+        return self.finish(request, json_response(self.tokenizer.info()))
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ipc import messages as m
 from services.common.text import Tokenizer
@@ -28,6 +29,7 @@ class Piece:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None = None
     tools: m.ParsedTools | None = None  # the last piece of a chat with tools: the tokenizer's parse
+    prompt_logprobs: m.PromptLogprobs | None = None  # the first piece, when they were asked for
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ChoiceOutput:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     tools: m.ParsedTools | None = None
+    prompt_logprobs: m.PromptLogprobs | None = None
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
@@ -48,6 +51,7 @@ class ChoiceOutput:
         self.top_logprobs += piece.top_logprobs
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.tools = piece.tools or self.tools
+        self.prompt_logprobs = piece.prompt_logprobs or self.prompt_logprobs
 
     def piece(self) -> Piece:
         return Piece(
@@ -57,6 +61,7 @@ class ChoiceOutput:
             self.top_logprobs,
             self.finish_reason,
             self.tools,
+            self.prompt_logprobs,
         )
 
 
@@ -84,6 +89,28 @@ class TokenNames:
 
     def name(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+
+def prompt_logprobs_out(
+    prompt: m.PromptLogprobs | None, top_n: int, names: TokenNames
+) -> p.PromptLogprobsOut | msgspec.UnsetType:
+    """vLLM's prompt_logprobs: None for the first token, then each token's entry and its top-N."""
+    if prompt is None:
+        return msgspec.UNSET
+    ids = m.unpack_ids(prompt.token_ids).tolist()
+    ranks = np.frombuffer(prompt.ranks, "<i4").tolist()
+    out: p.PromptLogprobsOut = [None]
+    for j, logprob in enumerate(prompt.values()[1:], 1):
+        assert logprob is not None
+        entry = {str(ids[j]): p.PromptLogprob(logprob, ranks[j], names.name(ids[j]))}
+        for rank, (token_id, lp) in enumerate(_best(prompt.top_logprobs[j], top_n), 1):
+            entry.setdefault(str(token_id), p.PromptLogprob(lp, rank, names.name(token_id)))
+        out.append(entry)
+    return out
+
+
+def _best(tops: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(tops.items(), key=lambda x: -x[1])[:n]
 
 
 def merge_tool_deltas(items: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -119,12 +146,14 @@ class ChatFormat:
         top_n: int | None,
         tool_parser: ToolParser | None = None,
         call_id_base: str = "",
+        prompt_top_n: int | None = None,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.names = names
         self.top_n = top_n  # None: no logprobs in the reply
+        self.prompt_top_n = prompt_top_n  # None: no prompt_logprobs in the reply
         self.tool_parser = tool_parser
         self.call_id_base = call_id_base
         self.tool_streams: dict[int, ToolCallStream] = {}
@@ -162,10 +191,13 @@ class ChatFormat:
     def first_chunk(self, index: int) -> msgspec.Struct | None:
         return self._chunk([p.ChatChunkChoice(index, p.ChatDelta(role="assistant", content=""))])
 
-    def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
+    def chunks(self, index: int, piece: Piece, text_offset: int) -> list[msgspec.Struct]:
+        """The piece's chunk, and for a last piece, as OpenAI sends it, a chunk of its own with the
+        finish_reason and an empty delta."""
         reason = piece.finish_reason
         if self.tool_parser is None:
-            delta = p.ChatDelta(content=piece.text) if piece.text or reason is None else p.ChatDelta()
+            content, tool_calls = piece.text, None
+            has_news = bool(piece.text or piece.token_ids)
         else:
             stream = self._tool_stream(index)
             items = stream.feed(piece.text)
@@ -174,8 +206,14 @@ class ChatFormat:
                 # What was streamed decides: a call once announced stays a call.
                 reason = finish_reason("stop" if reason == "tool_calls" else reason, stream.has_tool_calls)
             content, tool_calls = merge_tool_deltas(items)
+            has_news = content is not None or tool_calls is not None or bool(piece.token_ids)
+        out: list[msgspec.Struct] = []
+        if has_news or reason is None:
             delta = p.ChatDelta(content=content, tool_calls=tool_calls)
-        return self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece), reason)])
+            out.append(self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece))]))
+        if reason is not None:
+            out.append(self._chunk([p.ChatChunkChoice(index, p.ChatDelta(), None, reason)]))
+        return out
 
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return self._chunk([], usage)
@@ -196,32 +234,87 @@ class ChatFormat:
                     "assistant", piece.tools.content, tool_calls=tool_calls_out(piece.tools)
                 )
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
-        return p.ChatCompletion(self.id, self.created, self.model, out, usage)
+        reply = p.ChatCompletion(self.id, self.created, self.model, out, usage)
+        if self.prompt_top_n is not None and choices:  # one prompt: vLLM gives it once
+            reply.prompt_logprobs = prompt_logprobs_out(
+                choices[0].prompt_logprobs, self.prompt_top_n, self.names
+            )
+        return reply
 
 
 class CompletionFormat:
-    def __init__(self, model: str, names: TokenNames, top_n: int | None) -> None:
+    """Completions bodies. With `echo_prompts` (choice index -> its prompt, echo: true) each choice
+    starts with its prompt's text and, with logprobs, the prompt's logprobs (the first token's
+    None, as OpenAI gives it); `is_prompt_only` (echo with max_tokens 0) leaves out the one token
+    the engine sampled, so the choice is the prompt alone."""
+
+    def __init__(
+        self,
+        model: str,
+        names: TokenNames,
+        top_n: int | None,
+        echo_prompts: dict[int, str | list[int]] | None = None,
+        prompt_top_n: int | None = None,
+        is_prompt_only: bool = False,
+    ) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.names = names
         self.top_n = top_n
+        self.echo_prompts = echo_prompts
+        self.prompt_top_n = prompt_top_n  # None: no prompt_logprobs in the reply
+        self.is_prompt_only = is_prompt_only
 
     def _logprobs(self, piece: Piece, text_offset: int) -> p.CompletionLogprobs | None:
         if self.top_n is None:
             return None
-        tokens = [self.names.name(i) for i in piece.token_ids]
+        return self._token_logprobs(piece.token_ids, piece.logprobs, piece.top_logprobs, text_offset)
+
+    def _token_logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[float | None],
+        top_logprobs: list[dict[int, float] | None],
+        text_offset: int,
+    ) -> p.CompletionLogprobs:
+        tokens = [self.names.name(i) for i in token_ids]
         offsets = []
-        for token_id in piece.token_ids:
+        for token_id in token_ids:
             offsets.append(text_offset)
             text_offset += len(self.names.text(token_id))
         tops = None
         if self.top_n:
             tops = [
-                {self.names.name(i): lp for i, lp in sorted(t.items(), key=lambda x: -x[1])[: self.top_n]}
-                for t in piece.top_logprobs
+                None if t is None else {self.names.name(i): lp for i, lp in _best(t, self.top_n)}
+                for t in top_logprobs
             ]
-        return p.CompletionLogprobs(tokens, piece.logprobs, tops, offsets)
+        return p.CompletionLogprobs(tokens, logprobs, tops, offsets)
+
+    def _echo(self, index: int, piece: Piece) -> tuple[str, p.CompletionLogprobs | None]:
+        """The prompt's text and, with logprobs, its logprobs, then the completion's."""
+        assert self.echo_prompts is not None
+        prompt = self.echo_prompts[index]
+        text = (
+            prompt
+            if isinstance(prompt, str)
+            else self.names.tokenizer.decode(prompt, skip_special_tokens=False)
+        )
+        if self.top_n is None:
+            return text + piece.text, None
+        scores = piece.prompt_logprobs
+        if scores is None:  # the engine computes them whenever logprobs come with echo
+            raise ValueError("echo with logprobs: the engine returned no prompt logprobs")
+        tops: list[dict[int, float] | None] = [None, *scores.top_logprobs[1:]]
+        echoed = self._token_logprobs(m.unpack_ids(scores.token_ids).tolist(), scores.values(), tops, 0)
+        completion = self._logprobs(piece, len(text))
+        assert completion is not None
+        return text + piece.text, p.CompletionLogprobs(
+            echoed.tokens + completion.tokens,
+            echoed.token_logprobs + completion.token_logprobs,
+            None if echoed.top_logprobs is None else echoed.top_logprobs + (completion.top_logprobs or []),
+            echoed.text_offset + completion.text_offset,
+        )
 
     def first_chunk(self, index: int) -> msgspec.Struct | None:
         return None
@@ -229,11 +322,16 @@ class CompletionFormat:
     def skip(self, index: int, text: str) -> None:
         pass
 
-    def chunk(self, index: int, piece: Piece, text_offset: int) -> msgspec.Struct:
-        choice = p.CompletionChoice(
-            index, piece.text, self._logprobs(piece, text_offset), piece.finish_reason
-        )
-        return p.Completion(self.id, self.created, self.model, [choice], None)
+    def chunks(self, index: int, piece: Piece, text_offset: int) -> list[msgspec.Struct]:
+        """The piece's chunk, and for a last piece, as OpenAI sends it, a chunk of its own with the
+        finish_reason and no text."""
+        reason = piece.finish_reason
+        choices = []
+        if piece.text or piece.token_ids or reason is None:
+            choices.append(p.CompletionChoice(index, piece.text, self._logprobs(piece, text_offset), None))
+        if reason is not None:
+            choices.append(p.CompletionChoice(index, "", None, reason))
+        return [p.Completion(self.id, self.created, self.model, [choice], None) for choice in choices]
 
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return p.Completion(self.id, self.created, self.model, [], usage)
@@ -242,5 +340,18 @@ class CompletionFormat:
         out = []
         for index, choice in enumerate(choices):
             piece = choice.piece()
-            out.append(p.CompletionChoice(index, piece.text, self._logprobs(piece, 0), piece.finish_reason))
+            if self.is_prompt_only:
+                piece = Piece("", [], [], [], piece.finish_reason, prompt_logprobs=piece.prompt_logprobs)
+            if self.echo_prompts is None:
+                text, logprobs = piece.text, self._logprobs(piece, 0)
+            else:
+                text, logprobs = self._echo(index, piece)
+            finished = p.CompletionChoice(index, text, logprobs, piece.finish_reason)
+            if self.prompt_top_n is not None:
+                finished.prompt_logprobs = prompt_logprobs_out(
+                    piece.prompt_logprobs, self.prompt_top_n, self.names
+                )
+            out.append(finished)
+        if self.is_prompt_only:  # the token sampled and left out is no completion token
+            usage = msgspec.structs.replace(usage, completion_tokens=0, total_tokens=usage.prompt_tokens)
         return p.Completion(self.id, self.created, self.model, out, usage)

@@ -26,7 +26,7 @@ from ipc.structured_output import (
     from_structured_outputs,
     tool_functions,
 )
-from ipc.validation import InvalidParams
+from ipc.validation import MAX_LOGPROBS, InvalidParams
 from services.common.grammar_compiler import GrammarError, check_constraint
 from services.gateway.errors import ApiError, invalid
 from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
@@ -62,6 +62,11 @@ class Plan:
     # Streamed calls are named from this and their index: a digest of the body and the seed, so a
     # stream resumed with Last-Event-ID (the same body) names its calls as before.
     call_id_base: str = ""
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-N wanted in the reply
+    echo: bool = False  # completions: the prompt's text (and logprobs) lead each choice's
+    # completions with echo and max_tokens 0: the prompt alone is scored; the engine, which always
+    # samples one token, samples one that the reply leaves out.
+    is_prompt_only: bool = False
 
 
 def header_seed(value: str | None) -> int | None:
@@ -242,6 +247,20 @@ def _message_text(i: int, message: ChatMessageIn) -> str:
     return "".join(parts)
 
 
+def _prompt_logprobs(req: SamplingFields, sampling: dict[str, Any], echo_top_n: int | None = None) -> None:
+    """The engine's prompt_logprobs: the larger of vLLM's field and an echo's logprobs (whose
+    range the engine checks as `logprobs`). A stream cannot carry them, as in vLLM."""
+    n = req.prompt_logprobs
+    if n is not None:
+        if not 0 <= n <= MAX_LOGPROBS:
+            raise invalid(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}", "prompt_logprobs")
+        if req.stream:
+            raise invalid("prompt_logprobs are not available with stream", "prompt_logprobs")
+    wanted = [x for x in (n, echo_top_n) if x is not None]
+    if wanted:
+        sampling["prompt_logprobs"] = max(wanted)
+
+
 def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     if not req.messages:
         raise invalid("messages must not be empty", "messages")
@@ -252,6 +271,7 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     sampling = _sampling(req, max_tokens, top_n)
+    _prompt_logprobs(req, sampling)
     structured, constrained_by = _structured(req)
     tool_sampling = _tool_sampling(req, constrained_by)
     sampling.update(tool_sampling)
@@ -272,12 +292,14 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
         top_n if req.logprobs else None,
         tools,
         _call_id_base(req, seed),
+        req.prompt_logprobs,
     )
 
 
 def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:
-    if req.echo:
-        raise invalid("echo is not supported", "echo")
+    if req.echo and req.stream:
+        raise invalid("echo is not supported with stream", "echo")
+    is_prompt_only = req.echo and req.max_tokens == 0
     if req.suffix is not None:
         raise invalid("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -299,10 +321,24 @@ def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:
         raise invalid("prompt must not be empty", "prompt")
     _check_n(req.n, len(prompts))
     top_n = req.logprobs or 0
-    sampling = _sampling(req, req.max_tokens, top_n)
+    sampling = _sampling(req, 1 if is_prompt_only else req.max_tokens, top_n)
+    aliases = {}
+    # Echoed logprobs are the prompt's: the engine's prompt_logprobs, named `logprobs` here.
+    _prompt_logprobs(req, sampling, req.logprobs if req.echo else None)
+    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        aliases["prompt_logprobs"] = "logprobs"
     structured, constrained_by = _structured(req)
     if structured is not None:
         sampling["structured"] = structured
+    aliases["structured"] = constrained_by or "structured"
     seed = _seed(req, sampling, resumed_seed)
     jobs = _jobs([(p, None) for p in prompts], req.n, sampling, seed)
-    return Plan(jobs, seed, {"structured": constrained_by or "structured"}, req.logprobs)
+    return Plan(
+        jobs,
+        seed,
+        aliases,
+        req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        echo=req.echo,
+        is_prompt_only=is_prompt_only,
+    )

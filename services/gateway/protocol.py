@@ -65,6 +65,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs, top-N at each position
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar
@@ -158,6 +159,18 @@ class ChatMessageOut(msgspec.Struct):
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # absent when there are none
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's entry of a prompt_logprobs dict (keyed by the token id as a string)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else the token and the top-N.
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
@@ -173,6 +186,7 @@ class ChatCompletion(msgspec.Struct):
     usage: UsageOut | None
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # asked for only
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -204,8 +218,8 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -214,6 +228,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # asked for only
 
 
 class Completion(msgspec.Struct):

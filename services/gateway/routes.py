@@ -33,6 +33,7 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/metrics", gateway.prometheus, methods=["GET"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
     ]
     handlers = {
         HTTPException: gateway.on_http_exception,

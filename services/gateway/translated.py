@@ -131,8 +131,9 @@ async def stream_events(first: tuple[int, StreamDelta] | None, feed: AsyncIterat
         index, delta = item
         if delta.usage is not None:
             usages[index] = delta.usage
-        for data in translation.chunk(fmt.chunk(index, translation.piece(to_piece(delta)), 0)):
-            yield data
+        for chunk in fmt.chunks(index, translation.piece(to_piece(delta)), 0):
+            for data in translation.chunk(chunk):
+                yield data
         try:
             item = await anext(feed, None)
         except BrigadeError as exc:

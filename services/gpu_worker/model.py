@@ -578,6 +578,17 @@ class LlamaModel:
         sample_tokens: torch.Tensor,
     ) -> torch.Tensor:
         """Run all tokens; returns float32 logits [len(sample_tokens), V] of the sampled rows only."""
+        hidden, residual = self.hidden_states(input_ids, metas, kv_cache)
+        return self.logits(hidden, residual, sample_tokens)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        metas: list[StepMeta],
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run all tokens through the layers; returns the last layer's output and residual, whose
+        sum (at the rows wanted) `logits` takes through the final norm and the LM head."""
         c, ops, eps, scale = self.config, self.ops, self.eps, self.scale
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
@@ -627,8 +638,13 @@ class LlamaModel:
                 hidden.add_(layer.down_bias)
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps, None)
-        # Only the sampled rows go through the final norm and the LM head.
-        last = (hidden[sample_tokens] + residual[sample_tokens]).contiguous()
+        return hidden, residual
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(tokens), V] of these rows of `hidden_states`' output: only they go
+        through the final norm and the LM head."""
+        c, ops, eps = self.config, self.ops, self.eps
+        last = (hidden[tokens] + residual[tokens]).contiguous()
         x, _ = ops.rms_norm(last, self.norm, eps, None)
         num_sampled = last.shape[0]
         lm_layout = self._layout(num_sampled)

@@ -11,6 +11,7 @@ import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
+from ipc.validation import MAX_LOGPROBS
 from services.gpu_worker.architectures import ModelConfig
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_MAX_NUM_SEQS = 1024  # plan-table rows (the scheduler's max_num_seqs) a plan may name
+PROMPT_SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
 
 class InvalidPlan(Exception):
@@ -152,6 +154,8 @@ class ModelRunner:
         used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
         if used.min() < 0 or used.max() >= self.num_kv_blocks:
             raise InvalidPlan(f"block id out of range [0, {self.num_kv_blocks})")
+        if "prompt_targets" in arrays or "num_prompt_logprobs" in arrays:
+            _check_prompt_targets(arrays, self.vocab_size)
         if "long_rope" in arrays:
             if not self.long_rope_from:
                 raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
@@ -182,7 +186,10 @@ class ModelRunner:
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
-        logits = self.model.forward(input_ids, metas, self.kv_cache, sample_tokens.to(self.device))
+        hidden, residual = self.model.hidden_states(input_ids, metas, self.kv_cache)
+        logits = self.model.logits(hidden, residual, sample_tokens.to(self.device))
+        if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
+            result.update(self._score_prompt(hidden, residual, arrays, s))
         sampled_table_rows = arrays["rows"][rows]
         self._sampled_step[sampled_table_rows] = header.step_id
         self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
@@ -197,6 +204,37 @@ class ModelRunner:
         result["top_ids"][rows, :n] = out["top_ids"][:, :n]
         result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
         return result
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, residual: torch.Tensor, arrays: dict[str, np.ndarray], num_seqs: int
+    ) -> dict[str, np.ndarray]:
+        """Prompt logprobs (the result arrays of the same name): at each token with a prompt
+        target, the target's logprob and rank and the top-N, N the largest its rows asked. Only
+        these tokens' logits are computed, PROMPT_SCORE_ROWS at a time, so a long prompt chunk
+        never holds [tokens, vocab] logits at once."""
+        targets = arrays["prompt_targets"]
+        at = np.flatnonzero(targets >= 0)
+        seqs = np.searchsorted(arrays["query_start_loc"][: num_seqs + 1], at, side="right") - 1
+        k = int(arrays["num_prompt_logprobs"][:num_seqs][seqs].max()) if len(at) else 0
+        out = {
+            "prompt_logprobs": np.zeros(len(at), np.float32),
+            "prompt_ranks": np.zeros(len(at), np.int32),
+            "prompt_top_ids": np.full((len(at), k), -1, np.int32),
+            "prompt_top_logprobs": np.full((len(at), k), -np.inf, np.float32),
+        }
+        for lo in range(0, len(at), PROMPT_SCORE_ROWS):
+            index = at[lo : lo + PROMPT_SCORE_ROWS]
+            log_probs = torch.log_softmax(self.model.logits(hidden, residual, self._to_device(index)), dim=-1)
+            target = self._to_device(targets[index])
+            chosen = log_probs.gather(1, target[:, None])
+            span = slice(lo, lo + len(index))
+            out["prompt_logprobs"][span] = chosen[:, 0].cpu().numpy()
+            out["prompt_ranks"][span] = ((log_probs > chosen).sum(dim=-1) + 1).cpu().numpy()
+            if k:
+                top_logprobs, top_ids = torch.topk(log_probs, k, dim=-1)
+                out["prompt_top_ids"][span] = top_ids.cpu().numpy()
+                out["prompt_top_logprobs"][span] = top_logprobs.cpu().numpy()
+        return out
 
     def _fill_placeholders(self, input_ids: torch.Tensor, at: np.ndarray, table_rows: np.ndarray) -> None:
         """Put the token each plan-table row sampled in the previous step at the flat indices `at`
@@ -223,6 +261,17 @@ def _check_grammar(arrays: dict[str, np.ndarray], num_seqs: int, vocab_size: int
         raise InvalidPlan(f"step plan: {exc}") from None
     if len(grammar_rows) and not arrays["is_sampled"][grammar_rows].all():
         raise InvalidPlan("step plan: grammar_rows names a row that samples nothing")
+
+
+def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> None:
+    """The prompt-logprob arrays come together, with token ids and top-N counts in range."""
+    if "prompt_targets" not in arrays or "num_prompt_logprobs" not in arrays:
+        raise InvalidPlan("step plan: prompt_targets and num_prompt_logprobs must come together")
+    targets, top_n = arrays["prompt_targets"], arrays["num_prompt_logprobs"]
+    if len(targets) and (targets.min() < -1 or targets.max() >= vocab_size):
+        raise InvalidPlan(f"step plan: prompt_targets out of range [-1, {vocab_size})")
+    if top_n.min() < 0 or top_n.max() > MAX_LOGPROBS:
+        raise InvalidPlan(f"step plan: num_prompt_logprobs out of range [0, {MAX_LOGPROBS}]")
 
 
 def _placeholders(arrays: dict[str, np.ndarray], t: int, s: int) -> tuple[np.ndarray, np.ndarray]:

@@ -237,6 +237,7 @@ class SchedulerProcess:
             prompt_tokens=len(request.prompt_ids),
             cached_tokens=request.num_cached_tokens,
             params=request.params,
+            prompt_logprobs=prompt_logprobs(request),
         )
 
     # -- workers -------------------------------------------------------------------------------
@@ -430,6 +431,19 @@ class SchedulerProcess:
         planned_ahead = self.pipeline.num_planned_ahead if self.pipeline else 0
         self.stage.log.info("stopping after %d steps, %d planned ahead", self.num_steps, planned_ahead)
         close_context(self.ctx, 0)
+
+
+def prompt_logprobs(request: Request) -> m.PromptLogprobs | None:
+    """The request's prompt logprobs for the wire, once it has them all (its first token)."""
+    scores = request.prompt_scores
+    if scores is None or not scores.is_complete:
+        return None
+    return m.PromptLogprobs(
+        token_ids=m.pack_ids(request.prompt_ids),
+        logprobs=np.array([np.nan, *scores.logprobs], "<f4").tobytes(),
+        ranks=np.array([0, *scores.ranks], "<i4").tobytes(),
+        top_logprobs=[{}, *scores.top_logprobs],
+    )
 
 
 def detokenizer_messages(

@@ -42,7 +42,7 @@ from services.scheduler.grammars import Grammars, plan_grammar
 from services.scheduler.plan import PlanTable, ScheduledStep
 from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.results import RequestOutput, Results, StepOutputs
+from services.scheduler.results import PromptScoreArrays, RequestOutput, Results, StepOutputs
 from services.scheduler.state import SchedulerState
 
 # The facade's API: the process and the tests import these from here.
@@ -192,6 +192,15 @@ class Scheduler:
                 is_sampled[j] = starts[j] + new_array[j] == seqs[j].num_tokens
         else:
             is_sampled, new_array = self.decode.all_decode_columns(num_decodes)
+        prompt_spans: list[tuple[int, int, int]] = []
+        for j in range(num_decodes, len(seqs)):
+            first = seqs[j].scores_from
+            if first is not None:
+                # Positions whose next token is a prompt token, from the first not yet scored.
+                start = max(first, int(starts[j]))
+                end = min(int(starts[j] + new_array[j]), seqs[j].num_prompt_tokens - 1)
+                if end > start:
+                    prompt_spans.append((j, start, end - start))
         return ScheduledStep(
             seqs=seqs,
             rows=rows,
@@ -211,6 +220,7 @@ class Scheduler:
                 if table.num_grammar_rows
                 else None
             ),
+            prompt_spans=tuple(prompt_spans),
         )
 
     @property
@@ -227,7 +237,9 @@ class Scheduler:
         sampled_logprobs: np.ndarray,
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
+        prompt_scores: PromptScoreArrays | None = None,
     ) -> StepOutputs:
         """Apply one step's result (`Results.update`): append sampled tokens, finish sequences,
-        cache full blocks. Entries of requests gone since the step was planned are ignored."""
-        return self.results.update(step, sampled_ids, sampled_logprobs, top_ids, top_logprobs)
+        cache full blocks, keep prompt logprobs. Entries of requests gone since the step was
+        planned are ignored."""
+        return self.results.update(step, sampled_ids, sampled_logprobs, top_ids, top_logprobs, prompt_scores)

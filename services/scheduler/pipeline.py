@@ -32,12 +32,15 @@ from ipc.step_plan import STEP_RESULT, Dim, SlotMismatch
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
+from services.scheduler.results import PromptScoreArrays
 
 RING_POLL_S = 0.2  # how often a wait on a ring looks whether the worker is still alive
 MAX_EXECUTE_TIMES = 4096  # step times kept for the metrics until the next heartbeat takes them
 
 StepResult = tuple[ResultHeader, dict[str, np.ndarray]]
 T = TypeVar("T")
+# The result arrays of prompt logprobs, in PromptScoreArrays' order.
+PROMPT_SCORE_ARRAYS = ("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs")
 
 
 class WorkerLost(Exception):
@@ -123,6 +126,8 @@ class StepPipeline:
         with self.executor.result() as (header, arrays):
             if header.step_id != entry.step_id:  # results come in order; anything else is a bug
                 raise WorkerLost(f"got the result of step {header.step_id}, expected step {entry.step_id}")
+            if not header.error and entry.step.prompt_spans and "prompt_logprobs" not in arrays:
+                header = ResultHeader(header.step_id, header.num_seqs, "step result: no prompt logprobs")
             if header.error:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
@@ -133,6 +138,9 @@ class StepPipeline:
                 arrays["sampled_logprobs"],
                 arrays["top_ids"],
                 arrays["top_logprobs"],
+                PromptScoreArrays(*(arrays[name] for name in PROMPT_SCORE_ARRAYS))
+                if "prompt_logprobs" in arrays
+                else None,
             )
 
     def _fail(self, entry: InFlight, error: str) -> None:

@@ -256,6 +256,9 @@ class ScheduledStep:
     line_version: int = -1
     steady: SteadyLine | None = None
     grammar: GrammarPlan | None = None  # the constrained sampled rows, when there are any
+    # Prompt logprobs: (plan index, first position, count) of each prefill chunk's positions whose
+    # logits score the next prompt token (Request.scores_from), in plan order.
+    prompt_spans: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -350,6 +353,8 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         arrays.update(_history(step))
     if table.num_bias_rows:
         arrays.update(_logit_bias(step, seq_lens))
+    if step.prompt_spans:
+        arrays.update(_prompt_targets(step, constants["query_start_loc"], len(input_ids)))
     num_logprobs = constants["num_logprobs"]
     header = StepHeader(
         step_id=step_id,
@@ -400,6 +405,21 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     if not table.num_bias_rows:
         constants.update(_logit_bias(step, step.starts + step.num_new_tokens))
     return constants
+
+
+def _prompt_targets(
+    step: ScheduledStep, query_start_loc: np.ndarray, num_tokens: int
+) -> dict[str, np.ndarray]:
+    """For each token of the plan, the prompt token whose logprob its logits give (-1: none),
+    and each row's top-N of them."""
+    targets = np.full(num_tokens, -1, np.int32)
+    top_n = np.zeros(len(step.seqs), np.int32)
+    for i, first, count in step.prompt_spans:
+        req = step.seqs[i]
+        q = int(query_start_loc[i]) + first - int(step.starts[i])
+        targets[q : q + count] = req.prompt_ids[first + 1 : first + 1 + count]
+        top_n[i] = req.params.prompt_logprobs
+    return {"prompt_targets": targets, "num_prompt_logprobs": top_n}
 
 
 def _history(step: ScheduledStep) -> dict[str, np.ndarray]:

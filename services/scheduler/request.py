@@ -28,6 +28,41 @@ class RequestStatus(enum.Enum):
     COMPILING = 4  # constrained, waiting for its grammar outside the waiting queue (grammars.py)
 
 
+class PromptScores:
+    """The prompt logprobs a request collected so far (params.prompt_logprobs), in order: entry j
+    is prompt token j + 1's (token 0 has none). A chunk computed again (a preemption, a step
+    retried) brings entries it already has: they are skipped by position, so each is kept once."""
+
+    __slots__ = ("logprobs", "num_prompt_tokens", "ranks", "top_logprobs")
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.top_logprobs: list[dict[int, float]] = []
+
+    @property
+    def num_scored(self) -> int:
+        return len(self.logprobs)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.num_scored == self.num_prompt_tokens - 1
+
+    def add(
+        self, first_token: int, logprobs: list[float], ranks: list[int], tops: list[dict[int, float]]
+    ) -> None:
+        """Entries for prompt tokens `first_token`, `first_token + 1`, ...; those held are skipped."""
+        skip = self.num_scored + 1 - first_token
+        if skip < 0:  # a gap: never planned (scores start where the held ones end)
+            raise ValueError(
+                f"prompt scores from token {first_token}, holding {self.num_scored} from token 1"
+            )
+        self.logprobs += logprobs[skip:]
+        self.ranks += ranks[skip:]
+        self.top_logprobs += tops[skip:]
+
+
 class Request:
     """Owns a request's token history (prompt + outputs so far), its KV blocks and its progress.
 
@@ -53,6 +88,7 @@ class Request:
         "params",
         "priority",
         "prompt_ids",
+        "prompt_scores",
         "request_id",
         "row",
         "seed",
@@ -97,6 +133,13 @@ class Request:
         # which stays in step with output_ids (services/scheduler/grammars.py).
         self.grammar_future: Future[CompiledGrammar] | None = None
         self.grammar: GrammarMatcher | None = None
+        # Prompt logprobs, collected as its prompt chunks compute. A resubmission that carries
+        # outputs asks for none: its client got them with its first output token.
+        self.prompt_scores = (
+            PromptScores(len(self.prompt_ids))
+            if params.prompt_logprobs is not None and not self.output_ids
+            else None
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +160,13 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else int(self.prompt_ids[-1])
+
+    @property
+    def scores_from(self) -> int | None:
+        """The first prompt position whose logits are still to be scored (they give the next
+        prompt token's logprob); None when it wants none, or has them all."""
+        scores = self.prompt_scores
+        return None if scores is None or scores.is_complete else scores.num_scored
 
     @property
     def hash_root(self) -> bytes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -37,6 +38,16 @@ class RequestFailure(msgspec.Struct, frozen=True, gc=False):
     tokenizer_id: int
     code: str  # an ipc.messages.ErrorCode
     message: str
+
+
+class PromptScoreArrays(NamedTuple):
+    """A step result's prompt logprobs (ipc/step_plan.py STEP_RESULT), one entry per scored
+    position of the step's `prompt_spans`, in order."""
+
+    logprobs: np.ndarray  # [Q] float32
+    ranks: np.ndarray  # [Q] int32
+    top_ids: np.ndarray  # [Q, K] int32
+    top_logprobs: np.ndarray  # [Q, K] float32
 
 
 NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
@@ -165,8 +176,10 @@ class Results:
         sampled_logprobs: np.ndarray,
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
+        prompt_scores: PromptScoreArrays | None = None,
     ) -> StepOutputs:
-        """Apply one step's result: append sampled tokens, finish sequences, cache full blocks.
+        """Apply one step's result: append sampled tokens, finish sequences, cache full blocks,
+        keep the prompt logprobs of the step's `prompt_spans`.
 
         Entries of requests preempted, aborted or replaced since the step was planned are ignored.
         The result arrays may be views into a ring slot: nothing returned refers to them.
@@ -188,6 +201,8 @@ class Results:
                 req = seqs[i]
                 if (live is None or live[i]) and ends[i] // bs > req.num_registered_blocks:
                     state.register_blocks(req, int(ends[i]) // bs)
+        if step.prompt_spans and prompt_scores is not None:
+            self._keep_prompt_scores(step, live, prompt_scores)
         if live is None and step.num_decodes == len(seqs):  # steady decode: all of them
             sampled = np.arange(len(seqs))
         else:
@@ -265,6 +280,31 @@ class Results:
                 state.drop(req, RequestStatus.ABORTED)
                 req.finish_reason = "error"
         return outputs
+
+    @staticmethod
+    def _keep_prompt_scores(step: ScheduledStep, live: np.ndarray | None, scores: PromptScoreArrays) -> None:
+        """Each live span's entries to its request (copied out of the result slot)."""
+        at = 0
+        for i, first, count in step.prompt_spans:
+            if live is None or live[i]:
+                req = step.seqs[i]
+                k = req.params.prompt_logprobs or 0
+                tops = [
+                    dict(zip(ids, lps, strict=True))
+                    for ids, lps in zip(
+                        scores.top_ids[at : at + count, :k].tolist(),
+                        scores.top_logprobs[at : at + count, :k].tolist(),
+                        strict=True,
+                    )
+                ]
+                assert req.prompt_scores is not None  # only such requests have spans
+                req.prompt_scores.add(
+                    first + 1,
+                    scores.logprobs[at : at + count].tolist(),
+                    scores.ranks[at : at + count].tolist(),
+                    tops,
+                )
+            at += count
 
     def _advance_grammars(
         self,

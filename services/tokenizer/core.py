@@ -92,6 +92,7 @@ class JournalEntry:
     text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
     logprobs: list[bytes] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: m.PromptLogprobs | None = None  # non-streaming: kept for the whole reply
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     # The watchdog (TokenizerCore.stalled / on_progress): when the client last got something new,
@@ -127,6 +128,8 @@ def trim_delta(delta: m.Delta, num_tokens: int, num_chars: int) -> m.Delta | Non
         return delta
     return msgspec.structs.replace(
         delta,
+        # They belong to output token 0: a receiver past it has them.
+        prompt_logprobs=delta.prompt_logprobs if num_tokens == 0 else None,
         token_index=delta.token_index + min(skip_tokens, len(ids)),
         char_offset=delta.char_offset + min(skip_chars, len(delta.text)),
         text=delta.text[skip_chars:],
@@ -509,6 +512,7 @@ class TokenizerCore:
             return Reply(entry.identity, msgspec.structs.replace(fresh, request_id=entry.request_id))
         entry.logprobs.append(fresh.logprobs)
         entry.top_logprobs += fresh.top_logprobs
+        entry.prompt_logprobs = fresh.prompt_logprobs or entry.prompt_logprobs
         if fresh.finish_reason is None:
             return None
         whole = m.Delta(
@@ -522,6 +526,7 @@ class TokenizerCore:
             finish_reason=fresh.finish_reason,
             usage=fresh.usage,
             tools=fresh.tools,
+            prompt_logprobs=entry.prompt_logprobs,
         )
         return Reply(entry.identity, whole)
 
