@@ -358,3 +358,69 @@ def test_chaos_every_stage_killed_or_hung_loses_and_changes_nothing(
         if row["kind"] in restarts:
             restarts[row["kind"]] += row["restarts"]
     assert all(n >= 2 for n in restarts.values()), restarts
+
+
+# Long enough that the dead tokenizer's copies would still be computing long after the kills.
+ORPHAN_MAX_TOKENS = 1000
+ORPHAN_CHECK_BEFORE = 800  # the copies must be stopped before the served requests get this far
+
+
+def test_copies_of_a_dead_tokenizer_stop_though_the_detokenizer_died_with_it(
+    run: Run, calm: list[Output]
+) -> None:
+    """Issue 29 item 11 (found while reproducing it under CPU contention). A dead tokenizer's
+    requests keep running in the scheduler under their old engine ids while their clients
+    resubmit them to its replacement; they used to be stopped only when their text reached
+    that replacement, which aborts ids it never journaled. When the detokenizer died too, no
+    text of theirs reached anyone (the restarted detokenizer had no history to continue), and
+    they computed to max_tokens for nobody, beside the requests being served: 8 copies ran for
+    30 s after every client had gone, taking steps and KV blocks from the next requests. The
+    worker dies with them here, so that the copies are not ahead of the served requests."""
+    wait_for("every stage running", lambda: all_running(run))
+    received = [0] * len(SPECS)
+    stopping = threading.Event()
+
+    def serve(i: int) -> None:
+        with (
+            Client(run.run_dir, failover_after=2.0, unavailable_after=REQUEST_TIMEOUT_S) as client,
+            contextlib.closing(  # closing the stream aborts the request
+                client.stream(
+                    SPECS[i].prompt,
+                    max_tokens=ORPHAN_MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=REQUEST_TIMEOUT_S,
+                )
+            ) as stream,
+        ):
+            for delta in stream:
+                received[i] += len(delta.token_ids)
+                if stopping.is_set():
+                    return
+
+    threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(SPECS))]
+    for t in threads:
+        t.start()
+    try:
+        wait_for("every request generating", lambda: min(received) > 0)
+        for kind in ("gpu_worker", "tokenizer", "detokenizer"):
+            os.kill(running_pid(run, kind), signal.SIGKILL)
+        at_kill = list(received)
+        wait_for(
+            "every request served again", lambda: all(r > k for r, k in zip(received, at_kill, strict=True))
+        )
+
+        def only_the_served_run() -> bool:
+            assert max(received) < ORPHAN_CHECK_BEFORE, "the dead tokenizer's copies are still running"
+            rows = [r for r in run.read_status() if r["kind"] == "scheduler"]
+            return [r["running"] + r["queue_depth"] for r in rows] == [len(SPECS)]
+
+        wait_for("the scheduler running only the served requests", only_the_served_run)
+    finally:
+        stopping.set()
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S)
+    wait_for(
+        "the scheduler idle",
+        lambda: all(r["running"] == 0 for r in run.read_status() if r["kind"] == "scheduler"),
+    )
