@@ -387,6 +387,15 @@ class RequestProgress(msgspec.Struct, tag=True, array_like=True, gc=False):
             raise ValueError("RequestProgress needs one output count per request id")
 
 
+class UntrackedRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Detokenizer -> tokenizer: requests whose tokens came without the history they continue (the
+    detokenizer restarted since they began). The tokenizer aborts those it does not journal:
+    copies that a dead tokenizer had sent on, which nobody waits for and whose text no longer
+    reaches anyone who could stop them."""
+
+    request_ids: list[str]
+
+
 class ResubmitAll(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Sent by the supervisor after a scheduler restart: resubmit every journaled request
     of that engine group with the outputs seen so far."""
@@ -404,7 +413,7 @@ class ResubmitShard(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_shards: int
 
 
-TokenizerInput = Union[DeltaBatch, RequestFailed, RequestProgress, ResubmitAll]
+TokenizerInput = Union[DeltaBatch, RequestFailed, RequestProgress, UntrackedRequests, ResubmitAll]
 
 # ---------------------------------------------------------------------------
 # every stage <-> supervisor (DEALER -> ROUTER)

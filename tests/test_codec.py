@@ -105,6 +105,7 @@ EXAMPLES: dict[str, list] = {
         m.DeltaBatch([DELTA]),
         m.RequestFailed("a", "prompt_too_long", "too long"),
         m.RequestProgress(["a", "b"], [3, -1]),
+        m.UntrackedRequests(["a", "b"]),
         m.ResubmitAll(0),
     ],
     "CONTROL_UP": [

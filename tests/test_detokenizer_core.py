@@ -303,6 +303,29 @@ def test_core_counts_unknown_and_gaps(tokenizer: Tokenizer) -> None:
     assert core.num_late == 1 and core.num_unknown == 1
 
 
+def test_core_names_the_requests_it_has_no_history_of_to_their_tokenizers(tokenizer: Tokenizer) -> None:
+    """A restarted detokenizer gets tokens of requests begun before it: each is named once per
+    update to its tokenizer (which stops the copies nobody waits for); a request it finished or
+    dropped, or one whose history it got, is not."""
+    core = DetokenizerCore(tokenizer)
+    core.handle(TokenBatch([update("known", 0, [10], params=SamplingParams()), update("dropped", 0, [10])]))
+    core.drop(["dropped"])
+    assert core.take_untracked() == {}
+    for start in (5, 6):
+        core.handle(
+            TokenBatch(
+                [
+                    update("orphan", start, [11]),
+                    update("known", 1, [11]),
+                    update("dropped", 1, [11]),
+                    update("other", start, [11], tokenizer_id=1),
+                ]
+            )
+        )
+    assert core.take_untracked() == {0: ["orphan", "orphan"], 1: ["other", "other"]}
+    assert core.take_untracked() == {}
+
+
 def test_does_not_import_torch() -> None:
     code = "import services.detokenizer.core, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)

@@ -169,3 +169,19 @@ def test_a_request_that_stays_lost_fails_with_a_clear_error(engine: FakeEngine) 
     assert (
         engine.serve(answer=lambda rid: -1, until=lambda subs: bool(subs), timeout=6 * STALL_TIMEOUT_S) == []
     )
+
+
+def test_untracked_requests_it_never_journaled_are_aborted(engine: FakeEngine) -> None:
+    """A restarted detokenizer names requests whose tokens it cannot place (UntrackedRequests):
+    copies that a dead tokenizer at this index had sent on are aborted at the scheduler, and the
+    request this tokenizer journals is left running (it is being resubmitted already)."""
+    engine.send(generate("served"))
+    (served,) = engine.serve(answer=lambda rid: 0, until=lambda subs: len(subs) == 1)
+    assert engine.engine_out.put(m.UntrackedRequests([served.request_id, "0-orphan"]))
+    aborted: list[str] = []
+    deadline = time.monotonic() + WAIT_S
+    while "0-orphan" not in aborted and time.monotonic() < deadline:
+        message = engine.scheduler.get(0.05)
+        if isinstance(message, m.AbortRequest):
+            aborted.append(message.request_id)
+    assert aborted == ["0-orphan"]

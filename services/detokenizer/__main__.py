@@ -50,6 +50,9 @@ def main() -> None:
                 for request_id in stopped:
                     for scheduler in schedulers:  # unknown ids are ignored there, so broadcast
                         scheduler.put(m.AbortRequest(request_id, "stop"))
+                for tokenizer_id, request_ids in core.take_untracked().items():
+                    if 0 <= tokenizer_id < len(tokenizers):
+                        tokenizers[tokenizer_id].put(m.UntrackedRequests(request_ids))
                 num_batches += 1
             elif isinstance(message, m.DropRequests):
                 core.drop(message.request_ids)

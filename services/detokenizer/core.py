@@ -170,6 +170,7 @@ class DetokenizerCore:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._num_remembered_finished = num_remembered_finished
         self.num_unknown = 0  # updates for requests never seen (start_index > 0)
+        self._untracked: dict[int, list[str]] = {}  # those requests by tokenizer id, until taken
         self.num_late = 0  # updates for requests that already finished
         self.num_gaps = 0  # updates that skip tokens we never got (dropped)
         self.num_duplicate_tokens = 0  # tokens received twice and trimmed
@@ -193,6 +194,15 @@ class DetokenizerCore:
                 stopped.append(update.request_id)
         return deltas, stopped
 
+    def take_untracked(self) -> dict[int, list[str]]:
+        """Ids, by tokenizer id, of the requests whose updates since the last call continued a
+        history this detokenizer never got (it restarted since they began). Their tokenizer is
+        told (m.UntrackedRequests): one it journals is being resubmitted (ResubmitShard) and
+        comes back with its whole history; one it does not is a copy that a dead tokenizer sent
+        on, which only that notice can stop, since none of its text reaches a tokenizer now."""
+        untracked, self._untracked = self._untracked, {}
+        return untracked
+
     def drop(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             if self._requests.pop(request_id, None) is not None:
@@ -214,6 +224,7 @@ class DetokenizerCore:
                 self.num_late += 1
             else:
                 self.num_unknown += 1
+                self._untracked.setdefault(update.tokenizer_id, []).append(request_id)
             return None
         if update.start_index > request.detok.num_tokens:
             self.num_gaps += 1

@@ -87,6 +87,12 @@ class TokenizerProcess:
             self.stage.log.info("client of %s disconnected; aborting it", entry.request_id)
             self._abort_upstream(entry.submit.request_id)
 
+    def _abort_orphan(self, engine_id: str) -> None:
+        """Stop a copy that nobody here waits for: its admitter was a process at this index
+        that died, and its client has resubmitted it on a new connection (a new engine id)."""
+        if engine_id not in self.core.journal:
+            self._abort_upstream(engine_id)
+
     def _abort_upstream(self, engine_id: str) -> None:
         for scheduler in self.schedulers:
             scheduler.put(m.AbortRequest(engine_id))
@@ -171,14 +177,16 @@ class TokenizerProcess:
             return
         if isinstance(message, m.DeltaBatch):
             for delta in message.deltas:
-                if delta.request_id not in self.core.journal and delta.finish_reason is None:
-                    # A copy nobody here waits for: its admitter was a process at this index that
-                    # died, and its client has resubmitted it on a new connection (a new engine
-                    # id). Stop it computing for nobody.
-                    self._abort_upstream(delta.request_id)
+                if delta.finish_reason is None:
+                    self._abort_orphan(delta.request_id)
                 reply = self.core.relay(delta)
                 if reply is not None:
                     self.send(reply)
+        elif isinstance(message, m.UntrackedRequests):
+            # The detokenizer restarted and gets tokens it cannot place: ours are being
+            # resubmitted already (ResubmitShard); only an orphan's must be stopped here.
+            for request_id in message.request_ids:
+                self._abort_orphan(request_id)
         elif isinstance(message, m.RequestFailed):
             reply = self.core.fail(message)
             if reply is not None:
