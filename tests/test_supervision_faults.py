@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client import Client
+from client import Client, Overloaded
 from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP
 from ipc.sockets import RouterSocket
@@ -287,3 +287,28 @@ def test_status_without_a_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 1
     assert "no live Brigade run" in done.stderr
+
+
+def test_steps_that_never_finish_in_time_fail_their_requests_instead_of_restarting_forever(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """Every replacement worker recomputes all sequences, a bigger step than the late one: on a
+    host too slow for engine.step_timeout_s that could loop forever in silence. After
+    MAX_LATE_STEPS late workers in a row the group's requests fail, naming the setting, and the
+    run lives on. A 400-token prefill of SmolLM2 on one thread takes far longer than the 0.1 s
+    allowed (and than the 0.2 s between the scheduler's looks at the ring)."""
+    run_dir = tmp_path / "run"
+    overrides = (
+        "model.max_model_len=1024", "engine.threads=1", "engine.step_timeout_s=0.1",
+        "supervisor.backoff_initial_s=0.1", "supervisor.restart_intensity=50", "gateway.replicas=0",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides) as run:
+        prompt = " ".join(["bucket"] * 400)
+        with Client(run_dir, unavailable_after=240.0) as client, pytest.raises(Overloaded) as failed:
+            client.generate(prompt, max_tokens=4, temperature=0.0, timeout=240)
+        assert "engine.step_timeout_s" in str(failed.value)
+        assert run.process.poll() is None  # the run goes on
+        rows = {r["name"]: r for r in run.status()}
+        assert rows["scheduler-0"]["restarts"] == 0, "the scheduler itself was restarted"
+        assert rows["gpu_worker-0-0"]["restarts"] >= 3
+    assert_clean(run_dir)

@@ -39,13 +39,18 @@ from services.peers import Peers
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
-from services.scheduler.pipeline import RingExecutor, StepPipeline, WorkerLost
+from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
 from services.scheduler.request import Request
 from services.stage import ControlChannel, install_stop_handler, parse_stage_args
 
 BLOCKED_POLL_MS = 50  # work that could not be planned now: look again soon
 COMPILE_POLL_MS = 1  # while a grammar compiles: its request starts as soon as it is done
 MAX_INPUTS_PER_STEP = 1024
+# Workers replaced in a row for a step past engine.step_timeout_s, with no step finished between,
+# before the group's requests fail. Each replacement recomputes every sequence, a bigger step than
+# the one that was late: on a host short of CPU that can go on forever, and the requests would
+# wait in silence instead of hearing that the engine cannot serve them.
+MAX_LATE_STEPS = 3
 
 
 class SchedulerProcess:
@@ -80,6 +85,7 @@ class SchedulerProcess:
         self.needs_full_history: dict[str, Request] = {}
         self.num_malformed = 0
         self.num_steps = 0
+        self.num_late_steps = 0  # workers replaced for a late step since the last step finished
         self.num_tokens = 0
         self.metrics = EngineMetrics(stage.info.model, self.group)
 
@@ -332,7 +338,10 @@ class SchedulerProcess:
                 pass
         return bool(self.worker_pids)
 
-    def on_worker_lost(self, reason: str) -> None:
+    def on_worker_lost(self, reason: str, is_late: bool) -> None:
+        self.num_late_steps += is_late
+        if self.num_late_steps >= MAX_LATE_STEPS:
+            self.fail_all_late()
         self.stage.log.warning("worker lost (%s): recomputing running sequences", reason)
         # A worker that is alive but late (a step past step_timeout_s) would never say hello again
         # and the group would wait forever: kill it, and the supervisor starts a fresh one.
@@ -353,6 +362,23 @@ class SchedulerProcess:
             submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
             self.abort(request.request_id)
             self.refuse(submit, "internal", f"the worker could not run this request: {error}")
+
+    def fail_all_late(self) -> None:
+        """Fail every request of the group: MAX_LATE_STEPS workers in a row could not finish a
+        step within the step timeout (see MAX_LATE_STEPS)."""
+        assert self.core is not None  # a step ran, so the workers had said hello
+        timeout = self.stage.config.engine.step_timeout_s
+        message = (
+            f"the engine could not finish a step within engine.step_timeout_s={timeout:g}s "
+            f"{self.num_late_steps} times in a row (the host is too slow or too loaded for it)"
+        )
+        requests = list(self.core.requests.values())
+        self.stage.log.error("failing %d requests: %s", len(requests), message)
+        for request in requests:
+            self.abort(request.request_id)
+            submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
+            self.refuse(submit, "overloaded", message)
+        self.num_late_steps = 0
 
     def emit(self, outputs: StepOutputs) -> None:
         self.num_tokens += len(outputs)  # one new token per output
@@ -421,11 +447,12 @@ class SchedulerProcess:
                 try:
                     outputs = self.pipeline.advance()
                 except WorkerLost as exc:
-                    self.on_worker_lost(str(exc))
+                    self.on_worker_lost(str(exc), is_late=isinstance(exc, StepTooLate))
             if outputs is None:
                 poller.poll(self.idle_poll_ms())
             else:
                 self.num_steps += 1
+                self.num_late_steps = 0
                 self.emit(outputs)
             self.heartbeat()
         planned_ahead = self.pipeline.num_planned_ahead if self.pipeline else 0

@@ -47,6 +47,10 @@ class WorkerLost(Exception):
     """The workers died or stopped answering: their steps are gone, every sequence recomputes."""
 
 
+class StepTooLate(WorkerLost):
+    """The workers are alive, but a step's result did not come within the step timeout."""
+
+
 class StepExecutor(Protocol):
     def publish(self, step_id: int, step: ScheduledStep) -> None:
         """Hand a step to the workers, building its plan now (before the core changes again)."""
@@ -210,5 +214,5 @@ class RingExecutor:
                 if not self.is_alive():
                     raise WorkerLost("worker process exited") from None
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"{what} within {self.timeout_s:.0f}s") from None
+                    raise StepTooLate(f"{what} within {self.timeout_s:.0f}s") from None
                 self.on_wait()
