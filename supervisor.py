@@ -13,18 +13,12 @@ live settings, the checks before start; this file is the watch loop around them.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
 import logging
-import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -34,24 +28,18 @@ from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, MalformedMessage
 from ipc.config import Config, ConfigError, load_config
 from ipc.endpoints import (
-    Endpoints,
     InsecureRunDir,
-    NetworkPlan,
     default_run_dir,
-    free_port_base,
     make_run_dir,
 )
-from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
-from ipc.ports import PORT_SPAN
 from ipc.sampling_defaults import describe_defaults
-from ipc.shm import RunLock, ShmRing, new_run_id, sweep_stale_runs
+from ipc.shm import new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context
-from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from ipc.topology import STOP_ORDER, Topology, diff
 from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
-from services.stage import RUN_FILE, AuthFailures, RunInfo, setup_logging, write_run_info
+from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
 from supervision.live_settings import (
     LIVE_SETTINGS,
@@ -62,9 +50,10 @@ from supervision.live_settings import (
     with_setting,
 )
 from supervision.policy import RestartPolicy, is_fatal_start_failure
-from supervision.preflight import Refused, check_hosts, check_layout, check_model
-from supervision.stages import METRICS_DIR, REPO_ROOT, RingSpec, StageProcess
-from supervision.status import STATUS_FILE, status
+from supervision.preflight import Refused, check_layout, check_model
+from supervision.run import Run, prepare_model
+from supervision.stages import METRICS_DIR, StageProcess
+from supervision.status import StatusWriter, status
 
 STOP_GRACE_S = 5.0
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
@@ -79,70 +68,6 @@ log = logging.getLogger("supervisor")
 
 class GiveUp(Exception):
     """The run cannot go on (a stage failed too often, or cannot start at all); the run ends."""
-
-
-def step_slot_bytes(config: Config, vocab_size: int) -> int:
-    """Bytes of one step-plan slot at the configured maxima (ipc/step_plan.py declares the arrays),
-    for a model of `vocab_size` (every row constrained: a full grammar bitmask)."""
-    engine = config.engine
-    max_model_len = config.model.max_model_len
-    limits = plan_limits(
-        engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, engine.block_size, vocab_size
-    )
-    return STEP_PLAN.slot_bytes(limits)
-
-
-def result_slot_bytes(config: Config) -> int:
-    return STEP_RESULT.slot_bytes(
-        result_limits(config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
-    )
-
-
-def gateway_port_lock(port: int) -> socket.socket:
-    """A lock on `port` among Brigade runs: an abstract Unix socket named after it, which only one
-    process of a network namespace (the scope of TCP ports) can bind, and which the kernel frees
-    when its holder dies. Raises OSError (EADDRINUSE) while another run holds it."""
-    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        lock.bind(f"\0brigade-gateway-port-{port}")
-    except OSError:
-        lock.close()
-        raise
-    return lock
-
-
-def probe_port(host: str, port: int) -> None:
-    """Raises OSError when any socket listens on (host, port): one of another run's gateways, or
-    another server. Bound without SO_REUSEPORT, which the gateway replicas set to share the port,
-    so that their port-sharing group admits nobody else's."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # SO_REUSEADDR: a closed connection of an earlier run, in TIME_WAIT, is no owner.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
-
-
-class RunDirWrites:
-    """The files the watch loop rewrites in the run dir (status.json, metrics/stages.json): a full
-    disk must not end the run. A failed write is logged once, when that file's writes start
-    failing, and once when they work again; meanwhile the file keeps its last content, and each
-    later update tries again."""
-
-    def __init__(self) -> None:
-        self.failing: set[str] = set()
-
-    def attempt(self, what: str, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except OSError as exc:
-            if what not in self.failing:
-                log.error(
-                    "could not write %s (%s); serving on, and retrying with each update", what, exc.strerror
-                )
-                self.failing.add(what)
-            return
-        if what in self.failing:
-            self.failing.discard(what)
-            log.info("%s written again", what)
 
 
 def file_signature(path: str | None) -> tuple[int, int, int, int] | None:
@@ -187,10 +112,9 @@ class Supervisor:
         self.is_reload_requested = False
         self.run_dir = run_dir
         self.run_id = new_run_id()
-        self.endpoints = Endpoints(run_dir, self.run_id)  # ipc:// until plan_network
+        self.run = Run(run_dir, self.run_id)
         self.ctx = zmq.Context()
         self.control: RouterSocket | None = None
-        self.rings: list[ShmRing] = []
         self.stages = make_stage_set(config, run_dir, log_format, self.run_id)
         self.topology = Topology.of(config)  # with the stages' hosts once placed (start)
         self.policy = RestartPolicy.from_config(config.supervisor)
@@ -200,155 +124,23 @@ class Supervisor:
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
         self.status_states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
-        self.info: RunInfo | None = None  # run.json, once the model is prepared
-        self.network_plan = NetworkPlan()
-        self.client_keys_file = ""
+        self.status = StatusWriter(run_dir)
         self.stages.on_group_moved = self.move_group
-        # What this supervisor holds, and so may remove at stop (docs/architecture.md invariant 9).
-        self.run_dir_lock: int | None = None  # claim_run_dir; the run dir's files are ours
-        self.run_lock: RunLock | None = None  # the run's shared memory is alive (ipc/shm.py)
-        self.gateway_port: socket.socket | None = None  # claim_gateway_port
-        self.writes = RunDirWrites()
 
     # -- start ---------------------------------------------------------------------------------
 
-    def claim_run_dir(self) -> None:
-        """Take the run dir for this run: an flock on its lock file, held until the supervisor
-        exits (the kernel drops it even on SIGKILL), tells a live run, in whatever PID namespace,
-        from a dead one's leftovers, from the first moment (run.json comes only after the model
-        is prepared). Raises GiveUp, having touched nothing, while another supervisor holds it."""
-        fd = os.open(self.run_dir / RUN_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise GiveUp(
-                f"a Brigade run is already live in {self.run_dir} (supervisor pid {holder}); "
-                "stop it first or pass --run-dir"
-            ) from None
-        self.run_dir_lock = fd
-        try:  # the holder's pid, for the refusal above: nice to have, on a full disk too
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass
-        for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock")]:
-            stale.unlink(missing_ok=True)  # a dead run's leftovers
-
-    def claim_gateway_port(self) -> None:
-        """Hold gateway.port for this run's gateway replicas (they share it through SO_REUSEPORT,
-        which would as well let another run's replicas in, and the kernel split the connections
-        between the runs): refused when another Brigade run holds it or anything listens on it.
-        On a Ray cluster the gateways may run on another host than this one: not checked there."""
-        gateway = self.config.gateway
-        if self.config.cluster.backend != "local":
-            return
-        try:
-            lock = gateway_port_lock(gateway.port)
-        except OSError:
-            raise GiveUp(
-                f"gateway.port {gateway.port} is already served by another Brigade run on this host; "
-                "set gateway.port to another port (or stop that run)"
-            ) from None
-        try:
-            probe_port(gateway.host, gateway.port)
-        except OSError as exc:
-            lock.close()
-            raise GiveUp(
-                f"gateway.port {gateway.port} on {gateway.host} is in use ({exc.strerror}); "
-                "set gateway.port to a free port"
-            ) from None
-        self.gateway_port = lock
-
-    def prepare_model(self) -> Path:
-        """Convert the model once (cached) in a child, so the supervisor never imports torch."""
-        model = self.config.model
-        what = model.path or "(embedded SmolLM2-135M-Instruct)"
-        log.info("preparing model %s", what)
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "services.gpu_worker.prepare", model.path, model.cache_dir, model.revision],
-                capture_output=True, text=True, cwd=REPO_ROOT, check=False,
-                timeout=PREPARE_TIMEOUT_S,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            raise GiveUp(
-                f"could not prepare model {what}: no result within {PREPARE_TIMEOUT_S:.0f}s"
-            ) from None
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            sys.stderr.write(done.stderr)
-            raise GiveUp(
-                f"could not prepare model {what}: {lines[-1] if lines else f'exit {done.returncode}'}"
-            )
-        return Path(done.stdout.strip().splitlines()[-1])
-
-    def plan_network(self, hosts: dict[str, str] | None = None) -> None:
-        """Ports and CURVE keys of the run's tcp:// links: the configured port base or a free one,
-        and the keys of `network.keys_dir` or a fresh set in the run dir. `hosts` places stages
-        on other hosts (stage name -> address; the rest run on `network.host`): their links go
-        over tcp:// whatever `network.transport` says. None of this for a one-host ipc:// run."""
-        network, hosts = self.config.network, hosts or {}
-        if network.transport != "tcp" and not hosts:
-            self.endpoints = Endpoints(self.run_dir, self.run_id, network)
-            return
-        try:
-            check_hosts(network, hosts)
-        except Refused as exc:
-            raise GiveUp(str(exc)) from None
-        try:
-            port_base = network.port_base or free_port_base(network.bind_host or network.host)
-            keys_dir = Path(network.keys_dir) if network.keys_dir else self.run_dir / CURVE_DIR
-            keys = None
-            if network.curve:
-                keys = load_run_keys(keys_dir) if network.keys_dir else create_key_files(keys_dir)
-        except (BadKeyFile, OSError) as exc:
-            raise GiveUp(f"network: {exc}") from None
-        self.network_plan = NetworkPlan(port_base, hosts, keys)
-        self.client_keys_file = str(keys_dir / f"client{SECRET_SUFFIX}") if keys else ""
-        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
-        first, last, curve = port_base, port_base + PORT_SPAN - 1, " with CURVE" if keys else ""
-        log.info("tcp:// links on ports %d-%d%s", first, last, curve)
-
     def move_group(self, group: int, address: str) -> None:
         """The cluster placed engine group `group` on a node at `address`, another than its links
-        have (its node died, or a hot reload added it there): re-plan the links whose server is
-        in the group (same ports and CURVE keys, the new address), publish them in run.json for
-        the group's new processes, and tell the running stages (TopologyChanged), whose links to
-        the group reconnect before it starts there. Raises Refused when this run's links cannot
-        follow: links that are ipc:// because every stage ran on this host at start, or an
-        address that the checks at start would refuse."""
-        network = self.config.network
-        if self.endpoints.is_single_host and network.transport != "tcp":
-            raise Refused(
-                f"engine group {group} is placed on a node at {address}, but this run's links are "
-                "ipc:// (all its stages were on one host at start): set network.transport: tcp for a run "
-                "whose engine groups may move to other hosts"
-            )
+        have (its node died, or a hot reload added it there): its links follow (Run.move_stages),
+        and the running stages hear it (TopologyChanged) before the group starts there. Raises
+        Refused when the links cannot follow."""
         names = [s.name for s in self.stages if s.group == group]
-        hosts = {**self.network_plan.hosts, **dict.fromkeys(names, address)}
-        check_hosts(network, hosts)
-        self.network_plan = msgspec.structs.replace(self.network_plan, hosts=hosts)
-        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
-        if self.info is not None:
-            self.info = msgspec.structs.replace(self.info, network=self.network_plan)
-            write_run_info(self.run_dir, self.info)
+        hosts = self.run.move_stages(self.config, names, address)
         log.info("engine group %d moved to a node at %s: its links follow", group, address)
         self.broadcast_topology(msgspec.structs.replace(self.topology, hosts=hosts))
 
     def create_rings(self, model_dir: Path, groups: range) -> None:
-        """The step and result rings of engine groups `groups`, where the stage set puts them."""
-        engine = self.config.engine
-        # check_model has read this config.json already: it is there and well-formed.
-        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        specs = []
-        for group in groups:
-            step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
-            step_bytes = step_slot_bytes(self.config, vocab_size)
-            specs.append(RingSpec(group, step, RING_SLOTS, step_bytes, engine.tensor_parallel))
-            specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(self.config), 1))
-        self.rings += self.stages.create_rings(specs)
+        self.run.create_rings(self.config, model_dir, groups, self.stages.create_rings)
 
     def serve_metrics(self) -> None:
         """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port, at
@@ -365,80 +157,49 @@ class Supervisor:
         if not config.tracking_uri:
             return
         params = flat_config(self.config)
-        params["model"] = self.info.model if self.info else ""
+        params["model"] = self.run.info.model if self.run.info else ""
         self.mlflow = MlflowSink(config, self.run_dir, f"brigade-{self.run_id}", params)
         self.mlflow.start()
 
     def start(self) -> None:
-        self.claim_run_dir()
-        if self.config.gateway.replicas:
-            self.claim_gateway_port()
-        self.run_lock = RunLock(self.run_id)  # before any shared memory of the run exists
         try:
+            self.run.claim_run_dir()
+            self.run.claim_gateway_port(self.config)
+            self.run.claim_shared_memory()
             check_layout(self.config)
             swept = sweep_stale_runs()
             if swept:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
-            model_dir = self.prepare_model()
+            model_dir = prepare_model(self.config)
             sampling_defaults = check_model(self.config, model_dir)
             hosts = self.stages.place()
-            self.plan_network(hosts)
+            self.run.plan_network(self.config, hosts)
             self.topology = Topology.of(self.config, hosts)
+            log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
+            self.create_rings(model_dir, range(self.config.engine.data_parallel))
+            metrics_dir = self.run_dir / METRICS_DIR
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            metrics_dir.mkdir(mode=0o700)
+            self.serve_metrics()
+            self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
+            self.auth_failures.watch(self.control)
+            self.run.publish(self.config, model_dir)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
-        log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
-        self.create_rings(model_dir, range(self.config.engine.data_parallel))
-        metrics_dir = self.run_dir / METRICS_DIR
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        metrics_dir.mkdir(mode=0o700)
-        self.serve_metrics()
-        self.control = RouterSocket(self.ctx, self.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
-        self.auth_failures.watch(self.control)
-        keys = self.network_plan.keys
-        self.info = RunInfo(
-            run_id=self.run_id,
-            supervisor_pid=os.getpid(),
-            model_dir=str(model_dir),
-            model=self.config.model.path or "SmolLM2-135M-Instruct",
-            tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(self.config.tokenizer.replicas)],
-            config=self.config,
-            network=self.network_plan,
-            curve_server_key=keys.server_public if keys else "",
-            curve_client_keys=self.client_keys_file,
-        )
-        self.write_run_file()
         for spec in self.topology.stages():
             self.stages.spawn(self.stages.add(spec))
-        deadline = time.monotonic() + self.config.supervisor.start_timeout_s
-        last_note = 0.0
-        while not all(s.is_ready for s in self.stages):
-            if self.signals:
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                waiting = [s.name for s in self.stages if not s.is_ready]
-                raise GiveUp(
-                    f"stages did not come up within {self.config.supervisor.start_timeout_s:.0f}s: {waiting}"
-                )
-            self.tick()
-            if time.monotonic() - last_note > 5:
-                waiting = [s.name for s in self.stages if not s.is_ready]
-                log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
-                last_note = time.monotonic()
-        self.info = msgspec.structs.replace(self.info, is_ready=True)
-        self.write_run_file()
-        client = f"python -m client --run {self.run_dir}"
+        self.wait_ready(list(self.stages))
+        try:
+            self.run.publish(self.config, is_ready=True)
+        except Refused as exc:
+            raise GiveUp(str(exc)) from None
         self.start_mlflow()
+        client = f"python -m client --run {self.run_dir}"
         ready = f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}"
         print(ready + http_line(self.config), flush=True)
         print(
             f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True
         )
-
-    def write_run_file(self) -> None:
-        try:
-            write_run_info(self.run_dir, self.info)
-        except OSError as exc:
-            raise GiveUp(f"could not write {self.run_dir / RUN_FILE}: {exc.strerror}") from None
 
     # -- watch ---------------------------------------------------------------------------------
 
@@ -477,11 +238,15 @@ class Supervisor:
         is_due = now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s
         states = [(s.name, s.pid, s.state, s.num_restarts) for s in self.stages]
         if is_due or states != self.status_states:
-            self.writes.attempt(STATUS_FILE, self.write_status)
+            self.status.write_status(self.stages)
             self.status_states = states
         if is_due:
             self.send_group_loads()
-            self.writes.attempt(f"{METRICS_DIR}/{metrics.STAGES_FILE}", self.write_stage_samples)
+            rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.run.rings]
+            model = self.run.info.model if self.run.info else ""
+            self.status.write_samples(
+                self.stages, rings, model, self.config.engine.device, self.auth_failures.count
+            )
             self.stages.gather_metrics()
             self.loads_sent_at = now
 
@@ -579,47 +344,6 @@ class Supervisor:
         assert self.control is not None
         self.control.send(stage.name.encode(), message)
 
-    def write_stage_samples(self) -> None:
-        """What /metrics reports of each stage (services/metrics.py reads it at scrape time)."""
-        stages = [
-            metrics.StageSample(
-                s.name, s.kind, s.pid, s.state, s.num_restarts, s.group, s.load.num_running, s.load.num_waiting,
-                s.load.kv_usage, s.load.num_malformed, s.load.gpu_memory_allocated, s.load.gpu_memory_reserved,
-                s.load.num_auth_failures,
-            )
-            for s in self.stages
-        ]  # fmt: skip
-        supervisor = metrics.StageSample(
-            "supervisor", "supervisor", os.getpid(), "running", num_auth_failures=self.auth_failures.count
-        )
-        rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.rings]
-        model = self.info.model if self.info else ""
-        samples = metrics.StageSamples(model, self.config.engine.device, [supervisor, *stages], rings)
-        metrics.write_stage_samples(self.run_dir, samples)
-
-    def write_status(self) -> None:
-        now = time.monotonic()
-        rows = [
-            {
-                "name": s.name,
-                "kind": s.kind,
-                "pid": s.pid,
-                "state": s.state,
-                "restarts": s.num_restarts,
-                "uptime_s": round(now - s.started_at, 1) if s.state == "running" else 0.0,
-                "queue_depth": s.load.num_waiting + s.load.num_in_flight,
-                "running": s.load.num_running,
-                "kv_usage": round(s.load.kv_usage, 4),
-                "tokens_per_s": round(s.tokens_rate, 1),
-                "malformed": s.load.num_malformed,
-                **({"node": s.node} if s.node else {}),
-            }
-            for s in self.stages
-        ]
-        tmp = self.run_dir / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps(rows))
-        tmp.replace(self.run_dir / STATUS_FILE)
-
     def config_file_changed(self) -> bool:
         signature = file_signature(self.config_path)
         changed, self.config_signature = signature != self.config_signature, signature
@@ -665,23 +389,22 @@ class Supervisor:
             return
         log.info("reload applied: %s", ", ".join(live))
 
-    def publish_config(self, config: Config) -> None:
-        """New stages read run.json at start; clients read the tokenizer list from it. Raises
-        OSError (a full disk), and then nothing changed."""
-        info = msgspec.structs.replace(
-            self.info,
-            config=config,
-            tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(config.tokenizer.replicas)],
-        )
-        write_run_info(self.run_dir, info)
-        self.config, self.info = config, info
-
     def wait_ready(self, stages: list[StageProcess]) -> None:
-        deadline = time.monotonic() + self.config.supervisor.start_timeout_s
+        """Watch until `stages` are up (at start, and new stages of a topology change)."""
+        timeout_s = self.config.supervisor.start_timeout_s
+        deadline = last_note = time.monotonic()
+        deadline += timeout_s
         while not all(s.is_ready for s in stages):
-            if time.monotonic() > deadline or self.signals:
-                raise GiveUp(f"stages not ready in time: {[s.name for s in stages if not s.is_ready]}")
+            if self.signals:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                waiting = [s.name for s in stages if not s.is_ready]
+                raise GiveUp(f"stages did not come up within {timeout_s:.0f}s: {waiting}")
             self.tick()
+            if time.monotonic() - last_note > 5:
+                waiting = [s.name for s in stages if not s.is_ready]
+                log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
+                last_note = time.monotonic()
 
     def place_groups(self, config: Config) -> Config:
         """Room for the engine groups that `config` adds: `config`, or, when the cluster has no
@@ -714,20 +437,20 @@ class Supervisor:
         if config.engine.data_parallel > self.topology.num_groups:
             config = self.place_groups(config)
         try:
-            if config.gateway.replicas and self.gateway_port is None:
-                self.claim_gateway_port()  # gateway.port and host are not live: the same
-            self.publish_config(config)
-        except (GiveUp, OSError) as exc:
+            self.run.claim_gateway_port(config)  # gateway replicas from none; port and host are not live
+            self.run.publish(config)
+        except Refused:
             self.stages.release_groups(self.config.engine)  # what place_groups reserved
-            reason = f"could not write {RUN_FILE}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
-            raise Refused(reason) from None
+            raise
+        self.config = config
         new_counts = self.replica_counts(config)
         changes = {path: [old_counts[path], n] for path, n in new_counts.items() if n != old_counts[path]}
         if changes:
             self.audit.rescale(changes)
         step = diff(self.topology, Topology.of(config, self.topology.hosts))
+        assert self.run.info is not None  # published at start
         self.create_rings(
-            Path(self.info.model_dir), range(self.topology.num_groups, config.engine.data_parallel)
+            Path(self.run.info.model_dir), range(self.topology.num_groups, config.engine.data_parallel)
         )
         added = [self.stages.add(spec) for spec in step.added]
         for stage in added:
@@ -785,13 +508,7 @@ class Supervisor:
         self.stages.remove(retiring)
         self.stages.stop(retiring, STOP_GRACE_S)
         self.stages.release_groups(self.config.engine)
-        names = {
-            name for g in groups for name in (self.endpoints.step_ring(g), self.endpoints.result_ring(g))
-        }
-        for ring in [r for r in self.rings if r.name in names]:
-            ring.close()
-            ring.unlink()
-            self.rings.remove(ring)
+        self.run.remove_rings(groups)
         log.info("retired engine groups %d-%d", groups.start, groups.stop - 1)
 
     def broadcast_topology(self, topology: Topology) -> None:
@@ -817,32 +534,16 @@ class Supervisor:
         log.info("drain ended with requests still in flight")
 
     def stop(self) -> None:
-        """Stop the stages in order and remove what this supervisor created: its shared memory,
-        and the run dir's sockets and files once it had claimed the run dir. A supervisor
-        refused at start leaves the live run there untouched (docs/architecture.md invariant 9)."""
+        """Stop the stages in order and remove what this supervisor created (supervision/run.py):
+        a supervisor refused at start leaves the live run there untouched (invariant 9)."""
         if self.mlflow is not None:
             self.mlflow.stop()
         for kind in STOP_ORDER:
             self.stages.stop(self.stages.of_kind(kind), STOP_GRACE_S)
-        for ring in self.rings:
-            ring.close()
-            ring.unlink()
+        self.run.remove_rings()
         self.stages.close()
         close_context(self.ctx, 0)
-        if self.run_lock is not None:
-            self.run_lock.release()  # last of the run's shared memory
-        if self.gateway_port is not None:
-            self.gateway_port.close()
-        if self.run_dir_lock is None:
-            return
-        for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
-            path.unlink(missing_ok=True)
-        shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
-        if not self.config.network.keys_dir:
-            shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
-        # The lock file stays: unlinking it would let a supervisor that opened it meanwhile lock
-        # a file nobody else can see any more.
-        os.close(self.run_dir_lock)
+        self.run.release(keep_keys=bool(self.config.network.keys_dir))
         log.info("stopped; shared memory and sockets removed")
 
 
@@ -911,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        log.info("interrupted during start")
+        log.info("interrupted before the stages were up")
     finally:
         supervisor.stop()
     return code

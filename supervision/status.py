@@ -1,16 +1,107 @@
-"""`python supervisor.py status`: the stage table from the run's status.json (the supervisor
-rewrites it every watch round). On a terminal, or with --watch, it refreshes every second;
-otherwise (piped, redirected) it prints once, so that scripts end."""
+"""What a run says of its stages, in two files, and `python supervisor.py status`, which reads one.
+
+The supervisor rewrites status.json (the `status` table; the gateways' /health) when a stage
+changes state and once per heartbeat interval, and metrics/stages.json (read by /metrics at
+scrape time) once per heartbeat interval: `StatusWriter`. On a terminal, or with --watch, `status`
+refreshes every second; otherwise (piped, redirected) it prints once, so that scripts end."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from services import metrics
+from supervision.stages import StageProcess
 
 STATUS_FILE = "status.json"
 REFRESH_S = 1.0
+
+log = logging.getLogger("supervisor")
+
+
+def status_row(stage: StageProcess, now: float) -> dict:
+    """One stage's row of status.json."""
+    load = stage.load
+    return {
+        "name": stage.name,
+        "kind": stage.kind,
+        "pid": stage.pid,
+        "state": stage.state,
+        "restarts": stage.num_restarts,
+        "uptime_s": round(now - stage.started_at, 1) if stage.state == "running" else 0.0,
+        "queue_depth": load.num_waiting + load.num_in_flight,
+        "running": load.num_running,
+        "kv_usage": round(load.kv_usage, 4),
+        "tokens_per_s": round(stage.tokens_rate, 1),
+        "malformed": load.num_malformed,
+        **({"node": stage.node} if stage.node else {}),
+    }
+
+
+def stage_sample(stage: StageProcess) -> metrics.StageSample:
+    """One stage's entry of metrics/stages.json."""
+    load = stage.load
+    return metrics.StageSample(
+        stage.name, stage.kind, stage.pid, stage.state, stage.num_restarts, stage.group, load.num_running,
+        load.num_waiting, load.kv_usage, load.num_malformed, load.gpu_memory_allocated,
+        load.gpu_memory_reserved, load.num_auth_failures,
+    )  # fmt: skip
+
+
+class StatusWriter:
+    """Writes both files. A full disk must not end the run: a failed write is logged once, when
+    that file's writes start failing, and once when they work again; meanwhile the file keeps its
+    last content, and each later update tries again."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.failing: set[str] = set()
+
+    def write_status(self, stages: Iterable[StageProcess]) -> None:
+        rows = [status_row(stage, time.monotonic()) for stage in stages]
+
+        def write() -> None:
+            tmp = self.run_dir / (STATUS_FILE + ".tmp")
+            tmp.write_text(json.dumps(rows))
+            tmp.replace(self.run_dir / STATUS_FILE)
+
+        self._attempt(STATUS_FILE, write)
+
+    def write_samples(
+        self,
+        stages: Iterable[StageProcess],
+        rings: list[metrics.RingSample],
+        model: str,
+        device: str,
+        num_auth_failures: int,
+    ) -> None:
+        supervisor = metrics.StageSample(
+            "supervisor", "supervisor", os.getpid(), "running", num_auth_failures=num_auth_failures
+        )
+        samples = metrics.StageSamples(model, device, [supervisor, *map(stage_sample, stages)], rings)
+        self._attempt(
+            f"{metrics.METRICS_DIR}/{metrics.STAGES_FILE}",
+            lambda: metrics.write_stage_samples(self.run_dir, samples),
+        )
+
+    def _attempt(self, what: str, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as exc:
+            if what not in self.failing:
+                log.error(
+                    "could not write %s (%s); serving on, and retrying with each update", what, exc.strerror
+                )
+                self.failing.add(what)
+            return
+        if what in self.failing:
+            self.failing.discard(what)
+            log.info("%s written again", what)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -1,0 +1,308 @@
+"""A run's resources, which its supervisor creates and alone removes (docs/architecture.md
+invariants 6 and 9): the run dir (claimed with a lock), run.json, the gateway port, the engine
+groups' shared-memory rings, and the network plan with the endpoints it gives. Errors that stop a
+start or a change are `Refused`, with what to do about them."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from ipc.config import Config
+from ipc.endpoints import Endpoints, NetworkPlan, free_port_base
+from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
+from ipc.ports import PORT_SPAN
+from ipc.shm import RunLock, ShmRing
+from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
+from services.metrics import METRICS_DIR
+from services.stage import RUN_FILE, RunInfo, write_run_info
+from supervision.preflight import Refused, check_hosts
+from supervision.stages import REPO_ROOT, RingSpec
+from supervision.status import STATUS_FILE
+
+RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
+CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
+RUN_DIR_LOCK = "supervisor.lock"  # flocked by the run dir's live supervisor (Run.claim_run_dir)
+PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+
+log = logging.getLogger("supervisor")
+
+
+def step_slot_bytes(config: Config, vocab_size: int) -> int:
+    """Bytes of one step-plan slot at the configured maxima (ipc/step_plan.py declares the arrays),
+    for a model of `vocab_size` (every row constrained: a full grammar bitmask)."""
+    engine = config.engine
+    max_model_len = config.model.max_model_len
+    limits = plan_limits(
+        engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, engine.block_size, vocab_size
+    )
+    return STEP_PLAN.slot_bytes(limits)
+
+
+def result_slot_bytes(config: Config) -> int:
+    return STEP_RESULT.slot_bytes(
+        result_limits(config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
+    )
+
+
+def gateway_port_lock(port: int) -> socket.socket:
+    """A lock on `port` among Brigade runs: an abstract Unix socket named after it, which only one
+    process of a network namespace (the scope of TCP ports) can bind, and which the kernel frees
+    when its holder dies. Raises OSError (EADDRINUSE) while another run holds it."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0brigade-gateway-port-{port}")
+    except OSError:
+        lock.close()
+        raise
+    return lock
+
+
+def probe_port(host: str, port: int) -> None:
+    """Raises OSError when any socket listens on (host, port): one of another run's gateways, or
+    another server. Bound without SO_REUSEPORT, which the gateway replicas set to share the port,
+    so that their port-sharing group admits nobody else's."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: a closed connection of an earlier run, in TIME_WAIT, is no owner.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+
+
+def prepare_model(config: Config) -> Path:
+    """The model as an HF-format dir, converted once (cached) in a child process, so that the
+    supervisor never imports torch."""
+    model = config.model
+    what = model.path or f"(embedded {EMBEDDED_MODEL})"
+    log.info("preparing model %s", what)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "services.gpu_worker.prepare", model.path, model.cache_dir, model.revision],
+            capture_output=True, text=True, cwd=REPO_ROOT, check=False, timeout=PREPARE_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise Refused(f"could not prepare model {what}: no result within {PREPARE_TIMEOUT_S:.0f}s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        sys.stderr.write(done.stderr)
+        raise Refused(f"could not prepare model {what}: {lines[-1] if lines else f'exit {done.returncode}'}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+class Run:
+    """What one supervisor holds for its run; `release` removes exactly that."""
+
+    def __init__(self, run_dir: Path, run_id: str) -> None:
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.endpoints = Endpoints(run_dir, run_id)  # ipc:// until plan_network
+        self.network_plan = NetworkPlan()
+        self.client_keys_file = ""
+        self.info: RunInfo | None = None  # run.json, once the model is prepared
+        self.rings: list[ShmRing] = []
+        self.run_dir_lock: int | None = None  # claim_run_dir: the run dir's files are ours
+        self.run_lock: RunLock | None = None  # the run's shared memory is alive (ipc/shm.py)
+        self.gateway_port: socket.socket | None = None  # claim_gateway_port
+
+    # -- claims ------------------------------------------------------------------------------
+
+    def claim_run_dir(self) -> None:
+        """Take the run dir for this run: an flock on its lock file, held until the supervisor
+        exits (the kernel drops it even on SIGKILL), tells a live run, in whatever PID namespace,
+        from a dead one's leftovers, from the first moment (run.json comes only after the model
+        is prepared). Raises Refused, having touched nothing, while another supervisor holds it."""
+        fd = os.open(self.run_dir / RUN_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise Refused(
+                f"a Brigade run is already live in {self.run_dir} (supervisor pid {holder}); "
+                "stop it first or pass --run-dir"
+            ) from None
+        self.run_dir_lock = fd
+        try:  # the holder's pid, for the refusal above: nice to have, on a full disk too
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock")]:
+            stale.unlink(missing_ok=True)  # a dead run's leftovers
+
+    def claim_shared_memory(self) -> None:
+        """Before any shared memory of the run exists: its lock tells sweeps that it is alive."""
+        self.run_lock = RunLock(self.run_id)
+
+    def claim_gateway_port(self, config: Config) -> None:
+        """Hold gateway.port for this run's gateway replicas (they share it through SO_REUSEPORT,
+        which would as well let another run's replicas in, and the kernel split the connections
+        between the runs): refused when another Brigade run holds it or anything listens on it.
+        On a Ray cluster the gateways may run on another host than this one: not checked there."""
+        gateway = config.gateway
+        if self.gateway_port is not None or not gateway.replicas or config.cluster.backend != "local":
+            return
+        try:
+            lock = gateway_port_lock(gateway.port)
+        except OSError:
+            raise Refused(
+                f"gateway.port {gateway.port} is already served by another Brigade run on this host; "
+                "set gateway.port to another port (or stop that run)"
+            ) from None
+        try:
+            probe_port(gateway.host, gateway.port)
+        except OSError as exc:
+            lock.close()
+            raise Refused(
+                f"gateway.port {gateway.port} on {gateway.host} is in use ({exc.strerror}); "
+                "set gateway.port to a free port"
+            ) from None
+        self.gateway_port = lock
+
+    # -- links -------------------------------------------------------------------------------
+
+    def plan_network(self, config: Config, hosts: dict[str, str]) -> None:
+        """Ports and CURVE keys of the run's tcp:// links: the configured port base or a free one,
+        and the keys of `network.keys_dir` or a fresh set in the run dir. `hosts` places stages
+        on other hosts (stage name -> address; the rest run on `network.host`): their links go
+        over tcp:// whatever `network.transport` says. None of this for a one-host ipc:// run."""
+        network = config.network
+        if network.transport != "tcp" and not hosts:
+            self.endpoints = Endpoints(self.run_dir, self.run_id, network)
+            return
+        check_hosts(network, hosts)
+        try:
+            port_base = network.port_base or free_port_base(network.bind_host or network.host)
+            keys_dir = Path(network.keys_dir) if network.keys_dir else self.run_dir / CURVE_DIR
+            keys = None
+            if network.curve:
+                keys = load_run_keys(keys_dir) if network.keys_dir else create_key_files(keys_dir)
+        except (BadKeyFile, OSError) as exc:
+            raise Refused(f"network: {exc}") from None
+        self.network_plan = NetworkPlan(port_base, hosts, keys)
+        self.client_keys_file = str(keys_dir / f"client{SECRET_SUFFIX}") if keys else ""
+        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
+        first, last, curve = port_base, port_base + PORT_SPAN - 1, " with CURVE" if keys else ""
+        log.info("tcp:// links on ports %d-%d%s", first, last, curve)
+
+    def move_stages(self, config: Config, names: list[str], address: str) -> dict[str, str]:
+        """Stages `names` (an engine group's) now run on a node at `address`: re-plan the links
+        whose server is among them (same ports and CURVE keys, the new address) and publish them
+        in run.json for their new processes. Returns the run's stage hosts now. Raises Refused
+        when the links cannot follow: ipc:// because every stage ran on this host at start, or
+        an address that the checks at start would refuse."""
+        network = config.network
+        if self.endpoints.is_single_host and network.transport != "tcp":
+            raise Refused(
+                f"{', '.join(names)} are placed on a node at {address}, but this run's links are "
+                "ipc:// (all its stages were on one host at start): set network.transport: tcp for a run "
+                "whose engine groups may move to other hosts"
+            )
+        hosts = {**self.network_plan.hosts, **dict.fromkeys(names, address)}
+        check_hosts(network, hosts)
+        self.network_plan = msgspec.structs.replace(self.network_plan, hosts=hosts)
+        self.endpoints = Endpoints(self.run_dir, self.run_id, network, self.network_plan)
+        if self.info is not None:
+            self.info = msgspec.structs.replace(self.info, network=self.network_plan)
+            write_run_info(self.run_dir, self.info)
+        return hosts
+
+    # -- run.json ------------------------------------------------------------------------------
+
+    def publish(self, config: Config, model_dir: Path | None = None, is_ready: bool | None = None) -> None:
+        """run.json, which new stages read at start and clients read the tokenizers from: first
+        with `model_dir`, then again for a new config or once ready. Raises Refused when it
+        cannot be written (a full disk), and then nothing changed."""
+        if self.info is None:
+            assert model_dir is not None, "the first run.json names the model"
+            keys = self.network_plan.keys
+            info = RunInfo(
+                run_id=self.run_id,
+                supervisor_pid=os.getpid(),
+                model_dir=str(model_dir),
+                model=config.model.path or EMBEDDED_MODEL,
+                tokenizers=[],
+                config=config,
+                network=self.network_plan,
+                curve_server_key=keys.server_public if keys else "",
+                curve_client_keys=self.client_keys_file,
+            )
+        else:
+            info = self.info
+        info = msgspec.structs.replace(
+            info,
+            config=config,
+            tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(config.tokenizer.replicas)],
+            is_ready=info.is_ready if is_ready is None else is_ready,
+        )
+        try:
+            write_run_info(self.run_dir, info)
+        except OSError as exc:
+            raise Refused(f"could not write {self.run_dir / RUN_FILE}: {exc.strerror}") from None
+        self.info = info
+
+    # -- shared memory ---------------------------------------------------------------------------
+
+    def create_rings(
+        self,
+        config: Config,
+        model_dir: Path,
+        groups: range,
+        create: Callable[[list[RingSpec]], list[ShmRing]],
+    ) -> None:
+        """The step and result rings of engine groups `groups`, made by `create` (the stage set,
+        which knows the host of each group)."""
+        engine = config.engine
+        # check_model has read this config.json already: it is there and well-formed.
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        specs = []
+        for group in groups:
+            step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
+            specs.append(
+                RingSpec(group, step, RING_SLOTS, step_slot_bytes(config, vocab_size), engine.tensor_parallel)
+            )
+            specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(config), 1))
+        self.rings += create(specs)
+
+    def remove_rings(self, groups: range | None = None) -> None:
+        """Unlink the rings of engine groups `groups` (retired), or all of them (the run ends)."""
+        for ring in list(self.rings):
+            if groups is None or any(
+                ring.name in (self.endpoints.step_ring(g), self.endpoints.result_ring(g)) for g in groups
+            ):
+                ring.close()
+                ring.unlink()
+                self.rings.remove(ring)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def release(self, keep_keys: bool) -> None:
+        """Remove what is left of what this run created, once its stages have stopped and its
+        rings are gone: the run's lock on its shared memory, and the run dir's sockets and files
+        if it had claimed the run dir (a supervisor refused at start leaves the live run there
+        untouched). `keep_keys`: the CURVE keys are the user's (network.keys_dir), not this run's."""
+        if self.run_lock is not None:
+            self.run_lock.release()  # last of the run's shared memory
+        if self.gateway_port is not None:
+            self.gateway_port.close()
+        if self.run_dir_lock is None:
+            return
+        for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
+            path.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
+        if not keep_keys:
+            shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
+        # The lock file stays: unlinking it would let a supervisor that opened it meanwhile lock
+        # a file nobody else can see any more.
+        os.close(self.run_dir_lock)
+        self.run_dir_lock = None
