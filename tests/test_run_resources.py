@@ -1,0 +1,100 @@
+"""A run's resources (supervision/run.py) and the status writer (supervision/status.py), in this
+process: no stage starts here."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from ipc.config import load_config
+from ipc.endpoints import make_run_dir
+from ipc.shm import ShmRing, new_run_id
+from services.stage import RUN_FILE, read_run_info
+from supervision.preflight import Refused
+from supervision.run import Run
+from supervision.stages import StageProcess
+from supervision.status import STATUS_FILE, StatusWriter
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return make_run_dir(tmp_path / "run")
+
+
+def test_a_claimed_run_dir_refuses_a_second_run_and_its_release_leaves_the_first_alone(run_dir: Path):
+    first, second = Run(run_dir, new_run_id()), Run(run_dir, new_run_id())
+    first.claim_run_dir()
+    (run_dir / "tokenizer-0.sock").touch()
+    (run_dir / RUN_FILE).write_text("{}")
+    with pytest.raises(Refused, match="already live"):
+        second.claim_run_dir()
+    second.release(keep_keys=False)  # a refused supervisor's stop()
+    assert (run_dir / "tokenizer-0.sock").exists() and (run_dir / RUN_FILE).exists()
+    first.release(keep_keys=False)
+    assert not (run_dir / "tokenizer-0.sock").exists() and not (run_dir / RUN_FILE).exists()
+    Run(run_dir, new_run_id()).claim_run_dir()  # the lock went with its holder's release
+
+
+def test_run_json_is_published_with_the_config_and_the_tokenizers(run_dir: Path, tmp_path: Path):
+    run = Run(run_dir, new_run_id())
+    run.claim_run_dir()
+    config = load_config(None, ["tokenizer.replicas=2"])
+    run.publish(config, tmp_path / "model")
+    info = read_run_info(run_dir)
+    assert info.model_dir == str(tmp_path / "model") and len(info.tokenizers) == 2 and not info.is_ready
+    run.publish(load_config(None, ["tokenizer.replicas=3"]), is_ready=True)
+    info = read_run_info(run_dir)
+    assert len(info.tokenizers) == 3 and info.is_ready and info.config.tokenizer.replicas == 3
+    run.release(keep_keys=False)
+
+
+def test_run_json_that_cannot_be_written_is_refused_and_changes_nothing(run_dir: Path, tmp_path: Path):
+    run = Run(run_dir, new_run_id())
+    run.publish(load_config(None), tmp_path / "model")
+    before = run.info
+    (run_dir / (RUN_FILE + ".tmp")).mkdir()  # the atomic write's temporary name is taken
+    with pytest.raises(Refused, match="could not write"):
+        run.publish(load_config(None, ["tokenizer.replicas=4"]))
+    assert run.info == before
+
+
+def test_rings_of_retired_groups_go_and_the_rest_stay(run_dir: Path, tmp_path: Path):
+    run = Run(run_dir, new_run_id())
+    run.claim_shared_memory()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    config = load_config(
+        None, ["engine.max_num_seqs=4", "engine.max_num_batched_tokens=64", "model.max_model_len=64"]
+    )
+
+    def create(specs):
+        return [ShmRing.create(s.name, s.num_slots, s.slot_bytes, s.num_readers) for s in specs]
+
+    run.create_rings(config, model_dir, range(3), create)
+    assert len(run.rings) == 6
+    run.remove_rings(range(1, 3))
+    assert sorted(r.name for r in run.rings) == sorted(
+        [run.endpoints.step_ring(0), run.endpoints.result_ring(0)]
+    )
+    run.remove_rings()
+    assert run.rings == []
+    run.release(keep_keys=False)
+
+
+def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog):
+    (tmp_path / "file").write_text("")
+    writer = StatusWriter(tmp_path / "file")  # a run dir that is a file: every write fails
+    stage = StageProcess("tokenizer-0", "tokenizer", [], {}, state="running")
+    with caplog.at_level(logging.INFO, "supervisor"):
+        for _ in range(3):
+            writer.write_status([stage])
+        assert sum("could not write status.json" in r.message for r in caplog.records) == 1
+        writer.run_dir = tmp_path
+        writer.write_status([stage])
+    assert "status.json written again" in caplog.text
+    rows = json.loads((tmp_path / STATUS_FILE).read_text())
+    assert rows[0]["name"] == "tokenizer-0" and rows[0]["state"] == "running"
