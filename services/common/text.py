@@ -29,6 +29,10 @@ _SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 
+# From this length on, encoding goes through encode_batch, which releases the GIL; shorter texts
+# take encode's path, some 30 us faster.
+GIL_FREE_ENCODE_CHARS = 8192
+
 
 # tokenizer_config.json fields that /tokenizer_info leaves out: file paths, and the added-token
 # table (its tokens are in the vocabulary, and it is large).
@@ -136,6 +140,10 @@ class Tokenizer:
         return sorted(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) >= GIL_FREE_ENCODE_CHARS:
+            # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
+            # gateway thread encoding a long prompt does not stall the replica's event loop.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
