@@ -1,0 +1,161 @@
+"""Mixture-of-experts families against HF transformers on the same random weights, in float32:
+Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense layer by
+decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
+mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
+ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
+preemption), and one family served end to end through real processes; the MoE architectures
+Brigade has not built are refused by name."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from client import Client
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
+from services.gpu_worker.model import moe_route
+from services.gpu_worker.model_runner import ModelRunner
+from tests.conftest import TINY_VOCAB_SIZE, save_random_model
+from tests.harness import assert_clean, brigade_run
+from tests.test_families import BLOCK, COMMON, check_against_hf
+from tests.test_family_serving import hf_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+# family -> (transformers config class name, its arguments beyond COMMON)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(MOE, num_local_experts=8, head_dim=16)),
+    "qwen2-moe-shared-expert": ("Qwen2MoeConfig", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=3,
+        decoder_sparse_step=2,  # layer 1 sparse, layers 0 and 2 dense (intermediate_size)
+    )),
+    "qwen3-moe-norm-topk": ("Qwen3MoeConfig", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True, num_hidden_layers=3,
+        mlp_only_layers=[1],
+    )),
+    "olmoe-clip-qkv": ("OlmoeConfig", dict(MOE, num_experts=8, clip_qkv=2.5)),
+}  # fmt: skip
+
+
+def random_moe_config(family: str, **overrides):
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    return getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    family = request.param
+    out = tmp_path_factory.mktemp(family)
+    path = save_random_model(
+        random_moe_config(family), out, seed=10 + sorted(FAMILIES).index(family), std=0.08, embed_std=0.15
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    return family, hf, runner
+
+
+def test_moe_family_matches_hf(moe_model):
+    family, hf, runner = moe_model
+    config = runner.model.config
+    assert config.moe is not None and config.moe.num_experts == 8 and config.moe.top_k == 2
+    if family.startswith(("qwen2", "qwen3")):  # the dense layers really are dense
+        assert config.moe.sparse_layers == (
+            (False, True, False) if family.startswith("qwen2") else (True, False, True)
+        )
+    check_against_hf(hf, runner)
+
+
+def test_router_matches_hf_routing_on_ties_and_normalization():
+    """Softmax in float32 then the top k, renormalized only with norm_topk_prob."""
+    from services.gpu_worker.architectures import MoeConfig
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.0, 1.0]])
+    weights, experts = moe_route(logits, MoeConfig(4, 2, 8, norm_topk_prob=False))
+    probs = torch.softmax(logits, dim=-1)
+    assert experts[0].tolist() == [0, 1]
+    torch.testing.assert_close(weights[0], probs[0, :2])
+    weights, _ = moe_route(logits, MoeConfig(4, 2, 8, norm_topk_prob=True))
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "feature"),
+    [
+        ("GptOssForCausalLM", "attention sinks"),
+        ("DeepseekV3ForCausalLM", "multi-head latent attention"),
+        ("DeepseekV2ForCausalLM", "multi-head latent attention"),
+    ],
+)
+def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, feature: str) -> None:
+    config = random_moe_config("mixtral").to_dict()
+    config["architectures"] = [architecture]
+    with pytest.raises(UnsupportedModel, match=f"mixture-of-experts architecture {architecture}.*{feature}"):
+        ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scoring_func": "sigmoid"}, "unsupported MoE routing scoring_func='sigmoid'"),
+        ({"topk_method": "noaux_tc"}, "unsupported MoE routing topk_method='noaux_tc'"),
+        ({"n_group": 8}, "unsupported MoE routing n_group=8"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ],
+)
+def test_unknown_moe_routing_is_refused_by_name(changes: dict, message: str) -> None:
+    config = {**random_moe_config("qwen3-moe-norm-topk").to_dict(), **changes}
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelConfig.from_dict(config)
+
+
+@pytest.fixture(scope="module")
+def served_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's tokenizer."""
+    out = tmp_path_factory.mktemp("qwen2-moe-serving")
+    config = random_moe_config(
+        "qwen2-moe-shared-expert", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return save_random_model(config, out, seed=20, std=0.1, tokenizer_from=smollm2_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> None:
+    """Three prompts at once in chunks of 16 (chunked prefill, mixed prefill and decode steps with
+    rows routed to different experts), and a repeat of the first (a prefix-cache hit): greedy
+    tokens must be HF's."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    prompts.append(list(prompts[0]))
+    new_tokens = 10
+    expected = [hf_greedy(served_moe_dir, p, new_tokens) for p in prompts[:3]]
+    expected.append(expected[0])
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={served_moe_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+
+        def one(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                result = client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                )
+                return result.token_ids
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(one, prompts[:3]))
+        got.append(one(prompts[3]))
+    assert got == expected
+    assert_clean(run_dir)
