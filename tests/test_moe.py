@@ -159,3 +159,80 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
         got.append(one(prompts[3]))
     assert got == expected
     assert_clean(run_dir)
+
+
+def test_moe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """Two ranks over gloo, each holding half of every expert's (and the shared expert's and the
+    dense layers') intermediate columns, with the router whole: HF's logits and greedy tokens
+    through chunked prefill and decodes; and each rank's expert weights are exactly its columns."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from services.gpu_worker.loader import load_weights
+    from services.gpu_worker.model import LlamaModel
+    from services.gpu_worker.parallel import Parallel
+    from tests.test_families import hf_logits
+    from tests.test_tensor_parallel import FAMILY_PROMPTS, NEW_TOKENS, run_group, step_histories, steps
+
+    family = "qwen2-moe-shared-expert"
+    model_dir = save_random_model(
+        random_moe_config(family), tmp_path / family, seed=30, std=0.08, embed_std=0.15
+    )
+    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    full = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK)
+    load_weights(full, model_dir)
+    for rank in range(2):
+        part = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, Parallel(rank, 2))
+        load_weights(part, model_dir)
+        layer, whole = part.layers[1], full.layers[1]
+        cols = slice(16 * rank, 16 * (rank + 1))  # moe_intermediate_size 32 over 2 ranks
+        assert torch.equal(layer.experts_down, whole.experts_down[:, :, cols])
+        assert torch.equal(layer.experts_gate_up[:, :16], whole.experts_gate_up[:, :32][:, cols])
+        assert torch.equal(layer.router, whole.router)
+        assert layer.shared_down.shape == (64, 24)  # shared_expert_intermediate_size 48 over 2 ranks
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens = []
+    for prompt in FAMILY_PROMPTS:
+        ids = list(prompt)
+        for _ in range(NEW_TOKENS):
+            ids.append(int(hf_logits(hf, ids).argmax()))
+        tokens.append(ids[len(prompt) :])
+    got = run_group(2, model_dir, steps(tokens, FAMILY_PROMPTS))[0][1]
+    histories = step_histories(FAMILY_PROMPTS, tokens)
+    assert got is not None and len(got) == len(histories)
+    for step, (rows, row_histories) in enumerate(zip(got, histories, strict=True)):
+        for row, history in zip(rows, row_histories, strict=True):
+            expected = hf_logits(hf, history)
+            torch.testing.assert_close(
+                torch.from_numpy(row), expected, atol=2e-4, rtol=2e-4, msg=f"step {step}"
+            )
+            assert int(row.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
+
+
+def test_olmoe_refuses_tensor_parallel_by_name() -> None:
+    from services.gpu_worker.model import Shard
+    from services.gpu_worker.parallel import Parallel
+
+    config = ModelConfig.from_dict(random_moe_config("olmoe-clip-qkv").to_dict())
+    with pytest.raises(ValueError, match=r"q/k norms span all heads.*tensor_parallel 1"):
+        Shard.of(config, Parallel(0, 2))
+
+
+def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_path: Path) -> None:
+    """Checked before any stage starts: each expert's columns must divide over the ranks, and
+    OLMoE's all-head q/k norms refuse TP > 1."""
+    from ipc.config import load_config
+    from supervision.preflight import Refused, check_model
+
+    qwen = random_moe_config("qwen2-moe-shared-expert", moe_intermediate_size=30, intermediate_size=96)
+    qwen_dir = save_random_model(qwen, tmp_path / "qwen", seed=0, std=0.08)
+    check_model(load_config(None, ["engine.tensor_parallel=1"]), qwen_dir)
+    with pytest.raises(Refused, match="moe_intermediate_size 30 is not divisible by 4"):
+        check_model(load_config(None, ["engine.tensor_parallel=4"]), qwen_dir)
+    olmoe_dir = save_random_model(random_moe_config("olmoe-clip-qkv"), tmp_path / "olmoe", seed=0, std=0.08)
+    with pytest.raises(Refused, match="OLMoE's q/k norms span all heads"):
+        check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
