@@ -236,3 +236,124 @@ def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_pat
     olmoe_dir = save_random_model(random_moe_config("olmoe-clip-qkv"), tmp_path / "olmoe", seed=0, std=0.08)
     with pytest.raises(Refused, match="OLMoE's q/k norms span all heads"):
         check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
+
+
+# HF -> llama.cpp names of a Qwen2-MoE / Qwen3-MoE's tensors (its converter's tensor map), written
+# out here independently of the loader's maps; experts are stacked into one 3-D tensor each.
+MOE_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+EXPERTS_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def write_moe_gguf(hf_dir: Path, path: Path, arch: str) -> Path:
+    """A GGUF of an HF Qwen2-MoE / Qwen3-MoE dir as llama.cpp's converter writes one: router
+    ffn_gate_inp, each projection's experts as one Q8_0 3-D tensor, the shared expert's gate as a
+    vector, everything else float32. The experts in `hf_dir` are replaced by their Q8_0
+    dequantization, so HF on that dir is the exact reference."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, data in sorted(tensors.items()):
+        if name in top:
+            writer.add_tensor(top[name], data)
+            continue
+        _, _, layer, *rest = name.split(".")
+        if rest[:2] == ["mlp", "experts"]:
+            experts.setdefault((layer, rest[3]), {})[int(rest[2])] = data
+            continue
+        key = ".".join(rest[:-1])
+        writer.add_tensor(
+            f"blk.{layer}.{MOE_TO_GGUF[key]}.{rest[-1]}",
+            data.reshape(-1) if key == "mlp.shared_expert_gate" else data,
+        )
+    for (layer, projection), by_expert in sorted(experts.items()):
+        blocks = quantize(np.stack([by_expert[e] for e in sorted(by_expert)]), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(
+            f"blk.{layer}.{EXPERTS_TO_GGUF[projection]}.weight",
+            blocks,
+            raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+        )
+        exact = dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+        for e in by_expert:
+            tensors[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = np.ascontiguousarray(
+                exact[e]
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("family", "arch"), [("qwen2-moe-shared-expert", "qwen2moe"), ("qwen3-moe-norm-topk", "qwen3moe")]
+)
+def test_moe_gguf_gives_hfs_logits(
+    family: str, arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen2-MoE (shared expert, a dense layer: no ffn_gate_inp there) and a Qwen3-MoE through
+    their GGUFs, experts from Q8_0 blocks: logits of a prefill and decodes against HF."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    config = random_moe_config(family, vocab_size=VOCAB, tie_word_embeddings=False)
+    if family.startswith("qwen3"):
+        config.mlp_only_layers = []  # llama.cpp's qwen3moe has a router in every layer
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=40, std=0.08, embed_std=0.15)
+    path = write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    moe = runner.model.config.moe
+    assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
+    assert moe.norm_topk_prob == (arch == "qwen3moe")
+    if arch == "qwen2moe":
+        assert moe.sparse_layers == (False, True, False) and moe.shared_expert_intermediate_size == 48
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+
+
+def test_mixtral_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+
+    from services.gpu_worker.loader import check_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="unsupported GGUF mixture of experts of architecture 'llama'"):
+        check_gguf(gguf.GGUFReader(str(tmp_path / "mixtral.gguf")))
