@@ -357,3 +357,41 @@ def test_mixtral_gguf_is_refused_by_name(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModel, match="unsupported GGUF mixture of experts of architecture 'llama'"):
         check_gguf(gguf.GGUFReader(str(tmp_path / "mixtral.gguf")))
+
+
+def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:
+    """benchmarks/moe_bench.py at a tiny shape: its counted weight bytes per step are the floor
+    (the router and each distinct selected expert once), below reading every (token, expert)
+    pair's expert once many rows share experts; both stacks are timed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out = tmp_path / "moe.json"
+    args = [
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--hidden",
+        "64",
+        "--expert-intermediate",
+        "32",
+        "--layers",
+        "2",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/moe_bench.py", "--json", str(out), "--repeats", "2", "--batch", "1,16", *args],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, sixteen = json.loads(out.read_text())["results"]
+    assert one["read_over_floor"] == sixteen["read_over_floor"] == 1.0
+    assert (
+        one["weight_bytes_read_per_token"] == one["per_pair_bytes_per_token"]
+    )  # one row: every expert distinct
+    assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
+    assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0

@@ -720,7 +720,7 @@ class LlamaModel:
                 attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
             x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
             if layer.moe is not None:
-                hidden = reduce(moe_mlp(x, layer, activation))
+                hidden = reduce(moe_mlp(x, layer, activation, self.has_few_rows_linear))
             else:
                 gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
                 # In place on the activation's fresh output: one allocation less per layer.
@@ -814,13 +814,19 @@ def moe_route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor
 
 
 def moe_mlp(
-    x: torch.Tensor, layer: LlamaLayer, activation: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor,
+    layer: LlamaLayer,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    has_few_rows_linear: bool = False,
 ) -> torch.Tensor:
     """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism).
 
     The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
     of its tokens at once and its weights are read once per step, whatever the number of rows;
-    experts no token chose are not read at all."""
+    experts no token chose are not read at all. With `has_few_rows_linear` (CPU float32 with the
+    C++ kernels) an expert with at most cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the
+    few-rows linear, as a dense layer's weights do in such steps (torch's GEMV reads an
+    [out, in] weight several times slower)."""
     moe = layer.moe
     assert moe is not None
     weights, experts = moe_route(F.linear(x, layer.router), moe)
@@ -834,15 +840,21 @@ def moe_mlp(
         if count == 0:
             continue
         rows = token_of_pair[start : start + count]
-        gate, up = F.linear(x[rows], layer.experts_gate_up[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(activation(gate).mul_(up), layer.experts_down[expert])
+        linear = (
+            cpu_ops.few_rows_linear if has_few_rows_linear and count <= cpu_ops.MAX_LINEAR_ROWS else F.linear
+        )
+        gate, up = linear(x[rows], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+        expert_out = linear(activation(gate).mul_(up), layer.experts_down[expert])
         out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
         start += count
     if layer.shared_gate_up is not None:
         # Qwen2-MoE's shared expert, which every token runs, scaled by its own sigmoid gate (a
         # function of the whole x, so each rank scales its partial sum by the same factor).
-        gate, up = F.linear(x, layer.shared_gate_up).chunk(2, dim=-1)
-        shared = F.linear(activation(gate).mul_(up), layer.shared_down)
+        linear = (
+            cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
+        )
+        gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
+        shared = linear(activation(gate).mul_(up), layer.shared_down)
         out.add_(shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate))))
     return out
 
