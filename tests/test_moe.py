@@ -74,6 +74,22 @@ def test_moe_family_matches_hf(moe_model):
     check_against_hf(hf, runner)
 
 
+def test_moe_triton_backend_matches_hf(tmp_path: Path) -> None:
+    """The Triton backend (its attention kernels and the fused-MoE grouped GEMMs, in the
+    interpreter on CPU tensors) on a Qwen2-MoE with a shared expert and a dense layer: HF's
+    logits and greedy tokens through prefill, decodes, a prefix hit and a preemption."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.fused_moe import fused_moe_triton
+
+    family = "qwen2-moe-shared-expert"
+    path = save_random_model(random_moe_config(family), tmp_path / family, seed=50, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend="triton")
+    assert runner.model.fused_experts is fused_moe_triton
+    check_against_hf(hf, runner)
+
+
 def test_router_matches_hf_routing_on_ties_and_normalization():
     """Softmax in float32 then the top k, renormalized only with norm_topk_prob."""
     from services.gpu_worker.architectures import MoeConfig

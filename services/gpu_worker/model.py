@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from services.gpu_worker.architectures import ModelConfig, MoeConfig, RopeConfig
-from services.gpu_worker.attention import Shapes, StepMeta, make_ops
+from services.gpu_worker.attention import Shapes, StepMeta, TritonOps, make_ops
 from services.gpu_worker.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -409,6 +409,13 @@ class LlamaModel:
             )  # fmt: skip
             self.kind_ops.append(make_ops(shapes, device, dtype, backend))
         self.ops = self.kind_ops[0]  # also runs the norms
+        # The Triton backend's MoE experts: two grouped GEMMs (imported only there, like its
+        # other kernels, so CPU-only hosts never need Triton).
+        self.fused_experts: Callable[..., torch.Tensor] | None = None
+        if config.moe is not None and isinstance(self.ops, TritonOps):
+            from kernels.fused_moe import fused_moe_triton
+
+            self.fused_experts = fused_moe_triton
         self.shapes = self.ops.s
         is_half = dtype in (torch.bfloat16, torch.float16)
         self.upcast_min_rows = sys.maxsize
@@ -720,7 +727,7 @@ class LlamaModel:
                 attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
             x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
             if layer.moe is not None:
-                hidden = reduce(moe_mlp(x, layer, activation, self.has_few_rows_linear))
+                hidden = reduce(moe_mlp(x, layer, activation, self.has_few_rows_linear, self.fused_experts))
             else:
                 gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
                 # In place on the activation's fresh output: one allocation less per layer.
@@ -818,8 +825,38 @@ def moe_mlp(
     layer: LlamaLayer,
     activation: Callable[[torch.Tensor], torch.Tensor],
     has_few_rows_linear: bool = False,
+    fused_experts: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism).
+    """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism): the
+    selected experts by `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
+    or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
+    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike)."""
+    moe = layer.moe
+    assert moe is not None
+    weights, experts = moe_route(F.linear(x, layer.router), moe)
+    if fused_experts is not None:
+        out = fused_experts(x, layer.experts_gate_up, layer.experts_down, weights, experts, activation)
+    else:
+        out = grouped_experts(x, layer, weights, experts, activation, has_few_rows_linear)
+    if layer.shared_gate_up is not None:
+        linear = (
+            cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
+        )
+        gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
+        shared = linear(activation(gate).mul_(up), layer.shared_down)
+        out.add_(shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate))))
+    return out
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    layer: LlamaLayer,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    has_few_rows_linear: bool,
+) -> torch.Tensor:
+    """The selected experts' weighted outputs summed per token, in torch.
 
     The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
     of its tokens at once and its weights are read once per step, whatever the number of rows;
@@ -827,16 +864,16 @@ def moe_mlp(
     C++ kernels) an expert with at most cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the
     few-rows linear, as a dense layer's weights do in such steps (torch's GEMV reads an
     [out, in] weight several times slower)."""
-    moe = layer.moe
-    assert moe is not None
-    weights, experts = moe_route(F.linear(x, layer.router), moe)
+    top_k = experts.shape[1]
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
-    token_of_pair = order // moe.top_k
+    token_of_pair = order // top_k
     pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     start = 0
-    for expert, count in enumerate(torch.bincount(flat_experts, minlength=moe.num_experts).tolist()):
+    for expert, count in enumerate(
+        torch.bincount(flat_experts, minlength=layer.experts_down.shape[0]).tolist()
+    ):
         if count == 0:
             continue
         rows = token_of_pair[start : start + count]
@@ -847,15 +884,6 @@ def moe_mlp(
         expert_out = linear(activation(gate).mul_(up), layer.experts_down[expert])
         out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
         start += count
-    if layer.shared_gate_up is not None:
-        # Qwen2-MoE's shared expert, which every token runs, scaled by its own sigmoid gate (a
-        # function of the whole x, so each rank scales its partial sum by the same factor).
-        linear = (
-            cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
-        )
-        gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
-        shared = linear(activation(gate).mul_(up), layer.shared_down)
-        out.add_(shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate))))
     return out
 
 
