@@ -411,3 +411,21 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     )  # one row: every expert distinct
     assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
     assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "config_bias", "want"),
+    [
+        # (qkv, o_proj, mlp) biases, as each family's HF attention builds its projections.
+        ("qwen3-moe-norm-topk", dict(attention_bias=True), (True, True, False)),
+        ("olmoe-clip-qkv", dict(attention_bias=True), (True, True, False)),
+        ("qwen2-moe-shared-expert", dict(), (True, False, False)),  # qkv_bias defaults to true
+        ("qwen2-moe-shared-expert", dict(qkv_bias=False), (False, False, False)),
+        ("mixtral", dict(attention_bias=True), (False, False, False)),  # MixtralAttention has none
+    ],
+)
+def test_moe_bias_flags_follow_each_familys_hf_class(family: str, config_bias: dict, want: tuple) -> None:
+    config = random_moe_config(family, **config_bias).to_dict()
+    config["architectures"] = [FAMILIES[family][0].replace("Config", "ForCausalLM")]
+    parsed = ModelConfig.from_dict(config)
+    assert (parsed.attention_bias, parsed.o_proj_bias, parsed.mlp_bias) == want
