@@ -541,9 +541,9 @@ class LlamaModel:
                 plain["post_feedforward_layernorm.weight"] = layer.post_mlp_norm
             else:
                 plain["post_attention_layernorm.weight"] = layer.pre_mlp_norm
-            moe = expert_slots(layer, key) if layer.moe is not None else None
-            if moe is not None:
-                dst = moe
+            expert_dst = expert_slots(layer, key) if layer.moe is not None else None
+            if expert_dst is not None:
+                dst = expert_dst
             elif key in merged:
                 whole, start, size = merged[key]
                 dst = whole.narrow(0, start, size)
