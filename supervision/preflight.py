@@ -102,6 +102,18 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
             f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its intermediate size "
             f"{intermediate} is not divisible by {tp}"
         )
+    # A mixture of experts splits each expert's (and the shared expert's) columns the same way.
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if int(raw.get(key) or 0) % tp:
+            raise Refused(
+                f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its {key} {raw[key]} is not "
+                f"divisible by {tp}"
+            )
+    if tp > 1 and raw.get("model_type") == "olmoe":
+        raise Refused(
+            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: OLMoE's q/k norms span all heads; "
+            "supported: tensor_parallel 1"
+        )
     engine = config.engine
     if engine.device != "cpu":
         return  # a CUDA worker's budget depends on free device memory: it checks at start

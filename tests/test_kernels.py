@@ -658,3 +658,33 @@ def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str, in_features: i
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)
     with pytest.raises(RuntimeError, match="super-blocks"):
         cpu_ops.few_rows_linear_quantized(torch.randn(1, in_features + 256), packed, fmt)
+
+
+# ---------------------------------------------------------------- fused MoE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (7, 1), (21, 4)])
+def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k: int) -> None:
+    """Tokens sorted to experts in BLOCK_M tiles (some experts chosen by more tokens than a tile
+    holds, some by none), odd intermediate and hidden sizes (masked tiles), routing weights."""
+    from kernels.fused_moe import align_pairs, fused_moe_ref, fused_moe_triton
+
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, inter = 6, 40, 24
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden) * 0.2).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter) * 0.2).to(dtype)
+    # Expert 0 is never chosen; expert 1 is every token's first choice (over a tile at 21 tokens).
+    logits = torch.randn(num_tokens, num_experts)
+    logits[:, 0], logits[:, 1] = -100.0, 10.0
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1), top_k)
+    weights = torch.rand(num_tokens, top_k)
+    sorted_pairs, tile_experts = align_pairs(experts, num_experts)
+    assert 0 not in tile_experts.tolist()
+    assert sorted(p for p in sorted_pairs.tolist() if p < num_tokens * top_k) == list(
+        range(num_tokens * top_k)
+    )
+    got = fused_moe_triton(x, gate_up, down, weights, experts, F.silu)
+    want = fused_moe_ref(x, gate_up, down, weights, experts, F.silu)
+    assert_close(got, want)

@@ -23,22 +23,53 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # config.json `model_type` of each family, for configs that name no architecture.
 MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
 }  # fmt: skip
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).
-ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3")
+ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe")
+# Mixture-of-experts families (MoeConfig): their routers softmax over the experts, then take the top k.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# MoE architectures Brigade knows but cannot run yet, refused by name with the feature that is missing.
+UNBUILT_MOE = {
+    "GptOssForCausalLM": "gpt-oss (attention sinks, clamped-SwiGLU biased experts, MXFP4 expert weights)",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing)",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 (multi-head latent attention, group-limited routing)",
+}
 
 
 class UnsupportedModel(ValueError):
     """A model Brigade would run wrongly; raised at load, before any weight is read."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP, as the HF MoE families compute it: router logits -> softmax (in
+    float32) -> the top `top_k` experts, whose probabilities are renormalized to sum to 1 where
+    `norm_topk_prob`; each selected expert is a gated MLP of `intermediate_size`, its output
+    weighted by its probability. Qwen2-MoE adds a shared expert that every token runs, scaled by
+    sigmoid(shared_expert_gate(x))."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert
+    # Per layer: whether its MLP is the mixture (Qwen's mlp_only_layers / decoder_sparse_step
+    # layers are dense, of the config's intermediate_size).
+    sparse_layers: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +118,10 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     layer_ropes: tuple[int, ...] = ()
     ropes: tuple[RopeConfig, ...] = ()
+    moe: MoeConfig | None = None  # None = every layer's MLP is dense
+    # OLMoE: RMSNorm over the whole q and the whole k projection (all heads at once), not per head.
+    qk_norm_whole: bool = False
+    clip_qkv: float = 0.0  # q, k and v clamped to [-clip, clip] after the norms (OLMoE); 0 = none
 
     @property
     def softmax_scale(self) -> float:
@@ -107,6 +142,8 @@ class ModelConfig:
             and not (self.o_proj_bias or self.mlp_bias)
             and not any(self.layer_windows)
             and len(self.ropes) == 1
+            and self.moe is None
+            and not (self.qk_norm_whole or self.clip_qkv)
         )
 
     @classmethod
@@ -145,6 +182,8 @@ class ModelConfig:
             raise UnsupportedModel(
                 "unsupported LongRoPE ropes with different original lengths; supported: one"
             )
+        if family == "qwen2_moe":
+            has_attention_bias = bool(d.get("qkv_bias", True))  # q, k and v only (Qwen2MoeAttention)
         attention_scale = 0.0
         if d.get("query_pre_attn_scalar"):
             attention_scale = float(d["query_pre_attn_scalar"]) ** -0.5
@@ -162,11 +201,12 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
             # Qwen2 has qkv biases without saying so in its config; the families whose HF classes
             # read attention_bias put it on all four projections. Mistral and Phi-3 have none.
-            attention_bias=family == "qwen2" or (family in ALL_PROJECTION_BIAS and has_attention_bias),
+            attention_bias=family == "qwen2"
+            or (family in (*ALL_PROJECTION_BIAS, "qwen2_moe") and has_attention_bias),
             o_proj_bias=family in ALL_PROJECTION_BIAS and has_attention_bias,
             mlp_bias=family == "llama" and bool(d.get("mlp_bias", False)),
             activation=ACTIVATIONS[activation_name],
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             norm_plus_one=is_gemma,
             sandwich_norms=is_gemma,
             embed_scale=hidden**0.5 if is_gemma else 1.0,
@@ -177,6 +217,9 @@ class ModelConfig:
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
             layer_ropes=layer_ropes,
             ropes=ropes,
+            moe=_moe(d, family, num_layers),
+            qk_norm_whole=family == "olmoe",
+            clip_qkv=float(d.get("clip_qkv") or 0.0) if family == "olmoe" else 0.0,
         )
 
     @classmethod
@@ -195,6 +238,11 @@ def _architecture(d: dict) -> tuple[str, str]:
                 f"supported architectures: {supported}"
             )
         return next(a for a, f in ARCHITECTURES.items() if f == family), family
+    if len(names) == 1 and names[0] in UNBUILT_MOE:
+        raise UnsupportedModel(
+            f"unsupported mixture-of-experts architecture {names[0]}: {UNBUILT_MOE[names[0]]} is not "
+            f"built yet; supported: {supported}"
+        )
     if len(names) != 1 or names[0] not in ARCHITECTURES:
         raise UnsupportedModel(f"unsupported architecture {names}; supported: {supported}")
     return names[0], ARCHITECTURES[names[0]]
@@ -274,8 +322,16 @@ def _layer_types(d: dict, family: str, num_layers: int) -> list[str]:
     types = d.get("layer_types")
     if types is None:
         window = d.get("sliding_window")
-        if family in ("mistral", "phi3") and window:
+        if family in ("mistral", "phi3", "mixtral") and window:
             types = ["sliding_attention"] * num_layers
+        elif family == "qwen3_moe" and d.get("use_sliding_window") and window:
+            types = ["sliding_attention"] * num_layers  # Qwen3MoeAttention: every layer, when set
+        elif family == "qwen2_moe" and d.get("use_sliding_window") and window:
+            start = d.get("max_window_layers", num_layers)  # Qwen2MoeConfig's own layer_types rule
+            types = [
+                "sliding_attention" if (i + 1) % 2 and i < start else "full_attention"
+                for i in range(num_layers)
+            ]
         elif family in ("qwen2", "qwen3") and d.get("use_sliding_window") and window:
             start = d.get("max_window_layers", num_layers)
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
@@ -292,3 +348,38 @@ def _layer_types(d: dict, family: str, num_layers: int) -> list[str]:
         unknown = sorted({t for t in types if t not in LAYER_TYPES})
         raise UnsupportedModel(f"unsupported layer_types {unknown or types}; supported: {list(LAYER_TYPES)}")
     return list(types)
+
+
+# Router settings the MoE families' HF classes do not read; a config that sets one to anything but
+# the value below means routing Brigade would not reproduce.
+ROUTING_DEFAULTS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1}
+
+
+def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
+    """The mixture-of-experts MLP of a MoE family's config (None for the dense families)."""
+    if family not in MOE_FAMILIES:
+        return None
+    for key, default in ROUTING_DEFAULTS.items():
+        if d.get(key, default) not in (default, None):
+            raise UnsupportedModel(
+                f"unsupported MoE routing {key}={d[key]!r}; supported: softmax over the experts, then the "
+                f"top num_experts_per_tok ({key}={default!r})"
+            )
+    num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedModel(
+            f"MoE config with num_experts={num_experts} and num_experts_per_tok={top_k}; supported: "
+            "1 <= num_experts_per_tok <= num_experts"
+        )
+    if family == "mixtral":  # one size for every expert; the top-k are always renormalized
+        return MoeConfig(num_experts, top_k, int(d["intermediate_size"]), True, 0, (True,) * num_layers)
+    dense = set(d.get("mlp_only_layers") or ())
+    step = int(d.get("decoder_sparse_step") or 1)
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoeConfig(
+        num_experts, top_k, int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        bool(d.get("norm_topk_prob", False)),
+        int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+        sparse,
+    )  # fmt: skip

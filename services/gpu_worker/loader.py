@@ -176,8 +176,27 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
-GGUF_MODEL_TYPES = {"mistral": "llama", "gemma3": "gemma3_text"}  # the others' are their arch
+GGUF_MODEL_TYPES = {
+    "mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+}  # the others' are their arch  # fmt: skip
+# Mixture-of-experts GGUFs, as llama.cpp's converter writes them: the router (ffn_gate_inp), each
+# projection of all experts as one 3-D tensor [experts, rows, in] (split here into HF's
+# per-expert weights), and Qwen2-MoE's shared expert and its gate.
+GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
+# ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE not.
+GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
 # layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -207,10 +226,13 @@ def check_gguf(reader) -> None:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none, linear")
+    if arch not in GGUF_MOE_ARCHITECTURES and _field(reader, f"{arch}.expert_count"):
+        raise UnsupportedModel(
+            f"unsupported GGUF mixture of experts of architecture {arch!r} (e.g. Mixtral); supported MoE "
+            f"GGUF architectures: {list(GGUF_MOE_ARCHITECTURES)}"
+        )
     unknown = [
-        t.name
-        for t in reader.tensors
-        if _hf_name(t.name, arch) is None and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        t.name for t in reader.tensors if not _hf_parts(t, arch) and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
     ]
     if unknown:
         raise UnsupportedModel(
@@ -261,6 +283,8 @@ def _gguf_config(reader) -> dict:
     }
     if arch in GEMMA_27B_LAYERS:
         config.update(_gemma_config(reader, config, arch))
+    if arch in GGUF_MOE_ARCHITECTURES:
+        config.update(_moe_config(reader, arch, tensor_names, config["num_hidden_layers"]))
     if arch == "phi3":  # a longrope model's original length, and Phi-3's window, where set
         original = _field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
@@ -305,6 +329,26 @@ def _gemma_config(reader, config: dict, arch: str) -> dict:
     if arch == "gemma3":
         gemma["rope_local_base_freq"] = 10000.0
     return gemma
+
+
+def _moe_config(reader, arch: str, tensor_names: set[str], num_layers: int) -> dict:
+    """A MoE GGUF's experts, as the HF config of its architecture names them; a layer without a
+    router is dense (mlp_only_layers)."""
+    moe = {
+        "num_experts": int(_field(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", GGUF_MOE_NORM_TOPK[arch])),
+        "mlp_only_layers": [
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        ],
+    }
+    if arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = int(
+            _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+        )
+        moe["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    return moe
 
 
 def _gguf_head_dim(reader, arch: str) -> int:
@@ -397,6 +441,24 @@ def gguf_generation_config(reader) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
+def _hf_parts(tensor, arch: str) -> list[tuple[str, int | None]]:
+    """The HF weights a GGUF tensor holds: [(name, None)] for one weight, [(name, e), ...] for
+    each expert e of a 3-D experts tensor, [] for tensors the model does not use."""
+    parts = tensor.name.split(".")
+    if arch in GGUF_MOE_ARCHITECTURES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
+        _, layer, kind, _ = parts
+        if kind in GGUF_EXPERTS:
+            num_experts = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+            return [
+                (f"model.layers.{layer}.mlp.experts.{e}.{GGUF_EXPERTS[kind]}.weight", e)
+                for e in range(num_experts)
+            ]
+        if kind in GGUF_MOE_NAMES:
+            return [(f"model.layers.{layer}.{GGUF_MOE_NAMES[kind]}.weight", None)]
+    name = _hf_name(tensor.name, arch)
+    return [] if name is None else [(name, None)]
+
+
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor of architecture `arch`, or None for tensors the model does
     not use."""
@@ -433,8 +495,8 @@ def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
 
 
 def _is_blocks(tensor) -> bool:
-    """Whether a GGUF tensor is kept as its blocks (a quantized 2-D weight)."""
-    return tensor.tensor_type.name not in PLAIN_TYPES and len(tensor.shape) == 2
+    """Whether a GGUF tensor is kept as its blocks (a quantized 2-D weight, or 3-D experts)."""
+    return tensor.tensor_type.name not in PLAIN_TYPES and len(tensor.shape) >= 2
 
 
 def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
@@ -445,31 +507,35 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
 
     arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t.name, arch)
-        if name is None:
+        parts = _hf_parts(t, arch)
+        if not parts:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if arch in GEMMA_27B_LAYERS and name.endswith("norm.weight"):
+        if arch in GEMMA_27B_LAYERS and parts[0][0].endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's norms as (1 + w); HF's hold w
-        w = torch.from_numpy(np.ascontiguousarray(_hf_rows(t.name, w, config)))
-        if _is_blocks(t):
-            yield name, w.to(torch.bfloat16)
-        else:  # exact: F16 and BF16 as such, F32 (and any quantized 1-D tensor) in float32
-            kind = {"F16": torch.float16, "BF16": torch.bfloat16}.get(t.tensor_type.name, torch.float32)
-            yield name, w.to(kind)
+        kind = {"F16": torch.float16, "BF16": torch.bfloat16}.get(t.tensor_type.name, torch.float32)
+        for name, expert in parts:
+            part = w if expert is None else w[expert]
+            if name.endswith("shared_expert_gate.weight"):
+                part = part.reshape(1, -1)  # llama.cpp's is a vector, HF's a [1, hidden] linear
+            part = torch.from_numpy(np.ascontiguousarray(_hf_rows(t.name, part, config)))
+            # Exact: F16 and BF16 as such, F32 (and any quantized 1-D tensor) in float32.
+            yield name, part.to(torch.bfloat16 if _is_blocks(t) else kind)
 
 
 def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Every quantized 2-D weight as its raw GGUF blocks ([rows, bytes] uint8, rows in HF order),
-    and each one's format."""
+    """Every quantized 2-D weight (each expert of a 3-D one) as its raw GGUF blocks ([rows,
+    bytes] uint8, rows in HF order), and each one's format."""
     blocks, formats = {}, {}
     arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t.name, arch)
-        if name is None or not _is_blocks(t):
+        if not _is_blocks(t):
             continue
-        blocks[name] = np.ascontiguousarray(_hf_rows(t.name, np.asarray(t.data), config))
-        formats[name] = t.tensor_type.name
+        data = np.asarray(t.data)
+        for name, expert in _hf_parts(t, arch):
+            part = data if expert is None else data[expert]
+            blocks[name] = np.ascontiguousarray(_hf_rows(t.name, part, config))
+            formats[name] = t.tensor_type.name
     return blocks, formats
 
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from services.gpu_worker.architectures import ModelConfig, RopeConfig
-from services.gpu_worker.attention import Shapes, StepMeta, make_ops
+from services.gpu_worker.architectures import ModelConfig, MoeConfig, RopeConfig
+from services.gpu_worker.attention import Shapes, StepMeta, TritonOps, make_ops
 from services.gpu_worker.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,11 @@ class Shard:
     vocab_start: int
     num_vocab_rows: int  # rows of this rank's embedding that hold real tokens
     vocab_shard_size: int  # rows of every rank's embedding (the last one is padded with zeros)
+    # MoE: this rank's columns of every expert's MLP, and of the shared expert's (0 without one).
+    expert_intermediate_start: int = 0
+    expert_intermediate_size: int = 0
+    shared_intermediate_start: int = 0
+    shared_intermediate_size: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, parallel: Parallel) -> Shard:
@@ -143,13 +148,23 @@ class Shard:
             raise ValueError(
                 f"tensor_parallel ({world}) must be <= or a multiple of num_key_value_heads ({num_kv})"
             )
+        if config.qk_norm_whole and parallel.is_parallel:
+            raise ValueError(
+                f"{config.architecture}: its q/k norms span all heads (OLMoE), which tensor_parallel "
+                f"({world}) would split; supported: tensor_parallel 1"
+            )
         inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
+        # Each expert's intermediate dimension is split like a dense MLP's: every rank routes the
+        # same way and holds a column slice of every expert, so one all_reduce sums the mixture.
+        moe = config.moe or MoeConfig(0, 0, 0, False)
+        expert_split = parallel.split(moe.intermediate_size, "moe_intermediate_size")
+        shared_split = parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         vocab_shard = -(-config.vocab_size // world)
         vocab_start = rank * vocab_shard
         num_vocab_rows = max(min(vocab_shard, config.vocab_size - vocab_start), 0)
         return cls(
             head_start, num_heads, kv_head_start, num_kv_heads,
-            inter_start, inter_size, vocab_start, num_vocab_rows, vocab_shard,
+            inter_start, inter_size, vocab_start, num_vocab_rows, vocab_shard, *expert_split, *shared_split,
         )  # fmt: skip
 
 
@@ -219,12 +234,35 @@ def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
 
 
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
+# Mixtral's MoE weight names -> the Qwen / OLMoE ones the model loads by (w1 gate, w3 up, w2 down).
+MIXTRAL_NAMES = {
+    "block_sparse_moe.": "mlp.",
+    ".w1.": ".gate_proj.",
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
+}
+
+
+def moe_weight_name(name: str) -> str:
+    """A checkpoint weight's name with Mixtral's MoE names as the other families spell them."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for mixtral, common in MIXTRAL_NAMES.items():
+        name = name.replace(mixtral, common)
+    return name
 
 
 class LlamaLayer:
     """One decoder layer's weights (this rank's shard of them)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: Shard,
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sparse: bool = False,
+    ) -> None:
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
 
@@ -237,14 +275,30 @@ class LlamaLayer:
         # Biases of the row-parallel projections are whole: added once, after the all_reduce.
         self.o_bias = empty(h) if config.o_proj_bias else None
         self.pre_mlp_norm = empty(h)
-        # Qwen3 / Gemma 3: RMSNorm over each q and k head, before rotary.
-        self.q_norm = empty(d) if config.qk_norm else None
-        self.k_norm = empty(d) if config.qk_norm else None
+        # Qwen3 / Gemma 3: RMSNorm over each q and k head, before rotary; OLMoE: over all of q and k.
+        self.q_norm = (
+            empty(d) if config.qk_norm else empty(shard.num_heads * d) if config.qk_norm_whole else None
+        )
+        self.k_norm = (
+            empty(d) if config.qk_norm else empty(shard.num_kv_heads * d) if config.qk_norm_whole else None
+        )
         # Gemma 2 / 3: the attention output and the MLP output are normed too, before their residual add.
         self.post_attn_norm = empty(h) if config.sandwich_norms else None
         self.post_mlp_norm = empty(h) if config.sandwich_norms else None
-        self.gate_up = empty(2 * shard.intermediate_size, h)  # column-parallel
-        self.down = empty(h, shard.intermediate_size)  # row-parallel
+        # A sparse layer's MLP is its experts (below): its dense weights are empty, so every layout's
+        # copies of them are too.
+        self.moe = config.moe if is_sparse else None
+        dense_size = 0 if self.moe is not None else shard.intermediate_size
+        self.gate_up = empty(2 * dense_size, h)  # column-parallel
+        self.down = empty(h, dense_size)  # row-parallel
+        if self.moe is not None:
+            e, ei, si = self.moe.num_experts, shard.expert_intermediate_size, shard.shared_intermediate_size
+            self.router = empty(e, h)  # whole on every rank: each routes every token the same way
+            self.experts_gate_up = empty(e, 2 * ei, h)  # column-parallel within each expert
+            self.experts_down = empty(e, h, ei)  # row-parallel
+            self.shared_gate_up = empty(2 * si, h) if si else None
+            self.shared_down = empty(h, si) if si else None
+            self.shared_expert_gate = empty(1, h) if si else None
         self.gate_up_bias = empty(2 * shard.intermediate_size) if config.mlp_bias else None
         self.down_bias = empty(h) if config.mlp_bias else None
         # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
@@ -287,6 +341,27 @@ class LlamaLayer:
         return (*flat[:2], self.qkv_bias, *flat[2:])
 
 
+def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
+    """Where a sparse layer's MoE weight `key` (its name after model.layers.N.) goes: the router,
+    an expert's gate / up rows or its down projection, or the shared expert's; None otherwise."""
+    parts = key.split(".")
+    if key == "mlp.gate.weight":
+        return layer.router
+    if key == "mlp.shared_expert_gate.weight":
+        return layer.shared_expert_gate
+    if len(parts) == 5 and parts[:2] == ["mlp", "experts"] and parts[4] == "weight":
+        expert = int(parts[2])
+        if expert >= layer.experts_gate_up.shape[0]:
+            raise KeyError(f"expert {expert} of a layer with {layer.experts_gate_up.shape[0]}")
+        gate_up, down = layer.experts_gate_up[expert], layer.experts_down[expert]
+    elif len(parts) == 4 and parts[:2] == ["mlp", "shared_expert"] and layer.shared_gate_up is not None:
+        gate_up, down = layer.shared_gate_up, layer.shared_down
+    else:
+        return None
+    size = down.shape[1]
+    return {"gate_proj": gate_up[:size], "up_proj": gate_up[size:], "down_proj": down}.get(parts[-2])
+
+
 class LlamaModel:
     """Owns the weights and runs one step: tokens in, logits of the sampled rows out.
 
@@ -314,7 +389,8 @@ class LlamaModel:
         self.scale = config.softmax_scale
         # Zeroed: the padding rows of the last vocabulary shard must give zero embeddings and logits.
         self.embed = torch.zeros(shard.vocab_shard_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = [LlamaLayer(config, shard, dtype, device) for _ in range(config.num_hidden_layers)]
+        sparse = config.moe.sparse_layers if config.moe is not None else (False,) * config.num_hidden_layers
+        self.layers = [LlamaLayer(config, shard, dtype, device, is_sparse) for is_sparse in sparse]
         self.norm = torch.empty(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if config.tie_word_embeddings else torch.zeros_like(self.embed)
         # One attention backend per distinct (sliding window, rope) of the layers: each prepares
@@ -333,6 +409,13 @@ class LlamaModel:
             )  # fmt: skip
             self.kind_ops.append(make_ops(shapes, device, dtype, backend))
         self.ops = self.kind_ops[0]  # also runs the norms
+        # The Triton backend's MoE experts: two grouped GEMMs (imported only there, like its
+        # other kernels, so CPU-only hosts never need Triton).
+        self.fused_experts: Callable[..., torch.Tensor] | None = None
+        if config.moe is not None and isinstance(self.ops, TritonOps):
+            from kernels.fused_moe import fused_moe_triton
+
+            self.fused_experts = fused_moe_triton
         self.shapes = self.ops.s
         is_half = dtype in (torch.bfloat16, torch.float16)
         self.upcast_min_rows = sys.maxsize
@@ -367,8 +450,14 @@ class LlamaModel:
         sh, d = self.shard, self.config.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return 0, sh.vocab_start, sh.num_vocab_rows
-        key = ".".join(name.split(".")[3:])
+        key = ".".join(moe_weight_name(name).split(".")[3:])
         projection, _, kind = key.rpartition(".")
+        if projection.startswith(("mlp.experts.", "mlp.shared_expert.")):
+            if projection.startswith("mlp.experts."):
+                start, size = sh.expert_intermediate_start, sh.expert_intermediate_size
+            else:
+                start, size = sh.shared_intermediate_start, sh.shared_intermediate_size
+            return (1, start, size) if projection.endswith("down_proj") else (0, start, size)
         if kind == "bias" and projection in ("self_attn.o_proj", "mlp.down_proj"):
             return None  # whole on every rank (LlamaLayer.o_bias)
         if projection == "self_attn.q_proj":
@@ -388,6 +477,7 @@ class LlamaModel:
         (possibly merged) slot."""
         if name.endswith("rotary_emb.inv_freq"):
             return
+        name = moe_weight_name(name)
         c, sh = self.config, self.shard
         if c.fused_weights and name.endswith(FUSED_WEIGHTS):
             # Phi-3's qkv_proj / gate_up_proj (whole: shard_spec does not slice them) as the
@@ -451,7 +541,10 @@ class LlamaModel:
                 plain["post_feedforward_layernorm.weight"] = layer.post_mlp_norm
             else:
                 plain["post_attention_layernorm.weight"] = layer.pre_mlp_norm
-            if key in merged:
+            expert_dst = expert_slots(layer, key) if layer.moe is not None else None
+            if expert_dst is not None:
+                dst = expert_dst
+            elif key in merged:
                 whole, start, size = merged[key]
                 dst = whole.narrow(0, start, size)
             elif plain.get(key) is not None:
@@ -466,24 +559,32 @@ class LlamaModel:
         self._loaded.add(name)
 
     def expected_weights(self) -> set[str]:
-        """The HF names of every weight the model needs (fused checkpoints' split into their parts)."""
+        """The HF names of every weight the model needs (fused checkpoints' split into their parts,
+        Mixtral's MoE names as `moe_weight_name` spells them)."""
         c = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
         per_layer = ["input_layernorm", "post_attention_layernorm"]
         per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
-        per_layer += [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
-        if c.qk_norm:
+        if c.qk_norm or c.qk_norm_whole:
             per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
         if c.sandwich_norms:
             per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         biases = [f"self_attn.{p}_proj.bias" for p in "qkv"] if c.attention_bias else []
         biases += ["self_attn.o_proj.bias"] if c.o_proj_bias else []
         biases += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")] if c.mlp_bias else []
-        for i in range(c.num_hidden_layers):
+        for i, layer in enumerate(self.layers):
             names.update(f"model.layers.{i}.{w}.weight" for w in per_layer)
             names.update(f"model.layers.{i}.{b}" for b in biases)
+            projections = [f"{p}_proj" for p in ("gate", "up", "down")]
+            mlp = [f"mlp.{p}" for p in projections]
+            if layer.moe is not None:
+                mlp = ["mlp.gate"]
+                mlp += [f"mlp.experts.{e}.{p}" for e in range(layer.moe.num_experts) for p in projections]
+                if layer.shared_gate_up is not None:
+                    mlp += ["mlp.shared_expert_gate"] + [f"mlp.shared_expert.{p}" for p in projections]
+            names.update(f"model.layers.{i}.{w}.weight" for w in mlp)
         return names
 
     @property
@@ -623,17 +724,25 @@ class LlamaModel:
             layer_ops, layer_meta = self.kind_ops[kind], metas[kind]
             qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qk_norms = None if layer.q_norm is None else (layer.q_norm, layer.k_norm, eps)
-            q, k, v = layer_ops.qkv_rotary(linear(x, qkv_w, layer.qkv_bias), layer_meta, qk_norms)
+            qk_norms = None if layer.q_norm is None or c.qk_norm_whole else (layer.q_norm, layer.k_norm, eps)
+            qkv = linear(x, qkv_w, layer.qkv_bias)
+            if c.qk_norm_whole:
+                qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps)
+            if c.clip_qkv:
+                qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+            q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
             attn = reduce(linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale), o_proj_w))
             if layer.o_bias is not None:
                 attn.add_(layer.o_bias)
             if layer.post_attn_norm is not None:
                 attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
             x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
-            gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
-            # In place on the activation's fresh output: one allocation less per layer.
-            hidden = reduce(linear(activation(gate).mul_(up), down_w))
+            if layer.moe is not None:
+                hidden = reduce(moe_mlp(x, layer, activation, self.has_few_rows_linear, self.fused_experts))
+            else:
+                gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
+                # In place on the activation's fresh output: one allocation less per layer.
+                hidden = reduce(linear(activation(gate).mul_(up), down_w))
             if layer.down_bias is not None:
                 hidden.add_(layer.down_bias)
             if layer.post_mlp_norm is not None:
@@ -704,6 +813,94 @@ class LlamaModel:
         is_mine = (local >= 0) & (local < self.shard.num_vocab_rows)
         hidden = F.embedding(torch.where(is_mine, local, 0), self.embed)
         return self.parallel.all_reduce(hidden.masked_fill_(~is_mine.unsqueeze(-1), 0))
+
+
+def norm_whole_qk(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMoE's q and k norms: RMSNorm over the whole q projection and the whole k projection of
+    qkv [T, q + 2 kv] (all heads at once, as OlmoeAttention does), v unchanged."""
+    q_size, kv_size = q_norm.shape[0], k_norm.shape[0]
+    q, k, v = qkv.split((q_size, kv_size, qkv.shape[1] - q_size - kv_size), dim=-1)
+    return torch.cat(
+        (F.rms_norm(q, (q_size,), q_norm, eps), F.rms_norm(k, (kv_size,), k_norm, eps), v), dim=-1
+    )
+
+
+def moe_route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [T, top_k] of each token, as the HF MoE routers compute them: softmax
+    over all experts in float32, the top k (torch.topk, so ties break as HF's do), renormalized
+    to sum to 1 where norm_topk_prob."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def moe_mlp(
+    x: torch.Tensor,
+    layer: LlamaLayer,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    has_few_rows_linear: bool = False,
+    fused_experts: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism): the
+    selected experts by `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
+    or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
+    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike)."""
+    moe = layer.moe
+    assert moe is not None
+    weights, experts = moe_route(F.linear(x, layer.router), moe)
+    if fused_experts is not None:
+        out = fused_experts(x, layer.experts_gate_up, layer.experts_down, weights, experts, activation)
+    else:
+        out = grouped_experts(x, layer, weights, experts, activation, has_few_rows_linear)
+    if layer.shared_gate_up is not None:
+        linear = (
+            cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
+        )
+        gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
+        shared = linear(activation(gate).mul_(up), layer.shared_down)
+        out.add_(shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate))))
+    return out
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    layer: LlamaLayer,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    has_few_rows_linear: bool,
+) -> torch.Tensor:
+    """The selected experts' weighted outputs summed per token, in torch.
+
+    The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
+    of its tokens at once and its weights are read once per step, whatever the number of rows;
+    experts no token chose are not read at all. With `has_few_rows_linear` (CPU float32 with the
+    C++ kernels) an expert with at most cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the
+    few-rows linear, as a dense layer's weights do in such steps (torch's GEMV reads an
+    [out, in] weight several times slower)."""
+    top_k = experts.shape[1]
+    flat_experts = experts.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    token_of_pair = order // top_k
+    pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(
+        torch.bincount(flat_experts, minlength=layer.experts_down.shape[0]).tolist()
+    ):
+        if count == 0:
+            continue
+        rows = token_of_pair[start : start + count]
+        linear = (
+            cpu_ops.few_rows_linear if has_few_rows_linear and count <= cpu_ops.MAX_LINEAR_ROWS else F.linear
+        )
+        gate, up = linear(x[rows], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+        expert_out = linear(activation(gate).mul_(up), layer.experts_down[expert])
+        out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
+        start += count
+    return out
 
 
 def few_rows_linear(

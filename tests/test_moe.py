@@ -1,0 +1,431 @@
+"""Mixture-of-experts families against HF transformers on the same random weights, in float32:
+Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense layer by
+decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
+mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
+ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
+preemption), and one family served end to end through real processes; the MoE architectures
+Brigade has not built are refused by name."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from client import Client
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
+from services.gpu_worker.model import moe_route
+from services.gpu_worker.model_runner import ModelRunner
+from tests.conftest import TINY_VOCAB_SIZE, save_random_model
+from tests.harness import assert_clean, brigade_run
+from tests.test_families import BLOCK, COMMON, check_against_hf
+from tests.test_family_serving import hf_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+MOE = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+# family -> (transformers config class name, its arguments beyond COMMON)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(MOE, num_local_experts=8, head_dim=16)),
+    "qwen2-moe-shared-expert": ("Qwen2MoeConfig", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=3,
+        decoder_sparse_step=2,  # layer 1 sparse, layers 0 and 2 dense (intermediate_size)
+    )),
+    "qwen3-moe-norm-topk": ("Qwen3MoeConfig", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True, num_hidden_layers=3,
+        mlp_only_layers=[1],
+    )),
+    "olmoe-clip-qkv": ("OlmoeConfig", dict(MOE, num_experts=8, clip_qkv=2.5)),
+}  # fmt: skip
+
+
+def random_moe_config(family: str, **overrides):
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    return getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    family = request.param
+    out = tmp_path_factory.mktemp(family)
+    path = save_random_model(
+        random_moe_config(family), out, seed=10 + sorted(FAMILIES).index(family), std=0.08, embed_std=0.15
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    return family, hf, runner
+
+
+def test_moe_family_matches_hf(moe_model):
+    family, hf, runner = moe_model
+    config = runner.model.config
+    assert config.moe is not None and config.moe.num_experts == 8 and config.moe.top_k == 2
+    if family.startswith(("qwen2", "qwen3")):  # the dense layers really are dense
+        assert config.moe.sparse_layers == (
+            (False, True, False) if family.startswith("qwen2") else (True, False, True)
+        )
+    check_against_hf(hf, runner)
+
+
+def test_moe_triton_backend_matches_hf(tmp_path: Path) -> None:
+    """The Triton backend (its attention kernels and the fused-MoE grouped GEMMs, in the
+    interpreter on CPU tensors) on a Qwen2-MoE with a shared expert and a dense layer: HF's
+    logits and greedy tokens through prefill, decodes, a prefix hit and a preemption."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.fused_moe import fused_moe_triton
+
+    family = "qwen2-moe-shared-expert"
+    path = save_random_model(random_moe_config(family), tmp_path / family, seed=50, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend="triton")
+    assert runner.model.fused_experts is fused_moe_triton
+    check_against_hf(hf, runner)
+
+
+def test_router_matches_hf_routing_on_ties_and_normalization():
+    """Softmax in float32 then the top k, renormalized only with norm_topk_prob."""
+    from services.gpu_worker.architectures import MoeConfig
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.0, 1.0]])
+    weights, experts = moe_route(logits, MoeConfig(4, 2, 8, norm_topk_prob=False))
+    probs = torch.softmax(logits, dim=-1)
+    assert experts[0].tolist() == [0, 1]
+    torch.testing.assert_close(weights[0], probs[0, :2])
+    weights, _ = moe_route(logits, MoeConfig(4, 2, 8, norm_topk_prob=True))
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "feature"),
+    [
+        ("GptOssForCausalLM", "attention sinks"),
+        ("DeepseekV3ForCausalLM", "multi-head latent attention"),
+        ("DeepseekV2ForCausalLM", "multi-head latent attention"),
+    ],
+)
+def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, feature: str) -> None:
+    config = random_moe_config("mixtral").to_dict()
+    config["architectures"] = [architecture]
+    with pytest.raises(UnsupportedModel, match=f"mixture-of-experts architecture {architecture}.*{feature}"):
+        ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scoring_func": "sigmoid"}, "unsupported MoE routing scoring_func='sigmoid'"),
+        ({"topk_method": "noaux_tc"}, "unsupported MoE routing topk_method='noaux_tc'"),
+        ({"n_group": 8}, "unsupported MoE routing n_group=8"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ],
+)
+def test_unknown_moe_routing_is_refused_by_name(changes: dict, message: str) -> None:
+    config = {**random_moe_config("qwen3-moe-norm-topk").to_dict(), **changes}
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelConfig.from_dict(config)
+
+
+@pytest.fixture(scope="module")
+def served_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's tokenizer."""
+    out = tmp_path_factory.mktemp("qwen2-moe-serving")
+    config = random_moe_config(
+        "qwen2-moe-shared-expert", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return save_random_model(config, out, seed=20, std=0.1, tokenizer_from=smollm2_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> None:
+    """Three prompts at once in chunks of 16 (chunked prefill, mixed prefill and decode steps with
+    rows routed to different experts), and a repeat of the first (a prefix-cache hit): greedy
+    tokens must be HF's."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    prompts.append(list(prompts[0]))
+    new_tokens = 10
+    expected = [hf_greedy(served_moe_dir, p, new_tokens) for p in prompts[:3]]
+    expected.append(expected[0])
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={served_moe_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+
+        def one(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                result = client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                )
+                return result.token_ids
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(one, prompts[:3]))
+        got.append(one(prompts[3]))
+    assert got == expected
+    assert_clean(run_dir)
+
+
+def test_moe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """Two ranks over gloo, each holding half of every expert's (and the shared expert's and the
+    dense layers') intermediate columns, with the router whole: HF's logits and greedy tokens
+    through chunked prefill and decodes; and each rank's expert weights are exactly its columns."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from services.gpu_worker.loader import load_weights
+    from services.gpu_worker.model import LlamaModel
+    from services.gpu_worker.parallel import Parallel
+    from tests.test_families import hf_logits
+    from tests.test_tensor_parallel import FAMILY_PROMPTS, NEW_TOKENS, run_group, step_histories, steps
+
+    family = "qwen2-moe-shared-expert"
+    model_dir = save_random_model(
+        random_moe_config(family), tmp_path / family, seed=30, std=0.08, embed_std=0.15
+    )
+    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    full = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK)
+    load_weights(full, model_dir)
+    for rank in range(2):
+        part = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, Parallel(rank, 2))
+        load_weights(part, model_dir)
+        layer, whole = part.layers[1], full.layers[1]
+        cols = slice(16 * rank, 16 * (rank + 1))  # moe_intermediate_size 32 over 2 ranks
+        assert torch.equal(layer.experts_down, whole.experts_down[:, :, cols])
+        assert torch.equal(layer.experts_gate_up[:, :16], whole.experts_gate_up[:, :32][:, cols])
+        assert torch.equal(layer.router, whole.router)
+        assert layer.shared_down.shape == (64, 24)  # shared_expert_intermediate_size 48 over 2 ranks
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens = []
+    for prompt in FAMILY_PROMPTS:
+        ids = list(prompt)
+        for _ in range(NEW_TOKENS):
+            ids.append(int(hf_logits(hf, ids).argmax()))
+        tokens.append(ids[len(prompt) :])
+    got = run_group(2, model_dir, steps(tokens, FAMILY_PROMPTS))[0][1]
+    histories = step_histories(FAMILY_PROMPTS, tokens)
+    assert got is not None and len(got) == len(histories)
+    for step, (rows, row_histories) in enumerate(zip(got, histories, strict=True)):
+        for row, history in zip(rows, row_histories, strict=True):
+            expected = hf_logits(hf, history)
+            torch.testing.assert_close(
+                torch.from_numpy(row), expected, atol=2e-4, rtol=2e-4, msg=f"step {step}"
+            )
+            assert int(row.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
+
+
+def test_olmoe_refuses_tensor_parallel_by_name() -> None:
+    from services.gpu_worker.model import Shard
+    from services.gpu_worker.parallel import Parallel
+
+    config = ModelConfig.from_dict(random_moe_config("olmoe-clip-qkv").to_dict())
+    with pytest.raises(ValueError, match=r"q/k norms span all heads.*tensor_parallel 1"):
+        Shard.of(config, Parallel(0, 2))
+
+
+def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_path: Path) -> None:
+    """Checked before any stage starts: each expert's columns must divide over the ranks, and
+    OLMoE's all-head q/k norms refuse TP > 1."""
+    from ipc.config import load_config
+    from supervision.preflight import Refused, check_model
+
+    qwen = random_moe_config("qwen2-moe-shared-expert", moe_intermediate_size=30, intermediate_size=96)
+    qwen_dir = save_random_model(qwen, tmp_path / "qwen", seed=0, std=0.08)
+    check_model(load_config(None, ["engine.tensor_parallel=1"]), qwen_dir)
+    with pytest.raises(Refused, match="moe_intermediate_size 30 is not divisible by 4"):
+        check_model(load_config(None, ["engine.tensor_parallel=4"]), qwen_dir)
+    olmoe_dir = save_random_model(random_moe_config("olmoe-clip-qkv"), tmp_path / "olmoe", seed=0, std=0.08)
+    with pytest.raises(Refused, match="OLMoE's q/k norms span all heads"):
+        check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
+
+
+# HF -> llama.cpp names of a Qwen2-MoE / Qwen3-MoE's tensors (its converter's tensor map), written
+# out here independently of the loader's maps; experts are stacked into one 3-D tensor each.
+MOE_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+EXPERTS_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def write_moe_gguf(hf_dir: Path, path: Path, arch: str) -> Path:
+    """A GGUF of an HF Qwen2-MoE / Qwen3-MoE dir as llama.cpp's converter writes one: router
+    ffn_gate_inp, each projection's experts as one Q8_0 3-D tensor, the shared expert's gate as a
+    vector, everything else float32. The experts in `hf_dir` are replaced by their Q8_0
+    dequantization, so HF on that dir is the exact reference."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, data in sorted(tensors.items()):
+        if name in top:
+            writer.add_tensor(top[name], data)
+            continue
+        _, _, layer, *rest = name.split(".")
+        if rest[:2] == ["mlp", "experts"]:
+            experts.setdefault((layer, rest[3]), {})[int(rest[2])] = data
+            continue
+        key = ".".join(rest[:-1])
+        writer.add_tensor(
+            f"blk.{layer}.{MOE_TO_GGUF[key]}.{rest[-1]}",
+            data.reshape(-1) if key == "mlp.shared_expert_gate" else data,
+        )
+    for (layer, projection), by_expert in sorted(experts.items()):
+        blocks = quantize(np.stack([by_expert[e] for e in sorted(by_expert)]), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(
+            f"blk.{layer}.{EXPERTS_TO_GGUF[projection]}.weight",
+            blocks,
+            raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+        )
+        exact = dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+        for e in by_expert:
+            tensors[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = np.ascontiguousarray(
+                exact[e]
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("family", "arch"), [("qwen2-moe-shared-expert", "qwen2moe"), ("qwen3-moe-norm-topk", "qwen3moe")]
+)
+def test_moe_gguf_gives_hfs_logits(
+    family: str, arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen2-MoE (shared expert, a dense layer: no ffn_gate_inp there) and a Qwen3-MoE through
+    their GGUFs, experts from Q8_0 blocks: logits of a prefill and decodes against HF."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    config = random_moe_config(family, vocab_size=VOCAB, tie_word_embeddings=False)
+    if family.startswith("qwen3"):
+        config.mlp_only_layers = []  # llama.cpp's qwen3moe has a router in every layer
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=40, std=0.08, embed_std=0.15)
+    path = write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    moe = runner.model.config.moe
+    assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
+    assert moe.norm_topk_prob == (arch == "qwen3moe")
+    if arch == "qwen2moe":
+        assert moe.sparse_layers == (False, True, False) and moe.shared_expert_intermediate_size == 48
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+
+
+def test_mixtral_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+
+    from services.gpu_worker.loader import check_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="unsupported GGUF mixture of experts of architecture 'llama'"):
+        check_gguf(gguf.GGUFReader(str(tmp_path / "mixtral.gguf")))
+
+
+def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:
+    """benchmarks/moe_bench.py at a tiny shape: its counted weight bytes per step are the floor
+    (the router and each distinct selected expert once), below reading every (token, expert)
+    pair's expert once many rows share experts; both stacks are timed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out = tmp_path / "moe.json"
+    args = [
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--hidden",
+        "64",
+        "--expert-intermediate",
+        "32",
+        "--layers",
+        "2",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/moe_bench.py", "--json", str(out), "--repeats", "2", "--batch", "1,16", *args],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, sixteen = json.loads(out.read_text())["results"]
+    assert one["read_over_floor"] == sixteen["read_over_floor"] == 1.0
+    assert (
+        one["weight_bytes_read_per_token"] == one["per_pair_bytes_per_token"]
+    )  # one row: every expert distinct
+    assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
+    assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "config_bias", "want"),
+    [
+        # (qkv, o_proj, mlp) biases, as each family's HF attention builds its projections.
+        ("qwen3-moe-norm-topk", dict(attention_bias=True), (True, True, False)),
+        ("olmoe-clip-qkv", dict(attention_bias=True), (True, True, False)),
+        ("qwen2-moe-shared-expert", dict(), (True, False, False)),  # qkv_bias defaults to true
+        ("qwen2-moe-shared-expert", dict(qkv_bias=False), (False, False, False)),
+        ("mixtral", dict(attention_bias=True), (False, False, False)),  # MixtralAttention has none
+    ],
+)
+def test_moe_bias_flags_follow_each_familys_hf_class(family: str, config_bias: dict, want: tuple) -> None:
+    config = random_moe_config(family, **config_bias).to_dict()
+    config["architectures"] = [FAMILIES[family][0].replace("Config", "ForCausalLM")]
+    parsed = ModelConfig.from_dict(config)
+    assert (parsed.attention_bias, parsed.o_proj_bias, parsed.mlp_bias) == want
