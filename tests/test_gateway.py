@@ -36,6 +36,7 @@ MAX_MESSAGES = 64
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 5.0
 HTTP_TIMEOUT_S = 120.0
+SSE_KEEPALIVE_S = 0.2  # short, so that a stream waiting a moment sends keep-alive comments
 CHAT = [{"role": "user", "content": "Write a haiku about buckets."}]
 
 
@@ -138,6 +139,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             f"tokenizer.max_messages={MAX_MESSAGES}",
             f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
             f"gateway.body_timeout_s={BODY_TIMEOUT_S}",
+            f"gateway.sse_keepalive_s={SSE_KEEPALIVE_S}",
         ) as run:
             os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))
@@ -1074,6 +1076,48 @@ def test_a_stream_keeps_its_tokens_coming_beside_huge_requests(gw: Gateway) -> N
     assert len(arrivals) >= 64  # one event per token, at least
     during = [t for t in arrivals if any(start <= t <= end for start, end in attacks)]
     assert during, "no token arrived while an attack request was in flight"
+
+
+def test_streams_waiting_for_the_engine_send_keep_alive_comments(gw: Gateway) -> None:
+    """With the scheduler stopped (SIGSTOP) for a moment, every kind of stream sends `: keep-alive`
+    comment lines while it waits, then completes once the scheduler runs on; the openai client
+    reads such a stream as usual."""
+    streams = {
+        "/v1/chat/completions": ({"messages": CHAT, "max_tokens": 8}, rb"data: \[DONE\]\n\n$"),
+        "/v1/completions": ({"prompt": "Once upon a time", "max_tokens": 8}, rb"data: \[DONE\]\n\n$"),
+        "/v1/responses": (
+            {"input": "Hello", "max_output_tokens": 8},
+            rb"event: response\.(completed|incomplete)\n",
+        ),
+        "/v1/messages": ({"messages": CHAT, "max_tokens": 8}, rb"event: message_stop\n"),
+    }
+    [scheduler] = gw.run.stage_pids("scheduler")
+    with ThreadPoolExecutor(len(streams) + 1) as pool:
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            raw = {
+                path: pool.submit(gw.request, "POST", path,
+                                  {"model": gw.model, "temperature": 0, "stream": True, **body})
+                for path, (body, _) in streams.items()
+            }  # fmt: skip
+            parsed = pool.submit(
+                lambda: list(gw.openai().chat.completions.create(model=gw.model, messages=CHAT, max_tokens=8,
+                                                                 temperature=0, stream=True))
+            )  # fmt: skip
+            time.sleep(20 * SSE_KEEPALIVE_S)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+    for path, (_, end) in streams.items():
+        status, headers, data = raw[path].result()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), (path, data[:300])
+        assert re.match(rb"(: keep-alive\n)+(id|event|data): ", data) or b"\n\n: keep-alive\n" in data, (
+            path,
+            data[:300],
+        )
+        assert re.search(end, data), (path, data[-300:])
+    chunks = parsed.result()
+    assert chunks[-1].choices[-1].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def test_a_stalled_header_is_closed_within_the_header_timeout(gw: Gateway) -> None:
