@@ -49,6 +49,7 @@ from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, 
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
 from services.gateway.metrics import RequestTimer
+from services.gateway.reasoning import reasoning_style
 from services.gateway.runner import run_jobs
 from services.gateway.sse import (
     DONE,
@@ -89,6 +90,7 @@ class GatewaySettings:
     responses_max_stored: int = 1000  # gateway.responses_max_stored (services/gateway/response_store.py)
     responses_max_age_s: float = 7 * 86400.0
     sse_keepalive_s: float = 15.0  # gateway.sse_keepalive_s: a waiting stream's comment-line interval
+    reasoning_parser: str = "auto"  # gateway.reasoning_parser (services/gateway/reasoning.py)
 
 
 def json_response(
@@ -138,6 +140,13 @@ class Gateway:
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
+        self.reasoning = reasoning_style(
+            settings.reasoning_parser,
+            lambda: tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], add_generation_prompt=True
+            ),
+            lambda tag: len(tokenizer.encode(tag)) == 1,
+        )
 
     def app(self) -> Starlette:
         # Imported here: these APIs are built on this module's Gateway (translated.py).
@@ -269,7 +278,7 @@ class Gateway:
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
-        fmt = ChatFormat(self.settings.model, names, plan.logprobs, parser, plan.call_id_base)
+        fmt = ChatFormat(self.settings.model, names, plan.logprobs, parser, plan.call_id_base, self.reasoning)
         return self.generate(request, body, plan, fmt)
 
     async def completions(self, request: Request) -> Response:
