@@ -242,25 +242,35 @@ def test_json_cut_by_max_tokens_finishes_with_length(gw: Gateway) -> None:
 # -- tools ----------------------------------------------------------------------------------------
 
 
+ASK_PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARIS_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    }
+]
+
+
 def test_tool_choice_required_gives_one_array_of_calls_and_ends(gw: Gateway) -> None:
-    """`required` with parallel calls (the default) makes one array of calls and stops: the
-    array has at most MAX_PARALLEL_CALLS (before, SmolLM2 repeated its call until max_tokens and
-    finished with `length`, the cut-off call's '{"' leaked into content); streamed the same."""
-    reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=400, tools=TOOLS, tool_choice="required")
-    choice = reply.choices[0]
-    calls = choice.message.tool_calls
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    assert 1 <= len(calls) <= MAX_PARALLEL_CALLS
-    check_calls([(c.function.name, c.function.arguments) for c in calls])
-    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
-    assert len({c.id for c in calls}) == len(calls)
-    content, streamed, finish = streamed_chat(
-        gw, ASK_WEATHER, 0.0, None, max_tokens=400, tools=TOOLS, tool_choice="required"
-    )
-    assert (content, finish) == ("", "tool_calls")
-    assert [(c["name"], c["arguments"]) for c in streamed] == [
-        (c.function.name, c.function.arguments) for c in calls
-    ]
+    """`required` with parallel calls (the default) makes one array of calls (at most
+    MAX_PARALLEL_CALLS) and stops, streamed the same. (SmolLM2 ends these by itself; what made it
+    repeat a call until max_tokens was an open schema: test_forced_calls_with_open_schemas_end.)"""
+    for messages, tools in ((ASK_WEATHER, TOOLS), (ASK_PARIS, PARIS_TOOLS)):
+        reply = chat(gw, messages, 0.0, None, max_tokens=400, tools=tools, tool_choice="required")
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert 1 <= len(calls) <= MAX_PARALLEL_CALLS
+        check_calls([(c.function.name, c.function.arguments) for c in calls])
+        assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+        assert len({c.id for c in calls}) == len(calls)
+        content, streamed, finish = streamed_chat(
+            gw, messages, 0.0, None, max_tokens=400, tools=tools, tool_choice="required"
+        )
+        assert (content, finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
 
 
 # LangChain's tool schemas never say additionalProperties: the model might add keys for ever.

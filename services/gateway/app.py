@@ -381,6 +381,7 @@ class Gateway:
             item = await first
         except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
             yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
+            yield DONE
             return
         timer.on_output(item[1].token_ids if item else [])
         while item is not None:
