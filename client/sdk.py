@@ -384,7 +384,15 @@ def make_generate(
     )
     if tools is not None and messages is None:
         raise InvalidRequest("tools can only be offered to a chat (messages)")
-    request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools)
+    template_kwargs = sampling.pop("chat_template_kwargs", None)
+    if template_kwargs is not None and (
+        messages is None
+        or not isinstance(template_kwargs, dict)
+        or not all(isinstance(k, str) for k in template_kwargs)
+    ):
+        raise InvalidRequest("chat_template_kwargs: an object of template variables, for a chat (messages)")
+    request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools,
+                         chat_template_kwargs=template_kwargs)  # fmt: skip
     if messages is not None:
         request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):

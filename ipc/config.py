@@ -103,6 +103,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_header_bytes: Positive = 64 * 1024
     body_timeout_s: Seconds = 60.0
     keep_alive_timeout_s: Seconds = 5.0
+    # A stream waiting for output (a long prefill, a queue) sends an SSE comment line this often,
+    # so that proxies and load balancers do not close it as idle.
+    sse_keepalive_s: Seconds = 15.0
+    # How reasoning models' <think>...</think> becomes reasoning_content (services/gateway/reasoning.py):
+    # auto = from the chat template and tokenizer, none = left in the content.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
 
 
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -7,7 +7,7 @@ Token id lists travel as packed little-endian int32 `bytes` (see `pack_ids` / `u
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -185,6 +185,8 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     resume_output_ids: bytes = b""
     resume_num_chars: int = 0
     tools: Tools | None = None  # chat only: the functions the model may call
+    # chat only: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):

@@ -30,6 +30,11 @@ __all__ = ["MAX_SPEC_BYTES", "StructuredKind", "StructuredOutput"]
 KINDS: tuple[str, ...] = STRUCTURED_KINDS
 MAX_CHOICES = 1024
 MAX_TOOLS = 128
+# `tool_choice: "required"` with parallel calls: the most calls one reply makes. Without a bound a
+# small model repeats its call until max_tokens (SmolLM2 wrote one call 11 times).
+MAX_PARALLEL_CALLS = 8
+# Schema keywords whose value is a schema or a list of schemas (closed_objects walks into them).
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else")
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
@@ -109,7 +114,11 @@ def for_tool_choice(
 
     A named function: its `parameters` schema; the output is the arguments object, and the server
     names the call. `required`: a JSON array of `{"name", "parameters"}` objects, one alternative per
-    tool, at least one item (exactly one unless `parallel_tool_calls`).
+    tool, at least one item and at most MAX_PARALLEL_CALLS (exactly one unless `parallel_tool_calls`).
+
+    A forced call's objects are closed (`closed_objects`), as OpenAI's strict mode has them: with
+    other properties allowed, a model may go on writing made-up keys until max_tokens, and the
+    call never ends.
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
@@ -124,20 +133,41 @@ def for_tool_choice(
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, params in functions.items()
+            for name, params in ((name, closed_objects(params)) for name, params in functions.items())
         ]
-        array: dict[str, Any] = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
-        if not parallel_tool_calls:
-            array["maxItems"] = 1
+        array: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": call},
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel_tool_calls else 1,
+        }
         return StructuredOutput("json", canonical_schema(array, "tools"))
     if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in functions:
             raise InvalidParams(f"tool_choice: no tool named {name!r} (tools: {sorted(functions)})")
-        return StructuredOutput("json", canonical_schema(functions[name], f"tools[{name}].parameters"))
+        return StructuredOutput(
+            "json", canonical_schema(closed_objects(functions[name]), f"tools[{name}].parameters")
+        )
     raise InvalidParams(
         "tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
     )
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say
+    (LangChain's and most hand-written tool schemas never do); an explicit value is kept."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: closed_objects(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ MAX_MESSAGES = 64
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 5.0
 HTTP_TIMEOUT_S = 120.0
+SSE_KEEPALIVE_S = 0.2  # short, so that a stream waiting a moment sends keep-alive comments
 CHAT = [{"role": "user", "content": "Write a haiku about buckets."}]
 
 
@@ -138,6 +139,10 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             f"tokenizer.max_messages={MAX_MESSAGES}",
             f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
             f"gateway.body_timeout_s={BODY_TIMEOUT_S}",
+            f"gateway.sse_keepalive_s={SSE_KEEPALIVE_S}",
+            # Forced: SmolLM2's tokenizer has no <think> token (auto would choose none); the regex
+            # in test_reasoning_is_split_off_streamed_and_not makes the model write a think block.
+            "gateway.reasoning_parser=qwen3",
         ) as run:
             os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))
@@ -730,7 +735,7 @@ def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway
 RESPONSES_BAD_BODIES = {
     "no input": ({}, "input", "missing_required_parameter"),
     "unknown item type": (
-        {"input": [{"type": "reasoning", "summary": []}]},
+        {"input": [{"type": "web_search_call", "id": "ws_1"}]},
         "input[0].type",
         "invalid_value",
     ),
@@ -788,6 +793,65 @@ def test_unknown_response_ids_get_404(gw: Gateway) -> None:
         error = json.loads(data)["error"]
         assert status == 404 and error["message"].startswith("Response with id"), data
     assert (gw.run.run_dir / "run.json").exists()
+
+
+THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,20}"
+
+
+def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
+    """With a reasoning parser, <think>...</think> comes back as reasoning_content, the rest as
+    content, the same whole and streamed (where SmolLM2's tokenizer splits the tags over several
+    tokens, so the stream must hold a partial tag back); the tags reach neither."""
+    sdk = gw.openai()
+    for seed in (1, 2, 3):
+        kwargs = dict(model=gw.model, messages=CHAT, max_tokens=80, temperature=1.0, seed=seed,
+                      extra_body={"structured_outputs": {"regex": THINK}})  # fmt: skip
+        message = sdk.chat.completions.create(**kwargs).choices[0].message
+        chunks = list(sdk.chat.completions.create(stream=True, **kwargs))
+        reasoning = "".join(
+            getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert re.fullmatch("[a-z ]{1,20}", message.reasoning_content), message
+        assert re.fullmatch("[a-z ]{1,20}", message.content), message
+        assert (reasoning, content) == (message.reasoning_content, message.content)
+    plain = sdk.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].message.reasoning_content is None  # no think block: all content
+    # chat_template_kwargs reach the template (test_tokenizer_core shows one that reads them).
+    off = sdk.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=2, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert off.choices[0].message.content is not None
+    status, error = gw.error(
+        "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}
+    )
+    assert status == 400 and "chat_template_kwargs" in error["message"], error
+    # Earlier thinking sent back (a Responses reasoning item, an Anthropic thinking block) is
+    # accepted and left out of the prompt.
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hm"}],
+    }
+    said = {"role": "assistant", "content": "Buckets."}
+    with_thought = sdk.responses.create(
+        model=gw.model, input=[*CHAT, thought, said], max_output_tokens=4, temperature=0
+    )
+    without = sdk.responses.create(model=gw.model, input=[*CHAT, said], max_output_tokens=4, temperature=0)
+    assert with_thought.output_text == without.output_text
+    thinking = [
+        {"type": "thinking", "thinking": "hm", "signature": "sig"},
+        {"type": "text", "text": "Buckets."},
+    ]
+    reply = anthropic_client(gw).messages.create(
+        model=gw.model, max_tokens=4, messages=[*CHAT, {"role": "assistant", "content": thinking}, *CHAT]
+    )
+    assert (
+        reply.usage.input_tokens
+        == sdk.chat.completions.create(
+            model=gw.model, max_tokens=1, messages=[*CHAT, said, *CHAT]
+        ).usage.prompt_tokens
+    )
 
 
 def test_developer_role_is_the_system_role(gw: Gateway) -> None:
@@ -1140,6 +1204,48 @@ def test_a_stream_keeps_its_tokens_coming_beside_huge_requests(gw: Gateway) -> N
     assert len(arrivals) >= 64  # one event per token, at least
     during = [t for t in arrivals if any(start <= t <= end for start, end in attacks)]
     assert during, "no token arrived while an attack request was in flight"
+
+
+def test_streams_waiting_for_the_engine_send_keep_alive_comments(gw: Gateway) -> None:
+    """With the scheduler stopped (SIGSTOP) for a moment, every kind of stream sends `: keep-alive`
+    comment lines while it waits, then completes once the scheduler runs on; the openai client
+    reads such a stream as usual."""
+    streams = {
+        "/v1/chat/completions": ({"messages": CHAT, "max_tokens": 8}, rb"data: \[DONE\]\n\n$"),
+        "/v1/completions": ({"prompt": "Once upon a time", "max_tokens": 8}, rb"data: \[DONE\]\n\n$"),
+        "/v1/responses": (
+            {"input": "Hello", "max_output_tokens": 8},
+            rb"event: response\.(completed|incomplete)\n",
+        ),
+        "/v1/messages": ({"messages": CHAT, "max_tokens": 8}, rb"event: message_stop\n"),
+    }
+    [scheduler] = gw.run.stage_pids("scheduler")
+    with ThreadPoolExecutor(len(streams) + 1) as pool:
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            raw = {
+                path: pool.submit(gw.request, "POST", path,
+                                  {"model": gw.model, "temperature": 0, "stream": True, **body})
+                for path, (body, _) in streams.items()
+            }  # fmt: skip
+            parsed = pool.submit(
+                lambda: list(gw.openai().chat.completions.create(model=gw.model, messages=CHAT, max_tokens=8,
+                                                                 temperature=0, stream=True))
+            )  # fmt: skip
+            time.sleep(20 * SSE_KEEPALIVE_S)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+    for path, (_, end) in streams.items():
+        status, headers, data = raw[path].result()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), (path, data[:300])
+        assert re.match(rb"(: keep-alive\n)+(id|event|data): ", data) or b"\n\n: keep-alive\n" in data, (
+            path,
+            data[:300],
+        )
+        assert re.search(end, data), (path, data[-300:])
+    chunks = parsed.result()
+    assert chunks[-1].choices[-1].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def test_a_stalled_header_is_closed_within_the_header_timeout(gw: Gateway) -> None:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from client import Client
+from ipc.structured_output import MAX_PARALLEL_CALLS
 from services.common.tool_parsers import ToolParser
 from tests.harness import assert_clean, brigade_run, free_port
 
@@ -230,41 +231,96 @@ def test_json_cut_by_max_tokens_finishes_with_length(gw: Gateway) -> None:
     assert choice.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content)
-    # A forced call cut short is no call: its text is the content, and the reason is length.
-    reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=6, tools=TOOLS, tool_choice="required")
+    # A forced call cut short before its name is no call, and its text is not content either.
+    reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=3, tools=TOOLS, tool_choice="required")
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
     assert not choice.message.tool_calls
-    assert choice.message.content.startswith("[")
+    assert not choice.message.content
 
 
 # -- tools ----------------------------------------------------------------------------------------
 
 
-def test_tool_choice_required_gives_calls_that_match_their_schema(gw: Gateway) -> None:
-    temperature, seed, max_tokens = 0.0, None, 80  # seeded: test_parallel_tool_calls_false_gives_one_call
-    reply = chat(
-        gw, ASK_WEATHER, temperature, seed, max_tokens=max_tokens, tools=TOOLS, tool_choice="required"
-    )
-    choice = reply.choices[0]
-    calls = choice.message.tool_calls
-    check_calls([(c.function.name, c.function.arguments) for c in calls])
-    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
-    assert len({c.id for c in calls}) == len(calls)
-    if choice.finish_reason == "length":  # the model went on adding calls: the complete ones count
-        assert reply.usage.completion_tokens == max_tokens and choice.message.content
-    else:
+ASK_PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARIS_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    }
+]
+
+
+def test_tool_choice_required_gives_one_array_of_calls_and_ends(gw: Gateway) -> None:
+    """`required` with parallel calls (the default) makes one array of calls (at most
+    MAX_PARALLEL_CALLS) and stops, streamed the same. (SmolLM2 ends these by itself; what made it
+    repeat a call until max_tokens was an open schema: test_forced_calls_with_open_schemas_end.)"""
+    for messages, tools in ((ASK_WEATHER, TOOLS), (ASK_PARIS, PARIS_TOOLS)):
+        reply = chat(gw, messages, 0.0, None, max_tokens=400, tools=tools, tool_choice="required")
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls" and not choice.message.content
-    content, streamed, finish = streamed_chat(
-        gw, ASK_WEATHER, temperature, seed, max_tokens=max_tokens, tools=TOOLS, tool_choice="required"
-    )
-    assert finish == choice.finish_reason
-    assert content == "" or finish == "length"
-    # A stream cannot take back the header of a call that max_tokens then cut short.
-    complete = streamed if finish == "tool_calls" else streamed[: len(calls)]
-    assert [(c["name"], c["arguments"]) for c in complete] == [
-        (c.function.name, c.function.arguments) for c in calls
+        assert 1 <= len(calls) <= MAX_PARALLEL_CALLS
+        check_calls([(c.function.name, c.function.arguments) for c in calls])
+        assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+        assert len({c.id for c in calls}) == len(calls)
+        content, streamed, finish = streamed_chat(
+            gw, messages, 0.0, None, max_tokens=400, tools=tools, tool_choice="required"
+        )
+        assert (content, finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
+
+
+# LangChain's tool schemas never say additionalProperties: the model might add keys for ever.
+OPEN_WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_calls_with_open_schemas_end(gw: Gateway, tool_choice) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": OPEN_WEATHER}}]
+    replies = [
+        chat(
+            gw, ASK_WEATHER, temperature, seed, max_tokens=300, tools=tools, tool_choice=tool_choice
+        ).choices[0]
+        for temperature, seed in SAMPLED
     ]
+    for choice in replies:
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            assert set(json.loads(call.function.arguments)) == {"city"}  # closed: no made-up keys
+
+
+@pytest.mark.parametrize("max_tokens", [9, 14])
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(gw: Gateway, max_tokens: int) -> None:
+    """A call cut off is reported with the arguments written so far and finish_reason `length`,
+    as a stream (which has already announced it) reports it; none of it is content. (9 tokens
+    cannot hold a whole call of get_weather's two required fields; 14 may.)"""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        reply = chat(gw, ASK_WEATHER, 0.0, None, max_tokens=max_tokens, tools=TOOLS, tool_choice=tool_choice)
+        choice = reply.choices[0]
+        assert not choice.message.content
+        whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        content, streamed, finish = streamed_chat(
+            gw, ASK_WEATHER, 0.0, None, max_tokens=max_tokens, tools=TOOLS, tool_choice=tool_choice
+        )
+        assert (content, finish) == ("", choice.finish_reason)
+        assert [(c["name"], c["arguments"]) for c in streamed] == whole, tool_choice
+        if max_tokens == 9:
+            assert choice.finish_reason == "length"
+        if tool_choice == named:
+            assert [name for name, _ in whole] == ["get_weather"]  # named from the start: cut or not, a call
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,8 +8,10 @@ import msgspec
 import pytest
 
 from ipc.structured_output import (
+    MAX_PARALLEL_CALLS,
     MAX_SPEC_BYTES,
     StructuredOutput,
+    closed_objects,
     for_tool_choice,
     from_response_format,
     from_structured_outputs,
@@ -112,16 +114,42 @@ def test_tool_choice_schemas():
     assert for_tool_choice(TOOLS, "none") is None
     assert for_tool_choice(TOOLS, None) is None
     named = for_tool_choice(TOOLS, {"type": "function", "function": {"name": "f"}})
-    assert json.loads(named.spec) == SCHEMA
+    # A forced call's objects are closed, so that the call ends once its properties are written.
+    assert json.loads(named.spec) == {**SCHEMA, "additionalProperties": False}
     no_params = for_tool_choice(TOOLS, {"type": "function", "function": {"name": "g"}})
-    assert json.loads(no_params.spec) == {"type": "object", "properties": {}}
+    assert json.loads(no_params.spec) == {"type": "object", "properties": {}, "additionalProperties": False}
     required = json.loads(for_tool_choice(TOOLS, "required").spec)
-    assert required["minItems"] == 1 and "maxItems" not in required
+    assert required["minItems"] == 1 and required["maxItems"] == MAX_PARALLEL_CALLS
+    assert required["items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
     assert [alt["properties"]["name"] for alt in required["items"]["anyOf"]] == [
         {"const": "f"},
         {"const": "g"},
     ]
     assert json.loads(for_tool_choice(TOOLS, "required", parallel_tool_calls=False).spec)["maxItems"] == 1
+
+
+def test_closed_objects_closes_every_object_schema_that_does_not_say():
+    nested = {
+        "type": "object",
+        "properties": {
+            "place": {"properties": {"city": {"type": "string"}}},
+            "tags": {"type": "array", "items": {"type": "object"}},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "either": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+        },
+        "$defs": {"unit": {"type": "object", "properties": {}}},
+    }
+    out = closed_objects(nested)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["place"]["additionalProperties"] is False
+    assert out["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert out["properties"]["extra"]["additionalProperties"] == {"type": "integer"}  # said: kept
+    assert out["properties"]["either"]["anyOf"] == [
+        {"type": "object", "additionalProperties": False},
+        {"type": "null"},
+    ]
+    assert out["$defs"]["unit"]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the request's own schema is left as it was
 
 
 @pytest.mark.parametrize(

@@ -382,3 +382,34 @@ def test_deeply_nested_tools_json_is_refused_not_a_crash(smollm2_dir: Path) -> N
     tools = m.Tools("[" * 10_000 + "]" * 10_000)
     with pytest.raises(RequestError, match=r"^tools: JSON nested 10000 levels deep; the limit is \d+"):
         core.admit(b"c", m.Generate("r", messages=[m.ChatMessage("user", "hi")], tools=tools))
+
+
+# Qwen3's way: enable_thinking false closes an empty think block in the prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    core = TokenizerCore(
+        Tokenizer(tmp_path), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=7
+    )
+    chat = [m.ChatMessage("user", "hi")]
+
+    def prompt(**kwargs) -> str:
+        entry = core.admit(b"c", m.Generate(f"r{len(core.journal)}", messages=chat, **kwargs))
+        return core.tokenizer.decode(
+            m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False
+        )
+
+    assert prompt().endswith("<|im_start|>assistant\n")
+    assert prompt(chat_template_kwargs={"enable_thinking": False}).endswith(
+        "assistant\n<think>\n\n</think>\n\n"
+    )
+    with pytest.raises(RequestError, match=r"chat_template_kwargs: \['messages'\] are set by the server"):
+        prompt(chat_template_kwargs={"messages": []})

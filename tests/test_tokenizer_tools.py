@@ -311,7 +311,14 @@ def test_forced_output_is_read_as_calls(smol: TokenizerCore) -> None:
     assert reply.tools == m.ParsedTools(None, [m.ToolCall(call_id("req", 0), "get_time", "{}")])
     entry = chat(smol, "cut", [m.ChatMessage(**x) for x in ASK], tools("required"))
     (reply,) = finish(smol, entry, '[{"name": "get_ti', reason="length")
-    assert (reply.finish_reason, reply.tools) == ("length", m.ParsedTools('[{"name": "get_ti', []))
+    # Cut off before the call's name: no call, and a forced output is never content.
+    assert (reply.finish_reason, reply.tools) == ("length", m.ParsedTools(None, []))
+    entry = chat(smol, "cut2", [m.ChatMessage(**x) for x in ASK], tools("required"))
+    (reply,) = finish(smol, entry, '[{"name": "get_time", "parameters": {"tz', reason="length")
+    assert (reply.finish_reason, reply.tools) == (
+        "length",
+        m.ParsedTools(None, [m.ToolCall(call_id("cut2", 0), "get_time", '{"tz')]),
+    )
     entry = chat(smol, "fn", [m.ChatMessage(**x) for x in ASK], tools("function", "get_weather"))
     (reply,) = finish(smol, entry, '{"city": "Oslo"}')
     assert reply.tools == m.ParsedTools(

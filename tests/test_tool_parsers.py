@@ -89,8 +89,15 @@ def test_forced_formats():
     assert calls(named) == [("get_weather", WEATHER)] and named.content is None
     required = ToolParser("required").parse(REQUIRED, "r")
     assert calls(required) == [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]
+    # Cut off by max_tokens: the call as written so far, as a stream announced it; never content.
     cut = ToolParser("named", function_name="f").parse('{"a": ', "r")
-    assert cut.tool_calls == [] and cut.content == '{"a": '
+    assert [c["function"] for c in cut.tool_calls] == [{"name": "f", "arguments": '{"a": '}]
+    assert cut.content is None
+    cut = ToolParser("required").parse(REQUIRED[: REQUIRED.index('"tz"') + 3], "r")
+    assert [c["function"]["name"] for c in cut.tool_calls] == ["get_weather", "get_time"]
+    assert cut.tool_calls[1]["function"]["arguments"] == '{"tz' and cut.content is None
+    cut = ToolParser("required").parse(REQUIRED[: REQUIRED.index("get_time") - 5], "r")
+    assert calls(cut) == [("get_weather", WEATHER)] and cut.content is None  # '{"' leaked here once
     with pytest.raises(ValueError, match="function_name"):
         ToolParser("named")
     with pytest.raises(ValueError, match="unknown tool call format"):
@@ -276,3 +283,8 @@ def test_generated_forced_outputs_stream_as_they_parse(calls, cuts):
     ] == calls
     named = json.dumps(calls[0][1], ensure_ascii=False)
     check_stream(ToolParser("named", function_name="f"), named, cuts)
+    # Cut off anywhere by max_tokens: streamed and whole give the same calls, and no content.
+    for parser, output in ((ToolParser("required"), text), (ToolParser("named", function_name="f"), named)):
+        for end in sorted({c % (len(output) + 1) for c in cuts}):
+            check_stream(parser, output[:end], cuts)
+            assert parser.parse(output[:end], "r").content is None

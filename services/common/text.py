@@ -167,15 +167,22 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         timeout_s: float | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render a conversation (and the OpenAI `tools` it may call) to the prompt text (not
         tokenized: the template writes the special tokens as text and `encode` turns them back
-        into their ids). Past `timeout_s` the rendering stops with TemplateTimeout: it is
+        into their ids). `template_kwargs` are more variables for the template (a request's
+        `chat_template_kwargs`: `enable_thinking`, say); they cannot replace the ones set here. Past `timeout_s` the rendering stops with TemplateTimeout: it is
         checked between the pieces the template writes, so a template that spends long on one
         conversation (a loop over every pair of messages, say) is stopped, not waited out."""
         # Like transformers: keys set to None are absent for the template (`is defined` checks).
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        reserved = {"messages", "tools", "documents", "add_generation_prompt", *self.special_tokens_map}
+        taken = sorted(reserved & set(template_kwargs or {}))
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken} are set by the server")
         pieces = self._template.generate(
+            **(template_kwargs or {}),
             messages=messages,
             tools=tools,
             documents=None,

@@ -17,7 +17,8 @@ resumed after a fault names its calls as before.
 
 A call whose JSON turns out invalid once complete, or that the output ends inside, is content
 (and `parse` reports no call for it; a hermes block is content up to its closing tag, and parsing
-goes on after it). A stream cannot take back a call it has announced: it ends that call with the
+goes on after it), except in the forced formats, where a call cut off by max_tokens is a call
+with the arguments written so far (and finish_reason `length`), streamed or not. A stream cannot take back a call it has announced: it ends that call with the
 arguments sent so far, and the call's text never becomes content.
 """
 
@@ -32,6 +33,7 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 WHITESPACE = " \t\r\n"
 FORMATS = ("hermes", "llama3_json", "named", "required")
+FORCED = ("named", "required")  # the formats a grammar forces: the whole output is calls
 
 
 class Incomplete(Exception):
@@ -234,8 +236,17 @@ def _hermes(text: str, final: bool) -> list[Call | Content]:
         pos = close_at + len(HERMES_CLOSE)
 
 
-def _json_calls(text: str, final: bool, args_key: str, start: int, separator: str, closer: str | None):
-    """Calls one after another from text[start], joined by `separator`, up to `closer` if any."""
+def _json_calls(
+    text: str,
+    final: bool,
+    args_key: str,
+    start: int,
+    separator: str,
+    closer: str | None,
+    forced: bool = False,
+):
+    """Calls one after another from text[start], joined by `separator`, up to `closer` if any.
+    `forced`: the grammar made the text calls, so a call cut off is a call (see `_forced_cut`)."""
     out: list[Call | Content] = []
     i = start
     while True:
@@ -247,6 +258,8 @@ def _json_calls(text: str, final: bool, args_key: str, start: int, separator: st
         if end is None:
             if not final:
                 return [*out, call]
+            if forced:
+                return [*out, *_forced_cut(call)]
             # Cut off: the call is content, and with no call before it so is the whole output.
             return [Content(0, len(text))] if not out else [*out, Content(i, len(text))]
         if not _valid(text, i, end, call):
@@ -261,6 +274,14 @@ def _json_calls(text: str, final: bool, args_key: str, start: int, separator: st
         if i < len(text):
             out.append(Content(i, len(text)))
         return out
+
+
+def _forced_cut(call: Call) -> list[Call | Content]:
+    """A forced call (tool_choice required or named) that max_tokens cut off: a call with the
+    arguments written so far, as a stream has announced it, once its name is known; before that,
+    nothing. Its text is never content: the grammar made it a call, and a reply streamed or not
+    reports the same calls."""
+    return [call] if call.name is not None else []
 
 
 def _llama3_json(text: str, final: bool) -> list[Call | Content]:
@@ -280,22 +301,26 @@ def _llama3_json(text: str, final: bool) -> list[Call | Content]:
 def _required(text: str, final: bool) -> list[Call | Content]:
     i = _skip_ws(text, 0)
     if i >= len(text):
-        return [] if not final else [Content(0, len(text))]
+        return []
     if text[i] != "[":
         return [Content(0, len(text))]
-    return _json_calls(text, final, "parameters", i + 1, ",", "]")
+    return _json_calls(text, final, "parameters", i + 1, ",", "]", forced=True)
 
 
 def _named(text: str, final: bool, name: str) -> list[Call | Content]:
     start = _skip_ws(text, 0)
     if start >= len(text):
-        return [] if not final else [Content(0, len(text))]
+        return []
     if text[start] != "{":
         return [Content(0, len(text))]
     try:
         end = _value_end(text, start)
     except Incomplete:
-        return [Content(0, len(text))] if final else [Call(start, name, start, None, False)]
+        return (
+            _forced_cut(Call(start, name, start, None, False))
+            if final
+            else [Call(start, name, start, None, False)]
+        )
     try:
         valid = isinstance(json.loads(text[start:end]), dict)
     except ValueError:
@@ -348,11 +373,12 @@ class ToolParser:
                 # Whitespace between and after calls is layout, not content (as in a stream).
                 if piece.strip() or not calls:
                     content.append(piece)
-            elif s.complete:
-                arguments = text[s.args_start : s.args_end]
+            elif s.complete or self.format in FORCED:
+                end = s.args_end if s.args_end is not None else len(text)
+                arguments = text[s.args_start : end] if s.args_start is not None else ""
                 calls.append(_tool_call(call_id(request_id, len(calls)), s.name or "", arguments))
         joined = "".join(content)
-        if calls:
+        if calls or self.format in FORCED:
             return ParsedOutput(joined.strip() or None, calls)
         return ParsedOutput(joined, [])
 

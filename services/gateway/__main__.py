@@ -91,6 +91,8 @@ async def serve(stage: Stage) -> None:
         body_timeout_s=config.body_timeout_s,
         responses_max_stored=config.responses_max_stored,
         responses_max_age_s=config.responses_max_age_s,
+        sse_keepalive_s=config.sse_keepalive_s,
+        reasoning_parser=config.reasoning_parser,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

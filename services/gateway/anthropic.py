@@ -3,8 +3,9 @@
 A Messages request is translated into a chat completion (`translated.py`): `system` becomes the
 system message, `tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` turns,
 `tools` / `tool_choice` OpenAI's (auto -> auto, any -> required, tool -> the named function,
-none -> none). The reply comes back as content blocks (`text`, `tool_use`) with Anthropic's
-stop reasons, or as its stream events. Errors are `{"type": "error", "error": {"type", "message"}}`.
+none -> none). The reply comes back as content blocks (`thinking` for a reasoning model's
+thinking, services/gateway/reasoning.py; `text`, `tool_use`) with Anthropic's stop reasons, or as
+its stream events (`thinking_delta`); `thinking` blocks sent back in `messages` are dropped. Errors are `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,15 @@ class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", froze
     is_error: bool = False
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", frozen=True):
+    """An earlier turn's thinking, which clients send back: dropped, as the chat templates of
+    reasoning models leave earlier thinking out of the prompt."""
+
+    thinking: str = ""
+    signature: str = ""
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class MessageIn(msgspec.Struct, frozen=True):
@@ -116,6 +125,8 @@ def _turns(i: int, message: MessageIn) -> list[dict[str, Any]]:
         field = f"messages[{i}].content[{k}]"
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            continue
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise invalid(f"{field}: tool_use blocks belong to assistant messages", f"{field}.type")
@@ -244,7 +255,7 @@ class AnthropicReply:
         self.text = ""  # the engine's output so far, stop sequence included
         self.stop_sequence: str | None = None
         self.stop_reason: str | None = None
-        self.block: Literal["text", "tool_use"] | None = None  # the open content block
+        self.block: Literal["thinking", "text", "tool_use"] | None = None  # the open content block
         self.num_blocks = 0
 
     def _stop_hit(self, text: str, finish_reason: str | None) -> str | None:
@@ -291,6 +302,10 @@ class AnthropicReply:
         if self.stop_sequence is not None:
             text = text[: -len(self.stop_sequence)]
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        if choice.message.reasoning_content:  # a reasoning model's thinking (reasoning.py): first
+            content.insert(
+                0, {"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""}
+            )
         for call in choice.message.tool_calls or []:
             content.append({"type": "tool_use", "id": call.id, "name": call.function.name,
                             "input": _tool_input(call.function.arguments)})  # fmt: skip
@@ -325,6 +340,10 @@ class AnthropicReply:
         out: list[bytes] = []
         for choice in chunk.choices:
             delta = choice.delta
+            if delta.reasoning_content:
+                if self.block != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning_content}))
             if delta.content:
                 if self.block != "text":
                     out += self._open({"type": "text", "text": ""})

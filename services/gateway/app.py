@@ -16,7 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,18 @@ from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, 
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
 from services.gateway.metrics import RequestTimer
+from services.gateway.reasoning import reasoning_style
 from services.gateway.runner import run_jobs
-from services.gateway.sse import DONE, SSE_HEADERS, Cursor, WatchedResponse, event
+from services.gateway.sse import (
+    DONE,
+    SSE_HEADERS,
+    Cursor,
+    WatchedResponse,
+    event,
+    settle,
+    wait_first,
+    with_keepalive,
+)
 from services.metrics import HttpMetrics, registry_for_run
 
 STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
@@ -76,6 +87,8 @@ class GatewaySettings:
     body_timeout_s: float  # the whole body must arrive within this (gateway.body_timeout_s)
     responses_max_stored: int = 1000  # gateway.responses_max_stored (services/gateway/response_store.py)
     responses_max_age_s: float = 7 * 86400.0
+    sse_keepalive_s: float = 15.0  # gateway.sse_keepalive_s: a waiting stream's comment-line interval
+    reasoning_parser: str = "auto"  # gateway.reasoning_parser (services/gateway/reasoning.py)
 
 
 def json_response(
@@ -126,6 +139,13 @@ class Gateway:
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
+        self.reasoning = reasoning_style(
+            settings.reasoning_parser,
+            lambda: tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], add_generation_prompt=True
+            ),
+            lambda tag: len(tokenizer.encode(tag)) == 1,
+        )
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -226,8 +246,9 @@ class Gateway:
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
         fmt = ChatFormat(
-            self.settings.model, names, plan.logprobs, parser, plan.call_id_base, plan.prompt_logprobs
-        )
+            self.settings.model, names, plan.logprobs, parser, plan.call_id_base,
+            prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning,
+        )  # fmt: skip
         return self.generate(request, body, plan, fmt)
 
     async def completions(self, request: Request) -> Response:
@@ -261,13 +282,16 @@ class Gateway:
         async def work(send: Send) -> None:
             timer = RequestTimer(self.metrics)
             feed = run_jobs(self.client, plan.jobs)
+            first = asyncio.ensure_future(anext(feed, None))
             status = 200
             try:
                 try:
-                    first = await anext(feed, None)
-                    timer.on_output(first[1].token_ids if first else [])
-                    if not body.stream:
-                        reply = await self.collect(first, feed, plan, fmt, timer)
+                    if body.stream:
+                        await wait_first(first, self.settings.sse_keepalive_s)
+                    else:
+                        item = await first
+                        timer.on_output(item[1].token_ids if item else [])
+                        reply = await self.collect(item, feed, plan, fmt, timer)
                         await send_all(send, json_response(reply, 200, headers))
                         timer.on_finish()
                         return
@@ -286,14 +310,17 @@ class Gateway:
                     return
                 raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
                 await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-                async for chunk in self.stream_events(first, feed, plan, fmt, cursor, include_usage, timer):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                events = self.stream_events(first, feed, plan, fmt, cursor, include_usage, timer)
+                async with aclosing(with_keepalive(events, self.settings.sse_keepalive_s)) as chunks:
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 timer.on_finish()
             except (asyncio.CancelledError, OSError):
                 status = CLIENT_CLOSED
                 raise
             finally:
+                await settle(first)
                 await feed.aclose()
                 self.num_in_flight -= 1
                 self.count(path, status)
@@ -315,16 +342,23 @@ class Gateway:
                 timer.on_output(item[1].token_ids)
         return fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
 
-    async def stream_events(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
-                            plan: Plan, fmt: ChatFormat | CompletionFormat, cursor: Cursor, include_usage: bool,
-                            timer: Any) -> AsyncIterator[bytes]:  # fmt: skip
+    async def stream_events(self, first: asyncio.Future[tuple[int, StreamDelta] | None],
+                            feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan,
+                            fmt: ChatFormat | CompletionFormat, cursor: Cursor, include_usage: bool,
+                            timer: Any) -> AsyncGenerator[bytes, None]:  # fmt: skip
         usages = {}
         if not cursor.is_resumed:
             for job in plan.jobs:
                 chunk = fmt.first_chunk(job.index)
                 if chunk is not None:
                     yield event(chunk, cursor.event_id())
-        item = first
+        try:
+            item = await first
+        except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
+            yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
+            yield DONE
+            return
+        timer.on_output(item[1].token_ids if item else [])
         while item is not None:
             index, delta = item
             if delta.usage is not None:

@@ -17,6 +17,7 @@ from ipc import messages as m
 from services.common.text import Tokenizer
 from services.common.tool_parsers import ToolCallStream, ToolParser, finish_reason
 from services.gateway import protocol as p
+from services.gateway.reasoning import ReasoningStream, ReasoningStyle, split_reasoning
 
 
 @dataclass
@@ -147,6 +148,7 @@ class ChatFormat:
         tool_parser: ToolParser | None = None,
         call_id_base: str = "",
         prompt_top_n: int | None = None,
+        reasoning: ReasoningStyle | None = None,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -157,6 +159,8 @@ class ChatFormat:
         self.tool_parser = tool_parser
         self.call_id_base = call_id_base
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.reasoning = reasoning  # splits reasoning_content off before the tool parser reads
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _tool_stream(self, index: int) -> ToolCallStream:
         assert self.tool_parser is not None
@@ -167,10 +171,24 @@ class ChatFormat:
             )
         return stream
 
+    def _split(self, index: int, text: str, final: bool) -> tuple[str | None, str]:
+        """New output of choice `index` -> (its reasoning, its content), as far as certain."""
+        if self.reasoning is None:
+            return None, text
+        stream = self.reasoning_streams.get(index)
+        if stream is None:
+            stream = self.reasoning_streams[index] = ReasoningStream(self.reasoning)
+        reasoning, content = stream.feed(text)
+        if final:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
     def skip(self, index: int, text: str) -> None:
         """Text of choice `index` that a resumed client already has: read, not sent."""
-        if self.tool_parser is not None and text:
-            self._tool_stream(index).feed(text)
+        _, content = self._split(index, text, final=False)
+        if self.tool_parser is not None and content:
+            self._tool_stream(index).feed(content)
 
     def _logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
         if self.top_n is None:
@@ -195,21 +213,22 @@ class ChatFormat:
         """The piece's chunk, and for a last piece, as OpenAI sends it, a chunk of its own with the
         finish_reason and an empty delta."""
         reason = piece.finish_reason
+        reasoning, text = self._split(index, piece.text, final=reason is not None)
         if self.tool_parser is None:
-            content, tool_calls = piece.text, None
-            has_news = bool(piece.text or piece.token_ids)
+            content = text if text or (reason is None and not reasoning) else None
+            tool_calls = None
         else:
             stream = self._tool_stream(index)
-            items = stream.feed(piece.text)
+            items = stream.feed(text)
             if reason is not None:
                 items += stream.finish()
                 # What was streamed decides: a call once announced stays a call.
                 reason = finish_reason("stop" if reason == "tool_calls" else reason, stream.has_tool_calls)
             content, tool_calls = merge_tool_deltas(items)
-            has_news = content is not None or tool_calls is not None or bool(piece.token_ids)
         out: list[msgspec.Struct] = []
+        has_news = bool(content or tool_calls or reasoning or piece.token_ids)
         if has_news or reason is None:
-            delta = p.ChatDelta(content=content, tool_calls=tool_calls)
+            delta = p.ChatDelta(content=content, tool_calls=tool_calls, reasoning_content=reasoning or None)
             out.append(self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece))]))
         if reason is not None:
             out.append(self._chunk([p.ChatChunkChoice(index, p.ChatDelta(), None, reason)]))
@@ -233,6 +252,9 @@ class ChatFormat:
                 message = p.ChatMessageOut(
                     "assistant", piece.tools.content, tool_calls=tool_calls_out(piece.tools)
                 )
+            if self.reasoning is not None:
+                message.reasoning_content, content = split_reasoning(self.reasoning, message.content or "")
+                message.content = content if content or message.content is not None else None
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
         reply = p.ChatCompletion(self.id, self.created, self.model, out, usage)
         if self.prompt_top_n is not None and choices:  # one prompt: vLLM gives it once

@@ -80,6 +80,7 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -157,6 +158,8 @@ class ChatMessageOut(msgspec.Struct):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # absent when there are none
+    # A reasoning model's thinking (services/gateway/reasoning.py); absent without a reasoning parser.
+    reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class PromptLogprob(msgspec.Struct):
@@ -193,6 +196,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     """Stream deltas carry only what is new (OpenAI omits role after the first chunk)."""
 
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     # {"index", "id", "type", "function": {"name", "arguments"}}: a call's first delta has its
     # id and name, later ones add to its arguments (services/common/tool_parsers.py)

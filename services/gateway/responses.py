@@ -6,8 +6,13 @@ becomes the system message, `input` (a string, or message, `function_call` and
 `text.format` the chat's `response_format`, `max_output_tokens` its `max_tokens`. The reply comes
 back as output items (`message` with `output_text`, `function_call`), or as the Responses event
 stream. With `store` (the default, as OpenAI's), the response and its conversation are kept in
-the run's `ResponseStore`, so that `previous_response_id` continues it on any replica. Reasoning
-items are not produced (nor accepted as input) yet.
+the run's `ResponseStore`, so that `previous_response_id` continues it on any replica.
+
+A reasoning model's thinking (services/gateway/reasoning.py) comes back as a `reasoning` item
+before the message (`content: [{"type": "reasoning_text", "text"}]`, `summary: []`), streamed as
+`response.reasoning_text.delta` / `.done` events. Reasoning items in `input` are accepted and
+dropped, as vLLM does: the chat templates of reasoning models leave earlier turns' thinking out
+of the prompt, and a stored response's conversation keeps only what was said.
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 last["tool_calls"] = [*(last.get("tool_calls") or []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "reasoning":
+            continue  # earlier thinking: not part of the prompt (the module's docstring)
         elif item.type == "function_call_output":
             output = (
                 item.output if isinstance(item.output, str) else _item_text(f"{field}.output", item.output)
@@ -148,7 +155,8 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                              "content": output})  # fmt: skip
         else:
             raise invalid(
-                f"{field}.type: must be message, function_call or function_call_output, got {item.type!r}",
+                f"{field}.type: must be message, reasoning, function_call or function_call_output, got "
+                f"{item.type!r}",
                 f"{field}.type",
             )
     return messages
@@ -280,6 +288,11 @@ class ResponsesReply:
                 "role": "assistant", "content": []}  # fmt: skip
 
     @staticmethod
+    def _reasoning_item() -> dict[str, Any]:
+        return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": "in_progress", "summary": [],
+                "content": []}  # fmt: skip
+
+    @staticmethod
     def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
                 "arguments": arguments, "status": "in_progress"}  # fmt: skip
@@ -312,6 +325,10 @@ class ResponsesReply:
         self.finish_reason = choice.finish_reason
         text = choice.message.content or ""
         calls = choice.message.tool_calls or []
+        if choice.message.reasoning_content:
+            item = self._reasoning_item()
+            item["content"] = [{"type": "reasoning_text", "text": choice.message.reasoning_content}]
+            self.output.append(item)
         if text or not calls:
             item = self._message_item()
             item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
@@ -339,8 +356,10 @@ class ResponsesReply:
         self.open_item = item
         self.output.append(item)
         out.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=item))
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = {"type": "output_text", "text": "", "annotations": []}
+            if item["type"] == "reasoning":
+                part = {"type": "reasoning_text", "text": ""}
             item["content"].append(part)
             out.append(self._event("response.content_part.added", item_id=item["id"],
                                    output_index=len(self.output) - 1, content_index=0, part=part))  # fmt: skip
@@ -357,6 +376,10 @@ class ResponsesReply:
             part = item["content"][0]
             out = [self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
                    self._event("response.content_part.done", **where, content_index=0, part=part)]  # fmt: skip
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out = [self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"]),
+                   self._event("response.content_part.done", **where, content_index=0, part=part)]  # fmt: skip
         else:
             out = [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])]
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
@@ -366,6 +389,14 @@ class ResponsesReply:
         out: list[bytes] = []
         for choice in chunk.choices:
             delta = choice.delta
+            if delta.reasoning_content:
+                if self.open_item is None or self.open_item["type"] != "reasoning":
+                    out += self._open(self._reasoning_item())
+                assert self.open_item is not None
+                where = {"item_id": self.open_item["id"], "output_index": len(self.output) - 1}
+                self.open_item["content"][0]["text"] += delta.reasoning_content
+                out.append(self._event("response.reasoning_text.delta", **where, content_index=0,
+                                       delta=delta.reasoning_content))  # fmt: skip
             if delta.content:
                 if self.open_item is None or self.open_item["type"] != "message":
                     out += self._open(self._message_item())

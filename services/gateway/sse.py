@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.responses import Response
@@ -26,6 +27,10 @@ SSE_HEADERS = {
     "x-accel-buffering": "no",
 }
 DONE = b"data: [DONE]\n\n"
+# An SSE comment line: clients skip it, proxies see traffic. No blank line after it: a blank line
+# ends an event, and the openai client, once it has seen an `id:`, reads an event of no data
+# there and fails to decode it as JSON.
+KEEPALIVE = b": keep-alive\n"
 _encoder = msgspec.json.Encoder()
 
 
@@ -87,6 +92,42 @@ class Cursor:
             f"{max(t, rt)}.{max(c, rc)}"
             for (t, c), (rt, rc) in zip(self.positions, self.resume_after, strict=True)
         )
+
+
+async def wait_first(first: asyncio.Future[Any], wait_s: float) -> None:
+    """Wait for a feed's first item (`first`, a task) for at most `wait_s`.
+    A stream whose first output takes longer starts its 200 response and keep-alives
+    (`with_keepalive`) instead of waiting on: an engine error up to then still gets its own HTTP
+    status, a later one becomes an error event in the stream."""
+    await asyncio.wait({first}, timeout=wait_s)
+    if first.done():
+        first.result()  # raises the engine's error
+
+
+async def with_keepalive(events: AsyncGenerator[bytes, None], interval_s: float) -> AsyncIterator[bytes]:
+    """`events`, with a comment line (`KEEPALIVE`) whenever `interval_s` pass without one."""
+    upcoming = asyncio.ensure_future(anext(events, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({upcoming}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE
+                continue
+            data = upcoming.result()
+            if data is None:
+                return
+            yield data
+            upcoming = asyncio.ensure_future(anext(events, None))
+    finally:
+        await settle(upcoming)
+        await events.aclose()
+
+
+async def settle(pending: asyncio.Future[Any]) -> None:
+    """Cancel `pending` (if not done) and wait for it, so that the generator it reads can be closed."""
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await pending
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -13,7 +13,8 @@ taken back in the X-Brigade-Seed header, as for chat.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Protocol
 
 import msgspec
@@ -31,7 +32,7 @@ from services.gateway.formats import ChatFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan
 from services.gateway.metrics import RequestTimer
 from services.gateway.runner import run_jobs
-from services.gateway.sse import SSE_HEADERS, WatchedResponse
+from services.gateway.sse import SSE_HEADERS, WatchedResponse, settle, wait_first, with_keepalive
 
 _encoder = msgspec.json.Encoder()
 
@@ -64,7 +65,7 @@ class Translation(Protocol):
 def chat_format(gateway: Gateway, plan: Plan) -> ChatFormat:
     names = TokenNames(gateway.tokenizer, False)
     parser = tool_parser_for(plan.tools, gateway.auto_tool_format) if plan.tools is not None else None
-    return ChatFormat(gateway.settings.model, names, None, parser, plan.call_id_base)
+    return ChatFormat(gateway.settings.model, names, None, parser, plan.call_id_base, gateway.reasoning)
 
 
 def run_translated(
@@ -86,13 +87,16 @@ def run_translated(
     async def work(send: Send) -> None:
         timer = RequestTimer(gateway.metrics)
         feed = run_jobs(gateway.client, plan.jobs)
+        first = asyncio.ensure_future(anext(feed, None))
         status = 200
         try:
             try:
-                first = await anext(feed, None)
-                timer.on_output(first[1].token_ids if first else [])
-                if not stream:
-                    completion = await gateway.collect(first, feed, plan, fmt, timer)
+                if stream:
+                    await wait_first(first, gateway.settings.sse_keepalive_s)
+                else:
+                    item = await first
+                    timer.on_output(item[1].token_ids if item else [])
+                    completion = await gateway.collect(item, feed, plan, fmt, timer)
                     assert isinstance(completion, p.ChatCompletion)
                     body = await translation.whole(completion)
                     await send_all(send, Response(body, 200, headers, JSON))
@@ -105,14 +109,17 @@ def run_translated(
                 return
             raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-            async for data in stream_events(first, feed, plan, fmt, translation, timer):
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+            events = stream_events(first, feed, plan, fmt, translation, timer)
+            async with aclosing(with_keepalive(events, gateway.settings.sse_keepalive_s)) as chunks:
+                async for data in chunks:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             timer.on_finish()
         except (asyncio.CancelledError, OSError):
             status = CLIENT_CLOSED
             raise
         finally:
+            await settle(first)
             await feed.aclose()
             gateway.num_in_flight -= 1
             gateway.count(path, status)
@@ -120,13 +127,18 @@ def run_translated(
     return WatchedResponse(work)
 
 
-async def stream_events(first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
-                        plan: Plan, fmt: ChatFormat, translation: Translation,
-                        timer: RequestTimer) -> AsyncIterator[bytes]:  # fmt: skip
+async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None],
+                        feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan, fmt: ChatFormat,
+                        translation: Translation, timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
     for data in translation.opening():
         yield data
     usages = {}
-    item = first
+    try:
+        item = await first
+    except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
+        yield translation.error_event(from_engine(exc, plan.aliases))
+        return
+    timer.on_output(item[1].token_ids if item else [])
     while item is not None:
         index, delta = item
         if delta.usage is not None:

@@ -382,6 +382,7 @@ class TokenizerCore:
                     add_generation_prompt=True,
                     tools=template_tools,
                     timeout_s=self.template_timeout_s,
+                    template_kwargs=request.chat_template_kwargs,
                 )
             except TemplateTimeout as exc:
                 raise RequestError("invalid_request", f"messages: {exc}") from None
