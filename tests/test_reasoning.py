@@ -86,8 +86,9 @@ def test_responses_and_messages_carry_the_thinking_streamed_and_not(tmp_path) ->
         "Blue.",
     )
     chunks = [
-        fmt.chunk(0, Piece(c, [], [], [], "stop" if k == len(output) - 1 else None), 0)
+        chunk
         for k, c in enumerate(output)
+        for chunk in fmt.chunks(0, Piece(c, [], [], [], "stop" if k == len(output) - 1 else None), 0)
     ]
 
     store = ResponseStore(tmp_path, 0, 60.0, 1 << 20)
