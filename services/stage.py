@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import msgspec
 import zmq
@@ -25,7 +26,7 @@ from ipc import messages as m
 from ipc.codec import CONTROL_DOWN, CONTROL_UP, Codec, MalformedMessage
 from ipc.config import Config
 from ipc.endpoints import Endpoints, Link, NetworkPlan
-from ipc.sockets import DealerSocket, PushQueue
+from ipc.sockets import DealerSocket, PushQueue, close_context
 from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 from services.cpu_cores import light_stage_cores, pin_process, usable_cores
 
@@ -221,6 +222,7 @@ class ControlChannel:
             ctx, stage.endpoints.supervisor(), CONTROL_DOWN, CONTROL_UP, identity=stage.name.encode()
         )
         self.last_beat = 0.0
+        self.num_malformed = 0  # commands that did not decode: counted into each heartbeat
         audit = AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
         self.auth_failures = AuthFailures(audit, stage.log)
 
@@ -246,7 +248,12 @@ class ControlChannel:
                 self.stage.log.error("parent %d is gone; exiting", self.stage.parent_pid)
                 os._exit(1)
             self.auth_failures.poll()
-            load = msgspec.structs.replace(load or m.StageLoad(), num_auth_failures=self.auth_failures.count)
+            load = load or m.StageLoad()
+            load = msgspec.structs.replace(
+                load,
+                num_auth_failures=self.auth_failures.count,
+                num_malformed=load.num_malformed + self.num_malformed,
+            )
             self.socket.send(m.Heartbeat(self.stage.name, os.getpid(), progress, has_work, load))
 
     def command(self) -> m.ControlDown | None:
@@ -254,6 +261,7 @@ class ControlChannel:
         try:
             command = self.socket.recv(0)
         except MalformedMessage:
+            self.num_malformed += 1
             return None
         if isinstance(command, m.Reconfigure):
             logging.getLogger().setLevel(command.log_level)
@@ -270,3 +278,64 @@ def install_stop_handler() -> list[bool]:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return stopping
+
+
+class StageProcess:
+    """The skeleton of a stage process: its command line (`parse_stage_args`), its zmq context and
+    control channel, the stop flag, the busy loop and the close. A stage names its `kind`, opens
+    its own sockets in `__init__` and fills in the loop, which reads:
+
+        while not stopping:
+            self.step()                   # wait on its inputs, and handle what came
+            self.on_command(command)      # when the supervisor sent one
+            self.heartbeat()              # rate-limited by the control channel
+
+    A stage whose loop has another shape (the worker's, on the step ring) overrides `serve`."""
+
+    kind: ClassVar[str]
+    stop_linger_ms: ClassVar[int] = 0  # how long the close lets queued messages out
+
+    def __init__(self, argv: list[str] | None = None) -> None:
+        self.stage, self.args = parse_stage_args(self.kind, argv)
+        self.log = self.stage.log
+        self.ctx = zmq.Context()
+        self.control = ControlChannel(self.ctx, self.stage)
+        self.stopping = [False]  # set by SIGTERM / SIGINT once `run` starts
+        self.num_malformed = 0  # messages on the stage's own inputs that did not decode
+
+    def run(self) -> None:
+        """Serve until SIGTERM / SIGINT, then close."""
+        self.stopping = install_stop_handler()
+        self.serve()
+        self.close()
+
+    def serve(self) -> None:
+        self.start()
+        stopping, control = self.stopping, self.control
+        while not stopping[0]:
+            self.step()
+            command = control.command()
+            if command is not None:
+                self.on_command(command)
+            self.heartbeat()
+
+    def start(self) -> None:
+        """Just before the loop, with the stop handler on: a stage ready by now says Ready here."""
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def on_command(self, command: m.ControlDown) -> None:
+        """A command from the supervisor (a log level change is applied already)."""
+
+    def heartbeat(self) -> None:
+        raise NotImplementedError
+
+    def drain(self) -> str:
+        """What the stage owes on its way out, done after the loop; returns what it adds to the
+        "stopping" log line."""
+        return ""
+
+    def close(self) -> None:
+        self.log.info("stopping%s", self.drain())
+        close_context(self.ctx, self.stop_linger_ms)

@@ -15,7 +15,6 @@ import socket
 from pathlib import Path
 
 import uvicorn
-import zmq
 
 from client.async_sdk import AsyncClient
 from ipc import messages as m
@@ -24,7 +23,7 @@ from services.common.text import Tokenizer
 from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
-from services.stage import ControlChannel, Stage, parse_stage_args
+from services.stage import ControlChannel, Stage, StageProcess
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -52,9 +51,10 @@ def max_body_bytes(stage: Stage) -> int:
     return 6 * stage.config.tokenizer.max_prompt_chars + (1 << 20)
 
 
-async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, url: str) -> None:
+async def control_loop(
+    stage: Stage, control: ControlChannel, server: uvicorn.Server, gateway: Gateway, url: str
+) -> None:
     """Ready once the server listens; then heartbeats, and Shutdown stops the server."""
-    control = ControlChannel(zmq.Context.instance(), stage)
     while not server.started:
         await asyncio.sleep(0.01)
     control.ready(url=url)
@@ -69,7 +69,7 @@ async def control_loop(stage: Stage, server: uvicorn.Server, gateway: Gateway, u
         await asyncio.sleep(control.interval / 2)
 
 
-async def serve(stage: Stage) -> None:
+async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     config = stage.config.gateway
     sock = listen_socket(config.host, config.port)
     keys = stage.info.network.keys  # a stage's own key: the run's client key file may be elsewhere
@@ -108,7 +108,8 @@ async def serve(stage: Stage) -> None:
         )
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
-    control = asyncio.create_task(control_loop(stage, server, gateway, f"http://{host}:{config.port}/v1"))
+    url = f"http://{host}:{config.port}/v1"
+    control = asyncio.create_task(control_loop(stage, control_channel, server, gateway, url))
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -117,12 +118,18 @@ async def serve(stage: Stage) -> None:
         await client.close()
 
 
-def main() -> None:
-    stage, _ = parse_stage_args("gateway")
-    import uvloop
+class GatewayProcess(StageProcess):
+    """The skeleton's setup and close around uvicorn's asyncio loop, which owns the signals
+    (SIGTERM drains open requests) and runs the control channel as one of its tasks."""
 
-    uvloop.run(serve(stage))
+    kind = "gateway"
+
+    def run(self) -> None:
+        import uvloop
+
+        uvloop.run(serve(self.stage, self.control))
+        self.close()
 
 
 if __name__ == "__main__":
-    main()
+    GatewayProcess().run()

@@ -24,7 +24,7 @@ from ipc import messages as m
 from ipc.codec import SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
-from ipc.sockets import PullQueue, RouterSocket, close_context
+from ipc.sockets import PullQueue, RouterSocket
 from ipc.topology import Topology
 from ipc.validation import InvalidParams, validate_params
 from services.common.grammar_compiler import (
@@ -41,7 +41,7 @@ from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
 from services.scheduler.request import Request
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+from services.stage import StageProcess
 
 BLOCKED_POLL_MS = 50  # work that could not be planned now: look again soon
 COMPILE_POLL_MS = 1  # while a grammar compiles: its request starts as soon as it is done
@@ -53,14 +53,15 @@ MAX_INPUTS_PER_STEP = 1024
 MAX_LATE_STEPS = 3
 
 
-class SchedulerProcess:
+class SchedulerProcess(StageProcess):
     """Owns the sockets and rings of one engine group and drives the pure `Scheduler` core."""
 
+    kind = "scheduler"
+
     def __init__(self) -> None:
-        self.stage, _ = parse_stage_args("scheduler")
+        super().__init__()
         stage, config = self.stage, self.stage.config
         self.group = stage.index
-        self.ctx = zmq.Context()
         self.inbox = PullQueue(self.ctx, stage.endpoints.scheduler_in(self.group), SCHEDULER_INPUT, bind=True)
         self.workers = RouterSocket(
             self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_HELLO, WORKER_HELLO
@@ -70,7 +71,6 @@ class SchedulerProcess:
             self.peers.tokenizers,
             self.peers.detokenizers,
         )  # resized in place
-        self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.inbox, self.workers)
         self.step_ring = ShmRing.attach(stage.endpoints.step_ring(self.group))
         self.result_ring = ShmRing.attach(stage.endpoints.result_ring(self.group))
@@ -83,11 +83,13 @@ class SchedulerProcess:
         self.early: list[m.SubmitRequest] = []  # requests that came before the first worker
         # Requests (re)admitted whose detokenizer state must be rebuilt from their whole history.
         self.needs_full_history: dict[str, Request] = {}
-        self.num_malformed = 0
         self.num_steps = 0
         self.num_late_steps = 0  # workers replaced for a late step since the last step finished
         self.num_tokens = 0
         self.metrics = EngineMetrics(stage.info.model, self.group)
+        self.poller = zmq.Poller()
+        for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
+            self.poller.register(sock, zmq.POLLIN)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -97,7 +99,7 @@ class SchedulerProcess:
                 message = self.inbox.get(0)
             except MalformedMessage as exc:
                 self.num_malformed += 1
-                self.stage.log.warning("dropped a malformed message: %s", exc)
+                self.log.warning("dropped a malformed message: %s", exc)
                 continue
             if message is None:
                 return
@@ -214,7 +216,7 @@ class SchedulerProcess:
             self.detokenizers[shard].put(m.DropRequests(ids))
         for shard, updates in moved.items():
             self.detokenizers[shard].put(m.TokenBatch(updates))
-        self.stage.log.info("detokenizer shards %d -> %d", old_shards, new_shards)
+        self.log.info("detokenizer shards %d -> %d", old_shards, new_shards)
 
     @staticmethod
     def full_history(
@@ -305,7 +307,7 @@ class SchedulerProcess:
             self.early.clear()
             self.control.ready(kv_blocks=str(self.core.config.num_blocks))
         self.hellos.clear()
-        self.stage.log.info("workers up (pids %s)", self.worker_pids)
+        self.log.info("workers up (pids %s)", self.worker_pids)
 
     def load_grammars(self, hello: m.WorkerHello) -> Grammars | None:
         """The grammar engine for structured output, over the model's tokenizer and vocabulary (the
@@ -316,7 +318,7 @@ class SchedulerProcess:
                 self.stage.info.model_dir, hello.vocab_size, hello.eos_token_ids
             )
         except (OSError, ValueError) as exc:
-            self.stage.log.warning("structured output is off: %s", exc)
+            self.log.warning("structured output is off: %s", exc)
             return None
         structured = self.stage.config.structured
         budgets = GrammarBudgets(
@@ -342,7 +344,7 @@ class SchedulerProcess:
         self.num_late_steps += is_late
         if self.num_late_steps >= MAX_LATE_STEPS:
             self.fail_all_late()
-        self.stage.log.warning("worker lost (%s): recomputing running sequences", reason)
+        self.log.warning("worker lost (%s): recomputing running sequences", reason)
         # A worker that is alive but late (a step past step_timeout_s) would never say hello again
         # and the group would wait forever: kill it, and the supervisor starts a fresh one.
         for pid in self.worker_pids:
@@ -357,7 +359,7 @@ class SchedulerProcess:
 
     def fail_requests(self, requests: list[Request], error: str) -> None:
         """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
-        self.stage.log.error("worker refused a step: %s", error)
+        self.log.error("worker refused a step: %s", error)
         for request in requests:
             submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
             self.abort(request.request_id)
@@ -373,7 +375,7 @@ class SchedulerProcess:
             f"{self.num_late_steps} times in a row (the host is too slow or too loaded for it)"
         )
         requests = list(self.core.requests.values())
-        self.stage.log.error("failing %d requests: %s", len(requests), message)
+        self.log.error("failing %d requests: %s", len(requests), message)
         for request in requests:
             self.abort(request.request_id)
             submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)
@@ -427,37 +429,35 @@ class SchedulerProcess:
         # heartbeat bounds it; waking 20 times a second for nothing took CPU from the workers.
         return max(1, math.ceil(self.control.seconds_until_due() * 1000))
 
-    def run(self) -> None:
-        stopping = install_stop_handler()
-        poller = zmq.Poller()
-        for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
-            poller.register(sock, zmq.POLLIN)
-        self.stage.log.info("waiting for %d worker(s)", self.world_size)
-        while not stopping[0]:
-            self.drain_inbox()
-            self.poll_grammars()
-            command = self.control.command()
-            if isinstance(command, m.Reconfigure):
-                self.reconfigure(command)
-            elif isinstance(command, m.TopologyChanged):
-                self.on_topology(command.topology)
-            self.accept_hellos()
-            outputs = None
-            if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:
-                try:
-                    outputs = self.pipeline.advance()
-                except WorkerLost as exc:
-                    self.on_worker_lost(str(exc), is_late=isinstance(exc, StepTooLate))
-            if outputs is None:
-                poller.poll(self.idle_poll_ms())
-            else:
-                self.num_steps += 1
-                self.num_late_steps = 0
-                self.emit(outputs)
-            self.heartbeat()
+    def start(self) -> None:
+        self.log.info("waiting for %d worker(s)", self.world_size)
+
+    def step(self) -> None:
+        self.drain_inbox()
+        self.poll_grammars()
+        self.accept_hellos()
+        outputs = None
+        if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:
+            try:
+                outputs = self.pipeline.advance()
+            except WorkerLost as exc:
+                self.on_worker_lost(str(exc), is_late=isinstance(exc, StepTooLate))
+        if outputs is None:
+            self.poller.poll(self.idle_poll_ms())
+        else:
+            self.num_steps += 1
+            self.num_late_steps = 0
+            self.emit(outputs)
+
+    def on_command(self, command: m.ControlDown) -> None:
+        if isinstance(command, m.Reconfigure):
+            self.reconfigure(command)
+        elif isinstance(command, m.TopologyChanged):
+            self.on_topology(command.topology)
+
+    def drain(self) -> str:
         planned_ahead = self.pipeline.num_planned_ahead if self.pipeline else 0
-        self.stage.log.info("stopping after %d steps, %d planned ahead", self.num_steps, planned_ahead)
-        close_context(self.ctx, 0)
+        return f" after {self.num_steps} steps, {planned_ahead} planned ahead"
 
 
 def prompt_logprobs(request: Request) -> m.PromptLogprobs | None:

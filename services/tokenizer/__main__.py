@@ -11,13 +11,13 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMessage
 from ipc.sampling_defaults import run_defaults
-from ipc.sockets import MalformedFrame, PullQueue, RouterSocket, close_context
+from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
 from services.common.text import Tokenizer
 from services.metrics import RequestMetrics
 from services.peers import Peers
 from services.request_sample import RequestSampler
-from services.stage import ControlChannel, install_stop_handler, parse_stage_args
+from services.stage import StageProcess
 from services.tokenizer.core import Reply, RequestError, TokenizerCore
 
 POLL_MS = 100
@@ -28,13 +28,15 @@ KEEPALIVE_S = 1.0
 STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the tokenizer stops
 
 
-class TokenizerProcess:
+class TokenizerProcess(StageProcess):
     """Owns the sockets of one replica and moves messages between them and the core."""
 
+    kind = "tokenizer"
+    stop_linger_ms = STOP_LINGER_MS
+
     def __init__(self) -> None:
-        self.stage, _ = parse_stage_args("tokenizer")
+        super().__init__()
         stage, config = self.stage, self.stage.config
-        self.ctx = zmq.Context()
         self.clients = RouterSocket(
             self.ctx, stage.endpoints.tokenizer(stage.index), CLIENT_REQUEST, CLIENT_REPLY
         )
@@ -43,7 +45,6 @@ class TokenizerProcess:
         )
         self.peers = Peers(self.ctx, stage, schedulers=True)
         self.schedulers = self.peers.schedulers  # one per engine group, resized in place
-        self.control = ControlChannel(self.ctx, stage)
         self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
         self.core = TokenizerCore(
@@ -66,10 +67,13 @@ class TokenizerProcess:
             ),
         )
         self.next_stall_check = 0.0
-        self.num_malformed = 0
         self.num_events = 0
         self.is_draining = False
         self.last_keepalive = 0.0
+        self.poller = zmq.Poller()
+        self.poller.register(self.clients.socket, zmq.POLLIN)
+        self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.poller.register(self.control.socket.socket, zmq.POLLIN)
 
     def _request_sampler(self) -> RequestSampler | None:
         mlflow = self.stage.config.observability.mlflow
@@ -84,7 +88,7 @@ class TokenizerProcess:
     def _client_gone(self, identity: bytes) -> None:
         """Stop spending compute on the requests of a client that disconnected."""
         for entry in self.core.abort_connection(identity):
-            self.stage.log.info("client of %s disconnected; aborting it", entry.request_id)
+            self.log.info("client of %s disconnected; aborting it", entry.request_id)
             self._abort_upstream(entry.submit.request_id)
 
     def _abort_orphan(self, engine_id: str) -> None:
@@ -143,7 +147,7 @@ class TokenizerProcess:
                 self.send(Reply(identity, m.ErrorReply(request.request_id, exc.code, str(exc))))
                 return
             except Exception as exc:  # a bug, or input no check foresaw: this request fails, not the stage
-                self.stage.log.exception("admitting request %r failed", request.request_id)
+                self.log.exception("admitting request %r failed", request.request_id)
                 self.metrics.on_failure("internal")
                 message = f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", message)))
@@ -173,7 +177,7 @@ class TokenizerProcess:
             message = self.inbox.get(0)
         except MalformedMessage as exc:
             self.num_malformed += 1
-            self.stage.log.warning("dropped a malformed engine message: %s", exc)
+            self.log.warning("dropped a malformed engine message: %s", exc)
             return
         if isinstance(message, m.DeltaBatch):
             for delta in message.deltas:
@@ -194,14 +198,14 @@ class TokenizerProcess:
         elif isinstance(message, m.RequestProgress):
             redrive, failed = self.core.on_progress(message, time.monotonic())
             for entry in redrive:
-                self.stage.log.warning(
+                self.log.warning(
                     "request %s lost upstream at %d tokens: resubmitting it",
                     entry.submit.request_id,
                     len(entry.output_ids),
                 )
                 self.schedulers[entry.group].put(self.core.resubmission(entry))
             for reply in failed:
-                self.stage.log.error("request %s failed: %s", reply.message.request_id, reply.message.message)
+                self.log.error("request %s failed: %s", reply.message.request_id, reply.message.message)
                 self.send(reply)
 
     def check_stalled(self) -> None:
@@ -224,14 +228,12 @@ class TokenizerProcess:
             self.is_draining = True  # finish what is in flight, refuse anything new
         elif isinstance(command, m.ResubmitAll) and command.group < len(self.schedulers):
             submissions = self.core.resubmissions(command.group)
-            self.stage.log.info(
-                "scheduler %d restarted: resubmitting %d requests", command.group, len(submissions)
-            )
+            self.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
             for submit in submissions:
                 self.schedulers[command.group].put(submit)
         elif isinstance(command, m.ResubmitShard) and 0 <= command.shard < command.num_shards:
             submissions = self.core.shard_resubmissions(command.shard, command.num_shards)
-            self.stage.log.info(
+            self.log.info(
                 "detokenizer %d restarted: resubmitting %d requests", command.shard, len(submissions)
             )
             for group, submit in submissions:
@@ -244,40 +246,37 @@ class TokenizerProcess:
         old = self.peers.apply(topology)
         if topology.num_groups < old.num_groups:
             moved = self.core.move_retired()
-            self.stage.log.info(
+            self.log.info(
                 "engine groups from %d on retired: moving %d requests", topology.num_groups, len(moved)
             )
             for group, submit in moved:
                 self.schedulers[group].put(submit)
 
-    def run(self) -> None:
-        stopping = install_stop_handler()
-        poller = zmq.Poller()
-        poller.register(self.clients.socket, zmq.POLLIN)
-        poller.register(self.inbox.socket, zmq.POLLIN)
-        poller.register(self.control.socket.socket, zmq.POLLIN)
+    def start(self) -> None:
         self.control.ready(endpoint=str(self.stage.endpoints.tokenizer(self.stage.index)))
-        self.stage.log.info("serving on %s", self.stage.endpoints.tokenizer(self.stage.index))
-        while not stopping[0]:
-            events = dict(poller.poll(POLL_MS))
-            if self.inbox.socket in events:
-                self.on_engine()
-                self.num_events += 1
-            if self.clients.socket in events:
-                self.on_client()
-                self.num_events += 1
-            self.keep_alive()
-            command = self.control.command()
-            if command is not None:
-                self.on_command(command)
-            self.check_stalled()
-            self.control.heartbeat(
-                self.num_events,
-                has_work=False,
-                load=m.StageLoad(num_in_flight=len(self.core.journal), num_malformed=self.num_malformed),
-            )
-        # The run is stopping or this replica is retired: every client hears it now instead of
-        # waiting for a reply that will never come (with other replicas, the SDK fails over).
+        self.log.info("serving on %s", self.stage.endpoints.tokenizer(self.stage.index))
+
+    def step(self) -> None:
+        events = dict(self.poller.poll(POLL_MS))
+        if self.inbox.socket in events:
+            self.on_engine()
+            self.num_events += 1
+        if self.clients.socket in events:
+            self.on_client()
+            self.num_events += 1
+        self.keep_alive()
+        self.check_stalled()
+
+    def heartbeat(self) -> None:
+        self.control.heartbeat(
+            self.num_events,
+            has_work=False,
+            load=m.StageLoad(num_in_flight=len(self.core.journal), num_malformed=self.num_malformed),
+        )
+
+    def drain(self) -> str:
+        """The run is stopping or this replica is retired: every client hears it now instead of
+        waiting for a reply that will never come (with other replicas, the SDK fails over)."""
         dropped = self.core.drop_all()
         for entry in dropped:
             error = m.ErrorReply(
@@ -285,8 +284,7 @@ class TokenizerProcess:
             )
             self.clients.send(entry.identity, error)
             self._abort_upstream(entry.submit.request_id)
-        self.stage.log.info("stopping; failed the %d requests in flight", len(dropped))
-        close_context(self.ctx, STOP_LINGER_MS)
+        return f"; failed the {len(dropped)} requests in flight"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""The stage skeleton (services/stage.py `StageProcess`) in a real process: a detokenizer shard
+started on its own, the test playing the supervisor on its control channel. It says Ready,
+survives and counts a malformed message on its inbox and one on its control channel, and on
+SIGTERM leaves its loop, closes its context and exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ipc import messages as m
+from ipc.codec import CONTROL_UP
+from ipc.config import load_config
+from ipc.endpoints import Endpoints
+from ipc.shm import new_run_id
+from services.stage import RunInfo, write_run_info
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT_S = 60.0
+
+
+def receive(supervisor: zmq.Socket, wanted: type, deadline: float) -> m.Ready | m.Heartbeat:
+    """The stage's next message of type `wanted`, or fail at `deadline`."""
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        if supervisor.poll(left_ms):
+            _, frame = supervisor.recv_multipart()
+            message = CONTROL_UP.decode(frame)
+            if isinstance(message, wanted):
+                return message
+    raise AssertionError(f"no {wanted.__name__} from the stage in time")
+
+
+def test_stage_counts_malformed_input_and_stops_cleanly_on_sigterm(smollm2_dir: Path, tmp_path: Path) -> None:
+    config = load_config(None, ("supervisor.heartbeat_interval_s=0.1",))
+    endpoints = Endpoints(tmp_path, new_run_id())
+    write_run_info(tmp_path, RunInfo(endpoints.run_id, os.getpid(), str(smollm2_dir), "smollm2", [], config))
+    ctx = zmq.Context()
+    supervisor = ctx.socket(zmq.ROUTER)
+    supervisor.bind(endpoints.supervisor().bind)
+    inbox = ctx.socket(zmq.PUSH)
+    inbox.connect(str(endpoints.detokenizer_in(0)))
+    log_path = tmp_path / "detokenizer.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.detokenizer", "--run-dir", str(tmp_path)],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        receive(supervisor, m.Ready, time.monotonic() + WAIT_S)
+        inbox.send(b"\xff not a message")
+        supervisor.send_multipart([b"detokenizer-0", b"\xff not a command"])
+        deadline = time.monotonic() + WAIT_S
+        while receive(supervisor, m.Heartbeat, deadline).load.num_malformed < 2:
+            pass
+        assert process.poll() is None, "the stage died of a malformed message"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT_S) == 0
+        assert "stopping" in log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        ctx.destroy(linger=0)
