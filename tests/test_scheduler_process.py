@@ -30,7 +30,7 @@ from ipc.sampling_defaults import fill_defaults
 from ipc.shm import ShmRing, new_run_id
 from ipc.sockets import PullQueue, PushQueue
 from services.stage import RunInfo, write_run_info
-from supervisor import RING_SLOTS, result_slot_bytes, step_slot_bytes
+from supervision.run import RING_SLOTS, result_slot_bytes, step_slot_bytes
 from tests.conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

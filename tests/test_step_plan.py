@@ -22,7 +22,7 @@ from ipc.step_plan import (
 )
 from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from services.scheduler.pipeline import RingExecutor
-from supervisor import result_slot_bytes, step_slot_bytes
+from supervision.run import result_slot_bytes, step_slot_bytes
 
 SIZES = {Dim.TOKENS: 5, Dim.ROWS: 2}
 

@@ -168,17 +168,15 @@ def test_reconnect_moved_follows_only_the_links_whose_server_moved(keys) -> None
 def test_an_ipc_run_refuses_to_follow_a_group_to_another_host(tmp_path: Path) -> None:
     """Every link of a one-host ipc:// run is a socket file: a group that lands at another
     address cannot be reached from there, which the move says instead of starting it."""
+    from ipc.shm import new_run_id
     from supervision.preflight import Refused
-    from supervisor import Supervisor
+    from supervision.run import Run
 
-    supervisor = Supervisor(load_config(None), None, [], make_run_dir(tmp_path / "run"), "text")
-    try:
-        supervisor.plan_network({})
-        with pytest.raises(Refused, match=r"links are ipc:// .* set network\.transport: tcp"):
-            supervisor.move_group(0, "10.0.0.7")
-    finally:
-        supervisor.ctx.destroy(linger=0)
-    assert supervisor.network_plan.hosts == {}
+    run, config = Run(make_run_dir(tmp_path / "run"), new_run_id()), load_config(None)
+    run.plan_network(config, {})
+    with pytest.raises(Refused, match=r"links are ipc:// .* set network\.transport: tcp"):
+        run.move_stages(config, ["scheduler-0", "gpu_worker-0-0"], "10.0.0.7")
+    assert run.network_plan.hosts == {}
 
 
 def test_a_free_port_base_has_every_port_free() -> None:
@@ -308,26 +306,21 @@ def test_the_interface_of_an_address_is_found() -> None:
 
 
 def test_stages_placed_on_other_hosts_get_tcp_links_with_keys(tmp_path: Path) -> None:
-    """What the supervisor makes of `StageSet.place()`'s answer (stage name -> address): a plan
-    with those hosts and a key set, or a clear refusal when the others could not reach it."""
-    from supervisor import GiveUp, Supervisor
+    """What a run makes of `StageSet.place()`'s answer (stage name -> address): a plan with
+    those hosts and a key set, or a clear refusal when the others could not reach it."""
+    from ipc.shm import new_run_id
+    from supervision.preflight import Refused
+    from supervision.run import Run
 
     placed = {"scheduler-0": "10.0.0.7", "gpu_worker-0-0": "10.0.0.7"}
     run_dir = make_run_dir(tmp_path / "run")
-    loopback = Supervisor(load_config(None), None, [], run_dir, "text")
-    try:
-        with pytest.raises(GiveUp, match=r"network\.host is 127\.0\.0\.1, but stages run on other hosts"):
-            loopback.plan_network(placed)
-    finally:
-        loopback.ctx.destroy(linger=0)
+    with pytest.raises(Refused, match=r"network\.host is 127\.0\.0\.1, but stages run on other hosts"):
+        Run(run_dir, new_run_id()).plan_network(load_config(None), placed)
     here = node_address()
     if here is None:
         pytest.skip("no non-loopback IPv4 address")
-    head = Supervisor(load_config(None, [f"network.host={here}"]), None, [], run_dir, "text")
-    try:
-        head.plan_network(placed)
-    finally:
-        head.ctx.destroy(linger=0)
+    head = Run(run_dir, new_run_id())
+    head.plan_network(load_config(None, [f"network.host={here}"]), placed)
     assert head.network_plan.hosts == placed and head.network_plan.keys is not None
     assert head.endpoints.scheduler_in(0).connect.startswith("tcp://10.0.0.7:")
     assert head.endpoints.tokenizer(0).connect.startswith(f"tcp://{here}:")
