@@ -251,6 +251,8 @@ def trickled_body(target: Target, i: int) -> str | None:
             except OSError:  # reset: the server closed the connection
                 break
             if reply:
+                sock.settimeout(CLOSE_GRACE_S)
+                reply += _read_until_closed(sock) or b""  # the 408's body may come in a later packet
                 break
     return expect(
         int(reply.split()[1]) if reply.startswith(b"HTTP/") else 0, reply, 408, "gateway.body_timeout_s"
@@ -309,10 +311,12 @@ def _read_until_closed(sock: socket.socket) -> bytes | None:
 
 @dataclass
 class AttackOutcome:
-    """What one attack's loops did: shots started and finished, and the ones that went wrong."""
+    """What one attack's loops did: shots started and finished, how many went wrong (the first
+    few of them described)."""
 
     started: int = 0
     done: int = 0
+    num_wrong: int = 0
     wrong: list[str] = field(default_factory=list)
 
 
@@ -342,8 +346,10 @@ def attacking(
                 wrong = f"{type(exc).__name__}: {exc}"[:200]
             with lock:
                 outcome.done += 1
-                if wrong is not None and len(outcome.wrong) < 5:
-                    outcome.wrong.append(wrong)
+                if wrong is not None:
+                    outcome.num_wrong += 1
+                    if len(outcome.wrong) < 5:
+                        outcome.wrong.append(wrong)
 
     threads = [
         threading.Thread(target=loop, args=(name,), daemon=True) for name in names for _ in range(workers)
@@ -361,6 +367,7 @@ def attacking(
             thread.join(timeout=max(0.0, join_deadline - time.monotonic()))
         for outcome in outcomes.values():
             if outcome.done < outcome.started:
+                outcome.num_wrong += outcome.started - outcome.done
                 outcome.wrong.append(f"{outcome.started - outcome.done} shots never finished")
 
 
@@ -405,10 +412,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_phase(port: int, requests: list, seed: int, desc: str) -> dict:
-    results, duration = asyncio.run(
-        serve.drive(lambda r: peers.openai_stream(port, r), requests, len(requests), None, seed, desc)
-    )
+def load_phase(target: Target, requests: list, seed: int, desc: str) -> dict:
+    def send(request: datasets.BenchRequest):
+        return peers.openai_stream(target.port, request, api_key=target.api_key)
+
+    results, duration = asyncio.run(serve.drive(send, requests, len(requests), None, seed, desc))
     return serve.setting_stats(results, duration)
 
 
@@ -443,46 +451,47 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run.wait_ready(serve.READY_TIMEOUT_S)
         target = Target.of_run(run_dir, BENCH_API_KEY)
-        port = target.port
-        load_phase(port, serve.warmup_requests(requests), args.seed, "warmup")
+        load_phase(target, serve.warmup_requests(requests), args.seed, "warmup")
         stages_before = stage_table(run_dir)
-        baseline = load_phase(port, requests, args.seed, "alone")
-        report["alone"] = baseline
-        base_p50 = baseline["tpot_ms"]["p50"]
         print(
-            f"alone: {args.streams} streams x {args.output_len} tokens, TPOT p50 {base_p50:.1f} ms",
-            flush=True,
+            f"{args.streams} streams x {args.output_len} tokens; TPOT p50 in ms alone (just before) and beside"
         )
-        print(f"{'attack':<22}{'TPOT p50 ms':>12}{'ratio':>7}{'sched RSS MiB':>18}{'restarts':>9}  outcome")
+        print(
+            f"{'attack':<22}{'alone':>7}{'beside':>8}{'ratio':>7}{'sched RSS MiB':>16}{'restarts':>9}  outcome"
+        )
         for name in args.attacks:
+            # Alone right before each attack: on a shared host the load drifts more over the whole
+            # run than the attacks move the streams.
+            alone = load_phase(target, requests, args.seed, f"alone before {name}")
             rss_before = scheduler_rss_mib(run_dir)
             with attacking(target, [name], args.workers, args.max_shots) as outcomes:
-                stats = load_phase(port, requests, args.seed, name)
+                stats = load_phase(target, requests, args.seed, name)
             stages = stage_table(run_dir)
             outcome = outcomes[name]
             row = {
+                "alone": alone,
                 "normal": stats,
-                "tpot_p50_ratio": stats["tpot_ms"]["p50"] / base_p50,
+                "tpot_p50_ratio": stats["tpot_ms"]["p50"] / alone["tpot_ms"]["p50"],
                 "scheduler_rss_mib": [rss_before, scheduler_rss_mib(run_dir)],
                 "restarts": sum(r for _, r in stages.values()) - sum(r for _, r in stages_before.values()),
                 "pids_changed": sorted(n for n in stages if stages[n][0] != stages_before.get(n, (None,))[0]),
                 "attack": {
                     "shots": outcome.done,
-                    "as_expected": outcome.done - len(outcome.wrong),
+                    "shots_per_s": outcome.done / stats["duration_s"],
+                    "as_expected": outcome.done - outcome.num_wrong,
                     "wrong": outcome.wrong,
                 },
             }
             report["attacks"][name] = row
             verdict = "ok" if not outcome.wrong else f"WRONG: {outcome.wrong[0]}"
-            failed = stats["failures"]["total"]
+            failed = stats["failures"]["total"] + alone["failures"]["total"]
             print(
-                f"{name:<22}{stats['tpot_ms']['p50']:>12.1f}{row['tpot_p50_ratio']:>6.2f}x"
-                f"{row['scheduler_rss_mib'][0]:>9.0f} ->{row['scheduler_rss_mib'][1]:>6.0f}{row['restarts']:>9}"
-                f"  {outcome.done} shots {verdict}" + (f"; {failed} normal streams failed" if failed else ""),
+                f"{name:<22}{alone['tpot_ms']['p50']:>7.1f}{stats['tpot_ms']['p50']:>8.1f}{row['tpot_p50_ratio']:>6.2f}x"
+                f"{row['scheduler_rss_mib'][0]:>7.0f} ->{row['scheduler_rss_mib'][1]:>6.0f}{row['restarts']:>9}"
+                f"  {outcome.done} shots ({outcome.done / stats['duration_s']:.0f}/s) {verdict}"
+                + (f"; {failed} normal streams failed" if failed else ""),
                 flush=True,
             )
-        report["alone_again"] = load_phase(port, requests, args.seed, "alone again")
-        print(f"alone again: TPOT p50 {report['alone_again']['tpot_ms']['p50']:.1f} ms (the host's drift)")
     finally:
         report["leftovers"] = run.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
