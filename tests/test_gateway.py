@@ -1129,8 +1129,8 @@ def stream_texts(gw: Gateway, prompts: list[str], max_tokens: int) -> list[tuple
 
 # What the grammar budgets let the scheduler keep: the compiled-grammar cache (grammar_cache_mib,
 # 128 by default) plus the compiles in flight (max_grammar_mib, 16, each), with room for the
-# allocator keeping what it freed. On main before issue 29's fixes each distinct
-# `(a{700}){700}b{k}` kept ~160 MB, so a few of them pass this bound.
+# allocator keeping what it freed. Before issue 29's fixes each distinct `(a{700}){700}b{k}`
+# kept ~160 MB in the scheduler (tests/test_gateway_structured.py), two of them past this bound.
 SCHEDULER_RSS_GROWTH_MIB = 300
 
 
