@@ -356,15 +356,16 @@ def _is_healthy(port: int) -> bool:
 
 
 async def _post_events(
-    port: int, path: str, body: dict, peer: str, overloaded_status: int
+    port: int, path: str, body: dict, peer: str, overloaded_status: int, api_key: str | None = None
 ) -> AsyncIterator[dict]:
     """POST a streamed JSON request over one HTTP/1.1 connection; yield its SSE events' JSON until
     `data: [DONE]` or the end. `overloaded_status` (the peer's "no free slot") is PeerOverloaded."""
     data = json.dumps(body).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}".encode()
             + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
             + data
         )
@@ -406,7 +407,7 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
 
 
 async def openai_stream(
-    port: int, request: BenchRequest, model: str = "", peer: str = "gateway"
+    port: int, request: BenchRequest, model: str = "", peer: str = "gateway", api_key: str | None = None
 ) -> AsyncIterator[int]:
     """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway, vLLM's), streamed,
     greedy, ignore_eos (an extra field both take); yields the number of tokens of each event
@@ -421,7 +422,7 @@ async def openai_stream(
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }
-    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, peer, 429)) as events:
+    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, peer, 429, api_key)) as events:
         async for event in events:
             for choice in event["choices"]:
                 yield len((choice.get("logprobs") or {}).get("tokens") or [])

@@ -1284,6 +1284,53 @@ def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
     assert b"gateway.body_timeout_s" in reply
 
 
+def stream_texts(gw: Gateway, prompts: list[str], max_tokens: int) -> list[tuple[str, int]]:
+    """Greedy streams, all at once, through the openai client: each one's text and token count."""
+
+    def one(prompt: str) -> tuple[str, int]:
+        stream = gw.openai(max_retries=0).completions.create(
+            model=gw.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+# What the grammar budgets let the scheduler keep: the compiled-grammar cache (grammar_cache_mib,
+# 128 by default) plus the compiles in flight (max_grammar_mib, 16, each), with room for the
+# allocator keeping what it freed. Before issue 29's fixes each distinct `(a{700}){700}b{k}`
+# kept ~160 MB in the scheduler (tests/test_gateway_structured.py), two of them past this bound.
+SCHEDULER_RSS_GROWTH_MIB = 300
+
+
+def test_normal_streams_beside_every_attack(gw: Gateway) -> None:
+    """Issue 29's attacks (benchmarks/attack_bench.py: huge /tokenize, 25x the message budget,
+    6x the character budget in tool-call arguments, integers past the wire, 10k-deep JSON,
+    pathological and distinct regexes, constraints matching nothing, non-object tool parameters,
+    stalled headers, trickled bodies, wrong API keys), each looping beside four normal streams:
+    every attack gets its refusal, the streams their exact greedy text, no stage restarts and the
+    scheduler's memory stays bounded. The timings are the benchmark's (docs/performance.md)."""
+    from benchmarks.attack_bench import ATTACKS, Target, attacking, scheduler_rss_mib, stage_table
+
+    gw.run.wait_until_running(180)  # earlier tests kill stages
+    prompts = ["Once upon a time", "The capital of France", "def fibonacci(n):", "Buckets are"]
+    alone = stream_texts(gw, prompts, 24)
+    assert [n for _, n in alone] == [24] * len(prompts)
+    stages, rss = stage_table(gw.run.run_dir), scheduler_rss_mib(gw.run.run_dir)
+    target = Target.of_run(gw.run.run_dir, CONFIG_KEY)
+    with attacking(target, list(ATTACKS), workers=1, max_shots=20, max_seconds=120) as outcomes:
+        beside = stream_texts(gw, prompts, 24)
+    assert beside == alone
+    wrong = {name: o.wrong for name, o in outcomes.items() if o.wrong or not o.done}
+    assert not wrong, wrong
+    assert stage_table(gw.run.run_dir) == stages  # same pids, no restarts
+    growth = scheduler_rss_mib(gw.run.run_dir) - rss
+    assert growth < SCHEDULER_RSS_GROWTH_MIB, f"the scheduler grew {growth:.0f} MiB beside the attacks"
+
+
 # -- disconnects ------------------------------------------------------------------------------
 
 
