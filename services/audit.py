@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,11 +64,7 @@ class AuditLog:
 
     def record(self, event: str, **fields: Any) -> None:
         now = time.time()
-        stamp = (
-            datetime.fromtimestamp(now, timezone.utc)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z")
-        )
+        stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         line = self._encoder.encode(
             {"time": stamp, "ts": round(now, 3), "source": self.source, "event": event, **fields}
         )

@@ -8,11 +8,11 @@ import fnmatch
 import json
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import tomllib
 import yaml
 from dockerfile_parse import DockerfileParser
 
