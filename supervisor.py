@@ -5,9 +5,11 @@
 
 The supervisor owns the run: the run directory, every shared-memory object (named after the run
 id), and every stage process. It restarts a stage that exits or hangs, and triggers the recovery
-that keeps every request (docs/architecture.md invariant 4). Its parts are in supervision/: the
-restart policy and the hang rule (pure), the stage set (every process operation), the table of
-live settings, the checks before start; this file is the watch loop around them.
+that keeps every request (docs/architecture.md invariant 4). Its parts: the run's topology and
+the transition between two (ipc/topology.py, pure); in supervision/, the restart policy and the
+hang rule (pure), the stage set (every process operation), the run's resources (run.py), the
+status files (status.py), the table of live settings, the checks before start. This file is the
+watch loop around them: start, watch, restart, reload and change the topology, drain, stop.
 """
 
 from __future__ import annotations
