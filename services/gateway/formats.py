@@ -147,6 +147,7 @@ class ChatFormat:
         top_n: int | None,
         tool_parser: ToolParser | None = None,
         call_id_base: str = "",
+        *,
         prompt_top_n: int | None = None,
         reasoning: ReasoningStyle | None = None,
     ) -> None:

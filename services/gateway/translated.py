@@ -65,7 +65,9 @@ class Translation(Protocol):
 def chat_format(gateway: Gateway, plan: Plan) -> ChatFormat:
     names = TokenNames(gateway.tokenizer, False)
     parser = tool_parser_for(plan.tools, gateway.auto_tool_format) if plan.tools is not None else None
-    return ChatFormat(gateway.settings.model, names, None, parser, plan.call_id_base, gateway.reasoning)
+    return ChatFormat(
+        gateway.settings.model, names, None, parser, plan.call_id_base, reasoning=gateway.reasoning
+    )
 
 
 def run_translated(
