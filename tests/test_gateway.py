@@ -462,6 +462,10 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
     assert streamed == want.message.content and final.content[0].text == streamed
     assert final.stop_reason == reply.stop_reason and final.usage.output_tokens == usage.completion_tokens
     assert final.usage.input_tokens == usage.prompt_tokens
+    # message_start already counts the prompt, as Anthropic's does (agents track their context by it).
+    with client.messages.stream(**kwargs) as stream:
+        starts = [event for event in stream if event.type == "message_start"]
+    assert [s.message.usage.input_tokens for s in starts] == [usage.prompt_tokens]
 
     # The tiny model's greedy chat is newlines; sampled with one seed (X-Brigade-Seed, as for
     # chat) it is varied text, the same only if the prompt's tokens are.

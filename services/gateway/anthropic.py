@@ -312,8 +312,9 @@ class AnthropicReply:
         self.stop_reason = self._stop_reason(choice.finish_reason)
         return msgspec.json.encode(self._message(content, completion.usage))
 
-    def opening(self) -> list[bytes]:
-        start = {"type": "message_start", "message": self._message([], None)}
+    def opening(self, usage: p.UsageOut | None) -> list[bytes]:
+        # Anthropic's message_start counts the prompt (clients track their context with it).
+        start = {"type": "message_start", "message": self._message([], usage)}
         return [named_event("message_start", start), named_event("ping", {"type": "ping"})]
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:

@@ -344,7 +344,7 @@ class ResponsesReply:
         self.sequence_number += 1
         return named_event(kind, body)
 
-    def opening(self) -> list[bytes]:
+    def opening(self, usage: p.UsageOut | None) -> list[bytes]:  # usage comes at the end here
         body = self.body("in_progress", None)
         return [
             self._event("response.created", response=body),

@@ -51,7 +51,10 @@ class Translation(Protocol):
 
     async def whole(self, completion: p.ChatCompletion) -> bytes: ...
 
-    def opening(self) -> list[bytes]: ...
+    def opening(self, usage: p.UsageOut | None) -> list[bytes]:
+        """The stream's first events; `usage` counts the prompt when the engine's first output
+        came before the stream started (the usual case), else None."""
+        ...
 
     def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]: ...
 
@@ -132,7 +135,10 @@ def run_translated(
 async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None],
                         feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan, fmt: ChatFormat,
                         translation: Translation, timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
-    for data in translation.opening():
+    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    early = first.result() if first.done() and first.exception() is None else None
+    opening_usage = usage_out({early[0]: early[1].usage}, prompt_of) if early and early[1].usage else None
+    for data in translation.opening(opening_usage):
         yield data
     usages = {}
     try:
@@ -155,7 +161,5 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None],
             return
         if item is not None:
             timer.on_output(item[1].token_ids)
-    for data in await translation.closing(
-        usage_out(usages, {job.index: job.prompt_index for job in plan.jobs})
-    ):
+    for data in await translation.closing(usage_out(usages, prompt_of)):
         yield data

@@ -483,6 +483,11 @@ class TokenizerCore:
             self.num_gaps += 1
             return None
         new_ids = m.unpack_ids(fresh.token_ids)
+        if fresh.token_index == 0 and fresh.usage is None:
+            # The prompt's size comes with the first output, for APIs that announce it when a
+            # stream starts (Anthropic's message_start); the last delta's usage is the final count.
+            usage = m.Usage(len(entry.submit.prompt_ids) // 4, len(new_ids))
+            fresh = msgspec.structs.replace(fresh, usage=usage)
         entry.output_ids.extend(new_ids.tolist())
         entry.num_chars += len(fresh.text)
         now = time.monotonic()
