@@ -81,18 +81,20 @@ inline float sum_floats(Floats v) { return horizontal_sum(v); }
 #endif
 // The `group` query heads that share KV head `kv_head` attend over one sequence's `len` tokens:
 // scores for the whole context, softmax, then the weighted sum of values. With the head size a
-// compile-time constant, a query head (and the output accumulator) stays in registers.
+// compile-time constant, a query head (and the output accumulator) stays in registers. `sinks`
+// (nullptr for none) holds the group's sink logits: each joins its head's softmax denominator
+// as a score without a value (gpt-oss).
 template <int D>
 void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
                     int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
-                    float scale, float* scores, float* out) {
+                    float scale, const float* sinks, float* scores, float* out) {
   constexpr int kVectors = D / 8;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   for (int64_t g = 0; g < group; ++g) {
     __m256 qv[kVectors];
     for (int i = 0; i < kVectors; ++i) qv[i] = _mm256_loadu_ps(q + g * D + 8 * i);
-    float max_score = -std::numeric_limits<float>::infinity();
+    float max_score = sinks != nullptr ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float* keys = k_cache + table[b] * block_stride + kv_head * D;
       const int64_t first = b * block_size, n = std::min(block_size, len - first);
@@ -110,7 +112,7 @@ void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, 
         max_score = std::max(max_score, score);
       }
     }
-    float sum = 0.f;
+    float sum = sinks != nullptr ? std::exp(sinks[g] - max_score) : 0.f;
     for (int64_t t = 0; t < len; ++t) {
       scores[t] = std::exp(scores[t] - max_score);
       sum += scores[t];
@@ -146,9 +148,11 @@ AttendFn attend_for(int64_t head_dim) {
 }
 
 // q [S, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables [S, max_blocks];
-// seq_lens [S] (the context, the new token included, whose K/V are already in the cache).
+// seq_lens [S] (the context, the new token included, whose K/V are already in the cache);
+// sinks [Hq] float32, each query head's sink logit, or none.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode: q [S, Hq, D] and two caches [N, block_size, Hk, D] of one shape");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -165,6 +169,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: query and cache heads do not match");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,
               "paged_decode: one block table row and one length per sequence");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->numel() == num_heads),
+              "paged_decode: sinks must be float32 [Hq]");
+  const auto sink_values = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const float* sink_data = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   const AttendFn attend = attend_for(head_dim);
   const int64_t max_blocks = tables.size(1), group = num_heads / num_kv_heads;
   const int64_t* table_data = tables.data_ptr<int64_t>();
@@ -191,7 +199,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t offset = (s * num_heads + h * group) * head_dim;
       attend(q_data + offset, k_data, v_data, table_data + s * max_blocks, len_data[s], block_size,
-             num_kv_heads * head_dim, h, group, scale_f, scores.data(), out_data + offset);
+             num_kv_heads * head_dim, h, group, scale_f, sink_data != nullptr ? sink_data + h * group : nullptr,
+             scores.data(), out_data + offset);
     }
   });
   return out;
@@ -1086,7 +1095,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     std::copy(k + kv_row, k + 2 * kv_row, v_rows + slot * kv_row);
   }
   const auto q = qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
-  const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt);
   const auto o = linear_any(attn.view({num_tokens, num_heads * head_dim}), o_weight, o_format, c10::nullopt, int8_activations);
   auto [x2, summed2] = add_rms_norm(o, post_norm, eps, summed);
   const auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt, int8_activations);
@@ -1111,7 +1120,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
 BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, Tensor? sinks=None) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");

@@ -186,10 +186,12 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D] (one token per sequence) over its context in the caches [N, block_size, Hk, D]:
-    block_tables [S, max_blocks] and seq_lens [S] (int64 avoids a conversion per call) -> [S, Hq, D]."""
-    return ops().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    block_tables [S, max_blocks] and seq_lens [S] (int64 avoids a conversion per call) -> [S, Hq, D].
+    sinks [Hq]: each query head's sink logit in the softmax denominator (gpt-oss), None without."""
+    return ops().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sinks)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,8 +4,9 @@ a multiple of BLOCK_M (`align_pairs`), so every BLOCK_M-row tile of the sorted p
 one expert; one program multiplies a tile by a BLOCK_N slice of that expert's weight, so each
 selected expert's weights are read once per tile column and experts no token chose not at all.
 The first GEMM gathers the tokens' rows of x and multiplies by the experts' gate / up; the
-activation runs in torch; the second multiplies by the experts' down projection, scales each
-pair by its routing weight, and the pairs of a token are summed."""
+gated activation (and gpt-oss's expert biases) run in torch; the second multiplies by the
+experts' down projection, scales each pair by its routing weight, and the pairs of a token are
+summed."""
 
 # Triton convention: compile-time (tl.constexpr) kernel parameters are UPPER_CASE.
 # ruff: noqa: N803
@@ -27,15 +28,24 @@ def fused_moe_ref(
     down: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: sum over each token's top-k of weight * down(act(gate) * up) of x [T, H],
-    gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k]."""
+    """Torch reference: sum over each token's top-k of weight * (down(glu(gate, up)) + down_bias)
+    of x [T, H], with (gate, up) = gate_up x + gate_up_bias; gate_up [E, 2I, H], down [E, H, I],
+    weights / experts [T, k], biases [E, 2I] and [E, H] (None: zero)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for token in range(x.shape[0]):
         for weight, expert in zip(weights[token].tolist(), experts[token].tolist(), strict=True):
-            gate, up = (gate_up[expert].float() @ x[token].float()).chunk(2)
-            out[token] += weight * (down[expert].float() @ (activation(gate) * up))
+            h = gate_up[expert].float() @ x[token].float()
+            if gate_up_bias is not None:
+                h += gate_up_bias[expert].float()
+            y = down[expert].float() @ glu(*h.chunk(2))
+            if down_bias is not None:
+                y += down_bias[expert].float()
+            out[token] += weight * y
     return out.to(x.dtype)
 
 
@@ -147,7 +157,10 @@ def fused_moe_triton(
     down: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same contract as `fused_moe_ref`, through the grouped GEMMs."""
     num_tokens, top_k = experts.shape
@@ -155,8 +168,11 @@ def fused_moe_triton(
     sorted_pairs, tile_experts = align_pairs(experts, gate_up.shape[0])
     # top_k == 1 gives as many pairs as tokens: the first GEMM's rows are then the tokens' anyway.
     h = _grouped_matmul(x, gate_up, sorted_pairs, tile_experts, num_pairs, top_k, None)
-    gate, up = h.chunk(2, dim=-1)
-    h = activation(gate).mul_(up)
+    if gate_up_bias is not None:  # row p of h is pair p = (token p // k, its (p % k)-th expert)
+        h += gate_up_bias[experts.flatten()]
+    h = glu(*h.chunk(2, dim=-1)).contiguous()
     pair_weights = weights.flatten().to(torch.float32).contiguous()
     out = _grouped_matmul(h, down, sorted_pairs, tile_experts, num_pairs, top_k, pair_weights)
+    if down_bias is not None:
+        out += down_bias[experts.flatten()] * pair_weights.unsqueeze(-1).to(out.dtype)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -1,6 +1,7 @@
 """Causal attention of new query tokens over the paged KV cache (prefill, chunked prefill, decode),
-optionally over a sliding window (each query sees its last `window` keys, itself included) and
-with soft-capped scores (cap * tanh(score / cap), Gemma 2)."""
+optionally over a sliding window (each query sees its last `window` keys, itself included), with
+soft-capped scores (cap * tanh(score / cap), Gemma 2) and with a sink logit per query head that
+joins the softmax's denominator without a value (gpt-oss)."""
 
 # Triton convention: compile-time (tl.constexpr) kernel parameters are UPPER_CASE.
 # ruff: noqa: N803
@@ -33,9 +34,10 @@ def paged_prefill_ref(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: query j of sequence i sits at seq_lens[i] - q_len_i + j and sees keys up to
-    it (and, with a window, after its position - window)."""
+    it (and, with a window, after its position - window); sinks [Hq] join each head's softmax."""
     group = q.shape[1] // k_cache.shape[2]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
@@ -51,7 +53,12 @@ def paged_prefill_ref(
         is_visible = k_pos <= q_pos[:, None]
         if window:
             is_visible &= k_pos > q_pos[:, None] - window
-        probs = scores.masked_fill(~is_visible, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~is_visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink_column = sinks.float()[:, None, None].expand(-1, end - begin, 1)
+            probs = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1)[..., :-1]
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
@@ -65,11 +72,12 @@ def paged_decode_ref(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference for one new token per sequence (the q_len == 1 case of prefill)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_prefill_ref(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap, sinks
     )
 
 
@@ -86,6 +94,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -108,6 +117,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Rows of the tile are (query token, query head) pairs: the GROUP query heads that share this
     # kv head ride along, so each K/V tile is loaded once for the whole group.
@@ -158,6 +168,13 @@ def _paged_attention_kernel(
     # Finite floor for the running max keeps fully masked rows free of (-inf) - (-inf) = nan.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink starts each row's running softmax as a score of weight exp(sink) and no value;
+        # only the first key split carries it, so the merge counts it once.
+        sink = tl.load(sinks_ptr + head, mask=is_row, other=0.0).to(tl.float32) / LN2  # to the log2 scale
+        is_first_split = split == 0
+        m_i = tl.where(is_first_split, sink, m_i)
+        l_i = tl.where(is_first_split, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -282,6 +299,7 @@ def paged_decode_triton(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton decode: grid (sequence, kv head, key split); num_splits=None picks it from the GPU size."""
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -305,7 +323,7 @@ def paged_decode_triton(
         partial_out = partial_lse = out
     _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, seq_lens,
-        scale * math.log2(math.e),
+        out if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, kv_per_split, window,
@@ -313,7 +331,7 @@ def paged_decode_triton(
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
         IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
-        num_warps=num_warps, num_stages=2,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -333,6 +351,7 @@ def paged_prefill_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton prefill over ragged sequences: grid (query tile, kv head), tiles of BLOCK_M (token, head) rows."""
     group = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -348,13 +367,13 @@ def paged_prefill_triton(
     block_n, num_warps = _launch_config(head_dim, is_decode=False)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, 1)](
         q, k_cache, v_cache, out, out, out, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e),
+        out if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, block_tables.shape[1] * k_cache.shape[1], window,
         KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
-        num_warps=num_warps, num_stages=2,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out

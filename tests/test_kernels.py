@@ -619,6 +619,70 @@ def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
     )
 
 
+def test_paged_refs_sinks_match_dense():
+    """The references' sinks (with a window) against a dense computation written out here: each
+    query head's sink logit joins its softmax's denominator, and takes no value."""
+    torch.manual_seed(3)
+    seq_lens, q_lens, window = [30, 45], [30, 6], 10
+    kv = PagedKV(seq_lens, 2, 16, 8, torch.float32)
+    q, query_start_loc = _queries(seq_lens, q_lens, 4, 16, torch.float32)
+    sinks = torch.randn(4) * 2
+    out = paged_prefill_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window, 0.0, sinks
+    )
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        for j in range(q_lens[i]):
+            pos = seq_len - q_lens[i] + j
+            keys = list(range(max(pos - window + 1, 0), pos + 1))
+            k = kv.keys[i][keys].repeat_interleave(2, dim=1)  # [L, Hq, D]
+            v = kv.values[i][keys].repeat_interleave(2, dim=1)
+            exp_scores = (torch.einsum("hd,khd->hk", q[starts[i] + j], k) * 0.3).exp()
+            probs = exp_scores / (exp_scores.sum(-1, keepdim=True) + sinks.exp()[:, None])
+            torch.testing.assert_close(out[starts[i] + j], torch.einsum("hk,khd->hd", probs, v))
+
+
+@pytest.mark.parametrize("window", [0, 10])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_triton_sinks(window: int, num_splits: int):
+    """Sinks over key splits: only the first split carries a head's sink into the merge."""
+    torch.manual_seed(window + num_splits)
+    seq_lens = [1, 9, 17, 53, 130]
+    kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
+    q = torch.randn(len(seq_lens), 4, 32)
+    sinks = torch.randn(4) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5)
+    got = paged_decode_triton(*args, num_splits=num_splits, window=window, sinks=sinks)
+    assert_close(got, paged_decode_ref(*args, window, 0.0, sinks))
+
+
+@pytest.mark.parametrize("window", [0, 10])
+def test_paged_prefill_triton_sinks(window: int):
+    torch.manual_seed(window)
+    seq_lens, q_lens = [33, 5, 90, 17, 70], [1, 5, 25, 1, 70]
+    kv = PagedKV(seq_lens, 2, 32, 16, torch.float32)
+    q, query_start_loc = _queries(seq_lens, q_lens, 4, 32, torch.float32)
+    sinks = torch.randn(4) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
+    assert_close(
+        paged_prefill_triton(*args, window=window, sinks=sinks), paged_prefill_ref(*args, window, 0.0, sinks)
+    )
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_paged_decode_cpu_sinks_match_ref():
+    assert has_cpu_kernels()
+    torch.manual_seed(4)
+    seq_lens = [1, 16, 17, 53]
+    kv = PagedKV(seq_lens, 2, 64, 16, torch.float32)
+    q = torch.randn(len(seq_lens), 6, 64)
+    sinks = torch.randn(6) * 2
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    assert_close(cpu_ops.paged_decode(*args, sinks), paged_decode_ref(*args, 0, 0.0, sinks))
+    with pytest.raises(RuntimeError, match="sinks"):
+        cpu_ops.paged_decode(*args, sinks[:5])
+
+
 def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> np.ndarray:
     """Random super-blocks [rows, bytes] of a K-quant, every byte random except the float16
     super-scales, set to small finite values (random bytes could make them inf or nan)."""
@@ -665,10 +729,15 @@ def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str, in_features: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (7, 1), (21, 4)])
-def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k: int) -> None:
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k: int, gpt_oss: bool) -> None:
     """Tokens sorted to experts in BLOCK_M tiles (some experts chosen by more tokens than a tile
-    holds, some by none), odd intermediate and hidden sizes (masked tiles), routing weights."""
+    holds, some by none), odd intermediate and hidden sizes (masked tiles), routing weights; and
+    gpt-oss's experts: gate/up and down biases, the clamped SwiGLU."""
+    from functools import partial
+
     from kernels.fused_moe import align_pairs, fused_moe_ref, fused_moe_triton
+    from services.gpu_worker.model import clamped_swiglu
 
     torch.manual_seed(num_tokens)
     num_experts, hidden, inter = 6, 40, 24
@@ -685,6 +754,12 @@ def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k
     assert sorted(p for p in sorted_pairs.tolist() if p < num_tokens * top_k) == list(
         range(num_tokens * top_k)
     )
-    got = fused_moe_triton(x, gate_up, down, weights, experts, F.silu)
-    want = fused_moe_ref(x, gate_up, down, weights, experts, F.silu)
+    if gpt_oss:  # a limit the gate and up reach, so the clamps matter
+        glu = partial(clamped_swiglu, alpha=1.702, limit=0.8)
+        biases = dict(gate_up_bias=torch.randn(num_experts, 2 * inter).to(dtype),
+                      down_bias=torch.randn(num_experts, hidden).to(dtype))  # fmt: skip
+    else:
+        glu, biases = (lambda gate, up: F.silu(gate) * up), {}
+    got = fused_moe_triton(x, gate_up, down, weights, experts, glu, **biases)
+    want = fused_moe_ref(x, gate_up, down, weights, experts, glu, **biases)
     assert_close(got, want)

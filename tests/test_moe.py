@@ -21,7 +21,7 @@ from services.gpu_worker.model import moe_route
 from services.gpu_worker.model_runner import ModelRunner
 from tests.conftest import TINY_VOCAB_SIZE, save_random_model
 from tests.harness import assert_clean, brigade_run
-from tests.test_families import BLOCK, COMMON, check_against_hf
+from tests.test_families import BLOCK, COMMON, WINDOW, check_against_hf
 from tests.test_family_serving import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,6 +39,13 @@ FAMILIES = {
         mlp_only_layers=[1],
     )),
     "olmoe-clip-qkv": ("OlmoeConfig", dict(MOE, num_experts=8, clip_qkv=2.5)),
+    # Sinks, sliding (layer 0) and full (layer 1) attention, YaRN over an original length the
+    # prompts pass, the biased router and experts, and a SwiGLU limit the gates and ups reach.
+    "gpt-oss": ("GptOssConfig", dict(
+        MOE, num_local_experts=8, head_dim=16, sliding_window=WINDOW, swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+    )),
 }  # fmt: skip
 
 
@@ -71,18 +78,22 @@ def test_moe_family_matches_hf(moe_model):
         assert config.moe.sparse_layers == (
             (False, True, False) if family.startswith("qwen2") else (True, False, True)
         )
+    if family == "gpt-oss":  # what the family brings is really in play
+        assert config.attention_sinks and config.layer_windows == (WINDOW, 0)
+        assert config.ropes[0].rope_type == "yarn" and config.moe.swiglu_limit == 1.0
     check_against_hf(hf, runner)
 
 
-def test_moe_triton_backend_matches_hf(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2-moe-shared-expert", "gpt-oss"])
+def test_moe_triton_backend_matches_hf(family: str, tmp_path: Path) -> None:
     """The Triton backend (its attention kernels and the fused-MoE grouped GEMMs, in the
-    interpreter on CPU tensors) on a Qwen2-MoE with a shared expert and a dense layer: HF's
+    interpreter on CPU tensors) on a Qwen2-MoE with a shared expert and a dense layer, and on a
+    gpt-oss (sinks in the attention kernels, the experts' biases and clamped SwiGLU): HF's
     logits and greedy tokens through prefill, decodes, a prefix hit and a preemption."""
     from transformers import AutoModelForCausalLM
 
     from kernels.fused_moe import fused_moe_triton
 
-    family = "qwen2-moe-shared-expert"
     path = save_random_model(random_moe_config(family), tmp_path / family, seed=50, std=0.08, embed_std=0.15)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend="triton")
@@ -106,7 +117,6 @@ def test_router_matches_hf_routing_on_ties_and_normalization():
 @pytest.mark.parametrize(
     ("architecture", "feature"),
     [
-        ("GptOssForCausalLM", "attention sinks"),
         ("DeepseekV3ForCausalLM", "multi-head latent attention"),
         ("DeepseekV2ForCausalLM", "multi-head latent attention"),
     ],
@@ -116,6 +126,25 @@ def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, featur
     config["architectures"] = [architecture]
     with pytest.raises(UnsupportedModel, match=f"mixture-of-experts architecture {architecture}.*{feature}"):
         ModelConfig.from_dict(config)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused_by_name() -> None:
+    """gpt-oss as OpenAI ships it: the experts as MXFP4 blocks and scales, which are not read."""
+    config = random_moe_config("gpt-oss").to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with pytest.raises(UnsupportedModel, match=r"quant_method 'mxfp4'.*Mxfp4Config\(dequantize=True\)"):
+        ModelConfig.from_dict(config)
+
+
+def test_gpt_oss_router_takes_the_top_k_logits_then_softmaxes_them() -> None:
+    """GptOssTopKRouter: top k of the logits, a softmax over those k only."""
+    config = ModelConfig.from_dict(random_moe_config("gpt-oss").to_dict())
+    assert config.moe is not None and config.moe.softmax_after_topk and config.moe.router_bias
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 0.2, 0.1, -3.0]])
+    weights, experts = moe_route(logits, config.moe)
+    assert experts[0].tolist() == [0, 1]
+    torch.testing.assert_close(weights[0], torch.softmax(torch.tensor([2.0, 1.0]), dim=0))
 
 
 @pytest.mark.parametrize(
@@ -422,6 +451,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         ("qwen2-moe-shared-expert", dict(), (True, False, False)),  # qkv_bias defaults to true
         ("qwen2-moe-shared-expert", dict(qkv_bias=False), (False, False, False)),
         ("mixtral", dict(attention_bias=True), (False, False, False)),  # MixtralAttention has none
+        ("gpt-oss", dict(), (True, True, False)),  # attention_bias defaults to true
+        ("gpt-oss", dict(attention_bias=False), (False, False, False)),
     ],
 )
 def test_moe_bias_flags_follow_each_familys_hf_class(family: str, config_bias: dict, want: tuple) -> None:

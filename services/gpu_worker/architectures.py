@@ -27,24 +27,26 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # config.json `model_type` of each family, for configs that name no architecture.
 MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
+    "gpt_oss": "gpt_oss",
 }  # fmt: skip
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # "su" is longrope's old name
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).
-ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe")
-# Mixture-of-experts families (MoeConfig): their routers softmax over the experts, then take the top k.
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe", "gpt_oss")
+# Mixture-of-experts families (MoeConfig): their routers softmax over the experts, then take the
+# top k; gpt-oss's take the top k of the logits, then softmax over those.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # MoE architectures Brigade knows but cannot run yet, refused by name with the feature that is missing.
 UNBUILT_MOE = {
-    "GptOssForCausalLM": "gpt-oss (attention sinks, clamped-SwiGLU biased experts, MXFP4 expert weights)",
     "DeepseekV3ForCausalLM": "DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing)",
     "DeepseekV2ForCausalLM": "DeepSeek-V2 (multi-head latent attention, group-limited routing)",
 }
@@ -70,6 +72,15 @@ class MoeConfig:
     # Per layer: whether its MLP is the mixture (Qwen's mlp_only_layers / decoder_sparse_step
     # layers are dense, of the config's intermediate_size).
     sparse_layers: tuple[bool, ...] = ()
+    # gpt-oss: the router has a bias and takes the top k of its logits, then softmaxes over those k.
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    # gpt-oss: every expert's gate/up and down projections have biases, and its gated activation
+    # is the clamped SwiGLU (gate clamped above and up both sides at swiglu_limit, then
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)); swiglu_limit 0 = the model's activation.
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,10 @@ class RopeConfig:
     original_max_position_embeddings: int = 0  # llama3, longrope
     short_factor: tuple[float, ...] = ()  # longrope: up to original_max_position_embeddings
     long_factor: tuple[float, ...] = ()  # longrope: sequences longer than that
-    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin are scaled by it
+    beta_fast: float = 32.0  # yarn: the ramp between interpolated and extrapolated frequencies
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,9 @@ class ModelConfig:
     # OLMoE: RMSNorm over the whole q and the whole k projection (all heads at once), not per head.
     qk_norm_whole: bool = False
     clip_qkv: float = 0.0  # q, k and v clamped to [-clip, clip] after the norms (OLMoE); 0 = none
+    # gpt-oss: a learned logit per query head joins each softmax's denominator (a "sink" that takes
+    # attention weight without a value), loaded as self_attn.sinks.
+    attention_sinks: bool = False
 
     @property
     def softmax_scale(self) -> float:
@@ -143,7 +160,7 @@ class ModelConfig:
             and not any(self.layer_windows)
             and len(self.ropes) == 1
             and self.moe is None
-            and not (self.qk_norm_whole or self.clip_qkv)
+            and not (self.qk_norm_whole or self.clip_qkv or self.attention_sinks)
         )
 
     @classmethod
@@ -156,7 +173,7 @@ class ModelConfig:
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
         is_gemma = family in ("gemma2", "gemma3")
-        has_attention_bias = bool(d.get("attention_bias", False))
+        has_attention_bias = bool(d.get("attention_bias", family == "gpt_oss"))  # GptOssConfig's default
         activation_name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if activation_name not in ACTIVATIONS:
             raise UnsupportedModel(
@@ -220,6 +237,7 @@ class ModelConfig:
             moe=_moe(d, family, num_layers),
             qk_norm_whole=family == "olmoe",
             clip_qkv=float(d.get("clip_qkv") or 0.0) if family == "olmoe" else 0.0,
+            attention_sinks=family == "gpt_oss",
         )
 
     @classmethod
@@ -252,6 +270,13 @@ def _refuse_quantization(d: dict) -> None:
     quantization = d.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        if method == "mxfp4":  # how openai/gpt-oss-20b and -120b ship their experts
+            raise UnsupportedModel(
+                "unsupported quantization_config (quant_method 'mxfp4'): MXFP4 expert weights "
+                "(*_blocks / *_scales) are not read yet; supported: a checkpoint with the experts in "
+                "bfloat16 or float32 (transformers loads one dequantized with "
+                "Mxfp4Config(dequantize=True); save_pretrained then writes it)"
+            )
         raise UnsupportedModel(
             f"unsupported quantization_config (quant_method {method!r}); supported: unquantized "
             "safetensors (float32, bfloat16, float16) and GGUF files"
@@ -283,6 +308,24 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )  # fmt: skip
+    if rope_type == "yarn":
+        # As HF computes it (modeling_rope_utils._compute_yarn_parameters), where the original
+        # length may sit beside rope_parameters (HF copies it in).
+        original = int(params.get("original_max_position_embeddings") or d.get(
+            "original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
+        factor = float(params.get("factor") or d.get("max_position_embeddings", original) / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        return RopeConfig(
+            theta, "yarn", factor=factor, original_max_position_embeddings=original,
+            attention_factor=float(attention_factor), beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)),
+        )  # fmt: skip
     # longrope, as HF computes it (modeling_rope_utils._compute_longrope_parameters).
     original = int(d.get("original_max_position_embeddings") or params["original_max_position_embeddings"])
     factor = params.get("factor") or d.get("max_position_embeddings", original) / original
@@ -294,6 +337,10 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
         short_factor=tuple(float(f) for f in params["short_factor"]),
         long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention_factor),
     )  # fmt: skip
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _ropes(d: dict, family: str, layer_types: list[str]) -> tuple[tuple[RopeConfig, ...], tuple[int, ...]]:
@@ -335,7 +382,7 @@ def _layer_types(d: dict, family: str, num_layers: int) -> list[str]:
         elif family in ("qwen2", "qwen3") and d.get("use_sliding_window") and window:
             start = d.get("max_window_layers", num_layers)
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
-        elif family == "gemma2":
+        elif family in ("gemma2", "gpt_oss"):
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
         elif family == "gemma3":
             pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
@@ -374,6 +421,12 @@ def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
         )
     if family == "mixtral":  # one size for every expert; the top-k are always renormalized
         return MoeConfig(num_experts, top_k, int(d["intermediate_size"]), True, 0, (True,) * num_layers)
+    if family == "gpt_oss":  # GptOssTopKRouter and GptOssExperts (defaults: GptOssConfig's)
+        return MoeConfig(
+            num_experts, top_k, int(d["intermediate_size"]), False, 0, (True,) * num_layers,
+            router_bias=True, softmax_after_topk=True, expert_bias=True,
+            swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+        )  # fmt: skip
     dense = set(d.get("mlp_only_layers") or ())
     step = int(d.get("decoder_sparse_step") or 1)
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))

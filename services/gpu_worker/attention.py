@@ -106,16 +106,34 @@ def norm_qk(qk: torch.Tensor, num_heads: int, qk_norms: QKNorms) -> torch.Tensor
     return torch.cat((q, F.rms_norm(qk[:, num_heads:], shape, k_weight, eps)), dim=1)
 
 
-def softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with scores capped to cap * tanh(score / cap) (Gemma 2), which SDPA cannot do:
+    """Attention that SDPA cannot do: scores capped to cap * tanh(score / cap) (Gemma 2), and/or a
+    sink logit per row that joins the softmax's denominator and is then dropped (gpt-oss).
     q [B, Hk, R, D], k / v [B, Hk, L, D], mask broadcast to [B, Hk, R, L] (bool: True attends,
-    or additive)."""
+    or additive), sinks [Hk, R] (each row's query head's sink)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if softcap:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
-    return torch.matmul(scores.softmax(-1), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v)
+    sink_column = sinks.to(scores.dtype).unsqueeze(-1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
+def sink_rows(sinks: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> torch.Tensor:
+    """[Hk, G * R]: the sink of each row of the grouped layout, where the G query heads of a KV
+    head each bring R rows (query tokens), head by head."""
+    return sinks.view(num_kv_heads, -1, 1).expand(-1, -1, rows_per_head).reshape(num_kv_heads, -1)
 
 
 class TorchOps:
@@ -130,8 +148,8 @@ class TorchOps:
         self.block_size = shapes.block_size
         self.device = device
         self.dtype = dtype
-        # The C++ decode reads whole contexts without a soft cap: windowed or capped attention
-        # keeps the torch path, which reads only the blocks inside the window.
+        # The C++ decode reads whole contexts without a soft cap (sinks it takes): windowed or
+        # capped attention keeps the torch path, which reads only the blocks inside the window.
         self.has_decode_kernel = (
             cpu_ops.has_paged_decode(shapes.head_dim, dtype) and not shapes.window and not shapes.softcap
         )
@@ -245,8 +263,10 @@ class TorchOps:
         v_cache: torch.Tensor,
         meta: StepMeta,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq * D]; stores k/v into the cache first."""
+        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq * D]; stores k/v into the cache first. `sinks`
+        [Hq]: each query head's sink logit (gpt-oss), None without."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
@@ -257,24 +277,24 @@ class TorchOps:
         k_rows.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
         v_rows.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
         if meta.is_all_decode:
-            return self._decode(q, k_cache, v_cache, meta, scale).view(num_tokens, -1)
+            return self._decode(q, k_cache, v_cache, meta, scale, sinks).view(num_tokens, -1)
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_tokens is not None:
-            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale)
+            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale, sinks)
         for seq in meta.prefills:
             ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             seq_q = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-            if self.s.softcap:
+            if self.s.softcap or sinks is not None:
                 q_len, length = seq_q.shape[2], ctx_k.shape[1]
                 mask = seq.mask
                 if mask is None:
                     mask = torch.ones(q_len, length, dtype=torch.bool).tril_(length - q_len)
                 # The G query heads of a KV head as G * q_len rows against it, as in decode.
                 grouped_q = seq_q.reshape(1, num_kv_heads, group * q_len, head_dim)
-                o = softcapped_attention(
+                o = eager_attention(
                     grouped_q, ctx_k.transpose(1, 2), ctx_v.transpose(1, 2), mask.repeat(group, 1),
-                    scale, self.s.softcap,
+                    scale, self.s.softcap, None if sinks is None else sink_rows(sinks, num_kv_heads, q_len),
                 ).view(1, num_heads, q_len, head_dim)  # fmt: skip
             else:
                 o = F.scaled_dot_product_attention(
@@ -285,10 +305,16 @@ class TorchOps:
         return out.view(num_tokens, -1)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMeta, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if meta.decode_tables is not None:
-            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale, sinks)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)
@@ -298,8 +324,11 @@ class TorchOps:
         ctx_v = v_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
         # The G query heads sharing a KV head become G query rows against it: no KV repeat.
         grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        if self.s.softcap:
-            o = softcapped_attention(grouped_q, ctx_k, ctx_v, meta.decode_mask, scale, self.s.softcap)
+        if self.s.softcap or sinks is not None:
+            o = eager_attention(
+                grouped_q, ctx_k, ctx_v, meta.decode_mask, scale, self.s.softcap,
+                None if sinks is None else sinks.view(num_kv_heads, -1),
+            )  # fmt: skip
         else:
             o = F.scaled_dot_product_attention(
                 grouped_q, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale
@@ -367,18 +396,20 @@ class TritonOps:
         v_cache: torch.Tensor,
         meta: StepMeta,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         window, softcap = self.s.window, self.s.softcap
         if meta.is_all_decode:
             out = self._decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window=window, softcap=softcap
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window=window, softcap=softcap,
+                sinks=sinks,
+            )  # fmt: skip
         else:
             out = self._prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                window=window, softcap=softcap,
+                window=window, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 

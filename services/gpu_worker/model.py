@@ -51,6 +51,8 @@ def rope_cos_sin(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freqs = [torch.where(is_medium, smoothed, scaled)]
+    elif rope.rope_type == "yarn":
+        inv_freqs = [yarn_inv_freq(rope, dim)]
     elif rope.rope_type == "longrope":
         inv_freqs = [
             1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponent)
@@ -62,6 +64,28 @@ def rope_cos_sin(
     if rope.attention_factor != 1.0:
         table = table * rope.attention_factor
     return table.to(dtype=dtype, device=device)
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's frequencies, as HF's _compute_yarn_parameters: the original ones (extrapolation)
+    for the dimensions that rotate more than beta_fast times over the original length, those
+    divided by `factor` (interpolation) for the ones that rotate fewer than beta_slow times, and a
+    linear ramp between the two."""
+    base, original = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 # On CPUs without native bf16/fp16 matmul (no AVX512-BF16 / AMX), torch's half-precision GEMM runs
@@ -274,6 +298,7 @@ class LlamaLayer:
         self.o_proj = empty(h, shard.num_heads * d)  # row-parallel
         # Biases of the row-parallel projections are whole: added once, after the all_reduce.
         self.o_bias = empty(h) if config.o_proj_bias else None
+        self.sinks = empty(shard.num_heads) if config.attention_sinks else None  # gpt-oss, per query head
         self.pre_mlp_norm = empty(h)
         # Qwen3 / Gemma 3: RMSNorm over each q and k head, before rotary; OLMoE: over all of q and k.
         self.q_norm = (
@@ -299,6 +324,11 @@ class LlamaLayer:
             self.shared_gate_up = empty(2 * si, h) if si else None
             self.shared_down = empty(h, si) if si else None
             self.shared_expert_gate = empty(1, h) if si else None
+            self.router_bias = empty(e) if self.moe.router_bias else None
+            # gpt-oss: each expert's gate/up bias (this rank's columns) and down bias (whole, added
+            # by the rank-0 partial sum only, so the all_reduce adds it once: moe_mlp).
+            self.experts_gate_up_bias = empty(e, 2 * ei) if self.moe.expert_bias else None
+            self.experts_down_bias = empty(e, h) if self.moe.expert_bias else None
         self.gate_up_bias = empty(2 * shard.intermediate_size) if config.mlp_bias else None
         self.down_bias = empty(h) if config.mlp_bias else None
         # (qkv, o_proj, gate_up, down) as [in, out] copies, for steps of few rows without the few-rows
@@ -341,12 +371,32 @@ class LlamaLayer:
         return (*flat[:2], self.qkv_bias, *flat[2:])
 
 
+def stacked_expert_weight(layer: LlamaLayer, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(destination, tensor in its layout) of gpt-oss's experts, which its checkpoints stack into
+    one tensor per projection, [in, out] per expert (GptOssExperts), gate and up interleaved by
+    column (gate_up[..., ::2] is the gate): gate_up_proj [E, H, 2I] (and its bias [E, 2I]) becomes
+    the gate rows then the up rows of experts_gate_up [E, 2I, H], down_proj [E, I, H] becomes
+    experts_down [E, H, I]. None for any other key."""
+    if key == "mlp.experts.gate_up_proj":
+        return layer.experts_gate_up, torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1).transpose(1, 2)
+    if key == "mlp.experts.gate_up_proj_bias" and layer.experts_gate_up_bias is not None:
+        return layer.experts_gate_up_bias, torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
+    if key == "mlp.experts.down_proj":
+        return layer.experts_down, tensor.transpose(1, 2)
+    if key == "mlp.experts.down_proj_bias" and layer.experts_down_bias is not None:
+        return layer.experts_down_bias, tensor
+    return None
+
+
 def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
-    """Where a sparse layer's MoE weight `key` (its name after model.layers.N.) goes: the router,
-    an expert's gate / up rows or its down projection, or the shared expert's; None otherwise."""
+    """Where a sparse layer's MoE weight `key` (its name after model.layers.N.) goes: the router
+    (gpt-oss's mlp.router, with its bias), an expert's gate / up rows or its down projection, or
+    the shared expert's; None otherwise."""
     parts = key.split(".")
-    if key == "mlp.gate.weight":
+    if key in ("mlp.gate.weight", "mlp.router.weight"):
         return layer.router
+    if key == "mlp.router.bias":
+        return layer.router_bias
     if key == "mlp.shared_expert_gate.weight":
         return layer.shared_expert_gate
     if len(parts) == 5 and parts[:2] == ["mlp", "experts"] and parts[4] == "weight":
@@ -451,6 +501,14 @@ class LlamaModel:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return 0, sh.vocab_start, sh.num_vocab_rows
         key = ".".join(moe_weight_name(name).split(".")[3:])
+        if key.startswith("mlp.experts.") and key.count(".") == 2:  # gpt-oss's stacked experts
+            start, size = sh.expert_intermediate_start, sh.expert_intermediate_size
+            # gate_up's columns interleave gate and up, so a rank's columns are one run of 2 * size.
+            stacked = {"gate_up_proj": (2, 2 * start, 2 * size), "gate_up_proj_bias": (1, 2 * start, 2 * size),
+                       "down_proj": (1, start, size)}  # fmt: skip
+            return stacked.get(key.rsplit(".", 1)[1])  # down_proj_bias: whole (LlamaLayer)
+        if key == "self_attn.sinks":
+            return 0, sh.head_start, sh.num_heads
         projection, _, kind = key.rpartition(".")
         if projection.startswith(("mlp.experts.", "mlp.shared_expert.")):
             if projection.startswith("mlp.experts."):
@@ -534,6 +592,7 @@ class LlamaModel:
                 "self_attn.k_norm.weight": layer.k_norm,
                 "self_attn.o_proj.bias": layer.o_bias,
                 "mlp.down_proj.bias": layer.down_bias,
+                "self_attn.sinks": layer.sinks,
             }
             if c.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
                 plain["post_attention_layernorm.weight"] = layer.post_attn_norm
@@ -542,7 +601,10 @@ class LlamaModel:
             else:
                 plain["post_attention_layernorm.weight"] = layer.pre_mlp_norm
             expert_dst = expert_slots(layer, key) if layer.moe is not None else None
-            if expert_dst is not None:
+            stacked = stacked_expert_weight(layer, key, tensor) if layer.moe is not None else None
+            if stacked is not None:
+                dst, tensor = stacked
+            elif expert_dst is not None:
                 dst = expert_dst
             elif key in merged:
                 whole, start, size = merged[key]
@@ -569,6 +631,7 @@ class LlamaModel:
         per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
         if c.qk_norm or c.qk_norm_whole:
             per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+        sinks = ["self_attn.sinks"] if c.attention_sinks else []
         if c.sandwich_norms:
             per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         biases = [f"self_attn.{p}_proj.bias" for p in "qkv"] if c.attention_bias else []
@@ -576,9 +639,15 @@ class LlamaModel:
         biases += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")] if c.mlp_bias else []
         for i, layer in enumerate(self.layers):
             names.update(f"model.layers.{i}.{w}.weight" for w in per_layer)
-            names.update(f"model.layers.{i}.{b}" for b in biases)
+            names.update(f"model.layers.{i}.{b}" for b in biases + sinks)
             projections = [f"{p}_proj" for p in ("gate", "up", "down")]
             mlp = [f"mlp.{p}" for p in projections]
+            if layer.moe is not None and layer.moe.expert_bias:  # gpt-oss: stacked experts, biases
+                names.update(f"model.layers.{i}.mlp.{w}" for w in (
+                    "router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias",
+                    "experts.down_proj", "experts.down_proj_bias",
+                ))  # fmt: skip
+                continue
             if layer.moe is not None:
                 mlp = ["mlp.gate"]
                 mlp += [f"mlp.experts.{e}.{p}" for e in range(layer.moe.num_experts) for p in projections]
@@ -731,14 +800,21 @@ class LlamaModel:
             if c.clip_qkv:
                 qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
             q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
-            attn = reduce(linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale), o_proj_w))
+            attn = reduce(
+                linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks), o_proj_w)
+            )
             if layer.o_bias is not None:
                 attn.add_(layer.o_bias)
             if layer.post_attn_norm is not None:
                 attn, _ = ops.rms_norm(attn, layer.post_attn_norm, eps, None)
             x, residual = ops.rms_norm(attn, layer.pre_mlp_norm, eps, residual)
             if layer.moe is not None:
-                hidden = reduce(moe_mlp(x, layer, activation, self.has_few_rows_linear, self.fused_experts))
+                hidden = reduce(
+                    moe_mlp(
+                        x, layer, activation, self.has_few_rows_linear, self.fused_experts,
+                        adds_down_bias=self.parallel.rank == 0,
+                    )
+                )  # fmt: skip
             else:
                 gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
                 # In place on the activation's fresh output: one allocation less per layer.
@@ -828,12 +904,34 @@ def norm_whole_qk(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
 def moe_route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) [T, top_k] of each token, as the HF MoE routers compute them: softmax
     over all experts in float32, the top k (torch.topk, so ties break as HF's do), renormalized
-    to sum to 1 where norm_topk_prob."""
+    to sum to 1 where norm_topk_prob; or, with softmax_after_topk (gpt-oss), the top k of the
+    logits and a softmax over those k (the same experts: softmax keeps the order)."""
+    if moe.softmax_after_topk:
+        top_logits, experts = torch.topk(router_logits, moe.top_k, dim=-1)
+        return torch.softmax(top_logits.float(), dim=-1), experts
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the expert's hidden
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts (GptOssExperts._apply_gate): the gate clamped above at `limit`, up to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate = gate.clamp(max=limit)
+    return (gate * torch.sigmoid(gate * alpha)).mul_(up.clamp(-limit, limit).add_(1))
+
+
+def expert_glu(moe: MoeConfig, activation: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
+    """The gated activation of a mixture's experts: the model's activation(gate) * up, or the
+    clamped SwiGLU where the config sets a limit."""
+    if moe.swiglu_limit:
+        return partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+    return lambda gate, up: activation(gate).mul_(up)
 
 
 def moe_mlp(
@@ -842,18 +940,26 @@ def moe_mlp(
     activation: Callable[[torch.Tensor], torch.Tensor],
     has_few_rows_linear: bool = False,
     fused_experts: Callable[..., torch.Tensor] | None = None,
+    adds_down_bias: bool = True,
 ) -> torch.Tensor:
     """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism): the
     selected experts by `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
     or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
-    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike)."""
+    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike).
+    gpt-oss's experts' down biases are whole on every rank: only the partial sum of the rank that
+    `adds_down_bias` (rank 0) carries them."""
     moe = layer.moe
     assert moe is not None
-    weights, experts = moe_route(F.linear(x, layer.router), moe)
+    weights, experts = moe_route(F.linear(x, layer.router, layer.router_bias), moe)
+    glu = expert_glu(moe, activation)
+    down_bias = layer.experts_down_bias if adds_down_bias else None
     if fused_experts is not None:
-        out = fused_experts(x, layer.experts_gate_up, layer.experts_down, weights, experts, activation)
+        out = fused_experts(
+            x, layer.experts_gate_up, layer.experts_down, weights, experts, glu,
+            gate_up_bias=layer.experts_gate_up_bias, down_bias=down_bias,
+        )  # fmt: skip
     else:
-        out = grouped_experts(x, layer, weights, experts, activation, has_few_rows_linear)
+        out = grouped_experts(x, layer, weights, experts, glu, has_few_rows_linear, down_bias)
     if layer.shared_gate_up is not None:
         linear = (
             cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
@@ -869,10 +975,12 @@ def grouped_experts(
     layer: LlamaLayer,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    glu: Glu,
     has_few_rows_linear: bool,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The selected experts' weighted outputs summed per token, in torch.
+    """The selected experts' weighted outputs summed per token, in torch; with gpt-oss's biases,
+    each expert's gate/up bias, and its down bias where given (`moe_mlp`).
 
     The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
     of its tokens at once and its weights are read once per step, whatever the number of rows;
@@ -896,8 +1004,9 @@ def grouped_experts(
         linear = (
             cpu_ops.few_rows_linear if has_few_rows_linear and count <= cpu_ops.MAX_LINEAR_ROWS else F.linear
         )
-        gate, up = linear(x[rows], layer.experts_gate_up[expert]).chunk(2, dim=-1)
-        expert_out = linear(activation(gate).mul_(up), layer.experts_down[expert])
+        gate_up_bias = None if layer.experts_gate_up_bias is None else layer.experts_gate_up_bias[expert]
+        gate, up = linear(x[rows], layer.experts_gate_up[expert], gate_up_bias).chunk(2, dim=-1)
+        expert_out = linear(glu(gate, up), layer.experts_down[expert], None if down_bias is None else down_bias[expert])
         out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
         start += count
     return out
