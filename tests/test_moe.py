@@ -132,7 +132,10 @@ def test_gpt_oss_mxfp4_checkpoint_is_refused_by_name() -> None:
     """gpt-oss as OpenAI ships it: the experts as MXFP4 blocks and scales, which are not read."""
     config = random_moe_config("gpt-oss").to_dict()
     config["architectures"] = ["GptOssForCausalLM"]
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     with pytest.raises(UnsupportedModel, match=r"quant_method 'mxfp4'.*Mxfp4Config\(dequantize=True\)"):
         ModelConfig.from_dict(config)
 
@@ -162,12 +165,13 @@ def test_unknown_moe_routing_is_refused_by_name(changes: dict, message: str) -> 
         ModelConfig.from_dict(config)
 
 
-@pytest.fixture(scope="module")
-def served_moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's tokenizer."""
-    out = tmp_path_factory.mktemp("qwen2-moe-serving")
+@pytest.fixture(scope="module", params=["qwen2-moe-shared-expert", "gpt-oss"])
+def served_moe_dir(request, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2-MoE (shared expert, a dense layer), and a random gpt-oss (sinks, a sliding
+    layer shorter than the prompts, YaRN), with SmolLM2's tokenizer."""
+    out = tmp_path_factory.mktemp(f"{request.param}-serving")
     config = random_moe_config(
-        "qwen2-moe-shared-expert", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
+        request.param, vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
         eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
     return save_random_model(config, out, seed=20, std=0.1, tokenizer_from=smollm2_dir)
@@ -206,36 +210,71 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     assert_clean(run_dir)
 
 
-def test_moe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
-    """Two ranks over gloo, each holding half of every expert's (and the shared expert's and the
-    dense layers') intermediate columns, with the router whole: HF's logits and greedy tokens
-    through chunked prefill and decodes; and each rank's expert weights are exactly its columns."""
+def full_and_rank_models(model_dir: Path) -> tuple:
+    """(the whole model, [rank 0's, rank 1's] of two), loaded from `model_dir`."""
     import json
-
-    from transformers import AutoModelForCausalLM
 
     from services.gpu_worker.loader import load_weights
     from services.gpu_worker.model import LlamaModel
     from services.gpu_worker.parallel import Parallel
-    from tests.test_families import hf_logits
-    from tests.test_tensor_parallel import FAMILY_PROMPTS, NEW_TOKENS, run_group, step_histories, steps
 
+    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    full = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK)
+    load_weights(full, model_dir)
+    parts = []
+    for rank in range(2):
+        parts.append(LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, Parallel(rank, 2)))
+        load_weights(parts[-1], model_dir)
+    return full, parts
+
+
+def test_moe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """Two ranks over gloo, each holding half of every expert's (and the shared expert's and the
+    dense layers') intermediate columns, with the router whole: HF's logits and greedy tokens
+    through chunked prefill and decodes; and each rank's expert weights are exactly its columns."""
     family = "qwen2-moe-shared-expert"
     model_dir = save_random_model(
         random_moe_config(family), tmp_path / family, seed=30, std=0.08, embed_std=0.15
     )
-    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    full = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK)
-    load_weights(full, model_dir)
-    for rank in range(2):
-        part = LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, Parallel(rank, 2))
-        load_weights(part, model_dir)
+    full, parts = full_and_rank_models(model_dir)
+    for rank, part in enumerate(parts):
         layer, whole = part.layers[1], full.layers[1]
         cols = slice(16 * rank, 16 * (rank + 1))  # moe_intermediate_size 32 over 2 ranks
         assert torch.equal(layer.experts_down, whole.experts_down[:, :, cols])
         assert torch.equal(layer.experts_gate_up[:, :16], whole.experts_gate_up[:, :32][:, cols])
         assert torch.equal(layer.router, whole.router)
         assert layer.shared_down.shape == (64, 24)  # shared_expert_intermediate_size 48 over 2 ranks
+    check_tensor_parallel_against_hf(model_dir)
+
+
+def test_gpt_oss_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """gpt-oss over two ranks: each rank's columns of the interleaved gate/up (one run of the
+    checkpoint's columns) and their biases, its heads' sinks, the down biases whole (added by
+    rank 0 only); HF's logits and greedy tokens through chunked prefill and decodes."""
+    model_dir = save_random_model(
+        random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=31, std=0.08, embed_std=0.15
+    )
+    full, parts = full_and_rank_models(model_dir)
+    for rank, part in enumerate(parts):
+        for layer, whole in zip(part.layers, full.layers, strict=True):
+            cols = slice(48 * rank, 48 * (rank + 1))  # intermediate_size 96 over 2 ranks
+            assert torch.equal(layer.experts_gate_up[:, :48], whole.experts_gate_up[:, :96][:, cols])
+            assert torch.equal(layer.experts_gate_up[:, 48:], whole.experts_gate_up[:, 96:][:, cols])
+            assert torch.equal(
+                layer.experts_gate_up_bias[:, :48], whole.experts_gate_up_bias[:, :96][:, cols]
+            )
+            assert torch.equal(layer.experts_down, whole.experts_down[:, :, cols])
+            assert torch.equal(layer.experts_down_bias, whole.experts_down_bias)
+            assert torch.equal(layer.sinks, whole.sinks[2 * rank : 2 * rank + 2])  # 4 heads over 2 ranks
+    check_tensor_parallel_against_hf(model_dir)
+
+
+def check_tensor_parallel_against_hf(model_dir: Path) -> None:
+    """Two ranks over gloo against HF's logits and greedy tokens (chunked prefill, decodes)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_families import hf_logits
+    from tests.test_tensor_parallel import FAMILY_PROMPTS, NEW_TOKENS, run_group, step_histories, steps
 
     hf = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"

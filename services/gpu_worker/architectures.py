@@ -311,8 +311,11 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
     if rope_type == "yarn":
         # As HF computes it (modeling_rope_utils._compute_yarn_parameters), where the original
         # length may sit beside rope_parameters (HF copies it in).
-        original = int(params.get("original_max_position_embeddings") or d.get(
-            "original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
+        original = int(
+            params.get("original_max_position_embeddings")
+            or d.get("original_max_position_embeddings")
+            or d.get("max_position_embeddings", 2048)
+        )
         factor = float(params.get("factor") or d.get("max_position_embeddings", original) / original)
         attention_factor = params.get("attention_factor")
         if attention_factor is None:

@@ -280,7 +280,9 @@ class TorchOps:
             return self._decode(q, k_cache, v_cache, meta, scale, sinks).view(num_tokens, -1)
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_tokens is not None:
-            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale, sinks)
+            out[meta.decode_tokens] = self._decode(
+                q[meta.decode_tokens], k_cache, v_cache, meta, scale, sinks
+            )
         for seq in meta.prefills:
             ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
             ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
@@ -314,7 +316,9 @@ class TorchOps:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if meta.decode_tables is not None:
-            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale, sinks)
+            return cpu_ops.paged_decode(
+                q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale, sinks
+            )
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)

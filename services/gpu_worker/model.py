@@ -371,7 +371,9 @@ class LlamaLayer:
         return (*flat[:2], self.qkv_bias, *flat[2:])
 
 
-def stacked_expert_weight(layer: LlamaLayer, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def stacked_expert_weight(
+    layer: LlamaLayer, key: str, tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(destination, tensor in its layout) of gpt-oss's experts, which its checkpoints stack into
     one tensor per projection, [in, out] per expert (GptOssExperts), gate and up interleaved by
     column (gate_up[..., ::2] is the gate): gate_up_proj [E, H, 2I] (and its bias [E, 2I]) becomes
@@ -801,7 +803,9 @@ class LlamaModel:
                 qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
             q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
             attn = reduce(
-                linear(layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks), o_proj_w)
+                linear(
+                    layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks), o_proj_w
+                )
             )
             if layer.o_bias is not None:
                 attn.add_(layer.o_bias)
@@ -1006,7 +1010,9 @@ def grouped_experts(
         )
         gate_up_bias = None if layer.experts_gate_up_bias is None else layer.experts_gate_up_bias[expert]
         gate, up = linear(x[rows], layer.experts_gate_up[expert], gate_up_bias).chunk(2, dim=-1)
-        expert_out = linear(glu(gate, up), layer.experts_down[expert], None if down_bias is None else down_bias[expert])
+        expert_out = linear(
+            glu(gate, up), layer.experts_down[expert], None if down_bias is None else down_bias[expert]
+        )
         out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
         start += count
     return out
