@@ -128,15 +128,96 @@ def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, featur
         ModelConfig.from_dict(config)
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_by_name() -> None:
-    """gpt-oss as OpenAI ships it: the experts as MXFP4 blocks and scales, which are not read."""
-    config = random_moe_config("gpt-oss").to_dict()
-    config["architectures"] = ["GptOssForCausalLM"]
+def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
+    """Make a saved gpt-oss an MXFP4 checkpoint as OpenAI ships one: each experts' projection
+    replaced by random MXFP4 blocks (every 4-bit code) and scales (exponents 2^-6 to 2^-4, so the
+    weights are of the random model's size), and quantization_config quant_method mxfp4."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, in_features, out_features = tensors.pop(name).shape
+        groups = in_features // 32
+        tensors[f"{name}_blocks"] = torch.randint(
+            0, 256, (experts, out_features, groups, 16), dtype=torch.uint8, generator=generator
+        )
+        tensors[f"{name}_scales"] = torch.randint(
+            121, 124, (experts, out_features, groups), dtype=torch.uint8, generator=generator
+        )
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn"],
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
     }
-    with pytest.raises(UnsupportedModel, match=r"quant_method 'mxfp4'.*Mxfp4Config\(dequantize=True\)"):
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_mxfp4_dequantization_is_hfs() -> None:
+    """Every code in every nibble and scales from 2^-20 to 2^20: the same float32 weight as
+    transformers' own MXFP4 dequantization, in the plain checkpoints' [E, in, out] layout."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from services.gpu_worker.loader import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 2, 16), dtype=torch.uint8, generator=generator)
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # low and high nibble alike
+    scales = torch.randint(107, 148, (3, 40, 2), dtype=torch.uint8, generator=generator)
+    got = dequantize_mxfp4(blocks, scales)
+    assert got.shape == (3, 64, 40)
+    assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
+    """A gpt-oss whose experts are MXFP4 blocks and scales, dequantized at load: HF's logits and
+    greedy tokens (HF dequantizes the same checkpoint itself) through prefill, decodes, a prefix
+    hit and a preemption."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    path = save_random_model(
+        random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=60, std=0.08, embed_std=0.15
+    )
+    write_mxfp4_experts(path, seed=61)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    check_against_hf(hf, runner)
+
+
+def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = save_random_model(random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=0, std=0.08)
+    write_mxfp4_experts(path, seed=0)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks without its scales"):
+        ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+
+
+@pytest.mark.parametrize(("family", "method"), [("qwen3-moe-norm-topk", "mxfp4"), ("gpt-oss", "fp8")])
+def test_other_quantizations_are_refused_by_name(family: str, method: str) -> None:
+    """MXFP4 is read for gpt-oss's experts only; other quantization_configs stay refused."""
+    config = random_moe_config(family).to_dict()
+    config["architectures"] = [FAMILIES[family][0].replace("Config", "ForCausalLM")]
+    config["quantization_config"] = {"quant_method": method}
+    with pytest.raises(
+        UnsupportedModel, match=f"unsupported quantization_config \\(quant_method '{method}'\\)"
+    ):
         ModelConfig.from_dict(config)
 
 

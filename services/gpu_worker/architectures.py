@@ -167,7 +167,7 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         """The config of an HF config.json dict; UnsupportedModel for anything Brigade would run wrongly."""
         architecture, family = _architecture(d)
-        _refuse_quantization(d)
+        _refuse_quantization(d, family)
         num_heads = d["num_attention_heads"]
         num_layers = d["num_hidden_layers"]
         hidden = d["hidden_size"]
@@ -266,20 +266,15 @@ def _architecture(d: dict) -> tuple[str, str]:
     return names[0], ARCHITECTURES[names[0]]
 
 
-def _refuse_quantization(d: dict) -> None:
+def _refuse_quantization(d: dict, family: str) -> None:
     quantization = d.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        if method == "mxfp4":  # how openai/gpt-oss-20b and -120b ship their experts
-            raise UnsupportedModel(
-                "unsupported quantization_config (quant_method 'mxfp4'): MXFP4 expert weights "
-                "(*_blocks / *_scales) are not read yet; supported: a checkpoint with the experts in "
-                "bfloat16 or float32 (transformers loads one dequantized with "
-                "Mxfp4Config(dequantize=True); save_pretrained then writes it)"
-            )
+        if method == "mxfp4" and family == "gpt_oss":
+            return  # how openai/gpt-oss ships its experts: dequantized at load (loader.dequantize_mxfp4)
         raise UnsupportedModel(
             f"unsupported quantization_config (quant_method {method!r}); supported: unquantized "
-            "safetensors (float32, bfloat16, float16) and GGUF files"
+            "safetensors (float32, bfloat16, float16), gpt-oss's MXFP4 experts, and GGUF files"
         )
 
 

@@ -548,6 +548,33 @@ def dequantize_blocks(blocks: np.ndarray, fmt: str) -> np.ndarray:
     return dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float32, copy=False)
 
 
+# MXFP4 (OCP microscaling FP4), as gpt-oss checkpoints hold their experts: each E2M1 code's value.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def dequantize_mxfp4(blocks, scales):
+    """A gpt-oss checkpoint's MXFP4 expert weight -> float32 [E, in, out], the layout of the plain
+    checkpoints' `mlp.experts.*_proj` (GptOssExperts). blocks [E, out, G, 16] uint8: 32 values
+    per group, two 4-bit E2M1 codes a byte, the low nibble first; scales [E, out, G] uint8: each
+    group's E8M0 exponent, biased by 127. Expert by expert, so the temporaries stay one expert's."""
+    import torch
+
+    values = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: expected [..., G, 16] and [..., G]"
+        )
+    num_experts, out_features, groups, _ = blocks.shape
+    out = torch.empty(num_experts, groups * 32, out_features, dtype=torch.float32)
+    for expert in range(num_experts):
+        codes = blocks[expert].to(torch.int32)
+        pairs = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1)  # [out, G, 16, 2]
+        exponents = scales[expert].to(torch.int32).unsqueeze(-1) - 127  # [out, G, 1]
+        out[expert] = torch.ldexp(pairs.flatten(-2), exponents).flatten(-2).t()
+    return out
+
+
 def convert_gguf(gguf_path: Path, out: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files of a GGUF into `out`."""
     import gguf
@@ -600,13 +627,18 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
     exact float32 values (not the bfloat16 copy beside it).
 
     `shard_spec(name)` -> (dim, start, length) reads only that slice of the weight from the file
-    (a tensor-parallel rank's shard); None reads the whole tensor.
+    (a tensor-parallel rank's shard); None reads the whole tensor. gpt-oss's MXFP4 experts
+    (`mlp.experts.<projection>_blocks` and `_scales`, which may lie in different files) come as
+    one float32 weight each, `dequantize_mxfp4`'s, named as a plain checkpoint names it.
     """
     import torch
     from safetensors import safe_open
     from tqdm import tqdm
 
     blocks_path = model_dir / QUANTIZED_FILE
+    mxfp4_parts: dict[
+        str, dict[str, torch.Tensor]
+    ] = {}  # an MXFP4 weight's blocks or scales, until both are read
     with contextlib.ExitStack() as stack:
         blocks, formats = None, {}
         if blocks_path.exists():
@@ -615,6 +647,16 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
         for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
+                        base, part = name.rsplit("_", 1)
+                        parts = mxfp4_parts.setdefault(base, {})
+                        parts[part] = f.get_tensor(name)
+                        if len(parts) == 2:
+                            del mxfp4_parts[base]
+                            tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
+                            spec = shard_spec(base) if shard_spec is not None else None
+                            yield base, tensor if spec is None else tensor.narrow(*spec)
+                        continue
                     spec = shard_spec(name) if shard_spec is not None else None
                     if name in formats:
                         tensor = torch.from_numpy(dequantize_blocks(blocks.get_tensor(name), formats[name]))
@@ -625,6 +667,10 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
                         dim, start, length = spec
                         index = (slice(None),) * dim + (slice(start, start + length),)
                         yield name, f.get_slice(name)[index]
+    if mxfp4_parts:
+        base, parts = next(iter(mxfp4_parts.items()))
+        missing = "scales" if "blocks" in parts else "blocks"
+        raise ValueError(f"{base}: MXFP4 {next(iter(parts))} without its {missing} in the checkpoint")
 
 
 def load_weights(model, model_dir: Path) -> None:
