@@ -155,6 +155,37 @@ def check_against_hf(hf, runner: ModelRunner) -> None:
 
 
 @pytest.mark.parametrize(
+    "params",
+    [
+        dict(
+            factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+        ),
+        dict(factor=4.0, original_max_position_embeddings=64),  # truncate by default, HF's betas
+        dict(factor=40.0, mscale=1.0, mscale_all_dim=0.707, original_max_position_embeddings=4096),
+        dict(factor=8.0, attention_factor=1.3, beta_fast=16.0, original_max_position_embeddings=32),
+        dict(original_max_position_embeddings=64),  # factor: max_position_embeddings / original
+    ],
+)
+def test_yarn_rope_matches_hfs(params: dict) -> None:
+    """YaRN's frequencies and cos / sin scale against HF's own _compute_yarn_parameters."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from services.gpu_worker.architectures import ModelConfig
+    from services.gpu_worker.model import rope_cos_sin
+
+    rope_parameters = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": None, **params}
+    config = LlamaConfig(**{**COMMON, "head_dim": 64, "rope_parameters": rope_parameters})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    rope = ModelConfig.from_dict(config.to_dict()).ropes[0]
+    assert rope.rope_type == "yarn" and rope.attention_factor == pytest.approx(attention_factor)
+    positions = torch.arange(256, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    expected = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    torch.testing.assert_close(rope_cos_sin(rope, 64, 256, torch.float32, torch.device("cpu")), expected)
+
+
+@pytest.mark.parametrize(
     ("class_name", "config_bias", "want"),
     [
         # (qkv, o_proj, mlp) biases, as each family's HF class builds its projections.

@@ -48,8 +48,8 @@ REFUSED = {
     ),
     "unknown model_type": ({"architectures": None, "model_type": "falcon"}, "model_type 'falcon'"),
     "rope scaling": (
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
-        "unsupported rope scaling type 'yarn'",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}},
+        "unsupported rope scaling type 'dynamic'",
     ),
     "dynamic rope (old rope_scaling key)": (
         {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
