@@ -131,12 +131,16 @@ def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, featur
 def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
     """Make a saved gpt-oss an MXFP4 checkpoint as OpenAI ships one: each experts' projection
     replaced by random MXFP4 blocks (every 4-bit code) and scales (exponents 2^-6 to 2^-4, so the
-    weights are of the random model's size), and quantization_config quant_method mxfp4."""
+    weights are of the random model's size), every other weight in bfloat16, quantization_config
+    quant_method mxfp4; in two shards, the scales in the second, apart from their blocks."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = {
+        name: t.to(torch.bfloat16) for name, t in load_file(str(model_dir / "model.safetensors")).items()
+    }
+    (model_dir / "model.safetensors").unlink()
     generator = torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         experts, in_features, out_features = tensors.pop(name).shape
@@ -147,7 +151,13 @@ def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
         tensors[f"{name}_scales"] = torch.randint(
             121, 124, (experts, out_features, groups), dtype=torch.uint8, generator=generator
         )
-    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, tensor in tensors.items():
+        shards[sorted(shards)[name.endswith("_scales")]][name] = tensor
+    for file, shard in shards.items():
+        save_file(shard, str(model_dir / file), metadata={"format": "pt"})
+    weight_map = {name: file for file, shard in shards.items() for name in shard}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
@@ -202,10 +212,13 @@ def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
 
     path = save_random_model(random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=0, std=0.08)
     write_mxfp4_experts(path, seed=0)
-    tensors = load_file(str(path / "model.safetensors"))
+    scales_file = str(path / "model-00002-of-00002.safetensors")
+    tensors = load_file(scales_file)
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks without its scales"):
+    save_file(tensors, scales_file, metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks without its scales"
+    ):
         ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
 
 
