@@ -22,10 +22,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
+
+if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
+    import torch
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of the conversion cache key: a new version reconverts (2: quantized.safetensors; 3: every
@@ -553,7 +557,7 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
-def dequantize_mxfp4(blocks, scales):
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A gpt-oss checkpoint's MXFP4 expert weight -> float32 [E, in, out], the layout of the plain
     checkpoints' `mlp.experts.*_proj` (GptOssExperts). blocks [E, out, G, 16] uint8: 32 values
     per group, two 4-bit E2M1 codes a byte, the low nibble first; scales [E, out, G] uint8: each
