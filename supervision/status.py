@@ -61,8 +61,17 @@ class StatusWriter:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.failing: set[str] = set()
+        self.states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
 
-    def write_status(self, stages: Iterable[StageProcess]) -> None:
+    def write_status(self, stages: Iterable[StageProcess], is_due: bool) -> None:
+        """status.json, when a stage changed state, at once (the gateways' /health and `status`
+        read it), or when `is_due` (fresh loads, once per heartbeat interval): a rewrite costs a
+        file write and a rename, too much for every round of the watch loop."""
+        stages = list(stages)
+        states = [(s.name, s.pid, s.state, s.num_restarts) for s in stages]
+        if not is_due and states == self.states:
+            return
+        self.states = states
         rows = [status_row(stage, time.monotonic()) for stage in stages]
 
         def write() -> None:
