@@ -13,10 +13,11 @@ from ipc.config import load_config
 from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
 from services.stage import RUN_FILE, read_run_info
+from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageProcess
-from supervision.status import STATUS_FILE, StatusWriter
+from supervision.status import StatusWriter
 
 
 @pytest.fixture
