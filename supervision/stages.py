@@ -87,6 +87,7 @@ class StageProcess:
         return self.process is not None and self.process.poll() is None
 
     def on_ready(self, now: float) -> None:
+        """Its current process said Ready: it is up, and heard from now."""
         self.health.on_beat(now)
         self.is_ready = self.was_ever_ready = True
         self.state = "running"
