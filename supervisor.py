@@ -8,8 +8,9 @@ id), and every stage process. It restarts a stage that exits or hangs, and trigg
 that keeps every request (docs/architecture.md invariant 4). Its parts: the run's topology and
 the transition between two (ipc/topology.py, pure); in supervision/, the restart policy and the
 hang rule (pure), the stage set (every process operation), the run's resources (run.py), the
-status files (status.py), the table of live settings, the checks before start. This file is the
-watch loop around them: start, watch, restart, reload and change the topology, drain, stop.
+status files (status.py), the config file and its live settings (reload.py, live_settings.py),
+carrying out a topology change (transition.py), the checks before start. This file is the watch
+loop around them: start, watch, restart, reload, drain, stop.
 """
 
 from __future__ import annotations
@@ -37,52 +38,25 @@ from ipc.endpoints import (
 from ipc.sampling_defaults import describe_defaults
 from ipc.shm import new_run_id, sweep_stale_runs
 from ipc.sockets import RouterSocket, close_context
-from ipc.topology import STOP_ORDER, Topology, diff
+from ipc.topology import STOP_ORDER, Topology
 from services import metrics
 from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
 from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
-from supervision.live_settings import (
-    LIVE_SETTINGS,
-    apply_live,
-    diff_fields,
-    get_setting,
-    reconfigure_message,
-    with_setting,
-)
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model
+from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
 from supervision.stages import METRICS_DIR, StageProcess
 from supervision.status import StatusWriter, status
-
-STOP_GRACE_S = 5.0
-RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
-CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
-RUN_DIR_LOCK = "supervisor.lock"  # flocked by the run dir's live supervisor (Supervisor.claim_run_dir)
-# The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
-PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
-PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
+from supervision.transition import PEER_KINDS, STOP_GRACE_S, Transitions
 
 log = logging.getLogger("supervisor")
 
 
 class GiveUp(Exception):
     """The run cannot go on (a stage failed too often, or cannot start at all); the run ends."""
-
-
-def file_signature(path: str | None) -> tuple[int, int, int, int] | None:
-    """What tells a changed config file: its inode as well as its mtime and size, because a
-    Kubernetes ConfigMap update swaps a symlink over to a new file, whose mtime may equal the
-    old one's; None while it cannot be read."""
-    if not path:
-        return None
-    try:
-        st = Path(path).stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 SECRET_FIELD = re.compile(r"(^|_)(keys?|secret|password)$")
@@ -101,6 +75,29 @@ def flat_config(config: msgspec.Struct, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def start_metrics(config: Config, run_dir: Path) -> None:
+    """An empty metrics dir for the stages' Prometheus files, and /metrics of the whole run
+    (docs/metrics.md) on supervisor.metrics_port, at supervisor.metrics_host (by default the
+    gateway's host: a loopback-only API exports no numbers to the network either)."""
+    metrics_dir = run_dir / METRICS_DIR
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(mode=0o700)
+    supervisor = config.supervisor
+    if supervisor.metrics_port:
+        metrics.serve(run_dir, supervisor.metrics_port, supervisor.metrics_host or config.gateway.host)
+
+
+def start_mlflow(config: Config, run: Run) -> MlflowSink | None:
+    """The MLflow run of observability.mlflow, started; None when no tracking URI is set."""
+    if not config.observability.mlflow.tracking_uri:
+        return None
+    params = flat_config(config)
+    params["model"] = run.info.model if run.info else ""
+    sink = MlflowSink(config.observability.mlflow, run.run_dir, f"brigade-{run.run_id}", params)
+    sink.start()
+    return sink
+
+
 class Supervisor:
     """Owns one run: its directory, shared memory and control socket; drives the stage set."""
 
@@ -108,9 +105,7 @@ class Supervisor:
         self, config: Config, config_path: str | None, overrides: list[str], run_dir: Path, log_format: str
     ) -> None:
         self.config = config
-        self.config_path = config_path
-        self.overrides = overrides
-        self.config_signature = file_signature(config_path)
+        self.config_file = ConfigFile(config_path, overrides)
         self.is_reload_requested = False
         self.run_dir = run_dir
         self.run_id = new_run_id()
@@ -118,50 +113,16 @@ class Supervisor:
         self.ctx = zmq.Context()
         self.control: RouterSocket | None = None
         self.stages = make_stage_set(config, run_dir, log_format, self.run_id)
-        self.topology = Topology.of(config)  # with the stages' hosts once placed (start)
         self.policy = RestartPolicy.from_config(config.supervisor)
         self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
         self.auth_failures = AuthFailures(self.audit, log)
+        self.transitions = Transitions(self, self.stages, self.run, self.audit)
         self.mlflow: MlflowSink | None = None
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
-        self.status_states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
         self.status = StatusWriter(run_dir)
-        self.stages.on_group_moved = self.move_group
 
     # -- start ---------------------------------------------------------------------------------
-
-    def move_group(self, group: int, address: str) -> None:
-        """The cluster placed engine group `group` on a node at `address`, another than its links
-        have (its node died, or a hot reload added it there): its links follow (Run.move_stages),
-        and the running stages hear it (TopologyChanged) before the group starts there. Raises
-        Refused when the links cannot follow."""
-        names = [s.name for s in self.stages if s.group == group]
-        hosts = self.run.move_stages(self.config, names, address)
-        log.info("engine group %d moved to a node at %s: its links follow", group, address)
-        self.broadcast_topology(msgspec.structs.replace(self.topology, hosts=hosts))
-
-    def create_rings(self, model_dir: Path, groups: range) -> None:
-        self.run.create_rings(self.config, model_dir, groups, self.stages.create_rings)
-
-    def serve_metrics(self) -> None:
-        """/metrics of the whole run (docs/metrics.md) on supervisor.metrics_port, at
-        supervisor.metrics_host (by default the gateway's host: a loopback-only API exports no
-        numbers to the network either)."""
-        supervisor = self.config.supervisor
-        if supervisor.metrics_port:
-            metrics.serve(
-                self.run_dir, supervisor.metrics_port, supervisor.metrics_host or self.config.gateway.host
-            )
-
-    def start_mlflow(self) -> None:
-        config = self.config.observability.mlflow
-        if not config.tracking_uri:
-            return
-        params = flat_config(self.config)
-        params["model"] = self.run.info.model if self.run.info else ""
-        self.mlflow = MlflowSink(config, self.run_dir, f"brigade-{self.run_id}", params)
-        self.mlflow.start()
 
     def start(self) -> None:
         try:
@@ -176,44 +137,54 @@ class Supervisor:
             sampling_defaults = check_model(self.config, model_dir)
             hosts = self.stages.place()
             self.run.plan_network(self.config, hosts)
-            self.topology = Topology.of(self.config, hosts)
+            self.transitions.current = Topology.of(self.config, hosts)
             log.info("a request that sets no sampling values takes %s", describe_defaults(sampling_defaults))
-            self.create_rings(model_dir, range(self.config.engine.data_parallel))
-            metrics_dir = self.run_dir / METRICS_DIR
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-            metrics_dir.mkdir(mode=0o700)
-            self.serve_metrics()
+            groups = range(self.config.engine.data_parallel)
+            self.run.create_rings(self.config, model_dir, groups, self.stages.create_rings)
+            start_metrics(self.config, self.run_dir)
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
             self.run.publish(self.config, model_dir)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
-        for spec in self.topology.stages():
+        for spec in self.transitions.current.stages():
             self.stages.spawn(self.stages.add(spec))
         self.wait_ready(list(self.stages))
         try:
             self.run.publish(self.config, is_ready=True)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
-        self.start_mlflow()
-        client = f"python -m client --run {self.run_dir}"
-        ready = f"Brigade ready: {len(self.stages)} stages, run {self.run_id} in {self.run_dir}"
-        print(ready + http_line(self.config), flush=True)
-        print(
-            f"  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json", flush=True
-        )
+        self.mlflow = start_mlflow(self.config, self.run)
+        print(ready_lines(self.config, len(self.stages), self.run), flush=True)
+
+    def wait_ready(self, stages: list[StageProcess]) -> None:
+        """Watch until `stages` are up (at start, and new stages of a topology change)."""
+        timeout_s = self.config.supervisor.start_timeout_s
+        deadline = last_note = time.monotonic()
+        deadline += timeout_s
+        while not all(s.is_ready for s in stages):
+            if self.signals:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                waiting = [s.name for s in stages if not s.is_ready]
+                raise GiveUp(f"stages did not come up within {timeout_s:.0f}s: {waiting}")
+            self.tick()
+            if time.monotonic() - last_note > 5:
+                waiting = [s.name for s in stages if not s.is_ready]
+                log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
+                last_note = time.monotonic()
 
     # -- watch ---------------------------------------------------------------------------------
 
     def watch(self) -> None:
         while not self.signals:
             self.tick()
-            if self.is_reload_requested or self.config_file_changed():
+            if self.is_reload_requested or self.config_file.has_changed():
                 self.is_reload_requested = False
                 self.reload()
 
     def tick(self) -> None:
-        """One round of watching: control messages, exits, hangs, due restarts, status file."""
+        """One round of watching: control messages, exits, hangs, due restarts, status files."""
         self.read_control(0.1)
         self.auth_failures.poll()
         now = time.monotonic()
@@ -234,14 +205,8 @@ class Supervisor:
             if reason is not None and stage.restart_at is None:
                 self.stages.kill([stage])
                 self.on_failure(stage, reason)
-        # status.json is rewritten when a stage changed state, at once (the gateway's /health and
-        # `status` read it), and with fresh loads once per heartbeat interval: a rewrite costs a
-        # file write and a rename, too much for every tick.
         is_due = now - self.loads_sent_at >= self.config.supervisor.heartbeat_interval_s
-        states = [(s.name, s.pid, s.state, s.num_restarts) for s in self.stages]
-        if is_due or states != self.status_states:
-            self.status.write_status(self.stages)
-            self.status_states = states
+        self.status.write_status(self.stages, is_due)
         if is_due:
             self.send_group_loads()
             rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.run.rings]
@@ -277,10 +242,7 @@ class Supervisor:
                 f"{stage.name} failed {len(stage.failures)} times within {self.policy.period_s:.0f}s "
                 f"(last: {reason}); giving up"
             )
-        stage.num_restarts += 1
-        stage.restart_at = time.monotonic() + delay
-        stage.is_ready = False
-        stage.state = "restarting"
+        stage.restart_after(delay)
         log.info("restarting %s in %.1fs (restart %d)", stage.name, delay, stage.num_restarts)
         self.audit.stage_restart(stage.name, reason, stage.num_restarts, delay)
 
@@ -308,28 +270,19 @@ class Supervisor:
             stage = self.stages.get(message.name)
             if stage is None or not self.stages.is_current(stage, message.pid):
                 continue  # a late message from a process we already replaced
-            now = time.monotonic()
             if isinstance(message, m.Ready):
-                stage.health.on_beat(now)
                 self.on_ready(stage)
-                continue
-            stage.health.on_beat(now, message.progress, message.has_work)
-            new_tokens = message.load.tokens_total - stage.load.tokens_total
-            if stage.rate_at and new_tokens >= 0:
-                instant = new_tokens / max(now - stage.rate_at, 1e-3)
-                stage.tokens_rate = 0.7 * stage.tokens_rate + 0.3 * instant
-            stage.rate_at = now
-            stage.load = message.load
+            else:
+                stage.on_heartbeat(message, time.monotonic())
 
     def on_ready(self, stage: StageProcess) -> None:
         was_restart = stage.num_restarts > 0
-        stage.is_ready = stage.was_ever_ready = True
-        stage.state = "running"
+        stage.on_ready(time.monotonic())
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
         if stage.kind in PEER_KINDS:
             # It sized its links from run.json's config, which does not show engine groups
-            # still retiring, nor a group that moved after it read run.json (move_group).
-            self.command(stage, m.TopologyChanged(self.topology))
+            # still retiring, nor a group that moved after it read run.json (Transitions.move_group).
+            self.command(stage, m.TopologyChanged(self.transitions.current))
         if not was_restart:
             return
         if stage.kind == "detokenizer":
@@ -346,178 +299,24 @@ class Supervisor:
         assert self.control is not None
         self.control.send(stage.name.encode(), message)
 
-    def config_file_changed(self) -> bool:
-        signature = file_signature(self.config_path)
-        changed, self.config_signature = signature != self.config_signature, signature
-        return changed and signature is not None
-
     # -- hot reload ----------------------------------------------------------------------------
 
     def reload(self) -> None:
-        """Apply the live settings (supervision/live_settings.py); log the changes that need a
-        restart. A config that does not load is refused and the run goes on unchanged."""
+        """Apply the config file's live settings (supervision/reload.py): the replica and engine
+        group counts through a topology change (supervision/transition.py). A config that does
+        not load, or a topology that cannot be reached, is refused and the run goes on unchanged."""
+        reloaded = self.config_file.live_settings(self.config, self.audit)
+        if reloaded is None:
+            return
+        config, live = reloaded
+        logging.getLogger().setLevel(config.supervisor.log_level)
         try:
-            # Only a regular file, read without blocking: a FIFO put in its place must not stop
-            # the watch loop (no restarts, no signals) until someone writes to it.
-            new = load_config(self.config_path, self.overrides, regular_file_only=True)
-        except ConfigError as exc:
-            log.error("reload refused, config unchanged: %s", exc)
-            self.audit.reload({}, error=str(exc))
-            return
-        except Exception:  # whatever a config file does, it must not end a live run
-            log.exception("reload refused, config unchanged: the config could not be read")
-            self.audit.reload({}, error="the config could not be read")
-            return
-        changed = diff_fields(self.config, new)
-        diff = {path: [get_setting(self.config, path), get_setting(new, path)] for path in changed}
-        if diff:
-            self.audit.reload(
-                applied={p: v for p, v in diff.items() if p in LIVE_SETTINGS},
-                refused={p: v for p, v in diff.items() if p not in LIVE_SETTINGS},
-            )
-        for path in sorted(set(changed) - set(LIVE_SETTINGS)):
-            log.warning("reload: %s changed but needs a restart to take effect; keeping the old value", path)
-        live = sorted(set(changed) & set(LIVE_SETTINGS))
-        if not live:
-            log.info("reload: nothing to apply live")
-            return
-        applied = apply_live(self.config, new)
-        logging.getLogger().setLevel(applied.supervisor.log_level)
-        try:
-            self.change_topology(applied)
+            self.transitions.change(config)
         except Refused as exc:
             log.error("reload: replica and engine group counts stay as they were: %s", exc)
             self.audit.reload({}, error=str(exc))
             return
         log.info("reload applied: %s", ", ".join(live))
-
-    def wait_ready(self, stages: list[StageProcess]) -> None:
-        """Watch until `stages` are up (at start, and new stages of a topology change)."""
-        timeout_s = self.config.supervisor.start_timeout_s
-        deadline = last_note = time.monotonic()
-        deadline += timeout_s
-        while not all(s.is_ready for s in stages):
-            if self.signals:
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                waiting = [s.name for s in stages if not s.is_ready]
-                raise GiveUp(f"stages did not come up within {timeout_s:.0f}s: {waiting}")
-            self.tick()
-            if time.monotonic() - last_note > 5:
-                waiting = [s.name for s in stages if not s.is_ready]
-                log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
-                last_note = time.monotonic()
-
-    def place_groups(self, config: Config) -> Config:
-        """Room for the engine groups that `config` adds: `config`, or, when the cluster has no
-        room for them within cluster.placement_timeout_s (or this host lacks their devices),
-        `config` with the old engine.data_parallel (the reload keeps it, and says why)."""
-        old_groups = self.config.engine.data_parallel
-        try:
-            check_layout(config)
-            self.stages.place_groups(config.engine)
-            deadline = time.monotonic() + config.cluster.placement_timeout_s
-            while self.stages.unplaced():
-                if time.monotonic() > deadline:
-                    raise Refused(
-                        f"engine groups {self.stages.unplaced()} found no room within "
-                        f"cluster.placement_timeout_s={config.cluster.placement_timeout_s:g}s"
-                    )
-                self.tick()
-        except Refused as exc:
-            log.error("reload: engine.data_parallel stays %d: %s", old_groups, exc)
-            self.stages.release_groups(self.config.engine)
-            return with_setting(config, "engine.data_parallel", old_groups)
-        return config
-
-    def change_topology(self, config: Config) -> None:
-        """Apply `config`'s replica and engine group counts without dropping a request
-        (ipc/topology.py's Transition): new stages start before anyone routes to them; removed
-        ones stop only after everyone routes around them, and a removed engine group after it has
-        drained. The live settings reach every stage as Reconfigure once the new ones are up."""
-        old_counts = self.replica_counts(self.config)
-        if config.engine.data_parallel > self.topology.num_groups:
-            config = self.place_groups(config)
-        try:
-            self.run.claim_gateway_port(config)  # gateway replicas from none; port and host are not live
-            self.run.publish(config)
-        except Refused:
-            self.stages.release_groups(self.config.engine)  # what place_groups reserved
-            raise
-        self.config = config
-        new_counts = self.replica_counts(config)
-        changes = {path: [old_counts[path], n] for path, n in new_counts.items() if n != old_counts[path]}
-        if changes:
-            self.audit.rescale(changes)
-        step = diff(self.topology, Topology.of(config, self.topology.hosts))
-        assert self.run.info is not None  # published at start
-        self.create_rings(
-            Path(self.run.info.model_dir), range(self.topology.num_groups, config.engine.data_parallel)
-        )
-        added = [self.stages.add(spec) for spec in step.added]
-        for stage in added:
-            self.stages.spawn(stage)
-        self.wait_ready(added)
-        # Schedulers move every live request to its new detokenizer shard (full history, so the
-        # new shard rebuilds its text; receivers drop what they already have by position).
-        # Tokenizers route new requests to the groups that still take them.
-        self.broadcast_topology(step.during)
-        for stage in self.stages:
-            self.command(stage, reconfigure_message(self.config))
-        if step.draining:
-            self.retire_groups(step.draining)
-            self.broadcast_topology(step.after)  # the tokenizers move what was left on them
-        # The retired groups' stages are gone already; the removed replicas go now.
-        removed = [stage for spec in step.removed if (stage := self.stages.get(spec.name))]
-        removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
-        for stage in removed_tokenizers:
-            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
-        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
-        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
-            self.read_control(0.2)
-        # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
-        # shutdown); the other replicas keep the port.
-        self.read_control(1.0)  # let in-flight batches to the old shards land first
-        self.stages.remove(removed)
-        self.stages.stop(removed, STOP_GRACE_S)
-        for stage in removed:
-            log.info("retired %s", stage.name)
-
-    @staticmethod
-    def replica_counts(config: Config) -> dict[str, int]:
-        """The counts a reload may change, by config path (for the audit log)."""
-        return {
-            "tokenizer.replicas": config.tokenizer.replicas,
-            "detokenizer.replicas": config.detokenizer.replicas,
-            "gateway.replicas": config.gateway.replicas,
-            "engine.data_parallel": config.engine.data_parallel,
-        }
-
-    def retire_groups(self, groups: range) -> None:
-        """Stop engine groups `groups`, which the tokenizers no longer send new requests to: they
-        finish what they run, up to supervisor.drain_timeout_s, then stop, and their rings go."""
-        retiring = [s for s in self.stages if s.group in groups]
-        schedulers = [s for s in retiring if s.kind == "scheduler"]
-        # Loads from after the TopologyChanged: a request sent just before it is counted too.
-        self.read_control(2 * self.config.supervisor.heartbeat_interval_s)
-        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
-
-        def is_busy() -> bool:
-            return any(s.load.num_running or s.load.num_waiting for s in schedulers)
-
-        while is_busy() and time.monotonic() < deadline:
-            self.read_control(0.2)
-        self.stages.remove(retiring)
-        self.stages.stop(retiring, STOP_GRACE_S)
-        self.stages.release_groups(self.config.engine)
-        self.run.remove_rings(groups)
-        log.info("retired engine groups %d-%d", groups.start, groups.stop - 1)
-
-    def broadcast_topology(self, topology: Topology) -> None:
-        self.topology = topology
-        for stage in self.stages:
-            if stage.kind in PEER_KINDS:
-                self.command(stage, m.TopologyChanged(topology))
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -549,13 +348,16 @@ class Supervisor:
         log.info("stopped; shared memory and sockets removed")
 
 
-def http_line(config: Config) -> str:
-    """Where the OpenAI-compatible API listens, for the ready line ("" when it is off)."""
+def ready_lines(config: Config, num_stages: int, run: Run) -> str:
+    """What the supervisor prints once the run is up: where it is, where the OpenAI-compatible
+    API listens (when a gateway runs), and how to try it."""
+    ready = f"Brigade ready: {num_stages} stages, run {run.run_id} in {run.run_dir}"
     gateway = config.gateway
-    if not gateway.replicas:
-        return ""
-    host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
-    return f"; OpenAI API at http://{host}:{gateway.port}/v1"
+    if gateway.replicas:
+        host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
+        ready += f"; OpenAI API at http://{host}:{gateway.port}/v1"
+    client = f"python -m client --run {run.run_dir}"
+    return f"{ready}\n  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from benchmarks.serve import BrigadeProcess  # noqa: E402
 from client import Client  # noqa: E402
-from supervision.status import STATUS_FILE  # noqa: E402
+from services.stage_rows import STATUS_FILE  # noqa: E402
 
 ENGINE = "bench_engine"  # the resource that marks the engine nodes
 OTHER_ADDRESS = "127.0.0.2"

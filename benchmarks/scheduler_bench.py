@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.codec import DETOKENIZER_INPUT, RESULT_HEADER, STEP_HEADER
+from ipc.config import EngineConfig
 from ipc.endpoints import Endpoints
 from ipc.messages import ResultHeader, SamplingParams
 from ipc.sampling_defaults import fill_defaults
@@ -72,12 +73,12 @@ def bench_planning(num_seqs: int, num_steps: int, prompt_len: int, mixed_params:
     block_size = 16
     max_model_len = prompt_len + num_steps + 64
     config = SchedulerConfig(
-        max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(8192, num_seqs),
+        EngineConfig(
+            max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs), max_num_waiting=num_seqs
+        ),
         block_size=block_size,
         num_blocks=num_seqs * (max_model_len // block_size + 2),
         max_model_len=max_model_len,
-        max_num_waiting=num_seqs,
         eos_token_ids=(2,),
     )
     sched = Scheduler(config)
@@ -268,12 +269,10 @@ def bench_worker_busy(num_seqs: int, prompt_len: int, max_tokens: int) -> dict[s
         max_model_len, eos_token_ids, num_blocks = conn.recv()
         sched = Scheduler(
             SchedulerConfig(
-                max_num_seqs=num_seqs,
-                max_num_batched_tokens=2048,
+                EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_num_waiting=num_seqs),
                 block_size=block_size,
                 num_blocks=num_blocks,
                 max_model_len=min(max_model_len, 2048),
-                max_num_waiting=num_seqs,
                 eos_token_ids=tuple(eos_token_ids),
             )
         )

@@ -41,7 +41,7 @@ from benchmarks.datasets import BenchRequest  # noqa: E402
 from benchmarks.serve import BrigadeProcess, percentile  # noqa: E402
 from services.metrics import PREFIX, registry_for_run  # noqa: E402
 from services.stage import read_run_info  # noqa: E402
-from supervision.status import STATUS_FILE  # noqa: E402
+from services.stage_rows import STATUS_FILE  # noqa: E402
 
 READY_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0

@@ -38,6 +38,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from services.stage_rows import StageRow
+
 PREFIX = "brigade:"
 METRICS_DIR = "metrics"  # under the run directory; the stages' PROMETHEUS_MULTIPROC_DIR
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -269,24 +271,6 @@ class EngineMetrics:
 # -- stage gauges (from heartbeats, through stages.json) -----------------------------------------
 
 
-class StageSample(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One stage as the supervisor last saw it."""
-
-    name: str
-    kind: str
-    pid: int
-    state: str
-    restarts: int = 0
-    engine: int = -1  # engine group of schedulers and workers
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_malformed: int = 0
-    gpu_memory_allocated: int = 0
-    gpu_memory_reserved: int = 0
-    num_auth_failures: int = 0
-
-
 class RingSample(msgspec.Struct, frozen=True):
     name: str
     slots_in_use: int
@@ -295,7 +279,7 @@ class RingSample(msgspec.Struct, frozen=True):
 class StageSamples(msgspec.Struct, frozen=True):
     model_name: str
     device: str
-    stages: list[StageSample]
+    stages: list[StageRow]  # the supervisor's own row first
     rings: list[RingSample] = []
 
 
@@ -386,12 +370,12 @@ class StageCollector:
             values = [s.name, s.kind]
             if s.kind == "scheduler":
                 engine = [samples.model_name, str(s.engine)]
-                running.add_metric(engine, s.num_running)
-                waiting.add_metric(engine, s.num_waiting)
+                running.add_metric(engine, s.running)
+                waiting.add_metric(engine, s.waiting)
                 kv.add_metric(engine, s.kv_usage)
             restarts.add_metric(values, s.restarts)
-            malformed.add_metric(values, s.num_malformed)
-            curve_failures.add_metric(values, s.num_auth_failures)
+            malformed.add_metric(values, s.malformed)
+            curve_failures.add_metric(values, s.auth_failures)
             up.add_metric(values, 1.0 if s.state == "running" else 0.0)
             usage = process_usage(s.pid) if s.pid else None
             if usage is not None:

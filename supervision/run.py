@@ -26,9 +26,9 @@ from ipc.shm import RunLock, ShmRing
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.metrics import METRICS_DIR
 from services.stage import RUN_FILE, RunInfo, write_run_info
+from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused, check_hosts
 from supervision.stages import REPO_ROOT, RingSpec
-from supervision.status import STATUS_FILE
 
 RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pipeline.py)
 CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none

@@ -86,6 +86,29 @@ class StageProcess:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def on_ready(self, now: float) -> None:
+        """Its current process said Ready: it is up, and heard from now."""
+        self.health.on_beat(now)
+        self.is_ready = self.was_ever_ready = True
+        self.state = "running"
+
+    def on_heartbeat(self, beat: m.Heartbeat, now: float) -> None:
+        """Its liveness and load; the tokens per second average over heartbeats (0.3 to the newest)."""
+        self.health.on_beat(now, beat.progress, beat.has_work)
+        new_tokens = beat.load.tokens_total - self.load.tokens_total
+        if self.rate_at and new_tokens >= 0:
+            instant = new_tokens / max(now - self.rate_at, 1e-3)
+            self.tokens_rate = 0.7 * self.tokens_rate + 0.3 * instant
+        self.rate_at = now
+        self.load = beat.load
+
+    def restart_after(self, delay_s: float) -> None:
+        """It went down (exited, hung, or taken down with its group): it starts again in `delay_s`."""
+        self.num_restarts += 1
+        self.restart_at = time.monotonic() + delay_s
+        self.is_ready = False
+        self.state = "restarting"
+
     def last_words(self) -> str:
         """The last line the exited process wrote to stderr (its error, typically)."""
         if self.stderr_pump is not None:

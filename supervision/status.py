@@ -1,4 +1,5 @@
-"""What a run says of its stages, in two files, and `python supervisor.py status`, which reads one.
+"""What a run says of its stages, in two files of one row shape (services/stage_rows.py's
+`StageRow`), and `python supervisor.py status`, which reads one.
 
 The supervisor rewrites status.json (the `status` table; the gateways' /health) when a stage
 changes state and once per heartbeat interval, and metrics/stages.json (read by /metrics at
@@ -15,42 +16,39 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import msgspec
+
 from services import metrics
+from services.stage_rows import STATUS_FILE, StageRow, read_status
 from supervision.stages import StageProcess
 
-STATUS_FILE = "status.json"
 REFRESH_S = 1.0
 
 log = logging.getLogger("supervisor")
 
 
-def status_row(stage: StageProcess, now: float) -> dict:
-    """One stage's row of status.json."""
+def stage_row(stage: StageProcess, now: float) -> StageRow:
+    """One stage's row of both files."""
     load = stage.load
-    return {
-        "name": stage.name,
-        "kind": stage.kind,
-        "pid": stage.pid,
-        "state": stage.state,
-        "restarts": stage.num_restarts,
-        "uptime_s": round(now - stage.started_at, 1) if stage.state == "running" else 0.0,
-        "queue_depth": load.num_waiting + load.num_in_flight,
-        "running": load.num_running,
-        "kv_usage": round(load.kv_usage, 4),
-        "tokens_per_s": round(stage.tokens_rate, 1),
-        "malformed": load.num_malformed,
-        **({"node": stage.node} if stage.node else {}),
-    }
-
-
-def stage_sample(stage: StageProcess) -> metrics.StageSample:
-    """One stage's entry of metrics/stages.json."""
-    load = stage.load
-    return metrics.StageSample(
-        stage.name, stage.kind, stage.pid, stage.state, stage.num_restarts, stage.group, load.num_running,
-        load.num_waiting, load.kv_usage, load.num_malformed, load.gpu_memory_allocated,
-        load.gpu_memory_reserved, load.num_auth_failures,
-    )  # fmt: skip
+    return StageRow(
+        name=stage.name,
+        kind=stage.kind,
+        pid=stage.pid,
+        state=stage.state,
+        restarts=stage.num_restarts,
+        engine=stage.group,
+        uptime_s=round(now - stage.started_at, 1) if stage.state == "running" else 0.0,
+        queue_depth=load.num_waiting + load.num_in_flight,
+        running=load.num_running,
+        waiting=load.num_waiting,
+        kv_usage=load.kv_usage,
+        tokens_per_s=round(stage.tokens_rate, 1),
+        malformed=load.num_malformed,
+        auth_failures=load.num_auth_failures,
+        gpu_memory_allocated=load.gpu_memory_allocated,
+        gpu_memory_reserved=load.gpu_memory_reserved,
+        node=stage.node,
+    )
 
 
 class StatusWriter:
@@ -61,13 +59,23 @@ class StatusWriter:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.failing: set[str] = set()
+        self.states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
 
-    def write_status(self, stages: Iterable[StageProcess]) -> None:
-        rows = [status_row(stage, time.monotonic()) for stage in stages]
+    def write_status(self, stages: Iterable[StageProcess], is_due: bool) -> None:
+        """status.json, when a stage changed state, at once (the gateways' /health and `status`
+        read it), or when `is_due` (fresh loads, once per heartbeat interval): a rewrite costs a
+        file write and a rename, too much for every round of the watch loop."""
+        stages = list(stages)
+        states = [(s.name, s.pid, s.state, s.num_restarts) for s in stages]
+        if not is_due and states == self.states:
+            return
+        self.states = states
+        now = time.monotonic()
+        rows = [stage_row(stage, now) for stage in stages]
 
         def write() -> None:
             tmp = self.run_dir / (STATUS_FILE + ".tmp")
-            tmp.write_text(json.dumps(rows))
+            tmp.write_bytes(msgspec.json.encode(rows))
             tmp.replace(self.run_dir / STATUS_FILE)
 
         self._attempt(STATUS_FILE, write)
@@ -80,10 +88,12 @@ class StatusWriter:
         device: str,
         num_auth_failures: int,
     ) -> None:
-        supervisor = metrics.StageSample(
-            "supervisor", "supervisor", os.getpid(), "running", num_auth_failures=num_auth_failures
+        now = time.monotonic()
+        supervisor = StageRow(
+            "supervisor", "supervisor", os.getpid(), "running", auth_failures=num_auth_failures
         )
-        samples = metrics.StageSamples(model, device, [supervisor, *map(stage_sample, stages)], rings)
+        rows = [supervisor, *(stage_row(stage, now) for stage in stages)]
+        samples = metrics.StageSamples(model, device, rows, rings)
         self._attempt(
             f"{metrics.METRICS_DIR}/{metrics.STAGES_FILE}",
             lambda: metrics.write_stage_samples(self.run_dir, samples),
@@ -104,7 +114,7 @@ class StatusWriter:
             log.info("%s written again", what)
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[StageRow]) -> str:
     header = (
         f"{'stage':<18}{'pid':>8}  {'state':<11}{'restarts':>8}{'uptime':>9}{'queue':>7}{'running':>8}"
         f"{'kv':>7}{'tok/s':>8}"
@@ -112,8 +122,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['name']:<18}{r['pid']:>8}  {r['state']:<11}{r['restarts']:>8}{r['uptime_s']:>8.0f}s"
-            f"{r['queue_depth']:>7}{r['running']:>8}{r['kv_usage'] * 100:>6.1f}%{r['tokens_per_s']:>8.1f}"
+            f"{r.name:<18}{r.pid:>8}  {r.state:<11}{r.restarts:>8}{r.uptime_s:>8.0f}s"
+            f"{r.queue_depth:>7}{r.running:>8}{r.kv_usage * 100:>6.1f}%{r.tokens_per_s:>8.1f}"
         )
     return "\n".join(lines)
 
@@ -122,15 +132,14 @@ def status(run_dir: Path, as_json: bool = False, watch: bool | None = None) -> i
     """Print the table (or one JSON list); `watch=None` refreshes only when stdout is a terminal."""
     if watch is None:
         watch = sys.stdout.isatty()
-    path = run_dir / STATUS_FILE
     while True:
         try:
-            rows = json.loads(path.read_text())
+            rows = read_status(run_dir)
         except FileNotFoundError:  # no run, or it stopped (status.json goes with it)
             print(f"no live Brigade run in {run_dir}", file=sys.stderr)
             return 1
         if as_json:
-            print(json.dumps(rows))
+            print(json.dumps(msgspec.to_builtins(rows)))
             return 0
         if not watch:
             print(format_table(rows))

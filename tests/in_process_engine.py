@@ -13,10 +13,10 @@ import torch
 
 from ipc.messages import ResultHeader
 from services.gpu_worker.model_runner import ModelRunner
-from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.core import Scheduler
 from services.scheduler.pipeline import StepPipeline
 from services.scheduler.plan import ScheduledStep, build_plan
-from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing
+from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing, scheduler_config
 
 # Per request: its tokens, their logprobs and their top logprobs.
 Served = tuple[list[int], list[float], list[dict[int, float]]]
@@ -59,7 +59,7 @@ def serve(
         num_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len,
         sliding_window=runner.sliding_window, long_rope_from=runner.long_rope_from,
     )  # fmt: skip
-    sched = Scheduler(SchedulerConfig(**{**settings, **config}))
+    sched = Scheduler(scheduler_config(**{**settings, **config}))
     for rid, prompt in prompts.items():
         limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
         req = make_request(rid, prompt, temperature=0.0, max_tokens=limit, logprobs=num_logprobs)

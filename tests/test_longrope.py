@@ -22,14 +22,14 @@ import torch
 
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
-from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.core import Scheduler
 from services.scheduler.pipeline import StepPipeline
 from tests import in_process_engine
 from tests.conftest import save_random_model
 from tests.in_process_engine import RunnerExecutor, Served
 from tests.test_families import COMMON, _longrope_factors
 from tests.test_model import PlanBuilder, runner_logits
-from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing
+from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing, scheduler_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -222,7 +222,7 @@ def test_prefix_cache_hits_only_within_a_regime(hf, runner: ModelRunner) -> None
     one's serve the next long prompt."""
     shared = prompt_of(30, 24)
     settings = dict(max_num_batched_tokens=256)
-    sched = Scheduler(SchedulerConfig(
+    sched = Scheduler(scheduler_config(
         max_num_seqs=4, block_size=BLOCK, num_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len,
         long_rope_from=ORIGINAL, **settings,
     ))  # fmt: skip

@@ -21,12 +21,12 @@ from services import metrics
 from services.metrics import (
     RequestMetrics,
     RingSample,
-    StageSample,
     StageSamples,
     process_usage,
     registry_for_run,
     write_stage_samples,
 )
+from services.stage_rows import StageRow
 from tests.conftest import REPO_ROOT
 
 MODEL = "tiny-model"
@@ -154,9 +154,9 @@ def samples(device: str = "cpu", pid: int | None = None) -> StageSamples:
         model_name=MODEL,
         device=device,
         stages=[
-            StageSample("scheduler-0", "scheduler", pid, "running", restarts=2, engine=0, num_running=3,
-                        num_waiting=5, kv_usage=0.25, num_malformed=1),
-            StageSample("gpu_worker-0-0", "gpu_worker", pid, "restarting", engine=0,
+            StageRow("scheduler-0", "scheduler", pid, "running", restarts=2, engine=0, running=3,
+                     waiting=5, kv_usage=0.25, malformed=1),
+            StageRow("gpu_worker-0-0", "gpu_worker", pid, "restarting", engine=0,
                         gpu_memory_allocated=1 << 30, gpu_memory_reserved=2 << 30),
         ],
         rings=[RingSample("/brigade-x-step-0", 1)],

@@ -13,12 +13,12 @@ import torch
 from client.sdk import RequestState
 from ipc import messages as m
 from services.gpu_worker.model_runner import ModelRunner
-from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.core import Scheduler
 from services.scheduler.pipeline import StepPipeline
 from services.scheduler.request import PromptScores, Request
 from services.tokenizer.core import trim_delta
 from tests.in_process_engine import RunnerExecutor
-from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing
+from tests.test_scheduler_core import assert_no_leaks, make_request, refuse_nothing, scheduler_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,7 +42,7 @@ def engine(smollm2_dir, smollm2_hf_dir):
 
 def scheduler(runner: ModelRunner) -> tuple[Scheduler, StepPipeline]:
     sched = Scheduler(
-        SchedulerConfig(
+        scheduler_config(
             max_num_seqs=4,
             max_num_batched_tokens=CHUNK,
             block_size=BLOCK_SIZE,

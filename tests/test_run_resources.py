@@ -13,10 +13,11 @@ from ipc.config import load_config
 from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
 from services.stage import RUN_FILE, read_run_info
+from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageProcess
-from supervision.status import STATUS_FILE, StatusWriter
+from supervision.status import StatusWriter
 
 
 @pytest.fixture
@@ -91,10 +92,10 @@ def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog
     stage = StageProcess("tokenizer-0", "tokenizer", [], {}, state="running")
     with caplog.at_level(logging.INFO, "supervisor"):
         for _ in range(3):
-            writer.write_status([stage])
+            writer.write_status([stage], is_due=True)
         assert sum("could not write status.json" in r.message for r in caplog.records) == 1
         writer.run_dir = tmp_path
-        writer.write_status([stage])
+        writer.write_status([stage], is_due=True)
     assert "status.json written again" in caplog.text
     rows = json.loads((tmp_path / STATUS_FILE).read_text())
     assert rows[0]["name"] == "tokenizer-0" and rows[0]["state"] == "running"

@@ -8,10 +8,13 @@ sharing, chunking, preemption and recompute are all checked by comparing outputs
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 
 from ipc import messages as m
 from ipc.codec import DETOKENIZER_INPUT
+from ipc.config import EngineConfig
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from ipc.sampling_defaults import fill_defaults
@@ -35,6 +39,20 @@ from services.scheduler.core import (
 from services.scheduler.pipeline import StepPipeline, WorkerLost
 from services.scheduler.plan import ScheduledStep, build_plan
 from services.scheduler.request import Request
+
+# The engine settings a scheduler reads (SchedulerConfig.engine); every other field is the model's.
+SCHEDULER_ENGINE_FIELDS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_num_waiting",
+    "enable_prefix_caching",
+)
+
+
+def scheduler_config(**fields: Any) -> SchedulerConfig:
+    """A SchedulerConfig from one flat set of fields, as the tests size a scheduler."""
+    engine = EngineConfig(**{k: v for k, v in fields.items() if k in SCHEDULER_ENGINE_FIELDS})
+    return SchedulerConfig(engine, **{k: v for k, v in fields.items() if k not in SCHEDULER_ENGINE_FIELDS})
 
 
 def engine_params(**fields) -> SamplingParams:
@@ -154,8 +172,8 @@ class FakeExecutor:
         long_from = cfg.long_rope_from
         is_long = a["long_rope"].astype(np.bool_) if "long_rope" in a else np.zeros(num_seqs, np.bool_)
         assert long_from or not is_long.any()
-        assert 0 < header.num_tokens <= cfg.max_num_batched_tokens
-        assert 0 < num_seqs <= cfg.max_num_seqs
+        assert 0 < header.num_tokens <= cfg.engine.max_num_batched_tokens
+        assert 0 < num_seqs <= cfg.engine.max_num_seqs
         assert a["rows"].tolist() == [req.row for req in step.seqs]
         qsl, seq_lens, bt = a["query_start_loc"], a["seq_lens"], a["block_tables"]
         ids = a["input_ids"].astype(np.int64)
@@ -322,7 +340,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
     """The same traffic through the step pipeline one step at a time and planned ahead: every
     request ends exactly once, with the outputs it generates alone (a prefix when aborted)."""
     max_model_len = 48
-    config = SchedulerConfig(
+    config = scheduler_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
@@ -462,7 +480,7 @@ def small_config(**kw: object) -> SchedulerConfig:
         eos_token_ids=(EOS,),
     )
     base.update(kw)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def test_shared_prefix_computes_only_the_rest() -> None:
@@ -548,6 +566,41 @@ def test_overload_and_prompt_too_long() -> None:
     # A resubmission that already reached max_model_len is finished, not refused.
     done = sched.add(Request("e", 0, np.arange(1, 60, dtype=np.int32), engine_params(), output_ids=[1] * 5))
     assert done is not None and done.finish_reason == "length" and "e" not in sched.requests
+
+
+def hello(rank: int, num_kv_blocks: int, max_model_len: int = 4096) -> m.WorkerHello:
+    return m.WorkerHello(
+        rank, 2, 100 + rank, "tiny", "float32", "cpu", num_kv_blocks, 16, VOCAB, max_model_len,
+        eos_token_ids=[EOS, 7], sliding_window=32, long_rope_from=64,
+    )  # fmt: skip
+
+
+def test_a_groups_config_takes_the_engine_settings_and_the_smallest_ranks_kv_blocks() -> None:
+    engine = EngineConfig(
+        max_num_seqs=3, max_num_batched_tokens=96, max_num_waiting=5, enable_prefix_caching=False
+    )
+    config = SchedulerConfig.of(engine, 1024, [hello(0, 900), hello(1, 700)])
+    assert config.engine == engine
+    assert (config.block_size, config.num_blocks, config.max_model_len) == (16, 700, 1024)
+    assert (config.eos_token_ids, config.sliding_window, config.long_rope_from) == ((EOS, 7), 32, 64)
+    assert SchedulerConfig.of(engine, 8192, [hello(0, 900), hello(1, 700)]).max_model_len == 4096
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        SchedulerConfig.of(engine, 1024, [hello(0, 900), hello(1, 10)])
+
+
+def test_a_hot_reload_of_max_num_waiting_bounds_the_next_add() -> None:
+    sched = Scheduler(small_config(max_num_seqs=1, max_num_waiting=1))
+    sched.add(make_request("a", [1, 2]))
+    sched.add(make_request("b", [1, 2]))
+    with pytest.raises(Overloaded, match="max_num_waiting=1"):
+        sched.add(make_request("c", [1, 2]))
+    before = sched.config
+    sched.config = sched.config.with_max_num_waiting(2)
+    assert sched.config.engine.max_num_waiting == 2
+    assert sched.config == dataclasses.replace(
+        before, engine=msgspec.structs.replace(before.engine, max_num_waiting=2)
+    )
+    assert sched.add(make_request("c", [1, 2])) is None
 
 
 def test_burst_fills_free_slots_before_the_waiting_bound_applies() -> None:
@@ -710,7 +763,7 @@ def test_priority_and_fcfs_order_admission() -> None:
 
 def test_config_rejects_a_pool_smaller_than_one_sequence() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
-        SchedulerConfig(block_size=16, num_blocks=4, max_model_len=128)
+        scheduler_config(block_size=16, num_blocks=4, max_model_len=128)
 
 
 def test_overlap_plans_the_next_step_before_the_last_result() -> None:

@@ -29,12 +29,13 @@ from services.common.grammar_compiler import (
     load_grammar_tokenizer,
     parser_limits,
 )
-from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.core import Scheduler
 from services.scheduler.grammar_matcher import BitmaskFiller, GrammarMatcher
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import StepPipeline
 from services.scheduler.plan import ScheduledStep, build_plan, write_plan
 from services.scheduler.request import Request, RequestStatus
+from tests.test_scheduler_core import scheduler_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,7 +83,7 @@ def make_core(model, tokenizer, grammars: Grammars | None = None, **overrides: o
         "eos_token_ids": tuple(model["eos"]),
     }
     return Scheduler(
-        SchedulerConfig(**{**values, **overrides}),
+        scheduler_config(**{**values, **overrides}),
         grammars or Grammars(GrammarCompiler(tokenizer), model["vocab"]),
     )
 

@@ -18,6 +18,7 @@ from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import finish_reason
 from services.scheduler.state import SchedulerState
+from tests.test_scheduler_core import scheduler_config
 
 
 def engine_params(**fields) -> SamplingParams:
@@ -38,7 +39,7 @@ def config(**overrides: object) -> SchedulerConfig:
         "max_num_waiting": 3,
         "eos_token_ids": (EOS,),
     }
-    return SchedulerConfig(**{**values, **overrides})  # type: ignore[arg-type]
+    return scheduler_config(**{**values, **overrides})
 
 
 def request(rid: str, prompt: list[int], **params: object) -> Request:

@@ -18,6 +18,7 @@ from tests.test_scheduler_core import (
     make_request,
     reference_outputs,
     refuse_nothing,
+    scheduler_config,
     tokens_of,
 )
 
@@ -32,7 +33,7 @@ def config(**overrides: object) -> SchedulerConfig:
         max_model_len=MAX_MODEL_LEN, max_num_waiting=8, eos_token_ids=(EOS,), sliding_window=WINDOW,
     )  # fmt: skip
     base.update(overrides)
-    return SchedulerConfig(**base)
+    return scheduler_config(**base)
 
 
 def run(

@@ -13,7 +13,6 @@ The event loop serves every connection of the replica, so it runs no request's h
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -62,8 +61,8 @@ from services.gateway.sse import (
     with_keepalive,
 )
 from services.metrics import HttpMetrics, registry_for_run
+from services.stage_rows import read_status
 
-STATUS_FILE = "status.json"  # the supervisor's view of every stage (supervisor.py)
 JSON = "application/json"
 DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413
 CLIENT_CLOSED = 499  # the status nginx logs for a client that went away before the reply
@@ -116,14 +115,13 @@ def to_piece(delta: StreamDelta) -> Piece:
 def engine_group_ready(run_dir: Path) -> bool:
     """An engine group can serve: its scheduler and every one of its workers are running."""
     try:
-        rows = json.loads((run_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        rows = read_status(run_dir)
+    except (OSError, msgspec.DecodeError):
         return False
-    groups: dict[str, bool] = {}
+    groups: dict[int, bool] = {}
     for row in rows:
-        if row.get("kind") in ("scheduler", "gpu_worker"):
-            group = row["name"].split("-")[1]
-            groups[group] = groups.get(group, True) and row.get("state") == "running"
+        if row.kind in ("scheduler", "gpu_worker"):
+            groups[row.engine] = groups.get(row.engine, True) and row.state == "running"
     return any(groups.values())
 
 

@@ -10,7 +10,6 @@ puts every running sequence back for recompute; the group resumes when a worker 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import signal
@@ -194,7 +193,7 @@ class SchedulerProcess(StageProcess):
     def reconfigure(self, command: m.Reconfigure) -> None:
         """The overload bound changed (hot reload)."""
         if self.core is not None:
-            self.core.config = dataclasses.replace(self.core.config, max_num_waiting=command.max_num_waiting)
+            self.core.config = self.core.config.with_max_num_waiting(command.max_num_waiting)
 
     def on_topology(self, topology: Topology) -> None:
         """Tokenizers or detokenizer shards were added or removed: requests whose shard changed
@@ -274,19 +273,11 @@ class SchedulerProcess(StageProcess):
         first = self.hellos[0]
         self.vocab_size = first.vocab_size
         if self.core is None:
-            engine = self.stage.config.engine
             self.core = Scheduler(
-                SchedulerConfig(
-                    max_num_seqs=engine.max_num_seqs,
-                    max_num_batched_tokens=engine.max_num_batched_tokens,
-                    block_size=first.block_size,
-                    num_blocks=min(h.num_kv_blocks for h in self.hellos.values()),
-                    max_model_len=min(first.max_model_len, self.stage.config.model.max_model_len),
-                    max_num_waiting=engine.max_num_waiting,
-                    enable_prefix_caching=engine.enable_prefix_caching,
-                    eos_token_ids=tuple(first.eos_token_ids),
-                    sliding_window=first.sliding_window,
-                    long_rope_from=first.long_rope_from,
+                SchedulerConfig.of(
+                    self.stage.config.engine,
+                    self.stage.config.model.max_model_len,
+                    [self.hellos[rank] for rank in range(self.world_size)],
                 ),
                 self.load_grammars(first),
             )

@@ -85,12 +85,12 @@ class Admission:
             # A request that the next step can give a free sequence slot is not waiting for room:
             # only the queue past the free slots counts against the bound, so a burst into an
             # idle engine fills its slots instead of being refused.
-            free_slots = config.max_num_seqs - len(state.running)
+            free_slots = config.engine.max_num_seqs - len(state.running)
             num_waiting = len(state.waiting) + len(state.compiling)
-            if num_waiting - free_slots >= config.max_num_waiting:
+            if num_waiting - free_slots >= config.engine.max_num_waiting:
                 raise Overloaded(
                     f"scheduler overloaded: {num_waiting} requests already waiting for "
-                    f"{free_slots} free sequence slots (max_num_waiting={config.max_num_waiting}); retry later"
+                    f"{free_slots} free sequence slots (max_num_waiting={config.engine.max_num_waiting}); retry later"
                 )
             req.arrival_order = self.next_arrival
             self.next_arrival += 1

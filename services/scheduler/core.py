@@ -174,7 +174,7 @@ class Scheduler:
         With a step in flight (at most one), its sampling sequences decode ahead on placeholders
         where `SteadyDecode` allows; `build_plan` must follow before anything else changes."""
         state = self.state
-        budget = state.config.max_num_batched_tokens
+        budget = state.config.engine.max_num_batched_tokens
         decodes = self.decode.plan(budget)
         seqs = decodes.seqs
         num_decodes = len(seqs)

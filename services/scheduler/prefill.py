@@ -73,7 +73,7 @@ class Prefill:
 
         # Waiting requests, best first; stop at the first that does not fit (no overtaking).
         waiting = state.waiting
-        while waiting and budget > 0 and len(state.running) < state.config.max_num_seqs:
+        while waiting and budget > 0 and len(state.running) < state.config.engine.max_num_seqs:
             req = waiting[0]
             self.choose_rope(req)
             hits = self._prefix_hits(req)

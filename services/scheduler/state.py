@@ -32,9 +32,9 @@ class SchedulerState:
         self.config = config  # replaced on hot reload (max_num_waiting): read it here, never keep it
         self.block_size = config.block_size
         self.eos_token_ids = frozenset(config.eos_token_ids)
-        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.engine.enable_prefix_caching)
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.table = PlanTable(config.max_num_seqs, max_blocks_per_seq, config.max_model_len)
+        self.table = PlanTable(config.engine.max_num_seqs, max_blocks_per_seq, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key

@@ -1,0 +1,179 @@
+"""Changing a live run's topology: ipc/topology.py's `Transition`, carried out against the stage set.
+
+A hot reload of the replica and engine group counts (`Transitions.change`) starts the new stages
+before anyone routes to them, and stops removed ones only after everyone routes around them, a
+removed engine group only after it has drained: no request is dropped. An engine group the
+cluster placed on another node (`Transitions.move_group`) takes its links along. The running
+stages hear each new topology as `TopologyChanged`. Every wait here goes on watching the run
+(`Watch`): a stage that dies meanwhile is restarted as at any other time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from ipc import messages as m
+from ipc.config import Config
+from ipc.topology import Topology, diff
+from services.audit import AuditLog
+from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
+from supervision.preflight import Refused, check_layout
+from supervision.run import Run
+from supervision.stages import StageProcess, StageSet
+
+STOP_GRACE_S = 5.0
+# The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
+PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
+
+log = logging.getLogger("supervisor")
+
+
+class Watch(Protocol):
+    """What a change needs of the supervisor's watch loop, which goes on while it waits."""
+
+    config: Config  # the run's config: a change replaces it once run.json has the new one
+
+    def tick(self) -> None: ...
+
+    def read_control(self, timeout: float) -> None: ...
+
+    def wait_ready(self, stages: list[StageProcess]) -> None: ...
+
+    def command(self, stage: StageProcess, message: m.ControlDown) -> None: ...
+
+
+class Transitions:
+    """The run's current topology (`current`, with the hosts of its placed stages) and every
+    change of it."""
+
+    def __init__(self, watch: Watch, stages: StageSet, run: Run, audit: AuditLog) -> None:
+        self.watch = watch
+        self.stages = stages
+        self.run = run
+        self.audit = audit
+        self.current = Topology.of(watch.config)  # with the stages' hosts once placed (start)
+        stages.on_group_moved = self.move_group
+
+    def broadcast(self, topology: Topology) -> None:
+        """Make `topology` the current one and tell every stage that keeps peer links."""
+        self.current = topology
+        for stage in self.stages:
+            if stage.kind in PEER_KINDS:
+                self.watch.command(stage, m.TopologyChanged(topology))
+
+    def move_group(self, group: int, address: str) -> None:
+        """The cluster placed engine group `group` on a node at `address`, another than its links
+        have (its node died, or a hot reload added it there): its links follow (Run.move_stages),
+        and the running stages hear it (TopologyChanged) before the group starts there. Raises
+        Refused when the links cannot follow."""
+        names = [s.name for s in self.stages if s.group == group]
+        hosts = self.run.move_stages(self.watch.config, names, address)
+        log.info("engine group %d moved to a node at %s: its links follow", group, address)
+        self.broadcast(msgspec.structs.replace(self.current, hosts=hosts))
+
+    def change(self, config: Config) -> None:
+        """Apply `config`'s replica and engine group counts without dropping a request, in the
+        order of ipc/topology.py's Transition. The live settings reach every stage as
+        Reconfigure once the new stages are up. Raises Refused, having changed nothing, when
+        run.json cannot take the new config or the gateway port cannot be held."""
+        old = self.watch.config
+        if config.engine.data_parallel > self.current.num_groups:
+            config = self.place_groups(old, config)
+        try:
+            self.run.claim_gateway_port(config)  # gateway replicas from none; port and host are not live
+            self.run.publish(config)
+        except Refused:
+            self.stages.release_groups(old.engine)  # what place_groups reserved
+            raise
+        self.watch.config = config
+        changes = {
+            path: [get_setting(old, path), get_setting(config, path)]
+            for path in TOPOLOGY_SETTINGS
+            if get_setting(old, path) != get_setting(config, path)
+        }
+        if changes:
+            self.audit.rescale(changes)
+        step = diff(self.current, Topology.of(config, self.current.hosts))
+        assert self.run.info is not None  # published at start
+        self.run.create_rings(
+            config,
+            Path(self.run.info.model_dir),
+            range(self.current.num_groups, config.engine.data_parallel),
+            self.stages.create_rings,
+        )
+        added = [self.stages.add(spec) for spec in step.added]
+        for stage in added:
+            self.stages.spawn(stage)
+        self.watch.wait_ready(added)
+        # Schedulers move every live request to its new detokenizer shard (full history, so the
+        # new shard rebuilds its text; receivers drop what they already have by position).
+        # Tokenizers route new requests to the groups that still take them.
+        self.broadcast(step.during)
+        for stage in self.stages:
+            self.watch.command(stage, reconfigure_message(config))
+        if step.draining:
+            self.retire_groups(step.draining)
+            self.broadcast(step.after)  # the tokenizers move what was left on them
+        # The retired groups' stages are gone already; the removed replicas go now.
+        removed = [stage for spec in step.removed if (stage := self.stages.get(spec.name))]
+        removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
+        drain_timeout_s = config.supervisor.drain_timeout_s
+        for stage in removed_tokenizers:
+            self.watch.command(stage, m.Shutdown(drain_timeout_s))
+        deadline = time.monotonic() + drain_timeout_s
+        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
+            self.watch.read_control(0.2)
+        # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
+        # shutdown); the other replicas keep the port.
+        self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
+        self.stages.remove(removed)
+        self.stages.stop(removed, STOP_GRACE_S)
+        for stage in removed:
+            log.info("retired %s", stage.name)
+
+    def place_groups(self, old: Config, config: Config) -> Config:
+        """Room for the engine groups that `config` adds: `config`, or, when the cluster has no
+        room for them within cluster.placement_timeout_s (or this host lacks their devices),
+        `config` with `old`'s engine.data_parallel (the reload keeps it, and says why)."""
+        old_groups = old.engine.data_parallel
+        try:
+            check_layout(config)
+            self.stages.place_groups(config.engine)
+            deadline = time.monotonic() + config.cluster.placement_timeout_s
+            while self.stages.unplaced():
+                if time.monotonic() > deadline:
+                    raise Refused(
+                        f"engine groups {self.stages.unplaced()} found no room within "
+                        f"cluster.placement_timeout_s={config.cluster.placement_timeout_s:g}s"
+                    )
+                self.watch.tick()
+        except Refused as exc:
+            log.error("reload: engine.data_parallel stays %d: %s", old_groups, exc)
+            self.stages.release_groups(old.engine)
+            return with_setting(config, "engine.data_parallel", old_groups)
+        return config
+
+    def retire_groups(self, groups: range) -> None:
+        """Stop engine groups `groups`, which the tokenizers no longer send new requests to: they
+        finish what they run, up to supervisor.drain_timeout_s, then stop, and their rings go."""
+        config = self.watch.config
+        retiring = [s for s in self.stages if s.group in groups]
+        schedulers = [s for s in retiring if s.kind == "scheduler"]
+        # Loads from after the TopologyChanged: a request sent just before it is counted too.
+        self.watch.read_control(2 * config.supervisor.heartbeat_interval_s)
+        deadline = time.monotonic() + config.supervisor.drain_timeout_s
+
+        def is_busy() -> bool:
+            return any(s.load.num_running or s.load.num_waiting for s in schedulers)
+
+        while is_busy() and time.monotonic() < deadline:
+            self.watch.read_control(0.2)
+        self.stages.remove(retiring)
+        self.stages.stop(retiring, STOP_GRACE_S)
+        self.stages.release_groups(config.engine)
+        self.run.remove_rings(groups)
+        log.info("retired engine groups %d-%d", groups.start, groups.stop - 1)

@@ -1,0 +1,199 @@
+"""A topology change carried out (supervision/transition.py) against the local stage set with its
+process launches and stops recorded instead of made, and a watch loop that brings every new stage
+up at once: the order of spawns, readiness, TopologyChanged, Reconfigure, drains and stops that
+keeps every request (tests/test_reload.py checks the same with real processes and requests)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from ipc import messages as m
+from ipc.config import Config, load_config
+from ipc.shm import new_run_id
+from ipc.topology import Topology
+from services.audit import AuditLog
+from supervision.live_settings import with_setting
+from supervision.preflight import Refused
+from supervision.run import Run
+from supervision.stages import StageProcess, StageSet
+from supervision.transition import PEER_KINDS, Transitions
+
+Event = tuple  # (what happened, stage names... or stage name and command)
+
+
+class RecordedStages(StageSet):
+    """The local stage set, its processes only recorded in `events`."""
+
+    def __init__(self, config: Config, run_dir: Path, events: list[Event]) -> None:
+        super().__init__(config, run_dir, "text")
+        self.events = events
+
+    def launch(self, stage: StageProcess) -> None:
+        self.events.append(("spawn", stage.name))
+
+    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+        names = sorted(s.name for s in stages)
+        if names:
+            self.events.append(("stop", *names))
+
+
+class Loop:
+    """The supervisor's side: commands recorded, every new stage ready at once, nothing in flight."""
+
+    def __init__(self, config: Config, events: list[Event]) -> None:
+        self.config = config
+        self.events = events
+
+    def tick(self) -> None:
+        pass
+
+    def read_control(self, timeout: float) -> None:
+        pass
+
+    def wait_ready(self, stages: list[StageProcess]) -> None:
+        for stage in stages:
+            stage.on_ready(0.0)
+        self.events.append(("ready", *sorted(s.name for s in stages)))
+
+    def command(self, stage: StageProcess, message: m.ControlDown) -> None:
+        self.events.append(("command", stage.name, message))
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, config: Config) -> None:
+        self.run_dir = tmp_path / "run"
+        self.run_dir.mkdir()
+        model_dir = tmp_path / "model"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps({"vocab_size": 64}))
+        self.run = Run(self.run_dir, new_run_id())
+        self.run.claim_shared_memory()
+        self.run.publish(config, model_dir)
+        self.events: list[Event] = []
+        self.stages = RecordedStages(config, self.run_dir, self.events)
+        self.loop = Loop(config, self.events)
+        self.audit_path = tmp_path / "audit.jsonl"
+        self.transitions = Transitions(
+            self.loop, self.stages, self.run, AuditLog(self.audit_path, "supervisor")
+        )
+        for spec in self.transitions.current.stages():
+            self.stages.spawn(self.stages.add(spec))
+            self.stages[spec.name].on_ready(0.0)
+        self.run.create_rings(config, model_dir, range(config.engine.data_parallel), self.stages.create_rings)
+        self.events.clear()
+
+    def close(self) -> None:
+        self.run.remove_rings()
+        self.run.release(keep_keys=False)
+
+    def index(self, event: Event) -> int:
+        return self.events.index(event)
+
+    def commands(self, kind: type) -> list[tuple[int, str, object]]:
+        """(position in events, stage, command) of each command of `kind` sent."""
+        return [
+            (i, e[1], e[2]) for i, e in enumerate(self.events) if e[0] == "command" and isinstance(e[2], kind)
+        ]
+
+    def topologies(self) -> list[tuple[int, str, Topology]]:
+        """(position in events, stage, topology) of each TopologyChanged sent."""
+        return [(i, name, message.topology) for i, name, message in self.commands(m.TopologyChanged)]
+
+
+def small_config(*overrides: str) -> Config:
+    return load_config(
+        None,
+        [
+            "gateway.replicas=0",
+            "engine.max_num_seqs=4",
+            "engine.max_num_batched_tokens=64",
+            "model.max_model_len=64",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture
+def harness(tmp_path: Path):
+    made = Harness(tmp_path, small_config("engine.data_parallel=2"))
+    yield made
+    made.close()
+
+
+def test_new_stages_are_up_before_anyone_routes_to_them_and_a_group_drains_before_it_stops(harness: Harness):
+    old = harness.loop.config
+    new = with_setting(with_setting(old, "tokenizer.replicas", 2), "engine.data_parallel", 1)
+    harness.transitions.change(new)
+
+    spawned, ready = harness.index(("spawn", "tokenizer-1")), harness.index(("ready", "tokenizer-1"))
+    changes = harness.topologies()
+    reconfigures = harness.commands(m.Reconfigure)
+    stopped = harness.index(("stop", "gpu_worker-1-0", "scheduler-1"))
+    assert spawned < ready < changes[0][0]
+    # During: every peer-keeping stage hears the new counts, group 1 still there but not routed.
+    during = [c for c in changes if c[2].num_groups == 2]
+    assert sorted(name for _, name, _ in during) == [
+        "detokenizer-0",
+        "scheduler-0",
+        "scheduler-1",
+        "tokenizer-0",
+        "tokenizer-1",
+    ]
+    assert all(t.num_routed_groups == 1 and t.num_tokenizers == 2 for _, _, t in during)
+    # Every stage gets the live settings, then group 1 stops, then the rest hear it is gone.
+    every_stage = [s.name for s in Topology.of(old).stages()] + ["tokenizer-1"]
+    assert sorted(name for _, name, _ in reconfigures) == sorted(every_stage)
+    assert max(i for i, _, _ in during) < min(i for i, _, _ in reconfigures)
+    assert max(i for i, _, _ in reconfigures) < stopped
+    after = [c for c in changes if c[2].num_groups == 1]
+    assert after and min(i for i, _, _ in after) > stopped
+    assert sorted(name for _, name, _ in after) == [
+        "detokenizer-0",
+        "scheduler-0",
+        "tokenizer-0",
+        "tokenizer-1",
+    ]
+    assert all(kind in PEER_KINDS for kind in (harness.stages[name].kind for _, name, _ in after))
+
+    assert harness.loop.config is not old and harness.loop.config.engine.data_parallel == 1
+    assert harness.run.info is not None and harness.run.info.config == harness.loop.config
+    assert harness.transitions.current == Topology.of(new)
+    assert sorted(s.name for s in harness.stages) == sorted(s.name for s in Topology.of(new).stages())
+    ring_names = {r.name for r in harness.run.rings}
+    assert ring_names == {harness.run.endpoints.step_ring(0), harness.run.endpoints.result_ring(0)}
+    [event] = [json.loads(line) for line in harness.audit_path.read_text().splitlines()]
+    assert event["event"] == "rescale"
+    assert event["changes"] == {"tokenizer.replicas": [1, 2], "engine.data_parallel": [2, 1]}
+
+
+def test_a_removed_tokenizer_is_told_to_drain_and_stops_after_everyone_routes_around_it(tmp_path: Path):
+    harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
+    try:
+        harness.transitions.change(with_setting(harness.loop.config, "tokenizer.replicas", 1))
+        shutdowns = harness.commands(m.Shutdown)
+        assert [name for _, name, _ in shutdowns] == ["tokenizer-1"]
+        changes = harness.topologies()
+        assert changes and all(t.num_tokenizers == 1 for _, _, t in changes)
+        stopped = harness.index(("stop", "tokenizer-1"))
+        assert max(i for i, _, _ in changes) < shutdowns[0][0] < stopped
+        assert not any(e[0] == "spawn" for e in harness.events)
+        assert "tokenizer-1" not in {s.name for s in harness.stages}
+    finally:
+        harness.close()
+
+
+def test_a_change_run_json_cannot_take_is_refused_with_nothing_changed(harness: Harness):
+    old = harness.loop.config
+    (harness.run_dir / "run.json").unlink()
+    (harness.run_dir / "run.json").mkdir()  # the new run.json cannot replace a directory
+    (harness.run_dir / "run.json" / "keep").write_text("")
+    with pytest.raises(Refused, match="could not write"):
+        harness.transitions.change(with_setting(old, "tokenizer.replicas", 2))
+    assert harness.loop.config is old
+    assert harness.events == []
+    assert harness.transitions.current == Topology.of(old)
