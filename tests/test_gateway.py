@@ -871,6 +871,59 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
     )
 
 
+# A JSON string that is a think block and an answer: Responses' text.format and Anthropic's
+# output_config.format take JSON schemas only, and the grammar writes "<", ">" and "/" unescaped,
+# so the output is '"<think>...</think>..."': the reasoning inside, the quotes around the answer.
+THINK_STRING = {"type": "string", "pattern": "^<think>[a-z ]{1,20}</think>[a-z ]{1,20}$"}
+ANSWER = r'"[a-z ]{1,20}"'
+
+
+def test_reasoning_is_a_reasoning_item_in_responses_streamed_and_not(gw: Gateway) -> None:
+    api = gw.openai()
+    fmt = {"type": "json_schema", "name": "thought", "schema": THINK_STRING, "strict": True}
+    for seed in ("1", "2"):
+        kwargs = dict(model=gw.model, input=CHAT, max_output_tokens=80, temperature=1.0, text={"format": fmt},
+                      extra_headers={"x-brigade-seed": seed})  # fmt: skip
+        reply = api.responses.create(**kwargs)
+        assert [item.type for item in reply.output] == ["reasoning", "message"], reply.output
+        thought = reply.output[0].content[0]
+        assert thought.type == "reasoning_text" and re.fullmatch("[a-z ]{1,20}", thought.text), thought
+        assert re.fullmatch(ANSWER, reply.output_text), reply.output_text  # no tag, no thinking
+
+        # Streamed, the items come in the output's order: the opening quote is a message before
+        # the reasoning item, the rest a message after it.
+        events = list(api.responses.create(stream=True, **kwargs))
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (reasoning, text) == (thought.text, reply.output_text)
+        final = events[-1].response
+        assert [item.content[0].text for item in final.output if item.type == "reasoning"] == [thought.text]
+        assert final.output_text == reply.output_text
+
+
+def test_reasoning_is_a_thinking_block_in_anthropic_messages_streamed_and_not(gw: Gateway) -> None:
+    client = anthropic_client(gw)
+    for seed in ("1", "2"):
+        kwargs = dict(model=gw.model, messages=CHAT, max_tokens=80, extra_body={"temperature": 1.0},
+                      output_config={"format": {"type": "json_schema", "schema": THINK_STRING}},
+                      extra_headers={"x-brigade-seed": seed})  # fmt: skip
+        reply = client.messages.create(**kwargs)
+        assert [block.type for block in reply.content] == ["thinking", "text"], reply.content
+        thinking, text = reply.content[0].thinking, reply.content[1].text
+        assert re.fullmatch("[a-z ]{1,20}", thinking) and re.fullmatch(ANSWER, text), reply.content
+
+        # Streamed, the blocks come in the output's order: the opening quote is a text block
+        # before the thinking block, the rest a text block after it.
+        with client.messages.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thinking
+        assert "".join(d.text for d in deltas if d.type == "text_delta") == text
+        assert [b.thinking for b in final.content if b.type == "thinking"] == [thinking]
+        assert "".join(b.text for b in final.content if b.type == "text") == text
+
+
 @contextmanager
 def in_process_gateway(gw: Gateway, state_dir: Path) -> Iterator[str]:
     """A gateway replica in this process (on a thread with its own event loop), serving the run's
