@@ -22,6 +22,7 @@ from pathlib import Path
 
 import anthropic
 import jsonschema
+import msgspec
 import openai
 import pytest
 import uvicorn
@@ -30,9 +31,11 @@ from client import Client
 from client.async_sdk import AsyncClient
 from services.audit import ApiKeyFailures, AuditLog
 from services.common.text import Tokenizer
-from services.gateway.anthropic import AnthropicReply
+from services.gateway.anthropic import AnthropicReply, MessagesRequest
+from services.gateway.anthropic import chat_request as anthropic_chat_request
 from services.gateway.app import Gateway as AppGateway
 from services.gateway.app import GatewaySettings
+from services.gateway.jobs import plan_chat
 from services.gateway.responses import ResponsesReply
 from services.gateway.routes import build_app
 from tests.harness import assert_clean, brigade_run, free_port
@@ -588,6 +591,10 @@ ANTHROPIC_BAD_BODIES = {
     "no messages": ({"max_tokens": 4, "messages": []}, "messages"),
     "negative temperature": ({"max_tokens": 4, "messages": CHAT, "temperature": -1}, "temperature"),
     "not JSON": (b"{", "JSON"),
+    "unknown thinking type": (
+        {"max_tokens": 4, "messages": CHAT, "thinking": {"type": "sometimes"}},
+        "thinking.type",
+    ),
 }
 
 
@@ -922,6 +929,20 @@ def test_reasoning_is_a_thinking_block_in_anthropic_messages_streamed_and_not(gw
         assert "".join(d.text for d in deltas if d.type == "text_delta") == text
         assert [b.thinking for b in final.content if b.type == "thinking"] == [thinking]
         assert "".join(b.text for b in final.content if b.type == "text") == text
+
+
+def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
+    """Anthropic's `thinking` switch is Qwen3's template variable (chat_template_kwargs, which
+    test_tokenizer_core.py shows reaching the template): what the chat path is planned with."""
+
+    def kwargs_for(body: dict) -> dict | None:
+        request = msgspec.convert({"max_tokens": 4, "messages": CHAT, **body}, MessagesRequest)
+        (job,) = plan_chat(anthropic_chat_request(request), None).jobs
+        return job.sampling.get("chat_template_kwargs")
+
+    assert kwargs_for({"thinking": {"type": "disabled"}}) == {"enable_thinking": False}
+    assert kwargs_for({"thinking": {"type": "enabled", "budget_tokens": 1024}}) == {"enable_thinking": True}
+    assert kwargs_for({}) is None  # the template's own default
 
 
 @contextmanager
