@@ -4,8 +4,11 @@ client, on the embedded SmolLM2-135M in float32, checked against HF transformers
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -241,8 +244,8 @@ def test_tokenizer_survives_10000_hostile_messages(smol_run) -> None:
 # -- scoring prompts over HTTP: lm-evaluation-harness' multiple choice ------------------------------
 
 # A small multiple-choice task: (context, choices, index of the right one), each context after a
-# few-shot preamble longer than a KV block, as lm-eval's few-shot prompts are: every request
-# shares it, so the prefix cache holds it for all but the first.
+# few-shot preamble (the task's description) longer than a KV block, as lm-eval's few-shot prompts
+# are: every request shares it, so the prefix cache holds it for all but the first.
 FEW_SHOT = "Answer each question.\n\nQuestion: What is two plus two?\nAnswer: four\n\nQuestion: What do bees make?\nAnswer: honey\n\n"
 MULTIPLE_CHOICE = [
     ("Question: What is the capital of France?\nAnswer:", [" Paris", " London", " Berlin", " a fish"], 0),
@@ -252,6 +255,7 @@ MULTIPLE_CHOICE = [
     ("Water freezes at zero degrees", [" Celsius", " Kelvin", " Fahrenheit", " north"], 0),
     ("Question: What color is the sky on a clear day?\nAnswer:", [" green", " blue", " red", " black"], 1),
 ]
+LM_EVAL_TASK = "brigade_multiple_choice"
 
 
 def gateway_url(run) -> str:
@@ -261,39 +265,42 @@ def gateway_url(run) -> str:
     return match.group(0)
 
 
-def lm_eval_loglikelihoods(
-    url: str, model: str, requests: list[tuple[list[int], list[int]]]
-) -> list[tuple[float, bool]]:
-    """What lm-evaluation-harness' `local-completions` model does for loglikelihood requests
-    (lm_eval/models/openai_completions.py, 0.4: `_create_payload(generate=False)` and
-    `parse_logprobs`), at its default batch size of 1: one request after the other, each a batch
-    of one context + continuation in token ids, echoed with the top-1 logprob and one generated
-    token; a continuation's loglikelihood is the sum of its tokens' logprobs, greedy when each is
-    the top one. One after the other, each request finds the ones before in the prefix cache."""
-    results = []
-    for context, continuation in requests:
-        payload = {
-            "model": model,
-            "prompt": [context + continuation],
-            "temperature": 0,
-            "max_tokens": 1,
-            "logprobs": 1,
-            "seed": 1234,
-            "echo": True,
-        }
-        (choice,) = json.loads(http_post(f"{url}/completions", payload))["choices"]
-        ctxlen = len(context)
-        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
-        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
-        is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs, strict=True))
-        results.append((sum(token_logprobs), is_greedy))
-    return results
-
-
-def http_post(url: str, payload: dict) -> bytes:
-    request = urllib.request.Request(url, json.dumps(payload).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        return reply.read()
+def run_lm_eval(url: str, model: str, work: Path) -> tuple[dict, list[dict]]:
+    """lm-evaluation-harness' own CLI, `local-completions` against the gateway, on a task defined
+    here (a local JSON data set, no network): its results and its logged samples."""
+    data = work / "data.jsonl"
+    data.write_text("".join(
+        json.dumps({"question": context, "choices": choices, "gold": gold}) + "\n"
+        for context, choices, gold in MULTIPLE_CHOICE
+    ))  # fmt: skip
+    task = {
+        "task": LM_EVAL_TASK,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "description": FEW_SHOT,
+        "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{gold}}",
+        "target_delimiter": "",  # the choices carry their leading space
+        "metric_list": [{"metric": "acc"}],
+    }
+    (work / "tasks").mkdir()
+    (work / "tasks" / f"{LM_EVAL_TASK}.yaml").write_text(json.dumps(task))  # JSON is YAML
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(work / "hf")}
+    argv = [
+        sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+        "--model_args", f"base_url={url}/completions", f"model={model}", "max_retries=1",
+        "--tasks", LM_EVAL_TASK, "--include_path", str(work / "tasks"),
+        "--output_path", str(work / "out"), "--log_samples",
+    ]  # fmt: skip
+    done = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (results_file,) = (work / "out").rglob("results_*.json")
+    (samples_file,) = (work / "out").rglob(f"samples_{LM_EVAL_TASK}_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    return json.loads(results_file.read_text())["results"][LM_EVAL_TASK], samples
 
 
 def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
@@ -307,34 +314,35 @@ def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> tupl
     return float(chosen.sum()), bool((log_probs.argmax(dim=-1) == target).all())
 
 
-def accuracy(loglikelihoods: list[float]) -> float:
-    hits, at = 0, 0
-    for _, choices, gold in MULTIPLE_CHOICE:
-        scores = loglikelihoods[at : at + len(choices)]
-        hits += scores.index(max(scores)) == gold
-        at += len(choices)
-    return hits / len(MULTIPLE_CHOICE)
-
-
-def test_lm_eval_multiple_choice_scores_as_hf_does(smol_run, hf_smollm2) -> None:
-    """Every request shares the few-shot preamble, and each context with its other choices: without
-    the rule that prompt logprobs skip the prefix cache, all but the first would lack the
-    logprobs of the cached positions."""
+def test_lm_eval_multiple_choice_scores_as_hf_does(smol_run, hf_smollm2, tmp_path: Path) -> None:
+    """The real lm-evaluation-harness (its remote tokenizer through /tokenizer_info and /tokenize,
+    echoed prompt logprobs through /v1/completions): every choice's loglikelihood equals HF
+    float32's, and the accuracy is the one HF's loglikelihoods give. Every request shares the
+    few-shot preamble, and each context with its other choices: without the rule that prompt
+    logprobs skip the prefix cache, all but the first would lack the logprobs of cached positions."""
     tokenizer, model = hf_smollm2
     url = gateway_url(smol_run)
-    requests = []
-    for context, choices, _ in MULTIPLE_CHOICE:
+    model_name = json.loads(urllib.request.urlopen(f"{url}/models", timeout=60).read())["data"][0]["id"]
+    results, samples = run_lm_eval(url, model_name, tmp_path)
+    assert len(samples) == len(MULTIPLE_CHOICE)
+    hits = 0
+    for sample in sorted(samples, key=lambda s: s["doc_id"]):
+        context, choices, gold = MULTIPLE_CHOICE[sample["doc_id"]]
+        want = []
         for choice in choices:
             # lm-eval's _encode_pair: the whole string's tokens, split where the context's end.
             whole = tokenizer(FEW_SHOT + context + choice, add_special_tokens=False).input_ids
             num_context = len(tokenizer(FEW_SHOT + context, add_special_tokens=False).input_ids)
-            requests.append((whole[:num_context], whole[num_context:]))
-    model_name = json.loads(urllib.request.urlopen(f"{url}/models", timeout=60).read())["data"][0]["id"]
-    served = lm_eval_loglikelihoods(url, model_name, requests)
-    want = [hf_loglikelihood(model, context, continuation) for context, continuation in requests]
-    for (ll, is_greedy), (want_ll, want_greedy) in zip(served, want, strict=True):
-        assert abs(ll - want_ll) < 1e-3 and is_greedy == want_greedy
-    assert accuracy([ll for ll, _ in served]) == accuracy([ll for ll, _ in want])
+            want.append(hf_loglikelihood(model, whole[:num_context], whole[num_context:]))
+        # The log writes each request's arguments and each reply's (loglikelihood, is_greedy) as text.
+        arguments = [sample["arguments"][f"gen_args_{i}"] for i in range(len(choices))]
+        assert [(a["arg_0"], a["arg_1"]) for a in arguments] == [(FEW_SHOT + context, c) for c in choices]
+        served = [(float(ll), is_greedy == "True") for ((ll, is_greedy),) in sample["resps"]]
+        for (ll, is_greedy), (want_ll, want_greedy) in zip(served, want, strict=True):
+            assert abs(ll - want_ll) < 1e-3 and is_greedy == want_greedy, (sample["doc_id"], served, want)
+        scores = [ll for ll, _ in want]
+        hits += scores.index(max(scores)) == gold
+    assert results["acc,none"] == hits / len(MULTIPLE_CHOICE)
 
 
 def test_prompt_logprobs_over_http_echo_alone_and_vllm_fields(smol_run, hf_smollm2) -> None:

@@ -3,8 +3,10 @@ replicas on one port), driven by the real `openai` package, curl and raw HTTP co
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import logging
 import os
 import re
 import signal
@@ -13,15 +15,29 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import anthropic
 import jsonschema
+import msgspec
 import openai
 import pytest
+import uvicorn
 
 from client import Client
+from client.async_sdk import AsyncClient
+from services.audit import ApiKeyFailures, AuditLog
+from services.common.text import Tokenizer
+from services.gateway.anthropic import AnthropicReply, MessagesRequest
+from services.gateway.anthropic import chat_request as anthropic_chat_request
+from services.gateway.app import Gateway as AppGateway
+from services.gateway.app import GatewaySettings
+from services.gateway.jobs import plan_chat
+from services.gateway.responses import ResponsesReply
+from services.gateway.routes import build_app
 from tests.harness import assert_clean, brigade_run, free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -575,6 +591,10 @@ ANTHROPIC_BAD_BODIES = {
     "no messages": ({"max_tokens": 4, "messages": []}, "messages"),
     "negative temperature": ({"max_tokens": 4, "messages": CHAT, "temperature": -1}, "temperature"),
     "not JSON": (b"{", "JSON"),
+    "unknown thinking type": (
+        {"max_tokens": 4, "messages": CHAT, "thinking": {"type": "sometimes"}},
+        "thinking.type",
+    ),
 }
 
 
@@ -856,6 +876,150 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
             model=gw.model, max_tokens=1, messages=[*CHAT, said, *CHAT]
         ).usage.prompt_tokens
     )
+
+
+# A JSON string that is a think block and an answer: Responses' text.format and Anthropic's
+# output_config.format take JSON schemas only, and the grammar writes "<", ">" and "/" unescaped,
+# so the output is '"<think>...</think>..."': the reasoning inside, the quotes around the answer.
+THINK_STRING = {"type": "string", "pattern": "^<think>[a-z ]{1,20}</think>[a-z ]{1,20}$"}
+ANSWER = r'"[a-z ]{1,20}"'
+
+
+def test_reasoning_is_a_reasoning_item_in_responses_streamed_and_not(gw: Gateway) -> None:
+    api = gw.openai()
+    fmt = {"type": "json_schema", "name": "thought", "schema": THINK_STRING, "strict": True}
+    for seed in ("1", "2"):
+        kwargs = dict(model=gw.model, input=CHAT, max_output_tokens=80, temperature=1.0, text={"format": fmt},
+                      extra_headers={"x-brigade-seed": seed})  # fmt: skip
+        reply = api.responses.create(**kwargs)
+        assert [item.type for item in reply.output] == ["reasoning", "message"], reply.output
+        thought = reply.output[0].content[0]
+        assert thought.type == "reasoning_text" and re.fullmatch("[a-z ]{1,20}", thought.text), thought
+        assert re.fullmatch(ANSWER, reply.output_text), reply.output_text  # no tag, no thinking
+
+        # Streamed, the items come in the output's order: the opening quote is a message before
+        # the reasoning item, the rest a message after it.
+        events = list(api.responses.create(stream=True, **kwargs))
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (reasoning, text) == (thought.text, reply.output_text)
+        final = events[-1].response
+        assert [item.content[0].text for item in final.output if item.type == "reasoning"] == [thought.text]
+        assert final.output_text == reply.output_text
+
+
+def test_reasoning_is_a_thinking_block_in_anthropic_messages_streamed_and_not(gw: Gateway) -> None:
+    client = anthropic_client(gw)
+    for seed in ("1", "2"):
+        kwargs = dict(model=gw.model, messages=CHAT, max_tokens=80, extra_body={"temperature": 1.0},
+                      output_config={"format": {"type": "json_schema", "schema": THINK_STRING}},
+                      extra_headers={"x-brigade-seed": seed})  # fmt: skip
+        reply = client.messages.create(**kwargs)
+        assert [block.type for block in reply.content] == ["thinking", "text"], reply.content
+        thinking, text = reply.content[0].thinking, reply.content[1].text
+        assert re.fullmatch("[a-z ]{1,20}", thinking) and re.fullmatch(ANSWER, text), reply.content
+
+        # Streamed, the blocks come in the output's order: the opening quote is a text block
+        # before the thinking block, the rest a text block after it.
+        with client.messages.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thinking
+        assert "".join(d.text for d in deltas if d.type == "text_delta") == text
+        assert [b.thinking for b in final.content if b.type == "thinking"] == [thinking]
+        assert "".join(b.text for b in final.content if b.type == "text") == text
+
+
+def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
+    """Anthropic's `thinking` switch is Qwen3's template variable (chat_template_kwargs, which
+    test_tokenizer_core.py shows reaching the template): what the chat path is planned with."""
+
+    def kwargs_for(body: dict) -> dict | None:
+        request = msgspec.convert({"max_tokens": 4, "messages": CHAT, **body}, MessagesRequest)
+        (job,) = plan_chat(anthropic_chat_request(request), None).jobs
+        return job.sampling.get("chat_template_kwargs")
+
+    assert kwargs_for({"thinking": {"type": "disabled"}}) == {"enable_thinking": False}
+    assert kwargs_for({"thinking": {"type": "enabled", "budget_tokens": 1024}}) == {"enable_thinking": True}
+    assert kwargs_for({}) is None  # the template's own default
+
+
+@contextmanager
+def in_process_gateway(gw: Gateway, state_dir: Path) -> Iterator[str]:
+    """A gateway replica in this process (on a thread with its own event loop), serving the run's
+    engine: for tests that patch what a replica runs. Its base URL."""
+    port = free_port()
+    servers: list[uvicorn.Server] = []
+
+    async def serve() -> None:
+        settings = GatewaySettings(
+            model=gw.model, max_model_len=MAX_MODEL_LEN, api_keys=frozenset(), max_concurrent_requests=MAX_CONCURRENT,
+            max_body_bytes=MAX_BODY_BYTES, run_dir=state_dir,
+            key_failures=ApiKeyFailures(AuditLog(state_dir / "audit.jsonl", "test-gateway")),
+            max_prompt_chars=MAX_PROMPT_CHARS, max_messages=MAX_MESSAGES, template_timeout_s=5.0,
+            body_timeout_s=BODY_TIMEOUT_S, reasoning_parser="qwen3",
+        )  # fmt: skip
+        gateway = AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)))
+        config = uvicorn.Config(
+            build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
+        )
+        servers.append(uvicorn.Server(config))
+        try:
+            await servers[0].serve()
+        finally:
+            await gateway.client.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (servers and servers[0].started) and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servers and servers[0].started, "the in-process gateway did not start within 60 s"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        servers[0].should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_a_bug_in_a_reply_formatter_is_a_logged_500_not_a_dropped_connection(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Responses and Anthropic replies share chat's runner: a bug in their formatting fails
+    that request alone, with its traceback logged: a 500 in the API's own error shape, or, once a
+    stream's 200 is sent, an error event that ends the stream."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a formatter bug")
+
+    for reply in (ResponsesReply, AnthropicReply):
+        monkeypatch.setattr(reply, "whole", broken)
+        monkeypatch.setattr(reply, "chunk", broken)
+    with in_process_gateway(gw, tmp_path) as url, caplog.at_level(logging.ERROR, "services.gateway.app"):
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as failed:
+            api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4)
+        assert failed.value.body["code"] == "internal" and "a formatter bug" in failed.value.body["message"]
+        events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4, stream=True))
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
+        assert events[-1].code == "internal" and "a formatter bug" in events[-1].message
+
+        client = anthropic.Anthropic(base_url=url, api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        with pytest.raises(anthropic.InternalServerError) as failed:
+            client.messages.create(model=gw.model, messages=CHAT, max_tokens=4)
+        assert failed.value.body["type"] == "error" and failed.value.body["error"]["type"] == "api_error"
+        stream = client.messages.stream(model=gw.model, messages=CHAT, max_tokens=4)
+        with pytest.raises(anthropic.APIStatusError) as failed, stream as events:
+            list(events)
+        assert failed.value.body["error"]["type"] == "api_error"
+        assert "a formatter bug" in failed.value.body["error"]["message"]
+
+        # The replica goes on serving.
+        assert api.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=2).choices
+    failures = [r for r in caplog.records if r.exc_info and "a formatter bug" in str(r.exc_info[1])]
+    assert [r.getMessage() for r in failures] == ["/v1/responses failed"] * 2 + ["/v1/messages failed"] * 2
 
 
 def test_developer_role_is_the_system_role(gw: Gateway) -> None:

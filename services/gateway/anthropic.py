@@ -5,7 +5,8 @@ system message, `tool_use` blocks an assistant's `tool_calls`, `tool_result` blo
 `tools` / `tool_choice` OpenAI's (auto -> auto, any -> required, tool -> the named function,
 none -> none). The reply comes back as content blocks (`thinking` for a reasoning model's
 thinking, services/gateway/reasoning.py; `text`, `tool_use`) with Anthropic's stop reasons, or as
-its stream events (`thinking_delta`); `thinking` blocks sent back in `messages` are dropped. Errors are `{"type": "error", "error": {"type", "message"}}`.
+its stream events (`thinking_delta`); `thinking` blocks sent back in `messages` are dropped, and
+the `thinking` parameter sets the chat template's `enable_thinking`. Errors are `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,14 @@ class ToolChoiceIn(msgspec.Struct, frozen=True):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfigIn(msgspec.Struct, frozen=True):
+    """Extended thinking: on or off for a reasoning model whose chat template reads
+    `enable_thinking` (Qwen3's); `budget_tokens` is not enforced (max_tokens bounds the whole)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str = ""
     messages: list[MessageIn]
@@ -109,6 +118,7 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
+    thinking: ThinkingConfigIn | None = None
 
 
 def _text(blocks: str | list[TextBlock]) -> str:
@@ -222,6 +232,10 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
         "response_format": _response_format(req.output_config),
+        # The chat template's switch (Qwen3's): disabled closes an empty think block in the prompt.
+        "chat_template_kwargs": None
+        if req.thinking is None
+        else {"enable_thinking": req.thinking.type != "disabled"},
     }
     return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
 

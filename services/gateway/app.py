@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -158,9 +158,9 @@ class Gateway:
         return self.finish(request, error_response(exc))
 
     async def on_crash(self, request: Request, exc: Exception) -> Response:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}"[:1000], code="internal")
-        return self.finish(request, error_response(error))
+        return self.finish(
+            request, error_response(internal_error(f"{request.method} {request.url.path}", exc))
+        )
 
     def finish(self, request: Request, response: Response) -> Response:
         self.count(request.url.path, response.status_code)
@@ -247,7 +247,7 @@ class Gateway:
             self.settings.model, names, plan.logprobs, parser, plan.call_id_base,
             prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning,
         )  # fmt: skip
-        return self.generate(request, body, plan, fmt)
+        return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_body(request, p.CompletionRequest)
@@ -259,11 +259,20 @@ class Gateway:
         fmt = CompletionFormat(
             self.settings.model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only
         )
-        return self.generate(request, body, plan, fmt)
+        return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
-    def generate(
+    def openai_writer(
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
-    ) -> Response:
+    ) -> OpenAIWriter:
+        cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return OpenAIWriter(self, plan, fmt, cursor, include_usage)
+
+    def run(self, request: Request, plan: Plan, stream: bool, writer: ReplyWriter) -> Response:
+        """Run `plan` and answer with `writer`'s replies: admission (429 past the replica's limit),
+        metrics, keep-alive, and the disconnect watch that cancels the engine requests. An engine
+        error before anything is sent gets its own status; a bug becomes a logged 500 (or, after a
+        stream's 200, a logged error event that ends the stream), never a dropped connection."""
         if self.num_in_flight >= self.settings.max_concurrent_requests:
             raise ApiError(
                 429,
@@ -271,10 +280,8 @@ class Gateway:
                 code="too_many_requests",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
         self.num_in_flight += 1  # here, not in work(): requests arriving together all see it
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         path = request.url.path
 
         async def work(send: Send) -> None:
@@ -284,36 +291,44 @@ class Gateway:
             status = 200
             try:
                 try:
-                    if body.stream:
+                    if stream:
                         await wait_first(first, self.settings.sse_keepalive_s)
                     else:
                         item = await first
                         timer.on_output(item[1].token_ids if item else [])
-                        reply = await self.collect(item, feed, plan, fmt, timer)
-                        await send_all(send, json_response(reply, 200, headers))
+                        body = await writer.whole(item, feed, timer)
+                        await send_all(send, Response(body, 200, headers, JSON))
                         timer.on_finish()
                         return
                 except BrigadeError as exc:  # nothing sent yet: the error gets its own status
                     error = from_engine(exc, plan.aliases)
                     status = error.status
-                    await send_all(send, error_response(error))
+                    await send_all(send, Response(writer.error_body(error), status, error.headers, JSON))
                     return
                 except OSError:
                     raise
                 except Exception as exc:  # a bug: this request fails with a 500, logged, not silently
-                    log.exception("%s failed", path)
                     status = 500
-                    message = f"internal error: {type(exc).__name__}: {exc}"[:1000]
-                    await send_all(send, error_response(ApiError(500, message, code="internal")))
+                    await send_all(
+                        send, Response(writer.error_body(internal_error(path, exc)), 500, None, JSON)
+                    )
                     return
                 raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
                 await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-                events = self.stream_events(first, feed, plan, fmt, cursor, include_usage, timer)
-                async with aclosing(with_keepalive(events, self.settings.sse_keepalive_s)) as chunks:
-                    async for chunk in chunks:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                try:
+                    events = writer.events(first, feed, timer)
+                    async with aclosing(with_keepalive(events, self.settings.sse_keepalive_s)) as chunks:
+                        async for chunk in chunks:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except OSError:
+                    raise
+                except Exception as exc:  # a bug after the 200: the stream ends with an error event
+                    status = 500
+                    data = writer.error_event(internal_error(path, exc))
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                timer.on_finish()
+                if status == 200:
+                    timer.on_finish()
             except (asyncio.CancelledError, OSError):
                 status = CLIENT_CLOSED
                 raise
@@ -483,6 +498,63 @@ class Gateway:
         (lm-evaluation-harness' remote tokenizer)."""
         self.check_key(request)
         return self.finish(request, json_response(self.tokenizer.info()))
+
+
+Feed = AsyncIterator[tuple[int, StreamDelta]]  # run_jobs: (choice index, delta), in arrival order
+
+
+def internal_error(path: str, exc: Exception) -> ApiError:
+    """A bug while serving one request: logged with its traceback, and that request's 500."""
+    log.error("%s failed", path, exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}"[:1000], code="internal")
+
+
+class ReplyWriter(Protocol):
+    """One request's reply in its API's shapes (`Gateway.run` sends them)."""
+
+    async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
+        """The whole reply's body, from the first output (already awaited) and the rest of `feed`."""
+        ...
+
+    def events(
+        self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
+    ) -> AsyncGenerator[bytes, None]:
+        """The stream's events; an engine error after the 200 becomes one of them."""
+        ...
+
+    def error_body(self, error: ApiError) -> bytes: ...
+
+    def error_event(self, error: ApiError) -> bytes:
+        """The event that ends a stream that failed after its 200."""
+        ...
+
+
+class OpenAIWriter:
+    """Chat completions and completions: OpenAI's JSON, or its events with resumable ids."""
+
+    def __init__(self, gateway: Gateway, plan: Plan, fmt: ChatFormat | CompletionFormat, cursor: Cursor,
+                 include_usage: bool) -> None:  # fmt: skip
+        self.gateway = gateway
+        self.plan = plan
+        self.fmt = fmt
+        self.cursor = cursor
+        self.include_usage = include_usage
+
+    async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
+        return msgspec.json.encode(await self.gateway.collect(first, feed, self.plan, self.fmt, timer))
+
+    def events(
+        self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
+    ) -> AsyncGenerator[bytes, None]:
+        return self.gateway.stream_events(
+            first, feed, self.plan, self.fmt, self.cursor, self.include_usage, timer
+        )
+
+    def error_body(self, error: ApiError) -> bytes:
+        return error.body()
+
+    def error_event(self, error: ApiError) -> bytes:
+        return b"data: " + error.body() + b"\n\n" + DONE
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -13,26 +13,22 @@ taken back in the X-Brigade-Seed header, as for chat.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Send
 
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
 from services.common.tools_prompt import tool_parser_for
 from services.gateway import protocol as p
-from services.gateway.app import CLIENT_CLOSED, JSON, Gateway, send_all, to_piece
-from services.gateway.errors import RETRY_AFTER_S, ApiError, from_engine
+from services.gateway.app import Feed, Gateway, to_piece
+from services.gateway.errors import ApiError, from_engine
 from services.gateway.formats import ChatFormat, Piece, TokenNames, usage_out
-from services.gateway.jobs import SEED_HEADER, Plan
+from services.gateway.jobs import Plan
 from services.gateway.metrics import RequestTimer
-from services.gateway.runner import run_jobs
-from services.gateway.sse import SSE_HEADERS, WatchedResponse, settle, wait_first, with_keepalive
 
 _encoder = msgspec.json.Encoder()
 
@@ -73,68 +69,43 @@ def chat_format(gateway: Gateway, plan: Plan) -> ChatFormat:
     )
 
 
+class TranslatedWriter:
+    """The ReplyWriter (app.py) of a translated request: the chat reply, through `translation`."""
+
+    def __init__(self, plan: Plan, fmt: ChatFormat, translation: Translation, gateway: Gateway) -> None:
+        self.plan = plan
+        self.fmt = fmt
+        self.translation = translation
+        self.gateway = gateway
+
+    async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
+        completion = await self.gateway.collect(first, feed, self.plan, self.fmt, timer)
+        assert isinstance(completion, p.ChatCompletion)
+        return await self.translation.whole(completion)
+
+    def events(
+        self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
+    ) -> AsyncGenerator[bytes, None]:
+        return stream_events(first, feed, self.plan, self.fmt, self.translation, timer)
+
+    def error_body(self, error: ApiError) -> bytes:
+        return self.translation.error_body(error)
+
+    def error_event(self, error: ApiError) -> bytes:
+        return self.translation.error_event(error)
+
+
 def run_translated(
     gateway: Gateway, request: Request, plan: Plan, translation: Translation, stream: bool
 ) -> Response:
-    """Gateway.generate's admission, metrics and disconnect watch, with `translation`'s replies."""
-    if gateway.num_in_flight >= gateway.settings.max_concurrent_requests:
-        raise ApiError(
-            429,
-            f"this replica is serving {gateway.num_in_flight} requests, its limit; retry after {RETRY_AFTER_S}s",
-            code="too_many_requests",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-    gateway.num_in_flight += 1
-    fmt = chat_format(gateway, plan)
-    headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
-    path = request.url.path
-
-    async def work(send: Send) -> None:
-        timer = RequestTimer(gateway.metrics)
-        feed = run_jobs(gateway.client, plan.jobs)
-        first = asyncio.ensure_future(anext(feed, None))
-        status = 200
-        try:
-            try:
-                if stream:
-                    await wait_first(first, gateway.settings.sse_keepalive_s)
-                else:
-                    item = await first
-                    timer.on_output(item[1].token_ids if item else [])
-                    completion = await gateway.collect(item, feed, plan, fmt, timer)
-                    assert isinstance(completion, p.ChatCompletion)
-                    body = await translation.whole(completion)
-                    await send_all(send, Response(body, 200, headers, JSON))
-                    timer.on_finish()
-                    return
-            except BrigadeError as exc:  # nothing sent yet: the error gets its own status
-                error = from_engine(exc, plan.aliases)
-                status = error.status
-                await send_all(send, Response(translation.error_body(error), status, error.headers, JSON))
-                return
-            raw_headers = [(k.encode(), v.encode()) for k, v in {**headers, **SSE_HEADERS}.items()]
-            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-            events = stream_events(first, feed, plan, fmt, translation, timer)
-            async with aclosing(with_keepalive(events, gateway.settings.sse_keepalive_s)) as chunks:
-                async for data in chunks:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            timer.on_finish()
-        except (asyncio.CancelledError, OSError):
-            status = CLIENT_CLOSED
-            raise
-        finally:
-            await settle(first)
-            await feed.aclose()
-            gateway.num_in_flight -= 1
-            gateway.count(path, status)
-
-    return WatchedResponse(work)
+    """Run `plan` as Gateway.run does chat, with `translation`'s replies."""
+    writer = TranslatedWriter(plan, chat_format(gateway, plan), translation, gateway)
+    return gateway.run(request, plan, stream, writer)
 
 
-async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None],
-                        feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan, fmt: ChatFormat,
-                        translation: Translation, timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
+async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, plan: Plan,
+                        fmt: ChatFormat, translation: Translation,
+                        timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
     prompt_of = {job.index: job.prompt_index for job in plan.jobs}
     early = first.result() if first.done() and first.exception() is None else None
     opening_usage = usage_out({early[0]: early[1].usage}, prompt_of) if early and early[1].usage else None
