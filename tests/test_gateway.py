@@ -1411,6 +1411,9 @@ def test_streams_waiting_for_the_engine_send_keep_alive_comments(gw: Gateway) ->
             data[:300],
         )
         assert re.search(end, data), (path, data[-300:])
+    # message_start waited for the first output under keep-alives, so it counts the prompt.
+    start = re.search(rb"event: message_start\ndata: (.*)\n", raw["/v1/messages"].result()[2])
+    assert start and json.loads(start.group(1))["message"]["usage"]["input_tokens"] > 0, start
     chunks = parsed.result()
     assert chunks[-1].choices[-1].finish_reason in ("stop", "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -48,8 +48,8 @@ class Translation(Protocol):
     async def whole(self, completion: p.ChatCompletion) -> bytes: ...
 
     def opening(self, usage: p.UsageOut | None) -> list[bytes]:
-        """The stream's first events; `usage` counts the prompt when the engine's first output
-        came before the stream started (the usual case), else None."""
+        """The stream's first events, sent once the engine's first output is in; `usage` counts
+        the prompt (None only for a request that ended with no output)."""
         ...
 
     def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]: ...
@@ -107,16 +107,17 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], f
                         fmt: ChatFormat, translation: Translation,
                         timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
     prompt_of = {job.index: job.prompt_index for job in plan.jobs}
-    early = first.result() if first.done() and first.exception() is None else None
-    opening_usage = usage_out({early[0]: early[1].usage}, prompt_of) if early and early[1].usage else None
-    for data in translation.opening(opening_usage):
-        yield data
-    usages = {}
+    # The opening waits for the first output, which carries the prompt's length (Anthropic's
+    # message_start counts it); keep-alive comments cover a long wait.
     try:
         item = await first
     except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
         yield translation.error_event(from_engine(exc, plan.aliases))
         return
+    opening_usage = usage_out({item[0]: item[1].usage}, prompt_of) if item and item[1].usage else None
+    for data in translation.opening(opening_usage):
+        yield data
+    usages = {}
     timer.on_output(item[1].token_ids if item else [])
     while item is not None:
         index, delta = item
