@@ -1165,6 +1165,69 @@ def test_requests_past_the_work_budget_get_400_naming_the_limit(gw: Gateway) -> 
     assert status == 200 and json.loads(body)["count"] > MAX_MESSAGES
 
 
+def tokenizer_failures(gw: Gateway, code: str) -> float:
+    """Requests the tokenizer stage refused with `code` (its brigade:request_failure counter)."""
+    metrics = gw.request("GET", "/metrics")[2].decode()
+    pattern = rf'^brigade:request_failure_total\{{[^}}]*code="{code}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, metrics, re.M))
+
+
+def test_a_chat_past_the_character_budget_is_refused_before_the_tokenizer(gw: Gateway) -> None:
+    """6M characters of past tool-call arguments were decoded, copied to the tokenizer and refused
+    there. The gateway refuses a chat past tokenizer.max_prompt_chars itself, counting what the
+    tokenizer counts (roles, contents, call ids, names and arguments), and forwards one at the limit."""
+
+    def history(num_chars: int) -> list[dict]:
+        fixed = len("user") + len(CHAT[0]["content"]) + len("assistant") + len("call_0") + len("f")
+        fixed += len("tool") + len("call_0") + len("ok")
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "f", "arguments": "a" * (num_chars - fixed)},
+        }
+        return [
+            *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+        ]
+
+    api = gw.openai(max_retries=0)
+    refused_by_tokenizer = tokenizer_failures(gw, "prompt_too_long")
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS + 1), max_tokens=2)
+    assert bad.value.body["param"] == "messages" and bad.value.body["code"] == "context_length_exceeded"
+    assert f"{MAX_PROMPT_CHARS + 1} characters" in bad.value.body["message"]
+    assert "tokenizer.max_prompt_chars" in bad.value.body["message"]
+    assert tokenizer_failures(gw, "prompt_too_long") == refused_by_tokenizer  # never reached it
+    # At the limit the chat goes on to the tokenizer, whose next check is of the rendered prompt
+    # (the template adds its own text), and well within it to the model's length.
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS), max_tokens=2)
+    assert "once rendered by the chat template" in bad.value.body["message"], bad.value.body
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS // 2), max_tokens=2)
+    assert "max_model_len" in bad.value.body["message"], bad.value.body
+    assert tokenizer_failures(gw, "prompt_too_long") == refused_by_tokenizer + 2
+
+
+def test_too_many_messages_are_refused_before_the_body_is_decoded(gw: Gateway) -> None:
+    """A chat of 25x tokenizer.max_messages messages was measured for nesting and decoded whole
+    (about 65 ms of the gateway's loop for 102,400) before its messages were counted. They are
+    counted first: the count is the refusal even where the full decode would fail (here on a
+    mistyped field after them). A chat at the limit is served."""
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    status, error = gw.error("/v1/chat/completions", {"messages": many, "max_tokens": "two"})
+    assert status == 400 and error["param"] == "messages", error
+    assert (
+        f"{MAX_MESSAGES + 1} messages; the limit is {MAX_MESSAGES} (tokenizer.max_messages)"
+        in error["message"]
+    )
+    reply = gw.openai(max_retries=0).chat.completions.create(
+        model=gw.model, messages=many[:MAX_MESSAGES], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_a_stream_keeps_its_tokens_coming_beside_huge_requests(gw: Gateway) -> None:
     """Huge /tokenize and chat requests, sent back to back for as long as a normal stream runs:
     each over the budget fails alone, naming its limit, and the stream receives its tokens while

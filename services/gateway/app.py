@@ -8,6 +8,10 @@ ends with an error event.
 The event loop serves every connection of the replica, so it runs no request's heavy CPU work:
 /tokenize and /detokenize render and encode on a worker thread, under the tokenizer's budgets
 (characters, messages, template time), and a body is measured for nesting before it is decoded.
+A chat is held to the tokenizer's budgets here too, before any work per message: its messages
+are counted on the raw body before the nesting check and the full decode (102,400 messages cost
+those about 65 ms of the loop), and its characters, tool-call arguments included, before it is
+forwarded to the tokenizer.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from client.async_sdk import AsyncClient
-from client.errors import BrigadeError
-from client.sdk import StreamDelta
+from client.errors import BrigadeError, InvalidRequest
+from client.sdk import StreamDelta, chat_message, tools_text
 from ipc import messages as m
 from ipc.json_depth import check_json_depth
 from ipc.validation import (
@@ -47,7 +51,7 @@ from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
-from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
+from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
 from services.gateway.metrics import RequestTimer
 from services.gateway.reasoning import reasoning_style
 from services.gateway.runner import run_jobs
@@ -125,6 +129,12 @@ def engine_group_ready(run_dir: Path) -> bool:
             group = row["name"].split("-")[1]
             groups[group] = groups.get(group, True) and row.get("state") == "running"
     return any(groups.values())
+
+
+class _MessageList(msgspec.Struct):
+    """Only a body's `messages`, each left undecoded: a cheap count (one scan, no objects built)."""
+
+    messages: list[msgspec.Raw] | None = None
 
 
 class Gateway:
@@ -220,6 +230,9 @@ class Gateway:
             # sending, reads the 413 instead of a reset connection; a far larger one is cut off.
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         data = b"".join(chunks)
+        # Every message is an object: a body with no more "{" than the limit needs no count.
+        if "messages" in kind.__struct_fields__ and data.count(b"{") > self.settings.max_messages:
+            self.check_message_count(data)
         try:
             check_json_depth(data, "request body")  # the decoder and all after it recurse per level
         except InvalidParams as exc:
@@ -234,14 +247,43 @@ class Gateway:
                            param="model", code="model_not_found")  # fmt: skip
         return body
 
+    def check_message_count(self, data: bytes) -> None:
+        """Refuse a body with more messages than tokenizer.max_messages before it is measured for
+        nesting and decoded, both linear in its messages. A body this cannot read (not JSON, too
+        deep, messages not a list) passes: the full decode then says what is wrong with it."""
+        try:
+            messages = msgspec.json.decode(data, type=_MessageList).messages
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return
+        try:
+            check_message_count(len(messages or ()), self.settings.max_messages)
+        except InvalidParams as exc:
+            raise invalid(str(exc), "messages") from None
+
+    def check_chat_budget(self, body: p.ChatCompletionRequest) -> None:
+        """A chat over the tokenizer's budget (tokenizer.max_prompt_chars, all the text that
+        reaches the template) is refused here, with the tokenizer's own check and message, before
+        any work on its text (planning it hashes the whole body) and rather than copied to the
+        tokenizer to be refused there."""
+        try:
+            check_chat_budget(
+                [chat_message(i, sdk_message(i, message)) for i, message in enumerate(body.messages)],
+                tools_text(body.tools) if body.tools is not None else "",
+                max_chars=self.settings.max_prompt_chars,
+                max_messages=self.settings.max_messages,
+            )
+        except PromptTooLong as exc:
+            raise invalid(str(exc), "messages", "context_length_exceeded") from None
+        except InvalidParams as exc:
+            raise invalid(str(exc), "messages") from None
+        except InvalidRequest as exc:  # a message the SDK would refuse: the same reply as from it
+            raise from_engine(exc, {"prompt": "messages"}) from None
+
     # -- generation --------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
-        try:  # before any work per message (the tokenizer checks the whole budget)
-            check_message_count(len(body.messages), self.settings.max_messages)
-        except InvalidParams as exc:
-            raise invalid(str(exc), "messages") from None
+        self.check_chat_budget(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
