@@ -52,8 +52,12 @@ SLOWLORIS_CONNECTIONS = 8
 # The benchmark's run: API keys on (so the 401 flood means something) and short slow-client
 # deadlines (the defaults, 10 s and 60 s, would make each slow-client shot outlast the streams).
 BENCH_API_KEY = "sk-attack-bench"
+# The pathological regexes' own client: past structured.max_costly_compiles refused compiles a
+# client gets 429 for every constrained request, which would end the other constrained attacks'
+# checks (constraints matching nothing, forced calls) if they shared its key.
+COSTLY_API_KEY = "sk-attack-bench-regex"
 BENCH_OVERRIDES = [
-    f"gateway.api_keys=[{BENCH_API_KEY}]",
+    f"gateway.api_keys=[{BENCH_API_KEY},{COSTLY_API_KEY}]",
     "gateway.header_timeout_s=2",
     "gateway.body_timeout_s=5",
 ]
@@ -66,19 +70,21 @@ class Target:
 
     port: int
     api_key: str | None
+    costly_api_key: str | None  # the pathological regexes' (None: api_key)
     max_prompt_chars: int
     max_messages: int
     header_timeout_s: float
     body_timeout_s: float
 
     @classmethod
-    def of_run(cls, run_dir: Path, api_key: str | None) -> Target:
+    def of_run(cls, run_dir: Path, api_key: str | None, costly_api_key: str | None = None) -> Target:
         from services.stage import read_run_info
 
         config = read_run_info(run_dir).config
         return cls(
             port=config.gateway.port,
             api_key=api_key,
+            costly_api_key=costly_api_key,
             max_prompt_chars=config.tokenizer.max_prompt_chars,
             max_messages=config.tokenizer.max_messages,
             header_timeout_s=config.gateway.header_timeout_s,
@@ -177,18 +183,28 @@ def regex(pattern: str) -> bytes:
     return json.dumps(body).encode()
 
 
+def expect_costly(target: Target, pattern: str) -> str | None:
+    """A pathological regex: a 400 naming it, or, once its client has had
+    structured.max_costly_compiles of them refused for their compile's cost, a 429 naming that."""
+    authorization = f"Bearer {target.costly_api_key}" if target.costly_api_key else None
+    status, reply = target.post("/v1/completions", regex(pattern), authorization)
+    if status == 429:
+        return expect(status, reply, 429, "structured.max_costly_compiles")
+    return expect(status, reply, 400, "structured.regex")
+
+
 def regex_611(target: Target, i: int) -> str | None:
     """`(a{600}){611}`: its lexer ran for seconds per step, slowing every other stream 5x."""
-    return expect(*target.post("/v1/completions", regex("(a{600}){611}")), 400, "structured.regex")
+    return expect_costly(target, "(a{600}){611}")
 
 
 _distinct = itertools.count(1)
 
 
 def regex_700_distinct(target: Target, i: int) -> str | None:
-    """`(a{700}){700}b{k}`, a new k each time: each compile kept ~160 MB in the scheduler."""
-    pattern = f"(a{{700}}){{700}}b{{{next(_distinct)}}}"
-    return expect(*target.post("/v1/completions", regex(pattern)), 400, "structured.regex")
+    """`(a{700}){700}b{k}`, a new k each time: each compile kept ~160 MB in the scheduler and
+    cost it about 0.2 s of CPU; past its client's costly compiles, a 429 costs nothing."""
+    return expect_costly(target, f"(a{{700}}){{700}}b{{{next(_distinct)}}}")
 
 
 def matches_nothing(target: Target, i: int) -> str | None:
@@ -509,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     run = serve.BrigadeProcess(run_dir, args.config, overrides, log_dir / "brigade.log")
     try:
         run.wait_ready(serve.READY_TIMEOUT_S)
-        target = Target.of_run(run_dir, BENCH_API_KEY)
+        target = Target.of_run(run_dir, BENCH_API_KEY, COSTLY_API_KEY)
         load_phase(target, serve.warmup_requests(requests), args.seed, "warmup")
         if args.cpu_shots:
             print(f"CPU ms per shot ({args.cpu_shots} shots in a row, no streams, idle CPU taken out)")

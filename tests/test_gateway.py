@@ -1377,6 +1377,43 @@ def stream_texts(gw: Gateway, prompts: list[str], max_tokens: int) -> list[tuple
         return list(pool.map(one, prompts))
 
 
+def test_a_client_whose_constraints_keep_costing_too_much_gets_429(gw: Gateway) -> None:
+    """Each distinct `(a{700}){700}b{k}` is a compile the scheduler refuses only after paying for
+    it (38 MiB, about 0.2 s of CPU), and a client could send one after another (16 streams beside
+    it ran 2.6x slower). Past structured.max_costly_compiles such refusals within the window, its
+    constrained requests get a 429 with Retry-After instead of a compile; its other requests, and
+    other clients' constrained ones, are served."""
+    api = gw.openai(max_retries=0).with_options(api_key=ENV_KEY)
+    limit, replicas = 4, 2  # structured.max_costly_compiles's default; the fixture's gateway.replicas
+    costly = 0
+    for k in range(1, limit * replicas + 2):
+        try:
+            api.completions.create(
+                model=gw.model, prompt="a", max_tokens=8,
+                extra_body={"structured_outputs": {"regex": f"(a{{700}}){{700}}b{{{k}}}"}},
+            )  # fmt: skip
+        except openai.BadRequestError as exc:
+            assert (
+                "(structured.max_grammar_mib)" in exc.message
+                or "(structured.compile_timeout_ms)" in exc.message
+            )
+            costly += 1
+        except openai.RateLimitError as exc:
+            limited = exc
+            break
+    else:
+        raise AssertionError(f"no 429 after {costly} costly compiles")
+    assert costly >= limit  # each replica counts its own
+    assert "structured.max_costly_compiles" in limited.message
+    assert 1 <= int(limited.response.headers["retry-after"]) <= 60
+    reply = api.completions.create(model=gw.model, prompt="a", max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+    reply = gw.openai(max_retries=0).completions.create(
+        model=gw.model, prompt="Year:", max_tokens=4, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
+    )
+    assert re.fullmatch("[0-9]{4}", reply.choices[0].text)
+
+
 # What the grammar budgets let the scheduler keep: the compiled-grammar cache (grammar_cache_mib,
 # 128 by default) plus the compiles in flight (max_grammar_mib, 16, each), with room for the
 # allocator keeping what it freed. Before issue 29's fixes each distinct `(a{700}){700}b{k}`
@@ -1398,7 +1435,7 @@ def test_normal_streams_beside_every_attack(gw: Gateway) -> None:
     alone = stream_texts(gw, prompts, 24)
     assert [n for _, n in alone] == [24] * len(prompts)
     stages, rss = stage_table(gw.run.run_dir), scheduler_rss_mib(gw.run.run_dir)
-    target = Target.of_run(gw.run.run_dir, CONFIG_KEY)
+    target = Target.of_run(gw.run.run_dir, CONFIG_KEY, costly_api_key=ENV_KEY)
     with attacking(target, list(ATTACKS), workers=1, max_shots=20, max_seconds=120) as outcomes:
         beside = stream_texts(gw, prompts, 24)
     assert beside == alone

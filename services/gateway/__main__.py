@@ -93,6 +93,8 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         responses_max_age_s=config.responses_max_age_s,
         sse_keepalive_s=config.sse_keepalive_s,
         reasoning_parser=config.reasoning_parser,
+        max_costly_compiles=stage.config.structured.max_costly_compiles,
+        costly_compile_window_s=stage.config.structured.costly_compile_window_s,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

@@ -49,6 +49,7 @@ from services.audit import ApiKeyFailures
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
+from services.gateway.costly_constraints import CostlyConstraints, is_costly_refusal
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
@@ -93,6 +94,9 @@ class GatewaySettings:
     responses_max_age_s: float = 7 * 86400.0
     sse_keepalive_s: float = 15.0  # gateway.sse_keepalive_s: a waiting stream's comment-line interval
     reasoning_parser: str = "auto"  # gateway.reasoning_parser (services/gateway/reasoning.py)
+    # structured.max_costly_compiles, structured.costly_compile_window_s (costly_constraints.py)
+    max_costly_compiles: int = 4
+    costly_compile_window_s: float = 60.0
 
 
 def json_response(
@@ -146,6 +150,9 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = HttpMetrics()
         self.num_in_flight = 0
+        self.costly_constraints = CostlyConstraints(
+            settings.max_costly_compiles, settings.costly_compile_window_s
+        )
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
@@ -305,9 +312,10 @@ class Gateway:
         )
         return self.generate(request, body, plan, fmt)
 
-    def generate(
-        self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
-    ) -> Response:
+    def admit(self, request: Request, plan: Plan) -> str:
+        """Refuse a request (429) when this replica is at its concurrency limit, or when it is
+        constrained and its client is past its costly compiles; else count it in flight.
+        Returns the client, for `on_refused`."""
         if self.num_in_flight >= self.settings.max_concurrent_requests:
             raise ApiError(
                 429,
@@ -315,8 +323,40 @@ class Gateway:
                 code="too_many_requests",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
+        client = self.client_of(request)
+        if is_constrained(plan):
+            wait_s = self.costly_constraints.retry_after_s(client)
+            if wait_s:
+                raise ApiError(
+                    429,
+                    f"{self.settings.max_costly_compiles} of this client's constraints were refused as "
+                    f"too costly to compile within {self.settings.costly_compile_window_s:g}s "
+                    f"(structured.max_costly_compiles); constrained requests are refused for {wait_s}s",
+                    code="too_many_requests",
+                    headers={"Retry-After": str(wait_s)},
+                )
         self.num_in_flight += 1  # here, not in work(): requests arriving together all see it
+        return client
+
+    def client_of(self, request: Request) -> str:
+        """Who sent a request, for per-client budgets: its API key where the run has keys (the
+        key was checked already), else its address."""
+        if self.settings.api_keys:
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            bearer = key.strip() if scheme.lower() == "bearer" else ""
+            return "key:" + (bearer or request.headers.get("x-api-key", "").strip())
+        return "peer:" + (request.client.host if request.client else "unknown")
+
+    def on_refused(self, client: str, exc: BrigadeError) -> None:
+        """The engine refused a request of `client` before its first output."""
+        if is_costly_refusal(str(exc)):
+            self.costly_constraints.record(client)
+
+    def generate(
+        self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
+    ) -> Response:
+        client = self.admit(request, plan)
+        cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         path = request.url.path
@@ -338,6 +378,7 @@ class Gateway:
                         timer.on_finish()
                         return
                 except BrigadeError as exc:  # nothing sent yet: the error gets its own status
+                    self.on_refused(client, exc)
                     error = from_engine(exc, plan.aliases)
                     status = error.status
                     await send_all(send, error_response(error))
@@ -527,6 +568,13 @@ class Gateway:
         (lm-evaluation-harness' remote tokenizer)."""
         self.check_key(request)
         return self.finish(request, json_response(self.tokenizer.info()))
+
+
+def is_constrained(plan: Plan) -> bool:
+    """Whether a request's output is constrained by a grammar the scheduler compiles: a
+    structured output, or tools the model is forced to call."""
+    forced_call = plan.tools is not None and plan.tools.choice in ("required", "function")
+    return forced_call or any("structured" in job.sampling for job in plan.jobs)
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from client.sdk import StreamDelta
 from services.common.tools_prompt import tool_parser_for
 from services.gateway import protocol as p
 from services.gateway.app import CLIENT_CLOSED, JSON, Gateway, send_all, to_piece
-from services.gateway.errors import RETRY_AFTER_S, ApiError, from_engine
+from services.gateway.errors import ApiError, from_engine
 from services.gateway.formats import ChatFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan
 from services.gateway.metrics import RequestTimer
@@ -77,14 +77,7 @@ def run_translated(
     gateway: Gateway, request: Request, plan: Plan, translation: Translation, stream: bool
 ) -> Response:
     """Gateway.generate's admission, metrics and disconnect watch, with `translation`'s replies."""
-    if gateway.num_in_flight >= gateway.settings.max_concurrent_requests:
-        raise ApiError(
-            429,
-            f"this replica is serving {gateway.num_in_flight} requests, its limit; retry after {RETRY_AFTER_S}s",
-            code="too_many_requests",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-    gateway.num_in_flight += 1
+    client = gateway.admit(request, plan)
     fmt = chat_format(gateway, plan)
     headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
     path = request.url.path
@@ -108,6 +101,7 @@ def run_translated(
                     timer.on_finish()
                     return
             except BrigadeError as exc:  # nothing sent yet: the error gets its own status
+                gateway.on_refused(client, exc)
                 error = from_engine(exc, plan.aliases)
                 status = error.status
                 await send_all(send, Response(translation.error_body(error), status, error.headers, JSON))
