@@ -192,10 +192,7 @@ class Gateway:
     def check_key(self, request: Request) -> None:
         if not self.settings.api_keys:
             return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        bearer = key.strip() if scheme.lower() == "bearer" else ""
-        # Anthropic's clients send their key as x-api-key.
-        given = [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
+        given = given_keys(request)
         if not any(k in self.settings.api_keys for k in given):
             peer = request.client.host if request.client else "unknown"
             reason = "unknown API key" if given else "no Authorization: Bearer or x-api-key header"
@@ -342,9 +339,7 @@ class Gateway:
         """Who sent a request, for per-client budgets: its API key where the run has keys (the
         key was checked already), else its address."""
         if self.settings.api_keys:
-            scheme, _, key = request.headers.get("authorization", "").partition(" ")
-            bearer = key.strip() if scheme.lower() == "bearer" else ""
-            return "key:" + (bearer or request.headers.get("x-api-key", "").strip())
+            return "key:" + next((k for k in given_keys(request) if k in self.settings.api_keys), "")
         return "peer:" + (request.client.host if request.client else "unknown")
 
     def on_refused(self, client: str, exc: BrigadeError) -> None:
@@ -355,8 +350,8 @@ class Gateway:
     def generate(
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
     ) -> Response:
-        client = self.admit(request, plan)
         cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
+        client = self.admit(request, plan)
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         path = request.url.path
@@ -568,6 +563,13 @@ class Gateway:
         (lm-evaluation-harness' remote tokenizer)."""
         self.check_key(request)
         return self.finish(request, json_response(self.tokenizer.info()))
+
+
+def given_keys(request: Request) -> list[str]:
+    """The API keys a request presents: Authorization: Bearer, and x-api-key (Anthropic's clients)."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    bearer = key.strip() if scheme.lower() == "bearer" else ""
+    return [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
 
 
 def is_constrained(plan: Plan) -> bool:
