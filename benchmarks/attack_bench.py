@@ -3,7 +3,7 @@ output length, ignore_eos) first alone, then with each attack looping beside the
 Brigade run it starts (gateway on, the embedded SmolLM2, float32) on 127.0.0.1.
 
     python benchmarks/attack_bench.py [--streams 16] [--output-len 64] [--attacks NAME,...]
-        [--set key=value ...] [--json FILE]
+        [--cpu-shots N] [--set key=value ...] [--json FILE]
 
 Per attack it prints the normal streams' TPOT p50 with and without it and their ratio (target
 <= 1.5x), the scheduler's RSS before and after, stage restarts, and the attack's own outcome
@@ -11,6 +11,11 @@ Per attack it prints the normal streams' TPOT p50 with and without it and their 
 closed connection). Every attack loop stops by itself (a shot count and a deadline).
 `tests/test_gateway.py::test_normal_streams_beside_every_attack` runs the same attacks, without
 timings, on every CI run.
+
+With `--cpu-shots N` it first fires N shots of each attack one after another, with no streams,
+and prints the CPU time (user + system, from /proc) each shot cost every stage kind, the
+supervisor and the attacking client's own thread: CPU per shot is what an attack takes from the
+streams, and unlike their TPOT it hardly moves with the load of a shared host.
 """
 
 from __future__ import annotations
@@ -47,8 +52,12 @@ SLOWLORIS_CONNECTIONS = 8
 # The benchmark's run: API keys on (so the 401 flood means something) and short slow-client
 # deadlines (the defaults, 10 s and 60 s, would make each slow-client shot outlast the streams).
 BENCH_API_KEY = "sk-attack-bench"
+# The pathological regexes' own client: past structured.max_costly_compiles refused compiles a
+# client gets 429 for every constrained request, which would end the other constrained attacks'
+# checks (constraints matching nothing, forced calls) if they shared its key.
+COSTLY_API_KEY = "sk-attack-bench-regex"
 BENCH_OVERRIDES = [
-    f"gateway.api_keys=[{BENCH_API_KEY}]",
+    f"gateway.api_keys=[{BENCH_API_KEY},{COSTLY_API_KEY}]",
     "gateway.header_timeout_s=2",
     "gateway.body_timeout_s=5",
 ]
@@ -61,19 +70,21 @@ class Target:
 
     port: int
     api_key: str | None
+    costly_api_key: str | None  # the pathological regexes' (None: api_key)
     max_prompt_chars: int
     max_messages: int
     header_timeout_s: float
     body_timeout_s: float
 
     @classmethod
-    def of_run(cls, run_dir: Path, api_key: str | None) -> Target:
+    def of_run(cls, run_dir: Path, api_key: str | None, costly_api_key: str | None = None) -> Target:
         from services.stage import read_run_info
 
         config = read_run_info(run_dir).config
         return cls(
             port=config.gateway.port,
             api_key=api_key,
+            costly_api_key=costly_api_key,
             max_prompt_chars=config.tokenizer.max_prompt_chars,
             max_messages=config.tokenizer.max_messages,
             header_timeout_s=config.gateway.header_timeout_s,
@@ -113,8 +124,11 @@ def huge_tokenize(target: Target, i: int) -> str | None:
 
 def many_messages(target: Target, i: int) -> str | None:
     """25x the message budget (102,400 messages at the default 4096) in one chat."""
-    many = [{"role": "user", "content": "a"}] * (25 * target.max_messages)
-    body = _cached("many_messages", target, lambda: {"messages": many, "max_tokens": 2})
+
+    def build() -> dict:
+        return {"messages": [{"role": "user", "content": "a"}] * (25 * target.max_messages), "max_tokens": 2}
+
+    body = _cached("many_messages", target, build)
     return expect(*target.post("/v1/chat/completions", body), 400, "tokenizer.max_messages")
 
 
@@ -169,18 +183,28 @@ def regex(pattern: str) -> bytes:
     return json.dumps(body).encode()
 
 
+def expect_costly(target: Target, pattern: str) -> str | None:
+    """A pathological regex: a 400 naming it, or, once its client has had
+    structured.max_costly_compiles of them refused for their compile's cost, a 429 naming that."""
+    authorization = f"Bearer {target.costly_api_key}" if target.costly_api_key else None
+    status, reply = target.post("/v1/completions", regex(pattern), authorization)
+    if status == 429:
+        return expect(status, reply, 429, "structured.max_costly_compiles")
+    return expect(status, reply, 400, "structured.regex")
+
+
 def regex_611(target: Target, i: int) -> str | None:
     """`(a{600}){611}`: its lexer ran for seconds per step, slowing every other stream 5x."""
-    return expect(*target.post("/v1/completions", regex("(a{600}){611}")), 400, "structured.regex")
+    return expect_costly(target, "(a{600}){611}")
 
 
 _distinct = itertools.count(1)
 
 
 def regex_700_distinct(target: Target, i: int) -> str | None:
-    """`(a{700}){700}b{k}`, a new k each time: each compile kept ~160 MB in the scheduler."""
-    pattern = f"(a{{700}}){{700}}b{{{next(_distinct)}}}"
-    return expect(*target.post("/v1/completions", regex(pattern)), 400, "structured.regex")
+    """`(a{700}){700}b{k}`, a new k each time: each compile kept ~160 MB in the scheduler and
+    cost it about 0.2 s of CPU; past its client's costly compiles, a 429 costs nothing."""
+    return expect_costly(target, f"(a{{700}}){{700}}b{{{next(_distinct)}}}")
 
 
 def matches_nothing(target: Target, i: int) -> str | None:
@@ -371,6 +395,52 @@ def attacking(
                 outcome.wrong.append(f"{outcome.started - outcome.done} shots never finished")
 
 
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S  # utime, stime: fields 14, 15
+
+
+def cpu_by_kind(run_dir: Path, supervisor_pid: int) -> dict[str, float]:
+    """CPU seconds so far of each stage kind (its replicas summed) and of the supervisor."""
+    totals = {"supervisor": process_cpu_s(supervisor_pid)}
+    for row in json.loads((run_dir / "status.json").read_text()):
+        totals[row["kind"]] = totals.get(row["kind"], 0.0) + process_cpu_s(row["pid"])
+    return totals
+
+
+def cpu_per_shot(target: Target, run_dir: Path, supervisor_pid: int, name: str, shots: int) -> dict:
+    """Fire `shots` shots of one attack in a row (after one unmeasured) and return the CPU
+    milliseconds per shot of each process kind and of the client's shot thread, idle CPU taken out:
+    each process's rate over an idle second before, times the shots' wall time."""
+    ATTACKS[name](target, -1)  # builds and caches the body, warms the connection path
+    idle_s = 1.0
+    before = cpu_by_kind(run_dir, supervisor_pid)
+    time.sleep(idle_s)
+    idle = {k: (v - before[k]) / idle_s for k, v in cpu_by_kind(run_dir, supervisor_pid).items()}
+    wrong = 0
+    before = cpu_by_kind(run_dir, supervisor_pid)
+    started, client_started = time.monotonic(), time.thread_time()
+    for i in range(shots):
+        wrong += ATTACKS[name](target, i) is not None
+    client_s, wall_s = time.thread_time() - client_started, time.monotonic() - started
+    after = cpu_by_kind(run_dir, supervisor_pid)
+    ms = {k: max(0.0, after[k] - before[k] - idle[k] * wall_s) * 1000 / shots for k in after}
+    ms["client"] = client_s * 1000 / shots
+    return {"shots": shots, "wrong": wrong, "wall_ms": wall_s * 1000 / shots, "cpu_ms": ms,
+            "idle_cpu_per_s": idle}  # fmt: skip
+
+
+CPU_COLUMNS = ("client", "gateway", "tokenizer", "scheduler", "gpu_worker", "detokenizer", "supervisor")
+
+
 def stage_table(run_dir: Path) -> dict[str, tuple[int, int]]:
     """{stage name: (pid, restarts)} from the supervisor's status.json."""
     rows = json.loads((run_dir / "status.json").read_text())
@@ -396,11 +466,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--streams", type=int, default=16, help="normal streams, all at once")
+    p.add_argument(
+        "--streams", type=int, default=16, help="normal streams, all at once (0: none, only --cpu-shots)"
+    )
     p.add_argument("--output-len", type=int, default=64, help="tokens each normal stream generates")
     p.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, from " + ",".join(ATTACKS))
     p.add_argument("--workers", type=int, default=2, help="concurrent loops per attack")
     p.add_argument("--max-shots", type=int, default=200, help="per attack loop")
+    p.add_argument("--cpu-shots", type=int, default=0, help="first measure CPU per shot over this many")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--log-dir", type=Path, help="where Brigade's log goes (default: a temp dir)")
@@ -427,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.gpu_worker.loader import prepare_model
 
     model_dir = prepare_model(None)
-    requests = datasets.chat_requests(model_dir, args.streams, (args.output_len, args.output_len), args.seed)
+    requests = datasets.chat_requests(
+        model_dir, max(args.streams, 1), (args.output_len, args.output_len), args.seed
+    )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="brigade-attack-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="brigade-attack-"))
@@ -450,16 +525,33 @@ def main(argv: list[str] | None = None) -> int:
     run = serve.BrigadeProcess(run_dir, args.config, overrides, log_dir / "brigade.log")
     try:
         run.wait_ready(serve.READY_TIMEOUT_S)
-        target = Target.of_run(run_dir, BENCH_API_KEY)
+        target = Target.of_run(run_dir, BENCH_API_KEY, COSTLY_API_KEY)
         load_phase(target, serve.warmup_requests(requests), args.seed, "warmup")
+        if args.cpu_shots:
+            print(f"CPU ms per shot ({args.cpu_shots} shots in a row, no streams, idle CPU taken out)")
+            print(f"{'attack':<22}{'wall':>7}" + "".join(f"{c:>12}" for c in CPU_COLUMNS) + f"{'total':>8}")
+            report["cpu_per_shot"] = {}
+            for name in args.attacks:
+                row = cpu_per_shot(target, run_dir, run.process.pid, name, args.cpu_shots)
+                report["cpu_per_shot"][name] = row
+                cpu = row["cpu_ms"]
+                print(
+                    f"{name:<22}{row['wall_ms']:>7.0f}"
+                    + "".join(f"{cpu.get(c, 0.0):>12.1f}" for c in CPU_COLUMNS)
+                    + f"{sum(cpu.values()):>8.0f}"
+                    + (f"  {row['wrong']} WRONG" if row["wrong"] else ""),
+                    flush=True,
+                )
         stages_before = stage_table(run_dir)
-        print(
-            f"{args.streams} streams x {args.output_len} tokens; TPOT p50 in ms alone (just before) and beside"
-        )
-        print(
-            f"{'attack':<22}{'alone':>7}{'beside':>8}{'ratio':>7}{'sched RSS MiB':>16}{'restarts':>9}  outcome"
-        )
-        for name in args.attacks:
+        beside_streams = args.attacks if args.streams else []  # --streams 0: CPU per shot only
+        if beside_streams:
+            print(
+                f"{args.streams} streams x {args.output_len} tokens; TPOT p50 in ms alone (just before) and beside"
+            )
+            print(
+                f"{'attack':<22}{'alone':>7}{'beside':>8}{'ratio':>7}{'sched RSS MiB':>16}{'restarts':>9}  outcome"
+            )
+        for name in beside_streams:
             # Alone right before each attack: on a shared host the load drifts more over the whole
             # run than the attacks move the streams.
             alone = load_phase(target, requests, args.seed, f"alone before {name}")

@@ -322,10 +322,7 @@ def make_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> m.Tool
         if tool_choice not in (None, "none"):
             raise InvalidRequest(f"tool_choice={tool_choice!r} needs tools")
         return None
-    try:
-        text = json.dumps(tools, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"tools must be JSON (OpenAI's tools list): {exc}") from None
+    text = tools_text(tools)
     parallel = _convert(
         "parallel_tool_calls", True if parallel_tool_calls is None else parallel_tool_calls, bool
     )
@@ -342,6 +339,14 @@ def make_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> m.Tool
             f"{{'name': ...}}}}, got {tool_choice!r}"
         )
     return m.Tools(text, "function", name, parallel)
+
+
+def tools_text(tools: Any) -> str:
+    """The tools' JSON text, as the tokenizer renders it and counts it in a chat's budget."""
+    try:
+        return json.dumps(tools, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"tools must be JSON (OpenAI's tools list): {exc}") from None
 
 
 def chat_message(i: int, message: Any) -> m.ChatMessage:

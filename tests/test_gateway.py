@@ -1332,6 +1332,104 @@ def test_requests_past_the_work_budget_get_400_naming_the_limit(gw: Gateway) -> 
     assert status == 200 and json.loads(body)["count"] > MAX_MESSAGES
 
 
+def tokenizer_failures(gw: Gateway, code: str) -> float:
+    """Requests the tokenizer stage refused with `code` (its brigade:request_failure counter)."""
+    metrics = gw.request("GET", "/metrics")[2].decode()
+    pattern = rf'^brigade:request_failure_total\{{[^}}]*code="{code}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, metrics, re.M))
+
+
+def test_a_chat_past_the_character_budget_is_refused_before_the_tokenizer(gw: Gateway) -> None:
+    """6M characters of past tool-call arguments were decoded, copied to the tokenizer and refused
+    there. The gateway refuses a chat past tokenizer.max_prompt_chars itself, counting what the
+    tokenizer counts (roles, contents, call ids, names and arguments), and forwards one at the limit."""
+
+    def history(num_chars: int) -> list[dict]:
+        fixed = len("user") + len(CHAT[0]["content"]) + len("assistant") + len("call_0") + len("f")
+        fixed += len("tool") + len("call_0") + len("ok")
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "f", "arguments": "a" * (num_chars - fixed)},
+        }
+        return [
+            *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+        ]
+
+    api = gw.openai(max_retries=0)
+    refused_by_tokenizer = tokenizer_failures(gw, "prompt_too_long")
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS + 1), max_tokens=2)
+    assert bad.value.body["param"] == "messages" and bad.value.body["code"] == "context_length_exceeded"
+    assert f"{MAX_PROMPT_CHARS + 1} characters" in bad.value.body["message"]
+    assert "tokenizer.max_prompt_chars" in bad.value.body["message"]
+    assert tokenizer_failures(gw, "prompt_too_long") == refused_by_tokenizer  # never reached it
+    # At the limit the chat goes on to the tokenizer, whose next check is of the rendered prompt
+    # (the template adds its own text), and well within it to the model's length.
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS), max_tokens=2)
+    assert "once rendered by the chat template" in bad.value.body["message"], bad.value.body
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.chat.completions.create(model=gw.model, messages=history(MAX_PROMPT_CHARS // 2), max_tokens=2)
+    assert "max_model_len" in bad.value.body["message"], bad.value.body
+    assert tokenizer_failures(gw, "prompt_too_long") == refused_by_tokenizer + 2
+
+
+FAULTS_SCRIPT = """
+import sys
+from services.gateway.__main__ import keep_body_memory
+
+def minor_faults():
+    return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+
+size = 6 << 20
+if sys.argv[1] == "keep":
+    keep_body_memory(7 << 20)  # the default max_body_bytes, about
+for i in range(12):
+    if i == 2:  # after a warm-up, as in a gateway that served a body before
+        before = minor_faults()
+    blocks = [b"a" * size for _ in range(3)]  # a body, its joined copy, its decoded text
+    del blocks
+print(minor_faults() - before)
+"""
+
+
+def test_large_bodies_reuse_the_gateways_memory() -> None:
+    """glibc maps each block past its threshold afresh and unmaps it on free, so a 6 MB chat (its
+    bytes, their joined copy, its decoded strings) paged in about 4,000 pages on every request,
+    10 ms of the gateway's system time, as much as reading and decoding it. The gateway keeps
+    body-sized blocks in malloc's heap (keep_body_memory): ten such bodies fault in next to nothing.
+    """
+
+    def faults(mode: str) -> int:
+        argv = [sys.executable, "-c", FAULTS_SCRIPT, mode]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+        return int(done.stdout)
+
+    assert faults("default") > 10 * 3000  # glibc's default: three 6 MB blocks paged in each time
+    assert faults("keep") < 10 * 100
+
+
+def test_too_many_messages_are_refused_before_the_body_is_decoded(gw: Gateway) -> None:
+    """A chat of 25x tokenizer.max_messages messages was measured for nesting and decoded whole
+    (about 65 ms of the gateway's loop for 102,400) before its messages were counted. They are
+    counted first: the count is the refusal even where the full decode would fail (here on a
+    mistyped field after them). A chat at the limit is served."""
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    status, error = gw.error("/v1/chat/completions", {"messages": many, "max_tokens": "two"})
+    assert status == 400 and error["param"] == "messages", error
+    assert (
+        f"{MAX_MESSAGES + 1} messages; the limit is {MAX_MESSAGES} (tokenizer.max_messages)"
+        in error["message"]
+    )
+    reply = gw.openai(max_retries=0).chat.completions.create(
+        model=gw.model, messages=many[:MAX_MESSAGES], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_a_stream_keeps_its_tokens_coming_beside_huge_requests(gw: Gateway) -> None:
     """Huge /tokenize and chat requests, sent back to back for as long as a normal stream runs:
     each over the budget fails alone, naming its limit, and the stream receives its tokens while
@@ -1484,6 +1582,43 @@ def stream_texts(gw: Gateway, prompts: list[str], max_tokens: int) -> list[tuple
         return list(pool.map(one, prompts))
 
 
+def test_a_client_whose_constraints_keep_costing_too_much_gets_429(gw: Gateway) -> None:
+    """Each distinct `(a{700}){700}b{k}` is a compile the scheduler refuses only after paying for
+    it (38 MiB, about 0.2 s of CPU), and a client could send one after another (16 streams beside
+    it ran 2.6x slower). Past structured.max_costly_compiles such refusals within the window, its
+    constrained requests get a 429 with Retry-After instead of a compile; its other requests, and
+    other clients' constrained ones, are served."""
+    api = gw.openai(max_retries=0).with_options(api_key=ENV_KEY)
+    limit, replicas = 4, 2  # structured.max_costly_compiles's default; the fixture's gateway.replicas
+    costly = 0
+    for k in range(1, limit * replicas + 2):
+        try:
+            api.completions.create(
+                model=gw.model, prompt="a", max_tokens=8,
+                extra_body={"structured_outputs": {"regex": f"(a{{700}}){{700}}b{{{k}}}"}},
+            )  # fmt: skip
+        except openai.BadRequestError as exc:
+            assert (
+                "(structured.max_grammar_mib)" in exc.message
+                or "(structured.compile_timeout_ms)" in exc.message
+            )
+            costly += 1
+        except openai.RateLimitError as exc:
+            limited = exc
+            break
+    else:
+        raise AssertionError(f"no 429 after {costly} costly compiles")
+    assert costly >= limit  # each replica counts its own
+    assert "structured.max_costly_compiles" in limited.message
+    assert 1 <= int(limited.response.headers["retry-after"]) <= 60
+    reply = api.completions.create(model=gw.model, prompt="a", max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+    reply = gw.openai(max_retries=0).completions.create(
+        model=gw.model, prompt="Year:", max_tokens=4, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
+    )
+    assert re.fullmatch("[0-9]{4}", reply.choices[0].text)
+
+
 # What the grammar budgets let the scheduler keep: the compiled-grammar cache (grammar_cache_mib,
 # 128 by default) plus the compiles in flight (max_grammar_mib, 16, each), with room for the
 # allocator keeping what it freed. Before issue 29's fixes each distinct `(a{700}){700}b{k}`
@@ -1505,7 +1640,7 @@ def test_normal_streams_beside_every_attack(gw: Gateway) -> None:
     alone = stream_texts(gw, prompts, 24)
     assert [n for _, n in alone] == [24] * len(prompts)
     stages, rss = stage_table(gw.run.run_dir), scheduler_rss_mib(gw.run.run_dir)
-    target = Target.of_run(gw.run.run_dir, CONFIG_KEY)
+    target = Target.of_run(gw.run.run_dir, CONFIG_KEY, costly_api_key=ENV_KEY)
     with attacking(target, list(ATTACKS), workers=1, max_shots=20, max_seconds=120) as outcomes:
         beside = stream_texts(gw, prompts, 24)
     assert beside == alone

@@ -65,6 +65,9 @@ MIB = 1024 * 1024
 # small enough that `(a{600}){611}` costs it under 20 ms and 2 MB.
 CHECK_LEXER_FUEL = 10_000
 MATCHES_NOTHING = "the constraint matches no output at all"
+# The budgets a compile is refused by for what it cost (the scheduler spent it): named in the
+# refusal's message, which is how the gateway tells them from other refusals (costly_constraints).
+COMPILE_BUDGETS = ("structured.compile_timeout_ms", "structured.max_grammar_mib")
 
 
 def parser_limits(lexer_fuel: int = 200_000) -> llguidance.LLParserLimits:
@@ -281,12 +284,12 @@ def _start_error(
     if elapsed > budgets.compile_timeout_s:
         return (
             f"too complex: compiling it took {elapsed * 1000:.0f} ms, over the budget of "
-            f"{budgets.compile_timeout_s * 1000:.0f} ms (structured.compile_timeout_ms)"
+            f"{budgets.compile_timeout_s * 1000:.0f} ms ({COMPILE_BUDGETS[0]})"
         )
     if grown > budgets.max_grammar_bytes:
         return (
             f"too complex: compiling it took {grown / MIB:.1f} MiB, over the budget of "
-            f"{budgets.max_grammar_bytes / MIB:.1f} MiB (structured.max_grammar_mib)"
+            f"{budgets.max_grammar_bytes / MIB:.1f} MiB ({COMPILE_BUDGETS[1]})"
         )
     return None
 

@@ -10,6 +10,7 @@ Light: no torch.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import socket
 from pathlib import Path
@@ -27,6 +28,9 @@ from services.stage import ControlChannel, Stage, StageProcess
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
+# glibc's mallopt parameters, and its ceiling on the mmap threshold (64-bit).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MAX_MMAP_THRESHOLD = 32 << 20
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -43,6 +47,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def api_keys(configured: list[str]) -> frozenset[str]:
     from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",")]
     return frozenset(k for k in [*configured, *from_env] if k)
+
+
+def keep_body_memory(max_body_bytes: int) -> None:
+    """Have malloc serve blocks up to a body's size from its heap, and keep up to four of them
+    there once freed. glibc maps every block over its threshold afresh and unmaps it on free, so
+    each large body (its bytes, their joined copy, its decoded strings) was paged in anew: a 6 MB
+    chat faulted about 4,000 pages, 10 ms of system time, as much as reading and decoding it took.
+    Nothing where libc has no mallopt (musl)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    threshold = min(max_body_bytes, MAX_MMAP_THRESHOLD)
+    mallopt(M_MMAP_THRESHOLD, threshold)
+    mallopt(M_TRIM_THRESHOLD, 4 * threshold)
 
 
 def max_body_bytes(stage: Stage) -> int:
@@ -75,6 +94,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     keys = stage.info.network.keys  # a stage's own key: the run's client key file may be elsewhere
     curve = {"server_key": keys.server_public, "keys": (keys.stage_public, keys.stage_secret)} if keys else {}
     client = AsyncClient(stage.run_dir, **curve)
+    keep_body_memory(max_body_bytes(stage))
     settings = GatewaySettings(
         model=config.served_model_name or stage.info.model,
         max_model_len=stage.config.model.max_model_len,
@@ -93,6 +113,8 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         responses_max_age_s=config.responses_max_age_s,
         sse_keepalive_s=config.sse_keepalive_s,
         reasoning_parser=config.reasoning_parser,
+        max_costly_compiles=stage.config.structured.max_costly_compiles,
+        costly_compile_window_s=stage.config.structured.costly_compile_window_s,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

@@ -8,6 +8,10 @@ ends with an error event.
 The event loop serves every connection of the replica, so it runs no request's heavy CPU work:
 /tokenize and /detokenize render and encode on a worker thread, under the tokenizer's budgets
 (characters, messages, template time), and a body is measured for nesting before it is decoded.
+A chat is held to the tokenizer's budgets here too, before any work per message: its messages
+are counted on the raw body before the nesting check and the full decode (102,400 messages cost
+those about 65 ms of the loop), and its characters, tool-call arguments included, before it is
+forwarded to the tokenizer.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from client.async_sdk import AsyncClient
-from client.errors import BrigadeError
-from client.sdk import StreamDelta
+from client.errors import BrigadeError, InvalidRequest
+from client.sdk import StreamDelta, chat_message, tools_text
 from ipc import messages as m
 from ipc.json_depth import check_json_depth
 from ipc.validation import (
@@ -44,9 +48,10 @@ from services.audit import ApiKeyFailures
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
+from services.gateway.costly_constraints import CostlyConstraints, is_costly_refusal
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
-from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion
+from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
 from services.gateway.metrics import RequestTimer
 from services.gateway.reasoning import reasoning_style
 from services.gateway.runner import run_jobs
@@ -88,6 +93,9 @@ class GatewaySettings:
     responses_max_age_s: float = 7 * 86400.0
     sse_keepalive_s: float = 15.0  # gateway.sse_keepalive_s: a waiting stream's comment-line interval
     reasoning_parser: str = "auto"  # gateway.reasoning_parser (services/gateway/reasoning.py)
+    # structured.max_costly_compiles, structured.costly_compile_window_s (costly_constraints.py)
+    max_costly_compiles: int = 4
+    costly_compile_window_s: float = 60.0
 
 
 def json_response(
@@ -125,6 +133,12 @@ def engine_group_ready(run_dir: Path) -> bool:
     return any(groups.values())
 
 
+class _MessageList(msgspec.Struct):
+    """Only a body's `messages`, each left undecoded: a cheap count (one scan, no objects built)."""
+
+    messages: list[msgspec.Raw] | None = None
+
+
 class Gateway:
     """Routes, auth, body limits and the per-replica concurrency bound around one AsyncClient."""
 
@@ -134,6 +148,9 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = HttpMetrics()
         self.num_in_flight = 0
+        self.costly_constraints = CostlyConstraints(
+            settings.max_costly_compiles, settings.costly_compile_window_s
+        )
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
@@ -173,10 +190,7 @@ class Gateway:
     def check_key(self, request: Request) -> None:
         if not self.settings.api_keys:
             return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        bearer = key.strip() if scheme.lower() == "bearer" else ""
-        # Anthropic's clients send their key as x-api-key.
-        given = [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
+        given = given_keys(request)
         if not any(k in self.settings.api_keys for k in given):
             peer = request.client.host if request.client else "unknown"
             reason = "unknown API key" if given else "no Authorization: Bearer or x-api-key header"
@@ -218,6 +232,9 @@ class Gateway:
             # sending, reads the 413 instead of a reset connection; a far larger one is cut off.
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         data = b"".join(chunks)
+        # Every message is an object: a body with no more "{" than the limit needs no count.
+        if "messages" in kind.__struct_fields__ and data.count(b"{") > self.settings.max_messages:
+            self.check_message_count(data)
         try:
             check_json_depth(data, "request body")  # the decoder and all after it recurse per level
         except InvalidParams as exc:
@@ -232,14 +249,43 @@ class Gateway:
                            param="model", code="model_not_found")  # fmt: skip
         return body
 
+    def check_message_count(self, data: bytes) -> None:
+        """Refuse a body with more messages than tokenizer.max_messages before it is measured for
+        nesting and decoded, both linear in its messages. A body this cannot read (not JSON, too
+        deep, messages not a list) passes: the full decode then says what is wrong with it."""
+        try:
+            messages = msgspec.json.decode(data, type=_MessageList).messages
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return
+        try:
+            check_message_count(len(messages or ()), self.settings.max_messages)
+        except InvalidParams as exc:
+            raise invalid(str(exc), "messages") from None
+
+    def check_chat_budget(self, body: p.ChatCompletionRequest) -> None:
+        """A chat over the tokenizer's budget (tokenizer.max_prompt_chars, all the text that
+        reaches the template) is refused here, with the tokenizer's own check and message, before
+        any work on its text (planning it hashes the whole body) and rather than copied to the
+        tokenizer to be refused there."""
+        try:
+            check_chat_budget(
+                [chat_message(i, sdk_message(i, message)) for i, message in enumerate(body.messages)],
+                tools_text(body.tools) if body.tools is not None else "",
+                max_chars=self.settings.max_prompt_chars,
+                max_messages=self.settings.max_messages,
+            )
+        except PromptTooLong as exc:
+            raise invalid(str(exc), "messages", "context_length_exceeded") from None
+        except InvalidParams as exc:
+            raise invalid(str(exc), "messages") from None
+        except InvalidRequest as exc:  # a message the SDK would refuse: the same reply as from it
+            raise from_engine(exc, {"prompt": "messages"}) from None
+
     # -- generation --------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
-        try:  # before any work per message (the tokenizer checks the whole budget)
-            check_message_count(len(body.messages), self.settings.max_messages)
-        except InvalidParams as exc:
-            raise invalid(str(exc), "messages") from None
+        self.check_chat_budget(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
@@ -268,11 +314,10 @@ class Gateway:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return OpenAIWriter(self, plan, fmt, cursor, include_usage)
 
-    def run(self, request: Request, plan: Plan, stream: bool, writer: ReplyWriter) -> Response:
-        """Run `plan` and answer with `writer`'s replies: admission (429 past the replica's limit),
-        metrics, keep-alive, and the disconnect watch that cancels the engine requests. An engine
-        error before anything is sent gets its own status; a bug becomes a logged 500 (or, after a
-        stream's 200, a logged error event that ends the stream), never a dropped connection."""
+    def admit(self, request: Request, plan: Plan) -> str:
+        """Refuse a request (429) when this replica is at its concurrency limit, or when it is
+        constrained and its client is past its costly compiles; else count it in flight.
+        Returns the client, for `on_refused`."""
         if self.num_in_flight >= self.settings.max_concurrent_requests:
             raise ApiError(
                 429,
@@ -280,7 +325,39 @@ class Gateway:
                 code="too_many_requests",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        client = self.client_of(request)
+        if is_constrained(plan):
+            wait_s = self.costly_constraints.retry_after_s(client)
+            if wait_s:
+                raise ApiError(
+                    429,
+                    f"{self.settings.max_costly_compiles} of this client's constraints were refused as "
+                    f"too costly to compile within {self.settings.costly_compile_window_s:g}s "
+                    f"(structured.max_costly_compiles); constrained requests are refused for {wait_s}s",
+                    code="too_many_requests",
+                    headers={"Retry-After": str(wait_s)},
+                )
         self.num_in_flight += 1  # here, not in work(): requests arriving together all see it
+        return client
+
+    def client_of(self, request: Request) -> str:
+        """Who sent a request, for per-client budgets: its API key where the run has keys (the
+        key was checked already), else its address."""
+        if self.settings.api_keys:
+            return "key:" + next((k for k in given_keys(request) if k in self.settings.api_keys), "")
+        return "peer:" + (request.client.host if request.client else "unknown")
+
+    def on_refused(self, client: str, exc: BrigadeError) -> None:
+        """The engine refused a request of `client` before its first output."""
+        if is_costly_refusal(str(exc)):
+            self.costly_constraints.record(client)
+
+    def run(self, request: Request, plan: Plan, stream: bool, writer: ReplyWriter) -> Response:
+        """Run `plan` and answer with `writer`'s replies: admission (`admit`), metrics, keep-alive,
+        and the disconnect watch that cancels the engine requests. An engine error before anything
+        is sent gets its own status; a bug becomes a logged 500 (or, after a stream's 200, a logged
+        error event that ends the stream), never a dropped connection."""
+        client = self.admit(request, plan)
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
         path = request.url.path
 
@@ -301,6 +378,7 @@ class Gateway:
                         timer.on_finish()
                         return
                 except BrigadeError as exc:  # nothing sent yet: the error gets its own status
+                    self.on_refused(client, exc)
                     error = from_engine(exc, plan.aliases)
                     status = error.status
                     await send_all(send, Response(writer.error_body(error), status, error.headers, JSON))
@@ -555,6 +633,20 @@ class OpenAIWriter:
 
     def error_event(self, error: ApiError) -> bytes:
         return b"data: " + error.body() + b"\n\n" + DONE
+
+
+def given_keys(request: Request) -> list[str]:
+    """The API keys a request presents: Authorization: Bearer, and x-api-key (Anthropic's clients)."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    bearer = key.strip() if scheme.lower() == "bearer" else ""
+    return [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]
+
+
+def is_constrained(plan: Plan) -> bool:
+    """Whether a request's output is constrained by a grammar the scheduler compiles: a
+    structured output, or tools the model is forced to call."""
+    forced_call = plan.tools is not None and plan.tools.choice in ("required", "function")
+    return forced_call or any("structured" in job.sampling for job in plan.jobs)
 
 
 async def _no_receive() -> dict[str, Any]:

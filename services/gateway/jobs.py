@@ -215,7 +215,7 @@ def _jobs(prompts: list[tuple[Any, Any]], n: int, sampling: dict[str, Any], seed
     return jobs
 
 
-def _message(i: int, message: ChatMessageIn) -> dict[str, Any]:
+def sdk_message(i: int, message: ChatMessageIn) -> dict[str, Any]:
     """One chat message as the SDK takes it; an assistant turn that only calls tools has no content."""
     out: dict[str, Any] = {"role": message.role}
     out["content"] = None if message.content is None and message.tool_calls else _message_text(i, message)
@@ -267,7 +267,7 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     _check_n(req.n, 1)
-    messages = [_message(i, message) for i, message in enumerate(req.messages)]
+    messages = [sdk_message(i, message) for i, message in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     sampling = _sampling(req, max_tokens, top_n)
