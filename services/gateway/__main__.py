@@ -93,6 +93,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         responses_max_age_s=config.responses_max_age_s,
         sse_keepalive_s=config.sse_keepalive_s,
         reasoning_parser=config.reasoning_parser,
+        adapters=tuple(stage.config.lora.adapters),
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
