@@ -82,7 +82,9 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 def lora_plan(runner, builder, chunks, adapter_of) -> tuple[dict, object]:
     """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot."""
     arrays, header = builder.plan(chunks)
-    slots = [-1 if adapter_of[seq] is None else runner.lora.slot_of(adapter_of[seq]) for seq, *_ in chunks]
+    slots = [
+        -1 if adapter_of[seq] is None else runner.lora.names.index(adapter_of[seq]) for seq, *_ in chunks
+    ]
     arrays["lora_slots"] = np.array(slots, dtype=np.int32)
     return arrays, header
 
@@ -260,6 +262,19 @@ def test_adapter_for_more_layers_is_refused_naming_the_module(lora_models, tmp_p
         AdapterError, match=r"layers\.2\.self_attn\.v_proj\.lora_A\.weight: the base model has no such module"
     ):
         make_runner(base, {"deeper": adapter})
+
+
+def test_adapter_on_mixture_of_experts_is_refused_naming_the_experts(tmp_path):
+    """PEFT targets a mixture of experts' stacked experts for down_proj: those are not served."""
+    from tests.conftest import save_random_model
+    from tests.test_moe import random_moe_config
+
+    base = save_random_model(random_moe_config("qwen3-moe-norm-topk"), tmp_path / "moe", seed=5, std=0.08)
+    adapter = save_random_adapter(base, tmp_path / "moe-lora", 5, r=4, target_modules=["q_proj", "down_proj"])
+    with pytest.raises(
+        AdapterError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight: experts is not a supported target"
+    ):
+        make_runner(base, {"moe-lora": adapter})
 
 
 def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):

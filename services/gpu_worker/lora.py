@@ -109,6 +109,10 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         if match is None:
             raise AdapterError(f"adapter {name!r}: weight {key} is not a LoRA A/B of a q/k/v/o/gate/up/down")
         layer, module, kind = int(match[1]), match[2], match[3]
+        if module not in TARGET_MODULES:
+            raise AdapterError(
+                f"adapter {name!r}: {key}: {module} is not a supported target: one of {sorted(TARGET_MODULES)}"
+            )
         if (layer, module) not in shapes:
             raise AdapterError(f"adapter {name!r}: {key}: the base model has no such module")
         pairs.setdefault((layer, module), {})[kind] = tensor
@@ -184,9 +188,6 @@ class LoraSlots:
                         "gate_proj": 0, "up_proj": sh.intermediate_size, "down_proj": 0}  # fmt: skip
         # Which modules of each layer some resident adapter targets: the others cost nothing.
         self.targeted: dict[tuple[int, str], set[int]] = {key: set() for key in self.a}
-
-    def slot_of(self, name: str) -> int:
-        return self.names.index(name)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` into `slot` (whatever was there is gone: modules it does not target are zero)."""
