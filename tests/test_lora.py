@@ -125,7 +125,8 @@ def test_adapters_change_the_output(lora_models):
 
 def test_mixed_adapter_batch_matches_peft(lora_models):
     """Prefill, then decodes, of a batch with a row for each adapter and one for none; then a
-    preempted sequence recomputed in chunks, and a step where one adapter has two rows."""
+    preempted sequence recomputed in chunks, a step where one adapter has two rows, and a
+    prefix-cache hit within one adapter."""
     base, paths, references = lora_models
     runner = make_runner(base, paths)
     rng = np.random.default_rng(0)
@@ -152,6 +153,21 @@ def test_mixed_adapter_batch_matches_peft(lora_models):
         runner, builder, references,
         [(2, histories[2][half:]), (4, list(histories[4])), (1, histories[1][-1:])], adapter_of, histories,
     )  # fmt: skip
+
+    # A prefix-cache hit within one adapter: sequence 5 (ogd-r4, as sequence 3) reuses sequence
+    # 3's first block, computed under that adapter, and prefills only the rest.
+    adapter_of[5] = "ogd-r4"
+    histories[5] = histories[3][:BLOCK] + rng.integers(3, VOCAB, 7).tolist()
+    builder.blocks[5] = builder.blocks[3][:1]
+    builder.num_cached[5] = BLOCK
+    check_lora_step(
+        runner,
+        builder,
+        references,
+        [(5, histories[5][BLOCK:]), (0, histories[0][-1:])],
+        adapter_of,
+        histories,
+    )
     for _ in range(2):
         check_lora_step(
             runner, builder, references, [(s, h[-1:]) for s, h in histories.items()], adapter_of, histories

@@ -72,6 +72,9 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
             base, dtype=torch.float32, attn_implementation="eager"
         ).eval()
 
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
     references = {"base": hf_base()}
     for name, path in adapters.items():
         references[name] = peft.PeftModel.from_pretrained(hf_base(), path).eval()
@@ -114,6 +117,18 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
                 zip(expected_other, pool.map(lambda n: complete(n, other), expected_other), strict=True)
             )
         assert got == expected_other
+
+        # A chat under an adapter: its template's tokens, then PeftModel's greedy ones.
+        messages = [{"role": "user", "content": "Write a SQL query."}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        chat_ids = tokenizer(text, add_special_tokens=False).input_ids
+        reply = api.chat.completions.create(
+            model="sql-lora", messages=messages, max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        assert reply.model == "sql-lora"
+        got_chat = [int(entry.token.removeprefix("token_id:")) for entry in reply.choices[0].logprobs.content]
+        assert got_chat == greedy(references["sql-lora"], chat_ids)
 
         with pytest.raises(
             openai.NotFoundError, match="'no-such-lora' does not exist; this server serves 'base'"
