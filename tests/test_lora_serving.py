@@ -6,6 +6,10 @@ together, and the same prompt under each must not share KV blocks through the pr
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,8 +18,8 @@ import pytest
 import torch
 
 from client import Client, InvalidRequest
-from tests.conftest import TINY_VOCAB_SIZE, save_random_model
-from tests.harness import assert_clean, brigade_run
+from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, save_random_model
+from tests.harness import assert_clean, brigade_run, free_port, stage_processes
 from tests.test_e2e import gateway_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -153,3 +157,25 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
             with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'no-such-lora'"):
                 client.generate(prompt, adapter="no-such-lora", max_tokens=2, timeout=60)
     assert_clean(run_dir)
+
+
+def test_an_adapter_that_does_not_fit_fails_the_start(lora_serving, tmp_path: Path) -> None:
+    """A bad adapter in lora.adapters: the worker refuses it before serving, the supervisor
+    reports why and stops every stage, and no run is ever ready."""
+    base, adapters = lora_serving
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["sql-lora"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
+         "--set", f"model.path={base}", "--set", "model.dtype=float32", "--set", "lora.max_loras=1",
+         "--set", f"lora.adapters={{bad: {bad}}}", "--set", f"gateway.port={free_port()}",
+         "--set", "supervisor.metrics_port=0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "adapter 'bad': modules_to_save (['lm_head']) is not supported" in done.stderr
+    assert "ready" not in done.stdout
+    assert not stage_processes(run_dir)
