@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=None)
     sampling.add_argument("--top-k", type=int, default=None)
     sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument(
+        "--adapter", metavar="NAME", help="the LoRA adapter to generate with (lora.adapters)"
+    )
     sampling.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
     sampling.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     constraint = sampling.add_mutually_exclusive_group()
@@ -78,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "regex")
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "regex", "adapter")
     sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.json_schema is not None:
         sampling["json_schema"] = _file_or_text(args.json_schema)

@@ -161,6 +161,15 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys_dir: str = ""  # "" = a fresh key set per run under <run-dir>/curve; else read from here
 
 
+class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """LoRA adapters (docs/lora.md): PEFT adapter directories checked against the model and
+    kept resident in the worker's slots."""
+
+    max_loras: NonNegative = 0  # resident adapter slots per worker; 0 = adapters off
+    max_rank: Positive = 64  # an adapter of a higher rank is refused
+    adapters: dict[str, str] = {}  # name -> PEFT adapter directory, loaded at start
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -172,6 +181,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterConfig = ClusterConfig()
     network: NetworkConfig = NetworkConfig()
     structured: StructuredConfig = StructuredConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -311,6 +321,21 @@ def check_engine(config: Config) -> None:
         )
 
 
+def check_lora(config: Config) -> None:
+    """Adapters that could never be resident, or a list with adapters off, are refused here."""
+    lora = config.lora
+    if len(lora.adapters) > lora.max_loras:
+        raise ConfigError(
+            f"lora.adapters: {len(lora.adapters)} adapters, more than lora.max_loras ({lora.max_loras}) "
+            "resident slots (0 = adapters off)"
+        )
+    for name, path in lora.adapters.items():
+        if not name or not os.path.isabs(path):
+            raise ConfigError(f"lora.adapters.{name}: expected an absolute adapter directory, got {path!r}")
+    if config.engine.tensor_parallel > 1 and lora.max_loras:
+        raise ConfigError("lora.max_loras: adapters serve with engine.tensor_parallel 1 only")
+
+
 # Ray's own resources, which the config names by their fields (engine_cpus; GPUs come from
 # engine.tensor_parallel), so that one amount has one place.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -391,6 +416,7 @@ def load_config(
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
     check_engine(config)
+    check_lora(config)
     check_cluster(config)
     check_network(config)
     return config

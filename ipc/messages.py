@@ -80,6 +80,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     seed: int | None = None  # None: the tokenizer assigns one at admission
     priority: int = 0  # lower runs first; ties are FCFS
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
+    adapter: str = ""  # the LoRA adapter to generate with (a name in lora.adapters); "" = the base model
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):

@@ -232,6 +232,8 @@ STEP_PLAN = SlotSpec(
         # LongRoPE models (Phi-3): 1 where the row's tokens rotate with the long factors (the
         # sequence is longer than original_max_position_embeddings); absent: none do.
         ArraySpec("long_rope", np.uint8, (S,), optional=True),
+        # LoRA: the adapter slot of each row's tokens (-1: the base model); absent: no adapters.
+        ArraySpec("lora_slots", I32, (S,), optional=True),
         # Structured output: grammar_rows[i] is the plan index of a sampled row, and bit t % 32 of
         # grammar_bitmask[i, t // 32] is set when that row may sample token t.
         ArraySpec("grammar_rows", I32, (Dim.CONSTRAINED,), optional=True),

@@ -43,6 +43,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
+MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name: bounded before it reaches an error message
 # The fields a request may leave None for the tokenizer to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -94,6 +95,8 @@ def validate_params(
             raise InvalidParams(f"{name} must be a bool, got {getattr(params, name)!r}")
     if params.structured is not None:
         _check_structured(params)
+    if not isinstance(params.adapter, str) or len(params.adapter) > MAX_ADAPTER_NAME_CHARS:
+        raise InvalidParams(f"adapter must be a name of at most {MAX_ADAPTER_NAME_CHARS} characters")
 
 
 def validate_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:

@@ -61,6 +61,7 @@ def test_constraint_flags_become_the_sdk_shorthands(tmp_path: Path) -> None:
     assert sampling("--regex", "[0-9]+", "--max-tokens", "3") == {"max_tokens": 3, "regex": "[0-9]+"}
     assert sampling("--choice", "red,green") == {"choice": ["red", "green"]}
     assert sampling("--grammar", 'root ::= "x"') == {"grammar": 'root ::= "x"'}
+    assert sampling("--adapter", "sql-lora") == {"adapter": "sql-lora"}  # SamplingParams.adapter
     with pytest.raises(SystemExit):
         _parser().parse_args(["generate", "hi", "--regex", "a", "--choice", "a,b"])
 

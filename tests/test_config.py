@@ -55,12 +55,31 @@ def test_every_field_is_documented() -> None:
         ("model.max_model_len=abc", "model.max_model_len: expected int, got str"),
         ("engine=3", "engine: expected object, got int"),
         ("supervisor.hang_timeout_s=0", "supervisor.hang_timeout_s: expected float > 0.0, got 0"),
+        ("lora.max_rank=0", "lora.max_rank: expected int >= 1, got 0"),
+        ("lora.adapters={sql: /a}", "lora.adapters: 1 adapters, more than lora.max_loras (0) resident slots"),
     ],
 )
 def test_errors_name_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert str(info.value).startswith(message)
+
+
+def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
+    config = load_config(None, ["lora.max_loras=2", "lora.adapters={sql: /adapters/sql}"])
+    assert (config.lora.max_loras, config.lora.max_rank, config.lora.adapters) == (
+        2,
+        64,
+        {"sql": "/adapters/sql"},
+    )
+    with pytest.raises(
+        ConfigError, match=r"^lora\.adapters\.sql: expected an absolute adapter directory, got 'a/b'"
+    ):
+        load_config(None, ["lora.max_loras=1", "lora.adapters={sql: a/b}"])
+    with pytest.raises(
+        ConfigError, match=r"^lora\.max_loras: adapters serve with engine\.tensor_parallel 1 only"
+    ):
+        load_config(None, ["lora.max_loras=1", "engine.tensor_parallel=2"])
 
 
 def test_override_applies_yaml_scalars() -> None:

@@ -101,6 +101,8 @@ BAD: list[tuple[str, Any]] = [
     ("structured.spec", StructuredOutput("regex", "")),
     ("structured.spec: 65537 bytes", StructuredOutput("regex", "a" * (64 * 1024 + 1))),
     ("structured.strict", StructuredOutput("json", "{}", strict=1)),  # type: ignore[arg-type]
+    ("adapter", "x" * 257),
+    ("adapter", 3),
 ]
 
 

@@ -96,6 +96,7 @@ class GatewaySettings:
     # structured.max_costly_compiles, structured.costly_compile_window_s (costly_constraints.py)
     max_costly_compiles: int = 4
     costly_compile_window_s: float = 60.0
+    adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
 
 
 def json_response(
@@ -244,9 +245,12 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
         model = getattr(body, "model", "")
-        if model and model != self.settings.model:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.model!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        if model in self.settings.adapters and kind not in (p.ChatCompletionRequest, p.CompletionRequest):
+            raise ApiError(400, f"the LoRA adapter {model!r} is served on /v1/chat/completions and /v1/completions "
+                           f"only; here, name the base model {self.settings.model!r}", param="model",
+                           code="adapter_not_supported")  # fmt: skip
+        if model and model != self.settings.model and model not in self.settings.adapters:
+            raise self.model_not_found(model)
         return body
 
     def check_message_count(self, data: bytes) -> None:
@@ -281,16 +285,31 @@ class Gateway:
         except InvalidRequest as exc:  # a message the SDK would refuse: the same reply as from it
             raise from_engine(exc, {"prompt": "messages"}) from None
 
+    def model_not_found(self, model: str) -> ApiError:
+        served = [self.settings.model, *self.settings.adapters]
+        return ApiError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                        param="model", code="model_not_found")  # fmt: skip
+
+    def with_adapter(self, body: p.ChatCompletionRequest | p.CompletionRequest, plan: Plan) -> str:
+        """The model name the reply gives: the LoRA adapter the body names, which every job then
+        generates with, or the base model's."""
+        if body.model not in self.settings.adapters:
+            return self.settings.model
+        for job in plan.jobs:
+            job.sampling["adapter"] = body.model
+        return body.model
+
     # -- generation --------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
         self.check_chat_budget(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
+        model = self.with_adapter(body, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
         fmt = ChatFormat(
-            self.settings.model, names, plan.logprobs, parser, plan.call_id_base,
+            model, names, plan.logprobs, parser, plan.call_id_base,
             prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
@@ -298,12 +317,13 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         body = await self.read_body(request, p.CompletionRequest)
         plan = plan_completion(body, header_seed(request.headers.get(SEED_HEADER)))
+        model = self.with_adapter(body, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         echo_prompts = (
             {job.index: job.prompt for job in plan.jobs if job.prompt is not None} if plan.echo else None
         )
         fmt = CompletionFormat(
-            self.settings.model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only
+            model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only
         )
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
@@ -480,16 +500,25 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
-        card = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
-        return self.finish(request, json_response(p.ModelList([card])))
+        return self.finish(request, json_response(p.ModelList(self.model_cards())))
+
+    def model_cards(self) -> list[p.ModelCard]:
+        """The base model, then each LoRA adapter, whose parent is the base model (as vLLM lists them)."""
+        base = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
+        adapters = [
+            p.ModelCard(
+                name, self.started, max_model_len=self.settings.max_model_len, parent=self.settings.model
+            )
+            for name in self.settings.adapters
+        ]
+        return [base, *adapters]
 
     async def model(self, request: Request) -> Response:
         self.check_key(request)
         model_id = request.path_params["model_id"]
-        if model_id != self.settings.model:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {self.settings.model!r}",
-                           param="model", code="model_not_found")  # fmt: skip
-        card = p.ModelCard(self.settings.model, self.started, max_model_len=self.settings.max_model_len)
+        card = next((card for card in self.model_cards() if card.id == model_id), None)
+        if card is None:
+            raise self.model_not_found(model_id)
         return self.finish(request, json_response(card))
 
     async def health(self, request: Request) -> Response:

@@ -251,6 +251,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "brigade"
     max_model_len: int | None = None
     object: Literal["model"] = "model"
+    parent: str | None = None  # a LoRA adapter's base model; None for the base model itself
 
 
 class ModelList(msgspec.Struct):

@@ -132,6 +132,9 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
         int8_activations=engine.cpu_int8_activations,
+        max_loras=config.lora.max_loras,
+        max_lora_rank=config.lora.max_rank,
+        lora_adapters=config.lora.adapters,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

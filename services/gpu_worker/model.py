@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -121,6 +122,14 @@ CAN_PREPACK = (
 # Per build of the kernels (cpu_ops.isa()): on an AVX-512 CPU oneDNN's GEMM is AVX-512 too, and
 # faster than the 8-bit kernel from 5 rows on, so there the option stops at the few-rows steps.
 INT8_BLOCKS_MAX_ROWS = {"avx2": 32, "avx512": cpu_ops.MAX_LINEAR_ROWS}
+
+
+class ProjectionDeltas(Protocol):
+    """What a step adds to some tokens' projections beyond the base weights (LoRA adapters:
+    services/gpu_worker/lora.py's LoraBatch)."""
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        """out += the deltas of layer `layer`'s `modules` (HF names, in out's column order) on x."""
 
 
 def has_native_half_matmul(device: torch.device) -> bool:
@@ -748,9 +757,10 @@ class LlamaModel:
         metas: list[StepMeta],
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         sample_tokens: torch.Tensor,
+        lora: ProjectionDeltas | None = None,
     ) -> torch.Tensor:
         """Run all tokens; returns float32 logits [len(sample_tokens), V] of the sampled rows only."""
-        hidden, residual = self.hidden_states(input_ids, metas, kv_cache)
+        hidden, residual = self.hidden_states(input_ids, metas, kv_cache, lora)
         return self.logits(hidden, residual, sample_tokens)
 
     def hidden_states(
@@ -758,9 +768,11 @@ class LlamaModel:
         input_ids: torch.Tensor,
         metas: list[StepMeta],
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: ProjectionDeltas | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run all tokens through the layers; returns the last layer's output and residual, whose
-        sum (at the rows wanted) `logits` takes through the final norm and the LM head."""
+        sum (at the rows wanted) `logits` takes through the final norm and the LM head. `lora`:
+        the step's adapters, added to each projection's output for the tokens that use one."""
         c, ops, eps, scale = self.config, self.ops, self.eps, self.scale
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
@@ -780,10 +792,13 @@ class LlamaModel:
             and meta.decode_tables is not None
             and meta.is_all_decode
             and meta.store_tokens is None
+            and lora is None  # the one C++ op has no adapter deltas
         )
         if is_one_op_layers:
             cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
-        for layer, layer_cache, kind in zip(self.layers, kv_cache, self.layer_kinds, strict=True):
+        for index, (layer, layer_cache, kind) in enumerate(
+            zip(self.layers, kv_cache, self.layer_kinds, strict=True)
+        ):
             if is_one_op_layers:
                 hidden, residual = cpu_ops.few_rows_decode_layer(
                     hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
@@ -797,16 +812,18 @@ class LlamaModel:
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qk_norms = None if layer.q_norm is None or c.qk_norm_whole else (layer.q_norm, layer.k_norm, eps)
             qkv = linear(x, qkv_w, layer.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, x, index, ("q_proj", "k_proj", "v_proj"))
             if c.qk_norm_whole:
                 qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps)
             if c.clip_qkv:
                 qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
             q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
-            attn = reduce(
-                linear(
-                    layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks), o_proj_w
-                )
-            )
+            attn_out = layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks)
+            attn = linear(attn_out, o_proj_w)
+            if lora is not None:
+                lora.add(attn, attn_out, index, ("o_proj",))
+            attn = reduce(attn)
             if layer.o_bias is not None:
                 attn.add_(layer.o_bias)
             if layer.post_attn_norm is not None:
@@ -820,9 +837,16 @@ class LlamaModel:
                     )
                 )  # fmt: skip
             else:
-                gate, up = linear(x, gate_up_w, layer.gate_up_bias).chunk(2, dim=-1)
+                gate_up = linear(x, gate_up_w, layer.gate_up_bias)
+                if lora is not None:
+                    lora.add(gate_up, x, index, ("gate_proj", "up_proj"))
+                gate, up = gate_up.chunk(2, dim=-1)
                 # In place on the activation's fresh output: one allocation less per layer.
-                hidden = reduce(linear(activation(gate).mul_(up), down_w))
+                glu = activation(gate).mul_(up)
+                hidden = linear(glu, down_w)
+                if lora is not None:
+                    lora.add(hidden, glu, index, ("down_proj",))
+                hidden = reduce(hidden)
             if layer.down_bias is not None:
                 hidden.add_(layer.down_bias)
             if layer.post_mlp_norm is not None:

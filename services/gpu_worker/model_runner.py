@@ -15,6 +15,7 @@ from ipc.validation import MAX_LOGPROBS
 from services.gpu_worker.architectures import ModelConfig
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
+from services.gpu_worker.lora import LoraBatch, LoraSlots, load_adapter
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
@@ -48,6 +49,9 @@ class ModelRunner:
         backend: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         int8_activations: bool = False,
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
+        lora_adapters: dict[str, str] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -76,6 +80,7 @@ class ModelRunner:
             config, self.dtype, self.device, block_size, parallel, backend, int8_activations
         )
         load_weights(self.model, model_dir)
+        self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
         if int8_activations and not self.model.reads_gguf_blocks:
             log.warning(
                 "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
@@ -111,6 +116,30 @@ class ModelRunner:
             "model %s (%s on %s): %d KV blocks of %d tokens",
             self.model_name, dtype, self.device, self.num_kv_blocks, block_size,
         )  # fmt: skip
+
+    def _load_adapters(self, max_loras: int, max_rank: int, adapters: dict[str, str]) -> LoraSlots | None:
+        """The static adapters (lora.adapters), checked against the model and put in slots in their
+        order, before the worker serves anything; None with max_loras 0 (adapters off)."""
+        if max_loras == 0:
+            if adapters:
+                raise ValueError("lora.adapters names adapters but lora.max_loras is 0 (adapters off)")
+            return None
+        if len(adapters) > max_loras:
+            raise ValueError(
+                f"lora.adapters names {len(adapters)} adapters, over lora.max_loras ({max_loras})"
+            )
+        slots = LoraSlots(self.model, max_loras, max_rank)
+        for slot, (name, path) in enumerate(adapters.items()):
+            slots.load(slot, load_adapter(name, path, self.model, max_rank))
+            log.info("LoRA adapter %s (%s) in slot %d", name, path, slot)
+        return slots
+
+    def lora_batch(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> LoraBatch | None:
+        """The step's adapters from the plan's lora_slots (one per row, -1 = none), or None."""
+        if "lora_slots" not in arrays or self.lora is None:
+            return None
+        counts = np.diff(arrays["query_start_loc"][: num_seqs + 1])
+        return self.lora.batch(np.repeat(arrays["lora_slots"][:num_seqs], counts)[:num_tokens])
 
     def _kv_budget(self, kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
         if kv_cache_bytes is not None:
@@ -156,6 +185,8 @@ class ModelRunner:
             raise InvalidPlan(f"block id out of range [0, {self.num_kv_blocks})")
         if "prompt_targets" in arrays or "num_prompt_logprobs" in arrays:
             _check_prompt_targets(arrays, self.vocab_size)
+        if "lora_slots" in arrays:
+            self._check_lora_slots(arrays["lora_slots"][:s])
         if "long_rope" in arrays:
             if not self.long_rope_from:
                 raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
@@ -186,7 +217,9 @@ class ModelRunner:
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
-        hidden, residual = self.model.hidden_states(input_ids, metas, self.kv_cache)
+        hidden, residual = self.model.hidden_states(
+            input_ids, metas, self.kv_cache, self.lora_batch(arrays, t, s)
+        )
         logits = self.model.logits(hidden, residual, sample_tokens.to(self.device))
         if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
             result.update(self._score_prompt(hidden, residual, arrays, s))
@@ -204,6 +237,19 @@ class ModelRunner:
         result["top_ids"][rows, :n] = out["top_ids"][:, :n]
         result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
         return result
+
+    def _check_lora_slots(self, lora_slots: np.ndarray) -> None:
+        """Each row's slot is -1 (no adapter) or a slot that holds one."""
+        used = np.unique(lora_slots[lora_slots != -1]).tolist()
+        if not used:
+            return
+        if self.lora is None:
+            raise InvalidPlan("step plan: lora_slots for a worker without adapters (lora.max_loras 0)")
+        empty = [
+            slot for slot in used if not 0 <= slot < self.lora.max_loras or self.lora.names[slot] is None
+        ]
+        if empty:
+            raise InvalidPlan(f"step plan: lora_slots names slot {empty[0]}, which holds no adapter")
 
     def _score_prompt(
         self, hidden: torch.Tensor, residual: torch.Tensor, arrays: dict[str, np.ndarray], num_seqs: int

@@ -127,6 +127,10 @@ class SchedulerProcess(StageProcess):
         except InvalidParams as exc:
             self.refuse(submit, exc.code, str(exc))
             return
+        adapter, adapters = submit.params.adapter, list(self.stage.config.lora.adapters)
+        if adapter and adapter not in adapters:
+            self.refuse(submit, "invalid_request", f"unknown LoRA adapter {adapter!r}; served: {adapters}")
+            return
         request = Request(
             request_id=submit.request_id,
             tokenizer_id=submit.tokenizer_id,
@@ -135,6 +139,7 @@ class SchedulerProcess(StageProcess):
             params=submit.params,
             arrival_time=time.monotonic(),
         )
+        request.lora_slot = adapters.index(adapter) if adapter else -1
         try:
             finished = self.core.add(request)
         except (Overloaded, PromptTooLong, ValueError) as exc:

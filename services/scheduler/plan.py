@@ -114,12 +114,15 @@ class PlanTable:
         self.constrained = np.zeros(num_rows, np.bool_)
         # Rows whose tokens rotate with LongRoPE's long factors (Request.is_long_rope).
         self.long_rope = np.zeros(num_rows, np.bool_)
+        # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
+        self.lora_slots = np.full(num_rows, -1, np.int32)
         # Rows that ask for top logprobs / need a bias / are constrained: a step skips the columns
         # and arrays nobody uses.
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self.num_grammar_rows = 0
         self.num_long_rope_rows = 0
+        self.num_lora_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # The plan arrays of a whole-line decode step that depend only on its rows (read-only),
         # with the running line's version they hold for: steady decode gathers them once (see
@@ -160,6 +163,9 @@ class PlanTable:
         if req.is_long_rope:
             self.long_rope[row] = True
             self.num_long_rope_rows += 1
+        if req.lora_slot >= 0:
+            self.lora_slots[row] = req.lora_slot
+            self.num_lora_rows += 1
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -188,6 +194,8 @@ class PlanTable:
         self.constrained[req.row] = False
         self.num_long_rope_rows -= self.long_rope[req.row]
         self.long_rope[req.row] = False
+        self.num_lora_rows -= self.lora_slots[req.row] >= 0
+        self.lora_slots[req.row] = -1
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
@@ -400,6 +408,8 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
     constants.update(zip(FLOAT_COLUMNS, table.floats.take(rows, axis=1), strict=True))
     if table.num_long_rope_rows:
         constants["long_rope"] = table.long_rope.take(rows).view(np.uint8)
+    if table.num_lora_rows:
+        constants["lora_slots"] = table.lora_slots.take(rows)
     if not table.history:
         constants.update(_history(step))
     if not table.num_bias_rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import zlib
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,7 @@ class Request:
         "grammar",
         "grammar_future",
         "is_long_rope",
+        "lora_slot",
         "num_cached_tokens",
         "num_preemptions",
         "num_registered_blocks",
@@ -129,6 +131,9 @@ class Request:
         # LongRoPE: whether its KV is rotated with the long factors, chosen at each admission
         # (Prefill.choose_rope): a sequence longer than the original length is, as in HF.
         self.is_long_rope = False
+        # The worker slot of its LoRA adapter (params.adapter), -1 for none: set at submission,
+        # from the adapters' order in lora.adapters, which the workers load in the same order.
+        self.lora_slot = -1
         # Structured output (params.structured): the compile while it runs, then the matcher,
         # which stays in step with output_ids (services/scheduler/grammars.py).
         self.grammar_future: Future[CompiledGrammar] | None = None
@@ -171,8 +176,14 @@ class Request:
     @property
     def hash_root(self) -> bytes:
         """Where its block-hash chain starts: the long regime's blocks hold other keys than the
-        short one's for the same tokens, so the two never share cached blocks."""
-        return LONG_ROPE_HASH_ROOT if self.is_long_rope else b""
+        short one's for the same tokens, and a LoRA adapter's other keys and values than the base
+        model's or another adapter's, so none of them share cached blocks."""
+        root = LONG_ROPE_HASH_ROOT if self.is_long_rope else b""
+        if self.params.adapter:
+            root = hashlib.blake2b(
+                root + b"lora adapter " + self.params.adapter.encode(), digest_size=16
+            ).digest()
+        return root
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,238 @@
+"""LoRA adapters in PEFT's format, resident in fixed slots and applied per row of a step.
+
+An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/up/down). The
+worker keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in]
+and B [slots, out, r] (the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
+that a step may mix rows of several adapters and rows of none. A step groups its tokens by slot
+and each adapter present multiplies all of its tokens at once: its A and B are read once per step
+(`LoraBatch.add`). Adapters are checked against the base model when loaded, before they serve
+anything: a module they target that the model has not, or whose shapes differ, refuses the
+adapter with a message naming the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from services.gpu_worker.model import LlamaModel
+
+# The projections an adapter may target, and the merged weight of the model each one is part of.
+TARGET_MODULES = {
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o_proj",
+    "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
+}  # fmt: skip
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# PEFT's saved names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+_WEIGHT_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot serve on this model; the message names the adapter and the problem."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights in float32: (layer, module) -> (A [r, in], B [out, r] * scaling)."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def lora_scaling(config: dict) -> float:
+    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (use_rslora)."""
+    rank, alpha = config["r"], config.get("lora_alpha", 8)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def module_shapes(model: LlamaModel) -> dict[tuple[int, str], tuple[int, int]]:
+    """(in, out) of each projection an adapter may target, per layer: a sparse (MoE) layer's MLP
+    has no dense gate/up/down, so it has none of those."""
+    c, sh = model.config, model.shard
+    h, q, kv, inter = (
+        c.hidden_size,
+        sh.num_heads * c.head_dim,
+        sh.num_kv_heads * c.head_dim,
+        sh.intermediate_size,
+    )
+    per_layer = {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+    }  # fmt: skip
+    return {
+        (i, module): shape
+        for i, layer in enumerate(model.layers)
+        for module, shape in per_layer.items()
+        if layer.moe is None or module not in MLP_MODULES
+    }
+
+
+def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) -> LoraAdapter:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) checked against
+    `model`; AdapterError says why one does not fit."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter {name!r}: cannot read {path / 'adapter_config.json'}: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
+    check_adapter_config(name, config, max_rank)
+    if model.parallel.is_parallel:
+        raise AdapterError(f"adapter {name!r}: LoRA adapters serve with tensor_parallel 1 only")
+    if model.config.fused_weights:
+        raise AdapterError(
+            f"adapter {name!r}: {model.config.architecture} (fused qkv_proj) takes no adapters"
+        )
+    try:
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {exc}") from None
+    rank, scaling = config["r"], lora_scaling(config)
+    shapes = module_shapes(model)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _WEIGHT_NAME.fullmatch(key)
+        if match is None:
+            raise AdapterError(f"adapter {name!r}: weight {key} is not a LoRA A/B of a q/k/v/o/gate/up/down")
+        layer, module, kind = int(match[1]), match[2], match[3]
+        if module not in TARGET_MODULES:
+            raise AdapterError(
+                f"adapter {name!r}: {key}: {module} is not a supported target: one of {sorted(TARGET_MODULES)}"
+            )
+        if (layer, module) not in shapes:
+            raise AdapterError(f"adapter {name!r}: {key}: the base model has no such module")
+        pairs.setdefault((layer, module), {})[kind] = tensor
+    weights = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        where = f"model.layers.{layer}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: {where} has lora_A or lora_B but not both")
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = shapes[(layer, module)]
+        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise AdapterError(
+                f"adapter {name!r}: {where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base "
+                f"model needs ({rank}, {in_features}) / ({out_features}, {rank})"
+            )
+        weights[(layer, module)] = (a.float(), b.float() * scaling)
+    if not weights:
+        raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    return LoraAdapter(name, rank, weights)
+
+
+def check_adapter_config(name: str, config: dict, max_rank: int) -> None:
+    """Refuse, by name, what adapter_config.json asks that these slots do not compute."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}, only LORA is served")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: r must be an integer >= 1, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name!r}: rank {rank} is over lora.max_rank ({max_rank})")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"adapter {name!r}: modules_to_save ({config['modules_to_save']}) is not supported: "
+            "only LoRA deltas on q/k/v/o/gate/up/down are"
+        )
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise AdapterError(
+                f"adapter {name!r}: target module {unknown[0]} is not supported: one of {sorted(TARGET_MODULES)}"
+            )
+    unsupported = {
+        "use_dora": bool(config.get("use_dora")),
+        "bias": config.get("bias", "none") != "none",
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+    }
+    for option, is_set in unsupported.items():
+        if is_set:
+            raise AdapterError(f"adapter {name!r}: {option} ({config[option]!r}) is not supported")
+
+
+class LoraSlots:
+    """`max_loras` resident adapter slots of rank up to `max_rank`, per layer and projection."""
+
+    def __init__(self, model: LlamaModel, max_loras: int, max_rank: int) -> None:
+        self.model = model
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.names: list[str | None] = [None] * max_loras
+        self.ranks = [0] * max_loras
+        dtype, device = model.dtype, model.device
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for key, (in_features, out_features) in module_shapes(model).items():
+            self.a[key] = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
+            self.b[key] = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        # Column offset of each module in the merged output it is part of (qkv, gate_up).
+        c, sh = model.config, model.shard
+        q, kv = sh.num_heads * c.head_dim, sh.num_kv_heads * c.head_dim
+        self.offsets = {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0,
+                        "gate_proj": 0, "up_proj": sh.intermediate_size, "down_proj": 0}  # fmt: skip
+        # Which modules of each layer some resident adapter targets: the others cost nothing.
+        self.targeted: dict[tuple[int, str], set[int]] = {key: set() for key in self.a}
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` into `slot` (whatever was there is gone: modules it does not target are zero)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_loras})")
+        for key in self.a:
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+            self.targeted[key].discard(slot)
+        for key, (a, b) in adapter.weights.items():
+            self.a[key][slot, : adapter.rank] = a
+            self.b[key][slot, :, : adapter.rank] = b
+            self.targeted[key].add(slot)
+        self.names[slot], self.ranks[slot] = adapter.name, adapter.rank
+
+    def batch(self, token_slots: np.ndarray) -> LoraBatch | None:
+        """The step's tokens grouped by slot (token_slots[t] = the slot of token t, -1 = none);
+        None when no token has an adapter."""
+        groups = []
+        for slot in np.unique(token_slots[token_slots >= 0]).tolist():
+            rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.model.device)
+            groups.append((slot, rows))
+        return LoraBatch(self, groups) if groups else None
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """One step's adapters: (slot, the flat token indices that use it) per slot present."""
+
+    slots: LoraSlots
+    groups: list[tuple[int, torch.Tensor]]
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        """out[t] += B @ (A @ x[t]) of each token's adapter for `modules` (the parts of one merged
+        projection, in its column order), in place."""
+        for module in modules:
+            key = (layer, module)
+            if key not in self.slots.a:
+                continue
+            start = self.slots.offsets[module]
+            a_all, b_all = self.slots.a[key], self.slots.b[key]
+            width = b_all.shape[1]
+            for slot, rows in self.groups:
+                if slot not in self.slots.targeted[key]:
+                    continue
+                rank = self.slots.ranks[slot]
+                delta = (x[rows] @ a_all[slot, :rank].T) @ b_all[slot, :, :rank].T
+                out[rows, start : start + width] += delta

@@ -1,0 +1,309 @@
+"""LoRA adapters against HF transformers with PEFT: a small random Llama base, three random PEFT
+adapters (different ranks and target sets, one rsLoRA) saved as PEFT saves them, and one step
+plan after another that mixes rows of every adapter and a row of none, through the worker's
+model runner. Each row's logits and greedy token must be PeftModel's on its whole history.
+Adapters that do not fit the base model are refused, naming what does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.lora import AdapterError
+from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+from tests.test_families import BLOCK, VOCAB, save_random_family_model
+from tests.test_model import PlanBuilder, runner_logits
+
+pytestmark = pytest.mark.timeout(300)
+
+peft = pytest.importorskip("peft")
+
+BASE_FAMILY = "llama3-untied"
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> PEFT LoraConfig arguments
+ADAPTERS = {
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all-r16-rslora": dict(r=16, lora_alpha=8, target_modules=ALL_MODULES, use_rslora=True),
+    "ogd-r4": dict(r=4, lora_alpha=4, target_modules=["o_proj", "gate_proj", "down_proj"]),
+}
+NEW_TOKENS = 5
+
+
+def hf_base(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def save_random_adapter(base_path: Path, out: Path, seed: int, **lora_args) -> Path:
+    """A PEFT adapter of the model at base_path with random A and B (PEFT's own init leaves B zero,
+    which would test nothing), saved by PeftModel.save_pretrained."""
+    model = peft.get_peft_model(hf_base(base_path), peft.LoraConfig(**lora_args))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_models(tmp_path_factory):
+    """(base dir, {adapter name: its dir}, {name or None: HF reference model})."""
+    root = tmp_path_factory.mktemp("lora")
+    base = save_random_family_model(BASE_FAMILY, root / "base")
+    paths = {
+        name: save_random_adapter(base, root / name, seed, **args)
+        for seed, (name, args) in enumerate(ADAPTERS.items())
+    }
+    references = {None: hf_base(base)}
+    for name, path in paths.items():
+        references[name] = peft.PeftModel.from_pretrained(hf_base(base), path).eval()
+    return base, paths, references
+
+
+def make_runner(base: Path, adapters: dict[str, Path], max_loras: int = 4, max_rank: int = 64) -> ModelRunner:
+    return ModelRunner(
+        base, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, max_loras=max_loras,
+        max_lora_rank=max_rank, lora_adapters={name: str(path) for name, path in adapters.items()},
+    )  # fmt: skip
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def lora_plan(runner, builder, chunks, adapter_of) -> tuple[dict, object]:
+    """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot."""
+    arrays, header = builder.plan(chunks)
+    slots = [
+        -1 if adapter_of[seq] is None else runner.lora.names.index(adapter_of[seq]) for seq, *_ in chunks
+    ]
+    arrays["lora_slots"] = np.array(slots, dtype=np.int32)
+    return arrays, header
+
+
+def step_logits(runner: ModelRunner, arrays: dict, header) -> torch.Tensor:
+    """Logits of the sampled rows of one plan, the model called as `execute` calls it."""
+    runner.validate(arrays, header)
+    t, s = header.num_tokens, header.num_seqs
+    metas = runner.model.prepare(arrays, t, s)
+    rows = np.flatnonzero(arrays["is_sampled"])
+    sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
+    ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+    return runner.model.forward(ids, metas, runner.kv_cache, sample_tokens, runner.lora_batch(arrays, t, s))
+
+
+def check_lora_step(runner, builder, references, chunks, adapter_of, histories) -> None:
+    """One step whose rows each use their sequence's adapter (or none); every row's logits and
+    greedy token checked against its reference model on the whole history, which then grows by
+    that token."""
+    plan = lora_plan(runner, builder, [(seq, tokens, True) for seq, tokens in chunks], adapter_of)
+    logits = step_logits(runner, *plan)
+    for row, (seq, _) in enumerate(chunks):
+        expected = reference_logits(references[adapter_of[seq]], histories[seq])
+        torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4, msg=f"seq {seq}")
+        assert int(logits[row].argmax()) == int(expected.argmax()), f"seq {seq}: greedy token differs"
+        histories[seq].append(int(expected.argmax()))
+
+
+def test_adapters_change_the_output(lora_models):
+    """The references differ from one another: a test of equal outputs would otherwise pass
+    with adapters ignored."""
+    _, _, references = lora_models
+    ids = list(range(3, 40))
+    logits = {name: reference_logits(model, ids) for name, model in references.items()}
+    for name in ADAPTERS:
+        assert (logits[name] - logits[None]).abs().max() > 0.05, name
+
+
+def test_mixed_adapter_batch_matches_peft(lora_models):
+    """Prefill, then decodes, of a batch with a row for each adapter and one for none; then a
+    preempted sequence recomputed in chunks, a step where one adapter has two rows, and a
+    prefix-cache hit within one adapter."""
+    base, paths, references = lora_models
+    runner = make_runner(base, paths)
+    rng = np.random.default_rng(0)
+    adapter_of = {0: "qv-r8", 1: None, 2: "all-r16-rslora", 3: "ogd-r4"}
+    histories = {seq: rng.integers(3, VOCAB, 19 + 6 * seq).tolist() for seq in adapter_of}
+    builder = PlanBuilder(BLOCK)
+    check_lora_step(
+        runner, builder, references, [(s, list(h)) for s, h in histories.items()], adapter_of, histories
+    )
+    for _ in range(NEW_TOKENS):
+        check_lora_step(
+            runner, builder, references, [(s, h[-1:]) for s, h in histories.items()], adapter_of, histories
+        )
+
+    # A fifth sequence on an adapter another row uses; sequence 2 preempted and recomputed in two
+    # chunks (the first samples nothing) beside other rows; then all decode on.
+    adapter_of[4] = "all-r16-rslora"
+    histories[4] = rng.integers(3, VOCAB, 23).tolist()
+    del builder.blocks[2]
+    builder.num_cached[2] = 0
+    half = len(histories[2]) // 2
+    step_logits(runner, *lora_plan(runner, builder, [(2, histories[2][:half], False)], adapter_of))
+    check_lora_step(
+        runner, builder, references,
+        [(2, histories[2][half:]), (4, list(histories[4])), (1, histories[1][-1:])], adapter_of, histories,
+    )  # fmt: skip
+
+    # A prefix-cache hit within one adapter: sequence 5 (ogd-r4, as sequence 3) reuses sequence
+    # 3's first block, computed under that adapter, and prefills only the rest.
+    adapter_of[5] = "ogd-r4"
+    histories[5] = histories[3][:BLOCK] + rng.integers(3, VOCAB, 7).tolist()
+    builder.blocks[5] = builder.blocks[3][:1]
+    builder.num_cached[5] = BLOCK
+    check_lora_step(
+        runner,
+        builder,
+        references,
+        [(5, histories[5][BLOCK:]), (0, histories[0][-1:])],
+        adapter_of,
+        histories,
+    )
+    for _ in range(2):
+        check_lora_step(
+            runner, builder, references, [(s, h[-1:]) for s, h in histories.items()], adapter_of, histories
+        )
+
+
+def test_greedy_tokens_through_execute_match_peft(lora_models):
+    """The runner's own step (execute, its sampler) on a batch of each adapter and none: greedy
+    tokens equal PeftModel.generate's."""
+    base, paths, references = lora_models
+    runner = make_runner(base, paths)
+    rng = np.random.default_rng(2)
+    adapter_of = {0: "ogd-r4", 1: "qv-r8", 2: None, 3: "all-r16-rslora", 4: "qv-r8"}
+    prompts = {seq: rng.integers(3, VOCAB, 11 + 3 * seq).tolist() for seq in adapter_of}
+    builder = PlanBuilder(BLOCK)
+    outputs: dict[int, list[int]] = {seq: [] for seq in adapter_of}
+    chunks = [(seq, prompt, True) for seq, prompt in prompts.items()]
+    for _ in range(NEW_TOKENS):
+        result = runner.execute(*lora_plan(runner, builder, chunks, adapter_of))
+        for row, (seq, *_) in enumerate(chunks):
+            outputs[seq].append(int(result["sampled_ids"][row]))
+        chunks = [(seq, [outputs[seq][-1]], True) for seq in adapter_of]
+    for seq, prompt in prompts.items():
+        with torch.inference_mode():
+            expected = references[adapter_of[seq]].generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert outputs[seq] == expected, f"seq {seq} ({adapter_of[seq]})"
+
+
+def test_step_without_lora_slots_is_the_base_model(lora_models):
+    base, paths, references = lora_models
+    runner = make_runner(base, paths)
+    ids = np.random.default_rng(1).integers(3, VOCAB, 30).tolist()
+    logits = runner_logits(runner, PlanBuilder(BLOCK), [(0, ids, True)])
+    torch.testing.assert_close(logits[0], reference_logits(references[None], ids), atol=2e-4, rtol=2e-4)
+
+
+def test_plan_naming_an_empty_slot_is_refused(lora_models):
+    base, paths, _ = lora_models
+    runner = make_runner(base, {"qv-r8": paths["qv-r8"]}, max_loras=2)
+    arrays, header = PlanBuilder(BLOCK).plan([(0, [5, 6, 7], True)])
+    arrays["lora_slots"] = np.array([1], dtype=np.int32)
+    with pytest.raises(InvalidPlan, match="slot 1, which holds no adapter"):
+        runner.execute(arrays, header)
+
+
+# ---- adapters that do not fit ---------------------------------------------------------------------
+
+
+def edited_adapter(source: Path, out: Path, **config_changes) -> Path:
+    out.mkdir(parents=True)
+    (out / "adapter_model.safetensors").write_bytes((source / "adapter_model.safetensors").read_bytes())
+    config = json.loads((source / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, **config_changes}))
+    return out
+
+
+def test_rank_over_max_rank_is_refused(lora_models):
+    base, paths, _ = lora_models
+    with pytest.raises(AdapterError, match=r"'all-r16-rslora': rank 16 is over lora.max_rank \(8\)"):
+        make_runner(base, {"all-r16-rslora": paths["all-r16-rslora"]}, max_rank=8)
+
+
+def test_modules_to_save_is_refused_by_name(lora_models, tmp_path):
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad", modules_to_save=["lm_head"])
+    with pytest.raises(AdapterError, match=r"modules_to_save \(\['lm_head'\]\) is not supported"):
+        make_runner(base, {"bad": bad})
+
+
+def test_unsupported_target_module_is_refused_by_name(lora_models, tmp_path):
+    base, _, _ = lora_models
+    bad = save_random_adapter(base, tmp_path / "embed", 7, r=4, target_modules=["embed_tokens", "q_proj"])
+    with pytest.raises(AdapterError, match="target module embed_tokens is not supported"):
+        make_runner(base, {"embed": bad})
+
+
+def test_adapter_of_another_base_is_refused_naming_the_module(lora_models, tmp_path):
+    """An adapter made for a wider model: the first module whose shapes differ is named."""
+    import transformers
+
+    from tests.conftest import save_random_model
+    from tests.test_families import COMMON, FAMILIES
+
+    base, _, _ = lora_models
+    _, extra = FAMILIES[BASE_FAMILY]
+    wider = transformers.LlamaConfig(**{**COMMON, **extra, "intermediate_size": 128})
+    other = save_random_model(wider, tmp_path / "other-base", seed=3, std=0.08)
+    adapter = save_random_adapter(other, tmp_path / "other", 3, r=4, target_modules=["q_proj", "down_proj"])
+    with pytest.raises(AdapterError, match=r"model\.layers\.0\.down_proj: lora_A \(4, 128\)"):
+        make_runner(base, {"other": adapter})
+
+
+def test_adapter_for_more_layers_is_refused_naming_the_module(lora_models, tmp_path):
+    import transformers
+
+    from tests.conftest import save_random_model
+    from tests.test_families import COMMON, FAMILIES
+
+    base, _, _ = lora_models
+    _, extra = FAMILIES[BASE_FAMILY]
+    deeper = transformers.LlamaConfig(**{**COMMON, **extra, "num_hidden_layers": 3})
+    other = save_random_model(deeper, tmp_path / "deeper-base", seed=4, std=0.08)
+    adapter = save_random_adapter(other, tmp_path / "deeper", 4, r=4, target_modules=["v_proj"])
+    with pytest.raises(
+        AdapterError, match=r"layers\.2\.self_attn\.v_proj\.lora_A\.weight: the base model has no such module"
+    ):
+        make_runner(base, {"deeper": adapter})
+
+
+def test_adapter_on_mixture_of_experts_is_refused_naming_the_experts(tmp_path):
+    """PEFT targets a mixture of experts' stacked experts for down_proj: those are not served."""
+    from tests.conftest import save_random_model
+    from tests.test_moe import random_moe_config
+
+    base = save_random_model(random_moe_config("qwen3-moe-norm-topk"), tmp_path / "moe", seed=5, std=0.08)
+    adapter = save_random_adapter(base, tmp_path / "moe-lora", 5, r=4, target_modules=["q_proj", "down_proj"])
+    with pytest.raises(
+        AdapterError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight: experts is not a supported target"
+    ):
+        make_runner(base, {"moe-lora": adapter})
+
+
+def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
+    base, paths, _ = lora_models
+    with pytest.raises(AdapterError, match=r"'gone': cannot read .*adapter_config\.json"):
+        make_runner(base, {"gone": tmp_path / "nowhere"})
+    corrupt = edited_adapter(paths["qv-r8"], tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match=r"'corrupt': cannot read adapter_model\.safetensors"):
+        make_runner(base, {"corrupt": corrupt})
+
+
+def test_more_adapters_than_slots_is_refused(lora_models):
+    base, paths, _ = lora_models
+    with pytest.raises(ValueError, match=r"names 3 adapters, over lora.max_loras \(2\)"):
+        make_runner(base, paths, max_loras=2)
