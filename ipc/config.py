@@ -82,6 +82,18 @@ class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lexer_fuel: Positive = 200_000  # llguidance's initial_lexer_fuel (its default: 1_000_000)
 
 
+MAX_SPECULATIVE_TOKENS = 16  # proposals one row verifies per step (sizes the step-result slots)
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding (docs/speculative.md): names as vLLM's speculative_config."""
+
+    method: Literal["none", "ngram"] = "none"
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
+    prompt_lookup_min: Positive = 1  # the n-gram proposer's shortest match
+    prompt_lookup_max: Positive = 4  # and its longest (the longest that matches wins)
+
+
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
 
@@ -167,6 +179,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterConfig = ClusterConfig()
     network: NetworkConfig = NetworkConfig()
     structured: StructuredConfig = StructuredConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -306,6 +319,16 @@ def check_engine(config: Config) -> None:
         )
 
 
+def check_speculative(config: Config) -> None:
+    """The n-gram bounds must leave some n to match."""
+    spec = config.speculative
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise ConfigError(
+            f"speculative.prompt_lookup_min ({spec.prompt_lookup_min}) must be <= "
+            f"speculative.prompt_lookup_max ({spec.prompt_lookup_max})"
+        )
+
+
 # Ray's own resources, which the config names by their fields (engine_cpus; GPUs come from
 # engine.tensor_parallel), so that one amount has one place.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -386,6 +409,7 @@ def load_config(
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
     check_engine(config)
+    check_speculative(config)
     check_cluster(config)
     check_network(config)
     return config

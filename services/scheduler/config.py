@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.speculation import Proposer
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -23,6 +25,8 @@ class SchedulerConfig:
     # LongRoPE (Phi-3): original_max_position_embeddings (0: no LongRoPE). A sequence longer than
     # this rotates with the long factors; one that grows past it recomputes (decode.py).
     long_rope_from: int = 0
+    # Speculative decoding (docs/speculative.md): None, or what proposes tokens to verify.
+    proposer: Proposer | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
