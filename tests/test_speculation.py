@@ -9,11 +9,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS, ConfigError, load_config
 from ipc.step_plan import STEP_RESULT, Dim
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.speculation import emitted_tokens, num_accepted
-from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.__main__ import detokenizer_messages
+from services.scheduler.core import Scheduler, SchedulerConfig, StepOutputs
+from services.scheduler.request import Request
 from services.scheduler.speculation import NgramProposer
 from tests.test_model import PlanBuilder
 from tests.test_scheduler_core import (
@@ -399,3 +402,28 @@ def test_the_speculative_section_is_validated_when_the_config_loads():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+def test_a_resumed_request_with_several_tokens_in_a_step_gets_its_history_once():
+    """A verification gives a request several entries in one step; one that waits for its whole
+    history (resubmitted) gets it once, with its last entry's finish reason and logprob."""
+    resumed = Request("a", 0, np.array([1, 2], np.int32), engine_params(max_tokens=4), output_ids=[7, 8, 9])
+    outputs = StepOutputs(
+        ["a", "a", "b"],
+        [0, 0, 0],
+        np.array([1, 2, 5], np.int32),
+        np.array([8, 9, 3], np.int32),
+        np.array([-0.5, -0.25, -1.0], np.float32),
+        [[], [], []],
+        [None, "length", None],
+        [2, 2, 4],
+        [0, 0, 0],
+    )
+    needs_full_history = {"a": resumed}
+    messages = detokenizer_messages(outputs, needs_full_history, 1)[0]
+    assert not needs_full_history
+    updates = [u for message in messages for u in message.to_updates()]
+    assert [(u.request_id, u.start_index) for u in updates] == [("a", 0), ("b", 5)]
+    full = updates[0]
+    assert m.unpack_ids(full.token_ids).tolist() == [7, 8, 9] and full.finish_reason == "length"
+    assert np.frombuffer(full.logprobs, "<f4")[-1] == np.float32(-0.25)
