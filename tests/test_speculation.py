@@ -16,8 +16,8 @@ from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.speculation import emitted_tokens, num_accepted
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, SchedulerConfig, StepOutputs
+from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
-from services.scheduler.speculation import NgramProposer
 from tests.test_model import PlanBuilder
 from tests.test_scheduler_core import (
     EOS,

@@ -41,8 +41,8 @@ from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, Schedu
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
+from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
-from services.scheduler.speculation import NgramProposer
 from services.stage import StageProcess
 
 BLOCKED_POLL_MS = 50  # work that could not be planned now: look again soon

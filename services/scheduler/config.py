@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.speculation import Proposer
+from services.scheduler.proposers import Proposer
 
 
 @dataclass(frozen=True)
