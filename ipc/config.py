@@ -87,6 +87,18 @@ class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     costly_compile_window_s: Seconds = 60.0
 
 
+MAX_SPECULATIVE_TOKENS = 16  # proposals one row verifies per step (sizes the step-result slots)
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding (docs/speculative.md): names as vLLM's speculative_config."""
+
+    method: Literal["none", "ngram"] = "none"
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
+    prompt_lookup_min: Positive = 1  # the n-gram proposer's shortest match
+    prompt_lookup_max: Positive = 4  # and its longest (the longest that matches wins)
+
+
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Positive = 1
 
@@ -182,6 +194,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     network: NetworkConfig = NetworkConfig()
     structured: StructuredConfig = StructuredConfig()
     lora: LoraConfig = LoraConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -336,6 +349,16 @@ def check_lora(config: Config) -> None:
         raise ConfigError("lora.max_loras: adapters serve with engine.tensor_parallel 1 only")
 
 
+def check_speculative(config: Config) -> None:
+    """The n-gram bounds must leave some n to match."""
+    spec = config.speculative
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise ConfigError(
+            f"speculative.prompt_lookup_min ({spec.prompt_lookup_min}) must be <= "
+            f"speculative.prompt_lookup_max ({spec.prompt_lookup_max})"
+        )
+
+
 # Ray's own resources, which the config names by their fields (engine_cpus; GPUs come from
 # engine.tensor_parallel), so that one amount has one place.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -417,6 +440,7 @@ def load_config(
     check_timeouts(config)
     check_engine(config)
     check_lora(config)
+    check_speculative(config)
     check_cluster(config)
     check_network(config)
     return config

@@ -306,8 +306,9 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class StepTokens(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """One step's new token for each of several requests, as columns: entry j says what a
-    one-token TokenUpdate(request_ids[j], tokenizer_ids[j], ...) would. A steady decode step
+    """One step's new tokens of several requests, one per entry, as columns: entry j says what a
+    one-token TokenUpdate(request_ids[j], tokenizer_ids[j], ...) would. A request that verified
+    proposals (docs/speculative.md) has several entries, consecutive, in order. A steady decode step
     sends one of these per detokenizer shard, not a struct per request: that would put a Python
     object per running request on the scheduler's every step."""
 

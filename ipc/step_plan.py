@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.shm import ALIGN
 from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
@@ -44,6 +45,7 @@ class Dim(enum.Enum):
     CONSTRAINED = "constrained"  # the step's sampled rows under a grammar (grammar_rows)
     SCORED = "scored"  # the step's prompt positions whose next prompt token is scored (prompt logprobs)
     PROMPT_TOP_K = "prompt_top_k"  # top logprobs per scored prompt position
+    EMITTED = "emitted"  # new tokens per row of a step that verifies proposals (1 + the most proposed)
 
 
 class SlotSink(Protocol):
@@ -242,6 +244,9 @@ STEP_PLAN = SlotSpec(
         # logprob token i's logits give (-1: not wanted); num_prompt_logprobs is each row's top-N.
         ArraySpec("prompt_targets", I32, (T,), optional=True),
         ArraySpec("num_prompt_logprobs", I32, (S,), optional=True),
+        # Speculative decoding (docs/speculative.md): the last num_proposed[i] tokens of row i's
+        # span are proposals to verify, after its last known token; 0: an ordinary row.
+        ArraySpec("num_proposed", I32, (S,), optional=True),
     ),
     measured={Dim.BLOCKS: ("block_tables", 1), Dim.CONSTRAINED: ("grammar_rows", 0)},
     ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
@@ -260,9 +265,16 @@ STEP_RESULT = SlotSpec(
         ArraySpec("prompt_ranks", I32, (Dim.SCORED,), optional=True),
         ArraySpec("prompt_top_ids", I32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-1, optional=True),
         ArraySpec("prompt_top_logprobs", F32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-np.inf, optional=True),
+        # A step with num_proposed: each sampled row's new tokens (the accepted proposals, then the
+        # target's own next token; padded with -1), their raw logprobs, and how many. sampled_ids
+        # and sampled_logprobs then hold the row's last new token, the input of its next decode.
+        ArraySpec("emitted_ids", I32, (S, Dim.EMITTED), fill=-1, optional=True),
+        ArraySpec("emitted_logprobs", F32, (S, Dim.EMITTED), optional=True),
+        ArraySpec("num_emitted", I32, (S,), optional=True),
     ),
     measured={
         Dim.TOP_K: ("top_ids", 1),
+        Dim.EMITTED: ("emitted_ids", 1),
         Dim.SCORED: ("prompt_logprobs", 0),
         Dim.PROMPT_TOP_K: ("prompt_top_ids", 1),
     },
@@ -297,6 +309,7 @@ def result_limits(max_num_seqs: int, max_num_batched_tokens: int) -> dict[Dim, i
     """The largest size of each step-result dimension (every token of a step may be scored)."""
     return {
         Dim.ROWS: max_num_seqs,
+        Dim.EMITTED: MAX_SPECULATIVE_TOKENS + 1,
         Dim.TOP_K: MAX_LOGPROBS,
         Dim.SCORED: max_num_batched_tokens,
         Dim.PROMPT_TOP_K: MAX_LOGPROBS,

@@ -247,6 +247,21 @@ class EngineMetrics:
         }
         self.queries_seen = 0
         self.hits_seen = 0
+        # Speculative decoding (docs/speculative.md), as vLLM's spec_decode_* counters: the mean
+        # acceptance length is 1 + accepted tokens / drafts.
+        self.spec_drafts = Counter(
+            f"{PREFIX}spec_decode_num_drafts", "Verifications of proposed tokens", labels, registry=registry
+        ).labels(*values)
+        self.spec_draft_tokens = Counter(
+            f"{PREFIX}spec_decode_num_draft_tokens", "Proposed tokens verified", labels, registry=registry
+        ).labels(*values)
+        self.spec_accepted_tokens = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tokens",
+            "Proposed tokens the target model agreed with",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.spec_seen = (0, 0, 0)
 
     def update(
         self,
@@ -266,6 +281,15 @@ class EngineMetrics:
             self.prefix_queries.inc(num_queries - self.queries_seen)
             self.prefix_hits.inc(num_hits - self.hits_seen)
             self.queries_seen, self.hits_seen = num_queries, num_hits
+
+    def update_speculation(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Take the scheduler's running totals of verifications into the counters."""
+        totals = (num_drafts, num_draft_tokens, num_accepted_tokens)
+        counters = (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
+        for counter, total, seen in zip(counters, totals, self.spec_seen, strict=True):
+            if total > seen:
+                counter.inc(total - seen)
+        self.spec_seen = totals
 
 
 # -- stage gauges (from heartbeats, through stages.json) -----------------------------------------

@@ -15,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import msgspec
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REQUEST
@@ -283,3 +285,19 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[i
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def spec_decode_counters(port: int) -> dict[str, float]:
+    """The spec_decode_* counters summed over engines, read once the heartbeat brought them."""
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counters: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("brigade:spec_decode_") and sample.name.endswith("_total"):
+                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+        if counters.get("brigade:spec_decode_num_drafts_total") or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.5)

@@ -34,7 +34,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, SCHEDULER_INPUT
 from ipc.sockets import PushQueue
 from services.stage import read_run_info, run_endpoints
 from services.tokenizer.core import engine_id
-from tests.harness import Run, assert_clean, brigade_run, tokenizer_dealer
+from tests.harness import Run, assert_clean, brigade_run, free_port, spec_decode_counters, tokenizer_dealer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -147,16 +147,10 @@ def all_running(run: Run) -> bool:
     return bool(rows) and all(r["state"] == "running" for r in rows)
 
 
-@pytest.fixture(scope="module", params=["ipc", "tcp"])
-def run(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[Run]:
-    """The same run with its links over ipc://, and over tcp:// with CURVE on loopback."""
-    run_dir = tmp_path_factory.mktemp(f"chaos-{request.param}")
-    with brigade_run(
-        run_dir,
-        f"network.transport={request.param}",
-        f"model.path={tiny_model_dir}",
+def chaos_settings(model_dir: Path) -> tuple[str, ...]:
+    """The config overrides of a chaos run: quick restarts and short timeouts."""
+    return (
+        f"model.path={model_dir}",
         "model.dtype=float32",
         "model.max_model_len=1024",
         "engine.kv_cache_mib=64",
@@ -168,7 +162,16 @@ def run(
         "supervisor.backoff_initial_s=0.1",
         "supervisor.backoff_max_s=0.5",
         f"tokenizer.stall_timeout_s={STALL_TIMEOUT_S}",
-    ) as live:
+    )
+
+
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Run]:
+    """The same run with its links over ipc://, and over tcp:// with CURVE on loopback."""
+    run_dir = tmp_path_factory.mktemp(f"chaos-{request.param}")
+    with brigade_run(run_dir, *chaos_settings(tiny_model_dir), f"network.transport={request.param}") as live:
         run_id = read_run_info(run_dir).run_id
         yield live
     assert_clean(run_dir, run_id)
@@ -493,3 +496,38 @@ def test_every_stage_killed_under_cpu_contention_answers_every_request(
                 continue  # failed with the server's error, which says why
             assert isinstance(outcome, tuple), f"{what}: {outcome!r}"
             assert outcome == calm[i], f"{what}: changed its output"
+
+
+def test_worker_and_scheduler_killed_mid_stream_with_speculation_change_nothing(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> None:
+    """With n-gram speculation on (docs/speculative.md), a SIGKILL of the worker, then of the
+    scheduler, while the requests stream leaves every request with the text of a calm run: the
+    recompute (worker) and the resubmission (scheduler) start from accepted tokens only."""
+    run_dir = tmp_path_factory.mktemp("chaos-speculative")
+    metrics_port = free_port()
+    with brigade_run(
+        run_dir,
+        *chaos_settings(tiny_model_dir),
+        "speculative.method=ngram",
+        f"supervisor.metrics_port={metrics_port}",
+    ) as run:
+        calm = run_all(run.run_dir)
+        assert spec_decode_counters(metrics_port).get("brigade:spec_decode_num_drafts_total"), (
+            "nothing verified"
+        )
+        for kind in ("gpu_worker", "scheduler"):
+            wait_for("every stage running", lambda: all_running(run))
+
+            def kill(kind: str = kind) -> None:
+                pid = running_pid(run, kind)
+                time.sleep(0.5)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+            assert_same(run_all(run.run_dir, during=kill), calm, f"{kind} SIGKILLed with speculation on")
+        wait_for("every stage running", lambda: all_running(run))
+        restarts = {row["kind"]: row["restarts"] for row in run.read_status()}
+        assert restarts["gpu_worker"] >= 1 and restarts["scheduler"] >= 1, restarts
+        run_id = read_run_info(run_dir).run_id
+    assert_clean(run_dir, run_id)

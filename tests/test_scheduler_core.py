@@ -27,6 +27,7 @@ from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from ipc.sampling_defaults import fill_defaults
 from ipc.step_plan import STEP_PLAN, Dim
+from services.gpu_worker.speculation import emitted_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import (
     Overloaded,
@@ -130,6 +131,8 @@ class FakeExecutor:
         self.num_placeholders = 0
         self.results: deque[tuple[ResultHeader, dict[str, np.ndarray]]] = deque()
         self.die_at_step: int | None = None  # result() of this step raises WorkerLost, once
+        # The emitted_* result arrays of the step `run` ran last, when it verified proposals.
+        self.emitted: dict[str, np.ndarray] = {}
 
     def lose_kv(self) -> None:
         """The worker died: a new one knows nothing, and the old one's results are gone."""
@@ -148,6 +151,7 @@ class FakeExecutor:
             "sampled_logprobs": logprobs,
             "top_ids": top_ids,
             "top_logprobs": top_logprobs,
+            **self.emitted,
         }
         self.results.append((ResultHeader(step_id, step.num_seqs), arrays))
 
@@ -208,6 +212,13 @@ class FakeExecutor:
 
         sampled = np.full(num_seqs, -1, np.int32)
         logprobs = np.zeros(num_seqs, np.float32)
+        num_proposed = a.get("num_proposed", np.zeros(num_seqs, np.int32))
+        width = 1 + int(num_proposed.max(initial=0))
+        emitted = {
+            "emitted_ids": np.full((num_seqs, width), -1, np.int32),
+            "emitted_logprobs": np.zeros((num_seqs, width), np.float32),
+            "num_emitted": np.zeros(num_seqs, np.int32),
+        }
         for i, req in enumerate(step.seqs):
             n = int(seq_lens[i])
             # Everything the sequence attends to (all of it, or the sliding_window keys up to each of
@@ -233,10 +244,32 @@ class FakeExecutor:
                 for t, v in zip(a["bias_ids"][lo:hi], a["bias_values"][lo:hi], strict=True)
                 if v == -np.inf
             }
-            prev2 = int(self.kv[slots[-2]]) if n >= 2 else -1
-            sampled[i] = pick(int(a["seeds"][i]), n, int(self.kv[slots[-1]]), prev2, banned)
+            # A verifying row: the target's token after its last known one and after each proposal
+            # (read from the KV just written), and what greedy verification keeps of them.
+            d = int(num_proposed[i])
+            targets = np.array(
+                [
+                    pick(
+                        int(a["seeds"][i]),
+                        p,
+                        int(self.kv[slots[p - 1]]),
+                        int(self.kv[slots[p - 2]]) if p >= 2 else -1,
+                        banned,
+                    )
+                    for p in range(n - d, n + 1)
+                ],
+                np.int32,
+            )
+            new = emitted_tokens(targets, ids[int(qsl[i + 1]) - d : int(qsl[i + 1])]) if d else targets
+            sampled[i] = new[-1]
             logprobs[i] = -(n % 7) - sampled[i] / VOCAB  # a function of the sample alone
-            self.last_sampled[int(a["rows"][i])] = (step_id, n, int(sampled[i]))
+            emitted["emitted_ids"][i, : len(new)] = new
+            emitted["emitted_logprobs"][i, : len(new)] = [
+                -((n - d + j) % 7) - t / VOCAB for j, t in enumerate(new)
+            ]
+            emitted["num_emitted"][i] = len(new)
+            self.last_sampled[int(a["rows"][i])] = (step_id, n - d + len(new) - 1, int(sampled[i]))
+        self.emitted = emitted if "num_proposed" in a else {}
         k = header.max_top_logprobs
         top_ids = np.tile(np.arange(k, dtype=np.int32), (num_seqs, 1))
         return sampled, logprobs, top_ids, np.zeros((num_seqs, k), np.float32)
@@ -246,7 +279,7 @@ def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) 
     """The plan is exactly the declared one (ipc/step_plan.py), and every required array is there
     (the optional grammar arrays only come with constrained rows, which this traffic has none of;
     long_rope with LongRoPE's long rows)."""
-    assert set(a) - {"long_rope"} == set(STEP_PLAN.required)
+    assert set(a) - {"long_rope", "num_proposed"} == set(STEP_PLAN.required)
     STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs})
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
 from ipc.validation import MAX_LOGPROBS
@@ -18,7 +19,8 @@ from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import LoraBatch, LoraSlots, load_adapter
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
-from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.sampler import MIN_TEMPERATURE, Sampler
+from services.gpu_worker.speculation import emitted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +189,8 @@ class ModelRunner:
             _check_prompt_targets(arrays, self.vocab_size)
         if "lora_slots" in arrays:
             self._check_lora_slots(arrays["lora_slots"][:s])
+        if "num_proposed" in arrays:
+            _check_proposals(arrays, s)
         if "long_rope" in arrays:
             if not self.long_rope_from:
                 raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
@@ -210,6 +214,12 @@ class ModelRunner:
         at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         rows = np.flatnonzero(arrays["is_sampled"][:s])
+        num_proposed = arrays.get("num_proposed")
+        if num_proposed is None:
+            verifying = rows[:0]
+        else:
+            is_verifying = num_proposed[rows] > 0
+            verifying, rows = rows[is_verifying], rows[~is_verifying]
         metas = self.model.prepare(arrays, t, s)
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
@@ -226,6 +236,8 @@ class ModelRunner:
         sampled_table_rows = arrays["rows"][rows]
         self._sampled_step[sampled_table_rows] = header.step_id
         self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
+        if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
+            result.update(self._verify(hidden, residual, arrays, verifying, rows, header.step_id))
         if len(rows) == 0 or not self.parallel.is_driver:
             return result
         sampled = self.sampler.sample(logits, arrays, rows)
@@ -236,6 +248,10 @@ class ModelRunner:
         n = min(k, out["top_ids"].shape[1])
         result["top_ids"][rows, :n] = out["top_ids"][:, :n]
         result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
+        if num_proposed is not None:  # an ordinary sampled row emits its one token
+            result["emitted_ids"][rows, 0] = out["sampled_ids"]
+            result["emitted_logprobs"][rows, 0] = out["sampled_logprobs"]
+            result["num_emitted"][rows] = 1
         return result
 
     def _check_lora_slots(self, lora_slots: np.ndarray) -> None:
@@ -250,6 +266,66 @@ class ModelRunner:
         ]
         if empty:
             raise InvalidPlan(f"step plan: lora_slots names slot {empty[0]}, which holds no adapter")
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        arrays: dict[str, np.ndarray],
+        verifying: np.ndarray,
+        sampling: np.ndarray,
+        step_id: int,
+    ) -> dict[str, np.ndarray]:
+        """Greedy verification of the `verifying` rows' proposals (services/gpu_worker/speculation.py):
+        the emitted_* result arrays, with each verifying row's last new token in sampled_ids.
+        The logits are all-gathered, so every rank computes the same acceptance and knows where
+        each row's last new token sits (what a placeholder in the next step is checked against)."""
+        num_seqs = len(arrays["rows"])
+        proposed = arrays["num_proposed"]
+        width = 1 + int(proposed.max(initial=0))
+        out = {
+            "emitted_ids": np.full((num_seqs, width), -1, np.int32),
+            "emitted_logprobs": np.zeros((num_seqs, width), np.float32),
+            "num_emitted": np.zeros(num_seqs, np.int32),
+            "sampled_ids": np.full(num_seqs, -1, np.int32),
+            "sampled_logprobs": np.zeros(num_seqs, np.float32),
+        }
+        if len(verifying) == 0:
+            return {name: out[name] for name in ("emitted_ids", "emitted_logprobs", "num_emitted")}
+        ends = arrays["query_start_loc"][verifying + 1].astype(np.int64)
+        counts = proposed[verifying].astype(np.int64) + 1  # the last known token and each proposal
+        firsts = ends - counts
+        at = np.concatenate([np.arange(f, e) for f, e in zip(firsts.tolist(), ends.tolist(), strict=True)])
+        log_probs = torch.log_softmax(self.model.logits(hidden, residual, self._to_device(at)), dim=-1)
+        # The sampler's greedy choice: argmax of the logits (log_softmax keeps their order).
+        targets = log_probs.argmax(dim=-1)
+        target_logprobs = log_probs.gather(1, targets[:, None])[:, 0].cpu().numpy()
+        targets_host = targets.cpu().numpy().astype(np.int32)
+        input_ids = arrays["input_ids"]
+        lasts = np.empty(len(verifying), np.int64)
+        offset = 0
+        for j, (i, first, count) in enumerate(
+            zip(verifying.tolist(), firsts.tolist(), counts.tolist(), strict=True)
+        ):
+            row_targets = targets_host[offset : offset + count]
+            new = emitted_tokens(row_targets, input_ids[first + 1 : first + count])
+            n = len(new)
+            out["emitted_ids"][i, :n] = new
+            out["emitted_logprobs"][i, :n] = target_logprobs[offset : offset + n]
+            out["num_emitted"][i] = n
+            out["sampled_ids"][i] = new[-1]
+            out["sampled_logprobs"][i] = target_logprobs[offset + n - 1]
+            lasts[j] = offset + n - 1
+            offset += count
+        table_rows = arrays["rows"][verifying]
+        self._sampled_step[table_rows] = step_id
+        # The last new token goes where the first rejected proposal (or the next token) went.
+        self._sampled_position[table_rows] = (
+            arrays["seq_lens"][verifying] - proposed[verifying] + out["num_emitted"][verifying] - 1
+        )
+        if self.parallel.is_driver:
+            self._last_sampled[self._to_device(table_rows)] = targets[self._to_device(lasts)]
+        return out
 
     def _score_prompt(
         self, hidden: torch.Tensor, residual: torch.Tensor, arrays: dict[str, np.ndarray], num_seqs: int
@@ -318,6 +394,46 @@ def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> Non
         raise InvalidPlan(f"step plan: prompt_targets out of range [-1, {vocab_size})")
     if top_n.min() < 0 or top_n.max() > MAX_LOGPROBS:
         raise InvalidPlan(f"step plan: num_prompt_logprobs out of range [0, {MAX_LOGPROBS}]")
+
+
+def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
+    """Rows with proposals sample, hold their last known token before them, decode greedily and
+    ask for nothing verification does not give: no penalties, logit bias, grammar or top logprobs
+    (the scheduler never proposes for such rows; docs/speculative.md)."""
+    proposed = arrays["num_proposed"][:num_seqs]
+    if proposed.min() < 0 or proposed.max() > MAX_SPECULATIVE_TOKENS:
+        raise InvalidPlan(f"step plan: num_proposed out of range [0, {MAX_SPECULATIVE_TOKENS}]")
+    verifying = np.flatnonzero(proposed)
+    if not len(verifying):
+        return
+    qsl = arrays["query_start_loc"]
+    if (np.diff(qsl)[verifying] < proposed[verifying] + 1).any():
+        raise InvalidPlan("step plan: a row's proposals leave no room for its last known token")
+    if not arrays["is_sampled"][verifying].all():
+        raise InvalidPlan("step plan: proposals on a row that samples nothing")
+    bias = arrays["bias_offsets"]
+    if (
+        (arrays["temperature"][verifying] >= MIN_TEMPERATURE).any()
+        or (arrays["repetition_penalty"][verifying] != 1.0).any()
+        or (arrays["presence_penalty"][verifying] != 0.0).any()
+        or (arrays["frequency_penalty"][verifying] != 0.0).any()
+        or (bias[verifying + 1] != bias[verifying]).any()
+        or (arrays["num_logprobs"][verifying] != 0).any()
+        or ("grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any())
+    ):
+        raise InvalidPlan(
+            "step plan: proposals on a row that is not plain greedy (temperature, penalties, "
+            "logit bias, grammar or logprobs)"
+        )
+    ends = qsl[verifying + 1].astype(np.int64)
+    proposals = np.concatenate(
+        [
+            arrays["input_ids"][e - d : e]
+            for e, d in zip(ends.tolist(), proposed[verifying].tolist(), strict=True)
+        ]
+    )
+    if (proposals < 0).any():
+        raise InvalidPlan("step plan: a proposed token is a placeholder")
 
 
 def _placeholders(arrays: dict[str, np.ndarray], t: int, s: int) -> tuple[np.ndarray, np.ndarray]:

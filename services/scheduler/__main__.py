@@ -21,6 +21,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
+from ipc.config import SpeculativeConfig
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
 from ipc.sockets import PullQueue, RouterSocket
@@ -39,6 +40,7 @@ from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, Schedu
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
+from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
 from services.stage import StageProcess
 
@@ -283,6 +285,7 @@ class SchedulerProcess(StageProcess):
                     self.stage.config.engine,
                     self.stage.config.model.max_model_len,
                     [self.hellos[rank] for rank in range(self.world_size)],
+                    proposer(self.stage.config.speculative),
                 ),
                 self.load_grammars(first),
             )
@@ -414,6 +417,11 @@ class SchedulerProcess(StageProcess):
                 core.num_prefix_hit_tokens,
                 self.pipeline.execute_times,
             )
+            if core.speculation is not None:
+                spec = core.speculation
+                self.metrics.update_speculation(
+                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+                )
 
     def idle_poll_ms(self) -> int:
         """How long the loop may wait on its sockets when no step ran."""
@@ -456,6 +464,13 @@ class SchedulerProcess(StageProcess):
         return f" after {self.num_steps} steps, {planned_ahead} planned ahead"
 
 
+def proposer(config: SpeculativeConfig) -> NgramProposer | None:
+    """What proposes tokens for verification under the config's `speculative` section, if anything."""
+    if config.method == "none":
+        return None
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
 def prompt_logprobs(request: Request) -> m.PromptLogprobs | None:
     """The request's prompt logprobs for the wire, once it has them all (its first token)."""
     scores = request.prompt_scores
@@ -484,17 +499,22 @@ def detokenizer_messages(
     if num_shards == 1 and not resumed and not failed:  # the hot path: no per-request Python
         return {0: [outputs.step_tokens()]}
     entries: dict[int, list[int]] = defaultdict(list)
-    full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+    # A resumed request's last entry of the step (a verification gives it several): its whole
+    # history goes once, with what that entry says (finish reason, logprob).
+    newest_entry: dict[str, int] = {}
     for j, request_id in enumerate(outputs.request_ids):
         if request_id in failed:  # its token broke (or never got) its grammar's checks
             continue
-        shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
         if request_id in resumed:
-            request = needs_full_history.pop(request_id)
-            newest = (float(outputs.logprobs[j]), outputs.top_logprobs[j])
-            full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j], newest))
+            newest_entry[request_id] = j
         else:
-            entries[shard].append(j)
+            entries[shard_of(request_id, num_shards) if num_shards > 1 else 0].append(j)
+    full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
+    for request_id, j in newest_entry.items():
+        request = needs_full_history.pop(request_id)
+        newest = (float(outputs.logprobs[j]), outputs.top_logprobs[j])
+        shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
+        full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j], newest))
     messages: dict[int, list[m.TokenBatch | m.StepTokens]] = defaultdict(list)
     for shard, updates in full.items():
         messages[shard].append(m.TokenBatch(updates))

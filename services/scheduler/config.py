@@ -12,6 +12,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.config import EngineConfig
+from services.scheduler.proposers import Proposer
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class SchedulerConfig:
     # LongRoPE (Phi-3): original_max_position_embeddings (0: no LongRoPE). A sequence longer than
     # this rotates with the long factors; one that grows past it recomputes (decode.py).
     long_rope_from: int = 0
+    # Speculative decoding (docs/speculative.md): None, or what proposes tokens to verify.
+    proposer: Proposer | None = None
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -56,7 +59,13 @@ class SchedulerConfig:
             )
 
     @classmethod
-    def of(cls, engine: EngineConfig, max_model_len: int, hellos: Sequence[m.WorkerHello]) -> SchedulerConfig:
+    def of(
+        cls,
+        engine: EngineConfig,
+        max_model_len: int,
+        hellos: Sequence[m.WorkerHello],
+        proposer: Proposer | None = None,
+    ) -> SchedulerConfig:
         """The config of a group whose workers all said hello (`hellos`, rank 0 first): the KV
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
         (model.max_model_len)."""
@@ -69,6 +78,7 @@ class SchedulerConfig:
             eos_token_ids=tuple(first.eos_token_ids),
             sliding_window=first.sliding_window,
             long_rope_from=first.long_rope_from,
+            proposer=proposer,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:

@@ -42,7 +42,8 @@ from services.scheduler.grammars import Grammars, plan_grammar
 from services.scheduler.plan import PlanTable, ScheduledStep
 from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.results import PromptScoreArrays, RequestOutput, Results, StepOutputs
+from services.scheduler.results import EmittedArrays, PromptScoreArrays, RequestOutput, Results, StepOutputs
+from services.scheduler.speculation import Speculation
 from services.scheduler.state import SchedulerState
 
 # The facade's API: the process and the tests import these from here.
@@ -58,7 +59,15 @@ class Scheduler:
         self.admission = Admission(self.state)
         self.decode = SteadyDecode(self.state)
         self.prefill = Prefill(self.state)
-        self.results = Results(self.state, self.decode)
+        proposer = config.proposer
+        # Speculative decoding (docs/speculative.md); off for a sliding window or LongRoPE, whose
+        # block release and regime change assume one new token per decode.
+        self.speculation = (
+            Speculation(self.state, proposer)
+            if proposer is not None and not config.sliding_window and not config.long_rope_from
+            else None
+        )
+        self.results = Results(self.state, self.decode, self.speculation)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -177,23 +186,44 @@ class Scheduler:
         budget = state.config.engine.max_num_batched_tokens
         decodes = self.decode.plan(budget)
         seqs = decodes.seqs
-        num_decodes = len(seqs)
-        chunks = self.prefill.plan(decodes.partial, seqs, budget - num_decodes)
+        rows, starts, is_placeholder = decodes.rows, decodes.starts, decodes.is_placeholder
+        proposals: list[np.ndarray] = []
+        if self.speculation is not None and seqs:
+            verifications = self.speculation.plan(seqs, rows, starts, is_placeholder, budget - len(seqs))
+            if verifications.decodes:
+                # Verifying decodes go after the single-token ones, in plan order; none is steady.
+                self.decode.drop_steady_line()
+                proposals = verifications.proposals
+                order = np.ones(len(seqs), np.bool_)
+                order[verifications.decodes] = False
+                plain = np.flatnonzero(order)
+                order = np.concatenate((plain, np.array(verifications.decodes, np.intp)))
+                seqs = [seqs[j] for j in order.tolist()]
+                rows, starts, is_placeholder = rows[order], starts[order], is_placeholder[plain]
+                budget -= verifications.num_tokens
+        num_decodes = len(seqs) - len(proposals)
+        num_decode_seqs = len(seqs)
+        chunks = self.prefill.plan(decodes.partial, seqs, budget - num_decode_seqs)
         if not seqs:
             return None
-        rows, starts = decodes.rows, decodes.starts
         table = state.table
-        if chunks.num_new:
+        if chunks.num_new or proposals:
             rows = np.concatenate((rows, np.array(chunks.rows, np.intp)))
             starts = np.concatenate((starts, np.array(chunks.starts, np.int32)))
-            new_array = np.concatenate((np.ones(num_decodes, np.int32), np.array(chunks.num_new, np.int32)))
+            new_array = np.concatenate(
+                (
+                    np.ones(num_decodes, np.int32),
+                    np.array([1 + len(p) for p in proposals], np.int32),
+                    np.array(chunks.num_new, np.int32),
+                )
+            )
             is_sampled = np.ones(len(seqs), np.bool_)
-            for j in range(num_decodes, len(seqs)):
+            for j in range(num_decode_seqs, len(seqs)):
                 is_sampled[j] = starts[j] + new_array[j] == seqs[j].num_tokens
         else:
             is_sampled, new_array = self.decode.all_decode_columns(num_decodes)
         prompt_spans: list[tuple[int, int, int]] = []
-        for j in range(num_decodes, len(seqs)):
+        for j in range(num_decode_seqs, len(seqs)):
             first = seqs[j].scores_from
             if first is not None:
                 # Positions whose next token is a prompt token, from the first not yet scored.
@@ -210,22 +240,28 @@ class Scheduler:
             num_new_tokens=new_array,
             is_sampled=is_sampled,
             num_decodes=num_decodes,
-            is_placeholder=decodes.is_placeholder,
+            is_placeholder=is_placeholder,
             table=table,
             eos_token_ids=state.config.eos_token_ids,
-            line_version=-1 if chunks.num_new else decodes.line_version,
-            steady=None if chunks.num_new else decodes.steady,
+            line_version=-1 if chunks.num_new or proposals else decodes.line_version,
+            steady=None if chunks.num_new or proposals else decodes.steady,
             grammar=(
                 plan_grammar(state.grammars, seqs, table.constrained.take(rows), is_sampled)
                 if table.num_grammar_rows
                 else None
             ),
             prompt_spans=tuple(prompt_spans),
+            proposals=tuple(proposals),
         )
 
     @property
     def can_plan_ahead(self) -> bool:
-        """False while some running sequence applies penalties (see `SteadyDecode.can_plan_ahead`)."""
+        """False while some running sequence applies penalties (see `SteadyDecode.can_plan_ahead`),
+        or may speculate: a decode planned ahead has no known last token to look up proposals
+        from, and after a verification in flight the next positions are unknown until it is
+        applied. The caller then plans each step after the last one's result."""
+        if self.speculation is not None and self.state.table.num_may_speculate_rows:
+            return False
         return self.decode.can_plan_ahead
 
     # -- results --------------------------------------------------------------------------------
@@ -238,8 +274,11 @@ class Scheduler:
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
         prompt_scores: PromptScoreArrays | None = None,
+        emitted: EmittedArrays | None = None,
     ) -> StepOutputs:
-        """Apply one step's result (`Results.update`): append sampled tokens, finish sequences,
-        cache full blocks, keep prompt logprobs. Entries of requests gone since the step was
-        planned are ignored."""
-        return self.results.update(step, sampled_ids, sampled_logprobs, top_ids, top_logprobs, prompt_scores)
+        """Apply one step's result (`Results.update`): append sampled tokens (and the tokens each
+        verification emitted), finish sequences, cache full blocks, keep prompt logprobs. Entries
+        of requests gone since the step was planned are ignored."""
+        return self.results.update(
+            step, sampled_ids, sampled_logprobs, top_ids, top_logprobs, prompt_scores, emitted
+        )

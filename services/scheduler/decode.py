@@ -53,6 +53,11 @@ class SteadyDecode:
         self._line_columns = None
         self.state.table.decode_constants = None
 
+    def drop_steady_line(self) -> None:
+        """The step just planned is not a steady one after all (some decodes verify proposals and
+        advance by more than one position): the SteadyLine that plan() advanced for it goes."""
+        self._steady = None
+
     def plan(self, budget: int) -> Decodes:
         """The decodes of the next step, up to `budget` of them, each given the block its token
         needs (which may preempt from the back of the line); their NUM_COMPUTED advances."""

@@ -32,7 +32,7 @@ from ipc.step_plan import STEP_RESULT, Dim, SlotMismatch
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
-from services.scheduler.results import PromptScoreArrays
+from services.scheduler.results import EmittedArrays, PromptScoreArrays
 
 RING_POLL_S = 0.2  # how often a wait on a ring looks whether the worker is still alive
 MAX_EXECUTE_TIMES = 4096  # step times kept for the metrics until the next heartbeat takes them
@@ -41,6 +41,8 @@ StepResult = tuple[ResultHeader, dict[str, np.ndarray]]
 T = TypeVar("T")
 # The result arrays of prompt logprobs, in PromptScoreArrays' order.
 PROMPT_SCORE_ARRAYS = ("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs")
+# The result arrays of verifications, in EmittedArrays' order.
+EMITTED_ARRAYS = ("emitted_ids", "emitted_logprobs", "num_emitted")
 
 
 class WorkerLost(Exception):
@@ -132,10 +134,15 @@ class StepPipeline:
                 raise WorkerLost(f"got the result of step {header.step_id}, expected step {entry.step_id}")
             if not header.error and entry.step.prompt_spans and "prompt_logprobs" not in arrays:
                 header = ResultHeader(header.step_id, header.num_seqs, "step result: no prompt logprobs")
+            if not header.error and entry.step.proposals and "emitted_ids" not in arrays:
+                header = ResultHeader(header.step_id, header.num_seqs, "step result: no emitted tokens")
             if header.error:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
-            self.execute_times.append((entry.step.num_decodes < entry.step.num_seqs, header.execute_s))
+            step = entry.step
+            self.execute_times.append(
+                (step.num_decodes + step.num_verifying < step.num_seqs, header.execute_s)
+            )
             return self.core.update(
                 entry.step,
                 arrays["sampled_ids"],
@@ -144,6 +151,9 @@ class StepPipeline:
                 arrays["top_logprobs"],
                 PromptScoreArrays(*(arrays[name] for name in PROMPT_SCORE_ARRAYS))
                 if "prompt_logprobs" in arrays
+                else None,
+                EmittedArrays(*(arrays[name] for name in EMITTED_ARRAYS))
+                if "emitted_ids" in arrays
                 else None,
             )
 

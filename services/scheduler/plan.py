@@ -116,6 +116,10 @@ class PlanTable:
         self.long_rope = np.zeros(num_rows, np.bool_)
         # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
         self.lora_slots = np.full(num_rows, -1, np.int32)
+        # Speculative decoding (services/scheduler/speculation.py): rows that decode plain greedy,
+        # which verification reproduces exactly.
+        self.may_speculate = np.zeros(num_rows, np.bool_)
+        self.num_may_speculate_rows = 0
         # Rows that ask for top logprobs / need a bias / are constrained: a step skips the columns
         # and arrays nobody uses.
         self.num_logprob_rows = 0
@@ -166,6 +170,15 @@ class PlanTable:
         if req.lora_slot >= 0:
             self.lora_slots[row] = req.lora_slot
             self.num_lora_rows += 1
+        self.may_speculate[row] = (
+            p.temperature == 0.0
+            and not needs_history
+            and not (p.logit_bias or p.min_tokens)
+            and p.logprobs == 0
+            and req.grammar is None
+            and req.lora_slot < 0  # verification runs the base model's weights only
+        )
+        self.num_may_speculate_rows += self.may_speculate[row]
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
@@ -196,6 +209,8 @@ class PlanTable:
         self.long_rope[req.row] = False
         self.num_lora_rows -= self.lora_slots[req.row] >= 0
         self.lora_slots[req.row] = -1
+        self.num_may_speculate_rows -= self.may_speculate[req.row]
+        self.may_speculate[req.row] = False
         self.request_ids[req.row] = None
         self.output_ids[req.row] = None
         self.history.pop(req.row, None)
@@ -239,7 +254,7 @@ class SteadyLine:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """One planned step: sequences in plan order (single-token decodes first), how many new
+    """One planned step: sequences in plan order (single-token decodes first, then verifications), how many new
     tokens each computes from which position, and whether its last token is sampled.
 
     A decode planned while the step before it is still in flight runs the token that step
@@ -267,10 +282,17 @@ class ScheduledStep:
     # Prompt logprobs: (plan index, first position, count) of each prefill chunk's positions whose
     # logits score the next prompt token (Request.scores_from), in plan order.
     prompt_spans: tuple[tuple[int, int, int], ...] = ()
+    # Speculative decoding: seqs[num_decodes : num_decodes + len(proposals)] verify, each its last
+    # token followed by its proposals (num_new_tokens = 1 + len of them); the prefill chunks follow.
+    proposals: tuple[np.ndarray, ...] = ()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
+
+    @property
+    def num_verifying(self) -> int:
+        return len(self.proposals)
 
     @property
     def num_tokens(self) -> int:
@@ -335,7 +357,12 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         input_ids = np.empty(num_tokens, np.int32)
         input_ids[:num_decodes] = table.last_token.take(rows[:num_decodes])
         input_ids[:num_decodes][step.is_placeholder] = PLACEHOLDER_TOKEN
-        for i in range(num_decodes, num_seqs):
+        first_chunk = num_decodes + step.num_verifying
+        for i, proposal in enumerate(step.proposals, num_decodes):
+            q = int(query_start_loc[i])
+            input_ids[q] = table.last_token[rows[i]]
+            input_ids[q + 1 : q + 1 + len(proposal)] = proposal
+        for i in range(first_chunk, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
@@ -363,6 +390,10 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         arrays.update(_logit_bias(step, seq_lens))
     if step.prompt_spans:
         arrays.update(_prompt_targets(step, constants["query_start_loc"], len(input_ids)))
+    if step.proposals:
+        num_proposed = np.zeros(num_seqs, np.int32)
+        num_proposed[num_decodes : num_decodes + step.num_verifying] = [len(p) for p in step.proposals]
+        arrays["num_proposed"] = num_proposed
     num_logprobs = constants["num_logprobs"]
     header = StepHeader(
         step_id=step_id,

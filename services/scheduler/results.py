@@ -14,6 +14,7 @@ from services.scheduler.decode import SteadyDecode
 from services.scheduler.grammar_matcher import GrammarViolation
 from services.scheduler.plan import UPDATE_COLUMNS, ScheduledStep
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.speculation import Speculation
 from services.scheduler.state import SchedulerState
 
 
@@ -50,12 +51,21 @@ class PromptScoreArrays(NamedTuple):
     top_logprobs: np.ndarray  # [Q, K] float32
 
 
+class EmittedArrays(NamedTuple):
+    """A step result's new tokens of its verifying rows (ipc/step_plan.py STEP_RESULT)."""
+
+    ids: np.ndarray  # [S, E] int32
+    logprobs: np.ndarray  # [S, E] float32
+    counts: np.ndarray  # [S] int32
+
+
 NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
 
 
 class StepOutputs:
     """One step's results, packed: one new token for each request that sampled, in plan order,
-    as columns (lists and arrays) gathered from the plan table.
+    as columns (lists and arrays) gathered from the plan table; a request that verified
+    proposals has one entry per new token, consecutive and in order, after the others.
 
     `step_tokens()` is the wire message, made of the columns as they are (the per-step hot path);
     indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
@@ -106,6 +116,22 @@ class StepOutputs:
 
     def __len__(self) -> int:
         return len(self.request_ids)
+
+    def extend(self, more: StepOutputs) -> StepOutputs:
+        """These outputs followed by `more`'s, as new columns (the lists may be shared)."""
+        joined = StepOutputs(
+            self.request_ids + more.request_ids,
+            self.tokenizer_ids + more.tokenizer_ids,
+            np.concatenate((self.start_indices, more.start_indices)),
+            np.concatenate((self.token_ids, more.token_ids)),
+            np.concatenate((self.logprobs, more.logprobs)),
+            self.top_logprobs + more.top_logprobs,
+            self.finish_reasons + more.finish_reasons,
+            self.num_prompt_tokens + more.num_prompt_tokens,
+            self.num_cached_tokens + more.num_cached_tokens,
+        )
+        joined.failures = self.failures + more.failures
+        return joined
 
     def __getitem__(self, j: int) -> RequestOutput:
         return RequestOutput(
@@ -165,9 +191,10 @@ def finish_reason(
 
 
 class Results:
-    def __init__(self, state: SchedulerState, decode: SteadyDecode) -> None:
+    def __init__(self, state: SchedulerState, decode: SteadyDecode, speculation: Speculation | None) -> None:
         self.state = state
         self.decode = decode  # keeps the running line's per-row lists
+        self.speculation = speculation  # counts what verifications accepted
 
     def update(
         self,
@@ -177,9 +204,10 @@ class Results:
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
         prompt_scores: PromptScoreArrays | None = None,
+        emitted: EmittedArrays | None = None,
     ) -> StepOutputs:
-        """Apply one step's result: append sampled tokens, finish sequences, cache full blocks,
-        keep the prompt logprobs of the step's `prompt_spans`.
+        """Apply one step's result: append sampled tokens (a verifying row's: all it emitted),
+        finish sequences, cache full blocks, keep the prompt logprobs of the step's `prompt_spans`.
 
         Entries of requests preempted, aborted or replaced since the step was planned are ignored.
         The result arrays may be views into a ring slot: nothing returned refers to them.
@@ -195,9 +223,11 @@ class Results:
         live = None if is_all_live else table.epoch.take(rows) == step.row_epochs
         # Prompt blocks filled by this step join the prefix cache at once, for requests that
         # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
-        if state.blocks.enable_prefix_caching and step.num_decodes < len(seqs):
+        # Not a verifying row's: its blocks may hold rejected proposals.
+        first_chunk = step.num_decodes + step.num_verifying
+        if state.blocks.enable_prefix_caching and first_chunk < len(seqs):
             ends = step.starts + step.num_new_tokens
-            for i in range(step.num_decodes, len(seqs)):
+            for i in range(first_chunk, len(seqs)):
                 req = seqs[i]
                 if (live is None or live[i]) and ends[i] // bs > req.num_registered_blocks:
                     state.register_blocks(req, int(ends[i]) // bs)
@@ -207,6 +237,30 @@ class Results:
             sampled = np.arange(len(seqs))
         else:
             sampled = np.flatnonzero(step.is_sampled if live is None else live & step.is_sampled)
+        if step.proposals:
+            is_verifying = (sampled >= step.num_decodes) & (sampled < first_chunk)
+            verified = self._apply_verifications(step, sampled[is_verifying], emitted)
+            sampled = sampled[~is_verifying]
+            return self._apply_samples(
+                step, sampled, live, sampled_ids, sampled_logprobs, top_ids, top_logprobs
+            ).extend(verified)
+        return self._apply_samples(step, sampled, live, sampled_ids, sampled_logprobs, top_ids, top_logprobs)
+
+    def _apply_samples(
+        self,
+        step: ScheduledStep,
+        sampled: np.ndarray,
+        live: np.ndarray | None,
+        sampled_ids: np.ndarray,
+        sampled_logprobs: np.ndarray,
+        top_ids: np.ndarray | None,
+        top_logprobs: np.ndarray | None,
+    ) -> StepOutputs:
+        """Append the one token each of the step's entries `sampled` sampled (see `update`)."""
+        state = self.state
+        table = state.table
+        seqs = step.seqs
+        rows = step.rows
         num_sampled = len(sampled)
         if num_sampled == 0:
             return StepOutputs.empty()
@@ -280,6 +334,80 @@ class Results:
                 state.drop(req, RequestStatus.ABORTED)
                 req.finish_reason = "error"
         return outputs
+
+    def _apply_verifications(
+        self, step: ScheduledStep, verifying: np.ndarray, emitted: EmittedArrays | None
+    ) -> StepOutputs:
+        """Append what each live verifying entry emitted, token by token with the finish checks
+        of each (a token that finishes the request drops those after it), then roll its compute
+        back to its kept tokens: it holds the blocks of those alone, and the next step writes over
+        the KV slots of the rejected proposals."""
+        if not len(verifying):
+            return StepOutputs.empty()
+        if emitted is None:
+            raise ValueError("a step with proposals needs its emitted tokens")
+        state = self.state
+        table = state.table
+        bs = state.block_size
+        columns: tuple[list, ...] = ([], [], [], [], [], [], [], [])
+        request_ids, tokenizer_ids, start_indices, token_ids, logprobs, reasons, prompt_lens, cached_lens = (
+            columns
+        )
+        max_model_len = state.config.max_model_len
+        for i in verifying.tolist():
+            req = step.seqs[i]
+            row = req.row
+            num_emitted = int(emitted.counts[i])
+            proposal = step.proposals[i - step.num_decodes]
+            assert self.speculation is not None  # only it proposes
+            self.speculation.applied(len(proposal), num_emitted)
+            reason = None
+            for token, logprob in zip(
+                emitted.ids[i, :num_emitted].tolist(), emitted.logprobs[i, :num_emitted].tolist(), strict=True
+            ):
+                req.output_ids.append(token)
+                reason = finish_reason(
+                    req.params,
+                    token,
+                    req.num_output_tokens,
+                    req.num_tokens,
+                    state.eos_token_ids,
+                    max_model_len,
+                )
+                request_ids.append(req.request_id)
+                tokenizer_ids.append(req.tokenizer_id)
+                start_indices.append(req.num_output_tokens - 1)
+                token_ids.append(token)
+                logprobs.append(logprob)
+                reasons.append(reason)
+                prompt_lens.append(req.num_prompt_tokens)
+                cached_lens.append(req.num_cached_tokens)
+                if reason is not None:
+                    break
+            table.last_token[row] = req.last_token_id
+            table.num_tokens[row] = req.num_tokens
+            # The KV of every kept token but the last is computed (the last is the next input).
+            num_computed = req.num_tokens - 1
+            table.num_computed[row] = num_computed
+            num_kept = -(-num_computed // bs)
+            if len(req.block_ids) > num_kept:
+                table.block_tables[row, num_kept : len(req.block_ids)] = 0
+                state.blocks.release(req.block_ids[num_kept:])
+                del req.block_ids[num_kept:]
+            if reason is not None:
+                state.drop(req, RequestStatus.FINISHED)
+                req.finish_reason = reason
+        return StepOutputs(
+            request_ids,
+            tokenizer_ids,
+            np.array(start_indices, np.int32),
+            np.array(token_ids, np.int32),
+            np.array(logprobs, np.float32),
+            [NO_TOP_LOGPROBS] * len(request_ids),
+            reasons,
+            prompt_lens,
+            cached_lens,
+        )
 
     @staticmethod
     def _keep_prompt_scores(step: ScheduledStep, live: np.ndarray | None, scores: PromptScoreArrays) -> None:

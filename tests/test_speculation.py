@@ -1,0 +1,429 @@
+"""Speculative decoding, first slice: the n-gram proposer, the greedy acceptance rule, and the
+worker's verification step on the real SmolLM2, against plain one-token-per-step greedy decoding
+by the same ModelRunner (docs/speculative.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ipc import messages as m
+from ipc.config import MAX_SPECULATIVE_TOKENS, ConfigError, load_config
+from ipc.step_plan import STEP_RESULT, Dim
+from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+from services.gpu_worker.speculation import emitted_tokens, num_accepted
+from services.scheduler.__main__ import detokenizer_messages
+from services.scheduler.core import Scheduler, SchedulerConfig, StepOutputs
+from services.scheduler.proposers import NgramProposer
+from services.scheduler.request import Request
+from tests.test_model import PlanBuilder
+from tests.test_scheduler_core import (
+    EOS,
+    PREFIXES,
+    VOCAB,
+    FakeExecutor,
+    assert_no_leaks,
+    engine_params,
+    event_st,
+    reference_outputs,
+    request_st,
+    run_traffic,
+)
+
+# ---- the n-gram proposer ----------------------------------------------------------------------
+
+
+def propose(
+    tokens: list[int], num_tokens: int = 4, min_n: int = 1, max_n: int = 3, limit: int = 100
+) -> list[int]:
+    return NgramProposer(num_tokens, min_n, max_n).propose(np.array(tokens, np.int32), limit).tolist()
+
+
+def test_ngram_proposes_what_followed_the_suffix():
+    # The suffix [1, 2, 3] occurred at the start, followed by 4 5 6 7.
+    assert propose([1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]) == [4, 5, 6, 7]
+
+
+def test_ngram_longest_match_wins_over_a_later_shorter_one():
+    # The 3-gram [7, 8, 3] occurred at 0 (then 10, 11); the 1-gram [3] occurs later, at 5 (then 20, 7).
+    tokens = [7, 8, 3, 10, 11, 3, 20, 7, 8, 3]
+    assert propose(tokens, num_tokens=2) == [10, 11]
+    # With max_n 1 only the single token counts, and its latest occurrence wins.
+    assert propose(tokens, num_tokens=2, max_n=1) == [20, 7]
+
+
+def test_ngram_latest_occurrence_wins():
+    assert propose([5, 6, 1, 5, 6, 2, 5, 6], num_tokens=1, min_n=2, max_n=2) == [2]
+
+
+def test_ngram_no_match_below_min_n_is_empty():
+    # Only the 1-gram [4] recurs; min_n 2 wants at least two tokens of context.
+    assert propose([4, 1, 2, 4], min_n=2, max_n=3) == []
+    assert propose([4, 1, 2, 4], min_n=1, max_n=3) == [1, 2, 4]
+    assert propose([9]) == []  # nothing earlier to match
+    assert propose([]) == []
+
+
+def test_ngram_bounded_by_num_tokens_limit_and_the_end_of_the_sequence():
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert propose(tokens, num_tokens=3) == [3, 4, 5]
+    assert propose(tokens, num_tokens=3, limit=2) == [3, 4]
+    assert propose(tokens, num_tokens=3, limit=0) == []
+    # A run of one token: the latest earlier [8, 8] is followed only by the last token.
+    assert propose([8, 8, 8, 8], num_tokens=4, min_n=2, max_n=2) == [8]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "min_n", "max_n"), [(0, 1, 2), (MAX_SPECULATIVE_TOKENS + 1, 1, 2), (4, 0, 2), (4, 3, 2)]
+)
+def test_ngram_refuses_bad_bounds(num_tokens, min_n, max_n):
+    with pytest.raises(ValueError, match="must"):
+        NgramProposer(num_tokens, min_n, max_n)
+
+
+# ---- the acceptance rule ----------------------------------------------------------------------
+
+
+def test_acceptance_keeps_the_longest_agreeing_prefix_and_the_target_token_after_it():
+    target = np.array([10, 11, 12, 13])
+    assert num_accepted(target, np.array([10, 11, 12])) == 3
+    assert emitted_tokens(target, np.array([10, 11, 12])).tolist() == [10, 11, 12, 13]
+    assert num_accepted(target, np.array([10, 99, 12])) == 1  # a later agreement does not count
+    assert emitted_tokens(target, np.array([10, 99, 12])).tolist() == [10, 11]
+    assert emitted_tokens(target, np.array([99, 11, 12])).tolist() == [10]
+    assert emitted_tokens(target[:1], np.array([], np.int64)).tolist() == [10]
+
+
+def test_acceptance_refuses_mismatched_lengths():
+    with pytest.raises(ValueError, match="expected one more"):
+        num_accepted(np.array([1, 2]), np.array([1, 2]))
+
+
+# ---- worker verification on SmolLM2 -------------------------------------------------------------
+
+RESTATE = (
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n"
+    "The quick brown fox jumps over the lazy dog near the river bank."
+)
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir) -> ModelRunner:
+    return ModelRunner(smollm2_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    chats = [RESTATE, "What is the capital of France?"]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False
+        )
+        for c in chats
+    ]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def plain_greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
+    """One token per step: what the engine emits without speculation."""
+    builder = PlanBuilder(runner.block_size)
+    out: list[int] = []
+    chunk = prompt
+    for _ in range(MAX_NEW):
+        result = runner.execute(*builder.plan([(0, chunk, True)]))
+        out.append(int(result["sampled_ids"][0]))
+        chunk = [out[-1]]
+    return out
+
+
+def speculative_greedy(runner: ModelRunner, prompt: list[int], proposals) -> tuple[list[int], int, int]:
+    """Decode with verification steps: each step carries the row's last token and what
+    `proposals(tokens so far, limit)` proposes; rejected positions are rolled back (their KV slots
+    are overwritten by the next step). Returns the outputs, proposals made and proposals kept."""
+    builder = PlanBuilder(runner.block_size)
+    result = runner.execute(*builder.plan([(0, prompt, True)]))
+    out = [int(result["sampled_ids"][0])]
+    num_proposed = num_kept = 0
+    while len(out) < MAX_NEW:
+        draft = list(proposals(prompt + out, MAX_NEW - len(out) - 1))
+        arrays, header = builder.plan([(0, [out[-1], *draft], True)])
+        arrays["num_proposed"] = np.array([len(draft)], np.int32)
+        result = runner.execute(arrays, header)
+        n = int(result["num_emitted"][0])
+        new = result["emitted_ids"][0, :n].tolist()
+        assert result["emitted_ids"][0, n:].tolist() == [-1] * (result["emitted_ids"].shape[1] - n)
+        assert int(result["sampled_ids"][0]) == new[-1]
+        STEP_RESULT.check(result, {Dim.ROWS: 1, Dim.TOP_K: 0})
+        builder.num_cached[0] -= len(draft) - (n - 1)  # the rejected proposals' KV is not kept
+        num_proposed += len(draft)
+        num_kept += n - 1
+        out.extend(new)
+    return out[:MAX_NEW], num_proposed, num_kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verification_emits_exactly_the_plain_greedy_tokens(runner, prompts):
+    ngram = NgramProposer(num_tokens=5, min_n=1, max_n=3)
+    for prompt in prompts:
+        reference = plain_greedy(runner, prompt)
+
+        def oracle(tokens, limit, reference=reference, prompt=prompt):  # always right
+            done = len(tokens) - len(prompt)
+            return reference[done : done + min(limit, 5)]
+
+        def wrong(tokens, limit, reference=reference, prompt=prompt):  # always wrong from the start
+            done = len(tokens) - len(prompt)
+            return [(t + 1) % runner.vocab_size for t in reference[done : done + min(limit, 3)]]
+
+        out, made, kept = speculative_greedy(runner, prompt, oracle)
+        assert out == reference
+        assert kept == made > 0
+        out, made, kept = speculative_greedy(runner, prompt, wrong)
+        assert out == reference
+        assert kept == 0 < made
+        out, made, kept = speculative_greedy(
+            runner, prompt, lambda tokens, limit: ngram.propose(np.array(tokens), limit)
+        )
+        assert out == reference
+    # The restating prompt is where prompt lookup pays: most of what it proposed was kept.
+    out, made, kept = speculative_greedy(
+        runner, prompts[0], lambda tokens, limit: ngram.propose(np.array(tokens), limit)
+    )
+    assert kept > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verification_in_a_mixed_step(runner, prompts):
+    """A verifying row beside a prefill chunk that samples and a plain decode: each row gets what
+    it would alone, and the plain rows emit their one token in the emitted arrays."""
+    restate, chat = prompts
+    reference = plain_greedy(runner, restate)
+    chat_reference = plain_greedy(runner, chat)
+    builder = PlanBuilder(runner.block_size)
+    runner.execute(*builder.plan([(0, restate, True), (1, chat, True)]))
+    draft = reference[1:5]
+    arrays, header = builder.plan(
+        [(1, [chat_reference[0]], True), (0, [reference[0], *draft], True), (2, chat, True)]
+    )
+    arrays["num_proposed"] = np.array([0, len(draft), 0], np.int32)
+    result = runner.execute(arrays, header)
+    assert result["num_emitted"].tolist() == [1, len(draft) + 1, 1]
+    # The restating row's input is its first token, then the right next four: all are kept.
+    assert result["emitted_ids"][1].tolist() == reference[1 : len(draft) + 2]
+    assert result["emitted_ids"][0, 0] == chat_reference[1] == result["sampled_ids"][0]
+    assert result["emitted_ids"][2, 0] == chat_reference[0] == result["sampled_ids"][2]
+    assert result["sampled_ids"][1] == reference[len(draft) + 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plans_with_proposals_the_worker_refuses(runner, prompts):
+    prompt = prompts[1]
+
+    def plan(**overrides):
+        builder = PlanBuilder(runner.block_size)
+        arrays, header = builder.plan([(0, [*prompt[:6], 5, 6], True)])
+        arrays["num_proposed"] = np.array([2], np.int32)
+        arrays.update(
+            {k: np.asarray(v, arrays[k].dtype if k in arrays else np.int32) for k, v in overrides.items()}
+        )
+        return arrays, header
+
+    runner.validate(*plan())
+    for overrides, message in [
+        ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
+        ({"num_proposed": [8]}, "no room"),
+        ({"is_sampled": [0]}, "samples nothing"),
+        ({"temperature": [0.7]}, "not plain greedy"),
+        ({"repetition_penalty": [1.1]}, "not plain greedy"),
+        ({"num_logprobs": [2]}, "not plain greedy"),
+    ]:
+        with pytest.raises(InvalidPlan, match=message):
+            runner.validate(*plan(**overrides))
+    arrays, header = plan()
+    arrays["input_ids"][-1] = -1  # a placeholder where a proposal goes
+    with pytest.raises(InvalidPlan, match="placeholder"):
+        runner.validate(arrays, header)
+
+
+# ---- the scheduler with verifications, on the fake worker of tests/test_scheduler_core.py -----------
+
+
+class ScriptedProposer:
+    """Proposals that are right for a number of tokens that varies with the sequence's length,
+    then wrong (or, for one length in k + 2, all right): the request's true continuation, as its
+    `reference_outputs` gives it, found by the sequence's prompt and outputs so far."""
+
+    def __init__(self, streams: list[tuple[list[int], list[int]]], num_tokens: int) -> None:
+        self.streams = streams
+        self.num_tokens = num_tokens
+
+    def propose(self, token_ids: np.ndarray, limit: int) -> np.ndarray:
+        tokens = token_ids.tolist()
+        for prompt, full in self.streams:
+            done = len(tokens) - len(prompt)
+            if done >= 0 and tokens[: len(prompt)] == prompt and tokens[len(prompt) :] == full[:done]:
+                rest = full[done:]
+                good = len(tokens) % (self.num_tokens + 2)
+                proposal = rest[:good] + [(t + 1) % VOCAB for t in rest[good : good + 1]]
+                return np.array(proposal[: min(self.num_tokens, limit)], np.int32)
+        return np.zeros(0, np.int32)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([2, 4, 8]),
+    extra_blocks=st.integers(0, 12),
+    max_num_seqs=st.integers(1, 5),
+    max_num_batched_tokens=st.integers(1, 24),
+    caching=st.booleans(),
+    num_tokens=st.integers(1, 5),
+    requests=st.lists(request_st, min_size=1, max_size=8),
+    events=event_st,
+)
+def test_random_traffic_with_verifications_gives_the_plain_outputs(
+    block_size: int,
+    extra_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    caching: bool,
+    num_tokens: int,
+    requests: list[dict],
+    events: list[tuple[str, int]],
+) -> None:
+    """Traffic in which greedy requests verify proposals (most of them partly wrong) beside
+    requests that do not (penalties, bias, min_tokens): every request ends once with the outputs
+    it generates alone, logprobs included, one step at a time and planned ahead; the fake worker
+    checks every KV read (no rejected proposal is ever read as context, through the prefix cache
+    or otherwise), and no block leaks."""
+    max_model_len = 48
+    specs = []
+    for idx, spec in enumerate(requests):
+        prompt = (PREFIXES[spec["prefix"]] if spec["prefix"] is not None else []) + spec["suffix"]
+        params = engine_params(
+            temperature=0.0,
+            max_tokens=spec["max_tokens"],
+            min_tokens=spec["min_tokens"],
+            ignore_eos=spec["ignore_eos"],
+            stop_token_ids=[5] if spec["stop"] else [],
+            priority=spec["priority"],
+            seed=spec["seed"],
+            repetition_penalty=1.2 if spec["penalty"] else 1.0,
+        )
+        full = reference_outputs(prompt, [], params, max_model_len)
+        specs.append((f"r{idx}", prompt, params, full, full[: min(spec["resume"], len(full) - 1)]))
+    proposer = ScriptedProposer([(prompt, full) for _, prompt, _, full, _ in specs], num_tokens)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_blocks=max_model_len // block_size + extra_blocks,
+        max_model_len=max_model_len,
+        max_num_waiting=64,
+        enable_prefix_caching=caching,
+        eos_token_ids=(EOS,),
+        proposer=proposer,
+    )
+    for overlap in (False, True):
+        sched = Scheduler(config)
+        got, ended = run_traffic(sched, FakeExecutor(sched), overlap, specs, events)
+        assert set(ended) == {rid for rid, *_ in specs}, "every request ends exactly once"
+        for rid, _, _, full, resumed in specs:
+            tokens = [token for token, _ in got[rid]]
+            if ended[rid] == "abort":
+                assert tokens == full[: len(tokens)]
+            else:
+                assert tokens == full, rid
+            # Each new token's logprob is the one its position and id give (FakeExecutor).
+            for j, (token, logprob) in enumerate(got[rid][len(resumed) :], len(resumed)):
+                position = len(specs[int(rid[1:])][1]) + j
+                assert np.frombuffer(logprob, "<f4")[0] == np.float32(-(position % 7) - token / VOCAB)
+        spec = sched.speculation
+        assert spec is not None
+        if spec.num_accepted_tokens:
+            event("proposals accepted")
+        if spec.num_draft_tokens > spec.num_accepted_tokens:
+            event("proposals rejected")
+        if sched.num_preemptions:
+            event("preempted")
+        assert_no_leaks(sched)
+
+
+def test_a_request_that_cannot_be_verified_exactly_never_speculates():
+    """Sampled, penalised, biased, min_tokens and logprob requests decode one token per step;
+    the same prompt greedy verifies proposals."""
+    prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
+
+    def drafts_of(params: dict) -> int:
+        sched = Scheduler(
+            SchedulerConfig(
+                block_size=4,
+                num_blocks=64,
+                max_model_len=64,
+                eos_token_ids=(EOS,),
+                proposer=NgramProposer(num_tokens=4, min_n=1, max_n=1),
+            )
+        )
+        request_params = engine_params(max_tokens=30, seed=1, ignore_eos=True, **params)
+        spec = ("r", prompt, request_params, reference_outputs(prompt, [], request_params, 64), [])
+        got, _ = run_traffic(sched, FakeExecutor(sched), False, [spec], [])
+        assert [token for token, _ in got["r"]] == spec[3]
+        assert sched.speculation is not None
+        return sched.speculation.num_drafts
+
+    for params in [
+        dict(temperature=0.7),
+        dict(temperature=0.0, repetition_penalty=1.1),
+        dict(temperature=0.0, logit_bias={9: 1.0}),
+        dict(temperature=0.0, min_tokens=2),
+        dict(temperature=0.0, logprobs=2),
+    ]:
+        assert drafts_of(params) == 0, params
+    assert drafts_of(dict(temperature=0.0)) > 0
+
+
+def test_the_speculative_section_is_validated_when_the_config_loads():
+    assert load_config(None).speculative.method == "none"  # off unless asked
+    config = load_config(None, ["speculative.method=ngram", "speculative.prompt_lookup_max=2"])
+    assert (config.speculative.method, config.speculative.prompt_lookup_max) == ("ngram", 2)
+    for overrides, message in [
+        (["speculative.method=draft"], "speculative.method"),
+        ([f"speculative.num_speculative_tokens={MAX_SPECULATIVE_TOKENS + 1}"], "num_speculative_tokens"),
+        (["speculative.num_speculative_tokens=0"], "num_speculative_tokens"),
+        (["speculative.prompt_lookup_min=3", "speculative.prompt_lookup_max=2"], "prompt_lookup_min"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+
+
+def test_a_resumed_request_with_several_tokens_in_a_step_gets_its_history_once():
+    """A verification gives a request several entries in one step; one that waits for its whole
+    history (resubmitted) gets it once, with its last entry's finish reason and logprob."""
+    resumed = Request("a", 0, np.array([1, 2], np.int32), engine_params(max_tokens=4), output_ids=[7, 8, 9])
+    outputs = StepOutputs(
+        ["a", "a", "b"],
+        [0, 0, 0],
+        np.array([1, 2, 5], np.int32),
+        np.array([8, 9, 3], np.int32),
+        np.array([-0.5, -0.25, -1.0], np.float32),
+        [[], [], []],
+        [None, "length", None],
+        [2, 2, 4],
+        [0, 0, 0],
+    )
+    needs_full_history = {"a": resumed}
+    messages = detokenizer_messages(outputs, needs_full_history, 1)[0]
+    assert not needs_full_history
+    updates = [u for message in messages for u in message.to_updates()]
+    assert [(u.request_id, u.start_index) for u in updates] == [("a", 0), ("b", 5)]
+    full = updates[0]
+    assert m.unpack_ids(full.token_ids).tolist() == [7, 8, 9] and full.finish_reason == "length"
+    assert np.frombuffer(full.logprobs, "<f4")[-1] == np.float32(-0.25)

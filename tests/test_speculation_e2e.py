@@ -1,0 +1,82 @@
+"""Speculative decoding end to end on the embedded SmolLM2, through real processes: greedy outputs
+with `speculative.method: ngram` equal those with it off, token for token and text for text
+(a prompt that restates its input, where proposals are accepted, an open chat, stop strings, a
+prompt long enough to be chunked), streamed and not, and the spec_decode_* counters on /metrics
+say that proposals were verified and accepted (docs/speculative.md)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NEW_TOKENS = 40
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
+    "and wrote the weather in a leather logbook before the ships came past the rocks."
+)
+# (prompt, extra sampling); every request is greedy.
+REQUESTS = [
+    (f"Repeat this text exactly, word for word:\n{TEXT}", {}),
+    ("What is the capital of France?", {}),
+    (f"Repeat this text exactly:\n{TEXT}", {"stop": ["logbook"]}),
+    # Over engine.max_num_batched_tokens (64): prefilled in chunks.
+    (f"Summarize this story in one sentence.\n{TEXT} {TEXT} {TEXT}", {}),
+]
+SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
+
+
+def serve_all(
+    tmp_path_factory: pytest.TempPathFactory, *overrides: str
+) -> tuple[list[tuple], dict[str, float]]:
+    """Every request, streamed and not, all at once; their (token ids, text, finish reason), and
+    the run's spec_decode_* counters."""
+    run_dir = tmp_path_factory.mktemp("spec")
+    metrics_port = free_port()
+    with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", *overrides) as run:
+        jobs = [(prompt, sampling, stream) for prompt, sampling in REQUESTS for stream in (False, True)]
+
+        def one(job: tuple[str, dict, bool]) -> tuple:
+            prompt, sampling, stream = job
+            messages = [{"role": "user", "content": prompt}]
+            with Client(run.run_dir) as client:
+                args = dict(max_tokens=NEW_TOKENS, temperature=0.0, timeout=300, **sampling)
+                if stream:
+                    deltas = list(client.stream_chat(messages, **args))
+                    return (
+                        [t for d in deltas for t in d.token_ids],
+                        "".join(d.text for d in deltas),
+                        deltas[-1].finish_reason,
+                    )
+                result = client.chat(messages, **args)
+                return result.token_ids, result.text, result.finish_reason
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(one, jobs))
+        counters = spec_decode_counters(metrics_port)
+    assert_clean(run_dir)
+    return results, counters
+
+
+def test_ngram_speculation_never_changes_a_greedy_output(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    plain, plain_counters = serve_all(tmp_path_factory)
+    speculated, counters = serve_all(
+        tmp_path_factory, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
+    )
+    assert not plain_counters.get("brigade:spec_decode_num_drafts_total")
+    for (prompt, sampling), i in zip(REQUESTS, range(0, 2 * len(REQUESTS), 2), strict=True):
+        for stream in (0, 1):
+            assert speculated[i + stream] == plain[i + stream], f"{prompt[:40]!r} {sampling} stream={stream}"
+    # The stop string ended its request.
+    assert plain[4][2] == "stop" and "logbook" not in plain[4][1]
+    assert counters["brigade:spec_decode_num_drafts_total"] > 0
+    assert counters["brigade:spec_decode_num_draft_tokens_total"] > 0
+    assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
