@@ -15,7 +15,7 @@ from ipc.step_plan import STEP_RESULT, Dim
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.speculation import emitted_tokens, num_accepted
 from services.scheduler.__main__ import detokenizer_messages
-from services.scheduler.core import Scheduler, SchedulerConfig, StepOutputs
+from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
 from tests.test_model import PlanBuilder
@@ -30,6 +30,7 @@ from tests.test_scheduler_core import (
     reference_outputs,
     request_st,
     run_traffic,
+    scheduler_config,
 )
 
 # ---- the n-gram proposer ----------------------------------------------------------------------
@@ -321,7 +322,7 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
         full = reference_outputs(prompt, [], params, max_model_len)
         specs.append((f"r{idx}", prompt, params, full, full[: min(spec["resume"], len(full) - 1)]))
     proposer = ScriptedProposer([(prompt, full) for _, prompt, _, full, _ in specs], num_tokens)
-    config = SchedulerConfig(
+    config = scheduler_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
@@ -364,7 +365,7 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
 
     def drafts_of(params: dict) -> int:
         sched = Scheduler(
-            SchedulerConfig(
+            scheduler_config(
                 block_size=4,
                 num_blocks=64,
                 max_model_len=64,
