@@ -48,7 +48,7 @@ from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model
 from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
-from supervision.stages import METRICS_DIR, StageProcess
+from supervision.stages import METRICS_DIR, StageHandle
 from supervision.status import StatusWriter, status
 from supervision.transition import PEER_KINDS, STOP_GRACE_S, Transitions
 
@@ -157,7 +157,7 @@ class Supervisor:
         self.mlflow = start_mlflow(self.config, self.run)
         print(ready_lines(self.config, len(self.stages), self.run), flush=True)
 
-    def wait_ready(self, stages: list[StageProcess]) -> None:
+    def wait_ready(self, stages: list[StageHandle]) -> None:
         """Watch until `stages` are up (at start, and new stages of a topology change)."""
         timeout_s = self.config.supervisor.start_timeout_s
         deadline = last_note = time.monotonic()
@@ -217,7 +217,7 @@ class Supervisor:
             self.stages.gather_metrics()
             self.loads_sent_at = now
 
-    def on_failure(self, stage: StageProcess, reason: str) -> None:
+    def on_failure(self, stage: StageHandle, reason: str) -> None:
         """`stage` exited or was killed: restart it, and the group stages that went with it."""
         log.warning("%s (pid %d) %s", stage.name, stage.pid, reason)
         self.schedule_restart(stage, reason)
@@ -235,7 +235,7 @@ class Supervisor:
         for peer in peers:
             self.schedule_restart(peer, f"{stage.name} {reason}")
 
-    def schedule_restart(self, stage: StageProcess, reason: str) -> None:
+    def schedule_restart(self, stage: StageHandle, reason: str) -> None:
         delay = self.policy.on_failure(stage.failures)
         if delay is None:
             raise GiveUp(
@@ -275,7 +275,7 @@ class Supervisor:
             else:
                 stage.on_heartbeat(message, time.monotonic())
 
-    def on_ready(self, stage: StageProcess) -> None:
+    def on_ready(self, stage: StageHandle) -> None:
         was_restart = stage.num_restarts > 0
         stage.on_ready(time.monotonic())
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
@@ -295,7 +295,7 @@ class Supervisor:
             for other in self.stages.of_kind("tokenizer"):
                 self.command(other, m.ResubmitAll(stage.group))
 
-    def command(self, stage: StageProcess, message: m.ControlDown) -> None:
+    def command(self, stage: StageHandle, message: m.ControlDown) -> None:
         assert self.control is not None
         self.control.send(stage.name.encode(), message)
 

@@ -43,7 +43,7 @@ from ipc.topology import StageSpec
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import PARENT_PID_ENV, RUN_FILE
 from supervision.preflight import Refused
-from supervision.stages import REPO_ROOT, RingSpec, StageProcess, StageSet, free_tcp_port
+from supervision.stages import REPO_ROOT, RingSpec, StageHandle, StageSet, free_tcp_port
 
 POLL_INTERVAL_S = 0.2  # how often a stage's host is asked whether its process is still alive
 START_WAIT_S = 30.0  # a message may come from a process whose host has not yet told us its pid
@@ -350,7 +350,7 @@ class RayStageSet(StageSet):
         self.metrics_answers: dict[str, ray.ObjectRef] = {}  # node -> its StageHost.read_metrics, pending
         self.metrics_due = 0.0
 
-    def add(self, spec: StageSpec) -> StageProcess:
+    def add(self, spec: StageSpec) -> StageHandle:
         stage = super().add(spec)
         # The node gives the rest: its own environment (Ray sets CUDA_VISIBLE_DEVICES there) and
         # the group's dist port (GroupSetup).
@@ -460,7 +460,7 @@ class RayStageSet(StageSet):
 
     # -- processes -------------------------------------------------------------------------------
 
-    def launch(self, stage: StageProcess) -> None:
+    def launch(self, stage: StageHandle) -> None:
         if isinstance(stage.process, RemoteProcess):
             stage.process.release()  # the host of the process this one replaces
             self.old_pids.setdefault(stage.name, set()).add(stage.process.pid)
@@ -481,7 +481,7 @@ class RayStageSet(StageSet):
         stage.process = RemoteProcess(host, lambda address: self.start_at(stage, host, address))  # type: ignore[assignment]
         stage.node, stage.stderr_pump, stage.last_stderr_line = "", None, ""
 
-    def start_at(self, stage: StageProcess, host: ray.actor.ActorHandle, address: str) -> ray.ObjectRef:
+    def start_at(self, stage: StageHandle, host: ray.actor.ActorHandle, address: str) -> ray.ObjectRef:
         """Start `stage` on its host, which Ray placed on a node at `address`. An engine group
         found at another address than its links have moved there (its node died): the links
         follow it first (`on_group_moved`). Raises Refused when they cannot."""
@@ -531,7 +531,7 @@ class RayStageSet(StageSet):
             if process.node and process.node != self.head_node and process.node not in self.metrics_answers:
                 self.metrics_answers[process.node] = process.host.read_metrics.remote()
 
-    def is_current(self, stage: StageProcess, pid: int) -> bool:
+    def is_current(self, stage: StageHandle, pid: int) -> bool:
         # A stage can talk before its host's answer to `start` (which carries the pid) is read;
         # a replaced process's late messages must not wait for a host that has no node yet.
         process = stage.process
@@ -540,7 +540,7 @@ class RayStageSet(StageSet):
             process.settle(START_WAIT_S)
         return pid == stage.pid
 
-    def reap(self) -> list[tuple[StageProcess, int]]:
+    def reap(self) -> list[tuple[StageHandle, int]]:
         for stage in self.stages.values():
             process = stage.process
             if isinstance(process, RemoteProcess):
@@ -549,11 +549,11 @@ class RayStageSet(StageSet):
                 stage.last_stderr_line = process.last_line
         return super().reap()
 
-    def send_signal(self, stage: StageProcess, sig: int) -> None:
+    def send_signal(self, stage: StageHandle, sig: int) -> None:
         if isinstance(stage.process, RemoteProcess):
             stage.process.send_signal(sig)
 
-    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    def stop(self, stages: Iterable[StageHandle], grace_s: float, sig: int = signal.SIGTERM) -> None:
         stages = list(stages)
         super().stop(stages, grace_s, sig)
         for stage in stages:  # a retired replica's host has nothing left to do

@@ -54,8 +54,9 @@ class RingSpec:
 
 
 @dataclass
-class StageProcess:
-    """One stage: how to start it, its current process, and the supervisor's view of it."""
+class StageHandle:
+    """The supervisor's handle on one stage: how to start it, its current process, its state.
+    (The stage's own side is services/stage.py `StageProcess`.)"""
 
     name: str
     kind: str
@@ -125,29 +126,29 @@ class StageSet:
         self.dist_host = config.network.host
         self.run_dir = run_dir
         self.log_format = log_format
-        self.stages: dict[str, StageProcess] = {}
+        self.stages: dict[str, StageHandle] = {}
         # (group, address): the cluster placed an engine group again on a host at another address;
         # the supervisor re-plans its links or raises Refused. Only a cluster's stage set calls it.
         self.on_group_moved: Callable[[int, str], None] | None = None
         # Per engine group: where its tensor-parallel rank 0 listens for torch.distributed.
         self.dist_ports = [free_tcp_port(self.dist_host) for _ in range(self.engine.data_parallel)]
 
-    def __iter__(self) -> Iterator[StageProcess]:
+    def __iter__(self) -> Iterator[StageHandle]:
         return iter(list(self.stages.values()))
 
     def __len__(self) -> int:
         return len(self.stages)
 
-    def __getitem__(self, name: str) -> StageProcess:
+    def __getitem__(self, name: str) -> StageHandle:
         return self.stages[name]
 
-    def get(self, name: str) -> StageProcess | None:
+    def get(self, name: str) -> StageHandle | None:
         return self.stages.get(name)
 
-    def of_kind(self, kind: str) -> list[StageProcess]:
+    def of_kind(self, kind: str) -> list[StageHandle]:
         return [s for s in self.stages.values() if s.kind == kind]
 
-    def add(self, spec: StageSpec) -> StageProcess:
+    def add(self, spec: StageSpec) -> StageHandle:
         """The stage `spec` names (ipc/topology.py gives them, in start order); spawns nothing."""
         if spec.kind not in STOP_ORDER:
             raise ValueError(
@@ -158,7 +159,7 @@ class StageSet:
         if spec.rank is not None:
             argv += ["--rank", str(spec.rank)]
         env = {**os.environ, **self.stage_env(spec.group, spec.rank)}
-        stage = StageProcess(spec.name, spec.kind, argv, env, group=spec.group)
+        stage = StageHandle(spec.name, spec.kind, argv, env, group=spec.group)
         self.stages[spec.name] = stage
         return stage
 
@@ -215,7 +216,7 @@ class StageSet:
 
     # -- processes -------------------------------------------------------------------------------
 
-    def spawn(self, stage: StageProcess) -> None:
+    def spawn(self, stage: StageHandle) -> None:
         self.launch(stage)
         now = time.monotonic()
         stage.is_ready, stage.state, stage.started_at, stage.restart_at = False, "starting", now, None
@@ -223,7 +224,7 @@ class StageSet:
         stage.load, stage.rate_at = m.StageLoad(), 0.0
         log.info("started %s (pid %d)", stage.name, stage.pid)
 
-    def launch(self, stage: StageProcess) -> None:
+    def launch(self, stage: StageHandle) -> None:
         stage.process = subprocess.Popen(
             stage.argv, env=stage.env, start_new_session=True, cwd=REPO_ROOT, stderr=subprocess.PIPE
         )
@@ -233,12 +234,12 @@ class StageSet:
         )
         stage.stderr_pump.start()
 
-    def is_current(self, stage: StageProcess, pid: int) -> bool:
+    def is_current(self, stage: StageHandle, pid: int) -> bool:
         """Whether a message from `pid` comes from the stage's current process (not one that
         was replaced)."""
         return pid == stage.pid
 
-    def reap(self) -> list[tuple[StageProcess, int]]:
+    def reap(self) -> list[tuple[StageHandle, int]]:
         """The stages whose process exited since the last look (and that are not waiting for a
         restart), with their exit codes."""
         exited = []
@@ -249,7 +250,7 @@ class StageSet:
                     exited.append((stage, code))
         return exited
 
-    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    def stop(self, stages: Iterable[StageHandle], grace_s: float, sig: int = signal.SIGTERM) -> None:
         """Send `sig` to every live stage's process group, wait for them all together up to
         `grace_s`, and SIGKILL whatever is left (then wait for it too)."""
         live = [s for s in stages if s.is_alive]
@@ -264,21 +265,21 @@ class StageSet:
                 self.send_signal(stage, signal.SIGKILL)
                 stage.process.wait()
 
-    def kill(self, stages: Iterable[StageProcess]) -> None:
+    def kill(self, stages: Iterable[StageHandle]) -> None:
         """SIGKILL and wait: for stages that are hung or must go with another one."""
         self.stop(stages, 0.0, signal.SIGKILL)
 
-    def send_signal(self, stage: StageProcess, sig: int) -> None:
+    def send_signal(self, stage: StageHandle, sig: int) -> None:
         """`sig` to the stage's whole process group (it runs in a session of its own)."""
         with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
             os.killpg(stage.pid, sig)
 
-    def remove(self, stages: Iterable[StageProcess]) -> None:
+    def remove(self, stages: Iterable[StageHandle]) -> None:
         for stage in stages:
             del self.stages[stage.name]
 
 
-def _pump_stderr(stage: StageProcess, pipe: IO[bytes]) -> None:
+def _pump_stderr(stage: StageHandle, pipe: IO[bytes]) -> None:
     """Pass a stage's stderr through to ours, line by line, remembering the last one."""
     out = sys.stderr.buffer
     for line in pipe:

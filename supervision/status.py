@@ -20,14 +20,14 @@ import msgspec
 
 from services import metrics
 from services.stage_rows import STATUS_FILE, StageRow, read_status
-from supervision.stages import StageProcess
+from supervision.stages import StageHandle
 
 REFRESH_S = 1.0
 
 log = logging.getLogger("supervisor")
 
 
-def stage_row(stage: StageProcess, now: float) -> StageRow:
+def stage_row(stage: StageHandle, now: float) -> StageRow:
     """One stage's row of both files."""
     load = stage.load
     return StageRow(
@@ -61,7 +61,7 @@ class StatusWriter:
         self.failing: set[str] = set()
         self.states: list[tuple[str, int, str, int]] = []  # what status.json last said of each stage
 
-    def write_status(self, stages: Iterable[StageProcess], is_due: bool) -> None:
+    def write_status(self, stages: Iterable[StageHandle], is_due: bool) -> None:
         """status.json, when a stage changed state, at once (the gateways' /health and `status`
         read it), or when `is_due` (fresh loads, once per heartbeat interval): a rewrite costs a
         file write and a rename, too much for every round of the watch loop."""
@@ -82,7 +82,7 @@ class StatusWriter:
 
     def write_samples(
         self,
-        stages: Iterable[StageProcess],
+        stages: Iterable[StageHandle],
         rings: list[metrics.RingSample],
         model: str,
         device: str,

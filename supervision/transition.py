@@ -23,7 +23,7 @@ from services.audit import AuditLog
 from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
 from supervision.preflight import Refused, check_layout
 from supervision.run import Run
-from supervision.stages import StageProcess, StageSet
+from supervision.stages import StageHandle, StageSet
 
 STOP_GRACE_S = 5.0
 # The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
@@ -41,9 +41,9 @@ class Watch(Protocol):
 
     def read_control(self, timeout: float) -> None: ...
 
-    def wait_ready(self, stages: list[StageProcess]) -> None: ...
+    def wait_ready(self, stages: list[StageHandle]) -> None: ...
 
-    def command(self, stage: StageProcess, message: m.ControlDown) -> None: ...
+    def command(self, stage: StageHandle, message: m.ControlDown) -> None: ...
 
 
 class Transitions:

@@ -16,7 +16,7 @@ from services.stage import RUN_FILE, read_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused
 from supervision.run import Run
-from supervision.stages import StageProcess
+from supervision.stages import StageHandle
 from supervision.status import StatusWriter
 
 
@@ -89,7 +89,7 @@ def test_rings_of_retired_groups_go_and_the_rest_stay(run_dir: Path, tmp_path: P
 def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog):
     (tmp_path / "file").write_text("")
     writer = StatusWriter(tmp_path / "file")  # a run dir that is a file: every write fails
-    stage = StageProcess("tokenizer-0", "tokenizer", [], {}, state="running")
+    stage = StageHandle("tokenizer-0", "tokenizer", [], {}, state="running")
     with caplog.at_level(logging.INFO, "supervisor"):
         for _ in range(3):
             writer.write_status([stage], is_due=True)

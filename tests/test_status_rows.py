@@ -1,6 +1,6 @@
 """The supervisor's two files about its stages, status.json and metrics/stages.json, carry one row
 shape (services/stage_rows.py), and status.json keeps every key `brigade status --json` printed
-before the two shapes became one. No run: a StageProcess with a load, as a heartbeat leaves it."""
+before the two shapes became one. No run: a StageHandle with a load, as a heartbeat leaves it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ipc import messages as m
 from services.gateway.app import engine_group_ready
 from services.metrics import METRICS_DIR, STAGES_FILE
 from services.stage_rows import STATUS_FILE
-from supervision.stages import StageProcess
+from supervision.stages import StageHandle
 from supervision.status import StatusWriter, format_table, status
 
 # The keys of a status.json row that scripts read (docs/operations.md): never renamed.
@@ -25,8 +25,8 @@ STATUS_KEYS = {
 
 
 @pytest.fixture
-def scheduler() -> StageProcess:
-    stage = StageProcess("scheduler-1", "scheduler", [], {}, group=1, state="running", node="node-a")
+def scheduler() -> StageHandle:
+    stage = StageHandle("scheduler-1", "scheduler", [], {}, group=1, state="running", node="node-a")
     stage.started_at = time.monotonic() - 30.0
     stage.num_restarts = 2
     stage.tokens_rate = 12.34
@@ -37,7 +37,7 @@ def scheduler() -> StageProcess:
     return stage
 
 
-def written(run_dir: Path, stage: StageProcess) -> tuple[list[dict], dict]:
+def written(run_dir: Path, stage: StageHandle) -> tuple[list[dict], dict]:
     (run_dir / METRICS_DIR).mkdir()
     writer = StatusWriter(run_dir)
     writer.write_status([stage], is_due=True)
@@ -47,7 +47,7 @@ def written(run_dir: Path, stage: StageProcess) -> tuple[list[dict], dict]:
     return status_rows, samples
 
 
-def test_both_files_carry_one_row_shape(tmp_path: Path, scheduler: StageProcess):
+def test_both_files_carry_one_row_shape(tmp_path: Path, scheduler: StageHandle):
     [row], samples = written(tmp_path, scheduler)
     supervisor, sample = samples["stages"]
     assert set(row) == set(sample) == set(supervisor)
@@ -58,9 +58,7 @@ def test_both_files_carry_one_row_shape(tmp_path: Path, scheduler: StageProcess)
     assert supervisor["auth_failures"] == 11
 
 
-def test_status_rows_keep_the_keys_scripts_read_with_the_stage_values(
-    tmp_path: Path, scheduler: StageProcess
-):
+def test_status_rows_keep_the_keys_scripts_read_with_the_stage_values(tmp_path: Path, scheduler: StageHandle):
     [row], _ = written(tmp_path, scheduler)
     assert set(row) >= STATUS_KEYS
     assert row["name"] == "scheduler-1" and row["kind"] == "scheduler" and row["state"] == "running"
@@ -75,12 +73,12 @@ def test_status_rows_keep_the_keys_scripts_read_with_the_stage_values(
 
 
 def test_a_stage_off_any_node_and_group_says_so_with_defaults(tmp_path: Path):
-    stage = StageProcess("tokenizer-0", "tokenizer", [], {})
+    stage = StageHandle("tokenizer-0", "tokenizer", [], {})
     [row], _ = written(tmp_path, stage)
     assert row["node"] == "" and row["engine"] == -1 and row["uptime_s"] == 0.0 and row["state"] == "starting"
 
 
-def test_status_prints_the_rows_as_json_and_as_a_table(tmp_path: Path, scheduler: StageProcess, capsys):
+def test_status_prints_the_rows_as_json_and_as_a_table(tmp_path: Path, scheduler: StageHandle, capsys):
     [row], _ = written(tmp_path, scheduler)
     assert status(tmp_path, as_json=True) == 0
     assert json.loads(capsys.readouterr().out) == [row]
@@ -96,8 +94,8 @@ def test_status_of_a_run_dir_without_a_run_says_so(tmp_path: Path, capsys):
 
 
 def test_the_gateway_reads_an_engine_group_as_ready_once_all_its_stages_run(tmp_path: Path):
-    def group_stage(name: str, kind: str, group: int, state: str) -> StageProcess:
-        return StageProcess(name, kind, [], {}, group=group, state=state)
+    def group_stage(name: str, kind: str, group: int, state: str) -> StageHandle:
+        return StageHandle(name, kind, [], {}, group=group, state=state)
 
     writer = StatusWriter(tmp_path)
     assert not engine_group_ready(tmp_path)  # no status.json yet
@@ -106,7 +104,7 @@ def test_the_gateway_reads_an_engine_group_as_ready_once_all_its_stages_run(tmp_
         group_stage("gpu_worker-0-0", "gpu_worker", 0, "restarting"),
         group_stage("scheduler-1", "scheduler", 1, "running"),
         group_stage("gpu_worker-1-0", "gpu_worker", 1, "starting"),
-        StageProcess("tokenizer-0", "tokenizer", [], {}, state="running"),
+        StageHandle("tokenizer-0", "tokenizer", [], {}, state="running"),
     ]
     writer.write_status(stages, is_due=True)
     assert not engine_group_ready(tmp_path)

@@ -20,7 +20,7 @@ from services.audit import AuditLog
 from supervision.live_settings import with_setting
 from supervision.preflight import Refused
 from supervision.run import Run
-from supervision.stages import StageProcess, StageSet
+from supervision.stages import StageHandle, StageSet
 from supervision.transition import PEER_KINDS, Transitions
 
 Event = tuple  # (what happened, stage names... or stage name and command)
@@ -33,10 +33,10 @@ class RecordedStages(StageSet):
         super().__init__(config, run_dir, "text")
         self.events = events
 
-    def launch(self, stage: StageProcess) -> None:
+    def launch(self, stage: StageHandle) -> None:
         self.events.append(("spawn", stage.name))
 
-    def stop(self, stages: Iterable[StageProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    def stop(self, stages: Iterable[StageHandle], grace_s: float, sig: int = signal.SIGTERM) -> None:
         names = sorted(s.name for s in stages)
         if names:
             self.events.append(("stop", *names))
@@ -55,12 +55,12 @@ class Loop:
     def read_control(self, timeout: float) -> None:
         pass
 
-    def wait_ready(self, stages: list[StageProcess]) -> None:
+    def wait_ready(self, stages: list[StageHandle]) -> None:
         for stage in stages:
             stage.on_ready(0.0)
         self.events.append(("ready", *sorted(s.name for s in stages)))
 
-    def command(self, stage: StageProcess, message: m.ControlDown) -> None:
+    def command(self, stage: StageHandle, message: m.ControlDown) -> None:
         self.events.append(("command", stage.name, message))
 
 
