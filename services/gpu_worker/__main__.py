@@ -132,6 +132,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
         int8_activations=engine.cpu_int8_activations,
+        wide_step_dtype=engine.cpu_wide_step_dtype,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

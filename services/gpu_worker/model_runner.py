@@ -48,6 +48,7 @@ class ModelRunner:
         backend: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         int8_activations: bool = False,
+        wide_step_dtype: str = "float32",
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -73,7 +74,7 @@ class ModelRunner:
 
         self.parallel = parallel
         self.model = LlamaModel(
-            config, self.dtype, self.device, block_size, parallel, backend, int8_activations
+            config, self.dtype, self.device, block_size, parallel, backend, int8_activations, wide_step_dtype
         )
         load_weights(self.model, model_dir)
         if int8_activations and not self.model.reads_gguf_blocks:
