@@ -14,7 +14,8 @@ engine.cpu_int8_activations off and on, alternating in one process, and prints b
 then the model's own GGUF-block GEMVs alone, off and on.
 With --wide-ab it runs decode steps of 16 and 64 rows and a 512-token prefill on two runners, one
 with float32 wide steps and one with engine.cpu_wide_step_dtype=bfloat16, alternating in one
-process, and prints both and bf16 / float32.
+process, and prints both and bf16 / float32; first the layer GEMMs alone, both ways, at 16, 64 and
+512 rows.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from benchmarks.model_bench import static_plan
 from ipc.messages import StepHeader
 from kernels import cpu_ops
 from services.gpu_worker.loader import prepare_model
-from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight
+from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight, onednn_linear
 from services.gpu_worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -215,6 +216,41 @@ def wide_ab(
     return result
 
 
+def wide_gemm_ab(runners: dict[str, ModelRunner], reps: int) -> dict:
+    """The four layer GEMMs alone (the first layer's oneDNN copies of each runner: float32 and
+    bf16, activations converted per call as the model does) at 16, 64 and 512 rows, alternating:
+    process CPU ms per call (min of reps) and GFLOP/s."""
+    result = {}
+    weights = {side: runner.model.layers[0].onednn for side, runner in runners.items()}
+    shapes = [(w.shape[0], w.shape[1]) for w in weights["float32"]]
+    flops_per_row = 2 * sum(n * k for n, k in shapes)
+    for rows in (16, 64, 512):
+        inputs = [torch.randn(rows, k) for _, k in shapes]
+        calls = max(1, 1024 // rows)
+        cpu: dict[str, list[float]] = {side: [] for side in runners}
+        for rep in range(reps + 1):  # the first round warms up
+            for side in list(runners) if rep % 2 == 0 else list(runners)[::-1]:
+                start = time.process_time()
+                for _ in range(calls):
+                    for x, w in zip(inputs, weights[side], strict=True):
+                        onednn_linear(x, w)
+                if rep:
+                    cpu[side].append((time.process_time() - start) / calls * 1e3)
+        entry = {
+            side: {"cpu_ms_min": min(v), "gflop_s": flops_per_row * rows / min(v) / 1e6}
+            for side, v in cpu.items()
+        }
+        print(
+            f"layer GEMMs alone, {rows} rows: "
+            + ", ".join(f"{side} {e['gflop_s']:.1f} GFLOP/s" for side, e in entry.items())
+            + f" (bf16 / float32 rate {entry['bfloat16']['gflop_s'] / entry['float32']['gflop_s']:.2f}x; "
+            f"CPU time, min of {reps})",
+            flush=True,
+        )
+        result[f"{rows} rows"] = entry
+    return result
+
+
 def in_features(weight: QuantizedWeight) -> int:
     per_block = cpu_ops.SUPER_BLOCK_WEIGHTS if weight.format in cpu_ops.K_QUANTS else cpu_ops.BLOCK_WEIGHTS
     return weight.blocks.shape[1] // cpu_ops.PACKED_BLOCK_BYTES[weight.format] * per_block
@@ -311,6 +347,7 @@ def main() -> None:
         )
         if bf16.model.wide_step_dtype != torch.bfloat16:
             sys.exit("bf16 wide steps are not available here (see the warning above)")
+        result["wide_gemm_ab"] = wide_gemm_ab({"float32": runner, "bfloat16": bf16}, args.reps)
         result["wide_ab"] = wide_ab({"float32": runner, "bfloat16": bf16}, plans, args.reps)
         plans = {}
     if args.int8_ab:

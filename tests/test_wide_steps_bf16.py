@@ -176,3 +176,42 @@ def test_smollm2_with_bf16_wide_steps_stays_close_to_hf(smollm2_dir, smollm2_hf_
     assert report["steps"] == 8 * 16
     assert report["top1_agreement"] >= TOP1_MIN, report
     assert 0.01 < report["max_abs_logit_diff"] < 3.0, report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # SmolLM2 served through real processes, on a loaded machine
+@pytest.mark.skipif(not has_native_half_matmul(torch.device("cpu")), reason="no AVX-512 BF16 or AMX")
+def test_served_smollm2_takes_the_option(smollm2_dir, tmp_path):
+    """`engine.cpu_wide_step_dtype=bfloat16` reaches the worker: a served prompt's first token
+    (its prefill, a wide step) has the logprob of an in-process runner with bf16 wide steps, which
+    differs from the float32 runner's by more than their agreement."""
+    from benchmarks.int8_accuracy import chat_prompts
+    from client import Client
+    from tests.harness import assert_clean, brigade_run
+
+    prompt = chat_prompts(smollm2_dir)[6]
+    expected = {}
+    for wide in ("float32", "bfloat16"):
+        runner = ModelRunner(
+            smollm2_dir, dtype="float32", kv_cache_bytes=16 << 20, threads=2, wide_step_dtype=wide
+        )
+        result = runner.execute(*PlanBuilder(runner.block_size).plan([(0, prompt, True)]))
+        expected[wide] = (int(result["sampled_ids"][0]), float(result["sampled_logprobs"][0]))
+        del runner
+    assert abs(expected["bfloat16"][1] - expected["float32"][1]) > 1e-4, expected
+    run_dir = tmp_path / "run"
+    with (
+        brigade_run(
+            run_dir,
+            "model.dtype=float32",
+            "engine.threads=2",
+            "engine.cpu_wide_step_dtype=bfloat16",
+            "engine.enable_prefix_caching=false",
+        ) as run,
+        Client(run.run_dir) as client,
+    ):
+        result = client.generate(prompt, max_tokens=1, temperature=0.0, ignore_eos=True, timeout=300)
+    assert result.token_ids == [expected["bfloat16"][0]]
+    assert result.logprobs is not None
+    assert abs(result.logprobs[0] - expected["bfloat16"][1]) < 1e-5, (result.logprobs, expected)
+    assert_clean(run_dir)
