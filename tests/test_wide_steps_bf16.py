@@ -148,6 +148,34 @@ def test_tiny_wide_steps_in_bf16_stay_close_to_hf(tiny_model_dir, cpu_with_bf16)
             assert float((logits["bfloat16"] - logits["float32"]).abs().max()) > 1e-4
 
 
+def test_moe_with_bf16_wide_steps_stays_close_to_hf(tmp_path, cpu_with_bf16):
+    """A Qwen2-MoE (a dense layer between sparse ones, whose dense weights are empty; QKV bias):
+    its dense layers' weights take bf16 copies, the experts stay float32, and a prefill's logits
+    are HF float32's within bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import save_random_model
+    from tests.test_moe import random_moe_config
+
+    cpu_with_bf16(True)
+    path = save_random_model(random_moe_config("qwen2-moe-shared-expert"), tmp_path / "moe", seed=7, std=0.08)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = tiny_runner(path, wide_step_dtype="bfloat16")
+    model = runner.model
+    assert model.wide_step_dtype == torch.bfloat16 and [layer.moe is not None for layer in model.layers] == [
+        False,
+        True,
+        False,
+    ]
+    assert all(w.dtype == torch.bfloat16 for w in model.layers[0].onednn)
+    assert model.layers[1].onednn[0].dtype == torch.bfloat16 and model.layers[1].onednn[2].numel() == 0
+    ids = random_ids(np.random.default_rng(8), 21, runner.vocab_size)
+    logits = runner_logits(runner, PlanBuilder(), [(0, ids, True)])[0]
+    expected = hf_last_logits(hf, ids)
+    assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.9999
+    torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # HF and Brigade on SmolLM2, on a loaded machine
 @pytest.mark.skipif(not has_native_half_matmul(torch.device("cpu")), reason="no AVX-512 BF16 or AMX")

@@ -682,8 +682,10 @@ class LlamaModel:
                 if drops_plain and blocks is not None:
                     onednn.append(prepack(weight.bfloat16() if is_bf16 else weight))
                     setattr(layer, name, released)
+                elif is_bf16 and weight.numel():  # a sparse layer's dense weights are empty: nothing to pack
+                    onednn.append(prepack(weight.bfloat16()))
                 else:
-                    onednn.append(prepack(weight.bfloat16()) if is_bf16 else weight)
+                    onednn.append(weight)
             layer.onednn = tuple(onednn)  # type: ignore[assignment]
         if keep_transposed:
             self.lm_head_t = self.lm_head.t().contiguous()
