@@ -1,14 +1,20 @@
-"""Accuracy of engine.cpu_int8_activations against HF float32, on the embedded SmolLM2-135M.
+"""Accuracy of engine.cpu_int8_activations and engine.cpu_wide_step_dtype against HF float32, on
+the embedded SmolLM2-135M.
 
     python benchmarks/int8_accuracy.py [--json FILE] [--new-tokens 32] [--threads N]
 
 HF transformers in float32 (its own dequantization of the embedded GGUF) generates greedily from
 each of the model tests' chat prompts (tests/test_model.py, CHATS). Brigade then teacher-forces
 HF's tokens: the prompt as one prefill, then one decode step of one row per token, the steps the
-option changes (the few-rows GEMVs from the GGUF blocks), once with float32 activations (the
+8-bit option changes (the few-rows GEMVs from the GGUF blocks), once with float32 activations (the
 control, which the model tests hold to HF) and once with 8-bit ones. Per mode it reports the top-1
 agreement with HF's greedy token over all decode steps and the largest |logit difference| from HF's
 logits at those steps, and writes them as JSON.
+
+The wide-step modes teacher-force the steps a loaded server runs: each prompt prefilled alone, then
+every prompt's next token in one decode step of all of them (8 rows), all wide steps; with float32
+wide steps (the control) and with bfloat16 ones (a second runner: the dtype is chosen at load).
+They count every token, the first (the prefill's) too, since both kinds of step change.
 """
 
 from __future__ import annotations
@@ -91,6 +97,54 @@ def teacher_forced_logits(runner: ModelRunner, prompt: list[int], tokens: list[i
     return torch.stack(logits)
 
 
+def batched_teacher_forced_logits(
+    runner: ModelRunner, prompts: list[list[int]], tokens: list[list[int]]
+) -> list[torch.Tensor]:
+    """Brigade's logits [len(tokens[i]), V] before each of prompt i's tokens: each prompt's prefill
+    alone, then one decode step of all the prompts per token (every prompt as many tokens)."""
+    bs = runner.block_size
+    widths = [-(-(len(p) + len(t)) // bs) for p, t in zip(prompts, tokens, strict=True)]
+    tables = np.zeros((len(prompts), max(widths)), dtype=np.int32)
+    starts = np.cumsum([0, *widths])
+    for i, width in enumerate(widths):
+        tables[i, :width] = np.arange(starts[i], starts[i] + width)
+    model = runner.model
+
+    def step(ids: np.ndarray, positions: np.ndarray, seqs: list[int]) -> torch.Tensor:
+        arrays, header = static_plan(ids, positions, positions[:, -1] + 1, tables[seqs], bs)
+        runner.validate(arrays, header)
+        metas = model.prepare(arrays, header.num_tokens, header.num_seqs)
+        ids_t = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+        rows = torch.arange(len(seqs)) * ids.shape[1] + ids.shape[1] - 1
+        return model.forward(ids_t, metas, runner.kv_cache, rows)
+
+    logits = [[step(np.array([p]), np.arange(len(p))[None, :], [i])[0]] for i, p in enumerate(prompts)]
+    everyone = list(range(len(prompts)))
+    for j in range(len(tokens[0]) - 1):
+        ids = np.array([[t[j]] for t in tokens])
+        positions = np.array([[len(p) + j] for p in prompts])
+        for i, row in enumerate(step(ids, positions, everyone)):
+            logits[i].append(row)
+    return [torch.stack(rows) for rows in logits]
+
+
+def compare_batched(
+    runner: ModelRunner, prompts: list[list[int]], references: list[tuple[list[int], torch.Tensor]]
+) -> dict:
+    """`compare` over `batched_teacher_forced_logits`, every token counted."""
+    tokens = [t for t, _ in references]
+    ours = batched_teacher_forced_logits(runner, prompts, tokens)
+    agree = sum(int((o.argmax(-1) == torch.tensor(t)).sum()) for o, t in zip(ours, tokens, strict=True))
+    steps = sum(len(t) for t in tokens)
+    max_diff = max(float((o - hf).abs().max()) for o, (_, hf) in zip(ours, references, strict=True))
+    return {
+        "top1_agreement": agree / steps,
+        "agreeing_steps": agree,
+        "steps": steps,
+        "max_abs_logit_diff": max_diff,
+    }
+
+
 def compare(
     runner: ModelRunner, prompts: list[list[int]], references: list[tuple[list[int], torch.Tensor]]
 ) -> dict:
@@ -112,6 +166,14 @@ def compare(
     }
 
 
+def show(mode: str, report: dict) -> None:
+    print(
+        f"{mode}: top-1 agreement {report['agreeing_steps']}/{report['steps']} "
+        f"({100 * report['top1_agreement']:.1f} %), max |logit diff| {report['max_abs_logit_diff']:.4f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
@@ -128,12 +190,19 @@ def main() -> None:
     result: dict = {"new_tokens": args.new_tokens, "prompts": len(prompts), "modes": {}}
     for mode, int8 in (("float32 activations", False), ("int8 activations", True)):
         runner.model.int8_activations = int8
-        result["modes"][mode] = report = compare(runner, prompts, references)
-        print(
-            f"{mode}: top-1 agreement {report['agreeing_steps']}/{report['steps']} "
-            f"({100 * report['top1_agreement']:.1f} %), max |logit diff| {report['max_abs_logit_diff']:.4f}",
-            flush=True,
-        )
+        result["modes"][mode] = compare(runner, prompts, references)
+        show(mode, result["modes"][mode])
+    runner.model.int8_activations = False
+    result["modes"]["float32 wide steps (batched)"] = compare_batched(runner, prompts, references)
+    show("float32 wide steps (batched)", result["modes"]["float32 wide steps (batched)"])
+    del runner
+    bf16 = ModelRunner(
+        model_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=args.threads, wide_step_dtype="bfloat16"
+    )
+    if bf16.model.wide_step_dtype != torch.bfloat16:
+        sys.exit("this CPU has no native bf16 matmul: the bf16 wide steps fall back to float32")
+    result["modes"]["bfloat16 wide steps (batched)"] = compare_batched(bf16, prompts, references)
+    show("bfloat16 wide steps (batched)", result["modes"]["bfloat16 wide steps (batched)"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

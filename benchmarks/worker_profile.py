@@ -12,6 +12,10 @@ seconds. It prints wall and process-CPU ms per step (median of --reps) and the t
 With --int8-ab it runs only decode steps of 1 and 4 rows (context 256) with
 engine.cpu_int8_activations off and on, alternating in one process, and prints both and on / off;
 then the model's own GGUF-block GEMVs alone, off and on.
+With --wide-ab it runs decode steps of 16 and 64 rows and a 512-token prefill on two runners, one
+with float32 wide steps and one with engine.cpu_wide_step_dtype=bfloat16, alternating in one
+process, and prints both and bf16 / float32; first the layer GEMMs alone, both ways, at 16, 64 and
+512 rows.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from benchmarks.model_bench import static_plan
 from ipc.messages import StepHeader
 from kernels import cpu_ops
 from services.gpu_worker.loader import prepare_model
-from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight
+from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight, onednn_linear
 from services.gpu_worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -160,6 +164,93 @@ def int8_ab(
     return result
 
 
+def wide_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
+    rng, blocks = np.random.default_rng(2), Blocks()
+    return {
+        "decode16": decode_plan(blocks, 16, 256, rng),
+        "decode64": decode_plan(blocks, 64, 128, rng),
+        "prefill512": prefill_plan(blocks, 1, 512, rng),
+    }
+
+
+def wide_ab(
+    runners: dict[str, ModelRunner], plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
+) -> dict:
+    """Each plan on each runner (float32 and bf16 wide steps), alternating ABBA rep by rep so that
+    load on a shared host hits both sides alike; wall and process CPU ms, median and min."""
+    result = {}
+    sides = list(runners)
+    for name, plan in plans.items():
+        wall: dict[str, list[float]] = {side: [] for side in sides}
+        cpu: dict[str, list[float]] = {side: [] for side in sides}
+        for runner in runners.values():  # warm-up
+            runner.execute(*plan)
+        for rep in range(reps):
+            for side in sides if rep % 2 == 0 else sides[::-1]:
+                start, start_cpu = time.perf_counter(), time.process_time()
+                runners[side].execute(*plan)
+                wall[side].append((time.perf_counter() - start) * 1e3)
+                cpu[side].append((time.process_time() - start_cpu) * 1e3)
+        entry: dict = {
+            side: {
+                "ms_p50": statistics.median(wall[side]),
+                "ms_min": min(wall[side]),
+                "cpu_ms_p50": statistics.median(cpu[side]),
+                "cpu_ms_min": min(cpu[side]),
+            }
+            for side in sides
+        }
+        a, b = sides
+        for stat in ("ms_p50", "ms_min", "cpu_ms_p50", "cpu_ms_min"):
+            entry[f"{b}_over_{a}_{stat}"] = entry[b][stat] / entry[a][stat]
+        print(
+            f"{name} ({plan[1].num_tokens} rows) {a} / {b}: "
+            f"{entry[a]['ms_p50']:.1f} / {entry[b]['ms_p50']:.1f} ms wall p50, "
+            f"{entry[a]['cpu_ms_p50']:.1f} / {entry[b]['cpu_ms_p50']:.1f} ms CPU p50, "
+            f"{entry[a]['cpu_ms_min']:.1f} / {entry[b]['cpu_ms_min']:.1f} ms CPU min "
+            f"({b}/{a}: {entry[f'{b}_over_{a}_ms_p50']:.2f} wall, {entry[f'{b}_over_{a}_cpu_ms_p50']:.2f} CPU; "
+            f"{reps} reps)",
+            flush=True,
+        )
+        result[name] = entry
+    return result
+
+
+def wide_gemm_ab(runners: dict[str, ModelRunner], reps: int) -> dict:
+    """The four layer GEMMs alone (the first layer's oneDNN copies of each runner: float32 and
+    bf16, activations converted per call as the model does) at 16, 64 and 512 rows, alternating:
+    process CPU ms per call (min of reps) and GFLOP/s."""
+    result = {}
+    weights = {side: runner.model.layers[0].onednn for side, runner in runners.items()}
+    shapes = [(w.shape[0], w.shape[1]) for w in weights["float32"]]
+    flops_per_row = 2 * sum(n * k for n, k in shapes)
+    for rows in (16, 64, 512):
+        inputs = [torch.randn(rows, k) for _, k in shapes]
+        calls = max(1, 1024 // rows)
+        cpu: dict[str, list[float]] = {side: [] for side in runners}
+        for rep in range(reps + 1):  # the first round warms up
+            for side in list(runners) if rep % 2 == 0 else list(runners)[::-1]:
+                start = time.process_time()
+                for _ in range(calls):
+                    for x, w in zip(inputs, weights[side], strict=True):
+                        onednn_linear(x, w)
+                if rep:
+                    cpu[side].append((time.process_time() - start) / calls * 1e3)
+        entry = {
+            side: {"cpu_ms_min": min(v), "gflop_s": flops_per_row * rows / min(v) / 1e6}
+            for side, v in cpu.items()
+        }
+        print(
+            f"layer GEMMs alone, {rows} rows: "
+            + ", ".join(f"{side} {e['gflop_s']:.1f} GFLOP/s" for side, e in entry.items())
+            + f" (bf16 / float32 rate {entry['bfloat16']['gflop_s'] / entry['float32']['gflop_s']:.2f}x; "
+            f"CPU time, min of {reps})",
+            flush=True,
+        )
+        result[f"{rows} rows"] = entry
+    return result
+
+
 def in_features(weight: QuantizedWeight) -> int:
     per_block = cpu_ops.SUPER_BLOCK_WEIGHTS if weight.format in cpu_ops.K_QUANTS else cpu_ops.BLOCK_WEIGHTS
     return weight.blocks.shape[1] // cpu_ops.PACKED_BLOCK_BYTES[weight.format] * per_block
@@ -231,8 +322,13 @@ def main() -> None:
         action="store_true",
         help="only decode1 / 4 / 16 / 32, prefill32 and prefill42 with 8-bit activations off vs on, alternating",
     )
+    parser.add_argument(
+        "--wide-ab",
+        action="store_true",
+        help="only decode16 / 64 and prefill512 with float32 vs bfloat16 wide steps, alternating",
+    )
     args = parser.parse_args()
-    plans = int8_ab_scenarios() if args.int8_ab else scenarios()
+    plans = int8_ab_scenarios() if args.int8_ab else wide_ab_scenarios() if args.wide_ab else scenarios()
     num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
     model_dir = prepare_model(None)
     config = json.loads((model_dir / "config.json").read_text())
@@ -241,6 +337,19 @@ def main() -> None:
     kv_bytes *= config["head_dim"] * itemsize
     runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
     result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
+    if args.wide_ab:
+        bf16 = ModelRunner(
+            model_dir,
+            dtype=args.dtype,
+            kv_cache_bytes=kv_bytes,
+            threads=args.threads,
+            wide_step_dtype="bfloat16",
+        )
+        if bf16.model.wide_step_dtype != torch.bfloat16:
+            sys.exit("bf16 wide steps are not available here (see the warning above)")
+        result["wide_gemm_ab"] = wide_gemm_ab({"float32": runner, "bfloat16": bf16}, args.reps)
+        result["wide_ab"] = wide_ab({"float32": runner, "bfloat16": bf16}, plans, args.reps)
+        plans = {}
     if args.int8_ab:
         result["int8_ab"] = int8_ab(runner, plans, args.reps)
         plans = {}

@@ -55,6 +55,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     threads: NonNegative = 0  # CPU threads per worker; 0 = all cores
     cpu_int8_activations: bool = False  # GGUF-block GEMVs on 8-bit activations (changes the numbers)
+    # Steps of 5+ rows (prefills, batched decodes) multiply in bf16 where the CPU has it (changes the numbers)
+    cpu_wide_step_dtype: Literal["float32", "bfloat16"] = "float32"
     cpu_affinity: bool = True  # CPU workers' threads one per core, other stages off their main cores
     step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 
@@ -331,6 +333,14 @@ def check_engine(config: Config) -> None:
         raise ConfigError(
             "engine.cpu_int8_activations: applies to the CPU path in float32 only (engine.device=cpu, "
             f"model.dtype auto or float32), got engine.device={config.engine.device}, model.dtype={config.model.dtype}"
+        )
+    if config.engine.cpu_wide_step_dtype != "float32" and (
+        config.engine.device != "cpu" or config.model.dtype not in ("auto", "float32")
+    ):
+        raise ConfigError(
+            f"engine.cpu_wide_step_dtype={config.engine.cpu_wide_step_dtype}: applies to the CPU path in float32 "
+            f"only (engine.device=cpu, model.dtype auto or float32), got engine.device={config.engine.device}, "
+            f"model.dtype={config.model.dtype}"
         )
 
 

@@ -177,6 +177,23 @@ def test_int8_activations_are_off_by_default_and_only_on_the_cpu_in_float32() ->
         load_config(None, ["engine.cpu_int8_activations=1"])
 
 
+def test_wide_steps_are_float32_by_default_and_bf16_only_on_the_cpu_in_float32() -> None:
+    """bf16 wide steps change the numbers, so only an explicit opt-in turns them on; where they
+    could not apply (a GPU, half precision) the option is refused rather than silently ignored."""
+    assert load_config(None).engine.cpu_wide_step_dtype == "float32"
+    for overrides in ([], ["model.dtype=float32"]):
+        config = load_config(None, ["engine.cpu_wide_step_dtype=bfloat16", *overrides])
+        assert config.engine.cpu_wide_step_dtype == "bfloat16"
+    for overrides in (["engine.device=cuda"], ["model.dtype=bfloat16"]):
+        with pytest.raises(
+            ConfigError, match=r"engine\.cpu_wide_step_dtype=bfloat16: applies to the CPU path in float32"
+        ):
+            load_config(None, ["engine.cpu_wide_step_dtype=bfloat16", *overrides])
+    assert load_config(None, ["engine.cpu_wide_step_dtype=float32", "engine.device=cuda"])
+    with pytest.raises(ConfigError, match=r"engine\.cpu_wide_step_dtype: invalid enum value 'float16'"):
+        load_config(None, ["engine.cpu_wide_step_dtype=float16"])
+
+
 def test_default_timeouts_agree() -> None:
     config = load_config(None)
     assert config.engine.step_timeout_s < config.supervisor.hang_timeout_s

@@ -135,6 +135,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         max_loras=config.lora.max_loras,
         max_lora_rank=config.lora.max_rank,
         lora_adapters=config.lora.adapters,
+        wide_step_dtype=engine.cpu_wide_step_dtype,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -132,14 +131,23 @@ class ProjectionDeltas(Protocol):
         """out += the deltas of layer `layer`'s `modules` (HF names, in out's column order) on x."""
 
 
+# engine.cpu_wide_step_dtype=bfloat16: in float32 on the CPU, steps of more than
+# cpu_ops.MAX_LINEAR_ROWS rows (prefills, batched decodes) multiply oneDNN-prepacked bfloat16
+# copies of the layers' weights by their activations rounded to bfloat16 (float32 accumulation,
+# the outputs rounded to bfloat16 and widened back), with the CPU's bf16 dot products
+# (vdpbf16ps, or AMX): about 1.8x float32's GEMM rate on a Zen 5 core (docs/performance.md,
+# "bf16 wide steps"). Where a weight has GGUF blocks (read by steps of few rows) the bf16 copy
+# replaces its float32 oneDNN copy, so it halves that memory instead of adding to it. The LM head
+# stays float32: the sampled logits keep float32 numbers from the final hidden state.
+WIDE_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def has_native_half_matmul(device: torch.device) -> bool:
+    """Whether this device multiplies half precision natively: any GPU, a CPU with AVX-512 BF16 or
+    AMX (cpu_ops.cpu_flags)."""
     if device.type != "cpu":
         return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_ops.cpu_flags())
 
 
 @dataclass(frozen=True)
@@ -440,6 +448,7 @@ class LlamaModel:
         parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
         backend: str | None = None,
         int8_activations: bool = False,
+        wide_step_dtype: str = "float32",
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -499,7 +508,25 @@ class LlamaModel:
         # float32 weights and wider steps are unchanged.
         self.int8_activations = int8_activations
         self.int8_blocks_max_rows = INT8_BLOCKS_MAX_ROWS[cpu_ops.isa()]
+        self.wide_step_dtype = self._wide_step_dtype(wide_step_dtype)
         self._loaded: set[str] = set()
+
+    def _wide_step_dtype(self, wanted: str) -> torch.dtype:
+        """The dtype of the oneDNN weight copies (WIDE_STEP_DTYPES): bfloat16 where asked for and
+        this CPU multiplies it natively, else float32 (with a warning where it was asked for)."""
+        if wanted not in WIDE_STEP_DTYPES:
+            raise ValueError(f"wide_step_dtype {wanted!r}: expected one of {', '.join(WIDE_STEP_DTYPES)}")
+        if wanted == "float32":
+            return torch.float32
+        if not (self.is_cpu_float32 and CAN_PREPACK):
+            reason = "applies to the CPU path in float32 with oneDNN only"
+        elif not has_native_half_matmul(self.device):
+            # oneDNN would emulate bf16 there, slower than float32.
+            reason = "this CPU has neither AVX-512 BF16 nor AMX"
+        else:
+            return torch.bfloat16
+        log.warning("wide steps in bfloat16: %s; they stay float32", reason)
+        return torch.float32
 
     # ---- weights ----------------------------------------------------------------------------------
 
@@ -718,7 +745,11 @@ class LlamaModel:
         # blocks is read by no step once prepacked (steps of few rows multiply by the blocks), so
         # it is replaced by its prepacked copy, layer by layer, and the peak while loading stays
         # one copy too; every other weight stays plain, for the few-rows kernel and oneDNN alike.
+        # With bf16 wide steps (WIDE_STEP_DTYPES) oneDNN's copy of every layer weight is a
+        # prepacked bfloat16 one: in place of the float32 weight where that has blocks, beside it
+        # where the few-rows kernel still reads it.
         drops_plain = CAN_PREPACK and not keep_transposed
+        is_bf16 = self.wide_step_dtype == torch.bfloat16
         released = torch.empty(0, dtype=self.dtype, device=self.device)
         for layer in self.layers:
             if keep_transposed:
@@ -729,8 +760,10 @@ class LlamaModel:
             onednn = []
             for name, weight, blocks in zip(names, layer.plain, layer.quantized, strict=True):
                 if drops_plain and blocks is not None:
-                    onednn.append(prepack(weight))
+                    onednn.append(prepack(weight.bfloat16() if is_bf16 else weight))
                     setattr(layer, name, released)
+                elif is_bf16 and weight.numel():  # a sparse layer's dense weights are empty: nothing to pack
+                    onednn.append(prepack(weight.bfloat16()))
                 else:
                     onednn.append(weight)
             layer.onednn = tuple(onednn)  # type: ignore[assignment]
@@ -1078,8 +1111,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through oneDNN, from a `prepack`ed weight or a plain [out, in] one."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """F.linear through oneDNN, from a `prepack`ed weight or a plain [out, in] one. A bfloat16
+    weight (WIDE_STEP_DTYPES) multiplies x rounded to bfloat16, accumulating in float32; oneDNN's
+    output is bfloat16 then, widened back here, and the float32 bias is added after."""
+    if weight.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "").to(x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,6 +54,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 64,
         lora_adapters: dict[str, str] | None = None,
+        wide_step_dtype: str = "float32",
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -79,7 +80,7 @@ class ModelRunner:
 
         self.parallel = parallel
         self.model = LlamaModel(
-            config, self.dtype, self.device, block_size, parallel, backend, int8_activations
+            config, self.dtype, self.device, block_size, parallel, backend, int8_activations, wide_step_dtype
         )
         load_weights(self.model, model_dir)
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
