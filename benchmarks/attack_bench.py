@@ -56,8 +56,14 @@ BENCH_API_KEY = "sk-attack-bench"
 # client gets 429 for every constrained request, which would end the other constrained attacks'
 # checks (constraints matching nothing, forced calls) if they shared its key.
 COSTLY_API_KEY = "sk-attack-bench-regex"
+# Each oversized attack's own client, for the same reason: past gateway.max_oversized_requests a
+# client's large bodies get 429 before they are read, and each attack should meet that limit
+# afresh rather than start where the one before it left its client.
+OVERSIZED_API_KEYS = {
+    name: f"sk-attack-bench-{name}" for name in ("many_messages", "huge_tool_arguments", "deep_json")
+}
 BENCH_OVERRIDES = [
-    f"gateway.api_keys=[{BENCH_API_KEY},{COSTLY_API_KEY}]",
+    f"gateway.api_keys=[{','.join([BENCH_API_KEY, COSTLY_API_KEY, *OVERSIZED_API_KEYS.values()])}]",
     "gateway.header_timeout_s=2",
     "gateway.body_timeout_s=5",
 ]
@@ -71,13 +77,20 @@ class Target:
     port: int
     api_key: str | None
     costly_api_key: str | None  # the pathological regexes' (None: api_key)
+    oversized_api_keys: dict[str, str]  # attack name -> its own key (absent: api_key)
     max_prompt_chars: int
     max_messages: int
     header_timeout_s: float
     body_timeout_s: float
 
     @classmethod
-    def of_run(cls, run_dir: Path, api_key: str | None, costly_api_key: str | None = None) -> Target:
+    def of_run(
+        cls,
+        run_dir: Path,
+        api_key: str | None,
+        costly_api_key: str | None = None,
+        oversized_api_keys: dict[str, str] | None = None,
+    ) -> Target:
         from services.stage import read_run_info
 
         config = read_run_info(run_dir).config
@@ -85,6 +98,7 @@ class Target:
             port=config.gateway.port,
             api_key=api_key,
             costly_api_key=costly_api_key,
+            oversized_api_keys=oversized_api_keys or {},
             max_prompt_chars=config.tokenizer.max_prompt_chars,
             max_messages=config.tokenizer.max_messages,
             header_timeout_s=config.gateway.header_timeout_s,
@@ -128,8 +142,9 @@ def many_messages(target: Target, i: int) -> str | None:
     def build() -> dict:
         return {"messages": [{"role": "user", "content": "a"}] * (25 * target.max_messages), "max_tokens": 2}
 
-    body = _cached("many_messages", target, build)
-    return expect(*target.post("/v1/chat/completions", body), 400, "tokenizer.max_messages")
+    return expect_oversized(
+        target, "many_messages", _cached("many_messages", target, build), "tokenizer.max_messages"
+    )
 
 
 def huge_tool_arguments(target: Target, i: int) -> str | None:
@@ -148,7 +163,7 @@ def huge_tool_arguments(target: Target, i: int) -> str | None:
         }
 
     body = _cached("huge_tool_arguments", target, build)
-    return expect(*target.post("/v1/chat/completions", body), 400, "tokenizer.max_prompt_chars")
+    return expect_oversized(target, "huge_tool_arguments", body, "tokenizer.max_prompt_chars")
 
 
 OUT_OF_RANGE = [
@@ -175,7 +190,21 @@ DEEP_JSON = (
 
 def deep_json(target: Target, i: int) -> str | None:
     """10k levels of JSON (it ran the decoder out of stack: a 500)."""
-    return expect(*target.post("/v1/chat/completions", DEEP_JSON), 400, "levels deep")
+    return expect_oversized(target, "deep_json", DEEP_JSON, "levels deep")
+
+
+def expect_oversized(target: Target, name: str, body: bytes, needle: str) -> str | None:
+    """A chat over a size budget: a 400 naming it, or, once the attack's client has had
+    gateway.max_oversized_requests of them refused, a 429 naming that, sent before the body is
+    read (the client may then see the connection reset under what it is still sending)."""
+    key = target.oversized_api_keys.get(name)
+    try:
+        status, reply = target.post("/v1/chat/completions", body, f"Bearer {key}" if key else None)
+    except OSError:  # reset: refused and closed before the body was read
+        return None
+    if status == 429:
+        return expect(status, reply, 429, "gateway.max_oversized_requests")
+    return expect(status, reply, 400, needle)
 
 
 def regex(pattern: str) -> bytes:
@@ -525,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     run = serve.BrigadeProcess(run_dir, args.config, overrides, log_dir / "brigade.log")
     try:
         run.wait_ready(serve.READY_TIMEOUT_S)
-        target = Target.of_run(run_dir, BENCH_API_KEY, COSTLY_API_KEY)
+        target = Target.of_run(run_dir, BENCH_API_KEY, COSTLY_API_KEY, OVERSIZED_API_KEYS)
         load_phase(target, serve.warmup_requests(requests), args.seed, "warmup")
         if args.cpu_shots:
             print(f"CPU ms per shot ({args.cpu_shots} shots in a row, no streams, idle CPU taken out)")

@@ -122,6 +122,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_header_bytes: Positive = 64 * 1024
     body_timeout_s: Seconds = 60.0
     keep_alive_timeout_s: Seconds = 5.0
+    # A client with max_oversized_requests requests refused for their size (body bytes, messages,
+    # prompt characters, nesting) within oversized_window_s gets 429 for its large bodies, before
+    # they are read, until the oldest leaves the window (services/gateway/refusal_limits.py); 0 = off.
+    max_oversized_requests: NonNegative = 4
+    oversized_window_s: Seconds = 60.0
     # A stream waiting for output (a long prefill, a queue) sends an SSE comment line this often,
     # so that proxies and load balancers do not close it as idle.
     sse_keepalive_s: Seconds = 15.0

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import jsonschema
@@ -36,6 +37,7 @@ from services.gateway.anthropic import chat_request as anthropic_chat_request
 from services.gateway.app import Gateway as AppGateway
 from services.gateway.app import GatewaySettings
 from services.gateway.jobs import plan_chat
+from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
 from services.gateway.routes import build_app
 from tests.harness import assert_clean, brigade_run, free_port
@@ -159,6 +161,9 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             # Forced: SmolLM2's tokenizer has no <think> token (auto would choose none); the regex
             # in test_reasoning_is_split_off_streamed_and_not makes the model write a think block.
             "gateway.reasoning_parser=qwen3",
+            # Many tests here send oversized bodies from one address: none may be refused for the
+            # ones before it (test_a_client_whose_requests_keep_being_too_large... turns it on).
+            "gateway.max_oversized_requests=0",
         ) as run:
             os.environ.pop("BRIGADE_API_KEYS")  # the supervisor has its copy; no other run may see it
             ready = next(line for line in run.log if line.startswith("Brigade ready:"))
@@ -413,7 +418,9 @@ def test_models_health_tokenize_detokenize_metrics(gw: Gateway, hf_tokenizer) ->
     assert status == 401
 
     for _ in range(5):  # this test's own, so that it holds when it runs alone
-        status, _, body = gw.request("POST", "/v1/completions", {"model": gw.model, "prompt": "Hi", "max_tokens": 1})
+        status, _, body = gw.request(
+            "POST", "/v1/completions", {"model": gw.model, "prompt": "Hi", "max_tokens": 1}
+        )
         assert status == 200, body
     status, headers, body = gw.request("GET", "/metrics")
     metrics = body.decode()
@@ -949,9 +956,9 @@ def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
 
 
 @contextmanager
-def in_process_gateway(gw: Gateway, state_dir: Path) -> Iterator[str]:
+def in_process_gateway(gw: Gateway, state_dir: Path, **settings_overrides: Any) -> Iterator[str]:
     """A gateway replica in this process (on a thread with its own event loop), serving the run's
-    engine: for tests that patch what a replica runs. Its base URL."""
+    engine: for tests that patch what a replica runs, or set it up otherwise. Its base URL."""
     port = free_port()
     servers: list[uvicorn.Server] = []
 
@@ -961,7 +968,7 @@ def in_process_gateway(gw: Gateway, state_dir: Path) -> Iterator[str]:
             max_body_bytes=MAX_BODY_BYTES, run_dir=state_dir,
             key_failures=ApiKeyFailures(AuditLog(state_dir / "audit.jsonl", "test-gateway")),
             max_prompt_chars=MAX_PROMPT_CHARS, max_messages=MAX_MESSAGES, template_timeout_s=5.0,
-            body_timeout_s=BODY_TIMEOUT_S, reasoning_parser="qwen3",
+            body_timeout_s=BODY_TIMEOUT_S, reasoning_parser="qwen3", **settings_overrides,
         )  # fmt: skip
         gateway = AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)))
         config = uvicorn.Config(
@@ -1617,6 +1624,42 @@ def test_a_client_whose_constraints_keep_costing_too_much_gets_429(gw: Gateway) 
         model=gw.model, prompt="Year:", max_tokens=4, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
     )
     assert re.fullmatch("[0-9]{4}", reply.choices[0].text)
+
+
+def test_a_client_whose_requests_keep_being_too_large_gets_429_before_its_body_is_read(
+    gw: Gateway, tmp_path: Path
+) -> None:
+    """Each chat over a size budget (here 25x tokenizer.max_messages) is read and measured whole
+    before its 400; sent in a loop, megabytes at a time, that slowed 16 normal streams 1.6x. Past
+    gateway.max_oversized_requests such refusals within the window, the client's large bodies get
+    a 429 with Retry-After, answered before the body is read; its small requests are served."""
+    oversized = json.dumps(
+        {"model": gw.model, "messages": [{"role": "user", "content": "a" * 64}] * (25 * MAX_MESSAGES)}
+    ).encode()
+    assert len(oversized) > SMALL_BODY_BYTES
+    small = json.dumps({"model": gw.model, "messages": CHAT, "max_tokens": 2, "temperature": 0}).encode()
+    with in_process_gateway(gw, tmp_path, max_oversized_requests=2, oversized_window_s=60.0) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def post(body: bytes) -> tuple[int, dict[str, str], str]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                reply = conn.getresponse()
+                return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read().decode()
+            finally:
+                conn.close()
+
+        for _ in range(2):
+            status, _, text = post(oversized)
+            assert status == 400 and "tokenizer.max_messages" in text, text
+        status, headers, text = post(oversized)
+        assert status == 429 and "gateway.max_oversized_requests" in text, text
+        assert 1 <= int(headers["retry-after"]) <= 60
+        assert headers["connection"] == "close"
+        status, _, text = post(small)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["finish_reason"] == "length"
 
 
 # What the grammar budgets let the scheduler keep: the compiled-grammar cache (grammar_cache_mib,

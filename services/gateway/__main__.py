@@ -115,6 +115,8 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         reasoning_parser=config.reasoning_parser,
         max_costly_compiles=stage.config.structured.max_costly_compiles,
         costly_compile_window_s=stage.config.structured.costly_compile_window_s,
+        max_oversized_requests=config.max_oversized_requests,
+        oversized_window_s=config.oversized_window_s,
         adapters=tuple(stage.config.lora.adapters),
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))

@@ -48,12 +48,12 @@ from services.audit import ApiKeyFailures
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
-from services.gateway.costly_constraints import CostlyConstraints, is_costly_refusal
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
 from services.gateway.metrics import RequestTimer
 from services.gateway.reasoning import reasoning_style
+from services.gateway.refusal_limits import SMALL_BODY_BYTES, RecentRefusals, is_costly_refusal
 from services.gateway.runner import run_jobs
 from services.gateway.sse import (
     DONE,
@@ -93,9 +93,12 @@ class GatewaySettings:
     responses_max_age_s: float = 7 * 86400.0
     sse_keepalive_s: float = 15.0  # gateway.sse_keepalive_s: a waiting stream's comment-line interval
     reasoning_parser: str = "auto"  # gateway.reasoning_parser (services/gateway/reasoning.py)
-    # structured.max_costly_compiles, structured.costly_compile_window_s (costly_constraints.py)
+    # structured.max_costly_compiles, structured.costly_compile_window_s and
+    # gateway.max_oversized_requests, gateway.oversized_window_s (refusal_limits.py)
     max_costly_compiles: int = 4
     costly_compile_window_s: float = 60.0
+    max_oversized_requests: int = 4
+    oversized_window_s: float = 60.0
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
 
 
@@ -140,6 +143,14 @@ class _MessageList(msgspec.Struct):
     messages: list[msgspec.Raw] | None = None
 
 
+class OversizedRequest(Exception):
+    """A request refused for its size (`error`), which its client's oversized count records."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class Gateway:
     """Routes, auth, body limits and the per-replica concurrency bound around one AsyncClient."""
 
@@ -149,9 +160,10 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = HttpMetrics()
         self.num_in_flight = 0
-        self.costly_constraints = CostlyConstraints(
+        self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
         )
+        self.oversized = RecentRefusals(settings.max_oversized_requests, settings.oversized_window_s)
         self.num_responses = 0  # the heartbeat's progress counter
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
@@ -204,13 +216,41 @@ class Gateway:
 
     async def read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
         self.check_key(request)
+        client = self.client_of(request)
+        self.check_oversized(request, client)
+        try:
+            return await self._read_body(request, kind)
+        except OversizedRequest as exc:
+            self.oversized.record(client)
+            raise exc.error from None
+
+    def check_oversized(self, request: Request, client: str) -> None:
+        """A client past gateway.max_oversized_requests gets 429 for a large body (or one of
+        unknown length) before the body is read; the connection is closed, so what it is still
+        sending costs nothing more than the kernel's discarding it."""
+        wait_s = self.oversized.retry_after_s(client)
+        length = request.headers.get("content-length", "")
+        if not wait_s or (length.isdigit() and int(length) <= SMALL_BODY_BYTES):
+            return
+        raise ApiError(
+            429,
+            f"{self.settings.max_oversized_requests} of this client's requests were refused for their "
+            f"size within {self.settings.oversized_window_s:g}s (gateway.max_oversized_requests); its "
+            f"requests over {SMALL_BODY_BYTES} bytes are refused for {wait_s}s",
+            code="too_many_requests",
+            headers={"Retry-After": str(wait_s), "connection": "close"},
+        )
+
+    async def _read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
         limit = self.settings.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > DRAIN_FACTOR * limit:
-            raise ApiError(
-                413,
-                f"request body of {int(length)} bytes exceeds the limit of {limit}",
-                code="request_too_large",
+            raise OversizedRequest(
+                ApiError(
+                    413,
+                    f"request body of {int(length)} bytes exceeds the limit of {limit}",
+                    code="request_too_large",
+                )
             )
         chunks, size = [], 0
         try:
@@ -231,7 +271,9 @@ class Gateway:
         if size > limit:
             # A body somewhat over the limit is read to its end first, so that the client, still
             # sending, reads the 413 instead of a reset connection; a far larger one is cut off.
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            raise OversizedRequest(
+                ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            )
         data = b"".join(chunks)
         # Every message is an object: a body with no more "{" than the limit needs no count.
         if "messages" in kind.__struct_fields__ and data.count(b"{") > self.settings.max_messages:
@@ -239,7 +281,7 @@ class Gateway:
         try:
             check_json_depth(data, "request body")  # the decoder and all after it recurse per level
         except InvalidParams as exc:
-            raise invalid(str(exc), None, "invalid_json") from None
+            raise OversizedRequest(invalid(str(exc), None, "invalid_json")) from None
         try:
             body = msgspec.json.decode(data, type=kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -251,6 +293,8 @@ class Gateway:
                            code="adapter_not_supported")  # fmt: skip
         if model and model != self.settings.model and model not in self.settings.adapters:
             raise self.model_not_found(model)
+        if isinstance(body, p.ChatCompletionRequest):
+            self.check_chat_budget(body)
         return body
 
     def check_message_count(self, data: bytes) -> None:
@@ -264,7 +308,7 @@ class Gateway:
         try:
             check_message_count(len(messages or ()), self.settings.max_messages)
         except InvalidParams as exc:
-            raise invalid(str(exc), "messages") from None
+            raise OversizedRequest(invalid(str(exc), "messages")) from None
 
     def check_chat_budget(self, body: p.ChatCompletionRequest) -> None:
         """A chat over the tokenizer's budget (tokenizer.max_prompt_chars, all the text that
@@ -279,9 +323,9 @@ class Gateway:
                 max_messages=self.settings.max_messages,
             )
         except PromptTooLong as exc:
-            raise invalid(str(exc), "messages", "context_length_exceeded") from None
+            raise OversizedRequest(invalid(str(exc), "messages", "context_length_exceeded")) from None
         except InvalidParams as exc:
-            raise invalid(str(exc), "messages") from None
+            raise OversizedRequest(invalid(str(exc), "messages")) from None
         except InvalidRequest as exc:  # a message the SDK would refuse: the same reply as from it
             raise from_engine(exc, {"prompt": "messages"}) from None
 
@@ -303,7 +347,6 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
-        self.check_chat_budget(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         model = self.with_adapter(body, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)

@@ -1,13 +1,14 @@
-"""The gateway's per-client count of constraints refused for their compile's cost (issue 29).
-End to end, through the real gateway: tests/test_gateway.py
-`test_a_client_whose_constraints_keep_costing_too_much_gets_429`."""
+"""The gateway's per-client counts of requests refused for their cost before the refusal: for
+their compile's cost, and for their size (issue 29). End to end, through the real gateway:
+tests/test_gateway.py `test_a_client_whose_constraints_keep_costing_too_much_gets_429` and
+`test_a_client_whose_requests_keep_being_too_large_gets_429_before_its_body_is_read`."""
 
 from __future__ import annotations
 
 import pytest
 
 from ipc.config import ConfigError, load_config
-from services.gateway.costly_constraints import MAX_CLIENTS, CostlyConstraints, is_costly_refusal
+from services.gateway.refusal_limits import MAX_CLIENTS, RecentRefusals, is_costly_refusal
 
 
 class Clock:
@@ -20,7 +21,7 @@ class Clock:
 
 def test_a_client_past_its_limit_waits_until_its_oldest_refusal_leaves_the_window() -> None:
     clock = Clock()
-    costly = CostlyConstraints(limit=3, window_s=60.0, clock=clock)
+    costly = RecentRefusals(limit=3, window_s=60.0, clock=clock)
     for _ in range(2):
         costly.record("key:a")
         clock.now += 10
@@ -35,17 +36,17 @@ def test_a_client_past_its_limit_waits_until_its_oldest_refusal_leaves_the_windo
 
 
 def test_limit_zero_is_off_and_the_clients_remembered_are_bounded() -> None:
-    off = CostlyConstraints(limit=0, window_s=60.0)
+    off = RecentRefusals(limit=0, window_s=60.0)
     for _ in range(10):
         off.record("peer:1.2.3.4")
     assert off.retry_after_s("peer:1.2.3.4") == 0
-    costly = CostlyConstraints(limit=1, window_s=60.0)
+    costly = RecentRefusals(limit=1, window_s=60.0)
     for i in range(MAX_CLIENTS + 5):
         costly.record(f"peer:{i}")
     assert costly.retry_after_s("peer:0") == 0  # forgotten, the least recently refused first
     assert costly.retry_after_s(f"peer:{MAX_CLIENTS + 4}") > 0
     with pytest.raises(ValueError):
-        CostlyConstraints(limit=-1, window_s=60.0)
+        RecentRefusals(limit=-1, window_s=60.0)
 
 
 def test_only_refusals_naming_a_compile_budget_count() -> None:
@@ -61,7 +62,13 @@ def test_only_refusals_naming_a_compile_budget_count() -> None:
 
 
 @pytest.mark.parametrize(
-    "override", ["structured.max_costly_compiles=-1", "structured.costly_compile_window_s=0"]
+    "override",
+    [
+        "structured.max_costly_compiles=-1",
+        "structured.costly_compile_window_s=0",
+        "gateway.max_oversized_requests=-1",
+        "gateway.oversized_window_s=0",
+    ],
 )
 def test_the_budgets_are_validated(override: str) -> None:
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
