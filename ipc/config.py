@@ -84,7 +84,7 @@ class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lexer_fuel: Positive = 200_000  # llguidance's initial_lexer_fuel (its default: 1_000_000)
     # A client (API key, else address) with this many constraints refused as over the compile
     # budgets above within costly_compile_window_s gets 429 for its constrained requests until
-    # the oldest leaves the window (services/gateway/costly_constraints.py); 0 = no limit.
+    # the oldest leaves the window (services/gateway/refusal_limits.py); 0 = no limit.
     max_costly_compiles: NonNegative = 4
     costly_compile_window_s: Seconds = 60.0
 
