@@ -27,6 +27,7 @@ import msgspec
 import openai
 import pytest
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from client import Client
 from client.async_sdk import AsyncClient
@@ -40,6 +41,7 @@ from services.gateway.jobs import plan_chat
 from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
 from services.gateway.routes import build_app
+from services.metrics import HttpMetrics
 from tests.harness import assert_clean, brigade_run, free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -970,7 +972,8 @@ def in_process_gateway(gw: Gateway, state_dir: Path, **settings_overrides: Any) 
             max_prompt_chars=MAX_PROMPT_CHARS, max_messages=MAX_MESSAGES, template_timeout_s=5.0,
             body_timeout_s=BODY_TIMEOUT_S, reasoning_parser="qwen3", **settings_overrides,
         )  # fmt: skip
-        gateway = AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)))
+        metrics = HttpMetrics(CollectorRegistry())  # one per in-process gateway: names register once
+        gateway = AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)), metrics)
         config = uvicorn.Config(
             build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
         )

@@ -154,11 +154,19 @@ class OversizedRequest(Exception):
 class Gateway:
     """Routes, auth, body limits and the per-replica concurrency bound around one AsyncClient."""
 
-    def __init__(self, settings: GatewaySettings, client: AsyncClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        client: AsyncClient,
+        tokenizer: Tokenizer,
+        metrics: HttpMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.client = client
         self.tokenizer = tokenizer
-        self.metrics = HttpMetrics()
+        # The process's registry (one replica a process); a second Gateway in one process (a test
+        # beside the run's replicas) brings its own, since metric names register once.
+        self.metrics = metrics or HttpMetrics()
         self.num_in_flight = 0
         self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
