@@ -77,11 +77,12 @@ class Target:
     port: int
     api_key: str | None
     costly_api_key: str | None  # the pathological regexes' (None: api_key)
-    oversized_api_keys: dict[str, str]  # attack name -> its own key (absent: api_key)
     max_prompt_chars: int
     max_messages: int
     header_timeout_s: float
     body_timeout_s: float
+    # Attack name -> its own key (absent: api_key); not part of the hash (_cached keys on targets).
+    oversized_api_keys: dict[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of_run(
