@@ -291,8 +291,5 @@ class Endpoints:
     def result_ring(self, group: int) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-result-{group}"
 
-    def tensor_pool(self, i: int) -> str:
-        return f"/{SHM_PREFIX}{self.run_id}-pool-{i}"
-
     def shm_prefix(self) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-"

@@ -3,8 +3,8 @@
 Each wrapper owns one ZeroMQ socket and the codecs of its directions. Queues and message sizes are
 bounded, every wait has a timeout, sends never block forever (they return False when the peer is
 gone or its queue is full), and a bad frame raises `MalformedMessage` (`MalformedFrame` on a
-ROUTER, with the sender's identity) so the caller counts it and goes on.
-Extra frames carry raw tensor bytes to remote clients (vLLM v1 style: the msgspec message first).
+ROUTER, with the sender's identity) so the caller counts it and goes on. Every message is one
+msgspec frame: a peer that sends more frames is answered as malformed.
 Asyncio code (the gateway's `AsyncClient`) watches these sockets' descriptors with its loop's
 `add_reader` instead of zmq.asyncio, whose per-message futures cost more than the message.
 """
@@ -39,9 +39,6 @@ DEFAULT_MAX_MSG_BYTES = 64 << 20
 DEFAULT_LINGER_MS = 1000
 DEFAULT_SEND_TIMEOUT_MS = 100
 _SNDMORE = int(zmq.SNDMORE)
-ZERO_COPY_BYTES = 65536  # smaller frames are copied: cheaper than zero-copy bookkeeping
-
-Buffer = Any  # bytes, memoryview, numpy array: anything with the buffer protocol
 
 
 class AddressInUse(OSError):
@@ -257,20 +254,17 @@ class _Base:
             self.socket.rcvtimeo = -1 if timeout is None else math.ceil(max(timeout, 0.0) * 1000)
             self._timeout = timeout
 
-    def _check(self, data: bytes, frames: Sequence[Buffer]) -> bytes:
-        """Refuse a message with a frame that the receiver would drop for its size."""
-        sizes = [len(data), *map(_nbytes, frames)]
-        if max(sizes) > self._max_msg_bytes:
-            raise MessageTooLarge(f"frames of {sizes} bytes; the limit is {self._max_msg_bytes}")
-        return data
+    def _check_size(self, data: bytes) -> None:
+        """Refuse a message that the receiver would drop for its size."""
+        if len(data) > self._max_msg_bytes:
+            raise MessageTooLarge(f"a message of {len(data)} bytes; the limit is {self._max_msg_bytes}")
 
-    # PUSH, PULL and DEALER move one message (one frame, plus any extra frames) with no identity
-    # in front: one implementation each of sending, and of receiving sync and asyncio.
+    # PUSH, PULL and DEALER move one message (one frame) with no identity in front: one
+    # implementation each of sending and receiving.
 
-    def _send_one(self, data: bytes, frames: Sequence[Buffer]) -> bool:
+    def _send_one(self, data: bytes) -> bool:
         """Send without blocking; False (nothing sent) when the peer's queue is full or there is no peer."""
-        if frames or len(data) > self._max_msg_bytes:
-            return _send_frames(self.socket, (), self._check(data, frames), frames)
+        self._check_size(data)
         try:
             self.socket.send(data)
         except zmq.Again:
@@ -286,20 +280,8 @@ class _Base:
         except zmq.Again:
             return None
         if frame.more:
-            raise _extra_frames(_rest(self.socket))
+            raise _extra_frames(self.socket)
         return codec.decode(frame)
-
-    def _recv_one_frames(
-        self, codec: Codec[Any], timeout: float | None
-    ) -> tuple[Any, list[memoryview]] | None:
-        """The next message and its extra frames, or None after `timeout` seconds (sync)."""
-        self._set_timeout(timeout)
-        try:
-            frame = self.socket.recv(copy=False)
-        except zmq.Again:
-            return None
-        frames = _rest(self.socket) if frame.more else []
-        return codec.decode(frame), frames
 
     def close(self) -> None:
         if not self.socket.closed:
@@ -315,40 +297,14 @@ class _Base:
         self.close()
 
 
-def _nbytes(part: Buffer) -> int:
-    return memoryview(part).nbytes
-
-
-def _send_frames(sock: zmq.Socket, head: Sequence[bytes], data: bytes, frames: Sequence[Buffer]) -> bool:
-    """Send a message with extra raw frames (big ones zero-copy); False when it would block past
-    SNDTIMEO or the peer is gone. ZeroMQ queues a multipart message whole or not at all."""
-    try:
-        for part in (*head, data):
-            sock.send(part, _SNDMORE)
-        last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            sock.send(frame, _SNDMORE if i < last else 0, copy=_nbytes(frame) < ZERO_COPY_BYTES)
-    except zmq.Again:
-        return False
-    except zmq.ZMQError as exc:
-        if exc.errno == zmq.EHOSTUNREACH:
-            return False
-        raise
-    return True
-
-
-def _rest(sock: zmq.Socket) -> list[memoryview]:
-    """The remaining frames of a message (the last frame received had MORE set)."""
-    frames = []
-    while True:
-        frame = sock.recv(copy=False)
-        frames.append(frame.buffer)
-        if not frame.more:
-            return frames
-
-
-def _extra_frames(frames: list[memoryview], identity: bytes = b"", request_id: str = "") -> MalformedFrame:
-    return MalformedFrame(identity, f"unexpected {len(frames)} extra frame(s)", request_id)
+def _extra_frames(sock: zmq.Socket, identity: bytes = b"", request_id: str = "") -> MalformedFrame:
+    """Read and drop the rest of a message whose first frame had MORE set; the error to raise."""
+    num_extra = 0
+    more = True
+    while more:
+        more = sock.recv(copy=False).more
+        num_extra += 1
+    return MalformedFrame(identity, f"unexpected {num_extra} extra frame(s)", request_id)
 
 
 def _decode(codec: Codec[T], frame: zmq.Frame, identity: bytes) -> T:
@@ -359,8 +315,8 @@ def _decode(codec: Codec[T], frame: zmq.Frame, identity: bytes) -> T:
 
 
 # ---------------------------------------------------------------------------
-# Sync sockets. A message with no extra frames takes a short path (one send or recv, no lists):
-# the typed round trip must stay close to bare pyzmq's (benchmarks/ipc_bench.py).
+# Sync sockets. One send or recv per message, no lists: the typed round trip must stay close to
+# bare pyzmq's (benchmarks/ipc_bench.py).
 # ---------------------------------------------------------------------------
 
 
@@ -379,9 +335,9 @@ class PushQueue(_Base, Generic[T]):
         super().__init__(ctx, zmq.PUSH, endpoint, bind, options, curve)
         self._codec = codec
 
-    def put(self, msg: T, frames: Sequence[Buffer] = ()) -> bool:
+    def put(self, msg: T) -> bool:
         """Send; False (nothing sent) when the peer's queue is full or there is no peer."""
-        return self._send_one(self._codec.encode(msg), frames)
+        return self._send_one(self._codec.encode(msg))
 
 
 class PullQueue(_Base, Generic[T]):
@@ -402,10 +358,6 @@ class PullQueue(_Base, Generic[T]):
     def get(self, timeout: float | None) -> T | None:
         """The next message, or None after `timeout` seconds; raises MalformedMessage."""
         return self._recv_one(self._codec, timeout)
-
-    def get_frames(self, timeout: float | None) -> tuple[T, list[memoryview]] | None:
-        """The next message and its extra frames."""
-        return self._recv_one_frames(self._codec, timeout)
 
 
 class RouterSocket(_Base, Generic[In, Out]):
@@ -435,25 +387,13 @@ class RouterSocket(_Base, Generic[In, Out]):
             return None
         frame = self.socket.recv(copy=False)  # the rest of a multipart message is already here
         if frame.more:
-            raise _extra_frames(_rest(self.socket), identity, request_id_of(frame))
+            raise _extra_frames(self.socket, identity, request_id_of(frame))
         return identity, _decode(self._in, frame, identity)
 
-    def recv_frames(self, timeout: float | None) -> tuple[bytes, In, list[memoryview]] | None:
-        """(identity, message, extra frames), or None after `timeout` seconds."""
-        self._set_timeout(timeout)
-        try:
-            identity = self.socket.recv()
-        except zmq.Again:
-            return None
-        frame = self.socket.recv(copy=False)
-        frames = _rest(self.socket) if frame.more else []
-        return identity, _decode(self._in, frame, identity), frames
-
-    def send(self, identity: bytes, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
+    def send(self, identity: bytes, msg: Out) -> bool:
         """False when the peer is gone or its queue is full."""
         data = self._out.encode(msg)
-        if frames or len(data) > self._max_msg_bytes:
-            return _send_frames(self.socket, (identity,), self._check(data, frames), frames)
+        self._check_size(data)
         try:
             self.socket.send(identity, _SNDMORE)
             self.socket.send(data)
@@ -484,12 +424,10 @@ class DealerSocket(_Base, Generic[In, Out]):
         self._in = in_codec
         self._out = out_codec
 
-    def send(self, msg: Out, frames: Sequence[Buffer] = ()) -> bool:
-        return self._send_one(self._out.encode(msg), frames)
+    def send(self, msg: Out) -> bool:
+        """False (nothing sent) when the peer's queue is full or there is no peer."""
+        return self._send_one(self._out.encode(msg))
 
     def recv(self, timeout: float | None) -> In | None:
         """The next reply, or None after `timeout` seconds; raises MalformedMessage."""
         return self._recv_one(self._in, timeout)
-
-    def recv_frames(self, timeout: float | None) -> tuple[In, list[memoryview]] | None:
-        return self._recv_one_frames(self._in, timeout)

@@ -1,4 +1,4 @@
-"""Shared-memory ring and tensor pool, across real processes (spawn), always cleaned up."""
+"""Shared-memory rings, across real processes (spawn), always cleaned up."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import sys
 import time
 from collections.abc import Iterator
 
-import msgspec
 import numpy as np
 import pytest
 
 from ipc.shm import RingTimeout, ShmRing, SlotOverflow, new_run_id, sweep_stale_runs
-from ipc.tensor_pool import PoolFull, TensorDescriptor, TensorPool, array_from_frame
 from tests.conftest import REPO_ROOT
 
 SPAWN = mp.get_context("spawn")
@@ -59,16 +57,6 @@ def hold_slot(name: str, holding) -> None:
         time.sleep(WAIT)
 
 
-def check_pool(name: str, encoded: list[bytes], results) -> None:
-    """Pool receiver: map descriptors, report their sums, and negate the int64 tensor in place."""
-    pool = TensorPool.attach(name)
-    descs = [msgspec.msgpack.decode(data, type=TensorDescriptor) for data in encoded]
-    sums = [float(pool.view(d).sum()) for d in descs]
-    pool.view(descs[1])[...] *= -1
-    pool.close()
-    results.put(sums)
-
-
 @pytest.fixture
 def run_id() -> str:
     return new_run_id()
@@ -76,7 +64,7 @@ def run_id() -> str:
 
 @pytest.fixture
 def cleanup() -> Iterator[list]:
-    """Rings, pools and processes to tear down even when the test fails."""
+    """Rings and processes to tear down even when the test fails."""
     owned: list = []
     yield owned
     for obj in reversed(owned):
@@ -293,34 +281,3 @@ def test_sweep_removes_dead_runs_only(cleanup):
     live.kill()
     live.wait(WAIT)
     assert {n for n in sweep_stale_runs() if other_namespace_run in n} == live_objects
-
-
-def test_tensor_pool_across_processes(run_id, cleanup):
-    pool = TensorPool.create(f"/brigade-{run_id}-pool", 1 << 20)
-    cleanup.append(pool)
-    a = pool.alloc((1000,), "float32")
-    b = pool.alloc((3, 4), "int64")
-    pool.view(a)[:] = np.linspace(0, 1, 1000, dtype=np.float32)
-    pool.view(b)[:] = np.arange(12).reshape(3, 4)
-    results = SPAWN.Queue()
-    proc = start(cleanup, check_pool, pool.name, [msgspec.msgpack.encode(d) for d in (a, b)], results)
-    sums = results.get(timeout=WAIT)
-    proc.join(WAIT)
-    assert sums == pytest.approx([float(np.linspace(0, 1, 1000, dtype=np.float32).sum()), 66.0])
-    np.testing.assert_array_equal(pool.view(b), -np.arange(12).reshape(3, 4))  # written by the child
-
-    frame = bytes(pool.frame(b))  # what a remote client receives
-    np.testing.assert_array_equal(array_from_frame(b, frame), pool.view(b))
-    with pytest.raises(ValueError):
-        array_from_frame(a, frame)
-
-    pool.free(a)
-    again = pool.alloc(4000)  # first fit: the freed block at the start is reused
-    assert again.offset == a.offset
-    with pytest.raises(PoolFull):
-        pool.alloc(2 << 20)
-    pool.free(again)
-    with pytest.raises(ValueError):
-        pool.free(again)  # not allocated any more
-    pool.free(b)
-    assert pool._free == [(0, pool.capacity)]  # freed neighbours merge back into one block
