@@ -324,7 +324,7 @@ class Supervisor:
         """Let in-flight requests finish, up to the grace period; a second signal cuts it short."""
         tokenizers = self.stages.of_kind("tokenizer")
         for stage in tokenizers:
-            self.command(stage, m.Shutdown(self.config.supervisor.drain_timeout_s))
+            self.command(stage, m.Shutdown())
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
         num_signals = len(self.signals)
         while time.monotonic() < deadline and len(self.signals) == num_signals:

@@ -58,11 +58,6 @@ class CurveClient:
     server_public_key: bytes
 
 
-def generate_curve_keys() -> CurveKeys:
-    public, secret = zmq.curve_keypair()
-    return CurveKeys(public=public, secret=secret)
-
-
 class RunKeys(msgspec.Struct, frozen=True):
     """The key material every stage needs (in run.json, which is private to the run's user)."""
 

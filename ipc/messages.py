@@ -152,8 +152,7 @@ class Usage(msgspec.Struct, array_like=True, gc=False):
     cached_tokens: int = 0
 
 
-# Finish reasons, as strings on the wire.
-FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+# Finish reasons are strings on the wire: "stop", "length", "abort", "error", "tool_calls".
 
 # Error codes, shared by every error reply.
 ErrorCode = Literal[
@@ -461,7 +460,7 @@ ControlUp = Union[Ready, Heartbeat]
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
-    drain_seconds: float = 0.0
+    """Stop taking new work and finish what is in flight; the supervisor times the drain."""
 
 
 class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):

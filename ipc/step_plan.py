@@ -91,10 +91,6 @@ class SlotSpec:
         object.__setattr__(self, "required", tuple(spec.name for spec in self.arrays if not spec.optional))
         object.__setattr__(self, "optional", tuple(spec.name for spec in self.arrays if spec.optional))
 
-    def required_specs(self) -> tuple[ArraySpec, ...]:
-        """The arrays every slot of this kind carries."""
-        return tuple(spec for spec in self.arrays if not spec.optional)
-
     def write(self, slot: SlotSink, arrays: Mapping[str, np.ndarray]) -> None:
         """Put `arrays` into a slot in declared order; SlotMismatch for a missing or unknown array.
         Dtypes and shapes are the reader's to check (`check`): this runs on every step."""

@@ -123,7 +123,7 @@ class Transitions:
         removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
         drain_timeout_s = config.supervisor.drain_timeout_s
         for stage in removed_tokenizers:
-            self.watch.command(stage, m.Shutdown(drain_timeout_s))
+            self.watch.command(stage, m.Shutdown())
         deadline = time.monotonic() + drain_timeout_s
         while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
             self.watch.read_control(0.2)

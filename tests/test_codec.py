@@ -113,7 +113,7 @@ EXAMPLES: dict[str, list] = {
         m.Heartbeat("worker-0", 43, 1000, True, m.StageLoad(1, 2, 0.5, 3, 4, 5)),
     ],
     "CONTROL_DOWN": [
-        m.Shutdown(2.0),
+        m.Shutdown(),
         m.Reconfigure("DEBUG", 100, 64),
         m.TopologyChanged(Topology(2, 2, 1, 3, 2, 1, {"scheduler-0": "10.0.0.7"})),
         m.ResubmitAll(1),

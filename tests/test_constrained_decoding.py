@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from ipc.step_plan import vocab_words
 from ipc.structured_output import StructuredOutput
 from services.common.grammar_compiler import GrammarCompiler, load_grammar_tokenizer
 from services.common.text import Tokenizer
 from services.gpu_worker.grammar_mask import apply_grammar_bitmask
 from services.gpu_worker.sampler import Sampler
-from services.scheduler.grammar_matcher import GrammarMatcher, allocate_bitmask
+from services.scheduler.grammar_matcher import GrammarMatcher
 from tests.test_sampler import make_plan
 
 MAX_NEW_TOKENS = 64
@@ -74,7 +75,7 @@ def generate(engine, prompt: str, spec: StructuredOutput, temperature: float, se
     messages = [{"role": "user", "content": prompt}]
     ids = text.encode(text.apply_chat_template(messages))
     matcher = GrammarMatcher(compiler.submit(spec).result(timeout=60))
-    bitmask = allocate_bitmask(1, vocab)
+    bitmask = np.zeros((1, vocab_words(vocab)), np.int32)
     sampler = Sampler(vocab, "cpu")
     out: list[int] = []
     cache = None

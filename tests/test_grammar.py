@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from ipc.step_plan import vocab_words
 from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput, for_tool_choice, from_response_format
 from services.common.grammar_compiler import (
     MIB,
@@ -34,7 +35,6 @@ from services.scheduler.grammar_matcher import (
     BitmaskFiller,
     GrammarMatcher,
     GrammarViolation,
-    allocate_bitmask,
 )
 
 MAX_WALK = 400
@@ -62,6 +62,10 @@ def compiler(tokenizer):
     compiler = GrammarCompiler(tokenizer, threads=2)
     yield compiler
     compiler.close()
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    return np.zeros((rows, vocab_words(vocab_size)), np.int32)
 
 
 def allowed(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from ipc import codec as C
 from ipc import messages as m
 from ipc.codec import MalformedMessage
 from ipc.endpoints import InsecureRunDir
-from ipc.keys import CurveClient, CurveServer, generate_curve_keys
+from ipc.keys import CurveClient, CurveKeys, CurveServer
 from ipc.sockets import (
     AddressInUse,
     DealerSocket,
@@ -255,7 +255,7 @@ def test_send_never_blocks_on_a_gone_or_full_peer(ctx, owned, run_dir):
 
 
 def test_curve_refuses_unknown_client_and_keeps_serving(ctx, owned):
-    server_keys, good, bad = generate_curve_keys(), generate_curve_keys(), generate_curve_keys()
+    server_keys, good, bad = (CurveKeys(*zmq.curve_keypair()) for _ in range(3))
     router = RouterSocket(
         ctx,
         "tcp://127.0.0.1:*",

@@ -39,7 +39,6 @@ QUANTIZED_FILE = "quantized.safetensors"
 QUANTIZED_FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block formats kernels/cpu_ops.py reads
 # GGUF tensor types stored as themselves in model.safetensors (exact); the rest are blocks.
 PLAIN_TYPES = ("F32", "F16", "BF16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def default_model_path() -> str:

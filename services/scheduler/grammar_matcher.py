@@ -42,14 +42,6 @@ class GrammarViolation(RuntimeError):
         self.over_limits = over_limits
 
 
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
-    return np.zeros((rows, bitmask_words(vocab_size)), dtype=np.int32)
-
-
 class GrammarMatcher:
     __slots__ = ("_matcher", "failure", "key", "num_tokens")
 
