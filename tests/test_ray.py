@@ -367,7 +367,7 @@ def test_a_group_whose_node_dies_is_served_again_from_a_node_at_another_address(
     """The far node (at 127.0.0.2) holds the group and is removed while requests decode; Ray
     places the group again on a node at the head's address. The supervisor re-plans the group's
     links there (same ports, same CURVE keys), the tokenizer and the detokenizer reconnect
-    (Relink), the requests are resubmitted, and every text equals the un-faulted run's."""
+    (TopologyChanged with the new hosts), the requests are resubmitted, and every text equals the un-faulted run's."""
     ray_cluster, nodes = cluster
     head_address = ray_cluster.address.rsplit(":", 1)[0]
     run_dir = tmp_path / "run"
