@@ -254,17 +254,18 @@ class _Base:
             self.socket.rcvtimeo = -1 if timeout is None else math.ceil(max(timeout, 0.0) * 1000)
             self._timeout = timeout
 
-    def _check_size(self, data: bytes) -> None:
-        """Refuse a message that the receiver would drop for its size."""
-        if len(data) > self._max_msg_bytes:
-            raise MessageTooLarge(f"a message of {len(data)} bytes; the limit is {self._max_msg_bytes}")
+    def _too_large(self, data: bytes) -> MessageTooLarge:
+        """The error for a message that the receiver would drop for its size (the callers compare
+        inline: this is every send's path)."""
+        return MessageTooLarge(f"a message of {len(data)} bytes; the limit is {self._max_msg_bytes}")
 
     # PUSH, PULL and DEALER move one message (one frame) with no identity in front: one
     # implementation each of sending and receiving.
 
     def _send_one(self, data: bytes) -> bool:
         """Send without blocking; False (nothing sent) when the peer's queue is full or there is no peer."""
-        self._check_size(data)
+        if len(data) > self._max_msg_bytes:
+            raise self._too_large(data)
         try:
             self.socket.send(data)
         except zmq.Again:
@@ -393,7 +394,8 @@ class RouterSocket(_Base, Generic[In, Out]):
     def send(self, identity: bytes, msg: Out) -> bool:
         """False when the peer is gone or its queue is full."""
         data = self._out.encode(msg)
-        self._check_size(data)
+        if len(data) > self._max_msg_bytes:
+            raise self._too_large(data)
         try:
             self.socket.send(identity, _SNDMORE)
             self.socket.send(data)
