@@ -107,6 +107,18 @@ def test_deepseek_matches_hf(deepseek_dir: tuple[str, Path], absorbed_decode: bo
     check_against_hf(load_hf(path), runner)
 
 
+def test_deepseek_triton_experts_match_hf(tmp_path: Path) -> None:
+    """On the Triton backend (in the interpreter on CPU tensors) a V3's experts run as the fused
+    grouped GEMMs, with the routed_scaling_factor in the routing weights; latent attention stays
+    torch: HF's logits and greedy tokens through prefill, decodes, a prefix hit and a preemption."""
+    from kernels.fused_moe import fused_moe_triton
+
+    path = save_deepseek(random_deepseek_config("v3"), tmp_path / "v3", seed=3)
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend="triton")
+    assert runner.model.fused_experts is fused_moe_triton
+    check_against_hf(load_hf(path), runner)
+
+
 def test_latent_cache_holds_latents_and_rope_keys_and_the_budget_counts_them(tmp_path: Path) -> None:
     """Each layer's pages are the latent (kv_lora_rank) and the rope key (qk_rope_head_dim) of a
     token, not its heads; the worker's block count and preflight's budget use those bytes."""

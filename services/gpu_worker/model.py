@@ -504,9 +504,11 @@ class LlamaModel:
         self.mla_absorbed_decode = True
         self.ops = self.kind_ops[0]  # also runs the norms
         # The Triton backend's MoE experts: two grouped GEMMs (imported only there, like its
-        # other kernels, so CPU-only hosts never need Triton).
+        # other kernels, so CPU-only hosts never need Triton); latent attention's models take
+        # them where that backend would run, though their attention stays torch.
         self.fused_experts: Callable[..., torch.Tensor] | None = None
-        if config.moe is not None and isinstance(self.ops, TritonOps):
+        is_triton = (backend or ("triton" if device.type == "cuda" else "torch")) == "triton"
+        if config.moe is not None and is_triton:
             from kernels.fused_moe import fused_moe_triton
 
             self.fused_experts = fused_moe_triton
