@@ -141,6 +141,18 @@ def test_latent_cache_holds_latents_and_rope_keys_and_the_budget_counts_them(tmp
         check_model(load_config(None, [*overrides, "model.max_model_len=4096"]), path)
 
 
+def test_preflight_splits_latent_attention_by_heads(tmp_path: Path) -> None:
+    """Whatever num_key_value_heads config.json says (V3's default is 128), the latent is one
+    shared KV head: tensor_parallel must divide the attention heads (4) and nothing else of it."""
+    from ipc.config import load_config
+    from supervision.preflight import Refused, check_model
+
+    path = save_deepseek(random_deepseek_config("v3", num_key_value_heads=128), tmp_path / "v3", seed=4)
+    check_model(load_config(None, ["engine.tensor_parallel=2"]), path)
+    with pytest.raises(Refused, match="its 4 attention heads do not divide evenly over 3 ranks"):
+        check_model(load_config(None, ["engine.tensor_parallel=3"]), path)
+
+
 def test_mla_attention_matches_hfs_attention_module(tmp_path: Path) -> None:
     """One layer's attention against DeepseekV3Attention on the same input: a prompt of 21 tokens
     in two chunks (the second over the cached latents of the first), then a decode row in both
