@@ -71,6 +71,12 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         num_heads = int(raw["num_attention_heads"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
+        # DeepSeek's latent attention caches a latent and a rope key per token, whole on every
+        # rank (architectures.MlaConfig): one "KV head" that its query heads split over the ranks.
+        latent_width = int(raw.get("kv_lora_rank") or 0)
+        if latent_width:
+            latent_width += int(raw["qk_rope_head_dim"])
+            num_kv_heads = 1
         num_layers, intermediate = int(raw["num_hidden_layers"]), int(raw["intermediate_size"])
         vocab_size = int(raw["vocab_size"])  # the supervisor sizes the grammar bitmask by it
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -119,7 +125,8 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         return  # a CUDA worker's budget depends on free device memory: it checks at start
     dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
     rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
-    bytes_per_block = 2 * num_layers * engine.block_size * rank_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    token_width = latent_width or 2 * rank_kv_heads * head_dim  # elements per token and layer
+    bytes_per_block = num_layers * engine.block_size * token_width * DTYPE_BYTES[dtype]
     num_blocks = max((engine.kv_cache_mib << 20) // bytes_per_block, 1)
     max_model_len = min(config.model.max_model_len, int(raw.get("max_position_embeddings", 2048)))
     if num_blocks * engine.block_size < max_model_len:

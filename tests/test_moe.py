@@ -3,8 +3,8 @@ Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense laye
 decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
 mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
 ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
-preemption), and one family served end to end through real processes; the MoE architectures
-Brigade has not built are refused by name."""
+preemption), and one family served end to end through real processes. DeepSeek-V2 / V3 are in
+test_deepseek.py."""
 
 from __future__ import annotations
 
@@ -114,20 +114,6 @@ def test_router_matches_hf_routing_on_ties_and_normalization():
     torch.testing.assert_close(weights.sum(dim=-1), torch.ones(2))
 
 
-@pytest.mark.parametrize(
-    ("architecture", "feature"),
-    [
-        ("DeepseekV3ForCausalLM", "multi-head latent attention"),
-        ("DeepseekV2ForCausalLM", "multi-head latent attention"),
-    ],
-)
-def test_unbuilt_moe_architectures_are_refused_by_name(architecture: str, feature: str) -> None:
-    config = random_moe_config("mixtral").to_dict()
-    config["architectures"] = [architecture]
-    with pytest.raises(UnsupportedModel, match=f"mixture-of-experts architecture {architecture}.*{feature}"):
-        ModelConfig.from_dict(config)
-
-
 def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
     """Make a saved gpt-oss an MXFP4 checkpoint as OpenAI ships one: each experts' projection
     replaced by random MXFP4 blocks (every 4-bit code) and scales (exponents 2^-6 to 2^-4, so the
@@ -157,7 +143,9 @@ def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
     for file, shard in shards.items():
         save_file(shard, str(model_dir / file), metadata={"format": "pt"})
     weight_map = {name: file for file, shard in shards.items() for name in shard}
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",

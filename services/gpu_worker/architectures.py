@@ -28,13 +28,15 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # config.json `model_type` of each family, for configs that name no architecture.
 MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-    "gpt_oss": "gpt_oss",
+    "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
@@ -43,13 +45,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).
 ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe", "gpt_oss")
 # Mixture-of-experts families (MoeConfig): their routers softmax over the experts, then take the
-# top k; gpt-oss's take the top k of the logits, then softmax over those.
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
-# MoE architectures Brigade knows but cannot run yet, refused by name with the feature that is missing.
-UNBUILT_MOE = {
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing)",
-    "DeepseekV2ForCausalLM": "DeepSeek-V2 (multi-head latent attention, group-limited routing)",
-}
+# top k; gpt-oss's take the top k of the logits, then softmax over those; DeepSeek's limit the
+# choice to the best groups of experts (V3: sigmoid scores with a correction bias).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+# Families with multi-head latent attention (MlaConfig).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# The eps of DeepSeek's q_a and kv_a norms: DeepseekV2/V3RMSNorm's default, not rms_norm_eps.
+MLA_NORM_EPS = 1e-6
 
 
 class UnsupportedModel(ValueError):
@@ -81,6 +83,46 @@ class MoeConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # Qwen2-MoE: the shared expert's output is scaled by sigmoid(shared_expert_gate(x)); DeepSeek's
+    # shared experts (n_shared_experts of them, one MLP of their summed width) are added as they are.
+    shared_expert_gated: bool = True
+    # DeepSeek: "sigmoid" scores (V3) instead of the softmax; the experts in `num_groups` equal
+    # groups, of which only the `topk_groups` best (each scored by the sum of its `group_score_top`
+    # best experts: 1 for V2, 2 for V3) are chosen from; V3 adds a learned correction bias
+    # (mlp.gate.e_score_correction_bias) to the scores for choosing only; every weight is then
+    # multiplied by routed_scaling_factor.
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score_top: int = 1
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention. q = q_b(norm(q_a(x))) (q_proj(x) without a
+    q_lora_rank), each head's qk_nope_head_dim dims then qk_rope_head_dim; kv_a_proj_with_mqa(x)
+    gives the latent (kv_lora_rank, normed by kv_a_layernorm) and one rope key shared by all
+    heads; kv_b_proj turns the latent into each head's nope key and value (v_head_dim). The KV
+    cache holds only the latent and the rotated rope key of each token."""
+
+    q_lora_rank: int  # 0: q_proj straight from the hidden state (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The rope dims as (x0, x1), (x2, x3) pairs (DeepSeek's checkpoints; V2 always), not halves.
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Elements cached per token and layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -139,6 +181,12 @@ class ModelConfig:
     # gpt-oss: a learned logit per query head joins each softmax's denominator (a "sink" that takes
     # attention weight without a value), loaded as self_attn.sinks.
     attention_sinks: bool = False
+    mla: MlaConfig | None = None  # DeepSeek's latent attention instead of q/k/v heads
+
+    def kv_cache_width(self, num_kv_heads: int) -> int:
+        """Elements one token takes in one layer's KV cache on a rank with `num_kv_heads` KV heads:
+        its keys and values, or MLA's latent and rope key (whole on every rank)."""
+        return self.mla.cache_width if self.mla is not None else 2 * num_kv_heads * self.head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -161,6 +209,7 @@ class ModelConfig:
             and len(self.ropes) == 1
             and self.moe is None
             and not (self.qk_norm_whole or self.clip_qkv or self.attention_sinks)
+            and self.mla is None
         )
 
     @classmethod
@@ -204,6 +253,14 @@ class ModelConfig:
         attention_scale = 0.0
         if d.get("query_pre_attn_scalar"):
             attention_scale = float(d["query_pre_attn_scalar"]) ** -0.5
+        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        mla = _mla(d, family)
+        if mla is not None:
+            # One latent and rope key serve every head (the cache's one "KV head"); the rotary
+            # table spans the rope dims; the scale is of the whole q/k head, times YaRN's mscale
+            # squared where the config gives mscale_all_dim (as DeepseekV3Attention).
+            num_kv_heads, head_dim = 1, mla.qk_rope_head_dim
+            attention_scale = mla.qk_head_dim**-0.5 * _mla_mscale(d) ** 2
         return cls(
             architecture=architecture,
             vocab_size=d["vocab_size"],
@@ -211,7 +268,7 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -238,6 +295,7 @@ class ModelConfig:
             qk_norm_whole=family == "olmoe",
             clip_qkv=float(d.get("clip_qkv") or 0.0) if family == "olmoe" else 0.0,
             attention_sinks=family == "gpt_oss",
+            mla=mla,
         )
 
     @classmethod
@@ -256,14 +314,39 @@ def _architecture(d: dict) -> tuple[str, str]:
                 f"supported architectures: {supported}"
             )
         return next(a for a, f in ARCHITECTURES.items() if f == family), family
-    if len(names) == 1 and names[0] in UNBUILT_MOE:
-        raise UnsupportedModel(
-            f"unsupported mixture-of-experts architecture {names[0]}: {UNBUILT_MOE[names[0]]} is not "
-            f"built yet; supported: {supported}"
-        )
     if len(names) != 1 or names[0] not in ARCHITECTURES:
         raise UnsupportedModel(f"unsupported architecture {names}; supported: {supported}")
     return names[0], ARCHITECTURES[names[0]]
+
+
+def _mla(d: dict, family: str) -> MlaConfig | None:
+    """The latent attention of a DeepSeek config (None for the other families)."""
+    if family not in MLA_FAMILIES:
+        return None
+    if d.get("attention_bias"):
+        raise UnsupportedModel(
+            f"unsupported attention_bias in {family}'s latent attention; supported: no biases (as "
+            "DeepSeek's checkpoints)"
+        )
+    return MlaConfig(
+        q_lora_rank=int(d.get("q_lora_rank") or 0),
+        kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]),
+        # V2 rotates (x0, x1) pairs as complex numbers: the same pairs.
+        rope_interleave=family == "deepseek_v2" or bool(d.get("rope_interleave", True)),
+    )
+
+
+def _mla_mscale(d: dict) -> float:
+    """YaRN's mscale of the softmax scale, as HF's yarn_apply_mscale: any scaled rope with an
+    mscale_all_dim."""
+    params = _rope_dict(d)
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params.get("rope_type", params.get("type", "default")) == "default" or not mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(float(params["factor"]), float(mscale_all_dim))
 
 
 def _refuse_quantization(d: dict, family: str) -> None:
@@ -404,6 +487,8 @@ def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
     """The mixture-of-experts MLP of a MoE family's config (None for the dense families)."""
     if family not in MOE_FAMILIES:
         return None
+    if family in MLA_FAMILIES:
+        return _deepseek_moe(d, family, num_layers)
     for key, default in ROUTING_DEFAULTS.items():
         if d.get(key, default) not in (default, None):
             raise UnsupportedModel(
@@ -433,4 +518,56 @@ def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
         bool(d.get("norm_topk_prob", False)),
         int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
         sparse,
+    )  # fmt: skip
+
+
+# DeepSeek's routing, per family: (scoring_func, the topk_methods it has, the group score's top n).
+DEEPSEEK_ROUTING = {
+    "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"), 1),
+    "deepseek_v3": ("sigmoid", ("noaux_tc",), 2),
+}
+
+
+def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
+    """DeepSeek-V2 / V3's mixture, as DeepseekV2Moe / DeepseekV3MoE compute it: the first
+    first_k_dense_replace layers (and, with moe_layer_freq, the layers off its stride) dense."""
+    scoring, methods, group_score_top = DEEPSEEK_ROUTING[family]
+    topk_method = d.get("topk_method") or methods[0]
+    if (d.get("scoring_func") or scoring) != scoring or topk_method not in methods:
+        raise UnsupportedModel(
+            f"unsupported MoE routing scoring_func={d.get('scoring_func')!r} topk_method={topk_method!r} "
+            f"({family}); supported: scoring_func={scoring!r} with topk_method in {list(methods)}"
+        )
+    if family == "deepseek_v2" and d.get("norm_topk_prob"):
+        # DeepSeek's own code renormalizes then; transformers' DeepseekV2TopkRouter does not.
+        raise UnsupportedModel("unsupported norm_topk_prob=True (deepseek_v2); supported: False")
+    num_experts, top_k = int(d.get("n_routed_experts") or 0), int(d.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedModel(
+            f"MoE config with n_routed_experts={num_experts} and num_experts_per_tok={top_k}; supported: "
+            "1 <= num_experts_per_tok <= n_routed_experts"
+        )
+    grouped = topk_method != "greedy"
+    num_groups = int(d.get("n_group") or 1) if grouped else 1
+    topk_groups = int(d.get("topk_group") or 1) if grouped else 1
+    if num_experts % num_groups or not 1 <= topk_groups <= num_groups:
+        raise UnsupportedModel(
+            f"MoE config with n_routed_experts={num_experts}, n_group={num_groups}, topk_group={topk_groups}; "
+            "supported: n_group divides n_routed_experts, 1 <= topk_group <= n_group"
+        )
+    expert_size = int(d["moe_intermediate_size"])
+    first_dense = int(d.get("first_k_dense_replace") or 0)
+    frequency = int(d.get("moe_layer_freq") or 1)
+    return MoeConfig(
+        num_experts, top_k, expert_size,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=expert_size * int(d.get("n_shared_experts") or 0),
+        sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
+        shared_expert_gated=False,
+        scoring=scoring,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        group_score_top=group_score_top,
+        score_correction_bias=family == "deepseek_v3",
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
     )  # fmt: skip

@@ -2,7 +2,8 @@
 
 The backend is chosen once at start: `TritonOps` on CUDA (kernels/), `TorchOps` on the CPU. Each
 builds its per-step metadata once (`prepare`) and every layer reuses it.
-Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (DeepSeek's
+latent attention keeps latents and rope keys in those two instead: mla.py).
 """
 
 from __future__ import annotations

@@ -97,6 +97,10 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         raise AdapterError(
             f"adapter {name!r}: {model.config.architecture} (fused qkv_proj) takes no adapters"
         )
+    if model.config.mla is not None:
+        raise AdapterError(
+            f"adapter {name!r}: {model.config.architecture} (multi-head latent attention) takes no adapters"
+        )
     try:
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for a bad header

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from services.gpu_worker.architectures import ModelConfig, MoeConfig, RopeConfig
-from services.gpu_worker.attention import Shapes, StepMeta, TritonOps, make_ops
+from services.gpu_worker.attention import Shapes, StepMeta, TorchOps, TritonOps, make_ops
+from services.gpu_worker.mla import MlaOps, MlaWeights, mla_attention
 from services.gpu_worker.parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -308,11 +309,16 @@ class LlamaLayer:
             return torch.empty(*shape, dtype=dtype, device=device)
 
         h, d = config.hidden_size, config.head_dim
-        qkv_size = (shard.num_heads + 2 * shard.num_kv_heads) * d
+        # DeepSeek's latent attention has its own projections (mla.MlaWeights) instead of qkv.
+        self.mla = (
+            None if config.mla is None else MlaWeights.empty(config.mla, h, shard.num_heads, dtype, device)
+        )
+        qkv_size = 0 if self.mla is not None else (shard.num_heads + 2 * shard.num_kv_heads) * d
         self.input_norm = empty(h)
         self.qkv = empty(qkv_size, h)  # column-parallel
         self.qkv_bias = empty(qkv_size) if config.attention_bias else None
-        self.o_proj = empty(h, shard.num_heads * d)  # row-parallel
+        value_dim = d if config.mla is None else config.mla.v_head_dim
+        self.o_proj = empty(h, shard.num_heads * value_dim)  # row-parallel
         # Biases of the row-parallel projections are whole: added once, after the all_reduce.
         self.o_bias = empty(h) if config.o_proj_bias else None
         self.sinks = empty(shard.num_heads) if config.attention_sinks else None  # gpt-oss, per query head
@@ -340,8 +346,12 @@ class LlamaLayer:
             self.experts_down = empty(e, h, ei)  # row-parallel
             self.shared_gate_up = empty(2 * si, h) if si else None
             self.shared_down = empty(h, si) if si else None
-            self.shared_expert_gate = empty(1, h) if si else None
+            self.shared_expert_gate = empty(1, h) if si and self.moe.shared_expert_gated else None
             self.router_bias = empty(e) if self.moe.router_bias else None
+            # DeepSeek-V3's e_score_correction_bias, float32 as HF keeps it (it only chooses experts).
+            self.router_correction_bias = (
+                torch.empty(e, dtype=torch.float32, device=device) if self.moe.score_correction_bias else None
+            )
             # gpt-oss: each expert's gate/up bias (this rank's columns) and down bias (whole, added
             # by the rank-0 partial sum only, so the all_reduce adds it once: moe_mlp).
             self.experts_gate_up_bias = empty(e, 2 * ei) if self.moe.expert_bias else None
@@ -416,6 +426,8 @@ def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
         return layer.router
     if key == "mlp.router.bias":
         return layer.router_bias
+    if key == "mlp.gate.e_score_correction_bias":
+        return layer.router_correction_bias
     if key == "mlp.shared_expert_gate.weight":
         return layer.shared_expert_gate
     if len(parts) == 5 and parts[:2] == ["mlp", "experts"] and parts[4] == "weight":
@@ -423,7 +435,11 @@ def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
         if expert >= layer.experts_gate_up.shape[0]:
             raise KeyError(f"expert {expert} of a layer with {layer.experts_gate_up.shape[0]}")
         gate_up, down = layer.experts_gate_up[expert], layer.experts_down[expert]
-    elif len(parts) == 4 and parts[:2] == ["mlp", "shared_expert"] and layer.shared_gate_up is not None:
+    elif (
+        len(parts) == 4
+        and parts[1] in ("shared_expert", "shared_experts")
+        and layer.shared_gate_up is not None
+    ):  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts
         gate_up, down = layer.shared_gate_up, layer.shared_down
     else:
         return None
@@ -477,12 +493,22 @@ class LlamaModel:
                 window=window, softcap=config.attn_softcap,
                 long_rope_rows=max_positions if config.ropes[rope].rope_type == "longrope" else 0,
             )  # fmt: skip
-            self.kind_ops.append(make_ops(shapes, device, dtype, backend))
+            # Latent attention runs its own torch path on every device (mla.py).
+            self.kind_ops.append(
+                MlaOps(shapes, device, dtype)
+                if config.mla is not None
+                else make_ops(shapes, device, dtype, backend)
+            )
+        # Latent attention: decode rows in the absorbed form (mla.absorbed), or up-projected like
+        # prefill rows where False (the tests run both).
+        self.mla_absorbed_decode = True
         self.ops = self.kind_ops[0]  # also runs the norms
         # The Triton backend's MoE experts: two grouped GEMMs (imported only there, like its
-        # other kernels, so CPU-only hosts never need Triton).
+        # other kernels, so CPU-only hosts never need Triton); latent attention's models take
+        # them where that backend would run, though their attention stays torch.
         self.fused_experts: Callable[..., torch.Tensor] | None = None
-        if config.moe is not None and isinstance(self.ops, TritonOps):
+        is_triton = (backend or ("triton" if device.type == "cuda" else "torch")) == "triton"
+        if config.moe is not None and is_triton:
             from kernels.fused_moe import fused_moe_triton
 
             self.fused_experts = fused_moe_triton
@@ -548,7 +574,7 @@ class LlamaModel:
         if key == "self_attn.sinks":
             return 0, sh.head_start, sh.num_heads
         projection, _, kind = key.rpartition(".")
-        if projection.startswith(("mlp.experts.", "mlp.shared_expert.")):
+        if projection.startswith(("mlp.experts.", "mlp.shared_expert.", "mlp.shared_experts.")):
             if projection.startswith("mlp.experts."):
                 start, size = sh.expert_intermediate_start, sh.expert_intermediate_size
             else:
@@ -556,6 +582,16 @@ class LlamaModel:
             return (1, start, size) if projection.endswith("down_proj") else (0, start, size)
         if kind == "bias" and projection in ("self_attn.o_proj", "mlp.down_proj"):
             return None  # whole on every rank (LlamaLayer.o_bias)
+        mla = self.config.mla
+        if mla is not None:  # the per-head projections by heads; q_a, kv_a and the norms whole
+            per_head = {
+                "self_attn.q_proj": (0, mla.qk_head_dim), "self_attn.q_b_proj": (0, mla.qk_head_dim),
+                "self_attn.kv_b_proj": (0, mla.qk_nope_head_dim + mla.v_head_dim),
+                "self_attn.o_proj": (1, mla.v_head_dim),
+            }.get(projection)  # fmt: skip
+            if per_head is not None:
+                dim, width = per_head
+                return dim, sh.head_start * width, sh.num_heads * width
         if projection == "self_attn.q_proj":
             return 0, sh.head_start * d, sh.num_heads * d
         if projection in ("self_attn.k_proj", "self_attn.v_proj"):
@@ -604,17 +640,20 @@ class LlamaModel:
             dst = self.lm_head[: sh.num_vocab_rows]
         else:
             parts = name.split(".")
+            if c.mla is not None and parts[:2] == ["model", "layers"] and int(parts[2]) >= len(self.layers):
+                return  # DeepSeek-V3's multi-token-prediction layers, which only speculation would run
             if parts[:2] != ["model", "layers"] or int(parts[2]) >= len(self.layers):
                 raise KeyError(f"unexpected weight {name}")
             layer = self.layers[int(parts[2])]
             key = ".".join(parts[3:])
             merged = {
-                "self_attn.q_proj.weight": (layer.qkv, 0, q_size),
-                "self_attn.k_proj.weight": (layer.qkv, q_size, kv_size),
-                "self_attn.v_proj.weight": (layer.qkv, q_size + kv_size, kv_size),
                 "mlp.gate_proj.weight": (layer.gate_up, 0, inter),
                 "mlp.up_proj.weight": (layer.gate_up, inter, inter),
             }
+            if layer.mla is None:  # (DeepSeek-V2-Lite's q_proj is one of its latent attention's)
+                merged["self_attn.q_proj.weight"] = (layer.qkv, 0, q_size)
+                merged["self_attn.k_proj.weight"] = (layer.qkv, q_size, kv_size)
+                merged["self_attn.v_proj.weight"] = (layer.qkv, q_size + kv_size, kv_size)
             if layer.qkv_bias is not None:
                 merged["self_attn.q_proj.bias"] = (layer.qkv_bias, 0, q_size)
                 merged["self_attn.k_proj.bias"] = (layer.qkv_bias, q_size, kv_size)
@@ -632,6 +671,8 @@ class LlamaModel:
                 "mlp.down_proj.bias": layer.down_bias,
                 "self_attn.sinks": layer.sinks,
             }
+            if layer.mla is not None:
+                plain.update({f"self_attn.{k}": w for k, w in layer.mla.slots().items()})
             if c.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
                 plain["post_attention_layernorm.weight"] = layer.post_attn_norm
                 plain["pre_feedforward_layernorm.weight"] = layer.pre_mlp_norm
@@ -665,8 +706,11 @@ class LlamaModel:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
-        per_layer = ["input_layernorm", "post_attention_layernorm"]
-        per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
+        per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
+        if c.mla is None:
+            per_layer += [f"self_attn.{p}_proj" for p in "qkv"]
+        else:
+            per_layer += [f"self_attn.{k.removesuffix('.weight')}" for k in self.layers[0].mla.slots()]
         if c.qk_norm or c.qk_norm_whole:
             per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
         sinks = ["self_attn.sinks"] if c.attention_sinks else []
@@ -689,8 +733,12 @@ class LlamaModel:
             if layer.moe is not None:
                 mlp = ["mlp.gate"]
                 mlp += [f"mlp.experts.{e}.{p}" for e in range(layer.moe.num_experts) for p in projections]
-                if layer.shared_gate_up is not None:
+                if layer.shared_expert_gate is not None:  # Qwen2-MoE's
                     mlp += ["mlp.shared_expert_gate"] + [f"mlp.shared_expert.{p}" for p in projections]
+                elif layer.shared_gate_up is not None:  # DeepSeek's
+                    mlp += [f"mlp.shared_experts.{p}" for p in projections]
+                if layer.router_correction_bias is not None:
+                    names.add(f"model.layers.{i}.mlp.gate.e_score_correction_bias")
             names.update(f"model.layers.{i}.{w}.weight" for w in mlp)
         return names
 
@@ -843,16 +891,15 @@ class LlamaModel:
             layer_ops, layer_meta = self.kind_ops[kind], metas[kind]
             qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qk_norms = None if layer.q_norm is None or c.qk_norm_whole else (layer.q_norm, layer.k_norm, eps)
-            qkv = linear(x, qkv_w, layer.qkv_bias)
-            if lora is not None:
-                lora.add(qkv, x, index, ("q_proj", "k_proj", "v_proj"))
-            if c.qk_norm_whole:
-                qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps)
-            if c.clip_qkv:
-                qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
-            q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
-            attn_out = layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, scale, layer.sinks)
+            if layer.mla is not None:  # its caches: the latents and the rope keys
+                attn_out = mla_attention(
+                    x, layer.mla, k_cache, v_cache, layer_meta, scale, plain_linear(self.has_few_rows_linear, x),
+                    self.mla_absorbed_decode,
+                )  # fmt: skip
+            else:
+                attn_out = self._attention(
+                    x, index, layer, layer_ops, layer_meta, k_cache, v_cache, linear, qkv_w, lora
+                )
             attn = linear(attn_out, o_proj_w)
             if lora is not None:
                 lora.add(attn, attn_out, index, ("o_proj",))
@@ -885,6 +932,32 @@ class LlamaModel:
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps, None)
         return hidden, residual
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        index: int,
+        layer: LlamaLayer,
+        layer_ops: TorchOps | TritonOps,
+        layer_meta: StepMeta,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        linear: Callable[..., torch.Tensor],
+        qkv_w: torch.Tensor | Blocks,
+        lora: ProjectionDeltas | None,
+    ) -> torch.Tensor:
+        """q, k and v heads' attention of x [T, hidden] (normed) -> [T, heads * head_dim], for o_proj."""
+        c, eps = self.config, self.eps
+        qk_norms = None if layer.q_norm is None or c.qk_norm_whole else (layer.q_norm, layer.k_norm, eps)
+        qkv = linear(x, qkv_w, layer.qkv_bias)
+        if lora is not None:
+            lora.add(qkv, x, index, ("q_proj", "k_proj", "v_proj"))
+        if c.qk_norm_whole:
+            qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps)
+        if c.clip_qkv:
+            qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+        q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
+        return layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, self.scale, layer.sinks)
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [len(tokens), V] of these rows of `hidden_states`' output: only they go
@@ -962,19 +1035,44 @@ def norm_whole_qk(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
     )
 
 
-def moe_route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    router_logits: torch.Tensor, moe: MoeConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) [T, top_k] of each token, as the HF MoE routers compute them: softmax
-    over all experts in float32, the top k (torch.topk, so ties break as HF's do), renormalized
-    to sum to 1 where norm_topk_prob; or, with softmax_after_topk (gpt-oss), the top k of the
-    logits and a softmax over those k (the same experts: softmax keeps the order)."""
+    (or DeepSeek-V3's sigmoid) scores of all experts in float32, the top k (torch.topk, so ties
+    break as HF's do), renormalized to sum to 1 where norm_topk_prob, times routed_scaling_factor;
+    or, with softmax_after_topk (gpt-oss), the top k of the logits and a softmax over those k (the
+    same experts: softmax keeps the order). DeepSeek chooses by the scores plus V3's
+    `correction_bias` and only among the experts of the best groups (`limit_to_groups`), but
+    weights by the scores themselves."""
     if moe.softmax_after_topk:
         top_logits, experts = torch.topk(router_logits, moe.top_k, dim=-1)
         return torch.softmax(top_logits.float(), dim=-1), experts
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if moe.num_groups > 1:
+        choice = limit_to_groups(choice, moe)
+    experts = torch.topk(choice, moe.top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
     if moe.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
+    if moe.routed_scaling_factor != 1.0:
+        weights *= moe.routed_scaling_factor
     return weights, experts
+
+
+def limit_to_groups(choice: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """DeepSeek's group-limited top-k: the experts as num_groups equal groups, each scored by the
+    sum of its group_score_top best choice values (V2: its best, V3: its best two); the choice
+    values of every expert outside the topk_groups best groups are dropped: to 0 after V2's
+    softmax (as DeepseekV2TopkRouter), to -inf for V3 (whose biased values may be negative)."""
+    groups = choice.view(choice.shape[0], moe.num_groups, -1)
+    group_scores = groups.topk(moe.group_score_top, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, moe.topk_groups, dim=-1)[1]
+    is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    dropped = float("-inf") if moe.score_correction_bias else 0.0
+    return groups.masked_fill(~is_kept.unsqueeze(-1), dropped).view_as(choice)
 
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the expert's hidden
@@ -1011,7 +1109,9 @@ def moe_mlp(
     `adds_down_bias` (rank 0) carries them."""
     moe = layer.moe
     assert moe is not None
-    weights, experts = moe_route(F.linear(x, layer.router, layer.router_bias), moe)
+    weights, experts = moe_route(
+        F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias
+    )
     glu = expert_glu(moe, activation)
     down_bias = layer.experts_down_bias if adds_down_bias else None
     if fused_experts is not None:
@@ -1022,13 +1122,19 @@ def moe_mlp(
     else:
         out = grouped_experts(x, layer, weights, experts, glu, has_few_rows_linear, down_bias)
     if layer.shared_gate_up is not None:
-        linear = (
-            cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
-        )
+        linear = plain_linear(has_few_rows_linear, x)
         gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
         shared = linear(activation(gate).mul_(up), layer.shared_down)
-        out.add_(shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate))))
+        if layer.shared_expert_gate is not None:
+            shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate)))
+        out.add_(shared)
     return out
+
+
+def plain_linear(has_few_rows_linear: bool, x: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """F.linear of x by a plain [out, in] weight that no layout copies (a shared expert's, latent
+    attention's): through the few-rows kernel where it takes x's rows."""
+    return cpu_ops.few_rows_linear if has_few_rows_linear and len(x) <= cpu_ops.MAX_LINEAR_ROWS else F.linear
 
 
 def grouped_experts(

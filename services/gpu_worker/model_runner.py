@@ -91,19 +91,23 @@ class ModelRunner:
             )
         num_kv_heads = self.model.shapes.num_kv_heads  # this rank's
         bytes_per_block = (
-            2 * config.num_hidden_layers * block_size * num_kv_heads * config.head_dim * self.dtype.itemsize
+            config.num_hidden_layers * block_size * config.kv_cache_width(num_kv_heads) * self.dtype.itemsize
         )
         # Ranks share block ids, so every rank takes the smallest cache any of them can hold.
         self.num_kv_blocks = parallel.min_int(
             max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
         )
-        cache_shape = (self.num_kv_blocks, block_size, num_kv_heads, config.head_dim)
+        # Each layer's two page tensors: K and V heads, or latent attention's latents and rope keys.
+        widths = (
+            (config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
+            if config.mla is not None
+            else (num_kv_heads * config.head_dim,) * 2
+        )
+        heads = 1 if config.mla is not None else num_kv_heads
+        shapes = [(self.num_kv_blocks, block_size, heads, width // heads) for width in widths]
         # Zeroed, so masked-out padding never reads NaN garbage.
         self.kv_cache = [
-            (
-                torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
-                torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
-            )
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(self.vocab_size, self.device)
