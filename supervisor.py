@@ -355,7 +355,10 @@ def ready_lines(config: Config, num_stages: int, run: Run) -> str:
     gateway = config.gateway
     if gateway.replicas:
         host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
-        ready += f"; OpenAI API at http://{host}:{gateway.port}/v1"
+        scheme = "https" if gateway.tls.certfile else "http"
+        ready += f"; OpenAI API at {scheme}://{host}:{gateway.port}/v1"
+        if gateway.tls.client_ca:
+            ready += " (client certificates required)"
     client = f"python -m client --run {run.run_dir}"
     return f"{ready}\n  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json"
 
