@@ -271,13 +271,13 @@ class Supervisor:
             if stage is None or not self.stages.is_current(stage, message.pid):
                 continue  # a late message from a process we already replaced
             if isinstance(message, m.Ready):
-                self.on_ready(stage)
+                self.on_ready(stage, message.info.get("protections", ""))
             else:
                 stage.on_heartbeat(message, time.monotonic())
 
-    def on_ready(self, stage: StageHandle) -> None:
+    def on_ready(self, stage: StageHandle, protections: str) -> None:
         was_restart = stage.num_restarts > 0
-        stage.on_ready(time.monotonic())
+        stage.on_ready(time.monotonic(), protections)
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
         if stage.kind in PEER_KINDS:
             # It sized its links from run.json's config, which does not show engine groups
