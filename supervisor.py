@@ -145,6 +145,7 @@ class Supervisor:
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
             self.run.publish(self.config, model_dir)
+            self.run.hand_over(self.config)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         for spec in self.transitions.current.stages():

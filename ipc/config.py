@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import pwd
 import re
 import stat
 from pathlib import Path
@@ -427,6 +428,17 @@ def check_cluster(config: Config) -> None:
         )
 
 
+def check_run_as(config: Config) -> None:
+    """supervisor.run_as must name a user of this host (the stages become it)."""
+    name = config.supervisor.run_as
+    if not name:
+        return
+    try:
+        pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(f"supervisor.run_as: there is no user {name!r} on this host") from None
+
+
 def check_gateway_tls(config: Config) -> None:
     """A certificate without its key (or the other way round), or client CAs without a server
     certificate, would serve something other than what was asked for."""
@@ -493,6 +505,7 @@ def load_config(
     check_cluster(config)
     check_network(config)
     check_gateway_tls(config)
+    check_run_as(config)
     return config
 
 

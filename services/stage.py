@@ -59,9 +59,13 @@ def read_run_info(run_dir: Path) -> RunInfo:
 
 
 def write_run_info(run_dir: Path, info: RunInfo) -> None:
-    """Atomically, and private to this user: it carries the run's CURVE secret keys."""
+    """Atomically, and private to the run dir's owner (the supervisor's user, or supervisor.run_as
+    when a root supervisor handed the run dir over): it carries the run's CURVE secret keys."""
     tmp = run_dir / (RUN_FILE + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if os.geteuid() == 0:
+        owner = run_dir.stat()
+        os.fchown(fd, owner.st_uid, owner.st_gid)
     with os.fdopen(fd, "wb") as out:
         out.write(msgspec.json.encode(info))
     tmp.chmod(0o600)
@@ -179,12 +183,19 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
             sys.exit(1)
     privileges.set_no_new_privs()
     if kind != "gateway":  # the gateway binds its port first (services/gateway/__main__.py)
-        privileges.drop_to(info.config.supervisor.run_as)
+        drop_privileges(info.config.supervisor.run_as, is_supervised)
     if kind != "gpu_worker" and (cores := light_stage_cores(info.config, usable_cores())):
         pin_process(cores)  # off the workers' main cores (services/cpu_cores.py)
     endpoints = run_endpoints(args.run_dir, info, info.network.hosts.get(name, ""))
     stage = Stage(name, args.index, args.run_dir, info, endpoints, log, is_supervised, parent_pid)
     return stage, args
+
+
+def drop_privileges(run_as: str, is_supervised: bool) -> None:
+    """Become supervisor.run_as when started as root (services/privileges.py). A change of user
+    clears the parent-death signal, so it is asked for again."""
+    if privileges.drop_to(run_as) and is_supervised:
+        die_with_parent()
 
 
 def writable_paths(stage: Stage) -> list[Path]:

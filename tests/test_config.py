@@ -326,3 +326,9 @@ def test_gateway_tls_and_access_log_settings_that_cannot_work_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=error):
         load_config(None, overrides)
+
+
+def test_run_as_must_name_a_user_of_this_host() -> None:
+    with pytest.raises(ConfigError, match=r"^supervisor\.run_as: there is no user 'no-such-user-here'"):
+        load_config(None, ["supervisor.run_as=no-such-user-here"])
+    assert load_config(None, ["supervisor.run_as=root"]).supervisor.run_as == "root"

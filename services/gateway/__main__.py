@@ -19,7 +19,6 @@ import uvicorn
 
 from client.async_sdk import AsyncClient
 from ipc import messages as m
-from services import privileges
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
 from services.common.text import Tokenizer
 from services.gateway.access_log import AccessLog
@@ -27,7 +26,7 @@ from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
 from services.gateway.tls import RotatingTls
-from services.stage import ControlChannel, Stage, StageProcess, confine_writes
+from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -103,7 +102,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     config = stage.config.gateway
     sock = listen_socket(config.host, config.port)
     # Bound (a port below 1024 needs root): now the run's user, and writes only in the run dir.
-    privileges.drop_to(stage.config.supervisor.run_as)
+    drop_privileges(stage.config.supervisor.run_as, stage.is_supervised)
     confine_writes(stage)
     keys = stage.info.network.keys  # a stage's own key: the run's client key file may be elsewhere
     curve = {"server_key": keys.server_public, "keys": (keys.stage_public, keys.stage_secret)} if keys else {}
