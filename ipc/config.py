@@ -107,7 +107,7 @@ class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class GatewayTlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """HTTPS at the gateway (services/gateway/tls.py); the files are read again when they change."""
+    """HTTPS at the gateway (services/tls.py); the files are read again when they change."""
 
     certfile: str = ""  # PEM: the server's certificate (chain); "" = plain HTTP
     keyfile: str = ""  # PEM: its private key

@@ -13,6 +13,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import pytest
 from client import Client
 from ipc.config import AccessLogConfig
 from services.gateway.access_log import AccessLog
+from tests.conftest import REPO_ROOT
 from tests.harness import assert_clean, brigade_run, free_port
 from tests.tls_certs import CertificateAuthority, Issued
 
@@ -126,8 +128,8 @@ def start(tmp: Path, model: Path, mtls: bool) -> Iterator[TlsRun]:
         f"gateway.access_log.max_bytes={LOG_MAX_BYTES}",
         f"gateway.access_log.backups={LOG_BACKUPS}",
     ]
-    if mtls:
-        overrides.append(f"gateway.tls.client_ca={ca.cert_path}")
+    if mtls:  # and the access log with the text, which the other run leaves out
+        overrides += [f"gateway.tls.client_ca={ca.cert_path}", "gateway.access_log.include_text=true"]
     with brigade_run(run_dir, *overrides) as run:
         ready = next(line for line in run.log if line.startswith("Brigade ready:"))
         assert f"https://127.0.0.1:{port}/v1" in ready
@@ -287,6 +289,8 @@ def test_mtls_serves_a_client_certificate_and_logs_its_subject_as_the_caller(mtl
     assert reply.parse().choices[0].finish_reason in ("stop", "length")
     line = mtls_run.wait_access_lines({reply.headers["x-request-id"]})[reply.headers["x-request-id"]]
     assert line["caller"] == "cert:" + mtls_run.client_cert.subject == "cert:CN=alice,O=brigade tests"
+    # include_text: the messages and the output, as sent and as served
+    assert line["prompt"] == [CHAT] and line["output"] == [reply.parse().choices[0].message.content]
 
 
 def test_mtls_refuses_a_client_without_a_certificate_or_with_another_cas(mtls_run: TlsRun) -> None:
@@ -357,3 +361,26 @@ def test_rotation_mid_traffic(mtls_run: TlsRun) -> None:
     assert status == 200
     assert 'brigade:gateway_tls_reloads_total{outcome="refused"} 1.0' in metrics.decode()
     assert 'brigade:gateway_tls_reloads_total{outcome="applied"} 1.0' in metrics.decode()
+
+
+@pytest.mark.parametrize("broken", ["missing_key", "key_of_another_certificate", "ca_without_certificates"])
+def test_the_supervisor_refuses_certificate_files_that_do_not_load(tmp_path: Path, broken: str) -> None:
+    ca = CertificateAuthority(tmp_path, "ca")
+    server, other = ca.issue("server", server=True), ca.issue("other", server=True)
+    key, client_ca = server.key, ca.cert_path
+    if broken == "missing_key":
+        key = tmp_path / "no-such.key"
+    elif broken == "key_of_another_certificate":
+        key = other.key
+    else:
+        client_ca = tmp_path / "empty.pem"
+        client_ca.write_text("")
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--run-dir", str(tmp_path / "run"), "--set", f"gateway.port={free_port()}",
+         "--set", "supervisor.metrics_port=0", "--set", f"gateway.tls.certfile={server.cert}",
+         "--set", f"gateway.tls.keyfile={key}", "--set", f"gateway.tls.client_ca={client_ca}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert errors and errors[0].startswith("error: gateway.tls: the certificate files do not load: "), errors

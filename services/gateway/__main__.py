@@ -25,8 +25,8 @@ from services.gateway.access_log import AccessLog
 from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
-from services.gateway.tls import RotatingTls
 from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
+from services.tls import RotatingTls
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -144,7 +144,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
             access_log=False,
             log_config=None,
             timeout_graceful_shutdown=stage.config.supervisor.drain_timeout_s,
-            # uvicorn wraps the socket with this context (services/gateway/tls.py)
+            # uvicorn wraps the socket with this context (services/tls.py)
             ssl_context_factory=(lambda *_: tls.listener) if tls is not None else None,
         )
     )
