@@ -45,7 +45,7 @@ from services.mlflow_sink import MlflowSink
 from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
 from supervision.policy import RestartPolicy, is_fatal_start_failure
-from supervision.preflight import Refused, check_layout, check_model
+from supervision.preflight import Refused, check_gateway_tls, check_layout, check_model
 from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
 from supervision.stages import METRICS_DIR, StageHandle
@@ -130,6 +130,7 @@ class Supervisor:
             self.run.claim_gateway_port(self.config)
             self.run.claim_shared_memory()
             check_layout(self.config)
+            check_gateway_tls(self.config)
             swept = sweep_stale_runs()
             if swept:
                 log.info("swept %d shared-memory objects of dead runs", len(swept))
@@ -145,6 +146,7 @@ class Supervisor:
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
             self.run.publish(self.config, model_dir)
+            self.run.hand_over(self.config)
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         for spec in self.transitions.current.stages():
@@ -271,13 +273,13 @@ class Supervisor:
             if stage is None or not self.stages.is_current(stage, message.pid):
                 continue  # a late message from a process we already replaced
             if isinstance(message, m.Ready):
-                self.on_ready(stage)
+                self.on_ready(stage, message.info.get("protections", ""))
             else:
                 stage.on_heartbeat(message, time.monotonic())
 
-    def on_ready(self, stage: StageHandle) -> None:
+    def on_ready(self, stage: StageHandle, protections: str) -> None:
         was_restart = stage.num_restarts > 0
-        stage.on_ready(time.monotonic())
+        stage.on_ready(time.monotonic(), protections)
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
         if stage.kind in PEER_KINDS:
             # It sized its links from run.json's config, which does not show engine groups
@@ -355,7 +357,10 @@ def ready_lines(config: Config, num_stages: int, run: Run) -> str:
     gateway = config.gateway
     if gateway.replicas:
         host = f"[{gateway.host}]" if ":" in gateway.host else gateway.host
-        ready += f"; OpenAI API at http://{host}:{gateway.port}/v1"
+        scheme = "https" if gateway.tls.certfile else "http"
+        ready += f"; OpenAI API at {scheme}://{host}:{gateway.port}/v1"
+        if gateway.tls.client_ca:
+            ready += " (client certificates required)"
     client = f"python -m client --run {run.run_dir}"
     return f"{ready}\n  try: {client} chat 'Hello!'    or    {client} generate 'Once upon a time' --json"
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -356,13 +357,19 @@ def _is_healthy(port: int) -> bool:
 
 
 async def _post_events(
-    port: int, path: str, body: dict, peer: str, overloaded_status: int, api_key: str | None = None
+    port: int,
+    path: str,
+    body: dict,
+    peer: str,
+    overloaded_status: int,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[dict]:
     """POST a streamed JSON request over one HTTP/1.1 connection; yield its SSE events' JSON until
     `data: [DONE]` or the end. `overloaded_status` (the peer's "no free slot") is PeerOverloaded."""
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
     try:
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}".encode()
@@ -407,11 +414,16 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
 
 
 async def openai_stream(
-    port: int, request: BenchRequest, model: str = "", peer: str = "gateway", api_key: str | None = None
+    port: int,
+    request: BenchRequest,
+    model: str = "",
+    peer: str = "gateway",
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[int]:
     """POST /v1/completions to an OpenAI-compatible server (Brigade's gateway, vLLM's), streamed,
     greedy, ignore_eos (an extra field both take); yields the number of tokens of each event
-    (counted from its logprobs entries)."""
+    (counted from its logprobs entries). `tls`: over HTTPS, trusting that context's CAs."""
     body = {
         "model": model,
         "prompt": request.prompt_ids,
@@ -422,7 +434,8 @@ async def openai_stream(
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }
-    async with contextlib.aclosing(_post_events(port, "/v1/completions", body, peer, 429, api_key)) as events:
+    events = _post_events(port, "/v1/completions", body, peer, 429, api_key, tls)
+    async with contextlib.aclosing(events):
         async for event in events:
             for choice in event["choices"]:
                 yield len((choice.get("logprobs") or {}).get("tokens") or [])

@@ -1,7 +1,7 @@
 """Serving benchmark: Brigade through the client SDK and/or its OpenAI HTTP API (`--backend
 sdk,http`) against HF transformers, llama.cpp's server and vLLM's CPU build.
 
-    python benchmarks/serve.py [--run DIR | --start] [--backend sdk|http|sdk,http] [--config FILE] [--set key=value ...]
+    python benchmarks/serve.py [--run DIR | --start] [--backend sdk|http|sdk,http] [--tls] [--config FILE] [--set key=value ...]
         [--engines brigade,hf,llamacpp,vllm] [--concurrency 1,16,64,256] [--request-rate R]
         [--dataset chat|random|shared-prefix] [--output-len 128] [--dtype float32]
         [--llama-server PATH | --build-llama-server] [--vllm-venv DIR] [--vllm-dtype bfloat16]
@@ -25,6 +25,7 @@ import platform
 import queue
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -237,6 +238,8 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
         return
     run_dir = Path(tempfile.mkdtemp(prefix="brigade-bench-"))
     overrides = [f"model.dtype={args.dtype}", f"gateway.port={peers.free_port()}", *args.set]
+    if args.tls:
+        overrides += tls_overrides(run_dir, info)
     run = BrigadeProcess(run_dir, args.config, overrides, log_dir / "brigade.log")
     info.update(supervisor_pid=run.process.pid, run_dir=str(run_dir))
     try:
@@ -247,6 +250,19 @@ def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Pat
         shutil.rmtree(run_dir, ignore_errors=True)
         if info["leftovers"]:
             print(f"warning: Brigade left {info['leftovers']} behind (removed)", file=sys.stderr)
+
+
+def tls_overrides(run_dir: Path, info: dict) -> list[str]:
+    """--tls: a CA and a server certificate for 127.0.0.1 made for this run (kept in its run dir,
+    removed with it); `info` gets the CA the HTTP backend trusts."""
+    from tests.tls_certs import CertificateAuthority
+
+    certs = run_dir / "tls"
+    certs.mkdir()
+    ca = CertificateAuthority(certs, "bench-ca")
+    server = ca.issue("bench-server", server=True)
+    info["tls_ca"] = str(ca.cert_path)
+    return [f"gateway.tls.certfile={server.cert}", f"gateway.tls.keyfile={server.key}"]
 
 
 async def sweep(
@@ -265,18 +281,23 @@ async def sweep(
 
 
 async def brigade_settings(
-    run_dir: Path, requests: list[BenchRequest], args: argparse.Namespace, backend: str
+    run_dir: Path, requests: list[BenchRequest], args: argparse.Namespace, backend: str, tls_ca: str = ""
 ) -> dict[str, dict]:
     """The sweep through one AsyncClient (`--backend sdk`), or streamed over the gateway's OpenAI API
-    (`--backend http`), as llama.cpp's and vLLM's servers are driven."""
+    (`--backend http`), as llama.cpp's and vLLM's servers are driven; over HTTPS with `tls_ca`."""
     from client.async_sdk import AsyncClient
     from services.stage import read_run_info
 
     engine = BACKEND_ENGINES[backend]
     if backend == "http":
         port = read_run_info(run_dir).config.gateway.port
+        tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         return await sweep(
-            engine, lambda request: peers.openai_stream(port, request), requests, args, args.concurrency
+            engine,
+            lambda request: peers.openai_stream(port, request, tls=tls),
+            requests,
+            args,
+            args.concurrency,
         )
     async with AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) as client:
 
@@ -333,11 +354,17 @@ def run_brigade(args: argparse.Namespace, requests: list[BenchRequest], log_dir:
     per_backend = {}
     with brigade(args, log_dir, info) as run_dir:
         for backend in args.backends:
-            per_backend[backend] = asyncio.run(brigade_settings(run_dir, requests, args, backend))
+            per_backend[backend] = asyncio.run(
+                brigade_settings(run_dir, requests, args, backend, info.get("tls_ca", ""))
+            )
     # `info` (leftovers above all) is complete only once the run has stopped.
     return {
         BACKEND_ENGINES[backend]: {
-            **engine_report(per_setting, f"driven through the {backend} backend"),
+            **engine_report(
+                per_setting,
+                f"driven through the {backend} backend"
+                + (" over HTTPS" if args.tls and backend == "http" else ""),
+            ),
             **info,
         }
         for backend, per_setting in per_backend.items()
@@ -633,6 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="drive Brigade through the client SDK (sdk), its OpenAI HTTP API (http: the gateway), "
         "or both against the same run (sdk,http)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve the started Brigade's gateway over HTTPS (a CA and certificate made for the run): "
+        "the http backend then pays for TLS",
+    )
     p.add_argument("--llama-server", help="path of a llama-server binary")
     p.add_argument("--build-llama-server", action="store_true", help="build llama-server if none is found")
     p.add_argument(
@@ -672,6 +705,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.engines) - set(SELECTABLE_ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(SELECTABLE_ENGINES)}")
+    if args.tls and args.run:
+        p.error("--tls makes its own certificates for a Brigade it starts: not with --run")
     args.backends = [b for b in args.backend.split(",") if b]
     if not args.backends or set(args.backends) - set(BACKEND_ENGINES):
         p.error(f"--backend takes sdk, http or sdk,http; got {args.backend!r}")

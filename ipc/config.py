@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import pwd
 import re
 import stat
 from pathlib import Path
@@ -105,6 +106,23 @@ class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     replicas: Positive = 1
 
 
+class GatewayTlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """HTTPS at the gateway (services/tls.py); the files are read again when they change."""
+
+    certfile: str = ""  # PEM: the server's certificate (chain); "" = plain HTTP
+    keyfile: str = ""  # PEM: its private key
+    client_ca: str = ""  # PEM: CAs whose client certificates are required (mTLS); "" = none asked
+
+
+class AccessLogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One JSON line per API call (services/access_log.py)."""
+
+    path: str = ""  # "" = no access log
+    max_bytes: Positive = 64 << 20  # the file is rotated before it would grow past this
+    backups: NonNegative = 3  # rotated files kept: path.1 ... path.N
+    include_text: bool = False  # the prompts and the output text too
+
+
 class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: NonNegative = 1  # HTTP processes sharing one port (SO_REUSEPORT); 0 = no HTTP API
     host: str = "127.0.0.1"
@@ -133,6 +151,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How reasoning models' <think>...</think> becomes reasoning_content (services/gateway/reasoning.py):
     # auto = from the chat template and tokenizer, none = left in the content.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    tls: GatewayTlsConfig = GatewayTlsConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
 
 
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,6 +167,9 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8001  # 0 = no /metrics endpoint
     metrics_host: str = ""  # where /metrics listens; "" = gateway.host
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Started as root, every stage runs as this user (a name or a uid), the gateway once it has
+    # bound its port (services/privileges.py); "" = the supervisor's own user.
+    run_as: str = ""
 
 
 class MlflowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -405,6 +428,29 @@ def check_cluster(config: Config) -> None:
         )
 
 
+def check_run_as(config: Config) -> None:
+    """supervisor.run_as must name a user of this host (the stages become it)."""
+    name = config.supervisor.run_as
+    if not name:
+        return
+    try:
+        pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(f"supervisor.run_as: there is no user {name!r} on this host") from None
+
+
+def check_gateway_tls(config: Config) -> None:
+    """A certificate without its key (or the other way round), or client CAs without a server
+    certificate, would serve something other than what was asked for."""
+    tls = config.gateway.tls
+    if bool(tls.certfile) != bool(tls.keyfile):
+        raise ConfigError("gateway.tls: certfile and keyfile go together (set both, or neither)")
+    if tls.client_ca and not tls.certfile:
+        raise ConfigError(
+            "gateway.tls.client_ca: client certificates need HTTPS: set certfile and keyfile too"
+        )
+
+
 def check_network(config: Config) -> None:
     """tcp:// links: CURVE unless only this host can reach them, and ports that fit the layout
     (ipc/endpoints.py gives each link kind a block of PORTS_PER_KIND ports from port_base)."""
@@ -458,6 +504,8 @@ def load_config(
     check_speculative(config)
     check_cluster(config)
     check_network(config)
+    check_gateway_tls(config)
+    check_run_as(config)
     return config
 
 

@@ -193,6 +193,12 @@ class HttpMetrics:
             ["path", "status"],
             registry=registry,
         )
+        self.tls_reloads = Counter(
+            f"{PREFIX}gateway_tls_reloads",
+            "Certificate files read again after they changed on disk, by outcome (applied, refused)",
+            ["outcome"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             f"{PREFIX}http_time_to_first_token_seconds", "HTTP arrival to first output token",
             buckets=LATENCY_BUCKETS, registry=registry,

@@ -27,6 +27,7 @@ from ipc.codec import CONTROL_DOWN, CONTROL_UP, Codec, MalformedMessage
 from ipc.config import Config
 from ipc.endpoints import Endpoints, Link, NetworkPlan
 from ipc.sockets import DealerSocket, PushQueue, close_context
+from services import privileges
 from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 from services.cpu_cores import light_stage_cores, pin_process, usable_cores
 
@@ -58,9 +59,13 @@ def read_run_info(run_dir: Path) -> RunInfo:
 
 
 def write_run_info(run_dir: Path, info: RunInfo) -> None:
-    """Atomically, and private to this user: it carries the run's CURVE secret keys."""
+    """Atomically, and private to the run dir's owner (the supervisor's user, or supervisor.run_as
+    when a root supervisor handed the run dir over): it carries the run's CURVE secret keys."""
     tmp = run_dir / (RUN_FILE + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if os.geteuid() == 0:
+        owner = run_dir.stat()
+        os.fchown(fd, owner.st_uid, owner.st_gid)
     with os.fdopen(fd, "wb") as out:
         out.write(msgspec.json.encode(info))
     tmp.chmod(0o600)
@@ -176,11 +181,36 @@ def parse_stage_args(kind: str, argv: list[str] | None = None) -> tuple[Stage, a
         if os.getppid() != parent_pid:
             log.error("parent %d died before this stage started; exiting", parent_pid)
             sys.exit(1)
+    privileges.set_no_new_privs()
+    if kind != "gateway":  # the gateway binds its port first (services/gateway/__main__.py)
+        drop_privileges(info.config.supervisor.run_as, is_supervised)
     if kind != "gpu_worker" and (cores := light_stage_cores(info.config, usable_cores())):
         pin_process(cores)  # off the workers' main cores (services/cpu_cores.py)
     endpoints = run_endpoints(args.run_dir, info, info.network.hosts.get(name, ""))
     stage = Stage(name, args.index, args.run_dir, info, endpoints, log, is_supervised, parent_pid)
     return stage, args
+
+
+def drop_privileges(run_as: str, is_supervised: bool) -> None:
+    """Become supervisor.run_as when started as root (services/privileges.py). A change of user
+    clears the parent-death signal, so it is asked for again."""
+    if privileges.drop_to(run_as) and is_supervised:
+        die_with_parent()
+
+
+def writable_paths(stage: Stage) -> list[Path]:
+    """Where a confined stage may still write: the run dir, the directories of the audit and
+    access logs where they are configured elsewhere (the access log is rotated by renames), and
+    /dev/null."""
+    observability, gateway = stage.config.observability, stage.config.gateway
+    logs = [Path(p).parent for p in (observability.audit_log, gateway.access_log.path) if p]
+    return [stage.run_dir, *logs, Path(os.devnull)]
+
+
+def confine_writes(stage: Stage) -> bool:
+    """Landlock (services/privileges.py): from now on this process writes only `writable_paths`;
+    whether the kernel enforces it."""
+    return privileges.restrict_writes(writable_paths(stage))
 
 
 class AuthFailures:
@@ -230,7 +260,9 @@ class ControlChannel:
         self.auth_failures.watch(*sockets)
 
     def ready(self, **info: str) -> None:
-        self.socket.send(m.Ready(self.stage.name, os.getpid(), info))
+        """Up; `info` (free-form) goes with the protections the process runs under (`status`)."""
+        protections = ",".join(privileges.active()) or "none"
+        self.socket.send(m.Ready(self.stage.name, os.getpid(), {**info, "protections": protections}))
 
     def seconds_until_due(self) -> float:
         """How long until `heartbeat` sends again: how long a stage with nothing to do and all of
@@ -294,6 +326,9 @@ class StageProcess:
 
     kind: ClassVar[str]
     stop_linger_ms: ClassVar[int] = 0  # how long the close lets queued messages out
+    # A stage that parses untrusted input may write only in the run dir once its sockets are
+    # made (`confine_writes`).
+    confines_writes: ClassVar[bool] = False
 
     def __init__(self, argv: list[str] | None = None) -> None:
         self.stage, self.args = parse_stage_args(self.kind, argv)
@@ -305,6 +340,8 @@ class StageProcess:
 
     def run(self) -> None:
         """Serve until SIGTERM / SIGINT, then close."""
+        if self.confines_writes:
+            confine_writes(self.stage)
         self.stopping = install_stop_handler()
         self.serve()
         self.close()

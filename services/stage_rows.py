@@ -32,6 +32,9 @@ class StageRow(msgspec.Struct, frozen=True):
     gpu_memory_allocated: int = 0  # bytes, CUDA workers only
     gpu_memory_reserved: int = 0
     node: str = ""  # the Ray node it runs on; "" on the local backend
+    # What the process runs under, comma-separated (services/privileges.py): no_new_privs,
+    # landlock_vN (writes only in the run dir), user=NAME (dropped from root); "" until Ready.
+    protections: str = ""
 
 
 def read_status(run_dir: Path) -> list[StageRow]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from ipc.config import Config, NetworkConfig
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
+from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -32,6 +34,18 @@ def check_hosts(network: NetworkConfig, hosts: dict[str, str]) -> None:
         )
     if not network.curve and not all(map(is_loopback, hosts.values())):
         raise Refused("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
+
+
+def check_gateway_tls(config: Config) -> None:
+    """gateway.tls's files must load before the gateways start, or every replica would fail on
+    them (a file missing or unreadable, a key that is not the certificate's, a CA file without
+    a certificate)."""
+    if not config.gateway.tls.certfile:
+        return
+    try:
+        build_context(config.gateway.tls)
+    except (ssl.SSLError, OSError) as exc:
+        raise Refused(f"gateway.tls: the certificate files do not load: {exc}") from None
 
 
 def check_layout(config: Config) -> None:

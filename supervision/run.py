@@ -19,12 +19,14 @@ from pathlib import Path
 import msgspec
 
 from ipc.config import Config
-from ipc.endpoints import Endpoints, NetworkPlan, free_port_base
+from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
 from ipc.shm import RunLock, ShmRing
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
+from services.audit import AUDIT_FILE
 from services.metrics import METRICS_DIR
+from services.privileges import resolve_user
 from services.stage import RUN_FILE, RunInfo, write_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused, check_hosts
@@ -97,6 +99,29 @@ def prepare_model(config: Config) -> Path:
         sys.stderr.write(done.stderr)
         raise Refused(f"could not prepare model {what}: {lines[-1] if lines else f'exit {done.returncode}'}")
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+# What a stage needs once it is another user: the interpreter and its standard library (imported
+# lazily: a codec, say), and to read the model and reach the run dir.
+USER_PROBE = "import encodings.unicode_escape, os, sys; [os.listdir(p) for p in sys.argv[1:]]"
+
+
+def check_user_can_run(name: str, uid: int, gid: int, paths: list[Path]) -> None:
+    """Refuse, with what to fix, a supervisor.run_as user who could not run the stages: one who
+    cannot read this Python installation, the model or the run dir's parent."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", USER_PROBE, *map(str, paths)],
+            user=uid, group=gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/",
+        )  # fmt: skip
+        error = done.stderr.strip().splitlines()[-1] if done.returncode else ""
+    except OSError as exc:
+        error = f"{sys.executable}: {exc.strerror}"
+    if error:
+        raise Refused(
+            f"supervisor.run_as: user {name!r} could not run the stages ({error}); the Python installation, "
+            f"the code, the model and the run dir's parent must be readable by that user"
+        )
 
 
 class Run:
@@ -252,6 +277,26 @@ class Run:
         self.info = info
 
     # -- shared memory ---------------------------------------------------------------------------
+
+    def hand_over(self, config: Config) -> None:
+        """Started as root with supervisor.run_as: give the run dir, what is in it and the run's
+        shared memory (rings and their semaphores) to that user, whom the stages become
+        (services/privileges.py) and who must then reach all of them. Called before stages are
+        spawned (the files made later, run.json included, take the run dir's owner)."""
+        if not config.supervisor.run_as or os.geteuid() != 0:
+            return
+        uid, gid = resolve_user(config.supervisor.run_as)
+        assert self.info is not None  # published first
+        check_user_can_run(
+            config.supervisor.run_as, uid, gid, [self.run_dir.parent, Path(self.info.model_dir)]
+        )
+        audit = self.run_dir / AUDIT_FILE
+        if not config.observability.audit_log and not audit.exists():
+            audit.touch(0o600)  # the stages append to it too: not a file only root may write
+        for path in [self.run_dir, *self.run_dir.rglob("*")]:
+            os.lchown(path, uid, gid)
+        for path in Path("/dev/shm").glob(f"*{SHM_PREFIX}{self.run_id}-*"):
+            os.chown(path, uid, gid)
 
     def create_rings(
         self,

@@ -78,6 +78,7 @@ class StageHandle:
     last_stderr_line: str = ""
     stderr_pump: threading.Thread | None = None
     node: str = ""  # the Ray node it runs on; "" on the local backend
+    protections: str = ""  # what its current process said it runs under (services/privileges.py)
 
     @property
     def pid(self) -> int:
@@ -87,8 +88,10 @@ class StageHandle:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def on_ready(self, now: float) -> None:
-        """Its current process said Ready: it is up, and heard from now."""
+    def on_ready(self, now: float, protections: str = "") -> None:
+        """Its current process said Ready: it is up, and heard from now; `protections`: what it
+        runs under (services/privileges.py)."""
+        self.protections = protections
         self.health.on_beat(now)
         self.is_ready = self.was_ever_ready = True
         self.state = "running"

@@ -48,6 +48,7 @@ def stage_row(stage: StageHandle, now: float) -> StageRow:
         gpu_memory_allocated=load.gpu_memory_allocated,
         gpu_memory_reserved=load.gpu_memory_reserved,
         node=stage.node,
+        protections=stage.protections,
     )
 
 

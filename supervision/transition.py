@@ -105,6 +105,7 @@ class Transitions:
             range(self.current.num_groups, config.engine.data_parallel),
             self.stages.create_rings,
         )
+        self.run.hand_over(config)  # the new rings, to supervisor.run_as
         added = [self.stages.add(spec) for spec in step.added]
         for stage in added:
             self.stages.spawn(stage)

@@ -310,3 +310,25 @@ def test_a_reload_reads_only_a_bounded_regular_file_and_never_blocks(tmp_path) -
     huge.write_text("# padding\n" * 200_000)
     with pytest.raises(ConfigError, match="too large to be a config"):
         load_config(huge, regular_file_only=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["gateway.tls.certfile=/c.pem"], r"^gateway\.tls: certfile and keyfile go together"),
+        (["gateway.tls.keyfile=/k.pem"], r"^gateway\.tls: certfile and keyfile go together"),
+        (["gateway.tls.client_ca=/ca.pem"], r"^gateway\.tls\.client_ca: client certificates need HTTPS"),
+        (["gateway.access_log.max_bytes=0"], r"^gateway\.access_log\.max_bytes: expected int >= 1"),
+    ],
+)
+def test_gateway_tls_and_access_log_settings_that_cannot_work_are_refused(
+    overrides: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
+
+
+def test_run_as_must_name_a_user_of_this_host() -> None:
+    with pytest.raises(ConfigError, match=r"^supervisor\.run_as: there is no user 'no-such-user-here'"):
+        load_config(None, ["supervisor.run_as=no-such-user-here"])
+    assert load_config(None, ["supervisor.run_as=root"]).supervisor.run_as == "root"

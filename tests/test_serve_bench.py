@@ -101,18 +101,23 @@ def test_smoke_run_reports_brigade_and_hf(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_smoke_run_over_http_counts_every_token(tmp_path) -> None:
-    """`--backend http` drives Brigade through the gateway's streamed OpenAI API."""
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_smoke_run_over_http_counts_every_token(tmp_path, tls: bool) -> None:
+    """`--backend http` drives Brigade through the gateway's streamed OpenAI API; with `--tls`, over
+    HTTPS (a certificate made for the run)."""
     out = tmp_path / "serve.json"
     done = subprocess.run(
         [sys.executable, "benchmarks/serve.py", "--smoke", "--engines", "brigade", "--backend", "http",
-         "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--json", str(out), "--log-dir", str(tmp_path / "logs"), *(["--tls"] if tls else [])],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "brigade" not in report  # only the HTTP backend was asked for
-    assert report["brigade_http"]["note"] == "driven through the http backend"
+    assert report["brigade_http"]["note"] == "driven through the http backend" + (
+        " over HTTPS" if tls else ""
+    )
+    assert ("tls_ca" in report["brigade_http"]) == tls
     for stats in report["brigade_http"]["settings"].values():
         assert stats["failures"]["total"] == 0, stats["failures"]
         assert stats["num_output_tokens"] == stats["num_requests"] * int(report["config"]["output_len"])

@@ -21,10 +21,12 @@ from client.async_sdk import AsyncClient
 from ipc import messages as m
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
 from services.common.text import Tokenizer
+from services.gateway.access_log import AccessLog
 from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
-from services.stage import ControlChannel, Stage, StageProcess
+from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
+from services.tls import RotatingTls
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -71,9 +73,15 @@ def max_body_bytes(stage: Stage) -> int:
 
 
 async def control_loop(
-    stage: Stage, control: ControlChannel, server: uvicorn.Server, gateway: Gateway, url: str
+    stage: Stage,
+    control: ControlChannel,
+    server: uvicorn.Server,
+    gateway: Gateway,
+    url: str,
+    tls: RotatingTls | None,
 ) -> None:
-    """Ready once the server listens; then heartbeats, and Shutdown stops the server."""
+    """Ready once the server listens; then heartbeats, rotated certificates, and Shutdown stops
+    the server."""
     while not server.started:
         await asyncio.sleep(0.01)
     control.ready(url=url)
@@ -85,16 +93,23 @@ async def control_loop(
         load = m.StageLoad(num_in_flight=gateway.num_in_flight)
         control.heartbeat(gateway.num_responses, has_work=False, load=load)
         gateway.settings.key_failures.flush()
+        if tls is not None and (outcome := tls.poll()) is not None:
+            gateway.metrics.tls_reloads.labels(outcome).inc()
         await asyncio.sleep(control.interval / 2)
 
 
 async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     config = stage.config.gateway
     sock = listen_socket(config.host, config.port)
+    # Bound (a port below 1024 needs root): now the run's user, and writes only in the run dir.
+    drop_privileges(stage.config.supervisor.run_as, stage.is_supervised)
+    confine_writes(stage)
     keys = stage.info.network.keys  # a stage's own key: the run's client key file may be elsewhere
     curve = {"server_key": keys.server_public, "keys": (keys.stage_public, keys.stage_secret)} if keys else {}
     client = AsyncClient(stage.run_dir, **curve)
     keep_body_memory(max_body_bytes(stage))
+    audit = AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
+    tls = RotatingTls(config.tls, audit) if config.tls.certfile else None
     settings = GatewaySettings(
         model=config.served_model_name or stage.info.model,
         max_model_len=stage.config.model.max_model_len,
@@ -102,9 +117,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         max_body_bytes=max_body_bytes(stage),
         run_dir=stage.run_dir,
-        key_failures=ApiKeyFailures(
-            AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
-        ),
+        key_failures=ApiKeyFailures(audit),
         max_prompt_chars=stage.config.tokenizer.max_prompt_chars,
         max_messages=stage.config.tokenizer.max_messages,
         template_timeout_s=stage.config.tokenizer.template_timeout_s,
@@ -118,6 +131,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_oversized_requests=config.max_oversized_requests,
         oversized_window_s=config.oversized_window_s,
         adapters=tuple(stage.config.lora.adapters),
+        access_log=AccessLog(config.access_log, stage.name) if config.access_log.path else None,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(
@@ -130,11 +144,13 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
             access_log=False,
             log_config=None,
             timeout_graceful_shutdown=stage.config.supervisor.drain_timeout_s,
+            # uvicorn wraps the socket with this context (services/tls.py)
+            ssl_context_factory=(lambda *_: tls.listener) if tls is not None else None,
         )
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
-    url = f"http://{host}:{config.port}/v1"
-    control = asyncio.create_task(control_loop(stage, control_channel, server, gateway, url))
+    url = f"{'https' if tls else 'http'}://{host}:{config.port}/v1"
+    control = asyncio.create_task(control_loop(stage, control_channel, server, gateway, url, tls))
     try:
         await server.serve(sockets=[sock])
     finally:

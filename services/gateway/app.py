@@ -48,6 +48,8 @@ from services.audit import ApiKeyFailures
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, tool_parser_for
 from services.gateway import protocol as p
+from services.gateway.access_log import AccessLog, AccessRecord, access_record, key_id
+from services.gateway.connection import client_cert_name
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
@@ -100,6 +102,7 @@ class GatewaySettings:
     max_oversized_requests: int = 4
     oversized_window_s: float = 60.0
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
+    access_log: AccessLog | None = None  # gateway.access_log (services/gateway/access_log.py)
 
 
 def json_response(
@@ -212,7 +215,11 @@ class Gateway:
         if not self.settings.api_keys:
             return
         given = given_keys(request)
-        if not any(k in self.settings.api_keys for k in given):
+        key = next((k for k in given if k in self.settings.api_keys), None)
+        record = access_record(request.scope)
+        if key is not None and record is not None and record.caller is None:
+            record.caller = f"key:{key_id(key)}"  # a certificate subject, where there is one, names it
+        if key is None:
             peer = request.client.host if request.client else "unknown"
             reason = "unknown API key" if given else "no Authorization: Bearer or x-api-key header"
             self.settings.key_failures.record(peer, reason, given[0] if given else None)
@@ -412,8 +419,12 @@ class Gateway:
         return client
 
     def client_of(self, request: Request) -> str:
-        """Who sent a request, for per-client budgets: its API key where the run has keys (the
-        key was checked already), else its address."""
+        """Who sent a request, for per-client budgets: its client certificate's subject under
+        mTLS, else its API key where the run has keys (the key was checked already), else its
+        address."""
+        subject = client_cert_name(request.scope)
+        if subject:
+            return "cert:" + subject
         if self.settings.api_keys:
             return "key:" + next((k for k in given_keys(request) if k in self.settings.api_keys), "")
         return "peer:" + (request.client.host if request.client else "unknown")
@@ -435,6 +446,9 @@ class Gateway:
         async def work(send: Send) -> None:
             timer = RequestTimer(self.metrics)
             feed = run_jobs(self.client, plan.jobs)
+            record = access_record(request.scope)
+            if record is not None:
+                feed = metered(feed, plan, record)
             first = asyncio.ensure_future(anext(feed, None))
             status = 200
             try:
@@ -713,6 +727,25 @@ class OpenAIWriter:
 
     def error_event(self, error: ApiError) -> bytes:
         return b"data: " + error.body() + b"\n\n" + DONE
+
+
+async def metered(feed: Feed, plan: Plan, record: AccessRecord) -> Feed:
+    """`feed`, counting its tokens (and with include_text keeping its text) into the request's
+    access log record."""
+    usages: dict[int, m.Usage] = {}
+    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    if record.include_text:
+        leaders = {job.prompt_index: job for job in reversed(plan.jobs)}
+        record.prompt = [job.messages if job.messages is not None else job.prompt for job in leaders.values()]
+    async with aclosing(feed):
+        async for index, delta in feed:
+            if delta.usage is not None:
+                usages[index] = delta.usage
+                usage = usage_out(usages, prompt_of)
+                record.tokens_in, record.tokens_out = usage.prompt_tokens, usage.completion_tokens
+            if record.include_text and delta.text:
+                record.output[index] = record.output.get(index, "") + delta.text
+            yield index, delta
 
 
 def given_keys(request: Request) -> list[str]:

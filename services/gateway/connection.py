@@ -6,6 +6,10 @@ headers may grow without bound. The protocol here gives every request `header_ti
 first byte (or from the connection's opening) to complete its headers, in at most
 `max_header_bytes`; past either, the client gets 408 or 431 and the connection is closed. The body
 has its own deadline where it is read (Gateway.read_body).
+
+Over HTTPS with client certificates (gateway.tls.client_ca), each request's scope carries the
+verified certificate's subject as ASGI's TLS extension names it: `extensions.tls.client_cert_name`
+(only that key of the extension is filled in).
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnect
 HEADERS_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 )
+# RFC 4514's short names for the attributes Python's ssl spells out.
+SHORT_NAMES = {
+    "commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
+    "stateOrProvinceName": "ST", "localityName": "L", "domainComponent": "DC", "userId": "UID",
+    "streetAddress": "STREET",
+}  # fmt: skip
 
 
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
@@ -32,7 +42,16 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # The handshake is done by now: a verified client certificate is the caller.
+            tls = transport.get_extra_info("ssl_object")
+            subject = certificate_subject(tls.getpeercert()) if tls is not None else None
+            self.tls_extension = {"client_cert_name": subject} if subject else None
             self._await_headers()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self.tls_extension is not None:
+                self.scope["extensions"] = {"tls": self.tls_extension}  # type: ignore[typeddict-unknown-key]
 
         def _await_headers(self) -> None:
             if self.header_bytes is None:
@@ -70,3 +89,30 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
+
+
+def _escape(value: str) -> str:
+    """RFC 4514's escaping of an attribute value."""
+    escaped = "".join("\\" + c if c in ',+"\\<>;' else c for c in value)
+    if escaped[:1] in ("#", " "):
+        escaped = "\\" + escaped
+    if escaped.endswith(" "):
+        escaped = escaped[:-1] + "\\ "
+    return escaped
+
+
+def certificate_subject(peercert: dict[str, Any] | None) -> str | None:
+    """A verified peer certificate's subject as an RFC 4514 string (most specific first, as
+    `openssl x509 -subject -nameopt RFC2253` and cryptography's rfc4514_string write it)."""
+    if not peercert or not peercert.get("subject"):
+        return None
+    rdns = [
+        "+".join(f"{SHORT_NAMES.get(key, key)}={_escape(value)}" for key, value in rdn)
+        for rdn in peercert["subject"]
+    ]
+    return ",".join(reversed(rdns))
+
+
+def client_cert_name(scope: Any) -> str | None:
+    """The subject of the verified client certificate a request came with (mTLS), if any."""
+    return scope.get("extensions", {}).get("tls", {}).get("client_cert_name")

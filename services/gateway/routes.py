@@ -6,7 +6,9 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
+from services.gateway.access_log import AccessLogMiddleware
 from services.gateway.anthropic import MessagesApi
 from services.gateway.app import Gateway
 from services.gateway.errors import ApiError
@@ -14,7 +16,7 @@ from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesApi
 
 
-def build_app(gateway: Gateway) -> Starlette:
+def build_app(gateway: Gateway) -> ASGIApp:
     settings = gateway.settings
     store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
                           settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
@@ -40,4 +42,5 @@ def build_app(gateway: Gateway) -> Starlette:
         ApiError: gateway.on_api_error,
         Exception: gateway.on_crash,
     }
-    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    return AccessLogMiddleware(app, settings.access_log) if settings.access_log is not None else app

@@ -33,6 +33,7 @@ class TokenizerProcess(StageProcess):
 
     kind = "tokenizer"
     stop_linger_ms = STOP_LINGER_MS
+    confines_writes = True  # it parses clients' JSON and renders their chats with templates
 
     def __init__(self) -> None:
         super().__init__()
