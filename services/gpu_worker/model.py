@@ -886,6 +886,12 @@ class LlamaModel:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps, None)
         return hidden, residual
 
+    def final_states(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Every token's state after the final norm (what the LM head reads; HF's last hidden
+        state), for an embedding run's pooling."""
+        x, _ = self.ops.rms_norm((hidden + residual).contiguous(), self.norm, self.eps, None)
+        return x
+
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [len(tokens), V] of these rows of `hidden_states`' output: only they go
         through the final norm and the LM head."""

@@ -33,6 +33,11 @@ class SchedulerConfig:
     long_rope_from: int = 0
     # Speculative decoding (docs/speculative.md): None, or what proposes tokens to verify.
     proposer: Proposer | None = None
+    # An embedding model (services/common/pooling.py; "" = it generates): every request is one
+    # whole-prompt step whose pooled vector the scheduler truncates and, where `normalize`,
+    # normalizes (finish_vector).
+    pooling: str = ""
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -70,6 +75,9 @@ class SchedulerConfig:
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
         (model.max_model_len)."""
         first = hellos[0]
+        if first.pooling:
+            # Mean and CLS pooling read every token's state: a prefix-cache hit would skip some.
+            engine = msgspec.structs.replace(engine, enable_prefix_caching=False)
         return cls(
             engine=engine,
             block_size=first.block_size,
@@ -79,6 +87,8 @@ class SchedulerConfig:
             sliding_window=first.sliding_window,
             long_rope_from=first.long_rope_from,
             proposer=proposer,
+            pooling=first.pooling,
+            normalize=first.normalize,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:
