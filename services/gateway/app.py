@@ -390,11 +390,9 @@ class Gateway:
         self.num_in_flight += 1
         try:
             result = await self.client.embed(inputs, dimensions=body.dimensions)
-        except InvalidRequest as exc:
-            raise invalid(str(exc), "dimensions" if "dimensions" in str(exc) else "input") from None
-        except BrigadeError as exc:
-            error = from_engine(exc, {})
-            if error.status == 400 and error.param is None:
+        except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
+            error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
+            if error.status == 400:  # what a 400 here can be about: the vector size, else the input
                 error.param = "dimensions" if "dimensions" in error.message else "input"
             raise error from None
         finally:
