@@ -171,6 +171,22 @@ def test_sdk_embed_sync_and_async(minilm_run: Run, sentence_vectors: np.ndarray)
     assert cosines(asyncio.run(embed_async()), sentence_vectors).min() >= MIN_COSINE
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_embed_prints_json_lines(
+    minilm_run: Run, sentence_vectors: np.ndarray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from client.__main__ import main
+
+    assert main(["--run", str(minilm_run.run_dir), "--timeout", "120", "embed", *TEXTS[:2]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines[:2]] == [0, 1]
+    assert (
+        cosines(np.array([line["embedding"] for line in lines[:2]]), sentence_vectors[:2]).min() >= MIN_COSINE
+    )
+    assert lines[2]["prompt_tokens"] > 0
+
+
 def post(url: str, path: str, body: object) -> tuple[int, dict]:
     host, port = url.removeprefix("http://").split("/")[0].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
