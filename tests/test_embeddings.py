@@ -22,8 +22,12 @@ import numpy as np
 import pytest
 
 from client import AsyncClient, Client, InvalidRequest
-from ipc.config import ModelConfig
+from ipc.config import EngineConfig, ModelConfig
+from ipc.messages import EmbedOptions, SamplingParams
+from ipc.sampling_defaults import fill_defaults
 from services.common.pooling import Embedding, embedding_of, finish_vector
+from services.scheduler.core import PromptTooLong, Scheduler, SchedulerConfig
+from services.scheduler.request import Request
 from tests.conftest import TINY_VOCAB_SIZE, save_random_model
 from tests.harness import Run, assert_clean, brigade_run
 from tests.test_e2e import gateway_url
@@ -93,6 +97,37 @@ def test_finish_vector_truncates_then_normalizes() -> None:
     vector = np.array([3.0, 4.0, 12.0], np.float32)
     np.testing.assert_allclose(finish_vector(vector, 2, True), [0.6, 0.8])
     np.testing.assert_allclose(finish_vector(vector, 0, False), vector)
+
+
+def embed_request(request_id: str, num_tokens: int, dimensions: int = 0) -> Request:
+    params = fill_defaults(SamplingParams(max_tokens=1, embed=EmbedOptions(dimensions)))
+    return Request(request_id, 0, np.arange(1, num_tokens + 1, dtype=np.int32), params)
+
+
+def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> None:
+    """An input waits for a step with room for all of it (mean pooling reads it whole), one over
+    a step's budget is refused, and the worker's pooled state is cut and normalized per request."""
+    sched = Scheduler(SchedulerConfig(EngineConfig(max_num_batched_tokens=100), pooling="mean"))
+    with pytest.raises(PromptTooLong, match="max_num_batched_tokens"):
+        sched.add(embed_request("long", 101))
+    sched.add(embed_request("a", 60, dimensions=2))
+    sched.add(embed_request("b", 60))
+    step = sched.schedule()
+    assert [req.request_id for req in step.seqs] == ["a"]  # b does not get the 40 tokens left
+    assert step.num_new_tokens.tolist() == [60]
+    assert not sched.can_plan_ahead  # an embedding request ends with its step
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    assert outputs.request_ids == ["a"] and outputs.finish_reasons[0] is not None
+    np.testing.assert_allclose(outputs.embeddings[0], [0.6, 0.8])  # the first 2 values, unit length
+    step = sched.schedule()
+    assert [req.request_id for req in step.seqs] == ["b"] and step.num_new_tokens.tolist() == [60]
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    np.testing.assert_allclose(outputs.embeddings[0], [3 / 13, 4 / 13, 12 / 13], rtol=1e-6)
+    assert not sched.has_work
 
 
 # -- all-MiniLM-L6-v2 through the whole pipeline ---------------------------------------------

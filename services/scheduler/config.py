@@ -75,9 +75,6 @@ class SchedulerConfig:
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
         (model.max_model_len)."""
         first = hellos[0]
-        if first.pooling:
-            # Mean and CLS pooling read every token's state: a prefix-cache hit would skip some.
-            engine = msgspec.structs.replace(engine, enable_prefix_caching=False)
         return cls(
             engine=engine,
             block_size=first.block_size,

@@ -122,9 +122,10 @@ class Prefill:
         """Cached blocks covering a prefix of the request, always leaving its last token to compute
         (so there are logits to sample, and no write lands in a shared block). A request still
         collecting prompt logprobs takes none: the worker must compute every prompt position's
-        logits, which cached blocks would skip (its own blocks still join the cache)."""
+        logits, which cached blocks would skip (its own blocks still join the cache). Nor does an
+        embedding input: its pooling reads every token's state, in one step."""
         blocks = self.state.blocks
-        if not blocks.enable_prefix_caching or req.scores_from is not None:
+        if not blocks.enable_prefix_caching or req.scores_from is not None or self.state.config.pooling:
             return []
         bs = self.state.block_size
         num_full = (req.num_tokens - 1) // bs

@@ -386,8 +386,8 @@ class TokenizerCore:
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
         if request.prompt is not None:
-            # An embedding model reads its input as it was trained to, with its special tokens
-            # ([CLS] ... [SEP] for BERT, the closing eos for Qwen3-Embedding): as sentence-transformers.
+            # An embedding model reads its input with the special tokens its tokenizer adds
+            # ([CLS] ... [SEP] for BERT), as sentence-transformers encodes it.
             return self.tokenizer.encode(request.prompt, add_special_tokens=request.params.embed is not None)
         if request.messages is not None:
             if not request.messages:
