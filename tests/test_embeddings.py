@@ -270,16 +270,16 @@ def test_embed_model_refuses_completions(minilm_run: Run) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_killed_mid_batch_gives_the_same_vectors(minilm_run: Run) -> None:
-    """A batch big enough to take many steps; the worker is SIGKILLed while it runs them. The
-    scheduler recomputes what was in flight on the restarted worker: every vector is the one the
-    undisturbed run gives (docs/architecture.md invariant 4)."""
-    texts = [f"{i}: " + " ".join(TEXTS[i % len(TEXTS)] for _ in range(6)) for i in range(256)]
+    """A batch that takes a step per input (~140 tokens each, 256 a step); the worker is SIGKILLed
+    while it runs them. The scheduler recomputes what was in flight on the restarted worker: every
+    vector is the one the undisturbed run gives (docs/architecture.md invariant 4)."""
+    texts = [f"{i}: " + " ".join(TEXTS * 5) for i in range(128)]
     with Client(minilm_run.run_dir) as client:
         want = client.embed(texts, timeout=300).embeddings
         (worker,) = minilm_run.stage_pids("gpu_worker")
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.embed, texts, timeout=300)
-            time.sleep(0.3)  # the batch is under way: 256 inputs of ~70 tokens take dozens of steps
+            time.sleep(0.3)  # the batch is under way: its 128 steps take seconds
             assert not future.done()  # killed mid-batch, not after it
             os.kill(worker, signal.SIGKILL)
             got = future.result().embeddings
