@@ -65,7 +65,7 @@ def sentence_vectors() -> np.ndarray:
 
 def test_minilm_checkpoint_says_mean_pooling_normalized() -> None:
     """The package's modules.json lists Pooling (1_Pooling: mean) and Normalize."""
-    assert embedding_of(ModelConfig(), minilm_dir()) == Embedding("mean", True, 384)
+    assert embedding_of(ModelConfig(), minilm_dir()) == Embedding("mean", True, 384, max_input_tokens=256)
 
 
 def test_config_overrides_and_refusals(tmp_path: Path) -> None:
@@ -91,6 +91,9 @@ def test_config_overrides_and_refusals(tmp_path: Path) -> None:
     (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="unsupported pooling"):
         embedding_of(ModelConfig(), decoder)
+    # Newer sentence-transformers (Qwen3-Embedding's files): one pooling_mode key; no Normalize module.
+    (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+    assert embedding_of(ModelConfig(), decoder) == Embedding("last", False, 64)
 
 
 def test_finish_vector_truncates_then_normalizes() -> None:
@@ -136,12 +139,12 @@ def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> 
 @pytest.fixture(scope="module")
 def minilm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     run_dir = tmp_path_factory.mktemp("minilm") / "run"
-    # A step holds 256 tokens, so that an input over it is refused and a large batch takes steps.
+    # A step holds 200 tokens (under the model's 256): a longer input is refused, a big batch takes steps.
     with brigade_run(
         run_dir,
         f"model.path={minilm_dir()}",
         "gateway.served_model_name=minilm",
-        "engine.max_num_batched_tokens=256",
+        "engine.max_num_batched_tokens=200",
         "model.max_model_len=512",
     ) as run:
         yield run
@@ -246,7 +249,8 @@ def post(url: str, path: str, body: object) -> tuple[int, dict]:
         ({"input": "a", "dimensions": 385}, "dimensions", r"dimensions must be 1\.\.384"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "invalid enum value 'int8'"),
         ({"input": [[1, 2, 999999]]}, "input", "out of the vocabulary"),
-        ({"input": " ".join(["word"] * 300)}, "input", "max_num_batched_tokens"),
+        ({"input": " ".join(["word"] * 250)}, "input", "max_num_batched_tokens"),
+        ({"input": " ".join(["word"] * 270)}, "input", "over the 256 this embedding model reads"),
     ],
 )
 def test_bad_embedding_requests_get_openai_400s(
@@ -270,7 +274,7 @@ def test_embed_model_refuses_completions(minilm_run: Run) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_killed_mid_batch_gives_the_same_vectors(minilm_run: Run) -> None:
-    """A batch that takes a step per input (~140 tokens each, 256 a step); the worker is SIGKILLed
+    """A batch that takes a step per input (~140 tokens each, 200 a step); the worker is SIGKILLed
     while it runs them. The scheduler recomputes what was in flight on the restarted worker: every
     vector is the one the undisturbed run gives (docs/architecture.md invariant 4)."""
     texts = [f"{i}: " + " ".join(TEXTS * 5) for i in range(128)]

@@ -39,6 +39,10 @@ class Embedding:
     pooling: str  # one of POOLINGS
     normalize: bool
     width: int  # the vectors' values (the model's hidden size): the most `dimensions` may keep
+    # The longest input the model was trained on (sentence_bert_config.json's max_seq_length,
+    # which sentence-transformers truncates to); 0: no limit besides max_model_len. A longer
+    # input is refused rather than embedded as sentence-transformers would not.
+    max_input_tokens: int = 0
 
 
 def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
@@ -63,7 +67,7 @@ def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
         normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
     if model.normalize is not None:
         normalize = model.normalize
-    return Embedding(pooling, normalize, int(raw["hidden_size"]))
+    return Embedding(pooling, normalize, int(raw["hidden_size"]), _max_seq_length(model_dir))
 
 
 def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
@@ -75,6 +79,11 @@ def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.nd
         if norm > 0:
             vector /= norm
     return vector
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    path = model_dir / "sentence_bert_config.json"
+    return int(json.loads(path.read_text()).get("max_seq_length") or 0) if path.exists() else 0
 
 
 def _sentence_modules(model_dir: Path) -> list[dict] | None:

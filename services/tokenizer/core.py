@@ -194,6 +194,7 @@ class TokenizerCore:
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
+            self._check_input_length(len(prompt_ids))
         if tools is not None:
             params = self._forced_call(request.tools, tools, params)
         if params.max_tokens is None:
@@ -379,6 +380,15 @@ class TokenizerCore:
             raise RequestError(
                 "invalid_request",
                 f"dimensions must be 1..{self.embedding.width} (the model's vector size), got {embed.dimensions}",
+            )
+
+    def _check_input_length(self, num_tokens: int) -> None:
+        limit = self.embedding.max_input_tokens if self.embedding is not None else 0
+        if limit and num_tokens > limit:
+            raise RequestError(
+                "prompt_too_long",
+                f"input of {num_tokens} tokens is over the {limit} this embedding model reads "
+                "(max_seq_length in its sentence_bert_config.json)",
             )
 
     def _prompt_ids(self, request: m.Generate, tools: list[dict] | None) -> list[int]:
