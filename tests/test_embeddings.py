@@ -133,6 +133,31 @@ def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> 
     assert not sched.has_work
 
 
+def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.ndarray) -> None:
+    """The worker alone: each sampled row's mean state (un-normalized: the scheduler normalizes)
+    points where sentence-transformers' vector does; a row that does not start its input at
+    position 0 (a chunk) is refused before anything runs; an encoder cannot be loaded to generate."""
+    from transformers import AutoTokenizer
+
+    from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+    from tests.test_model import PlanBuilder
+
+    model_dir = minilm_dir()
+    with pytest.raises(ValueError, match="encoder-only model: it embeds"):
+        ModelRunner(model_dir, dtype="float32", kv_cache_bytes=1 << 22)
+    runner = ModelRunner(
+        model_dir, dtype="float32", kv_cache_bytes=1 << 22, embedding=embedding_of(ModelConfig(), model_dir)
+    )
+    assert runner.kv_cache == []  # an encoder keeps none
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    builder = PlanBuilder(runner.block_size)
+    result = runner.execute(*builder.plan([(i, p, True) for i, p in enumerate(ids)]))
+    assert cosines(result["pooled"], sentence_vectors).min() >= MIN_COSINE
+    with pytest.raises(InvalidPlan, match="whole in one step"):
+        runner.execute(*builder.plan([(0, ids[0][:2], True)]))  # seq 0 again, after its input
+
+
 # -- all-MiniLM-L6-v2 through the whole pipeline ---------------------------------------------
 
 
