@@ -403,7 +403,7 @@ class Gateway:
             for i, v in enumerate(result.embeddings)
         ]  # fmt: skip
         usage = p.EmbeddingUsage(result.prompt_tokens, result.prompt_tokens)
-        return json_response(p.EmbeddingResponse(data, self.settings.model, usage))
+        return self.finish(request, json_response(p.EmbeddingResponse(data, self.settings.model, usage)))
 
     def openai_writer(
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
