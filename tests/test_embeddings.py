@@ -298,22 +298,24 @@ def test_embed_model_refuses_completions(minilm_run: Run) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_worker_killed_mid_batch_gives_the_same_vectors(minilm_run: Run) -> None:
-    """A batch that takes a step per input (~140 tokens each, 200 a step); the worker is SIGKILLed
-    while it runs them. The scheduler recomputes what was in flight on the restarted worker: every
-    vector is the one the undisturbed run gives (docs/architecture.md invariant 4)."""
+@pytest.mark.parametrize("kind", ["gpu_worker", "scheduler"])
+def test_stage_killed_mid_batch_gives_the_same_vectors(minilm_run: Run, kind: str) -> None:
+    """A batch that takes a step per input (~140 tokens each, 200 a step); the worker, or the
+    scheduler, is SIGKILLed while it runs them. The scheduler recomputes what was in flight on the
+    restarted worker; the tokenizer resubmits its journaled requests to the restarted scheduler.
+    Every vector is the one the undisturbed run gives, each once (docs/architecture.md invariant 4)."""
     texts = [f"{i}: " + " ".join(TEXTS * 5) for i in range(128)]
     with Client(minilm_run.run_dir) as client:
         want = client.embed(texts, timeout=300).embeddings
-        (worker,) = minilm_run.stage_pids("gpu_worker")
+        (victim,) = minilm_run.stage_pids(kind)
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.embed, texts, timeout=300)
             time.sleep(0.3)  # the batch is under way: its 128 steps take seconds
             assert not future.done()  # killed mid-batch, not after it
-            os.kill(worker, signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             got = future.result().embeddings
     minilm_run.wait_until_running(60)
-    assert minilm_run.stage_pids("gpu_worker") != [worker]  # it did die mid-batch, and came back
+    assert minilm_run.stage_pids(kind) != [victim]  # it did die mid-batch, and came back
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
