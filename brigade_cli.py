@@ -2,7 +2,7 @@
 
     brigade serve [--config FILE] [--set key.path=value ...]   # python supervisor.py ...
     brigade status [--run DIR] [--json] [--once]                # python supervisor.py status ...
-    brigade chat|generate|health [--run DIR] ...                # python -m client ...
+    brigade chat|generate|embed|health [--run DIR] ...          # python -m client ...
 
 It only dispatches: the supervisor and the client CLI parse their own arguments, so each
 command's --help is theirs.
@@ -14,17 +14,18 @@ import argparse
 import sys
 
 SERVER_COMMANDS = ("serve", "status")
-CLIENT_COMMANDS = ("chat", "generate", "health")
+CLIENT_COMMANDS = ("chat", "generate", "embed", "health")
 CLIENT_OPTIONS = ("--run", "--endpoint", "--timeout")  # the client CLI takes these before its command
 
 
 def _usage() -> str:
     return (
-        "usage: brigade {serve,status,chat,generate,health} ...\n\n"
+        "usage: brigade {serve,status,chat,generate,embed,health} ...\n\n"
         "  serve     run a Brigade (python supervisor.py; see brigade serve --help)\n"
         "  status    the stages of a live run (python supervisor.py status)\n"
         "  chat      one chat turn, or an interactive chat (python -m client chat)\n"
         "  generate  continue a raw text prompt (python -m client generate)\n"
+        "  embed     one vector per text from an embedding run (python -m client embed)\n"
         "  health    ask every tokenizer replica whether it is ready (python -m client health)\n"
     )
 

@@ -11,13 +11,14 @@ from client.errors import (
     ServerUnavailable,
     UntrustedRunDir,
 )
-from client.sdk import Client, GenerateResult, StreamDelta
+from client.sdk import Client, EmbedResult, GenerateResult, StreamDelta
 
 __all__ = [
     "AsyncClient",
     "AuthenticationFailed",
     "BrigadeError",
     "Client",
+    "EmbedResult",
     "GenerateResult",
     "InvalidRequest",
     "Overloaded",

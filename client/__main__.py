@@ -1,4 +1,4 @@
-"""`python -m client`: generate, chat (one shot or interactive) and health against a running Brigade."""
+"""`python -m client`: generate, chat (one shot or interactive), embed and health against a running Brigade."""
 
 from __future__ import annotations
 
@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--no-parallel-tool-calls", action="store_true", help="at most one tool call in a reply"
+    )
+    embed = sub.add_parser(
+        "embed", help="one vector per TEXT from an embedding run: a JSON line each, then the prompt tokens"
+    )
+    embed.add_argument("texts", metavar="TEXT", nargs="+")
+    embed.add_argument(
+        "--dimensions", type=int, default=None, help="keep the first N values (normalized again)"
     )
     sub.add_parser("health", help="ask every tokenizer replica whether it is ready")
     return parser
@@ -212,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                             }
                         )
                     )
+            elif args.command == "embed":
+                result = client.embed(args.texts, dimensions=args.dimensions)
+                for index, vector in enumerate(result.embeddings):
+                    print(json.dumps({"index": index, "embedding": vector.tolist()}))
+                print(json.dumps({"prompt_tokens": result.prompt_tokens}))
             elif args.command == "generate":
                 _emit(client.stream(args.prompt, **_sampling(args)), args.json)
             elif args.message is None:

@@ -11,11 +11,15 @@ import zmq
 
 from client.sdk import (
     ClientBase,
+    EmbedInput,
+    EmbedResult,
     GenerateResult,
     HealthCheck,
     Prompt,
     StreamDelta,
     collect_result,
+    embed_result,
+    make_embeds,
     make_generate,
 )
 from ipc import messages as m
@@ -94,6 +98,11 @@ class AsyncClient(ClientBase):
     ) -> AsyncIterator[StreamDelta]:
         """Yield the output as it comes (use contextlib.aclosing to abort promptly on break)."""
         generate = make_generate(request_id, prompt, messages, sampling)
+        async with contextlib.aclosing(self._stream(generate, timeout)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _stream(self, generate: m.Generate, timeout: float | None) -> AsyncIterator[StreamDelta]:
         self._ensure_reader()
         state = self.session.submit(generate, timeout if timeout is not None else self.timeout)
         wakeup = self._wakeups[state.request_id] = asyncio.Event()
@@ -138,6 +147,14 @@ class AsyncClient(ClientBase):
         **sampling: Any,
     ) -> AsyncIterator[StreamDelta]:
         return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+
+    async def embed(
+        self, inputs: EmbedInput, *, dimensions: int | None = None, timeout: float | None = None
+    ) -> EmbedResult:
+        """One vector per input (see `Client.embed`), the inputs sent together."""
+        requests = make_embeds(inputs, dimensions)
+        results = await asyncio.gather(*(self._collect(self._stream(r, timeout)) for r in requests))
+        return embed_result(results)
 
     @staticmethod
     async def _collect(deltas: AsyncIterator[StreamDelta]) -> GenerateResult:

@@ -64,6 +64,7 @@ class StreamDelta:
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top `logprobs` ids -> logprob
     tools: m.ParsedTools | None = None  # the last delta of a chat with tools: content and calls
     prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked: on the first delta
+    embedding: bytes = b""  # an embedding request's vector (packed float32), on its final delta
 
 
 @dataclass
@@ -76,6 +77,7 @@ class GenerateResult:
     top_logprobs: list[dict[int, float]] | None = None
     tools: m.ParsedTools | None = None  # with tools: the text cut into content and tool calls
     prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked
+    embedding: bytes = b""  # an embedding request's vector, packed float32
 
     @property
     def tool_calls(self) -> list[m.ToolCall]:
@@ -458,6 +460,58 @@ def handshake_failure(event: dict[str, Any], has_keys: bool) -> str | None:
     return "the server dropped the handshake: is `server_key` the run's server public key?"
 
 
+@dataclass
+class EmbedResult:
+    """`Client.embed`'s answer: one vector per input, in input order."""
+
+    embeddings: np.ndarray  # [inputs, dimensions] float32
+    prompt_tokens: int  # of all the inputs together
+
+
+EmbedInput = str | Sequence[int] | Sequence[str | Sequence[int]]
+
+
+def make_embeds(inputs: EmbedInput, dimensions: int | None) -> list[m.Generate]:
+    """One embedding request per input: a text, a list of texts, a list of token ids, or a list
+    of token-id lists (OpenAI's four forms). `dimensions` keeps the vectors' first that many values."""
+    if isinstance(inputs, str) or (
+        isinstance(inputs, (Sequence, np.ndarray))
+        and len(inputs)
+        and isinstance(inputs[0], (int, np.integer))
+    ):
+        inputs = [inputs]  # type: ignore[list-item]
+    if not isinstance(inputs, (Sequence, np.ndarray)) or not len(inputs):
+        raise InvalidRequest("input must be a text, token ids, or a non-empty list of them")
+    if dimensions is not None:
+        dimensions = _convert("dimensions", dimensions, int)
+        if dimensions < 1:
+            raise InvalidRequest(f"dimensions must be >= 1, got {dimensions}")
+    params = m.SamplingParams(embed=m.EmbedOptions(dimensions or 0))
+    requests = []
+    for i, one in enumerate(inputs):
+        if isinstance(one, str):
+            _check_text(f"input[{i}]", one)
+            request = m.Generate(request_id=uuid.uuid4().hex, prompt=one, params=params)
+        elif isinstance(one, (Sequence, np.ndarray)):
+            request = m.Generate(
+                request_id=uuid.uuid4().hex, prompt_token_ids=_prompt_ids(one), params=params
+            )
+        else:
+            raise InvalidRequest(
+                f"input[{i}] must be a text or a list of token ids, got {type(one).__name__}"
+            )
+        if not (request.prompt or request.prompt_token_ids):
+            raise InvalidRequest(f"input[{i}] is empty")
+        requests.append(request)
+    return requests
+
+
+def embed_result(results: Sequence[GenerateResult]) -> EmbedResult:
+    """The vectors of finished embedding requests, in their order."""
+    vectors = np.stack([np.frombuffer(r.embedding, "<f4") for r in results])
+    return EmbedResult(vectors, sum(r.usage.prompt_tokens for r in results if r.usage is not None))
+
+
 def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
     """One result from a whole stream's deltas."""
     last = deltas[-1]
@@ -473,6 +527,7 @@ def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
         top_logprobs or None,
         last.tools,
         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+        last.embedding,
     )
 
 
@@ -524,6 +579,7 @@ class RequestState:
         self.usage: m.Usage | None = None
         self.tools: m.ParsedTools | None = None
         self.prompt_logprobs: m.PromptLogprobs | None = None
+        self.embedding = b""
         self.error: BrigadeError | None = None
         self.ready: deque[StreamDelta] = deque()
         self._stash: list[m.Delta] = []
@@ -573,6 +629,7 @@ class RequestState:
         self.num_chars += len(text)
         if delta.finish_reason is not None:
             self.finish_reason, self.usage, self.tools = delta.finish_reason, delta.usage, delta.tools
+            self.embedding = delta.embedding
         if ids or text or delta.finish_reason is not None:
             self.ready.append(
                 StreamDelta(
@@ -584,6 +641,7 @@ class RequestState:
                     top_logprobs or None,
                     delta.tools,
                     prompt_logprobs,
+                    delta.embedding,
                 )
             )
 
@@ -598,6 +656,7 @@ class RequestState:
             self.top_logprobs or None,
             self.tools,
             self.prompt_logprobs,
+            self.embedding,
         )
 
 
@@ -1006,6 +1065,30 @@ class Client(ClientBase):
         **sampling: Any,
     ) -> Iterator[StreamDelta]:
         return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+
+    def embed(
+        self, inputs: EmbedInput, *, dimensions: int | None = None, timeout: float | None = None
+    ) -> EmbedResult:
+        """One vector per input from a model served for embeddings (model.task: embed). The
+        inputs go out together, so the engine batches them; `dimensions` keeps each vector's
+        first that many values (normalized again where the model normalizes)."""
+        timeout = timeout if timeout is not None else self.timeout
+        requests = make_embeds(inputs, dimensions)
+        states: list[RequestState] = []
+        try:
+            for request in requests:  # all sent before any is waited for
+                states.append(self.session.submit(request, timeout))
+            while not all(state.is_done for state in states):
+                # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
+                unsent = any(state.replica is None for state in states)
+                self._pump(0.005 if unsent else self._tick_s)
+            for state in states:
+                if state.error is not None:
+                    raise state.error
+            return embed_result([state.result() for state in states])
+        finally:
+            for state in states:
+                self.session.cancel(state.request_id)
 
     @staticmethod
     def _collect(deltas: Iterator[StreamDelta]) -> GenerateResult:

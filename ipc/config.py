@@ -40,6 +40,16 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_dir: str = ""  # "" = ~/.cache/brigade/models
     generation_config: Literal["auto", "none"] = "auto"  # sampling defaults from the model's file, or not
     override_generation_config: dict[str, float | int] = {}  # on top of those, e.g. {"temperature": 0.7}
+    # Serve the model for embeddings (prefill only, one pooled vector per input): `embed`, or
+    # `auto` = embed where the checkpoint says so (a sentence-transformers modules.json beside the
+    # weights, or an encoder-only architecture), else generate. services/common/pooling.py.
+    task: Literal["auto", "generate", "embed"] = "auto"
+    # How an embed model pools its token states when the checkpoint's sentence-transformers
+    # 1_Pooling/config.json does not say: "" = last for a decoder, cls for an encoder.
+    pooling: Literal["", "last", "mean", "cls"] = ""
+    # L2-normalize the vectors; None = as the checkpoint's modules.json says (a Normalize module),
+    # else on.
+    normalize: bool | None = None
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

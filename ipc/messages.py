@@ -52,6 +52,14 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, froz
         return f"{self.kind}:{int(self.strict)}:{self.spec}"
 
 
+class EmbedOptions(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """An embedding request (SamplingParams.embed): the engine returns the prompt's pooled vector
+    instead of generating. `dimensions` > 0 keeps the vector's first that many values (Matryoshka
+    truncation), normalized again where the model normalizes."""
+
+    dimensions: int = 0
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling parameters. Validated by `ipc.validation` (the tokenizer and the scheduler both call it)."""
 
@@ -81,6 +89,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     priority: int = 0  # lower runs first; ties are FCFS
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
     adapter: str = ""  # the LoRA adapter to generate with (a name in lora.adapters); "" = the base model
+    embed: EmbedOptions | None = None  # an embedding request: the pooled vector, no tokens
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):
@@ -218,6 +227,9 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     usage: Usage | None = None
     tools: ParsedTools | None = None  # the final delta of a request with tools
     prompt_logprobs: PromptLogprobs | None = None  # on the delta of token_index 0, when asked
+    # An embedding request's vector, packed float32, on its one (final) delta. It comes from the
+    # scheduler straight to the tokenizer: the detokenizer has nothing to do for it.
+    embedding: bytes = b""
 
 
 class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -514,6 +526,10 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # LongRoPE (Phi-3): original_max_position_embeddings, past which a sequence rotates every
     # position with the long factors (the scheduler recomputes it then); 0 without LongRoPE.
     long_rope_from: int = 0
+    # An embedding model (services/common/pooling.py): how it pools ("" = it generates), and
+    # whether it normalizes its vectors.
+    pooling: str = ""
+    normalize: bool = True
 
 
 # In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row

@@ -46,6 +46,7 @@ class Dim(enum.Enum):
     SCORED = "scored"  # the step's prompt positions whose next prompt token is scored (prompt logprobs)
     PROMPT_TOP_K = "prompt_top_k"  # top logprobs per scored prompt position
     EMITTED = "emitted"  # new tokens per row of a step that verifies proposals (1 + the most proposed)
+    HIDDEN = "hidden"  # an embedding model's pooled vector width (its hidden size)
 
 
 class SlotSink(Protocol):
@@ -267,12 +268,16 @@ STEP_RESULT = SlotSpec(
         ArraySpec("emitted_ids", I32, (S, Dim.EMITTED), fill=-1, optional=True),
         ArraySpec("emitted_logprobs", F32, (S, Dim.EMITTED), optional=True),
         ArraySpec("num_emitted", I32, (S,), optional=True),
+        # An embedding model (services/common/pooling.py): each sampled row's pooled final
+        # token states, un-normalized (the scheduler truncates and normalizes); other rows zero.
+        ArraySpec("pooled", F32, (S, Dim.HIDDEN), optional=True),
     ),
     measured={
         Dim.TOP_K: ("top_ids", 1),
         Dim.EMITTED: ("emitted_ids", 1),
         Dim.SCORED: ("prompt_logprobs", 0),
         Dim.PROMPT_TOP_K: ("prompt_top_ids", 1),
+        Dim.HIDDEN: ("pooled", 1),
     },
 )
 
@@ -301,9 +306,11 @@ def vocab_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def result_limits(max_num_seqs: int, max_num_batched_tokens: int) -> dict[Dim, int]:
-    """The largest size of each step-result dimension (every token of a step may be scored)."""
+def result_limits(max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 0) -> dict[Dim, int]:
+    """The largest size of each step-result dimension (every token of a step may be scored;
+    `hidden_size`: an embedding model's pooled vectors, 0 for a model that generates)."""
     return {
+        Dim.HIDDEN: hidden_size,
         Dim.ROWS: max_num_seqs,
         Dim.EMITTED: MAX_SPECULATIVE_TOKENS + 1,
         Dim.TOP_K: MAX_LOGPROBS,

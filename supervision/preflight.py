@@ -15,6 +15,7 @@ from pathlib import Path
 from ipc.config import Config, NetworkConfig
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
+from services.common.pooling import embedding_of
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -97,6 +98,10 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
+    try:  # every stage reads it at start: a run that cannot say how it embeds never starts
+        embedding_of(config.model, model_dir)
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
     try:  # the tokenizers read the same defaults at start; a bad file would crash-loop them
         sampling_defaults = run_defaults(
             model_dir,

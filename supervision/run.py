@@ -25,6 +25,7 @@ from ipc.ports import PORT_SPAN
 from ipc.shm import RunLock, ShmRing
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.audit import AUDIT_FILE
+from services.common.pooling import embedding_of
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
 from services.stage import RUN_FILE, RunInfo, write_run_info
@@ -52,9 +53,10 @@ def step_slot_bytes(config: Config, vocab_size: int) -> int:
     return STEP_PLAN.slot_bytes(limits)
 
 
-def result_slot_bytes(config: Config) -> int:
+def result_slot_bytes(config: Config, pooled_width: int = 0) -> int:
+    """Bytes of one step-result slot; `pooled_width`: an embedding model's vector width (0: none)."""
     return STEP_RESULT.slot_bytes(
-        result_limits(config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
+        result_limits(config.engine.max_num_seqs, config.engine.max_num_batched_tokens, pooled_width)
     )
 
 
@@ -309,14 +311,17 @@ class Run:
         which knows the host of each group)."""
         engine = config.engine
         # check_model has read this config.json already: it is there and well-formed.
-        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        raw = json.loads((model_dir / "config.json").read_text())
+        vocab_size = raw["vocab_size"]
+        # An embedding model's result slots carry each row's pooled vector.
+        pooled_width = raw["hidden_size"] if embedding_of(config.model, model_dir) else 0
         specs = []
         for group in groups:
             step, result = self.endpoints.step_ring(group), self.endpoints.result_ring(group)
             specs.append(
                 RingSpec(group, step, RING_SLOTS, step_slot_bytes(config, vocab_size), engine.tensor_parallel)
             )
-            specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(config), 1))
+            specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(config, pooled_width), 1))
         self.rings += create(specs)
 
     def remove_rings(self, groups: range | None = None) -> None:

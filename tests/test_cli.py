@@ -23,7 +23,7 @@ def brigade(installed, *args: str) -> subprocess.CompletedProcess:
 def test_help_lists_the_commands(installed) -> None:
     done = brigade(installed, "--help")
     assert done.returncode == 0
-    for command in ("serve", "status", "chat", "generate", "health"):
+    for command in ("serve", "status", "chat", "generate", "embed", "health"):
         assert f"  {command} " in done.stdout
 
 

@@ -1101,7 +1101,7 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
     with pytest.raises(openai.NotFoundError) as unknown:
         api.chat.completions.create(model="gpt-17", messages=CHAT)
     assert unknown.value.body["param"] == "model" and unknown.value.body["code"] == "model_not_found"
-    status, error = gw.error("/v1/embeddings", {})
+    status, error = gw.error("/v1/audio/speech", {})
     assert status == 404 and error["code"] == "not_found"
     with pytest.raises(openai.APIStatusError) as huge:
         api.completions.create(model=gw.model, prompt="x" * (MAX_BODY_BYTES + 10), max_tokens=1)

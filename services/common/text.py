@@ -86,6 +86,10 @@ class Tokenizer:
     def __init__(self, model_dir: Path | str) -> None:
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # A prompt is its own tokens: never padded to a fixed length or cut short, whatever the
+        # file asks (sentence-transformers' tokenizer.json pads and truncates to 128).
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens_map: dict[str, str] = {
             name: content for name in _SPECIAL_TOKEN_NAMES if (content := _token_content(config.get(name)))

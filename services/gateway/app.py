@@ -17,6 +17,7 @@ forwarded to the tokenizer.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -385,6 +386,32 @@ class Gateway:
         )
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's /v1/embeddings: one vector per input, the inputs run together (client.embed)."""
+        body = await self.read_body(request, p.EmbeddingRequest)
+        inputs = embedding_inputs(body.input)
+        if self.num_in_flight >= self.settings.max_concurrent_requests:
+            raise ApiError(429, f"this replica is serving {self.num_in_flight} requests, its limit; retry after "
+                           f"{RETRY_AFTER_S}s", code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        self.num_in_flight += 1
+        try:
+            result = await self.client.embed(inputs, dimensions=body.dimensions)
+        except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
+            error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
+            if error.status == 400:  # what a 400 here can be about: the vector size, else the input
+                error.param = "dimensions" if "dimensions" in error.message else "input"
+            raise error from None
+        finally:
+            self.num_in_flight -= 1
+        data = [
+            p.EmbeddingData(i, base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+                            else v.tolist())
+            for i, v in enumerate(result.embeddings)
+        ]  # fmt: skip
+        usage = p.EmbeddingUsage(result.prompt_tokens, result.prompt_tokens)
+        return self.finish(request, json_response(p.EmbeddingResponse(data, self.settings.model, usage)))
+
     def openai_writer(
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
     ) -> OpenAIWriter:
@@ -673,6 +700,26 @@ class Gateway:
 
 
 Feed = AsyncIterator[tuple[int, StreamDelta]]  # run_jobs: (choice index, delta), in arrival order
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+def embedding_inputs(value: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:
+    """/v1/embeddings' input as a list of inputs, each a text or token ids, all of one kind."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise invalid("input must not be empty", "input")
+    if all(isinstance(x, int) for x in value):
+        return [value]  # type: ignore[list-item]
+    if not (all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value)):
+        raise invalid(
+            "input must be a string, a list of strings, token ids, or a list of token id lists", "input"
+        )
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise invalid(f"input holds {len(value)} inputs, over the limit of {MAX_EMBEDDING_INPUTS}", "input")
+    return value  # type: ignore[return-value]
 
 
 def internal_error(path: str, exc: Exception) -> ApiError:

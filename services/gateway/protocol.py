@@ -94,6 +94,16 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     best_of: int | None = None
 
 
+class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    # A string, a list of strings, token ids, or a list of token id lists (one kind: checked in
+    # services/gateway/app.py `embedding_inputs`).
+    input: str | list[str | int | list[int]]
+    model: str = ""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
@@ -243,6 +253,24 @@ class Completion(msgspec.Struct):
     usage: UsageOut | None
     object: Literal["text_completion"] = "text_completion"
     system_fingerprint: str | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64 of the little-endian float32 values, where asked
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
 
 
 class ModelCard(msgspec.Struct):

@@ -24,6 +24,7 @@ def build_app(gateway: Gateway) -> ASGIApp:
     routes = [
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/v1/messages", messages.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),

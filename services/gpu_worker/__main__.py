@@ -16,6 +16,7 @@ from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
 from ipc.step_plan import STEP_RESULT
+from services.common.pooling import embedding_of
 from services.cpu_cores import run_cores, worker_threads
 from services.gpu_worker.memory import MemoryMonitor
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
@@ -65,6 +66,8 @@ class WorkerProcess(StageProcess):
             eos_token_ids=list(runner.eos_token_ids),
             sliding_window=runner.sliding_window,
             long_rope_from=runner.long_rope_from,
+            pooling=runner.embedding.pooling if runner.embedding else "",
+            normalize=runner.embedding.normalize if runner.embedding else True,
         )
         self.control.ready(kv_blocks=str(runner.num_kv_blocks), device=str(runner.device), dtype=hello.dtype)
         while not self.stopping[0]:
@@ -136,6 +139,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         max_lora_rank=config.lora.max_rank,
         lora_adapters=config.lora.adapters,
         wide_step_dtype=engine.cpu_wide_step_dtype,
+        embedding=embedding_of(config.model, Path(stage.info.model_dir)),
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

@@ -571,3 +571,63 @@ def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
         score_correction_bias=family == "deepseek_v3",
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """An encoder-only BERT (`BertModel`, services/gpu_worker/bert.py): what its forward reads.
+    Only what runs as HF runs it is accepted: absolute positions, exact GELU, one rank."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BertConfig:
+        if d.get("architectures") != ["BertModel"]:
+            raise UnsupportedModel(f"not an encoder-only BertModel: {d.get('architectures')}")
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModel(
+                f"unsupported BERT position_embedding_type {d['position_embedding_type']!r}; supported: absolute"
+            )
+        if d.get("hidden_act", "gelu") != "gelu":
+            raise UnsupportedModel(f"unsupported BERT hidden_act {d['hidden_act']!r}; supported: gelu")
+        if d.get("is_decoder"):
+            raise UnsupportedModel("unsupported BERT is_decoder (causal BERT); supported: the encoder")
+        if d["hidden_size"] % d["num_attention_heads"]:
+            raise UnsupportedModel("BERT hidden_size is not a multiple of num_attention_heads")
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            max_position_embeddings=d.get("max_position_embeddings", 512),
+            type_vocab_size=d.get("type_vocab_size", 2),
+            layer_norm_eps=d.get("layer_norm_eps", 1e-12),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> BertConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def config_from_dir(model_dir: Path) -> ModelConfig | BertConfig:
+    """The model's config, decoder or encoder; UnsupportedModel for what Brigade would run wrongly."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if raw.get("architectures") == ["BertModel"]:
+        return BertConfig.from_dict(raw)
+    return ModelConfig.from_dict(raw)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
+from services.gpu_worker.architectures import UnsupportedModel, config_from_dir
 
 if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
     import torch
@@ -60,7 +60,7 @@ def prepare_model(source: str | None, cache_dir: Path | None = None, revision: s
     or a Hugging Face hub id at `revision`) that Brigade runs: a model it would run wrongly
     raises UnsupportedModel here, before any stage starts (architectures.py)."""
     model_dir = _model_dir(source, cache_dir, revision)
-    ModelConfig.from_dir(model_dir)
+    config_from_dir(model_dir)
     return model_dir
 
 

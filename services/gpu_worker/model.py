@@ -959,6 +959,12 @@ class LlamaModel:
         q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
         return layer_ops.attention(q, k, v, k_cache, v_cache, layer_meta, self.scale, layer.sinks)
 
+    def final_states(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Every token's state after the final norm (what the LM head reads; HF's last hidden
+        state), for an embedding run's pooling."""
+        x, _ = self.ops.rms_norm((hidden + residual).contiguous(), self.norm, self.eps, None)
+        return x
+
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [len(tokens), V] of these rows of `hidden_states`' output: only they go
         through the final norm and the LM head."""

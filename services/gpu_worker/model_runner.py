@@ -13,7 +13,9 @@ from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
 from ipc.validation import MAX_LOGPROBS
-from services.gpu_worker.architectures import ModelConfig
+from services.common.pooling import Embedding
+from services.gpu_worker.architectures import BertConfig, config_from_dir
+from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import LoraBatch, LoraSlots, load_adapter
@@ -55,6 +57,7 @@ class ModelRunner:
         max_lora_rank: int = 64,
         lora_adapters: dict[str, str] | None = None,
         wide_step_dtype: str = "float32",
+        embedding: Embedding | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -68,20 +71,34 @@ class ModelRunner:
         self.block_size = block_size
         self.model_name = model_dir.name
         raw = json.loads((model_dir / "config.json").read_text())
-        config = ModelConfig.from_dict(raw)
+        config = config_from_dir(model_dir)
         self.config = config
+        # An embedding run (services/common/pooling.py): sampled rows return their pooled state.
+        self.embedding = embedding
+        if isinstance(config, BertConfig) and (embedding is None or parallel.is_parallel):
+            raise ValueError(f"{self.model_name} is an encoder-only model: it embeds, on one rank")
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model_dir, raw)
         # LongRoPE: a sequence longer than this rotates with the long factors (the plan says which).
-        self.long_rope_from = config.long_rope_from
-        windows = config.layer_windows
-        self.sliding_window = max(windows) if windows and min(windows) > 0 else 0
-
         self.parallel = parallel
-        self.model = LlamaModel(
-            config, self.dtype, self.device, block_size, parallel, backend, int8_activations, wide_step_dtype
-        )
+        self.long_rope_from, self.sliding_window = 0, 0
+        if isinstance(config, BertConfig):
+            self.model: LlamaModel | BertEncoder = BertEncoder(config, self.dtype, self.device)
+        else:
+            self.long_rope_from = config.long_rope_from
+            windows = config.layer_windows
+            self.sliding_window = max(windows) if windows and min(windows) > 0 else 0
+            self.model = LlamaModel(
+                config,
+                self.dtype,
+                self.device,
+                block_size,
+                parallel,
+                backend,
+                int8_activations,
+                wide_step_dtype,
+            )
         load_weights(self.model, model_dir)
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
         if int8_activations and not self.model.reads_gguf_blocks:
@@ -89,26 +106,34 @@ class ModelRunner:
                 "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
                 self.model_name,
             )
-        num_kv_heads = self.model.shapes.num_kv_heads  # this rank's
-        bytes_per_block = (
-            config.num_hidden_layers * block_size * config.kv_cache_width(num_kv_heads) * self.dtype.itemsize
+        # An encoder keeps no KV cache, but the scheduler's blocks still bound what it admits: it
+        # counts blocks as a decoder of its shape would.
+        num_kv_heads = (
+            config.num_key_value_heads if isinstance(config, BertConfig) else self.model.shapes.num_kv_heads
         )
+        mla = None if isinstance(config, BertConfig) else config.mla
+        token_width = (
+            2 * num_kv_heads * config.head_dim
+            if isinstance(config, BertConfig)
+            else config.kv_cache_width(num_kv_heads)
+        )
+        bytes_per_block = config.num_hidden_layers * block_size * token_width * self.dtype.itemsize
         # Ranks share block ids, so every rank takes the smallest cache any of them can hold.
         self.num_kv_blocks = parallel.min_int(
             max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
         )
         # Each layer's two page tensors: K and V heads, or latent attention's latents and rope keys.
         widths = (
-            (config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
-            if config.mla is not None
+            (mla.kv_lora_rank, mla.qk_rope_head_dim)
+            if mla is not None
             else (num_kv_heads * config.head_dim,) * 2
         )
-        heads = 1 if config.mla is not None else num_kv_heads
+        heads = 1 if mla is not None else num_kv_heads
         shapes = [(self.num_kv_blocks, block_size, heads, width // heads) for width in widths]
         # Zeroed, so masked-out padding never reads NaN garbage.
         self.kv_cache = [
             tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
-            for _ in range(config.num_hidden_layers)
+            for _ in range(0 if isinstance(config, BertConfig) else config.num_hidden_layers)
         ]
         self.sampler = Sampler(self.vocab_size, self.device)
         # Placeholders: the token sampled last for each plan-table row (`rows` in the plan), kept
@@ -218,6 +243,8 @@ class ModelRunner:
         """Run one step plan; returns the result arrays (ipc/step_plan.py STEP_RESULT)."""
         at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
+        if self.embedding is not None:
+            return self._embed(arrays, t, s, k)
         rows = np.flatnonzero(arrays["is_sampled"][:s])
         num_proposed = arrays.get("num_proposed")
         if num_proposed is None:
@@ -257,6 +284,41 @@ class ModelRunner:
             result["emitted_ids"][rows, 0] = out["sampled_ids"]
             result["emitted_logprobs"][rows, 0] = out["sampled_logprobs"]
             result["num_emitted"][rows] = 1
+        return result
+
+    def _embed(
+        self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int, top_k: int
+    ) -> dict[str, np.ndarray]:
+        """An embedding step: each sampled row (an input whose last token is in this step) gets
+        its pooled final token states in `pooled`, and samples nothing (id 0, the request ends).
+        The scheduler plans each input whole in one step (never ahead, so no placeholders)."""
+        assert self.embedding is not None
+        qsl = arrays["query_start_loc"][: num_seqs + 1].astype(np.int64)
+        rows = np.flatnonzero(arrays["is_sampled"][:num_seqs])
+        starts = qsl[rows]
+        if (arrays["positions"][starts] != 0).any():
+            raise InvalidPlan(
+                "step plan: an embedding row's input must come whole in one step (position 0 on)"
+            )
+        input_ids = torch.from_numpy(arrays["input_ids"][:num_tokens].astype(np.int64)).to(self.device)
+        if isinstance(self.model, BertEncoder):
+            positions = torch.from_numpy(arrays["positions"][:num_tokens].astype(np.int64)).to(self.device)
+            states = self.model.forward(input_ids, positions, qsl)
+        else:
+            metas = self.model.prepare(arrays, num_tokens, num_seqs)
+            hidden, residual = self.model.hidden_states(
+                input_ids, metas, self.kv_cache, self.lora_batch(arrays, num_tokens, num_seqs)
+            )
+            states = self.model.final_states(hidden, residual)
+        result = STEP_RESULT.neutral({Dim.ROWS: num_seqs, Dim.TOP_K: top_k})
+        pooled = np.zeros((num_seqs, self.config.hidden_size), np.float32)
+        pooling = self.embedding.pooling
+        for i, start, end in zip(rows.tolist(), starts.tolist(), qsl[rows + 1].tolist(), strict=True):
+            span = states[start:end]
+            vector = span[-1] if pooling == "last" else span[0] if pooling == "cls" else span.mean(dim=0)
+            pooled[i] = vector.float().cpu().numpy()
+        result["pooled"] = pooled
+        result["sampled_ids"][rows] = 0
         return result
 
     def _check_lora_slots(self, lora_slots: np.ndarray) -> None:

@@ -150,7 +150,8 @@ class SchedulerProcess(StageProcess):
             )
             self.refuse(submit, code, str(exc))
             return
-        self.needs_full_history[submit.request_id] = request
+        if not self.core.config.pooling:  # an embedding's vector goes to its tokenizer, no detokenizer
+            self.needs_full_history[submit.request_id] = request
         if finished is not None:  # a resubmission that had already met its end: its history, finished
             self.send_finished(request, finished.finish_reason)
 
@@ -382,6 +383,9 @@ class SchedulerProcess(StageProcess):
         self.num_late_steps = 0
 
     def emit(self, outputs: StepOutputs) -> None:
+        if outputs.embeddings is not None:
+            self.emit_embeddings(outputs)
+            return
         self.num_tokens += len(outputs)  # one new token per output
         for shard, messages in detokenizer_messages(
             outputs, self.needs_full_history, len(self.detokenizers)
@@ -395,6 +399,29 @@ class SchedulerProcess(StageProcess):
             shard = shard_of(failure.request_id, len(self.detokenizers))
             self.detokenizers[shard].put(m.DropRequests([failure.request_id]))
             self.send_failure(failure.tokenizer_id, failure.request_id, failure.code, failure.message)
+
+    def emit_embeddings(self, outputs: StepOutputs) -> None:
+        """An embedding step's vectors, each as its request's one and final delta, straight to the
+        request's tokenizer: there is no text for a detokenizer to make. A vector delivered twice
+        (a resubmission) is the same vector, and the tokenizer forwards only the first."""
+        assert outputs.embeddings is not None
+        batches: dict[int, list[m.Delta]] = defaultdict(list)
+        for j, vector in enumerate(outputs.embeddings):
+            usage = m.Usage(outputs.num_prompt_tokens[j], 0)
+            delta = m.Delta(
+                outputs.request_ids[j],
+                0,
+                0,
+                "",
+                b"",
+                finish_reason="stop",
+                usage=usage,
+                embedding=vector.tobytes(),
+            )
+            batches[outputs.tokenizer_ids[j]].append(delta)
+        for tokenizer_id, deltas in batches.items():
+            if 0 <= tokenizer_id < len(self.tokenizers):
+                self.tokenizers[tokenizer_id].put(m.DeltaBatch(deltas))
 
     # -- loop ----------------------------------------------------------------------------------
 

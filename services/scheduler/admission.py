@@ -65,6 +65,13 @@ class Admission:
                     req.num_prompt_tokens,
                     0,
                 )
+        budget = config.engine.max_num_batched_tokens
+        if config.pooling and req.num_prompt_tokens > budget:
+            # An embedding input runs whole in one step (mean pooling reads all of it at once).
+            raise PromptTooLong(
+                f"request {req.request_id!r}: an embedding input of {req.num_prompt_tokens} tokens is over "
+                f"the {budget} one step holds (engine.max_num_batched_tokens)"
+            )
         if req.num_tokens >= config.max_model_len:
             raise PromptTooLong(
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "

@@ -33,6 +33,11 @@ class SchedulerConfig:
     long_rope_from: int = 0
     # Speculative decoding (docs/speculative.md): None, or what proposes tokens to verify.
     proposer: Proposer | None = None
+    # An embedding model (services/common/pooling.py; "" = it generates): every request is one
+    # whole-prompt step whose pooled vector the scheduler truncates and, where `normalize`,
+    # normalizes (finish_vector).
+    pooling: str = ""
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -79,6 +84,8 @@ class SchedulerConfig:
             sliding_window=first.sliding_window,
             long_rope_from=first.long_rope_from,
             proposer=proposer,
+            pooling=first.pooling,
+            normalize=first.normalize,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:

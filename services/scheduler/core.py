@@ -262,6 +262,8 @@ class Scheduler:
         applied. The caller then plans each step after the last one's result."""
         if self.speculation is not None and self.state.table.num_may_speculate_rows:
             return False
+        if self.state.config.pooling:  # an embedding request ends with its one step: no decode follows
+            return False
         return self.decode.can_plan_ahead
 
     # -- results --------------------------------------------------------------------------------
@@ -275,10 +277,11 @@ class Scheduler:
         top_logprobs: np.ndarray | None = None,
         prompt_scores: PromptScoreArrays | None = None,
         emitted: EmittedArrays | None = None,
+        pooled: np.ndarray | None = None,
     ) -> StepOutputs:
         """Apply one step's result (`Results.update`): append sampled tokens (and the tokens each
-        verification emitted), finish sequences, cache full blocks, keep prompt logprobs. Entries
-        of requests gone since the step was planned are ignored."""
+        verification emitted), finish sequences, cache full blocks, keep prompt logprobs, take an
+        embedding step's vectors. Entries of requests gone since the step was planned are ignored."""
         return self.results.update(
-            step, sampled_ids, sampled_logprobs, top_ids, top_logprobs, prompt_scores, emitted
+            step, sampled_ids, sampled_logprobs, top_ids, top_logprobs, prompt_scores, emitted, pooled
         )

@@ -136,6 +136,8 @@ class StepPipeline:
                 header = ResultHeader(header.step_id, header.num_seqs, "step result: no prompt logprobs")
             if not header.error and entry.step.proposals and "emitted_ids" not in arrays:
                 header = ResultHeader(header.step_id, header.num_seqs, "step result: no emitted tokens")
+            if not header.error and self.core.config.pooling and "pooled" not in arrays:
+                header = ResultHeader(header.step_id, header.num_seqs, "step result: no pooled vectors")
             if header.error:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
@@ -155,6 +157,7 @@ class StepPipeline:
                 EmittedArrays(*(arrays[name] for name in EMITTED_ARRAYS))
                 if "emitted_ids" in arrays
                 else None,
+                arrays.get("pooled"),
             )
 
     def _fail(self, entry: InFlight, error: str) -> None:

@@ -47,6 +47,7 @@ class Prefill:
         blocks = state.blocks
         num_computed = state.table.num_computed
         is_windowed = state.config.sliding_window > 0
+        is_whole = bool(state.config.pooling)  # an embedding run never chunks a prompt
         chunks = Chunks()
 
         # Prompts (or recomputes) already under way.
@@ -80,8 +81,8 @@ class Prefill:
             done = len(hits) * bs
             room = (len(hits) + blocks.num_available_besides(hits)) * bs - done
             n = min(req.num_tokens - done, budget, room)
-            if n <= 0:
-                break
+            if n <= 0 or (is_whole and n < req.num_tokens):
+                break  # an embedding input runs whole: it waits for a step with room for all of it
             waiting.pop(0)
             if req.num_preemptions == 0:
                 self.queue_times.append(time.monotonic() - req.arrival_time)
@@ -121,9 +122,10 @@ class Prefill:
         """Cached blocks covering a prefix of the request, always leaving its last token to compute
         (so there are logits to sample, and no write lands in a shared block). A request still
         collecting prompt logprobs takes none: the worker must compute every prompt position's
-        logits, which cached blocks would skip (its own blocks still join the cache)."""
+        logits, which cached blocks would skip (its own blocks still join the cache). Nor does an
+        embedding input: its pooling reads every token's state, in one step."""
         blocks = self.state.blocks
-        if not blocks.enable_prefix_caching or req.scores_from is not None:
+        if not blocks.enable_prefix_caching or req.scores_from is not None or self.state.config.pooling:
             return []
         bs = self.state.block_size
         num_full = (req.num_tokens - 1) // bs

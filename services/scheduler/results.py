@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from ipc.messages import SamplingParams, StepTokens
+from services.common.pooling import finish_vector
 from services.scheduler.decode import SteadyDecode
 from services.scheduler.grammar_matcher import GrammarViolation
 from services.scheduler.plan import UPDATE_COLUMNS, ScheduledStep
@@ -71,6 +72,7 @@ class StepOutputs:
     indexing or iterating gives a `RequestOutput` per request (for tests and tools)."""
 
     __slots__ = (
+        "embeddings",
         "failures",
         "finish_reasons",
         "logprobs",
@@ -107,6 +109,9 @@ class StepOutputs:
         # Requests this step failed, gone from the scheduler: their error goes to their tokenizer
         # (an error reply with its reason), and their token of this step nowhere.
         self.failures: list[RequestFailure] = []
+        # An embedding step's vectors, one per entry, as each request gets it (finish_vector);
+        # None in a run that generates.
+        self.embeddings: list[np.ndarray] | None = None
 
     @classmethod
     def empty(cls) -> StepOutputs:
@@ -131,6 +136,8 @@ class StepOutputs:
             self.num_cached_tokens + more.num_cached_tokens,
         )
         joined.failures = self.failures + more.failures
+        if self.embeddings is not None or more.embeddings is not None:
+            joined.embeddings = (self.embeddings or []) + (more.embeddings or [])
         return joined
 
     def __getitem__(self, j: int) -> RequestOutput:
@@ -205,9 +212,11 @@ class Results:
         top_logprobs: np.ndarray | None = None,
         prompt_scores: PromptScoreArrays | None = None,
         emitted: EmittedArrays | None = None,
+        pooled: np.ndarray | None = None,
     ) -> StepOutputs:
         """Apply one step's result: append sampled tokens (a verifying row's: all it emitted),
-        finish sequences, cache full blocks, keep the prompt logprobs of the step's `prompt_spans`.
+        finish sequences, cache full blocks, keep the prompt logprobs of the step's `prompt_spans`,
+        and an embedding step's `pooled` vectors (one per sampled entry of StepOutputs).
 
         Entries of requests preempted, aborted or replaced since the step was planned are ignored.
         The result arrays may be views into a ring slot: nothing returned refers to them.
@@ -244,7 +253,20 @@ class Results:
             return self._apply_samples(
                 step, sampled, live, sampled_ids, sampled_logprobs, top_ids, top_logprobs
             ).extend(verified)
-        return self._apply_samples(step, sampled, live, sampled_ids, sampled_logprobs, top_ids, top_logprobs)
+        outputs = self._apply_samples(
+            step, sampled, live, sampled_ids, sampled_logprobs, top_ids, top_logprobs
+        )
+        if pooled is not None:
+            normalize = state.config.normalize
+            outputs.embeddings = [
+                finish_vector(pooled[i], self._dimensions(seqs[i].params), normalize)
+                for i in sampled.tolist()
+            ]
+        return outputs
+
+    @staticmethod
+    def _dimensions(params: SamplingParams) -> int:
+        return params.embed.dimensions if params.embed is not None else 0
 
     def _apply_samples(
         self,

@@ -13,6 +13,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMe
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
+from services.common.pooling import embedding_of
 from services.common.text import Tokenizer
 from services.metrics import RequestMetrics
 from services.peers import Peers
@@ -66,6 +67,7 @@ class TokenizerProcess(StageProcess):
                 config.model.override_generation_config,
                 is_embedded_model=not config.model.path,
             ),
+            embedding=embedding_of(config.model, Path(stage.info.model_dir)),
         )
         self.next_stall_check = 0.0
         self.num_events = 0

