@@ -187,6 +187,8 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_loras: NonNegative = 0  # resident adapter slots per worker; 0 = adapters off
     max_rank: Positive = 64  # an adapter of a higher rank is refused
     adapters: dict[str, str] = {}  # name -> PEFT adapter directory, loaded at start
+    # An unload that waits for the requests using its adapter gives up (409) after this long.
+    unload_wait_s: Seconds = 60.0
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -201,7 +201,20 @@ class Health(msgspec.Struct, tag=True, gc=False):
     request_ids: list[str] = []
 
 
-ClientRequest = Union[Generate, Abort, Health]
+class AdapterCommand(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Load, unload or list LoRA adapters (docs/lora.md "Loading at run time"): client ->
+    tokenizer, which sends it on to every engine group's scheduler (as an AdapterRequest); the
+    scheduler owns the list and has its workers load the adapter. `wait` (unload): wait up to
+    lora.unload_wait_s for the requests using the adapter to finish, or refuse at once."""
+
+    request_id: str
+    op: Literal["load", "unload", "list"]
+    name: str = ""
+    path: str = ""
+    wait: bool = True
+
+
+ClientRequest = Union[Generate, Abort, Health, AdapterCommand]
 
 
 class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -241,7 +254,18 @@ class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
     missing: list[str] = []
 
 
-ClientReply = Union[Delta, ErrorReply, HealthReply]
+class AdapterReply(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """The outcome of an AdapterCommand (scheduler -> tokenizer, then tokenizer -> client): `code`
+    "" when done, else an error code (invalid_request, model_not_found, adapter_in_use,
+    unavailable) with its message; `adapters` is every adapter loaded after it, name -> path."""
+
+    request_id: str
+    code: str = ""
+    message: str = ""
+    adapters: dict[str, str] = {}
+
+
+ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]
 
 # ---------------------------------------------------------------------------
 # tokenizer -> scheduler, detokenizer -> scheduler (PUSH -> PULL)
@@ -273,7 +297,15 @@ class QueryRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
     request_ids: list[str]
 
 
-SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests]
+class AdapterRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Tokenizer -> scheduler: a client's AdapterCommand, under an id of the tokenizer's own; the
+    scheduler answers with an AdapterReply of that id."""
+
+    tokenizer_id: int
+    command: AdapterCommand
+
+
+SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests, AdapterRequest]
 
 # ---------------------------------------------------------------------------
 # scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
@@ -417,7 +449,9 @@ class ResubmitShard(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_shards: int
 
 
-TokenizerInput = Union[DeltaBatch, RequestFailed, RequestProgress, UntrackedRequests, ResubmitAll]
+TokenizerInput = Union[
+    DeltaBatch, RequestFailed, RequestProgress, UntrackedRequests, ResubmitAll, AdapterReply
+]
 
 # ---------------------------------------------------------------------------
 # every stage <-> supervisor (DEALER -> ROUTER)
@@ -515,6 +549,42 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # LongRoPE (Phi-3): original_max_position_embeddings, past which a sequence rotates every
     # position with the long factors (the scheduler recomputes it then); 0 without LongRoPE.
     long_rope_from: int = 0
+    # The scheduler's echo: the LoRA adapters its slots hold, which a (re)started worker loads
+    # before it reads a step (adapters loaded at run time survive a worker restart this way).
+    adapters: list[AdapterSlot] = []
+
+
+class AdapterSlot(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A LoRA adapter in a worker slot."""
+
+    slot: int
+    name: str
+    path: str
+
+
+class LoadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Scheduler -> worker: check the adapter at `path` against the model and put it in `slot`
+    (free: no request uses it); the worker answers AdapterLoaded."""
+
+    adapter: AdapterSlot
+
+
+class UnloadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Scheduler -> worker: the adapter in `slot` is gone (no request uses it any more)."""
+
+    slot: int
+
+
+class AdapterLoaded(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Worker -> scheduler: the LoadAdapter of `slot` done (`error` "") or refused, and why."""
+
+    rank: int
+    slot: int
+    error: str = ""
+
+
+WorkerInput = Union[WorkerHello, LoadAdapter, UnloadAdapter]
+WorkerOutput = Union[WorkerHello, AdapterLoaded]
 
 
 # In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row

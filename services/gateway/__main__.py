@@ -118,6 +118,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_oversized_requests=config.max_oversized_requests,
         oversized_window_s=config.oversized_window_s,
         adapters=tuple(stage.config.lora.adapters),
+        max_loras=stage.config.lora.max_loras,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

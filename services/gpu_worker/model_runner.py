@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
@@ -16,7 +17,7 @@ from ipc.validation import MAX_LOGPROBS
 from services.gpu_worker.architectures import ModelConfig
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
-from services.gpu_worker.lora import LoraBatch, LoraSlots, load_adapter
+from services.gpu_worker.lora import AdapterError, LoraBatch, LoraSlots, load_adapter
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import MIN_TEMPERATURE, Sampler
@@ -133,9 +134,50 @@ class ModelRunner:
             )
         slots = LoraSlots(self.model, max_loras, max_rank)
         for slot, (name, path) in enumerate(adapters.items()):
-            slots.load(slot, load_adapter(name, path, self.model, max_rank))
+            slots.load(slot, load_adapter(name, path, self.model, max_rank), path)
             log.info("LoRA adapter %s (%s) in slot %d", name, path, slot)
         return slots
+
+    def load_lora(self, adapter: m.AdapterSlot) -> str:
+        """An adapter loaded at run time: checked against the model as at start, then put in its
+        slot (one no step uses: the scheduler's choice). The refusal's message, or "" when loaded."""
+        if self.lora is None:
+            return "LoRA adapters are off (lora.max_loras is 0)"
+        if not 0 <= adapter.slot < self.lora.max_loras:
+            return f"adapter {adapter.name!r}: slot {adapter.slot} out of range [0, {self.lora.max_loras})"
+        try:
+            loaded = load_adapter(adapter.name, adapter.path, self.model, self.lora.max_rank)
+        except AdapterError as exc:
+            return str(exc)
+        except Exception as exc:  # a file no check foresaw: this adapter is refused, the worker serves on
+            log.exception("loading LoRA adapter %r failed", adapter.name)
+            return f"adapter {adapter.name!r}: {type(exc).__name__}: {exc}"[:1000]
+        self.lora.load(adapter.slot, loaded, adapter.path)
+        log.info("LoRA adapter %s (%s) in slot %d", adapter.name, adapter.path, adapter.slot)
+        return ""
+
+    def unload_lora(self, slot: int) -> None:
+        if self.lora is not None and 0 <= slot < self.lora.max_loras:
+            log.info("LoRA adapter %s out of slot %d", self.lora.names[slot], slot)
+            self.lora.clear(slot)
+
+    def sync_loras(self, adapters: list[m.AdapterSlot]) -> None:
+        """Make the slots hold what the scheduler says they hold (its hello echo): a restarted
+        worker gets back the adapters loaded at run time. One that no longer loads (its files
+        changed) leaves its slot empty, and a step that uses it is refused (InvalidPlan)."""
+        if self.lora is None:
+            return
+        wanted = {adapter.slot: adapter for adapter in adapters}
+        for slot in range(self.lora.max_loras):
+            adapter = wanted.get(slot)
+            if adapter is None:
+                if self.lora.names[slot] is not None:
+                    self.unload_lora(slot)
+            elif (self.lora.names[slot], self.lora.paths[slot]) != (adapter.name, adapter.path):
+                error = self.load_lora(adapter)
+                if error:
+                    log.error("LoRA adapter %s could not be loaded again: %s", adapter.name, error)
+                    self.lora.clear(slot)
 
     def lora_batch(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> LoraBatch | None:
         """The step's adapters from the plan's lora_slots (one per row, -1 = none), or None."""

@@ -16,11 +16,12 @@ import signal
 import time
 from collections import defaultdict
 
+import msgspec
 import numpy as np
 import zmq
 
 from ipc import messages as m
-from ipc.codec import SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
+from ipc.codec import SCHEDULER_INPUT, WORKER_INPUT, WORKER_OUTPUT, MalformedMessage
 from ipc.config import SpeculativeConfig
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
@@ -36,6 +37,7 @@ from services.common.grammar_compiler import (
 )
 from services.metrics import EngineMetrics
 from services.peers import Peers
+from services.scheduler.adapters import Adapters
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
@@ -65,7 +67,7 @@ class SchedulerProcess(StageProcess):
         self.group = stage.index
         self.inbox = PullQueue(self.ctx, stage.endpoints.scheduler_in(self.group), SCHEDULER_INPUT, bind=True)
         self.workers = RouterSocket(
-            self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_HELLO, WORKER_HELLO
+            self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_OUTPUT, WORKER_INPUT
         )
         self.peers = Peers(self.ctx, stage, tokenizers=True, detokenizers=True)
         self.tokenizers, self.detokenizers = (
@@ -88,6 +90,17 @@ class SchedulerProcess(StageProcess):
         self.num_late_steps = 0  # workers replaced for a late step since the last step finished
         self.num_tokens = 0
         self.metrics = EngineMetrics(stage.info.model, self.group)
+        lora = config.lora
+        self.adapters = Adapters(
+            lora.max_loras,
+            lora.adapters,
+            stage.run_dir / f"lora-adapters-{self.group}.json",
+            lora.unload_wait_s,
+            stage.info.model,
+            users=self.num_adapter_users,
+            reply=self.reply_to_tokenizer,
+            to_workers=self.send_to_workers,
+        )
         self.poller = zmq.Poller()
         for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
             self.poller.register(sock, zmq.POLLIN)
@@ -108,6 +121,8 @@ class SchedulerProcess(StageProcess):
                 self.submit(message)
             elif isinstance(message, m.AbortRequest):
                 self.abort(message.request_id)
+            elif isinstance(message, m.AdapterRequest):
+                self.adapters.command(message, self.world_size, workers_up=bool(self.worker_pids))
             else:
                 self.report_progress(message)
 
@@ -129,9 +144,9 @@ class SchedulerProcess(StageProcess):
         except InvalidParams as exc:
             self.refuse(submit, exc.code, str(exc))
             return
-        adapter, adapters = submit.params.adapter, list(self.stage.config.lora.adapters)
-        if adapter and adapter not in adapters:
-            self.refuse(submit, "invalid_request", f"unknown LoRA adapter {adapter!r}; served: {adapters}")
+        lora_slot = self.adapters.slot_for(submit.params.adapter) if submit.params.adapter else -1
+        if isinstance(lora_slot, str):
+            self.refuse(submit, "invalid_request", lora_slot)
             return
         request = Request(
             request_id=submit.request_id,
@@ -141,7 +156,7 @@ class SchedulerProcess(StageProcess):
             params=submit.params,
             arrival_time=time.monotonic(),
         )
-        request.lora_slot = adapters.index(adapter) if adapter else -1
+        request.lora_slot = lora_slot
         try:
             finished = self.core.add(request)
         except (Overloaded, PromptTooLong, ValueError) as exc:
@@ -254,6 +269,21 @@ class SchedulerProcess(StageProcess):
             prompt_logprobs=prompt_logprobs(request),
         )
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def num_adapter_users(self, name: str) -> int:
+        """The group's requests (queued, running, or waiting for the workers) that use adapter `name`."""
+        live = self.core.requests.values() if self.core is not None else ()
+        return sum(r.params.adapter == name for r in live) + sum(s.params.adapter == name for s in self.early)
+
+    def reply_to_tokenizer(self, tokenizer_id: int, reply: m.AdapterReply) -> None:
+        if 0 <= tokenizer_id < len(self.tokenizers):
+            self.tokenizers[tokenizer_id].put(reply)
+
+    def send_to_workers(self, command: m.LoadAdapter | m.UnloadAdapter) -> None:
+        for rank in range(self.world_size):
+            self.workers.send(f"rank-{rank}".encode(), command)
+
     # -- workers -------------------------------------------------------------------------------
 
     def accept_hellos(self) -> None:
@@ -265,7 +295,10 @@ class SchedulerProcess(StageProcess):
                 continue
             if received is None:
                 return
-            self.on_hello(received[1])
+            if isinstance(received[1], m.AdapterLoaded):
+                self.adapters.on_loaded(received[1])
+            else:
+                self.on_hello(received[1])
 
     def on_hello(self, hello: m.WorkerHello) -> None:
         self.hellos[hello.rank] = hello
@@ -274,8 +307,17 @@ class SchedulerProcess(StageProcess):
         # Every rank is here: start from clean rings, then let the workers read.
         self.step_ring.reset()
         self.result_ring.reset()
+        # The echo lists the adapters in the slots: a restarted worker loads them before a step.
+        adapters = self.adapters.resident()
         for rank in range(self.world_size):
-            self.workers.send(f"rank-{rank}".encode(), self.hellos[rank])
+            echo = msgspec.structs.replace(self.hellos[rank], adapters=adapters)
+            self.workers.send(f"rank-{rank}".encode(), echo)
+        if self.core is not None and self.pipeline is not None:
+            # Workers started again, perhaps without a step noticing the old ones die (an idle
+            # group): whatever the scheduler thinks their KV cache holds is gone, the prefix
+            # cache's blocks too, and their LoRA slots hold only what the echo lists.
+            self.pipeline.drop_in_flight()
+            self.core.preempt_all()
         self.worker_pids = [h.pid for h in self.hellos.values()]
         first = self.hellos[0]
         self.vocab_size = first.vocab_size
@@ -350,6 +392,7 @@ class SchedulerProcess(StageProcess):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         self.worker_pids = []
+        self.adapters.fail_loads("the engine's workers restarted")
         if self.core is not None and self.pipeline is not None:
             self.pipeline.drop_in_flight()
             self.core.preempt_all()
@@ -427,7 +470,7 @@ class SchedulerProcess(StageProcess):
         """How long the loop may wait on its sockets when no step ran."""
         if self.core is not None and self.core.num_compiling:
             return COMPILE_POLL_MS
-        if self.pipeline is not None and self.pipeline.has_work:
+        if (self.pipeline is not None and self.pipeline.has_work) or self.adapters.has_pending:
             return BLOCKED_POLL_MS
         # Nothing to do: every input (requests, hellos, commands) wakes the poll, so only the next
         # heartbeat bounds it; waking 20 times a second for nothing took CPU from the workers.
@@ -440,6 +483,8 @@ class SchedulerProcess(StageProcess):
         self.drain_inbox()
         self.poll_grammars()
         self.accept_hellos()
+        if self.adapters.has_pending:
+            self.adapters.poll()
         outputs = None
         if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:
             try:
