@@ -549,37 +549,36 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # LongRoPE (Phi-3): original_max_position_embeddings, past which a sequence rotates every
     # position with the long factors (the scheduler recomputes it then); 0 without LongRoPE.
     long_rope_from: int = 0
-    # The scheduler's echo: the LoRA adapters its slots hold, which a (re)started worker loads
-    # before it reads a step (adapters loaded at run time survive a worker restart this way).
-    adapters: list[AdapterSlot] = []
+    # The scheduler's echo: every LoRA adapter loaded, which a (re)started worker loads into its
+    # host memory before it reads a step (adapters loaded at run time survive a worker restart).
+    adapters: list[AdapterSource] = []
 
 
-class AdapterSlot(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A LoRA adapter in a worker slot."""
+class AdapterSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A loaded LoRA adapter: its name and the PEFT directory it was read from."""
 
-    slot: int
     name: str
     path: str
 
 
 class LoadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
-    """Scheduler -> worker: check the adapter at `path` against the model and put it in `slot`
-    (free: no request uses it); the worker answers AdapterLoaded."""
+    """Scheduler -> worker: check the adapter against the model and keep it in host memory, ready
+    to be copied into a slot (the step header's lora_slots); the worker answers AdapterLoaded."""
 
-    adapter: AdapterSlot
+    adapter: AdapterSource
 
 
 class UnloadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
-    """Scheduler -> worker: the adapter in `slot` is gone (no request uses it any more)."""
+    """Scheduler -> worker: forget adapter `name` (no request uses it any more)."""
 
-    slot: int
+    name: str
 
 
 class AdapterLoaded(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
-    """Worker -> scheduler: the LoadAdapter of `slot` done (`error` "") or refused, and why."""
+    """Worker -> scheduler: the LoadAdapter of `name` done (`error` "") or refused, and why."""
 
     rank: int
-    slot: int
+    name: str
     error: str = ""
 
 
@@ -601,6 +600,9 @@ class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_tokens: int
     num_seqs: int
     max_top_logprobs: int
+    # The LoRA adapter each slot must hold for this step ("" = whatever it holds), when a row has
+    # one: the worker copies in, from host memory, those its slots do not hold yet.
+    lora_slots: list[str] = []
 
 
 class ResultHeader(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -137,16 +137,16 @@ EXAMPLES: dict[str, list] = {
             49152,
             2048,
             [2],
-            adapters=[m.AdapterSlot(1, "sql", "/adapters/sql")],
+            adapters=[m.AdapterSource("sql", "/adapters/sql")],
         ),
-        m.LoadAdapter(m.AdapterSlot(0, "sql", "/adapters/sql")),
-        m.UnloadAdapter(0),
+        m.LoadAdapter(m.AdapterSource("sql", "/adapters/sql")),
+        m.UnloadAdapter("sql"),
     ],
     "WORKER_OUTPUT": [
         m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2]),
-        m.AdapterLoaded(0, 1, "adapter 'sql': rank 128 is over lora.max_rank (64)"),
+        m.AdapterLoaded(0, "sql", "adapter 'sql': rank 128 is over lora.max_rank (64)"),
     ],
-    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
+    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5), m.StepHeader(8, 1, 1, 0, ["sql", ""])],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
 }
 CODECS: dict[str, Codec] = {name: obj for name, obj in vars(C).items() if isinstance(obj, Codec)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -79,13 +80,17 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def lora_plan(runner, builder, chunks, adapter_of) -> tuple[dict, object]:
-    """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot."""
+def lora_plan(runner, builder, chunks, adapter_of, slots: list[str] | None = None) -> tuple[dict, object]:
+    """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot; `slots`: the
+    adapter the header names for each slot (the worker swaps them in before the step)."""
     arrays, header = builder.plan(chunks)
-    slots = [
+    if slots is not None:
+        header = msgspec.structs.replace(header, lora_slots=slots)
+        runner.swap_loras(slots)
+    row_slots = [
         -1 if adapter_of[seq] is None else runner.lora.names.index(adapter_of[seq]) for seq, *_ in chunks
     ]
-    arrays["lora_slots"] = np.array(slots, dtype=np.int32)
+    arrays["lora_slots"] = np.array(row_slots, dtype=np.int32)
     return arrays, header
 
 
@@ -303,7 +308,23 @@ def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
         make_runner(base, {"corrupt": corrupt})
 
 
-def test_more_adapters_than_slots_is_refused(lora_models):
-    base, paths, _ = lora_models
-    with pytest.raises(ValueError, match=r"names 3 adapters, over lora.max_loras \(2\)"):
-        make_runner(base, paths, max_loras=2)
+def test_adapters_beyond_the_slots_swap_in_from_host_memory(lora_models):
+    """Three adapters in host memory, one slot: each step's header names the slot's adapter and
+    the worker copies it in; every row's logits are its adapter's PeftModel's. A header that
+    names an adapter the worker does not hold is refused."""
+    base, paths, references = lora_models
+    runner = make_runner(base, paths, max_loras=1)
+    assert runner.lora.names == ["qv-r8"] and set(runner.lora_host) == set(ADAPTERS)
+    builder = PlanBuilder(BLOCK)
+    names = list(ADAPTERS) * 2  # interleaved: every step swaps
+    histories = {seq: list(range(3 + seq, 20 + seq)) for seq in range(len(names))}
+    swaps = runner.num_lora_swaps
+    for seq, name in enumerate(names):
+        arrays, header = lora_plan(runner, builder, [(seq, histories[seq], True)], {seq: name}, slots=[name])
+        logits = step_logits(runner, arrays, header)
+        expected = reference_logits(references[name], histories[seq])
+        torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=2e-4, msg=f"seq {seq} ({name})")
+    assert runner.num_lora_swaps - swaps == len(names) - 1  # the first one was in the slot already
+    arrays, header = lora_plan(runner, builder, [(len(names), [5, 6, 7], True)], {len(names): names[-1]})
+    with pytest.raises(InvalidPlan, match="LoRA adapter 'nope' is not loaded in this worker"):
+        runner.execute(arrays, msgspec.structs.replace(header, lora_slots=["nope"]))

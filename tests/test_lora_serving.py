@@ -316,7 +316,10 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         assert stream("sql-lora", during=load_and_try_unload) == alone
         assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
         assert complete("chat-lora") == expected["chat-lora"]
-        with pytest.raises(openai.BadRequestError, match=r"all lora.max_loras \(2\) adapter slots are taken"):
+        with pytest.raises(
+            openai.BadRequestError,
+            match=r"2 LoRA adapters are loaded, as many as lora.max_cpu_loras \(or lora.max_loras\) allows",
+        ):
             load("third", adapters["chat-lora"])
 
         # An unload that waits: the stream under chat-lora keeps its adapter to its end.
@@ -350,4 +353,47 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
         assert complete("chat-lora") == expected["chat-lora"]
         assert complete("base") == expected["base"]
+    assert_clean(run_dir)
+
+
+def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path: Path) -> None:
+    """lora.max_loras 1 and three adapters waiting in host memory (lora.max_cpu_loras 3), asked for
+    all at once, interleaved with the base model: each request's greedy tokens are its adapter's
+    PeftModel's. The scheduler never runs two adapters in one step and swaps the slot between
+    them (the one slot makes every adapter change a swap)."""
+    import openai
+
+    from tests.test_lora import save_random_adapter
+
+    base, adapters = lora_serving
+    third = save_random_adapter(
+        base, tmp_path / "third", 7, r=16, lora_alpha=16, target_modules=["v_proj", "up_proj"]
+    )
+    adapters = {**adapters, "third-lora": third}
+    references = peft_references(base, adapters)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, 20 + i).tolist() for i in range(8)]
+    models = ["sql-lora", "chat-lora", "third-lora", "base"] * 2
+    expected = [greedy(references[model], prompt) for model, prompt in zip(models, prompts, strict=True)]
+    listed = "{" + ", ".join(f"{name}: {path}" for name, path in adapters.items()) + "}"
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=1",
+        "lora.max_cpu_loras=3", f"lora.adapters={listed}", "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def complete(job: tuple[str, list[int]]) -> list[int]:
+            model, prompt = job
+            reply = api.completions.create(
+                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+            )  # fmt: skip
+            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(len(models)) as pool:
+            got = list(pool.map(complete, zip(models, prompts, strict=True)))
+        for model, tokens, want in zip(models, got, expected, strict=True):
+            assert tokens == want, model
     assert_clean(run_dir)

@@ -81,8 +81,8 @@ class WorkerProcess(StageProcess):
         return False
 
     def on_scheduler(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
-        """The scheduler's adapter commands, between steps: no step in flight reads a slot it
-        changes (it loads only into a slot no request uses, and unloads one no request uses)."""
+        """The scheduler's adapter commands, between steps: they change the adapters in host
+        memory, never a slot (only a step's header does)."""
         while True:
             try:
                 command = scheduler.recv(0)
@@ -94,9 +94,9 @@ class WorkerProcess(StageProcess):
                 return
             if isinstance(command, m.LoadAdapter):
                 error = runner.load_lora(command.adapter)
-                scheduler.send(m.AdapterLoaded(self.args.rank, command.adapter.slot, error))
+                scheduler.send(m.AdapterLoaded(self.args.rank, command.adapter.name, error))
             elif isinstance(command, m.UnloadAdapter):
-                runner.unload_lora(command.slot)
+                runner.unload_lora(command.name)
 
     def serve_steps(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
         stage, group, rank = self.stage, self.stage.index, self.args.rank

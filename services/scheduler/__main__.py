@@ -92,7 +92,7 @@ class SchedulerProcess(StageProcess):
         self.metrics = EngineMetrics(stage.info.model, self.group)
         lora = config.lora
         self.adapters = Adapters(
-            lora.max_loras,
+            max(lora.max_cpu_loras, lora.max_loras),
             lora.adapters,
             stage.run_dir / f"lora-adapters-{self.group}.json",
             lora.unload_wait_s,
@@ -100,6 +100,7 @@ class SchedulerProcess(StageProcess):
             users=self.num_adapter_users,
             reply=self.reply_to_tokenizer,
             to_workers=self.send_to_workers,
+            on_unloaded=self.forget_adapter,
         )
         self.poller = zmq.Poller()
         for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
@@ -144,9 +145,9 @@ class SchedulerProcess(StageProcess):
         except InvalidParams as exc:
             self.refuse(submit, exc.code, str(exc))
             return
-        lora_slot = self.adapters.slot_for(submit.params.adapter) if submit.params.adapter else -1
-        if isinstance(lora_slot, str):
-            self.refuse(submit, "invalid_request", lora_slot)
+        refusal = self.adapters.refusal(submit.params.adapter) if submit.params.adapter else ""
+        if refusal:
+            self.refuse(submit, "invalid_request", refusal)
             return
         request = Request(
             request_id=submit.request_id,
@@ -156,7 +157,6 @@ class SchedulerProcess(StageProcess):
             params=submit.params,
             arrival_time=time.monotonic(),
         )
-        request.lora_slot = lora_slot
         try:
             finished = self.core.add(request)
         except (Overloaded, PromptTooLong, ValueError) as exc:
@@ -284,6 +284,11 @@ class SchedulerProcess(StageProcess):
         for rank in range(self.world_size):
             self.workers.send(f"rank-{rank}".encode(), command)
 
+    def forget_adapter(self, name: str) -> None:
+        """An adapter unloaded: the slot that held it is free (a new load of the name is copied in)."""
+        if self.core is not None:
+            self.core.state.lora.forget(name)
+
     # -- workers -------------------------------------------------------------------------------
 
     def accept_hellos(self) -> None:
@@ -307,8 +312,8 @@ class SchedulerProcess(StageProcess):
         # Every rank is here: start from clean rings, then let the workers read.
         self.step_ring.reset()
         self.result_ring.reset()
-        # The echo lists the adapters in the slots: a restarted worker loads them before a step.
-        adapters = self.adapters.resident()
+        # The echo lists the adapters loaded: a restarted worker loads them before a step.
+        adapters = self.adapters.sources()
         for rank in range(self.world_size):
             echo = msgspec.structs.replace(self.hellos[rank], adapters=adapters)
             self.workers.send(f"rank-{rank}".encode(), echo)
@@ -328,6 +333,7 @@ class SchedulerProcess(StageProcess):
                     self.stage.config.model.max_model_len,
                     [self.hellos[rank] for rank in range(self.world_size)],
                     proposer(self.stage.config.speculative),
+                    self.stage.config.lora.max_loras,
                 ),
                 self.load_grammars(first),
             )

@@ -1,13 +1,14 @@
 """The LoRA adapters an engine group serves, owned by its scheduler (docs/lora.md "Loading at run
-time"): which worker slot holds which adapter, the loads waiting for every worker's answer, and
-the unloads waiting for the requests that use their adapter.
+time"): the adapters loaded, the loads waiting for every worker's answer, and the unloads waiting
+for the requests that use their adapter. Which slot holds which adapter is another matter
+(lora_residency.py).
 
-A load takes a free slot and asks every worker to check the adapter and put it there; the adapter
-serves once all have, and a refusal frees the slot and answers with the worker's message. An
-unload waits (up to lora.unload_wait_s) or refuses while requests use the adapter; a running
-request's adapter never changes, since its slot is neither unloaded nor reused under it. The
-table is written to a file of the run dir at each change, so that a restarted scheduler serves the
-same adapters, and every worker's hello is answered with it, so that a restarted worker loads them.
+A load asks every worker to check the adapter and keep it in host memory; the adapter serves once
+all have, and a refusal answers with the worker's message. An unload waits (up to
+lora.unload_wait_s) or refuses while requests use the adapter, so a running request's adapter
+never goes away under it. The list is written to a file of the run dir at each change, so that a
+restarted scheduler serves the same adapters, and every worker's hello is answered with it, so
+that a restarted worker loads them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ReplyTo = tuple[int, str]  # the tokenizer and its id of the command
 @dataclass
 class PendingLoad:
     reply_to: ReplyTo
-    adapter: m.AdapterSlot
+    adapter: m.AdapterSource
     waiting: set[int]  # the ranks that have not answered
     deadline: float
     error: str = ""
@@ -45,13 +46,14 @@ class PendingUnload:
 
 
 class Adapters:
-    """The group's adapter table and its commands in progress. `users(name)` counts the requests
-    of the group that use an adapter; `reply` answers a command; `to_workers` sends every worker
-    a LoadAdapter or UnloadAdapter."""
+    """The group's adapters and its commands in progress: at most `capacity` loaded (lora's
+    max_cpu_loras, or max_loras). `users(name)` counts the requests of the group that use an
+    adapter; `reply` answers a command; `to_workers` sends every worker a LoadAdapter or
+    UnloadAdapter; `on_unloaded` is told an adapter is gone."""
 
     def __init__(
         self,
-        max_loras: int,
+        capacity: int,
         static: dict[str, str],
         state_file: Path,
         unload_wait_s: float,
@@ -59,22 +61,22 @@ class Adapters:
         users: Callable[[str], int],
         reply: Callable[[int, m.AdapterReply], None],
         to_workers: Callable[[m.LoadAdapter | m.UnloadAdapter], None],
+        on_unloaded: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.max_loras, self.state_file, self.unload_wait_s = max_loras, state_file, unload_wait_s
+        self.capacity, self.state_file, self.unload_wait_s = capacity, state_file, unload_wait_s
         self.base_model = base_model
         self.users, self.reply, self.to_workers, self.clock = users, reply, to_workers, clock
-        self.slots: list[m.AdapterSlot | None] = [None] * max_loras
-        for adapter in self._saved() or [m.AdapterSlot(i, n, p) for i, (n, p) in enumerate(static.items())]:
-            if 0 <= adapter.slot < max_loras:
-                self.slots[adapter.slot] = adapter
-        self.loading: dict[int, PendingLoad] = {}  # by slot
+        self.on_unloaded = on_unloaded
+        saved = self._saved()
+        self.loaded: dict[str, str] = dict(static) if saved is None else saved  # name -> path
+        self.loading: dict[str, PendingLoad] = {}  # by adapter name
         self.unloading: dict[str, PendingUnload] = {}  # by adapter name
 
-    def _saved(self) -> list[m.AdapterSlot] | None:
-        """The table a scheduler of this group wrote before it restarted, if any."""
+    def _saved(self) -> dict[str, str] | None:
+        """The list a scheduler of this group wrote before it restarted, if any."""
         with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
-            return msgspec.json.decode(self.state_file.read_bytes(), type=list[m.AdapterSlot])
+            return msgspec.json.decode(self.state_file.read_bytes(), type=dict[str, str])
         return None
 
     def _save(self) -> None:
@@ -83,25 +85,21 @@ class Adapters:
         keeps the table in memory only: a restarted scheduler then serves lora.adapters."""
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_bytes(msgspec.json.encode(self.resident()))
+            tmp.write_bytes(msgspec.json.encode(self.loaded))
             tmp.replace(self.state_file)
 
     # -- what requests see ---------------------------------------------------------------------
 
-    def resident(self) -> list[m.AdapterSlot]:
-        return [adapter for adapter in self.slots if adapter is not None]
+    def sources(self) -> list[m.AdapterSource]:
+        return [m.AdapterSource(name, path) for name, path in self.loaded.items()]
 
-    def loaded(self) -> dict[str, str]:
-        return {adapter.name: adapter.path for adapter in self.resident()}
-
-    def slot_for(self, name: str) -> int | str:
-        """The slot a new request for adapter `name` runs with, or why it cannot."""
-        for adapter in self.resident():
-            if adapter.name == name:
-                if name in self.unloading:
-                    return f"the LoRA adapter {name!r} is being unloaded"
-                return adapter.slot
-        return f"unknown LoRA adapter {name!r}; served: {sorted(self.loaded())}"
+    def refusal(self, name: str) -> str:
+        """Why a new request may not use adapter `name` ("" when it may)."""
+        if name not in self.loaded:
+            return f"unknown LoRA adapter {name!r}; served: {sorted(self.loaded)}"
+        if name in self.unloading:
+            return f"the LoRA adapter {name!r} is being unloaded"
+        return ""
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -115,7 +113,7 @@ class Adapters:
             self._unload(reply_to, command)
 
     def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "") -> None:
-        self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, self.loaded()))
+        self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded)))
 
     def _load(self, reply_to: ReplyTo, command: m.AdapterCommand, world_size: int, workers_up: bool) -> None:
         name, path = command.name, command.path
@@ -126,54 +124,52 @@ class Adapters:
         if not workers_up:
             self._answer(reply_to, "unavailable", "the engine's workers are starting; try again")
             return
-        taken = {adapter.slot for adapter in self.resident()} | set(self.loading)
-        slot = next(slot for slot in range(self.max_loras) if slot not in taken)
-        adapter = m.AdapterSlot(slot, name, path)
-        self.loading[slot] = PendingLoad(
+        adapter = m.AdapterSource(name, path)
+        self.loading[name] = PendingLoad(
             reply_to, adapter, set(range(world_size)), self.clock() + LOAD_TIMEOUT_S
         )
         self.to_workers(m.LoadAdapter(adapter))
 
     def _load_refusal(self, name: str, path: str) -> str:
-        if self.max_loras == 0:
+        if self.capacity == 0:
             return "LoRA adapters are off (lora.max_loras is 0)"
         if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
             return f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
         if name == self.base_model:
             return f"lora_name {name!r} is the base model's name"
-        if name in self.loaded() or any(p.adapter.name == name for p in self.loading.values()):
+        if name in self.loaded or name in self.loading:
             return f"the LoRA adapter {name!r} is already loaded"
         if not Path(path).is_absolute():
             return f"lora_path must be an absolute adapter directory, got {path!r}"
-        if len(self.resident()) + len(self.loading) >= self.max_loras:
+        if len(self.loaded) + len(self.loading) >= self.capacity:
             return (
-                f"all lora.max_loras ({self.max_loras}) adapter slots are taken "
-                f"({', '.join(sorted(self.loaded()))}); unload one first"
+                f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
+                f"allows ({', '.join(sorted(self.loaded))}); unload one first"
             )
         return ""
 
     def on_loaded(self, answer: m.AdapterLoaded) -> None:
         """A worker's answer to a load: the adapter serves once every rank has it."""
-        pending = self.loading.get(answer.slot)
+        pending = self.loading.get(answer.name)
         if pending is None:
             return
         pending.waiting.discard(answer.rank)
         pending.error = pending.error or answer.error
         if pending.waiting:
             return
-        del self.loading[answer.slot]
+        del self.loading[answer.name]
         if pending.error:
-            self.to_workers(m.UnloadAdapter(answer.slot))  # the ranks that did load it
+            self.to_workers(m.UnloadAdapter(answer.name))  # the ranks that did load it
             self._answer(pending.reply_to, "invalid_request", pending.error)
             return
-        self.slots[answer.slot] = pending.adapter
+        self.loaded[answer.name] = pending.adapter.path
         self._save()
         self._answer(pending.reply_to)
 
     def _unload(self, reply_to: ReplyTo, command: m.AdapterCommand) -> None:
         name = command.name
-        if name not in self.loaded():
-            message = f"the LoRA adapter {name!r} is not loaded; loaded: {sorted(self.loaded())}"
+        if name not in self.loaded:
+            message = f"the LoRA adapter {name!r} is not loaded; loaded: {sorted(self.loaded)}"
             self._answer(reply_to, "model_not_found", message)
             return
         if name in self.unloading:
@@ -203,10 +199,10 @@ class Adapters:
                 )
                 self._answer(pending.reply_to, "adapter_in_use", message)
                 continue
-            slot = next(adapter.slot for adapter in self.resident() if adapter.name == name)
-            self.slots[slot] = None
+            del self.loaded[name]
             self._save()
-            self.to_workers(m.UnloadAdapter(slot))
+            self.on_unloaded(name)
+            self.to_workers(m.UnloadAdapter(name))
             self._answer(pending.reply_to)
         if any(now >= pending.deadline for pending in self.loading.values()):
             self.fail_loads("the engine's workers did not answer the load in time")

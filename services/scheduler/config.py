@@ -33,6 +33,8 @@ class SchedulerConfig:
     long_rope_from: int = 0
     # Speculative decoding (docs/speculative.md): None, or what proposes tokens to verify.
     proposer: Proposer | None = None
+    # LoRA adapter slots in the workers (lora.max_loras; lora_residency.py): 0 = adapters off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -65,6 +67,7 @@ class SchedulerConfig:
         max_model_len: int,
         hellos: Sequence[m.WorkerHello],
         proposer: Proposer | None = None,
+        max_loras: int = 0,
     ) -> SchedulerConfig:
         """The config of a group whose workers all said hello (`hellos`, rank 0 first): the KV
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
@@ -79,6 +82,7 @@ class SchedulerConfig:
             sliding_window=first.sliding_window,
             long_rope_from=first.long_rope_from,
             proposer=proposer,
+            max_loras=max_loras,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:
