@@ -32,6 +32,11 @@ class StageRow(msgspec.Struct, frozen=True):
     gpu_memory_allocated: int = 0  # bytes, CUDA workers only
     gpu_memory_reserved: int = 0
     node: str = ""  # the Ray node it runs on; "" on the local backend
+    # A scheduler's LoRA adapters (docs/lora.md): every one loaded, and those that its running
+    # requests and its waiting requests use.
+    lora_adapters: list[str] = []
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
 
 
 def read_status(run_dir: Path) -> list[StageRow]:

@@ -48,6 +48,9 @@ def stage_row(stage: StageHandle, now: float) -> StageRow:
         gpu_memory_allocated=load.gpu_memory_allocated,
         gpu_memory_reserved=load.gpu_memory_reserved,
         node=stage.node,
+        lora_adapters=load.lora_adapters,
+        lora_running=load.lora_running,
+        lora_waiting=load.lora_waiting,
     )
 
 

@@ -6,8 +6,10 @@ together, and the same prompt under each must not share KV blocks through the pr
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -396,4 +398,24 @@ def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path
             got = list(pool.map(complete, zip(models, prompts, strict=True)))
         for model, tokens, want in zip(models, got, expected, strict=True):
             assert tokens == want, model
+
+        # The swaps are counted (each of the three adapters went into the slot at least once), and
+        # the scheduler's status row and lora_requests_info name the adapters.
+        def metrics() -> str:
+            connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
+            connection.request("GET", "/metrics")
+            return connection.getresponse().read().decode()
+
+        def swaps() -> float:
+            found = re.search(r"^brigade:lora_adapter_swaps_total\{[^}]*\} (\S+)$", metrics(), re.M)
+            return float(found[1]) if found else 0.0
+
+        deadline = time.monotonic() + 30
+        while swaps() < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert swaps() >= 3
+        row = next(row for row in run.status() if row["kind"] == "scheduler")
+        assert row["lora_adapters"] == ["chat-lora", "sql-lora", "third-lora"]
+        info = [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
+        assert len(info) == 1 and 'running_lora_adapters="",waiting_lora_adapters=""} 1.0' in info[0], info
     assert_clean(run_dir)

@@ -284,6 +284,18 @@ class SchedulerProcess(StageProcess):
         for rank in range(self.world_size):
             self.workers.send(f"rank-{rank}".encode(), command)
 
+    def adapters_in_use(self) -> dict[str, list[str]]:
+        """The heartbeat's adapter fields: loaded, and used by running and by waiting requests."""
+        if not self.adapters.loaded:
+            return {}
+        running = self.core.state.running if self.core is not None else ()
+        waiting = [*(self.core.state.waiting if self.core is not None else ()), *self.early]
+        return {
+            "lora_adapters": sorted(self.adapters.loaded),
+            "lora_running": sorted({r.params.adapter for r in running} - {""}),
+            "lora_waiting": sorted({r.params.adapter for r in waiting} - {""}),
+        }
+
     def forget_adapter(self, name: str) -> None:
         """An adapter unloaded: the slot that held it is free (a new load of the name is copied in)."""
         if self.core is not None:
@@ -457,6 +469,8 @@ class SchedulerProcess(StageProcess):
             num_malformed=self.num_malformed,
             tokens_total=self.num_tokens,
             prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
+            # Read from the request lists only when the heartbeat goes out (not at every step).
+            **(self.adapters_in_use() if self.control.seconds_until_due() == 0 else {}),
         )
         self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
         if core is not None and self.pipeline is not None:
@@ -466,6 +480,7 @@ class SchedulerProcess(StageProcess):
                 core.num_prefix_hit_tokens,
                 self.pipeline.execute_times,
             )
+            self.metrics.update_lora(self.adapters.num_loads, core.state.lora.num_swaps)
             if core.speculation is not None:
                 spec = core.speculation
                 self.metrics.update_speculation(

@@ -72,6 +72,7 @@ class Adapters:
         self.loaded: dict[str, str] = dict(static) if saved is None else saved  # name -> path
         self.loading: dict[str, PendingLoad] = {}  # by adapter name
         self.unloading: dict[str, PendingUnload] = {}  # by adapter name
+        self.num_loads = 0  # loaded at run time, since this scheduler started
 
     def _saved(self) -> dict[str, str] | None:
         """The list a scheduler of this group wrote before it restarted, if any."""
@@ -163,6 +164,7 @@ class Adapters:
             self._answer(pending.reply_to, "invalid_request", pending.error)
             return
         self.loaded[answer.name] = pending.adapter.path
+        self.num_loads += 1
         self._save()
         self._answer(pending.reply_to)
 
