@@ -508,6 +508,7 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     log_level: str = "INFO"
     max_num_waiting: int = 0
     default_max_tokens: int = 256
+    lora_adapters: dict[str, str] = {}  # lora.adapters: the schedulers load the added, unload the removed
 
 
 class TopologyChanged(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -419,3 +419,47 @@ def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path
         info = [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
         assert len(info) == 1 and 'running_lora_adapters="",waiting_lora_adapters=""} 1.0' in info[0], info
     assert_clean(run_dir)
+
+
+def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path: Path) -> None:
+    """lora.adapters edited in the run's config file, then SIGHUP: the adapter added is loaded
+    (PeftModel's tokens), the one removed is unloaded; an adapter loaded through the endpoint and
+    never listed stays."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, adapters)
+    prompt = np.random.default_rng(3).integers(3, TINY_VOCAB_SIZE, 21).tolist()
+    expected = greedy(references["chat-lora"], prompt)
+    config = tmp_path / "brigade.yaml"
+    config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    sql-lora: {adapters['sql-lora']}\n")
+    overrides = (
+        f"model.path={base}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "gateway.served_model_name=base",
+    )
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def served() -> set[str]:
+            return {card.id for card in api.models.list().data}
+
+        assert served() == {"base", "sql-lora"}
+        body = {"lora_name": "extra-lora", "lora_path": str(adapters["sql-lora"])}
+        api.post("/load_lora_adapter", body=body, cast_to=str)
+        config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    chat-lora: {adapters['chat-lora']}\n")
+        run.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 120
+        while served() != {"base", "chat-lora", "extra-lora"} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert served() == {"base", "chat-lora", "extra-lora"}
+        reply = api.completions.create(
+            model="chat-lora", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+        )  # fmt: skip
+        assert [
+            int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens
+        ] == expected
+    assert_clean(run_dir)

@@ -91,6 +91,7 @@ class SchedulerProcess(StageProcess):
         self.num_tokens = 0
         self.metrics = EngineMetrics(stage.info.model, self.group)
         lora = config.lora
+        self.listed_adapters = dict(lora.adapters)  # lora.adapters as the config last said (hot reload)
         self.adapters = Adapters(
             max(lora.max_cpu_loras, lora.max_loras),
             lora.adapters,
@@ -213,9 +214,17 @@ class SchedulerProcess(StageProcess):
         self.tokenizers[query.tokenizer_id].put(m.RequestProgress(query.request_ids, counts))
 
     def reconfigure(self, command: m.Reconfigure) -> None:
-        """The overload bound changed (hot reload)."""
+        """The overload bound or lora.adapters changed (hot reload)."""
         if self.core is not None:
             self.core.config = self.core.config.with_max_num_waiting(command.max_num_waiting)
+        if command.lora_adapters != self.listed_adapters:
+            self.adapters.reload(
+                self.listed_adapters,
+                command.lora_adapters,
+                self.world_size,
+                workers_up=bool(self.worker_pids),
+            )
+            self.listed_adapters = dict(command.lora_adapters)
 
     def on_topology(self, topology: Topology) -> None:
         """Tokenizers or detokenizer shards were added or removed: requests whose shard changed
@@ -279,6 +288,10 @@ class SchedulerProcess(StageProcess):
     def reply_to_tokenizer(self, tokenizer_id: int, reply: m.AdapterReply) -> None:
         if 0 <= tokenizer_id < len(self.tokenizers):
             self.tokenizers[tokenizer_id].put(reply)
+        elif reply.code:  # a hot reload's: nobody waits for it but the log
+            self.log.error("%s: %s", reply.request_id, reply.message)
+        else:
+            self.log.info("%s: LoRA adapters now %s", reply.request_id, sorted(reply.adapters))
 
     def send_to_workers(self, command: m.LoadAdapter | m.UnloadAdapter) -> None:
         for rank in range(self.world_size):

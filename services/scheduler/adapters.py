@@ -27,6 +27,7 @@ from ipc.validation import MAX_ADAPTER_NAME_CHARS
 LOAD_TIMEOUT_S = 120.0  # every worker answers a load within this, or it fails (a worker lost meanwhile)
 
 ReplyTo = tuple[int, str]  # the tokenizer and its id of the command
+RELOAD: ReplyTo = (-1, "lora.adapters reload")  # a hot reload's commands: their outcome is logged
 
 
 @dataclass
@@ -112,6 +113,22 @@ class Adapters:
             self._load(reply_to, command, world_size, workers_up)
         else:
             self._unload(reply_to, command)
+
+    def reload(self, old: dict[str, str], new: dict[str, str], world_size: int, workers_up: bool) -> None:
+        """A hot reload changed lora.adapters from `old` to `new`: the adapters it adds are loaded
+        and those it removes unloaded (waiting for their requests), as the endpoints do; adapters
+        loaded through the endpoints and never listed stay."""
+        for name in old.keys() - new.keys():
+            if name in self.loaded:
+                self._unload(RELOAD, m.AdapterCommand(RELOAD[1], "unload", name))
+        for name, path in new.items():
+            if old.get(name) == path:
+                continue
+            if name in self.loaded and self.loaded[name] != path:
+                message = f"the LoRA adapter {name!r} moved to {path!r}: unload it, then load it again"
+                self._answer(RELOAD, "invalid_request", message)
+            elif name not in self.loaded:
+                self._load(RELOAD, m.AdapterCommand(RELOAD[1], "load", name, path), world_size, workers_up)
 
     def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "") -> None:
         self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded)))
