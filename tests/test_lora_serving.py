@@ -416,8 +416,16 @@ def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path
         assert swaps() >= 3
         row = next(row for row in run.status() if row["kind"] == "scheduler")
         assert row["lora_adapters"] == ["chat-lora", "sql-lora", "third-lora"]
-        info = [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
-        assert len(info) == 1 and 'running_lora_adapters="",waiting_lora_adapters=""} 1.0' in info[0], info
+
+        def lora_info() -> list[str]:
+            return [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
+
+        # Every request has finished: the next heartbeat says so (the one before may still name one).
+        idle = 'running_lora_adapters="",waiting_lora_adapters=""} 1.0'
+        deadline = time.monotonic() + 30
+        while not (len(info := lora_info()) == 1 and idle in info[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(info) == 1 and idle in info[0], info
     assert_clean(run_dir)
 
 
