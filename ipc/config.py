@@ -183,6 +183,11 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys_dir: str = ""  # "" = a fresh key set per run under <run-dir>/curve; else read from here
 
 
+# Beyond lora.unload_wait_s, how long every engine group has to answer a LoRA adapter command
+# (the tokenizer's deadline; the gateway's client waits a little longer, to hear it).
+ADAPTER_COMMAND_MARGIN_S = 150.0
+
+
 class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """LoRA adapters (docs/lora.md): PEFT adapter directories checked against the model and
     kept resident in the worker's slots."""

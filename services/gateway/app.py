@@ -102,6 +102,9 @@ class GatewaySettings:
     oversized_window_s: float = 60.0
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
     max_loras: int = 0  # lora.max_loras: 0 = adapters off, none can be loaded at run time
+    # How long a LoRA adapter command may take: an unload waits up to lora.unload_wait_s for its
+    # requests, and the tokenizer gives the engine groups a margin beyond that.
+    adapter_command_timeout_s: float = 300.0
 
 
 def json_response(
@@ -602,7 +605,9 @@ class Gateway:
     ) -> m.AdapterReply:
         """The engine's answer to a LoRA adapter command; the list of adapters it gives is kept."""
         try:
-            reply = await self.client.adapter_command(op, name, path, wait=wait)
+            reply = await self.client.adapter_command(
+                op, name, path, wait=wait, timeout=self.settings.adapter_command_timeout_s
+            )
         except BrigadeError as exc:
             raise from_engine(exc, {}) from None
         self.adapters = list(reply.adapters)

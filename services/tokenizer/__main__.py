@@ -13,6 +13,7 @@ import zmq
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMessage
+from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
@@ -29,8 +30,6 @@ POLL_MS = 100
 # long even when nothing else is sent to it (a non-streamed request, or one still queued).
 KEEPALIVE_S = 1.0
 STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the tokenizer stops
-# Beyond lora.unload_wait_s, how long every engine group has to answer an adapter command.
-ADAPTER_COMMAND_MARGIN_S = 150.0
 
 
 @dataclass
