@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ipc import messages as m
 from services.gpu_worker.lora import AdapterError
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from tests.test_families import BLOCK, VOCAB, save_random_family_model
@@ -325,6 +326,14 @@ def test_adapters_beyond_the_slots_swap_in_from_host_memory(lora_models):
         expected = reference_logits(references[name], histories[seq])
         torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=2e-4, msg=f"seq {seq} ({name})")
     assert runner.num_lora_swaps - swaps == len(names) - 1  # the first one was in the slot already
-    arrays, header = lora_plan(runner, builder, [(len(names), [5, 6, 7], True)], {len(names): names[-1]})
+    # A name loaded again from other files (after an unload) replaces its old weights in the slot.
+    runner.swap_loras(["qv-r8"])
+    assert runner.load_lora(m.AdapterSource("qv-r8", str(paths["ogd-r4"]))) == ""
+    assert runner.lora.names == [None]
+    seq = len(names)
+    arrays, header = lora_plan(runner, builder, [(seq, histories[0], True)], {seq: "qv-r8"}, slots=["qv-r8"])
+    expected = reference_logits(references["ogd-r4"], histories[0])
+    torch.testing.assert_close(step_logits(runner, arrays, header)[0], expected, atol=2e-4, rtol=2e-4)
+    arrays, header = lora_plan(runner, builder, [(seq + 1, [5, 6, 7], True)], {seq + 1: "qv-r8"})
     with pytest.raises(InvalidPlan, match="LoRA adapter 'nope' is not loaded in this worker"):
         runner.execute(arrays, msgspec.structs.replace(header, lora_slots=["nope"]))

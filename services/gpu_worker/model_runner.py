@@ -152,7 +152,11 @@ class ModelRunner:
         except Exception as exc:  # a file no check foresaw: this adapter is refused, the worker serves on
             log.exception("loading LoRA adapter %r failed", source.name)
             return f"adapter {source.name!r}: {type(exc).__name__}: {exc}"[:1000]
-        self.unload_lora(source.name)  # an older adapter of this name must not stay in a slot
+        # An older adapter of this name (unloaded, no request uses it) must not pass for this one
+        # in its slot: the slot is emptied, and the next header that names it copies this one in.
+        for slot, name in enumerate(self.lora.names):
+            if name == source.name:
+                self.lora.clear(slot)
         self.lora_host[source.name] = (source.path, adapter)
         log.info("LoRA adapter %s (%s) loaded", source.name, source.path)
         return ""
