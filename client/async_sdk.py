@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq
 
+from client.errors import ServerUnavailable
 from client.sdk import (
     ClientBase,
     EmbedInput,
@@ -168,6 +171,26 @@ class AsyncClient(ClientBase):
         while (wait := check.next_wait()) is not None:
             await asyncio.sleep(wait)
         return check.replies()
+
+    async def adapter_command(
+        self, op: str, name: str = "", path: str = "", *, wait: bool = True, timeout: float = 300.0
+    ) -> m.AdapterReply:
+        """Load, unload or list LoRA adapters (docs/lora.md "Loading at run time"): the engine's
+        answer, whose `code` is "" when done; ServerUnavailable when none comes within `timeout`."""
+        command = m.AdapterCommand(uuid.uuid4().hex, op, name, path, wait)  # type: ignore[arg-type]
+        self._ensure_reader()
+        deadline = time.monotonic() + timeout
+        is_sent = False
+        try:
+            while time.monotonic() < deadline:
+                is_sent = is_sent or self.session.send_adapter_command(command)
+                reply = self.session.adapter_replies.pop(command.request_id, None)
+                if reply is not None:
+                    return reply
+                await asyncio.sleep(0.005 if not is_sent else 0.02)
+        finally:
+            self.session.adapter_replies.pop(command.request_id, None)
+        raise ServerUnavailable(f"no answer to the LoRA adapter command ({op}) within {timeout:.0f}s")
 
     async def close(self) -> None:
         if self._reader is not None:

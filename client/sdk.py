@@ -706,6 +706,7 @@ class Session:
         self._next = 0  # round-robin start among equally loaded replicas
         self.num_malformed = 0
         self.num_failovers = 0
+        self.adapter_replies: dict[str, m.AdapterReply] = {}  # answers to send_adapter_command
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -771,6 +772,9 @@ class Session:
         if isinstance(reply, m.HealthReply):
             rep.health, rep.health_at = reply, now
             self._resubmit_missing(replica, reply.missing, now)
+            return
+        if isinstance(reply, m.AdapterReply):
+            self.adapter_replies[reply.request_id] = reply
             return
         if isinstance(reply, m.ErrorReply) and not reply.request_id:
             self._fail_unattributed(replica, reply)
@@ -893,6 +897,13 @@ class Session:
             # If it was only slow, stop it; on the same replica the resubmission replaces it.
             self._send(old, CLIENT_REQUEST.encode(m.Abort(state.request_id)))
         self._dispatch(state, now, avoid=old)
+
+    def send_adapter_command(self, command: m.AdapterCommand) -> bool:
+        """Send a LoRA adapter command to one replica, live ones first (any replica reaches every
+        engine group); its answer lands in `adapter_replies`. False when none is connected."""
+        order = sorted(range(len(self.replicas)), key=lambda i: self.replicas[i].is_suspect)
+        frame = CLIENT_REQUEST.encode(command)
+        return any(self._send(i, frame) for i in order)
 
     def probe(self, replica: int) -> bool:
         """Ask the replica whether it is alive and which of our requests on it it holds; False

@@ -101,6 +101,9 @@ class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 MAX_SPECULATIVE_TOKENS = 16  # proposals one row verifies per step (sizes the step-result slots)
+# LoRA slots: a step's header names each slot's adapter (up to 256 characters) within the ring
+# slot's header room (ipc/step_plan.py HEADER_BYTES).
+MAX_LORA_SLOTS = 32
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -213,13 +216,23 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys_dir: str = ""  # "" = a fresh key set per run under <run-dir>/curve; else read from here
 
 
+# Beyond lora.unload_wait_s, how long every engine group has to answer a LoRA adapter command
+# (the tokenizer's deadline; the gateway's client waits a little longer, to hear it).
+ADAPTER_COMMAND_MARGIN_S = 150.0
+
+
 class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """LoRA adapters (docs/lora.md): PEFT adapter directories checked against the model and
     kept resident in the worker's slots."""
 
     max_loras: NonNegative = 0  # resident adapter slots per worker; 0 = adapters off
     max_rank: Positive = 64  # an adapter of a higher rank is refused
+    # Adapters loaded at once (lora.adapters and those loaded at run time), waiting in the
+    # workers' host memory for a slot; 0 = max_loras (every adapter has a slot of its own).
+    max_cpu_loras: NonNegative = 0
     adapters: dict[str, str] = {}  # name -> PEFT adapter directory, loaded at start
+    # An unload that waits for the requests using its adapter gives up (409) after this long.
+    unload_wait_s: Seconds = 60.0
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -383,12 +396,22 @@ def check_engine(config: Config) -> None:
 
 
 def check_lora(config: Config) -> None:
-    """Adapters that could never be resident, or a list with adapters off, are refused here."""
+    """Adapters that could never be loaded, or a list with adapters off, are refused here."""
     lora = config.lora
-    if len(lora.adapters) > lora.max_loras:
+    if lora.max_loras > MAX_LORA_SLOTS:
         raise ConfigError(
-            f"lora.adapters: {len(lora.adapters)} adapters, more than lora.max_loras ({lora.max_loras}) "
-            "resident slots (0 = adapters off)"
+            f"lora.max_loras: at most {MAX_LORA_SLOTS} slots (the step header names each one's adapter)"
+        )
+    if lora.max_cpu_loras and lora.max_cpu_loras < lora.max_loras:
+        raise ConfigError(
+            f"lora.max_cpu_loras ({lora.max_cpu_loras}) is under lora.max_loras ({lora.max_loras}): "
+            "every adapter in a slot is one of those in host memory"
+        )
+    capacity = max(lora.max_cpu_loras, lora.max_loras)
+    if len(lora.adapters) > capacity:
+        raise ConfigError(
+            f"lora.adapters: {len(lora.adapters)} adapters, more than lora.max_cpu_loras / lora.max_loras "
+            f"({capacity}) allow (0 = adapters off)"
         )
     for name, path in lora.adapters.items():
         if not name or not os.path.isabs(path):

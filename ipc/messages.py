@@ -209,7 +209,20 @@ class Health(msgspec.Struct, tag=True, gc=False):
     request_ids: list[str] = []
 
 
-ClientRequest = Union[Generate, Abort, Health]
+class AdapterCommand(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Load, unload or list LoRA adapters (docs/lora.md "Loading at run time"): client ->
+    tokenizer, which sends it on to every engine group's scheduler (as an AdapterRequest); the
+    scheduler owns the list and has its workers load the adapter. `wait` (unload): wait up to
+    lora.unload_wait_s for the requests using the adapter to finish, or refuse at once."""
+
+    request_id: str
+    op: Literal["load", "unload", "list"]
+    name: str = ""
+    path: str = ""
+    wait: bool = True
+
+
+ClientRequest = Union[Generate, Abort, Health, AdapterCommand]
 
 
 class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -252,7 +265,18 @@ class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
     missing: list[str] = []
 
 
-ClientReply = Union[Delta, ErrorReply, HealthReply]
+class AdapterReply(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """The outcome of an AdapterCommand (scheduler -> tokenizer, then tokenizer -> client): `code`
+    "" when done, else an error code (invalid_request, model_not_found, adapter_in_use,
+    unavailable) with its message; `adapters` is every adapter loaded after it, name -> path."""
+
+    request_id: str
+    code: str = ""
+    message: str = ""
+    adapters: dict[str, str] = {}
+
+
+ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]
 
 # ---------------------------------------------------------------------------
 # tokenizer -> scheduler, detokenizer -> scheduler (PUSH -> PULL)
@@ -284,7 +308,15 @@ class QueryRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
     request_ids: list[str]
 
 
-SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests]
+class AdapterRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Tokenizer -> scheduler: a client's AdapterCommand, under an id of the tokenizer's own; the
+    scheduler answers with an AdapterReply of that id."""
+
+    tokenizer_id: int
+    command: AdapterCommand
+
+
+SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests, AdapterRequest]
 
 # ---------------------------------------------------------------------------
 # scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
@@ -428,7 +460,9 @@ class ResubmitShard(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_shards: int
 
 
-TokenizerInput = Union[DeltaBatch, RequestFailed, RequestProgress, UntrackedRequests, ResubmitAll]
+TokenizerInput = Union[
+    DeltaBatch, RequestFailed, RequestProgress, UntrackedRequests, ResubmitAll, AdapterReply
+]
 
 # ---------------------------------------------------------------------------
 # every stage <-> supervisor (DEALER -> ROUTER)
@@ -446,6 +480,10 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     gpu_memory_allocated: int = 0  # bytes, CUDA workers only
     gpu_memory_reserved: int = 0
     num_auth_failures: int = 0  # CURVE handshakes this process's server sockets refused
+    # A scheduler's LoRA adapters: loaded, and those of its running and of its waiting requests.
+    lora_adapters: list[str] = []
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -481,6 +519,7 @@ class Reconfigure(msgspec.Struct, tag=True, array_like=True, gc=False):
     log_level: str = "INFO"
     max_num_waiting: int = 0
     default_max_tokens: int = 256
+    lora_adapters: dict[str, str] = {}  # lora.adapters: the schedulers load the added, unload the removed
 
 
 class TopologyChanged(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -530,6 +569,41 @@ class WorkerHello(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # whether it normalizes its vectors.
     pooling: str = ""
     normalize: bool = True
+    # The scheduler's echo: every LoRA adapter loaded, which a (re)started worker loads into its
+    # host memory before it reads a step (adapters loaded at run time survive a worker restart).
+    adapters: list[AdapterSource] = []
+
+
+class AdapterSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A loaded LoRA adapter: its name and the PEFT directory it was read from."""
+
+    name: str
+    path: str
+
+
+class LoadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Scheduler -> worker: check the adapter against the model and keep it in host memory, ready
+    to be copied into a slot (the step header's lora_slots); the worker answers AdapterLoaded."""
+
+    adapter: AdapterSource
+
+
+class UnloadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Scheduler -> worker: forget adapter `name` (no request uses it any more)."""
+
+    name: str
+
+
+class AdapterLoaded(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
+    """Worker -> scheduler: the LoadAdapter of `name` done (`error` "") or refused, and why."""
+
+    rank: int
+    name: str
+    error: str = ""
+
+
+WorkerInput = Union[WorkerHello, LoadAdapter, UnloadAdapter]
+WorkerOutput = Union[WorkerHello, AdapterLoaded]
 
 
 # In a step plan's `input_ids`: "the token this worker sampled for this sequence's plan-table row
@@ -546,6 +620,9 @@ class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_tokens: int
     num_seqs: int
     max_top_logprobs: int
+    # The LoRA adapter each slot must hold for this step ("" = whatever it holds), when a row has
+    # one: the worker copies in, from host memory, those its slots do not hold yet.
+    lora_slots: list[str] = []
 
 
 class ResultHeader(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -268,6 +268,17 @@ class EngineMetrics:
             registry=registry,
         ).labels(*values)
         self.spec_seen = (0, 0, 0)
+        # LoRA adapters (docs/lora.md): loads at run time, and adapters copied into a slot.
+        self.lora_loads = Counter(
+            f"{PREFIX}lora_adapter_loads", "LoRA adapters loaded at run time", labels, registry=registry
+        ).labels(*values)
+        self.lora_swaps = Counter(
+            f"{PREFIX}lora_adapter_swaps",
+            "LoRA adapters copied from host memory into a worker slot for a step",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.lora_seen = (0, 0)
 
     def update(
         self,
@@ -296,6 +307,16 @@ class EngineMetrics:
             if total > seen:
                 counter.inc(total - seen)
         self.spec_seen = totals
+
+    def update_lora(self, num_loads: int, num_swaps: int) -> None:
+        """Take the scheduler's running totals of adapter loads and swaps into the counters."""
+        totals = (num_loads, num_swaps)
+        for counter, total, seen in zip(
+            (self.lora_loads, self.lora_swaps), totals, self.lora_seen, strict=True
+        ):
+            if total > seen:
+                counter.inc(total - seen)
+        self.lora_seen = totals
 
 
 # -- stage gauges (from heartbeats, through stages.json) -----------------------------------------
@@ -388,7 +409,12 @@ class StageCollector:
         up = GaugeMetricFamily(
             f"{PREFIX}stage_up", "1 while the stage is running and ready", labels=stage_labels
         )
-        families = [running, waiting, kv, restarts, malformed, curve_failures, cpu, rss, up]
+        lora_info = GaugeMetricFamily(
+            f"{PREFIX}lora_requests_info",
+            "LoRA adapters of the running and of the waiting requests (as vLLM's lora_requests_info)",
+            labels=[*engine_labels, "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        families = [running, waiting, kv, lora_info, restarts, malformed, curve_failures, cpu, rss, up]
         is_cuda = samples.device == "cuda"
         if is_cuda:
             allocated = GaugeMetricFamily(CUDA_ONLY[0], "GPU memory held by tensors", labels=stage_labels)
@@ -403,6 +429,9 @@ class StageCollector:
                 running.add_metric(engine, s.running)
                 waiting.add_metric(engine, s.waiting)
                 kv.add_metric(engine, s.kv_usage)
+                if s.lora_adapters:  # adapters on, and some loaded
+                    adapters = [",".join(s.lora_running), ",".join(s.lora_waiting)]
+                    lora_info.add_metric([*engine, *adapters], 1.0)
             restarts.add_metric(values, s.restarts)
             malformed.add_metric(values, s.malformed)
             curve_failures.add_metric(values, s.auth_failures)

@@ -35,6 +35,11 @@ class StageRow(msgspec.Struct, frozen=True):
     # What the process runs under, comma-separated (services/privileges.py): no_new_privs,
     # landlock_vN (writes only in the run dir), user=NAME (dropped from root); "" until Ready.
     protections: str = ""
+    # A scheduler's LoRA adapters (docs/lora.md): every one loaded, and those that its running
+    # requests and its waiting requests use.
+    lora_adapters: list[str] = []
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
 
 
 def read_status(run_dir: Path) -> list[StageRow]:

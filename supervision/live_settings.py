@@ -15,6 +15,7 @@ RECONFIGURED: dict[str, str] = {
     "supervisor.log_level": "log_level",
     "tokenizer.default_max_tokens": "default_max_tokens",
     "engine.max_num_waiting": "max_num_waiting",
+    "lora.adapters": "lora_adapters",
 }
 # The counts of ipc/topology.py's Topology.of: a change starts or retires stages.
 TOPOLOGY_SETTINGS = ("tokenizer.replicas", "detokenizer.replicas", "gateway.replicas", "engine.data_parallel")

@@ -49,6 +49,9 @@ def stage_row(stage: StageHandle, now: float) -> StageRow:
         gpu_memory_reserved=load.gpu_memory_reserved,
         node=stage.node,
         protections=stage.protections,
+        lora_adapters=load.lora_adapters,
+        lora_running=load.lora_running,
+        lora_waiting=load.lora_waiting,
     )
 
 

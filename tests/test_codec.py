@@ -84,17 +84,20 @@ EXAMPLES: dict[str, list] = {
         m.Generate("c", prompt_token_ids=m.pack_ids([1, 2])),
         m.Abort("a"),
         m.Health(),
+        m.AdapterCommand("a", "unload", "sql", wait=False),
     ],
     "CLIENT_REPLY": [
         DELTA,
         m.Delta("r", 0, 0, "", b""),
         m.ErrorReply("a", "overloaded", "busy"),
         m.HealthReply(0, True, "smol", 3, 2048),
+        m.AdapterReply("a", adapters={"sql": "/adapters/sql"}),
     ],
     "SCHEDULER_INPUT": [
         m.SubmitRequest("a", 2, m.pack_ids([1, 2]), PARAMS, output_ids=m.pack_ids([3]), arrival_time=1.5),
         m.AbortRequest("a", "stop"),
         m.QueryRequests(1, ["a", "b"]),
+        m.AdapterRequest(1, m.AdapterCommand("a", "load", "sql", "/adapters/sql")),
     ],
     "DETOKENIZER_INPUT": [
         m.TokenBatch([UPDATE, m.TokenUpdate("b", 0, 3, m.pack_ids([4]))]),
@@ -107,6 +110,7 @@ EXAMPLES: dict[str, list] = {
         m.RequestProgress(["a", "b"], [3, -1]),
         m.UntrackedRequests(["a", "b"]),
         m.ResubmitAll(0),
+        m.AdapterReply("a", "adapter_in_use", "2 requests use it", {"sql": "/adapters/sql"}),
     ],
     "CONTROL_UP": [
         m.Ready("scheduler-0", 42, {"model": "smol"}),
@@ -120,8 +124,29 @@ EXAMPLES: dict[str, list] = {
         m.ResubmitShard(0, 2),
         m.GroupLoads([1.5, 0.0]),
     ],
-    "WORKER_HELLO": [m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2])],
-    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5)],
+    "WORKER_INPUT": [
+        m.WorkerHello(
+            0,
+            2,
+            44,
+            "smol",
+            "float32",
+            "cpu",
+            512,
+            16,
+            49152,
+            2048,
+            [2],
+            adapters=[m.AdapterSource("sql", "/adapters/sql")],
+        ),
+        m.LoadAdapter(m.AdapterSource("sql", "/adapters/sql")),
+        m.UnloadAdapter("sql"),
+    ],
+    "WORKER_OUTPUT": [
+        m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2]),
+        m.AdapterLoaded(0, "sql", "adapter 'sql': rank 128 is over lora.max_rank (64)"),
+    ],
+    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5), m.StepHeader(8, 1, 1, 0, ["sql", ""])],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
 }
 CODECS: dict[str, Codec] = {name: obj for name, obj in vars(C).items() if isinstance(obj, Codec)}

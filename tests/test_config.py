@@ -56,7 +56,11 @@ def test_every_field_is_documented() -> None:
         ("engine=3", "engine: expected object, got int"),
         ("supervisor.hang_timeout_s=0", "supervisor.hang_timeout_s: expected float > 0.0, got 0"),
         ("lora.max_rank=0", "lora.max_rank: expected int >= 1, got 0"),
-        ("lora.adapters={sql: /a}", "lora.adapters: 1 adapters, more than lora.max_loras (0) resident slots"),
+        (
+            "lora.adapters={sql: /a}",
+            "lora.adapters: 1 adapters, more than lora.max_cpu_loras / lora.max_loras (0)",
+        ),
+        ("lora.max_loras=33", "lora.max_loras: at most 32 slots"),
     ],
 )
 def test_errors_name_the_field(override: str, message: str) -> None:
@@ -80,6 +84,11 @@ def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
         ConfigError, match=r"^lora\.max_loras: adapters serve with engine\.tensor_parallel 1 only"
     ):
         load_config(None, ["lora.max_loras=1", "engine.tensor_parallel=2"])
+    # Beyond the slots, adapters wait in host memory: up to lora.max_cpu_loras, never under max_loras.
+    config = load_config(None, ["lora.max_loras=1", "lora.max_cpu_loras=2", "lora.adapters={a: /a, b: /b}"])
+    assert config.lora.adapters == {"a": "/a", "b": "/b"}
+    with pytest.raises(ConfigError, match=r"^lora\.max_cpu_loras \(1\) is under lora\.max_loras \(2\)"):
+        load_config(None, ["lora.max_loras=2", "lora.max_cpu_loras=1"])
 
 
 def test_override_applies_yaml_scalars() -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from ipc import messages as m
 from services.gpu_worker.lora import AdapterError
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from tests.test_families import BLOCK, VOCAB, save_random_family_model
@@ -79,13 +81,17 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def lora_plan(runner, builder, chunks, adapter_of) -> tuple[dict, object]:
-    """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot."""
+def lora_plan(runner, builder, chunks, adapter_of, slots: list[str] | None = None) -> tuple[dict, object]:
+    """builder's plan of chunks (seq, tokens, sample?) with each row's adapter slot; `slots`: the
+    adapter the header names for each slot (the worker swaps them in before the step)."""
     arrays, header = builder.plan(chunks)
-    slots = [
+    if slots is not None:
+        header = msgspec.structs.replace(header, lora_slots=slots)
+        runner.swap_loras(slots)
+    row_slots = [
         -1 if adapter_of[seq] is None else runner.lora.names.index(adapter_of[seq]) for seq, *_ in chunks
     ]
-    arrays["lora_slots"] = np.array(slots, dtype=np.int32)
+    arrays["lora_slots"] = np.array(row_slots, dtype=np.int32)
     return arrays, header
 
 
@@ -303,7 +309,31 @@ def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
         make_runner(base, {"corrupt": corrupt})
 
 
-def test_more_adapters_than_slots_is_refused(lora_models):
-    base, paths, _ = lora_models
-    with pytest.raises(ValueError, match=r"names 3 adapters, over lora.max_loras \(2\)"):
-        make_runner(base, paths, max_loras=2)
+def test_adapters_beyond_the_slots_swap_in_from_host_memory(lora_models):
+    """Three adapters in host memory, one slot: each step's header names the slot's adapter and
+    the worker copies it in; every row's logits are its adapter's PeftModel's. A header that
+    names an adapter the worker does not hold is refused."""
+    base, paths, references = lora_models
+    runner = make_runner(base, paths, max_loras=1)
+    assert runner.lora.names == ["qv-r8"] and set(runner.lora_host) == set(ADAPTERS)
+    builder = PlanBuilder(BLOCK)
+    names = list(ADAPTERS) * 2  # interleaved: every step swaps
+    histories = {seq: list(range(3 + seq, 20 + seq)) for seq in range(len(names))}
+    swaps = runner.num_lora_swaps
+    for seq, name in enumerate(names):
+        arrays, header = lora_plan(runner, builder, [(seq, histories[seq], True)], {seq: name}, slots=[name])
+        logits = step_logits(runner, arrays, header)
+        expected = reference_logits(references[name], histories[seq])
+        torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=2e-4, msg=f"seq {seq} ({name})")
+    assert runner.num_lora_swaps - swaps == len(names) - 1  # the first one was in the slot already
+    # A name loaded again from other files (after an unload) replaces its old weights in the slot.
+    runner.swap_loras(["qv-r8"])
+    assert runner.load_lora(m.AdapterSource("qv-r8", str(paths["ogd-r4"]))) == ""
+    assert runner.lora.names == [None]
+    seq = len(names)
+    arrays, header = lora_plan(runner, builder, [(seq, histories[0], True)], {seq: "qv-r8"}, slots=["qv-r8"])
+    expected = reference_logits(references["ogd-r4"], histories[0])
+    torch.testing.assert_close(step_logits(runner, arrays, header)[0], expected, atol=2e-4, rtol=2e-4)
+    arrays, header = lora_plan(runner, builder, [(seq + 1, [5, 6, 7], True)], {seq + 1: "qv-r8"})
+    with pytest.raises(InvalidPlan, match="LoRA adapter 'nope' is not loaded in this worker"):
+        runner.execute(arrays, msgspec.structs.replace(header, lora_slots=["nope"]))

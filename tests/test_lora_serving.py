@@ -6,10 +6,16 @@ together, and the same prompt under each must not share KV blocks through the pr
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,11 +62,11 @@ def lora_serving(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return base, adapters
 
 
-def greedy(model, prompt: list[int]) -> list[int]:
+def greedy(model, prompt: list[int], num_tokens: int = NEW_TOKENS) -> list[int]:
     """Greedy continuation by full forwards (no HF KV cache)."""
     ids = list(prompt)
     with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
+        for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
@@ -179,3 +185,289 @@ def test_an_adapter_that_does_not_fit_fails_the_start(lora_serving, tmp_path: Pa
     assert "adapter 'bad': modules_to_save (['lm_head']) is not supported" in done.stderr
     assert "ready" not in done.stdout
     assert not stage_processes(run_dir)
+
+
+def peft_references(base: Path, adapters: dict[str, Path]) -> dict[str, object]:
+    """HF's base model and PeftModel under each adapter, float32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    def hf_base():
+        return AutoModelForCausalLM.from_pretrained(
+            base, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    return {"base": hf_base()} | {
+        name: peft.PeftModel.from_pretrained(hf_base(), path).eval() for name, path in adapters.items()
+    }
+
+
+def wait_for_restart(run, kind: str, old_pid: int, timeout: float = 240) -> None:
+    """The supervisor has started `kind` again after `old_pid` died, and every stage runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = run.read_status()
+        pids = [row["pid"] for row in rows if row["kind"] == kind and row["state"] == "running"]
+        if pids and old_pid not in pids and all(row["state"] == "running" for row in rows):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{kind} not restarted within {timeout:.0f}s: {run.read_status()}")
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter through the openai client, behind an
+    API key: a loaded adapter is listed and gives PeftModel's tokens; loading one during a stream
+    leaves the stream's tokens as they were; an unload refuses (wait false) or waits for (wait
+    true) the requests that use its adapter, which keep it to their end; bad adapters and unknown
+    names are clear errors and the run serves on; a worker restart and a scheduler restart keep
+    the adapters loaded at run time."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, adapters)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, TINY_VOCAB_SIZE, 24).tolist()
+    expected = {name: greedy(model, prompt) for name, model in references.items()}
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["sql-lora"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        "lora.unload_wait_s=120", "gateway.served_model_name=base", "gateway.api_keys=[secret]",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="secret", timeout=300)
+
+        def load(name: str, path: Path | str) -> str:
+            return api.post(
+                "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str
+            )
+
+        def unload(name: str, **body) -> str:
+            return api.post("/unload_lora_adapter", body={"lora_name": name, **body}, cast_to=str)
+
+        def complete(model: str, max_tokens: int = NEW_TOKENS) -> list[int]:
+            reply = api.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+            )  # fmt: skip
+            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+        def served() -> dict[str, str | None]:
+            return {card.id: card.model_extra.get("parent") for card in api.models.list().data}
+
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gateway_url(run), api_key="wrong").post(
+                "/load_lora_adapter", body={"lora_name": "sql-lora", "lora_path": str(adapters["sql-lora"])},
+                cast_to=str,
+            )  # fmt: skip
+        assert served() == {"base": None}
+        assert (
+            load("sql-lora", adapters["sql-lora"]) == "Success: LoRA adapter 'sql-lora' added successfully."
+        )
+        assert served() == {"base": None, "sql-lora": "base"}
+        assert complete("sql-lora") == expected["sql-lora"]
+
+        # Bad adapters and names: clear errors, and the run serves on.
+        with pytest.raises(
+            openai.BadRequestError, match=r"adapter 'bad': modules_to_save \(\['lm_head'\]\) is not supported"
+        ):
+            load("bad", bad)
+        with pytest.raises(
+            openai.BadRequestError, match=r"adapter 'gone': cannot read .*adapter_config\.json"
+        ):
+            load("gone", tmp_path / "no-such-dir")
+        with pytest.raises(openai.BadRequestError, match="lora_path must be an absolute adapter directory"):
+            load("relative", "adapters/sql")
+        with pytest.raises(openai.BadRequestError, match="'sql-lora' is already loaded"):
+            load("sql-lora", adapters["sql-lora"])
+        with pytest.raises(openai.NotFoundError, match="'no-such-lora' is not loaded"):
+            unload("no-such-lora")
+        with pytest.raises(openai.NotFoundError, match="'bad' does not exist"):
+            complete("bad")
+        assert complete("base") == expected["base"]
+
+        # A stream under sql-lora, alone, then again with chat-lora loaded while it runs: the same
+        # tokens. An unload with wait false while it runs is refused (it proves the stream was
+        # still running after the load) and changes nothing.
+        long_tokens = 200
+
+        def stream(model: str, during=None) -> list[int]:
+            chunks = api.completions.create(
+                model=model, prompt=prompt, max_tokens=long_tokens, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+            )  # fmt: skip
+            tokens = []
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].logprobs:
+                    tokens += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+                if during is not None and tokens:
+                    during()  # once, after the first tokens
+                    during = None
+            return tokens
+
+        alone = stream("sql-lora")
+        assert len(alone) == long_tokens and alone[:NEW_TOKENS] == expected["sql-lora"]
+
+        def load_and_try_unload() -> None:
+            load("chat-lora", adapters["chat-lora"])
+            with pytest.raises(openai.ConflictError, match=r"'sql-lora' is used by 1 requests"):
+                unload("sql-lora", wait=False)
+
+        assert stream("sql-lora", during=load_and_try_unload) == alone
+        assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
+        assert complete("chat-lora") == expected["chat-lora"]
+        with pytest.raises(
+            openai.BadRequestError,
+            match=r"2 LoRA adapters are loaded, as many as lora.max_cpu_loras \(or lora.max_loras\) allows",
+        ):
+            load("third", adapters["chat-lora"])
+
+        # An unload that waits: the stream under chat-lora keeps its adapter to its end.
+        chat_alone = stream("chat-lora")
+        unloaded: list[str] = []
+        waiter = threading.Thread(target=lambda: unloaded.append(unload("chat-lora")))
+        assert stream("chat-lora", during=waiter.start) == chat_alone
+        waiter.join(timeout=120)
+        assert unloaded == ["Success: LoRA adapter 'chat-lora' removed successfully."]
+        assert served() == {"base": None, "sql-lora": "base"}
+        with pytest.raises(openai.NotFoundError, match="'chat-lora' does not exist"):
+            complete("chat-lora")
+
+        # Reloaded, under the same name.
+        load("chat-lora", adapters["chat-lora"])
+        assert complete("chat-lora") == expected["chat-lora"]
+
+        # A worker restart: the restarted worker loads the adapters of the scheduler's table.
+        worker = run.stage_pids("gpu_worker")[0]
+        os.kill(worker, signal.SIGKILL)
+        wait_for_restart(run, "gpu_worker", worker)
+        assert complete("sql-lora") == expected["sql-lora"]
+        assert complete("chat-lora") == expected["chat-lora"]
+        # The old worker died idle: the prompt's cached block went with it (no stale prefix hit).
+        assert complete("base") == expected["base"]
+
+        # A scheduler restart: the new scheduler reads the table its predecessor saved.
+        scheduler = run.stage_pids("scheduler")[0]
+        os.kill(scheduler, signal.SIGKILL)
+        wait_for_restart(run, "scheduler", scheduler)
+        assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
+        assert complete("chat-lora") == expected["chat-lora"]
+        assert complete("base") == expected["base"]
+    assert_clean(run_dir)
+
+
+def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path: Path) -> None:
+    """lora.max_loras 1 and three adapters waiting in host memory (lora.max_cpu_loras 3), asked for
+    all at once, interleaved with the base model: each request's greedy tokens are its adapter's
+    PeftModel's. The scheduler never runs two adapters in one step and swaps the slot between
+    them (the one slot makes every adapter change a swap)."""
+    import openai
+
+    from tests.test_lora import save_random_adapter
+
+    base, adapters = lora_serving
+    third = save_random_adapter(
+        base, tmp_path / "third", 7, r=16, lora_alpha=16, target_modules=["v_proj", "up_proj"]
+    )
+    adapters = {**adapters, "third-lora": third}
+    references = peft_references(base, adapters)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, 20 + i).tolist() for i in range(8)]
+    models = ["sql-lora", "chat-lora", "third-lora", "base"] * 2
+    expected = [greedy(references[model], prompt) for model, prompt in zip(models, prompts, strict=True)]
+    listed = "{" + ", ".join(f"{name}: {path}" for name, path in adapters.items()) + "}"
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=1",
+        "lora.max_cpu_loras=3", f"lora.adapters={listed}", "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def complete(job: tuple[str, list[int]]) -> list[int]:
+            model, prompt = job
+            reply = api.completions.create(
+                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+            )  # fmt: skip
+            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(len(models)) as pool:
+            got = list(pool.map(complete, zip(models, prompts, strict=True)))
+        for model, tokens, want in zip(models, got, expected, strict=True):
+            assert tokens == want, model
+
+        # The swaps are counted (each of the three adapters went into the slot at least once), and
+        # the scheduler's status row and lora_requests_info name the adapters.
+        def metrics() -> str:
+            connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
+            connection.request("GET", "/metrics")
+            return connection.getresponse().read().decode()
+
+        def swaps() -> float:
+            found = re.search(r"^brigade:lora_adapter_swaps_total\{[^}]*\} (\S+)$", metrics(), re.M)
+            return float(found[1]) if found else 0.0
+
+        deadline = time.monotonic() + 30
+        while swaps() < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert swaps() >= 3
+        row = next(row for row in run.status() if row["kind"] == "scheduler")
+        assert row["lora_adapters"] == ["chat-lora", "sql-lora", "third-lora"]
+
+        def lora_info() -> list[str]:
+            return [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
+
+        # Every request has finished: the next heartbeat says so (the one before may still name one).
+        idle = 'running_lora_adapters="",waiting_lora_adapters=""} 1.0'
+        deadline = time.monotonic() + 30
+        while not (len(info := lora_info()) == 1 and idle in info[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(info) == 1 and idle in info[0], info
+    assert_clean(run_dir)
+
+
+def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path: Path) -> None:
+    """lora.adapters edited in the run's config file, then SIGHUP: the adapter added is loaded
+    (PeftModel's tokens), the one removed is unloaded; an adapter loaded through the endpoint and
+    never listed stays."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, adapters)
+    prompt = np.random.default_rng(3).integers(3, TINY_VOCAB_SIZE, 21).tolist()
+    expected = greedy(references["chat-lora"], prompt)
+    config = tmp_path / "brigade.yaml"
+    config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    sql-lora: {adapters['sql-lora']}\n")
+    overrides = (
+        f"model.path={base}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "gateway.served_model_name=base",
+    )
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def served() -> set[str]:
+            return {card.id for card in api.models.list().data}
+
+        assert served() == {"base", "sql-lora"}
+        body = {"lora_name": "extra-lora", "lora_path": str(adapters["sql-lora"])}
+        api.post("/load_lora_adapter", body=body, cast_to=str)
+        config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    chat-lora: {adapters['chat-lora']}\n")
+        run.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 120
+        while served() != {"base", "chat-lora", "extra-lora"} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert served() == {"base", "chat-lora", "extra-lora"}
+        reply = api.completions.create(
+            model="chat-lora", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+        )  # fmt: skip
+        assert [
+            int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens
+        ] == expected
+    assert_clean(run_dir)

@@ -156,13 +156,19 @@ def test_apply_live_takes_only_the_live_settings() -> None:
             "supervisor.log_level=DEBUG",
             "model.max_model_len=256",
             "engine.max_num_seqs=8",
+            "lora.max_loras=1",
+            "lora.adapters={sql: /adapters/sql}",
         ],
     )
     applied = apply_live(old, new)
     assert sorted(diff_fields(old, applied)) == sorted(LIVE_SETTINGS)
-    assert sorted(diff_fields(applied, new)) == ["engine.max_num_seqs", "model.max_model_len"]
+    assert sorted(diff_fields(applied, new)) == [
+        "engine.max_num_seqs",
+        "lora.max_loras",
+        "model.max_model_len",
+    ]
     assert reconfigure_message(applied) == m.Reconfigure(
-        log_level="DEBUG", max_num_waiting=7, default_max_tokens=9
+        log_level="DEBUG", max_num_waiting=7, default_max_tokens=9, lora_adapters={"sql": "/adapters/sql"}
     )
     topology = Topology.of(applied)
     assert (topology.num_tokenizers, topology.num_detokenizers, topology.num_gateways) == (3, 2, 2)

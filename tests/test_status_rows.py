@@ -33,6 +33,7 @@ def scheduler() -> StageHandle:
     stage.load = m.StageLoad(
         num_running=3, num_waiting=4, kv_usage=0.123456, num_in_flight=5, num_malformed=6,
         gpu_memory_allocated=7, gpu_memory_reserved=8, num_auth_failures=9,
+        lora_adapters=["chat", "sql"], lora_running=["sql"], lora_waiting=["chat", "sql"],
     )  # fmt: skip
     return stage
 
@@ -70,6 +71,11 @@ def test_status_rows_keep_the_keys_scripts_read_with_the_stage_values(tmp_path: 
     assert row["tokens_per_s"] == 12.3
     assert row["malformed"] == 6 and row["auth_failures"] == 9
     assert row["gpu_memory_allocated"] == 7 and row["gpu_memory_reserved"] == 8
+    assert (row["lora_adapters"], row["lora_running"], row["lora_waiting"]) == (
+        ["chat", "sql"],
+        ["sql"],
+        ["chat", "sql"],
+    )
 
 
 def test_a_stage_off_any_node_and_group_says_so_with_defaults(tmp_path: Path):

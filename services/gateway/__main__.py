@@ -19,6 +19,7 @@ import uvicorn
 
 from client.async_sdk import AsyncClient
 from ipc import messages as m
+from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
 from services.common.text import Tokenizer
 from services.gateway.access_log import AccessLog
@@ -132,6 +133,8 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         oversized_window_s=config.oversized_window_s,
         adapters=tuple(stage.config.lora.adapters),
         access_log=AccessLog(config.access_log, stage.name) if config.access_log.path else None,
+        max_loras=stage.config.lora.max_loras,
+        adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
     )
     gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
     server = uvicorn.Server(

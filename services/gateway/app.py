@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -30,7 +31,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import Send
 
 from client.async_sdk import AsyncClient
@@ -104,6 +105,10 @@ class GatewaySettings:
     oversized_window_s: float = 60.0
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
     access_log: AccessLog | None = None  # gateway.access_log (services/gateway/access_log.py)
+    max_loras: int = 0  # lora.max_loras: 0 = adapters off, none can be loaded at run time
+    # How long a LoRA adapter command may take: an unload waits up to lora.unload_wait_s for its
+    # requests, and the tokenizer gives the engine groups a margin beyond that.
+    adapter_command_timeout_s: float = 300.0
 
 
 def json_response(
@@ -125,6 +130,19 @@ def to_piece(delta: StreamDelta) -> Piece:
         delta.finish_reason,
         delta.tools,
         delta.prompt_logprobs,
+    )
+
+
+ADAPTER_ERROR_STATUS = {"invalid_request": 400, "model_not_found": 404, "adapter_in_use": 409}
+
+
+def adapter_error(reply: m.AdapterReply, param: str) -> ApiError:
+    """The engine refused a LoRA adapter command: 400 (a bad adapter or name), 404 (not loaded),
+    409 (in use), else 503 (the engine could not do it now)."""
+    status = ADAPTER_ERROR_STATUS.get(reply.code, 503)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return ApiError(
+        status, reply.message, param=param if status == 400 else None, code=reply.code, headers=headers
     )
 
 
@@ -177,6 +195,10 @@ class Gateway:
         )
         self.oversized = RecentRefusals(settings.max_oversized_requests, settings.oversized_window_s)
         self.num_responses = 0  # the heartbeat's progress counter
+        # The LoRA adapters served, as the engine last said (each of its adapter replies lists
+        # them): a model name not in it is looked up again before it is a 404, since another
+        # replica may have loaded it.
+        self.adapters: list[str] = list(settings.adapters)
         self.started = int(time.time())
         self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
         self.reasoning = reasoning_style(
@@ -303,11 +325,13 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
         model = getattr(body, "model", "")
-        if model in self.settings.adapters and kind not in (p.ChatCompletionRequest, p.CompletionRequest):
+        if model and model != self.settings.model and model not in self.adapters:
+            await self.refresh_adapters()
+        if model in self.adapters and kind not in (p.ChatCompletionRequest, p.CompletionRequest):
             raise ApiError(400, f"the LoRA adapter {model!r} is served on /v1/chat/completions and /v1/completions "
                            f"only; here, name the base model {self.settings.model!r}", param="model",
                            code="adapter_not_supported")  # fmt: skip
-        if model and model != self.settings.model and model not in self.settings.adapters:
+        if model and model != self.settings.model and model not in self.adapters:
             raise self.model_not_found(model)
         if isinstance(body, p.ChatCompletionRequest):
             self.check_chat_budget(body)
@@ -346,14 +370,14 @@ class Gateway:
             raise from_engine(exc, {"prompt": "messages"}) from None
 
     def model_not_found(self, model: str) -> ApiError:
-        served = [self.settings.model, *self.settings.adapters]
+        served = [self.settings.model, *self.adapters]
         return ApiError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                         param="model", code="model_not_found")  # fmt: skip
 
     def with_adapter(self, body: p.ChatCompletionRequest | p.CompletionRequest, plan: Plan) -> str:
         """The model name the reply gives: the LoRA adapter the body names, which every job then
         generates with, or the base model's."""
-        if body.model not in self.settings.adapters:
+        if body.model not in self.adapters:
             return self.settings.model
         for job in plan.jobs:
             job.sampling["adapter"] = body.model
@@ -592,6 +616,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
+        await self.refresh_adapters()
         return self.finish(request, json_response(p.ModelList(self.model_cards())))
 
     def model_cards(self) -> list[p.ModelCard]:
@@ -601,17 +626,57 @@ class Gateway:
             p.ModelCard(
                 name, self.started, max_model_len=self.settings.max_model_len, parent=self.settings.model
             )
-            for name in self.settings.adapters
+            for name in self.adapters
         ]
         return [base, *adapters]
 
     async def model(self, request: Request) -> Response:
         self.check_key(request)
+        await self.refresh_adapters()
         model_id = request.path_params["model_id"]
         card = next((card for card in self.model_cards() if card.id == model_id), None)
         if card is None:
             raise self.model_not_found(model_id)
         return self.finish(request, json_response(card))
+
+    # -- LoRA adapters at run time (docs/lora.md) ---------------------------------------------
+
+    async def adapter_command(
+        self, op: str, name: str = "", path: str = "", wait: bool = True
+    ) -> m.AdapterReply:
+        """The engine's answer to a LoRA adapter command; the list of adapters it gives is kept."""
+        try:
+            reply = await self.client.adapter_command(
+                op, name, path, wait=wait, timeout=self.settings.adapter_command_timeout_s
+            )
+        except BrigadeError as exc:
+            raise from_engine(exc, {}) from None
+        self.adapters = list(reply.adapters)
+        return reply
+
+    async def refresh_adapters(self) -> None:
+        """The adapters the engine serves now (another gateway replica may have loaded some)."""
+        if self.settings.max_loras:
+            with contextlib.suppress(ApiError):  # the engine unreachable: what was known stands
+                await self.adapter_command("list")
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await self.read_body(request, p.LoadLoraAdapterRequest)
+        reply = await self.adapter_command("load", body.lora_name, body.lora_path)
+        if reply.code:
+            raise adapter_error(reply, "lora_path" if reply.code == "invalid_request" else "lora_name")
+        return self.finish(
+            request, PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        )
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await self.read_body(request, p.UnloadLoraAdapterRequest)
+        reply = await self.adapter_command("unload", body.lora_name, wait=body.wait)
+        if reply.code:
+            raise adapter_error(reply, "lora_name")
+        return self.finish(
+            request, PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+        )
 
     async def health(self, request: Request) -> Response:
         """200 only while an engine group can serve and a tokenizer answers (load balancers and

@@ -282,6 +282,22 @@ class ModelCard(msgspec.Struct):
     parent: str | None = None  # a LoRA adapter's base model; None for the base model itself
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/unload_lora_adapter (vLLM's body, and `wait`: wait for the requests that use the
+    adapter up to lora.unload_wait_s, or refuse with 409 while any does)."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; adapters are named here, so it is accepted and unused
+    wait: bool = True
+
+
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"

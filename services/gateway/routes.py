@@ -31,6 +31,8 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
         Route("/v1/models/{model_id:path}", gateway.model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),

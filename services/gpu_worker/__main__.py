@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ipc import messages as m
-from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_HELLO, MalformedMessage
+from ipc.codec import RESULT_HEADER, STEP_HEADER, WORKER_INPUT, WORKER_OUTPUT, MalformedMessage
 from ipc.endpoints import DIST_PORT_ENV
 from ipc.shm import RingTimeout, ShmRing
 from ipc.sockets import DealerSocket
@@ -32,26 +32,27 @@ MIN_COLLECTIVE_TIMEOUT_S = 300.0
 
 class WorkerProcess(StageProcess):
     """One tensor-parallel rank of an engine group. Its loop is the step ring's, not a poll: it
-    reads no commands, and heartbeats between steps."""
+    heartbeats, and reads its scheduler's adapter commands, between steps."""
 
     kind = "gpu_worker"
 
     def serve(self) -> None:
         runner = load_runner(self.stage, self.args.rank)
-        if self.say_hello(runner):
-            self.serve_steps(runner)
-
-    def say_hello(self, runner: ModelRunner) -> bool:
-        """Ready, then the hello to the scheduler until it echoes it: it has reset the rings for
-        us, and only then do we read. False if stopped first."""
-        stage, rank, engine = self.stage, self.args.rank, self.stage.config.engine
         scheduler = DealerSocket(
             self.ctx,
-            stage.endpoints.scheduler_workers(stage.index),
-            WORKER_HELLO,
-            WORKER_HELLO,
-            identity=f"rank-{rank}".encode(),
+            self.stage.endpoints.scheduler_workers(self.stage.index),
+            WORKER_INPUT,
+            WORKER_OUTPUT,
+            identity=f"rank-{self.args.rank}".encode(),
         )
+        if self.say_hello(runner, scheduler):
+            self.serve_steps(runner, scheduler)
+
+    def say_hello(self, runner: ModelRunner, scheduler: DealerSocket) -> bool:
+        """Ready, then the hello to the scheduler until it echoes it: it has reset the rings for
+        us, and only then do we read, with the LoRA adapters the echo lists in our slots. False if
+        stopped first."""
+        rank, engine = self.args.rank, self.stage.config.engine
         hello = m.WorkerHello(
             rank=rank,
             world_size=engine.tensor_parallel,
@@ -73,14 +74,34 @@ class WorkerProcess(StageProcess):
         while not self.stopping[0]:
             scheduler.send(hello)
             try:
-                if scheduler.recv(HELLO_RETRY_S) is not None:
-                    return True
+                echo = scheduler.recv(HELLO_RETRY_S)
             except MalformedMessage:
                 continue
+            if isinstance(echo, m.WorkerHello):
+                runner.sync_loras(echo.adapters)
+                return True
             self.control.heartbeat(0, has_work=False)
         return False
 
-    def serve_steps(self, runner: ModelRunner) -> None:
+    def on_scheduler(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
+        """The scheduler's adapter commands, between steps: they change the adapters in host
+        memory, never a slot (only a step's header does)."""
+        while True:
+            try:
+                command = scheduler.recv(0)
+            except MalformedMessage as exc:
+                self.num_malformed += 1
+                self.log.warning("dropped a malformed scheduler message: %s", exc)
+                continue
+            if command is None:
+                return
+            if isinstance(command, m.LoadAdapter):
+                error = runner.load_lora(command.adapter)
+                scheduler.send(m.AdapterLoaded(self.args.rank, command.adapter.name, error))
+            elif isinstance(command, m.UnloadAdapter):
+                runner.unload_lora(command.name)
+
+    def serve_steps(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
         stage, group, rank = self.stage, self.stage.index, self.args.rank
         step_timeout_s = stage.config.engine.step_timeout_s
         step_ring = ShmRing.attach(stage.endpoints.step_ring(group))
@@ -91,6 +112,7 @@ class WorkerProcess(StageProcess):
         num_steps = 0
         while not stopping[0]:
             control.heartbeat(num_steps, has_work=False, load=memory.load())
+            self.on_scheduler(runner, scheduler)
             try:
                 with step_ring.read(rank, READ_TIMEOUT_S) as view:
                     header = STEP_HEADER.decode(view.header)

@@ -178,6 +178,7 @@ class LoraSlots:
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.names: list[str | None] = [None] * max_loras
+        self.paths: list[str | None] = [None] * max_loras  # where each slot's adapter was read from
         self.ranks = [0] * max_loras
         dtype, device = model.dtype, model.device
         self.a: dict[tuple[int, str], torch.Tensor] = {}
@@ -193,19 +194,25 @@ class LoraSlots:
         # Which modules of each layer some resident adapter targets: the others cost nothing.
         self.targeted: dict[tuple[int, str], set[int]] = {key: set() for key in self.a}
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put `adapter` into `slot` (whatever was there is gone: modules it does not target are zero)."""
+    def load(self, slot: int, adapter: LoraAdapter, path: str) -> None:
+        """Put `adapter` (read from `path`) into `slot` (whatever was there is gone: modules it
+        does not target are zero)."""
+        self.clear(slot)
+        for key, (a, b) in adapter.weights.items():
+            self.a[key][slot, : adapter.rank] = a
+            self.b[key][slot, :, : adapter.rank] = b
+            self.targeted[key].add(slot)
+        self.names[slot], self.paths[slot], self.ranks[slot] = adapter.name, path, adapter.rank
+
+    def clear(self, slot: int) -> None:
+        """Empty `slot`: it holds no adapter, and a step that names it is refused."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} out of range [0, {self.max_loras})")
         for key in self.a:
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
             self.targeted[key].discard(slot)
-        for key, (a, b) in adapter.weights.items():
-            self.a[key][slot, : adapter.rank] = a
-            self.b[key][slot, :, : adapter.rank] = b
-            self.targeted[key].add(slot)
-        self.names[slot], self.ranks[slot] = adapter.name, adapter.rank
+        self.names[slot], self.paths[slot], self.ranks[slot] = None, None, 0
 
     def batch(self, token_slots: np.ndarray) -> LoraBatch | None:
         """The step's tokens grouped by slot (token_slots[t] = the slot of token t, -1 = none);

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
@@ -18,7 +19,7 @@ from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
-from services.gpu_worker.lora import LoraBatch, LoraSlots, load_adapter
+from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots, load_adapter
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import MIN_TEMPERATURE, Sampler
@@ -101,6 +102,7 @@ class ModelRunner:
             )
         load_weights(self.model, model_dir)
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
+        self.num_lora_swaps = 0  # adapters copied from host memory into a slot, for a step
         if int8_activations and not self.model.reads_gguf_blocks:
             log.warning(
                 "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
@@ -150,21 +152,80 @@ class ModelRunner:
         )  # fmt: skip
 
     def _load_adapters(self, max_loras: int, max_rank: int, adapters: dict[str, str]) -> LoraSlots | None:
-        """The static adapters (lora.adapters), checked against the model and put in slots in their
-        order, before the worker serves anything; None with max_loras 0 (adapters off)."""
+        """The static adapters (lora.adapters), checked against the model before the worker serves
+        anything and kept in host memory, the first `max_loras` also in slots in their order; None
+        with max_loras 0 (adapters off)."""
+        self.lora_host: dict[str, tuple[str, LoraAdapter]] = {}  # name -> (path, weights)
         if max_loras == 0:
             if adapters:
                 raise ValueError("lora.adapters names adapters but lora.max_loras is 0 (adapters off)")
             return None
-        if len(adapters) > max_loras:
-            raise ValueError(
-                f"lora.adapters names {len(adapters)} adapters, over lora.max_loras ({max_loras})"
-            )
         slots = LoraSlots(self.model, max_loras, max_rank)
-        for slot, (name, path) in enumerate(adapters.items()):
-            slots.load(slot, load_adapter(name, path, self.model, max_rank))
+        for name, path in adapters.items():
+            self.lora_host[name] = (path, load_adapter(name, path, self.model, max_rank))
+        for slot, name in enumerate(list(self.lora_host)[:max_loras]):
+            path, adapter = self.lora_host[name]
+            slots.load(slot, adapter, path)
             log.info("LoRA adapter %s (%s) in slot %d", name, path, slot)
         return slots
+
+    def load_lora(self, source: m.AdapterSource) -> str:
+        """An adapter loaded at run time: checked against the model as at start, then kept in host
+        memory until a step's header puts it in a slot. The refusal's message, or "" when loaded."""
+        if self.lora is None:
+            return "LoRA adapters are off (lora.max_loras is 0)"
+        try:
+            adapter = load_adapter(source.name, source.path, self.model, self.lora.max_rank)
+        except AdapterError as exc:
+            return str(exc)
+        except Exception as exc:  # a file no check foresaw: this adapter is refused, the worker serves on
+            log.exception("loading LoRA adapter %r failed", source.name)
+            return f"adapter {source.name!r}: {type(exc).__name__}: {exc}"[:1000]
+        # An older adapter of this name (unloaded, no request uses it) must not pass for this one
+        # in its slot: the slot is emptied, and the next header that names it copies this one in.
+        for slot, name in enumerate(self.lora.names):
+            if name == source.name:
+                self.lora.clear(slot)
+        self.lora_host[source.name] = (source.path, adapter)
+        log.info("LoRA adapter %s (%s) loaded", source.name, source.path)
+        return ""
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`. A slot that holds it keeps its weights until a header swaps
+        another in: a step already published may still name it, for a row aborted since."""
+        if self.lora_host.pop(name, None) is not None:
+            log.info("LoRA adapter %s unloaded", name)
+
+    def sync_loras(self, sources: list[m.AdapterSource]) -> None:
+        """Hold exactly the adapters the scheduler lists (its hello echo): a restarted worker gets
+        back the adapters loaded at run time. One that no longer loads (its files changed) is
+        logged, and a step that needs it is refused (InvalidPlan)."""
+        if self.lora is None:
+            return
+        wanted = {source.name: source for source in sources}
+        for name in [name for name in self.lora_host if name not in wanted]:
+            self.unload_lora(name)
+        for source in sources:
+            if self.lora_host.get(source.name, ("",))[0] != source.path:
+                error = self.load_lora(source)
+                if error:
+                    log.error("LoRA adapter %s could not be loaded again: %s", source.name, error)
+
+    def swap_loras(self, slot_names: list[str]) -> None:
+        """Make each slot hold the adapter the step's header names for it, copied from host memory."""
+        if not slot_names:
+            return
+        if self.lora is None or len(slot_names) != self.lora.max_loras:
+            raise InvalidPlan(f"step header: lora_slots names {len(slot_names)} slots, the worker has "
+                              f"{self.lora.max_loras if self.lora else 0}")  # fmt: skip
+        for slot, name in enumerate(slot_names):
+            if not name or self.lora.names[slot] == name:
+                continue
+            if name not in self.lora_host:
+                raise InvalidPlan(f"step header: LoRA adapter {name!r} is not loaded in this worker")
+            path, adapter = self.lora_host[name]
+            self.lora.load(slot, adapter, path)
+            self.num_lora_swaps += 1
 
     def lora_batch(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> LoraBatch | None:
         """The step's adapters from the plan's lora_slots (one per row, -1 = none), or None."""
@@ -241,6 +302,7 @@ class ModelRunner:
 
     def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
         """Run one step plan; returns the result arrays (ipc/step_plan.py STEP_RESULT)."""
+        self.swap_loras(header.lora_slots)
         at, table_rows = self.validate(arrays, header)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         if self.embedding is not None:

@@ -16,11 +16,12 @@ import signal
 import time
 from collections import defaultdict
 
+import msgspec
 import numpy as np
 import zmq
 
 from ipc import messages as m
-from ipc.codec import SCHEDULER_INPUT, WORKER_HELLO, MalformedMessage
+from ipc.codec import SCHEDULER_INPUT, WORKER_INPUT, WORKER_OUTPUT, MalformedMessage
 from ipc.config import SpeculativeConfig
 from ipc.endpoints import shard_of
 from ipc.shm import ShmRing
@@ -36,6 +37,7 @@ from services.common.grammar_compiler import (
 )
 from services.metrics import EngineMetrics
 from services.peers import Peers
+from services.scheduler.adapters import Adapters
 from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, SchedulerConfig, StepOutputs
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
@@ -65,7 +67,7 @@ class SchedulerProcess(StageProcess):
         self.group = stage.index
         self.inbox = PullQueue(self.ctx, stage.endpoints.scheduler_in(self.group), SCHEDULER_INPUT, bind=True)
         self.workers = RouterSocket(
-            self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_HELLO, WORKER_HELLO
+            self.ctx, stage.endpoints.scheduler_workers(self.group), WORKER_OUTPUT, WORKER_INPUT
         )
         self.peers = Peers(self.ctx, stage, tokenizers=True, detokenizers=True)
         self.tokenizers, self.detokenizers = (
@@ -88,6 +90,19 @@ class SchedulerProcess(StageProcess):
         self.num_late_steps = 0  # workers replaced for a late step since the last step finished
         self.num_tokens = 0
         self.metrics = EngineMetrics(stage.info.model, self.group)
+        lora = config.lora
+        self.listed_adapters = dict(lora.adapters)  # lora.adapters as the config last said (hot reload)
+        self.adapters = Adapters(
+            max(lora.max_cpu_loras, lora.max_loras),
+            lora.adapters,
+            stage.run_dir / f"lora-adapters-{self.group}.json",
+            lora.unload_wait_s,
+            stage.info.model,
+            users=self.num_adapter_users,
+            reply=self.reply_to_tokenizer,
+            to_workers=self.send_to_workers,
+            on_unloaded=self.forget_adapter,
+        )
         self.poller = zmq.Poller()
         for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
             self.poller.register(sock, zmq.POLLIN)
@@ -108,6 +123,8 @@ class SchedulerProcess(StageProcess):
                 self.submit(message)
             elif isinstance(message, m.AbortRequest):
                 self.abort(message.request_id)
+            elif isinstance(message, m.AdapterRequest):
+                self.adapters.command(message, self.world_size, workers_up=bool(self.worker_pids))
             else:
                 self.report_progress(message)
 
@@ -129,9 +146,9 @@ class SchedulerProcess(StageProcess):
         except InvalidParams as exc:
             self.refuse(submit, exc.code, str(exc))
             return
-        adapter, adapters = submit.params.adapter, list(self.stage.config.lora.adapters)
-        if adapter and adapter not in adapters:
-            self.refuse(submit, "invalid_request", f"unknown LoRA adapter {adapter!r}; served: {adapters}")
+        refusal = self.adapters.refusal(submit.params.adapter) if submit.params.adapter else ""
+        if refusal:
+            self.refuse(submit, "invalid_request", refusal)
             return
         request = Request(
             request_id=submit.request_id,
@@ -141,7 +158,6 @@ class SchedulerProcess(StageProcess):
             params=submit.params,
             arrival_time=time.monotonic(),
         )
-        request.lora_slot = adapters.index(adapter) if adapter else -1
         try:
             finished = self.core.add(request)
         except (Overloaded, PromptTooLong, ValueError) as exc:
@@ -199,9 +215,17 @@ class SchedulerProcess(StageProcess):
         self.tokenizers[query.tokenizer_id].put(m.RequestProgress(query.request_ids, counts))
 
     def reconfigure(self, command: m.Reconfigure) -> None:
-        """The overload bound changed (hot reload)."""
+        """The overload bound or lora.adapters changed (hot reload)."""
         if self.core is not None:
             self.core.config = self.core.config.with_max_num_waiting(command.max_num_waiting)
+        if command.lora_adapters != self.listed_adapters:
+            self.adapters.reload(
+                self.listed_adapters,
+                command.lora_adapters,
+                self.world_size,
+                workers_up=bool(self.worker_pids),
+            )
+            self.listed_adapters = dict(command.lora_adapters)
 
     def on_topology(self, topology: Topology) -> None:
         """Tokenizers or detokenizer shards were added or removed: requests whose shard changed
@@ -255,6 +279,42 @@ class SchedulerProcess(StageProcess):
             prompt_logprobs=prompt_logprobs(request),
         )
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def num_adapter_users(self, name: str) -> int:
+        """The group's requests (queued, running, or waiting for the workers) that use adapter `name`."""
+        live = self.core.requests.values() if self.core is not None else ()
+        return sum(r.params.adapter == name for r in live) + sum(s.params.adapter == name for s in self.early)
+
+    def reply_to_tokenizer(self, tokenizer_id: int, reply: m.AdapterReply) -> None:
+        if 0 <= tokenizer_id < len(self.tokenizers):
+            self.tokenizers[tokenizer_id].put(reply)
+        elif reply.code:  # a hot reload's: nobody waits for it but the log
+            self.log.error("%s: %s", reply.request_id, reply.message)
+        else:
+            self.log.info("%s: LoRA adapters now %s", reply.request_id, sorted(reply.adapters))
+
+    def send_to_workers(self, command: m.LoadAdapter | m.UnloadAdapter) -> None:
+        for rank in range(self.world_size):
+            self.workers.send(f"rank-{rank}".encode(), command)
+
+    def adapters_in_use(self) -> dict[str, list[str]]:
+        """The heartbeat's adapter fields: loaded, and used by running and by waiting requests."""
+        if not self.adapters.loaded:
+            return {}
+        running = self.core.state.running if self.core is not None else ()
+        waiting = [*(self.core.state.waiting if self.core is not None else ()), *self.early]
+        return {
+            "lora_adapters": sorted(self.adapters.loaded),
+            "lora_running": sorted({r.params.adapter for r in running} - {""}),
+            "lora_waiting": sorted({r.params.adapter for r in waiting} - {""}),
+        }
+
+    def forget_adapter(self, name: str) -> None:
+        """An adapter unloaded: the slot that held it is free (a new load of the name is copied in)."""
+        if self.core is not None:
+            self.core.state.lora.forget(name)
+
     # -- workers -------------------------------------------------------------------------------
 
     def accept_hellos(self) -> None:
@@ -266,7 +326,10 @@ class SchedulerProcess(StageProcess):
                 continue
             if received is None:
                 return
-            self.on_hello(received[1])
+            if isinstance(received[1], m.AdapterLoaded):
+                self.adapters.on_loaded(received[1])
+            else:
+                self.on_hello(received[1])
 
     def on_hello(self, hello: m.WorkerHello) -> None:
         self.hellos[hello.rank] = hello
@@ -275,8 +338,17 @@ class SchedulerProcess(StageProcess):
         # Every rank is here: start from clean rings, then let the workers read.
         self.step_ring.reset()
         self.result_ring.reset()
+        # The echo lists the adapters loaded: a restarted worker loads them before a step.
+        adapters = self.adapters.sources()
         for rank in range(self.world_size):
-            self.workers.send(f"rank-{rank}".encode(), self.hellos[rank])
+            echo = msgspec.structs.replace(self.hellos[rank], adapters=adapters)
+            self.workers.send(f"rank-{rank}".encode(), echo)
+        if self.core is not None and self.pipeline is not None:
+            # Workers started again, perhaps without a step noticing the old ones die (an idle
+            # group): whatever the scheduler thinks their KV cache holds is gone, the prefix
+            # cache's blocks too, and their LoRA slots hold only what the echo lists.
+            self.pipeline.drop_in_flight()
+            self.core.preempt_all()
         self.worker_pids = [h.pid for h in self.hellos.values()]
         first = self.hellos[0]
         self.vocab_size = first.vocab_size
@@ -287,6 +359,7 @@ class SchedulerProcess(StageProcess):
                     self.stage.config.model.max_model_len,
                     [self.hellos[rank] for rank in range(self.world_size)],
                     proposer(self.stage.config.speculative),
+                    self.stage.config.lora.max_loras,
                 ),
                 self.load_grammars(first),
             )
@@ -351,6 +424,7 @@ class SchedulerProcess(StageProcess):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         self.worker_pids = []
+        self.adapters.fail_loads("the engine's workers restarted")
         if self.core is not None and self.pipeline is not None:
             self.pipeline.drop_in_flight()
             self.core.preempt_all()
@@ -435,6 +509,8 @@ class SchedulerProcess(StageProcess):
             num_malformed=self.num_malformed,
             tokens_total=self.num_tokens,
             prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
+            # Read from the request lists only when the heartbeat goes out (not at every step).
+            **(self.adapters_in_use() if self.control.seconds_until_due() == 0 else {}),
         )
         self.control.heartbeat(self.num_steps, has_work=has_work, load=load)
         if core is not None and self.pipeline is not None:
@@ -444,6 +520,7 @@ class SchedulerProcess(StageProcess):
                 core.num_prefix_hit_tokens,
                 self.pipeline.execute_times,
             )
+            self.metrics.update_lora(self.adapters.num_loads, core.state.lora.num_swaps)
             if core.speculation is not None:
                 spec = core.speculation
                 self.metrics.update_speculation(
@@ -454,7 +531,7 @@ class SchedulerProcess(StageProcess):
         """How long the loop may wait on its sockets when no step ran."""
         if self.core is not None and self.core.num_compiling:
             return COMPILE_POLL_MS
-        if self.pipeline is not None and self.pipeline.has_work:
+        if (self.pipeline is not None and self.pipeline.has_work) or self.adapters.has_pending:
             return BLOCKED_POLL_MS
         # Nothing to do: every input (requests, hellos, commands) wakes the poll, so only the next
         # heartbeat bounds it; waking 20 times a second for nothing took CPU from the workers.
@@ -467,6 +544,8 @@ class SchedulerProcess(StageProcess):
         self.drain_inbox()
         self.poll_grammars()
         self.accept_hellos()
+        if self.adapters.has_pending:
+            self.adapters.poll()
         outputs = None
         if self.worker_pids and self.pipeline is not None and self.pipeline.has_work:
             try:

@@ -38,6 +38,8 @@ class SchedulerConfig:
     # normalizes (finish_vector).
     pooling: str = ""
     normalize: bool = True
+    # LoRA adapter slots in the workers (lora.max_loras; lora_residency.py): 0 = adapters off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -70,6 +72,7 @@ class SchedulerConfig:
         max_model_len: int,
         hellos: Sequence[m.WorkerHello],
         proposer: Proposer | None = None,
+        max_loras: int = 0,
     ) -> SchedulerConfig:
         """The config of a group whose workers all said hello (`hellos`, rank 0 first): the KV
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
@@ -86,6 +89,7 @@ class SchedulerConfig:
             proposer=proposer,
             pooling=first.pooling,
             normalize=first.normalize,
+            max_loras=max_loras,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:

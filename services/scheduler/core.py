@@ -184,6 +184,7 @@ class Scheduler:
         where `SteadyDecode` allows; `build_plan` must follow before anything else changes."""
         state = self.state
         budget = state.config.engine.max_num_batched_tokens
+        state.lora.next_step()
         decodes = self.decode.plan(budget)
         seqs = decodes.seqs
         rows, starts, is_placeholder = decodes.rows, decodes.starts, decodes.is_placeholder
@@ -243,6 +244,7 @@ class Scheduler:
             is_placeholder=is_placeholder,
             table=table,
             eos_token_ids=state.config.eos_token_ids,
+            lora_slots=tuple(state.lora.names) if table.num_lora_rows else (),
             line_version=-1 if chunks.num_new or proposals else decodes.line_version,
             steady=None if chunks.num_new or proposals else decodes.steady,
             grammar=(

@@ -2,7 +2,8 @@
 whose prompt is under way, then waiting requests, best first, each from its prefix-cache hits on;
 each chunked to what is left of the token budget and of the free blocks. A waiting request that
 gets a chunk enters the running line. When every layer has a sliding window, each chunk first
-gives back the blocks wholly behind the window of its first query (as decodes do)."""
+gives back the blocks wholly behind the window of its first query (as decodes do). A request
+with a LoRA adapter enters only with a slot for it (lora_residency.py)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ class Prefill:
             n = min(req.num_tokens - done, budget, room)
             if n <= 0 or (is_whole and n < req.num_tokens):
                 break  # an embedding input runs whole: it waits for a step with room for all of it
+            if req.params.adapter:
+                # Its adapter's slot, or one that a swap frees; none: it waits (no overtaking).
+                req.lora_slot = state.lora.acquire(req.params.adapter)
+                if req.lora_slot < 0:
+                    break
             waiting.pop(0)
             if req.num_preemptions == 0:
                 self.queue_times.append(time.monotonic() - req.arrival_time)

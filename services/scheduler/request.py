@@ -131,8 +131,8 @@ class Request:
         # LongRoPE: whether its KV is rotated with the long factors, chosen at each admission
         # (Prefill.choose_rope): a sequence longer than the original length is, as in HF.
         self.is_long_rope = False
-        # The worker slot of its LoRA adapter (params.adapter), -1 for none: set at submission,
-        # from the adapters' order in lora.adapters, which the workers load in the same order.
+        # The worker slot of its LoRA adapter (params.adapter) while it runs, -1 otherwise: taken
+        # when it enters the running line (lora_residency.py), given back when it leaves it.
         self.lora_slot = -1
         # Structured output (params.structured): the compile while it runs, then the matcher,
         # which stays in step with output_ids (services/scheduler/grammars.py).

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.lora_residency import LoraResidency
 from services.scheduler.plan import PlanTable
 from services.scheduler.request import Request, RequestStatus
 
@@ -42,6 +43,7 @@ class SchedulerState:
         self.compiling: list[Request] = []  # constrained, their grammar still compiling (arrival order)
         self.line_version = 0
         self.num_preemptions = 0
+        self.lora = LoraResidency(config.max_loras)
 
     def start_running(self, req: Request) -> None:
         """Put an admitted request (its row assigned) into the running line."""
@@ -94,6 +96,9 @@ class SchedulerState:
             if self.blocks.enable_prefix_caching and num_full > req.num_registered_blocks:
                 self.register_blocks(req, num_full)
             self.table.release(req)
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         self.blocks.release(req.block_ids[req.num_released_blocks :])
         req.block_ids = []
         req.num_registered_blocks = 0

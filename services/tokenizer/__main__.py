@@ -3,13 +3,17 @@ text deltas back to clients. Light: no torch."""
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMessage
+from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
@@ -27,6 +31,17 @@ POLL_MS = 100
 # long even when nothing else is sent to it (a non-streamed request, or one still queued).
 KEEPALIVE_S = 1.0
 STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the tokenizer stops
+
+
+@dataclass
+class PendingAdapterCommand:
+    """A client's AdapterCommand sent on to every engine group, until each has answered."""
+
+    identity: bytes
+    request_id: str  # the client's
+    num_waiting: int  # groups that have not answered
+    deadline: float
+    reply: m.AdapterReply  # the first error, else the last answer
 
 
 class TokenizerProcess(StageProcess):
@@ -70,6 +85,8 @@ class TokenizerProcess(StageProcess):
             embedding=embedding_of(config.model, Path(stage.info.model_dir)),
         )
         self.next_stall_check = 0.0
+        self.adapter_commands: dict[str, PendingAdapterCommand] = {}  # by the id sent to the groups
+        self.adapter_command_ids = itertools.count()
         self.num_events = 0
         self.is_draining = False
         self.last_keepalive = 0.0
@@ -160,6 +177,8 @@ class TokenizerProcess(StageProcess):
                 self.send(
                     Reply(identity, m.ErrorReply(request.request_id, "overloaded", "engine queue is full"))
                 )
+        elif isinstance(request, m.AdapterCommand):
+            self.on_adapter_command(identity, request)
         elif isinstance(request, m.Abort):
             # Only the connection that made a request may abort it.
             entry = self.core.abort(identity, request.request_id)
@@ -174,6 +193,45 @@ class TokenizerProcess(StageProcess):
             self.send(Reply(identity, final))
         else:
             self.send(Reply(identity, self.health(self.core.missing(identity, request.request_ids))))
+
+    def on_adapter_command(self, identity: bytes, command: m.AdapterCommand) -> None:
+        """Load, unload or list LoRA adapters: every engine group's scheduler does it, and the
+        client hears once all have answered (the first error, if any)."""
+        if self.is_draining:
+            reply = m.AdapterReply(command.request_id, "unavailable", "server is shutting down")
+            self.send(Reply(identity, reply))
+            return
+        own_id = f"adapter-{self.stage.index}-{next(self.adapter_command_ids)}"
+        forwarded = m.AdapterRequest(self.stage.index, msgspec.structs.replace(command, request_id=own_id))
+        if not all([scheduler.put(forwarded) for scheduler in self.schedulers]):
+            reply = m.AdapterReply(command.request_id, "overloaded", "engine queue is full; try again")
+            self.send(Reply(identity, reply))
+            return
+        wait_s = self.stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S
+        self.adapter_commands[own_id] = PendingAdapterCommand(
+            identity, command.request_id, len(self.schedulers), time.monotonic() + wait_s, m.AdapterReply("")
+        )
+
+    def on_adapter_reply(self, reply: m.AdapterReply) -> None:
+        pending = self.adapter_commands.get(reply.request_id)
+        if pending is None:
+            return
+        pending.num_waiting -= 1
+        if not pending.reply.code:
+            pending.reply = reply
+        if pending.num_waiting <= 0:
+            del self.adapter_commands[reply.request_id]
+            self.send(
+                Reply(pending.identity, msgspec.structs.replace(pending.reply, request_id=pending.request_id))
+            )
+
+    def expire_adapter_commands(self) -> None:
+        now = time.monotonic()
+        for own_id, pending in list(self.adapter_commands.items()):
+            if now >= pending.deadline:
+                del self.adapter_commands[own_id]
+                message = f"{pending.num_waiting} engine group(s) did not answer the adapter command in time"
+                self.send(Reply(pending.identity, m.AdapterReply(pending.request_id, "unavailable", message)))
 
     def on_engine(self) -> None:
         try:
@@ -194,6 +252,8 @@ class TokenizerProcess(StageProcess):
             # resubmitted already (ResubmitShard); only an orphan's must be stopped here.
             for request_id in message.request_ids:
                 self._abort_orphan(request_id)
+        elif isinstance(message, m.AdapterReply):
+            self.on_adapter_reply(message)
         elif isinstance(message, m.RequestFailed):
             reply = self.core.fail(message)
             if reply is not None:
@@ -269,6 +329,8 @@ class TokenizerProcess(StageProcess):
             self.num_events += 1
         self.keep_alive()
         self.check_stalled()
+        if self.adapter_commands:
+            self.expire_adapter_commands()
 
     def heartbeat(self) -> None:
         self.control.heartbeat(

@@ -1,0 +1,191 @@
+"""LoRA adapters' cost (docs/lora.md): SmolLM2 with random rank-16 PEFT adapters on every projection
+(q/k/v/o/gate/up/down of every layer), served against the same model without adapters.
+
+    python benchmarks/lora_bench.py [--rounds 2] [--requests 64] [--output-len 32] [--tpot-requests 4]
+        [--set key=value ...] [--json lora_bench.json]
+
+One Brigade run of the config (the embedded SmolLM2 by default) with `lora.max_loras` 8 and eight
+adapters in `lora.adapters`. Throughput: `--requests` greedy requests at once (c=64 by default),
+all on the base model, then spread round robin over the eight adapters, alternating which goes
+first each round so that both see the same host load; output tokens per second over the wall time
+of the batch. TPOT: one stream at a time (c=1), with and without an adapter in turn, the time per
+output token after the first. Targets (issue 35): adapters >= 0.75x the base model's throughput at
+c=64, and c=1 TPOT with an adapter <= 1.15x without. llama.cpp's server with one GGUF LoRA
+(`--lora`), the issue's comparison, is not driven yet: the report says "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import peers  # noqa: E402
+from benchmarks.serve import READY_TIMEOUT_S, BrigadeProcess, machine_info, percentile  # noqa: E402
+
+NUM_ADAPTERS = 8
+RANK = 16
+MODULES = {  # PEFT module -> (its attention/MLP block, in features attribute, out features attribute)
+    "q_proj": ("self_attn", "hidden", "q"), "k_proj": ("self_attn", "hidden", "kv"),
+    "v_proj": ("self_attn", "hidden", "kv"), "o_proj": ("self_attn", "q", "hidden"),
+    "gate_proj": ("mlp", "hidden", "inter"), "up_proj": ("mlp", "hidden", "inter"),
+    "down_proj": ("mlp", "inter", "hidden"),
+}  # fmt: skip
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def write_adapters(model_dir: Path, out: Path, count: int, rank: int) -> dict[str, Path]:
+    """`count` random PEFT adapters of `rank` on every projection of every layer of the model."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = {
+        "hidden": config["hidden_size"],
+        "q": config["num_attention_heads"] * head_dim,
+        "kv": config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim,
+        "inter": config["intermediate_size"],
+    }
+    adapters = {}
+    for i in range(count):
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(config["num_hidden_layers"]):
+            for module, (block, fan_in, fan_out) in MODULES.items():
+                key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, sizes[fan_in], generator=generator) * 0.02
+                tensors[f"{key}.lora_B.weight"] = (
+                    torch.randn(sizes[fan_out], rank, generator=generator) * 0.02
+                )
+        path = out / f"lora-{i}"
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+        adapters[f"lora-{i}"] = path
+    return adapters
+
+
+async def throughput(run_dir: Path, adapters: list[str], num_requests: int, output_len: int) -> float:
+    """Output tokens per second of `num_requests` greedy requests sent at once, request j under
+    adapters[j % len(adapters)] ("" = the base model)."""
+    from client import AsyncClient
+
+    async with AsyncClient(run_dir) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                client.generate(
+                    PROMPT,
+                    max_tokens=output_len,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=1200,
+                    adapter=adapters[j % len(adapters)],
+                )
+                for j in range(num_requests)
+            )
+        )
+        elapsed = time.perf_counter() - started
+    return sum(len(result.token_ids) for result in results) / elapsed
+
+
+def tpot_ms(client, adapter: str, output_len: int) -> float:
+    """One streamed greedy request; its time per output token after the first, in ms."""
+    times: list[tuple[float, int]] = []
+    for delta in client.stream(
+        PROMPT, max_tokens=output_len, temperature=0.0, ignore_eos=True, timeout=600, adapter=adapter
+    ):
+        if delta.token_ids:
+            times.append((time.perf_counter(), len(delta.token_ids)))
+    num_tokens = sum(n for _, n in times)
+    return (times[-1][0] - times[0][0]) * 1000 / (num_tokens - times[0][1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--set", action="append", default=[], help="config overrides")
+    parser.add_argument("--rounds", type=int, default=2, help="base / adapter throughput pairs")
+    parser.add_argument("--requests", type=int, default=64, help="requests sent at once (the concurrency)")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--tpot-requests", type=int, default=4, help="c=1 streams each way")
+    parser.add_argument("--json", type=Path, default=Path("lora_bench.json"))
+    args = parser.parse_args(argv)
+    from client import Client
+    from ipc.config import load_config
+    from supervision.run import prepare_model
+
+    work = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    model_dir = prepare_model(load_config(REPO / args.config, args.set))
+    adapters = write_adapters(model_dir, work / "adapters", NUM_ADAPTERS, RANK)
+    listed = "{" + ", ".join(f"{name}: {path}" for name, path in adapters.items()) + "}"
+    overrides = [
+        f"lora.max_loras={NUM_ADAPTERS}", f"lora.max_rank={RANK}", f"lora.adapters={listed}",
+        f"gateway.port={peers.free_port()}", "supervisor.metrics_port=0", *args.set,
+    ]  # fmt: skip
+    run = BrigadeProcess(work / "run", args.config, overrides, work / "brigade.log")
+    report: dict = {
+        "machine": machine_info(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir),
+        "adapters": f"{NUM_ADAPTERS} random rank-{RANK} PEFT adapters on q/k/v/o/gate/up/down of every layer",
+    }
+    try:
+        run.wait_ready(READY_TIMEOUT_S)
+        asyncio.run(throughput(run.run_dir, [""], 4, 4))  # warm up
+        rates: dict[str, list[float]] = {"base": [], "adapters": []}
+        for r in range(args.rounds):
+            order = ("base", "adapters") if r % 2 == 0 else ("adapters", "base")
+            for name in order:
+                names = [""] if name == "base" else list(adapters)
+                rates[name].append(
+                    asyncio.run(throughput(run.run_dir, names, args.requests, args.output_len))
+                )
+        tpots: dict[str, list[float]] = {"base": [], "adapter": []}
+        with Client(run.run_dir) as client:
+            for i in range(args.tpot_requests):
+                order = ("base", "adapter") if i % 2 == 0 else ("adapter", "base")
+                for name in order:
+                    tpots[name].append(tpot_ms(client, "" if name == "base" else "lora-0", args.output_len))
+    finally:
+        leftovers = run.stop()
+        if leftovers:
+            print(f"warning: the run left {leftovers} behind (removed)", file=sys.stderr)
+    c = args.requests
+    base_rate, lora_rate = (sum(v) / len(v) for v in (rates["base"], rates["adapters"]))
+    base_tpot, lora_tpot = (percentile(tpots[name], 50) for name in ("base", "adapter"))
+    report["throughput_tok_s"] = {**rates, "ratio": lora_rate / base_rate, "concurrency": c}
+    report["tpot_ms"] = {**tpots, "ratio_p50": lora_tpot / base_tpot}
+    report["targets"] = {
+        f"c={c} adapters / base >= 0.75": lora_rate / base_rate >= 0.75,
+        "c=1 TPOT adapter / base <= 1.15": lora_tpot / base_tpot <= 1.15,
+    }
+    report["llamacpp"] = (
+        "not measured: Brigade reads no GGUF LoRA yet (the same adapters could not be given to both), "
+        "and no llama-server binary was at hand (benchmarks/build_llama_server.sh builds one)"
+    )
+    print(f"\n{report['adapters']}; {args.output_len} output tokens, greedy; logs in {work / 'brigade.log'}")
+    print(f"{'':<26}{'base':>10}{'adapters':>10}{'ratio':>8}")
+    print(f"{f'c={c} tok/s (mean)':<26}{base_rate:>10.1f}{lora_rate:>10.1f}{lora_rate / base_rate:>8.2f}")
+    print(f"{'c=1 TPOT ms (p50)':<26}{base_tpot:>10.1f}{lora_tpot:>10.1f}{lora_tpot / base_tpot:>8.2f}")
+    print(f"llama.cpp: {report['llamacpp']}")
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    shutil.rmtree(work / "adapters", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The LoRA adapters an engine group serves, owned by its scheduler (docs/lora.md "Loading at run
+time"): the adapters loaded, the loads waiting for every worker's answer, and the unloads waiting
+for the requests that use their adapter. Which slot holds which adapter is another matter
+(lora_residency.py).
+
+A load asks every worker to check the adapter and keep it in host memory; the adapter serves once
+all have, and a refusal answers with the worker's message. An unload waits (up to
+lora.unload_wait_s) or refuses while requests use the adapter, so a running request's adapter
+never goes away under it. The list is written to a file of the run dir at each change, so that a
+restarted scheduler serves the same adapters, and every worker's hello is answered with it, so
+that a restarted worker loads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from ipc import messages as m
+from ipc.validation import MAX_ADAPTER_NAME_CHARS
+
+LOAD_TIMEOUT_S = 120.0  # every worker answers a load within this, or it fails (a worker lost meanwhile)
+
+ReplyTo = tuple[int, str]  # the tokenizer and its id of the command
+RELOAD: ReplyTo = (-1, "lora.adapters reload")  # a hot reload's commands: their outcome is logged
+
+
+@dataclass
+class PendingLoad:
+    reply_to: ReplyTo
+    adapter: m.AdapterSource
+    waiting: set[int]  # the ranks that have not answered
+    deadline: float
+    error: str = ""
+
+
+@dataclass
+class PendingUnload:
+    reply_to: ReplyTo
+    name: str
+    deadline: float
+
+
+class Adapters:
+    """The group's adapters and its commands in progress: at most `capacity` loaded (lora's
+    max_cpu_loras, or max_loras). `users(name)` counts the requests of the group that use an
+    adapter; `reply` answers a command; `to_workers` sends every worker a LoadAdapter or
+    UnloadAdapter; `on_unloaded` is told an adapter is gone."""
+
+    def __init__(
+        self,
+        capacity: int,
+        static: dict[str, str],
+        state_file: Path,
+        unload_wait_s: float,
+        base_model: str,
+        users: Callable[[str], int],
+        reply: Callable[[int, m.AdapterReply], None],
+        to_workers: Callable[[m.LoadAdapter | m.UnloadAdapter], None],
+        on_unloaded: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.capacity, self.state_file, self.unload_wait_s = capacity, state_file, unload_wait_s
+        self.base_model = base_model
+        self.users, self.reply, self.to_workers, self.clock = users, reply, to_workers, clock
+        self.on_unloaded = on_unloaded
+        saved = self._saved()
+        self.loaded: dict[str, str] = dict(static) if saved is None else saved  # name -> path
+        self.loading: dict[str, PendingLoad] = {}  # by adapter name
+        self.unloading: dict[str, PendingUnload] = {}  # by adapter name
+        self.num_loads = 0  # loaded at run time, since this scheduler started
+
+    def _saved(self) -> dict[str, str] | None:
+        """The list a scheduler of this group wrote before it restarted, if any."""
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return msgspec.json.decode(self.state_file.read_bytes(), type=dict[str, str])
+        return None
+
+    def _save(self) -> None:
+        """Written whole and renamed into place, so that a scheduler killed meanwhile leaves the
+        old table or the new one. A run dir this host cannot write (a stage placed elsewhere)
+        keeps the table in memory only: a restarted scheduler then serves lora.adapters."""
+        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_bytes(msgspec.json.encode(self.loaded))
+            tmp.replace(self.state_file)
+
+    # -- what requests see ---------------------------------------------------------------------
+
+    def sources(self) -> list[m.AdapterSource]:
+        return [m.AdapterSource(name, path) for name, path in self.loaded.items()]
+
+    def refusal(self, name: str) -> str:
+        """Why a new request may not use adapter `name` ("" when it may)."""
+        if name not in self.loaded:
+            return f"unknown LoRA adapter {name!r}; served: {sorted(self.loaded)}"
+        if name in self.unloading:
+            return f"the LoRA adapter {name!r} is being unloaded"
+        return ""
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def command(self, request: m.AdapterRequest, world_size: int, workers_up: bool) -> None:
+        command, reply_to = request.command, (request.tokenizer_id, request.command.request_id)
+        if command.op == "list":
+            self._answer(reply_to)
+        elif command.op == "load":
+            self._load(reply_to, command, world_size, workers_up)
+        else:
+            self._unload(reply_to, command)
+
+    def reload(self, old: dict[str, str], new: dict[str, str], world_size: int, workers_up: bool) -> None:
+        """A hot reload changed lora.adapters from `old` to `new`: the adapters it adds are loaded
+        and those it removes unloaded (waiting for their requests), as the endpoints do; adapters
+        loaded through the endpoints and never listed stay."""
+        for name in old.keys() - new.keys():
+            if name in self.loaded:
+                self._unload(RELOAD, m.AdapterCommand(RELOAD[1], "unload", name))
+        for name, path in new.items():
+            if old.get(name) == path:
+                continue
+            if name in self.loaded and self.loaded[name] != path:
+                message = f"the LoRA adapter {name!r} moved to {path!r}: unload it, then load it again"
+                self._answer(RELOAD, "invalid_request", message)
+            elif name not in self.loaded:
+                self._load(RELOAD, m.AdapterCommand(RELOAD[1], "load", name, path), world_size, workers_up)
+
+    def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "") -> None:
+        self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded)))
+
+    def _load(self, reply_to: ReplyTo, command: m.AdapterCommand, world_size: int, workers_up: bool) -> None:
+        name, path = command.name, command.path
+        refusal = self._load_refusal(name, path)
+        if refusal:
+            self._answer(reply_to, "invalid_request", refusal)
+            return
+        if not workers_up:
+            self._answer(reply_to, "unavailable", "the engine's workers are starting; try again")
+            return
+        adapter = m.AdapterSource(name, path)
+        self.loading[name] = PendingLoad(
+            reply_to, adapter, set(range(world_size)), self.clock() + LOAD_TIMEOUT_S
+        )
+        self.to_workers(m.LoadAdapter(adapter))
+
+    def _load_refusal(self, name: str, path: str) -> str:
+        if self.capacity == 0:
+            return "LoRA adapters are off (lora.max_loras is 0)"
+        if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
+            return f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
+        if name == self.base_model:
+            return f"lora_name {name!r} is the base model's name"
+        if name in self.loaded or name in self.loading:
+            return f"the LoRA adapter {name!r} is already loaded"
+        if not Path(path).is_absolute():
+            return f"lora_path must be an absolute adapter directory, got {path!r}"
+        if len(self.loaded) + len(self.loading) >= self.capacity:
+            return (
+                f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
+                f"allows ({', '.join(sorted(self.loaded))}); unload one first"
+            )
+        return ""
+
+    def on_loaded(self, answer: m.AdapterLoaded) -> None:
+        """A worker's answer to a load: the adapter serves once every rank has it."""
+        pending = self.loading.get(answer.name)
+        if pending is None:
+            return
+        pending.waiting.discard(answer.rank)
+        pending.error = pending.error or answer.error
+        if pending.waiting:
+            return
+        del self.loading[answer.name]
+        if pending.error:
+            self.to_workers(m.UnloadAdapter(answer.name))  # the ranks that did load it
+            self._answer(pending.reply_to, "invalid_request", pending.error)
+            return
+        self.loaded[answer.name] = pending.adapter.path
+        self.num_loads += 1
+        self._save()
+        self._answer(pending.reply_to)
+
+    def _unload(self, reply_to: ReplyTo, command: m.AdapterCommand) -> None:
+        name = command.name
+        if name not in self.loaded:
+            message = f"the LoRA adapter {name!r} is not loaded; loaded: {sorted(self.loaded)}"
+            self._answer(reply_to, "model_not_found", message)
+            return
+        if name in self.unloading:
+            self._answer(reply_to, "adapter_in_use", f"the LoRA adapter {name!r} is being unloaded already")
+            return
+        users = self.users(name)
+        if users and not command.wait:
+            message = f'the LoRA adapter {name!r} is used by {users} requests ("wait": true waits for them)'
+            self._answer(reply_to, "adapter_in_use", message)
+            return
+        self.unloading[name] = PendingUnload(reply_to, name, self.clock() + self.unload_wait_s)
+        self.poll()
+
+    def poll(self) -> None:
+        """Finish the unloads whose adapter is no longer used, give up on those past their wait,
+        and fail the loads a worker never answered."""
+        now = self.clock()
+        for name, pending in list(self.unloading.items()):
+            users = self.users(name)
+            if users and now < pending.deadline:
+                continue
+            del self.unloading[name]
+            if users:
+                message = (
+                    f"the LoRA adapter {name!r} is still used by {users} requests after "
+                    f"lora.unload_wait_s ({self.unload_wait_s:g}s); it stays loaded"
+                )
+                self._answer(pending.reply_to, "adapter_in_use", message)
+                continue
+            del self.loaded[name]
+            self._save()
+            self.on_unloaded(name)
+            self.to_workers(m.UnloadAdapter(name))
+            self._answer(pending.reply_to)
+        if any(now >= pending.deadline for pending in self.loading.values()):
+            self.fail_loads("the engine's workers did not answer the load in time")
+
+    def fail_loads(self, reason: str) -> None:
+        """The workers were lost: the loads in progress fail (a restarted worker loads only the
+        adapters of the table, which they never joined)."""
+        for pending in self.loading.values():
+            self._answer(pending.reply_to, "unavailable", f"{reason}; try again")
+        self.loading.clear()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.loading or self.unloading)

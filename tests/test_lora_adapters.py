@@ -1,0 +1,137 @@
+"""The scheduler's LoRA adapter list (services/scheduler/adapters.py) and slot residency
+(services/scheduler/lora_residency.py) as plain objects: each refusal of a load or unload, a load
+that serves only once every worker rank has it, an unload that waits for its requests up to its
+deadline, the list a restarted scheduler reads back, and the slots' least-recently-used swaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ipc import messages as m
+from services.scheduler.adapters import LOAD_TIMEOUT_S, Adapters
+from services.scheduler.lora_residency import LoraResidency
+
+
+class Harness:
+    """An Adapters with its callbacks recorded, a clock to move, and users to set."""
+
+    def __init__(self, state_file: Path, capacity: int = 2, static: dict[str, str] | None = None) -> None:
+        self.now = 0.0
+        self.users: dict[str, int] = {}
+        self.replies: list[m.AdapterReply] = []
+        self.sent: list[m.LoadAdapter | m.UnloadAdapter] = []
+        self.forgotten: list[str] = []
+        self.adapters = Adapters(
+            capacity, static or {}, state_file, unload_wait_s=10.0, base_model="base",
+            users=lambda name: self.users.get(name, 0), reply=lambda _, reply: self.replies.append(reply),
+            to_workers=self.sent.append, on_unloaded=self.forgotten.append, clock=lambda: self.now,
+        )  # fmt: skip
+
+    def command(self, op: str, name: str, path: str = "", wait: bool = True, world_size: int = 2) -> None:
+        command = m.AdapterCommand(f"c{len(self.replies)}", op, name, path, wait)  # type: ignore[arg-type]
+        self.adapters.command(m.AdapterRequest(0, command), world_size, workers_up=True)
+
+    def last(self) -> tuple[str, str]:
+        return self.replies[-1].code, self.replies[-1].message
+
+
+def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
+    for name, path, message in [
+        ("", "/a/x", "lora_name must be a name of 1 to 256 characters"),
+        ("x" * 257, "/a/x", "lora_name must be a name of 1 to 256 characters"),
+        ("base", "/a/x", "lora_name 'base' is the base model's name"),
+        ("sql", "/a/sql", "the LoRA adapter 'sql' is already loaded"),
+        ("new", "a/new", "lora_path must be an absolute adapter directory, got 'a/new'"),
+    ]:
+        h.command("load", name, path)
+        assert h.last() == ("invalid_request", message)
+    assert h.sent == []
+    off = Harness(tmp_path / "off.json", capacity=0)
+    off.command("load", "sql", "/a/sql")
+    assert off.last() == ("invalid_request", "LoRA adapters are off (lora.max_loras is 0)")
+
+
+def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_reason(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "list.json")
+    h.command("load", "sql", "/a/sql")
+    assert h.sent == [m.LoadAdapter(m.AdapterSource("sql", "/a/sql"))] and h.replies == []
+    h.adapters.on_loaded(m.AdapterLoaded(0, "sql"))
+    assert h.replies == [] and h.adapters.refusal("sql").startswith("unknown LoRA adapter 'sql'")
+    h.adapters.on_loaded(m.AdapterLoaded(1, "sql"))
+    assert h.last() == ("", "") and h.replies[-1].adapters == {"sql": "/a/sql"}
+    assert h.adapters.refusal("sql") == ""
+    h.command("load", "bad", "/a/bad")
+    h.adapters.on_loaded(m.AdapterLoaded(0, "bad", "adapter 'bad': rank 128 is over lora.max_rank (64)"))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "bad"))
+    assert h.last() == ("invalid_request", "adapter 'bad': rank 128 is over lora.max_rank (64)")
+    assert h.sent[-1] == m.UnloadAdapter("bad")  # the rank that did load it forgets it
+    h.command("load", "late", "/a/late")
+    h.now += LOAD_TIMEOUT_S
+    h.adapters.poll()
+    assert h.last()[0] == "unavailable" and "did not answer the load in time" in h.last()[1]
+    h.command("load", "more", "/a/more")
+    h.adapters.on_loaded(m.AdapterLoaded(0, "more"))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "more"))
+    h.command("load", "third", "/a/third")
+    assert h.last() == (
+        "invalid_request",
+        "2 LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) allows (more, sql); "
+        "unload one first",
+    )
+
+
+def test_an_unload_refuses_or_waits_for_the_requests_using_its_adapter(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "list.json", static={"sql": "/a/sql", "chat": "/a/chat"})
+    h.command("unload", "nope")
+    assert h.last() == ("model_not_found", "the LoRA adapter 'nope' is not loaded; loaded: ['chat', 'sql']")
+    h.users["sql"] = 2
+    h.command("unload", "sql", wait=False)
+    assert h.last() == (
+        "adapter_in_use",
+        "the LoRA adapter 'sql' is used by 2 requests (\"wait\": true waits for them)",
+    )
+    num_replies = len(h.replies)
+    h.command("unload", "sql")  # waits
+    assert len(h.replies) == num_replies and "being unloaded" in h.adapters.refusal("sql")
+    h.users["sql"] = 0
+    h.adapters.poll()
+    assert h.last() == ("", "") and h.replies[-1].adapters == {"chat": "/a/chat"}
+    assert h.sent[-1] == m.UnloadAdapter("sql") and h.forgotten == ["sql"]
+    h.users["chat"] = 1
+    h.command("unload", "chat")
+    h.now += 10.0
+    h.adapters.poll()
+    assert h.last() == (
+        "adapter_in_use",
+        "the LoRA adapter 'chat' is still used by 1 requests after lora.unload_wait_s (10s); it stays loaded",
+    )
+    assert h.adapters.refusal("chat") == ""
+
+
+def test_a_restarted_scheduler_reads_back_the_list(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
+    h.command("load", "chat", "/a/chat", world_size=1)
+    h.adapters.on_loaded(m.AdapterLoaded(0, "chat"))
+    h.command("unload", "sql")
+    again = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
+    assert again.adapters.loaded == {"chat": "/a/chat"}
+    assert again.adapters.sources() == [m.AdapterSource("chat", "/a/chat")]
+
+
+def test_slots_swap_least_recently_used_never_under_a_running_request() -> None:
+    slots = LoraResidency(2)
+    assert slots.acquire("a") == 0 and slots.acquire("a") == 0
+    assert slots.acquire("b") == -1  # one swap per step
+    slots.next_step()
+    assert slots.acquire("b") == 1
+    slots.next_step()
+    assert slots.acquire("c") == -1  # both slots have running requests
+    slots.release(1)  # b's request leaves at step 2
+    slots.next_step()
+    slots.release(0)
+    slots.release(0)  # a's leave at step 3: b's slot is the least recently used
+    slots.next_step()
+    assert slots.acquire("c") == 1 and slots.names == ["a", "c"] and slots.num_swaps == 3
+    slots.forget("a")
+    assert slots.names == ["", "c"]
