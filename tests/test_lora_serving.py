@@ -51,7 +51,7 @@ def lora_serving(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("lora-serving")
     config = LlamaConfig(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
     )  # fmt: skip
     base = save_random_model(config, root / "base", seed=11, std=0.1, tokenizer_from=smollm2_dir)
@@ -232,7 +232,7 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
     overrides = (
-        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=2048", "lora.max_loras=2",
         "lora.unload_wait_s=120", "gateway.served_model_name=base", "gateway.api_keys=[secret]",
     )  # fmt: skip
     run_dir = tmp_path / "run"
@@ -291,7 +291,8 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         # A stream under sql-lora, alone, then again with chat-lora loaded while it runs: the same
         # tokens. An unload with wait false while it runs is refused (it proves the stream was
         # still running after the load) and changes nothing.
-        long_tokens = 200
+        # Long enough to outlast an adapter load on a quiet host, where this tiny model is fast.
+        long_tokens = 1000
 
         def stream(model: str, during=None) -> list[int]:
             chunks = api.completions.create(
