@@ -8,21 +8,18 @@ ranks over gloo, and served end to end through real processes."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from client import Client
 from services.gpu_worker.architectures import ModelConfig, MoeConfig, UnsupportedModel
 from services.gpu_worker.model import moe_route
 from services.gpu_worker.model_runner import ModelRunner
 from tests.conftest import TINY_VOCAB_SIZE, save_random_model
-from tests.harness import assert_clean, brigade_run
 from tests.test_families import BLOCK, COMMON, check_against_hf
-from tests.test_family_serving import hf_greedy
+from tests.test_family_serving import hf_greedy, served_greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -326,22 +323,9 @@ def test_deepseek_served_greedy_matches_hf(served_deepseek_dir: Path, tmp_path: 
     new_tokens = 10
     expected = [hf_greedy(served_deepseek_dir, p, new_tokens) for p in prompts[:3]]
     expected.append(expected[0])
-    run_dir = tmp_path / "run"
     overrides = (
         f"model.path={served_deepseek_dir}", "model.dtype=float32", "model.max_model_len=256",
         "engine.max_num_batched_tokens=16",
     )  # fmt: skip
-    with brigade_run(run_dir, *overrides):
-
-        def one(prompt: list[int]) -> list[int]:
-            with Client(run_dir) as client:
-                result = client.generate(
-                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
-                )
-                return result.token_ids
-
-        with ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(one, prompts[:3]))
-        got.append(one(prompts[3]))
+    got = served_greedy(tmp_path / "run", overrides, prompts[:3], new_tokens, then=(prompts[3],))
     assert got == expected
-    assert_clean(run_dir)

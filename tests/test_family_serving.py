@@ -50,26 +50,35 @@ def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int = NEW_TOKENS) 
     return ids[len(prompt) :]
 
 
+def served_greedy(
+    run_dir: Path, overrides: tuple[str, ...], prompts: list[list[int]], new_tokens: int, then: tuple = ()
+) -> list[list[int]]:
+    """Greedy tokens from a Brigade run under `overrides`: `prompts` sent at once, then each of
+    `then` alone (a repeated prompt hits the prefix cache); the run leaves nothing behind."""
+    with brigade_run(run_dir, *overrides):
+
+        def one(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                result = client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                )
+                return result.token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, prompts))
+        got += [one(prompt) for prompt in then]
+    assert_clean(run_dir)
+    return got
+
+
 def test_gemma2_served_greedy_matches_hf(gemma2_dir: Path, tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     prompts = [
         rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (30, 17, 45)
     ]  # all longer than the window
     expected = [hf_greedy(gemma2_dir, p) for p in prompts]
-    run_dir = tmp_path / "run"
-    with brigade_run(run_dir, f"model.path={gemma2_dir}", "model.dtype=float32", "model.max_model_len=256"):
-
-        def one(prompt: list[int]) -> list[int]:
-            with Client(run_dir) as client:
-                result = client.generate(
-                    prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, timeout=300
-                )
-                return result.token_ids
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(one, prompts))
-    assert got == expected
-    assert_clean(run_dir)
+    overrides = (f"model.path={gemma2_dir}", "model.dtype=float32", "model.max_model_len=256")
+    assert served_greedy(tmp_path / "run", overrides, prompts, NEW_TOKENS) == expected
 
 
 @pytest.fixture(scope="module")
@@ -99,25 +108,12 @@ def test_mistral_served_in_a_pool_its_sequences_only_fit_windowed(mistral_dir: P
     new_tokens = 50
     expected = [hf_greedy(mistral_dir, p, new_tokens) for p in prompts[:3]]
     expected.append(expected[0])
-    run_dir = tmp_path / "run"
     overrides = (
         f"model.path={mistral_dir}", "model.dtype=float32", "model.max_model_len=128",
         "engine.kv_cache_mib=1", "engine.block_size=16",
     )  # fmt: skip
-    with brigade_run(run_dir, *overrides):
-
-        def one(prompt: list[int]) -> list[int]:
-            with Client(run_dir) as client:
-                result = client.generate(
-                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
-                )
-                return result.token_ids
-
-        with ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(one, prompts[:3]))
-        got.append(one(prompts[3]))
+    got = served_greedy(tmp_path / "run", overrides, prompts[:3], new_tokens, then=(prompts[3],))
     assert got == expected
-    assert_clean(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -150,21 +146,8 @@ def test_phi3_longrope_served_past_its_original_length_matches_hf(
     prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (24, 50)]
     new_tokens = 16
     expected = [hf_greedy(phi3_longrope_dir, p, new_tokens) for p in prompts]
-    run_dir = tmp_path / "run"
     overrides = (
         f"model.path={phi3_longrope_dir}", "model.dtype=float32", "model.max_model_len=128",
         "engine.max_num_batched_tokens=16",
     )  # fmt: skip
-    with brigade_run(run_dir, *overrides):
-
-        def one(prompt: list[int]) -> list[int]:
-            with Client(run_dir) as client:
-                result = client.generate(
-                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
-                )
-                return result.token_ids
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(one, prompts))
-    assert got == expected
-    assert_clean(run_dir)
+    assert served_greedy(tmp_path / "run", overrides, prompts, new_tokens) == expected
