@@ -36,7 +36,7 @@ from ipc.endpoints import (
     make_run_dir,
 )
 from ipc.sampling_defaults import describe_defaults
-from ipc.shm import new_run_id, sweep_stale_runs
+from ipc.shm import new_run_id
 from ipc.sockets import RouterSocket, close_context
 from ipc.topology import STOP_ORDER, Topology
 from services import metrics
@@ -45,7 +45,7 @@ from services.mlflow_sink import MlflowSink
 from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
 from supervision.policy import RestartPolicy, is_fatal_start_failure
-from supervision.preflight import Refused, check_gateway_tls, check_layout, check_model
+from supervision.preflight import Refused, check_layout, check_model, check_tls_files
 from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
 from supervision.stages import METRICS_DIR, StageHandle
@@ -130,10 +130,7 @@ class Supervisor:
             self.run.claim_gateway_port(self.config)
             self.run.claim_shared_memory()
             check_layout(self.config)
-            check_gateway_tls(self.config)
-            swept = sweep_stale_runs()
-            if swept:
-                log.info("swept %d shared-memory objects of dead runs", len(swept))
+            check_tls_files(self.config)
             model_dir = prepare_model(self.config)
             sampling_defaults = check_model(self.config, model_dir)
             hosts = self.stages.place()

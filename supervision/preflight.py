@@ -37,7 +37,7 @@ def check_hosts(network: NetworkConfig, hosts: dict[str, str]) -> None:
         raise Refused("network.curve: stages on other hosts need CURVE (plain tcp:// only on loopback)")
 
 
-def check_gateway_tls(config: Config) -> None:
+def check_tls_files(config: Config) -> None:
     """gateway.tls's files must load before the gateways start, or every replica would fail on
     them (a file missing or unreadable, a key that is not the certificate's, a CA file without
     a certificate)."""

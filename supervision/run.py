@@ -22,7 +22,7 @@ from ipc.config import Config
 from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
-from ipc.shm import RunLock, ShmRing
+from ipc.shm import RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
@@ -168,8 +168,12 @@ class Run:
             stale.unlink(missing_ok=True)  # a dead run's leftovers
 
     def claim_shared_memory(self) -> None:
-        """Before any shared memory of the run exists: its lock tells sweeps that it is alive."""
+        """Before any shared memory of the run exists: its lock tells sweeps that it is alive;
+        then remove what dead runs left in /dev/shm."""
         self.run_lock = RunLock(self.run_id)
+        swept = sweep_stale_runs()
+        if swept:
+            log.info("swept %d shared-memory objects of dead runs", len(swept))
 
     def claim_gateway_port(self, config: Config) -> None:
         """Hold gateway.port for this run's gateway replicas (they share it through SO_REUSEPORT,
