@@ -308,7 +308,11 @@ def test_steps_that_never_finish_in_time_fail_their_requests_instead_of_restarti
             client.generate(prompt, max_tokens=4, temperature=0.0, timeout=240)
         assert "engine.step_timeout_s" in str(failed.value)
         assert run.process.poll() is None  # the run goes on
-        rows = {r["name"]: r for r in run.status()}
+        # The third late worker is killed as its requests fail: its restart may be counted a
+        # moment after the client hears of the failure.
+        deadline = time.monotonic() + 30
+        while (rows := {r["name"]: r for r in run.status()})["gpu_worker-0-0"]["restarts"] < 3:
+            assert time.monotonic() < deadline, f"fewer than 3 worker restarts: {rows}"
+            time.sleep(0.2)
         assert rows["scheduler-0"]["restarts"] == 0, "the scheduler itself was restarted"
-        assert rows["gpu_worker-0-0"]["restarts"] >= 3
     assert_clean(run_dir)
