@@ -22,10 +22,8 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "benchmarks")]
 
 from benchmarks import peers  # noqa: E402
-from benchmarks.serve import READY_TIMEOUT_S, BrigadeProcess  # noqa: E402
+from benchmarks.serve import started_brigade  # noqa: E402
 from client import Client  # noqa: E402
 
 REQUEST_TIMEOUT_S = 600.0
@@ -169,17 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         out = bench(Path(args.run), model_dir, args)
     else:
-        run_dir = Path(tempfile.mkdtemp(prefix="brigade-embed-bench-"))
         overrides = [f"model.path={model_dir}", f"gateway.port={peers.free_port()}", *args.set]
-        run = BrigadeProcess(run_dir, args.config, overrides, run_dir.with_suffix(".log"))
-        try:
-            run.wait_ready(READY_TIMEOUT_S)
-            out = bench(run_dir, model_dir, args)
-        finally:
-            leftovers = run.stop()
-            shutil.rmtree(run_dir, ignore_errors=True)
-        if leftovers:
-            print(f"warning: Brigade left {leftovers} behind (removed)", file=sys.stderr)
+        with started_brigade(args.config, overrides, "brigade-embed-bench-") as run:
+            out = bench(run.run_dir, model_dir, args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

@@ -230,6 +230,22 @@ class BrigadeProcess:
 
 
 @contextlib.contextmanager
+def started_brigade(config: str, overrides: list[str], prefix: str) -> Iterator[BrigadeProcess]:
+    """A Brigade started in a fresh run dir (its log beside it, `<run dir>.log`), ready; stopped and
+    its run dir removed on the way out, with a warning if it left anything behind."""
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    run = BrigadeProcess(run_dir, config, overrides, run_dir.with_suffix(".log"))
+    try:
+        run.wait_ready(READY_TIMEOUT_S)
+        yield run
+    finally:
+        leftovers = run.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if leftovers:
+            print(f"warning: Brigade left {leftovers} behind (removed)", file=sys.stderr)
+
+
+@contextlib.contextmanager
 def brigade(args: argparse.Namespace, log_dir: Path, info: dict) -> Iterator[Path]:
     """The run dir of the Brigade to benchmark: the attached one, or one started (and stopped) here.
     `info` gets the started run's supervisor pid, run dir and anything it left behind."""

@@ -24,10 +24,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import peers  # noqa: E402
-from benchmarks.serve import READY_TIMEOUT_S, BrigadeProcess  # noqa: E402
+from benchmarks.serve import started_brigade  # noqa: E402
 from client.async_sdk import AsyncClient  # noqa: E402
 from ipc.messages import StructuredOutput  # noqa: E402
 
@@ -196,22 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         out = asyncio.run(bench(Path(args.run), args))
     else:
-        run_dir = Path(tempfile.mkdtemp(prefix="brigade-structured-bench-"))
         overrides = [
             f"model.dtype={args.dtype}",
             f"gateway.port={peers.free_port()}",
             f"engine.max_num_seqs={max(args.batch, 8)}",
             *args.set,
         ]
-        run = BrigadeProcess(run_dir, args.config, overrides, run_dir.with_suffix(".log"))
-        try:
-            run.wait_ready(READY_TIMEOUT_S)
-            out = asyncio.run(bench(run_dir, args))
-        finally:
-            leftovers = run.stop()
-            shutil.rmtree(run_dir, ignore_errors=True)
-        if leftovers:
-            print(f"warning: Brigade left {leftovers} behind (removed)", file=sys.stderr)
+        with started_brigade(args.config, overrides, "brigade-structured-bench-") as run:
+            out = asyncio.run(bench(run.run_dir, args))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
