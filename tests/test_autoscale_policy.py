@@ -1,13 +1,17 @@
 """The autoscale policy (supervision/autoscale.py) on a fake clock: a burst adds groups at once,
 an idle run gives them back only after its window, a load that comes and goes does not make
-groups come and go, cooldowns space changes, and the bounds (and the host's limit) hold."""
+groups come and go, cooldowns space changes, and the bounds hold, with the host's limit (the local
+stage set's cores or CUDA devices); contradicting settings are refused when the config loads."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from ipc.config import AutoscaleConfig, ConfigError, load_config
 from supervision.autoscale import AutoscalePolicy, Decision, GroupLoad
+from supervision.stages import StageSet
 from tests.test_restart_policy import FakeClock
 
 CONFIG = AutoscaleConfig(
@@ -179,3 +183,21 @@ def test_contradicting_autoscale_settings_are_refused(overrides: list[str], mess
 def test_autoscale_is_off_by_default_and_its_bounds_are_then_not_checked() -> None:
     config = load_config(None, ["autoscale.min_groups=3", "autoscale.max_groups=2"])
     assert config.autoscale.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "per_group"),
+    [(["engine.threads=1"], 1), (["engine.threads=2"], 2), (["engine.threads=0"], 1),
+     (["engine.threads=1", "engine.tensor_parallel=2"], 2)],
+)  # fmt: skip
+def test_the_local_backend_holds_the_groups_its_cores_have_room_for(
+    tmp_path, overrides: list[str], per_group: int
+) -> None:
+    stages = StageSet(load_config(None, overrides), tmp_path, "text")
+    assert stages.max_groups() == max(1, len(os.sched_getaffinity(0)) // per_group)
+
+
+def test_the_local_backend_holds_a_group_per_tensor_parallel_cuda_devices(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("supervision.stages.cuda_device_count", lambda: 8)
+    config = load_config(None, ["engine.device=cuda", "engine.tensor_parallel=2", "model.dtype=bfloat16"])
+    assert StageSet(config, tmp_path, "text").max_groups() == 4
