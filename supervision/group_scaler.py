@@ -30,8 +30,8 @@ class GroupScaler:
         self.transitions = transitions
         self.audit = audit
         self.policy = AutoscalePolicy(watch.config.autoscale)
-        self.host_limit: int | None = None  # the stage set's max_groups, asked once (a CUDA count)
-        self.is_limit_known = False
+        # The most groups the backend holds, asked once (on CUDA it starts a child to count devices).
+        self.host_limit = stages.max_groups() if watch.config.autoscale.enabled else None
         self.target = watch.config.engine.data_parallel
         self.decisions = {"up": 0, "down": 0}
         self.sampled_at = 0.0
@@ -51,8 +51,6 @@ class GroupScaler:
         if len(schedulers) < current or not all(s.is_ready for s in schedulers):
             return
         loads = [GroupLoad(s.load.num_waiting, s.load.num_running, s.load.kv_usage) for s in schedulers]
-        if not self.is_limit_known:
-            self.host_limit, self.is_limit_known = self.stages.max_groups(), True
         decision = self.policy.decide(current, loads, self.host_limit)
         if decision is not None:
             self.apply(decision, loads)
