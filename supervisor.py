@@ -9,8 +9,9 @@ that keeps every request (docs/architecture.md invariant 4). Its parts: the run'
 the transition between two (ipc/topology.py, pure); in supervision/, the restart policy and the
 hang rule (pure), the stage set (every process operation), the run's resources (run.py), the
 status files (status.py), the config file and its live settings (reload.py, live_settings.py),
-carrying out a topology change (transition.py), the checks before start. This file is the watch
-loop around them: start, watch, restart, reload, drain, stop.
+carrying out a topology change (transition.py), autoscaling the engine groups (autoscale.py,
+group_scaler.py), the checks before start. This file is the watch loop around them: start,
+watch, restart, reload, drain, stop.
 """
 
 from __future__ import annotations
