@@ -9,8 +9,9 @@ that keeps every request (docs/architecture.md invariant 4). Its parts: the run'
 the transition between two (ipc/topology.py, pure); in supervision/, the restart policy and the
 hang rule (pure), the stage set (every process operation), the run's resources (run.py), the
 status files (status.py), the config file and its live settings (reload.py, live_settings.py),
-carrying out a topology change (transition.py), the checks before start. This file is the watch
-loop around them: start, watch, restart, reload, drain, stop.
+carrying out a topology change (transition.py), autoscaling the engine groups (autoscale.py,
+group_scaler.py), the checks before start. This file is the watch loop around them: start,
+watch, restart, reload, drain, stop.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from services.audit import AuditLog, audit_log_path
 from services.mlflow_sink import MlflowSink
 from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
+from supervision.group_scaler import GroupScaler
 from supervision.policy import RestartPolicy, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model, check_tls_files
 from supervision.reload import ConfigFile
@@ -117,6 +119,7 @@ class Supervisor:
         self.audit = AuditLog(audit_log_path(run_dir, config.observability.audit_log), "supervisor")
         self.auth_failures = AuthFailures(self.audit, log)
         self.transitions = Transitions(self, self.stages, self.run, self.audit)
+        self.scaler = GroupScaler(self, self.stages, self.transitions, self.audit)
         self.mlflow: MlflowSink | None = None
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
@@ -178,6 +181,7 @@ class Supervisor:
     def watch(self) -> None:
         while not self.signals:
             self.tick()
+            self.scaler.step()
             if self.is_reload_requested or self.config_file.has_changed():
                 self.is_reload_requested = False
                 self.reload()
@@ -210,9 +214,8 @@ class Supervisor:
             self.send_group_loads()
             rings = [metrics.RingSample(r.name, r.num_in_use) for r in self.run.rings]
             model = self.run.info.model if self.run.info else ""
-            self.status.write_samples(
-                self.stages, rings, model, self.config.engine.device, self.auth_failures.count
-            )
+            device, groups = self.config.engine.device, self.scaler.sample()
+            self.status.write_samples(self.stages, rings, model, device, self.auth_failures.count, groups)
             self.stages.gather_metrics()
             self.loads_sent_at = now
 

@@ -26,6 +26,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class ConfigError(ValueError):
@@ -235,6 +236,26 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unload_wait_s: Seconds = 60.0
 
 
+class AutoscaleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The number of engine groups, decided from their load (supervision/autoscale.py); off by
+    default, when engine.data_parallel alone sets it."""
+
+    enabled: bool = False
+    min_groups: Positive = 1
+    max_groups: Positive = 4  # and no more than the host's devices (or cores) on the local backend
+    # Targets per group; a group above any of them asks for more groups. 0 = not a signal.
+    target_waiting: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0  # requests waiting in its scheduler
+    target_running: NonNegativeFloat = 0.0  # sequences in its running batch
+    target_kv_usage: Fraction = 0.8  # fraction of its KV blocks in use
+    target_ttft_s: NonNegativeFloat = 0.0  # time to first token, where the samples carry it
+    # Hysteresis: groups are removed only while the load would stay under this fraction of the
+    # targets on the groups that remain, for all of scale_down_window_s.
+    scale_down_ratio: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
+    scale_down_window_s: NonNegativeFloat = 60.0
+    scale_up_cooldown_s: NonNegativeFloat = 30.0  # since the last change, before adding groups
+    scale_down_cooldown_s: NonNegativeFloat = 120.0  # since the last change, before removing groups
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -248,6 +269,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     structured: StructuredConfig = StructuredConfig()
     lora: LoraConfig = LoraConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?(.*?)`")
@@ -461,6 +483,35 @@ def check_cluster(config: Config) -> None:
         )
 
 
+def check_autoscale(config: Config) -> None:
+    """Bounds that contradict each other or the run's start, and a fixed device list (which
+    fixes the number of groups), are refused rather than corrected behind the operator's back."""
+    autoscale, engine = config.autoscale, config.engine
+    if not autoscale.enabled:
+        return
+    if autoscale.min_groups > autoscale.max_groups:
+        raise ConfigError(
+            f"autoscale.min_groups ({autoscale.min_groups}) must be at most autoscale.max_groups "
+            f"({autoscale.max_groups})"
+        )
+    if not autoscale.min_groups <= engine.data_parallel <= autoscale.max_groups:
+        raise ConfigError(
+            f"engine.data_parallel ({engine.data_parallel}) is the number of engine groups the run starts "
+            f"with: it must be within autoscale.min_groups..max_groups ({autoscale.min_groups}.."
+            f"{autoscale.max_groups})"
+        )
+    if engine.devices:
+        raise ConfigError(
+            "engine.devices lists one device per worker, which fixes the number of engine groups: leave it "
+            "empty with autoscale.enabled (groups then take devices 0, 1, ... in order)"
+        )
+    if config.network.transport == "tcp" and autoscale.max_groups > PORTS_PER_KIND:
+        raise ConfigError(
+            f"autoscale.max_groups: at most {PORTS_PER_KIND} engine groups over tcp:// (one port each), "
+            f"got {autoscale.max_groups}"
+        )
+
+
 def check_run_as(config: Config) -> None:
     """supervisor.run_as must name a user of this host (the stages become it)."""
     name = config.supervisor.run_as
@@ -538,6 +589,7 @@ def load_config(
     check_cluster(config)
     check_network(config)
     check_gateway_tls(config)
+    check_autoscale(config)
     check_run_as(config)
     return config
 

@@ -6,6 +6,11 @@ Events (the `event` field) and what else each line carries:
 - `reload`: `outcome` (`applied`, `partial` or `refused`), `applied` and `refused` (each
   `{field path: [old, new]}`), `error` (why a config was refused outright);
 - `rescale`: `changes` (`{field path: [old, new]}`);
+- `autoscale`: a decision of the autoscale policy (supervision/autoscale.py) and its inputs:
+  `direction` (`up` or `down`), `current` and `target` (engine groups), `reason`, `needed` (per
+  target, the groups that would hold the load at it), `loads` (per group: `waiting`, `running`,
+  `kv_usage`), then `groups` (what the run has after carrying it out) and `error` (why not, when
+  it could not);
 - `stage_restart`: `stage`, `reason`, `restart` (its count), `backoff_s`;
 - `auth_failure`: `mechanism` (`api_key` or `curve`), `peer`, `reason`, `count` (the refusals
   the line stands for), and for an API key `key_sha256` (the first 12 hex digits of the
@@ -105,6 +110,29 @@ class AuditLog:
 
     def rescale(self, changes: dict[str, list[Any]]) -> None:
         self.record("rescale", changes=changes)
+
+    def autoscale(
+        self,
+        direction: str,
+        current: int,
+        target: int,
+        reason: str,
+        needed: dict[str, float],
+        loads: list[dict[str, float]],
+        groups: int,
+        error: str = "",
+    ) -> None:
+        self.record(
+            "autoscale",
+            direction=direction,
+            current=current,
+            target=target,
+            reason=_bounded(reason),
+            needed=needed,
+            loads=loads,
+            groups=groups,
+            error=_bounded(error),
+        )
 
     def stage_restart(self, stage: str, reason: str, restart: int, backoff_s: float) -> None:
         self.record(

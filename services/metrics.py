@@ -327,11 +327,21 @@ class RingSample(msgspec.Struct, frozen=True):
     slots_in_use: int
 
 
+class EngineGroupsSample(msgspec.Struct, frozen=True):
+    """The run's engine groups, and the autoscaler's target and decisions (supervision/group_scaler.py)."""
+
+    current: int
+    target: int
+    decisions_up: int = 0
+    decisions_down: int = 0
+
+
 class StageSamples(msgspec.Struct, frozen=True):
     model_name: str
     device: str
     stages: list[StageRow]  # the supervisor's own row first
     rings: list[RingSample] = []
+    groups: EngineGroupsSample | None = None
 
 
 def write_stage_samples(run_dir: Path, samples: StageSamples) -> None:
@@ -450,6 +460,27 @@ class StageCollector:
             slots.add_metric([ring.name], ring.slots_in_use)
         yield from families
         yield slots
+        if samples.groups is not None:
+            yield from engine_group_families(samples.model_name, samples.groups)
+
+
+def engine_group_families(model_name: str, groups: EngineGroupsSample) -> list[Metric]:
+    labels = ["model_name"]
+    current = GaugeMetricFamily(f"{PREFIX}engine_groups", "Engine groups in the run", labels=labels)
+    current.add_metric([model_name], groups.current)
+    target = GaugeMetricFamily(
+        f"{PREFIX}engine_groups_target",
+        "Engine groups the autoscaler is bringing the run to (the current count when it is off or done)",
+        labels=labels,
+    )
+    target.add_metric([model_name], groups.target)
+    decisions = CounterMetricFamily(
+        f"{PREFIX}autoscale_decisions", "Changes of the engine groups the autoscaler decided, by direction",
+        labels=[*labels, "direction"],
+    )  # fmt: skip
+    decisions.add_metric([model_name, "up"], groups.decisions_up)
+    decisions.add_metric([model_name, "down"], groups.decisions_down)
+    return [current, target, decisions]
 
 
 def registry_for_run(run_dir: Path) -> CollectorRegistry:

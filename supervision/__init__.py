@@ -7,6 +7,8 @@
 - live_settings.py: the settings a hot reload may change, declared once;
 - reload.py: the config file, watched and read again for a hot reload;
 - transition.py: a change of the run's topology, carried out against the stage set;
+- autoscale.py: how many engine groups the groups' loads ask for (pure); group_scaler.py carries
+  its decisions out through transition.py, audited and exported as metrics;
 - run.py: the run's resources (run dir, run.json, gateway port, rings, network plan);
 - preflight.py: refusing a layout or model the engine cannot run, before anything spawns;
 - status.py: the status files (one row shape, services/stage_rows.py) and `python supervisor.py status`.

@@ -49,6 +49,16 @@ def check_tls_files(config: Config) -> None:
         raise Refused(f"gateway.tls: the certificate files do not load: {exc}") from None
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices this host has (0 when torch cannot tell), asked of a child so that the
+    supervisor never imports torch."""
+    count = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    return int(count.stdout.strip() or 0) if count.returncode == 0 else 0
+
+
 def check_layout(config: Config) -> None:
     """The workers' device layout against engine.devices and the CUDA devices present."""
     engine = config.engine
@@ -62,12 +72,7 @@ def check_layout(config: Config) -> None:
         raise Refused(f"engine.devices has duplicates: {engine.devices}")
     if engine.device != "cuda":
         return
-    # In a child, so that the supervisor never imports torch.
-    count = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    present = int(count.stdout.strip() or 0) if count.returncode == 0 else 0
+    present = cuda_device_count()
     wanted = engine.devices or list(range(num_workers))
     missing = [d for d in wanted if d >= present]
     if missing:

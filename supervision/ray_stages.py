@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import posix_ipc
 import ray
+from ray.autoscaler.sdk import request_resources
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -51,6 +52,7 @@ METRICS_GATHER_S = 2.0  # how often the Prometheus files of stages on other node
 CALL_TIMEOUT_S = 30.0  # for the calls that stop and clean up (a dead node answers with an error)
 NODE_LOST = -signal.SIGKILL  # a stage whose host died with its node was killed, not failing by itself
 ENGINE_KINDS = ("scheduler", "gpu_worker")
+FIRST_ROOM_S = 1.0  # engine groups not placed by then at start find no room: Ray's autoscaler is asked
 
 log = logging.getLogger("supervisor")
 
@@ -341,6 +343,7 @@ class RayStageSet(StageSet):
         self.supervisor_host = boot_id()
         self.groups: list[PlacementGroup] = []
         self.placing: dict[int, ray.ObjectRef] = {}  # group -> its placement group's ready(), until ready
+        self.requested_groups = 0  # the engine groups whose bundles Ray's autoscaler was last asked to hold
         self.rings: dict[int, list[RingSpec]] = {}
         self.head_node = ""
         self.head_address = ""
@@ -387,7 +390,12 @@ class RayStageSet(StageSet):
         self.place_groups(self.engine)
         bundle = self.group_bundle()
         timeout = self.cluster.placement_timeout_s
-        ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.groups), timeout=timeout)
+        pending = list(self.placing.values())
+        first_wait_s = min(FIRST_ROOM_S, timeout)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=first_wait_s)
+        if len(ready) < len(pending):
+            self.unplaced()  # asks Ray's autoscaler for room
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout - first_wait_s)
         self.placing.clear()
         if len(ready) < len(self.groups):
             raise Refused(
@@ -415,10 +423,26 @@ class RayStageSet(StageSet):
             self.placing[group] = self.groups[group].ready()
 
     def unplaced(self) -> list[int]:
+        """The engine groups still without a node; while there are any, Ray's autoscaler is asked
+        for every group's bundle (a node joins for them where the cluster can grow)."""
         if self.placing:
             ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.placing), timeout=0)
             self.placing = {group: ref for group, ref in self.placing.items() if ref not in ready}
+        if self.placing and self.requested_groups < len(self.groups):
+            self.request_resources(len(self.groups))
         return sorted(self.placing)
+
+    def request_resources(self, num_groups: int) -> None:
+        """Ask Ray's autoscaler to keep room for `num_groups` engine groups: a standing request
+        that replaces the previous one (ray.autoscaler.sdk.request_resources), so that a pending
+        group gets a node at once, and retired groups' nodes may go idle and be given back."""
+        bundles = [self.group_bundle()] * num_groups
+        log.info("asking Ray's autoscaler for room for %d engine group(s) of %s", num_groups, bundles[:1])
+        try:
+            request_resources(bundles=bundles)
+        except RayError as exc:  # a hint: without it, Ray still sees the pending placement group
+            log.warning("Ray's autoscaler did not take the request: %s", exc)
+        self.requested_groups = num_groups
 
     def release_groups(self, engine: EngineConfig) -> None:
         super().release_groups(engine)
@@ -428,6 +452,11 @@ class RayStageSet(StageSet):
         del self.groups[engine.data_parallel :]
         self.placing = {group: ref for group, ref in self.placing.items() if group < engine.data_parallel}
         self.rings = {group: specs for group, specs in self.rings.items() if group < engine.data_parallel}
+        if self.requested_groups > engine.data_parallel:
+            self.request_resources(engine.data_parallel)
+
+    def max_groups(self) -> int | None:
+        return None  # the cluster's: Ray's autoscaler adds nodes up to its own max_workers
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The rings are made on each group's node, by the first of its stages to start there."""
@@ -445,6 +474,8 @@ class RayStageSet(StageSet):
         for pg in self.groups:
             with contextlib.suppress(RayError):
                 remove_placement_group(pg)
+        if self.requested_groups:
+            self.request_resources(0)  # a stopped run keeps no nodes up
         # A cluster that went away meanwhile took the nodes' leftovers with it; this host's are
         # swept at the next start (sweep_stale_runs).
         with contextlib.suppress(RayError, ConnectionError):

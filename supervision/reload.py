@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ipc.config import Config, ConfigError, load_config
 from services.audit import AuditLog
-from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting
+from supervision.live_settings import LIVE_SETTINGS, apply_live, diff_fields, get_setting, with_setting
 
 log = logging.getLogger("supervisor")
 
@@ -57,6 +57,12 @@ class ConfigFile:
             log.exception("reload refused, config unchanged: the config could not be read")
             audit.reload({}, error="the config could not be read")
             return None
+        if config.autoscale.enabled and new.engine.data_parallel != config.engine.data_parallel:
+            log.info(
+                "reload: engine.data_parallel is the autoscaler's while autoscale.enabled; it stays %d",
+                config.engine.data_parallel,
+            )
+            new = with_setting(new, "engine.data_parallel", config.engine.data_parallel)
         changed = diff_fields(config, new)
         diff = {path: [get_setting(config, path), get_setting(new, path)] for path in changed}
         if diff:

@@ -29,6 +29,7 @@ from services.cpu_cores import usable_cores, worker_env
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import SUPERVISOR_PID_ENV
 from supervision.health import Health
+from supervision.preflight import cuda_device_count
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STDERR_JOIN_S = 2.0  # for the last line of a stage that exited
@@ -199,6 +200,14 @@ class StageSet:
 
     def unplaced(self) -> list[int]:
         return []
+
+    def max_groups(self) -> int | None:
+        """The most engine groups this host holds (None: no limit but the cluster's): one per
+        engine.tensor_parallel CUDA devices, or on the CPU per engine.threads x tensor_parallel
+        cores (engine.threads 0 shares the cores out, one each at least)."""
+        if self.engine.device == "cuda":
+            return cuda_device_count() // self.engine.tensor_parallel
+        return max(1, len(usable_cores()) // ((self.engine.threads or 1) * self.engine.tensor_parallel))
 
     def release_groups(self, engine: EngineConfig) -> None:
         """Give back what the engine groups at or above engine.data_parallel held (a hot reload

@@ -91,13 +91,14 @@ class StatusWriter:
         model: str,
         device: str,
         num_auth_failures: int,
+        groups: metrics.EngineGroupsSample | None = None,
     ) -> None:
         now = time.monotonic()
         supervisor = StageRow(
             "supervisor", "supervisor", os.getpid(), "running", auth_failures=num_auth_failures
         )
         rows = [supervisor, *(stage_row(stage, now) for stage in stages)]
-        samples = metrics.StageSamples(model, device, rows, rings)
+        samples = metrics.StageSamples(model, device, rows, rings, groups)
         self._attempt(
             f"{metrics.METRICS_DIR}/{metrics.STAGES_FILE}",
             lambda: metrics.write_stage_samples(self.run_dir, samples),

@@ -96,3 +96,19 @@ def test_a_broken_or_unchanged_file_gives_nothing_to_apply(tmp_path: Path):
     os.mkfifo(path)  # read without blocking: a FIFO is refused, not waited on
     assert config_file.live_settings(running, audit) is None
     assert len(audit_events(audit_path)) == 2
+
+
+def test_with_autoscale_on_a_reload_keeps_the_autoscalers_group_count(tmp_path: Path):
+    path = tmp_path / "config.yaml"
+    on = {"autoscale": {"enabled": True, "max_groups": 4}}
+    path.write_text(yaml.safe_dump({**on, "engine": {"data_parallel": 1}}))
+    running = load_config(path, ["engine.data_parallel=3"])  # where the autoscaler has taken the run
+    path.write_text(yaml.safe_dump({**on, "engine": {"data_parallel": 1, "max_num_waiting": 9}}))
+    audit = AuditLog(tmp_path / "audit.jsonl", "supervisor")
+    reloaded = ConfigFile(str(path), []).live_settings(running, audit)
+    assert reloaded is not None
+    config, live = reloaded
+    assert live == ["engine.max_num_waiting"]
+    assert config.engine.data_parallel == 3
+    [event] = audit_events(tmp_path / "audit.jsonl")
+    assert event["applied"] == {"engine.max_num_waiting": [running.engine.max_num_waiting, 9]}

@@ -39,7 +39,7 @@ def one(kind: str) -> dict:
 @pytest.mark.parametrize("version", [KUBERNETES_VERSION, kubernetes_validate.latest_version()])
 def test_manifests_match_the_kubernetes_schemas(version: str) -> None:
     docs = manifests()
-    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service"}
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -92,6 +92,27 @@ def test_service_routes_to_the_pods_ports() -> None:
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
     assert {p["targetPort"] for p in service["spec"]["ports"]} == names
+
+
+def test_hpa_scales_the_deployment_on_a_metric_brigade_exports(tmp_path: Path) -> None:
+    """The HPA's per-pod metric is a Brigade metric as the Prometheus Adapter rule in
+    docs/operations.md names it, and it waits longer than the supervisor's own autoscaler."""
+    hpa, deployment = one("HorizontalPodAutoscaler"), one("Deployment")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"], "Deployment", deployment["metadata"]["name"],
+    )  # fmt: skip
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    exported = name.replace("brigade_", "brigade:", 1)
+    assert f"`{exported}`" in (REPO_ROOT / "docs" / "metrics.md").read_text()
+    operations = (REPO_ROOT / "docs" / "operations.md").read_text()
+    assert f'seriesQuery: "{exported}' in operations and f'as: "{name}"' in operations
+    autoscale = configmap_config(tmp_path).autoscale
+    behavior = hpa["spec"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] > autoscale.scale_down_window_s
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] > autoscale.scale_up_cooldown_s
 
 
 def dockerignored(path: str) -> bool:

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -306,3 +307,18 @@ def test_a_stage_observing_metrics_on_a_full_disk_lives(tmp_path: Path) -> None:
         assert "no room for this process's metrics files" in full.stderr
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_engine_groups_and_autoscale_decisions_from_stages_file(tmp_path: Path) -> None:
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples())
+    got = scrape(registry_for_run(run_dir))
+    assert not any(name.startswith(("brigade:engine_groups", "brigade:autoscale")) for name, _ in got)
+    groups = metrics.EngineGroupsSample(current=2, target=3, decisions_up=2, decisions_down=1)
+    write_stage_samples(run_dir, msgspec.structs.replace(samples(), groups=groups))
+    got = scrape(registry_for_run(run_dir))
+    model = (("model_name", MODEL),)
+    assert got[("brigade:engine_groups", model)] == 2
+    assert got[("brigade:engine_groups_target", model)] == 3
+    assert got[("brigade:autoscale_decisions_total", (("direction", "up"), *model))] == 2
+    assert got[("brigade:autoscale_decisions_total", (("direction", "down"), *model))] == 1
