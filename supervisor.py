@@ -129,11 +129,12 @@ class Supervisor:
 
     def start(self) -> None:
         try:
+            # The config's own faults first: they must be reported whatever holds the port.
+            check_layout(self.config)
+            check_tls_files(self.config)
             self.run.claim_run_dir()
             self.run.claim_gateway_port(self.config)
             self.run.claim_shared_memory()
-            check_layout(self.config)
-            check_tls_files(self.config)
             model_dir = prepare_model(self.config)
             sampling_defaults = check_model(self.config, model_dir)
             hosts = self.stages.place()
