@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS, ConfigError, load_config
-from ipc.step_plan import STEP_RESULT, Dim
+from ipc.step_plan import STEP_RESULT, Dim, vocab_words
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
-from services.gpu_worker.speculation import emitted_tokens, num_accepted
+from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.speculation import emitted_tokens, num_accepted, target_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
 from tests.test_model import PlanBuilder
+from tests.test_sampler import chi_square, make_plan, reference_distribution
 from tests.test_scheduler_core import (
     EOS,
     PREFIXES,
@@ -102,6 +105,69 @@ def test_acceptance_refuses_mismatched_lengths():
         num_accepted(np.array([1, 2]), np.array([1, 2]))
 
 
+# Logits at a verifying row's three positions (its last known token, then two proposals) over a
+# six-token vocabulary, the proposals, and the request's sampling: temperature, top-k (token 5
+# never survives it) and a logit bias.
+STAT_LOGITS = [
+    [1.0, 0.2, 0.6, -0.3, 0.1, -2.0],
+    [0.4, 1.1, -0.5, 0.3, 0.0, -1.5],
+    [0.0, 0.3, 0.9, -0.2, 0.5, -1.0],
+]
+STAT_SAMPLING = {"temperature": 0.9, "top_k": 5, "bias": {3: 0.7}}
+NUM_STAT_ROWS = 30_000
+# Chi-square 99.99% quantiles by degrees of freedom: a failure is a bug, not bad luck.
+CHI2_LIMIT_BY_DF = {4: 23.5, 10: 35.6, 11: 37.4, 12: 39.1}
+
+
+@pytest.mark.parametrize("proposals", [[0, 1], [2, 3], [5, 1]])
+def test_sampled_verification_emits_the_target_distribution(proposals: list[int]) -> None:
+    """Rejection sampling with the n-gram proposer's point-mass draft, on fixed logits: over many
+    seeds, what a verifying row emits (its accepted proposals, then the target's token) has the
+    target's distribution, position by position: [y] for y != x0 with p0(y), [x0, y] for y != x1
+    with p0(x0) p1(y), [x0, x1, y] with p0(x0) p1(x1) p2(y) (chi-square). The last proposal set
+    starts with a token top-k removes, which is never accepted."""
+    vocab = len(STAT_LOGITS[0])
+    depth = len(proposals)
+    rows = [{"seed": seed, **{k: v for k, v in STAT_SAMPLING.items()}} for seed in range(NUM_STAT_ROWS)]
+    arrays = make_plan(rows)
+    arrays["num_proposed"] = np.full(NUM_STAT_ROWS, depth, np.int32)
+    arrays["seq_lens"] = np.full(NUM_STAT_ROWS, 20 + depth, np.int32)
+    logits = torch.tensor(STAT_LOGITS * NUM_STAT_ROWS, dtype=torch.float32)
+    targets = target_tokens(Sampler(vocab, "cpu"), logits, arrays, np.arange(NUM_STAT_ROWS))
+    drawn = targets.sampled_ids.numpy().reshape(NUM_STAT_ROWS, depth + 1)
+    counts: dict[tuple[int, ...], int] = {}
+    for row in drawn:
+        emitted = tuple(emitted_tokens(row, np.array(proposals)).tolist())
+        counts[emitted] = counts.get(emitted, 0) + 1
+
+    biased = [[x + STAT_SAMPLING["bias"].get(v, 0.0) for v, x in enumerate(row)] for row in STAT_LOGITS]
+    target = [
+        reference_distribution(row, STAT_SAMPLING["temperature"], top_k=STAT_SAMPLING["top_k"])
+        for row in biased
+    ]
+    expected: dict[tuple[int, ...], float] = {}
+    prefix_prob = 1.0
+    for at in range(depth + 1):
+        for y in range(vocab):
+            if at == depth or y != proposals[at]:
+                expected[(*proposals[:at], y)] = prefix_prob * target[at][y]
+        if at < depth:
+            prefix_prob *= target[at][proposals[at]]
+    assert set(counts) <= {e for e, p in expected.items() if p > 0}  # nothing the target cannot emit
+    observed = np.array([counts.get(e, 0) for e in expected])
+    statistic = chi_square(observed, list(expected.values()))
+    df = sum(p > 0 for p in expected.values()) - 1
+    assert statistic < CHI2_LIMIT_BY_DF[df], (statistic, df)
+    # The position after the last known token is what plain decoding samples there, seed by seed.
+    plain = Sampler(vocab, "cpu").sample(
+        torch.tensor(STAT_LOGITS[:1] * NUM_STAT_ROWS),
+        arrays,
+        np.arange(NUM_STAT_ROWS),
+        np.full(NUM_STAT_ROWS, 20),
+    )
+    assert (plain.sampled_ids.numpy() == drawn[:, 0]).all()
+
+
 # ---- worker verification on SmolLM2 -------------------------------------------------------------
 
 RESTATE = (
@@ -131,41 +197,85 @@ def prompts(smollm2_dir) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def plain_greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
-    """One token per step: what the engine emits without speculation."""
+# A sampled request as the OpenAI API can shape one: every transform verification applies.
+SAMPLED = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.02,
+    "seeds": 1234,
+    "bias": {13: 1.5, 28: -2.0},
+}
+
+
+def with_sampling(arrays: dict[str, np.ndarray], sampling: dict) -> dict[str, np.ndarray]:
+    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias)."""
+    for key, value in sampling.items():
+        if key == "bias":
+            arrays["bias_offsets"] = np.array([0, len(value)], np.int32)
+            arrays["bias_ids"] = np.array(list(value), np.int32)
+            arrays["bias_values"] = np.array(list(value.values()), np.float32)
+        else:
+            arrays[key][:] = value
+    return arrays
+
+
+def plain_decode(
+    runner: ModelRunner, prompt: list[int], sampling: dict | None = None
+) -> tuple[list[int], list[float]]:
+    """One token per step: what the engine emits without speculation, and its logprobs."""
     builder = PlanBuilder(runner.block_size)
     out: list[int] = []
+    logprobs: list[float] = []
     chunk = prompt
     for _ in range(MAX_NEW):
-        result = runner.execute(*builder.plan([(0, chunk, True)]))
+        arrays, header = builder.plan([(0, chunk, True)])
+        result = runner.execute(with_sampling(arrays, sampling or {}), header)
         out.append(int(result["sampled_ids"][0]))
+        logprobs.append(float(result["sampled_logprobs"][0]))
         chunk = [out[-1]]
-    return out
+    return out, logprobs
 
 
-def speculative_greedy(runner: ModelRunner, prompt: list[int], proposals) -> tuple[list[int], int, int]:
+def plain_greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
+    return plain_decode(runner, prompt)[0]
+
+
+def speculative_decode(
+    runner: ModelRunner, prompt: list[int], proposals, sampling: dict | None = None
+) -> tuple[list[int], list[float], int, int]:
     """Decode with verification steps: each step carries the row's last token and what
     `proposals(tokens so far, limit)` proposes; rejected positions are rolled back (their KV slots
-    are overwritten by the next step). Returns the outputs, proposals made and proposals kept."""
+    are overwritten by the next step). Returns the outputs, their logprobs, proposals made and
+    proposals kept."""
     builder = PlanBuilder(runner.block_size)
-    result = runner.execute(*builder.plan([(0, prompt, True)]))
+    arrays, header = builder.plan([(0, prompt, True)])
+    result = runner.execute(with_sampling(arrays, sampling or {}), header)
     out = [int(result["sampled_ids"][0])]
+    logprobs = [float(result["sampled_logprobs"][0])]
     num_proposed = num_kept = 0
     while len(out) < MAX_NEW:
         draft = list(proposals(prompt + out, MAX_NEW - len(out) - 1))
         arrays, header = builder.plan([(0, [out[-1], *draft], True)])
         arrays["num_proposed"] = np.array([len(draft)], np.int32)
-        result = runner.execute(arrays, header)
+        result = runner.execute(with_sampling(arrays, sampling or {}), header)
         n = int(result["num_emitted"][0])
         new = result["emitted_ids"][0, :n].tolist()
         assert result["emitted_ids"][0, n:].tolist() == [-1] * (result["emitted_ids"].shape[1] - n)
         assert int(result["sampled_ids"][0]) == new[-1]
+        assert result["sampled_logprobs"][0] == result["emitted_logprobs"][0, n - 1]
         STEP_RESULT.check(result, {Dim.ROWS: 1, Dim.TOP_K: 0})
         builder.num_cached[0] -= len(draft) - (n - 1)  # the rejected proposals' KV is not kept
         num_proposed += len(draft)
         num_kept += n - 1
         out.extend(new)
-    return out[:MAX_NEW], num_proposed, num_kept
+        logprobs.extend(result["emitted_logprobs"][0, :n].tolist())
+    return out[:MAX_NEW], logprobs[:MAX_NEW], num_proposed, num_kept
+
+
+def speculative_greedy(runner: ModelRunner, prompt: list[int], proposals) -> tuple[list[int], int, int]:
+    out, _, made, kept = speculative_decode(runner, prompt, proposals)
+    return out, made, kept
 
 
 @pytest.mark.slow
@@ -198,6 +308,36 @@ def test_verification_emits_exactly_the_plain_greedy_tokens(runner, prompts):
         runner, prompts[0], lambda tokens, limit: ngram.propose(np.array(tokens), limit)
     )
     assert kept > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sampled_verification_emits_exactly_the_plain_seeded_tokens(runner, prompts):
+    """A seeded request with temperature, top-k, top-p, min-p and a logit bias: each position's
+    draw is the one plain decoding makes there, so whatever is proposed (all right, all wrong,
+    n-gram lookups) the row emits the tokens and logprobs of plain seeded decoding."""
+    ngram = NgramProposer(num_tokens=5, min_n=1, max_n=3)
+    for prompt in prompts:
+        reference, reference_logprobs = plain_decode(runner, prompt, SAMPLED)
+        assert reference != plain_greedy(runner, prompt)  # it samples
+
+        def oracle(tokens, limit, reference=reference, prompt=prompt):
+            done = len(tokens) - len(prompt)
+            return reference[done : done + min(limit, 5)]
+
+        def wrong(tokens, limit, reference=reference, prompt=prompt):
+            done = len(tokens) - len(prompt)
+            return [(t + 1) % runner.vocab_size for t in reference[done : done + min(limit, 3)]]
+
+        def lookup(tokens, limit):
+            return ngram.propose(np.array(tokens), limit)
+
+        for proposals, kept_all in [(oracle, True), (wrong, False), (lookup, None)]:
+            out, logprobs, made, kept = speculative_decode(runner, prompt, proposals, SAMPLED)
+            assert out == reference, proposals.__name__
+            np.testing.assert_allclose(logprobs, reference_logprobs, atol=1e-4)
+            if kept_all is not None:
+                assert made > 0 and (kept == made if kept_all else kept == 0), proposals.__name__
 
 
 @pytest.mark.slow
@@ -239,13 +379,18 @@ def test_plans_with_proposals_the_worker_refuses(runner, prompts):
         return arrays, header
 
     runner.validate(*plan())
+    runner.validate(*plan(temperature=[0.7], top_k=[5], seeds=[3]))  # sampled rows verify too
     for overrides, message in [
         ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
         ({"num_proposed": [8]}, "no room"),
         ({"is_sampled": [0]}, "samples nothing"),
-        ({"temperature": [0.7]}, "not plain greedy"),
-        ({"repetition_penalty": [1.1]}, "not plain greedy"),
-        ({"num_logprobs": [2]}, "not plain greedy"),
+        ({"repetition_penalty": [1.1]}, "cannot sample exactly"),
+        ({"presence_penalty": [0.5]}, "cannot sample exactly"),
+        ({"num_logprobs": [2]}, "cannot sample exactly"),
+        (
+            {"grammar_rows": [0], "grammar_bitmask": np.full((1, vocab_words(runner.vocab_size)), -1)},
+            "cannot sample exactly",
+        ),
     ]:
         with pytest.raises(InvalidPlan, match=message):
             runner.validate(*plan(**overrides))
@@ -359,8 +504,8 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
 
 
 def test_a_request_that_cannot_be_verified_exactly_never_speculates():
-    """Sampled, penalised, biased, min_tokens and logprob requests decode one token per step;
-    the same prompt greedy verifies proposals."""
+    """Penalised, min_tokens and logprob requests decode one token per step; the same prompt
+    greedy, sampled or with a logit bias verifies proposals."""
     prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
 
     def drafts_of(params: dict) -> int:
@@ -381,14 +526,17 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
         return sched.speculation.num_drafts
 
     for params in [
-        dict(temperature=0.7),
         dict(temperature=0.0, repetition_penalty=1.1),
-        dict(temperature=0.0, logit_bias={9: 1.0}),
         dict(temperature=0.0, min_tokens=2),
         dict(temperature=0.0, logprobs=2),
     ]:
         assert drafts_of(params) == 0, params
-    assert drafts_of(dict(temperature=0.0)) > 0
+    for params in [
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=0.0, logit_bias={9: 1.0}),
+    ]:
+        assert drafts_of(params) > 0, params
 
 
 def test_the_speculative_section_is_validated_when_the_config_loads():

@@ -31,8 +31,9 @@ class Speculation:
     token budget for them (services/scheduler/core.py `Scheduler.schedule`); counts what the
     workers accepted (the spec_decode_* metrics).
 
-    A decode speculates when its request decodes plain greedy (PlanTable.may_speculate: what
-    verification reproduces exactly) and its last token is known: a decode planned ahead on a
+    A decode speculates when verification samples its request exactly as plain decoding does
+    (PlanTable.may_speculate: greedy or sampled, without penalties, min_tokens, top logprobs,
+    grammar or adapter) and its last token is known: a decode planned ahead on a
     placeholder has nothing to look up. A verification never preempts anyone: proposals are cut
     to the free blocks, the token budget and what the request may still generate."""
 
