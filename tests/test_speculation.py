@@ -20,6 +20,13 @@ from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
+from services.scheduler.speculation import (
+    FULL_DEPTH_DECODES,
+    MAX_SPECULATIVE_DECODES,
+    MIN_KEPT_PROBABILITY,
+    PROBE_INTERVAL,
+    speculative_depth,
+)
 from tests.test_model import PlanBuilder
 from tests.test_sampler import chi_square, make_plan, reference_distribution
 from tests.test_scheduler_core import (
@@ -576,3 +583,113 @@ def test_a_resumed_request_with_several_tokens_in_a_step_gets_its_history_once()
     full = updates[0]
     assert m.unpack_ids(full.token_ids).tolist() == [7, 8, 9] and full.finish_reason == "length"
     assert np.frombuffer(full.logprobs, "<f4")[-1] == np.float32(-0.25)
+
+
+# ---- the adaptive rule --------------------------------------------------------------------------
+
+
+def test_speculative_depth_shrinks_with_the_batch_and_the_acceptance_rate():
+    # Full depth for a few decodes at a good rate, shrinking with the batch, none above the limit.
+    assert [speculative_depth(4, n, 1.0) for n in (1, 4, 5, 8, 16, 17, 64)] == [4, 4, 3, 2, 1, 0, 0]
+    assert speculative_depth(4, 0, 1.0) == 0  # no decodes, nothing to propose
+    # The k-th proposal is kept with probability rate**k; it is proposed while that is >= 0.3.
+    assert [speculative_depth(8, 1, rate) for rate in (0.9, 0.8, 0.6, 0.5, 0.3, 0.29, 0.0)] == [
+        8,
+        5,
+        2,
+        1,
+        1,
+        0,
+        0,
+    ]
+    assert speculative_depth(2, 1, 0.9) == 2  # never above the configured number
+    for max_depth in range(1, MAX_SPECULATIVE_TOKENS + 1):
+        for num_decodes in range(0, 70):
+            for rate in np.linspace(0.0, 1.0, 21):
+                depth = speculative_depth(max_depth, num_decodes, float(rate))
+                assert 0 <= depth <= max_depth
+                # Never more proposals per step than FULL_DEPTH_DECODES decodes at full depth.
+                assert depth * num_decodes <= FULL_DEPTH_DECODES * max_depth
+                assert depth == 0 or float(rate) ** depth >= MIN_KEPT_PROBABILITY - 1e-9
+
+
+def speculating_scheduler(max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        scheduler_config(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256,
+            block_size=4,
+            num_blocks=512,
+            max_model_len=96,
+            eos_token_ids=(EOS,),
+            proposer=NgramProposer(num_tokens=4, min_n=1, max_n=1),
+        )
+    )
+
+
+def test_speculation_turns_off_as_the_acceptance_rate_falls_and_probes_to_come_back():
+    sched = speculating_scheduler()
+    spec = sched.speculation
+    assert spec is not None and spec.depth(1) == 4  # the prior starts it on
+    for _ in range(60):  # every proposal rejected
+        spec.applied(num_proposed=4, num_emitted=1)
+    assert spec.acceptance_rate < MIN_KEPT_PROBABILITY
+    depths = []
+    for _ in range(2 * PROBE_INTERVAL):
+        depths.append(spec.depth(1))
+        spec.steps_without_proposals = spec.steps_without_proposals + 1 if depths[-1] == 0 else 0
+    # Off, except one probe of one token in every PROBE_INTERVAL steps.
+    assert depths.count(1) == 2 and set(depths) == {0, 1}
+    assert depths.index(1) == PROBE_INTERVAL - 1
+    spec.steps_without_proposals = PROBE_INTERVAL
+    assert spec.depth(MAX_SPECULATIVE_DECODES + 1) == 0  # no probe where the batch forbids it
+    for _ in range(60):  # the text turned repetitive: every proposal kept
+        spec.applied(num_proposed=1, num_emitted=2)
+    assert spec.depth(1) == 4
+    # The histogram's observations: the tokens each verification emitted.
+    assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 60
+
+
+def test_a_batch_too_large_to_speculate_is_planned_ahead_and_verifies_nothing():
+    """Above MAX_SPECULATIVE_DECODES decodes no step proposes, and the pipeline plans ahead (on
+    placeholders) as without speculation; the same requests two at a time verify proposals, each
+    step planned after the last one's result."""
+    prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
+
+    def run(num_requests: int) -> tuple[int, int]:
+        sched = speculating_scheduler(max_num_seqs=num_requests)
+        specs = []
+        for i in range(num_requests):
+            params = engine_params(temperature=0.0, max_tokens=12, seed=i, ignore_eos=True)
+            specs.append((f"r{i}", prompt, params, reference_outputs(prompt, [], params, 96), []))
+        executor = FakeExecutor(sched)
+        got, _ = run_traffic(sched, executor, True, specs, [])
+        for rid, _, _, full, _ in specs:
+            assert [token for token, _ in got[rid]] == full
+        assert sched.speculation is not None
+        return sched.speculation.num_drafts, executor.num_placeholders
+
+    drafts, placeholders = run(2)
+    assert drafts > 0 and placeholders == 0
+    drafts, placeholders = run(MAX_SPECULATIVE_DECODES + 1)
+    assert drafts == 0 and placeholders > 0
+
+
+def test_a_request_that_opts_out_never_speculates():
+    """`speculate: false` keeps a request that could speculate to one token per step, with the
+    same outputs."""
+    sched = speculating_scheduler()
+    prompt = [3, 4, 3, 4, 3, 4, 3]
+    specs = []
+    for rid, speculate in (("in", True), ("out", False)):
+        params = engine_params(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True, speculate=speculate)
+        specs.append((rid, prompt, params, reference_outputs(prompt, [], params, 96), []))
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, specs, [])
+    for rid, _, _, full, _ in specs:
+        assert [token for token, _ in got[rid]] == full
+    spec = sched.speculation
+    assert spec is not None and spec.num_drafts > 0
+    # Only "in" verified: with "out" alone, nothing would have.
+    alone = speculating_scheduler()
+    got, _ = run_traffic(alone, FakeExecutor(alone), False, specs[1:], [])
+    assert alone.speculation is not None and alone.speculation.num_drafts == 0

@@ -14,6 +14,7 @@ import pytest
 
 from client import Client
 from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters
+from tests.test_e2e import gateway_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -22,9 +23,10 @@ TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
     "and wrote the weather in a leather logbook before the ships came past the rocks."
 )
+RESTATE = f"Repeat this text exactly, word for word:\n{TEXT}"
 # (prompt, extra sampling); every request is greedy.
 GREEDY_REQUESTS = [
-    (f"Repeat this text exactly, word for word:\n{TEXT}", {}),
+    (RESTATE, {}),
     ("What is the capital of France?", {}),
     (f"Repeat this text exactly:\n{TEXT}", {"stop": ["logbook"]}),
     # Over engine.max_num_batched_tokens (64): prefilled in chunks.
@@ -33,7 +35,7 @@ GREEDY_REQUESTS = [
 # Seeded sampled requests: their draws are keyed by seed and position, so speculation keeps their
 # text too (services/gpu_worker/speculation.py). The restating one gets proposals accepted.
 SAMPLED_REQUESTS = [
-    (f"Repeat this text exactly, word for word:\n{TEXT}", {"temperature": 0.7, "top_p": 0.95, "seed": 11}),
+    (RESTATE, {"temperature": 0.7, "top_p": 0.95, "seed": 11}),
     ("Write a short poem about the sea.", {"temperature": 1.0, "top_k": 50, "seed": 5}),
 ]
 SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
@@ -106,5 +108,43 @@ def test_seeded_sampled_requests_speculate_and_keep_their_text(
     assert speculated == plain
     assert all(finish in ("stop", "length") for _, _, finish in speculated)
     assert plain[0] == plain[1]  # streamed or not, the same seed gives the same text
-    assert counters["brigade:spec_decode_num_drafts_total"] > 0
-    assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
+    drafts = counters["brigade:spec_decode_num_drafts_total"]
+    accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and accepted > 0
+    assert counters["brigade:spec_decode_num_draft_tokens_total"] >= accepted
+    # The acceptance length histogram has one observation per verification, of accepted + 1.
+    assert counters["brigade:spec_decode_acceptance_length_count"] == drafts
+    assert counters["brigade:spec_decode_acceptance_length_sum"] == drafts + accepted
+
+
+def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    """`speculate: false` in the openai client's extra_body reaches the scheduler: the restating
+    request verifies nothing, and the same request without it verifies proposals, with the
+    same text."""
+    import openai
+
+    run_dir = tmp_path_factory.mktemp("spec-opt-out")
+    metrics_port = free_port()
+    prompt = [{"role": "user", "content": RESTATE}]
+    with brigade_run(
+        run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", "speculative.method=ngram"
+    ) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def chat(**extra: object) -> str:
+            reply = api.chat.completions.create(
+                model=api.models.list().data[0].id,
+                messages=prompt,  # type: ignore[arg-type]
+                max_tokens=NEW_TOKENS,
+                temperature=0.0,
+                extra_body=extra,
+            )
+            return reply.choices[0].message.content or ""
+
+        opted_out = chat(speculate=False)
+        assert not spec_decode_counters(metrics_port).get("brigade:spec_decode_num_drafts_total")
+        assert chat() == opted_out
+        assert spec_decode_counters(metrics_port)["brigade:spec_decode_num_drafts_total"] > 0
+    assert_clean(run_dir)

@@ -171,7 +171,8 @@ class PlanTable:
             self.lora_slots[row] = req.lora_slot
             self.num_lora_rows += 1
         self.may_speculate[row] = (
-            not needs_history  # a penalty's history, and min_tokens' bias, change along a span
+            p.speculate
+            and not needs_history  # a penalty's history, and min_tokens' bias, change along a span
             and not p.min_tokens
             and p.logprobs == 0
             and req.grammar is None
