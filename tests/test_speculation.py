@@ -28,7 +28,7 @@ from services.scheduler.speculation import (
     speculative_depth,
 )
 from tests.test_model import PlanBuilder
-from tests.test_sampler import chi_square, make_plan, reference_distribution
+from tests.test_sampler import chi_square, make_plan, reference_distribution, reference_penalised
 from tests.test_scheduler_core import (
     EOS,
     PREFIXES,
@@ -114,13 +114,23 @@ def test_acceptance_refuses_mismatched_lengths():
 
 # Logits at a verifying row's three positions (its last known token, then two proposals) over a
 # six-token vocabulary, the proposals, and the request's sampling: temperature, top-k (token 5
-# never survives it) and a logit bias.
+# never survives it), a logit bias and penalties over a history (prompt, then outputs) that grows
+# by the proposals along the span.
 STAT_LOGITS = [
     [1.0, 0.2, 0.6, -0.3, 0.1, -2.0],
     [0.4, 1.1, -0.5, 0.3, 0.0, -1.5],
     [0.0, 0.3, 0.9, -0.2, 0.5, -1.0],
 ]
-STAT_SAMPLING = {"temperature": 0.9, "top_k": 5, "bias": {3: 0.7}}
+STAT_SAMPLING = {
+    "temperature": 0.9,
+    "top_k": 5,
+    "bias": {3: 0.7},
+    "repetition_penalty": 1.3,
+    "presence_penalty": 0.4,
+    "frequency_penalty": 0.2,
+    "prompt": [4, 2],
+    "output": [1],
+}
 NUM_STAT_ROWS = 30_000
 # Chi-square 99.99% quantiles by degrees of freedom: a failure is a bug, not bad luck.
 CHI2_LIMIT_BY_DF = {4: 23.5, 10: 35.6, 11: 37.4, 12: 39.1}
@@ -131,14 +141,19 @@ def test_sampled_verification_emits_the_target_distribution(proposals: list[int]
     """Rejection sampling with the n-gram proposer's point-mass draft, on fixed logits: over many
     seeds, what a verifying row emits (its accepted proposals, then the target's token) has the
     target's distribution, position by position: [y] for y != x0 with p0(y), [x0, y] for y != x1
-    with p0(x0) p1(y), [x0, x1, y] with p0(x0) p1(x1) p2(y) (chi-square). The last proposal set
-    starts with a token top-k removes, which is never accepted."""
+    with p0(x0) p1(y), [x0, x1, y] with p0(x0) p1(x1) p2(y) (chi-square), where p_m has the
+    request's penalties over its outputs and the proposals before m. The last proposal set starts
+    with a token top-k removes, which is never accepted."""
     vocab = len(STAT_LOGITS[0])
     depth = len(proposals)
-    rows = [{"seed": seed, **{k: v for k, v in STAT_SAMPLING.items()}} for seed in range(NUM_STAT_ROWS)]
-    arrays = make_plan(rows)
+    context = len(STAT_SAMPLING["prompt"]) + len(STAT_SAMPLING["output"])
+    arrays = make_plan([{"seed": seed, **STAT_SAMPLING} for seed in range(NUM_STAT_ROWS)])
+    # Each row's span: its last known token (the last output), then the proposals.
+    span = [STAT_SAMPLING["output"][-1], *proposals]
+    arrays["input_ids"] = np.tile(np.array(span, np.int32), NUM_STAT_ROWS)
+    arrays["query_start_loc"] = np.arange(NUM_STAT_ROWS + 1, dtype=np.int32) * len(span)
     arrays["num_proposed"] = np.full(NUM_STAT_ROWS, depth, np.int32)
-    arrays["seq_lens"] = np.full(NUM_STAT_ROWS, 20 + depth, np.int32)
+    arrays["seq_lens"] = np.full(NUM_STAT_ROWS, context + depth, np.int32)
     logits = torch.tensor(STAT_LOGITS * NUM_STAT_ROWS, dtype=torch.float32)
     targets = target_tokens(Sampler(vocab, "cpu"), logits, arrays, np.arange(NUM_STAT_ROWS))
     drawn = targets.sampled_ids.numpy().reshape(NUM_STAT_ROWS, depth + 1)
@@ -147,10 +162,15 @@ def test_sampled_verification_emits_the_target_distribution(proposals: list[int]
         emitted = tuple(emitted_tokens(row, np.array(proposals)).tolist())
         counts[emitted] = counts.get(emitted, 0) + 1
 
-    biased = [[x + STAT_SAMPLING["bias"].get(v, 0.0) for v, x in enumerate(row)] for row in STAT_LOGITS]
     target = [
-        reference_distribution(row, STAT_SAMPLING["temperature"], top_k=STAT_SAMPLING["top_k"])
-        for row in biased
+        reference_distribution(
+            reference_penalised(
+                logits_at, {**STAT_SAMPLING, "output": STAT_SAMPLING["output"] + proposals[:at]}
+            ),
+            STAT_SAMPLING["temperature"],
+            top_k=STAT_SAMPLING["top_k"],
+        )
+        for at, logits_at in enumerate(STAT_LOGITS)
     ]
     expected: dict[tuple[int, ...], float] = {}
     prefix_prob = 1.0
@@ -166,13 +186,11 @@ def test_sampled_verification_emits_the_target_distribution(proposals: list[int]
     df = sum(p > 0 for p in expected.values()) - 1
     assert statistic < CHI2_LIMIT_BY_DF[df], (statistic, df)
     # The position after the last known token is what plain decoding samples there, seed by seed.
-    plain = Sampler(vocab, "cpu").sample(
-        torch.tensor(STAT_LOGITS[:1] * NUM_STAT_ROWS),
-        arrays,
-        np.arange(NUM_STAT_ROWS),
-        np.full(NUM_STAT_ROWS, 20),
+    plain = make_plan([{"seed": seed, **STAT_SAMPLING, "position": context} for seed in range(NUM_STAT_ROWS)])
+    first = Sampler(vocab, "cpu").sample(
+        torch.tensor(STAT_LOGITS[:1] * NUM_STAT_ROWS), plain, np.arange(NUM_STAT_ROWS)
     )
-    assert (plain.sampled_ids.numpy() == drawn[:, 0]).all()
+    assert (first.sampled_ids.numpy() == drawn[:, 0]).all()
 
 
 # ---- worker verification on SmolLM2 -------------------------------------------------------------
@@ -212,11 +230,18 @@ SAMPLED = {
     "min_p": 0.02,
     "seeds": 1234,
     "bias": {13: 1.5, 28: -2.0},
+    "repetition_penalty": 1.15,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.2,
 }
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def with_sampling(arrays: dict[str, np.ndarray], sampling: dict) -> dict[str, np.ndarray]:
-    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias)."""
+def with_sampling(
+    arrays: dict[str, np.ndarray], sampling: dict, prompt: list[int], outputs: list[int]
+) -> dict[str, np.ndarray]:
+    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias),
+    with the penalty history of a sequence whose known tokens are `prompt` and `outputs`."""
     for key, value in sampling.items():
         if key == "bias":
             arrays["bias_offsets"] = np.array([0, len(value)], np.int32)
@@ -224,6 +249,10 @@ def with_sampling(arrays: dict[str, np.ndarray], sampling: dict) -> dict[str, np
             arrays["bias_values"] = np.array(list(value.values()), np.float32)
         else:
             arrays[key][:] = value
+    if any(key in sampling for key in PENALTIES):
+        arrays["history_ids"] = np.array(prompt + outputs, np.int32)
+        arrays["history_offsets"] = np.array([0, len(prompt) + len(outputs)], np.int32)
+        arrays["history_prompt_lens"] = np.array([len(prompt)], np.int32)
     return arrays
 
 
@@ -237,7 +266,7 @@ def plain_decode(
     chunk = prompt
     for _ in range(MAX_NEW):
         arrays, header = builder.plan([(0, chunk, True)])
-        result = runner.execute(with_sampling(arrays, sampling or {}), header)
+        result = runner.execute(with_sampling(arrays, sampling or {}, prompt, out), header)
         out.append(int(result["sampled_ids"][0]))
         logprobs.append(float(result["sampled_logprobs"][0]))
         chunk = [out[-1]]
@@ -257,7 +286,7 @@ def speculative_decode(
     proposals kept."""
     builder = PlanBuilder(runner.block_size)
     arrays, header = builder.plan([(0, prompt, True)])
-    result = runner.execute(with_sampling(arrays, sampling or {}), header)
+    result = runner.execute(with_sampling(arrays, sampling or {}, prompt, []), header)
     out = [int(result["sampled_ids"][0])]
     logprobs = [float(result["sampled_logprobs"][0])]
     num_proposed = num_kept = 0
@@ -265,7 +294,7 @@ def speculative_decode(
         draft = list(proposals(prompt + out, MAX_NEW - len(out) - 1))
         arrays, header = builder.plan([(0, [out[-1], *draft], True)])
         arrays["num_proposed"] = np.array([len(draft)], np.int32)
-        result = runner.execute(with_sampling(arrays, sampling or {}), header)
+        result = runner.execute(with_sampling(arrays, sampling or {}, prompt, out), header)
         n = int(result["num_emitted"][0])
         new = result["emitted_ids"][0, :n].tolist()
         assert result["emitted_ids"][0, n:].tolist() == [-1] * (result["emitted_ids"].shape[1] - n)
@@ -320,8 +349,8 @@ def test_verification_emits_exactly_the_plain_greedy_tokens(runner, prompts):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sampled_verification_emits_exactly_the_plain_seeded_tokens(runner, prompts):
-    """A seeded request with temperature, top-k, top-p, min-p and a logit bias: each position's
-    draw is the one plain decoding makes there, so whatever is proposed (all right, all wrong,
+    """A seeded request with temperature, top-k, top-p, min-p, a logit bias and penalties: each
+    position's draw is the one plain decoding makes there, so whatever is proposed (all right, all wrong,
     n-gram lookups) the row emits the tokens and logprobs of plain seeded decoding."""
     ngram = NgramProposer(num_tokens=5, min_n=1, max_n=3)
     for prompt in prompts:
@@ -386,13 +415,13 @@ def test_plans_with_proposals_the_worker_refuses(runner, prompts):
         return arrays, header
 
     runner.validate(*plan())
-    runner.validate(*plan(temperature=[0.7], top_k=[5], seeds=[3]))  # sampled rows verify too
+    runner.validate(
+        *plan(temperature=[0.7], top_k=[5], seeds=[3], repetition_penalty=[1.2])
+    )  # sampled, penalised
     for overrides, message in [
         ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
         ({"num_proposed": [8]}, "no room"),
         ({"is_sampled": [0]}, "samples nothing"),
-        ({"repetition_penalty": [1.1]}, "cannot sample exactly"),
-        ({"presence_penalty": [0.5]}, "cannot sample exactly"),
         ({"num_logprobs": [2]}, "cannot sample exactly"),
         (
             {"grammar_rows": [0], "grammar_bitmask": np.full((1, vocab_words(runner.vocab_size)), -1)},
@@ -452,10 +481,11 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
-    """Traffic in which greedy requests verify proposals (most of them partly wrong) beside
-    requests that do not (penalties, bias, min_tokens): every request ends once with the outputs
-    it generates alone, logprobs included, one step at a time and planned ahead; the fake worker
-    checks every KV read (no rejected proposal is ever read as context, through the prefix cache
+    """Traffic in which greedy requests, penalised ones included, verify proposals (most of them
+    partly wrong) beside requests that do not (min_tokens): every request ends once with the
+    outputs it generates alone, logprobs included, one step at a time and planned ahead; the fake
+    worker checks every penalty history (its known tokens, never a proposal) and every KV read
+    (no rejected proposal is ever read as context, through the prefix cache
     or otherwise), and no block leaks."""
     max_model_len = 48
     specs = []
@@ -511,8 +541,8 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
 
 
 def test_a_request_that_cannot_be_verified_exactly_never_speculates():
-    """Penalised, min_tokens and logprob requests decode one token per step; the same prompt
-    greedy, sampled or with a logit bias verifies proposals."""
+    """min_tokens and logprob requests decode one token per step; the same prompt greedy,
+    sampled, with a logit bias or with penalties verifies proposals."""
     prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
 
     def drafts_of(params: dict) -> int:
@@ -533,7 +563,6 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
         return sched.speculation.num_drafts
 
     for params in [
-        dict(temperature=0.0, repetition_penalty=1.1),
         dict(temperature=0.0, min_tokens=2),
         dict(temperature=0.0, logprobs=2),
     ]:
@@ -542,6 +571,7 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
         dict(temperature=0.0),
         dict(temperature=0.7, top_p=0.9),
         dict(temperature=0.0, logit_bias={9: 1.0}),
+        dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5),
     ]:
         assert drafts_of(params) > 0, params
 

@@ -32,11 +32,13 @@ GREEDY_REQUESTS = [
     # Over engine.max_num_batched_tokens (64): prefilled in chunks.
     (f"Summarize this story in one sentence.\n{TEXT} {TEXT} {TEXT}", {}),
 ]
-# Seeded sampled requests: their draws are keyed by seed and position, so speculation keeps their
-# text too (services/gpu_worker/speculation.py). The restating one gets proposals accepted.
+# Seeded sampled requests, one with penalties: their draws are keyed by seed and position, so
+# speculation keeps their text too (services/gpu_worker/speculation.py). The restating ones get
+# proposals accepted.
 SAMPLED_REQUESTS = [
     (RESTATE, {"temperature": 0.7, "top_p": 0.95, "seed": 11}),
     ("Write a short poem about the sea.", {"temperature": 1.0, "top_k": 50, "seed": 5}),
+    (RESTATE, {"temperature": 0.5, "seed": 7, "repetition_penalty": 1.05, "presence_penalty": 0.2}),
 ]
 SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
 

@@ -529,9 +529,8 @@ def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> Non
 
 def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
     """Rows with proposals sample, hold their last known token before them and ask for nothing
-    that changes along their span or that verification does not give: no penalties (their
-    history would grow with each proposal), grammar (its mask with each proposal) or top logprobs
-    (the scheduler never proposes for such rows; docs/speculative.md)."""
+    verification does not give: no grammar (its mask would change with each proposal) or top
+    logprobs (the scheduler never proposes for such rows; docs/speculative.md)."""
     proposed = arrays["num_proposed"][:num_seqs]
     if proposed.min() < 0 or proposed.max() > MAX_SPECULATIVE_TOKENS:
         raise InvalidPlan(f"step plan: num_proposed out of range [0, {MAX_SPECULATIVE_TOKENS}]")
@@ -543,16 +542,11 @@ def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
         raise InvalidPlan("step plan: a row's proposals leave no room for its last known token")
     if not arrays["is_sampled"][verifying].all():
         raise InvalidPlan("step plan: proposals on a row that samples nothing")
-    if (
-        (arrays["repetition_penalty"][verifying] != 1.0).any()
-        or (arrays["presence_penalty"][verifying] != 0.0).any()
-        or (arrays["frequency_penalty"][verifying] != 0.0).any()
-        or (arrays["num_logprobs"][verifying] != 0).any()
-        or ("grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any())
+    if (arrays["num_logprobs"][verifying] != 0).any() or (
+        "grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any()
     ):
         raise InvalidPlan(
-            "step plan: proposals on a row that verification cannot sample exactly "
-            "(penalties, grammar or top logprobs)"
+            "step plan: proposals on a row that verification cannot sample exactly (grammar or top logprobs)"
         )
     ends = qsl[verifying + 1].astype(np.int64)
     proposals = np.concatenate(

@@ -117,23 +117,9 @@ class Sampler:
         self.device = torch.device(device)
         self.col_keys = vocab_col_keys(vocab_size, self.device)
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        arrays: dict[str, np.ndarray],
-        rows: np.ndarray,
-        sample_positions: np.ndarray | None = None,
-    ) -> SamplerOutput:
-        """Sample one token per row of `logits` [S, V]; `rows` are their step-plan row indices.
-
-        `sample_positions` (default: the plan's, `arrays["sample_positions"][rows]`) says which
-        position each logits row samples for. A plan row may then come several times, once per
-        position, as a verification samples every position of a row's proposals
-        (services/gpu_worker/speculation.py); such rows use nothing that changes along the span
-        (penalties, grammar), which the plan's checks refuse."""
+    def sample(self, logits: torch.Tensor, arrays: dict[str, np.ndarray], rows: np.ndarray) -> SamplerOutput:
+        """Sample one token per row of `logits` [S, V]; `rows` are their step-plan row indices."""
         rows = np.asarray(rows, dtype=np.int64)
-        if sample_positions is None:
-            sample_positions = arrays["sample_positions"][rows]
         if logits.shape != (len(rows), self.vocab_size):
             raise ValueError(
                 f"logits {tuple(logits.shape)} do not match {len(rows)} rows x {self.vocab_size} vocab"
@@ -150,21 +136,16 @@ class Sampler:
         bitmask = arrays.get("grammar_bitmask")
         if bitmask is not None and len(bitmask):
             # In place, even on the raw logits: what the logprobs read of them below is the sampled
-            # token's, which the mask allows. Only the constrained rows sampled here.
-            grammar_rows = arrays["grammar_rows"]
-            present = np.isin(grammar_rows, rows)
-            if present.any():
-                apply_grammar_bitmask(scores, bitmask[present], _local_rows(rows, grammar_rows[present]))
+            # token's, which the mask allows.
+            apply_grammar_bitmask(scores, bitmask, _local_rows(rows, arrays["grammar_rows"]))
         random_local = np.flatnonzero(arrays["temperature"][rows] >= MIN_TEMPERATURE)
         if len(random_local) == len(rows):
-            sampled = self._sample_random(scores, arrays, rows, sample_positions)
+            sampled = self._sample_random(scores, arrays, rows)
         else:
             sampled = scores.argmax(dim=-1)
             if len(random_local):
                 index = self._to_device(random_local)
-                sampled[index] = self._sample_random(
-                    scores[index], arrays, rows[random_local], sample_positions[random_local]
-                )
+                sampled[index] = self._sample_random(scores[index], arrays, rows[random_local])
 
         return SamplerOutput(
             sampled_ids=sampled.int(),
@@ -177,18 +158,14 @@ class Sampler:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     def _sample_random(
-        self,
-        scores: torch.Tensor,
-        arrays: dict[str, np.ndarray],
-        plan_rows: np.ndarray,
-        sample_positions: np.ndarray,
+        self, scores: torch.Tensor, arrays: dict[str, np.ndarray], plan_rows: np.ndarray
     ) -> torch.Tensor:
         """Gumbel-max for rows with temperature > 0 (`scores` holds just those rows)."""
         x = scores / self._to_device(arrays["temperature"][plan_rows].astype(np.float32))[:, None]
         x = _filter(x, arrays, plan_rows, self._to_device)
         u = hash_uniform(
             self._to_device(arrays["seeds"][plan_rows].astype(np.int64)),
-            self._to_device(sample_positions.astype(np.int64)),
+            self._to_device(arrays["sample_positions"][plan_rows].astype(np.int64)),
             self.col_keys,
         )
         # x + Gumbel(u) = x - log(-log(u)); filtered tokens stay -inf because the noise is finite.

@@ -67,10 +67,11 @@ class Speculation:
     workers accepted (the spec_decode_* metrics).
 
     A decode speculates when verification samples its request exactly as plain decoding does
-    (PlanTable.may_speculate: greedy or sampled, without penalties, min_tokens, top logprobs,
-    grammar or adapter) and its last token is known: a decode planned ahead on a
-    placeholder has nothing to look up. A verification never preempts anyone: proposals are cut
-    to the free blocks, the token budget and what the request may still generate."""
+    (PlanTable.may_speculate: greedy or sampled, penalties and logit bias included, without
+    min_tokens, top logprobs, grammar or adapter) and its last token is known: a decode planned
+    ahead on a placeholder has nothing to look up. A verification never preempts anyone:
+    proposals are cut to the free blocks, the token budget and what the request may still
+    generate."""
 
     def __init__(self, state: SchedulerState, proposer: Proposer) -> None:
         self.state = state
