@@ -481,9 +481,10 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
-    """Traffic in which greedy requests, penalised ones included, verify proposals (most of them
-    partly wrong) beside requests that do not (min_tokens): every request ends once with the
-    outputs it generates alone, logprobs included, one step at a time and planned ahead; the fake
+    """Traffic in which greedy requests, penalised and min_tokens ones included, verify proposals
+    (most of them partly wrong; a min_tokens span never crosses the end of its eos ban, whose bias
+    the fake worker applies at every position as the worker does): every request ends once with
+    the outputs it generates alone, logprobs included, one step at a time and planned ahead; the fake
     worker checks every penalty history (its known tokens, never a proposal) and every KV read
     (no rejected proposal is ever read as context, through the prefix cache
     or otherwise), and no block leaks."""
@@ -541,8 +542,8 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
 
 
 def test_a_request_that_cannot_be_verified_exactly_never_speculates():
-    """min_tokens and logprob requests decode one token per step; the same prompt greedy,
-    sampled, with a logit bias or with penalties verifies proposals."""
+    """Requests for top logprobs decode one token per step; the same prompt greedy, sampled, with
+    a logit bias, with penalties or with min_tokens verifies proposals."""
     prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
 
     def drafts_of(params: dict) -> int:
@@ -562,18 +563,47 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
         assert sched.speculation is not None
         return sched.speculation.num_drafts
 
-    for params in [
-        dict(temperature=0.0, min_tokens=2),
-        dict(temperature=0.0, logprobs=2),
-    ]:
-        assert drafts_of(params) == 0, params
+    assert drafts_of(dict(temperature=0.0, logprobs=2)) == 0
     for params in [
         dict(temperature=0.0),
         dict(temperature=0.7, top_p=0.9),
         dict(temperature=0.0, logit_bias={9: 1.0}),
         dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5),
+        dict(temperature=0.0, min_tokens=12),
     ]:
         assert drafts_of(params) > 0, params
+
+
+def test_a_min_tokens_span_never_crosses_the_end_of_its_eos_ban():
+    """min_tokens bans eos below a position through the plan's bias, which the worker applies at
+    every position of a span: a span from inside the ban to past its end would lose the ban (or
+    keep it too long), so proposals stop short of it. Here the eos would come at the second output
+    were it allowed, and an oracle proposes eight right tokens at a time."""
+    prompt = [2, 7, 1, 8]
+    seed = next(
+        s
+        for s in range(10_000)
+        if reference_outputs(prompt, [], engine_params(max_tokens=20, seed=s), 64)[1:] == [EOS]
+    )
+    params = engine_params(max_tokens=20, min_tokens=6, seed=seed, ignore_eos=False)
+    full = reference_outputs(prompt, [], params, 64)
+    assert len(full) > 6 and EOS not in full[:6]
+
+    class Oracle:
+        num_tokens = 8
+
+        def propose(self, token_ids: np.ndarray, limit: int) -> np.ndarray:
+            done = len(token_ids) - len(prompt)
+            return np.array(full[done : done + min(limit, self.num_tokens)], np.int32)
+
+    sched = Scheduler(
+        scheduler_config(
+            block_size=4, num_blocks=64, max_model_len=64, eos_token_ids=(EOS,), proposer=Oracle()
+        )
+    )
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, [("m", prompt, params, full, [])], [])
+    assert [token for token, _ in got["m"]] == full
+    assert sched.speculation is not None and sched.speculation.num_accepted_tokens > 0
 
 
 def test_the_speculative_section_is_validated_when_the_config_loads():

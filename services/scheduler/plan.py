@@ -172,7 +172,6 @@ class PlanTable:
             self.num_lora_rows += 1
         self.may_speculate[row] = (
             p.speculate
-            and not p.min_tokens  # its bias changes along a span: eos is banned up to a position
             and p.logprobs == 0
             and req.grammar is None
             and req.lora_slot < 0  # verification runs the base model's weights only

@@ -67,8 +67,8 @@ class Speculation:
     workers accepted (the spec_decode_* metrics).
 
     A decode speculates when verification samples its request exactly as plain decoding does
-    (PlanTable.may_speculate: greedy or sampled, penalties and logit bias included, without
-    min_tokens, top logprobs, grammar or adapter) and its last token is known: a decode planned
+    (PlanTable.may_speculate: greedy or sampled, penalties, logit bias and min_tokens included,
+    without top logprobs, grammar or adapter) and its last token is known: a decode planned
     ahead on a placeholder has nothing to look up. A verification never preempts anyone:
     proposals are cut to the free blocks, the token budget and what the request may still
     generate."""
@@ -141,6 +141,12 @@ class Speculation:
             start = int(starts[j])  # the last known token's position
             # Every emitted token must fit the request's length limit: proposals, then one more.
             limit = min(depth, budget, int(table.length_limit[row]) - req.num_tokens - 1)
+            # min_tokens bans eos and the stop ids while the sampled position is below its end
+            # (plan.py `_logit_bias`); a span must not cross it, so that the bias the plan gives
+            # the span's first position holds at each of its positions.
+            ban_end = req.num_prompt_tokens + req.params.min_tokens
+            if start + 1 < ban_end:
+                limit = min(limit, ban_end - start - 2)
             proposal = self.proposer.propose(req.all_token_ids, limit)
             if not len(proposal):
                 continue
