@@ -90,6 +90,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured: StructuredOutput | None = None  # constrain the output (ipc/structured_output.py)
     adapter: str = ""  # the LoRA adapter to generate with (a name in lora.adapters); "" = the base model
     embed: EmbedOptions | None = None  # an embedding request: the pooled vector, no tokens
+    # False: never verify proposals for this request (speculative decoding, docs/speculative.md),
+    # e.g. one that measures its own decode speed; its output is the same either way.
+    speculate: bool = True
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):

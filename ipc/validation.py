@@ -90,7 +90,7 @@ def validate_params(
     if params.seed is not None:
         _check_int("seed", params.seed, 0, MAX_SEED - 1)
     _check_int("priority", params.priority, -MAX_ABS_PRIORITY, MAX_ABS_PRIORITY - 1)
-    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
         if not isinstance(getattr(params, name), bool):
             raise InvalidParams(f"{name} must be a bool, got {getattr(params, name)!r}")
     if params.structured is not None:

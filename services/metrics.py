@@ -38,6 +38,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ipc.config import MAX_SPECULATIVE_TOKENS
 from services.stage_rows import StageRow
 
 PREFIX = "brigade:"
@@ -268,6 +269,13 @@ class EngineMetrics:
             registry=registry,
         ).labels(*values)
         self.spec_seen = (0, 0, 0)
+        self.spec_acceptance_length = Histogram(
+            f"{PREFIX}spec_decode_acceptance_length",
+            "Tokens each verification emitted: its accepted proposals and the target's next token",
+            labels,
+            buckets=tuple(range(1, MAX_SPECULATIVE_TOKENS + 2)),
+            registry=registry,
+        ).labels(*values)
         # LoRA adapters (docs/lora.md): loads at run time, and adapters copied into a slot.
         self.lora_loads = Counter(
             f"{PREFIX}lora_adapter_loads", "LoRA adapters loaded at run time", labels, registry=registry
@@ -299,8 +307,13 @@ class EngineMetrics:
             self.prefix_hits.inc(num_hits - self.hits_seen)
             self.queries_seen, self.hits_seen = num_queries, num_hits
 
-    def update_speculation(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Take the scheduler's running totals of verifications into the counters."""
+    def update_speculation(
+        self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int, acceptance_lengths: deque[int]
+    ) -> None:
+        """Take the scheduler's running totals of verifications into the counters, and each
+        verification's acceptance length (taking them out of their deque) into the histogram."""
+        while acceptance_lengths:
+            self.spec_acceptance_length.observe(acceptance_lengths.popleft())
         totals = (num_drafts, num_draft_tokens, num_accepted_tokens)
         counters = (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
         for counter, total, seen in zip(counters, totals, self.spec_seen, strict=True):

@@ -288,7 +288,8 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[i
 
 
 def spec_decode_counters(port: int) -> dict[str, float]:
-    """The spec_decode_* counters summed over engines, read once the heartbeat brought them."""
+    """The spec_decode_* counters, and the acceptance length histogram's _count and _sum, summed
+    over engines, read once the heartbeat brought them."""
     deadline = time.monotonic() + 30
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -296,7 +297,9 @@ def spec_decode_counters(port: int) -> dict[str, float]:
         counters: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name.startswith("brigade:spec_decode_") and sample.name.endswith("_total"):
+                if sample.name.startswith("brigade:spec_decode_") and sample.name.endswith(
+                    ("_total", "_count", "_sum")
+                ):
                     counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
         if counters.get("brigade:spec_decode_num_drafts_total") or time.monotonic() > deadline:
             return counters

@@ -582,6 +582,7 @@ def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"speculate": "no"}, "speculate"),
         ({"temperature": "hot"}, "temperature"),
         ({"seed": 1.5}, "seed"),
         ({"request_id": 5}, "request_id"),

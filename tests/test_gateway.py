@@ -1151,6 +1151,7 @@ BAD_BODIES = {
     "mixed prompt list": (b'{"prompt": ["a", 1]}', "prompt", "invalid_value"),
     "token id out of vocab": (b'{"prompt": [99999999]}', "prompt", "invalid_value"),
     "bad logit bias key": (b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", "invalid_type"),
+    "speculate not a bool": (b'{"prompt": "hi", "speculate": "no"}', "speculate", "invalid_type"),
     "non-text content part": (
         b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
         "messages[0].content[0].type",

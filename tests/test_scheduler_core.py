@@ -238,6 +238,11 @@ class FakeExecutor:
             if not a["is_sampled"][i]:
                 continue
             assert a["sample_positions"][i] == n
+            # A penalised row's history is its known tokens, never a proposal.
+            history = a["history_ids"][a["history_offsets"][i] : a["history_offsets"][i + 1]]
+            if len(history):
+                assert (history == req.token_slice(0, req.num_tokens)).all(), "a stale penalty history"
+                assert a["history_prompt_lens"][i] == req.num_prompt_tokens
             lo, hi = a["bias_offsets"][i], a["bias_offsets"][i + 1]
             banned = {
                 int(t)

@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS, ConfigError, load_config
-from ipc.step_plan import STEP_RESULT, Dim
+from ipc.step_plan import STEP_RESULT, Dim, vocab_words
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
-from services.gpu_worker.speculation import emitted_tokens, num_accepted
+from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.speculation import emitted_tokens, num_accepted, target_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
+from services.scheduler.speculation import (
+    FULL_DEPTH_DECODES,
+    MAX_SPECULATIVE_DECODES,
+    MIN_KEPT_PROBABILITY,
+    PROBE_INTERVAL,
+    speculative_depth,
+)
 from tests.test_model import PlanBuilder
+from tests.test_sampler import chi_square, make_plan, reference_distribution, reference_penalised
 from tests.test_scheduler_core import (
     EOS,
     PREFIXES,
@@ -102,6 +112,87 @@ def test_acceptance_refuses_mismatched_lengths():
         num_accepted(np.array([1, 2]), np.array([1, 2]))
 
 
+# Logits at a verifying row's three positions (its last known token, then two proposals) over a
+# six-token vocabulary, the proposals, and the request's sampling: temperature, top-k (token 5
+# never survives it), a logit bias and penalties over a history (prompt, then outputs) that grows
+# by the proposals along the span.
+STAT_LOGITS = [
+    [1.0, 0.2, 0.6, -0.3, 0.1, -2.0],
+    [0.4, 1.1, -0.5, 0.3, 0.0, -1.5],
+    [0.0, 0.3, 0.9, -0.2, 0.5, -1.0],
+]
+STAT_SAMPLING = {
+    "temperature": 0.9,
+    "top_k": 5,
+    "bias": {3: 0.7},
+    "repetition_penalty": 1.3,
+    "presence_penalty": 0.4,
+    "frequency_penalty": 0.2,
+    "prompt": [4, 2],
+    "output": [1],
+}
+NUM_STAT_ROWS = 30_000
+# Chi-square 99.99% quantiles by degrees of freedom: a failure is a bug, not bad luck.
+CHI2_LIMIT_BY_DF = {4: 23.5, 10: 35.6, 11: 37.4, 12: 39.1}
+
+
+@pytest.mark.parametrize("proposals", [[0, 1], [2, 3], [5, 1]])
+def test_sampled_verification_emits_the_target_distribution(proposals: list[int]) -> None:
+    """Rejection sampling with the n-gram proposer's point-mass draft, on fixed logits: over many
+    seeds, what a verifying row emits (its accepted proposals, then the target's token) has the
+    target's distribution, position by position: [y] for y != x0 with p0(y), [x0, y] for y != x1
+    with p0(x0) p1(y), [x0, x1, y] with p0(x0) p1(x1) p2(y) (chi-square), where p_m has the
+    request's penalties over its outputs and the proposals before m. The last proposal set starts
+    with a token top-k removes, which is never accepted."""
+    vocab = len(STAT_LOGITS[0])
+    depth = len(proposals)
+    context = len(STAT_SAMPLING["prompt"]) + len(STAT_SAMPLING["output"])
+    arrays = make_plan([{"seed": seed, **STAT_SAMPLING} for seed in range(NUM_STAT_ROWS)])
+    # Each row's span: its last known token (the last output), then the proposals.
+    span = [STAT_SAMPLING["output"][-1], *proposals]
+    arrays["input_ids"] = np.tile(np.array(span, np.int32), NUM_STAT_ROWS)
+    arrays["query_start_loc"] = np.arange(NUM_STAT_ROWS + 1, dtype=np.int32) * len(span)
+    arrays["num_proposed"] = np.full(NUM_STAT_ROWS, depth, np.int32)
+    arrays["seq_lens"] = np.full(NUM_STAT_ROWS, context + depth, np.int32)
+    logits = torch.tensor(STAT_LOGITS * NUM_STAT_ROWS, dtype=torch.float32)
+    targets = target_tokens(Sampler(vocab, "cpu"), logits, arrays, np.arange(NUM_STAT_ROWS))
+    drawn = targets.sampled_ids.numpy().reshape(NUM_STAT_ROWS, depth + 1)
+    counts: dict[tuple[int, ...], int] = {}
+    for row in drawn:
+        emitted = tuple(emitted_tokens(row, np.array(proposals)).tolist())
+        counts[emitted] = counts.get(emitted, 0) + 1
+
+    target = [
+        reference_distribution(
+            reference_penalised(
+                logits_at, {**STAT_SAMPLING, "output": STAT_SAMPLING["output"] + proposals[:at]}
+            ),
+            STAT_SAMPLING["temperature"],
+            top_k=STAT_SAMPLING["top_k"],
+        )
+        for at, logits_at in enumerate(STAT_LOGITS)
+    ]
+    expected: dict[tuple[int, ...], float] = {}
+    prefix_prob = 1.0
+    for at in range(depth + 1):
+        for y in range(vocab):
+            if at == depth or y != proposals[at]:
+                expected[(*proposals[:at], y)] = prefix_prob * target[at][y]
+        if at < depth:
+            prefix_prob *= target[at][proposals[at]]
+    assert set(counts) <= {e for e, p in expected.items() if p > 0}  # nothing the target cannot emit
+    observed = np.array([counts.get(e, 0) for e in expected])
+    statistic = chi_square(observed, list(expected.values()))
+    df = sum(p > 0 for p in expected.values()) - 1
+    assert statistic < CHI2_LIMIT_BY_DF[df], (statistic, df)
+    # The position after the last known token is what plain decoding samples there, seed by seed.
+    plain = make_plan([{"seed": seed, **STAT_SAMPLING, "position": context} for seed in range(NUM_STAT_ROWS)])
+    first = Sampler(vocab, "cpu").sample(
+        torch.tensor(STAT_LOGITS[:1] * NUM_STAT_ROWS), plain, np.arange(NUM_STAT_ROWS)
+    )
+    assert (first.sampled_ids.numpy() == drawn[:, 0]).all()
+
+
 # ---- worker verification on SmolLM2 -------------------------------------------------------------
 
 RESTATE = (
@@ -131,41 +222,96 @@ def prompts(smollm2_dir) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def plain_greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
-    """One token per step: what the engine emits without speculation."""
+# A sampled request as the OpenAI API can shape one: every transform verification applies.
+SAMPLED = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.02,
+    "seeds": 1234,
+    "bias": {13: 1.5, 28: -2.0},
+    "repetition_penalty": 1.15,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.2,
+}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def with_sampling(
+    arrays: dict[str, np.ndarray], sampling: dict, prompt: list[int], outputs: list[int]
+) -> dict[str, np.ndarray]:
+    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias),
+    with the penalty history of a sequence whose known tokens are `prompt` and `outputs`."""
+    for key, value in sampling.items():
+        if key == "bias":
+            arrays["bias_offsets"] = np.array([0, len(value)], np.int32)
+            arrays["bias_ids"] = np.array(list(value), np.int32)
+            arrays["bias_values"] = np.array(list(value.values()), np.float32)
+        else:
+            arrays[key][:] = value
+    if any(key in sampling for key in PENALTIES):
+        arrays["history_ids"] = np.array(prompt + outputs, np.int32)
+        arrays["history_offsets"] = np.array([0, len(prompt) + len(outputs)], np.int32)
+        arrays["history_prompt_lens"] = np.array([len(prompt)], np.int32)
+    return arrays
+
+
+def plain_decode(
+    runner: ModelRunner, prompt: list[int], sampling: dict | None = None
+) -> tuple[list[int], list[float]]:
+    """One token per step: what the engine emits without speculation, and its logprobs."""
     builder = PlanBuilder(runner.block_size)
     out: list[int] = []
+    logprobs: list[float] = []
     chunk = prompt
     for _ in range(MAX_NEW):
-        result = runner.execute(*builder.plan([(0, chunk, True)]))
+        arrays, header = builder.plan([(0, chunk, True)])
+        result = runner.execute(with_sampling(arrays, sampling or {}, prompt, out), header)
         out.append(int(result["sampled_ids"][0]))
+        logprobs.append(float(result["sampled_logprobs"][0]))
         chunk = [out[-1]]
-    return out
+    return out, logprobs
 
 
-def speculative_greedy(runner: ModelRunner, prompt: list[int], proposals) -> tuple[list[int], int, int]:
+def plain_greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
+    return plain_decode(runner, prompt)[0]
+
+
+def speculative_decode(
+    runner: ModelRunner, prompt: list[int], proposals, sampling: dict | None = None
+) -> tuple[list[int], list[float], int, int]:
     """Decode with verification steps: each step carries the row's last token and what
     `proposals(tokens so far, limit)` proposes; rejected positions are rolled back (their KV slots
-    are overwritten by the next step). Returns the outputs, proposals made and proposals kept."""
+    are overwritten by the next step). Returns the outputs, their logprobs, proposals made and
+    proposals kept."""
     builder = PlanBuilder(runner.block_size)
-    result = runner.execute(*builder.plan([(0, prompt, True)]))
+    arrays, header = builder.plan([(0, prompt, True)])
+    result = runner.execute(with_sampling(arrays, sampling or {}, prompt, []), header)
     out = [int(result["sampled_ids"][0])]
+    logprobs = [float(result["sampled_logprobs"][0])]
     num_proposed = num_kept = 0
     while len(out) < MAX_NEW:
         draft = list(proposals(prompt + out, MAX_NEW - len(out) - 1))
         arrays, header = builder.plan([(0, [out[-1], *draft], True)])
         arrays["num_proposed"] = np.array([len(draft)], np.int32)
-        result = runner.execute(arrays, header)
+        result = runner.execute(with_sampling(arrays, sampling or {}, prompt, out), header)
         n = int(result["num_emitted"][0])
         new = result["emitted_ids"][0, :n].tolist()
         assert result["emitted_ids"][0, n:].tolist() == [-1] * (result["emitted_ids"].shape[1] - n)
         assert int(result["sampled_ids"][0]) == new[-1]
+        assert result["sampled_logprobs"][0] == result["emitted_logprobs"][0, n - 1]
         STEP_RESULT.check(result, {Dim.ROWS: 1, Dim.TOP_K: 0})
         builder.num_cached[0] -= len(draft) - (n - 1)  # the rejected proposals' KV is not kept
         num_proposed += len(draft)
         num_kept += n - 1
         out.extend(new)
-    return out[:MAX_NEW], num_proposed, num_kept
+        logprobs.extend(result["emitted_logprobs"][0, :n].tolist())
+    return out[:MAX_NEW], logprobs[:MAX_NEW], num_proposed, num_kept
+
+
+def speculative_greedy(runner: ModelRunner, prompt: list[int], proposals) -> tuple[list[int], int, int]:
+    out, _, made, kept = speculative_decode(runner, prompt, proposals)
+    return out, made, kept
 
 
 @pytest.mark.slow
@@ -198,6 +344,36 @@ def test_verification_emits_exactly_the_plain_greedy_tokens(runner, prompts):
         runner, prompts[0], lambda tokens, limit: ngram.propose(np.array(tokens), limit)
     )
     assert kept > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sampled_verification_emits_exactly_the_plain_seeded_tokens(runner, prompts):
+    """A seeded request with temperature, top-k, top-p, min-p, a logit bias and penalties: each
+    position's draw is the one plain decoding makes there, so whatever is proposed (all right, all wrong,
+    n-gram lookups) the row emits the tokens and logprobs of plain seeded decoding."""
+    ngram = NgramProposer(num_tokens=5, min_n=1, max_n=3)
+    for prompt in prompts:
+        reference, reference_logprobs = plain_decode(runner, prompt, SAMPLED)
+        assert reference != plain_greedy(runner, prompt)  # it samples
+
+        def oracle(tokens, limit, reference=reference, prompt=prompt):
+            done = len(tokens) - len(prompt)
+            return reference[done : done + min(limit, 5)]
+
+        def wrong(tokens, limit, reference=reference, prompt=prompt):
+            done = len(tokens) - len(prompt)
+            return [(t + 1) % runner.vocab_size for t in reference[done : done + min(limit, 3)]]
+
+        def lookup(tokens, limit):
+            return ngram.propose(np.array(tokens), limit)
+
+        for proposals, kept_all in [(oracle, True), (wrong, False), (lookup, None)]:
+            out, logprobs, made, kept = speculative_decode(runner, prompt, proposals, SAMPLED)
+            assert out == reference, proposals.__name__
+            np.testing.assert_allclose(logprobs, reference_logprobs, atol=1e-4)
+            if kept_all is not None:
+                assert made > 0 and (kept == made if kept_all else kept == 0), proposals.__name__
 
 
 @pytest.mark.slow
@@ -239,13 +415,18 @@ def test_plans_with_proposals_the_worker_refuses(runner, prompts):
         return arrays, header
 
     runner.validate(*plan())
+    runner.validate(
+        *plan(temperature=[0.7], top_k=[5], seeds=[3], repetition_penalty=[1.2])
+    )  # sampled, penalised
     for overrides, message in [
         ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
         ({"num_proposed": [8]}, "no room"),
         ({"is_sampled": [0]}, "samples nothing"),
-        ({"temperature": [0.7]}, "not plain greedy"),
-        ({"repetition_penalty": [1.1]}, "not plain greedy"),
-        ({"num_logprobs": [2]}, "not plain greedy"),
+        ({"num_logprobs": [2]}, "cannot sample exactly"),
+        (
+            {"grammar_rows": [0], "grammar_bitmask": np.full((1, vocab_words(runner.vocab_size)), -1)},
+            "cannot sample exactly",
+        ),
     ]:
         with pytest.raises(InvalidPlan, match=message):
             runner.validate(*plan(**overrides))
@@ -300,10 +481,12 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
     requests: list[dict],
     events: list[tuple[str, int]],
 ) -> None:
-    """Traffic in which greedy requests verify proposals (most of them partly wrong) beside
-    requests that do not (penalties, bias, min_tokens): every request ends once with the outputs
-    it generates alone, logprobs included, one step at a time and planned ahead; the fake worker
-    checks every KV read (no rejected proposal is ever read as context, through the prefix cache
+    """Traffic in which greedy requests, penalised and min_tokens ones included, verify proposals
+    (most of them partly wrong; a min_tokens span never crosses the end of its eos ban, whose bias
+    the fake worker applies at every position as the worker does): every request ends once with
+    the outputs it generates alone, logprobs included, one step at a time and planned ahead; the fake
+    worker checks every penalty history (its known tokens, never a proposal) and every KV read
+    (no rejected proposal is ever read as context, through the prefix cache
     or otherwise), and no block leaks."""
     max_model_len = 48
     specs = []
@@ -359,8 +542,8 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
 
 
 def test_a_request_that_cannot_be_verified_exactly_never_speculates():
-    """Sampled, penalised, biased, min_tokens and logprob requests decode one token per step;
-    the same prompt greedy verifies proposals."""
+    """Requests for top logprobs decode one token per step; the same prompt greedy, sampled, with
+    a logit bias, with penalties or with min_tokens verifies proposals."""
     prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
 
     def drafts_of(params: dict) -> int:
@@ -380,15 +563,47 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
         assert sched.speculation is not None
         return sched.speculation.num_drafts
 
+    assert drafts_of(dict(temperature=0.0, logprobs=2)) == 0
     for params in [
-        dict(temperature=0.7),
-        dict(temperature=0.0, repetition_penalty=1.1),
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_p=0.9),
         dict(temperature=0.0, logit_bias={9: 1.0}),
-        dict(temperature=0.0, min_tokens=2),
-        dict(temperature=0.0, logprobs=2),
+        dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5),
+        dict(temperature=0.0, min_tokens=12),
     ]:
-        assert drafts_of(params) == 0, params
-    assert drafts_of(dict(temperature=0.0)) > 0
+        assert drafts_of(params) > 0, params
+
+
+def test_a_min_tokens_span_never_crosses_the_end_of_its_eos_ban():
+    """min_tokens bans eos below a position through the plan's bias, which the worker applies at
+    every position of a span: a span from inside the ban to past its end would lose the ban (or
+    keep it too long), so proposals stop short of it. Here the eos would come at the second output
+    were it allowed, and an oracle proposes eight right tokens at a time."""
+    prompt = [2, 7, 1, 8]
+    seed = next(
+        s
+        for s in range(10_000)
+        if reference_outputs(prompt, [], engine_params(max_tokens=20, seed=s), 64)[1:] == [EOS]
+    )
+    params = engine_params(max_tokens=20, min_tokens=6, seed=seed, ignore_eos=False)
+    full = reference_outputs(prompt, [], params, 64)
+    assert len(full) > 6 and EOS not in full[:6]
+
+    class Oracle:
+        num_tokens = 8
+
+        def propose(self, token_ids: np.ndarray, limit: int) -> np.ndarray:
+            done = len(token_ids) - len(prompt)
+            return np.array(full[done : done + min(limit, self.num_tokens)], np.int32)
+
+    sched = Scheduler(
+        scheduler_config(
+            block_size=4, num_blocks=64, max_model_len=64, eos_token_ids=(EOS,), proposer=Oracle()
+        )
+    )
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, [("m", prompt, params, full, [])], [])
+    assert [token for token, _ in got["m"]] == full
+    assert sched.speculation is not None and sched.speculation.num_accepted_tokens > 0
 
 
 def test_the_speculative_section_is_validated_when_the_config_loads():
@@ -428,3 +643,113 @@ def test_a_resumed_request_with_several_tokens_in_a_step_gets_its_history_once()
     full = updates[0]
     assert m.unpack_ids(full.token_ids).tolist() == [7, 8, 9] and full.finish_reason == "length"
     assert np.frombuffer(full.logprobs, "<f4")[-1] == np.float32(-0.25)
+
+
+# ---- the adaptive rule --------------------------------------------------------------------------
+
+
+def test_speculative_depth_shrinks_with_the_batch_and_the_acceptance_rate():
+    # Full depth for a few decodes at a good rate, shrinking with the batch, none above the limit.
+    assert [speculative_depth(4, n, 1.0) for n in (1, 4, 5, 8, 16, 17, 64)] == [4, 4, 3, 2, 1, 0, 0]
+    assert speculative_depth(4, 0, 1.0) == 0  # no decodes, nothing to propose
+    # The k-th proposal is kept with probability rate**k; it is proposed while that is >= 0.3.
+    assert [speculative_depth(8, 1, rate) for rate in (0.9, 0.8, 0.6, 0.5, 0.3, 0.29, 0.0)] == [
+        8,
+        5,
+        2,
+        1,
+        1,
+        0,
+        0,
+    ]
+    assert speculative_depth(2, 1, 0.9) == 2  # never above the configured number
+    for max_depth in range(1, MAX_SPECULATIVE_TOKENS + 1):
+        for num_decodes in range(0, 70):
+            for rate in np.linspace(0.0, 1.0, 21):
+                depth = speculative_depth(max_depth, num_decodes, float(rate))
+                assert 0 <= depth <= max_depth
+                # Never more proposals per step than FULL_DEPTH_DECODES decodes at full depth.
+                assert depth * num_decodes <= FULL_DEPTH_DECODES * max_depth
+                assert depth == 0 or float(rate) ** depth >= MIN_KEPT_PROBABILITY - 1e-9
+
+
+def speculating_scheduler(max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        scheduler_config(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256,
+            block_size=4,
+            num_blocks=512,
+            max_model_len=96,
+            eos_token_ids=(EOS,),
+            proposer=NgramProposer(num_tokens=4, min_n=1, max_n=1),
+        )
+    )
+
+
+def test_speculation_turns_off_as_the_acceptance_rate_falls_and_probes_to_come_back():
+    sched = speculating_scheduler()
+    spec = sched.speculation
+    assert spec is not None and spec.depth(1) == 4  # the prior starts it on
+    for _ in range(60):  # every proposal rejected
+        spec.applied(num_proposed=4, num_emitted=1)
+    assert spec.acceptance_rate < MIN_KEPT_PROBABILITY
+    depths = []
+    for _ in range(2 * PROBE_INTERVAL):
+        depths.append(spec.depth(1))
+        spec.steps_without_proposals = spec.steps_without_proposals + 1 if depths[-1] == 0 else 0
+    # Off, except one probe of one token in every PROBE_INTERVAL steps.
+    assert depths.count(1) == 2 and set(depths) == {0, 1}
+    assert depths.index(1) == PROBE_INTERVAL - 1
+    spec.steps_without_proposals = PROBE_INTERVAL
+    assert spec.depth(MAX_SPECULATIVE_DECODES + 1) == 0  # no probe where the batch forbids it
+    for _ in range(60):  # the text turned repetitive: every proposal kept
+        spec.applied(num_proposed=1, num_emitted=2)
+    assert spec.depth(1) == 4
+    # The histogram's observations: the tokens each verification emitted.
+    assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 60
+
+
+def test_a_batch_too_large_to_speculate_is_planned_ahead_and_verifies_nothing():
+    """Above MAX_SPECULATIVE_DECODES decodes no step proposes, and the pipeline plans ahead (on
+    placeholders) as without speculation; the same requests two at a time verify proposals, each
+    step planned after the last one's result."""
+    prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
+
+    def run(num_requests: int) -> tuple[int, int]:
+        sched = speculating_scheduler(max_num_seqs=num_requests)
+        specs = []
+        for i in range(num_requests):
+            params = engine_params(temperature=0.0, max_tokens=12, seed=i, ignore_eos=True)
+            specs.append((f"r{i}", prompt, params, reference_outputs(prompt, [], params, 96), []))
+        executor = FakeExecutor(sched)
+        got, _ = run_traffic(sched, executor, True, specs, [])
+        for rid, _, _, full, _ in specs:
+            assert [token for token, _ in got[rid]] == full
+        assert sched.speculation is not None
+        return sched.speculation.num_drafts, executor.num_placeholders
+
+    drafts, placeholders = run(2)
+    assert drafts > 0 and placeholders == 0
+    drafts, placeholders = run(MAX_SPECULATIVE_DECODES + 1)
+    assert drafts == 0 and placeholders > 0
+
+
+def test_a_request_that_opts_out_never_speculates():
+    """`speculate: false` keeps a request that could speculate to one token per step, with the
+    same outputs."""
+    sched = speculating_scheduler()
+    prompt = [3, 4, 3, 4, 3, 4, 3]
+    specs = []
+    for rid, speculate in (("in", True), ("out", False)):
+        params = engine_params(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True, speculate=speculate)
+        specs.append((rid, prompt, params, reference_outputs(prompt, [], params, 96), []))
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, specs, [])
+    for rid, _, _, full, _ in specs:
+        assert [token for token, _ in got[rid]] == full
+    spec = sched.speculation
+    assert spec is not None and spec.num_drafts > 0
+    # Only "in" verified: with "out" alone, nothing would have.
+    alone = speculating_scheduler()
+    got, _ = run_traffic(alone, FakeExecutor(alone), False, specs[1:], [])
+    assert alone.speculation is not None and alone.speculation.num_drafts == 0

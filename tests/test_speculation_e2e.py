@@ -1,8 +1,9 @@
-"""Speculative decoding end to end on the embedded SmolLM2, through real processes: greedy outputs
-with `speculative.method: ngram` equal those with it off, token for token and text for text
-(a prompt that restates its input, where proposals are accepted, an open chat, stop strings, a
-prompt long enough to be chunked), streamed and not, and the spec_decode_* counters on /metrics
-say that proposals were verified and accepted (docs/speculative.md)."""
+"""Speculative decoding end to end on the embedded SmolLM2, through real processes: greedy and
+seeded sampled outputs with `speculative.method: ngram` equal those with it off, token for token
+and text for text (a prompt that restates its input, where proposals are accepted, an open chat,
+stop strings, a prompt long enough to be chunked), streamed and not, with a logprob for every
+token, and the spec_decode_* counters on /metrics say that proposals were verified and accepted
+(docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from client import Client
 from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters
+from tests.test_e2e import gateway_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -21,40 +23,53 @@ TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
     "and wrote the weather in a leather logbook before the ships came past the rocks."
 )
+RESTATE = f"Repeat this text exactly, word for word:\n{TEXT}"
 # (prompt, extra sampling); every request is greedy.
-REQUESTS = [
-    (f"Repeat this text exactly, word for word:\n{TEXT}", {}),
+GREEDY_REQUESTS = [
+    (RESTATE, {}),
     ("What is the capital of France?", {}),
     (f"Repeat this text exactly:\n{TEXT}", {"stop": ["logbook"]}),
     # Over engine.max_num_batched_tokens (64): prefilled in chunks.
     (f"Summarize this story in one sentence.\n{TEXT} {TEXT} {TEXT}", {}),
 ]
+# Seeded sampled requests, one with penalties: their draws are keyed by seed and position, so
+# speculation keeps their text too (services/gpu_worker/speculation.py). The restating ones get
+# proposals accepted.
+SAMPLED_REQUESTS = [
+    (RESTATE, {"temperature": 0.7, "top_p": 0.95, "seed": 11}),
+    ("Write a short poem about the sea.", {"temperature": 1.0, "top_k": 50, "seed": 5}),
+    (RESTATE, {"temperature": 0.5, "seed": 7, "repetition_penalty": 1.05, "presence_penalty": 0.2}),
+]
 SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
 
 
 def serve_all(
-    tmp_path_factory: pytest.TempPathFactory, *overrides: str
+    tmp_path_factory: pytest.TempPathFactory, requests: list[tuple[str, dict]], *overrides: str
 ) -> tuple[list[tuple], dict[str, float]]:
     """Every request, streamed and not, all at once; their (token ids, text, finish reason), and
-    the run's spec_decode_* counters."""
+    the run's spec_decode_* counters. Every request has a logprob for each of its tokens."""
     run_dir = tmp_path_factory.mktemp("spec")
     metrics_port = free_port()
     with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", *overrides) as run:
-        jobs = [(prompt, sampling, stream) for prompt, sampling in REQUESTS for stream in (False, True)]
+        jobs = [(prompt, sampling, stream) for prompt, sampling in requests for stream in (False, True)]
 
         def one(job: tuple[str, dict, bool]) -> tuple:
             prompt, sampling, stream = job
             messages = [{"role": "user", "content": prompt}]
             with Client(run.run_dir) as client:
-                args = dict(max_tokens=NEW_TOKENS, temperature=0.0, timeout=300, **sampling)
+                args = dict(max_tokens=NEW_TOKENS, timeout=300) | {"temperature": 0.0, **sampling}
                 if stream:
                     deltas = list(client.stream_chat(messages, **args))
+                    logprobs = [x for d in deltas for x in d.logprobs or []]
+                    assert len(logprobs) == sum(len(d.token_ids) for d in deltas)
                     return (
                         [t for d in deltas for t in d.token_ids],
                         "".join(d.text for d in deltas),
                         deltas[-1].finish_reason,
                     )
                 result = client.chat(messages, **args)
+                assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+                assert all(x <= 0.0 for x in result.logprobs)
                 return result.token_ids, result.text, result.finish_reason
 
         with ThreadPoolExecutor(len(jobs)) as pool:
@@ -67,12 +82,12 @@ def serve_all(
 def test_ngram_speculation_never_changes_a_greedy_output(
     tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> None:
-    plain, plain_counters = serve_all(tmp_path_factory)
+    plain, plain_counters = serve_all(tmp_path_factory, GREEDY_REQUESTS)
     speculated, counters = serve_all(
-        tmp_path_factory, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
+        tmp_path_factory, GREEDY_REQUESTS, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
     )
     assert not plain_counters.get("brigade:spec_decode_num_drafts_total")
-    for (prompt, sampling), i in zip(REQUESTS, range(0, 2 * len(REQUESTS), 2), strict=True):
+    for (prompt, sampling), i in zip(GREEDY_REQUESTS, range(0, 2 * len(GREEDY_REQUESTS), 2), strict=True):
         for stream in (0, 1):
             assert speculated[i + stream] == plain[i + stream], f"{prompt[:40]!r} {sampling} stream={stream}"
     # The stop string ended its request.
@@ -80,3 +95,58 @@ def test_ngram_speculation_never_changes_a_greedy_output(
     assert counters["brigade:spec_decode_num_drafts_total"] > 0
     assert counters["brigade:spec_decode_num_draft_tokens_total"] > 0
     assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_seeded_sampled_requests_speculate_and_keep_their_text(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    """Sampled requests verify proposals by rejection sampling: they complete with a logprob for
+    every token, proposals were verified and some accepted, and each seeded request emits what it
+    emits without speculation, token for token."""
+    plain, _ = serve_all(tmp_path_factory, SAMPLED_REQUESTS)
+    speculated, counters = serve_all(
+        tmp_path_factory, SAMPLED_REQUESTS, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
+    )
+    assert speculated == plain
+    assert all(finish in ("stop", "length") for _, _, finish in speculated)
+    assert plain[0] == plain[1]  # streamed or not, the same seed gives the same text
+    drafts = counters["brigade:spec_decode_num_drafts_total"]
+    accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and accepted > 0
+    assert counters["brigade:spec_decode_num_draft_tokens_total"] >= accepted
+    # The acceptance length histogram has one observation per verification, of accepted + 1.
+    assert counters["brigade:spec_decode_acceptance_length_count"] == drafts
+    assert counters["brigade:spec_decode_acceptance_length_sum"] == drafts + accepted
+
+
+def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    """`speculate: false` in the openai client's extra_body reaches the scheduler: the restating
+    request verifies nothing, and the same request without it verifies proposals, with the
+    same text."""
+    import openai
+
+    run_dir = tmp_path_factory.mktemp("spec-opt-out")
+    metrics_port = free_port()
+    prompt = [{"role": "user", "content": RESTATE}]
+    with brigade_run(
+        run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", "speculative.method=ngram"
+    ) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+
+        def chat(**extra: object) -> str:
+            reply = api.chat.completions.create(
+                model=api.models.list().data[0].id,
+                messages=prompt,  # type: ignore[arg-type]
+                max_tokens=NEW_TOKENS,
+                temperature=0.0,
+                extra_body=extra,
+            )
+            return reply.choices[0].message.content or ""
+
+        opted_out = chat(speculate=False)
+        assert not spec_decode_counters(metrics_port).get("brigade:spec_decode_num_drafts_total")
+        assert chat() == opted_out
+        assert spec_decode_counters(metrics_port)["brigade:spec_decode_num_drafts_total"] > 0
+    assert_clean(run_dir)

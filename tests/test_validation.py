@@ -103,6 +103,7 @@ BAD: list[tuple[str, Any]] = [
     ("structured.strict", StructuredOutput("json", "{}", strict=1)),  # type: ignore[arg-type]
     ("adapter", "x" * 257),
     ("adapter", 3),
+    ("speculate", "no"),
 ]
 
 

@@ -102,6 +102,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
+        "speculate": req.speculate,
     }
 
 

@@ -22,8 +22,8 @@ from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots, load_adapter
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.parallel import Parallel
-from services.gpu_worker.sampler import MIN_TEMPERATURE, Sampler
-from services.gpu_worker.speculation import emitted_tokens
+from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.speculation import emitted_tokens, target_tokens
 
 log = logging.getLogger(__name__)
 
@@ -405,10 +405,11 @@ class ModelRunner:
         sampling: np.ndarray,
         step_id: int,
     ) -> dict[str, np.ndarray]:
-        """Greedy verification of the `verifying` rows' proposals (services/gpu_worker/speculation.py):
+        """Verification of the `verifying` rows' proposals (services/gpu_worker/speculation.py):
         the emitted_* result arrays, with each verifying row's last new token in sampled_ids.
-        The logits are all-gathered, so every rank computes the same acceptance and knows where
-        each row's last new token sits (what a placeholder in the next step is checked against)."""
+        The logits are all-gathered and the sampler's draws depend only on them, the seed and the
+        position, so every rank computes the same acceptance and knows where each row's last new
+        token sits (what a placeholder in the next step is checked against)."""
         num_seqs = len(arrays["rows"])
         proposed = arrays["num_proposed"]
         width = 1 + int(proposed.max(initial=0))
@@ -425,11 +426,10 @@ class ModelRunner:
         counts = proposed[verifying].astype(np.int64) + 1  # the last known token and each proposal
         firsts = ends - counts
         at = np.concatenate([np.arange(f, e) for f, e in zip(firsts.tolist(), ends.tolist(), strict=True)])
-        log_probs = torch.log_softmax(self.model.logits(hidden, residual, self._to_device(at)), dim=-1)
-        # The sampler's greedy choice: argmax of the logits (log_softmax keeps their order).
-        targets = log_probs.argmax(dim=-1)
-        target_logprobs = log_probs.gather(1, targets[:, None])[:, 0].cpu().numpy()
-        targets_host = targets.cpu().numpy().astype(np.int32)
+        logits = self.model.logits(hidden, residual, self._to_device(at))
+        targets = target_tokens(self.sampler, logits, arrays, verifying)
+        target_logprobs = targets.sampled_logprobs.cpu().numpy()
+        targets_host = targets.sampled_ids.cpu().numpy()
         input_ids = arrays["input_ids"]
         lasts = np.empty(len(verifying), np.int64)
         offset = 0
@@ -453,7 +453,9 @@ class ModelRunner:
             arrays["seq_lens"][verifying] - proposed[verifying] + out["num_emitted"][verifying] - 1
         )
         if self.parallel.is_driver:
-            self._last_sampled[self._to_device(table_rows)] = targets[self._to_device(lasts)]
+            self._last_sampled[self._to_device(table_rows)] = targets.sampled_ids[
+                self._to_device(lasts)
+            ].long()
         return out
 
     def _score_prompt(
@@ -526,9 +528,9 @@ def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> Non
 
 
 def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
-    """Rows with proposals sample, hold their last known token before them, decode greedily and
-    ask for nothing verification does not give: no penalties, logit bias, grammar or top logprobs
-    (the scheduler never proposes for such rows; docs/speculative.md)."""
+    """Rows with proposals sample, hold their last known token before them and ask for nothing
+    verification does not give: no grammar (its mask would change with each proposal) or top
+    logprobs (the scheduler never proposes for such rows; docs/speculative.md)."""
     proposed = arrays["num_proposed"][:num_seqs]
     if proposed.min() < 0 or proposed.max() > MAX_SPECULATIVE_TOKENS:
         raise InvalidPlan(f"step plan: num_proposed out of range [0, {MAX_SPECULATIVE_TOKENS}]")
@@ -540,19 +542,11 @@ def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
         raise InvalidPlan("step plan: a row's proposals leave no room for its last known token")
     if not arrays["is_sampled"][verifying].all():
         raise InvalidPlan("step plan: proposals on a row that samples nothing")
-    bias = arrays["bias_offsets"]
-    if (
-        (arrays["temperature"][verifying] >= MIN_TEMPERATURE).any()
-        or (arrays["repetition_penalty"][verifying] != 1.0).any()
-        or (arrays["presence_penalty"][verifying] != 0.0).any()
-        or (arrays["frequency_penalty"][verifying] != 0.0).any()
-        or (bias[verifying + 1] != bias[verifying]).any()
-        or (arrays["num_logprobs"][verifying] != 0).any()
-        or ("grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any())
+    if (arrays["num_logprobs"][verifying] != 0).any() or (
+        "grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any()
     ):
         raise InvalidPlan(
-            "step plan: proposals on a row that is not plain greedy (temperature, penalties, "
-            "logit bias, grammar or logprobs)"
+            "step plan: proposals on a row that verification cannot sample exactly (grammar or top logprobs)"
         )
     ends = qsl[verifying + 1].astype(np.int64)
     proposals = np.concatenate(

@@ -524,7 +524,7 @@ class SchedulerProcess(StageProcess):
             if core.speculation is not None:
                 spec = core.speculation
                 self.metrics.update_speculation(
-                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.acceptance_lengths
                 )
 
     def idle_poll_ms(self) -> int:

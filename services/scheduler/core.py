@@ -259,10 +259,16 @@ class Scheduler:
     @property
     def can_plan_ahead(self) -> bool:
         """False while some running sequence applies penalties (see `SteadyDecode.can_plan_ahead`),
-        or may speculate: a decode planned ahead has no known last token to look up proposals
-        from, and after a verification in flight the next positions are unknown until it is
-        applied. The caller then plans each step after the last one's result."""
-        if self.speculation is not None and self.state.table.num_may_speculate_rows:
+        or may speculate and the adaptive rule lets the next step propose, or the step in flight
+        verifies (`Speculation.wants_step_results`): a decode planned ahead has no known last
+        token to look up proposals from, and after a verification in flight the next positions
+        are unknown until it is applied. The caller then plans each step after the last one's
+        result. A batch too large to speculate is planned ahead as without speculation."""
+        if (
+            self.speculation is not None
+            and self.state.table.num_may_speculate_rows
+            and self.speculation.wants_step_results(self.num_running)
+        ):
             return False
         if self.state.config.pooling:  # an embedding request ends with its one step: no decode follows
             return False

@@ -116,8 +116,8 @@ class PlanTable:
         self.long_rope = np.zeros(num_rows, np.bool_)
         # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
         self.lora_slots = np.full(num_rows, -1, np.int32)
-        # Speculative decoding (services/scheduler/speculation.py): rows that decode plain greedy,
-        # which verification reproduces exactly.
+        # Speculative decoding (services/scheduler/speculation.py): rows whose every position of a
+        # span the worker samples exactly as plain decoding would (services/gpu_worker/speculation.py).
         self.may_speculate = np.zeros(num_rows, np.bool_)
         self.num_may_speculate_rows = 0
         # Rows that ask for top logprobs / need a bias / are constrained: a step skips the columns
@@ -171,9 +171,7 @@ class PlanTable:
             self.lora_slots[row] = req.lora_slot
             self.num_lora_rows += 1
         self.may_speculate[row] = (
-            p.temperature == 0.0
-            and not needs_history
-            and not (p.logit_bias or p.min_tokens)
+            p.speculate
             and p.logprobs == 0
             and req.grammar is None
             and req.lora_slot < 0  # verification runs the base model's weights only

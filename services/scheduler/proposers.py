@@ -22,6 +22,8 @@ class Proposer(Protocol):
     hidden states (EAGLE heads, MTP layers) need the worker to run them and are not of this kind
     (docs/speculative.md, "What plugs in where")."""
 
+    num_tokens: int  # the most it proposes at once (speculative.num_speculative_tokens)
+
     def propose(self, token_ids: np.ndarray, limit: int) -> np.ndarray:
         """Up to `limit` tokens (int32) likely to follow `token_ids` (prompt, then outputs)."""
         ...

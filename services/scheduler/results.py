@@ -384,10 +384,13 @@ class Results:
             assert self.speculation is not None  # only it proposes
             self.speculation.applied(len(proposal), num_emitted)
             reason = None
+            history = table.history.get(row)  # only rows that apply penalties have one
             for token, logprob in zip(
                 emitted.ids[i, :num_emitted].tolist(), emitted.logprobs[i, :num_emitted].tolist(), strict=True
             ):
                 req.output_ids.append(token)
+                if history is not None:
+                    history[req.num_tokens - 1] = token
                 reason = finish_reason(
                     req.params,
                     token,

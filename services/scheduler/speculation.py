@@ -1,9 +1,12 @@
 """Speculative decoding in the scheduler (docs/speculative.md): which decodes of a step verify
-proposals (services/scheduler/proposers.py), with the KV blocks and token budget for them, and the
-counts of what the workers accepted."""
+proposals (services/scheduler/proposers.py) and how many tokens each may propose (the adaptive
+rule, `speculative_depth`), with the KV blocks and token budget for them, and the counts of what
+the workers accepted."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +14,38 @@ import numpy as np
 from services.scheduler.proposers import Proposer
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
+
+# The adaptive rule (`speculative_depth`). A decode step reads every weight once whatever its
+# batch, so while that read bounds it, proposals ride along nearly free; as the batch grows the
+# step becomes bound by compute, and every rejected proposal costs as much as a token.
+FULL_DEPTH_DECODES = 4  # up to this many decodes in a step, each may propose the configured number
+MAX_SPECULATIVE_DECODES = 16  # above this many, a step verifies nothing
+MIN_KEPT_PROBABILITY = 0.3  # a proposal is verified only when it is at least this likely to be kept
+# The per-token acceptance rate is a decaying count over verifications (about the last 50),
+# starting from a prior worth a few of them, so that speculation starts on.
+ACCEPTANCE_DECAY = 0.98
+PRIOR_KEPT, PRIOR_TRIED = 4.0, 5.0
+# While the acceptance rate keeps speculation off, one step in this many proposes one token per
+# decode, so that the rate can recover when the text turns repetitive.
+PROBE_INTERVAL = 32
+
+
+def speculative_depth(max_depth: int, num_decodes: int, acceptance_rate: float) -> int:
+    """How many tokens each decode of a step may propose, at most `max_depth` (the configured
+    number): fewer as the step's `num_decodes` grow (a step verifies at most
+    FULL_DEPTH_DECODES * max_depth proposals, and none above MAX_SPECULATIVE_DECODES decodes),
+    and fewer as the per-token `acceptance_rate` falls: the k-th proposal is kept only when the
+    k - 1 before it were, with probability rate**k, so a decode proposes while that is at least
+    MIN_KEPT_PROBABILITY, and nothing when the rate is below it."""
+    if not 0 < num_decodes <= MAX_SPECULATIVE_DECODES or acceptance_rate < MIN_KEPT_PROBABILITY:
+        return 0
+    by_batch = min(max_depth, FULL_DEPTH_DECODES * max_depth // num_decodes)
+    if acceptance_rate >= 1.0:
+        return by_batch
+    # The largest k with rate**k >= MIN_KEPT_PROBABILITY (>= 1 here; the epsilon absorbs the
+    # rounding of a rate exactly at a power's boundary).
+    by_acceptance = int(math.log(MIN_KEPT_PROBABILITY) / math.log(acceptance_rate) + 1e-9)
+    return min(by_batch, by_acceptance)
 
 
 @dataclass(slots=True)
@@ -31,10 +66,12 @@ class Speculation:
     token budget for them (services/scheduler/core.py `Scheduler.schedule`); counts what the
     workers accepted (the spec_decode_* metrics).
 
-    A decode speculates when its request decodes plain greedy (PlanTable.may_speculate: what
-    verification reproduces exactly) and its last token is known: a decode planned ahead on a
-    placeholder has nothing to look up. A verification never preempts anyone: proposals are cut
-    to the free blocks, the token budget and what the request may still generate."""
+    A decode speculates when verification samples its request exactly as plain decoding does
+    (PlanTable.may_speculate: greedy or sampled, penalties, logit bias and min_tokens included,
+    without top logprobs, grammar or adapter) and its last token is known: a decode planned
+    ahead on a placeholder has nothing to look up. A verification never preempts anyone:
+    proposals are cut to the free blocks, the token budget and what the request may still
+    generate."""
 
     def __init__(self, state: SchedulerState, proposer: Proposer) -> None:
         self.state = state
@@ -42,6 +79,37 @@ class Speculation:
         self.num_drafts = 0  # verifications applied
         self.num_draft_tokens = 0  # tokens they proposed
         self.num_accepted_tokens = 0  # of which the target agreed with
+        # Tokens each verification emitted (accepted + 1), for the acceptance length histogram;
+        # the metrics take them out.
+        self.acceptance_lengths: deque[int] = deque()
+        # The per-token acceptance rate's decaying counts: proposals kept, and proposals tried
+        # (the kept ones and the first rejected one; those after it were never judged).
+        self.kept = PRIOR_KEPT
+        self.tried = PRIOR_TRIED
+        self.steps_without_proposals = 0  # consecutive planned steps the rule allowed none in
+        self.last_step_verified = False  # whether the step planned last verifies proposals
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.kept / self.tried
+
+    def depth(self, num_decodes: int) -> int:
+        """How many tokens each of a step's `num_decodes` decodes may propose: the adaptive
+        rule's number, or 1 in a probe step while the acceptance rate keeps speculation off."""
+        max_depth = self.proposer.num_tokens
+        depth = speculative_depth(max_depth, num_decodes, self.acceptance_rate)
+        is_probe = (
+            depth == 0
+            and speculative_depth(max_depth, num_decodes, 1.0) > 0  # the batch would allow it
+            and self.steps_without_proposals + 1 >= PROBE_INTERVAL
+        )
+        return 1 if is_probe else depth
+
+    def wants_step_results(self, num_decodes: int) -> bool:
+        """Whether the next step must be planned after the last one's result: it may propose
+        (a decode planned ahead has no known last token to look up), or the step in flight
+        verifies (the positions after it are unknown until it is applied)."""
+        return self.last_step_verified or self.depth(num_decodes) > 0
 
     def plan(
         self,
@@ -59,6 +127,11 @@ class Speculation:
         bs = state.block_size
         blocks = state.blocks
         out = Verifications([], [])
+        depth = self.depth(len(seqs))
+        self.steps_without_proposals = self.steps_without_proposals + 1 if depth == 0 else 0
+        self.last_step_verified = False
+        if depth == 0:
+            return out
         candidates = np.flatnonzero(table.may_speculate.take(rows) & ~is_placeholder).tolist()
         for j in candidates:
             if budget <= 0:
@@ -67,7 +140,13 @@ class Speculation:
             row = int(rows[j])
             start = int(starts[j])  # the last known token's position
             # Every emitted token must fit the request's length limit: proposals, then one more.
-            limit = min(budget, int(table.length_limit[row]) - req.num_tokens - 1)
+            limit = min(depth, budget, int(table.length_limit[row]) - req.num_tokens - 1)
+            # min_tokens bans eos and the stop ids while the sampled position is below its end
+            # (plan.py `_logit_bias`); a span must not cross it, so that the bias the plan gives
+            # the span's first position holds at each of its positions.
+            ban_end = req.num_prompt_tokens + req.params.min_tokens
+            if start + 1 < ban_end:
+                limit = min(limit, ban_end - start - 2)
             proposal = self.proposer.propose(req.all_token_ids, limit)
             if not len(proposal):
                 continue
@@ -81,10 +160,15 @@ class Speculation:
             out.decodes.append(j)
             out.proposals.append(proposal)
             budget -= len(proposal)
+        self.last_step_verified = bool(out.decodes)
         return out
 
     def applied(self, num_proposed: int, num_emitted: int) -> None:
-        """Count one verification's result."""
+        """Count one verification's result, and take it into the acceptance rate."""
+        num_kept = num_emitted - 1
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_emitted - 1
+        self.num_accepted_tokens += num_kept
+        self.acceptance_lengths.append(num_emitted)
+        self.kept = self.kept * ACCEPTANCE_DECAY + num_kept
+        self.tried = self.tried * ACCEPTANCE_DECAY + num_kept + (num_kept < num_proposed)
