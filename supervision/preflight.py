@@ -16,6 +16,7 @@ from ipc.config import Config, NetworkConfig
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
 from services.common.pooling import embedding_of
+from services.common.vision_language import language_model_config
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -82,7 +83,7 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
     Returns the sampling values that requests which set none will take (`run_defaults`)."""
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
         num_heads = int(raw["num_attention_heads"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)

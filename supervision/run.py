@@ -26,6 +26,7 @@ from ipc.shm import RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
+from services.common.vision_language import language_model_config
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
 from services.stage import RUN_FILE, RunInfo, write_run_info
@@ -315,7 +316,7 @@ class Run:
         which knows the host of each group)."""
         engine = config.engine
         # check_model has read this config.json already: it is there and well-formed.
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
         vocab_size = raw["vocab_size"]
         # An embedding model's result slots carry each row's pooled vector.
         pooled_width = raw["hidden_size"] if embedding_of(config.model, model_dir) else 0

@@ -272,6 +272,7 @@ def tiny_gemma3_vlm_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFact
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
             max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         ),

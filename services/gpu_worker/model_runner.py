@@ -15,6 +15,7 @@ from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
 from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
+from services.common.vision_language import language_model_config
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
@@ -71,7 +72,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.model_name = model_dir.name
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
         config = config_from_dir(model_dir)
         self.config = config
         # An embedding run (services/common/pooling.py): sampled rows return their pooled state.
