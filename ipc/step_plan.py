@@ -244,6 +244,9 @@ STEP_PLAN = SlotSpec(
         # Speculative decoding (docs/speculative.md): the last num_proposed[i] tokens of row i's
         # span are proposals to verify, after its last known token; 0: an ordinary row.
         ArraySpec("num_proposed", I32, (S,), optional=True),
+        # Images (Gemma 3): each token's image within its row's chunk, whose tokens attend to each
+        # other both ways in the prefill; -1 for a text token. An image lies within one chunk.
+        ArraySpec("image_groups", I32, (T,), optional=True),
     ),
     measured={Dim.BLOCKS: ("block_tables", 1), Dim.CONSTRAINED: ("grammar_rows", 0)},
     ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
