@@ -32,9 +32,10 @@ import contextlib
 import mmap
 from collections import OrderedDict
 
-import msgspec
 import numpy as np
 import posix_ipc
+
+from ipc.messages import SlotRef
 
 MAGIC = 0x494D4745424544  # "IMGEBED"
 VERSION = 1
@@ -46,13 +47,6 @@ _MAGIC, _VERSION, _NUM_SLOTS, _ROWS, _WIDTH = range(5)
 # Slot header: int64 words 0 (sequence) and 1 (rows used), then the key's bytes from byte 16.
 _SEQUENCE, _ROWS_USED = 0, 1
 _KEY_OFFSET = 16
-
-
-class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Where an image's embeddings are: the encoder's `slot`, as of write `sequence` there."""
-
-    slot: int
-    sequence: int
 
 
 class EmbeddingCache:

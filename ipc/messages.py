@@ -318,6 +318,36 @@ class AdapterRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests, AdapterRequest]
 
+
+# -- tokenizer <-> encoder (services/encoder/) ---------------------------------------------------
+
+
+class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where an image's embeddings are in its encoder's cache (ipc/embedding_cache.py): `slot`,
+    as of write `sequence` there. The embeddings themselves never cross a socket."""
+
+    slot: int
+    sequence: int
+
+
+class EncodeImages(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The embeddings of a request's images, each given as its file's bytes: the encoder decodes
+    them (off the tokenizer's thread) within `encoder.max_image_pixels`."""
+
+    request_id: str
+    images: list[bytes]
+
+
+class ImagesEncoded(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Each image's content key (`services/common/images.pixels_key`) and where its embeddings
+    are, in order; or `error`, naming the first image that could not be used (a 400)."""
+
+    request_id: str
+    keys: list[bytes] = []
+    refs: list[SlotRef] = []
+    error: str = ""
+
+
 # ---------------------------------------------------------------------------
 # scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
 # ---------------------------------------------------------------------------

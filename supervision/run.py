@@ -5,6 +5,7 @@ start or a change are `Refused`, with what to do about them."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import posix_ipc
 
 from ipc.config import Config
 from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
@@ -338,6 +340,13 @@ class Run:
                 ring.close()
                 ring.unlink()
                 self.rings.remove(ring)
+
+    def remove_embedding_caches(self, num_encoders: int) -> None:
+        """Unlink the encoders' embedding caches (ipc/embedding_cache.py), once the encoders have
+        stopped: each encoder makes its own, and it outlives the encoder's restarts, not the run."""
+        for i in range(num_encoders):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(self.endpoints.embedding_cache(i))
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -148,6 +148,11 @@ EXAMPLES: dict[str, list] = {
     ],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5), m.StepHeader(8, 1, 1, 0, ["sql", ""])],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
+    "ENCODER_REQUEST": [m.EncodeImages("r1", [b"\x89PNG...", b"GIF89a..."])],
+    "ENCODER_REPLY": [
+        m.ImagesEncoded("r1", [b"k" * 16], [m.SlotRef(3, 8)]),
+        m.ImagesEncoded("r2", error="images[1]: the image/png data is truncated or corrupt"),
+    ],
 }
 CODECS: dict[str, Codec] = {name: obj for name, obj in vars(C).items() if isinstance(obj, Codec)}
 

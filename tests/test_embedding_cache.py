@@ -11,8 +11,9 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from ipc.embedding_cache import EmbeddingCache, SlotRef
+from ipc.embedding_cache import EmbeddingCache
 from ipc.endpoints import SHM_PREFIX
+from ipc.messages import SlotRef
 from ipc.shm import new_run_id
 
 pytestmark = pytest.mark.timeout(60)
