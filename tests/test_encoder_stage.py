@@ -112,3 +112,46 @@ def test_an_encoder_for_a_model_that_reads_no_images_is_refused_at_start(
     assert done.returncode != 0
     assert "encoder.replicas is 1, but" in done.stderr and "reads no images" in done.stderr
     assert not stage_processes(run_dir)
+
+
+def test_an_encoder_killed_mid_request_loses_nothing(tiny_gemma3_vlm_dir: Path, tmp_path: Path) -> None:
+    """The tokenizer's encoder client against a real run whose encoder is killed holding the
+    request (stopped first, so that it cannot answer before the kill): the client asks again, the
+    restarted encoder answers, and the embeddings are HF's."""
+    from services.tokenizer.encoders import EncoderClient
+
+    files = [png(40, 30, seed=5), png(30, 40, seed=6)]
+    expected = hf_image_features(tiny_gemma3_vlm_dir, files)
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={tiny_gemma3_vlm_dir}", "model.dtype=float32", "model.max_model_len=256", "encoder.replicas=1",
+    )  # fmt: skip
+    ctx = zmq.Context()
+    with brigade_run(run_dir, *overrides) as run:
+        endpoints = run_endpoints(run_dir, read_run_info(run_dir))
+        client = EncoderClient(ctx, endpoints, 1, resend_after_s=1.0, deadline_s=120.0)
+        pid = encoder_row(run)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        client.ask("r1", files, time.monotonic())
+        time.sleep(0.5)  # the request is in the stopped encoder's socket
+        os.kill(pid, signal.SIGKILL)
+        poller = zmq.Poller()
+        for socket in client.sockets:
+            poller.register(socket, zmq.POLLIN)
+        answers = []
+        deadline = time.monotonic() + 150
+        while not answers:
+            assert time.monotonic() < deadline, "no answer"
+            poller.poll(100)
+            answers = client.receive() + client.tick(time.monotonic())
+        assert [a.request_id for a in answers] == ["r1"] and not answers[0].error
+        assert client.num_resent >= 1 and encoder_row(run)["restarts"] >= 1
+        cache = EmbeddingCache.attach(endpoints.embedding_cache(answers[0].encoder))
+        got = [cache.read(ref, key) for ref, key in zip(answers[0].refs, answers[0].keys, strict=True)]
+        np.testing.assert_allclose(np.stack(got), expected, rtol=1e-4, atol=1e-4)
+        # A late second answer to the same request (the resend's) is dropped, not delivered twice.
+        assert client.receive() == [] and not client.pending
+        cache.close()
+        client.close()
+    ctx.term()
+    assert_clean(run_dir)
