@@ -36,12 +36,13 @@ import numpy as np
 import posix_ipc
 
 from ipc.messages import SlotRef
+from ipc.step_plan import IMAGE_KEY_BYTES
 
 MAGIC = 0x494D4745424544  # "IMGEBED"
 VERSION = 1
 CONTROL_BYTES = 64
 HEADER_BYTES = 64
-KEY_BYTES = 16
+KEY_BYTES = IMAGE_KEY_BYTES
 # Control words: magic, version, slots, rows per slot, width.
 _MAGIC, _VERSION, _NUM_SLOTS, _ROWS, _WIDTH = range(5)
 # Slot header: int64 words 0 (sequence) and 1 (rows used), then the key's bytes from byte 16.
