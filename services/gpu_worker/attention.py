@@ -391,9 +391,6 @@ class TritonOps:
         def to_device(name: str, n: int) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
 
-        groups = arrays.get("image_groups")
-        if groups is not None and (groups[:num_tokens] >= 0).any():
-            raise NotImplementedError("image tokens' two-way attention has no Triton kernel yet: CPU only")
         rope_rows = rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows)
         return StepMeta(
             rope_rows=torch.from_numpy(rope_rows).to(self.device, non_blocking=True),

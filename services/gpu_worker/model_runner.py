@@ -381,6 +381,8 @@ class ModelRunner:
             raise InvalidPlan(f"step plan: image arrays without {missing}")
         if self.embedding_cache_name is None:
             raise InvalidPlan("step plan: images for a worker that reads no encoders' caches")
+        if self.device.type != "cpu":
+            raise InvalidPlan("step plan: images' two-way attention has no Triton kernel yet (CPU only)")
         starts = arrays["image_starts"]
         if len(starts) and (starts.min() < 0 or starts.max() >= num_tokens):
             raise InvalidPlan(f"step plan: an image starts outside the step's {num_tokens} tokens")
