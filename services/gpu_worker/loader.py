@@ -624,7 +624,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
 # A vision-language checkpoint's language model weights, under the names of its causal LM's
-# (architectures.VISION_LANGUAGE): as the hub's Gemma 3 checkpoints name them, and as
+# (services/common/vision_language.py): as the hub's Gemma 3 checkpoints name them, and as
 # transformers names them in memory. Its vision weights are the encoder stage's.
 LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),

@@ -346,7 +346,7 @@ class ModelRunner:
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
-        images = self._image_rows(arrays) if "image_starts" in arrays else None
+        images = self._image_rows(arrays, t) if "image_starts" in arrays else None
         hidden, residual = self.model.hidden_states(
             input_ids, metas, self.kv_cache, self.lora_batch(arrays, t, s), images
         )
@@ -389,7 +389,7 @@ class ModelRunner:
         if (arrays["image_encoders"] < 0).any() or (arrays["image_slots"] < 0).any():
             raise InvalidPlan("step plan: a negative image encoder or slot")
 
-    def _image_rows(self, arrays: dict[str, np.ndarray]) -> ImageRows:
+    def _image_rows(self, arrays: dict[str, np.ndarray], num_tokens: int) -> ImageRows:
         """The step's images' embeddings, read from their encoders' caches. One no longer there
         (evicted since it was planned) fails the step naming it (InvalidPlan): its request must
         ask its encoder again."""
@@ -415,6 +415,8 @@ class ModelRunner:
                 raise InvalidPlan(
                     f"step plan: image {i}: its embeddings are no longer in encoder {encoder}'s cache"
                 )
+            if start + len(embeddings) > num_tokens:
+                raise InvalidPlan(f"step plan: image {i}'s {len(embeddings)} tokens run past the step's end")
             tokens.append(np.arange(start, start + len(embeddings)))
             rows.append(embeddings)
         return ImageRows(
