@@ -365,7 +365,7 @@ def chat_message(i: int, message: Any) -> m.ChatMessage:
     converted = _convert(f"messages[{i}]", message, m.ChatMessage)
     _check_text(f"messages[{i}].role", converted.role)
     if converted.content is not None:
-        _check_text(f"messages[{i}].content", converted.content)
+        _check_text(f"messages[{i}].content", m.content_text(converted.content))
     elif not (converted.role == "assistant" and converted.tool_calls):
         raise InvalidRequest(
             f"messages[{i}].content is required (only an assistant's tool calls may go without)"

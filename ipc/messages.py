@@ -100,13 +100,37 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False):
     arguments: str
 
 
+class TextPart(msgspec.Struct, tag="text", gc=False):
+    """Text in a turn given as parts (OpenAI's `{"type": "text", "text": ...}`)."""
+
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag="image_url", gc=False):
+    """An image in a turn, by the URL its client gave (a base64 `data:image/...` URL so far): the
+    tokenizer decodes it (services/common/images.py) and asks an encoder for its embeddings."""
+
+    url: str
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """A turn's text: its parts' texts joined (its images are not text)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
 class ChatMessage(msgspec.Struct, gc=False):
     """One turn. content may be None where OpenAI allows it (an assistant turn that only calls
-    tools); `tool_calls` are an assistant's calls, `tool_call_id` names the call a `tool` turn
-    answers. Fields are appended with defaults, so older encodings still decode."""
+    tools), or parts (text and images, in order); `tool_calls` are an assistant's calls,
+    `tool_call_id` names the call a `tool` turn answers. Fields are appended with defaults, so
+    older encodings still decode."""
 
     role: str
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -283,6 +307,26 @@ ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]
 # ---------------------------------------------------------------------------
 
 
+class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where an image's embeddings are in its encoder's cache (ipc/embedding_cache.py): `slot`,
+    as of write `sequence` there. The embeddings themselves never cross a socket."""
+
+    slot: int
+    sequence: int
+
+
+class PromptImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One image of a prompt: its `num_tokens` image tokens from prompt position `start`, whose
+    embeddings are at `ref` in encoder `encoder`'s cache under content key `key`. The key also
+    names the image in the prefix cache (its tokens' ids are all the same image token)."""
+
+    start: int
+    num_tokens: int
+    encoder: int
+    ref: SlotRef
+    key: bytes
+
+
 class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """A tokenized request. Re-sent with the outputs so far after a fault (resubmission):
     the scheduler replaces any live request with the same id."""
@@ -293,6 +337,7 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     params: SamplingParams
     output_ids: bytes = b""  # packed int32: tokens already generated (resubmission)
     arrival_time: float = 0.0
+    images: list[PromptImage] = []  # in prompt order, none overlapping
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -320,14 +365,6 @@ SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests, AdapterReques
 
 
 # -- tokenizer <-> encoder (services/encoder/) ---------------------------------------------------
-
-
-class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Where an image's embeddings are in its encoder's cache (ipc/embedding_cache.py): `slot`,
-    as of write `sequence` there. The embeddings themselves never cross a socket."""
-
-    slot: int
-    sequence: int
 
 
 class EncodeImages(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

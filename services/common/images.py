@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from services.common.vision_language import is_vision_language
+
 # What a request may send. GIF gives its first frame, as HF's loader does.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 _DATA_URL = re.compile(
@@ -154,6 +156,12 @@ class ImageRules:
             raise ImageError(f"the chat template rendered {found} image placeholders for {num_images} images")
         image = f"\n\n{self.placeholder}{self.image_token * self.tokens_per_image}{self.end_token}\n\n"
         return text.replace(self.placeholder, image)
+
+
+def image_rules_of(model_dir: Path) -> ImageRules | None:
+    """The rules of a vision-language checkpoint's images; None for a model that reads none."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return ImageRules.from_dir(model_dir) if is_vision_language(config) else None
 
 
 def pixels_key(pixels: np.ndarray) -> bytes:

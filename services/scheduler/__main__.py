@@ -157,6 +157,7 @@ class SchedulerProcess(StageProcess):
             output_ids=m.unpack_ids(submit.output_ids).tolist(),
             params=submit.params,
             arrival_time=time.monotonic(),
+            images=submit.images,
         )
         try:
             finished = self.core.add(request)

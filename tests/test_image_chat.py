@@ -1,0 +1,199 @@
+"""Chats with images through a whole run (issue 36): the real `openai` client sends data URLs to
+the gateway, the tokenizer expands each image into its tokens and asks the encoder stage for its
+embeddings, the scheduler plans each image whole and keys its KV blocks by the image, and the
+worker puts the embeddings at the image tokens; the tokens are HF's greedy ones from
+Gemma3ForConditionalGeneration on the same random weights. Bad images are 400s, and the run
+keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ipc.embedding_cache import EmbeddingCache
+from services.common.images import ImageRules, open_image, pixels_key
+from services.stage import read_run_info, run_endpoints
+from tests.harness import assert_clean, brigade_run
+from tests.test_e2e import gateway_url
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NEW_TOKENS = 8
+MAX_IMAGE_BYTES = 64 << 10
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def openai_chat(turns: list[tuple[str, list[str | bytes]]]) -> list[dict]:
+    """(role, parts) -> OpenAI's messages: a str part is text, a bytes part a PNG."""
+    return [
+        {
+            "role": role,
+            "content": [
+                {"type": "text", "text": part}
+                if isinstance(part, str)
+                else {"type": "image_url", "image_url": {"url": data_url(part)}}
+                for part in parts
+            ],
+        }
+        for role, parts in turns
+    ]
+
+
+def hf_greedy(
+    model_dir: Path, turns: list[tuple[str, list[str | bytes]]]
+) -> tuple[int, list[int], np.ndarray]:
+    """HF's prompt length, greedy tokens and their logprobs (full forwards, pixel values in
+    each) for the chat."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    messages = [
+        {
+            "role": role,
+            "content": [
+                {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+            ],
+        }
+        for role, parts in turns
+    ]
+    images = [Image.open(io.BytesIO(p)) for _, parts in turns for p in parts if isinstance(p, bytes)]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    hf = Gemma3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = inputs["input_ids"]
+    num_prompt = ids.shape[1]
+    logprobs = []
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            # token_type_ids mark the image tokens, which attend to each other both ways.
+            types = torch.zeros_like(ids)
+            types[:, :num_prompt] = inputs["token_type_ids"]
+            logits = hf(input_ids=ids, pixel_values=inputs["pixel_values"], token_type_ids=types).logits[
+                0, -1
+            ]
+            ids = torch.cat([ids, logits.argmax().reshape(1, 1)], dim=1)
+            logprobs.append(float(torch.log_softmax(logits, -1).max()))
+    return num_prompt, ids[0, num_prompt:].tolist(), np.array(logprobs)
+
+
+def served(api, turns: list[tuple[str, list[str | bytes]]]) -> tuple[list[int], np.ndarray]:
+    reply = api.chat.completions.create(
+        model="tiny",
+        messages=openai_chat(turns),
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    content = reply.choices[0].logprobs.content
+    return [int(entry.token.removeprefix("token_id:")) for entry in content], np.array(
+        [e.logprob for e in content]
+    )
+
+
+def assert_hfs(got: tuple[list[int], np.ndarray], expected: tuple[int, list[int], np.ndarray]) -> None:
+    assert got[0] == expected[1]
+    np.testing.assert_allclose(got[1], expected[2], atol=2e-3)
+
+
+def tokenize_count(url: str, turns: list[tuple[str, list[str | bytes]]]) -> int:
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    connection.request(
+        "POST", "/tokenize", json.dumps({"model": "tiny", "messages": openai_chat(turns)}),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    assert response.status == 200, body
+    return body["count"]
+
+
+def test_image_chats_through_the_openai_client_give_hfs_tokens(
+    tiny_gemma3_vlm_dir: Path, tmp_path: Path
+) -> None:
+    import openai
+
+    image_a, image_b, image_c = png(50, 37, seed=0), png(64, 64, seed=1), png(30, 45, seed=2)
+    # The image first: its tokens fill the prompt's first KV blocks, which a later prompt with
+    # another image would share if the prefix cache keyed them by token ids alone.
+    one_image = [("user", [image_a, "What is in this picture?"])]
+    other_image = [("user", [image_b, "What is in this picture?"])]
+    two_turns = [
+        ("user", ["Look:", image_a]),
+        ("assistant", ["Noise."]),
+        ("user", [image_c, "And this one?"]),
+    ]
+    expected = {name: hf_greedy(tiny_gemma3_vlm_dir, turns) for name, turns in
+                (("one", one_image), ("other", other_image), ("two", two_turns))}  # fmt: skip
+    # The image matters to the output (a tiny random model's greedy tokens may not show it).
+    assert np.abs(expected["one"][2] - expected["other"][2]).max() > 2e-2
+
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={tiny_gemma3_vlm_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_IMAGE_BYTES}", "gateway.served_model_name=tiny",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides) as run:
+        url = gateway_url(run)
+        api = openai.OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
+        assert_hfs(served(api, one_image), expected["one"])
+        assert_hfs(served(api, other_image), expected["other"])
+        assert_hfs(served(api, two_turns), expected["two"])
+
+        # A repeated image: the encoder finds it in its cache (same slot, same write), and the
+        # answer is the same.
+        rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+        cache = EmbeddingCache.attach(run_endpoints(run_dir, read_run_info(run_dir)).embedding_cache(0))
+        key_a = pixels_key(rules.pixels(open_image(image_a, 1 << 20)))
+        where_a = cache.find(key_a)
+        assert where_a is not None
+        assert_hfs(served(api, one_image), expected["one"])
+        assert cache.find(key_a) == where_a
+        cache.close()
+
+        # /tokenize counts each image as its tokens.
+        assert tokenize_count(url, one_image) == expected["one"][0]
+        assert tokenize_count(url, two_turns) == expected["two"][0]
+
+        # Bad images: each a 400 naming what is wrong.
+        bmp = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(bmp, format="BMP")
+        bad = {
+            "truncated or corrupt": data_url(image_a[: len(image_a) // 2]),
+            "not an image": data_url(b"hello", "text/plain"),
+            "type BMP is not supported": data_url(bmp.getvalue(), "image/bmp"),
+            f"over the {MAX_IMAGE_BYTES}-byte limit": data_url(png(200, 200, seed=3)),
+            "only data: URLs are supported": "https://example.com/cat.png",
+        }
+        for message, image_url in bad.items():
+            content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Hi"}]
+            with pytest.raises(openai.BadRequestError, match=message):
+                api.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2
+                )
+        # ... and the run goes on serving.
+        assert_hfs(served(api, other_image), expected["other"])
+    assert_clean(run_dir)
