@@ -117,6 +117,15 @@ class EmbeddingCache:
             elif self._words[slot, _ROWS_USED] > 0:
                 self._index[self._key(slot)] = slot
 
+    def held(self) -> dict[bytes, SlotRef]:
+        """What the cache holds now, from its slots' headers (a reader's view: the writer's
+        index is its own); a slot being written reads as its coming key at an odd sequence."""
+        return {
+            self._key(slot): SlotRef(slot, int(self._words[slot, _SEQUENCE]))
+            for slot in range(self.num_slots)
+            if self._words[slot, _ROWS_USED] > 0
+        }
+
     # -- writer ------------------------------------------------------------------------------------
 
     def find(self, key: bytes) -> SlotRef | None:

@@ -168,10 +168,10 @@ def test_image_chats_through_the_openai_client_give_hfs_tokens(
         rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
         cache = EmbeddingCache.attach(run_endpoints(run_dir, read_run_info(run_dir)).embedding_cache(0))
         key_a = pixels_key(rules.pixels(open_image(image_a, 1 << 20)))
-        where_a = cache.find(key_a)
+        where_a = cache.held().get(key_a)
         assert where_a is not None
         assert_hfs(served(api, one_image), expected["one"])
-        assert cache.find(key_a) == where_a
+        assert cache.held()[key_a] == where_a
         cache.close()
 
         # /tokenize counts each image as its tokens.
