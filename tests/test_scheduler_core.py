@@ -26,7 +26,7 @@ from ipc.config import EngineConfig
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from ipc.sampling_defaults import fill_defaults
-from ipc.step_plan import STEP_PLAN, Dim
+from ipc.step_plan import IMAGE_KEY_BYTES, STEP_PLAN, Dim
 from services.gpu_worker.speculation import emitted_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import (
@@ -278,9 +278,10 @@ class FakeExecutor:
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
     """The plan is exactly the declared one (ipc/step_plan.py), and every required array is there
     (the optional grammar arrays only come with constrained rows, which this traffic has none of;
-    long_rope with LongRoPE's long rows)."""
-    assert set(a) - {"long_rope", "num_proposed"} == set(STEP_PLAN.required)
-    STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs})
+    long_rope with LongRoPE's long rows; the image arrays with images)."""
+    optional = {"long_rope", "num_proposed"} | {name for name in a if name.startswith("image_")}
+    assert set(a) - optional == set(STEP_PLAN.required)
+    STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs, Dim.IMAGE_KEY: IMAGE_KEY_BYTES})
 
 
 def make_request(rid: str, prompt: list[int], **params: object) -> Request:
