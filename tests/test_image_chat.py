@@ -11,6 +11,7 @@ import base64
 import http.client
 import io
 import json
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,13 +20,16 @@ import pytest
 import torch
 from PIL import Image
 
+from ipc import messages as m
 from ipc.embedding_cache import EmbeddingCache
-from services.common.images import ImageRules, open_image, pixels_key
+from services.common.images import ImageRules, image_rules_of, open_image, pixels_key
+from services.common.text import Tokenizer
 from services.stage import read_run_info, run_endpoints
+from services.tokenizer.core import Reply, RequestError, TokenizerCore
 from tests.harness import assert_clean, brigade_run
 from tests.test_e2e import gateway_url
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 NEW_TOKENS = 8
 MAX_IMAGE_BYTES = 64 << 10
@@ -131,6 +135,7 @@ def tokenize_count(url: str, turns: list[tuple[str, list[str | bytes]]]) -> int:
     return body["count"]
 
 
+@pytest.mark.slow
 def test_image_chats_through_the_openai_client_give_hfs_tokens(
     tiny_gemma3_vlm_dir: Path, tmp_path: Path
 ) -> None:
@@ -197,3 +202,63 @@ def test_image_chats_through_the_openai_client_give_hfs_tokens(
         # ... and the run goes on serving.
         assert_hfs(served(api, other_image), expected["other"])
     assert_clean(run_dir)
+
+
+# -- the tokenizer's admission of images, without a run ----------------------------------------
+
+
+def vlm_core(model_dir: Path, num_encoders: int = 1) -> TokenizerCore:
+    return TokenizerCore(
+        Tokenizer(model_dir), 0, 1, max_model_len=256, max_prompt_chars=1 << 20, default_max_tokens=4,
+        image_rules=image_rules_of(model_dir), num_encoders=num_encoders, max_image_bytes=MAX_IMAGE_BYTES,
+    )  # fmt: skip
+
+
+def chat(*messages: m.ChatMessage) -> m.Generate:
+    return m.Generate("r", messages=list(messages), params=m.SamplingParams(max_tokens=2))
+
+
+def test_admission_parks_a_chat_with_images_until_its_encoder_answers(tiny_gemma3_vlm_dir: Path) -> None:
+    core = vlm_core(tiny_gemma3_vlm_dir)
+    picture = m.ImagePart(data_url(png(20, 20, seed=0)))
+    entry = core.admit(b"c", chat(m.ChatMessage("user", [m.TextPart("Look: "), picture])))
+    # Parked: its files wait for the encoder, and no resubmission or watchdog question sends it
+    # to a scheduler before that.
+    assert entry.is_encoding and entry.image_files == [png(20, 20, seed=0)]
+    prompt = m.unpack_ids(entry.submit.prompt_ids)
+    rules = core.image_rules
+    assert (prompt[entry.image_starts[0] : entry.image_starts[0] + 4] == rules.image_token_id).all()
+    assert core.resubmissions(0) == [] and core.stalled(time.monotonic() + 3600) == {}
+    engine = entry.submit.request_id
+    ref = m.SlotRef(3, 4)
+    ready = core.on_encoded(engine, 0, [b"k" * 16], [ref], "")
+    assert ready is entry and not entry.is_encoding
+    assert entry.submit.images == [m.PromptImage(entry.image_starts[0], 4, 0, ref, b"k" * 16)]
+    assert core.resubmissions(0) == [core.resubmission(entry)]
+    assert core.on_encoded(engine, 0, [b"k" * 16], [ref], "") is None  # a late second answer
+
+    # An encoder's refusal is the client's 400; no encoder in time, a 503.
+    for error, code in (("images[0]: the image/png data is truncated", "invalid_request"),
+                        ("timeout: no encoder answered in 60s", "unavailable")):  # fmt: skip
+        entry = core.admit(b"c", chat(m.ChatMessage("user", [picture])))
+        reply = core.on_encoded(entry.submit.request_id, -1, [], [], error)
+        assert isinstance(reply, Reply) and reply.message.code == code and reply.message.message == error
+        assert entry.submit.request_id not in core.journal
+
+
+def test_admission_refuses_images_it_cannot_serve(tiny_gemma3_vlm_dir: Path, tiny_model_dir: Path) -> None:
+    picture = m.ImagePart(data_url(png(20, 20, seed=0)))
+    refusals = [
+        (vlm_core(tiny_gemma3_vlm_dir), chat(m.ChatMessage("assistant", [picture])), "user turns only"),
+        (vlm_core(tiny_gemma3_vlm_dir, num_encoders=0), chat(m.ChatMessage("user", [picture])),
+         "encoder.replicas 0"),
+        (vlm_core(tiny_model_dir), chat(m.ChatMessage("user", [picture])), "this model reads no images"),
+        (vlm_core(tiny_gemma3_vlm_dir), chat(m.ChatMessage("user", [m.TextPart("<image_soft_token>"), picture])),
+         "spells the image token"),
+        (vlm_core(tiny_gemma3_vlm_dir), chat(m.ChatMessage("user", [m.ImagePart("data:image/png;base64,@@")])),
+         r"messages\[0\].content\[0\]: image_url: the data URL is not valid base64"),
+    ]  # fmt: skip
+    for core, request, message in refusals:
+        with pytest.raises(RequestError, match=message) as caught:
+            core.admit(b"c", request)
+        assert caught.value.code == "invalid_request" and not core.journal
