@@ -481,8 +481,16 @@ class DeltaBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
     deltas: list[Delta]
 
 
+# A step refused because an image's embeddings left their encoder's cache between encoding and
+# the step (the worker's message says it); its requests with images are failed to their
+# tokenizers with code IMAGES_EVICTED, which ask their encoders again and resubmit them.
+EVICTED_EMBEDDINGS = "embeddings are no longer in"
+IMAGES_EVICTED = "images_evicted"
+
+
 class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """The engine refused or failed a request (overloaded, too long, internal)."""
+    """The engine refused or failed a request (overloaded, too long, internal; IMAGES_EVICTED,
+    which the tokenizer handles itself)."""
 
     request_id: str
     code: str

@@ -25,7 +25,7 @@ from ipc.embedding_cache import EmbeddingCache
 from services.common.images import ImageRules, image_rules_of, open_image, pixels_key
 from services.common.text import Tokenizer
 from services.stage import read_run_info, run_endpoints
-from services.tokenizer.core import Reply, RequestError, TokenizerCore
+from services.tokenizer.core import MAX_ENCODINGS, Reply, RequestError, TokenizerCore
 from tests.harness import assert_clean, brigade_run
 from tests.test_e2e import gateway_url
 
@@ -236,6 +236,22 @@ def test_admission_parks_a_chat_with_images_until_its_encoder_answers(tiny_gemma
     assert entry.submit.images == [m.PromptImage(entry.image_starts[0], 4, 0, ref, b"k" * 16)]
     assert core.resubmissions(0) == [core.resubmission(entry)]
     assert core.on_encoded(engine, 0, [b"k" * 16], [ref], "") is None  # a late second answer
+
+    # Its embeddings evicted before its prefill: encoded again (the same files), up to a bound.
+    evicted = m.RequestFailed(
+        engine, m.IMAGES_EVICTED, "step plan: image 0: its embeddings are no longer in ..."
+    )
+    for _ in range(MAX_ENCODINGS - 1):
+        assert core.encode_again(evicted) is entry and entry.is_encoding and entry.submit.images == []
+        assert entry.image_files == [png(20, 20, seed=0)] and core.resubmissions(0) == []
+        assert core.on_encoded(engine, 0, [b"k" * 16], [ref], "") is entry
+    assert core.encode_again(evicted) is None
+    reply = core.fail(evicted)
+    assert (
+        reply is not None
+        and reply.message.code == "unavailable"
+        and "encoder.cache_bytes" in reply.message.message
+    )
 
     # An encoder's refusal is the client's 400; no encoder in time, a 503.
     for error, code in (("images[0]: the image/png data is truncated", "invalid_request"),

@@ -413,7 +413,7 @@ class ModelRunner:
             embeddings = cache.read(SlotRef(slot, sequence), key.tobytes())
             if embeddings is None:
                 raise InvalidPlan(
-                    f"step plan: image {i}: its embeddings are no longer in encoder {encoder}'s cache"
+                    f"step plan: image {i}: its {m.EVICTED_EMBEDDINGS} encoder {encoder}'s cache"
                 )
             if start + len(embeddings) > num_tokens:
                 raise InvalidPlan(f"step plan: image {i}'s {len(embeddings)} tokens run past the step's end")

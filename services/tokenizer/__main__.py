@@ -292,6 +292,10 @@ class TokenizerProcess(StageProcess):
         elif isinstance(message, m.AdapterReply):
             self.on_adapter_reply(message)
         elif isinstance(message, m.RequestFailed):
+            entry = self.core.encode_again(message) if self.encoders is not None else None
+            if entry is not None:
+                self.encoders.ask(entry.submit.request_id, entry.image_files, time.monotonic())
+                return
             reply = self.core.fail(message)
             if reply is not None:
                 self.send(reply)

@@ -62,6 +62,9 @@ MAX_REDRIVES = 3
 # Constraints already checked (and the error of each bad one), by their text: a workload reuses a
 # few schemas, and a check compiles the grammar (about a millisecond).
 MAX_CHECKED_CONSTRAINTS = 256
+# Encodings of a request's images, when their embeddings keep leaving the cache before its
+# prefill (too many images in flight for encoder.cache_bytes), before it fails.
+MAX_ENCODINGS = 3
 
 
 def engine_id(tokenizer_id: int, identity: bytes, request_id: str) -> str:
@@ -111,15 +114,14 @@ class JournalEntry:
     # Cuts the finished output into content and tool calls (a request with tools, unless its
     # tool_choice is none); `text` then holds the whole output, streamed or not.
     tool_parser: ToolParser | None = None
-    # Images (services/common/images.py): the files of a request waiting for its encoder's
-    # answer, and the prompt position of each image's first token. Until the answer comes the
-    # request is the tokenizer's alone: nothing upstream has it to resubmit or to ask about.
+    # Images (services/common/images.py): the request's image files, kept to encode them again
+    # should their embeddings leave the encoder's cache before its prefill, and the prompt
+    # position of each image's first token. While it waits for its encoder's answer the request
+    # is the tokenizer's alone: nothing upstream has it to resubmit or to ask about.
     image_files: list[bytes] = field(default_factory=list)
     image_starts: list[int] = field(default_factory=list)
-
-    @property
-    def is_encoding(self) -> bool:
-        return bool(self.image_files)
+    is_encoding: bool = False
+    num_encodings: int = 0
 
 
 @dataclass
@@ -283,6 +285,8 @@ class TokenizerCore:
             num_chars=request.resume_num_chars,
             image_files=image_files,
             image_starts=image_starts,
+            is_encoding=bool(image_files),
+            num_encodings=int(bool(image_files)),
         )
         if request.tools is not None:
             entry.tool_parser = tool_parser_for(request.tools, self.auto_tool_format)
@@ -686,17 +690,36 @@ class TokenizerCore:
             for start, ref, key in zip(entry.image_starts, refs, keys, strict=True)
         ]
         entry.submit = msgspec.structs.replace(entry.submit, images=images)
-        entry.image_files = []
+        entry.is_encoding = False
         entry.progress_at = time.monotonic()  # its engine time starts now, for the watchdog
+        return entry
+
+    def encode_again(self, failure: m.RequestFailed) -> JournalEntry | None:
+        """The entry to send to its encoder again, its images' embeddings having left the cache
+        before its prefill (IMAGES_EVICTED); None when that is not this failure, or when it has
+        been encoded MAX_ENCODINGS times already (`fail` then fails it)."""
+        entry = self.journal.get(failure.request_id)
+        if failure.code != m.IMAGES_EVICTED or entry is None or entry.num_encodings >= MAX_ENCODINGS:
+            return None
+        entry.is_encoding = True
+        entry.num_encodings += 1
+        entry.submit = msgspec.structs.replace(entry.submit, images=[])
         return entry
 
     def fail(self, failure: m.RequestFailed) -> Reply | None:
         if failure.request_id not in self.journal:
             return None
         entry = self._forget(failure.request_id)
+        code, message = failure.code, failure.message
+        if code == m.IMAGES_EVICTED:
+            code = "unavailable"
+            message = (
+                f"this request's images left the encoders' caches {entry.num_encodings} times before its "
+                f"prefill (encoder.cache_bytes is too small for the images in flight): {message}"
+            )
         if self.metrics is not None:
-            self.metrics.on_failure(failure.code)
-        return Reply(entry.identity, m.ErrorReply(entry.request_id, failure.code, failure.message))
+            self.metrics.on_failure(code)
+        return Reply(entry.identity, m.ErrorReply(entry.request_id, code, message))
 
     # -- re-driving delivery ------------------------------------------------------------------
 
