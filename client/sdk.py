@@ -353,7 +353,16 @@ def tools_text(tools: Any) -> str:
 
 def chat_message(i: int, message: Any) -> m.ChatMessage:
     """One chat message (a dict) -> the wire form. Assistant `tool_calls` may come in OpenAI's
-    shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`)."""
+    shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`);
+    so may image parts: `{"type": "image_url", "image_url": {"url"}}` or `{"type": "image_url", "url"}`."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        parts = [
+            {"type": "image_url", "url": part["image_url"].get("url")}
+            if isinstance(part, dict) and isinstance(part.get("image_url"), dict)
+            else part
+            for part in message["content"]
+        ]
+        message = {**message, "content": parts}
     if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
         calls = [
             {"id": c.get("id"), **c["function"]}

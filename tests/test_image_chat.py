@@ -20,6 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
+from client.errors import InvalidRequest
+from client.sdk import chat_message
 from ipc import messages as m
 from ipc.embedding_cache import EmbeddingCache
 from services.common.images import ImageRules, image_rules_of, open_image, pixels_key
@@ -278,3 +280,12 @@ def test_admission_refuses_images_it_cannot_serve(tiny_gemma3_vlm_dir: Path, tin
         with pytest.raises(RequestError, match=message) as caught:
             core.admit(b"c", request)
         assert caught.value.code == "invalid_request" and not core.journal
+
+
+def test_the_sdk_takes_image_parts_in_openais_shape_and_flat() -> None:
+    url = data_url(png(4, 4, seed=0))
+    want = m.ChatMessage("user", [m.ImagePart(url), m.TextPart("hi")])
+    for image in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "url": url}):
+        assert chat_message(0, {"role": "user", "content": [image, {"type": "text", "text": "hi"}]}) == want
+    with pytest.raises(InvalidRequest, match="messages"):
+        chat_message(0, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]})
