@@ -977,6 +977,31 @@ def test_refused_step_fails_its_requests_and_recomputes_the_next() -> None:
     assert_no_leaks(sched)
 
 
+def test_a_refused_prefill_offers_the_prefix_cache_none_of_its_blocks() -> None:
+    # Its blocks were planned full but never written: the same prompt again must compute them.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    executor.refuse_step_ids = {0}
+
+    def fail(requests: list[Request], error: str) -> None:  # as the scheduler process does
+        for req in requests:
+            sched.abort(req.request_id)
+
+    pipeline = StepPipeline(sched, executor, on_failed=fail)
+    params = engine_params(max_tokens=4, seed=6, ignore_eos=True)
+    prompt = np.arange(1, 41, dtype=np.int32) % VOCAB
+    sched.add(Request("refused", 0, prompt, params))
+    while pipeline.has_work:
+        assert not pipeline.advance()
+    sched.add(Request("again", 0, prompt, params))
+    outputs = []
+    while pipeline.has_work:
+        outputs += list(pipeline.advance() or [])
+    assert outputs[0].num_cached_tokens == 0
+    assert tokens_of(outputs) == reference_outputs(prompt.tolist(), [], params, 1024)
+    assert_no_leaks(sched)
+
+
 def test_decodes_entering_blocks_together_preempt_from_the_back() -> None:
     # Equal prompts decode in lockstep, so every sequence needs its next block in the same step;
     # with fewer blocks left than that, the back of the line is preempted and recomputes later.
