@@ -11,19 +11,25 @@ import base64
 import http.client
 import io
 import json
+import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 import torch
+import zmq
 from PIL import Image
 
 from client.errors import InvalidRequest
 from client.sdk import chat_message
 from ipc import messages as m
+from ipc.codec import ENCODER_REPLY, ENCODER_REQUEST
 from ipc.embedding_cache import EmbeddingCache
+from ipc.sockets import DealerSocket
 from services.common.images import ImageRules, image_rules_of, open_image, pixels_key
 from services.common.text import Tokenizer
 from services.stage import read_run_info, run_endpoints
@@ -289,3 +295,57 @@ def test_the_sdk_takes_image_parts_in_openais_shape_and_flat() -> None:
         assert chat_message(0, {"role": "user", "content": [image, {"type": "text", "text": "hi"}]}) == want
     with pytest.raises(InvalidRequest, match="messages"):
         chat_message(0, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]})
+
+
+@pytest.mark.slow
+def test_an_image_evicted_before_its_prefill_is_encoded_again(
+    tiny_gemma3_vlm_dir: Path, tmp_path: Path
+) -> None:
+    """One cache slot. While the scheduler is stopped, another image takes the slot of a request's
+    image after it was encoded: its prefill step fails, and its tokenizer encodes it again and
+    resubmits it, which gives HF's tokens."""
+    import openai
+
+    image_a, image_b = png(50, 37, seed=0), png(64, 64, seed=1)
+    turns = [("user", [image_a, "What is in this picture?"])]
+    expected = hf_greedy(tiny_gemma3_vlm_dir, turns)
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    key_a = pixels_key(rules.pixels(open_image(image_a, 1 << 20)))
+    key_b = pixels_key(rules.pixels(open_image(image_b, 1 << 20)))
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={tiny_gemma3_vlm_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "encoder.replicas=1", "encoder.cache_bytes=1", "gateway.served_model_name=tiny",
+    )  # fmt: skip
+    ctx = zmq.Context()
+    with brigade_run(run_dir, *overrides) as run, ThreadPoolExecutor(1) as pool:
+        endpoints = run_endpoints(run_dir, read_run_info(run_dir))
+        cache = EmbeddingCache.attach(endpoints.embedding_cache(0))
+        assert cache.num_slots == 1
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300, max_retries=0)
+        scheduler = next(row["pid"] for row in run.read_status() if row["kind"] == "scheduler")
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            reply = pool.submit(served, api, turns)
+            wait_until(lambda: key_a in cache.held())
+            first = cache.held()[key_a]
+            encoder = DealerSocket(ctx, endpoints.encoder(0), ENCODER_REPLY, ENCODER_REQUEST)
+            assert encoder.send(m.EncodeImages("another", [image_b]))
+            answer = encoder.recv(timeout=60)
+            assert answer is not None and not answer.error and list(cache.held()) == [key_b]
+            encoder.close()
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        assert_hfs(reply.result(timeout=300), expected)
+        again = cache.held()[key_a]
+        assert again.slot == first.slot and again.sequence > first.sequence  # encoded again
+        cache.close()
+    ctx.term()
+    assert_clean(run_dir)
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
