@@ -353,7 +353,16 @@ def tools_text(tools: Any) -> str:
 
 def chat_message(i: int, message: Any) -> m.ChatMessage:
     """One chat message (a dict) -> the wire form. Assistant `tool_calls` may come in OpenAI's
-    shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`)."""
+    shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`);
+    so may image parts: `{"type": "image_url", "image_url": {"url"}}` or `{"type": "image_url", "url"}`."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        parts = [
+            {"type": "image_url", "url": part["image_url"].get("url")}
+            if isinstance(part, dict) and isinstance(part.get("image_url"), dict)
+            else part
+            for part in message["content"]
+        ]
+        message = {**message, "content": parts}
     if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
         calls = [
             {"id": c.get("id"), **c["function"]}
@@ -365,7 +374,7 @@ def chat_message(i: int, message: Any) -> m.ChatMessage:
     converted = _convert(f"messages[{i}]", message, m.ChatMessage)
     _check_text(f"messages[{i}].role", converted.role)
     if converted.content is not None:
-        _check_text(f"messages[{i}].content", converted.content)
+        _check_text(f"messages[{i}].content", m.content_text(converted.content))
     elif not (converted.role == "assistant" and converted.tool_calls):
         raise InvalidRequest(
             f"messages[{i}].content is required (only an assistant's tool calls may go without)"

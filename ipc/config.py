@@ -120,6 +120,19 @@ class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     replicas: Positive = 1
 
 
+class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The encoder stage (services/encoder/): a vision-language model's vision tower. 0 replicas:
+    none (a text model, or a vision-language model served for text only)."""
+
+    replicas: NonNegative = 0
+    # The cache of image embeddings each replica keeps in shared memory (ipc/embedding_cache.py).
+    cache_bytes: Positive = 256 << 20
+    # One image: its file (a data URL's decoded bytes), and its pixels (checked from its header,
+    # before it is decoded).
+    max_image_bytes: Positive = 10 << 20
+    max_image_pixels: Positive = 40_000_000
+
+
 class GatewayTlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """HTTPS at the gateway (services/tls.py); the files are read again when they change."""
 
@@ -261,6 +274,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineConfig = EngineConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
+    encoder: EncoderConfig = EncoderConfig()
     gateway: GatewayConfig = GatewayConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
@@ -556,6 +570,7 @@ def check_network(config: Config) -> None:
     counts = {
         "tokenizer.replicas": config.tokenizer.replicas,
         "detokenizer.replicas": config.detokenizer.replicas,
+        "encoder.replicas": config.encoder.replicas,
         "engine.data_parallel": config.engine.data_parallel,
     }
     for path, count in counts.items():

@@ -278,6 +278,10 @@ class Endpoints:
     def detokenizer_in(self, shard: int) -> Link:
         return self._link("detokenizer_in", shard, f"detokenizer-{shard}-in", f"detokenizer-{shard}")
 
+    def encoder(self, i: int) -> Link:
+        """An encoder replica's ROUTER (the tokenizers ask it for images' embeddings)."""
+        return self._link("encoder", i, f"encoder-{i}", f"encoder-{i}")
+
     def supervisor(self) -> Link:
         return self._link("supervisor", 0, "supervisor", "supervisor")
 
@@ -290,6 +294,10 @@ class Endpoints:
 
     def result_ring(self, group: int) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-result-{group}"
+
+    def embedding_cache(self, i: int) -> str:
+        """Encoder replica i's embeddings (ipc/embedding_cache.py); it outlives the replica."""
+        return f"/{SHM_PREFIX}{self.run_id}-embeds-{i}"
 
     def shm_prefix(self) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-"

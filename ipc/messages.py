@@ -103,13 +103,37 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False):
     arguments: str
 
 
+class TextPart(msgspec.Struct, tag="text", gc=False):
+    """Text in a turn given as parts (OpenAI's `{"type": "text", "text": ...}`)."""
+
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag="image_url", gc=False):
+    """An image in a turn, by the URL its client gave (a base64 `data:image/...` URL so far): the
+    tokenizer decodes it (services/common/images.py) and asks an encoder for its embeddings."""
+
+    url: str
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """A turn's text: its parts' texts joined (its images are not text)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
 class ChatMessage(msgspec.Struct, gc=False):
     """One turn. content may be None where OpenAI allows it (an assistant turn that only calls
-    tools); `tool_calls` are an assistant's calls, `tool_call_id` names the call a `tool` turn
-    answers. Fields are appended with defaults, so older encodings still decode."""
+    tools), or parts (text and images, in order); `tool_calls` are an assistant's calls,
+    `tool_call_id` names the call a `tool` turn answers. Fields are appended with defaults, so
+    older encodings still decode."""
 
     role: str
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -286,6 +310,26 @@ ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]
 # ---------------------------------------------------------------------------
 
 
+class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where an image's embeddings are in its encoder's cache (ipc/embedding_cache.py): `slot`,
+    as of write `sequence` there. The embeddings themselves never cross a socket."""
+
+    slot: int
+    sequence: int
+
+
+class PromptImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One image of a prompt: its `num_tokens` image tokens from prompt position `start`, whose
+    embeddings are at `ref` in encoder `encoder`'s cache under content key `key`. The key also
+    names the image in the prefix cache (its tokens' ids are all the same image token)."""
+
+    start: int
+    num_tokens: int
+    encoder: int
+    ref: SlotRef
+    key: bytes
+
+
 class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """A tokenized request. Re-sent with the outputs so far after a fault (resubmission):
     the scheduler replaces any live request with the same id."""
@@ -296,6 +340,7 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     params: SamplingParams
     output_ids: bytes = b""  # packed int32: tokens already generated (resubmission)
     arrival_time: float = 0.0
+    images: list[PromptImage] = []  # in prompt order, none overlapping
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -320,6 +365,28 @@ class AdapterRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 SchedulerInput = Union[SubmitRequest, AbortRequest, QueryRequests, AdapterRequest]
+
+
+# -- tokenizer <-> encoder (services/encoder/) ---------------------------------------------------
+
+
+class EncodeImages(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The embeddings of a request's images, each given as its file's bytes: the encoder decodes
+    them (off the tokenizer's thread) within `encoder.max_image_pixels`."""
+
+    request_id: str
+    images: list[bytes]
+
+
+class ImagesEncoded(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Each image's content key (`services/common/images.pixels_key`) and where its embeddings
+    are, in order; or `error`, naming the first image that could not be used (a 400)."""
+
+    request_id: str
+    keys: list[bytes] = []
+    refs: list[SlotRef] = []
+    error: str = ""
+
 
 # ---------------------------------------------------------------------------
 # scheduler -> detokenizer (PUSH -> PULL, sharded by request id)
@@ -417,8 +484,16 @@ class DeltaBatch(msgspec.Struct, tag=True, array_like=True, gc=False):
     deltas: list[Delta]
 
 
+# A step refused because an image's embeddings left their encoder's cache between encoding and
+# the step (the worker's message says it); its requests with images are failed to their
+# tokenizers with code IMAGES_EVICTED, which ask their encoders again and resubmit them.
+EVICTED_EMBEDDINGS = "embeddings are no longer in"
+IMAGES_EVICTED = "images_evicted"
+
+
 class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """The engine refused or failed a request (overloaded, too long, internal)."""
+    """The engine refused or failed a request (overloaded, too long, internal; IMAGES_EVICTED,
+    which the tokenizer handles itself)."""
 
     request_id: str
     code: str

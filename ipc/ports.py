@@ -17,6 +17,7 @@ LINK_KINDS = (
     "scheduler_in",
     "scheduler_workers",
     "detokenizer_in",
+    "encoder",
 )
 PORTS_PER_KIND = 64
 PORT_SPAN = len(LINK_KINDS) * PORTS_PER_KIND

@@ -30,6 +30,8 @@ from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.shm import ALIGN
 from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
+IMAGE_KEY_BYTES = 16  # ipc/embedding_cache.py KEY_BYTES (that module maps shared memory: not imported here)
+
 
 class Dim(enum.Enum):
     """The dimensions that array shapes are given in."""
@@ -47,6 +49,8 @@ class Dim(enum.Enum):
     PROMPT_TOP_K = "prompt_top_k"  # top logprobs per scored prompt position
     EMITTED = "emitted"  # new tokens per row of a step that verifies proposals (1 + the most proposed)
     HIDDEN = "hidden"  # an embedding model's pooled vector width (its hidden size)
+    IMAGES = "images"  # the step's images (image_starts), each whole in its row's chunk
+    IMAGE_KEY = "image_key"  # bytes of an image's content key (ipc/embedding_cache.py KEY_BYTES)
 
 
 class SlotSink(Protocol):
@@ -244,8 +248,22 @@ STEP_PLAN = SlotSpec(
         # Speculative decoding (docs/speculative.md): the last num_proposed[i] tokens of row i's
         # span are proposals to verify, after its last known token; 0: an ordinary row.
         ArraySpec("num_proposed", I32, (S,), optional=True),
+        # Images (Gemma 3): each token's image within its row's chunk, whose tokens attend to each
+        # other both ways in the prefill; -1 for a text token. An image lies within one chunk.
+        ArraySpec("image_groups", I32, (T,), optional=True),
+        # Where each image's embeddings are (ipc/embedding_cache.py): its first token in the
+        # step, and its encoder replica, slot, write sequence and content key there.
+        ArraySpec("image_starts", I32, (Dim.IMAGES,), optional=True),
+        ArraySpec("image_encoders", I32, (Dim.IMAGES,), optional=True),
+        ArraySpec("image_slots", I32, (Dim.IMAGES,), optional=True),
+        ArraySpec("image_sequences", np.int64, (Dim.IMAGES,), optional=True),
+        ArraySpec("image_keys", np.uint8, (Dim.IMAGES, Dim.IMAGE_KEY), optional=True),
     ),
-    measured={Dim.BLOCKS: ("block_tables", 1), Dim.CONSTRAINED: ("grammar_rows", 0)},
+    measured={
+        Dim.BLOCKS: ("block_tables", 1),
+        Dim.CONSTRAINED: ("grammar_rows", 0),
+        Dim.IMAGES: ("image_starts", 0),
+    },
     ragged={Dim.HISTORY: "history_offsets", Dim.BIAS: "bias_offsets"},
 )
 
@@ -298,6 +316,8 @@ def plan_limits(
         Dim.BIAS: max_num_seqs * MAX_BIAS_ENTRIES_PER_ROW,
         Dim.CONSTRAINED: max_num_seqs,
         Dim.VOCAB_WORDS: vocab_words(vocab_size),
+        Dim.IMAGES: max_num_batched_tokens,
+        Dim.IMAGE_KEY: IMAGE_KEY_BYTES,
     }
 
 

@@ -18,7 +18,7 @@ from ipc.config import Config
 
 # Stopping goes from the entry of requests to their exit, so that nothing in flight is cut off
 # by a stage downstream stopping first.
-STOP_ORDER = ("gateway", "tokenizer", "scheduler", "gpu_worker", "detokenizer")
+STOP_ORDER = ("gateway", "tokenizer", "encoder", "scheduler", "gpu_worker", "detokenizer")
 
 
 class Topology(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -27,6 +27,7 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, gc=False):
     `num_groups` engine groups have stages; the first `num_routed_groups` of them take new
     requests, and the rest are retiring (they finish what they run, then stop). `hosts` maps the
     name of each stage that runs on another host than the supervisor's to that host's address.
+    `num_encoders` run a vision-language model's vision tower for the tokenizers.
     """
 
     num_tokenizers: int
@@ -36,6 +37,7 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_routed_groups: int
     tensor_parallel: int
     hosts: dict[str, str] = {}
+    num_encoders: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.num_routed_groups <= self.num_groups:
@@ -53,16 +55,19 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, gc=False):
             num_routed_groups=groups,
             tensor_parallel=config.engine.tensor_parallel,
             hosts=hosts or {},
+            num_encoders=config.encoder.replicas,
         )
 
     def stages(self) -> list[StageSpec]:
         """Every stage, in start order: the detokenizers first (everything upstream sends to
-        them), each engine group's scheduler before its workers (they handshake with it), then
-        the tokenizers, whose clients may send at once, and the gateways in front of them."""
+        them), each engine group's scheduler before its workers (they handshake with it), the
+        encoders, then the tokenizers (which ask the encoders), whose clients may send at once,
+        and the gateways in front of them."""
         specs = [StageSpec("detokenizer", j) for j in range(self.num_detokenizers)]
         for g in range(self.num_groups):
             specs.append(StageSpec("scheduler", g, group=g))
             specs += [StageSpec("gpu_worker", g, group=g, rank=r) for r in range(self.tensor_parallel)]
+        specs += [StageSpec("encoder", e) for e in range(self.num_encoders)]
         specs += [StageSpec("tokenizer", i) for i in range(self.num_tokenizers)]
         specs += [StageSpec("gateway", i) for i in range(self.num_gateways)]
         return specs

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ipc.messages import ChatMessage, SamplingParams, StructuredOutput
+from ipc.messages import ChatMessage, SamplingParams, StructuredOutput, content_text
 
 MAX_MAX_TOKENS = 1_000_000
 MAX_TEMPERATURE = 100.0
@@ -117,7 +117,7 @@ def chat_chars(messages: Sequence[ChatMessage]) -> int:
     """Every character of a conversation that reaches the chat template."""
     total = 0
     for message in messages:
-        total += len(message.role) + len(message.content or "")
+        total += len(message.role) + len(content_text(message.content))
         total += len(message.name or "") + len(message.tool_call_id or "")
         for call in message.tool_calls or ():
             total += len(call.id) + len(call.name) + len(call.arguments)

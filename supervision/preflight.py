@@ -16,6 +16,7 @@ from ipc.config import Config, NetworkConfig
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
 from services.common.pooling import embedding_of
+from services.common.vision_language import is_vision_language, language_model_config
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -87,7 +88,8 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
     Returns the sampling values that requests which set none will take (`run_defaults`)."""
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        checkpoint = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(checkpoint)
         num_heads = int(raw["num_attention_heads"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // num_heads)
@@ -103,6 +105,11 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
+    if config.encoder.replicas and not is_vision_language(checkpoint):
+        raise Refused(
+            f"encoder.replicas is {config.encoder.replicas}, but {model_dir.name} reads no images "
+            f"(architectures {checkpoint.get('architectures')}): set it to 0"
+        )
     try:  # every stage reads it at start: a run that cannot say how it embeds never starts
         embedding_of(config.model, model_dir)
     except ValueError as exc:

@@ -5,6 +5,7 @@ start or a change are `Refused`, with what to do about them."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import posix_ipc
 
 from ipc.config import Config
 from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
@@ -26,6 +28,7 @@ from ipc.shm import RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
+from services.common.vision_language import language_model_config
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
 from services.stage import RUN_FILE, RunInfo, write_run_info
@@ -315,7 +318,7 @@ class Run:
         which knows the host of each group)."""
         engine = config.engine
         # check_model has read this config.json already: it is there and well-formed.
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
         vocab_size = raw["vocab_size"]
         # An embedding model's result slots carry each row's pooled vector.
         pooled_width = raw["hidden_size"] if embedding_of(config.model, model_dir) else 0
@@ -337,6 +340,13 @@ class Run:
                 ring.close()
                 ring.unlink()
                 self.rings.remove(ring)
+
+    def remove_embedding_caches(self, num_encoders: int) -> None:
+        """Unlink the encoders' embedding caches (ipc/embedding_cache.py), once the encoders have
+        stopped: each encoder makes its own, and it outlives the encoder's restarts, not the run."""
+        for i in range(num_encoders):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(self.endpoints.embedding_cache(i))
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -77,7 +77,10 @@ EXAMPLES: dict[str, list] = {
         m.Generate("a", prompt="hi", params=PARAMS, stream=False),
         m.Generate(
             "b",
-            messages=[m.ChatMessage("user", "hey")],
+            messages=[
+                m.ChatMessage("user", "hey"),
+                m.ChatMessage("user", [m.TextPart("and "), m.ImagePart("data:image/png;base64,iVBO")]),
+            ],
             resume_output_ids=m.pack_ids([7]),
             resume_num_chars=3,
         ),
@@ -95,6 +98,13 @@ EXAMPLES: dict[str, list] = {
     ],
     "SCHEDULER_INPUT": [
         m.SubmitRequest("a", 2, m.pack_ids([1, 2]), PARAMS, output_ids=m.pack_ids([3]), arrival_time=1.5),
+        m.SubmitRequest(
+            "b",
+            0,
+            m.pack_ids([1, 9, 9, 2]),
+            PARAMS,
+            images=[m.PromptImage(1, 2, 0, m.SlotRef(4, 6), b"k" * 16)],
+        ),
         m.AbortRequest("a", "stop"),
         m.QueryRequests(1, ["a", "b"]),
         m.AdapterRequest(1, m.AdapterCommand("a", "load", "sql", "/adapters/sql")),
@@ -148,6 +158,11 @@ EXAMPLES: dict[str, list] = {
     ],
     "STEP_HEADER": [m.StepHeader(7, 100, 4, 5), m.StepHeader(8, 1, 1, 0, ["sql", ""])],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
+    "ENCODER_REQUEST": [m.EncodeImages("r1", [b"\x89PNG...", b"GIF89a..."])],
+    "ENCODER_REPLY": [
+        m.ImagesEncoded("r1", [b"k" * 16], [m.SlotRef(3, 8)]),
+        m.ImagesEncoded("r2", error="images[1]: the image/png data is truncated or corrupt"),
+    ],
 }
 CODECS: dict[str, Codec] = {name: obj for name, obj in vars(C).items() if isinstance(obj, Codec)}
 
@@ -158,6 +173,17 @@ def channel_types(codec: Codec) -> tuple[type, ...]:
     return typing.get_args(decoded) or (decoded,)
 
 
+def struct_types(value: object) -> set[type]:
+    """The types of `value` and of every struct inside it."""
+    if isinstance(value, msgspec.Struct):
+        return {type(value)}.union(*(struct_types(getattr(value, f)) for f in value.__struct_fields__))
+    if isinstance(value, list | tuple):
+        return set().union(*(struct_types(item) for item in value))
+    if isinstance(value, dict):
+        return set().union(*(struct_types(item) for item in value.values()))
+    return set()
+
+
 def test_examples_cover_every_codec_and_message():
     assert set(EXAMPLES) == set(CODECS)
     tagged = {
@@ -165,8 +191,8 @@ def test_examples_cover_every_codec_and_message():
         for _, cls in inspect.getmembers(m, inspect.isclass)
         if issubclass(cls, msgspec.Struct) and cls.__module__ == m.__name__ and cls.__struct_config__.tag
     }
-    covered = {type(msg) for msgs in EXAMPLES.values() for msg in msgs}
-    assert tagged <= covered
+    covered = set().union(*(struct_types(msg) for msgs in EXAMPLES.values() for msg in msgs))
+    assert tagged <= covered  # a tagged struct inside a message (a chat's content parts) counts
     for name, msgs in EXAMPLES.items():
         assert {type(msg) for msg in msgs} == set(channel_types(CODECS[name])), name
 

@@ -1907,3 +1907,17 @@ def test_gateway_replicas_change_on_hot_reload(tmp_path: Path, tiny_model_dir: P
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=10).close()
     assert_clean(run_dir)
+
+
+def test_an_image_for_a_model_that_reads_none_is_a_400(gw: Gateway) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    status, _, body = gw.request("POST", "/tokenize", {"model": gw.model, "messages": messages})
+    assert status == 400 and "this model reads no images" in json.loads(body)["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="this model reads no images"):
+        gw.openai().chat.completions.create(model=gw.model, messages=messages, max_tokens=2)
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError, match="only text and image_url parts"):
+        gw.openai().chat.completions.create(
+            model=gw.model, messages=[{"role": "user", "content": [audio]}], max_tokens=2
+        )

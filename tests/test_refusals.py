@@ -42,8 +42,8 @@ REFUSED = {
         {"architectures": ["GPTNeoXForCausalLM"]},
         r"unsupported architecture \['GPTNeoXForCausalLM'\]",
     ),
-    "multimodal architecture": (
-        {"architectures": ["Gemma3ForConditionalGeneration"]},
+    "multimodal architecture": (  # Gemma 3's is served (tests/test_vision_language.py), not this one
+        {"architectures": ["Qwen2_5_VLForConditionalGeneration"]},
         "unsupported architecture",
     ),
     "unknown model_type": ({"architectures": None, "model_type": "falcon"}, "model_type 'falcon'"),

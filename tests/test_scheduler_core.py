@@ -26,7 +26,7 @@ from ipc.config import EngineConfig
 from ipc.endpoints import shard_of
 from ipc.messages import PLACEHOLDER_TOKEN, ResultHeader, SamplingParams
 from ipc.sampling_defaults import fill_defaults
-from ipc.step_plan import STEP_PLAN, Dim
+from ipc.step_plan import IMAGE_KEY_BYTES, STEP_PLAN, Dim
 from services.gpu_worker.speculation import emitted_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import (
@@ -283,9 +283,10 @@ class FakeExecutor:
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
     """The plan is exactly the declared one (ipc/step_plan.py), and every required array is there
     (the optional grammar arrays only come with constrained rows, which this traffic has none of;
-    long_rope with LongRoPE's long rows)."""
-    assert set(a) - {"long_rope", "num_proposed"} == set(STEP_PLAN.required)
-    STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs})
+    long_rope with LongRoPE's long rows; the image arrays with images)."""
+    optional = {"long_rope", "num_proposed"} | {name for name in a if name.startswith("image_")}
+    assert set(a) - optional == set(STEP_PLAN.required)
+    STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs, Dim.IMAGE_KEY: IMAGE_KEY_BYTES})
 
 
 def make_request(rid: str, prompt: list[int], **params: object) -> Request:
@@ -978,6 +979,31 @@ def test_refused_step_fails_its_requests_and_recomputes_the_next() -> None:
     assert {o.request_id for o in outputs} == {"good"}
     assert tokens_of(outputs) == reference_outputs([7, 8, 9], [], params, 1024)
     assert sched.num_preemptions == 1  # good, recomputed once
+    assert_no_leaks(sched)
+
+
+def test_a_refused_prefill_offers_the_prefix_cache_none_of_its_blocks() -> None:
+    # Its blocks were planned full but never written: the same prompt again must compute them.
+    sched = Scheduler(small_config())
+    executor = FakeExecutor(sched)
+    executor.refuse_step_ids = {0}
+
+    def fail(requests: list[Request], error: str) -> None:  # as the scheduler process does
+        for req in requests:
+            sched.abort(req.request_id)
+
+    pipeline = StepPipeline(sched, executor, on_failed=fail)
+    params = engine_params(max_tokens=4, seed=6, ignore_eos=True)
+    prompt = np.arange(1, 41, dtype=np.int32) % VOCAB
+    sched.add(Request("refused", 0, prompt, params))
+    while pipeline.has_work:
+        assert not pipeline.advance()
+    sched.add(Request("again", 0, prompt, params))
+    outputs = []
+    while pipeline.has_work:
+        outputs += list(pipeline.advance() or [])
+    assert outputs[0].num_cached_tokens == 0
+    assert tokens_of(outputs) == reference_outputs(prompt.tolist(), [], params, 1024)
     assert_no_leaks(sched)
 
 

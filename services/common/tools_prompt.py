@@ -16,7 +16,7 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ipc.messages import ChatMessage, ToolCall, Tools
+from ipc.messages import ChatMessage, ImagePart, ToolCall, Tools, content_text
 from services.common.tool_parsers import ToolParser
 
 
@@ -100,14 +100,29 @@ def template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
-def _flat_content(message: ChatMessage) -> str:
-    parts = [message.content] if message.content else []
-    parts += [hermes_call(call) for call in message.tool_calls or []]
-    return "\n".join(parts)
+def template_content(message: ChatMessage) -> str | list[dict[str, str]] | None:
+    """A turn's content as chat templates read it: its text, or, when it has images, HF's parts
+    in order (`{"type": "image"}` where each image goes, which the template renders as the
+    model's image placeholder)."""
+    content = message.content
+    if isinstance(content, list) and any(isinstance(part, ImagePart) for part in content):
+        return [
+            {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+            for part in content
+        ]
+    return content_text(content) if isinstance(content, list) else content
+
+
+def _flat_content(message: ChatMessage) -> str | list[dict[str, str]]:
+    content = template_content(message)
+    calls = [hermes_call(call) for call in message.tool_calls or []]
+    if isinstance(content, list):  # a user turn with images (they have no tool calls)
+        return content
+    return "\n".join(([content] if content else []) + calls)
 
 
 def _openai_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": template_role(message.role), "content": message.content}
+    out: dict[str, Any] = {"role": template_role(message.role), "content": template_content(message)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

@@ -21,6 +21,7 @@ from client.async_sdk import AsyncClient
 from ipc import messages as m
 from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
+from services.common.images import image_rules_of
 from services.common.text import Tokenizer
 from services.gateway.access_log import AccessLog
 from services.gateway.app import Gateway, GatewaySettings
@@ -136,7 +137,8 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_loras=stage.config.lora.max_loras,
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
     )
-    gateway = Gateway(settings, client, Tokenizer(Path(stage.info.model_dir)))
+    model_dir = Path(stage.info.model_dir)
+    gateway = Gateway(settings, client, Tokenizer(model_dir), image_rules=image_rules_of(model_dir))
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(gateway),

@@ -47,8 +47,9 @@ from ipc.validation import (
     check_prompt_chars,
 )
 from services.audit import ApiKeyFailures
+from services.common.images import ImageError, ImageRules
 from services.common.text import TemplateTimeout, Tokenizer
-from services.common.tools_prompt import auto_tool_format, tool_parser_for
+from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
 from services.gateway import protocol as p
 from services.gateway.access_log import AccessLog, AccessRecord, access_record, key_id
 from services.gateway.connection import client_cert_name
@@ -182,10 +183,12 @@ class Gateway:
         client: AsyncClient,
         tokenizer: Tokenizer,
         metrics: HttpMetrics | None = None,
+        image_rules: ImageRules | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.tokenizer = tokenizer
+        self.image_rules = image_rules  # a vision-language model's: /tokenize counts image tokens
         # The process's registry (one replica a process); a second Gateway in one process (a test
         # beside the run's replicas) brings its own, since metric names register once.
         self.metrics = metrics or HttpMetrics()
@@ -710,14 +713,22 @@ class Gateway:
         limit = self.settings.max_prompt_chars
         try:
             if body.messages is not None:
-                messages = [
-                    m.ChatMessage(x.role, x.content if isinstance(x.content, str) else "")
-                    for x in body.messages
-                ]
+                try:
+                    messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(body.messages)]
+                except InvalidRequest as exc:
+                    raise invalid(str(exc), "messages") from None
                 check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
+                num_images = sum(
+                    isinstance(part, m.ImagePart)
+                    for x in messages
+                    if isinstance(x.content, list)
+                    for part in x.content
+                )
+                if num_images and self.image_rules is None:
+                    raise invalid("this model reads no images", "messages")
                 try:
                     text = self.tokenizer.apply_chat_template(
-                        [{"role": x.role, "content": x.content} for x in messages],
+                        [{"role": x.role, "content": template_content(x)} for x in messages],
                         add_generation_prompt=body.add_generation_prompt,
                         timeout_s=self.settings.template_timeout_s,
                     )
@@ -726,6 +737,12 @@ class Gateway:
                 except Exception as exc:  # a template may raise on unusual conversations
                     raise invalid(f"chat template failed: {exc}", "messages") from None
                 check_prompt_chars(len(text), limit, " once rendered by the chat template")
+                if num_images:  # each image is its tokens, as the tokenizer stage expands them
+                    assert self.image_rules is not None
+                    try:
+                        text = self.image_rules.expand(text, num_images)
+                    except ImageError as exc:
+                        raise invalid(str(exc), "messages") from None
                 ids = self.tokenizer.encode(text)
             else:
                 prompt = body.prompt or ""

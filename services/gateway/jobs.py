@@ -219,7 +219,7 @@ def _jobs(prompts: list[tuple[Any, Any]], n: int, sampling: dict[str, Any], seed
 def sdk_message(i: int, message: ChatMessageIn) -> dict[str, Any]:
     """One chat message as the SDK takes it; an assistant turn that only calls tools has no content."""
     out: dict[str, Any] = {"role": message.role}
-    out["content"] = None if message.content is None and message.tool_calls else _message_text(i, message)
+    out["content"] = None if message.content is None and message.tool_calls else _message_content(i, message)
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
@@ -232,20 +232,26 @@ def sdk_message(i: int, message: ChatMessageIn) -> dict[str, Any]:
     return out
 
 
-def _message_text(i: int, message: ChatMessageIn) -> str:
+def _message_content(i: int, message: ChatMessageIn) -> str | list[dict[str, str]]:
+    """Its text, or its parts in order when it has images (the tokenizer decodes their URLs)."""
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
     parts = []
     for k, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and part.image_url is not None:
+            parts.append({"type": "image_url", "url": part.image_url.url})
+        else:
             raise invalid(
-                f"messages[{i}].content[{k}]: only text parts are supported, got type {part.type!r}",
+                f"messages[{i}].content[{k}]: only text and image_url parts are supported, got type {part.type!r}",
                 f"messages[{i}].content[{k}].type",
             )
-        parts.append(part.text)
-    return "".join(parts)
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _prompt_logprobs(req: SamplingFields, sampling: dict[str, Any], echo_top_n: int | None = None) -> None:

@@ -17,9 +17,15 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
+class ImageUrl(msgspec.Struct, frozen=True):
+    url: str
+    detail: str | None = None  # OpenAI's low/high/auto: a model's processor fixes the resolution
+
+
 class ContentPart(msgspec.Struct, frozen=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCallIn(msgspec.Struct, frozen=True):

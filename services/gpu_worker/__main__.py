@@ -162,6 +162,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         lora_adapters=config.lora.adapters,
         wide_step_dtype=engine.cpu_wide_step_dtype,
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),
+        embedding_caches=stage.endpoints.embedding_cache if config.encoder.replicas else None,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

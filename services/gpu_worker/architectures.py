@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.vision_language import VISION_LANGUAGE, language_model_config
+
 # HF architecture (config.json `architectures`) -> the family whose defaults apply.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -215,6 +217,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
         """The config of an HF config.json dict; UnsupportedModel for anything Brigade would run wrongly."""
+        d = language_model_config(d)
         architecture, family = _architecture(d)
         _refuse_quantization(d, family)
         num_heads = d["num_attention_heads"]
@@ -315,6 +318,7 @@ def _architecture(d: dict) -> tuple[str, str]:
             )
         return next(a for a, f in ARCHITECTURES.items() if f == family), family
     if len(names) != 1 or names[0] not in ARCHITECTURES:
+        supported = sorted([*ARCHITECTURES, *VISION_LANGUAGE])
         raise UnsupportedModel(f"unsupported architecture {names}; supported: {supported}")
     return names[0], ARCHITECTURES[names[0]]
 

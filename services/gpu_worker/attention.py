@@ -235,6 +235,7 @@ class TorchOps:
                 meta.decode_len = length
                 meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
         prefills = []
+        image_groups = arrays.get("image_groups")
         for i in np.flatnonzero(q_lens > 1):
             length, q_len = int(seq_lens[i]), int(q_lens[i])
             # The first key any query of the chunk sees, and the block holding it.
@@ -244,10 +245,18 @@ class TorchOps:
             slots = block_slots.reshape(-1)[start - first_block * bs : length - first_block * bs]
             mask = None
             is_windowed = window and length > window
-            if q_len != length or is_windowed:
+            groups = None if image_groups is None else image_groups[qsl[i] : qsl[i + 1]]
+            has_images = groups is not None and bool((groups >= 0).any())
+            if q_len != length or is_windowed or has_images:
                 query_pos = length - q_len + np.arange(q_len)
                 key_pos = np.arange(start, length)
                 is_key = key_pos[None, :] <= query_pos[:, None]
+                if has_images:
+                    # An image's tokens see each other both ways (HF's Gemma 3 mask: causal OR
+                    # same image, then AND the window). The image lies within this chunk, so only
+                    # the chunk's own keys (the last q_len) can share a query's image.
+                    same = (groups[:, None] == groups[None, :]) & (groups[:, None] >= 0)
+                    is_key[:, len(key_pos) - q_len :] |= same
                 if is_windowed:
                     is_key &= key_pos[None, :] > query_pos[:, None] - window
                 mask = torch.from_numpy(is_key)

@@ -623,6 +623,31 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
+# A vision-language checkpoint's language model weights, under the names of its causal LM's
+# (services/common/vision_language.py): as the hub's Gemma 3 checkpoints name them, and as
+# transformers names them in memory. Its vision weights are the encoder stage's.
+LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def text_weight_name(name: str) -> str | None:
+    """The name the worker loads a checkpoint weight under; None for a vision weight."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for prefix, renamed in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return renamed + name[len(prefix) :]
+    return name
+
 
 def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterator[tuple[str, object]]:
     """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not); a
@@ -649,11 +674,14 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
             formats = json.loads(blocks.metadata()["formats"])
         for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    name = text_weight_name(stored)
+                    if name is None:
+                        continue
                     if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
                         base, part = name.rsplit("_", 1)
                         parts = mxfp4_parts.setdefault(base, {})
-                        parts[part] = f.get_tensor(name)
+                        parts[part] = f.get_tensor(stored)
                         if len(parts) == 2:
                             del mxfp4_parts[base]
                             tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
@@ -661,15 +689,17 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
                             yield base, tensor if spec is None else tensor.narrow(*spec)
                         continue
                     spec = shard_spec(name) if shard_spec is not None else None
-                    if name in formats:
-                        tensor = torch.from_numpy(dequantize_blocks(blocks.get_tensor(name), formats[name]))
+                    if stored in formats:
+                        tensor = torch.from_numpy(
+                            dequantize_blocks(blocks.get_tensor(stored), formats[stored])
+                        )
                         yield name, tensor if spec is None else tensor.narrow(*spec)
                     elif spec is None:
-                        yield name, f.get_tensor(name)
+                        yield name, f.get_tensor(stored)
                     else:
                         dim, start, length = spec
                         index = (slice(None),) * dim + (slice(start, start + length),)
-                        yield name, f.get_slice(name)[index]
+                        yield name, f.get_slice(stored)[index]
     if mxfp4_parts:
         base, parts = next(iter(mxfp4_parts.items()))
         missing = "scales" if "blocks" in parts else "blocks"

@@ -152,6 +152,15 @@ def has_native_half_matmul(device: torch.device) -> bool:
 
 
 @dataclass(frozen=True)
+class ImageRows:
+    """A step's image tokens (indices in the flat batch) and their embeddings [len(tokens), hidden]
+    from the encoder stage (services/encoder/)."""
+
+    tokens: torch.Tensor
+    embeddings: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Shard:
     """The slices of the full model one tensor-parallel rank holds (all of it with one rank):
     its query and KV heads, its columns of the MLP, and its rows of the vocabulary."""
@@ -839,9 +848,10 @@ class LlamaModel:
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         sample_tokens: torch.Tensor,
         lora: ProjectionDeltas | None = None,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         """Run all tokens; returns float32 logits [len(sample_tokens), V] of the sampled rows only."""
-        hidden, residual = self.hidden_states(input_ids, metas, kv_cache, lora)
+        hidden, residual = self.hidden_states(input_ids, metas, kv_cache, lora, images)
         return self.logits(hidden, residual, sample_tokens)
 
     def hidden_states(
@@ -850,10 +860,13 @@ class LlamaModel:
         metas: list[StepMeta],
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         lora: ProjectionDeltas | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run all tokens through the layers; returns the last layer's output and residual, whose
         sum (at the rows wanted) `logits` takes through the final norm and the LM head. `lora`:
-        the step's adapters, added to each projection's output for the tokens that use one."""
+        the step's adapters, added to each projection's output for the tokens that use one.
+        `images`: the encoder's embeddings of the step's image tokens, which take those tokens'
+        places as they are (after the embedding scale, as HF's Gemma 3 puts them)."""
         c, ops, eps, scale = self.config, self.ops, self.eps, self.scale
         reduce = self.parallel.all_reduce  # the identity with one rank
         num_tokens = input_ids.shape[0]
@@ -863,6 +876,8 @@ class LlamaModel:
         if c.embed_scale != 1.0:
             # As HF does: the scale rounded to the activations' dtype first.
             hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
+        if images is not None:
+            hidden[images.tokens] = images.embeddings.to(hidden.device, hidden.dtype)
         activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         residual = None
         meta = metas[0]

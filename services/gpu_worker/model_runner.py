@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,16 +12,18 @@ import torch
 
 from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS
-from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
-from ipc.step_plan import STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
+from ipc.embedding_cache import EmbeddingCache
+from ipc.messages import PLACEHOLDER_TOKEN, SlotRef, StepHeader
+from ipc.step_plan import IMAGE_KEY_BYTES, STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
 from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
+from services.common.vision_language import language_model_config
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots, load_adapter
-from services.gpu_worker.model import LlamaModel
+from services.gpu_worker.model import ImageRows, LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.speculation import emitted_tokens, target_tokens
@@ -30,6 +33,15 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_MAX_NUM_SEQS = 1024  # plan-table rows (the scheduler's max_num_seqs) a plan may name
+# The plan arrays of a step's images (ipc/step_plan.py), which come together.
+IMAGE_ARRAYS = (
+    "image_groups",
+    "image_starts",
+    "image_encoders",
+    "image_slots",
+    "image_sequences",
+    "image_keys",
+)
 PROMPT_SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
 
@@ -59,6 +71,7 @@ class ModelRunner:
         lora_adapters: dict[str, str] | None = None,
         wide_step_dtype: str = "float32",
         embedding: Embedding | None = None,
+        embedding_caches: Callable[[int], str] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -71,7 +84,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.model_name = model_dir.name
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
         config = config_from_dir(model_dir)
         self.config = config
         # An embedding run (services/common/pooling.py): sampled rows return their pooled state.
@@ -101,6 +114,10 @@ class ModelRunner:
                 wide_step_dtype,
             )
         load_weights(self.model, model_dir)
+        # The encoders' embedding caches by replica (Endpoints.embedding_cache), mapped when a
+        # step first has an image of theirs; None: a run without encoders.
+        self.embedding_cache_name = embedding_caches
+        self.embedding_caches: dict[int, EmbeddingCache] = {}
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
         self.num_lora_swaps = 0  # adapters copied from host memory into a slot, for a step
         if int8_activations and not self.model.reads_gguf_blocks:
@@ -251,7 +268,13 @@ class ModelRunner:
             raise InvalidPlan(f"empty plan: {t} tokens, {s} sequences")
         try:
             STEP_PLAN.check(
-                arrays, {Dim.TOKENS: t, Dim.ROWS: s, Dim.VOCAB_WORDS: vocab_words(self.vocab_size)}
+                arrays,
+                {
+                    Dim.TOKENS: t,
+                    Dim.ROWS: s,
+                    Dim.VOCAB_WORDS: vocab_words(self.vocab_size),
+                    Dim.IMAGE_KEY: IMAGE_KEY_BYTES,
+                },
             )
         except SlotMismatch as exc:
             raise InvalidPlan(str(exc)) from None
@@ -280,6 +303,8 @@ class ModelRunner:
             _check_prompt_targets(arrays, self.vocab_size)
         if "lora_slots" in arrays:
             self._check_lora_slots(arrays["lora_slots"][:s])
+        if any(name in arrays for name in IMAGE_ARRAYS):
+            self._check_images(arrays, t)
         if "num_proposed" in arrays:
             _check_proposals(arrays, s)
         if "long_rope" in arrays:
@@ -321,8 +346,9 @@ class ModelRunner:
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
+        images = self._image_rows(arrays, t) if "image_starts" in arrays else None
         hidden, residual = self.model.hidden_states(
-            input_ids, metas, self.kv_cache, self.lora_batch(arrays, t, s)
+            input_ids, metas, self.kv_cache, self.lora_batch(arrays, t, s), images
         )
         logits = self.model.logits(hidden, residual, sample_tokens.to(self.device))
         if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
@@ -347,6 +373,56 @@ class ModelRunner:
             result["emitted_logprobs"][rows, 0] = out["sampled_logprobs"]
             result["num_emitted"][rows] = 1
         return result
+
+    def _check_images(self, arrays: dict[str, np.ndarray], num_tokens: int) -> None:
+        """The image arrays come together, on a run with encoders, each image's tokens in the step."""
+        missing = [name for name in IMAGE_ARRAYS if name not in arrays]
+        if missing:
+            raise InvalidPlan(f"step plan: image arrays without {missing}")
+        if self.embedding_cache_name is None:
+            raise InvalidPlan("step plan: images for a worker that reads no encoders' caches")
+        if self.device.type != "cpu":
+            raise InvalidPlan("step plan: images' two-way attention has no Triton kernel yet (CPU only)")
+        starts = arrays["image_starts"]
+        if len(starts) and (starts.min() < 0 or starts.max() >= num_tokens):
+            raise InvalidPlan(f"step plan: an image starts outside the step's {num_tokens} tokens")
+        if (arrays["image_encoders"] < 0).any() or (arrays["image_slots"] < 0).any():
+            raise InvalidPlan("step plan: a negative image encoder or slot")
+
+    def _image_rows(self, arrays: dict[str, np.ndarray], num_tokens: int) -> ImageRows:
+        """The step's images' embeddings, read from their encoders' caches. One no longer there
+        (evicted since it was planned) fails the step naming it (InvalidPlan): its request must
+        ask its encoder again."""
+        assert self.embedding_cache_name is not None  # _check_images
+        tokens, rows = [], []
+        for i, (start, encoder, slot, sequence, key) in enumerate(
+            zip(
+                arrays["image_starts"].tolist(), arrays["image_encoders"].tolist(), arrays["image_slots"].tolist(),
+                arrays["image_sequences"].tolist(), arrays["image_keys"], strict=True,
+            )
+        ):  # fmt: skip
+            cache = self.embedding_caches.get(encoder)
+            if cache is None:
+                try:
+                    cache = EmbeddingCache.attach(self.embedding_cache_name(encoder))
+                except (OSError, ValueError) as exc:
+                    raise InvalidPlan(f"step plan: image {i}: encoder {encoder}'s cache: {exc}") from None
+                self.embedding_caches[encoder] = cache
+            if not 0 <= slot < cache.num_slots:
+                raise InvalidPlan(f"step plan: image {i}: slot {slot} is not in encoder {encoder}'s cache")
+            embeddings = cache.read(SlotRef(slot, sequence), key.tobytes())
+            if embeddings is None:
+                raise InvalidPlan(
+                    f"step plan: image {i}: its {m.EVICTED_EMBEDDINGS} encoder {encoder}'s cache"
+                )
+            if start + len(embeddings) > num_tokens:
+                raise InvalidPlan(f"step plan: image {i}'s {len(embeddings)} tokens run past the step's end")
+            tokens.append(np.arange(start, start + len(embeddings)))
+            rows.append(embeddings)
+        return ImageRows(
+            torch.from_numpy(np.concatenate(tokens)).to(self.device),
+            torch.from_numpy(np.concatenate(rows)),
+        )
 
     def _embed(
         self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int, top_k: int

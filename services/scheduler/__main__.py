@@ -157,6 +157,7 @@ class SchedulerProcess(StageProcess):
             output_ids=m.unpack_ids(submit.output_ids).tolist(),
             params=submit.params,
             arrival_time=time.monotonic(),
+            images=submit.images,
         )
         try:
             finished = self.core.add(request)
@@ -432,7 +433,18 @@ class SchedulerProcess(StageProcess):
     # -- steps ---------------------------------------------------------------------------------
 
     def fail_requests(self, requests: list[Request], error: str) -> None:
-        """The worker refused a plan (a bug, not a fault): fail its requests rather than loop."""
+        """The worker refused a plan (a bug, not a fault): fail its requests rather than loop.
+        An image evicted from its encoder's cache since it was encoded is no bug: the requests
+        with images go back to their tokenizers to be encoded again, the others recompute."""
+        if m.EVICTED_EMBEDDINGS in error:
+            assert self.core is not None  # a step ran
+            self.log.warning("a step's images left their encoders' caches: encoding them again (%s)", error)
+            self.core.recompute([request for request in requests if not request.images])
+            for request in requests:
+                if request.images:
+                    self.abort(request.request_id)
+                    self.send_failure(request.tokenizer_id, request.request_id, m.IMAGES_EVICTED, error)
+            return
         self.log.error("worker refused a step: %s", error)
         for request in requests:
             submit = m.SubmitRequest(request.request_id, request.tokenizer_id, b"", request.params)

@@ -72,6 +72,20 @@ class Admission:
                 f"request {req.request_id!r}: an embedding input of {req.num_prompt_tokens} tokens is over "
                 f"the {budget} one step holds (engine.max_num_batched_tokens)"
             )
+        end = 0
+        for image in req.images:  # each computes whole in one step, its tokens in the prompt
+            if (
+                image.start < end
+                or image.start + image.num_tokens > req.num_prompt_tokens
+                or image.num_tokens < 1
+            ):
+                raise ValueError(f"request {req.request_id!r}: its images overlap or lie outside its prompt")
+            if image.num_tokens > budget:
+                raise ValueError(
+                    f"request {req.request_id!r}: an image of {image.num_tokens} tokens is over the {budget} "
+                    "one step holds (engine.max_num_batched_tokens)"
+                )
+            end = image.start + image.num_tokens
         if req.num_tokens >= config.max_model_len:
             raise PromptTooLong(
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "

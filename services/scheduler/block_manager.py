@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,14 +47,22 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free) - len(self.evictable)
 
-    def extend_hashes(self, block_hashes: list[bytes], token_ids: np.ndarray, root: bytes = b"") -> None:
+    def extend_hashes(
+        self,
+        block_hashes: list[bytes],
+        token_ids: np.ndarray,
+        root: bytes = b"",
+        salts: Sequence[bytes] = (),
+    ) -> None:
         """Append the chained hashes of the full blocks in `token_ids`, the tokens that follow
         the blocks already hashed; the chain starts from `root` (Request.hash_root), so that
-        blocks of the same tokens computed differently never match."""
+        blocks of the same tokens computed differently never match. `salts`, when given, holds
+        for each of these blocks what its token ids do not say (Request.block_salts: the keys
+        of the images its image tokens show)."""
         bs = self.block_size
         parent = block_hashes[-1] if block_hashes else root
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = hash_block(parent, token_ids[start : start + bs])
+        for k, start in enumerate(range(0, len(token_ids) - bs + 1, bs)):
+            parent = hash_block(parent + salts[k] if salts else parent, token_ids[start : start + bs])
             block_hashes.append(parent)
 
     def match_prefix(self, block_hashes: list[bytes]) -> list[int]:

@@ -165,8 +165,16 @@ class StepPipeline:
 
         A step planned ahead of it ran on placeholders of the refused step, which sampled
         nothing, so the worker refuses it too: its other sequences are not at fault and
-        recompute instead. The pipeline waits for that step before planning again."""
-        live = entry.step.live_seqs()
+        recompute instead. The pipeline waits for that step before planning again.
+
+        Nothing of a refused step was computed: its live rows' computed counts go back to where
+        it started them, so that releasing them offers the prefix cache no block whose keys and
+        values the step would have written (a resubmission of the same prompt would hit it)."""
+        step = entry.step
+        is_live = step.table.epoch.take(step.rows) == step.row_epochs
+        rows = step.rows[is_live]
+        step.table.num_computed[rows] = np.minimum(step.table.num_computed[rows], step.starts[is_live])
+        live = step.live_seqs()
         if entry.after_failure:
             self.core.recompute(live)
             return

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.messages import PLACEHOLDER_TOKEN, PromptImage, StepHeader
 from ipc.step_plan import STEP_PLAN, SlotSink
 from services.scheduler.request import Request
 
@@ -336,6 +336,7 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
     starts = step.starts
     num_new = step.num_new_tokens
     seq_lens = starts + num_new
+    images: list[tuple[int, PromptImage]] = []  # (first step token, image) of the chunks' images
     if num_decodes == num_seqs:
         positions = starts
         token_rows = rows
@@ -364,6 +365,7 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         for i in range(first_chunk, num_seqs):
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
+            images += [(q + image.start - s, image) for image in seqs[i].images if s <= image.start < e]
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
     if step.steady is not None:
         slot_mapping = step.steady.slot_mapping
@@ -389,6 +391,8 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         arrays.update(_logit_bias(step, seq_lens))
     if step.prompt_spans:
         arrays.update(_prompt_targets(step, constants["query_start_loc"], len(input_ids)))
+    if images:
+        arrays.update(_image_arrays(images, len(input_ids)))
     if step.proposals:
         num_proposed = np.zeros(num_seqs, np.int32)
         num_proposed[num_decodes : num_decodes + step.num_verifying] = [len(p) for p in step.proposals]
@@ -402,6 +406,24 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         lora_slots=list(step.lora_slots),
     )
     return header, arrays
+
+
+def _image_arrays(images: list[tuple[int, PromptImage]], num_tokens: int) -> dict[str, np.ndarray]:
+    """Where each image of the step's chunks is (each whole in its chunk: Request.image_cut) and
+    where its embeddings are; its tokens form a group that attends both ways."""
+    groups = np.full(num_tokens, -1, np.int32)
+    for g, (start, image) in enumerate(images):
+        groups[start : start + image.num_tokens] = g
+    return {
+        "image_groups": groups,
+        "image_starts": np.array([start for start, _ in images], np.int32),
+        "image_encoders": np.array([image.encoder for _, image in images], np.int32),
+        "image_slots": np.array([image.ref.slot for _, image in images], np.int32),
+        "image_sequences": np.array([image.ref.sequence for _, image in images], np.int64),
+        "image_keys": np.frombuffer(b"".join(image.key for _, image in images), np.uint8).reshape(
+            len(images), -1
+        ),
+    }
 
 
 def _decode_constants(step: ScheduledStep) -> dict[str, np.ndarray]:

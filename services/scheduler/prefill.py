@@ -67,7 +67,9 @@ class Prefill:
                 if not state.make_room(req, seqs):
                     continue
                 room = (len(req.block_ids) + blocks.num_available) * bs - done
-            n = min(req.num_tokens - done, budget, room)
+            n = req.image_cut(done + min(req.num_tokens - done, budget, room)) - done
+            if n <= 0:
+                continue  # its next image needs more room than this step has left
             state.grow(req, done + n)
             self._add(chunks, seqs, req, done, n)
             num_computed[req.row] = done + n
@@ -81,7 +83,7 @@ class Prefill:
             hits = self._prefix_hits(req)
             done = len(hits) * bs
             room = (len(hits) + blocks.num_available_besides(hits)) * bs - done
-            n = min(req.num_tokens - done, budget, room)
+            n = req.image_cut(done + min(req.num_tokens - done, budget, room)) - done
             if n <= 0 or (is_whole and n < req.num_tokens):
                 break  # an embedding input runs whole: it waits for a step with room for all of it
             if req.params.adapter:
@@ -137,5 +139,12 @@ class Prefill:
         num_full = (req.num_tokens - 1) // bs
         if num_full > len(req.block_hashes):
             start = len(req.block_hashes) * bs
-            blocks.extend_hashes(req.block_hashes, req.token_slice(start, num_full * bs), req.hash_root)
-        return blocks.match_prefix(req.block_hashes[:num_full])
+            blocks.extend_hashes(
+                req.block_hashes,
+                req.token_slice(start, num_full * bs),
+                req.hash_root,
+                req.block_salts(len(req.block_hashes), num_full, bs),
+            )
+        hits = blocks.match_prefix(req.block_hashes[:num_full])
+        # The worker places an image's embeddings whole: a hit ending inside one stops before it.
+        return hits[: req.image_cut(len(hits) * bs) // bs]

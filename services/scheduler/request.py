@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import zlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ipc.messages import SamplingParams
+from ipc.messages import PromptImage, SamplingParams
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -80,6 +81,7 @@ class Request:
         "finish_reason",
         "grammar",
         "grammar_future",
+        "images",
         "is_long_rope",
         "lora_slot",
         "num_cached_tokens",
@@ -106,12 +108,16 @@ class Request:
         params: SamplingParams,
         output_ids: list[int] | np.ndarray | None = None,
         arrival_time: float = 0.0,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         self.request_id = request_id
         self.tokenizer_id = tokenizer_id
         self.prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int32)
         self.output_ids: list[int] = [] if output_ids is None else [int(t) for t in output_ids]
         self.params = params
+        # Its prompt's images (ipc/messages.py PromptImage), in order: each computes whole, in
+        # one chunk, since its tokens attend to each other both ways.
+        self.images = tuple(images)
         self.priority = params.priority
         self.arrival_time = arrival_time
         self.arrival_order = 0  # set by the scheduler at admission
@@ -193,6 +199,29 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: lower priority value first, then first come first served."""
         return (self.priority, self.arrival_order)
+
+    def block_salts(self, first_block: int, end_block: int, block_size: int) -> list[bytes]:
+        """For each block in [first_block, end_block), the keys of the images its tokens show:
+        every image token has the same id, so without them two requests that differ only in
+        their images would share KV blocks. Empty for a request without images."""
+        if not self.images:
+            return []
+        return [
+            b"".join(
+                image.key
+                for image in self.images
+                if image.start < (j + 1) * block_size and image.start + image.num_tokens > j * block_size
+            )
+            for j in range(first_block, end_block)
+        ]
+
+    def image_cut(self, position: int) -> int:
+        """The latest position at or before `position` that no image straddles: where a chunk
+        may end, or a prefix hit (an image's tokens compute in one step)."""
+        for image in self.images:
+            if image.start < position < image.start + image.num_tokens:
+                return image.start
+        return position
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Token ids [start, end) of prompt + outputs as int32, without copying the whole history."""

@@ -127,7 +127,10 @@ class SchedulerState:
         if num_full > len(req.block_hashes):
             start = len(req.block_hashes) * self.block_size
             blocks.extend_hashes(
-                req.block_hashes, req.token_slice(start, num_full * self.block_size), req.hash_root
+                req.block_hashes,
+                req.token_slice(start, num_full * self.block_size),
+                req.hash_root,
+                req.block_salts(len(req.block_hashes), num_full, self.block_size),
             )
         for j in range(req.num_registered_blocks, num_full):
             blocks.register(req.block_ids[j], req.block_hashes[j])

@@ -17,13 +17,15 @@ from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
+from services.common.images import image_rules_of
 from services.common.pooling import embedding_of
 from services.common.text import Tokenizer
 from services.metrics import RequestMetrics
 from services.peers import Peers
 from services.request_sample import RequestSampler
 from services.stage import StageProcess
-from services.tokenizer.core import Reply, RequestError, TokenizerCore
+from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
+from services.tokenizer.encoders import EncoderClient
 
 POLL_MS = 100
 # How often a client with requests in flight is sent a HealthReply. A send to a client that has
@@ -83,6 +85,15 @@ class TokenizerProcess(StageProcess):
                 is_embedded_model=not config.model.path,
             ),
             embedding=embedding_of(config.model, Path(stage.info.model_dir)),
+            image_rules=image_rules_of(Path(stage.info.model_dir)),
+            num_encoders=config.encoder.replicas,
+            max_image_bytes=config.encoder.max_image_bytes,
+        )
+        # A request's images go to an encoder first; it reaches its scheduler once they are encoded.
+        self.encoders = (
+            EncoderClient(self.ctx, stage.endpoints, config.encoder.replicas)
+            if config.encoder.replicas
+            else None
         )
         self.next_stall_check = 0.0
         self.adapter_commands: dict[str, PendingAdapterCommand] = {}  # by the id sent to the groups
@@ -94,6 +105,8 @@ class TokenizerProcess(StageProcess):
         self.poller.register(self.clients.socket, zmq.POLLIN)
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.control.socket.socket, zmq.POLLIN)
+        for socket in self.encoders.sockets if self.encoders is not None else ():
+            self.poller.register(socket, zmq.POLLIN)
 
     def _request_sampler(self) -> RequestSampler | None:
         mlflow = self.stage.config.observability.mlflow
@@ -110,6 +123,8 @@ class TokenizerProcess(StageProcess):
         for entry in self.core.abort_connection(identity):
             self.log.info("client of %s disconnected; aborting it", entry.request_id)
             self._abort_upstream(entry.submit.request_id)
+            if self.encoders is not None:
+                self.encoders.forget(entry.submit.request_id)
 
     def _abort_orphan(self, engine_id: str) -> None:
         """Stop a copy that nobody here waits for: its admitter was a process at this index
@@ -172,11 +187,11 @@ class TokenizerProcess(StageProcess):
                 message = f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", message)))
                 return
-            if not self.schedulers[entry.group].put(entry.submit):
-                self.core.refuse(identity, request.request_id, "overloaded")
-                self.send(
-                    Reply(identity, m.ErrorReply(request.request_id, "overloaded", "engine queue is full"))
-                )
+            if entry.is_encoding:
+                assert self.encoders is not None  # the core admits images only with encoders
+                self.encoders.ask(entry.submit.request_id, entry.image_files, time.monotonic())
+            else:
+                self.submit(entry)
         elif isinstance(request, m.AdapterCommand):
             self.on_adapter_command(identity, request)
         elif isinstance(request, m.Abort):
@@ -187,12 +202,34 @@ class TokenizerProcess(StageProcess):
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "unknown_request", message)))
                 return
             self._abort_upstream(entry.submit.request_id)
+            if self.encoders is not None:
+                self.encoders.forget(entry.submit.request_id)
             final = m.Delta(
                 request.request_id, len(entry.output_ids), entry.num_chars, "", b"", finish_reason="abort"
             )
             self.send(Reply(identity, final))
         else:
             self.send(Reply(identity, self.health(self.core.missing(identity, request.request_ids))))
+
+    def submit(self, entry: JournalEntry) -> None:
+        if not self.schedulers[entry.group].put(entry.submit):
+            self.core.refuse(entry.identity, entry.request_id, "overloaded")
+            self.send(
+                Reply(entry.identity, m.ErrorReply(entry.request_id, "overloaded", "engine queue is full"))
+            )
+
+    def on_encoders(self) -> None:
+        """Encoders' answers (and requests past their deadline): each request goes on to its
+        scheduler with its images' places, or its client hears why its images could not be used."""
+        assert self.encoders is not None
+        for answer in self.encoders.receive() + self.encoders.tick(time.monotonic()):
+            outcome = self.core.on_encoded(
+                answer.request_id, answer.encoder, list(answer.keys), list(answer.refs), answer.error
+            )
+            if isinstance(outcome, Reply):
+                self.send(outcome)
+            elif outcome is not None:
+                self.submit(outcome)
 
     def on_adapter_command(self, identity: bytes, command: m.AdapterCommand) -> None:
         """Load, unload or list LoRA adapters: every engine group's scheduler does it, and the
@@ -255,6 +292,10 @@ class TokenizerProcess(StageProcess):
         elif isinstance(message, m.AdapterReply):
             self.on_adapter_reply(message)
         elif isinstance(message, m.RequestFailed):
+            entry = self.core.encode_again(message) if self.encoders is not None else None
+            if entry is not None:
+                self.encoders.ask(entry.submit.request_id, entry.image_files, time.monotonic())
+                return
             reply = self.core.fail(message)
             if reply is not None:
                 self.send(reply)
@@ -326,6 +367,11 @@ class TokenizerProcess(StageProcess):
             self.num_events += 1
         if self.clients.socket in events:
             self.on_client()
+            self.num_events += 1
+        if self.encoders is not None and (
+            self.encoders.pending or any(s in events for s in self.encoders.sockets)
+        ):
+            self.on_encoders()
             self.num_events += 1
         self.keep_alive()
         self.check_stalled()

@@ -25,6 +25,7 @@ from functools import cached_property
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ipc import messages as m
 from ipc.endpoints import shard_of
@@ -40,6 +41,7 @@ from ipc.validation import (
     validate_prompt_ids,
 )
 from services.common.grammar_compiler import GrammarError, check_constraint
+from services.common.images import ImageError, ImageRules, decode_data_url
 from services.common.pooling import Embedding
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tool_parsers import ToolParser, finish_reason
@@ -60,6 +62,9 @@ MAX_REDRIVES = 3
 # Constraints already checked (and the error of each bad one), by their text: a workload reuses a
 # few schemas, and a check compiles the grammar (about a millisecond).
 MAX_CHECKED_CONSTRAINTS = 256
+# Encodings of a request's images, when their embeddings keep leaving the cache before its
+# prefill (too many images in flight for encoder.cache_bytes), before it fails.
+MAX_ENCODINGS = 3
 
 
 def engine_id(tokenizer_id: int, identity: bytes, request_id: str) -> str:
@@ -109,6 +114,14 @@ class JournalEntry:
     # Cuts the finished output into content and tool calls (a request with tools, unless its
     # tool_choice is none); `text` then holds the whole output, streamed or not.
     tool_parser: ToolParser | None = None
+    # Images (services/common/images.py): the request's image files, kept to encode them again
+    # should their embeddings leave the encoder's cache before its prefill, and the prompt
+    # position of each image's first token. While it waits for its encoder's answer the request
+    # is the tokenizer's alone: nothing upstream has it to resubmit or to ask about.
+    image_files: list[bytes] = field(default_factory=list)
+    image_starts: list[int] = field(default_factory=list)
+    is_encoding: bool = False
+    num_encodings: int = 0
 
 
 @dataclass
@@ -158,8 +171,16 @@ class TokenizerCore:
         max_messages: int = 4096,
         template_timeout_s: float = 1.0,
         embedding: Embedding | None = None,
+        image_rules: ImageRules | None = None,
+        num_encoders: int = 0,
+        max_image_bytes: int = 10 << 20,
     ) -> None:
         self.tokenizer = tokenizer
+        # A vision-language model's image rules (None: the model reads no images), and the run's
+        # encoder replicas (services/encoder/), which turn a request's images into embeddings.
+        self.image_rules = image_rules
+        self.num_encoders = num_encoders
+        self.max_image_bytes = max_image_bytes
         self.embedding = embedding  # the run serves embeddings (services/common/pooling.py), not text
         self.tokenizer_id = tokenizer_id
         self.num_groups = num_groups
@@ -190,7 +211,9 @@ class TokenizerCore:
         self._check_budget(request)
         self._check_task(request)
         tools = self._tools(request)
-        prompt_ids = self._prompt_ids(request, tools)
+        image_files = self._image_files(request)
+        prompt_ids = self._prompt_ids(request, tools, len(image_files))
+        image_starts = self._image_starts(prompt_ids, len(image_files))
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
@@ -260,6 +283,10 @@ class TokenizerCore:
             request.stream,
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
+            image_files=image_files,
+            image_starts=image_starts,
+            is_encoding=bool(image_files),
+            num_encodings=int(bool(image_files)),
         )
         if request.tools is not None:
             entry.tool_parser = tool_parser_for(request.tools, self.auto_tool_format)
@@ -391,7 +418,53 @@ class TokenizerCore:
                 "(max_seq_length in its sentence_bert_config.json)",
             )
 
-    def _prompt_ids(self, request: m.Generate, tools: list[dict] | None) -> list[int]:
+    def _image_files(self, request: m.Generate) -> list[bytes]:
+        """The files of a chat's images, in order, each decoded from its data URL within
+        encoder.max_image_bytes (the encoder decodes the image itself). Raises RequestError."""
+        files: list[bytes] = []
+        for i, message in enumerate(request.messages or ()):
+            if not isinstance(message.content, list):
+                continue
+            for k, part in enumerate(message.content):
+                if not isinstance(part, m.ImagePart):
+                    continue
+                field = f"messages[{i}].content[{k}]"
+                if message.role != "user":
+                    raise RequestError("invalid_request", f"{field}: images are read in user turns only")
+                if self.image_rules is None:
+                    raise RequestError("invalid_request", f"{field}: this model reads no images")
+                if self.num_encoders == 0:
+                    raise RequestError(
+                        "invalid_request",
+                        f"{field}: this run reads no images (it runs no encoder: encoder.replicas 0)",
+                    )
+                try:
+                    files.append(decode_data_url(part.url, self.max_image_bytes))
+                except ImageError as exc:
+                    raise RequestError("invalid_request", f"{field}: {exc}") from None
+        return files
+
+    def _image_starts(self, prompt_ids: list[int], num_images: int) -> list[int]:
+        """The prompt position of each image's first token. Its image tokens must be exactly the
+        images' own: text that spells the image token would take embeddings no image gave."""
+        if num_images == 0:
+            return []  # a text-only request: any image token in it is text, read as such
+        assert self.image_rules is not None  # _image_files
+        per_image = self.image_rules.tokens_per_image
+        positions = np.flatnonzero(np.asarray(prompt_ids) == self.image_rules.image_token_id)
+        starts = positions[::per_image]
+        # Positions ascend, so each image's last token in its place makes its run contiguous.
+        if (
+            len(positions) != num_images * per_image
+            or (positions[per_image - 1 :: per_image] != starts + per_image - 1).any()
+        ):
+            raise RequestError(
+                "invalid_request",
+                f"messages: the text spells the image token {self.image_rules.image_token!r}",
+            )
+        return starts.tolist()
+
+    def _prompt_ids(self, request: m.Generate, tools: list[dict] | None, num_images: int = 0) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
@@ -432,6 +505,12 @@ class TokenizerCore:
                 check_prompt_chars(len(text), self.max_prompt_chars, " once rendered by the chat template")
             except PromptTooLong as exc:
                 raise RequestError(exc.code, str(exc)) from None
+            if num_images:
+                assert self.image_rules is not None  # _image_files
+                try:
+                    text = self.image_rules.expand(text, num_images)
+                except ImageError as exc:
+                    raise RequestError("invalid_request", f"messages: {exc}") from None
             return self.tokenizer.encode(text)
         try:
             return m.unpack_ids(request.prompt_token_ids or b"").tolist()
@@ -462,7 +541,8 @@ class TokenizerCore:
         for entry in self.journal.values():
             if entry.group >= self.num_groups:
                 entry.group = self._least_loaded_group()
-                moved.append((entry.group, self.resubmission(entry)))
+                if not entry.is_encoding:  # it goes to its new group once encoded
+                    moved.append((entry.group, self.resubmission(entry)))
         return moved
 
     def missing(self, identity: bytes, request_ids: list[str]) -> list[str]:
@@ -592,13 +672,54 @@ class TokenizerCore:
             final, finish_reason=reason, tools=m.ParsedTools(parsed.content, calls)
         )
 
+    def on_encoded(
+        self, request_id: str, encoder: int, keys: list[bytes], refs: list[m.SlotRef], error: str
+    ) -> JournalEntry | Reply | None:
+        """An encoder's answer for a request's images: the entry, its submission now naming where
+        each image's embeddings are, to send on; or the failure to send its client (a bad image
+        is a 400: invalid_request); None when the request is gone (aborted)."""
+        entry = self.journal.get(request_id)
+        if entry is None or not entry.is_encoding:
+            return None
+        if error:
+            code = "unavailable" if error.startswith("timeout") else "invalid_request"
+            return self.fail(m.RequestFailed(request_id, code, error))
+        per_image = self.image_rules.tokens_per_image if self.image_rules is not None else 0
+        images = [
+            m.PromptImage(start, per_image, encoder, ref, key)
+            for start, ref, key in zip(entry.image_starts, refs, keys, strict=True)
+        ]
+        entry.submit = msgspec.structs.replace(entry.submit, images=images)
+        entry.is_encoding = False
+        entry.progress_at = time.monotonic()  # its engine time starts now, for the watchdog
+        return entry
+
+    def encode_again(self, failure: m.RequestFailed) -> JournalEntry | None:
+        """The entry to send to its encoder again, its images' embeddings having left the cache
+        before its prefill (IMAGES_EVICTED); None when that is not this failure, or when it has
+        been encoded MAX_ENCODINGS times already (`fail` then fails it)."""
+        entry = self.journal.get(failure.request_id)
+        if failure.code != m.IMAGES_EVICTED or entry is None or entry.num_encodings >= MAX_ENCODINGS:
+            return None
+        entry.is_encoding = True
+        entry.num_encodings += 1
+        entry.submit = msgspec.structs.replace(entry.submit, images=[])
+        return entry
+
     def fail(self, failure: m.RequestFailed) -> Reply | None:
         if failure.request_id not in self.journal:
             return None
         entry = self._forget(failure.request_id)
+        code, message = failure.code, failure.message
+        if code == m.IMAGES_EVICTED:
+            code = "unavailable"
+            message = (
+                f"this request's images left the encoders' caches {entry.num_encodings} times before its "
+                f"prefill (encoder.cache_bytes is too small for the images in flight): {message}"
+            )
         if self.metrics is not None:
-            self.metrics.on_failure(failure.code)
-        return Reply(entry.identity, m.ErrorReply(entry.request_id, failure.code, failure.message))
+            self.metrics.on_failure(code)
+        return Reply(entry.identity, m.ErrorReply(entry.request_id, code, message))
 
     # -- re-driving delivery ------------------------------------------------------------------
 
@@ -611,7 +732,7 @@ class TokenizerCore:
 
     def resubmissions(self, group: int) -> list[m.SubmitRequest]:
         """Every journaled request of engine group `group` (its scheduler restarted)."""
-        return [self.resubmission(e) for e in self.journal.values() if e.group == group]
+        return [self.resubmission(e) for e in self.journal.values() if e.group == group and not e.is_encoding]
 
     def shard_resubmissions(self, shard: int, num_shards: int) -> list[tuple[int, m.SubmitRequest]]:
         """(group, resubmission) of every journaled request of detokenizer shard `shard` (it
@@ -619,7 +740,7 @@ class TokenizerCore:
         return [
             (e.group, self.resubmission(e))
             for request_id, e in self.journal.items()
-            if shard_of(request_id, num_shards) == shard
+            if shard_of(request_id, num_shards) == shard and not e.is_encoding
         ]
 
     def stalled(self, now: float) -> dict[int, list[str]]:
@@ -627,6 +748,8 @@ class TokenizerCore:
         were not asked about within it: the tokenizer asks their scheduler (QueryRequests)."""
         quiet: dict[int, list[str]] = defaultdict(list)
         for request_id, entry in self.journal.items():
+            if entry.is_encoding:
+                continue  # its encoder client has its own deadline
             if now - max(entry.progress_at, entry.checked_at) >= self.stall_timeout_s:
                 entry.checked_at, entry.is_asked = now, True
                 quiet[entry.group].append(request_id)

@@ -1,0 +1,56 @@
+"""The encoder stage's logic without its process: a request's images in, where their embeddings
+are in the shared-memory cache out (docs/architecture.md "Images")."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ipc import messages as m
+from ipc.embedding_cache import EmbeddingCache
+from services.common.images import ImageError, ImageRules, open_image, pixels_key
+from services.encoder.vision import VisionEncoder
+
+
+class EncoderCore:
+    """Decodes each image within `max_image_pixels`, resizes and normalizes it by the model's
+    rules, and runs the vision tower on the images the cache lacks, all of one request in one
+    batch. An image already cached (by the content of its pixels) costs its decode only."""
+
+    def __init__(
+        self, vision: VisionEncoder, rules: ImageRules, cache: EmbeddingCache, max_image_pixels: int
+    ) -> None:
+        self.vision = vision
+        self.rules = rules
+        self.cache = cache
+        self.max_image_pixels = max_image_pixels
+        self.num_encoded = 0  # images run through the tower
+        self.num_cached = 0  # images the cache had
+
+    def encode(self, request: m.EncodeImages) -> m.ImagesEncoded:
+        if len(request.images) > self.cache.num_slots:
+            return m.ImagesEncoded(
+                request.request_id,
+                error=f"{len(request.images)} images; this encoder's cache holds {self.cache.num_slots} "
+                "(encoder.cache_bytes)",
+            )
+        keys: list[bytes] = []
+        new: dict[bytes, np.ndarray] = {}
+        for i, data in enumerate(request.images):
+            try:
+                pixels = self.rules.pixels(open_image(data, self.max_image_pixels))
+            except ImageError as exc:
+                return m.ImagesEncoded(request.request_id, error=f"images[{i}]: {exc}")
+            key = pixels_key(pixels)
+            keys.append(key)
+            if key not in new and self.cache.find(key) is None:
+                new[key] = pixels
+        if new:
+            embeddings = self.vision.encode(torch.from_numpy(np.stack(list(new.values()))))
+            for key, rows in zip(new, embeddings.numpy(), strict=True):
+                self.cache.put(key, rows)
+        self.num_encoded += len(new)
+        self.num_cached += len(keys) - len(new)
+        # After every put: no image of this request can have evicted another (the count check).
+        refs = [self.cache.find(key) for key in keys]
+        return m.ImagesEncoded(request.request_id, keys=keys, refs=refs)  # type: ignore[arg-type]

@@ -1,0 +1,207 @@
+"""The vision side of a vision-language model: pixels in, the embeddings its image tokens take out.
+
+One family so far, Gemma 3 (`Gemma3ForConditionalGeneration`): a SigLIP vision tower over a fixed
+image size (no pooling head), then the multi-modal projector, which average-pools the patch grid
+down to `mm_tokens_per_image` tokens, RMS-normalizes them (Gemma's `1 + w` scale) and projects them
+to the language model's width. The embeddings are what the language model puts in place of its
+image tokens as they are: Gemma scales its text embeddings by sqrt(hidden_size), never these.
+
+Plain torch over the checkpoint's own safetensors, so the encoder stage needs neither
+transformers nor the worker's loader (docs/architecture.md invariant 10).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+TOWER = "tower."
+PROJECTOR = "projector."
+# The checkpoint names of the tower's and projector's weights, by where they come from: the hub's
+# Gemma 3 checkpoints, transformers' in-memory names, and what transformers 5 saves. The first
+# matching prefix is replaced by TOWER or PROJECTOR.
+CHECKPOINT_PREFIXES = (
+    ("model.vision_tower.vision_model.", TOWER),
+    ("vision_tower.vision_model.", TOWER),
+    ("vision_tower.", TOWER),
+    ("model.multi_modal_projector.", PROJECTOR),
+    ("multi_modal_projector.", PROJECTOR),
+)
+
+
+def _short_name(name: str) -> str | None:
+    for prefix, short in CHECKPOINT_PREFIXES:
+        if name.startswith(prefix):
+            return short + name[len(prefix) :]
+    return None
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """What the tower and projector need from config.json's `vision_config` and top level."""
+
+    image_size: int
+    patch_size: int
+    hidden_size: int
+    num_heads: int
+    num_layers: int
+    layer_norm_eps: float
+    hidden_act: str
+    tokens_per_image: int
+    text_hidden_size: int
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VisionConfig:
+        if "Gemma3ForConditionalGeneration" not in d.get("architectures", []):
+            raise ValueError(f"no vision encoder for architectures {d.get('architectures')}: only Gemma 3's")
+        v = d["vision_config"]
+        tokens = d.get("mm_tokens_per_image", 256)
+        config = cls(
+            image_size=v["image_size"],
+            patch_size=v["patch_size"],
+            hidden_size=v["hidden_size"],
+            num_heads=v["num_attention_heads"],
+            num_layers=v["num_hidden_layers"],
+            layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+            tokens_per_image=tokens,
+            text_hidden_size=d["text_config"]["hidden_size"],
+        )
+        side = math.isqrt(tokens)
+        if side * side != tokens or config.patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image {tokens} must be a square whose side divides the "
+                f"{config.patches_per_side} patches per side"
+            )
+        return config
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> VisionConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def _activation(name: str):
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"vision tower activation {name!r} is not supported (gelu_pytorch_tanh, gelu)")
+
+
+class VisionEncoder:
+    """The tower and projector's weights, and `encode`: pixel batches to image-token embeddings."""
+
+    def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        missing = [name for name in self.weight_names() if name not in weights]
+        if missing:
+            raise ValueError(f"the checkpoint lacks vision weights: {', '.join(missing[:4])}")
+        self.w = {name: weights[name].to(dtype) for name in self.weight_names()}
+        self.act = _activation(config.hidden_act)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype = torch.float32) -> VisionEncoder:
+        model_dir = Path(model_dir)
+        config = VisionConfig.from_dir(model_dir)
+        weights = {}
+        for path in _safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safetensors file is no dict)
+                    short = _short_name(name)
+                    if short is not None:
+                        weights[short] = f.get_tensor(name)
+        return cls(config, weights, dtype)
+
+    def weight_names(self) -> list[str]:
+        names = [
+            TOWER + "embeddings.patch_embedding.weight",
+            TOWER + "embeddings.patch_embedding.bias",
+            TOWER + "embeddings.position_embedding.weight",
+            TOWER + "post_layernorm.weight",
+            TOWER + "post_layernorm.bias",
+            PROJECTOR + "mm_input_projection_weight",
+            PROJECTOR + "mm_soft_emb_norm.weight",
+        ]
+        for i in range(self.config.num_layers):
+            layer = f"{TOWER}encoder.layers.{i}."
+            for module in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj",
+                           "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):  # fmt: skip
+                names += [layer + module + ".weight", layer + module + ".bias"]
+        return names
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[images, 3, image_size, image_size] normalized pixels -> [images, tokens_per_image,
+        text hidden size] embeddings, in float32."""
+        c, w = self.config, self.w
+        if pixels.shape[1:] != (3, c.image_size, c.image_size):
+            raise ValueError(
+                f"pixels of shape {tuple(pixels.shape)}, expected [n, 3, {c.image_size}, {c.image_size}]"
+            )
+        x = F.conv2d(
+            pixels.to(self.dtype),
+            w[TOWER + "embeddings.patch_embedding.weight"],
+            w[TOWER + "embeddings.patch_embedding.bias"],
+            stride=c.patch_size,
+        )
+        x = x.flatten(2).transpose(1, 2) + w[TOWER + "embeddings.position_embedding.weight"]
+        for i in range(c.num_layers):
+            x = self._layer(x, f"{TOWER}encoder.layers.{i}.")
+        x = self._layer_norm(x, TOWER + "post_layernorm")
+        return self._project(x).float()
+
+    def _layer_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(
+            x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.config.layer_norm_eps
+        )
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+
+    def _layer(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        c = self.config
+        n, length, width = x.shape
+        h = self._layer_norm(x, prefix + "layer_norm1")
+        heads = [
+            self._linear(h, prefix + f"self_attn.{p}_proj").view(n, length, c.num_heads, -1).transpose(1, 2)
+            for p in ("q", "k", "v")
+        ]
+        # Every patch sees every other: the tower has no mask.
+        attn = F.scaled_dot_product_attention(*heads)
+        x = x + self._linear(attn.transpose(1, 2).reshape(n, length, width), prefix + "self_attn.out_proj")
+        h = self._layer_norm(x, prefix + "layer_norm2")
+        return x + self._linear(self.act(self._linear(h, prefix + "mlp.fc1")), prefix + "mlp.fc2")
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        c, w = self.config, self.w
+        n, _, width = x.shape
+        grid = x.transpose(1, 2).reshape(n, width, c.patches_per_side, c.patches_per_side)
+        kernel = c.patches_per_side // math.isqrt(c.tokens_per_image)
+        pooled = F.avg_pool2d(grid, kernel_size=kernel, stride=kernel).flatten(2).transpose(1, 2)
+        # Gemma's RMSNorm: in float32, scaled by (1 + w).
+        p = pooled.float()
+        p = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + c.layer_norm_eps)
+        p = (p * (1.0 + w[PROJECTOR + "mm_soft_emb_norm.weight"].float())).to(self.dtype)
+        return p @ w[PROJECTOR + "mm_input_projection_weight"]

@@ -1,0 +1,133 @@
+"""Images in chat requests, on the tokenizer's side: decoding with limits, Gemma 3's resize and
+normalization against HF's image processor, and the expansion of image placeholders against HF's
+processor's input ids, on the tiny random Gemma 3 VLM's own files."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.common.images import ImageError, ImageRules, decode_data_url, open_image, pixels_key
+from services.common.text import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+MAX_BYTES = 1 << 20
+MAX_PIXELS = 4096 * 4096
+
+
+def encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **options)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def noise(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    channels = len(mode)
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, channels), dtype=np.uint8).squeeze(), mode)
+
+
+@pytest.mark.parametrize(
+    ("image", "fmt"),
+    [
+        (noise(50, 37), "PNG"),  # neither side the model's, up and down
+        (noise(300, 120, seed=1), "JPEG"),
+        (noise(70, 90, "RGBA", seed=2), "PNG"),  # transparency goes over white
+        (noise(40, 40, seed=3).convert("P"), "GIF"),
+    ],
+)
+def test_gemma3_pixels_equal_hf_image_processor(
+    tiny_gemma3_vlm_dir: Path, image: Image.Image, fmt: str
+) -> None:
+    from transformers import AutoImageProcessor
+
+    hf = AutoImageProcessor.from_pretrained(tiny_gemma3_vlm_dir)
+    data = encoded(image, fmt)
+    expected = hf(images=Image.open(io.BytesIO(data)), return_tensors="np")["pixel_values"][0]
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    got = rules.pixels(open_image(decode_data_url(data_url(data), MAX_BYTES), MAX_PIXELS))
+    assert got.shape == expected.shape == (3, 64, 64)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_gemma3_image_tokens_equal_hf_processor(tiny_gemma3_vlm_dir: Path, num_images: int) -> None:
+    from transformers import AutoProcessor
+
+    images = [noise(32, 48, seed=i) for i in range(num_images)]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}]},
+        {"role": "model", "content": "A picture."},
+        {
+            "role": "user",
+            "content": [{"type": "image"}] * (num_images - 1) + [{"type": "text", "text": "And?"}],
+        },
+    ]
+    hf = AutoProcessor.from_pretrained(tiny_gemma3_vlm_dir)
+    hf_text = hf.apply_chat_template(messages, add_generation_prompt=True)
+    expected = hf(text=hf_text, images=images, return_tensors="np")["input_ids"][0].tolist()
+
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    tokenizer = Tokenizer(tiny_gemma3_vlm_dir)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(rules.expand(text, num_images))
+    assert ids == expected
+    assert ids.count(rules.image_token_id) == 4 * num_images
+    with pytest.raises(ImageError, match=f"rendered {num_images} image placeholders for 3 images"):
+        rules.expand(text, 3)
+
+
+def test_pixels_key_is_by_content_not_encoding(tiny_gemma3_vlm_dir: Path) -> None:
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    image = noise(64, 64)
+    as_png = rules.pixels(open_image(encoded(image, "PNG"), MAX_PIXELS))
+    as_webp = rules.pixels(open_image(encoded(image, "WEBP", lossless=True), MAX_PIXELS))
+    assert pixels_key(as_png) == pixels_key(as_webp)
+    assert pixels_key(as_png) != pixels_key(
+        rules.pixels(open_image(encoded(noise(64, 64, seed=9), "PNG"), MAX_PIXELS))
+    )
+
+
+PNG = encoded(noise(20, 20), "PNG")
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("https://example.com/cat.png", "only data: URLs"),
+        ("data:text/plain;base64,aGVsbG8=", "media type is text/plain, not an image"),
+        ("data:image/png,rawbytes", "must be base64"),
+        ("data:image/png;base64,@@@@", "not valid base64"),
+        (data_url(b"\0" * (MAX_BYTES + 10)), f"over the {MAX_BYTES}-byte limit"),
+    ],
+)
+def test_bad_data_urls_are_refused_by_name(url: str, problem: str) -> None:
+    with pytest.raises(ImageError, match=problem):
+        decode_data_url(url, MAX_BYTES)
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (PNG[: len(PNG) // 2], "truncated or corrupt"),
+        (b"%PDF-1.4 not a picture", "not an image of a supported type"),
+        (encoded(noise(8, 8), "BMP"), "type BMP is not supported"),
+        # One colour compresses to little, and would decode to 75 MB; 20000 x 20000 to 1.2 GB,
+        # which PIL itself refuses to open.
+        (encoded(Image.new("RGB", (5000, 5000)), "PNG"), "5000x5000 is over the 16777216-pixel limit"),
+        (encoded(Image.new("L", (20000, 20000)), "PNG"), "over the 16777216-pixel limit"),
+    ],
+)
+def test_bad_images_are_refused_by_name(data: bytes, problem: str) -> None:
+    with pytest.raises(ImageError, match=problem):
+        open_image(data, MAX_PIXELS)
