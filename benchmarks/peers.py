@@ -15,7 +15,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,9 +211,11 @@ def _group_members(pgid: int) -> list[int]:
 
 @contextlib.contextmanager
 def llama_server(
-    binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log_path: Path
-) -> Iterator[int]:
-    """Run `llama-server` with `slots` parallel slots on 127.0.0.1; yields its port; kills it after."""
+    binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log_path: Path,
+    extra_args: Sequence[str] = (),
+) -> Iterator[int]:  # fmt: skip
+    """Run `llama-server` with `slots` parallel slots on 127.0.0.1 (and `extra_args`, such as its
+    speculation options); yields its port; kills it after."""
     port = free_port()
     argv = [
         str(binary),
@@ -232,6 +234,7 @@ def llama_server(
         "--threads-batch",
         str(threads),
         "--cont-batching",
+        *extra_args,
     ]
     with http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S) as port:
         yield port
@@ -411,6 +414,22 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
                 return
             # One event per sampled token (newer servers also list them under "tokens").
             yield len(event.get("tokens") or [None])
+
+
+async def llama_timed_completion(
+    port: int, prompt: str, output_len: int
+) -> tuple[list[tuple[float, int]], dict]:
+    """POST /completion of `prompt` (text), streamed, greedy, ignore_eos: the arrival time
+    (perf_counter) and token count of each event, and the last event's `timings` (where a
+    speculating server counts its drafted and accepted tokens)."""
+    body = {"prompt": prompt, "n_predict": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    arrivals: list[tuple[float, int]] = []
+    async with contextlib.aclosing(_post_events(port, "/completion", body, "llama-server", 503)) as events:
+        async for event in events:
+            if event.get("stop"):
+                return arrivals, event.get("timings") or {}
+            arrivals.append((time.perf_counter(), len(event.get("tokens") or [None])))
+    return arrivals, {}
 
 
 async def openai_stream(

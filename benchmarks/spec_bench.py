@@ -1,24 +1,36 @@
 """Speculative decoding benchmark (docs/speculative.md): time per output token at one stream,
-n-gram speculation on against off, on prompts that restate or edit a given text and on open chat.
+n-gram speculation on against off, on prompts that restate or edit a given text and on open chat;
+and llama.cpp's server with and without its own n-gram speculation on the same prompts.
 
     python benchmarks/spec_bench.py [--rounds 3] [--output-len 96] [--num-speculative-tokens 4]
+        [--llama-server PATH | --no-llama] [--llama-spec-args "--spec-type ngram-simple"]
         [--set key=value ...] [--json FILE]
 
-Two Brigade runs of the same config serve side by side, one with `speculative.method: ngram`;
-each prompt goes to one and then the other, alternating which goes first, one request at a time
-(c=1), so both see the same host load. Greedy, ignore_eos, the same max_tokens. Per prompt set it
-reports TPOT p50 / mean of each, their ratio, and the mean acceptance length (1 + accepted
-proposals per verification, from the run's spec_decode_* counters on /metrics).
+Two Brigade runs of the same config serve side by side, one with `speculative.method: ngram`, and
+two llama-servers (one slot each, the same GGUF), one started with `--llama-spec-args`. Each
+prompt goes to every engine in turn, rotating which goes first, one request at a time (c=1), so
+all see the same host load. Greedy, ignore_eos, the same max_tokens, the same chat template (the
+GGUF's). Per prompt set it reports each engine's TPOT p50 / mean, each speculating engine's p50
+against its own engine without speculation, and how much was accepted: Brigade's mean acceptance
+length (1 + accepted proposals per verification, from its spec_decode_* counters on /metrics) and
+llama.cpp's accepted share of drafted tokens (from its `timings`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import os
+import shlex
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,9 +65,17 @@ SETS = {"restate": RESTATE, "chat": CHAT}
 COUNTERS = ("brigade:spec_decode_num_drafts_total", "brigade:spec_decode_num_accepted_tokens_total")
 
 
-def tpot_ms(client, prompt: str, output_len: int) -> float:
-    """One streamed greedy chat request; its time per output token after the first, in ms."""
-    times: list[tuple[float, int]] = []
+def tpot_ms(arrivals: list[tuple[float, int]], what: str) -> float:
+    """Time per output token after the first event's, in ms, from (arrival time, tokens) events."""
+    num_tokens = sum(n for _, n in arrivals)
+    if num_tokens < 2:
+        raise RuntimeError(f"{num_tokens} tokens for {what}")
+    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / (num_tokens - arrivals[0][1])
+
+
+def brigade_tpot_ms(client, prompt: str, output_len: int) -> float:
+    """One streamed greedy chat request to Brigade; its time per output token after the first."""
+    arrivals = []
     for delta in client.stream(
         messages=[{"role": "user", "content": prompt}],
         max_tokens=output_len,
@@ -64,12 +84,29 @@ def tpot_ms(client, prompt: str, output_len: int) -> float:
         timeout=600,
     ):
         if delta.token_ids:
-            times.append((time.perf_counter(), len(delta.token_ids)))
-    num_tokens = sum(n for _, n in times)
-    if num_tokens < 2:
-        raise RuntimeError(f"{num_tokens} tokens for {prompt[:40]!r}")
-    # Tokens after the first delta's, over the time since it.
-    return (times[-1][0] - times[0][0]) * 1000 / (num_tokens - times[0][1])
+            arrivals.append((time.perf_counter(), len(delta.token_ids)))
+    return tpot_ms(arrivals, repr(prompt[:40]))
+
+
+class LlamaEngine:
+    """One llama-server: the prompt through its own chat template (/apply-template), then a
+    streamed greedy /completion; the drafted and accepted tokens it reports are summed."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.drafted = self.accepted = 0
+
+    def tpot_ms(self, prompt: str, output_len: int) -> float:
+        body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/apply-template", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            text = json.loads(reply.read())["prompt"]
+        arrivals, timings = asyncio.run(peers.llama_timed_completion(self.port, text, output_len))
+        self.drafted += timings.get("draft_n", 0)
+        self.accepted += timings.get("draft_n_accepted", 0)
+        return tpot_ms(arrivals, repr(prompt[:40]))
 
 
 def counters(port: int) -> dict[str, float]:
@@ -78,90 +115,169 @@ def counters(port: int) -> dict[str, float]:
     return spec_decode_counters(port)
 
 
+def start_brigades(args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path) -> dict[str, tuple]:
+    """The two Brigade runs, off and ngram, started together: name -> (run, metrics port)."""
+    runs = {}
+    for name, extra in (
+        ("off", []),
+        (
+            "ngram",
+            ["speculative.method=ngram", f"speculative.num_speculative_tokens={args.num_speculative_tokens}"],
+        ),
+    ):
+        metrics_port = peers.free_port()
+        overrides = [
+            "model.dtype=float32",
+            f"gateway.port={peers.free_port()}",
+            f"supervisor.metrics_port={metrics_port}",
+            *args.set,
+            *extra,
+        ]
+        run_dir = Path(tempfile.mkdtemp(prefix=f"spec-bench-{name}-"))
+        run = BrigadeProcess(run_dir, args.config, overrides, log_dir / f"{name}.log")
+        stack.callback(stop_run, name, run)
+        runs[name] = (run, metrics_port)
+    for run, _ in runs.values():
+        run.wait_ready(READY_TIMEOUT_S)
+    return runs
+
+
+def stop_run(name: str, run: BrigadeProcess) -> None:
+    leftovers = run.stop()
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    if leftovers:
+        print(f"warning: the {name} run left {leftovers} behind (removed)", file=sys.stderr)
+
+
+def start_llamas(
+    args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path
+) -> dict[str, LlamaEngine]:
+    """llama-server without and with its n-gram speculation, or none (saying why)."""
+    binary = (
+        None
+        if args.no_llama
+        else Path(args.llama_server)
+        if args.llama_server
+        else peers.default_llama_server()
+    )
+    if binary is None:
+        print(
+            "llama.cpp skipped: "
+            + ("--no-llama" if args.no_llama else "no llama-server (give --llama-server PATH)")
+        )
+        return {}
+    from services.gpu_worker.loader import default_model_path
+
+    gguf = Path(default_model_path())
+    context = 4096  # the longest prompt and its output, with room
+    engines = {}
+    for name, extra in (("llama", []), ("llama_ngram", shlex.split(args.llama_spec_args))):
+        port = stack.enter_context(
+            peers.llama_server(binary, gguf, 1, context, args.threads, log_dir / f"{name}.log", extra)
+        )
+        engines[name] = LlamaEngine(port)
+    return engines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--set", action="append", default=[], help="config overrides for both runs")
-    parser.add_argument("--rounds", type=int, default=3, help="times each prompt is sent to each run")
+    parser.add_argument("--rounds", type=int, default=3, help="times each prompt is sent to each engine")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--llama-server", help="llama-server binary (default: PATH, then the cached build)")
+    parser.add_argument("--no-llama", action="store_true", help="Brigade only")
+    parser.add_argument(
+        "--llama-spec-args",
+        default="--spec-type ngram-simple",
+        help="llama-server's speculation options for its speculating instance",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
     parser.add_argument("--json", type=Path, default=Path("spec_bench.json"))
     args = parser.parse_args(argv)
     from client import Client
 
     log_dir = Path(tempfile.mkdtemp(prefix="spec-bench-logs-"))
-    runs: dict[str, tuple[BrigadeProcess, int]] = {}
     report: dict = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "sets": {}}
-    try:
-        for name, extra in (
-            ("off", []),
-            (
-                "ngram",
-                [
-                    "speculative.method=ngram",
-                    f"speculative.num_speculative_tokens={args.num_speculative_tokens}",
-                ],
-            ),
-        ):
-            metrics_port = peers.free_port()
-            overrides = [
-                "model.dtype=float32",
-                f"gateway.port={peers.free_port()}",
-                f"supervisor.metrics_port={metrics_port}",
-                *args.set,
-                *extra,
-            ]
-            run_dir = Path(tempfile.mkdtemp(prefix=f"spec-bench-{name}-"))
-            runs[name] = (
-                BrigadeProcess(run_dir, args.config, overrides, log_dir / f"{name}.log"),
-                metrics_port,
-            )
-        for run, _ in runs.values():
-            run.wait_ready(READY_TIMEOUT_S)
-        with Client(runs["off"][0].run_dir) as off, Client(runs["ngram"][0].run_dir) as on:
-            clients = {"off": off, "ngram": on}
-            for name in clients:  # warm up each run once
-                tpot_ms(clients[name], CHAT[0], 8)
-            for set_name, prompts in SETS.items():
-                before = counters(runs["ngram"][1])
-                tpots: dict[str, list[float]] = {"off": [], "ngram": []}
-                for r in range(args.rounds):
-                    for i, prompt in enumerate(prompts):
-                        order = ("off", "ngram") if (r + i) % 2 == 0 else ("ngram", "off")
-                        for name in order:
-                            tpots[name].append(tpot_ms(clients[name], prompt, args.output_len))
-                after = counters(runs["ngram"][1])
-                drafts = after.get(COUNTERS[0], 0) - before.get(COUNTERS[0], 0)
-                accepted = after.get(COUNTERS[1], 0) - before.get(COUNTERS[1], 0)
-                stats = {
-                    name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
-                    for name, v in tpots.items()
-                }
-                stats["ratio_p50"] = stats["ngram"]["tpot_p50_ms"] / stats["off"]["tpot_p50_ms"]
-                stats["acceptance_length"] = 1 + accepted / drafts if drafts else None
-                stats["verifications"] = drafts
-                report["sets"][set_name] = stats
-    finally:
-        for name, (run, _) in runs.items():
-            leftovers = run.stop()
-            shutil.rmtree(run.run_dir, ignore_errors=True)
-            if leftovers:
-                print(f"warning: the {name} run left {leftovers} behind (removed)", file=sys.stderr)
-    print(f"\nc=1, {args.output_len} tokens, greedy; k={args.num_speculative_tokens}; logs in {log_dir}")
-    print(
-        f"{'set':<10}{'off p50':>10}{'ngram p50':>11}{'ratio':>8}{'off mean':>10}{'ngram mean':>12}{'accept len':>12}"
-    )
-    for set_name, s in report["sets"].items():
-        accept = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
-        print(
-            f"{set_name:<10}{s['off']['tpot_p50_ms']:>10.1f}{s['ngram']['tpot_p50_ms']:>11.1f}{s['ratio_p50']:>8.2f}"
-            f"{s['off']['tpot_mean_ms']:>10.1f}{s['ngram']['tpot_mean_ms']:>12.1f}{accept:>12}"
-        )
+    with contextlib.ExitStack() as stack:
+        runs = start_brigades(args, stack, log_dir)
+        llamas = start_llamas(args, stack, log_dir)
+        off = stack.enter_context(Client(runs["off"][0].run_dir))
+        on = stack.enter_context(Client(runs["ngram"][0].run_dir))
+        engines: dict[str, Callable[[str, int], float]] = {
+            "off": partial(brigade_tpot_ms, off),
+            "ngram": partial(brigade_tpot_ms, on),
+            **{name: engine.tpot_ms for name, engine in llamas.items()},
+        }
+        for measure in engines.values():  # warm each engine up once
+            measure(CHAT[0], 8)
+        for set_name, prompts in SETS.items():
+            before = counters(runs["ngram"][1])
+            drafted_before = {name: (e.drafted, e.accepted) for name, e in llamas.items()}
+            tpots: dict[str, list[float]] = {name: [] for name in engines}
+            names = list(engines)
+            for r in range(args.rounds):
+                for i, prompt in enumerate(prompts):
+                    shift = (r * len(prompts) + i) % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        tpots[name].append(engines[name](prompt, args.output_len))
+            after = counters(runs["ngram"][1])
+            drafts = after.get(COUNTERS[0], 0) - before.get(COUNTERS[0], 0)
+            accepted = after.get(COUNTERS[1], 0) - before.get(COUNTERS[1], 0)
+            stats: dict = {
+                name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
+                for name, v in tpots.items()
+            }
+            stats["ratio_p50"] = stats["ngram"]["tpot_p50_ms"] / stats["off"]["tpot_p50_ms"]
+            stats["acceptance_length"] = 1 + accepted / drafts if drafts else None
+            stats["verifications"] = drafts
+            if "llama_ngram" in llamas:
+                engine = llamas["llama_ngram"]
+                drafted = engine.drafted - drafted_before["llama_ngram"][0]
+                kept = engine.accepted - drafted_before["llama_ngram"][1]
+                stats["llama_ratio_p50"] = stats["llama_ngram"]["tpot_p50_ms"] / stats["llama"]["tpot_p50_ms"]
+                stats["llama_accepted_share"] = kept / drafted if drafted else None
+                stats["ngram_vs_llama_ngram_p50"] = (
+                    stats["ngram"]["tpot_p50_ms"] / stats["llama_ngram"]["tpot_p50_ms"]
+                )
+            report["sets"][set_name] = stats
+    print_table(report, args, log_dir)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     return 0
+
+
+def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
+    print(
+        f"\nc=1, {args.output_len} tokens, greedy; Brigade k={args.num_speculative_tokens}; logs in {log_dir}"
+    )
+    print("| set | engine | TPOT p50 (ms) | TPOT mean (ms) | speculation / off (p50) | accepted |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for set_name, s in report["sets"].items():
+        rows = [
+            ("Brigade", "off", None, None),
+            ("Brigade n-gram", "ngram", s["ratio_p50"], s["acceptance_length"]),
+        ]
+        if "llama" in s:
+            rows += [
+                ("llama.cpp", "llama", None, None),
+                ("llama.cpp n-gram", "llama_ngram", s["llama_ratio_p50"], s["llama_accepted_share"]),
+            ]
+        for label, key, ratio, accepted in rows:
+            ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
+            if accepted is None:
+                accepted_text = ""
+            elif key == "ngram":
+                accepted_text = f"length {accepted:.2f}"
+            else:
+                accepted_text = f"{accepted:.0%} of drafts"
+            e = s[key]
+            print(
+                f"| {set_name} | {label} | {e['tpot_p50_ms']:.1f} | {e['tpot_mean_ms']:.1f} | {ratio_text} | {accepted_text} |"
+            )
 
 
 if __name__ == "__main__":
