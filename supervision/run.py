@@ -107,8 +107,14 @@ def prepare_model(config: Config) -> Path:
 
 
 # What a stage needs once it is another user: the interpreter and its standard library (imported
-# lazily: a codec, say), and to read the model and reach the run dir.
+# lazily: a codec, say), every directory it imports from (uvicorn, transformers and others import
+# modules as they first need them, after the drop), and to read the model and reach the run dir.
 USER_PROBE = "import encodings.unicode_escape, os, sys; [os.listdir(p) for p in sys.argv[1:]]"
+
+
+def import_dirs() -> list[Path]:
+    """The directories this process imports from (the code and its packages): the stages'."""
+    return [Path(entry) for entry in sys.path if entry and os.path.isdir(entry)]
 
 
 def check_user_can_run(name: str, uid: int, gid: int, paths: list[Path]) -> None:
@@ -296,9 +302,8 @@ class Run:
             return
         uid, gid = resolve_user(config.supervisor.run_as)
         assert self.info is not None  # published first
-        check_user_can_run(
-            config.supervisor.run_as, uid, gid, [self.run_dir.parent, Path(self.info.model_dir)]
-        )
+        needed = [self.run_dir.parent, Path(self.info.model_dir), *import_dirs()]
+        check_user_can_run(config.supervisor.run_as, uid, gid, needed)
         audit = self.run_dir / AUDIT_FILE
         if not config.observability.audit_log and not audit.exists():
             audit.touch(0o600)  # the stages append to it too: not a file only root may write

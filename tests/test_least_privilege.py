@@ -143,7 +143,20 @@ def test_a_root_supervisor_runs_its_stages_as_run_as(run, tmp_path: Path, tiny_m
             if not (os.path.exists(system_python) and user_can_run_python(system_python, nobody)):
                 pytest.skip(f"no Python here that nobody can run ({sys.executable} is private to root)")
             command = (system_python, "supervisor.py")
-            env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *site.getsitepackages()])}
+            code = [str(REPO_ROOT), *site.getsitepackages()]
+            env = {"PYTHONPATH": os.pathsep.join(code)}
+            if not user_can_list(system_python, code, nobody):
+                # This checkout or its packages are private to root too (a clone in a mkdtemp dir):
+                # refused by name before any stage starts, rather than a stage failing on a lazy import.
+                done = subprocess.run(
+                    [system_python, "supervisor.py", "--run-dir", str(run_dir), "--set", f"model.path={model}",
+                     "--set", "supervisor.run_as=nobody", "--set", "supervisor.metrics_port=0",
+                     "--set", f"gateway.port={free_port()}"],
+                    cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env,
+                )  # fmt: skip
+                assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+                assert "error: supervisor.run_as: user 'nobody' could not run the stages" in done.stderr
+                pytest.skip(f"nobody cannot read this checkout or its packages ({code})")
         with brigade_run(
             run_dir, f"model.path={model}", "model.max_model_len=512", "supervisor.run_as=nobody",
             command=command, env=env,
@@ -160,6 +173,13 @@ def user_can_run_python(python: str, user: pwd.struct_passwd) -> bool:
                               group=user.pw_gid, extra_groups=[], capture_output=True, cwd="/", timeout=60)  # fmt: skip
     except PermissionError:  # the interpreter itself is out of its reach
         return False
+    return done.returncode == 0
+
+
+def user_can_list(python: str, paths: list[str], user: pwd.struct_passwd) -> bool:
+    done = subprocess.run([python, "-c", "import os, sys; [os.listdir(p) for p in sys.argv[1:]]", *paths],
+                          user=user.pw_uid, group=user.pw_gid, extra_groups=[], capture_output=True, cwd="/",
+                          timeout=60)  # fmt: skip
     return done.returncode == 0
 
 
