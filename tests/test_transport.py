@@ -99,7 +99,8 @@ def test_plain_tcp_beyond_loopback_or_curve_without_keys_is_refused(keys) -> Non
 def test_ports_are_one_block_per_link_kind() -> None:
     assert link_port(20000, "supervisor", 0) == 20000
     assert link_port(20000, "tokenizer", 3) == 20000 + PORTS_PER_KIND + 3
-    assert link_port(20000, "detokenizer_in", 0) == 20000 + PORT_SPAN - PORTS_PER_KIND
+    assert link_port(20000, "detokenizer_in", 0) == 20000 + 5 * PORTS_PER_KIND
+    assert link_port(20000, "encoder", PORTS_PER_KIND - 1) == 20000 + PORT_SPAN - 1  # the last block
     with pytest.raises(ValueError, match="at most"):
         link_port(20000, "tokenizer", PORTS_PER_KIND)
     endpoints = Endpoints("/r", "run", TCP, NetworkPlan(30000, {}, None))
