@@ -409,11 +409,18 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
     }
     # aclosing: returning at "stop" closes the connection now, not when the generator is collected.
     async with contextlib.aclosing(_post_events(port, "/completion", body, "llama-server", 503)) as events:
+        streamed = 0
         async for event in events:
             if event.get("stop"):
+                # A token whose text completes no UTF-8 character gets no event of its own: the
+                # last event's count of predicted tokens accounts for them.
+                if event.get("tokens_predicted", 0) > streamed:
+                    yield event["tokens_predicted"] - streamed
                 return
             # One event per sampled token (newer servers also list them under "tokens").
-            yield len(event.get("tokens") or [None])
+            count = len(event.get("tokens") or [None])
+            streamed += count
+            yield count
 
 
 async def llama_timed_completion(
