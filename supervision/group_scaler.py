@@ -50,7 +50,10 @@ class GroupScaler:
         )
         if len(schedulers) < current or not all(s.is_ready for s in schedulers):
             return
-        loads = [GroupLoad(s.load.num_waiting, s.load.num_running, s.load.kv_usage) for s in schedulers]
+        loads = [
+            GroupLoad(s.load.num_waiting, s.load.num_running, s.load.kv_usage, s.load.ttft_p90_s or None)
+            for s in schedulers
+        ]
         decision = self.policy.decide(current, loads, self.host_limit)
         if decision is not None:
             self.apply(decision, loads)
@@ -73,7 +76,10 @@ class GroupScaler:
         if error:
             log.error("autoscale: engine groups stay %d: %s", groups, error)
         self.target = groups
-        inputs = [{"waiting": g.num_waiting, "running": g.num_running, "kv_usage": g.kv_usage} for g in loads]
+        inputs = [
+            {"waiting": g.num_waiting, "running": g.num_running, "kv_usage": g.kv_usage, "ttft_s": g.ttft_s}
+            for g in loads
+        ]
         self.audit.autoscale(
             decision.direction, decision.current, decision.target, decision.reason, decision.needed,
             inputs, groups, error,

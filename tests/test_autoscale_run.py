@@ -113,3 +113,26 @@ def test_a_burst_adds_an_engine_group_and_idling_gives_it_back(tmp_path: Path, t
         }  # one group serves on
     assert run.process.returncode == 0
     assert_clean(run_dir)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two engine groups of one thread need two cores")
+def test_slow_first_tokens_alone_add_an_engine_group(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """autoscale.target_ttft_s: the schedulers' heartbeats carry their recent TTFT p90, and a
+    target no request can meet adds a group when nothing else asks for one (nothing waits)."""
+    run_dir = tmp_path / "run"
+    ttft_only = ("autoscale.enabled=true", "autoscale.max_groups=2", "autoscale.target_waiting=1000",
+                 "autoscale.target_ttft_s=0.0001", "autoscale.scale_up_cooldown_s=0",
+                 "autoscale.scale_down_cooldown_s=600")  # fmt: skip
+    with brigade_run(run_dir, f"model.path={tiny_model_dir}", *COMMON, *ttft_only) as run:
+        assert len(Streams(run_dir, range(1)).texts()) == 1
+        wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=2, timeout=180)
+        deadline = time.monotonic() + 30  # the audit line follows the change it records
+        while not (events := autoscale_events(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (up,) = events
+        assert (up["direction"], up["current"], up["target"], up["error"]) == ("up", 1, 2, ""), up
+        assert up["reason"].startswith("ttft needs"), up
+        assert up["loads"][0]["waiting"] == 0 and up["loads"][0]["ttft_s"] > 0.0001, up
+        assert up["needed"]["ttft"] > 1 > up["needed"]["waiting"], up
+    assert run.process.returncode == 0
+    assert_clean(run_dir)

@@ -9,6 +9,7 @@ sharing, chunking, preemption and recompute are all checked by comparing outputs
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -663,6 +664,29 @@ def test_burst_fills_free_slots_before_the_waiting_bound_applies() -> None:
     sched.add(make_request("late", [1, 2, 3]))
     with pytest.raises(Overloaded):
         sched.add(make_request("later", [1, 2, 3]))
+
+
+def test_each_request_times_its_first_token_once_for_the_autoscaler() -> None:
+    """recent_ttft_p90 (the heartbeat's ttft_p90_s): one sample per request, at its first output
+    token (after the last chunk of a chunked prompt), from its arrival; old samples leave it."""
+    sched = Scheduler(small_config(max_num_batched_tokens=32))
+    executor = FakeExecutor(sched)
+    assert sched.recent_ttft_p90() == 0.0
+    begin = time.monotonic()
+    waits = {"long": 2.0, "short": 0.5}  # seconds each had waited before the scheduler got it
+    prompts = {"long": list(range(1, 101)), "short": [5, 6, 7]}  # the long one takes 4 chunks
+    for rid, wait in waits.items():
+        params = engine_params(max_tokens=4, ignore_eos=True, seed=7)
+        sched.add(Request(rid, 0, np.array(prompts[rid], np.int32), params, arrival_time=begin - wait))
+    drive(sched, executor)
+    elapsed = time.monotonic() - begin
+    samples = [seconds for _, seconds in sched.results.first_token_times]
+    assert len(samples) == 2  # not one per token or per chunk
+    assert 2.0 <= max(samples) <= 2.0 + elapsed and 0.5 <= min(samples) <= 0.5 + elapsed
+    assert sched.recent_ttft_p90() == pytest.approx(float(np.percentile(samples, 90)))
+    assert min(samples) + 0.9 * (max(samples) - min(samples)) == pytest.approx(sched.recent_ttft_p90())
+    assert sched.results.recent_ttft_p90(window_s=0.0) == 0.0  # the window forgets them
+    assert sched.recent_ttft_p90() == 0.0
 
 
 def test_resubmission_continues_at_its_position() -> None:

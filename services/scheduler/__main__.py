@@ -521,6 +521,7 @@ class SchedulerProcess(StageProcess):
             num_malformed=self.num_malformed,
             tokens_total=self.num_tokens,
             prefix_hit_rate=core.prefix_hit_rate if core else 0.0,
+            ttft_p90_s=core.recent_ttft_p90() if core else 0.0,
             # Read from the request lists only when the heartbeat goes out (not at every step).
             **(self.adapters_in_use() if self.control.seconds_until_due() == 0 else {}),
         )

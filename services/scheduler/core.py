@@ -128,6 +128,10 @@ class Scheduler:
     def num_prefix_hit_tokens(self) -> int:
         return self.prefill.num_prefix_hit_tokens
 
+    def recent_ttft_p90(self) -> float:
+        """p90 seconds from a request's arrival here to its first token, over the recent ones."""
+        return self.results.recent_ttft_p90()
+
     @property
     def queue_times(self) -> deque[float]:
         """Queue times of requests scheduled for the first time, for the process to drain."""

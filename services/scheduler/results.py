@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -17,6 +19,12 @@ from services.scheduler.plan import UPDATE_COLUMNS, ScheduledStep
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.speculation import Speculation
 from services.scheduler.state import SchedulerState
+
+# The autoscaler's TTFT signal: the first tokens of the last TTFT_WINDOW_S seconds (at most
+# FIRST_TOKEN_TIMES_KEPT of them, the newest), so that a burst shows within one heartbeat and a
+# quiet minute forgets it.
+TTFT_WINDOW_S = 30.0
+FIRST_TOKEN_TIMES_KEPT = 1024
 
 
 class RequestOutput(msgspec.Struct, gc=False):
@@ -202,6 +210,17 @@ class Results:
         self.state = state
         self.decode = decode  # keeps the running line's per-row lists
         self.speculation = speculation  # counts what verifications accepted
+        # (when, seconds from arrival) of each first output token, for the autoscaler's TTFT.
+        self.first_token_times: deque[tuple[float, float]] = deque(maxlen=FIRST_TOKEN_TIMES_KEPT)
+
+    def recent_ttft_p90(self, window_s: float = TTFT_WINDOW_S) -> float:
+        """The 90th percentile of the times to first token of the last `window_s` seconds (from
+        the scheduler's receipt of each request), or 0.0 when no request got one in it."""
+        since = time.monotonic() - window_s
+        times = self.first_token_times
+        while times and times[0][0] < since:
+            times.popleft()
+        return float(np.percentile([seconds for _, seconds in times], 90)) if times else 0.0
 
     def update(
         self,
@@ -295,6 +314,11 @@ class Results:
         known, check_from, num_prompt = table.ints[UPDATE_COLUMNS].take(sampled_rows, axis=1)
         num_tokens = known + 1
         table.num_tokens.put(sampled_rows, num_tokens)
+        is_first = known == num_prompt
+        if np.count_nonzero(is_first):
+            now = time.monotonic()
+            for j in np.flatnonzero(is_first).tolist():
+                self.first_token_times.append((now, now - seqs[int(sampled[j])].arrival_time))
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
         candidates = num_tokens >= check_from
         eos_token_ids = state.eos_token_ids
