@@ -76,7 +76,7 @@ def test_a_queue_on_the_scheduler_adds_a_group_through_the_transition_and_is_aud
         "groups": 2,
         "error": "",
     }
-    assert event["loads"] == [{"waiting": 6, "running": 2, "kv_usage": 0.25}]
+    assert event["loads"] == [{"waiting": 6, "running": 2, "kv_usage": 0.25, "ttft_s": None}]
     assert event["needed"]["waiting"] == 3.0
     assert scaler.sample() == EngineGroupsSample(current=2, target=2, decisions_up=1, decisions_down=0)
 
