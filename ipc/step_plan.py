@@ -281,11 +281,14 @@ STEP_RESULT = SlotSpec(
         ArraySpec("prompt_top_ids", I32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-1, optional=True),
         ArraySpec("prompt_top_logprobs", F32, (Dim.SCORED, Dim.PROMPT_TOP_K), fill=-np.inf, optional=True),
         # A step with num_proposed: each sampled row's new tokens (the accepted proposals, then the
-        # target's own next token; padded with -1), their raw logprobs, and how many. sampled_ids
+        # target's own next token; padded with -1), their raw logprobs, and how many, then the top
+        # logprobs at each new token as top_ids / top_logprobs hold them for one. sampled_ids
         # and sampled_logprobs then hold the row's last new token, the input of its next decode.
         ArraySpec("emitted_ids", I32, (S, Dim.EMITTED), fill=-1, optional=True),
         ArraySpec("emitted_logprobs", F32, (S, Dim.EMITTED), optional=True),
         ArraySpec("num_emitted", I32, (S,), optional=True),
+        ArraySpec("emitted_top_ids", I32, (S, Dim.EMITTED, Dim.TOP_K), fill=-1, optional=True),
+        ArraySpec("emitted_top_logprobs", F32, (S, Dim.EMITTED, Dim.TOP_K), fill=-np.inf, optional=True),
         # An embedding model (services/common/pooling.py): each sampled row's pooled final
         # token states, un-normalized (the scheduler truncates and normalizes); other rows zero.
         ArraySpec("pooled", F32, (S, Dim.HIDDEN), optional=True),
@@ -298,6 +301,9 @@ STEP_RESULT = SlotSpec(
         Dim.HIDDEN: ("pooled", 1),
     },
 )
+
+# The result arrays of a step with proposals (in services/scheduler/results.py EmittedArrays' order).
+EMITTED_ARRAYS = ("emitted_ids", "emitted_logprobs", "num_emitted", "emitted_top_ids", "emitted_top_logprobs")
 
 # The most logit-bias entries one row's plan carries: the user's, plus -inf on eos and stop ids
 # while min_tokens holds (eos ids: a handful per model).

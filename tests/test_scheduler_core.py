@@ -215,10 +215,13 @@ class FakeExecutor:
         logprobs = np.zeros(num_seqs, np.float32)
         num_proposed = a.get("num_proposed", np.zeros(num_seqs, np.int32))
         width = 1 + int(num_proposed.max(initial=0))
+        k = header.max_top_logprobs
         emitted = {
             "emitted_ids": np.full((num_seqs, width), -1, np.int32),
             "emitted_logprobs": np.zeros((num_seqs, width), np.float32),
             "num_emitted": np.zeros(num_seqs, np.int32),
+            "emitted_top_ids": np.tile(np.arange(k, dtype=np.int32), (num_seqs, width, 1)),
+            "emitted_top_logprobs": np.zeros((num_seqs, width, k), np.float32),
         }
         for i, req in enumerate(step.seqs):
             n = int(seq_lens[i])
@@ -276,7 +279,6 @@ class FakeExecutor:
             emitted["num_emitted"][i] = len(new)
             self.last_sampled[int(a["rows"][i])] = (step_id, n - d + len(new) - 1, int(sampled[i]))
         self.emitted = emitted if "num_proposed" in a else {}
-        k = header.max_top_logprobs
         top_ids = np.tile(np.arange(k, dtype=np.int32), (num_seqs, 1))
         return sampled, logprobs, top_ids, np.zeros((num_seqs, k), np.float32)
 

@@ -35,12 +35,14 @@ from tests.test_scheduler_core import (
     VOCAB,
     FakeExecutor,
     assert_no_leaks,
+    drive,
     engine_params,
     event_st,
     reference_outputs,
     request_st,
     run_traffic,
     scheduler_config,
+    tokens_of,
 )
 
 # ---- the n-gram proposer ----------------------------------------------------------------------
@@ -422,10 +424,9 @@ def test_plans_with_proposals_the_worker_refuses(runner, prompts):
         ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
         ({"num_proposed": [8]}, "no room"),
         ({"is_sampled": [0]}, "samples nothing"),
-        ({"num_logprobs": [2]}, "cannot sample exactly"),
         (
             {"grammar_rows": [0], "grammar_bitmask": np.full((1, vocab_words(runner.vocab_size)), -1)},
-            "cannot sample exactly",
+            "constrained row",
         ),
     ]:
         with pytest.raises(InvalidPlan, match=message):
@@ -542,8 +543,9 @@ def test_random_traffic_with_verifications_gives_the_plain_outputs(
 
 
 def test_a_request_that_cannot_be_verified_exactly_never_speculates():
-    """Requests for top logprobs decode one token per step; the same prompt greedy, sampled, with
-    a logit bias, with penalties or with min_tokens verifies proposals."""
+    """A request that opts out (speculate false) decodes one token per step; the same prompt
+    greedy, sampled, with a logit bias, with penalties, with min_tokens or with top logprobs
+    verifies proposals, and a top-logprobs request gets its top logprobs with every token."""
     prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
 
     def drafts_of(params: dict) -> int:
@@ -557,14 +559,18 @@ def test_a_request_that_cannot_be_verified_exactly_never_speculates():
             )
         )
         request_params = engine_params(max_tokens=30, seed=1, ignore_eos=True, **params)
-        spec = ("r", prompt, request_params, reference_outputs(prompt, [], request_params, 64), [])
-        got, _ = run_traffic(sched, FakeExecutor(sched), False, [spec], [])
-        assert [token for token, _ in got["r"]] == spec[3]
+        sched.add(Request("r", 0, np.array(prompt, np.int32), request_params))
+        outputs = drive(sched, FakeExecutor(sched))["r"]
+        assert tokens_of(outputs) == reference_outputs(prompt, [], request_params, 64)
+        k = params.get("logprobs", 0)
+        for out in outputs:  # the fake worker's top ids are 0..k-1
+            assert out.top_logprobs == ([{i: 0.0 for i in range(k)}] if k else []), params
         assert sched.speculation is not None
         return sched.speculation.num_drafts
 
-    assert drafts_of(dict(temperature=0.0, logprobs=2)) == 0
+    assert drafts_of(dict(temperature=0.0, speculate=False)) == 0
     for params in [
+        dict(temperature=0.0, logprobs=2),
         dict(temperature=0.0),
         dict(temperature=0.7, top_p=0.9),
         dict(temperature=0.0, logit_bias={9: 1.0}),

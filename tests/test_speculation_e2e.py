@@ -46,8 +46,9 @@ SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_b
 def serve_all(
     tmp_path_factory: pytest.TempPathFactory, requests: list[tuple[str, dict]], *overrides: str
 ) -> tuple[list[tuple], dict[str, float]]:
-    """Every request, streamed and not, all at once; their (token ids, text, finish reason), and
-    the run's spec_decode_* counters. Every request has a logprob for each of its tokens."""
+    """Every request, streamed and not, all at once; their (token ids, text, finish reason, top
+    logprobs or None), and the run's spec_decode_* counters. Every request has a logprob for each
+    of its tokens, and top logprobs for each where it asks for them."""
     run_dir = tmp_path_factory.mktemp("spec")
     metrics_port = free_port()
     with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", *overrides) as run:
@@ -62,15 +63,17 @@ def serve_all(
                     deltas = list(client.stream_chat(messages, **args))
                     logprobs = [x for d in deltas for x in d.logprobs or []]
                     assert len(logprobs) == sum(len(d.token_ids) for d in deltas)
+                    tops = [x for d in deltas for x in d.top_logprobs or []] or None
                     return (
                         [t for d in deltas for t in d.token_ids],
                         "".join(d.text for d in deltas),
                         deltas[-1].finish_reason,
+                        tops,
                     )
                 result = client.chat(messages, **args)
                 assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
                 assert all(x <= 0.0 for x in result.logprobs)
-                return result.token_ids, result.text, result.finish_reason
+                return result.token_ids, result.text, result.finish_reason, result.top_logprobs
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(one, jobs))
@@ -108,7 +111,7 @@ def test_seeded_sampled_requests_speculate_and_keep_their_text(
         tmp_path_factory, SAMPLED_REQUESTS, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
     )
     assert speculated == plain
-    assert all(finish in ("stop", "length") for _, _, finish in speculated)
+    assert all(finish in ("stop", "length") for _, _, finish, _ in speculated)
     assert plain[0] == plain[1]  # streamed or not, the same seed gives the same text
     drafts = counters["brigade:spec_decode_num_drafts_total"]
     accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]
@@ -150,3 +153,28 @@ def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(
         assert chat() == opted_out
         assert spec_decode_counters(metrics_port)["brigade:spec_decode_num_drafts_total"] > 0
     assert_clean(run_dir)
+
+
+def test_requests_with_top_logprobs_speculate_and_keep_them(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    """Verification returns the top logprobs at each token it emits: a greedy and a seeded
+    sampled request asking for them speculate (proposals accepted), and emit the tokens and the
+    top logprobs (the same ids, the values within float32 noise: a verification computes several
+    positions in one pass) that they emit without speculation."""
+    requests = [(RESTATE, {"logprobs": 3}), (RESTATE, {"temperature": 0.7, "seed": 3, "logprobs": 2})]
+    plain, _ = serve_all(tmp_path_factory, requests)
+    speculated, counters = serve_all(
+        tmp_path_factory, requests, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
+    )
+    assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
+    for (_, sampling), i in zip(requests, range(0, 2 * len(requests), 2), strict=True):
+        for stream in (0, 1):
+            want, got = plain[i + stream], speculated[i + stream]
+            assert got[:3] == want[:3], f"{sampling} stream={stream}"
+            k = sampling["logprobs"]
+            assert want[3] is not None and len(want[3]) == len(want[0])
+            assert got[3] is not None and len(got[3]) == len(got[0])
+            for position, (mine, theirs) in enumerate(zip(got[3], want[3], strict=True)):
+                assert len(mine) == k and list(mine) == list(theirs), f"{sampling} token {position}"
+                assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)

@@ -14,7 +14,15 @@ from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.embedding_cache import EmbeddingCache
 from ipc.messages import PLACEHOLDER_TOKEN, SlotRef, StepHeader
-from ipc.step_plan import IMAGE_KEY_BYTES, STEP_PLAN, STEP_RESULT, Dim, SlotMismatch, vocab_words
+from ipc.step_plan import (
+    EMITTED_ARRAYS,
+    IMAGE_KEY_BYTES,
+    STEP_PLAN,
+    STEP_RESULT,
+    Dim,
+    SlotMismatch,
+    vocab_words,
+)
 from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
 from services.common.vision_language import language_model_config
@@ -357,7 +365,7 @@ class ModelRunner:
         self._sampled_step[sampled_table_rows] = header.step_id
         self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
         if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
-            result.update(self._verify(hidden, residual, arrays, verifying, rows, header.step_id))
+            result.update(self._verify(hidden, residual, arrays, verifying, k, header.step_id))
         if len(rows) == 0 or not self.parallel.is_driver:
             return result
         sampled = self.sampler.sample(logits, arrays, rows)
@@ -478,7 +486,7 @@ class ModelRunner:
         residual: torch.Tensor,
         arrays: dict[str, np.ndarray],
         verifying: np.ndarray,
-        sampling: np.ndarray,
+        max_top_logprobs: int,
         step_id: int,
     ) -> dict[str, np.ndarray]:
         """Verification of the `verifying` rows' proposals (services/gpu_worker/speculation.py):
@@ -493,11 +501,13 @@ class ModelRunner:
             "emitted_ids": np.full((num_seqs, width), -1, np.int32),
             "emitted_logprobs": np.zeros((num_seqs, width), np.float32),
             "num_emitted": np.zeros(num_seqs, np.int32),
+            "emitted_top_ids": np.full((num_seqs, width, max_top_logprobs), -1, np.int32),
+            "emitted_top_logprobs": np.full((num_seqs, width, max_top_logprobs), -np.inf, np.float32),
             "sampled_ids": np.full(num_seqs, -1, np.int32),
             "sampled_logprobs": np.zeros(num_seqs, np.float32),
         }
         if len(verifying) == 0:
-            return {name: out[name] for name in ("emitted_ids", "emitted_logprobs", "num_emitted")}
+            return {name: out[name] for name in EMITTED_ARRAYS}
         ends = arrays["query_start_loc"][verifying + 1].astype(np.int64)
         counts = proposed[verifying].astype(np.int64) + 1  # the last known token and each proposal
         firsts = ends - counts
@@ -506,6 +516,8 @@ class ModelRunner:
         targets = target_tokens(self.sampler, logits, arrays, verifying)
         target_logprobs = targets.sampled_logprobs.cpu().numpy()
         targets_host = targets.sampled_ids.cpu().numpy()
+        top = targets.numpy() if max_top_logprobs else None
+        k = min(max_top_logprobs, top["top_ids"].shape[1]) if top is not None else 0
         input_ids = arrays["input_ids"]
         lasts = np.empty(len(verifying), np.int64)
         offset = 0
@@ -518,6 +530,9 @@ class ModelRunner:
             out["emitted_ids"][i, :n] = new
             out["emitted_logprobs"][i, :n] = target_logprobs[offset : offset + n]
             out["num_emitted"][i] = n
+            if top is not None:
+                out["emitted_top_ids"][i, :n, :k] = top["top_ids"][offset : offset + n, :k]
+                out["emitted_top_logprobs"][i, :n, :k] = top["top_logprobs"][offset : offset + n, :k]
             out["sampled_ids"][i] = new[-1]
             out["sampled_logprobs"][i] = target_logprobs[offset + n - 1]
             lasts[j] = offset + n - 1
@@ -618,11 +633,9 @@ def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
         raise InvalidPlan("step plan: a row's proposals leave no room for its last known token")
     if not arrays["is_sampled"][verifying].all():
         raise InvalidPlan("step plan: proposals on a row that samples nothing")
-    if (arrays["num_logprobs"][verifying] != 0).any() or (
-        "grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any()
-    ):
+    if "grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any():
         raise InvalidPlan(
-            "step plan: proposals on a row that verification cannot sample exactly (grammar or top logprobs)"
+            "step plan: proposals on a constrained row, which verification cannot sample exactly"
         )
     ends = qsl[verifying + 1].astype(np.int64)
     proposals = np.concatenate(

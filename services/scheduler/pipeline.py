@@ -28,7 +28,7 @@ import numpy as np
 from ipc.codec import RESULT_HEADER, STEP_HEADER
 from ipc.messages import ResultHeader
 from ipc.shm import RingTimeout, ShmRing
-from ipc.step_plan import STEP_RESULT, Dim, SlotMismatch
+from ipc.step_plan import EMITTED_ARRAYS, STEP_RESULT, Dim, SlotMismatch
 from services.scheduler.core import Scheduler, StepOutputs
 from services.scheduler.plan import ScheduledStep, write_plan
 from services.scheduler.request import Request
@@ -41,8 +41,6 @@ StepResult = tuple[ResultHeader, dict[str, np.ndarray]]
 T = TypeVar("T")
 # The result arrays of prompt logprobs, in PromptScoreArrays' order.
 PROMPT_SCORE_ARRAYS = ("prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs")
-# The result arrays of verifications, in EmittedArrays' order.
-EMITTED_ARRAYS = ("emitted_ids", "emitted_logprobs", "num_emitted")
 
 
 class WorkerLost(Exception):
@@ -154,7 +152,7 @@ class StepPipeline:
                 PromptScoreArrays(*(arrays[name] for name in PROMPT_SCORE_ARRAYS))
                 if "prompt_logprobs" in arrays
                 else None,
-                EmittedArrays(*(arrays[name] for name in EMITTED_ARRAYS))
+                EmittedArrays(*(arrays.get(name) for name in EMITTED_ARRAYS))
                 if "emitted_ids" in arrays
                 else None,
                 arrays.get("pooled"),

@@ -172,7 +172,6 @@ class PlanTable:
             self.num_lora_rows += 1
         self.may_speculate[row] = (
             p.speculate
-            and p.logprobs == 0
             and req.grammar is None
             and req.lora_slot < 0  # verification runs the base model's weights only
         )

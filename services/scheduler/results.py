@@ -66,6 +66,8 @@ class EmittedArrays(NamedTuple):
     ids: np.ndarray  # [S, E] int32
     logprobs: np.ndarray  # [S, E] float32
     counts: np.ndarray  # [S] int32
+    top_ids: np.ndarray | None = None  # [S, E, K] int32, K the step's most top logprobs
+    top_logprobs: np.ndarray | None = None  # [S, E, K] float32
 
 
 NO_TOP_LOGPROBS: list[dict[int, float]] = []  # shared by outputs without top logprobs: never mutated
@@ -395,10 +397,18 @@ class Results:
         state = self.state
         table = state.table
         bs = state.block_size
-        columns: tuple[list, ...] = ([], [], [], [], [], [], [], [])
-        request_ids, tokenizer_ids, start_indices, token_ids, logprobs, reasons, prompt_lens, cached_lens = (
-            columns
-        )
+        columns: tuple[list, ...] = ([], [], [], [], [], [], [], [], [])
+        (
+            request_ids,
+            tokenizer_ids,
+            start_indices,
+            token_ids,
+            logprobs,
+            tops,
+            reasons,
+            prompt_lens,
+            cached_lens,
+        ) = columns
         max_model_len = state.config.max_model_len
         for i in verifying.tolist():
             req = step.seqs[i]
@@ -409,8 +419,13 @@ class Results:
             self.speculation.applied(len(proposal), num_emitted)
             reason = None
             history = table.history.get(row)  # only rows that apply penalties have one
-            for token, logprob in zip(
-                emitted.ids[i, :num_emitted].tolist(), emitted.logprobs[i, :num_emitted].tolist(), strict=True
+            k = req.params.logprobs or 0
+            for j, (token, logprob) in enumerate(
+                zip(
+                    emitted.ids[i, :num_emitted].tolist(),
+                    emitted.logprobs[i, :num_emitted].tolist(),
+                    strict=True,
+                )
             ):
                 req.output_ids.append(token)
                 if history is not None:
@@ -428,6 +443,15 @@ class Results:
                 start_indices.append(req.num_output_tokens - 1)
                 token_ids.append(token)
                 logprobs.append(logprob)
+                if k and emitted.top_ids is not None and emitted.top_logprobs is not None:
+                    top = zip(
+                        emitted.top_ids[i, j, :k].tolist(),
+                        emitted.top_logprobs[i, j, :k].tolist(),
+                        strict=True,
+                    )
+                    tops.append([dict(top)])
+                else:
+                    tops.append(NO_TOP_LOGPROBS)
                 reasons.append(reason)
                 prompt_lens.append(req.num_prompt_tokens)
                 cached_lens.append(req.num_cached_tokens)
@@ -452,7 +476,7 @@ class Results:
             np.array(start_indices, np.int32),
             np.array(token_ids, np.int32),
             np.array(logprobs, np.float32),
-            [NO_TOP_LOGPROBS] * len(request_ids),
+            tops,
             reasons,
             prompt_lens,
             cached_lens,
