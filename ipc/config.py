@@ -57,6 +57,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Literal["cpu", "cuda"] = "cpu"
     data_parallel: Positive = 1
     tensor_parallel: Positive = 1
+    # A mixture of experts' experts divided among the tensor-parallel ranks, whole, rather than
+    # each expert's columns split over every rank (services/gpu_worker/model.py Shard).
+    expert_parallel: bool = False
     devices: list[NonNegative] = []  # CUDA device ids for all workers, in order; [] = 0..D*T-1
     block_size: Positive = 16
     kv_cache_mib: Positive = 512  # CPU KV budget per worker

@@ -139,8 +139,22 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
             f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its intermediate size "
             f"{intermediate} is not divisible by {tp}"
         )
-    # A mixture of experts splits each expert's (and the shared expert's) columns the same way.
-    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+    # A mixture of experts splits each expert's (and the shared expert's) columns the same way, or
+    # with expert parallelism divides the experts, whole, among the ranks.
+    num_experts = int(
+        raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
+    )
+    if config.engine.expert_parallel and not num_experts:
+        raise Refused(f"engine.expert_parallel: {model_dir.name} is not a mixture of experts")
+    if config.engine.expert_parallel and num_experts % tp:
+        raise Refused(
+            f"engine.expert_parallel cannot divide {model_dir.name}'s {num_experts} experts among "
+            f"engine.tensor_parallel={tp} ranks"
+        )
+    split_keys = ("shared_expert_intermediate_size",) if config.engine.expert_parallel else (
+        "moe_intermediate_size", "shared_expert_intermediate_size",
+    )  # fmt: skip
+    for key in split_keys:
         if int(raw.get(key) or 0) % tp:
             raise Refused(
                 f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its {key} {raw[key]} is not "

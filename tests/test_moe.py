@@ -276,7 +276,7 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     assert got == expected
 
 
-def full_and_rank_models(model_dir: Path) -> tuple:
+def full_and_rank_models(model_dir: Path, expert_parallel: bool = False) -> tuple:
     """(the whole model, [rank 0's, rank 1's] of two), loaded from `model_dir`."""
     import json
 
@@ -289,7 +289,8 @@ def full_and_rank_models(model_dir: Path) -> tuple:
     load_weights(full, model_dir)
     parts = []
     for rank in range(2):
-        parts.append(LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, Parallel(rank, 2)))
+        parallel = Parallel(rank, 2, expert_parallel)
+        parts.append(LlamaModel(config, torch.float32, torch.device("cpu"), BLOCK, parallel))
         load_weights(parts[-1], model_dir)
     return full, parts
 
@@ -335,7 +336,7 @@ def test_gpt_oss_tensor_parallel_matches_hf(tmp_path: Path) -> None:
     check_tensor_parallel_against_hf(model_dir)
 
 
-def check_tensor_parallel_against_hf(model_dir: Path) -> None:
+def check_tensor_parallel_against_hf(model_dir: Path, expert_parallel: bool = False) -> None:
     """Two ranks over gloo against HF's logits and greedy tokens (chunked prefill, decodes)."""
     from transformers import AutoModelForCausalLM
 
@@ -351,7 +352,7 @@ def check_tensor_parallel_against_hf(model_dir: Path) -> None:
         for _ in range(NEW_TOKENS):
             ids.append(int(hf_logits(hf, ids).argmax()))
         tokens.append(ids[len(prompt) :])
-    got = run_group(2, model_dir, steps(tokens, FAMILY_PROMPTS))[0][1]
+    got = run_group(2, model_dir, steps(tokens, FAMILY_PROMPTS), expert_parallel=expert_parallel)[0][1]
     histories = step_histories(FAMILY_PROMPTS, tokens)
     assert got is not None and len(got) == len(histories)
     for step, (rows, row_histories) in enumerate(zip(got, histories, strict=True)):

@@ -141,7 +141,14 @@ def free_port() -> int:
 
 
 def rank_main(
-    rank: int, world: int, port: int, model_dir: str, plans: list, out: mp.Queue, execute: bool = False
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    plans: list,
+    out: mp.Queue,
+    execute: bool = False,
+    expert_parallel: bool = False,
 ) -> None:
     """One tensor-parallel rank: join the group, load its shard, run the plans, report (the logits,
     or with `execute` the sampled ids of rank 0)."""
@@ -150,7 +157,7 @@ def rank_main(
     from services.gpu_worker.parallel import init_parallel
 
     torch.set_num_threads(1)
-    parallel = init_parallel(rank, world, "127.0.0.1", port, torch.device("cpu"), 120)
+    parallel = init_parallel(rank, world, "127.0.0.1", port, torch.device("cpu"), 120, expert_parallel)
     # Different budgets per rank: the group must agree on the smallest.
     budget = (KV_MIB << 20) // (rank + 1)
     runner = ModelRunner(Path(model_dir), dtype="float32", kv_cache_bytes=budget, parallel=parallel)
@@ -163,13 +170,17 @@ def rank_main(
 
 
 def run_group(
-    world: int, model_dir: Path, plans: list, execute: bool = False
+    world: int, model_dir: Path, plans: list, execute: bool = False, expert_parallel: bool = False
 ) -> dict[int, tuple[int, list | None]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, str(model_dir), plans, out, execute), daemon=True)
+        ctx.Process(
+            target=rank_main,
+            args=(r, world, port, str(model_dir), plans, out, execute, expert_parallel),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for p in procs:

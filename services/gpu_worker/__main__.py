@@ -144,6 +144,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         int(os.environ.get(DIST_PORT_ENV, "0")),
         torch.device(engine.device),
         max(MIN_COLLECTIVE_TIMEOUT_S, 2 * engine.step_timeout_s),
+        engine.expert_parallel,
     )
     runner = ModelRunner(
         Path(stage.info.model_dir),

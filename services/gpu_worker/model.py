@@ -179,6 +179,9 @@ class Shard:
     expert_intermediate_size: int = 0
     shared_intermediate_start: int = 0
     shared_intermediate_size: int = 0
+    # MoE: the experts this rank holds (every one, but with expert parallelism).
+    expert_start: int = 0
+    num_local_experts: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, parallel: Parallel) -> Shard:
@@ -207,8 +210,16 @@ class Shard:
         inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
         # Each expert's intermediate dimension is split like a dense MLP's: every rank routes the
         # same way and holds a column slice of every expert, so one all_reduce sums the mixture.
+        # With expert parallelism a rank holds num_experts / world whole experts instead, and its
+        # partial sum is its experts' share of each token's mixture: the same all_reduce sums it.
+        # (Every rank holds every token, so that all_reduce is the tokens' exchange.)
         moe = config.moe or MoeConfig(0, 0, 0, False)
-        expert_split = parallel.split(moe.intermediate_size, "moe_intermediate_size")
+        if parallel.expert_parallel and moe.num_experts:
+            expert_split = (0, moe.intermediate_size)
+            experts = parallel.split(moe.num_experts, "num_experts")
+        else:
+            expert_split = parallel.split(moe.intermediate_size, "moe_intermediate_size")
+            experts = (0, moe.num_experts)
         shared_split = parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         vocab_shard = -(-config.vocab_size // world)
         vocab_start = rank * vocab_shard
@@ -216,6 +227,7 @@ class Shard:
         return cls(
             head_start, num_heads, kv_head_start, num_kv_heads,
             inter_start, inter_size, vocab_start, num_vocab_rows, vocab_shard, *expert_split, *shared_split,
+            *experts,
         )  # fmt: skip
 
 
@@ -349,20 +361,28 @@ class LlamaLayer:
         self.gate_up = empty(2 * dense_size, h)  # column-parallel
         self.down = empty(h, dense_size)  # row-parallel
         if self.moe is not None:
-            e, ei, si = self.moe.num_experts, shard.expert_intermediate_size, shard.shared_intermediate_size
-            self.router = empty(e, h)  # whole on every rank: each routes every token the same way
+            e, ei, si = (
+                shard.num_local_experts,
+                shard.expert_intermediate_size,
+                shard.shared_intermediate_size,
+            )
+            self.expert_start = shard.expert_start
+            self.router = empty(self.moe.num_experts, h)  # whole on every rank: each routes every token alike
             self.experts_gate_up = empty(e, 2 * ei, h)  # column-parallel within each expert
             self.experts_down = empty(e, h, ei)  # row-parallel
             self.shared_gate_up = empty(2 * si, h) if si else None
             self.shared_down = empty(h, si) if si else None
             self.shared_expert_gate = empty(1, h) if si and self.moe.shared_expert_gated else None
-            self.router_bias = empty(e) if self.moe.router_bias else None
+            self.router_bias = empty(self.moe.num_experts) if self.moe.router_bias else None
             # DeepSeek-V3's e_score_correction_bias, float32 as HF keeps it (it only chooses experts).
             self.router_correction_bias = (
-                torch.empty(e, dtype=torch.float32, device=device) if self.moe.score_correction_bias else None
+                torch.empty(self.moe.num_experts, dtype=torch.float32, device=device)
+                if self.moe.score_correction_bias
+                else None
             )
             # gpt-oss: each expert's gate/up bias (this rank's columns) and down bias (whole, added
-            # by the rank-0 partial sum only, so the all_reduce adds it once: moe_mlp).
+            # by the rank-0 partial sum only, so the all_reduce adds it once, or with expert
+            # parallelism by the expert's own rank: moe_mlp).
             self.experts_gate_up_bias = empty(e, 2 * ei) if self.moe.expert_bias else None
             self.experts_down_bias = empty(e, h) if self.moe.expert_bias else None
         self.gate_up_bias = empty(2 * shard.intermediate_size) if config.mlp_bias else None
@@ -414,7 +434,9 @@ def stacked_expert_weight(
     one tensor per projection, [in, out] per expert (GptOssExperts), gate and up interleaved by
     column (gate_up[..., ::2] is the gate): gate_up_proj [E, H, 2I] (and its bias [E, 2I]) becomes
     the gate rows then the up rows of experts_gate_up [E, 2I, H], down_proj [E, I, H] becomes
-    experts_down [E, H, I]. None for any other key."""
+    experts_down [E, H, I] (of the experts this rank holds). None for any other key."""
+    if key.startswith("mlp.experts.") and layer.experts_gate_up.shape[0] != layer.router.shape[0]:
+        tensor = tensor.narrow(0, layer.expert_start, layer.experts_gate_up.shape[0])  # expert parallelism
     if key == "mlp.experts.gate_up_proj":
         return layer.experts_gate_up, torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1).transpose(1, 2)
     if key == "mlp.experts.gate_up_proj_bias" and layer.experts_gate_up_bias is not None:
@@ -426,10 +448,14 @@ def stacked_expert_weight(
     return None
 
 
+# expert_slots' answer for an expert that another rank holds (expert parallelism): not loaded here.
+EXPERT_ELSEWHERE = torch.empty(0)
+
+
 def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
     """Where a sparse layer's MoE weight `key` (its name after model.layers.N.) goes: the router
-    (gpt-oss's mlp.router, with its bias), an expert's gate / up rows or its down projection, or
-    the shared expert's; None otherwise."""
+    (gpt-oss's mlp.router, with its bias), an expert's gate / up rows or its down projection
+    (EXPERT_ELSEWHERE for an expert of another rank), or the shared expert's; None otherwise."""
     parts = key.split(".")
     if key in ("mlp.gate.weight", "mlp.router.weight"):
         return layer.router
@@ -441,9 +467,12 @@ def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
         return layer.shared_expert_gate
     if len(parts) == 5 and parts[:2] == ["mlp", "experts"] and parts[4] == "weight":
         expert = int(parts[2])
-        if expert >= layer.experts_gate_up.shape[0]:
-            raise KeyError(f"expert {expert} of a layer with {layer.experts_gate_up.shape[0]}")
-        gate_up, down = layer.experts_gate_up[expert], layer.experts_down[expert]
+        if expert >= layer.router.shape[0]:
+            raise KeyError(f"expert {expert} of a layer with {layer.router.shape[0]}")
+        local = expert - layer.expert_start
+        if not 0 <= local < layer.experts_gate_up.shape[0]:
+            return EXPERT_ELSEWHERE
+        gate_up, down = layer.experts_gate_up[local], layer.experts_down[local]
     elif (
         len(parts) == 4
         and parts[1] in ("shared_expert", "shared_experts")
@@ -692,6 +721,9 @@ class LlamaModel:
             stacked = stacked_expert_weight(layer, key, tensor) if layer.moe is not None else None
             if stacked is not None:
                 dst, tensor = stacked
+            elif expert_dst is EXPERT_ELSEWHERE:
+                self._loaded.add(name)
+                return
             elif expert_dst is not None:
                 dst = expert_dst
             elif key in merged:
@@ -928,7 +960,7 @@ class LlamaModel:
                 hidden = reduce(
                     moe_mlp(
                         x, layer, activation, self.has_few_rows_linear, self.fused_experts,
-                        adds_down_bias=self.parallel.rank == 0,
+                        adds_down_bias=self.parallel.rank == 0 or self.parallel.expert_parallel,
                     )
                 )  # fmt: skip
             else:
@@ -1127,12 +1159,24 @@ def moe_mlp(
     or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
     own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike).
     gpt-oss's experts' down biases are whole on every rank: only the partial sum of the rank that
-    `adds_down_bias` (rank 0) carries them."""
+    `adds_down_bias` (rank 0) carries them; with expert parallelism each rank's experts' own.
+
+    With expert parallelism the router picks among all experts and this rank weighs only the
+    pairs of the experts it holds: the others' weights become 0 (their ids clamped into this
+    rank's for the fused kernel, which then multiplies them by 0; the torch path skips them)."""
     moe = layer.moe
     assert moe is not None
     weights, experts = moe_route(
         F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias
     )
+    num_local = layer.experts_down.shape[0]
+    if num_local != moe.num_experts:
+        local = experts - layer.expert_start
+        is_here = (local >= 0) & (local < num_local)
+        weights = weights * is_here
+        # The torch path's sentinel (num_local: sorted last, never multiplied); the fused kernel's
+        # clamp (a valid id of weight 0).
+        experts = local.where(is_here, num_local) if fused_experts is None else local.clamp(0, num_local - 1)
     glu = expert_glu(moe, activation)
     down_bias = layer.experts_down_bias if adds_down_bias else None
     if fused_experts is not None:
@@ -1183,8 +1227,10 @@ def grouped_experts(
     pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     start = 0
+    num_experts = layer.experts_down.shape[0]
+    # Ids of num_experts (expert parallelism: another rank's experts, `moe_mlp`) sort last: not read.
     for expert, count in enumerate(
-        torch.bincount(flat_experts, minlength=layer.experts_down.shape[0]).tolist()
+        torch.bincount(flat_experts, minlength=num_experts)[:num_experts].tolist()
     ):
         if count == 0:
             continue

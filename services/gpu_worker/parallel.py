@@ -23,10 +23,12 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 @dataclass(frozen=True)
 class Parallel:
-    """This worker's place in its engine group: rank `rank` of `world_size` tensor-parallel ranks."""
+    """This worker's place in its engine group: rank `rank` of `world_size` tensor-parallel ranks;
+    with `expert_parallel`, a mixture of experts' experts are divided among them (Shard)."""
 
     rank: int = 0
     world_size: int = 1
+    expert_parallel: bool = False
 
     @property
     def is_parallel(self) -> bool:
@@ -85,7 +87,13 @@ def _collective_device() -> torch.device:
 
 
 def init_parallel(
-    rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    device: torch.device,
+    timeout_s: float,
+    expert_parallel: bool = False,
 ) -> Parallel:
     """Join the group's process group (NCCL on CUDA, gloo on the CPU), meeting at rank 0's `host`
     (its node's address, `network.host`; 127.0.0.1 by default) and `port`.
@@ -110,7 +118,7 @@ def init_parallel(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return Parallel(rank, world_size)
+    return Parallel(rank, world_size, expert_parallel)
 
 
 def interface_of(address: str) -> str | None:
