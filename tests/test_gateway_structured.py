@@ -630,7 +630,10 @@ def test_pathological_regexes_fail_alone_with_their_reason_in_bounded_memory(gw:
                     extra_body={"structured_outputs": {"regex": pattern}},
                 )
             message = info.value.message
-            assert "- structured.regex: " in message, message
+            # The lexer gives up while the mask is filled ("- structured.regex: ...") or, when a
+            # loaded host's fill ran past its budget, as the first token advances the matcher
+            # ("structured.regex: while generating: ..."): a 400 with its reason either way.
+            assert "structured.regex: " in message, message
             assert "lexer error" in message or "too complex" in message, message
     finally:
         thread.join(timeout=HTTP_TIMEOUT_S)
