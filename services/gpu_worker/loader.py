@@ -170,7 +170,8 @@ GGUF_TO_HF = {
 }
 
 
-# GGUF architecture -> the HF architecture its converted config names.
+# GGUF architecture -> the HF architecture its converted config names (a `llama` file with experts
+# is a Mixtral: _gguf_config).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "LlamaForCausalLM",
@@ -181,25 +182,40 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 GGUF_MODEL_TYPES = {
     "mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
 }  # the others' are their arch  # fmt: skip
 # Mixture-of-experts GGUFs, as llama.cpp's converter writes them: the router (ffn_gate_inp), each
 # projection of all experts as one 3-D tensor [experts, rows, in] (split here into HF's
-# per-expert weights), and Qwen2-MoE's shared expert and its gate.
-GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
-GGUF_MOE_NAMES = {
+# per-expert weights), shared experts (ffn_*_shexp) and Qwen2-MoE's gate of its shared expert.
+# The family is the GGUF architecture, but "mixtral" for a `llama` file with experts.
+GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+# Families whose HF class has a mixture in every layer (no dense ones): each needs its router.
+GGUF_ALL_SPARSE = ("mixtral", "olmoe")
+GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# (prefix, projection names) of each expert's HF weights: Mixtral's own, the others' mlp.experts.
+GGUF_EXPERT_NAMES = {
+    "mixtral": (
+        "block_sparse_moe.experts",
+        {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
+    ),
+}
+# llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
+# ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE and
+# OLMoE not (Mixtral always does).
+GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# {arch}.expert_gating_func (llama.cpp's enum) -> the scoring; the families here score by softmax
+# (a file without the key is softmax, as llama.cpp reads it).
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+QWEN2MOE_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
-# ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE not.
-GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
 # layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -211,6 +227,16 @@ GEMMA_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Per family: the GGUF tensor kinds it names otherwise than GGUF_TO_HF, or that only it has.
+FAMILY_NAMES = {
+    "phi3": PHI3_FUSED,
+    "gemma2": GEMMA_NAMES,
+    "gemma3": GEMMA_NAMES,
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    "qwen2moe": QWEN2MOE_NAMES,
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "olmoe": {"ffn_gate_inp": "mlp.gate"},
+}
 # Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
@@ -219,29 +245,44 @@ GGUF_TENSOR_TYPES = (
 )  # fmt: skip
 
 
+def gguf_family(reader) -> str:
+    """The family whose names and config a GGUF's tensors take: its architecture, but "mixtral"
+    for a `llama` file with experts (llama.cpp's converter writes Mixtral so)."""
+    arch = _field(reader, "general.architecture")
+    return "mixtral" if arch == "llama" and _field(reader, "llama.expert_count") else arch
+
+
 def check_gguf(reader) -> None:
-    """UnsupportedModel for a GGUF whose architecture or any used tensor type Brigade can't read."""
+    """UnsupportedModel for a GGUF whose architecture, tensors, tensor types, rope scaling or
+    routing Brigade can't run as the HF model it converts to."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"unsupported GGUF architecture {arch!r}; supported: {list(GGUF_ARCHITECTURES)}"
         )
+    family = gguf_family(reader)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
-        raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none, linear")
-    if arch not in GGUF_MOE_ARCHITECTURES and _field(reader, f"{arch}.expert_count"):
         raise UnsupportedModel(
-            f"unsupported GGUF mixture of experts of architecture {arch!r} (e.g. Mixtral); supported MoE "
-            f"GGUF architectures: {list(GGUF_MOE_ARCHITECTURES)}"
+            f"unsupported GGUF rope scaling type {scaling!r} ({arch}); supported: none, linear"
+        )
+    if family not in GGUF_MOE_FAMILIES and _field(reader, f"{arch}.expert_count"):
+        raise UnsupportedModel(
+            f"unsupported GGUF mixture of experts of architecture {arch!r}; supported MoE GGUF "
+            f"architectures: {list(GGUF_MOE_FAMILIES)} (mixtral: llama with experts)"
         )
     unknown = [
-        t.name for t in reader.tensors if not _hf_parts(t, arch) and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        t.name
+        for t in reader.tensors
+        if not _hf_parts(t, family) and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
     ]
     if unknown:
         raise UnsupportedModel(
-            f"unsupported GGUF tensor(s) {unknown[:3]}; supported: token_embd, output_norm, output and "
-            f"blk.N.{{{', '.join(GGUF_TO_HF)}}}"
+            f"unsupported GGUF tensor(s) {unknown[:3]} ({family}); supported: token_embd, output_norm, output "
+            f"and blk.N.{{{', '.join([*GGUF_TO_HF, *FAMILY_NAMES.get(family, {})])}}}"
         )
+    if family in GGUF_MOE_FAMILIES:
+        _check_gguf_moe(reader, arch, family)
     if arch == "phi3":  # its converter writes the rotary dimensions, hidden / heads unless partial
         hidden, heads = _field(reader, "phi3.embedding_length"), _field(reader, "phi3.attention.head_count")
         rope_dims = _field(reader, "phi3.rope.dimension_count")
@@ -254,6 +295,32 @@ def check_gguf(reader) -> None:
     if unsupported:
         raise UnsupportedModel(
             f"unsupported GGUF tensor type(s) {unsupported}; supported: {list(GGUF_TENSOR_TYPES)}"
+        )
+
+
+def _check_gguf_moe(reader, arch: str, family: str) -> None:
+    """Refuse routing a MoE GGUF records that its family's HF class does not compute: another
+    gating function than softmax, group-limited routing, a weight scale, and routers missing where
+    the family has no dense layers."""
+    names = {t.name for t in reader.tensors}
+    layers = int(_field(reader, f"{arch}.block_count"))
+    gating = _field(reader, f"{arch}.expert_gating_func", 1)
+    scoring = GGUF_GATING_FUNCS.get(gating)
+    allowed = ("softmax",)
+    if scoring not in allowed:
+        raise UnsupportedModel(
+            f"unsupported GGUF {arch}.expert_gating_func {gating} ({scoring or 'unknown'}) for {family}; "
+            f"supported: {', '.join(f'{n} ({f})' for n, f in GGUF_GATING_FUNCS.items() if f in allowed)}"
+        )
+    for key, plain in (("expert_group_count", 1), ("expert_weights_scale", 1.0)):
+        value = _field(reader, f"{arch}.{key}", plain)
+        if value not in (plain, 0):
+            raise UnsupportedModel(f"unsupported GGUF {arch}.{key} {value} for {family}; supported: {plain}")
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    if family in GGUF_ALL_SPARSE and routed != list(range(layers)):
+        raise UnsupportedModel(
+            f"unsupported GGUF {family} with routers (ffn_gate_inp) in layers {routed}; supported: a "
+            f"router in each of layers [0]..[{layers - 1}] (no dense layers)"
         )
 
 
@@ -286,8 +353,9 @@ def _gguf_config(reader) -> dict:
     }
     if arch in GEMMA_27B_LAYERS:
         config.update(_gemma_config(reader, config, arch))
-    if arch in GGUF_MOE_ARCHITECTURES:
-        config.update(_moe_config(reader, arch, tensor_names, config["num_hidden_layers"]))
+    family = gguf_family(reader)
+    if family in GGUF_MOE_FAMILIES:
+        config.update(_moe_config(reader, arch, family, tensor_names, config))
     if arch == "phi3":  # a longrope model's original length, and Phi-3's window, where set
         original = _field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
@@ -334,19 +402,31 @@ def _gemma_config(reader, config: dict, arch: str) -> dict:
     return gemma
 
 
-def _moe_config(reader, arch: str, tensor_names: set[str], num_layers: int) -> dict:
-    """A MoE GGUF's experts, as the HF config of its architecture names them; a layer without a
+def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: dict) -> dict:
+    """A MoE GGUF's experts, as the HF config of its family names them; a Qwen layer without a
     router is dense (mlp_only_layers)."""
+    num_experts = int(_field(reader, f"{arch}.expert_count"))
+    top_k = int(_field(reader, f"{arch}.expert_used_count"))
+    # Mixtral's and OLMoE's converters write the experts' size as feed_forward_length only.
+    expert_size = int(_field(reader, f"{arch}.expert_feed_forward_length", config["intermediate_size"]))
+    if family == "mixtral":  # every layer a mixture, always renormalized (MixtralSparseMoeBlock)
+        return {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k, "intermediate_size": expert_size,
+        }  # fmt: skip
     moe = {
-        "num_experts": int(_field(reader, f"{arch}.expert_count")),
-        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
-        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
-        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", GGUF_MOE_NORM_TOPK[arch])),
-        "mlp_only_layers": [
-            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
-        ],
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", GGUF_MOE_NORM_TOPK[family])),
     }
-    if arch == "qwen2moe":
+    if family == "olmoe":  # every layer a mixture; clip_qkv as the OLMo converter writes it
+        clip = _field(reader, f"{arch}.attention.clamp_kqv")
+        return {**moe, "intermediate_size": expert_size, "clip_qkv": None if clip is None else float(clip)}
+    moe["moe_intermediate_size"] = expert_size
+    moe["mlp_only_layers"] = [
+        i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+    ]
+    if family == "qwen2moe":
         moe["shared_expert_intermediate_size"] = int(
             _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
         )
@@ -444,27 +524,26 @@ def gguf_generation_config(reader) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
-def _hf_parts(tensor, arch: str) -> list[tuple[str, int | None]]:
-    """The HF weights a GGUF tensor holds: [(name, None)] for one weight, [(name, e), ...] for
-    each expert e of a 3-D experts tensor, [] for tensors the model does not use."""
+def _hf_parts(tensor, family: str) -> list[tuple[str, int | None]]:
+    """The HF weights a GGUF tensor of `family` (gguf_family) holds: [(name, None)] for one
+    weight, [(name, e), ...] for each expert e of a 3-D experts tensor, [] for tensors the model
+    does not use."""
     parts = tensor.name.split(".")
-    if arch in GGUF_MOE_ARCHITECTURES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
-        _, layer, kind, _ = parts
-        if kind in GGUF_EXPERTS:
-            num_experts = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
-            return [
-                (f"model.layers.{layer}.mlp.experts.{e}.{GGUF_EXPERTS[kind]}.weight", e)
-                for e in range(num_experts)
-            ]
-        if kind in GGUF_MOE_NAMES:
-            return [(f"model.layers.{layer}.{GGUF_MOE_NAMES[kind]}.weight", None)]
-    name = _hf_name(tensor.name, arch)
+    if family in GGUF_MOE_FAMILIES and len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_EXPERTS:
+        _, layer, kind, suffix = parts
+        if suffix != "weight":
+            return []
+        prefix, projections = GGUF_EXPERT_NAMES.get(family, ("mlp.experts", GGUF_EXPERTS))
+        num_experts = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+        return [
+            (f"model.layers.{layer}.{prefix}.{e}.{projections[kind]}.weight", e) for e in range(num_experts)
+        ]
+    name = _hf_name(tensor.name, family)
     return [] if name is None else [(name, None)]
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
-    """The HF name of a GGUF tensor of architecture `arch`, or None for tensors the model does
-    not use."""
+def _hf_name(gguf_name: str, family: str) -> str | None:
+    """The HF name of a GGUF tensor of `family`, or None for tensors the model does not use."""
     top = {
         "token_embd.weight": "model.embed_tokens",
         "output.weight": "lm_head",
@@ -475,10 +554,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
-        names = {
-            **GGUF_TO_HF,
-            **{"phi3": PHI3_FUSED, "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}.get(arch, {}),
-        }
+        names = {**GGUF_TO_HF, **FAMILY_NAMES.get(family, {})}
         if kind in names and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None
@@ -486,9 +562,9 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
 
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
     """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted
-    where llama.cpp's converter permuted them (llama and mistral, whose rope it runs on
-    interleaved pairs; Qwen2's NeoX rope keeps HF's order)."""
-    if config["model_type"] != "llama":
+    where llama.cpp's converter permuted them (llama, mistral and Mixtral, whose rope it runs on
+    interleaved pairs; the NeoX-rope families, Qwen's and OLMoE's, keep HF's order)."""
+    if config["model_type"] not in ("llama", "mixtral"):
         return rows
     if ".attn_q." in gguf_name:
         return _unpermute(rows, config["num_attention_heads"])
@@ -508,9 +584,9 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
     import torch
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
+    arch, family = _field(reader, "general.architecture"), gguf_family(reader)
     for t in reader.tensors:
-        parts = _hf_parts(t, arch)
+        parts = _hf_parts(t, family)
         if not parts:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -530,12 +606,12 @@ def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str,
     """Every quantized 2-D weight (each expert of a 3-D one) as its raw GGUF blocks ([rows,
     bytes] uint8, rows in HF order), and each one's format."""
     blocks, formats = {}, {}
-    arch = _field(reader, "general.architecture")
+    family = gguf_family(reader)
     for t in reader.tensors:
         if not _is_blocks(t):
             continue
         data = np.asarray(t.data)
-        for name, expert in _hf_parts(t, arch):
+        for name, expert in _hf_parts(t, family):
             part = data if expert is None else data[expert]
             blocks[name] = np.ascontiguousarray(_hf_rows(t.name, part, config))
             formats[name] = t.tensor_type.name
