@@ -3,10 +3,10 @@ Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense laye
 decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
 mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
 ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
-preemption), and one family served end to end through real processes. Mixtral, Qwen2/3-MoE
-and OLMoE also through GGUFs written as llama.cpp's converter writes them (write_moe_gguf), and
-what such a file records that Brigade cannot run, refused by name. DeepSeek-V2 / V3 are in
-test_deepseek.py."""
+preemption), and one family served end to end through real processes. Mixtral, Qwen2/3-MoE,
+OLMoE and DeepSeek (in test_deepseek.py) also through GGUFs written as llama.cpp's converter
+writes them (write_moe_gguf), and what such a file records that Brigade cannot run, refused by
+name. DeepSeek-V2 / V3 are in test_deepseek.py."""
 
 from __future__ import annotations
 
@@ -391,30 +391,78 @@ def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_pat
         check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
 
 
-def write_moe_metadata(writer, config, arch: str) -> None:
+def write_moe_metadata(writer, config, arch: str, older_converter: bool = False) -> None:
     """The metadata llama.cpp's converter writes for a MoE of `arch` (its base class's keys, then
-    the architecture's own), from the HF config."""
-    c = config
+    the architecture's own), from the HF config; `older_converter`: DeepSeek's head sizes as
+    converters before the split kv_b wrote them (key_length, value_length, no *_mla keys)."""
+    import gguf
+
+    c, deepseek = config, arch == "deepseek2"
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_head_count_kv(1 if deepseek else c.num_key_value_heads)  # MLA as one KV head
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
-    writer.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    writer.add_expert_count(
+        getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or c.n_routed_experts
+    )
     writer.add_expert_used_count(c.num_experts_per_tok)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if not deepseek:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if not deepseek:
+        return
+    # DeepSeek's released config.json files name their scoring (transformers' classes leave it unset).
+    scoring = getattr(c, "scoring_func", None) or ("sigmoid" if c.model_type == "deepseek_v3" else "softmax")
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType[scoring.upper()])
+    if getattr(c, "n_group", None) is not None:
+        writer.add_expert_group_count(c.n_group)
+        writer.add_expert_group_used_count(c.topk_group)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank:
+        writer.add_q_lora_rank(c.q_lora_rank)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    if older_converter:
+        writer.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        writer.add_value_length(c.v_head_dim)
+    else:
+        writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        writer.add_value_length(c.kv_lora_rank)
+        writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        writer.add_value_length_mla(c.v_head_dim)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_count(c.n_shared_experts)
+    writer.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    write_yarn(writer, c.rope_parameters)
+    if "mscale_all_dim" in c.rope_parameters:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * c.rope_parameters["mscale_all_dim"])
+
+
+def write_yarn(writer, rope: dict) -> None:
+    """YaRN's keys, as the converter's base class writes them (no truncate, no mscale)."""
+    import gguf
+
+    if rope.get("rope_type") != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 # The largest super-scale of each K-quant's random experts: weights about the random models' size.
@@ -428,12 +476,16 @@ def write_moe_gguf(
     path: Path,
     arch: str,
     k_quants: dict[str, str] | None = None,
+    split_kv_b: bool = True,
 ) -> Path:
     """A GGUF of an HF MoE dir as llama.cpp's converter writes one: every tensor named by the
     gguf package's tensor map for `arch`; each projection's experts stacked into one 3-D tensor
     of Q8_0 blocks quantized from the weights, or of the K-quant `k_quants` names for its GGUF
     kind (ffn_gate_exps, ...) as random super-blocks of small scales; llama's (Mixtral's) Q and
-    K rows permuted; Qwen2-MoE's shared expert gate as a vector; everything else float32. The experts in `hf_dir` are replaced by their dequantization, so HF on that dir is
+    K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
+    per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
+    converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
+    float32. The experts in `hf_dir` are replaced by their dequantization, so HF on that dir is
     the exact reference."""
     import gguf
     from gguf.quants import dequantize, quantize
@@ -458,7 +510,7 @@ def write_moe_gguf(
         )
 
     writer = gguf.GGUFWriter(str(path), arch)
-    write_moe_metadata(writer, config, arch)
+    write_moe_metadata(writer, config, arch, older_converter=not split_kv_b)
     experts: dict[str, dict[int, str]] = {}
     for name, data in sorted(tensors.items()):
         expert = EXPERT_NAME.match(name)
@@ -468,6 +520,19 @@ def write_moe_gguf(
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _permute(data, heads)
+        if name.endswith("kv_b_proj.weight") and split_kv_b:
+            nope = config.qk_nope_head_dim
+            per_head = data.reshape(config.num_attention_heads, nope + config.v_head_dim, -1)
+            writer.add_tensor(
+                gguf_name(name.replace("kv_b", "k_b")),
+                np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)),
+            )
+            writer.add_tensor(
+                gguf_name(name.replace("kv_b", "v_b")), np.ascontiguousarray(per_head[:, nope:])
+            )
+            continue
+        if name.endswith("e_score_correction_bias"):  # the converter's rename before its map
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if name.endswith("shared_expert_gate.weight"):
             data = data.reshape(-1)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
@@ -584,19 +649,30 @@ def write_gguf_stub(path: Path, arch: str, tensors: list[str], **fields) -> Path
 
 
 ROUTERS = ["blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"]
+BIASES = ["blk.0.exp_probs_b.bias", "blk.1.exp_probs_b.bias"]
 # case -> (architecture, tensors, metadata, the refusal)
 GGUF_MOE_REFUSED = {
     "experts in another architecture": ("qwen2", [], dict(expert_count=8),
         "unsupported GGUF mixture of experts of architecture 'qwen2'"),
-    "sigmoid scores": ("olmoe", ROUTERS, dict(expert_count=8, expert_gating_func=2),
+    "sigmoid scores outside deepseek2": ("olmoe", ROUTERS, dict(expert_count=8, expert_gating_func=2),
         r"unsupported GGUF olmoe.expert_gating_func 2 \(sigmoid\) for olmoe; supported: 1 \(softmax\)"),
-    "expert groups": ("qwen3moe", ROUTERS, dict(expert_count=8, expert_group_count=4),
+    "unknown gating function": ("deepseek2", ROUTERS, dict(expert_count=8, expert_gating_func=4),
+        r"unsupported GGUF deepseek2.expert_gating_func 4 \(unknown\)"),
+    "expert groups outside deepseek2": ("qwen3moe", ROUTERS, dict(expert_count=8, expert_group_count=4),
         "unsupported GGUF qwen3moe.expert_group_count 4 for qwen3moe"),
-    "weight scale": ("llama", ROUTERS, dict(expert_count=8, expert_weights_scale=2.5),
+    "weight scale outside deepseek2": ("llama", ROUTERS, dict(expert_count=8, expert_weights_scale=2.5),
         "unsupported GGUF llama.expert_weights_scale 2.5 for mixtral"),
     "a mixtral layer without a router": ("llama", ROUTERS[:1], dict(expert_count=8),
         r"unsupported GGUF mixtral with routers \(ffn_gate_inp\) in layers \[0\]"),
-    "yarn": ("llama", ROUTERS, dict(expert_count=8, **{"rope.scaling.type": "yarn"}),
+    "deepseek2 routers in the leading dense layers": ("deepseek2", ROUTERS, dict(
+        expert_count=8, leading_dense_block_count=1), r"deepseek2 with routers \(ffn_gate_inp\) in layers \[0, 1\]"),
+    "deepseek2 sigmoid without the correction bias": ("deepseek2", ROUTERS, dict(expert_count=8, expert_gating_func=2),
+        r"deepseek2 with sigmoid expert scores and a correction bias \(exp_probs_b\) in layers \[\]"),
+    "deepseek2 softmax with a correction bias": ("deepseek2", ROUTERS + BIASES, dict(expert_count=8),
+        r"deepseek2 with softmax expert scores and a correction bias \(exp_probs_b\) in layers \[0, 1\]"),
+    "half of a split kv_b": ("deepseek2", [*ROUTERS, "blk.1.attn_k_b.weight"], dict(expert_count=8),
+        "unsupported GGUF blk.1.attn_k_b without its other half"),
+    "yarn outside deepseek2": ("llama", ROUTERS, dict(expert_count=8, **{"rope.scaling.type": "yarn"}),
         r"unsupported GGUF rope scaling type 'yarn' \(llama\); supported: none, linear"),
 }  # fmt: skip
 

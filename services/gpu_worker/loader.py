@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.gpu_worker.architectures import UnsupportedModel, config_from_dir
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel, config_from_dir
 
 if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
     import torch
@@ -171,7 +171,7 @@ GGUF_TO_HF = {
 
 
 # GGUF architecture -> the HF architecture its converted config names (a `llama` file with experts
-# is a Mixtral: _gguf_config).
+# is a Mixtral; a `deepseek2` one is DeepSeek-V2 or V3 by its routing: _gguf_config).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "LlamaForCausalLM",
@@ -183,6 +183,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
 GGUF_MODEL_TYPES = {
     "mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
@@ -191,7 +192,7 @@ GGUF_MODEL_TYPES = {
 # projection of all experts as one 3-D tensor [experts, rows, in] (split here into HF's
 # per-expert weights), shared experts (ffn_*_shexp) and Qwen2-MoE's gate of its shared expert.
 # The family is the GGUF architecture, but "mixtral" for a `llama` file with experts.
-GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "deepseek2")
 # Families whose HF class has a mixture in every layer (no dense ones): each needs its router.
 GGUF_ALL_SPARSE = ("mixtral", "olmoe")
 GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -204,11 +205,12 @@ GGUF_EXPERT_NAMES = {
 }
 # llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
 # ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE and
-# OLMoE not (Mixtral always does).
+# OLMoE not (Mixtral always does; DeepSeek only where the file says so).
 GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
-# {arch}.expert_gating_func (llama.cpp's enum) -> the scoring; the families here score by softmax
-# (a file without the key is softmax, as llama.cpp reads it).
+# {arch}.expert_gating_func (llama.cpp's enum) -> the scoring; DeepSeek-V3 scores by sigmoid, the
+# others by softmax (a file without the key is softmax, as llama.cpp reads it).
 GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+GGUF_FAMILY_SCORING = {"deepseek2": ("softmax", "sigmoid")}  # others: softmax
 QWEN2MOE_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -216,6 +218,27 @@ QWEN2MOE_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# DeepSeek's latent attention and experts. The converter splits kv_b_proj into per-head attn_k_b
+# (transposed) and attn_v_b for llama.cpp's absorbed attention (older files keep attn_kv_b whole);
+# the loader joins them back (_joined_kv_b). exp_probs_b.bias is V3's e_score_correction_bias.
+DEEPSEEK2_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+SPLIT_KV_B = ("attn_k_b", "attn_v_b")
+# (family, GGUF kind, suffix) -> the HF name (after model.layers.N.) of tensors HF names without a
+# .weight / .bias suffix: V3's correction bias.
+GGUF_BARE_NAMES = {("deepseek2", "exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias"}
+# Architectures whose rope scaling may be YaRN (DeepSeek's, with its mscale as yarn_log_multiplier).
+GGUF_YARN_ARCHITECTURES = ("deepseek2",)
 # llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
 # layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -236,6 +259,7 @@ FAMILY_NAMES = {
     "qwen2moe": QWEN2MOE_NAMES,
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
     "olmoe": {"ffn_gate_inp": "mlp.gate"},
+    "deepseek2": DEEPSEEK2_NAMES,
 }
 # Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -262,9 +286,10 @@ def check_gguf(reader) -> None:
         )
     family = gguf_family(reader)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
+    supported_scaling = ("none", "linear", "yarn") if arch in GGUF_YARN_ARCHITECTURES else ("none", "linear")
+    if scaling not in (None, *supported_scaling):
         raise UnsupportedModel(
-            f"unsupported GGUF rope scaling type {scaling!r} ({arch}); supported: none, linear"
+            f"unsupported GGUF rope scaling type {scaling!r} ({arch}); supported: {', '.join(supported_scaling)}"
         )
     if family not in GGUF_MOE_FAMILIES and _field(reader, f"{arch}.expert_count"):
         raise UnsupportedModel(
@@ -274,7 +299,9 @@ def check_gguf(reader) -> None:
     unknown = [
         t.name
         for t in reader.tensors
-        if not _hf_parts(t, family) and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        if not _hf_parts(t, family)
+        and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        and not _joined(t.name, family)
     ]
     if unknown:
         raise UnsupportedModel(
@@ -300,28 +327,55 @@ def check_gguf(reader) -> None:
 
 def _check_gguf_moe(reader, arch: str, family: str) -> None:
     """Refuse routing a MoE GGUF records that its family's HF class does not compute: another
-    gating function than softmax, group-limited routing, a weight scale, and routers missing where
-    the family has no dense layers."""
+    gating function, group-limited routing or a weight scale outside DeepSeek, routers missing
+    where the family has no dense layers (DeepSeek: exactly the layers past the leading dense
+    ones), V3's correction bias without V3's sigmoid scores (or the other way round), and half of
+    a split attn_k_b / attn_v_b."""
     names = {t.name for t in reader.tensors}
     layers = int(_field(reader, f"{arch}.block_count"))
     gating = _field(reader, f"{arch}.expert_gating_func", 1)
     scoring = GGUF_GATING_FUNCS.get(gating)
-    allowed = ("softmax",)
+    allowed = GGUF_FAMILY_SCORING.get(family, ("softmax",))
     if scoring not in allowed:
         raise UnsupportedModel(
             f"unsupported GGUF {arch}.expert_gating_func {gating} ({scoring or 'unknown'}) for {family}; "
             f"supported: {', '.join(f'{n} ({f})' for n, f in GGUF_GATING_FUNCS.items() if f in allowed)}"
         )
-    for key, plain in (("expert_group_count", 1), ("expert_weights_scale", 1.0)):
-        value = _field(reader, f"{arch}.{key}", plain)
-        if value not in (plain, 0):
-            raise UnsupportedModel(f"unsupported GGUF {arch}.{key} {value} for {family}; supported: {plain}")
+    if family != "deepseek2":
+        for key, plain in (("expert_group_count", 1), ("expert_weights_scale", 1.0)):
+            value = _field(reader, f"{arch}.{key}", plain)
+            if value not in (plain, 0):
+                raise UnsupportedModel(
+                    f"unsupported GGUF {arch}.{key} {value} for {family}; supported: {plain} (only "
+                    "deepseek2 files may set it)"
+                )
     routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
-    if family in GGUF_ALL_SPARSE and routed != list(range(layers)):
+    expected = None
+    if family in GGUF_ALL_SPARSE:
+        expected = list(range(layers))
+    elif family == "deepseek2":
+        expected = list(range(int(_field(reader, f"{arch}.leading_dense_block_count", 0)), layers))
+    if expected is not None and routed != expected:
         raise UnsupportedModel(
             f"unsupported GGUF {family} with routers (ffn_gate_inp) in layers {routed}; supported: a "
-            f"router in each of layers [0]..[{layers - 1}] (no dense layers)"
+            f"router in each of layers {expected[:1]}..{expected[-1:]}"
+            + (" (after leading_dense_block_count)" if family == "deepseek2" else " (no dense layers)")
         )
+    if family == "deepseek2":
+        biased = [i for i in routed if f"blk.{i}.exp_probs_b.bias" in names]
+        if biased != (routed if scoring == "sigmoid" else []):
+            raise UnsupportedModel(
+                f"unsupported GGUF deepseek2 with {scoring} expert scores and a correction bias "
+                f"(exp_probs_b) in layers {biased}; supported: sigmoid with the bias in every routed layer "
+                "(DeepSeek-V3), softmax without it (DeepSeek-V2)"
+            )
+        for i in range(layers):
+            halves = [kind for kind in SPLIT_KV_B if f"blk.{i}.{kind}.weight" in names]
+            if len(halves) == 1:
+                raise UnsupportedModel(
+                    f"unsupported GGUF blk.{i}.{halves[0]} without its other half; supported: attn_kv_b, "
+                    "or attn_k_b with attn_v_b"
+                )
 
 
 def _gguf_config(reader) -> dict:
@@ -403,8 +457,8 @@ def _gemma_config(reader, config: dict, arch: str) -> dict:
 
 
 def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: dict) -> dict:
-    """A MoE GGUF's experts, as the HF config of its family names them; a Qwen layer without a
-    router is dense (mlp_only_layers)."""
+    """A MoE GGUF's experts, as the HF config of its family names them (DeepSeek's:
+    _deepseek2_config); a Qwen layer without a router is dense (mlp_only_layers)."""
     num_experts = int(_field(reader, f"{arch}.expert_count"))
     top_k = int(_field(reader, f"{arch}.expert_used_count"))
     # Mixtral's and OLMoE's converters write the experts' size as feed_forward_length only.
@@ -414,6 +468,8 @@ def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: 
             "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": num_experts,
             "num_experts_per_tok": top_k, "intermediate_size": expert_size,
         }  # fmt: skip
+    if family == "deepseek2":
+        return _deepseek2_config(reader, config, num_experts, top_k, expert_size)
     moe = {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
@@ -434,6 +490,50 @@ def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: 
     return moe
 
 
+def _deepseek2_config(reader, config: dict, num_experts: int, top_k: int, expert_size: int) -> dict:
+    """A `deepseek2` GGUF as the HF config of DeepSeek-V3 (sigmoid expert scores with the
+    correction bias, exp_probs_b) or V2 (softmax). Its latent attention: q_lora_rank (absent:
+    V2-Lite's q_proj), kv_lora_rank, the q/k head (key_length_mla; older files: key_length) of
+    which rope.dimension_count are rope dims, the value head (value_length_mla / value_length);
+    the rope dims as interleaved pairs (llama.cpp's "normal" rope, DeepSeek's own). The file's
+    leading_dense_block_count is first_k_dense_replace; expert groups, the weight scale and
+    renormalization are V2 / V3's n_group, topk_group, routed_scaling_factor and norm_topk_prob."""
+
+    def key(name: str, default=None):
+        return _field(reader, f"deepseek2.{name}", default)
+
+    sigmoid = GGUF_GATING_FUNCS[key("expert_gating_func", 1)] == "sigmoid"
+    version = "V3" if sigmoid else "V2"
+    rope_dims = int(key("rope.dimension_count"))
+    qk_head = int(key("attention.key_length_mla") or key("attention.key_length"))
+    groups = int(key("expert_group_count") or 1)
+    q_lora_rank = key("attention.q_lora_rank")
+    return {
+        "architectures": [f"Deepseek{version}ForCausalLM"],
+        "model_type": f"deepseek_{version.lower()}",
+        # The file's one KV head is llama.cpp's view of the latent; HF's config has a head each.
+        "num_key_value_heads": config["num_attention_heads"],
+        "head_dim": rope_dims,
+        "q_lora_rank": int(q_lora_rank) if q_lora_rank else None,
+        "kv_lora_rank": int(key("attention.kv_lora_rank")),
+        "qk_nope_head_dim": qk_head - rope_dims,
+        "qk_rope_head_dim": rope_dims,
+        "v_head_dim": int(key("attention.value_length_mla") or key("attention.value_length")),
+        "rope_interleave": True,
+        "n_routed_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_size,
+        "n_shared_experts": int(key("expert_shared_count", 0)),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
+        "n_group": groups,
+        "topk_group": int(key("expert_group_used_count") or groups),
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+    }
+
+
 def _gguf_head_dim(reader, arch: str) -> int:
     """llama.cpp writes a head_dim that is not hidden / heads as key_length (Qwen3), and llama's
     as its rope dimension count too."""
@@ -447,6 +547,8 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     scaling, which llama.cpp's converter records only as the rope_freqs.weight tensor."""
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+        return _gguf_yarn(reader, arch)
     factors = {t.name: t for t in reader.tensors if t.name in ROPE_FACTORS}
     if factors:
         from gguf.quants import dequantize
@@ -470,6 +572,32 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
     original = _field(reader, f"{arch}.rope.scaling.original_context_length")
     return _llama3_scaling(divisors, head_dim, theta, None if original is None else int(original))
+
+
+def _gguf_yarn(reader, arch: str) -> dict:
+    """YaRN as HF's rope parameters: the factor, the original context, beta_fast / beta_slow
+    (llama.cpp's defaults 32 and 1 where the file has none) and an attention factor where set.
+    DeepSeek's mscale_all_dim is written as yarn_log_multiplier = 0.1 * mscale_all_dim, and its
+    mscale not at all: llama.cpp takes it equal to mscale_all_dim (so the rope's own attention
+    factor is 1), as DeepSeek's releases have them."""
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.rope.scaling.{name}", default)
+
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(key("factor")),
+        "original_max_position_embeddings": int(key("original_context_length")),
+        "beta_fast": float(key("yarn_beta_fast", 32.0)),
+        "beta_slow": float(key("yarn_beta_slow", 1.0)),
+    }
+    attention_factor = key("yarn_attn_factor")
+    if attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    log_multiplier = key("yarn_log_multiplier")
+    if log_multiplier:  # in float32, as llama.cpp divides it
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(np.float32(log_multiplier) / np.float32(0.1))
+    return scaling
 
 
 def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original: int | None) -> dict | None:
@@ -527,7 +655,9 @@ def gguf_generation_config(reader) -> dict:
 def _hf_parts(tensor, family: str) -> list[tuple[str, int | None]]:
     """The HF weights a GGUF tensor of `family` (gguf_family) holds: [(name, None)] for one
     weight, [(name, e), ...] for each expert e of a 3-D experts tensor, [] for tensors the model
-    does not use."""
+    does not use (and for the tensors _joined_tensors joins into one HF weight)."""
+    if _joined(tensor.name, family):
+        return []
     parts = tensor.name.split(".")
     if family in GGUF_MOE_FAMILIES and len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_EXPERTS:
         _, layer, kind, suffix = parts
@@ -554,16 +684,59 @@ def _hf_name(gguf_name: str, family: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
+        if (family, kind, suffix) in GGUF_BARE_NAMES:
+            return f"model.layers.{layer}.{GGUF_BARE_NAMES[family, kind, suffix]}"
         names = {**GGUF_TO_HF, **FAMILY_NAMES.get(family, {})}
         if kind in names and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None
 
 
+def _joined(gguf_name: str, family: str) -> bool:
+    """Whether a tensor is a part of an HF weight that _joined_tensors makes of several: half of a
+    DeepSeek kv_b_proj the converter split (attn_k_b, attn_v_b)."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return False
+    return family == "deepseek2" and parts[2] in SPLIT_KV_B and parts[3] == "weight"
+
+
+def _joined_tensors(reader, family: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of the weights joined from several GGUF tensors (see _joined)."""
+    if family == "deepseek2":
+        yield from _joined_kv_b(reader)
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A GGUF tensor in float32, dimensions outermost first."""
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(tensor.shape)]
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+
+
+def _joined_kv_b(reader) -> Iterator[tuple[str, np.ndarray]]:
+    """Each layer's kv_b_proj joined back from the converter's split: attn_k_b [heads,
+    kv_lora_rank, qk_nope_head_dim] (each head's key half, transposed) and attn_v_b [heads,
+    v_head_dim, kv_lora_rank]; kv_b_proj stacks per head its key rows, then its value rows. In
+    float32 (the key half's blocks run along the other dimension)."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        if not _joined(t.name, "deepseek2"):
+            continue
+        layer, kind = t.name.split(".")[1:3]
+        halves.setdefault(layer, {})[kind] = _dequantized(t)
+        if len(halves[layer]) == 2:
+            pair = halves.pop(layer)
+            joined = np.concatenate((pair["attn_k_b"].transpose(0, 2, 1), pair["attn_v_b"]), axis=1)
+            yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+
+
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
     """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted
     where llama.cpp's converter permuted them (llama, mistral and Mixtral, whose rope it runs on
-    interleaved pairs; the NeoX-rope families, Qwen's and OLMoE's, keep HF's order)."""
+    interleaved pairs; the NeoX-rope families, Qwen's and OLMoE's, keep HF's order, and
+    DeepSeek's rope dims are interleaved pairs in HF's order too)."""
     if config["model_type"] not in ("llama", "mixtral"):
         return rows
     if ".attn_q." in gguf_name:
@@ -585,6 +758,8 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
     from gguf.quants import dequantize
 
     arch, family = _field(reader, "general.architecture"), gguf_family(reader)
+    for name, w in _joined_tensors(reader, family):
+        yield name, torch.from_numpy(w)  # exact float32: not in quantized.safetensors
     for t in reader.tensors:
         parts = _hf_parts(t, family)
         if not parts:
@@ -665,6 +840,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     reader = gguf.GGUFReader(str(gguf_path))
     check_gguf(reader)
     config = _gguf_config(reader)
+    ModelConfig.from_dict(config)  # what the converted config would be refused for, before any weight
     tensors = dict(
         tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")
     )
