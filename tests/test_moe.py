@@ -3,9 +3,9 @@ Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense laye
 decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
 mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
 ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
-preemption), and one family served end to end through real processes. Mixtral, Qwen2/3-MoE,
-OLMoE and DeepSeek (in test_deepseek.py) also through GGUFs written as llama.cpp's converter
-writes them (write_moe_gguf), and what such a file records that Brigade cannot run, refused by
+preemption), and one family served end to end through real processes. Every family also
+through a GGUF written as llama.cpp's converter writes it (write_moe_gguf, write_gpt_oss_gguf;
+DeepSeek's in test_deepseek.py), and what such a file records that Brigade cannot run, refused by
 name. DeepSeek-V2 / V3 are in test_deepseek.py."""
 
 from __future__ import annotations
@@ -421,6 +421,10 @@ def write_moe_metadata(writer, config, arch: str, older_converter: bool = False)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_expert_feed_forward_length(c.intermediate_size)
+        write_yarn(writer, c.rope_parameters)
     if not deepseek:
         return
     # DeepSeek's released config.json files name their scoring (transformers' classes leave it unset).
@@ -559,6 +563,100 @@ def write_moe_gguf(
     return path
 
 
+def write_gpt_oss_gguf(hf_dir: Path, path: Path) -> Path:
+    """A GGUF of an HF gpt-oss dir with MXFP4 experts (write_mxfp4_experts) as llama.cpp's
+    converter writes one: the interleaved gate/up rows (and biases) split into ffn_gate_exps and
+    ffn_up_exps, each MXFP4 block repacked as ggml's (its E8M0 scale, then 16 bytes holding values
+    j and j + 16), sinks as attn_sinks.weight, the router as ffn_gate_inp with its bias,
+    everything else as the checkpoint has it (in float32)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config.num_hidden_layers)
+
+    def gguf_name(hf_name: str) -> str:
+        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+    def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+        codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # each value's code, in order
+        packed = codes[..., :16] | (codes[..., 16:] << 4)
+        return torch.cat((scales.unsqueeze(-1), packed), dim=-1).flatten(-2).numpy()
+
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    write_moe_metadata(writer, config, "gpt-oss")
+    for name, data in sorted(tensors.items()):
+        base = name.removesuffix("_blocks").removesuffix("_scales")
+        experts = base.replace("gate_up_proj", "{}_proj").replace("down_proj", "{}_proj")
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):  # [E, out, G, 16], gate and up rows interleaved
+            both = ggml_mxfp4(data, tensors[f"{base}_scales"])
+            parts = {"gate": both[:, ::2], "up": both[:, 1::2]} if "gate_up" in name else {"down": both}
+            for kind, rows in parts.items():
+                writer.add_tensor(gguf_name(experts.format(kind) + ".weight"), np.ascontiguousarray(rows),
+                                  raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # fmt: skip
+            continue
+        data = data.float().numpy()
+        if name.endswith("gate_up_proj_bias"):
+            writer.add_tensor(
+                gguf_name(experts.format("gate").removesuffix("_bias") + ".bias"), data[..., ::2].copy()
+            )
+            writer.add_tensor(
+                gguf_name(experts.format("up").removesuffix("_bias") + ".bias"), data[..., 1::2].copy()
+            )
+            continue
+        if name.endswith("down_proj_bias"):
+            name = name.removesuffix("_bias") + ".bias"
+        if name.endswith("sinks"):
+            name += ".weight"
+        writer.add_tensor(gguf_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gpt-oss GGUF with MXFP4 experts (every 4-bit code) as the converter writes it: the
+    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, dequantized when the
+    worker loads them; sinks, alternating sliding and full layers, YaRN (no truncation, as every
+    gpt-oss), the biased router and experts: logits of a prefill and decodes against HF on the
+    MXFP4 checkpoint the GGUF was written from (HF dequantizing it itself)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    # llama.cpp fixes the SwiGLU limit at gpt-oss's 7 (a GGUF records none).
+    config = random_moe_config("gpt-oss", vocab_size=VOCAB, swiglu_limit=7.0)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=42, std=0.08, embed_std=0.15)
+    write_mxfp4_experts(hf_dir, seed=43)
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "gpt-oss.gguf")
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed = runner.model.config
+    assert parsed.attention_sinks and parsed.layer_windows == (WINDOW, 0)
+    assert parsed.ropes[0].rope_type == "yarn" and not parsed.ropes[0].truncate
+    assert parsed.moe is not None and parsed.moe.expert_bias and parsed.moe.swiglu_limit == 7.0
+    (converted,) = (tmp_path / "cache").glob("gpt-oss-*")
+    with safe_open(str(converted / "model.safetensors"), framework="pt") as weights:
+        assert weights.get_slice("model.layers.1.mlp.experts.down_proj_blocks").get_dtype() == "U8"
+    hf = AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()
+    check_against_hf(runner, hf)
+
+
 # family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)
 GGUF_FAMILIES = {
     "mixtral": ("llama", {}),
@@ -650,6 +748,7 @@ def write_gguf_stub(path: Path, arch: str, tensors: list[str], **fields) -> Path
 
 ROUTERS = ["blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"]
 BIASES = ["blk.0.exp_probs_b.bias", "blk.1.exp_probs_b.bias"]
+EXPERT_WEIGHTS = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
 # case -> (architecture, tensors, metadata, the refusal)
 GGUF_MOE_REFUSED = {
     "experts in another architecture": ("qwen2", [], dict(expert_count=8),
@@ -672,6 +771,8 @@ GGUF_MOE_REFUSED = {
         r"deepseek2 with softmax expert scores and a correction bias \(exp_probs_b\) in layers \[0, 1\]"),
     "half of a split kv_b": ("deepseek2", [*ROUTERS, "blk.1.attn_k_b.weight"], dict(expert_count=8),
         "unsupported GGUF blk.1.attn_k_b without its other half"),
+    "gpt-oss experts without their biases": ("gpt-oss", ROUTERS + EXPERT_WEIGHTS, dict(expert_count=8),
+        r"unsupported GGUF gpt-oss without \['blk.0.ffn_gate_exps.bias', 'blk.0.ffn_up_exps.bias'"),
     "yarn outside deepseek2": ("llama", ROUTERS, dict(expert_count=8, **{"rope.scaling.type": "yarn"}),
         r"unsupported GGUF rope scaling type 'yarn' \(llama\); supported: none, linear"),
 }  # fmt: skip

@@ -184,17 +184,19 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 GGUF_MODEL_TYPES = {
     "mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
 }  # the others' are their arch  # fmt: skip
 # Mixture-of-experts GGUFs, as llama.cpp's converter writes them: the router (ffn_gate_inp), each
 # projection of all experts as one 3-D tensor [experts, rows, in] (split here into HF's
 # per-expert weights), shared experts (ffn_*_shexp) and Qwen2-MoE's gate of its shared expert.
 # The family is the GGUF architecture, but "mixtral" for a `llama` file with experts.
-GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "deepseek2")
+GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "deepseek2", "gpt-oss")
 # Families whose HF class has a mixture in every layer (no dense ones): each needs its router.
-GGUF_ALL_SPARSE = ("mixtral", "olmoe")
+GGUF_ALL_SPARSE = ("mixtral", "olmoe", "gpt-oss")
 GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # (prefix, projection names) of each expert's HF weights: Mixtral's own, the others' mlp.experts.
 GGUF_EXPERT_NAMES = {
@@ -208,9 +210,13 @@ GGUF_EXPERT_NAMES = {
 # OLMoE not (Mixtral always does; DeepSeek only where the file says so).
 GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # {arch}.expert_gating_func (llama.cpp's enum) -> the scoring; DeepSeek-V3 scores by sigmoid, the
-# others by softmax (a file without the key is softmax, as llama.cpp reads it).
-GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
-GGUF_FAMILY_SCORING = {"deepseek2": ("softmax", "sigmoid")}  # others: softmax
+# others by softmax (a file without the key is softmax, as llama.cpp reads it); gpt-oss softmaxes
+# over the top k (llama.cpp's softmax_weight).
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+GGUF_FAMILY_SCORING = {
+    "deepseek2": ("softmax", "sigmoid"),
+    "gpt-oss": ("softmax", "softmax_weight"),
+}  # others: softmax
 QWEN2MOE_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -235,10 +241,17 @@ DEEPSEEK2_NAMES = {
 }
 SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # (family, GGUF kind, suffix) -> the HF name (after model.layers.N.) of tensors HF names without a
-# .weight / .bias suffix: V3's correction bias.
-GGUF_BARE_NAMES = {("deepseek2", "exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias"}
-# Architectures whose rope scaling may be YaRN (DeepSeek's, with its mscale as yarn_log_multiplier).
-GGUF_YARN_ARCHITECTURES = ("deepseek2",)
+# .weight / .bias suffix: V3's correction bias, gpt-oss's sinks.
+GGUF_BARE_NAMES = {
+    ("deepseek2", "exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",
+    ("gpt-oss", "attn_sinks", "weight"): "self_attn.sinks",
+}
+GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}
+# gpt-oss's clamped SwiGLU, fixed in llama.cpp as in every gpt-oss checkpoint (GGUFs record none).
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+# Architectures whose rope scaling may be YaRN (DeepSeek's, with its mscale as yarn_log_multiplier;
+# gpt-oss's).
+GGUF_YARN_ARCHITECTURES = ("deepseek2", "gpt-oss")
 # llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
 # layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -260,12 +273,13 @@ FAMILY_NAMES = {
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
     "olmoe": {"ffn_gate_inp": "mlp.gate"},
     "deepseek2": DEEPSEEK2_NAMES,
+    "gpt-oss": GPT_OSS_NAMES,
 }
 # Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
 GGUF_TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
 )  # fmt: skip
 
 
@@ -361,6 +375,19 @@ def _check_gguf_moe(reader, arch: str, family: str) -> None:
             f"router in each of layers {expected[:1]}..{expected[-1:]}"
             + (" (after leading_dense_block_count)" if family == "deepseek2" else " (no dense layers)")
         )
+    if family == "gpt-oss":
+        parts = [
+            f"blk.{i}.{kind}.{suffix}"
+            for i in range(layers)
+            for kind in GGUF_EXPERTS
+            for suffix in ("weight", "bias")
+        ]
+        missing = [name for name in parts if name not in names]
+        if missing:
+            raise UnsupportedModel(
+                f"unsupported GGUF gpt-oss without {missing[:3]}; supported: every layer's ffn_gate_exps, "
+                "ffn_up_exps and ffn_down_exps with their biases"
+            )
     if family == "deepseek2":
         biased = [i for i in routed if f"blk.{i}.exp_probs_b.bias" in names]
         if biased != (routed if scoring == "sigmoid" else []):
@@ -470,6 +497,8 @@ def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: 
         }  # fmt: skip
     if family == "deepseek2":
         return _deepseek2_config(reader, config, num_experts, top_k, expert_size)
+    if family == "gpt-oss":
+        return _gpt_oss_config(reader, config, num_experts, top_k, expert_size)
     moe = {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
@@ -534,6 +563,35 @@ def _deepseek2_config(reader, config: dict, num_experts: int, top_k: int, expert
     }
 
 
+def _gpt_oss_config(reader, config: dict, num_experts: int, top_k: int, expert_size: int) -> dict:
+    """A `gpt-oss` GGUF as GptOssConfig: the sliding window and which layers have it (llama.cpp's
+    sliding_window_pattern: a list per layer, or n for all but every n-th layer, 2 by default: the
+    even layers, as gpt-oss's layer_types), the clamped SwiGLU's constants (GPT_OSS_SWIGLU), and
+    MXFP4 experts as OpenAI's quantization_config names them."""
+    layers = config["num_hidden_layers"]
+    pattern = _field(reader, "gpt-oss.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        sliding = [bool(s) for s in pattern]
+    else:  # llama.cpp's rule; 0: every layer
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    experts = {
+        t.tensor_type.name
+        for t in reader.tensors
+        if _joined(t.name, "gpt-oss") and t.name.endswith(".weight")
+    }
+    gpt_oss = {
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "intermediate_size": expert_size,
+        "sliding_window": int(_field(reader, "gpt-oss.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        **GPT_OSS_SWIGLU,
+    }
+    if "MXFP4" in experts:
+        gpt_oss["quantization_config"] = {"quant_method": "mxfp4"}
+    return gpt_oss
+
+
 def _gguf_head_dim(reader, arch: str) -> int:
     """llama.cpp writes a head_dim that is not hidden / heads as key_length (Qwen3), and llama's
     as its rope dimension count too."""
@@ -594,6 +652,8 @@ def _gguf_yarn(reader, arch: str) -> dict:
     attention_factor = key("yarn_attn_factor")
     if attention_factor is not None:
         scaling["attention_factor"] = float(attention_factor)
+    if arch == "gpt-oss":  # every gpt-oss checkpoint's (the file does not record it)
+        scaling["truncate"] = False
     log_multiplier = key("yarn_log_multiplier")
     if log_multiplier:  # in float32, as llama.cpp divides it
         scaling["mscale"] = scaling["mscale_all_dim"] = float(np.float32(log_multiplier) / np.float32(0.1))
@@ -694,17 +754,22 @@ def _hf_name(gguf_name: str, family: str) -> str | None:
 
 def _joined(gguf_name: str, family: str) -> bool:
     """Whether a tensor is a part of an HF weight that _joined_tensors makes of several: half of a
-    DeepSeek kv_b_proj the converter split (attn_k_b, attn_v_b)."""
+    DeepSeek kv_b_proj the converter split (attn_k_b, attn_v_b), or gpt-oss's experts (gate and
+    up are one interleaved HF weight)."""
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk":
         return False
-    return family == "deepseek2" and parts[2] in SPLIT_KV_B and parts[3] == "weight"
+    if family == "deepseek2":
+        return parts[2] in SPLIT_KV_B and parts[3] == "weight"
+    return family == "gpt-oss" and parts[2] in GGUF_EXPERTS
 
 
 def _joined_tensors(reader, family: str) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) of the weights joined from several GGUF tensors (see _joined)."""
     if family == "deepseek2":
         yield from _joined_kv_b(reader)
+    if family == "gpt-oss":
+        yield from _gpt_oss_experts(reader)
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -730,6 +795,53 @@ def _joined_kv_b(reader) -> Iterator[tuple[str, np.ndarray]]:
             pair = halves.pop(layer)
             joined = np.concatenate((pair["attn_k_b"].transpose(0, 2, 1), pair["attn_v_b"]), axis=1)
             yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+
+
+def _gpt_oss_experts(reader) -> Iterator[tuple[str, np.ndarray]]:
+    """gpt-oss's experts as its HF checkpoints stack them: gate_up_proj [E, hidden, 2I] with gate
+    and up interleaved by column, down_proj [E, I, hidden], and their biases (gate_up_proj_bias
+    interleaved); the converter splits gate and up and transposes them. MXFP4 experts stay MXFP4,
+    as OpenAI's checkpoints hold them (`_blocks` [E, out, G, 16] with value 2j in byte j's low
+    nibble and 2j+1 in its high one, `_scales` [E, out, G]; gate and up rows interleaved), which
+    the worker dequantizes when it loads them, as it does those checkpoints' (iter_weights);
+    experts of any other type in float32."""
+    tensors = {t.name: t for t in reader.tensors if _joined(t.name, "gpt-oss")}
+    layers = sorted({name.split(".")[1] for name in tensors}, key=int)
+    for layer in layers:
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate, up, down = (tensors[f"blk.{layer}.{kind}.weight"] for kind in GGUF_EXPERTS)
+        gate_bias, up_bias, down_bias = (
+            _dequantized(tensors[f"blk.{layer}.{kind}.bias"]) for kind in GGUF_EXPERTS
+        )
+        yield f"{prefix}.gate_up_proj_bias", _interleaved(gate_bias, up_bias)
+        yield f"{prefix}.down_proj_bias", down_bias
+        if gate.tensor_type.name == up.tensor_type.name == down.tensor_type.name == "MXFP4":
+            for name, rows in (("gate_up_proj", _interleaved(gate.data, up.data)), ("down_proj", down.data)):
+                blocks, scales = _mxfp4_blocks_as_hf(np.asarray(rows))
+                yield f"{prefix}.{name}_blocks", blocks
+                yield f"{prefix}.{name}_scales", scales
+        else:
+            gate_up = _interleaved(_dequantized(gate), _dequantized(up))  # [E, 2I, hidden]
+            yield f"{prefix}.gate_up_proj", np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+            yield f"{prefix}.down_proj", np.ascontiguousarray(_dequantized(down).transpose(0, 2, 1))
+
+
+def _interleaved(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a's and b's entries along dimension 1 interleaved: a0, b0, a1, b1, ..."""
+    shape = list(a.shape)
+    shape[1] *= 2
+    return np.stack((a, b), axis=2).reshape(shape)
+
+
+def _mxfp4_blocks_as_hf(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 rows [..., G * 17] (each block its E8M0 scale, then 16 bytes with value j in
+    byte j's low nibble and j + 16 in its high one) -> HF's blocks [..., G, 16] (values 2j and
+    2j + 1 in byte j) and scales [..., G]."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 17)
+    codes = np.concatenate((blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4), axis=-1)  # [..., G, 32]
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), np.ascontiguousarray(
+        blocks[..., 0]
+    )
 
 
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
@@ -759,7 +871,7 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
 
     arch, family = _field(reader, "general.architecture"), gguf_family(reader)
     for name, w in _joined_tensors(reader, family):
-        yield name, torch.from_numpy(w)  # exact float32: not in quantized.safetensors
+        yield name, torch.from_numpy(w)  # exact float32 (or MXFP4 blocks): not in quantized.safetensors
     for t in reader.tensors:
         parts = _hf_parts(t, family)
         if not parts:
