@@ -279,6 +279,35 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     assert got == expected
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mixtral_gguf_served_greedy_matches_hf(tmp_path: Path) -> None:
+    """A random Mixtral as a `llama` GGUF (Q8_0 experts, SmolLM2's vocabulary from the embedded
+    GGUF) served through real processes, converted as the supervisor converts it: three prompts
+    at once in chunks of 16 and a repeat of the first (a prefix hit) give HF's greedy tokens on
+    the dequantized weights."""
+    from services.gpu_worker.loader import default_model_path
+
+    config = random_moe_config(
+        "mixtral", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=21, std=0.1)
+    path = write_moe_gguf(
+        hf_dir, tmp_path / "mixtral.gguf", "llama", tokenizer_from=Path(default_model_path())
+    )
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    new_tokens = 10
+    expected = [hf_greedy(hf_dir, p, new_tokens) for p in prompts]
+    overrides = (
+        f"model.path={path}", f"model.cache_dir={tmp_path / 'cache'}", "model.dtype=float32",
+        "model.max_model_len=256", "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    got = served_greedy(tmp_path / "run", overrides, prompts, new_tokens, then=(prompts[0],))
+    assert got == [*expected, expected[0]]
+
+
 def full_and_rank_models(model_dir: Path) -> tuple:
     """(the whole model, [rank 0's, rank 1's] of two), loaded from `model_dir`."""
     import json
@@ -481,6 +510,7 @@ def write_moe_gguf(
     arch: str,
     k_quants: dict[str, str] | None = None,
     split_kv_b: bool = True,
+    tokenizer_from: Path | None = None,
 ) -> Path:
     """A GGUF of an HF MoE dir as llama.cpp's converter writes one: every tensor named by the
     gguf package's tensor map for `arch`; each projection's experts stacked into one 3-D tensor
@@ -489,8 +519,8 @@ def write_moe_gguf(
     K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
     per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
     converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
-    float32. The experts in `hf_dir` are replaced by their dequantization, so HF on that dir is
-    the exact reference."""
+    float32; with `tokenizer_from`, that GGUF's tokenizer metadata. The experts in `hf_dir` are
+    replaced by their dequantization, so HF on that dir is the exact reference."""
     import gguf
     from gguf.quants import dequantize, quantize
     from safetensors.numpy import load_file, save_file
@@ -515,6 +545,10 @@ def write_moe_gguf(
 
     writer = gguf.GGUFWriter(str(path), arch)
     write_moe_metadata(writer, config, arch, older_converter=not split_kv_b)
+    for key, field in gguf.GGUFReader(str(tokenizer_from)).fields.items() if tokenizer_from else ():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     experts: dict[str, dict[int, str]] = {}
     for name, data in sorted(tensors.items()):
         expert = EXPERT_NAME.match(name)
