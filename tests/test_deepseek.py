@@ -284,6 +284,64 @@ def test_moe_layer_freq_makes_the_layers_off_its_stride_dense() -> None:
     assert moe.sparse_layers == (False, False, True, False, True, False)
 
 
+# variant -> (config changes, whether kv_b_proj is split into attn_k_b / attn_v_b as today's
+# converter writes it, or whole as older converters wrote it)
+GGUF_VARIANTS = {
+    "v3-yarn-no-norm-topk": ({}, True),
+    "v2-group-limited": ({}, True),
+    # V2-Lite's own single group: a GGUF does not record topk_method, so its groups route
+    # group-limited (as llama.cpp runs them), and HF's greedy V2 has none.
+    "v2-lite": ({"n_group": 1, "topk_group": 1}, False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_deepseek_gguf_gives_hfs_logits(
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V3 and V2 through `deepseek2` GGUFs as llama.cpp's converter writes them, experts
+    from Q8_0 blocks: the latent attention (q_a / q_b or V2-Lite's q, kv_a_mqa, kv_b whole or
+    split per head), V3's sigmoid scores with exp_probs_b, group-limited routing from the expert
+    group counts, the weight scale, the leading dense layer, shared experts, YaRN with its mscale
+    from yarn_log_multiplier; logits of a prefill and decodes against HF on the dequantized
+    weights."""
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+    from tests.test_moe import write_moe_gguf
+
+    changes, split_kv_b = GGUF_VARIANTS[variant]
+    config = random_deepseek_config(variant, vocab_size=VOCAB, **changes)
+    hf_dir = save_deepseek(config, tmp_path / "hf", seed=80)
+    path = write_moe_gguf(hf_dir, tmp_path / "deepseek2.gguf", "deepseek2", split_kv_b=split_kv_b)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed = runner.model.config
+    assert parsed.architecture == VARIANTS[variant][0].replace("Config", "ForCausalLM")
+    assert parsed.mla is not None and (parsed.mla.q_lora_rank == 0) == (variant == "v2-lite")
+    assert parsed.moe is not None and parsed.moe.sparse_layers == (False, True, True)
+    assert parsed.moe.num_groups == (1 if variant == "v2-lite" else 4)
+    assert parsed.moe.routed_scaling_factor == config.routed_scaling_factor
+    if variant.startswith("v3"):
+        assert (
+            parsed.ropes[0].rope_type == "yarn"
+            and runner.model.layers[1].router_correction_bias.abs().min() > 0
+        )
+    check_against_hf(runner, load_hf(hf_dir))
+
+
+def test_a_deepseek2_gguf_hf_would_route_otherwise_is_refused_before_conversion(tmp_path: Path) -> None:
+    """A `deepseek2` GGUF with softmax scores (V2) and expert_weights_norm: DeepSeek's own code
+    renormalizes then, transformers' V2 does not; refused by the converted config's name before
+    any weight is converted, leaving no cache."""
+    from services.gpu_worker.loader import prepare_model
+    from tests.test_moe import write_moe_gguf
+
+    config = random_deepseek_config("v2-lite", n_group=1, topk_group=1, norm_topk_prob=True)
+    hf_dir = save_deepseek(config, tmp_path / "hf", seed=81)
+    path = write_moe_gguf(hf_dir, tmp_path / "deepseek2.gguf", "deepseek2")
+    with pytest.raises(UnsupportedModel, match=r"norm_topk_prob=True \(deepseek_v2\)"):
+        prepare_model(str(path), cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").glob("*") if not p.name.startswith(".")]
+
+
 def test_deepseek_tensor_parallel_matches_hf(tmp_path: Path) -> None:
     """Two ranks over gloo: each holds its heads' rows of q_b and kv_b and its heads' columns of
     o_proj, the latent projection, its norm and cache whole; HF's logits and greedy tokens through

@@ -683,16 +683,18 @@ def test_paged_decode_cpu_sinks_match_ref():
         cpu_ops.paged_decode(*args, sinks[:5])
 
 
-def random_k_quant_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> np.ndarray:
+def random_k_quant_blocks(
+    fmt: str, num_rows: int, in_features: int, seed: int, scale: float = 0.01
+) -> np.ndarray:
     """Random super-blocks [rows, bytes] of a K-quant, every byte random except the float16
-    super-scales, set to small finite values (random bytes could make them inf or nan)."""
+    super-scales, set to finite values below `scale` (random bytes could make them inf or nan)."""
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
 
     weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (num_rows, in_features // weights, size), dtype=np.uint8)
-    scales = (rng.random((num_rows, in_features // weights, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    scales = (rng.random((num_rows, in_features // weights, 2)) * scale).astype(np.float16).view(np.uint8)
     if fmt == "Q6_K":  # d is the last two bytes
         blocks[..., size - 2 :] = scales[..., :2]
     else:  # d and dmin lead the block

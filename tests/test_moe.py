@@ -3,11 +3,14 @@ Mixtral (top-2 of 8, renormalized), Qwen2-MoE (gated shared expert, a dense laye
 decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob, a dense layer by
 mlp_only_layers) and OLMoE (q/k norms over all heads, clip_qkv). In process through the
 ModelRunner (test_families.check_against_hf: batched prefill, decodes, a prefix-cache hit, a
-preemption), and one family served end to end through real processes. DeepSeek-V2 / V3 are in
-test_deepseek.py."""
+preemption), and one family served end to end through real processes. Every family also
+through a GGUF written as llama.cpp's converter writes it (write_moe_gguf, write_gpt_oss_gguf;
+DeepSeek's in test_deepseek.py), and what such a file records that Brigade cannot run, refused by
+name. DeepSeek-V2 / V3 are in test_deepseek.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -276,6 +279,35 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     assert got == expected
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mixtral_gguf_served_greedy_matches_hf(tmp_path: Path) -> None:
+    """A random Mixtral as a `llama` GGUF (Q8_0 experts, SmolLM2's vocabulary from the embedded
+    GGUF) served through real processes, converted as the supervisor converts it: three prompts
+    at once in chunks of 16 and a repeat of the first (a prefix hit) give HF's greedy tokens on
+    the dequantized weights."""
+    from services.gpu_worker.loader import default_model_path
+
+    config = random_moe_config(
+        "mixtral", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=21, std=0.1)
+    path = write_moe_gguf(
+        hf_dir, tmp_path / "mixtral.gguf", "llama", tokenizer_from=Path(default_model_path())
+    )
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    new_tokens = 10
+    expected = [hf_greedy(hf_dir, p, new_tokens) for p in prompts]
+    overrides = (
+        f"model.path={path}", f"model.cache_dir={tmp_path / 'cache'}", "model.dtype=float32",
+        "model.max_model_len=256", "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    got = served_greedy(tmp_path / "run", overrides, prompts, new_tokens, then=(prompts[0],))
+    assert got == [*expected, expected[0]]
+
+
 def full_and_rank_models(model_dir: Path, expert_parallel: bool = False) -> tuple:
     """(the whole model, [rank 0's, rank 1's] of two), loaded from `model_dir`."""
     import json
@@ -389,77 +421,175 @@ def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_pat
         check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
 
 
-# HF -> llama.cpp names of a Qwen2-MoE / Qwen3-MoE's tensors (its converter's tensor map), written
-# out here independently of the loader's maps; experts are stacked into one 3-D tensor each.
-MOE_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}  # fmt: skip
-EXPERTS_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+def write_moe_metadata(writer, config, arch: str, older_converter: bool = False) -> None:
+    """The metadata llama.cpp's converter writes for a MoE of `arch` (its base class's keys, then
+    the architecture's own), from the HF config; `older_converter`: DeepSeek's head sizes as
+    converters before the split kv_b wrote them (key_length, value_length, no *_mla keys)."""
+    import gguf
+
+    c, deepseek = config, arch == "deepseek2"
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(1 if deepseek else c.num_key_value_heads)  # MLA as one KV head
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_expert_count(
+        getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or c.n_routed_experts
+    )
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if not deepseek:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_expert_feed_forward_length(c.intermediate_size)
+        write_yarn(writer, c.rope_parameters)
+    if not deepseek:
+        return
+    # DeepSeek's released config.json files name their scoring (transformers' classes leave it unset).
+    scoring = getattr(c, "scoring_func", None) or ("sigmoid" if c.model_type == "deepseek_v3" else "softmax")
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType[scoring.upper()])
+    if getattr(c, "n_group", None) is not None:
+        writer.add_expert_group_count(c.n_group)
+        writer.add_expert_group_used_count(c.topk_group)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank:
+        writer.add_q_lora_rank(c.q_lora_rank)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    if older_converter:
+        writer.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        writer.add_value_length(c.v_head_dim)
+    else:
+        writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        writer.add_value_length(c.kv_lora_rank)
+        writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        writer.add_value_length_mla(c.v_head_dim)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_count(c.n_shared_experts)
+    writer.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    write_yarn(writer, c.rope_parameters)
+    if "mscale_all_dim" in c.rope_parameters:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * c.rope_parameters["mscale_all_dim"])
 
 
-def write_moe_gguf(hf_dir: Path, path: Path, arch: str) -> Path:
-    """A GGUF of an HF Qwen2-MoE / Qwen3-MoE dir as llama.cpp's converter writes one: router
-    ffn_gate_inp, each projection's experts as one Q8_0 3-D tensor, the shared expert's gate as a
-    vector, everything else float32. The experts in `hf_dir` are replaced by their Q8_0
-    dequantization, so HF on that dir is the exact reference."""
+def write_yarn(writer, rope: dict) -> None:
+    """YaRN's keys, as the converter's base class writes them (no truncate, no mscale)."""
+    import gguf
+
+    if rope.get("rope_type") != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+# The largest super-scale of each K-quant's random experts: weights about the random models' size.
+K_QUANT_SCALES = {"Q4_K": 5e-4, "Q5_K": 2.5e-4, "Q6_K": 5e-5}
+# An expert's weight in an HF checkpoint: (the stacked name without the index, index, projection).
+EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
+
+
+def write_moe_gguf(
+    hf_dir: Path,
+    path: Path,
+    arch: str,
+    k_quants: dict[str, str] | None = None,
+    split_kv_b: bool = True,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """A GGUF of an HF MoE dir as llama.cpp's converter writes one: every tensor named by the
+    gguf package's tensor map for `arch`; each projection's experts stacked into one 3-D tensor
+    of Q8_0 blocks quantized from the weights, or of the K-quant `k_quants` names for its GGUF
+    kind (ffn_gate_exps, ...) as random super-blocks of small scales; llama's (Mixtral's) Q and
+    K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
+    per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
+    converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
+    float32; with `tokenizer_from`, that GGUF's tokenizer metadata. The experts in `hf_dir` are
+    replaced by their dequantization, so HF on that dir is the exact reference."""
     import gguf
     from gguf.quants import dequantize, quantize
     from safetensors.numpy import load_file, save_file
     from transformers import AutoConfig
 
+    from tests.test_gguf_files import _permute
+    from tests.test_kernels import random_k_quant_blocks
+
     config = AutoConfig.from_pretrained(hf_dir)
     tensors = load_file(str(hf_dir / "model.safetensors"))
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    # llama.cpp's Qwen2-MoE has no dense layers, so its map lacks ffn_gate / up / down: named here
+    # as every other architecture names them.
+    dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+
+    def gguf_name(hf_name: str) -> str:
+        suffixes = (".weight", ".bias")
+        return names.get_name(hf_name, try_suffixes=suffixes) or dense_names.get_name(
+            hf_name, try_suffixes=suffixes
+        )
+
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_expert_count(config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if arch == "qwen2moe":
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-           "model.norm.weight": "output_norm.weight"}  # fmt: skip
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    write_moe_metadata(writer, config, arch, older_converter=not split_kv_b)
+    for key, field in gguf.GGUFReader(str(tokenizer_from)).fields.items() if tokenizer_from else ():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    experts: dict[str, dict[int, str]] = {}
     for name, data in sorted(tensors.items()):
-        if name in top:
-            writer.add_tensor(top[name], data)
+        expert = EXPERT_NAME.match(name)
+        if expert:
+            experts.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = name
             continue
-        _, _, layer, *rest = name.split(".")
-        if rest[:2] == ["mlp", "experts"]:
-            experts.setdefault((layer, rest[3]), {})[int(rest[2])] = data
-            continue
-        key = ".".join(rest[:-1])
-        writer.add_tensor(
-            f"blk.{layer}.{MOE_TO_GGUF[key]}.{rest[-1]}",
-            data.reshape(-1) if key == "mlp.shared_expert_gate" else data,
-        )
-    for (layer, projection), by_expert in sorted(experts.items()):
-        blocks = quantize(np.stack([by_expert[e] for e in sorted(by_expert)]), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(
-            f"blk.{layer}.{EXPERTS_TO_GGUF[projection]}.weight",
-            blocks,
-            raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-        )
-        exact = dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
-        for e in by_expert:
-            tensors[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = np.ascontiguousarray(
-                exact[e]
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _permute(data, heads)
+        if name.endswith("kv_b_proj.weight") and split_kv_b:
+            nope = config.qk_nope_head_dim
+            per_head = data.reshape(config.num_attention_heads, nope + config.v_head_dim, -1)
+            writer.add_tensor(
+                gguf_name(name.replace("kv_b", "k_b")),
+                np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)),
             )
+            writer.add_tensor(
+                gguf_name(name.replace("kv_b", "v_b")), np.ascontiguousarray(per_head[:, nope:])
+            )
+            continue
+        if name.endswith("e_score_correction_bias"):  # the converter's rename before its map
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    for seed, (stacked, by_expert) in enumerate(sorted(experts.items())):
+        weights = np.stack([tensors[by_expert[e]] for e in sorted(by_expert)])
+        kind = gguf_name(stacked).split(".")[2]
+        quant = gguf.GGMLQuantizationType[(k_quants or {}).get(kind, "Q8_0")]
+        if quant == gguf.GGMLQuantizationType.Q8_0:
+            blocks = quantize(weights, quant)
+        else:
+            num_experts, rows, in_features = weights.shape
+            scale = K_QUANT_SCALES[quant.name]
+            blocks = random_k_quant_blocks(quant.name, num_experts * rows, in_features, seed, scale)
+            blocks = blocks.reshape(num_experts, rows, -1)
+        writer.add_tensor(gguf_name(stacked), blocks, raw_dtype=quant)
+        exact = dequantize(blocks, quant)
+        for e, name in by_expert.items():
+            tensors[name] = np.ascontiguousarray(exact[e])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -468,46 +598,236 @@ def write_moe_gguf(hf_dir: Path, path: Path, arch: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("family", "arch"), [("qwen2-moe-shared-expert", "qwen2moe"), ("qwen3-moe-norm-topk", "qwen3moe")]
-)
-def test_moe_gguf_gives_hfs_logits(
-    family: str, arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Qwen2-MoE (shared expert, a dense layer: no ffn_gate_inp there) and a Qwen3-MoE through
-    their GGUFs, experts from Q8_0 blocks: logits of a prefill and decodes against HF."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
-
-    config = random_moe_config(family, vocab_size=VOCAB, tie_word_embeddings=False)
-    if family.startswith("qwen3"):
-        config.mlp_only_layers = []  # llama.cpp's qwen3moe has a router in every layer
-    hf_dir = save_random_model(config, tmp_path / "hf", seed=40, std=0.08, embed_std=0.15)
-    path = write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch)
-    runner = gguf_runner(path, tmp_path, monkeypatch)
-    moe = runner.model.config.moe
-    assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
-    assert moe.norm_topk_prob == (arch == "qwen3moe")
-    if arch == "qwen2moe":
-        assert moe.sparse_layers == (False, True, False) and moe.shared_expert_intermediate_size == 48
-    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
-
-
-def test_mixtral_gguf_is_refused_by_name(tmp_path: Path) -> None:
+def write_gpt_oss_gguf(hf_dir: Path, path: Path) -> Path:
+    """A GGUF of an HF gpt-oss dir with MXFP4 experts (write_mxfp4_experts) as llama.cpp's
+    converter writes one: the interleaved gate/up rows (and biases) split into ffn_gate_exps and
+    ffn_up_exps, each MXFP4 block repacked as ggml's (its E8M0 scale, then 16 bytes holding values
+    j and j + 16), sinks as attn_sinks.weight, the router as ffn_gate_inp with its bias,
+    everything else as the checkpoint has it (in float32)."""
     import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
 
-    from services.gpu_worker.loader import check_gguf
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config.num_hidden_layers)
 
-    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
-    writer.add_expert_count(8)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
+    def gguf_name(hf_name: str) -> str:
+        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+    def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+        codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # each value's code, in order
+        packed = codes[..., :16] | (codes[..., 16:] << 4)
+        return torch.cat((scales.unsqueeze(-1), packed), dim=-1).flatten(-2).numpy()
+
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    write_moe_metadata(writer, config, "gpt-oss")
+    for name, data in sorted(tensors.items()):
+        base = name.removesuffix("_blocks").removesuffix("_scales")
+        experts = base.replace("gate_up_proj", "{}_proj").replace("down_proj", "{}_proj")
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):  # [E, out, G, 16], gate and up rows interleaved
+            both = ggml_mxfp4(data, tensors[f"{base}_scales"])
+            parts = {"gate": both[:, ::2], "up": both[:, 1::2]} if "gate_up" in name else {"down": both}
+            for kind, rows in parts.items():
+                writer.add_tensor(gguf_name(experts.format(kind) + ".weight"), np.ascontiguousarray(rows),
+                                  raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # fmt: skip
+            continue
+        data = data.float().numpy()
+        if name.endswith("gate_up_proj_bias"):
+            writer.add_tensor(
+                gguf_name(experts.format("gate").removesuffix("_bias") + ".bias"), data[..., ::2].copy()
+            )
+            writer.add_tensor(
+                gguf_name(experts.format("up").removesuffix("_bias") + ".bias"), data[..., 1::2].copy()
+            )
+            continue
+        if name.endswith("down_proj_bias"):
+            name = name.removesuffix("_bias") + ".bias"
+        if name.endswith("sinks"):
+            name += ".weight"
+        writer.add_tensor(gguf_name(name), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModel, match="unsupported GGUF mixture of experts of architecture 'llama'"):
-        check_gguf(gguf.GGUFReader(str(tmp_path / "mixtral.gguf")))
+    return path
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gpt-oss GGUF with MXFP4 experts (every 4-bit code) as the converter writes it: the
+    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, dequantized when the
+    worker loads them; sinks, alternating sliding and full layers, YaRN (no truncation, as every
+    gpt-oss), the biased router and experts: logits of a prefill and decodes against HF on the
+    MXFP4 checkpoint the GGUF was written from (HF dequantizing it itself)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    # llama.cpp fixes the SwiGLU limit at gpt-oss's 7 (a GGUF records none).
+    config = random_moe_config("gpt-oss", vocab_size=VOCAB, swiglu_limit=7.0)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=42, std=0.08, embed_std=0.15)
+    write_mxfp4_experts(hf_dir, seed=43)
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "gpt-oss.gguf")
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed = runner.model.config
+    assert parsed.attention_sinks and parsed.layer_windows == (WINDOW, 0)
+    assert parsed.ropes[0].rope_type == "yarn" and not parsed.ropes[0].truncate
+    assert parsed.moe is not None and parsed.moe.expert_bias and parsed.moe.swiglu_limit == 7.0
+    (converted,) = (tmp_path / "cache").glob("gpt-oss-*")
+    with safe_open(str(converted / "model.safetensors"), framework="pt") as weights:
+        assert weights.get_slice("model.layers.1.mlp.experts.down_proj_blocks").get_dtype() == "U8"
+    hf = AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()
+    check_against_hf(runner, hf)
+
+
+# family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)
+GGUF_FAMILIES = {
+    "mixtral": ("llama", {}),
+    "qwen2-moe-shared-expert": ("qwen2moe", {}),
+    "qwen3-moe-norm-topk": ("qwen3moe", {"mlp_only_layers": []}),  # llama.cpp's: a router in every layer
+    "olmoe-clip-qkv": ("olmoe", {"clip_qkv": None}),  # its converter writes no clip_qkv
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each MoE family through its GGUF, experts from Q8_0 blocks: logits of a prefill and decodes
+    against HF on the dequantized weights. Mixtral as a `llama` file (Q and K rows permuted),
+    Qwen2-MoE with its shared expert and a dense layer (no ffn_gate_inp there), Qwen3-MoE with
+    renormalized top-k, OLMoE with its q/k norms over all heads."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    arch, changes = GGUF_FAMILIES[family]
+    config = random_moe_config(family, vocab_size=VOCAB, tie_word_embeddings=False, **changes)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=40, std=0.08, embed_std=0.15)
+    path = write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    parsed = runner.model.config
+    assert parsed.architecture == FAMILIES[family][0].replace("Config", "ForCausalLM")
+    assert parsed.moe is not None and (parsed.moe.num_experts, parsed.moe.top_k) == (8, 2)
+    assert parsed.moe.norm_topk_prob == (family in ("mixtral", "qwen3-moe-norm-topk"))
+    if arch == "qwen2moe":
+        assert parsed.moe.sparse_layers == (False, True, False)
+        assert parsed.moe.shared_expert_intermediate_size == 48
+    if arch == "olmoe":
+        assert parsed.qk_norm_whole
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+
+
+def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mixtral whose experts are K-quants as in a Q4_K_M file (gate and up Q4_K, down Q6_K;
+    hidden and expert sizes of 256, whole super-blocks): each expert's own super-blocks dequantize
+    to HF's reference weights."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    config = random_moe_config(
+        "mixtral", vocab_size=VOCAB, hidden_size=256, intermediate_size=256, head_dim=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=41, std=0.05, embed_std=0.15)
+    k_quants = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}
+    path = write_moe_gguf(hf_dir, tmp_path / "mixtral.gguf", "llama", k_quants=k_quants)
+    runner = gguf_runner(path, tmp_path, monkeypatch)
+    (converted,) = (tmp_path / "cache").glob("mixtral-*")
+    with safe_open(str(converted / "quantized.safetensors"), framework="numpy") as blocks:
+        formats = json.loads(blocks.metadata()["formats"])
+    assert formats["model.layers.1.block_sparse_moe.experts.7.w1.weight"] == "Q4_K"
+    assert formats["model.layers.1.block_sparse_moe.experts.7.w2.weight"] == "Q6_K"
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+
+
+def write_gguf_stub(path: Path, arch: str, tensors: list[str], **fields) -> Path:
+    """A GGUF of two layers with only metadata (`fields`, as {arch}.key) and zero tensors of the
+    given names: what check_gguf reads."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    adders = {
+        bool: writer.add_bool,
+        int: writer.add_uint32,
+        float: writer.add_float32,
+        str: writer.add_string,
+    }
+    for key, value in fields.items():
+        adders[type(value)](f"{arch}.{key}", value)
+    for name in tensors:
+        writer.add_tensor(name, np.zeros((4, 8) if name.endswith(".weight") else 8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+ROUTERS = ["blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"]
+BIASES = ["blk.0.exp_probs_b.bias", "blk.1.exp_probs_b.bias"]
+EXPERT_WEIGHTS = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
+# case -> (architecture, tensors, metadata, the refusal)
+GGUF_MOE_REFUSED = {
+    "experts in another architecture": ("qwen2", [], dict(expert_count=8),
+        "unsupported GGUF mixture of experts of architecture 'qwen2'"),
+    "sigmoid scores outside deepseek2": ("olmoe", ROUTERS, dict(expert_count=8, expert_gating_func=2),
+        r"unsupported GGUF olmoe.expert_gating_func 2 \(sigmoid\) for olmoe; supported: 1 \(softmax\)"),
+    "unknown gating function": ("deepseek2", ROUTERS, dict(expert_count=8, expert_gating_func=4),
+        r"unsupported GGUF deepseek2.expert_gating_func 4 \(unknown\)"),
+    "expert groups outside deepseek2": ("qwen3moe", ROUTERS, dict(expert_count=8, expert_group_count=4),
+        "unsupported GGUF qwen3moe.expert_group_count 4 for qwen3moe"),
+    "weight scale outside deepseek2": ("llama", ROUTERS, dict(expert_count=8, expert_weights_scale=2.5),
+        "unsupported GGUF llama.expert_weights_scale 2.5 for mixtral"),
+    "a mixtral layer without a router": ("llama", ROUTERS[:1], dict(expert_count=8),
+        r"unsupported GGUF mixtral with routers \(ffn_gate_inp\) in layers \[0\]"),
+    "deepseek2 routers in the leading dense layers": ("deepseek2", ROUTERS, dict(
+        expert_count=8, leading_dense_block_count=1), r"deepseek2 with routers \(ffn_gate_inp\) in layers \[0, 1\]"),
+    "deepseek2 sigmoid without the correction bias": ("deepseek2", ROUTERS, dict(expert_count=8, expert_gating_func=2),
+        r"deepseek2 with sigmoid expert scores and a correction bias \(exp_probs_b\) in layers \[\]"),
+    "deepseek2 softmax with a correction bias": ("deepseek2", ROUTERS + BIASES, dict(expert_count=8),
+        r"deepseek2 with softmax expert scores and a correction bias \(exp_probs_b\) in layers \[0, 1\]"),
+    "half of a split kv_b": ("deepseek2", [*ROUTERS, "blk.1.attn_k_b.weight"], dict(expert_count=8),
+        "unsupported GGUF blk.1.attn_k_b without its other half"),
+    "gpt-oss experts without their biases": ("gpt-oss", ROUTERS + EXPERT_WEIGHTS, dict(expert_count=8),
+        r"unsupported GGUF gpt-oss without \['blk.0.ffn_gate_exps.bias', 'blk.0.ffn_up_exps.bias'"),
+    "yarn outside deepseek2": ("llama", ROUTERS, dict(expert_count=8, **{"rope.scaling.type": "yarn"}),
+        r"unsupported GGUF rope scaling type 'yarn' \(llama\); supported: none, linear"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_MOE_REFUSED))
+def test_moe_gguf_routing_brigade_cannot_run_is_refused_by_name(case: str, tmp_path: Path) -> None:
+    """What a MoE GGUF records that its family's HF class does not compute is refused before any
+    conversion (so before ready), naming the key or tensor and what is supported."""
+    import gguf
+
+    from services.gpu_worker.loader import check_gguf, prepare_model
+
+    arch, tensors, fields, message = GGUF_MOE_REFUSED[case]
+    path = write_gguf_stub(tmp_path / "model.gguf", arch, tensors, **fields)
+    with pytest.raises(UnsupportedModel, match=message):
+        check_gguf(gguf.GGUFReader(str(path)))
+    with pytest.raises(UnsupportedModel, match=message):
+        prepare_model(str(path), cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").glob("*") if not p.name.startswith(".")]
 
 
 def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:

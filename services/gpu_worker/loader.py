@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.gpu_worker.architectures import UnsupportedModel, config_from_dir
+from services.gpu_worker.architectures import ModelConfig, UnsupportedModel, config_from_dir
 
 if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
     import torch
@@ -170,7 +170,8 @@ GGUF_TO_HF = {
 }
 
 
-# GGUF architecture -> the HF architecture its converted config names.
+# GGUF architecture -> the HF architecture its converted config names (a `llama` file with experts
+# is a Mixtral; a `deepseek2` one is DeepSeek-V2 or V3 by its routing: _gguf_config).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "LlamaForCausalLM",
@@ -181,25 +182,76 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 GGUF_MODEL_TYPES = {
     "mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
 }  # the others' are their arch  # fmt: skip
 # Mixture-of-experts GGUFs, as llama.cpp's converter writes them: the router (ffn_gate_inp), each
 # projection of all experts as one 3-D tensor [experts, rows, in] (split here into HF's
-# per-expert weights), and Qwen2-MoE's shared expert and its gate.
-GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
-GGUF_MOE_NAMES = {
+# per-expert weights), shared experts (ffn_*_shexp) and Qwen2-MoE's gate of its shared expert.
+# The family is the GGUF architecture, but "mixtral" for a `llama` file with experts.
+GGUF_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "deepseek2", "gpt-oss")
+# Families whose HF class has a mixture in every layer (no dense ones): each needs its router.
+GGUF_ALL_SPARSE = ("mixtral", "olmoe", "gpt-oss")
+GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# (prefix, projection names) of each expert's HF weights: Mixtral's own, the others' mlp.experts.
+GGUF_EXPERT_NAMES = {
+    "mixtral": (
+        "block_sparse_moe.experts",
+        {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
+    ),
+}
+# llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
+# ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE and
+# OLMoE not (Mixtral always does; DeepSeek only where the file says so).
+GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# {arch}.expert_gating_func (llama.cpp's enum) -> the scoring; DeepSeek-V3 scores by sigmoid, the
+# others by softmax (a file without the key is softmax, as llama.cpp reads it); gpt-oss softmaxes
+# over the top k (llama.cpp's softmax_weight).
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+GGUF_FAMILY_SCORING = {
+    "deepseek2": ("softmax", "sigmoid"),
+    "gpt-oss": ("softmax", "softmax_weight"),
+}  # others: softmax
+QWEN2MOE_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# llama.cpp renormalizes the top-k weights of these architectures unless the file says otherwise
-# ({arch}.expert_weights_norm): Qwen3-MoE does (its checkpoints' norm_topk_prob), Qwen2-MoE not.
-GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+# DeepSeek's latent attention and experts. The converter splits kv_b_proj into per-head attn_k_b
+# (transposed) and attn_v_b for llama.cpp's absorbed attention (older files keep attn_kv_b whole);
+# the loader joins them back (_joined_kv_b). exp_probs_b.bias is V3's e_score_correction_bias.
+DEEPSEEK2_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+SPLIT_KV_B = ("attn_k_b", "attn_v_b")
+# (family, GGUF kind, suffix) -> the HF name (after model.layers.N.) of tensors HF names without a
+# .weight / .bias suffix: V3's correction bias, gpt-oss's sinks.
+GGUF_BARE_NAMES = {
+    ("deepseek2", "exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",
+    ("gpt-oss", "attn_sinks", "weight"): "self_attn.sinks",
+}
+GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}
+# gpt-oss's clamped SwiGLU, fixed in llama.cpp as in every gpt-oss checkpoint (GGUFs record none).
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+# Architectures whose rope scaling may be YaRN (DeepSeek's, with its mscale as yarn_log_multiplier;
+# gpt-oss's).
+GGUF_YARN_ARCHITECTURES = ("deepseek2", "gpt-oss")
 # llama.cpp's Gemma converters store every norm as (1 + w) (HF's Gemma norms hold w); and its
 # layer count of each Gemma's 27B model, whose attention scale is hidden / heads, not head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -211,37 +263,67 @@ GEMMA_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Per family: the GGUF tensor kinds it names otherwise than GGUF_TO_HF, or that only it has.
+FAMILY_NAMES = {
+    "phi3": PHI3_FUSED,
+    "gemma2": GEMMA_NAMES,
+    "gemma3": GEMMA_NAMES,
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    "qwen2moe": QWEN2MOE_NAMES,
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "olmoe": {"ffn_gate_inp": "mlp.gate"},
+    "deepseek2": DEEPSEEK2_NAMES,
+    "gpt-oss": GPT_OSS_NAMES,
+}
 # Per-architecture tensors that are not weights of a layer but rope scaling, read into the config.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 # The tensor types Brigade reads (dequantized by gguf's own numpy code on conversion).
 GGUF_TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
 )  # fmt: skip
 
 
+def gguf_family(reader) -> str:
+    """The family whose names and config a GGUF's tensors take: its architecture, but "mixtral"
+    for a `llama` file with experts (llama.cpp's converter writes Mixtral so)."""
+    arch = _field(reader, "general.architecture")
+    return "mixtral" if arch == "llama" and _field(reader, "llama.expert_count") else arch
+
+
 def check_gguf(reader) -> None:
-    """UnsupportedModel for a GGUF whose architecture or any used tensor type Brigade can't read."""
+    """UnsupportedModel for a GGUF whose architecture, tensors, tensor types, rope scaling or
+    routing Brigade can't run as the HF model it converts to."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"unsupported GGUF architecture {arch!r}; supported: {list(GGUF_ARCHITECTURES)}"
         )
+    family = gguf_family(reader)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise UnsupportedModel(f"unsupported GGUF rope scaling type {scaling!r}; supported: none, linear")
-    if arch not in GGUF_MOE_ARCHITECTURES and _field(reader, f"{arch}.expert_count"):
+    supported_scaling = ("none", "linear", "yarn") if arch in GGUF_YARN_ARCHITECTURES else ("none", "linear")
+    if scaling not in (None, *supported_scaling):
         raise UnsupportedModel(
-            f"unsupported GGUF mixture of experts of architecture {arch!r} (e.g. Mixtral); supported MoE "
-            f"GGUF architectures: {list(GGUF_MOE_ARCHITECTURES)}"
+            f"unsupported GGUF rope scaling type {scaling!r} ({arch}); supported: {', '.join(supported_scaling)}"
+        )
+    if family not in GGUF_MOE_FAMILIES and _field(reader, f"{arch}.expert_count"):
+        raise UnsupportedModel(
+            f"unsupported GGUF mixture of experts of architecture {arch!r}; supported MoE GGUF "
+            f"architectures: {list(GGUF_MOE_FAMILIES)} (mixtral: llama with experts)"
         )
     unknown = [
-        t.name for t in reader.tensors if not _hf_parts(t, arch) and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        t.name
+        for t in reader.tensors
+        if not _hf_parts(t, family)
+        and t.name not in (ROPE_FREQS, *ROPE_FACTORS)
+        and not _joined(t.name, family)
     ]
     if unknown:
         raise UnsupportedModel(
-            f"unsupported GGUF tensor(s) {unknown[:3]}; supported: token_embd, output_norm, output and "
-            f"blk.N.{{{', '.join(GGUF_TO_HF)}}}"
+            f"unsupported GGUF tensor(s) {unknown[:3]} ({family}); supported: token_embd, output_norm, output "
+            f"and blk.N.{{{', '.join([*GGUF_TO_HF, *FAMILY_NAMES.get(family, {})])}}}"
         )
+    if family in GGUF_MOE_FAMILIES:
+        _check_gguf_moe(reader, arch, family)
     if arch == "phi3":  # its converter writes the rotary dimensions, hidden / heads unless partial
         hidden, heads = _field(reader, "phi3.embedding_length"), _field(reader, "phi3.attention.head_count")
         rope_dims = _field(reader, "phi3.rope.dimension_count")
@@ -255,6 +337,72 @@ def check_gguf(reader) -> None:
         raise UnsupportedModel(
             f"unsupported GGUF tensor type(s) {unsupported}; supported: {list(GGUF_TENSOR_TYPES)}"
         )
+
+
+def _check_gguf_moe(reader, arch: str, family: str) -> None:
+    """Refuse routing a MoE GGUF records that its family's HF class does not compute: another
+    gating function, group-limited routing or a weight scale outside DeepSeek, routers missing
+    where the family has no dense layers (DeepSeek: exactly the layers past the leading dense
+    ones), V3's correction bias without V3's sigmoid scores (or the other way round), and half of
+    a split attn_k_b / attn_v_b."""
+    names = {t.name for t in reader.tensors}
+    layers = int(_field(reader, f"{arch}.block_count"))
+    gating = _field(reader, f"{arch}.expert_gating_func", 1)
+    scoring = GGUF_GATING_FUNCS.get(gating)
+    allowed = GGUF_FAMILY_SCORING.get(family, ("softmax",))
+    if scoring not in allowed:
+        raise UnsupportedModel(
+            f"unsupported GGUF {arch}.expert_gating_func {gating} ({scoring or 'unknown'}) for {family}; "
+            f"supported: {', '.join(f'{n} ({f})' for n, f in GGUF_GATING_FUNCS.items() if f in allowed)}"
+        )
+    if family != "deepseek2":
+        for key, plain in (("expert_group_count", 1), ("expert_weights_scale", 1.0)):
+            value = _field(reader, f"{arch}.{key}", plain)
+            if value not in (plain, 0):
+                raise UnsupportedModel(
+                    f"unsupported GGUF {arch}.{key} {value} for {family}; supported: {plain} (only "
+                    "deepseek2 files may set it)"
+                )
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    expected = None
+    if family in GGUF_ALL_SPARSE:
+        expected = list(range(layers))
+    elif family == "deepseek2":
+        expected = list(range(int(_field(reader, f"{arch}.leading_dense_block_count", 0)), layers))
+    if expected is not None and routed != expected:
+        raise UnsupportedModel(
+            f"unsupported GGUF {family} with routers (ffn_gate_inp) in layers {routed}; supported: a "
+            f"router in each of layers {expected[:1]}..{expected[-1:]}"
+            + (" (after leading_dense_block_count)" if family == "deepseek2" else " (no dense layers)")
+        )
+    if family == "gpt-oss":
+        parts = [
+            f"blk.{i}.{kind}.{suffix}"
+            for i in range(layers)
+            for kind in GGUF_EXPERTS
+            for suffix in ("weight", "bias")
+        ]
+        missing = [name for name in parts if name not in names]
+        if missing:
+            raise UnsupportedModel(
+                f"unsupported GGUF gpt-oss without {missing[:3]}; supported: every layer's ffn_gate_exps, "
+                "ffn_up_exps and ffn_down_exps with their biases"
+            )
+    if family == "deepseek2":
+        biased = [i for i in routed if f"blk.{i}.exp_probs_b.bias" in names]
+        if biased != (routed if scoring == "sigmoid" else []):
+            raise UnsupportedModel(
+                f"unsupported GGUF deepseek2 with {scoring} expert scores and a correction bias "
+                f"(exp_probs_b) in layers {biased}; supported: sigmoid with the bias in every routed layer "
+                "(DeepSeek-V3), softmax without it (DeepSeek-V2)"
+            )
+        for i in range(layers):
+            halves = [kind for kind in SPLIT_KV_B if f"blk.{i}.{kind}.weight" in names]
+            if len(halves) == 1:
+                raise UnsupportedModel(
+                    f"unsupported GGUF blk.{i}.{halves[0]} without its other half; supported: attn_kv_b, "
+                    "or attn_k_b with attn_v_b"
+                )
 
 
 def _gguf_config(reader) -> dict:
@@ -286,8 +434,9 @@ def _gguf_config(reader) -> dict:
     }
     if arch in GEMMA_27B_LAYERS:
         config.update(_gemma_config(reader, config, arch))
-    if arch in GGUF_MOE_ARCHITECTURES:
-        config.update(_moe_config(reader, arch, tensor_names, config["num_hidden_layers"]))
+    family = gguf_family(reader)
+    if family in GGUF_MOE_FAMILIES:
+        config.update(_moe_config(reader, arch, family, tensor_names, config))
     if arch == "phi3":  # a longrope model's original length, and Phi-3's window, where set
         original = _field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
@@ -334,24 +483,113 @@ def _gemma_config(reader, config: dict, arch: str) -> dict:
     return gemma
 
 
-def _moe_config(reader, arch: str, tensor_names: set[str], num_layers: int) -> dict:
-    """A MoE GGUF's experts, as the HF config of its architecture names them; a layer without a
-    router is dense (mlp_only_layers)."""
+def _moe_config(reader, arch: str, family: str, tensor_names: set[str], config: dict) -> dict:
+    """A MoE GGUF's experts, as the HF config of its family names them (DeepSeek's:
+    _deepseek2_config); a Qwen layer without a router is dense (mlp_only_layers)."""
+    num_experts = int(_field(reader, f"{arch}.expert_count"))
+    top_k = int(_field(reader, f"{arch}.expert_used_count"))
+    # Mixtral's and OLMoE's converters write the experts' size as feed_forward_length only.
+    expert_size = int(_field(reader, f"{arch}.expert_feed_forward_length", config["intermediate_size"]))
+    if family == "mixtral":  # every layer a mixture, always renormalized (MixtralSparseMoeBlock)
+        return {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k, "intermediate_size": expert_size,
+        }  # fmt: skip
+    if family == "deepseek2":
+        return _deepseek2_config(reader, config, num_experts, top_k, expert_size)
+    if family == "gpt-oss":
+        return _gpt_oss_config(reader, config, num_experts, top_k, expert_size)
     moe = {
-        "num_experts": int(_field(reader, f"{arch}.expert_count")),
-        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
-        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
-        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", GGUF_MOE_NORM_TOPK[arch])),
-        "mlp_only_layers": [
-            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
-        ],
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", GGUF_MOE_NORM_TOPK[family])),
     }
-    if arch == "qwen2moe":
+    if family == "olmoe":  # every layer a mixture; clip_qkv as the OLMo converter writes it
+        clip = _field(reader, f"{arch}.attention.clamp_kqv")
+        return {**moe, "intermediate_size": expert_size, "clip_qkv": None if clip is None else float(clip)}
+    moe["moe_intermediate_size"] = expert_size
+    moe["mlp_only_layers"] = [
+        i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+    ]
+    if family == "qwen2moe":
         moe["shared_expert_intermediate_size"] = int(
             _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
         )
         moe["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
     return moe
+
+
+def _deepseek2_config(reader, config: dict, num_experts: int, top_k: int, expert_size: int) -> dict:
+    """A `deepseek2` GGUF as the HF config of DeepSeek-V3 (sigmoid expert scores with the
+    correction bias, exp_probs_b) or V2 (softmax). Its latent attention: q_lora_rank (absent:
+    V2-Lite's q_proj), kv_lora_rank, the q/k head (key_length_mla; older files: key_length) of
+    which rope.dimension_count are rope dims, the value head (value_length_mla / value_length);
+    the rope dims as interleaved pairs (llama.cpp's "normal" rope, DeepSeek's own). The file's
+    leading_dense_block_count is first_k_dense_replace; expert groups, the weight scale and
+    renormalization are V2 / V3's n_group, topk_group, routed_scaling_factor and norm_topk_prob."""
+
+    def key(name: str, default=None):
+        return _field(reader, f"deepseek2.{name}", default)
+
+    sigmoid = GGUF_GATING_FUNCS[key("expert_gating_func", 1)] == "sigmoid"
+    version = "V3" if sigmoid else "V2"
+    rope_dims = int(key("rope.dimension_count"))
+    qk_head = int(key("attention.key_length_mla") or key("attention.key_length"))
+    groups = int(key("expert_group_count") or 1)
+    q_lora_rank = key("attention.q_lora_rank")
+    return {
+        "architectures": [f"Deepseek{version}ForCausalLM"],
+        "model_type": f"deepseek_{version.lower()}",
+        # The file's one KV head is llama.cpp's view of the latent; HF's config has a head each.
+        "num_key_value_heads": config["num_attention_heads"],
+        "head_dim": rope_dims,
+        "q_lora_rank": int(q_lora_rank) if q_lora_rank else None,
+        "kv_lora_rank": int(key("attention.kv_lora_rank")),
+        "qk_nope_head_dim": qk_head - rope_dims,
+        "qk_rope_head_dim": rope_dims,
+        "v_head_dim": int(key("attention.value_length_mla") or key("attention.value_length")),
+        "rope_interleave": True,
+        "n_routed_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_size,
+        "n_shared_experts": int(key("expert_shared_count", 0)),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
+        "n_group": groups,
+        "topk_group": int(key("expert_group_used_count") or groups),
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+    }
+
+
+def _gpt_oss_config(reader, config: dict, num_experts: int, top_k: int, expert_size: int) -> dict:
+    """A `gpt-oss` GGUF as GptOssConfig: the sliding window and which layers have it (llama.cpp's
+    sliding_window_pattern: a list per layer, or n for all but every n-th layer, 2 by default: the
+    even layers, as gpt-oss's layer_types), the clamped SwiGLU's constants (GPT_OSS_SWIGLU), and
+    MXFP4 experts as OpenAI's quantization_config names them."""
+    layers = config["num_hidden_layers"]
+    pattern = _field(reader, "gpt-oss.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        sliding = [bool(s) for s in pattern]
+    else:  # llama.cpp's rule; 0: every layer
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    experts = {
+        t.tensor_type.name
+        for t in reader.tensors
+        if _joined(t.name, "gpt-oss") and t.name.endswith(".weight")
+    }
+    gpt_oss = {
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "intermediate_size": expert_size,
+        "sliding_window": int(_field(reader, "gpt-oss.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        **GPT_OSS_SWIGLU,
+    }
+    if "MXFP4" in experts:
+        gpt_oss["quantization_config"] = {"quant_method": "mxfp4"}
+    return gpt_oss
 
 
 def _gguf_head_dim(reader, arch: str) -> int:
@@ -367,6 +605,8 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     scaling, which llama.cpp's converter records only as the rope_freqs.weight tensor."""
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+        return _gguf_yarn(reader, arch)
     factors = {t.name: t for t in reader.tensors if t.name in ROPE_FACTORS}
     if factors:
         from gguf.quants import dequantize
@@ -390,6 +630,34 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
     original = _field(reader, f"{arch}.rope.scaling.original_context_length")
     return _llama3_scaling(divisors, head_dim, theta, None if original is None else int(original))
+
+
+def _gguf_yarn(reader, arch: str) -> dict:
+    """YaRN as HF's rope parameters: the factor, the original context, beta_fast / beta_slow
+    (llama.cpp's defaults 32 and 1 where the file has none) and an attention factor where set.
+    DeepSeek's mscale_all_dim is written as yarn_log_multiplier = 0.1 * mscale_all_dim, and its
+    mscale not at all: llama.cpp takes it equal to mscale_all_dim (so the rope's own attention
+    factor is 1), as DeepSeek's releases have them."""
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.rope.scaling.{name}", default)
+
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(key("factor")),
+        "original_max_position_embeddings": int(key("original_context_length")),
+        "beta_fast": float(key("yarn_beta_fast", 32.0)),
+        "beta_slow": float(key("yarn_beta_slow", 1.0)),
+    }
+    attention_factor = key("yarn_attn_factor")
+    if attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    if arch == "gpt-oss":  # every gpt-oss checkpoint's (the file does not record it)
+        scaling["truncate"] = False
+    log_multiplier = key("yarn_log_multiplier")
+    if log_multiplier:  # in float32, as llama.cpp divides it
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(np.float32(log_multiplier) / np.float32(0.1))
+    return scaling
 
 
 def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original: int | None) -> dict | None:
@@ -444,27 +712,28 @@ def gguf_generation_config(reader) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
-def _hf_parts(tensor, arch: str) -> list[tuple[str, int | None]]:
-    """The HF weights a GGUF tensor holds: [(name, None)] for one weight, [(name, e), ...] for
-    each expert e of a 3-D experts tensor, [] for tensors the model does not use."""
+def _hf_parts(tensor, family: str) -> list[tuple[str, int | None]]:
+    """The HF weights a GGUF tensor of `family` (gguf_family) holds: [(name, None)] for one
+    weight, [(name, e), ...] for each expert e of a 3-D experts tensor, [] for tensors the model
+    does not use (and for the tensors _joined_tensors joins into one HF weight)."""
+    if _joined(tensor.name, family):
+        return []
     parts = tensor.name.split(".")
-    if arch in GGUF_MOE_ARCHITECTURES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
-        _, layer, kind, _ = parts
-        if kind in GGUF_EXPERTS:
-            num_experts = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
-            return [
-                (f"model.layers.{layer}.mlp.experts.{e}.{GGUF_EXPERTS[kind]}.weight", e)
-                for e in range(num_experts)
-            ]
-        if kind in GGUF_MOE_NAMES:
-            return [(f"model.layers.{layer}.{GGUF_MOE_NAMES[kind]}.weight", None)]
-    name = _hf_name(tensor.name, arch)
+    if family in GGUF_MOE_FAMILIES and len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_EXPERTS:
+        _, layer, kind, suffix = parts
+        if suffix != "weight":
+            return []
+        prefix, projections = GGUF_EXPERT_NAMES.get(family, ("mlp.experts", GGUF_EXPERTS))
+        num_experts = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+        return [
+            (f"model.layers.{layer}.{prefix}.{e}.{projections[kind]}.weight", e) for e in range(num_experts)
+        ]
+    name = _hf_name(tensor.name, family)
     return [] if name is None else [(name, None)]
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
-    """The HF name of a GGUF tensor of architecture `arch`, or None for tensors the model does
-    not use."""
+def _hf_name(gguf_name: str, family: str) -> str | None:
+    """The HF name of a GGUF tensor of `family`, or None for tensors the model does not use."""
     top = {
         "token_embd.weight": "model.embed_tokens",
         "output.weight": "lm_head",
@@ -475,20 +744,112 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, layer, kind, suffix = parts
-        names = {
-            **GGUF_TO_HF,
-            **{"phi3": PHI3_FUSED, "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}.get(arch, {}),
-        }
+        if (family, kind, suffix) in GGUF_BARE_NAMES:
+            return f"model.layers.{layer}.{GGUF_BARE_NAMES[family, kind, suffix]}"
+        names = {**GGUF_TO_HF, **FAMILY_NAMES.get(family, {})}
         if kind in names and suffix in ("weight", "bias"):
             return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return None
 
 
+def _joined(gguf_name: str, family: str) -> bool:
+    """Whether a tensor is a part of an HF weight that _joined_tensors makes of several: half of a
+    DeepSeek kv_b_proj the converter split (attn_k_b, attn_v_b), or gpt-oss's experts (gate and
+    up are one interleaved HF weight)."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return False
+    if family == "deepseek2":
+        return parts[2] in SPLIT_KV_B and parts[3] == "weight"
+    return family == "gpt-oss" and parts[2] in GGUF_EXPERTS
+
+
+def _joined_tensors(reader, family: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of the weights joined from several GGUF tensors (see _joined)."""
+    if family == "deepseek2":
+        yield from _joined_kv_b(reader)
+    if family == "gpt-oss":
+        yield from _gpt_oss_experts(reader)
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A GGUF tensor in float32, dimensions outermost first."""
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(tensor.shape)]
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+
+
+def _joined_kv_b(reader) -> Iterator[tuple[str, np.ndarray]]:
+    """Each layer's kv_b_proj joined back from the converter's split: attn_k_b [heads,
+    kv_lora_rank, qk_nope_head_dim] (each head's key half, transposed) and attn_v_b [heads,
+    v_head_dim, kv_lora_rank]; kv_b_proj stacks per head its key rows, then its value rows. In
+    float32 (the key half's blocks run along the other dimension)."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        if not _joined(t.name, "deepseek2"):
+            continue
+        layer, kind = t.name.split(".")[1:3]
+        halves.setdefault(layer, {})[kind] = _dequantized(t)
+        if len(halves[layer]) == 2:
+            pair = halves.pop(layer)
+            joined = np.concatenate((pair["attn_k_b"].transpose(0, 2, 1), pair["attn_v_b"]), axis=1)
+            yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+
+
+def _gpt_oss_experts(reader) -> Iterator[tuple[str, np.ndarray]]:
+    """gpt-oss's experts as its HF checkpoints stack them: gate_up_proj [E, hidden, 2I] with gate
+    and up interleaved by column, down_proj [E, I, hidden], and their biases (gate_up_proj_bias
+    interleaved); the converter splits gate and up and transposes them. MXFP4 experts stay MXFP4,
+    as OpenAI's checkpoints hold them (`_blocks` [E, out, G, 16] with value 2j in byte j's low
+    nibble and 2j+1 in its high one, `_scales` [E, out, G]; gate and up rows interleaved), which
+    the worker dequantizes when it loads them, as it does those checkpoints' (iter_weights);
+    experts of any other type in float32."""
+    tensors = {t.name: t for t in reader.tensors if _joined(t.name, "gpt-oss")}
+    layers = sorted({name.split(".")[1] for name in tensors}, key=int)
+    for layer in layers:
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate, up, down = (tensors[f"blk.{layer}.{kind}.weight"] for kind in GGUF_EXPERTS)
+        gate_bias, up_bias, down_bias = (
+            _dequantized(tensors[f"blk.{layer}.{kind}.bias"]) for kind in GGUF_EXPERTS
+        )
+        yield f"{prefix}.gate_up_proj_bias", _interleaved(gate_bias, up_bias)
+        yield f"{prefix}.down_proj_bias", down_bias
+        if gate.tensor_type.name == up.tensor_type.name == down.tensor_type.name == "MXFP4":
+            for name, rows in (("gate_up_proj", _interleaved(gate.data, up.data)), ("down_proj", down.data)):
+                blocks, scales = _mxfp4_blocks_as_hf(np.asarray(rows))
+                yield f"{prefix}.{name}_blocks", blocks
+                yield f"{prefix}.{name}_scales", scales
+        else:
+            gate_up = _interleaved(_dequantized(gate), _dequantized(up))  # [E, 2I, hidden]
+            yield f"{prefix}.gate_up_proj", np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+            yield f"{prefix}.down_proj", np.ascontiguousarray(_dequantized(down).transpose(0, 2, 1))
+
+
+def _interleaved(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a's and b's entries along dimension 1 interleaved: a0, b0, a1, b1, ..."""
+    shape = list(a.shape)
+    shape[1] *= 2
+    return np.stack((a, b), axis=2).reshape(shape)
+
+
+def _mxfp4_blocks_as_hf(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 rows [..., G * 17] (each block its E8M0 scale, then 16 bytes with value j in
+    byte j's low nibble and j + 16 in its high one) -> HF's blocks [..., G, 16] (values 2j and
+    2j + 1 in byte j) and scales [..., G]."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 17)
+    codes = np.concatenate((blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4), axis=-1)  # [..., G, 32]
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), np.ascontiguousarray(
+        blocks[..., 0]
+    )
+
+
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict) -> np.ndarray:
     """A GGUF tensor's rows (dequantized or as raw blocks) in HF order: Q and K rows unpermuted
-    where llama.cpp's converter permuted them (llama and mistral, whose rope it runs on
-    interleaved pairs; Qwen2's NeoX rope keeps HF's order)."""
-    if config["model_type"] != "llama":
+    where llama.cpp's converter permuted them (llama, mistral and Mixtral, whose rope it runs on
+    interleaved pairs; the NeoX-rope families, Qwen's and OLMoE's, keep HF's order, and
+    DeepSeek's rope dims are interleaved pairs in HF's order too)."""
+    if config["model_type"] not in ("llama", "mixtral"):
         return rows
     if ".attn_q." in gguf_name:
         return _unpermute(rows, config["num_attention_heads"])
@@ -508,9 +869,11 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, object]]:
     import torch
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
+    arch, family = _field(reader, "general.architecture"), gguf_family(reader)
+    for name, w in _joined_tensors(reader, family):
+        yield name, torch.from_numpy(w)  # exact float32 (or MXFP4 blocks): not in quantized.safetensors
     for t in reader.tensors:
-        parts = _hf_parts(t, arch)
+        parts = _hf_parts(t, family)
         if not parts:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -530,12 +893,12 @@ def _gguf_blocks(reader, config: dict) -> tuple[dict[str, np.ndarray], dict[str,
     """Every quantized 2-D weight (each expert of a 3-D one) as its raw GGUF blocks ([rows,
     bytes] uint8, rows in HF order), and each one's format."""
     blocks, formats = {}, {}
-    arch = _field(reader, "general.architecture")
+    family = gguf_family(reader)
     for t in reader.tensors:
         if not _is_blocks(t):
             continue
         data = np.asarray(t.data)
-        for name, expert in _hf_parts(t, arch):
+        for name, expert in _hf_parts(t, family):
             part = data if expert is None else data[expert]
             blocks[name] = np.ascontiguousarray(_hf_rows(t.name, part, config))
             formats[name] = t.tensor_type.name
@@ -589,6 +952,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     reader = gguf.GGUFReader(str(gguf_path))
     check_gguf(reader)
     config = _gguf_config(reader)
+    ModelConfig.from_dict(config)  # what the converted config would be refused for, before any weight
     tensors = dict(
         tqdm(_gguf_tensors(reader, config), total=len(reader.tensors), desc=f"converting {gguf_path.name}")
     )
