@@ -3,7 +3,8 @@
 that serves a PNG, redirects, a 404, a page, an oversized body (announced, and endless), a slow
 trickle. Through a whole run, the real `openai` client's http URL gives exactly what the same
 image as a data URL gives (test_image_chat.py checks those against HF), and each bad URL is a 400
-naming its problem while the run keeps serving."""
+naming its problem while the run keeps serving; the Responses API's `input_image` (a data or an
+http URL) serves what the chat does, in the same run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -301,3 +303,75 @@ def test_an_http_image_serves_what_its_data_url_does(vlm_run, image_server: str)
         api.chat.completions.create(model="tiny", messages=image_message(unreachable), max_tokens=2)
     # ... and the run goes on serving, remote images too.
     assert served_messages(api, image_message(f"{image_server}/cat.png"))[0] == inline[0]
+
+
+# -- the Responses API's input_image --------------------------------------------------------------
+
+
+def test_input_image_parts_become_the_chats_image_parts() -> None:
+    from services.gateway.errors import ApiError
+    from services.gateway.responses import InputItem, input_messages
+
+    url = data_url(IMAGE)
+    items = msgspec.convert(
+        [{"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                      {"type": "input_image", "image_url": url, "detail": "auto"}]},
+         {"role": "assistant", "content": [{"type": "output_text", "text": "Noise."}]}],
+        list[InputItem],
+    )  # fmt: skip
+    assert input_messages(items) == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}],
+        },
+        {"role": "assistant", "content": "Noise."},
+    ]
+    bad = msgspec.convert(
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}], list[InputItem]
+    )
+    with pytest.raises(ApiError, match=r"input_image needs an image_url .* got a file_id") as caught:
+        input_messages(bad)
+    assert caught.value.param == "input[0].content[0].image_url"
+
+
+def responses_input(url: str, text: str = "What is in this picture?") -> list[dict]:
+    content = [
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+        {"type": "input_text", "text": text},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.slow
+def test_responses_input_image_serves_what_chat_does(vlm_run, image_server: str) -> None:
+    import openai
+
+    api = openai.OpenAI(base_url=gateway_url(vlm_run), api_key="none", timeout=120, max_retries=0)
+
+    def chat_text(messages: list[dict]) -> str:
+        reply = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content
+
+    want = chat_text(image_message(data_url(IMAGE)))
+    assert want  # something to compare
+    for url in (data_url(IMAGE), f"{image_server}/cat.png"):
+        response = api.responses.create(
+            model="tiny", input=responses_input(url), max_output_tokens=8, temperature=0
+        )
+        assert response.output_text == want, url
+
+    # The stored conversation keeps the image: a follow-up reads it again.
+    first = api.responses.create(
+        model="tiny", input=responses_input(f"{image_server}/cat.png"), max_output_tokens=8, temperature=0
+    )
+    follow = api.responses.create(
+        model="tiny", previous_response_id=first.id, input="And now?", max_output_tokens=8, temperature=0
+    )
+    history = [*image_message(data_url(IMAGE)), {"role": "assistant", "content": want},
+               {"role": "user", "content": "And now?"}]  # fmt: skip
+    assert follow.output_text == chat_text(history)
+
+    with pytest.raises(openai.BadRequestError, match="answered HTTP 404"):
+        api.responses.create(
+            model="tiny", input=responses_input(f"{image_server}/missing"), max_output_tokens=2
+        )
