@@ -4,12 +4,13 @@ that serves a PNG, redirects, a 404, a page, an oversized body (announced, and e
 trickle. Through a whole run, the real `openai` client's http URL gives exactly what the same
 image as a data URL gives (test_image_chat.py checks those against HF), and each bad URL is a 400
 naming its problem while the run keeps serving; the Responses API's `input_image` (a data or an
-http URL) serves what the chat does, in the same run."""
+http URL) serves what the chat does, and the encoder's metrics count the images, in the same run."""
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from ipc import messages as m
 from services.common.images import image_rules_of
@@ -375,3 +377,54 @@ def test_responses_input_image_serves_what_chat_does(vlm_run, image_server: str)
         api.responses.create(
             model="tiny", input=responses_input(f"{image_server}/missing"), max_output_tokens=2
         )
+
+
+# -- the encoder's metrics ------------------------------------------------------------------------
+
+
+def encoder_samples(base_url: str) -> dict[str, float]:
+    """The run's brigade:encoder_* samples from the gateway's /metrics (histograms by their
+    _count and _sum), each named with its outcome or stage label where it has one."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("brigade:encoder_") or sample.name.endswith("_bucket"):
+                continue
+            label = sample.labels.get("outcome") or sample.labels.get("stage")
+            name = f"{sample.name}{{{label}}}" if label else sample.name
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+@pytest.mark.slow
+def test_the_encoder_reports_its_images_cache_and_times(vlm_run) -> None:
+    import openai
+
+    url = gateway_url(vlm_run)
+    api = openai.OpenAI(base_url=url, api_key="none", timeout=120, max_retries=0)
+    before = encoder_samples(url.removesuffix("/v1"))
+    fresh = png(33, 21, seed=7)  # no other test sends it
+    for _ in range(2):
+        served_messages(api, image_message(data_url(fresh)))
+    with pytest.raises(openai.BadRequestError, match="truncated or corrupt"):
+        truncated = data_url(fresh[: len(fresh) // 2])
+        api.chat.completions.create(model="tiny", messages=image_message(truncated), max_tokens=2)
+    after = encoder_samples(url.removesuffix("/v1"))
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("brigade:encoder_images_encoded_total") == 1  # once; then the cache has it
+    assert grew("brigade:encoder_cache_hits_total") >= 1
+    assert grew("brigade:encoder_requests_total{answered}") >= 2
+    assert grew("brigade:encoder_requests_total{refused}") >= 1
+    assert grew("brigade:encoder_requests_total{failed}") == 0
+    for histogram in ("brigade:encoder_encode_time_seconds", "brigade:encoder_queue_time_seconds"):
+        assert grew(f"{histogram}_count") >= 3 and grew(f"{histogram}_sum") > 0
+    # The queue, from the encoder's heartbeats: empty once the requests are answered.
+    deadline = time.monotonic() + 30
+    while encoder_samples(url.removesuffix("/v1")).get("brigade:encoder_queue_depth{encoder-0}") != 0:
+        assert time.monotonic() < deadline, "no encoder_queue_depth of 0 for encoder-0"
+        time.sleep(0.5)
