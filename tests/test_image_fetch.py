@@ -38,12 +38,14 @@ TRICKLE_S = 0.25  # /slow's pause between bytes: never one socket timeout, alway
 
 
 class ImageHandler(BaseHTTPRequestHandler):
-    """One path per case; `/hop/N` redirects N times before the PNG."""
+    """Its server's files as PNGs, and one path per case; `/hop/N` redirects N times before the PNG."""
+
+    server: ImageHttpServer
 
     def do_GET(self) -> None:
         path = self.path
-        if path == "/cat.png":
-            self.reply(200, "image/png", IMAGE)
+        if path in self.server.files:
+            self.reply(200, "image/png", self.server.files[path])
         elif path == "/untyped":
             self.reply(200, "application/octet-stream", IMAGE)
         elif path.startswith("/hop/"):
@@ -96,16 +98,35 @@ class ImageHandler(BaseHTTPRequestHandler):
         pass  # quiet: pytest shows a failed test's own output
 
 
+class ImageHttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    files: dict[str, bytes]
+
+
+class ImageServer:
+    """ImageHandler's server on a free loopback port, in a thread: `/cat.png` and `files`, by path."""
+
+    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+        self.files = {"/cat.png": IMAGE, **(files or {})}
+        self.server = ImageHttpServer(("127.0.0.1", 0), ImageHandler)
+        self.server.files = self.files
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ImageServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def image_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageHandler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with ImageServer() as server:
+        yield server.url
 
 
 def policy(**changes: object) -> RemoteImages:
