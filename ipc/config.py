@@ -130,10 +130,16 @@ class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: NonNegative = 0
     # The cache of image embeddings each replica keeps in shared memory (ipc/embedding_cache.py).
     cache_bytes: Positive = 256 << 20
-    # One image: its file (a data URL's decoded bytes), and its pixels (checked from its header,
-    # before it is decoded).
+    # One image: its file (a data URL's decoded bytes, or a fetched body), and its pixels (checked
+    # from its header, before it is decoded).
     max_image_bytes: Positive = 10 << 20
     max_image_pixels: Positive = 40_000_000
+    # http(s) image URLs, fetched by the tokenizers (services/tokenizer/image_fetch.py): on, as in
+    # vLLM; from any host unless `remote_image_domains` lists some (each with its subdomains).
+    remote_images: bool = True
+    remote_image_domains: list[str] = []
+    remote_image_timeout_s: Seconds = 10.0  # one image's whole fetch, redirects included
+    remote_image_max_redirects: NonNegative = 5
 
 
 class GatewayTlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -376,6 +376,7 @@ class EncodeImages(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
     request_id: str
     images: list[bytes]
+    asked_at: float = 0.0  # wall clock (time.time()) of the tokenizer's first ask: the queue time
 
 
 class ImagesEncoded(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -332,6 +332,53 @@ class EngineMetrics:
         self.lora_seen = totals
 
 
+ENCODER_OUTCOMES = ("answered", "refused", "failed")  # failed: the encoder's own error, not the image's
+
+
+class EncoderMetrics:
+    """Metrics an encoder replica observes (services/encoder/): the images it ran through its
+    vision tower or found in its cache, and each request's wait for it and time in it."""
+
+    def __init__(self, model_name: str, encoder: int, registry: CollectorRegistry = REGISTRY) -> None:
+        reserve_metrics_files()
+        labels = ["model_name", "encoder"]
+        values = (model_name, str(encoder))
+        self.images_encoded = Counter(
+            f"{PREFIX}encoder_images_encoded", "Images run through the vision tower (cache misses)",
+            labels, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self.cache_hits = Counter(
+            f"{PREFIX}encoder_cache_hits", "Images whose embeddings the encoder's cache held already",
+            labels, registry=registry,
+        ).labels(*values)  # fmt: skip
+        requests = Counter(
+            f"{PREFIX}encoder_requests",
+            "Requests an encoder handled, by outcome (answered, refused: a bad image, failed: its own error)",
+            [*labels, "outcome"], registry=registry,
+        )  # fmt: skip
+        self.requests = {outcome: requests.labels(*values, outcome) for outcome in ENCODER_OUTCOMES}
+        self.queue_time = Histogram(
+            f"{PREFIX}encoder_queue_time_seconds", "A tokenizer's first ask to the encoder starting on it",
+            labels, buckets=LATENCY_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self.encode_time = Histogram(
+            f"{PREFIX}encoder_encode_time_seconds",
+            "One request in the encoder: its images decoded, and the tower run on those not cached",
+            labels, buckets=LATENCY_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+
+    def on_request(
+        self, outcome: str, queue_s: float, encode_s: float, num_encoded: int, num_cached: int
+    ) -> None:
+        """A request answered with `outcome` (ENCODER_OUTCOMES) after `queue_s` waiting and
+        `encode_s` in the encoder, having encoded `num_encoded` images and found `num_cached`."""
+        self.requests[outcome].inc()
+        self.queue_time.observe(max(queue_s, 0.0))  # two hosts' clocks may disagree a little
+        self.encode_time.observe(encode_s)
+        self.images_encoded.inc(num_encoded)
+        self.cache_hits.inc(num_cached)
+
+
 # -- stage gauges (from heartbeats, through stages.json) -----------------------------------------
 
 
@@ -437,7 +484,24 @@ class StageCollector:
             "LoRA adapters of the running and of the waiting requests (as vLLM's lora_requests_info)",
             labels=[*engine_labels, "running_lora_adapters", "waiting_lora_adapters"],
         )
-        families = [running, waiting, kv, lora_info, restarts, malformed, curve_failures, cpu, rss, up]
+        encoder_queue = GaugeMetricFamily(
+            f"{PREFIX}encoder_queue_depth",
+            "Requests an encoder has received and not answered yet",
+            labels=stage_labels,
+        )
+        families = [
+            running,
+            waiting,
+            kv,
+            lora_info,
+            encoder_queue,
+            restarts,
+            malformed,
+            curve_failures,
+            cpu,
+            rss,
+            up,
+        ]
         is_cuda = samples.device == "cuda"
         if is_cuda:
             allocated = GaugeMetricFamily(CUDA_ONLY[0], "GPU memory held by tensors", labels=stage_labels)
@@ -455,6 +519,8 @@ class StageCollector:
                 if s.lora_adapters:  # adapters on, and some loaded
                     adapters = [",".join(s.lora_running), ",".join(s.lora_waiting)]
                     lora_info.add_metric([*engine, *adapters], 1.0)
+            if s.kind == "encoder":
+                encoder_queue.add_metric(values, s.queue_depth)
             restarts.add_metric(values, s.restarts)
             malformed.add_metric(values, s.malformed)
             curve_failures.add_metric(values, s.auth_failures)

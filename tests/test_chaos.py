@@ -12,6 +12,7 @@ loops: or with an error the server sent, never silence).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -48,18 +49,26 @@ RECOVER_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class Spec:
-    """One request of the workload: greedy or seeded sampling, streamed or not."""
+    """One request of the workload: greedy or seeded sampling, streamed or not; with an image
+    URL, a chat of the image and the prompt (the vision-language run's)."""
 
     prompt: str
     stream: bool
     temperature: float
     seed: int | None
+    image_url: str | None = None
 
     def generate(self) -> m.Generate:
         sampling = dict(max_tokens=MAX_TOKENS, temperature=self.temperature, ignore_eos=True)
         if self.seed is not None:
             sampling["seed"] = self.seed
-        return msgspec.structs.replace(make_generate(None, self.prompt, None, sampling), stream=self.stream)
+        if self.image_url is None:
+            request = make_generate(None, self.prompt, None, sampling)
+        else:
+            image = {"type": "image_url", "image_url": {"url": self.image_url}}
+            chat = [{"role": "user", "content": [image, {"type": "text", "text": self.prompt}]}]
+            request = make_generate(None, None, chat, sampling)
+        return msgspec.structs.replace(request, stream=self.stream)
 
 
 SPECS = [
@@ -87,18 +96,20 @@ def collect(client: Client, spec: Spec) -> Output:
     return "".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids]
 
 
-def run_each(run_dir: Path, during: Callable[[], None] | None = None) -> list[Output | BaseException]:
+def run_each(
+    run_dir: Path, during: Callable[[], None] | None = None, specs: list[Spec] = SPECS
+) -> list[Output | BaseException]:
     """Every spec at once, each one's output or what it raised; `during()` runs while they are
     in flight."""
-    results: list[Output | BaseException | None] = [None] * len(SPECS)
+    results: list[Output | BaseException | None] = [None] * len(specs)
 
     def one(i: int) -> None:
         try:
-            results[i] = run_one(run_dir, SPECS[i])
+            results[i] = run_one(run_dir, specs[i])
         except BaseException as exc:  # reported below, with the others
             results[i] = exc
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(SPECS))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(specs))]
     for t in threads:
         t.start()
     if during is not None:
@@ -108,19 +119,21 @@ def run_each(run_dir: Path, during: Callable[[], None] | None = None) -> list[Ou
     return [TimeoutError("the request's thread did not end") if r is None else r for r in results]
 
 
-def run_all(run_dir: Path, during: Callable[[], None] | None = None) -> list[Output]:
+def run_all(
+    run_dir: Path, during: Callable[[], None] | None = None, specs: list[Spec] = SPECS
+) -> list[Output]:
     """Every spec at once, each of which must complete; `during()` runs while they are in flight."""
-    results = run_each(run_dir, during)
+    results = run_each(run_dir, during, specs)
     failures = {i: r for i, r in enumerate(results) if not isinstance(r, tuple)}
     assert not failures, f"requests did not complete: {failures}"
     return results  # type: ignore[return-value]
 
 
-def assert_same(got: list[Output], want: list[Output], what: str) -> None:
+def assert_same(got: list[Output], want: list[Output], what: str, specs: list[Spec] = SPECS) -> None:
     for i, ((text, ids), (want_text, want_ids)) in enumerate(zip(got, want, strict=True)):
         assert len(ids) == MAX_TOKENS, f"{what}: request {i} has {len(ids)} tokens"
-        assert ids == want_ids, f"{what}: request {i} ({SPECS[i]}) changed its tokens"
-        assert text == want_text, f"{what}: request {i} ({SPECS[i]}) changed its text"
+        assert ids == want_ids, f"{what}: request {i} ({specs[i]}) changed its tokens"
+        assert text == want_text, f"{what}: request {i} ({specs[i]}) changed its text"
 
 
 def wait_for(what: str, condition: Callable[[], bool], timeout: float = RECOVER_TIMEOUT_S) -> None:
@@ -530,4 +543,48 @@ def test_worker_and_scheduler_killed_mid_stream_with_speculation_change_nothing(
         restarts = {row["kind"]: row["restarts"] for row in run.read_status()}
         assert restarts["gpu_worker"] >= 1 and restarts["scheduler"] >= 1, restarts
         run_id = read_run_info(run_dir).run_id
+    assert_clean(run_dir, run_id)
+
+
+def test_a_vision_language_run_with_each_stage_killed_changes_nothing(
+    tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_vlm_dir: Path, chaos_seed: int
+) -> None:
+    """The encoder among the faults (issue 36): chats with an image each, half as data URLs and
+    half fetched from a local HTTP server, while each stage kind of a vision-language run is
+    SIGKILLed in turn. The encoder is stopped first, so that the requests are in its socket when
+    it dies: the tokenizer asks again, and the restarted encoder (its cache kept) answers. Every
+    request ends with exactly the text of a calm run."""
+    from tests.test_image_chat import data_url, png
+    from tests.test_image_fetch import ImageServer
+
+    rng = random.Random(chaos_seed)
+    run_dir = tmp_path_factory.mktemp("chaos-vlm")
+    with ImageServer({f"/{i}.png": png(24 + i, 40 - i, seed=i) for i in range(len(SPECS))}) as images:
+        specs = [
+            dataclasses.replace(
+                spec, image_url=f"{images.url}/{i}.png" if i % 2 else data_url(images.files[f"/{i}.png"])
+            )
+            for i, spec in enumerate(SPECS)
+        ]
+        with brigade_run(run_dir, *chaos_settings(tiny_gemma3_vlm_dir), "encoder.replicas=1") as run:
+            calm = run_all(run.run_dir, specs=specs)
+            for kind in ("encoder", *rng.sample(FAULTED_KINDS, len(FAULTED_KINDS))):
+                wait_for("every stage running", lambda: all_running(run))
+                pid = running_pid(run, kind)
+                delay = rng.uniform(0.0, 1.5)
+                if kind == "encoder":
+                    os.kill(pid, signal.SIGSTOP)
+                    delay = 0.5  # the requests (and their resends) are in its socket
+
+                def kill(pid: int = pid, delay: float = delay) -> None:
+                    time.sleep(delay)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+                outputs = run_all(run.run_dir, during=kill, specs=specs)
+                assert_same(outputs, calm, f"seed {chaos_seed}: {kind} SIGKILLed at {delay:.2f}s", specs)
+            wait_for("every stage running", lambda: all_running(run))
+            restarts = {row["kind"]: row["restarts"] for row in run.read_status()}
+            assert all(restarts[kind] >= 1 for kind in ("encoder", *FAULTED_KINDS)), restarts
+            run_id = read_run_info(run_dir).run_id
     assert_clean(run_dir, run_id)

@@ -776,8 +776,13 @@ RESPONSES_BAD_BODIES = {
         "invalid_value",
     ),
     "bad role": ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role", "invalid_value"),
-    "image part": (
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    "image by file_id": (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+        "input[0].content[0].image_url",
+        "invalid_value",
+    ),
+    "file part": (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
         "input[0].content[0].type",
         "invalid_value",
     ),

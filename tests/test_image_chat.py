@@ -110,9 +110,14 @@ def hf_greedy(
 
 
 def served(api, turns: list[tuple[str, list[str | bytes]]]) -> tuple[list[int], np.ndarray]:
+    return served_messages(api, openai_chat(turns))
+
+
+def served_messages(api, messages: list[dict]) -> tuple[list[int], np.ndarray]:
+    """The greedy tokens and their logprobs the run serves for OpenAI chat `messages`."""
     reply = api.chat.completions.create(
         model="tiny",
-        messages=openai_chat(turns),
+        messages=messages,
         max_tokens=NEW_TOKENS,
         temperature=0.0,
         logprobs=True,
@@ -199,7 +204,7 @@ def test_image_chats_through_the_openai_client_give_hfs_tokens(
             "not an image": data_url(b"hello", "text/plain"),
             "type BMP is not supported": data_url(bmp.getvalue(), "image/bmp"),
             f"over the {MAX_IMAGE_BYTES}-byte limit": data_url(png(200, 200, seed=3)),
-            "only data: URLs are supported": "https://example.com/cat.png",
+            "must be a data: URL": "ftp://example.com/cat.png",
         }
         for message, image_url in bad.items():
             content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Hi"}]

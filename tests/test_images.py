@@ -104,7 +104,7 @@ PNG = encoded(noise(20, 20), "PNG")
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
-        ("https://example.com/cat.png", "only data: URLs"),
+        ("ftp://example.com/cat.png", "must be a data: URL"),
         ("data:text/plain;base64,aGVsbG8=", "media type is text/plain, not an image"),
         ("data:image/png,rawbytes", "must be base64"),
         ("data:image/png;base64,@@@@", "not valid base64"),

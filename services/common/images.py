@@ -38,10 +38,11 @@ class ImageError(ValueError):
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:
-    """The bytes of a base64 `data:image/...` URL, at most `max_bytes` of them."""
+    """The bytes of a base64 `data:image/...` URL, at most `max_bytes` of them (http(s) URLs are
+    the tokenizer's to fetch: services/tokenizer/image_fetch.py)."""
     match = _DATA_URL.match(url)
     if match is None:
-        raise ImageError("image_url: only data: URLs are supported so far (data:image/png;base64,...)")
+        raise ImageError("image_url: must be a data: URL (data:image/png;base64,...) or an http(s) URL")
     media = match["media"] or "text/plain"
     if not media.startswith("image/"):
         raise ImageError(f"image_url: the data URL's media type is {media}, not an image")

@@ -2,7 +2,8 @@
 
 A Responses request is translated into a chat completion (`translated.py`): `instructions`
 becomes the system message, `input` (a string, or message, `function_call` and
-`function_call_output` items) the conversation, function `tools` / `tool_choice` OpenAI chat's,
+`function_call_output` items; a message's `input_image` parts become the chat's `image_url`
+parts) the conversation, function `tools` / `tool_choice` OpenAI chat's,
 `text.format` the chat's `response_format`, `max_output_tokens` its `max_tokens`. The reply comes
 back as output items (`message` with `output_text`, `function_call`), or as the Responses event
 stream. With `store` (the default, as OpenAI's), the response and its conversation are kept in
@@ -54,6 +55,9 @@ _RENAMES = [
 class ContentPartIn(msgspec.Struct, frozen=True):
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image: a data URL or an http(s) URL
+    file_id: str | None = None  # input_image from the Files API, which Brigade does not serve
+    detail: str | None = None  # low/high/auto: a model's processor fixes the resolution
 
 
 class InputItem(msgspec.Struct, frozen=True):
@@ -104,13 +108,32 @@ def _item_text(field: str, content: str | list[ContentPartIn] | None) -> str:
         raise invalid(f"{field}: required", field, "missing_required_parameter")
     if isinstance(content, str):
         return content
-    texts = []
+    return "".join(_part_text(f"{field}[{k}]", part) for k, part in enumerate(content))
+
+
+def _part_text(field: str, part: ContentPartIn) -> str:
+    if part.type not in TEXT_PARTS or part.text is None:
+        raise invalid(f"{field}: only text parts ({', '.join(TEXT_PARTS)}) and, in a message, input_image "
+                      f"are supported, got type {part.type!r}", f"{field}.type")  # fmt: skip
+    return part.text
+
+
+def _item_content(field: str, content: str | list[ContentPartIn] | None) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or its parts in order when it has images
+    (`input_image`, as the chat path's `image_url` parts: the tokenizer reads them)."""
+    if not isinstance(content, list) or all(part.type != "input_image" for part in content):
+        return _item_text(field, content)
+    parts: list[dict[str, Any]] = []
     for k, part in enumerate(content):
-        if part.type not in TEXT_PARTS or part.text is None:
-            raise invalid(f"{field}[{k}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, got "
-                          f"type {part.type!r}", f"{field}[{k}].type")  # fmt: skip
-        texts.append(part.text)
-    return "".join(texts)
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _part_text(f"{field}[{k}]", part)})
+        elif part.image_url is not None:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            reason = "a file_id (there is no Files API here)" if part.file_id is not None else "no image_url"
+            raise invalid(f"{field}[{k}]: input_image needs an image_url (a data: or http(s) URL), got {reason}",
+                          f"{field}[{k}].image_url")  # fmt: skip
+    return parts
 
 
 def _required(field: str, value: str | None) -> str:
@@ -132,7 +155,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 raise invalid(
                     f"{field}.role must be one of {list(ROLES)}, got {item.role!r}", f"{field}.role"
                 )
-            messages.append({"role": item.role, "content": _item_text(f"{field}.content", item.content)})
+            messages.append({"role": item.role, "content": _item_content(f"{field}.content", item.content)})
         elif item.type == "function_call":
             call = {
                 "id": _required(f"{field}.call_id", item.call_id),

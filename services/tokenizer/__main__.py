@@ -26,6 +26,7 @@ from services.request_sample import RequestSampler
 from services.stage import StageProcess
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from services.tokenizer.encoders import EncoderClient
+from services.tokenizer.image_fetch import ImageFetcher, RemoteImages
 
 POLL_MS = 100
 # How often a client with requests in flight is sent a HealthReply. A send to a client that has
@@ -88,11 +89,18 @@ class TokenizerProcess(StageProcess):
             image_rules=image_rules_of(Path(stage.info.model_dir)),
             num_encoders=config.encoder.replicas,
             max_image_bytes=config.encoder.max_image_bytes,
+            remote_images=RemoteImages.of(config.encoder),
         )
-        # A request's images go to an encoder first; it reaches its scheduler once they are encoded.
+        # A request's images go to an encoder first (its http(s) ones fetched before that, on the
+        # fetcher's threads); it reaches its scheduler once they are encoded.
         self.encoders = (
             EncoderClient(self.ctx, stage.endpoints, config.encoder.replicas)
             if config.encoder.replicas
+            else None
+        )
+        self.fetcher = (
+            ImageFetcher(self.core.remote_images)
+            if self.encoders is not None and self.core.remote_images is not None
             else None
         )
         self.next_stall_check = 0.0
@@ -107,6 +115,8 @@ class TokenizerProcess(StageProcess):
         self.poller.register(self.control.socket.socket, zmq.POLLIN)
         for socket in self.encoders.sockets if self.encoders is not None else ():
             self.poller.register(socket, zmq.POLLIN)
+        if self.fetcher is not None:
+            self.poller.register(self.fetcher.wake_fd, zmq.POLLIN)
 
     def _request_sampler(self) -> RequestSampler | None:
         mlflow = self.stage.config.observability.mlflow
@@ -123,8 +133,15 @@ class TokenizerProcess(StageProcess):
         for entry in self.core.abort_connection(identity):
             self.log.info("client of %s disconnected; aborting it", entry.request_id)
             self._abort_upstream(entry.submit.request_id)
-            if self.encoders is not None:
-                self.encoders.forget(entry.submit.request_id)
+            self._forget_images(entry.submit.request_id)
+
+    def _forget_images(self, engine_id: str) -> None:
+        """An aborted request's images are no longer wanted: their fetches' and encoders'
+        answers are dropped."""
+        if self.fetcher is not None:
+            self.fetcher.forget(engine_id)
+        if self.encoders is not None:
+            self.encoders.forget(engine_id)
 
     def _abort_orphan(self, engine_id: str) -> None:
         """Stop a copy that nobody here waits for: its admitter was a process at this index
@@ -187,7 +204,10 @@ class TokenizerProcess(StageProcess):
                 message = f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", message)))
                 return
-            if entry.is_encoding:
+            if entry.image_urls:
+                assert self.fetcher is not None  # the core admits remote images only with a policy
+                self.fetcher.fetch(entry.submit.request_id, entry.image_urls, time.monotonic())
+            elif entry.is_encoding:
                 assert self.encoders is not None  # the core admits images only with encoders
                 self.encoders.ask(entry.submit.request_id, entry.image_files, time.monotonic())
             else:
@@ -202,8 +222,7 @@ class TokenizerProcess(StageProcess):
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "unknown_request", message)))
                 return
             self._abort_upstream(entry.submit.request_id)
-            if self.encoders is not None:
-                self.encoders.forget(entry.submit.request_id)
+            self._forget_images(entry.submit.request_id)
             final = m.Delta(
                 request.request_id, len(entry.output_ids), entry.num_chars, "", b"", finish_reason="abort"
             )
@@ -217,6 +236,17 @@ class TokenizerProcess(StageProcess):
             self.send(
                 Reply(entry.identity, m.ErrorReply(entry.request_id, "overloaded", "engine queue is full"))
             )
+
+    def on_fetched(self) -> None:
+        """Requests whose remote images came (each goes on to an encoder), or could not be
+        fetched in time or at all (its client hears why)."""
+        assert self.fetcher is not None and self.encoders is not None
+        for fetched in self.fetcher.collect(time.monotonic()):
+            outcome = self.core.on_fetched(fetched.request_id, fetched.files, fetched.error)
+            if isinstance(outcome, Reply):
+                self.send(outcome)
+            elif outcome is not None:
+                self.encoders.ask(outcome.submit.request_id, outcome.image_files, time.monotonic())
 
     def on_encoders(self) -> None:
         """Encoders' answers (and requests past their deadline): each request goes on to its
@@ -368,6 +398,9 @@ class TokenizerProcess(StageProcess):
         if self.clients.socket in events:
             self.on_client()
             self.num_events += 1
+        if self.fetcher is not None and (self.fetcher.pending or self.fetcher.wake_fd in events):
+            self.on_fetched()
+            self.num_events += 1
         if self.encoders is not None and (
             self.encoders.pending or any(s in events for s in self.encoders.sockets)
         ):
@@ -389,6 +422,8 @@ class TokenizerProcess(StageProcess):
         """The run is stopping or this replica is retired: every client hears it now instead of
         waiting for a reply that will never come (with other replicas, the SDK fails over)."""
         dropped = self.core.drop_all()
+        if self.fetcher is not None:
+            self.fetcher.close()  # fetches not started never start: the process's exit waits for those running
         for entry in dropped:
             error = m.ErrorReply(
                 entry.request_id, "unavailable", "the tokenizer stopped (its Brigade run is ending)"

@@ -53,6 +53,7 @@ from services.common.tools_prompt import (
 )
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
+from services.tokenizer.image_fetch import RemoteImages, is_remote
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system
@@ -116,10 +117,13 @@ class JournalEntry:
     tool_parser: ToolParser | None = None
     # Images (services/common/images.py): the request's image files, kept to encode them again
     # should their embeddings leave the encoder's cache before its prefill, and the prompt
-    # position of each image's first token. While it waits for its encoder's answer the request
-    # is the tokenizer's alone: nothing upstream has it to resubmit or to ask about.
+    # position of each image's first token; the http(s) URLs of those not fetched yet, by their
+    # index (b"" in `image_files` until they are). While it waits for its images (fetched, then
+    # encoded) the request is the tokenizer's alone: nothing upstream has it to resubmit or to
+    # ask about.
     image_files: list[bytes] = field(default_factory=list)
     image_starts: list[int] = field(default_factory=list)
+    image_urls: dict[int, str] = field(default_factory=dict)
     is_encoding: bool = False
     num_encodings: int = 0
 
@@ -174,6 +178,7 @@ class TokenizerCore:
         image_rules: ImageRules | None = None,
         num_encoders: int = 0,
         max_image_bytes: int = 10 << 20,
+        remote_images: RemoteImages | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # A vision-language model's image rules (None: the model reads no images), and the run's
@@ -181,6 +186,7 @@ class TokenizerCore:
         self.image_rules = image_rules
         self.num_encoders = num_encoders
         self.max_image_bytes = max_image_bytes
+        self.remote_images = remote_images  # what http(s) image URLs it fetches; None: none
         self.embedding = embedding  # the run serves embeddings (services/common/pooling.py), not text
         self.tokenizer_id = tokenizer_id
         self.num_groups = num_groups
@@ -211,7 +217,7 @@ class TokenizerCore:
         self._check_budget(request)
         self._check_task(request)
         tools = self._tools(request)
-        image_files = self._image_files(request)
+        image_files, image_urls = self._image_files(request)
         prompt_ids = self._prompt_ids(request, tools, len(image_files))
         image_starts = self._image_starts(prompt_ids, len(image_files))
         params = request.params
@@ -285,6 +291,7 @@ class TokenizerCore:
             num_chars=request.resume_num_chars,
             image_files=image_files,
             image_starts=image_starts,
+            image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
         )
@@ -418,10 +425,13 @@ class TokenizerCore:
                 "(max_seq_length in its sentence_bert_config.json)",
             )
 
-    def _image_files(self, request: m.Generate) -> list[bytes]:
+    def _image_files(self, request: m.Generate) -> tuple[list[bytes], dict[int, str]]:
         """The files of a chat's images, in order, each decoded from its data URL within
-        encoder.max_image_bytes (the encoder decodes the image itself). Raises RequestError."""
+        encoder.max_image_bytes (the encoder decodes the image itself); and the http(s) URLs to
+        fetch, by index (b"" in the files until then), each checked against the run's policy.
+        Raises RequestError."""
         files: list[bytes] = []
+        urls: dict[int, str] = {}
         for i, message in enumerate(request.messages or ()):
             if not isinstance(message.content, list):
                 continue
@@ -439,10 +449,20 @@ class TokenizerCore:
                         f"{field}: this run reads no images (it runs no encoder: encoder.replicas 0)",
                     )
                 try:
-                    files.append(decode_data_url(part.url, self.max_image_bytes))
+                    if not is_remote(part.url):
+                        files.append(decode_data_url(part.url, self.max_image_bytes))
+                        continue
+                    if self.remote_images is None:
+                        raise ImageError(
+                            "image_url: this run fetches no http(s) images (encoder.remote_images false): "
+                            "send a data: URL"
+                        )
+                    self.remote_images.check(part.url)
                 except ImageError as exc:
                     raise RequestError("invalid_request", f"{field}: {exc}") from None
-        return files
+                urls[len(files)] = part.url
+                files.append(b"")
+        return files, urls
 
     def _image_starts(self, prompt_ids: list[int], num_images: int) -> list[int]:
         """The prompt position of each image's first token. Its image tokens must be exactly the
@@ -692,6 +712,19 @@ class TokenizerCore:
         entry.submit = msgspec.structs.replace(entry.submit, images=images)
         entry.is_encoding = False
         entry.progress_at = time.monotonic()  # its engine time starts now, for the watchdog
+        return entry
+
+    def on_fetched(self, request_id: str, files: dict[int, bytes], error: str) -> JournalEntry | Reply | None:
+        """A request's remote images fetched (`files`, by index): the entry, its files whole, to
+        send to an encoder; or the failure (a 400) to send its client; None when it is gone."""
+        entry = self.journal.get(request_id)
+        if entry is None or not entry.image_urls:
+            return None
+        if error:
+            return self.fail(m.RequestFailed(request_id, "invalid_request", error))
+        for index, data in files.items():
+            entry.image_files[index] = data
+        entry.image_urls = {}
         return entry
 
     def encode_again(self, failure: m.RequestFailed) -> JournalEntry | None:

@@ -11,6 +11,7 @@ the cache answers at once, or the encoder recomputes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -78,7 +79,7 @@ class EncoderClient:
         for pending in self.pending.values():
             load[pending.encoder] += 1
         encoder = load.index(min(load))
-        request = m.EncodeImages(request_id, images)
+        request = m.EncodeImages(request_id, images, asked_at=time.time())
         self.pending[request_id] = Pending(request, encoder, now, now + self.deadline_s)
         self.encoders[encoder].send(request)  # not sent (a full queue, no peer): `tick` resends
 

@@ -1,0 +1,451 @@
+"""http(s) image URLs (issue 36): the tokenizer fetches them off its loop within the run's limits
+(services/tokenizer/image_fetch.py), against a real local HTTP server (http.server in a thread)
+that serves a PNG, redirects, a 404, a page, an oversized body (announced, and endless), a slow
+trickle. Through a whole run, the real `openai` client's http URL gives exactly what the same
+image as a data URL gives (test_image_chat.py checks those against HF), and each bad URL is a 400
+naming its problem while the run keeps serving; the Responses API's `input_image` (a data or an
+http URL) serves what the chat does, and the encoder's metrics count the images, in the same run."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from ipc import messages as m
+from services.common.images import image_rules_of
+from services.common.text import Tokenizer
+from services.tokenizer.core import Reply, RequestError, TokenizerCore
+from services.tokenizer.image_fetch import ImageFetcher, RemoteImages, fetch
+from tests.harness import assert_clean, brigade_run, free_port
+from tests.test_e2e import gateway_url
+from tests.test_image_chat import data_url, png, served_messages
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_BYTES = 64 << 10
+IMAGE = png(50, 37, seed=0)
+TRICKLE_S = 0.25  # /slow's pause between bytes: never one socket timeout, always past the deadline
+
+
+class ImageHandler(BaseHTTPRequestHandler):
+    """Its server's files as PNGs, and one path per case; `/hop/N` redirects N times before the PNG."""
+
+    server: ImageHttpServer
+
+    def do_GET(self) -> None:
+        path = self.path
+        if path in self.server.files:
+            self.reply(200, "image/png", self.server.files[path])
+        elif path == "/untyped":
+            self.reply(200, "application/octet-stream", IMAGE)
+        elif path.startswith("/hop/"):
+            hops = int(path.removeprefix("/hop/"))
+            self.redirect("/cat.png" if hops <= 1 else f"/hop/{hops - 1}")
+        elif path == "/away":
+            self.redirect("ftp://127.0.0.1/cat.png")
+        elif path == "/page.html":
+            self.reply(200, "text/html; charset=utf-8", b"<html><body>not a picture</body></html>")
+        elif path == "/big":
+            self.reply(200, "image/png", b"\x89PNG" + b"\0" * MAX_BYTES)
+        elif path == "/endless":  # no Content-Length: only the bytes read tell
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            try:
+                for _ in range(10_000):  # 640 MB at most, should the client never stop reading
+                    self.wfile.write(b"\0" * (64 << 10))
+            except OSError:
+                pass  # the client hung up, as it should
+        elif path == "/slow":
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(IMAGE)))
+            self.end_headers()
+            try:
+                for byte in IMAGE:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(TRICKLE_S)
+            except OSError:
+                pass
+        else:
+            self.reply(404, "text/plain", b"no such picture")
+
+    def reply(self, status: int, media: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", media)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # quiet: pytest shows a failed test's own output
+
+
+class ImageHttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    files: dict[str, bytes]
+
+
+class ImageServer:
+    """ImageHandler's server on a free loopback port, in a thread: `/cat.png` and `files`, by path."""
+
+    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+        self.files = {"/cat.png": IMAGE, **(files or {})}
+        self.server = ImageHttpServer(("127.0.0.1", 0), ImageHandler)
+        self.server.files = self.files
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ImageServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    with ImageServer() as server:
+        yield server.url
+
+
+def policy(**changes: object) -> RemoteImages:
+    limits: dict = {"max_bytes": MAX_BYTES, "timeout_s": 1.0, "max_redirects": 3}
+    return RemoteImages(**{**limits, **changes})
+
+
+def test_a_fetch_gives_the_served_bytes(image_server: str) -> None:
+    assert fetch(f"{image_server}/cat.png", policy()) == IMAGE
+    assert fetch(f"{image_server}/untyped", policy()) == IMAGE  # the encoder checks what it is
+    assert fetch(f"{image_server}/hop/3", policy()) == IMAGE
+    assert fetch(f"{image_server}/cat.png", policy(domains=("127.0.0.1",))) == IMAGE
+
+
+@pytest.mark.parametrize(
+    ("path", "changes", "problem"),
+    [
+        ("/missing", {}, "/missing answered HTTP 404"),
+        ("/page.html", {}, r"/page.html is not an image \(Content-Type text/html\)"),
+        ("/big", {}, f"/big is {MAX_BYTES + 4} bytes, over the {MAX_BYTES}-byte limit"),
+        ("/endless", {}, f"/endless is over the {MAX_BYTES}-byte limit"),
+        ("/slow", {}, r"/slow took over 1s \(encoder.remote_image_timeout_s\)"),
+        ("/hop/4", {}, "redirected more than 3 times"),
+        ("/hop/1", {"max_redirects": 0}, "redirected more than 0 times"),
+        ("/away", {}, "only http and https images are fetched, not ftp://"),
+        ("/cat.png", {"domains": ("example.com",)}, "host 127.0.0.1 is not one this run fetches images from"),
+    ],
+)
+def test_bad_remote_images_are_refused_by_name_and_in_time(
+    image_server: str, path: str, changes: dict, problem: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=problem):
+        fetch(image_server + path, policy(**changes))
+    assert time.monotonic() - started < 1.0 + 2 * TRICKLE_S
+
+
+def test_an_unreachable_host_is_refused_by_name() -> None:
+    url = f"http://127.0.0.1:{free_port()}/cat.png"  # nothing listens there
+    with pytest.raises(ValueError, match=f"could not fetch {url}: ConnectionRefusedError"):
+        fetch(url, policy())
+
+
+def wait_for(fetcher: ImageFetcher, count: int, timeout_s: float = 10.0) -> list:
+    """What the fetcher's loop side collects, polling its pipe as the tokenizer does."""
+    poller = zmq.Poller()
+    poller.register(fetcher.wake_fd, zmq.POLLIN)
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < count:
+        assert time.monotonic() < deadline, f"only {out} came"
+        poller.poll(100)
+        started = time.monotonic()
+        out += fetcher.collect(time.monotonic())
+        assert time.monotonic() - started < 0.05  # the loop never waits on the network
+    return out
+
+
+def test_the_fetcher_answers_each_request_without_blocking_its_loop(image_server: str) -> None:
+    fetcher = ImageFetcher(policy(), num_threads=4)
+    now = time.monotonic()
+    fetcher.fetch("slow", {0: f"{image_server}/slow"}, now)
+    fetcher.fetch("two", {0: f"{image_server}/cat.png", 2: f"{image_server}/hop/1"}, now)
+    fetcher.fetch("missing", {1: f"{image_server}/cat.png", 3: f"{image_server}/missing"}, now)
+    fetcher.fetch("aborted", {0: f"{image_server}/cat.png"}, now)
+    fetcher.forget("aborted")
+    # Resubmitted while its first fetch runs: only the second one's outcome counts.
+    fetcher.fetch("again", {0: f"{image_server}/missing"}, now)
+    fetcher.fetch("again", {0: f"{image_server}/cat.png"}, now)
+    # The quick ones come first, while the slow one still trickles.
+    quick = {f.request_id: f for f in wait_for(fetcher, 3)}
+    assert quick["again"].files == {0: IMAGE} and not quick["again"].error
+    assert quick["two"].files == {0: IMAGE, 2: IMAGE} and not quick["two"].error
+    assert (
+        quick["missing"].error.startswith("images[3]: image_url: ") and "HTTP 404" in quick["missing"].error
+    )
+    assert list(fetcher.pending) == ["slow"]
+    [slow] = wait_for(fetcher, 1)
+    assert slow.request_id == "slow" and "took over 1s" in slow.error
+    assert not fetcher.pending and fetcher.collect(time.monotonic()) == []  # "aborted" never reported
+
+    # A fetch stuck where its socket timeouts do not reach (a DNS lookup) fails on the loop's clock.
+    fetcher.fetch("stuck", {0: f"{image_server}/slow"}, time.monotonic())
+    [stuck] = fetcher.collect(time.monotonic() + 3600)
+    assert stuck.request_id == "stuck" and "took over 1s" in stuck.error
+    fetcher.close()
+
+
+# -- the tokenizer's admission of remote images, without a run -----------------------------------
+
+
+def vlm_core(model_dir: Path, remote: RemoteImages | None) -> TokenizerCore:
+    return TokenizerCore(
+        Tokenizer(model_dir), 0, 1, max_model_len=256, max_prompt_chars=1 << 20, default_max_tokens=4,
+        image_rules=image_rules_of(model_dir), num_encoders=1, max_image_bytes=MAX_BYTES, remote_images=remote,
+    )  # fmt: skip
+
+
+def chat(*parts: m.TextPart | m.ImagePart) -> m.Generate:
+    return m.Generate(
+        "r", messages=[m.ChatMessage("user", list(parts))], params=m.SamplingParams(max_tokens=2)
+    )
+
+
+def test_admission_parks_a_chat_until_its_remote_images_are_fetched(tiny_gemma3_vlm_dir: Path) -> None:
+    core = vlm_core(tiny_gemma3_vlm_dir, policy())
+    url = "http://images.test/cat.png"
+    inline = png(20, 20, seed=1)
+    entry = core.admit(b"c", chat(m.ImagePart(data_url(inline)), m.TextPart("and"), m.ImagePart(url)))
+    assert entry.is_encoding and entry.image_urls == {1: url} and entry.image_files == [inline, b""]
+    assert len(entry.image_starts) == 2  # its tokens are known before its file: Gemma 3's are fixed
+    assert core.resubmissions(0) == [] and core.stalled(time.monotonic() + 3600) == {}
+    engine = entry.submit.request_id
+    assert core.on_fetched(engine, {1: IMAGE}, "") is entry
+    assert entry.image_files == [inline, IMAGE] and not entry.image_urls and entry.is_encoding
+    assert core.on_fetched(engine, {1: IMAGE}, "") is None  # fetched already: now the encoder's
+    assert core.on_encoded(engine, 0, [b"a" * 16, b"b" * 16], [m.SlotRef(0, 2), m.SlotRef(1, 2)], "") is entry
+
+    # A fetch that failed is the client's 400, and the request is gone.
+    entry = core.admit(b"c", chat(m.ImagePart(url)))
+    reply = core.on_fetched(entry.submit.request_id, {}, "images[0]: image_url: ... answered HTTP 404")
+    assert isinstance(reply, Reply) and reply.message.code == "invalid_request"
+    assert "HTTP 404" in reply.message.message and entry.submit.request_id not in core.journal
+
+
+def test_admission_refuses_remote_images_the_run_does_not_fetch(tiny_gemma3_vlm_dir: Path) -> None:
+    refusals = [
+        (None, "http://images.test/cat.png", r"fetches no http\(s\) images \(encoder.remote_images false\)"),
+        (policy(domains=("example.com",)), "https://images.test/cat.png", "host images.test is not one"),
+        (policy(), "file:///etc/passwd", "must be a data: URL"),
+        (policy(), "http:///cat.png", "names no host"),
+        (policy(), "http://images.test:99999/cat.png", "is not a valid URL"),
+    ]
+    for remote, url, problem in refusals:
+        core = vlm_core(tiny_gemma3_vlm_dir, remote)
+        with pytest.raises(
+            RequestError, match=r"messages\[0\].content\[0\]: image_url: .*" + problem
+        ) as caught:
+            core.admit(b"c", chat(m.ImagePart(url)))
+        assert caught.value.code == "invalid_request" and not core.journal
+    # Allowed: the domain itself and its subdomains.
+    core = vlm_core(tiny_gemma3_vlm_dir, policy(domains=("example.com",)))
+    for url in ("https://example.com/a.png", "https://cdn.example.com/a.png"):
+        assert core.admit(b"c", m.Generate(url, messages=chat(m.ImagePart(url)).messages)).image_urls == {
+            0: url
+        }
+
+
+# -- through a whole run --------------------------------------------------------------------------
+
+
+def image_message(url: str) -> list[dict]:
+    content = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is in this picture?"},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tiny_gemma3_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    run_dir = tmp_path_factory.mktemp("remote-images") / "run"
+    overrides = (
+        f"model.path={tiny_gemma3_vlm_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=1",
+        "gateway.served_model_name=tiny",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides) as run:
+        yield run
+    assert_clean(run_dir)
+
+
+@pytest.mark.slow
+def test_an_http_image_serves_what_its_data_url_does(vlm_run, image_server: str) -> None:
+    import openai
+
+    api = openai.OpenAI(base_url=gateway_url(vlm_run), api_key="none", timeout=120, max_retries=0)
+    inline = served_messages(api, image_message(data_url(IMAGE)))
+    remote = served_messages(api, image_message(f"{image_server}/hop/1"))
+    assert remote[0] == inline[0]
+    np.testing.assert_allclose(remote[1], inline[1], rtol=0, atol=1e-6)
+
+    bad = {
+        "/missing": "answered HTTP 404",
+        "/big": f"over the {MAX_BYTES}-byte limit",
+        "/endless": f"over the {MAX_BYTES}-byte limit",
+        "/page.html": "is not an image",
+        "/slow": "took over 1s",
+    }
+    for path, problem in bad.items():
+        with pytest.raises(openai.BadRequestError, match=problem):
+            api.chat.completions.create(
+                model="tiny", messages=image_message(image_server + path), max_tokens=2
+            )
+    with pytest.raises(openai.BadRequestError, match="ConnectionRefusedError"):
+        unreachable = f"http://127.0.0.1:{free_port()}/cat.png"
+        api.chat.completions.create(model="tiny", messages=image_message(unreachable), max_tokens=2)
+    # ... and the run goes on serving, remote images too.
+    assert served_messages(api, image_message(f"{image_server}/cat.png"))[0] == inline[0]
+
+
+# -- the Responses API's input_image --------------------------------------------------------------
+
+
+def test_input_image_parts_become_the_chats_image_parts() -> None:
+    from services.gateway.errors import ApiError
+    from services.gateway.responses import InputItem, input_messages
+
+    url = data_url(IMAGE)
+    items = msgspec.convert(
+        [{"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                      {"type": "input_image", "image_url": url, "detail": "auto"}]},
+         {"role": "assistant", "content": [{"type": "output_text", "text": "Noise."}]}],
+        list[InputItem],
+    )  # fmt: skip
+    assert input_messages(items) == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}],
+        },
+        {"role": "assistant", "content": "Noise."},
+    ]
+    bad = msgspec.convert(
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}], list[InputItem]
+    )
+    with pytest.raises(ApiError, match=r"input_image needs an image_url .* got a file_id") as caught:
+        input_messages(bad)
+    assert caught.value.param == "input[0].content[0].image_url"
+
+
+def responses_input(url: str, text: str = "What is in this picture?") -> list[dict]:
+    content = [
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+        {"type": "input_text", "text": text},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.slow
+def test_responses_input_image_serves_what_chat_does(vlm_run, image_server: str) -> None:
+    import openai
+
+    api = openai.OpenAI(base_url=gateway_url(vlm_run), api_key="none", timeout=120, max_retries=0)
+
+    def chat_text(messages: list[dict]) -> str:
+        reply = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content
+
+    want = chat_text(image_message(data_url(IMAGE)))
+    assert want  # something to compare
+    for url in (data_url(IMAGE), f"{image_server}/cat.png"):
+        response = api.responses.create(
+            model="tiny", input=responses_input(url), max_output_tokens=8, temperature=0
+        )
+        assert response.output_text == want, url
+
+    # The stored conversation keeps the image: a follow-up reads it again.
+    first = api.responses.create(
+        model="tiny", input=responses_input(f"{image_server}/cat.png"), max_output_tokens=8, temperature=0
+    )
+    follow = api.responses.create(
+        model="tiny", previous_response_id=first.id, input="And now?", max_output_tokens=8, temperature=0
+    )
+    history = [*image_message(data_url(IMAGE)), {"role": "assistant", "content": want},
+               {"role": "user", "content": "And now?"}]  # fmt: skip
+    assert follow.output_text == chat_text(history)
+
+    with pytest.raises(openai.BadRequestError, match="answered HTTP 404"):
+        api.responses.create(
+            model="tiny", input=responses_input(f"{image_server}/missing"), max_output_tokens=2
+        )
+
+
+# -- the encoder's metrics ------------------------------------------------------------------------
+
+
+def encoder_samples(base_url: str) -> dict[str, float]:
+    """The run's brigade:encoder_* samples from the gateway's /metrics (histograms by their
+    _count and _sum), each named with its outcome or stage label where it has one."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("brigade:encoder_") or sample.name.endswith("_bucket"):
+                continue
+            label = sample.labels.get("outcome") or sample.labels.get("stage")
+            name = f"{sample.name}{{{label}}}" if label else sample.name
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+@pytest.mark.slow
+def test_the_encoder_reports_its_images_cache_and_times(vlm_run) -> None:
+    import openai
+
+    url = gateway_url(vlm_run)
+    api = openai.OpenAI(base_url=url, api_key="none", timeout=120, max_retries=0)
+    before = encoder_samples(url.removesuffix("/v1"))
+    fresh = png(33, 21, seed=7)  # no other test sends it
+    for _ in range(2):
+        served_messages(api, image_message(data_url(fresh)))
+    with pytest.raises(openai.BadRequestError, match="truncated or corrupt"):
+        truncated = data_url(fresh[: len(fresh) // 2])
+        api.chat.completions.create(model="tiny", messages=image_message(truncated), max_tokens=2)
+    after = encoder_samples(url.removesuffix("/v1"))
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("brigade:encoder_images_encoded_total") == 1  # once; then the cache has it
+    assert grew("brigade:encoder_cache_hits_total") >= 1
+    assert grew("brigade:encoder_requests_total{answered}") >= 2
+    assert grew("brigade:encoder_requests_total{refused}") >= 1
+    assert grew("brigade:encoder_requests_total{failed}") == 0
+    for histogram in ("brigade:encoder_encode_time_seconds", "brigade:encoder_queue_time_seconds"):
+        assert grew(f"{histogram}_count") >= 3 and grew(f"{histogram}_sum") > 0
+    # The queue, from the encoder's heartbeats: empty once the requests are answered.
+    deadline = time.monotonic() + 30
+    while encoder_samples(url.removesuffix("/v1")).get("brigade:encoder_queue_depth{encoder-0}") != 0:
+        assert time.monotonic() < deadline, "no encoder_queue_depth of 0 for encoder-0"
+        time.sleep(0.5)
