@@ -460,9 +460,9 @@ def check_lora(config: Config) -> None:
         )
     for name, path in lora.adapters.items():
         if not name or not os.path.isabs(path):
-            raise ConfigError(f"lora.adapters.{name}: expected an absolute adapter directory, got {path!r}")
-    if config.engine.tensor_parallel > 1 and lora.max_loras:
-        raise ConfigError("lora.max_loras: adapters serve with engine.tensor_parallel 1 only")
+            raise ConfigError(
+                f"lora.adapters.{name}: expected an absolute adapter directory or .gguf file, got {path!r}"
+            )
 
 
 def check_speculative(config: Config) -> None:

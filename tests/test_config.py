@@ -77,13 +77,16 @@ def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
         {"sql": "/adapters/sql"},
     )
     with pytest.raises(
-        ConfigError, match=r"^lora\.adapters\.sql: expected an absolute adapter directory, got 'a/b'"
+        ConfigError,
+        match=r"^lora\.adapters\.sql: expected an absolute adapter directory or \.gguf file, got 'a/b'",
     ):
         load_config(None, ["lora.max_loras=1", "lora.adapters={sql: a/b}"])
-    with pytest.raises(
-        ConfigError, match=r"^lora\.max_loras: adapters serve with engine\.tensor_parallel 1 only"
-    ):
-        load_config(None, ["lora.max_loras=1", "engine.tensor_parallel=2"])
+    # Adapters serve at any tensor_parallel (their A / B split like the base weights), from a
+    # PEFT directory or a llama.cpp GGUF file.
+    config = load_config(
+        None, ["lora.max_loras=1", "engine.tensor_parallel=2", "lora.adapters={sql: /adapters/sql.gguf}"]
+    )
+    assert (config.engine.tensor_parallel, config.lora.adapters) == (2, {"sql": "/adapters/sql.gguf"})
     # Beyond the slots, adapters wait in host memory: up to lora.max_cpu_loras, never under max_loras.
     config = load_config(None, ["lora.max_loras=1", "lora.max_cpu_loras=2", "lora.adapters={a: /a, b: /b}"])
     assert config.lora.adapters == {"a": "/a", "b": "/b"}

@@ -218,11 +218,16 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
     API key: a loaded adapter is listed and gives PeftModel's tokens; loading one during a stream
     leaves the stream's tokens as they were; an unload refuses (wait false) or waits for (wait
     true) the requests that use its adapter, which keep it to their end; bad adapters and unknown
-    names are clear errors and the run serves on; a worker restart and a scheduler restart keep
-    the adapters loaded at run time."""
+    names are clear errors and the run serves on; an adapter reloaded from a GGUF file serves
+    PeftModel's tokens; a worker restart and a scheduler restart keep the adapters loaded at run
+    time (that one too)."""
     import openai
 
+    from services.gpu_worker.lora_gguf import write_gguf_adapter
+    from tests.test_lora_gguf import write_raw_gguf
+
     base, adapters = lora_serving
+    base_config = json.loads((base / "config.json").read_text())
     references = peft_references(base, adapters)
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, TINY_VOCAB_SIZE, 24).tolist()
@@ -278,7 +283,9 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
             openai.BadRequestError, match=r"adapter 'gone': cannot read .*adapter_config\.json"
         ):
             load("gone", tmp_path / "no-such-dir")
-        with pytest.raises(openai.BadRequestError, match="lora_path must be an absolute adapter directory"):
+        with pytest.raises(
+            openai.BadRequestError, match=r"lora_path must be an absolute adapter directory or \.gguf file"
+        ):
             load("relative", "adapters/sql")
         with pytest.raises(openai.BadRequestError, match="'sql-lora' is already loaded"):
             load("sql-lora", adapters["sql-lora"])
@@ -336,8 +343,16 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         with pytest.raises(openai.NotFoundError, match="'chat-lora' does not exist"):
             complete("chat-lora")
 
-        # Reloaded, under the same name.
-        load("chat-lora", adapters["chat-lora"])
+        # A GGUF file that is no LoRA is refused, naming why; then chat-lora is loaded again, under
+        # the same name, from a GGUF file of it (llama.cpp's format).
+        not_lora = write_raw_gguf(tmp_path / "model.gguf", {}, general_type="model")
+        with pytest.raises(
+            openai.BadRequestError,
+            match=r"adapter 'model': model\.gguf is not an adapter: its general\.type is 'model'",
+        ):
+            load("model", not_lora)
+        chat_gguf = write_gguf_adapter(adapters["chat-lora"], base_config, tmp_path / "chat-lora.gguf")
+        load("chat-lora", chat_gguf)
         assert complete("chat-lora") == expected["chat-lora"]
 
         # A worker restart: the restarted worker loads the adapters of the scheduler's table.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -144,9 +145,9 @@ def rank_main(
     rank: int,
     world: int,
     port: int,
+    out: mp.Queue,
     model_dir: str,
     plans: list,
-    out: mp.Queue,
     execute: bool = False,
     expert_parallel: bool = False,
 ) -> None:
@@ -172,17 +173,16 @@ def rank_main(
 def run_group(
     world: int, model_dir: Path, plans: list, execute: bool = False, expert_parallel: bool = False
 ) -> dict[int, tuple[int, list | None]]:
+    return spawn_group(world, rank_main, (str(model_dir), plans, execute, expert_parallel))
+
+
+def spawn_group(world: int, target: Callable, args: tuple) -> dict[int, tuple[int, list | None]]:
+    """`world` ranks, each a spawned process running target(rank, world, port, out, *args), and
+    what each put on `out`: (rank, its number of KV blocks, its results or None)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=rank_main,
-            args=(r, world, port, str(model_dir), plans, out, execute, expert_parallel),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, out, *args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[int, list | None]] = {}

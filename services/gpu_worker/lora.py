@@ -32,7 +32,7 @@ TARGET_MODULES = {
 }  # fmt: skip
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # PEFT's saved names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
-_WEIGHT_NAME = re.compile(
+PEFT_WEIGHT_NAME = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
 
@@ -56,16 +56,16 @@ def lora_scaling(config: dict) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def module_shapes(model: LlamaModel) -> dict[tuple[int, str], tuple[int, int]]:
-    """(in, out) of each projection an adapter may target, per layer: a sparse (MoE) layer's MLP
-    has no dense gate/up/down, so it has none of those."""
+def module_shapes(model: LlamaModel, whole: bool = False) -> dict[tuple[int, str], tuple[int, int]]:
+    """(in, out) of each projection an adapter may target, per layer: this rank's shard of it
+    (the slots' shapes), or with `whole` the full model's (an adapter file's). A sparse (MoE)
+    layer's MLP has no dense gate/up/down, so it has none of those."""
     c, sh = model.config, model.shard
-    h, q, kv, inter = (
-        c.hidden_size,
-        sh.num_heads * c.head_dim,
-        sh.num_kv_heads * c.head_dim,
-        sh.intermediate_size,
-    )
+    if whole:
+        heads, kv_heads, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
+    else:
+        heads, kv_heads, inter = sh.num_heads, sh.num_kv_heads, sh.intermediate_size
+    h, q, kv = c.hidden_size, heads * c.head_dim, kv_heads * c.head_dim
     per_layer = {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
@@ -79,20 +79,9 @@ def module_shapes(model: LlamaModel) -> dict[tuple[int, str], tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) -> LoraAdapter:
-    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) checked against
-    `model`; AdapterError says why one does not fit."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"adapter {name!r}: cannot read {path / 'adapter_config.json'}: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
-    check_adapter_config(name, config, max_rank)
-    if model.parallel.is_parallel:
-        raise AdapterError(f"adapter {name!r}: LoRA adapters serve with tensor_parallel 1 only")
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or a llama.cpp
+    GGUF LoRA file (a path ending in .gguf, lora_gguf.py), checked against `model` and cut to this
+    rank's shard; AdapterError says why one does not fit."""
     if model.config.fused_weights:
         raise AdapterError(
             f"adapter {name!r}: {model.config.architecture} (fused qkv_proj) takes no adapters"
@@ -101,15 +90,38 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         raise AdapterError(
             f"adapter {name!r}: {model.config.architecture} (multi-head latent attention) takes no adapters"
         )
+    if str(path).endswith(".gguf"):
+        from services.gpu_worker.lora_gguf import read_gguf_adapter
+
+        rank, weights = read_gguf_adapter(name, Path(path), model, max_rank)
+    else:
+        rank, weights = read_peft_adapter(name, Path(path), model, max_rank)
+    return LoraAdapter(name, rank, {key: shard_pair(model, key, *pair) for key, pair in weights.items()})
+
+
+def read_peft_adapter(
+    name: str, path: Path, model: LlamaModel, max_rank: int
+) -> tuple[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:
+    """(rank, (layer, module) -> (A, B * scaling)) of a PEFT adapter directory, whole (not
+    sharded), every pair checked against the model's shapes."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter {name!r}: cannot read {path / 'adapter_config.json'}: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
+    check_adapter_config(name, config, max_rank)
     try:
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for a bad header
         raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {exc}") from None
     rank, scaling = config["r"], lora_scaling(config)
-    shapes = module_shapes(model)
+    shapes = module_shapes(model, whole=True)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _WEIGHT_NAME.fullmatch(key)
+        match = PEFT_WEIGHT_NAME.fullmatch(key)
         if match is None:
             raise AdapterError(f"adapter {name!r}: weight {key} is not a LoRA A/B of a q/k/v/o/gate/up/down")
         layer, module, kind = int(match[1]), match[2], match[3]
@@ -126,16 +138,49 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: {where} has lora_A or lora_B but not both")
         a, b = pair["A"], pair["B"]
-        in_features, out_features = shapes[(layer, module)]
-        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-            raise AdapterError(
-                f"adapter {name!r}: {where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base "
-                f"model needs ({rank}, {in_features}) / ({out_features}, {rank})"
-            )
+        check_pair_shapes(name, where, ("lora_A", "lora_B"), a, b, rank, shapes[(layer, module)])
         weights[(layer, module)] = (a.float(), b.float() * scaling)
     if not weights:
         raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
-    return LoraAdapter(name, rank, weights)
+    return rank, weights
+
+
+def check_pair_shapes(
+    name: str,
+    where: str,
+    kinds: tuple[str, str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rank: int,
+    shape: tuple[int, int],
+) -> None:
+    """Refuse an A [rank, in] / B [out, rank] pair whose shapes do not fit the base model's (in,
+    out) `shape`, naming the module (`where`) and its A and B as the file calls them (`kinds`)."""
+    in_features, out_features = shape
+    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+        raise AdapterError(
+            f"adapter {name!r}: {where}: {kinds[0]} {tuple(a.shape)} / {kinds[1]} {tuple(b.shape)}, the "
+            f"base model needs ({rank}, {in_features}) / ({out_features}, {rank})"
+        )
+
+
+def shard_pair(
+    model: LlamaModel, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of a whole A / B pair, split as the base weight it adds to
+    (LlamaModel.shard_spec): a column-parallel projection (q/k/v, gate/up) keeps B's rows of its
+    output shard and all of A; a row-parallel one (o, down) keeps A's columns of its input shard
+    and all of B, so each rank's delta is its share of the partial sum the all-reduce adds up, as
+    its base output is. With one rank the pair is whole."""
+    layer, module = key
+    block = "mlp" if module in MLP_MODULES else "self_attn"
+    spec = model.shard_spec(f"model.layers.{layer}.{block}.{module}.weight")
+    if spec is None:
+        return a, b
+    dim, start, length = spec
+    if dim == 0:
+        return a, b.narrow(0, start, length).contiguous()
+    return a.narrow(1, start, length).contiguous(), b
 
 
 def check_adapter_config(name: str, config: dict, max_rank: int) -> None:

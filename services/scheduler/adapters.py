@@ -158,7 +158,7 @@ class Adapters:
         if name in self.loaded or name in self.loading:
             return f"the LoRA adapter {name!r} is already loaded"
         if not Path(path).is_absolute():
-            return f"lora_path must be an absolute adapter directory, got {path!r}"
+            return f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
         if len(self.loaded) + len(self.loading) >= self.capacity:
             return (
                 f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
