@@ -1143,12 +1143,21 @@ void add_lora(at::Tensor& out, const at::Tensor& x, at::TensorList a, at::Tensor
     }
   }
   if (shrinks.empty()) return;
+  // A decode step's few rows are tens of microseconds of work: run inline, where handing them to
+  // the other threads (twice a projection, four projections a layer) would cost more than it saves,
+  // most of all on a loaded host whose threads wait to be scheduled.
+  constexpr int64_t kInlineMultiplyAdds = 1 << 18;
+  int64_t multiply_adds = 0;
+  for (const LoraTask& task : shrinks)
+    multiply_adds += (task.last - task.first) * task.rank * (in_features + b[task.module].size(1));
+  const int64_t shrink_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(shrinks.size()) : 1;
+  const int64_t expand_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(expands.size()) : 1;
   // x's rows in `rows` order, so that each task's rows are contiguous; h [modules, N, max_rank].
   const auto gathered = x.index_select(0, row_list).contiguous();
   auto h = at::empty({num_modules, num_rows, max_rank}, gathered.options());
   const float* x_data = gathered.data_ptr<float>();
   float* h_data = h.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), shrink_grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const LoraTask& task = shrinks[i];
       const float* a_slot = a[task.module].data_ptr<float>() + task.slot * max_rank * in_features;
@@ -1163,7 +1172,7 @@ void add_lora(at::Tensor& out, const at::Tensor& x, at::TensorList a, at::Tensor
   });
   float* out_data = out.data_ptr<float>();
   const int64_t out_stride = out.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(expands.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(expands.size()), expand_grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const LoraTask& task = expands[i];
       const int64_t width = b[task.module].size(1);
