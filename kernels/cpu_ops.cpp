@@ -17,6 +17,8 @@
 // - linear_quantized_int8: the same blocks against activations quantized to 8 bits, with integer
 //   dot products, as llama.cpp computes them, for any number of rows (opt-in: it changes the
 //   numbers).
+// - lora_add: LoRA adapters' deltas for the rows of a step that use one, grouped by adapter slot
+//   (SGMV: decode rows and prefill runs alike), each present adapter's A and B read once per step.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -1040,12 +1042,168 @@ at::Tensor linear_any(const at::Tensor& x, at::TensorList parts, c10::ArrayRef<s
   return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
 }
 
+// ---- LoRA deltas (kernels/lora.py has the contract and its torch reference) ----
+//
+// out[row, module's columns] += B[slot] @ (A[slot] @ x[row]) for every row of a step that has an
+// adapter slot, each module of one merged projection in turn (their columns follow one another
+// from 0). `rows` holds those rows grouped by slot and `segments` each slot's (slot, start, end)
+// run of them, so a slot's A and B are read once per step, from memory, for all of its rows; the
+// tasks below split a run by rows and columns, and re-read them from cache.
+
+// out_rows[r][n] += h[r] . b[n] over the first `rank` of each b row (stride b_stride), n in
+// [begin, end); the R rows of h (stride h_stride) stay in registers, each b row is read once for them.
+template <int R>
+void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t b_stride, int64_t rank,
+                 float* const* out_rows, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* b_row = b + n * b_stride;
+    Floats acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = zero_floats();
+    int64_t k = 0;
+    for (; k + kLanes <= rank; k += kLanes) {
+      const Floats bv = load_floats(b_row + k);
+      for (int r = 0; r < R; ++r) acc[r] = fma_floats(load_floats(h + r * h_stride + k), bv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = sum_floats(acc[r]);
+      for (int64_t t = k; t < rank; ++t) sum += h[r * h_stride + t] * b_row[t];
+      out_rows[r][n] += sum;
+    }
+  }
+}
+
+struct LoraTask {
+  int64_t module, slot, rank;
+  int64_t first, last;   // positions in `rows` (and rows of the gathered x / h)
+  int64_t begin, end;    // rank rows of A (shrink) or output columns of the module (expand)
+};
+
+void add_lora(at::Tensor& out, const at::Tensor& x, at::TensorList a, at::TensorList b, const at::Tensor& ranks,
+              const at::Tensor& rows, const at::Tensor& segments) {
+  const int64_t num_modules = static_cast<int64_t>(a.size());
+  TORCH_CHECK(num_modules > 0 && b.size() == a.size(), "lora_add: one A and one B per module");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "lora_add: out [T, W] (rows contiguous) and x [T, in], float32");
+  const int64_t num_slots = a[0].size(0), max_rank = a[0].size(1), in_features = x.size(1);
+  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == num_modules &&
+                  ranks.size(1) == num_slots,
+              "lora_add: ranks [modules, slots] int64");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && segments.scalar_type() == at::kLong &&
+                  segments.dim() == 2 && segments.size(1) == 3,
+              "lora_add: rows [N] and segments [G, 3] int64");
+  std::vector<int64_t> columns(num_modules + 1, 0);  // where each module's columns start
+  for (int64_t m = 0; m < num_modules; ++m) {
+    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == at::kFloat &&
+                    a[m].size(0) == num_slots && a[m].size(1) == max_rank && a[m].size(2) == in_features,
+                "lora_add: A of module ", m, " must be contiguous float32 [slots, max_rank, in]");
+    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == at::kFloat &&
+                    b[m].size(0) == num_slots && b[m].size(2) == max_rank,
+                "lora_add: B of module ", m, " must be contiguous float32 [slots, width, max_rank]");
+    columns[m + 1] = columns[m] + b[m].size(1);
+  }
+  TORCH_CHECK(columns[num_modules] == out.size(1), "lora_add: the modules' widths add up to ",
+              columns[num_modules], ", out has ", out.size(1), " columns");
+  const auto rank_table = ranks.contiguous();
+  const auto row_list = rows.contiguous();
+  const auto segment_list = segments.contiguous();
+  const int64_t* rank_data = rank_table.data_ptr<int64_t>();
+  const int64_t* row_data = row_list.data_ptr<int64_t>();
+  const int64_t* segment_data = segment_list.data_ptr<int64_t>();
+  const int64_t num_rows = row_list.numel(), num_tokens = out.size(0);
+  // Each row once, in one segment: the tasks write their rows' outputs and h without locks.
+  std::vector<char> is_listed(num_tokens, 0), is_covered(num_rows, 0);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    TORCH_CHECK(row_data[i] >= 0 && row_data[i] < num_tokens, "lora_add: row ", row_data[i], " out of range");
+    TORCH_CHECK(!is_listed[row_data[i]], "lora_add: row ", row_data[i], " listed twice");
+    is_listed[row_data[i]] = 1;
+  }
+  // Tasks of up to kTaskRows rows, kTaskColumns output columns: a prefill's long run of one slot
+  // spreads over the threads, a decode step's few rows over the columns.
+  constexpr int64_t kTaskRows = 16, kTaskColumns = 128;
+  std::vector<LoraTask> shrinks, expands;
+  for (int64_t g = 0; g < segment_list.size(0); ++g) {
+    const int64_t slot = segment_data[3 * g], start = segment_data[3 * g + 1], stop = segment_data[3 * g + 2];
+    TORCH_CHECK(slot >= 0 && slot < num_slots && 0 <= start && start <= stop && stop <= num_rows,
+                "lora_add: segment ", g, " (", slot, ", ", start, ", ", stop, ") out of range");
+    for (int64_t p = start; p < stop; ++p) {
+      TORCH_CHECK(!is_covered[p], "lora_add: segments overlap at position ", p);
+      is_covered[p] = 1;
+    }
+    for (int64_t m = 0; m < num_modules; ++m) {
+      const int64_t rank = rank_data[m * num_slots + slot];
+      TORCH_CHECK(rank >= 0 && rank <= max_rank, "lora_add: rank ", rank, " outside 0..", max_rank);
+      if (rank == 0) continue;
+      for (int64_t first = start; first < stop; first += kTaskRows) {
+        const int64_t last = std::min(first + kTaskRows, stop);
+        shrinks.push_back({m, slot, rank, first, last, 0, rank});
+        for (int64_t n = 0; n < b[m].size(1); n += kTaskColumns)
+          expands.push_back({m, slot, rank, first, last, n, std::min(n + kTaskColumns, b[m].size(1))});
+      }
+    }
+  }
+  if (shrinks.empty()) return;
+  // A decode step's few rows are tens of microseconds of work: run inline, where handing them to
+  // the other threads (twice a projection, four projections a layer) would cost more than it saves,
+  // most of all on a loaded host whose threads wait to be scheduled.
+  constexpr int64_t kInlineMultiplyAdds = 1 << 18;
+  int64_t multiply_adds = 0;
+  for (const LoraTask& task : shrinks)
+    multiply_adds += (task.last - task.first) * task.rank * (in_features + b[task.module].size(1));
+  const int64_t shrink_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(shrinks.size()) : 1;
+  const int64_t expand_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(expands.size()) : 1;
+  // x's rows in `rows` order, so that each task's rows are contiguous; h [modules, N, max_rank].
+  const auto gathered = x.index_select(0, row_list).contiguous();
+  auto h = at::empty({num_modules, num_rows, max_rank}, gathered.options());
+  const float* x_data = gathered.data_ptr<float>();
+  float* h_data = h.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), shrink_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const LoraTask& task = shrinks[i];
+      const float* a_slot = a[task.module].data_ptr<float>() + task.slot * max_rank * in_features;
+      for (int64_t p = task.first; p < task.last; p += 4) {
+        with_row_count(std::min<int64_t>(4, task.last - p), [&](auto count) {
+          few_rows_times_weight<decltype(count)::value>(x_data + p * in_features, a_slot, nullptr,
+                                                        h_data + (task.module * num_rows + p) * max_rank,
+                                                        in_features, max_rank, task.begin, task.end);
+        });
+      }
+    }
+  });
+  float* out_data = out.data_ptr<float>();
+  const int64_t out_stride = out.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(expands.size()), expand_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const LoraTask& task = expands[i];
+      const int64_t width = b[task.module].size(1);
+      const float* b_slot = b[task.module].data_ptr<float>() + task.slot * width * max_rank;
+      for (int64_t p = task.first; p < task.last; p += 4) {
+        const int64_t count = std::min<int64_t>(4, task.last - p);
+        float* out_rows[4];
+        for (int64_t r = 0; r < count; ++r)
+          out_rows[r] = out_data + row_data[p + r] * out_stride + columns[task.module];
+        with_row_count(count, [&](auto rows_now) {
+          expand_rows<decltype(rows_now)::value>(h_data + (task.module * num_rows + p) * max_rank, max_rank,
+                                                 b_slot, max_rank, task.rank, out_rows, task.begin, task.end);
+        });
+      }
+    }
+  });
+}
+
+// The op: out is updated in place (the schema marks it written).
+void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorList b, const at::Tensor& ranks,
+              const at::Tensor& rows, const at::Tensor& segments) {
+  add_lora(out, x, a, b, ranks, rows, segments);
+}
+
 // One decoder layer for a decode step of a few sequences (one token each), the ops above chained
 // in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
 // qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
 // token), its k and v stored at `slots`, and q attends over the pages. Each weight is a list of
 // parts (linear_any): one with an empty format is float32 [out, in], the others GGUF blocks
-// (few_rows_linear_quantized, or linear_quantized_int8 with int8_activations).
+// (few_rows_linear_quantized, or linear_quantized_int8 with int8_activations). With lora_a
+// non-empty, each projection's output takes its rows' LoRA deltas (add_lora) before it is used.
 // Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
 std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
@@ -1054,7 +1212,9 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
     at::TensorList gate_up_weight, c10::ArrayRef<std::string> gate_up_format, at::TensorList down_weight,
     c10::ArrayRef<std::string> down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    int64_t num_heads, double scale, bool int8_activations) {
+    int64_t num_heads, double scale, bool int8_activations, at::TensorList lora_a, at::TensorList lora_b,
+    const c10::optional<at::Tensor>& lora_ranks, const c10::optional<at::Tensor>& lora_rows,
+    const c10::optional<at::Tensor>& lora_segments) {
   const int64_t num_tokens = hidden.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens && cos.size(-1) == head_dim &&
@@ -1064,8 +1224,19 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "few_rows_decode_layer: two contiguous float32 caches of one shape");
+  // LoRA deltas: A / B of q, k, v, o, gate, up, down in that order (lora_add's contract), or none.
+  const bool has_lora = !lora_a.empty();
+  TORCH_CHECK(!has_lora || (lora_a.size() == 7 && lora_b.size() == 7 && lora_ranks.has_value() &&
+                            lora_rows.has_value() && lora_segments.has_value()),
+              "few_rows_decode_layer: LoRA needs A and B of the seven modules, their ranks, rows and segments");
+  const auto add_deltas = [&](at::Tensor& out, const at::Tensor& in, int64_t first, int64_t count) {
+    if (has_lora)
+      add_lora(out, in, lora_a.slice(first, count), lora_b.slice(first, count),
+               lora_ranks->narrow(0, first, count), *lora_rows, *lora_segments);
+  };
   auto [x, summed] = add_rms_norm(hidden, input_norm, eps, residual);
   auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias, int8_activations);
+  add_deltas(qkv, x, 0, 3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "few_rows_decode_layer: qkv width");
   const auto cos_c = cos.reshape({num_tokens, head_dim}).contiguous();
   const auto sin_c = sin.reshape({num_tokens, head_dim}).contiguous();
@@ -1096,9 +1267,12 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
   }
   const auto q = qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
   const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt);
-  const auto o = linear_any(attn.view({num_tokens, num_heads * head_dim}), o_weight, o_format, c10::nullopt, int8_activations);
+  const auto attn_rows = attn.view({num_tokens, num_heads * head_dim});
+  auto o = linear_any(attn_rows, o_weight, o_format, c10::nullopt, int8_activations);
+  add_deltas(o, attn_rows, 3, 1);
   auto [x2, summed2] = add_rms_norm(o, post_norm, eps, summed);
-  const auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt, int8_activations);
+  auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt, int8_activations);
+  add_deltas(gate_up, x2, 4, 2);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = at::empty({num_tokens, inter}, gate_up.options());
   const float* gu = gate_up.data_ptr<float>();
@@ -1108,7 +1282,9 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
       const float g = gu[t * 2 * inter + i];
       a[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
     }
-  return {linear_any(act, down_weight, down_format, c10::nullopt, int8_activations), summed2};
+  auto down = linear_any(act, down_weight, down_format, c10::nullopt, int8_activations);
+  add_deltas(down, act, 6, 1);
+  return {down, summed2};
 }
 
 }  // namespace
@@ -1131,7 +1307,11 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
       "Tensor[] gate_up_weight, str[] gate_up_format, Tensor[] down_weight, str[] down_format, Tensor cos, "
       "Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
-      "int num_heads, float scale, bool int8_activations=False) -> (Tensor, Tensor)");
+      "int num_heads, float scale, bool int8_activations, Tensor[] lora_a, Tensor[] lora_b, "
+      "Tensor? lora_ranks, Tensor? lora_rows, Tensor? lora_segments) -> (Tensor, Tensor)");
+  m.def(
+      "lora_add(Tensor(a!) out, Tensor x, Tensor[] a, Tensor[] b, Tensor ranks, Tensor rows, Tensor segments) "
+      "-> ()");
 }
 
 BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
@@ -1141,4 +1321,5 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("linear_quantized_int8", &linear_quantized_int8);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("few_rows_decode_layer", &few_rows_decode_layer);
+  m.impl("lora_add", &lora_add);
 }

@@ -1,7 +1,7 @@
 """The CPU path's C++ ops (cpu_ops.cpp): paged decode attention, the few-rows linear (from
 float32 or GGUF-quantized weights, the latter also against 8-bit activations), the fused
-residual add + RMSNorm, and a whole decoder layer for decode steps of a few sequences; compiled
-on first use.
+residual add + RMSNorm, batched LoRA deltas, and a whole decoder layer for decode steps of a few
+sequences (with their LoRA deltas); compiled on first use.
 
 The host's C++ compiler builds them once per source, flags and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 30 s the first time, a
@@ -268,6 +268,9 @@ def add_rms_norm(
     return ops().add_rms_norm(x, weight, eps, residual)
 
 
+NO_LORA = ([], [], None, None, None)  # few_rows_decode_layer's `lora` for a step without adapters
+
+
 def few_rows_decode_layer(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -283,6 +286,7 @@ def few_rows_decode_layer(
     num_heads: int,
     scale: float,
     int8_activations: bool = False,
+    lora: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for an all-decode step of at most MAX_LINEAR_ROWS tokens: (its output,
     the residual stream). `weights`: qkv parts, formats, bias; o_proj parts, formats; gate_up
@@ -290,11 +294,27 @@ def few_rows_decode_layer(
     its own output columns (format "" for float32 [out, in], else GGUF blocks): one part, or a
     fused weight whose parts have different formats. cos / sin: [T, D] signed
     full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
-    blocks multiply by linear_quantized_int8."""
+    blocks multiply by linear_quantized_int8. lora: the step's adapter deltas for this layer, as
+    `lora_add` takes them, A and B of q, k, v, o, gate, up, down in that order: (a, b, ranks, rows,
+    segments); () for none."""
     return ops().few_rows_decode_layer(
         hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads,
-        scale, int8_activations,
+        scale, int8_activations, *(lora or NO_LORA),
     )  # fmt: skip
+
+
+def lora_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    ranks: torch.Tensor,
+    rows: torch.Tensor,
+    segments: torch.Tensor,
+) -> None:
+    """kernels/lora.py's batched LoRA deltas (its contract, `lora_add_ref` the reference) in
+    float32, in place into out: each segment's slot's A and B read once for all of its rows."""
+    ops().lora_add(out, x, a, b, ranks, rows, segments)
 
 
 def linear_quantized_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:

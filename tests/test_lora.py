@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from ipc import messages as m
+from kernels import cpu_ops
+from kernels.lora import lora_add_ref, lora_add_triton
 from services.gpu_worker.lora import AdapterError
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from tests.test_families import BLOCK, VOCAB, save_random_family_model
+from tests.test_kernels import has_cpu_kernels
 from tests.test_model import PlanBuilder, runner_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,10 +72,13 @@ def lora_models(tmp_path_factory):
     return base, paths, references
 
 
-def make_runner(base: Path, adapters: dict[str, Path], max_loras: int = 4, max_rank: int = 64) -> ModelRunner:
+def make_runner(
+    base: Path, adapters: dict[str, Path], max_loras: int = 4, max_rank: int = 64, backend: str | None = None
+) -> ModelRunner:
     return ModelRunner(
         base, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, max_loras=max_loras,
         max_lora_rank=max_rank, lora_adapters={name: str(path) for name, path in adapters.items()},
+        backend=backend,
     )  # fmt: skip
 
 
@@ -178,6 +184,51 @@ def test_mixed_adapter_batch_matches_peft(lora_models):
         check_lora_step(
             runner, builder, references, [(s, h[-1:]) for s, h in histories.items()], adapter_of, histories
         )
+
+
+@pytest.mark.parametrize("kernel", ["cpp", "torch", "triton"])
+def test_each_lora_kernel_matches_peft(lora_models, kernel, monkeypatch):
+    """Each implementation of the batched LoRA kernel (kernels/lora.py) through the model: the CPU's
+    C++ op, with the decode steps of up to four rows in the one-op decode layer and the adapters'
+    deltas inside it; the torch reference; the Triton kernels in the interpreter (the GPU path's
+    wiring). A prefill of three adapters and none, decodes of four rows, then of two: every row's
+    logits and greedy token PeftModel's."""
+    base, paths, references = lora_models
+    if kernel == "cpp":
+        assert has_cpu_kernels()
+    runner = make_runner(base, paths, backend="triton" if kernel == "triton" else None)
+    if kernel == "torch":  # what a CPU without the C++ kernels runs
+        runner.lora.apply, runner.lora.tile_rows = lora_add_ref, None
+    if kernel != "cpp":  # the one-op layer is the C++ path's: the decodes go through this kernel too
+        runner.model.has_one_op_layers = False
+    assert (
+        runner.lora.apply
+        is {"cpp": cpu_ops.lora_add, "torch": lora_add_ref, "triton": lora_add_triton}[kernel]
+    )
+    one_op_calls: list[bool] = []  # per call of the one-op layer: did it get adapter deltas
+    one_op_layer = cpu_ops.few_rows_decode_layer
+
+    def counted_one_op_layer(*args):
+        one_op_calls.append(bool(args[-1]))
+        return one_op_layer(*args)
+
+    monkeypatch.setattr(cpu_ops, "few_rows_decode_layer", counted_one_op_layer)
+    rng = np.random.default_rng(5)
+    adapter_of = {0: "qv-r8", 1: None, 2: "all-r16-rslora", 3: "ogd-r4"}
+    histories = {seq: rng.integers(3, VOCAB, 13 + 5 * seq).tolist() for seq in adapter_of}
+    builder = PlanBuilder(BLOCK)
+    check_lora_step(
+        runner, builder, references, [(s, list(h)) for s, h in histories.items()], adapter_of, histories
+    )
+    for rows in ((0, 1, 2, 3), (0, 1, 2, 3), (3, 2), (2, 0)):
+        check_lora_step(
+            runner, builder, references, [(s, histories[s][-1:]) for s in rows], adapter_of, histories
+        )
+    if kernel == "cpp":
+        num_layers = len(runner.model.layers)
+        assert one_op_calls == [True] * 4 * num_layers, "the decodes did not all take the one-op layer"
+    else:
+        assert one_op_calls == []
 
 
 def test_greedy_tokens_through_execute_match_peft(lora_models):

@@ -4,10 +4,11 @@ An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/
 worker keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in]
 and B [slots, out, r] (the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
 that a step may mix rows of several adapters and rows of none. A step groups its tokens by slot
-and each adapter present multiplies all of its tokens at once: its A and B are read once per step
-(`LoraBatch.add`). Adapters are checked against the base model when loaded, before they serve
-anything: a module they target that the model has not, or whose shapes differ, refuses the
-adapter with a message naming the module.
+and a batched kernel (kernels/lora.py: Triton on the GPU, C++ on the CPU, a torch reference
+elsewhere) multiplies each adapter present by all of its tokens at once: its A and B are read
+once per step (`LoraBatch.add`). Adapters are checked against the base model when loaded, before
+they serve anything: a module they target that the model has not, or whose shapes differ, refuses
+the adapter with a message naming the module.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels import cpu_ops
+from kernels.lora import BLOCK_M, group_rows, lora_add_ref, lora_add_triton
+
 if TYPE_CHECKING:
     from services.gpu_worker.model import LlamaModel
 
@@ -30,6 +34,9 @@ TARGET_MODULES = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o_proj",
     "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
 }  # fmt: skip
+# The modules of each merged projection, in its column order (as the model adds their deltas).
+PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+MODULE_INDEX = {module: i for i, module in enumerate(TARGET_MODULES)}  # the decode layer's order
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # PEFT's saved names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 PEFT_WEIGHT_NAME = re.compile(
@@ -231,22 +238,48 @@ class LoraSlots:
         for key, (in_features, out_features) in module_shapes(model).items():
             self.a[key] = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
             self.b[key] = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
-        # Column offset of each module in the merged output it is part of (qkv, gate_up).
-        c, sh = model.config, model.shard
-        q, kv = sh.num_heads * c.head_dim, sh.num_kv_heads * c.head_dim
-        self.offsets = {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0,
-                        "gate_proj": 0, "up_proj": sh.intermediate_size, "down_proj": 0}  # fmt: skip
-        # Which modules of each layer some resident adapter targets: the others cost nothing.
-        self.targeted: dict[tuple[int, str], set[int]] = {key: set() for key in self.a}
+        # Each module's rank in each slot, 0 where the slot's adapter does not target it (the
+        # kernels skip that work): [layers, modules (TARGET_MODULES' order), slots].
+        shape = (len(model.layers), len(MODULE_INDEX), max_loras)
+        self.module_ranks = torch.zeros(shape, dtype=torch.int64, device=device)
+        # The kernels' arguments of each (layer, projection), made once: views of the tensors above.
+        self.projections: dict[tuple[int, tuple[str, ...]], tuple[list, list, torch.Tensor]] = {}
+        for layer in range(len(model.layers)):
+            for modules in PROJECTIONS:
+                if (layer, modules[0]) in self.a:
+                    first = MODULE_INDEX[modules[0]]
+                    self.projections[(layer, modules)] = (
+                        [self.a[(layer, module)] for module in modules],
+                        [self.b[(layer, module)] for module in modules],
+                        self.module_ranks[layer, first : first + len(modules)],
+                    )
+        # A whole layer's A and B in TARGET_MODULES' order, as the one-op decode layer takes them
+        # (`layer_arguments`); a sparse layer has no dense MLP modules, and never takes that op.
+        self.layer_modules = {
+            layer: (
+                [self.a[(layer, m)] for m in TARGET_MODULES],
+                [self.b[(layer, m)] for m in TARGET_MODULES],
+            )
+            for layer in range(len(model.layers))
+            if all((layer, m) in self.a for m in TARGET_MODULES)
+        }
+        # The kernel that applies them (kernels/lora.py's contract): Triton with the Triton
+        # backend, C++ on the CPU in float32 where the kernels load, else the torch reference.
+        if model.is_triton:
+            self.apply, self.tile_rows = lora_add_triton, BLOCK_M
+        elif model.has_few_rows_linear:
+            self.apply, self.tile_rows = cpu_ops.lora_add, None
+        else:
+            self.apply, self.tile_rows = lora_add_ref, None
 
     def load(self, slot: int, adapter: LoraAdapter, path: str) -> None:
         """Put `adapter` (read from `path`) into `slot` (whatever was there is gone: modules it
         does not target are zero)."""
         self.clear(slot)
-        for key, (a, b) in adapter.weights.items():
-            self.a[key][slot, : adapter.rank] = a
-            self.b[key][slot, :, : adapter.rank] = b
-            self.targeted[key].add(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            self.a[(layer, module)][slot, : adapter.rank] = a
+            self.b[(layer, module)][slot, :, : adapter.rank] = b
+            self.module_ranks[layer, MODULE_INDEX[module], slot] = adapter.rank
         self.names[slot], self.paths[slot], self.ranks[slot] = adapter.name, path, adapter.rank
 
     def clear(self, slot: int) -> None:
@@ -256,39 +289,35 @@ class LoraSlots:
         for key in self.a:
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
-            self.targeted[key].discard(slot)
+        self.module_ranks[:, :, slot] = 0
         self.names[slot], self.paths[slot], self.ranks[slot] = None, None, 0
 
     def batch(self, token_slots: np.ndarray) -> LoraBatch | None:
         """The step's tokens grouped by slot (token_slots[t] = the slot of token t, -1 = none);
         None when no token has an adapter."""
-        groups = []
-        for slot in np.unique(token_slots[token_slots >= 0]).tolist():
-            rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.model.device)
-            groups.append((slot, rows))
-        return LoraBatch(self, groups) if groups else None
+        rows, segments = group_rows(token_slots, self.tile_rows)
+        if not len(rows):
+            return None
+        device = self.model.device
+        return LoraBatch(self, torch.from_numpy(rows).to(device), torch.from_numpy(segments).to(device))
 
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """One step's adapters: (slot, the flat token indices that use it) per slot present."""
+    """One step's adapters: the tokens that use one, grouped by slot, and each slot's run of
+    them (kernels/lora.py's rows and segments)."""
 
     slots: LoraSlots
-    groups: list[tuple[int, torch.Tensor]]
+    rows: torch.Tensor
+    segments: torch.Tensor
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
-        """out[t] += B @ (A @ x[t]) of each token's adapter for `modules` (the parts of one merged
-        projection, in its column order), in place."""
-        for module in modules:
-            key = (layer, module)
-            if key not in self.slots.a:
-                continue
-            start = self.slots.offsets[module]
-            a_all, b_all = self.slots.a[key], self.slots.b[key]
-            width = b_all.shape[1]
-            for slot, rows in self.groups:
-                if slot not in self.slots.targeted[key]:
-                    continue
-                rank = self.slots.ranks[slot]
-                delta = (x[rows] @ a_all[slot, :rank].T) @ b_all[slot, :, :rank].T
-                out[rows, start : start + width] += delta
+        """out[t] += B @ (A @ x[t]) of each token's adapter for `modules` (one of PROJECTIONS: the
+        parts of one merged projection, in its column order), in place."""
+        projection = self.slots.projections.get((layer, modules))
+        if projection is not None:  # None: a sparse (MoE) layer's MLP, which adapters do not reach
+            self.slots.apply(out, x, *projection, self.rows, self.segments)
+
+    def layer_arguments(self, layer: int) -> tuple:
+        """The deltas of a whole layer as cpu_ops.few_rows_decode_layer takes them (`lora`)."""
+        return *self.slots.layer_modules[layer], self.slots.module_ranks[layer], self.rows, self.segments

@@ -131,6 +131,9 @@ class ProjectionDeltas(Protocol):
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
         """out += the deltas of layer `layer`'s `modules` (HF names, in out's column order) on x."""
 
+    def layer_arguments(self, layer: int) -> tuple:
+        """A whole layer's deltas as cpu_ops.few_rows_decode_layer takes them (its `lora`)."""
+
 
 # engine.cpu_wide_step_dtype=bfloat16: in float32 on the CPU, steps of more than
 # cpu_ops.MAX_LINEAR_ROWS rows (prefills, batched decodes) multiply oneDNN-prepacked bfloat16
@@ -545,8 +548,8 @@ class LlamaModel:
         # other kernels, so CPU-only hosts never need Triton); latent attention's models take
         # them where that backend would run, though their attention stays torch.
         self.fused_experts: Callable[..., torch.Tensor] | None = None
-        is_triton = (backend or ("triton" if device.type == "cuda" else "torch")) == "triton"
-        if config.moe is not None and is_triton:
+        self.is_triton = (backend or ("triton" if device.type == "cuda" else "torch")) == "triton"
+        if config.moe is not None and self.is_triton:
             from kernels.fused_moe import fused_moe_triton
 
             self.fused_experts = fused_moe_triton
@@ -913,14 +916,14 @@ class LlamaModel:
         activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         residual = None
         meta = metas[0]
-        # A decode step of a few sequences runs each layer as one C++ op (cpu_ops.few_rows_decode_layer).
+        # A decode step of a few sequences runs each layer as one C++ op (cpu_ops.few_rows_decode_layer),
+        # adapter deltas included.
         is_one_op_layers = (
             self.has_one_op_layers
             and layout == "few_rows"
             and meta.decode_tables is not None
             and meta.is_all_decode
             and meta.store_tokens is None
-            and lora is None  # the one C++ op has no adapter deltas
         )
         if is_one_op_layers:
             cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
@@ -932,6 +935,7 @@ class LlamaModel:
                     hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
                     cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
                     self.shapes.num_heads, scale, self.int8_activations,
+                    () if lora is None else lora.layer_arguments(index),
                 )  # fmt: skip
                 continue
             k_cache, v_cache = layer_cache

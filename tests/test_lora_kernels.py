@@ -1,0 +1,132 @@
+"""The batched LoRA kernels (kernels/lora.py's contract): the torch reference, the Triton kernels
+(in the interpreter) and the CPU's C++ op, each against an independent float64 loop over the rows,
+on steps that mix slots, rows of none (-1), ranks below the padded max_rank, modules a slot does not
+target (rank 0), and a merged projection's modules side by side; and the C++ op's refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels.lora import BLOCK_M, group_rows, lora_add_ref, lora_add_triton
+from tests.test_kernels import has_cpu_kernels
+
+NUM_SLOTS = 4
+# (number of tokens, in features, each module's width, max_rank): a decode step of one row, a
+# few-rows decode, a prefill longer than a tile (BLOCK_M) and a 16-row task, odd widths (masked
+# columns, scalar tails) and a max_rank that is not a power of two.
+SHAPES = [
+    (1, 48, (48, 16, 16), 16),
+    (4, 40, (40,), 8),
+    (37, 64, (72, 72), 12),
+    (70, 33, (20, 9, 9), 64),
+]
+
+
+def random_step(num_tokens: int, in_features: int, widths: tuple[int, ...], max_rank: int, seed: int):
+    """x, a, b, ranks and each token's slot of a step whose slots have ranks up to max_rank, one
+    module per slot left untargeted (rank 0), and a quarter of the tokens without a slot."""
+    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    x = torch.randn(num_tokens, in_features, generator=generator)
+    ranks = torch.from_numpy(rng.integers(1, max_rank + 1, (len(widths), NUM_SLOTS))).long()
+    ranks[:, 0] = max_rank  # one slot at the full (padded) rank
+    ranks[rng.integers(len(widths)), 1] = 0
+    a, b = [], []
+    for module, width in enumerate(widths):
+        a_m = torch.randn(NUM_SLOTS, max_rank, in_features, generator=generator) * 0.3
+        b_m = torch.randn(NUM_SLOTS, width, max_rank, generator=generator) * 0.3
+        for slot in range(NUM_SLOTS):  # zero past the rank, as LoraSlots keeps them
+            a_m[slot, ranks[module, slot] :] = 0
+            b_m[slot, :, ranks[module, slot] :] = 0
+        a.append(a_m)
+        b.append(b_m)
+    token_slots = rng.integers(0, NUM_SLOTS, num_tokens).astype(np.int32)
+    token_slots[rng.random(num_tokens) < 0.25] = -1
+    token_slots[0] = 0 if num_tokens == 1 else -1  # a decode row of the full rank, else a row of none
+    return x, a, b, ranks, token_slots
+
+
+def expected_out(out, x, a, b, ranks, token_slots) -> torch.Tensor:
+    """out plus each token's deltas, row by row in float64: independent of any grouping."""
+    result = out.double().clone()
+    column = 0
+    for module, (a_m, b_m) in enumerate(zip(a, b, strict=True)):
+        width = b_m.shape[1]
+        for token, slot in enumerate(token_slots.tolist()):
+            if slot >= 0 and ranks[module, slot] > 0:
+                h = a_m[slot].double() @ x[token].double()
+                result[token, column : column + width] += b_m[slot].double() @ h
+        column += width
+    return result.float()
+
+
+def run(kernel, x, a, b, ranks, token_slots, tile_rows=None) -> torch.Tensor:
+    rows, segments = group_rows(token_slots, tile_rows)
+    out = torch.randn(x.shape[0], sum(b_m.shape[1] for b_m in b), generator=torch.Generator().manual_seed(9))
+    before = out.clone()
+    kernel(out, x, a, b, ranks, torch.from_numpy(rows), torch.from_numpy(segments))
+    expected = expected_out(before, x, a, b, ranks, token_slots)
+    assert (expected - before).abs().max() > 0.1  # the deltas are not negligible
+    return out, expected
+
+
+def test_group_rows_groups_tokens_by_slot():
+    token_slots = np.array([2, -1, 0, 2, 2, -1, 0, 3], dtype=np.int32)
+    rows, segments = group_rows(token_slots)
+    assert rows.tolist() == [2, 6, 0, 3, 4, 7]
+    assert segments.tolist() == [[0, 0, 2], [2, 2, 5], [3, 5, 6]]
+    rows, segments = group_rows(token_slots, tile_rows=2)
+    assert segments.tolist() == [[0, 0, 2], [2, 2, 4], [2, 4, 5], [3, 5, 6]]
+    rows, segments = group_rows(np.full(3, -1, dtype=np.int32))
+    assert rows.shape == (0,) and segments.shape == (0, 3)
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "widths", "max_rank"), SHAPES)
+def test_lora_add_ref_matches_rows_one_by_one(num_tokens, in_features, widths, max_rank):
+    out, expected = run(
+        lora_add_ref, *random_step(num_tokens, in_features, widths, max_rank, seed=num_tokens)
+    )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "widths", "max_rank"), SHAPES)
+def test_lora_add_triton_matches_rows_one_by_one(num_tokens, in_features, widths, max_rank):
+    step = random_step(num_tokens, in_features, widths, max_rank, seed=num_tokens)
+    out, expected = run(lora_add_triton, *step, tile_rows=BLOCK_M)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "widths", "max_rank"), SHAPES)
+@pytest.mark.usefixtures("cpu_isa")
+def test_lora_add_cpu_matches_rows_one_by_one(num_tokens, in_features, widths, max_rank):
+    assert has_cpu_kernels()
+    out, expected = run(
+        cpu_ops.lora_add, *random_step(num_tokens, in_features, widths, max_rank, seed=num_tokens)
+    )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_lora_add_cpu_refuses_what_does_not_fit():
+    """Arguments that would read or write out of bounds, or race, are errors naming the problem."""
+    assert has_cpu_kernels()
+    x, a, b, ranks, token_slots = random_step(6, 16, (16, 8), 8, seed=1)
+    rows, segments = (torch.from_numpy(t) for t in group_rows(token_slots))
+    out = torch.zeros(6, 24)
+    cases = {
+        "widths add up to 24, out has 20 columns": dict(out=torch.zeros(6, 20)),
+        "row 6 out of range": dict(rows=torch.where(rows == rows[0], 6, rows)),
+        "listed twice": dict(rows=torch.full_like(rows, int(rows[0]))),
+        "out of range": dict(segments=torch.tensor([[NUM_SLOTS, 0, len(rows)]])),
+        "segments overlap": dict(segments=torch.tensor([[0, 0, len(rows)], [1, 0, 1]])),
+        "rank 9 outside 0..8": dict(ranks=torch.full_like(ranks, 9)),
+        "ranks \\[modules, slots\\] int64": dict(ranks=ranks.int()),
+        "must be contiguous float32": dict(a=[a[0].transpose(1, 2).contiguous().transpose(1, 2), a[1]]),
+    }
+    for message, change in cases.items():
+        args = dict(out=out, x=x, a=a, b=b, ranks=ranks, rows=rows, segments=segments) | change
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.lora_add(**args)
