@@ -256,6 +256,50 @@ def test_greedy_tokens_through_execute_match_peft(lora_models):
         assert outputs[seq] == expected, f"seq {seq} ({adapter_of[seq]})"
 
 
+def test_verification_under_an_adapter_emits_its_greedy_tokens(lora_models):
+    """Speculative verification on a row with an adapter: the adapter's deltas apply at every
+    position of the verified span, so proposals that are always right and always wrong both give
+    PeftModel's greedy tokens (and right ones are kept)."""
+    from tests.test_speculation import MAX_NEW, speculative_decode
+
+    base, paths, references = lora_models
+    runner = make_runner(base, paths)
+    name = "all-r16-rslora"
+    adapter = {"lora_slots": [runner.lora.names.index(name)]}
+    prompt = np.random.default_rng(9).integers(3, VOCAB, 13).tolist()
+    with torch.inference_mode():
+        expected = (
+            references[name]
+            .generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :]
+            .tolist()
+        )
+    base_model = references[None]
+    with torch.inference_mode():
+        base_tokens = base_model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert base_tokens != expected  # the adapter matters on this prompt
+
+    def oracle(tokens, limit):
+        done = len(tokens) - len(prompt)
+        return expected[done : done + min(limit, 4)]
+
+    def wrong(tokens, limit):
+        done = len(tokens) - len(prompt)
+        return [(t + 1) % VOCAB for t in expected[done : done + min(limit, 3)]]
+
+    for proposals in (oracle, wrong):
+        out, _, made, kept = speculative_decode(runner, prompt, proposals, adapter)
+        assert out == expected, proposals.__name__
+        assert made > 0 and (kept > 0 if proposals is oracle else kept == 0)
+
+
 def test_step_without_lora_slots_is_the_base_model(lora_models):
     base, paths, references = lora_models
     runner = make_runner(base, paths)

@@ -25,7 +25,7 @@ import torch
 
 from client import Client, InvalidRequest
 from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, save_random_model
-from tests.harness import assert_clean, brigade_run, free_port, stage_processes
+from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters, stage_processes
 from tests.test_e2e import gateway_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -71,7 +71,10 @@ def greedy(model, prompt: list[int], num_tokens: int = NEW_TOKENS) -> list[int]:
     return ids[len(prompt) :]
 
 
-def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path) -> None:
+# With n-gram speculation too: a row under an adapter verifies proposals with its adapter's deltas
+# at every position of the span, so its tokens stay PeftModel's.
+@pytest.mark.parametrize("speculation", ["off", "ngram"])
+def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path, speculation: str) -> None:
     import openai
     from transformers import AutoModelForCausalLM
 
@@ -104,6 +107,10 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
         "lora.max_loras=2",
         "gateway.served_model_name=base",
     )
+    metrics_port = free_port()
+    if speculation == "ngram":
+        overrides += ("speculative.method=ngram", "speculative.num_speculative_tokens=4")
+    overrides += (f"supervisor.metrics_port={metrics_port}",)
     with brigade_run(run_dir, *overrides, f"lora.adapters={listed}") as run:
         api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
         models = {card.id: card.model_extra.get("parent") for card in api.models.list().data}
@@ -162,6 +169,8 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
             assert result.token_ids == expected["chat-lora"]
             with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'no-such-lora'"):
                 client.generate(prompt, adapter="no-such-lora", max_tokens=2, timeout=60)
+        accepted = spec_decode_counters(metrics_port).get("brigade:spec_decode_num_accepted_tokens_total", 0)
+        assert (accepted > 0) == (speculation == "ngram"), accepted
     assert_clean(run_dir)
 
 

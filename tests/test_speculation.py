@@ -242,10 +242,13 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 def with_sampling(
     arrays: dict[str, np.ndarray], sampling: dict, prompt: list[int], outputs: list[int]
 ) -> dict[str, np.ndarray]:
-    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias),
-    with the penalty history of a sequence whose known tokens are `prompt` and `outputs`."""
+    """A one-row plan that samples as `sampling` says (plan array values, "bias" a logit bias,
+    "lora_slots" the row's adapter slot), with the penalty history of a sequence whose known
+    tokens are `prompt` and `outputs`."""
     for key, value in sampling.items():
-        if key == "bias":
+        if key == "lora_slots":
+            arrays[key] = np.array(value, np.int32)
+        elif key == "bias":
             arrays["bias_offsets"] = np.array([0, len(value)], np.int32)
             arrays["bias_ids"] = np.array(list(value), np.int32)
             arrays["bias_values"] = np.array(list(value.values()), np.float32)

@@ -68,7 +68,7 @@ class Speculation:
 
     A decode speculates when verification samples its request exactly as plain decoding does
     (PlanTable.may_speculate: greedy or sampled, penalties, logit bias and min_tokens included,
-    without top logprobs, grammar or adapter) and its last token is known: a decode planned
+    top logprobs and adapters too, not grammars) and its last token is known: a decode planned
     ahead on a placeholder has nothing to look up. A verification never preempts anyone:
     proposals are cut to the free blocks, the token budget and what the request may still
     generate."""
