@@ -1,9 +1,9 @@
 """A real autoscaling Ray cluster on this machine for tests: `ray start --head` with Ray's own
 autoscaler (v1, the monitor process) and its fake multi-node provider, which "launches" a node
 by starting, from the monitor process, a raylet with the node type's resources, and ends it by
-killing those processes. Everything the cluster runs is found, and killed at the end, by a marker in its
-environment (which every process Ray starts inherits) and by its own temp dir; the test asserts
-that nothing is left.
+killing those processes. Everything the cluster runs is found, and killed at the end, by a
+marker in its environment (which every process Ray starts inherits) and by its own temp dir;
+the test asserts that nothing is left.
 
 Not `ray.cluster_utils.AutoscalingCluster`: it reads a config template that Ray's wheel lacks,
 and it runs `ray stop --force`, which kills every Ray process of the user on the host, other
