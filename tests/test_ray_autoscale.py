@@ -18,6 +18,8 @@ import msgspec
 import pytest
 
 from ipc.config import load_config
+from ipc.endpoints import SHM_PREFIX
+from ipc.shm import SHM_DIR
 from services.stage import read_run_info
 from tests.harness import assert_clean, brigade_run, free_port
 from tests.test_autoscale_run import (
@@ -37,6 +39,7 @@ from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL  # no
 from ray.autoscaler.v2.utils import is_autoscaler_v2  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.experimental.internal_kv import _internal_kv_get  # noqa: E402
+from ray.util.placement_group import remove_placement_group  # noqa: E402
 
 from supervision.ray_stages import RayStageSet  # noqa: E402
 from tests.ray_autoscaling import autoscaling_ray, cluster_processes  # noqa: E402
@@ -123,6 +126,33 @@ def test_the_autoscaling_cluster_launches_a_node_on_request_and_its_teardown_end
         assert len(raylets) == 2  # the head's and the launched node's
     assert cluster_processes(token, temp_dir) == [] and not temp_dir.exists()
     assert "Adding 1 node(s) of type engine" in (tmp_path / "ray-logs" / "monitor.log").read_text()
+
+
+def test_a_stopping_run_cleans_every_node_before_it_lets_rays_autoscaler_end_them(tmp_path: Path) -> None:
+    """RayStageSet.close: a node that only the run's request keeps (idle past the autoscaler's
+    idle timeout) is cleaned before the request is dropped; dropped first, the autoscaler ended
+    it in the middle of its cleanup, and the failed cleanup abandoned the others, leaving the
+    run's shared memory behind."""
+    with autoscaling_ray({"engine": ENGINE_NODE_TYPE}, tmp_path / "ray-logs", idle_timeout_s=1.0) as cluster:
+        config = load_config(None, [
+            "cluster.backend=ray", f"cluster.ray_address={cluster.address}", "cluster.engine_cpus=1",
+            "cluster.engine_resources={autoscaled_engine: 1}", f"cluster.placement_timeout_s={NODE_CHANGE_S}",
+        ])  # fmt: skip
+        stages = RayStageSet(config, tmp_path, "text", "closetest")
+        try:
+            stages.place()  # the autoscaler launches a node for group 0
+            (node,) = cluster.worker_nodes()
+            left_by_the_run = Path(SHM_DIR) / f"{SHM_PREFIX}closetest-step-0"
+            left_by_the_run.write_bytes(b"")
+            remove_placement_group(stages.groups[0])  # the node idles, kept by the request alone
+            time.sleep(5)
+            assert list(cluster.worker_nodes()) == [node]
+        finally:
+            stages.close()
+        cleaned = not left_by_the_run.exists()
+        left_by_the_run.unlink(missing_ok=True)
+        assert cleaned, "the run's shared memory was left"
+        cluster.wait_for_worker_nodes(0, NODE_CHANGE_S)  # then the request is dropped
 
 
 @pytest.mark.timeout(900)
