@@ -125,7 +125,8 @@ def test_the_autoscaling_cluster_launches_a_node_on_request_and_its_teardown_end
         raylets = [pid for pid in cluster.processes() if b"raylet" in Path(f"/proc/{pid}/comm").read_bytes()]
         assert len(raylets) == 2  # the head's and the launched node's
     assert cluster_processes(token, temp_dir) == [] and not temp_dir.exists()
-    assert "Adding 1 node(s) of type engine" in (tmp_path / "ray-logs" / "monitor.log").read_text()
+    # Kept, and written before the node was started: the autoscaler launched it.
+    assert "Queue 1 new nodes for launch" in (tmp_path / "ray-logs" / "monitor.log").read_text()
 
 
 def test_a_stopping_run_cleans_every_node_before_it_lets_rays_autoscaler_end_them(tmp_path: Path) -> None:
