@@ -192,7 +192,10 @@ def test_rays_autoscaler_launches_a_node_for_a_burst_and_takes_it_back_when_the_
             placed = nodes_of(run)
             assert placed["scheduler-1"] == placed["gpu_worker-1-0"] == (set(nodes) - {first}).pop(), placed
             assert any("room for 2 engine group(s)" in line for line in drain(run))  # request_resources
-            assert metric(scrape(port), "brigade:request_queue_time_seconds_count", engine="1") > 0
+            deadline = time.monotonic() + 30  # /metrics gathers other nodes' stages every few seconds
+            while not metric(scrape(port), "brigade:request_queue_time_seconds_count", engine="1"):
+                assert time.monotonic() < deadline, "group 1 served nothing"
+                time.sleep(0.5)
 
             wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=1, timeout=180)  # idle: one group
             up, down = autoscale_events(run_dir)
