@@ -474,10 +474,11 @@ class RayStageSet(StageSet):
         for pg in self.groups:
             with contextlib.suppress(RayError):
                 remove_placement_group(pg)
-        if self.requested_groups:
-            self.request_resources(0)  # a stopped run keeps no nodes up
-        # A cluster that went away meanwhile took the nodes' leftovers with it; this host's are
-        # swept at the next start (sweep_stale_runs).
+        # Every live node cleans up before the request that keeps the nodes is dropped: were it
+        # dropped first, Ray's autoscaler could end an idle node in the middle. A node that goes
+        # anyway took its leftovers with it, and the other nodes' cleanups still finish (waited
+        # for, not read: one failure must not abandon the rest). A cluster that went away took
+        # them all; this host's are swept at the next start (sweep_stale_runs).
         with contextlib.suppress(RayError, ConnectionError):
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
             cleanups = [
@@ -486,7 +487,9 @@ class RayStageSet(StageSet):
                 ).remote(f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host)
                 for node in nodes
             ]
-            ray.get(cleanups, timeout=CALL_TIMEOUT_S)
+            ray.wait(cleanups, num_returns=len(cleanups), timeout=CALL_TIMEOUT_S)
+        if self.requested_groups:
+            self.request_resources(0)  # a stopped run keeps no nodes up
         ray.shutdown()
 
     # -- processes -------------------------------------------------------------------------------
