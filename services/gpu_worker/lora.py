@@ -85,27 +85,6 @@ def module_shapes(model: LlamaModel, whole: bool = False) -> dict[tuple[int, str
     }
 
 
-def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) -> LoraAdapter:
-    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or a llama.cpp
-    GGUF LoRA file (a path ending in .gguf, lora_gguf.py), checked against `model` and cut to this
-    rank's shard; AdapterError says why one does not fit."""
-    if model.config.fused_weights:
-        raise AdapterError(
-            f"adapter {name!r}: {model.config.architecture} (fused qkv_proj) takes no adapters"
-        )
-    if model.config.mla is not None:
-        raise AdapterError(
-            f"adapter {name!r}: {model.config.architecture} (multi-head latent attention) takes no adapters"
-        )
-    if str(path).endswith(".gguf"):
-        from services.gpu_worker.lora_gguf import read_gguf_adapter
-
-        rank, weights = read_gguf_adapter(name, Path(path), model, max_rank)
-    else:
-        rank, weights = read_peft_adapter(name, Path(path), model, max_rank)
-    return LoraAdapter(name, rank, {key: shard_pair(model, key, *pair) for key, pair in weights.items()})
-
-
 def read_peft_adapter(
     name: str, path: Path, model: LlamaModel, max_rank: int
 ) -> tuple[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:

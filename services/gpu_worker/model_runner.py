@@ -26,11 +26,12 @@ from ipc.step_plan import (
 from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
 from services.common.vision_language import language_model_config
+from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
-from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots, load_adapter
+from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots
 from services.gpu_worker.model import ImageRows, LlamaModel
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
