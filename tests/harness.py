@@ -81,6 +81,19 @@ class Run:
     def stage_pids(self, kind: str) -> list[int]:
         return [row["pid"] for row in self.status() if row["kind"] == kind and row["state"] == "running"]
 
+    def wait_for_restart(self, old_pids: Sequence[int], timeout: float = 240) -> None:
+        """Every stage runs again, and none of `old_pids` (stages killed by the test) is among them.
+
+        Reads status.json: the `status` command starts a Python process, slow enough on a loaded
+        host that a stream the test meant to break mid-way would finish first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.read_status()
+            if rows and all(r["state"] == "running" and r["pid"] not in old_pids for r in rows):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"stages not restarted within {timeout:.0f}s: {self.read_status()}")
+
     def wait_until_running(self, timeout: float) -> None:
         """Every stage reports running (after a restart, say)."""
         deadline = time.monotonic() + timeout

@@ -756,9 +756,9 @@ def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway
     # Whichever replica stored it, one of these reads is served by the other one, and one by a
     # replica restarted after SIGKILL.
     for replica in (0, 1):
-        kill_gateways(gw, [replica])
+        killed = kill_gateways(gw, [replica])
         assert api.responses.retrieve(first.id).output_text == first.output_text
-        gw.run.wait_until_running(120)
+        gw.run.wait_for_restart(killed, 120)
     follow = api.responses.create(
         model=gw.model, previous_response_id=first.id, input="And another?", max_output_tokens=8,
         temperature=1.0, extra_headers={"x-brigade-seed": "7"},
@@ -1781,10 +1781,13 @@ def text_of(event: dict) -> str:
     return choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
 
 
-def kill_gateways(gw: Gateway, replicas: list[int]) -> None:
-    rows = {r["name"]: r for r in gw.run.status()}
-    for i in replicas:
-        os.kill(rows[f"gateway-{i}"]["pid"], signal.SIGKILL)
+def kill_gateways(gw: Gateway, replicas: list[int]) -> list[int]:
+    """SIGKILL these gateway replicas at once (their pids read from status.json); the pids killed."""
+    rows = {r["name"]: r for r in gw.run.read_status()}
+    pids = [rows[f"gateway-{i}"]["pid"] for i in replicas]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
@@ -1805,10 +1808,10 @@ def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
     with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
         futures = [pool.submit(one, p) for p in prompts]
         wait_running(gw)
-        kill_gateways(gw, [0])
+        killed = kill_gateways(gw, [0])
         got = [f.result(timeout=HTTP_TIMEOUT_S * 2) for f in futures]
     assert got == want
-    gw.run.wait_until_running(120)
+    gw.run.wait_for_restart(killed, 120)
 
     # Streams: kill every replica, so that every stream breaks; each resumes with Last-Event-ID.
     body = {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0.7, "seed": 5,
@@ -1817,7 +1820,7 @@ def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
     want_text = "".join(text_of(e) for e in whole)
     streams = [stream_lines(gw, body) for _ in range(2)]
     heard = [[next(s) for _ in range(3)] for s in streams]  # every stream has begun
-    kill_gateways(gw, [0, 1])
+    killed = kill_gateways(gw, [0, 1])
     texts = []
     for stream, lines in zip(streams, heard, strict=True):
         lines += list(stream)  # until the connection breaks
@@ -1827,7 +1830,7 @@ def test_gateway_sigkill_under_load_loses_nothing(gw: Gateway) -> None:
         texts.append(
             ("".join(text_of(e) for e in complete), next(e["id"] for e in reversed(complete) if e["id"]))
         )
-    gw.run.wait_until_running(120)
+    gw.run.wait_for_restart(killed, 120)
     for text, last_id in texts:
         _, rest = gw.curl_stream(body, {"last-event-id": last_id})
         assert text + "".join(text_of(e) for e in rest) == want_text
@@ -1855,6 +1858,7 @@ def stream_lines(gw: Gateway, body: dict):
 
 
 def test_health_is_503_while_no_engine_can_serve(gw: Gateway) -> None:
+    gw.run.wait_until_running(120)  # the tests before may have killed stages
     worker = gw.run.stage_pids("gpu_worker")[0]
     os.kill(worker, signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -1862,7 +1866,7 @@ def test_health_is_503_while_no_engine_can_serve(gw: Gateway) -> None:
     while time.monotonic() < deadline and 503 not in statuses:
         statuses.append(gw.request("GET", "/health")[0])
     assert 503 in statuses
-    gw.run.wait_until_running(180)
+    gw.run.wait_for_restart([worker], 180)
     assert gw.request("GET", "/health")[0] == 200
 
 

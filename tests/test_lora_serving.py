@@ -210,18 +210,6 @@ def peft_references(base: Path, adapters: dict[str, Path]) -> dict[str, object]:
     }
 
 
-def wait_for_restart(run, kind: str, old_pid: int, timeout: float = 240) -> None:
-    """The supervisor has started `kind` again after `old_pid` died, and every stage runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = run.read_status()
-        pids = [row["pid"] for row in rows if row["kind"] == kind and row["state"] == "running"]
-        if pids and old_pid not in pids and all(row["state"] == "running" for row in rows):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{kind} not restarted within {timeout:.0f}s: {run.read_status()}")
-
-
 def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter through the openai client, behind an
     API key: a loaded adapter is listed and gives PeftModel's tokens; loading one during a stream
@@ -367,7 +355,7 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         # A worker restart: the restarted worker loads the adapters of the scheduler's table.
         worker = run.stage_pids("gpu_worker")[0]
         os.kill(worker, signal.SIGKILL)
-        wait_for_restart(run, "gpu_worker", worker)
+        run.wait_for_restart([worker])
         assert complete("sql-lora") == expected["sql-lora"]
         assert complete("chat-lora") == expected["chat-lora"]
         # The old worker died idle: the prompt's cached block went with it (no stale prefix hit).
@@ -376,7 +364,7 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         # A scheduler restart: the new scheduler reads the table its predecessor saved.
         scheduler = run.stage_pids("scheduler")[0]
         os.kill(scheduler, signal.SIGKILL)
-        wait_for_restart(run, "scheduler", scheduler)
+        run.wait_for_restart([scheduler])
         assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
         assert complete("chat-lora") == expected["chat-lora"]
         assert complete("base") == expected["base"]
