@@ -559,13 +559,13 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     gpu_memory_allocated: int = 0  # bytes, CUDA workers only
     gpu_memory_reserved: int = 0
     num_auth_failures: int = 0  # CURVE handshakes this process's server sockets refused
-    # A scheduler's p90 seconds from receiving a request to its first token, over the last 30 s
-    # (0.0: none in that time); the autoscaler's TTFT signal.
-    ttft_p90_s: float = 0.0
     # A scheduler's LoRA adapters: loaded, and those of its running and of its waiting requests.
     lora_adapters: list[str] = []
     lora_running: list[str] = []
     lora_waiting: list[str] = []
+    # A scheduler's p90 seconds from receiving a request to its first token, over the last 30 s
+    # (0.0: none in that time); the autoscaler's TTFT signal.
+    ttft_p90_s: float = 0.0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
