@@ -185,14 +185,7 @@ class ShmRing:
 
     def unlink(self) -> None:
         """Remove the segment and its semaphores (owner, at shutdown)."""
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(self.name)
-        # Every generation's, in case a reset was cut short; Linux keeps them as SHM_DIR/sem.NAME.
-        prefix = f"sem.{self.name.lstrip('/')}-g"
-        for entry in os.listdir(SHM_DIR):
-            if entry.startswith(prefix):
-                with contextlib.suppress(posix_ipc.ExistentialError):
-                    posix_ipc.unlink_semaphore("/" + entry[len("sem.") :])
+        unlink_ring(self.name)
 
     # -- writer ------------------------------------------------------------------------------------
 
@@ -419,3 +412,16 @@ def sweep_stale_runs(shm_dir: str = SHM_DIR) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def unlink_ring(name: str) -> None:
+    """Remove ring `name`'s segment and semaphores, whichever of them exist (no process needs to
+    have it open: a node's cleanup after the ring's users are gone)."""
+    with contextlib.suppress(posix_ipc.ExistentialError):
+        posix_ipc.unlink_shared_memory(name)
+    # Every generation's, in case a reset was cut short; Linux keeps them as SHM_DIR/sem.NAME.
+    prefix = f"sem.{name.lstrip('/')}-g"
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(prefix):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_semaphore("/" + entry[len("sem.") :])

@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ipc.config import Config, EngineConfig
 from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
-from ipc.shm import SHM_DIR, ShmRing
+from ipc.shm import SHM_DIR, ShmRing, unlink_ring
 from ipc.topology import StageSpec
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
 from services.stage import PARENT_PID_ENV, RUN_FILE
@@ -139,6 +139,20 @@ class StageHost:
         pipe.close()
 
 
+def group_state_path(run_id: str, group: int) -> Path:
+    """Where GroupSetup keeps an engine group's state on its node."""
+    return Path(SHM_DIR) / f"{SHM_PREFIX}{run_id}-group-{group}.json"
+
+
+def remove_group(ring_names: list[str], state_path: str) -> None:
+    """On the node that held a retired engine group, once its stages have stopped: what
+    GroupSetup made there (the rings, the state file). The run goes on, so this is not
+    clean_node's sweep of the whole run."""
+    for name in ring_names:
+        unlink_ring(name)
+    Path(state_path).unlink(missing_ok=True)
+
+
 class GroupSetup:
     """What an engine group's stages need on the node that holds the group: its shared-memory
     rings and its torch.distributed port. Whichever stage of the group starts first on a node
@@ -146,7 +160,7 @@ class GroupSetup:
     cleanup and the same sweep of dead runs remove it)."""
 
     def __init__(self, run_id: str, group: int, rings: list[RingSpec], dist_host: str) -> None:
-        self.state_path = Path(SHM_DIR) / f"{SHM_PREFIX}{run_id}-group-{group}.json"
+        self.state_path = group_state_path(run_id, group)
         self.rings = rings
         self.dist_host = dist_host  # where rank 0 listens (Endpoints.dist_host: the node's address)
 
@@ -225,6 +239,7 @@ def write_node_metrics(metrics_dir: Path, node: str, files: dict[str, bytes]) ->
 
 
 _clean_node = ray.remote(num_cpus=0)(clean_node)
+_remove_group = ray.remote(num_cpus=0)(remove_group)
 
 
 # -- in the supervisor --------------------------------------------------------------------------
@@ -445,7 +460,21 @@ class RayStageSet(StageSet):
         self.requested_groups = num_groups
 
     def release_groups(self, engine: EngineConfig) -> None:
+        """Clean each retired group's node (the local stage set unlinks rings on its own host),
+        then give back its placement group, after which Ray's autoscaler may end the node."""
         super().release_groups(engine)
+        cleanups = []
+        for group, pg in enumerate(self.groups[engine.data_parallel :], start=engine.data_parallel):
+            with contextlib.suppress(RayError, IndexError, KeyError):
+                node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]  # none: never placed
+                names = [spec.name for spec in self.rings.get(group, [])]
+                cleanups.append(
+                    _remove_group.options(
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                    ).remote(names, str(group_state_path(self.run_id, group)))
+                )
+        with contextlib.suppress(RayError):  # a node gone took its shared memory with it
+            ray.wait(cleanups, num_returns=len(cleanups), timeout=CALL_TIMEOUT_S)
         for pg in self.groups[engine.data_parallel :]:
             with contextlib.suppress(RayError):
                 remove_placement_group(pg)

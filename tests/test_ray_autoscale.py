@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import pytest
 
 from ipc.config import load_config
 from ipc.endpoints import SHM_PREFIX
-from ipc.shm import SHM_DIR
+from ipc.shm import SHM_DIR, unlink_ring
 from services.stage import read_run_info
 from tests.harness import assert_clean, brigade_run, free_port
 from tests.test_autoscale_run import (
@@ -41,7 +42,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.experimental.internal_kv import _internal_kv_get  # noqa: E402
 from ray.util.placement_group import remove_placement_group  # noqa: E402
 
-from supervision.ray_stages import RayStageSet  # noqa: E402
+from supervision.ray_stages import GroupSetup, RayStageSet, group_state_path  # noqa: E402
+from supervision.stages import RingSpec  # noqa: E402
 from tests.ray_autoscaling import autoscaling_ray, cluster_processes  # noqa: E402
 from tests.test_ray import drain, nodes_of  # noqa: E402
 
@@ -53,6 +55,12 @@ BUNDLE = {"autoscaled_engine": 1.0}
 ENGINE_NODE_TYPE = {"resources": {"CPU": 1, "autoscaled_engine": 1}, "max_workers": 2}
 IDLE_TIMEOUT_S = 6.0  # how long an autoscaled node stays idle before the autoscaler ends it
 NODE_CHANGE_S = 120.0  # for a node to be launched and join, or to be found idle and ended
+
+
+def group_shm(run_id: str, group: int) -> list[str]:
+    """What /dev/shm holds of one engine group: its rings' segments and semaphores, its state."""
+    pattern = re.compile(rf"{re.escape(run_id)}-(step|result|group)-{group}(-|\.|$)")
+    return sorted(name for name in os.listdir(SHM_DIR) if pattern.search(name))
 
 
 def requested_bundles() -> list[dict[str, float]]:
@@ -91,7 +99,23 @@ def test_a_group_that_finds_no_room_asks_rays_autoscaler_and_is_placed_when_a_no
             time.sleep(0.2)
         assert stages.unplaced() == []
 
-        stages.release_groups(config.engine)  # group 1 retired: its node may go idle
+        # Each group's rings, made on its node as its first stage would (GroupSetup.prepare).
+        rings = [RingSpec(g, f"/{SHM_PREFIX}autoscaletest-{kind}-{g}", 2, 4096, 1)
+                 for g in (0, 1) for kind in ("step", "result")]  # fmt: skip
+        stages.create_rings(rings)
+        for g in (0, 1):
+            GroupSetup("autoscaletest", g, [r for r in rings if r.group == g], "127.0.0.1").prepare()
+        made = [group_shm("autoscaletest", g) for g in (0, 1)]
+        try:
+            stages.release_groups(config.engine)  # group 1 retired: its node may go idle
+            left = [group_shm("autoscaletest", g) for g in (0, 1)]
+        finally:
+            for ring in rings:
+                unlink_ring(ring.name)
+            for g in (0, 1):
+                group_state_path("autoscaletest", g).unlink(missing_ok=True)
+        # The run goes on: group 0's rings stay, group 1's are gone from its node.
+        assert len(made[1]) > 2 and left == [made[0], []], (made, left)
         assert requested_bundles() == [BUNDLE]
         assert stages.max_groups() is None  # the cluster's autoscaler bounds it, not this host
         stages.close()
@@ -198,6 +222,7 @@ def test_rays_autoscaler_launches_a_node_for_a_burst_and_takes_it_back_when_the_
                 time.sleep(0.5)
 
             wait_for_stages(run, tokenizers=1, detokenizers=1, schedulers=1, timeout=180)  # idle: one group
+            assert group_shm(run_id, 1) == [], "the retired group's shared memory stayed"
             up, down = autoscale_events(run_dir)
             fields = ("direction", "current", "target", "groups", "error")
             assert [up[f] for f in fields] == ["up", 1, 2, 2, ""], up
