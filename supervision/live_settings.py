@@ -18,7 +18,9 @@ RECONFIGURED: dict[str, str] = {
     "lora.adapters": "lora_adapters",
 }
 # The counts of ipc/topology.py's Topology.of: a change starts or retires stages.
-TOPOLOGY_SETTINGS = ("tokenizer.replicas", "detokenizer.replicas", "gateway.replicas", "engine.data_parallel")
+TOPOLOGY_SETTINGS = (
+    "tokenizer.replicas", "detokenizer.replicas", "gateway.replicas", "encoder.replicas", "engine.data_parallel",
+)  # fmt: skip
 LIVE_SETTINGS = (*RECONFIGURED, *TOPOLOGY_SETTINGS)
 
 

@@ -63,6 +63,17 @@ class ConfigFile:
                 config.engine.data_parallel,
             )
             new = with_setting(new, "engine.data_parallel", config.engine.data_parallel)
+        old_encoders, new_encoders = config.encoder.replicas, new.encoder.replicas
+        if old_encoders != new_encoders and 0 in (old_encoders, new_encoders):
+            # With none the run reads no images: its tokenizers refuse them and keep no encoder links.
+            log.warning(
+                "reload: encoder.replicas from %d to %d turns images on or off, which needs a restart; "
+                "it stays %d",
+                old_encoders,
+                new_encoders,
+                old_encoders,
+            )
+            new = with_setting(new, "encoder.replicas", old_encoders)
         changed = diff_fields(config, new)
         diff = {path: [get_setting(config, path), get_setting(new, path)] for path in changed}
         if diff:

@@ -347,8 +347,10 @@ class Run:
                 self.rings.remove(ring)
 
     def remove_embedding_caches(self, num_encoders: int) -> None:
-        """Unlink the encoders' embedding caches (ipc/embedding_cache.py), once the encoders have
-        stopped: each encoder makes its own, and it outlives the encoder's restarts, not the run."""
+        """Unlink the embedding caches (ipc/embedding_cache.py) of encoder replicas 0 to
+        `num_encoders` - 1, once the encoders have stopped: each encoder makes its own, and it
+        outlives the encoder's restarts and its retirement by a hot reload (a request it encoded
+        may still wait for its prefill), not the run."""
         for i in range(num_encoders):
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(self.endpoints.embedding_cache(i))

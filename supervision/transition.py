@@ -56,11 +56,14 @@ class Transitions:
         self.run = run
         self.audit = audit
         self.current = Topology.of(watch.config)  # with the stages' hosts once placed (start)
+        # Each encoder replica's embedding cache outlives the replica (run.remove_embedding_caches).
+        self.most_encoders = self.current.num_encoders
         stages.on_group_moved = self.move_group
 
     def broadcast(self, topology: Topology) -> None:
         """Make `topology` the current one and tell every stage that keeps peer links."""
         self.current = topology
+        self.most_encoders = max(self.most_encoders, topology.num_encoders)
         for stage in self.stages:
             if stage.kind in PEER_KINDS:
                 self.watch.command(stage, m.TopologyChanged(topology))

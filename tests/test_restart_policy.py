@@ -150,6 +150,7 @@ def test_apply_live_takes_only_the_live_settings() -> None:
             "tokenizer.replicas=3",
             "detokenizer.replicas=2",
             "gateway.replicas=2",
+            "encoder.replicas=2",
             "engine.max_num_waiting=7",
             "engine.data_parallel=3",
             "tokenizer.default_max_tokens=9",

@@ -377,6 +377,8 @@ class TokenizerProcess(StageProcess):
         """Route new requests to the groups that take them; once retired groups have stopped,
         move what was left on them to the others."""
         self.core.set_num_groups(topology.num_routed_groups)
+        if self.encoders is not None and topology.num_encoders != len(self.encoders.encoders):
+            self.resize_encoders(topology.num_encoders)
         old = self.peers.apply(topology)
         if topology.num_groups < old.num_groups:
             moved = self.core.move_retired()
@@ -385,6 +387,19 @@ class TokenizerProcess(StageProcess):
             )
             for group, submit in moved:
                 self.schedulers[group].put(submit)
+
+    def resize_encoders(self, num_encoders: int) -> None:
+        """Links to the encoder replicas a hot reload left (the supervisor keeps at least one while
+        images are served), before the retired ones stop: what they held goes to the others."""
+        assert self.encoders is not None
+        before = set(self.encoders.sockets)
+        self.encoders.resize(self.ctx, self.stage.endpoints, num_encoders, time.monotonic())
+        after = set(self.encoders.sockets)
+        for socket in before - after:
+            self.poller.unregister(socket)
+        for socket in after - before:
+            self.poller.register(socket, zmq.POLLIN)
+        self.log.info("encoder replicas now %d", num_encoders)
 
     def start(self) -> None:
         self.control.ready(endpoint=str(self.stage.endpoints.tokenizer(self.stage.index)))

@@ -11,6 +11,7 @@ the cache answers at once, or the encoder recomputes.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,16 @@ from ipc.sockets import DealerSocket, MalformedMessage
 
 RESEND_AFTER_S = 2.0
 DEADLINE_S = 60.0
+# How many more pending requests than the least loaded replica the replica that cached a
+# request's images may have and still be chosen: a cache hit is much cheaper than an encode.
+AFFINITY_SLACK = 4
+
+
+def preferred_encoder(images: list[bytes], num_encoders: int) -> int:
+    """The replica of `num_encoders` that a request's images go to when it is not too busy: a
+    hash of the first image's bytes, so that a repeated image finds its embeddings cached."""
+    digest = hashlib.blake2b(images[0] if images else b"", digest_size=8).digest()
+    return int.from_bytes(digest, "little") % num_encoders
 
 
 @dataclass
@@ -73,15 +84,39 @@ class EncoderClient:
     def sockets(self) -> list[zmq.Socket]:
         return [encoder.socket for encoder in self.encoders]
 
+    def resize(self, ctx: zmq.Context, endpoints: Endpoints, num_encoders: int, now: float) -> None:
+        """The run now has `num_encoders` replicas (a hot reload, at least one): links to the new
+        ones; the retired ones' links closed, and what they held asked again of the others at
+        once (an answer on its way from a retired replica is lost with its link)."""
+        if num_encoders < 1:
+            raise ValueError("no encoder to ask: a live run keeps at least one")
+        for index in range(len(self.encoders), num_encoders):
+            self.encoders.append(DealerSocket(ctx, endpoints.encoder(index), ENCODER_REPLY, ENCODER_REQUEST))
+        for encoder in self.encoders[num_encoders:]:
+            encoder.close()
+        del self.encoders[num_encoders:]
+        for pending in self.pending.values():
+            if pending.encoder >= num_encoders:
+                pending.encoder, pending.asked_at = self.choose(pending.request.images), now
+                self.encoders[pending.encoder].send(pending.request)
+
     def ask(self, request_id: str, images: list[bytes], now: float) -> None:
-        """Ask for the embeddings of `images`; the replica with the fewest pending requests."""
+        """Ask a replica (`choose`) for the embeddings of `images`."""
+        request = m.EncodeImages(request_id, images, asked_at=time.time())
+        pending = Pending(request, self.choose(images), now, now + self.deadline_s)
+        self.pending[request_id] = pending
+        self.encoders[pending.encoder].send(request)  # not sent (a full queue, no peer): `tick` resends
+
+    def choose(self, images: list[bytes]) -> int:
+        """The replica whose cache may hold these images already: each replica caches what it
+        encoded, so the same first image always goes to the same one (by a hash of its bytes),
+        unless that one has AFFINITY_SLACK more pending requests than the least loaded."""
         load = [0] * len(self.encoders)
         for pending in self.pending.values():
-            load[pending.encoder] += 1
-        encoder = load.index(min(load))
-        request = m.EncodeImages(request_id, images, asked_at=time.time())
-        self.pending[request_id] = Pending(request, encoder, now, now + self.deadline_s)
-        self.encoders[encoder].send(request)  # not sent (a full queue, no peer): `tick` resends
+            if pending.encoder < len(load):  # not one a hot reload is taking away (`resize`)
+                load[pending.encoder] += 1
+        preferred = preferred_encoder(images, len(load))
+        return preferred if load[preferred] < min(load) + AFFINITY_SLACK else load.index(min(load))
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: its answer, if any comes, is dropped."""
