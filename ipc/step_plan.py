@@ -238,7 +238,8 @@ STEP_PLAN = SlotSpec(
         # LoRA: the adapter slot of each row's tokens (-1: the base model); absent: no adapters.
         ArraySpec("lora_slots", I32, (S,), optional=True),
         # Structured output: grammar_rows[i] is the plan index of a sampled row, and bit t % 32 of
-        # grammar_bitmask[i, t // 32] is set when that row may sample token t.
+        # grammar_bitmask[i, t // 32] is set when that row may sample token t. A row verifying
+        # proposals is named 1 + num_proposed times in a row: the mask at each verified position.
         ArraySpec("grammar_rows", I32, (Dim.CONSTRAINED,), optional=True),
         ArraySpec("grammar_bitmask", I32, (Dim.CONSTRAINED, Dim.VOCAB_WORDS), optional=True),
         # Prompt logprobs: prompt_targets[i] is the prompt token that follows token i, whose
@@ -305,6 +306,10 @@ STEP_RESULT = SlotSpec(
 # The result arrays of a step with proposals (in services/scheduler/results.py EmittedArrays' order).
 EMITTED_ARRAYS = ("emitted_ids", "emitted_logprobs", "num_emitted", "emitted_top_ids", "emitted_top_logprobs")
 
+# The most grammar-bitmask rows a step's constrained proposals add, one per proposal (a verified
+# position's mask; services/scheduler/speculation.py keeps each step's within it).
+MAX_CONSTRAINED_PROPOSALS = 4 * MAX_SPECULATIVE_TOKENS
+
 # The most logit-bias entries one row's plan carries: the user's, plus -inf on eos and stop ids
 # while min_tokens holds (eos ids: a handful per model).
 MAX_BIAS_ENTRIES_PER_ROW = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + 64
@@ -320,7 +325,7 @@ def plan_limits(
         Dim.BLOCKS: -(-max_model_len // block_size),
         Dim.HISTORY: max_num_seqs * max_model_len,
         Dim.BIAS: max_num_seqs * MAX_BIAS_ENTRIES_PER_ROW,
-        Dim.CONSTRAINED: max_num_seqs,
+        Dim.CONSTRAINED: max_num_seqs + MAX_CONSTRAINED_PROPOSALS,
         Dim.VOCAB_WORDS: vocab_words(vocab_size),
         Dim.IMAGES: max_num_batched_tokens,
         Dim.IMAGE_KEY: IMAGE_KEY_BYTES,

@@ -367,3 +367,68 @@ def test_outputs_from_history_that_break_the_grammar_are_refused(model, tokenize
     drive(core, MaskedWorker(model))
     with pytest.raises(ValueError, match="output_ids do not follow the constraint"):
         core.add(request("resumed", JSON_SPEC, output_ids=bad_history))
+
+
+def grammar_tokens(model, compiled, text: str) -> list[int]:
+    """`text` as tokens the grammar takes: at each position the longest allowed token that
+    continues it (the grammar fixes its own tokenization of separators)."""
+    matcher = GrammarMatcher(compiled)
+    mask = np.zeros((1, vocab_words(model["vocab"])), np.int32)
+    tokens: list[int] = []
+    while text:
+        matcher.fill(mask, 0)
+        pieces = {int(t): model["hf"].decode([int(t)]) for t in allowed(mask[0], model["vocab"])}
+        token = max(
+            (t for t, piece in pieces.items() if piece and text.startswith(piece)),
+            key=lambda t: len(pieces[t]),
+        )
+        tokens.append(token)
+        matcher.advance((token,))
+        text = text[len(pieces[token]) :]
+    return tokens
+
+
+class ListedProposer:
+    """Proposes `proposals[len(token_ids)]` (nothing for other lengths)."""
+
+    num_tokens = 4
+
+    def __init__(self, proposals: dict[int, list[int]]) -> None:
+        self.proposals = proposals
+
+    def propose(self, token_ids: np.ndarray, limit: int) -> np.ndarray:
+        return np.array(self.proposals.get(len(token_ids), [])[:limit], np.int32)
+
+
+def test_a_constrained_decode_verifies_what_its_grammar_allows_with_a_mask_per_position(model, tokenizer):
+    """Speculative decoding of a constrained request: proposals are cut at the first token the
+    grammar refuses, and the plan names the verifying row once per verified position, each
+    bitmask row the mask of a matcher built independently from the outputs and the proposals
+    before that position."""
+    compiled = GrammarCompiler(tokenizer).compile_now(JSON_SPEC)
+    target = grammar_tokens(model, compiled, '{"n": 12, "c": "yz", "ok": true}')
+    bad = model["hf"].token_to_id("Z")
+    assert GrammarMatcher(compiled, target[:5]).num_valid(np.array([bad])) == 0  # "Z" cannot follow
+    req = request("json", JSON_SPEC, output_ids=target[:2], max_tokens=30)
+    prompt_len = req.num_prompt_tokens
+    # After the prefill samples target[2]: two right tokens, then "Z", then a right one again.
+    proposer = ListedProposer({prompt_len + 3: [target[3], target[4], bad, target[5]]})
+    core = make_core(model, tokenizer, proposer=proposer)
+    core.add(req)
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    prefill = core.schedule()
+    assert prefill is not None and not prefill.proposals
+    core.update(prefill, np.array([target[2]], np.int32), np.zeros(1, np.float32))
+
+    step = core.schedule()
+    assert step is not None and [p.tolist() for p in step.proposals] == [[target[3], target[4]]]
+    _, plan = build_plan(step, 1, BLOCK)
+    assert plan["num_proposed"].tolist() == [2] and plan["grammar_rows"].tolist() == [0, 0, 0]
+    expected = np.zeros((3, vocab_words(model["vocab"])), np.int32)
+    for i in range(3):
+        GrammarMatcher(compiled, target[: 3 + i]).fill(expected, i)
+    assert np.array_equal(plan["grammar_bitmask"], expected)
+    assert not np.array_equal(expected[0], expected[1])  # the masks do differ along the span
+    assert core.requests["json"].grammar.num_tokens == 3  # the span's masks left the matcher where it was

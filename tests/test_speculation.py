@@ -419,18 +419,19 @@ def test_plans_with_proposals_the_worker_refuses(runner, prompts):
         )
         return arrays, header
 
+    def masks(count: int) -> np.ndarray:
+        return np.full((count, vocab_words(runner.vocab_size)), -1)
+
     runner.validate(*plan())
     runner.validate(
         *plan(temperature=[0.7], top_k=[5], seeds=[3], repetition_penalty=[1.2])
     )  # sampled, penalised
+    runner.validate(*plan(grammar_rows=[0, 0, 0], grammar_bitmask=masks(3)))  # a mask per position
     for overrides, message in [
         ({"num_proposed": [MAX_SPECULATIVE_TOKENS + 1]}, "out of range"),
         ({"num_proposed": [8]}, "no room"),
         ({"is_sampled": [0]}, "samples nothing"),
-        (
-            {"grammar_rows": [0], "grammar_bitmask": np.full((1, vocab_words(runner.vocab_size)), -1)},
-            "constrained row",
-        ),
+        ({"grammar_rows": [0], "grammar_bitmask": masks(1)}, "once per position"),
     ]:
         with pytest.raises(InvalidPlan, match=message):
             runner.validate(*plan(**overrides))

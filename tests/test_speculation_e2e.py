@@ -1,15 +1,17 @@
 """Speculative decoding end to end on the embedded SmolLM2, through real processes: greedy and
 seeded sampled outputs with `speculative.method: ngram` equal those with it off, token for token
 and text for text (a prompt that restates its input, where proposals are accepted, an open chat,
-stop strings, a prompt long enough to be chunked), streamed and not, with a logprob for every
+stop strings, a prompt long enough to be chunked, structured output), streamed and not, with a logprob for every
 token, and the spec_decode_* counters on /metrics say that proposals were verified and accepted
 (docs/speculative.md)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from client import Client
@@ -24,6 +26,12 @@ TEXT = (
     "and wrote the weather in a leather logbook before the ships came past the rocks."
 )
 RESTATE = f"Repeat this text exactly, word for word:\n{TEXT}"
+WORDS = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+    "required": ["words"],
+    "additionalProperties": False,
+}
 # (prompt, extra sampling); every request is greedy.
 GREEDY_REQUESTS = [
     (RESTATE, {}),
@@ -31,6 +39,8 @@ GREEDY_REQUESTS = [
     (f"Repeat this text exactly:\n{TEXT}", {"stop": ["logbook"]}),
     # Over engine.max_num_batched_tokens (64): prefilled in chunks.
     (f"Summarize this story in one sentence.\n{TEXT} {TEXT} {TEXT}", {}),
+    # Structured output: proposals are checked against the grammar, each position masked.
+    (f"List the first words of this text as JSON:\n{TEXT}", {"json_schema": WORDS}),
 ]
 # Seeded sampled requests, one with penalties: their draws are keyed by seed and position, so
 # speculation keeps their text too (services/gpu_worker/speculation.py). The restating ones get
@@ -39,6 +49,10 @@ SAMPLED_REQUESTS = [
     (RESTATE, {"temperature": 0.7, "top_p": 0.95, "seed": 11}),
     ("Write a short poem about the sea.", {"temperature": 1.0, "top_k": 50, "seed": 5}),
     (RESTATE, {"temperature": 0.5, "seed": 7, "repetition_penalty": 1.05, "presence_penalty": 0.2}),
+    (
+        f"List the first words of this text as JSON:\n{TEXT}",
+        {"temperature": 0.8, "seed": 3, "json_schema": WORDS},
+    ),
 ]
 SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
 
@@ -93,8 +107,9 @@ def test_ngram_speculation_never_changes_a_greedy_output(
     for (prompt, sampling), i in zip(GREEDY_REQUESTS, range(0, 2 * len(GREEDY_REQUESTS), 2), strict=True):
         for stream in (0, 1):
             assert speculated[i + stream] == plain[i + stream], f"{prompt[:40]!r} {sampling} stream={stream}"
-    # The stop string ended its request.
+    # The stop string ended its request; the structured one follows its schema.
     assert plain[4][2] == "stop" and "logbook" not in plain[4][1]
+    jsonschema.validate(json.loads(plain[8][1]), WORDS)
     assert counters["brigade:spec_decode_num_drafts_total"] > 0
     assert counters["brigade:spec_decode_num_draft_tokens_total"] > 0
     assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
@@ -112,6 +127,7 @@ def test_seeded_sampled_requests_speculate_and_keep_their_text(
     )
     assert speculated == plain
     assert all(finish in ("stop", "length") for _, _, finish, _ in speculated)
+    jsonschema.validate(json.loads(plain[6][1]), WORDS)
     assert plain[0] == plain[1]  # streamed or not, the same seed gives the same text
     drafts = counters["brigade:spec_decode_num_drafts_total"]
     accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]

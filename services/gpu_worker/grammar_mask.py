@@ -22,15 +22,20 @@ import torch
 from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
 
 
-def check_grammar_bitmask(bitmask: np.ndarray, rows: np.ndarray, num_rows: int, vocab_size: int) -> None:
-    """Raise ValueError unless the plan's bitmask arrays fit a step of `num_rows` sampled rows."""
+def check_grammar_bitmask(
+    bitmask: np.ndarray, rows: np.ndarray, num_rows: int, vocab_size: int, distinct: bool = True
+) -> None:
+    """Raise ValueError unless the plan's bitmask arrays fit a step of `num_rows` sampled rows
+    (`distinct`: each row masked once, as scores are; a plan names a verifying row repeatedly)."""
     words = (vocab_size + 31) // 32
     if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != words:
         raise ValueError(f"grammar_bitmask must be int32 [C, {words}], got {bitmask.dtype} {bitmask.shape}")
     if rows.ndim != 1 or rows.shape[0] != bitmask.shape[0]:
         raise ValueError(f"grammar_rows {rows.shape} does not match grammar_bitmask {bitmask.shape}")
-    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows or len(np.unique(rows)) != len(rows)):
-        raise ValueError(f"grammar_rows must be distinct indices below {num_rows}")
+    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
+        raise ValueError(f"grammar_rows must be indices below {num_rows}")
+    if distinct and len(np.unique(rows)) != len(rows):
+        raise ValueError("grammar_rows must be distinct")
 
 
 def apply_grammar_bitmask(scores: torch.Tensor, bitmask: np.ndarray | None, rows: np.ndarray | None) -> None:

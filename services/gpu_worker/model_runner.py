@@ -596,16 +596,24 @@ class ModelRunner:
 
 
 def _check_grammar(arrays: dict[str, np.ndarray], num_seqs: int, vocab_size: int) -> None:
-    """The grammar arrays come together, and name distinct rows that sample."""
+    """The grammar arrays come together, and name rows that sample, in order: each once, but a
+    row that verifies proposals once per verified position (1 + num_proposed times in a row)."""
     if "grammar_rows" not in arrays or "grammar_bitmask" not in arrays:
         raise InvalidPlan("step plan: grammar_rows and grammar_bitmask must come together")
     grammar_rows = arrays["grammar_rows"]
     try:
-        check_grammar_bitmask(arrays["grammar_bitmask"], grammar_rows, num_seqs, vocab_size)
+        check_grammar_bitmask(arrays["grammar_bitmask"], grammar_rows, num_seqs, vocab_size, distinct=False)
     except ValueError as exc:
         raise InvalidPlan(f"step plan: {exc}") from None
-    if len(grammar_rows) and not arrays["is_sampled"][grammar_rows].all():
+    if not len(grammar_rows):
+        return
+    if not arrays["is_sampled"][grammar_rows].all():
         raise InvalidPlan("step plan: grammar_rows names a row that samples nothing")
+    named, counts = np.unique(grammar_rows, return_counts=True)
+    proposed = arrays.get("num_proposed")
+    wanted = 1 + proposed[named] if proposed is not None else np.ones_like(counts)
+    if (np.diff(grammar_rows) < 0).any() or (counts != wanted).any():
+        raise InvalidPlan("step plan: grammar_rows must name each row in order, once per position it samples")
 
 
 def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> None:
@@ -620,9 +628,7 @@ def _check_prompt_targets(arrays: dict[str, np.ndarray], vocab_size: int) -> Non
 
 
 def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
-    """Rows with proposals sample, hold their last known token before them and ask for nothing
-    verification does not give: no grammar (its mask would change with each proposal) or top
-    logprobs (the scheduler never proposes for such rows; docs/speculative.md)."""
+    """Rows with proposals sample and hold their last known token before them."""
     proposed = arrays["num_proposed"][:num_seqs]
     if proposed.min() < 0 or proposed.max() > MAX_SPECULATIVE_TOKENS:
         raise InvalidPlan(f"step plan: num_proposed out of range [0, {MAX_SPECULATIVE_TOKENS}]")
@@ -634,10 +640,6 @@ def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
         raise InvalidPlan("step plan: a row's proposals leave no room for its last known token")
     if not arrays["is_sampled"][verifying].all():
         raise InvalidPlan("step plan: proposals on a row that samples nothing")
-    if "grammar_rows" in arrays and np.isin(arrays["grammar_rows"], verifying).any():
-        raise InvalidPlan(
-            "step plan: proposals on a constrained row, which verification cannot sample exactly"
-        )
     ends = qsl[verifying + 1].astype(np.int64)
     proposals = np.concatenate(
         [

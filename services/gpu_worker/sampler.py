@@ -136,8 +136,13 @@ class Sampler:
         bitmask = arrays.get("grammar_bitmask")
         if bitmask is not None and len(bitmask):
             # In place, even on the raw logits: what the logprobs read of them below is the sampled
-            # token's, which the mask allows.
-            apply_grammar_bitmask(scores, bitmask, _local_rows(rows, arrays["grammar_rows"]))
+            # token's, which the mask allows. Only these rows' (a verifying row's masks are its
+            # positions', services/gpu_worker/speculation.py `position_arrays`).
+            grammar_rows = arrays["grammar_rows"]
+            here = np.isin(grammar_rows, rows)
+            if not here.all():
+                grammar_rows, bitmask = grammar_rows[here], bitmask[here]
+            apply_grammar_bitmask(scores, bitmask, _local_rows(rows, grammar_rows))
         random_local = np.flatnonzero(arrays["temperature"][rows] >= MIN_TEMPERATURE)
         if len(random_local) == len(rows):
             sampled = self._sample_random(scores, arrays, rows)

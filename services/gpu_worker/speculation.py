@@ -5,7 +5,8 @@ forward pass gives the target model's logits at d + 1 positions: the prediction 
 known token, and after each proposal. At each of them the sampler draws the target's token as
 plain decoding draws it at that position (`target_tokens`): the request's temperature, top-k,
 top-p, min-p, logit bias and penalties (over its history and the proposals before the position),
-and its seed with the position's own noise (the sampler's position-keyed Gumbel-max). The row keeps the longest prefix of proposals equal to those tokens,
+its grammar's mask after the proposals before the position (the scheduler's), and its seed with
+the position's own noise (the sampler's position-keyed Gumbel-max). The row keeps the longest prefix of proposals equal to those tokens,
 then the target's own token after that prefix (`emitted_tokens`): between 1 and d + 1 new tokens.
 
 For a greedy row that is the longest prefix equal to the argmax. For a sampled row it is
@@ -66,9 +67,11 @@ def position_arrays(arrays: dict[str, np.ndarray], verifying: np.ndarray) -> dic
     position in plan order (each row's last known token first), as plain decoding would plan
     that position: the row's sampling parameters and logit bias; its sample position (the
     context length: the last known token's position, the row's seq_len minus its proposals and
-    1, plus 1 plus the position's index); and its penalty history (prompt and outputs) followed
+    1, plus 1 plus the position's index); its penalty history (prompt and outputs) followed
     by the proposals before the position, which plain decoding would have emitted by then if
-    they are accepted (and if not, the position's draw is discarded)."""
+    they are accepted (and if not, the position's draw is discarded); and a constrained row's
+    grammar mask at the position, which the scheduler computed after the proposals before it
+    (the plan names the row once per position, in order)."""
     proposed = arrays["num_proposed"][verifying].astype(np.int64)
     counts = proposed + 1
     rows = np.repeat(verifying, counts)
@@ -97,6 +100,15 @@ def position_arrays(arrays: dict[str, np.ndarray], verifying: np.ndarray) -> dic
     out["bias_values"] = np.concatenate(bias_values)
     out["history_offsets"] = _offsets(histories)
     out["history_ids"] = np.concatenate(histories)
+    if "grammar_rows" in arrays:  # a constrained row's masks, one per position, in order
+        grammar_rows = arrays["grammar_rows"]
+        here = np.isin(grammar_rows, verifying)
+        firsts = np.cumsum(counts) - counts  # each verifying row's first position
+        at = dict(zip(verifying.tolist(), firsts.tolist(), strict=True))
+        named = grammar_rows[here]
+        within_row = np.arange(len(named)) - np.searchsorted(named, named)  # 0, 1, ... per row
+        out["grammar_rows"] = np.array([at[r] for r in named.tolist()], np.int64) + within_row
+        out["grammar_bitmask"] = arrays["grammar_bitmask"][here]
     return out
 
 

@@ -252,7 +252,9 @@ class Scheduler:
             line_version=-1 if chunks.num_new or proposals else decodes.line_version,
             steady=None if chunks.num_new or proposals else decodes.steady,
             grammar=(
-                plan_grammar(state.grammars, seqs, table.constrained.take(rows), is_sampled)
+                plan_grammar(
+                    state.grammars, seqs, table.constrained.take(rows), is_sampled, num_decodes, proposals
+                )
                 if table.num_grammar_rows
                 else None
             ),

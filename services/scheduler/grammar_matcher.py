@@ -80,6 +80,27 @@ class GrammarMatcher:
         target = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
 
+    def num_valid(self, tokens: np.ndarray) -> int:
+        """How many of `tokens`, from the first, the grammar allows next (nothing is consumed)."""
+        return self._matcher.validate_tokens(tokens.tolist()) if len(tokens) else 0
+
+    def fill_span(self, bitmask: np.ndarray, first_row: int, proposed: np.ndarray) -> None:
+        """The masks of a verified span (speculative decoding): bitmask[first_row + i] <- the
+        allowed tokens after proposed[:i], for i from 0 to len(proposed). The matcher ends where
+        it began. Positions after a proposal the grammar refuses are never emitted (verification
+        stops at it): they get that position's mask."""
+        _check_bitmask(bitmask)
+        consumed = 0
+        try:
+            for i in range(len(proposed) + 1):
+                self.fill(bitmask, first_row + i)
+                if i == len(proposed) or not self._matcher.consume_token(int(proposed[i])):
+                    bitmask[first_row + i + 1 : first_row + len(proposed) + 1] = bitmask[first_row + i]
+                    break
+                consumed += 1
+        finally:
+            self._matcher.rollback(consumed)
+
 
 class BitmaskFiller:
     """Fills many rows at once on the engine's own threads (the GIL is released while it works).
@@ -96,29 +117,46 @@ class BitmaskFiller:
         self._executor = llguidance.LLExecutor(num_threads=threads)
         self.budget_s = budget_s
 
-    def fill(self, bitmask: np.ndarray, matchers: Sequence[GrammarMatcher]) -> None:
-        """bitmask[i] <- the allowed tokens of matchers[i]; rows past len(matchers) are untouched."""
+    def fill(
+        self, bitmask: np.ndarray, matchers: Sequence[GrammarMatcher], rows: Sequence[int] | None = None
+    ) -> None:
+        """bitmask[rows[i]] (row i by default) <- the allowed tokens of matchers[i]; other rows
+        are untouched."""
         _check_bitmask(bitmask)
-        if len(matchers) > bitmask.shape[0]:
-            raise ValueError(f"{len(matchers)} matchers for a bitmask of {bitmask.shape[0]} rows")
+        rows = range(len(matchers)) if rows is None else rows
+        if len(rows) != len(matchers) or (len(rows) and not 0 <= min(rows) <= max(rows) < bitmask.shape[0]):
+            raise ValueError(
+                f"{len(matchers)} matchers for rows {list(rows)} of a bitmask of {bitmask.shape[0]}"
+            )
         if not matchers:
             return
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        pairs = [(m._matcher, row) for m, row in zip(matchers, rows, strict=True)]
         started = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
         )
         if time.perf_counter() - started <= self.budget_s:
             return
-        for i, matcher in enumerate(matchers):
+        for matcher, row in zip(matchers, rows, strict=True):
             started = time.perf_counter()
-            matcher.fill(bitmask, i)
-            elapsed = time.perf_counter() - started
-            if elapsed > self.budget_s:
-                matcher.failure = (
-                    f"too complex: its grammar's mask took {elapsed * 1000:.0f} ms in one step, over the "
-                    f"budget of {self.budget_s * 1000:.0f} ms (structured.mask_timeout_ms)"
-                )
+            matcher.fill(bitmask, row)
+            self._judge(matcher, time.perf_counter() - started, 1)
+
+    def fill_span(
+        self, bitmask: np.ndarray, first_row: int, matcher: GrammarMatcher, proposed: np.ndarray
+    ) -> None:
+        """A verifying row's masks (`GrammarMatcher.fill_span`), on this thread, timed as one
+        mask per position."""
+        started = time.perf_counter()
+        matcher.fill_span(bitmask, first_row, proposed)
+        self._judge(matcher, time.perf_counter() - started, len(proposed) + 1)
+
+    def _judge(self, matcher: GrammarMatcher, elapsed: float, num_masks: int) -> None:
+        if elapsed / num_masks > self.budget_s:
+            matcher.failure = (
+                f"too complex: its grammar's mask took {elapsed / num_masks * 1000:.0f} ms in one step, "
+                f"over the budget of {self.budget_s * 1000:.0f} ms (structured.mask_timeout_ms)"
+            )
 
 
 def _check_bitmask(bitmask: np.ndarray) -> None:

@@ -17,6 +17,7 @@ after the previous one's result, as it does for penalty rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -61,39 +62,65 @@ def matcher_for(req: Request, future: Future[CompiledGrammar]) -> GrammarMatcher
 
 @dataclass(slots=True)
 class GrammarPlan:
-    """The grammar arrays of one step: `rows` are plan indices of constrained sampled rows."""
+    """The grammar arrays of one step: `rows` are plan indices of constrained sampled rows, a row
+    that verifies proposals once per verified position (`proposed[i]`: matchers[i]'s proposals,
+    empty for a row that samples one token)."""
 
     rows: np.ndarray  # [C] int32
     matchers: list[GrammarMatcher]
+    proposed: list[np.ndarray]
     grammars: Grammars
 
     def write(self, slot: SlotSink) -> None:
-        """Into the slot in place: the rows, then each matcher's bitmask row (no copy)."""
+        """Into the slot in place: the rows, then each matcher's bitmask rows (no copy)."""
         slot.alloc("grammar_rows", np.dtype(np.int32), self.rows.shape)[:] = self.rows
-        bitmask = slot.alloc("grammar_bitmask", np.dtype(np.int32), (len(self.rows), self.grammars.words))
-        self.grammars.filler.fill(bitmask, self.matchers)
+        self._fill(slot.alloc("grammar_bitmask", np.dtype(np.int32), (len(self.rows), self.grammars.words)))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The same arrays in memory of their own (tests and benchmarks)."""
         bitmask = np.zeros((len(self.rows), self.grammars.words), np.int32)
-        self.grammars.filler.fill(bitmask, self.matchers)
+        self._fill(bitmask)
         return {"grammar_rows": self.rows.copy(), "grammar_bitmask": bitmask}
+
+    def _fill(self, bitmask: np.ndarray) -> None:
+        """One mask per plain row, all of them at once on the engine's threads; then each verifying
+        row's span of masks, one after another (each position's matcher state follows the last)."""
+        filler = self.grammars.filler
+        counts = [len(p) + 1 for p in self.proposed]
+        firsts = np.cumsum([0, *counts[:-1]]).tolist()
+        plain = [i for i, n in enumerate(counts) if n == 1]
+        filler.fill(bitmask, [self.matchers[i] for i in plain], [firsts[i] for i in plain])
+        for i, n in enumerate(counts):
+            if n > 1:
+                filler.fill_span(bitmask, firsts[i], self.matchers[i], self.proposed[i])
+
+
+NO_PROPOSALS = np.zeros(0, np.int32)
 
 
 def plan_grammar(
-    grammars: Grammars | None, seqs: list[Request], constrained: np.ndarray, is_sampled: np.ndarray
+    grammars: Grammars | None,
+    seqs: list[Request],
+    constrained: np.ndarray,
+    is_sampled: np.ndarray,
+    num_decodes: int = 0,
+    proposals: Sequence[np.ndarray] = (),
 ) -> GrammarPlan | None:
-    """The grammar arrays of a step whose sequences `seqs` have these per-row flags; None when no
-    sampled row is constrained. Each matcher must stand at the token its row samples: one planned
-    ahead of its previous sample would get the mask of the wrong position."""
+    """The grammar arrays of a step whose sequences `seqs` have these per-row flags (the entries
+    from `num_decodes` on verifying `proposals`); None when no sampled row is constrained. Each
+    matcher must stand at the token its row samples: one planned ahead of its previous sample
+    would get the mask of the wrong position."""
     picked = np.flatnonzero(constrained & is_sampled)
     if not len(picked) or grammars is None:
         return None
-    matchers = []
+    matchers, proposed = [], []
     for i in picked.tolist():
         req = seqs[i]
         matcher = req.grammar
         if matcher is None or matcher.num_tokens != req.num_output_tokens:
             raise RuntimeError(f"request {req.request_id!r}: its grammar is not at its next token")
         matchers.append(matcher)
-    return GrammarPlan(picked.astype(np.int32), matchers, grammars)
+        verifies = num_decodes <= i < num_decodes + len(proposals)
+        proposed.append(proposals[i - num_decodes] if verifies else NO_PROPOSALS)
+    rows = np.repeat(picked, [len(p) + 1 for p in proposed]).astype(np.int32)
+    return GrammarPlan(rows, matchers, proposed, grammars)

@@ -170,7 +170,7 @@ class PlanTable:
         if req.lora_slot >= 0:
             self.lora_slots[row] = req.lora_slot
             self.num_lora_rows += 1
-        self.may_speculate[row] = p.speculate and req.grammar is None
+        self.may_speculate[row] = p.speculate
         self.num_may_speculate_rows += self.may_speculate[row]
         if needs_history:
             buf = np.empty(self.max_model_len, np.int32)

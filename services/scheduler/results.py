@@ -188,6 +188,32 @@ class StepOutputs:
         )
 
 
+def advance_grammar(req: Request, token: int, reason: str | None) -> tuple[str | None, RequestFailure | None]:
+    """A constrained request's matcher advanced by its new `token`, whose finish reason so far
+    is `reason`: the reason then ("stop" once nothing but eos could follow, so that no step is
+    spent on it; complete on the last token max_tokens allowed is complete, not cut off), or,
+    with None, the failure: its mask went over its time budget (`GrammarMatcher.failure`), or
+    the grammar refused the token, past the engine's limits (the constraint's fault) or by a bug
+    (the worker samples under the mask); either way the request must not drift on
+    unconstrained."""
+    matcher = req.grammar
+    assert matcher is not None
+    kind = req.params.structured.kind if req.params.structured else "grammar"
+    if matcher.failure is not None:
+        return None, RequestFailure(
+            req.request_id, req.tokenizer_id, "invalid_request", f"structured.{kind}: {matcher.failure}"
+        )
+    try:
+        matcher.advance((token,))
+    except GrammarViolation as exc:
+        code = "invalid_request" if exc.over_limits else "internal"
+        message = f"structured.{kind}: while generating: {exc}"[:600]
+        return None, RequestFailure(req.request_id, req.tokenizer_id, code, message)
+    if reason in (None, "length") and matcher.is_terminated:
+        return "stop", None
+    return reason, None
+
+
 def finish_reason(
     params: SamplingParams,
     token: int,
@@ -410,8 +436,10 @@ class Results:
             cached_lens,
         ) = columns
         max_model_len = state.config.max_model_len
+        failures: list[RequestFailure] = []
         for i in verifying.tolist():
             req = step.seqs[i]
+            failure = None
             row = req.row
             num_emitted = int(emitted.counts[i])
             proposal = step.proposals[i - step.num_decodes]
@@ -438,6 +466,8 @@ class Results:
                     state.eos_token_ids,
                     max_model_len,
                 )
+                if req.grammar is not None:
+                    reason, failure = advance_grammar(req, token, reason)
                 request_ids.append(req.request_id)
                 tokenizer_ids.append(req.tokenizer_id)
                 start_indices.append(req.num_output_tokens - 1)
@@ -455,7 +485,7 @@ class Results:
                 reasons.append(reason)
                 prompt_lens.append(req.num_prompt_tokens)
                 cached_lens.append(req.num_cached_tokens)
-                if reason is not None:
+                if reason is not None or failure is not None:
                     break
             table.last_token[row] = req.last_token_id
             table.num_tokens[row] = req.num_tokens
@@ -467,10 +497,14 @@ class Results:
                 table.block_tables[row, num_kept : len(req.block_ids)] = 0
                 state.blocks.release(req.block_ids[num_kept:])
                 del req.block_ids[num_kept:]
-            if reason is not None:
+            if failure is not None:  # the step's entries of a failed request go nowhere
+                failures.append(failure)
+                state.drop(req, RequestStatus.ABORTED)
+                req.finish_reason = "error"
+            elif reason is not None:
                 state.drop(req, RequestStatus.FINISHED)
                 req.finish_reason = reason
-        return StepOutputs(
+        outputs = StepOutputs(
             request_ids,
             tokenizer_ids,
             np.array(start_indices, np.int32),
@@ -481,6 +515,8 @@ class Results:
             prompt_lens,
             cached_lens,
         )
+        outputs.failures = failures
+        return outputs
 
     @staticmethod
     def _keep_prompt_scores(step: ScheduledStep, live: np.ndarray | None, scores: PromptScoreArrays) -> None:
@@ -517,47 +553,18 @@ class Results:
         finishing: list[int],
         failures: list[RequestFailure],
     ) -> list[int]:
-        """Advance the matchers of the constrained rows by their new token; returns `finishing`
-        with the rows whose grammar is now complete ("stop": nothing but eos could follow, so no
-        step is spent on it). Appends to `failures` the rows whose mask went over its time budget
-        (`GrammarMatcher.failure`) and those whose token the grammar refused: past the engine's
-        limits (the constraint's fault), or a bug (the worker samples under the mask); either
-        way the request must not drift on unconstrained. Their reasons stay None."""
+        """Advance the matchers of the constrained rows by their new token (`advance_grammar`);
+        returns `finishing` with the rows whose grammar is now complete. Appends their failures
+        to `failures`; the reasons of those stay None."""
         constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
         if not constrained:
             return finishing
         ending = set(finishing)
         for j in constrained:
-            req = seqs[int(sampled[j])]
-            matcher = req.grammar
-            assert matcher is not None
-            kind = req.params.structured.kind if req.params.structured else "grammar"
-            failure = None
-            if matcher.failure is not None:
-                failure = RequestFailure(
-                    req.request_id,
-                    req.tokenizer_id,
-                    "invalid_request",
-                    f"structured.{kind}: {matcher.failure}",
-                )
-            else:
-                try:
-                    matcher.advance((tokens[j],))
-                except GrammarViolation as exc:
-                    code = "invalid_request" if exc.over_limits else "internal"
-                    failure = RequestFailure(
-                        req.request_id,
-                        req.tokenizer_id,
-                        code,
-                        f"structured.{kind}: while generating: {exc}"[:600],
-                    )
+            reasons[j], failure = advance_grammar(seqs[int(sampled[j])], tokens[j], reasons[j])
             if failure is not None:
                 failures.append(failure)
-                reasons[j] = None
                 ending.discard(j)
-                continue
-            # Complete on the last token that max_tokens allowed is complete, not cut off.
-            if reasons[j] in (None, "length") and matcher.is_terminated:
-                reasons[j] = "stop"
+            elif reasons[j] is not None:
                 ending.add(j)
         return sorted(ending)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ipc.step_plan import MAX_CONSTRAINED_PROPOSALS
 from services.scheduler.proposers import Proposer
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
@@ -68,10 +69,11 @@ class Speculation:
 
     A decode speculates when verification samples its request exactly as plain decoding does
     (PlanTable.may_speculate: greedy or sampled, penalties, logit bias and min_tokens included,
-    top logprobs and adapters too, not grammars) and its last token is known: a decode planned
+    top logprobs, adapters and grammars too) and its last token is known: a decode planned
     ahead on a placeholder has nothing to look up. A verification never preempts anyone:
     proposals are cut to the free blocks, the token budget and what the request may still
-    generate."""
+    generate; a constrained request's, to what its grammar allows (each verified position gets
+    its own mask row, MAX_CONSTRAINED_PROPOSALS of them in a step at most)."""
 
     def __init__(self, state: SchedulerState, proposer: Proposer) -> None:
         self.state = state
@@ -133,6 +135,7 @@ class Speculation:
         if depth == 0:
             return out
         candidates = np.flatnonzero(table.may_speculate.take(rows) & ~is_placeholder).tolist()
+        constrained_room = MAX_CONSTRAINED_PROPOSALS
         for j in candidates:
             if budget <= 0:
                 break
@@ -147,7 +150,13 @@ class Speculation:
             ban_end = req.num_prompt_tokens + req.params.min_tokens
             if start + 1 < ban_end:
                 limit = min(limit, ban_end - start - 2)
+            if req.grammar is not None:
+                limit = min(limit, constrained_room)
             proposal = self.proposer.propose(req.all_token_ids, limit)
+            if req.grammar is not None:
+                # A proposal the grammar refuses could never be emitted: nor could those after it.
+                proposal = proposal[: req.grammar.num_valid(proposal)]
+                constrained_room -= len(proposal)
             if not len(proposal):
                 continue
             # Cut to the blocks it holds and the free ones: speculation never preempts.
