@@ -19,6 +19,7 @@ from services.gateway.formats import ChatFormat, ChoiceOutput, Piece
 from services.gateway.reasoning import reasoning_style
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesReply, ResponsesRequest
+from tests.harness import assert_clean, brigade_run, free_port
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 WEATHER = '{"city": "Paris"}'
@@ -205,3 +206,159 @@ def test_chat_responses_and_messages_read_harmony_streamed_and_not(tmp_path: Pat
     events = _events([e for c in chunks for e in streamed.chunk(c)])
     thinking = "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta")
     assert thinking == message.reasoning_content
+
+
+# A harmony chat template of the test's own (a checkpoint ships its own; Brigade renders whichever
+# it gets): the reasoning effort in the system message, instructions and tools (the `functions`
+# namespace) in the developer message, earlier calls on the commentary channel, and tool results
+# from the function they answer.
+HARMONY_TEMPLATE = """<|start|>system<|message|>Reasoning: {{ reasoning_effort | default("medium") }}
+# Valid channels: analysis, commentary, final.<|end|>
+{%- set instructions = messages | selectattr("role", "equalto", "system") | map(attribute="content") | list %}
+{%- if instructions or tools %}<|start|>developer<|message|>
+{%- if instructions %}# Instructions
+
+{{ instructions | join("\\n") }}{% endif %}
+{%- if tools %}
+
+# Tools
+
+## functions
+
+namespace functions {
+{% for tool in tools %}
+// {{ tool.function.description }}
+type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions{% endif %}<|end|>{% endif %}
+{%- set last = namespace(call="") %}
+{%- for message in messages %}
+{%- if message.role == "user" %}<|start|>user<|message|>{{ message.content }}<|end|>
+{%- elif message.role == "assistant" and message.tool_calls is defined %}
+{%- for call in message.tool_calls %}{% set last.call = call.function.name %}<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary <|constrain|>json<|message|>{{ call.function.arguments | tojson }}<|call|>
+{%- endfor %}
+{%- elif message.role == "assistant" %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>
+{%- elif message.role == "tool" %}<|start|>functions.{{ last.call }} to=assistant<|channel|>commentary<|message|>{{ message.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}]  # fmt: skip
+# Grammars (llguidance's Lark: `<|channel|>` is that special token) that make the random model
+# write harmony with the special tokens themselves: some thinking, then an answer or a call.
+THINKING = '<|channel|> "analysis" <|message|> /[a-z ]{1,16}/ <|end|> <|start|> "assistant" <|channel|>'
+ANSWER_GRAMMAR = f'start: {THINKING} "final" <|message|> /[a-z ]{{1,16}}/'
+CALL_GRAMMAR = (
+    f'start: {THINKING} "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
+    '"{\\"city\\": \\"" /[a-z]{1,8}/ "\\"}"'
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random gpt-oss with SmolLM2's tokenizer plus the harmony special tokens, the template
+    above, and <|return|> and <|call|> as its eos tokens (as gpt-oss's generation config lists
+    them)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import save_random_model
+    from tests.test_moe import random_moe_config
+
+    tokenizer_dir = tmp_path_factory.mktemp("harmony-tokenizer")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    tokenizer.save_pretrained(tokenizer_dir)
+    (tokenizer_dir / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    eos = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    config = random_moe_config(
+        "gpt-oss", vocab_size=len(tokenizer), max_position_embeddings=1024, bos_token_id=1,
+        eos_token_id=eos, pad_token_id=0,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("gpt-oss-harmony")
+    return save_random_model(config, out, seed=5, std=0.1, tokenizer_from=tokenizer_dir)
+
+
+def _streamed(sdk, **kwargs) -> tuple[str, str, list[dict], str | None]:
+    """A streamed chat's reasoning, content and calls rebuilt from its deltas, and its finish_reason."""
+    reasoning = content = ""
+    calls: list[dict] = []
+    reason = None
+    for chunk in sdk.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append({"name": call.function.name, "arguments": ""})
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return reasoning, content, calls, reason
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpt_oss_chat_speaks_harmony_through_real_processes(harmony_model_dir: Path, tmp_path: Path) -> None:
+    """A random gpt-oss (harmony chosen by its architecture) made to write harmony's special
+    tokens: its analysis comes back as reasoning_content and its final channel as content, a
+    call on the commentary channel as tool_calls with finish_reason tool_calls, the same
+    streamed; and a conversation with tools, an earlier call, its result and a reasoning effort
+    is rendered as transformers renders it with the same template."""
+    import openai
+    from transformers import AutoTokenizer
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={harmony_model_dir}", "model.dtype=float32", "model.max_model_len=1024",
+        f"gateway.port={port}",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+        chat = [{"role": "user", "content": "Is the sky blue?"}]
+        base = dict(model=str(harmony_model_dir), messages=chat, max_tokens=64, temperature=1.0)
+        for seed in (1, 2):
+            kwargs = dict(base, seed=seed, extra_body={"structured_outputs": {"grammar": ANSWER_GRAMMAR}})
+            reply = sdk.chat.completions.create(**kwargs).choices[0]
+            assert re.fullmatch("[a-z ]{1,16}", reply.message.reasoning_content), reply
+            assert re.fullmatch("[a-z ]{1,16}", reply.message.content), reply
+            assert reply.finish_reason == "stop" and not reply.message.tool_calls
+            streamed = _streamed(sdk, **kwargs)
+            assert streamed == (reply.message.reasoning_content, reply.message.content, [], "stop")
+
+        kwargs = dict(base, seed=3, tools=TOOLS, extra_body={"structured_outputs": {"grammar": CALL_GRAMMAR}})
+        reply = sdk.chat.completions.create(**kwargs).choices[0]
+        assert reply.finish_reason == "tool_calls" and not reply.message.content, reply
+        assert re.fullmatch("[a-z ]{1,16}", reply.message.reasoning_content), reply
+        [call] = reply.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert re.fullmatch("[a-z]{1,8}", json.loads(call.function.arguments)["city"]), call
+        reasoning, content, calls, reason = _streamed(sdk, **kwargs)
+        assert (reasoning, content.strip(), reason) == (reply.message.reasoning_content, "", "tool_calls")
+        assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+        conversation = [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]  # fmt: skip
+        scored = sdk.chat.completions.create(
+            model=str(harmony_model_dir), messages=conversation, tools=TOOLS, max_tokens=1,
+            reasoning_effort="high", extra_body={"prompt_logprobs": 0},
+        )  # fmt: skip
+        prompt_ids = [int(next(iter(entry))) for entry in scored.prompt_logprobs[1:]]
+    assert_clean(run_dir)
+    reference = AutoTokenizer.from_pretrained(harmony_model_dir)
+    for message in conversation:  # transformers' templates read arguments as objects
+        for c in message.get("tool_calls", []):
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    want = reference.apply_chat_template(
+        conversation, tools=TOOLS, add_generation_prompt=True, reasoning_effort="high", tokenize=False
+    )
+    assert "Reasoning: high" in want and "to=functions.get_weather" in want and "sunny" in want
+    assert prompt_ids == reference.encode(want, add_special_tokens=False)[1:]
