@@ -306,7 +306,8 @@ def test_gpt_oss_chat_speaks_harmony_through_real_processes(harmony_model_dir: P
     tokens: its analysis comes back as reasoning_content and its final channel as content, a
     call on the commentary channel as tool_calls with finish_reason tool_calls, the same
     streamed; and a conversation with tools, an earlier call, its result and a reasoning effort
-    is rendered as transformers renders it with the same template."""
+    is rendered as transformers renders it with the same template; Responses takes
+    `reasoning.effort`, and an effort no API has is a 400 naming its field."""
     import openai
     from transformers import AutoTokenizer
 
@@ -352,6 +353,20 @@ def test_gpt_oss_chat_speaks_harmony_through_real_processes(harmony_model_dir: P
             reasoning_effort="high", extra_body={"prompt_logprobs": 0},
         )  # fmt: skip
         prompt_ids = [int(next(iter(entry))) for entry in scored.prompt_logprobs[1:]]
+        response = sdk.responses.create(
+            model=str(harmony_model_dir), input="Hi", max_output_tokens=1, reasoning={"effort": "low"}
+        )
+        assert response.reasoning.effort == "low"
+        for bad, param in (
+            (lambda: sdk.chat.completions.create(**base, reasoning_effort="extreme"), "reasoning_effort"),
+            (
+                lambda: sdk.responses.create(model="m", input="Hi", reasoning={"effort": "extreme"}),
+                "reasoning.effort",
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                bad()
+            assert refused.value.body["param"] == param, refused.value.body
     assert_clean(run_dir)
     reference = AutoTokenizer.from_pretrained(harmony_model_dir)
     for message in conversation:  # transformers' templates read arguments as objects
