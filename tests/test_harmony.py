@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ipc import messages as m
 from services.common.harmony import speaks_harmony
+from services.common.text import Tokenizer
 from services.common.tool_parsers import ToolCallStream, ToolParser, call_id
 from services.gateway import protocol as p
 from services.gateway.anthropic import AnthropicReply
@@ -19,6 +21,7 @@ from services.gateway.formats import ChatFormat, ChoiceOutput, Piece
 from services.gateway.reasoning import reasoning_style
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesReply, ResponsesRequest
+from services.tokenizer.core import TokenizerCore
 from tests.harness import assert_clean, brigade_run, free_port
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
@@ -258,20 +261,51 @@ CALL_GRAMMAR = (
 
 
 @pytest.fixture(scope="module")
-def harmony_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random gpt-oss with SmolLM2's tokenizer plus the harmony special tokens, the template
-    above, and <|return|> and <|call|> as its eos tokens (as gpt-oss's generation config lists
-    them)."""
+def harmony_tokenizer_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's tokenizer plus the harmony special tokens, and the template above."""
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("harmony-tokenizer")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    return out
+
+
+def test_the_tokenizer_keeps_harmony_markers_and_ends_a_chat_at_return_and_call(
+    harmony_tokenizer_dir: Path,
+) -> None:
+    """A harmony chat's params, set once at admission for every client: special tokens kept in
+    the text (they mark the channels), <|return|> and <|call|> stop it beside the client's own
+    stop tokens (the generation config may name neither), and a chat with tools is parsed as
+    harmony. A plain prompt is left as it was sent."""
+    tokenizer = Tokenizer(harmony_tokenizer_dir)
+    core = TokenizerCore(tokenizer, 0, 1, max_model_len=1024, max_prompt_chars=10_000, default_max_tokens=7,
+                         harmony=True)  # fmt: skip
+    markers = [tokenizer.encode(tag)[0] for tag in ("<|return|>", "<|call|>")]
+    chat = core.admit(
+        b"c",
+        m.Generate("a", messages=[m.ChatMessage("user", "hi")], params=m.SamplingParams(stop_token_ids=[5])),
+    )
+    assert not chat.submit.params.skip_special_tokens
+    assert chat.submit.params.stop_token_ids == [5, *markers]
+    assert core.auto_tool_format == "harmony"
+    prompt = core.admit(b"c", m.Generate("b", prompt="hi"))
+    assert prompt.submit.params.skip_special_tokens and prompt.submit.params.stop_token_ids == []
+
+
+@pytest.fixture(scope="module")
+def harmony_model_dir(harmony_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random gpt-oss with the harmony tokenizer and template, and <|return|> and <|call|> as
+    its eos tokens (as gpt-oss's generation config lists them)."""
     from transformers import PreTrainedTokenizerFast
 
     from tests.conftest import save_random_model
     from tests.test_moe import random_moe_config
 
-    tokenizer_dir = tmp_path_factory.mktemp("harmony-tokenizer")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
-    tokenizer.save_pretrained(tokenizer_dir)
-    (tokenizer_dir / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    tokenizer_dir = harmony_tokenizer_dir
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     eos = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     config = random_moe_config(
         "gpt-oss", vocab_size=len(tokenizer), max_position_embeddings=1024, bos_token_id=1,
