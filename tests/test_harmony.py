@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ipc import messages as m
 from services.common.harmony import speaks_harmony
@@ -139,6 +141,39 @@ def test_streamed_deltas_split_at_every_boundary_rebuild_the_parse(case: str) ->
         assert (reasoning or None, content.strip()) == (whole.reasoning, (whole.content or "").strip()), (
             chunks
         )
+
+
+# Generated outputs: well-formed messages, broken headers and stray text and markers in any order,
+# cut anywhere.
+BODY = st.text("ab <|>{}\n", max_size=10)
+HEADERS = st.sampled_from([
+    "<|channel|>analysis", "<|channel|>final", "<|channel|>commentary",
+    "<|channel|>commentary to=functions.f <|constrain|>json", " to=functions.g<|channel|>commentary json",
+    "<|start|>assistant<|channel|>final", "<|start|>assistant to=functions.h<|channel|>commentary",
+    "<|start|>user<|channel|>final", "<|channel|>", "<|start|>assistant", "junk", "",
+])  # fmt: skip
+
+
+@st.composite
+def harmony_outputs(draw) -> str:
+    parts = []
+    for _ in range(draw(st.integers(1, 4))):
+        parts.append(draw(HEADERS) + draw(st.sampled_from(["<|message|>", ""])) + draw(BODY))
+        parts.append(draw(st.sampled_from(["<|end|>", "<|call|>", "<|return|>", ""])))
+    return "".join(parts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=harmony_outputs(), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_generated_harmony_outputs_stream_as_they_parse(text: str, cuts: list[int]) -> None:
+    parser = ToolParser("harmony")
+    whole = parser.parse(text, "req-1")
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    for chunking in (chunks, tokens(text)):
+        reasoning, content, built = replay(parser, chunking)
+        assert built == whole.tool_calls
+        assert (reasoning or None, content.strip()) == (whole.reasoning, (whole.content or "").strip())
 
 
 def test_a_stream_holds_a_header_back_until_its_message_marker() -> None:
