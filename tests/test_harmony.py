@@ -317,7 +317,7 @@ def test_the_tokenizer_keeps_harmony_markers_and_ends_a_chat_at_return_and_call(
     harmony. A plain prompt is left as it was sent."""
     tokenizer = Tokenizer(harmony_tokenizer_dir)
     core = TokenizerCore(tokenizer, 0, 1, max_model_len=1024, max_prompt_chars=10_000, default_max_tokens=7,
-                         harmony=True)  # fmt: skip
+                         is_harmony=True)  # fmt: skip
     markers = [tokenizer.encode(tag)[0] for tag in ("<|return|>", "<|call|>")]
     chat = core.admit(
         b"c",

@@ -244,8 +244,8 @@ class ChatFormat:
         return self._chunk([], usage)
 
     def _harmony_message(self, index: int, piece: Piece) -> tuple[p.ChatMessageOut, str | None]:
-        """A harmony chat without tools, whose output no tokenizer parse came with: its content
-        and any calls, and the finish_reason they make."""
+        """A harmony chat whose output no tokenizer parse came with (no tools, or tool_choice
+        none): its content and any calls, and the finish_reason they make."""
         assert self.tool_parser is not None
         parsed = self.tool_parser.parse(piece.text, f"{self.call_id_base}.{index}")
         calls = [

@@ -92,7 +92,7 @@ class TokenizerProcess(StageProcess):
             num_encoders=config.encoder.replicas,
             max_image_bytes=config.encoder.max_image_bytes,
             remote_images=RemoteImages.of(config.encoder),
-            harmony=speaks_harmony(
+            is_harmony=speaks_harmony(
                 config.gateway.reasoning_parser,
                 tokenizer.architectures,
                 tokenizer.chat_template,

@@ -180,13 +180,13 @@ class TokenizerCore:
         num_encoders: int = 0,
         max_image_bytes: int = 10 << 20,
         remote_images: RemoteImages | None = None,
-        harmony: bool = False,
+        is_harmony: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         # Chats speak harmony (services/common/harmony.py; gateway.reasoning_parser decides, for
         # the gateway alike): their output keeps its special tokens, which mark the channels, and
         # a chat with tools is parsed by the harmony tool parser.
-        self.harmony = harmony
+        self.is_harmony = is_harmony
         # A vision-language model's image rules (None: the model reads no images), and the run's
         # encoder replicas (services/encoder/), which turn a request's images into embeddings.
         self.image_rules = image_rules
@@ -232,7 +232,7 @@ class TokenizerCore:
             self._check_input_length(len(prompt_ids))
         if tools is not None:
             params = self._forced_call(request.tools, tools, params)
-        if self.harmony and request.messages is not None:
+        if self.is_harmony and request.messages is not None:
             params = self._harmony_params(params)
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.default_max_tokens)
@@ -400,7 +400,7 @@ class TokenizerCore:
 
     @cached_property
     def auto_tool_format(self) -> str:
-        return "harmony" if self.harmony else auto_tool_format(self.tokenizer.chat_template)
+        return "harmony" if self.is_harmony else auto_tool_format(self.tokenizer.chat_template)
 
     @cached_property
     def _harmony_stop_ids(self) -> list[int]:
