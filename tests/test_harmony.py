@@ -78,6 +78,15 @@ CASES = {
         "<|channel|>final<|end|>lost<|message|>x",
         (None, "<|channel|>finallost<|message|>x", []),
     ),
+    # MAX_HEADER_CHARS (512) is the longest header: a stream must not decide before it knows.
+    "the longest header": (
+        "<|channel|>analysis" + " " * 493 + "<|message|>x",
+        ("x", "", []),
+    ),
+    "a header one character too long": (
+        "<|channel|>analysis" + " " * 494 + "<|message|>x",
+        (None, "<|channel|>analysis" + " " * 494 + "<|message|>x", []),
+    ),
     "a header that never ends": ("<|channel|>" + "a" * 600, (None, "<|channel|>" + "a" * 600, [])),
     "an empty recipient": (
         "<|channel|>commentary to=<|message|>{}",

@@ -28,7 +28,7 @@ stream's pieces only grow and never change what they are: streamed and whole giv
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -89,11 +89,11 @@ def _held(text: str, tags: tuple[str, ...]) -> int:
     return 0
 
 
-def _first(text: str, tags: tuple[str, ...], start: int) -> tuple[int, str]:
-    """The first of tags in text from start: (where, which), or (-1, "")."""
+def _first(text: str, tags: tuple[str, ...], start: int, end: int | None = None) -> tuple[int, str]:
+    """The first of tags in text[start:end]: (where, which), or (-1, "")."""
     best, which = -1, ""
     for tag in tags:
-        at = text.find(tag, start)
+        at = text.find(tag, start, end)
         if at >= 0 and (best < 0 or at < best):
             best, which = at, tag
     return best, which
@@ -109,7 +109,7 @@ def classify(header: str) -> tuple[Kind, str | None] | None:
     name; None when it is no header."""
     if header.startswith(START):
         header = header[len(START) :]
-    if len(header) > MAX_HEADER_CHARS or CHANNEL not in header:
+    if CHANNEL not in header:
         return None
     role_part, channel_part = header.split(CHANNEL, 1)
     if any(marker in channel_part for marker in MARKERS if marker != CONSTRAIN):
@@ -125,34 +125,65 @@ def classify(header: str) -> tuple[Kind, str | None] | None:
     return ("reasoning", None) if channel_words[0] == "analysis" else ("content", None)
 
 
-def scan(text: str, final: bool) -> list[Message]:
+@dataclass
+class ScanState:
+    """Where the scan of a growing text (a stream's) resumes: the messages complete so far, which
+    more text cannot change, the position after them, and the open message's body and how far it
+    is known to hold no end marker. It makes each step's scan cost the new text, not the whole."""
+
+    done: list[Message] = field(default_factory=list)
+    pos: int = 0
+    open: Message | None = None  # the last message, its body still growing
+    search_from: int = 0  # no body end before this position in the open message
+
+
+def scan(text: str, final: bool, state: ScanState | None = None) -> list[Message]:
     """The messages of a harmony output, in order; with final=False the text is still growing:
-    the last message may be partial, and a header or a marker not yet certain is held back."""
-    out: list[Message] = []
-    pos = 0
+    the last message may be partial, and a header or a marker not yet certain is held back.
+    `state` (one per growing text) carries what earlier scans of its prefixes found."""
+    state = state or ScanState()
+    out, pos = list(state.done), state.pos
     while pos < len(text):
-        message_at = text.find(MESSAGE, pos)
-        # A header ends at its <|message|>; a terminator before that makes it no header.
-        end_at, _ = _first(text, TERMINATORS, pos)
-        header_end = message_at if message_at >= 0 and (end_at < 0 or message_at < end_at) else -1
-        header = text[pos:] if header_end < 0 else text[pos:header_end]
-        kind_name = None
-        if header_end >= 0:
-            kind_name = classify(header) if _could_open(header) else None
-        elif not final and _could_open(header) and end_at < 0 and len(header) <= MAX_HEADER_CHARS:
-            return out  # the header is still being written
-        if kind_name is None:
-            # No header here: its text, and what follows up to the next terminator, is content.
-            body_start, kind, name = pos, "content", None
+        if state.open is not None:  # the message at pos, opened by an earlier scan
+            message, search_from = state.open, state.search_from
         else:
-            body_start, (kind, name) = header_end + len(MESSAGE), kind_name
+            opened = _open_message(text, pos, final)
+            if opened is None:
+                return out  # the header is still being written
+            message, search_from = opened
         # A body ends at a terminator, or at a <|start|> after its own first character (a broken
         # header's text may itself start with <|start|>).
-        stop, tag = _first(text, BODY_ENDS, body_start + (kind_name is None))
+        stop, tag = _first(text, BODY_ENDS, search_from)
         if stop < 0:
-            end = len(text) if final else len(text) - _held(text[body_start:], BODY_ENDS)
-            out.append(Message(kind, body_start, end, final, name))
-            return out
-        out.append(Message(kind, body_start, stop, True, name))
+            held = 0 if final else _held(text[max(search_from, len(text) - len(RETURN)) :], BODY_ENDS)
+            message = Message(message.kind, message.start, len(text) - held, final, message.name)
+            state.open, state.search_from = message, max(search_from, len(text) - len(RETURN))
+            return [*out, message]
+        out.append(Message(message.kind, message.start, stop, True, message.name))
         pos = stop if tag == START else stop + len(tag)
+        state.done, state.pos, state.open = list(out), pos, None
     return out
+
+
+def _open_message(text: str, pos: int, final: bool) -> tuple[Message, int] | None:
+    """The message whose header starts at pos, with its body empty so far, and where to look for
+    its body's end; None while the header is still being written."""
+    # Past MAX_HEADER_CHARS there is no header to find: the window bounds the search.
+    window = pos + MAX_HEADER_CHARS + len(MESSAGE)
+    message_at = text.find(MESSAGE, pos, window)
+    # A header ends at its <|message|>; a terminator before that makes it no header.
+    end_at, _ = _first(text, TERMINATORS, pos, window)
+    header_end = message_at if message_at >= 0 and (end_at < 0 or message_at < end_at) else -1
+    header = text[pos:window] if header_end < 0 else text[pos:header_end]
+    kind_name = None
+    if header_end >= 0:
+        if len(header) <= MAX_HEADER_CHARS and _could_open(header):
+            kind_name = classify(header)
+    elif not final and _could_open(header) and end_at < 0 and len(text) < window:
+        return None  # a <|message|> may still end the header within its window
+    if kind_name is None:
+        # No header here: its text, and what follows up to the next terminator, is content.
+        return Message("content", pos, pos, False), pos + 1
+    body_start = header_end + len(MESSAGE)
+    kind, name = kind_name
+    return Message(kind, body_start, body_start, False, name), body_start

@@ -343,9 +343,9 @@ def _named(text: str, final: bool, name: str) -> list[Call | Content]:
     return [Call(start, name, start, end, True)] if valid else [Content(0, len(text))]
 
 
-def _harmony(text: str, final: bool) -> list[Call | Content | Reasoning]:
+def _harmony(text: str, final: bool, state: harmony.ScanState | None) -> list[Call | Content | Reasoning]:
     out: list[Call | Content | Reasoning] = []
-    for message in harmony.scan(text, final):
+    for message in harmony.scan(text, final, state):
         if message.kind == "call":
             # The arguments end where the body is certain to (a marker's first characters are
             # held back): a stream sends no more than that.
@@ -371,9 +371,12 @@ class ToolParser:
         self.function_name = function_name
         self.max_calls = None if parallel_tool_calls else 1
 
-    def segments(self, text: str, final: bool) -> list[Call | Content | Reasoning]:
+    def segments(
+        self, text: str, final: bool, state: harmony.ScanState | None = None
+    ) -> list[Call | Content | Reasoning]:
         """Content and calls; with final=False, text still growing: the last piece may be partial,
-        and content that may be the start of a tag is held back."""
+        and content that may be the start of a tag is held back. `state`: a harmony stream's scan
+        so far (the other formats rescan)."""
         if self.format == "hermes":
             out = _hermes(text, final)
         elif self.format == "llama3_json":
@@ -381,7 +384,7 @@ class ToolParser:
         elif self.format == "required":
             out = _required(text, final)
         elif self.format == "harmony":
-            out = _harmony(text, final)
+            out = _harmony(text, final, state)
         else:
             out = _named(text, final, self.function_name or "")
         if self.max_calls is not None:
@@ -439,6 +442,8 @@ class ToolCallStream:
         self._content_sent: dict[int, int] = {}  # content (or reasoning) piece start -> characters sent
         self._call_index: dict[int, int] = {}  # call start -> its index
         self._args_sent: list[int] = []  # per call index: characters of its arguments sent
+        # A harmony stream's output is long (its reasoning): each step scans only the new text.
+        self._scan = harmony.ScanState() if parser.format == "harmony" else None
 
     @property
     def has_tool_calls(self) -> bool:
@@ -453,7 +458,7 @@ class ToolCallStream:
 
     def _diff(self, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for s in self.parser.segments(self.text, final):
+        for s in self.parser.segments(self.text, final, self._scan):
             if isinstance(s, Reasoning):
                 sent = self._content_sent.get(s.start, 0)
                 if s.end - s.start > sent:
@@ -462,13 +467,12 @@ class ToolCallStream:
                 continue
             if isinstance(s, Content):
                 end = min([s.end, *(p for p in self._call_index if s.start <= p < s.end)])
-                piece = self.text[s.start : end]
                 sent = self._content_sent.get(s.start, 0)
-                if sent == 0 and self.has_tool_calls and not piece.strip():
+                if sent == 0 and self.has_tool_calls and not self.text[s.start : end].strip():
                     continue
-                if len(piece) > sent:
-                    out.append({"content": piece[sent:]})
-                    self._content_sent[s.start] = len(piece)
+                if end - s.start > sent:  # only the new text is sliced: pieces can be long
+                    out.append({"content": self.text[s.start + sent : end]})
+                    self._content_sent[s.start] = end - s.start
                 continue
             index = self._call_index.get(s.start)
             if index is None:
@@ -479,11 +483,13 @@ class ToolCallStream:
                 head = {"id": call_id(self.request_id, index), "type": "function"}
                 out.append(_call_delta(index, {**head, "function": {"name": s.name, "arguments": ""}}))
             if s.args_start is not None:
-                args = self.text[s.args_start : len(self.text) if s.args_end is None else s.args_end]
+                end = len(self.text) if s.args_end is None else s.args_end
                 sent = self._args_sent[index]
-                if len(args) > sent:
-                    out.append(_call_delta(index, {"function": {"arguments": args[sent:]}}))
-                    self._args_sent[index] = len(args)
+                if end - s.args_start > sent:
+                    out.append(
+                        _call_delta(index, {"function": {"arguments": self.text[s.args_start + sent : end]}})
+                    )
+                    self._args_sent[index] = end - s.args_start
         return out
 
 
