@@ -58,6 +58,10 @@ CASES = {
         f"{CALL}<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{{}}<|call|>",
         (None, "Let me look.", [("get_weather", WEATHER), ("get_time", "{}")]),
     ),
+    "an empty call, then a broken header": (  # the call's body and the content start alike
+        "<|channel|>commentary to=functions.f<|message|><|start|>assistant<|channel|>final<|end|>",
+        (None, "<|start|>assistant<|channel|>final", [("f", "")]),
+    ),
     "a built-in tool's recipient": (
         '<|channel|>analysis<|message|>search<|end|><|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": "x"}<|call|>',
         ("search", None, [("browser.search", '{"q": "x"}')]),

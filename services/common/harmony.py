@@ -28,7 +28,7 @@ stream's pieces only grow and never change what they are: streamed and whole giv
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -49,14 +49,16 @@ Kind = Literal["reasoning", "content", "call"]
 
 @dataclass
 class Message:
-    """A message's body `text[start:end]` (so far, while `complete` is False), what it is, and
-    for a call the function's name."""
+    """A message's body `text[start:end]` (so far, while `complete` is False), what it is, for a
+    call the function's name, and where its header starts (a call's place: an empty body starts
+    where the next message does)."""
 
     kind: Kind
     start: int
     end: int
     complete: bool
     name: str | None = None
+    header_start: int = 0
 
 
 def is_harmony_model(
@@ -156,10 +158,10 @@ def scan(text: str, final: bool, state: ScanState | None = None) -> list[Message
         stop, tag = _first(text, BODY_ENDS, search_from)
         if stop < 0:
             held = 0 if final else _held(text[max(search_from, len(text) - len(RETURN)) :], BODY_ENDS)
-            message = Message(message.kind, message.start, len(text) - held, final, message.name)
+            message = replace(message, end=len(text) - held, complete=final)
             state.open, state.search_from = message, max(search_from, len(text) - len(RETURN))
             return [*out, message]
-        out.append(Message(message.kind, message.start, stop, True, message.name))
+        out.append(replace(message, end=stop, complete=True))
         pos = stop if tag == START else stop + len(tag)
         state.done, state.pos, state.open = list(out), pos, None
     return out
@@ -183,7 +185,7 @@ def _open_message(text: str, pos: int, final: bool) -> tuple[Message, int] | Non
         return None  # a <|message|> may still end the header within its window
     if kind_name is None:
         # No header here: its text, and what follows up to the next terminator, is content.
-        return Message("content", pos, pos, False), pos + 1
+        return Message("content", pos, pos, False, None, pos), pos + 1
     body_start = header_end + len(MESSAGE)
     kind, name = kind_name
-    return Message(kind, body_start, body_start, False, name), body_start
+    return Message(kind, body_start, body_start, False, name, pos), body_start

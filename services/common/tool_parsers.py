@@ -349,7 +349,7 @@ def _harmony(text: str, final: bool, state: harmony.ScanState | None) -> list[Ca
         if message.kind == "call":
             # The arguments end where the body is certain to (a marker's first characters are
             # held back): a stream sends no more than that.
-            out.append(Call(message.start, message.name, message.start, message.end, message.complete))
+            out.append(Call(message.header_start, message.name, message.start, message.end, message.complete))
         elif message.kind == "reasoning":
             out.append(Reasoning(message.start, message.end))
         else:
