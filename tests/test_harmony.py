@@ -92,6 +92,10 @@ CASES = {
         (None, "<|channel|>analysis" + " " * 494 + "<|message|>x", []),
     ),
     "a header that never ends": ("<|channel|>" + "a" * 600, (None, "<|channel|>" + "a" * 600, [])),
+    "a content type in the role part": (
+        " to=functions.f<|constrain|>json<|channel|>commentary<|message|>{}",
+        (None, " to=functions.f<|constrain|>json<|channel|>commentary<|message|>{}", []),
+    ),
     "an empty recipient": (
         "<|channel|>commentary to=<|message|>{}",
         (None, "<|channel|>commentary to=<|message|>{}", []),

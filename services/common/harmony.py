@@ -116,7 +116,7 @@ def classify(header: str) -> tuple[Kind, str | None] | None:
     role_part, channel_part = header.split(CHANNEL, 1)
     if any(marker in channel_part for marker in MARKERS if marker != CONSTRAIN):
         return None
-    role_words = role_part.split()
+    role_words = role_part.replace(CONSTRAIN, " ").split()  # a content type has no place here
     channel_words = channel_part.replace(CONSTRAIN, " ").split()
     if [w for w in role_words if not w.startswith("to=")] not in ([], ["assistant"]) or not channel_words:
         return None
