@@ -184,9 +184,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A stream waiting for output (a long prefill, a queue) sends an SSE comment line this often,
     # so that proxies and load balancers do not close it as idle.
     sse_keepalive_s: Seconds = 15.0
-    # How reasoning models' <think>...</think> becomes reasoning_content (services/gateway/reasoning.py):
-    # auto = from the chat template and tokenizer, none = left in the content.
-    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    # How reasoning models' <think>...</think> (or harmony's analysis channel) becomes
+    # reasoning_content (services/gateway/reasoning.py): auto = from the model's architecture,
+    # chat template and tokenizer, none = left in the content.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1", "harmony"] = "auto"
     tls: GatewayTlsConfig = GatewayTlsConfig()
     access_log: AccessLogConfig = AccessLogConfig()
 

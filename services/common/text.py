@@ -96,6 +96,8 @@ class Tokenizer:
         }
         self.chat_template = self._find_chat_template(model_dir, config)
         self.eos_token_ids = self._find_eos_ids(model_dir)
+        # The model's architectures (config.json): what the model is, for the chat format it speaks.
+        self.architectures: list[str] = _read_json(model_dir / "config.json").get("architectures") or []
         self._config = config
 
     def info(self) -> dict[str, Any]:

@@ -6,7 +6,11 @@ Formats (`ToolParser(format)`):
 - `llama3_json`: the whole output is `{"name": ..., "parameters": {...}}` calls joined by `;`,
   optionally after `<|python_tag|>` (Llama 3.1+ JSON tool calling); any other output is content;
 - `named` / `required`: what ipc.structured_output.for_tool_choice forces: the arguments object
-  of the named function, or a JSON array of `{"name", "parameters"}`.
+  of the named function, or a JSON array of `{"name", "parameters"}`;
+- `harmony`: gpt-oss's channels (services/common/harmony.py): `commentary to=functions.NAME`
+  messages are calls, `final` ones content, and `analysis` ones reasoning, a third kind of
+  piece (`Reasoning`) that this format alone has. A harmony header declares its call, so a call
+  is a call whatever its body (and one cut off by max_tokens keeps the arguments written so far).
 
 One scanner serves both uses: `segments(text, final)` cuts the text into content and calls, where
 a call knows its name once the name's string is complete, and its arguments as the raw text the
@@ -29,10 +33,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common import harmony
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 WHITESPACE = " \t\r\n"
-FORMATS = ("hermes", "llama3_json", "named", "required")
+FORMATS = ("hermes", "llama3_json", "named", "required", "harmony")
 FORCED = ("named", "required")  # the formats a grammar forces: the whole output is calls
 
 
@@ -63,9 +69,18 @@ class Content:
 
 
 @dataclass
+class Reasoning:
+    """Reasoning in the text (harmony's analysis channel)."""
+
+    start: int
+    end: int
+
+
+@dataclass
 class ParsedOutput:
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None  # harmony's analysis channel; the other formats have none
 
 
 def call_id(request_id: str, index: int) -> str:
@@ -328,6 +343,20 @@ def _named(text: str, final: bool, name: str) -> list[Call | Content]:
     return [Call(start, name, start, end, True)] if valid else [Content(0, len(text))]
 
 
+def _harmony(text: str, final: bool, state: harmony.ScanState | None) -> list[Call | Content | Reasoning]:
+    out: list[Call | Content | Reasoning] = []
+    for message in harmony.scan(text, final, state):
+        if message.kind == "call":
+            # The arguments end where the body is certain to (a marker's first characters are
+            # held back): a stream sends no more than that.
+            out.append(Call(message.header_start, message.name, message.start, message.end, message.complete))
+        elif message.kind == "reasoning":
+            out.append(Reasoning(message.start, message.end))
+        else:
+            out.append(Content(message.start, message.end))
+    return out
+
+
 class ToolParser:
     """Cuts a model's output into content and tool calls, in one format."""
 
@@ -342,15 +371,20 @@ class ToolParser:
         self.function_name = function_name
         self.max_calls = None if parallel_tool_calls else 1
 
-    def segments(self, text: str, final: bool) -> list[Call | Content]:
+    def segments(
+        self, text: str, final: bool, state: harmony.ScanState | None = None
+    ) -> list[Call | Content | Reasoning]:
         """Content and calls; with final=False, text still growing: the last piece may be partial,
-        and content that may be the start of a tag is held back."""
+        and content that may be the start of a tag is held back. `state`: a harmony stream's scan
+        so far (the other formats rescan)."""
         if self.format == "hermes":
             out = _hermes(text, final)
         elif self.format == "llama3_json":
             out = _llama3_json(text, final)
         elif self.format == "required":
             out = _required(text, final)
+        elif self.format == "harmony":
+            out = _harmony(text, final, state)
         else:
             out = _named(text, final, self.function_name or "")
         if self.max_calls is not None:
@@ -367,8 +401,11 @@ class ToolParser:
         """The whole output -> content and OpenAI `tool_calls`."""
         calls = []
         content = []
+        reasoning = []
         for s in self.segments(text, final=True):
-            if isinstance(s, Content):
+            if isinstance(s, Reasoning):
+                reasoning.append(text[s.start : s.end])
+            elif isinstance(s, Content):
                 piece = text[s.start : s.end]
                 # Whitespace between and after calls is layout, not content (as in a stream).
                 if piece.strip() or not calls:
@@ -378,9 +415,10 @@ class ToolParser:
                 arguments = text[s.args_start : end] if s.args_start is not None else ""
                 calls.append(_tool_call(call_id(request_id, len(calls)), s.name or "", arguments))
         joined = "".join(content)
+        thought = "".join(reasoning) or None
         if calls or self.format in FORCED:
-            return ParsedOutput(joined.strip() or None, calls)
-        return ParsedOutput(joined, [])
+            return ParsedOutput(joined.strip() or None, calls, thought)
+        return ParsedOutput(joined, [], thought)
 
 
 def _tool_call(id_: str, name: str, arguments: str) -> dict[str, Any]:
@@ -388,8 +426,9 @@ def _tool_call(id_: str, name: str, arguments: str) -> dict[str, Any]:
 
 
 class ToolCallStream:
-    """Feeds text deltas, returns OpenAI chat-completion delta objects (`{"content": ...}` and
-    `{"tool_calls": [...]}`), in text order; `finish()` flushes what was held back.
+    """Feeds text deltas, returns OpenAI chat-completion delta objects (`{"content": ...}`,
+    `{"tool_calls": [...]}` and, from harmony, `{"reasoning_content": ...}`), in text order;
+    `finish()` flushes what was held back.
 
     Pieces are tracked by where they start in the text, which only grows: a call keeps its index,
     and a call once announced keeps it even if its JSON later proves invalid (its text never
@@ -400,9 +439,11 @@ class ToolCallStream:
         self.parser = parser
         self.request_id = request_id
         self.text = ""
-        self._content_sent: dict[int, int] = {}  # content piece start -> characters sent
+        self._content_sent: dict[int, int] = {}  # content (or reasoning) piece start -> characters sent
         self._call_index: dict[int, int] = {}  # call start -> its index
         self._args_sent: list[int] = []  # per call index: characters of its arguments sent
+        # A harmony stream's output is long (its reasoning): each step scans only the new text.
+        self._scan = harmony.ScanState() if parser.format == "harmony" else None
 
     @property
     def has_tool_calls(self) -> bool:
@@ -417,16 +458,21 @@ class ToolCallStream:
 
     def _diff(self, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for s in self.parser.segments(self.text, final):
+        for s in self.parser.segments(self.text, final, self._scan):
+            if isinstance(s, Reasoning):
+                sent = self._content_sent.get(s.start, 0)
+                if s.end - s.start > sent:
+                    out.append({"reasoning_content": self.text[s.start + sent : s.end]})
+                    self._content_sent[s.start] = s.end - s.start
+                continue
             if isinstance(s, Content):
                 end = min([s.end, *(p for p in self._call_index if s.start <= p < s.end)])
-                piece = self.text[s.start : end]
                 sent = self._content_sent.get(s.start, 0)
-                if sent == 0 and self.has_tool_calls and not piece.strip():
+                if sent == 0 and self.has_tool_calls and not self.text[s.start : end].strip():
                     continue
-                if len(piece) > sent:
-                    out.append({"content": piece[sent:]})
-                    self._content_sent[s.start] = len(piece)
+                if end - s.start > sent:  # only the new text is sliced: pieces can be long
+                    out.append({"content": self.text[s.start + sent : end]})
+                    self._content_sent[s.start] = end - s.start
                 continue
             index = self._call_index.get(s.start)
             if index is None:
@@ -437,11 +483,13 @@ class ToolCallStream:
                 head = {"id": call_id(self.request_id, index), "type": "function"}
                 out.append(_call_delta(index, {**head, "function": {"name": s.name, "arguments": ""}}))
             if s.args_start is not None:
-                args = self.text[s.args_start : len(self.text) if s.args_end is None else s.args_end]
+                end = len(self.text) if s.args_end is None else s.args_end
                 sent = self._args_sent[index]
-                if len(args) > sent:
-                    out.append(_call_delta(index, {"function": {"arguments": args[sent:]}}))
-                    self._args_sent[index] = len(args)
+                if end - s.args_start > sent:
+                    out.append(
+                        _call_delta(index, {"function": {"arguments": self.text[s.args_start + sent : end]}})
+                    )
+                    self._args_sent[index] = end - s.args_start
         return out
 
 

@@ -47,6 +47,7 @@ from ipc.validation import (
     check_prompt_chars,
 )
 from services.audit import ApiKeyFailures
+from services.common.harmony import speaks_harmony
 from services.common.images import ImageError, ImageRules
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
@@ -203,13 +204,19 @@ class Gateway:
         # replica may have loaded it.
         self.adapters: list[str] = list(settings.adapters)
         self.started = int(time.time())
-        self.auto_tool_format = auto_tool_format(tokenizer.chat_template)  # the tokenizer's too
+        has_token = lambda tag: len(tokenizer.encode(tag)) == 1  # noqa: E731
+        is_harmony = speaks_harmony(
+            settings.reasoning_parser, tokenizer.architectures, tokenizer.chat_template, has_token
+        )
+        # The tokenizer decides both alike (services/tokenizer/core.py).
+        self.auto_tool_format = "harmony" if is_harmony else auto_tool_format(tokenizer.chat_template)
         self.reasoning = reasoning_style(
             settings.reasoning_parser,
             lambda: tokenizer.apply_chat_template(
                 [{"role": "user", "content": "hi"}], add_generation_prompt=True
             ),
-            lambda tag: len(tokenizer.encode(tag)) == 1,
+            has_token,
+            is_harmony,
         )
 
     # -- plumbing ----------------------------------------------------------------------------

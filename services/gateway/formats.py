@@ -157,6 +157,10 @@ class ChatFormat:
         self.names = names
         self.top_n = top_n  # None: no logprobs in the reply
         self.prompt_top_n = prompt_top_n  # None: no prompt_logprobs in the reply
+        # Harmony's channels are read by its tool parser, tools or not: it alone finds the final
+        # channel's content (and the analysis channel's reasoning) among the headers.
+        if reasoning == "harmony" and tool_parser is None:
+            tool_parser = ToolParser("harmony")
         self.tool_parser = tool_parser
         self.call_id_base = call_id_base
         self.tool_streams: dict[int, ToolCallStream] = {}
@@ -174,7 +178,7 @@ class ChatFormat:
 
     def _split(self, index: int, text: str, final: bool) -> tuple[str | None, str]:
         """New output of choice `index` -> (its reasoning, its content), as far as certain."""
-        if self.reasoning is None:
+        if self.reasoning is None or self.reasoning == "harmony":
             return None, text
         stream = self.reasoning_streams.get(index)
         if stream is None:
@@ -226,6 +230,7 @@ class ChatFormat:
                 # What was streamed decides: a call once announced stays a call.
                 reason = finish_reason("stop" if reason == "tool_calls" else reason, stream.has_tool_calls)
             content, tool_calls = merge_tool_deltas(items)
+            reasoning = (reasoning or "") + "".join(item.get("reasoning_content", "") for item in items)
         out: list[msgspec.Struct] = []
         has_news = bool(content or tool_calls or reasoning or piece.token_ids)
         if has_news or reason is None:
@@ -238,6 +243,18 @@ class ChatFormat:
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return self._chunk([], usage)
 
+    def _harmony_message(self, index: int, piece: Piece) -> tuple[p.ChatMessageOut, str | None]:
+        """A harmony chat whose output no tokenizer parse came with (no tools, or tool_choice
+        none): its content and any calls, and the finish_reason they make."""
+        assert self.tool_parser is not None
+        parsed = self.tool_parser.parse(piece.text, f"{self.call_id_base}.{index}")
+        calls = [
+            p.ToolCallOut(c["id"], p.FunctionCallOut(c["function"]["name"], c["function"]["arguments"]))
+            for c in parsed.tool_calls
+        ]
+        reason = piece.finish_reason and finish_reason(piece.finish_reason, bool(calls))
+        return p.ChatMessageOut("assistant", parsed.content, tool_calls=calls or msgspec.UNSET), reason
+
     def _chunk(
         self, choices: list[p.ChatChunkChoice], usage: p.UsageOut | None = None
     ) -> p.ChatCompletionChunk:
@@ -247,13 +264,21 @@ class ChatFormat:
         out = []
         for index, choice in enumerate(choices):
             piece = choice.piece()
-            if piece.tools is None:
+            if self.reasoning == "harmony" and piece.tools is None:
+                assert self.tool_parser is not None
+                message, piece.finish_reason = self._harmony_message(index, piece)
+            elif piece.tools is None:
                 message = p.ChatMessageOut("assistant", piece.text)
             else:
                 message = p.ChatMessageOut(
                     "assistant", piece.tools.content, tool_calls=tool_calls_out(piece.tools)
                 )
-            if self.reasoning is not None:
+            if self.reasoning == "harmony":
+                # The tokenizer's parse (of a chat with tools) has the content and the calls,
+                # the same parser's reading of the same text the reasoning.
+                assert self.tool_parser is not None
+                message.reasoning_content = self.tool_parser.parse(piece.text, "").reasoning
+            elif self.reasoning is not None:
                 message.reasoning_content, content = split_reasoning(self.reasoning, message.content or "")
                 message.content = content if content or message.content is not None else None
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))

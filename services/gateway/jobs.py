@@ -284,8 +284,9 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     sampling.update(tool_sampling)
     if structured is not None:
         sampling["structured"] = structured
-    if req.chat_template_kwargs is not None:
-        sampling["chat_template_kwargs"] = req.chat_template_kwargs
+    effort = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
+    if req.chat_template_kwargs is not None or effort:
+        sampling["chat_template_kwargs"] = {**effort, **(req.chat_template_kwargs or {})}
     seed = _seed(req, sampling, resumed_seed)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", "structured": constrained_by or "structured"}
     if req.max_completion_tokens is not None:

@@ -88,6 +88,9 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
+    # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
+    # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):

@@ -10,6 +10,11 @@ styles (`gateway.reasoning_parser`, or `auto`: chosen from the model's chat temp
   so the output starts inside the reasoning and only `</think>` ends it; a `<think>` the model
   writes again at the start is dropped.
 
+- `harmony`: gpt-oss's channels (services/common/harmony.py), chosen by `auto` for a harmony
+  model (`is_harmony_model`): the `analysis` channel is the reasoning. Its output is read by the
+  harmony tool-call parser (services/common/tool_parsers.py), which gives reasoning, content and
+  calls in one pass, so no `ReasoningStream` reads it.
+
 Only the first think block counts: after `</think>` the rest is content, verbatim. An output cut
 off inside the reasoning (max_tokens) is all reasoning so far. A stream holds back a suffix that
 may be the start of a tag, so a tag split over deltas (token by token) is still found, and the
@@ -22,20 +27,26 @@ from collections.abc import Callable
 from typing import Literal
 
 START, END = "<think>", "</think>"
-ReasoningStyle = Literal["qwen3", "deepseek_r1"]
-STYLES = ("qwen3", "deepseek_r1")
+ReasoningStyle = Literal["qwen3", "deepseek_r1", "harmony"]
+STYLES = ("qwen3", "deepseek_r1", "harmony")
 
 
 def reasoning_style(
-    setting: str, render_prompt: Callable[[], str], vocab: Callable[[str], bool]
+    setting: str,
+    render_prompt: Callable[[], str],
+    vocab: Callable[[str], bool],
+    is_harmony: bool = False,
 ) -> ReasoningStyle | None:
-    """The parser for `gateway.reasoning_parser`: `none`, a style, or `auto`: deepseek_r1 when the
-    rendered generation prompt ends inside an opened think block, qwen3 when the tokenizer has a
-    `<think>` token, else none. `render_prompt` renders a one-message chat for generation."""
+    """The parser for `gateway.reasoning_parser`: `none`, a style, or `auto`: harmony for a
+    harmony model (`is_harmony`), deepseek_r1 when the rendered generation prompt ends inside an
+    opened think block, qwen3 when the tokenizer has a `<think>` token, else none.
+    `render_prompt` renders a one-message chat for generation."""
     if setting == "none":
         return None
     if setting in STYLES:
         return setting  # type: ignore[return-value]
+    if is_harmony:
+        return "harmony"
     if not (vocab(START) and vocab(END)):
         return None
     try:

@@ -22,7 +22,7 @@ import asyncio
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -85,6 +85,14 @@ class TextConfig(msgspec.Struct, frozen=True):
     format: dict[str, Any] | None = None
 
 
+class ReasoningConfig(msgspec.Struct, frozen=True):
+    """`reasoning`: its `effort` reaches the chat template as chat's `reasoning_effort` does;
+    `summary` is accepted and ignored (the reply carries the model's reasoning itself)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str = ""
     input: str | list[InputItem]
@@ -101,6 +109,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
 
 
 def _item_text(field: str, content: str | list[ContentPartIn] | None) -> str:
@@ -240,6 +249,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> p
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
     }
     return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
 
@@ -284,7 +294,7 @@ class ResponsesReply:
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "reasoning": None,
+            "reasoning": None if req.reasoning is None else msgspec.structs.asdict(req.reasoning),
             "store": req.store and self.store.enabled,
             "temperature": req.temperature,
             "text": {"format": fmt},

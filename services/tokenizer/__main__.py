@@ -17,6 +17,7 @@ from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
+from services.common.harmony import speaks_harmony
 from services.common.images import image_rules_of
 from services.common.pooling import embedding_of
 from services.common.text import Tokenizer
@@ -67,8 +68,9 @@ class TokenizerProcess(StageProcess):
         self.schedulers = self.peers.schedulers  # one per engine group, resized in place
         self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
+        tokenizer = Tokenizer(Path(stage.info.model_dir))
         self.core = TokenizerCore(
-            Tokenizer(Path(stage.info.model_dir)),
+            tokenizer,
             tokenizer_id=stage.index,
             num_groups=config.engine.data_parallel,
             max_model_len=config.model.max_model_len,
@@ -90,6 +92,12 @@ class TokenizerProcess(StageProcess):
             num_encoders=config.encoder.replicas,
             max_image_bytes=config.encoder.max_image_bytes,
             remote_images=RemoteImages.of(config.encoder),
+            is_harmony=speaks_harmony(
+                config.gateway.reasoning_parser,
+                tokenizer.architectures,
+                tokenizer.chat_template,
+                lambda tag: len(tokenizer.encode(tag)) == 1,
+            ),
         )
         # A request's images go to an encoder first (its http(s) ones fetched before that, on the
         # fetcher's threads); it reaches its scheduler once they are encoded.

@@ -40,6 +40,7 @@ from ipc.validation import (
     validate_params,
     validate_prompt_ids,
 )
+from services.common import harmony
 from services.common.grammar_compiler import GrammarError, check_constraint
 from services.common.images import ImageError, ImageRules, decode_data_url
 from services.common.pooling import Embedding
@@ -179,8 +180,13 @@ class TokenizerCore:
         num_encoders: int = 0,
         max_image_bytes: int = 10 << 20,
         remote_images: RemoteImages | None = None,
+        is_harmony: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # Chats speak harmony (services/common/harmony.py; gateway.reasoning_parser decides, for
+        # the gateway alike): their output keeps its special tokens, which mark the channels, and
+        # a chat with tools is parsed by the harmony tool parser.
+        self.is_harmony = is_harmony
         # A vision-language model's image rules (None: the model reads no images), and the run's
         # encoder replicas (services/encoder/), which turn a request's images into embeddings.
         self.image_rules = image_rules
@@ -226,6 +232,8 @@ class TokenizerCore:
             self._check_input_length(len(prompt_ids))
         if tools is not None:
             params = self._forced_call(request.tools, tools, params)
+        if self.is_harmony and request.messages is not None:
+            params = self._harmony_params(params)
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.default_max_tokens)
         # Filled once, here, so every later stage (and a resubmission) sees the same values.
@@ -392,7 +400,18 @@ class TokenizerCore:
 
     @cached_property
     def auto_tool_format(self) -> str:
-        return auto_tool_format(self.tokenizer.chat_template)
+        return "harmony" if self.is_harmony else auto_tool_format(self.tokenizer.chat_template)
+
+    @cached_property
+    def _harmony_stop_ids(self) -> list[int]:
+        """`<|return|>` and `<|call|>`: each ends the assistant's turn, whether or not the model's
+        generation config lists it as eos (a GGUF's often names only one)."""
+        ids = (self.tokenizer.encode(tag) for tag in (harmony.RETURN, harmony.CALL))
+        return [found[0] for found in ids if len(found) == 1]
+
+    def _harmony_params(self, params: m.SamplingParams) -> m.SamplingParams:
+        stops = params.stop_token_ids + [i for i in self._harmony_stop_ids if i not in params.stop_token_ids]
+        return msgspec.structs.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
     def _check_task(self, request: m.Generate) -> None:
         """An embedding request to a run that embeds, any other to a run that generates."""
