@@ -903,7 +903,8 @@ def test_moe_gguf_routing_brigade_cannot_run_is_refused_by_name(case: str, tmp_p
 def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:
     """benchmarks/moe_bench.py at a tiny shape: its counted weight bytes per step are the floor
     (the router and each distinct selected expert once), below reading every (token, expert)
-    pair's expert once many rows share experts; both stacks are timed."""
+    pair's expert once many rows share experts; both stacks are timed; and its quantized-experts
+    table times a layer from Q8_0 blocks (the fused op, then dequantize + GEMM past MOE_MAX_ROWS)."""
     import json
     import os
     import subprocess
@@ -923,6 +924,10 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         "32",
         "--layers",
         "2",
+        "--quantized",
+        "Q8_0",
+        "--quantized-batch",
+        "1,8,32",
     ]
     proc = subprocess.run(
         [sys.executable, "benchmarks/moe_bench.py", "--json", str(out), "--repeats", "2", "--batch", "1,16", *args],
@@ -936,6 +941,13 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     )  # one row: every expert distinct
     assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
     assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
+    quantized = json.loads(out.read_text())["quantized"]
+    assert [(row["rows"], row["blocks_path"]) for row in quantized] == [
+        (1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"),
+    ]  # fmt: skip
+    # Q8_0 packed: 36 bytes a block of 32 weights, against float32's 128.
+    assert all(row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * 36 for row in quantized)
+    assert all(row["float32_ms"] > 0 and row["blocks_ms"] > 0 for row in quantized)
 
 
 @pytest.mark.parametrize(
