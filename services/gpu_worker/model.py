@@ -908,7 +908,7 @@ class LlamaModel:
 
     def _load_quantized_experts(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
         """The experts `quantized_expert_names` keeps as blocks (which the loader did not
-        dequantize), in place of the float32 expert weights, which are released unread. There is
+        dequantize), in place of the float32 expert weights, released unwritten. There is
         no float32 copy to check them against: the float32 weights would be these blocks'
         dequantization (loader.iter_weights), which the kernels' tests hold them to."""
         kept = self.quantized_expert_names(formats)
@@ -1332,10 +1332,9 @@ def grouped_experts(
     The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
     of its tokens at once and its weights are read once per step, whatever the number of rows;
     experts no token chose are not read at all (nor, for experts kept as GGUF blocks, dequantized).
-    With `has_few_rows_linear` (CPU float32 with the
-    C++ kernels) an expert with at most cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the
-    few-rows linear, as a dense layer's weights do in such steps (torch's GEMV reads an
-    [out, in] weight several times slower)."""
+    With `has_few_rows_linear` (CPU float32 with the C++ kernels) an expert with at most
+    cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the few-rows linear, as a dense layer's
+    weights do in such steps (torch's GEMV reads an [out, in] weight several times slower)."""
     top_k = experts.shape[1]
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
