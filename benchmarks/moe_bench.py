@@ -4,6 +4,7 @@ dense layers' gate_up / down through the few-rows C++ linear where it is built, 
 
     python benchmarks/moe_bench.py --json FILE [--experts 64] [--top-k 4] [--hidden 512]
         [--expert-intermediate 256] [--layers 4] [--batch 1,16] [--repeats 15] [--threads N]
+        [--quantized Q8_0,Q4_1 [--quantized-batch 1,8,64]]
 
 The dense stack's intermediate size is top_k x the experts' (the same multiply-adds per token
 as the selected experts). Each repeat times one step of `batch` rows through every layer of the
@@ -12,6 +13,13 @@ both); the report gives the median step time of each and their ratio. The weight
 reads are counted from the weights each F.linear / few-rows call of one step actually multiplies
 (a wrapper counts them, outside the timed repeats): against the floor, the router plus each
 distinct selected expert once, and against reading every (token, expert) pair's expert.
+
+With --quantized, one sparse layer of the shape with its experts as GGUF blocks of each format
+(gguf's quantizer), as a GGUF model's layer keeps them, against the same layer with the experts'
+float32 dequantization (what the worker held before): `moe_mlp` timed on both at each
+--quantized-batch rows (the blocks through cpu_ops.moe_experts_quantized up to
+cpu_ops.MOE_MAX_ROWS rows, each selected expert dequantized for the GEMM above), and the expert
+bytes each holds. A table on stdout, and "quantized" in the JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import cpu_ops
 from services.gpu_worker import model as model_module
 from services.gpu_worker.architectures import ModelConfig, MoeConfig
-from services.gpu_worker.model import LlamaLayer, Shard, moe_mlp
+from services.gpu_worker.model import LlamaLayer, QuantizedExperts, Shard, moe_mlp
 from services.gpu_worker.parallel import Parallel
 
 MIN_SAMPLE_S = 2e-3  # each timed sample repeats a step until it lasts this long (timer resolution)
@@ -108,6 +116,59 @@ def time_step(fn, repeats: int) -> list[float]:
     return samples
 
 
+def quantized_layers(config: ModelConfig, fmt: str, seed: int) -> tuple[LlamaLayer, LlamaLayer]:
+    """One sparse layer of `config` with random experts as `fmt` blocks (gguf's quantizer), and
+    the same layer with their float32 dequantization instead."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    (float_layer,) = make_layers(replace(config, num_hidden_layers=1), sparse=True, seed=seed)
+    (blocks_layer,) = make_layers(replace(config, num_hidden_layers=1), sparse=True, seed=seed)
+    qtype = GGMLQuantizationType[fmt]
+    inter = config.moe.intermediate_size
+    projections = (float_layer.experts_gate_up[:, :inter], float_layer.experts_gate_up[:, inter:],
+                   float_layer.experts_down)  # fmt: skip
+    per_expert = []
+    for weight in projections:
+        raw = quantize(weight.flatten(0, 1).numpy(), qtype)
+        weight.copy_(torch.from_numpy(dequantize(raw, qtype)).view_as(weight))
+        per_expert.append(list(torch.from_numpy(raw).view(weight.shape[0], weight.shape[1], -1)))
+    blocks_layer.router.copy_(float_layer.router)
+    blocks_layer.experts_quantized = QuantizedExperts.of(*per_expert, (fmt, fmt, fmt))
+    blocks_layer.experts_gate_up = blocks_layer.experts_down = torch.empty(0)
+    return float_layer, blocks_layer
+
+
+def quantized_table(config: ModelConfig, formats: list[str], batches: list[int], repeats: int) -> list[dict]:
+    """moe_mlp from float32 experts and from their blocks, at each batch: median step times."""
+    rows = []
+    print(f"{'format':>6} {'rows':>5} {'float32 ms':>11} {'blocks ms':>10} {'speedup':>8} "
+          f"{'float32 MB':>11} {'blocks MB':>10}  blocks path")  # fmt: skip
+    for fmt in formats:
+        float_layer, blocks_layer = quantized_layers(config, fmt, seed=2)
+        float_bytes = (float_layer.experts_gate_up.numel() + float_layer.experts_down.numel()) * 4
+        blocks_bytes = blocks_layer.experts_quantized.nbytes
+        for batch in batches:
+            x = torch.randn(batch, config.hidden_size, generator=torch.Generator().manual_seed(batch))
+            with torch.inference_mode():
+                float_times, blocks_times = [], []
+                for _ in range(repeats):
+                    float_times += time_step(partial(moe_mlp, x, float_layer, F.silu, True), 1)
+                    blocks_times += time_step(partial(moe_mlp, x, blocks_layer, F.silu, True), 1)
+            float_s, blocks_s = statistics.median(float_times), statistics.median(blocks_times)
+            path = "fused op" if batch <= cpu_ops.MOE_MAX_ROWS else "dequantize + GEMM"
+            row = {
+                "format": fmt, "rows": batch, "float32_ms": round(float_s * 1e3, 4),
+                "blocks_ms": round(blocks_s * 1e3, 4), "float32_expert_bytes": float_bytes,
+                "blocks_expert_bytes": blocks_bytes, "blocks_path": path,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"{fmt:>6} {batch:>5} {row['float32_ms']:>11.3f} {row['blocks_ms']:>10.3f} "
+                  f"{float_s / blocks_s:>7.2f}x {float_bytes / 2**20:>11.1f} {blocks_bytes / 2**20:>10.1f}  {path}",
+                  flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -119,6 +180,10 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16", help="rows per step, comma-separated")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--quantized", default="", help="GGUF formats of the quantized-experts table (Q8_0, Q4_1)"
+    )
+    parser.add_argument("--quantized-batch", default="1,8,64", help="rows per step of that table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,6 +236,11 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "results": results,
     }
+    if args.quantized:
+        if not use_kernel:
+            sys.exit("--quantized needs the C++ kernels (kernels/cpu_ops.py)")
+        batches = [int(b) for b in args.quantized_batch.split(",")]
+        report["quantized"] = quantized_table(moe_config, args.quantized.split(","), batches, args.repeats)
     args.json.write_text(json.dumps(report, indent=2))
 
 

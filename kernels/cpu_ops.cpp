@@ -19,6 +19,9 @@
 //   numbers).
 // - lora_add: LoRA adapters' deltas for the rows of a step that use one, grouped by adapter slot
 //   (SGMV: decode rows and prefill runs alike), each present adapter's A and B read once per step.
+// - moe_experts_quantized: a mixture of experts' selected experts for a step of few rows, each
+//   expert's gate, up and down read from its own GGUF blocks once for all the rows that chose it;
+//   dequantize_blocks: the float32 values of such blocks, for a wide step's GEMM.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -409,6 +412,19 @@ void few_rows_times_blocks(const float* x, const float* block_sums, const uint8_
   }
 }
 
+// Each block of 32 values' sum (x[32 i .. 32 i + 31] for i < count), for Q4_1's minimums' term.
+std::vector<float> sums_of_blocks(const float* x, int64_t count) {
+  std::vector<float> sums(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* xb = x + i * kBlockWeights;
+    Floats sum = add_floats(load_floats(xb), load_floats(xb + kLanes));
+    if constexpr (kBlockVectors == 4)
+      sum = add_floats(sum, add_floats(load_floats(xb + 2 * kLanes), load_floats(xb + 3 * kLanes)));
+    sums[i] = sum_floats(sum);
+  }
+  return sums;
+}
+
 template <typename Block>
 at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks) {
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
@@ -420,15 +436,8 @@ at::Tensor few_rows_blocks_linear(const at::Tensor& x, const at::Tensor& blocks)
   auto out = at::empty({num_rows, out_features}, rows.options());
   if (num_rows == 0) return out;
   const float* x_data = rows.data_ptr<float>();
-  // Each block's sum of x, for the minimums' term.
-  std::vector<float> block_sums(kHasMinimums<Block> ? num_rows * num_blocks : 0);
-  for (size_t i = 0; i < block_sums.size(); ++i) {
-    const float* xb = x_data + i * kBlockWeights;
-    Floats sum = add_floats(load_floats(xb), load_floats(xb + kLanes));
-    if constexpr (kBlockVectors == 4)
-      sum = add_floats(sum, add_floats(load_floats(xb + 2 * kLanes), load_floats(xb + 3 * kLanes)));
-    block_sums[i] = sum_floats(sum);
-  }
+  const std::vector<float> block_sums = kHasMinimums<Block> ? sums_of_blocks(x_data, num_rows * num_blocks)
+                                                            : std::vector<float>();
   const float* s_data = block_sums.data();
   const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   float* out_data = out.data_ptr<float>();
@@ -669,6 +678,229 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
     } else {
       return few_rows_super_blocks_linear<Block>(x, blocks);
     }
+  });
+}
+
+// ---- A mixture of experts from GGUF blocks, for steps of few rows ----
+//
+// The selected experts of a step's rows, each expert's gate, up and down read from its own blocks
+// (few_rows_linear_quantized's formats and layouts) once for all of the rows that chose it: the
+// step's (row, expert) pairs are grouped by expert and each group's rows gathered; gate and up
+// multiply them a tile of weight rows at a time, SiLU(gate) * up, then down, into one output row
+// per pair; each row sums its pairs' outputs times their routing weights, in the order of its k
+// choices. The float32 experts are the blocks' dequantization (dequantize_blocks below), so this
+// computes what the torch path computes from them, up to float32 summation order.
+
+template <typename Block>
+constexpr bool kIsKQuant = !std::is_same_v<Block, BlockQ4_1> && !std::is_same_v<Block, BlockQ8_0>;
+
+// The bytes of a weight row of `in_features` inputs in Block's layout; -1 where they are not whole blocks.
+template <typename Block>
+int64_t blocks_row_bytes(int64_t in_features) {
+  if constexpr (kIsKQuant<Block>) {
+    return in_features % kSuperWeights ? -1 : in_features / kSuperWeights * int64_t(sizeof(Block));
+  } else {
+    return in_features % kBlockWeights ? -1 : row_bytes<Block>(in_features / kBlockWeights);
+  }
+}
+
+// out[r * out_features + n] = x[r] . w[n] for r < num_rows, n in [begin, end): chunks of up to four
+// rows over the same weight rows, so that a tile is read from memory once and from cache after.
+// block_sums (sums_of_blocks of x): Q4_1's, else unused.
+template <typename Block>
+void rows_times_blocks(const float* x, const float* block_sums, const uint8_t* w, float* out, int64_t in_features,
+                       int64_t out_features, int64_t num_rows, int64_t begin, int64_t end) {
+  for (int64_t first = 0; first < num_rows; first += 4) {
+    with_row_count(std::min<int64_t>(4, num_rows - first), [&](auto count) {
+      constexpr int R = decltype(count)::value;
+      float* chunk_out = out + first * out_features;
+      if constexpr (kIsKQuant<Block>) {
+        few_rows_times_super_blocks<Block, R>(x + first * in_features, reinterpret_cast<const Block*>(w), chunk_out,
+                                              in_features / kSuperWeights, out_features, begin, end);
+      } else {
+        const int64_t num_blocks = in_features / kBlockWeights;
+        few_rows_times_blocks<Block, R>(x + first * in_features,
+                                        block_sums != nullptr ? block_sums + first * num_blocks : nullptr, w,
+                                        chunk_out, num_blocks, out_features, begin, end);
+      }
+    });
+  }
+}
+
+// One projection of every expert: blocks [experts, out, bytes] in one format, as rows_times_blocks
+// multiplies them.
+struct ExpertBlocks {
+  const uint8_t* data;
+  int64_t expert_bytes;  // out * row bytes
+  int64_t in_features, out_features;
+  bool has_minimums;
+  void (*multiply)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+  const uint8_t* of(int64_t expert) const { return data + expert * expert_bytes; }
+};
+
+ExpertBlocks expert_blocks(const at::Tensor& w, c10::string_view format, int64_t num_experts, int64_t out_features,
+                           int64_t in_features, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == num_experts &&
+                  w.size(1) == out_features,
+              "moe_experts_quantized: ", name, " must be contiguous uint8 [", num_experts, ", ", out_features,
+              ", bytes], got ", w.sizes(), " ", w.scalar_type());
+  ExpertBlocks blocks{w.data_ptr<uint8_t>(), 0, in_features, out_features, false, nullptr};
+  int64_t row = -1;
+  with_block_type(format, "moe_experts_quantized", [&](auto block) {
+    using Block = decltype(block);
+    blocks.has_minimums = kHasMinimums<Block>;
+    blocks.multiply = &rows_times_blocks<Block>;
+    row = blocks_row_bytes<Block>(in_features);
+    return at::Tensor();
+  });
+  TORCH_CHECK(row > 0 && w.size(2) == row, "moe_experts_quantized: ", name, " (", format, ") of ", in_features,
+              " inputs needs ", row, " bytes of blocks a row, it has ", w.size(2));
+  blocks.expert_bytes = out_features * row;
+  return blocks;
+}
+
+// x [T, H]; weights [T, k] float32 and experts [T, k] int64 (the routing); gate and up
+// [E, I, bytes], down [E, H, bytes], each in its format -> [T, H].
+at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+                                 const at::Tensor& gate, c10::string_view gate_format, const at::Tensor& up,
+                                 c10::string_view up_format, const at::Tensor& down, c10::string_view down_format) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts_quantized: x [T, H] float32");
+  const int64_t num_tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == num_tokens && weights.scalar_type() == at::kFloat &&
+                  experts.sizes() == weights.sizes() && experts.scalar_type() == at::kLong,
+              "moe_experts_quantized: weights [T, k] float32 and experts [T, k] int64, one row per row of x");
+  TORCH_CHECK(gate.dim() == 3, "moe_experts_quantized: gate [experts, intermediate, bytes]");
+  const int64_t num_experts = gate.size(0), inter = gate.size(1), top_k = experts.size(1);
+  const ExpertBlocks gate_w = expert_blocks(gate, gate_format, num_experts, inter, hidden, "gate");
+  const ExpertBlocks up_w = expert_blocks(up, up_format, num_experts, inter, hidden, "up");
+  const ExpertBlocks down_w = expert_blocks(down, down_format, num_experts, hidden, inter, "down");
+  const auto ids = experts.contiguous();
+  const auto pair_weights = weights.contiguous();
+  const int64_t* id_data = ids.data_ptr<int64_t>();
+  const int64_t num_pairs = num_tokens * top_k;
+  // The pairs grouped by expert (a counting sort, stable: each group's rows in token order).
+  std::vector<int64_t> starts(num_experts + 1, 0);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    TORCH_CHECK(id_data[p] >= 0 && id_data[p] < num_experts, "moe_experts_quantized: expert id ", id_data[p],
+                " outside 0..", num_experts - 1);
+    ++starts[id_data[p] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
+  std::vector<int64_t> position(num_pairs), next(starts.begin(), starts.end() - 1);
+  for (int64_t p = 0; p < num_pairs; ++p) position[p] = next[id_data[p]]++;
+  auto out = at::zeros({num_tokens, hidden}, x.options());
+  if (num_pairs == 0) return out;
+  const auto rows = x.contiguous();
+  const float* x_data = rows.data_ptr<float>();
+  std::vector<float> gathered(num_pairs * hidden);  // the pairs' rows of x, in group order
+  for (int64_t p = 0; p < num_pairs; ++p)
+    std::copy(x_data + (p / top_k) * hidden, x_data + (p / top_k + 1) * hidden, gathered.data() + position[p] * hidden);
+  const std::vector<float> x_sums = gate_w.has_minimums || up_w.has_minimums
+                                        ? sums_of_blocks(gathered.data(), num_pairs * hidden / kBlockWeights)
+                                        : std::vector<float>();
+  // Tasks of kTileRows weight rows of one expert: the selected experts' tiles over the threads.
+  constexpr int64_t kTileRows = 32;
+  struct Task {
+    int64_t expert, begin, end;
+  };
+  const auto tasks_over = [&](int64_t out_features) {
+    std::vector<Task> tasks;
+    for (int64_t e = 0; e < num_experts; ++e)
+      for (int64_t n = 0; starts[e + 1] > starts[e] && n < out_features; n += kTileRows)
+        tasks.push_back({e, n, std::min(n + kTileRows, out_features)});
+    return tasks;
+  };
+  // A decode step of a small model is microseconds of work: inline, as lora_add does.
+  constexpr int64_t kInlineMultiplyAdds = 1 << 18;
+  const bool is_inline = num_pairs * 3 * inter * hidden < kInlineMultiplyAdds;
+  const auto run = [&](const std::vector<Task>& tasks, auto&& body) {
+    const int64_t count = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, count, is_inline ? count : 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) body(tasks[i]);
+    });
+  };
+  std::vector<float> gate_out(num_pairs * inter), up_out(num_pairs * inter), act(num_pairs * inter);
+  run(tasks_over(inter), [&](const Task& task) {
+    const int64_t first = starts[task.expert], count = starts[task.expert + 1] - first;
+    const float* sums = x_sums.empty() ? nullptr : x_sums.data() + first * (hidden / kBlockWeights);
+    const float* xs = gathered.data() + first * hidden;
+    gate_w.multiply(xs, sums, gate_w.of(task.expert), gate_out.data() + first * inter, hidden, inter, count,
+                    task.begin, task.end);
+    up_w.multiply(xs, sums, up_w.of(task.expert), up_out.data() + first * inter, hidden, inter, count, task.begin,
+                  task.end);
+    for (int64_t r = first; r < first + count; ++r)
+      for (int64_t n = task.begin; n < task.end; ++n) {
+        const float g = gate_out[r * inter + n];
+        act[r * inter + n] = g / (1.f + std::exp(-g)) * up_out[r * inter + n];
+      }
+  });
+  const std::vector<float> act_sums =
+      down_w.has_minimums ? sums_of_blocks(act.data(), num_pairs * inter / kBlockWeights) : std::vector<float>();
+  std::vector<float> down_out(num_pairs * hidden);
+  run(tasks_over(hidden), [&](const Task& task) {
+    const int64_t first = starts[task.expert], count = starts[task.expert + 1] - first;
+    const float* sums = act_sums.empty() ? nullptr : act_sums.data() + first * (inter / kBlockWeights);
+    down_w.multiply(act.data() + first * inter, sums, down_w.of(task.expert), down_out.data() + first * hidden,
+                    inter, hidden, count, task.begin, task.end);
+  });
+  const float* w_data = pair_weights.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const float* expert_row = down_out.data() + position[p] * hidden;
+    float* row = out_data + (p / top_k) * hidden;
+    for (int64_t h = 0; h < hidden; ++h) row[h] += w_data[p] * expert_row[h];
+  }
+  return out;
+}
+
+// The float32 weight [rows, in] of GGUF blocks [rows, bytes] (as few_rows_linear_quantized reads
+// them): the values its kernels multiply by, as gguf's dequantizer computes them. A wide step's
+// selected experts, one at a time, for the GEMM.
+template <typename Block>
+void dequantize_rows(const uint8_t* w, float* out, int64_t in_features, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    float* row_out = out + n * in_features;
+    if constexpr (kIsKQuant<Block>) {
+      const int64_t num_blocks = in_features / kSuperWeights;
+      const Block* row = reinterpret_cast<const Block*>(w) + n * num_blocks;
+      for (int64_t b = 0; b < num_blocks; ++b)
+        for_each_weight_vector(row[b], [&](__m256 weights, int k) {
+          _mm256_storeu_ps(row_out + b * kSuperWeights + k, weights);
+        });
+    } else {
+      const int64_t num_blocks = in_features / kBlockWeights;
+      const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        Floats q[kBlockVectors];
+        unpack(row.blocks[b], q);
+        const Floats d = broadcast_float(row.blocks[b].d);
+        const Floats m = kHasMinimums<Block> ? broadcast_float(row.minimums[b]) : zero_floats();
+        // d * q, then + m: two roundings, as gguf's numpy computes them.
+        for (int v = 0; v < kBlockVectors; ++v)
+          store_floats(row_out + b * kBlockWeights + v * kLanes, add_floats(mul_floats(d, q[v]), m));
+      }
+    }
+  }
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& blocks, c10::string_view format) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "dequantize_blocks: blocks [rows, bytes] uint8, contiguous");
+  return with_block_type(format, "dequantize_blocks", [&](auto block) {
+    using Block = decltype(block);
+    const int64_t block_weights = kIsKQuant<Block> ? kSuperWeights : kBlockWeights;
+    const int64_t block_bytes = blocks_row_bytes<Block>(block_weights);
+    TORCH_CHECK(blocks.size(1) % block_bytes == 0, "dequantize_blocks: ", blocks.size(1),
+                " bytes a row are not whole ", format, " blocks of ", block_bytes);
+    const int64_t in_features = blocks.size(1) / block_bytes * block_weights;
+    auto out = at::empty({blocks.size(0), in_features}, blocks.options().dtype(at::kFloat));
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    float* out_data = out.data_ptr<float>();
+    at::parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
+      dequantize_rows<Block>(w, out_data, in_features, begin, end);
+    });
+    return out;
   });
 }
 
@@ -1300,6 +1532,10 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
+  m.def(
+      "moe_experts_quantized(Tensor x, Tensor weights, Tensor experts, Tensor gate, str gate_format, Tensor up, "
+      "str up_format, Tensor down, str down_format) -> Tensor");
+  m.def("dequantize_blocks(Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(
       "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
@@ -1319,6 +1555,8 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
   m.impl("linear_quantized_int8", &linear_quantized_int8);
+  m.impl("moe_experts_quantized", &moe_experts_quantized);
+  m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("few_rows_decode_layer", &few_rows_decode_layer);
   m.impl("lora_add", &lora_add);

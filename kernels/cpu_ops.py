@@ -1,7 +1,8 @@
 """The CPU path's C++ ops (cpu_ops.cpp): paged decode attention, the few-rows linear (from
 float32 or GGUF-quantized weights, the latter also against 8-bit activations), the fused
-residual add + RMSNorm, batched LoRA deltas, and a whole decoder layer for decode steps of a few
-sequences (with their LoRA deltas); compiled on first use.
+residual add + RMSNorm, batched LoRA deltas, a whole decoder layer for decode steps of a few
+sequences (with their LoRA deltas), and a mixture of experts' selected experts from their GGUF
+blocks (with the blocks' dequantization for wider steps); compiled on first use.
 
 The host's C++ compiler builds them once per source, flags and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 30 s the first time, a
@@ -259,6 +260,33 @@ def few_rows_linear_quantized(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -
     """F.linear for x of at most MAX_LINEAR_ROWS rows from weights in a GGUF block format:
     blocks [out, in / 32 * PACKED_BLOCK_BYTES] uint8, each row its GGUF blocks packed by `to_lanes`."""
     return ops().few_rows_linear_quantized(x, blocks, fmt)
+
+
+# The most rows a step's mixture of experts multiplies from the experts' GGUF blocks
+# (moe_experts_quantized); wider steps (prefills) dequantize each selected expert for the GEMM.
+MOE_MAX_ROWS = 16
+
+
+def moe_experts_quantized(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate: tuple[torch.Tensor, str],
+    up: tuple[torch.Tensor, str],
+    down: tuple[torch.Tensor, str],
+) -> torch.Tensor:
+    """A MoE layer's selected experts for x [T, H]: sum over each row's k choices of
+    weights[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert experts[t, j] (weights float32,
+    experts int64, [T, k]). gate, up: (blocks [E, I, bytes] uint8, format), down: ([E, H, bytes],
+    format), each expert's rows packed by `to_lanes`. The pairs are grouped by expert, so each
+    selected expert's blocks are read once per step, however many rows chose it."""
+    return ops().moe_experts_quantized(x, weights, experts, *gate, *up, *down)
+
+
+def dequantize_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 weight [rows, in] of GGUF blocks [rows, bytes] as few_rows_linear_quantized
+    reads them (packed by `to_lanes`): the values its kernels multiply by."""
+    return ops().dequantize_blocks(blocks, fmt)
 
 
 def add_rms_norm(

@@ -304,9 +304,9 @@ def test_deepseek_gguf_gives_hfs_logits(
     split per head), V3's sigmoid scores with exp_probs_b, group-limited routing from the expert
     group counts, the weight scale, the leading dense layer, shared experts, YaRN with its mscale
     from yarn_log_multiplier; logits of a prefill and decodes against HF on the dequantized
-    weights."""
+    weights. The routed experts stay Q8_0 blocks in memory (the fused op's in the decodes)."""
     from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
-    from tests.test_moe import write_moe_gguf
+    from tests.test_moe import CountingMixtures, check_experts_stay_blocks, write_moe_gguf
 
     changes, split_kv_b = GGUF_VARIANTS[variant]
     config = random_deepseek_config(variant, vocab_size=VOCAB, **changes)
@@ -324,7 +324,10 @@ def test_deepseek_gguf_gives_hfs_logits(
             parsed.ropes[0].rope_type == "yarn"
             and runner.model.layers[1].router_correction_bias.abs().min() > 0
         )
+    check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, load_hf(hf_dir))
+    assert mixtures.rows == [1] * 3 * 2  # three decodes, two sparse layers
 
 
 def test_a_deepseek2_gguf_hf_would_route_otherwise_is_refused_before_conversion(tmp_path: Path) -> None:

@@ -729,6 +729,83 @@ def test_few_rows_linear_k_quants_match_gguf_dequantize(fmt: str, in_features: i
 # ---------------------------------------------------------------- fused MoE
 
 
+def random_gguf_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> np.ndarray:
+    """GGUF blocks [rows, bytes] of a format: gguf's own quantizer's for Q4_1 / Q8_0 (of random
+    weights), random super-blocks for the K-quants (random_k_quant_blocks)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if fmt in cpu_ops.K_QUANTS:
+        return random_k_quant_blocks(fmt, num_rows, in_features, seed)
+    weights = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return quantize(weights.numpy(), GGMLQuantizationType[fmt])
+
+
+# Each supported format for all three projections, and a Q4_K_M file's experts (gate and up Q4_K, down Q6_K).
+MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.QUANTIZED_FORMATS] + [("Q4_K", "Q4_K", "Q6_K")]
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.parametrize("formats", MOE_EXPERT_FORMATS, ids="-".join)
+@pytest.mark.usefixtures("cpu_isa")
+def test_moe_experts_quantized_matches_the_float32_reference(formats: tuple[str, str, str]) -> None:
+    """The fused few-rows MoE op from each expert's own blocks against fused_moe_ref on their
+    dequantization (gguf's dequantizer): 0-16 rows, top-1 / 2 / 4, an expert every row chooses
+    (more rows than one chunk of four), one no row chooses, a strided x; dequantize_blocks gives
+    gguf's values exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kernels.fused_moe import fused_moe_ref
+
+    num_experts, hidden, inter = 6, 512, 256  # whole super-blocks both ways
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))  # gate, up, down: [out, in] an expert
+    projections, dense = [], []
+    for seed, (fmt, (rows, columns)) in enumerate(zip(formats, shapes, strict=True)):
+        raw = random_gguf_blocks(fmt, num_experts * rows, columns, seed)
+        weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+        packed = torch.from_numpy(cpu_ops.to_lanes(raw, fmt))
+        assert torch.equal(cpu_ops.dequantize_blocks(packed, fmt), weight)
+        projections.append((packed.view(num_experts, rows, -1), fmt))
+        dense.append(weight.view(num_experts, rows, columns))
+    gate_up, down = torch.cat(dense[:2], dim=1), dense[2]
+    gen = torch.Generator().manual_seed(7)
+    for num_rows, top_k in ((0, 2), (1, 1), (1, 4), (3, 2), (8, 2), (16, 4)):
+        x = torch.randn(hidden, num_rows, generator=gen).t()
+        logits = torch.randn(num_rows, num_experts, generator=gen)
+        logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
+        experts = torch.topk(logits, top_k)[1]
+        weights = torch.rand(num_rows, top_k, generator=gen)
+        got = cpu_ops.moe_experts_quantized(x, weights, experts, *projections)
+        want = fused_moe_ref(x, gate_up, down, weights, experts, lambda gate, up: F.silu(gate) * up)
+        scale = float(want.abs().max()) if num_rows else 1.0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_moe_experts_quantized_refuses_bad_input() -> None:
+    assert has_cpu_kernels()
+    num_experts, hidden, inter = 4, 64, 32
+    gate = torch.zeros(num_experts, inter, 2 * cpu_ops.PACKED_BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+    down = torch.zeros(num_experts, hidden, cpu_ops.PACKED_BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+    x, weights, experts = torch.randn(2, hidden), torch.rand(2, 2), torch.tensor([[0, 3], [1, 2]])
+    projections = ((gate, "Q8_0"), (gate, "Q8_0"), (down, "Q8_0"))
+    assert cpu_ops.moe_experts_quantized(x, weights, experts, *projections).shape == (2, hidden)
+    with pytest.raises(RuntimeError, match=r"expert id 4 outside 0\.\.3"):
+        cpu_ops.moe_experts_quantized(x, weights, torch.tensor([[0, 4], [1, 2]]), *projections)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_ops.moe_experts_quantized(x, weights, experts.int(), *projections)
+    with pytest.raises(RuntimeError, match="one row per row of x"):
+        cpu_ops.moe_experts_quantized(x[:1], weights, experts, *projections)
+    with pytest.raises(RuntimeError, match="bytes of blocks a row"):
+        cpu_ops.moe_experts_quantized(x, weights, experts, (gate, "Q4_1"), *projections[1:])
+    with pytest.raises(RuntimeError, match=r"down must be contiguous uint8 \[4, 64, bytes\]"):
+        cpu_ops.moe_experts_quantized(x, weights, experts, *projections[:2], (gate, "Q8_0"))
+    with pytest.raises(RuntimeError, match="unknown format"):
+        cpu_ops.moe_experts_quantized(x, weights, experts, (gate, "Q3_K"), *projections[1:])
+    with pytest.raises(RuntimeError, match="not whole Q4_K blocks"):
+        cpu_ops.dequantize_blocks(torch.zeros(2, 100, dtype=torch.uint8), "Q4_K")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (7, 1), (21, 4)])
 @pytest.mark.parametrize("gpt_oss", [False, True])

@@ -692,6 +692,50 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
     check_against_hf(runner, hf)
 
 
+def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]) -> None:
+    """Every sparse layer holds its experts as GGUF blocks (gate, up, down in `formats`), the
+    file's bytes packed by cpu_ops.to_lanes, and no float32 copy of them."""
+    from kernels import cpu_ops
+
+    config = runner.model.config
+    moe = config.moe
+    sparse = [layer for layer in runner.model.layers if layer.moe is not None]
+    assert sparse and len(sparse) == sum(moe.sparse_layers)
+    hidden, inter = config.hidden_size, moe.intermediate_size
+    for layer in sparse:
+        experts = layer.experts_quantized
+        assert experts is not None and experts.formats == formats
+        assert layer.experts_gate_up.numel() == layer.experts_down.numel() == 0
+        expected = 0
+        for blocks, fmt, rows, columns in zip(
+            (experts.gate, experts.up, experts.down),
+            formats,
+            (inter, inter, hidden),
+            (hidden, hidden, inter),
+            strict=True,
+        ):
+            assert blocks.dtype == torch.uint8 and blocks.shape[:2] == (moe.num_experts, rows)
+            per_block = cpu_ops.SUPER_BLOCK_WEIGHTS if fmt in cpu_ops.K_QUANTS else cpu_ops.BLOCK_WEIGHTS
+            expected += moe.num_experts * rows * columns // per_block * cpu_ops.PACKED_BLOCK_BYTES[fmt]
+        assert experts.nbytes == expected < moe.num_experts * 3 * inter * hidden * 4 / 3
+
+
+class CountingMixtures:
+    """Counts the calls of cpu_ops.moe_experts_quantized (the fused few-rows op) and their rows."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kernels import cpu_ops
+
+        self.rows: list[int] = []
+        original = cpu_ops.moe_experts_quantized
+
+        def counted(x: torch.Tensor, *args) -> torch.Tensor:
+            self.rows.append(x.shape[0])
+            return original(x, *args)
+
+        monkeypatch.setattr(cpu_ops, "moe_experts_quantized", counted)
+
+
 # family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)
 GGUF_FAMILIES = {
     "mixtral": ("llama", {}),
@@ -706,7 +750,8 @@ def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pyt
     """Each MoE family through its GGUF, experts from Q8_0 blocks: logits of a prefill and decodes
     against HF on the dequantized weights. Mixtral as a `llama` file (Q and K rows permuted),
     Qwen2-MoE with its shared expert and a dense layer (no ffn_gate_inp there), Qwen3-MoE with
-    renormalized top-k, OLMoE with its q/k norms over all heads."""
+    renormalized top-k, OLMoE with its q/k norms over all heads. The experts stay Q8_0 blocks in
+    memory: the decodes multiply them in the fused op, the prefill dequantizes the selected ones."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
@@ -725,7 +770,29 @@ def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pyt
         assert parsed.moe.shared_expert_intermediate_size == 48
     if arch == "olmoe":
         assert parsed.qk_norm_whole
+    check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+    assert mixtures.rows == [1] * 3 * sum(parsed.moe.sparse_layers)  # three decodes, each sparse layer
+
+
+def test_mixtral_gguf_batched_steps_from_expert_blocks_match_hf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mixtral GGUF with Q8_0 experts through the families' check (batched prefill, decodes of
+    two and three sequences, a prefix-cache hit, a preemption recomputed in chunks): the decode
+    steps' rows share experts in the fused op, the wider steps dequantize the selected experts."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import gguf_runner
+
+    config = random_moe_config("mixtral", tie_word_embeddings=False)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=44, std=0.08, embed_std=0.15)
+    runner = gguf_runner(write_moe_gguf(hf_dir, tmp_path / "mixtral.gguf", "llama"), tmp_path, monkeypatch)
+    check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    mixtures = CountingMixtures(monkeypatch)
+    check_against_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), runner)
+    assert {2, 3} <= set(mixtures.rows) and max(mixtures.rows) <= 16
 
 
 def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
@@ -733,7 +800,7 @@ def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
 ) -> None:
     """A Mixtral whose experts are K-quants as in a Q4_K_M file (gate and up Q4_K, down Q6_K;
     hidden and expert sizes of 256, whole super-blocks): each expert's own super-blocks dequantize
-    to HF's reference weights."""
+    to HF's reference weights, and stay those super-blocks in memory."""
     import json
 
     from safetensors import safe_open
@@ -754,7 +821,10 @@ def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
         formats = json.loads(blocks.metadata()["formats"])
     assert formats["model.layers.1.block_sparse_moe.experts.7.w1.weight"] == "Q4_K"
     assert formats["model.layers.1.block_sparse_moe.experts.7.w2.weight"] == "Q6_K"
+    check_experts_stay_blocks(runner, ("Q4_K", "Q4_K", "Q6_K"))
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+    assert mixtures.rows == [1] * 3 * config.num_hidden_layers
 
 
 def write_gguf_stub(path: Path, arch: str, tensors: list[str], **fields) -> Path:
@@ -833,7 +903,8 @@ def test_moe_gguf_routing_brigade_cannot_run_is_refused_by_name(case: str, tmp_p
 def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:
     """benchmarks/moe_bench.py at a tiny shape: its counted weight bytes per step are the floor
     (the router and each distinct selected expert once), below reading every (token, expert)
-    pair's expert once many rows share experts; both stacks are timed."""
+    pair's expert once many rows share experts; both stacks are timed; and its quantized-experts
+    table times a layer from Q8_0 blocks (the fused op, then dequantize + GEMM past MOE_MAX_ROWS)."""
     import json
     import os
     import subprocess
@@ -853,6 +924,10 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         "32",
         "--layers",
         "2",
+        "--quantized",
+        "Q8_0",
+        "--quantized-batch",
+        "1,8,32",
     ]
     proc = subprocess.run(
         [sys.executable, "benchmarks/moe_bench.py", "--json", str(out), "--repeats", "2", "--batch", "1,16", *args],
@@ -866,6 +941,13 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     )  # one row: every expert distinct
     assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
     assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
+    quantized = json.loads(out.read_text())["quantized"]
+    assert [(row["rows"], row["blocks_path"]) for row in quantized] == [
+        (1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"),
+    ]  # fmt: skip
+    # Q8_0 packed: 36 bytes a block of 32 weights, against float32's 128.
+    assert all(row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * 36 for row in quantized)
+    assert all(row["float32_ms"] > 0 and row["blocks_ms"] > 0 for row in quantized)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -1013,10 +1013,13 @@ def text_weight_name(name: str) -> str | None:
     return name
 
 
-def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterator[tuple[str, object]]:
+def iter_weights(
+    model_dir: Path, shard_spec: ShardSpec | None = None, as_blocks: Collection[str] = ()
+) -> Iterator[tuple[str, object]]:
     """(HF name, torch tensor) for every weight in the dir's safetensors (sharded or not); a
     weight that quantized.safetensors holds as GGUF blocks comes from those, dequantized to its
-    exact float32 values (not the bfloat16 copy beside it).
+    exact float32 values (not the bfloat16 copy beside it), except the `as_blocks` ones (stored
+    names), which the model takes as blocks only (load_weights): those are not read at all.
 
     `shard_spec(name)` -> (dim, start, length) reads only that slice of the weight from the file
     (a tensor-parallel rank's shard); None reads the whole tensor. gpt-oss's MXFP4 experts
@@ -1040,7 +1043,7 @@ def iter_weights(model_dir: Path, shard_spec: ShardSpec | None = None) -> Iterat
             with safe_open(str(file), framework="pt") as f:
                 for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     name = text_weight_name(stored)
-                    if name is None:
+                    if name is None or stored in as_blocks:
                         continue
                     if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
                         base, part = name.rsplit("_", 1)
@@ -1074,14 +1077,20 @@ def load_weights(model, model_dir: Path) -> None:
     """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`, each read as
     the slice `model.shard_spec(name)` names; then, where the model takes them, the GGUF blocks
     of quantized.safetensors via its `load_quantized(blocks, formats)`; then `finish_loading`
-    (which makes the kernels' copies knowing which weights have blocks)."""
-    for name, tensor in iter_weights(model_dir, model.shard_spec):
-        model.load_hf_weight(name, tensor)
-    path = model_dir / QUANTIZED_FILE
-    if model.takes_quantized and path.exists():
-        from safetensors import safe_open
+    (which makes the kernels' copies knowing which weights have blocks). The experts the model
+    keeps as blocks only (`quantized_expert_names`) are never dequantized: a MoE GGUF's experts
+    stay the file's size in memory."""
+    from safetensors import safe_open
 
+    path = model_dir / QUANTIZED_FILE
+    formats: dict[str, str] = {}
+    if model.takes_quantized and path.exists():
         with safe_open(str(path), framework="pt") as f:
             formats = json.loads(f.metadata()["formats"])
+    as_blocks = model.quantized_expert_names(formats) if formats else set()
+    for name, tensor in iter_weights(model_dir, model.shard_spec, as_blocks):
+        model.load_hf_weight(name, tensor)
+    if formats:
+        with safe_open(str(path), framework="pt") as f:
             model.load_quantized({name: f.get_tensor(name) for name in f.keys()}, formats)  # noqa: SIM118
     model.finish_loading()

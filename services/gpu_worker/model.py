@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -289,6 +290,51 @@ def blocks_of(parts: list[torch.Tensor], formats: list[str]) -> Blocks | None:
     return weights[0] if len(weights) == 1 else MixedQuantizedWeight(tuple(weights))
 
 
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A sparse layer's experts kept as their GGUF blocks (no float32 copy): gate and up
+    [experts, I, bytes], down [experts, H, bytes], uint8, each expert's rows packed by
+    cpu_ops.to_lanes, one format a projection (a GGUF stores each projection of all experts as one
+    tensor). Steps of up to cpu_ops.MOE_MAX_ROWS rows multiply the selected experts from them in one
+    op; wider ones dequantize each selected expert for the GEMM (`dequantized`)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    formats: tuple[str, str, str]  # gate's, up's, down's
+
+    @classmethod
+    def of(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
+           formats: tuple[str, str, str]) -> QuantizedExperts:  # fmt: skip
+        """From each expert's GGUF blocks [rows, bytes] (the file's, unpacked), in expert order."""
+
+        def packed(experts: list[torch.Tensor], fmt: str) -> torch.Tensor:
+            stacked = torch.stack(experts)
+            rows = cpu_ops.to_lanes(stacked.flatten(0, 1).numpy(), fmt)  # row by row: experts stay apart
+            return torch.from_numpy(rows).view(stacked.shape[0], stacked.shape[1], -1)
+
+        return cls(*(packed(w, fmt) for w, fmt in zip((gate, up, down), formats, strict=True)), formats)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in (self.gate, self.up, self.down))
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The selected experts' weighted sum for a step of few rows (cpu_ops.moe_experts_quantized)."""
+        (gate_format, up_format, down_format) = self.formats
+        return cpu_ops.moe_experts_quantized(
+            x, weights, experts, (self.gate, gate_format), (self.up, up_format), (self.down, down_format)
+        )
+
+    def dequantized(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's float32 (gate_up [2I, H], down [H, I]), made for one wide step's GEMM."""
+        gate, up, down = (
+            cpu_ops.dequantize_blocks(w[expert], fmt)
+            for w, fmt in zip((self.gate, self.up, self.down), self.formats, strict=True)
+        )
+        return torch.cat((gate, up)), down
+
+
 def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
     """Whether these blocks multiply like `weight` (which loading dequantized from them)."""
     if blocks.out_features != weight.shape[0]:
@@ -300,6 +346,8 @@ def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
 
 
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
+# An expert's own weight, as `moe_weight_name` spells it: (layer, expert, projection).
+EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 # Mixtral's MoE weight names -> the Qwen / OLMoE ones the model loads by (w1 gate, w3 up, w2 down).
 MIXTRAL_NAMES = {
     "block_sparse_moe.": "mlp.",
@@ -370,9 +418,12 @@ class LlamaLayer:
                 shard.shared_intermediate_size,
             )
             self.expert_start = shard.expert_start
+            self.num_local_experts = e
             self.router = empty(self.moe.num_experts, h)  # whole on every rank: each routes every token alike
             self.experts_gate_up = empty(e, 2 * ei, h)  # column-parallel within each expert
             self.experts_down = empty(e, h, ei)  # row-parallel
+            # The experts as GGUF blocks, in place of the two above (LlamaModel.load_quantized).
+            self.experts_quantized: QuantizedExperts | None = None
             self.shared_gate_up = empty(2 * si, h) if si else None
             self.shared_down = empty(h, si) if si else None
             self.shared_expert_gate = empty(1, h) if si and self.moe.shared_expert_gated else None
@@ -416,6 +467,13 @@ class LlamaLayer:
         blocks where loaded, else the oneDNN copy."""
         assert self.onednn is not None
         return tuple(q if q is not None else w for q, w in zip(self.quantized, self.onednn, strict=True))
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A local expert's (gate_up [2I, H], down [H, I]) as a GEMM multiplies them: slices of the
+        float weights, or, for experts kept as blocks, their dequantization (made for this step)."""
+        if self.experts_quantized is not None:
+            return self.experts_quantized.dequantized(expert)
+        return self.experts_gate_up[expert], self.experts_down[expert]
 
     @cached_property
     def decode_layer_weights(self) -> tuple:
@@ -791,6 +849,29 @@ class LlamaModel:
         """Whether `load_quantized` would use GGUF blocks: the few-rows kernel, one rank."""
         return self.has_few_rows_linear and not self.parallel.is_parallel
 
+    def quantized_expert_names(self, formats: dict[str, str]) -> set[str]:
+        """The checkpoint names of the expert weights that stay GGUF blocks (`load_quantized`), so
+        that the loader never dequantizes them: every expert's gate, up and down in a sparse layer
+        whose experts all have blocks of a format the kernels read, on the few-rows CPU path
+        (`takes_quantized`, not the Triton backend), with the SiLU experts that
+        cpu_ops.moe_experts_quantized computes (gpt-oss's biased, clamped ones stay float32)."""
+        if not self.takes_quantized or self.fused_experts is not None or self.config.activation != "silu":
+            return set()
+        by_layer: dict[int, dict[str, str]] = {}
+        for name, fmt in formats.items():
+            match = EXPERT_WEIGHT.fullmatch(moe_weight_name(name))
+            if match:
+                by_layer.setdefault(int(match[1]), {})[name] = fmt
+        kept: set[str] = set()
+        for index, names in by_layer.items():
+            layer = self.layers[index] if index < len(self.layers) else None
+            moe = None if layer is None else layer.moe
+            if moe is None or moe.expert_bias or moe.swiglu_limit or len(names) != 3 * moe.num_experts:
+                continue
+            if all(fmt in cpu_ops.QUANTIZED_FORMATS for fmt in names.values()):
+                kept.update(names)
+        return kept
+
     @property
     def reads_gguf_blocks(self) -> bool:
         """Whether steps of few rows multiply any weight from its GGUF blocks (after `load_quantized`)."""
@@ -823,6 +904,33 @@ class LlamaModel:
             layer.quantized = tuple(quantized(n, w) for n, w in zip(names, layer.plain, strict=True))
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head_quantized = quantized([head], self.lm_head)
+        self._load_quantized_experts(blocks, formats)
+
+    def _load_quantized_experts(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
+        """The experts `quantized_expert_names` keeps as blocks (which the loader did not
+        dequantize), in place of the float32 expert weights, released unwritten. There is
+        no float32 copy to check them against: the float32 weights would be these blocks'
+        dequantization (loader.iter_weights), which the kernels' tests hold them to."""
+        kept = self.quantized_expert_names(formats)
+        by_name = {moe_weight_name(name): name for name in kept}
+        for i, layer in enumerate(self.layers):
+            if f"model.layers.{i}.mlp.experts.0.gate_proj.weight" not in by_name:
+                continue
+            assert layer.moe is not None
+            names = [
+                [
+                    by_name[f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"]
+                    for e in range(layer.moe.num_experts)
+                ]
+                for p in ("gate", "up", "down")
+            ]
+            self._loaded.update(moe_weight_name(name) for projection in names for name in projection)
+            # One GGUF tensor holds a projection of all experts: expert 0's format is every one's.
+            layer_formats = tuple(formats[projection[0]] for projection in names)
+            layer.experts_quantized = QuantizedExperts.of(
+                *([blocks[name] for name in projection] for projection in names), layer_formats
+            )
+            layer.experts_gate_up = layer.experts_down = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def finish_loading(self) -> None:
         """Fail loudly on missing weights (a silently random layer would still 'work'); on the
@@ -1173,7 +1281,7 @@ def moe_mlp(
     weights, experts = moe_route(
         F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias
     )
-    num_local = layer.experts_down.shape[0]
+    num_local = layer.num_local_experts
     if num_local != moe.num_experts:
         local = experts - layer.expert_start
         is_here = (local >= 0) & (local < num_local)
@@ -1183,7 +1291,10 @@ def moe_mlp(
         experts = local.where(is_here, num_local) if fused_experts is None else local.clamp(0, num_local - 1)
     glu = expert_glu(moe, activation)
     down_bias = layer.experts_down_bias if adds_down_bias else None
-    if fused_experts is not None:
+    if layer.experts_quantized is not None and len(x) <= cpu_ops.MOE_MAX_ROWS:
+        # SiLU experts without biases (quantized_expert_names keeps no others as blocks).
+        out = layer.experts_quantized.mixture(x, weights, experts)
+    elif fused_experts is not None:
         out = fused_experts(
             x, layer.experts_gate_up, layer.experts_down, weights, experts, glu,
             gate_up_bias=layer.experts_gate_up_bias, down_bias=down_bias,
@@ -1220,10 +1331,10 @@ def grouped_experts(
 
     The step's (token, expert) pairs are sorted by expert, so each selected expert multiplies all
     of its tokens at once and its weights are read once per step, whatever the number of rows;
-    experts no token chose are not read at all. With `has_few_rows_linear` (CPU float32 with the
-    C++ kernels) an expert with at most cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the
-    few-rows linear, as a dense layer's weights do in such steps (torch's GEMV reads an
-    [out, in] weight several times slower)."""
+    experts no token chose are not read at all (nor, for experts kept as GGUF blocks, dequantized).
+    With `has_few_rows_linear` (CPU float32 with the C++ kernels) an expert with at most
+    cpu_ops.MAX_LINEAR_ROWS tokens multiplies through the few-rows linear, as a dense layer's
+    weights do in such steps (torch's GEMV reads an [out, in] weight several times slower)."""
     top_k = experts.shape[1]
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
@@ -1231,7 +1342,7 @@ def grouped_experts(
     pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     start = 0
-    num_experts = layer.experts_down.shape[0]
+    num_experts = layer.num_local_experts
     # Ids of num_experts (expert parallelism: another rank's experts, `moe_mlp`) sort last: not read.
     for expert, count in enumerate(
         torch.bincount(flat_experts, minlength=num_experts)[:num_experts].tolist()
@@ -1243,10 +1354,9 @@ def grouped_experts(
             cpu_ops.few_rows_linear if has_few_rows_linear and count <= cpu_ops.MAX_LINEAR_ROWS else F.linear
         )
         gate_up_bias = None if layer.experts_gate_up_bias is None else layer.experts_gate_up_bias[expert]
-        gate, up = linear(x[rows], layer.experts_gate_up[expert], gate_up_bias).chunk(2, dim=-1)
-        expert_out = linear(
-            glu(gate, up), layer.experts_down[expert], None if down_bias is None else down_bias[expert]
-        )
+        gate_up_weight, down_weight = layer.expert_weights(expert)
+        gate, up = linear(x[rows], gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+        expert_out = linear(glu(gate, up), down_weight, None if down_bias is None else down_bias[expert])
         out.index_add_(0, rows, expert_out.mul_(pair_weights[start : start + count]))
         start += count
     return out
