@@ -5,13 +5,25 @@ worker runs the language model, whose config is the checkpoint's `text_config`; 
 from __future__ import annotations
 
 # Each vision-language architecture Brigade serves, and the causal LM its language model is.
-VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+VISION_LANGUAGE = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+    "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
+}
+# Those whose image tokens see each other both ways (HF's Gemma 3 mask); the others' image tokens
+# read causally, as text does.
+IMAGES_SEE_EACH_OTHER = {"Gemma3ForConditionalGeneration"}
 
 
 def is_vision_language(config: dict) -> bool:
     """Whether a config.json dict is a vision-language checkpoint's."""
     names = config.get("architectures") or []
     return len(names) == 1 and names[0] in VISION_LANGUAGE
+
+
+def images_see_each_other(config: dict) -> bool:
+    """Whether a vision-language checkpoint's image tokens attend both ways within each image."""
+    return is_vision_language(config) and config["architectures"][0] in IMAGES_SEE_EACH_OTHER
 
 
 def language_model_config(config: dict) -> dict:
