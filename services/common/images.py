@@ -138,7 +138,9 @@ class Normalization:
     def __call__(self, image: Image.Image) -> np.ndarray:
         """[3, height, width] float32 of an RGB image already at its size."""
         # Rescaled in float64, then float32 (HF's rescale), so the pixels are HF's to the bit.
-        scaled = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * self.rescale_factor).astype(np.float32)
+        scaled = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * self.rescale_factor).astype(
+            np.float32
+        )
         mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
         std = np.asarray(self.std, dtype=np.float32)[:, None, None]
         return ((scaled - mean) / std).astype(np.float32)
@@ -164,7 +166,9 @@ class ImageRules:
             return Gemma3ImageRules.from_dir(model_dir)
         if {"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"} & set(architectures):
             return Idefics3ImageRules.from_dir(model_dir)
-        raise ValueError(f"no image rules for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's")
+        raise ValueError(
+            f"no image rules for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+        )
 
     def tiles(self, image: Image.Image) -> list[np.ndarray]:
         """The encoder's inputs for an image, in the order its token runs take them: each
@@ -289,7 +293,9 @@ class Idefics3ImageRules(ImageRules):
             needed.append(f"<row_{rows}_col_{cols}>")
         missing = [token for token in needed if token not in added]
         if missing or added[rules.image_token] != rules.image_token_id:
-            raise ValueError(f"the tokenizer lacks the image tokens {missing or needed[:1]} among its added tokens")
+            raise ValueError(
+                f"the tokenizer lacks the image tokens {missing or needed[:1]} among its added tokens"
+            )
         return rules
 
     def _resized(self, width: int, height: int) -> tuple[int, int]:
@@ -344,7 +350,9 @@ class Idefics3ImageRules(ImageRules):
             return [self.normalize(resized.resize((self.tile, self.tile), resample=self.resample))]
         resized = resized.resize((cols * self.tile, rows * self.tile), resample=self.resample)
         t = self.tile
-        crops = [resized.crop((c * t, r * t, (c + 1) * t, (r + 1) * t)) for r in range(rows) for c in range(cols)]
+        crops = [
+            resized.crop((c * t, r * t, (c + 1) * t, (r + 1) * t)) for r in range(rows) for c in range(cols)
+        ]
         return [self.normalize(crop) for crop in crops] + [
             self.normalize(resized.resize((t, t), resample=self.resample))
         ]

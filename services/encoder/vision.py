@@ -77,6 +77,10 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: dict) -> VisionConfig:
         architectures = d.get("architectures", [])
+        if not ({"Gemma3ForConditionalGeneration", *IDEFICS3} & set(architectures)):
+            raise ValueError(
+                f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+            )
         v = d["vision_config"]
         if set(IDEFICS3) & set(architectures):
             scale = d.get("scale_factor", 2)
@@ -94,10 +98,6 @@ class VisionConfig:
                 tokens_per_tile=(patches // scale) ** 2,
                 text_hidden_size=d["text_config"]["hidden_size"],
                 scale_factor=scale,
-            )
-        if "Gemma3ForConditionalGeneration" not in architectures:
-            raise ValueError(
-                f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
             )
         tokens = d.get("mm_tokens_per_image", 256)
         config = cls(
@@ -217,7 +217,9 @@ class VisionEncoder:
         if not self.config.scale_factor:
             return torch.arange(side * side)
         boundaries = torch.arange(1 / side, 1.0, 1 / side)
-        fractions = torch.arange(side, dtype=torch.float32) * (1.0 / torch.tensor([side], dtype=torch.float32))
+        fractions = torch.arange(side, dtype=torch.float32) * (
+            1.0 / torch.tensor([side], dtype=torch.float32)
+        )
         buckets = torch.bucketize(torch.clamp(fractions, max=1.0 - 1e-6), boundaries, right=True)
         return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
 

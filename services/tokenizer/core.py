@@ -722,7 +722,9 @@ class TokenizerCore:
         if len(refs) != len(entry.image_starts):
             return self.fail(
                 m.RequestFailed(
-                    request_id, "internal", f"the encoder gave {len(refs)} tiles for {len(entry.image_starts)}"
+                    request_id,
+                    "internal",
+                    f"the encoder gave {len(refs)} tiles for {len(entry.image_starts)}",
                 )
             )
         images = [
