@@ -352,6 +352,8 @@ def save_tiny_idefics3(out: Path, smollm2_dir: Path, architecture: str, split: b
             num_attention_heads=2,
         ),
         scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        # Idefics3's head tied to its embeddings by the top-level flag alone, as HF ties it.
+        tie_word_embeddings=family == "Idefics3",
     )  # fmt: skip
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config)

@@ -132,9 +132,9 @@ def test_smolvlm_chats_with_split_images_give_hfs_tokens(tiny_smolvlm_dir: Path,
     )
     assert int((one["input_ids"] == rules.image_token_id).sum()) == 5 * TOKENS_PER_TILE
     assert int((two["input_ids"] == rules.image_token_id).sum()) == 8 * TOKENS_PER_TILE
-    # The tiles are HF's pixels, and the encoder's embeddings HF's connector output.
+    # The tiles are HF's pixels (to float32 rounding), and the encoder's embeddings HF's connector output.
     tiles = np.stack(rules.tiles(open_image(IMAGE_A, 1 << 20)))
-    np.testing.assert_array_equal(tiles, one["pixel_values"][0].numpy())
+    np.testing.assert_allclose(tiles, one["pixel_values"][0].numpy(), rtol=0, atol=1e-6)
     import transformers
 
     hf = transformers.SmolVLMForConditionalGeneration.from_pretrained(tiny_smolvlm_dir, dtype=torch.float32)
@@ -161,3 +161,38 @@ def test_idefics3_chats_without_splitting_give_hfs_tokens(tiny_idefics3_dir: Pat
     assert not rules.needs_sizes and rules.num_tiles(None) == 1  # the global tile alone
     bad_images = {"truncated or corrupt": data_url(IMAGE_A[: len(IMAGE_A) // 2])}
     serve_and_compare(tiny_idefics3_dir, tmp_path / "run", CASES, bad_images)
+
+
+def test_admission_expands_each_image_into_its_tiles(tiny_smolvlm_dir: Path, tiny_idefics3_dir: Path) -> None:
+    """Without a run: the tokenizer counts a split image's tiles from its header, names each
+    tile's run, and refuses an http(s) image whose tiles it cannot count before the fetch."""
+    from ipc import messages as m
+    from services.common.images import image_rules_of
+    from services.common.text import Tokenizer
+    from services.tokenizer.core import RequestError, TokenizerCore
+    from services.tokenizer.image_fetch import RemoteImages
+
+    remote = RemoteImages(max_bytes=1 << 20, timeout_s=5.0, max_redirects=0)
+
+    def admit(model_dir: Path, *parts: m.ImagePart | m.TextPart):
+        core = TokenizerCore(
+            Tokenizer(model_dir), 0, 1, max_model_len=512, max_prompt_chars=1 << 20, default_max_tokens=4,
+            image_rules=image_rules_of(model_dir), num_encoders=1, max_image_bytes=1 << 20, remote_images=remote,
+        )  # fmt: skip
+        chat = m.Generate(
+            "r", messages=[m.ChatMessage("user", list(parts))], params=m.SamplingParams(max_tokens=2)
+        )
+        return core.admit(b"c", chat)
+
+    a, b = m.ImagePart(data_url(IMAGE_A)), m.ImagePart(data_url(IMAGE_B))
+    entry = admit(tiny_smolvlm_dir, a, m.TextPart("and"), b)
+    assert entry.is_encoding and len(entry.image_starts) == 5 + 3
+    prompt = m.unpack_ids(entry.submit.prompt_ids)
+    image_token = ImageRules.from_dir(tiny_smolvlm_dir).image_token_id
+    for start in entry.image_starts:
+        assert (prompt[start : start + TOKENS_PER_TILE] == image_token).all()
+    with pytest.raises(RequestError, match=r"depend on the image's size.* send a data: URL"):
+        admit(tiny_smolvlm_dir, m.ImagePart("http://example.com/cat.png"))
+    # Without splitting, an image is one tile whatever its size, so an http(s) image waits for its fetch.
+    entry = admit(tiny_idefics3_dir, m.ImagePart("http://example.com/cat.png"), a)
+    assert len(entry.image_starts) == 2 and entry.image_urls == {0: "http://example.com/cat.png"}

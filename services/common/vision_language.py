@@ -31,4 +31,8 @@ def language_model_config(config: dict) -> dict:
     under its causal LM's architecture, any other config as it is."""
     if not is_vision_language(config):
         return config
-    return {**config["text_config"], "architectures": [VISION_LANGUAGE[config["architectures"][0]]]}
+    text = {**config["text_config"], "architectures": [VISION_LANGUAGE[config["architectures"][0]]]}
+    # HF ties the LM head to the embeddings by the whole model's flag, whatever text_config says.
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
