@@ -319,7 +319,8 @@ class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class PromptImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One image of a prompt: its `num_tokens` image tokens from prompt position `start`, whose
+    """One image tile of a prompt (services/common/images.py; a Gemma 3 image is one): its
+    `num_tokens` image tokens from prompt position `start`, whose
     embeddings are at `ref` in encoder `encoder`'s cache under content key `key`. The key also
     names the image in the prefix cache (its tokens' ids are all the same image token)."""
 
@@ -380,8 +381,9 @@ class EncodeImages(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class ImagesEncoded(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Each image's content key (`services/common/images.pixels_key`) and where its embeddings
-    are, in order; or `error`, naming the first image that could not be used (a 400)."""
+    """Each image tile's content key (`services/common/images.pixels_key`) and where its
+    embeddings are, in prompt order (a Gemma 3 image is one tile, a SmolVLM one a grid and a
+    global tile); or `error`, naming the first image that could not be used (a 400)."""
 
     request_id: str
     keys: list[bytes] = []

@@ -296,6 +296,88 @@ def tiny_gemma3_vlm_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFact
     return out
 
 
+# SmolVLM's chat template, as its checkpoints ship it: an image part renders as "<image>".
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_IMAGE_TOKENS = (
+    "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+)  # fmt: skip
+
+
+def save_tiny_idefics3(out: Path, smollm2_dir: Path, architecture: str, split: bool) -> Path:
+    """A tiny random SmolVLM or Idefics3 (`architecture`: SigLIP-style tower on 32x32 tiles in
+    8x8 patches, pixel shuffle by 2 to 4 image tokens a tile, a 2-layer Llama) with SmolLM2's
+    tokenizer plus the image tokens, and its processor (images resized to 64 on their longest
+    side, split into 32x32 tiles where `split`) saved beside it, as HF's save_pretrained writes."""
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SMOLVLM_IMAGE_TOKENS)})
+    tokenizer.save_pretrained(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out)
+    family = "SmolVLM" if architecture.startswith("SmolVLM") else "Idefics3"
+    image_processor = getattr(transformers, f"{family}ImageProcessorPil")(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=split
+    )
+    if family == "SmolVLM":
+        # SmolVLMProcessor needs torchvision (its video processor) and num2words, which this
+        # environment lacks: the image processor and the chat template are saved alone, and the
+        # tests build the prompt with the processor module's own image prompt function.
+        image_processor.save_pretrained(out)
+        tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+        tokenizer.save_pretrained(out)
+    else:
+        transformers.Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+            chat_template=SMOLVLM_CHAT_TEMPLATE,
+        ).save_pretrained(out)  # fmt: skip
+    config = getattr(transformers, f"{family}Config")(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2,
+        ),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        # Idefics3's head tied to its embeddings by the top-level flag alone, as HF ties it.
+        tie_word_embeddings=family == "Idefics3",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # wider than HF's init and every norm away from its identity, so each one matters
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random `SmolVLMForConditionalGeneration` whose processor splits images into tiles."""
+    out = tmp_path_factory.mktemp("tiny-smolvlm")
+    return save_tiny_idefics3(out, smollm2_dir, "SmolVLMForConditionalGeneration", split=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random `Idefics3ForConditionalGeneration` whose processor does not split images."""
+    out = tmp_path_factory.mktemp("tiny-idefics3")
+    return save_tiny_idefics3(out, smollm2_dir, "Idefics3ForConditionalGeneration", split=False)
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """`pip install` of a wheel built from this tree, into a directory of its own: the `brigade`

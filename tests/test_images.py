@@ -80,11 +80,11 @@ def test_gemma3_image_tokens_equal_hf_processor(tiny_gemma3_vlm_dir: Path, num_i
     rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
     tokenizer = Tokenizer(tiny_gemma3_vlm_dir)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode(rules.expand(text, num_images))
+    ids = tokenizer.encode(rules.expand(text, [None] * num_images))
     assert ids == expected
     assert ids.count(rules.image_token_id) == 4 * num_images
     with pytest.raises(ImageError, match=f"rendered {num_images} image placeholders for 3 images"):
-        rules.expand(text, 3)
+        rules.expand(text, [None] * 3)
 
 
 def test_pixels_key_is_by_content_not_encoding(tiny_gemma3_vlm_dir: Path) -> None:

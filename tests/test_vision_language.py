@@ -76,7 +76,7 @@ def test_gemma3_prefill_with_images_matches_hf(tiny_gemma3_vlm_dir: Path, embedd
     ]
     rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
     tokenizer = Tokenizer(tiny_gemma3_vlm_dir)
-    prompt = tokenizer.encode(rules.expand(tokenizer.apply_chat_template(messages), len(images)))
+    prompt = tokenizer.encode(rules.expand(tokenizer.apply_chat_template(messages), [None] * len(images)))
     pixels = np.stack([rules.pixels(image) for image in images])
     embeddings = VisionEncoder.load(tiny_gemma3_vlm_dir).encode(torch.from_numpy(pixels))
 
@@ -94,13 +94,13 @@ def test_gemma3_prefill_with_images_matches_hf(tiny_gemma3_vlm_dir: Path, embedd
         ].tolist()
 
     # The encoder's side: the embeddings in its cache, by the images' content keys.
-    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 2, rules.tokens_per_image, 64)
+    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 2, rules.tokens_per_tile, 64)
     keys = [pixels_key(p) for p in pixels]
     refs = [cache.put(key, rows.numpy()) for key, rows in zip(keys, embeddings, strict=True)]
     is_image = np.array(prompt) == rules.image_token_id
-    starts = np.flatnonzero(is_image)[:: rules.tokens_per_image].astype(np.int32)
+    starts = np.flatnonzero(is_image)[:: rules.tokens_per_tile].astype(np.int32)
     image_arrays = {
-        "image_groups": np.where(is_image, (np.cumsum(is_image) - 1) // rules.tokens_per_image, -1).astype(
+        "image_groups": np.where(is_image, (np.cumsum(is_image) - 1) // rules.tokens_per_tile, -1).astype(
             np.int32
         ),
         "image_starts": starts,

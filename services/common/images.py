@@ -5,9 +5,16 @@ image placeholder into the image tokens the language model reads.
 Light: PIL and numpy, no torch (docs/architecture.md invariant 7), since the tokenizer stage runs
 it. Every refusal is an `ImageError` whose message names the problem, for a 400.
 
-One family's rules so far, Gemma 3's: a fixed image size (pan-and-scan off, HF's default),
-bilinear resize, rescale and normalize, and each `<start_of_image>` in the rendered chat replaced
-by "\\n\\n<start_of_image>" + `mm_tokens_per_image` x "<image_soft_token>" + "<end_of_image>\\n\\n".
+An image is one or more tiles, each an encoder input of its own whose embeddings fill one run of
+`tokens_per_tile` image tokens. Two families' rules:
+- Gemma 3 (`Gemma3ImageRules`): one tile, a fixed image size (pan-and-scan off, HF's default),
+  bilinear resize, rescale and normalize; each `<start_of_image>` in the rendered chat replaced by
+  "\\n\\n<start_of_image>" + `mm_tokens_per_image` x "<image_soft_token>" + "<end_of_image>\\n\\n".
+- SmolVLM / Idefics3 (`Idefics3ImageRules`): with `do_image_splitting`, a grid of square tiles of
+  the image resized up to multiples of the tile size, then the whole image as a "global" tile;
+  without, the global tile alone. Each `<image>` is replaced by a `<fake_token_around_image>` +
+  `<row_r_col_c>` + `image_seq_len` x `<image>` run per grid tile, then the global tile's run;
+  so the tokens, unlike Gemma's, depend on the image's size.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,40 +95,125 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
-@dataclass(frozen=True)
-class ImageRules:
-    """How one model takes images: the pixels its encoder reads, and its image tokens."""
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of an image file, from its header alone (the tokenizer's count of its
+    tokens; the encoder decodes it whole, with every check of `open_image`)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError):
+        raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
 
-    height: int
-    width: int
-    resample: int  # a PIL resampling filter
+
+def _processor_config(model_dir: Path) -> dict:
+    """The image processor's config: preprocessor_config.json, or processor_config.json's
+    `image_processor` as transformers 5 saves it."""
+    if (model_dir / "preprocessor_config.json").exists():
+        return json.loads((model_dir / "preprocessor_config.json").read_text())
+    return json.loads((model_dir / "processor_config.json").read_text())["image_processor"]
+
+
+def _added_tokens(model_dir: Path) -> dict[str, int]:
+    added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    return {token["content"]: token["id"] for token in added}
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """HF's rescale and normalize, as its PIL backend does them, from a processor config."""
+
     rescale_factor: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    tokens_per_image: int
-    placeholder: str  # what the chat template renders for each image
+
+    @classmethod
+    def from_processor(cls, processor: dict) -> Normalization:
+        do_normalize = processor.get("do_normalize", True)
+        return cls(
+            rescale_factor=processor.get("rescale_factor", 1 / 255) if processor.get("do_rescale", True) else 1.0,
+            mean=tuple(processor.get("image_mean", (0.5, 0.5, 0.5))) if do_normalize else (0.0,) * 3,
+            std=tuple(processor.get("image_std", (0.5, 0.5, 0.5))) if do_normalize else (1.0,) * 3,
+        )  # fmt: skip
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """[3, height, width] float32 of an RGB image already at its size."""
+        # In float32 (HF rescales in float64, then rounds: at most 1 ulp from HF's values).
+        scaled = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(self.rescale_factor)
+        mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(self.std, dtype=np.float32)[:, None, None]
+        return ((scaled - mean) / std).astype(np.float32)
+
+
+class ImageRules:
+    """How one model takes images: the tiles its encoder reads, and its image tokens. Each
+    placeholder the chat template renders (`placeholder`) becomes an image's tokens."""
+
+    placeholder: str
+    image_token: str
+    image_token_id: int
+    tokens_per_tile: int
+    # Whether an image's tokens depend on its size (which the tokenizer reads from its header).
+    needs_sizes: bool
+
+    @staticmethod
+    def from_dir(model_dir: Path) -> ImageRules:
+        """Read from config.json, the processor's config and the tokenizer's added tokens."""
+        model_dir = Path(model_dir)
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
+        if "Gemma3ForConditionalGeneration" in architectures:
+            return Gemma3ImageRules.from_dir(model_dir)
+        if {"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"} & set(architectures):
+            return Idefics3ImageRules.from_dir(model_dir)
+        raise ValueError(
+            f"no image rules for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+        )
+
+    def tiles(self, image: Image.Image) -> list[np.ndarray]:
+        """The encoder's inputs for an image, in the order its token runs take them: each
+        [3, tile height, tile width] float32, resized and normalized as HF's processor does."""
+        raise NotImplementedError
+
+    def image_text(self, size: tuple[int, int] | None) -> str:
+        """The text an image of `size` (width, height; None where unknown) takes in the prompt."""
+        raise NotImplementedError
+
+    def num_tiles(self, size: tuple[int, int] | None) -> int:
+        return self.image_text(size).count(self.image_token) // self.tokens_per_tile
+
+    def expand(self, text: str, sizes: list[tuple[int, int] | None]) -> str:
+        """`text` with each image placeholder replaced by its image's tokens; the placeholders
+        must be exactly one per image of `sizes`."""
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 != len(sizes):
+            raise ImageError(
+                f"the chat template rendered {len(pieces) - 1} image placeholders for {len(sizes)} images"
+            )
+        out = [pieces[0]]
+        for size, piece in zip(sizes, pieces[1:], strict=True):
+            out += [self.image_text(size), piece]
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class Gemma3ImageRules(ImageRules):
+    height: int
+    width: int
+    resample: int  # a PIL resampling filter
+    normalize: Normalization
+    tokens_per_tile: int
+    placeholder: str
     image_token: str
     image_token_id: int
     end_token: str
+    needs_sizes: bool = False
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ImageRules:
-        """Read from config.json, the processor's config (processor_config.json as transformers
-        5 saves it, or the older preprocessor_config.json) and the tokenizer's added tokens."""
-        model_dir = Path(model_dir)
+    def from_dir(cls, model_dir: Path) -> Gemma3ImageRules:
         config = json.loads((model_dir / "config.json").read_text())
-        if "Gemma3ForConditionalGeneration" not in config.get("architectures", []):
-            raise ValueError(
-                f"no image rules for architectures {config.get('architectures')}: only Gemma 3's"
-            )
-        if (model_dir / "preprocessor_config.json").exists():
-            processor = json.loads((model_dir / "preprocessor_config.json").read_text())
-        else:
-            processor = json.loads((model_dir / "processor_config.json").read_text())["image_processor"]
+        processor = _processor_config(model_dir)
         if processor.get("do_pan_and_scan"):
             raise ValueError("Gemma 3's pan-and-scan is not supported: set do_pan_and_scan false")
-        added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
-        token_text = {token["id"]: token["content"] for token in added}
+        token_text = {i: text for text, i in _added_tokens(model_dir).items()}
         ids = [config["boi_token_index"], config["image_token_index"], config["eoi_token_index"]]
         if any(i not in token_text for i in ids):
             raise ValueError(f"the tokenizer lacks the image tokens {ids} among its added tokens")
@@ -129,34 +222,155 @@ class ImageRules:
             height=size["height"],
             width=size["width"],
             resample=processor.get("resample", Image.Resampling.BILINEAR),
-            rescale_factor=processor.get("rescale_factor", 1 / 255) if processor.get("do_rescale", True) else 1.0,
-            mean=tuple(processor.get("image_mean", (0.5, 0.5, 0.5))) if processor.get("do_normalize", True) else (0.0,) * 3,
-            std=tuple(processor.get("image_std", (0.5, 0.5, 0.5))) if processor.get("do_normalize", True) else (1.0,) * 3,
-            tokens_per_image=config.get("mm_tokens_per_image", 256),
+            normalize=Normalization.from_processor(processor),
+            tokens_per_tile=config.get("mm_tokens_per_image", 256),
             placeholder=token_text[ids[0]],
             image_token=token_text[ids[1]],
             image_token_id=ids[1],
             end_token=token_text[ids[2]],
-        )  # fmt: skip
+        )
 
     def pixels(self, image: Image.Image) -> np.ndarray:
         """[3, height, width] float32: resized, rescaled and normalized as HF's PIL backend does."""
-        resized = np.asarray(
-            image.resize((self.width, self.height), resample=self.resample), dtype=np.float32
-        )
-        scaled = resized.transpose(2, 0, 1) * np.float32(self.rescale_factor)
-        mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
-        std = np.asarray(self.std, dtype=np.float32)[:, None, None]
-        return ((scaled - mean) / std).astype(np.float32)
+        return self.normalize(image.resize((self.width, self.height), resample=self.resample))
 
-    def expand(self, text: str, num_images: int) -> str:
-        """`text` with each image placeholder replaced by the image's tokens; the placeholders
-        must be exactly `num_images`."""
-        found = text.count(self.placeholder)
-        if found != num_images:
-            raise ImageError(f"the chat template rendered {found} image placeholders for {num_images} images")
-        image = f"\n\n{self.placeholder}{self.image_token * self.tokens_per_image}{self.end_token}\n\n"
-        return text.replace(self.placeholder, image)
+    def tiles(self, image: Image.Image) -> list[np.ndarray]:
+        return [self.pixels(image)]
+
+    def image_text(self, size: tuple[int, int] | None) -> str:
+        return f"\n\n{self.placeholder}{self.image_token * self.tokens_per_tile}{self.end_token}\n\n"
+
+
+# HF's SmolVLM / Idefics3 processors never resize past this (4k).
+MAX_IDEFICS3_SIDE = 4096
+
+
+@dataclass(frozen=True)
+class Idefics3ImageRules(ImageRules):
+    longest_edge: int  # the processor's `size`: the image's longest side is resized to it
+    tile: int  # `max_image_size`: the side of every tile, the vision tower's image size
+    split: bool  # `do_image_splitting`
+    resample: int
+    normalize: Normalization
+    tokens_per_tile: int  # the processor's `image_seq_len`
+    image_token_id: int
+    placeholder: str = "<image>"
+    image_token: str = "<image>"
+    fake_token: str = "<fake_token_around_image>"
+    global_token: str = "<global-img>"
+
+    @property
+    def needs_sizes(self) -> bool:  # type: ignore[override]
+        return self.split
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Idefics3ImageRules:
+        config = json.loads((model_dir / "config.json").read_text())
+        processor = _processor_config(model_dir)
+        vision = config["vision_config"]
+        scale = config.get("scale_factor", 2)
+        tokens = (vision["image_size"] // vision["patch_size"]) ** 2 // scale**2
+        tile = processor.get("max_image_size", {"longest_edge": 364})["longest_edge"]
+        if tile != vision["image_size"]:
+            raise ValueError(
+                f"the processor's max_image_size {tile} is not the vision tower's image_size {vision['image_size']}"
+            )
+        added = _added_tokens(model_dir)
+        rules = cls(
+            longest_edge=processor.get("size", {"longest_edge": 4 * tile})["longest_edge"],
+            tile=tile,
+            split=processor.get("do_image_splitting", True),
+            resample=processor.get("resample", Image.Resampling.LANCZOS),
+            normalize=Normalization.from_processor(processor),
+            tokens_per_tile=tokens,
+            image_token_id=config.get("image_token_id", added.get("<image>", -1)),
+        )
+        needed = [rules.image_token, rules.fake_token, rules.global_token]
+        if rules.split:
+            rows, cols = rules.grid(MAX_IDEFICS3_SIDE, MAX_IDEFICS3_SIDE)
+            needed.append(f"<row_{rows}_col_{cols}>")
+        missing = [token for token in needed if token not in added]
+        if missing or added[rules.image_token] != rules.image_token_id:
+            raise ValueError(
+                f"the tokenizer lacks the image tokens {missing or needed[:1]} among its added tokens"
+            )
+        return rules
+
+    def _resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the processor's first resize: the longest side to
+        `longest_edge` (up or down; the other side even), within MAX_IDEFICS3_SIDE."""
+        aspect = width / height
+        if width >= height:
+            width = self.longest_edge
+            height = int(width / aspect)
+            height += height % 2
+        else:
+            height = self.longest_edge
+            width = int(height * aspect)
+            width += width % 2
+        height, width = max(height, 1), max(width, 1)
+        aspect = width / height
+        if width >= height and width > MAX_IDEFICS3_SIDE:
+            width, height = MAX_IDEFICS3_SIDE, int(MAX_IDEFICS3_SIDE / aspect)
+        elif height > width and height > MAX_IDEFICS3_SIDE:
+            height, width = MAX_IDEFICS3_SIDE, int(MAX_IDEFICS3_SIDE * aspect)
+        return max(width, 1), max(height, 1)
+
+    def _split_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the resized image takes before splitting: each side up to a
+        multiple of the tile (the shorter through the aspect ratio, as HF computes it)."""
+        aspect = width / height
+        if width >= height:
+            width = math.ceil(width / self.tile) * self.tile
+            height = math.ceil(int(width / aspect) / self.tile) * self.tile
+        else:
+            height = math.ceil(height / self.tile) * self.tile
+            width = math.ceil(int(height * aspect) / self.tile) * self.tile
+        return width, height
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of the tiles an image of this size splits into; (0, 0): the global
+        tile alone."""
+        if not self.split:
+            return 0, 0
+        width, height = self._split_size(*self._resized(width, height))
+        if width <= self.tile and height <= self.tile:
+            return 0, 0
+        return height // self.tile, width // self.tile
+
+    def tiles(self, image: Image.Image) -> list[np.ndarray]:
+        resized = image.resize(self._resized(*image.size), resample=self.resample)
+        rows, cols = self.grid(*image.size)
+        if not self.split or not rows:
+            # Not split (or too small to): the whole image at the tile size, from the resized one.
+            if self.split:
+                resized = resized.resize(self._split_size(*resized.size), resample=self.resample)
+            return [self.normalize(resized.resize((self.tile, self.tile), resample=self.resample))]
+        resized = resized.resize((cols * self.tile, rows * self.tile), resample=self.resample)
+        t = self.tile
+        crops = [
+            resized.crop((c * t, r * t, (c + 1) * t, (r + 1) * t)) for r in range(rows) for c in range(cols)
+        ]
+        return [self.normalize(crop) for crop in crops] + [
+            self.normalize(resized.resize((t, t), resample=self.resample))
+        ]
+
+    def image_text(self, size: tuple[int, int] | None) -> str:
+        if self.split and size is None:
+            raise ImageError(
+                "image_url: this model's image tokens depend on the image's size, which an http(s) URL "
+                "does not give before it is fetched: send a data: URL"
+            )
+        rows, cols = self.grid(*size) if size is not None else (0, 0)
+        run = self.image_token * self.tokens_per_tile
+        global_tile = f"{self.fake_token}{self.global_token}{run}{self.fake_token}"
+        if not rows:
+            return global_tile
+        grid = "".join(
+            "".join(f"{self.fake_token}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+            for r in range(rows)
+        )
+        return f"{grid}\n{global_tile}"
 
 
 def image_rules_of(model_dir: Path) -> ImageRules | None:

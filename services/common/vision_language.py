@@ -5,7 +5,14 @@ worker runs the language model, whose config is the checkpoint's `text_config`; 
 from __future__ import annotations
 
 # Each vision-language architecture Brigade serves, and the causal LM its language model is.
-VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+VISION_LANGUAGE = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+    "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
+}
+# Those whose image tokens see each other both ways (HF's Gemma 3 mask); the others' image tokens
+# read causally, as text does.
+IMAGES_SEE_EACH_OTHER = {"Gemma3ForConditionalGeneration"}
 
 
 def is_vision_language(config: dict) -> bool:
@@ -14,9 +21,18 @@ def is_vision_language(config: dict) -> bool:
     return len(names) == 1 and names[0] in VISION_LANGUAGE
 
 
+def images_see_each_other(config: dict) -> bool:
+    """Whether a vision-language checkpoint's image tokens attend both ways within each image."""
+    return is_vision_language(config) and config["architectures"][0] in IMAGES_SEE_EACH_OTHER
+
+
 def language_model_config(config: dict) -> dict:
     """The config.json dict of the language model: a vision-language checkpoint's `text_config`
     under its causal LM's architecture, any other config as it is."""
     if not is_vision_language(config):
         return config
-    return {**config["text_config"], "architectures": [VISION_LANGUAGE[config["architectures"][0]]]}
+    text = {**config["text_config"], "architectures": [VISION_LANGUAGE[config["architectures"][0]]]}
+    # HF ties the LM head to the embeddings by the whole model's flag, whatever text_config says.
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text

@@ -34,7 +34,7 @@ class EncoderProcess(StageProcess):
         model_dir = Path(stage.info.model_dir)
         vision = VisionEncoder.load(model_dir)
         rules = ImageRules.from_dir(model_dir)
-        rows, width = vision.config.tokens_per_image, vision.config.text_hidden_size
+        rows, width = vision.config.tokens_per_tile, vision.config.text_hidden_size
         slot_bytes = EmbeddingCache.segment_bytes(1, rows, width)
         cache = EmbeddingCache.create_or_attach(
             stage.endpoints.embedding_cache(stage.index),

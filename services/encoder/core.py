@@ -13,9 +13,10 @@ from services.encoder.vision import VisionEncoder
 
 
 class EncoderCore:
-    """Decodes each image within `max_image_pixels`, resizes and normalizes it by the model's
-    rules, and runs the vision tower on the images the cache lacks, all of one request in one
-    batch. An image already cached (by the content of its pixels) costs its decode only."""
+    """Decodes each image within `max_image_pixels`, cuts it into the tiles the model's rules
+    make (resized and normalized), and runs the vision tower on the tiles the cache lacks, all of
+    one request in one batch. Each tile is cached by the content of its pixels, so a tile already
+    cached costs its image's decode only."""
 
     def __init__(
         self, vision: VisionEncoder, rules: ImageRules, cache: EmbeddingCache, max_image_pixels: int
@@ -24,23 +25,26 @@ class EncoderCore:
         self.rules = rules
         self.cache = cache
         self.max_image_pixels = max_image_pixels
-        self.num_encoded = 0  # images run through the tower
-        self.num_cached = 0  # images the cache had
+        self.num_encoded = 0  # tiles run through the tower
+        self.num_cached = 0  # tiles the cache had
 
     def encode(self, request: m.EncodeImages) -> m.ImagesEncoded:
-        if len(request.images) > self.cache.num_slots:
+        """The keys and cache refs of the request's tiles, image after image, in prompt order."""
+        tiles: list[np.ndarray] = []
+        for i, data in enumerate(request.images):
+            try:
+                tiles += self.rules.tiles(open_image(data, self.max_image_pixels))
+            except ImageError as exc:
+                return m.ImagesEncoded(request.request_id, error=f"images[{i}]: {exc}")
+        if len(tiles) > self.cache.num_slots:
             return m.ImagesEncoded(
                 request.request_id,
-                error=f"{len(request.images)} images; this encoder's cache holds {self.cache.num_slots} "
-                "(encoder.cache_bytes)",
+                error=f"{len(request.images)} images of {len(tiles)} tiles; this encoder's cache holds "
+                f"{self.cache.num_slots} (encoder.cache_bytes)",
             )
         keys: list[bytes] = []
         new: dict[bytes, np.ndarray] = {}
-        for i, data in enumerate(request.images):
-            try:
-                pixels = self.rules.pixels(open_image(data, self.max_image_pixels))
-            except ImageError as exc:
-                return m.ImagesEncoded(request.request_id, error=f"images[{i}]: {exc}")
+        for pixels in tiles:
             key = pixels_key(pixels)
             keys.append(key)
             if key not in new and self.cache.find(key) is None:
@@ -51,6 +55,6 @@ class EncoderCore:
                 self.cache.put(key, rows)
         self.num_encoded += len(new)
         self.num_cached += len(keys) - len(new)
-        # After every put: no image of this request can have evicted another (the count check).
+        # After every put: no tile of this request can have evicted another (the count check).
         refs = [self.cache.find(key) for key in keys]
         return m.ImagesEncoded(request.request_id, keys=keys, refs=refs)  # type: ignore[arg-type]

@@ -1,10 +1,16 @@
 """The vision side of a vision-language model: pixels in, the embeddings its image tokens take out.
 
-One family so far, Gemma 3 (`Gemma3ForConditionalGeneration`): a SigLIP vision tower over a fixed
-image size (no pooling head), then the multi-modal projector, which average-pools the patch grid
-down to `mm_tokens_per_image` tokens, RMS-normalizes them (Gemma's `1 + w` scale) and projects them
-to the language model's width. The embeddings are what the language model puts in place of its
-image tokens as they are: Gemma scales its text embeddings by sqrt(hidden_size), never these.
+Both families run a SigLIP vision tower over square tiles of a fixed size (no pooling head), then
+their own projector:
+- Gemma 3 (`Gemma3ForConditionalGeneration`): average-pools the patch grid down to
+  `mm_tokens_per_image` tokens, RMS-normalizes them (Gemma's `1 + w` scale) and projects them to the
+  language model's width. Gemma scales its text embeddings by sqrt(hidden_size), never these.
+- SmolVLM / Idefics3 (`SmolVLMForConditionalGeneration`, `Idefics3ForConditionalGeneration`): the
+  connector's pixel shuffle folds each `scale_factor` x `scale_factor` block of patches into one
+  token of `scale_factor`^2 times the width, then one linear map (no bias) to the language model's.
+  Their tower's positions are bucketed fractional coordinates (for images of any aspect ratio); a
+  whole tile's are computed the same way, so they are exactly HF's.
+The embeddings are what the language model puts in place of its image tokens as they are.
 
 Plain torch over the checkpoint's own safetensors, so the encoder stage needs neither
 transformers nor the worker's loader (docs/architecture.md invariant 10).
@@ -32,7 +38,13 @@ CHECKPOINT_PREFIXES = (
     ("vision_tower.", TOWER),
     ("model.multi_modal_projector.", PROJECTOR),
     ("multi_modal_projector.", PROJECTOR),
+    # SmolVLM / Idefics3
+    ("model.vision_model.", TOWER),
+    ("vision_model.", TOWER),
+    ("model.connector.", PROJECTOR),
+    ("connector.", PROJECTOR),
 )
+IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 
 def _short_name(name: str) -> str | None:
@@ -53,8 +65,10 @@ class VisionConfig:
     num_layers: int
     layer_norm_eps: float
     hidden_act: str
-    tokens_per_image: int
+    tokens_per_tile: int
     text_hidden_size: int
+    # SmolVLM / Idefics3's pixel-shuffle connector; 0 for Gemma 3's pooling projector.
+    scale_factor: int = 0
 
     @property
     def patches_per_side(self) -> int:
@@ -62,9 +76,29 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> VisionConfig:
-        if "Gemma3ForConditionalGeneration" not in d.get("architectures", []):
-            raise ValueError(f"no vision encoder for architectures {d.get('architectures')}: only Gemma 3's")
+        architectures = d.get("architectures", [])
+        if not ({"Gemma3ForConditionalGeneration", *IDEFICS3} & set(architectures)):
+            raise ValueError(
+                f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+            )
         v = d["vision_config"]
+        if set(IDEFICS3) & set(architectures):
+            scale = d.get("scale_factor", 2)
+            patches = v["image_size"] // v["patch_size"]
+            if scale < 1 or patches % scale:
+                raise ValueError(f"scale_factor {scale} must divide the {patches} patches per side")
+            return cls(
+                image_size=v["image_size"],
+                patch_size=v["patch_size"],
+                hidden_size=v["hidden_size"],
+                num_heads=v["num_attention_heads"],
+                num_layers=v["num_hidden_layers"],
+                layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+                hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+                tokens_per_tile=(patches // scale) ** 2,
+                text_hidden_size=d["text_config"]["hidden_size"],
+                scale_factor=scale,
+            )
         tokens = d.get("mm_tokens_per_image", 256)
         config = cls(
             image_size=v["image_size"],
@@ -74,7 +108,7 @@ class VisionConfig:
             num_layers=v["num_hidden_layers"],
             layer_norm_eps=v.get("layer_norm_eps", 1e-6),
             hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-            tokens_per_image=tokens,
+            tokens_per_tile=tokens,
             text_hidden_size=d["text_config"]["hidden_size"],
         )
         side = math.isqrt(tokens)
@@ -120,6 +154,7 @@ class VisionEncoder:
             raise ValueError(f"the checkpoint lacks vision weights: {', '.join(missing[:4])}")
         self.w = {name: weights[name].to(dtype) for name in self.weight_names()}
         self.act = _activation(config.hidden_act)
+        self.positions = self._positions()
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype = torch.float32) -> VisionEncoder:
@@ -141,9 +176,11 @@ class VisionEncoder:
             TOWER + "embeddings.position_embedding.weight",
             TOWER + "post_layernorm.weight",
             TOWER + "post_layernorm.bias",
-            PROJECTOR + "mm_input_projection_weight",
-            PROJECTOR + "mm_soft_emb_norm.weight",
         ]
+        if self.config.scale_factor:
+            names.append(PROJECTOR + "modality_projection.proj.weight")
+        else:
+            names += [PROJECTOR + "mm_input_projection_weight", PROJECTOR + "mm_soft_emb_norm.weight"]
         for i in range(self.config.num_layers):
             layer = f"{TOWER}encoder.layers.{i}."
             for module in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj",
@@ -153,7 +190,7 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[images, 3, image_size, image_size] normalized pixels -> [images, tokens_per_image,
+        """[tiles, 3, image_size, image_size] normalized pixels -> [tiles, tokens_per_tile,
         text hidden size] embeddings, in float32."""
         c, w = self.config, self.w
         if pixels.shape[1:] != (3, c.image_size, c.image_size):
@@ -166,11 +203,25 @@ class VisionEncoder:
             w[TOWER + "embeddings.patch_embedding.bias"],
             stride=c.patch_size,
         )
-        x = x.flatten(2).transpose(1, 2) + w[TOWER + "embeddings.position_embedding.weight"]
+        x = x.flatten(2).transpose(1, 2) + w[TOWER + "embeddings.position_embedding.weight"][self.positions]
         for i in range(c.num_layers):
             x = self._layer(x, f"{TOWER}encoder.layers.{i}.")
         x = self._layer_norm(x, TOWER + "post_layernorm")
-        return self._project(x).float()
+        return (self._shuffle_and_project(x) if c.scale_factor else self._project(x)).float()
+
+    def _positions(self) -> torch.Tensor:
+        """Each patch's row of the position embeddings. Gemma 3's are in order; Idefics3's are
+        bucketed fractional coordinates (HF's Idefics3VisionEmbeddings), for a whole tile
+        computed in float32 exactly as HF does, whatever the rounding gives."""
+        side = self.config.patches_per_side
+        if not self.config.scale_factor:
+            return torch.arange(side * side)
+        boundaries = torch.arange(1 / side, 1.0, 1 / side)
+        fractions = torch.arange(side, dtype=torch.float32) * (
+            1.0 / torch.tensor([side], dtype=torch.float32)
+        )
+        buckets = torch.bucketize(torch.clamp(fractions, max=1.0 - 1e-6), boundaries, right=True)
+        return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
 
     def _layer_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(
@@ -198,10 +249,21 @@ class VisionEncoder:
         c, w = self.config, self.w
         n, _, width = x.shape
         grid = x.transpose(1, 2).reshape(n, width, c.patches_per_side, c.patches_per_side)
-        kernel = c.patches_per_side // math.isqrt(c.tokens_per_image)
+        kernel = c.patches_per_side // math.isqrt(c.tokens_per_tile)
         pooled = F.avg_pool2d(grid, kernel_size=kernel, stride=kernel).flatten(2).transpose(1, 2)
         # Gemma's RMSNorm: in float32, scaled by (1 + w).
         p = pooled.float()
         p = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + c.layer_norm_eps)
         p = (p * (1.0 + w[PROJECTOR + "mm_soft_emb_norm.weight"].float())).to(self.dtype)
         return p @ w[PROJECTOR + "mm_input_projection_weight"]
+
+    def _shuffle_and_project(self, x: torch.Tensor) -> torch.Tensor:
+        """Idefics3's connector: each scale x scale block of patches becomes one token, its
+        patches' features side by side in HF's order, then projected."""
+        c = self.config
+        n, _, width = x.shape
+        side, scale = c.patches_per_side, c.scale_factor
+        x = x.reshape(n, side, side // scale, width * scale).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // scale, side // scale, width * scale * scale).permute(0, 2, 1, 3)
+        x = x.reshape(n, c.tokens_per_tile, width * scale * scale)
+        return x @ self.w[PROJECTOR + "modality_projection.proj.weight"].T

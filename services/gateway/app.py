@@ -48,7 +48,7 @@ from ipc.validation import (
 )
 from services.audit import ApiKeyFailures
 from services.common.harmony import speaks_harmony
-from services.common.images import ImageError, ImageRules
+from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
 from services.gateway import protocol as p
@@ -725,13 +725,14 @@ class Gateway:
                 except InvalidRequest as exc:
                     raise invalid(str(exc), "messages") from None
                 check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
-                num_images = sum(
-                    isinstance(part, m.ImagePart)
+                images = [
+                    part
                     for x in messages
                     if isinstance(x.content, list)
                     for part in x.content
-                )
-                if num_images and self.image_rules is None:
+                    if isinstance(part, m.ImagePart)
+                ]
+                if images and self.image_rules is None:
                     raise invalid("this model reads no images", "messages")
                 try:
                     text = self.tokenizer.apply_chat_template(
@@ -744,10 +745,10 @@ class Gateway:
                 except Exception as exc:  # a template may raise on unusual conversations
                     raise invalid(f"chat template failed: {exc}", "messages") from None
                 check_prompt_chars(len(text), limit, " once rendered by the chat template")
-                if num_images:  # each image is its tokens, as the tokenizer stage expands them
+                if images:  # each image is its tokens, as the tokenizer stage expands them
                     assert self.image_rules is not None
                     try:
-                        text = self.image_rules.expand(text, num_images)
+                        text = self.image_rules.expand(text, self._image_sizes(images))
                     except ImageError as exc:
                         raise invalid(str(exc), "messages") from None
                 ids = self.tokenizer.encode(text)
@@ -760,6 +761,19 @@ class Gateway:
         except InvalidParams as exc:
             raise invalid(str(exc), field) from None
         return ids, self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+    def _image_sizes(self, images: list[m.ImagePart]) -> list[tuple[int, int] | None]:
+        """Each image's (width, height) where the model's image tokens depend on it: a data
+        URL's from its header; None for an http(s) URL (not fetched here) or where they do not."""
+        assert self.image_rules is not None
+        if not self.image_rules.needs_sizes:
+            return [None] * len(images)
+        return [
+            None
+            if part.url.lower().startswith(("http://", "https://"))
+            else image_size(decode_data_url(part.url, self.settings.max_body_bytes))
+            for part in images
+        ]
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.DetokenizeRequest)

@@ -988,18 +988,21 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
 # A vision-language checkpoint's language model weights, under the names of its causal LM's
-# (services/common/vision_language.py): as the hub's Gemma 3 checkpoints name them, and as
+# (services/common/vision_language.py): as the hub's Gemma 3 and SmolVLM checkpoints name them, and as
 # transformers names them in memory. Its vision weights are the encoder stage's.
 LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),  # SmolVLM / Idefics3
 )
 VISION_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.vision_model.",
+    "model.connector.",
 )
 
 

@@ -25,7 +25,7 @@ from ipc.step_plan import (
 )
 from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
-from services.common.vision_language import language_model_config
+from services.common.vision_language import images_see_each_other, language_model_config
 from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
@@ -93,7 +93,10 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.model_name = model_dir.name
-        raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
+        checkpoint = json.loads((model_dir / "config.json").read_text())
+        raw = language_model_config(checkpoint)
+        # Gemma 3's image tokens see each other both ways; other models' read causally.
+        self.images_see_each_other = images_see_each_other(checkpoint)
         config = config_from_dir(model_dir)
         self.config = config
         # An embedding run (services/common/pooling.py): sampled rows return their pooled state.
@@ -348,7 +351,10 @@ class ModelRunner:
         else:
             is_verifying = num_proposed[rows] > 0
             verifying, rows = rows[is_verifying], rows[~is_verifying]
-        metas = self.model.prepare(arrays, t, s)
+        causal_images = "image_groups" in arrays and not self.images_see_each_other
+        metas = self.model.prepare(
+            {k: v for k, v in arrays.items() if k != "image_groups"} if causal_images else arrays, t, s
+        )
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
             self._fill_placeholders(input_ids, at, table_rows)

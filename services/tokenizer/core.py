@@ -42,7 +42,7 @@ from ipc.validation import (
 )
 from services.common import harmony
 from services.common.grammar_compiler import GrammarError, check_constraint
-from services.common.images import ImageError, ImageRules, decode_data_url
+from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.pooling import Embedding
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tool_parsers import ToolParser, finish_reason
@@ -224,8 +224,9 @@ class TokenizerCore:
         self._check_task(request)
         tools = self._tools(request)
         image_files, image_urls = self._image_files(request)
-        prompt_ids = self._prompt_ids(request, tools, len(image_files))
-        image_starts = self._image_starts(prompt_ids, len(image_files))
+        image_sizes = self._image_sizes(image_files, image_urls)
+        prompt_ids = self._prompt_ids(request, tools, image_sizes)
+        image_starts = self._image_starts(prompt_ids, image_sizes)
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
@@ -483,19 +484,30 @@ class TokenizerCore:
                 files.append(b"")
         return files, urls
 
-    def _image_starts(self, prompt_ids: list[int], num_images: int) -> list[int]:
-        """The prompt position of each image's first token. Its image tokens must be exactly the
-        images' own: text that spells the image token would take embeddings no image gave."""
-        if num_images == 0:
+    def _image_sizes(self, files: list[bytes], urls: dict[int, str]) -> list[tuple[int, int] | None]:
+        """Each image's (width, height), read from its header where the model's image tokens
+        depend on it; None where they do not (and for an http(s) image, not fetched yet)."""
+        if self.image_rules is None or not self.image_rules.needs_sizes:
+            return [None] * len(files)
+        try:
+            return [None if i in urls else image_size(data) for i, data in enumerate(files)]
+        except ImageError as exc:
+            raise RequestError("invalid_request", f"messages: {exc}") from None
+
+    def _image_starts(self, prompt_ids: list[int], sizes: list[tuple[int, int] | None]) -> list[int]:
+        """The prompt position of each image tile's first token. Its image tokens must be exactly
+        the tiles' own: text that spells the image token would take embeddings no image gave."""
+        if not sizes:
             return []  # a text-only request: any image token in it is text, read as such
         assert self.image_rules is not None  # _image_files
-        per_image = self.image_rules.tokens_per_image
+        per_tile = self.image_rules.tokens_per_tile
+        num_tiles = sum(self.image_rules.num_tiles(size) for size in sizes)
         positions = np.flatnonzero(np.asarray(prompt_ids) == self.image_rules.image_token_id)
-        starts = positions[::per_image]
-        # Positions ascend, so each image's last token in its place makes its run contiguous.
+        starts = positions[::per_tile]
+        # Positions ascend, so each tile's last token in its place makes its run contiguous.
         if (
-            len(positions) != num_images * per_image
-            or (positions[per_image - 1 :: per_image] != starts + per_image - 1).any()
+            len(positions) != num_tiles * per_tile
+            or (positions[per_tile - 1 :: per_tile] != starts + per_tile - 1).any()
         ):
             raise RequestError(
                 "invalid_request",
@@ -503,7 +515,9 @@ class TokenizerCore:
             )
         return starts.tolist()
 
-    def _prompt_ids(self, request: m.Generate, tools: list[dict] | None, num_images: int = 0) -> list[int]:
+    def _prompt_ids(
+        self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
+    ) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
@@ -544,10 +558,10 @@ class TokenizerCore:
                 check_prompt_chars(len(text), self.max_prompt_chars, " once rendered by the chat template")
             except PromptTooLong as exc:
                 raise RequestError(exc.code, str(exc)) from None
-            if num_images:
+            if image_sizes:
                 assert self.image_rules is not None  # _image_files
                 try:
-                    text = self.image_rules.expand(text, num_images)
+                    text = self.image_rules.expand(text, image_sizes)
                 except ImageError as exc:
                     raise RequestError("invalid_request", f"messages: {exc}") from None
             return self.tokenizer.encode(text)
@@ -723,9 +737,17 @@ class TokenizerCore:
         if error:
             code = "unavailable" if error.startswith("timeout") else "invalid_request"
             return self.fail(m.RequestFailed(request_id, code, error))
-        per_image = self.image_rules.tokens_per_image if self.image_rules is not None else 0
+        per_tile = self.image_rules.tokens_per_tile if self.image_rules is not None else 0
+        if len(refs) != len(entry.image_starts):
+            return self.fail(
+                m.RequestFailed(
+                    request_id,
+                    "internal",
+                    f"the encoder gave {len(refs)} tiles for {len(entry.image_starts)}",
+                )
+            )
         images = [
-            m.PromptImage(start, per_image, encoder, ref, key)
+            m.PromptImage(start, per_tile, encoder, ref, key)
             for start, ref, key in zip(entry.image_starts, refs, keys, strict=True)
         ]
         entry.submit = msgspec.structs.replace(entry.submit, images=images)
