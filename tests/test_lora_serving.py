@@ -151,10 +151,56 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
             openai.NotFoundError, match="'no-such-lora' does not exist; this server serves 'base'"
         ):
             complete("no-such-lora", prompt)
-        with pytest.raises(
-            openai.BadRequestError, match="served on /v1/chat/completions and /v1/completions only"
-        ):
-            api.responses.create(model="sql-lora", input="hi", max_output_tokens=4)
+
+        # The Responses API under an adapter, then a chain that names no model: it goes on with
+        # the previous response's adapter (PeftModel's text; the base model's would differ).
+        def peft_text(model: str, conversation: list[dict[str, str]]) -> str:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            tokens = greedy(references[model], tokenizer(text, add_special_tokens=False).input_ids)
+            ends = [i for i, token in enumerate(tokens) if token == tokenizer.eos_token_id]
+            return tokenizer.decode(tokens[: ends[0] if ends else None], skip_special_tokens=True)
+
+        first = api.responses.create(
+            model="sql-lora", input=messages[0]["content"], max_output_tokens=NEW_TOKENS, temperature=0
+        )
+        assert first.model == "sql-lora"
+        assert first.output_text == peft_text("sql-lora", messages)
+        second = api.responses.create(
+            previous_response_id=first.id,
+            input="And another one.",
+            max_output_tokens=NEW_TOKENS,
+            temperature=0,
+        )
+        chain = [*messages, {"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": "And another one."}]  # fmt: skip
+        assert second.model == "sql-lora"
+        assert second.output_text == peft_text("sql-lora", chain) != peft_text("base", chain)
+        with pytest.raises(openai.NotFoundError, match="'no-such-lora' does not exist"):
+            api.responses.create(model="no-such-lora", input="hi", max_output_tokens=4)
+
+        # Anthropic's Messages API under the other adapter, over plain HTTP.
+        def anthropic(body: dict) -> tuple[int, dict]:
+            connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
+            connection.request("POST", "/v1/messages", json.dumps(body), {"content-type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, reply_body = anthropic(
+            {"model": "chat-lora", "max_tokens": NEW_TOKENS, "temperature": 0, "messages": messages}
+        )
+        assert status == 200, reply_body
+        assert reply_body["model"] == "chat-lora"
+        assert (
+            reply_body["content"][0]["text"]
+            == peft_text("chat-lora", messages)
+            != peft_text("base", messages)
+        )
+        status, reply_body = anthropic({"model": "no-such-lora", "max_tokens": 4, "messages": messages})
+        assert status == 404 and reply_body["type"] == "error", reply_body
+        assert "'no-such-lora' does not exist" in reply_body["error"]["message"]
+        # An endpoint that does not generate takes no adapter.
+        with pytest.raises(openai.BadRequestError, match="'sql-lora' does not serve this endpoint"):
+            api.embeddings.create(model="sql-lora", input="hi")
 
         # The SDK names the adapter directly; an unknown one is refused by the scheduler.
         with Client(run_dir) as client:
