@@ -386,8 +386,9 @@ class Gateway:
     def with_adapter(self, model: str, plan: Plan) -> str:
         """The model name the reply gives, for a request naming `model` (checked: check_model):
         the LoRA adapter's name, which every job of `plan` then generates with, or the base
-        model's. Every generating endpoint selects its adapter here."""
-        if model not in self.adapters:
+        model's. Every generating endpoint selects its adapter here. Not looked up again: an
+        adapter unloaded since the check is refused by the scheduler, never run as the base."""
+        if not model or model == self.settings.model:
             return self.settings.model
         for job in plan.jobs:
             job.sampling["adapter"] = model

@@ -131,8 +131,8 @@ class ModelRunner:
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
         self.num_lora_swaps = 0  # adapters copied from host memory into a slot, for a step
         # Copies into slots started ahead (a header's lora_prefetch), in flight while steps run:
-        # slot -> (adapter, its copy). On a GPU they run on their own stream.
-        self.lora_copies: dict[int, tuple[str, Future[None]]] = {}
+        # slot -> its copy. On a GPU they run on their own stream.
+        self.lora_copies: dict[int, Future[None]] = {}
         self.num_lora_prefetches = 0
         self._lora_copier = ThreadPoolExecutor(1, "lora-prefetch") if self.lora is not None else None
         self._lora_stream = (
@@ -279,7 +279,7 @@ class ModelRunner:
             path, adapter = self.lora_host[name]
             if self._lora_stream is not None:  # the step's kernels before this header are done
                 self._lora_stream.wait_stream(torch.cuda.current_stream(self.device))
-            self.lora_copies[slot] = (name, self._lora_copier.submit(self._copy_lora, slot, adapter, path))
+            self.lora_copies[slot] = self._lora_copier.submit(self._copy_lora, slot, adapter, path)
             self.num_lora_prefetches += 1
 
     def _copy_lora(self, slot: int, adapter: LoraAdapter, path: str) -> None:
@@ -297,7 +297,7 @@ class ModelRunner:
         for slot in slots:
             copy = self.lora_copies.pop(slot, None)
             if copy is not None:
-                copy[1].result()
+                copy.result()
 
     def lora_batch(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> LoraBatch | None:
         """The step's adapters from the plan's lora_slots (one per row, -1 = none), or None."""
