@@ -105,8 +105,8 @@ class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 MAX_SPECULATIVE_TOKENS = 16  # proposals one row verifies per step (sizes the step-result slots)
-# LoRA slots: a step's header names each slot's adapter (up to 256 characters) within the ring
-# slot's header room (ipc/step_plan.py HEADER_BYTES).
+# LoRA slots: a step's header names each slot's adapter (up to 256 characters), and the few it
+# copies in ahead, within the ring slot's header room (ipc/step_plan.py HEADER_BYTES).
 MAX_LORA_SLOTS = 32
 
 

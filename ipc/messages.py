@@ -705,8 +705,12 @@ class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_seqs: int
     max_top_logprobs: int
     # The LoRA adapter each slot must hold for this step ("" = whatever it holds), when a row has
-    # one: the worker copies in, from host memory, those its slots do not hold yet.
+    # one: the worker copies in, from host memory, those its slots do not hold yet (waiting for a
+    # copy still in flight into that slot).
     lora_slots: list[str] = []
+    # Adapters to copy into slots ahead, by slot ("" = none), when there are any: slots no row of
+    # this step uses, copied while the step runs, for a later step's lora_slots (lora_residency.py).
+    lora_prefetch: list[str] = []
 
 
 class ResultHeader(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

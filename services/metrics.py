@@ -286,7 +286,13 @@ class EngineMetrics:
             labels,
             registry=registry,
         ).labels(*values)
-        self.lora_seen = (0, 0)
+        self.lora_prefetches = Counter(
+            f"{PREFIX}lora_adapter_prefetches",
+            "Of the LoRA adapter swaps, those copied in ahead of the step that needs them",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.lora_seen = (0, 0, 0)
 
     def update(
         self,
@@ -321,12 +327,12 @@ class EngineMetrics:
                 counter.inc(total - seen)
         self.spec_seen = totals
 
-    def update_lora(self, num_loads: int, num_swaps: int) -> None:
-        """Take the scheduler's running totals of adapter loads and swaps into the counters."""
-        totals = (num_loads, num_swaps)
-        for counter, total, seen in zip(
-            (self.lora_loads, self.lora_swaps), totals, self.lora_seen, strict=True
-        ):
+    def update_lora(self, num_loads: int, num_swaps: int, num_prefetches: int) -> None:
+        """Take the scheduler's running totals of adapter loads, swaps and prefetches (the swaps
+        copied in ahead) into the counters."""
+        totals = (num_loads, num_swaps, num_prefetches)
+        counters = (self.lora_loads, self.lora_swaps, self.lora_prefetches)
+        for counter, total, seen in zip(counters, totals, self.lora_seen, strict=True):
             if total > seen:
                 counter.inc(total - seen)
         self.lora_seen = totals

@@ -156,7 +156,11 @@ EXAMPLES: dict[str, list] = {
         m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2]),
         m.AdapterLoaded(0, "sql", "adapter 'sql': rank 128 is over lora.max_rank (64)"),
     ],
-    "STEP_HEADER": [m.StepHeader(7, 100, 4, 5), m.StepHeader(8, 1, 1, 0, ["sql", ""])],
+    "STEP_HEADER": [
+        m.StepHeader(7, 100, 4, 5),
+        m.StepHeader(8, 1, 1, 0, ["sql", ""]),
+        m.StepHeader(9, 1, 1, 0, ["sql", ""], ["", "chat"]),
+    ],
     "RESULT_HEADER": [m.ResultHeader(7, 4), m.ResultHeader(8, 0, "bad block")],
     "ENCODER_REQUEST": [m.EncodeImages("r1", [b"\x89PNG...", b"GIF89a..."])],
     "ENCODER_REPLY": [

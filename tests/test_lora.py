@@ -404,6 +404,42 @@ def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
         make_runner(base, {"corrupt": corrupt})
 
 
+def test_an_adapter_copied_in_ahead_serves_a_later_step_without_a_swap(lora_models):
+    """Two slots, three adapters in host memory. A step whose row uses slot 0 names a third
+    adapter for slot 1 in its header's lora_prefetch: the worker starts that copy with the step,
+    and the next step, whose row uses slot 1, waits for the copy instead of swapping on its path;
+    every row's greedy token and logits are its adapter's PeftModel's. Refused: a lora_prefetch into
+    a slot a row of its step uses, one of the wrong length, a row on a slot still being copied
+    into that the header does not name."""
+    base, paths, references = lora_models
+    runner = make_runner(base, paths, max_loras=2)
+    assert runner.lora.names == ["qv-r8", "all-r16-rslora"]
+    builder = PlanBuilder(BLOCK)
+    first, second = list(range(3, 20)), list(range(7, 30))
+    arrays, header = lora_plan(runner, builder, [(0, first, True)], {0: "qv-r8"})
+    for prefetch, refusal in [
+        (["ogd-r4", ""], "lora_prefetch copies into slot 0, which a row of the step uses"),
+        (["ogd-r4"], "lora_prefetch names 1 slots, the worker has 2"),
+    ]:
+        with pytest.raises(InvalidPlan, match=refusal):
+            runner.execute(arrays, msgspec.structs.replace(header, lora_prefetch=prefetch))
+    header = msgspec.structs.replace(header, lora_slots=["qv-r8", ""], lora_prefetch=["", "ogd-r4"])
+    swaps = runner.num_lora_swaps
+    result = runner.execute(arrays, header)
+    assert int(result["sampled_ids"][0]) == int(reference_logits(references["qv-r8"], first).argmax())
+    assert runner.num_lora_prefetches == 1 and set(runner.lora_copies) == {1}
+    arrays, header = builder.plan([(1, second, True)])
+    arrays["lora_slots"] = np.array([1], np.int32)
+    with pytest.raises(InvalidPlan, match="lora_slots names slot 1, which holds no adapter"):
+        runner.validate(arrays, header)  # the header does not name the slot: its copy is not waited for
+    header = msgspec.structs.replace(header, lora_slots=["", "ogd-r4"])
+    runner.swap_loras(header.lora_slots)  # as execute does first: waits for the copy in flight
+    assert runner.lora.names == ["qv-r8", "ogd-r4"] and not runner.lora_copies
+    assert runner.num_lora_swaps == swaps  # nothing was copied on this step's path
+    expected = reference_logits(references["ogd-r4"], second)
+    torch.testing.assert_close(step_logits(runner, arrays, header)[0], expected, atol=2e-4, rtol=2e-4)
+
+
 def test_adapters_beyond_the_slots_swap_in_from_host_memory(lora_models):
     """Three adapters in host memory, one slot: each step's header names the slot's adapter and
     the worker copies it in; every row's logits are its adapter's PeftModel's. A header that

@@ -135,3 +135,35 @@ def test_slots_swap_least_recently_used_never_under_a_running_request() -> None:
     assert slots.acquire("c") == 1 and slots.names == ["a", "c"] and slots.num_swaps == 3
     slots.forget("a")
     assert slots.names == ["", "c"]
+
+
+def test_adapters_of_waiting_requests_are_copied_in_ahead_never_over_one_in_use() -> None:
+    """`prefetch`: the adapters of waiting requests go into slots no running request uses, one a
+    step, never over an adapter that a request ahead of theirs wants; the step that admits them
+    finds them resident (no swap). The header names a slot for the step's rows only where running
+    requests use it, and the copies to start in lora_prefetch."""
+    slots = LoraResidency(2)
+    assert slots.acquire("a") == 0
+    slots.prefetch(["", "b", "c"])  # the base model's request needs none; one copy a step
+    assert slots.names == ["a", "b"] and slots.header() == (("a", ""), ("", "b"))
+    assert (slots.num_swaps, slots.num_prefetches) == (2, 1)
+    slots.next_step()
+    assert slots.header() == (("a", ""), ())
+    slots.prefetch(["b", "c"])  # b's slot is kept for b, a's is in use: c waits
+    assert slots.names == ["a", "b"] and slots.header()[1] == ()
+    assert slots.acquire("b") == 1 and slots.num_swaps == 2  # resident: no swap on the step's path
+    slots.release(0)  # a's request leaves
+    slots.next_step()
+    slots.prefetch(["a", "c"])  # a is wanted first: c may not take its slot
+    assert slots.header() == (("", "b"), ())
+    slots.release(1)  # b's request leaves
+    slots.next_step()
+    slots.prefetch(["c"])  # into the least recently used free slot: a's
+    assert slots.names == ["c", "b"] and slots.header() == ((), ("c", ""))
+    slots.next_step()
+    assert slots.acquire("d") == 1  # c, copied in after b's request left, counts as used later
+    assert slots.names == ["c", "d"] and (slots.num_swaps, slots.num_prefetches) == (4, 2)
+    slots.prefetch(["e"])  # over c: its slot is free, and no waiting request ahead of e wants c
+    assert slots.names == ["e", "d"]
+    slots.forget("e")  # unloaded in this step: its copy is not announced
+    assert slots.names == ["", "d"] and slots.header() == (("", "d"), ())

@@ -151,10 +151,56 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
             openai.NotFoundError, match="'no-such-lora' does not exist; this server serves 'base'"
         ):
             complete("no-such-lora", prompt)
-        with pytest.raises(
-            openai.BadRequestError, match="served on /v1/chat/completions and /v1/completions only"
-        ):
-            api.responses.create(model="sql-lora", input="hi", max_output_tokens=4)
+
+        # The Responses API under an adapter, then a chain that names no model: it goes on with
+        # the previous response's adapter (PeftModel's text; the base model's would differ).
+        def peft_text(model: str, conversation: list[dict[str, str]]) -> str:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            tokens = greedy(references[model], tokenizer(text, add_special_tokens=False).input_ids)
+            ends = [i for i, token in enumerate(tokens) if token == tokenizer.eos_token_id]
+            return tokenizer.decode(tokens[: ends[0] if ends else None], skip_special_tokens=True)
+
+        first = api.responses.create(
+            model="sql-lora", input=messages[0]["content"], max_output_tokens=NEW_TOKENS, temperature=0
+        )
+        assert first.model == "sql-lora"
+        assert first.output_text == peft_text("sql-lora", messages)
+        second = api.responses.create(
+            previous_response_id=first.id,
+            input="And another one.",
+            max_output_tokens=NEW_TOKENS,
+            temperature=0,
+        )
+        chain = [*messages, {"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": "And another one."}]  # fmt: skip
+        assert second.model == "sql-lora"
+        assert second.output_text == peft_text("sql-lora", chain) != peft_text("base", chain)
+        with pytest.raises(openai.NotFoundError, match="'no-such-lora' does not exist"):
+            api.responses.create(model="no-such-lora", input="hi", max_output_tokens=4)
+
+        # Anthropic's Messages API under the other adapter, over plain HTTP.
+        def anthropic(body: dict) -> tuple[int, dict]:
+            connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
+            connection.request("POST", "/v1/messages", json.dumps(body), {"content-type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, reply_body = anthropic(
+            {"model": "chat-lora", "max_tokens": NEW_TOKENS, "temperature": 0, "messages": messages}
+        )
+        assert status == 200, reply_body
+        assert reply_body["model"] == "chat-lora"
+        assert (
+            reply_body["content"][0]["text"]
+            == peft_text("chat-lora", messages)
+            != peft_text("base", messages)
+        )
+        status, reply_body = anthropic({"model": "no-such-lora", "max_tokens": 4, "messages": messages})
+        assert status == 404 and reply_body["type"] == "error", reply_body
+        assert "'no-such-lora' does not exist" in reply_body["error"]["message"]
+        # An endpoint that does not generate takes no adapter.
+        with pytest.raises(openai.BadRequestError, match="'sql-lora' does not serve this endpoint"):
+            api.embeddings.create(model="sql-lora", input="hi")
 
         # The SDK names the adapter directly; an unknown one is refused by the scheduler.
         with Client(run_dir) as client:
@@ -414,31 +460,97 @@ def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path
 
         # The swaps are counted (each of the three adapters went into the slot at least once), and
         # the scheduler's status row and lora_requests_info name the adapters.
-        def metrics() -> str:
-            connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
-            connection.request("GET", "/metrics")
-            return connection.getresponse().read().decode()
-
-        def swaps() -> float:
-            found = re.search(r"^brigade:lora_adapter_swaps_total\{[^}]*\} (\S+)$", metrics(), re.M)
-            return float(found[1]) if found else 0.0
-
         deadline = time.monotonic() + 30
-        while swaps() < 3 and time.monotonic() < deadline:
+        while counter(run, "lora_adapter_swaps") < 3 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert swaps() >= 3
+        assert counter(run, "lora_adapter_swaps") >= 3
         row = next(row for row in run.status() if row["kind"] == "scheduler")
         assert row["lora_adapters"] == ["chat-lora", "sql-lora", "third-lora"]
-
-        def lora_info() -> list[str]:
-            return [line for line in metrics().splitlines() if line.startswith("brigade:lora_requests_info{")]
 
         # Every request has finished: the next heartbeat says so (the one before may still name one).
         idle = 'running_lora_adapters="",waiting_lora_adapters=""} 1.0'
         deadline = time.monotonic() + 30
-        while not (len(info := lora_info()) == 1 and idle in info[0]) and time.monotonic() < deadline:
+        while not (len(info := lora_info(run)) == 1 and idle in info[0]) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(info) == 1 and idle in info[0], info
+    assert_clean(run_dir)
+
+
+def scrape(run) -> str:
+    connection = http.client.HTTPConnection(*gateway_url(run).split("//")[1].split("/")[0].split(":"))
+    connection.request("GET", "/metrics")
+    return connection.getresponse().read().decode()
+
+
+def counter(run, name: str) -> float:
+    """The scheduler's counter brigade:<name>_total (0 before it counts anything)."""
+    found = re.search(rf"^brigade:{name}_total\{{[^}}]*\}} (\S+)$", scrape(run), re.M)
+    return float(found[1]) if found else 0.0
+
+
+def lora_info(run) -> list[str]:
+    return [line for line in scrape(run).splitlines() if line.startswith("brigade:lora_requests_info{")]
+
+
+def test_adapters_of_waiting_requests_are_copied_in_ahead(lora_serving, tmp_path: Path) -> None:
+    """Two slots, three adapters in host memory, one request running at a time
+    (engine.max_num_seqs 1). A long base-model stream runs while six adapter requests queue
+    behind it: the scheduler copies their adapters into the free slots ahead of the steps that
+    admit them (the step header's lora_prefetch), one a step, never over the adapter of a request
+    ahead, so every swap is a prefetch, and no copy is made on an admitting step's path. Each
+    request's tokens are its adapter's PeftModel's."""
+    import openai
+
+    from tests.test_lora import save_random_adapter
+
+    base, adapters = lora_serving
+    third = save_random_adapter(
+        base, tmp_path / "third", 7, r=16, lora_alpha=16, target_modules=["v_proj", "up_proj"]
+    )
+    adapters = {**adapters, "third-lora": third}
+    references = peft_references(base, adapters)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, 20 + i).tolist() for i in range(6)]
+    models = ["sql-lora", "chat-lora", "third-lora"] * 2
+    expected = [greedy(references[model], prompt) for model, prompt in zip(models, prompts, strict=True)]
+    listed = "{" + ", ".join(f"{name}: {path}" for name, path in adapters.items()) + "}"
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=1024", "engine.max_num_seqs=1",
+        "lora.max_loras=2", "lora.max_cpu_loras=3", f"lora.adapters={listed}", "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+        long_stream = api.completions.create(
+            model="base", prompt=prompts[0], max_tokens=900, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(long_stream))  # it runs: the adapter requests queue behind it
+
+        def complete(job: tuple[str, list[int]]) -> list[int]:
+            model, prompt = job
+            reply = api.completions.create(
+                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+            )  # fmt: skip
+            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(len(models)) as pool:
+            jobs = pool.map(complete, zip(models, prompts, strict=True))
+            queued = 'running_lora_adapters="",waiting_lora_adapters="chat-lora,sql-lora,third-lora"'
+            deadline = time.monotonic() + 60
+            while not any(queued in line for line in lora_info(run)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert any(queued in line for line in lora_info(run)), "the adapter requests never all queued"
+            assert sum(1 for _ in long_stream) > 0  # the base stream ends, and the queue runs
+            got = list(jobs)
+        for model, tokens, want in zip(models, got, expected, strict=True):
+            assert tokens == want, model
+        deadline = time.monotonic() + 30
+        while counter(run, "lora_adapter_swaps") < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        swaps, prefetches = counter(run, "lora_adapter_swaps"), counter(run, "lora_adapter_prefetches")
+        assert swaps >= 3 and prefetches == swaps, (swaps, prefetches)
     assert_clean(run_dir)
 
 

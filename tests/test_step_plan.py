@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ipc.codec import RESULT_HEADER, STEP_HEADER
-from ipc.config import Config
+from ipc.config import MAX_LORA_SLOTS, Config
 from ipc.messages import ResultHeader, StepHeader
 from ipc.shm import ShmRing, new_run_id
 from ipc.step_plan import (
@@ -20,7 +20,8 @@ from ipc.step_plan import (
     plan_limits,
     result_limits,
 )
-from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from ipc.validation import MAX_ADAPTER_NAME_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from services.scheduler.lora_residency import MAX_PREFETCHES_PER_STEP
 from services.scheduler.pipeline import RingExecutor
 from supervision.run import result_slot_bytes, step_slot_bytes
 
@@ -174,7 +175,10 @@ def test_slots_sized_from_the_spec_hold_the_largest_plan_and_result(run_id):
     )
     sizes = {Dim.TOKENS: limits[Dim.TOKENS], Dim.ROWS: rows, Dim.VOCAB_WORDS: limits[Dim.VOCAB_WORDS]}
     STEP_PLAN.check(largest, sizes)
-    header = STEP_HEADER.encode(StepHeader(2**62, limits[Dim.TOKENS], rows, MAX_LOGPROBS))
+    # The largest header: every LoRA slot named, by the longest names, and copies in ahead.
+    names = ["x" * MAX_ADAPTER_NAME_CHARS] * MAX_LORA_SLOTS
+    ahead = names[:MAX_PREFETCHES_PER_STEP] + [""] * (MAX_LORA_SLOTS - MAX_PREFETCHES_PER_STEP)
+    header = STEP_HEADER.encode(StepHeader(2**62, limits[Dim.TOKENS], rows, MAX_LOGPROBS, names, ahead))
     ring = ShmRing.create(f"/brigade-{run_id}-step-0", 1, step_slot_bytes(config, vocab_size), 1)
     try:
         with ring.reserve(1.0) as slot:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -103,6 +103,8 @@ class ThinkingConfigIn(msgspec.Struct, frozen=True):
 
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
+    # Its model (and MessagesRequest's) may name a LoRA adapter (Gateway.check_model).
+    takes_adapter: ClassVar[bool] = True
     model: str = ""
     messages: list[MessageIn]
     system: str | list[TextBlock] | None = None
@@ -408,8 +410,9 @@ class MessagesApi:
         try:
             req = await self.gateway.read_body(request, MessagesRequest)
             plan = plan_chat(chat_request(req), header_seed(request.headers.get(SEED_HEADER)))
-            reply = AnthropicReply(self.gateway.settings.model, list(req.stop_sequences or []))
-            return run_translated(self.gateway, request, plan, reply, req.stream)
+            model = self.gateway.with_adapter(req.model, plan)
+            reply = AnthropicReply(model, list(req.stop_sequences or []))
+            return run_translated(self.gateway, request, plan, model, reply, req.stream)
         except ApiError as error:
             return self._error(request, error)
 

@@ -334,15 +334,7 @@ class Gateway:
             body = msgspec.json.decode(data, type=kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
-        model = getattr(body, "model", "")
-        if model and model != self.settings.model and model not in self.adapters:
-            await self.refresh_adapters()
-        if model in self.adapters and kind not in (p.ChatCompletionRequest, p.CompletionRequest):
-            raise ApiError(400, f"the LoRA adapter {model!r} is served on /v1/chat/completions and /v1/completions "
-                           f"only; here, name the base model {self.settings.model!r}", param="model",
-                           code="adapter_not_supported")  # fmt: skip
-        if model and model != self.settings.model and model not in self.adapters:
-            raise self.model_not_found(model)
+        await self.check_model(getattr(body, "model", ""), getattr(kind, "takes_adapter", False))
         if isinstance(body, p.ChatCompletionRequest):
             self.check_chat_budget(body)
         return body
@@ -384,21 +376,37 @@ class Gateway:
         return ApiError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                         param="model", code="model_not_found")  # fmt: skip
 
-    def with_adapter(self, body: p.ChatCompletionRequest | p.CompletionRequest, plan: Plan) -> str:
-        """The model name the reply gives: the LoRA adapter the body names, which every job then
-        generates with, or the base model's."""
-        if body.model not in self.adapters:
+    async def check_model(self, model: str, takes_adapter: bool) -> None:
+        """A request's model name ("" = the base model): the base model's, or a LoRA adapter's
+        where the request generates (`takes_adapter`: a ClassVar of its body's type); else 404
+        naming the served ones, or 400 for an adapter's name on an endpoint without adapters. A
+        name not known yet is looked up in the engine first (another replica may have loaded it)."""
+        if model and model != self.settings.model and model not in self.adapters:
+            await self.refresh_adapters()
+        if model in self.adapters and not takes_adapter:
+            raise ApiError(400, f"the LoRA adapter {model!r} does not serve this endpoint; "
+                           f"here, name the base model {self.settings.model!r}", param="model",
+                           code="adapter_not_supported")  # fmt: skip
+        if model and model != self.settings.model and model not in self.adapters:
+            raise self.model_not_found(model)
+
+    def with_adapter(self, model: str, plan: Plan) -> str:
+        """The model name the reply gives, for a request naming `model` (checked: check_model):
+        the LoRA adapter's name, which every job of `plan` then generates with, or the base
+        model's. Every generating endpoint selects its adapter here. Not looked up again: an
+        adapter unloaded since the check is refused by the scheduler, never run as the base."""
+        if not model or model == self.settings.model:
             return self.settings.model
         for job in plan.jobs:
-            job.sampling["adapter"] = body.model
-        return body.model
+            job.sampling["adapter"] = model
+        return model
 
     # -- generation --------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
-        model = self.with_adapter(body, plan)
+        model = self.with_adapter(body.model, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
         fmt = ChatFormat(
@@ -410,7 +418,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         body = await self.read_body(request, p.CompletionRequest)
         plan = plan_completion(body, header_seed(request.headers.get(SEED_HEADER)))
-        model = self.with_adapter(body, plan)
+        model = self.with_adapter(body.model, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         echo_prompts = (
             {job.index: job.prompt for job in plan.jobs if job.prompt is not None} if plan.echo else None

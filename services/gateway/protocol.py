@@ -6,7 +6,7 @@ fields, as OpenAI's server does. Responses encode every field, nulls included, i
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -79,6 +79,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    takes_adapter: ClassVar[bool] = True  # its model may name a LoRA adapter (Gateway.check_model)
     messages: list[ChatMessageIn]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -94,6 +95,7 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    takes_adapter: ClassVar[bool] = True  # its model may name a LoRA adapter (Gateway.check_model)
     # A string, a list of strings, token ids, or a list of token id lists. msgspec decodes one
     # array type per union, so the list's items are checked for one kind in services/gateway/jobs.py.
     prompt: str | list[str | int | list[int]]

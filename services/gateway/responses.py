@@ -22,7 +22,7 @@ import asyncio
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -94,6 +94,7 @@ class ReasoningConfig(msgspec.Struct, frozen=True):
 
 
 class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
+    takes_adapter: ClassVar[bool] = True  # its model may name a LoRA adapter (Gateway.check_model)
     model: str = ""
     input: str | list[InputItem]
     instructions: str | None = None
@@ -479,12 +480,18 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         req = await self.gateway.read_body(request, ResponsesRequest)
         conversation: list[dict[str, Any]] = []
+        requested = req.model
         if req.previous_response_id is not None:
             previous = await asyncio.to_thread(self.store.get, req.previous_response_id)
             if previous is None:
                 raise ApiError(400, f"Previous response with id {req.previous_response_id[:80]!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")  # fmt: skip
             conversation = msgspec.to_builtins(previous.conversation)
+            if not requested:
+                # A chain that names no model goes on with its previous response's (a LoRA
+                # adapter's stays selected), if that is still served.
+                requested = str(previous.response.get("model", ""))
+                await self.gateway.check_model(requested, ResponsesRequest.takes_adapter)
         conversation = [*conversation, *input_messages(req.input)]
         try:
             plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
@@ -493,8 +500,9 @@ class ResponsesApi:
         plan.aliases.update(
             {"max_tokens": "max_output_tokens", "prompt": "input", "structured": "text.format"}
         )
-        reply = ResponsesReply(req, self.gateway.settings.model, conversation, self.store)
-        return run_translated(self.gateway, request, plan, reply, req.stream)
+        model = self.gateway.with_adapter(requested, plan)
+        reply = ResponsesReply(req, model, conversation, self.store)
+        return run_translated(self.gateway, request, plan, model, reply, req.stream)
 
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)

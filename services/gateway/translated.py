@@ -61,12 +61,10 @@ class Translation(Protocol):
     def error_event(self, error: ApiError) -> bytes: ...
 
 
-def chat_format(gateway: Gateway, plan: Plan) -> ChatFormat:
+def chat_format(gateway: Gateway, plan: Plan, model: str) -> ChatFormat:
     names = TokenNames(gateway.tokenizer, False)
     parser = tool_parser_for(plan.tools, gateway.auto_tool_format) if plan.tools is not None else None
-    return ChatFormat(
-        gateway.settings.model, names, None, parser, plan.call_id_base, reasoning=gateway.reasoning
-    )
+    return ChatFormat(model, names, None, parser, plan.call_id_base, reasoning=gateway.reasoning)
 
 
 class TranslatedWriter:
@@ -96,10 +94,11 @@ class TranslatedWriter:
 
 
 def run_translated(
-    gateway: Gateway, request: Request, plan: Plan, translation: Translation, stream: bool
+    gateway: Gateway, request: Request, plan: Plan, model: str, translation: Translation, stream: bool
 ) -> Response:
-    """Run `plan` as Gateway.run does chat, with `translation`'s replies."""
-    writer = TranslatedWriter(plan, chat_format(gateway, plan), translation, gateway)
+    """Run `plan` as Gateway.run does chat, with `translation`'s replies; `model` is the name the
+    reply gives (Gateway.with_adapter's)."""
+    writer = TranslatedWriter(plan, chat_format(gateway, plan, model), translation, gateway)
     return gateway.run(request, plan, stream, writer)
 
 

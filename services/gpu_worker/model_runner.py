@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,14 @@ class ModelRunner:
         self.embedding_caches: dict[int, EmbeddingCache] = {}
         self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
         self.num_lora_swaps = 0  # adapters copied from host memory into a slot, for a step
+        # Copies into slots started ahead (a header's lora_prefetch), in flight while steps run:
+        # slot -> its copy. On a GPU they run on their own stream.
+        self.lora_copies: dict[int, Future[None]] = {}
+        self.num_lora_prefetches = 0
+        self._lora_copier = ThreadPoolExecutor(1, "lora-prefetch") if self.lora is not None else None
+        self._lora_stream = (
+            torch.cuda.Stream(self.device) if self.lora is not None and self.device.type == "cuda" else None
+        )
         if int8_activations and not self.model.reads_gguf_blocks:
             log.warning(
                 "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
@@ -212,6 +221,7 @@ class ModelRunner:
             return f"adapter {source.name!r}: {type(exc).__name__}: {exc}"[:1000]
         # An older adapter of this name (unloaded, no request uses it) must not pass for this one
         # in its slot: the slot is emptied, and the next header that names it copies this one in.
+        self._finish_lora_copies(list(self.lora_copies))
         for slot, name in enumerate(self.lora.names):
             if name == source.name:
                 self.lora.clear(slot)
@@ -247,6 +257,7 @@ class ModelRunner:
         if self.lora is None or len(slot_names) != self.lora.max_loras:
             raise InvalidPlan(f"step header: lora_slots names {len(slot_names)} slots, the worker has "
                               f"{self.lora.max_loras if self.lora else 0}")  # fmt: skip
+        self._finish_lora_copies([slot for slot, name in enumerate(slot_names) if name])
         for slot, name in enumerate(slot_names):
             if not name or self.lora.names[slot] == name:
                 continue
@@ -255,6 +266,41 @@ class ModelRunner:
             path, adapter = self.lora_host[name]
             self.lora.load(slot, adapter, path)
             self.num_lora_swaps += 1
+
+    def prefetch_loras(self, slot_names: list[str]) -> None:
+        """Start copying the adapters a header's lora_prefetch names into their slots, which no
+        row of this step uses (validate checked): the copies run while the step does, and a later
+        step whose lora_slots names such a slot waits for its copy only if it is still in flight.
+        An adapter unloaded meanwhile is skipped: a header that needs it is refused as ever."""
+        assert self.lora is not None and self._lora_copier is not None  # validate checked
+        for slot, name in enumerate(slot_names):
+            if not name or name not in self.lora_host:
+                continue
+            self._finish_lora_copies([slot])
+            if self.lora.names[slot] == name:
+                continue
+            path, adapter = self.lora_host[name]
+            if self._lora_stream is not None:  # the step's kernels before this header are done
+                self._lora_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.lora_copies[slot] = self._lora_copier.submit(self._copy_lora, slot, adapter, path)
+            self.num_lora_prefetches += 1
+
+    def _copy_lora(self, slot: int, adapter: LoraAdapter, path: str) -> None:
+        """Put `adapter` into `slot`, on the copy thread (and its own stream on a GPU)."""
+        assert self.lora is not None
+        if self._lora_stream is None:
+            self.lora.load(slot, adapter, path)
+            return
+        with torch.cuda.stream(self._lora_stream):
+            self.lora.load(slot, adapter, path)
+        self._lora_stream.synchronize()
+
+    def _finish_lora_copies(self, slots: list[int]) -> None:
+        """Wait for the copies in flight into `slots` (a failed copy raises here)."""
+        for slot in slots:
+            copy = self.lora_copies.pop(slot, None)
+            if copy is not None:
+                copy.result()
 
     def lora_batch(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> LoraBatch | None:
         """The step's adapters from the plan's lora_slots (one per row, -1 = none), or None."""
@@ -315,6 +361,8 @@ class ModelRunner:
             _check_prompt_targets(arrays, self.vocab_size)
         if "lora_slots" in arrays:
             self._check_lora_slots(arrays["lora_slots"][:s])
+        if header.lora_prefetch:
+            self._check_lora_prefetch(header.lora_prefetch, arrays.get("lora_slots"), s)
         if any(name in arrays for name in IMAGE_ARRAYS):
             self._check_images(arrays, t)
         if "num_proposed" in arrays:
@@ -341,6 +389,8 @@ class ModelRunner:
         """Run one step plan; returns the result arrays (ipc/step_plan.py STEP_RESULT)."""
         self.swap_loras(header.lora_slots)
         at, table_rows = self.validate(arrays, header)
+        if header.lora_prefetch:
+            self.prefetch_loras(header.lora_prefetch)
         t, s, k = header.num_tokens, header.num_seqs, header.max_top_logprobs
         if self.embedding is not None:
             return self._embed(arrays, t, s, k)
@@ -482,10 +532,27 @@ class ModelRunner:
         if self.lora is None:
             raise InvalidPlan("step plan: lora_slots for a worker without adapters (lora.max_loras 0)")
         empty = [
-            slot for slot in used if not 0 <= slot < self.lora.max_loras or self.lora.names[slot] is None
+            slot
+            for slot in used
+            if not 0 <= slot < self.lora.max_loras
+            or self.lora.names[slot] is None
+            or slot in self.lora_copies
         ]
         if empty:
             raise InvalidPlan(f"step plan: lora_slots names slot {empty[0]}, which holds no adapter")
+
+    def _check_lora_prefetch(self, prefetch: list[str], lora_slots: np.ndarray | None, num_seqs: int) -> None:
+        """lora_prefetch names one adapter or "" per slot, and no slot a row of this step uses
+        (its copy would change the adapter under the row)."""
+        if self.lora is None or len(prefetch) != self.lora.max_loras:
+            raise InvalidPlan(f"step header: lora_prefetch names {len(prefetch)} slots, the worker has "
+                              f"{self.lora.max_loras if self.lora else 0}")  # fmt: skip
+        used = set() if lora_slots is None else set(np.unique(lora_slots[:num_seqs]).tolist())
+        clash = [slot for slot, name in enumerate(prefetch) if name and slot in used]
+        if clash:
+            raise InvalidPlan(
+                f"step header: lora_prefetch copies into slot {clash[0]}, which a row of the step uses"
+            )
 
     def _verify(
         self,

@@ -533,7 +533,8 @@ class SchedulerProcess(StageProcess):
                 core.num_prefix_hit_tokens,
                 self.pipeline.execute_times,
             )
-            self.metrics.update_lora(self.adapters.num_loads, core.state.lora.num_swaps)
+            lora = core.state.lora
+            self.metrics.update_lora(self.adapters.num_loads, lora.num_swaps, lora.num_prefetches)
             if core.speculation is not None:
                 spec = core.speculation
                 self.metrics.update_speculation(

@@ -39,6 +39,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.decode import SteadyDecode
 from services.scheduler.grammars import Grammars, plan_grammar
+from services.scheduler.lora_residency import PREFETCH_LOOKAHEAD
 from services.scheduler.plan import PlanTable, ScheduledStep
 from services.scheduler.prefill import Prefill
 from services.scheduler.request import Request, RequestStatus
@@ -211,6 +212,10 @@ class Scheduler:
         chunks = self.prefill.plan(decodes.partial, seqs, budget - num_decode_seqs)
         if not seqs:
             return None
+        if state.lora.names:
+            waiting = state.waiting[:PREFETCH_LOOKAHEAD]
+            state.lora.prefetch(req.params.adapter for req in waiting)
+        lora_slots, lora_prefetch = state.lora.header()
         table = state.table
         if chunks.num_new or proposals:
             rows = np.concatenate((rows, np.array(chunks.rows, np.intp)))
@@ -248,7 +253,8 @@ class Scheduler:
             is_placeholder=is_placeholder,
             table=table,
             eos_token_ids=state.config.eos_token_ids,
-            lora_slots=tuple(state.lora.names) if table.num_lora_rows else (),
+            lora_slots=lora_slots,
+            lora_prefetch=lora_prefetch,
             line_version=-1 if chunks.num_new or proposals else decodes.line_version,
             steady=None if chunks.num_new or proposals else decodes.steady,
             grammar=(

@@ -268,6 +268,7 @@ class ScheduledStep:
     table: PlanTable
     eos_token_ids: tuple[int, ...]
     lora_slots: tuple[str, ...] = ()  # the adapter of each slot, when a row has one (StepHeader.lora_slots)
+    lora_prefetch: tuple[str, ...] = ()  # adapters to copy into slots ahead (StepHeader.lora_prefetch)
     # The running line's version when this step is all of it, in line order, all decodes (steady
     # decode; its SteadyLine then); -1 otherwise. Caches of such steps hold for that version.
     line_version: int = -1
@@ -399,6 +400,7 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
         num_seqs=num_seqs,
         max_top_logprobs=int(num_logprobs.max()) if table.num_logprob_rows and num_seqs else 0,
         lora_slots=list(step.lora_slots),
+        lora_prefetch=list(step.lora_prefetch),
     )
     return header, arrays
 
