@@ -12,6 +12,7 @@ from ipc.messages import ResultHeader, StepHeader
 from ipc.shm import ShmRing, new_run_id
 from ipc.step_plan import (
     MAX_BIAS_ENTRIES_PER_ROW,
+    MAX_CONSTRAINED_PROPOSALS,
     STEP_PLAN,
     STEP_RESULT,
     Dim,
@@ -119,7 +120,8 @@ def test_the_grammar_arrays_may_be_absent_but_not_wrong():
         STEP_PLAN.check({**arrays, **one, "grammar_rows": np.array([1])}, sizes)
     assert "grammar_bitmask" not in STEP_PLAN.neutral({**sizes, Dim.BLOCKS: 2})
     limits = plan_limits(4, 16, 64, 16, vocab_size=32000)
-    assert limits[Dim.VOCAB_WORDS] == 1000 and limits[Dim.CONSTRAINED] == 4
+    # A row per sequence, and one per proposal a step's constrained rows verify.
+    assert limits[Dim.VOCAB_WORDS] == 1000 and limits[Dim.CONSTRAINED] == 4 + MAX_CONSTRAINED_PROPOSALS
     without = SlotSpec(
         "step plan",
         tuple(s for s in STEP_PLAN.arrays if not s.optional),
