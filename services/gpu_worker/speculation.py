@@ -114,3 +114,12 @@ def target_tokens(
     1), V] are the rows' positions in plan order, each row's last known token first."""
     per_position = position_arrays(arrays, verifying)
     return sampler.sample(logits, per_position, np.arange(len(logits)))
+
+
+def proposal_mask(query_start_loc: np.ndarray, num_proposed: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Which of a step's `num_tokens` tokens are proposals: the last `num_proposed[i]` of row i's
+    span (`query_start_loc`)."""
+    mask = np.zeros(num_tokens, np.bool_)
+    for end, count in zip(query_start_loc[1:].tolist(), num_proposed.tolist(), strict=True):
+        mask[end - count : end] = True
+    return mask
