@@ -16,8 +16,9 @@ with x removed and renormalised (the residual), and it is emitted; when every pr
 accepted, the draw after the last one is the bonus token. Each position's draw depends only on
 the logits, the seed and the position, so a row emits exactly the tokens plain decoding emits
 with the same seed, whichever proposals it was given, and the emitted distribution is the
-target's. A draft model whose proposals are themselves sampled from a distribution q would need
-the general rule (accept with min(1, p/q), resample from max(0, p - q)); none is built.
+target's. The draft model (services/gpu_worker/draft.py) drafts greedily, a point mass too; a draft
+whose proposals were sampled from a distribution q would need the general rule (accept with
+min(1, p/q), resample from max(0, p - q)); none is built.
 """
 
 from __future__ import annotations
