@@ -293,6 +293,29 @@ def test_the_supervisor_refuses_a_draft_with_another_vocabulary(
     assert not stage_processes(run_dir)
 
 
+def test_a_kv_budget_that_fits_the_target_but_not_with_its_draft_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The supervisor's check of the CPU KV budget counts the draft's cache (as many blocks as the
+    target's, from the same budget): 1 MiB holds 2048 tokens of the tiny 2-layer model alone,
+    and too few beside its 1-layer draft."""
+    from supervision.preflight import Refused, check_model
+
+    settings = [
+        "engine.device=cpu",
+        "engine.kv_cache_mib=1",
+        "engine.block_size=16",
+        "model.max_model_len=2048",
+    ]
+    check_model(load_config(None, settings), tiny_model_dir)
+    draft = truncated_copy(tiny_model_dir, tmp_path / "draft", 1)
+    with_draft = [*settings, "speculative.method=draft_model", f"speculative.model={draft}"]
+    with pytest.raises(
+        Refused, match=r"KV block\(s\) of 16 tokens of .* and its draft model .*kv_cache_mib >= 2"
+    ):
+        check_model(load_config(None, with_draft), tiny_model_dir)
+
+
 def test_plans_that_ask_for_what_cannot_be_drafted_are_refused(pair: tuple[Path, Path]) -> None:
     """A token to draft for a worker without a draft, one outside a row's proposals, and given
     proposals for a worker that drafts: each step is refused (InvalidPlan), the worker serves on."""
