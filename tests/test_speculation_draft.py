@@ -118,7 +118,7 @@ def serve_in_process(runner: ModelRunner, **config) -> tuple[object, dict[str, l
 
 
 def test_greedy_outputs_with_the_draft_equal_those_without(pair: tuple[Path, Path]) -> None:
-    """Chunked prefill (a 45-token prompt, 16 tokens a step), planned ahead and not, and a pool
+    """Chunked prefill (a 45-token prompt, 16 tokens a step), and a pool
     small enough to preempt: the same tokens; proposals verified, some kept, some rejected."""
     target, draft = pair
     _, plain = serve_in_process(runner_of(target))
