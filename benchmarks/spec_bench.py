@@ -4,9 +4,11 @@ and llama.cpp's server with and without its own n-gram speculation on the same p
 
     python benchmarks/spec_bench.py [--rounds 3] [--output-len 96] [--num-speculative-tokens 4]
         [--llama-server PATH | --no-llama] [--llama-spec-args "--spec-type ngram-simple"]
-        [--set key=value ...] [--json FILE]
+        [--set key=value ...] [--json FILE] [--draft-layers N]
 
-Two Brigade runs of the same config serve side by side, one with `speculative.method: ngram`, and
+Two Brigade runs of the same config serve side by side, one with `speculative.method: ngram`
+(with `--draft-layers N`, a third with `speculative.method: draft_model` whose draft is the
+model's first N layers, a truncated copy written to a temporary directory), and
 two llama-servers (one slot each, the same GGUF), one started with `--llama-spec-args`. Each
 prompt goes to every engine in turn, rotating which goes first, one request at a time (c=1), so
 all see the same host load. Greedy, ignore_eos, the same max_tokens, the same chat template (the
@@ -115,16 +117,55 @@ def counters(port: int) -> dict[str, float]:
     return spec_decode_counters(port)
 
 
-def start_brigades(args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path) -> dict[str, tuple]:
-    """The two Brigade runs, off and ngram, started together: name -> (run, metrics port)."""
+def truncated_draft(args: argparse.Namespace, out: Path) -> Path:
+    """The runs' model cut to its first `args.draft_layers` layers (config and weights), with its
+    tokenizer files: a draft that agrees with it often enough to measure (docs/speculative.md)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from services.gpu_worker.loader import prepare_model
+
+    source = next((s.split("=", 1)[1] for s in args.set if s.startswith("model.path=")), None)
+    model_dir = prepare_model(source)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = args.draft_layers
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    for shard in model_dir.glob("*.safetensors"):  # each file kept whole but for the layers cut
+        with safe_open(shard, "pt") as tensors:
+            metadata = tensors.metadata()
+        kept = {}
+        for name, tensor in load_file(shard).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= args.draft_layers:
+                continue
+            kept[name] = tensor
+        save_file(kept, out / shard.name, metadata)
+    for extra in model_dir.iterdir():
+        if extra.suffix in (".json", ".jinja", ".txt", ".model") and extra.name not in (
+            "config.json",
+            "model.safetensors.index.json",  # sharded checkpoints: each shard is copied, cut
+        ):
+            shutil.copy(extra, out / extra.name)
+    return out
+
+
+def speculating(args: argparse.Namespace, log_dir: Path) -> dict[str, list[str]]:
+    """The speculating runs' overrides by name: n-gram, and the truncated draft if asked for."""
+    k = f"speculative.num_speculative_tokens={args.num_speculative_tokens}"
+    runs = {"ngram": ["speculative.method=ngram", k]}
+    if args.draft_layers:
+        draft = truncated_draft(args, log_dir / "draft")
+        runs["draft"] = ["speculative.method=draft_model", f"speculative.model={draft}", k]
+    return runs
+
+
+def start_brigades(
+    args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path, speculating: dict[str, list[str]]
+) -> dict[str, tuple]:
+    """The Brigade runs, off and each speculating one, started together: name -> (run, metrics port)."""
     runs = {}
-    for name, extra in (
-        ("off", []),
-        (
-            "ngram",
-            ["speculative.method=ngram", f"speculative.num_speculative_tokens={args.num_speculative_tokens}"],
-        ),
-    ):
+    for name, extra in (("off", []), *speculating.items()):
         metrics_port = peers.free_port()
         overrides = [
             "model.dtype=float32",
@@ -197,25 +238,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
     parser.add_argument("--json", type=Path, default=Path("spec_bench.json"))
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="also a draft-model run, the model's first N layers (0: none)",
+    )
     args = parser.parse_args(argv)
     from client import Client
 
     log_dir = Path(tempfile.mkdtemp(prefix="spec-bench-logs-"))
     report: dict = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "sets": {}}
     with contextlib.ExitStack() as stack:
-        runs = start_brigades(args, stack, log_dir)
+        spec_runs = speculating(args, log_dir)
+        runs = start_brigades(args, stack, log_dir, spec_runs)
         llamas = start_llamas(args, stack, log_dir)
-        off = stack.enter_context(Client(runs["off"][0].run_dir))
-        on = stack.enter_context(Client(runs["ngram"][0].run_dir))
         engines: dict[str, Callable[[str, int], float]] = {
-            "off": partial(brigade_tpot_ms, off),
-            "ngram": partial(brigade_tpot_ms, on),
-            **{name: engine.tpot_ms for name, engine in llamas.items()},
+            name: partial(brigade_tpot_ms, stack.enter_context(Client(run.run_dir)))
+            for name, (run, _) in runs.items()
         }
+        engines.update({name: engine.tpot_ms for name, engine in llamas.items()})
         for measure in engines.values():  # warm each engine up once
             measure(CHAT[0], 8)
         for set_name, prompts in SETS.items():
-            before = counters(runs["ngram"][1])
+            before = {name: counters(runs[name][1]) for name in spec_runs}
             drafted_before = {name: (e.drafted, e.accepted) for name, e in llamas.items()}
             tpots: dict[str, list[float]] = {name: [] for name in engines}
             names = list(engines)
@@ -224,16 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                     shift = (r * len(prompts) + i) % len(names)
                     for name in names[shift:] + names[:shift]:
                         tpots[name].append(engines[name](prompt, args.output_len))
-            after = counters(runs["ngram"][1])
-            drafts = after.get(COUNTERS[0], 0) - before.get(COUNTERS[0], 0)
-            accepted = after.get(COUNTERS[1], 0) - before.get(COUNTERS[1], 0)
             stats: dict = {
                 name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
                 for name, v in tpots.items()
             }
-            stats["ratio_p50"] = stats["ngram"]["tpot_p50_ms"] / stats["off"]["tpot_p50_ms"]
-            stats["acceptance_length"] = 1 + accepted / drafts if drafts else None
-            stats["verifications"] = drafts
+            for name in spec_runs:  # n-gram's keys unprefixed, as before the draft run existed
+                after = counters(runs[name][1])
+                drafts = after.get(COUNTERS[0], 0) - before[name].get(COUNTERS[0], 0)
+                accepted = after.get(COUNTERS[1], 0) - before[name].get(COUNTERS[1], 0)
+                prefix = "" if name == "ngram" else f"{name}_"
+                stats[f"{prefix}ratio_p50"] = stats[name]["tpot_p50_ms"] / stats["off"]["tpot_p50_ms"]
+                stats[f"{prefix}acceptance_length"] = 1 + accepted / drafts if drafts else None
+                stats[f"{prefix}verifications"] = drafts
             if "llama_ngram" in llamas:
                 engine = llamas["llama_ngram"]
                 drafted = engine.drafted - drafted_before["llama_ngram"][0]
@@ -261,6 +309,8 @@ def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
             ("Brigade", "off", None, None),
             ("Brigade n-gram", "ngram", s["ratio_p50"], s["acceptance_length"]),
         ]
+        if "draft" in s:
+            rows.append(("Brigade draft model", "draft", s["draft_ratio_p50"], s["draft_acceptance_length"]))
         if "llama" in s:
             rows += [
                 ("llama.cpp", "llama", None, None),
@@ -270,7 +320,7 @@ def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
             ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
             if accepted is None:
                 accepted_text = ""
-            elif key == "ngram":
+            elif key in ("ngram", "draft"):
                 accepted_text = f"length {accepted:.2f}"
             else:
                 accepted_text = f"{accepted:.0%} of drafts"

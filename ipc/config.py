@@ -113,10 +113,13 @@ MAX_LORA_SLOTS = 32
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Speculative decoding (docs/speculative.md): names as vLLM's speculative_config."""
 
-    method: Literal["none", "ngram"] = "none"
+    method: Literal["none", "ngram", "draft_model"] = "none"
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
     prompt_lookup_min: Positive = 1  # the n-gram proposer's shortest match
     prompt_lookup_max: Positive = 4  # and its longest (the longest that matches wins)
+    # draft_model: the draft's HF-format directory (absolute), a smaller model with the target's
+    # vocabulary, run by the same worker (services/gpu_worker/draft.py).
+    model: str = ""
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -467,8 +470,20 @@ def check_lora(config: Config) -> None:
 
 
 def check_speculative(config: Config) -> None:
-    """The n-gram bounds must leave some n to match."""
+    """The n-gram bounds must leave some n to match, and a draft model needs its directory (the
+    supervisor checks its files against the target's before any stage starts:
+    supervision/run.py `prepare_model`)."""
     spec = config.speculative
+    if spec.method == "draft_model" and not os.path.isabs(spec.model):
+        raise ConfigError(
+            "speculative.model: speculative.method draft_model needs the draft model's directory, "
+            f"an absolute path; got {spec.model!r}"
+        )
+    if spec.method == "draft_model" and config.engine.tensor_parallel > 1:
+        raise ConfigError(
+            "speculative.method draft_model runs the draft on one rank: engine.tensor_parallel must be 1, "
+            f"got {config.engine.tensor_parallel}"
+        )
     if spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise ConfigError(
             f"speculative.prompt_lookup_min ({spec.prompt_lookup_min}) must be <= "

@@ -694,6 +694,10 @@ WorkerOutput = Union[WorkerHello, AdapterLoaded]
 # (`rows`) in the previous step". The scheduler plans step N+1 while step N executes, before it
 # knows what N sampled (docs/internals.md, "Overlap").
 PLACEHOLDER_TOKEN = -1
+# In a step plan's `input_ids`, at a verifying row's proposals only: "a token the worker's draft
+# model proposes here" (speculative.method draft_model, docs/speculative.md). The scheduler says
+# how many tokens each row drafts; the worker drafts them in the same step, before verifying.
+DRAFT_TOKEN = -2
 
 
 class StepHeader(msgspec.Struct, tag=True, array_like=True, gc=False):

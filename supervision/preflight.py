@@ -172,13 +172,33 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
     token_width = latent_width or 2 * rank_kv_heads * head_dim  # elements per token and layer
     bytes_per_block = num_layers * engine.block_size * token_width * DTYPE_BYTES[dtype]
-    num_blocks = max((engine.kv_cache_mib << 20) // bytes_per_block, 1)
     max_model_len = min(config.model.max_model_len, int(raw.get("max_position_embeddings", 2048)))
+    what = model_dir.name
+    if config.speculative.method == "draft_model":
+        # The draft's cache takes as many blocks from the same budget (one rank, full attention
+        # heads; prepare_model has checked its config), and its length bounds the run's.
+        draft = language_model_config(
+            json.loads((Path(config.speculative.model) / "config.json").read_text())
+        )
+        draft_heads = int(draft["num_attention_heads"])
+        draft_kv_heads = int(draft.get("num_key_value_heads") or draft_heads)
+        draft_head_dim = int(draft.get("head_dim") or draft["hidden_size"] // draft_heads)
+        bytes_per_block += (
+            int(draft["num_hidden_layers"])
+            * engine.block_size
+            * 2
+            * draft_kv_heads
+            * draft_head_dim
+            * DTYPE_BYTES[dtype]
+        )
+        max_model_len = min(max_model_len, int(draft.get("max_position_embeddings", 2048)))
+        what += " and its draft model"
+    num_blocks = max((engine.kv_cache_mib << 20) // bytes_per_block, 1)
     if num_blocks * engine.block_size < max_model_len:
         need_mib = math.ceil(math.ceil(max_model_len / engine.block_size) * bytes_per_block / (1 << 20))
         raise Refused(
             f"engine.kv_cache_mib={engine.kv_cache_mib} holds {num_blocks} KV block(s) of {engine.block_size} "
-            f"tokens of {model_dir.name} ({bytes_per_block} bytes each in {dtype}), which cannot hold one "
+            f"tokens of {what} ({bytes_per_block} bytes each in {dtype}), which cannot hold one "
             f"sequence of max_model_len={max_model_len}: set engine.kv_cache_mib >= {need_mib} or lower "
             "model.max_model_len"
         )

@@ -88,13 +88,14 @@ def probe_port(host: str, port: int) -> None:
 
 def prepare_model(config: Config) -> Path:
     """The model as an HF-format dir, converted once (cached) in a child process, so that the
-    supervisor never imports torch."""
+    supervisor never imports torch; a draft model (speculative.model) is checked against it there."""
     model = config.model
     what = model.path or f"(embedded {EMBEDDED_MODEL})"
     log.info("preparing model %s", what)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "services.gpu_worker.prepare", model.path, model.cache_dir, model.revision],
+            [sys.executable, "-m", "services.gpu_worker.prepare", model.path, model.cache_dir, model.revision,
+             *([config.speculative.model] if config.speculative.method == "draft_model" else [])],
             capture_output=True, text=True, cwd=REPO_ROOT, check=False, timeout=PREPARE_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:

@@ -511,18 +511,27 @@ def test_every_stage_killed_under_cpu_contention_answers_every_request(
             assert outcome == calm[i], f"{what}: changed its output"
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_worker_and_scheduler_killed_mid_stream_with_speculation_change_nothing(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, method: str
 ) -> None:
-    """With n-gram speculation on (docs/speculative.md), a SIGKILL of the worker, then of the
-    scheduler, while the requests stream leaves every request with the text of a calm run: the
-    recompute (worker) and the resubmission (scheduler) start from accepted tokens only."""
+    """With n-gram or draft-model speculation on (docs/speculative.md; the draft: the tiny
+    model's first layer), a SIGKILL of the worker, then of the scheduler, while the requests
+    stream leaves every request with the text of a calm run: the recompute (worker) and the
+    resubmission (scheduler) start from accepted tokens only, and a restarted worker's draft
+    cache is rebuilt with the target's, from the sequences' whole histories."""
+    from tests.test_speculation_draft import truncated_copy
+
     run_dir = tmp_path_factory.mktemp("chaos-speculative")
     metrics_port = free_port()
+    method_settings = [f"speculative.method={method}"]
+    if method == "draft_model":
+        draft = truncated_copy(tiny_model_dir, tmp_path_factory.mktemp("chaos-draft") / "draft", 1)
+        method_settings.append(f"speculative.model={draft}")
     with brigade_run(
         run_dir,
         *chaos_settings(tiny_model_dir),
-        "speculative.method=ngram",
+        *method_settings,
         f"supervisor.metrics_port={metrics_port}",
     ) as run:
         calm = run_all(run.run_dir)

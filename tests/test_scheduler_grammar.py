@@ -392,6 +392,7 @@ class ListedProposer:
     """Proposes `proposals[len(token_ids)]` (nothing for other lengths)."""
 
     num_tokens = 4
+    drafts_in_worker = False
 
     def __init__(self, proposals: dict[int, list[int]]) -> None:
         self.proposals = proposals

@@ -449,6 +449,8 @@ class ScriptedProposer:
     then wrong (or, for one length in k + 2, all right): the request's true continuation, as its
     `reference_outputs` gives it, found by the sequence's prompt and outputs so far."""
 
+    drafts_in_worker = False
+
     def __init__(self, streams: list[tuple[list[int], list[int]]], num_tokens: int) -> None:
         self.streams = streams
         self.num_tokens = num_tokens

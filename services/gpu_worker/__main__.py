@@ -164,6 +164,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         wide_step_dtype=engine.cpu_wide_step_dtype,
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),
         embedding_caches=stage.endpoints.embedding_cache if config.encoder.replicas else None,
+        draft_model=Path(config.speculative.model) if config.speculative.method == "draft_model" else None,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

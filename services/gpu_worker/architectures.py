@@ -635,3 +635,36 @@ def config_from_dir(model_dir: Path) -> ModelConfig | BertConfig:
     if raw.get("architectures") == ["BertModel"]:
         return BertConfig.from_dict(raw)
     return ModelConfig.from_dict(raw)
+
+
+def check_draft_model(target: ModelConfig | BertConfig, draft_dir: Path) -> ModelConfig:
+    """The draft model's config (speculative.method draft_model, docs/speculative.md), or
+    UnsupportedModel saying why it cannot propose for `target`: no model there, a model Brigade
+    does not run, an encoder, a vocabulary of another size than the target's (its token ids
+    would mean other tokens), or a target that never speculates (a sliding window on every layer,
+    or LongRoPE: their blocks and rotary regime assume one new token per decode)."""
+    draft_dir = Path(draft_dir)
+    if not (draft_dir / "config.json").is_file():
+        raise UnsupportedModel(f"speculative.model: {draft_dir} is not a model directory (no config.json)")
+    if isinstance(target, BertConfig):
+        raise UnsupportedModel(
+            "speculative.method draft_model: the target is an encoder; it generates nothing"
+        )
+    if target.layer_windows and min(target.layer_windows) > 0:
+        raise UnsupportedModel(
+            f"speculative.method draft_model: the target has a sliding window ({max(target.layer_windows)} "
+            "tokens) on every layer, and such models do not speculate"
+        )
+    if target.long_rope_from:
+        raise UnsupportedModel(
+            "speculative.method draft_model: the target uses LongRoPE, and such models do not speculate"
+        )
+    draft = config_from_dir(draft_dir)
+    if isinstance(draft, BertConfig):
+        raise UnsupportedModel(f"speculative.model: {draft_dir} is an encoder, not a model that generates")
+    if draft.vocab_size != target.vocab_size:
+        raise UnsupportedModel(
+            f"speculative.model: the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+            f"{target.vocab_size}: a draft must share the target's tokenizer and vocabulary"
+        )
+    return draft

@@ -1411,3 +1411,30 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear computed in fp32 from half-precision operands, rounded back to x's dtype."""
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def paged_kv_cache(
+    config: ModelConfig,
+    num_kv_heads: int,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's two page tensors [num_blocks, block_size, heads, width]: K and V heads, or
+    latent attention's latents and rope keys. Zeroed, so masked-out padding never reads NaN garbage."""
+    mla = config.mla
+    widths = (
+        (mla.kv_lora_rank, mla.qk_rope_head_dim) if mla is not None else (num_kv_heads * config.head_dim,) * 2
+    )
+    heads = 1 if mla is not None else num_kv_heads
+    shapes = [(num_blocks, block_size, heads, width // heads) for width in widths]
+    return [
+        tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)  # type: ignore[misc]
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_bytes_per_block(config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of `paged_kv_cache` takes over all layers."""
+    return config.num_hidden_layers * block_size * config.kv_cache_width(num_kv_heads) * dtype.itemsize

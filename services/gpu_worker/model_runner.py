@@ -14,7 +14,7 @@ import torch
 from ipc import messages as m
 from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.embedding_cache import EmbeddingCache
-from ipc.messages import PLACEHOLDER_TOKEN, SlotRef, StepHeader
+from ipc.messages import DRAFT_TOKEN, PLACEHOLDER_TOKEN, SlotRef, StepHeader
 from ipc.step_plan import (
     EMITTED_ARRAYS,
     IMAGE_KEY_BYTES,
@@ -30,13 +30,14 @@ from services.common.vision_language import images_see_each_other, language_mode
 from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.bert import BertEncoder
+from services.gpu_worker.draft import DraftModel
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots
-from services.gpu_worker.model import ImageRows, LlamaModel
+from services.gpu_worker.model import ImageRows, LlamaModel, kv_bytes_per_block, paged_kv_cache
 from services.gpu_worker.parallel import Parallel
 from services.gpu_worker.sampler import Sampler
-from services.gpu_worker.speculation import emitted_tokens, target_tokens
+from services.gpu_worker.speculation import emitted_tokens, proposal_mask, target_tokens
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ModelRunner:
         wide_step_dtype: str = "float32",
         embedding: Embedding | None = None,
         embedding_caches: Callable[[int], str] | None = None,
+        draft_model: Path | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -146,35 +148,43 @@ class ModelRunner:
                 "engine.cpu_int8_activations: %s has no GGUF blocks the CPU kernels read; its activations stay float32",
                 self.model_name,
             )
+        # The draft model (speculative.method draft_model), loaded before the KV budget is read:
+        # its weights count against it, and its cache takes the target's number of blocks.
+        self.draft: DraftModel | None = None
+        if draft_model is not None:
+            if parallel.is_parallel:
+                raise ValueError(
+                    "speculative.method draft_model: the draft runs on one rank (engine.tensor_parallel 1)"
+                )
+            self.draft = DraftModel(draft_model, config, self.dtype, self.device, block_size, backend)
+            self.max_model_len = min(self.max_model_len, self.draft.config.max_position_embeddings)
         # An encoder keeps no KV cache, but the scheduler's blocks still bound what it admits: it
         # counts blocks as a decoder of its shape would.
         num_kv_heads = (
             config.num_key_value_heads if isinstance(config, BertConfig) else self.model.shapes.num_kv_heads
         )
-        mla = None if isinstance(config, BertConfig) else config.mla
-        token_width = (
-            2 * num_kv_heads * config.head_dim
+        bytes_per_block = (
+            config.num_hidden_layers * block_size * 2 * num_kv_heads * config.head_dim * self.dtype.itemsize
             if isinstance(config, BertConfig)
-            else config.kv_cache_width(num_kv_heads)
+            else kv_bytes_per_block(config, num_kv_heads, block_size, self.dtype)
         )
-        bytes_per_block = config.num_hidden_layers * block_size * token_width * self.dtype.itemsize
+        if self.draft is not None:
+            bytes_per_block += self.draft.bytes_per_block
+        budget = self._kv_budget(kv_cache_bytes, gpu_memory_utilization)
+        if self.draft is not None and budget < bytes_per_block:
+            raise ValueError(
+                f"speculative.model: the KV budget ({budget} bytes) holds no block of the target and "
+                f"the draft ({bytes_per_block} bytes per block together)"
+            )
         # Ranks share block ids, so every rank takes the smallest cache any of them can hold.
-        self.num_kv_blocks = parallel.min_int(
-            max(self._kv_budget(kv_cache_bytes, gpu_memory_utilization) // bytes_per_block, 1)
+        self.num_kv_blocks = parallel.min_int(max(budget // bytes_per_block, 1))
+        self.kv_cache = (
+            []
+            if isinstance(config, BertConfig)
+            else paged_kv_cache(config, num_kv_heads, self.num_kv_blocks, block_size, self.dtype, self.device)
         )
-        # Each layer's two page tensors: K and V heads, or latent attention's latents and rope keys.
-        widths = (
-            (mla.kv_lora_rank, mla.qk_rope_head_dim)
-            if mla is not None
-            else (num_kv_heads * config.head_dim,) * 2
-        )
-        heads = 1 if mla is not None else num_kv_heads
-        shapes = [(self.num_kv_blocks, block_size, heads, width // heads) for width in widths]
-        # Zeroed, so masked-out padding never reads NaN garbage.
-        self.kv_cache = [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
-            for _ in range(0 if isinstance(config, BertConfig) else config.num_hidden_layers)
-        ]
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks)
         self.sampler = Sampler(self.vocab_size, self.device)
         # Placeholders: the token sampled last for each plan-table row (`rows` in the plan), kept
         # on the device so that filling one in never waits for it; only the driver samples.
@@ -343,7 +353,8 @@ class ModelRunner:
         tables, rows = arrays["block_tables"], arrays["rows"]
         if rows.min() < 0 or rows.max() >= self.max_num_seqs:
             raise InvalidPlan(f"plan-table row out of range [0, {self.max_num_seqs})")
-        if ids.max() >= self.vocab_size or ((ids < 0) & (ids != PLACEHOLDER_TOKEN)).any():
+        is_drafted = ids == DRAFT_TOKEN
+        if ids.max() >= self.vocab_size or ((ids < 0) & (ids != PLACEHOLDER_TOKEN) & ~is_drafted).any():
             raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
         if positions.min() < 0 or positions.max() >= self.max_model_len:
             raise InvalidPlan(f"position out of range [0, {self.max_model_len})")
@@ -367,6 +378,8 @@ class ModelRunner:
             self._check_images(arrays, t)
         if "num_proposed" in arrays:
             _check_proposals(arrays, s)
+        if is_drafted.any() or (self.draft is not None and "num_proposed" in arrays):
+            self._check_drafted(arrays, is_drafted, t, s)
         if "long_rope" in arrays:
             if not self.long_rope_from:
                 raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
@@ -384,6 +397,16 @@ class ModelRunner:
         if not is_known.all():
             raise InvalidPlan("placeholder token where this row sampled no token in the previous step")
         return at, table_rows
+
+    def _check_drafted(self, arrays: dict[str, np.ndarray], is_drafted: np.ndarray, t: int, s: int) -> None:
+        """A worker with a draft model drafts every proposal (DRAFT_TOKEN at each, and nowhere
+        else); one without is never asked to."""
+        if self.draft is None:
+            raise InvalidPlan("step plan: a token to draft, for a worker without a draft model")
+        if "num_proposed" not in arrays or not np.array_equal(
+            is_drafted, proposal_mask(arrays["query_start_loc"][: s + 1], arrays["num_proposed"][:s], t)
+        ):
+            raise InvalidPlan("step plan: the tokens to draft are not exactly the rows' proposals")
 
     def execute(self, arrays: dict[str, np.ndarray], header: StepHeader) -> dict[str, np.ndarray]:
         """Run one step plan; returns the result arrays (ipc/step_plan.py STEP_RESULT)."""
@@ -408,6 +431,14 @@ class ModelRunner:
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
             self._fill_placeholders(input_ids, at, table_rows)
+        if self.draft is not None:
+            self.draft.draft(input_ids, arrays, t, s)
+            # Verification reads the proposals on the host (acceptance, penalty histories).
+            drafted = np.flatnonzero(arrays["input_ids"][:t] == DRAFT_TOKEN)
+            if len(drafted):
+                host_ids = arrays["input_ids"].copy()
+                host_ids[drafted] = input_ids[self._to_device(drafted)].cpu().numpy()
+                arrays = {**arrays, "input_ids": host_ids}
         # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
@@ -720,7 +751,7 @@ def _check_proposals(arrays: dict[str, np.ndarray], num_seqs: int) -> None:
             for e, d in zip(ends.tolist(), proposed[verifying].tolist(), strict=True)
         ]
     )
-    if (proposals < 0).any():
+    if (proposals == PLACEHOLDER_TOKEN).any():
         raise InvalidPlan("step plan: a proposed token is a placeholder")
 
 

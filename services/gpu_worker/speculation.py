@@ -17,8 +17,9 @@ with x removed and renormalised (the residual), and it is emitted; when every pr
 accepted, the draw after the last one is the bonus token. Each position's draw depends only on
 the logits, the seed and the position, so a row emits exactly the tokens plain decoding emits
 with the same seed, whichever proposals it was given, and the emitted distribution is the
-target's. A draft model whose proposals are themselves sampled from a distribution q would need
-the general rule (accept with min(1, p/q), resample from max(0, p - q)); none is built.
+target's. The draft model (services/gpu_worker/draft.py) drafts greedily, a point mass too; a draft
+whose proposals were sampled from a distribution q would need the general rule (accept with
+min(1, p/q), resample from max(0, p - q)); none is built.
 """
 
 from __future__ import annotations
@@ -126,3 +127,12 @@ def target_tokens(
     1), V] are the rows' positions in plan order, each row's last known token first."""
     per_position = position_arrays(arrays, verifying)
     return sampler.sample(logits, per_position, np.arange(len(logits)))
+
+
+def proposal_mask(query_start_loc: np.ndarray, num_proposed: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Which of a step's `num_tokens` tokens are proposals: the last `num_proposed[i]` of row i's
+    span (`query_start_loc`)."""
+    mask = np.zeros(num_tokens, np.bool_)
+    for end, count in zip(query_start_loc[1:].tolist(), num_proposed.tolist(), strict=True):
+        mask[end - count : end] = True
+    return mask

@@ -42,7 +42,7 @@ from services.scheduler.core import Overloaded, PromptTooLong, Scheduler, Schedu
 from services.scheduler.grammar_matcher import BitmaskFiller
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
-from services.scheduler.proposers import NgramProposer
+from services.scheduler.proposers import DraftModelProposer, NgramProposer, Proposer
 from services.scheduler.request import Request
 from services.stage import StageProcess
 
@@ -584,10 +584,12 @@ class SchedulerProcess(StageProcess):
         return f" after {self.num_steps} steps, {planned_ahead} planned ahead"
 
 
-def proposer(config: SpeculativeConfig) -> NgramProposer | None:
+def proposer(config: SpeculativeConfig) -> Proposer | None:
     """What proposes tokens for verification under the config's `speculative` section, if anything."""
     if config.method == "none":
         return None
+    if config.method == "draft_model":
+        return DraftModelProposer(config.num_speculative_tokens)
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 

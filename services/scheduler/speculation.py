@@ -151,6 +151,8 @@ class Speculation:
             if start + 1 < ban_end:
                 limit = min(limit, ban_end - start - 2)
             if req.grammar is not None:
+                if self.proposer.drafts_in_worker:
+                    continue  # its span's masks would need tokens only the worker will know
                 limit = min(limit, constrained_room)
             proposal = self.proposer.propose(req.all_token_ids, limit)
             if req.grammar is not None:
