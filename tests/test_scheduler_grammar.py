@@ -34,6 +34,7 @@ from services.scheduler.grammar_matcher import BitmaskFiller, GrammarMatcher
 from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import StepPipeline
 from services.scheduler.plan import ScheduledStep, build_plan, write_plan
+from services.scheduler.proposers import DraftModelProposer
 from services.scheduler.request import Request, RequestStatus
 from tests.test_scheduler_core import scheduler_config
 
@@ -433,3 +434,21 @@ def test_a_constrained_decode_verifies_what_its_grammar_allows_with_a_mask_per_p
     assert np.array_equal(plan["grammar_bitmask"], expected)
     assert not np.array_equal(expected[0], expected[1])  # the masks do differ along the span
     assert core.requests["json"].grammar.num_tokens == 3  # the span's masks left the matcher where it was
+
+
+def test_a_constrained_decode_takes_no_draft_model_places(model, tokenizer):
+    """A draft model's tokens exist only in the worker, and a span's masks are the scheduler's:
+    a constrained request decodes one token per step beside an unconstrained one that drafts."""
+    core = make_core(model, tokenizer, proposer=DraftModelProposer(num_tokens=4))
+    core.add(request("json", JSON_SPEC))
+    core.add(request("plain", None))
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    prefill = core.schedule()
+    assert prefill is not None and len(prefill.seqs) == 2
+    first = model["hf"].encode("{", add_special_tokens=False).ids
+    core.update(prefill, np.array([first[0], 7], np.int32), np.zeros(2, np.float32))
+    step = core.schedule()
+    assert step is not None and step.num_decodes == 1
+    assert [req.request_id for req in step.seqs] == ["json", "plain"] and len(step.proposals) == 1
