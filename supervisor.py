@@ -345,7 +345,7 @@ class Supervisor:
         for kind in STOP_ORDER:
             self.stages.stop(self.stages.of_kind(kind), STOP_GRACE_S)
         self.run.remove_rings()
-        self.run.remove_embedding_caches(self.transitions.current.num_encoders)
+        self.run.remove_embedding_caches(self.config.encoder.num_encoders)
         self.stages.close()
         close_context(self.ctx, 0)
         self.run.release(keep_keys=bool(self.config.network.keys_dir))

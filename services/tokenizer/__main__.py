@@ -87,15 +87,15 @@ class TokenizerProcess(StageProcess):
             ),
             embedding=embedding_of(config.model, Path(stage.info.model_dir)),
             image_rules=image_rules_of(Path(stage.info.model_dir)),
-            num_encoders=config.encoder.replicas,
+            num_encoders=config.encoder.num_encoders,
             max_image_bytes=config.encoder.max_image_bytes,
             remote_images=RemoteImages.of(config.encoder),
         )
         # A request's images go to an encoder first (its http(s) ones fetched before that, on the
         # fetcher's threads); it reaches its scheduler once they are encoded.
         self.encoders = (
-            EncoderClient(self.ctx, stage.endpoints, config.encoder.replicas)
-            if config.encoder.replicas
+            EncoderClient(self.ctx, stage.endpoints, config.encoder.num_encoders)
+            if config.encoder.num_encoders
             else None
         )
         self.fetcher = (
