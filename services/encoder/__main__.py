@@ -4,7 +4,10 @@ vision tower in torch: this is the one stage besides the workers that imports it
 
 from __future__ import annotations
 
+import torch
+
 from ipc import messages as m
+from services.cpu_cores import usable_cores
 from services.encoder.server import EncoderServer
 from services.stage import StageProcess
 
@@ -17,6 +20,10 @@ class EncoderProcess(StageProcess):
 
     def __init__(self) -> None:
         super().__init__()
+        # OpenMP sized torch's threads by this process's cores as torch loaded, before it moved off
+        # the workers' cores (parse_stage_args): more threads than cores spin against each other
+        # (ten times slower on a loaded 2-core host).
+        torch.set_num_threads(len(usable_cores()))
         self.server = EncoderServer(self.ctx, self.stage, self.stage.index)
         self.control.watch(self.server.socket)
 
