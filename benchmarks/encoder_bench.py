@@ -4,23 +4,24 @@ against the same with it in the worker's process (`encoder.in_worker: true`, whe
 holds up the next step, as a tower inside the model's process does); and a repeated image's TTFT
 against a new one's.
 
-    python benchmarks/encoder_bench.py [--images 16] [--text-streams 4] [--text-tokens 32]
-        [--image-tokens 8] [--rounds 2] [--alone-s 4] [--repeats 3] [--set key=value ...]
+    python benchmarks/encoder_bench.py [--images 16] [--text-rate 1] [--text-tokens 16]
+        [--image-tokens 8] [--rounds 2] [--alone-s 5] [--repeats 3] [--set key=value ...]
         [--json FILE] [--smoke]
 
-Both runs serve the same random Gemma 3 (built here on SmolLM2's tokenizer: a SigLIP tower on
-224x224 images, 256 patches, 64 image tokens; a 4-layer language model), side by side, and the
-rounds alternate between them, so a load drift on a shared host hits both. Per round and run:
-- **text alone**: `--text-streams` closed-loop streams of text-only chats (`--text-tokens` each,
-  greedy, ignore_eos) for `--alone-s` seconds;
-- **with images**: the same streams, and `--images` concurrent chats each with an image neither
-  run has seen, until the last of those ends;
+Both modes serve the same random Gemma 3 (built here on SmolLM2's tokenizer: a SigLIP tower on
+224x224 images, 256 patches, 64 image tokens; a 4-layer language model). One run at a time, a new
+one per round and mode, the rounds alternating which mode goes first (stage, in worker, in
+worker, stage, ...), so a load drift on a shared host hits both. Per round and mode:
+- **text alone**: text-only chats (`--text-tokens` each, greedy, ignore_eos) sent at
+  `--text-rate` a second, an open loop, for `--alone-s` seconds;
+- **with images**: the same text load, and `--images` concurrent chats each with an image the
+  run has not seen, sent together as it starts, until the last of those ends;
 - **repeated image**: one at a time on the idle run, a chat with a new image, then the same chat
   again (its embeddings in the encoder's cache, its KV blocks in the prefix cache), `--repeats`
   times.
-For the text-only requests it reports TTFT p50 / p90 (those started in the window) and decode
+For the text-only requests it reports TTFT p50 / p90 (those sent in the window) and decode
 throughput (their output tokens that arrived in the window, per second); the image chats' TTFT;
-the repeated image's TTFT against the new one's; and the ratios between the two runs. Prints a
+the repeated image's TTFT against the new one's; and the ratios between the two modes. Prints a
 table and writes JSON (`--json`).
 """
 
@@ -135,19 +136,18 @@ async def timed(client: AsyncClient, messages: list[dict], max_tokens: int) -> T
     return record
 
 
-async def text_streams(client: AsyncClient, args: argparse.Namespace, stop: asyncio.Event) -> list[Timed]:
-    """`--text-streams` closed loops of text-only chats until `stop`; every request they sent."""
-    records: list[Timed] = []
-
-    async def loop(stream: int) -> None:
-        i = stream
-        while not stop.is_set():
-            messages = [{"role": "user", "content": TEXT_PROMPTS[i % len(TEXT_PROMPTS)]}]
-            records.append(await timed(client, messages, args.text_tokens))
-            i += 1
-
-    await asyncio.gather(*(loop(s) for s in range(args.text_streams)))
-    return records
+async def text_load(client: AsyncClient, args: argparse.Namespace, stop: asyncio.Event) -> list[Timed]:
+    """Text-only chats sent at `--text-rate` a second, whether or not the earlier ones are done
+    (an open loop: a slow engine gets a queue, not fewer requests), until `stop`; every one sent."""
+    sent: list[asyncio.Task[Timed]] = []
+    next_at = time.perf_counter()
+    while not stop.is_set():
+        messages = [{"role": "user", "content": TEXT_PROMPTS[len(sent) % len(TEXT_PROMPTS)]}]
+        sent.append(asyncio.create_task(timed(client, messages, args.text_tokens)))
+        next_at += 1 / args.text_rate
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.perf_counter()))
+    return list(await asyncio.gather(*sent))
 
 
 @dataclass
@@ -167,8 +167,8 @@ class Window:
 
 async def text_alone(client: AsyncClient, args: argparse.Namespace) -> Window:
     stop = asyncio.Event()
-    load = asyncio.create_task(text_streams(client, args, stop))
     start = time.perf_counter()
+    load = asyncio.create_task(text_load(client, args, stop))
     await asyncio.sleep(args.alone_s)
     end = time.perf_counter()
     stop.set()
@@ -178,12 +178,11 @@ async def text_alone(client: AsyncClient, args: argparse.Namespace) -> Window:
 async def with_images(
     client: AsyncClient, args: argparse.Namespace, urls: list[str]
 ) -> tuple[Window, list[float]]:
-    """The text streams, and the image chats sent together once the streams run; the window
-    ends with the last image chat. Returns it and the image chats' TTFTs."""
+    """The text load, and the image chats sent together as it starts; the window ends with the
+    last image chat. Returns it and the image chats' TTFTs."""
     stop = asyncio.Event()
-    load = asyncio.create_task(text_streams(client, args, stop))
-    await asyncio.sleep(0.5)  # the text streams in their steady state
     start = time.perf_counter()
+    load = asyncio.create_task(text_load(client, args, stop))
     images = await asyncio.gather(*(timed(client, image_chat(url), args.image_tokens) for url in urls))
     end = time.perf_counter()
     stop.set()
@@ -214,62 +213,61 @@ def text_stats(windows: list[Window]) -> dict:
     }
 
 
-async def bench(runs: dict[str, Path], args: argparse.Namespace) -> dict:
-    side = args.image_side
-    clients = {mode: AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) for mode, run_dir in runs.items()}
-    alone: dict[str, list[Window]] = {mode: [] for mode in runs}
-    mixed: dict[str, list[Window]] = {mode: [] for mode in runs}
-    image_ttfts: dict[str, list[float]] = {mode: [] for mode in runs}
-    repeats: dict[str, dict[str, list[float]]] = {mode: {"new": [], "repeated": []} for mode in runs}
-    try:
-        for client in clients.values():  # each run's first image and text chat, untimed
-            await timed(client, image_chat(png_data_url(side, seed=10**6)), 2)
-            await timed(client, [{"role": "user", "content": TEXT_PROMPTS[0]}], 2)
-        for round_ in range(args.rounds):
-            # The same new images for both runs in a round (each run has its own caches).
-            urls = [png_data_url(side, seed=round_ * 1000 + i) for i in range(args.images)]
-            repeat_urls = [png_data_url(side, seed=500_000 + round_ * 1000 + i) for i in range(args.repeats)]
-            order = list(clients) if round_ % 2 == 0 else list(reversed(clients))
-            for mode in order:
-                client = clients[mode]
-                alone[mode].append(await text_alone(client, args))
-                window, ttfts = await with_images(client, args, urls)
-                mixed[mode].append(window)
-                image_ttfts[mode] += ttfts
-                for kind, values in (await repeated_image(client, args, repeat_urls)).items():
-                    repeats[mode][kind] += values
-                print(
-                    f"  round {round_} {mode:<9} text TTFT p50 alone {percentile(alone[mode][-1].ttfts_s(), 50) * 1000:7.1f} ms, "
-                    f"with images {percentile(window.ttfts_s(), 50) * 1000:7.1f} ms; window {window.end - window.start:5.2f} s",
-                    flush=True,
-                )  # fmt: skip
-    finally:
-        for client in clients.values():
-            await client.close()
-    modes = {
-        mode: {
-            "text_alone": text_stats(alone[mode]),
-            "text_with_images": text_stats(mixed[mode]),
-            "image_ttft_ms": ms(image_ttfts[mode]),
-            "new_image_ttft_ms": ms(repeats[mode]["new"]),
-            "repeated_image_ttft_ms": ms(repeats[mode]["repeated"]),
+@dataclass
+class Measured:
+    """What one mode's runs measured, over the rounds."""
+
+    alone: list[Window] = field(default_factory=list)
+    mixed: list[Window] = field(default_factory=list)
+    image_ttfts: list[float] = field(default_factory=list)
+    repeats: dict[str, list[float]] = field(default_factory=lambda: {"new": [], "repeated": []})
+
+    def report(self) -> dict:
+        return {
+            "text_alone": text_stats(self.alone),
+            "text_with_images": text_stats(self.mixed),
+            "image_ttft_ms": ms(self.image_ttfts),
+            "new_image_ttft_ms": ms(self.repeats["new"]),
+            "repeated_image_ttft_ms": ms(self.repeats["repeated"]),
         }
-        for mode in runs
-    }
-    stage, in_worker = modes["stage"], modes["in_worker"]
-    ratios = {
-        "text_ttft_p50_in_worker_over_stage": in_worker["text_with_images"]["ttft_ms"]["p50"]
-        / stage["text_with_images"]["ttft_ms"]["p50"],
-        "text_ttft_p90_in_worker_over_stage": in_worker["text_with_images"]["ttft_ms"]["p90"]
-        / stage["text_with_images"]["ttft_ms"]["p90"],
-        "text_tok_s_stage_over_in_worker": stage["text_with_images"]["output_tok_s"]
-        / in_worker["text_with_images"]["output_tok_s"],
+
+
+async def measure(run_dir: Path, args: argparse.Namespace, round_: int, into: Measured) -> None:
+    """One round on one run: text alone, with images, then new and repeated images."""
+    side = args.image_side
+    # The same new images for both modes in a round: each run is new, with empty caches.
+    urls = [png_data_url(side, seed=round_ * 1000 + i) for i in range(args.images)]
+    repeat_urls = [png_data_url(side, seed=500_000 + round_ * 1000 + i) for i in range(args.repeats)]
+    async with AsyncClient(run_dir, timeout=REQUEST_TIMEOUT_S) as client:
+        # The run's first image and text chat, untimed.
+        await timed(client, image_chat(png_data_url(side, seed=10**6)), 2)
+        await timed(client, [{"role": "user", "content": TEXT_PROMPTS[0]}], 2)
+        into.alone.append(await text_alone(client, args))
+        window, ttfts = await with_images(client, args, urls)
+        into.mixed.append(window)
+        into.image_ttfts += ttfts
+        for url in repeat_urls:
+            for kind in ("new", "repeated"):
+                into.repeats[kind].append((await timed(client, image_chat(url), args.image_tokens)).ttft_s)
+    alone = into.alone[-1]
+    print(
+        f"  round {round_}: text TTFT p50 alone {percentile(alone.ttfts_s(), 50) * 1000:7.1f} ms, with images "
+        f"{percentile(window.ttfts_s(), 50) * 1000:7.1f} ms over {window.end - window.start:5.2f} s",
+        flush=True,
+    )
+
+
+def ratios_of(modes: dict[str, dict]) -> dict:
+    stage, in_worker = modes["stage"]["text_with_images"], modes["in_worker"]["text_with_images"]
+    return {
+        "text_ttft_p50_in_worker_over_stage": in_worker["ttft_ms"]["p50"] / stage["ttft_ms"]["p50"],
+        "text_ttft_p90_in_worker_over_stage": in_worker["ttft_ms"]["p90"] / stage["ttft_ms"]["p90"],
+        "text_tok_s_stage_over_in_worker": stage["output_tok_s"] / in_worker["output_tok_s"],
         "repeated_over_new_image_ttft_p50": {
-            mode: modes[mode]["repeated_image_ttft_ms"]["p50"] / modes[mode]["new_image_ttft_ms"]["p50"]
-            for mode in modes
+            mode: m["repeated_image_ttft_ms"]["p50"] / m["new_image_ttft_ms"]["p50"]
+            for mode, m in modes.items()
         },
     }
-    return {"modes": modes, "ratios": ratios}
 
 
 def print_table(report: dict) -> None:
@@ -319,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default="configs/default.yaml")
-    parser.add_argument("--set", action="append", default=[], help="config override for both runs")
+    parser.add_argument("--set", action="append", default=[], help="config override for both modes")
     parser.add_argument("--images", type=int, default=16, help="concurrent chats with a new image")
-    parser.add_argument("--text-streams", type=int, default=4, help="closed-loop text-only streams")
-    parser.add_argument("--text-tokens", type=int, default=32, help="output tokens of a text-only chat")
+    parser.add_argument("--text-rate", type=float, default=1.0, help="text-only chats sent a second")
+    parser.add_argument("--text-tokens", type=int, default=16, help="output tokens of a text-only chat")
     parser.add_argument("--image-tokens", type=int, default=8, help="output tokens of a chat with an image")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating which run goes first")
-    parser.add_argument("--alone-s", type=float, default=4.0, help="seconds of text-only load per round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating which mode goes first")
+    parser.add_argument("--alone-s", type=float, default=5.0, help="seconds of text-only load per round")
     parser.add_argument("--repeats", type=int, default=3, help="new-then-repeated image pairs per round")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
@@ -333,10 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.images, args.text_streams, args.text_tokens, args.image_tokens = 2, 1, 4, 2
-        args.rounds, args.alone_s, args.repeats = 1, 0.5, 1
+        args.images, args.text_rate, args.text_tokens, args.image_tokens = 2, 4.0, 4, 2
+        args.rounds, args.alone_s, args.repeats = 1, 1.0, 1
     args.image_side = 64 if args.smoke else VISION["image_size"]  # the model's: no resizing
     machine = machine_info()
+    measured = {mode: Measured() for mode in MODES}
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="brigade-encoder-bench-model-") as model_tmp:
         model_dir = build_model(Path(model_tmp), args.smoke)
         model = {
@@ -349,24 +349,25 @@ def main(argv: list[str] | None = None) -> int:
             f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=1024",
             "gateway.replicas=0", "supervisor.metrics_port=0", *args.set,
         ]  # fmt: skip
-        with contextlib.ExitStack() as stack:
-            runs = {
-                mode: stack.enter_context(
-                    started_brigade(args.config, [*common, *overrides], f"brigade-encoder-bench-{mode}-")
-                )
-                for mode, overrides in MODES.items()
-            }
-            report = asyncio.run(bench({mode: run.run_dir for mode, run in runs.items()}, args))
+        for round_ in range(args.rounds):
+            order = list(MODES) if round_ % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                # One run at a time, a new one each round: nothing of the other mode's run (its
+                # worker's threads, its polling) runs beside the one measured.
+                prefix = f"brigade-encoder-bench-{mode}-"
+                with started_brigade(args.config, [*common, *MODES[mode]], prefix) as run:
+                    print(f"{mode}:", flush=True)
+                    asyncio.run(measure(run.run_dir, args, round_, measured[mode]))
+                runs.append({"mode": mode, "run_dir": str(run.run_dir), "supervisor_pid": run.process.pid})
+    modes = {mode: m.report() for mode, m in measured.items()}
     out = {
         "model": model,
-        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
         "machine": machine,
         "loadavg_1m_at_end": os.getloadavg()[0],
-        "runs": {
-            mode: {"run_dir": str(run.run_dir), "supervisor_pid": run.process.pid}
-            for mode, run in runs.items()
-        },
-        **report,
+        "runs": runs,
+        "modes": modes,
+        "ratios": ratios_of(modes),
     }
     print_table(out)
     if args.json:

@@ -37,7 +37,9 @@ def test_smoke_run_reports_both_modes(tmp_path: Path) -> None:
             assert stats["output_tok_s"] > 0 and stats["window_s"] > 0
         for key in ("image_ttft_ms", "new_image_ttft_ms", "repeated_image_ttft_ms"):
             assert mode[key]["n"] >= 1 and 0 < mode[key]["p50"] <= mode[key]["p90"]
-    assert report["modes"]["stage"]["image_ttft_ms"]["n"] == report["config"]["images"]
+    config = report["config"]
+    for mode in report["modes"].values():
+        assert mode["image_ttft_ms"]["n"] == config["images"] * config["rounds"]
     ratios = report["ratios"]
     for key in ("text_ttft_p50_in_worker_over_stage", "text_ttft_p90_in_worker_over_stage",
                 "text_tok_s_stage_over_in_worker"):  # fmt: skip
@@ -46,7 +48,8 @@ def test_smoke_run_reports_both_modes(tmp_path: Path) -> None:
     assert report["model"]["encode_ms_one_image"] > 0
     assert report["machine"]["loadavg_1m_at_start"] >= 0 and report["loadavg_1m_at_end"] >= 0
     # Both runs were stopped cleanly: no process, run dir or shared memory of theirs is left.
-    for run in report["runs"].values():
+    assert config["rounds"] == 1 and [run["mode"] for run in report["runs"]] == ["stage", "in_worker"]
+    for run in report["runs"]:
         assert not stage_processes(Path(run["run_dir"]))
         assert not Path(run["run_dir"]).exists()
         assert not [n for n in brigade_shm_objects() if f"{SHM_PREFIX}{run['supervisor_pid']}x" in n]
