@@ -19,8 +19,9 @@ worker, stage, ...), so a load drift on a shared host hits both. Per round and m
 - **repeated image**: one at a time on the idle run, a chat with a new image, then the same chat
   again (its embeddings in the encoder's cache, its KV blocks in the prefix cache), `--repeats`
   times.
-For the text-only requests it reports TTFT p50 / p90 (those sent in the window) and decode
-throughput (their output tokens that arrived in the window, per second); the image chats' TTFT;
+For the text-only requests it reports TTFT p50 / p90 (those sent in the window), and the time
+between their tokens that arrived in the window (ITL p50 / p90) with the decode throughput of a
+stream it makes (tokens per second of those gaps); the image chats' TTFT;
 the repeated image's TTFT against the new one's; and the ratios between the two modes. Prints a
 table and writes JSON (`--json`).
 """
@@ -31,7 +32,9 @@ import argparse
 import asyncio
 import contextlib
 import io
+import itertools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -161,8 +164,16 @@ class Window:
     def ttfts_s(self) -> list[float]:
         return [r.ttft_s for r in self.records if self.start <= r.started < self.end]
 
-    def num_tokens(self) -> int:
-        return sum(n for r in self.records for t, n in r.arrivals if self.start <= t <= self.end)
+    def token_gaps_s(self) -> list[float]:
+        """The time each text-only token after a request's first took, for the tokens that
+        arrived in the window (a delta of n tokens: its gap over n, n times): what the steps
+        beside the images cost a stream."""
+        gaps = []
+        for r in self.records:
+            for (before, _), (at, n) in itertools.pairwise(r.arrivals):
+                if self.start <= at <= self.end:
+                    gaps += [(at - before) / n] * n
+        return gaps
 
 
 async def text_alone(client: AsyncClient, args: argparse.Namespace) -> Window:
@@ -205,11 +216,13 @@ def ms(values: list[float]) -> dict[str, float]:
 
 def text_stats(windows: list[Window]) -> dict:
     ttfts = [t for w in windows for t in w.ttfts_s()]
-    seconds = sum(w.end - w.start for w in windows)
+    gaps = [g for w in windows for g in w.token_gaps_s()]
     return {
         "ttft_ms": ms(ttfts),
-        "output_tok_s": sum(w.num_tokens() for w in windows) / seconds,
-        "window_s": seconds,
+        "itl_ms": ms(gaps),
+        # A stream's decode rate: its tokens over their time (the mean gap's inverse).
+        "decode_tok_s": len(gaps) / sum(gaps) if gaps else math.nan,
+        "window_s": sum(w.end - w.start for w in windows),
     }
 
 
@@ -262,7 +275,7 @@ def ratios_of(modes: dict[str, dict]) -> dict:
     return {
         "text_ttft_p50_in_worker_over_stage": in_worker["ttft_ms"]["p50"] / stage["ttft_ms"]["p50"],
         "text_ttft_p90_in_worker_over_stage": in_worker["ttft_ms"]["p90"] / stage["ttft_ms"]["p90"],
-        "text_tok_s_stage_over_in_worker": stage["output_tok_s"] / in_worker["output_tok_s"],
+        "text_decode_tok_s_stage_over_in_worker": stage["decode_tok_s"] / in_worker["decode_tok_s"],
         "repeated_over_new_image_ttft_p50": {
             mode: m["repeated_image_ttft_ms"]["p50"] / m["new_image_ttft_ms"]["p50"]
             for mode, m in modes.items()
@@ -284,7 +297,13 @@ def print_table(report: dict) -> None:
     ]
     for label, key in (("TTFT p50 (ms)", "p50"), ("TTFT p90 (ms)", "p90")):
         print(f"| {label} | " + " | ".join(f"{m[phase]['ttft_ms'][key]:.1f}" for m, phase in cells) + " |")
-    print("| output tok/s | " + " | ".join(f"{m[phase]['output_tok_s']:.1f}" for m, phase in cells) + " |")
+    for label, key in (("ITL p50 (ms)", "p50"), ("ITL p90 (ms)", "p90")):
+        print(f"| {label} | " + " | ".join(f"{m[phase]['itl_ms'][key]:.1f}" for m, phase in cells) + " |")
+    print(
+        "| decode tok/s, a stream | "
+        + " | ".join(f"{m[phase]['decode_tok_s']:.1f}" for m, phase in cells)
+        + " |"
+    )
     print()
     print("| image chats, TTFT p50 / p90 (ms) | stage | in worker |")
     print("| --- | --- | --- |")
@@ -299,8 +318,8 @@ def print_table(report: dict) -> None:
     print()
     print(
         f"with images, in worker / stage: text TTFT p50 {ratios['text_ttft_p50_in_worker_over_stage']:.2f}x, "
-        f"p90 {ratios['text_ttft_p90_in_worker_over_stage']:.2f}x; text tok/s stage / in worker "
-        f"{ratios['text_tok_s_stage_over_in_worker']:.2f}x"
+        f"p90 {ratios['text_ttft_p90_in_worker_over_stage']:.2f}x; text decode tok/s stage / in worker "
+        f"{ratios['text_decode_tok_s_stage_over_in_worker']:.2f}x"
     )
     repeated = ratios["repeated_over_new_image_ttft_p50"]
     print(

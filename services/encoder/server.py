@@ -65,10 +65,10 @@ class EncoderServer:
             self.queue.append(received)
             timeout = 0.0
 
-    def serve_one(self) -> bool:
-        """Answer the oldest queued request; False when none was queued."""
+    def serve_one(self) -> None:
+        """Answer the oldest queued request, if any."""
         if not self.queue:
-            return False
+            return
         identity, request = self.queue.popleft()
         started, wall = time.monotonic(), time.time()
         encoded, cached = self.core.num_encoded, self.core.num_cached
@@ -88,7 +88,6 @@ class EncoderServer:
             num_encoded=self.core.num_encoded - encoded,
             num_cached=self.core.num_cached - cached,
         )
-        return True
 
     def close(self) -> None:
         """Detach from the cache (it outlives this process); the socket goes with its context."""

@@ -126,15 +126,14 @@ class WorkerProcess(StageProcess):
         while not stopping[0]:
             control.heartbeat(num_steps, has_work=False, load=memory.load())
             self.on_scheduler(runner, scheduler)
-            read_timeout_s = READ_TIMEOUT_S
             if encoder is not None:
-                # One request between two steps: its encode delays the next step, as a vision
-                # tower run in the model's own step would.
+                # Every request that came, before the next step: their encodes delay it, as a
+                # vision tower run in the model's step on the images scheduled into it would.
                 encoder.receive(0.0)
-                encoder.serve_one()
-                read_timeout_s = 0.0 if encoder.queue else ENCODER_POLL_S
+                while encoder.queue:
+                    encoder.serve_one()
             try:
-                with step_ring.read(rank, read_timeout_s) as view:
+                with step_ring.read(rank, READ_TIMEOUT_S if encoder is None else ENCODER_POLL_S) as view:
                     header = STEP_HEADER.decode(view.header)
                     started = time.perf_counter()
                     try:
