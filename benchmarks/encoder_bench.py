@@ -4,7 +4,7 @@ against the same with it in the worker's process (`encoder.in_worker: true`, whe
 holds up the next step, as a tower inside the model's process does); and a repeated image's TTFT
 against a new one's.
 
-    python benchmarks/encoder_bench.py [--images 16] [--text-rate 1] [--text-tokens 16]
+    python benchmarks/encoder_bench.py [--images 16] [--text-rate 4] [--text-tokens 16]
         [--image-tokens 8] [--rounds 2] [--alone-s 5] [--repeats 3] [--set key=value ...]
         [--json FILE] [--smoke]
 
@@ -276,6 +276,15 @@ def ratios_of(modes: dict[str, dict]) -> dict:
         "text_ttft_p50_in_worker_over_stage": in_worker["ttft_ms"]["p50"] / stage["ttft_ms"]["p50"],
         "text_ttft_p90_in_worker_over_stage": in_worker["ttft_ms"]["p90"] / stage["ttft_ms"]["p90"],
         "text_decode_tok_s_stage_over_in_worker": stage["decode_tok_s"] / in_worker["decode_tok_s"],
+        # Each mode against its own text-alone figures: what the images cost it, whatever the
+        # host did to the mode as a whole.
+        "with_images_over_alone": {
+            mode: {
+                "text_ttft_p50": m["text_with_images"]["ttft_ms"]["p50"] / m["text_alone"]["ttft_ms"]["p50"],
+                "text_decode_tok_s": m["text_with_images"]["decode_tok_s"] / m["text_alone"]["decode_tok_s"],
+            }
+            for mode, m in modes.items()
+        },
         "repeated_over_new_image_ttft_p50": {
             mode: m["repeated_image_ttft_ms"]["p50"] / m["new_image_ttft_ms"]["p50"]
             for mode, m in modes.items()
@@ -321,6 +330,11 @@ def print_table(report: dict) -> None:
         f"p90 {ratios['text_ttft_p90_in_worker_over_stage']:.2f}x; text decode tok/s stage / in worker "
         f"{ratios['text_decode_tok_s_stage_over_in_worker']:.2f}x"
     )
+    for mode, own in ratios["with_images_over_alone"].items():
+        print(
+            f"{mode}, with images / alone: text TTFT p50 {own['text_ttft_p50']:.2f}x, "
+            f"decode tok/s {own['text_decode_tok_s']:.2f}x"
+        )
     repeated = ratios["repeated_over_new_image_ttft_p50"]
     print(
         f"repeated / new image TTFT p50: stage {repeated['stage']:.2f}x, in worker {repeated['in_worker']:.2f}x"
@@ -338,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--set", action="append", default=[], help="config override for both modes")
     parser.add_argument("--images", type=int, default=16, help="concurrent chats with a new image")
-    parser.add_argument("--text-rate", type=float, default=1.0, help="text-only chats sent a second")
+    parser.add_argument("--text-rate", type=float, default=4.0, help="text-only chats sent a second")
     parser.add_argument("--text-tokens", type=int, default=16, help="output tokens of a text-only chat")
     parser.add_argument("--image-tokens", type=int, default=8, help="output tokens of a chat with an image")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating which mode goes first")

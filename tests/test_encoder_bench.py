@@ -46,6 +46,8 @@ def test_smoke_run_reports_both_modes(tmp_path: Path) -> None:
                 "text_decode_tok_s_stage_over_in_worker"):  # fmt: skip
         assert ratios[key] > 0
     assert set(ratios["repeated_over_new_image_ttft_p50"]) == {"stage", "in_worker"}
+    for own in ratios["with_images_over_alone"].values():
+        assert own["text_ttft_p50"] > 0 and own["text_decode_tok_s"] > 0
     assert report["model"]["encode_ms_one_image"] > 0
     assert report["machine"]["loadavg_1m_at_start"] >= 0 and report["loadavg_1m_at_end"] >= 0
     # Both runs were stopped cleanly: no process, run dir or shared memory of theirs is left.
