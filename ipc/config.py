@@ -131,6 +131,10 @@ class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     none (a text model, or a vision-language model served for text only)."""
 
     replicas: NonNegative = 0
+    # No encoder stage: the worker of engine group 0 (rank 0) runs the tower between its steps, as
+    # an in-process vision tower would: the baseline benchmarks/encoder_bench.py measures the stage
+    # against. It serves the endpoint and the cache of encoder 0. Needs replicas 0.
+    in_worker: bool = False
     # The cache of image embeddings each replica keeps in shared memory (ipc/embedding_cache.py).
     cache_bytes: Positive = 256 << 20
     # One image: its file (a data URL's decoded bytes, or a fetched body), and its pixels (checked
@@ -143,6 +147,12 @@ class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_image_domains: list[str] = []
     remote_image_timeout_s: Seconds = 10.0  # one image's whole fetch, redirects included
     remote_image_max_redirects: NonNegative = 5
+
+    @property
+    def num_encoders(self) -> int:
+        """The encoders the tokenizers ask, each at `Endpoints.encoder(i)` with its cache at
+        `Endpoints.embedding_cache(i)`: the replicas, or the one in the worker (`in_worker`)."""
+        return 1 if self.in_worker else self.replicas
 
 
 class GatewayTlsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -522,6 +532,25 @@ def check_cluster(config: Config) -> None:
         )
 
 
+def check_encoder(config: Config) -> None:
+    """The encoder in the worker replaces the encoder stage: one or the other, and on one host
+    (the tokenizers find the worker of engine group 0 where encoder 0 would be, and every group's
+    workers read its cache in shared memory)."""
+    encoder = config.encoder
+    if not encoder.in_worker:
+        return
+    if encoder.replicas:
+        raise ConfigError(
+            f"encoder.in_worker: the worker of engine group 0 runs the encoder, so there is no encoder "
+            f"stage to start: set encoder.replicas to 0 (got {encoder.replicas})"
+        )
+    if config.cluster.backend == "ray":
+        raise ConfigError(
+            "encoder.in_worker runs on one host (the engine groups read the embeddings from the "
+            "worker of group 0 in shared memory): with cluster.backend: ray use encoder.replicas"
+        )
+
+
 def check_autoscale(config: Config) -> None:
     """Bounds that contradict each other or the run's start, and a fixed device list (which
     fixes the number of groups), are refused rather than corrected behind the operator's back."""
@@ -626,6 +655,7 @@ def load_config(
     check_engine(config)
     check_lora(config)
     check_speculative(config)
+    check_encoder(config)
     check_cluster(config)
     check_network(config)
     check_gateway_tls(config)

@@ -105,10 +105,16 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
-    if config.encoder.replicas and not is_vision_language(checkpoint):
+    encoder = config.encoder
+    if encoder.num_encoders and not is_vision_language(checkpoint):
+        setting, undo = (
+            ("encoder.in_worker is true", "false")
+            if encoder.in_worker
+            else (f"encoder.replicas is {encoder.replicas}", "0")
+        )
         raise Refused(
-            f"encoder.replicas is {config.encoder.replicas}, but {model_dir.name} reads no images "
-            f"(architectures {checkpoint.get('architectures')}): set it to 0"
+            f"{setting}, but {model_dir.name} reads no images "
+            f"(architectures {checkpoint.get('architectures')}): set it to {undo}"
         )
     try:  # every stage reads it at start: a run that cannot say how it embeds never starts
         embedding_of(config.model, model_dir)

@@ -344,3 +344,21 @@ def test_run_as_must_name_a_user_of_this_host() -> None:
     with pytest.raises(ConfigError, match=r"^supervisor\.run_as: there is no user 'no-such-user-here'"):
         load_config(None, ["supervisor.run_as=no-such-user-here"])
     assert load_config(None, ["supervisor.run_as=root"]).supervisor.run_as == "root"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["encoder.in_worker=true", "encoder.replicas=1"],
+         r"^encoder\.in_worker: the worker of engine group 0 runs the encoder, .*set encoder\.replicas to 0 \(got 1\)"),
+        (["encoder.in_worker=true", "cluster.backend=ray"],
+         r"^encoder\.in_worker runs on one host .*with cluster\.backend: ray use encoder\.replicas"),
+    ],
+)  # fmt: skip
+def test_the_encoder_in_the_worker_is_refused_beside_an_encoder_stage_or_on_ray(
+    overrides: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
+    config = load_config(None, ["encoder.in_worker=true"])
+    assert config.encoder.num_encoders == 1 and config.encoder.replicas == 0

@@ -12,7 +12,11 @@ from tests.conftest import REPO_ROOT
 
 PACKAGES = ("ipc", "services", "supervision", "client", "kernels")
 MODULES = ("supervisor", "brigade_cli")
-STAGES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer", "gateway")
+STAGES = ("tokenizer", "scheduler", "gpu_worker", "encoder", "detokenizer", "gateway")
+# The crossings made on purpose, each with its reason. With encoder.in_worker the worker of engine
+# group 0 serves encoder 0 in its own process (the baseline benchmarks/encoder_bench.py measures the
+# encoder stage against), with the encoder stage's own code.
+ALLOWED_CROSSINGS = {("services.gpu_worker.__main__", "services.encoder.server")}
 
 
 def module_name(path: Path) -> str:
@@ -69,7 +73,7 @@ def test_no_stage_folder_imports_another_and_no_library_imports_a_stage():
     for module, imported in import_graph().items():
         for target in imported:
             owner, used = stage_of(module), stage_of(target)
-            if used is not None and used != owner:
+            if used is not None and used != owner and (module, target) not in ALLOWED_CROSSINGS:
                 crossings.append(f"{module} -> {target}")
     assert crossings == [], "stage folders import only ipc/ and the shared libraries:\n" + "\n".join(
         crossings

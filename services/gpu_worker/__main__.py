@@ -18,12 +18,16 @@ from ipc.sockets import DealerSocket
 from ipc.step_plan import STEP_RESULT
 from services.common.pooling import embedding_of
 from services.cpu_cores import run_cores, worker_threads
+from services.encoder.server import EncoderServer
 from services.gpu_worker.memory import MemoryMonitor
 from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
 from services.gpu_worker.parallel import init_parallel
 from services.stage import Stage, StageProcess
 
 READ_TIMEOUT_S = 0.5
+# With the encoder in this process, how long the loop waits for a step before it looks at the
+# encoder's socket again: what an image may wait for an idle worker to start on it.
+ENCODER_POLL_S = 0.005
 HELLO_RETRY_S = 2.0
 # A collective waits this long for the slowest rank: loading skew at start, and rank 0 blocked on
 # a full result ring for up to step_timeout_s while the others wait in the next step.
@@ -32,12 +36,18 @@ MIN_COLLECTIVE_TIMEOUT_S = 300.0
 
 class WorkerProcess(StageProcess):
     """One tensor-parallel rank of an engine group. Its loop is the step ring's, not a poll: it
-    heartbeats, and reads its scheduler's adapter commands, between steps."""
+    heartbeats, and reads its scheduler's adapter commands, between steps. With
+    `encoder.in_worker`, rank 0 of engine group 0 also serves encoder 0 between its steps."""
 
     kind = "gpu_worker"
+    encoder: EncoderServer | None = None
 
     def serve(self) -> None:
         runner = load_runner(self.stage, self.args.rank)
+        if self.stage.config.encoder.in_worker and self.stage.index == 0 and self.args.rank == 0:
+            self.encoder = EncoderServer(self.ctx, self.stage, 0)
+            self.control.watch(self.encoder.socket)
+            self.log.info("serving encoder 0 (%d cached images at most)", self.encoder.core.cache.num_slots)
         scheduler = DealerSocket(
             self.ctx,
             self.stage.endpoints.scheduler_workers(self.stage.index),
@@ -70,7 +80,10 @@ class WorkerProcess(StageProcess):
             pooling=runner.embedding.pooling if runner.embedding else "",
             normalize=runner.embedding.normalize if runner.embedding else True,
         )
-        self.control.ready(kv_blocks=str(runner.num_kv_blocks), device=str(runner.device), dtype=hello.dtype)
+        encoder = {"cache_slots": str(self.encoder.core.cache.num_slots)} if self.encoder else {}
+        self.control.ready(
+            kv_blocks=str(runner.num_kv_blocks), device=str(runner.device), dtype=hello.dtype, **encoder
+        )
         while not self.stopping[0]:
             scheduler.send(hello)
             try:
@@ -107,14 +120,20 @@ class WorkerProcess(StageProcess):
         step_ring = ShmRing.attach(stage.endpoints.step_ring(group))
         result_ring = ShmRing.attach(stage.endpoints.result_ring(group)) if rank == 0 else None
         memory = MemoryMonitor(runner.device, stage.config.supervisor.heartbeat_interval_s)
-        stopping, control = self.stopping, self.control
+        stopping, control, encoder = self.stopping, self.control, self.encoder
         self.log.info("serving steps")
         num_steps = 0
         while not stopping[0]:
             control.heartbeat(num_steps, has_work=False, load=memory.load())
             self.on_scheduler(runner, scheduler)
+            if encoder is not None:
+                # Every request that came, before the next step: their encodes delay it, as a
+                # vision tower run in the model's step on the images scheduled into it would.
+                encoder.receive(0.0)
+                while encoder.queue:
+                    encoder.serve_one()
             try:
-                with step_ring.read(rank, READ_TIMEOUT_S) as view:
+                with step_ring.read(rank, READ_TIMEOUT_S if encoder is None else ENCODER_POLL_S) as view:
                     header = STEP_HEADER.decode(view.header)
                     started = time.perf_counter()
                     try:
@@ -132,6 +151,11 @@ class WorkerProcess(StageProcess):
             except RingTimeout:
                 continue
             num_steps += 1
+
+    def close(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
+        super().close()
 
 
 def load_runner(stage: Stage, rank: int) -> ModelRunner:
@@ -163,7 +187,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         lora_adapters=config.lora.adapters,
         wide_step_dtype=engine.cpu_wide_step_dtype,
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),
-        embedding_caches=stage.endpoints.embedding_cache if config.encoder.replicas else None,
+        embedding_caches=stage.endpoints.embedding_cache if config.encoder.num_encoders else None,
         draft_model=Path(config.speculative.model) if config.speculative.method == "draft_model" else None,
     )
     stage.log.info(

@@ -89,7 +89,7 @@ class TokenizerProcess(StageProcess):
             ),
             embedding=embedding_of(config.model, Path(stage.info.model_dir)),
             image_rules=image_rules_of(Path(stage.info.model_dir)),
-            num_encoders=config.encoder.replicas,
+            num_encoders=config.encoder.num_encoders,
             max_image_bytes=config.encoder.max_image_bytes,
             remote_images=RemoteImages.of(config.encoder),
             is_harmony=speaks_harmony(
@@ -102,8 +102,8 @@ class TokenizerProcess(StageProcess):
         # A request's images go to an encoder first (its http(s) ones fetched before that, on the
         # fetcher's threads); it reaches its scheduler once they are encoded.
         self.encoders = (
-            EncoderClient(self.ctx, stage.endpoints, config.encoder.replicas)
-            if config.encoder.replicas
+            EncoderClient(self.ctx, stage.endpoints, config.encoder.num_encoders)
+            if config.encoder.num_encoders
             else None
         )
         self.fetcher = (
@@ -385,7 +385,8 @@ class TokenizerProcess(StageProcess):
         """Route new requests to the groups that take them; once retired groups have stopped,
         move what was left on them to the others."""
         self.core.set_num_groups(topology.num_routed_groups)
-        if self.encoders is not None and topology.num_encoders != len(self.encoders.encoders):
+        # The stage count: 0 with encoder.in_worker, whose one encoder never changes.
+        if self.encoders is not None and topology.num_encoders not in (0, len(self.encoders.encoders)):
             self.resize_encoders(topology.num_encoders)
         old = self.peers.apply(topology)
         if topology.num_groups < old.num_groups:
