@@ -346,7 +346,9 @@ class Supervisor:
             self.stages.stop(self.stages.of_kind(kind), STOP_GRACE_S)
         self.run.remove_rings()
         # Every replica's cache the run ever had (retired ones' too), or the in-worker encoder's.
-        self.run.remove_embedding_caches(max(self.transitions.most_encoders, self.config.encoder.num_encoders))
+        self.run.remove_embedding_caches(
+            max(self.transitions.most_encoders, self.config.encoder.num_encoders)
+        )
         self.stages.close()
         close_context(self.ctx, 0)
         self.run.release(keep_keys=bool(self.config.network.keys_dir))
