@@ -496,10 +496,15 @@ def test_bad_grammar_arrays_are_refused_naming_them(tiny):
             "grammar_rows": np.array([0], np.int32),
             "grammar_bitmask": mask[:, :-1],
         },
-        "grammar_rows must be distinct indices below 2": {
+        "grammar_rows must be indices below 2": {
             **arrays,
             "grammar_rows": np.array([2], np.int32),
             "grammar_bitmask": mask,
+        },
+        "once per position it samples": {  # twice, but it verifies no proposals
+            **arrays,
+            "grammar_rows": np.array([0, 0], np.int32),
+            "grammar_bitmask": np.concatenate((mask, mask)),
         },
         "grammar_rows names a row that samples nothing": {
             **arrays,
