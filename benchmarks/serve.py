@@ -4,7 +4,7 @@ sdk,http`) against HF transformers, llama.cpp's server and vLLM's CPU build.
     python benchmarks/serve.py [--run DIR | --start] [--backend sdk|http|sdk,http] [--tls] [--config FILE] [--set key=value ...]
         [--engines brigade,hf,llamacpp,vllm] [--concurrency 1,16,64,256] [--request-rate R]
         [--dataset chat|random|shared-prefix] [--output-len 128] [--dtype float32]
-        [--llama-server PATH | --build-llama-server] [--vllm-venv DIR] [--vllm-dtype bfloat16]
+        [--llama-server PATH | --build-llama-server] [--gguf FILE] [--vllm-venv DIR] [--vllm-dtype bfloat16]
         [--json FILE] [--plot FILE] [--smoke] [--mlflow TRACKING_URI [--mlflow-experiment NAME]]
 
 Every engine gets the same prompts (token ids) and output lengths (ignore_eos, greedy), engines
@@ -411,7 +411,7 @@ def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], log_dir
         return {"skipped": note}
     from services.gpu_worker.loader import default_model_path
 
-    gguf = Path(default_model_path())
+    gguf = args.gguf or Path(default_model_path())
     ctx_per_slot = max(len(r.prompt_ids) + r.output_len for r in requests) + 16
     per_setting = {}
     for c in args.peer_concurrency:
@@ -683,6 +683,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the http backend then pays for TLS",
     )
     p.add_argument("--llama-server", help="path of a llama-server binary")
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        help="the GGUF llama-server serves (default: the embedded SmolLM2's; give Brigade the same "
+        "with --set model.path=GGUF); prompts are drawn from SmolLM2's vocabulary, so it needs that tokenizer",
+    )
     p.add_argument("--build-llama-server", action="store_true", help="build llama-server if none is found")
     p.add_argument(
         "--vllm-venv",
@@ -743,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {
         "command": " ".join(["python", "benchmarks/serve.py", *(argv if argv is not None else sys.argv[1:])]),
-        "model": "SmolLM2-135M-Instruct",
+        "model": args.gguf.name if args.gguf else "SmolLM2-135M-Instruct",
         "machine": machine_info(),
         "config": {
             "dataset": args.dataset,
@@ -773,8 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         if "vllm" in args.engines
         else {"skipped": "not selected"}
     )
-    report["targets"] = evaluate_targets(report)
-    print_targets(report["targets"])
+    if args.gguf is None:  # the targets are SmolLM2's
+        report["targets"] = evaluate_targets(report)
+        print_targets(report["targets"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:

@@ -903,8 +903,13 @@ def test_moe_gguf_routing_brigade_cannot_run_is_refused_by_name(case: str, tmp_p
 def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> None:
     """benchmarks/moe_bench.py at a tiny shape: its counted weight bytes per step are the floor
     (the router and each distinct selected expert once), below reading every (token, expert)
-    pair's expert once many rows share experts; both stacks are timed; and its quantized-experts
-    table times a layer from Q8_0 blocks (the fused op, then dequantize + GEMM past MOE_MAX_ROWS)."""
+    pair's expert once many rows share experts; both stacks are timed; the Q8_0 stacks compare the
+    fused op's MoE with the dense stack from the same blocks (the few-rows op, which takes one row
+    but not 16) and count the experts' blocks each step reads against the floor; the targets
+    (MoE / dense at one row against 1.3x, bytes per token against the floor at 16 rows) are
+    reported per stack; its quantized-experts table times a layer from Q8_0 blocks (the fused op,
+    then dequantize + GEMM past MOE_MAX_ROWS); and a missing llama-server skips that comparison,
+    saying why."""
     import json
     import os
     import subprocess
@@ -928,6 +933,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         "Q8_0",
         "--quantized-batch",
         "1,8,32",
+        "--llama-server",
+        str(tmp_path / "no-llama-server"),
     ]
     proc = subprocess.run(
         [sys.executable, "benchmarks/moe_bench.py", "--json", str(out), "--repeats", "2", "--batch", "1,16", *args],
@@ -948,6 +955,23 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     # Q8_0 packed: 36 bytes a block of 32 weights, against float32's 128.
     assert all(row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * 36 for row in quantized)
     assert all(row["float32_ms"] > 0 and row["blocks_ms"] > 0 for row in quantized)
+    report = json.loads(out.read_text())
+    q_one, q_sixteen = report["quantized_stacks"]["Q8_0"]
+    assert q_one["moe_step_ms"] > 0 and q_one["dense_step_ms"] > 0 and q_one["moe_over_dense"] > 0
+    assert q_sixteen["dense_step_ms"] is None  # 16 rows: past the dense few-rows op
+    # Each selected expert's blocks once: 2 layers of (float32 router 8 x 64, and per pair an
+    # expert's gate, up [32, 64] and down [64, 32] at 36 bytes a Q8_0 block of 32).
+    expert_blocks = (2 * 32 * 64 + 64 * 32) // 32 * 36
+    assert q_one["weight_bytes_read_per_token"] == 2 * (8 * 64 * 4 + 2 * expert_blocks)
+    assert q_one["read_over_floor"] == q_sixteen["read_over_floor"] == 1.0
+    assert q_sixteen["weight_bytes_read_per_token"] < q_sixteen["per_pair_bytes_per_token"] / 4
+    targets = report["targets"]
+    assert set(targets) == {"float32", "Q8_0"}
+    assert targets["Q8_0"]["moe_over_dense_1_row"] == q_one["moe_over_dense"]
+    assert targets["Q8_0"]["ratio_target"] == 1.3
+    assert targets["Q8_0"]["ratio_met"] == (q_one["moe_over_dense"] <= 1.3)
+    assert (targets["Q8_0"]["widest_rows"], targets["Q8_0"]["read_over_floor"]) == (16, 1.0)
+    assert "no llama-server" in report["llamacpp"]["skipped"]
 
 
 @pytest.mark.parametrize(
