@@ -3,6 +3,7 @@ the same random weights."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,16 @@ def test_wrong_pixel_shape_is_refused(tiny_gemma3_vlm_dir: Path) -> None:
 def test_a_text_model_has_no_vision_encoder() -> None:
     with pytest.raises(ValueError, match=r"no vision encoder for architectures .*: Gemma 3's, SmolVLM's"):
         VisionConfig.from_dict({"architectures": ["LlamaForCausalLM"]})
+
+
+def test_vision_configs_whose_image_tokens_do_not_tile_the_patches_are_refused(
+    tiny_gemma3_vlm_dir: Path, tiny_idefics3_dir: Path
+) -> None:
+    gemma = json.loads((tiny_gemma3_vlm_dir / "config.json").read_text())
+    assert VisionConfig.from_dict(gemma).tokens_per_tile == gemma["mm_tokens_per_image"]
+    with pytest.raises(ValueError, match="mm_tokens_per_image 5 must be a square"):
+        VisionConfig.from_dict({**gemma, "mm_tokens_per_image": 5})
+    idefics3 = json.loads((tiny_idefics3_dir / "config.json").read_text())
+    patches = VisionConfig.from_dict(idefics3).patches_per_side
+    with pytest.raises(ValueError, match=f"scale_factor {patches + 1} must divide the {patches} patches"):
+        VisionConfig.from_dict({**idefics3, "scale_factor": patches + 1})

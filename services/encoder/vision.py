@@ -82,42 +82,30 @@ class VisionConfig:
                 f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
             )
         v = d["vision_config"]
-        if set(IDEFICS3) & set(architectures):
+        tower = {
+            "image_size": v["image_size"],
+            "patch_size": v["patch_size"],
+            "hidden_size": v["hidden_size"],
+            "num_heads": v["num_attention_heads"],
+            "num_layers": v["num_hidden_layers"],
+            "layer_norm_eps": v.get("layer_norm_eps", 1e-6),
+            "hidden_act": v.get("hidden_act", "gelu_pytorch_tanh"),
+            "text_hidden_size": d["text_config"]["hidden_size"],
+        }
+        patches = v["image_size"] // v["patch_size"]
+        if set(IDEFICS3) & set(architectures):  # the pixel-shuffle connector
             scale = d.get("scale_factor", 2)
-            patches = v["image_size"] // v["patch_size"]
             if scale < 1 or patches % scale:
                 raise ValueError(f"scale_factor {scale} must divide the {patches} patches per side")
-            return cls(
-                image_size=v["image_size"],
-                patch_size=v["patch_size"],
-                hidden_size=v["hidden_size"],
-                num_heads=v["num_attention_heads"],
-                num_layers=v["num_hidden_layers"],
-                layer_norm_eps=v.get("layer_norm_eps", 1e-6),
-                hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-                tokens_per_tile=(patches // scale) ** 2,
-                text_hidden_size=d["text_config"]["hidden_size"],
-                scale_factor=scale,
-            )
-        tokens = d.get("mm_tokens_per_image", 256)
-        config = cls(
-            image_size=v["image_size"],
-            patch_size=v["patch_size"],
-            hidden_size=v["hidden_size"],
-            num_heads=v["num_attention_heads"],
-            num_layers=v["num_hidden_layers"],
-            layer_norm_eps=v.get("layer_norm_eps", 1e-6),
-            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-            tokens_per_tile=tokens,
-            text_hidden_size=d["text_config"]["hidden_size"],
-        )
+            return cls(**tower, tokens_per_tile=(patches // scale) ** 2, scale_factor=scale)
+        tokens = d.get("mm_tokens_per_image", 256)  # Gemma 3's pooling to a square
         side = math.isqrt(tokens)
-        if side * side != tokens or config.patches_per_side % side:
+        if side * side != tokens or patches % side:
             raise ValueError(
                 f"mm_tokens_per_image {tokens} must be a square whose side divides the "
-                f"{config.patches_per_side} patches per side"
+                f"{patches} patches per side"
             )
-        return config
+        return cls(**tower, tokens_per_tile=tokens)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> VisionConfig:
