@@ -17,7 +17,9 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -417,6 +419,16 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
     assert_clean(run_dir)
 
 
+def greedy_token_ids(api: Any, job: tuple[str, list[int]]) -> list[int]:
+    """The greedy token ids a completion of (model, prompt ids) gives, NEW_TOKENS of them."""
+    model, prompt = job
+    reply = api.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
+    )  # fmt: skip
+    return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+
 def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path: Path) -> None:
     """lora.max_loras 1 and three adapters waiting in host memory (lora.max_cpu_loras 3), asked for
     all at once, interleaved with the base model: each request's greedy tokens are its adapter's
@@ -445,13 +457,7 @@ def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path
     with brigade_run(run_dir, *overrides) as run:
         api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
 
-        def complete(job: tuple[str, list[int]]) -> list[int]:
-            model, prompt = job
-            reply = api.completions.create(
-                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
-            )  # fmt: skip
-            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+        complete = partial(greedy_token_ids, api)
 
         with ThreadPoolExecutor(len(models)) as pool:
             got = list(pool.map(complete, zip(models, prompts, strict=True)))
@@ -527,13 +533,7 @@ def test_adapters_of_waiting_requests_are_copied_in_ahead(lora_serving, tmp_path
         )  # fmt: skip
         next(iter(long_stream))  # it runs: the adapter requests queue behind it
 
-        def complete(job: tuple[str, list[int]]) -> list[int]:
-            model, prompt = job
-            reply = api.completions.create(
-                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1,
-            )  # fmt: skip
-            return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+        complete = partial(greedy_token_ids, api)
 
         with ThreadPoolExecutor(len(models)) as pool:
             jobs = pool.map(complete, zip(models, prompts, strict=True))
