@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.messages import DRAFT_TOKEN, PLACEHOLDER_TOKEN, StepHeader
 from ipc.step_plan import STEP_PLAN, Dim
 from kernels import cpu_ops
 from services.gpu_worker.model import CAN_PREPACK, onednn_linear, prepack
@@ -413,8 +413,11 @@ def test_invalid_placeholders_are_refused(tiny):
     with pytest.raises(InvalidPlan, match="row"):
         runner.execute(bad, header)
     bad = {k: v.copy() for k, v in arrays.items()}
-    bad["input_ids"][0] = -2
+    bad["input_ids"][0] = -3
     with pytest.raises(InvalidPlan, match="token id"):
+        runner.execute(bad, header)
+    bad["input_ids"][0] = DRAFT_TOKEN
+    with pytest.raises(InvalidPlan, match="a token to draft, for a worker without a draft model"):
         runner.execute(bad, header)
     bad = {k: v.copy() for k, v in arrays.items()}
     bad["history_offsets"][1], bad["history_ids"] = 1, np.array([PLACEHOLDER_TOKEN], np.int32)
