@@ -18,6 +18,22 @@ from tests.test_model import BLOCK_SIZE, PlanBuilder, hf_last_logits, random_ids
 
 pytestmark = pytest.mark.skipif(not CAN_PREPACK, reason="torch built without oneDNN")
 
+
+def onednn_prepacks_bf16() -> bool:
+    """Whether oneDNN prepacks bfloat16 weights on this CPU at all: it needs AVX-512 (or
+    AVX-NE-CONVERT) even to emulate bf16 dot products, so on an AVX2-only CPU the tests that
+    multiply in bf16 cannot run, whatever CPU flags they simulate."""
+    try:
+        prepack(torch.zeros(1, 1, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (CAN_PREPACK and onednn_prepacks_bf16()), reason="oneDNN cannot prepack bfloat16 on this CPU"
+)
+
 BF16_ULP = 2.0**-7  # bfloat16 keeps 8 significant bits: one unit in the last place, relative
 # SmolLM2 teacher-forced on HF's greedy tokens, 8 prompts x 16 tokens: 127 / 128 agree in
 # docs/performance.md ("bf16 wide steps"); two misses are tolerated (a thread count other than
@@ -29,6 +45,7 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().double()
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(5, 37, 13), (17, 100, 96), (64, 83, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_linear_is_the_float_product_within_bf16_rounding(rows, in_features, out_features, with_bias):
@@ -55,6 +72,7 @@ def test_bf16_linear_is_the_float_product_within_bf16_rounding(rows, in_features
     assert float((out - float32).abs().max()) > 0  # rounded: not the float32 path
 
 
+@needs_onednn_bf16
 def test_bf16_linear_of_zero_rows_and_nan():
     """No rows give no rows; a NaN in x makes its own row's outputs NaN and no other's."""
     weight = prepack(torch.randn(24, 40).bfloat16())
@@ -87,10 +105,9 @@ def tiny_runner(model_dir, dtype: str = "float32", wide_step_dtype: str = "float
     )
 
 
-def test_wide_steps_take_bf16_only_where_asked_and_the_cpu_has_it(tiny_model_dir, cpu_with_bf16, caplog):
-    """float32 unless asked for; asked for, bfloat16 copies on a CPU with bf16 dot products, and
-    float32 with a warning on one without (where oneDNN would emulate bf16, slower than float32)
-    or where the model is not float32; an unknown dtype is an error."""
+@needs_onednn_bf16
+def test_wide_steps_take_bf16_where_asked_and_the_cpu_has_it(tiny_model_dir, cpu_with_bf16):
+    """float32 unless asked for; asked for, bfloat16 copies on a CPU with bf16 dot products."""
     cpu_with_bf16(True)
     default = tiny_runner(tiny_model_dir).model
     assert default.wide_step_dtype == torch.float32
@@ -102,6 +119,11 @@ def test_wide_steps_take_bf16_only_where_asked_and_the_cpu_has_it(tiny_model_dir
     assert all(w.dtype == torch.float32 for layer in model.layers for w in layer.plain)
     assert model.lm_head_onednn is model.lm_head and model.lm_head.dtype == torch.float32
 
+
+def test_wide_steps_stay_float32_where_the_cpu_lacks_bf16(tiny_model_dir, cpu_with_bf16, caplog):
+    """Asked for, float32 with a warning on a CPU without bf16 dot products (where oneDNN would
+    emulate bf16, slower than float32, or cannot prepack it at all) or where the model is not
+    float32; an unknown dtype is an error."""
     cpu_with_bf16(False)
     for dtype, reason in (
         ("float32", "this CPU has neither AVX-512 BF16 nor AMX"),
@@ -118,6 +140,7 @@ def test_wide_steps_take_bf16_only_where_asked_and_the_cpu_has_it(tiny_model_dir
         tiny_runner(tiny_model_dir, wide_step_dtype="float16")
 
 
+@needs_onednn_bf16
 def test_tiny_wide_steps_in_bf16_stay_close_to_hf(tiny_model_dir, cpu_with_bf16):
     """Prefills of 6 sequences and a decode step of all 6 in bfloat16 give HF float32's logits
     within bf16 rounding, and not float32's (whose runner matches HF to 1e-4); a decode step of 3
@@ -148,6 +171,7 @@ def test_tiny_wide_steps_in_bf16_stay_close_to_hf(tiny_model_dir, cpu_with_bf16)
             assert float((logits["bfloat16"] - logits["float32"]).abs().max()) > 1e-4
 
 
+@needs_onednn_bf16
 def test_moe_with_bf16_wide_steps_stays_close_to_hf(tmp_path, cpu_with_bf16):
     """A Qwen2-MoE (a dense layer between sparse ones, whose dense weights are empty; QKV bias):
     its dense layers' weights take bf16 copies, the experts stay float32, and a prefill's logits
