@@ -311,3 +311,26 @@ def chunk_image_arrays(images: list, first: int, end: int, mrope: bool = True) -
             {"image_grid_widths": np.array([image.grid_width for image in inside], np.int32)} if mrope else {}
         ),
     }
+
+
+def test_older_configs_pixel_bounds_win_as_in_hf(tiny_qwen25vl_dir: Path, tmp_path: Path) -> None:
+    """A preprocessor config with min_pixels / max_pixels beside its size (as older hub configs
+    have them) resizes by those, as HF does; a processor whose patches are not the tower's is refused."""
+    import json
+    import shutil
+
+    from transformers import AutoImageProcessor
+
+    shutil.copytree(tiny_qwen25vl_dir, tmp_path / "m")
+    path = tmp_path / "m" / "preprocessor_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "min_pixels": 28 * 28 * 9, "max_pixels": 28 * 28 * 16}))
+    rules = ImageRules.from_dir(tmp_path / "m")
+    for size in SIZES:
+        grid = AutoImageProcessor.from_pretrained(tmp_path / "m")(
+            images=[Image.open(io.BytesIO(png(*size, seed=0)))], return_tensors="pt"
+        )["image_grid_thw"][0]
+        assert rules.tile_tokens(size) == [int(grid.prod()) // 4], size
+    path.write_text(json.dumps({**config, "patch_size": 16}))
+    with pytest.raises(ValueError, match="are not the vision tower's"):
+        ImageRules.from_dir(tmp_path / "m")

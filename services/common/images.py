@@ -426,8 +426,9 @@ class Qwen2VLImageRules(ImageRules):
         rules = cls(
             patch_size=processor.get("patch_size", 14),
             merge_size=processor.get("merge_size", 2),
-            min_pixels=size.get("shortest_edge") or processor.get("min_pixels") or 56 * 56,
-            max_pixels=size.get("longest_edge") or processor.get("max_pixels") or 28 * 28 * 1280,
+            # An older config's min_pixels / max_pixels win over its size, as HF's __init__ has it.
+            min_pixels=processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+            max_pixels=processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
             resample=processor.get("resample", Image.Resampling.BICUBIC),
             normalize=Normalization.from_processor(
                 {"image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD, **processor}
