@@ -334,3 +334,22 @@ def test_older_configs_pixel_bounds_win_as_in_hf(tiny_qwen25vl_dir: Path, tmp_pa
     path.write_text(json.dumps({**config, "patch_size": 16}))
     with pytest.raises(ValueError, match="are not the vision tower's"):
         ImageRules.from_dir(tmp_path / "m")
+
+
+def test_tower_options_it_cannot_run_are_refused_by_name(tiny_qwen25vl_dir: Path) -> None:
+    import json
+
+    from services.encoder.qwen2_vl import Qwen2VLVisionConfig
+
+    config = json.loads((tiny_qwen25vl_dir / "config.json").read_text())
+    vision = config["vision_config"]
+    refused = {
+        "hidden_act 'gelu' is not supported": {"hidden_act": "gelu"},
+        "in_channels 4 is not supported": {"in_channels": 4},
+        "rope_type 'yarn' is not supported": {"rope_parameters": {"rope_type": "yarn"}},
+        "window_size 50 is not a multiple": {"window_size": 50},
+    }
+    for message, change in refused.items():
+        with pytest.raises(ValueError, match=message):
+            Qwen2VLVisionConfig.from_dict({**config, "vision_config": {**vision, **change}})
+    assert Qwen2VLVisionConfig.from_dict(config).full_attention_blocks == {1, 3}

@@ -254,8 +254,8 @@ class ModelConfig:
         for rope in ropes:
             if rope.mrope_section and sum(rope.mrope_section) != head_dim // 2:
                 raise UnsupportedModel(
-                    f"mrope_section {list(rope.mrope_section)} does not cover the {head_dim // 2} "
-                    "rotary frequencies of a head"
+                    f"unsupported mrope_section {list(rope.mrope_section)}; supported: sections that "
+                    f"add up to a head's {head_dim // 2} rotary frequencies"
                 )
         if len({r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"}) > 1:
             raise UnsupportedModel(
