@@ -12,8 +12,10 @@ embeddings of its image tokens out, one per merge_size x merge_size block of pat
 - The patch merger: RMSNorm over each patch, each merge block's patches side by side, two linear
   maps with GELU between, to the language model's width.
 
-HF permutes the patches into window order and back; attention within a window does not depend
-on the order, so here each patch keeps its place and a mask keeps windows apart. Plain torch
+Attention within a window does not depend on the order of its patches, so the windowed blocks
+gather each window's patches into one padded row of a batch (`Windows`), attend within each row
+(the padding masked out) and put the results back: no [patches, patches] mask, whose size would
+grow with the square of the image's. Plain torch
 over the checkpoint's own safetensors, as services/encoder/vision.py.
 """
 
@@ -158,12 +160,20 @@ class Qwen2VLVisionEncoder:
         cols = torch.arange(width).view(1, width // m, 1, m).expand(height // m, -1, m, -1)
         return rows.reshape(-1), cols.reshape(-1)
 
-    def _window_mask(self, rows: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
-        """[patches, patches] bool: whether two patches share an attention window."""
+    def _windows(self, rows: torch.Tensor, cols: torch.Tensor, width: int) -> Windows:
+        """Which patches each attention window holds: square windows of `window_size` pixels from
+        the image's top left (those on the right and bottom edges cut short)."""
         side = self.config.window_size // self.config.patch_size  # in patches
         windows_per_row = -(-width // side)
         window = (rows // side) * windows_per_row + cols // side
-        return window[:, None] == window[None, :]
+        num_windows = int(window.max()) + 1
+        order = torch.argsort(window, stable=True)
+        counts = torch.bincount(window, minlength=num_windows)
+        place = torch.arange(len(window)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        # Each window's patches, padded with the index one past the last patch.
+        index = torch.full((num_windows, side * side), len(window))
+        index[window[order], place] = order
+        return Windows(index, index < len(window))
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -179,10 +189,9 @@ class Qwen2VLVisionEncoder:
         angles = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
         angles = torch.cat((angles, angles), dim=-1)  # [patches, head_dim], float32
         rotary = (angles.cos(), angles.sin())
-        window_mask = self._window_mask(rows, cols, width)
+        windows = self._windows(rows, cols, width)
         for i in range(c.depth):
-            mask = None if i in c.full_attention_blocks else window_mask
-            x = self._block(x, f"blocks.{i}.", rotary, mask)
+            x = self._block(x, f"blocks.{i}.", rotary, None if i in c.full_attention_blocks else windows)
         x = self._rms_norm(x, "merger.ln_q.weight")
         x = x.reshape(x.shape[0], -1, c.hidden_size * c.merge_size**2)
         x = F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]))
@@ -201,7 +210,7 @@ class Qwen2VLVisionEncoder:
         x: torch.Tensor,
         prefix: str,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        windows: Windows | None,
     ) -> torch.Tensor:
         c = self.config
         n, length, width = x.shape
@@ -210,11 +219,31 @@ class Qwen2VLVisionEncoder:
         cos, sin = rotary
         # The rotation in float32, as HF's.
         q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = F.scaled_dot_product_attention(q, k, v) if windows is None else windows.attention(q, k, v)
         x = x + self._linear(attn.transpose(1, 2).reshape(n, length, width), prefix + "attn.proj")
         h = self._rms_norm(x, prefix + "norm2.weight")
         gate = F.silu(self._linear(h, prefix + "mlp.gate_proj"))
         return x + self._linear(gate * self._linear(h, prefix + "mlp.up_proj"), prefix + "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The patches of each attention window: `index` [windows, window patches] of patch
+    indices, padded past a window's last patch with the number of patches; `valid` where not."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of q, k, v [n, heads, patches, head_dim] within each window."""
+        n, heads, length, head_dim = q.shape
+        padding = q.new_zeros(n, heads, 1, head_dim)
+        gathered = [torch.cat((t, padding), dim=2)[:, :, self.index] for t in (q, k, v)]
+        # Padding keys masked out; padding queries attend to their window's patches and are dropped.
+        out = F.scaled_dot_product_attention(*gathered, attn_mask=self.valid[:, None, :])
+        result = q.new_empty(n, heads, length + 1, head_dim)
+        result[:, :, self.index] = out
+        return result[:, :, :length]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
