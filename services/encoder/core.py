@@ -16,8 +16,9 @@ from services.encoder.vision import VisionEncoder
 class EncoderCore:
     """Decodes each image within `max_image_pixels`, cuts it into the tiles the model's rules
     make (resized and normalized), and runs the vision tower on the tiles the cache lacks, those
-    of one request and one size in one batch (Qwen2.5-VL's tiles take their images' sizes). Each tile is cached by the content of its pixels, so a tile already
-    cached costs its image's decode only."""
+    of one request and one size in one batch (Qwen2.5-VL's tiles take their images' sizes). Each
+    tile is cached by the content of its pixels, so a tile already cached costs its image's
+    decode only."""
 
     def __init__(
         self,
