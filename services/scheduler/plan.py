@@ -372,7 +372,7 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
             images += [(q + image.start - s, image) for image in seqs[i].images if s <= image.start < e]
-            if "rope_deltas" in constants and seqs[i].images:  # a chunk before the prompt's end
+            if "rope_deltas" in constants and seqs[i].images:  # the offset where its chunk starts
                 constants["rope_deltas"][i] = seqs[i].rope_delta(s)
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
     if step.steady is not None:

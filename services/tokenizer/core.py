@@ -117,9 +117,9 @@ class JournalEntry:
     # tool_choice is none); `text` then holds the whole output, streamed or not.
     tool_parser: ToolParser | None = None
     # Images (services/common/images.py): the request's image files, kept to encode them again
-    # should their embeddings leave the encoder's cache before its prefill, and the prompt
-    # position, number of tokens and grid width (M-RoPE) of each tile's; the http(s) URLs of those not fetched yet, by their
-    # index (b"" in `image_files` until they are). While it waits for its images (fetched, then
+    # should their embeddings leave the encoder's cache before its prefill; each tile's first
+    # prompt position, number of tokens and grid width (M-RoPE); the http(s) URLs of those not
+    # fetched yet, by their index (b"" in `image_files` until they are). While it waits for its images (fetched, then
     # encoded) the request is the tokenizer's alone: nothing upstream has it to resubmit or to
     # ask about.
     image_files: list[bytes] = field(default_factory=list)
