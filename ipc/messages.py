@@ -322,13 +322,16 @@ class PromptImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One image tile of a prompt (services/common/images.py; a Gemma 3 image is one): its
     `num_tokens` image tokens from prompt position `start`, whose
     embeddings are at `ref` in encoder `encoder`'s cache under content key `key`. The key also
-    names the image in the prefix cache (its tokens' ids are all the same image token)."""
+    names the image in the prefix cache (its tokens' ids are all the same image token).
+    `grid_width`: the columns of its tokens' grid, which Qwen2.5-VL's M-RoPE positions follow
+    (services/common/mrope.py); 0 for the models whose image tokens take positions in order."""
 
     start: int
     num_tokens: int
     encoder: int
     ref: SlotRef
     key: bytes
+    grid_width: int = 0
 
 
 class SubmitRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -259,6 +259,12 @@ STEP_PLAN = SlotSpec(
         ArraySpec("image_slots", I32, (Dim.IMAGES,), optional=True),
         ArraySpec("image_sequences", np.int64, (Dim.IMAGES,), optional=True),
         ArraySpec("image_keys", np.uint8, (Dim.IMAGES, Dim.IMAGE_KEY), optional=True),
+        # M-RoPE (Qwen2.5-VL; services/gpu_worker/attention.py mrope_positions): each row's offset
+        # of a text token's rotary position from its position at the row's first new token, and
+        # the columns of each image's token grid (its tokens take rows x columns positions).
+        # Absent: rotary positions are the token positions (M-RoPE's, for text alone).
+        ArraySpec("rope_deltas", I32, (S,), optional=True),
+        ArraySpec("image_grid_widths", I32, (Dim.IMAGES,), optional=True),
     ),
     measured={
         Dim.BLOCKS: ("block_tables", 1),

@@ -237,6 +237,16 @@ def tiny_gemma3_vlm_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFact
     return write_gemma3_vlm(tmp_path_factory.mktemp("tiny-gemma3-vlm"), smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen25vl_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random `Qwen2_5_VLForConditionalGeneration` (a 4-block tower in 14-pixel patches,
+    2x2 windows of image tokens in two of its blocks, a 2-layer Qwen2 with M-RoPE) with SmolLM2's
+    tokenizer plus Qwen's vision tokens, and its image processor (4 to 64 image tokens an image)."""
+    from tests.vlm_models import write_qwen25vl
+
+    return write_qwen25vl(tmp_path_factory.mktemp("tiny-qwen25vl"), smollm2_dir)
+
+
 # SmolVLM's chat template, as its checkpoints ship it: an image part renders as "<image>".
 SMOLVLM_CHAT_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"

@@ -80,3 +80,80 @@ def test_prefix_cache_keys_image_blocks_by_the_image() -> None:
     # The same image, then other text within the image's second block: the hit would end inside
     # the image (at 32), so it stops at the block before it.
     assert first_chunk("d", b"cat", prompt[:32] + prompt_of(48, seed=1)) == 16
+
+
+def reference_mrope(length: int, images: list[m.PromptImage]) -> np.ndarray:
+    """[3, length] M-RoPE positions as Qwen2.5-VL's get_rope_index makes them, token by token:
+    text one apart on all axes; an image's grid from the next position, its rows and columns on
+    the height and width axes; the text after it from there + max(rows, columns)."""
+    out, current, position = [], 0, 0
+    starts = {each.start: each for each in images}
+    while position < length:
+        each = starts.get(position)
+        if each is None:
+            out.append((current, current, current))
+            current, position = current + 1, position + 1
+            continue
+        rows = each.num_tokens // each.grid_width
+        out += [
+            (current, current + k // each.grid_width, current + k % each.grid_width)
+            for k in range(each.num_tokens)
+        ]
+        current, position = current + max(rows, each.grid_width), position + each.num_tokens
+    return np.array(out).T
+
+
+def test_mrope_positions_survive_chunks_prefix_hits_preemption_and_resubmission() -> None:
+    """The scheduler's rope deltas and image grids give the worker's M-RoPE positions
+    (services/gpu_worker/attention.py mrope_positions) of every token it plans, prompt and
+    outputs, as one whole pass gives them: across chunks cut between images, from a
+    prefix-cache hit, after a preemption recomputes, and for a resubmission with outputs."""
+    from services.gpu_worker.attention import mrope_positions
+
+    sched = Scheduler(small_config(max_num_batched_tokens=32))
+    executor = FakeExecutor(sched)
+    # A 4x4 grid (16 tokens in 4 positions) and a 2x6 one (12 tokens in 6).
+    images = [
+        m.PromptImage(20, 16, 0, m.SlotRef(0, 2), b"first".ljust(16, b"."), 4),
+        m.PromptImage(70, 12, 0, m.SlotRef(1, 2), b"second".ljust(16, b"."), 6),
+    ]
+    prompt = image_request("x", prompt_of(100), images).prompt_ids.tolist()
+    expected = reference_mrope(100 + 8, images)
+    seen: dict[str, dict[int, int]] = {}  # each request's planned positions, in the order first planned
+
+    def run(steps: int = 10_000) -> None:
+        for _ in range(steps):
+            step = sched.schedule()
+            if step is None:
+                return
+            header, arrays = build_plan(step, 0, 16)
+            got = mrope_positions(arrays, header.num_tokens, header.num_seqs)
+            if got is None:  # neither array: every axis the plain position
+                got = np.repeat(arrays["positions"][None], 3, axis=0)
+            qsl = arrays["query_start_loc"]
+            for i, req in enumerate(step.seqs):
+                for k in range(int(qsl[i]), int(qsl[i + 1])):
+                    position = int(arrays["positions"][k])
+                    assert tuple(got[:, k]) == tuple(expected[:, position]), (req.request_id, position)
+                    seen.setdefault(req.request_id, {}).setdefault(
+                        position, len(seen.get(req.request_id, {}))
+                    )
+            sched.update(step, *executor.run(step))
+
+    def add(rid: str, output_ids: list[int] | None = None) -> None:
+        params = engine_params(seed=7, max_tokens=8 - len(output_ids or []), ignore_eos=True)
+        sched.add(Request(rid, 0, prompt, params, output_ids=output_ids, images=images))
+
+    add("whole")
+    run()
+    add("hit")  # the same prompt and images: most of it from the prefix cache
+    run(steps=2)
+    sched.preempt_all()  # recomputes from scratch
+    run()
+    add("resubmitted", output_ids=[5, 6, 7])
+    run()
+    assert sched.num_preemptions > 0
+    assert sorted(seen["whole"]) == list(range(107))  # every prompt token and output but the last
+    hit_order = sorted(seen["hit"], key=seen["hit"].get)
+    assert hit_order[0] == 96 and 0 in seen["hit"]  # a prefix hit, then recomputed from the start
+    assert 102 in seen["resubmitted"]  # an output token recomputed in the prefill

@@ -42,9 +42,24 @@ REFUSED = {
         {"architectures": ["GPTNeoXForCausalLM"]},
         r"unsupported architecture \['GPTNeoXForCausalLM'\]",
     ),
-    "multimodal architecture": (  # Gemma 3's is served (tests/test_vision_language.py), not this one
-        {"architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+    "multimodal architecture": (  # Gemma 3's, SmolVLM's, Qwen2.5-VL's are served, not this one
+        {"architectures": ["LlavaForConditionalGeneration"]},
         "unsupported architecture",
+    ),
+    "M-RoPE with rope scaling": (
+        {
+            "rope_parameters": {
+                "rope_type": "linear",
+                "factor": 2.0,
+                "rope_theta": 1e4,
+                "mrope_section": [8, 12, 12],
+            }
+        },
+        "unsupported M-RoPE of rope type 'linear'",
+    ),
+    "M-RoPE sections": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 4]}},
+        r"unsupported mrope_section \[2, 3, 4\]",
     ),
     "unknown model_type": ({"architectures": None, "model_type": "falcon"}, "model_type 'falcon'"),
     "rope scaling": (

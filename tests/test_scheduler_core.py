@@ -286,8 +286,10 @@ class FakeExecutor:
 def check_plan_shapes(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
     """The plan is exactly the declared one (ipc/step_plan.py), and every required array is there
     (the optional grammar arrays only come with constrained rows, which this traffic has none of;
-    long_rope with LongRoPE's long rows; the image arrays with images)."""
-    optional = {"long_rope", "num_proposed"} | {name for name in a if name.startswith("image_")}
+    long_rope with LongRoPE's long rows; the image arrays with images, rope_deltas with M-RoPE's)."""
+    optional = {"long_rope", "num_proposed", "rope_deltas"} | {
+        name for name in a if name.startswith("image_")
+    }
     assert set(a) - optional == set(STEP_PLAN.required)
     STEP_PLAN.check(a, {Dim.TOKENS: num_tokens, Dim.ROWS: num_seqs, Dim.IMAGE_KEY: IMAGE_KEY_BYTES})
 

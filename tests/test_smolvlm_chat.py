@@ -125,7 +125,7 @@ CASES = {
 def test_smolvlm_chats_with_split_images_give_hfs_tokens(tiny_smolvlm_dir: Path, tmp_path: Path) -> None:
     rules = ImageRules.from_dir(tiny_smolvlm_dir)
     # Splitting on: 50x37 is a 2x2 grid and a global tile, 100x20 a 1x2 grid and a global tile.
-    assert [rules.num_tiles(size) for size in ((50, 37), (100, 20))] == [5, 3]
+    assert [len(rules.tile_tokens(size)) for size in ((50, 37), (100, 20))] == [5, 3]
     one, two = (
         hf_inputs(tiny_smolvlm_dir, CASES["one image"]),
         hf_inputs(tiny_smolvlm_dir, CASES["two images"]),
@@ -158,7 +158,7 @@ def test_smolvlm_chats_with_split_images_give_hfs_tokens(tiny_smolvlm_dir: Path,
 @pytest.mark.slow
 def test_idefics3_chats_without_splitting_give_hfs_tokens(tiny_idefics3_dir: Path, tmp_path: Path) -> None:
     rules = ImageRules.from_dir(tiny_idefics3_dir)
-    assert not rules.needs_sizes and rules.num_tiles(None) == 1  # the global tile alone
+    assert not rules.needs_sizes and len(rules.tile_tokens(None)) == 1  # the global tile alone
     bad_images = {"truncated or corrupt": data_url(IMAGE_A[: len(IMAGE_A) // 2])}
     serve_and_compare(tiny_idefics3_dir, tmp_path / "run", CASES, bad_images)
 

@@ -15,6 +15,10 @@ An image is one or more tiles, each an encoder input of its own whose embeddings
   without, the global tile alone. Each `<image>` is replaced by a `<fake_token_around_image>` +
   `<row_r_col_c>` + `image_seq_len` x `<image>` run per grid tile, then the global tile's run;
   so the tokens, unlike Gemma's, depend on the image's size.
+- Qwen2.5-VL (`Qwen2VLImageRules`): one tile, the image resized to multiples of patch_size x
+  merge_size within the processor's pixel bounds (HF's smart_resize), bicubic; the tower cuts it
+  into patches itself. The template's `<|image_pad|>` becomes one per merged patch, so the number
+  of tokens is the image's own (the tile's grid, which the language model's M-RoPE also reads).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from PIL import Image, UnidentifiedImageError
 
 from services.common.vision_language import is_vision_language
 
+# HF's default normalization for Qwen2-VL (OpenAI CLIP's), where the processor's config gives none.
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # What a request may send. GIF gives its first frame, as HF's loader does.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 _DATA_URL = re.compile(
@@ -151,6 +158,7 @@ class ImageRules:
     placeholder: str
     image_token: str
     image_token_id: int
+    # Each tile's image tokens, for the families whose tiles are all one size (see `tile_tokens`).
     tokens_per_tile: int
     # Whether an image's tokens depend on its size (which the tokenizer reads from its header).
     needs_sizes: bool
@@ -164,8 +172,10 @@ class ImageRules:
             return Gemma3ImageRules.from_dir(model_dir)
         if {"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"} & set(architectures):
             return Idefics3ImageRules.from_dir(model_dir)
+        if "Qwen2_5_VLForConditionalGeneration" in architectures:
+            return Qwen2VLImageRules.from_dir(model_dir)
         raise ValueError(
-            f"no image rules for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+            f"no image rules for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's, Qwen2.5-VL's"
         )
 
     def tiles(self, image: Image.Image) -> list[np.ndarray]:
@@ -177,8 +187,15 @@ class ImageRules:
         """The text an image of `size` (width, height; None where unknown) takes in the prompt."""
         raise NotImplementedError
 
-    def num_tiles(self, size: tuple[int, int] | None) -> int:
-        return self.image_text(size).count(self.image_token) // self.tokens_per_tile
+    def tile_tokens(self, size: tuple[int, int] | None) -> list[int]:
+        """The number of image tokens of each tile of an image of `size`, in prompt order."""
+        num_tiles = self.image_text(size).count(self.image_token) // self.tokens_per_tile
+        return [self.tokens_per_tile] * num_tiles
+
+    def tile_grid_width(self, size: tuple[int, int] | None) -> int:
+        """The width in image tokens of each tile's grid, for the language models whose rotary
+        positions follow it (M-RoPE); 0 for the others."""
+        return 0
 
     def expand(self, text: str, sizes: list[tuple[int, int] | None]) -> str:
         """`text` with each image placeholder replaced by its image's tokens; the placeholders
@@ -373,6 +390,117 @@ class Idefics3ImageRules(ImageRules):
         return f"{grid}\n{global_tile}"
 
 
+# HF's Qwen2-VL processor refuses images more elongated than this.
+MAX_QWEN2VL_ASPECT = 200
+
+
+@dataclass(frozen=True)
+class Qwen2VLImageRules(ImageRules):
+    patch_size: int
+    merge_size: int  # merge_size x merge_size patches make one image token
+    min_pixels: int
+    max_pixels: int
+    resample: int
+    normalize: Normalization
+    image_token_id: int
+    placeholder: str = "<|image_pad|>"
+    image_token: str = "<|image_pad|>"
+    needs_sizes: bool = True
+
+    @property
+    def tokens_per_tile(self) -> int:  # type: ignore[override]
+        """The most image tokens an image can take (the encoder's cache slots hold that many)."""
+        return self.max_pixels // self.factor**2
+
+    @property
+    def factor(self) -> int:
+        """Both sides of a resized image are multiples of this: one image token's pixels."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Qwen2VLImageRules:
+        config = json.loads((model_dir / "config.json").read_text())
+        processor = _processor_config(model_dir)
+        vision = config["vision_config"]
+        size = processor.get("size") or {}
+        rules = cls(
+            patch_size=processor.get("patch_size", 14),
+            merge_size=processor.get("merge_size", 2),
+            # An older config's min_pixels / max_pixels win over its size, as HF's __init__ has it.
+            min_pixels=processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+            max_pixels=processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
+            resample=processor.get("resample", Image.Resampling.BICUBIC),
+            normalize=Normalization.from_processor(
+                {"image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD, **processor}
+            ),
+            image_token_id=config.get("image_token_id", -1),
+        )
+        tower = (
+            vision.get("patch_size", 14),
+            vision.get("spatial_merge_size", 2),
+            vision.get("temporal_patch_size", 2),
+        )
+        ours = (rules.patch_size, rules.merge_size, processor.get("temporal_patch_size", 2))
+        if ours != tower:
+            raise ValueError(
+                f"the processor's patch_size, merge_size, temporal_patch_size {ours} are not the vision "
+                f"tower's patch_size, spatial_merge_size, temporal_patch_size {tower}"
+            )
+        if rules.tokens_per_tile < 1 or rules.min_pixels > rules.max_pixels:
+            raise ValueError(
+                f"the processor's pixel bounds [{rules.min_pixels}, {rules.max_pixels}] hold no "
+                f"{rules.factor}x{rules.factor} image token"
+            )
+        if _added_tokens(model_dir).get(rules.image_token) != rules.image_token_id:
+            raise ValueError(
+                f"the tokenizer lacks the image token {rules.image_token!r} (id {rules.image_token_id}) "
+                "among its added tokens"
+            )
+        return rules
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the image is resized to, as HF's smart_resize: each side rounded to a
+        multiple of `factor`, then both scaled (aspect kept) into [min_pixels, max_pixels]."""
+        if max(width, height) / min(width, height) > MAX_QWEN2VL_ASPECT:
+            raise ImageError(
+                f"image: {width}x{height} is more than {MAX_QWEN2VL_ASPECT} times as long as it is wide"
+            )
+        f = self.factor
+        new_height, new_width = round(height / f) * f, round(width / f) * f
+        if new_height * new_width > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            new_height = max(f, math.floor(height / beta / f) * f)
+            new_width = max(f, math.floor(width / beta / f) * f)
+        elif new_height * new_width < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            new_height, new_width = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return new_width, new_height
+
+    def tiles(self, image: Image.Image) -> list[np.ndarray]:
+        return [self.normalize(image.resize(self.resized(*image.size), resample=self.resample))]
+
+    def _grid(self, size: tuple[int, int] | None) -> tuple[int, int]:
+        """(rows, columns) of the image tokens of an image of `size`."""
+        if size is None:
+            raise ImageError(
+                "image_url: this model's image tokens depend on the image's size, which an http(s) URL "
+                "does not give before it is fetched: send a data: URL"
+            )
+        width, height = self.resized(*size)
+        return height // self.factor, width // self.factor
+
+    def image_text(self, size: tuple[int, int] | None) -> str:
+        rows, columns = self._grid(size)
+        return self.image_token * (rows * columns)
+
+    def tile_tokens(self, size: tuple[int, int] | None) -> list[int]:
+        rows, columns = self._grid(size)
+        return [rows * columns]
+
+    def tile_grid_width(self, size: tuple[int, int] | None) -> int:
+        return self._grid(size)[1]
+
+
 def image_rules_of(model_dir: Path) -> ImageRules | None:
     """The rules of a vision-language checkpoint's images; None for a model that reads none."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -381,5 +509,9 @@ def image_rules_of(model_dir: Path) -> ImageRules | None:
 
 def pixels_key(pixels: np.ndarray) -> bytes:
     """The content hash of an image's pixels as the encoder reads them: the key of its cached
-    embeddings (the same picture sent as PNG or as WebP is one entry)."""
-    return hashlib.blake2b(np.ascontiguousarray(pixels).tobytes(), digest_size=16).digest()
+    embeddings (the same picture sent as PNG or as WebP is one entry). The shape is hashed too:
+    Qwen2.5-VL's tiles take each image's own size, and a plain image's pixels read the same
+    bytes at 28x56 as at 56x28."""
+    digest = hashlib.blake2b(np.asarray(pixels.shape, dtype=np.int64).tobytes(), digest_size=16)
+    digest.update(np.ascontiguousarray(pixels).tobytes())
+    return digest.digest()

@@ -9,6 +9,9 @@ VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
     "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
+    # With M-RoPE (text_config's rope_parameters.mrope_section): the plan's rope_deltas and
+    # image_grid_widths give each token its three positions.
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
 }
 # Those whose image tokens see each other both ways (HF's Gemma 3 mask); the others' image tokens
 # read causally, as text does.

@@ -9,17 +9,23 @@ import torch
 from ipc import messages as m
 from ipc.embedding_cache import EmbeddingCache
 from services.common.images import ImageError, ImageRules, open_image, pixels_key
+from services.encoder.qwen2_vl import Qwen2VLVisionEncoder
 from services.encoder.vision import VisionEncoder
 
 
 class EncoderCore:
     """Decodes each image within `max_image_pixels`, cuts it into the tiles the model's rules
-    make (resized and normalized), and runs the vision tower on the tiles the cache lacks, all of
-    one request in one batch. Each tile is cached by the content of its pixels, so a tile already
-    cached costs its image's decode only."""
+    make (resized and normalized), and runs the vision tower on the tiles the cache lacks, those
+    of one request and one size in one batch (Qwen2.5-VL's tiles take their images' sizes). Each
+    tile is cached by the content of its pixels, so a tile already cached costs its image's
+    decode only."""
 
     def __init__(
-        self, vision: VisionEncoder, rules: ImageRules, cache: EmbeddingCache, max_image_pixels: int
+        self,
+        vision: VisionEncoder | Qwen2VLVisionEncoder,
+        rules: ImageRules,
+        cache: EmbeddingCache,
+        max_image_pixels: int,
     ) -> None:
         self.vision = vision
         self.rules = rules
@@ -49,9 +55,10 @@ class EncoderCore:
             keys.append(key)
             if key not in new and self.cache.find(key) is None:
                 new[key] = pixels
-        if new:
-            embeddings = self.vision.encode(torch.from_numpy(np.stack(list(new.values()))))
-            for key, rows in zip(new, embeddings.numpy(), strict=True):
+        for shape in {pixels.shape for pixels in new.values()}:
+            batch = {key: pixels for key, pixels in new.items() if pixels.shape == shape}
+            embeddings = self.vision.encode(torch.from_numpy(np.stack(list(batch.values()))))
+            for key, rows in zip(batch, embeddings.numpy(), strict=True):
                 self.cache.put(key, rows)
         self.num_encoded += len(new)
         self.num_cached += len(keys) - len(new)

@@ -17,7 +17,7 @@ from ipc.embedding_cache import EmbeddingCache
 from ipc.sockets import MalformedFrame, RouterSocket
 from services.common.images import ImageRules
 from services.encoder.core import EncoderCore
-from services.encoder.vision import VisionEncoder
+from services.encoder.vision import load_vision_encoder
 from services.metrics import EncoderMetrics
 from services.stage import Stage
 
@@ -34,9 +34,10 @@ class EncoderServer:
     def __init__(self, ctx: zmq.Context, stage: Stage, index: int) -> None:
         config = stage.config.encoder
         model_dir = Path(stage.info.model_dir)
-        vision = VisionEncoder.load(model_dir)
+        vision = load_vision_encoder(model_dir)
         rules = ImageRules.from_dir(model_dir)
-        rows, width = vision.config.tokens_per_tile, vision.config.text_hidden_size
+        # A slot holds the most image tokens a tile can take (Qwen2.5-VL's: its largest image's).
+        rows, width = rules.tokens_per_tile, vision.config.text_hidden_size
         slot_bytes = EmbeddingCache.segment_bytes(1, rows, width)
         cache = EmbeddingCache.create_or_attach(
             stage.endpoints.embedding_cache(index), max(config.cache_bytes // slot_bytes, 1), rows, width

@@ -22,10 +22,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from services.encoder.qwen2_vl import Qwen2VLVisionEncoder
 
 TOWER = "tower."
 PROJECTOR = "projector."
@@ -79,7 +83,7 @@ class VisionConfig:
         architectures = d.get("architectures", [])
         if not ({"Gemma3ForConditionalGeneration", *IDEFICS3} & set(architectures)):
             raise ValueError(
-                f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's"
+                f"no vision encoder for architectures {architectures}: Gemma 3's, SmolVLM's, Idefics3's (Qwen2.5-VL's is services/encoder/qwen2_vl.py)"
             )
         v = d["vision_config"]
         tower = {
@@ -112,7 +116,18 @@ class VisionConfig:
         return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def load_vision_encoder(model_dir: Path) -> VisionEncoder | Qwen2VLVisionEncoder:
+    """The vision side of a vision-language checkpoint: Qwen2.5-VL's own tower, or the SigLIP
+    tower with Gemma 3's or SmolVLM / Idefics3's projector."""
+    from services.encoder.qwen2_vl import ARCHITECTURE, Qwen2VLVisionEncoder
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("architectures") == [ARCHITECTURE]:
+        return Qwen2VLVisionEncoder.load(model_dir)
+    return VisionEncoder.load(model_dir)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -149,7 +164,7 @@ class VisionEncoder:
         model_dir = Path(model_dir)
         config = VisionConfig.from_dir(model_dir)
         weights = {}
-        for path in _safetensors_files(model_dir):
+        for path in safetensors_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (a safetensors file is no dict)
                     short = _short_name(name)

@@ -143,6 +143,10 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn: the ramp between interpolated and extrapolated frequencies
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
+    # M-RoPE (Qwen2.5-VL): how many of the rotary frequencies, in order, rotate by a token's
+    # temporal, height and width position (services/gpu_worker/attention.py mrope_positions);
+    # empty: one position for all.
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,12 @@ class ModelConfig:
         if "sliding_attention" in layer_types and window <= 0:
             raise UnsupportedModel("sliding_attention layers without a sliding_window")
         ropes, layer_ropes = _ropes(d, family, layer_types)
+        for rope in ropes:
+            if rope.mrope_section and sum(rope.mrope_section) != head_dim // 2:
+                raise UnsupportedModel(
+                    f"unsupported mrope_section {list(rope.mrope_section)}; supported: sections that "
+                    f"add up to a head's {head_dim // 2} rotary frequencies"
+                )
         if len({r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"}) > 1:
             raise UnsupportedModel(
                 "unsupported LongRoPE ropes with different original lengths; supported: one"
@@ -379,8 +389,14 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
     theta = float(params.get("rope_theta") or default_theta)
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(f"unsupported rope scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
+    mrope_section = tuple(int(n) for n in params.get("mrope_section") or ())
+    if mrope_section and (rope_type != "default" or len(mrope_section) != 3):
+        raise UnsupportedModel(
+            f"unsupported M-RoPE of rope type {rope_type!r} and mrope_section {list(mrope_section)}; "
+            "supported: the default rope type, three sections (temporal, height, width)"
+        )
     if rope_type == "default":
-        return RopeConfig(theta)
+        return RopeConfig(theta, mrope_section=mrope_section)
     if rope_type == "linear":
         return RopeConfig(theta, "linear", factor=float(params["factor"]))
     if rope_type == "llama3":

@@ -70,6 +70,7 @@ class Shapes:
         window: int = 0,
         softcap: float = 0.0,
         long_rope_rows: int = 0,
+        mrope_section: tuple[int, ...] = (),
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -79,6 +80,10 @@ class Shapes:
         self.window = window
         self.softcap = softcap
         self.long_rope_rows = long_rope_rows
+        # M-RoPE: the axis (temporal, height, width) each column of the rotary table rotates by.
+        self.mrope_axes = (
+            torch.from_numpy(np.tile(np.repeat(np.arange(3), mrope_section), 2)) if mrope_section else None
+        )
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
 
@@ -94,6 +99,40 @@ def rotary_rows(
         q_lens = np.diff(arrays["query_start_loc"][: num_seqs + 1])
         rows += np.repeat(is_long[:num_seqs].astype(np.int64) * long_rope_rows, q_lens)
     return rows
+
+
+def mrope_positions(arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> np.ndarray | None:
+    """[3, T] rotary positions (temporal, height, width) of M-RoPE (Qwen2.5-VL), from the plan's
+    rope_deltas and image grids; None where the plan has neither (each token's one position
+    on all three axes, plain rope's). A text token rotates by its position plus its row's delta
+    on every axis; an image's tokens, from its first one's position p, by p on the temporal
+    axis and p + row and p + column of their place in its grid on the others; the text after it
+    in its row continues from p + max(rows, columns) (services/scheduler/request.py rope_delta)."""
+    deltas, widths = arrays.get("rope_deltas"), arrays.get("image_grid_widths")
+    if deltas is None and widths is None:
+        return None
+    query_start_loc = arrays["query_start_loc"][: num_seqs + 1]
+    positions = arrays["positions"][:num_tokens].astype(np.int64)
+    if deltas is not None:
+        positions += np.repeat(deltas[:num_seqs].astype(np.int64), np.diff(query_start_loc))
+    out = np.repeat(positions[None], 3, axis=0)
+    if widths is None:
+        return out
+    # In step order, so an image's first position has its row's earlier images' shifts.
+    sizes = np.bincount(arrays["image_groups"][arrays["image_groups"] >= 0], minlength=len(widths))
+    for start, size, width in zip(
+        arrays["image_starts"].tolist(), sizes.tolist(), widths.tolist(), strict=True
+    ):
+        if not width:
+            continue
+        row_end = int(query_start_loc[np.searchsorted(query_start_loc, start, side="right")])
+        first = out[0, start]
+        rows, columns = np.divmod(np.arange(size), width)
+        out[0, start : start + size] = first
+        out[1, start : start + size] = first + rows
+        out[2, start : start + size] = first + columns
+        out[:, start + size : row_end] += max(size // width, width) - size
+    return out
 
 
 QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q_norm and k_norm weights [D], eps
@@ -187,7 +226,14 @@ class TorchOps:
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
+    def prepare(
+        self,
+        arrays: dict[str, np.ndarray],
+        num_tokens: int,
+        num_seqs: int,
+        rope_positions: np.ndarray | None = None,
+    ) -> StepMeta:
+        """`rope_positions`: M-RoPE's [3, T] (mrope_positions), None for the plan's positions."""
         bs = self.block_size
         qsl = arrays["query_start_loc"][: num_seqs + 1].astype(np.int64)
         seq_lens = arrays["seq_lens"][:num_seqs].astype(np.int64)
@@ -195,11 +241,17 @@ class TorchOps:
         q_lens = np.diff(qsl)
         slot_mapping = arrays["slot_mapping"][:num_tokens].astype(np.int64)
         rope_rows = torch.from_numpy(rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows))
+        if rope_positions is None or self.s.mrope_axes is None:
+            cos, sin = self.cos[rope_rows], self.sin[rope_rows]
+        else:  # each column from the row of its axis's position
+            axes = self.s.mrope_axes.view(1, 1, -1).expand(1, num_tokens, -1)
+            rows = torch.from_numpy(rope_positions)
+            cos, sin = (table[rows].gather(0, axes)[0] for table in (self.cos, self.sin))
         meta = StepMeta(
             rope_rows=rope_rows,
             slot_mapping=torch.from_numpy(slot_mapping),
-            cos=self.cos[rope_rows].unsqueeze(1),
-            sin=self.sin[rope_rows].unsqueeze(1),
+            cos=cos.unsqueeze(1),
+            sin=sin.unsqueeze(1),
         )
         if (slot_mapping < 0).any():
             stored = np.flatnonzero(slot_mapping >= 0)
@@ -387,7 +439,15 @@ class TritonOps:
         self._rotary(q, k, meta.rope_rows, s.cos_sin)
         return q, k, v
 
-    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
+    def prepare(
+        self,
+        arrays: dict[str, np.ndarray],
+        num_tokens: int,
+        num_seqs: int,
+        rope_positions: np.ndarray | None = None,
+    ) -> StepMeta:
+        """M-RoPE's `rope_positions` are the CPU path's alone (ModelRunner refuses them here)."""
+
         def to_device(name: str, n: int) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
 

@@ -1003,6 +1003,8 @@ VISION_PREFIXES = (
     "model.multi_modal_projector.",
     "model.vision_model.",
     "model.connector.",
+    "visual.",  # Qwen2.5-VL: the hub's and transformers 5's saves
+    "model.visual.",
 )
 
 

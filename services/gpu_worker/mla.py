@@ -79,8 +79,14 @@ class MlaOps(TorchOps):
         self.has_decode_kernel = False
         self.has_norm_kernel = self.has_norm_kernel and device.type == "cpu"
 
-    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> StepMeta:
-        meta = super().prepare(arrays, num_tokens, num_seqs)
+    def prepare(
+        self,
+        arrays: dict[str, np.ndarray],
+        num_tokens: int,
+        num_seqs: int,
+        rope_positions: np.ndarray | None = None,
+    ) -> StepMeta:
+        meta = super().prepare(arrays, num_tokens, num_seqs, rope_positions)
         if self.device.type == "cpu":
             return meta
         tensors = {f.name: getattr(meta, f.name) for f in fields(meta)}

@@ -591,6 +591,7 @@ class LlamaModel:
                 shard.num_heads, shard.num_kv_heads, config.head_dim, block_size, tables[rope],
                 window=window, softcap=config.attn_softcap,
                 long_rope_rows=max_positions if config.ropes[rope].rope_type == "longrope" else 0,
+                mrope_section=config.ropes[rope].mrope_section,
             )  # fmt: skip
             # Latent attention runs its own torch path on every device (mla.py).
             self.kind_ops.append(
@@ -979,9 +980,16 @@ class LlamaModel:
 
     # ---- forward ----------------------------------------------------------------------------------
 
-    def prepare(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> list[StepMeta]:
-        """The step's attention metadata, one per attention kind (see `attention_kinds`)."""
-        return [ops.prepare(arrays, num_tokens, num_seqs) for ops in self.kind_ops]
+    def prepare(
+        self,
+        arrays: dict[str, np.ndarray],
+        num_tokens: int,
+        num_seqs: int,
+        rope_positions: np.ndarray | None = None,
+    ) -> list[StepMeta]:
+        """The step's attention metadata, one per attention kind (see `attention_kinds`);
+        `rope_positions`: M-RoPE's [3, T] (attention.mrope_positions), None for the plan's."""
+        return [ops.prepare(arrays, num_tokens, num_seqs, rope_positions) for ops in self.kind_ops]
 
     @torch.inference_mode()
     def forward(

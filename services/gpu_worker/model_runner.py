@@ -29,6 +29,7 @@ from services.common.pooling import Embedding
 from services.common.vision_language import images_see_each_other, language_model_config
 from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
+from services.gpu_worker.attention import mrope_positions
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.draft import DraftModel
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
@@ -112,6 +113,8 @@ class ModelRunner:
         # LongRoPE: a sequence longer than this rotates with the long factors (the plan says which).
         self.parallel = parallel
         self.long_rope_from, self.sliding_window = 0, 0
+        # M-RoPE (Qwen2.5-VL): the plan may give rope_deltas and image grids.
+        self.has_mrope = not isinstance(config, BertConfig) and any(r.mrope_section for r in config.ropes)
         if isinstance(config, BertConfig):
             self.model: LlamaModel | BertEncoder = BertEncoder(config, self.dtype, self.device)
         else:
@@ -380,6 +383,8 @@ class ModelRunner:
             _check_proposals(arrays, s)
         if is_drafted.any() or (self.draft is not None and "num_proposed" in arrays):
             self._check_drafted(arrays, is_drafted, t, s)
+        if "rope_deltas" in arrays or "image_grid_widths" in arrays:
+            self._check_mrope(arrays, t, s)
         if "long_rope" in arrays:
             if not self.long_rope_from:
                 raise InvalidPlan("step plan: long_rope for a model without LongRoPE")
@@ -425,8 +430,13 @@ class ModelRunner:
             is_verifying = num_proposed[rows] > 0
             verifying, rows = rows[is_verifying], rows[~is_verifying]
         causal_images = "image_groups" in arrays and not self.images_see_each_other
+        # M-RoPE's positions read the images' token groups, which causal images' attention drops.
+        rope_positions = mrope_positions(arrays, t, s) if self.has_mrope else None
         metas = self.model.prepare(
-            {k: v for k, v in arrays.items() if k != "image_groups"} if causal_images else arrays, t, s
+            {k: v for k, v in arrays.items() if k != "image_groups"} if causal_images else arrays,
+            t,
+            s,
+            rope_positions,
         )
         input_ids = torch.from_numpy(arrays["input_ids"][:t].astype(np.int64)).to(self.device)
         if len(at):
@@ -484,6 +494,30 @@ class ModelRunner:
             raise InvalidPlan(f"step plan: an image starts outside the step's {num_tokens} tokens")
         if (arrays["image_encoders"] < 0).any() or (arrays["image_slots"] < 0).any():
             raise InvalidPlan("step plan: a negative image encoder or slot")
+
+    def _check_mrope(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
+        """M-RoPE's arrays on a model with M-RoPE; each image grid's width divides its tokens, and
+        every rotary position they give lies in [0, max_model_len)."""
+        if not self.has_mrope:
+            raise InvalidPlan("step plan: rope_deltas or image_grid_widths for a model without M-RoPE")
+        if self.device.type != "cpu":
+            raise InvalidPlan("step plan: M-RoPE positions have no Triton kernel yet (CPU only)")
+        widths = arrays.get("image_grid_widths")
+        if widths is not None:
+            if "image_groups" not in arrays:
+                raise InvalidPlan("step plan: image_grid_widths without the image arrays")
+            groups = arrays["image_groups"]
+            sizes = np.bincount(groups[groups >= 0], minlength=len(widths))
+            if (
+                len(sizes) != len(widths)
+                or (widths < 0).any()
+                or (sizes % np.maximum(widths, 1))[widths > 0].any()
+            ):
+                raise InvalidPlan("step plan: an image grid width that does not divide its image's tokens")
+        positions = mrope_positions(arrays, num_tokens, num_seqs)
+        assert positions is not None  # one of its arrays is there
+        if positions.min() < 0 or positions.max() >= self.max_model_len:
+            raise InvalidPlan(f"step plan: an M-RoPE position out of range [0, {self.max_model_len})")
 
     def _image_rows(self, arrays: dict[str, np.ndarray], num_tokens: int) -> ImageRows:
         """The step's images' embeddings, read from their encoders' caches. One no longer there

@@ -78,8 +78,13 @@ class Admission:
                 image.start < end
                 or image.start + image.num_tokens > req.num_prompt_tokens
                 or image.num_tokens < 1
+                or image.grid_width < 0
+                or (image.grid_width and image.num_tokens % image.grid_width)
             ):
-                raise ValueError(f"request {req.request_id!r}: its images overlap or lie outside its prompt")
+                raise ValueError(
+                    f"request {req.request_id!r}: its images overlap, lie outside its prompt, or have "
+                    "a grid width that does not divide their tokens"
+                )
             if image.num_tokens > budget:
                 raise ValueError(
                     f"request {req.request_id!r}: an image of {image.num_tokens} tokens is over the {budget} "

@@ -116,6 +116,9 @@ class PlanTable:
         self.long_rope = np.zeros(num_rows, np.bool_)
         # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
         self.lora_slots = np.full(num_rows, -1, np.int32)
+        # M-RoPE: each row's rotary offset after its whole prompt (Request.rope_delta), that of
+        # its decodes; rows without one are 0.
+        self.rope_deltas = np.zeros(num_rows, np.int32)
         # Speculative decoding (services/scheduler/speculation.py): rows whose every position of a
         # span the worker samples exactly as plain decoding would (services/gpu_worker/speculation.py).
         self.may_speculate = np.zeros(num_rows, np.bool_)
@@ -127,6 +130,7 @@ class PlanTable:
         self.num_grammar_rows = 0
         self.num_long_rope_rows = 0
         self.num_lora_rows = 0
+        self.num_rope_delta_rows = 0
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # The plan arrays of a whole-line decode step that depend only on its rows (read-only),
         # with the running line's version they hold for: steady decode gathers them once (see
@@ -170,6 +174,10 @@ class PlanTable:
         if req.lora_slot >= 0:
             self.lora_slots[row] = req.lora_slot
             self.num_lora_rows += 1
+        rope_delta = req.rope_delta(req.num_prompt_tokens)
+        if rope_delta:
+            self.rope_deltas[row] = rope_delta
+            self.num_rope_delta_rows += 1
         self.may_speculate[row] = p.speculate
         self.num_may_speculate_rows += self.may_speculate[row]
         if needs_history:
@@ -202,6 +210,8 @@ class PlanTable:
         self.long_rope[req.row] = False
         self.num_lora_rows -= self.lora_slots[req.row] >= 0
         self.lora_slots[req.row] = -1
+        self.num_rope_delta_rows -= self.rope_deltas[req.row] != 0
+        self.rope_deltas[req.row] = 0
         self.num_may_speculate_rows -= self.may_speculate[req.row]
         self.may_speculate[req.row] = False
         self.request_ids[req.row] = None
@@ -362,6 +372,8 @@ def _build(step: ScheduledStep, step_id: int, block_size: int) -> tuple[StepHead
             s, e, q = int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])
             input_ids[q : q + e - s] = seqs[i].token_slice(s, e)
             images += [(q + image.start - s, image) for image in seqs[i].images if s <= image.start < e]
+            if "rope_deltas" in constants and seqs[i].images:  # the offset where its chunk starts
+                constants["rope_deltas"][i] = seqs[i].rope_delta(s)
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size if num_seqs else 0
     if step.steady is not None:
         slot_mapping = step.steady.slot_mapping
@@ -420,6 +432,12 @@ def _image_arrays(images: list[tuple[int, PromptImage]], num_tokens: int) -> dic
         "image_keys": np.frombuffer(b"".join(image.key for _, image in images), np.uint8).reshape(
             len(images), -1
         ),
+        # M-RoPE's grids (0: none); where no image has one, the plan goes without.
+        **(
+            {"image_grid_widths": np.array([image.grid_width for _, image in images], np.int32)}
+            if any(image.grid_width for _, image in images)
+            else {}
+        ),
     }
 
 
@@ -460,6 +478,8 @@ def _row_constants(step: ScheduledStep) -> dict[str, np.ndarray]:
         constants["long_rope"] = table.long_rope.take(rows).view(np.uint8)
     if table.num_lora_rows:
         constants["lora_slots"] = table.lora_slots.take(rows)
+    if table.num_rope_delta_rows:
+        constants["rope_deltas"] = table.rope_deltas.take(rows)
     if not table.history:
         constants.update(_history(step))
     if not table.num_bias_rows:

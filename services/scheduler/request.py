@@ -223,6 +223,19 @@ class Request:
                 return image.start
         return position
 
+    def rope_delta(self, position: int) -> int:
+        """M-RoPE (an image's `grid_width`): what to add to the token position `position` for the
+        rotary position of a text token there. An image's tokens take a rows x columns grid
+        of positions from its first one, and the text after it continues from that position +
+        max(rows, columns), not + rows x columns: each image before `position` shifts it by the
+        difference (services/gpu_worker/attention.py mrope_positions)."""
+        delta = 0
+        for image in self.images:
+            if image.grid_width and image.start + image.num_tokens <= position:
+                rows = image.num_tokens // image.grid_width
+                delta += max(rows, image.grid_width) - image.num_tokens
+        return delta
+
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Token ids [start, end) of prompt + outputs as int32, without copying the whole history."""
         num_prompt = len(self.prompt_ids)

@@ -117,13 +117,15 @@ class JournalEntry:
     # tool_choice is none); `text` then holds the whole output, streamed or not.
     tool_parser: ToolParser | None = None
     # Images (services/common/images.py): the request's image files, kept to encode them again
-    # should their embeddings leave the encoder's cache before its prefill, and the prompt
-    # position of each image's first token; the http(s) URLs of those not fetched yet, by their
-    # index (b"" in `image_files` until they are). While it waits for its images (fetched, then
+    # should their embeddings leave the encoder's cache before its prefill; each tile's first
+    # prompt position, number of tokens and grid width (M-RoPE); the http(s) URLs of those not
+    # fetched yet, by their index (b"" in `image_files` until they are). While it waits for its images (fetched, then
     # encoded) the request is the tokenizer's alone: nothing upstream has it to resubmit or to
     # ask about.
     image_files: list[bytes] = field(default_factory=list)
     image_starts: list[int] = field(default_factory=list)
+    image_tokens: list[int] = field(default_factory=list)
+    image_grid_widths: list[int] = field(default_factory=list)
     image_urls: dict[int, str] = field(default_factory=dict)
     is_encoding: bool = False
     num_encodings: int = 0
@@ -226,7 +228,7 @@ class TokenizerCore:
         image_files, image_urls = self._image_files(request)
         image_sizes = self._image_sizes(image_files, image_urls)
         prompt_ids = self._prompt_ids(request, tools, image_sizes)
-        image_starts = self._image_starts(prompt_ids, image_sizes)
+        image_starts, image_tokens, image_grid_widths = self._image_tiles(prompt_ids, image_sizes)
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
@@ -300,6 +302,8 @@ class TokenizerCore:
             num_chars=request.resume_num_chars,
             image_files=image_files,
             image_starts=image_starts,
+            image_tokens=image_tokens,
+            image_grid_widths=image_grid_widths,
             image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
@@ -494,26 +498,31 @@ class TokenizerCore:
         except ImageError as exc:
             raise RequestError("invalid_request", f"messages: {exc}") from None
 
-    def _image_starts(self, prompt_ids: list[int], sizes: list[tuple[int, int] | None]) -> list[int]:
-        """The prompt position of each image tile's first token. Its image tokens must be exactly
-        the tiles' own: text that spells the image token would take embeddings no image gave."""
+    def _image_tiles(
+        self, prompt_ids: list[int], sizes: list[tuple[int, int] | None]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Each image tile's first prompt position, number of image tokens and grid width (M-RoPE;
+        0 for other models). Its image tokens must be exactly the tiles' own: text that spells
+        the image token would take embeddings no image gave."""
         if not sizes:
-            return []  # a text-only request: any image token in it is text, read as such
-        assert self.image_rules is not None  # _image_files
-        per_tile = self.image_rules.tokens_per_tile
-        num_tiles = sum(self.image_rules.num_tiles(size) for size in sizes)
-        positions = np.flatnonzero(np.asarray(prompt_ids) == self.image_rules.image_token_id)
-        starts = positions[::per_tile]
+            return [], [], []  # a text-only request: any image token in it is text, read as such
+        rules = self.image_rules
+        assert rules is not None  # _image_files
+        tokens = [n for size in sizes for n in rules.tile_tokens(size)]
+        widths = [rules.tile_grid_width(size) for size in sizes for _ in rules.tile_tokens(size)]
+        positions = np.flatnonzero(np.asarray(prompt_ids) == rules.image_token_id)
+        firsts = np.cumsum([0, *tokens[:-1]])
         # Positions ascend, so each tile's last token in its place makes its run contiguous.
         if (
-            len(positions) != num_tiles * per_tile
-            or (positions[per_tile - 1 :: per_tile] != starts + per_tile - 1).any()
+            len(positions) != sum(tokens)
+            or (
+                positions[firsts + np.asarray(tokens) - 1] != positions[firsts] + np.asarray(tokens) - 1
+            ).any()
         ):
             raise RequestError(
-                "invalid_request",
-                f"messages: the text spells the image token {self.image_rules.image_token!r}",
+                "invalid_request", f"messages: the text spells the image token {rules.image_token!r}"
             )
-        return starts.tolist()
+        return positions[firsts].tolist(), tokens, widths
 
     def _prompt_ids(
         self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
@@ -737,7 +746,6 @@ class TokenizerCore:
         if error:
             code = "unavailable" if error.startswith("timeout") else "invalid_request"
             return self.fail(m.RequestFailed(request_id, code, error))
-        per_tile = self.image_rules.tokens_per_tile if self.image_rules is not None else 0
         if len(refs) != len(entry.image_starts):
             return self.fail(
                 m.RequestFailed(
@@ -747,8 +755,10 @@ class TokenizerCore:
                 )
             )
         images = [
-            m.PromptImage(start, per_tile, encoder, ref, key)
-            for start, ref, key in zip(entry.image_starts, refs, keys, strict=True)
+            m.PromptImage(start, num_tokens, encoder, ref, key, grid_width)
+            for start, num_tokens, grid_width, ref, key in zip(
+                entry.image_starts, entry.image_tokens, entry.image_grid_widths, refs, keys, strict=True
+            )
         ]
         entry.submit = msgspec.structs.replace(entry.submit, images=images)
         entry.is_encoding = False
