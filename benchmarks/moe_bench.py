@@ -126,10 +126,10 @@ def counting_weight_bytes(counts: list[int]):
 
         return counted
 
-    def counted_experts(x, weights, experts, *projections):
+    def counted_experts(x, weights, experts, *projections, **biases_and_swiglu):
         for expert in set(experts.flatten().tolist()):
             counts.append(sum(blocks[expert].numel() for blocks, _ in projections))
-        return originals[2](x, weights, experts, *projections)
+        return originals[2](x, weights, experts, *projections, **biases_and_swiglu)
 
     F.linear, cpu_ops.few_rows_linear = (counting(f) for f in originals[:2])
     cpu_ops.moe_experts_quantized = counted_experts

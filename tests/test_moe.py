@@ -175,24 +175,46 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
 
 
-def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
-    """A gpt-oss whose experts are MXFP4 blocks and scales, dequantized at load: HF's logits and
-    greedy tokens (HF dequantizes the same checkpoint itself) through prefill, decodes, a prefix
-    hit and a preemption."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+def hf_mxfp4_dequantized():
+    """The from_pretrained option by which HF dequantizes an MXFP4 checkpoint to float32 (without
+    it, on a CPU, to bfloat16)."""
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "dequantized"])
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(
+    experts: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gpt-oss whose experts are MXFP4 blocks and scales: HF's logits and greedy tokens (HF
+    dequantizes the same checkpoint itself) through prefill, decodes, a prefix hit and a
+    preemption. With the C++ kernels the experts stay MXFP4 blocks (no float32 copy): decode
+    steps of up to three rows multiply them in the fused op, with the experts' biases and clamped
+    SwiGLU, the wider steps dequantize the selected ones; without the kernels (the torch path)
+    they are dequantized at load."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels import cpu_ops
 
     path = save_random_model(
         random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=60, std=0.08, embed_std=0.15
     )
     write_mxfp4_experts(path, seed=61)
     hf = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch.float32,
-        attn_implementation="eager",
-        quantization_config=Mxfp4Config(dequantize=True),
+        path, dtype=torch.float32, attn_implementation="eager", **hf_mxfp4_dequantized()
     ).eval()
+    if experts == "dequantized":
+        monkeypatch.setattr(cpu_ops, "has_kernels", lambda dtype: False)
     runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    mixtures = CountingMixtures(monkeypatch)
+    if experts == "mxfp4":
+        check_experts_stay_blocks(runner, ("MXFP4",) * 3)
+    else:
+        assert all(layer.experts_quantized is None for layer in runner.model.layers)
+        assert runner.model.layers[0].experts_gate_up.dtype == torch.float32
     check_against_hf(hf, runner)
+    assert {2, 3} <= set(mixtures.rows) if experts == "mxfp4" else not mixtures.rows
 
 
 def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
@@ -277,6 +299,33 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     )  # fmt: skip
     got = served_greedy(tmp_path / "run", overrides, prompts[:3], new_tokens, then=(prompts[3],))
     assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpt_oss_mxfp4_served_greedy_matches_hf(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A random gpt-oss MXFP4 checkpoint (write_mxfp4_experts) served through real processes,
+    its experts kept MXFP4 in the worker (test_gpt_oss_mxfp4_checkpoint_matches_hf asserts the
+    same load on the loaded model): three prompts at once in chunks of 16 (chunked prefill
+    dequantizing the selected experts, decodes of up to three rows in the fused op) and a repeat
+    of the first (a prefix hit) give the greedy tokens of HF, which dequantizes the checkpoint
+    itself."""
+    config = random_moe_config(
+        "gpt-oss", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model_dir = save_random_model(config, tmp_path / "hf", seed=22, std=0.1, tokenizer_from=smollm2_dir)
+    write_mxfp4_experts(model_dir, seed=23)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    new_tokens = 10
+    expected = [hf_greedy(model_dir, p, new_tokens, **hf_mxfp4_dequantized()) for p in prompts]
+    overrides = (
+        f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    got = served_greedy(tmp_path / "run", overrides, prompts, new_tokens, then=(prompts[0],))
+    assert got == [*expected, expected[0]]
 
 
 @pytest.mark.slow
@@ -661,12 +710,12 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A gpt-oss GGUF with MXFP4 experts (every 4-bit code) as the converter writes it: the
-    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, dequantized when the
-    worker loads them; sinks, alternating sliding and full layers, YaRN (no truncation, as every
+    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, and in the worker's
+    memory, the decodes multiplying them in the fused op; sinks, alternating sliding and full layers, YaRN (no truncation, as every
     gpt-oss), the biased router and experts: logits of a prefill and decodes against HF on the
     MXFP4 checkpoint the GGUF was written from (HF dequantizing it itself)."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
 
@@ -683,13 +732,13 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
     (converted,) = (tmp_path / "cache").glob("gpt-oss-*")
     with safe_open(str(converted / "model.safetensors"), framework="pt") as weights:
         assert weights.get_slice("model.layers.1.mlp.experts.down_proj_blocks").get_dtype() == "U8"
+    check_experts_stay_blocks(runner, ("MXFP4",) * 3)
     hf = AutoModelForCausalLM.from_pretrained(
-        hf_dir,
-        dtype=torch.float32,
-        attn_implementation="eager",
-        quantization_config=Mxfp4Config(dequantize=True),
+        hf_dir, dtype=torch.float32, attn_implementation="eager", **hf_mxfp4_dequantized()
     ).eval()
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, hf)
+    assert mixtures.rows == [1] * 3 * config.num_hidden_layers  # three decodes, every layer sparse
 
 
 def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]) -> None:
@@ -729,9 +778,9 @@ class CountingMixtures:
         self.rows: list[int] = []
         original = cpu_ops.moe_experts_quantized
 
-        def counted(x: torch.Tensor, *args) -> torch.Tensor:
+        def counted(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             self.rows.append(x.shape[0])
-            return original(x, *args)
+            return original(x, *args, **kwargs)
 
         monkeypatch.setattr(cpu_ops, "moe_experts_quantized", counted)
 
