@@ -957,8 +957,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     but not 16) and count the experts' blocks each step reads against the floor; the targets
     (MoE / dense at one row against 1.3x, bytes per token against the floor at 16 rows) are
     reported per stack; its quantized-experts table times a layer from Q8_0 blocks (the fused op,
-    then dequantize + GEMM past MOE_MAX_ROWS); and a missing llama-server skips that comparison,
-    saying why."""
+    then dequantize + GEMM past MOE_MAX_ROWS); MXFP4 (gpt-oss's experts' format) runs the same
+    stacks and table; and a missing llama-server skips that comparison, saying why."""
     import json
     import os
     import subprocess
@@ -979,7 +979,7 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         "--layers",
         "2",
         "--quantized",
-        "Q8_0",
+        "Q8_0,MXFP4",
         "--quantized-batch",
         "1,8,32",
         "--llama-server",
@@ -998,11 +998,16 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
     assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
     quantized = json.loads(out.read_text())["quantized"]
-    assert [(row["rows"], row["blocks_path"]) for row in quantized] == [
-        (1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"),
+    assert [(row["format"], row["rows"], row["blocks_path"]) for row in quantized] == [
+        (fmt, rows, path) for fmt in ("Q8_0", "MXFP4")
+        for rows, path in ((1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"))
     ]  # fmt: skip
-    # Q8_0 packed: 36 bytes a block of 32 weights, against float32's 128.
-    assert all(row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * 36 for row in quantized)
+    # Packed, a block of 32 weights takes 36 bytes in Q8_0 and 20 in MXFP4, against float32's 128.
+    packed_bytes = {"Q8_0": 36, "MXFP4": 20}
+    assert all(
+        row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * packed_bytes[row["format"]]
+        for row in quantized
+    )
     assert all(row["float32_ms"] > 0 and row["blocks_ms"] > 0 for row in quantized)
     report = json.loads(out.read_text())
     q_one, q_sixteen = report["quantized_stacks"]["Q8_0"]
@@ -1015,7 +1020,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     assert q_one["read_over_floor"] == q_sixteen["read_over_floor"] == 1.0
     assert q_sixteen["weight_bytes_read_per_token"] < q_sixteen["per_pair_bytes_per_token"] / 4
     targets = report["targets"]
-    assert set(targets) == {"float32", "Q8_0"}
+    assert set(targets) == {"float32", "Q8_0", "MXFP4"}
+    assert report["quantized_stacks"]["MXFP4"][0]["read_over_floor"] == 1.0
     assert targets["Q8_0"]["moe_over_dense_1_row"] == q_one["moe_over_dense"]
     assert targets["Q8_0"]["ratio_target"] == 1.3
     assert targets["Q8_0"]["ratio_met"] == (q_one["moe_over_dense"] <= 1.3)
