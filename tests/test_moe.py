@@ -232,6 +232,32 @@ def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
         ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_mxfp4_scales_of_the_wrong_shape_are_refused(
+    kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scales that do not match their blocks are refused by the weight's name, whether the
+    experts stay MXFP4 (the C++ kernels) or are dequantized at load (the torch path)."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels import cpu_ops
+
+    path = save_random_model(random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=0, std=0.08)
+    write_mxfp4_experts(path, seed=0)
+    scales_file = str(path / "model-00002-of-00002.safetensors")
+    tensors = load_file(scales_file)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :1].contiguous()
+    save_file(tensors, scales_file, metadata={"format": "pt"})
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "has_kernels", lambda dtype: False)
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks \(8, 64, 3, 16\) and scales \(8, 64, 1\)",
+    ):
+        ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+
+
 @pytest.mark.parametrize(("family", "method"), [("qwen3-moe-norm-topk", "mxfp4"), ("gpt-oss", "fp8")])
 def test_other_quantizations_are_refused_by_name(family: str, method: str) -> None:
     """MXFP4 is read for gpt-oss's experts only; other quantization_configs stay refused."""

@@ -1054,7 +1054,10 @@ def iter_weights(
                         parts[part] = f.get_tensor(stored)
                         if len(parts) == 2:
                             del mxfp4_parts[base]
-                            tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
+                            try:
+                                tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
+                            except ValueError as exc:
+                                raise ValueError(f"{base}: {exc}") from None
                             spec = shard_spec(base) if shard_spec is not None else None
                             yield base, tensor if spec is None else tensor.narrow(*spec)
                         continue
