@@ -903,8 +903,11 @@ class LlamaModel:
         for index, names in by_layer.items():
             layer = self.layers[index] if index < len(self.layers) else None
             moe = None if layer is None else layer.moe
+            if moe is None:
+                continue
             # gpt-oss's two stacked projections, blocks and scales each; else 3 weights an expert.
-            if moe is None or len(names) != (4 if moe.expert_bias else 3 * moe.num_experts):
+            is_stacked = all(MXFP4_EXPERTS.fullmatch(name) for name in names)
+            if is_stacked != moe.expert_bias or len(names) != (4 if is_stacked else 3 * moe.num_experts):
                 continue
             if all(fmt in cpu_ops.EXPERT_FORMATS for fmt in names.values()):
                 kept.update(names)
