@@ -590,8 +590,9 @@ def write_moe_gguf(
 ) -> Path:
     """A GGUF of an HF MoE dir as llama.cpp's converter writes one: every tensor named by the
     gguf package's tensor map for `arch`; each projection's experts stacked into one 3-D tensor
-    of Q8_0 blocks quantized from the weights, or of the K-quant `k_quants` names for its GGUF
-    kind (ffn_gate_exps, ...) as random super-blocks of small scales; llama's (Mixtral's) Q and
+    of Q8_0 blocks quantized from the weights, or of the type `k_quants` names for its GGUF kind
+    (ffn_gate_exps, ...): MXFP4 quantized from the weights (as llama.cpp's MXFP4_MOE files), a
+    K-quant as random super-blocks of small scales; llama's (Mixtral's) Q and
     K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
     per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
     converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
@@ -654,7 +655,7 @@ def write_moe_gguf(
         weights = np.stack([tensors[by_expert[e]] for e in sorted(by_expert)])
         kind = gguf_name(stacked).split(".")[2]
         quant = gguf.GGMLQuantizationType[(k_quants or {}).get(kind, "Q8_0")]
-        if quant == gguf.GGMLQuantizationType.Q8_0:
+        if quant in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4):
             blocks = quantize(weights, quant)
         else:
             num_experts, rows, in_features = weights.shape
@@ -897,6 +898,29 @@ def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
     assert formats["model.layers.1.block_sparse_moe.experts.7.w1.weight"] == "Q4_K"
     assert formats["model.layers.1.block_sparse_moe.experts.7.w2.weight"] == "Q6_K"
     check_experts_stay_blocks(runner, ("Q4_K", "Q4_K", "Q6_K"))
+    mixtures = CountingMixtures(monkeypatch)
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+    assert mixtures.rows == [1] * 3 * config.num_hidden_layers
+
+
+def test_qwen3_moe_gguf_with_mxfp4_experts_gives_hfs_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3-MoE GGUF whose experts are MXFP4 (llama.cpp's MXFP4_MOE files, any family's
+    experts; gguf's quantizer): logits of a prefill and decodes against HF on their
+    dequantization; the experts stay MXFP4 blocks, the decodes multiplying them in the fused op."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    arch, changes = GGUF_FAMILIES["qwen3-moe-norm-topk"]
+    config = random_moe_config("qwen3-moe-norm-topk", vocab_size=VOCAB, **changes)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=45, std=0.08, embed_std=0.15)
+    mxfp4 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), "MXFP4")
+    runner = gguf_runner(
+        write_moe_gguf(hf_dir, tmp_path / "qwen3moe.gguf", arch, k_quants=mxfp4), tmp_path, monkeypatch
+    )
+    check_experts_stay_blocks(runner, ("MXFP4",) * 3)
     mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
     assert mixtures.rows == [1] * 3 * config.num_hidden_layers
