@@ -1289,7 +1289,7 @@ at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, 
               "linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
   return with_block_type(format, "linear_quantized_int8", [&](auto block) {
     using Block = decltype(block);
-    // MXFP4 holds only gpt-oss's experts, which the MoE op multiplies in float32.
+    // Only experts are MXFP4 (gpt-oss's, llama.cpp's MXFP4_MOE files'), and the MoE op multiplies them in float32.
     if constexpr (std::is_same_v<Block, BlockMXFP4>) {
       TORCH_CHECK(false, "linear_quantized_int8: MXFP4 blocks have no 8-bit activation kernel");
       return at::Tensor();
