@@ -4,7 +4,7 @@ dense layers' gate_up / down through the few-rows C++ linear where it is built, 
 
     python benchmarks/moe_bench.py --json FILE [--experts 64] [--top-k 4] [--hidden 512]
         [--expert-intermediate 256] [--layers 4] [--batch 1,16] [--repeats 15] [--threads N]
-        [--quantized Q8_0,Q4_1 [--quantized-batch 1,8,64]]
+        [--quantized Q8_0,Q4_1,MXFP4 [--quantized-batch 1,8,64]]
         [--llama-server PATH [--serve-concurrency 1,16] [--serve-input-len 32] [--serve-output-len 32]]
 
 The dense stack's intermediate size is top_k x the experts' (the same multiply-adds per token
@@ -126,10 +126,10 @@ def counting_weight_bytes(counts: list[int]):
 
         return counted
 
-    def counted_experts(x, weights, experts, *projections):
+    def counted_experts(x, weights, experts, *projections, **biases_and_swiglu):
         for expert in set(experts.flatten().tolist()):
             counts.append(sum(blocks[expert].numel() for blocks, _ in projections))
-        return originals[2](x, weights, experts, *projections)
+        return originals[2](x, weights, experts, *projections, **biases_and_swiglu)
 
     F.linear, cpu_ops.few_rows_linear = (counting(f) for f in originals[:2])
     cpu_ops.moe_experts_quantized = counted_experts
@@ -391,7 +391,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
-        "--quantized", default="", help="GGUF formats of the quantized-experts table (Q8_0, Q4_1)"
+        "--quantized",
+        default="",
+        help="GGUF formats of the quantized stacks and table (Q8_0, Q4_1, MXFP4, ...)",
     )
     parser.add_argument("--quantized-batch", default="1,8,64", help="rows per step of that table")
     parser.add_argument(

@@ -9,9 +9,9 @@
 //   over the threads.
 // - add_rms_norm: the residual add and RMSNorm of a decoder layer in one pass over each row (torch
 //   runs them as about ten small ops, which is most of their cost at a few rows).
-// - few_rows_linear_quantized: the same from weights kept in a GGUF block format (Q4_1, Q8_0, and
-//   the K-quants Q4_K, Q5_K, Q6_K),
-//   read as they are: a quarter (Q8_0) or a sixth (Q4_1) of the float32 bytes. It computes with the
+// - few_rows_linear_quantized: the same from weights kept in a GGUF block format (Q4_1, Q8_0, the
+//   K-quants Q4_K, Q5_K, Q6_K, and MXFP4, as gpt-oss's experts ship),
+//   read as they are: a quarter (Q8_0) or a sixth (Q4_1, MXFP4) of the float32 bytes. It computes with the
 //   exact values the float32 copy holds (that copy is their dequantization), so a step gives the
 //   same logits whichever path its size takes, up to float32 summation order.
 // - linear_quantized_int8: the same blocks against activations quantized to 8 bits, with integer
@@ -20,7 +20,8 @@
 // - lora_add: LoRA adapters' deltas for the rows of a step that use one, grouped by adapter slot
 //   (SGMV: decode rows and prefill runs alike), each present adapter's A and B read once per step.
 // - moe_experts_quantized: a mixture of experts' selected experts for a step of few rows, each
-//   expert's gate, up and down read from its own GGUF blocks once for all the rows that chose it;
+//   expert's gate, up and down read from its own GGUF blocks once for all the rows that chose it
+//   (with gpt-oss's expert biases and clamped SwiGLU where given);
 //   dequantize_blocks: the float32 values of such blocks, for a wide step's GEMM.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
@@ -295,7 +296,17 @@ struct BlockQ8_0 {
   float d;  // w = d * q, q in -128..127
   int8_t qs[32];
 };
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 36, "packed block layouts");
+// MXFP4 (OCP microscaling FP4, ggml's block_mxfp4): 32 E2M1 codes (1 sign, 2 exponent, 1
+// mantissa bit) sharing one E8M0 exponent e, packed like Q4_1's nibbles, the exponent widened to
+// float32. As ggml does, the codes stand for the E2M1 values doubled, the integers
+// 0, 1, 2, 3, 4, 6, 8, 12 (and their negatives), and d for half the block's scale, 2^(e - 128):
+// every product d * q is then exact, and finite where the value is (e = 255 stays 2^127, not inf).
+struct BlockMXFP4 {
+  float d;  // w = d * value(q), q a 4-bit code
+  uint8_t qs[16];
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 36 && sizeof(BlockMXFP4) == 20,
+              "packed block layouts");
 constexpr int64_t kBlockWeights = 32;
 
 // A row of packed blocks: its blocks, then (Q4_1) its minimums.
@@ -355,6 +366,15 @@ inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
   for (int v = 0; v < 2; ++v)
     q[v] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(broadcast16x4(block.qs + 16 * v), shifts), 24));
 }
+// The nibbles as Q4_1's; a 16-entry permute (it reads the low 4 bits of each lane) is the code's value.
+inline void unpack(const BlockMXFP4& block, Floats q[kBlockVectors]) {
+  const __m512 values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f,  //
+                                       -0.f, -1.f, -2.f, -3.f, -4.f, -6.f, -8.f, -12.f);
+  const __m512i words = broadcast16x4(block.qs);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  q[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shifts), values);
+  q[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), values);
+}
 #else
 inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
   const __m256i words = broadcast16(block.qs);
@@ -371,6 +391,18 @@ inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
     const int low = 24 - 16 * (v % 2), high = low - 8;
     const __m256i shifts = _mm256_setr_epi32(low, low, low, low, high, high, high, high);
     q[v] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(halves[v / 2], shifts), 24));
+  }
+}
+// The nibbles as Q4_1's; an 8-entry permute (it reads the low 3 bits of each lane) gives the
+// magnitude, and the code's top bit, shifted to bit 31, its sign.
+inline void unpack(const BlockMXFP4& block, Floats q[kBlockVectors]) {
+  const __m256 magnitudes = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f);
+  const __m256i words = broadcast16(block.qs), sign = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
+  for (int v = 0; v < 4; ++v) {
+    const __m256i shifts = _mm256_setr_epi32(8 * v, 8 * v, 8 * v, 8 * v, 8 * v + 4, 8 * v + 4, 8 * v + 4, 8 * v + 4);
+    const __m256i codes = _mm256_srlv_epi32(words, shifts);
+    const __m256 magnitude = _mm256_permutevar8x32_ps(magnitudes, codes);
+    q[v] = _mm256_xor_ps(magnitude, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(codes, 28), sign)));
   }
 }
 #endif
@@ -471,6 +503,10 @@ struct BlockQ6_K {
 };
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant layouts");
 
+template <typename Block>
+constexpr bool kIsKQuant =
+    std::is_same_v<Block, BlockQ4_K> || std::is_same_v<Block, BlockQ5_K> || std::is_same_v<Block, BlockQ6_K>;
+
 // Calls `linear(Block{})` with the block type that `format` names: the one place where a format's
 // name becomes its type (the ops take the name, as the GGUF reader and the model code spell it).
 template <typename Linear>
@@ -480,7 +516,8 @@ at::Tensor with_block_type(c10::string_view format, const char* op, Linear&& lin
   if (format == "Q4_K") return linear(BlockQ4_K{});
   if (format == "Q5_K") return linear(BlockQ5_K{});
   if (format == "Q6_K") return linear(BlockQ6_K{});
-  TORCH_CHECK(false, op, ": unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  if (format == "MXFP4") return linear(BlockMXFP4{});
+  TORCH_CHECK(false, op, ": unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)");
 }
 constexpr int64_t kSuperWeights = 256;
 
@@ -665,7 +702,7 @@ at::Tensor few_rows_super_blocks_linear(const at::Tensor& x, const at::Tensor& b
 }
 
 // x [R, in] with R in 0..4, blocks [out, in / block weights * block bytes] uint8 in `format`
-// (Q4_1 and Q8_0 reordered by `to_lanes`, the K-quants as the file has them) -> [R, out].
+// (Q4_1, Q8_0 and MXFP4 reordered by `to_lanes`, the K-quants as the file has them) -> [R, out].
 at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "few_rows_linear_quantized: x [R, in] float32");
   TORCH_CHECK(x.size(0) <= 4, "few_rows_linear_quantized: at most 4 rows, got ", x.size(0));
@@ -673,10 +710,10 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
               "few_rows_linear_quantized: blocks [out, bytes] uint8, contiguous");
   return with_block_type(format, "few_rows_linear_quantized", [&](auto block) {
     using Block = decltype(block);
-    if constexpr (std::is_same_v<Block, BlockQ4_1> || std::is_same_v<Block, BlockQ8_0>) {
-      return few_rows_blocks_linear<Block>(x, blocks);
-    } else {
+    if constexpr (kIsKQuant<Block>) {
       return few_rows_super_blocks_linear<Block>(x, blocks);
+    } else {
+      return few_rows_blocks_linear<Block>(x, blocks);
     }
   });
 }
@@ -688,11 +725,11 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
 // step's (row, expert) pairs are grouped by expert and each group's rows gathered; gate and up
 // multiply them a tile of weight rows at a time, SiLU(gate) * up, then down, into one output row
 // per pair; each row sums its pairs' outputs times their routing weights, in the order of its k
-// choices. The float32 experts are the blocks' dequantization (dequantize_blocks below), so this
-// computes what the torch path computes from them, up to float32 summation order.
-
-template <typename Block>
-constexpr bool kIsKQuant = !std::is_same_v<Block, BlockQ4_1> && !std::is_same_v<Block, BlockQ8_0>;
+// choices. gpt-oss's experts add each expert's gate/up and down biases and take its clamped
+// SwiGLU instead (GptOssExperts: gate clamped above at the limit, up to [-limit, limit], then
+// gate * sigmoid(alpha * gate) * (up + 1)); its down bias is part of the output each routing
+// weight scales. The float32 experts are the blocks' dequantization (dequantize_blocks below), so
+// this computes what the torch path computes from them, up to float32 summation order.
 
 // The bytes of a weight row of `in_features` inputs in Block's layout; -1 where they are not whole blocks.
 template <typename Block>
@@ -760,11 +797,29 @@ ExpertBlocks expert_blocks(const at::Tensor& w, c10::string_view format, int64_t
   return blocks;
 }
 
+// gpt-oss's gate * sigmoid(alpha * gate), the gate already clamped.
+inline float clamped_glu(float gate, float alpha) { return gate / (1.f + std::exp(-alpha * gate)); }
+
+// A float32 bias [E, width] of the MoE op, contiguous; undefined where none is given.
+at::Tensor expert_bias(const c10::optional<at::Tensor>& bias, int64_t num_experts, int64_t width, const char* name) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 2 && bias->size(0) == num_experts &&
+                  bias->size(1) == width,
+              "moe_experts_quantized: ", name, " must be float32 [", num_experts, ", ", width, "], got ",
+              bias->sizes(), " ", bias->scalar_type());
+  return bias->contiguous();
+}
+
 // x [T, H]; weights [T, k] float32 and experts [T, k] int64 (the routing); gate and up
-// [E, I, bytes], down [E, H, bytes], each in its format -> [T, H].
+// [E, I, bytes], down [E, H, bytes], each in its format; gpt-oss's gate_up_bias [E, 2I] (each
+// expert's gate columns, then its up columns) and down_bias [E, H], float32 or none; swiglu_limit
+// > 0: gpt-oss's clamped SwiGLU with swiglu_alpha, else SiLU(gate) * up -> [T, H].
 at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
                                  const at::Tensor& gate, c10::string_view gate_format, const at::Tensor& up,
-                                 c10::string_view up_format, const at::Tensor& down, c10::string_view down_format) {
+                                 c10::string_view up_format, const at::Tensor& down, c10::string_view down_format,
+                                 const c10::optional<at::Tensor>& gate_up_bias,
+                                 const c10::optional<at::Tensor>& down_bias, double swiglu_alpha,
+                                 double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts_quantized: x [T, H] float32");
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == num_tokens && weights.scalar_type() == at::kFloat &&
@@ -775,6 +830,12 @@ at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights,
   const ExpertBlocks gate_w = expert_blocks(gate, gate_format, num_experts, inter, hidden, "gate");
   const ExpertBlocks up_w = expert_blocks(up, up_format, num_experts, inter, hidden, "up");
   const ExpertBlocks down_w = expert_blocks(down, down_format, num_experts, hidden, inter, "down");
+  const at::Tensor gate_up_b = expert_bias(gate_up_bias, num_experts, 2 * inter, "gate_up_bias");
+  const at::Tensor down_b = expert_bias(down_bias, num_experts, hidden, "down_bias");
+  const float* gate_up_b_data = gate_up_b.defined() ? gate_up_b.data_ptr<float>() : nullptr;
+  const float* down_b_data = down_b.defined() ? down_b.data_ptr<float>() : nullptr;
+  TORCH_CHECK(swiglu_limit >= 0, "moe_experts_quantized: swiglu_limit must be >= 0 (0: SiLU), got ", swiglu_limit);
+  const float alpha = static_cast<float>(swiglu_alpha), limit = static_cast<float>(swiglu_limit);
   const auto ids = experts.contiguous();
   const auto pair_weights = weights.contiguous();
   const int64_t* id_data = ids.data_ptr<int64_t>();
@@ -829,10 +890,15 @@ at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights,
                     task.begin, task.end);
     up_w.multiply(xs, sums, up_w.of(task.expert), up_out.data() + first * inter, hidden, inter, count, task.begin,
                   task.end);
+    const float* bias = gate_up_b_data != nullptr ? gate_up_b_data + task.expert * 2 * inter : nullptr;
     for (int64_t r = first; r < first + count; ++r)
       for (int64_t n = task.begin; n < task.end; ++n) {
-        const float g = gate_out[r * inter + n];
-        act[r * inter + n] = g / (1.f + std::exp(-g)) * up_out[r * inter + n];
+        float g = gate_out[r * inter + n], u = up_out[r * inter + n];
+        if (bias != nullptr) g += bias[n], u += bias[inter + n];
+        // std::min / std::clamp keep a NaN, as torch.clamp does.
+        act[r * inter + n] = limit > 0.f
+                                 ? clamped_glu(std::min(g, limit), alpha) * (std::clamp(u, -limit, limit) + 1.f)
+                                 : g / (1.f + std::exp(-g)) * u;
       }
   });
   const std::vector<float> act_sums =
@@ -849,7 +915,12 @@ at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights,
   for (int64_t p = 0; p < num_pairs; ++p) {
     const float* expert_row = down_out.data() + position[p] * hidden;
     float* row = out_data + (p / top_k) * hidden;
-    for (int64_t h = 0; h < hidden; ++h) row[h] += w_data[p] * expert_row[h];
+    if (down_b_data != nullptr) {
+      const float* bias = down_b_data + id_data[p] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] += w_data[p] * (expert_row[h] + bias[h]);
+    } else {
+      for (int64_t h = 0; h < hidden; ++h) row[h] += w_data[p] * expert_row[h];
+    }
   }
   return out;
 }
@@ -1173,7 +1244,7 @@ void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64
 
 template <typename Block>
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  constexpr bool is_k_quant = !std::is_same_v<Block, BlockQ4_1> && !std::is_same_v<Block, BlockQ8_0>;
+  constexpr bool is_k_quant = kIsKQuant<Block>;
   constexpr int64_t block_weights = is_k_quant ? kSuperWeights : kBlockWeights;
   const int64_t num_rows = x.size(0), in_features = x.size(1), out_features = blocks.size(0);
   const int64_t num_blocks = in_features / block_weights;
@@ -1216,8 +1287,16 @@ at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quantized_int8: x [R, in] float32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "linear_quantized_int8: blocks [out, bytes] uint8, contiguous");
-  return with_block_type(format, "linear_quantized_int8",
-                         [&](auto block) { return int8_linear<decltype(block)>(x, blocks); });
+  return with_block_type(format, "linear_quantized_int8", [&](auto block) {
+    using Block = decltype(block);
+    // Only experts are MXFP4 (gpt-oss's, llama.cpp's MXFP4_MOE files'), and the MoE op multiplies them in float32.
+    if constexpr (std::is_same_v<Block, BlockMXFP4>) {
+      TORCH_CHECK(false, "linear_quantized_int8: MXFP4 blocks have no 8-bit activation kernel");
+      return at::Tensor();
+    } else {
+      return int8_linear<Block>(x, blocks);
+    }
+  });
 }
 
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
@@ -1534,7 +1613,8 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def("linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def(
       "moe_experts_quantized(Tensor x, Tensor weights, Tensor experts, Tensor gate, str gate_format, Tensor up, "
-      "str up_format, Tensor down, str down_format) -> Tensor");
+      "str up_format, Tensor down, str down_format, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+      "float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(

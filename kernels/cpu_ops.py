@@ -2,7 +2,7 @@
 float32 or GGUF-quantized weights, the latter also against 8-bit activations), the fused
 residual add + RMSNorm, batched LoRA deltas, a whole decoder layer for decode steps of a few
 sequences (with their LoRA deltas), and a mixture of experts' selected experts from their GGUF
-blocks (with the blocks' dequantization for wider steps); compiled on first use.
+or MXFP4 blocks (with the blocks' dequantization for wider steps); compiled on first use.
 
 The host's C++ compiler builds them once per source, flags and torch version into
 $BRIGADE_CACHE/kernels (default ~/.cache/brigade/kernels): about 30 s the first time, a
@@ -201,14 +201,19 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 # The GGUF block formats few_rows_linear_quantized reads: bytes of a block of BLOCK_WEIGHTS (Q4_1,
-# Q8_0) or of a K-quant super-block of SUPER_BLOCK_WEIGHTS, as the file stores them.
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-QUANTIZED_FORMATS = tuple(BLOCK_BYTES)
+# Q8_0, MXFP4) or of a K-quant super-block of SUPER_BLOCK_WEIGHTS, as the file stores them.
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17}
+# The formats of a dense weight's blocks (the few-rows linear and linear_quantized_int8 alike).
+QUANTIZED_FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# The formats of experts' blocks (moe_experts_quantized, dequantize_blocks): those, and MXFP4, in
+# which gpt-oss's checkpoints ship their experts (and llama.cpp's MXFP4_MOE files any MoE's); it
+# has no 8-bit activation kernel, which no expert takes.
+EXPERT_FORMATS = (*QUANTIZED_FORMATS, "MXFP4")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # read as the file has them (`to_lanes` leaves them be)
 BLOCK_WEIGHTS = 32
 SUPER_BLOCK_WEIGHTS = 256
 # Bytes a block takes in a row that `to_lanes` packed: float32 scales (and Q4_1's minimums).
-PACKED_BLOCK_BYTES = BLOCK_BYTES | {"Q4_1": 24, "Q8_0": 36}
+PACKED_BLOCK_BYTES = BLOCK_BYTES | {"Q4_1": 24, "Q8_0": 36, "MXFP4": 20}
 
 
 def _lane_order() -> tuple[np.ndarray, np.ndarray]:
@@ -219,23 +224,48 @@ def _lane_order() -> tuple[np.ndarray, np.ndarray]:
     return i % 4, 2 * v + i // 4
 
 
+def mxfp4_half_scales(exponents: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 exponents e (uint8) -> 2^(e - 128) in float32, half of each block's scale
+    (ggml's e8m0_to_fp32_half): the kernels' values are the E2M1 values doubled (cpu_ops.cpp,
+    BlockMXFP4), and 2^(e - 128) is finite for every e, subnormal for e < 2."""
+    e = exponents.astype(np.uint32)
+    # (e - 1 wraps around where e is 0: np.where takes the other branch there.)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An MXFP4 weight as gpt-oss's checkpoints store it, blocks [..., G, 16] uint8 (values 2j and
+    2j + 1 in byte j's low and high nibble) and scales [..., G] uint8 (E8M0 exponents), as GGUF
+    MXFP4 rows [..., G * 17], what `to_lanes` takes: each block its exponent, then 16 bytes with
+    values j and j + 16 in byte j's low and high nibble."""
+    codes = np.stack((blocks & 0x0F, blocks >> 4), axis=-1).reshape(*blocks.shape[:-1], BLOCK_WEIGHTS)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    rows = np.concatenate((scales[..., None], packed), axis=-1)
+    return rows.reshape(*rows.shape[:-2], -1)
+
+
 def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
     """GGUF blocks [rows, bytes] (uint8) packed as the kernels read them (cpu_ops.cpp, BlockQ4_1):
-    each block's float16 scale widened to float32 in front of its quants, the quants reordered,
-    and Q4_1's minimums, float32, moved to the end of their row. Every weight keeps its value
-    (a float16 is exact in float32). K-quants stay as they are."""
-    if fmt not in QUANTIZED_FORMATS:
-        raise ValueError(f"unknown quantized format {fmt!r}: expected one of {QUANTIZED_FORMATS}")
+    each block's float16 scale (MXFP4: half its E8M0 scale, `mxfp4_half_scales`) widened to
+    float32 in front of its quants, the quants reordered, and Q4_1's minimums, float32, moved to
+    the end of their row. Every weight keeps its value (a float16 or a power of two is exact in
+    float32). K-quants stay as they are."""
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}: expected one of {EXPERT_FORMATS}")
     if fmt in K_QUANTS:
         return blocks
     num_rows = blocks.shape[0]
     grouped = blocks.reshape(num_rows, -1, BLOCK_BYTES[fmt])
     num_blocks = grouped.shape[1]
-    halves = np.ascontiguousarray(grouped[:, :, : 4 if fmt == "Q4_1" else 2]).view(np.float16)
-    scales = halves[..., 0].astype(np.float32)
-    quants = grouped[:, :, -16:] if fmt == "Q4_1" else grouped[:, :, -32:]
+    if fmt == "MXFP4":
+        scales = mxfp4_half_scales(grouped[:, :, 0])
+    else:
+        halves = np.ascontiguousarray(grouped[:, :, : 4 if fmt == "Q4_1" else 2]).view(np.float16)
+        scales = halves[..., 0].astype(np.float32)
+    quants = grouped[:, :, -32:] if fmt == "Q8_0" else grouped[:, :, -16:]
     word, position = _lane_order()
-    if fmt == "Q4_1":
+    if fmt in ("Q4_1", "MXFP4"):
         k = np.arange(BLOCK_WEIGHTS)
         # GGUF: weight k < 16 is the low nibble of byte k, weight k >= 16 the high nibble of byte k - 16.
         values = np.where(k < 16, quants[..., k % 16] & 0x0F, quants[..., k % 16] >> 4)
@@ -274,18 +304,29 @@ def moe_experts_quantized(
     gate: tuple[torch.Tensor, str],
     up: tuple[torch.Tensor, str],
     down: tuple[torch.Tensor, str],
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """A MoE layer's selected experts for x [T, H]: sum over each row's k choices of
     weights[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert experts[t, j] (weights float32,
     experts int64, [T, k]). gate, up: (blocks [E, I, bytes] uint8, format), down: ([E, H, bytes],
     format), each expert's rows packed by `to_lanes`. The pairs are grouped by expert, so each
-    selected expert's blocks are read once per step, however many rows chose it."""
-    return ops().moe_experts_quantized(x, weights, experts, *gate, *up, *down)
+    selected expert's blocks are read once per step, however many rows chose it.
+
+    gpt-oss's experts: gate_up_bias [E, 2I] (each expert's gate columns, then its up columns)
+    added to gate(x) and up(x), down_bias [E, H] to down(...) before the routing weight scales it,
+    and swiglu = (alpha, limit) for its clamped SwiGLU (model.clamped_swiglu) in place of SiLU;
+    float32, None for none."""
+    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
+    return ops().moe_experts_quantized(
+        x, weights, experts, *gate, *up, *down, gate_up_bias, down_bias, alpha, limit
+    )
 
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """The float32 weight [rows, in] of GGUF blocks [rows, bytes] as few_rows_linear_quantized
-    reads them (packed by `to_lanes`): the values its kernels multiply by."""
+    reads them (packed by `to_lanes`, any of EXPERT_FORMATS): the values its kernels multiply by."""
     return ops().dequantize_blocks(blocks, fmt)
 
 

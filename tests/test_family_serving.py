@@ -36,12 +36,13 @@ def gemma2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return save_random_model(config, out, seed=3, std=0.1, tokenizer_from=smollm2_dir)
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int = NEW_TOKENS) -> list[int]:
-    """HF's greedy continuation by full forwards (its masks, no HF KV cache)."""
+def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int = NEW_TOKENS, **load_options) -> list[int]:
+    """HF's greedy continuation by full forwards (its masks, no HF KV cache); `load_options` go to
+    from_pretrained (a quantization_config)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=torch.float32, attn_implementation="eager", **load_options
     ).eval()
     ids = list(prompt)
     with torch.inference_mode():

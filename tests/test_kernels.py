@@ -741,8 +741,9 @@ def random_gguf_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> 
     return quantize(weights.numpy(), GGMLQuantizationType[fmt])
 
 
-# Each supported format for all three projections, and a Q4_K_M file's experts (gate and up Q4_K, down Q6_K).
-MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.QUANTIZED_FORMATS] + [("Q4_K", "Q4_K", "Q6_K")]
+# Each supported format for all three projections (MXFP4 from gguf's quantizer, as llama.cpp's
+# MXFP4_MOE files hold any MoE's experts), and a Q4_K_M file's experts (gate and up Q4_K, down Q6_K).
+MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.EXPERT_FORMATS] + [("Q4_K", "Q4_K", "Q6_K")]
 
 
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
@@ -782,6 +783,118 @@ def test_moe_experts_quantized_matches_the_float32_reference(formats: tuple[str,
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
+def random_mxfp4(
+    num_experts: int, out_features: int, in_features: int, seed: int, exponents: tuple[int, int]
+):
+    """Random MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32] as gpt-oss's
+    checkpoints store them (every code in both nibbles), exponents in [low, high)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // cpu_ops.BLOCK_WEIGHTS
+    blocks = torch.randint(0, 256, (num_experts, out_features, groups, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(*exponents, (num_experts, out_features, groups), dtype=torch.uint8, generator=gen)
+    return blocks, scales
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.usefixtures("cpu_isa")
+def test_mxfp4_blocks_multiply_like_dequantize_mxfp4() -> None:
+    """gpt-oss's MXFP4 blocks (loader.dequantize_mxfp4 is their float32, held to transformers'
+    own by test_moe) as the kernels read them: cpu_ops.mxfp4_rows, then to_lanes. dequantize_blocks
+    gives dequantize_mxfp4's values exactly, for every code and every E8M0 exponent 0-255 (2^-127
+    subnormals, and the overflow to inf of 2^128 times a code of 1 or more), and gguf's MXFP4
+    dequantizer's on the same rows. The few-rows linear (0-4 rows, strided x, three experts'
+    rows at once) then differs from F.linear on those values only by float32 summation order:
+    within 1e-5 of the output's scale, for exponents that keep the weights of order 1."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from services.gpu_worker.loader import dequantize_mxfp4
+
+    num_experts, out_features, in_features = 3, 70, 1536
+    blocks, scales = random_mxfp4(num_experts, out_features, in_features, seed=0, exponents=(0, 256))
+    scales[0, 0, :] = torch.arange(scales.shape[-1], dtype=torch.uint8) % 4 * 85  # 0, 85, 170, 255 surely
+    rows = cpu_ops.mxfp4_rows(blocks.numpy(), scales.numpy()).reshape(num_experts * out_features, -1)
+    packed = torch.from_numpy(cpu_ops.to_lanes(rows, "MXFP4"))
+    assert rows.shape[1] == in_features // 32 * cpu_ops.BLOCK_BYTES["MXFP4"]
+    assert packed.shape[1] == in_features // 32 * cpu_ops.PACKED_BLOCK_BYTES["MXFP4"]
+    got = cpu_ops.dequantize_blocks(packed, "MXFP4")
+    want = dequantize_mxfp4(blocks, scales).transpose(1, 2).reshape_as(got)
+    assert torch.isinf(want).any() and (want.abs() == 2.0**-127).any()  # the extremes are in play
+    assert torch.equal(got, want)
+    with np.errstate(over="ignore"):
+        assert torch.equal(got, torch.from_numpy(dequantize(rows, GGMLQuantizationType.MXFP4)))
+
+    blocks, scales = random_mxfp4(num_experts, out_features, in_features, seed=1, exponents=(120, 128))
+    rows = cpu_ops.mxfp4_rows(blocks.numpy(), scales.numpy()).reshape(num_experts * out_features, -1)
+    packed = torch.from_numpy(cpu_ops.to_lanes(rows, "MXFP4"))
+    weight = dequantize_mxfp4(blocks, scales).transpose(1, 2).reshape(num_experts * out_features, -1)
+    for num_rows in range(5):
+        x = torch.randn(in_features, num_rows, generator=torch.Generator().manual_seed(num_rows)).t()
+        got, expected = cpu_ops.few_rows_linear_quantized(x, packed, "MXFP4"), F.linear(x, weight)
+        scale = float(expected.abs().max()) if num_rows else 1.0
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.parametrize("swiglu_limit", [7.0, 0.5])
+@pytest.mark.usefixtures("cpu_isa")
+def test_moe_experts_quantized_gpt_oss_matches_hfs_experts(swiglu_limit: float) -> None:
+    """gpt-oss's experts from MXFP4 blocks in the fused op (gate and up rows split from the
+    checkpoint's interleaved gate_up, as the model loads them; per-expert gate/up and down biases;
+    the clamped SwiGLU) against transformers' GptOssExperts itself on dequantize_mxfp4's weights:
+    1-16 rows, top-1 / 4, an expert every row chooses, one none does. gpt-oss's limit 7, and 0.5,
+    which clamps most gates and ups, so both clamps are exercised. Float32 summation order apart,
+    the same values: within 1e-5 of the output's scale."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from services.gpu_worker.loader import dequantize_mxfp4
+
+    num_experts, hidden, inter = 6, 128, 96
+    config = GptOssConfig(
+        hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts, swiglu_limit=swiglu_limit
+    )
+    hf = GptOssExperts(config).eval()
+    gate_up_blocks, gate_up_scales = random_mxfp4(
+        num_experts, 2 * inter, hidden, seed=2, exponents=(122, 125)
+    )
+    down_blocks, down_scales = random_mxfp4(num_experts, hidden, inter, seed=3, exponents=(122, 125))
+    gen = torch.Generator().manual_seed(4)
+    gate_up_bias, down_bias = (
+        torch.randn(num_experts, 2 * inter, generator=gen),
+        torch.randn(num_experts, hidden, generator=gen),
+    )
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(dequantize_mxfp4(gate_up_blocks, gate_up_scales))
+        hf.down_proj.copy_(dequantize_mxfp4(down_blocks, down_scales))
+        hf.gate_up_proj_bias.copy_(gate_up_bias)
+        hf.down_proj_bias.copy_(down_bias)
+
+    def packed(rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(cpu_ops.to_lanes(rows.reshape(-1, rows.shape[-1]), "MXFP4")).view(
+            *rows.shape[:2], -1
+        )
+
+    gate_up_rows = cpu_ops.mxfp4_rows(gate_up_blocks.numpy(), gate_up_scales.numpy())
+    projections = [(packed(rows), "MXFP4") for rows in (gate_up_rows[:, 0::2], gate_up_rows[:, 1::2])]
+    projections.append((packed(cpu_ops.mxfp4_rows(down_blocks.numpy(), down_scales.numpy())), "MXFP4"))
+    # The model's bias layout: each expert's gate columns, then its up columns.
+    split_bias = torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1)
+    for num_rows, top_k in ((1, 1), (1, 4), (3, 4), (16, 4)):
+        x = torch.randn(num_rows, hidden, generator=gen)
+        logits = torch.randn(num_rows, num_experts, generator=gen)
+        logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
+        experts = torch.topk(logits, top_k)[1]
+        weights = torch.rand(num_rows, top_k, generator=gen)
+        got = cpu_ops.moe_experts_quantized(
+            x, weights, experts, *projections, gate_up_bias=split_bias, down_bias=down_bias,
+            swiglu=(config.swiglu_alpha, swiglu_limit),
+        )  # fmt: skip
+        with torch.no_grad():
+            want = hf(x, router_indices=experts, routing_weights=weights)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
 def test_moe_experts_quantized_refuses_bad_input() -> None:
     assert has_cpu_kernels()
     num_experts, hidden, inter = 4, 64, 32
@@ -804,6 +917,17 @@ def test_moe_experts_quantized_refuses_bad_input() -> None:
         cpu_ops.moe_experts_quantized(x, weights, experts, (gate, "Q3_K"), *projections[1:])
     with pytest.raises(RuntimeError, match="not whole Q4_K blocks"):
         cpu_ops.dequantize_blocks(torch.zeros(2, 100, dtype=torch.uint8), "Q4_K")
+    with pytest.raises(RuntimeError, match=r"gate_up_bias must be float32 \[4, 64\]"):
+        cpu_ops.moe_experts_quantized(x, weights, experts, *projections, gate_up_bias=torch.zeros(4, 32))
+    with pytest.raises(RuntimeError, match=r"down_bias must be float32 \[4, 64\]"):
+        cpu_ops.moe_experts_quantized(
+            x, weights, experts, *projections, down_bias=torch.zeros(4, 64).double()
+        )
+    with pytest.raises(RuntimeError, match="swiglu_limit must be >= 0"):
+        cpu_ops.moe_experts_quantized(x, weights, experts, *projections, swiglu=(1.702, -1.0))
+    mxfp4 = torch.zeros(4, 2 * cpu_ops.PACKED_BLOCK_BYTES["MXFP4"], dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="MXFP4 blocks have no 8-bit activation kernel"):
+        cpu_ops.linear_quantized_int8(torch.randn(1, 64), mxfp4, "MXFP4")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

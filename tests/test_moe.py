@@ -175,24 +175,46 @@ def test_mxfp4_dequantization_is_hfs() -> None:
     assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
 
 
-def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
-    """A gpt-oss whose experts are MXFP4 blocks and scales, dequantized at load: HF's logits and
-    greedy tokens (HF dequantizes the same checkpoint itself) through prefill, decodes, a prefix
-    hit and a preemption."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+def hf_mxfp4_dequantized():
+    """The from_pretrained option by which HF dequantizes an MXFP4 checkpoint to float32 (without
+    it, on a CPU, to bfloat16)."""
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "dequantized"])
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(
+    experts: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gpt-oss whose experts are MXFP4 blocks and scales: HF's logits and greedy tokens (HF
+    dequantizes the same checkpoint itself) through prefill, decodes, a prefix hit and a
+    preemption. With the C++ kernels the experts stay MXFP4 blocks (no float32 copy): decode
+    steps of up to three rows multiply them in the fused op, with the experts' biases and clamped
+    SwiGLU, the wider steps dequantize the selected ones; without the kernels (the torch path)
+    they are dequantized at load."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels import cpu_ops
 
     path = save_random_model(
         random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=60, std=0.08, embed_std=0.15
     )
     write_mxfp4_experts(path, seed=61)
     hf = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch.float32,
-        attn_implementation="eager",
-        quantization_config=Mxfp4Config(dequantize=True),
+        path, dtype=torch.float32, attn_implementation="eager", **hf_mxfp4_dequantized()
     ).eval()
+    if experts == "dequantized":
+        monkeypatch.setattr(cpu_ops, "has_kernels", lambda dtype: False)
     runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    mixtures = CountingMixtures(monkeypatch)
+    if experts == "mxfp4":
+        check_experts_stay_blocks(runner, ("MXFP4",) * 3)
+    else:
+        assert all(layer.experts_quantized is None for layer in runner.model.layers)
+        assert runner.model.layers[0].experts_gate_up.dtype == torch.float32
     check_against_hf(hf, runner)
+    assert {2, 3} <= set(mixtures.rows) if experts == "mxfp4" else not mixtures.rows
 
 
 def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
@@ -206,6 +228,32 @@ def test_mxfp4_blocks_without_scales_are_refused(tmp_path: Path) -> None:
     save_file(tensors, scales_file, metadata={"format": "pt"})
     with pytest.raises(
         ValueError, match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks without its scales"
+    ):
+        ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_mxfp4_scales_of_the_wrong_shape_are_refused(
+    kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scales that do not match their blocks are refused by the weight's name, whether the
+    experts stay MXFP4 (the C++ kernels) or are dequantized at load (the torch path)."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels import cpu_ops
+
+    path = save_random_model(random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=0, std=0.08)
+    write_mxfp4_experts(path, seed=0)
+    scales_file = str(path / "model-00002-of-00002.safetensors")
+    tensors = load_file(scales_file)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :1].contiguous()
+    save_file(tensors, scales_file, metadata={"format": "pt"})
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "has_kernels", lambda dtype: False)
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4 blocks \(8, 64, 3, 16\) and scales \(8, 64, 1\)",
     ):
         ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
 
@@ -277,6 +325,33 @@ def test_moe_served_greedy_matches_hf(served_moe_dir: Path, tmp_path: Path) -> N
     )  # fmt: skip
     got = served_greedy(tmp_path / "run", overrides, prompts[:3], new_tokens, then=(prompts[3],))
     assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpt_oss_mxfp4_served_greedy_matches_hf(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A random gpt-oss MXFP4 checkpoint (write_mxfp4_experts) served through real processes,
+    its experts kept MXFP4 in the worker (test_gpt_oss_mxfp4_checkpoint_matches_hf asserts the
+    same load on the loaded model): three prompts at once in chunks of 16 (chunked prefill
+    dequantizing the selected experts, decodes of up to three rows in the fused op) and a repeat
+    of the first (a prefix hit) give the greedy tokens of HF, which dequantizes the checkpoint
+    itself."""
+    config = random_moe_config(
+        "gpt-oss", vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model_dir = save_random_model(config, tmp_path / "hf", seed=22, std=0.1, tokenizer_from=smollm2_dir)
+    write_mxfp4_experts(model_dir, seed=23)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (40, 17, 29)]
+    new_tokens = 10
+    expected = [hf_greedy(model_dir, p, new_tokens, **hf_mxfp4_dequantized()) for p in prompts]
+    overrides = (
+        f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "engine.max_num_batched_tokens=16",
+    )  # fmt: skip
+    got = served_greedy(tmp_path / "run", overrides, prompts, new_tokens, then=(prompts[0],))
+    assert got == [*expected, expected[0]]
 
 
 @pytest.mark.slow
@@ -515,8 +590,9 @@ def write_moe_gguf(
 ) -> Path:
     """A GGUF of an HF MoE dir as llama.cpp's converter writes one: every tensor named by the
     gguf package's tensor map for `arch`; each projection's experts stacked into one 3-D tensor
-    of Q8_0 blocks quantized from the weights, or of the K-quant `k_quants` names for its GGUF
-    kind (ffn_gate_exps, ...) as random super-blocks of small scales; llama's (Mixtral's) Q and
+    of Q8_0 blocks quantized from the weights, or of the type `k_quants` names for its GGUF kind
+    (ffn_gate_exps, ...): MXFP4 quantized from the weights (as llama.cpp's MXFP4_MOE files), a
+    K-quant as random super-blocks of small scales; llama's (Mixtral's) Q and
     K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
     per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
     converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
@@ -579,7 +655,7 @@ def write_moe_gguf(
         weights = np.stack([tensors[by_expert[e]] for e in sorted(by_expert)])
         kind = gguf_name(stacked).split(".")[2]
         quant = gguf.GGMLQuantizationType[(k_quants or {}).get(kind, "Q8_0")]
-        if quant == gguf.GGMLQuantizationType.Q8_0:
+        if quant in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4):
             blocks = quantize(weights, quant)
         else:
             num_experts, rows, in_features = weights.shape
@@ -661,12 +737,12 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A gpt-oss GGUF with MXFP4 experts (every 4-bit code) as the converter writes it: the
-    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, dequantized when the
-    worker loads them; sinks, alternating sliding and full layers, YaRN (no truncation, as every
+    experts stay MXFP4 in the conversion, as OpenAI's blocks and scales, and in the worker's
+    memory, the decodes multiplying them in the fused op; sinks, alternating sliding and full layers, YaRN (no truncation, as every
     gpt-oss), the biased router and experts: logits of a prefill and decodes against HF on the
     MXFP4 checkpoint the GGUF was written from (HF dequantizing it itself)."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
 
@@ -683,13 +759,13 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
     (converted,) = (tmp_path / "cache").glob("gpt-oss-*")
     with safe_open(str(converted / "model.safetensors"), framework="pt") as weights:
         assert weights.get_slice("model.layers.1.mlp.experts.down_proj_blocks").get_dtype() == "U8"
+    check_experts_stay_blocks(runner, ("MXFP4",) * 3)
     hf = AutoModelForCausalLM.from_pretrained(
-        hf_dir,
-        dtype=torch.float32,
-        attn_implementation="eager",
-        quantization_config=Mxfp4Config(dequantize=True),
+        hf_dir, dtype=torch.float32, attn_implementation="eager", **hf_mxfp4_dequantized()
     ).eval()
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, hf)
+    assert mixtures.rows == [1] * 3 * config.num_hidden_layers  # three decodes, every layer sparse
 
 
 def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]) -> None:
@@ -729,9 +805,9 @@ class CountingMixtures:
         self.rows: list[int] = []
         original = cpu_ops.moe_experts_quantized
 
-        def counted(x: torch.Tensor, *args) -> torch.Tensor:
+        def counted(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             self.rows.append(x.shape[0])
-            return original(x, *args)
+            return original(x, *args, **kwargs)
 
         monkeypatch.setattr(cpu_ops, "moe_experts_quantized", counted)
 
@@ -827,6 +903,29 @@ def test_mixtral_gguf_with_k_quant_experts_gives_hfs_logits(
     assert mixtures.rows == [1] * 3 * config.num_hidden_layers
 
 
+def test_qwen3_moe_gguf_with_mxfp4_experts_gives_hfs_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3-MoE GGUF whose experts are MXFP4 (llama.cpp's MXFP4_MOE files, any family's
+    experts; gguf's quantizer): logits of a prefill and decodes against HF on their
+    dequantization; the experts stay MXFP4 blocks, the decodes multiplying them in the fused op."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
+
+    arch, changes = GGUF_FAMILIES["qwen3-moe-norm-topk"]
+    config = random_moe_config("qwen3-moe-norm-topk", vocab_size=VOCAB, **changes)
+    hf_dir = save_random_model(config, tmp_path / "hf", seed=45, std=0.08, embed_std=0.15)
+    mxfp4 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), "MXFP4")
+    runner = gguf_runner(
+        write_moe_gguf(hf_dir, tmp_path / "qwen3moe.gguf", arch, k_quants=mxfp4), tmp_path, monkeypatch
+    )
+    check_experts_stay_blocks(runner, ("MXFP4",) * 3)
+    mixtures = CountingMixtures(monkeypatch)
+    check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+    assert mixtures.rows == [1] * 3 * config.num_hidden_layers
+
+
 def write_gguf_stub(path: Path, arch: str, tensors: list[str], **fields) -> Path:
     """A GGUF of two layers with only metadata (`fields`, as {arch}.key) and zero tensors of the
     given names: what check_gguf reads."""
@@ -908,8 +1007,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     but not 16) and count the experts' blocks each step reads against the floor; the targets
     (MoE / dense at one row against 1.3x, bytes per token against the floor at 16 rows) are
     reported per stack; its quantized-experts table times a layer from Q8_0 blocks (the fused op,
-    then dequantize + GEMM past MOE_MAX_ROWS); and a missing llama-server skips that comparison,
-    saying why."""
+    then dequantize + GEMM past MOE_MAX_ROWS); MXFP4 (gpt-oss's experts' format) runs the same
+    stacks and table; and a missing llama-server skips that comparison, saying why."""
     import json
     import os
     import subprocess
@@ -930,7 +1029,7 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
         "--layers",
         "2",
         "--quantized",
-        "Q8_0",
+        "Q8_0,MXFP4",
         "--quantized-batch",
         "1,8,32",
         "--llama-server",
@@ -949,11 +1048,16 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     assert sixteen["weight_bytes_read_per_token"] < sixteen["per_pair_bytes_per_token"] / 4
     assert one["moe_step_ms"] > 0 and one["dense_step_ms"] > 0
     quantized = json.loads(out.read_text())["quantized"]
-    assert [(row["rows"], row["blocks_path"]) for row in quantized] == [
-        (1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"),
+    assert [(row["format"], row["rows"], row["blocks_path"]) for row in quantized] == [
+        (fmt, rows, path) for fmt in ("Q8_0", "MXFP4")
+        for rows, path in ((1, "fused op"), (8, "fused op"), (32, "dequantize + GEMM"))
     ]  # fmt: skip
-    # Q8_0 packed: 36 bytes a block of 32 weights, against float32's 128.
-    assert all(row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * 36 for row in quantized)
+    # Packed, a block of 32 weights takes 36 bytes in Q8_0 and 20 in MXFP4, against float32's 128.
+    packed_bytes = {"Q8_0": 36, "MXFP4": 20}
+    assert all(
+        row["blocks_expert_bytes"] * 128 == row["float32_expert_bytes"] * packed_bytes[row["format"]]
+        for row in quantized
+    )
     assert all(row["float32_ms"] > 0 and row["blocks_ms"] > 0 for row in quantized)
     report = json.loads(out.read_text())
     q_one, q_sixteen = report["quantized_stacks"]["Q8_0"]
@@ -966,7 +1070,8 @@ def test_moe_bench_reads_each_selected_expert_once_per_step(tmp_path: Path) -> N
     assert q_one["read_over_floor"] == q_sixteen["read_over_floor"] == 1.0
     assert q_sixteen["weight_bytes_read_per_token"] < q_sixteen["per_pair_bytes_per_token"] / 4
     targets = report["targets"]
-    assert set(targets) == {"float32", "Q8_0"}
+    assert set(targets) == {"float32", "Q8_0", "MXFP4"}
+    assert report["quantized_stacks"]["MXFP4"][0]["read_over_floor"] == 1.0
     assert targets["Q8_0"]["moe_over_dense_1_row"] == q_one["moe_over_dense"]
     assert targets["Q8_0"]["ratio_target"] == 1.3
     assert targets["Q8_0"]["ratio_met"] == (q_one["moe_over_dense"] <= 1.3)

@@ -803,8 +803,8 @@ def _gpt_oss_experts(reader) -> Iterator[tuple[str, np.ndarray]]:
     interleaved); the converter splits gate and up and transposes them. MXFP4 experts stay MXFP4,
     as OpenAI's checkpoints hold them (`_blocks` [E, out, G, 16] with value 2j in byte j's low
     nibble and 2j+1 in its high one, `_scales` [E, out, G]; gate and up rows interleaved), which
-    the worker dequantizes when it loads them, as it does those checkpoints' (iter_weights);
-    experts of any other type in float32."""
+    the worker loads as it loads those checkpoints' (kept MXFP4 where `load_weights` keeps them,
+    else dequantized by iter_weights); experts of any other type in float32."""
     tensors = {t.name: t for t in reader.tensors if _joined(t.name, "gpt-oss")}
     layers = sorted({name.split(".")[1] for name in tensors}, key=int)
     for layer in layers:
@@ -1056,7 +1056,10 @@ def iter_weights(
                         parts[part] = f.get_tensor(stored)
                         if len(parts) == 2:
                             del mxfp4_parts[base]
-                            tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
+                            try:
+                                tensor = dequantize_mxfp4(parts["blocks"], parts["scales"])
+                            except ValueError as exc:
+                                raise ValueError(f"{base}: {exc}") from None
                             spec = shard_spec(base) if shard_spec is not None else None
                             yield base, tensor if spec is None else tensor.narrow(*spec)
                         continue
@@ -1078,24 +1081,50 @@ def iter_weights(
         raise ValueError(f"{base}: MXFP4 {next(iter(parts))} without its {missing} in the checkpoint")
 
 
+def _mxfp4_expert_files(model_dir: Path) -> dict[str, Path]:
+    """The stored name of each part of gpt-oss's MXFP4 experts (`*.mlp.experts.*_blocks` and
+    `_scales`) in the dir's safetensors -> its file."""
+    from safetensors import safe_open
+
+    files = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = text_weight_name(stored)
+                if name is not None and ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
+                    files[stored] = file
+    return files
+
+
 def load_weights(model, model_dir: Path) -> None:
     """Copy the dir's weights into `model` via its `load_hf_weight(name, tensor)`, each read as
     the slice `model.shard_spec(name)` names; then, where the model takes them, the GGUF blocks
-    of quantized.safetensors via its `load_quantized(blocks, formats)`; then `finish_loading`
-    (which makes the kernels' copies knowing which weights have blocks). The experts the model
-    keeps as blocks only (`quantized_expert_names`) are never dequantized: a MoE GGUF's experts
-    stay the file's size in memory."""
+    of quantized.safetensors and gpt-oss's MXFP4 experts (format "MXFP4") via its
+    `load_quantized(blocks, formats)`; then `finish_loading` (which makes the kernels' copies
+    knowing which weights have blocks). The experts the model keeps as blocks only
+    (`quantized_expert_names`) are never dequantized: a MoE GGUF's experts, and an MXFP4
+    checkpoint's, stay the file's size in memory."""
     from safetensors import safe_open
 
     path = model_dir / QUANTIZED_FILE
     formats: dict[str, str] = {}
-    if model.takes_quantized and path.exists():
-        with safe_open(str(path), framework="pt") as f:
-            formats = json.loads(f.metadata()["formats"])
+    mxfp4_files: dict[str, Path] = {}
+    if model.takes_quantized:
+        if path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                formats = json.loads(f.metadata()["formats"])
+        mxfp4_files = _mxfp4_expert_files(model_dir)
+        formats.update(dict.fromkeys(mxfp4_files, "MXFP4"))
     as_blocks = model.quantized_expert_names(formats) if formats else set()
     for name, tensor in iter_weights(model_dir, model.shard_spec, as_blocks):
         model.load_hf_weight(name, tensor)
     if formats:
-        with safe_open(str(path), framework="pt") as f:
-            model.load_quantized({name: f.get_tensor(name) for name in f.keys()}, formats)  # noqa: SIM118
+        blocks = {}
+        if path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                blocks = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        for stored in sorted(as_blocks & mxfp4_files.keys()):
+            with safe_open(str(mxfp4_files[stored]), framework="pt") as f:
+                blocks[stored] = f.get_tensor(stored)
+        model.load_quantized(blocks, formats)
     model.finish_loading()

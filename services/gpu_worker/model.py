@@ -292,11 +292,11 @@ def blocks_of(parts: list[torch.Tensor], formats: list[str]) -> Blocks | None:
 
 @dataclass(frozen=True)
 class QuantizedExperts:
-    """A sparse layer's experts kept as their GGUF blocks (no float32 copy): gate and up
-    [experts, I, bytes], down [experts, H, bytes], uint8, each expert's rows packed by
-    cpu_ops.to_lanes, one format a projection (a GGUF stores each projection of all experts as one
-    tensor). Steps of up to cpu_ops.MOE_MAX_ROWS rows multiply the selected experts from them in one
-    op; wider ones dequantize each selected expert for the GEMM (`dequantized`)."""
+    """A sparse layer's experts kept as their GGUF blocks, or gpt-oss's as their MXFP4 blocks (no
+    float32 copy): gate and up [experts, I, bytes], down [experts, H, bytes], uint8, each expert's
+    rows packed by cpu_ops.to_lanes, one format a projection (a GGUF stores each projection of all
+    experts as one tensor). Steps of up to cpu_ops.MOE_MAX_ROWS rows multiply the selected experts
+    from them in one op; wider ones dequantize each selected expert for the GEMM (`dequantized`)."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -319,12 +319,22 @@ class QuantizedExperts:
     def nbytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in (self.gate, self.up, self.down))
 
-    def mixture(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The selected experts' weighted sum for a step of few rows (cpu_ops.moe_experts_quantized)."""
+    def mixture(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        swiglu: tuple[float, float] | None = None,
+    ) -> torch.Tensor:
+        """The selected experts' weighted sum for a step of few rows (cpu_ops.moe_experts_quantized),
+        with gpt-oss's expert biases and clamped SwiGLU (alpha, limit) where given."""
         (gate_format, up_format, down_format) = self.formats
         return cpu_ops.moe_experts_quantized(
-            x, weights, experts, (self.gate, gate_format), (self.up, up_format), (self.down, down_format)
-        )
+            x, weights, experts, (self.gate, gate_format), (self.up, up_format), (self.down, down_format),
+            gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu=swiglu,
+        )  # fmt: skip
 
     def dequantized(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's float32 (gate_up [2I, H], down [H, I]), made for one wide step's GEMM."""
@@ -333,6 +343,30 @@ class QuantizedExperts:
             for w, fmt in zip((self.gate, self.up, self.down), self.formats, strict=True)
         )
         return torch.cat((gate, up)), down
+
+
+def mxfp4_experts(blocks: dict[str, torch.Tensor], prefix: str, layer: LlamaLayer) -> QuantizedExperts:
+    """gpt-oss's experts from its MXFP4 checkpoint tensors `{prefix}gate_up_proj_blocks` (and
+    `_scales`; [E, 2I, G, 16] and [E, 2I, G], gate and up rows interleaved, as
+    `stacked_expert_weight` splits the float32 ones) and `{prefix}down_proj_blocks` (and `_scales`),
+    kept MXFP4: gate, up and down rows of each expert as GGUF MXFP4 rows (cpu_ops.mxfp4_rows)."""
+    num_experts, double_inter, hidden = layer.experts_gate_up.shape
+    shapes = {"gate_up_proj": (double_inter, hidden), "down_proj": (hidden, double_inter // 2)}
+
+    def rows(projection: str) -> np.ndarray:
+        weight, scales = blocks[f"{prefix}{projection}_blocks"], blocks[f"{prefix}{projection}_scales"]
+        out_features, in_features = shapes[projection]
+        expected = (num_experts, out_features, in_features // cpu_ops.BLOCK_WEIGHTS, 16)
+        if tuple(weight.shape) != expected or tuple(scales.shape) != expected[:3]:
+            raise ValueError(
+                f"{prefix}{projection}: MXFP4 blocks {tuple(weight.shape)} and scales {tuple(scales.shape)}, "
+                f"expected {expected} and {expected[:3]}"
+            )
+        return cpu_ops.mxfp4_rows(weight.numpy(), scales.numpy())
+
+    gate_up, down = rows("gate_up_proj"), rows("down_proj")
+    projections = (gate_up[:, 0::2], gate_up[:, 1::2], down)
+    return QuantizedExperts.of(*(list(torch.from_numpy(p)) for p in projections), ("MXFP4",) * 3)
 
 
 def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
@@ -348,6 +382,8 @@ def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
 # An expert's own weight, as `moe_weight_name` spells it: (layer, expert, projection).
 EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# A part of gpt-oss's MXFP4 experts, one tensor per projection of all experts: (layer, projection, part).
+MXFP4_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)")
 # Mixtral's MoE weight names -> the Qwen / OLMoE ones the model loads by (w1 gate, w3 up, w2 down).
 MIXTRAL_NAMES = {
     "block_sparse_moe.": "mlp.",
@@ -851,25 +887,30 @@ class LlamaModel:
         return self.has_few_rows_linear and not self.parallel.is_parallel
 
     def quantized_expert_names(self, formats: dict[str, str]) -> set[str]:
-        """The checkpoint names of the expert weights that stay GGUF blocks (`load_quantized`), so
-        that the loader never dequantizes them: every expert's gate, up and down in a sparse layer
-        whose experts all have blocks of a format the kernels read, on the few-rows CPU path
-        (`takes_quantized`, not the Triton backend), with the SiLU experts that
-        cpu_ops.moe_experts_quantized computes (gpt-oss's biased, clamped ones stay float32)."""
+        """The checkpoint names of the expert weights that stay blocks (`load_quantized`), so that
+        the loader never dequantizes them, on the few-rows CPU path (`takes_quantized`, not the
+        Triton backend), in each sparse layer whose experts all have blocks of a format the
+        kernels read (cpu_ops.EXPERT_FORMATS): every expert's gate, up and down (a GGUF's), or
+        gpt-oss's MXFP4 gate_up and down blocks and scales (`load_weights` names those MXFP4).
+        cpu_ops.moe_experts_quantized computes SiLU experts and gpt-oss's biased, clamped ones."""
         if not self.takes_quantized or self.fused_experts is not None or self.config.activation != "silu":
             return set()
         by_layer: dict[int, dict[str, str]] = {}
         for name, fmt in formats.items():
-            match = EXPERT_WEIGHT.fullmatch(moe_weight_name(name))
+            match = EXPERT_WEIGHT.fullmatch(moe_weight_name(name)) or MXFP4_EXPERTS.fullmatch(name)
             if match:
                 by_layer.setdefault(int(match[1]), {})[name] = fmt
         kept: set[str] = set()
         for index, names in by_layer.items():
             layer = self.layers[index] if index < len(self.layers) else None
             moe = None if layer is None else layer.moe
-            if moe is None or moe.expert_bias or moe.swiglu_limit or len(names) != 3 * moe.num_experts:
+            if moe is None:
                 continue
-            if all(fmt in cpu_ops.QUANTIZED_FORMATS for fmt in names.values()):
+            # gpt-oss's two stacked projections, blocks and scales each; else 3 weights an expert.
+            is_stacked = all(MXFP4_EXPERTS.fullmatch(name) for name in names)
+            if is_stacked != moe.expert_bias or len(names) != (4 if is_stacked else 3 * moe.num_experts):
+                continue
+            if all(fmt in cpu_ops.EXPERT_FORMATS for fmt in names.values()):
                 kept.update(names)
         return kept
 
@@ -915,22 +956,24 @@ class LlamaModel:
         kept = self.quantized_expert_names(formats)
         by_name = {moe_weight_name(name): name for name in kept}
         for i, layer in enumerate(self.layers):
-            if f"model.layers.{i}.mlp.experts.0.gate_proj.weight" not in by_name:
-                continue
-            assert layer.moe is not None
-            names = [
-                [
-                    by_name[f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"]
-                    for e in range(layer.moe.num_experts)
+            stacked = f"model.layers.{i}.mlp.experts."
+            if stacked + "gate_up_proj_blocks" in kept:
+                layer.experts_quantized = mxfp4_experts(blocks, stacked, layer)
+                self._loaded.update((stacked + "gate_up_proj", stacked + "down_proj"))
+            elif stacked + "0.gate_proj.weight" in by_name:
+                assert layer.moe is not None
+                names = [
+                    [by_name[f"{stacked}{e}.{p}_proj.weight"] for e in range(layer.moe.num_experts)]
+                    for p in ("gate", "up", "down")
                 ]
-                for p in ("gate", "up", "down")
-            ]
-            self._loaded.update(moe_weight_name(name) for projection in names for name in projection)
-            # One GGUF tensor holds a projection of all experts: expert 0's format is every one's.
-            layer_formats = tuple(formats[projection[0]] for projection in names)
-            layer.experts_quantized = QuantizedExperts.of(
-                *([blocks[name] for name in projection] for projection in names), layer_formats
-            )
+                self._loaded.update(moe_weight_name(name) for projection in names for name in projection)
+                # One GGUF tensor holds a projection of all experts: expert 0's format is every one's.
+                layer_formats = tuple(formats[projection[0]] for projection in names)
+                layer.experts_quantized = QuantizedExperts.of(
+                    *([blocks[name] for name in projection] for projection in names), layer_formats
+                )
+            else:
+                continue
             layer.experts_gate_up = layer.experts_down = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def finish_loading(self) -> None:
@@ -1300,8 +1343,11 @@ def moe_mlp(
     glu = expert_glu(moe, activation)
     down_bias = layer.experts_down_bias if adds_down_bias else None
     if layer.experts_quantized is not None and len(x) <= cpu_ops.MOE_MAX_ROWS:
-        # SiLU experts without biases (quantized_expert_names keeps no others as blocks).
-        out = layer.experts_quantized.mixture(x, weights, experts)
+        # One rank holds every expert here (`takes_quantized`), so it adds the down biases.
+        swiglu = (moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
+        out = layer.experts_quantized.mixture(
+            x, weights, experts, layer.experts_gate_up_bias, down_bias, swiglu
+        )
     elif fused_experts is not None:
         out = fused_experts(
             x, layer.experts_gate_up, layer.experts_down, weights, experts, glu,
