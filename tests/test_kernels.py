@@ -118,6 +118,65 @@ def test_rotary_triton(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, 
     assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before)
 
 
+def mrope_test_positions(num_tokens: int, max_pos: int) -> torch.Tensor:
+    """[3, T] M-RoPE positions: text rows with one position on all axes, and an image's grid
+    whose height and width positions differ from its temporal one."""
+    torch.manual_seed(num_tokens)
+    positions = torch.randint(0, max_pos - 8, (num_tokens,), dtype=torch.int32).repeat(3, 1)
+    grid = torch.arange(6, dtype=torch.int32)
+    positions[:, 2:8] = positions[0, 2]
+    positions[1, 2:8] += grid // 3
+    positions[2, 2:8] += grid % 3
+    return positions
+
+
+def test_mrope_rotary_ref_matches_hf():
+    """The reference's M-RoPE against HF's Qwen2.5-VL rotary embedding and apply_rotary_pos_emb."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    section, head_dim = (2, 3, 3), 16
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(section)},
+        )
+    ).text_config  # fmt: skip
+    positions = mrope_test_positions(9, 64)
+    q, k = torch.randn(9, 4, head_dim), torch.randn(9, 2, head_dim)
+    cos, sin = Qwen2_5_VLRotaryEmbedding(config)(q, positions[:, None].long())
+    q_hf, k_hf = apply_rotary_pos_emb(q[None], k[None], cos, sin, unsqueeze_dim=2)
+    cos_sin = make_cos_sin(64, head_dim, 10000.0, torch.float32, "cpu")
+    rotary_ref(q, k, positions, cos_sin, section)
+    torch.testing.assert_close(q, q_hf[0])
+    torch.testing.assert_close(k, k_hf[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("section", "head_dim"), [((2, 3, 3), 16), ((16, 24, 24), 128)])
+def test_rotary_triton_mrope(dtype: torch.dtype, section: tuple[int, int, int], head_dim: int):
+    """Per-frequency axes: each of the three sections rotates by its own position."""
+    num_tokens, num_q_heads, num_kv_heads = 10, 4, 2
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    positions = mrope_test_positions(num_tokens, 100)
+    cos_sin = make_cos_sin(100, head_dim, 10000.0, torch.float32, "cpu")
+    q_ref, k_ref = q.clone(), k.clone()
+    q_plain, k_plain = q.clone(), k.clone()
+    rotary_ref(q_ref, k_ref, positions, cos_sin, section)
+    rotary_triton(q, k, positions, cos_sin, section)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    # Text rows rotate as plain rope at their one position; the image's grid rows do not.
+    rotary_ref(q_plain, k_plain, positions[0], cos_sin)
+    is_text = (positions == positions[0]).all(0)
+    assert_close(q[is_text], q_plain[is_text])
+    assert not torch.allclose(q[~is_text].float(), q_plain[~is_text].float(), atol=1e-2)
+
+
 # ---------------------------------------------------------------- kv_store
 
 

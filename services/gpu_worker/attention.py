@@ -52,6 +52,9 @@ class StepMeta:
     block_tables: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    # CUDA, M-RoPE: [3, T] long, each token's temporal, height and width position (mrope_positions);
+    # None when the step has none (its rope_rows then serve).
+    mrope_positions: torch.Tensor | None = None
 
 
 class Shapes:
@@ -80,7 +83,9 @@ class Shapes:
         self.window = window
         self.softcap = softcap
         self.long_rope_rows = long_rope_rows
-        # M-RoPE: the axis (temporal, height, width) each column of the rotary table rotates by.
+        # M-RoPE: how many frequencies each axis (temporal, height, width) rotates, and the axis
+        # each column of the rotary table rotates by.
+        self.mrope_section = mrope_section
         self.mrope_axes = (
             torch.from_numpy(np.tile(np.repeat(np.arange(3), mrope_section), 2)) if mrope_section else None
         )
@@ -436,7 +441,10 @@ class TritonOps:
             qk = norm_qk(torch.cat((q, k), dim=1), s.num_heads, qk_norms)
             q, k = qk.split((s.num_heads, s.num_kv_heads), dim=1)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
-        self._rotary(q, k, meta.rope_rows, s.cos_sin)
+        if meta.mrope_positions is None:
+            self._rotary(q, k, meta.rope_rows, s.cos_sin)
+        else:
+            self._rotary(q, k, meta.mrope_positions, s.cos_sin, s.mrope_section)
         return q, k, v
 
     def prepare(
@@ -446,13 +454,13 @@ class TritonOps:
         num_seqs: int,
         rope_positions: np.ndarray | None = None,
     ) -> StepMeta:
-        """M-RoPE's `rope_positions` are the CPU path's alone (ModelRunner refuses them here)."""
+        """`rope_positions`: M-RoPE's [3, T] (mrope_positions), None for the plan's positions."""
 
         def to_device(name: str, n: int) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
 
         rope_rows = rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows)
-        return StepMeta(
+        meta = StepMeta(
             rope_rows=torch.from_numpy(rope_rows).to(self.device, non_blocking=True),
             slot_mapping=to_device("slot_mapping", num_tokens),
             is_all_decode=num_tokens == num_seqs,
@@ -460,6 +468,9 @@ class TritonOps:
             query_start_loc=to_device("query_start_loc", num_seqs + 1),
             seq_lens=to_device("seq_lens", num_seqs),
         )
+        if rope_positions is not None and self.s.mrope_section:
+            meta.mrope_positions = torch.from_numpy(rope_positions).to(self.device, non_blocking=True)
+        return meta
 
     def attention(
         self,

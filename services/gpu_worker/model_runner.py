@@ -500,8 +500,6 @@ class ModelRunner:
         every rotary position they give lies in [0, max_model_len)."""
         if not self.has_mrope:
             raise InvalidPlan("step plan: rope_deltas or image_grid_widths for a model without M-RoPE")
-        if self.device.type != "cpu":
-            raise InvalidPlan("step plan: M-RoPE positions have no Triton kernel yet (CPU only)")
         widths = arrays.get("image_grid_widths")
         if widths is not None:
             if "image_groups" not in arrays:
