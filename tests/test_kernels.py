@@ -19,6 +19,7 @@ from kernels.paged_attention import (
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import make_cos_sin, rotary_ref, rotary_triton
+from services.gpu_worker.attention import image_tails
 
 # The interpreter's tl.dot mis-handles bfloat16 (numpy has no bf16), so attention is checked in
 # fp32 and fp16; the element-wise kernels also run in bf16.
@@ -675,6 +676,86 @@ def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
     assert_close(
         paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap)
+    )
+
+
+def image_groups_of(q_lens: list[int], images: list[tuple[int, int, int]]) -> np.ndarray:
+    """The plan's image_groups [T] for images given as (sequence, first query token, tokens)."""
+    groups = np.full(sum(q_lens), -1, np.int32)
+    for g, (seq, first, size) in enumerate(images):
+        start = sum(q_lens[:seq]) + first
+        groups[start : start + size] = g
+    return groups
+
+
+# Prompt chunks after a cached prefix (an image at the chunk's first token and one at its last),
+# several images in one prompt, one across the kernel's query tiles (32 tokens at G = 2), and decodes.
+IMAGE_SEQ_LENS, IMAGE_Q_LENS = [33, 40, 90, 17, 70], [1, 20, 70, 1, 70]
+IMAGES = [(1, 0, 6), (1, 16, 4), (2, 3, 5), (2, 28, 9), (2, 50, 20), (4, 10, 16)]
+
+
+def test_paged_ref_images_match_dense():
+    """The reference's image tails against a dense mask written out here: causal, or the same
+    image both ways (then the window, as HF's Gemma 3 mask)."""
+    torch.manual_seed(5)
+    window = 12
+    kv = PagedKV(IMAGE_SEQ_LENS, 2, 16, 8, torch.float32)
+    q, query_start_loc = _queries(IMAGE_SEQ_LENS, IMAGE_Q_LENS, 4, 16, torch.float32)
+    groups = image_groups_of(IMAGE_Q_LENS, IMAGES)
+    tails = torch.from_numpy(image_tails(groups))
+    out = paged_prefill_ref(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        query_start_loc,
+        kv.seq_lens,
+        0.3,
+        window,
+        0.0,
+        None,
+        tails,
+    )
+    starts = query_start_loc.tolist()
+    for i, (seq_len, q_len) in enumerate(zip(IMAGE_SEQ_LENS, IMAGE_Q_LENS, strict=True)):
+        rows = slice(starts[i], starts[i + 1])
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        k_pos = torch.arange(seq_len)
+        key_groups = torch.full((seq_len,), -1, dtype=torch.int32)
+        key_groups[seq_len - q_len :] = torch.from_numpy(groups[rows])
+        query_groups = key_groups[seq_len - q_len :]
+        same_image = (query_groups[:, None] == key_groups[None, :]) & (query_groups[:, None] >= 0)
+        mask = ((k_pos[None, :] <= q_pos[:, None]) | same_image) & (k_pos[None, :] > q_pos[:, None] - window)
+        group = 2
+        expected = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            kv.keys[i].repeat_interleave(group, dim=1).transpose(0, 1),
+            kv.values[i].repeat_interleave(group, dim=1).transpose(0, 1),
+            attn_mask=mask,
+            scale=0.3,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[rows], expected)
+    # The images change the answer: without them, the tokens before each image's last differ.
+    causal = paged_prefill_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window
+    )
+    assert not torch.allclose(causal, out)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "softcap"),
+    [(torch.float32, 0, 0.0), (torch.float32, 12, 1.5), (torch.float16, 0, 0.0)],
+)
+def test_paged_prefill_triton_images(dtype: torch.dtype, window: int, softcap: float):
+    """Image tokens that see their whole image: the kernel against the reference."""
+    torch.manual_seed(window)
+    kv = PagedKV(IMAGE_SEQ_LENS, 2, 32, 16, dtype)
+    q, query_start_loc = _queries(IMAGE_SEQ_LENS, IMAGE_Q_LENS, 4, 32, dtype)
+    tails = torch.from_numpy(image_tails(image_groups_of(IMAGE_Q_LENS, IMAGES)))
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
+    assert_close(
+        paged_prefill_triton(*args, window=window, softcap=softcap, image_tails=tails),
+        paged_prefill_ref(*args, window, softcap, None, tails),
     )
 
 
