@@ -1,5 +1,6 @@
 """The GPU check: Triton kernel tests on CUDA, decode / prefill tokens/s of a Llama-3-8B-shaped
-model against the roofline, and decode steps with and without CUDA graphs, in one run.
+model against the roofline, decode steps with and without CUDA graphs, and the vision-language
+kernels' cost over the text-only ones at the model's head shapes, in one run.
 
     python benchmarks/gpu_check.py --json FILE [--write-docs] [--docs docs/performance.md] [--dry-run]
 
@@ -32,7 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.model_bench import static_plan
+from kernels.paged_attention import paged_prefill_triton
+from kernels.rotary import make_cos_sin, rotary_triton
 from services.gpu_worker import model_runner
+from services.gpu_worker.attention import image_tails
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
 
@@ -298,6 +302,68 @@ def decode_forward_graphs(runner: ModelRunner, batch: int, context: int, reps: i
 # ---------------------------------------------------------------- report
 
 
+def timed_ms(run, device: torch.device, reps: int) -> float:
+    """ms per call of `run`, after one untimed call (compilation)."""
+    run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / reps
+
+
+def vlm_kernels(config: dict, device: torch.device, batch: int, prompt_len: int, reps: int) -> dict:
+    """ms per launch of the vision-language paths against the text-only ones, at the model's head
+    shapes on a static prefill of `batch` prompts: the prefill attention kernel with Gemma 3's
+    image tails (each prompt's middle half one image) and without, and the rotary kernel with
+    Qwen2.5-VL's M-RoPE (the image's rows on a grid, sections in the proportions of Qwen's
+    (16, 24, 24)) and with plain positions."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"error": "the Triton kernels need a CUDA device or TRITON_INTERPRET=1"}
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, block_size = config["hidden_size"] // num_heads, 16
+    num_tokens = batch * prompt_len
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    num_blocks = batch * -(-prompt_len // block_size)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.from_numpy(block_tables(batch, prompt_len, block_size)).to(device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device) * prompt_len
+    seq_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    first, size = prompt_len // 4, prompt_len // 2
+    groups = np.full((batch, prompt_len), -1, np.int32)
+    groups[:, first : first + size] = np.arange(batch)[:, None]
+    tails = torch.from_numpy(image_tails(groups.reshape(-1))).to(device)
+    args = (q, k_cache, v_cache, tables, query_start_loc, seq_lens, head_dim**-0.5)
+    half = head_dim // 2
+    section = (half // 4, half * 3 // 8, half - half // 4 - half * 3 // 8)
+    positions = np.tile(np.arange(prompt_len), batch)
+    grid_width = max(1, int(size**0.5))
+    mrope = np.repeat(positions[None], 3, axis=0).reshape(3, batch, prompt_len)
+    grid = np.arange(size)
+    mrope[1, :, first : first + size] = first + grid // grid_width
+    mrope[2, :, first : first + size] = first + grid % grid_width
+    mrope[0, :, first : first + size] = first
+    cos_sin = make_cos_sin(prompt_len, head_dim, 10000.0, dtype, device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    plain_positions = torch.from_numpy(positions).to(device)
+    mrope_positions = torch.from_numpy(np.ascontiguousarray(mrope.reshape(3, -1))).to(device)
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "prefill_attention_ms": timed_ms(lambda: paged_prefill_triton(*args), device, reps),
+        "prefill_attention_images_ms": timed_ms(
+            lambda: paged_prefill_triton(*args, image_tails=tails), device, reps
+        ),
+        "rotary_ms": timed_ms(lambda: rotary_triton(q, k, plain_positions, cos_sin), device, reps),
+        "rotary_mrope_ms": timed_ms(
+            lambda: rotary_triton(q, k, mrope_positions, cos_sin, section), device, reps
+        ),
+    }
+
+
 def one_line(exc: Exception) -> str:
     """An error for the JSON and a markdown table cell."""
     return " ".join(f"{type(exc).__name__}: {exc}".split()).replace("|", "/")[:500]
@@ -319,6 +385,8 @@ def markdown(result: dict) -> str:
         f"- bf16 matmul: {result['matmul_tflops']:.3g} TFLOP/s ({result['matmul_size']}^3); "
         f"roofline {result['roofline_tok_s']:.1f} tok/s",
         "",
+        vlm_line(result["vlm_kernels"]),
+        "",
         "| batch | prefill tok/s | decode tok/s | of roofline | eager ms/step | graph ms/step | graph speedup |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -338,6 +406,17 @@ def markdown(result: dict) -> str:
     if errors:
         lines += ["", "CUDA graphs not captured: " + "; ".join(f"batch {b}: {e}" for b, e in errors.items())]
     return "\n".join([*lines, DOCS_END])
+
+
+def vlm_line(vlm: dict) -> str:
+    if "error" in vlm:
+        return f"- Vision-language kernels: not run ({vlm['error']})"
+    return (
+        f"- Vision-language kernels (batch {vlm['batch']}, prompt {vlm['prompt_len']}, its middle half "
+        f"an image): prefill attention {vlm['prefill_attention_images_ms']:.3f} ms with Gemma 3's image "
+        f"tails, {vlm['prefill_attention_ms']:.3f} ms causal; rotary {vlm['rotary_mrope_ms']:.3f} ms "
+        f"with M-RoPE, {vlm['rotary_ms']:.3f} ms plain"
+    )
 
 
 def write_docs(path: Path, section: str) -> None:
@@ -403,6 +482,13 @@ def main() -> None:
             f"batch {batch}: prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s, forward {graph}",
             flush=True,
         )
+    print("vision-language kernels ...", flush=True)
+    vlm_batch = 2 if args.dry_run else 64
+    try:
+        result["vlm_kernels"] = vlm_kernels(config, device, vlm_batch, prompt_len, reps)
+    except RuntimeError as exc:
+        result["vlm_kernels"] = {"error": one_line(exc)}
+    print(json.dumps(result["vlm_kernels"]), flush=True)
     if not graphs["available"]:
         graphs["reason"] = "CUDA graphs need a CUDA device; the eager forward is timed alone"
     result["cuda_graphs"] = graphs

@@ -1,7 +1,9 @@
 """Causal attention of new query tokens over the paged KV cache (prefill, chunked prefill, decode),
 optionally over a sliding window (each query sees its last `window` keys, itself included), with
-soft-capped scores (cap * tanh(score / cap), Gemma 2) and with a sink logit per query head that
-joins the softmax's denominator without a value (gpt-oss)."""
+soft-capped scores (cap * tanh(score / cap), Gemma 2), with a sink logit per query head that
+joins the softmax's denominator without a value (gpt-oss), and, in prefill, with images whose
+tokens see each other both ways (Gemma 3): each query token's `image_tails` says how many of the
+tokens after it (the rest of its image) it sees too."""
 
 # Triton convention: compile-time (tl.constexpr) kernel parameters are UPPER_CASE.
 # ruff: noqa: N803
@@ -35,9 +37,11 @@ def paged_prefill_ref(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    image_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: query j of sequence i sits at seq_lens[i] - q_len_i + j and sees keys up to
-    it (and, with a window, after its position - window); sinks [Hq] join each head's softmax."""
+    it plus its image_tails [T] entry (and, with a window, after its position - window); sinks
+    [Hq] join each head's softmax."""
     group = q.shape[1] // k_cache.shape[2]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
@@ -50,7 +54,8 @@ def paged_prefill_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = seq_len - (end - begin) + torch.arange(end - begin, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        is_visible = k_pos <= q_pos[:, None]
+        sees_to = q_pos if image_tails is None else q_pos + image_tails[begin:end].long()
+        is_visible = k_pos <= sees_to[:, None]
         if window:
             is_visible &= k_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~is_visible, float("-inf"))
@@ -95,6 +100,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     sinks_ptr,
+    image_tails_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -118,6 +124,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_IMAGES: tl.constexpr,
 ):
     # Rows of the tile are (query token, query head) pairs: the GROUP query heads that share this
     # kv head ride along, so each K/V tile is loaded once for the whole group.
@@ -159,6 +166,14 @@ def _paged_attention_kernel(
 
     # Causality bounds the keys this tile can see: up to the position of its last query row.
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    if HAS_IMAGES:
+        # A token inside an image also sees the rest of its image (its tail: the image lies
+        # within this chunk), and the tile the furthest of its rows' image ends.
+        tail = tl.load(image_tails_ptr + q_start + q_idx, mask=is_row, other=0)
+        sees_to = q_pos + tail
+        kv_end = tl.maximum(kv_end, tl.max(tl.where(is_row, sees_to + 1, 0), axis=0))
+    else:
+        sees_to = q_pos
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
     if window > 0:
@@ -189,7 +204,7 @@ def _paged_attention_kernel(
             # cap * tanh(score / cap) on the natural-log scale, via tanh(x) = 1 - 2 / (exp(2x) + 1).
             capped = 1.0 - 2.0 / (tl.exp(2.0 * (s * LN2) / SOFTCAP) + 1.0)
             s = capped * (SOFTCAP / LN2)
-        is_visible = is_key[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        is_visible = is_key[None, :] & (offs_n[None, :] <= sees_to[:, None])
         if window > 0:
             is_visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(is_visible, s, float("-inf"))
@@ -323,7 +338,7 @@ def paged_decode_triton(
         partial_out = partial_lse = out
     _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, seq_lens,
-        out if sinks is None else sinks, scale * math.log2(math.e),
+        out if sinks is None else sinks, seq_lens, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, kv_per_split, window,
@@ -331,7 +346,7 @@ def paged_decode_triton(
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
         IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
+        HAS_SINKS=sinks is not None, HAS_IMAGES=False, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -352,11 +367,15 @@ def paged_prefill_triton(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    image_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton prefill over ragged sequences: grid (query tile, kv head), tiles of BLOCK_M (token, head) rows."""
+    """Triton prefill over ragged sequences: grid (query tile, kv head), tiles of BLOCK_M (token, head) rows.
+    `image_tails` [T] int32: how many later tokens (the rest of its image) each query token also
+    sees; None (a step without images) compiles the causal kernel alone."""
     group = _check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, _, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    assert image_tails is None or (image_tails.shape == (num_tokens,) and image_tails.dtype == torch.int32)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -367,13 +386,13 @@ def paged_prefill_triton(
     block_n, num_warps = _launch_config(head_dim, is_decode=False)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, 1)](
         q, k_cache, v_cache, out, out, out, block_tables, query_start_loc, seq_lens,
-        out if sinks is None else sinks, scale * math.log2(math.e),
+        out if sinks is None else sinks, seq_lens if image_tails is None else image_tails, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, block_tables.shape[1] * k_cache.shape[1], window,
         KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
+        HAS_SINKS=sinks is not None, HAS_IMAGES=image_tails is not None, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out

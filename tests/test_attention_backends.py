@@ -6,11 +6,18 @@ strides in attention.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import posix_ipc
 import pytest
 import torch
 
+from ipc.embedding_cache import EmbeddingCache
+from ipc.endpoints import SHM_PREFIX
+from ipc.shm import new_run_id
+from services.common.images import ImageRules
 from services.gpu_worker.attention import TorchOps, TritonOps
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_families import check_against_hf, load_family
@@ -83,3 +90,67 @@ def test_triton_backend_families_match_hf(family: str, tmp_path: Path) -> None:
     hf, runner = load_family(family, tmp_path / family, backend="triton")
     assert all(isinstance(ops, TritonOps) for ops in runner.model.kind_ops)
     check_against_hf(hf, runner)
+
+
+@pytest.fixture
+def embedding_cache_name() -> Iterator[str]:
+    name = f"/{SHM_PREFIX}{new_run_id()}-embeds-0"
+    yield name
+    posix_ipc.unlink_shared_memory(name)
+
+
+def test_triton_backend_gemma3_images_give_hfs_tokens(
+    tiny_gemma3_vlm_dir: Path, embedding_cache_name: str
+) -> None:
+    """Gemma 3's image tokens seeing their whole image through the Triton prefill kernel: a chat
+    with two images, prefilled whole and cut where the second starts (the first then in the KV
+    cache, the second at the chunk's first token), then decodes, gives HF's greedy tokens and
+    logprobs (full forwards, pixel values in)."""
+    from tests.test_image_chat import hf_greedy, png
+    from tests.test_qwen25vl import serve_chat
+
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 4, rules.tokens_per_tile, 64)
+    turns = [("user", [png(40, 50, seed=0), "What is this?"]), ("assistant", ["Noise."]),
+             ("user", [png(60, 30, seed=1), "And this one?"])]  # fmt: skip
+    _, expected_tokens, expected_logprobs = hf_greedy(tiny_gemma3_vlm_dir, turns)
+    for cut_after_image in (None, 1):
+        tokens, logprobs = serve_chat(
+            tiny_gemma3_vlm_dir, cache, turns, cut_after_image, mrope=False, backend="triton"
+        )
+        assert tokens == expected_tokens, cut_after_image
+        np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-3, err_msg=str(cut_after_image))
+    cache.close()
+
+
+@pytest.mark.parametrize(
+    ("groups", "starts", "problem"),
+    [
+        ([-1, 0, -1, 0, -1, -1], [1], "not one run from its image_starts entry"),
+        ([-1, 0, 0, -1, -1, -1], [2], "not one run from its image_starts entry"),
+        ([-1, 1, 1, -1, -1, -1], [1], "image group without its image_starts entry"),
+        ([-1, -1, 0, 0, -1, -1], [2], "span two sequences"),
+    ],
+)
+def test_image_groups_the_kernels_cannot_read_are_refused(
+    tiny_gemma3_vlm_dir: Path, groups: list[int], starts: list[int], problem: str
+) -> None:
+    """The prefill kernel's image tails (and the CPU path's mask) read each image as one run of
+    tokens from its start, inside one sequence: a plan with other groups is refused by name."""
+    from services.gpu_worker.model_runner import InvalidPlan
+
+    runner = ModelRunner(
+        tiny_gemma3_vlm_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton",
+        embedding_caches=lambda encoder: "/unused",
+    )  # fmt: skip
+    arrays, header = PlanBuilder(runner.block_size).plan([(0, [5, 6, 7], True), (1, [8, 9, 10], True)])
+    arrays.update(
+        image_groups=np.array(groups, np.int32),
+        image_starts=np.array(starts, np.int32),
+        image_encoders=np.zeros(len(starts), np.int32),
+        image_slots=np.zeros(len(starts), np.int32),
+        image_sequences=np.zeros(len(starts), np.int64),
+        image_keys=np.zeros((len(starts), 16), np.uint8),
+    )
+    with pytest.raises(InvalidPlan, match=problem):
+        runner.execute(arrays, header)

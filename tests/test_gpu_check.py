@@ -50,7 +50,14 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     for b in BATCHES:
         assert graphs["per_batch"][b]["eager_ms"] > 0 and graphs["per_batch"][b]["graph_ms"] is None
 
+    # The vision-language kernels ran (the interpreter: tests/conftest.py sets it for the child too).
+    vlm = result["vlm_kernels"]
+    assert "error" not in vlm, vlm
+    for name in ("prefill_attention_ms", "prefill_attention_images_ms", "rotary_ms", "rotary_mrope_ms"):
+        assert vlm[name] > 0, name
+
     text = docs.read_text()
+    assert "Vision-language kernels (batch 2" in text
     assert text.startswith("# before\n\n<!-- gpu_check:begin -->") and text.endswith(
         "<!-- gpu_check:end -->\n\n# after\n"
     )

@@ -19,6 +19,7 @@ from kernels.paged_attention import (
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import make_cos_sin, rotary_ref, rotary_triton
+from services.gpu_worker.attention import image_tails
 
 # The interpreter's tl.dot mis-handles bfloat16 (numpy has no bf16), so attention is checked in
 # fp32 and fp16; the element-wise kernels also run in bf16.
@@ -116,6 +117,65 @@ def test_rotary_triton(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, 
     assert_close(q, q_ref)
     assert_close(k, k_ref)
     assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before)
+
+
+def mrope_test_positions(num_tokens: int, max_pos: int) -> torch.Tensor:
+    """[3, T] M-RoPE positions: text rows with one position on all axes, and an image's grid
+    whose height and width positions differ from its temporal one."""
+    torch.manual_seed(num_tokens)
+    positions = torch.randint(0, max_pos - 8, (num_tokens,), dtype=torch.int32).repeat(3, 1)
+    grid = torch.arange(6, dtype=torch.int32)
+    positions[:, 2:8] = positions[0, 2]
+    positions[1, 2:8] += grid // 3
+    positions[2, 2:8] += grid % 3
+    return positions
+
+
+def test_mrope_rotary_ref_matches_hf():
+    """The reference's M-RoPE against HF's Qwen2.5-VL rotary embedding and apply_rotary_pos_emb."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    section, head_dim = (2, 3, 3), 16
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(section)},
+        )
+    ).text_config  # fmt: skip
+    positions = mrope_test_positions(9, 64)
+    q, k = torch.randn(9, 4, head_dim), torch.randn(9, 2, head_dim)
+    cos, sin = Qwen2_5_VLRotaryEmbedding(config)(q, positions[:, None].long())
+    q_hf, k_hf = apply_rotary_pos_emb(q[None], k[None], cos, sin, unsqueeze_dim=2)
+    cos_sin = make_cos_sin(64, head_dim, 10000.0, torch.float32, "cpu")
+    rotary_ref(q, k, positions, cos_sin, section)
+    torch.testing.assert_close(q, q_hf[0])
+    torch.testing.assert_close(k, k_hf[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("section", "head_dim"), [((2, 3, 3), 16), ((16, 24, 24), 128)])
+def test_rotary_triton_mrope(dtype: torch.dtype, section: tuple[int, int, int], head_dim: int):
+    """Per-frequency axes: each of the three sections rotates by its own position."""
+    num_tokens, num_q_heads, num_kv_heads = 10, 4, 2
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    positions = mrope_test_positions(num_tokens, 100)
+    cos_sin = make_cos_sin(100, head_dim, 10000.0, torch.float32, "cpu")
+    q_ref, k_ref = q.clone(), k.clone()
+    q_plain, k_plain = q.clone(), k.clone()
+    rotary_ref(q_ref, k_ref, positions, cos_sin, section)
+    rotary_triton(q, k, positions, cos_sin, section)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    # Text rows rotate as plain rope at their one position; the image's grid rows do not.
+    rotary_ref(q_plain, k_plain, positions[0], cos_sin)
+    is_text = (positions == positions[0]).all(0)
+    assert_close(q[is_text], q_plain[is_text])
+    assert not torch.allclose(q[~is_text].float(), q_plain[~is_text].float(), atol=1e-2)
 
 
 # ---------------------------------------------------------------- kv_store
@@ -616,6 +676,86 @@ def test_paged_prefill_triton_window_softcap(window: int, softcap: float):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
     assert_close(
         paged_prefill_triton(*args, window=window, softcap=softcap), paged_prefill_ref(*args, window, softcap)
+    )
+
+
+def image_groups_of(q_lens: list[int], images: list[tuple[int, int, int]]) -> np.ndarray:
+    """The plan's image_groups [T] for images given as (sequence, first query token, tokens)."""
+    groups = np.full(sum(q_lens), -1, np.int32)
+    for g, (seq, first, size) in enumerate(images):
+        start = sum(q_lens[:seq]) + first
+        groups[start : start + size] = g
+    return groups
+
+
+# Prompt chunks after a cached prefix (an image at the chunk's first token and one at its last),
+# several images in one prompt, one across the kernel's query tiles (32 tokens at G = 2), and decodes.
+IMAGE_SEQ_LENS, IMAGE_Q_LENS = [33, 40, 90, 17, 70], [1, 20, 70, 1, 70]
+IMAGES = [(1, 0, 6), (1, 16, 4), (2, 3, 5), (2, 28, 9), (2, 50, 20), (4, 10, 16)]
+
+
+def test_paged_ref_images_match_dense():
+    """The reference's image tails against a dense mask written out here: causal, or the same
+    image both ways (then the window, as HF's Gemma 3 mask)."""
+    torch.manual_seed(5)
+    window = 12
+    kv = PagedKV(IMAGE_SEQ_LENS, 2, 16, 8, torch.float32)
+    q, query_start_loc = _queries(IMAGE_SEQ_LENS, IMAGE_Q_LENS, 4, 16, torch.float32)
+    groups = image_groups_of(IMAGE_Q_LENS, IMAGES)
+    tails = torch.from_numpy(image_tails(groups))
+    out = paged_prefill_ref(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        query_start_loc,
+        kv.seq_lens,
+        0.3,
+        window,
+        0.0,
+        None,
+        tails,
+    )
+    starts = query_start_loc.tolist()
+    for i, (seq_len, q_len) in enumerate(zip(IMAGE_SEQ_LENS, IMAGE_Q_LENS, strict=True)):
+        rows = slice(starts[i], starts[i + 1])
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        k_pos = torch.arange(seq_len)
+        key_groups = torch.full((seq_len,), -1, dtype=torch.int32)
+        key_groups[seq_len - q_len :] = torch.from_numpy(groups[rows])
+        query_groups = key_groups[seq_len - q_len :]
+        same_image = (query_groups[:, None] == key_groups[None, :]) & (query_groups[:, None] >= 0)
+        mask = ((k_pos[None, :] <= q_pos[:, None]) | same_image) & (k_pos[None, :] > q_pos[:, None] - window)
+        group = 2
+        expected = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            kv.keys[i].repeat_interleave(group, dim=1).transpose(0, 1),
+            kv.values[i].repeat_interleave(group, dim=1).transpose(0, 1),
+            attn_mask=mask,
+            scale=0.3,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[rows], expected)
+    # The images change the answer: without them, the tokens before each image's last differ.
+    causal = paged_prefill_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 0.3, window
+    )
+    assert not torch.allclose(causal, out)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "softcap"),
+    [(torch.float32, 0, 0.0), (torch.float32, 12, 1.5), (torch.float16, 0, 0.0)],
+)
+def test_paged_prefill_triton_images(dtype: torch.dtype, window: int, softcap: float):
+    """Image tokens that see their whole image: the kernel against the reference."""
+    torch.manual_seed(window)
+    kv = PagedKV(IMAGE_SEQ_LENS, 2, 32, 16, dtype)
+    q, query_start_loc = _queries(IMAGE_SEQ_LENS, IMAGE_Q_LENS, 4, 32, dtype)
+    tails = torch.from_numpy(image_tails(image_groups_of(IMAGE_Q_LENS, IMAGES)))
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
+    assert_close(
+        paged_prefill_triton(*args, window=window, softcap=softcap, image_tails=tails),
+        paged_prefill_ref(*args, window, softcap, None, tails),
     )
 
 

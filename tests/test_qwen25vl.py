@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from ipc.embedding_cache import EmbeddingCache
 from ipc.endpoints import SHM_PREFIX
 from ipc.shm import new_run_id
 from services.common.images import ImageError, ImageRules, open_image
@@ -207,6 +209,64 @@ def embedding_cache_name() -> Iterator[str]:
     posix_ipc.unlink_shared_memory(name)
 
 
+def serve_chat(
+    model_dir: Path,
+    cache: EmbeddingCache,
+    turns: Turns,
+    cut_after_image: int | None,
+    mrope: bool = True,
+    backend: str | None = None,
+) -> tuple[list[int], np.ndarray]:
+    """The worker's greedy tokens and logprobs for a chat, in process: the images' embeddings
+    put in an encoder's `cache` and read from it by the plan; the prompt prefilled in one chunk,
+    or in two cut where image `cut_after_image` starts (the images before it then in the KV
+    cache), each row's rope delta as the scheduler gives it (without M-RoPE's arrays where not
+    `mrope`), then decodes; on the attention `backend` (None: the device's)."""
+    from ipc import messages as m
+    from services.common.images import pixels_key
+    from services.encoder.vision import load_vision_encoder
+    from services.gpu_worker.model_runner import ModelRunner
+    from services.scheduler.request import Request
+    from tests.test_model import PlanBuilder
+
+    rules = ImageRules.from_dir(model_dir)
+    encoder = load_vision_encoder(model_dir)
+    prompt, sizes = prompt_of(model_dir, turns)
+    files = [p for _, parts in turns for p in parts if isinstance(p, bytes)]
+    image_token = np.array(prompt) == rules.image_token_id
+    starts = np.flatnonzero(image_token & ~np.r_[False, image_token[:-1]]).tolist()
+    images = []
+    for start, size, data in zip(starts, sizes, files, strict=True):
+        (tile,) = rules.tiles(open_image(data, 1 << 20))
+        key = pixels_key(tile)
+        ref = cache.put(key, encoder.encode(torch.from_numpy(tile[None]))[0].numpy())
+        images.append(
+            m.PromptImage(start, rules.tile_tokens(size)[0], 0, ref, key, rules.tile_grid_width(size))
+        )
+    request = Request("r", 0, prompt, m.SamplingParams(max_tokens=4), images=images)
+    runner = ModelRunner(
+        model_dir, dtype="float32", kv_cache_bytes=2 << 20, block_size=16,
+        embedding_caches=lambda encoder: cache.name, backend=backend,
+    )  # fmt: skip
+    builder = PlanBuilder(runner.block_size)
+    cuts = [0, len(prompt)] if cut_after_image is None else [0, images[cut_after_image].start, len(prompt)]
+    for first, end in itertools.pairwise(cuts):
+        arrays, header = builder.plan([(0, prompt[first:end], end == len(prompt))])
+        arrays.update(chunk_image_arrays(images, first, end, mrope))
+        if mrope and request.rope_delta(first):
+            arrays["rope_deltas"] = np.array([request.rope_delta(first)], np.int32)
+        result = runner.execute(arrays, header)
+    tokens, logprobs = [int(result["sampled_ids"][0])], [float(result["sampled_logprobs"][0])]
+    for _ in range(NEW_TOKENS - 1):
+        arrays, header = builder.plan([(0, tokens[-1:], True)])
+        if mrope and request.rope_delta(len(prompt)):
+            arrays["rope_deltas"] = np.array([request.rope_delta(len(prompt))], np.int32)
+        result = runner.execute(arrays, header)
+        tokens.append(int(result["sampled_ids"][0]))
+        logprobs.append(float(result["sampled_logprobs"][0]))
+    return tokens, np.array(logprobs)
+
+
 def test_worker_chunks_and_decodes_give_hfs_tokens(
     tiny_qwen25vl_dir: Path, embedding_cache_name: str
 ) -> None:
@@ -214,55 +274,14 @@ def test_worker_chunks_and_decodes_give_hfs_tokens(
     plan: a prefill cut between two images, then decodes, each row's rope delta as the
     scheduler gives it, give HF's generate tokens and logprobs; a text-only prompt (no M-RoPE
     arrays: plain rope) gives HF's too. The plan's M-RoPE arrays on a model without it are refused."""
-    from ipc import messages as m
-    from ipc.embedding_cache import EmbeddingCache
-    from services.common.images import pixels_key
-    from services.encoder.vision import load_vision_encoder
     from services.gpu_worker.model_runner import InvalidPlan, ModelRunner
-    from services.scheduler.request import Request
     from tests.test_model import PlanBuilder
 
     rules = ImageRules.from_dir(tiny_qwen25vl_dir)
-    encoder = load_vision_encoder(tiny_qwen25vl_dir)
     cache = EmbeddingCache.create_or_attach(embedding_cache_name, 4, rules.tokens_per_tile, 64)
 
     def served(turns: Turns, cut_after_image: int | None, mrope: bool = True) -> tuple[list[int], np.ndarray]:
-        prompt, sizes = prompt_of(tiny_qwen25vl_dir, turns)
-        files = [p for _, parts in turns for p in parts if isinstance(p, bytes)]
-        image_token = np.array(prompt) == rules.image_token_id
-        starts = np.flatnonzero(image_token & ~np.r_[False, image_token[:-1]]).tolist()
-        images = []
-        for start, size, data in zip(starts, sizes, files, strict=True):
-            (tile,) = rules.tiles(open_image(data, 1 << 20))
-            key = pixels_key(tile)
-            ref = cache.put(key, encoder.encode(torch.from_numpy(tile[None]))[0].numpy())
-            images.append(
-                m.PromptImage(start, rules.tile_tokens(size)[0], 0, ref, key, rules.tile_grid_width(size))
-            )
-        request = Request("r", 0, prompt, m.SamplingParams(max_tokens=4), images=images)
-        runner = ModelRunner(
-            tiny_qwen25vl_dir, dtype="float32", kv_cache_bytes=2 << 20, block_size=16,
-            embedding_caches=lambda encoder: embedding_cache_name,
-        )  # fmt: skip
-        builder = PlanBuilder(runner.block_size)
-        cuts = (
-            [0, len(prompt)] if cut_after_image is None else [0, images[cut_after_image].start, len(prompt)]
-        )
-        for first, end in itertools.pairwise(cuts):
-            arrays, header = builder.plan([(0, prompt[first:end], end == len(prompt))])
-            arrays.update(chunk_image_arrays(images, first, end, mrope))
-            if mrope and request.rope_delta(first):
-                arrays["rope_deltas"] = np.array([request.rope_delta(first)], np.int32)
-            result = runner.execute(arrays, header)
-        tokens, logprobs = [int(result["sampled_ids"][0])], [float(result["sampled_logprobs"][0])]
-        for _ in range(NEW_TOKENS - 1):
-            arrays, header = builder.plan([(0, tokens[-1:], True)])
-            if mrope and request.rope_delta(len(prompt)):
-                arrays["rope_deltas"] = np.array([request.rope_delta(len(prompt))], np.int32)
-            result = runner.execute(arrays, header)
-            tokens.append(int(result["sampled_ids"][0]))
-            logprobs.append(float(result["sampled_logprobs"][0]))
-        return tokens, np.array(logprobs)
+        return serve_chat(tiny_qwen25vl_dir, cache, turns, cut_after_image, mrope)
 
     chats = {
         "two images, cut between them": ([("user", [png(150, 100, seed=0), "Compare", png(50, 37, seed=1)]),
@@ -286,6 +305,20 @@ def test_worker_chunks_and_decodes_give_hfs_tokens(
     arrays, header = PlanBuilder(runner.block_size).plan([(0, [1, 2, 3], True)])
     with pytest.raises(InvalidPlan, match="rope_deltas or image_grid_widths for a model without M-RoPE"):
         runner.execute({**arrays, "rope_deltas": np.array([-1], np.int32)}, header)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_triton_backend_mrope_gives_hfs_tokens(tiny_qwen25vl_dir: Path, embedding_cache_name: str) -> None:
+    """M-RoPE through the Triton rotary kernel (in the interpreter): a prefill cut between two
+    images (the first then in the KV cache), then decodes, give HF's generate tokens and logprobs."""
+    rules = ImageRules.from_dir(tiny_qwen25vl_dir)
+    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 4, rules.tokens_per_tile, 64)
+    turns: Turns = [("user", [png(150, 100, seed=0), "Compare", png(50, 37, seed=1)])]
+    _, expected_tokens, expected_logprobs = hf_generate(tiny_qwen25vl_dir, turns)
+    tokens, logprobs = serve_chat(tiny_qwen25vl_dir, cache, turns, cut_after_image=1, backend="triton")
+    assert tokens == expected_tokens
+    np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-3)
+    cache.close()
 
 
 def chunk_image_arrays(images: list, first: int, end: int, mrope: bool = True) -> dict[str, np.ndarray]:

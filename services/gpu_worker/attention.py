@@ -52,6 +52,12 @@ class StepMeta:
     block_tables: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    # CUDA, images that see each other both ways: [T] int32, how many later tokens (the rest of
+    # its image) each token also sees (image_tails); None in a step without them.
+    image_tails: torch.Tensor | None = None
+    # CUDA, M-RoPE: [3, T] long, each token's temporal, height and width position (mrope_positions);
+    # None when the step has none (its rope_rows then serve).
+    mrope_positions: torch.Tensor | None = None
 
 
 class Shapes:
@@ -80,7 +86,9 @@ class Shapes:
         self.window = window
         self.softcap = softcap
         self.long_rope_rows = long_rope_rows
-        # M-RoPE: the axis (temporal, height, width) each column of the rotary table rotates by.
+        # M-RoPE: how many frequencies each axis (temporal, height, width) rotates, and the axis
+        # each column of the rotary table rotates by.
+        self.mrope_section = mrope_section
         self.mrope_axes = (
             torch.from_numpy(np.tile(np.repeat(np.arange(3), mrope_section), 2)) if mrope_section else None
         )
@@ -133,6 +141,22 @@ def mrope_positions(arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: in
         out[2, start : start + size] = first + columns
         out[:, start + size : row_end] += max(size // width, width) - size
     return out
+
+
+def image_tails(groups: np.ndarray) -> np.ndarray:
+    """[T] int32 from the plan's image_groups [T] (each image's tokens one run, in one sequence:
+    ModelRunner._check_images): how many of the tokens after each one are its image's, which it
+    sees too; 0 outside images. The prefill kernel's compact form of the CPU path's mask."""
+    tails = np.zeros(len(groups), np.int32)
+    in_image = groups >= 0
+    if not in_image.any():
+        return tails
+    tokens = np.arange(len(groups))
+    is_last = in_image & np.r_[groups[1:] != groups[:-1], True]
+    last = np.zeros(int(groups.max()) + 1, np.int64)
+    last[groups[is_last]] = tokens[is_last]
+    tails[in_image] = last[groups[in_image]] - tokens[in_image]
+    return tails
 
 
 QKNorms = tuple[torch.Tensor, torch.Tensor, float]  # q_norm and k_norm weights [D], eps
@@ -436,7 +460,10 @@ class TritonOps:
             qk = norm_qk(torch.cat((q, k), dim=1), s.num_heads, qk_norms)
             q, k = qk.split((s.num_heads, s.num_kv_heads), dim=1)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
-        self._rotary(q, k, meta.rope_rows, s.cos_sin)
+        if meta.mrope_positions is None:
+            self._rotary(q, k, meta.rope_rows, s.cos_sin)
+        else:
+            self._rotary(q, k, meta.mrope_positions, s.cos_sin, s.mrope_section)
         return q, k, v
 
     def prepare(
@@ -446,13 +473,13 @@ class TritonOps:
         num_seqs: int,
         rope_positions: np.ndarray | None = None,
     ) -> StepMeta:
-        """M-RoPE's `rope_positions` are the CPU path's alone (ModelRunner refuses them here)."""
+        """`rope_positions`: M-RoPE's [3, T] (mrope_positions), None for the plan's positions."""
 
         def to_device(name: str, n: int) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arrays[name][:n])).to(self.device, non_blocking=True)
 
         rope_rows = rotary_rows(arrays, num_tokens, num_seqs, self.s.long_rope_rows)
-        return StepMeta(
+        meta = StepMeta(
             rope_rows=torch.from_numpy(rope_rows).to(self.device, non_blocking=True),
             slot_mapping=to_device("slot_mapping", num_tokens),
             is_all_decode=num_tokens == num_seqs,
@@ -460,6 +487,13 @@ class TritonOps:
             query_start_loc=to_device("query_start_loc", num_seqs + 1),
             seq_lens=to_device("seq_lens", num_seqs),
         )
+        groups = arrays.get("image_groups")
+        if groups is not None and not meta.is_all_decode and (groups[:num_tokens] >= 0).any():
+            tails = image_tails(groups[:num_tokens])
+            meta.image_tails = torch.from_numpy(tails).to(self.device, non_blocking=True)
+        if rope_positions is not None and self.s.mrope_section:
+            meta.mrope_positions = torch.from_numpy(rope_positions).to(self.device, non_blocking=True)
+        return meta
 
     def attention(
         self,
@@ -483,7 +517,7 @@ class TritonOps:
         else:
             out = self._prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                window=window, softcap=softcap, sinks=sinks,
+                window=window, softcap=softcap, sinks=sinks, image_tails=meta.image_tails,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 

@@ -378,7 +378,7 @@ class ModelRunner:
         if header.lora_prefetch:
             self._check_lora_prefetch(header.lora_prefetch, arrays.get("lora_slots"), s)
         if any(name in arrays for name in IMAGE_ARRAYS):
-            self._check_images(arrays, t)
+            self._check_images(arrays, t, s)
         if "num_proposed" in arrays:
             _check_proposals(arrays, s)
         if is_drafted.any() or (self.draft is not None and "num_proposed" in arrays):
@@ -480,18 +480,31 @@ class ModelRunner:
             result["num_emitted"][rows] = 1
         return result
 
-    def _check_images(self, arrays: dict[str, np.ndarray], num_tokens: int) -> None:
-        """The image arrays come together, on a run with encoders, each image's tokens in the step."""
+    def _check_images(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
+        """The image arrays come together, on a run with encoders, each image's tokens one run in
+        one sequence of the step, from its start (the attention kernels' masks read them so)."""
         missing = [name for name in IMAGE_ARRAYS if name not in arrays]
         if missing:
             raise InvalidPlan(f"step plan: image arrays without {missing}")
         if self.embedding_cache_name is None:
             raise InvalidPlan("step plan: images for a worker that reads no encoders' caches")
-        if self.device.type != "cpu":
-            raise InvalidPlan("step plan: images' two-way attention has no Triton kernel yet (CPU only)")
-        starts = arrays["image_starts"]
+        starts = arrays["image_starts"].astype(np.int64)
         if len(starts) and (starts.min() < 0 or starts.max() >= num_tokens):
             raise InvalidPlan(f"step plan: an image starts outside the step's {num_tokens} tokens")
+        groups = arrays["image_groups"]  # [T]: its shape checked with the plan's
+        tokens = np.flatnonzero(groups >= 0)
+        images = groups[tokens].astype(np.int64)
+        if len(images) and images.max() >= len(starts):
+            raise InvalidPlan("step plan: an image group without its image_starts entry")
+        sizes = np.bincount(images, minlength=len(starts))
+        offsets = tokens - starts[images]
+        if (offsets < 0).any() or (offsets >= sizes[images]).any():
+            raise InvalidPlan("step plan: an image's tokens are not one run from its image_starts entry")
+        query_start_loc = arrays["query_start_loc"][: num_seqs + 1]
+        first_seq = np.searchsorted(query_start_loc, starts, side="right")
+        last_seq = np.searchsorted(query_start_loc, starts + np.maximum(sizes, 1) - 1, side="right")
+        if (first_seq != last_seq).any():
+            raise InvalidPlan("step plan: an image's tokens span two sequences")
         if (arrays["image_encoders"] < 0).any() or (arrays["image_slots"] < 0).any():
             raise InvalidPlan("step plan: a negative image encoder or slot")
 
@@ -500,8 +513,6 @@ class ModelRunner:
         every rotary position they give lies in [0, max_model_len)."""
         if not self.has_mrope:
             raise InvalidPlan("step plan: rope_deltas or image_grid_widths for a model without M-RoPE")
-        if self.device.type != "cpu":
-            raise InvalidPlan("step plan: M-RoPE positions have no Triton kernel yet (CPU only)")
         widths = arrays.get("image_grid_widths")
         if widths is not None:
             if "image_groups" not in arrays:
