@@ -22,11 +22,12 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from services.tokenizer.image_fetch import ImageFetcher, RemoteImages, fetch
-from tests.harness import assert_clean, brigade_run, free_port
+from tests.harness import assert_clean, brigade_run, free_port, tokenizer_dealer
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import data_url, png, served_messages, tokenize_messages_count
 
@@ -396,14 +397,15 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def assert_http_images_serve_as_data_urls(base_url: str, image_token: str) -> None:
+def assert_http_images_serve_as_data_urls(run, image_token: str) -> None:
     """In a run (`encoder.max_image_bytes` MAX_BYTES) of a model whose image tokens depend on each
     image's size: an http image, alone and beside a data URL image, serves and counts (/tokenize)
     what the same images as data URLs do; an unreachable, too large or untyped one is a 400, and
     so is text that spells the image token beside an http image (refused after its fetch, by the
-    prompt); the run keeps serving."""
+    prompt); a request aborted while its image is fetched is forgotten; the run keeps serving."""
     import openai
 
+    base_url = gateway_url(run)
     api = openai.OpenAI(base_url=base_url, api_key="none", timeout=120, max_retries=0)
     first, second = png(50, 37, seed=0), png(30, 45, seed=2)
     with ImageServer({"/first.png": first}) as images:
@@ -439,7 +441,40 @@ def assert_http_images_serve_as_data_urls(base_url: str, image_token: str) -> No
         spelled = [{"role": "user", "content": [image_part(remote), {"type": "text", "text": image_token}]}]
         with pytest.raises(openai.BadRequestError, match="rendered 2 image placeholders for 1 images"):
             api.chat.completions.create(model="tiny", messages=spelled, max_tokens=2)
+        assert_an_abort_while_fetching_forgets_the_request(run.run_dir, f"{images.url}/slow")
         assert served_messages(api, chats(remote)[0])[0] == served_messages(api, chats(data_url(first))[0])[0]
+
+
+def assert_an_abort_while_fetching_forgets_the_request(run_dir: Path, slow_url: str) -> None:
+    """A client's request, held by the tokenizer while its image trickles in, then aborted: the
+    abort is answered and the tokenizer holds no request any more."""
+    ctx = zmq.Context()
+    try:
+        sock = tokenizer_dealer(ctx, run_dir)
+
+        def answer(kind: type) -> m.ClientReply:  # skipping the keepalives
+            while True:
+                assert sock.poll(30_000), f"no {kind.__name__}"
+                reply = CLIENT_REPLY.decode(sock.recv())
+                if isinstance(reply, kind):
+                    return reply
+
+        parts = [m.ImagePart(slow_url), m.TextPart("Hi")]
+        chat = m.Generate(
+            "slow", messages=[m.ChatMessage("user", parts)], params=m.SamplingParams(max_tokens=2)
+        )
+        sock.send(CLIENT_REQUEST.encode(chat))
+        sock.send(CLIENT_REQUEST.encode(m.Health(["slow"])))
+        held = answer(m.HealthReply)
+        assert held.missing == [] and held.num_in_flight == 1
+        sock.send(CLIENT_REQUEST.encode(m.Abort("slow")))
+        final = answer(m.Delta)
+        assert final.request_id == "slow" and final.finish_reason == "abort"
+        sock.send(CLIENT_REQUEST.encode(m.Health(["slow"])))
+        gone = answer(m.HealthReply)
+        assert gone.missing == ["slow"] and gone.num_in_flight == 0
+    finally:
+        ctx.destroy(linger=0)
 
 
 # -- the Responses API's input_image --------------------------------------------------------------

@@ -39,7 +39,8 @@ def test_qwen25vl_chats_give_hfs_tokens(tiny_qwen25vl_dir: Path, tmp_path: Path)
     assert np.abs(expected["one image"][2] - expected["another image"][2]).max() > 2e-2
     overrides = (
         f"model.path={tiny_qwen25vl_dir}", "model.dtype=float32", "model.max_model_len=512",
-        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "gateway.served_model_name=tiny",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=2",
+        "gateway.served_model_name=tiny",
     )  # fmt: skip
     with brigade_run(tmp_path / "run", *overrides) as run:
         url = gateway_url(run)
@@ -61,7 +62,7 @@ def test_qwen25vl_chats_give_hfs_tokens(tiny_qwen25vl_dir: Path, tmp_path: Path)
             api.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": video}], max_tokens=2
             )
-        assert_http_images_serve_as_data_urls(url, "<|image_pad|>")
+        assert_http_images_serve_as_data_urls(run, "<|image_pad|>")
         # The same image again: its embeddings from the encoder's cache, its KV from the prefix cache.
         assert_hfs(served(api, CASES["one image"]), expected["one image"])
     assert_clean(tmp_path / "run")

@@ -95,7 +95,8 @@ def serve_and_compare(
     assert np.abs(expected["one image"][2] - expected["another image"][2]).max() > 2e-2
     overrides = (
         f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=512",
-        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "gateway.served_model_name=tiny",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=2",
+        "gateway.served_model_name=tiny",
     )  # fmt: skip
     with brigade_run(run_dir, *overrides) as run:
         url = gateway_url(run)
@@ -110,7 +111,7 @@ def serve_and_compare(
                     model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2
                 )
         if ImageRules.from_dir(model_dir).needs_sizes:
-            assert_http_images_serve_as_data_urls(url, "<image>")
+            assert_http_images_serve_as_data_urls(run, "<image>")
         first = next(iter(cases))
         assert_hfs(served(api, cases[first]), expected[first])
     assert_clean(run_dir)
