@@ -228,9 +228,11 @@ class TokenizerCore:
         Admission is one path: check what the request alone decides (its budget, parameters and
         each image URL against the run's policy: a 400 at once), fetch its http(s) images, then
         tokenize (`_tokenize`) with every image's real size. SmolVLM's splitting and Qwen2.5-VL
-        need those sizes for their image tokens; Gemma 3's tokens are fixed, but it takes the same
-        path rather than a second order of its own: a request without http(s) images (every
-        text one) simply has nothing to wait for and is tokenized here. What needs the prompt
+        need those sizes for their image tokens. Gemma 3's (and Idefics3's without splitting) do
+        not, but they take the same path rather than an order of their own: one place where a
+        prompt is made and checked, for a cost of failing a bad prompt after its fetch instead of
+        before. A request without http(s) images (every text one) has nothing to wait for and is
+        tokenized here. What needs the prompt
         (its length, an image token spelled in text) fails a fetched request from `on_fetched`,
         with the same code and message."""
         if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -295,7 +297,7 @@ class TokenizerCore:
         submit = m.SubmitRequest(
             request_id=engine,
             tokenizer_id=self.tokenizer_id,
-            prompt_ids=b"",  # `_tokenize`'s
+            prompt_ids=b"",  # `_tokenize` sets it: below, or once the http(s) images are in
             params=params,
             output_ids=resume_ids.tobytes(),
             arrival_time=time.time(),
