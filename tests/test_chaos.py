@@ -555,17 +555,24 @@ def test_worker_and_scheduler_killed_mid_stream_with_speculation_change_nothing(
     assert_clean(run_dir, run_id)
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_gemma3_vlm_dir", "tiny_qwen25vl_dir"])
 def test_a_vision_language_run_with_each_stage_killed_changes_nothing(
-    tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_vlm_dir: Path, chaos_seed: int
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+    model_fixture: str,
+    chaos_seed: int,
 ) -> None:
     """The encoder among the faults (issue 36): chats with an image each, half as data URLs and
     half fetched from a local HTTP server, while each stage kind of a vision-language run is
     SIGKILLed in turn. The encoder is stopped first, so that the requests are in its socket when
     it dies: the tokenizer asks again, and the restarted encoder (its cache kept) answers. Every
-    request ends with exactly the text of a calm run."""
+    request ends with exactly the text of a calm run: Gemma 3's, whose image tokens are fixed,
+    and Qwen2.5-VL's, whose chats with http images are tokenized only once those are fetched
+    (their size gives their tokens) and whose resubmissions keep that prompt."""
     from tests.test_image_chat import data_url, png
     from tests.test_image_fetch import ImageServer
 
+    model_dir: Path = request.getfixturevalue(model_fixture)
     rng = random.Random(chaos_seed)
     run_dir = tmp_path_factory.mktemp("chaos-vlm")
     with ImageServer({f"/{i}.png": png(24 + i, 40 - i, seed=i) for i in range(len(SPECS))}) as images:
@@ -575,7 +582,7 @@ def test_a_vision_language_run_with_each_stage_killed_changes_nothing(
             )
             for i, spec in enumerate(SPECS)
         ]
-        with brigade_run(run_dir, *chaos_settings(tiny_gemma3_vlm_dir), "encoder.replicas=1") as run:
+        with brigade_run(run_dir, *chaos_settings(model_dir), "encoder.replicas=1") as run:
             calm = run_all(run.run_dir, specs=specs)
             for kind in ("encoder", *rng.sample(FAULTED_KINDS, len(FAULTED_KINDS))):
                 wait_for("every stage running", lambda: all_running(run))

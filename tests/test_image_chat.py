@@ -135,10 +135,15 @@ def assert_hfs(got: tuple[list[int], np.ndarray], expected: tuple[int, list[int]
 
 
 def tokenize_count(url: str, turns: list[tuple[str, list[str | bytes]]]) -> int:
+    return tokenize_messages_count(url, openai_chat(turns))
+
+
+def tokenize_messages_count(url: str, messages: list[dict]) -> int:
+    """The gateway's /tokenize count of OpenAI chat `messages`."""
     where = urlsplit(url)
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
     connection.request(
-        "POST", "/tokenize", json.dumps({"model": "tiny", "messages": openai_chat(turns)}),
+        "POST", "/tokenize", json.dumps({"model": "tiny", "messages": messages}),
         {"Content-Type": "application/json"},
     )  # fmt: skip
     response = connection.getresponse()

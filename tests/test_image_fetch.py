@@ -22,13 +22,14 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from ipc import messages as m
+from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
-from services.tokenizer.core import Reply, RequestError, TokenizerCore
+from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from services.tokenizer.image_fetch import ImageFetcher, RemoteImages, fetch
-from tests.harness import assert_clean, brigade_run, free_port
+from tests.harness import assert_clean, brigade_run, free_port, tokenizer_dealer
 from tests.test_e2e import gateway_url
-from tests.test_image_chat import data_url, png, served_messages
+from tests.test_image_chat import data_url, png, served_messages, tokenize_messages_count
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -237,11 +238,13 @@ def test_admission_parks_a_chat_until_its_remote_images_are_fetched(tiny_gemma3_
     inline = png(20, 20, seed=1)
     entry = core.admit(b"c", chat(m.ImagePart(data_url(inline)), m.TextPart("and"), m.ImagePart(url)))
     assert entry.is_encoding and entry.image_urls == {1: url} and entry.image_files == [inline, b""]
-    assert len(entry.image_starts) == 2  # its tokens are known before its file: Gemma 3's are fixed
+    # Tokenized once its images are in, as every model's chat is (Gemma 3's tokens need no size).
+    assert entry.submit.prompt_ids == b"" and entry.image_starts == []
     assert core.resubmissions(0) == [] and core.stalled(time.monotonic() + 3600) == {}
     engine = entry.submit.request_id
     assert core.on_fetched(engine, {1: IMAGE}, "") is entry
     assert entry.image_files == [inline, IMAGE] and not entry.image_urls and entry.is_encoding
+    assert len(entry.image_starts) == 2 and entry.submit.prompt_ids and entry.unfetched is None
     assert core.on_fetched(engine, {1: IMAGE}, "") is None  # fetched already: now the encoder's
     assert core.on_encoded(engine, 0, [b"a" * 16, b"b" * 16], [m.SlotRef(0, 2), m.SlotRef(1, 2)], "") is entry
 
@@ -273,6 +276,66 @@ def test_admission_refuses_remote_images_the_run_does_not_fetch(tiny_gemma3_vlm_
         assert core.admit(b"c", m.Generate(url, messages=chat(m.ImagePart(url)).messages)).image_urls == {
             0: url
         }
+
+
+def test_a_chat_is_tokenized_once_its_remote_images_are_in(
+    tiny_smolvlm_dir: Path, tiny_qwen25vl_dir: Path
+) -> None:
+    """Where an image's tokens depend on its size (SmolVLM splitting, Qwen2.5-VL), a chat with an
+    http(s) image is checked at once and tokenized once it is fetched: the prompt is the one its
+    data URL gives, and is what a resubmission carries; the prompt's refusals come after the
+    fetch with admission's code and message; an abort while it fetches forgets it."""
+    other = png(30, 45, seed=2)
+    url = "http://images.test/cat.png"
+    for model_dir in (tiny_smolvlm_dir, tiny_qwen25vl_dir):
+        rules = image_rules_of(model_dir)
+        assert rules is not None and rules.needs_sizes
+        core = vlm_core(model_dir, policy())
+
+        def admit(request_id: str, first: str, *text: str, core: TokenizerCore = core) -> JournalEntry:
+            parts = [
+                m.ImagePart(first),
+                m.TextPart("and"),
+                m.ImagePart(data_url(other)),
+                *map(m.TextPart, text),
+            ]
+            return core.admit(
+                b"c", m.Generate(request_id, messages=chat(*parts).messages, params=chat().params)
+            )
+
+        inline = admit("inline", data_url(IMAGE))
+        remote = admit("remote", url)
+        assert remote.submit.prompt_ids == b"" and remote.image_urls == {0: url} and remote.is_encoding
+        assert core.resubmissions(0) == [] and core.stalled(time.monotonic() + 3600) == {}
+        engine = remote.submit.request_id
+        assert core.on_fetched(engine, {0: IMAGE}, "") is remote and not remote.image_urls
+        assert core.on_fetched(engine, {0: IMAGE}, "") is None  # tokenized once
+        assert remote.submit.prompt_ids == inline.submit.prompt_ids, model_dir.name
+        assert remote.image_starts == inline.image_starts and remote.image_tokens == inline.image_tokens
+        assert remote.image_grid_widths == inline.image_grid_widths
+        refs = [m.SlotRef(i, n) for i, n in enumerate(remote.image_tokens)]
+        assert core.on_encoded(engine, 0, [b"k" * 16] * len(refs), refs, "") is remote
+        assert core.resubmissions(0)[0].prompt_ids == inline.submit.prompt_ids
+
+        # What the request alone decides is refused before any fetch.
+        too_hot = m.SamplingParams(max_tokens=2, temperature=-1.0)
+        with pytest.raises(RequestError, match="temperature") as caught:
+            core.admit(b"c", m.Generate("hot", messages=chat(m.ImagePart(url)).messages, params=too_hot))
+        assert caught.value.code == "invalid_request" and core.missing(b"c", ["hot"]) == ["hot"]
+        # What needs the prompt comes after the fetch, as admission words it for a data URL.
+        for text in (rules.image_token, "many words " * 200):
+            with pytest.raises(RequestError) as caught:
+                admit("inline again", data_url(IMAGE), text)
+            entry = admit("later", url, text)
+            reply = core.on_fetched(entry.submit.request_id, {0: IMAGE}, "")
+            assert isinstance(reply, Reply) and isinstance(reply.message, m.ErrorReply)
+            assert (reply.message.code, reply.message.message) == (caught.value.code, str(caught.value))
+            assert entry.submit.request_id not in core.journal
+        assert caught.value.code == "prompt_too_long"
+        # Aborted while its images are fetched: forgotten, and what its fetch brings is dropped.
+        entry = admit("aborted", url)
+        assert core.abort(b"c", "aborted") is entry and entry.submit.request_id not in core.journal
+        assert core.on_fetched(entry.submit.request_id, {0: IMAGE}, "") is None
 
 
 # -- through a whole run --------------------------------------------------------------------------
@@ -307,7 +370,9 @@ def test_an_http_image_serves_what_its_data_url_does(vlm_run, image_server: str)
     inline = served_messages(api, image_message(data_url(IMAGE)))
     remote = served_messages(api, image_message(f"{image_server}/hop/1"))
     assert remote[0] == inline[0]
-    np.testing.assert_allclose(remote[1], inline[1], rtol=0, atol=1e-6)
+    # The second is a prefix cache hit (the same prompt, its image keyed by its pixels): its
+    # logprobs come from another order of float32 sums, about 1e-6 off.
+    np.testing.assert_allclose(remote[1], inline[1], rtol=0, atol=1e-5)
 
     bad = {
         "/missing": "answered HTTP 404",
@@ -326,6 +391,90 @@ def test_an_http_image_serves_what_its_data_url_does(vlm_run, image_server: str)
         api.chat.completions.create(model="tiny", messages=image_message(unreachable), max_tokens=2)
     # ... and the run goes on serving, remote images too.
     assert served_messages(api, image_message(f"{image_server}/cat.png"))[0] == inline[0]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def assert_http_images_serve_as_data_urls(run, image_token: str) -> None:
+    """In a run (`encoder.max_image_bytes` MAX_BYTES) of a model whose image tokens depend on each
+    image's size: an http image, alone and beside a data URL image, serves and counts (/tokenize)
+    what the same images as data URLs do; an unreachable, too large or untyped one is a 400, and
+    so is text that spells the image token beside an http image (refused after its fetch, by the
+    prompt); a request aborted while its image is fetched is forgotten; the run keeps serving."""
+    import openai
+
+    base_url = gateway_url(run)
+    api = openai.OpenAI(base_url=base_url, api_key="none", timeout=120, max_retries=0)
+    first, second = png(50, 37, seed=0), png(30, 45, seed=2)
+    with ImageServer({"/first.png": first}) as images:
+        remote = f"{images.url}/first.png"
+
+        def chats(url: str) -> list[list[dict]]:  # the image alone, and beside a data URL image
+            text = [{"type": "text", "text": t} for t in ("What is it?", "Compare", "with")]
+            return [
+                [{"role": "user", "content": [image_part(url), text[0]]}],
+                [
+                    {
+                        "role": "user",
+                        "content": [text[1], image_part(url), text[2], image_part(data_url(second))],
+                    }
+                ],
+            ]
+
+        for inline, fetched in zip(chats(data_url(first)), chats(remote), strict=True):
+            want, got = served_messages(api, inline), served_messages(api, fetched)
+            assert got[0] == want[0]
+            np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5)  # a prefix cache hit
+            assert tokenize_messages_count(base_url, fetched) == tokenize_messages_count(base_url, inline)
+        bad = {
+            f"http://127.0.0.1:{free_port()}/cat.png": "ConnectionRefusedError",
+            f"{images.url}/big": f"over the {MAX_BYTES}-byte limit",
+            f"{images.url}/page.html": "is not an image",
+            f"{images.url}/missing": "answered HTTP 404",
+        }
+        for url, problem in bad.items():
+            with pytest.raises(openai.BadRequestError, match=problem):
+                api.chat.completions.create(model="tiny", messages=image_message(url), max_tokens=2)
+        # Both models' placeholder is their image token: spelled in text, it is one placeholder too many.
+        spelled = [{"role": "user", "content": [image_part(remote), {"type": "text", "text": image_token}]}]
+        with pytest.raises(openai.BadRequestError, match="rendered 2 image placeholders for 1 images"):
+            api.chat.completions.create(model="tiny", messages=spelled, max_tokens=2)
+        assert_an_abort_while_fetching_forgets_the_request(run.run_dir, f"{images.url}/slow")
+        assert served_messages(api, chats(remote)[0])[0] == served_messages(api, chats(data_url(first))[0])[0]
+
+
+def assert_an_abort_while_fetching_forgets_the_request(run_dir: Path, slow_url: str) -> None:
+    """A client's request, held by the tokenizer while its image trickles in, then aborted: the
+    abort is answered and the tokenizer holds no request any more."""
+    ctx = zmq.Context()
+    try:
+        sock = tokenizer_dealer(ctx, run_dir)
+
+        def answer(kind: type) -> m.ClientReply:  # skipping the keepalives
+            while True:
+                assert sock.poll(30_000), f"no {kind.__name__}"
+                reply = CLIENT_REPLY.decode(sock.recv())
+                if isinstance(reply, kind):
+                    return reply
+
+        parts = [m.ImagePart(slow_url), m.TextPart("Hi")]
+        chat = m.Generate(
+            "slow", messages=[m.ChatMessage("user", parts)], params=m.SamplingParams(max_tokens=2)
+        )
+        sock.send(CLIENT_REQUEST.encode(chat))
+        sock.send(CLIENT_REQUEST.encode(m.Health(["slow"])))
+        held = answer(m.HealthReply)
+        assert held.missing == [] and held.num_in_flight == 1
+        sock.send(CLIENT_REQUEST.encode(m.Abort("slow")))
+        final = answer(m.Delta)
+        assert final.request_id == "slow" and final.finish_reason == "abort"
+        sock.send(CLIENT_REQUEST.encode(m.Health(["slow"])))
+        gone = answer(m.HealthReply)
+        assert gone.missing == ["slow"] and gone.num_in_flight == 0
+    finally:
+        ctx.destroy(linger=0)
 
 
 # -- the Responses API's input_image --------------------------------------------------------------

@@ -3,7 +3,8 @@ tokenizer expands each image into its <|image_pad|> run (as long as its resized 
 stage runs the windowed tower and patch merger, and the worker's Qwen2 rotates by M-RoPE's 3-D
 positions (a text-only chat by plain ones); the greedy tokens and logprobs are HF generate's on
 the same random weights. `/tokenize` counts HF's prompt tokens; a too-elongated image and a video
-are 400s and the run keeps serving."""
+are 400s and the run keeps serving; http image URLs serve and count what the same images as data
+URLs do."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from tests.harness import assert_clean, brigade_run
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import assert_hfs, data_url, png, served, tokenize_count
+from tests.test_image_fetch import MAX_BYTES, assert_http_images_serve_as_data_urls
 from tests.test_qwen25vl import hf_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -37,7 +39,8 @@ def test_qwen25vl_chats_give_hfs_tokens(tiny_qwen25vl_dir: Path, tmp_path: Path)
     assert np.abs(expected["one image"][2] - expected["another image"][2]).max() > 2e-2
     overrides = (
         f"model.path={tiny_qwen25vl_dir}", "model.dtype=float32", "model.max_model_len=512",
-        "encoder.replicas=1", "gateway.served_model_name=tiny",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=2",
+        "gateway.served_model_name=tiny",
     )  # fmt: skip
     with brigade_run(tmp_path / "run", *overrides) as run:
         url = gateway_url(run)
@@ -59,6 +62,7 @@ def test_qwen25vl_chats_give_hfs_tokens(tiny_qwen25vl_dir: Path, tmp_path: Path)
             api.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": video}], max_tokens=2
             )
+        assert_http_images_serve_as_data_urls(run, "<|image_pad|>")
         # The same image again: its embeddings from the encoder's cache, its KV from the prefix cache.
         assert_hfs(served(api, CASES["one image"]), expected["one image"])
     assert_clean(tmp_path / "run")

@@ -3,7 +3,8 @@ sends data URLs, the tokenizer expands each image into its tiles' token runs as 
 (a grid of tiles and a global one with image splitting, the global one alone without), the encoder
 stage runs the shared SigLIP tower and the pixel-shuffle connector on each tile, and the worker's
 Llama reads the embeddings causally; the greedy tokens and logprobs are HF's on the same random
-weights. `/tokenize` counts HF's prompt tokens; bad images are 400s and the run keeps serving."""
+weights. `/tokenize` counts HF's prompt tokens; bad images are 400s and the run keeps serving. With
+splitting, http image URLs serve and count what the same images as data URLs do."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from services.encoder.vision import VisionEncoder
 from tests.harness import assert_clean, brigade_run
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import NEW_TOKENS, assert_hfs, data_url, png, served, tokenize_count
+from tests.test_image_fetch import MAX_BYTES, assert_http_images_serve_as_data_urls
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -93,7 +95,8 @@ def serve_and_compare(
     assert np.abs(expected["one image"][2] - expected["another image"][2]).max() > 2e-2
     overrides = (
         f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=512",
-        "encoder.replicas=1", "gateway.served_model_name=tiny",
+        "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=2",
+        "gateway.served_model_name=tiny",
     )  # fmt: skip
     with brigade_run(run_dir, *overrides) as run:
         url = gateway_url(run)
@@ -107,6 +110,8 @@ def serve_and_compare(
                 api.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2
                 )
+        if ImageRules.from_dir(model_dir).needs_sizes:
+            assert_http_images_serve_as_data_urls(run, "<image>")
         first = next(iter(cases))
         assert_hfs(served(api, cases[first]), expected[first])
     assert_clean(run_dir)
@@ -164,12 +169,12 @@ def test_idefics3_chats_without_splitting_give_hfs_tokens(tiny_idefics3_dir: Pat
 
 
 def test_admission_expands_each_image_into_its_tiles(tiny_smolvlm_dir: Path, tiny_idefics3_dir: Path) -> None:
-    """Without a run: the tokenizer counts a split image's tiles from its header, names each
-    tile's run, and refuses an http(s) image whose tiles it cannot count before the fetch."""
+    """Without a run: the tokenizer counts a split image's tiles from its header and names each
+    tile's run; an http(s) image's once it is fetched (test_image_fetch.py has more of that)."""
     from ipc import messages as m
     from services.common.images import image_rules_of
     from services.common.text import Tokenizer
-    from services.tokenizer.core import RequestError, TokenizerCore
+    from services.tokenizer.core import TokenizerCore
     from services.tokenizer.image_fetch import RemoteImages
 
     remote = RemoteImages(max_bytes=1 << 20, timeout_s=5.0, max_redirects=0)
@@ -191,8 +196,6 @@ def test_admission_expands_each_image_into_its_tiles(tiny_smolvlm_dir: Path, tin
     image_token = ImageRules.from_dir(tiny_smolvlm_dir).image_token_id
     for start in entry.image_starts:
         assert (prompt[start : start + TOKENS_PER_TILE] == image_token).all()
-    with pytest.raises(RequestError, match=r"depend on the image's size.* send a data: URL"):
-        admit(tiny_smolvlm_dir, m.ImagePart("http://example.com/cat.png"))
-    # Without splitting, an image is one tile whatever its size, so an http(s) image waits for its fetch.
-    entry = admit(tiny_idefics3_dir, m.ImagePart("http://example.com/cat.png"), a)
-    assert len(entry.image_starts) == 2 and entry.image_urls == {0: "http://example.com/cat.png"}
+    # Without splitting, an image is one tile whatever its size.
+    entry = admit(tiny_idefics3_dir, a, m.TextPart("and"), b)
+    assert len(entry.image_starts) == 2

@@ -160,7 +160,8 @@ class ImageRules:
     image_token_id: int
     # Each tile's image tokens, for the families whose tiles are all one size (see `tile_tokens`).
     tokens_per_tile: int
-    # Whether an image's tokens depend on its size (which the tokenizer reads from its header).
+    # Whether an image's tokens depend on its size (which the tokenizer reads from its header,
+    # an http(s) image's once it is fetched).
     needs_sizes: bool
 
     @staticmethod
@@ -373,11 +374,7 @@ class Idefics3ImageRules(ImageRules):
         ]
 
     def image_text(self, size: tuple[int, int] | None) -> str:
-        if self.split and size is None:
-            raise ImageError(
-                "image_url: this model's image tokens depend on the image's size, which an http(s) URL "
-                "does not give before it is fetched: send a data: URL"
-            )
+        assert size is not None or not self.split, "a split image's tokens need its size (needs_sizes)"
         rows, cols = self.grid(*size) if size is not None else (0, 0)
         run = self.image_token * self.tokens_per_tile
         global_tile = f"{self.fake_token}{self.global_token}{run}{self.fake_token}"
@@ -481,11 +478,7 @@ class Qwen2VLImageRules(ImageRules):
 
     def _grid(self, size: tuple[int, int] | None) -> tuple[int, int]:
         """(rows, columns) of the image tokens of an image of `size`."""
-        if size is None:
-            raise ImageError(
-                "image_url: this model's image tokens depend on the image's size, which an http(s) URL "
-                "does not give before it is fetched: send a data: URL"
-            )
+        assert size is not None, "Qwen2.5-VL's image tokens need the image's size (needs_sizes)"
         width, height = self.resized(*size)
         return height // self.factor, width // self.factor
 

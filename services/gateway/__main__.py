@@ -29,6 +29,7 @@ from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
 from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
 from services.tls import RotatingTls
+from services.tokenizer.image_fetch import RemoteImages
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
@@ -138,7 +139,13 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
     )
     model_dir = Path(stage.info.model_dir)
-    gateway = Gateway(settings, client, Tokenizer(model_dir), image_rules=image_rules_of(model_dir))
+    gateway = Gateway(
+        settings,
+        client,
+        Tokenizer(model_dir),
+        image_rules=image_rules_of(model_dir),
+        remote_images=RemoteImages.of(stage.config.encoder),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(gateway),

@@ -73,6 +73,7 @@ from services.gateway.sse import (
 )
 from services.metrics import HttpMetrics, registry_for_run
 from services.stage_rows import read_status
+from services.tokenizer.image_fetch import NOT_FETCHED, RemoteImages, fetch, is_remote
 
 JSON = "application/json"
 DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413
@@ -185,11 +186,13 @@ class Gateway:
         tokenizer: Tokenizer,
         metrics: HttpMetrics | None = None,
         image_rules: ImageRules | None = None,
+        remote_images: RemoteImages | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.tokenizer = tokenizer
         self.image_rules = image_rules  # a vision-language model's: /tokenize counts image tokens
+        self.remote_images = remote_images  # what http(s) image URLs /tokenize fetches; None: none
         # The process's registry (one replica a process); a second Gateway in one process (a test
         # beside the run's replicas) brings its own, since metric names register once.
         self.metrics = metrics or HttpMetrics()
@@ -771,17 +774,20 @@ class Gateway:
         return ids, self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
     def _image_sizes(self, images: list[m.ImagePart]) -> list[tuple[int, int] | None]:
-        """Each image's (width, height) where the model's image tokens depend on it: a data
-        URL's from its header; None for an http(s) URL (not fetched here) or where they do not."""
+        """Each image's (width, height) where the model's image tokens depend on it, from its
+        header: a data URL's, an http(s) URL's once fetched (here, on this worker thread, within
+        the run's policy, as the tokenizer stage fetches it); None where they do not."""
         assert self.image_rules is not None
         if not self.image_rules.needs_sizes:
             return [None] * len(images)
-        return [
-            None
-            if part.url.lower().startswith(("http://", "https://"))
-            else image_size(decode_data_url(part.url, self.settings.max_body_bytes))
-            for part in images
-        ]
+        return [image_size(self._image_file(part.url)) for part in images]
+
+    def _image_file(self, url: str) -> bytes:
+        if not is_remote(url):
+            return decode_data_url(url, self.settings.max_body_bytes)
+        if self.remote_images is None:
+            raise ImageError(NOT_FETCHED)
+        return fetch(url, self.remote_images)
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.DetokenizeRequest)

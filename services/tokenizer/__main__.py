@@ -37,6 +37,11 @@ KEEPALIVE_S = 1.0
 STOP_LINGER_MS = 1000  # lets the last errors out to the clients when the tokenizer stops
 
 
+def internal_error(exc: Exception) -> str:
+    """The message of a request that the tokenizer failed on (a bug, or input no check foresaw)."""
+    return f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
+
+
 @dataclass
 class PendingAdapterCommand:
     """A client's AdapterCommand sent on to every engine group, until each has answered."""
@@ -209,8 +214,7 @@ class TokenizerProcess(StageProcess):
             except Exception as exc:  # a bug, or input no check foresaw: this request fails, not the stage
                 self.log.exception("admitting request %r failed", request.request_id)
                 self.metrics.on_failure("internal")
-                message = f"the tokenizer failed on this request: {type(exc).__name__}: {exc}"[:1000]
-                self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", message)))
+                self.send(Reply(identity, m.ErrorReply(request.request_id, "internal", internal_error(exc))))
                 return
             if entry.image_urls:
                 assert self.fetcher is not None  # the core admits remote images only with a policy
@@ -246,11 +250,15 @@ class TokenizerProcess(StageProcess):
             )
 
     def on_fetched(self) -> None:
-        """Requests whose remote images came (each goes on to an encoder), or could not be
-        fetched in time or at all (its client hears why)."""
+        """Requests whose remote images came (each, tokenized now, goes on to an encoder), or
+        could not be fetched in time or at all, or whose prompt is refused (its client hears why)."""
         assert self.fetcher is not None and self.encoders is not None
         for fetched in self.fetcher.collect(time.monotonic()):
-            outcome = self.core.on_fetched(fetched.request_id, fetched.files, fetched.error)
+            try:
+                outcome = self.core.on_fetched(fetched.request_id, fetched.files, fetched.error)
+            except Exception as exc:  # as in admission: this request fails, not the stage
+                self.log.exception("tokenizing request %s after its fetch failed", fetched.request_id)
+                outcome = self.core.fail(m.RequestFailed(fetched.request_id, "internal", internal_error(exc)))
             if isinstance(outcome, Reply):
                 self.send(outcome)
             elif outcome is not None:

@@ -54,7 +54,7 @@ from services.common.tools_prompt import (
 )
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
-from services.tokenizer.image_fetch import RemoteImages, is_remote
+from services.tokenizer.image_fetch import NOT_FETCHED, RemoteImages, is_remote
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system
@@ -119,14 +119,17 @@ class JournalEntry:
     # Images (services/common/images.py): the request's image files, kept to encode them again
     # should their embeddings leave the encoder's cache before its prefill; each tile's first
     # prompt position, number of tokens and grid width (M-RoPE); the http(s) URLs of those not
-    # fetched yet, by their index (b"" in `image_files` until they are). While it waits for its images (fetched, then
-    # encoded) the request is the tokenizer's alone: nothing upstream has it to resubmit or to
-    # ask about.
+    # fetched yet, by their index (b"" in `image_files` until they are), and meanwhile the request
+    # and its parsed tools, which are tokenized once they are in (its prompt is empty until then).
+    # While it waits for its images (fetched, then encoded) the request is the tokenizer's alone:
+    # nothing upstream has it to resubmit or to ask about, so a resubmission always carries the
+    # prompt tokenized once, here.
     image_files: list[bytes] = field(default_factory=list)
     image_starts: list[int] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
     image_grid_widths: list[int] = field(default_factory=list)
     image_urls: dict[int, str] = field(default_factory=dict)
+    unfetched: tuple[m.Generate, list[dict] | None] | None = None
     is_encoding: bool = False
     num_encodings: int = 0
 
@@ -219,20 +222,29 @@ class TokenizerCore:
     # -- client side ---------------------------------------------------------------------------
 
     def admit(self, identity: bytes, request: m.Generate) -> JournalEntry:
-        """Validate and tokenize a Generate; journal it. Raises RequestError."""
+        """Validate a Generate and journal it; tokenized now unless it names http(s) images
+        (`image_urls`), which are fetched first. Raises RequestError.
+
+        Admission is one path: check what the request alone decides (its budget, parameters and
+        each image URL against the run's policy: a 400 at once), fetch its http(s) images, then
+        tokenize (`_tokenize`) with every image's real size. SmolVLM's splitting and Qwen2.5-VL
+        need those sizes for their image tokens. Gemma 3's (and Idefics3's without splitting) do
+        not, but they take the same path rather than an order of their own: one place where a
+        prompt is made and checked, for a cost of failing a bad prompt after its fetch instead of
+        before. A request without http(s) images (every text one) has nothing to wait for and is
+        tokenized here. What needs the prompt
+        (its length, an image token spelled in text) fails a fetched request from `on_fetched`,
+        with the same code and message."""
         if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError("invalid_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
         self._check_budget(request)
         self._check_task(request)
+        self._check_inputs(request)
         tools = self._tools(request)
         image_files, image_urls = self._image_files(request)
-        image_sizes = self._image_sizes(image_files, image_urls)
-        prompt_ids = self._prompt_ids(request, tools, image_sizes)
-        image_starts, image_tokens, image_grid_widths = self._image_tiles(prompt_ids, image_sizes)
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
-            self._check_input_length(len(prompt_ids))
         if tools is not None:
             params = self._forced_call(request.tools, tools, params)
         if self.is_harmony and request.messages is not None:
@@ -242,14 +254,12 @@ class TokenizerCore:
         # Filled once, here, so every later stage (and a resubmission) sees the same values.
         params = fill_defaults(params, self.sampling_defaults)
         try:
-            validate_prompt_ids(
-                prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
-            )
+            # The prompt's own length is checked once it is tokenized (`_tokenize`).
             validate_params(
                 params,
                 vocab_size=self.tokenizer.vocab_size,
                 max_model_len=self.max_model_len,
-                num_prompt_tokens=len(prompt_ids),
+                num_prompt_tokens=1,
             )
             if params.structured is not None:
                 self._check_constraint(params.structured)
@@ -287,7 +297,7 @@ class TokenizerCore:
         submit = m.SubmitRequest(
             request_id=engine,
             tokenizer_id=self.tokenizer_id,
-            prompt_ids=m.pack_ids(prompt_ids),
+            prompt_ids=b"",  # `_tokenize` sets it: below, or once the http(s) images are in
             params=params,
             output_ids=resume_ids.tobytes(),
             arrival_time=time.time(),
@@ -301,13 +311,14 @@ class TokenizerCore:
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
             image_files=image_files,
-            image_starts=image_starts,
-            image_tokens=image_tokens,
-            image_grid_widths=image_grid_widths,
             image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
         )
+        if image_urls:
+            entry.unfetched = (request, tools)
+        else:
+            self._tokenize(entry, request, tools)
         if request.tools is not None:
             entry.tool_parser = tool_parser_for(request.tools, self.auto_tool_format)
         if entry.tool_parser is not None and request.resume_num_chars:
@@ -317,6 +328,26 @@ class TokenizerCore:
         self.journal[engine] = entry
         self.engine_ids[key] = engine
         return entry
+
+    def _tokenize(self, entry: JournalEntry, request: m.Generate, tools: list[dict] | None) -> None:
+        """Give `entry` its prompt, and each image tile's place in it, from its request and
+        its image files (every one in). Raises RequestError."""
+        image_sizes = self._image_sizes(entry.image_files)
+        prompt_ids = self._prompt_ids(request, tools, image_sizes)
+        entry.image_starts, entry.image_tokens, entry.image_grid_widths = self._image_tiles(
+            prompt_ids, image_sizes
+        )
+        if request.params.embed is not None:
+            self._check_input_length(len(prompt_ids))
+        try:
+            validate_prompt_ids(
+                prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
+            )
+        except PromptTooLong as exc:
+            raise RequestError("prompt_too_long", str(exc)) from None
+        except (InvalidParams, ValueError) as exc:
+            raise RequestError("invalid_request", str(exc)) from None
+        entry.submit = msgspec.structs.replace(entry.submit, prompt_ids=m.pack_ids(prompt_ids))
 
     def _check_constraint(self, spec: m.StructuredOutput) -> None:
         """Raise InvalidParams unless the constraint compiles: the scheduler would refuse it too,
@@ -477,10 +508,7 @@ class TokenizerCore:
                         files.append(decode_data_url(part.url, self.max_image_bytes))
                         continue
                     if self.remote_images is None:
-                        raise ImageError(
-                            "image_url: this run fetches no http(s) images (encoder.remote_images false): "
-                            "send a data: URL"
-                        )
+                        raise ImageError(NOT_FETCHED)
                     self.remote_images.check(part.url)
                 except ImageError as exc:
                     raise RequestError("invalid_request", f"{field}: {exc}") from None
@@ -488,13 +516,13 @@ class TokenizerCore:
                 files.append(b"")
         return files, urls
 
-    def _image_sizes(self, files: list[bytes], urls: dict[int, str]) -> list[tuple[int, int] | None]:
+    def _image_sizes(self, files: list[bytes]) -> list[tuple[int, int] | None]:
         """Each image's (width, height), read from its header where the model's image tokens
-        depend on it; None where they do not (and for an http(s) image, not fetched yet)."""
+        depend on it; None where they do not."""
         if self.image_rules is None or not self.image_rules.needs_sizes:
             return [None] * len(files)
         try:
-            return [None if i in urls else image_size(data) for i, data in enumerate(files)]
+            return [image_size(data) for data in files]
         except ImageError as exc:
             raise RequestError("invalid_request", f"messages: {exc}") from None
 
@@ -524,30 +552,36 @@ class TokenizerCore:
             )
         return positions[firsts].tolist(), tokens, widths
 
-    def _prompt_ids(
-        self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
-    ) -> list[int]:
+    @staticmethod
+    def _check_inputs(request: m.Generate) -> None:
+        """Exactly one input, and a chat's messages each of a known role and with content."""
         given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
+        if request.messages is None:
+            return
+        if not request.messages:
+            raise RequestError("invalid_request", "messages must not be empty")
+        for i, message in enumerate(request.messages):
+            if message.role not in CHAT_ROLES:
+                raise RequestError(
+                    "invalid_request",
+                    f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}",
+                )
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise RequestError(
+                    "invalid_request",
+                    f"messages[{i}].content is required (only an assistant's tool calls may go without)",
+                )
+
+    def _prompt_ids(
+        self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
+    ) -> list[int]:
         if request.prompt is not None:
             # An embedding model reads its input with the special tokens its tokenizer adds
             # ([CLS] ... [SEP] for BERT), as sentence-transformers encodes it.
             return self.tokenizer.encode(request.prompt, add_special_tokens=request.params.embed is not None)
         if request.messages is not None:
-            if not request.messages:
-                raise RequestError("invalid_request", "messages must not be empty")
-            for i, message in enumerate(request.messages):
-                if message.role not in CHAT_ROLES:
-                    raise RequestError(
-                        "invalid_request",
-                        f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}",
-                    )
-                if message.content is None and not (message.role == "assistant" and message.tool_calls):
-                    raise RequestError(
-                        "invalid_request",
-                        f"messages[{i}].content is required (only an assistant's tool calls may go without)",
-                    )
             # tool_choice none: the model is not offered the tools, so it answers in text.
             offered = tools if request.tools is not None and request.tools.choice != "none" else None
             messages, template_tools = template_messages(request.messages, offered, self.renders_tools)
@@ -766,16 +800,22 @@ class TokenizerCore:
         return entry
 
     def on_fetched(self, request_id: str, files: dict[int, bytes], error: str) -> JournalEntry | Reply | None:
-        """A request's remote images fetched (`files`, by index): the entry, its files whole, to
-        send to an encoder; or the failure (a 400) to send its client; None when it is gone."""
+        """A request's remote images fetched (`files`, by index): the entry, its files whole and
+        its prompt tokenized, to send to an encoder; or the failure to send its client (a 400 for
+        an image that could not be fetched; admission's code and message for a prompt it refuses);
+        None when it is gone."""
         entry = self.journal.get(request_id)
-        if entry is None or not entry.image_urls:
+        if entry is None or entry.unfetched is None:
             return None
         if error:
             return self.fail(m.RequestFailed(request_id, "invalid_request", error))
         for index, data in files.items():
             entry.image_files[index] = data
-        entry.image_urls = {}
+        (request, tools), entry.unfetched, entry.image_urls = entry.unfetched, None, {}
+        try:
+            self._tokenize(entry, request, tools)
+        except RequestError as exc:
+            return self.fail(m.RequestFailed(request_id, exc.code, str(exc)))
         return entry
 
     def encode_again(self, failure: m.RequestFailed) -> JournalEntry | None:

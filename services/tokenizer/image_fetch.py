@@ -41,6 +41,7 @@ REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # Object stores often serve files without a type of their own; the encoder decodes and checks them.
 UNTYPED = frozenset({"application/octet-stream", "binary/octet-stream"})
 MAX_URL_CHARS_SHOWN = 200
+NOT_FETCHED = "image_url: this run fetches no http(s) images (encoder.remote_images false): send a data: URL"
 
 
 def shown(url: str) -> str:
