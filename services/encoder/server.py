@@ -80,7 +80,8 @@ class EncoderServer:
             self.log.exception("encoding %s failed", request.request_id)
             reply = m.ImagesEncoded(request.request_id, error=f"internal: {type(exc).__name__}")
             outcome = "failed"
-        self.socket.send(identity, reply)
+        # Counted before the reply goes: a client that reads /metrics once it has the reply finds
+        # this request there.
         self.num_requests += 1
         self.metrics.on_request(
             outcome,
@@ -89,6 +90,7 @@ class EncoderServer:
             num_encoded=self.core.num_encoded - encoded,
             num_cached=self.core.num_cached - cached,
         )
+        self.socket.send(identity, reply)
 
     def close(self) -> None:
         """Detach from the cache (it outlives this process); the socket goes with its context."""
