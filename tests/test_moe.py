@@ -888,20 +888,26 @@ def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pyt
     assert mixtures.rows == [1] * 3 * sum(parsed.moe.sparse_layers) * calls_per_layer
 
 
-def test_mixtral_gguf_batched_steps_from_expert_blocks_match_hf(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe-shared-expert"])
+def test_moe_gguf_batched_steps_from_expert_blocks_match_hf(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Mixtral GGUF with Q8_0 experts through the families' check (batched prefill, decodes of
-    two and three sequences, a prefix-cache hit, a preemption recomputed in chunks): the decode
-    steps' rows share experts in the fused op, the wider steps dequantize the selected experts."""
+    """A Mixtral GGUF, and a Qwen2-MoE one with its shared expert, with Q8_0 experts through the
+    families' check (batched prefill, decodes of two and three sequences, a prefix-cache hit of
+    10 rows, a preemption recomputed in chunks): the decode steps' rows share experts in the
+    fused op (the shared expert's blocks too), the wider steps dequantize the selected experts
+    (and the shared one)."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_files import gguf_runner
 
-    config = random_moe_config("mixtral", tie_word_embeddings=False)
+    arch, changes = GGUF_FAMILIES[family]
+    config = random_moe_config(family, tie_word_embeddings=False, **changes)
     hf_dir = save_random_model(config, tmp_path / "hf", seed=44, std=0.08, embed_std=0.15)
-    runner = gguf_runner(write_moe_gguf(hf_dir, tmp_path / "mixtral.gguf", "llama"), tmp_path, monkeypatch)
+    runner = gguf_runner(write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch), tmp_path, monkeypatch)
     check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    if arch == "qwen2moe":
+        check_shared_experts_stay_blocks(runner)
     mixtures = CountingMixtures(monkeypatch)
     check_against_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), runner)
     assert {2, 3} <= set(mixtures.rows) and max(mixtures.rows) <= 16
