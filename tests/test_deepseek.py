@@ -306,7 +306,12 @@ def test_deepseek_gguf_gives_hfs_logits(
     from yarn_log_multiplier; logits of a prefill and decodes against HF on the dequantized
     weights. The routed experts stay Q8_0 blocks in memory (the fused op's in the decodes)."""
     from tests.test_gguf_files import VOCAB, check_against_hf, gguf_runner
-    from tests.test_moe import CountingMixtures, check_experts_stay_blocks, write_moe_gguf
+    from tests.test_moe import (
+        CountingMixtures,
+        check_experts_stay_blocks,
+        check_shared_experts_stay_blocks,
+        write_moe_gguf,
+    )
 
     changes, split_kv_b = GGUF_VARIANTS[variant]
     config = random_deepseek_config(variant, vocab_size=VOCAB, **changes)
@@ -325,9 +330,11 @@ def test_deepseek_gguf_gives_hfs_logits(
             and runner.model.layers[1].router_correction_bias.abs().min() > 0
         )
     check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    check_shared_experts_stay_blocks(runner)
     mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, load_hf(hf_dir))
-    assert mixtures.rows == [1] * 3 * 2  # three decodes, two sparse layers
+    # Three decodes, two sparse layers, each its routed experts and its shared ones in two calls.
+    assert mixtures.rows == [1] * 3 * 2 * 2
 
 
 def test_a_deepseek2_gguf_hf_would_route_otherwise_is_refused_before_conversion(tmp_path: Path) -> None:

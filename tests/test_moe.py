@@ -578,6 +578,7 @@ def write_yarn(writer, rope: dict) -> None:
 K_QUANT_SCALES = {"Q4_K": 5e-4, "Q5_K": 2.5e-4, "Q6_K": 5e-5}
 # An expert's weight in an HF checkpoint: (the stacked name without the index, index, projection).
 EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
+SHARED_EXPERT_NAME = re.compile(r".*\.shared_experts?\.(gate|up|down)_proj\.weight")
 
 
 def write_moe_gguf(
@@ -593,7 +594,8 @@ def write_moe_gguf(
     of Q8_0 blocks quantized from the weights, or of the type `k_quants` names for its GGUF kind
     (ffn_gate_exps, ...): MXFP4 quantized from the weights (as llama.cpp's MXFP4_MOE files), a
     K-quant as random super-blocks of small scales; llama's (Mixtral's) Q and
-    K rows permuted; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
+    K rows permuted; the shared experts' gate, up and down (Qwen2-MoE's, DeepSeek's) Q8_0, as a
+    Q8_0 file has them; Qwen2-MoE's shared expert gate as a vector; DeepSeek's kv_b_proj split into
     per-head attn_k_b (transposed) and attn_v_b (or whole, with the head sizes, as older
     converters wrote them) and its e_score_correction_bias as exp_probs_b.bias; everything else
     float32; with `tokenizer_from`, that GGUF's tokenizer metadata. The experts in `hf_dir` are
@@ -650,6 +652,11 @@ def write_moe_gguf(
             name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if name.endswith("shared_expert_gate.weight"):
             data = data.reshape(-1)
+        if SHARED_EXPERT_NAME.fullmatch(name):
+            blocks = quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            tensors[name] = np.ascontiguousarray(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
+            continue
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
     for seed, (stacked, by_expert) in enumerate(sorted(experts.items())):
         weights = np.stack([tensors[by_expert[e]] for e in sorted(by_expert)])
@@ -796,6 +803,30 @@ def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]
         assert experts.nbytes == expected < moe.num_experts * 3 * inter * hidden * 4 / 3
 
 
+def check_shared_experts_stay_blocks(runner: ModelRunner) -> None:
+    """Every sparse layer holds its shared expert (Qwen2-MoE's, DeepSeek's) as the file's Q8_0
+    blocks, one expert of them packed by cpu_ops.to_lanes, and no float32 copy of them."""
+    from kernels import cpu_ops
+
+    config = runner.model.config
+    moe = config.moe
+    sparse = [layer for layer in runner.model.layers if layer.moe is not None]
+    assert sparse and len(sparse) == sum(moe.sparse_layers)
+    hidden, inter = config.hidden_size, moe.shared_expert_intermediate_size
+    for layer in sparse:
+        shared = layer.shared_quantized
+        assert shared is not None and shared.formats == ("Q8_0",) * 3
+        assert layer.shared_gate_up.numel() == layer.shared_down.numel() == 0
+        assert [w.shape[:2] for w in (shared.gate, shared.up, shared.down)] == [
+            (1, inter),
+            (1, inter),
+            (1, hidden),
+        ]
+        assert all(w.dtype == torch.uint8 for w in (shared.gate, shared.up, shared.down))
+        blocks = 3 * inter * hidden // cpu_ops.BLOCK_WEIGHTS
+        assert shared.nbytes == blocks * cpu_ops.PACKED_BLOCK_BYTES["Q8_0"] < 3 * inter * hidden * 4 / 3
+
+
 class CountingMixtures:
     """Counts the calls of cpu_ops.moe_experts_quantized (the fused few-rows op) and their rows."""
 
@@ -815,7 +846,8 @@ class CountingMixtures:
 # family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)
 GGUF_FAMILIES = {
     "mixtral": ("llama", {}),
-    "qwen2-moe-shared-expert": ("qwen2moe", {}),
+    # A shared expert of whole Q8_0 blocks (down's 64 inputs), as a Q8_0 file holds it.
+    "qwen2-moe-shared-expert": ("qwen2moe", {"shared_expert_intermediate_size": 64}),
     "qwen3-moe-norm-topk": ("qwen3moe", {"mlp_only_layers": []}),  # llama.cpp's: a router in every layer
     "olmoe-clip-qkv": ("olmoe", {"clip_qkv": None}),  # its converter writes no clip_qkv
 }
@@ -843,29 +875,39 @@ def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pyt
     assert parsed.moe.norm_topk_prob == (family in ("mixtral", "qwen3-moe-norm-topk"))
     if arch == "qwen2moe":
         assert parsed.moe.sparse_layers == (False, True, False)
-        assert parsed.moe.shared_expert_intermediate_size == 48
+        assert parsed.moe.shared_expert_intermediate_size == 64
     if arch == "olmoe":
         assert parsed.qk_norm_whole
     check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    if arch == "qwen2moe":
+        check_shared_experts_stay_blocks(runner)
     mixtures = CountingMixtures(monkeypatch)
     check_against_hf(runner, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
-    assert mixtures.rows == [1] * 3 * sum(parsed.moe.sparse_layers)  # three decodes, each sparse layer
+    # Three decodes, each sparse layer: its routed experts, and its shared expert in its own call.
+    calls_per_layer = 2 if arch == "qwen2moe" else 1
+    assert mixtures.rows == [1] * 3 * sum(parsed.moe.sparse_layers) * calls_per_layer
 
 
-def test_mixtral_gguf_batched_steps_from_expert_blocks_match_hf(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe-shared-expert"])
+def test_moe_gguf_batched_steps_from_expert_blocks_match_hf(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Mixtral GGUF with Q8_0 experts through the families' check (batched prefill, decodes of
-    two and three sequences, a prefix-cache hit, a preemption recomputed in chunks): the decode
-    steps' rows share experts in the fused op, the wider steps dequantize the selected experts."""
+    """A Mixtral GGUF, and a Qwen2-MoE one with its shared expert, with Q8_0 experts through the
+    families' check (batched prefill, decodes of two and three sequences, a prefix-cache hit of
+    10 rows, a preemption recomputed in chunks): the decode steps' rows share experts in the
+    fused op (the shared expert's blocks too), the wider steps dequantize the selected experts
+    (and the shared one)."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_files import gguf_runner
 
-    config = random_moe_config("mixtral", tie_word_embeddings=False)
+    arch, changes = GGUF_FAMILIES[family]
+    config = random_moe_config(family, tie_word_embeddings=False, **changes)
     hf_dir = save_random_model(config, tmp_path / "hf", seed=44, std=0.08, embed_std=0.15)
-    runner = gguf_runner(write_moe_gguf(hf_dir, tmp_path / "mixtral.gguf", "llama"), tmp_path, monkeypatch)
+    runner = gguf_runner(write_moe_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch), tmp_path, monkeypatch)
     check_experts_stay_blocks(runner, ("Q8_0",) * 3)
+    if arch == "qwen2moe":
+        check_shared_experts_stay_blocks(runner)
     mixtures = CountingMixtures(monkeypatch)
     check_against_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), runner)
     assert {2, 3} <= set(mixtures.rows) and max(mixtures.rows) <= 16

@@ -382,6 +382,8 @@ def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
 # An expert's own weight, as `moe_weight_name` spells it: (layer, expert, projection).
 EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# A shared expert's own weight (Qwen2-MoE's shared_expert, DeepSeek's shared_experts): (layer, projection).
+SHARED_EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate|up|down)_proj\.weight")
 # A part of gpt-oss's MXFP4 experts, one tensor per projection of all experts: (layer, projection, part).
 MXFP4_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)")
 # Mixtral's MoE weight names -> the Qwen / OLMoE ones the model loads by (w1 gate, w3 up, w2 down).
@@ -462,6 +464,8 @@ class LlamaLayer:
             self.experts_quantized: QuantizedExperts | None = None
             self.shared_gate_up = empty(2 * si, h) if si else None
             self.shared_down = empty(h, si) if si else None
+            # The shared expert as GGUF blocks, one expert of them, in place of the two above.
+            self.shared_quantized: QuantizedExperts | None = None
             self.shared_expert_gate = empty(1, h) if si and self.moe.shared_expert_gated else None
             self.router_bias = empty(self.moe.num_experts) if self.moe.router_bias else None
             # DeepSeek-V3's e_score_correction_bias, float32 as HF keeps it (it only chooses experts).
@@ -510,6 +514,14 @@ class LlamaLayer:
         if self.experts_quantized is not None:
             return self.experts_quantized.dequantized(expert)
         return self.experts_gate_up[expert], self.experts_down[expert]
+
+    def shared_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert's (gate_up [2I, H], down [H, I]) as a GEMM multiplies them: the float
+        weights, or, kept as blocks, their dequantization (made for this step)."""
+        if self.shared_quantized is not None:
+            return self.shared_quantized.dequantized(0)
+        assert self.shared_gate_up is not None and self.shared_down is not None
+        return self.shared_gate_up, self.shared_down
 
     @cached_property
     def decode_layer_weights(self) -> tuple:
@@ -892,15 +904,30 @@ class LlamaModel:
         Triton backend), in each sparse layer whose experts all have blocks of a format the
         kernels read (cpu_ops.EXPERT_FORMATS): every expert's gate, up and down (a GGUF's), or
         gpt-oss's MXFP4 gate_up and down blocks and scales (`load_weights` names those MXFP4).
-        cpu_ops.moe_experts_quantized computes SiLU experts and gpt-oss's biased, clamped ones."""
+        So do a shared expert's gate, up and down (Qwen2-MoE's, DeepSeek's) where all three are
+        blocks of such a format, whatever the routed experts are: every token runs it, so its
+        bytes are read at every step. cpu_ops.moe_experts_quantized computes SiLU experts and
+        gpt-oss's biased, clamped ones."""
         if not self.takes_quantized or self.fused_experts is not None or self.config.activation != "silu":
             return set()
         by_layer: dict[int, dict[str, str]] = {}
+        shared_by_layer: dict[int, dict[str, str]] = {}
         for name, fmt in formats.items():
             match = EXPERT_WEIGHT.fullmatch(moe_weight_name(name)) or MXFP4_EXPERTS.fullmatch(name)
             if match:
                 by_layer.setdefault(int(match[1]), {})[name] = fmt
+            elif match := SHARED_EXPERT_WEIGHT.fullmatch(name):
+                shared_by_layer.setdefault(int(match[1]), {})[name] = fmt
         kept: set[str] = set()
+        for index, names in shared_by_layer.items():
+            layer = self.layers[index] if index < len(self.layers) else None
+            has_shared = layer is not None and layer.moe is not None and layer.shared_gate_up is not None
+            if (
+                has_shared
+                and len(names) == 3
+                and all(fmt in cpu_ops.EXPERT_FORMATS for fmt in names.values())
+            ):
+                kept.update(names)
         for index, names in by_layer.items():
             layer = self.layers[index] if index < len(self.layers) else None
             moe = None if layer is None else layer.moe
@@ -950,12 +977,27 @@ class LlamaModel:
 
     def _load_quantized_experts(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:
         """The experts `quantized_expert_names` keeps as blocks (which the loader did not
-        dequantize), in place of the float32 expert weights, released unwritten. There is
-        no float32 copy to check them against: the float32 weights would be these blocks'
-        dequantization (loader.iter_weights), which the kernels' tests hold them to."""
+        dequantize), in place of the float32 expert weights, released unwritten; a shared expert
+        as a `QuantizedExperts` of one expert, which moe_mlp runs as every row's only choice.
+        There is no float32 copy to check them against: the float32 weights would be these
+        blocks' dequantization (loader.iter_weights), which the kernels' tests hold them to."""
         kept = self.quantized_expert_names(formats)
         by_name = {moe_weight_name(name): name for name in kept}
         for i, layer in enumerate(self.layers):
+            shared = [  # gate, up, down, of Qwen2-MoE's shared_expert or DeepSeek's shared_experts
+                name
+                for module in ("shared_expert", "shared_experts")
+                for p in ("gate", "up", "down")
+                if (name := f"model.layers.{i}.mlp.{module}.{p}_proj.weight") in kept
+            ]
+            if shared:
+                self._loaded.update(shared)
+                layer.shared_quantized = QuantizedExperts.of(
+                    *([blocks[name]] for name in shared), tuple(formats[name] for name in shared)
+                )
+                layer.shared_gate_up = layer.shared_down = torch.empty(
+                    0, dtype=self.dtype, device=self.device
+                )
             stacked = f"model.layers.{i}.mlp.experts."
             if stacked + "gate_up_proj_blocks" in kept:
                 layer.experts_quantized = mxfp4_experts(blocks, stacked, layer)
@@ -1356,11 +1398,24 @@ def moe_mlp(
     else:
         out = grouped_experts(x, layer, weights, experts, glu, has_few_rows_linear, down_bias)
     if layer.shared_gate_up is not None:
-        linear = plain_linear(has_few_rows_linear, x)
-        gate, up = linear(x, layer.shared_gate_up).chunk(2, dim=-1)
-        shared = linear(activation(gate).mul_(up), layer.shared_down)
-        if layer.shared_expert_gate is not None:
-            shared.mul_(torch.sigmoid(F.linear(x, layer.shared_expert_gate)))
+        # Qwen2-MoE's gate scales the shared expert's output; DeepSeek's shared experts are ungated.
+        scale = (
+            None if layer.shared_expert_gate is None else torch.sigmoid(F.linear(x, layer.shared_expert_gate))
+        )
+        if layer.shared_quantized is not None and len(x) <= cpu_ops.MOE_MAX_ROWS:
+            # Its blocks read once for all the step's rows, as a routed expert's: every row's only
+            # choice, weighted by its gate (or 1).
+            every_row = torch.zeros(len(x), 1, dtype=torch.int64)
+            shared = layer.shared_quantized.mixture(
+                x, x.new_ones(len(x), 1) if scale is None else scale, every_row
+            )
+        else:
+            linear = plain_linear(has_few_rows_linear, x)
+            gate_up, down = layer.shared_expert_weights()
+            gate, up = linear(x, gate_up).chunk(2, dim=-1)
+            shared = linear(activation(gate).mul_(up), down)
+            if scale is not None:
+                shared.mul_(scale)
         out.add_(shared)
     return out
 
