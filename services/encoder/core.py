@@ -66,7 +66,10 @@ class EncoderCore:
             # The request's tiles fit the cache, but not around each other's pages: the cache
             # starts again from them alone, which packs them from its first page.
             for key in rows.keys() - encoded.keys():
-                encoded[key] = self.cache.read(self.cache.find(key), key)  # type: ignore[arg-type,assignment]
+                ref = self.cache.find(key)
+                cached = self.cache.read(ref, key) if ref is not None else None
+                assert cached is not None  # kept, and this process is the only writer
+                encoded[key] = cached
             self.cache.clear()
             for key, embeddings in encoded.items():
                 self.cache.put(key, embeddings)
