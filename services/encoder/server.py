@@ -43,6 +43,13 @@ class EncoderServer:
         cache = EmbeddingCache.create_or_attach(
             stage.endpoints.embedding_cache(index), max(config.cache_bytes // page_bytes, 1), page_rows, width
         )
+        if cache.max_rows < rules.tokens_per_tile:
+            stage.log.warning(
+                "encoder.cache_bytes holds %d image tokens: a request whose images take more (one image "
+                "can take %d) is refused",
+                cache.max_rows,
+                rules.tokens_per_tile,
+            )
         self.core = EncoderCore(vision, rules, cache, config.max_image_pixels)
         self.socket = RouterSocket(ctx, stage.endpoints.encoder(index), ENCODER_REQUEST, ENCODER_REPLY)
         self.queue: deque[tuple[bytes, m.EncodeImages]] = deque()
