@@ -7,23 +7,30 @@ and a hand-over would need every reader to give each slot back, which a reader k
 never does. So the segment is a content-addressed cache instead, with one writer (its encoder)
 and any number of readers:
 
-- fixed slots, each holding one image's embeddings [rows, width] (float32) under a 64-byte
-  header: a sequence number, the image's content key (`services/common/images.pixels_key`) and
-  the number of rows;
-- the writer puts an image's embeddings in a free slot or the least recently used one, and
-  answers the request with a `SlotRef` (slot and sequence number) in its control message: the
-  tensor itself never crosses a socket;
-- a reader copies the slot out and checks, seqlock style, that the sequence number it read
+- the data is `num_pages` pages of `page_rows` rows of `width` float32s, contiguous, and apart
+  from it an array of 64-byte page headers: a sequence number, the number of rows held and the
+  image's content key (`services/common/images.pixels_key`). An image's embeddings [rows, width]
+  take a run of consecutive pages, as many as its rows need (images' sizes differ: Qwen2.5-VL's
+  take their own, from a few tokens to thousands), described by the header of its first page;
+  the other pages' headers hold no rows;
+- the writer puts an image's embeddings in a run of free pages, evicting the least recently used
+  images until one is long enough (free pages scattered in short runs are not), and answers the
+  request with a `SlotRef` (first page and sequence number) in its control message: the tensor
+  itself never crosses a socket;
+- a reader copies the rows out and checks, seqlock style, that the sequence number it read
   before and after the copy is the ref's and even (odd while the writer writes) and that the key
-  is the one it asked for. A slot evicted or rewritten meanwhile reads as `None`: the reader asks
-  the encoder again, which recomputes. Nothing is ever owed back, so no crash leaks a slot.
+  is the one it asked for. The writer changes an image's sequence number before it lets another
+  image's rows over any of its pages (an eviction: odd, no rows, then even), so an image evicted
+  or rewritten meanwhile reads as `None`: the reader asks the encoder again, which recomputes.
+  Nothing is ever owed back, so no crash leaks a page.
 
 The writer writes the header's sequence number last and the readers read it first and last
 (8-byte aligned int64 stores and loads are single instructions, ordered on x86-64's total store
 order; a port to a weakly ordered CPU needs fences here). The segment is named with the run id
-(invariant 6) and outlives its encoder: a restarted encoder attaches to it and keeps the cache,
-so a resubmission after a crash of any stage finds the embeddings still there, or recomputes
-them. Memory is bounded by the segment: `num_slots` x `rows` x `width` x 4 bytes.
+(invariant 6) and outlives its encoder: a restarted encoder attaches to it and rebuilds its index
+from the headers, so a resubmission after a crash of any stage finds the embeddings still there,
+or recomputes them. Memory is bounded by the segment: `num_pages` x (64 + `page_rows` x `width`
+x 4) bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections import OrderedDict
+from collections.abc import Collection
 
 import numpy as np
 import posix_ipc
@@ -39,15 +47,20 @@ from ipc.messages import SlotRef
 from ipc.step_plan import IMAGE_KEY_BYTES
 
 MAGIC = 0x494D4745424544  # "IMGEBED"
-VERSION = 1
+VERSION = 2  # 1: one fixed-size slot per image
 CONTROL_BYTES = 64
 HEADER_BYTES = 64
 KEY_BYTES = IMAGE_KEY_BYTES
-# Control words: magic, version, slots, rows per slot, width.
-_MAGIC, _VERSION, _NUM_SLOTS, _ROWS, _WIDTH = range(5)
-# Slot header: int64 words 0 (sequence) and 1 (rows used), then the key's bytes from byte 16.
+# Control words: magic, version, pages, rows per page, width.
+_MAGIC, _VERSION, _NUM_PAGES, _PAGE_ROWS, _WIDTH = range(5)
+# Page header: int64 words 0 (sequence) and 1 (rows held from this page on: 0 but on an image's
+# first page), then the key's bytes from byte 16.
 _SEQUENCE, _ROWS_USED = 0, 1
 _KEY_OFFSET = 16
+
+
+class NoRoom(Exception):
+    """No run of free pages is long enough for an image without evicting one the writer keeps."""
 
 
 class EmbeddingCache:
@@ -64,118 +77,165 @@ class EmbeddingCache:
             control[: len(geometry)] = geometry
         if control[_MAGIC] != MAGIC or control[_VERSION] != VERSION:
             raise ValueError(f"{name} is not an embedding cache (or another version)")
-        self.num_slots, self.rows, self.width = (int(x) for x in control[_NUM_SLOTS : _WIDTH + 1])
-        self.slot_bytes = HEADER_BYTES + self.rows * self.width * 4
-        slots = buf[CONTROL_BYTES : CONTROL_BYTES + self.num_slots * self.slot_bytes]
-        self._slots = slots.reshape(self.num_slots, self.slot_bytes)
-        self._headers = self._slots[:, :HEADER_BYTES]
-        self._words = self._headers.view(np.int64)  # [slots, 8]
-        self._data = (
-            self._slots[:, HEADER_BYTES:].view(np.float32).reshape(self.num_slots, self.rows, self.width)
-        )
-        # The writer's index: key -> slot, least recently used first.
+        self.num_pages, self.page_rows, self.width = (int(x) for x in control[_NUM_PAGES : _WIDTH + 1])
+        headers_end = CONTROL_BYTES + self.num_pages * HEADER_BYTES
+        self._headers = buf[CONTROL_BYTES:headers_end].reshape(self.num_pages, HEADER_BYTES)
+        self._words = self._headers.view(np.int64)  # [pages, 8]
+        self.max_rows = self.num_pages * self.page_rows
+        self._data = buf[headers_end : headers_end + self.max_rows * self.width * 4].view(np.float32)
+        self._data = self._data.reshape(self.max_rows, self.width)
+        # The writer's index: key -> first page, least recently used first; and each page's
+        # image's first page (-1: free).
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._owner = np.full(self.num_pages, -1, dtype=np.int64)
 
     @staticmethod
-    def segment_bytes(num_slots: int, rows: int, width: int) -> int:
-        return CONTROL_BYTES + num_slots * (HEADER_BYTES + rows * width * 4)
+    def segment_bytes(num_pages: int, page_rows: int, width: int) -> int:
+        return CONTROL_BYTES + num_pages * (HEADER_BYTES + page_rows * width * 4)
 
     @classmethod
-    def create_or_attach(cls, name: str, num_slots: int, rows: int, width: int) -> EmbeddingCache:
+    def create_or_attach(cls, name: str, num_pages: int, page_rows: int, width: int) -> EmbeddingCache:
         """The writer's mapping: the segment its previous life left, if it has this geometry
-        (its finished slots are the cache again; one cut off mid-write is dropped), else a new one."""
+        (its finished images are the cache again; one cut off mid-write is dropped), else a new one."""
+        if num_pages < 1 or page_rows < 1 or width < 1:
+            raise ValueError(f"bad embedding cache geometry: {num_pages} pages of {page_rows} x {width}")
         with contextlib.suppress(posix_ipc.ExistentialError, ValueError):
             cache = cls(name, posix_ipc.SharedMemory(name))
-            if (cache.num_slots, cache.rows, cache.width) == (num_slots, rows, width):
+            if (cache.num_pages, cache.page_rows, cache.width) == (num_pages, page_rows, width):
                 cache._rebuild_index()
                 return cache
             cache.close()
             posix_ipc.unlink_shared_memory(name)
         segment = posix_ipc.SharedMemory(
-            name, posix_ipc.O_CREX, mode=0o600, size=cls.segment_bytes(num_slots, rows, width)
+            name, posix_ipc.O_CREX, mode=0o600, size=cls.segment_bytes(num_pages, page_rows, width)
         )
-        return cls(name, segment, geometry=[MAGIC, VERSION, num_slots, rows, width])
+        return cls(name, segment, geometry=[MAGIC, VERSION, num_pages, page_rows, width])
 
     @classmethod
     def attach(cls, name: str) -> EmbeddingCache:
         return cls(name, posix_ipc.SharedMemory(name))
 
     def close(self) -> None:
-        self._slots = self._headers = self._words = self._data = None  # type: ignore[assignment]
+        self._headers = self._words = self._data = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a view is still held: the GC unmaps later
             self._mmap.close()
 
-    def _key(self, slot: int) -> bytes:
-        return self._headers[slot, _KEY_OFFSET : _KEY_OFFSET + KEY_BYTES].tobytes()
+    def pages_of(self, rows: int) -> int:
+        """The pages an image of `rows` embeddings takes."""
+        return -(-rows // self.page_rows)
+
+    def _key(self, page: int) -> bytes:
+        return self._headers[page, _KEY_OFFSET : _KEY_OFFSET + KEY_BYTES].tobytes()
 
     def _rebuild_index(self) -> None:
-        for slot in range(self.num_slots):
-            sequence = int(self._words[slot, _SEQUENCE])
-            if sequence % 2:  # its writer died mid-write: the slot is free again
-                self._words[slot, _SEQUENCE] = sequence + 1
-                self._words[slot, _ROWS_USED] = 0
-            elif self._words[slot, _ROWS_USED] > 0:
-                self._index[self._key(slot)] = slot
+        """The index from the headers, in page order (the previous life's recency is lost). A
+        header left odd was cut off mid-write or mid-eviction: its pages are free again."""
+        for page in range(self.num_pages):
+            sequence, rows = int(self._words[page, _SEQUENCE]), int(self._words[page, _ROWS_USED])
+            if sequence % 2:
+                self._evict_header(page, sequence - 1)
+                continue
+            if rows <= 0:
+                continue
+            pages = slice(page, page + self.pages_of(rows))
+            if pages.stop > self.num_pages or (self._owner[pages] >= 0).any():  # never written so
+                self._evict_header(page, sequence)
+                continue
+            self._owner[pages] = page
+            self._index[self._key(page)] = page
 
     def held(self) -> dict[bytes, SlotRef]:
-        """What the cache holds now, from its slots' headers (a reader's view: the writer's
-        index is its own); a slot being written reads as its coming key at an odd sequence."""
+        """What the cache holds now, from its pages' headers (a reader's view: the writer's
+        index is its own); an image being written reads as its coming key at an odd sequence."""
         return {
-            self._key(slot): SlotRef(slot, int(self._words[slot, _SEQUENCE]))
-            for slot in range(self.num_slots)
-            if self._words[slot, _ROWS_USED] > 0
+            self._key(page): SlotRef(page, int(self._words[page, _SEQUENCE]))
+            for page in np.flatnonzero(self._words[:, _ROWS_USED] > 0).tolist()
         }
 
     # -- writer ------------------------------------------------------------------------------------
 
     def find(self, key: bytes) -> SlotRef | None:
         """The cached embeddings of `key`, now the most recently used; None on a miss."""
-        slot = self._index.get(key)
-        if slot is None:
+        page = self._index.get(key)
+        if page is None:
             return None
         self._index.move_to_end(key)
-        return SlotRef(slot, int(self._words[slot, _SEQUENCE]))
+        return SlotRef(page, int(self._words[page, _SEQUENCE]))
 
-    def put(self, key: bytes, embeddings: np.ndarray) -> SlotRef:
-        """Store one image's [rows, width] embeddings under `key`, evicting the least recently
-        used image when every slot is taken."""
+    def put(self, key: bytes, embeddings: np.ndarray, keep: Collection[bytes] = ()) -> SlotRef:
+        """Store one image's [rows, width] embeddings under `key` in a run of free pages,
+        evicting the least recently used images (but those in `keep`) until a run is long
+        enough. NoRoom when only evicting `keep`'s would make one."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
         rows = embeddings.shape[0]
-        if embeddings.ndim != 2 or embeddings.shape[1] != self.width or not 0 < rows <= self.rows:
+        if embeddings.ndim != 2 or embeddings.shape[1] != self.width or not 0 < rows <= self.max_rows:
             raise ValueError(
-                f"embeddings of shape {embeddings.shape} do not fit a [{self.rows}, {self.width}] slot"
+                f"embeddings of shape {embeddings.shape} do not fit a cache of [{self.max_rows}, {self.width}]"
             )
         if key in self._index:
-            slot = self._index.pop(key)
-        elif len(self._index) < self.num_slots:
-            taken = set(self._index.values())
-            slot = next(s for s in range(self.num_slots) if s not in taken)
-        else:
-            _, slot = self._index.popitem(last=False)
-        sequence = int(self._words[slot, _SEQUENCE]) + 1  # odd: being written
-        self._words[slot, _SEQUENCE] = sequence
-        self._data[slot, :rows] = embeddings
-        self._words[slot, _ROWS_USED] = rows
-        self._headers[slot, _KEY_OFFSET : _KEY_OFFSET + KEY_BYTES] = np.frombuffer(key, dtype=np.uint8)
-        self._words[slot, _SEQUENCE] = sequence + 1  # even: readable
-        self._index[key] = slot
-        return SlotRef(slot, sequence + 1)
+            self._evict(key)
+        num_pages = self.pages_of(rows)
+        first = self._free_run(num_pages)
+        while first is None:
+            victim = next((k for k in self._index if k not in keep), None)
+            if victim is None:
+                raise NoRoom(f"no {num_pages} free pages in a row without evicting a kept image")
+            self._evict(victim)
+            first = self._free_run(num_pages)
+        # Every header over these pages is free (rows 0, sequence changed at its eviction): no
+        # ref of an earlier image reads them any more.
+        sequence = int(self._words[first, _SEQUENCE]) + 1  # odd: being written
+        self._words[first, _SEQUENCE] = sequence
+        start = first * self.page_rows
+        self._data[start : start + rows] = embeddings
+        self._words[first, _ROWS_USED] = rows
+        self._headers[first, _KEY_OFFSET : _KEY_OFFSET + KEY_BYTES] = np.frombuffer(key, dtype=np.uint8)
+        self._words[first, _SEQUENCE] = sequence + 1  # even: readable
+        self._owner[first : first + num_pages] = first
+        self._index[key] = first
+        return SlotRef(first, sequence + 1)
+
+    def clear(self) -> None:
+        """Evict every image."""
+        for key in list(self._index):
+            self._evict(key)
+
+    def _free_run(self, num_pages: int) -> int | None:
+        """The first page of the first run of `num_pages` free pages; None if there is none."""
+        free = np.concatenate(([0], (self._owner < 0).view(np.int8), [0]))
+        edges = np.flatnonzero(np.diff(free))  # alternately a run's start and its end
+        starts, ends = edges[::2], edges[1::2]
+        long_enough = np.flatnonzero(ends - starts >= num_pages)
+        return int(starts[long_enough[0]]) if len(long_enough) else None
+
+    def _evict(self, key: bytes) -> None:
+        first = self._index.pop(key)
+        self._evict_header(first, int(self._words[first, _SEQUENCE]))
+        self._owner[self._owner == first] = -1
+
+    def _evict_header(self, page: int, sequence: int) -> None:
+        """Free an image's pages: its sequence number changes first, so that a reader mid-copy
+        sees it gone before another image's rows land there."""
+        self._words[page, _SEQUENCE] = sequence + 1
+        self._words[page, _ROWS_USED] = 0
+        self._words[page, _SEQUENCE] = sequence + 2
 
     # -- reader ------------------------------------------------------------------------------------
 
     def read(self, ref: SlotRef, key: bytes) -> np.ndarray | None:
-        """A copy of the embeddings `ref` points to, or None if the slot no longer holds them
+        """A copy of the embeddings `ref` points to, or None if its pages no longer hold them
         (evicted, or being rewritten): then ask the encoder again."""
-        if not 0 <= ref.slot < self.num_slots:
-            raise ValueError(f"slot {ref.slot} is not in this cache's {self.num_slots}")
+        if not 0 <= ref.slot < self.num_pages:
+            raise ValueError(f"page {ref.slot} is not in this cache's {self.num_pages}")
         words = self._words[ref.slot]
         if int(words[_SEQUENCE]) != ref.sequence or ref.sequence % 2:
             return None
         rows = int(words[_ROWS_USED])
-        if self._key(ref.slot) != key or not 0 < rows <= self.rows:
+        start = ref.slot * self.page_rows
+        if self._key(ref.slot) != key or not 0 < rows <= self.max_rows - start:
             return None
-        out = self._data[ref.slot, :rows].copy()
-        if int(words[_SEQUENCE]) != ref.sequence:  # rewritten while we copied
+        out = self._data[start : start + rows].copy()
+        if int(words[_SEQUENCE]) != ref.sequence:  # evicted or rewritten while we copied
             return None
         return out

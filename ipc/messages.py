@@ -312,7 +312,8 @@ ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]
 
 class SlotRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Where an image's embeddings are in its encoder's cache (ipc/embedding_cache.py): `slot`,
-    as of write `sequence` there. The embeddings themselves never cross a socket."""
+    the first of the pages they take, as of write `sequence` there. The embeddings themselves
+    never cross a socket."""
 
     slot: int
     sequence: int

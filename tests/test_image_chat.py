@@ -331,7 +331,7 @@ def test_an_image_evicted_before_its_prefill_is_encoded_again(
     with brigade_run(run_dir, *overrides) as run, ThreadPoolExecutor(1) as pool:
         endpoints = run_endpoints(run_dir, read_run_info(run_dir))
         cache = EmbeddingCache.attach(endpoints.embedding_cache(0))
-        assert cache.num_slots == 1
+        assert cache.num_pages == 1
         api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300, max_retries=0)
         scheduler = next(row["pid"] for row in run.read_status() if row["kind"] == "scheduler")
         os.kill(scheduler, signal.SIGSTOP)

@@ -384,3 +384,45 @@ def test_tower_options_it_cannot_run_are_refused_by_name(tiny_qwen25vl_dir: Path
         with pytest.raises(ValueError, match=message):
             Qwen2VLVisionConfig.from_dict({**config, "vision_config": {**vision, **change}})
     assert Qwen2VLVisionConfig.from_dict(config).full_attention_blocks == {1, 3}
+
+
+def test_encoder_fits_images_of_different_sizes_in_a_small_cache(
+    tiny_qwen25vl_dir: Path, embedding_cache_name: str
+) -> None:
+    """The encoder's cache in pages of the fewest image tokens: a request's images take the
+    pages their sizes need, one whose images cannot all fit is refused naming
+    encoder.cache_bytes, and one whose images fit only around each other's pages (a cached image
+    of the request in the way of a long enough run) still gets all of them, each its own rows."""
+    from ipc import messages as m
+    from services.common.images import pixels_key
+    from services.encoder.core import EncoderCore
+    from services.encoder.vision import load_vision_encoder
+
+    rules = ImageRules.from_dir(tiny_qwen25vl_dir)
+    vision = load_vision_encoder(tiny_qwen25vl_dir)
+    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 12, rules.fewest_tile_tokens, 64)
+    core = EncoderCore(vision, rules, cache, 1 << 20)
+    small, large = png(56, 56, seed=0), png(196, 140, seed=1)  # 4 tokens (1 page), 35 (9 pages)
+
+    def expected(image: bytes) -> np.ndarray:
+        [pixels] = rules.tiles(open_image(image, 1 << 20))
+        return vision.encode(torch.from_numpy(pixels[None]))[0].numpy()
+
+    refused = core.encode(m.EncodeImages("too many", [large, png(140, 140, seed=2)]))  # 9 + 7 pages
+    assert (
+        "take 16 pages of 4 image tokens; this encoder's cache holds 12 (encoder.cache_bytes)"
+        in refused.error
+    )
+    # The small image's page between two others: pages 0-4, 5, 6-11.
+    cache.put(b"a" * 16, np.zeros((20, 64), np.float32))
+    first = core.encode(m.EncodeImages("small", [small]))
+    assert first.refs[0].slot == 5
+    cache.put(b"b" * 16, np.zeros((24, 64), np.float32))
+    both = core.encode(m.EncodeImages("both", [small, large]))
+    assert not both.error and core.num_encoded == 2
+    for image, image_key, ref in zip((small, large), both.keys, both.refs, strict=True):
+        [pixels] = rules.tiles(open_image(image, 1 << 20))
+        assert image_key == pixels_key(pixels)
+        np.testing.assert_allclose(cache.read(ref, image_key), expected(image), rtol=1e-5, atol=1e-5)
+    assert set(cache.held()) == set(both.keys)  # the others were evicted to make the room
+    cache.close()

@@ -4,7 +4,9 @@ stage runs the windowed tower and patch merger, and the worker's Qwen2 rotates b
 positions (a text-only chat by plain ones); the greedy tokens and logprobs are HF generate's on
 the same random weights. `/tokenize` counts HF's prompt tokens; a too-elongated image and a video
 are 400s and the run keeps serving; http image URLs serve and count what the same images as data
-URLs do."""
+URLs do. The encoder's cache is smaller than two of the largest images (it held one, when each
+image took a slot of the largest's size): the small images of a chat take only the pages their
+tokens need, so two in a request and the images of all the chats fit."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ipc.embedding_cache import EmbeddingCache
+from services.common.images import ImageRules, open_image, pixels_key
+from services.stage import read_run_info, run_endpoints
 from tests.harness import assert_clean, brigade_run
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import assert_hfs, data_url, png, served, tokenize_count
@@ -37,17 +42,32 @@ def test_qwen25vl_chats_give_hfs_tokens(tiny_qwen25vl_dir: Path, tmp_path: Path)
     expected = {name: hf_generate(tiny_qwen25vl_dir, turns) for name, turns in CASES.items()}
     # The image matters to the output (a tiny random model's greedy tokens may not show it).
     assert np.abs(expected["one image"][2] - expected["another image"][2]).max() > 2e-2
+    rules = ImageRules.from_dir(tiny_qwen25vl_dir)
+    width = 64  # the tiny model's hidden size
+    largest_image_bytes = EmbeddingCache.segment_bytes(1, rules.tokens_per_tile, width)
+    cache_bytes = 2 * largest_image_bytes - 1
     overrides = (
         f"model.path={tiny_qwen25vl_dir}", "model.dtype=float32", "model.max_model_len=512",
         "encoder.replicas=1", f"encoder.max_image_bytes={MAX_BYTES}", "encoder.remote_image_timeout_s=2",
-        "gateway.served_model_name=tiny",
+        f"encoder.cache_bytes={cache_bytes}", "gateway.served_model_name=tiny",
     )  # fmt: skip
-    with brigade_run(tmp_path / "run", *overrides) as run:
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, *overrides) as run:
+        cache = EmbeddingCache.attach(run_endpoints(run_dir, read_run_info(run_dir)).embedding_cache(0))
+        assert cache.page_rows == rules.fewest_tile_tokens == 4
+        assert cache.max_rows < 2 * rules.tokens_per_tile
         url = gateway_url(run)
         api = openai.OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
         for name, turns in CASES.items():
             assert_hfs(served(api, turns), expected[name])
             assert tokenize_count(url, turns) == expected[name][0], name
+        # Every image served is still cached, each in the pages its tokens need.
+        held = cache.held()
+        for image in (IMAGE_A, IMAGE_B, IMAGE_C):
+            [pixels] = rules.tiles(open_image(image, 1 << 20))
+            ref = held[pixels_key(pixels)]
+            assert cache.read(ref, pixels_key(pixels)).shape == (rules.pixels_tokens(pixels), width)
+        cache.close()
         content = [
             {"type": "image_url", "image_url": {"url": data_url(png(400, 1, seed=3))}},
             {"type": "text", "text": "Hi"},

@@ -188,6 +188,16 @@ class ImageRules:
         """The text an image of `size` (width, height; None where unknown) takes in the prompt."""
         raise NotImplementedError
 
+    @property
+    def fewest_tile_tokens(self) -> int:
+        """The fewest image tokens a tile can take: the encoder cache's page (one page per
+        tile for the families whose tiles are all one size)."""
+        return self.tokens_per_tile
+
+    def pixels_tokens(self, pixels: np.ndarray) -> int:
+        """The image tokens of a tile of `pixels` (one of `tiles`), as the encoder makes them."""
+        return self.tokens_per_tile
+
     def tile_tokens(self, size: tuple[int, int] | None) -> list[int]:
         """The number of image tokens of each tile of an image of `size`, in prompt order."""
         num_tiles = self.image_text(size).count(self.image_token) // self.tokens_per_tile
@@ -406,8 +416,16 @@ class Qwen2VLImageRules(ImageRules):
 
     @property
     def tokens_per_tile(self) -> int:  # type: ignore[override]
-        """The most image tokens an image can take (the encoder's cache slots hold that many)."""
+        """The most image tokens an image can take."""
         return self.max_pixels // self.factor**2
+
+    @property
+    def fewest_tile_tokens(self) -> int:  # type: ignore[override]
+        # smart_resize scales an image under min_pixels up to at least that many pixels.
+        return max(1, min(self.tokens_per_tile, self.min_pixels // self.factor**2))
+
+    def pixels_tokens(self, pixels: np.ndarray) -> int:
+        return (pixels.shape[-2] // self.factor) * (pixels.shape[-1] // self.factor)
 
     @property
     def factor(self) -> int:

@@ -28,8 +28,9 @@ class EncoderProcess(StageProcess):
         self.control.watch(self.server.socket)
 
     def start(self) -> None:
-        self.control.ready(cache_slots=str(self.server.core.cache.num_slots))
-        self.log.info("serving (%d cached images at most)", self.server.core.cache.num_slots)
+        cache = self.server.core.cache
+        self.control.ready(cache_pages=str(cache.num_pages), cache_page_rows=str(cache.page_rows))
+        self.log.info("serving (a cache of %d pages of %d image tokens)", cache.num_pages, cache.page_rows)
 
     def step(self) -> None:
         # Waits for a request only when none is queued.

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ipc import messages as m
-from ipc.embedding_cache import EmbeddingCache
+from ipc.embedding_cache import EmbeddingCache, NoRoom
 from services.common.images import ImageError, ImageRules, open_image, pixels_key
 from services.encoder.qwen2_vl import Qwen2VLVisionEncoder
 from services.encoder.vision import VisionEncoder
@@ -18,7 +18,8 @@ class EncoderCore:
     make (resized and normalized), and runs the vision tower on the tiles the cache lacks, those
     of one request and one size in one batch (Qwen2.5-VL's tiles take their images' sizes). Each
     tile is cached by the content of its pixels, so a tile already cached costs its image's
-    decode only."""
+    decode only. A request's tiles must fit the cache together (each takes the pages its tokens
+    need): putting one never evicts another of the same request."""
 
     def __init__(
         self,
@@ -42,26 +43,37 @@ class EncoderCore:
                 tiles += self.rules.tiles(open_image(data, self.max_image_pixels))
             except ImageError as exc:
                 return m.ImagesEncoded(request.request_id, error=f"images[{i}]: {exc}")
-        if len(tiles) > self.cache.num_slots:
+        keys = [pixels_key(pixels) for pixels in tiles]
+        rows = {key: self.rules.pixels_tokens(pixels) for key, pixels in zip(keys, tiles, strict=True)}
+        num_pages = sum(self.cache.pages_of(n) for n in rows.values())
+        if num_pages > self.cache.num_pages:
             return m.ImagesEncoded(
                 request.request_id,
-                error=f"{len(request.images)} images of {len(tiles)} tiles; this encoder's cache holds "
-                f"{self.cache.num_slots} (encoder.cache_bytes)",
+                error=f"{len(request.images)} images of {len(tiles)} tiles take {num_pages} pages of "
+                f"{self.cache.page_rows} image tokens; this encoder's cache holds {self.cache.num_pages} "
+                "(encoder.cache_bytes)",
             )
-        keys: list[bytes] = []
-        new: dict[bytes, np.ndarray] = {}
-        for pixels in tiles:
-            key = pixels_key(pixels)
-            keys.append(key)
-            if key not in new and self.cache.find(key) is None:
-                new[key] = pixels
+        new = {key: pixels for key, pixels in zip(keys, tiles, strict=True) if self.cache.find(key) is None}
+        encoded: dict[bytes, np.ndarray] = {}
         for shape in {pixels.shape for pixels in new.values()}:
             batch = {key: pixels for key, pixels in new.items() if pixels.shape == shape}
             embeddings = self.vision.encode(torch.from_numpy(np.stack(list(batch.values()))))
-            for key, rows in zip(batch, embeddings.numpy(), strict=True):
-                self.cache.put(key, rows)
+            encoded.update(zip(batch, embeddings.numpy(), strict=True))
+        try:
+            for key, embeddings in encoded.items():
+                self.cache.put(key, embeddings, keep=rows.keys())  # no tile of this request evicts another
+        except NoRoom:
+            # The request's tiles fit the cache, but not around each other's pages: the cache
+            # starts again from them alone, which packs them from its first page.
+            for key in rows.keys() - encoded.keys():
+                ref = self.cache.find(key)
+                cached = self.cache.read(ref, key) if ref is not None else None
+                assert cached is not None  # kept, and this process is the only writer
+                encoded[key] = cached
+            self.cache.clear()
+            for key, embeddings in encoded.items():
+                self.cache.put(key, embeddings)
         self.num_encoded += len(new)
         self.num_cached += len(keys) - len(new)
-        # After every put: no tile of this request can have evicted another (the count check).
         refs = [self.cache.find(key) for key in keys]
         return m.ImagesEncoded(request.request_id, keys=keys, refs=refs)  # type: ignore[arg-type]

@@ -47,7 +47,10 @@ class WorkerProcess(StageProcess):
         if self.stage.config.encoder.in_worker and self.stage.index == 0 and self.args.rank == 0:
             self.encoder = EncoderServer(self.ctx, self.stage, 0)
             self.control.watch(self.encoder.socket)
-            self.log.info("serving encoder 0 (%d cached images at most)", self.encoder.core.cache.num_slots)
+            cache = self.encoder.core.cache
+            self.log.info(
+                "serving encoder 0 (a cache of %d pages of %d image tokens)", cache.num_pages, cache.page_rows
+            )
         scheduler = DealerSocket(
             self.ctx,
             self.stage.endpoints.scheduler_workers(self.stage.index),
@@ -80,7 +83,14 @@ class WorkerProcess(StageProcess):
             pooling=runner.embedding.pooling if runner.embedding else "",
             normalize=runner.embedding.normalize if runner.embedding else True,
         )
-        encoder = {"cache_slots": str(self.encoder.core.cache.num_slots)} if self.encoder else {}
+        encoder = (
+            {
+                "cache_pages": str(self.encoder.core.cache.num_pages),
+                "cache_page_rows": str(self.encoder.core.cache.page_rows),
+            }
+            if self.encoder
+            else {}
+        )
         self.control.ready(
             kv_blocks=str(runner.num_kv_blocks), device=str(runner.device), dtype=hello.dtype, **encoder
         )

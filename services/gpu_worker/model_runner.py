@@ -549,8 +549,8 @@ class ModelRunner:
                 except (OSError, ValueError) as exc:
                     raise InvalidPlan(f"step plan: image {i}: encoder {encoder}'s cache: {exc}") from None
                 self.embedding_caches[encoder] = cache
-            if not 0 <= slot < cache.num_slots:
-                raise InvalidPlan(f"step plan: image {i}: slot {slot} is not in encoder {encoder}'s cache")
+            if not 0 <= slot < cache.num_pages:
+                raise InvalidPlan(f"step plan: image {i}: page {slot} is not in encoder {encoder}'s cache")
             embeddings = cache.read(SlotRef(slot, sequence), key.tobytes())
             if embeddings is None:
                 raise InvalidPlan(
