@@ -18,6 +18,7 @@ from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.speculation import emitted_tokens, num_accepted, target_tokens
 from services.scheduler.__main__ import detokenizer_messages
 from services.scheduler.core import Scheduler, StepOutputs
+from services.scheduler.plan import ScheduledStep
 from services.scheduler.proposers import NgramProposer
 from services.scheduler.request import Request
 from services.scheduler.speculation import (
@@ -25,6 +26,8 @@ from services.scheduler.speculation import (
     MAX_SPECULATIVE_DECODES,
     MIN_KEPT_PROBABILITY,
     PROBE_INTERVAL,
+    STEP_TIME_WEIGHT,
+    paying_depth,
     speculative_depth,
 )
 from tests.test_model import PlanBuilder
@@ -720,6 +723,107 @@ def test_speculation_turns_off_as_the_acceptance_rate_falls_and_probes_to_come_b
     assert spec.depth(1) == 4
     # The histogram's observations: the tokens each verification emitted.
     assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 60
+
+
+def linear_step_time(per_extra_token: float):
+    """A step's time by its tokens: 10 ms for one, `per_extra_token` times that for each more."""
+    return lambda num_tokens: 10e-3 * (1 + per_extra_token * (num_tokens - 1))
+
+
+def test_paying_depth_speculates_where_verifying_is_nearly_free_and_not_where_it_costs():
+    step_time = linear_step_time(0.01)  # bound by reading the weights: tokens nearly free
+    nearly_free = {t: step_time(t) for t in range(1, 5)}
+    assert paying_depth(3, 1, 0.7, nearly_free) == 3
+    # A CPU whose few-row kernels are bound by compute: verifying 3 proposals costs 2.2x a plain
+    # step, and at a rate of 0.4 a verification of 3 emits 1.62 tokens expected.
+    costly = {1: 10e-3, 2: 14.5e-3, 3: 18e-3, 4: 22e-3}
+    expected_tokens = sum(0.4**k for k in range(4))
+    assert expected_tokens == pytest.approx(1.62, abs=0.01)
+    assert paying_depth(3, 1, 0.4, costly) == 0  # 1.4 tokens for 1.45x the time at best
+    # Where verifying one proposal costs little, the smaller depth pays: 1.4 tokens for 1.1x.
+    assert paying_depth(3, 1, 0.4, {**costly, 2: 11e-3}) == 1
+    # Every step is bound by compute alike: tokens per second are best without proposals.
+    step_time = linear_step_time(1.0)
+    assert paying_depth(4, 2, 0.9, {t: step_time(t) for t in range(1, 11)}) == 0
+    # A size not measured yet is taken as free, so that it is tried; nothing measured: the bound.
+    assert paying_depth(3, 1, 0.4, {1: costly[1], 4: costly[4]}) == 2
+    assert paying_depth(3, 1, 0.4, {4: costly[4]}) == 0  # the plain step is measured first
+    assert paying_depth(3, 1, 0.4, {}) == 3
+
+
+def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it_again():
+    sched = speculating_scheduler()
+    spec = sched.speculation
+    assert spec is not None and spec.proposer.num_tokens == 4
+    spec.kept, spec.tried = 80.0, 100.0  # a rate of 0.8: the bound is the full 4
+    step_time = linear_step_time(0.5)  # speeds 1.2, 1.22, 1.18, 1.12 at depths 1 to 4
+    assert spec.depth(1) == 4  # nothing measured: workers that report no times
+    spec.step_executed(1, 5, step_time(5))
+    depths = []
+    for _ in range(5):
+        depth = spec.depth(1)
+        depths.append(depth)
+        spec.step_executed(1, 1 + depth, step_time(1 + depth))
+    # A plain step to compare with, then each depth not measured yet from the deepest, then
+    # the one that pays most.
+    assert depths == [0, 3, 2, 1, 2]
+    assert spec.depth(1) == 2
+    # What a step could not carry, a batch too large to speculate and unmeasured times are not kept.
+    spec.step_executed(1, 6, 1.0)
+    spec.step_executed(MAX_SPECULATIVE_DECODES + 1, MAX_SPECULATIVE_DECODES + 1, 1.0)
+    spec.step_executed(2, 2, 0.0)
+    assert sorted(spec.step_times) == [1, 2, 3, 4, 5]
+    # The times decay toward new measurements: a slower plain step moves its estimate.
+    spec.step_executed(1, 1, 20e-3)
+    assert spec.step_times[1] == pytest.approx(10e-3 + STEP_TIME_WEIGHT * 10e-3)
+    # While the times hold it below the bound, one step in PROBE_INTERVAL proposes the bound.
+    spec.steps_below_bound = PROBE_INTERVAL - 1
+    assert spec.depth(1) == 4
+
+
+class TimedExecutor(FakeExecutor):
+    """The fake worker, reporting each step's execute time from a cost model: all-decode steps
+    by their tokens, steps with a prompt chunk a full second (which no estimate may take in)."""
+
+    def __init__(self, sched: Scheduler, step_time) -> None:
+        super().__init__(sched)
+        self.step_time = step_time
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        super().publish(step_id, step)
+        header, arrays = self.results[-1]
+        has_prompt = step.num_decodes + step.num_verifying < step.num_seqs
+        execute_s = 1.0 if has_prompt else self.step_time(step.num_tokens)
+        self.results[-1] = (m.ResultHeader(header.step_id, header.num_seqs, header.error, execute_s), arrays)
+
+
+def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_never_pays():
+    """Steps with prompt chunks never reach the step times; where every token costs as much as a
+    plain step (bound by compute), speculation measures its depths and then verifies only in its
+    probes, while where tokens are nearly free it verifies throughout; outputs are the same."""
+    prompt = [3, 4, 3, 4, 3, 4, 3]
+
+    def run(step_time) -> tuple[dict[int, float], int]:
+        sched = speculating_scheduler(max_num_seqs=1)
+        specs = []
+        for i in range(2):  # one stream at a time
+            params = engine_params(temperature=0.0, max_tokens=40, seed=i, ignore_eos=True)
+            specs.append((f"r{i}", prompt, params, reference_outputs(prompt, [], params, 96), []))
+        assert sched.speculation is not None
+        # A rate of 0.9 whatever the fake model's tokens: the bound stays at the full depth.
+        sched.speculation.kept, sched.speculation.tried = 0.9e9, 1e9
+        got, _ = run_traffic(sched, TimedExecutor(sched, step_time), True, specs, [])
+        for rid, _, _, full, _ in specs:
+            assert [token for token, _ in got[rid]] == full
+        return sched.speculation.step_times, sched.speculation.num_drafts
+
+    step_time = linear_step_time(1.0)
+    times, compute_bound_drafts = run(step_time)
+    assert times and all(t == pytest.approx(step_time(num_tokens)) for num_tokens, t in times.items())
+    step_time = linear_step_time(0.01)
+    times, nearly_free_drafts = run(step_time)
+    assert times and all(t == pytest.approx(step_time(num_tokens)) for num_tokens, t in times.items())
+    assert nearly_free_drafts > 2 * compute_bound_drafts, (compute_bound_drafts, nearly_free_drafts)
 
 
 def test_a_batch_too_large_to_speculate_is_planned_ahead_and_verifies_nothing():

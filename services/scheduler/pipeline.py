@@ -140,9 +140,11 @@ class StepPipeline:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
             step = entry.step
-            self.execute_times.append(
-                (step.num_decodes + step.num_verifying < step.num_seqs, header.execute_s)
-            )
+            has_prompt = step.num_decodes + step.num_verifying < step.num_seqs
+            self.execute_times.append((has_prompt, header.execute_s))
+            if self.core.speculation is not None and not has_prompt:
+                # What verifying proposals costs on these workers (the adaptive rule's step times).
+                self.core.speculation.step_executed(step.num_seqs, step.num_tokens, header.execute_s)
             return self.core.update(
                 entry.step,
                 arrays["sampled_ids"],

@@ -1,12 +1,14 @@
 """Speculative decoding in the scheduler (docs/speculative.md): which decodes of a step verify
 proposals (services/scheduler/proposers.py) and how many tokens each may propose (the adaptive
-rule, `speculative_depth`), with the KV blocks and token budget for them, and the counts of what
-the workers accepted."""
+rule: `speculative_depth` bounds it by the batch and the acceptance rate, `paying_depth` keeps to
+what the measured step times pay for), with the KV blocks and token budget for them, and the
+counts of what the workers accepted."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,9 +18,9 @@ from services.scheduler.proposers import Proposer
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
 
-# The adaptive rule (`speculative_depth`). A decode step reads every weight once whatever its
-# batch, so while that read bounds it, proposals ride along nearly free; as the batch grows the
-# step becomes bound by compute, and every rejected proposal costs as much as a token.
+# The adaptive rule (`speculative_depth`, then `paying_depth`). Where a decode step is bound by
+# reading the weights, proposals ride along nearly free; where it is bound by compute (a large
+# batch, or a CPU whose few-row kernels are), every proposal costs about as much as a token.
 FULL_DEPTH_DECODES = 4  # up to this many decodes in a step, each may propose the configured number
 MAX_SPECULATIVE_DECODES = 16  # above this many, a step verifies nothing
 MIN_KEPT_PROBABILITY = 0.3  # a proposal is verified only when it is at least this likely to be kept
@@ -27,8 +29,13 @@ MIN_KEPT_PROBABILITY = 0.3  # a proposal is verified only when it is at least th
 ACCEPTANCE_DECAY = 0.98
 PRIOR_KEPT, PRIOR_TRIED = 4.0, 5.0
 # While the acceptance rate keeps speculation off, one step in this many proposes one token per
-# decode, so that the rate can recover when the text turns repetitive.
+# decode, so that the rate can recover when the text turns repetitive; while the step times keep
+# it below what the batch and the rate allow, one step in this many proposes that much, so that
+# its time is measured again.
 PROBE_INTERVAL = 32
+# The time of an all-decode step, by the tokens it carries, is a decaying average of the workers'
+# execute times: each new one moves it this far (about the last 3 weigh).
+STEP_TIME_WEIGHT = 0.3
 
 
 def speculative_depth(max_depth: int, num_decodes: int, acceptance_rate: float) -> int:
@@ -47,6 +54,28 @@ def speculative_depth(max_depth: int, num_decodes: int, acceptance_rate: float) 
     # rounding of a rate exactly at a power's boundary).
     by_acceptance = int(math.log(MIN_KEPT_PROBABILITY) / math.log(acceptance_rate) + 1e-9)
     return min(by_batch, by_acceptance)
+
+
+def paying_depth(
+    bound: int, num_decodes: int, acceptance_rate: float, step_times: Mapping[int, float]
+) -> int:
+    """The depth k, 0 to `bound`, at which a step of `num_decodes` decodes emits the most tokens
+    per second: a decode verifying k proposals emits 1 + rate + ... + rate**k tokens expected,
+    in a step of num_decodes * (1 + k) tokens whose time `step_times` holds (seconds, by the
+    step's tokens). A step size not measured yet is taken to cost what a plain step does, so that
+    it is tried (and measured) once it may pay; the plain step is measured first (0), unless
+    nothing is (workers that report no times: `bound`, the rule of the batch and the rate)."""
+    plain = step_times.get(num_decodes)
+    if plain is None:
+        return 0 if step_times else bound
+    best, best_speed = 0, 1.0  # a plain step: one token per decode in `plain` seconds
+    expected = 1.0
+    for k in range(1, bound + 1):
+        expected += acceptance_rate**k
+        speed = expected * plain / step_times.get(num_decodes * (1 + k), plain)
+        if speed > best_speed:
+            best, best_speed = k, speed
+    return best
 
 
 @dataclass(slots=True)
@@ -89,6 +118,10 @@ class Speculation:
         self.kept = PRIOR_KEPT
         self.tried = PRIOR_TRIED
         self.steps_without_proposals = 0  # consecutive planned steps the rule allowed none in
+        # Consecutive planned steps the step times held below the bound of the batch and the rate.
+        self.steps_below_bound = 0
+        # Seconds an all-decode step takes, by its tokens (decodes plus proposals), decaying.
+        self.step_times: dict[int, float] = {}
         self.last_step_verified = False  # whether the step planned last verifies proposals
 
     @property
@@ -96,16 +129,35 @@ class Speculation:
         return self.kept / self.tried
 
     def depth(self, num_decodes: int) -> int:
-        """How many tokens each of a step's `num_decodes` decodes may propose: the adaptive
-        rule's number, or 1 in a probe step while the acceptance rate keeps speculation off."""
+        """How many tokens each of a step's `num_decodes` decodes may propose: what the step
+        times pay for (`paying_depth`) within the bound of the batch and the acceptance rate
+        (`speculative_depth`); in a probe step, 1 while the rate keeps speculation off, the
+        bound while the step times keep the depth below it."""
         max_depth = self.proposer.num_tokens
-        depth = speculative_depth(max_depth, num_decodes, self.acceptance_rate)
-        is_probe = (
-            depth == 0
-            and speculative_depth(max_depth, num_decodes, 1.0) > 0  # the batch would allow it
-            and self.steps_without_proposals + 1 >= PROBE_INTERVAL
+        bound = speculative_depth(max_depth, num_decodes, self.acceptance_rate)
+        if bound == 0:
+            is_probe = (
+                speculative_depth(max_depth, num_decodes, 1.0) > 0  # the batch would allow it
+                and self.steps_without_proposals + 1 >= PROBE_INTERVAL
+            )
+            return 1 if is_probe else 0
+        if self.steps_below_bound + 1 >= PROBE_INTERVAL:
+            return bound
+        return paying_depth(bound, num_decodes, self.acceptance_rate, self.step_times)
+
+    def step_executed(self, num_decodes: int, num_tokens: int, execute_s: float) -> None:
+        """Take the workers' `execute_s` of an all-decode step of `num_decodes` decodes and
+        `num_tokens` tokens into the step times (a step with a prompt chunk would not tell what
+        verification costs). Only sizes a speculating step may have are kept; a time of 0 (a
+        worker that does not measure) is none."""
+        if execute_s <= 0 or num_decodes > MAX_SPECULATIVE_DECODES:
+            return
+        if num_tokens > num_decodes * (1 + self.proposer.num_tokens):
+            return
+        known = self.step_times.get(num_tokens)
+        self.step_times[num_tokens] = (
+            execute_s if known is None else known + STEP_TIME_WEIGHT * (execute_s - known)
         )
-        return 1 if is_probe else depth
 
     def wants_step_results(self, num_decodes: int) -> bool:
         """Whether the next step must be planned after the last one's result: it may propose
@@ -131,6 +183,8 @@ class Speculation:
         out = Verifications([], [])
         depth = self.depth(len(seqs))
         self.steps_without_proposals = self.steps_without_proposals + 1 if depth == 0 else 0
+        bound = speculative_depth(self.proposer.num_tokens, len(seqs), self.acceptance_rate)
+        self.steps_below_bound = self.steps_below_bound + 1 if depth < bound else 0
         self.last_step_verified = False
         if depth == 0:
             return out
