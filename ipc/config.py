@@ -141,7 +141,7 @@ class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # from its header, before it is decoded).
     max_image_bytes: Positive = 10 << 20
     max_image_pixels: Positive = 40_000_000
-    # http(s) image URLs, fetched by the tokenizers (services/tokenizer/image_fetch.py): on, as in
+    # http(s) image URLs, fetched by the tokenizers (services/common/image_fetch.py): on, as in
     # vLLM; from any host unless `remote_image_domains` lists some (each with its subdomains).
     remote_images: bool = True
     remote_image_domains: list[str] = []

@@ -1,5 +1,5 @@
 """http(s) image URLs (issue 36): the tokenizer fetches them off its loop within the run's limits
-(services/tokenizer/image_fetch.py), against a real local HTTP server (http.server in a thread)
+(services/common/image_fetch.py), against a real local HTTP server (http.server in a thread)
 that serves a PNG, redirects, a 404, a page, an oversized body (announced, and endless), a slow
 trickle. Through a whole run, the real `openai` client's http URL gives exactly what the same
 image as a data URL gives (test_image_chat.py checks those against HF), and each bad URL is a 400
@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
+from services.common.image_fetch import ImageFetcher, RemoteImages, fetch
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
-from services.tokenizer.image_fetch import ImageFetcher, RemoteImages, fetch
 from tests.harness import assert_clean, brigade_run, free_port, tokenizer_dealer
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import data_url, png, served_messages, tokenize_messages_count

@@ -172,10 +172,10 @@ def test_admission_expands_each_image_into_its_tiles(tiny_smolvlm_dir: Path, tin
     """Without a run: the tokenizer counts a split image's tiles from its header and names each
     tile's run; an http(s) image's once it is fetched (test_image_fetch.py has more of that)."""
     from ipc import messages as m
+    from services.common.image_fetch import RemoteImages
     from services.common.images import image_rules_of
     from services.common.text import Tokenizer
     from services.tokenizer.core import TokenizerCore
-    from services.tokenizer.image_fetch import RemoteImages
 
     remote = RemoteImages(max_bytes=1 << 20, timeout_s=5.0, max_redirects=0)
 

@@ -54,7 +54,7 @@ class ImageError(ValueError):
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:
     """The bytes of a base64 `data:image/...` URL, at most `max_bytes` of them (http(s) URLs are
-    the tokenizer's to fetch: services/tokenizer/image_fetch.py)."""
+    the tokenizer's to fetch: services/common/image_fetch.py)."""
     match = _DATA_URL.match(url)
     if match is None:
         raise ImageError("image_url: must be a data: URL (data:image/png;base64,...) or an http(s) URL")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from services.encoder.vision import safetensors_files
+from services.common.checkpoint_files import safetensors_files
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 # Where the checkpoints keep the tower: the hub's and transformers 5's saves, then transformers'

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from services.common.checkpoint_files import safetensors_files
+
 if TYPE_CHECKING:
     from services.encoder.qwen2_vl import Qwen2VLVisionEncoder
 
@@ -125,17 +127,6 @@ def load_vision_encoder(model_dir: Path) -> VisionEncoder | Qwen2VLVisionEncoder
     if config.get("architectures") == [ARCHITECTURE]:
         return Qwen2VLVisionEncoder.load(model_dir)
     return VisionEncoder.load(model_dir)
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return files
 
 
 def _activation(name: str):

@@ -21,6 +21,7 @@ from client.async_sdk import AsyncClient
 from ipc import messages as m
 from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from services.audit import ApiKeyFailures, AuditLog, audit_log_path
+from services.common.image_fetch import RemoteImages
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
 from services.gateway.access_log import AccessLog
@@ -29,7 +30,6 @@ from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
 from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
 from services.tls import RotatingTls
-from services.tokenizer.image_fetch import RemoteImages
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048

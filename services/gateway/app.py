@@ -48,6 +48,7 @@ from ipc.validation import (
 )
 from services.audit import ApiKeyFailures
 from services.common.harmony import speaks_harmony
+from services.common.image_fetch import NOT_FETCHED, RemoteImages, fetch, is_remote
 from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
@@ -73,7 +74,6 @@ from services.gateway.sse import (
 )
 from services.metrics import HttpMetrics, registry_for_run
 from services.stage_rows import read_status
-from services.tokenizer.image_fetch import NOT_FETCHED, RemoteImages, fetch, is_remote
 
 JSON = "application/json"
 DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.common.checkpoint_files import safetensors_files
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel, config_from_dir
 
 if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
@@ -972,19 +973,6 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    if (model_dir / "model.safetensors").exists():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return files
-
-
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
 # A vision-language checkpoint's language model weights, under the names of its causal LM's
@@ -1044,7 +1032,7 @@ def iter_weights(
         if blocks_path.exists():
             blocks = stack.enter_context(safe_open(str(blocks_path), framework="numpy"))
             formats = json.loads(blocks.metadata()["formats"])
-        for file in tqdm(_safetensors_files(model_dir), desc="loading weights", disable=None):
+        for file in tqdm(safetensors_files(model_dir), desc="loading weights", disable=None):
             with safe_open(str(file), framework="pt") as f:
                 for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     name = text_weight_name(stored)
@@ -1087,7 +1075,7 @@ def _mxfp4_expert_files(model_dir: Path) -> dict[str, Path]:
     from safetensors import safe_open
 
     files = {}
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = text_weight_name(stored)

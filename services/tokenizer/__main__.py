@@ -18,6 +18,7 @@ from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
 from services.common.harmony import speaks_harmony
+from services.common.image_fetch import ImageFetcher, RemoteImages
 from services.common.images import image_rules_of
 from services.common.pooling import embedding_of
 from services.common.text import Tokenizer
@@ -27,7 +28,6 @@ from services.request_sample import RequestSampler
 from services.stage import StageProcess
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from services.tokenizer.encoders import EncoderClient
-from services.tokenizer.image_fetch import ImageFetcher, RemoteImages
 
 POLL_MS = 100
 # How often a client with requests in flight is sent a HealthReply. A send to a client that has

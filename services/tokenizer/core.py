@@ -42,6 +42,7 @@ from ipc.validation import (
 )
 from services.common import harmony
 from services.common.grammar_compiler import GrammarError, check_constraint
+from services.common.image_fetch import NOT_FETCHED, RemoteImages, is_remote
 from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.pooling import Embedding
 from services.common.text import TemplateTimeout, Tokenizer
@@ -54,7 +55,6 @@ from services.common.tools_prompt import (
 )
 from services.metrics import RequestMetrics
 from services.request_sample import RequestSampler
-from services.tokenizer.image_fetch import NOT_FETCHED, RemoteImages, is_remote
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system

@@ -1,4 +1,5 @@
-"""Remote images: a chat's http(s) image URLs fetched for the tokenizer, off its loop, within limits.
+"""Remote images: a chat's http(s) image URLs fetched for the tokenizer (and the gateway's
+/tokenize), off its loop, within limits.
 
 The policy (`RemoteImages`, from `encoder.remote_images*` and `encoder.max_image_bytes`): only
 http and https; hosts in `domains` when it names any (a server that fetches what its clients name
