@@ -1,10 +1,14 @@
-"""Where a checkpoint's safetensors weights are: the one listing the worker's loader and the
-encoder's towers both read."""
+"""Where a checkpoint's safetensors weights are (the one listing the worker's loader and the
+encoder's towers both read), and the check that a tower has all the weights it names."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the light stages import this module without torch
+    import torch
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -20,3 +24,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     return files
+
+
+def take_weights(
+    names: list[str], weights: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The named weights in `dtype`; a ValueError naming the first few the checkpoint lacks."""
+    missing = [name for name in names if name not in weights]
+    if missing:
+        raise ValueError(f"the checkpoint lacks vision weights: {', '.join(missing[:4])}")
+    return {name: weights[name].to(dtype) for name in names}

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from services.common.checkpoint_files import safetensors_files
+from services.common.checkpoint_files import safetensors_files, take_weights
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 # Where the checkpoints keep the tower: the hub's and transformers 5's saves, then transformers'
@@ -101,10 +101,7 @@ class Qwen2VLVisionEncoder:
     ) -> None:
         self.config = config
         self.dtype = dtype
-        missing = [name for name in self.weight_names() if name not in weights]
-        if missing:
-            raise ValueError(f"the checkpoint lacks vision weights: {', '.join(missing[:4])}")
-        self.w = {name: weights[name].to(dtype) for name in self.weight_names()}
+        self.w = take_weights(self.weight_names(), weights, dtype)
         # The convolution over [3, temporal, patch, patch] as one matrix over flattened patches.
         self.w["patch_embed.proj.weight"] = self.w["patch_embed.proj.weight"].reshape(config.hidden_size, -1)
         spatial = config.head_dim // 2

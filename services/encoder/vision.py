@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from services.common.checkpoint_files import safetensors_files
+from services.common.checkpoint_files import safetensors_files, take_weights
 
 if TYPE_CHECKING:
     from services.encoder.qwen2_vl import Qwen2VLVisionEncoder
@@ -143,10 +143,7 @@ class VisionEncoder:
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.config = config
         self.dtype = dtype
-        missing = [name for name in self.weight_names() if name not in weights]
-        if missing:
-            raise ValueError(f"the checkpoint lacks vision weights: {', '.join(missing[:4])}")
-        self.w = {name: weights[name].to(dtype) for name in self.weight_names()}
+        self.w = take_weights(self.weight_names(), weights, dtype)
         self.act = _activation(config.hidden_act)
         self.positions = self._positions()
 
