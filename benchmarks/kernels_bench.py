@@ -310,7 +310,7 @@ def add_rms_norm_cases(shapes: Shapes, rows: tuple[int, ...], repeats: int) -> l
 def decode_layer_ref(shapes: Shapes, hidden, residual, norms, weights, positions, cos_sin, kv_cache, slots,
                      tables, lens) -> torch.Tensor:  # fmt: skip
     """One decoder layer from the kernels' torch references (rms_norm_ref, rotary_ref,
-    paged_decode_ref) and F.linear: the per-op path the one-op layer replaces."""
+    paged_decode_ref) and F.linear: the per-op path the one-op decode layers replace."""
     qkv_w, o_w, gate_up_w, down_w = weights
     k_cache, v_cache = kv_cache
     t, d = hidden.shape[0], shapes.head_dim
@@ -331,7 +331,7 @@ def decode_layer_ref(shapes: Shapes, hidden, residual, norms, weights, positions
     return torch.cat((F.linear(F.silu(gate) * up, down_w), summed))
 
 
-def few_rows_decode_layer_cases(
+def few_rows_decode_layers_cases(
     shapes: Shapes, batches: tuple[int, ...], context: int, repeats: int
 ) -> list[dict]:
     """float32 weights; K/V of each step written to its slot (the same slot every call) in each
@@ -343,7 +343,7 @@ def few_rows_decode_layer_cases(
     )
     norms = (torch.rand(shapes.hidden, generator=gen) + 0.5, torch.rand(shapes.hidden, generator=gen) + 0.5)
     cos_sin = make_cos_sin(context, shapes.head_dim, shapes.rope_theta, torch.float32, "cpu")
-    layer_weights = ([weights[0]], [""], None, [weights[1]], [""], [weights[2]], [""], [weights[3]], [""])
+    layer = cpu_ops.DecodeLayers(list(norms), list(weights), [""] * 4, [1] * 4, [None])
     half = shapes.head_dim // 2
     full_cos = torch.cat((cos_sin[:, :half], cos_sin[:, :half]), dim=-1)
     signed_sin = torch.cat((-cos_sin[:, half:], cos_sin[:, half:]), dim=-1)
@@ -359,9 +359,10 @@ def few_rows_decode_layer_cases(
 
         def kernel(hidden=hidden, residual=residual, cache=(k_cache, v_cache), slots=slots, tables=tables,
                    lens=lens, positions=positions) -> torch.Tensor:  # fmt: skip
-            return torch.cat(cpu_ops.few_rows_decode_layer(
-                hidden, residual, norms, shapes.eps, layer_weights, full_cos[positions], signed_sin[positions],
-                cache, slots, tables, lens, shapes.heads, shapes.head_dim**-0.5,
+            # The op starts a step's residual stream from its input: give it the sum the ref's norm takes.
+            return torch.cat(cpu_ops.few_rows_decode_layers(
+                hidden + residual, layer, shapes.eps, full_cos[positions], signed_sin[positions],
+                ([cache[0]], [cache[1]]), slots, tables, lens, shapes.heads, shapes.head_dim**-0.5,
             ))  # fmt: skip
 
         def ref(hidden=hidden, residual=residual, cache=ref_cache, slots=slots, tables=tables, lens=lens,
@@ -371,7 +372,7 @@ def few_rows_decode_layer_cases(
             )
 
         out.append(
-            compare("few_rows_decode_layer", f"batch {batch}, context {context}", kernel, ref, repeats)
+            compare("few_rows_decode_layers", f"batch {batch}, context {context}", kernel, ref, repeats)
         )
     return out
 
@@ -380,7 +381,7 @@ def few_rows_decode_layer_cases(
 
 
 OPS = ("paged_decode", "few_rows_linear", "few_rows_linear_quantized", "linear_quantized_int8",
-       "add_rms_norm", "few_rows_decode_layer")  # fmt: skip
+       "add_rms_norm", "few_rows_decode_layers")  # fmt: skip
 
 
 def run(
@@ -406,7 +407,7 @@ def run(
         "few_rows_linear_quantized": quantized,
         "linear_quantized_int8": lambda: int8_linear_cases(shapes, int8_rows, names, formats, repeats),
         "add_rms_norm": lambda: add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
-        "few_rows_decode_layer": lambda: few_rows_decode_layer_cases(shapes, rows, context, repeats),
+        "few_rows_decode_layers": lambda: few_rows_decode_layers_cases(shapes, rows, context, repeats),
     }
     return [result for op in ops for result in cases[op]()], skipped
 

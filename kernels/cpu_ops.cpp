@@ -23,6 +23,9 @@
 //   expert's gate, up and down read from its own GGUF blocks once for all the rows that chose it
 //   (with gpt-oss's expert biases and clamped SwiGLU where given);
 //   dequantize_blocks: the float32 values of such blocks, for a wide step's GEMM.
+// - few_rows_decode_layers: every decoder layer of an all-decode step of 1-4 sequences in one call
+//   and one parallel region (the kernels above, rotary, the KV store and attention chained, the
+//   threads meeting at barriers between them), with LoRA deltas where the step has adapters.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -32,13 +35,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -507,17 +513,23 @@ template <typename Block>
 constexpr bool kIsKQuant =
     std::is_same_v<Block, BlockQ4_K> || std::is_same_v<Block, BlockQ5_K> || std::is_same_v<Block, BlockQ6_K>;
 
-// Calls `linear(Block{})` with the block type that `format` names: the one place where a format's
-// name becomes its type (the ops take the name, as the GGUF reader and the model code spell it).
+// Calls `f(Block{})` with the block type that `format` names: the one place where a format's name
+// becomes its type (the ops take the name, as the GGUF reader and the model code spell it).
+template <typename F>
+void for_block_type(c10::string_view format, const char* op, F&& f) {
+  if (format == "Q4_1") return f(BlockQ4_1{});
+  if (format == "Q8_0") return f(BlockQ8_0{});
+  if (format == "Q4_K") return f(BlockQ4_K{});
+  if (format == "Q5_K") return f(BlockQ5_K{});
+  if (format == "Q6_K") return f(BlockQ6_K{});
+  if (format == "MXFP4") return f(BlockMXFP4{});
+  TORCH_CHECK(false, op, ": unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)");
+}
 template <typename Linear>
 at::Tensor with_block_type(c10::string_view format, const char* op, Linear&& linear) {
-  if (format == "Q4_1") return linear(BlockQ4_1{});
-  if (format == "Q8_0") return linear(BlockQ8_0{});
-  if (format == "Q4_K") return linear(BlockQ4_K{});
-  if (format == "Q5_K") return linear(BlockQ5_K{});
-  if (format == "Q6_K") return linear(BlockQ6_K{});
-  if (format == "MXFP4") return linear(BlockMXFP4{});
-  TORCH_CHECK(false, op, ": unknown format ", format, " (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)");
+  at::Tensor out;
+  for_block_type(format, op, [&](auto block) { out = linear(block); });
+  return out;
 }
 constexpr int64_t kSuperWeights = 256;
 
@@ -1300,6 +1312,14 @@ at::Tensor linear_quantized_int8(const at::Tensor& x, const at::Tensor& blocks, 
 }
 
 // summed = x + residual (x alone without one), normed = summed / sqrt(mean(summed^2) + eps) * weight.
+// out = RMSNorm(row) * weight over one row of `hidden` values.
+inline void rms_norm_row(const float* row, const float* weight, float* out, int64_t hidden, float eps) {
+  float squares = 0.f;
+  for (int64_t h = 0; h < hidden; ++h) squares += row[h] * row[h];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  for (int64_t h = 0; h < hidden; ++h) out[h] = row[h] * inv * weight[h];
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -1318,39 +1338,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   float* out = normed.data_ptr<float>();
   const float eps_f = static_cast<float>(eps);
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = s_data + t * hidden;
-      float squares = 0.f;
-      for (int64_t h = 0; h < hidden; ++h) squares += row[h] * row[h];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps_f);
-      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = row[h] * inv * w_data[h];
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(s_data + t * hidden, w_data, out + t * hidden, hidden, eps_f);
   });
   return {normed, summed};
-}
-
-at::Tensor linear_one(const at::Tensor& x, const at::Tensor& weight, c10::string_view format,
-                      const c10::optional<at::Tensor>& bias, bool int8_activations) {
-  if (format.empty()) return few_rows_linear(x, weight, bias);
-  auto out = int8_activations ? linear_quantized_int8(x, weight, format)
-                              : few_rows_linear_quantized(x, weight, format);
-  return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
-}
-
-// A weight given as parts stacked by rows, each with its format: one part, or a fused weight whose
-// parts are blocks of different formats (a Q4_K_M file's Q4_K q / k with Q6_K v), each part
-// multiplying into its own columns of the output.
-at::Tensor linear_any(const at::Tensor& x, at::TensorList parts, c10::ArrayRef<std::string> formats,
-                      const c10::optional<at::Tensor>& bias, bool int8_activations) {
-  TORCH_CHECK(!parts.empty() && parts.size() == formats.size(),
-              "few_rows_decode_layer: a weight needs one or more parts and one format each, got ", parts.size(),
-              " parts and ", formats.size(), " formats");
-  if (parts.size() == 1) return linear_one(x, parts[0], formats[0], bias, int8_activations);
-  std::vector<at::Tensor> outs;
-  for (size_t i = 0; i < parts.size(); ++i)
-    outs.push_back(linear_one(x, parts[i], formats[i], c10::nullopt, int8_activations));
-  auto out = at::cat(outs, 1);
-  return bias.has_value() && bias->defined() ? out.add_(*bias) : out;
 }
 
 // ---- LoRA deltas (kernels/lora.py has the contract and its torch reference) ----
@@ -1508,94 +1498,356 @@ void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorL
   add_lora(out, x, a, b, ranks, rows, segments);
 }
 
-// One decoder layer for a decode step of a few sequences (one token each), the ops above chained
-// in C++: at one row the layer's twenty-odd small torch ops cost more in dispatch than in work.
-// qkv [T, (Hq + 2 Hk) D] is rotated (NeoX halves, the signed full-width cos / sin rows of each
-// token), its k and v stored at `slots`, and q attends over the pages. Each weight is a list of
-// parts (linear_any): one with an empty format is float32 [out, in], the others GGUF blocks
-// (few_rows_linear_quantized, or linear_quantized_int8 with int8_activations). With lora_a
-// non-empty, each projection's output takes its rows' LoRA deltas (add_lora) before it is used.
-// Returns (the layer's output, the residual stream), as the Python layer loop passes them on.
-std::tuple<at::Tensor, at::Tensor> few_rows_decode_layer(
-    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, at::TensorList qkv_weight, c10::ArrayRef<std::string> qkv_format,
-    const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_weight, c10::ArrayRef<std::string> o_format,
-    at::TensorList gate_up_weight, c10::ArrayRef<std::string> gate_up_format, at::TensorList down_weight,
-    c10::ArrayRef<std::string> down_format, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    int64_t num_heads, double scale, bool int8_activations, at::TensorList lora_a, at::TensorList lora_b,
+// ---- The decode step of a few sequences: every layer in one parallel region ----
+//
+// A decode step of one to four tokens is a chain of small pieces of work: a layer's four
+// matrix-vector products, two norms, rotary, attention and SiLU. Handing each piece to the
+// threads in a region of its own (an at::parallel_for each) costs about as much as a product at
+// one row, and Python between the layers more. So the whole step runs here in one OpenMP region,
+// as llama.cpp's thread pool runs a graph: every thread takes its share of each product's output
+// columns and of the attention heads, the short serial pieces (the norms, rotary and the KV
+// store, LoRA) run on thread 0, and the threads meet at a barrier between pieces.
+
+// Output columns [begin, end) of one part of a weight, for the step's rows x [R, in] (R <= 4),
+// into out (row stride `stride`, column 0 the part's first).
+using PartColumns = void (*)(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
+                             int64_t stride, int64_t begin, int64_t end, bool int8_activations);
+
+void float_columns(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
+                   int64_t stride, int64_t begin, int64_t end, bool) {
+  with_row_count(num_rows, [&](auto rows) {
+    few_rows_times_weight<decltype(rows)::value>(x, reinterpret_cast<const float*>(w), nullptr, out, in_features,
+                                                 stride, begin, end);
+  });
+}
+
+template <typename Block>
+void blocks_columns(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
+                    int64_t stride, int64_t begin, int64_t end, bool int8_activations) {
+  const int64_t num_act_blocks = in_features / kBlockWeights;
+  with_row_count(num_rows, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (kIsKQuant<Block>) {
+      const Block* blocks = reinterpret_cast<const Block*>(w);
+      const int64_t num_blocks = in_features / kSuperWeights;
+      if (int8_activations) {
+        const ActivationBlocks a = quantize_activations(x, R, num_act_blocks, activation_order<Block>());
+        int8_times_super_blocks<Block, R>(rows_from(a, 0, num_act_blocks), blocks, out, num_blocks, stride, begin, end);
+      } else {
+        few_rows_times_super_blocks<Block, R>(x, blocks, out, num_blocks, stride, begin, end);
+      }
+    } else if (int8_activations) {
+      if constexpr (!std::is_same_v<Block, BlockMXFP4>) {  // refused by decode_weight
+        const ActivationBlocks a = quantize_activations(x, R, num_act_blocks, activation_order<Block>());
+        int8_times_blocks<Block, R>(rows_from(a, 0, num_act_blocks), w, out, num_act_blocks, stride, begin, end);
+      }
+    } else {
+      const std::vector<float> sums = kHasMinimums<Block> ? sums_of_blocks(x, R * num_act_blocks) : std::vector<float>();
+      few_rows_times_blocks<Block, R>(x, sums.data(), w, out, num_act_blocks, stride, begin, end);
+    }
+  });
+}
+
+// One of a layer's weights: its parts stacked by output columns, each in its own format.
+struct DecodeWeight {
+  struct Part {
+    const uint8_t* data;
+    PartColumns columns;
+    int64_t first, rows;  // its output columns [first, first + rows)
+  };
+  std::vector<Part> parts;
+  int64_t in_features = 0, width = 0;
+  const float* bias = nullptr;  // [width] or none
+
+  // out[:, begin:end) = x @ W[begin:end)^T (+ bias) for the step's rows.
+  void columns(const float* x, int64_t num_rows, float* out, int64_t begin, int64_t end, bool int8) const {
+    for (const Part& part : parts) {
+      const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
+      if (lo < hi)
+        part.columns(x, num_rows, in_features, part.data, out + part.first, width, lo - part.first, hi - part.first,
+                     int8);
+    }
+    if (bias != nullptr)
+      for (int64_t r = 0; r < num_rows; ++r)
+        for (int64_t n = begin; n < end; ++n) out[r * width + n] += bias[n];
+  }
+};
+
+// A weight's parts checked against the shape the layer needs (the whole check happens before the
+// parallel region, where nothing may throw).
+DecodeWeight decode_weight(at::TensorList parts, c10::ArrayRef<std::string> formats, int64_t in_features,
+                           int64_t width, const c10::optional<at::Tensor>& bias, bool int8_activations,
+                           const char* name) {
+  DecodeWeight weight;
+  weight.in_features = in_features;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& part = parts[i];
+    const std::string& format = formats[i];
+    TORCH_CHECK(part.dim() == 2 && part.is_contiguous(), "few_rows_decode_layers: ", name, " part ", i,
+                " must be a contiguous 2-D tensor");
+    PartColumns columns = &float_columns;
+    int64_t row_bytes = in_features * int64_t(sizeof(float));
+    if (format.empty()) {
+      TORCH_CHECK(part.scalar_type() == at::kFloat, "few_rows_decode_layers: ", name, " part ", i,
+                  " has no format, so must be float32");
+    } else {
+      TORCH_CHECK(part.scalar_type() == at::kByte, "few_rows_decode_layers: ", name, " part ", i, " (", format,
+                  ") must be uint8 blocks");
+      for_block_type(format, "few_rows_decode_layers", [&](auto block) {
+        using Block = decltype(block);
+        TORCH_CHECK(!(int8_activations && std::is_same_v<Block, BlockMXFP4>),
+                    "few_rows_decode_layers: MXFP4 blocks have no 8-bit activation kernel");
+        columns = &blocks_columns<Block>;
+        row_bytes = blocks_row_bytes<Block>(in_features);
+      });
+    }
+    const int64_t part_bytes = part.size(1) * int64_t(part.element_size());
+    TORCH_CHECK(row_bytes > 0 && part_bytes == row_bytes, "few_rows_decode_layers: ", name, " part ", i, " (",
+                format.empty() ? "float32" : format, ") has ", part_bytes, " bytes a row where ", in_features,
+                " inputs need ", row_bytes);
+    weight.parts.push_back({reinterpret_cast<const uint8_t*>(part.data_ptr()), columns, weight.width, part.size(0)});
+    weight.width += part.size(0);
+  }
+  TORCH_CHECK(!weight.parts.empty() && weight.width == width, "few_rows_decode_layers: ", name, " has ", weight.width,
+              " output columns in ", parts.size(), " parts, the layer needs ", width);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == width,
+                "few_rows_decode_layers: ", name, " bias must be float32 [", width, "]");
+    weight.bias = bias->data_ptr<float>();
+  }
+  return weight;
+}
+
+// [begin, end) of n items for thread t of `threads`.
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) {
+  return {n * t / threads, n * (t + 1) / threads};
+}
+
+// Every decoder layer of an all-decode step of at most four tokens (one per sequence), in one
+// call: a step then crosses from Python once, and its threads start once. The per-layer
+// arguments come flattened in layer order: two norms (input, post-attention) a layer; each layer's
+// four weights (QKV, O, gate_up, down) as parts_per_weight[4 l + w] parts, each float32 [out, in]
+// (format "") or GGUF blocks (few_rows_linear_quantized's, or linear_quantized_int8's with
+// int8_activations), stacked by output columns; a QKV bias or None a layer; one K and one V cache a
+// layer. qkv is rotated (NeoX halves, the signed full-width cos / sin rows of each token), its k
+// and v stored at `slots`, and each query head attends over its sequence's pages (paged_decode's
+// kernel). With lora_a non-empty, each projection's output takes its rows' LoRA deltas (lora_add):
+// seven A and seven B a layer, in lora_add's module order, and lora_ranks [layers, 7, slots].
+// Returns (the last layer's output, the residual stream), whose sum the final norm takes.
+std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
+    const at::Tensor& hidden, at::TensorList norms, at::TensorList weights, c10::ArrayRef<std::string> formats,
+    c10::IntArrayRef parts_per_weight, const c10::List<c10::optional<at::Tensor>>& qkv_biases, double eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    double scale, bool int8_activations, at::TensorList lora_a, at::TensorList lora_b,
     const c10::optional<at::Tensor>& lora_ranks, const c10::optional<at::Tensor>& lora_rows,
     const c10::optional<at::Tensor>& lora_segments) {
-  const int64_t num_tokens = hidden.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == num_tokens && cos.size(-1) == head_dim &&
-                  slots.numel() == num_tokens && slots.scalar_type() == at::kLong,
-              "few_rows_decode_layer: cos / sin [T, D] and slots [T] long, one per token");
-  // The K/V rows are written before paged_decode checks the caches: check them here first.
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "few_rows_decode_layer: two contiguous float32 caches of one shape");
-  // LoRA deltas: A / B of q, k, v, o, gate, up, down in that order (lora_add's contract), or none.
-  const bool has_lora = !lora_a.empty();
-  TORCH_CHECK(!has_lora || (lora_a.size() == 7 && lora_b.size() == 7 && lora_ranks.has_value() &&
-                            lora_rows.has_value() && lora_segments.has_value()),
-              "few_rows_decode_layer: LoRA needs A and B of the seven modules, their ranks, rows and segments");
-  const auto add_deltas = [&](at::Tensor& out, const at::Tensor& in, int64_t first, int64_t count) {
-    if (has_lora)
-      add_lora(out, in, lora_a.slice(first, count), lora_b.slice(first, count),
-               lora_ranks->narrow(0, first, count), *lora_rows, *lora_segments);
-  };
-  auto [x, summed] = add_rms_norm(hidden, input_norm, eps, residual);
-  auto qkv = linear_any(x, qkv_weight, qkv_format, qkv_bias, int8_activations);
-  add_deltas(qkv, x, 0, 3);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "few_rows_decode_layer: qkv width");
-  const auto cos_c = cos.reshape({num_tokens, head_dim}).contiguous();
-  const auto sin_c = sin.reshape({num_tokens, head_dim}).contiguous();
-  float* qkv_data = qkv.data_ptr<float>();
-  const int64_t* slot_data = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  float* k_rows = k_cache.data_ptr<float>();
-  float* v_rows = v_cache.data_ptr<float>();
-  std::vector<float> rotated(head_dim);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const float* c = cos_c.data_ptr<float>() + t * head_dim;
-    const float* s = sin_c.data_ptr<float>() + t * head_dim;
-    float* row = qkv_data + t * qkv.size(1);
-    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // q heads, then k heads
-      float* v = row + h * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) {
-        const float partner = i < half ? v[i + half] : v[i - half];
-        const float a = v[i] * c[i], b = partner * s[i];
-        rotated[i] = a + b;
-      }
-      std::copy(rotated.begin(), rotated.end(), v);
+  constexpr int64_t kModules = 7;  // q, k, v, o, gate, up, down
+  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(v_caches.size()) == num_layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * num_layers &&
+                  static_cast<int64_t>(parts_per_weight.size()) == 4 * num_layers &&
+                  static_cast<int64_t>(qkv_biases.size()) == num_layers && formats.size() == weights.size(),
+              "few_rows_decode_layers: per layer two norms, four part counts, a QKV bias or None and two caches; "
+              "a format per weight part");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) >= 1 && hidden.size(0) <= 4,
+              "few_rows_decode_layers: hidden [T, H] float32 with 1 to 4 tokens");
+  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4, "few_rows_decode_layers: caches [blocks, block_size, Hk, D]");
+  const int64_t num_cache_blocks = k0.size(0), block_size = k0.size(1), num_kv_heads = k0.size(2),
+                head_dim = k0.size(3);
+  for (int64_t l = 0; l < num_layers; ++l)
+    for (const at::Tensor& cache : {k_caches[l], v_caches[l]})
+      TORCH_CHECK(cache.sizes() == k0.sizes() && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
+                  "few_rows_decode_layers: contiguous float32 caches, all of one shape");
+  TORCH_CHECK(num_heads > 0 && num_heads % num_kv_heads == 0, "few_rows_decode_layers: ", num_heads,
+              " query heads for ", num_kv_heads, " KV heads");
+  const AttendFn attend = attend_for(head_dim);
+  const int64_t group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim, half = head_dim / 2;
+  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim, attn_width = num_heads * head_dim;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == num_tokens * head_dim && slots.numel() == num_tokens &&
+                  slots.scalar_type() == at::kLong,
+              "few_rows_decode_layers: cos / sin [T, D] and slots [T] long, one per token");
+  const auto cos_c = cos.to(at::kFloat).contiguous(), sin_c = sin.to(at::kFloat).contiguous();
+  const auto slots_c = slots.contiguous();
+  const auto tables = block_tables.to(at::kLong).contiguous();
+  const auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_tokens && lens.numel() == num_tokens,
+              "few_rows_decode_layers: one block table row and one length per sequence");
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  const int64_t* slot_data = slots_c.data_ptr<int64_t>();
+  // Checked here, once, so that nothing below reads or writes outside the caches.
+  for (int64_t s = 0; s < num_tokens; ++s) {
+    TORCH_CHECK(slot_data[s] >= 0 && slot_data[s] < num_cache_blocks * block_size, "few_rows_decode_layers: slot ",
+                slot_data[s], " out of range");
+    const int64_t len = len_data[s];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "few_rows_decode_layers: sequence ", s, " has length ",
+                len, " outside 1..", max_blocks * block_size);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t block = table_data[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_cache_blocks, "few_rows_decode_layers: block id ", block,
+                  " out of range");
     }
-    const int64_t slot = slot_data[t];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "few_rows_decode_layer: slot ", slot, " out of range");
-    const float* k = row + num_heads * head_dim;
-    std::copy(k, k + kv_row, k_rows + slot * kv_row);
-    std::copy(k + kv_row, k + 2 * kv_row, v_rows + slot * kv_row);
   }
-  const auto q = qkv.narrow(1, 0, num_heads * head_dim).view({num_tokens, num_heads, head_dim});
-  const auto attn = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt);
-  const auto attn_rows = attn.view({num_tokens, num_heads * head_dim});
-  auto o = linear_any(attn_rows, o_weight, o_format, c10::nullopt, int8_activations);
-  add_deltas(o, attn_rows, 3, 1);
-  auto [x2, summed2] = add_rms_norm(o, post_norm, eps, summed);
-  auto gate_up = linear_any(x2, gate_up_weight, gate_up_format, c10::nullopt, int8_activations);
-  add_deltas(gate_up, x2, 4, 2);
-  const int64_t inter = gate_up.size(1) / 2;
-  auto act = at::empty({num_tokens, inter}, gate_up.options());
-  const float* gu = gate_up.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int64_t i = 0; i < inter; ++i) {
-      const float g = gu[t * 2 * inter + i];
-      a[t * inter + i] = g / (1.f + std::exp(-g)) * gu[t * 2 * inter + inter + i];
+  // The layers' weights, each checked against its shape; the MLP width from the first gate_up.
+  int64_t total_parts = 0;
+  for (const int64_t count : parts_per_weight) {
+    TORCH_CHECK(count > 0, "few_rows_decode_layers: a weight needs at least one part");
+    total_parts += count;
+  }
+  TORCH_CHECK(total_parts == static_cast<int64_t>(weights.size()), "few_rows_decode_layers: the part counts add up to ",
+              total_parts, ", not the ", weights.size(), " parts");
+  std::vector<std::array<DecodeWeight, 4>> layers(num_layers);
+  int64_t intermediate = 0;
+  for (int64_t l = 0, part = 0; l < num_layers; ++l) {
+    std::array<at::TensorList, 4> w;
+    std::array<c10::ArrayRef<std::string>, 4> f;
+    for (int i = 0; i < 4; ++i) {
+      const int64_t count = parts_per_weight[4 * l + i];
+      w[i] = weights.slice(part, count);
+      f[i] = formats.slice(part, count);
+      part += count;
     }
-  auto down = linear_any(act, down_weight, down_format, c10::nullopt, int8_activations);
-  add_deltas(down, act, 6, 1);
-  return {down, summed2};
+    if (l == 0) intermediate = std::accumulate(w[2].begin(), w[2].end(), int64_t(0), [](int64_t n, const at::Tensor& t) {
+                   return n + t.size(0);
+                 }) / 2;
+    layers[l] = {decode_weight(w[0], f[0], hidden_size, qkv_width, qkv_biases.get(l), int8_activations, "QKV"),
+                 decode_weight(w[1], f[1], attn_width, hidden_size, c10::nullopt, int8_activations, "O"),
+                 decode_weight(w[2], f[2], hidden_size, 2 * intermediate, c10::nullopt, int8_activations, "gate_up"),
+                 decode_weight(w[3], f[3], intermediate, hidden_size, c10::nullopt, int8_activations, "down")};
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK(norms[2 * l + i].scalar_type() == at::kFloat && norms[2 * l + i].is_contiguous() &&
+                      norms[2 * l + i].numel() == hidden_size,
+                  "few_rows_decode_layers: norm weights float32 [", hidden_size, "]");
+  }
+  const bool has_lora = !lora_a.empty();
+  TORCH_CHECK(!has_lora || (static_cast<int64_t>(lora_a.size()) == kModules * num_layers &&
+                            lora_b.size() == lora_a.size() && lora_ranks.has_value() && lora_rows.has_value() &&
+                            lora_segments.has_value() && lora_ranks->dim() == 3 && lora_ranks->size(0) == num_layers),
+              "few_rows_decode_layers: LoRA needs A and B of seven modules a layer, ranks [layers, 7, slots], "
+              "rows and segments");
+
+  const auto options = hidden.options();
+  const auto input = hidden.contiguous();
+  auto stream = at::empty({num_tokens, hidden_size}, options);  // the residual stream
+  auto x = at::empty({num_tokens, hidden_size}, options);       // a norm's output
+  auto qkv = at::empty({num_tokens, qkv_width}, options);
+  auto attn = at::empty({num_tokens, attn_width}, options);
+  auto o = at::empty({num_tokens, hidden_size}, options);
+  auto gate_up = at::empty({num_tokens, 2 * intermediate}, options);
+  auto act = at::empty({num_tokens, intermediate}, options);
+  auto out = at::empty({num_tokens, hidden_size}, options);  // a layer's output
+  float *stream_d = stream.data_ptr<float>(), *x_d = x.data_ptr<float>(), *qkv_d = qkv.data_ptr<float>(),
+        *attn_d = attn.data_ptr<float>(), *o_d = o.data_ptr<float>(), *gate_up_d = gate_up.data_ptr<float>(),
+        *act_d = act.data_ptr<float>(), *out_d = out.data_ptr<float>();
+  const float* input_d = input.data_ptr<float>();
+  const float *cos_d = cos_c.data_ptr<float>(), *sin_d = sin_c.data_ptr<float>();
+  const float eps_f = static_cast<float>(eps), scale_f = static_cast<float>(scale);
+  // LoRA's op checks its arguments and may throw, which must not leave the region: thread 0 keeps
+  // the first exception, the step finishes with the deltas it could add, and it is thrown after.
+  std::exception_ptr lora_error;
+  const auto add_deltas = [&](at::Tensor& target, const at::Tensor& source, int64_t layer, int64_t first,
+                              int64_t count) {
+    if (lora_error) return;
+    try {
+      add_lora(target, source, lora_a.slice(kModules * layer + first, count),
+               lora_b.slice(kModules * layer + first, count), lora_ranks->select(0, layer).narrow(0, first, count),
+               *lora_rows, *lora_segments);
+    } catch (...) {
+      lora_error = std::current_exception();
+    }
+  };
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const bool lead = t == 0;
+    std::vector<float> scores(max_blocks * block_size);
+    const auto product = [&](const DecodeWeight& w, const float* in, float* result) {
+      const auto [begin, end] = share(w.width, t, threads);
+      w.columns(in, num_tokens, result, begin, end, int8_activations);
+    };
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const auto& [qkv_w, o_w, gate_up_w, down_w] = layers[l];
+      if (lead) {  // stream += the last layer's output (the input, first); x = RMSNorm(stream)
+        const float* add = l == 0 ? input_d : out_d;
+        for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] = l == 0 ? add[i] : stream_d[i] + add[i];
+        for (int64_t s = 0; s < num_tokens; ++s)
+          rms_norm_row(stream_d + s * hidden_size, norms[2 * l].data_ptr<float>(), x_d + s * hidden_size, hidden_size,
+                       eps_f);
+      }
+#pragma omp barrier
+      product(qkv_w, x_d, qkv_d);
+#pragma omp barrier
+      if (lead) {
+        if (has_lora) add_deltas(qkv, x, l, 0, 3);
+        // Rotate each token's q and k heads, then store its k and v at its slot.
+        for (int64_t s = 0; s < num_tokens; ++s) {
+          const float *c = cos_d + s * head_dim, *sn = sin_d + s * head_dim;
+          float* row = qkv_d + s * qkv_width;
+          for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+            float* v = row + h * head_dim;
+            for (int64_t i = 0; i < half; ++i) {
+              const float first = v[i], second = v[i + half];
+              v[i] = first * c[i] + second * sn[i];
+              v[i + half] = second * c[i + half] + first * sn[i + half];
+            }
+          }
+          const float* k = row + num_heads * head_dim;
+          std::copy(k, k + kv_row, k_caches[l].data_ptr<float>() + slot_data[s] * kv_row);
+          std::copy(k + kv_row, k + 2 * kv_row, v_caches[l].data_ptr<float>() + slot_data[s] * kv_row);
+        }
+      }
+#pragma omp barrier
+      {  // each query head of each token over its sequence's pages
+        const auto [begin, end] = share(num_tokens * num_heads, t, threads);
+        const float *k_data = k_caches[l].data_ptr<float>(), *v_data = v_caches[l].data_ptr<float>();
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t s = item / num_heads, head = item % num_heads;
+          attend(qkv_d + s * qkv_width + head * head_dim, k_data, v_data, table_data + s * max_blocks, len_data[s],
+                 block_size, kv_row, head / group, 1, scale_f, nullptr, scores.data(),
+                 attn_d + s * attn_width + head * head_dim);
+        }
+      }
+#pragma omp barrier
+      product(o_w, attn_d, o_d);
+#pragma omp barrier
+      if (lead) {
+        if (has_lora) add_deltas(o, attn, l, 3, 1);
+        for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] += o_d[i];
+        for (int64_t s = 0; s < num_tokens; ++s)
+          rms_norm_row(stream_d + s * hidden_size, norms[2 * l + 1].data_ptr<float>(), x_d + s * hidden_size,
+                       hidden_size, eps_f);
+      }
+#pragma omp barrier
+      product(gate_up_w, x_d, gate_up_d);
+#pragma omp barrier
+      if (has_lora) {
+        if (lead) add_deltas(gate_up, x, l, 4, 2);
+#pragma omp barrier
+      }
+      {  // act = SiLU(gate) * up
+        const auto [begin, end] = share(intermediate, t, threads);
+        for (int64_t s = 0; s < num_tokens; ++s)
+          for (int64_t i = begin; i < end; ++i) {
+            const float g = gate_up_d[s * 2 * intermediate + i];
+            act_d[s * intermediate + i] = g / (1.f + std::exp(-g)) * gate_up_d[s * 2 * intermediate + intermediate + i];
+          }
+      }
+#pragma omp barrier
+      product(down_w, act_d, out_d);
+#pragma omp barrier
+      if (has_lora) {
+        if (lead) add_deltas(out, act, l, 6, 1);
+#pragma omp barrier
+      }
+    }
+  }
+  if (lora_error) std::rethrow_exception(lora_error);
+  return {out, stream};
 }
 
 }  // namespace
@@ -1618,13 +1870,11 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def("dequantize_blocks(Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def(
-      "few_rows_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] qkv_weight, str[] qkv_format, Tensor? qkv_bias, Tensor[] o_weight, str[] o_format, "
-      "Tensor[] gate_up_weight, str[] gate_up_format, Tensor[] down_weight, str[] down_format, Tensor cos, "
-      "Tensor sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
-      "int num_heads, float scale, bool int8_activations, Tensor[] lora_a, Tensor[] lora_b, "
-      "Tensor? lora_ranks, Tensor? lora_rows, Tensor? lora_segments) -> (Tensor, Tensor)");
+      "few_rows_decode_layers(Tensor hidden, Tensor[] norms, Tensor[] weights, str[] formats, "
+      "int[] parts_per_weight, Tensor?[] qkv_biases, float eps, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor seq_lens, int num_heads, float scale, "
+      "bool int8_activations, Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_ranks, Tensor? lora_rows, "
+      "Tensor? lora_segments) -> (Tensor, Tensor)");
   m.def(
       "lora_add(Tensor(a!) out, Tensor x, Tensor[] a, Tensor[] b, Tensor ranks, Tensor rows, Tensor segments) "
       "-> ()");
@@ -1638,6 +1888,6 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("moe_experts_quantized", &moe_experts_quantized);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("few_rows_decode_layer", &few_rows_decode_layer);
+  m.impl("few_rows_decode_layers", &few_rows_decode_layers);
   m.impl("lora_add", &lora_add);
 }

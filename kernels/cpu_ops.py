@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -337,18 +338,29 @@ def add_rms_norm(
     return ops().add_rms_norm(x, weight, eps, residual)
 
 
-NO_LORA = ([], [], None, None, None)  # few_rows_decode_layer's `lora` for a step without adapters
+class DecodeLayers(NamedTuple):
+    """A model's decoder layers as few_rows_decode_layers takes them, flattened in layer order:
+    two norms a layer (input, post-attention); the parts of each layer's four weights (QKV, O,
+    gate_up, down: a tensor each, float32 [out, in] with format "" or GGUF blocks with theirs) and
+    how many each weight has; a QKV bias or None a layer."""
+
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    formats: list[str]
+    parts_per_weight: list[int]
+    qkv_biases: list[torch.Tensor | None]
 
 
-def few_rows_decode_layer(
+NO_LORA = ([], [], None, None, None)  # few_rows_decode_layers' `lora` for a step without adapters
+
+
+def few_rows_decode_layers(
     hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    norms: tuple[torch.Tensor, torch.Tensor],
+    layers: DecodeLayers,
     eps: float,
-    weights: tuple,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: tuple[list[torch.Tensor], list[torch.Tensor]],
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -357,18 +369,16 @@ def few_rows_decode_layer(
     int8_activations: bool = False,
     lora: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer for an all-decode step of at most MAX_LINEAR_ROWS tokens: (its output,
-    the residual stream). `weights`: qkv parts, formats, bias; o_proj parts, formats; gate_up
-    parts, formats; down parts, formats. A weight's parts are stacked by rows, each multiplying into
-    its own output columns (format "" for float32 [out, in], else GGUF blocks): one part, or a
-    fused weight whose parts have different formats. cos / sin: [T, D] signed
-    full-width rotary rows; slots, block_tables, seq_lens: int64. int8_activations: the GGUF
-    blocks multiply by linear_quantized_int8. lora: the step's adapter deltas for this layer, as
-    `lora_add` takes them, A and B of q, k, v, o, gate, up, down in that order: (a, b, ranks, rows,
-    segments); () for none."""
-    return ops().few_rows_decode_layer(
-        hidden, residual, *norms, eps, *weights, cos, sin, *kv_cache, slots, block_tables, seq_lens, num_heads,
-        scale, int8_activations, *(lora or NO_LORA),
+    """Every decoder layer of an all-decode step of at most MAX_LINEAR_ROWS tokens, in one call
+    (the layers' small ops chained in C++): (the last layer's output, the residual stream).
+    cos / sin: [T, D] signed full-width rotary rows; kv_caches: (K caches, V caches), one a layer;
+    slots, block_tables, seq_lens: int64. int8_activations: the GGUF blocks multiply by
+    linear_quantized_int8. lora: the step's adapter deltas, A and B of q, k, v, o, gate, up, down
+    of every layer in that order, their ranks [layers, 7, slots], and the rows and segments
+    `lora_add` takes: (a, b, ranks, rows, segments); () for none."""
+    return ops().few_rows_decode_layers(
+        hidden, *layers, eps, cos, sin, *kv_caches, slots, block_tables, seq_lens, num_heads, scale,
+        int8_activations, *(lora or NO_LORA),
     )  # fmt: skip
 
 

@@ -219,7 +219,7 @@ def test_smollm2_with_int8_activations_stays_close_to_hf(smollm2_int8, smollm2_d
 def test_smollm2_int8_activations_reach_both_decode_paths(smollm2_int8):
     """Decode steps of 1-4 rows with the option on move the logits off the float-activation ones,
     by the activations' rounding and no more, through the one-op layers
-    (cpu_ops.few_rows_decode_layer) and through the per-op path alike. (The two int8 paths are not
+    (cpu_ops.few_rows_decode_layers) and through the per-op path alike. (The two int8 paths are not
     compared with each other: one rounding that flips between them, from float32 summation order,
     changes the next layers' activations by a quant, which flips many more: they differ about as
     much as either does from float.)"""

@@ -90,18 +90,18 @@ def test_k_quant_weights_multiply_from_their_blocks(
     # With the plain weights freed nothing but the blocks can serve a step of few rows; count
     # that the mixed ones do, on either path.
     layer_formats, mixed_calls = [], []
-    decode_layer, multiply = cpu_ops.few_rows_decode_layer, MixedQuantizedWeight.multiply
+    decode_layers, multiply = cpu_ops.few_rows_decode_layers, MixedQuantizedWeight.multiply
 
-    def counted_layer(*args, **kwargs):
-        weights = args[4]
-        layer_formats.append((weights[1], weights[6]))  # qkv's and gate_up's part formats
-        return decode_layer(*args, **kwargs)
+    def counted_layers(*args, **kwargs):
+        layers = args[1]
+        layer_formats.append((layers.formats, layers.parts_per_weight))
+        return decode_layers(*args, **kwargs)
 
     def counted(self: MixedQuantizedWeight, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
         mixed_calls.append(x.shape[0])
         return multiply(self, x, int8_activations)
 
-    monkeypatch.setattr(cpu_ops, "few_rows_decode_layer", counted_layer)
+    monkeypatch.setattr(cpu_ops, "few_rows_decode_layers", counted_layers)
     monkeypatch.setattr(MixedQuantizedWeight, "multiply", counted)
     rng = np.random.default_rng(0)
     builders = [PlanBuilder(), PlanBuilder()]
@@ -123,7 +123,9 @@ def test_k_quant_weights_multiply_from_their_blocks(
         layer_formats.clear()
         mixed_calls.clear()
         one_op = runner_logits(runners[0], builders[0], chunks)
-        assert layer_formats == [(["Q4_K", "Q6_K"], ["Q5_K", "Q4_K"])] * num_layers and not mixed_calls
+        # one call for the step: qkv's and gate_up's parts in two formats each, every layer
+        formats = ["Q4_K", "Q6_K", "Q4_K", "Q5_K", "Q4_K", "Q6_K"]
+        assert layer_formats == [(formats * num_layers, [2, 1, 2, 1] * num_layers)] and not mixed_calls
         layer_formats.clear()
         per_op = runner_logits(runners[1], builders[1], chunks)
         assert (

@@ -607,21 +607,24 @@ def test_add_rms_norm_matches_torch():
         cpu_ops.add_rms_norm(x, weight, 1e-5, torch.randn(2, 576))
 
 
-def test_few_rows_decode_layer_refuses_bad_slots_and_caches():
-    """The one-op layer checks the KV slots and caches before it writes a row (the rest of its
-    input is checked by the ops it chains, tested above)."""
+def test_few_rows_decode_layers_refuse_bad_arguments_before_writing():
+    """The one-op decode step checks the KV slots, caches, weight shapes and formats before it
+    writes a row: nothing may be thrown from inside its parallel region."""
     assert has_cpu_kernels()
     hidden, heads, kv_heads, head_dim = 32, 2, 1, 16
     qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden)
-    weights = ([qkv], [""], None, [torch.randn(hidden, heads * head_dim)], [""], [torch.randn(64, hidden)], [""],
-               [torch.randn(hidden, 32)], [""])  # fmt: skip
+    mlp = torch.randn(64, hidden)
     kv = PagedKV([3], kv_heads, head_dim, 16, torch.float32)
 
-    def run(slots, k_cache=kv.k_cache):
-        return cpu_ops.few_rows_decode_layer(
-            torch.randn(1, hidden), None, (torch.ones(hidden), torch.ones(hidden)), 1e-5, weights,
-            torch.ones(1, head_dim), torch.zeros(1, head_dim), (k_cache, kv.v_cache), slots,
-            kv.block_tables.long(), kv.seq_lens.long(), heads, 0.25,
+    def run(slots, k_cache=kv.k_cache, qkv=qkv, gate_up=mlp, gate_up_format=""):
+        layers = cpu_ops.DecodeLayers(
+            [torch.ones(hidden), torch.ones(hidden)],
+            [qkv, torch.randn(hidden, heads * head_dim), gate_up, torch.randn(hidden, 32)],
+            ["", "", gate_up_format, ""], [1, 1, 1, 1], [None],
+        )  # fmt: skip
+        return cpu_ops.few_rows_decode_layers(
+            torch.randn(1, hidden), layers, 1e-5, torch.ones(1, head_dim), torch.zeros(1, head_dim),
+            ([k_cache], [kv.v_cache]), slots, kv.block_tables.long(), kv.seq_lens.long(), heads, 0.25,
         )  # fmt: skip
 
     out, _ = run(torch.tensor([kv.block_tables[0, 0].item() * 16 + 2]))
@@ -631,6 +634,16 @@ def test_few_rows_decode_layer_refuses_bad_slots_and_caches():
         run(torch.tensor([kv.k_cache.shape[0] * 16]))
     with pytest.raises(RuntimeError, match="caches"):
         run(torch.tensor([0]), k_cache=kv.k_cache.transpose(1, 2))
+    with pytest.raises(RuntimeError, match="QKV has 60 output columns in 1 parts, the layer needs 64"):
+        run(torch.tensor([0]), qkv=torch.randn(60, hidden))
+    with pytest.raises(
+        RuntimeError, match=r"down part 0 .* 24 inputs need 96"
+    ):  # gate_up sets the MLP's width
+        run(torch.tensor([0]), gate_up=torch.randn(48, hidden))
+    with pytest.raises(RuntimeError, match="unknown format Q3_X"):
+        run(torch.tensor([0]), gate_up=torch.zeros(64, 24, dtype=torch.uint8), gate_up_format="Q3_X")
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        run(torch.tensor([0]), gate_up=torch.zeros(64, 23, dtype=torch.uint8), gate_up_format="Q4_1")
     assert torch.equal(kv.k_cache, caches[0]) and torch.equal(kv.v_cache, caches[1])  # nothing written
 
 

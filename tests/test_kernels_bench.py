@@ -21,7 +21,7 @@ OPS = {
     "few_rows_linear_quantized",
     "linear_quantized_int8",
     "add_rms_norm",
-    "few_rows_decode_layer",
+    "few_rows_decode_layers",
 }
 
 

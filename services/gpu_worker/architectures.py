@@ -206,7 +206,7 @@ class ModelConfig:
 
     @property
     def is_plain_llama(self) -> bool:
-        """A Llama layer exactly (what cpu_ops.few_rows_decode_layer computes)."""
+        """A Llama layer exactly (what cpu_ops.few_rows_decode_layers computes)."""
         return (
             self.activation == "silu"
             and not (self.qk_norm or self.sandwich_norms or self.attn_softcap)

@@ -232,16 +232,16 @@ class LoraSlots:
                         [self.b[(layer, module)] for module in modules],
                         self.module_ranks[layer, first : first + len(modules)],
                     )
-        # A whole layer's A and B in TARGET_MODULES' order, as the one-op decode layer takes them
-        # (`layer_arguments`); a sparse layer has no dense MLP modules, and never takes that op.
-        self.layer_modules = {
-            layer: (
-                [self.a[(layer, m)] for m in TARGET_MODULES],
-                [self.b[(layer, m)] for m in TARGET_MODULES],
+        # Every layer's A and B in TARGET_MODULES' order, as the one-op decode layers take them
+        # (`decode_arguments`); a model with a sparse layer (no dense MLP modules) never takes that op.
+        self.decode_modules = (
+            (
+                [self.a[(layer, m)] for layer in range(len(model.layers)) for m in TARGET_MODULES],
+                [self.b[(layer, m)] for layer in range(len(model.layers)) for m in TARGET_MODULES],
             )
-            for layer in range(len(model.layers))
-            if all((layer, m) in self.a for m in TARGET_MODULES)
-        }
+            if all((layer, m) in self.a for layer in range(len(model.layers)) for m in TARGET_MODULES)
+            else ([], [])
+        )
         # The kernel that applies them (kernels/lora.py's contract): Triton with the Triton
         # backend, C++ on the CPU in float32 where the kernels load, else the torch reference.
         if model.is_triton:
@@ -297,6 +297,6 @@ class LoraBatch:
         if projection is not None:  # None: a sparse (MoE) layer's MLP, which adapters do not reach
             self.slots.apply(out, x, *projection, self.rows, self.segments)
 
-    def layer_arguments(self, layer: int) -> tuple:
-        """The deltas of a whole layer as cpu_ops.few_rows_decode_layer takes them (`lora`)."""
-        return *self.slots.layer_modules[layer], self.slots.module_ranks[layer], self.rows, self.segments
+    def decode_arguments(self) -> tuple:
+        """Every layer's deltas as cpu_ops.few_rows_decode_layers takes them (`lora`)."""
+        return *self.slots.decode_modules, self.slots.module_ranks, self.rows, self.segments

@@ -132,8 +132,8 @@ class ProjectionDeltas(Protocol):
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
         """out += the deltas of layer `layer`'s `modules` (HF names, in out's column order) on x."""
 
-    def layer_arguments(self, layer: int) -> tuple:
-        """A whole layer's deltas as cpu_ops.few_rows_decode_layer takes them (its `lora`)."""
+    def decode_arguments(self) -> tuple:
+        """Every layer's deltas as cpu_ops.few_rows_decode_layers takes them (its `lora`)."""
 
 
 # engine.cpu_wide_step_dtype=bfloat16: in float32 on the CPU, steps of more than
@@ -258,7 +258,7 @@ class QuantizedWeight:
 class MixedQuantizedWeight:
     """A fused weight whose parts are blocks of different formats (a Q4_K_M file's Q4_K q / k
     with Q6_K v): each run of rows of one format multiplies into its own columns of the output
-    (here, and in cpu_ops.few_rows_decode_layer, which takes a weight as its parts)."""
+    (here, and in cpu_ops.few_rows_decode_layers, which takes a weight as its parts)."""
 
     parts: tuple[QuantizedWeight, ...]
 
@@ -523,17 +523,13 @@ class LlamaLayer:
         assert self.shared_gate_up is not None and self.shared_down is not None
         return self.shared_gate_up, self.shared_down
 
-    @cached_property
-    def decode_layer_weights(self) -> tuple:
-        """`few_rows` as cpu_ops.few_rows_decode_layer takes them: (parts, formats) each, the QKV
-        bias third. Made by the first decode step, after loading (the weights do not change
-        then), instead of once a layer in every step."""
-        flat: list = []
-        for w in self.few_rows:
-            parts = w.parts if isinstance(w, MixedQuantizedWeight) else (w,)
-            flat.append([p if isinstance(p, torch.Tensor) else p.blocks for p in parts])
-            flat.append(["" if isinstance(p, torch.Tensor) else p.format for p in parts])
-        return (*flat[:2], self.qkv_bias, *flat[2:])
+    def few_rows_parts(self) -> list[list[tuple[torch.Tensor, str]]]:
+        """`few_rows` as cpu_ops.few_rows_decode_layers takes them: each weight as its parts, a part
+        as (tensor, format), format "" for float32 [out, in]."""
+        return [
+            [(p, "") if isinstance(p, torch.Tensor) else (p.blocks, p.format) for p in parts]
+            for parts in (w.parts if isinstance(w, MixedQuantizedWeight) else (w,) for w in self.few_rows)
+        ]
 
 
 def stacked_expert_weight(
@@ -1090,6 +1086,21 @@ class LlamaModel:
         hidden, residual = self.hidden_states(input_ids, metas, kv_cache, lora, images)
         return self.logits(hidden, residual, sample_tokens)
 
+    @cached_property
+    def decode_layers(self) -> cpu_ops.DecodeLayers:
+        """The layers as cpu_ops.few_rows_decode_layers takes them, made by the first decode step
+        that takes that op, after loading (the weights do not change then)."""
+        norms, weights, formats, counts = [], [], [], []
+        for layer in self.layers:
+            norms += [layer.input_norm, layer.pre_mlp_norm]
+            for parts in layer.few_rows_parts():
+                counts.append(len(parts))
+                weights += [tensor for tensor, _ in parts]
+                formats += [fmt for _, fmt in parts]
+        return cpu_ops.DecodeLayers(
+            norms, weights, formats, counts, [layer.qkv_bias for layer in self.layers]
+        )
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -1117,28 +1128,24 @@ class LlamaModel:
         activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         residual = None
         meta = metas[0]
-        # A decode step of a few sequences runs each layer as one C++ op (cpu_ops.few_rows_decode_layer),
-        # adapter deltas included.
-        is_one_op_layers = (
+        # A decode step of a few sequences runs all its layers in one C++ op
+        # (cpu_ops.few_rows_decode_layers), adapter deltas included.
+        if (
             self.has_one_op_layers
             and layout == "few_rows"
             and meta.decode_tables is not None
             and meta.is_all_decode
             and meta.store_tokens is None
-        )
-        if is_one_op_layers:
-            cos, sin = meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1)
+        ):
+            return cpu_ops.few_rows_decode_layers(
+                hidden, self.decode_layers, eps, meta.cos.view(num_tokens, -1), meta.sin.view(num_tokens, -1),
+                ([k for k, _ in kv_cache], [v for _, v in kv_cache]), meta.slot_mapping, meta.decode_tables,
+                meta.decode_lens, self.shapes.num_heads, scale, self.int8_activations,
+                () if lora is None else lora.decode_arguments(),
+            )  # fmt: skip
         for index, (layer, layer_cache, kind) in enumerate(
             zip(self.layers, kv_cache, self.layer_kinds, strict=True)
         ):
-            if is_one_op_layers:
-                hidden, residual = cpu_ops.few_rows_decode_layer(
-                    hidden, residual, (layer.input_norm, layer.pre_mlp_norm), eps, layer.decode_layer_weights,
-                    cos, sin, layer_cache, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
-                    self.shapes.num_heads, scale, self.int8_activations,
-                    () if lora is None else lora.layer_arguments(index),
-                )  # fmt: skip
-                continue
             k_cache, v_cache = layer_cache
             layer_ops, layer_meta = self.kind_ops[kind], metas[kind]
             qkv_w, o_proj_w, gate_up_w, down_w = getattr(layer, layout)
