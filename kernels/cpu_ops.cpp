@@ -366,6 +366,9 @@ inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
   q[1] = _mm512_cvtepi32_ps(
       _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), mask));
 }
+constexpr bool kScalesQ4_1 = false;  // the 512-bit unpack has no shift to save
+inline void unpack_scaled(const BlockQ4_1& block, Floats q[kBlockVectors]) { unpack(block, q); }
+inline std::vector<float> scaled_activations(const float*, int64_t) { return {}; }
 inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
   // Byte position b moves to the top of its word, then an arithmetic shift sign-extends it.
   const __m512i shifts = _mm512_setr_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
@@ -389,6 +392,30 @@ inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
     const __m256i shifts = _mm256_setr_epi32(8 * v, 8 * v, 8 * v, 8 * v, 8 * v + 4, 8 * v + 4, 8 * v + 4, 8 * v + 4);
     q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask));
   }
+}
+// Q4_1 with one op fewer for most vectors of weights: a nibble is masked where it lies instead of
+// shifted down first, so a lane converts q * 2^s, s the nibble's bit position; the activations it
+// meets were scaled by 2^-s once (scaled_activations). A power of two scales exactly, so every
+// product, and every sum, is the one q * x gives. Vector 3 is shifted down by 24 first: its upper
+// lanes' nibble (bits 28-31) would convert as a negative number.
+constexpr bool kScalesQ4_1 = true;
+constexpr int q4_1_shift(int v, int lane) { return (v < 3 ? 8 * v : 0) + (lane >= 4 ? 4 : 0); }
+inline void unpack_scaled(const BlockQ4_1& block, Floats q[kBlockVectors]) {
+  const __m256i words = broadcast16(block.qs);
+  for (int v = 0; v < 3; ++v) {
+    const int low = 0xF << q4_1_shift(v, 0), high = 0xF << q4_1_shift(v, 4);
+    q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_setr_epi32(low, low, low, low, high, high, high, high)));
+  }
+  q[3] = _mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srli_epi32(words, 24), _mm256_setr_epi32(0xF, 0xF, 0xF, 0xF, 0xF0, 0xF0, 0xF0, 0xF0)));
+}
+// x [count] (whole blocks) times 2^-s of the weight each value meets in unpack_scaled.
+std::vector<float> scaled_activations(const float* x, int64_t count) {
+  std::array<float, kBlockWeights> scales{};
+  for (int k = 0; k < kBlockWeights; ++k) scales[k] = std::ldexp(1.f, -q4_1_shift(k / kLanes, k % kLanes));
+  std::vector<float> scaled(count);
+  for (int64_t i = 0; i < count; ++i) scaled[i] = x[i] * scales[i % kBlockWeights];
+  return scaled;
 }
 inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
   const __m256i halves[2] = {broadcast16(block.qs), broadcast16(block.qs + 16)};
@@ -415,10 +442,14 @@ inline void unpack(const BlockMXFP4& block, Floats q[kBlockVectors]) {
 // out[r, n] = sum over blocks b of d_b * (x_b . q_b), plus for Q4_1 the minimums' term
 // sum over b of m_b * sum(x_b) (block_sums, made once per call). Even and odd blocks add into
 // separate sums, so that the loop is bound by its work, not by FMA latency.
-template <typename Block, int R>
+template <typename Block, int R, bool Scaled>
 inline void add_block(const float* x, const Block& block, int64_t b, int64_t num_blocks, Floats acc[R]) {
   Floats q[kBlockVectors];
-  unpack(block, q);
+  if constexpr (Scaled) {
+    unpack_scaled(block, q);
+  } else {
+    unpack(block, q);
+  }
   const Floats d = broadcast_float(block.d);
   for (int r = 0; r < R; ++r) {
     const float* xb = x + (r * num_blocks + b) * kBlockWeights;
@@ -432,16 +463,19 @@ inline void add_block(const float* x, const Block& block, int64_t b, int64_t num
 template <typename Block, int R>
 void few_rows_times_blocks(const float* x, const float* block_sums, const uint8_t* w, float* out,
                            int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end) {
+  constexpr bool kScaled = kScalesQ4_1 && std::is_same_v<Block, BlockQ4_1>;
+  const std::vector<float> scaled = kScaled ? scaled_activations(x, R * num_blocks * kBlockWeights) : std::vector<float>();
+  const float* xs = kScaled ? scaled.data() : x;
   for (int64_t n = begin; n < end; ++n) {
     const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
     Floats even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = zero_floats();
     int64_t b = 0;
     for (; b + 2 <= num_blocks; b += 2) {
-      add_block<Block, R>(x, row.blocks[b], b, num_blocks, even);
-      add_block<Block, R>(x, row.blocks[b + 1], b + 1, num_blocks, odd);
+      add_block<Block, R, kScaled>(xs, row.blocks[b], b, num_blocks, even);
+      add_block<Block, R, kScaled>(xs, row.blocks[b + 1], b + 1, num_blocks, odd);
     }
-    if (b < num_blocks) add_block<Block, R>(x, row.blocks[b], b, num_blocks, even);
+    if (b < num_blocks) add_block<Block, R, kScaled>(xs, row.blocks[b], b, num_blocks, even);
     for (int r = 0; r < R; ++r) {
       float sum = sum_floats(add_floats(even[r], odd[r]));
       if constexpr (kHasMinimums<Block>) sum += dot_product(row.minimums, block_sums + r * num_blocks, num_blocks);
