@@ -66,6 +66,13 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+inline float horizontal_max(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
 // The float vector the few-rows kernels below compute in: 16 lanes in the AVX-512 build, 8 in the
 // AVX2 one, so that one kernel serves both.
 #ifdef BRIGADE_AVX512
@@ -91,11 +98,35 @@ inline Floats fma_floats(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v); }
 inline float sum_floats(Floats v) { return horizontal_sum(v); }
 #endif
+// Lane t: the sum of v[t]'s eight lanes (a transpose and add in one: seven horizontal adds
+// for eight sums, where a horizontal sum each costs six dependent ops).
+inline __m256 sums_of_eight(const __m256 v[8]) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// e^x for x <= 0 (a score minus the maximum), Cephes' expf: x = n ln 2 + r with ln 2 in two
+// parts, e^r by its degree-5 polynomial (relative error about 1e-7, as std::exp's float), times 2^n.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below, e^x is under float's smallest normal: 0
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
 // The `group` query heads that share KV head `kv_head` attend over one sequence's `len` tokens:
-// scores for the whole context, softmax, then the weighted sum of values. With the head size a
-// compile-time constant, a query head (and the output accumulator) stays in registers. `sinks`
-// (nullptr for none) holds the group's sink logits: each joins its head's softmax denominator
-// as a score without a value (gpt-oss).
+// scores for the whole context, softmax, then the weighted sum of values. Scores come eight
+// tokens of a page at a time (eight dot products side by side, summed by sums_of_eight), the
+// softmax's exponentials eight at a time. With the head size a compile-time constant, the output
+// accumulator stays in registers. `sinks` (nullptr for none) holds the group's sink logits: each
+// joins its head's softmax denominator as a score without a value (gpt-oss).
 template <int D>
 void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
                     int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
@@ -103,32 +134,51 @@ void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, 
   constexpr int kVectors = D / 8;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const __m256 scales = _mm256_set1_ps(scale);
   for (int64_t g = 0; g < group; ++g) {
-    __m256 qv[kVectors];
-    for (int i = 0; i < kVectors; ++i) qv[i] = _mm256_loadu_ps(q + g * D + 8 * i);
+    const float* query = q + g * D;
+    __m256 maxima = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     float max_score = sinks != nullptr ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float* keys = k_cache + table[b] * block_stride + kv_head * D;
       const int64_t first = b * block_size, n = std::min(block_size, len - first);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* key = keys + t * token_stride;
-        // Two partial sums halve the dependency chain of the FMAs.
-        __m256 even = _mm256_mul_ps(qv[0], _mm256_loadu_ps(key));
-        __m256 odd = _mm256_setzero_ps();
-        for (int i = 1; i < kVectors; i += 2) {
-          odd = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(key + 8 * i), odd);
-          if (i + 1 < kVectors) even = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(key + 8 * i + 8), even);
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        __m256 dots[8];
+        for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
+        for (int i = 0; i < kVectors; ++i) {
+          const __m256 qi = _mm256_loadu_ps(query + 8 * i);
+          for (int j = 0; j < 8; ++j)
+            dots[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * i), dots[j]);
         }
-        const float score = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
+        const __m256 eight = _mm256_mul_ps(sums_of_eight(dots), scales);
+        _mm256_storeu_ps(scores + first + t, eight);
+        maxima = _mm256_max_ps(maxima, eight);
+      }
+      for (; t < n; ++t) {
+        const float* key = keys + t * token_stride;
+        __m256 dot = _mm256_setzero_ps();
+        for (int i = 0; i < kVectors; ++i) dot = _mm256_fmadd_ps(_mm256_loadu_ps(query + 8 * i), _mm256_loadu_ps(key + 8 * i), dot);
+        const float score = horizontal_sum(dot) * scale;
         scores[first + t] = score;
         max_score = std::max(max_score, score);
       }
     }
+    max_score = std::max(max_score, horizontal_max(maxima));
     float sum = sinks != nullptr ? std::exp(sinks[g] - max_score) : 0.f;
-    for (int64_t t = 0; t < len; ++t) {
+    const __m256 shift = _mm256_set1_ps(max_score);
+    __m256 sums = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
+      _mm256_storeu_ps(scores + t, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    for (; t < len; ++t) {
       scores[t] = std::exp(scores[t] - max_score);
       sum += scores[t];
     }
+    sum += horizontal_sum(sums);
     __m256 acc[kVectors];
     for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -1119,12 +1169,6 @@ inline int horizontal_sum_epi32(__m256i v) {
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(x);
-}
-inline float horizontal_max(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
 }
 
 ActivationBlocks quantize_activations(const float* x, int64_t num_rows, int64_t num_blocks,
