@@ -121,27 +121,52 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-// The `group` query heads that share KV head `kv_head` attend over one sequence's `len` tokens:
-// scores for the whole context, softmax, then the weighted sum of values. Scores come eight
+// Asks for the rows of a page ahead of their use (`width` floats a token, `token_stride` apart):
+// pages lie anywhere in the cache, and a head's rows are a strided part of each, where the
+// hardware's prefetchers, which follow a stream within a 4 KB page, miss most of them.
+inline void prefetch_rows(const float* rows, int64_t begin, int64_t end, int64_t token_stride, int64_t width) {
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t i = 0; i < width; i += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + t * token_stride + i), _MM_HINT_T0);
+}
+
+// The floats attend_kv_heads needs as `scratch` for `heads` query heads over up to `max_len` tokens.
+inline int64_t attend_scratch_size(int64_t heads, int64_t max_len) { return heads * (max_len + 2); }
+
+// The query heads of `kv_heads` KV heads from `kv_head` on (`group` query heads each, in order,
+// as q, sinks and out hold them) attend over one sequence's `len` tokens: scores for the whole
+// context, softmax, then the weighted sum of values. Each page's keys, then each page's values,
+// are read once for all these heads, the next page asked for while one is used. Scores come eight
 // tokens of a page at a time (eight dot products side by side, summed by sums_of_eight), the
-// softmax's exponentials eight at a time. With the head size a compile-time constant, the output
-// accumulator stays in registers. `sinks` (nullptr for none) holds the group's sink logits: each
-// joins its head's softmax denominator as a score without a value (gpt-oss).
+// softmax's exponentials eight at a time. With the head size a compile-time constant, a head's
+// output accumulator stays in registers while it takes a page. `sinks` (nullptr for none) holds
+// the heads' sink logits: each joins its head's softmax denominator as a score without a value
+// (gpt-oss).
 template <int D>
-void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
-                    int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
-                    float scale, const float* sinks, float* scores, float* out) {
+void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+                     int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t kv_heads,
+                     int64_t group, float scale, const float* sinks, float* scratch, float* out) {
   constexpr int kVectors = D / 8;
+  const int64_t heads = kv_heads * group, width = kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   const __m256 scales = _mm256_set1_ps(scale);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* query = q + g * D;
-    __m256 maxima = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    float max_score = sinks != nullptr ? sinks[g] : -std::numeric_limits<float>::infinity();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const float* keys = k_cache + table[b] * block_stride + kv_head * D;
-      const int64_t first = b * block_size, n = std::min(block_size, len - first);
+  float* max_scores = scratch + heads * len;
+  float* sums = max_scores + heads;
+  const float* k_heads = k_cache + kv_head * D;
+  const float* v_heads = v_cache + kv_head * D;
+  for (int64_t h = 0; h < heads; ++h)
+    max_scores[h] = sinks != nullptr ? sinks[h] : -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (b + 1 < num_blocks)  // the next page's rows, a share with each head
+        prefetch_rows(k_heads + table[b + 1] * block_stride, h * block_size / heads, (h + 1) * block_size / heads,
+                      token_stride, width);
+      const float* keys = k_heads + table[b] * block_stride + (h / group) * D;
+      const float* query = q + h * D;
+      float* scores = scratch + h * len + first;
+      __m256 maxima = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      float max_score = max_scores[h];
       int64_t t = 0;
       for (; t + 8 <= n; t += 8) {
         __m256 dots[8];
@@ -152,7 +177,7 @@ void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, 
             dots[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * i), dots[j]);
         }
         const __m256 eight = _mm256_mul_ps(sums_of_eight(dots), scales);
-        _mm256_storeu_ps(scores + first + t, eight);
+        _mm256_storeu_ps(scores + t, eight);
         maxima = _mm256_max_ps(maxima, eight);
       }
       for (; t < n; ++t) {
@@ -160,51 +185,67 @@ void attend_kv_head(const float* q, const float* k_cache, const float* v_cache, 
         __m256 dot = _mm256_setzero_ps();
         for (int i = 0; i < kVectors; ++i) dot = _mm256_fmadd_ps(_mm256_loadu_ps(query + 8 * i), _mm256_loadu_ps(key + 8 * i), dot);
         const float score = horizontal_sum(dot) * scale;
-        scores[first + t] = score;
+        scores[t] = score;
         max_score = std::max(max_score, score);
       }
+      max_scores[h] = std::max(max_score, horizontal_max(maxima));
     }
-    max_score = std::max(max_score, horizontal_max(maxima));
-    float sum = sinks != nullptr ? std::exp(sinks[g] - max_score) : 0.f;
+  }
+  prefetch_rows(v_heads + table[0] * block_stride, 0, std::min(block_size, len), token_stride, width);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* scores = scratch + h * len;
+    const float max_score = max_scores[h];
+    float sum = sinks != nullptr ? std::exp(sinks[h] - max_score) : 0.f;
     const __m256 shift = _mm256_set1_ps(max_score);
-    __m256 sums = _mm256_setzero_ps();
+    __m256 exps = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
       const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
       _mm256_storeu_ps(scores + t, e);
-      sums = _mm256_add_ps(sums, e);
+      exps = _mm256_add_ps(exps, e);
     }
     for (; t < len; ++t) {
       scores[t] = std::exp(scores[t] - max_score);
       sum += scores[t];
     }
-    sum += horizontal_sum(sums);
-    __m256 acc[kVectors];
-    for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const float* values = v_cache + table[b] * block_stride + kv_head * D;
-      const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    sums[h] = sum + horizontal_sum(exps);
+    std::fill(out + h * D, out + (h + 1) * D, 0.f);
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (b + 1 < num_blocks)
+        prefetch_rows(v_heads + table[b + 1] * block_stride, h * block_size / heads, (h + 1) * block_size / heads,
+                      token_stride, width);
+      const float* values = v_heads + table[b] * block_stride + (h / group) * D;
+      const float* weights = scratch + h * len + first;
+      __m256 acc[kVectors];
+      for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_loadu_ps(out + h * D + 8 * i);
       for (int64_t t = 0; t < n; ++t) {
         const float* value = values + t * token_stride;
-        const __m256 p = _mm256_set1_ps(scores[first + t]);
+        const __m256 p = _mm256_set1_ps(weights[t]);
         for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * i), acc[i]);
       }
+      for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(out + h * D + 8 * i, acc[i]);
     }
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(out + g * D + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[h]);
+    for (int i = 0; i < kVectors; ++i)
+      _mm256_storeu_ps(out + h * D + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(out + h * D + 8 * i), inv));
   }
 }
 
-using AttendFn = decltype(&attend_kv_head<64>);
+using AttendFn = decltype(&attend_kv_heads<64>);
 
 AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return &attend_kv_head<16>;
-    case 32: return &attend_kv_head<32>;
-    case 64: return &attend_kv_head<64>;
-    case 96: return &attend_kv_head<96>;
-    case 128: return &attend_kv_head<128>;
-    case 256: return &attend_kv_head<256>;
+    case 16: return &attend_kv_heads<16>;
+    case 32: return &attend_kv_heads<32>;
+    case 64: return &attend_kv_heads<64>;
+    case 96: return &attend_kv_heads<96>;
+    case 128: return &attend_kv_heads<128>;
+    case 256: return &attend_kv_heads<256>;
     default: TORCH_CHECK(false, "paged_decode: head_dim ", head_dim, " is not one of 16, 32, 64, 96, 128, 256");
   }
 }
@@ -255,14 +296,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const float* v_data = v_cache.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_blocks * block_size);
+  // All of a sequence's heads in one item read its pages' rows whole, the prefetchers' best case;
+  // items of one KV head where there are too few sequences to keep every thread busy.
+  const int64_t kv_heads_per_item = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_heads_per_item;
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(attend_scratch_size(kv_heads_per_item * group, max_blocks * block_size));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t s = item / items_per_seq, h = (item % items_per_seq) * kv_heads_per_item;
       const int64_t offset = (s * num_heads + h * group) * head_dim;
       attend(q_data + offset, k_data, v_data, table_data + s * max_blocks, len_data[s], block_size,
-             num_kv_heads * head_dim, h, group, scale_f, sink_data != nullptr ? sink_data + h * group : nullptr,
-             scores.data(), out_data + offset);
+             num_kv_heads * head_dim, h, kv_heads_per_item, group, scale_f,
+             sink_data != nullptr ? sink_data + h * group : nullptr, scratch.data(), out_data + offset);
     }
   });
   return out;
@@ -1843,7 +1888,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const bool lead = t == 0;
-    std::vector<float> scores(max_blocks * block_size);
+    std::vector<float> scratch(attend_scratch_size(1, max_blocks * block_size));
     const auto product = [&](const DecodeWeight& w, const float* in, float* result) {
       const auto [begin, end] = share(w.width, t, threads);
       w.columns(in, num_tokens, result, begin, end, int8_activations);
@@ -1886,7 +1931,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
         for (int64_t item = begin; item < end; ++item) {
           const int64_t s = item / num_heads, head = item % num_heads;
           attend(qkv_d + s * qkv_width + head * head_dim, k_data, v_data, table_data + s * max_blocks, len_data[s],
-                 block_size, kv_row, head / group, 1, scale_f, nullptr, scores.data(),
+                 block_size, kv_row, head / group, 1, 1, scale_f, nullptr, scratch.data(),
                  attn_d + s * attn_width + head * head_dim);
         }
       }

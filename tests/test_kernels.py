@@ -390,17 +390,40 @@ def test_paged_decode_cpu_matches_ref(num_q_heads: int, num_kv_heads: int, head_
     assert_close(cpu_ops.paged_decode(*strided), paged_decode_ref(*args))
 
 
-@pytest.mark.usefixtures("cpu_isa")
-def test_paged_decode_cpu_is_batch_independent():
-    """A sequence's output does not depend on the others in its batch, bit for bit."""
+@pytest.fixture
+def one_thread():
+    """torch's (and the C++ ops') thread count at 1 for the test, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("cpu_isa", "one_thread")
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_decode_cpu_is_batch_independent(with_sinks: bool):
+    """A sequence's output does not depend on the others in its batch, bit for bit. On one thread
+    the batch of four is split by sequence (all of a sequence's heads in one work item) and a
+    batch of one by KV head, so the two splits must agree too."""
     assert has_cpu_kernels()
     torch.manual_seed(1)
-    kv = PagedKV([5, 40, 77], 3, 64, 16, torch.float32)
-    q = torch.randn(3, 9, 64)
-    together = cpu_ops.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
-    for i in range(3):
+    kv = PagedKV([5, 40, 77, 16], 3, 64, 16, torch.float32)
+    q = torch.randn(4, 9, 64)
+    sinks = torch.randn(9) if with_sinks else None
+    together = cpu_ops.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125, sinks)
+    assert_close(
+        together,
+        paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125, 0, 0.0, sinks),
+    )
+    for i in range(4):
         alone = cpu_ops.paged_decode(
-            q[i : i + 1], kv.k_cache, kv.v_cache, kv.block_tables[i : i + 1], kv.seq_lens[i : i + 1], 0.125
+            q[i : i + 1],
+            kv.k_cache,
+            kv.v_cache,
+            kv.block_tables[i : i + 1],
+            kv.seq_lens[i : i + 1],
+            0.125,
+            sinks,
         )
         assert torch.equal(alone, together[i : i + 1])
 
