@@ -26,6 +26,8 @@
 // - few_rows_decode_layers: every decoder layer of an all-decode step of 1-4 sequences in one call
 //   and one parallel region (the kernels above, rotary, the KV store and attention chained, the
 //   threads meeting at barriers between them), with LoRA deltas where the step has adapters.
+// - logsumexp_argmax: what sampling needs of the logits (each row's log-sum-exp and largest
+//   entry), in two reads of each row.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -1443,6 +1445,81 @@ inline void rms_norm_row(const float* row, const float* weight, float* out, int6
   for (int64_t h = 0; h < hidden; ++h) out[h] = row[h] * inv * weight[h];
 }
 
+// One row's largest value's index (the first, as torch.argmax; the first NaN if any) and
+// log(sum(exp(row))), the shift log_softmax subtracts (NaN with a NaN, -inf for a row of -inf).
+// One pass for the maximum and its index, eight lanes each keeping its first largest, one for
+// the exponentials.
+void row_logsumexp_argmax(const float* row, int64_t n, float* log_norm, int64_t* argmax) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256i best_at = _mm256_setzero_si256(), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    best_at = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(at), greater));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+  }
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_at[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), best_at);
+  float max_value = -std::numeric_limits<float>::infinity();
+  int64_t max_at = 0;
+  bool has_nan = _mm256_movemask_ps(unordered) != 0;
+  for (int lane = 0; lane < 8 && i >= 8; ++lane)
+    if (lane_best[lane] > max_value || (lane_best[lane] == max_value && lane_at[lane] < max_at)) {
+      max_value = lane_best[lane];
+      max_at = lane_at[lane];
+    }
+  for (int64_t j = i; j < n; ++j) {
+    has_nan = has_nan || std::isnan(row[j]);
+    if (row[j] > max_value) {
+      max_value = row[j];
+      max_at = j;
+    }
+  }
+  if (has_nan) {
+    *argmax = std::find_if(row, row + n, [](float v) { return std::isnan(v); }) - row;
+    *log_norm = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  *argmax = max_at;
+  if (std::isinf(max_value)) {  // a row of -inf, or an inf in it
+    *log_norm = max_value;
+    return;
+  }
+  const __m256 shift = _mm256_set1_ps(max_value);
+  __m256 sums = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8)
+    sums = _mm256_add_ps(sums, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), shift)));
+  float sum = horizontal_sum(sums);
+  for (; i < n; ++i) sum += std::exp(row[i] - max_value);
+  *log_norm = max_value + std::log(sum);
+}
+
+// x [S, V] float32 -> (log_norms [S] float32, argmax [S] int64): each row's log-sum-exp (a
+// token's logprob is its logit less it) and largest entry's index. What a sampling step needs of
+// the raw logits without writing a [S, V] log_softmax and reading it twice more for argmax.
+std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1,
+              "logsumexp_argmax: x must be float32 [S, V] with V >= 1");
+  const auto rows = x.contiguous();
+  const int64_t num_rows = rows.size(0), n = rows.size(1);
+  auto log_norms = at::empty({num_rows}, x.options());
+  auto argmax = at::empty({num_rows}, x.options().dtype(at::kLong));
+  const float* data = rows.data_ptr<float>();
+  float* norm_data = log_norms.data_ptr<float>();
+  int64_t* argmax_data = argmax.data_ptr<int64_t>();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row_logsumexp_argmax(data + r * n, n, norm_data + r, argmax_data + r);
+  });
+  return {log_norms, argmax};
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -1992,6 +2069,7 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
       "float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, str format) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
+  m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def(
       "few_rows_decode_layers(Tensor hidden, Tensor[] norms, Tensor[] weights, str[] formats, "
       "int[] parts_per_weight, Tensor?[] qkv_biases, float eps, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
@@ -2011,6 +2089,7 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("moe_experts_quantized", &moe_experts_quantized);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("logsumexp_argmax", &logsumexp_argmax);
   m.impl("few_rows_decode_layers", &few_rows_decode_layers);
   m.impl("lora_add", &lora_add);
 }

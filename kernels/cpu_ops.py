@@ -177,7 +177,8 @@ def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def has_kernels(dtype: torch.dtype) -> bool:
-    """The ops for float32 tensors of any shape: few_rows_linear(_quantized), add_rms_norm."""
+    """The ops for float32 tensors of any shape: few_rows_linear(_quantized), add_rms_norm,
+    logsumexp_argmax."""
     return dtype == torch.float32 and load()
 
 
@@ -336,6 +337,12 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), residual None meaning none, in one pass."""
     return ops().add_rms_norm(x, weight, eps, residual)
+
+
+def logsumexp_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, V] float32 -> (each row's log-sum-exp [S] float32, its first largest entry's index
+    [S] int64), as torch.logsumexp and torch.argmax give them, in two reads of each row."""
+    return ops().logsumexp_argmax(x)
 
 
 class DecodeLayers(NamedTuple):

@@ -630,6 +630,37 @@ def test_add_rms_norm_matches_torch():
         cpu_ops.add_rms_norm(x, weight, 1e-5, torch.randn(2, 576))
 
 
+@pytest.mark.usefixtures("cpu_isa")
+def test_logsumexp_argmax_matches_torch():
+    """The sampler's pass over the logits: torch.logsumexp's values and torch.argmax's indices,
+    ties to the first largest, a NaN row's first NaN, rows of -inf, widths off the vector size."""
+    assert has_cpu_kernels()
+    gen = torch.Generator().manual_seed(5)
+    for num_rows, vocab in ((1, 1), (3, 7), (2, 8), (5, 49152), (64, 1003)):
+        x = torch.randn(num_rows, vocab, generator=gen) * 8
+        log_norms, argmax = cpu_ops.logsumexp_argmax(x)
+        torch.testing.assert_close(log_norms, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-6)
+        assert torch.equal(argmax, x.argmax(dim=-1))
+    x = torch.full((6, 37), -float("inf"))
+    x[0, [3, 20, 29]] = 2.0  # ties: the first index, across lanes and in the tail
+    x[1, [17, 9]] = 1.0
+    x[2, [5, 33]] = float("nan")
+    x[3, 11] = float("inf")
+    x[4, :] = torch.randn(37, generator=gen)  # row 5 stays all -inf
+    x[4, 36] = 50.0
+    log_norms, argmax = cpu_ops.logsumexp_argmax(x)
+    assert argmax.tolist() == [3, 9, 5, 11, 36, 0] == x.argmax(dim=-1).tolist()
+    expected = torch.logsumexp(x, dim=-1)
+    torch.testing.assert_close(log_norms[[0, 1, 4]], expected[[0, 1, 4]])
+    assert torch.isnan(log_norms[2]) and log_norms[3] == float("inf") and log_norms[5] == -float("inf")
+    # A strided view (every other row) reads the same as its copy.
+    x = torch.randn(8, 300, generator=gen)
+    assert torch.equal(cpu_ops.logsumexp_argmax(x[::2])[1], x[::2].argmax(dim=-1))
+    for bad in (torch.randn(4), torch.randn(2, 3).double(), torch.randn(2, 0)):
+        with pytest.raises(RuntimeError, match="float32"):
+            cpu_ops.logsumexp_argmax(bad)
+
+
 def test_few_rows_decode_layers_refuse_bad_arguments_before_writing():
     """The one-op decode step checks the KV slots, caches, weight shapes and formats before it
     writes a row: nothing may be thrown from inside its parallel region."""

@@ -37,7 +37,7 @@ from services.gpu_worker.loader import load_weights
 from services.gpu_worker.lora import AdapterError, LoraAdapter, LoraBatch, LoraSlots
 from services.gpu_worker.model import ImageRows, LlamaModel, kv_bytes_per_block, paged_kv_cache
 from services.gpu_worker.parallel import Parallel
-from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.sampler import Sampler, logsumexp_argmax
 from services.gpu_worker.speculation import emitted_tokens, proposal_mask, target_tokens
 
 log = logging.getLogger(__name__)
@@ -718,16 +718,17 @@ class ModelRunner:
         }
         for lo in range(0, len(at), PROMPT_SCORE_ROWS):
             index = at[lo : lo + PROMPT_SCORE_ROWS]
-            log_probs = torch.log_softmax(self.model.logits(hidden, residual, self._to_device(index)), dim=-1)
+            logits = self.model.logits(hidden, residual, self._to_device(index)).float()
+            log_norms = logsumexp_argmax(logits)[0]
             target = self._to_device(targets[index])
-            chosen = log_probs.gather(1, target[:, None])
+            chosen = logits.gather(1, target[:, None])
             span = slice(lo, lo + len(index))
-            out["prompt_logprobs"][span] = chosen[:, 0].cpu().numpy()
-            out["prompt_ranks"][span] = ((log_probs > chosen).sum(dim=-1) + 1).cpu().numpy()
+            out["prompt_logprobs"][span] = (chosen[:, 0] - log_norms).cpu().numpy()
+            out["prompt_ranks"][span] = ((logits > chosen).sum(dim=-1) + 1).cpu().numpy()
             if k:
-                top_logprobs, top_ids = torch.topk(log_probs, k, dim=-1)
+                top_logits, top_ids = torch.topk(logits, k, dim=-1)
                 out["prompt_top_ids"][span] = top_ids.cpu().numpy()
-                out["prompt_top_logprobs"][span] = top_logprobs.cpu().numpy()
+                out["prompt_top_logprobs"][span] = (top_logits - log_norms[:, None]).cpu().numpy()
         return out
 
     def _fill_placeholders(self, input_ids: torch.Tensor, at: np.ndarray, table_rows: np.ndarray) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import cpu_ops
 from services.gpu_worker.grammar_mask import apply_grammar_bitmask
 
 # Hash constants as the signed values of their bit patterns (torch integer ops wrap).
@@ -126,14 +127,15 @@ class Sampler:
             )
         logits = logits.float()
 
-        # Logprobs are of the raw logits (before bias, penalties and temperature). torch's fused
-        # log_softmax is about 3x faster on the CPU than the logsumexp it equals a shift by.
-        log_probs = torch.log_softmax(logits, dim=-1)
+        # Logprobs are of the raw logits (before bias, penalties and temperature): a token's is its
+        # logit less its row's log-sum-exp, so no [S, V] log_softmax is written.
+        log_norms, raw_argmax = logsumexp_argmax(logits)
         num_top = int(arrays["num_logprobs"][rows].max(initial=0))
-        top_logprobs, top_ids = torch.topk(log_probs, num_top, dim=-1)
+        top_logits, top_ids = torch.topk(logits, num_top, dim=-1)
 
         scores = self.apply_bias_and_penalties(logits, arrays, rows)
         bitmask = arrays.get("grammar_bitmask")
+        scores_are_raw = scores is logits and (bitmask is None or not len(bitmask))
         if bitmask is not None and len(bitmask):
             # In place, even on the raw logits: what the logprobs read of them below is the sampled
             # token's, which the mask allows. Only these rows' (a verifying row's masks are its
@@ -147,16 +149,16 @@ class Sampler:
         if len(random_local) == len(rows):
             sampled = self._sample_random(scores, arrays, rows)
         else:
-            sampled = scores.argmax(dim=-1)
+            sampled = raw_argmax if scores_are_raw else logsumexp_argmax(scores)[1]
             if len(random_local):
                 index = self._to_device(random_local)
                 sampled[index] = self._sample_random(scores[index], arrays, rows[random_local])
 
         return SamplerOutput(
             sampled_ids=sampled.int(),
-            sampled_logprobs=log_probs.gather(1, sampled[:, None])[:, 0],
+            sampled_logprobs=logits.gather(1, sampled[:, None])[:, 0] - log_norms,
             top_ids=top_ids.int(),
-            top_logprobs=top_logprobs,
+            top_logprobs=top_logits - log_norms[:, None],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -228,6 +230,15 @@ class Sampler:
                 (self._to_device(keys),), self._to_device(-delta.astype(np.float32)), accumulate=True
             )
         return scores
+
+
+def logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float32 logits [S, V]: its log-sum-exp (a token's logprob is its logit less
+    it) and its argmax (the first largest). On the CPU one C++ pass each, where torch's argmax
+    alone takes longer than its log_softmax; elsewhere torch's."""
+    if logits.device.type == "cpu" and cpu_ops.has_kernels(logits.dtype):
+        return cpu_ops.logsumexp_argmax(logits)
+    return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
 
 
 def _filter(
