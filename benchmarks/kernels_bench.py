@@ -307,6 +307,24 @@ def add_rms_norm_cases(shapes: Shapes, rows: tuple[int, ...], repeats: int) -> l
     return out
 
 
+def logsumexp_argmax_cases(shapes: Shapes, rows: tuple[int, ...], repeats: int) -> list[dict]:
+    """What a greedy step's sampler returns (each row's argmax and its logprob) from the op, against
+    torch's log_softmax and argmax, which the sampler ran before it."""
+    gen, out = torch.Generator().manual_seed(4), []
+    for num_rows in rows:
+        logits = torch.randn(num_rows, shapes.vocab, generator=gen) * 4
+
+        def kernel(x=logits) -> torch.Tensor:
+            log_norms, argmax = cpu_ops.logsumexp_argmax(x)
+            return x.gather(1, argmax[:, None])[:, 0] - log_norms
+
+        def ref(x=logits) -> torch.Tensor:
+            return torch.log_softmax(x, dim=-1).gather(1, x.argmax(dim=-1)[:, None])[:, 0]
+
+        out.append(compare("logsumexp_argmax", f"{num_rows} rows x {shapes.vocab}", kernel, ref, repeats))
+    return out
+
+
 def decode_layer_ref(shapes: Shapes, hidden, residual, norms, weights, positions, cos_sin, kv_cache, slots,
                      tables, lens) -> torch.Tensor:  # fmt: skip
     """One decoder layer from the kernels' torch references (rms_norm_ref, rotary_ref,
@@ -381,7 +399,7 @@ def few_rows_decode_layers_cases(
 
 
 OPS = ("paged_decode", "few_rows_linear", "few_rows_linear_quantized", "linear_quantized_int8",
-       "add_rms_norm", "few_rows_decode_layers")  # fmt: skip
+       "add_rms_norm", "logsumexp_argmax", "few_rows_decode_layers")  # fmt: skip
 
 
 def run(
@@ -407,6 +425,7 @@ def run(
         "few_rows_linear_quantized": quantized,
         "linear_quantized_int8": lambda: int8_linear_cases(shapes, int8_rows, names, formats, repeats),
         "add_rms_norm": lambda: add_rms_norm_cases(shapes, (1, cpu_ops.MAX_LINEAR_ROWS, 64), repeats),
+        "logsumexp_argmax": lambda: logsumexp_argmax_cases(shapes, (1, 16, 64), repeats),
         "few_rows_decode_layers": lambda: few_rows_decode_layers_cases(shapes, rows, context, repeats),
     }
     return [result for op in ops for result in cases[op]()], skipped

@@ -21,6 +21,7 @@ OPS = {
     "few_rows_linear_quantized",
     "linear_quantized_int8",
     "add_rms_norm",
+    "logsumexp_argmax",
     "few_rows_decode_layers",
 }
 
