@@ -159,6 +159,7 @@ def http_server(name: str, argv: list[str], env: dict[str, str] | None, port: in
     """Run `argv` (a server that answers GET /health on 127.0.0.1:`port`) in its own process group,
     its output appended to `log_path`; yields the port once healthy; stops the whole group after
     (SIGTERM, then SIGKILL past SERVER_STOP_TIMEOUT_S)."""
+    shm_before = _multiprocessing_shm()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -176,14 +177,16 @@ def http_server(name: str, argv: list[str], env: dict[str, str] | None, port: in
             time.sleep(0.2)
         yield port
     finally:
-        _stop_group(proc)
+        _stop_group(proc, shm_before)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_group(proc: subprocess.Popen, shm_before: set[Path]) -> None:
     """SIGTERM the process group of `proc` (a server and the workers it forked), SIGKILL it past the
     deadline; a group whose leader already exited may still hold workers, so it is signalled too.
-    Then removes the Intel OpenMP registration files (/dev/shm/__KMP_REGISTERED_LIB_<pid>_*) of the
-    group's processes: one that did not exit normally leaves its file behind (vLLM's workers do)."""
+    Then removes what its killed processes leave in /dev/shm (vLLM's workers leave both): the
+    Intel OpenMP registration files (__KMP_REGISTERED_LIB_<pid>_*) of the group's processes, and
+    Python multiprocessing's segments and semaphores (`shm_before` lists those there before the
+    start) that appeared since and that no live process has open."""
     members = _group_members(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -196,6 +199,32 @@ def _stop_group(proc: subprocess.Popen) -> None:
     for pid in members:
         for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
             leftover.unlink(missing_ok=True)
+    appeared = _multiprocessing_shm() - shm_before
+    for leftover in appeared - _in_use(appeared):
+        leftover.unlink(missing_ok=True)
+
+
+def _multiprocessing_shm() -> set[Path]:
+    """Python multiprocessing's shared memory segments and named semaphores in /dev/shm: a process
+    killed before it unlinks them (its resource tracker killed with it) leaves them there."""
+    return {path for pattern in ("psm_*", "sem.mp-*") for path in Path("/dev/shm").glob(pattern)}
+
+
+def _in_use(paths: set[Path]) -> set[Path]:
+    """Those of `paths` that a live process has mapped or open (from /proc: maps, fd)."""
+    wanted, used = {str(path) for path in paths}, set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5] in wanted:
+                    used.add(fields[5])
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(fd)) in wanted:
+                        used.add(target)
+    return {Path(path) for path in used}
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -234,13 +235,15 @@ def test_vllm_model_dir_is_the_prepared_dir_without_the_gguf_blocks(tmp_path, mo
 # leaves an Intel OpenMP registration file behind when it is killed (as vLLM's workers do).
 FAKE_SERVER = """
 import http.server, subprocess, sys
+from multiprocessing import shared_memory
 worker = subprocess.Popen([sys.executable, "-c", "import os, time; "
     "open(f'/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_0', 'w').close(); time.sleep(600)"])
+segment = shared_memory.SharedMemory(create=True, size=4096)  # as vLLM's workers hold theirs
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
-print("worker", worker.pid, flush=True)
+print("worker", worker.pid, "segment", segment.name, flush=True)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
 
@@ -254,22 +257,37 @@ def _is_gone(pid: int) -> bool:
 
 def test_peer_server_stops_its_whole_group_and_its_leftovers(tmp_path) -> None:
     """The peers' servers (llama-server, vLLM) run in a process group that is stopped as a whole,
-    their output in the log, and the registration files their killed workers leave are removed."""
+    their output in the log, and what their killed processes leave in /dev/shm is removed: Intel
+    OpenMP's registration files and multiprocessing's segments. A segment that appeared meanwhile
+    but that a live process (here the test) still maps stays."""
     log = tmp_path / "server.log"
     port = free_port()
-    with http_server("fake", [sys.executable, "-c", FAKE_SERVER, str(port)], None, port, log, 60) as ready:
-        assert ready == port
-        worker = int(log.read_text().split("worker ")[1].split()[0])
-        registration = Path(f"/dev/shm/__KMP_REGISTERED_LIB_{worker}_0")
+    ours = None
+    try:
+        with http_server(
+            "fake", [sys.executable, "-c", FAKE_SERVER, str(port)], None, port, log, 60
+        ) as ready:
+            assert ready == port
+            fields = log.read_text().split()
+            worker, segment = int(fields[fields.index("worker") + 1]), fields[fields.index("segment") + 1]
+            registration = Path(f"/dev/shm/__KMP_REGISTERED_LIB_{worker}_0")
+            deadline = time.monotonic() + 30
+            while not registration.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert registration.exists() and not _is_gone(worker)
+            assert Path(f"/dev/shm/{segment}").exists()
+            ours = shared_memory.SharedMemory(create=True, size=4096)
         deadline = time.monotonic() + 30
-        while not registration.exists() and time.monotonic() < deadline:
+        while not _is_gone(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert registration.exists() and not _is_gone(worker)
-    deadline = time.monotonic() + 30
-    while not _is_gone(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _is_gone(worker)
-    assert not registration.exists()
+        assert _is_gone(worker)
+        assert not registration.exists()
+        assert not Path(f"/dev/shm/{segment}").exists()
+        assert Path(f"/dev/shm/{ours.name}").exists()
+    finally:
+        if ours is not None:
+            ours.close()
+            ours.unlink()
 
 
 def test_peer_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path) -> None:
