@@ -1543,13 +1543,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {normed, summed};
 }
 
+// [begin, end) of n items for thread t of `threads`.
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) {
+  return {n * t / threads, n * (t + 1) / threads};
+}
+
 // ---- LoRA deltas (kernels/lora.py has the contract and its torch reference) ----
 //
 // out[row, module's columns] += B[slot] @ (A[slot] @ x[row]) for every row of a step that has an
 // adapter slot, each module of one merged projection in turn (their columns follow one another
 // from 0). `rows` holds those rows grouped by slot and `segments` each slot's (slot, start, end)
-// run of them, so a slot's A and B are read once per step, from memory, for all of its rows; the
-// tasks below split a run by rows and columns, and re-read them from cache.
+// run of them, so a slot's A and B are read once per step, from memory, for all of its rows. Two
+// passes, each split over threads: the shrink h = A @ x by A's rank rows, then the expand
+// out += B @ h by output columns, which few_rows_decode_layers runs with the base weight's
+// columns of the same thread.
 
 // out_rows[r][n] += h[r] . b[n] over the first `rank` of each b row (stride b_stride), n in
 // [begin, end); the R rows of h (stride h_stride) stay in registers, each b row is read once for them.
@@ -1573,56 +1580,29 @@ void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t b_str
   }
 }
 
-struct LoraTask {
-  int64_t module, slot, rank;
-  int64_t first, last;   // positions in `rows` (and rows of the gathered x / h)
-  int64_t begin, end;    // rank rows of A (shrink) or output columns of the module (expand)
+// A step's rows that use an adapter, checked once: each row in range and listed once, each
+// position in one segment, so that the passes write their rows' outputs and h without locks.
+struct LoraRows {
+  std::vector<int64_t> rows;                     // the token of each position
+  std::vector<std::array<int64_t, 3>> segments;  // (slot, start, stop) over positions
 };
 
-void add_lora(at::Tensor& out, const at::Tensor& x, at::TensorList a, at::TensorList b, const at::Tensor& ranks,
-              const at::Tensor& rows, const at::Tensor& segments) {
-  const int64_t num_modules = static_cast<int64_t>(a.size());
-  TORCH_CHECK(num_modules > 0 && b.size() == a.size(), "lora_add: one A and one B per module");
-  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
-              "lora_add: out [T, W] (rows contiguous) and x [T, in], float32");
-  const int64_t num_slots = a[0].size(0), max_rank = a[0].size(1), in_features = x.size(1);
-  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == num_modules &&
-                  ranks.size(1) == num_slots,
-              "lora_add: ranks [modules, slots] int64");
+LoraRows check_lora_rows(const at::Tensor& rows, const at::Tensor& segments, int64_t num_tokens, int64_t num_slots) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && segments.scalar_type() == at::kLong &&
                   segments.dim() == 2 && segments.size(1) == 3,
               "lora_add: rows [N] and segments [G, 3] int64");
-  std::vector<int64_t> columns(num_modules + 1, 0);  // where each module's columns start
-  for (int64_t m = 0; m < num_modules; ++m) {
-    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == at::kFloat &&
-                    a[m].size(0) == num_slots && a[m].size(1) == max_rank && a[m].size(2) == in_features,
-                "lora_add: A of module ", m, " must be contiguous float32 [slots, max_rank, in]");
-    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == at::kFloat &&
-                    b[m].size(0) == num_slots && b[m].size(2) == max_rank,
-                "lora_add: B of module ", m, " must be contiguous float32 [slots, width, max_rank]");
-    columns[m + 1] = columns[m] + b[m].size(1);
-  }
-  TORCH_CHECK(columns[num_modules] == out.size(1), "lora_add: the modules' widths add up to ",
-              columns[num_modules], ", out has ", out.size(1), " columns");
-  const auto rank_table = ranks.contiguous();
   const auto row_list = rows.contiguous();
   const auto segment_list = segments.contiguous();
-  const int64_t* rank_data = rank_table.data_ptr<int64_t>();
   const int64_t* row_data = row_list.data_ptr<int64_t>();
   const int64_t* segment_data = segment_list.data_ptr<int64_t>();
-  const int64_t num_rows = row_list.numel(), num_tokens = out.size(0);
-  // Each row once, in one segment: the tasks write their rows' outputs and h without locks.
+  LoraRows checked{{row_data, row_data + row_list.numel()}, {}};
+  const int64_t num_rows = row_list.numel();
   std::vector<char> is_listed(num_tokens, 0), is_covered(num_rows, 0);
-  for (int64_t i = 0; i < num_rows; ++i) {
-    TORCH_CHECK(row_data[i] >= 0 && row_data[i] < num_tokens, "lora_add: row ", row_data[i], " out of range");
-    TORCH_CHECK(!is_listed[row_data[i]], "lora_add: row ", row_data[i], " listed twice");
-    is_listed[row_data[i]] = 1;
+  for (const int64_t row : checked.rows) {
+    TORCH_CHECK(row >= 0 && row < num_tokens, "lora_add: row ", row, " out of range");
+    TORCH_CHECK(!is_listed[row], "lora_add: row ", row, " listed twice");
+    is_listed[row] = 1;
   }
-  // Tasks of up to kTaskRows rows, kTaskColumns output columns: a prefill's long run of one slot
-  // spreads over the threads, a decode step's few rows over the columns.
-  constexpr int64_t kTaskRows = 16, kTaskColumns = 128;
-  std::vector<LoraTask> shrinks, expands;
   for (int64_t g = 0; g < segment_list.size(0); ++g) {
     const int64_t slot = segment_data[3 * g], start = segment_data[3 * g + 1], stop = segment_data[3 * g + 2];
     TORCH_CHECK(slot >= 0 && slot < num_slots && 0 <= start && start <= stop && stop <= num_rows,
@@ -1631,71 +1611,160 @@ void add_lora(at::Tensor& out, const at::Tensor& x, at::TensorList a, at::Tensor
       TORCH_CHECK(!is_covered[p], "lora_add: segments overlap at position ", p);
       is_covered[p] = 1;
     }
-    for (int64_t m = 0; m < num_modules; ++m) {
-      const int64_t rank = rank_data[m * num_slots + slot];
-      TORCH_CHECK(rank >= 0 && rank <= max_rank, "lora_add: rank ", rank, " outside 0..", max_rank);
-      if (rank == 0) continue;
-      for (int64_t first = start; first < stop; first += kTaskRows) {
-        const int64_t last = std::min(first + kTaskRows, stop);
-        shrinks.push_back({m, slot, rank, first, last, 0, rank});
-        for (int64_t n = 0; n < b[m].size(1); n += kTaskColumns)
-          expands.push_back({m, slot, rank, first, last, n, std::min(n + kTaskColumns, b[m].size(1))});
-      }
-    }
+    if (start < stop) checked.segments.push_back({slot, start, stop});
   }
-  if (shrinks.empty()) return;
-  // A decode step's few rows are tens of microseconds of work: run inline, where handing them to
-  // the other threads (twice a projection, four projections a layer) would cost more than it saves,
-  // most of all on a loaded host whose threads wait to be scheduled.
-  constexpr int64_t kInlineMultiplyAdds = 1 << 18;
-  int64_t multiply_adds = 0;
-  for (const LoraTask& task : shrinks)
-    multiply_adds += (task.last - task.first) * task.rank * (in_features + b[task.module].size(1));
-  const int64_t shrink_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(shrinks.size()) : 1;
-  const int64_t expand_grain = multiply_adds < kInlineMultiplyAdds ? static_cast<int64_t>(expands.size()) : 1;
-  // x's rows in `rows` order, so that each task's rows are contiguous; h [modules, N, max_rank].
-  const auto gathered = x.index_select(0, row_list).contiguous();
-  auto h = at::empty({num_modules, num_rows, max_rank}, gathered.options());
-  const float* x_data = gathered.data_ptr<float>();
-  float* h_data = h.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), shrink_grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const LoraTask& task = shrinks[i];
-      const float* a_slot = a[task.module].data_ptr<float>() + task.slot * max_rank * in_features;
-      for (int64_t p = task.first; p < task.last; p += 4) {
-        with_row_count(std::min<int64_t>(4, task.last - p), [&](auto count) {
-          few_rows_times_weight<decltype(count)::value>(x_data + p * in_features, a_slot, nullptr,
-                                                        h_data + (task.module * num_rows + p) * max_rank,
-                                                        in_features, max_rank, task.begin, task.end);
-        });
-      }
+  return checked;
+}
+
+// One merged projection's adapters (its modules' A [slots, max_rank, in] and B [slots, width,
+// max_rank], ranks [modules, slots]), checked against the input and output widths.
+struct LoraProjection {
+  std::vector<const float*> a, b;
+  std::vector<int64_t> columns;  // where each module's columns start; the last is the total width
+  at::Tensor ranks;              // [modules, slots] int64, contiguous
+  const int64_t* rank_data = nullptr;
+  int64_t num_slots = 0, max_rank = 0, in_features = 0;
+
+  int64_t num_modules() const { return static_cast<int64_t>(a.size()); }
+  int64_t rank(int64_t module, int64_t slot) const { return rank_data[module * num_slots + slot]; }
+};
+
+LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const at::Tensor& ranks, int64_t in_features,
+                                     int64_t width) {
+  const int64_t num_modules = static_cast<int64_t>(a.size());
+  TORCH_CHECK(num_modules > 0 && b.size() == a.size(), "lora_add: one A and one B per module");
+  LoraProjection projection;
+  projection.num_slots = a[0].size(0);
+  projection.max_rank = a[0].size(1);
+  projection.in_features = in_features;
+  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == num_modules &&
+                  ranks.size(1) == projection.num_slots,
+              "lora_add: ranks [modules, slots] int64");
+  projection.ranks = ranks.contiguous();
+  projection.rank_data = projection.ranks.data_ptr<int64_t>();
+  projection.columns.push_back(0);
+  for (int64_t m = 0; m < num_modules; ++m) {
+    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == at::kFloat &&
+                    a[m].size(0) == projection.num_slots && a[m].size(1) == projection.max_rank &&
+                    a[m].size(2) == in_features,
+                "lora_add: A of module ", m, " must be contiguous float32 [slots, max_rank, in]");
+    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == at::kFloat &&
+                    b[m].size(0) == projection.num_slots && b[m].size(2) == projection.max_rank,
+                "lora_add: B of module ", m, " must be contiguous float32 [slots, width, max_rank]");
+    for (int64_t slot = 0; slot < projection.num_slots; ++slot) {
+      const int64_t rank = projection.rank(m, slot);
+      TORCH_CHECK(rank >= 0 && rank <= projection.max_rank, "lora_add: rank ", rank, " outside 0..",
+                  projection.max_rank);
     }
-  });
-  float* out_data = out.data_ptr<float>();
-  const int64_t out_stride = out.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(expands.size()), expand_grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const LoraTask& task = expands[i];
-      const int64_t width = b[task.module].size(1);
-      const float* b_slot = b[task.module].data_ptr<float>() + task.slot * width * max_rank;
-      for (int64_t p = task.first; p < task.last; p += 4) {
-        const int64_t count = std::min<int64_t>(4, task.last - p);
-        float* out_rows[4];
-        for (int64_t r = 0; r < count; ++r)
-          out_rows[r] = out_data + row_data[p + r] * out_stride + columns[task.module];
+    projection.a.push_back(a[m].data_ptr<float>());
+    projection.b.push_back(b[m].data_ptr<float>());
+    projection.columns.push_back(projection.columns.back() + b[m].size(1));
+  }
+  TORCH_CHECK(projection.columns.back() == width, "lora_add: the modules' widths add up to ",
+              projection.columns.back(), ", out has ", width, " columns");
+  return projection;
+}
+
+// Multiply-adds of a step's deltas on one projection, to decide whether threads pay.
+int64_t lora_work(const LoraProjection& projection, const LoraRows& rows) {
+  int64_t total = 0;
+  for (const auto& [slot, start, stop] : rows.segments)
+    for (int64_t m = 0; m < projection.num_modules(); ++m)
+      total += (stop - start) * projection.rank(m, slot) *
+               (projection.in_features + projection.columns[m + 1] - projection.columns[m]);
+  return total;
+}
+
+// h[m, p, :rank] = A[m][slot] @ x[rows[p]], thread t of `threads` taking its share of all the
+// (segment, module, rank row) triples. x: [tokens, in] rows of stride x_stride; h: [modules, N, max_rank].
+void lora_shrink(const LoraProjection& projection, const LoraRows& rows, const float* x, int64_t x_stride, float* h,
+                 int64_t t, int64_t threads) {
+  const int64_t in_features = projection.in_features, max_rank = projection.max_rank;
+  const int64_t num_rows = static_cast<int64_t>(rows.rows.size());
+  int64_t total = 0;
+  for (const auto& [slot, start, stop] : rows.segments)
+    for (int64_t m = 0; m < projection.num_modules(); ++m) total += projection.rank(m, slot);
+  const auto [first, last] = share(total, t, threads);
+  std::vector<float> gathered;  // x's rows of a chunk, where they are not one block of x already
+  int64_t offset = 0;
+  for (const auto& [slot, start, stop] : rows.segments)
+    for (int64_t m = 0; m < projection.num_modules(); ++m) {
+      const int64_t rank = projection.rank(m, slot);
+      const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
+      offset += rank;
+      if (begin >= end) continue;
+      const float* a_slot = projection.a[m] + slot * max_rank * in_features;
+      for (int64_t p = start; p < stop; p += 4) {
+        const int64_t count = std::min<int64_t>(4, stop - p);
+        const float* chunk = x + rows.rows[p] * x_stride;
+        bool in_place = x_stride == in_features;
+        for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
+        if (!in_place) {
+          gathered.resize(count * in_features);
+          for (int64_t r = 0; r < count; ++r)
+            std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
+          chunk = gathered.data();
+        }
         with_row_count(count, [&](auto rows_now) {
-          expand_rows<decltype(rows_now)::value>(h_data + (task.module * num_rows + p) * max_rank, max_rank,
-                                                 b_slot, max_rank, task.rank, out_rows, task.begin, task.end);
+          few_rows_times_weight<decltype(rows_now)::value>(chunk, a_slot, nullptr,
+                                                           h + (m * num_rows + p) * max_rank, in_features, max_rank,
+                                                           begin, end);
         });
       }
     }
-  });
+}
+
+// out[rows[p], c] += B[m][slot][c] . h[m, p] for the projection's columns c in [column_begin, column_end).
+void lora_expand(const LoraProjection& projection, const LoraRows& rows, const float* h, float* out, int64_t out_stride,
+                 int64_t column_begin, int64_t column_end) {
+  const int64_t max_rank = projection.max_rank, num_rows = static_cast<int64_t>(rows.rows.size());
+  for (const auto& [slot, start, stop] : rows.segments)
+    for (int64_t m = 0; m < projection.num_modules(); ++m) {
+      const int64_t rank = projection.rank(m, slot), column = projection.columns[m];
+      const int64_t width = projection.columns[m + 1] - column;
+      const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
+      if (rank == 0 || begin >= end) continue;
+      const float* b_slot = projection.b[m] + slot * width * max_rank;
+      for (int64_t p = start; p < stop; p += 4) {
+        const int64_t count = std::min<int64_t>(4, stop - p);
+        float* out_rows[4];
+        for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
+        with_row_count(count, [&](auto rows_now) {
+          expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, max_rank, rank,
+                                                 out_rows, begin, end);
+        });
+      }
+    }
 }
 
 // The op: out is updated in place (the schema marks it written).
 void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorList b, const at::Tensor& ranks,
               const at::Tensor& rows, const at::Tensor& segments) {
-  add_lora(out, x, a, b, ranks, rows, segments);
+  TORCH_CHECK(!a.empty(), "lora_add: one A and one B per module");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "lora_add: out [T, W] (rows contiguous) and x [T, in], float32");
+  const LoraProjection projection = check_lora_projection(a, b, ranks, x.size(1), out.size(1));
+  const LoraRows checked = check_lora_rows(rows, segments, out.size(0), projection.num_slots);
+  const int64_t work = lora_work(projection, checked);
+  if (work == 0) return;
+  const auto input = x.contiguous();
+  auto h = at::empty({projection.num_modules(), static_cast<int64_t>(checked.rows.size()), projection.max_rank},
+                     input.options());
+  const float* x_data = input.data_ptr<float>();
+  float *h_data = h.data_ptr<float>(), *out_data = out.data_ptr<float>();
+  // A decode step's few rows are tens of microseconds of work: run inline, where waking the other
+  // threads would cost more than it saves, most of all on a loaded host.
+  constexpr int64_t kInlineMultiplyAdds = 1 << 18;
+  const int64_t threads = work < kInlineMultiplyAdds ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    lora_shrink(projection, checked, x_data, projection.in_features, h_data, t, team);
+#pragma omp barrier
+    const auto [begin, end] = share(out.size(1), t, team);
+    lora_expand(projection, checked, h_data, out_data, out.stride(0), begin, end);
+  }
 }
 
 // ---- The decode step of a few sequences: every layer in one parallel region ----
@@ -1818,11 +1887,6 @@ DecodeWeight decode_weight(at::TensorList parts, c10::ArrayRef<std::string> form
   return weight;
 }
 
-// [begin, end) of n items for thread t of `threads`.
-inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) {
-  return {n * t / threads, n * (t + 1) / threads};
-}
-
 // Every decoder layer of an all-decode step of at most four tokens (one per sequence), in one
 // call: a step then crosses from Python once, and its threads start once. The per-layer
 // arguments come flattened in layer order: two norms (input, post-attention) a layer; each layer's
@@ -1929,6 +1993,30 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                             lora_segments.has_value() && lora_ranks->dim() == 3 && lora_ranks->size(0) == num_layers),
               "few_rows_decode_layers: LoRA needs A and B of seven modules a layer, ranks [layers, 7, slots], "
               "rows and segments");
+  // Every layer's adapters checked here, as the weights are: nothing may throw inside the region.
+  // The projections' modules in lora_add's order: q, k, v | o | gate, up | down.
+  constexpr std::array<std::pair<int64_t, int64_t>, 4> kProjectionModules{{{0, 3}, {3, 1}, {4, 2}, {6, 1}}};
+  LoraRows lora_step;
+  std::vector<std::array<LoraProjection, 4>> adapters(has_lora ? num_layers : 0);
+  int64_t lora_h_size = 0;
+  if (has_lora) {
+    lora_step = check_lora_rows(*lora_rows, *lora_segments, num_tokens, lora_a[0].size(0));
+    const std::array<std::pair<int64_t, int64_t>, 4> widths{{{hidden_size, qkv_width},  // (in, out)
+                                                             {attn_width, hidden_size},
+                                                             {hidden_size, 2 * intermediate},
+                                                             {intermediate, hidden_size}}};
+    for (int64_t l = 0; l < num_layers; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const auto [first, count] = kProjectionModules[i];
+        adapters[l][i] = check_lora_projection(lora_a.slice(kModules * l + first, count),
+                                               lora_b.slice(kModules * l + first, count),
+                                               lora_ranks->select(0, l).narrow(0, first, count), widths[i].first,
+                                               widths[i].second);
+      }
+    lora_h_size = 3 * static_cast<int64_t>(lora_step.rows.size()) * lora_a[0].size(1);
+  }
+  const bool any_lora = has_lora && !lora_step.segments.empty();
+  std::vector<float> lora_h(lora_h_size);  // a projection's shrink: [modules, rows, max_rank]
 
   const auto options = hidden.options();
   const auto input = hidden.contiguous();
@@ -1946,32 +2034,26 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
   const float* input_d = input.data_ptr<float>();
   const float *cos_d = cos_c.data_ptr<float>(), *sin_d = sin_c.data_ptr<float>();
   const float eps_f = static_cast<float>(eps), scale_f = static_cast<float>(scale);
-  // LoRA's op checks its arguments and may throw, which must not leave the region: thread 0 keeps
-  // the first exception, the step finishes with the deltas it could add, and it is thrown after.
-  std::exception_ptr lora_error;
-  const auto add_deltas = [&](at::Tensor& target, const at::Tensor& source, int64_t layer, int64_t first,
-                              int64_t count) {
-    if (lora_error) return;
-    try {
-      add_lora(target, source, lora_a.slice(kModules * layer + first, count),
-               lora_b.slice(kModules * layer + first, count), lora_ranks->select(0, layer).narrow(0, first, count),
-               *lora_rows, *lora_segments);
-    } catch (...) {
-      lora_error = std::current_exception();
-    }
-  };
-
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const bool lead = t == 0;
     std::vector<float> scratch(attend_scratch_size(1, max_blocks * block_size));
-    const auto product = [&](const DecodeWeight& w, const float* in, float* result) {
+    // result = in @ w, this thread's share of the columns, plus its rows' adapter deltas on the
+    // same columns: the shrink first, for all threads' columns, then a barrier.
+    const auto product = [&](const DecodeWeight& w, const float* in, int64_t in_features, float* result,
+                             const LoraProjection* lora) {
+      if (lora != nullptr) {
+        lora_shrink(*lora, lora_step, in, in_features, lora_h.data(), t, threads);
+#pragma omp barrier
+      }
       const auto [begin, end] = share(w.width, t, threads);
       w.columns(in, num_tokens, result, begin, end, int8_activations);
+      if (lora != nullptr) lora_expand(*lora, lora_step, lora_h.data(), result, w.width, begin, end);
     };
     for (int64_t l = 0; l < num_layers; ++l) {
       const auto& [qkv_w, o_w, gate_up_w, down_w] = layers[l];
+      const auto lora = [&](int i) { return any_lora ? &adapters[l][i] : nullptr; };
       if (lead) {  // stream += the last layer's output (the input, first); x = RMSNorm(stream)
         const float* add = l == 0 ? input_d : out_d;
         for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] = l == 0 ? add[i] : stream_d[i] + add[i];
@@ -1980,10 +2062,9 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                        eps_f);
       }
 #pragma omp barrier
-      product(qkv_w, x_d, qkv_d);
+      product(qkv_w, x_d, hidden_size, qkv_d, lora(0));
 #pragma omp barrier
       if (lead) {
-        if (has_lora) add_deltas(qkv, x, l, 0, 3);
         // Rotate each token's q and k heads, then store its k and v at its slot.
         for (int64_t s = 0; s < num_tokens; ++s) {
           const float *c = cos_d + s * head_dim, *sn = sin_d + s * head_dim;
@@ -2013,22 +2094,17 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
         }
       }
 #pragma omp barrier
-      product(o_w, attn_d, o_d);
+      product(o_w, attn_d, attn_width, o_d, lora(1));
 #pragma omp barrier
       if (lead) {
-        if (has_lora) add_deltas(o, attn, l, 3, 1);
         for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] += o_d[i];
         for (int64_t s = 0; s < num_tokens; ++s)
           rms_norm_row(stream_d + s * hidden_size, norms[2 * l + 1].data_ptr<float>(), x_d + s * hidden_size,
                        hidden_size, eps_f);
       }
 #pragma omp barrier
-      product(gate_up_w, x_d, gate_up_d);
+      product(gate_up_w, x_d, hidden_size, gate_up_d, lora(2));
 #pragma omp barrier
-      if (has_lora) {
-        if (lead) add_deltas(gate_up, x, l, 4, 2);
-#pragma omp barrier
-      }
       {  // act = SiLU(gate) * up
         const auto [begin, end] = share(intermediate, t, threads);
         for (int64_t s = 0; s < num_tokens; ++s)
@@ -2038,15 +2114,10 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
           }
       }
 #pragma omp barrier
-      product(down_w, act_d, out_d);
+      product(down_w, act_d, intermediate, out_d, lora(3));
 #pragma omp barrier
-      if (has_lora) {
-        if (lead) add_deltas(out, act, l, 6, 1);
-#pragma omp barrier
-      }
     }
   }
-  if (lora_error) std::rethrow_exception(lora_error);
   return {out, stream};
 }
 

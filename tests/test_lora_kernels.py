@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_ops
 from kernels.lora import BLOCK_M, group_rows, lora_add_ref, lora_add_triton
-from tests.test_kernels import has_cpu_kernels
+from tests.test_kernels import PagedKV, has_cpu_kernels
 
 NUM_SLOTS = 4
 # (number of tokens, in features, each module's width, max_rank): a decode step of one row, a
@@ -130,3 +130,92 @@ def test_lora_add_cpu_refuses_what_does_not_fit():
         args = dict(out=out, x=x, a=a, b=b, ranks=ranks, rows=rows, segments=segments) | change
         with pytest.raises(RuntimeError, match=message):
             cpu_ops.lora_add(**args)
+
+
+def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
+    """A call of few_rows_decode_layers (two layers, three sequences) whose rows take adapter
+    deltas: the first two rows slots 1 and 0, the third none; every module of every layer at a
+    rank below the padded max_rank of 8. Returns run(ranks, caches) -> (outputs, the K and V
+    caches, fresh copies unless given), the ranks and a fresh copy of the caches."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, heads, kv_heads, head_dim, inter = 32, 2, 1, 16, 24
+    widths_in = [hidden] * 3 + [heads * head_dim] + [hidden] * 2 + [inter]
+    widths_out = [heads * head_dim, head_dim, head_dim, hidden, inter, inter, hidden]
+    norms, weights = [], []
+    for _ in range(num_layers):
+        norms += [torch.rand(hidden, generator=generator) + 0.5 for _ in range(2)]
+        qkv, o, gate_up, down = (heads + 2 * kv_heads) * head_dim, heads * head_dim, 2 * inter, inter
+        for shape in ((qkv, hidden), (hidden, o), (gate_up, hidden), (hidden, down)):
+            weights.append(torch.randn(*shape, generator=generator) * 0.2)
+    layers = cpu_ops.DecodeLayers(
+        norms, weights, [""] * len(weights), [1] * len(weights), [None] * num_layers
+    )
+    a = [
+        torch.randn(NUM_SLOTS, 8, n, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_in
+    ]
+    b = [
+        torch.randn(NUM_SLOTS, n, 8, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_out
+    ]
+    ranks = torch.randint(1, 8, (num_layers, 7, NUM_SLOTS), generator=generator)
+    rows, segments = (torch.from_numpy(t) for t in group_rows(np.array([1, 0, -1], dtype=np.int32)))
+    kv = PagedKV([5, 19, 33], kv_heads, head_dim, 16, torch.float32)
+    lens = kv.seq_lens.long()
+    slots = torch.tensor(
+        [int(kv.block_tables[s, (n - 1) // 16]) * 16 + (n - 1) % 16 for s, n in enumerate(lens)]
+    )
+    x = torch.randn(3, hidden, generator=generator)
+    cos, sin = torch.rand(3, head_dim, generator=generator), torch.rand(3, head_dim, generator=generator)
+
+    def fresh_caches():
+        return [kv.k_cache.clone() for _ in range(num_layers)], [
+            kv.v_cache.clone() for _ in range(num_layers)
+        ]
+
+    def run(ranks=ranks, caches=None):
+        caches = caches or fresh_caches()
+        out = cpu_ops.few_rows_decode_layers(
+            x, layers, 1e-5, cos, sin, caches, slots, kv.block_tables.long(), lens, heads, 0.25,
+            lora=(a, b, ranks, rows, segments),
+        )  # fmt: skip
+        return torch.cat(out), caches
+
+    return run, ranks, fresh_caches
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_decode_layers_lora_deltas_do_not_depend_on_the_thread_count():
+    """The one-op decode step shares each projection's adapter deltas among its threads (the
+    shrink by rank rows, the expand by the base weight's columns): one thread and two give the
+    same bits, and the deltas change the output."""
+    assert has_cpu_kernels()
+    run, ranks, _ = decode_layers_with_lora()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, caches_alone = run()
+        torch.set_num_threads(2)
+        shared, caches_shared = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(caches_alone[0] + caches_alone[1], caches_shared[0] + caches_shared[1], strict=True)
+    )
+    without, _ = run(torch.zeros_like(ranks))  # rank 0 everywhere: no deltas
+    assert (alone[:2] - without[:2]).abs().max() > 1e-2  # rows 0, 1 have adapters (and the stream)
+    assert torch.equal(alone[2], without[2]) and torch.equal(alone[5], without[5])  # row 2 has none
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_decode_layers_refuse_bad_lora_arguments_before_writing():
+    """The one-op decode step checks every layer's adapters before its parallel region: a rank
+    past max_rank is an error naming it, with nothing written to the KV caches."""
+    assert has_cpu_kernels()
+    run, ranks, fresh_caches = decode_layers_with_lora()
+    bad = ranks.clone()
+    bad[1, 6, 0] = 9  # the last layer's down_proj, slot 0
+    caches, before = fresh_caches(), fresh_caches()
+    with pytest.raises(RuntimeError, match=r"rank 9 outside 0\.\.8"):
+        run(bad, caches)
+    assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))
