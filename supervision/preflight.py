@@ -15,8 +15,10 @@ from pathlib import Path
 from ipc.config import Config, NetworkConfig
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
+from services.common.checkpoint_files import text_weight_names
 from services.common.pooling import embedding_of
 from services.common.vision_language import is_vision_language, language_model_config
+from services.gpu_worker.architectures import ModelConfig
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,6 +85,19 @@ def check_layout(config: Config) -> None:
         )
 
 
+def check_lm_head(model_dir: Path, checkpoint: dict) -> None:
+    """A run that generates needs the LM head: a checkpoint without lm_head.weight whose
+    embeddings are untied (a base model's own save, as Qwen3-Embedding's are) would leave the
+    worker failing to load, restart after restart. (prepare_model has checked the config.)"""
+    tied = ModelConfig.from_dict(checkpoint).tie_word_embeddings
+    if tied or "lm_head.weight" in text_weight_names(model_dir):
+        return
+    raise Refused(
+        f"{model_dir.name} has no LM head: its checkpoint lacks lm_head.weight and its embeddings are "
+        "untied (tie_word_embeddings false), so it cannot generate; it embeds: set model.task to embed"
+    )
+
+
 def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     """The prepared model's config.json against tensor_parallel and the KV budget (the same rules
     the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
@@ -117,9 +132,11 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
             f"(architectures {checkpoint.get('architectures')}): set it to {undo}"
         )
     try:  # every stage reads it at start: a run that cannot say how it embeds never starts
-        embedding_of(config.model, model_dir)
+        embedding = embedding_of(config.model, model_dir)
     except ValueError as exc:
         raise Refused(str(exc)) from None
+    if embedding is None:
+        check_lm_head(model_dir, checkpoint)
     try:  # the tokenizers read the same defaults at start; a bad file would crash-loop them
         sampling_defaults = run_defaults(
             model_dir,
