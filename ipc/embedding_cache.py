@@ -93,6 +93,13 @@ class EmbeddingCache:
     def segment_bytes(num_pages: int, page_rows: int, width: int) -> int:
         return CONTROL_BYTES + num_pages * (HEADER_BYTES + page_rows * width * 4)
 
+    @staticmethod
+    def pages_in(cache_bytes: int, page_rows: int, width: int) -> int:
+        """The pages of a cache of `cache_bytes` (encoder.cache_bytes): as many as a segment
+        within it holds (`segment_bytes(n, ...)` bytes hold n), one at least."""
+        page_bytes = HEADER_BYTES + page_rows * width * 4
+        return max((cache_bytes - CONTROL_BYTES) // page_bytes, 1)
+
     @classmethod
     def create_or_attach(cls, name: str, num_pages: int, page_rows: int, width: int) -> EmbeddingCache:
         """The writer's mapping: the segment its previous life left, if it has this geometry

@@ -13,10 +13,14 @@ import sys
 from pathlib import Path
 
 from ipc.config import Config, NetworkConfig
+from ipc.embedding_cache import EmbeddingCache
 from ipc.ports import is_loopback
 from ipc.sampling_defaults import run_defaults
+from services.common.checkpoint_files import text_weight_names
+from services.common.images import ImageRules
 from services.common.pooling import embedding_of
 from services.common.vision_language import is_vision_language, language_model_config
+from services.gpu_worker.architectures import ModelConfig
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,6 +87,55 @@ def check_layout(config: Config) -> None:
         )
 
 
+def check_encoders(config: Config, model_dir: Path) -> None:
+    """A run with encoders (at start, or a hot reload that adds them: their cache_bytes is the
+    start's) needs a model that reads images, and caches that hold the largest image the model's
+    rules make, or every request with such an image would be refused."""
+    encoder = config.encoder
+    if not encoder.num_encoders:
+        return
+    checkpoint = json.loads((model_dir / "config.json").read_text())
+    if not is_vision_language(checkpoint):
+        setting, undo = (
+            ("encoder.in_worker is true", "false")
+            if encoder.in_worker
+            else (f"encoder.replicas is {encoder.replicas}", "0")
+        )
+        raise Refused(
+            f"{setting}, but {model_dir.name} reads no images "
+            f"(architectures {checkpoint.get('architectures')}): set it to {undo}"
+        )
+    try:
+        rules = ImageRules.from_dir(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise Refused(f"{model_dir.name}'s image rules do not load: {exc}") from None
+    # As the encoder lays its cache out (services/encoder/server.py): pages of the fewest tokens a
+    # tile takes, each a row of the language model's width; an image takes a run of them.
+    page_rows, width = rules.fewest_tile_tokens, int(language_model_config(checkpoint)["hidden_size"])
+    most = rules.most_image_tokens
+    needed = -(-most // page_rows)
+    if EmbeddingCache.pages_in(encoder.cache_bytes, page_rows, width) < needed:
+        smallest = EmbeddingCache.segment_bytes(needed, page_rows, width)
+        raise Refused(
+            f"encoder.cache_bytes={encoder.cache_bytes} cannot hold one of {model_dir.name}'s largest images "
+            f"({most} image tokens, {needed} pages of {page_rows} x {width} float32s): set "
+            f"encoder.cache_bytes >= {smallest}"
+        )
+
+
+def check_lm_head(model_dir: Path, checkpoint: dict) -> None:
+    """A run that generates needs the LM head: a checkpoint without lm_head.weight whose
+    embeddings are untied (a base model's own save, as Qwen3-Embedding's are) would leave the
+    worker failing to load, restart after restart. (prepare_model has checked the config.)"""
+    tied = ModelConfig.from_dict(checkpoint).tie_word_embeddings
+    if tied or "lm_head.weight" in text_weight_names(model_dir):
+        return
+    raise Refused(
+        f"{model_dir.name} has no LM head: its checkpoint lacks lm_head.weight and its embeddings are "
+        "untied (tie_word_embeddings false), so it cannot generate; it embeds: set model.task to embed"
+    )
+
+
 def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     """The prepared model's config.json against tensor_parallel and the KV budget (the same rules
     the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
@@ -105,21 +158,13 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         raise Refused(f"{model_dir}/config.json is not a usable model config: {exc!r}") from None
     if vocab_size < 1:
         raise Refused(f"{model_dir}/config.json: vocab_size must be >= 1, got {vocab_size}")
-    encoder = config.encoder
-    if encoder.num_encoders and not is_vision_language(checkpoint):
-        setting, undo = (
-            ("encoder.in_worker is true", "false")
-            if encoder.in_worker
-            else (f"encoder.replicas is {encoder.replicas}", "0")
-        )
-        raise Refused(
-            f"{setting}, but {model_dir.name} reads no images "
-            f"(architectures {checkpoint.get('architectures')}): set it to {undo}"
-        )
+    check_encoders(config, model_dir)
     try:  # every stage reads it at start: a run that cannot say how it embeds never starts
-        embedding_of(config.model, model_dir)
+        embedding = embedding_of(config.model, model_dir)
     except ValueError as exc:
         raise Refused(str(exc)) from None
+    if embedding is None:
+        check_lm_head(model_dir, checkpoint)
     try:  # the tokenizers read the same defaults at start; a bad file would crash-loop them
         sampling_defaults = run_defaults(
             model_dir,

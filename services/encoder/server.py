@@ -38,18 +38,14 @@ class EncoderServer:
         rules = ImageRules.from_dir(model_dir)
         # A page holds the fewest image tokens a tile can take: one tile of the families whose
         # tiles are all one size, and Qwen2.5-VL's images take as many pages as their sizes need.
+        # The supervisor has checked that the pages hold the largest image (preflight.check_encoders).
         page_rows, width = rules.fewest_tile_tokens, vision.config.text_hidden_size
-        page_bytes = EmbeddingCache.segment_bytes(1, page_rows, width)
         cache = EmbeddingCache.create_or_attach(
-            stage.endpoints.embedding_cache(index), max(config.cache_bytes // page_bytes, 1), page_rows, width
+            stage.endpoints.embedding_cache(index),
+            EmbeddingCache.pages_in(config.cache_bytes, page_rows, width),
+            page_rows,
+            width,
         )
-        if cache.max_rows < rules.tokens_per_tile:
-            stage.log.warning(
-                "encoder.cache_bytes holds %d image tokens: a request whose images take more (one image "
-                "can take %d) is refused",
-                cache.max_rows,
-                rules.tokens_per_tile,
-            )
         self.core = EncoderCore(vision, rules, cache, config.max_image_pixels)
         self.socket = RouterSocket(ctx, stage.endpoints.encoder(index), ENCODER_REQUEST, ENCODER_REPLY)
         self.queue: deque[tuple[bytes, m.EncodeImages]] = deque()

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.checkpoint_files import safetensors_files
+from services.common.checkpoint_files import (
+    is_bare_base_model,
+    safetensors_files,
+    stored_weight_names,
+    text_weight_name,
+)
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel, config_from_dir
 
 if TYPE_CHECKING:  # the light stages read model dirs through this module without torch
@@ -975,36 +980,6 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
 
-# A vision-language checkpoint's language model weights, under the names of its causal LM's
-# (services/common/vision_language.py): as the hub's Gemma 3 and SmolVLM checkpoints name them, and as
-# transformers names them in memory. Its vision weights are the encoder stage's.
-LANGUAGE_MODEL_PREFIXES = (
-    ("language_model.model.", "model."),
-    ("model.language_model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.text_model.", "model."),  # SmolVLM / Idefics3
-)
-VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-    "model.vision_model.",
-    "model.connector.",
-    "visual.",  # Qwen2.5-VL: the hub's and transformers 5's saves
-    "model.visual.",
-)
-
-
-def text_weight_name(name: str) -> str | None:
-    """The name the worker loads a checkpoint weight under; None for a vision weight."""
-    if name.startswith(VISION_PREFIXES):
-        return None
-    for prefix, renamed in LANGUAGE_MODEL_PREFIXES:
-        if name.startswith(prefix):
-            return renamed + name[len(prefix) :]
-    return name
-
 
 def iter_weights(
     model_dir: Path, shard_spec: ShardSpec | None = None, as_blocks: Collection[str] = ()
@@ -1017,7 +992,8 @@ def iter_weights(
     `shard_spec(name)` -> (dim, start, length) reads only that slice of the weight from the file
     (a tensor-parallel rank's shard); None reads the whole tensor. gpt-oss's MXFP4 experts
     (`mlp.experts.<projection>_blocks` and `_scales`, which may lie in different files) come as
-    one float32 weight each, `dequantize_mxfp4`'s, named as a plain checkpoint names it.
+    one float32 weight each, `dequantize_mxfp4`'s, named as a plain checkpoint names it. A base
+    model's own save (Qwen3-Embedding's: `is_bare_base_model`) comes under its causal LM's names.
     """
     import torch
     from safetensors import safe_open
@@ -1027,6 +1003,7 @@ def iter_weights(
     mxfp4_parts: dict[
         str, dict[str, torch.Tensor]
     ] = {}  # an MXFP4 weight's blocks or scales, until both are read
+    bare_base = is_bare_base_model(stored_weight_names(model_dir))
     with contextlib.ExitStack() as stack:
         blocks, formats = None, {}
         if blocks_path.exists():
@@ -1035,7 +1012,7 @@ def iter_weights(
         for file in tqdm(safetensors_files(model_dir), desc="loading weights", disable=None):
             with safe_open(str(file), framework="pt") as f:
                 for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    name = text_weight_name(stored)
+                    name = text_weight_name(stored, bare_base)
                     if name is None or stored in as_blocks:
                         continue
                     if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):

@@ -608,8 +608,13 @@ class LlamaModel:
         backend: str | None = None,
         int8_activations: bool = False,
         wide_step_dtype: str = "float32",
+        has_lm_head: bool = True,
     ) -> None:
+        """`has_lm_head` False: an embedding run, which pools the final states and never takes
+        logits; an untied head is neither allocated nor required of the checkpoint (a base model's
+        save, Qwen3-Embedding's, has none)."""
         self.config = config
+        self.has_lm_head = has_lm_head
         self.dtype = dtype
         self.device = device
         self.parallel = parallel
@@ -621,7 +626,12 @@ class LlamaModel:
         sparse = config.moe.sparse_layers if config.moe is not None else (False,) * config.num_hidden_layers
         self.layers = [LlamaLayer(config, shard, dtype, device, is_sparse) for is_sparse in sparse]
         self.norm = torch.empty(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if config.tie_word_embeddings else torch.zeros_like(self.embed)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed
+        elif has_lm_head:
+            self.lm_head = torch.zeros_like(self.embed)
+        else:
+            self.lm_head = torch.empty(0, config.hidden_size, dtype=dtype, device=device)
         # One attention backend per distinct (sliding window, rope) of the layers: each prepares
         # its own step metadata (rotary rows, the keys its window reads) once per step.
         self.attention_kinds = sorted(set(zip(config.layer_windows, config.layer_ropes, strict=True)))
@@ -779,7 +789,7 @@ class LlamaModel:
         elif name == "model.norm.weight":
             dst = self.norm
         elif name == "lm_head.weight":
-            if c.tie_word_embeddings:
+            if c.tie_word_embeddings or not self.has_lm_head:
                 return
             dst = self.lm_head[: sh.num_vocab_rows]
         else:
@@ -851,7 +861,7 @@ class LlamaModel:
         Mixtral's MoE names as `moe_weight_name` spells them)."""
         c = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not c.tie_word_embeddings:
+        if not c.tie_word_embeddings and self.has_lm_head:
             names.add("lm_head.weight")
         per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
         if c.mla is None:
@@ -968,7 +978,8 @@ class LlamaModel:
             )
             layer.quantized = tuple(quantized(n, w) for n, w in zip(names, layer.plain, strict=True))
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head_quantized = quantized([head], self.lm_head)
+        if self.has_lm_head:
+            self.lm_head_quantized = quantized([head], self.lm_head)
         self._load_quantized_experts(blocks, formats)
 
     def _load_quantized_experts(self, blocks: dict[str, torch.Tensor], formats: dict[str, str]) -> None:

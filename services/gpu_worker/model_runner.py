@@ -130,6 +130,7 @@ class ModelRunner:
                 backend,
                 int8_activations,
                 wide_step_dtype,
+                has_lm_head=embedding is None,
             )
         load_weights(self.model, model_dir)
         # The encoders' embedding caches by replica (Endpoints.embedding_cache), mapped when a
