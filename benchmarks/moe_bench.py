@@ -114,10 +114,11 @@ def run_stack(x: torch.Tensor, layers: list, use_kernel: bool) -> torch.Tensor:
 @contextmanager
 def counting_weight_bytes(counts: list[int]):
     """Counts the bytes of every weight that F.linear or the few-rows linear multiplies (the float32
-    MoE path's only matmuls), and for cpu_ops.moe_experts_quantized the blocks of each distinct
-    expert it is given: the op groups a step's (row, expert) pairs by expert and reads each
-    selected expert's blocks once (cpu_ops.cpp), so those are its reads."""
-    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized)
+    MoE path's only matmuls) and of the router that cpu_ops.moe_route multiplies, and for
+    cpu_ops.moe_experts_quantized the blocks of each distinct expert it is given: the op groups a
+    step's (row, expert) pairs by expert and reads each selected expert's blocks once
+    (cpu_ops.cpp), so those are its reads."""
+    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized, cpu_ops.moe_route)
 
     def counting(original):
         def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,12 +132,16 @@ def counting_weight_bytes(counts: list[int]):
             counts.append(sum(blocks[expert].numel() for blocks, _ in projections))
         return originals[2](x, weights, experts, *projections, **biases_and_swiglu)
 
+    def counted_router(x, router, *options):
+        counts.append(router.numel() * router.element_size())
+        return originals[3](x, router, *options)
+
     F.linear, cpu_ops.few_rows_linear = (counting(f) for f in originals[:2])
-    cpu_ops.moe_experts_quantized = counted_experts
+    cpu_ops.moe_experts_quantized, cpu_ops.moe_route = counted_experts, counted_router
     try:
         yield
     finally:
-        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized = originals
+        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized, cpu_ops.moe_route = originals
 
 
 def time_step(fn, repeats: int) -> list[float]:

@@ -28,6 +28,7 @@
 //   threads meeting at barriers between them), with LoRA deltas where the step has adapters.
 // - logsumexp_argmax: what sampling needs of the logits (each row's log-sum-exp and largest
 //   entry), in two reads of each row.
+// - moe_route: a mixture of experts' router (logits, softmax, top k, weights) for few rows, in one call.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -1520,6 +1521,73 @@ std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(const at::Tensor& x) {
   return {log_norms, argmax};
 }
 
+// A mixture of experts' router for a step of few rows, what model.moe_route computes in five torch
+// ops (each a dispatch that costs more than its work at one row): logits = x @ router^T (+ bias);
+// then either softmax over all experts, the top k (ties to the lower id), renormalized to sum to 1
+// where `normalize`; or, with `softmax_after_topk` (gpt-oss), the top k logits and a softmax over
+// those; the weights times `scaling`. Returns (weights [T, k] float32, experts [T, k] int64, tied),
+// each row's experts in descending order of score; `tied`: some row's k-th score equals an expert's
+// it left out, where torch.topk (HF's choice) picks among equals in an order of its own, so the
+// caller routes that step with torch instead.
+std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& x, const at::Tensor& router,
+                                             const c10::optional<at::Tensor>& bias, int64_t top_k, bool normalize,
+                                             bool softmax_after_topk, double scaling) {
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && x.size(1) == router.size(1) && x.scalar_type() == at::kFloat &&
+                  router.scalar_type() == at::kFloat && router.is_contiguous(),
+              "moe_route: x [T, H] and a contiguous router [E, H], float32");
+  const int64_t num_rows = x.size(0), hidden = x.size(1), num_experts = router.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "moe_route: top_k ", top_k, " outside 1..", num_experts);
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == num_experts, "moe_route: bias [E] float32");
+    bias_c = bias->contiguous();
+  }
+  const auto rows = x.contiguous();
+  auto weights = at::empty({num_rows, top_k}, rows.options());
+  auto experts = at::empty({num_rows, top_k}, rows.options().dtype(at::kLong));
+  std::vector<float> logits(4 * num_experts);
+  std::vector<char> is_taken(num_experts);
+  bool tied = false;
+  const float* b_data = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  for (int64_t first = 0; first < num_rows; first += 4) {
+    const int64_t count = std::min<int64_t>(4, num_rows - first);
+    with_row_count(count, [&](auto rows_now) {
+      few_rows_times_weight<decltype(rows_now)::value>(rows.data_ptr<float>() + first * hidden,
+                                                       router.data_ptr<float>(), b_data, logits.data(), hidden,
+                                                       num_experts, 0, num_experts);
+    });
+    for (int64_t r = 0; r < count; ++r) {
+      float* scores = logits.data() + r * num_experts;
+      float* w = weights.data_ptr<float>() + (first + r) * top_k;
+      int64_t* e = experts.data_ptr<int64_t>() + (first + r) * top_k;
+      const float largest = *std::max_element(scores, scores + num_experts);
+      if (!softmax_after_topk) {  // softmax over every expert first
+        float sum = 0.f;
+        for (int64_t i = 0; i < num_experts; ++i) sum += scores[i] = std::exp(scores[i] - largest);
+        for (int64_t i = 0; i < num_experts; ++i) scores[i] /= sum;
+      }
+      std::fill(is_taken.begin(), is_taken.end(), 0);
+      for (int64_t j = 0; j < top_k; ++j) {  // k passes: k and E are small
+        int64_t best = -1;
+        for (int64_t i = 0; i < num_experts; ++i)
+          if (!is_taken[i] && (best < 0 || scores[i] > scores[best])) best = i;
+        is_taken[best] = 1;
+        e[j] = best;
+        w[j] = scores[best];
+      }
+      for (int64_t i = 0; i < num_experts; ++i) tied = tied || (!is_taken[i] && scores[i] == w[top_k - 1]);
+      float total = 0.f;
+      if (softmax_after_topk) {  // e[0] holds the largest logit
+        for (int64_t j = 0; j < top_k; ++j) total += w[j] = std::exp(w[j] - scores[e[0]]);
+      } else if (normalize) {
+        for (int64_t j = 0; j < top_k; ++j) total += w[j];
+      }
+      for (int64_t j = 0; j < top_k; ++j) w[j] = (total > 0.f ? w[j] / total : w[j]) * static_cast<float>(scaling);
+    }
+  }
+  return {weights, experts, tied};
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -2142,6 +2210,9 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def("add_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor, Tensor)");
   m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def(
+      "moe_route(Tensor x, Tensor router, Tensor? bias, int top_k, bool normalize, bool softmax_after_topk, "
+      "float scaling) -> (Tensor, Tensor, bool)");
+  m.def(
       "few_rows_decode_layers(Tensor hidden, Tensor[] norms, Tensor[] weights, str[] formats, "
       "int[] parts_per_weight, Tensor?[] qkv_biases, float eps, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor seq_lens, int num_heads, float scale, "
@@ -2161,6 +2232,7 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("logsumexp_argmax", &logsumexp_argmax);
+  m.impl("moe_route", &moe_route);
   m.impl("few_rows_decode_layers", &few_rows_decode_layers);
   m.impl("lora_add", &lora_add);
 }

@@ -178,7 +178,7 @@ def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
 
 def has_kernels(dtype: torch.dtype) -> bool:
     """The ops for float32 tensors of any shape: few_rows_linear(_quantized), add_rms_norm,
-    logsumexp_argmax."""
+    logsumexp_argmax, moe_route."""
     return dtype == torch.float32 and load()
 
 
@@ -343,6 +343,24 @@ def logsumexp_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, V] float32 -> (each row's log-sum-exp [S] float32, its first largest entry's index
     [S] int64), as torch.logsumexp and torch.argmax give them, in two reads of each row."""
     return ops().logsumexp_argmax(x)
+
+
+def moe_route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    normalize: bool,
+    softmax_after_topk: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A softmax router's (weights [T, k] float32, experts [T, k] int64, tied) for x [T, H] and
+    router [E, H] (+ bias [E]), in one call: model.moe_route's softmax scoring on x @ router^T, the
+    top k in descending order, renormalized where `normalize`, or gpt-oss's softmax over the top k
+    logits (`softmax_after_topk`); times `scaling`. `tied`: a row's k-th score equals one left out,
+    which torch.topk (and so HF) breaks in an order of its own: route such a step with torch. For
+    few rows: it runs on the calling thread."""
+    return ops().moe_route(x, router, bias, top_k, normalize, softmax_after_topk, scaling)
 
 
 class DecodeLayers(NamedTuple):

@@ -114,6 +114,67 @@ def test_router_matches_hf_routing_on_ties_and_normalization():
     torch.testing.assert_close(weights.sum(dim=-1), torch.ones(2))
 
 
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize(("rows", "num_experts", "top_k"), [(1, 8, 2), (5, 64, 4), (16, 128, 8)])
+def test_cpu_router_matches_torch_routing(rows: int, num_experts: int, top_k: int) -> None:
+    """cpu_ops.moe_route, the few-rows router in one call, against moe_route (HF's routing, above)
+    on F.linear's logits: softmax with and without norm_topk_prob, a routed_scaling_factor, and
+    gpt-oss's softmax over the top k logits with a router bias. The same experts in the same
+    order, the weights within float32 rounding."""
+    from kernels import cpu_ops
+    from services.gpu_worker.architectures import MoeConfig
+
+    assert cpu_ops.has_kernels(torch.float32)
+    generator = torch.Generator().manual_seed(rows)
+    x, router = torch.randn(rows, 48, generator=generator), torch.randn(num_experts, 48, generator=generator)
+    bias = torch.randn(num_experts, generator=generator)
+    for moe, router_bias in (
+        (MoeConfig(num_experts, top_k, 8, norm_topk_prob=False), None),
+        (MoeConfig(num_experts, top_k, 8, norm_topk_prob=True, routed_scaling_factor=2.5), None),
+        (MoeConfig(num_experts, top_k, 8, norm_topk_prob=False, softmax_after_topk=True), bias),
+    ):
+        weights, experts, tied = cpu_ops.moe_route(
+            x,
+            router,
+            router_bias,
+            top_k,
+            moe.norm_topk_prob,
+            moe.softmax_after_topk,
+            moe.routed_scaling_factor,
+        )
+        want_weights, want_experts = moe_route(torch.nn.functional.linear(x, router, router_bias), moe)
+        assert not tied
+        assert torch.equal(experts, want_experts)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_cpu_router_reports_ties_that_torch_breaks_its_own_way() -> None:
+    """Where a row's k-th score equals an expert's left out, torch.topk picks among the equals in
+    an order of its own (HF's choice): the op says so, and the layer routes with torch. A tie
+    inside the top k changes no choice. Bad arguments are errors."""
+    from kernels import cpu_ops
+    from services.gpu_worker.architectures import MoeConfig
+    from services.gpu_worker.model import route_experts
+
+    assert cpu_ops.has_kernels(torch.float32)
+    eye = torch.eye(4)
+    for logits, tied in (([0.0, 3.0, 3.0, 1.0], False), ([3.0, 1.0, 1.0, 0.0], True), ([0.0] * 4, True)):
+        # x = the logits, router = the identity: x @ router^T is the logits themselves
+        assert cpu_ops.moe_route(torch.tensor([logits]), eye, None, 2, True, False, 1.0)[2] is tied
+    moe = MoeConfig(64, 4, 8, norm_topk_prob=True)
+    layer = type(
+        "Layer", (), {"router": torch.zeros(64, 16), "router_bias": None, "router_correction_bias": None}
+    )
+    weights, experts = route_experts(torch.randn(1, 16), layer, moe)  # every expert ties
+    want_weights, want_experts = moe_route(torch.zeros(1, 64), moe)
+    assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
+    with pytest.raises(RuntimeError, match=r"top_k 0 outside 1\.\.4"):
+        cpu_ops.moe_route(torch.ones(1, 4), eye, None, 0, True, False, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.moe_route(torch.ones(1, 4).double(), eye, None, 2, True, False, 1.0)
+
+
 def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
     """Make a saved gpt-oss an MXFP4 checkpoint as OpenAI ships one: each experts' projection
     replaced by random MXFP4 blocks (every 4-bit code) and scales (exponents 2^-6 to 2^-4, so the

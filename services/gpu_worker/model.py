@@ -1338,6 +1338,29 @@ def moe_route(
     return weights, experts
 
 
+def route_experts(x: torch.Tensor, layer: LlamaLayer, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse layer's (weights, experts) for x: `moe_route` on the router's logits, or, for a
+    softmax router and a step of few rows on the CPU, cpu_ops.moe_route's one call (at one row the
+    five torch ops cost more in dispatch than their work), unless a row's choice is a tie that
+    torch.topk breaks its own way."""
+    if (
+        len(x) <= cpu_ops.MOE_MAX_ROWS
+        and x.device.type == "cpu"
+        and moe.scoring == "softmax"
+        and moe.num_groups <= 1
+        and layer.router_correction_bias is None
+        and layer.router.dtype == torch.float32
+        and cpu_ops.has_kernels(x.dtype)
+    ):
+        weights, experts, tied = cpu_ops.moe_route(
+            x, layer.router, layer.router_bias, moe.top_k, moe.norm_topk_prob, moe.softmax_after_topk,
+            moe.routed_scaling_factor,
+        )  # fmt: skip
+        if not tied:
+            return weights, experts
+    return moe_route(F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias)
+
+
 def limit_to_groups(choice: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
     """DeepSeek's group-limited top-k: the experts as num_groups equal groups, each scored by the
     sum of its group_score_top best choice values (V2: its best, V3: its best two); the choice
@@ -1389,9 +1412,7 @@ def moe_mlp(
     rank's for the fused kernel, which then multiplies them by 0; the torch path skips them)."""
     moe = layer.moe
     assert moe is not None
-    weights, experts = moe_route(
-        F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias
-    )
+    weights, experts = route_experts(x, layer, moe)
     num_local = layer.num_local_experts
     if num_local != moe.num_experts:
         local = experts - layer.expert_start
