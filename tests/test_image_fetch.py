@@ -4,28 +4,42 @@ that serves a PNG, redirects, a 404, a page, an oversized body (announced, and e
 trickle. Through a whole run, the real `openai` client's http URL gives exactly what the same
 image as a data URL gives (test_image_chat.py checks those against HF), and each bad URL is a 400
 naming its problem while the run keeps serving; the Responses API's `input_image` (a data or an
-http URL) serves what the chat does, and the encoder's metrics count the images, in the same run."""
+http URL) serves what the chat does, and the encoder's metrics count the images, in the same run.
+A gateway replica in this process shows /tokenize fetching a chat's images side by side, each
+URL once, within one deadline, and refusing what the tokenizer stage refuses."""
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import json
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
 import pytest
+import uvicorn
 import zmq
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.async_sdk import AsyncClient
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST
+from services.audit import ApiKeyFailures, AuditLog
 from services.common.image_fetch import ImageFetcher, RemoteImages, fetch
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
+from services.gateway.app import Gateway, GatewaySettings
+from services.gateway.routes import build_app
+from services.metrics import HttpMetrics
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from tests.harness import assert_clean, brigade_run, free_port, tokenizer_dealer
 from tests.test_e2e import gateway_url
@@ -36,15 +50,22 @@ pytestmark = pytest.mark.timeout(300)
 MAX_BYTES = 64 << 10
 IMAGE = png(50, 37, seed=0)
 TRICKLE_S = 0.25  # /slow's pause between bytes: never one socket timeout, always past the deadline
+LATE_S = 1.0  # /late/PATH's wait before it answers as PATH does
 
 
 class ImageHandler(BaseHTTPRequestHandler):
-    """Its server's files as PNGs, and one path per case; `/hop/N` redirects N times before the PNG."""
+    """Its server's files as PNGs, and one path per case; `/hop/N` redirects N times before the
+    PNG; `/late/PATH` answers as PATH does, LATE_S later. It counts the requests for each path."""
 
     server: ImageHttpServer
 
     def do_GET(self) -> None:
         path = self.path
+        with self.server.lock:
+            self.server.hits[path] += 1
+        if path.startswith("/late/"):
+            time.sleep(LATE_S)
+            path = path.removeprefix("/late")
         if path in self.server.files:
             self.reply(200, "image/png", self.server.files[path])
         elif path == "/untyped":
@@ -102,6 +123,8 @@ class ImageHandler(BaseHTTPRequestHandler):
 class ImageHttpServer(ThreadingHTTPServer):
     daemon_threads = True
     files: dict[str, bytes]
+    hits: Counter[str]  # requests by path, under `lock`: the handlers run on a thread each
+    lock: threading.Lock
 
 
 class ImageServer:
@@ -111,6 +134,8 @@ class ImageServer:
         self.files = {"/cat.png": IMAGE, **(files or {})}
         self.server = ImageHttpServer(("127.0.0.1", 0), ImageHandler)
         self.server.files = self.files
+        self.server.hits = self.hits = Counter()
+        self.server.lock = threading.Lock()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -336,6 +361,139 @@ def test_a_chat_is_tokenized_once_its_remote_images_are_in(
         entry = admit("aborted", url)
         assert core.abort(b"c", "aborted") is entry and entry.submit.request_id not in core.journal
         assert core.on_fetched(entry.submit.request_id, {0: IMAGE}, "") is None
+
+
+# -- the gateway's /tokenize, in this process -----------------------------------------------------
+
+TOKENIZE_TIMEOUT_S = 2.0  # the gateway's encoder.remote_image_timeout_s: twice LATE_S
+FETCH_THREAD_PREFIX = "tokenize-image-fetch"
+
+
+@pytest.fixture(scope="module")
+def tokenize_url(tiny_qwen25vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A gateway replica in this process (uvicorn on a thread with its own loop) of Qwen2.5-VL,
+    whose image tokens depend on each image's size, so /tokenize reads every image; with
+    encoder.max_image_bytes MAX_BYTES and remote_image_timeout_s TOKENIZE_TIMEOUT_S. No run is
+    behind it: /tokenize never asks one. Its base URL; once it stops, its fetch threads end."""
+    state_dir = tmp_path_factory.mktemp("tokenize-gateway")
+    port = free_port()
+    servers: list[uvicorn.Server] = []
+
+    async def serve() -> None:
+        settings = GatewaySettings(
+            model="tiny", max_model_len=4096, api_keys=frozenset(), max_concurrent_requests=8,
+            max_body_bytes=4 << 20, run_dir=state_dir,
+            key_failures=ApiKeyFailures(AuditLog(state_dir / "audit.jsonl", "test-gateway")),
+            max_prompt_chars=1 << 20, max_messages=64, template_timeout_s=5.0, body_timeout_s=30.0,
+            max_image_bytes=MAX_BYTES,
+        )  # fmt: skip
+        gateway = Gateway(
+            settings,
+            AsyncClient(endpoints=[f"ipc://{state_dir}/no-tokenizer"]),
+            Tokenizer(tiny_qwen25vl_dir),
+            HttpMetrics(CollectorRegistry()),  # one per in-process gateway: names register once
+            image_rules=image_rules_of(tiny_qwen25vl_dir),
+            remote_images=policy(timeout_s=TOKENIZE_TIMEOUT_S),
+        )
+        config = uvicorn.Config(
+            build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
+        )
+        servers.append(uvicorn.Server(config))
+        try:
+            await servers[0].serve()
+        finally:
+            gateway.close()
+            await gateway.client.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (servers and servers[0].started) and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servers and servers[0].started, "the in-process gateway did not start within 60 s"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        servers[0].should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the in-process gateway did not stop within 30 s"
+    deadline = time.monotonic() + 2 * TOKENIZE_TIMEOUT_S  # a running fetch ends within its timeout
+    while fetchers := [t.name for t in threading.enumerate() if t.name.startswith(FETCH_THREAD_PREFIX)]:
+        assert time.monotonic() < deadline, f"{fetchers} still run after the gateway closed"
+        time.sleep(0.05)
+
+
+def tokenize(url: str, urls: list[str]) -> tuple[int, dict]:
+    """/tokenize of one user turn, each image of `urls` after a line of text: (status, reply)."""
+    content: list[dict] = []
+    for i, image in enumerate(urls):
+        content += [{"type": "text", "text": f"Picture {i}:"}, image_part(image)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:
+        connection.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def tokenize_count(url: str, urls: list[str]) -> int:
+    status, reply = tokenize(url, urls)
+    assert status == 200, reply
+    return reply["count"]
+
+
+PICTURES = {f"/{i}.png": png(width, height, seed=i) for i, (width, height) in
+            enumerate([(50, 37), (30, 45), (64, 20), (20, 64)])}  # fmt: skip
+
+
+def test_tokenize_fetches_a_chats_images_side_by_side_and_each_once(tokenize_url: str) -> None:
+    """Four images, each LATE_S in coming, are counted in about LATE_S (one after another they
+    would take four times that), as their data URLs count; an image named twice is fetched once."""
+    with ImageServer(PICTURES) as images:
+        want = tokenize_count(tokenize_url, [data_url(data) for data in PICTURES.values()])
+        started = time.monotonic()
+        got = tokenize_count(tokenize_url, [f"{images.url}/late{path}" for path in PICTURES])
+        took = time.monotonic() - started
+        assert got == want
+        assert took < 3 * LATE_S, f"/tokenize took {took:.2f}s for 4 images of {LATE_S}s each"
+        assert images.hits == {f"/late{path}": 1 for path in PICTURES}
+
+        images.hits.clear()
+        first, second = PICTURES["/0.png"], PICTURES["/1.png"]
+        twice = [f"{images.url}/late/0.png", f"{images.url}/late/1.png", f"{images.url}/late/0.png"]
+        assert tokenize_count(tokenize_url, twice) == tokenize_count(
+            tokenize_url, [data_url(first), data_url(second), data_url(first)]
+        )
+        assert images.hits == {"/late/0.png": 1, "/late/1.png": 1}
+
+
+def test_tokenize_refuses_the_first_bad_image_in_prompt_order(tokenize_url: str) -> None:
+    """The third of four images 404s, after the fourth (not an image) has failed: the 400 names
+    the third. A URL the policy refuses, or a data URL over encoder.max_image_bytes, is refused
+    before any image is fetched."""
+    with ImageServer(PICTURES) as images:
+        urls = [f"{images.url}/late/0.png", f"{images.url}/late/1.png", f"{images.url}/late/missing.png",
+                f"{images.url}/page.html"]  # fmt: skip
+        status, reply = tokenize(tokenize_url, urls)
+        assert status == 400, reply
+        error = reply["error"]
+        assert error["message"] == f"image_url: {images.url}/late/missing.png answered HTTP 404"
+        assert error["param"] == "messages"
+        assert images.hits["/page.html"] == 1  # it was fetched, and failed first
+
+        images.hits.clear()
+        refused = {
+            f"http://127.0.0.1:{10**6}/0.png": "is not a valid URL",
+            "ftp://127.0.0.1/0.png": "must be a data: URL",
+            data_url(png(200, 200, seed=9)): f"over the {MAX_BYTES}-byte limit",
+        }
+        for bad, problem in refused.items():
+            status, reply = tokenize(tokenize_url, [f"{images.url}/late/0.png", bad])
+            assert status == 400 and problem in reply["error"]["message"], reply
+        assert not images.hits
 
 
 # -- through a whole run --------------------------------------------------------------------------

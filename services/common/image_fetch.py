@@ -92,6 +92,30 @@ class RemoteImages:
             )
         return parts
 
+    @property
+    def request_deadline_s(self) -> float:
+        """How long one request's fetches may take, all together: they run side by side, each
+        within `timeout_s`."""
+        return self.timeout_s + DEADLINE_MARGIN_S
+
+    def overdue(self) -> str:
+        """The refusal of a request whose fetches are past `request_deadline_s`."""
+        return (
+            f"image_url: fetching this request's images took over {self.timeout_s:g}s "
+            "(encoder.remote_image_timeout_s)"
+        )
+
+
+def fetch_outcome(url: str, policy: RemoteImages) -> bytes | ImageError:
+    """`fetch`'s body, or its refusal; never raises, for a thread pool's caller that reports
+    the first failure of several: no input may take a fetch down unanswered."""
+    try:
+        return fetch(url, policy)
+    except ImageError as exc:
+        return exc
+    except Exception as exc:
+        return ImageError(f"image_url: fetching {shown(url)} failed: {type(exc).__name__}: {exc}")
+
 
 def fetch(url: str, policy: RemoteImages) -> bytes:
     """The body of the image at `url`, within `policy`. Raises ImageError."""
@@ -223,9 +247,7 @@ class ImageFetcher:
 
     def fetch(self, request_id: str, urls: dict[int, str], now: float) -> None:
         ticket = next(self._tickets)
-        self.pending[request_id] = _Pending(
-            ticket, len(urls), now + self.policy.timeout_s + DEADLINE_MARGIN_S
-        )
+        self.pending[request_id] = _Pending(ticket, len(urls), now + self.policy.request_deadline_s)
         for index, url in urls.items():
             self._pool.submit(self._fetch_one, request_id, ticket, index, url)
 
@@ -239,13 +261,7 @@ class ImageFetcher:
     def _fetch_one(self, request_id: str, ticket: int, index: int, url: str) -> None:
         if self._wanted(request_id, ticket) is None:
             return  # aborted, failed by another image or resubmitted, while this one waited for a thread
-        try:
-            outcome: bytes | ImageError = fetch(url, self.policy)
-        except ImageError as exc:
-            outcome = exc
-        except Exception as exc:  # no input may take the fetch down unanswered
-            outcome = ImageError(f"image_url: fetching {shown(url)} failed: {type(exc).__name__}: {exc}")
-        self._outcomes.put((request_id, ticket, index, outcome))
+        self._outcomes.put((request_id, ticket, index, fetch_outcome(url, self.policy)))
         with contextlib.suppress(BlockingIOError):  # a full pipe holds wakes enough: the loop is coming
             os.write(self._wake_writer, b"\0")
 
@@ -276,14 +292,7 @@ class ImageFetcher:
         for request_id, pending in list(self.pending.items()):
             if now >= pending.deadline:
                 del self.pending[request_id]
-                done.append(
-                    Fetched(
-                        request_id,
-                        {},
-                        f"image_url: fetching this request's images took over {self.policy.timeout_s:g}s "
-                        "(encoder.remote_image_timeout_s)",
-                    )
-                )
+                done.append(Fetched(request_id, {}, self.policy.overdue()))
         return done
 
     def close(self) -> None:

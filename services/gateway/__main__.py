@@ -137,6 +137,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         access_log=AccessLog(config.access_log, stage.name) if config.access_log.path else None,
         max_loras=stage.config.lora.max_loras,
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
+        max_image_bytes=stage.config.encoder.max_image_bytes,
     )
     model_dir = Path(stage.info.model_dir)
     gateway = Gateway(
@@ -168,6 +169,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     finally:
         control.cancel()
         settings.key_failures.flush(force=True)
+        gateway.close()  # uvicorn runs without lifespan events here: no shutdown hook would fire
         await client.close()
 
 

@@ -8,6 +8,8 @@ ends with an error event.
 The event loop serves every connection of the replica, so it runs no request's heavy CPU work:
 /tokenize and /detokenize render and encode on a worker thread, under the tokenizer's budgets
 (characters, messages, template time), and a body is measured for nesting before it is decoded.
+A chat's http(s) images, where /tokenize needs their sizes, are fetched on the replica's own
+small pool, side by side, under one deadline that the loop holds.
 A chat is held to the tokenizer's budgets here too, before any work per message: its messages
 are counted on the raw body before the nesting check and the full decode (102,400 messages cost
 those about 65 ms of the loop), and its characters, tool-call arguments included, before it is
@@ -21,8 +23,9 @@ import base64
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,7 +51,7 @@ from ipc.validation import (
 )
 from services.audit import ApiKeyFailures
 from services.common.harmony import speaks_harmony
-from services.common.image_fetch import NOT_FETCHED, RemoteImages, fetch, is_remote
+from services.common.image_fetch import FETCH_THREADS, NOT_FETCHED, RemoteImages, fetch_outcome, is_remote
 from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.text import TemplateTimeout, Tokenizer
 from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
@@ -112,6 +115,8 @@ class GatewaySettings:
     # How long a LoRA adapter command may take: an unload waits up to lora.unload_wait_s for its
     # requests, and the tokenizer gives the engine groups a margin beyond that.
     adapter_command_timeout_s: float = 300.0
+    # encoder.max_image_bytes: /tokenize decodes a data URL image within the tokenizer stage's limit.
+    max_image_bytes: int = 10 << 20
 
 
 def json_response(
@@ -168,6 +173,29 @@ class _MessageList(msgspec.Struct):
     messages: list[msgspec.Raw] | None = None
 
 
+@dataclass
+class RenderedChat:
+    """A /tokenize chat rendered by its template, before its images' tokens: their files where
+    their sizes count (b"" for an http(s) image until it is fetched), and the http(s) ones to
+    fetch, by their index among the chat's images, in prompt order."""
+
+    text: str
+    num_images: int
+    files: list[bytes]
+    urls: dict[int, str]
+
+
+@contextmanager
+def budget_errors(field: str) -> Iterator[None]:
+    """The tokenizer's budget refusals, as /tokenize's 400s naming `field`."""
+    try:
+        yield
+    except PromptTooLong as exc:
+        raise invalid(str(exc), field, "context_length_exceeded") from None
+    except InvalidParams as exc:
+        raise invalid(str(exc), field) from None
+
+
 class OversizedRequest(Exception):
     """A request refused for its size (`error`), which its client's oversized count records."""
 
@@ -193,6 +221,13 @@ class Gateway:
         self.tokenizer = tokenizer
         self.image_rules = image_rules  # a vision-language model's: /tokenize counts image tokens
         self.remote_images = remote_images  # what http(s) image URLs /tokenize fetches; None: none
+        # /tokenize's fetches, off the default pool that renders and encodes; as many threads as a
+        # tokenizer replica's, so what a request fetches in time there, it fetches in time here.
+        self.image_pool = (
+            ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="tokenize-image-fetch")
+            if remote_images is not None and image_rules is not None and image_rules.needs_sizes
+            else None
+        )
         # The process's registry (one replica a process); a second Gateway in one process (a test
         # beside the run's replicas) brings its own, since metric names register once.
         self.metrics = metrics or HttpMetrics()
@@ -720,74 +755,135 @@ class Gateway:
         body = await self.read_body(request, p.TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt and messages", "prompt")
-        ids, token_strs = await asyncio.to_thread(self._tokenize, body)
+        if body.messages is None:
+            ids, token_strs = await asyncio.to_thread(self._tokenize_prompt, body)
+        else:
+            chat = await asyncio.to_thread(self._render_chat, body.messages, body.add_generation_prompt)
+            if chat.urls:  # waited for here, on the loop: no worker thread is held while they come
+                for index, data in (await self._fetch_images(chat.urls)).items():
+                    chat.files[index] = data
+            ids, token_strs = await asyncio.to_thread(self._encode_chat, chat, body.return_token_strs)
         reply = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
         reply["token_strs"] = token_strs
         return self.finish(request, json_response(reply))
 
-    def _tokenize(self, body: p.TokenizeRequest) -> tuple[list[int], list[str | None] | None]:
-        """Render and encode (on a worker thread) under the budgets a generation request has."""
-        field = "prompt" if body.messages is None else "messages"
+    def _tokenize_prompt(self, body: p.TokenizeRequest) -> tuple[list[int], list[str | None] | None]:
+        """Encode (on a worker thread) under the budget a completion request has."""
+        prompt = body.prompt or ""
+        with budget_errors("prompt"):
+            check_prompt_chars(len(prompt), self.settings.max_prompt_chars)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+        return ids, self._token_strs(ids, body.return_token_strs)
+
+    def _render_chat(self, chat: list[p.ChatMessageIn], add_generation_prompt: bool) -> RenderedChat:
+        """Check and render a chat (on a worker thread) under the budgets a generation request
+        has, its images checked as the tokenizer stage admits them."""
         limit = self.settings.max_prompt_chars
+        with budget_errors("messages"):
+            try:
+                messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(chat)]
+            except InvalidRequest as exc:
+                raise invalid(str(exc), "messages") from None
+            check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
+            images = [
+                part
+                for x in messages
+                if isinstance(x.content, list)
+                for part in x.content
+                if isinstance(part, m.ImagePart)
+            ]
+            if images and self.image_rules is None:
+                raise invalid("this model reads no images", "messages")
+            files, urls = self._image_files(images)
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": x.role, "content": template_content(x)} for x in messages],
+                    add_generation_prompt=add_generation_prompt,
+                    timeout_s=self.settings.template_timeout_s,
+                )
+            except TemplateTimeout as exc:
+                raise invalid(f"messages: {exc}", "messages") from None
+            except Exception as exc:  # a template may raise on unusual conversations
+                raise invalid(f"chat template failed: {exc}", "messages") from None
+            check_prompt_chars(len(text), limit, " once rendered by the chat template")
+        return RenderedChat(text, len(images), files, urls)
+
+    def _image_files(self, images: list[m.ImagePart]) -> tuple[list[bytes], dict[int, str]]:
+        """Each image checked as the tokenizer stage admits it, all before any is fetched: a data
+        URL decoded within encoder.max_image_bytes, an http(s) URL held to the run's policy.
+        Where the model's image tokens depend on the images' sizes, their files in order (b"" for
+        an http(s) image) and the http(s) URLs to fetch, by index; else none."""
+        files: list[bytes] = []
+        urls: dict[int, str] = {}
+        for index, part in enumerate(images):
+            try:
+                if not is_remote(part.url):
+                    files.append(decode_data_url(part.url, self.settings.max_image_bytes))
+                    continue
+                if self.remote_images is None:
+                    raise ImageError(NOT_FETCHED)
+                self.remote_images.check(part.url)
+            except ImageError as exc:
+                raise invalid(str(exc), "messages") from None
+            urls[index] = part.url
+            files.append(b"")
+        if self.image_rules is None or not self.image_rules.needs_sizes:
+            return [], {}  # the count is the same whatever the images hold: none is fetched
+        return files, urls
+
+    async def _fetch_images(self, urls: dict[int, str]) -> dict[int, bytes]:
+        """A chat's http(s) images, by index: each distinct URL fetched once, side by side on the
+        replica's pool, all within one deadline; the first refusal in prompt order is the 400."""
+        assert self.remote_images is not None and self.image_pool is not None  # _image_files
+        policy, loop = self.remote_images, asyncio.get_running_loop()
+        outcomes = {
+            url: loop.run_in_executor(self.image_pool, fetch_outcome, url, policy)
+            for url in dict.fromkeys(urls.values())
+        }
         try:
-            if body.messages is not None:
-                try:
-                    messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(body.messages)]
-                except InvalidRequest as exc:
-                    raise invalid(str(exc), "messages") from None
-                check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
-                images = [
-                    part
-                    for x in messages
-                    if isinstance(x.content, list)
-                    for part in x.content
-                    if isinstance(part, m.ImagePart)
-                ]
-                if images and self.image_rules is None:
-                    raise invalid("this model reads no images", "messages")
-                try:
-                    text = self.tokenizer.apply_chat_template(
-                        [{"role": x.role, "content": template_content(x)} for x in messages],
-                        add_generation_prompt=body.add_generation_prompt,
-                        timeout_s=self.settings.template_timeout_s,
-                    )
-                except TemplateTimeout as exc:
-                    raise invalid(f"messages: {exc}", "messages") from None
-                except Exception as exc:  # a template may raise on unusual conversations
-                    raise invalid(f"chat template failed: {exc}", "messages") from None
-                check_prompt_chars(len(text), limit, " once rendered by the chat template")
-                if images:  # each image is its tokens, as the tokenizer stage expands them
-                    assert self.image_rules is not None
-                    try:
-                        text = self.image_rules.expand(text, self._image_sizes(images))
-                    except ImageError as exc:
-                        raise invalid(str(exc), "messages") from None
-                ids = self.tokenizer.encode(text)
-            else:
-                prompt = body.prompt or ""
-                check_prompt_chars(len(prompt), limit)
-                ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
-        except PromptTooLong as exc:
-            raise invalid(str(exc), field, "context_length_exceeded") from None
-        except InvalidParams as exc:
-            raise invalid(str(exc), field) from None
-        return ids, self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            async with asyncio.timeout(policy.request_deadline_s):
+                files = {}
+                for index, url in urls.items():
+                    outcome = await outcomes[url]
+                    if isinstance(outcome, ImageError):
+                        raise invalid(str(outcome), "messages")
+                    files[index] = outcome
+                return files
+        except TimeoutError:  # a fetch stuck where its socket timeouts do not reach (a DNS lookup)
+            raise invalid(policy.overdue(), "messages") from None
+        finally:
+            # A fetch still waiting for a thread never starts; a running one's result is dropped.
+            for outcome in outcomes.values():
+                outcome.cancel()
 
-    def _image_sizes(self, images: list[m.ImagePart]) -> list[tuple[int, int] | None]:
-        """Each image's (width, height) where the model's image tokens depend on it, from its
-        header: a data URL's, an http(s) URL's once fetched (here, on this worker thread, within
-        the run's policy, as the tokenizer stage fetches it); None where they do not."""
-        assert self.image_rules is not None
-        if not self.image_rules.needs_sizes:
-            return [None] * len(images)
-        return [image_size(self._image_file(part.url)) for part in images]
+    def _encode_chat(
+        self, chat: RenderedChat, return_token_strs: bool
+    ) -> tuple[list[int], list[str | None] | None]:
+        """Each image as its tokens, as the tokenizer stage expands them (sized from its file's
+        header where they depend on it), and the prompt encoded (on a worker thread)."""
+        text = chat.text
+        if chat.num_images:
+            assert self.image_rules is not None  # _render_chat
+            try:
+                sizes = (
+                    [image_size(data) for data in chat.files]
+                    if self.image_rules.needs_sizes
+                    else [None] * chat.num_images
+                )
+                text = self.image_rules.expand(text, sizes)
+            except ImageError as exc:
+                raise invalid(str(exc), "messages") from None
+        ids = self.tokenizer.encode(text)
+        return ids, self._token_strs(ids, return_token_strs)
 
-    def _image_file(self, url: str) -> bytes:
-        if not is_remote(url):
-            return decode_data_url(url, self.settings.max_body_bytes)
-        if self.remote_images is None:
-            raise ImageError(NOT_FETCHED)
-        return fetch(url, self.remote_images)
+    def _token_strs(self, ids: list[int], wanted: bool) -> list[str | None] | None:
+        return self.tokenizer.convert_ids_to_tokens(ids) if wanted else None
+
+    def close(self) -> None:
+        """Stop /tokenize's fetch threads without waiting: a fetch not started never starts, and
+        one running ends within its own timeout, its result dropped."""
+        if self.image_pool is not None:
+            self.image_pool.shutdown(wait=False, cancel_futures=True)
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.DetokenizeRequest)
