@@ -1525,7 +1525,7 @@ std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(const at::Tensor& x) {
 // ops (each a dispatch that costs more than its work at one row): logits = x @ router^T (+ bias);
 // then either softmax over all experts, the top k (ties to the lower id), renormalized to sum to 1
 // where `normalize`; or, with `softmax_after_topk` (gpt-oss), the top k logits and a softmax over
-// those; the weights times `scaling`. Returns (weights [T, k] float32, experts [T, k] int64, tied),
+// those (unscaled, as gpt-oss's router); otherwise the weights times `scaling`. Returns (weights [T, k] float32, experts [T, k] int64, tied),
 // each row's experts in descending order of score; `tied`: some row's k-th score equals an expert's
 // it left out, where torch.topk (HF's choice) picks among equals in an order of its own, so the
 // caller routes that step with torch instead.
@@ -1560,6 +1560,8 @@ std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& x, const at
       float* scores = logits.data() + r * num_experts;
       float* w = weights.data_ptr<float>() + (first + r) * top_k;
       int64_t* e = experts.data_ptr<int64_t>() + (first + r) * top_k;
+      // NaN scores: torch.topk counts NaN as the largest, so such a row is routed as torch routes it.
+      tied = tied || std::any_of(scores, scores + num_experts, [](float v) { return std::isnan(v); });
       const float largest = *std::max_element(scores, scores + num_experts);
       if (!softmax_after_topk) {  // softmax over every expert first
         float sum = 0.f;
@@ -1576,12 +1578,15 @@ std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& x, const at
         w[j] = scores[best];
       }
       for (int64_t i = 0; i < num_experts; ++i) tied = tied || (!is_taken[i] && scores[i] == w[top_k - 1]);
-      float total = 0.f;
-      if (softmax_after_topk) {  // e[0] holds the largest logit
+      if (softmax_after_topk) {  // e[0] holds the largest logit; gpt-oss scales nothing
+        float total = 0.f;
         for (int64_t j = 0; j < top_k; ++j) total += w[j] = std::exp(w[j] - scores[e[0]]);
-      } else if (normalize) {
-        for (int64_t j = 0; j < top_k; ++j) total += w[j];
+        for (int64_t j = 0; j < top_k; ++j) w[j] /= total;
+        continue;
       }
+      float total = 0.f;
+      if (normalize)
+        for (int64_t j = 0; j < top_k; ++j) total += w[j];
       for (int64_t j = 0; j < top_k; ++j) w[j] = (total > 0.f ? w[j] / total : w[j]) * static_cast<float>(scaling);
     }
   }
@@ -1743,41 +1748,48 @@ int64_t lora_work(const LoraProjection& projection, const LoraRows& rows) {
   return total;
 }
 
+// Rows of a segment that one shrink work item takes: a prefill's long run of one slot spreads
+// over the threads by rows as well as by A's rank rows.
+constexpr int64_t kLoraChunkRows = 16;
+
 // h[m, p, :rank] = A[m][slot] @ x[rows[p]], thread t of `threads` taking its share of all the
-// (segment, module, rank row) triples. x: [tokens, in] rows of stride x_stride; h: [modules, N, max_rank].
+// (segment, module, chunk of kLoraChunkRows rows, rank row) items. x: [tokens, in] rows of stride
+// x_stride; h: [modules, N, max_rank].
 void lora_shrink(const LoraProjection& projection, const LoraRows& rows, const float* x, int64_t x_stride, float* h,
                  int64_t t, int64_t threads) {
   const int64_t in_features = projection.in_features, max_rank = projection.max_rank;
   const int64_t num_rows = static_cast<int64_t>(rows.rows.size());
   int64_t total = 0;
   for (const auto& [slot, start, stop] : rows.segments)
-    for (int64_t m = 0; m < projection.num_modules(); ++m) total += projection.rank(m, slot);
+    for (int64_t m = 0; m < projection.num_modules(); ++m)
+      total += projection.rank(m, slot) * ((stop - start + kLoraChunkRows - 1) / kLoraChunkRows);
   const auto [first, last] = share(total, t, threads);
-  std::vector<float> gathered;  // x's rows of a chunk, where they are not one block of x already
+  std::vector<float> gathered;  // x's rows of four, where they are not one block of x already
   int64_t offset = 0;
   for (const auto& [slot, start, stop] : rows.segments)
     for (int64_t m = 0; m < projection.num_modules(); ++m) {
       const int64_t rank = projection.rank(m, slot);
-      const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
-      offset += rank;
-      if (begin >= end) continue;
       const float* a_slot = projection.a[m] + slot * max_rank * in_features;
-      for (int64_t p = start; p < stop; p += 4) {
-        const int64_t count = std::min<int64_t>(4, stop - p);
-        const float* chunk = x + rows.rows[p] * x_stride;
-        bool in_place = x_stride == in_features;
-        for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
-        if (!in_place) {
-          gathered.resize(count * in_features);
-          for (int64_t r = 0; r < count; ++r)
-            std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
-          chunk = gathered.data();
+      for (int64_t chunk = start; chunk < stop; chunk += kLoraChunkRows, offset += rank) {
+        const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
+        if (begin >= end) continue;
+        for (int64_t p = chunk; p < std::min(chunk + kLoraChunkRows, stop); p += 4) {
+          const int64_t count = std::min<int64_t>(4, stop - p);
+          const float* x_rows = x + rows.rows[p] * x_stride;
+          bool in_place = x_stride == in_features;
+          for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
+          if (!in_place) {
+            gathered.resize(count * in_features);
+            for (int64_t r = 0; r < count; ++r)
+              std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
+            x_rows = gathered.data();
+          }
+          with_row_count(count, [&](auto rows_now) {
+            few_rows_times_weight<decltype(rows_now)::value>(x_rows, a_slot, nullptr,
+                                                             h + (m * num_rows + p) * max_rank, in_features,
+                                                             max_rank, begin, end);
+          });
         }
-        with_row_count(count, [&](auto rows_now) {
-          few_rows_times_weight<decltype(rows_now)::value>(chunk, a_slot, nullptr,
-                                                           h + (m * num_rows + p) * max_rank, in_features, max_rank,
-                                                           begin, end);
-        });
       }
     }
 }
@@ -2080,6 +2092,9 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                                                lora_b.slice(kModules * l + first, count),
                                                lora_ranks->select(0, l).narrow(0, first, count), widths[i].first,
                                                widths[i].second);
+        // One h buffer serves every projection, sized by this max_rank.
+        TORCH_CHECK(adapters[l][i].max_rank == lora_a[0].size(1), "few_rows_decode_layers: LoRA max_rank ",
+                    adapters[l][i].max_rank, " in layer ", l, ", ", lora_a[0].size(1), " in the first");
       }
     lora_h_size = 3 * static_cast<int64_t>(lora_step.rows.size()) * lora_a[0].size(1);
   }

@@ -356,9 +356,10 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """A softmax router's (weights [T, k] float32, experts [T, k] int64, tied) for x [T, H] and
     router [E, H] (+ bias [E]), in one call: model.moe_route's softmax scoring on x @ router^T, the
-    top k in descending order, renormalized where `normalize`, or gpt-oss's softmax over the top k
-    logits (`softmax_after_topk`); times `scaling`. `tied`: a row's k-th score equals one left out,
-    which torch.topk (and so HF) breaks in an order of its own: route such a step with torch. For
+    top k in descending order, renormalized where `normalize`, times `scaling`; or gpt-oss's
+    softmax over the top k logits (`softmax_after_topk`, unscaled). `tied`: a row's k-th score equals one left out,
+    which torch.topk (and so HF) breaks in an order of its own, or a score is NaN: route such a
+    step with torch. For
     few rows: it runs on the calling thread."""
     return ops().moe_route(x, router, bias, top_k, normalize, softmax_after_topk, scaling)
 

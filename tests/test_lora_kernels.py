@@ -135,8 +135,8 @@ def test_lora_add_cpu_refuses_what_does_not_fit():
 def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
     """A call of few_rows_decode_layers (two layers, three sequences) whose rows take adapter
     deltas: the first two rows slots 1 and 0, the third none; every module of every layer at a
-    rank below the padded max_rank of 8. Returns run(ranks, caches) -> (outputs, the K and V
-    caches, fresh copies unless given), the ranks and a fresh copy of the caches."""
+    rank below the padded max_rank of 8. Returns run(ranks, caches, a, b) -> (outputs, the K and V
+    caches, fresh copies unless given), the ranks, fresh copies of the caches and (A, B)."""
     generator = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads, head_dim, inter = 32, 2, 1, 16, 24
     widths_in = [hidden] * 3 + [heads * head_dim] + [hidden] * 2 + [inter]
@@ -171,7 +171,7 @@ def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
             kv.v_cache.clone() for _ in range(num_layers)
         ]
 
-    def run(ranks=ranks, caches=None):
+    def run(ranks=ranks, caches=None, a=a, b=b):
         caches = caches or fresh_caches()
         out = cpu_ops.few_rows_decode_layers(
             x, layers, 1e-5, cos, sin, caches, slots, kv.block_tables.long(), lens, heads, 0.25,
@@ -179,29 +179,34 @@ def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
         )  # fmt: skip
         return torch.cat(out), caches
 
-    return run, ranks, fresh_caches
+    return run, ranks, fresh_caches, (a, b)
 
 
 @pytest.mark.usefixtures("cpu_isa")
 def test_decode_layers_lora_deltas_do_not_depend_on_the_thread_count():
     """The one-op decode step shares each projection's adapter deltas among its threads (the
-    shrink by rank rows, the expand by the base weight's columns): one thread and two give the
-    same bits, and the deltas change the output."""
+    shrink by rank rows, the expand by the base weight's columns): one, two and three threads (some
+    with empty shares) give the same bits, and the deltas change the output. (Their values against
+    PEFT's: tests/test_lora.py, test_each_lora_kernel_matches_peft.)"""
     assert has_cpu_kernels()
-    run, ranks, _ = decode_layers_with_lora()
+    run, ranks, _, _ = decode_layers_with_lora()
     threads = torch.get_num_threads()
+    results = []
     try:
-        torch.set_num_threads(1)
-        alone, caches_alone = run()
-        torch.set_num_threads(2)
-        shared, caches_shared = run()
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(run())
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, shared)
-    assert all(
-        torch.equal(p, q)
-        for p, q in zip(caches_alone[0] + caches_alone[1], caches_shared[0] + caches_shared[1], strict=True)
-    )
+    (alone, caches_alone), *others = results
+    for shared, caches_shared in others:
+        assert torch.equal(alone, shared)
+        assert all(
+            torch.equal(p, q)
+            for p, q in zip(
+                caches_alone[0] + caches_alone[1], caches_shared[0] + caches_shared[1], strict=True
+            )
+        )
     without, _ = run(torch.zeros_like(ranks))  # rank 0 everywhere: no deltas
     assert (alone[:2] - without[:2]).abs().max() > 1e-2  # rows 0, 1 have adapters (and the stream)
     assert torch.equal(alone[2], without[2]) and torch.equal(alone[5], without[5])  # row 2 has none
@@ -212,10 +217,17 @@ def test_decode_layers_refuse_bad_lora_arguments_before_writing():
     """The one-op decode step checks every layer's adapters before its parallel region: a rank
     past max_rank is an error naming it, with nothing written to the KV caches."""
     assert has_cpu_kernels()
-    run, ranks, fresh_caches = decode_layers_with_lora()
+    run, ranks, fresh_caches, (a, b) = decode_layers_with_lora()
     bad = ranks.clone()
     bad[1, 6, 0] = 9  # the last layer's down_proj, slot 0
     caches, before = fresh_caches(), fresh_caches()
     with pytest.raises(RuntimeError, match=r"rank 9 outside 0\.\.8"):
         run(bad, caches)
+    assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))
+    # One padded max_rank for every module: the step's shrink buffer is sized by the first.
+    a, b = list(a), list(b)
+    a[10] = torch.zeros(a[10].shape[0], 12, a[10].shape[2])  # layer 1's o_proj at max_rank 12
+    b[10] = torch.zeros(b[10].shape[0], b[10].shape[1], 12)
+    with pytest.raises(RuntimeError, match="LoRA max_rank 12 in layer 1, 8 in the first"):
+        run(ranks, caches, a, b)
     assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))

@@ -132,6 +132,8 @@ def test_cpu_router_matches_torch_routing(rows: int, num_experts: int, top_k: in
         (MoeConfig(num_experts, top_k, 8, norm_topk_prob=False), None),
         (MoeConfig(num_experts, top_k, 8, norm_topk_prob=True, routed_scaling_factor=2.5), None),
         (MoeConfig(num_experts, top_k, 8, norm_topk_prob=False, softmax_after_topk=True), bias),
+        # gpt-oss's router scales nothing, whatever the config says
+        (MoeConfig(num_experts, top_k, 8, False, softmax_after_topk=True, routed_scaling_factor=2.0), bias),
     ):
         weights, experts, tied = cpu_ops.moe_route(
             x,
@@ -162,13 +164,29 @@ def test_cpu_router_reports_ties_that_torch_breaks_its_own_way() -> None:
     for logits, tied in (([0.0, 3.0, 3.0, 1.0], False), ([3.0, 1.0, 1.0, 0.0], True), ([0.0] * 4, True)):
         # x = the logits, router = the identity: x @ router^T is the logits themselves
         assert cpu_ops.moe_route(torch.tensor([logits]), eye, None, 2, True, False, 1.0)[2] is tied
+    nan = torch.tensor([[1.0, float("nan"), 0.0, 2.0]])  # torch.topk takes NaN as the largest
+    assert cpu_ops.moe_route(nan, eye, None, 2, True, False, 1.0)[2] is True
     moe = MoeConfig(64, 4, 8, norm_topk_prob=True)
+    one_call, ties_seen = cpu_ops.moe_route, []
+
+    def counted(*args):
+        result = one_call(*args)
+        ties_seen.append(result[2])
+        return result
+
     layer = type(
         "Layer", (), {"router": torch.zeros(64, 16), "router_bias": None, "router_correction_bias": None}
     )
-    weights, experts = route_experts(torch.randn(1, 16), layer, moe)  # every expert ties
-    want_weights, want_experts = moe_route(torch.zeros(1, 64), moe)
-    assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_ops, "moe_route", counted)
+        weights, experts = route_experts(torch.randn(1, 16), layer, moe)  # every expert ties
+        want_weights, want_experts = moe_route(torch.zeros(1, 64), moe)
+        assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
+        layer.router = torch.randn(64, 16)  # no tie: the one call's answer is the layer's
+        x = torch.randn(2, 16)
+        weights, experts = route_experts(x, layer, moe)
+    assert ties_seen == [True, False]
+    assert torch.equal(experts, one_call(x, layer.router, None, 4, True, False, 1.0)[1])
     with pytest.raises(RuntimeError, match=r"top_k 0 outside 1\.\.4"):
         cpu_ops.moe_route(torch.ones(1, 4), eye, None, 0, True, False, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
