@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import posix_ipc
@@ -181,15 +181,14 @@ class EmbeddingCache:
                 f"embeddings of shape {embeddings.shape} do not fit a cache of [{self.max_rows}, {self.width}]"
             )
         if key in self._index:
-            self._evict(key)
+            self.evict(key)
         num_pages = self.pages_of(rows)
-        first = self._free_run(num_pages)
-        while first is None:
-            victim = next((k for k in self._index if k not in keep), None)
-            if victim is None:
-                raise NoRoom(f"no {num_pages} free pages in a row without evicting a kept image")
-            self._evict(victim)
-            first = self._free_run(num_pages)
+        plan = self._plan([rows], keep)
+        if plan is None:
+            raise NoRoom(f"no {num_pages} free pages in a row without evicting a kept image")
+        [(first, victims)] = plan
+        for victim in victims:
+            self.evict(victim)
         # Every header over these pages is free (rows 0, sequence changed at its eviction): no
         # ref of an earlier image reads them any more.
         sequence = int(self._words[first, _SEQUENCE]) + 1  # odd: being written
@@ -203,23 +202,58 @@ class EmbeddingCache:
         self._index[key] = first
         return SlotRef(first, sequence + 1)
 
+    def fits(self, rows: Sequence[int], keep: Collection[bytes]) -> bool:
+        """Whether images of these rows, put one after another with `keep` (which holds their
+        keys, so that none evicts one put before it), would all find room: a dry run of those
+        puts' evictions, which changes nothing (a put that fails half way has evicted every image
+        but `keep`'s already)."""
+        return self._plan(rows, keep) is not None
+
     def clear(self) -> None:
         """Evict every image."""
         for key in list(self._index):
-            self._evict(key)
+            self.evict(key)
 
-    def _free_run(self, num_pages: int) -> int | None:
-        """The first page of the first run of `num_pages` free pages; None if there is none."""
-        free = np.concatenate(([0], (self._owner < 0).view(np.int8), [0]))
+    def evict(self, key: bytes) -> None:
+        """Free a cached image's pages; its refs read None from now on."""
+        first = self._index.pop(key)
+        self._evict_header(first, int(self._words[first, _SEQUENCE]))
+        self._owner[self._owner == first] = -1
+
+    def _plan(self, rows: Sequence[int], keep: Collection[bytes]) -> list[tuple[int, list[bytes]]] | None:
+        """For images of these rows put one after another, none evicting one put before it: each
+        one's first page and the images its put evicts (least recently used first, but `keep`'s)
+        until a run is long enough. None if one finds no room. Played on a copy of the page map,
+        so that `put` and `fits` evict alike."""
+        owner = self._owner.copy()
+        victims = ((key, first) for key, first in self._index.items() if key not in keep)
+        plan = []
+        for image_rows in rows:
+            num_pages = self.pages_of(image_rows)
+            evicted = []
+            first = self._free_run(num_pages, owner)
+            while first is None:
+                victim = next(victims, None)
+                if victim is None:
+                    return None
+                evicted.append(victim[0])
+                owner[owner == victim[1]] = -1
+                first = self._free_run(num_pages, owner)
+            # An image's pages are marked with its first page, which no image still cached has:
+            # that page was free.
+            owner[first : first + num_pages] = first
+            plan.append((first, evicted))
+        return plan
+
+    @staticmethod
+    def _free_run(num_pages: int, owner: np.ndarray) -> int | None:
+        """The first page of the first run of `num_pages` free pages in `owner` (each page's
+        image's first page, -1: free); None if there is none."""
+        free = np.concatenate(([0], (owner < 0).view(np.int8), [0]))
         edges = np.flatnonzero(np.diff(free))  # alternately a run's start and its end
         starts, ends = edges[::2], edges[1::2]
         long_enough = np.flatnonzero(ends - starts >= num_pages)
         return int(starts[long_enough[0]]) if len(long_enough) else None
-
-    def _evict(self, key: bytes) -> None:
-        first = self._index.pop(key)
-        self._evict_header(first, int(self._words[first, _SEQUENCE]))
-        self._owner[self._owner == first] = -1
 
     def _evict_header(self, page: int, sequence: int) -> None:
         """Free an image's pages: its sequence number changes first, so that a reader mid-copy

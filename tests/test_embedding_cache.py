@@ -156,6 +156,23 @@ def test_scattered_free_pages_are_no_run_eviction_goes_on_until_one_is(cache_nam
     writer.close()
 
 
+def test_fits_is_a_dry_run_of_the_puts_it_answers_for(cache_name: str) -> None:
+    writer = EmbeddingCache.create_or_attach(cache_name, 6, ROWS, WIDTH)
+    refs = {i: writer.put(key(i), embeddings(i)) for i in range(6)}  # image i on page i
+    held = writer.held()
+    # Image 2 kept splits the pages into runs of 2 and 3: a 3-page and a 2-page image fit
+    # (evicting all but 2), a 4-page one does not; neither answer evicts anything.
+    keep = {key(2), key(6), key(7)}
+    assert writer.fits([3 * ROWS, 2 * ROWS], keep)
+    assert not writer.fits([4 * ROWS], keep)
+    assert writer.held() == held and all(writer.find(key(i)) == refs[i] for i in range(6))
+    # The puts do what the dry run played.
+    assert writer.put(key(6), embeddings(6, 3 * ROWS), keep).slot == 3
+    assert writer.put(key(7), embeddings(7, 2 * ROWS), keep).slot == 0
+    assert set(writer.held()) == keep and writer.find(key(2)) == refs[2]
+    writer.close()
+
+
 class EvictedMidCopy:
     """A reader's data whose slicing (the reader's copy, between its two sequence reads) first
     lets the writer evict the image being read and write another over its pages."""

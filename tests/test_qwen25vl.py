@@ -9,9 +9,10 @@ from __future__ import annotations
 import io
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
@@ -24,6 +25,9 @@ from ipc.endpoints import SHM_PREFIX
 from ipc.shm import new_run_id
 from services.common.images import ImageError, ImageRules, open_image
 from tests.test_image_chat import png
+
+if TYPE_CHECKING:
+    from services.encoder.core import EncoderCore
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -386,6 +390,25 @@ def test_tower_options_it_cannot_run_are_refused_by_name(tiny_qwen25vl_dir: Path
     assert Qwen2VLVisionConfig.from_dict(config).full_attention_blocks == {1, 3}
 
 
+def small_cache_encoder(
+    model_dir: Path, cache_name: str
+) -> tuple[EncoderCore, Callable[[bytes], np.ndarray]]:
+    """An encoder of the model whose cache is 12 pages of its fewest image tokens (4), and an
+    image's embeddings as its tower gives them for the image alone."""
+    from services.encoder.core import EncoderCore
+    from services.encoder.vision import load_vision_encoder
+
+    rules = ImageRules.from_dir(model_dir)
+    vision = load_vision_encoder(model_dir)
+    cache = EmbeddingCache.create_or_attach(cache_name, 12, rules.fewest_tile_tokens, 64)
+
+    def expected(image: bytes) -> np.ndarray:
+        [pixels] = rules.tiles(open_image(image, 1 << 20))
+        return vision.encode(torch.from_numpy(pixels[None]))[0].numpy()
+
+    return EncoderCore(vision, rules, cache, 1 << 20), expected
+
+
 def test_encoder_fits_images_of_different_sizes_in_a_small_cache(
     tiny_qwen25vl_dir: Path, embedding_cache_name: str
 ) -> None:
@@ -395,18 +418,10 @@ def test_encoder_fits_images_of_different_sizes_in_a_small_cache(
     of the request in the way of a long enough run) still gets all of them, each its own rows."""
     from ipc import messages as m
     from services.common.images import pixels_key
-    from services.encoder.core import EncoderCore
-    from services.encoder.vision import load_vision_encoder
 
-    rules = ImageRules.from_dir(tiny_qwen25vl_dir)
-    vision = load_vision_encoder(tiny_qwen25vl_dir)
-    cache = EmbeddingCache.create_or_attach(embedding_cache_name, 12, rules.fewest_tile_tokens, 64)
-    core = EncoderCore(vision, rules, cache, 1 << 20)
+    core, expected = small_cache_encoder(tiny_qwen25vl_dir, embedding_cache_name)
+    cache, rules = core.cache, core.rules
     small, large = png(56, 56, seed=0), png(196, 140, seed=1)  # 4 tokens (1 page), 35 (9 pages)
-
-    def expected(image: bytes) -> np.ndarray:
-        [pixels] = rules.tiles(open_image(image, 1 << 20))
-        return vision.encode(torch.from_numpy(pixels[None]))[0].numpy()
 
     refused = core.encode(m.EncodeImages("too many", [large, png(140, 140, seed=2)]))  # 9 + 7 pages
     assert (
@@ -425,4 +440,64 @@ def test_encoder_fits_images_of_different_sizes_in_a_small_cache(
         assert image_key == pixels_key(pixels)
         np.testing.assert_allclose(cache.read(ref, image_key), expected(image), rtol=1e-5, atol=1e-5)
     assert set(cache.held()) == set(both.keys)  # the others were evicted to make the room
+    cache.close()
+
+
+def test_an_encoder_moves_a_requests_cached_image_rather_than_evict_another_requests(
+    tiny_qwen25vl_dir: Path, embedding_cache_name: str
+) -> None:
+    """A request whose new image has no run of pages around its own cached one even with every
+    other image evicted, but has one if that cached image moves: it moves (its old ref reads
+    None), the least recently used others make the rest of the room, and another request's
+    image, not needed for it, stays cached: asked for again, it is found, not encoded."""
+    from ipc import messages as m
+
+    core, expected = small_cache_encoder(tiny_qwen25vl_dir, embedding_cache_name)
+    cache = core.cache
+    small, large, other = png(56, 56, seed=0), png(196, 140, seed=1), png(56, 112, seed=3)  # 1, 9, 2 pages
+    cache.put(b"x" * 16, np.zeros((20, 64), np.float32))  # pages 0-4
+    first = core.encode(m.EncodeImages("a", [small]))
+    cache.put(b"y" * 16, np.zeros((16, 64), np.float32))  # pages 6-9
+    b = core.encode(m.EncodeImages("b", [other]))
+    assert [first.refs[0].slot, b.refs[0].slot] == [5, 10]
+    # The large image's 9 pages: runs of 5 and 6 around page 5 with x, y and b evicted; with the
+    # small image moved, evicting x and y (the least recently used) frees pages 0-9.
+    both = core.encode(m.EncodeImages("c", [small, large]))
+    assert not both.error and core.num_encoded == 3  # small, other, large: small not again
+    assert [ref.slot for ref in both.refs] == [9, 0]  # the largest put first
+    for image, image_key, ref in zip((small, large), both.keys, both.refs, strict=True):
+        np.testing.assert_allclose(cache.read(ref, image_key), expected(image), rtol=1e-5, atol=1e-5)
+    assert cache.read(first.refs[0], first.keys[0]) is None
+    assert set(cache.held()) == {*both.keys, *b.keys}
+    again = core.encode(m.EncodeImages("b again", [other]))
+    assert core.num_encoded == 3 and again.refs == b.refs  # a hit, on pages never rewritten
+    np.testing.assert_allclose(cache.read(again.refs[0], b.keys[0]), expected(other), rtol=1e-5, atol=1e-5)
+    cache.close()
+
+
+def test_an_encoder_empties_its_cache_when_moving_its_requests_images_is_not_enough(
+    tiny_qwen25vl_dir: Path, embedding_cache_name: str
+) -> None:
+    """A request of 8, 3 and 1 pages in a cache of 12, its 1-page image cached at page 9: around
+    it there is no room for the others, and moving it is no better (the least recently used
+    image out of the way of the 8-page one frees pages 2-9, which leaves two runs of 2 for the
+    3-page one); then the cache holds this request's images alone, packed from page 0, each
+    with its own rows, and the moved image's old ref reads None."""
+    from ipc import messages as m
+
+    core, expected = small_cache_encoder(tiny_qwen25vl_dir, embedding_cache_name)
+    cache = core.cache
+    small, eight, three = png(56, 56, seed=0), png(224, 112, seed=4), png(112, 84, seed=5)  # 1, 8, 3 pages
+    cache.put(b"x" * 16, np.zeros((8, 64), np.float32))  # pages 0-1
+    cache.put(b"q" * 16, np.zeros((28, 64), np.float32))  # pages 2-8
+    first = core.encode(m.EncodeImages("a", [small]))
+    cache.put(b"t" * 16, np.zeros((8, 64), np.float32))  # pages 10-11
+    assert first.refs[0].slot == 9 and cache.find(b"x" * 16) is not None  # q now the least recently used
+    request = core.encode(m.EncodeImages("c", [small, eight, three]))
+    assert not request.error and core.num_encoded == 3  # small not again
+    assert [ref.slot for ref in request.refs] == [11, 0, 8]
+    for image, image_key, ref in zip((small, eight, three), request.keys, request.refs, strict=True):
+        np.testing.assert_allclose(cache.read(ref, image_key), expected(image), rtol=1e-5, atol=1e-5)
+    assert cache.read(first.refs[0], first.keys[0]) is None
+    assert set(cache.held()) == set(request.keys)
     cache.close()
