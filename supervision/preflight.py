@@ -20,7 +20,6 @@ from services.common.checkpoint_files import text_weight_names
 from services.common.images import ImageRules
 from services.common.pooling import embedding_of
 from services.common.vision_language import is_vision_language, language_model_config
-from services.gpu_worker.architectures import ModelConfig
 from services.tls import build_context
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -126,8 +125,10 @@ def check_encoders(config: Config, model_dir: Path) -> None:
 def check_lm_head(model_dir: Path, checkpoint: dict) -> None:
     """A run that generates needs the LM head: a checkpoint without lm_head.weight whose
     embeddings are untied (a base model's own save, as Qwen3-Embedding's are) would leave the
-    worker failing to load, restart after restart. (prepare_model has checked the config.)"""
-    tied = ModelConfig.from_dict(checkpoint).tie_word_embeddings
+    worker failing to load, restart after restart. Only a config that says its embeddings are
+    untied is held to it (as HF saves write it): without the key the family's default decides,
+    which is the worker's to know (services/gpu_worker/architectures.py), and its load says so."""
+    tied = language_model_config(checkpoint).get("tie_word_embeddings", True)
     if tied or "lm_head.weight" in text_weight_names(model_dir):
         return
     raise Refused(
