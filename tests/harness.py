@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -113,6 +114,46 @@ def _pump(stream, lines: queue.Queue[str], log_path: Path) -> None:
             lines.put(line)
             log.write(line)
             log.flush()
+
+
+@contextmanager
+def gateway_in_thread(make_gateway: Callable[[], Any]) -> Iterator[str]:
+    """A gateway replica in this process: `make_gateway()` (a services.gateway.app.Gateway, made
+    on the thread's own event loop) served by uvicorn on a thread; its base URL. Stopped, with its
+    fetch pool and its client closed, on the way out."""
+    import asyncio
+
+    import uvicorn
+
+    from services.gateway.routes import build_app
+
+    port = free_port()
+    servers: list[uvicorn.Server] = []
+
+    async def serve() -> None:
+        gateway = make_gateway()
+        config = uvicorn.Config(
+            build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
+        )
+        servers.append(uvicorn.Server(config))
+        try:
+            await servers[0].serve()
+        finally:
+            gateway.close()
+            await gateway.client.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (servers and servers[0].started) and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servers and servers[0].started, "the in-process gateway did not start within 60 s"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        servers[0].should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the in-process gateway did not stop within 30 s"
 
 
 def free_port() -> int:

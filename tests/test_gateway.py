@@ -3,7 +3,6 @@ replicas on one port), driven by the real `openai` package, curl and raw HTTP co
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import logging
@@ -26,7 +25,6 @@ import jsonschema
 import msgspec
 import openai
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from client import Client
@@ -40,9 +38,8 @@ from services.gateway.app import GatewaySettings
 from services.gateway.jobs import plan_chat
 from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
-from services.gateway.routes import build_app
 from services.metrics import HttpMetrics
-from tests.harness import assert_clean, brigade_run, free_port
+from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -966,10 +963,8 @@ def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
 def in_process_gateway(gw: Gateway, state_dir: Path, **settings_overrides: Any) -> Iterator[str]:
     """A gateway replica in this process (on a thread with its own event loop), serving the run's
     engine: for tests that patch what a replica runs, or set it up otherwise. Its base URL."""
-    port = free_port()
-    servers: list[uvicorn.Server] = []
 
-    async def serve() -> None:
+    def make_gateway() -> AppGateway:
         settings = GatewaySettings(
             model=gw.model, max_model_len=MAX_MODEL_LEN, api_keys=frozenset(), max_concurrent_requests=MAX_CONCURRENT,
             max_body_bytes=MAX_BODY_BYTES, run_dir=state_dir,
@@ -978,28 +973,10 @@ def in_process_gateway(gw: Gateway, state_dir: Path, **settings_overrides: Any) 
             body_timeout_s=BODY_TIMEOUT_S, reasoning_parser="qwen3", **settings_overrides,
         )  # fmt: skip
         metrics = HttpMetrics(CollectorRegistry())  # one per in-process gateway: names register once
-        gateway = AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)), metrics)
-        config = uvicorn.Config(
-            build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
-        )
-        servers.append(uvicorn.Server(config))
-        try:
-            await servers[0].serve()
-        finally:
-            await gateway.client.close()
+        return AppGateway(settings, AsyncClient(gw.run.run_dir), Tokenizer(Path(gw.model)), metrics)
 
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not (servers and servers[0].started) and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert servers and servers[0].started, "the in-process gateway did not start within 60 s"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        servers[0].should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
+    with gateway_in_thread(make_gateway) as url:
+        yield url
 
 
 def test_a_bug_in_a_reply_formatter_is_a_logged_500_not_a_dropped_connection(

@@ -10,7 +10,6 @@ URL once, within one deadline, and refusing what the tokenizer stage refuses."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import threading
@@ -25,7 +24,6 @@ from urllib.parse import urlsplit
 import msgspec
 import numpy as np
 import pytest
-import uvicorn
 import zmq
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,10 +36,9 @@ from services.common.image_fetch import ImageFetcher, RemoteImages, fetch
 from services.common.images import image_rules_of
 from services.common.text import Tokenizer
 from services.gateway.app import Gateway, GatewaySettings
-from services.gateway.routes import build_app
 from services.metrics import HttpMetrics
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
-from tests.harness import assert_clean, brigade_run, free_port, tokenizer_dealer
+from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread, tokenizer_dealer
 from tests.test_e2e import gateway_url
 from tests.test_image_chat import data_url, png, served_messages, tokenize_messages_count
 
@@ -376,10 +373,8 @@ def tokenize_url(tiny_qwen25vl_dir: Path, tmp_path_factory: pytest.TempPathFacto
     encoder.max_image_bytes MAX_BYTES and remote_image_timeout_s TOKENIZE_TIMEOUT_S. No run is
     behind it: /tokenize never asks one. Its base URL; once it stops, its fetch threads end."""
     state_dir = tmp_path_factory.mktemp("tokenize-gateway")
-    port = free_port()
-    servers: list[uvicorn.Server] = []
 
-    async def serve() -> None:
+    def make_gateway() -> Gateway:
         settings = GatewaySettings(
             model="tiny", max_model_len=4096, api_keys=frozenset(), max_concurrent_requests=8,
             max_body_bytes=4 << 20, run_dir=state_dir,
@@ -387,7 +382,7 @@ def tokenize_url(tiny_qwen25vl_dir: Path, tmp_path_factory: pytest.TempPathFacto
             max_prompt_chars=1 << 20, max_messages=64, template_timeout_s=5.0, body_timeout_s=30.0,
             max_image_bytes=MAX_BYTES,
         )  # fmt: skip
-        gateway = Gateway(
+        return Gateway(
             settings,
             AsyncClient(endpoints=[f"ipc://{state_dir}/no-tokenizer"]),
             Tokenizer(tiny_qwen25vl_dir),
@@ -395,28 +390,9 @@ def tokenize_url(tiny_qwen25vl_dir: Path, tmp_path_factory: pytest.TempPathFacto
             image_rules=image_rules_of(tiny_qwen25vl_dir),
             remote_images=policy(timeout_s=TOKENIZE_TIMEOUT_S),
         )
-        config = uvicorn.Config(
-            build_app(gateway), host="127.0.0.1", port=port, lifespan="off", log_config=None
-        )
-        servers.append(uvicorn.Server(config))
-        try:
-            await servers[0].serve()
-        finally:
-            gateway.close()
-            await gateway.client.close()
 
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not (servers and servers[0].started) and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert servers and servers[0].started, "the in-process gateway did not start within 60 s"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        servers[0].should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the in-process gateway did not stop within 30 s"
+    with gateway_in_thread(make_gateway) as url:
+        yield url
     deadline = time.monotonic() + 2 * TOKENIZE_TIMEOUT_S  # a running fetch ends within its timeout
     while fetchers := [t.name for t in threading.enumerate() if t.name.startswith(FETCH_THREAD_PREFIX)]:
         assert time.monotonic() < deadline, f"{fetchers} still run after the gateway closed"
