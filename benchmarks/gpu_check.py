@@ -80,7 +80,10 @@ DOCS_END = "<!-- gpu_check:end -->"
 
 def run_kernel_tests(dry_run: bool) -> dict:
     """pytest on the kernel test files in a subprocess; counts from its JUnit XML."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    # The repository first, then whatever PYTHONPATH already holds (packages installed beside the image's).
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    )
     if dry_run:
         env["TRITON_INTERPRET"] = "1"
         selection, plugin = DRY_RUN_TEST_SELECTION, []
@@ -118,16 +121,19 @@ def run_kernel_tests(dry_run: bool) -> dict:
 
 
 def junit_counts(root: ET.Element) -> dict:
-    passed, failed, skipped, failed_ids = 0, 0, 0, []
+    passed, failed, skipped, failures = 0, 0, 0, {}
     for case in root.iter("testcase"):
+        problem = case.find("failure")
+        problem = case.find("error") if problem is None else problem
         if case.find("skipped") is not None:
             skipped += 1
-        elif case.find("failure") is not None or case.find("error") is not None:
+        elif problem is not None:
             failed += 1
-            failed_ids.append(f"{case.get('classname')}::{case.get('name')}")
+            message = " ".join((problem.get("message") or problem.text or "").split())
+            failures[f"{case.get('classname')}::{case.get('name')}"] = message[:300]
         else:
             passed += 1
-    return {"passed": passed, "failed": failed, "skipped": skipped, "failed_ids": failed_ids}
+    return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures}
 
 
 # ---------------------------------------------------------------- the model
@@ -214,6 +220,31 @@ def matmul_flops(device: torch.device, size: int, reps: int) -> float:
         torch.nn.functional.linear(a, b)
     synchronize(device)
     return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
+    """Bytes/s of a device-to-device copy, counting the bytes read and the bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * src.numel() * src.element_size() * reps / (time.perf_counter() - start)
+
+
+def decode_roofline(config: dict, batch: int, context: int, flops: float, bandwidth: float) -> float:
+    """The most decode tok/s a step of `batch` sequences at `context` allows: it reads every bf16
+    weight once and each sequence's KV, and multiplies 2 x parameters FLOPs per token, so its time
+    is at least the larger of the two."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv_bytes = 2 * config["num_hidden_layers"] * context * config["num_key_value_heads"] * head_dim * 2
+    num_params = num_parameters(config)
+    step_s = max((2 * num_params + batch * kv_bytes) / bandwidth, 2 * num_params * batch / flops)
+    return batch / step_s
 
 
 def block_tables(batch: int, context: int, block_size: int) -> np.ndarray:
@@ -379,28 +410,33 @@ def markdown(result: dict) -> str:
         f'- Triton kernel tests ({tests["mode"]}, `-k "{tests["selection"]}"`): '
         f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped"
         + (f"; {tests['error']}" if "error" in tests else ""),
+        *[f"  - failed: `{test}`: {message}" for test, message in tests.get("failures", {}).items()],
         f"- Model: {model['num_params']:,} parameters (hidden {model['hidden_size']}, "
         f"{model['num_hidden_layers']} layers), random bf16 weights, prompt {model['prompt_len']}, "
         f"{model['decode_steps']} decode steps",
-        f"- bf16 matmul: {result['matmul_tflops']:.3g} TFLOP/s ({result['matmul_size']}^3); "
-        f"roofline {result['roofline_tok_s']:.1f} tok/s",
+        f"- bf16 matmul: {result['matmul_tflops']:.3g} TFLOP/s ({result['matmul_size']}^3), "
+        f"so at most {result['roofline_tok_s']:.0f} tok/s (2 x parameters FLOPs a token); copy "
+        f"{result['bandwidth_gb_s']:.0f} GB/s read + written. A decode step's roofline is the larger of "
+        "its FLOPs and its bytes (every weight once, each sequence's KV) at those rates.",
         "",
         vlm_line(result["vlm_kernels"]),
         "",
-        "| batch | prefill tok/s | decode tok/s | of roofline | eager ms/step | graph ms/step | graph speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| batch | prefill tok/s | of roofline | decode tok/s | decode roofline | of roofline "
+        "| eager ms/step | graph ms/step | graph speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in map(str, BATCHES):
         if b in result["errors"]:
-            lines.append(f"| {b} | failed: {result['errors'][b]} | | | | | |")
+            lines.append(f"| {b} | failed: {result['errors'][b]} | | | | | | | |")
             continue
         g = result["cuda_graphs"]["per_batch"][b]
         graph = "n/a" if g["graph_ms"] is None else f"{g['graph_ms']:.2f}"
         speedup = f"{g['speedup']:.2f}x" if "speedup" in g else "n/a"
-        decode = result["decode_tok_s"][b]
+        prefill, decode = result["prefill_tok_s"][b], result["decode_tok_s"][b]
+        roofline = result["decode_roofline_tok_s"][b]
         lines.append(
-            f"| {b} | {result['prefill_tok_s'][b]:.0f} | {decode:.1f} | "
-            f"{decode / result['roofline_tok_s']:.1%} | {g['eager_ms']:.2f} | {graph} | {speedup} |"
+            f"| {b} | {prefill:.0f} | {prefill / result['roofline_tok_s']:.1%} | {decode:.1f} | "
+            f"{roofline:.0f} | {decode / roofline:.1%} | {g['eager_ms']:.2f} | {graph} | {speedup} |"
         )
     errors = {b: g["error"] for b, g in result["cuda_graphs"]["per_batch"].items() if "error" in g}
     if errors:
@@ -444,6 +480,7 @@ def main() -> None:
     config = TINY if args.dry_run else LLAMA3_8B
     prompt_len, steps, reps = (16, 4, 3) if args.dry_run else (128, 32, 20)
     matmul_size, matmul_reps = (256, 5) if args.dry_run else (8192, 50)
+    copy_bytes, copy_reps = (2**24, 5) if args.dry_run else (2**32, 20)
 
     result: dict = {
         "dry_run": args.dry_run,
@@ -452,14 +489,21 @@ def main() -> None:
     }
     print("kernel tests ...", flush=True)
     result["kernel_tests"] = run_kernel_tests(args.dry_run)
-    print(json.dumps({k: v for k, v in result["kernel_tests"].items() if k != "failed_ids"}), flush=True)
+    print(json.dumps(result["kernel_tests"], indent=1), flush=True)
 
     flops = matmul_flops(device, matmul_size, matmul_reps)
+    bandwidth = copy_bandwidth(device, copy_bytes, copy_reps)
     num_params = num_parameters(config)
+    context = prompt_len + steps // 2  # the decode steps' mean
     result |= {
         "matmul_size": matmul_size,
         "matmul_tflops": flops / 1e12,
         "roofline_tok_s": flops / (2 * num_params),
+        "copy_bytes": copy_bytes,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "decode_roofline_tok_s": {
+            str(b): decode_roofline(config, b, context, flops, bandwidth) for b in BATCHES
+        },
     }
     with tempfile.TemporaryDirectory() as model_dir:
         runner = build_runner(config, str(device), prompt_len + steps + 1, Path(model_dir))

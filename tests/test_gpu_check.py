@@ -41,6 +41,11 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     assert result["roofline_tok_s"] == pytest.approx(
         result["matmul_tflops"] * 1e12 / (2 * model["num_params"])
     )
+    # A decode step's roofline: the larger of its bytes at the copy bandwidth and its FLOPs.
+    assert result["bandwidth_gb_s"] > 0
+    rooflines = [result["decode_roofline_tok_s"][b] for b in BATCHES]
+    assert all(0 < r <= result["roofline_tok_s"] * (1 + 1e-9) for r in rooflines)
+    assert rooflines == sorted(rooflines)  # more sequences share each weight read
     assert result["errors"] == {}
     for b in BATCHES:
         assert result["prefill_tok_s"][b] > 0 and result["decode_tok_s"][b] > 0

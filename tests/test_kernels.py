@@ -110,7 +110,7 @@ def test_rotary_triton(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, 
         num_tokens, num_kv_heads, head_dim
     )
     positions = torch.randint(0, 200, (num_tokens,), dtype=torch.int32)
-    cos_sin = make_cos_sin(200, head_dim, 10000.0, torch.float32, "cpu")
+    cos_sin = make_cos_sin(200, head_dim, 10000.0, torch.float32, qkv.device)  # the GPU check's device too
     q_ref, k_ref = q.clone(), k.clone()
     rotary_ref(q_ref, k_ref, positions, cos_sin)
     rotary_triton(q, k, positions, cos_sin)
@@ -164,7 +164,7 @@ def test_rotary_triton_mrope(dtype: torch.dtype, section: tuple[int, int, int], 
         num_tokens, num_kv_heads, head_dim
     )
     positions = mrope_test_positions(num_tokens, 100)
-    cos_sin = make_cos_sin(100, head_dim, 10000.0, torch.float32, "cpu")
+    cos_sin = make_cos_sin(100, head_dim, 10000.0, torch.float32, qkv.device)
     q_ref, k_ref = q.clone(), k.clone()
     q_plain, k_plain = q.clone(), k.clone()
     rotary_ref(q_ref, k_ref, positions, cos_sin, section)
@@ -818,7 +818,7 @@ def test_paged_prefill_triton_images(dtype: torch.dtype, window: int, softcap: f
     torch.manual_seed(window)
     kv = PagedKV(IMAGE_SEQ_LENS, 2, 32, 16, dtype)
     q, query_start_loc = _queries(IMAGE_SEQ_LENS, IMAGE_Q_LENS, 4, 32, dtype)
-    tails = torch.from_numpy(image_tails(image_groups_of(IMAGE_Q_LENS, IMAGES)))
+    tails = torch.from_numpy(image_tails(image_groups_of(IMAGE_Q_LENS, IMAGES))).to(q.device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.seq_lens, 32**-0.5)
     assert_close(
         paged_prefill_triton(*args, window=window, softcap=softcap, image_tails=tails),
