@@ -264,6 +264,9 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     max_loras: NonNegative = 0  # resident adapter slots per worker; 0 = adapters off
     max_rank: Positive = 64  # an adapter of a higher rank is refused
+    # The slots' A and B: "auto" = the model's dtype (float32 on the CPU: PEFT's numbers exactly);
+    # "bfloat16" halves the bytes a decode step reads for them, rounding each weight to bfloat16.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Adapters loaded at once (lora.adapters and those loaded at run time), waiting in the
     # workers' host memory for a slot; 0 = max_loras (every adapter has a slot of its own).
     max_cpu_loras: NonNegative = 0

@@ -82,6 +82,10 @@ inline float horizontal_max(__m256 v) {
 using Floats = __m512;
 constexpr int kLanes = 16;
 inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+// bfloat16 is float32's high half: widen each to 32 bits and shift it up, exactly.
+inline Floats load_floats(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline Floats broadcast_float(float v) { return _mm512_set1_ps(v); }
 inline Floats zero_floats() { return _mm512_setzero_ps(); }
 inline Floats add_floats(Floats a, Floats b) { return _mm512_add_ps(a, b); }
@@ -93,6 +97,9 @@ inline float sum_floats(Floats v) { return _mm512_reduce_add_ps(v); }
 using Floats = __m256;
 constexpr int kLanes = 8;
 inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline Floats load_floats(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline Floats broadcast_float(float v) { return _mm256_set1_ps(v); }
 inline Floats zero_floats() { return _mm256_setzero_ps(); }
 inline Floats add_floats(Floats a, Floats b) { return _mm256_add_ps(a, b); }
@@ -328,11 +335,12 @@ void with_row_count(int64_t num_rows, F&& f) {
   }
 }
 
-template <int R>
-void few_rows_times_weight(const float* x, const float* w, const float* bias, float* out, int64_t in_features,
+// W: float, or bfloat16 (a LoRA adapter's A kept in half the bytes).
+template <int R, typename W = float>
+void few_rows_times_weight(const float* x, const W* w, const float* bias, float* out, int64_t in_features,
                            int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const float* row = w + n * in_features;
+    const W* row = w + n * in_features;
     // Four partial sums per input row: enough independent FMAs to keep up with the weight stream.
     Floats acc[R][4];
     for (int r = 0; r < R; ++r)
@@ -347,7 +355,9 @@ void few_rows_times_weight(const float* x, const float* w, const float* bias, fl
     }
     for (int r = 0; r < R; ++r) {
       float sum = sum_floats(add_floats(add_floats(acc[r][0], acc[r][1]), add_floats(acc[r][2], acc[r][3])));
-      for (int64_t t = k; t < in_features; ++t) sum += x[r * in_features + t] * row[t];
+      // An explicit fma: the compiler may not vectorize it one way for float rows and another
+      // for bfloat16 ones, so both give the same bits for the same values.
+      for (int64_t t = k; t < in_features; ++t) sum = std::fma(x[r * in_features + t], static_cast<float>(row[t]), sum);
       out[r * out_features + n] = bias ? sum + bias[n] : sum;
     }
   }
@@ -1633,11 +1643,11 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) 
 
 // out_rows[r][n] += h[r] . b[n] over the first `rank` of each b row (stride b_stride), n in
 // [begin, end); the R rows of h (stride h_stride) stay in registers, each b row is read once for them.
-template <int R>
-void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t b_stride, int64_t rank,
+template <int R, typename W>
+void expand_rows(const float* h, int64_t h_stride, const W* b, int64_t b_stride, int64_t rank,
                  float* const* out_rows, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const float* b_row = b + n * b_stride;
+    const W* b_row = b + n * b_stride;
     Floats acc[R];
     for (int r = 0; r < R; ++r) acc[r] = zero_floats();
     int64_t k = 0;
@@ -1647,7 +1657,7 @@ void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t b_str
     }
     for (int r = 0; r < R; ++r) {
       float sum = sum_floats(acc[r]);
-      for (int64_t t = k; t < rank; ++t) sum += h[r * h_stride + t] * b_row[t];
+      for (int64_t t = k; t < rank; ++t) sum = std::fma(h[r * h_stride + t], static_cast<float>(b_row[t]), sum);
       out_rows[r][n] += sum;
     }
   }
@@ -1690,9 +1700,11 @@ LoraRows check_lora_rows(const at::Tensor& rows, const at::Tensor& segments, int
 }
 
 // One merged projection's adapters (its modules' A [slots, max_rank, in] and B [slots, width,
-// max_rank], ranks [modules, slots]), checked against the input and output widths.
+// max_rank], all float32 or all bfloat16; ranks [modules, slots]), checked against the input and
+// output widths.
 struct LoraProjection {
-  std::vector<const float*> a, b;
+  std::vector<const void*> a, b;
+  bool bfloat16 = false;
   std::vector<int64_t> columns;  // where each module's columns start; the last is the total width
   at::Tensor ranks;              // [modules, slots] int64, contiguous
   const int64_t* rank_data = nullptr;
@@ -1700,6 +1712,12 @@ struct LoraProjection {
 
   int64_t num_modules() const { return static_cast<int64_t>(a.size()); }
   int64_t rank(int64_t module, int64_t slot) const { return rank_data[module * num_slots + slot]; }
+  // Calls f with a null pointer of the adapters' element type (float or at::BFloat16).
+  template <typename F>
+  void with_type(F&& f) const {
+    if (bfloat16) return f(static_cast<const at::BFloat16*>(nullptr));
+    return f(static_cast<const float*>(nullptr));
+  }
 };
 
 LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const at::Tensor& ranks, int64_t in_features,
@@ -1715,22 +1733,26 @@ LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const a
               "lora_add: ranks [modules, slots] int64");
   projection.ranks = ranks.contiguous();
   projection.rank_data = projection.ranks.data_ptr<int64_t>();
+  const auto dtype = a[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_add: A and B must be float32 or bfloat16, got ",
+              dtype);
+  projection.bfloat16 = dtype == at::kBFloat16;
   projection.columns.push_back(0);
   for (int64_t m = 0; m < num_modules; ++m) {
-    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == at::kFloat &&
+    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == dtype &&
                     a[m].size(0) == projection.num_slots && a[m].size(1) == projection.max_rank &&
                     a[m].size(2) == in_features,
-                "lora_add: A of module ", m, " must be contiguous float32 [slots, max_rank, in]");
-    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == at::kFloat &&
+                "lora_add: A of module ", m, " must be contiguous [slots, max_rank, in] of ", dtype);
+    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == dtype &&
                     b[m].size(0) == projection.num_slots && b[m].size(2) == projection.max_rank,
-                "lora_add: B of module ", m, " must be contiguous float32 [slots, width, max_rank]");
+                "lora_add: B of module ", m, " must be contiguous [slots, width, max_rank] of ", dtype);
     for (int64_t slot = 0; slot < projection.num_slots; ++slot) {
       const int64_t rank = projection.rank(m, slot);
       TORCH_CHECK(rank >= 0 && rank <= projection.max_rank, "lora_add: rank ", rank, " outside 0..",
                   projection.max_rank);
     }
-    projection.a.push_back(a[m].data_ptr<float>());
-    projection.b.push_back(b[m].data_ptr<float>());
+    projection.a.push_back(a[m].data_ptr());
+    projection.b.push_back(b[m].data_ptr());
     projection.columns.push_back(projection.columns.back() + b[m].size(1));
   }
   TORCH_CHECK(projection.columns.back() == width, "lora_add: the modules' widths add up to ",
@@ -1764,57 +1786,63 @@ void lora_shrink(const LoraProjection& projection, const LoraRows& rows, const f
     for (int64_t m = 0; m < projection.num_modules(); ++m)
       total += projection.rank(m, slot) * ((stop - start + kLoraChunkRows - 1) / kLoraChunkRows);
   const auto [first, last] = share(total, t, threads);
-  std::vector<float> gathered;  // x's rows of four, where they are not one block of x already
-  int64_t offset = 0;
-  for (const auto& [slot, start, stop] : rows.segments)
-    for (int64_t m = 0; m < projection.num_modules(); ++m) {
-      const int64_t rank = projection.rank(m, slot);
-      const float* a_slot = projection.a[m] + slot * max_rank * in_features;
-      for (int64_t chunk = start; chunk < stop; chunk += kLoraChunkRows, offset += rank) {
-        const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
-        if (begin >= end) continue;
-        for (int64_t p = chunk; p < std::min(chunk + kLoraChunkRows, stop); p += 4) {
-          const int64_t count = std::min<int64_t>(4, stop - p);
-          const float* x_rows = x + rows.rows[p] * x_stride;
-          bool in_place = x_stride == in_features;
-          for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
-          if (!in_place) {
-            gathered.resize(count * in_features);
-            for (int64_t r = 0; r < count; ++r)
-              std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
-            x_rows = gathered.data();
+  projection.with_type([&](auto type) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    std::vector<float> gathered;  // x's rows of four, where they are not one block of x already
+    int64_t offset = 0;
+    for (const auto& [slot, start, stop] : rows.segments)
+      for (int64_t m = 0; m < projection.num_modules(); ++m) {
+        const int64_t rank = projection.rank(m, slot);
+        const W* a_slot = static_cast<const W*>(projection.a[m]) + slot * max_rank * in_features;
+        for (int64_t chunk = start; chunk < stop; chunk += kLoraChunkRows, offset += rank) {
+          const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
+          if (begin >= end) continue;
+          for (int64_t p = chunk; p < std::min(chunk + kLoraChunkRows, stop); p += 4) {
+            const int64_t count = std::min<int64_t>(4, stop - p);
+            const float* x_rows = x + rows.rows[p] * x_stride;
+            bool in_place = x_stride == in_features;
+            for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
+            if (!in_place) {
+              gathered.resize(count * in_features);
+              for (int64_t r = 0; r < count; ++r)
+                std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
+              x_rows = gathered.data();
+            }
+            with_row_count(count, [&](auto rows_now) {
+              few_rows_times_weight<decltype(rows_now)::value>(x_rows, a_slot, nullptr,
+                                                               h + (m * num_rows + p) * max_rank, in_features,
+                                                               max_rank, begin, end);
+            });
           }
-          with_row_count(count, [&](auto rows_now) {
-            few_rows_times_weight<decltype(rows_now)::value>(x_rows, a_slot, nullptr,
-                                                             h + (m * num_rows + p) * max_rank, in_features,
-                                                             max_rank, begin, end);
-          });
         }
       }
-    }
+  });
 }
 
 // out[rows[p], c] += B[m][slot][c] . h[m, p] for the projection's columns c in [column_begin, column_end).
 void lora_expand(const LoraProjection& projection, const LoraRows& rows, const float* h, float* out, int64_t out_stride,
                  int64_t column_begin, int64_t column_end) {
   const int64_t max_rank = projection.max_rank, num_rows = static_cast<int64_t>(rows.rows.size());
-  for (const auto& [slot, start, stop] : rows.segments)
-    for (int64_t m = 0; m < projection.num_modules(); ++m) {
-      const int64_t rank = projection.rank(m, slot), column = projection.columns[m];
-      const int64_t width = projection.columns[m + 1] - column;
-      const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
-      if (rank == 0 || begin >= end) continue;
-      const float* b_slot = projection.b[m] + slot * width * max_rank;
-      for (int64_t p = start; p < stop; p += 4) {
-        const int64_t count = std::min<int64_t>(4, stop - p);
-        float* out_rows[4];
-        for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
-        with_row_count(count, [&](auto rows_now) {
-          expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, max_rank, rank,
-                                                 out_rows, begin, end);
-        });
+  projection.with_type([&](auto type) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    for (const auto& [slot, start, stop] : rows.segments)
+      for (int64_t m = 0; m < projection.num_modules(); ++m) {
+        const int64_t rank = projection.rank(m, slot), column = projection.columns[m];
+        const int64_t width = projection.columns[m + 1] - column;
+        const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
+        if (rank == 0 || begin >= end) continue;
+        const W* b_slot = static_cast<const W*>(projection.b[m]) + slot * width * max_rank;
+        for (int64_t p = start; p < stop; p += 4) {
+          const int64_t count = std::min<int64_t>(4, stop - p);
+          float* out_rows[4];
+          for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
+          with_row_count(count, [&](auto rows_now) {
+            expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, max_rank, rank,
+                                                   out_rows, begin, end);
+          });
+        }
       }
-    }
+  });
 }
 
 // The op: out is updated in place (the schema marks it written).

@@ -67,7 +67,8 @@ def lora_add_ref(
             if rank == 0:
                 continue
             seg_rows = rows[start:end]
-            delta = (x[seg_rows] @ a_m[slot, :rank].T) @ b_m[slot, :, :rank].T
+            # Adapters may be kept in a narrower dtype than x (lora.dtype): computed in x's.
+            delta = (x[seg_rows] @ a_m[slot, :rank].T.to(x.dtype)) @ b_m[slot, :, :rank].T.to(x.dtype)
             out[seg_rows, start_col : start_col + width] += delta
         start_col += width
 

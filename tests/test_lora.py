@@ -73,12 +73,17 @@ def lora_models(tmp_path_factory):
 
 
 def make_runner(
-    base: Path, adapters: dict[str, Path], max_loras: int = 4, max_rank: int = 64, backend: str | None = None
+    base: Path,
+    adapters: dict[str, Path],
+    max_loras: int = 4,
+    max_rank: int = 64,
+    backend: str | None = None,
+    lora_dtype: str = "auto",
 ) -> ModelRunner:
     return ModelRunner(
         base, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, max_loras=max_loras,
         max_lora_rank=max_rank, lora_adapters={name: str(path) for name, path in adapters.items()},
-        backend=backend,
+        backend=backend, lora_dtype=lora_dtype,
     )  # fmt: skip
 
 
@@ -213,6 +218,16 @@ def test_each_lora_kernel_matches_peft(lora_models, kernel, monkeypatch):
         return one_op_layers(*args)
 
     monkeypatch.setattr(cpu_ops, "few_rows_decode_layers", counted_one_op_layers)
+    check_prefill_and_decodes(runner, references)
+    if kernel == "cpp":
+        assert one_op_calls == [True] * 4, "the decodes did not all take the one-op layers"
+    else:
+        assert one_op_calls == []
+
+
+def check_prefill_and_decodes(runner: ModelRunner, references: dict) -> None:
+    """A prefill of three adapters and none, decodes of four rows, then of two, each row checked
+    against its reference (check_lora_step)."""
     rng = np.random.default_rng(5)
     adapter_of = {0: "qv-r8", 1: None, 2: "all-r16-rslora", 3: "ogd-r4"}
     histories = {seq: rng.integers(3, VOCAB, 13 + 5 * seq).tolist() for seq in adapter_of}
@@ -224,10 +239,39 @@ def test_each_lora_kernel_matches_peft(lora_models, kernel, monkeypatch):
         check_lora_step(
             runner, builder, references, [(s, histories[s][-1:]) for s in rows], adapter_of, histories
         )
-    if kernel == "cpp":
-        assert one_op_calls == [True] * 4, "the decodes did not all take the one-op layers"
-    else:
-        assert one_op_calls == []
+
+
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
+def test_bfloat16_adapters_match_peft_with_bfloat16_weights(lora_models, kernel):
+    """lora.dtype bfloat16 keeps the slots' A and B in bfloat16 under the float32 model (half the
+    bytes a decode step reads for them). The kernels widen them exactly and compute in float32, so
+    the steps are PeftModel's with its adapters' weights rounded to bfloat16 alike (the adapters'
+    scalings, folded into B, are powers of two: rounding commutes with them). The C++ op with its
+    one-op decode layers, and the torch reference of a CPU without them."""
+    base, paths, peft_references = lora_models
+    runner = make_runner(base, paths, lora_dtype="bfloat16")
+    assert (
+        {a.dtype for a in runner.lora.a.values()}
+        == {b.dtype for b in runner.lora.b.values()}
+        == {torch.bfloat16}
+    )
+    if kernel == "torch":
+        runner.lora.apply, runner.lora.tile_rows = lora_add_ref, None
+        runner.model.has_one_op_layers = False
+    references = {None: peft_references[None]}
+    for name, path in paths.items():
+        references[name] = peft.PeftModel.from_pretrained(hf_base(base), path).eval()
+        with torch.no_grad():
+            for weight_name, weight in references[name].named_parameters():
+                if "lora_" in weight_name:
+                    weight.copy_(weight.bfloat16().float())
+    # The rounding matters: the rounded adapters' logits are not the float32 ones.
+    ids = list(range(3, 40))
+    assert (
+        reference_logits(references["all-r16-rslora"], ids)
+        - reference_logits(peft_references["all-r16-rslora"], ids)
+    ).abs().max() > 1e-4
+    check_prefill_and_decodes(runner, references)
 
 
 def test_greedy_tokens_through_execute_match_peft(lora_models):

@@ -109,6 +109,28 @@ def test_lora_add_cpu_matches_rows_one_by_one(num_tokens, in_features, widths, m
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def bfloat16_and_float32(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors rounded to bfloat16, and the same values held in float32."""
+    rounded = [t.bfloat16() for t in tensors]
+    return rounded, [t.float() for t in rounded]
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "widths", "max_rank"), SHAPES)
+@pytest.mark.usefixtures("cpu_isa")
+def test_lora_add_cpu_bfloat16_adapters_are_the_float32_values(num_tokens, in_features, widths, max_rank):
+    """A and B kept in bfloat16 (lora.dtype) are widened exactly: the same bits as float32 A and B
+    holding the same values, which match the float64 loop; the torch reference agrees."""
+    assert has_cpu_kernels()
+    x, a, b, ranks, token_slots = random_step(num_tokens, in_features, widths, max_rank, seed=num_tokens)
+    (a16, a32), (b16, b32) = bfloat16_and_float32(a), bfloat16_and_float32(b)
+    out16, expected = run(cpu_ops.lora_add, x, a16, b16, ranks, token_slots)
+    out32, _ = run(cpu_ops.lora_add, x, a32, b32, ranks, token_slots)
+    assert torch.equal(out16, out32)
+    torch.testing.assert_close(out16, expected, atol=1e-4, rtol=1e-4)
+    reference, _ = run(lora_add_ref, x, a16, b16, ranks, token_slots)
+    torch.testing.assert_close(reference, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.usefixtures("cpu_isa")
 def test_lora_add_cpu_refuses_what_does_not_fit():
     """Arguments that would read or write out of bounds, or race, are errors naming the problem."""
@@ -124,7 +146,13 @@ def test_lora_add_cpu_refuses_what_does_not_fit():
         "segments overlap": dict(segments=torch.tensor([[0, 0, len(rows)], [1, 0, 1]])),
         "rank 9 outside 0..8": dict(ranks=torch.full_like(ranks, 9)),
         "ranks \\[modules, slots\\] int64": dict(ranks=ranks.int()),
-        "must be contiguous float32": dict(a=[a[0].transpose(1, 2).contiguous().transpose(1, 2), a[1]]),
+        "must be contiguous \\[slots, max_rank, in\\]": dict(
+            a=[a[0].transpose(1, 2).contiguous().transpose(1, 2), a[1]]
+        ),
+        "must be float32 or bfloat16": dict(a=[t.half() for t in a], b=[t.half() for t in b]),
+        "B of module 0 must be contiguous \\[slots, width, max_rank\\] of BFloat16": dict(
+            a=[t.bfloat16() for t in a]
+        ),
     }
     for message, change in cases.items():
         args = dict(out=out, x=x, a=a, b=b, ranks=ranks, rows=rows, segments=segments) | change
@@ -210,6 +238,23 @@ def test_decode_layers_lora_deltas_do_not_depend_on_the_thread_count():
     without, _ = run(torch.zeros_like(ranks))  # rank 0 everywhere: no deltas
     assert (alone[:2] - without[:2]).abs().max() > 1e-2  # rows 0, 1 have adapters (and the stream)
     assert torch.equal(alone[2], without[2]) and torch.equal(alone[5], without[5])  # row 2 has none
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_decode_layers_bfloat16_adapters_are_the_float32_values():
+    """The one-op decode step with every layer's A and B in bfloat16: the same bits, outputs and KV
+    caches, as with float32 A and B holding the same values."""
+    assert has_cpu_kernels()
+    run, ranks, _, (a, b) = decode_layers_with_lora()
+    (a16, a32), (b16, b32) = bfloat16_and_float32(a), bfloat16_and_float32(b)
+    out16, caches16 = run(ranks, a=a16, b=b16)
+    out32, caches32 = run(ranks, a=a32, b=b32)
+    assert torch.equal(out16, out32)
+    assert all(
+        torch.equal(p, q) for p, q in zip(caches16[0] + caches16[1], caches32[0] + caches32[1], strict=True)
+    )
+    without, _ = run(torch.zeros_like(ranks))
+    assert (out16[:2] - without[:2]).abs().max() > 1e-2
 
 
 @pytest.mark.usefixtures("cpu_isa")

@@ -194,6 +194,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         int8_activations=engine.cpu_int8_activations,
         max_loras=config.lora.max_loras,
         max_lora_rank=config.lora.max_rank,
+        lora_dtype=config.lora.dtype,
         lora_adapters=config.lora.adapters,
         wide_step_dtype=engine.cpu_wide_step_dtype,
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),

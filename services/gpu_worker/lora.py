@@ -203,15 +203,25 @@ def check_adapter_config(name: str, config: dict, max_rank: int) -> None:
 
 
 class LoraSlots:
-    """`max_loras` resident adapter slots of rank up to `max_rank`, per layer and projection."""
+    """`max_loras` resident adapter slots of rank up to `max_rank`, per layer and projection, in
+    `dtype` (default: the model's; bfloat16 under a float32 CPU model halves the bytes a step
+    reads for them)."""
 
-    def __init__(self, model: LlamaModel, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, model: LlamaModel, max_loras: int, max_rank: int, dtype: torch.dtype | None = None
+    ) -> None:
+        dtype = model.dtype if dtype is None else dtype
+        if model.is_triton and dtype != model.dtype:
+            raise ValueError(
+                f"lora.dtype {str(dtype).removeprefix('torch.')}: the Triton backend keeps adapters in the "
+                f"model's dtype ({str(model.dtype).removeprefix('torch.')}); use auto"
+            )
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.names: list[str | None] = [None] * max_loras
         self.paths: list[str | None] = [None] * max_loras  # where each slot's adapter was read from
         self.ranks = [0] * max_loras
-        dtype, device = model.dtype, model.device
+        device = model.device
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for key, (in_features, out_features) in module_shapes(model).items():

@@ -81,6 +81,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 64,
         lora_adapters: dict[str, str] | None = None,
+        lora_dtype: str = "auto",
         wide_step_dtype: str = "float32",
         embedding: Embedding | None = None,
         embedding_caches: Callable[[int], str] | None = None,
@@ -137,7 +138,7 @@ class ModelRunner:
         # step first has an image of theirs; None: a run without encoders.
         self.embedding_cache_name = embedding_caches
         self.embedding_caches: dict[int, EmbeddingCache] = {}
-        self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {})
+        self.lora = self._load_adapters(max_loras, max_lora_rank, lora_adapters or {}, lora_dtype)
         self.num_lora_swaps = 0  # adapters copied from host memory into a slot, for a step
         # Copies into slots started ahead (a header's lora_prefetch), in flight while steps run:
         # slot -> its copy. On a GPU they run on their own stream.
@@ -203,7 +204,9 @@ class ModelRunner:
             self.model_name, dtype, self.device, self.num_kv_blocks, block_size,
         )  # fmt: skip
 
-    def _load_adapters(self, max_loras: int, max_rank: int, adapters: dict[str, str]) -> LoraSlots | None:
+    def _load_adapters(
+        self, max_loras: int, max_rank: int, adapters: dict[str, str], dtype: str
+    ) -> LoraSlots | None:
         """The static adapters (lora.adapters), checked against the model before the worker serves
         anything and kept in host memory, the first `max_loras` also in slots in their order; None
         with max_loras 0 (adapters off)."""
@@ -212,7 +215,7 @@ class ModelRunner:
             if adapters:
                 raise ValueError("lora.adapters names adapters but lora.max_loras is 0 (adapters off)")
             return None
-        slots = LoraSlots(self.model, max_loras, max_rank)
+        slots = LoraSlots(self.model, max_loras, max_rank, self.dtype if dtype == "auto" else DTYPES[dtype])
         for name, path in adapters.items():
             self.lora_host[name] = (path, load_adapter(name, path, self.model, max_rank))
         for slot, name in enumerate(list(self.lora_host)[:max_loras]):
