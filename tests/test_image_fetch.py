@@ -238,6 +238,21 @@ def test_the_fetcher_answers_each_request_without_blocking_its_loop(image_server
     fetcher.close()
 
 
+def test_the_fetcher_fetches_a_url_named_twice_once() -> None:
+    """A chat that shows one image three times: one fetch fills the three places; a missing one
+    named twice is refused naming its first place."""
+    with ImageServer() as images:
+        fetcher = ImageFetcher(policy(), num_threads=4)
+        now = time.monotonic()
+        fetcher.fetch("thrice", dict.fromkeys((1, 4, 5), f"{images.url}/cat.png"), now)
+        fetcher.fetch("missing", dict.fromkeys((2, 3), f"{images.url}/gone"), now)
+        done = {f.request_id: f for f in wait_for(fetcher, 2)}
+        assert done["thrice"].files == {1: IMAGE, 4: IMAGE, 5: IMAGE} and not done["thrice"].error
+        assert done["missing"].error.startswith("images[2]: ") and "HTTP 404" in done["missing"].error
+        assert images.hits == {"/cat.png": 1, "/gone": 1}
+        fetcher.close()
+
+
 # -- the tokenizer's admission of remote images, without a run -----------------------------------
 
 

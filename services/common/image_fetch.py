@@ -232,12 +232,15 @@ class Fetched:
 class ImageFetcher:
     """Fetches requests' remote images on a thread pool. `fetch` starts a request's; poll
     `wake_fd` and call `collect`, which returns the requests whose images are all in, or failed,
-    or past their deadline. `forget` drops a request (aborted): what its threads bring is dropped."""
+    or past their deadline. `forget` drops a request (aborted): what its threads bring is dropped.
+    A URL a request names more than once is fetched once, for all of its places."""
 
     def __init__(self, policy: RemoteImages, num_threads: int = FETCH_THREADS) -> None:
         self.policy = policy
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="image-fetch")
-        self._outcomes: queue.SimpleQueue[tuple[str, int, int, bytes | ImageError]] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[tuple[str, int, tuple[int, ...], bytes | ImageError]] = (
+            queue.SimpleQueue()
+        )
         self._tickets = itertools.count()
         self.wake_fd, self._wake_writer = os.pipe()
         os.set_blocking(self.wake_fd, False)
@@ -247,9 +250,12 @@ class ImageFetcher:
 
     def fetch(self, request_id: str, urls: dict[int, str], now: float) -> None:
         ticket = next(self._tickets)
-        self.pending[request_id] = _Pending(ticket, len(urls), now + self.policy.request_deadline_s)
+        places: dict[str, list[int]] = {}  # each distinct URL, and the image indices it fills
         for index, url in urls.items():
-            self._pool.submit(self._fetch_one, request_id, ticket, index, url)
+            places.setdefault(url, []).append(index)
+        self.pending[request_id] = _Pending(ticket, len(places), now + self.policy.request_deadline_s)
+        for url, indices in places.items():
+            self._pool.submit(self._fetch_one, request_id, ticket, tuple(indices), url)
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -258,10 +264,10 @@ class ImageFetcher:
         pending = self.pending.get(request_id)
         return pending if pending is not None and pending.ticket == ticket else None
 
-    def _fetch_one(self, request_id: str, ticket: int, index: int, url: str) -> None:
+    def _fetch_one(self, request_id: str, ticket: int, indices: tuple[int, ...], url: str) -> None:
         if self._wanted(request_id, ticket) is None:
             return  # aborted, failed by another image or resubmitted, while this one waited for a thread
-        self._outcomes.put((request_id, ticket, index, fetch_outcome(url, self.policy)))
+        self._outcomes.put((request_id, ticket, indices, fetch_outcome(url, self.policy)))
         with contextlib.suppress(BlockingIOError):  # a full pipe holds wakes enough: the loop is coming
             os.write(self._wake_writer, b"\0")
 
@@ -274,7 +280,7 @@ class ImageFetcher:
         done = []
         while True:
             try:
-                request_id, ticket, index, outcome = self._outcomes.get_nowait()
+                request_id, ticket, indices, outcome = self._outcomes.get_nowait()
             except queue.Empty:
                 break
             pending = self._wanted(request_id, ticket)
@@ -282,9 +288,9 @@ class ImageFetcher:
                 continue  # forgotten, failed already, or fetched again for a resubmission
             if isinstance(outcome, ImageError):
                 del self.pending[request_id]
-                done.append(Fetched(request_id, {}, f"images[{index}]: {outcome}"))
+                done.append(Fetched(request_id, {}, f"images[{indices[0]}]: {outcome}"))
                 continue
-            pending.files[index] = outcome
+            pending.files |= dict.fromkeys(indices, outcome)
             pending.num_left -= 1
             if pending.num_left == 0:
                 del self.pending[request_id]
