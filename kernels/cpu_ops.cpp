@@ -1641,26 +1641,30 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t threads) 
 // out += B @ h by output columns, which few_rows_decode_layers runs with the base weight's
 // columns of the same thread.
 
-// out_rows[r][n] += h[r] . b[n] over the first `rank` of each b row (stride b_stride), n in
-// [begin, end); the R rows of h (stride h_stride) stay in registers, each b row is read once for them.
+// out_rows[r][n] += sum over k < rank of h[r][k] * b[k][n], n in [begin, end): b holds B's rank
+// rows (stride b_stride), so kLanes columns take one FMA a rank row for each of the R rows of h,
+// each b row read once for all of them. A column's sum is the same chain of fmas from zero, in
+// the vectors and in the scalar tail alike, so a column gives the same bits whoever takes it.
 template <int R, typename W>
 void expand_rows(const float* h, int64_t h_stride, const W* b, int64_t b_stride, int64_t rank,
                  float* const* out_rows, int64_t begin, int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    const W* b_row = b + n * b_stride;
+  int64_t n = begin;
+  for (; n + kLanes <= end; n += kLanes) {
     Floats acc[R];
     for (int r = 0; r < R; ++r) acc[r] = zero_floats();
-    int64_t k = 0;
-    for (; k + kLanes <= rank; k += kLanes) {
-      const Floats bv = load_floats(b_row + k);
-      for (int r = 0; r < R; ++r) acc[r] = fma_floats(load_floats(h + r * h_stride + k), bv, acc[r]);
+    for (int64_t k = 0; k < rank; ++k) {
+      const Floats bv = load_floats(b + k * b_stride + n);
+      for (int r = 0; r < R; ++r) acc[r] = fma_floats(broadcast_float(h[r * h_stride + k]), bv, acc[r]);
     }
+    for (int r = 0; r < R; ++r) store_floats(out_rows[r] + n, add_floats(load_floats(out_rows[r] + n), acc[r]));
+  }
+  for (; n < end; ++n)
     for (int r = 0; r < R; ++r) {
-      float sum = sum_floats(acc[r]);
-      for (int64_t t = k; t < rank; ++t) sum = std::fma(h[r * h_stride + t], static_cast<float>(b_row[t]), sum);
+      float sum = 0.0f;
+      for (int64_t k = 0; k < rank; ++k)
+        sum = std::fma(h[r * h_stride + k], static_cast<float>(b[k * b_stride + n]), sum);
       out_rows[r][n] += sum;
     }
-  }
 }
 
 // A step's rows that use an adapter, checked once: each row in range and listed once, each
@@ -1699,14 +1703,13 @@ LoraRows check_lora_rows(const at::Tensor& rows, const at::Tensor& segments, int
   return checked;
 }
 
-// One merged projection's adapters (its modules' A [slots, max_rank, in] and B [slots, width,
-// max_rank], all float32 or all bfloat16; ranks [modules, slots]), checked against the input and
-// output widths.
+// One merged projection's adapters (its modules' A [slots, max_rank, in] and B [slots, max_rank,
+// width], all float32 or all bfloat16; their ranks [modules, slots], which the caller keeps),
+// checked against the input and output widths.
 struct LoraProjection {
   std::vector<const void*> a, b;
   bool bfloat16 = false;
   std::vector<int64_t> columns;  // where each module's columns start; the last is the total width
-  at::Tensor ranks;              // [modules, slots] int64, contiguous
   const int64_t* rank_data = nullptr;
   int64_t num_slots = 0, max_rank = 0, in_features = 0;
 
@@ -1720,7 +1723,9 @@ struct LoraProjection {
   }
 };
 
-LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const at::Tensor& ranks, int64_t in_features,
+// rank_data: [modules, slots] int64, the caller's checked and kept contiguous. No tensor is made
+// here: a decode step checks a hundred projections, and each view costs a dispatch.
+LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const int64_t* rank_data, int64_t in_features,
                                      int64_t width) {
   const int64_t num_modules = static_cast<int64_t>(a.size());
   TORCH_CHECK(num_modules > 0 && b.size() == a.size(), "lora_add: one A and one B per module");
@@ -1728,11 +1733,7 @@ LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const a
   projection.num_slots = a[0].size(0);
   projection.max_rank = a[0].size(1);
   projection.in_features = in_features;
-  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == num_modules &&
-                  ranks.size(1) == projection.num_slots,
-              "lora_add: ranks [modules, slots] int64");
-  projection.ranks = ranks.contiguous();
-  projection.rank_data = projection.ranks.data_ptr<int64_t>();
+  projection.rank_data = rank_data;
   const auto dtype = a[0].scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_add: A and B must be float32 or bfloat16, got ",
               dtype);
@@ -1744,8 +1745,8 @@ LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const a
                     a[m].size(2) == in_features,
                 "lora_add: A of module ", m, " must be contiguous [slots, max_rank, in] of ", dtype);
     TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == dtype &&
-                    b[m].size(0) == projection.num_slots && b[m].size(2) == projection.max_rank,
-                "lora_add: B of module ", m, " must be contiguous [slots, width, max_rank] of ", dtype);
+                    b[m].size(0) == projection.num_slots && b[m].size(1) == projection.max_rank,
+                "lora_add: B of module ", m, " must be contiguous [slots, max_rank, width] of ", dtype);
     for (int64_t slot = 0; slot < projection.num_slots; ++slot) {
       const int64_t rank = projection.rank(m, slot);
       TORCH_CHECK(rank >= 0 && rank <= projection.max_rank, "lora_add: rank ", rank, " outside 0..",
@@ -1753,7 +1754,7 @@ LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const a
     }
     projection.a.push_back(a[m].data_ptr());
     projection.b.push_back(b[m].data_ptr());
-    projection.columns.push_back(projection.columns.back() + b[m].size(1));
+    projection.columns.push_back(projection.columns.back() + b[m].size(2));
   }
   TORCH_CHECK(projection.columns.back() == width, "lora_add: the modules' widths add up to ",
               projection.columns.back(), ", out has ", width, " columns");
@@ -1831,13 +1832,13 @@ void lora_expand(const LoraProjection& projection, const LoraRows& rows, const f
         const int64_t width = projection.columns[m + 1] - column;
         const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
         if (rank == 0 || begin >= end) continue;
-        const W* b_slot = static_cast<const W*>(projection.b[m]) + slot * width * max_rank;
+        const W* b_slot = static_cast<const W*>(projection.b[m]) + slot * max_rank * width;
         for (int64_t p = start; p < stop; p += 4) {
           const int64_t count = std::min<int64_t>(4, stop - p);
           float* out_rows[4];
           for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
           with_row_count(count, [&](auto rows_now) {
-            expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, max_rank, rank,
+            expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, width, rank,
                                                    out_rows, begin, end);
           });
         }
@@ -1852,7 +1853,11 @@ void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorL
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
                   out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "lora_add: out [T, W] (rows contiguous) and x [T, in], float32");
-  const LoraProjection projection = check_lora_projection(a, b, ranks, x.size(1), out.size(1));
+  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == static_cast<int64_t>(a.size()) &&
+                  ranks.size(1) == a[0].size(0),
+              "lora_add: ranks [modules, slots] int64");
+  const auto ranks_c = ranks.contiguous();
+  const LoraProjection projection = check_lora_projection(a, b, ranks_c.data_ptr<int64_t>(), x.size(1), out.size(1));
   const LoraRows checked = check_lora_rows(rows, segments, out.size(0), projection.num_slots);
   const int64_t work = lora_work(projection, checked);
   if (work == 0) return;
@@ -2098,9 +2103,12 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
   const bool has_lora = !lora_a.empty();
   TORCH_CHECK(!has_lora || (static_cast<int64_t>(lora_a.size()) == kModules * num_layers &&
                             lora_b.size() == lora_a.size() && lora_ranks.has_value() && lora_rows.has_value() &&
-                            lora_segments.has_value() && lora_ranks->dim() == 3 && lora_ranks->size(0) == num_layers),
-              "few_rows_decode_layers: LoRA needs A and B of seven modules a layer, ranks [layers, 7, slots], "
-              "rows and segments");
+                            lora_segments.has_value() && lora_ranks->scalar_type() == at::kLong &&
+                            lora_ranks->dim() == 3 && lora_ranks->size(0) == num_layers &&
+                            lora_ranks->size(1) == kModules && lora_ranks->size(2) == lora_a[0].size(0)),
+              "few_rows_decode_layers: LoRA needs A and B of seven modules a layer, ranks [layers, 7, slots] "
+              "int64, rows and segments");
+  const at::Tensor lora_ranks_c = has_lora ? lora_ranks->contiguous() : at::Tensor();
   // Every layer's adapters checked here, as the weights are: nothing may throw inside the region.
   // The projections' modules in lora_add's order: q, k, v | o | gate, up | down.
   constexpr std::array<std::pair<int64_t, int64_t>, 4> kProjectionModules{{{0, 3}, {3, 1}, {4, 2}, {6, 1}}};
@@ -2116,10 +2124,10 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
     for (int64_t l = 0; l < num_layers; ++l)
       for (int i = 0; i < 4; ++i) {
         const auto [first, count] = kProjectionModules[i];
-        adapters[l][i] = check_lora_projection(lora_a.slice(kModules * l + first, count),
-                                               lora_b.slice(kModules * l + first, count),
-                                               lora_ranks->select(0, l).narrow(0, first, count), widths[i].first,
-                                               widths[i].second);
+        adapters[l][i] = check_lora_projection(
+            lora_a.slice(kModules * l + first, count), lora_b.slice(kModules * l + first, count),
+            lora_ranks_c.data_ptr<int64_t>() + (kModules * l + first) * lora_a[0].size(0), widths[i].first,
+            widths[i].second);
         // One h buffer serves every projection, sized by this max_rank.
         TORCH_CHECK(adapters[l][i].max_rank == lora_a[0].size(1), "few_rows_decode_layers: LoRA max_rank ",
                     adapters[l][i].max_rank, " in layer ", l, ", ", lora_a[0].size(1), " in the first");

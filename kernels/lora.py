@@ -8,8 +8,10 @@ below for the GPU, cpu_ops.lora_add in C++ for the CPU in float32):
 - out [T, W]: a merged projection's output (q/k/v, or gate/up, or one module), whose modules'
   columns follow one another from column 0 in the order of `a` / `b`;
 - x [T, in]: its input;
-- a[m] [slots, max_rank, in] and b[m] [slots, width_m, max_rank]: module m's slots, each rank
-  zero-padded to max_rank (the adapter's scaling folded into b);
+- a[m] [slots, max_rank, in] and b[m] [slots, max_rank, width_m]: module m's slots, each rank
+  zero-padded to max_rank (the adapter's scaling folded into b). B is kept as its rank rows (B^T
+  of PEFT's [out, r]) so that each rank row's output columns lie side by side: the expand is then
+  a stream of multiply-adds over the columns, on the CPU's vectors and the GPU's loads alike;
 - ranks [modules, slots] int64, on out's device: module m's rank in each slot, 0 where the slot's
   adapter does not target it (that work is skipped);
 - rows [N] int64: the token indices that have a slot, grouped by slot (`group_rows`);
@@ -61,14 +63,14 @@ def lora_add_ref(
     times its slot's A then B, per module, added in place into that module's columns."""
     start_col = 0
     for module, (a_m, b_m) in enumerate(zip(a, b, strict=True)):
-        width = b_m.shape[1]
+        width = b_m.shape[2]
         for slot, start, end in segments.tolist():
             rank = int(ranks[module, slot])
             if rank == 0:
                 continue
             seg_rows = rows[start:end]
             # Adapters may be kept in a narrower dtype than x (lora.dtype): computed in x's.
-            delta = (x[seg_rows] @ a_m[slot, :rank].T.to(x.dtype)) @ b_m[slot, :, :rank].T.to(x.dtype)
+            delta = (x[seg_rows] @ a_m[slot, :rank].T.to(x.dtype)) @ b_m[slot, :rank].to(x.dtype)
             out[seg_rows, start_col : start_col + width] += delta
         start_col += width
 
@@ -129,12 +131,12 @@ def _expand_kernel(
     column,
     stride_out,
     stride_bs,
-    stride_bn,
+    stride_br,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[rows[p], column + n] += h[p, :rank] . b[slot, n, :rank] for the tile's positions and
+    """out[rows[p], column + n] += h[p, :rank] . b[slot, :rank, n] for the tile's positions and
     BLOCK_N columns; a slot of rank 0 leaves out as it is, unread."""
     tile = tl.program_id(0)
     col_block = tl.program_id(1)
@@ -153,7 +155,7 @@ def _expand_kernel(
         other=0.0,
     )
     b = tl.load(
-        b_ptr + slot * stride_bs + cols[None, :] * stride_bn + ranks[:, None],
+        b_ptr + slot * stride_bs + ranks[:, None] * stride_br + cols[None, :],
         mask=(cols[None, :] < N) & (ranks[:, None] < rank),
         other=0.0,
     )
@@ -184,7 +186,7 @@ def lora_add_triton(
     column = 0
     for module, (a_m, b_m) in enumerate(zip(a, b, strict=True)):
         _, max_rank, in_features = a_m.shape
-        width = b_m.shape[1]
+        width = b_m.shape[2]
         assert a_m.is_contiguous() and b_m.is_contiguous()
         block_r = max(16, triton.next_power_of_2(max_rank))
         h = torch.empty(num_rows, block_r, dtype=torch.float32, device=x.device)

@@ -37,10 +37,10 @@ def random_step(num_tokens: int, in_features: int, widths: tuple[int, ...], max_
     a, b = [], []
     for module, width in enumerate(widths):
         a_m = torch.randn(NUM_SLOTS, max_rank, in_features, generator=generator) * 0.3
-        b_m = torch.randn(NUM_SLOTS, width, max_rank, generator=generator) * 0.3
+        b_m = torch.randn(NUM_SLOTS, max_rank, width, generator=generator) * 0.3
         for slot in range(NUM_SLOTS):  # zero past the rank, as LoraSlots keeps them
             a_m[slot, ranks[module, slot] :] = 0
-            b_m[slot, :, ranks[module, slot] :] = 0
+            b_m[slot, ranks[module, slot] :] = 0
         a.append(a_m)
         b.append(b_m)
     token_slots = rng.integers(0, NUM_SLOTS, num_tokens).astype(np.int32)
@@ -54,18 +54,18 @@ def expected_out(out, x, a, b, ranks, token_slots) -> torch.Tensor:
     result = out.double().clone()
     column = 0
     for module, (a_m, b_m) in enumerate(zip(a, b, strict=True)):
-        width = b_m.shape[1]
+        width = b_m.shape[2]
         for token, slot in enumerate(token_slots.tolist()):
             if slot >= 0 and ranks[module, slot] > 0:
                 h = a_m[slot].double() @ x[token].double()
-                result[token, column : column + width] += b_m[slot].double() @ h
+                result[token, column : column + width] += h @ b_m[slot].double()
         column += width
     return result.float()
 
 
 def run(kernel, x, a, b, ranks, token_slots, tile_rows=None) -> torch.Tensor:
     rows, segments = group_rows(token_slots, tile_rows)
-    out = torch.randn(x.shape[0], sum(b_m.shape[1] for b_m in b), generator=torch.Generator().manual_seed(9))
+    out = torch.randn(x.shape[0], sum(b_m.shape[2] for b_m in b), generator=torch.Generator().manual_seed(9))
     before = out.clone()
     kernel(out, x, a, b, ranks, torch.from_numpy(rows), torch.from_numpy(segments))
     expected = expected_out(before, x, a, b, ranks, token_slots)
@@ -150,7 +150,7 @@ def test_lora_add_cpu_refuses_what_does_not_fit():
             a=[a[0].transpose(1, 2).contiguous().transpose(1, 2), a[1]]
         ),
         "must be float32 or bfloat16": dict(a=[t.half() for t in a], b=[t.half() for t in b]),
-        "B of module 0 must be contiguous \\[slots, width, max_rank\\] of BFloat16": dict(
+        "B of module 0 must be contiguous \\[slots, max_rank, width\\] of BFloat16": dict(
             a=[t.bfloat16() for t in a]
         ),
     }
@@ -182,7 +182,7 @@ def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
         torch.randn(NUM_SLOTS, 8, n, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_in
     ]
     b = [
-        torch.randn(NUM_SLOTS, n, 8, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_out
+        torch.randn(NUM_SLOTS, 8, n, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_out
     ]
     ranks = torch.randint(1, 8, (num_layers, 7, NUM_SLOTS), generator=generator)
     rows, segments = (torch.from_numpy(t) for t in group_rows(np.array([1, 0, -1], dtype=np.int32)))
@@ -272,7 +272,7 @@ def test_decode_layers_refuse_bad_lora_arguments_before_writing():
     # One padded max_rank for every module: the step's shrink buffer is sized by the first.
     a, b = list(a), list(b)
     a[10] = torch.zeros(a[10].shape[0], 12, a[10].shape[2])  # layer 1's o_proj at max_rank 12
-    b[10] = torch.zeros(b[10].shape[0], b[10].shape[1], 12)
+    b[10] = torch.zeros(b[10].shape[0], 12, b[10].shape[2])
     with pytest.raises(RuntimeError, match="LoRA max_rank 12 in layer 1, 8 in the first"):
         run(ranks, caches, a, b)
     assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))

@@ -2,7 +2,7 @@
 
 An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/up/down). The
 worker keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in]
-and B [slots, out, r] (the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
+and B [slots, r, out] (B^T; the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
 that a step may mix rows of several adapters and rows of none. A step groups its tokens by slot
 and a batched kernel (kernels/lora.py: Triton on the GPU, C++ on the CPU, a torch reference
 elsewhere) multiplies each adapter present by all of its tokens at once: its A and B are read
@@ -226,7 +226,7 @@ class LoraSlots:
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for key, (in_features, out_features) in module_shapes(model).items():
             self.a[key] = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
-            self.b[key] = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+            self.b[key] = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
         # Each module's rank in each slot, 0 where the slot's adapter does not target it (the
         # kernels skip that work): [layers, modules (TARGET_MODULES' order), slots].
         shape = (len(model.layers), len(MODULE_INDEX), max_loras)
@@ -267,7 +267,7 @@ class LoraSlots:
         self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             self.a[(layer, module)][slot, : adapter.rank] = a
-            self.b[(layer, module)][slot, :, : adapter.rank] = b
+            self.b[(layer, module)][slot, : adapter.rank] = b.T  # kernels/lora.py keeps B's rank rows
             self.module_ranks[layer, MODULE_INDEX[module], slot] = adapter.rank
         self.names[slot], self.paths[slot], self.ranks[slot] = adapter.name, path, adapter.rank
 
