@@ -7,8 +7,8 @@ CUDA becomes torch's default device, so the tensors a test makes without a devic
 A few tests build some inputs on the CPU on purpose (`torch.from_numpy`, a rotary table made
 for "cpu"); a CPU pointer handed to a compiled kernel fails before it runs, which would say nothing
 about the kernel. So every `*_triton` launcher of kernels/ takes its CPU tensor arguments to the
-GPU, copies them back after the call (the launchers write some in place), and returns its tensor
-outputs on the CPU when its first tensor argument was there.
+GPU (in lists too), copies them back after the call (the launchers write some in place), and
+returns its tensor outputs on the CPU when its first tensor argument was there.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-KERNEL_MODULES = ("kv_store", "paged_attention", "rms_norm", "rotary", "token_bitmask")
+KERNEL_MODULES = ("kv_store", "lora", "paged_attention", "rms_norm", "rotary", "token_bitmask")
 
 
 def on_cuda(launch: Callable) -> Callable:
@@ -31,6 +31,8 @@ def on_cuda(launch: Callable) -> Callable:
             if isinstance(value, torch.Tensor) and value.device.type == "cpu":
                 moved.append((value, value.to("cuda")))
                 return moved[-1][1]
+            if isinstance(value, list | tuple):  # lora's per-module A and B lists
+                return type(value)(map(to_cuda, value))
             return value
 
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)

@@ -66,7 +66,7 @@ TINY = LLAMA3_8B | {
     "max_position_embeddings": 256,
     "eos_token_id": 1,
 }
-KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_token_bitmask.py")
+KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_token_bitmask.py", "tests/test_lora_kernels.py")
 # The Triton kernels' tests (the files also hold the C++ CPU ops' tests, which need CPU tensors).
 CUDA_TEST_SELECTION = "triton or decode_is_prefill or on_cuda"
 DRY_RUN_TEST_SELECTION = "rms_norm_triton and 576"  # six tests, seconds in the interpreter

@@ -30,14 +30,15 @@ def random_step(num_tokens: int, in_features: int, widths: tuple[int, ...], max_
     module per slot left untargeted (rank 0), and a quarter of the tokens without a slot."""
     generator = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    x = torch.randn(num_tokens, in_features, generator=generator)
+    # On the CPU by name: the GPU check runs the Triton test with CUDA as the default device.
+    x = torch.randn(num_tokens, in_features, generator=generator, device="cpu")
     ranks = torch.from_numpy(rng.integers(1, max_rank + 1, (len(widths), NUM_SLOTS))).long()
     ranks[:, 0] = max_rank  # one slot at the full (padded) rank
     ranks[rng.integers(len(widths)), 1] = 0
     a, b = [], []
     for module, width in enumerate(widths):
-        a_m = torch.randn(NUM_SLOTS, max_rank, in_features, generator=generator) * 0.3
-        b_m = torch.randn(NUM_SLOTS, max_rank, width, generator=generator) * 0.3
+        a_m = torch.randn(NUM_SLOTS, max_rank, in_features, generator=generator, device="cpu") * 0.3
+        b_m = torch.randn(NUM_SLOTS, max_rank, width, generator=generator, device="cpu") * 0.3
         for slot in range(NUM_SLOTS):  # zero past the rank, as LoraSlots keeps them
             a_m[slot, ranks[module, slot] :] = 0
             b_m[slot, ranks[module, slot] :] = 0
@@ -65,7 +66,8 @@ def expected_out(out, x, a, b, ranks, token_slots) -> torch.Tensor:
 
 def run(kernel, x, a, b, ranks, token_slots, tile_rows=None) -> torch.Tensor:
     rows, segments = group_rows(token_slots, tile_rows)
-    out = torch.randn(x.shape[0], sum(b_m.shape[2] for b_m in b), generator=torch.Generator().manual_seed(9))
+    width = sum(b_m.shape[2] for b_m in b)
+    out = torch.randn(x.shape[0], width, generator=torch.Generator().manual_seed(9), device="cpu")
     before = out.clone()
     kernel(out, x, a, b, ranks, torch.from_numpy(rows), torch.from_numpy(segments))
     expected = expected_out(before, x, a, b, ranks, token_slots)
