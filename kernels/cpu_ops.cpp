@@ -1703,9 +1703,44 @@ LoraRows check_lora_rows(const at::Tensor& rows, const at::Tensor& segments, int
   return checked;
 }
 
-// One merged projection's adapters (its modules' A [slots, max_rank, in] and B [slots, max_rank,
-// width], all float32 or all bfloat16; their ranks [modules, slots], which the caller keeps),
-// checked against the input and output widths.
+// One module's A [slots, max_rank, in] or B [slots, max_rank, width] of every slot, float32 or
+// bfloat16 and contiguous; the one-op decode step takes one tensor per module for all layers,
+// [layers, slots, max_rank, features], and this is then every layer's, each `layer_elements` on.
+struct LoraMatrices {
+  const void* data = nullptr;
+  bool bfloat16 = false;
+  int64_t slots = 0, max_rank = 0, features = 0, layer_elements = 0;
+
+  const void* layer(int64_t l) const {
+    const int64_t offset = l * layer_elements;
+    return bfloat16 ? static_cast<const void*>(static_cast<const at::BFloat16*>(data) + offset)
+                    : static_cast<const void*>(static_cast<const float*>(data) + offset);
+  }
+};
+
+// `t` checked as one module's A or B (`kind`, "A" or "B"; `features`: "in" or "width"), with
+// `layers` layers stacked ahead of its slots, or none (0).
+LoraMatrices check_lora_matrices(const at::Tensor& t, int64_t layers, const char* kind, const char* features,
+                                 int64_t module) {
+  const int64_t dim = layers > 0 ? 4 : 3;
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "lora_add: A and B must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && (layers == 0 || t.size(0) == layers), "lora_add: ", kind,
+              " of module ", module, " must be contiguous ", layers > 0 ? "[layers, slots, max_rank, " : "[slots, max_rank, ",
+              features, "]");
+  LoraMatrices matrices;
+  matrices.data = t.data_ptr();
+  matrices.bfloat16 = t.scalar_type() == at::kBFloat16;
+  matrices.slots = t.size(dim - 3);
+  matrices.max_rank = t.size(dim - 2);
+  matrices.features = t.size(dim - 1);
+  matrices.layer_elements = matrices.slots * matrices.max_rank * matrices.features;
+  return matrices;
+}
+
+// One merged projection's adapters in one layer (its modules' A [slots, max_rank, in] and B [slots,
+// max_rank, width], all float32 or all bfloat16; their ranks [modules, slots], which the caller
+// keeps), checked against the input and output widths.
 struct LoraProjection {
   std::vector<const void*> a, b;
   bool bfloat16 = false;
@@ -1723,38 +1758,35 @@ struct LoraProjection {
   }
 };
 
-// rank_data: [modules, slots] int64, the caller's checked and kept contiguous. No tensor is made
-// here: a decode step checks a hundred projections, and each view costs a dispatch.
-LoraProjection check_lora_projection(at::TensorList a, at::TensorList b, const int64_t* rank_data, int64_t in_features,
-                                     int64_t width) {
-  const int64_t num_modules = static_cast<int64_t>(a.size());
-  TORCH_CHECK(num_modules > 0 && b.size() == a.size(), "lora_add: one A and one B per module");
+// The `count` modules of a and b (already checked each as matrices) in layer `layer`. rank_data:
+// [count, slots] int64, the caller's checked and kept contiguous. No tensor is made here: a decode
+// step checks a hundred projections, and each view costs a dispatch.
+LoraProjection check_lora_projection(const LoraMatrices* a, const LoraMatrices* b, int64_t count, int64_t layer,
+                                     const int64_t* rank_data, int64_t in_features, int64_t width) {
+  TORCH_CHECK(count > 0, "lora_add: one A and one B per module");
   LoraProjection projection;
-  projection.num_slots = a[0].size(0);
-  projection.max_rank = a[0].size(1);
+  projection.num_slots = a[0].slots;
+  projection.max_rank = a[0].max_rank;
   projection.in_features = in_features;
   projection.rank_data = rank_data;
-  const auto dtype = a[0].scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_add: A and B must be float32 or bfloat16, got ",
-              dtype);
-  projection.bfloat16 = dtype == at::kBFloat16;
+  projection.bfloat16 = a[0].bfloat16;
+  const char* dtype = a[0].bfloat16 ? "BFloat16" : "Float";
   projection.columns.push_back(0);
-  for (int64_t m = 0; m < num_modules; ++m) {
-    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].scalar_type() == dtype &&
-                    a[m].size(0) == projection.num_slots && a[m].size(1) == projection.max_rank &&
-                    a[m].size(2) == in_features,
-                "lora_add: A of module ", m, " must be contiguous [slots, max_rank, in] of ", dtype);
-    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].scalar_type() == dtype &&
-                    b[m].size(0) == projection.num_slots && b[m].size(1) == projection.max_rank,
+  for (int64_t m = 0; m < count; ++m) {
+    TORCH_CHECK(a[m].bfloat16 == projection.bfloat16 && a[m].slots == projection.num_slots &&
+                    a[m].max_rank == projection.max_rank && a[m].features == in_features,
+                "lora_add: A of module ", m, " must be [slots, max_rank, in] of ", dtype);
+    TORCH_CHECK(b[m].bfloat16 == projection.bfloat16 && b[m].slots == projection.num_slots &&
+                    b[m].max_rank == projection.max_rank,
                 "lora_add: B of module ", m, " must be contiguous [slots, max_rank, width] of ", dtype);
     for (int64_t slot = 0; slot < projection.num_slots; ++slot) {
       const int64_t rank = projection.rank(m, slot);
       TORCH_CHECK(rank >= 0 && rank <= projection.max_rank, "lora_add: rank ", rank, " outside 0..",
                   projection.max_rank);
     }
-    projection.a.push_back(a[m].data_ptr());
-    projection.b.push_back(b[m].data_ptr());
-    projection.columns.push_back(projection.columns.back() + b[m].size(2));
+    projection.a.push_back(a[m].layer(layer));
+    projection.b.push_back(b[m].layer(layer));
+    projection.columns.push_back(projection.columns.back() + b[m].features);
   }
   TORCH_CHECK(projection.columns.back() == width, "lora_add: the modules' widths add up to ",
               projection.columns.back(), ", out has ", width, " columns");
@@ -1856,8 +1888,15 @@ void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorL
   TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.dim() == 2 && ranks.size(0) == static_cast<int64_t>(a.size()) &&
                   ranks.size(1) == a[0].size(0),
               "lora_add: ranks [modules, slots] int64");
+  TORCH_CHECK(b.size() == a.size(), "lora_add: one A and one B per module");
   const auto ranks_c = ranks.contiguous();
-  const LoraProjection projection = check_lora_projection(a, b, ranks_c.data_ptr<int64_t>(), x.size(1), out.size(1));
+  std::vector<LoraMatrices> a_matrices, b_matrices;
+  for (size_t m = 0; m < a.size(); ++m) {
+    a_matrices.push_back(check_lora_matrices(a[m], 0, "A", "in", m));
+    b_matrices.push_back(check_lora_matrices(b[m], 0, "B", "width", m));
+  }
+  const LoraProjection projection = check_lora_projection(a_matrices.data(), b_matrices.data(), a.size(), 0,
+                                                          ranks_c.data_ptr<int64_t>(), x.size(1), out.size(1));
   const LoraRows checked = check_lora_rows(rows, segments, out.size(0), projection.num_slots);
   const int64_t work = lora_work(projection, checked);
   if (work == 0) return;
@@ -2009,7 +2048,10 @@ DecodeWeight decode_weight(at::TensorList parts, c10::ArrayRef<std::string> form
 // layer. qkv is rotated (NeoX halves, the signed full-width cos / sin rows of each token), its k
 // and v stored at `slots`, and each query head attends over its sequence's pages (paged_decode's
 // kernel). With lora_a non-empty, each projection's output takes its rows' LoRA deltas (lora_add):
-// seven A and seven B a layer, in lora_add's module order, and lora_ranks [layers, 7, slots].
+// seven A and seven B, in lora_add's module order, each holding its module of every layer
+// ([layers, slots, max_rank, features]: one tensor each, as a tensor per layer and module made
+// 420 arguments a step for a 30-layer model, each boxed by the dispatcher), and lora_ranks
+// [layers, 7, slots].
 // Returns (the last layer's output, the residual stream), whose sum the final norm takes.
 std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
     const at::Tensor& hidden, at::TensorList norms, at::TensorList weights, c10::ArrayRef<std::string> formats,
@@ -2101,13 +2143,12 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                   "few_rows_decode_layers: norm weights float32 [", hidden_size, "]");
   }
   const bool has_lora = !lora_a.empty();
-  TORCH_CHECK(!has_lora || (static_cast<int64_t>(lora_a.size()) == kModules * num_layers &&
-                            lora_b.size() == lora_a.size() && lora_ranks.has_value() && lora_rows.has_value() &&
-                            lora_segments.has_value() && lora_ranks->scalar_type() == at::kLong &&
-                            lora_ranks->dim() == 3 && lora_ranks->size(0) == num_layers &&
-                            lora_ranks->size(1) == kModules && lora_ranks->size(2) == lora_a[0].size(0)),
-              "few_rows_decode_layers: LoRA needs A and B of seven modules a layer, ranks [layers, 7, slots] "
-              "int64, rows and segments");
+  TORCH_CHECK(!has_lora || (static_cast<int64_t>(lora_a.size()) == kModules && lora_b.size() == lora_a.size() &&
+                            lora_ranks.has_value() && lora_rows.has_value() && lora_segments.has_value() &&
+                            lora_ranks->scalar_type() == at::kLong && lora_ranks->dim() == 3 &&
+                            lora_ranks->size(0) == num_layers && lora_ranks->size(1) == kModules),
+              "few_rows_decode_layers: LoRA needs A and B of seven modules (each every layer's), ranks "
+              "[layers, 7, slots] int64, rows and segments");
   const at::Tensor lora_ranks_c = has_lora ? lora_ranks->contiguous() : at::Tensor();
   // Every layer's adapters checked here, as the weights are: nothing may throw inside the region.
   // The projections' modules in lora_add's order: q, k, v | o | gate, up | down.
@@ -2116,7 +2157,20 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
   std::vector<std::array<LoraProjection, 4>> adapters(has_lora ? num_layers : 0);
   int64_t lora_h_size = 0;
   if (has_lora) {
-    lora_step = check_lora_rows(*lora_rows, *lora_segments, num_tokens, lora_a[0].size(0));
+    std::array<LoraMatrices, kModules> a_stacks, b_stacks;
+    for (int64_t m = 0; m < kModules; ++m) {
+      a_stacks[m] = check_lora_matrices(lora_a[m], num_layers, "A", "in", m);
+      b_stacks[m] = check_lora_matrices(lora_b[m], num_layers, "B", "width", m);
+    }
+    const int64_t num_slots = a_stacks[0].slots, max_rank = a_stacks[0].max_rank;
+    for (const auto& stacks : {a_stacks, b_stacks})
+      for (const LoraMatrices& matrices : stacks)  // one h buffer serves every projection
+        TORCH_CHECK(matrices.slots == num_slots && matrices.max_rank == max_rank,
+                    "few_rows_decode_layers: every LoRA A and B needs the first A's ", num_slots, " slots and max_rank ",
+                    max_rank);
+    TORCH_CHECK(lora_ranks->size(2) == num_slots, "few_rows_decode_layers: LoRA ranks for ", lora_ranks->size(2),
+                " slots, A has ", num_slots);
+    lora_step = check_lora_rows(*lora_rows, *lora_segments, num_tokens, num_slots);
     const std::array<std::pair<int64_t, int64_t>, 4> widths{{{hidden_size, qkv_width},  // (in, out)
                                                              {attn_width, hidden_size},
                                                              {hidden_size, 2 * intermediate},
@@ -2124,15 +2178,11 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
     for (int64_t l = 0; l < num_layers; ++l)
       for (int i = 0; i < 4; ++i) {
         const auto [first, count] = kProjectionModules[i];
-        adapters[l][i] = check_lora_projection(
-            lora_a.slice(kModules * l + first, count), lora_b.slice(kModules * l + first, count),
-            lora_ranks_c.data_ptr<int64_t>() + (kModules * l + first) * lora_a[0].size(0), widths[i].first,
-            widths[i].second);
-        // One h buffer serves every projection, sized by this max_rank.
-        TORCH_CHECK(adapters[l][i].max_rank == lora_a[0].size(1), "few_rows_decode_layers: LoRA max_rank ",
-                    adapters[l][i].max_rank, " in layer ", l, ", ", lora_a[0].size(1), " in the first");
+        adapters[l][i] = check_lora_projection(&a_stacks[first], &b_stacks[first], count, l,
+                                               lora_ranks_c.data_ptr<int64_t>() + (kModules * l + first) * num_slots,
+                                               widths[i].first, widths[i].second);
       }
-    lora_h_size = 3 * static_cast<int64_t>(lora_step.rows.size()) * lora_a[0].size(1);
+    lora_h_size = 3 * static_cast<int64_t>(lora_step.rows.size()) * max_rank;  // every projection's max_rank
   }
   const bool any_lora = has_lora && !lora_step.segments.empty();
   std::vector<float> lora_h(lora_h_size);  // a projection's shrink: [modules, rows, max_rank]

@@ -400,8 +400,9 @@ def few_rows_decode_layers(
     cos / sin: [T, D] signed full-width rotary rows; kv_caches: (K caches, V caches), one a layer;
     slots, block_tables, seq_lens: int64. int8_activations: the GGUF blocks multiply by
     linear_quantized_int8. lora: the step's adapter deltas, A and B of q, k, v, o, gate, up, down
-    of every layer in that order, their ranks [layers, 7, slots], and the rows and segments
-    `lora_add` takes: (a, b, ranks, rows, segments); () for none."""
+    in that order, each every layer's ([layers, slots, max_rank, features]), their ranks [layers,
+    7, slots], and the rows and segments `lora_add` takes: (a, b, ranks, rows, segments); () for
+    none."""
     return ops().few_rows_decode_layers(
         hidden, *layers, eps, cos, sin, *kv_caches, slots, block_tables, seq_lens, num_heads, scale,
         int8_activations, *(lora or NO_LORA),

@@ -180,12 +180,8 @@ def decode_layers_with_lora(num_layers: int = 2, seed: int = 3):
     layers = cpu_ops.DecodeLayers(
         norms, weights, [""] * len(weights), [1] * len(weights), [None] * num_layers
     )
-    a = [
-        torch.randn(NUM_SLOTS, 8, n, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_in
-    ]
-    b = [
-        torch.randn(NUM_SLOTS, 8, n, generator=generator) * 0.3 for _ in range(num_layers) for n in widths_out
-    ]
+    a = [torch.randn(num_layers, NUM_SLOTS, 8, n, generator=generator) * 0.3 for n in widths_in]
+    b = [torch.randn(num_layers, NUM_SLOTS, 8, n, generator=generator) * 0.3 for n in widths_out]
     ranks = torch.randint(1, 8, (num_layers, 7, NUM_SLOTS), generator=generator)
     rows, segments = (torch.from_numpy(t) for t in group_rows(np.array([1, 0, -1], dtype=np.int32)))
     kv = PagedKV([5, 19, 33], kv_heads, head_dim, 16, torch.float32)
@@ -272,9 +268,15 @@ def test_decode_layers_refuse_bad_lora_arguments_before_writing():
         run(bad, caches)
     assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))
     # One padded max_rank for every module: the step's shrink buffer is sized by the first.
-    a, b = list(a), list(b)
-    a[10] = torch.zeros(a[10].shape[0], 12, a[10].shape[2])  # layer 1's o_proj at max_rank 12
-    b[10] = torch.zeros(b[10].shape[0], 12, b[10].shape[2])
-    with pytest.raises(RuntimeError, match="LoRA max_rank 12 in layer 1, 8 in the first"):
-        run(ranks, caches, a, b)
+    wide_o = list(a), list(b)
+    for matrices in wide_o:
+        matrices[3] = torch.zeros(*matrices[3].shape[:2], 12, matrices[3].shape[3])  # o_proj at max_rank 12
+    with pytest.raises(RuntimeError, match="every LoRA A and B needs the first A's 4 slots and max_rank 8"):
+        run(ranks, caches, *wide_o)
+    # Each module's A and B hold every layer's: a list of one a layer is refused.
+    per_layer = [t[layer] for layer in range(2) for t in a], [t[layer] for layer in range(2) for t in b]
+    with pytest.raises(RuntimeError, match="A and B of seven modules \\(each every layer's\\)"):
+        run(ranks, caches, *per_layer)
+    with pytest.raises(RuntimeError, match="A of module 2 must be contiguous \\[layers, slots, max_rank, in\\]"):
+        run(ranks, caches, [t if m != 2 else t[:1] for m, t in enumerate(a)], b)
     assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))

@@ -2,7 +2,7 @@
 
 An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/up/down). The
 worker keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in]
-and B [slots, r, out] (B^T; the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
+and B [slots, r, out] (each module's stacked over the layers) (B^T; the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
 that a step may mix rows of several adapters and rows of none. A step groups its tokens by slot
 and a batched kernel (kernels/lora.py: Triton on the GPU, C++ on the CPU, a torch reference
 elsewhere) multiplies each adapter present by all of its tokens at once: its A and B are read
@@ -222,11 +222,25 @@ class LoraSlots:
         self.paths: list[str | None] = [None] * max_loras  # where each slot's adapter was read from
         self.ranks = [0] * max_loras
         device = model.device
+        # Each module's A and B of all the layers that have it, stacked, so that the one-op decode
+        # step takes one tensor per module; a (layer, module)'s own are a view into them.
+        shapes = module_shapes(model)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        for key, (in_features, out_features) in module_shapes(model).items():
-            self.a[key] = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
-            self.b[key] = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
+        self.stacked_a: dict[str, torch.Tensor] = {}
+        self.stacked_b: dict[str, torch.Tensor] = {}
+        for module in TARGET_MODULES:
+            layers = [layer for layer, m in shapes if m == module]
+            if not layers:
+                continue
+            (in_features, out_features), *others = {shapes[(layer, module)] for layer in layers}
+            assert not others, f"{module}: one shape in every layer"
+            count = len(layers)
+            self.stacked_a[module] = torch.zeros(count, max_loras, max_rank, in_features, dtype=dtype, device=device)
+            self.stacked_b[module] = torch.zeros(count, max_loras, max_rank, out_features, dtype=dtype, device=device)
+            for i, layer in enumerate(layers):
+                self.a[(layer, module)] = self.stacked_a[module][i]
+                self.b[(layer, module)] = self.stacked_b[module][i]
         # Each module's rank in each slot, 0 where the slot's adapter does not target it (the
         # kernels skip that work): [layers, modules (TARGET_MODULES' order), slots].
         shape = (len(model.layers), len(MODULE_INDEX), max_loras)
@@ -242,14 +256,15 @@ class LoraSlots:
                         [self.b[(layer, module)] for module in modules],
                         self.module_ranks[layer, first : first + len(modules)],
                     )
-        # Every layer's A and B in TARGET_MODULES' order, as the one-op decode layers take them
-        # (`decode_arguments`); a model with a sparse layer (no dense MLP modules) never takes that op.
+        # Every module's stacked A and B in TARGET_MODULES' order, as the one-op decode layers take
+        # them (`decode_arguments`); a model with a sparse layer (no dense MLP modules) never takes
+        # that op.
         self.decode_modules = (
             (
-                [self.a[(layer, m)] for layer in range(len(model.layers)) for m in TARGET_MODULES],
-                [self.b[(layer, m)] for layer in range(len(model.layers)) for m in TARGET_MODULES],
+                [self.stacked_a[m] for m in TARGET_MODULES],
+                [self.stacked_b[m] for m in TARGET_MODULES],
             )
-            if all((layer, m) in self.a for layer in range(len(model.layers)) for m in TARGET_MODULES)
+            if len(shapes) == len(model.layers) * len(TARGET_MODULES)
             else ([], [])
         )
         # The kernel that applies them (kernels/lora.py's contract): Triton with the Triton
@@ -275,9 +290,8 @@ class LoraSlots:
         """Empty `slot`: it holds no adapter, and a step that names it is refused."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} out of range [0, {self.max_loras})")
-        for key in self.a:
-            self.a[key][slot].zero_()
-            self.b[key][slot].zero_()
+        for stacked in (*self.stacked_a.values(), *self.stacked_b.values()):
+            stacked[:, slot].zero_()
         self.module_ranks[:, :, slot] = 0
         self.names[slot], self.paths[slot], self.ranks[slot] = None, None, 0
 
