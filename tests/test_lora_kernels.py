@@ -277,6 +277,8 @@ def test_decode_layers_refuse_bad_lora_arguments_before_writing():
     per_layer = [t[layer] for layer in range(2) for t in a], [t[layer] for layer in range(2) for t in b]
     with pytest.raises(RuntimeError, match="A and B of seven modules \\(each every layer's\\)"):
         run(ranks, caches, *per_layer)
-    with pytest.raises(RuntimeError, match="A of module 2 must be contiguous \\[layers, slots, max_rank, in\\]"):
+    with pytest.raises(
+        RuntimeError, match="A of module 2 must be contiguous \\[layers, slots, max_rank, in\\]"
+    ):
         run(ranks, caches, [t if m != 2 else t[:1] for m, t in enumerate(a)], b)
     assert all(torch.equal(p, q) for p, q in zip(caches[0] + caches[1], before[0] + before[1], strict=True))

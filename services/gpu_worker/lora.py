@@ -236,8 +236,12 @@ class LoraSlots:
             (in_features, out_features), *others = {shapes[(layer, module)] for layer in layers}
             assert not others, f"{module}: one shape in every layer"
             count = len(layers)
-            self.stacked_a[module] = torch.zeros(count, max_loras, max_rank, in_features, dtype=dtype, device=device)
-            self.stacked_b[module] = torch.zeros(count, max_loras, max_rank, out_features, dtype=dtype, device=device)
+            self.stacked_a[module] = torch.zeros(
+                count, max_loras, max_rank, in_features, dtype=dtype, device=device
+            )
+            self.stacked_b[module] = torch.zeros(
+                count, max_loras, max_rank, out_features, dtype=dtype, device=device
+            )
             for i, layer in enumerate(layers):
                 self.a[(layer, module)] = self.stacked_a[module][i]
                 self.b[(layer, module)] = self.stacked_b[module][i]
