@@ -16,7 +16,7 @@ reads are counted from the weights each F.linear / few-rows call of one step act
 distinct selected expert once, and against reading every (token, expert) pair's expert.
 
 With --quantized, for each format both stacks again from GGUF blocks of it (gguf's quantizer):
-the MoE's experts through cpu_ops.moe_experts_quantized (the fused op; its bytes counted as the
+the MoE's experts through cpu_ops.moe_experts (the fused op; its bytes counted as the
 blocks of each distinct expert a step hands it, which it reads once), the dense layers through
 cpu_ops.few_rows_linear_quantized (so at most MAX_LINEAR_ROWS rows: wider steps time the MoE
 alone), "quantized_stacks" in the JSON. "targets" gives per stack the issue's two figures: MoE /
@@ -115,10 +115,10 @@ def run_stack(x: torch.Tensor, layers: list, use_kernel: bool) -> torch.Tensor:
 def counting_weight_bytes(counts: list[int]):
     """Counts the bytes of every weight that F.linear or the few-rows linear multiplies (the float32
     MoE path's only matmuls) and of the router that cpu_ops.moe_route multiplies, and for
-    cpu_ops.moe_experts_quantized the blocks of each distinct expert it is given: the op groups a
+    cpu_ops.moe_experts the blocks of each distinct expert it is given: the op groups a
     step's (row, expert) pairs by expert and reads each selected expert's blocks once
     (cpu_ops.cpp), so those are its reads."""
-    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized, cpu_ops.moe_route)
+    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route)
 
     def counting(original):
         def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +129,7 @@ def counting_weight_bytes(counts: list[int]):
 
     def counted_experts(x, weights, experts, *projections, **biases_and_swiglu):
         for expert in set(experts.flatten().tolist()):
-            counts.append(sum(blocks[expert].numel() for blocks, _ in projections))
+            counts.append(sum(w[expert].numel() * w.element_size() for w, _ in projections))
         return originals[2](x, weights, experts, *projections, **biases_and_swiglu)
 
     def counted_router(x, router, *options):
@@ -137,11 +137,11 @@ def counting_weight_bytes(counts: list[int]):
         return originals[3](x, router, *options)
 
     F.linear, cpu_ops.few_rows_linear = (counting(f) for f in originals[:2])
-    cpu_ops.moe_experts_quantized, cpu_ops.moe_route = counted_experts, counted_router
+    cpu_ops.moe_experts, cpu_ops.moe_route = counted_experts, counted_router
     try:
         yield
     finally:
-        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts_quantized, cpu_ops.moe_route = originals
+        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route = originals
 
 
 def time_step(fn, repeats: int) -> list[float]:
@@ -438,7 +438,7 @@ def main() -> None:
         formats = args.quantized.split(",")
         report["quantized_stacks"] = {}
         for fmt in formats:
-            # Both stacks from `fmt` blocks: the experts through cpu_ops.moe_experts_quantized, the
+            # Both stacks from `fmt` blocks: the experts through cpu_ops.moe_experts, the
             # dense layers through cpu_ops.few_rows_linear_quantized (at most MAX_LINEAR_ROWS rows).
             print(f"{fmt} stacks (experts: the fused op; dense: the few-rows op)", flush=True)
             moe_blocks = [quantized_layers(moe_config, fmt, seed=i)[1] for i in range(args.layers)]

@@ -19,9 +19,9 @@
 //   numbers).
 // - lora_add: LoRA adapters' deltas for the rows of a step that use one, grouped by adapter slot
 //   (SGMV: decode rows and prefill runs alike), each present adapter's A and B read once per step.
-// - moe_experts_quantized: a mixture of experts' selected experts for a step of few rows, each
-//   expert's gate, up and down read from its own GGUF blocks once for all the rows that chose it
-//   (with gpt-oss's expert biases and clamped SwiGLU where given);
+// - moe_experts: a mixture of experts' selected experts for a step of few rows, each expert's
+//   gate, up and down read once for all the rows that chose it, from its own GGUF blocks or its
+//   float32 rows (with gpt-oss's expert biases and clamped SwiGLU where given);
 //   dequantize_blocks: the float32 values of such blocks, for a wide step's GEMM.
 // - few_rows_decode_layers: every decoder layer of an all-decode step of 1-4 sequences in one call
 //   and one parallel region (the kernels above, rotary, the KV store and attention chained, the
@@ -918,11 +918,23 @@ void rows_times_blocks(const float* x, const float* block_sums, const uint8_t* w
   }
 }
 
+// rows_times_blocks for a float32 weight [out, in] (format ""): few_rows_linear's kernel.
+void rows_times_floats(const float* x, const float* /*block_sums*/, const uint8_t* w, float* out, int64_t in_features,
+                       int64_t out_features, int64_t num_rows, int64_t begin, int64_t end) {
+  const float* weight = reinterpret_cast<const float*>(w);
+  for (int64_t first = 0; first < num_rows; first += 4)
+    with_row_count(std::min<int64_t>(4, num_rows - first), [&](auto count) {
+      few_rows_times_weight<decltype(count)::value>(x + first * in_features, weight, nullptr,
+                                                    out + first * out_features, in_features, out_features, begin, end);
+    });
+}
+
 // One projection of every expert: blocks [experts, out, bytes] in one format, as rows_times_blocks
-// multiplies them.
+// multiplies them, or float32 [experts, out, in] (format ""), each expert's rows contiguous and
+// the experts `expert_bytes` apart (a float32 gate and up may be views of one gate_up weight).
 struct ExpertBlocks {
   const uint8_t* data;
-  int64_t expert_bytes;  // out * row bytes
+  int64_t expert_bytes;
   int64_t in_features, out_features;
   bool has_minimums;
   void (*multiply)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -932,20 +944,29 @@ struct ExpertBlocks {
 
 ExpertBlocks expert_blocks(const at::Tensor& w, c10::string_view format, int64_t num_experts, int64_t out_features,
                            int64_t in_features, const char* name) {
+  if (format.empty()) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(0) == num_experts &&
+                    w.size(1) == out_features && w.size(2) == in_features && w.stride(2) == 1 &&
+                    w.stride(1) == in_features,
+                "moe_experts: ", name, " (float32) must be [", num_experts, ", ", out_features, ", ", in_features,
+                "] with each expert's rows contiguous, got ", w.sizes(), " ", w.scalar_type());
+    return {reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), w.stride(0) * static_cast<int64_t>(sizeof(float)),
+            in_features, out_features, false, &rows_times_floats};
+  }
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == num_experts &&
                   w.size(1) == out_features,
-              "moe_experts_quantized: ", name, " must be contiguous uint8 [", num_experts, ", ", out_features,
+              "moe_experts: ", name, " must be contiguous uint8 [", num_experts, ", ", out_features,
               ", bytes], got ", w.sizes(), " ", w.scalar_type());
   ExpertBlocks blocks{w.data_ptr<uint8_t>(), 0, in_features, out_features, false, nullptr};
   int64_t row = -1;
-  with_block_type(format, "moe_experts_quantized", [&](auto block) {
+  with_block_type(format, "moe_experts", [&](auto block) {
     using Block = decltype(block);
     blocks.has_minimums = kHasMinimums<Block>;
     blocks.multiply = &rows_times_blocks<Block>;
     row = blocks_row_bytes<Block>(in_features);
     return at::Tensor();
   });
-  TORCH_CHECK(row > 0 && w.size(2) == row, "moe_experts_quantized: ", name, " (", format, ") of ", in_features,
+  TORCH_CHECK(row > 0 && w.size(2) == row, "moe_experts: ", name, " (", format, ") of ", in_features,
               " inputs needs ", row, " bytes of blocks a row, it has ", w.size(2));
   blocks.expert_bytes = out_features * row;
   return blocks;
@@ -959,27 +980,27 @@ at::Tensor expert_bias(const c10::optional<at::Tensor>& bias, int64_t num_expert
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 2 && bias->size(0) == num_experts &&
                   bias->size(1) == width,
-              "moe_experts_quantized: ", name, " must be float32 [", num_experts, ", ", width, "], got ",
+              "moe_experts: ", name, " must be float32 [", num_experts, ", ", width, "], got ",
               bias->sizes(), " ", bias->scalar_type());
   return bias->contiguous();
 }
 
 // x [T, H]; weights [T, k] float32 and experts [T, k] int64 (the routing); gate and up
-// [E, I, bytes], down [E, H, bytes], each in its format; gpt-oss's gate_up_bias [E, 2I] (each
+// [E, I, bytes], down [E, H, bytes], each in its format (or float32 [E, I, H], [E, H, I], format ""); gpt-oss's gate_up_bias [E, 2I] (each
 // expert's gate columns, then its up columns) and down_bias [E, H], float32 or none; swiglu_limit
 // > 0: gpt-oss's clamped SwiGLU with swiglu_alpha, else SiLU(gate) * up -> [T, H].
-at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
                                  const at::Tensor& gate, c10::string_view gate_format, const at::Tensor& up,
                                  c10::string_view up_format, const at::Tensor& down, c10::string_view down_format,
                                  const c10::optional<at::Tensor>& gate_up_bias,
                                  const c10::optional<at::Tensor>& down_bias, double swiglu_alpha,
                                  double swiglu_limit) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts_quantized: x [T, H] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x [T, H] float32");
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == num_tokens && weights.scalar_type() == at::kFloat &&
                   experts.sizes() == weights.sizes() && experts.scalar_type() == at::kLong,
-              "moe_experts_quantized: weights [T, k] float32 and experts [T, k] int64, one row per row of x");
-  TORCH_CHECK(gate.dim() == 3, "moe_experts_quantized: gate [experts, intermediate, bytes]");
+              "moe_experts: weights [T, k] float32 and experts [T, k] int64, one row per row of x");
+  TORCH_CHECK(gate.dim() == 3, "moe_experts: gate [experts, intermediate, bytes]");
   const int64_t num_experts = gate.size(0), inter = gate.size(1), top_k = experts.size(1);
   const ExpertBlocks gate_w = expert_blocks(gate, gate_format, num_experts, inter, hidden, "gate");
   const ExpertBlocks up_w = expert_blocks(up, up_format, num_experts, inter, hidden, "up");
@@ -988,7 +1009,7 @@ at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights,
   const at::Tensor down_b = expert_bias(down_bias, num_experts, hidden, "down_bias");
   const float* gate_up_b_data = gate_up_b.defined() ? gate_up_b.data_ptr<float>() : nullptr;
   const float* down_b_data = down_b.defined() ? down_b.data_ptr<float>() : nullptr;
-  TORCH_CHECK(swiglu_limit >= 0, "moe_experts_quantized: swiglu_limit must be >= 0 (0: SiLU), got ", swiglu_limit);
+  TORCH_CHECK(swiglu_limit >= 0, "moe_experts: swiglu_limit must be >= 0 (0: SiLU), got ", swiglu_limit);
   const float alpha = static_cast<float>(swiglu_alpha), limit = static_cast<float>(swiglu_limit);
   const auto ids = experts.contiguous();
   const auto pair_weights = weights.contiguous();
@@ -997,7 +1018,7 @@ at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& weights,
   // The pairs grouped by expert (a counting sort, stable: each group's rows in token order).
   std::vector<int64_t> starts(num_experts + 1, 0);
   for (int64_t p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(id_data[p] >= 0 && id_data[p] < num_experts, "moe_experts_quantized: expert id ", id_data[p],
+    TORCH_CHECK(id_data[p] >= 0 && id_data[p] < num_experts, "moe_experts: expert id ", id_data[p],
                 " outside 0..", num_experts - 1);
     ++starts[id_data[p] + 1];
   }
@@ -2304,7 +2325,7 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
   m.def("few_rows_linear_quantized(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def("linear_quantized_int8(Tensor x, Tensor blocks, str format) -> Tensor");
   m.def(
-      "moe_experts_quantized(Tensor x, Tensor weights, Tensor experts, Tensor gate, str gate_format, Tensor up, "
+      "moe_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate, str gate_format, Tensor up, "
       "str up_format, Tensor down, str down_format, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
       "float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, str format) -> Tensor");
@@ -2329,7 +2350,7 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("few_rows_linear", &few_rows_linear);
   m.impl("few_rows_linear_quantized", &few_rows_linear_quantized);
   m.impl("linear_quantized_int8", &linear_quantized_int8);
-  m.impl("moe_experts_quantized", &moe_experts_quantized);
+  m.impl("moe_experts", &moe_experts);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("logsumexp_argmax", &logsumexp_argmax);

@@ -207,7 +207,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17}
 # The formats of a dense weight's blocks (the few-rows linear and linear_quantized_int8 alike).
 QUANTIZED_FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-# The formats of experts' blocks (moe_experts_quantized, dequantize_blocks): those, and MXFP4, in
+# The formats of experts' blocks (moe_experts, dequantize_blocks): those, and MXFP4, in
 # which gpt-oss's checkpoints ship their experts (and llama.cpp's MXFP4_MOE files any MoE's); it
 # has no 8-bit activation kernel, which no expert takes.
 EXPERT_FORMATS = (*QUANTIZED_FORMATS, "MXFP4")
@@ -294,12 +294,13 @@ def few_rows_linear_quantized(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -
     return ops().few_rows_linear_quantized(x, blocks, fmt)
 
 
-# The most rows a step's mixture of experts multiplies from the experts' GGUF blocks
-# (moe_experts_quantized); wider steps (prefills) dequantize each selected expert for the GEMM.
+# The most rows a step's mixture of experts multiplies in one op (moe_experts) from the experts'
+# GGUF blocks or float32 rows; wider steps (prefills) run each selected expert as a GEMM (its
+# blocks dequantized first).
 MOE_MAX_ROWS = 16
 
 
-def moe_experts_quantized(
+def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
@@ -313,17 +314,17 @@ def moe_experts_quantized(
     """A MoE layer's selected experts for x [T, H]: sum over each row's k choices of
     weights[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert experts[t, j] (weights float32,
     experts int64, [T, k]). gate, up: (blocks [E, I, bytes] uint8, format), down: ([E, H, bytes],
-    format), each expert's rows packed by `to_lanes`. The pairs are grouped by expert, so each
-    selected expert's blocks are read once per step, however many rows chose it.
+    format), each expert's rows packed by `to_lanes`; or a projection in float32, (weight [E, out,
+    in], ""), each expert's rows contiguous (gate and up may be views of one [E, 2I, H]). The pairs
+    are grouped by expert, so each selected expert's weights are read once per step, however many
+    rows chose it.
 
     gpt-oss's experts: gate_up_bias [E, 2I] (each expert's gate columns, then its up columns)
     added to gate(x) and up(x), down_bias [E, H] to down(...) before the routing weight scales it,
     and swiglu = (alpha, limit) for its clamped SwiGLU (model.clamped_swiglu) in place of SiLU;
     float32, None for none."""
     alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
-    return ops().moe_experts_quantized(
-        x, weights, experts, *gate, *up, *down, gate_up_bias, down_bias, alpha, limit
-    )
+    return ops().moe_experts(x, weights, experts, *gate, *up, *down, gate_up_bias, down_bias, alpha, limit)
 
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:

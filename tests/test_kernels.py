@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -948,6 +950,10 @@ def random_gguf_blocks(fmt: str, num_rows: int, in_features: int, seed: int) -> 
     return quantize(weights.numpy(), GGMLQuantizationType[fmt])
 
 
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 # Each supported format for all three projections (MXFP4 from gguf's quantizer, as llama.cpp's
 # MXFP4_MOE files hold any MoE's experts), and a Q4_K_M file's experts (gate and up Q4_K, down Q6_K).
 MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.EXPERT_FORMATS] + [("Q4_K", "Q4_K", "Q6_K")]
@@ -956,7 +962,7 @@ MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.EXPERT_FORMATS] + [("Q4
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
 @pytest.mark.parametrize("formats", MOE_EXPERT_FORMATS, ids="-".join)
 @pytest.mark.usefixtures("cpu_isa")
-def test_moe_experts_quantized_matches_the_float32_reference(formats: tuple[str, str, str]) -> None:
+def test_moe_experts_matches_the_float32_reference(formats: tuple[str, str, str]) -> None:
     """The fused few-rows MoE op from each expert's own blocks against fused_moe_ref on their
     dequantization (gguf's dequantizer): 0-16 rows, top-1 / 2 / 4, an expert every row chooses
     (more rows than one chunk of four), one no row chooses, a strided x; dequantize_blocks gives
@@ -984,10 +990,53 @@ def test_moe_experts_quantized_matches_the_float32_reference(formats: tuple[str,
         logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
         experts = torch.topk(logits, top_k)[1]
         weights = torch.rand(num_rows, top_k, generator=gen)
-        got = cpu_ops.moe_experts_quantized(x, weights, experts, *projections)
-        want = fused_moe_ref(x, gate_up, down, weights, experts, lambda gate, up: F.silu(gate) * up)
+        got = cpu_ops.moe_experts(x, weights, experts, *projections)
+        want = fused_moe_ref(x, gate_up, down, weights, experts, silu_glu)
         scale = float(want.abs().max()) if num_rows else 1.0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.parametrize("swiglu", [None, (1.702, 0.5)], ids=["silu", "gpt-oss"])
+@pytest.mark.usefixtures("cpu_isa")
+def test_moe_experts_float32_matches_the_reference(swiglu: tuple[float, float] | None) -> None:
+    """The fused few-rows MoE op on float32 experts (format ""): gate and up as views of one
+    [E, 2I, H] gate_up, as the model holds them, against fused_moe_ref on the same weights, 0-16
+    rows, top-1 / 2 / 4, an expert every row chooses, one none does, a strided x; with gpt-oss's
+    biases and clamped SwiGLU (a limit of 0.5 clamps most gates and ups) as well as SiLU. Float32
+    summation order apart, the same values."""
+    from kernels.fused_moe import fused_moe_ref
+    from services.gpu_worker.model import clamped_swiglu
+
+    num_experts, hidden, inter = 6, 200, 72  # no whole number of 64-wide vectors: the tails too
+    gen = torch.Generator().manual_seed(11)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.1
+    down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.1
+    biases, glu = {}, silu_glu
+    if swiglu is not None:
+        biases = dict(
+            gate_up_bias=torch.randn(num_experts, 2 * inter, generator=gen),
+            down_bias=torch.randn(num_experts, hidden, generator=gen),
+        )
+        glu = partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
+    projections = ((gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""))
+    for num_rows, top_k in ((0, 2), (1, 1), (1, 4), (3, 2), (8, 2), (16, 4)):
+        x = torch.randn(hidden, num_rows, generator=gen).t()
+        logits = torch.randn(num_rows, num_experts, generator=gen)
+        logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
+        experts = torch.topk(logits, top_k)[1]
+        weights = torch.rand(num_rows, top_k, generator=gen)
+        got = cpu_ops.moe_experts(x, weights, experts, *projections, swiglu=swiglu, **biases)
+        want = fused_moe_ref(x, gate_up, down, weights, experts, glu, **biases)
+        scale = float(want.abs().max()) if num_rows else 1.0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+    # Each expert's rows must be contiguous [out, in]: a transposed weight is refused, by name.
+    with pytest.raises(
+        RuntimeError, match=r"down \(float32\) must be \[6, 200, 72\] with each expert's rows"
+    ):
+        cpu_ops.moe_experts(x, weights, experts, *projections[:2], (down.transpose(1, 2).contiguous().mT, ""))
+    with pytest.raises(RuntimeError, match=r"gate must be contiguous uint8"):
+        cpu_ops.moe_experts(x, weights, experts, (gate_up[:, :inter], "Q8_0"), *projections[1:])
 
 
 def random_mxfp4(
@@ -1045,7 +1094,7 @@ def test_mxfp4_blocks_multiply_like_dequantize_mxfp4() -> None:
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
 @pytest.mark.parametrize("swiglu_limit", [7.0, 0.5])
 @pytest.mark.usefixtures("cpu_isa")
-def test_moe_experts_quantized_gpt_oss_matches_hfs_experts(swiglu_limit: float) -> None:
+def test_moe_experts_gpt_oss_matches_hfs_experts(swiglu_limit: float) -> None:
     """gpt-oss's experts from MXFP4 blocks in the fused op (gate and up rows split from the
     checkpoint's interleaved gate_up, as the model loads them; per-expert gate/up and down biases;
     the clamped SwiGLU) against transformers' GptOssExperts itself on dequantize_mxfp4's weights:
@@ -1093,7 +1142,7 @@ def test_moe_experts_quantized_gpt_oss_matches_hfs_experts(swiglu_limit: float) 
         logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
         experts = torch.topk(logits, top_k)[1]
         weights = torch.rand(num_rows, top_k, generator=gen)
-        got = cpu_ops.moe_experts_quantized(
+        got = cpu_ops.moe_experts(
             x, weights, experts, *projections, gate_up_bias=split_bias, down_bias=down_bias,
             swiglu=(config.swiglu_alpha, swiglu_limit),
         )  # fmt: skip
@@ -1102,36 +1151,34 @@ def test_moe_experts_quantized_gpt_oss_matches_hfs_experts(swiglu_limit: float) 
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
-def test_moe_experts_quantized_refuses_bad_input() -> None:
+def test_moe_experts_refuses_bad_input() -> None:
     assert has_cpu_kernels()
     num_experts, hidden, inter = 4, 64, 32
     gate = torch.zeros(num_experts, inter, 2 * cpu_ops.PACKED_BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
     down = torch.zeros(num_experts, hidden, cpu_ops.PACKED_BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
     x, weights, experts = torch.randn(2, hidden), torch.rand(2, 2), torch.tensor([[0, 3], [1, 2]])
     projections = ((gate, "Q8_0"), (gate, "Q8_0"), (down, "Q8_0"))
-    assert cpu_ops.moe_experts_quantized(x, weights, experts, *projections).shape == (2, hidden)
+    assert cpu_ops.moe_experts(x, weights, experts, *projections).shape == (2, hidden)
     with pytest.raises(RuntimeError, match=r"expert id 4 outside 0\.\.3"):
-        cpu_ops.moe_experts_quantized(x, weights, torch.tensor([[0, 4], [1, 2]]), *projections)
+        cpu_ops.moe_experts(x, weights, torch.tensor([[0, 4], [1, 2]]), *projections)
     with pytest.raises(RuntimeError, match="int64"):
-        cpu_ops.moe_experts_quantized(x, weights, experts.int(), *projections)
+        cpu_ops.moe_experts(x, weights, experts.int(), *projections)
     with pytest.raises(RuntimeError, match="one row per row of x"):
-        cpu_ops.moe_experts_quantized(x[:1], weights, experts, *projections)
+        cpu_ops.moe_experts(x[:1], weights, experts, *projections)
     with pytest.raises(RuntimeError, match="bytes of blocks a row"):
-        cpu_ops.moe_experts_quantized(x, weights, experts, (gate, "Q4_1"), *projections[1:])
+        cpu_ops.moe_experts(x, weights, experts, (gate, "Q4_1"), *projections[1:])
     with pytest.raises(RuntimeError, match=r"down must be contiguous uint8 \[4, 64, bytes\]"):
-        cpu_ops.moe_experts_quantized(x, weights, experts, *projections[:2], (gate, "Q8_0"))
+        cpu_ops.moe_experts(x, weights, experts, *projections[:2], (gate, "Q8_0"))
     with pytest.raises(RuntimeError, match="unknown format"):
-        cpu_ops.moe_experts_quantized(x, weights, experts, (gate, "Q3_K"), *projections[1:])
+        cpu_ops.moe_experts(x, weights, experts, (gate, "Q3_K"), *projections[1:])
     with pytest.raises(RuntimeError, match="not whole Q4_K blocks"):
         cpu_ops.dequantize_blocks(torch.zeros(2, 100, dtype=torch.uint8), "Q4_K")
     with pytest.raises(RuntimeError, match=r"gate_up_bias must be float32 \[4, 64\]"):
-        cpu_ops.moe_experts_quantized(x, weights, experts, *projections, gate_up_bias=torch.zeros(4, 32))
+        cpu_ops.moe_experts(x, weights, experts, *projections, gate_up_bias=torch.zeros(4, 32))
     with pytest.raises(RuntimeError, match=r"down_bias must be float32 \[4, 64\]"):
-        cpu_ops.moe_experts_quantized(
-            x, weights, experts, *projections, down_bias=torch.zeros(4, 64).double()
-        )
+        cpu_ops.moe_experts(x, weights, experts, *projections, down_bias=torch.zeros(4, 64).double())
     with pytest.raises(RuntimeError, match="swiglu_limit must be >= 0"):
-        cpu_ops.moe_experts_quantized(x, weights, experts, *projections, swiglu=(1.702, -1.0))
+        cpu_ops.moe_experts(x, weights, experts, *projections, swiglu=(1.702, -1.0))
     mxfp4 = torch.zeros(4, 2 * cpu_ops.PACKED_BLOCK_BYTES["MXFP4"], dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="MXFP4 blocks have no 8-bit activation kernel"):
         cpu_ops.linear_quantized_int8(torch.randn(1, 64), mxfp4, "MXFP4")
@@ -1144,7 +1191,6 @@ def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k
     """Tokens sorted to experts in BLOCK_M tiles (some experts chosen by more tokens than a tile
     holds, some by none), odd intermediate and hidden sizes (masked tiles), routing weights; and
     gpt-oss's experts: gate/up and down biases, the clamped SwiGLU."""
-    from functools import partial
 
     from kernels.fused_moe import align_pairs, fused_moe_ref, fused_moe_triton
     from services.gpu_worker.model import clamped_swiglu
@@ -1169,7 +1215,7 @@ def test_fused_moe_triton_matches_ref(dtype: torch.dtype, num_tokens: int, top_k
         biases = dict(gate_up_bias=torch.randn(num_experts, 2 * inter).to(dtype),
                       down_bias=torch.randn(num_experts, hidden).to(dtype))  # fmt: skip
     else:
-        glu, biases = (lambda gate, up: F.silu(gate) * up), {}
+        glu, biases = silu_glu, {}
     got = fused_moe_triton(x, gate_up, down, weights, experts, glu, **biases)
     want = fused_moe_ref(x, gate_up, down, weights, experts, glu, **biases)
     assert_close(got, want)

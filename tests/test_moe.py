@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import cpu_ops
 from services.gpu_worker.architectures import ModelConfig, UnsupportedModel
 from services.gpu_worker.model import moe_route
 from services.gpu_worker.model_runner import ModelRunner
@@ -70,7 +71,7 @@ def moe_model(request, tmp_path_factory):
     return family, hf, runner
 
 
-def test_moe_family_matches_hf(moe_model):
+def test_moe_family_matches_hf(moe_model, monkeypatch: pytest.MonkeyPatch):
     family, hf, runner = moe_model
     config = runner.model.config
     assert config.moe is not None and config.moe.num_experts == 8 and config.moe.top_k == 2
@@ -81,7 +82,10 @@ def test_moe_family_matches_hf(moe_model):
     if family == "gpt-oss":  # what the family brings is really in play
         assert config.attention_sinks and config.layer_windows == (WINDOW, 0)
         assert config.ropes[0].rope_type == "yarn" and config.moe.swiglu_limit == 1.0
+    mixtures = CountingMixtures(monkeypatch)
     check_against_hf(hf, runner)
+    if runner.model.has_few_rows_linear:  # the steps of few rows: float32 experts in the fused op
+        assert mixtures.rows and max(mixtures.rows) <= cpu_ops.MOE_MAX_ROWS
 
 
 @pytest.mark.parametrize("family", ["qwen2-moe-shared-expert", "gpt-oss"])
@@ -121,7 +125,6 @@ def test_cpu_router_matches_torch_routing(rows: int, num_experts: int, top_k: in
     on F.linear's logits: softmax with and without norm_topk_prob, a routed_scaling_factor, and
     gpt-oss's softmax over the top k logits with a router bias. The same experts in the same
     order, the weights within float32 rounding."""
-    from kernels import cpu_ops
     from services.gpu_worker.architectures import MoeConfig
 
     assert cpu_ops.has_kernels(torch.float32)
@@ -155,7 +158,6 @@ def test_cpu_router_reports_ties_that_torch_breaks_its_own_way() -> None:
     """Where a row's k-th score equals an expert's left out, torch.topk picks among the equals in
     an order of its own (HF's choice): the op says so, and the layer routes with torch. A tie
     inside the top k changes no choice. Bad arguments are errors."""
-    from kernels import cpu_ops
     from services.gpu_worker.architectures import MoeConfig
     from services.gpu_worker.model import route_experts
 
@@ -274,8 +276,6 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(
     they are dequantized at load."""
     from transformers import AutoModelForCausalLM
 
-    from kernels import cpu_ops
-
     path = save_random_model(
         random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=60, std=0.08, embed_std=0.15
     )
@@ -318,8 +318,6 @@ def test_mxfp4_scales_of_the_wrong_shape_are_refused(
     """Scales that do not match their blocks are refused by the weight's name, whether the
     experts stay MXFP4 (the C++ kernels) or are dequantized at load (the torch path)."""
     from safetensors.torch import load_file, save_file
-
-    from kernels import cpu_ops
 
     path = save_random_model(random_moe_config("gpt-oss"), tmp_path / "gpt-oss", seed=0, std=0.08)
     write_mxfp4_experts(path, seed=0)
@@ -857,7 +855,6 @@ def test_gpt_oss_gguf_with_mxfp4_experts_gives_hfs_logits(
 def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]) -> None:
     """Every sparse layer holds its experts as GGUF blocks (gate, up, down in `formats`), the
     file's bytes packed by cpu_ops.to_lanes, and no float32 copy of them."""
-    from kernels import cpu_ops
 
     config = runner.model.config
     moe = config.moe
@@ -885,7 +882,6 @@ def check_experts_stay_blocks(runner: ModelRunner, formats: tuple[str, str, str]
 def check_shared_experts_stay_blocks(runner: ModelRunner) -> None:
     """Every sparse layer holds its shared expert (Qwen2-MoE's, DeepSeek's) as the file's Q8_0
     blocks, one expert of them packed by cpu_ops.to_lanes, and no float32 copy of them."""
-    from kernels import cpu_ops
 
     config = runner.model.config
     moe = config.moe
@@ -907,19 +903,18 @@ def check_shared_experts_stay_blocks(runner: ModelRunner) -> None:
 
 
 class CountingMixtures:
-    """Counts the calls of cpu_ops.moe_experts_quantized (the fused few-rows op) and their rows."""
+    """Counts the calls of cpu_ops.moe_experts (the fused few-rows op) and their rows."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from kernels import cpu_ops
 
         self.rows: list[int] = []
-        original = cpu_ops.moe_experts_quantized
+        original = cpu_ops.moe_experts
 
         def counted(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             self.rows.append(x.shape[0])
             return original(x, *args, **kwargs)
 
-        monkeypatch.setattr(cpu_ops, "moe_experts_quantized", counted)
+        monkeypatch.setattr(cpu_ops, "moe_experts", counted)
 
 
 # family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)

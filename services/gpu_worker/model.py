@@ -328,10 +328,10 @@ class QuantizedExperts:
         down_bias: torch.Tensor | None = None,
         swiglu: tuple[float, float] | None = None,
     ) -> torch.Tensor:
-        """The selected experts' weighted sum for a step of few rows (cpu_ops.moe_experts_quantized),
+        """The selected experts' weighted sum for a step of few rows (cpu_ops.moe_experts),
         with gpt-oss's expert biases and clamped SwiGLU (alpha, limit) where given."""
         (gate_format, up_format, down_format) = self.formats
-        return cpu_ops.moe_experts_quantized(
+        return cpu_ops.moe_experts(
             x, weights, experts, (self.gate, gate_format), (self.up, up_format), (self.down, down_format),
             gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu=swiglu,
         )  # fmt: skip
@@ -912,7 +912,7 @@ class LlamaModel:
         gpt-oss's MXFP4 gate_up and down blocks and scales (`load_weights` names those MXFP4).
         So do a shared expert's gate, up and down (Qwen2-MoE's, DeepSeek's) where all three are
         blocks of such a format, whatever the routed experts are: every token runs it, so its
-        bytes are read at every step. cpu_ops.moe_experts_quantized computes SiLU experts and
+        bytes are read at every step. cpu_ops.moe_experts computes SiLU experts and
         gpt-oss's biased, clamped ones."""
         if not self.takes_quantized or self.fused_experts is not None or self.config.activation != "silu":
             return set()
@@ -1423,12 +1423,22 @@ def moe_mlp(
         experts = local.where(is_here, num_local) if fused_experts is None else local.clamp(0, num_local - 1)
     glu = expert_glu(moe, activation)
     down_bias = layer.experts_down_bias if adds_down_bias else None
-    if layer.experts_quantized is not None and len(x) <= cpu_ops.MOE_MAX_ROWS:
+    swiglu = (moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
+    # Float32 experts take the fused op on the CPU path in its steps of few rows, for the gated
+    # activations it has: SiLU (the model passes F.silu for it) and gpt-oss's SwiGLU.
+    op_rows, is_silu = len(x) <= cpu_ops.MOE_MAX_ROWS, activation is F.silu
+    if layer.experts_quantized is not None and op_rows:
         # One rank holds every expert here (`takes_quantized`), so it adds the down biases.
-        swiglu = (moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
         out = layer.experts_quantized.mixture(
             x, weights, experts, layer.experts_gate_up_bias, down_bias, swiglu
         )
+    elif has_few_rows_linear and op_rows and (is_silu or swiglu is not None) and num_local == moe.num_experts:
+        # Each selected expert's rows read once (with expert parallelism, grouped_experts skips
+        # the other ranks' pairs instead).
+        out = float32_mixture(
+            x, layer.experts_gate_up, layer.experts_down, weights, experts, layer.experts_gate_up_bias,
+            down_bias, swiglu,
+        )  # fmt: skip
     elif fused_experts is not None:
         out = fused_experts(
             x, layer.experts_gate_up, layer.experts_down, weights, experts, glu,
@@ -1441,13 +1451,17 @@ def moe_mlp(
         scale = (
             None if layer.shared_expert_gate is None else torch.sigmoid(F.linear(x, layer.shared_expert_gate))
         )
-        if layer.shared_quantized is not None and len(x) <= cpu_ops.MOE_MAX_ROWS:
-            # Its blocks read once for all the step's rows, as a routed expert's: every row's only
+        if op_rows and (layer.shared_quantized is not None or (has_few_rows_linear and is_silu)):
+            # Its weights read once for all the step's rows, as a routed expert's: every row's only
             # choice, weighted by its gate (or 1).
             every_row = torch.zeros(len(x), 1, dtype=torch.int64)
-            shared = layer.shared_quantized.mixture(
-                x, x.new_ones(len(x), 1) if scale is None else scale, every_row
-            )
+            row_weights = x.new_ones(len(x), 1) if scale is None else scale
+            if layer.shared_quantized is not None:
+                shared = layer.shared_quantized.mixture(x, row_weights, every_row)
+            else:
+                shared = float32_mixture(
+                    x, layer.shared_gate_up[None], layer.shared_down[None], row_weights, every_row
+                )
         else:
             linear = plain_linear(has_few_rows_linear, x)
             gate_up, down = layer.shared_expert_weights()
@@ -1457,6 +1471,25 @@ def moe_mlp(
                 shared.mul_(scale)
         out.add_(shared)
     return out
+
+
+def float32_mixture(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """cpu_ops.moe_experts on float32 experts: gate_up [E, 2I, H] (each expert's gate rows, then
+    its up rows), down [E, H, I]."""
+    inter = gate_up.shape[1] // 2
+    return cpu_ops.moe_experts(
+        x, weights, experts, (gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""),
+        gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu=swiglu,
+    )  # fmt: skip
 
 
 def plain_linear(has_few_rows_linear: bool, x: torch.Tensor) -> Callable[..., torch.Tensor]:
