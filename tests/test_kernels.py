@@ -954,6 +954,16 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def routing_cases(num_experts: int, hidden: int, gen: torch.Generator):
+    """(x, weights, experts) of a MoE step: 0-16 rows (x strided), top-1 / 2 / 4, expert 0 never
+    chosen and expert 1 by every row (more rows than one chunk of four)."""
+    for num_rows, top_k in ((0, 2), (1, 1), (1, 4), (3, 2), (8, 2), (16, 4)):
+        x = torch.randn(hidden, num_rows, generator=gen).t()
+        logits = torch.randn(num_rows, num_experts, generator=gen)
+        logits[:, 0], logits[:, 1] = -100.0, 100.0
+        yield x, torch.rand(num_rows, top_k, generator=gen), torch.topk(logits, top_k)[1]
+
+
 # Each supported format for all three projections (MXFP4 from gguf's quantizer, as llama.cpp's
 # MXFP4_MOE files hold any MoE's experts), and a Q4_K_M file's experts (gate and up Q4_K, down Q6_K).
 MOE_EXPERT_FORMATS = [(fmt, fmt, fmt) for fmt in cpu_ops.EXPERT_FORMATS] + [("Q4_K", "Q4_K", "Q6_K")]
@@ -983,16 +993,10 @@ def test_moe_experts_matches_the_float32_reference(formats: tuple[str, str, str]
         projections.append((packed.view(num_experts, rows, -1), fmt))
         dense.append(weight.view(num_experts, rows, columns))
     gate_up, down = torch.cat(dense[:2], dim=1), dense[2]
-    gen = torch.Generator().manual_seed(7)
-    for num_rows, top_k in ((0, 2), (1, 1), (1, 4), (3, 2), (8, 2), (16, 4)):
-        x = torch.randn(hidden, num_rows, generator=gen).t()
-        logits = torch.randn(num_rows, num_experts, generator=gen)
-        logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
-        experts = torch.topk(logits, top_k)[1]
-        weights = torch.rand(num_rows, top_k, generator=gen)
+    for x, weights, experts in routing_cases(num_experts, hidden, torch.Generator().manual_seed(7)):
         got = cpu_ops.moe_experts(x, weights, experts, *projections)
         want = fused_moe_ref(x, gate_up, down, weights, experts, silu_glu)
-        scale = float(want.abs().max()) if num_rows else 1.0
+        scale = float(want.abs().max()) if len(x) else 1.0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
@@ -1020,15 +1024,10 @@ def test_moe_experts_float32_matches_the_reference(swiglu: tuple[float, float] |
         )
         glu = partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
     projections = ((gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""))
-    for num_rows, top_k in ((0, 2), (1, 1), (1, 4), (3, 2), (8, 2), (16, 4)):
-        x = torch.randn(hidden, num_rows, generator=gen).t()
-        logits = torch.randn(num_rows, num_experts, generator=gen)
-        logits[:, 0], logits[:, 1] = -100.0, 100.0  # expert 0 never chosen, expert 1 always
-        experts = torch.topk(logits, top_k)[1]
-        weights = torch.rand(num_rows, top_k, generator=gen)
+    for x, weights, experts in routing_cases(num_experts, hidden, gen):
         got = cpu_ops.moe_experts(x, weights, experts, *projections, swiglu=swiglu, **biases)
         want = fused_moe_ref(x, gate_up, down, weights, experts, glu, **biases)
-        scale = float(want.abs().max()) if num_rows else 1.0
+        scale = float(want.abs().max()) if len(x) else 1.0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
     # Each expert's rows must be contiguous [out, in]: a transposed weight is refused, by name.
     with pytest.raises(

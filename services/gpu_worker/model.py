@@ -1436,8 +1436,8 @@ def moe_mlp(
         # Each selected expert's rows read once (with expert parallelism, grouped_experts skips
         # the other ranks' pairs instead).
         out = float32_mixture(
-            x, layer.experts_gate_up, layer.experts_down, weights, experts, layer.experts_gate_up_bias,
-            down_bias, swiglu,
+            x, layer.experts_gate_up, layer.experts_down, weights, experts,
+            gate_up_bias=layer.experts_gate_up_bias, down_bias=down_bias, swiglu=swiglu,
         )  # fmt: skip
     elif fused_experts is not None:
         out = fused_experts(
@@ -1474,22 +1474,14 @@ def moe_mlp(
 
 
 def float32_mixture(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    swiglu: tuple[float, float] | None = None,
-) -> torch.Tensor:
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+    **options: torch.Tensor | tuple[float, float] | None,
+) -> torch.Tensor:  # fmt: skip
     """cpu_ops.moe_experts on float32 experts: gate_up [E, 2I, H] (each expert's gate rows, then
-    its up rows), down [E, H, I]."""
+    its up rows), down [E, H, I]; options: the op's gate_up_bias, down_bias and swiglu."""
     inter = gate_up.shape[1] // 2
-    return cpu_ops.moe_experts(
-        x, weights, experts, (gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""),
-        gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu=swiglu,
-    )  # fmt: skip
+    projections = ((gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""))
+    return cpu_ops.moe_experts(x, weights, experts, *projections, **options)
 
 
 def plain_linear(has_few_rows_linear: bool, x: torch.Tensor) -> Callable[..., torch.Tensor]:
