@@ -872,18 +872,18 @@ at::Tensor few_rows_linear_quantized(const at::Tensor& x, const at::Tensor& bloc
   });
 }
 
-// ---- A mixture of experts from GGUF blocks, for steps of few rows ----
+// ---- A mixture of experts from GGUF blocks or float32 rows, for steps of few rows ----
 //
 // The selected experts of a step's rows, each expert's gate, up and down read from its own blocks
-// (few_rows_linear_quantized's formats and layouts) once for all of the rows that chose it: the
-// step's (row, expert) pairs are grouped by expert and each group's rows gathered; gate and up
-// multiply them a tile of weight rows at a time, SiLU(gate) * up, then down, into one output row
-// per pair; each row sums its pairs' outputs times their routing weights, in the order of its k
-// choices. gpt-oss's experts add each expert's gate/up and down biases and take its clamped
-// SwiGLU instead (GptOssExperts: gate clamped above at the limit, up to [-limit, limit], then
-// gate * sigmoid(alpha * gate) * (up + 1)); its down bias is part of the output each routing
-// weight scales. The float32 experts are the blocks' dequantization (dequantize_blocks below), so
-// this computes what the torch path computes from them, up to float32 summation order.
+// (few_rows_linear_quantized's formats and layouts) or float32 rows once for all of the rows that
+// chose it: the step's (row, expert) pairs are grouped by expert and each group's rows gathered;
+// gate and up multiply them a tile of weight rows at a time, SiLU(gate) * up, then down, into one
+// output row per pair; each row sums its pairs' outputs times their routing weights, in the order
+// of its k choices. gpt-oss's experts add each expert's gate/up and down biases and take its
+// clamped SwiGLU instead (GptOssExperts: gate clamped above at the limit, up to [-limit, limit],
+// then gate * sigmoid(alpha * gate) * (up + 1)); its down bias is part of the output each routing
+// weight scales. The blocks' float32 values are their dequantization (dequantize_blocks below), so
+// this computes what the torch path computes from those, up to float32 summation order.
 
 // The bytes of a weight row of `in_features` inputs in Block's layout; -1 where they are not whole blocks.
 template <typename Block>
@@ -986,21 +986,21 @@ at::Tensor expert_bias(const c10::optional<at::Tensor>& bias, int64_t num_expert
 }
 
 // x [T, H]; weights [T, k] float32 and experts [T, k] int64 (the routing); gate and up
-// [E, I, bytes], down [E, H, bytes], each in its format (or float32 [E, I, H], [E, H, I], format ""); gpt-oss's gate_up_bias [E, 2I] (each
-// expert's gate columns, then its up columns) and down_bias [E, H], float32 or none; swiglu_limit
-// > 0: gpt-oss's clamped SwiGLU with swiglu_alpha, else SiLU(gate) * up -> [T, H].
+// [E, I, bytes], down [E, H, bytes], each in its format (or float32 [E, I, H] and [E, H, I], format
+// ""); gpt-oss's gate_up_bias [E, 2I] (each expert's gate columns, then its up columns) and
+// down_bias [E, H], float32 or none; swiglu_limit > 0: gpt-oss's clamped SwiGLU with
+// swiglu_alpha, else SiLU(gate) * up -> [T, H].
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
-                                 const at::Tensor& gate, c10::string_view gate_format, const at::Tensor& up,
-                                 c10::string_view up_format, const at::Tensor& down, c10::string_view down_format,
-                                 const c10::optional<at::Tensor>& gate_up_bias,
-                                 const c10::optional<at::Tensor>& down_bias, double swiglu_alpha,
-                                 double swiglu_limit) {
+                       const at::Tensor& gate, c10::string_view gate_format, const at::Tensor& up,
+                       c10::string_view up_format, const at::Tensor& down, c10::string_view down_format,
+                       const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                       double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x [T, H] float32");
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == num_tokens && weights.scalar_type() == at::kFloat &&
                   experts.sizes() == weights.sizes() && experts.scalar_type() == at::kLong,
               "moe_experts: weights [T, k] float32 and experts [T, k] int64, one row per row of x");
-  TORCH_CHECK(gate.dim() == 3, "moe_experts: gate [experts, intermediate, bytes]");
+  TORCH_CHECK(gate.dim() == 3, "moe_experts: gate [experts, intermediate, bytes or in]");
   const int64_t num_experts = gate.size(0), inter = gate.size(1), top_k = experts.size(1);
   const ExpertBlocks gate_w = expert_blocks(gate, gate_format, num_experts, inter, hidden, "gate");
   const ExpertBlocks up_w = expert_blocks(up, up_format, num_experts, inter, hidden, "up");
@@ -1747,8 +1747,8 @@ LoraMatrices check_lora_matrices(const at::Tensor& t, int64_t layers, const char
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               "lora_add: A and B must be float32 or bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim && t.is_contiguous() && (layers == 0 || t.size(0) == layers), "lora_add: ", kind,
-              " of module ", module, " must be contiguous ", layers > 0 ? "[layers, slots, max_rank, " : "[slots, max_rank, ",
-              features, "]");
+              " of module ", module, " must be contiguous ",
+              layers > 0 ? "[layers, slots, max_rank, " : "[slots, max_rank, ", features, "]");
   LoraMatrices matrices;
   matrices.data = t.data_ptr();
   matrices.bfloat16 = t.scalar_type() == at::kBFloat16;
