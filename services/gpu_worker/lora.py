@@ -1,14 +1,14 @@
 """LoRA adapters in PEFT's format, resident in fixed slots and applied per row of a step.
 
-An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/up/down). The
-worker keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in]
-and B [slots, r, out] (each module's stacked over the layers) (B^T; the adapter's scaling folded into B, ranks zero-padded to `max_rank`), so
-that a step may mix rows of several adapters and rows of none. A step groups its tokens by slot
-and a batched kernel (kernels/lora.py: Triton on the GPU, C++ on the CPU, a torch reference
-elsewhere) multiplies each adapter present by all of its tokens at once: its A and B are read
-once per step (`LoraBatch.add`). Adapters are checked against the base model when loaded, before
-they serve anything: a module they target that the model has not, or whose shapes differ, refuses
-the adapter with a message naming the module.
+An adapter adds scaling * B @ A to some of a layer's projections (q/k/v/o, gate/up/down). The worker
+keeps up to `max_loras` adapters in slots: for each layer and projection, A [slots, r, in] and B
+[slots, r, out] (B^T; the adapter's scaling folded into B, ranks zero-padded to `max_rank`; each
+module's stacked over the layers), so that a step may mix rows of several adapters and rows of none.
+A step groups its tokens by slot and a batched kernel (kernels/lora.py: Triton on the GPU, C++ on
+the CPU, a torch reference elsewhere) multiplies each adapter present by all of its tokens at once:
+its A and B are read once per step (`LoraBatch.add`). Adapters are checked against the base model
+when loaded, before they serve anything: a module they target that the model has not, or whose
+shapes differ, refuses the adapter with a message naming the module.
 """
 
 from __future__ import annotations
@@ -233,8 +233,7 @@ class LoraSlots:
             layers = [layer for layer, m in shapes if m == module]
             if not layers:
                 continue
-            (in_features, out_features), *others = {shapes[(layer, module)] for layer in layers}
-            assert not others, f"{module}: one shape in every layer"
+            in_features, out_features = shapes[(layers[0], module)]  # module_shapes: one per module
             count = len(layers)
             self.stacked_a[module] = torch.zeros(
                 count, max_loras, max_rank, in_features, dtype=dtype, device=device
