@@ -66,7 +66,12 @@ TINY = LLAMA3_8B | {
     "max_position_embeddings": 256,
     "eos_token_id": 1,
 }
-KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_token_bitmask.py", "tests/test_lora_kernels.py")
+KERNEL_TEST_FILES = (
+    "tests/test_kernels.py",
+    "tests/test_token_bitmask.py",
+    "tests/test_lora_kernels.py",
+    "tests/test_cuda_graphs.py",
+)
 # The Triton kernels' tests (the files also hold the C++ CPU ops' tests, which need CPU tensors).
 CUDA_TEST_SELECTION = "triton or decode_is_prefill or on_cuda"
 DRY_RUN_TEST_SELECTION = "rms_norm_triton and 576"  # six tests, seconds in the interpreter
@@ -191,9 +196,12 @@ def build_runner(config: dict, device: str, max_context: int, model_dir: Path) -
         blocks * 2 * config["num_hidden_layers"] * block_size * config["num_key_value_heads"] * head_dim * 2
     )
     with random_weights(config):
+        # As the worker builds it: decode steps of up to the largest batch replay CUDA graphs,
+        # their block tables as wide as the longest sequence served.
         return ModelRunner(
-            model_dir, dtype="bfloat16", device=device, kv_cache_bytes=kv_bytes, block_size=block_size
-        )
+            model_dir, dtype="bfloat16", device=device, kv_cache_bytes=kv_bytes, block_size=block_size,
+            max_model_len=max_context, cuda_graph_max_batch=max(BATCHES),
+        )  # fmt: skip
 
 
 def num_parameters(config: dict) -> int:
@@ -252,8 +260,11 @@ def block_tables(batch: int, context: int, block_size: int) -> np.ndarray:
     return np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
 
 
-def prefill_and_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one static batch. Each is run once untimed first, so
+def prefill_and_decode(
+    runner: ModelRunner, batch: int, prompt_len: int, steps: int
+) -> tuple[float, float, float | None]:
+    """(prefill tok/s, decode tok/s eager, decode tok/s replaying the runner's CUDA graphs, None
+    without them) of one static batch, through `execute`. Each is run once untimed first, so
     compilation (Triton's, the allocator's first growth) stays out of the figures."""
     bs, rng = runner.block_size, np.random.default_rng(batch)
     tables = block_tables(batch, prompt_len + steps + 1, bs)
@@ -270,12 +281,19 @@ def prefill_and_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: 
         plan = static_plan(tokens[:, None], np.full((batch, 1), pos), np.full(batch, pos + 1), tables, bs)
         return runner.execute(*plan)["sampled_ids"]
 
-    tokens = decode_step(0, out["sampled_ids"])
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        tokens = decode_step(step, tokens)
-    decode_s = time.perf_counter() - start
-    return batch * prompt_len / prefill_s, batch * steps / decode_s
+    def decode_tok_s() -> float:
+        tokens = decode_step(0, out["sampled_ids"])
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            tokens = decode_step(step, tokens)
+        return batch * steps / (time.perf_counter() - start)
+
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        eager = decode_tok_s()
+    finally:
+        runner.decode_graphs = graphs
+    return batch * prompt_len / prefill_s, eager, None if graphs is None else decode_tok_s()
 
 
 def decode_forward_graphs(runner: ModelRunner, batch: int, context: int, reps: int) -> dict:
@@ -422,21 +440,24 @@ def markdown(result: dict) -> str:
         vlm_line(result["vlm_kernels"]),
         "",
         "| batch | prefill tok/s | of roofline | decode tok/s | decode roofline | of roofline "
-        "| eager ms/step | graph ms/step | graph speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| decode tok/s, graphs | of roofline | eager ms/step | graph ms/step | graph speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in map(str, BATCHES):
         if b in result["errors"]:
-            lines.append(f"| {b} | failed: {result['errors'][b]} | | | | | | | |")
+            lines.append(f"| {b} | failed: {result['errors'][b]} | | | | | | | | | |")
             continue
         g = result["cuda_graphs"]["per_batch"][b]
         graph = "n/a" if g["graph_ms"] is None else f"{g['graph_ms']:.2f}"
         speedup = f"{g['speedup']:.2f}x" if "speedup" in g else "n/a"
         prefill, decode = result["prefill_tok_s"][b], result["decode_tok_s"][b]
         roofline = result["decode_roofline_tok_s"][b]
+        replayed = result["decode_graphs_tok_s"][b]
+        replayed_cells = "n/a | n/a" if replayed is None else f"{replayed:.1f} | {replayed / roofline:.1%}"
         lines.append(
             f"| {b} | {prefill:.0f} | {prefill / result['roofline_tok_s']:.1%} | {decode:.1f} | "
-            f"{roofline:.0f} | {decode / roofline:.1%} | {g['eager_ms']:.2f} | {graph} | {speedup} |"
+            f"{roofline:.0f} | {decode / roofline:.1%} | {replayed_cells} | {g['eager_ms']:.2f} | "
+            f"{graph} | {speedup} |"
         )
     errors = {b: g["error"] for b, g in result["cuda_graphs"]["per_batch"].items() if "error" in g}
     if errors:
@@ -507,23 +528,30 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as model_dir:
         runner = build_runner(config, str(device), prompt_len + steps + 1, Path(model_dir))
+    # Captured as the worker captures them at start (None on the CPU: the eager steps alone).
+    graphs_captured = runner.decode_graphs
+    result["runner_graphs"] = (
+        {"sizes": graphs_captured.sizes, "capture_s": graphs_captured.capture_s} if graphs_captured else None
+    )
     result["model"] = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     result["model"] |= {"num_params": num_params, "prompt_len": prompt_len, "decode_steps": steps}
-    result["prefill_tok_s"], result["decode_tok_s"] = {}, {}
+    result["prefill_tok_s"], result["decode_tok_s"], result["decode_graphs_tok_s"] = {}, {}, {}
     graphs: dict = {"available": device.type == "cuda", "per_batch": {}}
     result["errors"] = {}
     for batch in BATCHES:
         try:
-            prefill, decode = prefill_and_decode(runner, batch, prompt_len, steps)
+            prefill, decode, replayed = prefill_and_decode(runner, batch, prompt_len, steps)
             graph = decode_forward_graphs(runner, batch, prompt_len + 1, reps)
         except RuntimeError as exc:  # out of memory, a kernel that fails: the other batches still run
             result["errors"][str(batch)] = one_line(exc)
             print(f"batch {batch}: {result['errors'][str(batch)]}", flush=True)
             continue
         result["prefill_tok_s"][str(batch)], result["decode_tok_s"][str(batch)] = prefill, decode
+        result["decode_graphs_tok_s"][str(batch)] = replayed
         graphs["per_batch"][str(batch)] = graph
         print(
-            f"batch {batch}: prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s, forward {graph}",
+            f"batch {batch}: prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s eager, "
+            f"{replayed} replayed, forward {graph}",
             flush=True,
         )
     print("vision-language kernels ...", flush=True)

@@ -72,6 +72,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpu_int8_activations: bool = False  # GGUF-block GEMVs on 8-bit activations (changes the numbers)
     # Steps of 5+ rows (prefills, batched decodes) multiply in bf16 where the CPU has it (changes the numbers)
     cpu_wide_step_dtype: Literal["float32", "bfloat16"] = "float32"
+    # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start, one
+    # per padded batch size (services/gpu_worker/cuda_graphs.py); 0 = every step eager.
+    cuda_graph_max_batch: NonNegative = 256
     cpu_affinity: bool = True  # CPU workers' threads one per core, other stages off their main cores
     step_timeout_s: Seconds = 120.0  # below supervisor.hang_timeout_s (see check_timeouts)
 

@@ -49,6 +49,8 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     assert result["errors"] == {}
     for b in BATCHES:
         assert result["prefill_tok_s"][b] > 0 and result["decode_tok_s"][b] > 0
+        assert result["decode_graphs_tok_s"][b] is None  # the runner captured none on the CPU
+    assert result["runner_graphs"] is None
 
     graphs = result["cuda_graphs"]
     assert graphs["available"] is False and "CUDA" in graphs["reason"]

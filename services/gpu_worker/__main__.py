@@ -200,6 +200,8 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),
         embedding_caches=stage.endpoints.embedding_cache if config.encoder.num_encoders else None,
         draft_model=Path(config.speculative.model) if config.speculative.method == "draft_model" else None,
+        max_model_len=config.model.max_model_len,
+        cuda_graph_max_batch=engine.cuda_graph_max_batch,
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",

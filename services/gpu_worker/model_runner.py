@@ -31,6 +31,7 @@ from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.attention import mrope_positions
 from services.gpu_worker.bert import BertEncoder
+from services.gpu_worker.cuda_graphs import DecodeGraphs, graphs_unsupported
 from services.gpu_worker.draft import DraftModel
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
@@ -86,6 +87,8 @@ class ModelRunner:
         embedding: Embedding | None = None,
         embedding_caches: Callable[[int], str] | None = None,
         draft_model: Path | None = None,
+        max_model_len: int | None = None,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -109,7 +112,9 @@ class ModelRunner:
         if isinstance(config, BertConfig) and (embedding is None or parallel.is_parallel):
             raise ValueError(f"{self.model_name} is an encoder-only model: it embeds, on one rank")
         self.vocab_size = config.vocab_size
-        self.max_model_len = config.max_position_embeddings
+        # The longest sequence served: the engine's model.max_model_len, within the model's own.
+        positions = config.max_position_embeddings
+        self.max_model_len = min(positions, max_model_len or positions)
         self.eos_token_ids = _eos_token_ids(model_dir, raw)
         # LongRoPE: a sequence longer than this rotates with the long factors (the plan says which).
         self.parallel = parallel
@@ -199,10 +204,37 @@ class ModelRunner:
         # every rank, so that every rank accepts or refuses a placeholder alike.
         self._sampled_step = np.full(max_num_seqs, -1, np.int64)
         self._sampled_position = np.full(max_num_seqs, -1, np.int64)
+        self.decode_graphs = self._capture_decode_graphs(cuda_graph_max_batch)
         log.info(
             "model %s (%s on %s): %d KV blocks of %d tokens",
             self.model_name, dtype, self.device, self.num_kv_blocks, block_size,
         )  # fmt: skip
+
+    def _capture_decode_graphs(self, max_batch: int) -> DecodeGraphs | None:
+        """engine.cuda_graph_max_batch on a GPU: decode steps of up to that many sequences replay
+        CUDA graphs (cuda_graphs.py). Where the model cannot, its steps run eagerly, with a warning
+        that says why."""
+        if max_batch == 0 or self.device.type != "cuda" or not isinstance(self.model, LlamaModel):
+            return None
+        if self.embedding is not None or self.draft is not None:
+            return None  # their steps are prefills, or verify a draft: never plain decode steps
+        reason = graphs_unsupported(self.model)
+        if reason is None:
+            try:
+                graphs = DecodeGraphs(
+                    self.model, self.kv_cache, min(max_batch, self.max_num_seqs),
+                    -(-self.max_model_len // self.block_size),
+                )  # fmt: skip
+            except RuntimeError as exc:  # a kernel that syncs with the host, say: eager it is
+                reason = f"capture failed: {exc}"
+            else:
+                log.info(
+                    "CUDA graphs of decode steps captured for batch sizes %s in %.1f s",
+                    graphs.sizes, graphs.capture_s,
+                )  # fmt: skip
+                return graphs
+        log.warning("engine.cuda_graph_max_batch=%d: decode steps run eagerly (%s)", max_batch, reason)
+        return None
 
     def _load_adapters(
         self, max_loras: int, max_rank: int, adapters: dict[str, str], dtype: str
@@ -433,6 +465,72 @@ class ModelRunner:
         else:
             is_verifying = num_proposed[rows] > 0
             verifying, rows = rows[is_verifying], rows[~is_verifying]
+        # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
+        result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
+        lora = self.lora_batch(arrays, t, s)
+        if self._replays_graph(arrays, t, s, lora, num_proposed):
+            input_ids = self.decode_graphs.load(arrays, s)
+            if len(at):
+                self._fill_placeholders(input_ids, at, table_rows)
+            # A decode row's one token is the one it samples.
+            logits = self.decode_graphs.replay(s)[self._to_device(rows)]
+        else:
+            logits, hidden, residual, arrays = self._eager_forward(arrays, t, s, at, table_rows, rows, lora)
+            if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
+                result.update(self._score_prompt(hidden, residual, arrays, s))
+            if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
+                result.update(self._verify(hidden, residual, arrays, verifying, k, header.step_id))
+        sampled_table_rows = arrays["rows"][rows]
+        self._sampled_step[sampled_table_rows] = header.step_id
+        self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
+        if len(rows) == 0 or not self.parallel.is_driver:
+            return result
+        sampled = self.sampler.sample(logits, arrays, rows)
+        self._last_sampled[self._to_device(sampled_table_rows)] = sampled.sampled_ids.long()
+        out = sampled.numpy()
+        result["sampled_ids"][rows] = out["sampled_ids"]
+        result["sampled_logprobs"][rows] = out["sampled_logprobs"]
+        n = min(k, out["top_ids"].shape[1])
+        result["top_ids"][rows, :n] = out["top_ids"][:, :n]
+        result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
+        if num_proposed is not None:  # an ordinary sampled row emits its one token
+            result["emitted_ids"][rows, 0] = out["sampled_ids"]
+            result["emitted_logprobs"][rows, 0] = out["sampled_logprobs"]
+            result["num_emitted"][rows] = 1
+        return result
+
+    def _replays_graph(
+        self,
+        arrays: dict[str, np.ndarray],
+        t: int,
+        s: int,
+        lora: LoraBatch | None,
+        num_proposed: np.ndarray | None,
+    ) -> bool:
+        """A plain decode step that fits a captured CUDA graph (cuda_graphs.py)."""
+        return (
+            self.decode_graphs is not None
+            and self.decode_graphs.takes(arrays, t, s)
+            and lora is None
+            and num_proposed is None
+            and not self.has_mrope
+            and "prompt_targets" not in arrays
+            and "image_starts" not in arrays
+        )
+
+    def _eager_forward(
+        self,
+        arrays: dict[str, np.ndarray],
+        t: int,
+        s: int,
+        at: np.ndarray,
+        table_rows: np.ndarray,
+        rows: np.ndarray,
+        lora: LoraBatch | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
+        """The step's forward launched op by op: the logits of its sampling rows, the last
+        layer's hidden states and residual (prompt scoring and verification read them), and the
+        plan's arrays with a draft's proposals in (verification reads them on the host)."""
         causal_images = "image_groups" in arrays and not self.images_see_each_other
         # M-RoPE's positions read the images' token groups, which causal images' attention drops.
         rope_positions = mrope_positions(arrays, t, s) if self.has_mrope else None
@@ -453,36 +551,11 @@ class ModelRunner:
                 host_ids = arrays["input_ids"].copy()
                 host_ids[drafted] = input_ids[self._to_device(drafted)].cpu().numpy()
                 arrays = {**arrays, "input_ids": host_ids}
-        # Rows that sample nothing keep the neutral values: id -1, no top logprobs.
-        result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1)
         images = self._image_rows(arrays, t) if "image_starts" in arrays else None
-        hidden, residual = self.model.hidden_states(
-            input_ids, metas, self.kv_cache, self.lora_batch(arrays, t, s), images
-        )
+        hidden, residual = self.model.hidden_states(input_ids, metas, self.kv_cache, lora, images)
         logits = self.model.logits(hidden, residual, sample_tokens.to(self.device))
-        if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
-            result.update(self._score_prompt(hidden, residual, arrays, s))
-        sampled_table_rows = arrays["rows"][rows]
-        self._sampled_step[sampled_table_rows] = header.step_id
-        self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
-        if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
-            result.update(self._verify(hidden, residual, arrays, verifying, k, header.step_id))
-        if len(rows) == 0 or not self.parallel.is_driver:
-            return result
-        sampled = self.sampler.sample(logits, arrays, rows)
-        self._last_sampled[self._to_device(sampled_table_rows)] = sampled.sampled_ids.long()
-        out = sampled.numpy()
-        result["sampled_ids"][rows] = out["sampled_ids"]
-        result["sampled_logprobs"][rows] = out["sampled_logprobs"]
-        n = min(k, out["top_ids"].shape[1])
-        result["top_ids"][rows, :n] = out["top_ids"][:, :n]
-        result["top_logprobs"][rows, :n] = out["top_logprobs"][:, :n]
-        if num_proposed is not None:  # an ordinary sampled row emits its one token
-            result["emitted_ids"][rows, 0] = out["sampled_ids"]
-            result["emitted_logprobs"][rows, 0] = out["sampled_logprobs"]
-            result["num_emitted"][rows] = 1
-        return result
+        return logits, hidden, residual, arrays
 
     def _check_images(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
         """The image arrays come together, on a run with encoders, each image's tokens one run in

@@ -1,0 +1,163 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a few sequences launches a few hundred small kernels, and on a GPU launching
+them one by one from Python takes longer than running them (docs/performance.md, "GPU check").
+So at start the worker captures the whole decode forward (the layers, the final norm and the LM
+head) once per padded batch size, over fixed device buffers. A step of n sequences then copies
+its plan into the buffers of the smallest captured size >= n and replays that graph: the rows
+past n are padding, which store no KV (slot -1), read one key, and whose logits are dropped.
+
+Only plain decode steps replay (every row one token, no adapter, draft, verification, prompt
+scoring, images or M-RoPE); every other step runs eagerly, as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from services.gpu_worker.attention import StepMeta, TritonOps, rotary_rows
+from services.gpu_worker.model import LlamaModel
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The padded batch sizes captured: 1, 2, 4, then every multiple of 8, up to max_batch (itself
+    included), so a step pads at most 7 rows."""
+    sizes = [size for size in (1, 2, 4) if size < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+def graphs_unsupported(model: LlamaModel) -> str | None:
+    """Why this model's decode steps cannot replay graphs, or None if they can."""
+    if not all(isinstance(ops, TritonOps) for ops in model.kind_ops):
+        return "the attention is not the Triton backend's (latent attention, or engine backend torch)"
+    if model.parallel.is_parallel:
+        return "tensor parallelism's collectives are not captured"
+    return None
+
+
+class DecodeGraphs:
+    """The decode forward per padded batch size, over buffers it owns. `capture=False` runs the
+    same padded forward over the same buffers eagerly: the tests use it to check the padding
+    and the buffers on the CPU, with the Triton kernels in the interpreter."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        max_batch: int,
+        max_blocks_per_seq: int,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_blocks_per_seq = max_blocks_per_seq
+        n, device = self.max_batch, model.device
+
+        def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        # The dtypes the eager path gives the kernels (the plan's int32; rotary rows int64).
+        self.input_ids = ints(n, dtype=torch.int64)
+        self.slot_mapping = ints(n)
+        self.seq_lens = ints(n)
+        self.block_tables = ints(n, max_blocks_per_seq)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.rope_rows = [ints(n, dtype=torch.int64) for _ in model.kind_ops]
+        self.long_rope_rows = [ops.s.long_rope_rows for ops in model.kind_ops]
+        self.sample_tokens = torch.arange(n, device=device)
+        self._pad(0, n)
+        self.logits: dict[int, torch.Tensor] = {}  # size -> the graph's output buffer [size, V]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0  # how long capturing every size took, at start
+        if capture:
+            start = time.perf_counter()
+            self._capture()
+            self.capture_s = time.perf_counter() - start
+
+    def takes(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of this shape fits a graph: all decode, at most max_batch rows, a block
+        table no wider than the buffers'. (What the step carries is the caller's to check.)"""
+        return (
+            num_tokens == num_seqs <= self.max_batch
+            and arrays["block_tables"].shape[1] <= self.max_blocks_per_seq
+        )
+
+    def load(self, arrays: dict[str, np.ndarray], num_seqs: int) -> torch.Tensor:
+        """Copy a decode step's plan into the buffers; returns its rows' input ids (a view of
+        the buffer, for the caller to fill placeholders in)."""
+        n, size = num_seqs, self._size(num_seqs)
+
+        def put(buffer: torch.Tensor, values: np.ndarray) -> None:
+            buffer.copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
+
+        put(self.input_ids[:n], arrays["input_ids"][:n].astype(np.int64))
+        put(self.slot_mapping[:n], arrays["slot_mapping"][:n])
+        put(self.seq_lens[:n], arrays["seq_lens"][:n])
+        tables = arrays["block_tables"][:n]
+        put(self.block_tables[:n, : tables.shape[1]], tables)
+        for buffer, long_rows in zip(self.rope_rows, self.long_rope_rows, strict=True):
+            put(buffer[:n], rotary_rows(arrays, n, n, long_rows))
+        self._pad(n, size)
+        return self.input_ids[:n]
+
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """The loaded step's float32 logits [num_seqs, V] (a view of the graph's output, valid
+        until the next replay)."""
+        size = self._size(num_seqs)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.logits[size][:num_seqs]
+        return self._forward(size)[:num_seqs]
+
+    def _size(self, num_seqs: int) -> int:
+        return next(size for size in self.sizes if size >= num_seqs)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Padding rows: no KV stored, a context of one key (whatever block their table row
+        holds: a real block id from an earlier step, or block 0)."""
+        self.slot_mapping[start:end] = -1
+        self.seq_lens[start:end] = 1
+
+    def _metas(self, size: int) -> list[StepMeta]:
+        return [
+            StepMeta(
+                rope_rows=rope_rows[:size],
+                slot_mapping=self.slot_mapping[:size],
+                is_all_decode=True,
+                block_tables=self.block_tables[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+            )
+            for rope_rows in self.rope_rows
+        ]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model.forward(
+            self.input_ids[:size], self._metas(size), self.kv_cache, self.sample_tokens[:size]
+        )
+
+    def _capture(self) -> None:
+        """Capture every size, the largest first, into one memory pool (a smaller graph's
+        activations fit in what the larger ones' freed). Each size runs once eagerly first, on
+        a side stream, so that Triton compiles its kernels and the allocator has its blocks
+        before capture. The buffers hold padding only here: nothing is stored in the cache."""
+        device = self.model.device
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)
+        for size in reversed(self.sizes):
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._forward(size)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)

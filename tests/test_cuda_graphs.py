@@ -1,0 +1,185 @@
+"""Decode steps replayed from CUDA graphs (services/gpu_worker/cuda_graphs.py).
+
+Without a GPU, the padded forward over the graphs' own buffers runs eagerly (capture=False) with
+the Triton kernels in the interpreter, against the runner's ordinary eager steps on the same
+weights: the padding, the buffers' copies and the placeholders filled into them. On a GPU
+(`benchmarks/gpu_check.py` runs the `on_cuda` tests) the graphs are captured and replayed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.gpu_worker.model_runner import ModelRunner
+from tests.test_model import PlanBuilder
+
+pytestmark = pytest.mark.timeout(300)
+
+KV_BYTES = 4 << 20
+VOCAB = 256
+PLAN_WIDTH = 8  # block-table columns of every plan here (PlanBuilder's max_blocks)
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def random_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (GQA, two blocks of context per sequence at most), weights only:
+    the runner needs no tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("graph-llama")
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+class CountingGraphs(DecodeGraphs):
+    """Counts the steps that took the graph path."""
+
+    replays = 0
+
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        self.replays += 1
+        return super().replay(num_seqs)
+
+
+def test_capture_sizes_pad_at_most_seven_rows() -> None:
+    for max_batch in (1, 2, 3, 5, 8, 20, 64, 256):
+        sizes = capture_sizes(max_batch)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == max_batch
+        for n in range(1, max_batch + 1):
+            padded = min(size for size in sizes if size >= n)
+            assert padded - n < 8, (max_batch, n, padded)
+
+
+def with_top_logprobs(
+    arrays: dict[str, np.ndarray], header: StepHeader, k: int
+) -> tuple[dict[str, np.ndarray], StepHeader]:
+    """Every row of the plan asks for its k top logprobs."""
+    arrays["num_logprobs"][:] = k
+    return arrays, msgspec.structs.replace(header, max_top_logprobs=k)
+
+
+Schedule = list[dict[int, list[int]] | list[int]]  # a prefill {row: prompt}, or a decode's rows
+
+
+def run(runner: ModelRunner, schedule: Schedule, top_logprobs: int = 4) -> list[dict[str, np.ndarray]]:
+    """Run prefills and decode steps; a decode row's token is a placeholder where the row
+    sampled in the step just before (the scheduler's way), else the token it sampled last."""
+    builder = PlanBuilder(runner.block_size)
+    results: list[dict[str, np.ndarray]] = []
+    last: dict[int, int] = {}
+    previous: set[int] = set()
+    for step in schedule:
+        if isinstance(step, dict):
+            chunks = [(row, prompt, True) for row, prompt in step.items()]
+        else:
+            chunks = [(row, [PLACEHOLDER_TOKEN if row in previous else last[row]], True) for row in step]
+        result = runner.execute(
+            *with_top_logprobs(*builder.plan(chunks, max_blocks=PLAN_WIDTH), top_logprobs)
+        )
+        results.append(result)
+        previous = {row for row, _, _ in chunks}
+        last.update(zip(previous, result["sampled_ids"].tolist(), strict=True))
+    return results
+
+
+@needs_interpreter
+def test_padded_buffers_decode_as_the_eager_steps(random_llama_dir: Path) -> None:
+    """Batches of 3 (padded to 4), 4, 1 and 2, crossing a block boundary, with a prefill between
+    them (which runs eagerly): the same tokens, logprobs and KV cache as plain eager steps. The
+    cache equal everywhere also says the padding rows stored nothing."""
+    eager = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton")
+    padded = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton")
+    graphs = CountingGraphs(padded.model, padded.kv_cache, 4, PLAN_WIDTH, capture=False)
+    padded.decode_graphs = graphs
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (14, 5, 9, 16)]
+    decodes: Schedule = [[0, 1, 2]] * 3 + [[0, 1, 2, 3]] * 2 + [[2]] * 2 + [[3, 1]] * 2
+    schedule = [dict(enumerate(prompts[:3])), *decodes[:3], {3: prompts[3]}, *decodes[3:]]
+    want, got = run(eager, schedule), run(padded, schedule)
+    assert graphs.replays == len(decodes)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        np.testing.assert_array_equal(b["sampled_ids"], a["sampled_ids"], err_msg=f"step {step}")
+        assert (a["top_ids"] >= 0).all()  # every row asked for its top logprobs
+        np.testing.assert_array_equal(b["top_ids"], a["top_ids"], err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            b["sampled_logprobs"], a["sampled_logprobs"], atol=1e-5, err_msg=f"step {step}"
+        )
+        np.testing.assert_allclose(b["top_logprobs"], a["top_logprobs"], atol=1e-5, err_msg=f"step {step}")
+    for (k0, v0), (k1, v1) in zip(eager.kv_cache, padded.kv_cache, strict=True):
+        torch.testing.assert_close(k1, k0, atol=1e-6, rtol=0)
+        torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)
+
+
+def test_steps_that_are_not_plain_decodes_run_eagerly(random_llama_dir: Path) -> None:
+    """A step with more rows than the largest graph, or a block table wider than its buffers,
+    is not taken (what a step carries, adapters and proposals, the runner checks)."""
+    runner = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, PLAN_WIDTH, capture=False)
+    builder = PlanBuilder(runner.block_size)
+    arrays, header = builder.plan([(row, [5, 6], True) for row in range(3)], max_blocks=PLAN_WIDTH)
+    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)  # a prefill
+    arrays, header = builder.plan([(row, [7], True) for row in range(3)], max_blocks=PLAN_WIDTH)
+    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)  # 3 rows > 2
+    arrays, header = builder.plan([(row, [8], True) for row in range(2)], max_blocks=PLAN_WIDTH)
+    assert graphs.takes(arrays, header.num_tokens, header.num_seqs)
+    arrays, header = builder.plan([(row, [9], True) for row in range(2)], max_blocks=PLAN_WIDTH + 1)
+    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)
+
+
+def test_cpu_runner_captures_no_graphs(random_llama_dir: Path) -> None:
+    runner = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, cuda_graph_max_batch=8)
+    assert runner.decode_graphs is None
+
+
+@needs_cuda
+def test_cuda_graph_decode_on_cuda(random_llama_dir: Path) -> None:
+    """Captured graphs replayed by `execute` against eager steps on the GPU, fed the same tokens
+    (the eager runner's) so that a near-tie cannot make the two diverge: batches of 3 and 5
+    (padded to 4 and 8) and 1, the same top-1 wherever the eager top two are apart, logprobs
+    within bf16's rounding."""
+    kwargs = {"dtype": "bfloat16", "device": "cuda", "kv_cache_bytes": KV_BYTES, "backend": "triton"}
+    eager = ModelRunner(random_llama_dir, **kwargs)
+    graphed = ModelRunner(random_llama_dir, cuda_graph_max_batch=8, **kwargs)
+    assert eager.decode_graphs is None
+    assert graphed.decode_graphs is not None and graphed.decode_graphs.sizes == [1, 2, 4, 8]
+    graphed.decode_graphs.__class__ = CountingGraphs
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (3, 17, 8, 12, 30)]
+    plans = [[(row, prompt, True) for row, prompt in enumerate(prompts)]]
+    batches = [[0, 1, 2]] * 4 + [[0, 1, 2, 3, 4]] * 4 + [[4]] * 3
+    builders = PlanBuilder(eager.block_size), PlanBuilder(graphed.block_size)
+    last: dict[int, int] = {}
+    for step in range(len(batches) + 1):
+        chunks = plans[0] if step == 0 else [(row, [last[row]], True) for row in batches[step - 1]]
+        results = []
+        for runner, builder in zip((eager, graphed), builders, strict=True):
+            results.append(
+                runner.execute(*with_top_logprobs(*builder.plan(chunks, max_blocks=PLAN_WIDTH), 2))
+            )
+        want, got = results
+        assert np.isfinite(want["top_logprobs"]).all()  # every row asked for its top two
+        apart = (want["top_logprobs"][:, 0] - want["top_logprobs"][:, 1]) > 0.05
+        np.testing.assert_array_equal(
+            got["top_ids"][apart, 0], want["top_ids"][apart, 0], err_msg=f"step {step}"
+        )
+        np.testing.assert_allclose(
+            got["top_logprobs"], want["top_logprobs"], atol=0.05, err_msg=f"step {step}"
+        )
+        last.update(zip((row for row, _, _ in chunks), want["sampled_ids"].tolist(), strict=True))
+    assert graphed.decode_graphs.replays == len(batches)
