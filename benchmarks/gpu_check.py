@@ -75,7 +75,9 @@ KERNEL_TEST_FILES = (
 # The Triton kernels' tests (the files also hold the C++ CPU ops' tests, which need CPU tensors).
 CUDA_TEST_SELECTION = "triton or decode_is_prefill or on_cuda"
 DRY_RUN_TEST_SELECTION = "rms_norm_triton and 576"  # six tests, seconds in the interpreter
-KERNEL_TESTS_TIMEOUT_S = 300
+TESTS_TIMEOUT_S = 300  # each pytest run's
+# The whole pipeline as processes on the GPU, against HF (skips without CUDA).
+SERVING_TEST_FILES = ("tests/test_gpu_serving.py",)
 DOCS_BEGIN = "<!-- gpu_check:begin -->"
 DOCS_END = "<!-- gpu_check:end -->"
 
@@ -84,32 +86,36 @@ DOCS_END = "<!-- gpu_check:end -->"
 
 
 def run_kernel_tests(dry_run: bool) -> dict:
-    """pytest on the kernel test files in a subprocess; counts from its JUnit XML."""
+    """The Triton kernels' tests: on CUDA with the launchers' plugin, or a few in the interpreter."""
+    if dry_run:
+        return run_tests(KERNEL_TEST_FILES, DRY_RUN_TEST_SELECTION, interpreter=True)
+    return run_tests(KERNEL_TEST_FILES, CUDA_TEST_SELECTION, ("-p", "benchmarks.cuda_default_device"))
+
+
+def run_tests(
+    files: tuple[str, ...], selection: str, plugin: tuple[str, ...] = (), interpreter: bool = False
+) -> dict:
+    """pytest on `files` (`-k selection` unless empty) in a subprocess; counts from its JUnit XML."""
     # The repository first, then whatever PYTHONPATH already holds (packages installed beside the image's).
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
     )
-    if dry_run:
-        env["TRITON_INTERPRET"] = "1"
-        selection, plugin = DRY_RUN_TEST_SELECTION, []
-    else:
-        # "0", not unset: tests/conftest.py turns the interpreter on when the variable is unset.
-        env["TRITON_INTERPRET"] = "0"
-        selection, plugin = CUDA_TEST_SELECTION, ["-p", "benchmarks.cuda_default_device"]
+    # "0", not unset: tests/conftest.py turns the interpreter on when the variable is unset.
+    env["TRITON_INTERPRET"] = "1" if interpreter else "0"
+    mode = "interpreter" if interpreter else "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *KERNEL_TEST_FILES, "-q", "-p", "no:cacheprovider",
-               *plugin, "-k", selection, f"--junitxml={report}"]  # fmt: skip
+        cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", *plugin,
+               *(["-k", selection] if selection else []), f"--junitxml={report}"]  # fmt: skip
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=KERNEL_TESTS_TIMEOUT_S
+                cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
-            return {"mode": "interpreter" if dry_run else "cuda", "selection": selection,
-                    "error": f"timed out after {KERNEL_TESTS_TIMEOUT_S} s"}  # fmt: skip
+            return {"mode": mode, "selection": selection, "error": f"timed out after {TESTS_TIMEOUT_S} s"}
         result = {
-            "mode": "interpreter" if dry_run else "cuda",
+            "mode": mode,
             "selection": selection,
             "returncode": proc.returncode,
             "seconds": time.perf_counter() - start,
@@ -425,10 +431,12 @@ def markdown(result: dict) -> str:
         f"GPU check on {result['device_name']} ({'dry run' if result['dry_run'] else 'full'}; "
         f"`python benchmarks/gpu_check.py`, {result['seconds']:.0f} s).",
         "",
-        f'- Triton kernel tests ({tests["mode"]}, `-k "{tests["selection"]}"`): '
-        f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped"
-        + (f"; {tests['error']}" if "error" in tests else ""),
-        *[f"  - failed: `{test}`: {message}" for test, message in tests.get("failures", {}).items()],
+        test_line(f'Triton kernel tests ({tests["mode"]}, `-k "{tests["selection"]}"`)', tests),
+        test_line(
+            "Serving on the GPU (`tests/test_gpu_serving.py`: every stage a process, greedy tokens "
+            "against HF, CUDA graphs replayed, a worker SIGKILLed mid-stream)",
+            result["serving_test"],
+        ),
         f"- Model: {model['num_params']:,} parameters (hidden {model['hidden_size']}, "
         f"{model['num_hidden_layers']} layers), random bf16 weights, prompt {model['prompt_len']}, "
         f"{model['decode_steps']} decode steps",
@@ -463,6 +471,16 @@ def markdown(result: dict) -> str:
     if errors:
         lines += ["", "CUDA graphs not captured: " + "; ".join(f"batch {b}: {e}" for b, e in errors.items())]
     return "\n".join([*lines, DOCS_END])
+
+
+def test_line(title: str, tests: dict) -> str:
+    counts = (
+        f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped"
+    )
+    failures = [f"  - failed: `{test}`: {message}" for test, message in tests.get("failures", {}).items()]
+    return "\n".join(
+        [f"- {title}: {counts}" + (f"; {tests['error']}" if "error" in tests else ""), *failures]
+    )
 
 
 def vlm_line(vlm: dict) -> str:
@@ -511,6 +529,9 @@ def main() -> None:
     print("kernel tests ...", flush=True)
     result["kernel_tests"] = run_kernel_tests(args.dry_run)
     print(json.dumps(result["kernel_tests"], indent=1), flush=True)
+    print("serving test ...", flush=True)
+    result["serving_test"] = run_tests(SERVING_TEST_FILES, "", interpreter=args.dry_run)
+    print(json.dumps(result["serving_test"], indent=1), flush=True)
 
     flops = matmul_flops(device, matmul_size, matmul_reps)
     bandwidth = copy_bandwidth(device, copy_bytes, copy_reps)

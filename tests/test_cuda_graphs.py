@@ -7,6 +7,7 @@ weights: the padding, the buffers' copies and the placeholders filled into them.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
-from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unsupported
+from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_model import PlanBuilder
 
@@ -183,3 +185,44 @@ def test_cuda_graph_decode_on_cuda(random_llama_dir: Path) -> None:
         )
         last.update(zip((row for row, _, _ in chunks), want["sampled_ids"].tolist(), strict=True))
     assert graphed.decode_graphs.replays == len(batches)
+
+
+def test_models_graphs_cannot_hold_are_named(random_llama_dir: Path, tmp_path: Path) -> None:
+    """Which models' decode steps replay graphs, and why not where they cannot (the runner logs
+    the reason and serves eagerly; on the CPU it never asks)."""
+    from tests.conftest import save_random_model
+    from tests.test_moe import random_moe_config
+
+    def model(path: Path, backend: str) -> LlamaModel:
+        return ModelRunner(path, dtype="float32", kv_cache_bytes=KV_BYTES, backend=backend).model
+
+    assert graphs_unsupported(model(random_llama_dir, "triton")) is None
+    assert "not the Triton backend's" in graphs_unsupported(model(random_llama_dir, "torch"))
+    moe = save_random_model(random_moe_config("qwen2-moe-shared-expert"), tmp_path / "moe", seed=50, std=0.08)
+    assert "fused-MoE" in graphs_unsupported(model(moe, "triton"))
+
+
+@needs_cuda
+def test_moe_model_serves_eagerly_on_cuda(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A mixture of experts on the GPU asked for graphs: the runner says why it keeps none and
+    serves eagerly, HF's logits and tokens, and the same steps as a runner never asked."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import save_random_model
+    from tests.test_families import BLOCK, check_against_hf
+    from tests.test_moe import random_moe_config
+
+    path = save_random_model(
+        random_moe_config("qwen2-moe-shared-expert"), tmp_path / "moe", seed=50, std=0.08
+    )
+    kwargs = {"dtype": "float32", "device": "cuda", "kv_cache_bytes": 2 << 20, "block_size": BLOCK}
+    with caplog.at_level(logging.WARNING, logger="services.gpu_worker.model_runner"):
+        runner = ModelRunner(path, cuda_graph_max_batch=8, **kwargs)
+    assert runner.decode_graphs is None
+    assert "decode steps run eagerly (the fused-MoE kernels" in caplog.text
+    schedule: Schedule = [{0: [5, 6, 7], 1: list(range(10, 30))}, [0, 1], [0, 1], [1]]
+    plain = ModelRunner(path, **kwargs)
+    for a, b in zip(run(plain, schedule), run(runner, schedule), strict=True):
+        np.testing.assert_array_equal(b["sampled_ids"], a["sampled_ids"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    check_against_hf(hf, runner)

@@ -33,6 +33,8 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     tests = result["kernel_tests"]
     assert tests["mode"] == "interpreter" and "error" not in tests, tests
     assert tests["passed"] == 6 and tests["failed"] == 0, tests
+    serving = result["serving_test"]  # the whole pipeline on a GPU: skipped on the CPU
+    assert "error" not in serving and (serving["passed"], serving["skipped"]) == (0, 1), serving
 
     assert result["matmul_tflops"] > 0 and result["roofline_tok_s"] > 0
     model = result["model"]
@@ -65,6 +67,7 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
 
     text = docs.read_text()
     assert "Vision-language kernels (batch 2" in text
+    assert "- Serving on the GPU (" in text and "0 passed, 0 failed, 1 skipped" in text
     assert text.startswith("# before\n\n<!-- gpu_check:begin -->") and text.endswith(
         "<!-- gpu_check:end -->\n\n# after\n"
     )

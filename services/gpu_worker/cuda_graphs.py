@@ -37,6 +37,8 @@ def graphs_unsupported(model: LlamaModel) -> str | None:
         return "the attention is not the Triton backend's (latent attention, or engine backend torch)"
     if model.parallel.is_parallel:
         return "tensor parallelism's collectives are not captured"
+    if model.config.moe is not None:
+        return "the fused-MoE kernels size their grid from the step's routing, read back to the host"
     return None
 
 
