@@ -111,7 +111,6 @@ def _paged_attention_kernel(
     stride_cache_head,
     stride_bt,
     num_seqs,
-    kv_per_split,
     window,
     KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -174,11 +173,17 @@ def _paged_attention_kernel(
         kv_end = tl.maximum(kv_end, tl.max(tl.where(is_row, sees_to + 1, 0), axis=0))
     else:
         sees_to = q_pos
-    kv_lo = split * kv_per_split
-    kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
+    kv_lo = kv_end * 0
+    kv_hi = kv_end
     if window > 0:
         # ... and the window its first query row: keys before that are never loaded.
         kv_lo = tl.maximum(kv_lo, context_len + q_block * BLOCK_Q - window + 1)
+    if NUM_SPLITS > 1:
+        # Each sequence's own keys in NUM_SPLITS parts of whole tiles: a short context beside long
+        # ones, or in a block table wider than it (a CUDA graph's), still spreads over every split.
+        span = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * span
+        kv_hi = tl.minimum(kv_hi, kv_lo + span)
 
     # Finite floor for the running max keeps fully masked rows free of (-inf) - (-inf) = nan.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -323,12 +328,10 @@ def paged_decode_triton(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    # The block table's width bounds every context length without a device-to-host sync.
-    max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = _auto_num_splits(num_seqs * num_kv_heads, max_context, q.device)
+        # The block table's width bounds every context length without a device-to-host sync.
+        num_splits = _auto_num_splits(num_seqs * num_kv_heads, block_tables.shape[1] * block_size, q.device)
     block_n, num_warps = _launch_config(head_dim, is_decode=True)
-    kv_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     if num_splits > 1:
         partial_out = torch.empty(
             num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
@@ -341,7 +344,7 @@ def paged_decode_triton(
         out if sinks is None else sinks, seq_lens, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, kv_per_split, window,
+        num_seqs, window,
         KV_BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
@@ -389,7 +392,7 @@ def paged_prefill_triton(
         out if sinks is None else sinks, seq_lens if image_tails is None else image_tails, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, block_tables.shape[1] * k_cache.shape[1], window,
+        num_seqs, window,
         KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
-from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unsupported
+from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes, unsupported_reason
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
 from tests.test_model import PlanBuilder
@@ -27,6 +27,9 @@ pytestmark = pytest.mark.timeout(300)
 KV_BYTES = 4 << 20
 VOCAB = 256
 PLAN_WIDTH = 8  # block-table columns of every plan here (PlanBuilder's max_blocks)
+# The graphs' block tables: wider than the plans', as a worker's are (sized for max_model_len),
+# so columns past a plan's are stale or zero and the kernels' key splits must not follow them.
+GRAPH_WIDTH = 2 * PLAN_WIDTH
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
 )
@@ -47,16 +50,6 @@ def random_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
-
-
-class CountingGraphs(DecodeGraphs):
-    """Counts the steps that took the graph path."""
-
-    replays = 0
-
-    def replay(self, num_seqs: int) -> torch.Tensor:
-        self.replays += 1
-        return super().replay(num_seqs)
 
 
 def test_capture_sizes_pad_at_most_seven_rows() -> None:
@@ -107,14 +100,14 @@ def test_padded_buffers_decode_as_the_eager_steps(random_llama_dir: Path) -> Non
     cache equal everywhere also says the padding rows stored nothing."""
     eager = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton")
     padded = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton")
-    graphs = CountingGraphs(padded.model, padded.kv_cache, 4, PLAN_WIDTH, capture=False)
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, 4, GRAPH_WIDTH, capture=False)
     padded.decode_graphs = graphs
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (14, 5, 9, 16)]
     decodes: Schedule = [[0, 1, 2]] * 3 + [[0, 1, 2, 3]] * 2 + [[2]] * 2 + [[3, 1]] * 2
     schedule = [dict(enumerate(prompts[:3])), *decodes[:3], {3: prompts[3]}, *decodes[3:]]
     want, got = run(eager, schedule), run(padded, schedule)
-    assert graphs.replays == len(decodes)
+    assert graphs.num_replays == len(decodes)
     for step, (a, b) in enumerate(zip(want, got, strict=True)):
         np.testing.assert_array_equal(b["sampled_ids"], a["sampled_ids"], err_msg=f"step {step}")
         assert (a["top_ids"] >= 0).all()  # every row asked for its top logprobs
@@ -128,20 +121,64 @@ def test_padded_buffers_decode_as_the_eager_steps(random_llama_dir: Path) -> Non
         torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)
 
 
-def test_steps_that_are_not_plain_decodes_run_eagerly(random_llama_dir: Path) -> None:
-    """A step with more rows than the largest graph, or a block table wider than its buffers,
-    is not taken (what a step carries, adapters and proposals, the runner checks)."""
+def test_graphs_fit_one_token_rows_within_their_buffers(random_llama_dir: Path) -> None:
+    """A step with more rows than the largest graph, a row of several tokens, or a block table
+    wider than the buffers does not fit (what a step carries, the runner checks: below)."""
     runner = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES)
     graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, PLAN_WIDTH, capture=False)
     builder = PlanBuilder(runner.block_size)
     arrays, header = builder.plan([(row, [5, 6], True) for row in range(3)], max_blocks=PLAN_WIDTH)
-    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)  # a prefill
+    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)  # a prefill
     arrays, header = builder.plan([(row, [7], True) for row in range(3)], max_blocks=PLAN_WIDTH)
-    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)  # 3 rows > 2
+    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)  # 3 rows > 2
     arrays, header = builder.plan([(row, [8], True) for row in range(2)], max_blocks=PLAN_WIDTH)
-    assert graphs.takes(arrays, header.num_tokens, header.num_seqs)
+    assert graphs.fits(arrays, header.num_tokens, header.num_seqs)
     arrays, header = builder.plan([(row, [9], True) for row in range(2)], max_blocks=PLAN_WIDTH + 1)
-    assert not graphs.takes(arrays, header.num_tokens, header.num_seqs)
+    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)
+
+
+@needs_interpreter
+def test_steps_carrying_what_the_graphs_ignore_run_eagerly(random_llama_dir: Path, tmp_path: Path) -> None:
+    """Decode steps with an adapter on a row, speculation's num_proposed (none proposed), or
+    prompt logprobs are not replayed, and give what a runner without graphs gives; the same
+    runner replays the plain decode steps between them (an adapter loaded, no row using it)."""
+    from tests.test_lora import save_random_adapter
+
+    adapter = save_random_adapter(random_llama_dir, tmp_path / "adapter", 3, r=4, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    kwargs = {"dtype": "float32", "kv_cache_bytes": KV_BYTES, "backend": "triton", "max_loras": 1,
+              "lora_adapters": {"a": str(adapter)}}  # fmt: skip
+    eager, padded = ModelRunner(random_llama_dir, **kwargs), ModelRunner(random_llama_dir, **kwargs)
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, 4, GRAPH_WIDTH, capture=False)
+    padded.decode_graphs = graphs
+    builders = [PlanBuilder(eager.block_size), PlanBuilder(padded.block_size)]
+
+    def step(chunks: list[tuple[int, list[int], bool]], **extra: list[int]) -> list[dict[str, np.ndarray]]:
+        results = []
+        for runner, builder in zip((eager, padded), builders, strict=True):
+            arrays, header = builder.plan(chunks, max_blocks=PLAN_WIDTH)
+            arrays.update({name: np.array(values, np.int32) for name, values in extra.items()})
+            results.append(runner.execute(*with_top_logprobs(arrays, header, 2)))
+        return results
+
+    def same(results: list[dict[str, np.ndarray]]) -> None:
+        want, got = results
+        assert want.keys() == got.keys()
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
+
+    same(step([(0, [5, 6, 7, 8], True), (1, [9, 10], True)]))
+    cases = [
+        ({"lora_slots": [0, -1]}, False),  # row 0 uses the adapter
+        ({"num_proposed": [0, 0]}, False),  # speculation's arrays, nothing proposed
+        ({"prompt_targets": [11, -1], "num_prompt_logprobs": [2, 0]}, False),
+        ({"lora_slots": [-1, -1]}, True),  # the adapter loaded, unused: plain
+        ({}, True),
+    ]
+    for token, (extra, replays) in enumerate(cases, start=20):
+        before = graphs.num_replays
+        same(step([(0, [token], True), (1, [token + 1], True)], **extra))
+        assert graphs.num_replays == before + replays, extra
 
 
 def test_cpu_runner_captures_no_graphs(random_llama_dir: Path) -> None:
@@ -160,7 +197,6 @@ def test_cuda_graph_decode_on_cuda(random_llama_dir: Path) -> None:
     graphed = ModelRunner(random_llama_dir, cuda_graph_max_batch=8, **kwargs)
     assert eager.decode_graphs is None
     assert graphed.decode_graphs is not None and graphed.decode_graphs.sizes == [1, 2, 4, 8]
-    graphed.decode_graphs.__class__ = CountingGraphs
     rng = np.random.default_rng(2)
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (3, 17, 8, 12, 30)]
     plans = [[(row, prompt, True) for row, prompt in enumerate(prompts)]]
@@ -184,7 +220,7 @@ def test_cuda_graph_decode_on_cuda(random_llama_dir: Path) -> None:
             got["top_logprobs"], want["top_logprobs"], atol=0.05, err_msg=f"step {step}"
         )
         last.update(zip((row for row, _, _ in chunks), want["sampled_ids"].tolist(), strict=True))
-    assert graphed.decode_graphs.replays == len(batches)
+    assert graphed.decode_graphs.num_replays == len(batches)
 
 
 def test_models_graphs_cannot_hold_are_named(random_llama_dir: Path, tmp_path: Path) -> None:
@@ -196,10 +232,10 @@ def test_models_graphs_cannot_hold_are_named(random_llama_dir: Path, tmp_path: P
     def model(path: Path, backend: str) -> LlamaModel:
         return ModelRunner(path, dtype="float32", kv_cache_bytes=KV_BYTES, backend=backend).model
 
-    assert graphs_unsupported(model(random_llama_dir, "triton")) is None
-    assert "not the Triton backend's" in graphs_unsupported(model(random_llama_dir, "torch"))
+    assert unsupported_reason(model(random_llama_dir, "triton")) is None
+    assert "not the Triton backend's" in unsupported_reason(model(random_llama_dir, "torch"))
     moe = save_random_model(random_moe_config("qwen2-moe-shared-expert"), tmp_path / "moe", seed=50, std=0.08)
-    assert "fused-MoE" in graphs_unsupported(model(moe, "triton"))
+    assert "fused-MoE" in unsupported_reason(model(moe, "triton"))
 
 
 @needs_cuda

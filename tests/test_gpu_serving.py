@@ -28,6 +28,7 @@ pytestmark = [
 
 NEW_TOKENS = 24
 GRAPHS_CAPTURED = "CUDA graphs of decode steps captured"
+GRAPH_REPLAYED = "the first decode step replayed from a CUDA graph"  # once per worker process
 
 
 def byte_tokenizer(out: Path) -> int:
@@ -98,6 +99,7 @@ def test_served_on_cuda_with_graphs_gives_hfs_tokens(gpu_llama_dir: Path, tmp_pa
         with ThreadPoolExecutor(3) as pool:
             assert list(pool.map(greedy, prompts[:3])) == [expected[tuple(p)] for p in prompts[:3]]
         assert greedy(prompts[1]) == expected[tuple(prompts[1])]
+        assert log.read_text().count(GRAPH_REPLAYED) == 1
 
         # SIGKILL the worker after the stream's first token: the restarted worker captures its
         # graphs again and the request continues with the same tokens.
@@ -114,4 +116,5 @@ def test_served_on_cuda_with_graphs_gives_hfs_tokens(gpu_llama_dir: Path, tmp_pa
         run.wait_for_restart([worker])
         assert log.read_text().count(GRAPHS_CAPTURED) == 2
         assert greedy(prompts[0]) == expected[tuple(prompts[0])]
+        assert log.read_text().count(GRAPH_REPLAYED) == 2
     assert_clean(run_dir)

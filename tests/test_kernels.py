@@ -291,6 +291,30 @@ def test_paged_refs_match_dense_sdpa():
         )
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_paged_decode_triton_splits_each_sequence_in_a_wide_table(window: int) -> None:
+    """Key splits over each sequence's own keys (in its window), not over the block table's width:
+    a table 8x wider than the longest context (a CUDA graph's, sized for max_model_len) whose
+    extra columns name blocks of noise, with short and long sequences, gives the reference's
+    output with the tight table."""
+    torch.manual_seed(7 + window)
+    block_size, seq_lens = 16, [1, 17, 70, 200]
+    kv = PagedKV(seq_lens, 2, 32, block_size, torch.float32)
+    wide = torch.randint(
+        0, kv.k_cache.shape[0], (len(seq_lens), 8 * kv.block_tables.shape[1]), dtype=torch.int32
+    )
+    used = -(-kv.seq_lens // block_size)
+    for i, n in enumerate(used.tolist()):
+        wide[i, :n] = kv.block_tables[i, :n]
+    q = torch.randn(len(seq_lens), 8, 32)
+    want = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2, window=window)
+    for num_splits in (2, 5):
+        got = paged_decode_triton(
+            q, kv.k_cache, kv.v_cache, wide, kv.seq_lens, 0.2, num_splits=num_splits, window=window
+        )
+        assert_close(got, want)
+
+
 # (dtype, Hq, Hk, D): G = 1, 2, 4, 3 and MQA in fp32; fp16 (slow in the interpreter) on two of them.
 ATTENTION_SHAPES = [
     (torch.float32, 4, 4, 32),

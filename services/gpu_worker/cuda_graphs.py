@@ -7,8 +7,9 @@ head) once per padded batch size, over fixed device buffers. A step of n sequenc
 its plan into the buffers of the smallest captured size >= n and replays that graph: the rows
 past n are padding, which store no KV (slot -1), read one key, and whose logits are dropped.
 
-Only plain decode steps replay (every row one token, no adapter, draft, verification, prompt
-scoring, images or M-RoPE); every other step runs eagerly, as before.
+Only steps whose every row has one query token replay (decodes, and one-token prefill chunks),
+without an adapter, draft, verification, prompt scoring, images or M-RoPE; every other step
+runs eagerly, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def graphs_unsupported(model: LlamaModel) -> str | None:
+def unsupported_reason(model: LlamaModel) -> str | None:
     """Why this model's decode steps cannot replay graphs, or None if they can."""
     if not all(isinstance(ops, TritonOps) for ops in model.kind_ops):
         return "the attention is not the Triton backend's (latent attention, or engine backend torch)"
@@ -75,15 +76,18 @@ class DecodeGraphs:
         self.long_rope_rows = [ops.s.long_rope_rows for ops in model.kind_ops]
         self.sample_tokens = torch.arange(n, device=device)
         self._pad(0, n)
-        self.logits: dict[int, torch.Tensor] = {}  # size -> the graph's output buffer [size, V]
+        # Every graph writes its logits here, outside the graphs' memory pool: one buffer for all
+        # sizes, where each graph's own output would stay allocated (sum of sizes x vocab floats).
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # steps served from these buffers
         self.capture_s = 0.0  # how long capturing every size took, at start
         if capture:
             start = time.perf_counter()
             self._capture()
             self.capture_s = time.perf_counter() - start
 
-    def takes(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> bool:
+    def fits(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> bool:
         """Whether a step of this shape fits a graph: all decode, at most max_batch rows, a block
         table no wider than the buffers'. (What the step carries is the caller's to check.)"""
         return (
@@ -110,13 +114,15 @@ class DecodeGraphs:
         return self.input_ids[:n]
 
     def replay(self, num_seqs: int) -> torch.Tensor:
-        """The loaded step's float32 logits [num_seqs, V] (a view of the graph's output, valid
-        until the next replay)."""
+        """The loaded step's float32 logits [num_seqs, V]: a view of the logits buffer, which the
+        next replay of any size overwrites."""
         size = self._size(num_seqs)
+        self.num_replays += 1
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.logits[size][:num_seqs]
-        return self._forward(size)[:num_seqs]
+        else:
+            self._forward(size)
+        return self.logits[:num_seqs]
 
     def _size(self, num_seqs: int) -> int:
         return next(size for size in self.sizes if size >= num_seqs)
@@ -140,26 +146,30 @@ class DecodeGraphs:
             for rope_rows in self.rope_rows
         ]
 
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model.forward(
+    def _forward(self, size: int) -> None:
+        logits = self.model.forward(
             self.input_ids[:size], self._metas(size), self.kv_cache, self.sample_tokens[:size]
         )
+        self.logits[:size].copy_(logits)
 
     def _capture(self) -> None:
         """Capture every size, the largest first, into one memory pool (a smaller graph's
         activations fit in what the larger ones' freed). Each size runs once eagerly first, on
         a side stream, so that Triton compiles its kernels and the allocator has its blocks
-        before capture. The buffers hold padding only here: nothing is stored in the cache."""
+        before capture. The buffers hold padding only here: nothing is stored in the cache.
+        The caller's stream is current again afterwards even where a capture fails (a failing
+        capture's own exit skips restoring it)."""
         device = self.model.device
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device)
-        for size in reversed(self.sizes):
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self._forward(size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)):
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device)
+            for size in reversed(self.sizes):
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._forward(size)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(size)
+                self.graphs[size] = graph
+            torch.cuda.synchronize(device)

@@ -31,7 +31,7 @@ from services.gpu_worker.adapter_files import load_adapter
 from services.gpu_worker.architectures import BertConfig, config_from_dir
 from services.gpu_worker.attention import mrope_positions
 from services.gpu_worker.bert import BertEncoder
-from services.gpu_worker.cuda_graphs import DecodeGraphs, graphs_unsupported
+from services.gpu_worker.cuda_graphs import DecodeGraphs, unsupported_reason
 from services.gpu_worker.draft import DraftModel
 from services.gpu_worker.grammar_mask import check_grammar_bitmask
 from services.gpu_worker.loader import load_weights
@@ -216,9 +216,12 @@ class ModelRunner:
         that says why."""
         if max_batch == 0 or self.device.type != "cuda" or not isinstance(self.model, LlamaModel):
             return None
-        if self.embedding is not None or self.draft is not None:
-            return None  # their steps are prefills, or verify a draft: never plain decode steps
-        reason = graphs_unsupported(self.model)
+        if self.embedding is not None:
+            return None  # its steps are prefills
+        if self.draft is not None:
+            reason = "the draft model runs in every step, beside the target's forward"
+        else:
+            reason = unsupported_reason(self.model)
         if reason is None:
             try:
                 graphs = DecodeGraphs(
@@ -474,6 +477,8 @@ class ModelRunner:
                 self._fill_placeholders(input_ids, at, table_rows)
             # A decode row's one token is the one it samples.
             logits = self.decode_graphs.replay(s)[self._to_device(rows)]
+            if self.decode_graphs.num_replays == 1:
+                log.info("the first decode step replayed from a CUDA graph (%d sequences)", s)
         else:
             logits, hidden, residual, arrays = self._eager_forward(arrays, t, s, at, table_rows, rows, lora)
             if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
@@ -510,7 +515,7 @@ class ModelRunner:
         """A plain decode step that fits a captured CUDA graph (cuda_graphs.py)."""
         return (
             self.decode_graphs is not None
-            and self.decode_graphs.takes(arrays, t, s)
+            and self.decode_graphs.fits(arrays, t, s)
             and lora is None
             and num_proposed is None
             and not self.has_mrope
