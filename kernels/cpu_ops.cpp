@@ -1035,16 +1035,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   const std::vector<float> x_sums = gate_w.has_minimums || up_w.has_minimums
                                         ? sums_of_blocks(gathered.data(), num_pairs * hidden / kBlockWeights)
                                         : std::vector<float>();
-  // Tasks of kTileRows weight rows of one expert: the selected experts' tiles over the threads.
-  constexpr int64_t kTileRows = 32;
+  // Tasks of weight rows of one expert: the selected experts' tiles over the threads, a few tasks
+  // a thread, each as long a run of rows as that allows (a short run pays the hardware
+  // prefetcher's ramp again on every tile of a weight read from memory), in multiples of 32.
+  int64_t num_selected = 0;
+  for (int64_t e = 0; e < num_experts; ++e) num_selected += starts[e + 1] > starts[e];
   struct Task {
     int64_t expert, begin, end;
   };
   const auto tasks_over = [&](int64_t out_features) {
+    const int64_t wanted = std::max<int64_t>(1, 4 * at::get_num_threads());
+    const int64_t tile = std::max<int64_t>(32, (num_selected * out_features / wanted + 31) / 32 * 32);
     std::vector<Task> tasks;
     for (int64_t e = 0; e < num_experts; ++e)
-      for (int64_t n = 0; starts[e + 1] > starts[e] && n < out_features; n += kTileRows)
-        tasks.push_back({e, n, std::min(n + kTileRows, out_features)});
+      for (int64_t n = 0; starts[e + 1] > starts[e] && n < out_features; n += tile)
+        tasks.push_back({e, n, std::min(n + tile, out_features)});
     return tasks;
   };
   // A decode step of a small model is microseconds of work: inline, as lora_add does.
