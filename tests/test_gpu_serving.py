@@ -19,7 +19,7 @@ import torch
 
 from client import Client
 from tests.conftest import save_random_model
-from tests.harness import assert_clean, brigade_run
+from tests.harness import assert_clean, brigade_run, hf_greedy
 
 pytestmark = [
     pytest.mark.timeout(900),
@@ -57,18 +57,6 @@ def gpu_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         bos_token_id=0, eos_token_id=vocab_size - 1, tie_word_embeddings=False,
     )  # fmt: skip
     return save_random_model(config, out, seed=5, std=0.08)
-
-
-def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> list[int]:
-    """HF's greedy continuation by full forwards, float32 on the CPU (an independent reference)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            ids.append(int(hf.eval()(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def test_served_on_cuda_with_graphs_gives_hfs_tokens(gpu_llama_dir: Path, tmp_path: Path) -> None:
