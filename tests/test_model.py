@@ -314,6 +314,48 @@ def test_onednn_linear_matches_f_linear():
                 torch.testing.assert_close(onednn_linear(x, w, b), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_spans_of_few_tokens_take_the_one_op_layers_and_match_hf(tiny, monkeypatch):
+    """Steps of at most 4 tokens with spans of several (a speculative verification's 1 + K, a
+    short prompt chunk) attend token by token as decode rows and run the one-op decode layers;
+    every token's logits equal HF's at its position, across a block boundary, spans mixed with
+    single decodes, and the KV the span stored serves the next steps."""
+    runner, hf = tiny
+    one_op_calls = []
+    original = cpu_ops.few_rows_decode_layers
+    monkeypatch.setattr(
+        cpu_ops, "few_rows_decode_layers", lambda *a, **k: one_op_calls.append(1) or original(*a, **k)
+    )
+    rng = np.random.default_rng(11)
+    builder = PlanBuilder()
+    histories = {
+        0: random_ids(rng, BLOCK_SIZE - 2, runner.vocab_size),
+        1: random_ids(rng, 7, runner.vocab_size),
+    }
+    runner_logits(runner, builder, [(i, h, True) for i, h in histories.items()])
+    for spans in ([(0, 3), (1, 1)], [(0, 2)], [(1, 2), (0, 2)], [(0, 4)], [(1, 1), (0, 1)], [(1, 3)]):
+        chunks = []
+        for seq, count in spans:
+            tokens = random_ids(rng, count, runner.vocab_size)
+            histories[seq] += tokens
+            chunks.append((seq, tokens, True))
+        arrays, header = builder.plan(chunks)
+        runner.validate(arrays, header)
+        metas = runner.model.prepare(arrays, header.num_tokens, header.num_seqs)
+        assert metas[0].is_all_decode and metas[0].prefills == ()
+        calls_before = len(one_op_calls)
+        ids = torch.from_numpy(arrays["input_ids"].astype(np.int64))
+        logits = runner.model.forward(ids, metas, runner.kv_cache, torch.arange(header.num_tokens))
+        assert len(one_op_calls) == calls_before + 1
+        with torch.inference_mode():
+            expected = {seq: hf(torch.tensor([histories[seq]])).logits[0].float() for seq, _ in spans}
+        token = 0
+        for seq, count in spans:
+            for offset in range(count):
+                position = len(histories[seq]) - count + offset
+                torch.testing.assert_close(logits[token], expected[seq][position], atol=1e-4, rtol=1e-4)
+                token += 1
+
+
 def test_tiny_chunked_prefill_equals_one_step(tiny):
     runner, _ = tiny
     rng = np.random.default_rng(1)

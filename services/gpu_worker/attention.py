@@ -281,6 +281,20 @@ class TorchOps:
             stored = np.flatnonzero(slot_mapping >= 0)
             meta.store_tokens = torch.from_numpy(stored)
             meta.slot_mapping = torch.from_numpy(slot_mapping[stored])
+        image_groups = arrays.get("image_groups")
+        if self._attends_token_by_token(num_tokens, q_lens, slot_mapping, image_groups):
+            # Every token a decode row over its own sequence's table, seeing keys up to its own
+            # position: the step's keys are all stored before any attends, so a span is causal.
+            token_seqs = np.repeat(np.arange(num_seqs), q_lens)
+            lens = (
+                np.repeat(seq_lens - q_lens, q_lens) + np.arange(num_tokens) - np.repeat(qsl[:-1], q_lens) + 1
+            )
+            num_blocks = int(-(-lens.max() // bs))
+            meta.decode_tokens = torch.arange(num_tokens)
+            meta.is_all_decode = True
+            meta.decode_tables = torch.from_numpy(np.ascontiguousarray(tables[token_seqs, :num_blocks]))
+            meta.decode_lens = torch.from_numpy(lens)
+            return meta
         window = self.s.window
         decode = np.flatnonzero(q_lens == 1)
         if len(decode):
@@ -311,7 +325,6 @@ class TorchOps:
                 meta.decode_len = length
                 meta.decode_mask = torch.from_numpy(mask).to(self.dtype).view(len(decode), 1, 1, length)
         prefills = []
-        image_groups = arrays.get("image_groups")
         for i in np.flatnonzero(q_lens > 1):
             length, q_len = int(seq_lens[i]), int(q_lens[i])
             # The first key any query of the chunk sees, and the block holding it.
@@ -339,6 +352,26 @@ class TorchOps:
             prefills.append(PrefillSeq(int(qsl[i]), int(qsl[i + 1]), torch.from_numpy(slots), mask))
         meta.prefills = tuple(prefills)
         return meta
+
+    def _attends_token_by_token(
+        self,
+        num_tokens: int,
+        q_lens: np.ndarray,
+        slot_mapping: np.ndarray,
+        image_groups: np.ndarray | None,
+    ) -> bool:
+        """Whether a step with spans of several query tokens (speculative verification, a short
+        prompt chunk) attends as decode rows, one per token: with the C++ decode kernel, for steps
+        of few rows, which then take the one-op decode layers instead of a per-layer path. Not with
+        a token whose key is not stored (a later one could not see it) or with image tokens (they
+        see each other both ways)."""
+        return (
+            self.has_decode_kernel
+            and 1 < num_tokens <= cpu_ops.MAX_LINEAR_ROWS
+            and bool((q_lens > 1).any())
+            and bool((slot_mapping >= 0).all())
+            and (image_groups is None or not bool((image_groups[:num_tokens] >= 0).any()))
+        )
 
     def attention(
         self,
