@@ -5,6 +5,7 @@ and llama.cpp's server with and without its own n-gram speculation on the same p
     python benchmarks/spec_bench.py [--rounds 3] [--output-len 96] [--num-speculative-tokens 4]
         [--llama-server PATH | --no-llama] [--llama-spec-args "--spec-type ngram-simple"]
         [--set key=value ...] [--json FILE] [--draft-layers N]
+        [--concurrency 16,64] [--throughput-rounds 3]
 
 Two Brigade runs of the same config serve side by side, one with `speculative.method: ngram`
 (with `--draft-layers N`, a third with `speculative.method: draft_model` whose draft is the
@@ -16,6 +17,11 @@ GGUF's). Per prompt set it reports each engine's TPOT p50 / mean, each speculati
 against its own engine without speculation, and how much was accepted: Brigade's mean acceptance
 length (1 + accepted proposals per verification, from its spec_decode_* counters on /metrics) and
 llama.cpp's accepted share of drafted tokens (from its `timings`).
+
+Then, per `--concurrency` c, the Brigade runs' output throughput: c greedy chat requests (the
+restate and chat prompts in turn) sent at once, `--throughput-rounds` times to each run, rotating
+which goes first, against the run without speculation (the adaptive rule must keep a loaded
+batch from losing to speculation). llama-servers have one slot each and take no part in it.
 """
 
 from __future__ import annotations
@@ -109,6 +115,49 @@ class LlamaEngine:
         self.drafted += timings.get("draft_n", 0)
         self.accepted += timings.get("draft_n_accepted", 0)
         return tpot_ms(arrivals, repr(prompt[:40]))
+
+
+async def brigade_throughput(run_dir: Path, concurrency: int, output_len: int) -> float:
+    """Output tokens per second of `concurrency` greedy chat requests sent at once, the restate
+    and chat prompts in turn."""
+    from client import AsyncClient
+
+    prompts = RESTATE + CHAT
+    async with AsyncClient(run_dir) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                client.chat(
+                    [{"role": "user", "content": prompts[j % len(prompts)]}],
+                    max_tokens=output_len,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=1200,
+                )
+                for j in range(concurrency)
+            )
+        )
+        elapsed = time.perf_counter() - started
+    return sum(len(result.token_ids) for result in results) / elapsed
+
+
+def measure_throughput(args: argparse.Namespace, runs: dict[str, tuple]) -> dict:
+    """Per concurrency, each Brigade run's output tokens/s (median of the rounds, engines rotated)
+    and each speculating run's median against the run without speculation."""
+    out: dict = {}
+    names = list(runs)
+    for concurrency in args.concurrency:
+        speeds: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.throughput_rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                speed = asyncio.run(brigade_throughput(runs[name][0].run_dir, concurrency, args.output_len))
+                speeds[name].append(speed)
+        stats: dict = {name: {"tok_s_median": percentile(v, 50), "tok_s": v} for name, v in speeds.items()}
+        for name in names[1:]:
+            stats[f"{name}_ratio"] = stats[name]["tok_s_median"] / stats["off"]["tok_s_median"]
+        out[str(concurrency)] = stats
+    return out
 
 
 def counters(port: int) -> dict[str, float]:
@@ -244,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also a draft-model run, the model's first N layers (0: none)",
     )
+    parser.add_argument(
+        "--concurrency",
+        type=lambda text: [int(c) for c in text.split(",") if c],
+        default=[16, 64],
+        help="comma-separated concurrencies of the throughput part ('' for none)",
+    )
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=3, help="times each run serves each concurrency"
+    )
     args = parser.parse_args(argv)
     from client import Client
 
@@ -292,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                     stats["ngram"]["tpot_p50_ms"] / stats["llama_ngram"]["tpot_p50_ms"]
                 )
             report["sets"][set_name] = stats
+        report["throughput"] = measure_throughput(args, runs)
     print_table(report, args, log_dir)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
@@ -328,6 +387,16 @@ def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
             print(
                 f"| {set_name} | {label} | {e['tpot_p50_ms']:.1f} | {e['tpot_mean_ms']:.1f} | {ratio_text} | {accepted_text} |"
             )
+    if report["throughput"]:
+        print(f"\nthroughput, {args.output_len} tokens a request, median of {args.throughput_rounds} rounds")
+        print("| c | engine | output tok/s | speculation / off |")
+        print("| --- | --- | --- | --- |")
+        labels = {"off": "Brigade", "ngram": "Brigade n-gram", "draft": "Brigade draft model"}
+        for concurrency, s in report["throughput"].items():
+            for key, label in labels.items():
+                if key in s:
+                    ratio = f"{s[f'{key}_ratio']:.2f}x" if key != "off" else ""
+                    print(f"| {concurrency} | {label} | {s[key]['tok_s_median']:.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

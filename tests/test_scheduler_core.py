@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -451,10 +451,11 @@ def run_traffic(
     overlap: bool,
     specs: list[tuple[str, list[int], SamplingParams, list[int], list[int]]],
     events: list[tuple[str, int]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, list[tuple[int, bytes]]], dict[str, str]]:
     """Drive the events, then run until idle; returns each request's outputs (token, packed
-    logprob) as the detokenizer gets them, and how it ended."""
-    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)
+    logprob) as the detokenizer gets them, and how it ended. `clock`: the pipeline's."""
+    pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap, clock=clock)
     got: dict[str, list[tuple[int, bytes]]] = {}
     ended: dict[str, str] = {}
     pending = list(specs)

@@ -4,6 +4,9 @@ by the same ModelRunner (docs/speculative.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -782,12 +785,18 @@ def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it
 
 
 class TimedExecutor(FakeExecutor):
-    """The fake worker, reporting each step's execute time from a cost model: all-decode steps
-    by their tokens, steps with a prompt chunk a full second (which no estimate may take in)."""
+    """The fake worker on a fake clock: reading a step's result advances `clock` by the step's
+    time from a cost model (all-decode steps by their tokens, steps with a prompt chunk a full
+    second, which no estimate may take in), as if the worker ran each step when its result was
+    waited for; the header reports the same time as its execute_s."""
 
     def __init__(self, sched: Scheduler, step_time) -> None:
         super().__init__(sched)
         self.step_time = step_time
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def publish(self, step_id: int, step: ScheduledStep) -> None:
         super().publish(step_id, step)
@@ -795,6 +804,12 @@ class TimedExecutor(FakeExecutor):
         has_prompt = step.num_decodes + step.num_verifying < step.num_seqs
         execute_s = 1.0 if has_prompt else self.step_time(step.num_tokens)
         self.results[-1] = (m.ResultHeader(header.step_id, header.num_seqs, header.error, execute_s), arrays)
+
+    @contextmanager
+    def result(self) -> Iterator[tuple[m.ResultHeader, dict[str, np.ndarray]]]:
+        with super().result() as (header, arrays):
+            self.now += header.execute_s
+            yield header, arrays
 
 
 def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_never_pays():
@@ -812,7 +827,8 @@ def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_
         assert sched.speculation is not None
         # A rate of 0.9 whatever the fake model's tokens: the bound stays at the full depth.
         sched.speculation.kept, sched.speculation.tried = 0.9e9, 1e9
-        got, _ = run_traffic(sched, TimedExecutor(sched, step_time), True, specs, [])
+        executor = TimedExecutor(sched, step_time)
+        got, _ = run_traffic(sched, executor, True, specs, [], clock=executor.clock)
         for rid, _, _, full, _ in specs:
             assert [token for token, _ in got[rid]] == full
         return sched.speculation.step_times, sched.speculation.num_drafts

@@ -77,6 +77,7 @@ class StepPipeline:
         executor: StepExecutor,
         on_failed: Callable[[list[Request], str], None],
         overlap: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.core = core
         self.executor = executor
@@ -87,6 +88,10 @@ class StepPipeline:
         self.num_planned_ahead = 0
         # (computed prompt tokens, the worker's execute_s) of each applied step, for the metrics.
         self.execute_times: deque[tuple[bool, float]] = deque(maxlen=MAX_EXECUTE_TIMES)
+        # When the last result came, while steps kept coming (None after an idle wait or a lost
+        # worker): the adaptive speculation rule times each step from it (see `_apply_oldest`).
+        self.clock = clock
+        self.last_result_at: float | None = None
 
     @property
     def has_work(self) -> bool:
@@ -96,6 +101,7 @@ class StepPipeline:
         """Publish what may run now, then wait for the oldest step in flight and apply its result.
         None when there was nothing to run. Raises WorkerLost (then call `drop_in_flight`)."""
         if not self.in_flight and not self._publish_next():
+            self.last_result_at = None
             return None
         if self._may_plan_ahead() and self._publish_next():
             # Step N+1 is out before N's result: the worker starts it as soon as N is done.
@@ -105,6 +111,7 @@ class StepPipeline:
     def drop_in_flight(self) -> None:
         """The workers were lost with the steps they held; the caller recomputes everything."""
         self.in_flight.clear()
+        self.last_result_at = None
 
     def _may_plan_ahead(self) -> bool:
         # Only one step ahead: a placeholder stands for the previous step's sample, no older one.
@@ -136,15 +143,24 @@ class StepPipeline:
                 header = ResultHeader(header.step_id, header.num_seqs, "step result: no emitted tokens")
             if not header.error and self.core.config.pooling and "pooled" not in arrays:
                 header = ResultHeader(header.step_id, header.num_seqs, "step result: no pooled vectors")
+            now, last_result_at = self.clock(), self.last_result_at
+            self.last_result_at = now
             if header.error:
                 self._fail(entry, header.error)
                 return StepOutputs.empty()
             step = entry.step
             has_prompt = step.num_decodes + step.num_verifying < step.num_seqs
             self.execute_times.append((has_prompt, header.execute_s))
-            if self.core.speculation is not None and not has_prompt:
-                # What verifying proposals costs on these workers (the adaptive rule's step times).
-                self.core.speculation.step_executed(step.num_seqs, step.num_tokens, header.execute_s)
+            if (
+                self.core.speculation is not None
+                and not has_prompt
+                and header.execute_s > 0  # a worker that measures nothing is not timed
+                and last_result_at is not None
+            ):
+                # What the step cost the loop, from the last result to this one: its execution,
+                # and, where it was not planned ahead (a verifying step never is), the planning
+                # it waited for, which execute_s leaves out.
+                self.core.speculation.step_executed(step.num_seqs, step.num_tokens, now - last_result_at)
             return self.core.update(
                 entry.step,
                 arrays["sampled_ids"],

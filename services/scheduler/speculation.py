@@ -33,8 +33,8 @@ PRIOR_KEPT, PRIOR_TRIED = 4.0, 5.0
 # it below what the batch and the rate allow, one step in this many proposes that much, so that
 # its time is measured again.
 PROBE_INTERVAL = 32
-# The time of an all-decode step, by the tokens it carries, is a decaying average of the workers'
-# execute times: each new one moves it this far (about the last 3 weigh).
+# The time of an all-decode step, by the tokens it carries, is a decaying average of what such
+# steps cost the pipeline: each new one moves it this far (about the last 3 weigh).
 STEP_TIME_WEIGHT = 0.3
 
 
@@ -145,18 +145,18 @@ class Speculation:
             return bound
         return paying_depth(bound, num_decodes, self.acceptance_rate, self.step_times)
 
-    def step_executed(self, num_decodes: int, num_tokens: int, execute_s: float) -> None:
-        """Take the workers' `execute_s` of an all-decode step of `num_decodes` decodes and
-        `num_tokens` tokens into the step times (a step with a prompt chunk would not tell what
-        verification costs). Only sizes a speculating step may have are kept; a time of 0 (a
-        worker that does not measure) is none."""
-        if execute_s <= 0 or num_decodes > MAX_SPECULATIVE_DECODES:
+    def step_executed(self, num_decodes: int, num_tokens: int, seconds: float) -> None:
+        """Take the `seconds` an all-decode step of `num_decodes` decodes and `num_tokens` tokens
+        cost (StepPipeline: from the last result to its own) into the step times (a step with a
+        prompt chunk would not tell what verification costs). Only sizes a speculating step may
+        have are kept; a time of 0 is none."""
+        if seconds <= 0 or num_decodes > MAX_SPECULATIVE_DECODES:
             return
         if num_tokens > num_decodes * (1 + self.proposer.num_tokens):
             return
         known = self.step_times.get(num_tokens)
         self.step_times[num_tokens] = (
-            execute_s if known is None else known + STEP_TIME_WEIGHT * (execute_s - known)
+            seconds if known is None else known + STEP_TIME_WEIGHT * (seconds - known)
         )
 
     def wants_step_results(self, num_decodes: int) -> bool:
