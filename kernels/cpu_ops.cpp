@@ -93,6 +93,10 @@ inline Floats mul_floats(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats fma_floats(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
 inline float sum_floats(Floats v) { return _mm512_reduce_add_ps(v); }
+// The first n (< kLanes) floats at p, the other lanes zero; nothing past them is read.
+inline Floats load_first_floats(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
 #else
 using Floats = __m256;
 constexpr int kLanes = 8;
@@ -107,6 +111,10 @@ inline Floats mul_floats(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline Floats fma_floats(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v); }
 inline float sum_floats(Floats v) { return horizontal_sum(v); }
+inline Floats load_first_floats(const float* p, int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
 #endif
 // Lane t: the sum of v[t]'s eight lanes (a transpose and add in one: seven horizontal adds
 // for eight sums, where a horizontal sum each costs six dependent ops).
@@ -441,14 +449,15 @@ inline PackedRow<Block> packed_row(const uint8_t* base, int64_t n, int64_t num_b
   return {reinterpret_cast<const Block*>(row), reinterpret_cast<const float*>(row + num_blocks * sizeof(Block))};
 }
 
-// sum of a[i] * b[i] over n floats.
-inline float dot_product(const float* a, const float* b, int64_t n) {
+// a[i] * b[i] over n floats, summed into the lanes of a vector: the caller adds it to its own
+// lanes and sums them once. The tail is one masked vector, not a chain of dependent scalar adds
+// (Q4_1's minimums' term has one float a block: 8 for a row of 256 inputs, all tail at 16 lanes).
+inline Floats dot_product_lanes(const float* a, const float* b, int64_t n) {
   Floats sum = zero_floats();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) sum = fma_floats(load_floats(a + i), load_floats(b + i), sum);
-  float total = sum_floats(sum);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
+  if (i < n) sum = fma_floats(load_first_floats(a + i, n - i), load_first_floats(b + i, n - i), sum);
+  return sum;
 }
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -585,9 +594,10 @@ void few_rows_times_blocks(const float* x, const float* block_sums, const uint8_
     }
     if (b < num_blocks) add_block<Block, R, kScaled>(xs, row.blocks[b], b, num_blocks, even);
     for (int r = 0; r < R; ++r) {
-      float sum = sum_floats(add_floats(even[r], odd[r]));
-      if constexpr (kHasMinimums<Block>) sum += dot_product(row.minimums, block_sums + r * num_blocks, num_blocks);
-      out[r * out_features + n] = sum;
+      Floats sum = add_floats(even[r], odd[r]);
+      if constexpr (kHasMinimums<Block>)
+        sum = add_floats(sum, dot_product_lanes(row.minimums, block_sums + r * num_blocks, num_blocks));
+      out[r * out_features + n] = sum_floats(sum);
     }
   }
 }
