@@ -453,14 +453,20 @@ async def llama_stream(port: int, request: BenchRequest) -> AsyncIterator[int]:
 
 
 async def llama_timed_completion(
-    port: int, prompt: str, output_len: int, lora: list[dict] | None = None
+    port: int, prompt: str, output_len: int, lora: list[dict] | None = None, ignore_eos: bool = True
 ) -> tuple[list[tuple[float, int]], dict]:
-    """POST /completion of `prompt` (text), streamed, greedy, ignore_eos: the arrival time
-    (perf_counter) and token count of each event, and the last event's `timings` (where a
-    speculating server counts its drafted and accepted tokens). `lora`: the request's scale of
-    each of the server's --lora adapters ([{"id": 0, "scale": 1.0}]; those left out: 0); None:
-    the server's own scales."""
-    body = {"prompt": prompt, "n_predict": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    """POST /completion of `prompt` (text), streamed, greedy, ignore_eos unless told otherwise:
+    the arrival time (perf_counter) and token count of each event, and the last event's `timings`
+    (where a speculating server counts its drafted and accepted tokens). `lora`: the request's
+    scale of each of the server's --lora adapters ([{"id": 0, "scale": 1.0}]; those left out: 0);
+    None: the server's own scales."""
+    body = {
+        "prompt": prompt,
+        "n_predict": output_len,
+        "ignore_eos": ignore_eos,
+        "temperature": 0.0,
+        "stream": True,
+    }
     if lora is not None:
         body["lora"] = lora
     arrivals: list[tuple[float, int]] = []

@@ -12,8 +12,10 @@ Two Brigade runs of the same config serve side by side, one with `speculative.me
 model's first N layers, a truncated copy written to a temporary directory), and
 two llama-servers (one slot each, the same GGUF), one started with `--llama-spec-args`. Each
 prompt goes to every engine in turn, rotating which goes first, one request at a time (c=1), so
-all see the same host load. Greedy, ignore_eos, the same max_tokens, the same chat template (the
-GGUF's). Per prompt set it reports each engine's TPOT p50 / mean, each speculating engine's p50
+all see the same host load. Greedy, the same max_tokens, the same chat template (the GGUF's);
+the restate set's requests end at the end of the text (the model's end of turn: what follows
+it under ignore_eos is a conversation the model makes up, which restates nothing), the chat
+set's run to max_tokens (ignore_eos). Per prompt set it reports each engine's TPOT p50 / mean, each speculating engine's p50
 against its own engine without speculation, and how much was accepted: Brigade's mean acceptance
 length (1 + accepted proposals per verification, from its spec_decode_* counters on /metrics) and
 llama.cpp's accepted share of drafted tokens (from its `timings`).
@@ -70,6 +72,7 @@ CHAT = [
     "Suggest a name for a coffee shop and explain your choice.",
 ]
 SETS = {"restate": RESTATE, "chat": CHAT}
+IGNORE_EOS = {"restate": False, "chat": True}  # see the module's docstring
 COUNTERS = ("brigade:spec_decode_num_drafts_total", "brigade:spec_decode_num_accepted_tokens_total")
 
 
@@ -81,14 +84,14 @@ def tpot_ms(arrivals: list[tuple[float, int]], what: str) -> float:
     return (arrivals[-1][0] - arrivals[0][0]) * 1000 / (num_tokens - arrivals[0][1])
 
 
-def brigade_tpot_ms(client, prompt: str, output_len: int) -> float:
+def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = True) -> float:
     """One streamed greedy chat request to Brigade; its time per output token after the first."""
     arrivals = []
     for delta in client.stream(
         messages=[{"role": "user", "content": prompt}],
         max_tokens=output_len,
         temperature=0.0,
-        ignore_eos=True,
+        ignore_eos=ignore_eos,
         timeout=600,
     ):
         if delta.token_ids:
@@ -104,14 +107,16 @@ class LlamaEngine:
         self.port = port
         self.drafted = self.accepted = 0
 
-    def tpot_ms(self, prompt: str, output_len: int) -> float:
+    def tpot_ms(self, prompt: str, output_len: int, ignore_eos: bool = True) -> float:
         body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/apply-template", body, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=60) as reply:
             text = json.loads(reply.read())["prompt"]
-        arrivals, timings = asyncio.run(peers.llama_timed_completion(self.port, text, output_len))
+        arrivals, timings = asyncio.run(
+            peers.llama_timed_completion(self.port, text, output_len, ignore_eos=ignore_eos)
+        )
         self.drafted += timings.get("draft_n", 0)
         self.accepted += timings.get("draft_n_accepted", 0)
         return tpot_ms(arrivals, repr(prompt[:40]))
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_runs = speculating(args, log_dir)
         runs = start_brigades(args, stack, log_dir, spec_runs)
         llamas = start_llamas(args, stack, log_dir)
-        engines: dict[str, Callable[[str, int], float]] = {
+        engines: dict[str, Callable[[str, int, bool], float]] = {
             name: partial(brigade_tpot_ms, stack.enter_context(Client(run.run_dir)))
             for name, (run, _) in runs.items()
         }
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i, prompt in enumerate(prompts):
                     shift = (r * len(prompts) + i) % len(names)
                     for name in names[shift:] + names[:shift]:
-                        tpots[name].append(engines[name](prompt, args.output_len))
+                        tpots[name].append(engines[name](prompt, args.output_len, IGNORE_EOS[set_name]))
             stats: dict = {
                 name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
                 for name, v in tpots.items()
@@ -359,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
     print(
-        f"\nc=1, {args.output_len} tokens, greedy; Brigade k={args.num_speculative_tokens}; logs in {log_dir}"
+        f"\nc=1, greedy, at most {args.output_len} tokens (restate: to the end of the text); "
+        f"Brigade k={args.num_speculative_tokens}; logs in {log_dir}"
     )
     print("| set | engine | TPOT p50 (ms) | TPOT mean (ms) | speculation / off (p50) | accepted |")
     print("| --- | --- | --- | --- | --- | --- |")
