@@ -601,7 +601,9 @@ def test_few_rows_linear_refuses_bad_input():
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the K-quants: test_few_rows_linear_k_quants_...
 # Rows of 8 and 11 blocks: Q4_1's minimums all in the masked tail with 16 lanes, part with 8.
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5), (256, 40), (352, 9)])
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(576, 960), (1536, 70), (32, 5), (256, 40), (352, 9)]
+)
 @pytest.mark.usefixtures("cpu_isa")
 def test_few_rows_linear_quantized_matches_dequantized(fmt: str, in_features: int, out_features: int):
     """GGUF blocks (made by gguf's own quantizer), packed by to_lanes, multiply like their
