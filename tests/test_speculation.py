@@ -30,6 +30,7 @@ from services.scheduler.speculation import (
     MIN_KEPT_PROBABILITY,
     PROBE_INTERVAL,
     STEP_TIME_WEIGHT,
+    Speculation,
     paying_depth,
     speculative_depth,
 )
@@ -705,27 +706,40 @@ def speculating_scheduler(max_num_seqs: int = 8) -> Scheduler:
     )
 
 
-def test_speculation_turns_off_as_the_acceptance_rate_falls_and_probes_to_come_back():
+def test_a_request_turns_off_as_its_acceptance_rate_falls_and_probes_to_come_back():
     sched = speculating_scheduler()
     spec = sched.speculation
-    assert spec is not None and spec.depth(1) == 4  # the prior starts it on
-    for _ in range(60):  # every proposal rejected
-        spec.applied(num_proposed=4, num_emitted=1)
-    assert spec.acceptance_rate < MIN_KEPT_PROBABILITY
+    assert spec is not None
+    params = engine_params(temperature=0.0, max_tokens=40, seed=0, ignore_eos=True)
+    chat, restate = (Request(rid, 0, np.array([3, 4], np.int32), params) for rid in ("chat", "restate"))
+    assert spec.depth(1, spec.acceptance_rate(chat)) == 4  # the scheduler's prior starts it on
+    for _ in range(60):  # every proposal of one request rejected
+        spec.applied(chat, num_proposed=4, num_emitted=1)
+    rate = spec.acceptance_rate(chat)
+    assert rate < MIN_KEPT_PROBABILITY
+    # A new request starts from the scheduler's rate, then follows its own text: a few kept
+    # proposals of its own (a probe's) turn it on while the other stays off.
+    assert spec.acceptance_rate(restate) == pytest.approx(spec.kept / spec.tried)
+    assert spec.depth(1, spec.acceptance_rate(restate)) == 0
+    for _ in range(3):
+        spec.applied(restate, num_proposed=1, num_emitted=2)
+    assert spec.depth(1, spec.acceptance_rate(restate)) > 0
+    assert spec.depth(1, spec.acceptance_rate(chat)) == 0
+    rate = spec.acceptance_rate(chat)
     depths = []
     for _ in range(2 * PROBE_INTERVAL):
-        depths.append(spec.depth(1))
+        depths.append(spec.depth(1, rate))
         spec.steps_without_proposals = spec.steps_without_proposals + 1 if depths[-1] == 0 else 0
     # Off, except one probe of one token in every PROBE_INTERVAL steps.
     assert depths.count(1) == 2 and set(depths) == {0, 1}
     assert depths.index(1) == PROBE_INTERVAL - 1
     spec.steps_without_proposals = PROBE_INTERVAL
-    assert spec.depth(MAX_SPECULATIVE_DECODES + 1) == 0  # no probe where the batch forbids it
+    assert spec.depth(MAX_SPECULATIVE_DECODES + 1, rate) == 0  # no probe where the batch forbids it
     for _ in range(60):  # the text turned repetitive: every proposal kept
-        spec.applied(num_proposed=1, num_emitted=2)
-    assert spec.depth(1) == 4
+        spec.applied(chat, num_proposed=1, num_emitted=2)
+    assert spec.depth(1, spec.acceptance_rate(chat)) == 4
     # The histogram's observations: the tokens each verification emitted.
-    assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 60
+    assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 3 + [2] * 60
 
 
 def linear_step_time(per_extra_token: float):
@@ -758,19 +772,19 @@ def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it
     sched = speculating_scheduler()
     spec = sched.speculation
     assert spec is not None and spec.proposer.num_tokens == 4
-    spec.kept, spec.tried = 80.0, 100.0  # a rate of 0.8: the bound is the full 4
+    rate = 0.8  # the bound is the full 4
     step_time = linear_step_time(0.5)  # speeds 1.2, 1.22, 1.18, 1.12 at depths 1 to 4
-    assert spec.depth(1) == 4  # nothing measured: workers that report no times
+    assert spec.depth(1, rate) == 4  # nothing measured: workers that report no times
     spec.step_executed(1, 5, step_time(5))
     depths = []
     for _ in range(5):
-        depth = spec.depth(1)
+        depth = spec.depth(1, rate)
         depths.append(depth)
         spec.step_executed(1, 1 + depth, step_time(1 + depth))
     # A plain step to compare with, then each depth not measured yet from the deepest, then
     # the one that pays most.
     assert depths == [0, 3, 2, 1, 2]
-    assert spec.depth(1) == 2
+    assert spec.depth(1, rate) == 2
     # What a step could not carry, a batch too large to speculate and unmeasured times are not kept.
     spec.step_executed(1, 6, 1.0)
     spec.step_executed(MAX_SPECULATIVE_DECODES + 1, MAX_SPECULATIVE_DECODES + 1, 1.0)
@@ -781,7 +795,7 @@ def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it
     assert spec.step_times[1] == pytest.approx(10e-3 + STEP_TIME_WEIGHT * 10e-3)
     # While the times hold it below the bound, one step in PROBE_INTERVAL proposes the bound.
     spec.steps_below_bound = PROBE_INTERVAL - 1
-    assert spec.depth(1) == 4
+    assert spec.depth(1, rate) == 4
 
 
 class TimedExecutor(FakeExecutor):
@@ -812,7 +826,7 @@ class TimedExecutor(FakeExecutor):
             yield header, arrays
 
 
-def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_never_pays():
+def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_never_pays(monkeypatch):
     """Steps with prompt chunks never reach the step times; where every token costs as much as a
     plain step (bound by compute), speculation measures its depths and then verifies only in its
     probes, while where tokens are nearly free it verifies throughout; outputs are the same."""
@@ -826,7 +840,7 @@ def test_the_pipeline_times_all_decode_steps_and_speculation_stays_off_where_it_
             specs.append((f"r{i}", prompt, params, reference_outputs(prompt, [], params, 96), []))
         assert sched.speculation is not None
         # A rate of 0.9 whatever the fake model's tokens: the bound stays at the full depth.
-        sched.speculation.kept, sched.speculation.tried = 0.9e9, 1e9
+        monkeypatch.setattr(Speculation, "acceptance_rate", lambda self, req: 0.9)
         executor = TimedExecutor(sched, step_time)
         got, _ = run_traffic(sched, executor, True, specs, [], clock=executor.clock)
         for rid, _, _, full, _ in specs:
@@ -865,6 +879,32 @@ def test_a_batch_too_large_to_speculate_is_planned_ahead_and_verifies_nothing():
     assert drafts > 0 and placeholders == 0
     drafts, placeholders = run(MAX_SPECULATIVE_DECODES + 1)
     assert drafts == 0 and placeholders > 0
+
+
+def test_each_request_of_a_batch_speculates_by_its_own_rate(monkeypatch):
+    """Two requests in one batch: the one whose own acceptance rate is below the bound never
+    verifies, the other verifies throughout; the outputs are the same as without speculation."""
+    sched = speculating_scheduler()
+    prompt = [3, 4, 3, 4, 3, 4, 3]  # [3] recurs: the proposer always has something
+    specs = []
+    for rid in ("low", "high"):
+        params = engine_params(temperature=0.0, max_tokens=20, seed=5, ignore_eos=True)
+        specs.append((rid, prompt, params, reference_outputs(prompt, [], params, 96), []))
+    rates = {"low": MIN_KEPT_PROBABILITY / 2, "high": 0.9}
+    monkeypatch.setattr(Speculation, "acceptance_rate", lambda self, req: rates[req.request_id])
+    verified: list[str] = []
+    applied = Speculation.applied
+    monkeypatch.setattr(
+        Speculation,
+        "applied",
+        lambda self, req, num_proposed, num_emitted: (
+            verified.append(req.request_id) or applied(self, req, num_proposed, num_emitted)
+        ),
+    )
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, specs, [])
+    for rid, _, _, full, _ in specs:
+        assert [token for token, _ in got[rid]] == full
+    assert "high" in verified and "low" not in verified
 
 
 def test_a_request_that_opts_out_never_speculates():

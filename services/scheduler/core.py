@@ -279,7 +279,7 @@ class Scheduler:
         if (
             self.speculation is not None
             and self.state.table.num_may_speculate_rows
-            and self.speculation.wants_step_results(self.num_running)
+            and self.speculation.wants_step_results(self.state.running)
         ):
             return False
         if self.state.config.pooling:  # an embedding request ends with its one step: no decode follows

@@ -96,6 +96,8 @@ class Request:
         "request_id",
         "row",
         "seed",
+        "speculation_kept",
+        "speculation_tried",
         "status",
         "tokenizer_id",
     )
@@ -134,6 +136,10 @@ class Request:
         # (SchedulerState.release_before_window); block_ids keeps their ids, which nothing reads.
         self.num_released_blocks = 0
         self.row = -1  # row in the plan table while running
+        # Its own verifications' decaying counts of proposals kept and judged (the adaptive
+        # speculation rule's, services/scheduler/speculation.py).
+        self.speculation_kept = 0.0
+        self.speculation_tried = 0.0
         # LongRoPE: whether its KV is rotated with the long factors, chosen at each admission
         # (Prefill.choose_rope): a sequence longer than the original length is, as in HF.
         self.is_long_rope = False

@@ -444,7 +444,7 @@ class Results:
             num_emitted = int(emitted.counts[i])
             proposal = step.proposals[i - step.num_decodes]
             assert self.speculation is not None  # only it proposes
-            self.speculation.applied(len(proposal), num_emitted)
+            self.speculation.applied(req, len(proposal), num_emitted)
             reason = None
             history = table.history.get(row)  # only rows that apply penalties have one
             k = req.params.logprobs or 0

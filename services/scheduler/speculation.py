@@ -24,10 +24,15 @@ from services.scheduler.state import SchedulerState
 FULL_DEPTH_DECODES = 4  # up to this many decodes in a step, each may propose the configured number
 MAX_SPECULATIVE_DECODES = 16  # above this many, a step verifies nothing
 MIN_KEPT_PROBABILITY = 0.3  # a proposal is verified only when it is at least this likely to be kept
-# The per-token acceptance rate is a decaying count over verifications (about the last 50),
-# starting from a prior worth a few of them, so that speculation starts on.
+# Each request's per-token acceptance rate is a decaying count over its own verifications (about
+# its last 50) plus, as a prior worth REQUEST_PRIOR of them, the scheduler's rate over every
+# request's verifications (decaying alike, from a prior of 0.8 worth five, so that speculation
+# starts on): a request starts where the recent ones left off, and then follows its own text, so
+# that a request restating a text and an open chat, in one batch or one after the other, each
+# get their own depth.
 ACCEPTANCE_DECAY = 0.98
 PRIOR_KEPT, PRIOR_TRIED = 4.0, 5.0
+REQUEST_PRIOR = 2.0
 # While the acceptance rate keeps speculation off, one step in this many proposes one token per
 # decode, so that the rate can recover when the text turns repetitive; while the step times keep
 # it below what the batch and the rate allow, one step in this many proposes that much, so that
@@ -113,8 +118,7 @@ class Speculation:
         # Tokens each verification emitted (accepted + 1), for the acceptance length histogram;
         # the metrics take them out.
         self.acceptance_lengths: deque[int] = deque()
-        # The per-token acceptance rate's decaying counts: proposals kept, and proposals tried
-        # (the kept ones and the first rejected one; those after it were never judged).
+        # The scheduler's rate's decaying counts of proposals kept and judged, over all requests.
         self.kept = PRIOR_KEPT
         self.tried = PRIOR_TRIED
         self.steps_without_proposals = 0  # consecutive planned steps the rule allowed none in
@@ -124,17 +128,20 @@ class Speculation:
         self.step_times: dict[int, float] = {}
         self.last_step_verified = False  # whether the step planned last verifies proposals
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.kept / self.tried
+    def acceptance_rate(self, req: Request) -> float:
+        """The request's per-token acceptance rate: its proposals kept over those judged (the
+        kept ones and the first rejected one of each verification), decaying, with the
+        scheduler's rate as its prior."""
+        prior = REQUEST_PRIOR * self.kept / self.tried
+        return (req.speculation_kept + prior) / (req.speculation_tried + REQUEST_PRIOR)
 
-    def depth(self, num_decodes: int) -> int:
-        """How many tokens each of a step's `num_decodes` decodes may propose: what the step
-        times pay for (`paying_depth`) within the bound of the batch and the acceptance rate
-        (`speculative_depth`); in a probe step, 1 while the rate keeps speculation off, the
-        bound while the step times keep the depth below it."""
+    def depth(self, num_decodes: int, acceptance_rate: float) -> int:
+        """How many tokens a decode with this `acceptance_rate`, in a step of `num_decodes`
+        decodes, may propose: what the step times pay for (`paying_depth`) within the bound of
+        the batch and the rate (`speculative_depth`); in a probe step, 1 while the rate keeps it
+        off, the bound while the step times keep the depth below it."""
         max_depth = self.proposer.num_tokens
-        bound = speculative_depth(max_depth, num_decodes, self.acceptance_rate)
+        bound = speculative_depth(max_depth, num_decodes, acceptance_rate)
         if bound == 0:
             is_probe = (
                 speculative_depth(max_depth, num_decodes, 1.0) > 0  # the batch would allow it
@@ -143,7 +150,7 @@ class Speculation:
             return 1 if is_probe else 0
         if self.steps_below_bound + 1 >= PROBE_INTERVAL:
             return bound
-        return paying_depth(bound, num_decodes, self.acceptance_rate, self.step_times)
+        return paying_depth(bound, num_decodes, acceptance_rate, self.step_times)
 
     def step_executed(self, num_decodes: int, num_tokens: int, seconds: float) -> None:
         """Take the `seconds` an all-decode step of `num_decodes` decodes and `num_tokens` tokens
@@ -159,11 +166,20 @@ class Speculation:
             seconds if known is None else known + STEP_TIME_WEIGHT * (seconds - known)
         )
 
-    def wants_step_results(self, num_decodes: int) -> bool:
-        """Whether the next step must be planned after the last one's result: it may propose
-        (a decode planned ahead has no known last token to look up), or the step in flight
-        verifies (the positions after it are unknown until it is applied)."""
-        return self.last_step_verified or self.depth(num_decodes) > 0
+    def wants_step_results(self, decodes: list[Request]) -> bool:
+        """Whether the next step, of these `decodes`, must be planned after the last one's
+        result: one of them that may speculate may propose (a decode planned ahead has no known
+        last token to look up), or the step in flight verifies (the positions after it are
+        unknown until it is applied)."""
+        if self.last_step_verified:
+            return True
+        if not 0 < len(decodes) <= MAX_SPECULATIVE_DECODES:
+            return False
+        may_speculate = self.state.table.may_speculate
+        return any(
+            may_speculate[req.row] and self.depth(len(decodes), self.acceptance_rate(req)) > 0
+            for req in decodes
+        )
 
     def plan(
         self,
@@ -181,18 +197,21 @@ class Speculation:
         bs = state.block_size
         blocks = state.blocks
         out = Verifications([], [])
-        depth = self.depth(len(seqs))
-        self.steps_without_proposals = self.steps_without_proposals + 1 if depth == 0 else 0
-        bound = speculative_depth(self.proposer.num_tokens, len(seqs), self.acceptance_rate)
-        self.steps_below_bound = self.steps_below_bound + 1 if depth < bound else 0
         self.last_step_verified = False
-        if depth == 0:
-            return out
         candidates = np.flatnonzero(table.may_speculate.take(rows) & ~is_placeholder).tolist()
+        rates = [self.acceptance_rate(seqs[j]) for j in candidates]
+        depths = [self.depth(len(seqs), rate) for rate in rates]
+        # The probes' counters go by the step: its deepest decode against the highest bound.
+        depth = max(depths, default=0)
+        bound = max((speculative_depth(self.proposer.num_tokens, len(seqs), r) for r in rates), default=0)
+        self.steps_without_proposals = self.steps_without_proposals + 1 if depth == 0 else 0
+        self.steps_below_bound = self.steps_below_bound + 1 if depth < bound else 0
         constrained_room = MAX_CONSTRAINED_PROPOSALS
-        for j in candidates:
+        for j, depth in zip(candidates, depths, strict=True):
             if budget <= 0:
                 break
+            if depth == 0:
+                continue
             req = seqs[j]
             row = int(rows[j])
             start = int(starts[j])  # the last known token's position
@@ -228,12 +247,15 @@ class Speculation:
         self.last_step_verified = bool(out.decodes)
         return out
 
-    def applied(self, num_proposed: int, num_emitted: int) -> None:
-        """Count one verification's result, and take it into the acceptance rate."""
+    def applied(self, req: Request, num_proposed: int, num_emitted: int) -> None:
+        """Count one verification of `req`'s, and take it into its and the scheduler's rates."""
         num_kept = num_emitted - 1
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_kept
         self.acceptance_lengths.append(num_emitted)
+        num_judged = num_kept + (num_kept < num_proposed)
         self.kept = self.kept * ACCEPTANCE_DECAY + num_kept
-        self.tried = self.tried * ACCEPTANCE_DECAY + num_kept + (num_kept < num_proposed)
+        self.tried = self.tried * ACCEPTANCE_DECAY + num_judged
+        req.speculation_kept = req.speculation_kept * ACCEPTANCE_DECAY + num_kept
+        req.speculation_tried = req.speculation_tried * ACCEPTANCE_DECAY + num_judged
