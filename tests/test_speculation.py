@@ -712,7 +712,7 @@ def test_a_request_turns_off_as_its_acceptance_rate_falls_and_probes_to_come_bac
     assert spec is not None
     params = engine_params(temperature=0.0, max_tokens=40, seed=0, ignore_eos=True)
     chat, restate = (Request(rid, 0, np.array([3, 4], np.int32), params) for rid in ("chat", "restate"))
-    assert spec.depth(1, spec.acceptance_rate(chat)) == 4  # the scheduler's prior starts it on
+    assert spec.depth(1, chat) == 4  # the scheduler's prior starts it on
     for _ in range(60):  # every proposal of one request rejected
         spec.applied(chat, num_proposed=4, num_emitted=1)
     rate = spec.acceptance_rate(chat)
@@ -720,24 +720,23 @@ def test_a_request_turns_off_as_its_acceptance_rate_falls_and_probes_to_come_bac
     # A new request starts from the scheduler's rate, then follows its own text: a few kept
     # proposals of its own (a probe's) turn it on while the other stays off.
     assert spec.acceptance_rate(restate) == pytest.approx(spec.kept / spec.tried)
-    assert spec.depth(1, spec.acceptance_rate(restate)) == 0
+    assert spec.depth(1, restate) == 0
     for _ in range(3):
         spec.applied(restate, num_proposed=1, num_emitted=2)
-    assert spec.depth(1, spec.acceptance_rate(restate)) > 0
-    assert spec.depth(1, spec.acceptance_rate(chat)) == 0
-    rate = spec.acceptance_rate(chat)
+    assert spec.depth(1, restate) > 0
+    assert spec.depth(1, chat) == 0
     depths = []
     for _ in range(2 * PROBE_INTERVAL):
-        depths.append(spec.depth(1, rate))
-        spec.steps_without_proposals = spec.steps_without_proposals + 1 if depths[-1] == 0 else 0
-    # Off, except one probe of one token in every PROBE_INTERVAL steps.
+        depths.append(spec.depth(1, chat))
+        chat.speculation_steps_off = chat.speculation_steps_off + 1 if depths[-1] == 0 else 0
+    # Off, except one probe of one token in every PROBE_INTERVAL of its steps.
     assert depths.count(1) == 2 and set(depths) == {0, 1}
     assert depths.index(1) == PROBE_INTERVAL - 1
-    spec.steps_without_proposals = PROBE_INTERVAL
-    assert spec.depth(MAX_SPECULATIVE_DECODES + 1, rate) == 0  # no probe where the batch forbids it
+    chat.speculation_steps_off = PROBE_INTERVAL
+    assert spec.depth(MAX_SPECULATIVE_DECODES + 1, chat) == 0  # no probe where the batch forbids it
     for _ in range(60):  # the text turned repetitive: every proposal kept
         spec.applied(chat, num_proposed=1, num_emitted=2)
-    assert spec.depth(1, spec.acceptance_rate(chat)) == 4
+    assert spec.depth(1, chat) == 4
     # The histogram's observations: the tokens each verification emitted.
     assert list(spec.acceptance_lengths) == [1] * 60 + [2] * 3 + [2] * 60
 
@@ -772,19 +771,21 @@ def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it
     sched = speculating_scheduler()
     spec = sched.speculation
     assert spec is not None and spec.proposer.num_tokens == 4
-    rate = 0.8  # the bound is the full 4
+    params = engine_params(temperature=0.0, max_tokens=40, seed=0, ignore_eos=True)
+    req = Request("r", 0, np.array([3, 4], np.int32), params)
+    assert spec.acceptance_rate(req) == pytest.approx(0.8)  # the prior's: the bound is the full 4
     step_time = linear_step_time(0.5)  # speeds 1.2, 1.22, 1.18, 1.12 at depths 1 to 4
-    assert spec.depth(1, rate) == 4  # nothing measured: workers that report no times
+    assert spec.depth(1, req) == 4  # nothing measured: workers that report no times
     spec.step_executed(1, 5, step_time(5))
     depths = []
     for _ in range(5):
-        depth = spec.depth(1, rate)
+        depth = spec.depth(1, req)
         depths.append(depth)
         spec.step_executed(1, 1 + depth, step_time(1 + depth))
     # A plain step to compare with, then each depth not measured yet from the deepest, then
     # the one that pays most.
     assert depths == [0, 3, 2, 1, 2]
-    assert spec.depth(1, rate) == 2
+    assert spec.depth(1, req) == 2
     # What a step could not carry, a batch too large to speculate and unmeasured times are not kept.
     spec.step_executed(1, 6, 1.0)
     spec.step_executed(MAX_SPECULATIVE_DECODES + 1, MAX_SPECULATIVE_DECODES + 1, 1.0)
@@ -795,7 +796,7 @@ def test_speculation_measures_each_depth_keeps_the_one_that_pays_and_measures_it
     assert spec.step_times[1] == pytest.approx(10e-3 + STEP_TIME_WEIGHT * 10e-3)
     # While the times hold it below the bound, one step in PROBE_INTERVAL proposes the bound.
     spec.steps_below_bound = PROBE_INTERVAL - 1
-    assert spec.depth(1, rate) == 4
+    assert spec.depth(1, req) == 4
 
 
 class TimedExecutor(FakeExecutor):
@@ -905,6 +906,41 @@ def test_each_request_of_a_batch_speculates_by_its_own_rate(monkeypatch):
     for rid, _, _, full, _ in specs:
         assert [token for token, _ in got[rid]] == full
     assert "high" in verified and "low" not in verified
+    # Longer: the low one probes one token in every PROBE_INTERVAL of its own steps, though the
+    # other proposes in every step.
+    sched = speculating_scheduler()
+    verified.clear()
+    params = engine_params(temperature=0.0, max_tokens=3 * PROBE_INTERVAL - 20, seed=5, ignore_eos=True)
+    specs = [(rid, prompt, params, reference_outputs(prompt, [], params, 96), []) for rid in ("low", "high")]
+    got, _ = run_traffic(sched, FakeExecutor(sched), False, specs, [])
+    for rid, _, _, full, _ in specs:
+        assert [token for token, _ in got[rid]] == full
+    assert 1 <= verified.count("low") <= 2
+
+
+def test_steps_planned_ahead_count_toward_the_time_probe(monkeypatch):
+    """Where the step times keep speculation off, steps are planned ahead (their decodes are
+    placeholders, which propose nothing) and still count toward the probe that measures the
+    bound again: verifications keep coming, one in about PROBE_INTERVAL steps."""
+    monkeypatch.setattr(Speculation, "acceptance_rate", lambda self, req: 0.9)
+    sched = speculating_scheduler(max_num_seqs=1)
+    prompt = [3, 4, 3, 4, 3, 4, 3]
+    params = engine_params(temperature=0.0, max_tokens=80, seed=0, ignore_eos=True)
+    specs = [("r", prompt, params, reference_outputs(prompt, [], params, 96), [])]
+    executor = TimedExecutor(sched, linear_step_time(1.0))  # every token costs a plain step
+    verified_at: list[int] = []
+    applied = Speculation.applied
+    monkeypatch.setattr(
+        Speculation,
+        "applied",
+        lambda self, req, num_proposed, num_emitted: (
+            verified_at.append(executor.num_steps) or applied(self, req, num_proposed, num_emitted)
+        ),
+    )
+    got, _ = run_traffic(sched, executor, True, specs, [], clock=executor.clock)
+    assert [token for token, _ in got["r"]] == specs[0][3]
+    assert executor.num_placeholders > 0  # planned ahead while off
+    assert any(step > 2 * PROBE_INTERVAL for step in verified_at), verified_at
 
 
 def test_a_request_that_opts_out_never_speculates():

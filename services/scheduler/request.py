@@ -97,6 +97,7 @@ class Request:
         "row",
         "seed",
         "speculation_kept",
+        "speculation_steps_off",
         "speculation_tried",
         "status",
         "tokenizer_id",
@@ -140,6 +141,7 @@ class Request:
         # speculation rule's, services/scheduler/speculation.py).
         self.speculation_kept = 0.0
         self.speculation_tried = 0.0
+        self.speculation_steps_off = 0  # consecutive planned steps its depth was 0 (its probes')
         # LongRoPE: whether its KV is rotated with the long factors, chosen at each admission
         # (Prefill.choose_rope): a sequence longer than the original length is, as in HF.
         self.is_long_rope = False

@@ -121,7 +121,6 @@ class Speculation:
         # The scheduler's rate's decaying counts of proposals kept and judged, over all requests.
         self.kept = PRIOR_KEPT
         self.tried = PRIOR_TRIED
-        self.steps_without_proposals = 0  # consecutive planned steps the rule allowed none in
         # Consecutive planned steps the step times held below the bound of the batch and the rate.
         self.steps_below_bound = 0
         # Seconds an all-decode step takes, by its tokens (decodes plus proposals), decaying.
@@ -135,17 +134,18 @@ class Speculation:
         prior = REQUEST_PRIOR * self.kept / self.tried
         return (req.speculation_kept + prior) / (req.speculation_tried + REQUEST_PRIOR)
 
-    def depth(self, num_decodes: int, acceptance_rate: float) -> int:
-        """How many tokens a decode with this `acceptance_rate`, in a step of `num_decodes`
-        decodes, may propose: what the step times pay for (`paying_depth`) within the bound of
-        the batch and the rate (`speculative_depth`); in a probe step, 1 while the rate keeps it
-        off, the bound while the step times keep the depth below it."""
+    def depth(self, num_decodes: int, req: Request) -> int:
+        """How many tokens `req`, a decode in a step of `num_decodes` decodes, may propose: what
+        the step times pay for (`paying_depth`) within the bound of the batch and its acceptance
+        rate (`speculative_depth`); in a probe, 1 while its rate keeps it off (one of its steps
+        in PROBE_INTERVAL), the bound while the step times keep the depth below it."""
         max_depth = self.proposer.num_tokens
+        acceptance_rate = self.acceptance_rate(req)
         bound = speculative_depth(max_depth, num_decodes, acceptance_rate)
         if bound == 0:
             is_probe = (
                 speculative_depth(max_depth, num_decodes, 1.0) > 0  # the batch would allow it
-                and self.steps_without_proposals + 1 >= PROBE_INTERVAL
+                and req.speculation_steps_off + 1 >= PROBE_INTERVAL
             )
             return 1 if is_probe else 0
         if self.steps_below_bound + 1 >= PROBE_INTERVAL:
@@ -176,10 +176,7 @@ class Speculation:
         if not 0 < len(decodes) <= MAX_SPECULATIVE_DECODES:
             return False
         may_speculate = self.state.table.may_speculate
-        return any(
-            may_speculate[req.row] and self.depth(len(decodes), self.acceptance_rate(req)) > 0
-            for req in decodes
-        )
+        return any(may_speculate[req.row] and self.depth(len(decodes), req) > 0 for req in decodes)
 
     def plan(
         self,
@@ -198,19 +195,25 @@ class Speculation:
         blocks = state.blocks
         out = Verifications([], [])
         self.last_step_verified = False
-        candidates = np.flatnonzero(table.may_speculate.take(rows) & ~is_placeholder).tolist()
-        rates = [self.acceptance_rate(seqs[j]) for j in candidates]
-        depths = [self.depth(len(seqs), rate) for rate in rates]
-        # The probes' counters go by the step: its deepest decode against the highest bound.
-        depth = max(depths, default=0)
-        bound = max((speculative_depth(self.proposer.num_tokens, len(seqs), r) for r in rates), default=0)
-        self.steps_without_proposals = self.steps_without_proposals + 1 if depth == 0 else 0
-        self.steps_below_bound = self.steps_below_bound + 1 if depth < bound else 0
+        # Every decode that may speculate counts toward the probes, a placeholder too (a step
+        # planned ahead proposes nothing): each request's own, and the step's time probe (its
+        # deepest decode against the highest bound).
+        speculating = np.flatnonzero(table.may_speculate.take(rows)).tolist()
+        depths = {j: self.depth(len(seqs), seqs[j]) for j in speculating}
+        max_depth = self.proposer.num_tokens
+        bound = max(
+            (speculative_depth(max_depth, len(seqs), self.acceptance_rate(seqs[j])) for j in speculating),
+            default=0,
+        )
+        self.steps_below_bound = self.steps_below_bound + 1 if max(depths.values(), default=0) < bound else 0
+        for j, depth in depths.items():
+            seqs[j].speculation_steps_off = 0 if depth > 0 else seqs[j].speculation_steps_off + 1
         constrained_room = MAX_CONSTRAINED_PROPOSALS
-        for j, depth in zip(candidates, depths, strict=True):
+        for j in speculating:
+            depth = depths[j]
             if budget <= 0:
                 break
-            if depth == 0:
+            if depth == 0 or is_placeholder[j]:
                 continue
             req = seqs[j]
             row = int(rows[j])
