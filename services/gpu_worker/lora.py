@@ -25,6 +25,7 @@ import torch
 
 from kernels import cpu_ops
 from kernels.lora import BLOCK_M, group_rows, lora_add_ref, lora_add_triton
+from services.gpu_worker.huge_pages import huge_page_zeros
 
 if TYPE_CHECKING:
     from services.gpu_worker.model import LlamaModel
@@ -235,11 +236,9 @@ class LoraSlots:
                 continue
             in_features, out_features = shapes[(layers[0], module)]  # module_shapes: one per module
             count = len(layers)
-            self.stacked_a[module] = torch.zeros(
-                count, max_loras, max_rank, in_features, dtype=dtype, device=device
-            )
-            self.stacked_b[module] = torch.zeros(
-                count, max_loras, max_rank, out_features, dtype=dtype, device=device
+            self.stacked_a[module] = huge_page_zeros((count, max_loras, max_rank, in_features), dtype, device)
+            self.stacked_b[module] = huge_page_zeros(
+                (count, max_loras, max_rank, out_features), dtype, device
             )
             for i, layer in enumerate(layers):
                 self.a[(layer, module)] = self.stacked_a[module][i]

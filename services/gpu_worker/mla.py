@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from services.gpu_worker.architectures import MLA_NORM_EPS, MlaConfig
 from services.gpu_worker.attention import Shapes, StepMeta, TorchOps
+from services.gpu_worker.huge_pages import huge_page_empty
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,7 +44,7 @@ class MlaWeights:
         cls, config: MlaConfig, hidden_size: int, num_heads: int, dtype: torch.dtype, device: torch.device
     ) -> MlaWeights:
         def empty(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
+            return huge_page_empty(shape, dtype, device)
 
         q_rank = config.q_lora_rank
         return cls(

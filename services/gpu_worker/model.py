@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from services.gpu_worker.architectures import ModelConfig, MoeConfig, RopeConfig
 from services.gpu_worker.attention import Shapes, StepMeta, TorchOps, TritonOps, make_ops
+from services.gpu_worker.huge_pages import huge_page_empty, huge_page_zeros
 from services.gpu_worker.mla import MlaOps, MlaWeights, mla_attention
 from services.gpu_worker.parallel import Parallel
 
@@ -416,7 +417,7 @@ class LlamaLayer:
         is_sparse: bool = False,
     ) -> None:
         def empty(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
+            return huge_page_empty(shape, dtype, device)
 
         h, d = config.hidden_size, config.head_dim
         # DeepSeek's latent attention has its own projections (mla.MlaWeights) instead of qkv.
@@ -622,14 +623,14 @@ class LlamaModel:
         self.eps = config.rms_norm_eps
         self.scale = config.softmax_scale
         # Zeroed: the padding rows of the last vocabulary shard must give zero embeddings and logits.
-        self.embed = torch.zeros(shard.vocab_shard_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed = huge_page_zeros((shard.vocab_shard_size, config.hidden_size), dtype, device)
         sparse = config.moe.sparse_layers if config.moe is not None else (False,) * config.num_hidden_layers
         self.layers = [LlamaLayer(config, shard, dtype, device, is_sparse) for is_sparse in sparse]
         self.norm = torch.empty(config.hidden_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head = self.embed
         elif has_lm_head:
-            self.lm_head = torch.zeros_like(self.embed)
+            self.lm_head = huge_page_zeros(tuple(self.embed.shape), dtype, device)
         else:
             self.lm_head = torch.empty(0, config.hidden_size, dtype=dtype, device=device)
         # One attention backend per distinct (sliding window, rope) of the layers: each prepares
@@ -1603,7 +1604,7 @@ def paged_kv_cache(
     heads = 1 if mla is not None else num_kv_heads
     shapes = [(num_blocks, block_size, heads, width // heads) for width in widths]
     return [
-        tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)  # type: ignore[misc]
+        tuple(huge_page_zeros(shape, dtype, device) for shape in shapes)  # type: ignore[misc]
         for _ in range(config.num_hidden_layers)
     ]
 
