@@ -54,7 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import cpu_ops
 from services.gpu_worker import model as model_module
 from services.gpu_worker.architectures import ModelConfig, MoeConfig
-from services.gpu_worker.model import LlamaLayer, QuantizedExperts, QuantizedWeight, Shard, moe_mlp
+from services.gpu_worker.model import (
+    FewRowsMoe,
+    LlamaLayer,
+    QuantizedExperts,
+    QuantizedWeight,
+    Shard,
+    moe_mlp,
+)
 from services.gpu_worker.parallel import Parallel
 
 DECODE_RATIO_TARGET = 1.3  # issue 33: a MoE decode step within 1.3x of the dense stack's
@@ -75,6 +82,8 @@ def make_layers(config: ModelConfig, sparse: bool, seed: int) -> list[LlamaLayer
         )
         for w in weights:
             w.copy_(torch.randn(w.shape, generator=generator) * 0.05)
+        if sparse:
+            layer.few_rows_moe = FewRowsMoe.of(layer, cpu_ops.has_kernels(torch.float32), is_silu=True)
         layers.append(layer)
     return layers
 
@@ -100,14 +109,22 @@ def quantized_dense_mlp(x: torch.Tensor, layer: QuantizedDenseLayer) -> torch.Te
     return layer.down.multiply(F.silu(gate).mul_(up))
 
 
+def mlp_input(x: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm a decoder layer applies before its MLP: without it the random stacks' residual
+    grows layer by layer until the routers' softmax saturates into ties and NaNs, which the MoE
+    stack routes through torch's fallback (a path real models do not take)."""
+    return F.rms_norm(x, (x.shape[-1],))
+
+
 def run_stack(x: torch.Tensor, layers: list, use_kernel: bool) -> torch.Tensor:
     for layer in layers:
+        h = mlp_input(x)
         if layer.moe is not None:
-            x = x + moe_mlp(x, layer, F.silu, use_kernel)
+            x = x + moe_mlp(h, layer, F.silu, use_kernel)
         elif isinstance(layer, QuantizedDenseLayer):
-            x = x + quantized_dense_mlp(x, layer)
+            x = x + quantized_dense_mlp(h, layer)
         else:
-            x = x + dense_mlp(x, layer, use_kernel)
+            x = x + dense_mlp(h, layer, use_kernel)
     return x
 
 
@@ -117,8 +134,9 @@ def counting_weight_bytes(counts: list[int]):
     MoE path's only matmuls) and of the router that cpu_ops.moe_route multiplies, and for
     cpu_ops.moe_experts the blocks of each distinct expert it is given: the op groups a
     step's (row, expert) pairs by expert and reads each selected expert's blocks once
-    (cpu_ops.cpp), so those are its reads."""
-    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route)
+    (cpu_ops.cpp), so those are its reads. cpu_ops.moe_layer (both in one call) counts as both,
+    its experts found by routing x again outside it."""
+    originals = (F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route, cpu_ops.moe_layer)
 
     def counting(original):
         def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,12 +154,25 @@ def counting_weight_bytes(counts: list[int]):
         counts.append(router.numel() * router.element_size())
         return originals[3](x, router, *options)
 
+    def counted_layer(x, *layer):
+        out, tied = originals[4](x, *layer)
+        if tied:  # the step is routed again by torch, and its experts counted there
+            return out, tied
+        # moe_layer's arguments: moe_route's six after x, then the projections as (weight, format).
+        routing, projections = layer[:6], list(zip(layer[6:12:2], layer[7:12:2], strict=True))
+        counts.append(routing[0].numel() * routing[0].element_size())
+        for expert in set(originals[3](x, *routing)[1].flatten().tolist()):
+            counts.append(sum(w[expert].numel() * w.element_size() for w, _ in projections))
+        return out, tied
+
     F.linear, cpu_ops.few_rows_linear = (counting(f) for f in originals[:2])
-    cpu_ops.moe_experts, cpu_ops.moe_route = counted_experts, counted_router
+    cpu_ops.moe_experts, cpu_ops.moe_route, cpu_ops.moe_layer = counted_experts, counted_router, counted_layer
     try:
         yield
     finally:
-        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route = originals
+        F.linear, cpu_ops.few_rows_linear, cpu_ops.moe_experts, cpu_ops.moe_route, cpu_ops.moe_layer = (
+            originals
+        )
 
 
 def time_step(fn, repeats: int) -> list[float]:
@@ -179,9 +210,10 @@ def compare_stacks(moe_layers: list[LlamaLayer], dense_layers: list, batches: li
             floor = 0
             state = x
             for layer in moe_layers:
-                _, experts = model_module.moe_route(F.linear(state, layer.router), moe)
+                h = mlp_input(state)
+                _, experts = model_module.moe_route(F.linear(h, layer.router), moe)
                 floor += router_bytes + len(set(experts.flatten().tolist())) * expert_bytes
-                state = state + moe_mlp(state, layer, F.silu, use_kernel)
+                state = state + moe_mlp(h, layer, F.silu, use_kernel)
             moe_times, dense_times = [], []
             for _ in range(repeats):
                 moe_times += time_step(partial(run_stack, x, moe_layers, use_kernel), 1)
@@ -257,6 +289,9 @@ def quantized_layers(config: ModelConfig, fmt: str, seed: int) -> tuple[LlamaLay
     blocks_layer.router.copy_(float_layer.router)
     blocks_layer.experts_quantized = QuantizedExperts.of(*per_expert, (fmt, fmt, fmt))
     blocks_layer.experts_gate_up = blocks_layer.experts_down = torch.empty(0)
+    # As LlamaModel.finish_loading binds them, once the weights are final.
+    float_layer.few_rows_moe = FewRowsMoe.of(float_layer, True, is_silu=True)
+    blocks_layer.few_rows_moe = FewRowsMoe.of(blocks_layer, True, is_silu=True)
     return float_layer, blocks_layer
 
 

@@ -28,7 +28,8 @@
 //   threads meeting at barriers between them), with LoRA deltas where the step has adapters.
 // - logsumexp_argmax: what sampling needs of the logits (each row's log-sum-exp and largest
 //   entry), in two reads of each row.
-// - moe_route: a mixture of experts' router (logits, softmax, top k, weights) for few rows, in one call.
+// - moe_route: a mixture of experts' router (logits, softmax, top k, weights) for few rows, in one call;
+//   moe_layer: moe_route, then moe_experts on its choice, in one call.
 //
 // kernels/cpu_ops.py builds this file once per instruction set: for AVX2 + FMA + F16C (ops
 // torch.ops.brigade), and, on a CPU that has them, for AVX-512 F/BW/VL/DQ with VNNI (ops
@@ -1639,6 +1640,26 @@ std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& x, const at
   return {weights, experts, tied};
 }
 
+// A mixture of experts' layer for a step of few rows in one call: moe_route's choice, then
+// moe_experts on it. Between the two there is no Python, which cost a sparse layer of a decode
+// step more than the router's multiply-adds. `tied`: moe_route's; the output is then empty, and
+// the caller routes the step with torch.
+std::tuple<at::Tensor, bool> moe_layer(const at::Tensor& x, const at::Tensor& router,
+                                       const c10::optional<at::Tensor>& router_bias, int64_t top_k, bool normalize,
+                                       bool softmax_after_topk, double scaling, const at::Tensor& gate,
+                                       c10::string_view gate_format, const at::Tensor& up, c10::string_view up_format,
+                                       const at::Tensor& down, c10::string_view down_format,
+                                       const c10::optional<at::Tensor>& gate_up_bias,
+                                       const c10::optional<at::Tensor>& down_bias, double swiglu_alpha,
+                                       double swiglu_limit) {
+  const auto [weights, experts, tied] =
+      moe_route(x, router, router_bias, top_k, normalize, softmax_after_topk, scaling);
+  if (tied) return {at::empty({0}, x.options()), true};
+  return {moe_experts(x, weights, experts, gate, gate_format, up, up_format, down, down_format, gate_up_bias,
+                      down_bias, swiglu_alpha, swiglu_limit),
+          false};
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -2350,6 +2371,10 @@ BRIGADE_LIBRARY(BRIGADE_OPS_NAMESPACE, m) {
       "moe_route(Tensor x, Tensor router, Tensor? bias, int top_k, bool normalize, bool softmax_after_topk, "
       "float scaling) -> (Tensor, Tensor, bool)");
   m.def(
+      "moe_layer(Tensor x, Tensor router, Tensor? router_bias, int top_k, bool normalize, bool softmax_after_topk, "
+      "float scaling, Tensor gate, str gate_format, Tensor up, str up_format, Tensor down, str down_format, "
+      "Tensor? gate_up_bias, Tensor? down_bias, float swiglu_alpha, float swiglu_limit) -> (Tensor, bool)");
+  m.def(
       "few_rows_decode_layers(Tensor hidden, Tensor[] norms, Tensor[] weights, str[] formats, "
       "int[] parts_per_weight, Tensor?[] qkv_biases, float eps, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor seq_lens, int num_heads, float scale, "
@@ -2370,6 +2395,7 @@ BRIGADE_LIBRARY_IMPL(BRIGADE_OPS_NAMESPACE, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("logsumexp_argmax", &logsumexp_argmax);
   m.impl("moe_route", &moe_route);
+  m.impl("moe_layer", &moe_layer);
   m.impl("few_rows_decode_layers", &few_rows_decode_layers);
   m.impl("lora_add", &lora_add);
 }

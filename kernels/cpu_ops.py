@@ -178,7 +178,7 @@ def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
 
 def has_kernels(dtype: torch.dtype) -> bool:
     """The ops for float32 tensors of any shape: few_rows_linear(_quantized), add_rms_norm,
-    logsumexp_argmax, moe_route."""
+    logsumexp_argmax, moe_route, moe_layer."""
     return dtype == torch.float32 and load()
 
 
@@ -363,6 +363,16 @@ def moe_route(
     step with torch. For
     few rows: it runs on the calling thread."""
     return ops().moe_route(x, router, bias, top_k, normalize, softmax_after_topk, scaling)
+
+
+def moe_layer(x: torch.Tensor, *layer: object) -> tuple[torch.Tensor, bool]:
+    """A sparse layer for x [T, H] of few rows in one call: moe_route, then moe_experts on its
+    choice. `layer`: moe_route's arguments after x (router, bias, top_k, normalize,
+    softmax_after_topk, scaling), then moe_experts' after the routing (gate, its format, up, its
+    format, down, its format, gate_up_bias, down_bias, swiglu alpha, swiglu limit: 0 for SiLU),
+    as model.FewRowsMoe binds them once. -> (the layer's output, tied): where moe_route reports a
+    tie the output is empty, and the caller routes the step with torch."""
+    return ops().moe_layer(x, *layer)
 
 
 class DecodeLayers(NamedTuple):

@@ -1118,6 +1118,55 @@ def test_mxfp4_blocks_multiply_like_dequantize_mxfp4() -> None:
 
 
 @pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
+@pytest.mark.parametrize("experts", ["Q4_1", "Q4_K", "float32-gpt-oss"])
+@pytest.mark.usefixtures("cpu_isa")
+def test_moe_layer_is_the_router_then_the_experts(experts: str) -> None:
+    """cpu_ops.moe_layer, router and experts in one call, gives exactly what moe_route and then
+    moe_experts on its choice give (the same code, no Python between): blocks of two formats,
+    and float32 experts with gpt-oss's router bias, softmax after the top k, expert biases and
+    clamped SwiGLU; 1-16 rows. A tie is reported with an empty output; bad input is refused."""
+    num_experts, hidden, inter, top_k = 8, 256, 256, 2  # whole super-blocks (Q4_K) both ways
+    gen = torch.Generator().manual_seed(5)
+    router = torch.randn(num_experts, hidden, generator=gen)
+    router_bias, biases, swiglu, softmax_after_topk = None, (None, None), (0.0, 0.0), False
+    if experts == "float32-gpt-oss":
+        gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.1
+        down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.1
+        projections = ((gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (down, ""))
+        router_bias, softmax_after_topk, swiglu = torch.randn(num_experts, generator=gen), True, (1.702, 0.5)
+        biases = (
+            torch.randn(num_experts, 2 * inter, generator=gen),
+            torch.randn(num_experts, hidden, generator=gen),
+        )
+    else:
+        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+        projections = tuple(
+            (torch.from_numpy(cpu_ops.to_lanes(random_gguf_blocks(experts, num_experts * rows, columns, seed),
+                                                experts)).view(num_experts, rows, -1), experts)
+            for seed, (rows, columns) in enumerate(shapes)
+        )  # fmt: skip
+    routing = (router, router_bias, top_k, True, softmax_after_topk, 1.5)
+    flat = [part for projection in projections for part in projection]
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, hidden, generator=gen)
+        out, tied = cpu_ops.moe_layer(x, *routing, *flat, *biases, *swiglu)
+        weights, chosen, route_tied = cpu_ops.moe_route(x, *routing)
+        assert not tied and not route_tied
+        want = cpu_ops.moe_experts(
+            x, weights, chosen, *projections, gate_up_bias=biases[0], down_bias=biases[1],
+            swiglu=swiglu if swiglu[1] else None,
+        )  # fmt: skip
+        assert torch.equal(out, want)
+    tied_router = torch.zeros_like(router)  # every score equal (no bias): the top k is a tie
+    out, tied = cpu_ops.moe_layer(x, tied_router, None, *routing[2:], *flat, *biases, *swiglu)
+    assert tied and out.numel() == 0
+    with pytest.raises(RuntimeError, match=r"top_k 0 outside"):
+        cpu_ops.moe_layer(x, router, router_bias, 0, *routing[3:], *flat, *biases, *swiglu)
+    with pytest.raises(RuntimeError, match="moe_experts"):  # the experts' checks, after routing
+        cpu_ops.moe_layer(x, *routing, *flat[:4], flat[4][:, :, :-1], *flat[5:], *biases, *swiglu)
+
+
+@pytest.mark.skipif(not has_cpu_kernels(), reason="no C++ compiler / AVX2")
 @pytest.mark.parametrize("swiglu_limit", [7.0, 0.5])
 @pytest.mark.usefixtures("cpu_isa")
 def test_moe_experts_gpt_oss_matches_hfs_experts(swiglu_limit: float) -> None:

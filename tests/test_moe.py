@@ -86,6 +86,8 @@ def test_moe_family_matches_hf(moe_model, monkeypatch: pytest.MonkeyPatch):
     check_against_hf(hf, runner)
     if runner.model.has_few_rows_linear:  # the steps of few rows: float32 experts in the fused op
         assert mixtures.rows and max(mixtures.rows) <= cpu_ops.MOE_MAX_ROWS
+        # every family here routes by softmax on one rank: router and experts in one call
+        assert mixtures.one_call_rows
 
 
 @pytest.mark.parametrize("family", ["qwen2-moe-shared-expert", "gpt-oss"])
@@ -193,6 +195,65 @@ def test_cpu_router_reports_ties_that_torch_breaks_its_own_way() -> None:
         cpu_ops.moe_route(torch.ones(1, 4), eye, None, 0, True, False, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.moe_route(torch.ones(1, 4).double(), eye, None, 2, True, False, 1.0)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_a_sparse_layers_one_call_equals_its_two_and_falls_back_on_a_tie(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FewRowsMoe (router and experts in one C++ call) gives a sparse layer's moe_mlp exactly what
+    the router call, then the experts' call gave; where the router ties, the step is routed by
+    torch as before (HF's tie order). It is bound only where that one call computes the layer:
+    not for sigmoid or group-limited routers, expert parallelism or without the C++ kernels; and
+    with tensor parallelism only rank 0's binds gpt-oss's down biases."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from services.gpu_worker.architectures import MoeConfig
+    from services.gpu_worker.model import FewRowsMoe, LlamaLayer, Shard, moe_mlp, routed_experts
+    from services.gpu_worker.parallel import Parallel
+
+    assert cpu_ops.has_kernels(torch.float32)
+    config = ModelConfig(
+        architecture="test", vocab_size=1, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=1,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        moe=MoeConfig(8, 2, 32, True, 0, (True,), router_bias=True, expert_bias=True, swiglu_alpha=1.7,
+                      swiglu_limit=7.0),
+    )  # fmt: skip
+    layer = LlamaLayer(
+        config, Shard.of(config, Parallel()), torch.float32, torch.device("cpu"), is_sparse=True
+    )
+    generator = torch.Generator().manual_seed(3)
+    for weight in (layer.router, layer.router_bias, layer.experts_gate_up, layer.experts_down,
+                   layer.experts_gate_up_bias, layer.experts_down_bias):  # fmt: skip
+        weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    layer.few_rows_moe = FewRowsMoe.of(layer, has_few_rows_linear=True, is_silu=True)
+    assert layer.few_rows_moe is not None
+    mixtures = CountingMixtures(monkeypatch)
+    x = torch.randn(5, 64, generator=generator)
+    want = routed_experts(x, layer, F.silu, True, None, adds_down_bias=True)
+    assert torch.equal(moe_mlp(x, layer, F.silu, True), want)
+    assert mixtures.one_call_rows == [5]
+    layer.router.zero_()
+    layer.router_bias.zero_()  # every expert scores alike: a tie at every row's k-th choice
+    want = routed_experts(x, layer, F.silu, True, None, adds_down_bias=True)
+    assert torch.equal(moe_mlp(x, layer, F.silu, True), want)
+    assert mixtures.one_call_rows == [5]  # the tied call multiplied nothing
+    # Only where the one call computes the layer.
+    assert FewRowsMoe.of(layer, has_few_rows_linear=False, is_silu=True) is None
+    for changes in ({"scoring": "sigmoid"}, {"num_groups": 2, "topk_groups": 1}):
+        other = LlamaLayer(replace(config, moe=replace(config.moe, **changes)), Shard.of(config, Parallel()),
+                           torch.float32, torch.device("cpu"), is_sparse=True)  # fmt: skip
+        assert FewRowsMoe.of(other, has_few_rows_linear=True, is_silu=True) is None
+    layer.num_local_experts = 4  # expert parallelism: this rank holds half of them
+    assert FewRowsMoe.of(layer, has_few_rows_linear=True, is_silu=True) is None
+    layer.num_local_experts = 8
+    other_rank = FewRowsMoe.of(layer, has_few_rows_linear=True, is_silu=True, adds_down_bias=False)
+    assert other_rank is not None
+    assert all(argument is not layer.experts_down_bias for argument in other_rank.arguments)
+    assert any(argument is layer.experts_down_bias for argument in layer.few_rows_moe.arguments)
 
 
 def write_mxfp4_experts(model_dir: Path, seed: int) -> None:
@@ -903,18 +964,28 @@ def check_shared_experts_stay_blocks(runner: ModelRunner) -> None:
 
 
 class CountingMixtures:
-    """Counts the calls of cpu_ops.moe_experts (the fused few-rows op) and their rows."""
+    """Counts the rows of each call of the fused few-rows ops that multiplied experts: `rows`,
+    cpu_ops.moe_experts' and cpu_ops.moe_layer's (router and experts in one call; not where it
+    reported a tie, whose step then goes through moe_experts); `one_call_rows`, moe_layer's."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-
         self.rows: list[int] = []
-        original = cpu_ops.moe_experts
+        self.one_call_rows: list[int] = []
+        experts, layer = cpu_ops.moe_experts, cpu_ops.moe_layer
 
-        def counted(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        def counted_experts(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             self.rows.append(x.shape[0])
-            return original(x, *args, **kwargs)
+            return experts(x, *args, **kwargs)
 
-        monkeypatch.setattr(cpu_ops, "moe_experts", counted)
+        def counted_layer(x: torch.Tensor, *args) -> tuple[torch.Tensor, bool]:
+            out, tied = layer(x, *args)
+            if not tied:
+                self.rows.append(x.shape[0])
+                self.one_call_rows.append(x.shape[0])
+            return out, tied
+
+        monkeypatch.setattr(cpu_ops, "moe_experts", counted_experts)
+        monkeypatch.setattr(cpu_ops, "moe_layer", counted_layer)
 
 
 # family -> (GGUF architecture, config changes to fit what llama.cpp's converter can write)
@@ -960,6 +1031,7 @@ def test_moe_gguf_gives_hfs_logits(family: str, tmp_path: Path, monkeypatch: pyt
     # Three decodes, each sparse layer: its routed experts, and its shared expert in its own call.
     calls_per_layer = 2 if arch == "qwen2moe" else 1
     assert mixtures.rows == [1] * 3 * sum(parsed.moe.sparse_layers) * calls_per_layer
+    assert mixtures.one_call_rows == [1] * 3 * sum(parsed.moe.sparse_layers)  # the routed experts
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe-shared-expert"])

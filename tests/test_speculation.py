@@ -882,6 +882,17 @@ def test_a_batch_too_large_to_speculate_is_planned_ahead_and_verifies_nothing():
     assert drafts == 0 and placeholders > 0
 
 
+def record_verifications(monkeypatch, record) -> None:
+    """Calls record(request) at each verification applied (Speculation.applied), then applies it."""
+    applied = Speculation.applied
+
+    def recorded(self, req, num_proposed, num_emitted):
+        record(req)
+        return applied(self, req, num_proposed, num_emitted)
+
+    monkeypatch.setattr(Speculation, "applied", recorded)
+
+
 def test_each_request_of_a_batch_speculates_by_its_own_rate(monkeypatch):
     """Two requests in one batch: the one whose own acceptance rate is below the bound never
     verifies, the other verifies throughout; the outputs are the same as without speculation."""
@@ -894,14 +905,7 @@ def test_each_request_of_a_batch_speculates_by_its_own_rate(monkeypatch):
     rates = {"low": MIN_KEPT_PROBABILITY / 2, "high": 0.9}
     monkeypatch.setattr(Speculation, "acceptance_rate", lambda self, req: rates[req.request_id])
     verified: list[str] = []
-    applied = Speculation.applied
-    monkeypatch.setattr(
-        Speculation,
-        "applied",
-        lambda self, req, num_proposed, num_emitted: (
-            verified.append(req.request_id) or applied(self, req, num_proposed, num_emitted)
-        ),
-    )
+    record_verifications(monkeypatch, lambda req: verified.append(req.request_id))
     got, _ = run_traffic(sched, FakeExecutor(sched), False, specs, [])
     for rid, _, _, full, _ in specs:
         assert [token for token, _ in got[rid]] == full
@@ -929,14 +933,7 @@ def test_steps_planned_ahead_count_toward_the_time_probe(monkeypatch):
     specs = [("r", prompt, params, reference_outputs(prompt, [], params, 96), [])]
     executor = TimedExecutor(sched, linear_step_time(1.0))  # every token costs a plain step
     verified_at: list[int] = []
-    applied = Speculation.applied
-    monkeypatch.setattr(
-        Speculation,
-        "applied",
-        lambda self, req, num_proposed, num_emitted: (
-            verified_at.append(executor.num_steps) or applied(self, req, num_proposed, num_emitted)
-        ),
-    )
+    record_verifications(monkeypatch, lambda req: verified_at.append(executor.num_steps))
     got, _ = run_traffic(sched, executor, True, specs, [], clock=executor.clock)
     assert [token for token, _ in got["r"]] == specs[0][3]
     assert executor.num_placeholders > 0  # planned ahead while off

@@ -475,6 +475,8 @@ class LlamaLayer:
                 if self.moe.score_correction_bias
                 else None
             )
+            # The router and the experts as one call for steps of few rows (LlamaModel.finish_loading).
+            self.few_rows_moe: FewRowsMoe | None = None
             # gpt-oss: each expert's gate/up bias (this rank's columns) and down bias (whole, added
             # by the rank-0 partial sum only, so the all_reduce adds it once, or with expert
             # parallelism by the expert's own rank: moe_mlp).
@@ -1034,6 +1036,11 @@ class LlamaModel:
             raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:3]}")
         if not self.is_cpu_float32:
             return
+        is_silu = self.config.activation == "silu"
+        adds_down_bias = self.parallel.rank == 0 or self.parallel.expert_parallel
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.few_rows_moe = FewRowsMoe.of(layer, self.has_few_rows_linear, is_silu, adds_down_bias)
         keep_transposed = not self.has_few_rows_linear
         # One float32 copy of each weight (CAN_PREPACK): a plain [out, in] weight that has GGUF
         # blocks is read by no step once prepacked (steps of few rows multiply by the blocks), so
@@ -1402,11 +1409,102 @@ def moe_mlp(
     adds_down_bias: bool = True,
 ) -> torch.Tensor:
     """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism): the
-    selected experts by `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
+    selected experts by the layer's `few_rows_moe` (router and experts in one call, for a step of
+    few rows on the CPU), `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
     or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
-    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike).
-    gpt-oss's experts' down biases are whole on every rank: only the partial sum of the rank that
-    `adds_down_bias` (rank 0) carries them; with expert parallelism each rank's experts' own.
+    own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike)."""
+    op_rows = len(x) <= cpu_ops.MOE_MAX_ROWS
+    out = layer.few_rows_moe(x) if op_rows and layer.few_rows_moe is not None else None
+    if out is None:
+        out = routed_experts(x, layer, activation, has_few_rows_linear, fused_experts, adds_down_bias)
+    if layer.shared_gate_up is not None:
+        # Qwen2-MoE's gate scales the shared expert's output; DeepSeek's shared experts are ungated.
+        scale = (
+            None if layer.shared_expert_gate is None else torch.sigmoid(F.linear(x, layer.shared_expert_gate))
+        )
+        if op_rows and (layer.shared_quantized is not None or (has_few_rows_linear and activation is F.silu)):
+            # Its weights read once for all the step's rows, as a routed expert's: every row's only
+            # choice, weighted by its gate (or 1).
+            every_row = torch.zeros(len(x), 1, dtype=torch.int64)
+            row_weights = x.new_ones(len(x), 1) if scale is None else scale
+            if layer.shared_quantized is not None:
+                shared = layer.shared_quantized.mixture(x, row_weights, every_row)
+            else:
+                shared = float32_mixture(
+                    x, layer.shared_gate_up[None], layer.shared_down[None], row_weights, every_row
+                )
+        else:
+            linear = plain_linear(has_few_rows_linear, x)
+            gate_up, down = layer.shared_expert_weights()
+            gate, up = linear(x, gate_up).chunk(2, dim=-1)
+            shared = linear(activation(gate).mul_(up), down)
+            if scale is not None:
+                shared.mul_(scale)
+        out.add_(shared)
+    return out
+
+
+@dataclass(frozen=True)
+class FewRowsMoe:
+    """A sparse layer's router and routed experts as one C++ call (cpu_ops.moe_layer), its
+    arguments bound once: what `route_experts` and `routed_experts` do for a step of few rows on
+    the CPU, where the softmax router is float32 and one rank holds every expert (as GGUF blocks,
+    or float32 with SiLU or gpt-oss's SwiGLU)."""
+
+    arguments: tuple
+
+    @classmethod
+    def of(
+        cls, layer: LlamaLayer, has_few_rows_linear: bool, is_silu: bool, adds_down_bias: bool = True
+    ) -> FewRowsMoe | None:
+        """The layer's one call, None where a step of few rows needs another path. With tensor
+        parallelism (each rank's share of every expert) only the rank that `adds_down_bias`
+        binds gpt-oss's down biases, as in `routed_experts`."""
+        moe = layer.moe
+        assert moe is not None
+        routes_in_one_call = (
+            has_few_rows_linear
+            and moe.scoring == "softmax"
+            and moe.num_groups <= 1
+            and layer.router_correction_bias is None
+            and layer.router.dtype == torch.float32
+            and layer.num_local_experts == moe.num_experts
+        )
+        if not routes_in_one_call:
+            return None
+        if layer.experts_quantized is not None:
+            experts = layer.experts_quantized
+            projections = zip((experts.gate, experts.up, experts.down), experts.formats, strict=True)
+        elif is_silu or moe.swiglu_limit:
+            inter = layer.experts_gate_up.shape[1] // 2
+            gate_up = layer.experts_gate_up
+            projections = ((gate_up[:, :inter], ""), (gate_up[:, inter:], ""), (layer.experts_down, ""))
+        else:
+            return None
+        routing = (layer.router, layer.router_bias, moe.top_k, moe.norm_topk_prob, moe.softmax_after_topk,
+                   moe.routed_scaling_factor)  # fmt: skip
+        biases = (layer.experts_gate_up_bias, layer.experts_down_bias if adds_down_bias else None)
+        swiglu = (moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else (0.0, 0.0)  # 0: SiLU
+        return cls((*routing, *(part for projection in projections for part in projection), *biases, *swiglu))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's routed experts for x, or None where the router's choice is a tie that
+        torch.topk breaks its own way (the caller routes with torch)."""
+        out, tied = cpu_ops.moe_layer(x, *self.arguments)
+        return None if tied else out
+
+
+def routed_experts(
+    x: torch.Tensor,
+    layer: LlamaLayer,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    has_few_rows_linear: bool,
+    fused_experts: Callable[..., torch.Tensor] | None,
+    adds_down_bias: bool,
+) -> torch.Tensor:
+    """A sparse layer's routed experts over x, routed by `route_experts`. gpt-oss's experts' down
+    biases are whole on every rank: only the partial sum of the rank that `adds_down_bias` (rank
+    0) carries them; with expert parallelism each rank's experts' own.
 
     With expert parallelism the router picks among all experts and this rank weighs only the
     pairs of the experts it holds: the others' weights become 0 (their ids clamped into this
@@ -1447,30 +1545,6 @@ def moe_mlp(
         )  # fmt: skip
     else:
         out = grouped_experts(x, layer, weights, experts, glu, has_few_rows_linear, down_bias)
-    if layer.shared_gate_up is not None:
-        # Qwen2-MoE's gate scales the shared expert's output; DeepSeek's shared experts are ungated.
-        scale = (
-            None if layer.shared_expert_gate is None else torch.sigmoid(F.linear(x, layer.shared_expert_gate))
-        )
-        if op_rows and (layer.shared_quantized is not None or (has_few_rows_linear and is_silu)):
-            # Its weights read once for all the step's rows, as a routed expert's: every row's only
-            # choice, weighted by its gate (or 1).
-            every_row = torch.zeros(len(x), 1, dtype=torch.int64)
-            row_weights = x.new_ones(len(x), 1) if scale is None else scale
-            if layer.shared_quantized is not None:
-                shared = layer.shared_quantized.mixture(x, row_weights, every_row)
-            else:
-                shared = float32_mixture(
-                    x, layer.shared_gate_up[None], layer.shared_down[None], row_weights, every_row
-                )
-        else:
-            linear = plain_linear(has_few_rows_linear, x)
-            gate_up, down = layer.shared_expert_weights()
-            gate, up = linear(x, gate_up).chunk(2, dim=-1)
-            shared = linear(activation(gate).mul_(up), down)
-            if scale is not None:
-                shared.mul_(scale)
-        out.add_(shared)
     return out
 
 

@@ -88,8 +88,10 @@ class StepPipeline:
         self.num_planned_ahead = 0
         # (computed prompt tokens, the worker's execute_s) of each applied step, for the metrics.
         self.execute_times: deque[tuple[bool, float]] = deque(maxlen=MAX_EXECUTE_TIMES)
-        # When the last result came, while steps kept coming (None after an idle wait or a lost
-        # worker): the adaptive speculation rule times each step from it (see `_apply_oldest`).
+        # When the last result came, while steps kept coming: None once `advance` found nothing to
+        # run (the scheduler's loop may also skip `advance` while idle without clearing it; the
+        # first step after that carries a prompt, which is never timed) or the workers were lost.
+        # The adaptive speculation rule times each step from it (see `_apply_oldest`).
         self.clock = clock
         self.last_result_at: float | None = None
 
