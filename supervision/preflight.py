@@ -212,10 +212,10 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
                 f"engine.tensor_parallel={tp} cannot split {model_dir.name}: its {key} {raw[key]} is not "
                 f"divisible by {tp}"
             )
-    if tp > 1 and raw.get("model_type") == "olmoe":
+    if raw.get("model_type") == "olmoe" and tp > num_kv_heads:
         raise Refused(
-            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: OLMoE's q/k norms span all heads; "
-            "supported: tensor_parallel 1"
+            f"engine.tensor_parallel={tp} cannot split {model_dir.name}: OLMoE's q/k norms span all heads, "
+            f"so tensor_parallel must not exceed num_key_value_heads ({num_kv_heads})"
         )
     engine = config.engine
     if engine.device != "cpu":

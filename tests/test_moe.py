@@ -609,18 +609,34 @@ def check_tensor_parallel_against_hf(model_dir: Path, expert_parallel: bool = Fa
             assert int(row.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
 
 
-def test_olmoe_refuses_tensor_parallel_by_name() -> None:
+def test_olmoe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
+    """OLMoE over two ranks: its q and k norms span all heads, so each rank holds its heads' slice
+    of the norms' weights and the ranks add up their sums of squares; with clip_qkv after the
+    norms. HF's logits and greedy tokens through chunked prefill and decodes. More ranks than KV
+    heads (a replicated KV head would count twice in the k norm) are refused by name."""
     from services.gpu_worker.model import Shard
     from services.gpu_worker.parallel import Parallel
 
+    model_dir = save_random_model(
+        random_moe_config("olmoe-clip-qkv"), tmp_path / "olmoe", seed=32, std=0.08, embed_std=0.15
+    )
+    full, parts = full_and_rank_models(model_dir)
+    for rank, part in enumerate(parts):
+        for layer, whole in zip(part.layers, full.layers, strict=True):
+            # 4 heads of 16 (2 KV heads) over 2 ranks: 2 heads and 1 KV head each
+            assert torch.equal(layer.q_norm, whole.q_norm[32 * rank : 32 * (rank + 1)])
+            assert torch.equal(layer.k_norm, whole.k_norm[16 * rank : 16 * (rank + 1)])
+    check_tensor_parallel_against_hf(model_dir)
     config = ModelConfig.from_dict(random_moe_config("olmoe-clip-qkv").to_dict())
-    with pytest.raises(ValueError, match=r"q/k norms span all heads.*tensor_parallel 1"):
-        Shard.of(config, Parallel(0, 2))
+    with pytest.raises(
+        ValueError, match=r"q/k norms span all heads.*must not exceed num_key_value_heads \(2\)"
+    ):
+        Shard.of(config, Parallel(0, 4))
 
 
 def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_path: Path) -> None:
     """Checked before any stage starts: each expert's columns must divide over the ranks, and
-    OLMoE's all-head q/k norms refuse TP > 1."""
+    OLMoE's all-head q/k norms refuse more ranks than KV heads."""
     from ipc.config import load_config
     from supervision.preflight import Refused, check_model
 
@@ -630,8 +646,9 @@ def test_preflight_refuses_tensor_parallel_that_cannot_split_the_experts(tmp_pat
     with pytest.raises(Refused, match="moe_intermediate_size 30 is not divisible by 4"):
         check_model(load_config(None, ["engine.tensor_parallel=4"]), qwen_dir)
     olmoe_dir = save_random_model(random_moe_config("olmoe-clip-qkv"), tmp_path / "olmoe", seed=0, std=0.08)
-    with pytest.raises(Refused, match="OLMoE's q/k norms span all heads"):
-        check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)
+    check_model(load_config(None, ["engine.tensor_parallel=2"]), olmoe_dir)  # 2 KV heads: one a rank
+    with pytest.raises(Refused, match=r"OLMoE's q/k norms span all heads.*num_key_value_heads \(2\)"):
+        check_model(load_config(None, ["engine.tensor_parallel=4"]), olmoe_dir)
 
 
 def write_moe_metadata(writer, config, arch: str, older_converter: bool = False) -> None:

@@ -207,10 +207,12 @@ class Shard:
             raise ValueError(
                 f"tensor_parallel ({world}) must be <= or a multiple of num_key_value_heads ({num_kv})"
             )
-        if config.qk_norm_whole and parallel.is_parallel:
+        if config.qk_norm_whole and world > num_kv:
+            # Its k norm spans all KV heads: a replicated KV head would count twice in the sum of
+            # squares the ranks add up (norm_whole_qk).
             raise ValueError(
-                f"{config.architecture}: its q/k norms span all heads (OLMoE), which tensor_parallel "
-                f"({world}) would split; supported: tensor_parallel 1"
+                f"{config.architecture}: its q/k norms span all heads (OLMoE), so tensor_parallel "
+                f"({world}) must not exceed num_key_value_heads ({num_kv})"
             )
         inter_start, inter_size = parallel.split(config.intermediate_size, "intermediate_size")
         # Each expert's intermediate dimension is split like a dense MLP's: every rank routes the
@@ -730,6 +732,10 @@ class LlamaModel:
             return stacked.get(key.rsplit(".", 1)[1])  # down_proj_bias: whole (LlamaLayer)
         if key == "self_attn.sinks":
             return 0, sh.head_start, sh.num_heads
+        if self.config.qk_norm_whole and key == "self_attn.q_norm.weight":  # OLMoE's: over all heads
+            return 0, sh.head_start * d, sh.num_heads * d
+        if self.config.qk_norm_whole and key == "self_attn.k_norm.weight":
+            return 0, sh.kv_head_start * d, sh.num_kv_heads * d
         projection, _, kind = key.rpartition(".")
         if projection.startswith(("mlp.experts.", "mlp.shared_expert.", "mlp.shared_experts.")):
             if projection.startswith("mlp.experts."):
@@ -1231,7 +1237,8 @@ class LlamaModel:
         if lora is not None:
             lora.add(qkv, x, index, ("q_proj", "k_proj", "v_proj"))
         if c.qk_norm_whole:
-            qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps)
+            whole = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim)
+            qkv = norm_whole_qk(qkv, layer.q_norm, layer.k_norm, eps, self.parallel, whole)
         if c.clip_qkv:
             qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
         q, k, v = layer_ops.qkv_rotary(qkv, layer_meta, qk_norms)
@@ -1309,14 +1316,29 @@ class LlamaModel:
         return self.parallel.all_reduce(hidden.masked_fill_(~is_mine.unsqueeze(-1), 0))
 
 
-def norm_whole_qk(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float) -> torch.Tensor:
+def norm_whole_qk(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    parallel: Parallel = Parallel(),  # noqa: B008 (frozen, so one shared default is safe)
+    whole: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """OLMoE's q and k norms: RMSNorm over the whole q projection and the whole k projection of
-    qkv [T, q + 2 kv] (all heads at once, as OlmoeAttention does), v unchanged."""
+    qkv [T, q + 2 kv] (all heads at once, as OlmoeAttention does), v unchanged. With tensor
+    parallelism a rank holds its heads' share of q and k and of the norms' weights: the ranks add
+    up their sums of squares (one all_reduce of [2, T]) and divide by the whole sizes `whole`
+    (q's, k's)."""
     q_size, kv_size = q_norm.shape[0], k_norm.shape[0]
     q, k, v = qkv.split((q_size, kv_size, qkv.shape[1] - q_size - kv_size), dim=-1)
-    return torch.cat(
-        (F.rms_norm(q, (q_size,), q_norm, eps), F.rms_norm(k, (kv_size,), k_norm, eps), v), dim=-1
-    )
+    if not parallel.is_parallel:
+        return torch.cat(
+            (F.rms_norm(q, (q_size,), q_norm, eps), F.rms_norm(k, (kv_size,), k_norm, eps), v), dim=-1
+        )
+    assert whole is not None
+    squares = parallel.all_reduce(torch.stack((q.float().square().sum(-1), k.float().square().sum(-1))))
+    scales = torch.rsqrt(squares / torch.tensor(whole, dtype=torch.float32).unsqueeze(-1) + eps).to(qkv.dtype)
+    return torch.cat((q * scales[0].unsqueeze(-1) * q_norm, k * scales[1].unsqueeze(-1) * k_norm, v), dim=-1)
 
 
 def moe_route(
