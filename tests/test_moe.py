@@ -559,6 +559,16 @@ def test_moe_tensor_parallel_matches_hf(tmp_path: Path) -> None:
     check_tensor_parallel_against_hf(model_dir)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe-norm-topk"])
+def test_moe_families_tensor_parallel_match_hf(family: str, tmp_path: Path) -> None:
+    """Mixtral and Qwen3-MoE (renormalized top k, per-head q/k norms, a dense layer) over two
+    ranks: HF's logits and greedy tokens through chunked prefill and decodes."""
+    model_dir = save_random_model(
+        random_moe_config(family), tmp_path / family, seed=33, std=0.08, embed_std=0.15
+    )
+    check_tensor_parallel_against_hf(model_dir)
+
+
 def test_gpt_oss_tensor_parallel_matches_hf(tmp_path: Path) -> None:
     """gpt-oss over two ranks: each rank's columns of the interleaved gate/up (one run of the
     checkpoint's columns) and their biases, its heads' sinks, the down biases whole (added by
