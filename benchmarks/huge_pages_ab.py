@@ -66,11 +66,15 @@ class Side:
         from services.gpu_worker.model_runner import ModelRunner
 
         # huge_page_empty reads the switch at each allocation: this runner's weights follow it.
+        before = os.environ.get(SWITCH)
         os.environ[SWITCH] = "1" if huge else "0"
         try:
             self.runner = ModelRunner(model_dir, dtype="float32", kv_cache_bytes=256 << 20)
         finally:
-            del os.environ[SWITCH]
+            if before is None:
+                del os.environ[SWITCH]
+            else:
+                os.environ[SWITCH] = before
         model = self.runner.model
         weights = [w for layer in model.layers for w in layer.plain] + [model.lm_head]
         self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)

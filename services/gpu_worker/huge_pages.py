@@ -1,7 +1,9 @@
 """Memory for the tensors a CPU step reads again and again: weights, KV pages, adapter slots.
 
 Such a tensor of at least HUGE_PAGE_BYTES lies in memory asked for as transparent huge pages
-(madvise), as numpy already asks for its large arrays (the GGUF blocks). A decode step streams
+(madvise), as numpy already asks for its arrays of 4 MB or more (the GGUF blocks). Copies made
+later by torch (oneDNN's prepacked weights, the transposed copies of a CPU without the C++
+kernels) are ordinary pages. A decode step streams
 hundreds of megabytes of weights, and a mixture's step reads a few experts anywhere in its
 layer's: with 4 KB pages every page it enters costs a TLB miss and a page walk, which the
 hardware's prefetchers do not run ahead of (docs/performance.md, "Huge pages for the CPU's
@@ -28,11 +30,17 @@ SWITCH = "BRIGADE_HUGE_PAGES"
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(shape), on the CPU in huge pages where it is large enough to fill one."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or os.environ.get(SWITCH) == "0":
+    if (
+        device.type != "cpu"
+        or nbytes < HUGE_PAGE_BYTES
+        or os.environ.get(SWITCH) == "0"
+        or not hasattr(mmap, "MADV_HUGEPAGE")  # not Linux
+    ):
         return torch.empty(shape, dtype=dtype, device=device)
     # One huge page more than asked, so that the tensor can start on a huge page's boundary (a
     # huge page backs only a whole, aligned 2 MB of the mapping). Private: a shared mapping's
-    # huge pages follow another setting (shmem_enabled).
+    # huge pages follow another setting (shmem_enabled). A tensor's last, partial huge page is
+    # resident whole: up to 2 MB more than its bytes, which no memory budget counts.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # a kernel built without huge pages: ordinary pages
         region.madvise(mmap.MADV_HUGEPAGE)

@@ -1337,8 +1337,12 @@ def norm_whole_qk(
         )
     assert whole is not None
     squares = parallel.all_reduce(torch.stack((q.float().square().sum(-1), k.float().square().sum(-1))))
-    scales = torch.rsqrt(squares / torch.tensor(whole, dtype=torch.float32).unsqueeze(-1) + eps).to(qkv.dtype)
-    return torch.cat((q * scales[0].unsqueeze(-1) * q_norm, k * scales[1].unsqueeze(-1) * k_norm, v), dim=-1)
+    scales = torch.rsqrt(squares / squares.new_tensor(whole).unsqueeze(-1) + eps)
+    # In float32, then back to the model's dtype before the weight, as HF's RMSNorm does.
+    q, k = (
+        (part.float() * scale.unsqueeze(-1)).to(qkv.dtype) for part, scale in zip((q, k), scales, strict=True)
+    )
+    return torch.cat((q * q_norm, k * k_norm, v), dim=-1)
 
 
 def moe_route(
@@ -1432,7 +1436,8 @@ def moe_mlp(
 ) -> torch.Tensor:
     """A sparse layer's MLP over x [T, H] (this rank's partial sum with tensor parallelism): the
     selected experts by the layer's `few_rows_moe` (router and experts in one call, for a step of
-    few rows on the CPU), `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
+    few rows on the CPU, where LlamaModel.finish_loading bound one; whatever `has_few_rows_linear`
+    says), `fused_experts` (the Triton backend's kernels/fused_moe.fused_moe_triton)
     or `grouped_experts`, plus Qwen2-MoE's shared expert, which every token runs, scaled by its
     own sigmoid gate (a function of the whole x, so each rank scales its partial sum alike)."""
     op_rows = len(x) <= cpu_ops.MOE_MAX_ROWS
@@ -1466,7 +1471,7 @@ def moe_mlp(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class FewRowsMoe:
     """A sparse layer's router and routed experts as one C++ call (cpu_ops.moe_layer), its
     arguments bound once: what `route_experts` and `routed_experts` do for a step of few rows on
