@@ -1,14 +1,13 @@
 """Memory for the tensors a CPU step reads again and again: weights, KV pages, adapter slots.
 
 Such a tensor of at least HUGE_PAGE_BYTES lies in memory asked for as transparent huge pages
-(madvise), as numpy already asks for its arrays of 4 MB or more (the GGUF blocks). Copies made
-later by torch (oneDNN's prepacked weights, the transposed copies of a CPU without the C++
-kernels) are ordinary pages. A decode step streams
-hundreds of megabytes of weights, and a mixture's step reads a few experts anywhere in its
+(madvise), as numpy already asks for its arrays of 4 MB or more (the GGUF blocks). A decode step
+streams hundreds of megabytes of weights, and a mixture's step reads a few experts anywhere in its
 layer's: with 4 KB pages every page it enters costs a TLB miss and a page walk, which the
 hardware's prefetchers do not run ahead of (docs/performance.md, "Huge pages for the CPU's
 weights"). Where the kernel grants none (`transparent_hugepage` set to `never`, or built without
-them), the memory is ordinary pages.
+them), the memory is ordinary pages; so are the copies torch makes later (oneDNN's prepacked
+weights, the transposed copies of a CPU without the C++ kernels).
 """
 
 from __future__ import annotations

@@ -1380,10 +1380,7 @@ def route_experts(x: torch.Tensor, layer: LlamaLayer, moe: MoeConfig) -> tuple[t
     if (
         len(x) <= cpu_ops.MOE_MAX_ROWS
         and x.device.type == "cpu"
-        and moe.scoring == "softmax"
-        and moe.num_groups <= 1
-        and layer.router_correction_bias is None
-        and layer.router.dtype == torch.float32
+        and has_cpu_router(layer, moe)
         and cpu_ops.has_kernels(x.dtype)
     ):
         weights, experts, tied = cpu_ops.moe_route(
@@ -1393,6 +1390,17 @@ def route_experts(x: torch.Tensor, layer: LlamaLayer, moe: MoeConfig) -> tuple[t
         if not tied:
             return weights, experts
     return moe_route(F.linear(x, layer.router, layer.router_bias), moe, layer.router_correction_bias)
+
+
+def has_cpu_router(layer: LlamaLayer, moe: MoeConfig) -> bool:
+    """Whether cpu_ops.moe_route computes the layer's router: a float32 softmax one (not
+    DeepSeek's sigmoid scores, groups or correction bias)."""
+    return (
+        moe.scoring == "softmax"
+        and moe.num_groups <= 1
+        and layer.router_correction_bias is None
+        and layer.router.dtype == torch.float32
+    )
 
 
 def limit_to_groups(choice: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
@@ -1489,15 +1497,9 @@ class FewRowsMoe:
         binds gpt-oss's down biases, as in `routed_experts`."""
         moe = layer.moe
         assert moe is not None
-        routes_in_one_call = (
-            has_few_rows_linear
-            and moe.scoring == "softmax"
-            and moe.num_groups <= 1
-            and layer.router_correction_bias is None
-            and layer.router.dtype == torch.float32
-            and layer.num_local_experts == moe.num_experts
-        )
-        if not routes_in_one_call:
+        if not (
+            has_few_rows_linear and has_cpu_router(layer, moe) and layer.num_local_experts == moe.num_experts
+        ):
             return None
         if layer.experts_quantized is not None:
             experts = layer.experts_quantized
