@@ -1,5 +1,5 @@
-"""Accuracy of engine.cpu_int8_activations and engine.cpu_wide_step_dtype against HF float32, on
-the embedded SmolLM2-135M.
+"""Accuracy of engine.cpu_int8_activations, engine.cpu_wide_step_dtype and engine.kv_cache_dtype
+against HF float32, on the embedded SmolLM2-135M.
 
     python benchmarks/int8_accuracy.py [--json FILE] [--new-tokens 32] [--threads N]
 
@@ -15,6 +15,9 @@ The wide-step modes teacher-force the steps a loaded server runs: each prompt pr
 every prompt's next token in one decode step of all of them (8 rows), all wide steps; with float32
 wide steps (the control) and with bfloat16 ones (a second runner: the dtype is chosen at load).
 They count every token, the first (the prefill's) too, since both kinds of step change.
+
+The bfloat16 KV cache modes (a third runner, engine.kv_cache_dtype=bfloat16) teacher-force both
+ways, one row a step and batched, counted as above.
 """
 
 from __future__ import annotations
@@ -203,6 +206,13 @@ def main() -> None:
         sys.exit("this CPU has no native bf16 matmul: the bf16 wide steps fall back to float32")
     result["modes"]["bfloat16 wide steps (batched)"] = compare_batched(bf16, prompts, references)
     show("bfloat16 wide steps (batched)", result["modes"]["bfloat16 wide steps (batched)"])
+    del bf16
+    kv_bf16 = ModelRunner(
+        model_dir, dtype="float32", kv_cache_bytes=64 << 20, threads=args.threads, kv_cache_dtype="bfloat16"
+    )
+    for mode, measure in (("bfloat16 KV cache", compare), ("bfloat16 KV cache (batched)", compare_batched)):
+        result["modes"][mode] = measure(kv_bf16, prompts, references)
+        show(mode, result["modes"][mode])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -16,6 +16,9 @@ With --wide-ab it runs decode steps of 16 and 64 rows and a 512-token prefill on
 with float32 wide steps and one with engine.cpu_wide_step_dtype=bfloat16, alternating in one
 process, and prints both and bf16 / float32; first the layer GEMMs alone, both ways, at 16, 64 and
 512 rows.
+With --kv-ab it runs decode steps at long contexts (1, 16 and 64 rows) and a 512-token prefill on
+two runners, one with a float32 KV cache and one with engine.kv_cache_dtype=bfloat16, alternating
+in one process, and prints both, bf16 / float32, and the bytes of KV each step's attention reads.
 """
 
 from __future__ import annotations
@@ -173,11 +176,29 @@ def wide_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
     }
 
 
-def wide_ab(
+def kv_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
+    rng, blocks = np.random.default_rng(3), Blocks()
+    return {
+        "decode1@2048": decode_plan(blocks, 1, 2048, rng),
+        "decode16@1024": decode_plan(blocks, 16, 1024, rng),
+        "decode64@128": decode_plan(blocks, 64, 128, rng),
+        "decode64@512": decode_plan(blocks, 64, 512, rng),
+        "prefill512": prefill_plan(blocks, 1, 512, rng),
+    }
+
+
+def kv_bytes_read(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader]) -> int:
+    """Bytes of keys and values a step's attention reads: each sequence's whole context, once a layer."""
+    k_cache = runner.kv_cache[0][0]
+    per_token = 2 * len(runner.kv_cache) * k_cache[0, 0].numel() * k_cache.element_size()
+    return int(plan[0]["seq_lens"].sum()) * per_token
+
+
+def alternating_ab(
     runners: dict[str, ModelRunner], plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
 ) -> dict:
-    """Each plan on each runner (float32 and bf16 wide steps), alternating ABBA rep by rep so that
-    load on a shared host hits both sides alike; wall and process CPU ms, median and min."""
+    """Each plan on each of two runners, alternating ABBA rep by rep so that load on a shared host
+    hits both sides alike; wall and process CPU ms, median and min."""
     result = {}
     sides = list(runners)
     for name, plan in plans.items():
@@ -327,8 +348,21 @@ def main() -> None:
         action="store_true",
         help="only decode16 / 64 and prefill512 with float32 vs bfloat16 wide steps, alternating",
     )
+    parser.add_argument(
+        "--kv-ab",
+        action="store_true",
+        help="only long-context decodes and prefill512 with a float32 vs a bfloat16 KV cache, alternating",
+    )
     args = parser.parse_args()
-    plans = int8_ab_scenarios() if args.int8_ab else wide_ab_scenarios() if args.wide_ab else scenarios()
+    plans = (
+        int8_ab_scenarios()
+        if args.int8_ab
+        else wide_ab_scenarios()
+        if args.wide_ab
+        else kv_ab_scenarios()
+        if args.kv_ab
+        else scenarios()
+    )
     num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
     model_dir = prepare_model(None)
     config = json.loads((model_dir / "config.json").read_text())
@@ -348,7 +382,31 @@ def main() -> None:
         if bf16.model.wide_step_dtype != torch.bfloat16:
             sys.exit("bf16 wide steps are not available here (see the warning above)")
         result["wide_gemm_ab"] = wide_gemm_ab({"float32": runner, "bfloat16": bf16}, args.reps)
-        result["wide_ab"] = wide_ab({"float32": runner, "bfloat16": bf16}, plans, args.reps)
+        result["wide_ab"] = alternating_ab({"float32": runner, "bfloat16": bf16}, plans, args.reps)
+        plans = {}
+    if args.kv_ab:
+        runners = {
+            "float32": runner,
+            "bfloat16": ModelRunner(
+                model_dir,
+                dtype=args.dtype,
+                kv_cache_bytes=kv_bytes,
+                threads=args.threads,
+                kv_cache_dtype="bfloat16",
+            ),
+        }
+        result["kv_ab"] = alternating_ab(runners, plans, args.reps)
+        print(
+            f"\n{'step':<14} {'KV read f32':>12} {'KV read bf16':>13} {'bf16/f32 wall':>14} {'bf16/f32 CPU':>13}"
+        )
+        for name, plan in plans.items():
+            entry = result["kv_ab"][name]
+            entry["kv_bytes_read"] = {side: kv_bytes_read(r, plan) for side, r in runners.items()}
+            print(
+                f"{name:<14} {entry['kv_bytes_read']['float32'] / 2**20:>9.1f} MB "
+                f"{entry['kv_bytes_read']['bfloat16'] / 2**20:>10.1f} MB "
+                f"{entry['bfloat16_over_float32_ms_p50']:>14.2f} {entry['bfloat16_over_float32_cpu_ms_p50']:>13.2f}"
+            )
         plans = {}
     if args.int8_ab:
         result["int8_ab"] = int8_ab(runner, plans, args.reps)

@@ -72,6 +72,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpu_int8_activations: bool = False  # GGUF-block GEMVs on 8-bit activations (changes the numbers)
     # Steps of 5+ rows (prefills, batched decodes) multiply in bf16 where the CPU has it (changes the numbers)
     cpu_wide_step_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The paged KV cache's dtype: auto = the model's; bfloat16 under a float32 CPU model halves
+    # its memory and the bytes decode attention reads (changes the numbers)
+    kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
     # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start, one
     # per padded batch size (services/gpu_worker/cuda_graphs.py); 0 = every step eager.
     cuda_graph_max_batch: NonNegative = 256
@@ -456,6 +459,19 @@ def check_engine(config: Config) -> None:
         raise ConfigError(
             f"engine.cpu_wide_step_dtype={config.engine.cpu_wide_step_dtype}: applies to the CPU path in float32 "
             f"only (engine.device=cpu, model.dtype auto or float32), got engine.device={config.engine.device}, "
+            f"model.dtype={config.model.dtype}"
+        )
+    device, dtype = config.engine.device, config.model.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    if (
+        config.engine.kv_cache_dtype == "bfloat16"
+        and dtype != "bfloat16"
+        and (device, dtype) != ("cpu", "float32")
+    ):
+        raise ConfigError(
+            "engine.kv_cache_dtype=bfloat16: a bfloat16 cache under another dtype's model is the CPU path's, "
+            f"under float32 (engine.device=cpu, model.dtype auto or float32); got engine.device={device}, "
             f"model.dtype={config.model.dtype}"
         )
 

@@ -140,12 +140,23 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-// Asks for the rows of a page ahead of their use (`width` floats a token, `token_stride` apart):
+// Asks for the rows of a page ahead of their use (`width` values a token, `token_stride` apart):
 // pages lie anywhere in the cache, and a head's rows are a strided part of each, where the
 // hardware's prefetchers, which follow a stream within a 4 KB page, miss most of them.
-inline void prefetch_rows(const float* rows, int64_t begin, int64_t end, int64_t token_stride, int64_t width) {
+template <typename KV>
+inline void prefetch_rows(const KV* rows, int64_t begin, int64_t end, int64_t token_stride, int64_t width) {
+  constexpr int64_t kPerLine = 64 / sizeof(KV);
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t i = 0; i < width; i += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + t * token_stride + i), _MM_HINT_T0);
+    for (int64_t i = 0; i < width; i += kPerLine)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * token_stride + i), _MM_HINT_T0);
+}
+
+// Eight of a KV cache's values as floats: float32 as they are, bfloat16 widened exactly
+// (engine.kv_cache_dtype), so the attention's arithmetic is float32 either way.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
 }
 
 // The floats attend_kv_heads needs as `scratch` for `heads` query heads over up to `max_len` tokens.
@@ -160,8 +171,8 @@ inline int64_t attend_scratch_size(int64_t heads, int64_t max_len) { return head
 // output accumulator stays in registers while it takes a page. `sinks` (nullptr for none) holds
 // the heads' sink logits: each joins its head's softmax denominator as a score without a value
 // (gpt-oss).
-template <int D>
-void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+template <int D, typename KV>
+void attend_kv_heads(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* table,
                      int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t kv_heads,
                      int64_t group, float scale, const float* sinks, float* scratch, float* out) {
   constexpr int kVectors = D / 8;
@@ -171,8 +182,8 @@ void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache,
   const __m256 scales = _mm256_set1_ps(scale);
   float* max_scores = scratch + heads * len;
   float* sums = max_scores + heads;
-  const float* k_heads = k_cache + kv_head * D;
-  const float* v_heads = v_cache + kv_head * D;
+  const KV* k_heads = k_cache + kv_head * D;
+  const KV* v_heads = v_cache + kv_head * D;
   for (int64_t h = 0; h < heads; ++h)
     max_scores[h] = sinks != nullptr ? sinks[h] : -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -181,7 +192,7 @@ void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache,
       if (b + 1 < num_blocks)  // the next page's rows, a share with each head
         prefetch_rows(k_heads + table[b + 1] * block_stride, h * block_size / heads, (h + 1) * block_size / heads,
                       token_stride, width);
-      const float* keys = k_heads + table[b] * block_stride + (h / group) * D;
+      const KV* keys = k_heads + table[b] * block_stride + (h / group) * D;
       const float* query = q + h * D;
       float* scores = scratch + h * len + first;
       __m256 maxima = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -193,16 +204,16 @@ void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache,
         for (int i = 0; i < kVectors; ++i) {
           const __m256 qi = _mm256_loadu_ps(query + 8 * i);
           for (int j = 0; j < 8; ++j)
-            dots[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * i), dots[j]);
+            dots[j] = _mm256_fmadd_ps(qi, load8(keys + (t + j) * token_stride + 8 * i), dots[j]);
         }
         const __m256 eight = _mm256_mul_ps(sums_of_eight(dots), scales);
         _mm256_storeu_ps(scores + t, eight);
         maxima = _mm256_max_ps(maxima, eight);
       }
       for (; t < n; ++t) {
-        const float* key = keys + t * token_stride;
+        const KV* key = keys + t * token_stride;
         __m256 dot = _mm256_setzero_ps();
-        for (int i = 0; i < kVectors; ++i) dot = _mm256_fmadd_ps(_mm256_loadu_ps(query + 8 * i), _mm256_loadu_ps(key + 8 * i), dot);
+        for (int i = 0; i < kVectors; ++i) dot = _mm256_fmadd_ps(_mm256_loadu_ps(query + 8 * i), load8(key + 8 * i), dot);
         const float score = horizontal_sum(dot) * scale;
         scores[t] = score;
         max_score = std::max(max_score, score);
@@ -236,14 +247,14 @@ void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache,
       if (b + 1 < num_blocks)
         prefetch_rows(v_heads + table[b + 1] * block_stride, h * block_size / heads, (h + 1) * block_size / heads,
                       token_stride, width);
-      const float* values = v_heads + table[b] * block_stride + (h / group) * D;
+      const KV* values = v_heads + table[b] * block_stride + (h / group) * D;
       const float* weights = scratch + h * len + first;
       __m256 acc[kVectors];
       for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_loadu_ps(out + h * D + 8 * i);
       for (int64_t t = 0; t < n; ++t) {
-        const float* value = values + t * token_stride;
+        const KV* value = values + t * token_stride;
         const __m256 p = _mm256_set1_ps(weights[t]);
-        for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * i), acc[i]);
+        for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_fmadd_ps(p, load8(value + 8 * i), acc[i]);
       }
       for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(out + h * D + 8 * i, acc[i]);
     }
@@ -255,21 +266,31 @@ void attend_kv_heads(const float* q, const float* k_cache, const float* v_cache,
   }
 }
 
-using AttendFn = decltype(&attend_kv_heads<64>);
+template <typename KV>
+using AttendFn = decltype(&attend_kv_heads<64, KV>);
 
-AttendFn attend_for(int64_t head_dim) {
+template <typename KV>
+AttendFn<KV> attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return &attend_kv_heads<16>;
-    case 32: return &attend_kv_heads<32>;
-    case 64: return &attend_kv_heads<64>;
-    case 96: return &attend_kv_heads<96>;
-    case 128: return &attend_kv_heads<128>;
-    case 256: return &attend_kv_heads<256>;
+    case 16: return &attend_kv_heads<16, KV>;
+    case 32: return &attend_kv_heads<32, KV>;
+    case 64: return &attend_kv_heads<64, KV>;
+    case 96: return &attend_kv_heads<96, KV>;
+    case 128: return &attend_kv_heads<128, KV>;
+    case 256: return &attend_kv_heads<256, KV>;
     default: TORCH_CHECK(false, "paged_decode: head_dim ", head_dim, " is not one of 16, 32, 64, 96, 128, 256");
   }
 }
 
-// q [S, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables [S, max_blocks];
+// Calls f with a null pointer of the caches' element type: float32, or bfloat16 (engine.kv_cache_dtype).
+template <typename F>
+void with_kv_type(at::ScalarType type, const char* op, F&& f) {
+  if (type == at::kFloat) return f(static_cast<const float*>(nullptr));
+  TORCH_CHECK(type == at::kBFloat16, op, ": caches must be float32 or bfloat16, got ", type);
+  f(static_cast<const at::BFloat16*>(nullptr));
+}
+
+// q [S, Hq, D] float32; k_cache, v_cache [num_blocks, block_size, Hk, D], float32 or bfloat16; block_tables [S, max_blocks];
 // seq_lens [S] (the context, the new token included, whose K/V are already in the cache);
 // sinks [Hq] float32, each query head's sink logit, or none.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -277,9 +298,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode: q [S, Hq, D] and two caches [N, block_size, Hk, D] of one shape");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: q float32 and two caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
   const auto queries = q.contiguous();
   const auto tables = block_tables.to(at::kLong).contiguous();
@@ -295,7 +315,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: sinks must be float32 [Hq]");
   const auto sink_values = sinks.has_value() ? sinks->contiguous() : at::Tensor();
   const float* sink_data = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
-  const AttendFn attend = attend_for(head_dim);
   const int64_t max_blocks = tables.size(1), group = num_heads / num_kv_heads;
   const int64_t* table_data = tables.data_ptr<int64_t>();
   const int64_t* len_data = lens.data_ptr<int64_t>();
@@ -311,23 +330,27 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   auto out = at::empty_like(queries);
   const float* q_data = queries.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
   // All of a sequence's heads in one item read its pages' rows whole, the prefetchers' best case;
   // items of one KV head where there are too few sequences to keep every thread busy.
   const int64_t kv_heads_per_item = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / kv_heads_per_item;
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(attend_scratch_size(kv_heads_per_item * group, max_blocks * block_size));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / items_per_seq, h = (item % items_per_seq) * kv_heads_per_item;
-      const int64_t offset = (s * num_heads + h * group) * head_dim;
-      attend(q_data + offset, k_data, v_data, table_data + s * max_blocks, len_data[s], block_size,
-             num_kv_heads * head_dim, h, kv_heads_per_item, group, scale_f,
-             sink_data != nullptr ? sink_data + h * group : nullptr, scratch.data(), out_data + offset);
-    }
+  with_kv_type(k_cache.scalar_type(), "paged_decode", [&](auto type) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    const AttendFn<KV> attend = attend_for<KV>(head_dim);
+    const KV* k_data = static_cast<const KV*>(k_cache.data_ptr());
+    const KV* v_data = static_cast<const KV*>(v_cache.data_ptr());
+    at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(attend_scratch_size(kv_heads_per_item * group, max_blocks * block_size));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / items_per_seq, h = (item % items_per_seq) * kv_heads_per_item;
+        const int64_t offset = (s * num_heads + h * group) * head_dim;
+        attend(q_data + offset, k_data, v_data, table_data + s * max_blocks, len_data[s], block_size,
+               num_kv_heads * head_dim, h, kv_heads_per_item, group, scale_f,
+               sink_data != nullptr ? sink_data + h * group : nullptr, scratch.data(), out_data + offset);
+      }
+    });
   });
   return out;
 }
@@ -1977,6 +2000,17 @@ void lora_add(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorL
 }
 
 // ---- The decode step of a few sequences: every layer in one parallel region ----
+
+// A token's n keys or values into a float32 cache as they are, or into a bfloat16 one rounded to
+// nearest even, as torch's conversion rounds (the torch path stores with it).
+inline void store_kv_row(const float* values, int64_t n, const at::Tensor& cache, int64_t offset) {
+  if (cache.scalar_type() == at::kFloat) {
+    std::copy(values, values + n, cache.data_ptr<float>() + offset);
+  } else {
+    at::BFloat16* out = cache.data_ptr<at::BFloat16>() + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = at::BFloat16(values[i]);
+  }
+}
 //
 // A decode step of one to four tokens is a chain of small pieces of work: a layer's four
 // matrix-vector products, two norms, rotary, attention and SiLU. Handing each piece to the
@@ -2133,13 +2167,16 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
   TORCH_CHECK(k0.dim() == 4, "few_rows_decode_layers: caches [blocks, block_size, Hk, D]");
   const int64_t num_cache_blocks = k0.size(0), block_size = k0.size(1), num_kv_heads = k0.size(2),
                 head_dim = k0.size(3);
+  const bool is_bf16_cache = k0.scalar_type() == at::kBFloat16;
   for (int64_t l = 0; l < num_layers; ++l)
     for (const at::Tensor& cache : {k_caches[l], v_caches[l]})
-      TORCH_CHECK(cache.sizes() == k0.sizes() && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
-                  "few_rows_decode_layers: contiguous float32 caches, all of one shape");
+      TORCH_CHECK(cache.sizes() == k0.sizes() && (is_bf16_cache || cache.scalar_type() == at::kFloat) &&
+                      cache.scalar_type() == k0.scalar_type() && cache.is_contiguous(),
+                  "few_rows_decode_layers: contiguous float32 or bfloat16 caches, all of one shape and dtype");
   TORCH_CHECK(num_heads > 0 && num_heads % num_kv_heads == 0, "few_rows_decode_layers: ", num_heads,
               " query heads for ", num_kv_heads, " KV heads");
-  const AttendFn attend = attend_for(head_dim);
+  const AttendFn<float> attend_float = attend_for<float>(head_dim);
+  const AttendFn<at::BFloat16> attend_bf16 = attend_for<at::BFloat16>(head_dim);
   const int64_t group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim, half = head_dim / 2;
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim, attn_width = num_heads * head_dim;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == num_tokens * head_dim && slots.numel() == num_tokens &&
@@ -2304,19 +2341,25 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
             }
           }
           const float* k = row + num_heads * head_dim;
-          std::copy(k, k + kv_row, k_caches[l].data_ptr<float>() + slot_data[s] * kv_row);
-          std::copy(k + kv_row, k + 2 * kv_row, v_caches[l].data_ptr<float>() + slot_data[s] * kv_row);
+          store_kv_row(k, kv_row, k_caches[l], slot_data[s] * kv_row);
+          store_kv_row(k + kv_row, kv_row, v_caches[l], slot_data[s] * kv_row);
         }
       }
 #pragma omp barrier
       {  // each query head of each token over its sequence's pages
         const auto [begin, end] = share(num_tokens * num_heads, t, threads);
-        const float *k_data = k_caches[l].data_ptr<float>(), *v_data = v_caches[l].data_ptr<float>();
         for (int64_t item = begin; item < end; ++item) {
           const int64_t s = item / num_heads, head = item % num_heads;
-          attend(qkv_d + s * qkv_width + head * head_dim, k_data, v_data, table_data + s * max_blocks, len_data[s],
-                 block_size, kv_row, head / group, 1, 1, scale_f, nullptr, scratch.data(),
-                 attn_d + s * attn_width + head * head_dim);
+          const float* query = qkv_d + s * qkv_width + head * head_dim;
+          float* result = attn_d + s * attn_width + head * head_dim;
+          if (is_bf16_cache)
+            attend_bf16(query, k_caches[l].data_ptr<at::BFloat16>(), v_caches[l].data_ptr<at::BFloat16>(),
+                        table_data + s * max_blocks, len_data[s], block_size, kv_row, head / group, 1, 1, scale_f,
+                        nullptr, scratch.data(), result);
+          else
+            attend_float(query, k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(),
+                         table_data + s * max_blocks, len_data[s], block_size, kv_row, head / group, 1, 1, scale_f,
+                         nullptr, scratch.data(), result);
         }
       }
 #pragma omp barrier

@@ -173,6 +173,7 @@ def ops():
 
 
 def has_paged_decode(head_dim: int, dtype: torch.dtype) -> bool:
+    """paged_decode for a model in `dtype` (float32; its caches float32 or bfloat16)."""
     return dtype == torch.float32 and head_dim in HEAD_DIMS and load()
 
 
@@ -191,7 +192,8 @@ def paged_decode(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [S, Hq, D] (one token per sequence) over its context in the caches [N, block_size, Hk, D]:
+    """q [S, Hq, D] (one token per sequence) over its context in the caches [N, block_size, Hk, D]
+    (float32, or bfloat16 read widened: engine.kv_cache_dtype):
     block_tables [S, max_blocks] and seq_lens [S] (int64 avoids a conversion per call) -> [S, Hq, D].
     sinks [Hq]: each query head's sink logit in the softmax denominator (gpt-oss), None without."""
     return ops().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sinks)
@@ -408,7 +410,8 @@ def few_rows_decode_layers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decoder layer of an all-decode step of at most MAX_LINEAR_ROWS tokens, in one call
     (the layers' small ops chained in C++): (the last layer's output, the residual stream).
-    cos / sin: [T, D] signed full-width rotary rows; kv_caches: (K caches, V caches), one a layer;
+    cos / sin: [T, D] signed full-width rotary rows; kv_caches: (K caches, V caches), one a layer,
+    all float32 or all bfloat16 (stored rounded to nearest even, read widened);
     slots, block_tables, seq_lens: int64. int8_activations: the GGUF blocks multiply by
     linear_quantized_int8. lora: the step's adapter deltas, A and B of q, k, v, o, gate, up, down
     in that order, each every layer's ([layers, slots, max_rank, features]), their ranks [layers,

@@ -221,6 +221,13 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     if engine.device != "cpu":
         return  # a CUDA worker's budget depends on free device memory: it checks at start
     dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+    if engine.kv_cache_dtype != "auto":
+        if latent_width:
+            raise Refused(
+                f"engine.kv_cache_dtype={engine.kv_cache_dtype} cannot serve {model_dir.name}: latent attention "
+                "(DeepSeek) keeps its caches in the model's dtype; use auto"
+            )
+        dtype = engine.kv_cache_dtype  # the cache's bytes, which is all the budget below counts
     rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
     token_width = latent_width or 2 * rank_kv_heads * head_dim  # elements per token and layer
     bytes_per_block = num_layers * engine.block_size * token_width * DTYPE_BYTES[dtype]

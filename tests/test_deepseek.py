@@ -256,6 +256,23 @@ def test_what_deepseek_brigade_cannot_run_is_refused_by_name(
         ModelConfig.from_dict(config)
 
 
+def test_a_bfloat16_cache_for_latent_attention_is_refused_by_name(tmp_path: Path) -> None:
+    """engine.kv_cache_dtype=bfloat16 is the C++ and torch paths' over K and V heads; the latent
+    caches stay in the model's dtype, refused at preflight and by the worker."""
+    from ipc.config import load_config
+    from supervision.preflight import Refused, check_model
+
+    path = save_deepseek(random_deepseek_config("v3"), tmp_path / "v3", seed=5)
+    with pytest.raises(Refused, match=r"kv_cache_dtype=bfloat16 cannot serve .*latent attention"):
+        check_model(load_config(None, ["engine.kv_cache_dtype=bfloat16"]), path)
+    with pytest.raises(
+        ValueError, match=r"latent attention \(DeepSeek\) keeps its caches in the model's dtype"
+    ):
+        ModelRunner(
+            path, dtype="float32", kv_cache_bytes=1 << 20, block_size=BLOCK, kv_cache_dtype="bfloat16"
+        )
+
+
 def test_a_lora_adapter_on_latent_attention_is_refused_by_name(tmp_path: Path) -> None:
     """The adapter slots add deltas to q/k/v/o heads, which latent attention does not have."""
     from services.gpu_worker.lora import AdapterError

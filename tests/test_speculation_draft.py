@@ -136,13 +136,20 @@ def test_greedy_outputs_with_the_draft_equal_those_without(pair: tuple[Path, Pat
             assert sched.num_preemptions > 0
 
 
-def test_a_draft_that_is_the_target_has_every_proposal_accepted(pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_a_draft_that_is_the_target_has_every_proposal_accepted(
+    pair: tuple[Path, Path], kv_cache_dtype
+) -> None:
     """The draft's cache holds the draft's KV of exactly the tokens the target's holds (same
-    blocks, same slots, written in the same steps), so a draft with the target's weights proposes
-    the target's greedy tokens: every one is kept, through chunked prefill and preemption."""
+    blocks, same slots, written in the same steps, in the target's engine.kv_cache_dtype), so a
+    draft with the target's weights proposes the target's greedy tokens: every one is kept,
+    through chunked prefill and preemption."""
     target, _ = pair
-    _, plain = serve_in_process(runner_of(target))
-    sched, got = serve_in_process(runner_of(target, target), num_blocks=12, proposer=DraftModelProposer(3))
+    _, plain = serve_in_process(runner_of(target, kv_cache_dtype=kv_cache_dtype))
+    speculating = runner_of(target, target, kv_cache_dtype=kv_cache_dtype)
+    assert speculating.draft is not None
+    assert {k.dtype for k, _ in speculating.draft.kv_cache} == {speculating.kv_dtype}
+    sched, got = serve_in_process(speculating, num_blocks=12, proposer=DraftModelProposer(3))
     assert got == plain
     spec = sched.speculation
     assert spec is not None and spec.num_draft_tokens > 0

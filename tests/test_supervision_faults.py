@@ -146,6 +146,13 @@ def test_kv_check_uses_the_models_shape(tmp_path: Path, tiny_model_dir: Path) ->
     (longer / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 4096}))
     with pytest.raises(Refused, match=r"engine.kv_cache_mib=1 holds 128 KV block\(s\) .* max_model_len=4096"):
         check_model(load_config(None, ["engine.kv_cache_mib=1", "model.max_model_len=4096"]), longer)
+    # A bfloat16 cache (engine.kv_cache_dtype) takes half the bytes a token: 4096 tokens fit.
+    check_model(
+        load_config(
+            None, ["engine.kv_cache_mib=1", "model.max_model_len=4096", "engine.kv_cache_dtype=bfloat16"]
+        ),
+        longer,
+    )
     with pytest.raises(
         Refused, match=r"engine.tensor_parallel=3 cannot split .*: it must be <= or a multiple"
     ):

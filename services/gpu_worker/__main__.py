@@ -197,6 +197,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         lora_dtype=config.lora.dtype,
         lora_adapters=config.lora.adapters,
         wide_step_dtype=engine.cpu_wide_step_dtype,
+        kv_cache_dtype=engine.kv_cache_dtype,
         embedding=embedding_of(config.model, Path(stage.info.model_dir)),
         embedding_caches=stage.endpoints.embedding_cache if config.encoder.num_encoders else None,
         draft_model=Path(config.speculative.model) if config.speculative.method == "draft_model" else None,
@@ -204,12 +205,13 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         cuda_graph_max_batch=engine.cuda_graph_max_batch,
     )
     stage.log.info(
-        "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d)",
+        "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d, %s)",
         runner.model_name,
         runner.dtype,
         runner.device,
         runner.num_kv_blocks,
         runner.block_size,
+        runner.kv_dtype,
     )
     return runner
 

@@ -205,7 +205,9 @@ class TorchOps:
     residual add + RMSNorm run the C++ ops of kernels/cpu_ops.cpp (decode reads the pages in
     place). Otherwise (other dtypes, or no kernels) decode gathers each sequence's pages once per layer (one index_select of contiguous [Hk*D]
     rows) and runs one batched SDPA with the query heads of a KV group as the query rows, so
-    grouped KV heads are never repeated."""
+    grouped KV heads are never repeated. A bfloat16 cache under a float32 model
+    (engine.kv_cache_dtype) holds the keys and values rounded, and every path reads them widened
+    back to float32 (the C++ decode in place)."""
 
     def __init__(self, shapes: Shapes, device: torch.device, dtype: torch.dtype) -> None:
         self.s = shapes
@@ -393,8 +395,9 @@ class TorchOps:
         v_rows = v_cache.view(-1, num_kv_heads * head_dim)
         if meta.store_tokens is not None:
             k, v = k[meta.store_tokens], v[meta.store_tokens]
-        k_rows.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
-        v_rows.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
+        # A bfloat16 cache under a float32 model (engine.kv_cache_dtype) stores the rounded values.
+        k_rows.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1).to(k_rows.dtype))
+        v_rows.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1).to(v_rows.dtype))
         if meta.is_all_decode:
             return self._decode(q, k_cache, v_cache, meta, scale, sinks).view(num_tokens, -1)
         out = q.new_empty(num_tokens, num_heads, head_dim)
@@ -403,8 +406,8 @@ class TorchOps:
                 q[meta.decode_tokens], k_cache, v_cache, meta, scale, sinks
             )
         for seq in meta.prefills:
-            ctx_k = k_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
-            ctx_v = v_rows.index_select(0, seq.context_slots).view(1, -1, num_kv_heads, head_dim)
+            ctx_k = k_rows.index_select(0, seq.context_slots).to(q.dtype).view(1, -1, num_kv_heads, head_dim)
+            ctx_v = v_rows.index_select(0, seq.context_slots).to(q.dtype).view(1, -1, num_kv_heads, head_dim)
             seq_q = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if self.s.softcap or sinks is not None:
                 q_len, length = seq_q.shape[2], ctx_k.shape[1]
@@ -443,8 +446,8 @@ class TorchOps:
         shape = (num_seqs, meta.decode_len, num_kv_heads, head_dim)
         # Whole blocks are gathered (12 KiB rows: far fewer, larger copies than per-slot rows) and used in place,
         # transposed: CPU flash SDPA reads the strided [S, Hk, L, D] view without another copy.
-        ctx_k = k_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
-        ctx_v = v_cache.index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
+        ctx_k = k_cache.index_select(0, meta.decode_blocks).to(q.dtype).view(shape).transpose(1, 2)
+        ctx_v = v_cache.index_select(0, meta.decode_blocks).to(q.dtype).view(shape).transpose(1, 2)
         # The G query heads sharing a KV head become G query rows against it: no KV repeat.
         grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if self.s.softcap or sinks is not None:

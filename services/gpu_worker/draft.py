@@ -51,22 +51,24 @@ class DraftModel:
         model_dir: Path,
         target: ModelConfig | BertConfig,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         device: torch.device,
         block_size: int,
         backend: str | None,
     ) -> None:
         self.config = check_draft_model(target, Path(model_dir))
         self.dtype, self.device, self.block_size = dtype, device, block_size
+        self.kv_dtype = kv_dtype  # the target's (engine.kv_cache_dtype)
         self.model = LlamaModel(self.config, dtype, device, block_size, backend=backend)
         load_weights(self.model, Path(model_dir))
         self.num_kv_heads = self.model.shapes.num_kv_heads
-        self.bytes_per_block = kv_bytes_per_block(self.config, self.num_kv_heads, block_size, dtype)
+        self.bytes_per_block = kv_bytes_per_block(self.config, self.num_kv_heads, block_size, kv_dtype)
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         log.info("draft model %s: %d layers", Path(model_dir).name, self.config.num_hidden_layers)
 
     def allocate(self, num_blocks: int) -> None:
         self.kv_cache = paged_kv_cache(
-            self.config, self.num_kv_heads, num_blocks, self.block_size, self.dtype, self.device
+            self.config, self.num_kv_heads, num_blocks, self.block_size, self.kv_dtype, self.device
         )
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ from ipc.validation import MAX_LOGPROBS
 from services.common.pooling import Embedding
 from services.common.vision_language import images_see_each_other, language_model_config
 from services.gpu_worker.adapter_files import load_adapter
-from services.gpu_worker.architectures import BertConfig, config_from_dir
+from services.gpu_worker.architectures import BertConfig, ModelConfig, config_from_dir
 from services.gpu_worker.attention import mrope_positions
 from services.gpu_worker.bert import BertEncoder
 from services.gpu_worker.cuda_graphs import DecodeGraphs, unsupported_reason
@@ -84,6 +84,7 @@ class ModelRunner:
         lora_adapters: dict[str, str] | None = None,
         lora_dtype: str = "auto",
         wide_step_dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
         embedding: Embedding | None = None,
         embedding_caches: Callable[[int], str] | None = None,
         draft_model: Path | None = None,
@@ -139,6 +140,7 @@ class ModelRunner:
                 has_lm_head=embedding is None,
             )
         load_weights(self.model, model_dir)
+        self.kv_dtype = self._kv_cache_dtype(kv_cache_dtype, config)
         # The encoders' embedding caches by replica (Endpoints.embedding_cache), mapped when a
         # step first has an image of theirs; None: a run without encoders.
         self.embedding_cache_name = embedding_caches
@@ -166,7 +168,9 @@ class ModelRunner:
                 raise ValueError(
                     "speculative.method draft_model: the draft runs on one rank (engine.tensor_parallel 1)"
                 )
-            self.draft = DraftModel(draft_model, config, self.dtype, self.device, block_size, backend)
+            self.draft = DraftModel(
+                draft_model, config, self.dtype, self.kv_dtype, self.device, block_size, backend
+            )
             self.max_model_len = min(self.max_model_len, self.draft.config.max_position_embeddings)
         # An encoder keeps no KV cache, but the scheduler's blocks still bound what it admits: it
         # counts blocks as a decoder of its shape would.
@@ -176,7 +180,7 @@ class ModelRunner:
         bytes_per_block = (
             config.num_hidden_layers * block_size * 2 * num_kv_heads * config.head_dim * self.dtype.itemsize
             if isinstance(config, BertConfig)
-            else kv_bytes_per_block(config, num_kv_heads, block_size, self.dtype)
+            else kv_bytes_per_block(config, num_kv_heads, block_size, self.kv_dtype)
         )
         if self.draft is not None:
             bytes_per_block += self.draft.bytes_per_block
@@ -191,7 +195,9 @@ class ModelRunner:
         self.kv_cache = (
             []
             if isinstance(config, BertConfig)
-            else paged_kv_cache(config, num_kv_heads, self.num_kv_blocks, block_size, self.dtype, self.device)
+            else paged_kv_cache(
+                config, num_kv_heads, self.num_kv_blocks, block_size, self.kv_dtype, self.device
+            )
         )
         if self.draft is not None:
             self.draft.allocate(self.num_kv_blocks)
@@ -360,6 +366,26 @@ class ModelRunner:
             return None
         counts = np.diff(arrays["query_start_loc"][: num_seqs + 1])
         return self.lora.batch(np.repeat(arrays["lora_slots"][:num_seqs], counts)[:num_tokens])
+
+    def _kv_cache_dtype(self, wanted: str, config: ModelConfig | BertConfig) -> torch.dtype:
+        """engine.kv_cache_dtype: `auto` keeps the KV cache in the model's dtype; `bfloat16` under a
+        float32 model on the CPU halves its bytes (twice the blocks in the same budget, half the
+        bytes a decode step's attention reads), the keys and values rounded as they are stored."""
+        if wanted == "auto" or DTYPES.get(wanted) == self.dtype:
+            return self.dtype
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        refused = f"engine.kv_cache_dtype {wanted!r} with a {model_dtype} model"
+        if wanted != "bfloat16":
+            raise ValueError(f"{refused}: expected auto or bfloat16")
+        if self.dtype != torch.float32:
+            raise ValueError(f"{refused}: only a float32 model's cache can be bfloat16; use auto")
+        if isinstance(self.model, LlamaModel) and self.model.is_triton:
+            raise ValueError(f"{refused}: the Triton backend keeps the cache in the model's dtype; use auto")
+        if isinstance(config, ModelConfig) and config.mla is not None:
+            raise ValueError(
+                f"{refused}: latent attention (DeepSeek) keeps its caches in the model's dtype; use auto"
+            )
+        return torch.bfloat16
 
     def _kv_budget(self, kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
         if kv_cache_bytes is not None:
