@@ -76,15 +76,16 @@ IGNORE_EOS = {"restate": False, "chat": True}  # see the module's docstring
 COUNTERS = ("brigade:spec_decode_num_drafts_total", "brigade:spec_decode_num_accepted_tokens_total")
 
 
-def tpot_ms(arrivals: list[tuple[float, int]], what: str) -> float:
-    """Time per output token after the first event's, in ms, from (arrival time, tokens) events."""
-    num_tokens = sum(n for _, n in arrivals)
-    if num_tokens < 2:
-        raise RuntimeError(f"{num_tokens} tokens for {what}")
-    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / (num_tokens - arrivals[0][1])
+def tpot_ms(arrivals: list[tuple[float, int]]) -> float | None:
+    """Time per output token after the first event's, in ms, from (arrival time, tokens) events;
+    None for an answer that came in one event (one token, or an end of turn at once), which has
+    no time between tokens to measure."""
+    if len(arrivals) < 2:
+        return None
+    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / sum(n for _, n in arrivals[1:])
 
 
-def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = True) -> float:
+def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = True) -> float | None:
     """One streamed greedy chat request to Brigade; its time per output token after the first."""
     arrivals = []
     for delta in client.stream(
@@ -96,7 +97,7 @@ def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = Tru
     ):
         if delta.token_ids:
             arrivals.append((time.perf_counter(), len(delta.token_ids)))
-    return tpot_ms(arrivals, repr(prompt[:40]))
+    return tpot_ms(arrivals)
 
 
 class LlamaEngine:
@@ -107,7 +108,7 @@ class LlamaEngine:
         self.port = port
         self.drafted = self.accepted = 0
 
-    def tpot_ms(self, prompt: str, output_len: int, ignore_eos: bool = True) -> float:
+    def tpot_ms(self, prompt: str, output_len: int, ignore_eos: bool = True) -> float | None:
         body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/apply-template", body, {"Content-Type": "application/json"}
@@ -119,7 +120,7 @@ class LlamaEngine:
         )
         self.drafted += timings.get("draft_n", 0)
         self.accepted += timings.get("draft_n_accepted", 0)
-        return tpot_ms(arrivals, repr(prompt[:40]))
+        return tpot_ms(arrivals)
 
 
 async def brigade_throughput(run_dir: Path, concurrency: int, output_len: int) -> float:
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_runs = speculating(args, log_dir)
         runs = start_brigades(args, stack, log_dir, spec_runs)
         llamas = start_llamas(args, stack, log_dir)
-        engines: dict[str, Callable[[str, int, bool], float]] = {
+        engines: dict[str, Callable[[str, int, bool], float | None]] = {
             name: partial(brigade_tpot_ms, stack.enter_context(Client(run.run_dir)))
             for name, (run, _) in runs.items()
         }
@@ -327,14 +328,29 @@ def main(argv: list[str] | None = None) -> int:
             before = {name: counters(runs[name][1]) for name in spec_runs}
             drafted_before = {name: (e.drafted, e.accepted) for name, e in llamas.items()}
             tpots: dict[str, list[float]] = {name: [] for name in engines}
+            too_short = dict.fromkeys(engines, 0)  # answers with no time between tokens
             names = list(engines)
             for r in range(args.rounds):
                 for i, prompt in enumerate(prompts):
                     shift = (r * len(prompts) + i) % len(names)
                     for name in names[shift:] + names[:shift]:
-                        tpots[name].append(engines[name](prompt, args.output_len, IGNORE_EOS[set_name]))
+                        tpot = engines[name](prompt, args.output_len, IGNORE_EOS[set_name])
+                        if tpot is None:
+                            too_short[name] += 1
+                        else:
+                            tpots[name].append(tpot)
+            if empty := [name for name, v in tpots.items() if not v]:
+                raise RuntimeError(
+                    f"{', '.join(empty)}: every answer to the {set_name} prompts came in one event; "
+                    "no time per token to measure (raise --output-len?)"
+                )
             stats: dict = {
-                name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
+                name: {
+                    "tpot_p50_ms": percentile(v, 50),
+                    "tpot_mean_ms": sum(v) / len(v),
+                    "n": len(v),
+                    "too_short": too_short[name],
+                }
                 for name, v in tpots.items()
             }
             for name in spec_runs:  # n-gram's keys unprefixed, as before the draft run existed
@@ -393,6 +409,10 @@ def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
             print(
                 f"| {set_name} | {label} | {e['tpot_p50_ms']:.1f} | {e['tpot_mean_ms']:.1f} | {ratio_text} | {accepted_text} |"
             )
+    for set_name, s in report["sets"].items():
+        for key, e in s.items():
+            if isinstance(e, dict) and e.get("too_short"):
+                print(f"({set_name}, {key}: {e['too_short']} answer(s) in one event left out of its TPOT)")
     if report["throughput"]:
         print(f"\nthroughput, {args.output_len} tokens a request, median of {args.throughput_rounds} rounds")
         print("| c | engine | output tok/s | speculation / off |")
