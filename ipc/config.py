@@ -280,6 +280,14 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # An unload that waits for the requests using its adapter gives up (409) after this long.
     unload_wait_s: Seconds = 60.0
 
+    @property
+    def num_slots(self) -> int:
+        """The workers' slots: max_loras, plus one spare where adapters outnumber them (max_cpu_loras
+        above max_loras), which running requests never hold all of at once, so that the next
+        adapter is always copied in ahead of the step that admits its request
+        (services/scheduler/lora_residency.py)."""
+        return self.max_loras + (1 if self.max_cpu_loras > self.max_loras else 0)
+
 
 class AutoscaleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The number of engine groups, decided from their load (supervision/autoscale.py); off by

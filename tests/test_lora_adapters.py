@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ipc import messages as m
 from services.scheduler.adapters import LOAD_TIMEOUT_S, Adapters
 from services.scheduler.lora_residency import LoraResidency
@@ -167,3 +169,36 @@ def test_adapters_of_waiting_requests_are_copied_in_ahead_never_over_one_in_use(
     assert slots.names == ["e", "d"]
     slots.forget("e")  # unloaded in this step: its copy is not announced
     assert slots.names == ["", "d"] and slots.header() == (("", "d"), ())
+
+
+def test_a_spare_slot_takes_the_next_adapter_while_every_other_slot_runs() -> None:
+    """lora.max_loras 1 with adapters beyond it: two slots, one adapter running at a time. While
+    a's request runs, b's adapter goes into the spare ahead of its step, and that step admits it
+    with no copy on its path; a's slot is the spare then. Without the spare slot, b's copy waits
+    for a's request to leave and lands on the admitting step's path."""
+    slots = LoraResidency(1, 2)
+    assert slots.acquire("a") == 0
+    slots.next_step()
+    assert slots.acquire("b") == -1  # one adapter runs at a time, a slot free or not
+    slots.prefetch(["b"])
+    assert slots.names == ["a", "b"] and slots.header() == (("a", ""), ("", "b"))
+    slots.next_step()
+    assert slots.acquire("b") == -1  # resident, but a's request still runs
+    slots.release(0)
+    slots.next_step()
+    swaps = slots.num_swaps
+    assert slots.acquire("b") == 1 and slots.num_swaps == swaps
+    slots.prefetch(["c"])  # into a's slot, the spare now
+    assert slots.names == ["c", "b"] and slots.header() == (("", "b"), ("c", ""))
+
+    alone = LoraResidency(1)
+    assert alone.acquire("a") == 0
+    alone.next_step()
+    alone.prefetch(["b"])
+    assert alone.names == ["a"] and alone.header()[1] == ()
+    alone.release(0)
+    alone.next_step()
+    swaps = alone.num_swaps
+    assert alone.acquire("b") == 0 and alone.num_swaps == swaps + 1  # copied on the step's path
+    with pytest.raises(ValueError, match="1 LoRA slots cannot run 2 adapters at once"):
+        LoraResidency(2, 1)

@@ -498,13 +498,18 @@ def lora_info(run) -> list[str]:
     return [line for line in scrape(run).splitlines() if line.startswith("brigade:lora_requests_info{")]
 
 
-def test_adapters_of_waiting_requests_are_copied_in_ahead(lora_serving, tmp_path: Path) -> None:
-    """Two slots, three adapters in host memory, one request running at a time
-    (engine.max_num_seqs 1). A long base-model stream runs while six adapter requests queue
-    behind it: the scheduler copies their adapters into the free slots ahead of the steps that
-    admit them (the step header's lora_prefetch), one a step, never over the adapter of a request
-    ahead, so every swap is a prefetch, and no copy is made on an admitting step's path. Each
-    request's tokens are its adapter's PeftModel's."""
+@pytest.mark.parametrize("max_loras", [2, 1])
+def test_adapters_of_waiting_requests_are_copied_in_ahead(
+    lora_serving, tmp_path: Path, max_loras: int
+) -> None:
+    """lora.max_loras 2 or 1, three adapters in host memory (so the workers keep a spare slot
+    beside those), one request running at a time (engine.max_num_seqs 1). A long base-model
+    stream runs while six adapter requests queue behind it: the scheduler copies their adapters
+    into the free slots ahead of the steps that admit them (the step header's lora_prefetch), one
+    a step, never over the adapter of a request ahead, so every swap is a prefetch, and no copy is
+    made on an admitting step's path. With one slot for running requests that takes the spare:
+    the next adapter is copied in while the slot before it is still in use. Each request's tokens
+    are its adapter's PeftModel's."""
     import openai
 
     from tests.test_lora import save_random_adapter
@@ -522,7 +527,8 @@ def test_adapters_of_waiting_requests_are_copied_in_ahead(lora_serving, tmp_path
     listed = "{" + ", ".join(f"{name}: {path}" for name, path in adapters.items()) + "}"
     overrides = (
         f"model.path={base}", "model.dtype=float32", "model.max_model_len=1024", "engine.max_num_seqs=1",
-        "lora.max_loras=2", "lora.max_cpu_loras=3", f"lora.adapters={listed}", "gateway.served_model_name=base",
+        f"lora.max_loras={max_loras}", "lora.max_cpu_loras=3", f"lora.adapters={listed}",
+        "gateway.served_model_name=base",
     )  # fmt: skip
     run_dir = tmp_path / "run"
     with brigade_run(run_dir, *overrides) as run:

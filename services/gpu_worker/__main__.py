@@ -192,7 +192,7 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         parallel=parallel,
         max_num_seqs=engine.max_num_seqs,  # plan-table rows, for placeholders
         int8_activations=engine.cpu_int8_activations,
-        max_loras=config.lora.max_loras,
+        max_loras=config.lora.num_slots,  # lora.max_loras, and the spare slot where adapters outnumber them
         max_lora_rank=config.lora.max_rank,
         lora_dtype=config.lora.dtype,
         lora_adapters=config.lora.adapters,

@@ -361,6 +361,7 @@ class SchedulerProcess(StageProcess):
                     [self.hellos[rank] for rank in range(self.world_size)],
                     proposer(self.stage.config.speculative),
                     self.stage.config.lora.max_loras,
+                    self.stage.config.lora.num_slots,
                 ),
                 self.load_grammars(first),
             )

@@ -38,8 +38,10 @@ class SchedulerConfig:
     # normalizes (finish_vector).
     pooling: str = ""
     normalize: bool = True
-    # LoRA adapter slots in the workers (lora.max_loras; lora_residency.py): 0 = adapters off.
+    # LoRA adapters running at once (lora.max_loras; lora_residency.py): 0 = adapters off; and
+    # the workers' slots for them (LoraConfig.num_slots: one spare where adapters outnumber them).
     max_loras: int = 0
+    lora_slots: int = 0
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -73,6 +75,7 @@ class SchedulerConfig:
         hellos: Sequence[m.WorkerHello],
         proposer: Proposer | None = None,
         max_loras: int = 0,
+        lora_slots: int = 0,
     ) -> SchedulerConfig:
         """The config of a group whose workers all said hello (`hellos`, rank 0 first): the KV
         blocks of the rank with the fewest, and the model's context up to `max_model_len`
@@ -90,6 +93,7 @@ class SchedulerConfig:
             pooling=first.pooling,
             normalize=first.normalize,
             max_loras=max_loras,
+            lora_slots=max(lora_slots, max_loras),
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:

@@ -1,4 +1,4 @@
-"""Which LoRA adapter each of the workers' `lora.max_loras` slots holds, as the scheduler plans it.
+"""Which LoRA adapter each of the workers' slots holds, as the scheduler plans it.
 
 Every loaded adapter waits in the workers' host memory (up to `lora.max_cpu_loras`); a request
 takes a slot when it enters the running line: its adapter's, if resident, else a slot no running
@@ -11,7 +11,10 @@ need another waits for the next step (docs/lora.md "Adapters beyond the slots").
 
 Most copies leave that path: each step also names (`lora_prefetch`) adapters that waiting
 requests will need, copied into slots no running request uses while the step runs, so that the
-step that admits their requests finds them resident (`prefetch`).
+step that admits their requests finds them resident (`prefetch`). Where adapters outnumber the
+slots (lora.max_cpu_loras above lora.max_loras) the workers keep one slot more than
+lora.max_loras and running requests hold at most lora.max_loras of them, so a slot is always
+free to copy the next adapter into, even while every other one is in use.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ PREFETCH_LOOKAHEAD = 8
 
 
 class LoraResidency:
-    def __init__(self, max_loras: int) -> None:
-        self.names: list[str] = [""] * max_loras  # "" = empty
-        self.num_users = [0] * max_loras  # running requests on each slot
-        self.last_used = [0] * max_loras  # the step count when a request last left the slot
+    def __init__(self, max_loras: int, num_slots: int | None = None) -> None:
+        """`max_loras` adapters run at once, in `num_slots` slots (default: as many)."""
+        num_slots = max_loras if num_slots is None else num_slots
+        if num_slots < max_loras:
+            raise ValueError(f"{num_slots} LoRA slots cannot run {max_loras} adapters at once")
+        self.max_running = max_loras
+        self.names: list[str] = [""] * num_slots  # "" = empty
+        self.num_users = [0] * num_slots  # running requests on each slot
+        self.last_used = [0] * num_slots  # the step count when a request last left the slot
         self.num_steps = 0
         self.num_swaps_this_step = 0
         self.prefetching: dict[int, str] = {}  # slot -> adapter copied in ahead, this step
@@ -37,13 +45,19 @@ class LoraResidency:
         self.num_prefetches = 0  # of those, the ones copied in ahead of the step that needs them
 
     def acquire(self, name: str) -> int:
-        """The slot a request for adapter `name` runs in, or -1 when it must wait (every slot is
-        in use by running requests, or this step already swapped)."""
+        """The slot a request for adapter `name` runs in, or -1 when it must wait (running
+        requests already hold max_loras slots, or every slot, or this step already swapped)."""
         if name in self.names:
             slot = self.names.index(name)
+            if self.num_users[slot] == 0 and self.num_running_adapters >= self.max_running:
+                return -1
         else:
             free = self._free_slots(set())
-            if not free or self.num_swaps_this_step >= MAX_SWAPS_PER_STEP:
+            if (
+                not free
+                or self.num_running_adapters >= self.max_running
+                or self.num_swaps_this_step >= MAX_SWAPS_PER_STEP
+            ):
                 return -1
             slot = self._least_recently_used(free)
             self.names[slot] = name

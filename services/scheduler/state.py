@@ -43,7 +43,7 @@ class SchedulerState:
         self.compiling: list[Request] = []  # constrained, their grammar still compiling (arrival order)
         self.line_version = 0
         self.num_preemptions = 0
-        self.lora = LoraResidency(config.max_loras)
+        self.lora = LoraResidency(config.max_loras, max(config.lora_slots, config.max_loras))
 
     def start_running(self, req: Request) -> None:
         """Put an admitted request (its row assigned) into the running line."""
