@@ -119,13 +119,15 @@ def tpot_ms(client, adapter: str, output_len: int) -> float:
     ):
         if delta.token_ids:
             times.append((time.perf_counter(), len(delta.token_ids)))
-    return per_token_ms(times)
+    return stream_tpot_ms(times)
 
 
-def per_token_ms(arrivals: list[tuple[float, int]]) -> float:
-    """Time per output token after the first, in ms, of a stream's (arrival time, tokens) events."""
-    num_tokens = sum(n for _, n in arrivals)
-    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / (num_tokens - arrivals[0][1])
+def stream_tpot_ms(arrivals: list[tuple[float, int]]) -> float:
+    """peers.tpot_ms of a stream of `--output-len` tokens (eos ignored), which has one."""
+    tpot = peers.tpot_ms(arrivals)
+    if tpot is None:
+        raise RuntimeError(f"a stream of {sum(n for _, n in arrivals)} tokens came in one event: no TPOT")
+    return tpot
 
 
 async def llama_throughput(port: int, lora: list[dict], num_requests: int, output_len: int) -> float:
@@ -166,7 +168,7 @@ def measure_llamacpp(args: argparse.Namespace, lora_gguf: Path, log_path: Path) 
                 arrivals, _ = asyncio.run(
                     peers.llama_timed_completion(port, PROMPT, args.output_len, LLAMA_LORA[name])
                 )
-                tpots[name].append(per_token_ms(arrivals))
+                tpots[name].append(stream_tpot_ms(arrivals))
     return {
         "server": f"{binary} --parallel {args.requests} --threads {args.threads}, {base_gguf.name} --lora {lora_gguf.name}",
         "throughput_tok_s": {**rates, "ratio": mean(rates["adapter"]) / mean(rates["base"])},

@@ -58,6 +58,15 @@ class RequestResult:
 # -- HF transformers, static batches ------------------------------------------------------------
 
 
+def tpot_ms(arrivals: list[tuple[float, int]]) -> float | None:
+    """Time per output token after the first event's, in ms, from (arrival time, tokens) events;
+    None for an answer that came in one event (one token, or an end of turn at once), which has
+    no time between tokens to measure."""
+    if len(arrivals) < 2:
+        return None
+    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / sum(n for _, n in arrivals[1:])
+
+
 def load_hf_model(model_dir: Path, dtype: str, threads: int):
     """The HF transformers model of `model_dir` in `dtype`, in eval mode, on `threads` CPU threads."""
     import torch

@@ -76,15 +76,6 @@ IGNORE_EOS = {"restate": False, "chat": True}  # see the module's docstring
 COUNTERS = ("brigade:spec_decode_num_drafts_total", "brigade:spec_decode_num_accepted_tokens_total")
 
 
-def tpot_ms(arrivals: list[tuple[float, int]]) -> float | None:
-    """Time per output token after the first event's, in ms, from (arrival time, tokens) events;
-    None for an answer that came in one event (one token, or an end of turn at once), which has
-    no time between tokens to measure."""
-    if len(arrivals) < 2:
-        return None
-    return (arrivals[-1][0] - arrivals[0][0]) * 1000 / sum(n for _, n in arrivals[1:])
-
-
 def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = True) -> float | None:
     """One streamed greedy chat request to Brigade; its time per output token after the first."""
     arrivals = []
@@ -97,7 +88,7 @@ def brigade_tpot_ms(client, prompt: str, output_len: int, ignore_eos: bool = Tru
     ):
         if delta.token_ids:
             arrivals.append((time.perf_counter(), len(delta.token_ids)))
-    return tpot_ms(arrivals)
+    return peers.tpot_ms(arrivals)
 
 
 class LlamaEngine:
@@ -120,7 +111,7 @@ class LlamaEngine:
         )
         self.drafted += timings.get("draft_n", 0)
         self.accepted += timings.get("draft_n_accepted", 0)
-        return tpot_ms(arrivals)
+        return peers.tpot_ms(arrivals)
 
 
 async def brigade_throughput(run_dir: Path, concurrency: int, output_len: int) -> float:
@@ -328,31 +319,32 @@ def main(argv: list[str] | None = None) -> int:
             before = {name: counters(runs[name][1]) for name in spec_runs}
             drafted_before = {name: (e.drafted, e.accepted) for name, e in llamas.items()}
             tpots: dict[str, list[float]] = {name: [] for name in engines}
-            too_short = dict.fromkeys(engines, 0)  # answers with no time between tokens
+            # A prompt that some engine answered in one event (no time between tokens) counts for
+            # none of them, so that every engine's figures come from the same prompts.
+            too_short = 0
             names = list(engines)
             for r in range(args.rounds):
                 for i, prompt in enumerate(prompts):
                     shift = (r * len(prompts) + i) % len(names)
-                    for name in names[shift:] + names[:shift]:
-                        tpot = engines[name](prompt, args.output_len, IGNORE_EOS[set_name])
-                        if tpot is None:
-                            too_short[name] += 1
-                        else:
-                            tpots[name].append(tpot)
-            if empty := [name for name, v in tpots.items() if not v]:
+                    answers = {
+                        name: engines[name](prompt, args.output_len, IGNORE_EOS[set_name])
+                        for name in names[shift:] + names[:shift]
+                    }
+                    if any(tpot is None for tpot in answers.values()):
+                        too_short += 1
+                        continue
+                    for name, tpot in answers.items():
+                        tpots[name].append(tpot)
+            if too_short == args.rounds * len(prompts):
                 raise RuntimeError(
-                    f"{', '.join(empty)}: every answer to the {set_name} prompts came in one event; "
-                    "no time per token to measure (raise --output-len?)"
+                    f"every {set_name} prompt had an answer in one event from some engine: no time per "
+                    "token to compare (raise --output-len?)"
                 )
             stats: dict = {
-                name: {
-                    "tpot_p50_ms": percentile(v, 50),
-                    "tpot_mean_ms": sum(v) / len(v),
-                    "n": len(v),
-                    "too_short": too_short[name],
-                }
+                name: {"tpot_p50_ms": percentile(v, 50), "tpot_mean_ms": sum(v) / len(v), "n": len(v)}
                 for name, v in tpots.items()
             }
+            stats["prompts_left_out"] = too_short
             for name in spec_runs:  # n-gram's keys unprefixed, as before the draft run existed
                 after = counters(runs[name][1])
                 drafts = after.get(COUNTERS[0], 0) - before[name].get(COUNTERS[0], 0)
@@ -410,9 +402,10 @@ def print_table(report: dict, args: argparse.Namespace, log_dir: Path) -> None:
                 f"| {set_name} | {label} | {e['tpot_p50_ms']:.1f} | {e['tpot_mean_ms']:.1f} | {ratio_text} | {accepted_text} |"
             )
     for set_name, s in report["sets"].items():
-        for key, e in s.items():
-            if isinstance(e, dict) and e.get("too_short"):
-                print(f"({set_name}, {key}: {e['too_short']} answer(s) in one event left out of its TPOT)")
+        if s["prompts_left_out"]:
+            print(
+                f"({set_name}: {s['prompts_left_out']} prompt(s) answered in one event by some engine, left out)"
+            )
     if report["throughput"]:
         print(f"\nthroughput, {args.output_len} tokens a request, median of {args.throughput_rounds} rounds")
         print("| c | engine | output tok/s | speculation / off |")

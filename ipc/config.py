@@ -268,7 +268,9 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """LoRA adapters (docs/lora.md): PEFT adapter directories checked against the model and
     kept resident in the worker's slots."""
 
-    max_loras: NonNegative = 0  # resident adapter slots per worker; 0 = adapters off
+    # Adapters resident and running at once, in as many slots per worker (one more, a spare,
+    # where max_cpu_loras is larger: num_slots); 0 = adapters off
+    max_loras: NonNegative = 0
     max_rank: Positive = 64  # an adapter of a higher rank is refused
     # The slots' A and B: "auto" = the model's dtype (float32 on the CPU: PEFT's numbers exactly);
     # "bfloat16" halves the bytes a decode step reads for them, rounding each weight to bfloat16.
@@ -286,7 +288,7 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         above max_loras), which running requests never hold all of at once, so that the next
         adapter is always copied in ahead of the step that admits its request
         (services/scheduler/lora_residency.py)."""
-        return self.max_loras + (1 if self.max_cpu_loras > self.max_loras else 0)
+        return self.max_loras + (1 if 0 < self.max_loras < self.max_cpu_loras else 0)
 
 
 class AutoscaleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -490,6 +492,11 @@ def check_lora(config: Config) -> None:
     if lora.max_loras > MAX_LORA_SLOTS:
         raise ConfigError(
             f"lora.max_loras: at most {MAX_LORA_SLOTS} slots (the step header names each one's adapter)"
+        )
+    if lora.max_cpu_loras and not lora.max_loras:
+        raise ConfigError(
+            f"lora.max_cpu_loras ({lora.max_cpu_loras}) with lora.max_loras 0: adapters are off, so none "
+            "can be loaded; set lora.max_loras to the adapters that may run at once"
         )
     if lora.max_cpu_loras and lora.max_cpu_loras < lora.max_loras:
         raise ConfigError(

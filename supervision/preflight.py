@@ -219,15 +219,18 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         )
     engine = config.engine
     if engine.device != "cpu":
-        return  # a CUDA worker's budget depends on free device memory: it checks at start
+        return sampling_defaults  # a CUDA worker's budget depends on free device memory: it checks at start
     dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
-    if engine.kv_cache_dtype != "auto":
+    # engine.kv_cache_dtype in another dtype than the model's: the cache's bytes are all the budget
+    # below counts; latent attention keeps its caches in the model's dtype (the worker refuses too).
+    rounded_cache = engine.kv_cache_dtype not in ("auto", dtype)
+    if rounded_cache:
         if latent_width:
             raise Refused(
                 f"engine.kv_cache_dtype={engine.kv_cache_dtype} cannot serve {model_dir.name}: latent attention "
                 "(DeepSeek) keeps its caches in the model's dtype; use auto"
             )
-        dtype = engine.kv_cache_dtype  # the cache's bytes, which is all the budget below counts
+        dtype = engine.kv_cache_dtype
     rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
     token_width = latent_width or 2 * rank_kv_heads * head_dim  # elements per token and layer
     bytes_per_block = num_layers * engine.block_size * token_width * DTYPE_BYTES[dtype]
@@ -239,6 +242,12 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
         draft = language_model_config(
             json.loads((Path(config.speculative.model) / "config.json").read_text())
         )
+        if rounded_cache and draft.get("kv_lora_rank"):
+            raise Refused(
+                f"engine.kv_cache_dtype={engine.kv_cache_dtype} cannot serve the draft model "
+                f"{Path(config.speculative.model).name}: latent attention (DeepSeek) keeps its caches in the "
+                "model's dtype; use auto"
+            )
         draft_heads = int(draft["num_attention_heads"])
         draft_kv_heads = int(draft.get("num_key_value_heads") or draft_heads)
         draft_head_dim = int(draft.get("head_dim") or draft["hidden_size"] // draft_heads)

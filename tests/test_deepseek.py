@@ -256,10 +256,14 @@ def test_what_deepseek_brigade_cannot_run_is_refused_by_name(
         ModelConfig.from_dict(config)
 
 
-def test_a_bfloat16_cache_for_latent_attention_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_bfloat16_cache_for_latent_attention_is_refused_by_name(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """engine.kv_cache_dtype=bfloat16 is the C++ and torch paths' over K and V heads; the latent
     caches stay in the model's dtype, refused at preflight and by the worker."""
     from ipc.config import load_config
+    from services.gpu_worker.architectures import config_from_dir
+    from services.gpu_worker.draft import DraftModel
     from supervision.preflight import Refused, check_model
 
     path = save_deepseek(random_deepseek_config("v3"), tmp_path / "v3", seed=5)
@@ -270,6 +274,16 @@ def test_a_bfloat16_cache_for_latent_attention_is_refused_by_name(tmp_path: Path
     ):
         ModelRunner(
             path, dtype="float32", kv_cache_bytes=1 << 20, block_size=BLOCK, kv_cache_dtype="bfloat16"
+        )
+    # Its own dtype is no rounding: a bfloat16 model's latent caches are bfloat16 anyway.
+    check_model(load_config(None, ["engine.kv_cache_dtype=bfloat16", "model.dtype=bfloat16"]), path)
+    # As a draft model, under a target without latent attention: refused the same way.
+    draft = ["speculative.method=draft_model", f"speculative.model={path}", "engine.kv_cache_dtype=bfloat16"]
+    with pytest.raises(Refused, match=r"cannot serve the draft model .*latent attention"):
+        check_model(load_config(None, draft), tiny_model_dir)
+    with pytest.raises(ValueError, match=r"the draft model .* has latent attention"):
+        DraftModel(
+            path, config_from_dir(path), torch.float32, torch.bfloat16, torch.device("cpu"), BLOCK, None
         )
 
 

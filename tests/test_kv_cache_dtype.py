@@ -24,7 +24,7 @@ def loaded_isas() -> list[str]:
 @needs_kernels
 @pytest.mark.parametrize("isa", loaded_isas())
 @pytest.mark.parametrize(
-    ("head_dim", "num_seqs", "with_sinks"), [(16, 3, False), (64, 9, True), (128, 2, False)]
+    ("head_dim", "num_seqs", "with_sinks"), [(16, 3, False), (64, 40, True), (128, 2, False)]
 )
 def test_paged_decode_over_bf16_pages_equals_float32_pages(isa, head_dim, num_seqs, with_sinks, monkeypatch):
     """The bfloat16 pages are read widened exactly, so attention over them gives the bits that
@@ -73,15 +73,22 @@ def tiny_runner(model_dir, kv_cache_dtype: str, dtype: str = "float32") -> Model
     )
 
 
-def test_bf16_cache_matches_hf_with_rounded_keys_and_values(tiny_model_dir):
+@pytest.mark.parametrize("decode_kernels", [True, False], ids=["c++ decode", "torch decode"])
+def test_bf16_cache_matches_hf_with_rounded_keys_and_values(tiny_model_dir, decode_kernels, monkeypatch):
     """Prefills (the torch path), a wide decode step of 6 sequences (the C++ decode attention) and
     few-row decode steps (the one-op decode layers, which store in C++) give the logits of HF float32
     whose cache rounds keys and values to bfloat16, and not those of the float32 cache; the cache
-    holds twice the blocks in the same budget."""
+    holds twice the blocks in the same budget. Without the decode kernels (windowed or soft-capped
+    attention, other head sizes) the torch decode path reads the same cache to the same logits."""
     from transformers import AutoModelForCausalLM
 
+    if not decode_kernels:
+        monkeypatch.setattr(cpu_ops, "has_paged_decode", lambda head_dim, dtype: False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     runner, float32 = tiny_runner(tiny_model_dir, "bfloat16"), tiny_runner(tiny_model_dir, "auto")
+    for r in (runner, float32):
+        r.model.has_one_op_layers = r.model.has_one_op_layers and decode_kernels
+        assert r.model.ops.has_decode_kernel == decode_kernels
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in runner.kv_cache)
     assert all(k.dtype == v.dtype == torch.float32 for k, v in float32.kv_cache)
     assert runner.num_kv_blocks == 2 * float32.num_kv_blocks
@@ -133,6 +140,14 @@ def test_refusals(tiny_model_dir):
         tiny_runner(tiny_model_dir, "bfloat16", dtype="float16")
     with pytest.raises(ValueError, match="expected auto or bfloat16"):
         tiny_runner(tiny_model_dir, "float16")
+    with pytest.raises(ValueError, match="the Triton backend keeps the cache in the model's dtype"):
+        ModelRunner(
+            tiny_model_dir,
+            dtype="float32",
+            kv_cache_bytes=4 << 20,
+            backend="triton",
+            kv_cache_dtype="bfloat16",
+        )
     same = tiny_runner(tiny_model_dir, "bfloat16", dtype="bfloat16")
     assert same.kv_dtype == torch.bfloat16 and same.kv_cache[0][0].dtype == torch.bfloat16
     with pytest.raises(ConfigError, match=r"engine\.kv_cache_dtype=bfloat16"):

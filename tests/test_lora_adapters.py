@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ipc import messages as m
+from ipc.config import ConfigError, load_config
 from services.scheduler.adapters import LOAD_TIMEOUT_S, Adapters
 from services.scheduler.lora_residency import LoraResidency
 
@@ -202,3 +203,20 @@ def test_a_spare_slot_takes_the_next_adapter_while_every_other_slot_runs() -> No
     assert alone.acquire("b") == 0 and alone.num_swaps == swaps + 1  # copied on the step's path
     with pytest.raises(ValueError, match="1 LoRA slots cannot run 2 adapters at once"):
         LoraResidency(2, 1)
+
+
+@pytest.mark.parametrize(
+    ("max_loras", "max_cpu_loras", "num_slots"), [(0, 0, 0), (2, 0, 2), (2, 2, 2), (2, 5, 3), (1, 2, 2)]
+)
+def test_the_workers_keep_a_spare_slot_only_where_adapters_outnumber_the_slots(
+    max_loras, max_cpu_loras, num_slots
+):
+    lora = load_config(None, [f"lora.max_loras={max_loras}", f"lora.max_cpu_loras={max_cpu_loras}"]).lora
+    assert lora.num_slots == num_slots
+
+
+def test_adapters_in_host_memory_with_adapters_off_are_refused() -> None:
+    with pytest.raises(
+        ConfigError, match=r"lora.max_cpu_loras \(4\) with lora.max_loras 0: adapters are off"
+    ):
+        load_config(None, ["lora.max_cpu_loras=4"])

@@ -432,8 +432,8 @@ def greedy_token_ids(api: Any, job: tuple[str, list[int]]) -> list[int]:
 def test_adapters_beyond_the_slots_take_turns_in_one_slot(lora_serving, tmp_path: Path) -> None:
     """lora.max_loras 1 and three adapters waiting in host memory (lora.max_cpu_loras 3), asked for
     all at once, interleaved with the base model: each request's greedy tokens are its adapter's
-    PeftModel's. The scheduler never runs two adapters in one step and swaps the slot between
-    them (the one slot makes every adapter change a swap)."""
+    PeftModel's. The scheduler never runs two adapters in one step and swaps the slots between
+    them (one slot for running requests, and the spare: every adapter change is a swap)."""
     import openai
 
     from tests.test_lora import save_random_adapter

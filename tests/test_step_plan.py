@@ -177,9 +177,10 @@ def test_slots_sized_from_the_spec_hold_the_largest_plan_and_result(run_id):
     )
     sizes = {Dim.TOKENS: limits[Dim.TOKENS], Dim.ROWS: rows, Dim.VOCAB_WORDS: limits[Dim.VOCAB_WORDS]}
     STEP_PLAN.check(largest, sizes)
-    # The largest header: every LoRA slot named, by the longest names, and copies in ahead.
-    names = ["x" * MAX_ADAPTER_NAME_CHARS] * MAX_LORA_SLOTS
-    ahead = names[:MAX_PREFETCHES_PER_STEP] + [""] * (MAX_LORA_SLOTS - MAX_PREFETCHES_PER_STEP)
+    # The largest header: every LoRA slot named (lora.max_loras and the spare), by the longest
+    # names, and copies in ahead.
+    names = ["x" * MAX_ADAPTER_NAME_CHARS] * (MAX_LORA_SLOTS + 1)
+    ahead = names[:MAX_PREFETCHES_PER_STEP] + [""] * (len(names) - MAX_PREFETCHES_PER_STEP)
     header = STEP_HEADER.encode(StepHeader(2**62, limits[Dim.TOKENS], rows, MAX_LOGPROBS, names, ahead))
     ring = ShmRing.create(f"/brigade-{run_id}-step-0", 1, step_slot_bytes(config, vocab_size), 1)
     try:

@@ -146,6 +146,8 @@ def test_kv_check_uses_the_models_shape(tmp_path: Path, tiny_model_dir: Path) ->
     (longer / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 4096}))
     with pytest.raises(Refused, match=r"engine.kv_cache_mib=1 holds 128 KV block\(s\) .* max_model_len=4096"):
         check_model(load_config(None, ["engine.kv_cache_mib=1", "model.max_model_len=4096"]), longer)
+    # A CUDA worker checks its budget at start; preflight still gives the run's sampling defaults.
+    assert isinstance(check_model(load_config(None, ["engine.device=cuda"]), tiny_model_dir), dict)
     # A bfloat16 cache (engine.kv_cache_dtype) takes half the bytes a token: 4096 tokens fit.
     check_model(
         load_config(

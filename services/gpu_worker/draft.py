@@ -58,6 +58,12 @@ class DraftModel:
     ) -> None:
         self.config = check_draft_model(target, Path(model_dir))
         self.dtype, self.device, self.block_size = dtype, device, block_size
+        if kv_dtype != dtype and self.config.mla is not None:
+            raise ValueError(
+                f"engine.kv_cache_dtype {str(kv_dtype).removeprefix('torch.')}: the draft model "
+                f"{Path(model_dir).name} has latent attention (DeepSeek), which keeps its caches in the "
+                "model's dtype; use auto"
+            )
         self.kv_dtype = kv_dtype  # the target's (engine.kv_cache_dtype)
         self.model = LlamaModel(self.config, dtype, device, block_size, backend=backend)
         load_weights(self.model, Path(model_dir))

@@ -139,8 +139,8 @@ class ModelRunner:
                 wide_step_dtype,
                 has_lm_head=embedding is None,
             )
+        self.kv_dtype = self._kv_cache_dtype(kv_cache_dtype, config)  # refused before the weights load
         load_weights(self.model, model_dir)
-        self.kv_dtype = self._kv_cache_dtype(kv_cache_dtype, config)
         # The encoders' embedding caches by replica (Endpoints.embedding_cache), mapped when a
         # step first has an image of theirs; None: a run without encoders.
         self.embedding_cache_name = embedding_caches
@@ -178,7 +178,12 @@ class ModelRunner:
             config.num_key_value_heads if isinstance(config, BertConfig) else self.model.shapes.num_kv_heads
         )
         bytes_per_block = (
-            config.num_hidden_layers * block_size * 2 * num_kv_heads * config.head_dim * self.dtype.itemsize
+            config.num_hidden_layers
+            * block_size
+            * 2
+            * num_kv_heads
+            * config.head_dim
+            * self.kv_dtype.itemsize
             if isinstance(config, BertConfig)
             else kv_bytes_per_block(config, num_kv_heads, block_size, self.kv_dtype)
         )

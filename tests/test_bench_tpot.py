@@ -1,10 +1,11 @@
-"""benchmarks/spec_bench.py's time per output token, from a stream's (arrival time, tokens) events."""
+"""The benchmarks' time per output token (benchmarks/peers.py, used by spec_bench and lora_bench),
+from a stream's (arrival time, tokens) events."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.spec_bench import tpot_ms
+from benchmarks.peers import tpot_ms
 
 
 def test_time_per_token_after_the_first_event():
