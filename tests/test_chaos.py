@@ -160,6 +160,23 @@ def all_running(run: Run) -> bool:
     return bool(rows) and all(r["state"] == "running" for r in rows)
 
 
+def wait_for_restarts(run: Run, minimum: dict[str, int]) -> None:
+    """Every stage running, and each kind restarted at least `minimum[kind]` times over its
+    stages. Waited for, not read once: a kill that lands after the requests ended (a late delay
+    of a seeded run) is in status.json only once the supervisor has seen the death."""
+    counts: dict[str, int] = {}
+
+    def reached() -> bool:
+        counts.clear()
+        for row in run.read_status():
+            counts[row["kind"]] = counts.get(row["kind"], 0) + row["restarts"]
+        return all_running(run) and all(counts.get(kind, 0) >= n for kind, n in minimum.items())
+
+    with contextlib.suppress(AssertionError):
+        wait_for(f"restarts {minimum}", reached)
+    assert all(counts.get(kind, 0) >= n for kind, n in minimum.items()), counts
+
+
 def chaos_settings(model_dir: Path) -> tuple[str, ...]:
     """The config overrides of a chaos run: quick restarts and short timeouts."""
     return (
@@ -379,12 +396,7 @@ def test_chaos_every_stage_killed_or_hung_loses_and_changes_nothing(
 
         outputs = run_all(run.run_dir, during=inject)
         assert_same(outputs, calm, f"seed {chaos_seed}, wave {wave}: {injected}")
-    wait_for("every stage running", lambda: all_running(run))
-    restarts = dict.fromkeys(FAULTED_KINDS, 0)
-    for row in run.read_status():
-        if row["kind"] in restarts:
-            restarts[row["kind"]] += row["restarts"]
-    assert all(n >= 2 for n in restarts.values()), restarts
+    wait_for_restarts(run, dict.fromkeys(FAULTED_KINDS, 2))
 
 
 # Long enough that the dead tokenizer's copies would still be computing long after the kills.
@@ -548,9 +560,7 @@ def test_worker_and_scheduler_killed_mid_stream_with_speculation_change_nothing(
                     os.kill(pid, signal.SIGKILL)
 
             assert_same(run_all(run.run_dir, during=kill), calm, f"{kind} SIGKILLed with speculation on")
-        wait_for("every stage running", lambda: all_running(run))
-        restarts = {row["kind"]: row["restarts"] for row in run.read_status()}
-        assert restarts["gpu_worker"] >= 1 and restarts["scheduler"] >= 1, restarts
+        wait_for_restarts(run, {"gpu_worker": 1, "scheduler": 1})
         run_id = read_run_info(run_dir).run_id
     assert_clean(run_dir, run_id)
 
@@ -599,8 +609,6 @@ def test_a_vision_language_run_with_each_stage_killed_changes_nothing(
 
                 outputs = run_all(run.run_dir, during=kill, specs=specs)
                 assert_same(outputs, calm, f"seed {chaos_seed}: {kind} SIGKILLed at {delay:.2f}s", specs)
-            wait_for("every stage running", lambda: all_running(run))
-            restarts = {row["kind"]: row["restarts"] for row in run.read_status()}
-            assert all(restarts[kind] >= 1 for kind in ("encoder", *FAULTED_KINDS)), restarts
+            wait_for_restarts(run, dict.fromkeys(("encoder", *FAULTED_KINDS), 1))
             run_id = read_run_info(run_dir).run_id
     assert_clean(run_dir, run_id)
