@@ -205,12 +205,25 @@ def _stop_group(proc: subprocess.Popen, shm_before: set[Path]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # A killed worker keeps its mappings until its address space is torn down (vLLM's hold
+    # hundreds of MB of segments), so the leader's exit is not yet theirs: wait for every member.
+    deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
+    while any(is_running(pid) for pid in members) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for pid in members:
         for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
             leftover.unlink(missing_ok=True)
     appeared = _multiprocessing_shm() - shm_before
     for leftover in appeared - _in_use(appeared):
         leftover.unlink(missing_ok=True)
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has: it maps nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _multiprocessing_shm() -> set[Path]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.peers import RequestResult, free_port, http_server, vllm_model_dir
+from benchmarks.peers import RequestResult, free_port, http_server, is_running, vllm_model_dir
 from benchmarks.serve import evaluate_targets, parse_args, percentile, run_vllm, setting_stats, summarize_ms
 from ipc.endpoints import SHM_PREFIX
 from tests.conftest import REPO_ROOT, brigade_shm_objects
@@ -248,13 +248,6 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
 
 
-def _is_gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def test_peer_server_stops_its_whole_group_and_its_leftovers(tmp_path) -> None:
     """The peers' servers (llama-server, vLLM) run in a process group that is stopped as a whole,
     their output in the log, and what their killed processes leave in /dev/shm is removed: Intel
@@ -274,13 +267,13 @@ def test_peer_server_stops_its_whole_group_and_its_leftovers(tmp_path) -> None:
             deadline = time.monotonic() + 30
             while not registration.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert registration.exists() and not _is_gone(worker)
+            assert registration.exists() and is_running(worker)
             assert Path(f"/dev/shm/{segment}").exists()
             ours = shared_memory.SharedMemory(create=True, size=4096)
         deadline = time.monotonic() + 30
-        while not _is_gone(worker) and time.monotonic() < deadline:
+        while is_running(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _is_gone(worker)
+        assert not is_running(worker)
         assert not registration.exists()
         assert not Path(f"/dev/shm/{segment}").exists()
         assert Path(f"/dev/shm/{ours.name}").exists()
