@@ -22,6 +22,10 @@ from pathlib import Path
 from benchmarks.datasets import BenchRequest
 
 LLAMA_START_TIMEOUT_S = 120.0
+# llama-server's switch off its repacked weights and their kernels (AMX among them), and the
+# signals of a crash at start that it is started again with.
+NO_REPACK = "--no-repack"
+CRASH_SIGNALS = (signal.SIGILL, signal.SIGSEGV, signal.SIGBUS)
 # Importing torch and vLLM, loading, profiling and warming up take minutes on a small loaded CPU.
 VLLM_START_TIMEOUT_S = 900.0
 SERVER_STOP_TIMEOUT_S = 15.0
@@ -162,6 +166,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerExited(RuntimeError):
+    """A peer's server that exited before it answered /health (`returncode`: its exit status, or
+    minus the signal that killed it)."""
+
+    def __init__(self, name: str, returncode: int, log_path: Path) -> None:
+        how = (
+            f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited {returncode}"
+        )
+        super().__init__(f"{name} {how} before it started; see {log_path}")
+        self.returncode = returncode
+
+
 @contextlib.contextmanager
 def http_server(name: str, argv: list[str], env: dict[str, str] | None, port: int, log_path: Path,
                 start_timeout: float) -> Iterator[int]:  # fmt: skip
@@ -176,10 +192,10 @@ def http_server(name: str, argv: list[str], env: dict[str, str] | None, port: in
         next_note = begin + START_PROGRESS_EVERY_S
         while not _is_healthy(port):
             now = time.monotonic()
-            if proc.poll() is not None or now > begin + start_timeout:
-                raise RuntimeError(
-                    f"{name} did not start within {start_timeout:.0f}s (exit {proc.poll()}); see {log_path}"
-                )
+            if proc.poll() is not None:
+                raise ServerExited(name, proc.returncode, log_path)
+            if now > begin + start_timeout:
+                raise RuntimeError(f"{name} did not start within {start_timeout:.0f}s; see {log_path}")
             if now > next_note:
                 print(f"{name}: still starting after {now - begin:.0f}s (log: {log_path})", flush=True)
                 next_note += START_PROGRESS_EVERY_S
@@ -266,7 +282,9 @@ def llama_server(
     extra_args: Sequence[str] = (),
 ) -> Iterator[int]:  # fmt: skip
     """Run `llama-server` with `slots` parallel slots on 127.0.0.1 (and `extra_args`, such as its
-    speculation options); yields its port; kills it after."""
+    speculation options); yields its port; kills it after. A server that crashes at start is
+    started again once with `--no-repack` (its AMX kernels die of SIGILL or SIGSEGV in their first
+    product on some virtual machines that report AMX), which the output says."""
     port = free_port()
     argv = [
         str(binary),
@@ -287,7 +305,19 @@ def llama_server(
         "--cont-batching",
         *extra_args,
     ]
-    with http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S) as port:
+    with contextlib.ExitStack() as stack:
+        try:
+            port = stack.enter_context(
+                http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
+            )
+        except ServerExited as exc:
+            if -exc.returncode not in CRASH_SIGNALS or NO_REPACK in argv:
+                raise
+            print(f"{exc} (its repacked kernels?); again with {NO_REPACK}", flush=True)
+            argv.append(NO_REPACK)
+            port = stack.enter_context(
+                http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
+            )
         yield port
 
 

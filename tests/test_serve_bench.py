@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.peers import RequestResult, free_port, http_server, is_running, vllm_model_dir
+from benchmarks.peers import (
+    RequestResult,
+    ServerExited,
+    _is_healthy,
+    free_port,
+    http_server,
+    is_running,
+    llama_server,
+    vllm_model_dir,
+)
 from benchmarks.serve import evaluate_targets, parse_args, percentile, run_vllm, setting_stats, summarize_ms
 from ipc.endpoints import SHM_PREFIX
 from tests.conftest import REPO_ROOT, brigade_shm_objects
@@ -286,7 +296,45 @@ def test_peer_server_stops_its_whole_group_and_its_leftovers(tmp_path) -> None:
 def test_peer_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path) -> None:
     log = tmp_path / "server.log"
     argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
-    expected = rf"fake did not start .*\(exit 3\); see {re.escape(str(log))}"
+    expected = rf"fake exited 3 before it started; see {re.escape(str(log))}"
     with pytest.raises(RuntimeError, match=expected), http_server("fake", argv, None, free_port(), log, 60):
         pass
     assert "no model here" in log.read_text()
+
+
+FAKE_LLAMA_SERVER = """
+import http.server, os, signal, sys
+print("argv", " ".join(sys.argv[1:]), flush=True)
+if "--no-repack" not in sys.argv:
+    crash = signal.SIGILL if sys.argv[sys.argv.index("--threads") + 1] == "2" else signal.SIGSEGV
+    os.kill(os.getpid(), crash)  # as llama.cpp's AMX kernels die on some virtual machines
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_llama_server_that_crashes_at_start_runs_again_without_repacking(tmp_path, capsys, threads) -> None:
+    """A llama-server that crashes (SIGSEGV or SIGILL) before it answers is started once more with
+    --no-repack, and says so; a crash without repacking is the error, as before."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_LLAMA_SERVER}")
+    binary.chmod(0o755)
+    log = tmp_path / "llama.log"
+    with llama_server(binary, tmp_path / "model.gguf", 2, 64, threads, log) as port:
+        assert _is_healthy(port)
+    runs = [line for line in log.read_text().splitlines() if line.startswith("argv")]
+    assert len(runs) == 2 and "--no-repack" not in runs[0] and runs[1].endswith("--no-repack")
+    crash = "SIGILL" if threads == 2 else "SIGSEGV"
+    assert f"killed by {crash} before it started" in capsys.readouterr().out
+    # Already without repacking: the SIGILL is the error.
+    binary.write_text(f"#!{sys.executable}\nimport os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    with (
+        pytest.raises(ServerExited, match="killed by SIGILL") as raised,
+        llama_server(binary, tmp_path / "model.gguf", 2, 64, 1, log, ["--no-repack"]),
+    ):
+        pass
+    assert raised.value.returncode == -signal.SIGILL
