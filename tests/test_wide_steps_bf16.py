@@ -36,8 +36,8 @@ needs_onednn_bf16 = pytest.mark.skipif(
 
 BF16_ULP = 2.0**-7  # bfloat16 keeps 8 significant bits: one unit in the last place, relative
 # SmolLM2 teacher-forced on HF's greedy tokens, 8 prompts x 16 tokens: 127 / 128 agree in
-# docs/performance.md ("bf16 wide steps"); two misses are tolerated (a thread count other than
-# that run's blocks oneDNN's sums differently).
+# docs/performance.md ("bf16 wide steps", before the LM head was bf16 too); two misses are
+# tolerated (a thread count other than that run's blocks oneDNN's sums differently).
 TOP1_MIN = 126 / 128
 
 
@@ -115,9 +115,11 @@ def test_wide_steps_take_bf16_where_asked_and_the_cpu_has_it(tiny_model_dir, cpu
     model = tiny_runner(tiny_model_dir, wide_step_dtype="bfloat16").model
     assert model.wide_step_dtype == torch.bfloat16 and model._layout(5) == "onednn"
     assert all(w.dtype == torch.bfloat16 for layer in model.layers for w in layer.onednn)
-    # The few-rows kernel still reads float32 (a float32 checkpoint: no GGUF blocks), the LM head too.
+    # The few-rows kernel still reads float32 (a float32 checkpoint: no GGUF blocks), the LM head
+    # too; wide steps' head is a bf16 copy beside it.
     assert all(w.dtype == torch.float32 for layer in model.layers for w in layer.plain)
-    assert model.lm_head_onednn is model.lm_head and model.lm_head.dtype == torch.float32
+    assert model.lm_head.dtype == torch.float32 and model.lm_head_onednn.dtype == torch.bfloat16
+    assert default.lm_head_onednn is default.lm_head
 
 
 def test_wide_steps_stay_float32_where_the_cpu_lacks_bf16(tiny_model_dir, cpu_with_bf16, caplog):
@@ -143,8 +145,9 @@ def test_wide_steps_stay_float32_where_the_cpu_lacks_bf16(tiny_model_dir, cpu_wi
 @needs_onednn_bf16
 def test_tiny_wide_steps_in_bf16_stay_close_to_hf(tiny_model_dir, cpu_with_bf16):
     """Prefills of 6 sequences and a decode step of all 6 in bfloat16 give HF float32's logits
-    within bf16 rounding, and not float32's (whose runner matches HF to 1e-4); a decode step of 3
-    rows after them (the few-rows kernel, float32 over the bf16-made cache) stays close to HF too."""
+    within bf16 rounding, and not float32's (whose runner matches HF to 1e-4), each logit a
+    bfloat16 number (the LM head's output); a decode step of 3 rows after them (the few-rows
+    kernel, float32 over the bf16-made cache, the float32 head) stays close to HF too."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -169,6 +172,8 @@ def test_tiny_wide_steps_in_bf16_stay_close_to_hf(tiny_model_dir, cpu_with_bf16)
             torch.testing.assert_close(logits["bfloat16"][row], expected, atol=0.05, rtol=0.05)
         if sum(len(c[1]) for c in chunks) > cpu_ops.MAX_LINEAR_ROWS:
             assert float((logits["bfloat16"] - logits["float32"]).abs().max()) > 1e-4
+        is_bf16 = [torch.equal(rows, rows.bfloat16().float()) for rows in logits.values()]
+        assert is_bf16 == [False, len(chunks) > cpu_ops.MAX_LINEAR_ROWS], is_bf16
 
 
 @needs_onednn_bf16

@@ -144,7 +144,8 @@ class ProjectionDeltas(Protocol):
 # (vdpbf16ps, or AMX): about 1.8x float32's GEMM rate on a Zen 5 core (docs/performance.md,
 # "bf16 wide steps"). Where a weight has GGUF blocks (read by steps of few rows) the bf16 copy
 # replaces its float32 oneDNN copy, so it halves that memory instead of adding to it. The LM head
-# stays float32: the sampled logits keep float32 numbers from the final hidden state.
+# of a wide step is such a copy too (beside a tied head, which the embedding lookups read): its
+# logits are rounded to bfloat16, as vLLM's bf16 models' are; steps of few rows keep float32's.
 WIDE_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -681,7 +682,7 @@ class LlamaModel:
         self.lm_head_t: torch.Tensor | None = (
             None  # [in, out] copy of lm_head, CPU float32 without the kernel
         )
-        self.lm_head_onednn: torch.Tensor | None = None  # CPU float32 with CAN_PREPACK: see LlamaLayer
+        self.lm_head_onednn: torch.Tensor | None = None  # CPU with CAN_PREPACK: see LlamaLayer
         self.lm_head_quantized: Blocks | None = None  # see load_quantized
         # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
         # where the layer is exactly what that op computes.
@@ -1078,11 +1079,17 @@ class LlamaModel:
             self.lm_head_t = self.lm_head.t().contiguous()
         if CAN_PREPACK:
             # A tied head is the embedding, which lookups still read: it stays plain.
-            if drops_plain and self.lm_head_quantized is not None and not self.config.tie_word_embeddings:
+            drops_head = (
+                drops_plain and self.lm_head_quantized is not None and not self.config.tie_word_embeddings
+            )
+            if is_bf16:
+                self.lm_head_onednn = prepack(self.lm_head.bfloat16())
+            elif drops_head:
                 self.lm_head_onednn = prepack(self.lm_head)
-                self.lm_head = released
             else:
                 self.lm_head_onednn = self.lm_head
+            if drops_head:
+                self.lm_head = released
 
     # ---- forward ----------------------------------------------------------------------------------
 
