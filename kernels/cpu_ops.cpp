@@ -514,10 +514,13 @@ constexpr bool kScalesQ4_1 = false;  // the 512-bit unpack has no shift to save
 inline void unpack_scaled(const BlockQ4_1& block, Floats q[kBlockVectors]) { unpack(block, q); }
 inline std::vector<float> scaled_activations(const float*, int64_t) { return {}; }
 inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
-  // Byte position b moves to the top of its word, then an arithmetic shift sign-extends it.
-  const __m512i shifts = _mm512_setr_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
-  for (int v = 0; v < 2; ++v)
-    q[v] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(broadcast16x4(block.qs + 16 * v), shifts), 24));
+  // Lane j's byte is byte 4 * (j % 4) + j / 4 of its 16: one byte shuffle puts them in lane order,
+  // then a sign extension (neither a port-0 op on Intel, as the shifts it replaces were).
+  const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int v = 0; v < 2; ++v) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs + 16 * v));
+    q[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(bytes, order)));
+  }
 }
 // The nibbles as Q4_1's; a 16-entry permute (it reads the low 4 bits of each lane) is the code's value.
 inline void unpack(const BlockMXFP4& block, Floats q[kBlockVectors]) {
