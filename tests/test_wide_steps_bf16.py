@@ -34,10 +34,12 @@ needs_onednn_bf16 = pytest.mark.skipif(
     not (CAN_PREPACK and onednn_prepacks_bf16()), reason="oneDNN cannot prepack bfloat16 on this CPU"
 )
 
+WIDE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BF16_ULP = 2.0**-7  # bfloat16 keeps 8 significant bits: one unit in the last place, relative
-# SmolLM2 teacher-forced on HF's greedy tokens, 8 prompts x 16 tokens: 127 / 128 agree in
-# docs/performance.md ("bf16 wide steps", before the LM head was bf16 too); two misses are
-# tolerated (a thread count other than that run's blocks oneDNN's sums differently).
+# SmolLM2 teacher-forced on HF's greedy tokens, 8 prompts x 16 tokens: 127 / 128 agreed in
+# docs/performance.md ("bf16 wide steps"), and still do with the LM head in bf16 (an AMX host,
+# twenty-eighth session); two misses are tolerated (a thread count other than that run's blocks
+# oneDNN's sums differently).
 TOP1_MIN = 126 / 128
 
 
@@ -205,6 +207,45 @@ def test_moe_with_bf16_wide_steps_stays_close_to_hf(tmp_path, cpu_with_bf16):
     torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
 
 
+@needs_onednn_bf16
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_embedding_run_with_bf16_wide_steps_loads_no_head(tmp_path, cpu_with_bf16, tied):
+    """An embedding run (no LM head: an empty tensor) with bf16 wide steps loads, keeps no bf16
+    head copy (tied or not), and pools 6 prompts in one wide step as the float32 run does, within
+    bf16 rounding."""
+    from transformers import LlamaConfig
+
+    from ipc.config import ModelConfig
+    from services.common.pooling import embedding_of
+    from tests.conftest import TINY_VOCAB_SIZE, save_random_model
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    path = save_random_model(config, tmp_path / "embed", seed=3, std=0.1)
+    embedding = embedding_of(ModelConfig(task="embed"), path)
+    cpu_with_bf16(True)
+    pooled = {}
+    for wide in ("float32", "bfloat16"):
+        runner = ModelRunner(
+            path, dtype="float32", kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE, wide_step_dtype=wide,
+            embedding=embedding,
+        )  # fmt: skip
+        model = runner.model
+        assert model.wide_step_dtype == WIDE[wide]
+        assert model.lm_head is model.embed if tied else model.lm_head.numel() == 0
+        assert model.lm_head_onednn is None or model.lm_head_onednn.dtype == torch.float32
+        rng = np.random.default_rng(4)
+        prompts = [random_ids(rng, 5 + 3 * i, runner.vocab_size) for i in range(6)]
+        result = runner.execute(*PlanBuilder().plan([(i, p, True) for i, p in enumerate(prompts)]))
+        pooled[wide] = torch.from_numpy(np.asarray(result["pooled"]))
+    assert pooled["bfloat16"].shape == pooled["float32"].shape == (6, 64)
+    cosines = torch.nn.functional.cosine_similarity(pooled["bfloat16"], pooled["float32"], dim=1)
+    assert bool((cosines > 0.999).all()), cosines
+    assert not torch.equal(pooled["bfloat16"], pooled["float32"])  # the wide step ran in bf16
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # HF and Brigade on SmolLM2, on a loaded machine
 @pytest.mark.skipif(not has_native_half_matmul(torch.device("cpu")), reason="no AVX-512 BF16 or AMX")
@@ -223,6 +264,7 @@ def test_smollm2_with_bf16_wide_steps_stays_close_to_hf(smollm2_dir, smollm2_hf_
     )
     model = runner.model
     assert model.wide_step_dtype == torch.bfloat16 and model.reads_gguf_blocks
+    assert model.lm_head_onednn.dtype == torch.bfloat16 and model.lm_head is model.embed  # tied
     for layer in model.layers:
         assert all(w.dtype == torch.bfloat16 for w in layer.onednn)
         assert all(w.numel() == 0 for w, q in zip(layer.plain, layer.quantized, strict=True) if q is not None)

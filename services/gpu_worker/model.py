@@ -144,8 +144,8 @@ class ProjectionDeltas(Protocol):
 # (vdpbf16ps, or AMX): about 1.8x float32's GEMM rate on a Zen 5 core (docs/performance.md,
 # "bf16 wide steps"). Where a weight has GGUF blocks (read by steps of few rows) the bf16 copy
 # replaces its float32 oneDNN copy, so it halves that memory instead of adding to it. The LM head
-# of a wide step is such a copy too (beside a tied head, which the embedding lookups read): its
-# logits are rounded to bfloat16, as vLLM's bf16 models' are; steps of few rows keep float32's.
+# of a step that samples more rows is such a copy too (steps of few rows keep the float32 head or
+# its GGUF blocks): its logits are rounded to bfloat16, as vLLM's bf16 models' are.
 WIDE_STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -682,7 +682,8 @@ class LlamaModel:
         self.lm_head_t: torch.Tensor | None = (
             None  # [in, out] copy of lm_head, CPU float32 without the kernel
         )
-        self.lm_head_onednn: torch.Tensor | None = None  # CPU with CAN_PREPACK: see LlamaLayer
+        # CPU with CAN_PREPACK: float32 or, with bf16 wide steps, bfloat16 (WIDE_STEP_DTYPES)
+        self.lm_head_onednn: torch.Tensor | None = None
         self.lm_head_quantized: Blocks | None = None  # see load_quantized
         # Decode steps of few rows run each layer as one C++ op (one rank: no all_reduce inside),
         # where the layer is exactly what that op computes.
@@ -1078,11 +1079,13 @@ class LlamaModel:
         if keep_transposed:
             self.lm_head_t = self.lm_head.t().contiguous()
         if CAN_PREPACK:
-            # A tied head is the embedding, which lookups still read: it stays plain.
+            # The head's float32 copy goes where only oneDNN would read it: an untied head with
+            # GGUF blocks. A tied one is the embedding, which lookups read; one without blocks is
+            # what steps of few rows multiply. An embedding run has no head (an empty tensor).
             drops_head = (
                 drops_plain and self.lm_head_quantized is not None and not self.config.tie_word_embeddings
             )
-            if is_bf16:
+            if is_bf16 and self.has_lm_head:
                 self.lm_head_onednn = prepack(self.lm_head.bfloat16())
             elif drops_head:
                 self.lm_head_onednn = prepack(self.lm_head)
