@@ -170,7 +170,8 @@ def measure_llamacpp(args: argparse.Namespace, lora_gguf: Path, log_path: Path) 
                 )
                 tpots[name].append(stream_tpot_ms(arrivals))
     return {
-        "server": f"{binary} --parallel {args.requests} --threads {args.threads}, {base_gguf.name} --lora {lora_gguf.name}",
+        "server": f"{binary} --parallel {args.requests} --threads {args.threads}, {base_gguf.name} "
+        f"--lora {lora_gguf.name}{peers.llama_server_note(binary)}",
         "throughput_tok_s": {**rates, "ratio": mean(rates["adapter"]) / mean(rates["base"])},
         "tpot_ms": {**tpots, "ratio_p50": percentile(tpots["adapter"], 50) / percentile(tpots["base"], 50)},
     }

@@ -26,6 +26,9 @@ LLAMA_START_TIMEOUT_S = 120.0
 # signals of a crash at start that it is started again with.
 NO_REPACK = "--no-repack"
 CRASH_SIGNALS = (signal.SIGILL, signal.SIGSEGV, signal.SIGBUS)
+# llama-server binaries that crashed at start with their repacked kernels: later starts of the
+# same binary go without them at once (llama_server_note tells a report).
+_crashes_with_repack: set[Path] = set()
 # Importing torch and vLLM, loading, profiling and warming up take minutes on a small loaded CPU.
 VLLM_START_TIMEOUT_S = 900.0
 SERVER_STOP_TIMEOUT_S = 15.0
@@ -171,9 +174,13 @@ class ServerExited(RuntimeError):
     minus the signal that killed it)."""
 
     def __init__(self, name: str, returncode: int, log_path: Path) -> None:
-        how = (
-            f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited {returncode}"
-        )
+        if returncode >= 0:
+            how = f"exited {returncode}"
+        else:  # a signal number Python has no name for (a real-time one) is said as a number
+            signum = -returncode
+            how = (
+                f"was killed by {signal.Signals(signum).name if signum in signal.valid_signals() else signum}"
+            )
         super().__init__(f"{name} {how} before it started; see {log_path}")
         self.returncode = returncode
 
@@ -305,6 +312,8 @@ def llama_server(
         "--cont-batching",
         *extra_args,
     ]
+    if binary in _crashes_with_repack and NO_REPACK not in argv:
+        argv.append(NO_REPACK)
     with contextlib.ExitStack() as stack:
         try:
             port = stack.enter_context(
@@ -314,11 +323,19 @@ def llama_server(
             if -exc.returncode not in CRASH_SIGNALS or NO_REPACK in argv:
                 raise
             print(f"{exc} (its repacked kernels?); again with {NO_REPACK}", flush=True)
+            _crashes_with_repack.add(binary)
             argv.append(NO_REPACK)
             port = stack.enter_context(
                 http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
             )
         yield port
+
+
+def llama_server_note(binary: Path) -> str:
+    """What a report says of how `binary` ran beyond its command line: "" or the --no-repack retry."""
+    return (
+        f"; {NO_REPACK}: its repacked kernels crashed at start here" if binary in _crashes_with_repack else ""
+    )
 
 
 # -- vLLM (CPU build) ---------------------------------------------------------------------------

@@ -436,7 +436,8 @@ def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], log_dir
             results, duration = asyncio.run(setting())
         per_setting[str(c)] = setting_stats(results, duration)
         print_setting("llamacpp", c, per_setting[str(c)])
-    return engine_report(per_setting, f"llama-server {binary}, {gguf.name}, --parallel = concurrency")
+    note = f"llama-server {binary}, {gguf.name}, --parallel = concurrency{peers.llama_server_note(binary)}"
+    return engine_report(per_setting, note)
 
 
 def run_vllm(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], log_dir: Path) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from benchmarks.peers import (
     http_server,
     is_running,
     llama_server,
+    llama_server_note,
     vllm_model_dir,
 )
 from benchmarks.serve import evaluate_targets, parse_args, percentile, run_vllm, setting_stats, summarize_ms
@@ -303,7 +303,8 @@ def test_peer_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path) ->
 
 
 FAKE_LLAMA_SERVER = """
-import http.server, os, signal, sys
+import http.server, os, resource, signal, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # its crashes leave no core file
 print("argv", " ".join(sys.argv[1:]), flush=True)
 if "--no-repack" not in sys.argv:
     crash = signal.SIGILL if sys.argv[sys.argv.index("--threads") + 1] == "2" else signal.SIGSEGV
@@ -316,25 +317,52 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])
 """
 
 
+def fake_binary(path: Path, script: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n{script}")
+    path.chmod(0o755)
+    return path
+
+
+def started_argvs(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.startswith("argv")]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_llama_server_that_crashes_at_start_runs_again_without_repacking(tmp_path, capsys, threads) -> None:
     """A llama-server that crashes (SIGSEGV or SIGILL) before it answers is started once more with
-    --no-repack, and says so; a crash without repacking is the error, as before."""
-    binary = tmp_path / "llama-server"
-    binary.write_text(f"#!{sys.executable}\n{FAKE_LLAMA_SERVER}")
-    binary.chmod(0o755)
+    --no-repack, and says so; the next start of that binary takes --no-repack at once, and the
+    report's note says why."""
+    binary = fake_binary(tmp_path / "llama-server", FAKE_LLAMA_SERVER)
     log = tmp_path / "llama.log"
+    assert llama_server_note(binary) == ""
     with llama_server(binary, tmp_path / "model.gguf", 2, 64, threads, log) as port:
         assert _is_healthy(port)
-    runs = [line for line in log.read_text().splitlines() if line.startswith("argv")]
+    runs = started_argvs(log)
     assert len(runs) == 2 and "--no-repack" not in runs[0] and runs[1].endswith("--no-repack")
     crash = "SIGILL" if threads == 2 else "SIGSEGV"
     assert f"killed by {crash} before it started" in capsys.readouterr().out
-    # Already without repacking: the SIGILL is the error.
-    binary.write_text(f"#!{sys.executable}\nimport os, signal; os.kill(os.getpid(), signal.SIGILL)")
-    with (
-        pytest.raises(ServerExited, match="killed by SIGILL") as raised,
-        llama_server(binary, tmp_path / "model.gguf", 2, 64, 1, log, ["--no-repack"]),
-    ):
-        pass
-    assert raised.value.returncode == -signal.SIGILL
+    assert "--no-repack: its repacked kernels crashed" in llama_server_note(binary)
+    with llama_server(binary, tmp_path / "model.gguf", 2, 64, threads, log) as port:
+        assert _is_healthy(port)
+    assert len(started_argvs(log)) == 3 and started_argvs(log)[2].endswith("--no-repack")
+
+
+def test_llama_server_that_fails_otherwise_is_not_started_again(tmp_path) -> None:
+    """An exit status (no model, a bad flag) or a crash with repacking already off is the error at
+    once: one start each, the exit status or the signal named."""
+    log = tmp_path / "llama.log"
+    for name, script, extra, expected in (
+        ("exits", 'print("argv"); raise SystemExit(3)', [], "exited 3"),
+        ("crashes", 'print("argv"); import os, signal; os.kill(os.getpid(), signal.SIGILL)', ["--no-repack"],
+         "killed by SIGILL"),
+    ):  # fmt: skip
+        binary = fake_binary(
+            tmp_path / name, f"import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n{script}"
+        )
+        log.write_text("")
+        with (
+            pytest.raises(ServerExited, match=expected),
+            llama_server(binary, tmp_path / "model.gguf", 2, 64, 1, log, extra),
+        ):
+            pass
+        assert len(started_argvs(log)) == 1, name
