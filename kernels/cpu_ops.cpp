@@ -500,15 +500,19 @@ constexpr int kBlockVectors = kBlockWeights / kLanes;  // vectors of weights in 
 inline __m512i broadcast16x4(const void* p) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// A 16-entry permute reads only the low 4 bits of each lane: the nibble shifted down is its own
-// index into the floats 0..15, so no mask and no int-to-float conversion (both port-0 ops on
-// Intel's 512-bit units); the values are the conversion's, exactly.
-inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
-  const __m512 values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
-  const __m512i words = broadcast16x4(block.qs);
+// Each nibble of a block as the value it stands for in `values` (16 floats): a 16-entry permute
+// reads only the low 4 bits of each lane, so the nibble shifted down is its own index, with no
+// mask and no int-to-float conversion (both port-0 ops on Intel's 512-bit units).
+inline void nibble_values(const uint8_t* qs, const __m512 values, Floats q[kBlockVectors]) {
+  const __m512i words = broadcast16x4(qs);
   const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
   q[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shifts), values);
   q[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), values);
+}
+inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
+  const __m512 values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f,  //
+                                       8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  nibble_values(block.qs, values, q);
 }
 constexpr bool kScalesQ4_1 = false;  // the 512-bit unpack has no shift to save
 inline void unpack_scaled(const BlockQ4_1& block, Floats q[kBlockVectors]) { unpack(block, q); }
@@ -522,14 +526,11 @@ inline void unpack(const BlockQ8_0& block, Floats q[kBlockVectors]) {
     q[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(bytes, order)));
   }
 }
-// The nibbles as Q4_1's; a 16-entry permute (it reads the low 4 bits of each lane) is the code's value.
+// The nibbles as Q4_1's, each the code of an E2M1 value (doubled).
 inline void unpack(const BlockMXFP4& block, Floats q[kBlockVectors]) {
   const __m512 values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f,  //
                                        -0.f, -1.f, -2.f, -3.f, -4.f, -6.f, -8.f, -12.f);
-  const __m512i words = broadcast16x4(block.qs);
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-  q[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shifts), values);
-  q[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), values);
+  nibble_values(block.qs, values, q);
 }
 #else
 inline void unpack(const BlockQ4_1& block, Floats q[kBlockVectors]) {
