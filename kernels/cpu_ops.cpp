@@ -355,6 +355,48 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// Memory a thread will read soon, fetched into its L2 cache a few lines with each output column of
+// the product it is computing (the column loops below take one, or none). A decode step of one to
+// four rows is bound more by the core's arithmetic on the base weights' blocks than by memory, so a
+// LoRA adapter's A and B rows fetched meanwhile mostly arrive while it computes, where read after
+// the product their whole time from memory adds to the step. Spread over the columns, a few lines
+// at a time, the requests do not fill the core's queue of misses (a burst of them stalls it).
+class LinesAhead {
+ public:
+  static constexpr int64_t kLine = 64;
+
+  void clear() {
+    ranges_.clear();
+    range_ = 0;
+    next_ = nullptr;
+    left_ = per_column_ = 0;
+  }
+  void add(const void* data, int64_t bytes) {
+    if (bytes <= 0) return;
+    const auto first = reinterpret_cast<uintptr_t>(data) & ~uintptr_t(kLine - 1);
+    const auto last = reinterpret_cast<uintptr_t>(data) + bytes;  // one past the range's last byte
+    ranges_.push_back({reinterpret_cast<const char*>(first), reinterpret_cast<const char*>(last)});
+    left_ += static_cast<int64_t>((last - first + kLine - 1) / kLine);
+  }
+  bool empty() const { return left_ == 0; }
+  // Paces the lines added so far over `columns` calls of fetch_for_column.
+  void spread_over(int64_t columns) { per_column_ = columns > 0 ? (left_ + columns - 1) / columns : left_; }
+  void fetch_for_column() {
+    for (int64_t count = per_column_; count > 0 && left_ > 0; --count, --left_) {
+      if (next_ == nullptr) next_ = ranges_[range_].first;
+      __builtin_prefetch(next_, 0, 2);  // into L2 (prefetcht1): read once, a little later
+      next_ += kLine;
+      if (next_ >= ranges_[range_].second) ++range_, next_ = nullptr;
+    }
+  }
+
+ private:
+  std::vector<std::pair<const char*, const char*>> ranges_;
+  size_t range_ = 0;
+  const char* next_ = nullptr;
+  int64_t left_ = 0, per_column_ = 0;
+};
+
 // Calls f with the row count 1..4 as a compile-time constant (std::integral_constant), so the
 // few-rows loops keep one accumulator set per row in registers.
 template <typename F>
@@ -370,8 +412,9 @@ void with_row_count(int64_t num_rows, F&& f) {
 // W: float, or bfloat16 (a LoRA adapter's A kept in half the bytes).
 template <int R, typename W = float>
 void few_rows_times_weight(const float* x, const W* w, const float* bias, float* out, int64_t in_features,
-                           int64_t out_features, int64_t begin, int64_t end) {
+                           int64_t out_features, int64_t begin, int64_t end, LinesAhead* ahead = nullptr) {
   for (int64_t n = begin; n < end; ++n) {
+    if (ahead != nullptr) ahead->fetch_for_column();
     const W* row = w + n * in_features;
     // Four partial sums per input row: enough independent FMAs to keep up with the weight stream.
     Floats acc[R][4];
@@ -610,11 +653,13 @@ inline void add_block(const float* x, const Block& block, int64_t b, int64_t num
 
 template <typename Block, int R>
 void few_rows_times_blocks(const float* x, const float* block_sums, const uint8_t* w, float* out,
-                           int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end) {
+                           int64_t num_blocks, int64_t out_features, int64_t begin, int64_t end,
+                           LinesAhead* ahead = nullptr) {
   constexpr bool kScaled = kScalesQ4_1 && std::is_same_v<Block, BlockQ4_1>;
   const std::vector<float> scaled = kScaled ? scaled_activations(x, R * num_blocks * kBlockWeights) : std::vector<float>();
   const float* xs = kScaled ? scaled.data() : x;
   for (int64_t n = begin; n < end; ++n) {
+    if (ahead != nullptr) ahead->fetch_for_column();
     const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
     Floats even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = zero_floats();
@@ -850,10 +895,11 @@ inline void for_each_weight_vector(const Block& block, Emit&& emit) {
 // the loop is bound by its work, not by the latency of the FMAs.
 template <typename Block, int R>
 void few_rows_times_super_blocks(const float* x, const Block* w, float* out, int64_t num_blocks,
-                                 int64_t out_features, int64_t begin, int64_t end) {
+                                 int64_t out_features, int64_t begin, int64_t end, LinesAhead* ahead = nullptr) {
   constexpr int kChains = R == 1 ? 8 : R == 2 ? 4 : 2;
   const int64_t in_features = num_blocks * kSuperWeights;
   for (int64_t n = begin; n < end; ++n) {
+    if (ahead != nullptr) ahead->fetch_for_column();
     const Block* row = w + n * num_blocks;
     __m256 acc[R][kChains];
     for (int r = 0; r < R; ++r)
@@ -1375,8 +1421,9 @@ inline void add_int8_block(ActivationRows a, PackedRow<Block> row, int64_t b, in
 // latency of the additions.
 template <typename Block, int R>
 void int8_times_blocks(ActivationRows a, const uint8_t* w, float* out, int64_t num_blocks, int64_t out_features,
-                       int64_t begin, int64_t end) {
+                       int64_t begin, int64_t end, LinesAhead* ahead = nullptr) {
   for (int64_t n = begin; n < end; ++n) {
+    if (ahead != nullptr) ahead->fetch_for_column();
     const PackedRow<Block> row = packed_row<Block>(w, n, num_blocks);
     __m256 even[R], odd[R];
     float even_min[R], odd_min[R];
@@ -1398,11 +1445,12 @@ inline __m256 scale_pair(float low, float high) { return _mm256_set_m128(_mm_set
 
 template <typename Block, int R>
 void int8_times_super_blocks(ActivationRows a, const Block* w, float* out, int64_t num_blocks,
-                             int64_t out_features, int64_t begin, int64_t end) {
+                             int64_t out_features, int64_t begin, int64_t end, LinesAhead* ahead = nullptr) {
   constexpr int kSub = kSuperWeights / kBlockWeights;
   const int64_t num_act_blocks = num_blocks * kSub;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = begin; n < end; ++n) {
+    if (ahead != nullptr) ahead->fetch_for_column();
     const Block* row = w + n * num_blocks;
     // Even and odd sub-blocks add into separate sums (FMA latency); the minimums' terms of a
     // super-block's 8 sub-blocks go in one vector FMA.
@@ -1894,49 +1942,74 @@ int64_t lora_work(const LoraProjection& projection, const LoraRows& rows) {
 // over the threads by rows as well as by A's rank rows.
 constexpr int64_t kLoraChunkRows = 16;
 
-// h[m, p, :rank] = A[m][slot] @ x[rows[p]], thread t of `threads` taking its share of all the
-// (segment, module, chunk of kLoraChunkRows rows, rank row) items. x: [tokens, in] rows of stride
-// x_stride; h: [modules, N, max_rank].
-void lora_shrink(const LoraProjection& projection, const LoraRows& rows, const float* x, int64_t x_stride, float* h,
-                 int64_t t, int64_t threads) {
-  const int64_t in_features = projection.in_features, max_rank = projection.max_rank;
-  const int64_t num_rows = static_cast<int64_t>(rows.rows.size());
+// Thread t's share of a projection's shrink: the (segment, module, chunk of kLoraChunkRows rows,
+// rank row) items, numbered in that order and split evenly over `threads`. Calls
+// f(segment, module, chunk, rank_begin, rank_end) for each (segment, module, chunk) it has rank rows
+// of, so that the shrink and the prefetch of its A rows take the same share.
+template <typename F>
+void for_shrink_share(const LoraProjection& projection, const LoraRows& rows, int64_t t, int64_t threads, F&& f) {
   int64_t total = 0;
   for (const auto& [slot, start, stop] : rows.segments)
     for (int64_t m = 0; m < projection.num_modules(); ++m)
       total += projection.rank(m, slot) * ((stop - start + kLoraChunkRows - 1) / kLoraChunkRows);
   const auto [first, last] = share(total, t, threads);
+  int64_t offset = 0;
+  for (const auto& segment : rows.segments) {
+    const auto& [slot, start, stop] = segment;
+    for (int64_t m = 0; m < projection.num_modules(); ++m) {
+      const int64_t rank = projection.rank(m, slot);
+      for (int64_t chunk = start; chunk < stop; chunk += kLoraChunkRows, offset += rank) {
+        const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
+        if (begin < end) f(segment, m, chunk, begin, end);
+      }
+    }
+  }
+}
+
+// h[m, p, :rank] = A[m][slot] @ x[rows[p]], thread t of `threads` taking its share of the items
+// (for_shrink_share). x: [tokens, in] rows of stride x_stride; h: [modules, N, max_rank].
+void lora_shrink(const LoraProjection& projection, const LoraRows& rows, const float* x, int64_t x_stride, float* h,
+                 int64_t t, int64_t threads) {
+  const int64_t in_features = projection.in_features, max_rank = projection.max_rank;
+  const int64_t num_rows = static_cast<int64_t>(rows.rows.size());
   projection.with_type([&](auto type) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
     std::vector<float> gathered;  // x's rows of four, where they are not one block of x already
-    int64_t offset = 0;
-    for (const auto& [slot, start, stop] : rows.segments)
-      for (int64_t m = 0; m < projection.num_modules(); ++m) {
-        const int64_t rank = projection.rank(m, slot);
-        const W* a_slot = static_cast<const W*>(projection.a[m]) + slot * max_rank * in_features;
-        for (int64_t chunk = start; chunk < stop; chunk += kLoraChunkRows, offset += rank) {
-          const int64_t begin = std::max<int64_t>(first - offset, 0), end = std::min(last - offset, rank);
-          if (begin >= end) continue;
-          for (int64_t p = chunk; p < std::min(chunk + kLoraChunkRows, stop); p += 4) {
-            const int64_t count = std::min<int64_t>(4, stop - p);
-            const float* x_rows = x + rows.rows[p] * x_stride;
-            bool in_place = x_stride == in_features;
-            for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
-            if (!in_place) {
-              gathered.resize(count * in_features);
-              for (int64_t r = 0; r < count; ++r)
-                std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
-              x_rows = gathered.data();
-            }
-            with_row_count(count, [&](auto rows_now) {
-              few_rows_times_weight<decltype(rows_now)::value>(x_rows, a_slot, nullptr,
-                                                               h + (m * num_rows + p) * max_rank, in_features,
-                                                               max_rank, begin, end);
-            });
-          }
+    for_shrink_share(projection, rows, t, threads, [&](const auto& segment, int64_t m, int64_t chunk, int64_t begin,
+                                                       int64_t end) {
+      const int64_t slot = segment[0], stop = segment[2];
+      const W* a_slot = static_cast<const W*>(projection.a[m]) + slot * max_rank * in_features;
+      for (int64_t p = chunk; p < std::min(chunk + kLoraChunkRows, stop); p += 4) {
+        const int64_t count = std::min<int64_t>(4, stop - p);
+        const float* x_rows = x + rows.rows[p] * x_stride;
+        bool in_place = x_stride == in_features;
+        for (int64_t r = 1; r < count; ++r) in_place = in_place && rows.rows[p + r] == rows.rows[p] + r;
+        if (!in_place) {
+          gathered.resize(count * in_features);
+          for (int64_t r = 0; r < count; ++r)
+            std::copy_n(x + rows.rows[p + r] * x_stride, in_features, gathered.data() + r * in_features);
+          x_rows = gathered.data();
         }
+        with_row_count(count, [&](auto rows_now) {
+          few_rows_times_weight<decltype(rows_now)::value>(x_rows, a_slot, nullptr, h + (m * num_rows + p) * max_rank,
+                                                           in_features, max_rank, begin, end);
+        });
       }
+    });
   });
+}
+
+// Calls f(segment, module, begin, end) for each module of each segment whose adapter has a rank
+// there and whose columns [begin, end) (from the module's first) meet [column_begin, column_end).
+template <typename F>
+void for_expand_part(const LoraProjection& projection, const LoraRows& rows, int64_t column_begin, int64_t column_end,
+                     F&& f) {
+  for (const auto& segment : rows.segments)
+    for (int64_t m = 0; m < projection.num_modules(); ++m) {
+      const int64_t column = projection.columns[m], width = projection.columns[m + 1] - column;
+      const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
+      if (projection.rank(m, segment[0]) > 0 && begin < end) f(segment, m, begin, end);
+    }
 }
 
 // out[rows[p], c] += B[m][slot][c] . h[m, p] for the projection's columns c in [column_begin, column_end).
@@ -1945,23 +2018,47 @@ void lora_expand(const LoraProjection& projection, const LoraRows& rows, const f
   const int64_t max_rank = projection.max_rank, num_rows = static_cast<int64_t>(rows.rows.size());
   projection.with_type([&](auto type) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-    for (const auto& [slot, start, stop] : rows.segments)
-      for (int64_t m = 0; m < projection.num_modules(); ++m) {
-        const int64_t rank = projection.rank(m, slot), column = projection.columns[m];
-        const int64_t width = projection.columns[m + 1] - column;
-        const int64_t begin = std::max<int64_t>(column_begin - column, 0), end = std::min(column_end - column, width);
-        if (rank == 0 || begin >= end) continue;
-        const W* b_slot = static_cast<const W*>(projection.b[m]) + slot * max_rank * width;
-        for (int64_t p = start; p < stop; p += 4) {
-          const int64_t count = std::min<int64_t>(4, stop - p);
-          float* out_rows[4];
-          for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
-          with_row_count(count, [&](auto rows_now) {
-            expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, width, rank,
-                                                   out_rows, begin, end);
-          });
-        }
+    for_expand_part(projection, rows, column_begin, column_end, [&](const auto& segment, int64_t m, int64_t begin,
+                                                                    int64_t end) {
+      const auto& [slot, start, stop] = segment;
+      const int64_t rank = projection.rank(m, slot), column = projection.columns[m];
+      const int64_t width = projection.columns[m + 1] - column;
+      const W* b_slot = static_cast<const W*>(projection.b[m]) + slot * max_rank * width;
+      for (int64_t p = start; p < stop; p += 4) {
+        const int64_t count = std::min<int64_t>(4, stop - p);
+        float* out_rows[4];
+        for (int64_t r = 0; r < count; ++r) out_rows[r] = out + rows.rows[p + r] * out_stride + column;
+        with_row_count(count, [&](auto rows_now) {
+          expand_rows<decltype(rows_now)::value>(h + (m * num_rows + p) * max_rank, max_rank, b_slot, width, rank,
+                                                 out_rows, begin, end);
+        });
       }
+    });
+  });
+}
+
+// The B rows lora_expand reads for columns [column_begin, column_end).
+void expand_lines(const LoraProjection& projection, const LoraRows& rows, int64_t column_begin, int64_t column_end,
+                  LinesAhead& ahead) {
+  const int64_t element = projection.bfloat16 ? 2 : 4;
+  for_expand_part(projection, rows, column_begin, column_end, [&](const auto& segment, int64_t m, int64_t begin,
+                                                                  int64_t end) {
+    const int64_t slot = segment[0], width = projection.columns[m + 1] - projection.columns[m];
+    const char* b_slot = static_cast<const char*>(projection.b[m]) + slot * projection.max_rank * width * element;
+    for (int64_t k = 0; k < projection.rank(m, slot); ++k)
+      ahead.add(b_slot + (k * width + begin) * element, (end - begin) * element);
+  });
+}
+
+// The A rows thread t's lora_shrink reads.
+void shrink_lines(const LoraProjection& projection, const LoraRows& rows, int64_t t, int64_t threads,
+                  LinesAhead& ahead) {
+  const int64_t element = projection.bfloat16 ? 2 : 4, in_features = projection.in_features;
+  for_shrink_share(projection, rows, t, threads, [&](const auto& segment, int64_t m, int64_t, int64_t begin,
+                                                     int64_t end) {
+    const int64_t row_bytes = in_features * element;
+    const char* a_slot = static_cast<const char*>(projection.a[m]) + segment[0] * projection.max_rank * row_bytes;
+    ahead.add(a_slot + begin * row_bytes, (end - begin) * row_bytes);
   });
 }
 
@@ -2030,19 +2127,19 @@ inline void store_kv_row(const float* values, int64_t n, const at::Tensor& cache
 // Output columns [begin, end) of one part of a weight, for the step's rows x [R, in] (R <= 4),
 // into out (row stride `stride`, column 0 the part's first).
 using PartColumns = void (*)(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
-                             int64_t stride, int64_t begin, int64_t end, bool int8_activations);
+                             int64_t stride, int64_t begin, int64_t end, bool int8_activations, LinesAhead* ahead);
 
 void float_columns(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
-                   int64_t stride, int64_t begin, int64_t end, bool) {
+                   int64_t stride, int64_t begin, int64_t end, bool, LinesAhead* ahead) {
   with_row_count(num_rows, [&](auto rows) {
     few_rows_times_weight<decltype(rows)::value>(x, reinterpret_cast<const float*>(w), nullptr, out, in_features,
-                                                 stride, begin, end);
+                                                 stride, begin, end, ahead);
   });
 }
 
 template <typename Block>
 void blocks_columns(const float* x, int64_t num_rows, int64_t in_features, const uint8_t* w, float* out,
-                    int64_t stride, int64_t begin, int64_t end, bool int8_activations) {
+                    int64_t stride, int64_t begin, int64_t end, bool int8_activations, LinesAhead* ahead) {
   const int64_t num_act_blocks = in_features / kBlockWeights;
   with_row_count(num_rows, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
@@ -2051,18 +2148,20 @@ void blocks_columns(const float* x, int64_t num_rows, int64_t in_features, const
       const int64_t num_blocks = in_features / kSuperWeights;
       if (int8_activations) {
         const ActivationBlocks a = quantize_activations(x, R, num_act_blocks, activation_order<Block>());
-        int8_times_super_blocks<Block, R>(rows_from(a, 0, num_act_blocks), blocks, out, num_blocks, stride, begin, end);
+        int8_times_super_blocks<Block, R>(rows_from(a, 0, num_act_blocks), blocks, out, num_blocks, stride, begin, end,
+                                          ahead);
       } else {
-        few_rows_times_super_blocks<Block, R>(x, blocks, out, num_blocks, stride, begin, end);
+        few_rows_times_super_blocks<Block, R>(x, blocks, out, num_blocks, stride, begin, end, ahead);
       }
     } else if (int8_activations) {
       if constexpr (!std::is_same_v<Block, BlockMXFP4>) {  // refused by decode_weight
         const ActivationBlocks a = quantize_activations(x, R, num_act_blocks, activation_order<Block>());
-        int8_times_blocks<Block, R>(rows_from(a, 0, num_act_blocks), w, out, num_act_blocks, stride, begin, end);
+        int8_times_blocks<Block, R>(rows_from(a, 0, num_act_blocks), w, out, num_act_blocks, stride, begin, end,
+                                    ahead);
       }
     } else {
       const std::vector<float> sums = kHasMinimums<Block> ? sums_of_blocks(x, R * num_act_blocks) : std::vector<float>();
-      few_rows_times_blocks<Block, R>(x, sums.data(), w, out, num_act_blocks, stride, begin, end);
+      few_rows_times_blocks<Block, R>(x, sums.data(), w, out, num_act_blocks, stride, begin, end, ahead);
     }
   });
 }
@@ -2079,12 +2178,14 @@ struct DecodeWeight {
   const float* bias = nullptr;  // [width] or none
 
   // out[:, begin:end) = x @ W[begin:end)^T (+ bias) for the step's rows.
-  void columns(const float* x, int64_t num_rows, float* out, int64_t begin, int64_t end, bool int8) const {
+  // ahead: lines to fetch while doing it (or none).
+  void columns(const float* x, int64_t num_rows, float* out, int64_t begin, int64_t end, bool int8,
+               LinesAhead* ahead = nullptr) const {
     for (const Part& part : parts) {
       const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
       if (lo < hi)
         part.columns(x, num_rows, in_features, part.data, out + part.first, width, lo - part.first, hi - part.first,
-                     int8);
+                     int8, ahead);
     }
     if (bias != nullptr)
       for (int64_t r = 0; r < num_rows; ++r)
@@ -2309,21 +2410,32 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const bool lead = t == 0;
     std::vector<float> scratch(attend_scratch_size(1, max_blocks * block_size));
+    LinesAhead ahead;
     // result = in @ w, this thread's share of the columns, plus its rows' adapter deltas on the
-    // same columns: the shrink first, for all threads' columns, then a barrier.
+    // same columns: the shrink first, for all threads' columns, then a barrier. While it multiplies
+    // the base weight, the thread fetches the B rows of its expand and the A rows of its share of
+    // the next projection's shrink (`next`).
     const auto product = [&](const DecodeWeight& w, const float* in, int64_t in_features, float* result,
-                             const LoraProjection* lora) {
+                             const LoraProjection* lora, const LoraProjection* next) {
       if (lora != nullptr) {
         lora_shrink(*lora, lora_step, in, in_features, lora_h.data(), t, threads);
 #pragma omp barrier
       }
       const auto [begin, end] = share(w.width, t, threads);
-      w.columns(in, num_tokens, result, begin, end, int8_activations);
+      ahead.clear();
+      if (lora != nullptr) expand_lines(*lora, lora_step, begin, end, ahead);
+      if (next != nullptr) shrink_lines(*next, lora_step, t, threads, ahead);
+      ahead.spread_over(end - begin);
+      w.columns(in, num_tokens, result, begin, end, int8_activations, ahead.empty() ? nullptr : &ahead);
       if (lora != nullptr) lora_expand(*lora, lora_step, lora_h.data(), result, w.width, begin, end);
     };
     for (int64_t l = 0; l < num_layers; ++l) {
       const auto& [qkv_w, o_w, gate_up_w, down_w] = layers[l];
-      const auto lora = [&](int i) { return any_lora ? &adapters[l][i] : nullptr; };
+      // Projection i of this layer's adapters, counting on into the next layer's (4 = its first).
+      const auto lora = [&](int i) -> const LoraProjection* {
+        if (!any_lora || (i == 4 && l + 1 == num_layers)) return nullptr;
+        return i < 4 ? &adapters[l][i] : &adapters[l + 1][0];
+      };
       if (lead) {  // stream += the last layer's output (the input, first); x = RMSNorm(stream)
         const float* add = l == 0 ? input_d : out_d;
         for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] = l == 0 ? add[i] : stream_d[i] + add[i];
@@ -2332,7 +2444,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                        eps_f);
       }
 #pragma omp barrier
-      product(qkv_w, x_d, hidden_size, qkv_d, lora(0));
+      product(qkv_w, x_d, hidden_size, qkv_d, lora(0), lora(1));
 #pragma omp barrier
       if (lead) {
         // Rotate each token's q and k heads, then store its k and v at its slot.
@@ -2370,7 +2482,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
         }
       }
 #pragma omp barrier
-      product(o_w, attn_d, attn_width, o_d, lora(1));
+      product(o_w, attn_d, attn_width, o_d, lora(1), lora(2));
 #pragma omp barrier
       if (lead) {
         for (int64_t i = 0; i < num_tokens * hidden_size; ++i) stream_d[i] += o_d[i];
@@ -2379,7 +2491,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
                        hidden_size, eps_f);
       }
 #pragma omp barrier
-      product(gate_up_w, x_d, hidden_size, gate_up_d, lora(2));
+      product(gate_up_w, x_d, hidden_size, gate_up_d, lora(2), lora(3));
 #pragma omp barrier
       {  // act = SiLU(gate) * up
         const auto [begin, end] = share(intermediate, t, threads);
@@ -2390,7 +2502,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
           }
       }
 #pragma omp barrier
-      product(down_w, act_d, intermediate, out_d, lora(3));
+      product(down_w, act_d, intermediate, out_d, lora(3), lora(4));
 #pragma omp barrier
     }
   }
