@@ -312,22 +312,20 @@ def llama_server(
         "--cont-batching",
         *extra_args,
     ]
-    if binary in _crashes_with_repack and NO_REPACK not in argv:
-        argv.append(NO_REPACK)
     with contextlib.ExitStack() as stack:
-        try:
-            port = stack.enter_context(
-                http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
-            )
-        except ServerExited as exc:
-            if -exc.returncode not in CRASH_SIGNALS or NO_REPACK in argv:
-                raise
-            print(f"{exc} (its repacked kernels?); again with {NO_REPACK}", flush=True)
-            _crashes_with_repack.add(binary)
-            argv.append(NO_REPACK)
-            port = stack.enter_context(
-                http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
-            )
+        while True:  # at most twice: the retry has NO_REPACK, and a crash with it is raised
+            if binary in _crashes_with_repack and NO_REPACK not in argv:
+                argv.append(NO_REPACK)
+            try:
+                port = stack.enter_context(
+                    http_server("llama-server", argv, None, port, log_path, LLAMA_START_TIMEOUT_S)
+                )
+                break
+            except ServerExited as exc:
+                if -exc.returncode not in CRASH_SIGNALS or NO_REPACK in argv:
+                    raise
+                print(f"{exc} (its repacked kernels?); again with {NO_REPACK}", flush=True)
+                _crashes_with_repack.add(binary)
         yield port
 
 

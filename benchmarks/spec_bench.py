@@ -238,8 +238,9 @@ def stop_run(name: str, run: BrigadeProcess) -> None:
 
 def start_llamas(
     args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path
-) -> dict[str, LlamaEngine]:
-    """llama-server without and with its n-gram speculation, or none (saying why)."""
+) -> tuple[dict[str, LlamaEngine], str]:
+    """llama-server without and with its n-gram speculation, or none (saying why); and how they
+    ran, for the report (the binary, and its --no-repack retry if it needed one)."""
     binary = (
         None
         if args.no_llama
@@ -252,7 +253,7 @@ def start_llamas(
             "llama.cpp skipped: "
             + ("--no-llama" if args.no_llama else "no llama-server (give --llama-server PATH)")
         )
-        return {}
+        return {}, ""
     from services.gpu_worker.loader import default_model_path
 
     gguf = Path(default_model_path())
@@ -263,7 +264,7 @@ def start_llamas(
             peers.llama_server(binary, gguf, 1, context, args.threads, log_dir / f"{name}.log", extra)
         )
         engines[name] = LlamaEngine(port)
-    return engines
+    return engines, f"{binary}{peers.llama_server_note(binary)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         spec_runs = speculating(args, log_dir)
         runs = start_brigades(args, stack, log_dir, spec_runs)
-        llamas = start_llamas(args, stack, log_dir)
+        llamas, report["llama_server"] = start_llamas(args, stack, log_dir)
         engines: dict[str, Callable[[str, int, bool], float | None]] = {
             name: partial(brigade_tpot_ms, stack.enter_context(Client(run.run_dir)))
             for name, (run, _) in runs.items()
