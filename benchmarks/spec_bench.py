@@ -239,8 +239,8 @@ def stop_run(name: str, run: BrigadeProcess) -> None:
 def start_llamas(
     args: argparse.Namespace, stack: contextlib.ExitStack, log_dir: Path
 ) -> tuple[dict[str, LlamaEngine], str]:
-    """llama-server without and with its n-gram speculation, or none (saying why); and how they
-    ran, for the report (the binary, and its --no-repack retry if it needed one)."""
+    """llama-server without and with its n-gram speculation, or none (printing why); and how they
+    ran, for the report: the binary and its --no-repack retry if it needed one ("" when none ran)."""
     binary = (
         None
         if args.no_llama

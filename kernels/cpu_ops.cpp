@@ -45,12 +45,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
 #include <numeric>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
@@ -356,44 +358,46 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 // Memory a thread will read soon, fetched into its L2 cache a few lines with each output column of
-// the product it is computing (the column loops below take one, or none). A decode step of one to
-// four rows is bound more by the core's arithmetic on the base weights' blocks than by memory, so a
-// LoRA adapter's A and B rows fetched meanwhile mostly arrive while it computes, where read after
-// the product their whole time from memory adds to the step. Spread over the columns, a few lines
-// at a time, the requests do not fill the core's queue of misses (a burst of them stalls it).
+// the product it is computing: add the byte ranges, spread_over(the product's column count), then
+// the column loops below call fetch_for_column once a column (they take a LinesAhead, or none).
+// A decode step of one to four rows over GGUF blocks is bound more by the core's arithmetic than by
+// memory, so a LoRA adapter's A and B rows fetched meanwhile mostly arrive while it computes, where
+// read after the product their whole time from memory adds to the step. Spread over the columns, a
+// few lines at a time, the requests do not fill the core's queue of misses (a burst of them stalls
+// it). Addresses are kept as integers: a range's first line may start before its data.
 class LinesAhead {
  public:
-  static constexpr int64_t kLine = 64;
+  static constexpr uintptr_t kLine = 64;
 
   void clear() {
     ranges_.clear();
     range_ = 0;
-    next_ = nullptr;
+    next_ = 0;
     left_ = per_column_ = 0;
   }
   void add(const void* data, int64_t bytes) {
     if (bytes <= 0) return;
-    const auto first = reinterpret_cast<uintptr_t>(data) & ~uintptr_t(kLine - 1);
-    const auto last = reinterpret_cast<uintptr_t>(data) + bytes;  // one past the range's last byte
-    ranges_.push_back({reinterpret_cast<const char*>(first), reinterpret_cast<const char*>(last)});
+    const auto first = reinterpret_cast<uintptr_t>(data) & ~(kLine - 1);
+    const auto last = reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes);  // one past the end
+    ranges_.push_back({first, last});
     left_ += static_cast<int64_t>((last - first + kLine - 1) / kLine);
   }
   bool empty() const { return left_ == 0; }
-  // Paces the lines added so far over `columns` calls of fetch_for_column.
-  void spread_over(int64_t columns) { per_column_ = columns > 0 ? (left_ + columns - 1) / columns : left_; }
+  void spread_over(int64_t columns) { per_column_ = (left_ + columns - 1) / std::max<int64_t>(columns, 1); }
   void fetch_for_column() {
     for (int64_t count = per_column_; count > 0 && left_ > 0; --count, --left_) {
-      if (next_ == nullptr) next_ = ranges_[range_].first;
-      __builtin_prefetch(next_, 0, 2);  // into L2 (prefetcht1): read once, a little later
+      if (next_ == 0) next_ = ranges_[range_].first;
+      // Into L2 on Intel's cores (prefetcht1; AMD's take every hint to all levels): read once, soon.
+      __builtin_prefetch(reinterpret_cast<const void*>(next_), 0, 2);
       next_ += kLine;
-      if (next_ >= ranges_[range_].second) ++range_, next_ = nullptr;
+      if (next_ >= ranges_[range_].second) ++range_, next_ = 0;
     }
   }
 
  private:
-  std::vector<std::pair<const char*, const char*>> ranges_;
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges_;  // [first line, one past the last byte)
   size_t range_ = 0;
-  const char* next_ = nullptr;
+  uintptr_t next_ = 0;  // the next line of ranges_[range_], 0 before its first
   int64_t left_ = 0, per_column_ = 0;
 };
 
@@ -2050,7 +2054,8 @@ void expand_lines(const LoraProjection& projection, const LoraRows& rows, int64_
   });
 }
 
-// The A rows thread t's lora_shrink reads.
+// The A rows thread t's lora_shrink reads (a decode step's few rows are one chunk a segment, so
+// each row is added once).
 void shrink_lines(const LoraProjection& projection, const LoraRows& rows, int64_t t, int64_t threads,
                   LinesAhead& ahead) {
   const int64_t element = projection.bfloat16 ? 2 : 4, in_features = projection.in_features;
@@ -2431,7 +2436,8 @@ std::tuple<at::Tensor, at::Tensor> few_rows_decode_layers(
     };
     for (int64_t l = 0; l < num_layers; ++l) {
       const auto& [qkv_w, o_w, gate_up_w, down_w] = layers[l];
-      // Projection i of this layer's adapters, counting on into the next layer's (4 = its first).
+      // Projection i of this layer's adapters, counting on into the next layer's (4 = its first);
+      // none without adapters in the step, or past the last layer.
       const auto lora = [&](int i) -> const LoraProjection* {
         if (!any_lora || (i == 4 && l + 1 == num_layers)) return nullptr;
         return i < 4 ? &adapters[l][i] : &adapters[l + 1][0];
