@@ -9,9 +9,9 @@ Three steps, each run as a real plan through `ModelRunner.execute`:
 The KV cache is not prefilled (timing does not depend on its values), so the script starts in
 seconds. It prints wall and process-CPU ms per step (median of --reps) and the top ops by self CPU time
 (torch.profiler), and writes both as JSON. On a shared machine use --threads 1 and compare CPU ms.
-With --int8-ab it runs only decode steps of 1 and 4 rows (context 256) with
-engine.cpu_int8_activations off and on, alternating in one process, and prints both and on / off;
-then the model's own GGUF-block GEMVs alone, off and on.
+With --int8-ab it runs only decode steps of 1, 4, 16 and 32 rows (context 256) and prefills of 32
+and 42 tokens with engine.cpu_int8_activations off and on, alternating in one process, and prints
+both and on / off; then the model's own GGUF-block GEMVs alone, off and on.
 With --wide-ab it runs decode steps of 16 and 64 rows and a 512-token prefill on two runners, one
 with float32 wide steps and one with engine.cpu_wide_step_dtype=bfloat16, alternating in one
 process, and prints both and bf16 / float32; first the layer GEMMs alone, both ways, at 16, 64 and
@@ -19,23 +19,35 @@ process, and prints both and bf16 / float32; first the layer GEMMs alone, both w
 With --kv-ab it runs decode steps at long contexts (1, 16 and 64 rows) and a 512-token prefill on
 two runners, one with a float32 KV cache and one with engine.kv_cache_dtype=bfloat16, alternating
 in one process, and prints both, bf16 / float32, and the bytes of KV each step's attention reads.
+With --lora-ab it runs decode steps of 1 and 4 rows and a 42-token prefill on one runner with
+lora.max_loras 8 (as lora_bench's run) and a random rank-16 adapter on every projection
+(lora_bench's) in slot 0, each step with every row on the adapter and with none, alternating, and
+prints both and adapter / none: the whole worker step, the adapter's Python bookkeeping included.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.lora_bench import NUM_ADAPTERS as LORA_SLOTS
+from benchmarks.lora_bench import RANK as LORA_RANK
+from benchmarks.lora_bench import write_adapters
 from benchmarks.model_bench import static_plan
 from ipc.messages import StepHeader
 from kernels import cpu_ops
@@ -44,12 +56,16 @@ from services.gpu_worker.model import MixedQuantizedWeight, QuantizedWeight, one
 from services.gpu_worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
+Plan = tuple[dict[str, np.ndarray], StepHeader]
+Plans = dict[str, Plan]  # a step plan of each scenario's name
 
 
 def concat_plans(
-    parts: list[tuple[dict[str, np.ndarray], StepHeader]],
-) -> tuple[dict[str, np.ndarray], StepHeader]:
+    parts: list[Plan],
+) -> Plan:
     """One plan of several static plans' sequences, in order (their block tables padded to one width)."""
+    if len(parts) == 1:
+        return parts[0]
     width = max(a["block_tables"].shape[1] for a, _ in parts)
     arrays: dict[str, np.ndarray] = {}
     for name in parts[0][0]:
@@ -94,18 +110,55 @@ def prefill_plan(blocks: Blocks, batch: int, length: int, rng: np.random.Generat
     return static_plan(tokens, positions, np.full(batch, length), blocks.table(batch, length), BLOCK_SIZE)
 
 
-def scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
-    rng, blocks = np.random.default_rng(0), Blocks()
+# Each mode's steps: a name and its sequences, ("decode", sequences, context) running their next
+# token or ("prefill", sequences, prompt length), several parts making one mixed step.
+Part = tuple[str, int, int]
+MODE_STEPS: dict[str, dict[str, list[Part]]] = {
+    "profile": {
+        "decode1": [("decode", 1, 256)],
+        "decode64": [("decode", 64, 128)],
+        "mixed": [("prefill", 8, 128), ("decode", 8, 256)],
+    },
+    "int8_ab": {
+        "decode1": [("decode", 1, 256)],
+        "decode4": [("decode", 4, 256)],
+        "decode16": [("decode", 16, 256)],
+        "decode32": [("decode", 32, 256)],
+        "prefill32": [("prefill", 1, 32)],
+        # Past INT8_BLOCKS_MAX_ROWS: the option reaches only the one-row LM head here.
+        "prefill42": [("prefill", 1, 42)],
+    },
+    "wide_ab": {
+        "decode16": [("decode", 16, 256)],
+        "decode64": [("decode", 64, 128)],
+        "prefill512": [("prefill", 1, 512)],
+    },
+    "kv_ab": {
+        "decode1@2048": [("decode", 1, 2048)],
+        "decode16@1024": [("decode", 16, 1024)],
+        "decode64@128": [("decode", 64, 128)],
+        "decode64@512": [("decode", 64, 512)],
+        "prefill512": [("prefill", 1, 512)],
+    },
+    "lora_ab": {
+        "decode1": [("decode", 1, 256)],
+        "decode4": [("decode", 4, 256)],
+        "prefill42": [("prefill", 1, 42)],
+    },
+}
+
+
+def mode_plans(mode: str) -> Plans:
+    """MODE_STEPS[mode] as plans, on disjoint blocks, with the mode's own random tokens."""
+    rng, blocks = np.random.default_rng(list(MODE_STEPS).index(mode)), Blocks()
+    make = {"decode": decode_plan, "prefill": prefill_plan}
     return {
-        "decode1": decode_plan(blocks, 1, 256, rng),
-        "decode64": decode_plan(blocks, 64, 128, rng),
-        "mixed": concat_plans([prefill_plan(blocks, 8, 128, rng), decode_plan(blocks, 8, 256, rng)]),
+        name: concat_plans([make[kind](blocks, sequences, length, rng) for kind, sequences, length in parts])
+        for name, parts in MODE_STEPS[mode].items()
     }
 
 
-def time_step(
-    runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], reps: int
-) -> tuple[list[float], list[float]]:
+def time_step(runner: ModelRunner, plan: Plan, reps: int) -> tuple[list[float], list[float]]:
     """Wall and process CPU ms of each rep. With one thread the CPU time hardly moves with the
     machine's load (the wall time does), so it is the figure to compare on a shared host."""
     runner.execute(*plan)  # warm-up
@@ -118,98 +171,58 @@ def time_step(
     return wall, cpu
 
 
-def int8_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
-    rng, blocks = np.random.default_rng(1), Blocks()
-    return {
-        "decode1": decode_plan(blocks, 1, 256, rng),
-        "decode4": decode_plan(blocks, 4, 256, rng),
-        "decode16": decode_plan(blocks, 16, 256, rng),
-        "decode32": decode_plan(blocks, 32, 256, rng),
-        "prefill32": prefill_plan(blocks, 1, 32, rng),
-        # Past INT8_BLOCKS_MAX_ROWS: the option reaches only the one-row LM head here.
-        "prefill42": prefill_plan(blocks, 1, 42, rng),
-    }
+def int8_ab(runner: ModelRunner, plans: Plans, reps: int) -> dict:
+    """Each plan with engine.cpu_int8_activations off and on, in one process on the same weights
+    (the model reads the flag per step), alternating."""
+
+    def with_int8(int8: bool) -> Callable[[str], None]:
+        def run(name: str) -> None:
+            runner.model.int8_activations = int8
+            runner.execute(*plans[name])
+
+        return run
+
+    try:
+        return alternating_ab({"off": with_int8(False), "on": with_int8(True)}, plans, reps)
+    finally:
+        runner.model.int8_activations = False
 
 
-def int8_ab(
-    runner: ModelRunner, plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
-) -> dict:
-    """Decode steps of 1, 4, 16 and 32 rows and prefills of 32 and 42 tokens with
-    engine.cpu_int8_activations off and on, in one process on the same weights (the model reads the flag per step), alternating
-    ABBA rep by rep so that load on a shared host hits both sides alike."""
-    model, result = runner.model, {}
-    for name, plan in plans.items():
-        wall: dict[bool, list[float]] = {False: [], True: []}
-        cpu: dict[bool, list[float]] = {False: [], True: []}
-        for int8 in (False, True):  # warm-up
-            model.int8_activations = int8
-            runner.execute(*plan)
-        for rep in range(reps):
-            for int8 in (False, True) if rep % 2 == 0 else (True, False):
-                model.int8_activations = int8
-                start, start_cpu = time.perf_counter(), time.process_time()
-                runner.execute(*plan)
-                wall[int8].append((time.perf_counter() - start) * 1e3)
-                cpu[int8].append((time.process_time() - start_cpu) * 1e3)
-        model.int8_activations = False
-        entry = {
-            side: {"ms_p50": statistics.median(wall[int8]), "cpu_ms_p50": statistics.median(cpu[int8])}
-            for side, int8 in (("off", False), ("on", True))
-        }
-        entry["on_over_off_cpu"] = entry["on"]["cpu_ms_p50"] / entry["off"]["cpu_ms_p50"]
-        entry["on_over_off_wall"] = entry["on"]["ms_p50"] / entry["off"]["ms_p50"]
-        print(
-            f"{name} int8 activations off / on: {entry['off']['ms_p50']:.2f} / {entry['on']['ms_p50']:.2f} ms wall, "
-            f"{entry['off']['cpu_ms_p50']:.2f} / {entry['on']['cpu_ms_p50']:.2f} ms CPU "
-            f"(on/off {entry['on_over_off_wall']:.2f} wall, {entry['on_over_off_cpu']:.2f} CPU; p50 of {reps})"
-        )
-        result[name] = entry
-    return result
+def executing(runner: ModelRunner, plans: Plans) -> Callable[[str], None]:
+    """A side of alternating_ab: `runner` running its own plan of each name."""
+    return lambda name: runner.execute(*plans[name])
 
 
-def wide_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
-    rng, blocks = np.random.default_rng(2), Blocks()
-    return {
-        "decode16": decode_plan(blocks, 16, 256, rng),
-        "decode64": decode_plan(blocks, 64, 128, rng),
-        "prefill512": prefill_plan(blocks, 1, 512, rng),
-    }
+def on_adapter(plan: Plan, name: str, num_slots: int) -> Plan:
+    """`plan` with every row on adapter `name`, held in slot 0 of `num_slots`."""
+    arrays, header = plan
+    arrays = {**arrays, "lora_slots": np.zeros(header.num_seqs, dtype=np.int32)}
+    return arrays, msgspec.structs.replace(header, lora_slots=[name] + [""] * (num_slots - 1))
 
 
-def kv_ab_scenarios() -> dict[str, tuple[dict[str, np.ndarray], StepHeader]]:
-    rng, blocks = np.random.default_rng(3), Blocks()
-    return {
-        "decode1@2048": decode_plan(blocks, 1, 2048, rng),
-        "decode16@1024": decode_plan(blocks, 16, 1024, rng),
-        "decode64@128": decode_plan(blocks, 64, 128, rng),
-        "decode64@512": decode_plan(blocks, 64, 512, rng),
-        "prefill512": prefill_plan(blocks, 1, 512, rng),
-    }
-
-
-def kv_bytes_read(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader]) -> int:
+def kv_bytes_read(runner: ModelRunner, plan: Plan) -> int:
     """Bytes of keys and values a step's attention reads: each sequence's whole context, once a layer."""
     k_cache = runner.kv_cache[0][0]
     per_token = 2 * len(runner.kv_cache) * k_cache[0, 0].numel() * k_cache.element_size()
     return int(plan[0]["seq_lens"].sum()) * per_token
 
 
-def alternating_ab(
-    runners: dict[str, ModelRunner], plans: dict[str, tuple[dict[str, np.ndarray], StepHeader]], reps: int
-) -> dict:
-    """Each plan on each of two runners, alternating ABBA rep by rep so that load on a shared host
-    hits both sides alike; wall and process CPU ms, median and min."""
+def alternating_ab(sides: dict[str, Callable[[str], None]], plans: Plans, reps: int) -> dict:
+    """Each plan run by each of two sides (a side runs the step of a plan's name its own way: on
+    its own runner, with its own version of the plan, with an option set), alternating ABBA rep by
+    rep so that load on a shared host hits both sides alike; wall and process CPU ms, median and
+    min, and the second side over the first."""
     result = {}
-    sides = list(runners)
+    names = list(sides)
     for name, plan in plans.items():
-        wall: dict[str, list[float]] = {side: [] for side in sides}
-        cpu: dict[str, list[float]] = {side: [] for side in sides}
-        for runner in runners.values():  # warm-up
-            runner.execute(*plan)
+        wall: dict[str, list[float]] = {side: [] for side in names}
+        cpu: dict[str, list[float]] = {side: [] for side in names}
+        for run in sides.values():  # warm-up
+            run(name)
         for rep in range(reps):
-            for side in sides if rep % 2 == 0 else sides[::-1]:
+            for side in names if rep % 2 == 0 else names[::-1]:
                 start, start_cpu = time.perf_counter(), time.process_time()
-                runners[side].execute(*plan)
+                sides[side](name)
                 wall[side].append((time.perf_counter() - start) * 1e3)
                 cpu[side].append((time.process_time() - start_cpu) * 1e3)
         entry: dict = {
@@ -219,9 +232,9 @@ def alternating_ab(
                 "cpu_ms_p50": statistics.median(cpu[side]),
                 "cpu_ms_min": min(cpu[side]),
             }
-            for side in sides
+            for side in names
         }
-        a, b = sides
+        a, b = names
         for stat in ("ms_p50", "ms_min", "cpu_ms_p50", "cpu_ms_min"):
             entry[f"{b}_over_{a}_{stat}"] = entry[b][stat] / entry[a][stat]
         print(
@@ -313,7 +326,7 @@ def int8_gemv_ab(runner: ModelRunner, reps: int) -> dict:
     return result
 
 
-def top_ops(runner: ModelRunner, plan: tuple[dict[str, np.ndarray], StepHeader], top: int) -> list[dict]:
+def top_ops(runner: ModelRunner, plan: Plan, top: int) -> list[dict]:
     """Ops by self CPU time over one step (ms per step and share of the step)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.execute(*plan)
@@ -349,27 +362,38 @@ def main() -> None:
         help="only decode16 / 64 and prefill512 with float32 vs bfloat16 wide steps, alternating",
     )
     parser.add_argument(
+        "--lora-ab",
+        action="store_true",
+        help="only decode1 / 4 and prefill42 with a rank-16 adapter on every projection vs none, alternating",
+    )
+    parser.add_argument(
         "--kv-ab",
         action="store_true",
         help="only long-context decodes and prefill512 with a float32 vs a bfloat16 KV cache, alternating",
     )
     args = parser.parse_args()
-    plans = (
-        int8_ab_scenarios()
-        if args.int8_ab
-        else wide_ab_scenarios()
-        if args.wide_ab
-        else kv_ab_scenarios()
-        if args.kv_ab
-        else scenarios()
-    )
+    modes = [mode for mode in MODE_STEPS if getattr(args, mode, False)]
+    if len(modes) > 1:
+        parser.error("one of --int8-ab, --wide-ab, --kv-ab and --lora-ab at a time")
+    plans = mode_plans(modes[0] if modes else "profile")
     num_blocks = max(int(a["block_tables"].max()) for a, _ in plans.values()) + 1
     model_dir = prepare_model(None)
     config = json.loads((model_dir / "config.json").read_text())
     itemsize = getattr(torch, args.dtype).itemsize
     kv_bytes = num_blocks * 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"]
     kv_bytes *= config["head_dim"] * itemsize
-    runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads)
+    lora: dict = {}
+    if args.lora_ab:
+        adapter_dir = Path(tempfile.mkdtemp(prefix="brigade-lora-ab-"))
+        atexit.register(shutil.rmtree, adapter_dir, ignore_errors=True)
+        adapters = write_adapters(model_dir, adapter_dir, 1, LORA_RANK)
+        # As many slots as lora_bench's run has (their size decides whether they lie in huge pages).
+        lora = {
+            "max_loras": LORA_SLOTS,
+            "max_lora_rank": LORA_RANK,
+            "lora_adapters": {n: str(p) for n, p in adapters.items()},
+        }
+    runner = ModelRunner(model_dir, dtype=args.dtype, kv_cache_bytes=kv_bytes, threads=args.threads, **lora)
     result: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": {}}
     if args.wide_ab:
         bf16 = ModelRunner(
@@ -382,7 +406,9 @@ def main() -> None:
         if bf16.model.wide_step_dtype != torch.bfloat16:
             sys.exit("bf16 wide steps are not available here (see the warning above)")
         result["wide_gemm_ab"] = wide_gemm_ab({"float32": runner, "bfloat16": bf16}, args.reps)
-        result["wide_ab"] = alternating_ab({"float32": runner, "bfloat16": bf16}, plans, args.reps)
+        result["wide_ab"] = alternating_ab(
+            {"float32": executing(runner, plans), "bfloat16": executing(bf16, plans)}, plans, args.reps
+        )
         plans = {}
     if args.kv_ab:
         runners = {
@@ -395,7 +421,9 @@ def main() -> None:
                 kv_cache_dtype="bfloat16",
             ),
         }
-        result["kv_ab"] = alternating_ab(runners, plans, args.reps)
+        result["kv_ab"] = alternating_ab(
+            {side: executing(r, plans) for side, r in runners.items()}, plans, args.reps
+        )
         print(
             f"\n{'step':<14} {'KV read f32':>12} {'KV read bf16':>13} {'bf16/f32 wall':>14} {'bf16/f32 CPU':>13}"
         )
@@ -407,6 +435,13 @@ def main() -> None:
                 f"{entry['kv_bytes_read']['bfloat16'] / 2**20:>10.1f} MB "
                 f"{entry['bfloat16_over_float32_ms_p50']:>14.2f} {entry['bfloat16_over_float32_cpu_ms_p50']:>13.2f}"
             )
+        plans = {}
+    if args.lora_ab:
+        (name,) = lora["lora_adapters"]
+        adapted = {step: on_adapter(plan, name, LORA_SLOTS) for step, plan in plans.items()}
+        result["lora_ab"] = alternating_ab(
+            {"none": executing(runner, plans), "adapter": executing(runner, adapted)}, plans, args.reps
+        )
         plans = {}
     if args.int8_ab:
         result["int8_ab"] = int8_ab(runner, plans, args.reps)
