@@ -407,8 +407,11 @@ def make_generate(
         or not all(isinstance(k, str) for k in template_kwargs)
     ):
         raise InvalidRequest("chat_template_kwargs: an object of template variables, for a chat (messages)")
+    continue_final = sampling.pop("continue_final_message", False)
+    if continue_final is not False and (messages is None or continue_final is not True):
+        raise InvalidRequest("continue_final_message: true or false, for a chat (messages)")
     request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools,
-                         chat_template_kwargs=template_kwargs)  # fmt: skip
+                         chat_template_kwargs=template_kwargs, continue_final_message=continue_final)  # fmt: skip
     if messages is not None:
         request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):

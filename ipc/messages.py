@@ -223,6 +223,9 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     tools: Tools | None = None  # chat only: the functions the model may call
     # chat only: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # chat only: the model continues the last message, an assistant's prefill, rather than
+    # starting a turn of its own (transformers' continue_final_message: no generation prompt).
+    continue_final_message: bool = False
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):

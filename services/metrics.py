@@ -173,18 +173,27 @@ class HttpMetrics:
     """A gateway replica's HTTP metrics: responses by path and status, and the latencies a client
     sees at the HTTP edge (arrival to first token, between tokens, to the last byte)."""
 
-    # Unknown paths share one label: a scanner must not create a series per URL it tries.
+    # The gateway's routes (services/gateway/routes.py), a templated one by its template; unknown
+    # paths share one label, so that a scanner does not create a series per URL it tries.
     PATHS = frozenset(
         {
             "/v1/chat/completions",
             "/v1/completions",
+            "/v1/embeddings",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/v1/responses",
             "/v1/models",
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
             "/health",
             "/metrics",
             "/tokenize",
             "/detokenize",
+            "/tokenizer_info",
         }
     )
+    TEMPLATES = (("/v1/responses/", "/v1/responses/{response_id}"), ("/v1/models/", "/v1/models/{model_id}"))
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         reserve_metrics_files()
@@ -214,7 +223,16 @@ class HttpMetrics:
         )  # fmt: skip
 
     def on_response(self, path: str, status: int) -> None:
-        self.requests.labels(path if path in self.PATHS else "other", str(status)).inc()
+        self.requests.labels(self.path_label(path), str(status)).inc()
+
+    @classmethod
+    def path_label(cls, path: str) -> str:
+        if path in cls.PATHS:
+            return path
+        for prefix, template in cls.TEMPLATES:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return template
+        return "other"
 
 
 class EngineMetrics:

@@ -318,7 +318,8 @@ def test_n_choices_share_the_prompt_and_seeded_ones_reproduce(gw: Gateway) -> No
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert len({c.text for c in first.choices}) > 1  # different seeds per choice
     assert first.usage.completion_tokens == 3 * 16
-    assert first.usage.prompt_tokens_details.cached_tokens > 0  # choices 1, 2 reuse choice 0's blocks
+    # Choices 1 and 2 reuse choice 0's blocks; the prompt, and so its cached part, counts once.
+    assert 0 < first.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens
     with Client(gw.run.run_dir) as sdk:
         second = sdk.generate(
             prompt, max_tokens=16, temperature=1.0, seed=78, ignore_eos=True, timeout=HTTP_TIMEOUT_S
@@ -518,6 +519,42 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
     jsonschema.validate(json.loads(shaped.content[0].text), NUMBER)
 
 
+def test_an_assistant_prefill_is_continued_by_chat_anthropic_and_tokenize(gw: Gateway, hf_tokenizer) -> None:
+    """A last message of the assistant's is continued, not answered: Anthropic's Messages API does
+    it always, chat with vLLM's continue_final_message. The prompt is transformers' rendering with
+    continue_final_message; a seeded sampled reply is the same only if the prompt's tokens are."""
+    prefill = [*CHAT, {"role": "assistant", "content": "Buckets carry"}]
+    prompt = hf_tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
+    status, _, data = gw.request("POST", "/tokenize", {"messages": prefill, "continue_final_message": True})
+    assert status == 200 and json.loads(data)["tokens"] == ids
+    status, _, data = gw.request("POST", "/tokenize", {"messages": prefill})
+    assert status == 200 and json.loads(data)["tokens"] != ids  # a new turn after the prefill
+
+    api = gw.openai()
+    want = (
+        api.completions.create(model=gw.model, prompt=ids, max_tokens=16, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+    )
+    assert len(set(want)) > 3
+    chat = api.chat.completions.create(
+        model=gw.model, messages=prefill, max_tokens=16, temperature=1.0, seed=7,
+        extra_body={"continue_final_message": True},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == want
+    reply = anthropic_client(gw).messages.create(
+        model=gw.model, messages=prefill, max_tokens=16, extra_body={"temperature": 1.0},
+        extra_headers={"x-brigade-seed": "7"},
+    )  # fmt: skip
+    assert reply.content[0].text == want
+
+    status, error = gw.error(
+        "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "continue_final_message": True}
+    )
+    assert status == 400 and "the last message must be the assistant's" in error["message"], error
+
+
 def test_anthropic_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:
     client = anthropic_client(gw)
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
@@ -599,6 +636,14 @@ ANTHROPIC_BAD_BODIES = {
     ),
     "no messages": ({"max_tokens": 4, "messages": []}, "messages"),
     "negative temperature": ({"max_tokens": 4, "messages": CHAT, "temperature": -1}, "temperature"),
+    "temperature past Anthropic's 1": (
+        {"max_tokens": 4, "messages": CHAT, "temperature": 1.5},
+        "temperature",
+    ),
+    "no content blocks": (
+        {"max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+        "messages[0].content",
+    ),
     "not JSON": (b"{", "JSON"),
     "unknown thinking type": (
         {"max_tokens": 4, "messages": CHAT, "thinking": {"type": "sometimes"}},
@@ -1134,12 +1179,22 @@ BAD_BODIES = {
     "token id out of vocab": (b'{"prompt": [99999999]}', "prompt", "invalid_value"),
     "bad logit bias key": (b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", "invalid_type"),
     "speculate not a bool": (b'{"prompt": "hi", "speculate": "no"}', "speculate", "invalid_type"),
-    "non-text content part": (
-        b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    "unknown content part": (
+        b'{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
         "messages[0].content[0].type",
         "invalid_value",
     ),
     "unknown role": (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages", "invalid_value"),
+    "text part without its text": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+        "messages[0].content[0].text",
+        "invalid_value",
+    ),
+    "image_url part without its image_url": (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        "messages[0].content[0].image_url",
+        "invalid_value",
+    ),
     "too many choices": (b'{"prompt": "hi", "n": 1000}', "n", "invalid_value"),
     "top_logprobs without logprobs": (
         b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
@@ -1177,6 +1232,66 @@ def test_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
     status, error = gw.error(path, body)
     assert status == 400, error
     assert error["param"] == param and error["code"] == code, error
+
+
+def test_a_renamed_parameter_is_named_as_sent_and_a_message_naming_none_gets_no_param(gw: Gateway) -> None:
+    """The engine checks max_tokens and logprobs; a request that sent them as top_logprobs or
+    max_output_tokens reads its own names in the message as well as in `param`."""
+    status, error = gw.error("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21})
+    assert status == 400 and error["param"] == "top_logprobs", error
+    assert error["message"].startswith("top_logprobs must be in [0, 20]"), error
+    status, error = gw.error("/v1/responses", {"input": "hi", "max_output_tokens": 0})
+    assert status == 400 and error["param"] == "max_output_tokens", error
+    assert error["message"].startswith("max_output_tokens must be"), error
+    # LoRA adapters are off in this run: the refusal is about the engine, not a field of the request.
+    status, error = gw.error("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
+    assert status == 400 and error["param"] is None and "lora.max_loras is 0" in error["message"], error
+
+
+def test_metrics_label_each_route_by_its_path(gw: Gateway) -> None:
+    """Every route counts under its own path label (a templated one under its template); only
+    unknown paths share `other`."""
+    calls = [
+        ("POST", "/v1/messages", {"max_tokens": 1, "messages": CHAT}, 200),
+        ("POST", "/v1/messages/count_tokens", {"messages": CHAT}, 200),
+        ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1}, 200),
+        ("GET", "/v1/responses/resp_nope", None, 404),
+        ("GET", f"/v1/models/{gw.model}", None, 200),
+        ("GET", "/tokenizer_info", None, 200),
+        ("POST", "/v1/embeddings", {"input": "hi"}, 400),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
+        ("GET", "/no/such/route", None, 404),
+    ]
+    labels = {
+        "/v1/responses/resp_nope": "/v1/responses/{response_id}",
+        f"/v1/models/{gw.model}": "/v1/models/{model_id}",
+        "/no/such/route": "other",
+    }
+    before = {path: http_requests_count(gw, labels.get(path, path), status) for _, path, _, status in calls}
+    for method, path, body, status in calls:
+        assert gw.request(method, path, body)[0] == status, path
+    for _, path, _, status in calls:
+        assert http_requests_count(gw, labels.get(path, path), status) >= before[path] + 1, path
+
+
+def test_a_client_gone_before_its_body_is_whole_counts_as_499_not_a_500(gw: Gateway) -> None:
+    before = {status: http_requests_count(gw, "/v1/chat/completions", status) for status in (499, 500)}
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+    ).encode()
+    for _ in range(2):
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+            sock.sendall(head + b'{"model":')
+            time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while (
+        http_requests_count(gw, "/v1/chat/completions", 499) < before[499] + 2 and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert http_requests_count(gw, "/v1/chat/completions", 499) == before[499] + 2
+    assert http_requests_count(gw, "/v1/chat/completions", 500) == before[500]
+    assert gw.request("GET", "/health")[0] == 200
 
 
 def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> None:

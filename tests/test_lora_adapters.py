@@ -44,7 +44,7 @@ def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) ->
         ("", "/a/x", "lora_name must be a name of 1 to 256 characters"),
         ("x" * 257, "/a/x", "lora_name must be a name of 1 to 256 characters"),
         ("base", "/a/x", "lora_name 'base' is the base model's name"),
-        ("sql", "/a/sql", "the LoRA adapter 'sql' is already loaded"),
+        ("sql", "/a/sql", "lora_name 'sql': that LoRA adapter is already loaded"),
         ("new", "a/new", "lora_path must be an absolute adapter directory or .gguf file, got 'a/new'"),
     ]:
         h.command("load", name, path)

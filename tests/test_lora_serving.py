@@ -320,20 +320,32 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         assert complete("sql-lora") == expected["sql-lora"]
 
         # Bad adapters and names: clear errors, and the run serves on.
-        with pytest.raises(
-            openai.BadRequestError, match=r"adapter 'bad': modules_to_save \(\['lm_head'\]\) is not supported"
-        ):
-            load("bad", bad)
-        with pytest.raises(
-            openai.BadRequestError, match=r"adapter 'gone': cannot read .*adapter_config\.json"
-        ):
-            load("gone", tmp_path / "no-such-dir")
-        with pytest.raises(
-            openai.BadRequestError, match=r"lora_path must be an absolute adapter directory or \.gguf file"
-        ):
-            load("relative", "adapters/sql")
-        with pytest.raises(openai.BadRequestError, match="'sql-lora' is already loaded"):
-            load("sql-lora", adapters["sql-lora"])
+        # `param` names the field each refusal is about: the adapter's files are its path's.
+        refusals = [
+            ("bad", bad, r"adapter 'bad': modules_to_save \(\['lm_head'\]\) is not supported", "lora_path"),
+            (
+                "gone",
+                tmp_path / "no-such-dir",
+                r"adapter 'gone': cannot read .*adapter_config\.json",
+                "lora_path",
+            ),
+            (
+                "relative",
+                "adapters/sql",
+                r"lora_path must be an absolute adapter directory or \.gguf file",
+                "lora_path",
+            ),
+            (
+                "sql-lora",
+                adapters["sql-lora"],
+                "lora_name 'sql-lora': that LoRA adapter is already loaded",
+                "lora_name",
+            ),
+        ]
+        for name, path, message, param in refusals:
+            with pytest.raises(openai.BadRequestError, match=message) as refused:
+                load(name, path)
+            assert refused.value.body["param"] == param, refused.value.body
         with pytest.raises(openai.NotFoundError, match="'no-such-lora' is not loaded"):
             unload("no-such-lora")
         with pytest.raises(openai.NotFoundError, match="'bad' does not exist"):

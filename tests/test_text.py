@@ -80,6 +80,30 @@ def test_chat_template_matches_transformers(
         assert tokenizer.encode(text) == hf_tokenizer.encode(expected, add_special_tokens=False)
 
 
+PREFILLS = [
+    [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red, green,"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Sure thing  "},
+    ],  # trailing space kept
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Write JSON."},
+        {"role": "assistant", "content": '  {"name": '},
+    ],
+]
+
+
+def test_continue_final_message_matches_transformers(tokenizer: Tokenizer, hf_tokenizer) -> None:
+    """An assistant's prefill is continued: the prompt ends where its text ends, as transformers'
+    continue_final_message renders it (no end-of-turn, no new generation prompt)."""
+    for messages in PREFILLS:
+        expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        assert tokenizer.apply_chat_template(messages, continue_final_message=True) == expected
+    with pytest.raises(ValueError, match="no text to continue"):
+        tokenizer.apply_chat_template([{"role": "assistant", "content": "  "}], continue_final_message=True)
+
+
 def test_vocab_and_special_tokens(tokenizer: Tokenizer, hf_tokenizer) -> None:
     assert tokenizer.vocab_size == len(hf_tokenizer)
     assert hf_tokenizer.eos_token_id in tokenizer.eos_token_ids

@@ -174,13 +174,17 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         timeout_s: float | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render a conversation (and the OpenAI `tools` it may call) to the prompt text (not
         tokenized: the template writes the special tokens as text and `encode` turns them back
         into their ids). `template_kwargs` are more variables for the template (a request's
         `chat_template_kwargs`: `enable_thinking`, say); they cannot replace the ones set here. Past `timeout_s` the rendering stops with TemplateTimeout: it is
         checked between the pieces the template writes, so a template that spends long on one
-        conversation (a loop over every pair of messages, say) is stopped, not waited out."""
+        conversation (a loop over every pair of messages, say) is stopped, not waited out.
+        `continue_final_message` (an assistant's prefill: transformers' option of that name) ends
+        the text where the last message's text ends, with no generation prompt, so that the model
+        continues that message instead of starting a new one."""
         # Like transformers: keys set to None are absent for the template (`is defined` checks).
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
         reserved = {"messages", "tools", "documents", "add_generation_prompt", *self.special_tokens_map}
@@ -192,18 +196,43 @@ class Tokenizer:
             messages=messages,
             tools=tools,
             documents=None,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             **self.special_tokens_map,
         )
         if timeout_s is None:
-            return "".join(pieces)
-        deadline = time.monotonic() + timeout_s
-        out = []
-        for piece in pieces:
-            out.append(piece)
-            if time.monotonic() > deadline:
-                pieces.close()
-                raise TemplateTimeout(
-                    f"the chat template took more than {timeout_s:g}s to render (tokenizer.template_timeout_s)"
-                )
-        return "".join(out)
+            text = "".join(pieces)
+        else:
+            deadline = time.monotonic() + timeout_s
+            out = []
+            for piece in pieces:
+                out.append(piece)
+                if time.monotonic() > deadline:
+                    pieces.close()
+                    raise TemplateTimeout(
+                        f"the chat template took more than {timeout_s:g}s to render (tokenizer.template_timeout_s)"
+                    )
+            text = "".join(out)
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """`text` (a rendered chat) up to the end of the last occurrence of `final`'s text: what the
+    template writes after it (an end-of-turn token) would close the message the model is to
+    continue. A template that strips the message's surrounding white space keeps it stripped."""
+    content = final.get("content")
+    if isinstance(content, list):  # parts: the last text part is where the model goes on
+        content = next((part["text"] for part in reversed(content) if "text" in part), None)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the last message's text as given"
+        )
+    # The template kept the message's leading and trailing white space: end after all of it.
+    end = (
+        len(content.lstrip())
+        if text[at : at + len(content.lstrip())] == content.lstrip()
+        else len(content.strip())
+    )
+    return text[: at + end]

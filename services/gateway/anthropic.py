@@ -132,6 +132,10 @@ def _turns(i: int, message: MessageIn) -> list[dict[str, Any]]:
     its text: they answer the calls just made), an assistant's tool uses its `tool_calls`."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    if not message.content:
+        raise invalid(
+            f"messages[{i}].content: at least one content block is required", f"messages[{i}].content"
+        )
     texts, calls, results = [], [], []
     for k, block in enumerate(message.content):
         field = f"messages[{i}].content[{k}]"
@@ -218,7 +222,21 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def _continues_prefill(req: MessagesRequest) -> bool:
+    """The last message is the assistant's, with text for the reply to continue (one that only
+    calls tools is a finished turn)."""
+    last = req.messages[-1]
+    text = (
+        last.content
+        if isinstance(last.content, str)
+        else _text([b for b in last.content if isinstance(b, TextBlock)])
+    )
+    return last.role == "assistant" and bool(text.strip())
+
+
 def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
+    if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range
+        raise invalid(f"temperature must be in [0, 1], got {req.temperature:g}", "temperature")
     tools, tool_choice, parallel = _tools(req)
     body = {
         "messages": _chat_messages(req),
@@ -234,6 +252,8 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
         "response_format": _response_format(req.output_config),
+        # A last message of the assistant's is its prefill: the reply continues it (Anthropic's).
+        "continue_final_message": _continues_prefill(req) or None,
         # The chat template's switch (Qwen3's): disabled closes an empty think block in the prompt.
         "chat_template_kwargs": None
         if req.thinking is None

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import Send
 
@@ -144,7 +144,7 @@ def to_piece(delta: StreamDelta) -> Piece:
 ADAPTER_ERROR_STATUS = {"invalid_request": 400, "model_not_found": 404, "adapter_in_use": 409}
 
 
-def adapter_error(reply: m.AdapterReply, param: str) -> ApiError:
+def adapter_error(reply: m.AdapterReply, param: str | None) -> ApiError:
     """The engine refused a LoRA adapter command: 400 (a bad adapter or name), 404 (not loaded),
     409 (in use), else 503 (the engine could not do it now)."""
     status = ADAPTER_ERROR_STATUS.get(reply.code, 503)
@@ -152,6 +152,16 @@ def adapter_error(reply: m.AdapterReply, param: str) -> ApiError:
     return ApiError(
         status, reply.message, param=param if status == 400 else None, code=reply.code, headers=headers
     )
+
+
+def load_error_field(message: str) -> str | None:
+    """The field a refused load is about: the one its message starts with (the scheduler's checks
+    of the name and path), the path for what the workers found in the adapter's files ("adapter
+    'x': ..."), none for the engine's state (adapters off, every slot taken)."""
+    for field in ("lora_name", "lora_path"):
+        if message.startswith(field):
+            return field
+    return "lora_path" if message.startswith("adapter ") else None
 
 
 def engine_group_ready(run_dir: Path) -> bool:
@@ -322,7 +332,7 @@ class Gateway:
             429,
             f"{self.settings.max_oversized_requests} of this client's requests were refused for their "
             f"size within {self.settings.oversized_window_s:g}s (gateway.max_oversized_requests); its "
-            f"requests over {SMALL_BODY_BYTES} bytes are refused for {wait_s}s",
+            f"requests over {SMALL_BODY_BYTES} bytes, or of unknown length (chunked), are refused for {wait_s}s",
             code="too_many_requests",
             headers={"Retry-After": str(wait_s), "connection": "close"},
         )
@@ -353,6 +363,10 @@ class Gateway:
                 f"request body not received within {self.settings.body_timeout_s:g}s (gateway.body_timeout_s)",
                 code="request_timeout",
                 headers={"connection": "close"},
+            ) from None
+        except ClientDisconnect:  # gone before its body was whole: nobody reads a reply, no bug to log
+            raise ApiError(
+                CLIENT_CLOSED, "the client closed the connection before its body was whole"
             ) from None
         if size > limit:
             # A body somewhat over the limit is read to its end first, so that the client, still
@@ -720,7 +734,7 @@ class Gateway:
         body = await self.read_body(request, p.LoadLoraAdapterRequest)
         reply = await self.adapter_command("load", body.lora_name, body.lora_path)
         if reply.code:
-            raise adapter_error(reply, "lora_path" if reply.code == "invalid_request" else "lora_name")
+            raise adapter_error(reply, load_error_field(reply.message))
         return self.finish(
             request, PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
         )
@@ -758,7 +772,9 @@ class Gateway:
         if body.messages is None:
             ids, token_strs = await asyncio.to_thread(self._tokenize_prompt, body)
         else:
-            chat = await asyncio.to_thread(self._render_chat, body.messages, body.add_generation_prompt)
+            chat = await asyncio.to_thread(
+                self._render_chat, body.messages, body.add_generation_prompt, body.continue_final_message
+            )
             if chat.urls:  # waited for here, on the loop: no worker thread is held while they come
                 for index, data in (await self._fetch_images(chat.urls)).items():
                     chat.files[index] = data
@@ -775,7 +791,9 @@ class Gateway:
         ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
         return ids, self._token_strs(ids, body.return_token_strs)
 
-    def _render_chat(self, chat: list[p.ChatMessageIn], add_generation_prompt: bool) -> RenderedChat:
+    def _render_chat(
+        self, chat: list[p.ChatMessageIn], add_generation_prompt: bool, continue_final_message: bool
+    ) -> RenderedChat:
         """Check and render a chat (on a worker thread) under the budgets a generation request
         has, its images checked as the tokenizer stage admits them."""
         limit = self.settings.max_prompt_chars
@@ -800,6 +818,7 @@ class Gateway:
                     [{"role": x.role, "content": template_content(x)} for x in messages],
                     add_generation_prompt=add_generation_prompt,
                     timeout_s=self.settings.template_timeout_s,
+                    continue_final_message=continue_final_message,
                 )
             except TemplateTimeout as exc:
                 raise invalid(f"messages: {exc}", "messages") from None

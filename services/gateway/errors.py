@@ -8,12 +8,17 @@ import re
 import msgspec
 
 from client.errors import BrigadeError
+from ipc.messages import Generate, SamplingParams
 from services.gateway.protocol import ErrorBody, ErrorResponse
 
 # msgspec says "Expected `float | null`, got `str` - at `$.temperature`"
 _PATH_IN_ERROR = re.compile(r" - at (?:`key` in )?`\$(.*?)`")
-# The engine's messages start with the field they are about (ipc/validation.py).
-_LEADING_FIELD = re.compile(r"^([A-Za-z_]+)")
+# The engine's messages about a field start with its name (ipc/validation.py); others ("this model
+# serves embeddings only") name none.
+_LEADING_FIELD = re.compile(r"^([A-Za-z_]+)\b")
+ENGINE_FIELDS = (
+    frozenset(Generate.__struct_fields__) | frozenset(SamplingParams.__struct_fields__) | {"adapter"}
+)
 RETRY_AFTER_S = 1
 
 ERROR_TYPES = {
@@ -80,7 +85,10 @@ def from_engine(exc: BrigadeError, aliases: dict[str, str]) -> ApiError:
     message = str(exc)
     if code in ("invalid_request", "prompt_too_long"):
         match = _LEADING_FIELD.match(message)
-        param = aliases.get(match.group(1), match.group(1)) if match else None
+        field = match.group(1) if match and match.group(1) in ENGINE_FIELDS else None
+        param = aliases.get(field, field) if field else None
+        if field not in (None, "prompt", "structured") and param != field:
+            message = f"{param}{message[len(field) :]}"  # a renamed parameter, as this request named it
         return ApiError(
             400,
             message,

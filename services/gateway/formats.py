@@ -67,15 +67,21 @@ class ChoiceOutput:
 
 
 def usage_out(usages: dict[int, m.Usage], prompt_of: dict[int, int]) -> p.UsageOut:
-    """OpenAI counts each prompt once and every choice's completion tokens."""
+    """OpenAI counts each prompt once and every choice's completion tokens. A prompt's cached
+    tokens count once too, as part of its prompt tokens: the most any of its choices found cached
+    (a later choice finds the blocks its sibling just prefilled)."""
     prompt_tokens: dict[int, int] = {}
-    completion = cached = 0
+    cached: dict[int, int] = {}
+    completion = 0
     for index, usage in usages.items():
-        prompt_tokens[prompt_of[index]] = usage.prompt_tokens
+        prompt = prompt_of[index]
+        prompt_tokens[prompt] = usage.prompt_tokens
+        cached[prompt] = max(cached.get(prompt, 0), usage.cached_tokens)
         completion += usage.completion_tokens
-        cached += usage.cached_tokens
-    prompt = sum(prompt_tokens.values())
-    return p.UsageOut(prompt, completion, prompt + completion, p.PromptTokensDetails(cached))
+    prompt_total = sum(prompt_tokens.values())
+    return p.UsageOut(
+        prompt_total, completion, prompt_total + completion, p.PromptTokensDetails(sum(cached.values()))
+    )
 
 
 class TokenNames:

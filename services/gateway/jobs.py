@@ -240,14 +240,17 @@ def _message_content(i: int, message: ChatMessageIn) -> str | list[dict[str, str
         return message.content
     parts = []
     for k, part in enumerate(message.content):
+        where = f"messages[{i}].content[{k}]"
         if part.type == "text" and part.text is not None:
             parts.append({"type": "text", "text": part.text})
         elif part.type == "image_url" and part.image_url is not None:
             parts.append({"type": "image_url", "url": part.image_url.url})
+        elif part.type in ("text", "image_url"):  # a text part without its `text`, or the like
+            raise invalid(f"{where}: a {part.type} part needs its {part.type} field", f"{where}.{part.type}")
         else:
             raise invalid(
-                f"messages[{i}].content[{k}]: only text and image_url parts are supported, got type {part.type!r}",
-                f"messages[{i}].content[{k}].type",
+                f"{where}: only text and image_url parts are supported, got type {part.type!r}",
+                f"{where}.type",
             )
     if all(part["type"] == "text" for part in parts):
         return "".join(part["text"] for part in parts)
@@ -287,6 +290,8 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     effort = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
     if req.chat_template_kwargs is not None or effort:
         sampling["chat_template_kwargs"] = {**effort, **(req.chat_template_kwargs or {})}
+    if req.continue_final_message:
+        sampling["continue_final_message"] = True
     seed = _seed(req, sampling, resumed_seed)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", "structured": constrained_by or "structured"}
     if req.max_completion_tokens is not None:

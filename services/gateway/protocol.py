@@ -89,6 +89,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
+    # vLLM's: the reply continues the last (assistant) message instead of starting a new turn.
+    continue_final_message: bool = False
     # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
     # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -124,6 +126,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -156,7 +156,7 @@ class Adapters:
         if name == self.base_model:
             return f"lora_name {name!r} is the base model's name"
         if name in self.loaded or name in self.loading:
-            return f"the LoRA adapter {name!r} is already loaded"
+            return f"lora_name {name!r}: that LoRA adapter is already loaded"
         if not Path(path).is_absolute():
             return f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
         if len(self.loaded) + len(self.loading) >= self.capacity:

@@ -573,6 +573,11 @@ class TokenizerCore:
                     "invalid_request",
                     f"messages[{i}].content is required (only an assistant's tool calls may go without)",
                 )
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise RequestError(
+                "invalid_request",
+                "continue_final_message: the last message must be the assistant's, to continue",
+            )
 
     def _prompt_ids(
         self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
@@ -588,10 +593,10 @@ class TokenizerCore:
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages,
-                    add_generation_prompt=True,
                     tools=template_tools,
                     timeout_s=self.template_timeout_s,
                     template_kwargs=request.chat_template_kwargs,
+                    continue_final_message=request.continue_final_message,
                 )
             except TemplateTimeout as exc:
                 raise RequestError("invalid_request", f"messages: {exc}") from None
