@@ -4,6 +4,7 @@ from client.async_sdk import AsyncClient
 from client.errors import (
     AuthenticationFailed,
     BrigadeError,
+    ClientClosed,
     InvalidRequest,
     Overloaded,
     PromptTooLong,
@@ -18,6 +19,7 @@ __all__ = [
     "AuthenticationFailed",
     "BrigadeError",
     "Client",
+    "ClientClosed",
     "EmbedResult",
     "GenerateResult",
     "InvalidRequest",

@@ -45,6 +45,7 @@ class AsyncClient(ClientBase):
         self._readable: asyncio.Event | None = None  # the reader task's (bound to its loop)
 
     def _send(self, replica: int, frame: bytes) -> bool:
+        self._check_open()
         try:
             self._sockets[replica].send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -87,6 +88,7 @@ class AsyncClient(ClientBase):
                 loop.remove_reader(fd)
 
     def _ensure_reader(self) -> None:
+        self._check_open()
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 

@@ -34,6 +34,12 @@ class AuthenticationFailed(ServerUnavailable):
     a tcp:// endpoint beyond this host was given no keys. Raised by the client itself."""
 
 
+class ClientClosed(BrigadeError):
+    """A request on a client after its close(). Raised by the client itself."""
+
+    code = "client_closed"
+
+
 class UntrustedRunDir(BrigadeError):
     """The run dir or its run.json could be swapped by another user: connecting could send the
     prompts to their socket. Raised by the client itself; no server sends it."""

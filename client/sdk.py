@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from client.errors import (
     AuthenticationFailed,
     BrigadeError,
+    ClientClosed,
     InvalidRequest,
     RequestTimeout,
     ServerUnavailable,
@@ -33,7 +34,7 @@ from client.errors import (
 )
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
-from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir
+from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_process_alive
 from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
 from ipc.ports import is_loopback
 from ipc.sockets import configure_socket
@@ -199,20 +200,6 @@ def connect_info(
     return info
 
 
-def is_process_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, owned by someone else
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc to tell a zombie apart
-
-
 _PARAM_TYPES = {f.name: f.type for f in msgspec.structs.fields(m.SamplingParams)}
 
 
@@ -236,6 +223,14 @@ def _check_int_range(name: str, value: Any) -> None:
     for x in candidates:
         if isinstance(x, int) and not lo <= x <= hi:
             raise InvalidRequest(f"{name}: {x} is out of range (integers travel as 64-bit, [{lo}, {hi}])")
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = False) -> None:
+    """A duration in seconds: a finite number >= 0 (None too where `optional`: no limit)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise InvalidRequest(f"{name} must be a finite number of seconds >= 0, got {value!r:.80}")
 
 
 def _check_text(name: str, text: str) -> None:
@@ -296,6 +291,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
 def _prompt_ids(prompt: Sequence[int]) -> bytes:
     """Token ids packed as int32; an id outside that range is refused (packing would raise, or
     wrap a numpy array's id silently into another token)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):  # a sequence of ints, but surely not token ids
+        raise InvalidRequest("bytes are neither text nor token ids: decode them to a str first")
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
             raise InvalidRequest(
@@ -439,7 +436,13 @@ def open_dealer(
         sock.curve_serverkey = curve_server_key
         sock.curve_publickey = curve_keys.public
         sock.curve_secretkey = curve_keys.secret
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:  # not an address zmq takes ("tcp://host" without a port, say)
+        sock.close(linger=0)
+        raise InvalidRequest(
+            f"endpoint {endpoint!r}: {exc} (expected tcp://HOST:PORT or ipc://PATH)"
+        ) from None
     return sock
 
 
@@ -549,6 +552,7 @@ class HealthCheck:
     while receiving and asks again; `replies` is the outcome."""
 
     def __init__(self, session: Session, timeout: float, tick_s: float) -> None:
+        check_seconds("timeout", timeout)
         self.session = session
         self.timeout = timeout
         self.tick_s = tick_s
@@ -723,6 +727,7 @@ class Session:
     # -- requests ------------------------------------------------------------------------------
 
     def submit(self, generate: m.Generate, timeout: float | None) -> RequestState:
+        check_seconds("timeout", timeout, optional=True)
         now = self._clock()
         if generate.request_id in self.requests:
             raise InvalidRequest(f"request {generate.request_id} is already in flight")
@@ -952,6 +957,9 @@ class ClientBase:
         server_key: ServerKey | None = None,
         keys: ClientKeys | None = None,
     ) -> None:
+        check_seconds("timeout", timeout, optional=True)
+        check_seconds("failover_after", failover_after)
+        check_seconds("unavailable_after", unavailable_after)
         info = connect_info(target, endpoints, server_key, keys)
         self.model = info.model
         self.timeout = timeout
@@ -961,15 +969,19 @@ class ClientBase:
         self._has_keys = info.curve_keys is not None
         self._closer = weakref.finalize(self, _close_sockets, self._ctx, self._sockets, self._monitors)
         monitor_ctx = zmq.Context.shadow(self._ctx.underlying)
-        for replica, endpoint in enumerate(info.endpoints):
-            sock = open_dealer(self._ctx, endpoint, info.curve_server_key, info.curve_keys)
-            self._sockets.append(sock)
-            if endpoint.startswith("tcp://"):  # where a handshake can fail: tell why, at once
-                address = f"inproc://brigade-client-{id(self)}-{replica}"
-                sock.monitor(address, HANDSHAKE_EVENTS)
-                monitor = monitor_ctx.socket(zmq.PAIR)
-                monitor.connect(address)
-                self._monitors[replica] = monitor
+        try:
+            for replica, endpoint in enumerate(info.endpoints):
+                sock = open_dealer(self._ctx, endpoint, info.curve_server_key, info.curve_keys)
+                self._sockets.append(sock)
+                if endpoint.startswith("tcp://"):  # where a handshake can fail: tell why, at once
+                    address = f"inproc://brigade-client-{id(self)}-{replica}"
+                    sock.monitor(address, HANDSHAKE_EVENTS)
+                    monitor = monitor_ctx.socket(zmq.PAIR)
+                    monitor.connect(address)
+                    self._monitors[replica] = monitor
+        except BaseException:
+            self._closer()  # the context's term would otherwise wait for these sockets at exit
+            raise
         pid = info.supervisor_pid
         self.session = Session(
             info.endpoints,
@@ -982,6 +994,10 @@ class ClientBase:
 
     def _send(self, replica: int, frame: bytes) -> bool:
         raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if not self._closer.alive:
+            raise ClientClosed("this client is closed: make a new one")
 
     def _read_handshakes(self) -> None:
         """Tell the session how the CURVE handshakes went (non-blocking)."""
@@ -1012,6 +1028,7 @@ class Client(ClientBase):
         self._index = {sock: i for i, sock in enumerate(self._sockets)}
 
     def _send(self, replica: int, frame: bytes) -> bool:
+        self._check_open()
         try:
             self._sockets[replica].send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -1019,6 +1036,7 @@ class Client(ClientBase):
         return True
 
     def _pump(self, timeout: float) -> None:
+        self._check_open()
         for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
             i = self._index[sock]
             while True:

@@ -301,3 +301,17 @@ class Endpoints:
 
     def shm_prefix(self) -> str:
         return f"/{SHM_PREFIX}{self.run_id}-"
+
+
+def is_process_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by someone else
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc to tell a zombie apart

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import msgspec
 
+from ipc.endpoints import is_process_alive
 from services import metrics
+from services.stage import RUN_FILE
 from services.stage_rows import STATUS_FILE, StageRow, read_status
 from supervision.stages import StageHandle
 
@@ -133,15 +135,37 @@ def format_table(rows: list[StageRow]) -> str:
     return "\n".join(lines)
 
 
+class _RunPid(msgspec.Struct):
+    supervisor_pid: int
+
+
+def supervisor_pid(run_dir: Path) -> int | None:
+    """The run's supervisor, from run.json (None without one to read)."""
+    try:
+        return msgspec.json.decode((run_dir / RUN_FILE).read_bytes(), type=_RunPid).supervisor_pid
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
 def status(run_dir: Path, as_json: bool = False, watch: bool | None = None) -> int:
     """Print the table (or one JSON list); `watch=None` refreshes only when stdout is a terminal."""
-    if watch is None:
-        watch = sys.stdout.isatty()
+    try:
+        return _print_status(run_dir, as_json, sys.stdout.isatty() if watch is None else watch)
+    except BrokenPipeError:  # the reader went away (`| head`): done, without a traceback at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _print_status(run_dir: Path, as_json: bool, watch: bool) -> int:
     while True:
         try:
             rows = read_status(run_dir)
         except FileNotFoundError:  # no run, or it stopped (status.json goes with it)
             print(f"no live Brigade run in {run_dir}", file=sys.stderr)
+            return 1
+        pid = supervisor_pid(run_dir)
+        if pid is not None and not is_process_alive(pid):  # killed: it removed nothing, the files are stale
+            print(f"no live Brigade run in {run_dir}: its supervisor (pid {pid}) is gone", file=sys.stderr)
             return 1
         if as_json:
             print(json.dumps(msgspec.to_builtins(rows)))

@@ -23,6 +23,7 @@ from client import (
     AuthenticationFailed,
     BrigadeError,
     Client,
+    ClientClosed,
     InvalidRequest,
     Overloaded,
     PromptTooLong,
@@ -591,17 +592,68 @@ def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None
         ({"prompt": np.zeros(3, np.float32)}, "token ids"),
         ({"messages": [{"role": "user"}]}, "messages"),
         ({"messages": [{"role": "user", "content": 7}]}, "messages"),
+        ({"prompt": b"abc"}, "bytes"),
+        ({"prompt": bytearray(b"ab")}, "bytes"),
+        ({"timeout": "5"}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"timeout": -1}, "timeout"),
+        ({"continue_final_message": True}, "continue_final_message"),  # a prompt has no final message
     ],
 )
 def test_wrongly_typed_arguments_are_refused_before_sending(fakes, kwargs: dict, field: str) -> None:
     fake = fakes()
     args = {"prompt": "x", **kwargs} if "messages" not in kwargs else kwargs
+    args = {"timeout": 5, **args}
     with Client(endpoints=[fake.endpoint]) as client:
         with pytest.raises(InvalidRequest, match=field):
-            client.stream(timeout=5, **args)
+            next(iter(client.stream(**args)))
         assert client.session.requests == {}
         assert client.generate("after", max_tokens=2).text == expected_text("after", 2)
     assert [r.prompt for r in fake.requests(m.Generate)] == ["after"]
+
+
+def test_wrongly_typed_timeouts_of_embed_health_and_the_client_are_refused(fakes) -> None:
+    fake = fakes()
+    with pytest.raises(InvalidRequest, match="timeout"):
+        Client(endpoints=[fake.endpoint], timeout="x")
+    with pytest.raises(InvalidRequest, match="failover_after"):
+        Client(endpoints=[fake.endpoint], failover_after=float("inf"))
+    with Client(endpoints=[fake.endpoint]) as client:
+        with pytest.raises(InvalidRequest, match="timeout"):
+            client.health(timeout="x")
+        with pytest.raises(InvalidRequest, match="timeout"):
+            client.embed(["a"], timeout=float("nan"))
+        with pytest.raises(InvalidRequest, match="bytes"):
+            client.embed(b"abc")
+        assert client.session.requests == {}
+
+
+def test_a_closed_client_says_so(fakes) -> None:
+    fake = fakes()
+    client = Client(endpoints=[fake.endpoint])
+    stream = client.stream("late", max_tokens=2)
+    client.close()
+    for call in (lambda: client.generate("x", max_tokens=2), client.health, lambda: next(stream)):
+        with pytest.raises(ClientClosed, match="closed"):
+            call()
+
+    async def closed_async() -> None:
+        aclient = AsyncClient(endpoints=[fake.endpoint])
+        await aclient.close()
+        with pytest.raises(ClientClosed, match="closed"):
+            await aclient.generate("x", max_tokens=2)
+
+    asyncio.run(closed_async())
+    assert fake.requests(m.Generate) == []
+
+
+@pytest.mark.parametrize("endpoint", ["garbage", "tcp://localhost"])
+def test_an_endpoint_zmq_cannot_take_is_an_invalid_request_and_the_cli_exits(endpoint: str) -> None:
+    with pytest.raises(InvalidRequest, match="expected tcp://HOST:PORT"):
+        Client(endpoints=[endpoint])
+    out = run_cli("--endpoint", endpoint, "health")  # it hung at exit, on the socket left open
+    assert out.returncode == 1 and out.stderr.startswith("error: endpoint"), out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_integral_values_convert_where_the_field_is_a_number(fakes) -> None:

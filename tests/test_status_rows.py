@@ -5,6 +5,10 @@ before the two shapes became one. No run: a StageHandle with a load, as a heartb
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,9 +17,12 @@ import pytest
 from ipc import messages as m
 from services.gateway.app import engine_group_ready
 from services.metrics import METRICS_DIR, STAGES_FILE
+from services.stage import RUN_FILE
 from services.stage_rows import STATUS_FILE
 from supervision.stages import StageHandle
 from supervision.status import StatusWriter, format_table, status
+
+from .conftest import REPO_ROOT
 
 # The keys of a status.json row that scripts read (docs/operations.md): never renamed.
 STATUS_KEYS = {
@@ -97,6 +104,29 @@ def test_status_prints_the_rows_as_json_and_as_a_table(tmp_path: Path, scheduler
 def test_status_of_a_run_dir_without_a_run_says_so(tmp_path: Path, capsys):
     assert status(tmp_path, as_json=True) == 1
     assert "no live Brigade run" in capsys.readouterr().err
+
+
+def test_status_of_a_run_whose_supervisor_was_killed_says_so(tmp_path: Path, scheduler: StageHandle, capsys):
+    """A SIGKILLed supervisor removes nothing: its status.json still says `running`. The run is
+    alive while run.json's supervisor is."""
+    written(tmp_path, scheduler)
+    (tmp_path / RUN_FILE).write_text(json.dumps({"supervisor_pid": os.getpid()}))
+    assert status(tmp_path, watch=False) == 0 and "scheduler-1" in capsys.readouterr().out
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    (tmp_path / RUN_FILE).write_text(json.dumps({"supervisor_pid": gone.pid}))
+    assert status(tmp_path, as_json=True) == 1
+    assert f"its supervisor (pid {gone.pid}) is gone" in capsys.readouterr().err
+
+
+def test_status_piped_into_a_reader_that_leaves_ends_quietly(tmp_path: Path, scheduler: StageHandle) -> None:
+    written(tmp_path, scheduler)
+    code = f"from pathlib import Path; from supervision.status import status; status(Path({str(tmp_path)!r}), watch=True)"
+    reader = subprocess.run(
+        f"{sys.executable} -c {shlex.quote(code)} | head -1", shell=True, capture_output=True, text=True,
+        timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert reader.stdout and "Traceback" not in reader.stderr, reader.stderr
 
 
 def test_the_gateway_reads_an_engine_group_as_ready_once_all_its_stages_run(tmp_path: Path):
