@@ -55,8 +55,10 @@ FAMILIES = {
         head_dim=HEAD_DIM, query_pre_attn_scalar=24, sliding_window=WINDOW,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
     )),
+    # attn_logit_softcapping: a field Gemma 3's config keeps and its HF class ignores.
     "gemma3": ("Gemma3TextConfig", dict(
         head_dim=HEAD_DIM, num_hidden_layers=3, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW,
+        attn_logit_softcapping=2.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},

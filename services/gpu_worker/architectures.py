@@ -298,7 +298,8 @@ class ModelConfig:
             sandwich_norms=is_gemma,
             embed_scale=hidden**0.5 if is_gemma else 1.0,
             attention_scale=attention_scale,
-            attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+            # Gemma 3's config keeps Gemma 2's field, but its HF class never applies it: nor do we.
+            attn_softcap=float(d.get("attn_logit_softcapping") or 0.0) if family != "gemma3" else 0.0,
             final_softcap=float(d.get("final_logit_softcapping") or 0.0),
             fused_weights=family == "phi3",
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
