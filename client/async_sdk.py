@@ -200,6 +200,8 @@ class AsyncClient(ClientBase):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         self._close()
+        for wakeup in self._wakeups.values():  # streams still read find their ClientClosed
+            wakeup.set()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -958,8 +958,10 @@ class ClientBase:
         keys: ClientKeys | None = None,
     ) -> None:
         check_seconds("timeout", timeout, optional=True)
-        check_seconds("failover_after", failover_after)
-        check_seconds("unavailable_after", unavailable_after)
+        for name, seconds in (("failover_after", failover_after), ("unavailable_after", unavailable_after)):
+            check_seconds(name, seconds)
+            if seconds == 0:  # a failover every tick, or a request failed at its first check
+                raise InvalidRequest(f"{name} must be more than 0 seconds")
         info = connect_info(target, endpoints, server_key, keys)
         self.model = info.model
         self.timeout = timeout
@@ -1008,8 +1010,10 @@ class ClientBase:
                 self.session.on_handshake(replica, handshake_failure(event, self._has_keys), is_dropped)
 
     def _close(self) -> None:
-        """Abort what is in flight, then close the sockets (bounded by CLOSE_LINGER_MS)."""
-        for request_id in list(self.session.requests):
+        """Abort what is in flight (a stream still read raises ClientClosed), then close the
+        sockets (bounded by CLOSE_LINGER_MS)."""
+        for request_id, state in list(self.session.requests.items()):
+            state.error = state.error or ClientClosed("the client was closed while this request ran")
             self.session.cancel(request_id)
         self._closer()
 

@@ -124,6 +124,18 @@ def chat_chars(messages: Sequence[ChatMessage]) -> int:
     return total
 
 
+def check_continuable(messages: Sequence[ChatMessage]) -> None:
+    """continue_final_message: the last message is an assistant's text, which the reply goes on
+    from (a turn that calls tools is finished: its calls would be cut off or written as text)."""
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant":
+        raise InvalidParams("continue_final_message: the last message must be the assistant's, to continue")
+    if last.tool_calls:
+        raise InvalidParams("continue_final_message: the last message calls tools; a turn with calls is finished")
+    if not content_text(last.content).strip():
+        raise InvalidParams("continue_final_message: the last message has no text to continue")
+
+
 def check_prompt_chars(num_chars: int, max_chars: int, counted: str = "") -> None:
     """`counted` says what the characters are of, when not the prompt text itself."""
     if num_chars > max_chars:

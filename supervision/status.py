@@ -135,6 +135,16 @@ def format_table(rows: list[StageRow]) -> str:
     return "\n".join(lines)
 
 
+# A live supervisor rewrites status.json every heartbeat (supervisor.heartbeat_interval_s). One
+# that no process here is, and whose file has stood still this long, was killed and removed
+# nothing; a run on another host (a shared run dir) keeps its file fresh.
+STALE_STATUS_S = 10.0
+
+
+def _age_s(path: Path) -> float:
+    return time.time() - path.stat().st_mtime
+
+
 class _RunPid(msgspec.Struct):
     supervisor_pid: int
 
@@ -164,7 +174,7 @@ def _print_status(run_dir: Path, as_json: bool, watch: bool) -> int:
             print(f"no live Brigade run in {run_dir}", file=sys.stderr)
             return 1
         pid = supervisor_pid(run_dir)
-        if pid is not None and not is_process_alive(pid):  # killed: it removed nothing, the files are stale
+        if pid is not None and not is_process_alive(pid) and _age_s(run_dir / STATUS_FILE) > STALE_STATUS_S:
             print(f"no live Brigade run in {run_dir}: its supervisor (pid {pid}) is gone", file=sys.stderr)
             return 1
         if as_json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -645,6 +646,36 @@ def test_a_closed_client_says_so(fakes) -> None:
 
     asyncio.run(closed_async())
     assert fake.requests(m.Generate) == []
+
+
+def test_an_async_stream_in_flight_when_its_client_closes_raises_client_closed(fakes) -> None:
+    """It was left waiting for a wakeup that the cancelled reader task would never give."""
+    fake = fakes(mode="hang")
+
+    async def in_flight() -> None:
+        aclient = AsyncClient(endpoints=[fake.endpoint])
+
+        async def read() -> None:
+            async with contextlib.aclosing(aclient.stream("z", max_tokens=2)) as deltas:
+                async for _ in deltas:
+                    pass
+
+        task = asyncio.create_task(read())
+        deadline = time.monotonic() + 10
+        while not fake.requests(m.Generate) and time.monotonic() < deadline:  # out, and unanswered
+            await asyncio.sleep(0.02)
+        await aclient.close()
+        with pytest.raises(ClientClosed):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(in_flight())
+
+
+def test_zero_failover_or_unavailable_seconds_are_refused(fakes) -> None:
+    fake = fakes()
+    for name in ("failover_after", "unavailable_after"):
+        with pytest.raises(InvalidRequest, match=f"{name} must be more than 0"):
+            Client(endpoints=[fake.endpoint], **{name: 0})
 
 
 @pytest.mark.parametrize("endpoint", ["garbage", "tcp://localhost"])

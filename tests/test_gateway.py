@@ -548,11 +548,22 @@ def test_an_assistant_prefill_is_continued_by_chat_anthropic_and_tokenize(gw: Ga
         extra_headers={"x-brigade-seed": "7"},
     )  # fmt: skip
     assert reply.content[0].text == want
+    counted = anthropic_client(gw).messages.count_tokens(model=gw.model, messages=prefill)
+    assert counted.input_tokens == len(ids) == reply.usage.input_tokens
 
-    status, error = gw.error(
-        "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "continue_final_message": True}
-    )
-    assert status == 400 and "the last message must be the assistant's" in error["message"], error
+    # Nothing to continue: a user's last message, or an assistant's that calls tools.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    refused = {
+        "the last message must be the assistant's": CHAT,
+        "calls tools": [*CHAT, {"role": "assistant", "content": "Buckets", "tool_calls": [call]}],
+    }
+    for message, messages in refused.items():
+        for path in ("/v1/chat/completions", "/tokenize"):
+            status, error = gw.error(
+                path, {"messages": messages, "max_tokens": 4, "continue_final_message": True}
+            )
+            assert status == 400 and message in error["message"], (path, error)
+            assert error["param"] == "continue_final_message", (path, error)
 
 
 def test_anthropic_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:

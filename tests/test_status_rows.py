@@ -20,7 +20,7 @@ from services.metrics import METRICS_DIR, STAGES_FILE
 from services.stage import RUN_FILE
 from services.stage_rows import STATUS_FILE
 from supervision.stages import StageHandle
-from supervision.status import StatusWriter, format_table, status
+from supervision.status import STALE_STATUS_S, StatusWriter, format_table, status
 
 from .conftest import REPO_ROOT
 
@@ -115,6 +115,10 @@ def test_status_of_a_run_whose_supervisor_was_killed_says_so(tmp_path: Path, sch
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid names no process
     (tmp_path / RUN_FILE).write_text(json.dumps({"supervisor_pid": gone.pid}))
+    # A fresh status.json: a live supervisor elsewhere (a run dir shared with another host).
+    assert status(tmp_path, as_json=True) == 0 and json.loads(capsys.readouterr().out)
+    stale = time.time() - 2 * STALE_STATUS_S
+    os.utime(tmp_path / STATUS_FILE, (stale, stale))
     assert status(tmp_path, as_json=True) == 1
     assert f"its supervisor (pid {gone.pid}) is gone" in capsys.readouterr().err
 

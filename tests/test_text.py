@@ -91,6 +91,12 @@ PREFILLS = [
         {"role": "user", "content": "Write JSON."},
         {"role": "assistant", "content": '  {"name": '},
     ],
+    # Prefills that the template's own end-of-turn text holds ("<|im_end|>"): the cut is where the
+    # message's text ends, not where that text last appears.
+    *(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": prefill}]
+        for prefill in ("<", "end", "im")
+    ),
 ]
 
 
@@ -101,7 +107,7 @@ def test_continue_final_message_matches_transformers(tokenizer: Tokenizer, hf_to
         expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
         assert tokenizer.apply_chat_template(messages, continue_final_message=True) == expected
     with pytest.raises(ValueError, match="no text to continue"):
-        tokenizer.apply_chat_template([{"role": "assistant", "content": "  "}], continue_final_message=True)
+        tokenizer.apply_chat_template([{"role": "assistant", "tool_calls": []}], continue_final_message=True)
 
 
 def test_vocab_and_special_tokens(tokenizer: Tokenizer, hf_tokenizer) -> None:

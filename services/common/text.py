@@ -187,6 +187,8 @@ class Tokenizer:
         continues that message instead of starting a new one."""
         # Like transformers: keys set to None are absent for the template (`is defined` checks).
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        if continue_final_message:
+            messages = _mark_final_message(messages)
         reserved = {"messages", "tools", "documents", "add_generation_prompt", *self.special_tokens_map}
         taken = sorted(reserved & set(template_kwargs or {}))
         if taken:
@@ -212,27 +214,33 @@ class Tokenizer:
                         f"the chat template took more than {timeout_s:g}s to render (tokenizer.template_timeout_s)"
                     )
             text = "".join(out)
-        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+        return _cut_at_mark(text) if continue_final_message else text
 
 
-def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
-    """`text` (a rendered chat) up to the end of the last occurrence of `final`'s text: what the
-    template writes after it (an end-of-turn token) would close the message the model is to
-    continue. A template that strips the message's surrounding white space keeps it stripped."""
-    content = final.get("content")
-    if isinstance(content, list):  # parts: the last text part is where the model goes on
-        content = next((part["text"] for part in reversed(content) if "text" in part), None)
-    if not isinstance(content, str) or not content.strip():
+# Written after the text of a message to continue, so that the rendering can be cut where that
+# text ends: searching for the text itself can find it in what the template writes after it (a
+# short prefill such as "end" inside "<|im_end|>"). The space tells whether the template trimmed it.
+CONTINUE_MARK = "BRIGADE_CONTINUE_HERE "
+
+
+def _mark_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with CONTINUE_MARK after the last message's text (its last text part's)."""
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + CONTINUE_MARK
+    elif isinstance(content, list) and any("text" in part for part in content):
+        k = max(i for i, part in enumerate(content) if "text" in part)
+        content = list(content)
+        content[k] = {**content[k], "text": content[k]["text"] + CONTINUE_MARK}
+        last["content"] = content
+    else:
         raise ValueError("continue_final_message: the last message has no text to continue")
-    at = text.rfind(content.strip())
+    return [*messages[:-1], last]
+
+
+def _cut_at_mark(text: str) -> str:
+    at = text.rfind(CONTINUE_MARK.strip())
     if at < 0:
-        raise ValueError(
-            "continue_final_message: the chat template does not write the last message's text as given"
-        )
-    # The template kept the message's leading and trailing white space: end after all of it.
-    end = (
-        len(content.lstrip())
-        if text[at : at + len(content.lstrip())] == content.lstrip()
-        else len(content.strip())
-    )
-    return text[: at + end]
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()

@@ -222,16 +222,18 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def _continues_prefill(req: MessagesRequest) -> bool:
-    """The last message is the assistant's, with text for the reply to continue (one that only
-    calls tools is a finished turn)."""
-    last = req.messages[-1]
-    text = (
-        last.content
-        if isinstance(last.content, str)
-        else _text([b for b in last.content if isinstance(b, TextBlock)])
+def _continues_prefill(req: CountTokensRequest) -> bool:
+    """The last message is the assistant's text, for the reply to continue (a turn that calls
+    tools is finished)."""
+    last = req.messages[-1] if req.messages else None
+    if last is None or last.role != "assistant":
+        return False
+    if isinstance(last.content, str):
+        return bool(last.content.strip())
+    blocks = last.content
+    return not any(isinstance(b, ToolUseBlock) for b in blocks) and bool(
+        _text([b for b in blocks if isinstance(b, TextBlock)]).strip()
     )
-    return last.role == "assistant" and bool(text.strip())
 
 
 def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
@@ -453,7 +455,7 @@ class MessagesApi:
             rendered, template_tools = template_messages(wire, offered, renders)
             try:
                 text = self.gateway.tokenizer.apply_chat_template(
-                    rendered, add_generation_prompt=True, tools=template_tools
+                    rendered, tools=template_tools, continue_final_message=_continues_prefill(req)
                 )
             except Exception as exc:  # a template may raise on unusual conversations
                 raise invalid(f"chat template failed: {exc}", "messages") from None

@@ -46,6 +46,7 @@ from ipc.validation import (
     InvalidParams,
     PromptTooLong,
     check_chat_budget,
+    check_continuable,
     check_message_count,
     check_prompt_chars,
 )
@@ -803,6 +804,11 @@ class Gateway:
             except InvalidRequest as exc:
                 raise invalid(str(exc), "messages") from None
             check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
+            if continue_final_message:  # as the tokenizer stage refuses it for generation
+                try:
+                    check_continuable(messages)
+                except InvalidParams as exc:
+                    raise invalid(str(exc), "continue_final_message") from None
             images = [
                 part
                 for x in messages

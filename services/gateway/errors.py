@@ -17,7 +17,9 @@ _PATH_IN_ERROR = re.compile(r" - at (?:`key` in )?`\$(.*?)`")
 # serves embeddings only") name none.
 _LEADING_FIELD = re.compile(r"^([A-Za-z_]+)\b")
 ENGINE_FIELDS = (
-    frozenset(Generate.__struct_fields__) | frozenset(SamplingParams.__struct_fields__) | {"adapter"}
+    frozenset(Generate.__struct_fields__)
+    | frozenset(SamplingParams.__struct_fields__)
+    | {"adapter", "tool_choice"}
 )
 RETRY_AFTER_S = 1
 

@@ -36,6 +36,7 @@ from ipc.validation import (
     InvalidParams,
     PromptTooLong,
     check_chat_budget,
+    check_continuable,
     check_prompt_chars,
     validate_params,
     validate_prompt_ids,
@@ -573,11 +574,11 @@ class TokenizerCore:
                     "invalid_request",
                     f"messages[{i}].content is required (only an assistant's tool calls may go without)",
                 )
-        if request.continue_final_message and request.messages[-1].role != "assistant":
-            raise RequestError(
-                "invalid_request",
-                "continue_final_message: the last message must be the assistant's, to continue",
-            )
+        if request.continue_final_message:
+            try:
+                check_continuable(request.messages)
+            except InvalidParams as exc:
+                raise RequestError("invalid_request", str(exc)) from None
 
     def _prompt_ids(
         self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
