@@ -225,12 +225,15 @@ def _check_int_range(name: str, value: Any) -> None:
             raise InvalidRequest(f"{name}: {x} is out of range (integers travel as 64-bit, [{lo}, {hi}])")
 
 
-def check_seconds(name: str, value: Any, *, optional: bool = False) -> None:
-    """A duration in seconds: a finite number >= 0 (None too where `optional`: no limit)."""
+def check_seconds(name: str, value: Any, *, optional: bool = False, positive: bool = False) -> None:
+    """A duration in seconds: a finite number >= 0, or > 0 where `positive` (None too where
+    `optional`: no limit)."""
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise InvalidRequest(f"{name} must be a finite number of seconds >= 0, got {value!r:.80}")
+    if positive and value == 0:
+        raise InvalidRequest(f"{name} must be more than 0 seconds")
 
 
 def _check_text(name: str, text: str) -> None:
@@ -958,10 +961,9 @@ class ClientBase:
         keys: ClientKeys | None = None,
     ) -> None:
         check_seconds("timeout", timeout, optional=True)
-        for name, seconds in (("failover_after", failover_after), ("unavailable_after", unavailable_after)):
-            check_seconds(name, seconds)
-            if seconds == 0:  # a failover every tick, or a request failed at its first check
-                raise InvalidRequest(f"{name} must be more than 0 seconds")
+        # 0 would fail over at every tick, or fail a request at its first check
+        check_seconds("failover_after", failover_after, positive=True)
+        check_seconds("unavailable_after", unavailable_after, positive=True)
         info = connect_info(target, endpoints, server_key, keys)
         self.model = info.model
         self.timeout = timeout

@@ -298,12 +298,15 @@ class HealthReply(msgspec.Struct, tag=True, array_like=True, gc=False):
 class AdapterReply(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """The outcome of an AdapterCommand (scheduler -> tokenizer, then tokenizer -> client): `code`
     "" when done, else an error code (invalid_request, model_not_found, adapter_in_use,
-    unavailable) with its message; `adapters` is every adapter loaded after it, name -> path."""
+    unavailable) with its message, and `param` the command's field a refusal is about
+    (lora_name, lora_path; "" for the engine's state); `adapters` is every adapter loaded after it,
+    name -> path."""
 
     request_id: str
     code: str = ""
     message: str = ""
     adapters: dict[str, str] = {}
+    param: str = ""
 
 
 ClientReply = Union[Delta, ErrorReply, HealthReply, AdapterReply]

@@ -131,7 +131,9 @@ def check_continuable(messages: Sequence[ChatMessage]) -> None:
     if last is None or last.role != "assistant":
         raise InvalidParams("continue_final_message: the last message must be the assistant's, to continue")
     if last.tool_calls:
-        raise InvalidParams("continue_final_message: the last message calls tools; a turn with calls is finished")
+        raise InvalidParams(
+            "continue_final_message: the last message calls tools; a turn with calls is finished"
+        )
     if not content_text(last.content).strip():
         raise InvalidParams("continue_final_message: the last message has no text to continue")
 

@@ -272,6 +272,13 @@ class EngineMetrics:
         }
         self.queries_seen = 0
         self.hits_seen = 0
+        self.preemptions = Counter(
+            f"{PREFIX}num_preemptions",
+            "Running requests preempted: their KV cache freed, to be computed again",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.preemptions_seen = 0
         # Speculative decoding (docs/speculative.md), as vLLM's spec_decode_* counters: the mean
         # acceptance length is 1 + accepted tokens / drafts.
         self.spec_drafts = Counter(
@@ -318,9 +325,10 @@ class EngineMetrics:
         num_queries: int,
         num_hits: int,
         execute_times: deque[tuple[bool, float]],
+        num_preemptions: int,
     ) -> None:
         """Observe queue times and step times (taking them out of their deques: (whether the step
-        computed prompt tokens, seconds)) and the cache's running totals."""
+        computed prompt tokens, seconds)), the cache's running totals and the preemptions'."""
         while queue_times:
             self.queue_time.observe(queue_times.popleft())
         while execute_times:
@@ -330,6 +338,9 @@ class EngineMetrics:
             self.prefix_queries.inc(num_queries - self.queries_seen)
             self.prefix_hits.inc(num_hits - self.hits_seen)
             self.queries_seen, self.hits_seen = num_queries, num_hits
+        if num_preemptions > self.preemptions_seen:
+            self.preemptions.inc(num_preemptions - self.preemptions_seen)
+            self.preemptions_seen = num_preemptions
 
     def update_speculation(
         self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int, acceptance_lengths: deque[int]

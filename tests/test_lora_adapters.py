@@ -40,19 +40,25 @@ class Harness:
 
 def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) -> None:
     h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
-    for name, path, message in [
-        ("", "/a/x", "lora_name must be a name of 1 to 256 characters"),
-        ("x" * 257, "/a/x", "lora_name must be a name of 1 to 256 characters"),
-        ("base", "/a/x", "lora_name 'base' is the base model's name"),
-        ("sql", "/a/sql", "lora_name 'sql': that LoRA adapter is already loaded"),
-        ("new", "a/new", "lora_path must be an absolute adapter directory or .gguf file, got 'a/new'"),
+    for name, path, message, param in [
+        ("", "/a/x", "lora_name must be a name of 1 to 256 characters", "lora_name"),
+        ("x" * 257, "/a/x", "lora_name must be a name of 1 to 256 characters", "lora_name"),
+        ("base", "/a/x", "lora_name 'base' is the base model's name", "lora_name"),
+        ("sql", "/a/sql", "lora_name 'sql': that LoRA adapter is already loaded", "lora_name"),
+        (
+            "new",
+            "a/new",
+            "lora_path must be an absolute adapter directory or .gguf file, got 'a/new'",
+            "lora_path",
+        ),
     ]:
         h.command("load", name, path)
-        assert h.last() == ("invalid_request", message)
+        assert h.last() == ("invalid_request", message) and h.replies[-1].param == param
     assert h.sent == []
     off = Harness(tmp_path / "off.json", capacity=0)
     off.command("load", "sql", "/a/sql")
     assert off.last() == ("invalid_request", "LoRA adapters are off (lora.max_loras is 0)")
+    assert off.replies[-1].param == ""  # the engine's state, not a field of the command
 
 
 def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_reason(tmp_path: Path) -> None:
@@ -68,6 +74,7 @@ def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_re
     h.adapters.on_loaded(m.AdapterLoaded(0, "bad", "adapter 'bad': rank 128 is over lora.max_rank (64)"))
     h.adapters.on_loaded(m.AdapterLoaded(1, "bad"))
     assert h.last() == ("invalid_request", "adapter 'bad': rank 128 is over lora.max_rank (64)")
+    assert h.replies[-1].param == "lora_path"  # what the workers found in the adapter's files
     assert h.sent[-1] == m.UnloadAdapter("bad")  # the rank that did load it forgets it
     h.command("load", "late", "/a/late")
     h.now += LOAD_TIMEOUT_S

@@ -103,16 +103,17 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
         e = EngineMetrics({MODEL!r}, 1)
         times = deque([0.003, 0.7])
         steps = deque([(True, 0.12), (False, 0.013), (False, 0.015)])
-        e.update(times, 100, 32, steps)
+        e.update(times, 100, 32, steps, 1)
         assert not times and not steps
-        e.update(times, 100, 32, steps)   # nothing new: nothing counted twice
-        e.update(times, 164, 96, steps)
+        e.update(times, 100, 32, steps, 1)   # nothing new: nothing counted twice
+        e.update(times, 164, 96, steps, 3)
         """,
     )
     got = scrape(registry_for_run(run_dir))
     labels = (("engine", "1"), ("model_name", MODEL))
     assert got[("brigade:prefix_cache_queries_total", labels)] == 164
     assert got[("brigade:prefix_cache_hits_total", labels)] == 96
+    assert got[("brigade:num_preemptions_total", labels)] == 3
     assert got[("brigade:request_queue_time_seconds_count", labels)] == 2
     assert got[("brigade:request_queue_time_seconds_sum", labels)] == pytest.approx(0.703)
     decode, prefill = ((*labels, ("phase", phase)) for phase in ("decode", "prefill"))
@@ -322,3 +323,62 @@ def test_engine_groups_and_autoscale_decisions_from_stages_file(tmp_path: Path) 
     assert got[("brigade:engine_groups_target", model)] == 3
     assert got[("brigade:autoscale_decisions_total", (("direction", "up"), *model))] == 2
     assert got[("brigade:autoscale_decisions_total", (("direction", "down"), *model))] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_pool_too_small_for_its_sequences_preempts_counts_it_and_keeps_hfs_tokens(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A random Llama with wide KV heads: 1 MiB holds 8 blocks of 16 tokens, and three sequences
+    of 30 + 50 tokens need 5 blocks each, so the scheduler must preempt while they run together.
+    Every greedy output is still HF's, and /metrics counts the preemptions."""
+    import numpy as np
+    from transformers import LlamaConfig
+
+    from client import Client
+    from tests.conftest import TINY_VOCAB_SIZE, save_random_model
+    from tests.harness import assert_clean, brigade_run, hf_greedy
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model_dir = save_random_model(config, tmp_path / "model", seed=4, std=0.05, tokenizer_from=smollm2_dir)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, 30).tolist() for _ in range(3)]
+    new_tokens = 50
+    expected = [hf_greedy(model_dir, prompt, new_tokens) for prompt in prompts]
+    port = free_port()
+    run_dir = tmp_path / "run"
+    overrides = (
+        f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=128",
+        "engine.kv_cache_mib=1", "engine.block_size=16", f"supervisor.metrics_port={port}",
+    )  # fmt: skip
+    with brigade_run(run_dir, *overrides):
+
+        def greedy(prompt: list[int]) -> list[int]:
+            with Client(run_dir) as client:
+                return client.generate(
+                    prompt, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+                ).token_ids
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(greedy, prompts)) == expected
+        deadline = time.monotonic() + 30
+        while True:  # the counter reaches /metrics with the scheduler's next update
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            preemptions = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "brigade:num_preemptions_total"
+            )
+            if preemptions or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert preemptions >= 1, text
+    assert_clean(run_dir)

@@ -155,16 +155,6 @@ def adapter_error(reply: m.AdapterReply, param: str | None) -> ApiError:
     )
 
 
-def load_error_field(message: str) -> str | None:
-    """The field a refused load is about: the one its message starts with (the scheduler's checks
-    of the name and path), the path for what the workers found in the adapter's files ("adapter
-    'x': ..."), none for the engine's state (adapters off, every slot taken)."""
-    for field in ("lora_name", "lora_path"):
-        if message.startswith(field):
-            return field
-    return "lora_path" if message.startswith("adapter ") else None
-
-
 def engine_group_ready(run_dir: Path) -> bool:
     """An engine group can serve: its scheduler and every one of its workers are running."""
     try:
@@ -735,7 +725,7 @@ class Gateway:
         body = await self.read_body(request, p.LoadLoraAdapterRequest)
         reply = await self.adapter_command("load", body.lora_name, body.lora_path)
         if reply.code:
-            raise adapter_error(reply, load_error_field(reply.message))
+            raise adapter_error(reply, reply.param or None)
         return self.finish(
             request, PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
         )

@@ -536,6 +536,7 @@ class SchedulerProcess(StageProcess):
                 core.num_prefix_query_tokens,
                 core.num_prefix_hit_tokens,
                 self.pipeline.execute_times,
+                core.num_preemptions,
             )
             lora = core.state.lora
             self.metrics.update_lora(self.adapters.num_loads, lora.num_swaps, lora.num_prefetches)

@@ -130,14 +130,14 @@ class Adapters:
             elif name not in self.loaded:
                 self._load(RELOAD, m.AdapterCommand(RELOAD[1], "load", name, path), world_size, workers_up)
 
-    def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "") -> None:
-        self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded)))
+    def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "", param: str = "") -> None:
+        self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded), param))
 
     def _load(self, reply_to: ReplyTo, command: m.AdapterCommand, world_size: int, workers_up: bool) -> None:
         name, path = command.name, command.path
-        refusal = self._load_refusal(name, path)
+        param, refusal = self._load_refusal(name, path)
         if refusal:
-            self._answer(reply_to, "invalid_request", refusal)
+            self._answer(reply_to, "invalid_request", refusal, param)
             return
         if not workers_up:
             self._answer(reply_to, "unavailable", "the engine's workers are starting; try again")
@@ -148,23 +148,25 @@ class Adapters:
         )
         self.to_workers(m.LoadAdapter(adapter))
 
-    def _load_refusal(self, name: str, path: str) -> str:
+    def _load_refusal(self, name: str, path: str) -> tuple[str, str]:
+        """Why a load is refused, as (the field it is about, or "" for the engine's state; the
+        message), or ("", "") when it may go ahead."""
         if self.capacity == 0:
-            return "LoRA adapters are off (lora.max_loras is 0)"
+            return "", "LoRA adapters are off (lora.max_loras is 0)"
         if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
-            return f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
+            return "lora_name", f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
         if name == self.base_model:
-            return f"lora_name {name!r} is the base model's name"
+            return "lora_name", f"lora_name {name!r} is the base model's name"
         if name in self.loaded or name in self.loading:
-            return f"lora_name {name!r}: that LoRA adapter is already loaded"
+            return "lora_name", f"lora_name {name!r}: that LoRA adapter is already loaded"
         if not Path(path).is_absolute():
-            return f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
+            return "lora_path", f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
         if len(self.loaded) + len(self.loading) >= self.capacity:
-            return (
+            return "", (
                 f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
                 f"allows ({', '.join(sorted(self.loaded))}); unload one first"
             )
-        return ""
+        return "", ""
 
     def on_loaded(self, answer: m.AdapterLoaded) -> None:
         """A worker's answer to a load: the adapter serves once every rank has it."""
@@ -178,7 +180,7 @@ class Adapters:
         del self.loading[answer.name]
         if pending.error:
             self.to_workers(m.UnloadAdapter(answer.name))  # the ranks that did load it
-            self._answer(pending.reply_to, "invalid_request", pending.error)
+            self._answer(pending.reply_to, "invalid_request", pending.error, "lora_path")
             return
         self.loaded[answer.name] = pending.adapter.path
         self.num_loads += 1
