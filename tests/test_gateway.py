@@ -911,6 +911,26 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
         assert (reasoning, content) == (message.reasoning_content, message.content)
     plain = sdk.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=4, temperature=0)
     assert plain.choices[0].message.reasoning_content is None  # no think block: all content
+    # A prefill that opened the think block: the reply starts in the reasoning, and its </think>
+    # ends it; a prefill after the block continues the content, tags and all.
+    for prefill, want_reasoning in (("<think>I see", True), ("<think>ok</think>So", False)):
+        kwargs = dict(model=gw.model, messages=[*CHAT, {"role": "assistant", "content": prefill}],
+                      max_tokens=80, temperature=1.0, seed=4,
+                      extra_body={"continue_final_message": True,
+                                  "structured_outputs": {"regex": r"[a-z ]{1,20}</think>[a-z ]{1,20}"}})  # fmt: skip
+        message = sdk.chat.completions.create(**kwargs).choices[0].message
+        chunks = list(sdk.chat.completions.create(stream=True, **kwargs))
+        reasoning = "".join(
+            getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert (reasoning or None, content) == (message.reasoning_content, message.content)
+        if want_reasoning:
+            assert re.fullmatch("[a-z ]{1,20}", message.reasoning_content), message
+            assert re.fullmatch("[a-z ]{1,20}", message.content), message
+        else:
+            assert message.reasoning_content is None, message
+            assert re.fullmatch("[a-z ]{1,20}</think>[a-z ]{1,20}", message.content), message
     # chat_template_kwargs reach the template (test_tokenizer_core shows one that reads them).
     off = sdk.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=2, temperature=0,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip

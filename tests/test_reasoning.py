@@ -45,6 +45,24 @@ def test_whole_and_streamed_give_the_same_split(style, output, want) -> None:
         assert (reasoning or None, "".join(c for _, c in parts)) == want, chunks
 
 
+PREFILL_CASES = [  # style, the assistant's prefill, the reply, (reasoning_content, content)
+    ("qwen3", "<think>so", " far</think>Blue.", (" far", "Blue.")),  # the prefill opened the block
+    ("qwen3", "<think>a</think>Sure", ", blue.", (None, ", blue.")),  # the prefill closed it
+    ("qwen3", "Sure", "<think>x</think>y", ("x", "y")),  # before the block, as ever
+    ("deepseek_r1", "Sure", ", blue.</think>", (None, ", blue.</think>")),  # no prompt opened one
+    ("deepseek_r1", "<think>hm", " the sky</think>Blue.", (" the sky", "Blue.")),
+    ("deepseek_r1", "<thi", "nk>x</think>y", (None, "nk>x</think>y")),  # a tag split over both: none
+]
+
+
+@pytest.mark.parametrize(("style", "prefill", "output", "want"), PREFILL_CASES)
+def test_a_reply_continuing_a_prefill_starts_where_the_prefill_left_off(style, prefill, output, want) -> None:
+    assert split_reasoning(style, output, prefill) == want
+    stream = ReasoningStream(style, prefill)
+    parts = [stream.feed(char) for char in output] + [stream.finish()]
+    assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts)) == want
+
+
 def test_a_tag_is_held_back_until_it_is_certain() -> None:
     stream = ReasoningStream("qwen3")
     assert stream.feed("<thi") == ("", "")

@@ -454,7 +454,7 @@ class Gateway:
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
         fmt = ChatFormat(
             model, names, plan.logprobs, parser, plan.call_id_base,
-            prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning,
+            prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning, prefill=plan.prefill,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 

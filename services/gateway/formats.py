@@ -156,6 +156,7 @@ class ChatFormat:
         *,
         prompt_top_n: int | None = None,
         reasoning: ReasoningStyle | None = None,
+        prefill: str | None = None,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -172,6 +173,7 @@ class ChatFormat:
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.reasoning = reasoning  # splits reasoning_content off before the tool parser reads
         self.reasoning_streams: dict[int, ReasoningStream] = {}
+        self.prefill = prefill  # the assistant's text the reply continues, if it continues one
 
     def _tool_stream(self, index: int) -> ToolCallStream:
         assert self.tool_parser is not None
@@ -188,7 +190,7 @@ class ChatFormat:
             return None, text
         stream = self.reasoning_streams.get(index)
         if stream is None:
-            stream = self.reasoning_streams[index] = ReasoningStream(self.reasoning)
+            stream = self.reasoning_streams[index] = ReasoningStream(self.reasoning, self.prefill)
         reasoning, content = stream.feed(text)
         if final:
             more_reasoning, more_content = stream.finish()
@@ -285,7 +287,9 @@ class ChatFormat:
                 assert self.tool_parser is not None
                 message.reasoning_content = self.tool_parser.parse(piece.text, "").reasoning
             elif self.reasoning is not None:
-                message.reasoning_content, content = split_reasoning(self.reasoning, message.content or "")
+                message.reasoning_content, content = split_reasoning(
+                    self.reasoning, message.content or "", self.prefill
+                )
                 message.content = content if content or message.content is not None else None
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
         reply = p.ChatCompletion(self.id, self.created, self.model, out, usage)

@@ -67,6 +67,9 @@ class Plan:
     # completions with echo and max_tokens 0: the prompt alone is scored; the engine, which always
     # samples one token, samples one that the reply leaves out.
     is_prompt_only: bool = False
+    # chat with continue_final_message: the assistant's text that the reply continues, which the
+    # reasoning parser reads as already written
+    prefill: str | None = None
 
 
 def header_seed(value: str | None) -> int | None:
@@ -308,7 +311,14 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
         tools,
         _call_id_base(req, seed),
         req.prompt_logprobs,
+        prefill=_text_of(messages[-1]["content"]) if req.continue_final_message else None,
     )
+
+
+def _text_of(content: str | list[dict[str, str]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
 
 
 def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:

@@ -16,7 +16,10 @@ styles (`gateway.reasoning_parser`, or `auto`: chosen from the model's chat temp
   calls in one pass, so no `ReasoningStream` reads it.
 
 Only the first think block counts: after `</think>` the rest is content, verbatim. An output cut
-off inside the reasoning (max_tokens) is all reasoning so far. A stream holds back a suffix that
+off inside the reasoning (max_tokens) is all reasoning so far. A reply that continues an
+assistant prefill (`continue_final_message`, Anthropic's prefill) starts where the prefill left
+off: in the reasoning if the prefill opened a think block it did not close, else in the content
+(no generation prompt opened one), whatever the style. A stream holds back a suffix that
 may be the start of a tag, so a tag split over deltas (token by token) is still found, and the
 concatenated deltas are exactly the whole split: streamed and not give the same two texts.
 """
@@ -68,12 +71,15 @@ class ReasoningStream:
     """Feeds output text, returns (reasoning, content) of what is certain so far; `finish()`
     flushes what was held back."""
 
-    def __init__(self, style: ReasoningStyle) -> None:
+    def __init__(self, style: ReasoningStyle, prefill: str | None = None) -> None:
         self.style = style
         # "start": before any text (deepseek_r1 drops a leading <think>); "content" (qwen3, before
         # <think>); "reasoning"; "done": after </think>, all content.
-        self.state = "start" if style == "deepseek_r1" else "content"
+        self.state = "start" if style == "deepseek_r1" and prefill is None else "content"
         self.pending = ""
+        if prefill is not None:  # the prompt's text: read for its tags, never given out
+            self._scan(prefill, final=False)
+            self.pending = ""  # a tag split between the prefill and the reply is not one
 
     def feed(self, text: str) -> tuple[str, str]:
         return self._scan(self.pending + text, final=False)
@@ -112,9 +118,10 @@ class ReasoningStream:
         return "".join(reasoning), "".join(content)
 
 
-def split_reasoning(style: ReasoningStyle, text: str) -> tuple[str | None, str]:
-    """The whole output -> (reasoning_content, or None when there was none, content)."""
-    stream = ReasoningStream(style)
+def split_reasoning(style: ReasoningStyle, text: str, prefill: str | None = None) -> tuple[str | None, str]:
+    """The whole output (of a reply continuing `prefill`, if not None) -> (reasoning_content, or
+    None when there was none, content)."""
+    stream = ReasoningStream(style, prefill)
     reasoning, content = stream.feed(text)
     more_reasoning, more_content = stream.finish()
     return (reasoning + more_reasoning) or None, content + more_content
