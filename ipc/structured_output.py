@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from ipc.messages import StructuredKind, StructuredOutput
 from ipc.validation import MAX_SPEC_BYTES, STRUCTURED_KINDS, InvalidParams
@@ -33,8 +34,21 @@ MAX_TOOLS = 128
 # `tool_choice: "required"` with parallel calls: the most calls one reply makes. Without a bound a
 # small model repeats its call until max_tokens (SmolLM2 wrote one call 11 times).
 MAX_PARALLEL_CALLS = 8
-# Schema keywords whose value is a schema or a list of schemas (closed_objects walks into them).
-_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else")
+# Keywords that combine an object schema with others: closed_objects leaves such a schema open.
+_COMBINED = (
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+)
+# Keywords whose values are data, not schemas.
+_LITERALS = ("const", "enum", "default", "examples")
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
@@ -126,20 +140,26 @@ def for_tool_choice(
     if tool_choice == "required":
         if not functions:
             raise InvalidParams("tool_choice: 'required' needs at least one tool")
+        # Each tool's parameters go in $defs under its name, so that the refs they make into
+        # themselves (a Pydantic model's "#/$defs/...") still resolve in the combined schema.
         call = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": params},
+                "properties": {
+                    "name": {"const": name},
+                    "parameters": {"$ref": f"#/$defs/{_pointer_escape(name)}"},
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, params in ((name, closed_objects(params)) for name, params in functions.items())
+            for name in functions
         ]
         array: dict[str, Any] = {
             "type": "array",
             "items": {"anyOf": call},
             "minItems": 1,
             "maxItems": MAX_PARALLEL_CALLS if parallel_tool_calls else 1,
+            "$defs": {name: _hoisted(closed_objects(params), name) for name, params in functions.items()},
         }
         return StructuredOutput("json", canonical_schema(array, "tools"))
     if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
@@ -154,20 +174,68 @@ def for_tool_choice(
     )
 
 
-def closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any, close: bool = True) -> Any:
     """`schema` with `additionalProperties: false` on every object schema that does not say
-    (LangChain's and most hand-written tool schemas never do); an explicit value is kept."""
+    (LangChain's and most hand-written tool schemas never do); an explicit value is kept.
+
+    An object schema is closed only where its own keys are all an object may have: one combined
+    with others (`allOf`, `anyOf`, `oneOf`, a `$ref`, `if` / `then` / `else`) would forbid the
+    keys its partners allow, so it stays open, and so do the branches that add keys to an object
+    with properties of its own (an `anyOf` branch of a schema without is the whole object, and
+    is closed); their nested objects are closed all the same. What `not` and `if` say is left
+    alone: closing them would change what they match."""
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [closed_objects(s, close) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {key: closed_objects(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    has_own_keys = "properties" in schema or "patternProperties" in schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("items", "prefixItems", "additionalProperties"):
+            out[key] = closed_objects(value)
+        elif key in ("anyOf", "oneOf"):
+            out[key] = closed_objects(value, close=not has_own_keys)
+        elif key in ("allOf", "then", "else"):
+            out[key] = closed_objects(value, close=False)
+        elif key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+            value, Mapping
+        ):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = value
+    is_object = out.get("type") == "object" or has_own_keys
+    combined = any(key in out for key in _COMBINED)
+    if close and is_object and not combined and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _hoisted(params: Mapping[str, Any], name: str) -> Any:
+    """A tool's `parameters` with every local `$ref` ("#...", a pointer into the parameters)
+    rewritten to point into `#/$defs/{name}`, where the combined schema of `tool_choice:
+    "required"` keeps them: nested under the call's array its refs would point nowhere."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = f"#/$defs/{_pointer_escape(name)}{value[1:]}"
+            elif key in _LITERALS:  # values, not schemas: a "$ref" in them is data
+                out[key] = value
+            else:
+                out[key] = walk(value)
+        return out
+
+    return walk(params)
+
+
+def _pointer_escape(token: str) -> str:
+    """A JSON pointer's reference token for `token` (RFC 6901), percent-encoded for a URI fragment."""
+    return quote(token.replace("~", "~0").replace("/", "~1"), safe="")
 
 
 def tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:

@@ -378,6 +378,36 @@ def test_logprobs_end_to_end(gw: Gateway) -> None:
     )
 
 
+def test_completion_logprobs_name_the_sampled_token_and_offsets_survive_split_characters(
+    gw: Gateway, hf_tokenizer
+) -> None:
+    """top_logprobs holds the N most likely and the chosen token where it is not one of them (as
+    OpenAI's and vLLM's do: lm-eval reads it there); text_offset points at each token's text in
+    the text, also after a token that ends inside a character of several bytes."""
+    api = gw.openai()
+    sampled = api.completions.create(
+        model=gw.model, prompt="Once upon a time", max_tokens=16, temperature=1.5, seed=7, logprobs=1,
+        extra_body={"ignore_eos": True},
+    ).choices[0].logprobs  # fmt: skip
+    assert any(len(top) == 2 for top in sampled.top_logprobs), sampled  # a token off the top 1
+    for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs, strict=True):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
+        assert max(top.values()) >= logprob
+    text = "café 😀 naïve 日本語 ok"
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in hf_tokenizer.decode([i]) for i in ids)  # some token splits a character
+    echoed = api.completions.create(model=gw.model, prompt=text, echo=True, max_tokens=0, logprobs=0).choices[
+        0
+    ]
+    assert echoed.text == text
+    offsets = echoed.logprobs.text_offset
+    assert offsets == sorted(offsets) and len(offsets) == len(ids)
+    for token_id, offset in zip(ids, offsets, strict=True):
+        piece = hf_tokenizer.decode([token_id])
+        if "\ufffd" not in piece:
+            assert text[offset : offset + len(piece)] == piece, (piece, offset)
+
+
 # -- the rest of the API ----------------------------------------------------------------------
 
 
@@ -656,6 +686,17 @@ ANTHROPIC_BAD_BODIES = {
         "messages[0].content",
     ),
     "not JSON": (b"{", "JSON"),
+    # Anthropic's structured outputs are strict: a keyword that cannot be enforced is refused.
+    "schema keyword not enforced": (
+        {
+            "max_tokens": 4,
+            "messages": CHAT,
+            "output_config": {
+                "format": {"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}
+            },
+        },
+        "output_config.format",
+    ),
     "unknown thinking type": (
         {"max_tokens": 4, "messages": CHAT, "thinking": {"type": "sometimes"}},
         "thinking.type",

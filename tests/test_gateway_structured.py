@@ -225,6 +225,22 @@ def test_structured_outputs_regex_and_choice_through_extra_body(
         extra_body={"structured_outputs": {"grammar": grammar}},
     )  # fmt: skip
     assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
+    # vLLM's older guided_* fields, which clients still send, constrain the same way.
+    reply = gw.client.completions.create(
+        model="", prompt="My phone number is", max_tokens=12, temperature=temperature, seed=seed,
+        extra_body={"guided_regex": regex},
+    )  # fmt: skip
+    assert re.fullmatch(regex, reply.choices[0].text), reply.choices[0].text
+    reply = chat(
+        gw, [{"role": "user", "content": "Weather?"}], temperature, seed, max_tokens=8,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert reply.choices[0].message.content in choices
+    reply = chat(gw, ASK_PERSON, temperature, seed, max_tokens=60, extra_body={"guided_json": PERSON})
+    if reply.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    else:  # cut by max_tokens: a prefix of an object, never free text
+        assert reply.choices[0].message.content.lstrip().startswith("{"), reply
 
 
 def test_json_cut_by_max_tokens_finishes_with_length(gw: Gateway) -> None:
@@ -274,6 +290,41 @@ def test_tool_choice_required_gives_one_array_of_calls_and_ends(gw: Gateway) -> 
         assert [(c["name"], c["arguments"]) for c in streamed] == [
             (c.function.name, c.function.arguments) for c in calls
         ]
+
+
+# A Pydantic model with a nested one: its parameters refer to their own $defs.
+PYDANTIC_INVITE = {
+    "$defs": {
+        "Guest": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+            "required": ["name"],
+            "title": "Guest",
+        }
+    },
+    "type": "object",
+    "properties": {"guests": {"type": "array", "items": {"$ref": "#/$defs/Guest"}, "maxItems": 3}},
+    "required": ["guests"],
+    "title": "Invite",
+}
+
+
+def test_required_calls_of_a_tool_whose_parameters_refer_to_their_own_defs(gw: Gateway) -> None:
+    """`required` puts every tool in one schema: the refs a tool makes into its own $defs must
+    still resolve there (they were a 400, "Pointer '/$defs/Guest' does not exist")."""
+    tools = [
+        *PARIS_TOOLS,
+        {"type": "function", "function": {"name": "invite", "parameters": PYDANTIC_INVITE}},
+    ]
+    ask = [{"role": "user", "content": "Invite Ann (30) and Bob to the party."}]
+    for temperature, seed in SAMPLED:
+        choice = chat(
+            gw, ask, temperature, seed, max_tokens=200, tools=tools, tool_choice="required"
+        ).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        schemas = {"get_weather": WEATHER, "invite": PYDANTIC_INVITE}
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 # LangChain's tool schemas never say additionalProperties: the model might add keys for ever.
@@ -509,6 +560,18 @@ BAD = {
         {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
         "structured_outputs",
     ),
+    "guided_and_structured_outputs": (
+        {"guided_regex": "a", "structured_outputs": {"regex": "a"}},
+        "guided_regex",
+    ),
+    "two_guided": ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    "bad_guided_regex": ({"guided_regex": "(unclosed"}, "guided_regex"),
+    "empty_guided_choice": ({"guided_choice": []}, "guided_choice"),
+    "guided_json_not_a_schema": ({"guided_json": 3}, "guided_json"),
+    "guided_and_response_format": (
+        {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
+        "guided_json",
+    ),
     "tool_not_a_function": ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
     "tool_without_name": ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
     "tools_not_a_list": ({"tools": {"a": 1}}, "tools"),
@@ -564,9 +627,8 @@ def test_bad_structured_and_tool_input_gets_400_naming_the_field(gw: Gateway, ca
     assert status == 400, (status, error)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
-    extra_body = (
-        {"structured_outputs": body.pop("structured_outputs")} if "structured_outputs" in body else None
-    )
+    vllm_fields = [key for key in body if key == "structured_outputs" or key.startswith("guided_")]
+    extra_body = {key: body.pop(key) for key in vllm_fields} or None
     with pytest.raises(openai.BadRequestError):  # the openai client sees it as such
         gw.client.chat.completions.create(model="", extra_body=extra_body, **body)
 
@@ -590,7 +652,7 @@ def test_forced_call_with_non_object_parameters_is_refused_naming_the_tool(gw: G
 
 def test_a_constraint_that_matches_nothing_is_a_400_not_an_empty_success(gw: Gateway) -> None:
     """`[^\\s\\S]` and `start: start` used to give 200, text "" and finish_reason stop."""
-    for kind, spec in (("regex", r"[^\s\S]"), ("grammar", "start: start")):
+    for kind, spec in (("regex", r"[^\s\S]"), ("grammar", "start: start"), ("json", False)):
         with pytest.raises(openai.BadRequestError, match="matches no output at all"):
             gw.client.completions.create(
                 model="", prompt="Hi", max_tokens=4, extra_body={"structured_outputs": {kind: spec}}

@@ -250,6 +250,71 @@ def test_forced_tool_call_arguments_match_the_function_schema(compiler, model):
                 )
 
 
+# Tool schemas as libraries write them: a Pydantic model with a nested one ($defs and $ref), a
+# recursive one (a $ref to its root), one merged with allOf, and anyOf beside properties of its own.
+COMPOSED_TOOLS = {
+    "invite": {
+        "$defs": {
+            "Guest": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+                "required": ["name"],
+            }
+        },
+        "type": "object",
+        "properties": {"guests": {"type": "array", "items": {"$ref": "#/$defs/Guest"}, "maxItems": 2}},
+        "required": ["guests"],
+    },
+    "tree": {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string", "maxLength": 4},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+        },
+        "required": ["label"],
+    },
+    "merged": {
+        "type": "object",
+        "allOf": [
+            {"properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"]},
+            {"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ],
+    },
+    "either": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}},
+        "required": ["id"],
+        "anyOf": [
+            {"properties": {"x": {"type": "boolean"}}, "required": ["x"]},
+            {"properties": {"y": {"type": "null"}}, "required": ["y"]},
+        ],
+    },
+}
+
+
+def test_forced_calls_of_composed_schemas_are_valid_calls(compiler, model):
+    """Refs into a tool's own $defs (or its root) still resolve once `required` combines the tools,
+    and closing objects never forbids the keys allOf / anyOf branches add: every forced call's
+    arguments validate against the tool's own schema."""
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in COMPOSED_TOOLS.items()
+    ]
+    several = for_tool_choice(tools, "required")
+    names_seen = set()
+    for seed in range(8):
+        for name in COMPOSED_TOOLS:
+            named = for_tool_choice(tools, {"type": "function", "function": {"name": name}})
+            jsonschema.validate(json.loads(walk(compiler, model, named, seed)[0]), COMPOSED_TOOLS[name])
+        parsed = ToolParser("required").parse(walk(compiler, model, several, seed)[0], "r")
+        assert parsed.tool_calls
+        for call in parsed.tool_calls:
+            names_seen.add(call["function"]["name"])
+            jsonschema.validate(
+                json.loads(call["function"]["arguments"]), COMPOSED_TOOLS[call["function"]["name"]]
+            )
+    assert len(names_seen) > 1
+
+
 def test_rebuild_from_history_gives_identical_bitmasks(compiler, model):
     spec = StructuredOutput("json", json.dumps(SCHEMAS["nested_objects"]))
     _, tokens = walk(compiler, model, spec, seed=5)

@@ -120,7 +120,9 @@ def test_tool_choice_schemas():
     assert json.loads(no_params.spec) == {"type": "object", "properties": {}, "additionalProperties": False}
     required = json.loads(for_tool_choice(TOOLS, "required").spec)
     assert required["minItems"] == 1 and required["maxItems"] == MAX_PARALLEL_CALLS
-    assert required["items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
+    # Each tool's parameters (closed) in $defs under its name, so refs into them still resolve.
+    assert required["items"]["anyOf"][0]["properties"]["parameters"] == {"$ref": "#/$defs/f"}
+    assert required["$defs"]["f"] == {**SCHEMA, "additionalProperties": False}
     assert [alt["properties"]["name"] for alt in required["items"]["anyOf"]] == [
         {"const": "f"},
         {"const": "g"},
@@ -150,6 +152,31 @@ def test_closed_objects_closes_every_object_schema_that_does_not_say():
     ]
     assert out["$defs"]["unit"]["additionalProperties"] is False
     assert "additionalProperties" not in nested  # the request's own schema is left as it was
+
+
+def test_closed_objects_leaves_open_what_combines_with_other_schemas():
+    """Closing a schema with allOf / anyOf, or a branch of allOf, or an anyOf branch beside
+    properties of its own, would forbid the keys its partners allow; their nested objects are
+    closed all the same."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    merged = closed_objects(
+        {
+            "type": "object",
+            "allOf": [{"properties": {"a": place}}, {"properties": {"b": {"type": "integer"}}}],
+        }
+    )
+    assert "additionalProperties" not in merged
+    assert [("additionalProperties" in branch) for branch in merged["allOf"]] == [False, False]
+    assert merged["allOf"][0]["properties"]["a"]["additionalProperties"] is False
+    beside = closed_objects({"properties": {"id": {}}, "anyOf": [{"properties": {"x": {}}}]})
+    assert "additionalProperties" not in beside and "additionalProperties" not in beside["anyOf"][0]
+    alone = closed_objects({"type": "object", "anyOf": [{"properties": {"x": {}}}, {"type": "null"}]})
+    assert "additionalProperties" not in alone
+    assert alone["anyOf"][0]["additionalProperties"] is False  # the branch is the whole object
+    by_ref = closed_objects({"type": "object", "$ref": "#/$defs/base", "$defs": {"base": place}})
+    assert "additionalProperties" not in by_ref and by_ref["$defs"]["base"]["additionalProperties"] is False
+    unchanged = {"not": place, "if": place, "const": {"type": "object"}}
+    assert closed_objects(unchanged) == unchanged  # what not / if match, and data, are left alone
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,8 @@ def check_constraint(spec: StructuredOutput, budgets: GrammarBudgets | None = No
     proves nothing, so only "matches nothing" is refused here; the time and memory budgets are the
     scheduler's compile's to enforce, over the real tokenizer."""
     budgets = budgets or GrammarBudgets()
+    if spec.kind == "json" and spec.spec == "false":  # the engine's own words would be about its options
+        raise GrammarError(f"json: {MATCHES_NOTHING}")
     grammar = grammar_text(spec)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=budgets.limits

@@ -219,7 +219,8 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
         raise invalid(
             "output_config.format must be {'type': 'json_schema', 'schema': {...}}", "output_config.format"
         )
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    # Anthropic's structured outputs have no lenient mode: a keyword that cannot be enforced is a 400.
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
 
 
 def _continues_prefill(req: CountTokensRequest) -> bool:

@@ -116,6 +116,22 @@ def prompt_logprobs_out(
     return out
 
 
+def text_offsets(tokenizer: Tokenizer, token_ids: list[int], start: int) -> list[int]:
+    """Where each token's text starts in the decoded text of them all, from `start`. Decoded over
+    a window, as the detokenizer does: a token that ends inside a character (one of several
+    bytes) adds nothing until the token that completes it, where decoding each token alone
+    would count a replacement character for each piece."""
+    offsets, prefix, read = [], 0, 0
+    for end in range(1, len(token_ids) + 1):
+        offsets.append(start)
+        text = tokenizer.decode(token_ids[prefix:end], skip_special_tokens=False)
+        if text.endswith("\ufffd"):
+            continue  # an unfinished character: the next tokens complete it
+        start += len(text) - len(tokenizer.decode(token_ids[prefix:read], skip_special_tokens=False))
+        prefix, read = read, end
+    return offsets
+
+
 def _best(tops: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(tops.items(), key=lambda x: -x[1])[:n]
 
@@ -337,16 +353,19 @@ class CompletionFormat:
         text_offset: int,
     ) -> p.CompletionLogprobs:
         tokens = [self.names.name(i) for i in token_ids]
-        offsets = []
-        for token_id in token_ids:
-            offsets.append(text_offset)
-            text_offset += len(self.names.text(token_id))
+        offsets = text_offsets(self.names.tokenizer, token_ids, text_offset)
         tops = None
         if self.top_n:
-            tops = [
-                None if t is None else {self.names.name(i): lp for i, lp in _best(t, self.top_n)}
-                for t in top_logprobs
-            ]
+            # As OpenAI's and vLLM's: the N most likely, and the token itself where it is not one.
+            tops = []
+            for token, logprob, top in zip(tokens, logprobs, top_logprobs, strict=True):
+                if top is None:
+                    tops.append(None)
+                    continue
+                entry = {self.names.name(i): lp for i, lp in _best(top, self.top_n)}
+                if logprob is not None:
+                    entry.setdefault(token, logprob)
+                tops.append(entry)
         return p.CompletionLogprobs(tokens, logprobs, tops, offsets)
 
     def _echo(self, index: int, piece: Piece) -> tuple[str, p.CompletionLogprobs | None]:

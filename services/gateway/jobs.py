@@ -20,6 +20,7 @@ from client.errors import InvalidRequest
 from client.sdk import make_tools
 from ipc import messages as m
 from ipc.structured_output import (
+    KINDS,
     StructuredOutput,
     for_tool_choice,
     from_response_format,
@@ -143,20 +144,51 @@ def _compiles(spec: StructuredOutput, field: str) -> StructuredOutput:
     return spec
 
 
+def _constraint_options(req: SamplingFields) -> tuple[dict[str, Any] | None, str]:
+    """vLLM's `structured_outputs`, or its older `guided_json` / `guided_regex` / `guided_choice`
+    / `guided_grammar` (which vLLM has since dropped, and clients still send) as the same options;
+    and the field they came from."""
+    guided = {kind: value for kind in KINDS if (value := getattr(req, f"guided_{kind}")) is not None}
+    if not guided:
+        return req.structured_outputs, "structured_outputs"
+    fields = [f"guided_{kind}" for kind in guided]
+    if req.structured_outputs is not None:
+        raise invalid(f"give structured_outputs or {fields[0]}, not both", fields[0])
+    if len(fields) > 1:
+        raise invalid(
+            f"give one of guided_json, guided_regex, guided_choice and guided_grammar, got {fields}",
+            fields[1],
+        )
+    return guided, fields[0]
+
+
 def _structured(req: SamplingFields) -> tuple[StructuredOutput | None, str]:
     """The request's output constraint and the field it came from (checked: it compiles)."""
+    options, options_field = _constraint_options(req)
     try:
         from_format = from_response_format(req.response_format)
-        from_options = from_structured_outputs(req.structured_outputs)
     except InvalidParams as exc:
         raise _named(exc) from None
+    try:
+        from_options = from_structured_outputs(options)
+    except InvalidParams as exc:
+        if options_field == "structured_outputs":
+            raise _named(exc) from None
+        message = str(exc).replace(
+            f"structured_outputs.{options_field.removeprefix('guided_')}", options_field
+        )
+        raise invalid(message, options_field) from None
     if from_format is not None and from_options is not None:
-        raise invalid("give response_format or structured_outputs, not both", "structured_outputs")
+        raise invalid(f"give response_format or {options_field}, not both", options_field)
     if from_format is not None:
         return _compiles(from_format, "response_format"), "response_format"
     if from_options is not None:
-        field = f"structured_outputs.{from_options.kind}"
-        return _compiles(from_options, field), "structured_outputs"
+        field = (
+            f"structured_outputs.{from_options.kind}"
+            if options_field == "structured_outputs"
+            else options_field
+        )
+        return _compiles(from_options, field), options_field
     return None, ""
 
 

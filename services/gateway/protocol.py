@@ -76,6 +76,11 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar
+    # vLLM's older spelling of structured_outputs, one field per kind (taken as the same)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
