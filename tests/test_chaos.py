@@ -465,6 +465,48 @@ def test_copies_of_a_dead_tokenizer_stop_though_the_detokenizer_died_with_it(
     )
 
 
+def test_requests_abandoned_while_their_scheduler_is_down_leave_the_detokenizer(run: Run) -> None:
+    """A hostile run: streams whose clients left while their scheduler was dead stayed in the
+    detokenizer for good (its queue grew by them at every such crash): the scheduler tells a shard
+    to forget an aborted request only if it runs it, and the restarted one never had them. The
+    tokenizer that aborts a request now tells the shard itself. A bare client, so that it aborts
+    the moment the scheduler is killed (the SDK's stream only leaves at its next delta)."""
+    wait_for("every stage running", lambda: all_running(run))
+    ids = [f"abandoned-{i}" for i in range(4)]
+    ctx = zmq.Context()
+    try:
+        sock = tokenizer_dealer(ctx, run.run_dir)
+        for i, request_id in enumerate(ids):
+            request = msgspec.structs.replace(SPECS[2 * i].generate(), request_id=request_id, stream=True)
+            request.params.max_tokens = ORPHAN_MAX_TOKENS
+            sock.send(CLIENT_REQUEST.encode(request))
+        generating: set[str] = set()
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while generating != set(ids):
+            assert time.monotonic() < deadline, f"only {sorted(generating)} generating"
+            if sock.poll(100):
+                reply = CLIENT_REPLY.decode(sock.recv())
+                assert isinstance(reply, m.Delta), reply
+                generating.add(reply.request_id)
+
+        def detokenizer_holds() -> int:
+            return sum(r["queue_depth"] for r in run.read_status() if r["kind"] == "detokenizer")
+
+        wait_for("the detokenizer's load naming the requests", lambda: detokenizer_holds() == len(ids))
+        restarts = sum(r["restarts"] for r in run.read_status() if r["kind"] == "scheduler")
+        os.kill(running_pid(run, "scheduler"), signal.SIGKILL)
+        for request_id in ids:
+            sock.send(CLIENT_REQUEST.encode(m.Abort(request_id)))
+        wait_for_restarts(run, {"scheduler": restarts + 1})
+        wait_for(
+            "the detokenizer holding no request",
+            lambda: detokenizer_holds() == 0,
+            timeout=30,
+        )
+    finally:
+        ctx.destroy(linger=0)
+
+
 # Busy loops beside the stages, at their priority: the CPU contention of a host shared with other
 # jobs (issue 29 item 11). Each loop ends by itself after HOG_LIMIT_S, so that none outlives a
 # test process killed before its teardown.

@@ -14,6 +14,7 @@ import zmq
 from ipc import messages as m
 from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMessage
 from ipc.config import ADAPTER_COMMAND_MARGIN_S
+from ipc.endpoints import shard_of
 from ipc.sampling_defaults import run_defaults
 from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
 from ipc.topology import Topology
@@ -69,8 +70,9 @@ class TokenizerProcess(StageProcess):
         self.inbox = PullQueue(
             self.ctx, stage.endpoints.tokenizer_in(stage.index), TOKENIZER_INPUT, bind=True
         )
-        self.peers = Peers(self.ctx, stage, schedulers=True)
-        self.schedulers = self.peers.schedulers  # one per engine group, resized in place
+        self.peers = Peers(self.ctx, stage, schedulers=True, detokenizers=True)
+        # one per engine group, and one per detokenizer shard, resized in place
+        self.schedulers, self.detokenizers = self.peers.schedulers, self.peers.detokenizers
         self.control.watch(self.clients, self.inbox)
         self.metrics = RequestMetrics(stage.info.model)
         tokenizer = Tokenizer(Path(stage.info.model_dir))
@@ -163,8 +165,13 @@ class TokenizerProcess(StageProcess):
             self._abort_upstream(engine_id)
 
     def _abort_upstream(self, engine_id: str) -> None:
+        """Stop the request in the engine, and have its detokenizer shard forget it: the
+        scheduler does that too, but only for a request it runs, and one that died with the
+        request in flight leaves the shard holding it for good (its successor never had it)."""
         for scheduler in self.schedulers:
             scheduler.put(m.AbortRequest(engine_id))
+        if self.detokenizers:
+            self.detokenizers[shard_of(engine_id, len(self.detokenizers))].put(m.DropRequests([engine_id]))
 
     def health(self, missing: list[str] | None = None) -> m.HealthReply:
         return m.HealthReply(
