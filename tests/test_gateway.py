@@ -1711,6 +1711,36 @@ def test_a_stalled_header_is_closed_within_the_header_timeout(gw: Gateway) -> No
             reply = sock.recv(4096)  # then the server closes
 
 
+def read_to_close(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    return reply
+
+
+def test_headers_over_the_limit_get_431_however_they_arrive(gw: Gateway) -> None:
+    """gateway.max_header_bytes (64 KiB here) was counted only after the parser had read a chunk,
+    and a chunk that completed the headers had already ended the count: headers sent in one write
+    got 200 at any size. Now whole, in pieces, or followed by a body: 431 and closed; just under
+    the limit, served."""
+    limit = 64 * 1024
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: "
+    over = head + b"a" * (limit - len(head)) + b"\r\n\r\n"
+    for pieces in (
+        [over],
+        [over[: limit // 2], over[limit // 2 :]],
+        [over + b"GET /health HTTP/1.1\r\n\r\n"],
+    ):
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+            for piece in pieces:
+                sock.sendall(piece)
+            assert read_to_close(sock).startswith(b"HTTP/1.1 431"), [len(p) for p in pieces]
+    under = head + b"a" * (limit - len(head) - 100) + b"\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+        sock.sendall(under)
+        assert read_to_close(sock).startswith(b"HTTP/1.1 200"), len(under)
+
+
 def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
     body = json.dumps({"prompt": "x" * 200, "max_tokens": 1}).encode()
     head = (

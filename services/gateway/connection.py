@@ -39,6 +39,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             super().__init__(*args, **kwargs)
             self.header_timer: asyncio.TimerHandle | None = None
             self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
+            self.header_tail = b""  # their last bytes so far: an end of headers split between reads
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -55,7 +56,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
 
         def _await_headers(self) -> None:
             if self.header_bytes is None:
-                self.header_bytes = 0
+                self.header_bytes, self.header_tail = 0, b""
                 self.header_timer = self.loop.call_later(header_timeout_s, self._refuse, REQUEST_TIMEOUT)
 
         def _headers_done(self) -> None:
@@ -74,11 +75,16 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             if self.header_bytes is None and (self.cycle is None or self.cycle.response_complete):
                 self._await_headers()  # the first bytes of a kept-alive connection's next request
             if self.header_bytes is not None:
-                self.header_bytes += len(data)
+                # Counted before the parser sees them, up to the end of the headers (the read that
+                # completes them may carry body too): parsed whole, they would reach the app.
+                seen = self.header_tail + data
+                end = seen.find(b"\r\n\r\n")
+                self.header_bytes += len(data) if end < 0 else end + 4 - len(self.header_tail)
+                if self.header_bytes > max_header_bytes:
+                    self._refuse(HEADERS_TOO_LARGE)
+                    return
+                self.header_tail = seen[-3:]
             super().data_received(data)
-            # Checked after parsing: the chunk that completes the headers may carry body too.
-            if self.header_bytes is not None and self.header_bytes > max_header_bytes:
-                self._refuse(HEADERS_TOO_LARGE)
 
         def on_headers_complete(self) -> None:
             self._headers_done()
