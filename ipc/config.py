@@ -486,6 +486,14 @@ def check_engine(config: Config) -> None:
         )
 
 
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"  # the name of the model an empty model.path serves
+
+
+def served_model_name(config: Config) -> str:
+    """The name clients send, /v1/models lists and every metric's model_name label carries."""
+    return config.gateway.served_model_name or config.model.path or EMBEDDED_MODEL
+
+
 def check_lora(config: Config) -> None:
     """Adapters that could never be loaded, or a list with adapters off, are refused here."""
     lora = config.lora
@@ -514,6 +522,8 @@ def check_lora(config: Config) -> None:
             raise ConfigError(
                 f"lora.adapters.{name}: expected an absolute adapter directory or .gguf file, got {path!r}"
             )
+        if name == served_model_name(config):
+            raise ConfigError(f"lora.adapters.{name}: the served model's name; name the adapter otherwise")
 
 
 def check_speculative(config: Config) -> None:

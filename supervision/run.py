@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import posix_ipc
 
-from ipc.config import Config
+from ipc.config import EMBEDDED_MODEL, Config, served_model_name
 from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
@@ -40,7 +40,6 @@ RING_SLOTS = 2  # the scheduler keeps two steps in flight (services/scheduler/pi
 CURVE_DIR = "curve"  # the run's own key set, when network.keys_dir names none
 RUN_DIR_LOCK = "supervisor.lock"  # flocked by the run dir's live supervisor (Run.claim_run_dir)
 PREPARE_TIMEOUT_S = 3600.0  # converting a large GGUF takes minutes; a hung conversion must not hang the start
-EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 
 log = logging.getLogger("supervisor")
 
@@ -271,7 +270,7 @@ class Run:
                 run_id=self.run_id,
                 supervisor_pid=os.getpid(),
                 model_dir=str(model_dir),
-                model=config.model.path or EMBEDDED_MODEL,
+                model=served_model_name(config),
                 tokenizers=[],
                 config=config,
                 network=self.network_plan,

@@ -92,6 +92,11 @@ def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
     assert config.lora.adapters == {"a": "/a", "b": "/b"}
     with pytest.raises(ConfigError, match=r"^lora\.max_cpu_loras \(1\) is under lora\.max_loras \(2\)"):
         load_config(None, ["lora.max_loras=2", "lora.max_cpu_loras=1"])
+    # An adapter may not take the name clients send for the base model.
+    for served in (["gateway.served_model_name=base"], []):
+        name = "base" if served else "SmolLM2-135M-Instruct"
+        with pytest.raises(ConfigError, match=rf"^lora\.adapters\.{name}: the served model's name"):
+            load_config(None, ["lora.max_loras=1", f"lora.adapters={{{name}: /a}}", *served])
 
 
 def test_override_applies_yaml_scalars() -> None:

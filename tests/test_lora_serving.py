@@ -341,6 +341,8 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
                 "lora_name 'sql-lora': that LoRA adapter is already loaded",
                 "lora_name",
             ),
+            # gateway.served_model_name, not the model's path: the name clients send for the base
+            ("base", adapters["sql-lora"], "lora_name 'base' is the base model's name", "lora_name"),
         ]
         for name, path, message, param in refusals:
             with pytest.raises(openai.BadRequestError, match=message) as refused:

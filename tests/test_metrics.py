@@ -355,6 +355,7 @@ def test_a_pool_too_small_for_its_sequences_preempts_counts_it_and_keeps_hfs_tok
     overrides = (
         f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=128",
         "engine.kv_cache_mib=1", "engine.block_size=16", f"supervisor.metrics_port={port}",
+        "gateway.served_model_name=tiny-served",
     )  # fmt: skip
     with brigade_run(run_dir, *overrides):
 
@@ -371,14 +372,17 @@ def test_a_pool_too_small_for_its_sequences_preempts_counts_it_and_keeps_hfs_tok
         deadline = time.monotonic() + 30
         while True:  # the counter reaches /metrics with the scheduler's next update
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            preemptions = sum(
-                sample.value
+            samples = [
+                sample
                 for family in text_string_to_metric_families(text)
                 for sample in family.samples
                 if sample.name == "brigade:num_preemptions_total"
-            )
+            ]
+            preemptions = sum(sample.value for sample in samples)
             if preemptions or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert preemptions >= 1, text
+        # Every metric names the model as clients do (gateway.served_model_name), as vLLM's.
+        assert {sample.labels["model_name"] for sample in samples} == {"tiny-served"}, samples
     assert_clean(run_dir)

@@ -114,7 +114,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     audit = AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
     tls = RotatingTls(config.tls, audit) if config.tls.certfile else None
     settings = GatewaySettings(
-        model=config.served_model_name or stage.info.model,
+        model=stage.info.model,  # gateway.served_model_name, or the model's (ipc.config.served_model_name)
         max_model_len=stage.config.model.max_model_len,
         api_keys=api_keys(config.api_keys),
         max_concurrent_requests=config.max_concurrent_requests,
