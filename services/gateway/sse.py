@@ -1,10 +1,11 @@
 """Server-sent events with resumable ids, and a response that notices a client going away.
 
-Every event's `id:` is the absolute position of the output after it: `tokens.chars` of each
-choice, comma-separated (DESIGN.md invariant 2: outputs carry absolute positions). A client that
-lost the stream re-POSTs the same body with `Last-Event-ID`; the request runs again (greedy or
-with the same seed, so with the same tokens) and `Cursor` passes on only what lies past that
-position, the way the tokenizer trims a resubmitted request's deltas.
+The `id:` of every event that carries a choice is the absolute position of the output after it:
+`tokens.chars` of each choice, comma-separated (docs/architecture.md invariant 2: outputs carry
+absolute positions); the usage chunk, an error and `[DONE]` have none. A client that lost the
+stream re-POSTs the same body with `Last-Event-ID`; the request runs again (greedy or with the
+same seed, so with the same tokens) and `Cursor` passes on only what lies past that position, the
+way the tokenizer trims a resubmitted request's deltas.
 """
 
 from __future__ import annotations
