@@ -1,7 +1,8 @@
 """OpenAI's request and response bodies as msgspec Structs (plus vLLM's sampling extensions).
 
 Requests decode strictly by type (a wrong type is a 400 naming the field) and ignore unknown
-fields, as OpenAI's server does. Responses encode every field, nulls included, in OpenAI's shapes.
+fields, as vLLM's server does (OpenAI's refuses them). Responses encode every field, nulls
+included, in OpenAI's shapes.
 """
 
 from __future__ import annotations
