@@ -11,11 +11,12 @@ The files are ZeroMQ's certificate format (`zmq.auth.load_certificate` reads the
 `NAME.key` holds the public key, `NAME.key_secret` both. Secret files must be private (0600):
 whoever reads one can talk to the run.
 
-    python -m ipc.keys DIR      # make a key set for `network.keys_dir`
+    python -m ipc.keys DIR      # make a key set for `network.keys_dir` (--force replaces one)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import sys
@@ -161,13 +162,28 @@ def create_key_files(directory: Path | str) -> RunKeys:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m ipc.keys DIR", file=sys.stderr)
-        return 2
-    keys = create_key_files(args[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ipc.keys", description="Make a CURVE key set for network.keys_dir."
+    )
+    parser.add_argument("directory", type=Path, help="where to write it (created 0700; files 0600)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a key set already there (its holders are cut off)"
+    )
+    args = parser.parse_args(argv)
+    held = [
+        name
+        for name in KEY_NAMES
+        for suffix in (".key", SECRET_SUFFIX)
+        if (args.directory / (name + suffix)).exists()
+    ]
+    if held and not args.force:
+        parser.error(
+            f"{args.directory} holds a key set already ({', '.join(sorted(set(held)))}); replacing it cuts off "
+            "every stage and client that uses it: pass --force to replace it"
+        )
+    keys = create_key_files(args.directory)
     for name in KEY_NAMES:
-        print(f"{Path(args[0]) / (name + SECRET_SUFFIX)}")
+        print(args.directory / (name + SECRET_SUFFIX))
     print(f"server public key: {keys.server_public}")
     return 0
 

@@ -6,6 +6,7 @@ to send to a remote endpoint without keys."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import stat
 import subprocess
@@ -226,19 +227,29 @@ def test_a_public_key_is_z85_text_or_a_certificate(keys, tmp_path: Path) -> None
         load_public_key("too short")
 
 
-def test_python_m_ipc_keys_makes_a_key_set(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "ipc.keys", str(tmp_path / "set")],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_python_m_ipc_keys_makes_a_key_set_and_replaces_one_only_when_told(tmp_path: Path) -> None:
+    def keys(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ipc.keys", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )  # fmt: skip
+
+    done = keys(str(tmp_path / "set"))
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "set").iterdir()) == sorted(
         f"{name}{suffix}" for name in KEY_NAMES for suffix in (".key", ".key_secret")
     )
-    assert load_run_keys(tmp_path / "set").server_public in done.stdout
+    server = load_run_keys(tmp_path / "set").server_public
+    assert server in done.stdout
+    # A set already there is kept (its holders would be cut off) unless --force.
+    again = keys(str(tmp_path / "set"))
+    assert again.returncode == 2 and "holds a key set already" in again.stderr and "--force" in again.stderr
+    assert load_run_keys(tmp_path / "set").server_public == server
+    forced = keys(str(tmp_path / "set"), "--force")
+    assert forced.returncode == 0 and load_run_keys(tmp_path / "set").server_public != server
+    # --help is help, not a directory named --help.
+    helped = keys("--help")
+    assert helped.returncode == 0 and "usage" in helped.stdout and not (tmp_path / "--help").exists()
 
 
 # -- config --------------------------------------------------------------------------------------
