@@ -93,13 +93,20 @@ def run_defaults(
         raise ValueError(f"{exc} (or set model.generation_config=none)") from None
     if is_embedded_model and mode == "auto" and not defaults:
         defaults = dict(EMBEDDED_MODEL_DEFAULTS)
-    for name, value in (overrides or {}).items():
+    return {**defaults, **checked_overrides(overrides or {})}
+
+
+def checked_overrides(overrides: dict[str, object]) -> dict[str, float | int]:
+    """model.override_generation_config, each value checked as a request's would be; ValueError
+    naming the field for an unknown one or a value the engine could not sample with."""
+    for name in overrides:
         if name not in DEFAULTED_FIELDS:
             raise ValueError(
                 f"model.override_generation_config: unknown field {name!r}; it may set {', '.join(DEFAULTED_FIELDS)}"
             )
-        defaults[name] = _checked("model.override_generation_config", name, value)
-    return defaults
+    return {
+        name: _checked("model.override_generation_config", name, value) for name, value in overrides.items()
+    }
 
 
 def describe_defaults(defaults: dict[str, float | int]) -> str:
