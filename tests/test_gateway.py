@@ -979,7 +979,8 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
     status, error = gw.error(
         "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}
     )
-    assert status == 400 and "chat_template_kwargs" in error["message"], error
+    assert status == 400 and error["message"].startswith("chat_template_kwargs: ['messages']"), error
+    assert error["param"] == "chat_template_kwargs", error
     # Earlier thinking sent back (a Responses reasoning item, an Anthropic thinking block) is
     # accepted and left out of the prompt.
     thought = {

@@ -69,6 +69,10 @@ class TemplateTimeout(ValueError):
     """The chat template ran past its time budget (tokenizer.template_timeout_s)."""
 
 
+class ReservedTemplateKwargs(ValueError):
+    """chat_template_kwargs named a variable the server sets (messages, tools, ...)."""
+
+
 def _compile_template(source: str) -> jinja2.Template:
     """The same environment transformers renders chat templates in (untrusted code: sandboxed)."""
     env = ImmutableSandboxedEnvironment(
@@ -192,7 +196,7 @@ class Tokenizer:
         reserved = {"messages", "tools", "documents", "add_generation_prompt", *self.special_tokens_map}
         taken = sorted(reserved & set(template_kwargs or {}))
         if taken:
-            raise ValueError(f"chat_template_kwargs: {taken} are set by the server")
+            raise ReservedTemplateKwargs(f"chat_template_kwargs: {taken} are set by the server")
         pieces = self._template.generate(
             **(template_kwargs or {}),
             messages=messages,

@@ -46,7 +46,7 @@ from services.common.grammar_compiler import GrammarError, check_constraint
 from services.common.image_fetch import NOT_FETCHED, RemoteImages, is_remote
 from services.common.images import ImageError, ImageRules, decode_data_url, image_size
 from services.common.pooling import Embedding
-from services.common.text import TemplateTimeout, Tokenizer
+from services.common.text import ReservedTemplateKwargs, TemplateTimeout, Tokenizer
 from services.common.tool_parsers import ToolParser, finish_reason
 from services.common.tools_prompt import (
     auto_tool_format,
@@ -601,6 +601,8 @@ class TokenizerCore:
                 )
             except TemplateTimeout as exc:
                 raise RequestError("invalid_request", f"messages: {exc}") from None
+            except ReservedTemplateKwargs as exc:  # names the field: the gateway's `param`
+                raise RequestError("invalid_request", str(exc)) from None
             except Exception as exc:  # a template may raise on unusual conversations
                 raise RequestError("invalid_request", f"chat template failed: {exc}") from None
             try:  # what encoding costs is bounded by the rendered text
