@@ -6,7 +6,8 @@ further, and the scheduler checks it again on submission, with the same function
 Decisions:
 - `max_tokens` only has to be in [1, 1e6]; the scheduler clamps it to the room left in
   max_model_len, so a long prompt with a large max_tokens is not an error.
-- A prompt must leave room for one output token: `num_prompt_tokens < max_model_len`.
+- A prompt must leave room for one output token: `num_prompt_tokens < max_model_len` (an
+  embedding request's input, which has no output, may fill the context).
 - The sampling fields a request may leave unset (None) must be set by the time these checks
   run: the tokenizer fills them from the model's defaults first (ipc/sampling_defaults.py).
 - User logit bias values are finite, in [-100, 100] (OpenAI): -100 effectively bans a token.
@@ -67,7 +68,7 @@ def validate_params(
     params: SamplingParams, *, vocab_size: int, max_model_len: int, num_prompt_tokens: int
 ) -> None:
     """Raise InvalidParams (naming the field) unless every parameter is in range."""
-    _check_prompt_len(num_prompt_tokens, max_model_len)
+    _check_prompt_len(num_prompt_tokens, max_model_len, generates=params.embed is None)
     for name in DEFAULTED_FIELDS:
         if getattr(params, name) is None:
             raise InvalidParams(f"{name} is unset: the tokenizer fills in its default before the engine")
@@ -99,12 +100,15 @@ def validate_params(
         raise InvalidParams(f"adapter must be a name of at most {MAX_ADAPTER_NAME_CHARS} characters")
 
 
-def validate_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
-    """Raise unless the prompt is non-empty, leaves room for output, and every id is in the vocab.
+def validate_prompt_ids(
+    ids: Sequence[int], vocab_size: int, max_model_len: int, generates: bool = True
+) -> None:
+    """Raise unless the prompt is non-empty, leaves room for output (where it `generates`), and
+    every id is in the vocab.
 
     Accepts a list or a numpy int array (checked with its own min/max, without importing numpy).
     """
-    _check_prompt_len(len(ids), max_model_len)
+    _check_prompt_len(len(ids), max_model_len, generates)
     lo, hi = (int(ids.min()), int(ids.max())) if hasattr(ids, "min") else (min(ids), max(ids))
     if lo >= 0 and hi < vocab_size:
         return
@@ -163,10 +167,15 @@ def check_chat_budget(
     check_prompt_chars(num_chars, max_chars, " in the messages, their tool calls and the tools")
 
 
-def _check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
+def _check_prompt_len(num_prompt_tokens: int, max_model_len: int, generates: bool) -> None:
     if num_prompt_tokens < 1:
         raise InvalidParams("prompt is empty: at least one prompt token is required")
-    if num_prompt_tokens >= max_model_len:
+    if not generates and num_prompt_tokens > max_model_len:
+        raise PromptTooLong(
+            f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: an input may "
+            f"have at most {max_model_len}"
+        )
+    if generates and num_prompt_tokens >= max_model_len:
         raise PromptTooLong(
             f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: "
             f"at most {max_model_len - 1} prompt tokens leave room for one output token"

@@ -201,6 +201,10 @@ def test_prompt_ids(as_array: bool):
         validate_prompt_ids(ids([]), VOCAB, MAX_LEN)
     with pytest.raises(PromptTooLong):
         validate_prompt_ids(ids([1] * MAX_LEN), VOCAB, MAX_LEN)
+    # An embedding's input has no output to make room for: it may fill the context, not more.
+    validate_prompt_ids(ids([1] * MAX_LEN), VOCAB, MAX_LEN, generates=False)
+    with pytest.raises(PromptTooLong, match=rf"at most {MAX_LEN}$"):
+        validate_prompt_ids(ids([1] * (MAX_LEN + 1)), VOCAB, MAX_LEN, generates=False)
 
 
 def test_importing_validation_does_not_import_torch():

@@ -91,7 +91,8 @@ class Admission:
                     "one step holds (engine.max_num_batched_tokens)"
                 )
             end = image.start + image.num_tokens
-        if req.num_tokens >= config.max_model_len:
+        generates = req.params.embed is None  # an embedding's input may fill the context: no output
+        if req.num_tokens + generates > config.max_model_len:
             raise PromptTooLong(
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "
                 f"tokens leave no room under max_model_len={config.max_model_len}"

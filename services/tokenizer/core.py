@@ -342,7 +342,10 @@ class TokenizerCore:
             self._check_input_length(len(prompt_ids))
         try:
             validate_prompt_ids(
-                prompt_ids, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len
+                prompt_ids,
+                vocab_size=self.tokenizer.vocab_size,
+                max_model_len=self.max_model_len,
+                generates=request.params.embed is None,
             )
         except PromptTooLong as exc:
             raise RequestError("prompt_too_long", str(exc)) from None
