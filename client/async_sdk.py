@@ -175,11 +175,19 @@ class AsyncClient(ClientBase):
         return check.replies()
 
     async def adapter_command(
-        self, op: str, name: str = "", path: str = "", *, wait: bool = True, timeout: float = 300.0
+        self,
+        op: str,
+        name: str = "",
+        path: str = "",
+        *,
+        wait: bool = True,
+        inplace: bool = False,
+        timeout: float = 300.0,
     ) -> m.AdapterReply:
         """Load, unload or list LoRA adapters (docs/lora.md "Loading at run time"): the engine's
-        answer, whose `code` is "" when done; ServerUnavailable when none comes within `timeout`."""
-        command = m.AdapterCommand(uuid.uuid4().hex, op, name, path, wait)  # type: ignore[arg-type]
+        answer, whose `code` is "" when done; ServerUnavailable when none comes within `timeout`.
+        `inplace` loads over an adapter of that name that no request uses."""
+        command = m.AdapterCommand(uuid.uuid4().hex, op, name, path, wait, inplace)  # type: ignore[arg-type]
         self._ensure_reader()
         deadline = time.monotonic() + timeout
         is_sent = False

@@ -243,13 +243,16 @@ class AdapterCommand(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Load, unload or list LoRA adapters (docs/lora.md "Loading at run time"): client ->
     tokenizer, which sends it on to every engine group's scheduler (as an AdapterRequest); the
     scheduler owns the list and has its workers load the adapter. `wait` (unload): wait up to
-    lora.unload_wait_s for the requests using the adapter to finish, or refuse at once."""
+    lora.unload_wait_s for the requests using the adapter to finish, or refuse at once.
+    `inplace` (load, vLLM's load_inplace): an adapter of that name already loaded is replaced,
+    if no request uses it."""
 
     request_id: str
     op: Literal["load", "unload", "list"]
     name: str = ""
     path: str = ""
     wait: bool = True
+    inplace: bool = False
 
 
 ClientRequest = Union[Generate, Abort, Health, AdapterCommand]

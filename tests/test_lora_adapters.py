@@ -13,6 +13,7 @@ from ipc import messages as m
 from ipc.config import ConfigError, load_config
 from services.scheduler.adapters import LOAD_TIMEOUT_S, Adapters
 from services.scheduler.lora_residency import LoraResidency
+from services.scheduler.request import Request
 
 
 class Harness:
@@ -30,8 +31,16 @@ class Harness:
             to_workers=self.sent.append, on_unloaded=self.forgotten.append, clock=lambda: self.now,
         )  # fmt: skip
 
-    def command(self, op: str, name: str, path: str = "", wait: bool = True, world_size: int = 2) -> None:
-        command = m.AdapterCommand(f"c{len(self.replies)}", op, name, path, wait)  # type: ignore[arg-type]
+    def command(
+        self,
+        op: str,
+        name: str,
+        path: str = "",
+        wait: bool = True,
+        world_size: int = 2,
+        inplace: bool = False,
+    ) -> None:
+        command = m.AdapterCommand(f"c{len(self.replies)}", op, name, path, wait, inplace)  # type: ignore[arg-type]
         self.adapters.command(m.AdapterRequest(0, command), world_size, workers_up=True)
 
     def last(self) -> tuple[str, str]:
@@ -89,6 +98,32 @@ def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_re
         "2 LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) allows (more, sql); "
         "unload one first",
     )
+
+
+def test_load_inplace_replaces_an_adapter_no_request_uses(tmp_path: Path) -> None:
+    """vLLM's load_inplace (an RL trainer pushing new weights under one name): refused while a
+    request uses the adapter, else the old one is unloaded everywhere and the new one loaded."""
+    h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
+    h.command("load", "sql", "/a/sql-v2")
+    assert h.last() == ("invalid_request", "lora_name 'sql': that LoRA adapter is already loaded")
+    h.users["sql"] = 1
+    h.command("load", "sql", "/a/sql-v2", inplace=True)
+    assert h.last()[0] == "adapter_in_use" and "used by 1 requests" in h.last()[1] and h.sent == []
+    h.users["sql"] = 0
+    h.command("load", "sql", "/a/sql-v2", inplace=True)
+    assert h.sent == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("sql", "/a/sql-v2"))]
+    assert h.forgotten == ["sql"] and h.adapters.refusal("sql").startswith("unknown LoRA adapter")
+    for rank in (0, 1):
+        h.adapters.on_loaded(m.AdapterLoaded(rank, "sql"))
+    assert h.last() == ("", "") and h.replies[-1].adapters == {"sql": "/a/sql-v2"}
+    # Its requests' prefix-cache blocks are kept apart from the first load's (Request.hash_root).
+    assert h.adapters.load_count("sql") == 1 and h.adapters.load_count("never") == 0
+    one, two = (
+        Request("r", 0, [1, 2], m.SamplingParams(adapter="sql"), adapter_load=load) for load in (0, 1)
+    )
+    assert one.hash_root != two.hash_root
+    h.command("load", "new", "/a/new", inplace=True)  # nothing to replace: an ordinary load
+    assert h.sent[-1] == m.LoadAdapter(m.AdapterSource("new", "/a/new"))
 
 
 def test_an_unload_refuses_or_waits_for_the_requests_using_its_adapter(tmp_path: Path) -> None:

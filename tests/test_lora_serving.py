@@ -289,9 +289,9 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
     with brigade_run(run_dir, *overrides) as run:
         api = openai.OpenAI(base_url=gateway_url(run), api_key="secret", timeout=300)
 
-        def load(name: str, path: Path | str) -> str:
+        def load(name: str, path: Path | str, **body) -> str:
             return api.post(
-                "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str
+                "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path), **body}, cast_to=str
             )
 
         def unload(name: str, **body) -> str:
@@ -377,6 +377,12 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         alone = stream("sql-lora")
         assert len(alone) == long_tokens and alone[:NEW_TOKENS] == expected["sql-lora"]
 
+        def try_load_inplace() -> None:
+            with pytest.raises(openai.ConflictError, match=r"load_inplace replaces it once none does"):
+                load("sql-lora", adapters["chat-lora"], load_inplace=True)
+
+        assert stream("sql-lora", during=try_load_inplace) == alone  # and its weights are kept
+
         def load_and_try_unload() -> None:
             load("chat-lora", adapters["chat-lora"])
             with pytest.raises(openai.ConflictError, match=r"'sql-lora' is used by 1 requests"):
@@ -401,6 +407,13 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         assert served() == {"base": None, "sql-lora": "base"}
         with pytest.raises(openai.NotFoundError, match="'chat-lora' does not exist"):
             complete("chat-lora")
+
+        # vLLM's load_inplace, as an RL trainer pushes new weights under one name: sql-lora gets
+        # chat-lora's weights, then its own back.
+        load("sql-lora", adapters["chat-lora"], load_inplace=True)
+        assert complete("sql-lora") == expected["chat-lora"]
+        load("sql-lora", adapters["sql-lora"], load_inplace=True)
+        assert complete("sql-lora") == expected["sql-lora"]
 
         # A GGUF file that is no LoRA is refused, naming why; then chat-lora is loaded again, under
         # the same name, from a GGUF file of it (llama.cpp's format).

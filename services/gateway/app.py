@@ -703,12 +703,12 @@ class Gateway:
     # -- LoRA adapters at run time (docs/lora.md) ---------------------------------------------
 
     async def adapter_command(
-        self, op: str, name: str = "", path: str = "", wait: bool = True
+        self, op: str, name: str = "", path: str = "", wait: bool = True, inplace: bool = False
     ) -> m.AdapterReply:
         """The engine's answer to a LoRA adapter command; the list of adapters it gives is kept."""
         try:
             reply = await self.client.adapter_command(
-                op, name, path, wait=wait, timeout=self.settings.adapter_command_timeout_s
+                op, name, path, wait=wait, inplace=inplace, timeout=self.settings.adapter_command_timeout_s
             )
         except BrigadeError as exc:
             raise from_engine(exc, {}) from None
@@ -723,7 +723,7 @@ class Gateway:
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body = await self.read_body(request, p.LoadLoraAdapterRequest)
-        reply = await self.adapter_command("load", body.lora_name, body.lora_path)
+        reply = await self.adapter_command("load", body.lora_name, body.lora_path, inplace=body.load_inplace)
         if reply.code:
             raise adapter_error(reply, reply.param or None)
         return self.finish(

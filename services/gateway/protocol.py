@@ -304,10 +304,12 @@ class ModelCard(msgspec.Struct):
 
 
 class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """POST /v1/load_lora_adapter (vLLM's body)."""
+    """POST /v1/load_lora_adapter (vLLM's body; `load_inplace` replaces a loaded adapter of that
+    name, as an RL trainer pushes new weights, once no request uses it)."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -158,6 +158,7 @@ class SchedulerProcess(StageProcess):
             params=submit.params,
             arrival_time=time.monotonic(),
             images=submit.images,
+            adapter_load=self.adapters.load_count(submit.params.adapter) if submit.params.adapter else 0,
         )
         try:
             finished = self.core.add(request)

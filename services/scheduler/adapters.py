@@ -74,6 +74,7 @@ class Adapters:
         self.loading: dict[str, PendingLoad] = {}  # by adapter name
         self.unloading: dict[str, PendingUnload] = {}  # by adapter name
         self.num_loads = 0  # loaded at run time, since this scheduler started
+        self.loads_of: dict[str, int] = {}  # name -> how many times loaded at run time (0: static)
 
     def _saved(self) -> dict[str, str] | None:
         """The list a scheduler of this group wrote before it restarted, if any."""
@@ -94,6 +95,12 @@ class Adapters:
 
     def sources(self) -> list[m.AdapterSource]:
         return [m.AdapterSource(name, path) for name, path in self.loaded.items()]
+
+    def load_count(self, name: str) -> int:
+        """Which load of `name` serves now: the prefix cache keeps each load's blocks apart, since
+        a name unloaded and loaded again (load_inplace, or an unload and a load) may hold other
+        weights. Counted since this scheduler started, as its cache is."""
+        return self.loads_of.get(name, 0)
 
     def refusal(self, name: str) -> str:
         """Why a new request may not use adapter `name` ("" when it may)."""
@@ -135,6 +142,16 @@ class Adapters:
 
     def _load(self, reply_to: ReplyTo, command: m.AdapterCommand, world_size: int, workers_up: bool) -> None:
         name, path = command.name, command.path
+        if command.inplace and name in self.loaded and name not in self.unloading and workers_up:
+            users = self.users(name)
+            if users:
+                message = (
+                    f"the LoRA adapter {name!r} is used by {users} requests; load_inplace replaces it once "
+                    "none does (a running request's adapter never changes)"
+                )
+                self._answer(reply_to, "adapter_in_use", message, "lora_name")
+                return
+            self._forget(name)  # then loaded again below: a refused replacement leaves it unloaded
         param, refusal = self._load_refusal(name, path)
         if refusal:
             self._answer(reply_to, "invalid_request", refusal, param)
@@ -184,6 +201,7 @@ class Adapters:
             return
         self.loaded[answer.name] = pending.adapter.path
         self.num_loads += 1
+        self.loads_of[answer.name] = self.loads_of.get(answer.name, 0) + 1
         self._save()
         self._answer(pending.reply_to)
 
@@ -220,13 +238,17 @@ class Adapters:
                 )
                 self._answer(pending.reply_to, "adapter_in_use", message)
                 continue
-            del self.loaded[name]
-            self._save()
-            self.on_unloaded(name)
-            self.to_workers(m.UnloadAdapter(name))
+            self._forget(name)
             self._answer(pending.reply_to)
         if any(now >= pending.deadline for pending in self.loading.values()):
             self.fail_loads("the engine's workers did not answer the load in time")
+
+    def _forget(self, name: str) -> None:
+        """Unload `name`, which no request uses, here and in every worker."""
+        del self.loaded[name]
+        self._save()
+        self.on_unloaded(name)
+        self.to_workers(m.UnloadAdapter(name))
 
     def fail_loads(self, reason: str) -> None:
         """The workers were lost: the loads in progress fail (a restarted worker loads only the

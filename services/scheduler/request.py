@@ -74,6 +74,7 @@ class Request:
     """
 
     __slots__ = (
+        "adapter_load",
         "arrival_order",
         "arrival_time",
         "block_hashes",
@@ -112,12 +113,16 @@ class Request:
         output_ids: list[int] | np.ndarray | None = None,
         arrival_time: float = 0.0,
         images: Sequence[PromptImage] = (),
+        adapter_load: int = 0,
     ) -> None:
         self.request_id = request_id
         self.tokenizer_id = tokenizer_id
         self.prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int32)
         self.output_ids: list[int] = [] if output_ids is None else [int(t) for t in output_ids]
         self.params = params
+        # Which load of its LoRA adapter's name it runs with (Adapters.load_count): a name unloaded
+        # and loaded again may hold other weights, whose keys and values its blocks must not share.
+        self.adapter_load = adapter_load
         # Its prompt's images (ipc/messages.py PromptImage), in order: each computes whole, in
         # one chunk, since its tokens attend to each other both ways.
         self.images = tuple(images)
@@ -194,9 +199,8 @@ class Request:
         model's or another adapter's, so none of them share cached blocks."""
         root = LONG_ROPE_HASH_ROOT if self.is_long_rope else b""
         if self.params.adapter:
-            root = hashlib.blake2b(
-                root + b"lora adapter " + self.params.adapter.encode(), digest_size=16
-            ).digest()
+            adapter = f"lora adapter {self.params.adapter} load {self.adapter_load}".encode()
+            root = hashlib.blake2b(root + adapter, digest_size=16).digest()
         return root
 
     @property
