@@ -118,6 +118,8 @@ class GatewaySettings:
     adapter_command_timeout_s: float = 300.0
     # encoder.max_image_bytes: /tokenize decodes a data URL image within the tokenizer stage's limit.
     max_image_bytes: int = 10 << 20
+    # encoder.max_image_pixels: /tokenize sizes an image from its header, refused over this limit.
+    max_image_pixels: int = 40_000_000
 
 
 def json_response(
@@ -881,7 +883,7 @@ class Gateway:
             assert self.image_rules is not None  # _render_chat
             try:
                 sizes = (
-                    [image_size(data) for data in chat.files]
+                    [image_size(data, self.settings.max_image_pixels) for data in chat.files]
                     if self.image_rules.needs_sizes
                     else [None] * chat.num_images
                 )
