@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -486,8 +487,13 @@ class Gateway:
             result = await self.client.embed(inputs, dimensions=body.dimensions)
         except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
             error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
-            if error.status == 400:  # what a 400 here can be about: the vector size, else the input
-                error.param = "dimensions" if "dimensions" in error.message else "input"
+            # What a 400 here can be about: one input of several, the vector size, else the input.
+            if error.status == 400:
+                named = EMBEDDING_INPUT_NAMED.match(error.message)
+                if named and len(inputs) > 1:
+                    error.param = named[0]
+                else:
+                    error.param = "dimensions" if "dimensions" in error.message else "input"
             raise error from None
         finally:
             self.num_in_flight -= 1
@@ -933,6 +939,8 @@ Feed = AsyncIterator[tuple[int, StreamDelta]]  # run_jobs: (choice index, delta)
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+# The input of several a refusal is about, as the SDK's embed names it ("input[1]: ...").
+EMBEDDING_INPUT_NAMED = re.compile(r"input\[\d+\]")
 
 
 def embedding_inputs(value: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:
