@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from client.errors import ServerUnavailable
+from client.errors import BrigadeError, ServerUnavailable
 from client.sdk import (
     ClientBase,
     EmbedInput,
@@ -21,6 +21,7 @@ from client.sdk import (
     Prompt,
     StreamDelta,
     collect_result,
+    embed_error,
     embed_result,
     make_embeds,
     make_generate,
@@ -158,8 +159,17 @@ class AsyncClient(ClientBase):
     ) -> EmbedResult:
         """One vector per input (see `Client.embed`), the inputs sent together."""
         requests = make_embeds(inputs, dimensions)
-        results = await asyncio.gather(*(self._collect(self._stream(r, timeout)) for r in requests))
-        return embed_result(results)
+        # Every input's outcome, so that a refusal names the input it is about (embed_error).
+        outcomes = await asyncio.gather(
+            *(self._collect(self._stream(r, timeout)) for r in requests), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, BrigadeError):
+                raise outcome
+        error = embed_error([o if isinstance(o, BrigadeError) else None for o in outcomes])
+        if error is not None:
+            raise error
+        return embed_result(outcomes)  # type: ignore[arg-type]  # none is an exception here
 
     @staticmethod
     async def _collect(deltas: AsyncIterator[StreamDelta]) -> GenerateResult:

@@ -524,6 +524,22 @@ def make_embeds(inputs: EmbedInput, dimensions: int | None) -> list[m.Generate]:
     return requests
 
 
+def embed_error(errors: Sequence[BrigadeError | None]) -> BrigadeError | None:
+    """What `embed` raises for its inputs' outcomes (None where one succeeded): the first
+    input's error. Each input is a request of its own, whose refusal knows nothing of the others,
+    so where some inputs of several are refused, it names the input (`input[1]: prompt token id
+    ...`); one refusal of every input alike is the request's own (its dimensions) and is kept as
+    it is."""
+    failed = [(i, error) for i, error in enumerate(errors) if error is not None]
+    if not failed:
+        return None
+    index, error = failed[0]
+    alike = len(failed) == len(errors) and len({str(e) for _, e in failed}) == 1
+    if not isinstance(error, InvalidRequest) or alike:
+        return error
+    return error_for(error.code, f"input[{index}]: {error}")
+
+
 def embed_result(results: Sequence[GenerateResult]) -> EmbedResult:
     """The vectors of finished embedding requests, in their order."""
     vectors = np.stack([np.frombuffer(r.embedding, "<f4") for r in results])
@@ -1129,9 +1145,9 @@ class Client(ClientBase):
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 unsent = any(state.replica is None for state in states)
                 self._pump(0.005 if unsent else self._tick_s)
-            for state in states:
-                if state.error is not None:
-                    raise state.error
+            error = embed_error([state.error for state in states])
+            if error is not None:
+                raise error
             return embed_result([state.result() for state in states])
         finally:
             for state in states:

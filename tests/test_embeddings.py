@@ -231,9 +231,13 @@ def test_sdk_embed_sync_and_async(minilm_run: Run, sentence_vectors: np.ndarray)
             client.embed(TEXTS[0], dimensions=385, timeout=120)
         with pytest.raises(InvalidRequest, match="serves embeddings only"):
             client.generate("Hello", max_tokens=4, timeout=120)
+        with pytest.raises(InvalidRequest, match=r"^input\[1\]: prompt token id 999999 at index 0"):
+            client.embed([[1, 2], [999999], [3]], timeout=120)
 
     async def embed_async() -> np.ndarray:
         async with AsyncClient(minilm_run.run_dir) as client:
+            with pytest.raises(InvalidRequest, match=r"^input\[1\]: prompt token id 999999 at index 0"):
+                await client.embed([[1, 2], [999999], [3]], timeout=120)
             return (await client.embed(TEXTS, timeout=120)).embeddings
 
     assert cosines(asyncio.run(embed_async()), sentence_vectors).min() >= MIN_COSINE
@@ -279,6 +283,12 @@ def post(url: str, path: str, body: object) -> tuple[int, dict]:
         ({"input": "a", "dimensions": 385}, "dimensions", r"dimensions must be 1\.\.384"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "invalid enum value 'int8'"),
         ({"input": [[1, 2, 999999]]}, "input", "out of the vocabulary"),
+        # One input of several: named, in the message and the param (each input is a request of
+        # its own, whose refusal says only where in that input the id is).
+        ({"input": [[1, 2], [999999]]}, "input[1]", r"^input\[1\]: prompt token id 999999 at index 0 is out"),
+        ({"input": ["a", ""]}, "input[1]", r"^input\[1\] is empty"),
+        # Every input refused alike: the request's own fault, not an input's.
+        ({"input": ["a", "b"], "dimensions": 385}, "dimensions", r"^dimensions must be 1\.\.384"),
         ({"input": " ".join(["word"] * 250)}, "input", "max_num_batched_tokens"),
         ({"input": " ".join(["word"] * 270)}, "input", "over the 256 this embedding model reads"),
     ],

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from services.common.images import ImageError, ImageRules, decode_data_url, open_image, pixels_key
+from services.common.images import ImageError, ImageRules, decode_data_url, image_size, open_image, pixels_key
 from services.common.text import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,3 +133,40 @@ def test_bad_data_urls_are_refused_by_name(url: str, problem: str) -> None:
 def test_bad_images_are_refused_by_name(data: bytes, problem: str) -> None:
     with pytest.raises(ImageError, match=problem):
         open_image(data, MAX_PIXELS)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says `width` x `height` (8-bit RGB) and whose pixel data is a few bytes:
+    opening it reads the header up to that data, decoding would fail."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0"))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "problem"),
+    [
+        (5000, 5000, "5000x5000 is over the 16777216-pixel limit"),
+        # Over twice PIL's Image.MAX_IMAGE_PIXELS: PIL refuses to open it at all (a
+        # DecompressionBombError), which is not an image of an unsupported type either.
+        (13400, 13400, r"over the 16777216-pixel limit \(Image size \(179560000 pixels\)"),
+    ],
+)
+def test_image_sizes_over_the_pixel_limit_are_refused_from_the_header(
+    width: int, height: int, problem: str
+) -> None:
+    """The tokenizer's count of an image's tokens reads its size from the header: an image over
+    encoder.max_image_pixels is refused there as the encoder refuses it."""
+    data = png_header(width, height)
+    for read in (image_size, open_image):
+        with pytest.raises(ImageError, match=problem):
+            read(data, MAX_PIXELS)
+    assert image_size(png_header(300, 200), MAX_PIXELS) == (300, 200)

@@ -424,16 +424,66 @@ def test_adapter_for_more_layers_is_refused_naming_the_module(lora_models, tmp_p
         make_runner(base, {"deeper": adapter})
 
 
-def test_adapter_on_mixture_of_experts_is_refused_naming_the_experts(tmp_path):
-    """PEFT targets a mixture of experts' stacked experts for down_proj: those are not served."""
+def test_activated_lora_is_refused_by_name(lora_models, tmp_path):
+    """PEFT's activated LoRA applies its deltas only from the invocation tokens on; its tensors are
+    ordinary lora_A / lora_B, so only its config tells it from a LoRA served on every token."""
+    base, _, _ = lora_models
+    alora = save_random_adapter(
+        base, tmp_path / "alora", 8, task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"],
+        alora_invocation_tokens=[5, 6],
+    )  # fmt: skip
+    with pytest.raises(AdapterError, match=r"'alora': alora_invocation_tokens \(\[5, 6\]\) is not supported"):
+        make_runner(base, {"alora": alora})
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("arrow_config", {"top_k": 2, "router_temperature": 1.0}),
+        ("kasa_config", {"init_diag": 1.0}),
+        ("use_bdlora", {"target_modules_bd_a": ["q_proj"], "nblocks": 2}),
+        ("use_qalora", True),
+        ("layer_replication", [[0, 2], [1, 2]]),
+        ("trainable_token_indices", [3, 4]),
+        ("lora_bias", True),
+        ("use_dora", True),
+        ("bias", "lora_only"),
+        ("rank_pattern", {"q_proj": 2}),
+        ("alpha_pattern", {"q_proj": 2}),
+        ("fan_in_fan_out", True),
+    ],
+)
+def test_options_that_change_the_forward_are_refused_by_name(lora_models, tmp_path, option, value):
+    """Each PEFT option that makes an adapter compute other than scaling * B @ A on its modules,
+    set in an otherwise plain adapter's config (its tensors unchanged, as such adapters' are)."""
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad", **{option: value})
+    with pytest.raises(AdapterError, match=rf"'bad': {option} \(.*\) is not supported: "):
+        make_runner(base, {"bad": bad})
+
+
+@pytest.mark.parametrize(
+    "family, target_modules, targeted",
+    [
+        ("qwen3-moe-norm-topk", ["q_proj", "down_proj"], r"\['down_proj'\]"),
+        # all-linear: PEFT adds a rank_pattern / alpha_pattern of its own for the fused gate_up_proj;
+        # the experts, not those, are what the adapter asks for.
+        ("mixtral", "all-linear", r"\[.*'gate_up_proj'.*\]"),
+    ],
+)
+def test_adapter_on_mixture_of_experts_is_refused_naming_the_experts(
+    tmp_path, family, target_modules, targeted
+):
+    """PEFT targets a mixture of experts' stacked experts for down_proj / gate_up_proj as
+    parameters (target_parameters): those are not served."""
     from tests.conftest import save_random_model
     from tests.test_moe import random_moe_config
 
-    base = save_random_model(random_moe_config("qwen3-moe-norm-topk"), tmp_path / "moe", seed=5, std=0.08)
-    adapter = save_random_adapter(base, tmp_path / "moe-lora", 5, r=4, target_modules=["q_proj", "down_proj"])
-    with pytest.raises(
-        AdapterError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight: experts is not a supported target"
-    ):
+    base = save_random_model(random_moe_config(family), tmp_path / "moe", seed=5, std=0.08)
+    adapter = save_random_adapter(
+        base, tmp_path / "moe-lora", 5, r=2, lora_alpha=4, target_modules=target_modules
+    )
+    with pytest.raises(AdapterError, match=rf"'moe-lora': target_parameters \({targeted}\) is not supported"):
         make_runner(base, {"moe-lora": adapter})
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from services.common.vision_language import is_vision_language
 
@@ -80,17 +80,9 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     """The image in `data`, decoded whole and converted to RGB with any transparency over white
     (HF's convert_to_rgb). Its size is checked from the header, before the pixels are decoded, so
     a small file that would decode to a huge image costs nothing."""
-    try:
-        image = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
-    except Image.DecompressionBombError as exc:  # PIL's own guard, far above any sane limit
-        raise ImageError(f"image: over the {max_pixels}-pixel limit ({exc})") from None
+    image = _open_header(data, max_pixels)
     if image.format not in FORMATS:
         raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
-    width, height = image.size
-    if width * height > max_pixels:
-        raise ImageError(f"image: {width}x{height} is over the {max_pixels}-pixel limit")
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:  # what PIL raises for truncated or corrupt data
@@ -102,14 +94,30 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
-def image_size(data: bytes) -> tuple[int, int]:
+def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """(width, height) of an image file, from its header alone (the tokenizer's count of its
-    tokens; the encoder decodes it whole, with every check of `open_image`)."""
+    tokens; the encoder decodes it whole, with every check of `open_image`), refused as the encoder
+    would refuse it where that header says more than `max_pixels` pixels."""
+    with _open_header(data, max_pixels) as image:
+        return image.size
+
+
+def _open_header(data: bytes, max_pixels: int) -> Image.Image:
+    """The image in `data`, opened from its header (no pixel decoded yet), its size within
+    `max_pixels` (encoder.max_image_pixels)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.size
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError):
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        # PIL's own guard, far above any sane limit, refuses the header before it tells the size;
+        # it is an image over the limit all the same, not one of an unknown type.
+        raise ImageError(f"image: over the {max_pixels}-pixel limit ({exc})") from None
+    except OSError:  # UnidentifiedImageError, or a header PIL cannot parse
         raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise ImageError(f"image: {width}x{height} is over the {max_pixels}-pixel limit")
+    return image
 
 
 def _processor_config(model_dir: Path) -> dict:

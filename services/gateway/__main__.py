@@ -138,6 +138,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_loras=stage.config.lora.max_loras,
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
         max_image_bytes=stage.config.encoder.max_image_bytes,
+        max_image_pixels=stage.config.encoder.max_image_pixels,
     )
     model_dir = Path(stage.info.model_dir)
     gateway = Gateway(

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +119,8 @@ class GatewaySettings:
     adapter_command_timeout_s: float = 300.0
     # encoder.max_image_bytes: /tokenize decodes a data URL image within the tokenizer stage's limit.
     max_image_bytes: int = 10 << 20
+    # encoder.max_image_pixels: /tokenize sizes an image from its header, refused over this limit.
+    max_image_pixels: int = 40_000_000
 
 
 def json_response(
@@ -484,8 +487,13 @@ class Gateway:
             result = await self.client.embed(inputs, dimensions=body.dimensions)
         except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
             error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
-            if error.status == 400:  # what a 400 here can be about: the vector size, else the input
-                error.param = "dimensions" if "dimensions" in error.message else "input"
+            # What a 400 here can be about: one input of several, the vector size, else the input.
+            if error.status == 400:
+                named = EMBEDDING_INPUT_NAMED.match(error.message)
+                if named and len(inputs) > 1:
+                    error.param = named[0]
+                else:
+                    error.param = "dimensions" if "dimensions" in error.message else "input"
             raise error from None
         finally:
             self.num_in_flight -= 1
@@ -881,7 +889,7 @@ class Gateway:
             assert self.image_rules is not None  # _render_chat
             try:
                 sizes = (
-                    [image_size(data) for data in chat.files]
+                    [image_size(data, self.settings.max_image_pixels) for data in chat.files]
                     if self.image_rules.needs_sizes
                     else [None] * chat.num_images
                 )
@@ -931,6 +939,8 @@ Feed = AsyncIterator[tuple[int, StreamDelta]]  # run_jobs: (choice index, delta)
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+# The input of several a refusal is about, as the SDK's embed names it ("input[1]: ...").
+EMBEDDING_INPUT_NAMED = re.compile(r"input\[\d+\]")
 
 
 def embedding_inputs(value: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:

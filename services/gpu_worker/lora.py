@@ -45,6 +45,35 @@ PEFT_WEIGHT_NAME = re.compile(
 )
 
 
+# PEFT LoraConfig options that make an adapter compute something other than scaling * B @ A on
+# the modules it targets, refused by name when set (not empty and not PEFT's default): their
+# tensors still bear ordinary lora_A / lora_B names, so served as plain LoRA they would give other
+# output than PEFT's. (Options that only change training or the initial weights, such as VeLoRA,
+# MonteCLoRA, EVA or LoftQ, leave the inference forward plain LoRA and are served.) Checked in this
+# order so that the option an adapter was made with is named before one PEFT derived from it:
+# "all-linear" on a mixture of experts writes target_parameters and, for the experts' fused
+# gate_up_proj, a rank_pattern and alpha_pattern of its own.
+UNSUPPORTED_OPTIONS = (
+    ("target_parameters", "it puts LoRA on parameters (a mixture of experts' expert weights), not on the "
+                          "q/k/v/o/gate/up/down modules served"),
+    ("alora_invocation_tokens", "activated LoRA applies the deltas only from the invocation tokens on"),
+    ("arrow_config", "Arrow routes each token among several LoRA experts"),
+    ("use_dora", "DoRA rescales the adapted weight by a learned magnitude"),
+    ("kasa_config", "KaSA puts learned singular values between A and B and truncates the base weight"),
+    ("use_bdlora", "BD-LoRA's A or B is block-diagonal"),
+    ("use_qalora", "QA-LoRA pools the input in groups before A"),
+    ("layer_replication", "it repeats the base model's layers, each copy with deltas of its own"),
+    ("trainable_token_indices", "it trains the embeddings of chosen tokens"),
+    ("lora_bias", "it adds a bias to lora_B"),
+    ("bias", "it trains the base layers' biases"),
+    ("rank_pattern", "it gives modules ranks other than r"),
+    ("alpha_pattern", "it scales modules by alphas other than lora_alpha"),
+    ("fan_in_fan_out", "it is for base weights stored (in, out), as GPT-2's Conv1D"),
+)  # fmt: skip
+# Defaults of UNSUPPORTED_OPTIONS that are not empty or false: such a value is not "set".
+PEFT_DEFAULTS = {"bias": "none"}
+
+
 class AdapterError(ValueError):
     """An adapter that cannot serve on this model; the message names the adapter and the problem."""
 
@@ -191,16 +220,10 @@ def check_adapter_config(name: str, config: dict, max_rank: int) -> None:
             raise AdapterError(
                 f"adapter {name!r}: target module {unknown[0]} is not supported: one of {sorted(TARGET_MODULES)}"
             )
-    unsupported = {
-        "use_dora": bool(config.get("use_dora")),
-        "bias": config.get("bias", "none") != "none",
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-    }
-    for option, is_set in unsupported.items():
-        if is_set:
-            raise AdapterError(f"adapter {name!r}: {option} ({config[option]!r}) is not supported")
+    for option, what in UNSUPPORTED_OPTIONS:
+        value = config.get(option)
+        if value and value != PEFT_DEFAULTS.get(option):
+            raise AdapterError(f"adapter {name!r}: {option} ({value!r}) is not supported: {what}")
 
 
 class LoraSlots:

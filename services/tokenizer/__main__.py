@@ -98,6 +98,7 @@ class TokenizerProcess(StageProcess):
             image_rules=image_rules_of(Path(stage.info.model_dir)),
             num_encoders=config.encoder.num_encoders,
             max_image_bytes=config.encoder.max_image_bytes,
+            max_image_pixels=config.encoder.max_image_pixels,
             remote_images=RemoteImages.of(config.encoder),
             is_harmony=speaks_harmony(
                 config.gateway.reasoning_parser,

@@ -185,6 +185,7 @@ class TokenizerCore:
         image_rules: ImageRules | None = None,
         num_encoders: int = 0,
         max_image_bytes: int = 10 << 20,
+        max_image_pixels: int = 40_000_000,
         remote_images: RemoteImages | None = None,
         is_harmony: bool = False,
     ) -> None:
@@ -198,6 +199,7 @@ class TokenizerCore:
         self.image_rules = image_rules
         self.num_encoders = num_encoders
         self.max_image_bytes = max_image_bytes
+        self.max_image_pixels = max_image_pixels  # refused from the header, as the encoder would
         self.remote_images = remote_images  # what http(s) image URLs it fetches; None: none
         self.embedding = embedding  # the run serves embeddings (services/common/pooling.py), not text
         self.tokenizer_id = tokenizer_id
@@ -526,7 +528,7 @@ class TokenizerCore:
         if self.image_rules is None or not self.image_rules.needs_sizes:
             return [None] * len(files)
         try:
-            return [image_size(data) for data in files]
+            return [image_size(data, self.max_image_pixels) for data in files]
         except ImageError as exc:
             raise RequestError("invalid_request", f"messages: {exc}") from None
 
