@@ -155,10 +155,15 @@ class AsyncClient(ClientBase):
         return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
 
     async def embed(
-        self, inputs: EmbedInput, *, dimensions: int | None = None, timeout: float | None = None
+        self,
+        inputs: EmbedInput,
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
     ) -> EmbedResult:
         """One vector per input (see `Client.embed`), the inputs sent together."""
-        requests = make_embeds(inputs, dimensions)
+        requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
         # Every input's outcome, so that a refusal names the input it is about (embed_error).
         outcomes = await asyncio.gather(
             *(self._collect(self._stream(r, timeout)) for r in requests), return_exceptions=True

@@ -489,9 +489,13 @@ class EmbedResult:
 EmbedInput = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
-def make_embeds(inputs: EmbedInput, dimensions: int | None) -> list[m.Generate]:
+def make_embeds(
+    inputs: EmbedInput, dimensions: int | None, truncate_prompt_tokens: int | None = None
+) -> list[m.Generate]:
     """One embedding request per input: a text, a list of texts, a list of token ids, or a list
-    of token-id lists (OpenAI's four forms). `dimensions` keeps the vectors' first that many values."""
+    of token-id lists (OpenAI's four forms). `dimensions` keeps the vectors' first that many
+    values; `truncate_prompt_tokens` (vLLM's) embeds each input's last that many tokens, -1 its
+    last the model reads."""
     if isinstance(inputs, str) or (
         isinstance(inputs, (Sequence, np.ndarray))
         and len(inputs)
@@ -504,7 +508,14 @@ def make_embeds(inputs: EmbedInput, dimensions: int | None) -> list[m.Generate]:
         dimensions = _convert("dimensions", dimensions, int)
         if dimensions < 1:
             raise InvalidRequest(f"dimensions must be >= 1, got {dimensions}")
-    params = m.SamplingParams(embed=m.EmbedOptions(dimensions or 0))
+    truncate = 0
+    if truncate_prompt_tokens is not None:
+        truncate = _convert("truncate_prompt_tokens", truncate_prompt_tokens, int)
+        if truncate == 0 or truncate < -1:
+            raise InvalidRequest(
+                f"truncate_prompt_tokens must be -1 (the model's limit) or >= 1, got {truncate}"
+            )
+    params = m.SamplingParams(embed=m.EmbedOptions(dimensions or 0, truncate))
     requests = []
     for i, one in enumerate(inputs):
         if isinstance(one, str):
@@ -1130,13 +1141,20 @@ class Client(ClientBase):
         return self.stream(messages=messages, timeout=timeout, request_id=request_id, **sampling)
 
     def embed(
-        self, inputs: EmbedInput, *, dimensions: int | None = None, timeout: float | None = None
+        self,
+        inputs: EmbedInput,
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
     ) -> EmbedResult:
         """One vector per input from a model served for embeddings (model.task: embed). The
         inputs go out together, so the engine batches them; `dimensions` keeps each vector's
-        first that many values (normalized again where the model normalizes)."""
+        first that many values (normalized again where the model normalizes);
+        `truncate_prompt_tokens` (vLLM's) embeds each input's last that many tokens, -1 its last
+        the model reads (else an input that is too long is refused)."""
         timeout = timeout if timeout is not None else self.timeout
-        requests = make_embeds(inputs, dimensions)
+        requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
         states: list[RequestState] = []
         try:
             for request in requests:  # all sent before any is waited for

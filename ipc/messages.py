@@ -55,9 +55,12 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, froz
 class EmbedOptions(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """An embedding request (SamplingParams.embed): the engine returns the prompt's pooled vector
     instead of generating. `dimensions` > 0 keeps the vector's first that many values (Matryoshka
-    truncation), normalized again where the model normalizes."""
+    truncation), normalized again where the model normalizes. `truncate` > 0 embeds only the
+    input's last that many tokens, -1 its last the model reads (vLLM's truncate_prompt_tokens);
+    0 embeds it whole, or refuses it when it is too long."""
 
     dimensions: int = 0
+    truncate: int = 0
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -282,6 +282,7 @@ def post(url: str, path: str, body: object) -> tuple[int, dict]:
         ({"input": "a", "dimensions": 0}, "dimensions", "dimensions must be >= 1"),
         ({"input": "a", "dimensions": 385}, "dimensions", r"dimensions must be 1\.\.384"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "invalid enum value 'int8'"),
+        ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 .* or >= 1"),
         ({"input": [[1, 2, 999999]]}, "input", "out of the vocabulary"),
         # One input of several: named, in the message and the param (each input is a request of
         # its own, whose refusal says only where in that input the id is).
@@ -301,6 +302,20 @@ def test_bad_embedding_requests_get_openai_400s(
     assert re.search(message, reply["error"]["message"]), reply
     assert reply["error"]["param"] == param, reply
     assert reply["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_truncate_prompt_tokens_embeds_an_input_the_model_would_refuse(minilm_run: Run) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens; without it the same input is refused
+    (the 400 table above). (-1, the model's 256, is over this run's 200-token step: refused as
+    any input over a step is.)"""
+    long_input = " ".join(["word"] * 270)
+    for truncate, tokens in ((150, 150), (10, 10)):
+        body = {"model": "minilm", "input": long_input, "truncate_prompt_tokens": truncate}
+        status, reply = post(gateway_url(minilm_run), "/v1/embeddings", body)
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens"] == tokens, reply
 
 
 @pytest.mark.slow
@@ -380,8 +395,19 @@ def test_random_decoder_pooling_matches_hf(qwen2_dir: Path, tmp_path: Path, pool
     ]
     if pooling == "mean":
         overrides.append("model.normalize=false")
+    # vLLM's truncate_prompt_tokens: the last 8 tokens of each input, and -1 (the model's limit,
+    # here max_model_len) keeps them all.
+    last8 = hf_states(qwen2_dir, [p[-8:] for p in prompts])
+    want8 = np.stack([s[-1] if pooling == "last" else s.mean(axis=0) for s in last8])
     with brigade_run(run_dir, f"model.path={qwen2_dir}", *overrides), Client(run_dir) as client:
         got = client.embed(prompts, timeout=300).embeddings
+        cut = client.embed(prompts, truncate_prompt_tokens=8, timeout=300)
+        assert cut.prompt_tokens == 8 * len(prompts)
+        assert cosines(cut.embeddings, want8).min() >= MIN_COSINE
+        assert (
+            cosines(client.embed(prompts, truncate_prompt_tokens=-1, timeout=300).embeddings, want).min()
+            >= MIN_COSINE
+        )
     assert cosines(got, want).min() >= MIN_COSINE
     if pooling == "mean":
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)

@@ -484,7 +484,9 @@ class Gateway:
                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         self.num_in_flight += 1
         try:
-            result = await self.client.embed(inputs, dimensions=body.dimensions)
+            result = await self.client.embed(
+                inputs, dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens
+            )
         except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
             error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
             # What a 400 here can be about: one input of several, the vector size, else the input.
@@ -493,7 +495,14 @@ class Gateway:
                 if named and len(inputs) > 1:
                     error.param = named[0]
                 else:
-                    error.param = "dimensions" if "dimensions" in error.message else "input"
+                    error.param = next(
+                        (
+                            field
+                            for field in ("dimensions", "truncate_prompt_tokens")
+                            if field in error.message
+                        ),
+                        "input",
+                    )
             raise error from None
         finally:
             self.num_in_flight -= 1

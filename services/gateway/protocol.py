@@ -122,6 +122,7 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: embed the last k tokens (-1: the model's limit)
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -341,6 +341,7 @@ class TokenizerCore:
             prompt_ids, image_sizes
         )
         if request.params.embed is not None:
+            prompt_ids = self._truncated(prompt_ids, request.params.embed.truncate)
             self._check_input_length(len(prompt_ids))
         try:
             validate_prompt_ids(
@@ -476,6 +477,19 @@ class TokenizerCore:
                 "invalid_request",
                 f"dimensions must be 1..{self.embedding.width} (the model's vector size), got {embed.dimensions}",
             )
+
+    def _truncated(self, prompt_ids: list[int], truncate: int) -> list[int]:
+        """An embedding input's last `truncate` tokens (-1: the last the model reads), as vLLM's
+        truncate_prompt_tokens; the whole input for 0."""
+        if truncate == 0:
+            return prompt_ids
+        if truncate < -1:
+            raise RequestError(
+                "invalid_request", f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}"
+            )
+        limit = self.embedding.max_input_tokens if self.embedding is not None else 0
+        keep = truncate if truncate > 0 else min(limit or self.max_model_len, self.max_model_len)
+        return prompt_ids[-keep:]
 
     def _check_input_length(self, num_tokens: int) -> None:
         limit = self.embedding.max_input_tokens if self.embedding is not None else 0
