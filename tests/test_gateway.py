@@ -743,6 +743,9 @@ def test_responses_equal_chat_streamed_and_not(gw: Gateway) -> None:
     assert reply.object == "response" and reply.id.startswith("resp_")
     assert reply.output_text == want.message.content and [i.type for i in reply.output] == ["message"]
     assert reply.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    assert (
+        reply.output[-1].status == reply.status
+    )  # the message max_output_tokens cut is incomplete, as OpenAI's
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (
         usage.prompt_tokens,
         usage.completion_tokens,
@@ -770,6 +773,7 @@ def test_responses_equal_chat_streamed_and_not(gw: Gateway) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == want.message.content == events[-1].response.output_text
+    assert events[-2].item.status == events[-1].response.output[-1].status == reply.status
 
     shaped = api.responses.create(
         model=gw.model, input=CHAT, max_output_tokens=32, temperature=0,

@@ -371,7 +371,13 @@ class ResponsesReply:
             self.output.append(self._call_item(call.id, call.function.name, call.function.arguments))
         for item in self.output:
             item["status"] = "completed"
+        self.output[-1]["status"] = self._last_item_status()
         return msgspec.json.encode(await self._finish(completion.usage))
+
+    def _last_item_status(self) -> str:
+        """The status of the item the reply ends with: OpenAI's `incomplete` where max_output_tokens
+        cut it off (every item before it is complete)."""
+        return "incomplete" if self.finish_reason == "length" else "completed"
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -405,7 +411,7 @@ class ResponsesReply:
             return []
         self.open_item = None
         where = {"item_id": item["id"], "output_index": len(self.output) - 1}
-        item["status"] = "completed"
+        item["status"] = self._last_item_status()  # "completed" but at the reply's end
         if item["type"] == "message":
             part = item["content"][0]
             out = [self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
