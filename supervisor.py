@@ -172,8 +172,8 @@ class Supervisor:
                 waiting = [s.name for s in stages if not s.is_ready]
                 raise GiveUp(f"stages did not come up within {timeout_s:.0f}s: {waiting}")
             self.tick()
-            if time.monotonic() - last_note > 5:
-                waiting = [s.name for s in stages if not s.is_ready]
+            waiting = [s.name for s in stages if not s.is_ready]
+            if waiting and time.monotonic() - last_note > 5:
                 log.info("waiting for %d stage(s) to come up: %s", len(waiting), ", ".join(waiting))
                 last_note = time.monotonic()
 
@@ -351,8 +351,9 @@ class Supervisor:
         )
         self.stages.close()
         close_context(self.ctx, 0)
+        claimed = self.run.run_dir_lock is not None  # a refused start removes nothing of the live run
         self.run.release(keep_keys=bool(self.config.network.keys_dir))
-        log.info("stopped; shared memory and sockets removed")
+        log.info("stopped; shared memory and sockets removed" if claimed else "stopped")
 
 
 def ready_lines(config: Config, num_stages: int, run: Run) -> str:

@@ -115,6 +115,7 @@ def test_a_second_supervisor_on_a_live_run_dir_is_refused_and_touches_nothing(ow
         f"a Brigade run is already live in {owned.run_dir} (supervisor pid {owned.process.pid})"
         in done.stderr
     )
+    assert "stopped" in done.stderr and "removed" not in done.stderr  # it removed nothing, and says so
     assert run_files(owned.run_dir) >= before
     assert ask(owned) in ("stop", "length")
     assert owned.process.poll() is None
