@@ -40,6 +40,10 @@ def _stamp(path: str) -> FileStamp:
 
 def build_context(config: GatewayTlsConfig) -> ssl.SSLContext:
     """A server context from the files as they are now; raises ssl.SSLError or OSError."""
+    for field in ("certfile", "keyfile", "client_ca"):
+        path = getattr(config, field)
+        if path and not os.path.isfile(path):  # ssl's own error names no file
+            raise FileNotFoundError(f"gateway.tls.{field}: no file {path!r} (from {os.getcwd()})")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(config.certfile, config.keyfile)
