@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from ipc.messages import StructuredKind, StructuredOutput
 from ipc.validation import MAX_SPEC_BYTES, STRUCTURED_KINDS, InvalidParams
@@ -49,6 +49,10 @@ _COMBINED = (
 )
 # Keywords whose values are data, not schemas.
 _LITERALS = ("const", "enum", "default", "examples")
+# Keywords whose values map names (of properties, of definitions) to schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keys beside a `$ref` that add keys to the object it points to: that object must stay open.
+_EXTENDING = ("properties", "patternProperties", "additionalProperties", *_COMBINED)
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
@@ -147,7 +151,7 @@ def for_tool_choice(
                 "type": "object",
                 "properties": {
                     "name": {"const": name},
-                    "parameters": {"$ref": f"#/$defs/{_pointer_escape(name)}"},
+                    "parameters": {"$ref": f"#/$defs/{quote(_pointer_token(name), safe='')}"},
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
@@ -174,33 +178,58 @@ def for_tool_choice(
     )
 
 
-def closed_objects(schema: Any, close: bool = True) -> Any:
+def closed_objects(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on every object schema that does not say
     (LangChain's and most hand-written tool schemas never do); an explicit value is kept.
 
-    An object schema is closed only where its own keys are all an object may have: one combined
+    An object schema is closed only where its own keys are all an object may have. One combined
     with others (`allOf`, `anyOf`, `oneOf`, a `$ref`, `if` / `then` / `else`) would forbid the
-    keys its partners allow, so it stays open, and so do the branches that add keys to an object
-    with properties of its own (an `anyOf` branch of a schema without is the whole object, and
-    is closed); their nested objects are closed all the same. What `not` and `if` say is left
-    alone: closing them would change what they match."""
-    if isinstance(schema, list):
-        return [closed_objects(s, close) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    has_own_keys = "properties" in schema or "patternProperties" in schema
+    keys its partners allow, so it stays open; so do `allOf` / `then` / `else` branches, the
+    `anyOf` / `oneOf` branches of an object with keys of its own or other partners (those of a
+    schema without are the whole object, and are closed), and a schema a `$ref` in such a place,
+    or beside keys that add to it, points to. Their nested objects are closed all the same. What
+    `not` and `if` say is left alone: closing them would change what they match."""
+    extended: set[str] = set()
+    _walk_schema(schema, True, "#", extended, None)
+    return _walk_schema(schema, True, "#", set(), extended)
+
+
+def _walk_schema(node: Any, close: bool, pointer: str, extended: set[str], keep_open: set[str] | None) -> Any:
+    """closed_objects' walk. With `keep_open` None it only collects, into `extended`, the
+    targets of the refs that a closed target would break; otherwise it returns the node closed,
+    leaving the schemas at `keep_open` open at their top."""
+    if isinstance(node, list):
+        return [_walk_schema(x, close, f"{pointer}/{i}", extended, keep_open) for i, x in enumerate(node)]
+    if not isinstance(node, Mapping):
+        return node
+    ref = node.get("$ref")
+    if (
+        keep_open is None
+        and isinstance(ref, str)
+        and (not close or any(k in node for k in _EXTENDING if k != "$ref"))
+    ):
+        extended.add(unquote(ref))
+    close = close and (keep_open is None or pointer not in keep_open)
+    has_own_keys = "properties" in node or "patternProperties" in node
+    partners = any(key in node for key in _COMBINED if key not in ("anyOf", "oneOf"))
     out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in ("items", "prefixItems", "additionalProperties"):
-            out[key] = closed_objects(value)
+    for key, value in node.items():
+        where = f"{pointer}/{_pointer_token(key)}"
+        if key in ("items", "prefixItems"):
+            out[key] = _walk_schema(value, True, where, extended, keep_open)
         elif key in ("anyOf", "oneOf"):
-            out[key] = closed_objects(value, close=not has_own_keys)
+            out[key] = _walk_schema(
+                value, close and not has_own_keys and not partners, where, extended, keep_open
+            )
         elif key in ("allOf", "then", "else"):
-            out[key] = closed_objects(value, close=False)
+            out[key] = _walk_schema(value, False, where, extended, keep_open)
         elif key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
             value, Mapping
         ):
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+            out[key] = {
+                name: _walk_schema(sub, True, f"{where}/{_pointer_token(name)}", extended, keep_open)
+                for name, sub in value.items()
+            }
         else:
             out[key] = value
     is_object = out.get("type") == "object" or has_own_keys
@@ -211,31 +240,35 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
 
 
 def _hoisted(params: Mapping[str, Any], name: str) -> Any:
-    """A tool's `parameters` with every local `$ref` ("#...", a pointer into the parameters)
-    rewritten to point into `#/$defs/{name}`, where the combined schema of `tool_choice:
-    "required"` keeps them: nested under the call's array its refs would point nowhere."""
+    """A tool's `parameters` with every ref into itself ("#", "#/...") rewritten to point into
+    `#/$defs/{name}`, where the combined schema of `tool_choice: "required"` keeps them: nested
+    under the call's array its refs would point nowhere. Only schemas are walked: a `$ref` in a
+    value (`const`, `enum`, `default`, `examples`) is data."""
+    prefix = f"#/$defs/{quote(_pointer_token(name), safe='')}"
 
-    def walk(node: Any) -> Any:
+    def schema(node: Any) -> Any:
         if isinstance(node, list):
-            return [walk(item) for item in node]
+            return [schema(item) for item in node]
         if not isinstance(node, Mapping):
             return node
         out = {}
         for key, value in node.items():
-            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-                out[key] = f"#/$defs/{_pointer_escape(name)}{value[1:]}"
-            elif key in _LITERALS:  # values, not schemas: a "$ref" in them is data
+            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+                out[key] = prefix + value[1:]
+            elif key in _LITERALS:
                 out[key] = value
+            elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+                out[key] = {sub_name: schema(sub) for sub_name, sub in value.items()}  # names, not keywords
             else:
-                out[key] = walk(value)
+                out[key] = schema(value)
         return out
 
-    return walk(params)
+    return schema(params)
 
 
-def _pointer_escape(token: str) -> str:
-    """A JSON pointer's reference token for `token` (RFC 6901), percent-encoded for a URI fragment."""
-    return quote(token.replace("~", "~0").replace("/", "~1"), safe="")
+def _pointer_token(token: str) -> str:
+    """`token` escaped as a JSON pointer's reference token (RFC 6901)."""
+    return token.replace("~", "~0").replace("/", "~1")
 
 
 def tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:

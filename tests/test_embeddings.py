@@ -307,15 +307,23 @@ def test_bad_embedding_requests_get_openai_400s(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_truncate_prompt_tokens_embeds_an_input_the_model_would_refuse(minilm_run: Run) -> None:
-    """vLLM's truncate_prompt_tokens: the last k tokens; without it the same input is refused
-    (the 400 table above). (-1, the model's 256, is over this run's 200-token step: refused as
-    any input over a step is.)"""
-    long_input = " ".join(["word"] * 270)
-    for truncate, tokens in ((150, 150), (10, 10)):
-        body = {"model": "minilm", "input": long_input, "truncate_prompt_tokens": truncate}
+    """vLLM's truncate_prompt_tokens: the last k tokens, a text keeping its [CLS] and [SEP] (the
+    vector equals the one of those token ids, which the tests above check against
+    sentence-transformers); without it the same input is refused (the 400 table above). (-1, the
+    model's 256, is over this run's 200-token step: refused as any input over a step is.)"""
+    from transformers import AutoTokenizer
+
+    words = [f"w{i}" for i in range(270)]
+    ids = AutoTokenizer.from_pretrained(minilm_dir()).encode(" ".join(words))
+    for truncate in (150, 10):
+        body = {"model": "minilm", "input": " ".join(words), "truncate_prompt_tokens": truncate}
         status, reply = post(gateway_url(minilm_run), "/v1/embeddings", body)
         assert status == 200, reply
-        assert reply["usage"]["prompt_tokens"] == tokens, reply
+        assert reply["usage"]["prompt_tokens"] == truncate, reply
+        kept = [ids[0], *ids[-(truncate - 1) : -1], ids[-1]]  # [CLS], the last content, [SEP]
+        status, want = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": [kept]})
+        assert status == 200, want
+        assert cosines([reply["data"][0]["embedding"]], [want["data"][0]["embedding"]]).min() > 0.9999
 
 
 @pytest.mark.slow

@@ -1726,20 +1726,28 @@ def read_to_close(sock: socket.socket) -> bytes:
 def test_headers_over_the_limit_get_431_however_they_arrive(gw: Gateway) -> None:
     """gateway.max_header_bytes (64 KiB here) was counted only after the parser had read a chunk,
     and a chunk that completed the headers had already ended the count: headers sent in one write
-    got 200 at any size. Now whole, in pieces, or followed by a body: 431 and closed; just under
-    the limit, served."""
+    got 200 at any size. Now whole, in pieces, followed by a body, after empty lines (which the
+    parser skips), or pipelined behind another request: 431 and closed; just under the limit,
+    served."""
     limit = 64 * 1024
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: "
     over = head + b"a" * (limit - len(head)) + b"\r\n\r\n"
-    for pieces in (
-        [over],
-        [over[: limit // 2], over[limit // 2 :]],
-        [over + b"GET /health HTTP/1.1\r\n\r\n"],
-    ):
+    first = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    cases = [
+        ([over], [431]),
+        ([over[: limit // 2], over[limit // 2 :]], [431]),
+        ([over + b"GET /health HTTP/1.1\r\n\r\n"], [431]),
+        ([b"\r\n\r\n" + over], [431]),
+        # A second request's headers behind the first's (counted from the next read on).
+        ([first + head, b"a" * limit + b"\r\n\r\n"], [200, 431]),
+    ]
+    for pieces, statuses in cases:
         with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
             for piece in pieces:
                 sock.sendall(piece)
-            assert read_to_close(sock).startswith(b"HTTP/1.1 431"), [len(p) for p in pieces]
+                time.sleep(0.2)
+            got = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", read_to_close(sock))]
+            assert got == statuses, [len(p) for p in pieces]
     under = head + b"a" * (limit - len(head) - 100) + b"\r\nConnection: close\r\n\r\n"
     with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
         sock.sendall(under)

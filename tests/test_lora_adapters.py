@@ -110,6 +110,8 @@ def test_load_inplace_replaces_an_adapter_no_request_uses(tmp_path: Path) -> Non
     h.command("load", "sql", "/a/sql-v2", inplace=True)
     assert h.last()[0] == "adapter_in_use" and "used by 1 requests" in h.last()[1] and h.sent == []
     h.users["sql"] = 0
+    h.command("load", "sql", "sql-v2", inplace=True)  # a bad request replaces nothing
+    assert h.last()[0] == "invalid_request" and h.sent == [] and h.adapters.refusal("sql") == ""
     h.command("load", "sql", "/a/sql-v2", inplace=True)
     assert h.sent == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("sql", "/a/sql-v2"))]
     assert h.forgotten == ["sql"] and h.adapters.refusal("sql").startswith("unknown LoRA adapter")

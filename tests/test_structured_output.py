@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import msgspec
 import pytest
 
@@ -177,6 +178,64 @@ def test_closed_objects_leaves_open_what_combines_with_other_schemas():
     assert "additionalProperties" not in by_ref and by_ref["$defs"]["base"]["additionalProperties"] is False
     unchanged = {"not": place, "if": place, "const": {"type": "object"}}
     assert closed_objects(unchanged) == unchanged  # what not / if match, and data, are left alone
+
+
+@pytest.mark.parametrize(
+    ("schema", "instance"),
+    [
+        (  # OpenAPI's inheritance: a base definition extended through allOf
+            {
+                "type": "object",
+                "$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}}},
+                "allOf": [
+                    {"$ref": "#/$defs/Base"},
+                    {"properties": {"extra": {"type": "string"}}, "required": ["extra"]},
+                ],
+            },
+            {"id": 1, "extra": "x"},
+        ),
+        (  # an anyOf inside an allOf branch adds keys to the same object
+            {
+                "type": "object",
+                "allOf": [
+                    {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                    {"anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+                ],
+            },
+            {"a": "x", "b": 1},
+        ),
+        (  # a $ref beside an anyOf of more keys
+            {
+                "type": "object",
+                "$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}}},
+                "$ref": "#/$defs/Base",
+                "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}],
+            },
+            {"id": 1, "x": 1},
+        ),
+    ],
+    ids=["allOf-ref", "allOf-anyOf", "ref-anyOf"],
+)
+def test_closing_never_forbids_what_the_schema_allows(schema, instance) -> None:
+    """The instance is valid under the schema as given, and stays valid once it is closed."""
+    jsonschema.validate(instance, schema)
+    jsonschema.validate(instance, closed_objects(schema))
+
+
+def test_required_rewrites_the_refs_of_a_tool_into_its_definition_only_in_schemas() -> None:
+    """A property named like a keyword ("default", "enum") is a schema, and its ref is rewritten;
+    a "$ref" inside a default value is data and stays as it was."""
+    params = {
+        "type": "object",
+        "$defs": {"G": {"type": "object", "properties": {"n": {"type": "string"}}}},
+        "properties": {"default": {"$ref": "#/$defs/G"}, "enum": {"$ref": "#", "default": {"$ref": "#/x"}}},
+    }
+    tools = [{"type": "function", "function": {"name": "a/b", "parameters": params}}]
+    combined = json.loads(for_tool_choice(tools, "required").spec)
+    assert combined["items"]["anyOf"][0]["properties"]["parameters"] == {"$ref": "#/$defs/a~1b"}
+    hoisted = combined["$defs"]["a/b"]["properties"]
+    assert hoisted["default"] == {"$ref": "#/$defs/a~1b/$defs/G"}
+    assert hoisted["enum"]["$ref"] == "#/$defs/a~1b" and hoisted["enum"]["default"] == {"$ref": "#/x"}
 
 
 @pytest.mark.parametrize(

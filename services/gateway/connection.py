@@ -40,6 +40,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             self.header_timer: asyncio.TimerHandle | None = None
             self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
             self.header_tail = b""  # their last bytes so far: an end of headers split between reads
+            self.header_begun = False  # a byte other than CR / LF came (the parser skips empty lines)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -54,9 +55,15 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             if self.tls_extension is not None:
                 self.scope["extensions"] = {"tls": self.tls_extension}  # type: ignore[typeddict-unknown-key]
 
-        def _await_headers(self) -> None:
+        def _count_headers(self) -> None:
+            """The next bytes are a request's headers: count them toward max_header_bytes."""
             if self.header_bytes is None:
-                self.header_bytes, self.header_tail = 0, b""
+                self.header_bytes, self.header_tail, self.header_begun = 0, b"", False
+
+        def _await_headers(self) -> None:
+            """Count them, and give the client header_timeout_s to send them all."""
+            self._count_headers()
+            if self.header_timer is None:
                 self.header_timer = self.loop.call_later(header_timeout_s, self._refuse, REQUEST_TIMEOUT)
 
         def _headers_done(self) -> None:
@@ -71,19 +78,30 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
                 self.transport.write(reply)
                 self.transport.close()
 
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            # A pipelined request's headers may follow while this one's response runs: counted
+            # from now, but with no deadline until that response ends (the client owes nothing
+            # while it reads it). The rest of the read that ended this request is not counted.
+            self._count_headers()
+
         def data_received(self, data: bytes) -> None:
-            if self.header_bytes is None and (self.cycle is None or self.cycle.response_complete):
-                self._await_headers()  # the first bytes of a kept-alive connection's next request
+            if self.cycle is None or self.cycle.response_complete:
+                self._await_headers()  # a kept-alive connection's next request
             if self.header_bytes is not None:
                 # Counted before the parser sees them, up to the end of the headers (the read that
                 # completes them may carry body too): parsed whole, they would reach the app.
-                seen = self.header_tail + data
-                end = seen.find(b"\r\n\r\n")
+                start = 0
+                if not self.header_begun:  # empty lines before a request line are no end of headers
+                    start = len(data) - len(data.lstrip(b"\r\n"))
+                    self.header_begun = start < len(data)
+                seen = self.header_tail + data  # the tail is empty until the headers begin
+                end = seen.find(b"\r\n\r\n", start) if self.header_begun else -1
                 self.header_bytes += len(data) if end < 0 else end + 4 - len(self.header_tail)
                 if self.header_bytes > max_header_bytes:
                     self._refuse(HEADERS_TOO_LARGE)
                     return
-                self.header_tail = seen[-3:]
+                self.header_tail = seen[-3:] if self.header_begun else b""
             super().data_received(data)
 
         def on_headers_complete(self) -> None:

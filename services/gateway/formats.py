@@ -358,7 +358,8 @@ class CompletionFormat:
         if self.top_n:
             # As OpenAI's and vLLM's: the N most likely, and the token itself where it is not one.
             tops = []
-            for token, logprob, top in zip(tokens, logprobs, top_logprobs, strict=True):
+            for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+                top = top_logprobs[k] if k < len(top_logprobs) else None  # as chat's: may run short
                 if top is None:
                     tops.append(None)
                     continue

@@ -347,7 +347,9 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     )
 
 
-def _text_of(content: str | list[dict[str, str]]) -> str:
+def _text_of(content: str | list[dict[str, str]] | None) -> str:
+    if content is None:  # a turn of tool calls: the tokenizer refuses to continue it
+        return ""
     if isinstance(content, str):
         return content
     return "".join(part["text"] for part in content if part["type"] == "text")

@@ -142,43 +142,47 @@ class Adapters:
 
     def _load(self, reply_to: ReplyTo, command: m.AdapterCommand, world_size: int, workers_up: bool) -> None:
         name, path = command.name, command.path
-        if command.inplace and name in self.loaded and name not in self.unloading and workers_up:
-            users = self.users(name)
-            if users:
-                message = (
-                    f"the LoRA adapter {name!r} is used by {users} requests; load_inplace replaces it once "
-                    "none does (a running request's adapter never changes)"
-                )
-                self._answer(reply_to, "adapter_in_use", message, "lora_name")
-                return
-            self._forget(name)  # then loaded again below: a refused replacement leaves it unloaded
-        param, refusal = self._load_refusal(name, path)
+        replaces = command.inplace and name in self.loaded
+        param, refusal = self._load_refusal(name, path, replaces)
         if refusal:
             self._answer(reply_to, "invalid_request", refusal, param)
             return
         if not workers_up:
             self._answer(reply_to, "unavailable", "the engine's workers are starting; try again")
             return
+        if replaces:
+            users = self.users(name)
+            if users or name in self.unloading:
+                message = (
+                    f"the LoRA adapter {name!r} is used by {users} requests; load_inplace replaces it once "
+                    "none does (a running request's adapter never changes)"
+                    if users
+                    else f"the LoRA adapter {name!r} is being unloaded"
+                )
+                self._answer(reply_to, "adapter_in_use", message, "lora_name")
+                return
+            self._forget(name)  # then loaded again: a replacement the workers refuse leaves it unloaded
         adapter = m.AdapterSource(name, path)
         self.loading[name] = PendingLoad(
             reply_to, adapter, set(range(world_size)), self.clock() + LOAD_TIMEOUT_S
         )
         self.to_workers(m.LoadAdapter(adapter))
 
-    def _load_refusal(self, name: str, path: str) -> tuple[str, str]:
+    def _load_refusal(self, name: str, path: str, replaces: bool = False) -> tuple[str, str]:
         """Why a load is refused, as (the field it is about, or "" for the engine's state; the
-        message), or ("", "") when it may go ahead."""
+        message), or ("", "") when it may go ahead; one that `replaces` the loaded adapter of its
+        name neither counts that adapter nor finds the name taken."""
         if self.capacity == 0:
             return "", "LoRA adapters are off (lora.max_loras is 0)"
         if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
             return "lora_name", f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
         if name == self.base_model:
             return "lora_name", f"lora_name {name!r} is the base model's name"
-        if name in self.loaded or name in self.loading:
+        if name in self.loading or (name in self.loaded and not replaces):
             return "lora_name", f"lora_name {name!r}: that LoRA adapter is already loaded"
         if not Path(path).is_absolute():
             return "lora_path", f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
-        if len(self.loaded) + len(self.loading) >= self.capacity:
+        if len(self.loaded) - replaces + len(self.loading) >= self.capacity:
             return "", (
                 f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
                 f"allows ({', '.join(sorted(self.loaded))}); unload one first"

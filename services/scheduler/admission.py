@@ -96,6 +96,9 @@ class Admission:
             raise PromptTooLong(
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "
                 f"tokens leave no room under max_model_len={config.max_model_len}"
+                if generates
+                else f"request {req.request_id!r}: an input of {req.num_prompt_tokens} tokens is over "
+                f"max_model_len={config.max_model_len}"
             )
         spec = req.params.structured
         if spec is not None:

@@ -341,7 +341,9 @@ class TokenizerCore:
             prompt_ids, image_sizes
         )
         if request.params.embed is not None:
-            prompt_ids = self._truncated(prompt_ids, request.params.embed.truncate)
+            prompt_ids = self._truncated(
+                prompt_ids, request.params.embed.truncate, request.prompt is not None
+            )
             self._check_input_length(len(prompt_ids))
         try:
             validate_prompt_ids(
@@ -478,9 +480,11 @@ class TokenizerCore:
                 f"dimensions must be 1..{self.embedding.width} (the model's vector size), got {embed.dimensions}",
             )
 
-    def _truncated(self, prompt_ids: list[int], truncate: int) -> list[int]:
+    def _truncated(self, prompt_ids: list[int], truncate: int, is_text: bool) -> list[int]:
         """An embedding input's last `truncate` tokens (-1: the last the model reads), as vLLM's
-        truncate_prompt_tokens; the whole input for 0."""
+        truncate_prompt_tokens; the whole input for 0. A text keeps the special tokens its
+        tokenizer put around it ([CLS] ... [SEP]: CLS pooling reads the first), and loses
+        content from the left; token ids are cut as they are."""
         if truncate == 0:
             return prompt_ids
         if truncate < -1:
@@ -489,7 +493,24 @@ class TokenizerCore:
             )
         limit = self.embedding.max_input_tokens if self.embedding is not None else 0
         keep = truncate if truncate > 0 else min(limit or self.max_model_len, self.max_model_len)
-        return prompt_ids[-keep:]
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        head = tail = 0
+        if is_text:
+            special = set(self.tokenizer.special_token_ids)
+            while head < len(prompt_ids) and prompt_ids[head] in special:
+                head += 1
+            while tail < len(prompt_ids) - head and prompt_ids[len(prompt_ids) - 1 - tail] in special:
+                tail += 1
+        room = keep - head - tail
+        if room < 1:
+            raise RequestError(
+                "invalid_request",
+                f"truncate_prompt_tokens {truncate} leaves no room for the input beside its {head + tail} "
+                "special tokens",
+            )
+        end = len(prompt_ids) - tail
+        return [*prompt_ids[:head], *prompt_ids[end - room : end], *prompt_ids[end:]]
 
     def _check_input_length(self, num_tokens: int) -> None:
         limit = self.embedding.max_input_tokens if self.embedding is not None else 0
