@@ -583,11 +583,12 @@ def test_an_assistant_prefill_is_continued_by_chat_anthropic_and_tokenize(gw: Ga
 
     # Nothing to continue: a user's last message, or an assistant's that calls tools.
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    refused = {
-        "the last message must be the assistant's": CHAT,
-        "calls tools": [*CHAT, {"role": "assistant", "content": "Buckets", "tool_calls": [call]}],
-    }
-    for message, messages in refused.items():
+    refused = [
+        ("the last message must be the assistant's", CHAT),
+        ("calls tools", [*CHAT, {"role": "assistant", "content": "Buckets", "tool_calls": [call]}]),
+        ("calls tools", [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]),  # no text
+    ]
+    for message, messages in refused:
         for path in ("/v1/chat/completions", "/tokenize"):
             status, error = gw.error(
                 path, {"messages": messages, "max_tokens": 4, "continue_final_message": True}
