@@ -36,7 +36,7 @@ from ipc.endpoints import (
     default_run_dir,
     make_run_dir,
 )
-from ipc.sampling_defaults import describe_defaults
+from ipc.sampling_defaults import check_generation_overrides, describe_defaults
 from ipc.shm import new_run_id
 from ipc.sockets import RouterSocket, close_context
 from ipc.topology import STOP_ORDER, Topology
@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        check_generation_overrides(config)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

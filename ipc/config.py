@@ -40,7 +40,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: Positive = 2048
     cache_dir: str = ""  # "" = ~/.cache/brigade/models
     generation_config: Literal["auto", "none"] = "auto"  # sampling defaults from the model's file, or not
-    # on top of those, e.g. {"temperature": 0.7}; checked when the config loads (check_generation_overrides)
+    # on top of those, e.g. {"temperature": 0.7}; checked before a run starts
+    # (ipc.sampling_defaults.check_generation_overrides: its checks need the sampling messages)
     override_generation_config: dict[str, Any] = {}
     # Serve the model for embeddings (prefill only, one pooled vector per input): `embed`, or
     # `auto` = embed where the checkpoint says so (a sentence-transformers modules.json beside the
@@ -436,17 +437,6 @@ def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
         raise ConfigError(f"{path} is nested too deeply to be a config") from None
 
 
-def check_generation_overrides(config: Config) -> None:
-    """model.override_generation_config names sampling fields, each with a value a request could
-    have (the model's own generation_config.json is read when the model is prepared)."""
-    from ipc.sampling_defaults import checked_overrides  # it imports the messages, which import this
-
-    try:
-        checked_overrides(config.model.override_generation_config)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def check_timeouts(config: Config) -> None:
     """The supervisor must not give up on a stage before that stage could give up on what it waits
     for: the scheduler waits up to step_timeout_s on its workers (then kills them itself), and
@@ -711,7 +701,6 @@ def load_config(
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw)) from None
     check_timeouts(config)
-    check_generation_overrides(config)
     check_engine(config)
     check_lora(config)
     check_speculative(config)

@@ -20,6 +20,7 @@ from typing import Literal
 
 import msgspec
 
+from ipc.config import Config, ConfigError
 from ipc.messages import SamplingParams
 from ipc.validation import DEFAULTED_FIELDS, InvalidParams, validate_params
 
@@ -94,6 +95,15 @@ def run_defaults(
     if is_embedded_model and mode == "auto" and not defaults:
         defaults = dict(EMBEDDED_MODEL_DEFAULTS)
     return {**defaults, **checked_overrides(overrides or {})}
+
+
+def check_generation_overrides(config: Config) -> None:
+    """model.override_generation_config, refused as a config error (exit 2, before the model
+    is prepared) for an unknown field or a value a request could not have."""
+    try:
+        checked_overrides(config.model.override_generation_config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def checked_overrides(overrides: dict[str, object]) -> dict[str, float | int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -18,6 +20,7 @@ from ipc.config import ConfigError, load_config
 from ipc.sampling_defaults import (
     EMBEDDED_MODEL_DEFAULTS,
     ENGINE_DEFAULTS,
+    check_generation_overrides,
     fill_defaults,
     model_defaults,
     run_defaults,
@@ -27,7 +30,7 @@ from services.gateway.jobs import plan_completion
 from services.gateway.protocol import CompletionRequest
 from services.tokenizer.core import TokenizerCore
 from supervision.preflight import Refused, check_model
-from tests.conftest import TINY_VOCAB_SIZE
+from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE
 from tests.harness import assert_clean, brigade_run, hf_greedy
 
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
@@ -122,9 +125,22 @@ def test_the_config_overrides_the_models_values_as_vllm_does(tmp_path: Path) -> 
     ],
 )
 def test_a_bad_override_is_a_config_error_naming_it(override: str, match: str) -> None:
-    """Refused as the config loads (config error, exit 2), before any model is prepared."""
+    """Refused with the config's own errors (config error, exit 2), before any model is prepared."""
+    config = load_config(None, ["model.max_model_len=256", f"model.override_generation_config.{override}"])
     with pytest.raises(ConfigError, match=f"^model.override_generation_config: {match}"):
-        load_config(None, ["model.max_model_len=256", f"model.override_generation_config.{override}"])
+        check_generation_overrides(config)
+
+
+def test_the_supervisor_refuses_a_bad_override_as_a_config_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--run-dir", str(tmp_path / "run"),
+         "--set", "model.override_generation_config.temprature=0.5"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith(
+        "config error: model.override_generation_config: unknown field 'temprature'"
+    )
 
 
 def test_an_unknown_mode_is_a_config_error() -> None:
