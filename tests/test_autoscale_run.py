@@ -20,7 +20,9 @@ from tests.test_reload import wait_for_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NEW_TOKENS = 64
+# Long enough that a burst's requests are still waiting when the policy next samples the load on a
+# loaded host (at 64 a CI run once saw the whole burst served before any sample showed it waiting).
+NEW_TOKENS = 192
 BURST = range(8)  # at two running sequences per group, six wait: three groups' worth at two each
 AFTER = range(8, 16)  # sent once the second group is up
 # Two sequences per batch so that a burst waits; one thread per worker so that the host holds two.
