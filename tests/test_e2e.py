@@ -239,6 +239,8 @@ def test_tokenizer_survives_10000_hostile_messages(smol_run) -> None:
         num_replies = 0
         while sock.poll(2000):
             reply = CLIENT_REPLY.decode(sock.recv())
+            if isinstance(reply, m.HealthReply):
+                continue  # the tokenizer's keepalive to a client with requests in flight
             assert isinstance(reply, m.ErrorReply | m.Delta)
             num_replies += 1
         assert num_replies > 1000  # every answerable message got an error reply
