@@ -86,21 +86,24 @@ DOCS_END = "<!-- gpu_check:end -->"
 # ---------------------------------------------------------------- kernel tests
 
 
-def run_kernel_tests(dry_run: bool) -> dict:
+def run_kernel_tests(dry_run: bool, log: Path) -> dict:
     """The Triton kernels' tests: on CUDA with the launchers' plugin, or a few in the interpreter."""
     if dry_run:
-        return run_tests(KERNEL_TEST_FILES, DRY_RUN_TEST_SELECTION, interpreter=True)
-    return run_tests(KERNEL_TEST_FILES, CUDA_TEST_SELECTION, ("-p", "benchmarks.cuda_default_device"))
+        return run_tests(KERNEL_TEST_FILES, DRY_RUN_TEST_SELECTION, log, interpreter=True)
+    return run_tests(KERNEL_TEST_FILES, CUDA_TEST_SELECTION, log, ("-p", "benchmarks.cuda_default_device"))
 
 
 def run_tests(
     files: tuple[str, ...],
     selection: str,
+    log: Path,
     plugin: tuple[str, ...] = (),
     interpreter: bool = False,
     timeout_s: float = TESTS_TIMEOUT_S,
 ) -> dict:
-    """pytest on `files` (`-k selection` unless empty) in a subprocess; counts from its JUnit XML."""
+    """pytest on `files` (`-k selection` unless empty) in a subprocess; counts from its JUnit XML.
+    Its whole output goes to `log`: a GPU machine is lent for minutes, and a failure's cause must
+    come back from the first run."""
     # The repository first, then whatever PYTHONPATH already holds (packages installed beside the image's).
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
@@ -117,8 +120,10 @@ def run_tests(
             proc = subprocess.run(
                 cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
             )
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
+            log.write_bytes((exc.stdout or b"") + (exc.stderr or b""))
             return {"mode": mode, "selection": selection, "error": f"timed out after {timeout_s:.0f} s"}
+        log.write_text(proc.stdout + proc.stderr)
         result = {
             "mode": mode,
             "selection": selection,
@@ -532,11 +537,15 @@ def main() -> None:
         "torch": torch.__version__,
     }
     print("kernel tests ...", flush=True)
-    result["kernel_tests"] = run_kernel_tests(args.dry_run)
+    result["kernel_tests"] = run_kernel_tests(args.dry_run, args.json.with_suffix(".kernel_tests.log"))
     print(json.dumps(result["kernel_tests"], indent=1), flush=True)
     print("serving test ...", flush=True)
     result["serving_test"] = run_tests(
-        SERVING_TEST_FILES, "", interpreter=args.dry_run, timeout_s=SERVING_TEST_TIMEOUT_S
+        SERVING_TEST_FILES,
+        "",
+        args.json.with_suffix(".serving_test.log"),
+        interpreter=args.dry_run,
+        timeout_s=SERVING_TEST_TIMEOUT_S,
     )
     print(json.dumps(result["serving_test"], indent=1), flush=True)
 

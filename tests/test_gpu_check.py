@@ -35,6 +35,9 @@ def test_dry_run_reports_every_section(tmp_path: Path) -> None:
     assert tests["passed"] == 6 and tests["failed"] == 0, tests
     serving = result["serving_test"]  # the whole pipeline on a GPU: skipped on the CPU
     assert "error" not in serving and (serving["passed"], serving["skipped"]) == (0, 1), serving
+    # Each pytest run's whole output beside the JSON: the cause of a failure on a lent GPU.
+    assert "6 passed" in (tmp_path / "gpu_check.kernel_tests.log").read_text()
+    assert "1 skipped" in (tmp_path / "gpu_check.serving_test.log").read_text()
 
     assert result["matmul_tflops"] > 0 and result["roofline_tok_s"] > 0
     model = result["model"]
