@@ -121,27 +121,27 @@ def test_padded_buffers_decode_as_the_eager_steps(random_llama_dir: Path) -> Non
         torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)
 
 
-def test_graphs_fit_one_token_rows_within_their_buffers(random_llama_dir: Path) -> None:
-    """A step with more rows than the largest graph, a row of several tokens, or a block table
-    wider than the buffers does not fit (what a step carries, the runner checks: below)."""
+def test_graphs_fit_steps_of_at_most_their_rows_in_tokens(random_llama_dir: Path) -> None:
+    """A step fits while its tokens (a row each) are no more than the largest graph's rows and its
+    block table is no wider than the buffers (what a step carries, the runner checks: below)."""
     runner = ModelRunner(random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES)
-    graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, PLAN_WIDTH, capture=False)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 4, PLAN_WIDTH, capture=False)
     builder = PlanBuilder(runner.block_size)
     arrays, header = builder.plan([(row, [5, 6], True) for row in range(3)], max_blocks=PLAN_WIDTH)
-    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)  # a prefill
-    arrays, header = builder.plan([(row, [7], True) for row in range(3)], max_blocks=PLAN_WIDTH)
-    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)  # 3 rows > 2
-    arrays, header = builder.plan([(row, [8], True) for row in range(2)], max_blocks=PLAN_WIDTH)
-    assert graphs.fits(arrays, header.num_tokens, header.num_seqs)
+    assert not graphs.fits(arrays, header.num_tokens)  # 6 tokens > 4
+    arrays, header = builder.plan([(0, [5, 6, 7], True), (1, [8], True)], max_blocks=PLAN_WIDTH)
+    assert graphs.fits(arrays, header.num_tokens)  # a verification's 3 tokens and a decode
+    arrays, header = builder.plan([(row, [7], True) for row in range(5)], max_blocks=PLAN_WIDTH)
+    assert not graphs.fits(arrays, header.num_tokens)  # 5 rows > 4
     arrays, header = builder.plan([(row, [9], True) for row in range(2)], max_blocks=PLAN_WIDTH + 1)
-    assert not graphs.fits(arrays, header.num_tokens, header.num_seqs)
+    assert not graphs.fits(arrays, header.num_tokens)
 
 
 @needs_interpreter
 def test_steps_carrying_what_the_graphs_ignore_run_eagerly(random_llama_dir: Path, tmp_path: Path) -> None:
-    """Decode steps with an adapter on a row, speculation's num_proposed (none proposed), or
-    prompt logprobs are not replayed, and give what a runner without graphs gives; the same
-    runner replays the plain decode steps between them (an adapter loaded, no row using it)."""
+    """Decode steps with an adapter on a row or prompt logprobs are not replayed, and give what a
+    runner without graphs gives; the same runner replays the plain decode steps between them (an
+    adapter loaded, no row using it, or speculation's arrays with nothing proposed)."""
     from tests.test_lora import save_random_adapter
 
     adapter = save_random_adapter(random_llama_dir, tmp_path / "adapter", 3, r=4, lora_alpha=8,
@@ -170,7 +170,7 @@ def test_steps_carrying_what_the_graphs_ignore_run_eagerly(random_llama_dir: Pat
     same(step([(0, [5, 6, 7, 8], True), (1, [9, 10], True)]))
     cases = [
         ({"lora_slots": [0, -1]}, False),  # row 0 uses the adapter
-        ({"num_proposed": [0, 0]}, False),  # speculation's arrays, nothing proposed
+        ({"num_proposed": [0, 0]}, True),  # speculation's arrays, nothing proposed: a decode
         ({"prompt_targets": [11, -1], "num_prompt_logprobs": [2, 0]}, False),
         ({"lora_slots": [-1, -1]}, True),  # the adapter loaded, unused: plain
         ({}, True),
@@ -179,6 +179,82 @@ def test_steps_carrying_what_the_graphs_ignore_run_eagerly(random_llama_dir: Pat
         before = graphs.num_replays
         same(step([(0, [token], True), (1, [token + 1], True)], **extra))
         assert graphs.num_replays == before + replays, extra
+
+
+@needs_interpreter
+def test_verifications_replay_as_rows_of_one_token(random_llama_dir: Path) -> None:
+    """A step of several tokens in a sequence replays the graphs a row per token: a greedy
+    verification (two proposals right, one wrong) and a sampled one, each beside a decode, give
+    the eager runner's results to the array, the greedy one the tokens of plain decoding, and
+    leave the same KV cache; a step with a prefill chunk beside them runs eagerly."""
+    check_verifications(random_llama_dir, "cpu", atol=1e-5)
+
+
+@needs_cuda
+def test_verifications_replay_captured_graphs_on_cuda(random_llama_dir: Path) -> None:
+    """The same on the GPU, the graphs captured: float32, within the kernels' rounding (the eager
+    verification runs the prefill kernel, the graphs the decode kernel)."""
+    check_verifications(random_llama_dir, "cuda", atol=2e-3)
+
+
+def check_verifications(model_dir: Path, device: str, atol: float) -> None:
+    kwargs = {"dtype": "float32", "device": device, "kv_cache_bytes": KV_BYTES, "backend": "triton"}
+    reference, eager = ModelRunner(model_dir, **kwargs), ModelRunner(model_dir, **kwargs)
+    if device == "cuda":
+        padded = ModelRunner(model_dir, cuda_graph_max_batch=8, **kwargs)
+        graphs = padded.decode_graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    else:
+        padded = ModelRunner(model_dir, **kwargs)
+        graphs = DecodeGraphs(padded.model, padded.kv_cache, 8, GRAPH_WIDTH, capture=False)
+        padded.decode_graphs = graphs
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (14, 5, 3)]
+    plain = [int(r["sampled_ids"][0]) for r in run(reference, [{0: prompts[0]}, [0], [0], [0], [0]])]
+    builders = [PlanBuilder(eager.block_size), PlanBuilder(padded.block_size)]
+
+    def step(chunks: list[tuple[int, list[int], bool]], num_proposed: list[int], sampled: bool = False):
+        results = []
+        for runner, builder in zip((eager, padded), builders, strict=True):
+            arrays, header = builder.plan(chunks, max_blocks=PLAN_WIDTH)
+            arrays["num_proposed"] = np.array(num_proposed, np.int32)
+            if sampled:
+                arrays["temperature"][:] = 0.9
+                arrays["seeds"][:] = 7
+            results.append(runner.execute(*with_top_logprobs(arrays, header, 3)))
+        want, got = results
+        assert want.keys() == got.keys()
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=atol, err_msg=name)
+        # The rejected proposals' KV is not kept: the next step overwrites their slots.
+        for builder in builders:
+            for (row, _, _), proposed, emitted in zip(
+                chunks, num_proposed, got["num_emitted"].tolist(), strict=True
+            ):
+                builder.num_cached[row] -= proposed - (emitted - 1) if proposed else 0
+        return got
+
+    first = step([(0, prompts[0], True), (1, prompts[1], True)], [0, 0])  # 19 tokens: eager
+    assert graphs.num_replays == 0 and first["sampled_ids"][0] == plain[0]
+    # Row 0 verifies plain's next two tokens and a wrong third; row 1 decodes.
+    wrong = next(token for token in range(2, VOCAB) if token != plain[3])
+    got = step(
+        [(0, [PLACEHOLDER_TOKEN, plain[1], plain[2], wrong], True), (1, [PLACEHOLDER_TOKEN], True)], [3, 0]
+    )
+    assert graphs.num_replays == 1
+    assert got["emitted_ids"][0, : got["num_emitted"][0]].tolist() == plain[1:4]
+    # Sampled: row 0 verifies two proposals (whatever is kept).
+    got = step([(0, [PLACEHOLDER_TOKEN, 5, 6], True), (1, [PLACEHOLDER_TOKEN], True)], [2, 0], sampled=True)
+    assert graphs.num_replays == 2 and got["num_emitted"][0] >= 1
+    # A prefill chunk of three tokens beside them: eager.
+    step(
+        [(0, [PLACEHOLDER_TOKEN, 9], True), (1, [PLACEHOLDER_TOKEN], True), (2, prompts[2], True)],
+        [1, 0, 0],
+    )
+    assert graphs.num_replays == 2
+    for (k0, v0), (k1, v1) in zip(eager.kv_cache, padded.kv_cache, strict=True):
+        torch.testing.assert_close(k1, k0, atol=atol, rtol=0)
+        torch.testing.assert_close(v1, v0, atol=atol, rtol=0)
 
 
 def test_cpu_runner_captures_no_graphs(random_llama_dir: Path) -> None:

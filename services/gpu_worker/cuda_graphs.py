@@ -3,13 +3,20 @@
 A decode step of a few sequences launches a few hundred small kernels, and on a GPU launching
 them one by one from Python takes longer than running them (docs/performance.md, "GPU check").
 So at start the worker captures the whole decode forward (the layers, the final norm and the LM
-head) once per padded batch size, over fixed device buffers. A step of n sequences then copies
-its plan into the buffers of the smallest captured size >= n and replays that graph: the rows
-past n are padding, which store no KV (slot -1), read one key, and whose logits are dropped.
+head) once per padded number of rows, over fixed device buffers, each row one query token. A
+step of n tokens then copies its plan into the buffers of the smallest captured size >= n, one
+row per token, and replays that graph: the rows past n are padding, which store no KV (slot -1),
+read one key, and whose logits are dropped.
 
-Only steps whose every row has one query token replay (decodes, and one-token prefill chunks),
-without an adapter, draft, verification, prompt scoring, images or M-RoPE; every other step
-runs eagerly, as before.
+A sequence of several tokens in the step (speculation's verification: its last token and its
+proposals) is several rows with the same block table, each attending to the keys up to its own position:
+every layer stores the whole step's keys before any row reads them, so a row sees the step's
+earlier tokens of its sequence, as the eager path's causal mask lets it. Verification on a GPU
+is then as cheap to launch as a decode step, which it must be to pay (docs/speculative.md).
+
+Steps with a prefill chunk of several tokens (as rows, each of its tokens would read the whole
+context), an adapter, a draft model, prompt scoring, images or M-RoPE run eagerly, as do steps
+of more tokens than the largest graph.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ def unsupported_reason(model: LlamaModel) -> str | None:
 
 
 class DecodeGraphs:
-    """The decode forward per padded batch size, over buffers it owns. `capture=False` runs the
+    """The one-token-a-row forward per padded size, over buffers it owns. `capture=False` runs the
     same padded forward over the same buffers eagerly: the tests use it to check the padding
     and the buffers on the CPU, with the Triton kernels in the interpreter."""
 
@@ -87,45 +94,46 @@ class DecodeGraphs:
             self._capture()
             self.capture_s = time.perf_counter() - start
 
-    def fits(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> bool:
-        """Whether a step of this shape fits a graph: all decode, at most max_batch rows, a block
-        table no wider than the buffers'. (What the step carries is the caller's to check.)"""
-        return (
-            num_tokens == num_seqs <= self.max_batch
-            and arrays["block_tables"].shape[1] <= self.max_blocks_per_seq
-        )
+    def fits(self, arrays: dict[str, np.ndarray], num_tokens: int) -> bool:
+        """Whether a step of this shape fits a graph: at most max_batch tokens, a block table no
+        wider than the buffers'. (What the step carries is the caller's to check.)"""
+        return num_tokens <= self.max_batch and arrays["block_tables"].shape[1] <= self.max_blocks_per_seq
 
-    def load(self, arrays: dict[str, np.ndarray], num_seqs: int) -> torch.Tensor:
-        """Copy a decode step's plan into the buffers; returns its rows' input ids (a view of
-        the buffer, for the caller to fill placeholders in)."""
-        n, size = num_seqs, self._size(num_seqs)
+    def load(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """Copy a step's plan into the buffers, a row per token; returns the rows' input ids (a
+        view of the buffer, for the caller to fill placeholders in)."""
+        t, size = num_tokens, self._size(num_tokens)
 
         def put(buffer: torch.Tensor, values: np.ndarray) -> None:
             buffer.copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
 
-        put(self.input_ids[:n], arrays["input_ids"][:n].astype(np.int64))
-        put(self.slot_mapping[:n], arrays["slot_mapping"][:n])
-        put(self.seq_lens[:n], arrays["seq_lens"][:n])
-        tables = arrays["block_tables"][:n]
-        put(self.block_tables[:n, : tables.shape[1]], tables)
+        query_start_loc = arrays["query_start_loc"][: num_seqs + 1].astype(np.int64)
+        seq_of_token = np.repeat(np.arange(num_seqs), np.diff(query_start_loc))
+        # A token's context: its sequence's after the step, less the tokens after it in the step.
+        tokens_after = query_start_loc[seq_of_token + 1] - 1 - np.arange(t)
+        put(self.input_ids[:t], arrays["input_ids"][:t].astype(np.int64))
+        put(self.slot_mapping[:t], arrays["slot_mapping"][:t])
+        put(self.seq_lens[:t], (arrays["seq_lens"][seq_of_token] - tokens_after).astype(np.int32))
+        tables = arrays["block_tables"][:num_seqs]
+        put(self.block_tables[:t, : tables.shape[1]], tables if t == num_seqs else tables[seq_of_token])
         for buffer, long_rows in zip(self.rope_rows, self.long_rope_rows, strict=True):
-            put(buffer[:n], rotary_rows(arrays, n, n, long_rows))
-        self._pad(n, size)
-        return self.input_ids[:n]
+            put(buffer[:t], rotary_rows(arrays, t, num_seqs, long_rows))
+        self._pad(t, size)
+        return self.input_ids[:t]
 
-    def replay(self, num_seqs: int) -> torch.Tensor:
-        """The loaded step's float32 logits [num_seqs, V]: a view of the logits buffer, which the
-        next replay of any size overwrites."""
-        size = self._size(num_seqs)
+    def replay(self, num_tokens: int) -> torch.Tensor:
+        """The loaded step's float32 logits [num_tokens, V], every token's: a view of the logits
+        buffer, which the next replay of any size overwrites."""
+        size = self._size(num_tokens)
         self.num_replays += 1
         if size in self.graphs:
             self.graphs[size].replay()
         else:
             self._forward(size)
-        return self.logits[:num_seqs]
+        return self.logits[:num_tokens]
 
-    def _size(self, num_seqs: int) -> int:
-        return next(size for size in self.sizes if size >= num_seqs)
+    def _size(self, num_tokens: int) -> int:
+        return next(size for size in self.sizes if size >= num_tokens)
 
     def _pad(self, start: int, end: int) -> None:
         """Padding rows: no KV stored, a context of one key (whatever block their table row

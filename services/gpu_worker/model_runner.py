@@ -6,6 +6,7 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -236,7 +237,9 @@ class ModelRunner:
         if reason is None:
             try:
                 graphs = DecodeGraphs(
-                    self.model, self.kv_cache, min(max_batch, self.max_num_seqs),
+                    self.model, self.kv_cache,
+                    # A row per token: an all-decode step holds 1 + MAX_SPECULATIVE_TOKENS a sequence.
+                    min(max_batch, self.max_num_seqs * (1 + MAX_SPECULATIVE_TOKENS)),
                     -(-self.max_model_len // self.block_size),
                 )  # fmt: skip
             except RuntimeError as exc:  # a kernel that syncs with the host, say: eager it is
@@ -503,19 +506,24 @@ class ModelRunner:
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         lora = self.lora_batch(arrays, t, s)
         if self._replays_graph(arrays, t, s, lora, num_proposed):
-            input_ids = self.decode_graphs.load(arrays, s)
+            input_ids = self.decode_graphs.load(arrays, t, s)
             if len(at):
                 self._fill_placeholders(input_ids, at, table_rows)
-            # A decode row's one token is the one it samples.
-            logits = self.decode_graphs.replay(s)[self._to_device(rows)]
+            token_logits = self.decode_graphs.replay(t)
+            logits = token_logits[self._to_device(arrays["query_start_loc"][rows + 1] - 1)]
+
+            def logits_at(tokens: torch.Tensor) -> torch.Tensor:
+                return token_logits[tokens]
+
             if self.decode_graphs.num_replays == 1:
                 log.info("the first decode step replayed from a CUDA graph (%d sequences)", s)
         else:
             logits, hidden, residual, arrays = self._eager_forward(arrays, t, s, at, table_rows, rows, lora)
+            logits_at = partial(self.model.logits, hidden, residual)
             if "prompt_targets" in arrays:  # every rank: the LM head gathers over them
                 result.update(self._score_prompt(hidden, residual, arrays, s))
-            if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
-                result.update(self._verify(hidden, residual, arrays, verifying, k, header.step_id))
+        if num_proposed is not None:  # every rank: the LM head gathers over the verified positions
+            result.update(self._verify(logits_at, arrays, verifying, k, header.step_id))
         sampled_table_rows = arrays["rows"][rows]
         self._sampled_step[sampled_table_rows] = header.step_id
         self._sampled_position[sampled_table_rows] = arrays["sample_positions"][rows]
@@ -543,12 +551,17 @@ class ModelRunner:
         lora: LoraBatch | None,
         num_proposed: np.ndarray | None,
     ) -> bool:
-        """A plain decode step that fits a captured CUDA graph (cuda_graphs.py)."""
+        """A step of decodes and verifications that fits a captured CUDA graph, a row per token
+        (cuda_graphs.py), with nothing the graphs leave out. A prefill chunk runs eagerly: as
+        rows of one token each of its tokens would read the whole context once."""
+        tokens_per_seq = 1 if num_proposed is None else 1 + num_proposed[:s].astype(np.int64)
         return (
             self.decode_graphs is not None
-            and self.decode_graphs.fits(arrays, t, s)
+            and self.decode_graphs.fits(arrays, t)
+            and np.array_equal(
+                np.diff(arrays["query_start_loc"][: s + 1]), np.broadcast_to(tokens_per_seq, s)
+            )
             and lora is None
-            and num_proposed is None
             and not self.has_mrope
             and "prompt_targets" not in arrays
             and "image_starts" not in arrays
@@ -745,8 +758,7 @@ class ModelRunner:
 
     def _verify(
         self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
+        logits_at: Callable[[torch.Tensor], torch.Tensor],
         arrays: dict[str, np.ndarray],
         verifying: np.ndarray,
         max_top_logprobs: int,
@@ -754,6 +766,7 @@ class ModelRunner:
     ) -> dict[str, np.ndarray]:
         """Verification of the `verifying` rows' proposals (services/gpu_worker/speculation.py):
         the emitted_* result arrays, with each verifying row's last new token in sampled_ids.
+        `logits_at(tokens)` gives the float32 logits at the step's token indices `tokens`.
         The logits are all-gathered and the sampler's draws depend only on them, the seed and the
         position, so every rank computes the same acceptance and knows where each row's last new
         token sits (what a placeholder in the next step is checked against)."""
@@ -775,7 +788,7 @@ class ModelRunner:
         counts = proposed[verifying].astype(np.int64) + 1  # the last known token and each proposal
         firsts = ends - counts
         at = np.concatenate([np.arange(f, e) for f, e in zip(firsts.tolist(), ends.tolist(), strict=True)])
-        logits = self.model.logits(hidden, residual, self._to_device(at))
+        logits = logits_at(self._to_device(at))
         targets = target_tokens(self.sampler, logits, arrays, verifying)
         target_logprobs = targets.sampled_logprobs.cpu().numpy()
         targets_host = targets.sampled_ids.cpu().numpy()
