@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -135,6 +136,32 @@ def test_graphs_fit_steps_of_at_most_their_rows_in_tokens(random_llama_dir: Path
     assert not graphs.fits(arrays, header.num_tokens)  # 5 rows > 4
     arrays, header = builder.plan([(row, [9], True) for row in range(2)], max_blocks=PLAN_WIDTH + 1)
     assert not graphs.fits(arrays, header.num_tokens)
+
+
+def test_graphs_hold_the_tokens_a_step_may_carry(
+    random_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphs' rows count tokens, up to what a step of decodes and verifications can hold:
+    max_num_seqs without speculation (no graph that no step fills, nor logits rows for one: a
+    [rows, vocab] float32 buffer), max_num_seqs x (1 + num_speculative_tokens) with it, within
+    engine.cuda_graph_max_batch. (Capture itself needs a GPU: the sizes asked for are recorded.)"""
+    from services.gpu_worker import model_runner
+
+    asked: list[int] = []
+
+    def record(model: LlamaModel, kv_cache: list, max_batch: int, max_blocks_per_seq: int) -> SimpleNamespace:
+        asked.append(max_batch)
+        return SimpleNamespace(sizes=capture_sizes(max_batch), capture_s=0.0)
+
+    monkeypatch.setattr(model_runner, "DecodeGraphs", record)
+    for num_speculative_tokens in (0, 3, 16):
+        runner = ModelRunner(
+            random_llama_dir, dtype="float32", kv_cache_bytes=KV_BYTES, backend="triton", max_num_seqs=16,
+            num_speculative_tokens=num_speculative_tokens,
+        )  # fmt: skip
+        runner.device = torch.device("cuda")  # as a GPU worker's: the model's checks pass on the CPU
+        assert runner._capture_decode_graphs(256) is not None
+    assert asked == [16, 64, 256]
 
 
 @needs_interpreter

@@ -203,6 +203,9 @@ def load_runner(stage: Stage, rank: int) -> ModelRunner:
         draft_model=Path(config.speculative.model) if config.speculative.method == "draft_model" else None,
         max_model_len=config.model.max_model_len,
         cuda_graph_max_batch=engine.cuda_graph_max_batch,
+        num_speculative_tokens=(
+            0 if config.speculative.method == "none" else config.speculative.num_speculative_tokens
+        ),
     )
     stage.log.info(
         "model %s loaded: dtype=%s device=%s kv_blocks=%d (block_size=%d, %s)",

@@ -91,6 +91,7 @@ class ModelRunner:
         draft_model: Path | None = None,
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 0,
+        num_speculative_tokens: int = 0,
     ) -> None:
         model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -211,6 +212,9 @@ class ModelRunner:
         # Placeholders: the token sampled last for each plan-table row (`rows` in the plan), kept
         # on the device so that filling one in never waits for it; only the driver samples.
         self.max_num_seqs = max_num_seqs
+        # Proposals a decode may verify (speculative.num_speculative_tokens; 0 without
+        # speculation): with the sequences, the most tokens of a step the CUDA graphs replay.
+        self.num_speculative_tokens = num_speculative_tokens
         self._last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         # Which step sampled each row last, at which position: known from the plans alone, on
         # every rank, so that every rank accepts or refuses a placeholder alike.
@@ -238,8 +242,10 @@ class ModelRunner:
             try:
                 graphs = DecodeGraphs(
                     self.model, self.kv_cache,
-                    # A row per token: an all-decode step holds 1 + MAX_SPECULATIVE_TOKENS a sequence.
-                    min(max_batch, self.max_num_seqs * (1 + MAX_SPECULATIVE_TOKENS)),
+                    # A row per token: a step of decodes and verifications holds at most 1 +
+                    # num_speculative_tokens a sequence (1 without speculation: no graph that no
+                    # step could fill, nor logits rows for them).
+                    min(max_batch, self.max_num_seqs * (1 + self.num_speculative_tokens)),
                     -(-self.max_model_len // self.block_size),
                 )  # fmt: skip
             except RuntimeError as exc:  # a kernel that syncs with the host, say: eager it is
