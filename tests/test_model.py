@@ -93,7 +93,9 @@ def runner_logits(
     metas = runner.model.prepare(arrays, header.num_tokens, header.num_seqs)
     rows = np.flatnonzero(arrays["is_sampled"])
     # On the runner's device, as `execute` puts them: the check runs on a GPU too (gpu_check).
-    sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1).to(runner.device)
+    sample_tokens = torch.from_numpy(arrays["query_start_loc"][rows + 1].astype(np.int64) - 1).to(
+        runner.device
+    )
     ids = torch.from_numpy(arrays["input_ids"].astype(np.int64)).to(runner.device)
     return runner.model.forward(ids, metas, runner.kv_cache, sample_tokens)
 
