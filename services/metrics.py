@@ -264,6 +264,32 @@ class RequestMetrics:
         self.failure.labels(self.model_name, code).inc()
 
 
+class ChoicesMetrics:
+    """vLLM's histograms of a request's `n` parameter and of the most output tokens any of its
+    choices got. Only a gateway replica sees a request's choices together (services/gateway/jobs.py):
+    it submits each as a request of its own, so no tokenizer knows `n`."""
+
+    def __init__(
+        self, model_name: str, *, max_model_len: int, registry: CollectorRegistry = REGISTRY
+    ) -> None:
+        reserve_metrics_files()
+        labels = ["model_name"]
+        self.n = Histogram(
+            f"{PREFIX}request_params_n", "The n parameter of each finished request (per prompt)",
+            labels, buckets=N_BUCKETS, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.max_generation_tokens = Histogram(
+            f"{PREFIX}request_max_num_generation_tokens",
+            "The most output tokens any of a finished request's n choices got",
+            labels, buckets=token_count_buckets(max_model_len), registry=registry,
+        ).labels(model_name)  # fmt: skip
+
+    def on_finish(self, n: int, max_generation_tokens: int) -> None:
+        """A prompt's `n` choices all finished, the longest with `max_generation_tokens` tokens."""
+        self.n.observe(n)
+        self.max_generation_tokens.observe(max_generation_tokens)
+
+
 class HttpMetrics:
     """A gateway replica's HTTP metrics: responses by path and status, and the latencies a client
     sees at the HTTP edge (arrival to first token, between tokens, to the last byte)."""
@@ -292,6 +318,7 @@ class HttpMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         reserve_metrics_files()
+        self.registry = registry  # the replica's other metrics (ChoicesMetrics) register here too
         self.requests = Counter(
             f"{PREFIX}http_requests",
             "HTTP responses by path and status",
