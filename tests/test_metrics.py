@@ -283,6 +283,12 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     assert got[("brigade:e2e_request_latency_seconds_count", (model,))] == 2
     assert got[("brigade:generation_tokens_total", (model,))] == 2
     assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
+    # The per-request histograms observe what request_success counts (the abort too), not the
+    # refusal: vLLM observes every finished request, an aborted one with what it had.
+    assert got[("brigade:request_prompt_tokens_count", (model,))] == 2
+    assert got[("brigade:request_prompt_tokens_sum", (model,))] == 2 * len(core.tokenizer.encode("Hello"))
+    assert got[("brigade:request_generation_tokens_sum", (model,))] == 2
+    assert got[("brigade:request_params_max_tokens_sum", (model,))] == 2 * 4  # default_max_tokens
 
 
 OBSERVE_ON_A_FULL_DISK = """
