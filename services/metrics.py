@@ -48,10 +48,51 @@ STAGES_FILE = "stages.json"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Inter-token gaps of a CPU decode sit between a few ms and a few hundred.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+# vLLM's buckets for its per-request histograms, so that a panel's quantiles read alike: time per
+# output token and a request's phase durations (decode).
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+N_BUCKETS = (1, 2, 5, 10, 20)
 # Exported only by runs on CUDA; a dashboard panel over them is empty on the CPU.
 CUDA_ONLY = (f"{PREFIX}gpu_memory_allocated_bytes", f"{PREFIX}gpu_memory_reserved_bytes")
 
 log = logging.getLogger("metrics")
+
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len`: vLLM's buckets for per-request token
+    counts, which no request can exceed."""
+    buckets = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 def metrics_dir(run_dir: Path) -> Path:
@@ -96,10 +137,24 @@ def reserve_metrics_files() -> None:
 # -- observed in the stages (multiprocess files) -------------------------------------------------
 
 
+class FinishedRequest(msgspec.Struct, frozen=True):
+    """What the per-request histograms observe of a request as it ends. Times are the
+    tokenizer's (time.monotonic()) when output tokens reached the client; None: none did."""
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int | None  # None: unbounded (an embedding), not observed, as vLLM
+    first_token_time: float | None
+    last_token_time: float | None
+    num_cached_tokens: int = 0  # known only from a final delta's usage (not for an abort)
+
+
 class RequestMetrics:
     """Per-request metrics of a tokenizer replica, observed as deltas reach the client."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(
+        self, model_name: str, *, max_model_len: int, registry: CollectorRegistry = REGISTRY
+    ) -> None:
         reserve_metrics_files()
         labels = ["model_name"]
         self.model_name = model_name
@@ -146,6 +201,34 @@ class RequestMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         ).labels(model_name)
+        # vLLM's per-request histograms: one observation per request counted in request_success.
+        token_buckets = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            f"{PREFIX}request_prompt_tokens", "Prompt tokens of each finished request",
+            labels, buckets=token_buckets, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            f"{PREFIX}request_generation_tokens", "Output tokens of each finished request",
+            labels, buckets=token_buckets, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.request_max_tokens = Histogram(
+            f"{PREFIX}request_params_max_tokens", "The max_tokens parameter of each finished request",
+            labels, buckets=token_buckets, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.request_time_per_output_token = Histogram(
+            f"{PREFIX}request_time_per_output_token_seconds",
+            "Each finished request's decode time divided by its output tokens after the first",
+            labels, buckets=TPOT_BUCKETS, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.request_decode_time = Histogram(
+            f"{PREFIX}request_decode_time_seconds",
+            "Each finished request's time from its first output token to its last",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.prompt_tokens_cached = Counter(
+            f"{PREFIX}prompt_tokens_cached", "Prompt tokens of finished requests found in the prefix cache",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
 
     def on_tokens(
         self, arrival: float, last: float | None, now: float, num_tokens: int, num_prompt_tokens: int
@@ -158,15 +241,53 @@ class RequestMetrics:
         elif num_tokens:
             self.inter_token.observe((now - last) / num_tokens)
 
-    def on_finish(self, reason: str, arrival: float, now: float) -> None:
+    def on_finish(self, reason: str, arrival: float, now: float, request: FinishedRequest) -> None:
         """A request finished with `reason`: stop, length or abort."""
         self.success.labels(self.model_name, reason).inc()
         self.e2e.observe(now - arrival)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_generation_tokens)
+        if request.max_tokens:
+            self.request_max_tokens.observe(request.max_tokens)
+        decode_s = 0.0  # as vLLM's, for a request that got no output token
+        if request.first_token_time is not None and request.last_token_time is not None:
+            decode_s = request.last_token_time - request.first_token_time
+        self.request_decode_time.observe(decode_s)
+        # The first output token is the prefill's: vLLM divides by the others, 0 without any.
+        decoded = request.num_generation_tokens - 1
+        self.request_time_per_output_token.observe(decode_s / decoded if decoded > 0 else 0.0)
+        self.prompt_tokens_cached.inc(request.num_cached_tokens)
 
     def on_failure(self, code: str) -> None:
         """A request ended in an error (`overloaded`, `invalid_request`, ...). Not in the latency
         histograms: a refusal's few microseconds would hide the latency of the served."""
         self.failure.labels(self.model_name, code).inc()
+
+
+class ChoicesMetrics:
+    """vLLM's histograms of a request's `n` parameter and of the most output tokens any of its
+    choices got. Only a gateway replica sees a request's choices together (services/gateway/jobs.py):
+    it submits each as a request of its own, so no tokenizer knows `n`."""
+
+    def __init__(
+        self, model_name: str, *, max_model_len: int, registry: CollectorRegistry = REGISTRY
+    ) -> None:
+        reserve_metrics_files()
+        labels = ["model_name"]
+        self.n = Histogram(
+            f"{PREFIX}request_params_n", "The n parameter of each finished request (per prompt)",
+            labels, buckets=N_BUCKETS, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.max_generation_tokens = Histogram(
+            f"{PREFIX}request_max_num_generation_tokens",
+            "The most output tokens any of a finished request's n choices got",
+            labels, buckets=token_count_buckets(max_model_len), registry=registry,
+        ).labels(model_name)  # fmt: skip
+
+    def on_finish(self, n: int, max_generation_tokens: int) -> None:
+        """A prompt's `n` choices all finished, the longest with `max_generation_tokens` tokens."""
+        self.n.observe(n)
+        self.max_generation_tokens.observe(max_generation_tokens)
 
 
 class HttpMetrics:
@@ -197,6 +318,7 @@ class HttpMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         reserve_metrics_files()
+        self.registry = registry  # the replica's other metrics (ChoicesMetrics) register here too
         self.requests = Counter(
             f"{PREFIX}http_requests",
             "HTTP responses by path and status",

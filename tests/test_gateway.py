@@ -26,6 +26,7 @@ import msgspec
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from client import Client
 from client.async_sdk import AsyncClient
@@ -461,6 +462,59 @@ def test_models_health_tokenize_detokenize_metrics(gw: Gateway, hf_tokenizer) ->
     assert count and float(count.group(1)) >= 5  # summed over both replicas' files
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert re.search(rf"^brigade:http_{name}_count (\S+)$", metrics, re.M), name
+
+
+def metric_sums(gw: Gateway) -> dict[str, float]:
+    """Each sample name's value on /metrics, summed over its labels (both replicas, every stage)."""
+    status, _, body = gw.request("GET", "/metrics")
+    assert status == 200
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def test_per_request_histograms_count_each_choice_and_each_prompt_once(gw: Gateway) -> None:
+    """vLLM's per-request histograms from a real run: two prompts of known lengths, n=2 and a
+    max_tokens that every choice reaches (ignore_eos) give four finished requests to the
+    tokenizers, and two prompts of n=2 to the gateway."""
+    wait_idle(gw.run)  # nothing of another test still finishing between the two scrapes
+    prompts = [list(range(100, 140)), list(range(200, 209))]  # 40 and 9 tokens
+    n, max_tokens = 2, 3
+    before = metric_sums(gw)
+    status, _, body = gw.request("POST", "/v1/completions", {
+        "model": gw.model, "prompt": prompts, "n": n, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": True,
+    })  # fmt: skip
+    assert status == 200, body
+    choices = json.loads(body)["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 4
+    after = metric_sums(gw)
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    per_choice = {  # name: (count, sum) over the 4 choices
+        "brigade:request_prompt_tokens": (4, n * sum(map(len, prompts))),
+        "brigade:request_generation_tokens": (4, 4 * max_tokens),
+        "brigade:request_params_max_tokens": (4, 4 * max_tokens),
+        "brigade:request_params_n": (2, 2 * n),
+        "brigade:request_max_num_generation_tokens": (2, 2 * max_tokens),
+    }
+    for name, (count, total) in per_choice.items():
+        assert (delta(f"{name}_count"), delta(f"{name}_sum")) == (count, total), name
+    assert delta("brigade:request_decode_time_seconds_count") == 4
+    assert delta("brigade:request_decode_time_seconds_sum") > 0
+    # Each choice's decode time spread over its 2 tokens after the first.
+    assert delta("brigade:request_time_per_output_token_seconds_count") == 4
+    assert delta("brigade:request_time_per_output_token_seconds_sum") == pytest.approx(
+        delta("brigade:request_decode_time_seconds_sum") / (max_tokens - 1)
+    )
+    # With no preemption, the prefix-cache hits of the scheduler's admissions are the cached
+    # tokens the requests finished with (the scheduler's counter reaches /metrics a little later).
+    deadline = time.monotonic() + 30
+    while delta("brigade:prompt_tokens_cached_total") != delta("brigade:prefix_cache_hits_total"):
+        assert time.monotonic() < deadline, (delta("brigade:prompt_tokens_cached_total"), before, after)
+        time.sleep(0.5)
+        after = metric_sums(gw)
 
 
 # -- Anthropic's Messages API, OpenAI's Responses API -----------------------------------------

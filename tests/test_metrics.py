@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services import metrics
 from services.metrics import (
+    FinishedRequest,
     RequestMetrics,
     RingSample,
     StageSamples,
@@ -55,7 +56,7 @@ def observe_in_process(run_dir: Path, code: str) -> None:
         "PROMETHEUS_MULTIPROC_DIR": str(metrics.metrics_dir(run_dir)),
         "PYTHONPATH": str(REPO_ROOT),
     }
-    prelude = "from collections import deque\nfrom services.metrics import RequestMetrics, EngineMetrics\n"
+    prelude = "from collections import deque\nfrom services.metrics import FinishedRequest, RequestMetrics, EngineMetrics\n"
     subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
         env=env,
@@ -70,10 +71,10 @@ def test_request_metrics_from_two_processes_sum(tmp_path: Path) -> None:
     # Each replica: one request of 10 prompt tokens, first token at 0.2 s, then 4 tokens 0.1 s later
     # (0.025 s per token), finished by length at 0.5 s; and one refused as overloaded.
     code = f"""
-        r = RequestMetrics({MODEL!r})
+        r = RequestMetrics({MODEL!r}, max_model_len=128)
         r.on_tokens(10.0, None, 10.2, 1, 10)
         r.on_tokens(10.0, 10.2, 10.3, 4, 10)
-        r.on_finish("length", 10.0, 10.5)
+        r.on_finish("length", 10.0, 10.5, FinishedRequest(10, 5, 5, 10.2, 10.3, num_cached_tokens=3))
         r.on_failure("overloaded")
     """
     observe_in_process(run_dir, code)
@@ -93,6 +94,20 @@ def test_request_metrics_from_two_processes_sum(tmp_path: Path) -> None:
     # A refusal is counted, but stays out of the latency histograms.
     assert got[("brigade:e2e_request_latency_seconds_count", model)] == 2
     assert got[("brigade:e2e_request_latency_seconds_sum", model)] == pytest.approx(2 * 0.5)
+    # vLLM's per-request histograms, one observation per finished request; token counts in
+    # 1-2-5 buckets up to max_model_len (128: the last is 100).
+    assert got[("brigade:request_prompt_tokens_sum", model)] == 20
+    assert got[("brigade:request_prompt_tokens_bucket", (("le", "5.0"), *model))] == 0
+    assert got[("brigade:request_prompt_tokens_bucket", (("le", "10.0"), *model))] == 2
+    assert ("brigade:request_prompt_tokens_bucket", (("le", "200.0"), *model)) not in got
+    assert got[("brigade:request_generation_tokens_sum", model)] == 10
+    assert got[("brigade:request_params_max_tokens_count", model)] == 2
+    assert got[("brigade:request_decode_time_seconds_sum", model)] == pytest.approx(2 * 0.1)
+    # 0.1 s over the 4 tokens after the first
+    assert got[("brigade:request_time_per_output_token_seconds_sum", model)] == pytest.approx(2 * 0.025)
+    assert got[("brigade:request_time_per_output_token_seconds_bucket", (("le", "0.01"), *model))] == 0
+    assert got[("brigade:request_time_per_output_token_seconds_bucket", (("le", "0.05"), *model))] == 2
+    assert got[("brigade:prompt_tokens_cached_total", model)] == 6
 
 
 def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
@@ -134,9 +149,9 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
 
 def test_request_metrics_on_a_private_registry() -> None:
     registry = CollectorRegistry()
-    r = RequestMetrics(MODEL, registry=registry)
-    r.on_finish("stop", 0.0, 1.0)
-    r.on_finish("abort", 0.0, 1.0)
+    r = RequestMetrics(MODEL, max_model_len=128, registry=registry)
+    r.on_finish("stop", 0.0, 1.0, FinishedRequest(4, 1, 8, 0.5, 0.5))
+    r.on_finish("abort", 0.0, 1.0, FinishedRequest(4, 0, 8, None, None))
     got = scrape(registry)
     assert got[("brigade:request_success_total", (("finished_reason", "stop"), ("model_name", MODEL)))] == 1
     assert got[("brigade:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))] == 1
@@ -251,7 +266,7 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     registry = CollectorRegistry()
     core = TokenizerCore(
         Tokenizer(smollm2_dir), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=4,
-        metrics=RequestMetrics(MODEL, registry=registry),
+        metrics=RequestMetrics(MODEL, max_model_len=256, registry=registry),
     )  # fmt: skip
     done = core.admit(b"c", m.Generate("done", prompt="Hello"))
     core.relay(m.Delta(done.submit.request_id, 0, 0, "Hi", m.pack_ids([42, 43]), finish_reason="length"))
@@ -268,11 +283,17 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     assert got[("brigade:e2e_request_latency_seconds_count", (model,))] == 2
     assert got[("brigade:generation_tokens_total", (model,))] == 2
     assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
+    # The per-request histograms observe what request_success counts (the abort too), not the
+    # refusal: vLLM observes every finished request, an aborted one with what it had.
+    assert got[("brigade:request_prompt_tokens_count", (model,))] == 2
+    assert got[("brigade:request_prompt_tokens_sum", (model,))] == 2 * len(core.tokenizer.encode("Hello"))
+    assert got[("brigade:request_generation_tokens_sum", (model,))] == 2
+    assert got[("brigade:request_params_max_tokens_sum", (model,))] == 2 * 4  # default_max_tokens
 
 
 OBSERVE_ON_A_FULL_DISK = """
 from services.metrics import RequestMetrics
-request = RequestMetrics("m")
+request = RequestMetrics("m", max_model_len=2048)
 request.success.labels("m", "stop").inc()
 for i in range(2000):  # new series: pages of the metrics file the first ones did not touch
     request.success.labels(f"model-{i}", "length").inc()

@@ -79,8 +79,8 @@ def write_ttfts(run_dir: Path, ttfts: list[float]) -> None:
         "PYTHONPATH": str(REPO_ROOT),
     }
     code = textwrap.dedent(f"""
-        from services.metrics import RequestMetrics
-        r = RequestMetrics("m")
+        from services.metrics import FinishedRequest, RequestMetrics
+        r = RequestMetrics("m", max_model_len=2048)
         for x in {ttfts!r}:
             r.on_tokens(0.0, None, x, 3, 7)
     """)
@@ -94,12 +94,12 @@ def write_requests(run_dir: Path, num: int) -> None:
         "PYTHONPATH": str(REPO_ROOT),
     }
     code = textwrap.dedent(f"""
-        from services.metrics import RequestMetrics
-        r = RequestMetrics("m")
+        from services.metrics import FinishedRequest, RequestMetrics
+        r = RequestMetrics("m", max_model_len=2048)
         for i in range({num}):
             r.on_tokens(0.0, None, 0.3, 1, 10)
             r.on_tokens(0.0, 0.3, 0.4, 9, 10)
-            r.on_finish("length", 0.0, 0.4)
+            r.on_finish("length", 0.0, 0.4, FinishedRequest(10, 10, 10, 0.3, 0.4))
     """)
     subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True, timeout=60)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import logging
 import re
@@ -77,7 +78,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.metrics import HttpMetrics, registry_for_run
+from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run
 from services.stage_rows import read_status
 
 JSON = "application/json"
@@ -235,6 +236,9 @@ class Gateway:
         # The process's registry (one replica a process); a second Gateway in one process (a test
         # beside the run's replicas) brings its own, since metric names register once.
         self.metrics = metrics or HttpMetrics()
+        self.choices_metrics = ChoicesMetrics(
+            settings.model, max_model_len=settings.max_model_len, registry=self.metrics.registry
+        )
         self.num_in_flight = 0
         self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
@@ -574,7 +578,7 @@ class Gateway:
 
         async def work(send: Send) -> None:
             timer = RequestTimer(self.metrics)
-            feed = run_jobs(self.client, plan.jobs)
+            feed = observed_choices(run_jobs(self.client, plan.jobs), plan, self.choices_metrics)
             record = access_record(request.scope)
             if record is not None:
                 feed = metered(feed, plan, record)
@@ -1039,6 +1043,26 @@ async def metered(feed: Feed, plan: Plan, record: AccessRecord) -> Feed:
                 record.tokens_in, record.tokens_out = usage.prompt_tokens, usage.completion_tokens
             if record.include_text and delta.text:
                 record.output[index] = record.output.get(index, "") + delta.text
+            yield index, delta
+
+
+async def observed_choices(feed: Feed, plan: Plan, metrics: ChoicesMetrics) -> Feed:
+    """`feed`, observing each prompt's `n` and its longest choice once all its choices finished
+    (vLLM observes a request with n choices once, when its last one ends). A request that fails
+    or whose client goes away first is not observed: the tokenizers count its choices."""
+    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    n_of = collections.Counter(prompt_of.values())
+    left = dict(n_of)
+    num_tokens = dict.fromkeys(prompt_of, 0)
+    async with aclosing(feed):
+        async for index, delta in feed:
+            num_tokens[index] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                prompt = prompt_of[index]
+                left[prompt] -= 1
+                if not left[prompt]:
+                    longest = max(num_tokens[i] for i, p in prompt_of.items() if p == prompt)
+                    metrics.on_finish(n_of[prompt], longest)
             yield index, delta
 
 

@@ -74,7 +74,7 @@ class TokenizerProcess(StageProcess):
         # one per engine group, and one per detokenizer shard, resized in place
         self.schedulers, self.detokenizers = self.peers.schedulers, self.peers.detokenizers
         self.control.watch(self.clients, self.inbox)
-        self.metrics = RequestMetrics(stage.info.model)
+        self.metrics = RequestMetrics(stage.info.model, max_model_len=config.model.max_model_len)
         tokenizer = Tokenizer(Path(stage.info.model_dir))
         self.core = TokenizerCore(
             tokenizer,

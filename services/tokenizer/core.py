@@ -54,7 +54,7 @@ from services.common.tools_prompt import (
     template_renders_tools,
     tool_parser_for,
 )
-from services.metrics import RequestMetrics
+from services.metrics import FinishedRequest, RequestMetrics
 from services.request_sample import RequestSampler
 
 MAX_REQUEST_ID_CHARS = 256
@@ -103,6 +103,7 @@ class JournalEntry:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: m.PromptLogprobs | None = None  # non-streaming: kept for the whole reply
     arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
     last_token_time: float | None = None
     # The watchdog (TokenizerCore.stalled / on_progress): when the client last got something new,
     # when the scheduler was last asked about this request and whether that question is still
@@ -701,7 +702,7 @@ class TokenizerCore:
             return None
         entry = self._forget(engine_id)
         if self.metrics is not None:
-            self.metrics.on_finish("abort", entry.arrival, time.monotonic())
+            self.metrics.on_finish("abort", entry.arrival, time.monotonic(), self._finished(entry))
         return entry
 
     def refuse(self, identity: bytes, request_id: str, code: str) -> None:
@@ -724,6 +725,18 @@ class TokenizerCore:
         self.journal.clear()
         self.engine_ids.clear()
         return entries
+
+    @staticmethod
+    def _finished(entry: JournalEntry, num_cached_tokens: int = 0) -> FinishedRequest:
+        # output_ids holds each position once, so a resubmitted request is not counted twice
+        return FinishedRequest(
+            num_prompt_tokens=len(entry.submit.prompt_ids) // 4,
+            num_generation_tokens=len(entry.output_ids),
+            max_tokens=entry.submit.params.max_tokens,
+            first_token_time=entry.first_token_time,
+            last_token_time=entry.last_token_time,
+            num_cached_tokens=num_cached_tokens,
+        )
 
     def _forget(self, engine_id: str) -> JournalEntry:
         entry = self.journal.pop(engine_id)
@@ -761,6 +774,8 @@ class TokenizerCore:
                 self.metrics.on_tokens(
                     entry.arrival, entry.last_token_time, now, len(new_ids), len(entry.submit.prompt_ids) // 4
                 )
+            if entry.first_token_time is None:
+                entry.first_token_time = now
             entry.last_token_time = now
         if entry.sample is not None:
             entry.sample.append(fresh.text)
@@ -775,7 +790,8 @@ class TokenizerCore:
                 )
                 self.sampler.record(entry.request_id, prompt, "".join(entry.sample), fresh.finish_reason)
             if self.metrics is not None:
-                self.metrics.on_finish(fresh.finish_reason, entry.arrival, now)
+                cached = fresh.usage.cached_tokens if fresh.usage is not None else 0
+                self.metrics.on_finish(fresh.finish_reason, entry.arrival, now, self._finished(entry, cached))
             if entry.tool_parser is not None:
                 fresh = self._with_tool_calls(entry, fresh)
         if entry.is_stream:
