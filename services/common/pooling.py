@@ -24,6 +24,26 @@ POOLINGS = ("last", "mean", "cls")
 # Architectures with no LM head: they can only embed. Their forward reads every token of the
 # input at once (bidirectional attention): services/gpu_worker/bert.py.
 ENCODER_ARCHITECTURES = ("BertModel",)
+# The base model (transformers' AutoModel class: the layers and the final norm, no LM head) of each
+# decoder family Brigade runs, as sentence-transformers 6 names it in the config.json it saves ->
+# that family's causal LM, whose layers it has (its weights are the causal LM's without their
+# `model.` prefix: services/common/checkpoint_files.py). They, too, can only embed.
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",  # Gemma3Model is the vision-language one's base
+    "Phi3Model": "Phi3ForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
+    "OlmoeModel": "OlmoeForCausalLM",
+    "GptOssModel": "GptOssForCausalLM",
+    "DeepseekV2Model": "DeepseekV2ForCausalLM",
+    "DeepseekV3Model": "DeepseekV3ForCausalLM",
+}
 # sentence-transformers' Pooling config keys -> Brigade's pooling.
 SENTENCE_POOLING_MODES = {
     "pooling_mode_cls_token": "cls",
@@ -51,14 +71,22 @@ def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
     model_dir = Path(model_dir)
     modules = _sentence_modules(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
-    encoder = any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
+    architectures = raw.get("architectures") or []
+    encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
+    base_model = next((a for a in architectures if a in BASE_MODEL_ARCHITECTURES), None)
     if model.task == "generate":
         if encoder:
             raise ValueError(
                 f"{model_dir.name} is an encoder-only model: it can only embed (model.task: embed)"
             )
+        if base_model is not None:
+            raise ValueError(
+                f"{model_dir.name} is a base model ({base_model} in its config.json, as sentence-transformers "
+                "saves a decoder it embeds with): it has no LM head, so it cannot generate; it can only "
+                "embed (model.task: embed)"
+            )
         return None
-    if model.task == "auto" and modules is None and not encoder:
+    if model.task == "auto" and modules is None and not encoder and base_model is None:
         return None
     pooling = model.pooling or ("cls" if encoder else "last")
     normalize = True
