@@ -20,7 +20,13 @@ import pytest
 from ipc.config import ModelConfig
 from services.common.pooling import BASE_MODEL_ARCHITECTURES, Embedding, embedding_of
 from services.gpu_worker import architectures
-from services.gpu_worker.architectures import ARCHITECTURES, MODEL_TYPES, UnsupportedModel, config_from_dir
+from services.gpu_worker.architectures import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    UnsupportedModel,
+    check_draft_model,
+    config_from_dir,
+)
 from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, save_random_model
 from tests.harness import Run, assert_clean, brigade_run, stage_processes
 from tests.test_e2e import gateway_url
@@ -94,6 +100,9 @@ def test_st6_save_embeds_by_its_files(st6_dir: Path) -> None:
     assert config.architecture == "Qwen3Model" and config.qk_norm  # Qwen3's layers
     with pytest.raises(ValueError, match=r"base model \(Qwen3Model.*no LM head, so it cannot generate"):
         embedding_of(ModelConfig(task="generate"), st6_dir)
+    # Nor does it propose tokens for its causal sibling as a speculative draft.
+    with pytest.raises(UnsupportedModel, match=r"is a base model \(Qwen3Model\) with no LM head"):
+        check_draft_model(config_from_dir(st6_dir.parent / "causal"), st6_dir)
 
 
 def test_base_model_classes_are_each_familys_own() -> None:
