@@ -64,7 +64,7 @@ class Embedding:
     normalize: bool
     width: int  # the vectors' values (the model's hidden size): the most `dimensions` may keep
     # The longest input the model reads: the length sentence-transformers truncates to
-    # (`sentence_max_length`); 0: no limit besides max_model_len. A longer input is refused
+    # (`_sentence_max_length`); 0: no limit besides max_model_len. A longer input is refused
     # rather than embedded as sentence-transformers would not.
     max_input_tokens: int = 0
     max_input_from: str = ""  # where the checkpoint says so, for the refusal's message
@@ -104,7 +104,7 @@ def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
         pooling = _sentence_pooling(model_dir, modules) or pooling
         normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
         sentence = _sentence_config(model_dir)
-        limit, limit_from = sentence_max_length(model_dir, sentence, raw)
+        limit, limit_from = _sentence_max_length(model_dir, sentence, raw)
         chat_message = _chat_message(model_dir, sentence)
     if model.normalize is not None:
         normalize = model.normalize
@@ -122,17 +122,16 @@ def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.nd
     return vector
 
 
-def sentence_max_length(model_dir: Path, sentence: dict, raw: dict) -> tuple[int, str]:
+def _sentence_max_length(model_dir: Path, sentence: dict, raw: dict) -> tuple[int, str]:
     """The input length sentence-transformers truncates to (0: none), and where the checkpoint
     says it, read as its Transformer module reads it: a `model_max_length` among the tokenizer's
     arguments in sentence_bert_config.json, else its `max_seq_length` (the older saves', 256 for
     all-MiniLM-L6-v2), else the tokenizer's own `model_max_length` (tokenizer_config.json, where
     sentence-transformers 6 saves it) capped at config.json's `max_position_embeddings`."""
     for key in ("processor_kwargs", "tokenizer_args"):
-        if (sentence.get(key) or {}).get("model_max_length"):
-            return int(
-                sentence[key]["model_max_length"]
-            ), f"{key}.model_max_length in sentence_bert_config.json"
+        given = (sentence.get(key) or {}).get("model_max_length")
+        if given:
+            return int(given), f"{key}.model_max_length in sentence_bert_config.json"
     if sentence.get("max_seq_length"):
         return int(sentence["max_seq_length"]), "max_seq_length in sentence_bert_config.json"
     path = model_dir / "tokenizer_config.json"
