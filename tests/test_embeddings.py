@@ -70,7 +70,9 @@ def sentence_vectors() -> np.ndarray:
 
 def test_minilm_checkpoint_says_mean_pooling_normalized() -> None:
     """The package's modules.json lists Pooling (1_Pooling: mean) and Normalize."""
-    assert embedding_of(ModelConfig(), minilm_dir()) == Embedding("mean", True, 384, max_input_tokens=256)
+    assert embedding_of(ModelConfig(), minilm_dir()) == Embedding(
+        "mean", True, 384, 256, "max_seq_length in sentence_bert_config.json"
+    )
 
 
 def test_config_overrides_and_refusals(tmp_path: Path) -> None:
@@ -499,7 +501,10 @@ def test_qwen3_embedding_layout_is_a_base_model_without_a_head(qwen3_embedding_d
     assert "embed_tokens.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     assert not any(name.startswith(("model.", "lm_head")) for name in names)
     assert json.loads((qwen3_embedding_dir / "config.json").read_text())["tie_word_embeddings"] is False
-    assert embedding_of(ModelConfig(), qwen3_embedding_dir) == Embedding("last", True, 64)
+    # No max_seq_length and the tokenizer's "no limit": sentence-transformers cuts at the positions.
+    assert embedding_of(ModelConfig(), qwen3_embedding_dir) == Embedding(
+        "last", True, 64, 512, "max_position_embeddings in config.json"
+    )
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ scheduler truncates and normalizes, the tokenizer refuses the requests of the ot
 
 A sentence-transformers checkpoint says it all beside its weights: `modules.json` lists a Pooling
 module (its `1_Pooling/config.json` names the mode) and, where the vectors are normalized, a
-Normalize module. Qwen3-Embedding ships the same files (last-token pooling).
+Normalize module. Qwen3-Embedding ships the same files (last-token pooling). sentence-transformers 6
+saves a decoder it embeds with as its base model (`Qwen3Model` in config.json: no LM head), keeps
+the input length in tokenizer_config.json, and may render each text as a chat message.
 """
 
 from __future__ import annotations
@@ -24,6 +26,28 @@ POOLINGS = ("last", "mean", "cls")
 # Architectures with no LM head: they can only embed. Their forward reads every token of the
 # input at once (bidirectional attention): services/gpu_worker/bert.py.
 ENCODER_ARCHITECTURES = ("BertModel",)
+# The base model (transformers' AutoModel class: the layers and the final norm, no LM head) of each
+# decoder family Brigade runs, as sentence-transformers 6 names it in the config.json it saves ->
+# that family's causal LM, whose layers it has (its weights are the causal LM's without their
+# `model.` prefix: services/common/checkpoint_files.py). They, too, can only embed.
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",  # Gemma3Model is the vision-language one's base
+    "Phi3Model": "Phi3ForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
+    "OlmoeModel": "OlmoeForCausalLM",
+    "GptOssModel": "GptOssForCausalLM",
+    "DeepseekV2Model": "DeepseekV2ForCausalLM",
+    "DeepseekV3Model": "DeepseekV3ForCausalLM",
+}
+# transformers' stand-in for "no limit" in a tokenizer's model_max_length (VERY_LARGE_INTEGER).
+NO_LENGTH_LIMIT = int(1e30)
 # sentence-transformers' Pooling config keys -> Brigade's pooling.
 SENTENCE_POOLING_MODES = {
     "pooling_mode_cls_token": "cls",
@@ -39,10 +63,15 @@ class Embedding:
     pooling: str  # one of POOLINGS
     normalize: bool
     width: int  # the vectors' values (the model's hidden size): the most `dimensions` may keep
-    # The longest input the model was trained on (sentence_bert_config.json's max_seq_length,
-    # which sentence-transformers truncates to); 0: no limit besides max_model_len. A longer
-    # input is refused rather than embedded as sentence-transformers would not.
+    # The longest input the model reads: the length sentence-transformers truncates to
+    # (`_sentence_max_length`); 0: no limit besides max_model_len. A longer input is refused
+    # rather than embedded as sentence-transformers would not.
     max_input_tokens: int = 0
+    max_input_from: str = ""  # where the checkpoint says so, for the refusal's message
+    # Each text input is rendered as one user message through the chat template before it is
+    # tokenized, as sentence-transformers 6 does for a model whose Transformer module lists the
+    # `message` modality: "flat" (the text as the content) or "structured" (one text part); "" not.
+    chat_message: str = ""
 
 
 def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
@@ -51,23 +80,35 @@ def embedding_of(model: ModelConfig, model_dir: Path) -> Embedding | None:
     model_dir = Path(model_dir)
     modules = _sentence_modules(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
-    encoder = any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
+    architectures = raw.get("architectures") or []
+    encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
+    base_model = next((a for a in architectures if a in BASE_MODEL_ARCHITECTURES), None)
     if model.task == "generate":
         if encoder:
             raise ValueError(
                 f"{model_dir.name} is an encoder-only model: it can only embed (model.task: embed)"
             )
+        if base_model is not None:
+            raise ValueError(
+                f"{model_dir.name} is a base model ({base_model} in its config.json, as sentence-transformers "
+                "saves a decoder it embeds with): it has no LM head, so it cannot generate; it can only "
+                "embed (model.task: embed)"
+            )
         return None
-    if model.task == "auto" and modules is None and not encoder:
+    if model.task == "auto" and modules is None and not encoder and base_model is None:
         return None
     pooling = model.pooling or ("cls" if encoder else "last")
     normalize = True
+    limit, limit_from, chat_message = 0, "", ""
     if modules is not None:
         pooling = _sentence_pooling(model_dir, modules) or pooling
         normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+        sentence = _sentence_config(model_dir)
+        limit, limit_from = _sentence_max_length(model_dir, sentence, raw)
+        chat_message = _chat_message(model_dir, sentence)
     if model.normalize is not None:
         normalize = model.normalize
-    return Embedding(pooling, normalize, int(raw["hidden_size"]), _max_seq_length(model_dir))
+    return Embedding(pooling, normalize, int(raw["hidden_size"]), limit, limit_from, chat_message)
 
 
 def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
@@ -81,9 +122,55 @@ def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.nd
     return vector
 
 
-def _max_seq_length(model_dir: Path) -> int:
+def _sentence_max_length(model_dir: Path, sentence: dict, raw: dict) -> tuple[int, str]:
+    """The input length sentence-transformers truncates to (0: none), and where the checkpoint
+    says it, read as its Transformer module reads it: a `model_max_length` among the tokenizer's
+    arguments in sentence_bert_config.json, else its `max_seq_length` (the older saves', 256 for
+    all-MiniLM-L6-v2), else the tokenizer's own `model_max_length` (tokenizer_config.json, where
+    sentence-transformers 6 saves it) capped at config.json's `max_position_embeddings`."""
+    for key in ("processor_kwargs", "tokenizer_args"):
+        given = (sentence.get(key) or {}).get("model_max_length")
+        if given:
+            return int(given), f"{key}.model_max_length in sentence_bert_config.json"
+    if sentence.get("max_seq_length"):
+        return int(sentence["max_seq_length"]), "max_seq_length in sentence_bert_config.json"
+    path = model_dir / "tokenizer_config.json"
+    tokenizer = int((json.loads(path.read_text()) if path.exists() else {}).get("model_max_length") or 0)
+    positions = int(raw.get("max_position_embeddings") or 0)
+    if positions > 0 and not 0 < tokenizer <= positions:
+        return positions, "max_position_embeddings in config.json"
+    if 0 < tokenizer < NO_LENGTH_LIMIT:
+        return tokenizer, "model_max_length in tokenizer_config.json"
+    return 0, ""
+
+
+def _sentence_config(model_dir: Path) -> dict:
+    """The Transformer module's sentence_bert_config.json (saved beside the weights); {} if none.
+    ValueError for processing settings Brigade does not apply (they change what is embedded)."""
     path = model_dir / "sentence_bert_config.json"
-    return int(json.loads(path.read_text()).get("max_seq_length") or 0) if path.exists() else 0
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if config.get("processing_kwargs"):
+        raise ValueError(
+            f"{path}: unsupported processing_kwargs {sorted(config['processing_kwargs'])}; supported: none "
+            "(the tokenizer's and chat template's own settings)"
+        )
+    return config
+
+
+def _chat_message(model_dir: Path, sentence: dict) -> str:
+    """How sentence-transformers 6 renders a text input (Embedding.chat_message): as a chat message
+    where the Transformer module's modality_config lists `message` (it does when the tokenizer
+    had a chat template as the model was put together), else as the text itself."""
+    message = (sentence.get("modality_config") or {}).get("message")
+    if message is None:
+        return ""
+    form = message.get("format")  # its saves write it; without it the format is guessed from the template
+    if form not in ("flat", "structured"):
+        raise ValueError(
+            f"{model_dir / 'sentence_bert_config.json'}: unsupported message format {form!r}; supported: "
+            "flat, structured"
+        )
+    return form
 
 
 def _sentence_modules(model_dir: Path) -> list[dict] | None:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.pooling import BASE_MODEL_ARCHITECTURES
 from services.common.vision_language import VISION_LANGUAGE, language_model_config
 
 # HF architecture (config.json `architectures`) -> the family whose defaults apply.
@@ -328,8 +329,11 @@ def _architecture(d: dict) -> tuple[str, str]:
                 f"supported architectures: {supported}"
             )
         return next(a for a, f in ARCHITECTURES.items() if f == family), family
+    if len(names) == 1 and names[0] in BASE_MODEL_ARCHITECTURES:
+        # A family's base model (the causal LM without its head): the same layers, to embed with.
+        return names[0], ARCHITECTURES[BASE_MODEL_ARCHITECTURES[names[0]]]
     if len(names) != 1 or names[0] not in ARCHITECTURES:
-        supported = sorted([*ARCHITECTURES, *VISION_LANGUAGE])
+        supported = sorted([*ARCHITECTURES, *BASE_MODEL_ARCHITECTURES, *VISION_LANGUAGE])
         raise UnsupportedModel(f"unsupported architecture {names}; supported: {supported}")
     return names[0], ARCHITECTURES[names[0]]
 
@@ -679,6 +683,11 @@ def check_draft_model(target: ModelConfig | BertConfig, draft_dir: Path) -> Mode
     draft = config_from_dir(draft_dir)
     if isinstance(draft, BertConfig):
         raise UnsupportedModel(f"speculative.model: {draft_dir} is an encoder, not a model that generates")
+    if draft.architecture in BASE_MODEL_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"speculative.model: {draft_dir} is a base model ({draft.architecture}) with no LM head, not a "
+            "model that generates"
+        )
     if draft.vocab_size != target.vocab_size:
         raise UnsupportedModel(
             f"speculative.model: the draft's vocabulary has {draft.vocab_size} tokens, the target's "

@@ -514,12 +514,12 @@ class TokenizerCore:
         return [*prompt_ids[:head], *prompt_ids[end - room : end], *prompt_ids[end:]]
 
     def _check_input_length(self, num_tokens: int) -> None:
-        limit = self.embedding.max_input_tokens if self.embedding is not None else 0
-        if limit and num_tokens > limit:
+        embedding = self.embedding
+        if embedding is not None and 0 < embedding.max_input_tokens < num_tokens:
             raise RequestError(
                 "prompt_too_long",
-                f"input of {num_tokens} tokens is over the {limit} this embedding model reads "
-                "(max_seq_length in its sentence_bert_config.json)",
+                f"input of {num_tokens} tokens is over the {embedding.max_input_tokens} this embedding model "
+                f"reads ({embedding.max_input_from})",
             )
 
     def _image_files(self, request: m.Generate) -> tuple[list[bytes], dict[int, str]]:
@@ -624,6 +624,8 @@ class TokenizerCore:
     def _prompt_ids(
         self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
     ) -> list[int]:
+        if request.prompt is not None and self.embedding is not None and self.embedding.chat_message:
+            return self._chat_message_ids(request.prompt, self.embedding.chat_message)
         if request.prompt is not None:
             # An embedding model reads its input with the special tokens its tokenizer adds
             # ([CLS] ... [SEP] for BERT), as sentence-transformers encodes it.
@@ -661,6 +663,28 @@ class TokenizerCore:
             return m.unpack_ids(request.prompt_token_ids or b"").tolist()
         except ValueError as exc:
             raise RequestError("invalid_request", f"prompt_token_ids: {exc}") from None
+
+    def _chat_message_ids(self, text: str, form: str) -> list[int]:
+        """An embedding input as sentence-transformers 6 encodes it for a model that reads messages
+        (Embedding.chat_message): one user message rendered by the chat template, no generation
+        prompt, tokenized with no special tokens added (the template writes them), as
+        transformers' apply_chat_template does."""
+        content = text if form == "flat" else [{"type": "text", "text": text}]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                add_generation_prompt=False,
+                timeout_s=self.template_timeout_s,
+            )
+        except TemplateTimeout as exc:
+            raise RequestError("invalid_request", f"input: {exc}") from None
+        except Exception as exc:  # a template may raise on any input, or be missing
+            raise RequestError("invalid_request", f"chat template failed: {exc}") from None
+        try:  # what encoding costs is bounded by the rendered text
+            check_prompt_chars(len(rendered), self.max_prompt_chars, " once rendered by the chat template")
+        except PromptTooLong as exc:
+            raise RequestError(exc.code, str(exc)) from None
+        return self.tokenizer.encode(rendered)
 
     def _least_loaded_group(self) -> int:
         """The group with the least reported load, counting our own in-flight requests on top
