@@ -149,7 +149,9 @@ def test_graphs_hold_the_tokens_a_step_may_carry(
 
     asked: list[int] = []
 
-    def record(model: LlamaModel, kv_cache: list, max_batch: int, max_blocks_per_seq: int) -> SimpleNamespace:
+    def record(
+        model: LlamaModel, kv_cache: list, max_batch: int, max_blocks_per_seq: int, lora: object
+    ) -> SimpleNamespace:
         asked.append(max_batch)
         return SimpleNamespace(sizes=capture_sizes(max_batch), capture_s=0.0)
 
@@ -166,9 +168,10 @@ def test_graphs_hold_the_tokens_a_step_may_carry(
 
 @needs_interpreter
 def test_steps_carrying_what_the_graphs_ignore_run_eagerly(random_llama_dir: Path, tmp_path: Path) -> None:
-    """Decode steps with an adapter on a row or prompt logprobs are not replayed, and give what a
-    runner without graphs gives; the same runner replays the plain decode steps between them (an
-    adapter loaded, no row using it, or speculation's arrays with nothing proposed)."""
+    """Decode steps with an adapter on a row (graphs made without the adapter slots) or prompt
+    logprobs are not replayed, and give what a runner without graphs gives; the same runner
+    replays the plain decode steps between them (an adapter loaded, no row using it, or
+    speculation's arrays with nothing proposed)."""
     from tests.test_lora import save_random_adapter
 
     adapter = save_random_adapter(random_llama_dir, tmp_path / "adapter", 3, r=4, lora_alpha=8,
@@ -222,6 +225,79 @@ def test_verifications_replay_captured_graphs_on_cuda(random_llama_dir: Path) ->
     """The same on the GPU, the graphs captured: float32, within the kernels' rounding (the eager
     verification runs the prefill kernel, the graphs the decode kernel)."""
     check_verifications(random_llama_dir, "cuda", atol=2e-3)
+
+
+@needs_interpreter
+def test_steps_with_adapters_replay_the_graphs_captured_with_them(
+    random_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Graphs made with the run's adapter slots replay steps whose rows use them: rows of two
+    adapters and none, fewer tiles after more (an earlier step's tiles must not apply again), a
+    step with no adapter row, and a verification on an adapter, against the eager runner: the
+    same results and KV cache."""
+    check_adapter_steps(random_llama_dir, tmp_path, "cpu", atol=1e-5)
+
+
+@needs_cuda
+def test_steps_with_adapters_replay_captured_graphs_on_cuda(random_llama_dir: Path, tmp_path: Path) -> None:
+    """The same on the GPU, the graphs captured (each size with and without the adapters)."""
+    check_adapter_steps(random_llama_dir, tmp_path, "cuda", atol=2e-3)
+
+
+def check_adapter_steps(model_dir: Path, tmp_path: Path, device: str, atol: float) -> None:
+    from tests.test_lora import save_random_adapter
+
+    adapters = {
+        "a": str(save_random_adapter(model_dir, tmp_path / "a", 3, r=4, lora_alpha=8,
+                                     target_modules=["q_proj", "v_proj", "down_proj"])),
+        "b": str(save_random_adapter(model_dir, tmp_path / "b", 4, r=8, lora_alpha=8,
+                                     target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])),
+    }  # fmt: skip
+    kwargs = {"dtype": "float32", "device": device, "kv_cache_bytes": KV_BYTES, "backend": "triton",
+              "max_loras": 2, "lora_adapters": adapters}  # fmt: skip
+    eager = ModelRunner(model_dir, **kwargs)
+    if device == "cuda":
+        padded = ModelRunner(model_dir, cuda_graph_max_batch=8, **kwargs)
+        graphs = padded.decode_graphs
+        assert graphs is not None and len(graphs.graphs) == 2 * len(graphs.sizes)
+    else:
+        padded = ModelRunner(model_dir, **kwargs)
+        graphs = DecodeGraphs(padded.model, padded.kv_cache, 8, GRAPH_WIDTH, lora=padded.lora, capture=False)
+        padded.decode_graphs = graphs
+    assert padded.lora is not None and padded.lora.names == ["a", "b"]  # slots 0 and 1
+    builders = [PlanBuilder(eager.block_size), PlanBuilder(padded.block_size)]
+
+    def step(
+        chunks: list[tuple[int, list[int], bool]], slots: list[int], num_proposed: list[int] | None = None
+    ):
+        results = []
+        for runner, builder in zip((eager, padded), builders, strict=True):
+            arrays, header = builder.plan(chunks, max_blocks=PLAN_WIDTH)
+            arrays["lora_slots"] = np.array(slots, np.int32)
+            if num_proposed is not None:
+                arrays["num_proposed"] = np.array(num_proposed, np.int32)
+            results.append(runner.execute(*with_top_logprobs(arrays, header, 2)))
+        want, got = results
+        assert want.keys() == got.keys()
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=atol, err_msg=name)
+        return got
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (6, 9, 4, 7)]
+    step([(row, prompt, True) for row, prompt in enumerate(prompts)], [0, 1, 0, -1])  # 26 tokens: eager
+    assert graphs.num_replays == 0
+    decode = [(row, [PLACEHOLDER_TOKEN], True) for row in range(4)]
+    for replays, slots in enumerate(
+        ([0, 1, 0, -1], [-1, 1, -1, -1], [-1, -1, -1, -1], [1, 1, 0, 0]), start=1
+    ):
+        step(decode, slots)
+        assert graphs.num_replays == replays, slots
+    got = step([(0, [PLACEHOLDER_TOKEN, 5, 6], True), *decode[1:]], [0, -1, 1, -1], [2, 0, 0, 0])
+    assert graphs.num_replays == 5 and got["num_emitted"][0] >= 1
+    for (k0, v0), (k1, v1) in zip(eager.kv_cache, padded.kv_cache, strict=True):
+        torch.testing.assert_close(k1, k0, atol=atol, rtol=0)
+        torch.testing.assert_close(v1, v0, atol=atol, rtol=0)
 
 
 def check_verifications(model_dir: Path, device: str, atol: float) -> None:

@@ -14,9 +14,15 @@ every layer stores the whole step's keys before any row reads them, so a row see
 earlier tokens of its sequence, as the eager path's causal mask lets it. Verification on a GPU
 is then as cheap to launch as a decode step, which it must be to pay (docs/speculative.md).
 
+On a run with LoRA adapters each size is captured twice, the second time with the adapters'
+kernels over buffers of their own (the step's rows grouped by slot, and each group's tiles), so
+that a step whose rows use adapters replays too: the kernels' grid is the most tiles a step of
+that size can have, and the tiles past the step's are empty. The slots' weights are updated in
+place, so a graph reads whichever adapters the slots hold when it replays.
+
 Steps with a prefill chunk of several tokens (as rows, each of its tokens would read the whole
-context), an adapter, a draft model, prompt scoring, images or M-RoPE run eagerly, as do steps
-of more tokens than the largest graph.
+context), a draft model, prompt scoring, images or M-RoPE run eagerly, as do steps of more
+tokens than the largest graph.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import StepMeta, TritonOps, rotary_rows
+from services.gpu_worker.lora import LoraBatch, LoraSlots
 from services.gpu_worker.model import LlamaModel
 
 
@@ -61,9 +68,11 @@ class DecodeGraphs:
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,
         max_blocks_per_seq: int,
+        lora: LoraSlots | None = None,
         capture: bool = True,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -82,11 +91,14 @@ class DecodeGraphs:
         self.rope_rows = [ints(n, dtype=torch.int64) for _ in model.kind_ops]
         self.long_rope_rows = [ops.s.long_rope_rows for ops in model.kind_ops]
         self.sample_tokens = torch.arange(n, device=device)
+        if lora is not None:  # kernels/lora.py's rows and segments, zero-length tiles past the step's
+            self.lora_rows = ints(n, dtype=torch.int64)
+            self.lora_segments = ints(self._max_tiles(n), 3, dtype=torch.int64)
         self._pad(0, n)
         # Every graph writes its logits here, outside the graphs' memory pool: one buffer for all
         # sizes, where each graph's own output would stay allocated (sum of sizes x vocab floats).
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, with adapters)
         self.num_replays = 0  # steps served from these buffers
         self.capture_s = 0.0  # how long capturing every size took, at start
         if capture:
@@ -99,9 +111,12 @@ class DecodeGraphs:
         wider than the buffers'. (What the step carries is the caller's to check.)"""
         return num_tokens <= self.max_batch and arrays["block_tables"].shape[1] <= self.max_blocks_per_seq
 
-    def load(self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> torch.Tensor:
-        """Copy a step's plan into the buffers, a row per token; returns the rows' input ids (a
-        view of the buffer, for the caller to fill placeholders in)."""
+    def load(
+        self, arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """Copy a step's plan (and its adapters' rows and tiles, where it has any) into the
+        buffers, a row per token; returns the rows' input ids (a view of the buffer, for the
+        caller to fill placeholders in)."""
         t, size = num_tokens, self._size(num_tokens)
 
         def put(buffer: torch.Tensor, values: np.ndarray) -> None:
@@ -118,22 +133,41 @@ class DecodeGraphs:
         put(self.block_tables[:t, : tables.shape[1]], tables if t == num_seqs else tables[seq_of_token])
         for buffer, long_rows in zip(self.rope_rows, self.long_rope_rows, strict=True):
             put(buffer[:t], rotary_rows(arrays, t, num_seqs, long_rows))
+        if lora is not None:
+            num_rows, num_tiles = lora.rows.numel(), lora.segments.shape[0]
+            self.lora_rows[:num_rows].copy_(lora.rows, non_blocking=True)
+            self.lora_segments[:num_tiles].copy_(lora.segments, non_blocking=True)
+            self.lora_segments[num_tiles : self._max_tiles(size)] = 0  # an earlier step's tiles
         self._pad(t, size)
         return self.input_ids[:t]
 
-    def replay(self, num_tokens: int) -> torch.Tensor:
+    def replay(self, num_tokens: int, with_lora: bool = False) -> torch.Tensor:
         """The loaded step's float32 logits [num_tokens, V], every token's: a view of the logits
-        buffer, which the next replay of any size overwrites."""
+        buffer, which the next replay of any size overwrites. `with_lora`: the step loaded
+        adapters' rows (load's `lora`)."""
         size = self._size(num_tokens)
         self.num_replays += 1
-        if size in self.graphs:
-            self.graphs[size].replay()
+        if (size, with_lora) in self.graphs:
+            self.graphs[(size, with_lora)].replay()
         else:
-            self._forward(size)
+            self._forward(size, with_lora)
         return self.logits[:num_tokens]
 
     def _size(self, num_tokens: int) -> int:
         return next(size for size in self.sizes if size >= num_tokens)
+
+    def _max_tiles(self, size: int) -> int:
+        """The most tiles `group_rows` makes of `size` rows: each slot's run cut into tiles of
+        tile_rows, so at most one partial tile a slot beyond the full ones (one run a slot where
+        the kernel takes runs whole)."""
+        assert self.lora is not None
+        slots = min(self.lora.max_loras, size)
+        tile_rows = self.lora.tile_rows
+        return slots if tile_rows is None else size // tile_rows + slots
+
+    def _lora_batch(self, size: int) -> LoraBatch:
+        assert self.lora is not None
+        return LoraBatch(self.lora, self.lora_rows[:size], self.lora_segments[: self._max_tiles(size)])
 
     def _pad(self, start: int, end: int) -> None:
         """Padding rows: no KV stored, a context of one key (whatever block their table row
@@ -154,9 +188,10 @@ class DecodeGraphs:
             for rope_rows in self.rope_rows
         ]
 
-    def _forward(self, size: int) -> None:
+    def _forward(self, size: int, with_lora: bool) -> None:
+        lora = self._lora_batch(size) if with_lora else None
         logits = self.model.forward(
-            self.input_ids[:size], self._metas(size), self.kv_cache, self.sample_tokens[:size]
+            self.input_ids[:size], self._metas(size), self.kv_cache, self.sample_tokens[:size], lora
         )
         self.logits[:size].copy_(logits)
 
@@ -171,13 +206,15 @@ class DecodeGraphs:
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)):
             pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(device)
+            variants = (False, True) if self.lora is not None else (False,)
             for size in reversed(self.sizes):
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    self._forward(size)
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(size)
-                self.graphs[size] = graph
+                for with_lora in variants:
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        self._forward(size, with_lora)
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(size, with_lora)
+                    self.graphs[(size, with_lora)] = graph
             torch.cuda.synchronize(device)

@@ -246,7 +246,7 @@ class ModelRunner:
                     # num_speculative_tokens a sequence (1 without speculation: no graph that no
                     # step could fill, nor logits rows for them).
                     min(max_batch, self.max_num_seqs * (1 + self.num_speculative_tokens)),
-                    -(-self.max_model_len // self.block_size),
+                    -(-self.max_model_len // self.block_size), self.lora,
                 )  # fmt: skip
             except RuntimeError as exc:  # a kernel that syncs with the host, say: eager it is
                 reason = f"capture failed: {exc}"
@@ -512,10 +512,10 @@ class ModelRunner:
         result = STEP_RESULT.neutral({Dim.ROWS: s, Dim.TOP_K: k})
         lora = self.lora_batch(arrays, t, s)
         if self._replays_graph(arrays, t, s, lora, num_proposed):
-            input_ids = self.decode_graphs.load(arrays, t, s)
+            input_ids = self.decode_graphs.load(arrays, t, s, lora)
             if len(at):
                 self._fill_placeholders(input_ids, at, table_rows)
-            token_logits = self.decode_graphs.replay(t)
+            token_logits = self.decode_graphs.replay(t, with_lora=lora is not None)
             logits = token_logits[self._to_device(arrays["query_start_loc"][rows + 1] - 1)]
 
             def logits_at(tokens: torch.Tensor) -> torch.Tensor:
@@ -558,8 +558,9 @@ class ModelRunner:
         num_proposed: np.ndarray | None,
     ) -> bool:
         """A step of decodes and verifications that fits a captured CUDA graph, a row per token
-        (cuda_graphs.py), with nothing the graphs leave out. A prefill chunk runs eagerly: as
-        rows of one token each of its tokens would read the whole context once."""
+        (cuda_graphs.py), with nothing the graphs leave out (adapters only where they were
+        captured with them). A prefill chunk runs eagerly: as rows of one token each of its
+        tokens would read the whole context once."""
         tokens_per_seq = 1 if num_proposed is None else 1 + num_proposed[:s].astype(np.int64)
         return (
             self.decode_graphs is not None
@@ -567,7 +568,7 @@ class ModelRunner:
             and np.array_equal(
                 np.diff(arrays["query_start_loc"][: s + 1]), np.broadcast_to(tokens_per_seq, s)
             )
-            and lora is None
+            and (lora is None or self.decode_graphs.lora is not None)
             and not self.has_mrope
             and "prompt_targets" not in arrays
             and "image_starts" not in arrays
