@@ -61,6 +61,16 @@ def hold_bind(endpoint: str, ready, stop) -> None:
     ctx.term()
 
 
+def pull_one(endpoint: str, got) -> None:
+    """Binds, receives one message (the link is up), then waits to be killed."""
+    ctx = zmq.Context()
+    with PullQueue(ctx, endpoint, C.SCHEDULER_INPUT) as pull:
+        if pull.get(WAIT) is not None:
+            got.set()
+        time.sleep(WAIT)
+    ctx.term()
+
+
 @pytest.fixture
 def run_dir() -> Iterator[Path]:
     # Short: unix socket paths are limited to ~107 bytes.
@@ -227,6 +237,36 @@ def test_second_bind_on_live_ipc_endpoint_is_refused_and_stale_file_is_reused(ct
     with pytest.raises(AddressInUse):
         PullQueue(ctx, ipc(run_dir, "plain"), C.SCHEDULER_INPUT)
     listener.close()
+
+
+def test_what_is_pushed_while_the_puller_is_dead_reaches_its_replacement_in_order(ctx, owned, run_dir):
+    """A tokenizer's aborts to a scheduler that was SIGKILLed wait in its link and reach the
+    restarted scheduler behind whatever was pushed before them: nothing resubmitted ahead of
+    an abort can overtake it (docs/architecture.md, after "Aborts go the same way back")."""
+    for endpoint in (ipc(run_dir, "scheduler-0-in"), f"tcp://127.0.0.1:{free_tcp_port()}"):
+        got = SPAWN.Event()
+        old = start(owned, pull_one, endpoint, got)
+        push = PushQueue(ctx, endpoint, C.SCHEDULER_INPUT)
+        owned.append(push)
+        assert push.put(m.AbortRequest("hello")) and got.wait(WAIT)
+        os.kill(old.pid, signal.SIGKILL)
+        old.join(WAIT)
+        time.sleep(0.2)  # the link has seen its peer go
+        sent = [
+            m.SubmitRequest("r1", 0, m.pack_ids([1, 2, 3]), m.SamplingParams(max_tokens=5)),
+            m.AbortRequest("r1"),
+            m.AbortRequest("r2"),
+        ]
+        assert all(push.put(msg) for msg in sent)
+        pull = PullQueue(ctx, endpoint, C.SCHEDULER_INPUT)
+        owned.append(pull)
+        assert [pull.get(WAIT) for _ in sent] == sent
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_ipc_run_dir_must_be_private(ctx, owned, run_dir):
