@@ -16,7 +16,9 @@ below for the GPU, cpu_ops.lora_add in C++ for the CPU in float32):
   adapter does not target it (that work is skipped);
 - rows [N] int64: the token indices that have a slot, grouped by slot (`group_rows`);
 - segments [G, 3] int64: (slot, start, end) of each group's run of `rows`; the Triton path splits
-  them into tiles of at most BLOCK_M rows (`group_rows(tile_rows=BLOCK_M)`).
+  them into tiles of at most BLOCK_M rows (`group_rows(tile_rows=BLOCK_M)`). Triton's tiles may
+  be followed by empty ones (start == end: a CUDA graph's grid, the most tiles a step may have),
+  which read and write nothing.
 """
 
 # Triton convention: compile-time (tl.constexpr) kernel parameters are UPPER_CASE.
@@ -92,12 +94,14 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """h[p, :rank] = a[slot, :rank] @ x[rows[p]] for the tile's positions p (float32); a slot of
-    rank 0 reads nothing (its h is never read either)."""
+    rank 0, or a tile of no rows, reads nothing (its h is never read either)."""
     tile = tl.program_id(0)
     slot = tl.load(segments_ptr + 3 * tile).to(tl.int64)
     start = tl.load(segments_ptr + 3 * tile + 1)
     end = tl.load(segments_ptr + 3 * tile + 2)
-    rank = tl.load(ranks_ptr + slot)
+    # An empty tile (a CUDA graph's grid runs past the step's tiles) is as a rank of 0: it reads
+    # nothing, not its slot's A or B.
+    rank = tl.where(end > start, tl.load(ranks_ptr + slot), 0)
     positions = start + tl.arange(0, BLOCK_M)
     is_row = positions < tl.where(rank > 0, end, start)  # no rows where the rank is 0
     rows = tl.load(rows_ptr + positions, mask=is_row, other=0)
@@ -137,13 +141,13 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """out[rows[p], column + n] += h[p, :rank] . b[slot, :rank, n] for the tile's positions and
-    BLOCK_N columns; a slot of rank 0 leaves out as it is, unread."""
+    BLOCK_N columns; a slot of rank 0, or a tile of no rows, leaves out as it is, unread."""
     tile = tl.program_id(0)
     col_block = tl.program_id(1)
     slot = tl.load(segments_ptr + 3 * tile).to(tl.int64)
     start = tl.load(segments_ptr + 3 * tile + 1)
     end = tl.load(segments_ptr + 3 * tile + 2)
-    rank = tl.load(ranks_ptr + slot)
+    rank = tl.where(end > start, tl.load(ranks_ptr + slot), 0)  # an empty tile: as _shrink_kernel
     positions = start + tl.arange(0, BLOCK_M)
     is_row = positions < tl.where(rank > 0, end, start)  # no rows where the rank is 0
     rows = tl.load(rows_ptr + positions, mask=is_row, other=0)

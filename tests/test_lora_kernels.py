@@ -101,6 +101,22 @@ def test_lora_add_triton_matches_rows_one_by_one(num_tokens, in_features, widths
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_lora_add_triton_skips_a_graphs_empty_tiles_and_stale_rows():
+    """A CUDA graph's arguments (cuda_graphs.py): `rows` as long as the padded step, stale past
+    the step's rows, and the step's tiles followed by empty ones (slot 0, of the full rank) up to
+    the grid the graph was captured with: only the step's rows get deltas."""
+    x, a, b, ranks, token_slots = random_step(37, 64, (72, 72), 12, seed=37)
+    rows, segments = group_rows(token_slots, BLOCK_M)
+    padded_rows = np.full(40, 3, np.int64)  # a stale row that has a slot: it must not be added again
+    padded_rows[: len(rows)] = rows
+    padded_segments = np.concatenate([segments, np.zeros((5, 3), np.int64)])
+    width = sum(b_m.shape[2] for b_m in b)
+    out = torch.randn(x.shape[0], width, generator=torch.Generator().manual_seed(9), device="cpu")
+    expected = expected_out(out, x, a, b, ranks, token_slots)
+    lora_add_triton(out, x, a, b, ranks, torch.from_numpy(padded_rows), torch.from_numpy(padded_segments))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("num_tokens", "in_features", "widths", "max_rank"), SHAPES)
 @pytest.mark.usefixtures("cpu_isa")
 def test_lora_add_cpu_matches_rows_one_by_one(num_tokens, in_features, widths, max_rank):
