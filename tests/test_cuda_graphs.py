@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.messages import PLACEHOLDER_TOKEN, StepHeader
+from ipc.messages import PLACEHOLDER_TOKEN, AdapterSource, StepHeader
 from services.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes, unsupported_reason
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.model_runner import ModelRunner
@@ -138,6 +138,32 @@ def test_graphs_fit_steps_of_at_most_their_rows_in_tokens(random_llama_dir: Path
     assert not graphs.fits(arrays, header.num_tokens)
 
 
+def test_adapter_tiles_fit_the_grid_of_the_size_that_holds_the_step() -> None:
+    """`_max_tiles(size)`, the adapters' grid in a graph of `size` rows, holds every tile
+    `group_rows` makes of a step that size holds, whichever slots its tokens use (its rows, at
+    most one a token, fit the size too): every assignment of up to 6 tokens, random ones of up
+    to 64, for tiles of 1-3 rows, BLOCK_M's and whole runs (the kernels other than Triton's)."""
+    import itertools
+
+    from kernels.lora import BLOCK_M, group_rows
+
+    sizes = capture_sizes(64)
+    rng = np.random.default_rng(0)
+    for max_loras, tile_rows in itertools.product((1, 2, 3), (1, 2, 3, BLOCK_M, None)):
+        stub = SimpleNamespace(lora=SimpleNamespace(max_loras=max_loras, tile_rows=tile_rows))
+        steps = [
+            np.array(slots, np.int64)
+            for num_tokens in range(1, 7)
+            for slots in itertools.product(range(-1, max_loras), repeat=num_tokens)
+        ]
+        steps += [rng.integers(-1, max_loras, rng.integers(8, 65)) for _ in range(300)]
+        for token_slots in steps:
+            size = next(size for size in sizes if size >= len(token_slots))
+            rows, segments = group_rows(token_slots, tile_rows)
+            assert len(rows) <= size
+            assert len(segments) <= DecodeGraphs._max_tiles(stub, size), (token_slots, tile_rows)
+
+
 def test_graphs_hold_the_tokens_a_step_may_carry(
     random_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,14 +259,16 @@ def test_steps_with_adapters_replay_the_graphs_captured_with_them(
 ) -> None:
     """Graphs made with the run's adapter slots replay steps whose rows use them: rows of two
     adapters and none, fewer tiles after more (an earlier step's tiles must not apply again), a
-    step with no adapter row, and a verification on an adapter, against the eager runner: the
-    same results and KV cache."""
+    step with no adapter row, a verification on an adapter, and the adapters loaded into the
+    slots only after the graphs were made, then swapped between them, against the eager runner:
+    the same results and KV cache."""
     check_adapter_steps(random_llama_dir, tmp_path, "cpu", atol=1e-5)
 
 
 @needs_cuda
 def test_steps_with_adapters_replay_captured_graphs_on_cuda(random_llama_dir: Path, tmp_path: Path) -> None:
-    """The same on the GPU, the graphs captured (each size with and without the adapters)."""
+    """The same on the GPU, the graphs captured (each size with and without the adapters) while
+    the slots were empty: a graph reads the slots' ranks and weights when it replays."""
     check_adapter_steps(random_llama_dir, tmp_path, "cuda", atol=2e-3)
 
 
@@ -254,8 +282,9 @@ def check_adapter_steps(model_dir: Path, tmp_path: Path, device: str, atol: floa
                                      target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])),
     }  # fmt: skip
     kwargs = {"dtype": "float32", "device": device, "kv_cache_bytes": KV_BYTES, "backend": "triton",
-              "max_loras": 2, "lora_adapters": adapters}  # fmt: skip
-    eager = ModelRunner(model_dir, **kwargs)
+              "max_loras": 2}  # fmt: skip
+    eager = ModelRunner(model_dir, lora_adapters=adapters, **kwargs)
+    # The graphs are made while the slots are empty (every rank 0): the adapters are loaded after.
     if device == "cuda":
         padded = ModelRunner(model_dir, cuda_graph_max_batch=8, **kwargs)
         graphs = padded.decode_graphs
@@ -264,8 +293,11 @@ def check_adapter_steps(model_dir: Path, tmp_path: Path, device: str, atol: floa
         padded = ModelRunner(model_dir, **kwargs)
         graphs = DecodeGraphs(padded.model, padded.kv_cache, 8, GRAPH_WIDTH, lora=padded.lora, capture=False)
         padded.decode_graphs = graphs
-    assert padded.lora is not None and padded.lora.names == ["a", "b"]  # slots 0 and 1
+    assert padded.lora is not None and padded.lora.names == [None, None]
+    for name, path in adapters.items():
+        assert padded.load_lora(AdapterSource(name, path)) == ""
     builders = [PlanBuilder(eager.block_size), PlanBuilder(padded.block_size)]
+    lora_slots = ["a", "b"]  # the eager runner's slots 0 and 1 already; the padded one's copied in
 
     def step(
         chunks: list[tuple[int, list[int], bool]], slots: list[int], num_proposed: list[int] | None = None
@@ -273,6 +305,7 @@ def check_adapter_steps(model_dir: Path, tmp_path: Path, device: str, atol: floa
         results = []
         for runner, builder in zip((eager, padded), builders, strict=True):
             arrays, header = builder.plan(chunks, max_blocks=PLAN_WIDTH)
+            header = msgspec.structs.replace(header, lora_slots=lora_slots)
             arrays["lora_slots"] = np.array(slots, np.int32)
             if num_proposed is not None:
                 arrays["num_proposed"] = np.array(num_proposed, np.int32)
@@ -286,15 +319,18 @@ def check_adapter_steps(model_dir: Path, tmp_path: Path, device: str, atol: floa
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (6, 9, 4, 7)]
     step([(row, prompt, True) for row, prompt in enumerate(prompts)], [0, 1, 0, -1])  # 26 tokens: eager
-    assert graphs.num_replays == 0
+    assert graphs.num_replays == 0 and padded.lora.names == ["a", "b"]
     decode = [(row, [PLACEHOLDER_TOKEN], True) for row in range(4)]
     for replays, slots in enumerate(
         ([0, 1, 0, -1], [-1, 1, -1, -1], [-1, -1, -1, -1], [1, 1, 0, 0]), start=1
     ):
         step(decode, slots)
         assert graphs.num_replays == replays, slots
+    lora_slots = ["b", "a"]  # each slot's weights and ranks replaced in place, after replays
+    step(decode, [0, 1, 1, -1])
+    assert graphs.num_replays == 5 and padded.lora.names == ["b", "a"]
     got = step([(0, [PLACEHOLDER_TOKEN, 5, 6], True), *decode[1:]], [0, -1, 1, -1], [2, 0, 0, 0])
-    assert graphs.num_replays == 5 and got["num_emitted"][0] >= 1
+    assert graphs.num_replays == 6 and got["num_emitted"][0] >= 1
     for (k0, v0), (k1, v1) in zip(eager.kv_cache, padded.kv_cache, strict=True):
         torch.testing.assert_close(k1, k0, atol=atol, rtol=0)
         torch.testing.assert_close(v1, v0, atol=atol, rtol=0)
