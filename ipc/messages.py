@@ -521,10 +521,13 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class RequestProgress(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Scheduler -> tokenizer, the answer to `QueryRequests`: the output tokens the scheduler holds
-    for each request, -1 for one it does not run (finished, aborted or never admitted)."""
+    for each request, -1 for one it does not run (finished, aborted or never admitted).
+    `is_ready` is False while the scheduler still waits for its workers: a restarted one has not
+    been sent its `ResubmitAll` then, so its -1 says nothing about a request."""
 
     request_ids: list[str]
     num_output_tokens: list[int]
+    is_ready: bool = True
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.num_output_tokens):

@@ -118,6 +118,7 @@ EXAMPLES: dict[str, list] = {
         m.DeltaBatch([DELTA]),
         m.RequestFailed("a", "prompt_too_long", "too long"),
         m.RequestProgress(["a", "b"], [3, -1]),
+        m.RequestProgress(["a"], [-1], is_ready=False),
         m.UntrackedRequests(["a", "b"]),
         m.ResubmitAll(0),
         m.AdapterReply("a", "adapter_in_use", "2 requests use it", {"sql": "/adapters/sql"}),
@@ -237,6 +238,12 @@ def test_ragged_request_progress_is_malformed():
     ragged = msgspec.msgpack.encode(["RequestProgress", ["a", "b"], [3]])
     with pytest.raises(MalformedMessage):
         C.TOKENIZER_INPUT.decode(ragged)
+
+
+def test_request_progress_of_a_scheduler_without_is_ready_reads_as_ready():
+    # A scheduler started from an older checkout sends no is_ready: its answers count as before.
+    old = msgspec.msgpack.encode(["RequestProgress", ["a"], [-1]])
+    assert C.TOKENIZER_INPUT.decode(old) == m.RequestProgress(["a"], [-1], is_ready=True)
 
 
 def assert_malformed_or_valid(codec: Codec, data: bytes) -> None:

@@ -210,6 +210,64 @@ def test_watchdog_redrives_a_request_the_engine_lost(core_factory) -> None:
     assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([entry], [])
 
 
+def test_a_starting_scheduler_loses_nothing(core_factory) -> None:
+    """A restarted scheduler waiting for its workers runs none of the journal's requests until
+    ResubmitAll brings them: its answers, however many, resubmit nothing. Nor do answers given
+    before it had the resubmission, which share its link. Then the watchdog works as before."""
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x"))
+    r = entry.submit.request_id
+    core.relay(m.Delta(r, 0, 0, "ab", m.pack_ids([5, 6])))
+    now = entry.progress_at
+    for _ in range(5):
+        now += STALL_S
+        assert ask(core, now) == [r]
+        assert core.on_progress(m.RequestProgress([r], [-1], is_ready=False), now) == ([], [])
+
+    # Ready, and the tokenizer not yet told (ResubmitAll comes from the supervisor): one answer
+    # that it runs nothing, and a question asked before the resubmission, so answered before the
+    # scheduler reads it, and heard after it: not a second loss in a row.
+    now += STALL_S
+    assert ask(core, now) == [r]
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])
+    now += STALL_S
+    assert ask(core, now) == [r]
+    assert m.unpack_ids(core.resubmissions(0)[0].output_ids).tolist() == [5, 6]
+    assert core.on_progress(m.RequestProgress([r], [-1]), now) == ([], [])
+    now += STALL_S
+    assert ask(core, now) == [r]
+    assert core.on_progress(m.RequestProgress([r], [2]), now) == ([], [])
+
+    # Lost later by the live scheduler: still found, two answers in a row.
+    for answer in (([], []), ([entry], [])):
+        now += STALL_S
+        assert ask(core, now) == [r]
+        assert core.on_progress(m.RequestProgress([r], [-1]), now) == answer
+
+
+def test_a_scheduler_that_never_comes_up_fails_its_requests(core_factory) -> None:
+    """Waiting for a starting scheduler has a deadline: start_timeout_s after its first answer
+    that it is starting, the request fails with an error that says why, instead of hanging."""
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x"))
+    r = entry.submit.request_id
+    now = entry.progress_at + STALL_S
+    first = now
+    failed: list = []
+    while not failed:
+        assert now - first < core.start_timeout_s + 2 * STALL_S, "no deadline"
+        assert ask(core, now) == [r]
+        redrive, failed = core.on_progress(m.RequestProgress([r], [0], is_ready=False), now)
+        assert redrive == []
+        now += STALL_S
+    assert now - STALL_S - first >= core.start_timeout_s
+    (reply,) = failed
+    assert isinstance(reply.message, m.ErrorReply)
+    assert (reply.message.request_id, reply.message.code) == ("r", "unavailable")
+    assert "did not come up" in reply.message.message
+    assert r not in core.journal
+
+
 def test_a_gap_cannot_strand_a_request(core_factory) -> None:
     """Deltas past a gap are never forwarded, and the request is not left waiting: the scheduler
     holds tokens the client never got, so the watchdog re-drives it from the client's position.

@@ -206,7 +206,9 @@ class SchedulerProcess(StageProcess):
 
     def report_progress(self, query: m.QueryRequests) -> None:
         """A tokenizer asks how far its quiet requests are (its watchdog): the outputs held for
-        each, -1 for one this scheduler does not run."""
+        each, -1 for one this scheduler does not run, and whether it is ready: before its workers'
+        hello a restarted scheduler has not had its resubmissions (the supervisor sends
+        ResubmitAll once it is ready), so not running a request means nothing yet."""
         if not 0 <= query.tokenizer_id < len(self.tokenizers):
             return
         early = {s.request_id: len(s.output_ids) // 4 for s in self.early}
@@ -214,7 +216,8 @@ class SchedulerProcess(StageProcess):
         counts = [
             live[rid].num_output_tokens if rid in live else early.get(rid, -1) for rid in query.request_ids
         ]
-        self.tokenizers[query.tokenizer_id].put(m.RequestProgress(query.request_ids, counts))
+        progress = m.RequestProgress(query.request_ids, counts, is_ready=self.core is not None)
+        self.tokenizers[query.tokenizer_id].put(progress)
 
     def reconfigure(self, command: m.Reconfigure) -> None:
         """The overload bound or lora.adapters changed (hot reload)."""

@@ -87,6 +87,7 @@ class TokenizerProcess(StageProcess):
             default_max_tokens=config.tokenizer.default_max_tokens,
             metrics=self.metrics,
             stall_timeout_s=config.tokenizer.stall_timeout_s,
+            start_timeout_s=config.supervisor.start_timeout_s,
             sampler=self._request_sampler(),
             sampling_defaults=run_defaults(
                 stage.info.model_dir,

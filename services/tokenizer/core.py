@@ -107,13 +107,15 @@ class JournalEntry:
     last_token_time: float | None = None
     # The watchdog (TokenizerCore.stalled / on_progress): when the client last got something new,
     # when the scheduler was last asked about this request and whether that question is still
-    # open with nothing new since, how many answers in a row said the engine lost it, and the
-    # resubmissions since the last progress.
+    # open with nothing new since, how many answers in a row said the engine lost it, the
+    # resubmissions since the last progress, and since when its scheduler has answered that it
+    # is still starting (None: it last answered ready).
     progress_at: float = field(default_factory=time.monotonic)
     checked_at: float = 0.0
     is_asked: bool = False
     num_lost_checks: int = 0
     num_redrives: int = 0
+    starting_since: float | None = None
     sample: list[str] | None = None  # the output text so far of a request in the MLflow sample
     # Cuts the finished output into content and tool calls (a request with tools, unless its
     # tool_choice is none); `text` then holds the whole output, streamed or not.
@@ -178,6 +180,7 @@ class TokenizerCore:
         default_max_tokens: int,
         metrics: RequestMetrics | None = None,
         stall_timeout_s: float = 10.0,
+        start_timeout_s: float = 600.0,
         sampler: RequestSampler | None = None,
         sampling_defaults: dict[str, float | int] | None = None,
         max_messages: int = 4096,
@@ -212,6 +215,9 @@ class TokenizerCore:
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
+        # How long a request may wait for its scheduler to come up (supervisor.start_timeout_s,
+        # what a stage is given to start) before it fails instead of waiting on.
+        self.start_timeout_s = start_timeout_s
         self.sampler = sampler
         self.sampling_defaults = sampling_defaults or {}  # the model's (ipc/sampling_defaults.py)
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
@@ -943,8 +949,15 @@ class TokenizerCore:
         return msgspec.structs.replace(entry.submit, output_ids=m.pack_ids(entry.output_ids))
 
     def resubmissions(self, group: int) -> list[m.SubmitRequest]:
-        """Every journaled request of engine group `group` (its scheduler restarted)."""
-        return [self.resubmission(e) for e in self.journal.values() if e.group == group and not e.is_encoding]
+        """Every journaled request of engine group `group` (its scheduler restarted and is ready).
+
+        The watchdog starts over for them: an answer to a question asked before this
+        resubmission was given before the scheduler had it (questions and resubmissions share one
+        FIFO link), so its -1 would be taken for a loss, and the request resubmitted again."""
+        entries = [e for e in self.journal.values() if e.group == group and not e.is_encoding]
+        for entry in entries:
+            entry.is_asked, entry.num_lost_checks, entry.starting_since = False, 0, None
+        return [self.resubmission(e) for e in entries]
 
     def shard_resubmissions(self, shard: int, num_shards: int) -> list[tuple[int, m.SubmitRequest]]:
         """(group, resubmission) of every journaled request of detokenizer shard `shard` (it
@@ -976,6 +989,10 @@ class TokenizerCore:
         scheduler no longer runs it, or holds tokens the client never got; that is acted on only
         when two answers in a row, with nothing new between, say so, because the last text of a
         request the scheduler just finished may still be on its way through the detokenizer.
+
+        A scheduler still starting (`report.is_ready` False) lost nothing: a restarted one gets
+        its requests back from `resubmissions` once it is ready. Its requests wait, and those it
+        keeps waiting for start_timeout_s fail (`unavailable`) rather than hang.
         """
         redrive: list[JournalEntry] = []
         failed: list[Reply] = []
@@ -984,6 +1001,17 @@ class TokenizerCore:
             if entry is None or not entry.is_asked:
                 continue  # finished, or moved on since the question
             entry.is_asked = False
+            if not report.is_ready:
+                entry.num_lost_checks = 0
+                if entry.starting_since is None:
+                    entry.starting_since = now
+                elif now - entry.starting_since >= self.start_timeout_s:
+                    message = f"engine group {entry.group} did not come up within {self.start_timeout_s:g}s"
+                    reply = self.fail(m.RequestFailed(request_id, "unavailable", message))
+                    if reply is not None:
+                        failed.append(reply)
+                continue
+            entry.starting_since = None
             if 0 <= num_tokens <= len(entry.output_ids):
                 entry.num_lost_checks = 0
                 continue
