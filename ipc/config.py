@@ -94,6 +94,9 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_messages: Positive = 4096
     template_timeout_s: Seconds = 1.0
     stall_timeout_s: Seconds = 10.0  # a request quiet this long is checked with its scheduler
+    # A client whose queue is full (it reads slowly) has its replies held and sent once it reads;
+    # one whose queue takes none of them for this long is treated as gone: its requests are aborted.
+    slow_client_timeout_s: Seconds = 30.0
 
 
 class StructuredConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -2,8 +2,9 @@
 
 Each wrapper owns one ZeroMQ socket and the codecs of its directions. Queues and message sizes are
 bounded, every wait has a timeout, sends never block forever (they return False when the peer is
-gone or its queue is full), and a bad frame raises `MalformedMessage` (`MalformedFrame` on a
-ROUTER, with the sender's identity) so the caller counts it and goes on. Every message is one
+gone or its queue is full; a ROUTER's `try_send` tells the two apart), and a bad frame raises
+`MalformedMessage` (`MalformedFrame` on a ROUTER, with the sender's identity) so the caller counts
+it and goes on. Every message is one
 msgspec frame: a peer that sends more frames is answered as malformed.
 Asyncio code (the gateway's `AsyncClient`) watches these sockets' descriptors with its loop's
 `add_reader` instead of zmq.asyncio, whose per-message futures cost more than the message.
@@ -12,6 +13,7 @@ Asyncio code (the gateway's `AsyncClient`) watches these sockets' descriptors wi
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import os
 import socket as pysocket
@@ -39,6 +41,15 @@ DEFAULT_MAX_MSG_BYTES = 64 << 20
 DEFAULT_LINGER_MS = 1000
 DEFAULT_SEND_TIMEOUT_MS = 100
 _SNDMORE = int(zmq.SNDMORE)
+_DONTWAIT = int(zmq.DONTWAIT)
+
+
+class Sent(enum.Enum):
+    """What became of one message a ROUTER sent to one peer."""
+
+    OK = "ok"
+    FULL = "full"  # the peer's queue is full (it reads slowly): nothing was sent
+    GONE = "gone"  # no peer with that identity (it disconnected): nothing was sent
 
 
 class AddressInUse(OSError):
@@ -392,20 +403,30 @@ class RouterSocket(_Base, Generic[In, Out]):
         return identity, _decode(self._in, frame, identity)
 
     def send(self, identity: bytes, msg: Out) -> bool:
-        """False when the peer is gone or its queue is full."""
+        """False when the peer is gone or its queue stayed full for the send timeout."""
+        return self._route(identity, msg, 0) is Sent.OK
+
+    def try_send(self, identity: bytes, msg: Out) -> Sent:
+        """Send without waiting, telling a peer whose queue is full (Sent.FULL: nothing was sent,
+        try again later) from one that is gone (Sent.GONE)."""
+        return self._route(identity, msg, _DONTWAIT)
+
+    def _route(self, identity: bytes, msg: Out, flags: int) -> Sent:
         data = self._out.encode(msg)
         if len(data) > self._max_msg_bytes:
             raise self._too_large(data)
         try:
-            self.socket.send(identity, _SNDMORE)
-            self.socket.send(data)
+            # Under ROUTER_MANDATORY a full queue refuses the identity frame, so a refused
+            # message is never half sent.
+            self.socket.send(identity, _SNDMORE | flags)
+            self.socket.send(data, flags)
         except zmq.Again:
-            return False
+            return Sent.FULL
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                return False
+                return Sent.GONE
             raise
-        return True
+        return Sent.OK
 
 
 class DealerSocket(_Base, Generic[In, Out]):

@@ -229,6 +229,12 @@ class RequestMetrics:
             f"{PREFIX}prompt_tokens_cached", "Prompt tokens of finished requests found in the prefix cache",
             labels, registry=registry,
         ).labels(model_name)  # fmt: skip
+        self.slow_clients_dropped = Counter(
+            f"{PREFIX}slow_clients_dropped",
+            "Clients whose full queues took none of their replies for tokenizer.slow_client_timeout_s; "
+            "their requests are aborted (and counted in request_success, finished_reason abort)",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
 
     def on_tokens(
         self, arrival: float, last: float | None, now: float, num_tokens: int, num_prompt_tokens: int
@@ -257,6 +263,10 @@ class RequestMetrics:
         decoded = request.num_generation_tokens - 1
         self.request_time_per_output_token.observe(decode_s / decoded if decoded > 0 else 0.0)
         self.prompt_tokens_cached.inc(request.num_cached_tokens)
+
+    def on_slow_client_dropped(self) -> None:
+        """A client stopped reading and was treated as gone (services/tokenizer/__main__.py)."""
+        self.slow_clients_dropped.inc()
 
     def on_failure(self, code: str) -> None:
         """A request ended in an error (`overloaded`, `invalid_request`, ...). Not in the latency

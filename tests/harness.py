@@ -272,15 +272,18 @@ def assert_clean(run_dir: Path, run_id: str | None = None) -> None:
 
 
 def tokenizer_dealer(
-    ctx: zmq.Context, run_dir: Path, index: int = 0, identity: bytes | None = None
+    ctx: zmq.Context, run_dir: Path, index: int = 0, identity: bytes | None = None, rcvhwm: int | None = None
 ) -> zmq.Socket:
     """A bare DEALER to tokenizer `index`, as a client that speaks the wire protocol itself: with
-    the run's client CURVE keys when its links are tcp:// (run.json names them)."""
+    the run's client CURVE keys when its links are tcp:// (run.json names them). `rcvhwm` (set
+    before it connects, as ZeroMQ needs) makes a client that stops reading fill up sooner."""
     info = read_run_info(run_dir)
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     if identity is not None:
         sock.identity = identity
+    if rcvhwm is not None:
+        sock.rcvhwm = rcvhwm
     if info.curve_server_key:
         keys = load_secret_file(info.curve_client_keys)
         sock.curve_serverkey = info.curve_server_key.encode()

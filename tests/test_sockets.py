@@ -29,6 +29,7 @@ from ipc.sockets import (
     PullQueue,
     PushQueue,
     RouterSocket,
+    Sent,
     SocketOptions,
 )
 
@@ -292,6 +293,37 @@ def test_send_never_blocks_on_a_gone_or_full_peer(ctx, owned, run_dir):
     results = [push.put(m.AbortRequest(f"r{i}")) for i in range(10)]
     assert results[0] and not results[-1]
     assert time.monotonic() - t0 < 5
+
+
+def test_router_try_send_tells_a_full_peer_from_a_gone_one(ctx, owned, run_dir):
+    """The tokenizer holds a slow client's replies but aborts a gone client's requests: the two
+    must not look alike, and a full queue must not hold the sender for the send timeout."""
+    options = SocketOptions(hwm=4, send_timeout_ms=2000)
+    router = RouterSocket(ctx, ipc(run_dir, "f"), C.CLIENT_REQUEST, C.CLIENT_REPLY, options=options)
+    owned.append(router)
+    assert router.try_send(b"gone", m.ErrorReply("", "c", "m")) is Sent.GONE
+    sock = ctx.socket(zmq.DEALER)
+    sock.rcvhwm, sock.rcvbuf, sock.linger = 1, 1024, 0
+    sock.connect(router.endpoint)
+    sock.send(C.CLIENT_REQUEST.encode(m.Abort("hello")))
+    identity, _ = router.recv(WAIT)
+    reply = m.ErrorReply("r", "c", "x" * 1000)
+    t0 = time.monotonic()
+    results = [router.try_send(identity, reply) for _ in range(2000)]
+    assert time.monotonic() - t0 < 1.0  # never waits out send_timeout_ms
+    assert results[0] is Sent.OK and results[-1] is Sent.FULL
+    assert set(results) == {Sent.OK, Sent.FULL}
+    num_sent = results.count(Sent.OK)
+    for _ in range(num_sent):  # what was accepted arrives whole; what was refused never does
+        assert sock.poll(WAIT * 1000)
+        assert C.CLIENT_REPLY.decode(sock.recv()) == reply
+    assert not sock.poll(200)
+    assert router.try_send(identity, reply) is Sent.OK  # it reads again: the queue takes more
+    sock.close()
+    deadline = time.monotonic() + WAIT
+    while router.try_send(identity, reply) is not Sent.GONE:
+        assert time.monotonic() < deadline, "a closed peer never became unreachable"
+        time.sleep(0.01)
 
 
 def test_curve_refuses_unknown_client_and_keeps_serving(ctx, owned):

@@ -3,6 +3,7 @@ text deltas back to clients. Light: no torch."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, TOKENIZER_INPUT, MalformedMe
 from ipc.config import ADAPTER_COMMAND_MARGIN_S
 from ipc.endpoints import shard_of
 from ipc.sampling_defaults import run_defaults
-from ipc.sockets import MalformedFrame, PullQueue, RouterSocket
+from ipc.sockets import MalformedFrame, PullQueue, RouterSocket, Sent
 from ipc.topology import Topology
 from services.common.harmony import speaks_harmony
 from services.common.image_fetch import ImageFetcher, RemoteImages
@@ -27,10 +28,13 @@ from services.metrics import RequestMetrics
 from services.peers import Peers
 from services.request_sample import RequestSampler
 from services.stage import StageProcess
+from services.tokenizer.backlog import Backlog
 from services.tokenizer.core import JournalEntry, Reply, RequestError, TokenizerCore
 from services.tokenizer.encoders import EncoderClient
 
 POLL_MS = 100
+# The poll's timeout while some client's replies are held: its queue is tried again this often.
+HELD_POLL_MS = 10
 # How often a client with requests in flight is sent a HealthReply. A send to a client that has
 # gone fails (ROUTER_MANDATORY), so a dead client's requests stop computing within about this
 # long even when nothing else is sent to it (a non-streamed request, or one still queued).
@@ -126,6 +130,9 @@ class TokenizerProcess(StageProcess):
         self.num_events = 0
         self.is_draining = False
         self.last_keepalive = 0.0
+        # Replies that slow clients' sockets refused (their queues are full), by client identity.
+        self.held: dict[bytes, Backlog] = {}
+        self.slow_client_timeout_s = config.tokenizer.slow_client_timeout_s
         self.poller = zmq.Poller()
         self.poller.register(self.clients.socket, zmq.POLLIN)
         self.poller.register(self.inbox.socket, zmq.POLLIN)
@@ -142,13 +149,50 @@ class TokenizerProcess(StageProcess):
         return RequestSampler(self.stage.run_dir, self.stage.index, mlflow.sample_requests, mlflow.interval_s)
 
     def send(self, reply: Reply) -> None:
-        if not self.clients.send(reply.identity, reply.message):
-            self._client_gone(reply.identity)
+        """Send a reply to its client, or hold it, in order behind the others held for that client,
+        while the client's queue is full: a slow client is not a gone one."""
+        backlog = self.held.get(reply.identity) if self.held else None
+        if backlog is not None:
+            backlog.add(reply.message)
+            return
+        sent = self.clients.try_send(reply.identity, reply.message)
+        if sent is Sent.GONE:
+            self._client_gone(reply.identity, "disconnected")
+        elif sent is Sent.FULL:
+            self.log.info(
+                "client %s is not reading: holding its replies (%d requests in flight)",
+                reply.identity.hex(),
+                sum(1 for who, _ in self.core.engine_ids if who == reply.identity),
+            )
+            self.held[reply.identity] = Backlog(reply.message, time.monotonic())
 
-    def _client_gone(self, identity: bytes) -> None:
-        """Stop spending compute on the requests of a client that disconnected."""
+    def flush_held(self) -> None:
+        """Send what slow clients' queues take now; a client whose queue has taken nothing for
+        tokenizer.slow_client_timeout_s is treated as gone."""
+        now = time.monotonic()
+        for identity, backlog in list(self.held.items()):
+            sent = backlog.flush(functools.partial(self.clients.try_send, identity), now)
+            if sent is Sent.OK:
+                del self.held[identity]
+            elif sent is Sent.GONE:
+                del self.held[identity]
+                self._client_gone(identity, "disconnected")
+            elif now - backlog.progress_at >= self.slow_client_timeout_s:
+                del self.held[identity]
+                self.metrics.on_slow_client_dropped()
+                self.log.warning(
+                    "client %s read none of its replies for %.0fs (tokenizer.slow_client_timeout_s): "
+                    "dropping %d held replies",
+                    identity.hex(),
+                    now - backlog.progress_at,
+                    len(backlog),
+                )
+                self._client_gone(identity, "read nothing in time")
+
+    def _client_gone(self, identity: bytes, why: str) -> None:
+        """Stop spending compute on the requests of a client that disconnected or stopped reading."""
         for entry in self.core.abort_connection(identity):
-            self.log.info("client of %s disconnected; aborting it", entry.request_id)
+            self.log.info("client of %s %s; aborting it", entry.request_id, why)
             self._abort_upstream(entry.submit.request_id)
             self._forget_images(entry.submit.request_id)
 
@@ -192,7 +236,8 @@ class TokenizerProcess(StageProcess):
             return
         self.last_keepalive = now
         health = self.health()
-        for identity in {entry.identity for entry in self.core.journal.values()}:
+        # A client whose replies are held needs none: each try to send them finds it gone.
+        for identity in {entry.identity for entry in self.core.journal.values()} - self.held.keys():
             self.send(Reply(identity, health))
 
     def on_client(self) -> None:
@@ -432,7 +477,7 @@ class TokenizerProcess(StageProcess):
         self.log.info("serving on %s", self.stage.endpoints.tokenizer(self.stage.index))
 
     def step(self) -> None:
-        events = dict(self.poller.poll(POLL_MS))
+        events = dict(self.poller.poll(HELD_POLL_MS if self.held else POLL_MS))
         if self.inbox.socket in events:
             self.on_engine()
             self.num_events += 1
@@ -447,6 +492,8 @@ class TokenizerProcess(StageProcess):
         ):
             self.on_encoders()
             self.num_events += 1
+        if self.held:
+            self.flush_held()
         self.keep_alive()
         self.check_stalled()
         if self.adapter_commands:
