@@ -150,6 +150,26 @@ def test_prefill_starts_from_prefix_cache_hits_and_keeps_the_last_token_to_compu
     assert chunks.starts == [4] and chunks.num_new == [4]
 
 
+def test_a_resumed_request_counts_only_its_prompt_as_cached():
+    """A preempted or resubmitted request looks up its prompt and its output so far; the hits in
+    its output are no prompt tokens, so its usage's cached_tokens stays within its prompt."""
+    state = SchedulerState(config())
+    tokens = list(range(1, 10))  # 9 tokens: two full blocks of 4
+    first = request("first", tokens)
+    Admission(state).add(first)
+    prefill = Prefill(state)
+    prefill.plan([], [], 32)
+    state.register_blocks(first, 2)
+    resumed = Request("resumed", 0, np.array(tokens[:5], np.int32), engine_params(seed=1, max_tokens=8),
+                      output_ids=tokens[5:])  # fmt: skip
+    Admission(state).add(resumed)
+    seqs: list[Request] = []
+    chunks = prefill.plan([], seqs, 32)
+    assert seqs == [resumed] and chunks.starts == [8]  # both blocks are hits, output included
+    assert resumed.num_cached_tokens == 5
+    assert prefill.num_prefix_hit_tokens == 8  # the cache's own counters see every hit
+
+
 def test_prefill_admits_at_most_max_num_seqs():
     state = SchedulerState(config(max_num_seqs=2))
     for rid in "abc":

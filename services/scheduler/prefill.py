@@ -97,7 +97,9 @@ class Prefill:
             blocks.acquire(hits)
             req.block_ids = hits
             req.num_registered_blocks = len(hits)
-            req.num_cached_tokens = done
+            # Usage's cached prompt tokens: a preempted or resubmitted request looks up its output
+            # so far too, whose hits are no prompt tokens (vLLM's never exceed the prompt).
+            req.num_cached_tokens = min(done, req.num_prompt_tokens)
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += done
             state.grow(req, done + n)
