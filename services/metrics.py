@@ -247,6 +247,11 @@ class RequestMetrics:
         elif num_tokens:
             self.inter_token.observe((now - last) / num_tokens)
 
+    def on_resumed_tokens(self, num_tokens: int) -> None:
+        """The first new tokens of a request resumed from another replica: its time to first token
+        and its prompt were observed there, and the gap since its last token there is unknown."""
+        self.generation_tokens.inc(num_tokens)
+
     def on_finish(self, reason: str, arrival: float, now: float, request: FinishedRequest) -> None:
         """A request finished with `reason`: stop, length or abort."""
         self.success.labels(self.model_name, reason).inc()

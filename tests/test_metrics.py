@@ -291,6 +291,38 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     assert got[("brigade:request_params_max_tokens_sum", (model,))] == 2 * 4  # default_max_tokens
 
 
+def test_a_request_resumed_from_another_tokenizer_observes_no_second_first_token(smollm2_dir: Path) -> None:
+    """A client whose tokenizer replica died resumes its request on another with the tokens it has
+    (`resume_output_ids`): the dead replica counted its prompt and its time to first token, so the
+    new one counts only the new output tokens (and the gaps after its first new delta)."""
+    from ipc import messages as m
+    from services.common.text import Tokenizer
+    from services.tokenizer.core import TokenizerCore
+
+    registry = CollectorRegistry()
+    core = TokenizerCore(
+        Tokenizer(smollm2_dir), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=8,
+        metrics=RequestMetrics(MODEL, max_model_len=256, registry=registry),
+    )  # fmt: skip
+    resumed = core.admit(b"c", m.Generate("r", prompt="Hello", resume_output_ids=m.pack_ids([40, 41, 42])))
+    request_id = resumed.submit.request_id
+    core.relay(m.Delta(request_id, 0, 0, "", m.pack_ids([40, 41, 42, 43, 44])))  # a resubmission repeats
+    core.relay(m.Delta(request_id, 5, 0, "", m.pack_ids([45]), finish_reason="length"))
+    got = scrape(registry)
+    model = ("model_name", MODEL)
+    assert got[("brigade:generation_tokens_total", (model,))] == 3
+    assert got[("brigade:prompt_tokens_total", (model,))] == 0
+    assert got[("brigade:time_to_first_token_seconds_count", (model,))] == 0
+    assert got[("brigade:inter_token_latency_seconds_count", (model,))] == 1
+    assert got[("brigade:request_success_total", (("finished_reason", "length"), model))] == 1
+    # A fresh request on the same replica still observes its first token and its prompt.
+    fresh = core.admit(b"c", m.Generate("f", prompt="Hello"))
+    core.relay(m.Delta(fresh.submit.request_id, 0, 0, "Hi", m.pack_ids([42]), finish_reason="length"))
+    got = scrape(registry)
+    assert got[("brigade:time_to_first_token_seconds_count", (model,))] == 1
+    assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
+
+
 OBSERVE_ON_A_FULL_DISK = """
 from services.metrics import RequestMetrics
 request = RequestMetrics("m", max_model_len=2048)

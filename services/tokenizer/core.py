@@ -136,6 +136,9 @@ class JournalEntry:
     unfetched: tuple[m.Generate, list[dict] | None] | None = None
     is_encoding: bool = False
     num_encodings: int = 0
+    # Resumed by a client whose tokenizer replica died (`Generate.resume_output_ids`): that replica
+    # observed its prompt and its first token, so this one observes neither again.
+    is_resumed: bool = False
 
 
 @dataclass
@@ -324,6 +327,7 @@ class TokenizerCore:
             image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
+            is_resumed=bool(len(resume_ids)),
         )
         if image_urls:
             entry.unfetched = (request, tools)
@@ -800,7 +804,9 @@ class TokenizerCore:
         now = time.monotonic()
         entry.progress_at, entry.is_asked, entry.num_lost_checks, entry.num_redrives = now, False, 0, 0
         if len(new_ids):
-            if self.metrics is not None:
+            if self.metrics is not None and entry.is_resumed and entry.last_token_time is None:
+                self.metrics.on_resumed_tokens(len(new_ids))
+            elif self.metrics is not None:
                 self.metrics.on_tokens(
                     entry.arrival, entry.last_token_time, now, len(new_ids), len(entry.submit.prompt_ids) // 4
                 )
