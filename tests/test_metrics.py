@@ -323,6 +323,32 @@ def test_a_request_resumed_from_another_tokenizer_observes_no_second_first_token
     assert got[("brigade:prompt_tokens_total", (model,))] == len(core.tokenizer.encode("Hello"))
 
 
+def test_http_inter_token_latency_is_timed_per_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With n > 1 a request's choices output in the same steps and their deltas interleave: the
+    gateway times the gap between two outputs of one choice, never between two choices' outputs."""
+    from client.sdk import StreamDelta
+    from services.gateway import metrics as gateway_metrics
+    from services.metrics import HttpMetrics
+
+    clock = [100.0]
+    monkeypatch.setattr(gateway_metrics.time, "monotonic", lambda: clock[0])
+    registry = CollectorRegistry()
+    timer = gateway_metrics.RequestTimer(HttpMetrics(registry))
+    for step in range(3):  # three steps 0.05 s apart, each one token for each of three choices
+        clock[0] = 100.5 + 0.05 * step
+        for choice in range(3):
+            timer.on_output((choice, StreamDelta("x", [7])))
+    timer.on_output(None)  # the feed's end
+    timer.on_finish()
+    got = scrape(registry)
+    assert got[("brigade:http_time_to_first_token_seconds_count", ())] == 1
+    assert got[("brigade:http_time_to_first_token_seconds_sum", ())] == pytest.approx(0.5)
+    # Two gaps per choice, each 0.05 s: none from a sibling's token of the same step.
+    assert got[("brigade:http_inter_token_latency_seconds_count", ())] == 6
+    assert got[("brigade:http_inter_token_latency_seconds_sum", ())] == pytest.approx(6 * 0.05)
+    assert got[("brigade:http_e2e_request_latency_seconds_count", ())] == 1
+
+
 OBSERVE_ON_A_FULL_DISK = """
 from services.metrics import RequestMetrics
 request = RequestMetrics("m", max_model_len=2048)

@@ -590,7 +590,7 @@ class Gateway:
                         await wait_first(first, self.settings.sse_keepalive_s)
                     else:
                         item = await first
-                        timer.on_output(item[1].token_ids if item else [])
+                        timer.on_output(item)
                         body = await writer.whole(item, feed, timer)
                         await send_all(send, Response(body, 200, headers, JSON))
                         timer.on_finish()
@@ -648,7 +648,7 @@ class Gateway:
                 usages[index] = delta.usage
             item = await anext(feed, None)
             if item is not None:
-                timer.on_output(item[1].token_ids)
+                timer.on_output(item)
         return fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
 
     async def stream_events(self, first: asyncio.Future[tuple[int, StreamDelta] | None],
@@ -667,7 +667,7 @@ class Gateway:
             yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
             yield DONE
             return
-        timer.on_output(item[1].token_ids if item else [])
+        timer.on_output(item)
         while item is not None:
             index, delta = item
             if delta.usage is not None:
@@ -687,7 +687,7 @@ class Gateway:
                 yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
                 break
             if item is not None:
-                timer.on_output(item[1].token_ids)
+                timer.on_output(item)
         if include_usage and usages:
             yield event(
                 fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from client.sdk import StreamDelta
 from services.metrics import HttpMetrics
 
 
@@ -18,17 +19,21 @@ class RequestTimer:
     def __init__(self, metrics: HttpMetrics) -> None:
         self.metrics = metrics
         self.arrival = time.monotonic()
-        self.last_token: float | None = None
+        # When each choice last output tokens: with n > 1 the choices' deltas interleave, and the
+        # gap between two choices' outputs of one step is no inter-token latency.
+        self.last_token: dict[int, float] = {}
 
-    def on_output(self, token_ids: list[int]) -> None:
-        if not token_ids:
+    def on_output(self, item: tuple[int, StreamDelta] | None) -> None:
+        """Choice `item[0]` output `item[1]`'s tokens now (None: the request ended)."""
+        if item is None or not item[1].token_ids:
             return
+        index, delta = item
         now = time.monotonic()
-        if self.last_token is None:
+        if not self.last_token:
             self.metrics.ttft.observe(now - self.arrival)
-        else:
-            self.metrics.inter_token.observe((now - self.last_token) / len(token_ids))
-        self.last_token = now
+        elif index in self.last_token:
+            self.metrics.inter_token.observe((now - self.last_token[index]) / len(delta.token_ids))
+        self.last_token[index] = now
 
     def on_finish(self) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.arrival)

@@ -119,7 +119,7 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], f
     for data in translation.opening(opening_usage):
         yield data
     usages = {}
-    timer.on_output(item[1].token_ids if item else [])
+    timer.on_output(item)
     while item is not None:
         index, delta = item
         if delta.usage is not None:
@@ -133,6 +133,6 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], f
             yield translation.error_event(from_engine(exc, plan.aliases))
             return
         if item is not None:
-            timer.on_output(item[1].token_ids)
+            timer.on_output(item)
     for data in await translation.closing(usage_out(usages, prompt_of)):
         yield data
