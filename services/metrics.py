@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import sys
+import threading
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import msgspec
 from prometheus_client import (
@@ -32,10 +36,11 @@ from prometheus_client import (
     Counter,
     Histogram,
     Metric,
-    start_http_server,
+    make_wsgi_app,
     values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from ipc.config import MAX_SPECULATIVE_TOKENS
@@ -742,13 +747,41 @@ def registry_for_run(run_dir: Path) -> CollectorRegistry:
     return registry
 
 
+# Each scrape's connection holds a thread of the supervisor: one that sends no request, or takes
+# no bytes of the page, for this long is closed rather than kept for as long as its client likes.
+SCRAPE_SOCKET_TIMEOUT_S = 10.0
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    timeout = SCRAPE_SOCKET_TIMEOUT_S  # socketserver sets it on each connection's socket
+
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per scrape."""
+
+
+class _ScrapeServer(ThreadingWSGIServer):
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        """socketserver prints a traceback to stderr for any error, outside the run's log format;
+        a scraper that went away or timed out is its own business, anything else a logged bug."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("metrics scrape from %s ended: %r", client_address, exc)
+        else:
+            log.exception("metrics scrape from %s failed", client_address)
+
+
 def serve(run_dir: Path, port: int, host: str) -> bool:
     """Serve /metrics on `host`:`port` in a thread. A port already taken is logged, not fatal:
     serving requests matters more than exporting numbers about them."""
     try:
-        start_http_server(port, addr=host, registry=registry_for_run(run_dir))
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
+        server = make_server(
+            host, port, make_wsgi_app(registry_for_run(run_dir)), server_class, _ScrapeHandler
+        )
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); /metrics is off for this run", port, exc.strerror)
         return False
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics at http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
     return True

@@ -256,6 +256,37 @@ def test_serve_and_a_taken_port(tmp_path: Path, caplog: pytest.LogCaptureFixture
     assert f"metrics port {port} unavailable" in caplog.text
 
 
+@pytest.mark.timeout(60)
+def test_metrics_port_closes_idle_connections_and_keeps_client_resets_out_of_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every connection to the metrics port holds a thread of the supervisor: one that sends no
+    request is closed after the timeout. A client that resets its connection mid-request is no
+    traceback on the supervisor's stderr, and the port serves on."""
+    import struct
+
+    monkeypatch.setattr(metrics._ScrapeHandler, "timeout", 0.5)
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples())
+    port = free_port()
+    assert metrics.serve(run_dir, port, host="127.0.0.1")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as idle:
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the server, not by this 30 s timeout
+        assert time.monotonic() - started < 10
+    for partial in (b"GET /metrics HTTP/1.1\r\n", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
+        reset = socket.create_connection(("127.0.0.1", port), timeout=30)
+        reset.sendall(partial)
+        time.sleep(0.1)
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()
+    time.sleep(1.0)  # past the timeout of the connection whose headers never ended
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "brigade:num_requests_running" in text
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
 def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     """Through the tokenizer's core: a finished request, an abort and a refusal each land in
     their own counter, and a refusal is neither an abort nor in the latency histograms."""
