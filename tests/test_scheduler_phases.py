@@ -170,6 +170,21 @@ def test_a_resumed_request_counts_only_its_prompt_as_cached():
     assert prefill.num_prefix_hit_tokens == 8  # the cache's own counters see every hit
 
 
+def test_queue_time_is_observed_once_per_request():
+    """A request resubmitted with its output so far (its scheduler restarted, or its tokenizer died)
+    waited once already: only requests without output add a queue time."""
+    state = SchedulerState(config())
+    prefill = Prefill(state)
+    fresh = request("fresh", [1, 2, 3])
+    resubmitted = Request("again", 0, np.array([1, 2, 3], np.int32), engine_params(seed=1, max_tokens=8),
+                          output_ids=[4, 5])  # fmt: skip
+    for req in (fresh, resubmitted):
+        Admission(state).add(req)
+    seqs: list[Request] = []
+    prefill.plan([], seqs, 32)
+    assert seqs == [fresh, resubmitted] and len(prefill.queue_times) == 1
+
+
 def test_prefill_admits_at_most_max_num_seqs():
     state = SchedulerState(config(max_num_seqs=2))
     for rid in "abc":

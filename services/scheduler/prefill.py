@@ -92,7 +92,9 @@ class Prefill:
                 if req.lora_slot < 0:
                     break
             waiting.pop(0)
-            if req.num_preemptions == 0:
+            # A request's wait is counted once: not again after a preemption, nor when it comes back
+            # with output (resubmitted to a restarted scheduler, or resumed through another tokenizer).
+            if req.num_preemptions == 0 and req.num_output_tokens == 0:
                 self.queue_times.append(time.monotonic() - req.arrival_time)
             blocks.acquire(hits)
             req.block_ids = hits
