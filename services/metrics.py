@@ -25,18 +25,19 @@ import socket
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import msgspec
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
     Histogram,
     Metric,
-    make_wsgi_app,
+    generate_latest,
     values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -770,15 +771,27 @@ class _ScrapeServer(ThreadingWSGIServer):
             log.exception("metrics scrape from %s failed", client_address)
 
 
+def scrape_app(registry: CollectorRegistry) -> Callable[[dict, Callable], list[bytes]]:
+    """A WSGI app answering every request with `registry` in Prometheus' text format, as the
+    gateway's /metrics page does. Never OpenMetrics, whatever the Accept header asks: prometheus_client
+    answers a scraper that names no `escaping` (Prometheus 2's default header) with every `:` of a
+    name escaped to `_`, and no `brigade:` metric that docs/metrics.md and the dashboard name is left."""
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
 def serve(run_dir: Path, port: int, host: str) -> bool:
     """Serve /metrics on `host`:`port` in a thread. A port already taken is logged, not fatal:
     serving requests matters more than exporting numbers about them."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
-        server = make_server(
-            host, port, make_wsgi_app(registry_for_run(run_dir)), server_class, _ScrapeHandler
-        )
+        server = make_server(host, port, scrape_app(registry_for_run(run_dir)), server_class, _ScrapeHandler)
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); /metrics is off for this run", port, exc.strerror)
         return False

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services import metrics
@@ -254,6 +254,41 @@ def test_serve_and_a_taken_port(tmp_path: Path, caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.WARNING, logger="metrics"):
         assert not metrics.serve(run_dir, port, host="127.0.0.1")
     assert f"metrics port {port} unavailable" in caplog.text
+
+
+# What Prometheus 2 sends by default (its scrapeAcceptHeader), and Prometheus 3 with UTF-8 names.
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROMETHEUS_3_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
+
+
+def test_metrics_port_keeps_the_brigade_names_whatever_the_scraper_accepts(tmp_path: Path) -> None:
+    """A scraper that prefers OpenMetrics gets the text format, with the documented `brigade:` names:
+    prometheus_client's OpenMetrics page for Prometheus 2's header escapes every `:` to `_`."""
+    run_dir = run_dir_with_metrics(tmp_path)
+    write_stage_samples(run_dir, samples())
+    observe_in_process(
+        run_dir, "RequestMetrics('tiny-model', max_model_len=64).success.labels('tiny-model', 'stop').inc()"
+    )
+    port = free_port()
+    assert metrics.serve(run_dir, port, host="127.0.0.1")
+    for accept in (PROMETHEUS_2_ACCEPT, PROMETHEUS_3_ACCEPT, None):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept} if accept else {}
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.headers["Content-Type"] == CONTENT_TYPE_LATEST, accept  # as the gateway's /metrics
+            text = reply.read().decode()
+        assert 'brigade:num_requests_running{engine="0",model_name="tiny-model"} 3.0' in text, accept
+        assert 'brigade:request_success_total{finished_reason="stop",model_name="tiny-model"} 1.0' in text, (
+            accept
+        )
+        assert "brigade_" not in text, accept
 
 
 @pytest.mark.timeout(60)
