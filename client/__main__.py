@@ -83,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument(
         "--dimensions", type=int, default=None, help="keep the first N values (normalized again)"
     )
-    sub.add_parser("health", help="ask every tokenizer replica whether it is ready")
+    sub.add_parser(
+        "health", help="ask every tokenizer replica whether it is ready (exit 1 if one is not, or is silent)"
+    )
     return parser
 
 
@@ -195,6 +197,31 @@ def _interactive(client: Client, args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def _health(client: Client, timeout: float) -> int:
+    """A line per replica that answered; 1 when one did not answer or is not ready, which scripts
+    and probes read from the exit status (a hung replica used to leave no trace and exit 0)."""
+    replies = client.health(timeout=timeout)
+    for reply in replies:
+        print(
+            json.dumps(
+                {
+                    "tokenizer_id": reply.tokenizer_id,
+                    "is_ready": reply.is_ready,
+                    "model": reply.model,
+                    "num_in_flight": reply.num_in_flight,
+                    "max_model_len": reply.max_model_len,
+                }
+            )
+        )
+    silent = [replica.endpoint for replica in client.session.replicas if replica.health is None]
+    not_ready = [reply.tokenizer_id for reply in replies if not reply.is_ready]
+    if silent:
+        print(f"error: no health reply within {timeout:g}s from {', '.join(silent)}", file=sys.stderr)
+    if not_ready:
+        print(f"error: tokenizer(s) {', '.join(map(str, not_ready))} not ready", file=sys.stderr)
+    return 1 if silent or not_ready else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -207,18 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with client:
             if args.command == "health":
-                for reply in client.health(timeout=args.timeout or 5.0):
-                    print(
-                        json.dumps(
-                            {
-                                "tokenizer_id": reply.tokenizer_id,
-                                "is_ready": reply.is_ready,
-                                "model": reply.model,
-                                "num_in_flight": reply.num_in_flight,
-                                "max_model_len": reply.max_model_len,
-                            }
-                        )
-                    )
+                return _health(client, args.timeout or 5.0)
             elif args.command == "embed":
                 result = client.embed(args.texts, dimensions=args.dimensions)
                 for index, vector in enumerate(result.embeddings):

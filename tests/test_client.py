@@ -455,6 +455,21 @@ def test_cli_json(fakes, run_dir: Path) -> None:
     assert fake.requests(m.Generate)[1].messages == [m.ChatMessage("user", "hi there")]
 
 
+def test_cli_health_fails_for_a_replica_that_does_not_answer(fakes, run_dir: Path) -> None:
+    """`health` prints each replica that answered; one that stays silent (hung) is named on stderr
+    and fails the command, so that a script or probe sees it in the exit status."""
+    answering, hung = fakes(0), fakes(1)
+    hung.is_dead = True  # receives, never answers
+    write_run_json(run_dir, [answering.endpoint, hung.endpoint])
+    out = run_cli("--run", str(run_dir), "--timeout", "1", "health")
+    assert out.returncode == 1, out
+    assert [json.loads(line)["tokenizer_id"] for line in out.stdout.splitlines()] == [0]
+    assert out.stderr == f"error: no health reply within 1s from {hung.endpoint}\n"
+    hung.is_dead = False
+    out = run_cli("--run", str(run_dir), "--timeout", "5", "health")
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 2 and not out.stderr, out
+
+
 def test_cli_errors_are_one_line(fakes, run_dir: Path) -> None:
     out = run_cli("--run", str(run_dir), "generate", "x")
     assert out.returncode == 1 and out.stderr.startswith("error: no Brigade running")
