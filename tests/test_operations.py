@@ -148,8 +148,19 @@ def test_brigade_status(live: Run) -> None:
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr
 
 
+# Prometheus 2's default scrape header: the page must keep its `brigade:` names for it too.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
 def scrape(run: Run) -> dict[str, list]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=30).read().decode()
+    """The run's metrics port, scraped as Prometheus scrapes it."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{run.metrics_port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+    )
+    text = urllib.request.urlopen(request, timeout=30).read().decode()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
