@@ -153,6 +153,9 @@ class FinishedRequest(msgspec.Struct, frozen=True):
     first_token_time: float | None
     last_token_time: float | None
     num_cached_tokens: int = 0  # known only from a final delta's usage (not for an abort)
+    # Of the output, the tokens another (dead) replica delivered before the request was resumed
+    # here: the first and last token times are this replica's, of the tokens after them.
+    num_resumed_tokens: int = 0
 
 
 class RequestMetrics:
@@ -270,8 +273,9 @@ class RequestMetrics:
         if request.first_token_time is not None and request.last_token_time is not None:
             decode_s = request.last_token_time - request.first_token_time
         self.request_decode_time.observe(decode_s)
-        # The first output token is the prefill's: vLLM divides by the others, 0 without any.
-        decoded = request.num_generation_tokens - 1
+        # The first output token is the prefill's: vLLM divides by the others, 0 without any. The
+        # decode time of a resumed request spans only the tokens delivered since its resumption.
+        decoded = request.num_generation_tokens - request.num_resumed_tokens - 1
         self.request_time_per_output_token.observe(decode_s / decoded if decoded > 0 else 0.0)
         self.prompt_tokens_cached.inc(request.num_cached_tokens)
 

@@ -357,14 +357,20 @@ def test_tokenizer_counts_outcomes_once(smollm2_dir: Path) -> None:
     assert got[("brigade:request_params_max_tokens_sum", (model,))] == 2 * 4  # default_max_tokens
 
 
-def test_a_request_resumed_from_another_tokenizer_observes_no_second_first_token(smollm2_dir: Path) -> None:
+def test_a_request_resumed_from_another_tokenizer_observes_no_second_first_token(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A client whose tokenizer replica died resumes its request on another with the tokens it has
     (`resume_output_ids`): the dead replica counted its prompt and its time to first token, so the
-    new one counts only the new output tokens (and the gaps after its first new delta)."""
+    new one counts only the new output tokens (and the gaps after its first new delta), and its time
+    per output token divides its own decode time by the tokens delivered in it."""
     from ipc import messages as m
     from services.common.text import Tokenizer
+    from services.tokenizer import core as tokenizer_core
     from services.tokenizer.core import TokenizerCore
 
+    clock = [100.0]
+    monkeypatch.setattr(tokenizer_core.time, "monotonic", lambda: clock[0])
     registry = CollectorRegistry()
     core = TokenizerCore(
         Tokenizer(smollm2_dir), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=8,
@@ -372,10 +378,16 @@ def test_a_request_resumed_from_another_tokenizer_observes_no_second_first_token
     )  # fmt: skip
     resumed = core.admit(b"c", m.Generate("r", prompt="Hello", resume_output_ids=m.pack_ids([40, 41, 42])))
     request_id = resumed.submit.request_id
+    clock[0] = 101.0
     core.relay(m.Delta(request_id, 0, 0, "", m.pack_ids([40, 41, 42, 43, 44])))  # a resubmission repeats
+    clock[0] = 101.4
     core.relay(m.Delta(request_id, 5, 0, "", m.pack_ids([45]), finish_reason="length"))
     got = scrape(registry)
     model = ("model_name", MODEL)
+    # 0.4 s from its first delta here (43, 44) to its last (45): two tokens after the first, of six.
+    assert got[("brigade:request_decode_time_seconds_sum", (model,))] == pytest.approx(0.4)
+    assert got[("brigade:request_time_per_output_token_seconds_sum", (model,))] == pytest.approx(0.2)
+    assert got[("brigade:request_generation_tokens_sum", (model,))] == 6
     assert got[("brigade:generation_tokens_total", (model,))] == 3
     assert got[("brigade:prompt_tokens_total", (model,))] == 0
     assert got[("brigade:time_to_first_token_seconds_count", (model,))] == 0

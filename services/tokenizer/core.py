@@ -136,9 +136,10 @@ class JournalEntry:
     unfetched: tuple[m.Generate, list[dict] | None] | None = None
     is_encoding: bool = False
     num_encodings: int = 0
-    # Resumed by a client whose tokenizer replica died (`Generate.resume_output_ids`): that replica
-    # observed its prompt and its first token, so this one observes neither again.
-    is_resumed: bool = False
+    # Output tokens the client already had when it resumed the request here, its tokenizer replica
+    # having died (`Generate.resume_output_ids`): that replica observed the prompt and the first
+    # token, so this one observes neither again, and times only the tokens it delivers itself.
+    num_resumed_tokens: int = 0
 
 
 @dataclass
@@ -327,7 +328,7 @@ class TokenizerCore:
             image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
-            is_resumed=bool(len(resume_ids)),
+            num_resumed_tokens=len(resume_ids),
         )
         if image_urls:
             entry.unfetched = (request, tools)
@@ -770,6 +771,7 @@ class TokenizerCore:
             first_token_time=entry.first_token_time,
             last_token_time=entry.last_token_time,
             num_cached_tokens=num_cached_tokens,
+            num_resumed_tokens=entry.num_resumed_tokens,
         )
 
     def _forget(self, engine_id: str) -> JournalEntry:
@@ -804,7 +806,7 @@ class TokenizerCore:
         now = time.monotonic()
         entry.progress_at, entry.is_asked, entry.num_lost_checks, entry.num_redrives = now, False, 0, 0
         if len(new_ids):
-            if self.metrics is not None and entry.is_resumed and entry.last_token_time is None:
+            if self.metrics is not None and entry.num_resumed_tokens and entry.last_token_time is None:
                 self.metrics.on_resumed_tokens(len(new_ids))
             elif self.metrics is not None:
                 self.metrics.on_tokens(
