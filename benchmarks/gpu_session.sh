@@ -8,8 +8,8 @@
 #
 # Results go to $OUT (default ./gpu-session): each part's JSON and log, and docs/performance.md
 # as the check rewrote it. On a host without PyPI, run benchmarks/offline_kit.py's unpack first and
-# export the PYTHONPATH it prints. Two servers share the GPU in spec and lora, hence the small
-# memory share each.
+# export the PYTHONPATH it prints. spec_bench runs two servers side by side on the GPU, hence the
+# small memory share each.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-session}
