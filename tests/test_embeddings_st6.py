@@ -254,3 +254,25 @@ def test_base_model_asked_to_generate_is_refused_at_start(st6_dir: Path, tmp_pat
     assert "model.task: embed" in done.stderr, done.stderr
     assert " started " not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not stage_processes(run_dir)
+
+
+def test_message_modality_without_a_chat_template_is_refused_at_start(st6_dir: Path, tmp_path: Path) -> None:
+    """A save that renders each input through the chat template but has none would fail every
+    request; it is refused before any stage starts, naming what is missing."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(st6_dir, model_dir)
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "supervisor.py", "--config", "configs/default.yaml", "--run-dir", str(run_dir),
+         "--set", f"model.path={model_dir}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "lists the message modality" in done.stderr and "has no chat template" in done.stderr, done.stderr
+    assert " started " not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not stage_processes(run_dir)

@@ -33,6 +33,15 @@ PARAMS = m.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 # queue fills later).
 MAX_NUM_SEQS = 4
 WAIT_S = 120.0
+# Malformed frames from a client that never reads (enough to fill its queues several times over,
+# sent for at most FLOOD_S), then a polite client's one-token requests one after the other: each
+# takes tens of ms; without the fix every turn of the tokenizer's loop waited the 100 ms send
+# timeout on a flood frame, and each request needs at least two turns (over 20 s for the 100).
+FLOOD_FRAMES = 60_000
+FLOOD_S = 20.0
+POLITE_REQUESTS = 100
+POLITE_S = 12.0
+PARAMS_ONE = m.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 HELD = "is not reading: holding its replies"  # the tokenizer's log line when a client's queue fills
 GONE = "disconnected; aborting it"
 
@@ -174,3 +183,38 @@ def test_a_slow_client_that_vanishes_is_aborted_at_once(run: Run) -> None:
     assert aborted(run) - before_aborted >= 1, "no request of the gone client was aborted"
     assert num_dropped(run) == dropped
     wait_idle(run)
+
+
+def test_garbage_from_a_client_that_never_reads_does_not_stall_the_others(run: Run) -> None:
+    """Each malformed frame is answered with an error; once the sender's queue is full the error
+    is dropped at once, not waited for (the send timeout per frame held up the tokenizer's loop,
+    so every other client's requests, one turn of it each) nor held."""
+    ctx = zmq.Context()
+    try:
+        flooder = slow_dealer(ctx, run, "garbage")
+        # Past the queue (DEFAULT_HWM 10000), its receive queue (10) and the kernel's buffers; not
+        # waiting on a tokenizer that stalls (without the fix), so that the polite client finds it.
+        sent, flood_deadline = 0, time.monotonic() + FLOOD_S
+        while sent < FLOOD_FRAMES and time.monotonic() < flood_deadline:
+            try:
+                flooder.send(b"\xc1 not msgpack", zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                time.sleep(0.001)
+        polite = tokenizer_dealer(ctx, run.run_dir)
+        started = time.monotonic()
+        for i in range(POLITE_REQUESTS):  # one after the other: each waits for the loop's turns
+            polite.send(CLIENT_REQUEST.encode(m.Generate(f"polite-{i}", prompt="Hi", params=PARAMS_ONE)))
+            reply = None
+            while not isinstance(reply, m.Delta) or reply.finish_reason is None:
+                left = POLITE_S - (time.monotonic() - started)
+                assert left > 0 and polite.poll(int(left * 1000)), (
+                    f"{i} of {POLITE_REQUESTS} requests answered in {POLITE_S:.0f}s beside another client's garbage"
+                )
+                reply = CLIENT_REPLY.decode(polite.recv())
+                assert not isinstance(reply, m.ErrorReply), reply
+        # The flooder's first errors did come (its queue took them).
+        first = CLIENT_REPLY.decode(flooder.recv())
+    finally:
+        ctx.destroy(linger=0)
+    assert isinstance(first, m.ErrorReply) and "malformed message" in first.message, first

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ipc.config import ModelConfig
+from services.common.text import find_chat_template
 
 POOLINGS = ("last", "mean", "cls")
 # Architectures with no LM head: they can only embed. Their forward reads every token of the
@@ -169,6 +170,12 @@ def _chat_message(model_dir: Path, sentence: dict) -> str:
         raise ValueError(
             f"{model_dir / 'sentence_bert_config.json'}: unsupported message format {form!r}; supported: "
             "flat, structured"
+        )
+    if not find_chat_template(model_dir):
+        raise ValueError(
+            f"{model_dir / 'sentence_bert_config.json'} lists the message modality (each input rendered "
+            "by the chat template), but the model has no chat template (chat_template.jinja or "
+            "tokenizer_config.json's chat_template)"
         )
     return form
 

@@ -84,6 +84,21 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def find_chat_template(model_dir: Path, config: dict[str, Any] | None = None) -> str | None:
+    """The model's chat template: chat_template.jinja, else tokenizer_config.json's (`config`, read
+    from the dir when not given; of named templates, "default"); None without one."""
+    path = model_dir / "chat_template.jinja"
+    if path.exists():
+        return path.read_text()
+    if config is None:
+        config = _read_json(model_dir / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default")
+    return template
+
+
 class Tokenizer:
     """Owns one model dir's tokenizer.json, special tokens and chat template."""
 
@@ -98,7 +113,7 @@ class Tokenizer:
         self.special_tokens_map: dict[str, str] = {
             name: content for name in _SPECIAL_TOKEN_NAMES if (content := _token_content(config.get(name)))
         }
-        self.chat_template = self._find_chat_template(model_dir, config)
+        self.chat_template = find_chat_template(model_dir, config)
         self.eos_token_ids = self._find_eos_ids(model_dir)
         # The model's architectures (config.json): what the model is, for the chat format it speaks.
         self.architectures: list[str] = _read_json(model_dir / "config.json").get("architectures") or []
@@ -117,17 +132,6 @@ class Tokenizer:
         if self.chat_template:
             info["chat_template"] = self.chat_template
         return info
-
-    @staticmethod
-    def _find_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-        path = model_dir / "chat_template.jinja"
-        if path.exists():
-            return path.read_text()
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t["name"]: t["template"] for t in template}
-            return named.get("default")
-        return template
 
     def _find_eos_ids(self, model_dir: Path) -> list[int]:
         """eos from tokenizer_config plus generation_config / config (models often list several)."""

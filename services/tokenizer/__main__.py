@@ -246,7 +246,10 @@ class TokenizerProcess(StageProcess):
         except MalformedFrame as exc:
             self.num_malformed += 1
             error = m.ErrorReply(exc.request_id, "invalid_request", f"malformed message: {exc}")
-            self.clients.send(exc.identity, error)
+            # Never waited for, nor held: a client that sends garbage and does not read would
+            # otherwise hold up this loop (every client's) for the send timeout per frame, or
+            # grow its backlog without bound. It goes without the error when its queue is full.
+            self.clients.try_send(exc.identity, error)
             return
         if received is None:
             return
@@ -516,7 +519,9 @@ class TokenizerProcess(StageProcess):
             error = m.ErrorReply(
                 entry.request_id, "unavailable", "the tokenizer stopped (its Brigade run is ending)"
             )
-            self.clients.send(entry.identity, error)
+            # Not waited for: a client whose queue is full would hold up the stop for the send
+            # timeout per request (the SDK hears that the run ended anyway).
+            self.clients.try_send(entry.identity, error)
             self._abort_upstream(entry.submit.request_id)
         return f"; failed the {len(dropped)} requests in flight"
 
