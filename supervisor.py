@@ -47,7 +47,7 @@ from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
 from supervision.group_scaler import GroupScaler
 from supervision.policy import RestartPolicy, is_fatal_start_failure
-from supervision.preflight import Refused, check_layout, check_model, check_tls_files
+from supervision.preflight import Refused, check_layout, check_model, check_tls_files, served_max_model_len
 from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
 from supervision.stages import METRICS_DIR, StageHandle
@@ -146,7 +146,9 @@ class Supervisor:
             start_metrics(self.config, self.run_dir)
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
-            self.run.publish(self.config, model_dir)
+            self.run.publish(
+                self.config, model_dir, max_model_len=served_max_model_len(self.config, model_dir)
+            )
             self.run.hand_over(self.config)
         except Refused as exc:
             raise GiveUp(str(exc)) from None

@@ -52,6 +52,13 @@ class RunInfo(msgspec.Struct, frozen=True):
     network: NetworkPlan = NetworkPlan()  # ports, hosts and CURVE keys (ipc/endpoints.py)
     curve_server_key: str = ""  # the server public key, for SDK clients of a tcp:// run
     curve_client_keys: str = ""  # the client's secret certificate file (ipc/keys.py)
+    # The longest sequence served (supervision/preflight.py served_max_model_len): below
+    # model.max_model_len where the model or its draft model has fewer positions; 0 = that.
+    max_model_len: int = 0
+
+    @property
+    def served_max_model_len(self) -> int:
+        return self.max_model_len or self.config.model.max_model_len
 
 
 def read_run_info(run_dir: Path) -> RunInfo:

@@ -137,6 +137,21 @@ def check_lm_head(model_dir: Path, checkpoint: dict) -> None:
     )
 
 
+def served_max_model_len(config: Config, model_dir: Path) -> int:
+    """The longest sequence the run serves: `model.max_model_len` within the model's own maximum
+    and, with a draft model, the draft's (the worker's rule: model_runner.py `ModelRunner`). The
+    workers tell their scheduler; run.json tells the tokenizers and gateways, which report it
+    (/v1/models, /tokenize, the SDK's health) and must not say more than the scheduler admits."""
+    raw = language_model_config(json.loads((model_dir / "config.json").read_text()))
+    length = min(config.model.max_model_len, int(raw.get("max_position_embeddings", 2048)))
+    if config.speculative.method == "draft_model":
+        draft = language_model_config(
+            json.loads((Path(config.speculative.model) / "config.json").read_text())
+        )
+        length = min(length, int(draft.get("max_position_embeddings", 2048)))
+    return length
+
+
 def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     """The prepared model's config.json against tensor_parallel and the KV budget (the same rules
     the worker applies: services/gpu_worker/model.py `Shard.of`, model_runner.py `num_kv_blocks`).
@@ -234,7 +249,7 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
     rank_kv_heads = math.ceil(num_kv_heads / tp)  # the rank with the most KV heads sets the block count
     token_width = latent_width or 2 * rank_kv_heads * head_dim  # elements per token and layer
     bytes_per_block = num_layers * engine.block_size * token_width * DTYPE_BYTES[dtype]
-    max_model_len = min(config.model.max_model_len, int(raw.get("max_position_embeddings", 2048)))
+    max_model_len = served_max_model_len(config, model_dir)
     what = model_dir.name
     if config.speculative.method == "draft_model":
         # The draft's cache takes as many blocks from the same budget (one rank, full attention
@@ -259,7 +274,6 @@ def check_model(config: Config, model_dir: Path) -> dict[str, float | int]:
             * draft_head_dim
             * DTYPE_BYTES[dtype]
         )
-        max_model_len = min(max_model_len, int(draft.get("max_position_embeddings", 2048)))
         what += " and its draft model"
     num_blocks = max((engine.kv_cache_mib << 20) // bytes_per_block, 1)
     if num_blocks * engine.block_size < max_model_len:

@@ -259,10 +259,17 @@ class Run:
 
     # -- run.json ------------------------------------------------------------------------------
 
-    def publish(self, config: Config, model_dir: Path | None = None, is_ready: bool | None = None) -> None:
+    def publish(
+        self,
+        config: Config,
+        model_dir: Path | None = None,
+        is_ready: bool | None = None,
+        max_model_len: int = 0,
+    ) -> None:
         """run.json, which new stages read at start and clients read the tokenizers from: first
-        with `model_dir`, then again for a new config or once ready. Raises Refused when it
-        cannot be written (a full disk), and then nothing changed."""
+        with `model_dir` and the longest sequence served (`max_model_len`, 0 = the config's),
+        then again for a new config or once ready. Raises Refused when it cannot be written (a
+        full disk), and then nothing changed."""
         if self.info is None:
             assert model_dir is not None, "the first run.json names the model"
             keys = self.network_plan.keys
@@ -276,6 +283,7 @@ class Run:
                 network=self.network_plan,
                 curve_server_key=keys.server_public if keys else "",
                 curve_client_keys=self.client_keys_file,
+                max_model_len=max_model_len,
             )
         else:
             info = self.info

@@ -1137,6 +1137,39 @@ def test_detokenizer_messages_one_shard_sends_full_histories_only_for_this_steps
     assert needs_full_history == {"w": waiting}
 
 
+def test_a_full_history_carries_the_logprobs_of_every_token_its_step_verified() -> None:
+    """A request's first step may verify proposals (its last prompt token, a one-token chunk, and
+    what the n-gram lookup found in the prompt) and emit several tokens at once: its whole history
+    goes then, and no receiver has any of those tokens' logprobs. Only tokens from before the step
+    (a resumed request's) go as NaN and {}."""
+    fresh = make_request("fresh", [1, 2, 3], max_tokens=8, logprobs=1)
+    resumed = make_request("resumed", [1, 2, 3], max_tokens=8, logprobs=1)
+    fresh.output_ids = [7, 8, 9]  # all three emitted by this step
+    resumed.output_ids = [5, 6, 7, 8, 9]  # 5, 6 before it (the receivers have them)
+    logprobs = [-0.5, -0.25, -0.125]
+    tops = [[{7: -0.5}], [{8: -0.25}], [{9: -0.125}]]
+    outputs = StepOutputs(
+        ["fresh"] * 3 + ["resumed"] * 3,
+        [0] * 6,
+        np.array([0, 1, 2, 2, 3, 4], np.int32),
+        np.array([7, 8, 9] * 2, np.int32),
+        np.array(logprobs * 2, np.float32),
+        tops * 2,
+        [None, None, "length"] * 2,
+        [3] * 6,
+        [0] * 6,
+    )
+    (batch,) = detokenizer_messages(outputs, {"fresh": fresh, "resumed": resumed}, 1)[0]
+    assert isinstance(batch, m.TokenBatch)
+    updates = {u.request_id: u for u in batch.updates}
+    assert np.frombuffer(updates["fresh"].logprobs, "<f4").tolist() == logprobs
+    assert updates["fresh"].top_logprobs == [{7: -0.5}, {8: -0.25}, {9: -0.125}]
+    got = np.frombuffer(updates["resumed"].logprobs, "<f4")
+    assert np.isnan(got[:2]).all() and got[2:].tolist() == logprobs
+    assert updates["resumed"].top_logprobs == [{}, {}, {7: -0.5}, {8: -0.25}, {9: -0.125}]
+    assert updates["fresh"].finish_reason == updates["resumed"].finish_reason == "length"
+
+
 def test_max_tokens_none_runs_to_max_model_len() -> None:
     # The tokenizer fills in its default; a request that still has none is bounded by the model.
     sched = Scheduler(small_config(max_model_len=40, num_blocks=8))

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from client import Client
+from client.errors import PromptTooLong
 from ipc.config import ConfigError, load_config
 from ipc.messages import DRAFT_TOKEN
 from services.gpu_worker.architectures import UnsupportedModel
@@ -429,3 +430,37 @@ def test_draft_model_speculation_never_changes_a_greedy_output_end_to_end(
     assert counters["brigade:spec_decode_num_drafts_total"] > 0
     accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]
     assert counters["brigade:spec_decode_num_draft_tokens_total"] >= accepted > 0
+
+
+def test_a_run_reports_the_length_its_draft_model_bounds(
+    served_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A draft with fewer positions than model.max_model_len lowers the run's length to its own
+    (the worker's rule): /v1/models, /tokenize and the SDK's health say so, and the tokenizer
+    refuses a prompt past it with that number, as the scheduler would."""
+    import urllib.request
+
+    target, draft = served_pair
+    short = tmp_path / "short-draft"
+    shutil.copytree(draft, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    port = free_port()
+    settings = (
+        f"model.path={target}", "model.dtype=float32", "model.max_model_len=512", f"gateway.port={port}",
+        "speculative.method=draft_model", f"speculative.model={short}",
+    )  # fmt: skip
+    with brigade_run(tmp_path / "run", *settings) as run:
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as reply:
+            assert [card["max_model_len"] for card in json.load(reply)["data"]] == [128]
+        request = urllib.request.Request(
+            f"{base}/tokenize", json.dumps({"prompt": "hi"}).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert json.load(reply)["max_model_len"] == 128
+        with Client(run.run_dir) as client:
+            assert [h.max_model_len for h in client.health()] == [128]
+            with pytest.raises(PromptTooLong, match="max_model_len is 128"):
+                client.generate(list(range(3, 203)), max_tokens=4, timeout=120)
+    assert_clean(tmp_path / "run")

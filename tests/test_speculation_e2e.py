@@ -194,3 +194,39 @@ def test_requests_with_top_logprobs_speculate_and_keep_them(
             for position, (mine, theirs) in enumerate(zip(got[3], want[3], strict=True)):
                 assert len(mine) == k and list(mine) == list(theirs), f"{sampling} token {position}"
                 assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)
+
+
+def test_a_first_step_that_verifies_gives_every_token_its_logprob(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> None:
+    """A prompt one token over engine.max_num_batched_tokens ends with a one-token chunk (and,
+    asked again, with the same token after a prefix-cache hit), which verifies what the n-gram
+    lookup finds in the prompt: the request's first step emits several tokens, and its first
+    output goes as its whole history (services/scheduler/__main__.py `detokenizer_messages`).
+    Each of those tokens keeps its logprob and top logprobs, streamed and not."""
+    from transformers import AutoTokenizer
+
+    text = "over there are some but use an each her look now. " * 4 + "over"
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir)(text)["input_ids"]
+    run_dir = tmp_path_factory.mktemp("spec-first-step")
+    metrics_port = free_port()
+    settings = (
+        "model.dtype=float32", "model.max_model_len=1024", f"engine.max_num_batched_tokens={len(prompt) - 1}",
+        f"supervisor.metrics_port={metrics_port}", "speculative.method=ngram",
+        "speculative.num_speculative_tokens=16",
+    )  # fmt: skip
+    with brigade_run(run_dir, *settings) as run, Client(run.run_dir) as client:
+        args = dict(max_tokens=24, temperature=0.0, logprobs=1, timeout=300)
+        deltas = list(client.stream(prompt, **args))
+        streamed = (
+            [t for d in deltas for t in d.token_ids],
+            [x for d in deltas for x in d.logprobs or []],
+            [x for d in deltas for x in d.top_logprobs or []],
+        )
+        result = client.generate(prompt, **args)
+        assert spec_decode_counters(metrics_port)["brigade:spec_decode_num_accepted_tokens_total"] > 0
+    assert_clean(run_dir)
+    for token_ids, logprobs, tops in (streamed, (result.token_ids, result.logprobs, result.top_logprobs)):
+        assert len(token_ids) == 24 and logprobs is not None and len(logprobs) == 24
+        assert all(x <= 0.0 for x in logprobs), logprobs  # NaN is not
+        assert tops is not None and len(tops) == 24 and all(len(top) == 1 for top in tops)

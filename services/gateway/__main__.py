@@ -115,7 +115,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     tls = RotatingTls(config.tls, audit) if config.tls.certfile else None
     settings = GatewaySettings(
         model=stage.info.model,  # gateway.served_model_name, or the model's (ipc.config.served_model_name)
-        max_model_len=stage.config.model.max_model_len,
+        max_model_len=stage.info.served_max_model_len,  # within the model's and its draft's
         api_keys=api_keys(config.api_keys),
         max_concurrent_requests=config.max_concurrent_requests,
         max_body_bytes=max_body_bytes(stage),

@@ -258,18 +258,19 @@ class SchedulerProcess(StageProcess):
     def full_history(
         request: Request,
         finish_reason: str | None = None,
-        newest: tuple[float, list[dict[int, float]]] | None = None,
+        newest: tuple[list[float], list[dict[int, float]]] | None = None,
     ) -> m.TokenUpdate:
-        """The request's whole output so far. `newest` is the logprob and top logprobs of its last
-        token, just sampled; the scheduler keeps no logprobs of earlier tokens, which go as NaN and
-        {}: every receiver already has them (they are what a resubmission or resync starts from)."""
+        """The request's whole output so far. `newest` is the logprobs and top logprobs of its last
+        tokens, those this step emitted (one, or several where it verified proposals); the
+        scheduler keeps no logprobs of earlier tokens, which go as NaN and {}: every receiver
+        already has them (they are what a resubmission or resync starts from)."""
         logprobs, top_logprobs = b"", []
         if newest is not None and request.output_ids:
             column = np.full(len(request.output_ids), np.nan, "<f4")
-            column[-1] = newest[0]
+            column[len(column) - len(newest[0]) :] = newest[0]
             logprobs = column.tobytes()
             if newest[1]:
-                top_logprobs = [{}] * (len(request.output_ids) - 1) + newest[1]
+                top_logprobs = [{}] * (len(request.output_ids) - len(newest[0])) + newest[1]
         return m.TokenUpdate(
             request_id=request.request_id,
             tokenizer_id=request.tokenizer_id,
@@ -630,22 +631,26 @@ def detokenizer_messages(
     if num_shards == 1 and not resumed and not failed:  # the hot path: no per-request Python
         return {0: [outputs.step_tokens()]}
     entries: dict[int, list[int]] = defaultdict(list)
-    # A resumed request's last entry of the step (a verification gives it several): its whole
-    # history goes once, with what that entry says (finish reason, logprob).
-    newest_entry: dict[str, int] = {}
+    # A resumed request's entries of the step (a verification gives it several): its whole
+    # history goes once, with what its last entry says (finish reason) and the logprobs of every
+    # entry: the receivers have none of this step's tokens (on its first step, none at all).
+    newest_entries: dict[str, list[int]] = {}
     for j, request_id in enumerate(outputs.request_ids):
         if request_id in failed:  # its token broke (or never got) its grammar's checks
             continue
         if request_id in resumed:
-            newest_entry[request_id] = j
+            newest_entries.setdefault(request_id, []).append(j)
         else:
             entries[shard_of(request_id, num_shards) if num_shards > 1 else 0].append(j)
     full: dict[int, list[m.TokenUpdate]] = defaultdict(list)
-    for request_id, j in newest_entry.items():
+    for request_id, js in newest_entries.items():
         request = needs_full_history.pop(request_id)
-        newest = (float(outputs.logprobs[j]), outputs.top_logprobs[j])
+        newest = (
+            [float(outputs.logprobs[j]) for j in js],
+            [top for j in js for top in outputs.top_logprobs[j]],
+        )
         shard = shard_of(request_id, num_shards) if num_shards > 1 else 0
-        full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[j], newest))
+        full[shard].append(SchedulerProcess.full_history(request, outputs.finish_reasons[js[-1]], newest))
     messages: dict[int, list[m.TokenBatch | m.StepTokens]] = defaultdict(list)
     for shard, updates in full.items():
         messages[shard].append(m.TokenBatch(updates))

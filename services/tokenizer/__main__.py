@@ -78,13 +78,13 @@ class TokenizerProcess(StageProcess):
         # one per engine group, and one per detokenizer shard, resized in place
         self.schedulers, self.detokenizers = self.peers.schedulers, self.peers.detokenizers
         self.control.watch(self.clients, self.inbox)
-        self.metrics = RequestMetrics(stage.info.model, max_model_len=config.model.max_model_len)
+        self.metrics = RequestMetrics(stage.info.model, max_model_len=stage.info.served_max_model_len)
         tokenizer = Tokenizer(Path(stage.info.model_dir))
         self.core = TokenizerCore(
             tokenizer,
             tokenizer_id=stage.index,
             num_groups=config.engine.data_parallel,
-            max_model_len=config.model.max_model_len,
+            max_model_len=stage.info.served_max_model_len,  # within the model's and its draft's
             max_prompt_chars=config.tokenizer.max_prompt_chars,
             max_messages=config.tokenizer.max_messages,
             template_timeout_s=config.tokenizer.template_timeout_s,
@@ -225,7 +225,7 @@ class TokenizerProcess(StageProcess):
             True,
             self.stage.info.model,
             len(self.core.journal),
-            self.stage.config.model.max_model_len,
+            self.stage.info.served_max_model_len,
             missing or [],
         )
 
