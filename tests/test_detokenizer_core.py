@@ -144,6 +144,29 @@ def test_stop_strings_match_reference(tokenizer: Tokenizer, include: bool, case:
         assert detok.add(ids[:2]).num_tokens == 0  # finished: nothing more is taken
 
 
+@pytest.mark.parametrize("min_tokens", [0, 1, 3, 6, 100])
+def test_stop_strings_count_only_after_min_tokens(tokenizer: Tokenizer, min_tokens: int) -> None:
+    """vLLM's rule: a stop string ending in the text of the first min_tokens tokens is not one;
+    the first that ends after it is."""
+    text, stops = "the cat saw the dog and the bird", ["the"]
+    ids = tokenizer.encode(text)
+    protected = len(tokenizer.decode(ids[:min_tokens]))
+    full = tokenizer.decode(ids)
+    ends = [i + len("the") for i in range(len(full)) if full.startswith("the", i)]
+    end = next((e for e in ends if e > protected), None)
+    for rng in (None, random.Random(min_tokens)):
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=stops, min_tokens=min_tokens))
+        emitted, finish = "", None
+        chunks = chunked(ids, rng)
+        for i, chunk in enumerate(chunks):
+            out = detok.add(chunk, "length" if i == len(chunks) - 1 else None)
+            emitted += out.text
+            if out.finish_reason is not None:
+                finish = out.finish_reason
+                break
+        assert (emitted, finish) == ((full, "length") if end is None else (full[: end - 3], "stop"))
+
+
 class Receiver:
     """What a tokenizer or client does with deltas: keep each position once, in order."""
 

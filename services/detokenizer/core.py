@@ -58,6 +58,9 @@ class IncrementalDetokenizer:
         self._stops = [s for s in params.stop if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = params.include_stop_str_in_output
+        # As vLLM: stop strings count only once more than min_tokens tokens are out; one that
+        # ends in the text of the first min_tokens is never a stop (as eos and stop ids are not).
+        self._min_tokens = params.min_tokens
         self.ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -107,7 +110,7 @@ class IncrementalDetokenizer:
             return False
         num_checked = len(self._text)
         self._text += new_text
-        if not self._stops:
+        if not self._stops or len(self.ids) <= self._min_tokens:
             return False
         # Only matches that end inside the new text are new; pick the one that ends first
         # (generation would have stopped there), the longest one on a tie.
