@@ -541,6 +541,11 @@ def check_speculative(config: Config) -> None:
             "speculative.model: speculative.method draft_model needs the draft model's directory, "
             f"an absolute path; got {spec.model!r}"
         )
+    if spec.method == "ngram" and spec.model:
+        raise ConfigError(
+            f"speculative.model ({spec.model!r}) is the draft of speculative.method draft_model; "
+            "method ngram proposes from the prompt and would ignore it: drop one of them"
+        )
     if spec.method == "draft_model" and config.engine.tensor_parallel > 1:
         raise ConfigError(
             "speculative.method draft_model runs the draft on one rank: engine.tensor_parallel must be 1, "

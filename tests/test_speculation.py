@@ -627,6 +627,8 @@ def test_a_min_tokens_span_never_crosses_the_end_of_its_eos_ban():
 
 def test_the_speculative_section_is_validated_when_the_config_loads():
     assert load_config(None).speculative.method == "none"  # off unless asked
+    # Off with its draft still named: turning speculation off is changing the method alone.
+    assert load_config(None, ["speculative.model=/models/draft"]).speculative.method == "none"
     config = load_config(None, ["speculative.method=ngram", "speculative.prompt_lookup_max=2"])
     assert (config.speculative.method, config.speculative.prompt_lookup_max) == ("ngram", 2)
     for overrides, message in [
@@ -634,6 +636,7 @@ def test_the_speculative_section_is_validated_when_the_config_loads():
         ([f"speculative.num_speculative_tokens={MAX_SPECULATIVE_TOKENS + 1}"], "num_speculative_tokens"),
         (["speculative.num_speculative_tokens=0"], "num_speculative_tokens"),
         (["speculative.prompt_lookup_min=3", "speculative.prompt_lookup_max=2"], "prompt_lookup_min"),
+        (["speculative.method=ngram", "speculative.model=/models/draft"], "would ignore it"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
