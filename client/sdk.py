@@ -749,7 +749,9 @@ class Session:
         self._clock = clock
         self._is_run_alive = is_run_alive
         self._run_checked_at = -math.inf
-        self._next = 0  # round-robin start among equally loaded replicas
+        # Round-robin start among equally loaded replicas; a random first one, or every client that
+        # sends one request (the CLI, a script) would land on replica 0 and never spread.
+        self._next = random.randrange(len(endpoints)) if endpoints else 0
         self.num_malformed = 0
         self.num_failovers = 0
         self.adapter_replies: dict[str, m.AdapterReply] = {}  # answers to send_adapter_command
