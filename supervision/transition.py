@@ -29,6 +29,8 @@ from supervision.stages import StageHandle, StageSet
 STOP_GRACE_S = 5.0
 # The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
 PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
+# ... and those that hear it too: a gateway's client connects to tokenizer replicas added live.
+TOPOLOGY_KINDS = (*PEER_KINDS, "gateway")
 
 log = logging.getLogger("supervisor")
 
@@ -62,11 +64,12 @@ class Transitions:
         stages.on_group_moved = self.move_group
 
     def broadcast(self, topology: Topology) -> None:
-        """Make `topology` the current one and tell every stage that keeps peer links."""
+        """Make `topology` the current one and tell every stage that keeps peer links, and the
+        gateways."""
         self.current = topology
         self.most_encoders = max(self.most_encoders, topology.num_encoders)
         for stage in self.stages:
-            if stage.kind in PEER_KINDS:
+            if stage.kind in TOPOLOGY_KINDS:
                 self.watch.command(stage, m.TopologyChanged(topology))
 
     def move_group(self, group: int, address: str) -> None:

@@ -409,6 +409,27 @@ def test_async_failover(fakes) -> None:
     assert m.unpack_ids(spare.requests(m.Generate)[0].resume_output_ids).tolist() == expected_ids("afail", 4)
 
 
+def test_clients_take_replicas_added_later(fakes) -> None:
+    """add_replicas (a gateway's client, when a hot reload added tokenizers): requests go to the
+    new replica too, and its replies are read, by the sync and the asyncio client alike."""
+    first, added = fakes(0), fakes(1)
+    with Client(endpoints=[first.endpoint]) as client:
+        client.add_replicas([first.endpoint, added.endpoint])
+        client.session._next = 1
+        assert client.generate("sync", max_tokens=5).text == expected_text("sync", 5)
+
+    async def main() -> str:
+        async with AsyncClient(endpoints=[first.endpoint]) as client:
+            await client.health()  # the reader runs before the replica comes
+            client.add_replicas([first.endpoint, added.endpoint])
+            client.session._next = 1
+            return (await client.generate("async", max_tokens=5)).text
+
+    assert asyncio.run(main()) == expected_text("async", 5)
+    assert [g.prompt for g in added.requests(m.Generate)] == ["sync", "async"]
+    assert first.requests(m.Generate) == []
+
+
 def write_run_json(run_dir: Path, endpoints: list[str], supervisor_pid: int | None = None) -> None:
     info = {"run_id": "test", "tokenizers": endpoints, "model": "fake", "supervisor_pid": supervisor_pid}
     (run_dir / "run.json").write_text(json.dumps(info))

@@ -224,3 +224,43 @@ def test_a_retired_gateway_finishes_its_streams_within_the_drain_timeout(
         run.wait_for_line("retired gateway-1", 60)
         assert [r["name"] for r in run.status() if r["kind"] == "gateway"] == ["gateway-0"]
     assert_clean(run_dir)
+
+
+def test_a_gateway_sends_to_tokenizer_replicas_added_live(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """tokenizer.replicas 1 -> 2 by hot reload; then tokenizer-0 is frozen, so that only the new
+    replica can serve: the gateway, which knew one tokenizer at its start, fails its request over
+    to tokenizer-1 and answers with the same text. Its client never heard of added replicas, and
+    such a request failed once the frozen replica had been silent for unavailable_after."""
+    config = tmp_path / "brigade.yaml"
+    port = free_port()
+
+    def write(tokenizers: int) -> None:
+        write_config(config, tiny_model_dir, tokenizers=tokenizers, detokenizers=1)
+        text = yaml.safe_load(config.read_text())
+        text["gateway"] = {"replicas": 1, "port": port}
+        config.write_text(yaml.safe_dump(text))
+
+    write(1)
+    run_dir = tmp_path / "run"
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+    with brigade_run(run_dir, f"gateway.port={port}", config=str(config)) as run:
+        model = api.models.list().data[0].id
+
+        def complete() -> str:
+            reply = api.completions.create(
+                model=model, prompt="request 0:", max_tokens=NEW_TOKENS, temperature=0.0
+            )
+            return reply.choices[0].text
+
+        reference = complete()
+        write(2)
+        run.process.send_signal(signal.SIGHUP)
+        run.wait_for_line("reload applied", 120)
+        wait_for_stages(run, tokenizers=2, detokenizers=1)
+        first = next(r["pid"] for r in run.status() if r["name"] == "tokenizer-0")
+        os.kill(first, signal.SIGSTOP)
+        try:
+            assert complete() == reference
+        finally:
+            os.kill(first, signal.SIGCONT)
+    assert_clean(run_dir)
