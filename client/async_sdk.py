@@ -66,11 +66,12 @@ class AsyncClient(ClientBase):
     async def _read_forever(self) -> None:
         loop = asyncio.get_running_loop()
         readable = self._readable = asyncio.Event()
-        descriptors = [sock.getsockopt(zmq.FD) for sock in self._sockets]
-        for fd in descriptors:
-            loop.add_reader(fd, readable.set)
+        descriptors: list[int] = []
         try:
             while True:
+                for sock in self._sockets[len(descriptors) :]:  # all at first, then those add_replicas made
+                    descriptors.append(sock.getsockopt(zmq.FD))
+                    loop.add_reader(descriptors[-1], readable.set)
                 readable.clear()
                 self._receive_all()
                 self._read_handshakes()
@@ -87,6 +88,11 @@ class AsyncClient(ClientBase):
         finally:
             for fd in descriptors:
                 loop.remove_reader(fd)
+
+    def add_replicas(self, endpoints: Sequence[str]) -> None:
+        super().add_replicas(endpoints)
+        if self._readable is not None:
+            self._readable.set()  # the reader watches the new sockets from its next turn
 
     def _ensure_reader(self) -> None:
         self._check_open()

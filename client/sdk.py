@@ -749,7 +749,9 @@ class Session:
         self._clock = clock
         self._is_run_alive = is_run_alive
         self._run_checked_at = -math.inf
-        self._next = 0  # round-robin start among equally loaded replicas
+        # Round-robin start among equally loaded replicas; a random first one, or every client that
+        # sends one request (the CLI, a script) would land on replica 0 and never spread.
+        self._next = random.randrange(len(endpoints)) if endpoints else 0
         self.num_malformed = 0
         self.num_failovers = 0
         self.adapter_replies: dict[str, m.AdapterReply] = {}  # answers to send_adapter_command
@@ -781,6 +783,10 @@ class Session:
         state = self.requests.pop(request_id, None)
         if state is not None and state.finish_reason is None and state.replica is not None:
             self._send(state.replica, CLIENT_REQUEST.encode(m.Abort(request_id)))
+
+    def add_replicas(self, endpoints: Sequence[str]) -> None:
+        """Replicas the run added (a hot reload of tokenizer.replicas): they take requests from now."""
+        self.replicas += [_Replica(ep) for ep in endpoints]
 
     def in_flight(self, replica: int) -> int:
         return sum(1 for s in self.requests.values() if s.replica == replica and not s.is_done)
@@ -999,17 +1005,9 @@ class ClientBase:
         self._monitors: dict[int, zmq.Socket] = {}  # replica -> sync PAIR, also for an asyncio client
         self._has_keys = info.curve_keys is not None
         self._closer = weakref.finalize(self, _close_sockets, self._ctx, self._sockets, self._monitors)
-        monitor_ctx = zmq.Context.shadow(self._ctx.underlying)
+        self._curve = (info.curve_server_key, info.curve_keys)
         try:
-            for replica, endpoint in enumerate(info.endpoints):
-                sock = open_dealer(self._ctx, endpoint, info.curve_server_key, info.curve_keys)
-                self._sockets.append(sock)
-                if endpoint.startswith("tcp://"):  # where a handshake can fail: tell why, at once
-                    address = f"inproc://brigade-client-{id(self)}-{replica}"
-                    sock.monitor(address, HANDSHAKE_EVENTS)
-                    monitor = monitor_ctx.socket(zmq.PAIR)
-                    monitor.connect(address)
-                    self._monitors[replica] = monitor
+            self._open_dealers(info.endpoints)
         except BaseException:
             self._closer()  # the context's term would otherwise wait for these sockets at exit
             raise
@@ -1022,6 +1020,28 @@ class ClientBase:
             is_run_alive=None if pid is None else lambda: is_process_alive(pid),
         )
         self._tick_s = min(0.05, failover_after / 10)
+
+    def _open_dealers(self, endpoints: Sequence[str]) -> None:
+        """A DEALER to each of `endpoints`, the replicas after those the client has."""
+        monitor_ctx = zmq.Context.shadow(self._ctx.underlying)
+        for replica, endpoint in enumerate(endpoints, start=len(self._sockets)):
+            sock = open_dealer(self._ctx, endpoint, *self._curve)
+            self._sockets.append(sock)
+            if endpoint.startswith("tcp://"):  # where a handshake can fail: tell why, at once
+                address = f"inproc://brigade-client-{id(self)}-{replica}"
+                sock.monitor(address, HANDSHAKE_EVENTS)
+                monitor = monitor_ctx.socket(zmq.PAIR)
+                monitor.connect(address)
+                self._monitors[replica] = monitor
+
+    def add_replicas(self, endpoints: Sequence[str]) -> None:
+        """Connect to the replicas in `endpoints` (the run's whole list, as run.json has it) past
+        those the client knows: a long-lived client (a gateway's) learns of replicas a hot reload
+        added. Replicas that went stay: sends to them fail at once and go to another."""
+        self._check_open()
+        new = list(endpoints[len(self._sockets) :])
+        self._open_dealers(new)
+        self.session.add_replicas(new)
 
     def _send(self, replica: int, frame: bytes) -> bool:
         raise NotImplementedError
@@ -1059,6 +1079,13 @@ class Client(ClientBase):
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._index = {sock: i for i, sock in enumerate(self._sockets)}
+
+    def add_replicas(self, endpoints: Sequence[str]) -> None:
+        known = len(self._sockets)
+        super().add_replicas(endpoints)
+        for i, sock in enumerate(self._sockets[known:], start=known):
+            self._poller.register(sock, zmq.POLLIN)
+            self._index[sock] = i
 
     def _send(self, replica: int, frame: bytes) -> bool:
         self._check_open()

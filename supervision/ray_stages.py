@@ -466,7 +466,9 @@ class RayStageSet(StageSet):
         cleanups = []
         for group, pg in enumerate(self.groups[engine.data_parallel :], start=engine.data_parallel):
             with contextlib.suppress(RayError, IndexError, KeyError):
-                node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]  # none: never placed
+                node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+                if not node:  # never placed (a reload that found no room): nothing was made anywhere
+                    continue
                 names = [spec.name for spec in self.rings.get(group, [])]
                 cleanups.append(
                     _remove_group.options(

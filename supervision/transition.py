@@ -10,6 +10,7 @@ stages hear each new topology as `TopologyChanged`. Every wait here goes on watc
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +29,8 @@ from supervision.stages import StageHandle, StageSet
 STOP_GRACE_S = 5.0
 # The stages that keep links to their peers (services/peers.py) and so take TopologyChanged.
 PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
+# ... and those that hear it too: a gateway's client connects to tokenizer replicas added live.
+TOPOLOGY_KINDS = (*PEER_KINDS, "gateway")
 
 log = logging.getLogger("supervisor")
 
@@ -61,11 +64,12 @@ class Transitions:
         stages.on_group_moved = self.move_group
 
     def broadcast(self, topology: Topology) -> None:
-        """Make `topology` the current one and tell every stage that keeps peer links."""
+        """Make `topology` the current one and tell every stage that keeps peer links, and the
+        gateways."""
         self.current = topology
         self.most_encoders = max(self.most_encoders, topology.num_encoders)
         for stage in self.stages:
-            if stage.kind in PEER_KINDS:
+            if stage.kind in TOPOLOGY_KINDS:
                 self.watch.command(stage, m.TopologyChanged(topology))
 
     def move_group(self, group: int, address: str) -> None:
@@ -130,13 +134,25 @@ class Transitions:
         drain_timeout_s = config.supervisor.drain_timeout_s
         for stage in removed_tokenizers:
             self.watch.command(stage, m.Shutdown())
-        deadline = time.monotonic() + drain_timeout_s
-        while any(s.load.num_in_flight for s in removed_tokenizers) and time.monotonic() < deadline:
-            self.watch.read_control(0.2)
         # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
-        # shutdown); the other replicas keep the port.
+        # shutdown, bounded by drain_timeout_s); the other replicas keep the port. Its streams
+        # may run on tokenizers that stay, so it is waited for itself, out of the stage set first
+        # so that the watch does not take its exit for a crash and restart it.
+        removed_gateways = [s for s in removed if s.kind == "gateway"]
+        self.stages.remove(removed_gateways)
+        for stage in removed_gateways:
+            self.stages.send_signal(stage, signal.SIGTERM)
+        deadline = time.monotonic() + drain_timeout_s
+
+        def is_draining() -> bool:
+            return any(s.load.num_in_flight for s in removed_tokenizers) or any(
+                s.is_alive for s in removed_gateways
+            )
+
+        while is_draining() and time.monotonic() < deadline:
+            self.watch.read_control(0.2)
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
-        self.stages.remove(removed)
+        self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.stages.stop(removed, STOP_GRACE_S)
         for stage in removed:
             log.info("retired %s", stage.name)

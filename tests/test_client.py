@@ -297,7 +297,8 @@ def test_breaking_out_of_a_stream_sends_abort(fakes) -> None:
 def test_failover_resumes_on_another_replica(fakes) -> None:
     dying, spare = fakes(0, die_after=7), fakes(1)
     with Client(endpoints=[dying.endpoint, spare.endpoint], failover_after=0.3) as client:
-        client.health()  # both connected: round robin starts on the dying one
+        client.health()  # both connected
+        client.session._next = 0  # the round robin starts on the dying one
         result = client.generate("failover", max_tokens=20)
         assert client.session.num_failovers == 1
     # One uninterrupted, duplicate-free result.
@@ -399,12 +400,34 @@ def test_async_failover(fakes) -> None:
     async def main() -> m.Usage:
         async with AsyncClient(endpoints=[dying.endpoint, spare.endpoint], failover_after=0.3) as client:
             await client.health()
+            client.session._next = 0  # the round robin starts on the dying one
             result = await client.generate("afail", max_tokens=10)
             assert result.text == expected_text("afail", 10)
             return result.usage
 
     assert asyncio.run(main()) == m.Usage(3, 10, 1)
     assert m.unpack_ids(spare.requests(m.Generate)[0].resume_output_ids).tolist() == expected_ids("afail", 4)
+
+
+def test_clients_take_replicas_added_later(fakes) -> None:
+    """add_replicas (a gateway's client, when a hot reload added tokenizers): requests go to the
+    new replica too, and its replies are read, by the sync and the asyncio client alike."""
+    first, added = fakes(0), fakes(1)
+    with Client(endpoints=[first.endpoint]) as client:
+        client.add_replicas([first.endpoint, added.endpoint])
+        client.session._next = 1
+        assert client.generate("sync", max_tokens=5).text == expected_text("sync", 5)
+
+    async def main() -> str:
+        async with AsyncClient(endpoints=[first.endpoint]) as client:
+            await client.health()  # the reader runs before the replica comes
+            client.add_replicas([first.endpoint, added.endpoint])
+            client.session._next = 1
+            return (await client.generate("async", max_tokens=5)).text
+
+    assert asyncio.run(main()) == expected_text("async", 5)
+    assert [g.prompt for g in added.requests(m.Generate)] == ["sync", "async"]
+    assert first.requests(m.Generate) == []
 
 
 def write_run_json(run_dir: Path, endpoints: list[str], supervisor_pid: int | None = None) -> None:
@@ -515,6 +538,16 @@ def test_resubmission_keeps_everything_but_resume_fields() -> None:
     again = state.resubmission()
     assert msgspec.structs.replace(again, resume_output_ids=b"", resume_num_chars=0) == generate
     assert m.unpack_ids(again.resume_output_ids).tolist() == [5, 6] and again.resume_num_chars == 2
+
+
+def test_new_clients_spread_their_first_requests_over_the_replicas() -> None:
+    """Each client's round robin starts at a random replica: clients that send one request each
+    (the CLI, scripts) all went to replica 0, and a run's other tokenizers got none of them."""
+    firsts: list[int] = []
+    for i in range(40):
+        session = Session(["ipc://a", "ipc://b"], lambda replica, frame: firsts.append(replica) or True)
+        session.submit(m.Generate(f"r{i}", prompt="hi"), timeout=None)
+    assert sorted(set(firsts)) == [0, 1]  # all on one replica: 2 in 2**40
 
 
 def test_session_resubmits_what_a_probed_replica_does_not_hold() -> None:

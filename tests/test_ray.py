@@ -239,6 +239,37 @@ def test_engine_groups_are_added_on_another_node_and_retired_live(
     assert not [name for name in brigade_shm_objects() if run_id in name]
 
 
+@pytest.mark.timeout(300)
+def test_a_reload_to_more_engine_groups_than_the_cluster_holds_keeps_the_old_count(
+    tmp_path: Path, cluster, tiny_model_dir
+) -> None:
+    """engine.data_parallel 1 -> 3 by hot reload where only two nodes have the engine resource:
+    group 1 finds a node, group 2 never does. The reload keeps one group (and says so), gives
+    both placement groups back, and the run goes on serving; the never placed group once made
+    the supervisor crash while it released it."""
+    ray_cluster, _ = cluster
+    run_dir = tmp_path / "run"
+    config = tmp_path / "groups.yaml"
+    config.write_text(yaml.safe_dump({"engine": {"data_parallel": 1}}))
+    overrides = ray_overrides(ray_cluster, tiny_model_dir, "cluster.placement_timeout_s=5")
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
+        run_id = read_run_info(run_dir).run_id
+        calm = generate_all(run_dir, PROMPTS[:1], NEW_TOKENS)
+        config.write_text(yaml.safe_dump({"engine": {"data_parallel": 3}}))
+        run.process.send_signal(signal.SIGHUP)
+        run.wait_for_line("reload: engine.data_parallel stays 1: engine groups [2] found no room", 60)
+        run.wait_for_line("reload applied", 60)  # the reload's end
+        assert run.process.poll() is None, "".join(drain(run)[-60:])
+        deadline = time.monotonic() + 60  # Ray removes placement groups asynchronously
+        while (groups := leftovers_in_ray(ray_cluster, run_id)[1]) != [f"brigade-{run_id}-group-0"]:
+            assert time.monotonic() < deadline, groups
+            time.sleep(1)
+        assert generate_all(run_dir, PROMPTS[:1], NEW_TOKENS) == calm
+    assert run.process.returncode == 0, "".join(drain(run)[-60:])
+    assert_clean(run_dir, run_id)
+    assert not [name for name in brigade_shm_objects() if run_id in name]
+
+
 @pytest.mark.timeout(600)
 def test_group_lands_on_an_engine_node_survives_its_removal_and_replicas_reload_live(
     tmp_path: Path, cluster, tiny_model_dir

@@ -3,17 +3,19 @@ edit) without dropping or changing a single request; unsafe changes are logged, 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
 from client import Client
 from tests.conftest import REPO_ROOT
-from tests.harness import Run, assert_clean, brigade_run
+from tests.harness import Run, assert_clean, brigade_run, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -145,4 +147,120 @@ def test_engine_groups_are_added_and_retired_live_without_losing_requests(
         assert int(moved.split("moving ")[1].split()[0]) > 0, moved  # group 1 had requests
         assert streams(run_dir, new_tokens=GROUP_TOKENS) == reference  # group 0 serves on alone
     assert run.process.returncode == 0
+    assert_clean(run_dir)
+
+
+def test_a_retired_gateway_finishes_its_streams_within_the_drain_timeout(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """gateway.replicas 2 -> 1 while HTTP streams run and the engine is frozen for longer than
+    the 5 s a stopping stage gets: the retired replica still finishes every stream it holds (its
+    own graceful shutdown is bounded by supervisor.drain_timeout_s), so each ends whole with its
+    greedy text. It was SIGKILLed 5 s after the reload, cutting its streams."""
+    config = tmp_path / "brigade.yaml"
+    port = free_port()
+
+    def write(gateways: int) -> None:
+        write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)
+        text = yaml.safe_load(config.read_text())
+        text["gateway"] = {"replicas": gateways, "port": port}
+        text["supervisor"]["drain_timeout_s"] = 30.0
+        config.write_text(yaml.safe_dump(text))
+
+    write(2)
+    run_dir = tmp_path / "run"
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+    with brigade_run(run_dir, f"gateway.port={port}", config=str(config)) as run:
+
+        def http_streams(during=None) -> list[tuple[str, int]]:
+            """NUM_REQUESTS streamed completions, each on a connection of its own (the kernel
+            spreads them over the replicas); `during()` once each has its first text."""
+            results: list[tuple[str, int] | None] = [None] * NUM_REQUESTS
+            barrier = threading.Barrier(NUM_REQUESTS + 1)
+
+            def one(i: int) -> None:
+                parts, tokens, is_first = [], 0, True
+                try:
+                    for chunk in api.completions.create(
+                        model=model, prompt=f"request {i}:", max_tokens=400, temperature=0.0, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                    ):  # fmt: skip
+                        parts += [choice.text for choice in chunk.choices]
+                        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+                        if is_first:
+                            is_first = False
+                            barrier.wait(120)
+                except BaseException:
+                    barrier.abort()  # the test fails on the missing result, not on the barrier's wait
+                    raise
+                results[i] = ("".join(parts), tokens)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
+            for t in threads:
+                t.start()
+            barrier.wait(120)
+            if during is not None:
+                during()
+            for t in threads:
+                t.join(300)
+            assert all(r is not None for r in results), "a stream did not complete"
+            return results  # type: ignore[return-value]
+
+        model = api.models.list().data[0].id
+        reference = http_streams()
+        assert all(tokens == 400 for _, tokens in reference)
+
+        def retire_a_gateway_while_frozen() -> None:
+            worker = next(r["pid"] for r in run.status() if r["kind"] == "gpu_worker")
+            os.kill(worker, signal.SIGSTOP)  # every stream waits, whichever replica holds it
+            try:
+                write(1)
+                run.process.send_signal(signal.SIGHUP)
+                time.sleep(8.0)  # past the 5 s grace a retired replica used to get
+            finally:
+                os.kill(worker, signal.SIGCONT)
+
+        assert http_streams(during=retire_a_gateway_while_frozen) == reference
+        run.wait_for_line("retired gateway-1", 60)
+        assert [r["name"] for r in run.status() if r["kind"] == "gateway"] == ["gateway-0"]
+    assert_clean(run_dir)
+
+
+def test_a_gateway_sends_to_tokenizer_replicas_added_live(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """tokenizer.replicas 1 -> 2 by hot reload; then tokenizer-0 is frozen, so that only the new
+    replica can serve: the gateway, which knew one tokenizer at its start, fails its request over
+    to tokenizer-1 and answers with the same text. Its client never heard of added replicas, and
+    such a request failed once the frozen replica had been silent for unavailable_after."""
+    config = tmp_path / "brigade.yaml"
+    port = free_port()
+
+    def write(tokenizers: int) -> None:
+        write_config(config, tiny_model_dir, tokenizers=tokenizers, detokenizers=1)
+        text = yaml.safe_load(config.read_text())
+        text["gateway"] = {"replicas": 1, "port": port}
+        config.write_text(yaml.safe_dump(text))
+
+    write(1)
+    run_dir = tmp_path / "run"
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+    with brigade_run(run_dir, f"gateway.port={port}", config=str(config)) as run:
+        model = api.models.list().data[0].id
+
+        def complete() -> str:
+            reply = api.completions.create(
+                model=model, prompt="request 0:", max_tokens=NEW_TOKENS, temperature=0.0
+            )
+            return reply.choices[0].text
+
+        reference = complete()
+        write(2)
+        run.process.send_signal(signal.SIGHUP)
+        run.wait_for_line("reload applied", 120)
+        wait_for_stages(run, tokenizers=2, detokenizers=1)
+        first = next(r["pid"] for r in run.status() if r["name"] == "tokenizer-0")
+        os.kill(first, signal.SIGSTOP)
+        try:
+            assert complete() == reference
+        finally:
+            os.kill(first, signal.SIGCONT)
     assert_clean(run_dir)

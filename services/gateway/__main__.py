@@ -28,7 +28,14 @@ from services.gateway.access_log import AccessLog
 from services.gateway.app import Gateway, GatewaySettings
 from services.gateway.connection import guarded_protocol
 from services.gateway.routes import build_app
-from services.stage import ControlChannel, Stage, StageProcess, confine_writes, drop_privileges
+from services.stage import (
+    ControlChannel,
+    Stage,
+    StageProcess,
+    confine_writes,
+    drop_privileges,
+    read_run_info,
+)
 from services.tls import RotatingTls
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
@@ -93,6 +100,9 @@ async def control_loop(
         command = control.command()
         if isinstance(command, m.Shutdown):
             server.should_exit = True
+        elif isinstance(command, m.TopologyChanged):
+            # Tokenizer replicas a hot reload added: run.json lists them once they are up.
+            gateway.client.add_replicas(read_run_info(stage.run_dir).tokenizers)
         load = m.StageLoad(num_in_flight=gateway.num_in_flight)
         control.heartbeat(gateway.num_responses, has_work=False, load=load)
         gateway.settings.key_failures.flush()
