@@ -1366,6 +1366,32 @@ def test_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
     assert error["param"] == param and error["code"] == code, error
 
 
+def test_null_reads_as_the_default_as_vllms_server_reads_it(gw: Gateway) -> None:
+    """Clients that forward optional parameters send null for those not set; vLLM's request models
+    take it as the default, for fields that otherwise take no null too (`n`, `stream`, booleans,
+    `min_tokens`). A null where a value is required, or a wrong type beside nulls, is still a 400."""
+    nulls = dict.fromkeys(
+        ("n", "stream", "ignore_eos", "min_tokens", "skip_special_tokens", "speculate", "echo")
+    )
+    for path, body in (
+        (
+            "/v1/completions",
+            {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
+        ),
+        ("/v1/chat/completions", {"model": gw.model, "messages": CHAT, "max_tokens": 8, "temperature": 0}),
+    ):
+        status, _, plain = gw.request("POST", path, body)
+        assert status == 200, plain
+        status, _, with_nulls = gw.request("POST", path, {**body, **nulls, "logprobs": None})
+        assert status == 200, with_nulls
+        choices = json.loads(with_nulls)["choices"]
+        assert len(choices) == 1 and choices == json.loads(plain)["choices"]
+    status, error = gw.error("/v1/completions", {"prompt": "hi", "n": None, "stream": "yes"})
+    assert status == 400 and error["param"] == "stream", error
+    status, error = gw.error("/v1/chat/completions", {"messages": None, "n": None})
+    assert status == 400 and error["param"] == "messages", error
+
+
 def test_a_renamed_parameter_is_named_as_sent_and_a_message_naming_none_gets_no_param(gw: Gateway) -> None:
     """The engine checks max_tokens and logprobs; a request that sent them as top_logprobs or
     max_output_tokens reads its own names in the message as well as in `param`."""

@@ -382,7 +382,14 @@ class Gateway:
             raise OversizedRequest(invalid(str(exc), None, "invalid_json")) from None
         try:
             body = msgspec.json.decode(data, type=kind)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except msgspec.ValidationError as exc:
+            try:
+                body = p.nulls_as_defaults(data, kind)
+            except (msgspec.DecodeError, msgspec.ValidationError) as again:
+                raise from_decode_error(again) from None
+            if body is None:
+                raise from_decode_error(exc) from None
+        except msgspec.DecodeError as exc:
             raise from_decode_error(exc) from None
         await self.check_model(getattr(body, "model", ""), getattr(kind, "takes_adapter", False))
         if isinstance(body, p.ChatCompletionRequest):

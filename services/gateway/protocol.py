@@ -10,8 +10,35 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import msgspec
+import msgspec.inspect
 
 # -- requests ---------------------------------------------------------------------------------
+
+
+def _takes_null(field_type: msgspec.inspect.Type) -> bool:
+    if isinstance(field_type, (msgspec.inspect.NoneType, msgspec.inspect.AnyType)):
+        return True
+    return isinstance(field_type, msgspec.inspect.UnionType) and any(
+        isinstance(t, msgspec.inspect.NoneType) for t in field_type.types
+    )
+
+
+def nulls_as_defaults(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct | None:
+    """`data` as `kind` with each top-level null of an optional field that takes no null (`n`,
+    `stream`, `logprobs`, `min_tokens`, ...) read as the field's default, as vLLM's request models
+    read it; None when the body has no such null (its first decode's error stands). Raises
+    msgspec's errors for what is wrong besides."""
+    body = msgspec.json.decode(data)
+    if not isinstance(body, dict):
+        return None
+    fields = msgspec.inspect.type_info(kind).fields  # type: ignore[union-attr]
+    defaulted = {f.encode_name for f in fields if not f.required and not _takes_null(f.type)}
+    nulls = [key for key, value in body.items() if value is None and key in defaulted]
+    if not nulls:
+        return None
+    for key in nulls:
+        del body[key]
+    return msgspec.convert(body, kind, str_keys=True)
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
