@@ -415,6 +415,8 @@ def test_clients_take_replicas_added_later(fakes) -> None:
     first, added = fakes(0), fakes(1)
     with Client(endpoints=[first.endpoint]) as client:
         client.add_replicas([first.endpoint, added.endpoint])
+        # Both answer (so both are connected: a send to one not connected yet goes to the other).
+        assert len(client.health()) == 2
         client.session._next = 1
         assert client.generate("sync", max_tokens=5).text == expected_text("sync", 5)
 
@@ -422,6 +424,7 @@ def test_clients_take_replicas_added_later(fakes) -> None:
         async with AsyncClient(endpoints=[first.endpoint]) as client:
             await client.health()  # the reader runs before the replica comes
             client.add_replicas([first.endpoint, added.endpoint])
+            assert len(await client.health()) == 2
             client.session._next = 1
             return (await client.generate("async", max_tokens=5)).text
 
