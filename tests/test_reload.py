@@ -7,7 +7,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import openai
 import pytest
@@ -20,6 +22,7 @@ from tests.harness import Run, assert_clean, brigade_run, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_REQUESTS = 8
+T = TypeVar("T")
 NEW_TOKENS = 48
 GROUP_TOKENS = 1000  # long enough that a group retired mid-stream still runs some
 
@@ -35,24 +38,20 @@ def write_config(
     path.write_text(yaml.safe_dump(config))
 
 
-def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[str]:
-    """NUM_REQUESTS greedy streams; `during()` runs once every stream has produced output."""
-    results: list[str | None] = [None] * NUM_REQUESTS
+def concurrently(one: Callable[[int, Callable[[], None]], T], during=None) -> list[T]:
+    """NUM_REQUESTS calls `one(i, has_output)` at once, each in a thread; `during()` runs once every
+    call has called `has_output()` (its first output came)."""
+    results: list[T | None] = [None] * NUM_REQUESTS
     barrier = threading.Barrier(NUM_REQUESTS + 1)
 
-    def one(i: int) -> None:
-        with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
-            text, is_first = [], True
-            for delta in client.stream(
-                f"request {i}:", max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
-            ):
-                text.append(delta.text)
-                if is_first:
-                    is_first = False
-                    barrier.wait(120)
-            results[i] = "".join(text)
+    def run(i: int) -> None:
+        try:
+            results[i] = one(i, lambda: barrier.wait(120))
+        except BaseException:
+            barrier.abort()  # the test fails on the missing result, not on the barrier's wait
+            raise
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_REQUESTS)]
     for t in threads:
         t.start()
     barrier.wait(120)
@@ -62,6 +61,23 @@ def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[st
         t.join(300)
     assert all(r is not None for r in results), "a request did not complete"
     return results  # type: ignore[return-value]
+
+
+def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[str]:
+    """NUM_REQUESTS greedy streams; `during()` runs once every stream has produced output."""
+
+    def one(i: int, has_output: Callable[[], None]) -> str:
+        with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
+            text = []
+            for delta in client.stream(
+                f"request {i}:", max_tokens=new_tokens, temperature=0.0, ignore_eos=True, timeout=300
+            ):
+                text.append(delta.text)
+                if len(text) == 1:
+                    has_output()
+            return "".join(text)
+
+    return concurrently(one, during)
 
 
 def wait_for_stages(
@@ -175,36 +191,20 @@ def test_a_retired_gateway_finishes_its_streams_within_the_drain_timeout(
         def http_streams(during=None) -> list[tuple[str, int]]:
             """NUM_REQUESTS streamed completions, each on a connection of its own (the kernel
             spreads them over the replicas); `during()` once each has its first text."""
-            results: list[tuple[str, int] | None] = [None] * NUM_REQUESTS
-            barrier = threading.Barrier(NUM_REQUESTS + 1)
 
-            def one(i: int) -> None:
-                parts, tokens, is_first = [], 0, True
-                try:
-                    for chunk in api.completions.create(
-                        model=model, prompt=f"request {i}:", max_tokens=400, temperature=0.0, stream=True,
-                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-                    ):  # fmt: skip
-                        parts += [choice.text for choice in chunk.choices]
-                        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
-                        if is_first:
-                            is_first = False
-                            barrier.wait(120)
-                except BaseException:
-                    barrier.abort()  # the test fails on the missing result, not on the barrier's wait
-                    raise
-                results[i] = ("".join(parts), tokens)
+            def one(i: int, has_output: Callable[[], None]) -> tuple[str, int]:
+                parts, tokens = [], 0
+                for chunk in api.completions.create(
+                    model=model, prompt=f"request {i}:", max_tokens=400, temperature=0.0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                ):  # fmt: skip
+                    parts += [choice.text for choice in chunk.choices]
+                    tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+                    if len(parts) == 1:
+                        has_output()
+                return "".join(parts), tokens
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
-            for t in threads:
-                t.start()
-            barrier.wait(120)
-            if during is not None:
-                during()
-            for t in threads:
-                t.join(300)
-            assert all(r is not None for r in results), "a stream did not complete"
-            return results  # type: ignore[return-value]
+            return concurrently(one, during)
 
         model = api.models.list().data[0].id
         reference = http_streams()
