@@ -19,6 +19,7 @@ Whoever serves /metrics (the supervisor's `metrics_port`, or the gateway) serves
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import msgspec
@@ -333,6 +335,9 @@ class HttpMetrics:
             "/v1/load_lora_adapter",
             "/v1/unload_lora_adapter",
             "/health",
+            "/ping",
+            "/version",
+            "/load",
             "/metrics",
             "/tokenize",
             "/detokenize",
@@ -775,15 +780,61 @@ class _ScrapeServer(ThreadingWSGIServer):
             log.exception("metrics scrape from %s failed", client_address)
 
 
+class SamplesNamed:
+    """`registry`'s samples of these names only, each in its family (prometheus_client's
+    restricted_registry skips a registry's unnamed collectors, which the multiprocess one is)."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str]) -> None:
+        self.registry = registry
+        self.names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [sample for sample in family.samples if sample.name in self.names]
+            if samples:
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = samples
+                yield kept
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header takes gzip (named, or `*`, without q=0)."""
+    for item in accept_encoding.lower().split(","):
+        coding, *params = (part.strip() for part in item.split(";"))
+        if coding in ("gzip", "*"):
+            quality = next((param[2:] for param in params if param.startswith("q=")), "1")
+            try:
+                return float(quality) > 0
+            except ValueError:
+                return False
+    return False
+
+
+def scrape_page(registry: CollectorRegistry, query_string: str, accept_encoding: str) -> tuple[bytes, list]:
+    """The body and headers of a /metrics page, as prometheus_client's own server makes them for
+    Prometheus: only the families that `name[]` query parameters name (`?name[]=a&name[]=b`;
+    all without), and gzipped when the scraper accepts it. Always Prometheus' text format, never
+    OpenMetrics, whatever the Accept header asks: prometheus_client answers a scraper that names no
+    `escaping` (Prometheus 2's default header) with every `:` of a name escaped to `_`, and no
+    `brigade:` metric that docs/metrics.md and the dashboard name is left."""
+    names = parse_qs(query_string).get("name[]")
+    body = generate_latest(SamplesNamed(registry, set(names)) if names else registry)  # type: ignore[arg-type]
+    headers = [("Content-Type", CONTENT_TYPE_LATEST)]
+    if accepts_gzip(accept_encoding):
+        body = gzip.compress(body)
+        headers.append(("Content-Encoding", "gzip"))
+    return body, headers
+
+
 def scrape_app(registry: CollectorRegistry) -> Callable[[dict, Callable], list[bytes]]:
-    """A WSGI app answering every request with `registry` in Prometheus' text format, as the
-    gateway's /metrics page does. Never OpenMetrics, whatever the Accept header asks: prometheus_client
-    answers a scraper that names no `escaping` (Prometheus 2's default header) with every `:` of a
-    name escaped to `_`, and no `brigade:` metric that docs/metrics.md and the dashboard name is left."""
+    """A WSGI app answering every request with `registry` (scrape_page), as the gateway's /metrics
+    page does."""
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
-        body = generate_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        body, headers = scrape_page(
+            registry, environ.get("QUERY_STRING", ""), environ.get("HTTP_ACCEPT_ENCODING", "")
+        )
+        start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
         return [body]
 
     return app

@@ -3,7 +3,9 @@ replicas on one port), driven by the real `openai` package, curl and raw HTTP co
 
 from __future__ import annotations
 
+import gzip
 import http.client
+import importlib.metadata
 import json
 import logging
 import os
@@ -1404,6 +1406,61 @@ def test_a_renamed_parameter_is_named_as_sent_and_a_message_naming_none_gets_no_
     # LoRA adapters are off in this run: the refusal is about the engine, not a field of the request.
     status, error = gw.error("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
     assert status == 400 and error["param"] is None and "lora.max_loras is 0" in error["message"], error
+
+
+def server_loads(gw: Gateway, connections: int = 20) -> set[int]:
+    """vLLM's /load as the replicas answer it, each on a fresh connection (the kernel spreads
+    them over both replicas)."""
+    loads = set()
+    for _ in range(connections):
+        status, _, body = gw.request("GET", "/load", headers={"authorization": ""})
+        assert status == 200, body
+        loads.add(json.loads(body)["server_load"])
+    return loads
+
+
+def test_vllms_ping_version_and_load(gw: Gateway) -> None:
+    """vLLM's small endpoints, without a key as vLLM's: /ping answers as /health does (GET and
+    POST, for SageMaker), /version the installed package's version, /load the requests the
+    answering replica is serving."""
+    for method in ("GET", "POST"):
+        status, _, body = gw.request(method, "/ping", headers={"authorization": ""})
+        assert status == 200 and json.loads(body) == {"status": "ok"}, body
+    status, _, body = gw.request("GET", "/version", headers={"authorization": ""})
+    assert status == 200 and json.loads(body) == {"version": importlib.metadata.version("brigade")}
+    wait_idle(gw.run)
+    assert server_loads(gw) == {0}
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=HTTP_TIMEOUT_S)
+    try:
+        body = {"model": gw.model, "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        conn.request("POST", "/v1/completions", json.dumps(body), {"authorization": f"Bearer {CONFIG_KEY}"})
+        reply = conn.getresponse()
+        assert reply.status == 200
+        while not reply.readline().startswith(b"data: "):  # the stream's first event is in
+            pass
+        assert server_loads(gw) == {0, 1}  # its replica counts it; the other serves nothing
+    finally:
+        conn.close()
+    deadline = time.monotonic() + 30
+    while (loads := server_loads(gw)) != {0} and time.monotonic() < deadline:
+        time.sleep(0.2)  # the replica notices the closed connection at its next write
+    assert loads == {0}
+
+
+def test_metrics_page_filters_by_name_and_gzips(gw: Gateway) -> None:
+    """As prometheus_client's own server: `name[]` picks families by sample name, and a scraper
+    that accepts gzip gets it."""
+    wanted = ["brigade:http_requests_total", "brigade:http_e2e_request_latency_seconds_count"]
+    query = "&".join(f"name[]={name}" for name in wanted)
+    status, headers, body = gw.request("GET", f"/metrics?{query}", headers={"accept-encoding": "gzip"})
+    assert status == 200 and headers.get("content-encoding") == "gzip"
+    names = {
+        s.name for f in text_string_to_metric_families(gzip.decompress(body).decode()) for s in f.samples
+    }
+    assert names == set(wanted), names
+    status, headers, body = gw.request("GET", "/metrics", headers={"accept-encoding": "gzip;q=0, identity"})
+    assert "content-encoding" not in headers and b"brigade:http_time_to_first_token_seconds_count" in body
 
 
 def test_metrics_label_each_route_by_its_path(gw: Gateway) -> None:

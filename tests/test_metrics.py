@@ -24,6 +24,7 @@ from services.metrics import (
     RequestMetrics,
     RingSample,
     StageSamples,
+    accepts_gzip,
     process_usage,
     registry_for_run,
     write_stage_samples,
@@ -543,3 +544,19 @@ def test_a_pool_too_small_for_its_sequences_preempts_counts_it_and_keeps_hfs_tok
         # Every metric names the model as clients do (gateway.served_model_name), as vLLM's.
         assert {sample.labels["model_name"] for sample in samples} == {"tiny-served"}, samples
     assert_clean(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("header", "gzipped"),
+    [
+        ("gzip", True),
+        ("br, GZIP;q=0.5", True),
+        ("*", True),
+        ("gzip;q=0, identity", False),
+        ("identity", False),
+        ("", False),
+        ("gzip;q=nonsense", False),
+    ],
+)
+def test_a_scrape_is_gzipped_only_where_the_scraper_takes_gzip(header: str, gzipped: bool) -> None:
+    assert accepts_gzip(header) is gzipped

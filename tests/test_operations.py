@@ -5,6 +5,7 @@ through a Kubernetes-style ConfigMap symlink swap."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -166,6 +167,26 @@ def scrape(run: Run) -> dict[str, list]:
         for s in family.samples:
             samples.setdefault(s.name, []).append(s)
     return samples
+
+
+def test_the_metrics_port_filters_by_name_and_gzips(live: Run) -> None:
+    """As prometheus_client's own server did: `name[]` picks samples by name, gzip when accepted."""
+    wanted = ["brigade:http_e2e_request_latency_seconds_count", "brigade:num_requests_running"]
+    query = "&".join(f"name[]={name}" for name in wanted)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{live.metrics_port}/metrics?{query}",
+        headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"},
+    )
+    deadline = time.monotonic() + 60
+    while True:  # stage gauges land with the next heartbeat interval
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.headers["Content-Encoding"] == "gzip"
+            text = gzip.decompress(reply.read()).decode()
+        names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+        if names == set(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert names == set(wanted)
 
 
 def dashboard_metrics() -> set[str]:

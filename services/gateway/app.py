@@ -22,6 +22,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import importlib.metadata
 import logging
 import re
 import time
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
@@ -78,7 +78,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run
+from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage_rows import read_status
 
 JSON = "application/json"
@@ -86,6 +86,17 @@ DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end
 CLIENT_CLOSED = 499  # the status nginx logs for a client that went away before the reply
 
 log = logging.getLogger(__name__)
+
+
+def installed_version() -> str:
+    """Brigade's package version, or "unknown" where it runs from a source tree never installed."""
+    try:
+        return importlib.metadata.version("brigade")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BRIGADE_VERSION = installed_version()
 
 
 @dataclass
@@ -780,9 +791,22 @@ class Gateway:
         error = ApiError(503, "no engine is ready to serve", code="unavailable", headers={"Retry-After": "1"})
         return self.finish(request, error_response(error))
 
+    async def version(self, request: Request) -> Response:
+        """vLLM's: the server's version (Brigade's package version)."""
+        return self.finish(request, json_response({"version": BRIGADE_VERSION}))
+
+    async def load(self, request: Request) -> Response:
+        """vLLM's: the requests this replica is serving now (`server_load`), for a load balancer
+        that routes by it. Each replica counts its own, as each vLLM API server does."""
+        return self.finish(request, json_response({"server_load": self.num_in_flight}))
+
     async def prometheus(self, request: Request) -> Response:
-        body = generate_latest(registry_for_run(self.settings.run_dir))
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        body, headers = scrape_page(
+            registry_for_run(self.settings.run_dir),
+            request.url.query,
+            request.headers.get("accept-encoding", ""),
+        )
+        return Response(body, headers=dict(headers))
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_body(request, p.TokenizeRequest)
