@@ -718,6 +718,15 @@ class _Replica:
     dropped_since: float | None = None  # the first dropped handshake since the last success
 
 
+def is_abort_answer(reply: m.ClientReply) -> bool:
+    """Whether `reply` is a tokenizer's answer to an Abort (services/tokenizer/__main__.py): the
+    request's final "abort" delta (with the output held for a slow client joined into it), or
+    unknown_request for one that had ended."""
+    if isinstance(reply, m.Delta):
+        return reply.finish_reason == "abort"
+    return isinstance(reply, m.ErrorReply) and reply.code == "unknown_request"
+
+
 class Session:
     """Sans-IO core of both clients: owns the replicas' liveness and every in-flight request.
 
@@ -755,6 +764,11 @@ class Session:
         self.num_malformed = 0
         self.num_failovers = 0
         self.adapter_replies: dict[str, m.AdapterReply] = {}  # answers to send_adapter_command
+        # When each Abort sent, by (replica, request id), went out, until the replica answers it.
+        # A replica answers every Abort once (an "abort" delta, or unknown_request when the
+        # request had ended), after every earlier reply of that request: until that answer, a
+        # reply under the id is the aborted request's, not that of a new one reusing the id.
+        self.unanswered_aborts: dict[tuple[int, str], list[float]] = {}
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -782,7 +796,11 @@ class Session:
         """Forget a request; tell its replica to abort it unless it already finished."""
         state = self.requests.pop(request_id, None)
         if state is not None and state.finish_reason is None and state.replica is not None:
-            self._send(state.replica, CLIENT_REQUEST.encode(m.Abort(request_id)))
+            self._abort(state.replica, request_id)
+
+    def _abort(self, replica: int, request_id: str) -> None:
+        if self._send(replica, CLIENT_REQUEST.encode(m.Abort(request_id))):
+            self.unanswered_aborts.setdefault((replica, request_id), []).append(self._clock())
 
     def add_replicas(self, endpoints: Sequence[str]) -> None:
         """Replicas the run added (a hot reload of tokenizer.replicas): they take requests from now."""
@@ -832,9 +850,13 @@ class Session:
         if isinstance(reply, m.ErrorReply) and not reply.request_id:
             self._fail_unattributed(replica, reply)
             return
+        if (replica, reply.request_id) in self.unanswered_aborts:
+            if is_abort_answer(reply):
+                self._answered_abort(replica, reply.request_id)
+            return
         state = self.requests.get(reply.request_id)
         # Only the replica now running a request speaks for it: one we failed over from may
-        # still answer (an "abort" after our Abort) and must not end the request.
+        # still answer and must not end the request.
         if state is None or state.replica != replica or state.is_done:
             return
         state.heard_at, state.is_acked = now, True
@@ -894,10 +916,24 @@ class Session:
             if not state.is_done:
                 state.error = AuthenticationFailed(f"CURVE handshake failed with every tokenizer: {why}")
 
+    def _answered_abort(self, replica: int, request_id: str) -> None:
+        sent = self.unanswered_aborts[(replica, request_id)]
+        sent.pop(0)
+        if not sent:
+            del self.unanswered_aborts[(replica, request_id)]
+
+    def _forget_unanswered_aborts(self, now: float) -> None:
+        """A replica that died with an Abort unanswered never answers it; after failover_after its
+        id is free again (a reply dropped meanwhile only makes the new request fail over)."""
+        for (replica, request_id), sent in list(self.unanswered_aborts.items()):
+            while sent and now - sent[0] > self.failover_after:
+                self._answered_abort(replica, request_id)
+
     def tick(self) -> None:
         """Timeouts, failover, unsent requests and health probes of replicas running our requests."""
         now = self._clock()
         self._check_run(now)
+        self._forget_unanswered_aborts(now)
         self._check_handshakes()
         for state in self.requests.values():
             if state.is_done:
@@ -948,7 +984,7 @@ class Session:
         self.num_failovers += 1
         if len(self.replicas) > 1:
             # If it was only slow, stop it; on the same replica the resubmission replaces it.
-            self._send(old, CLIENT_REQUEST.encode(m.Abort(state.request_id)))
+            self._abort(old, state.request_id)
         self._dispatch(state, now, avoid=old)
 
     def send_adapter_command(self, command: m.AdapterCommand) -> bool:

@@ -590,6 +590,45 @@ def test_session_resubmits_what_a_probed_replica_does_not_hold() -> None:
     assert not sent, "a reply that misses nothing resubmits nothing"
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        m.Delta("same", 3, 9, "", b"", finish_reason="abort"),  # the request was still running
+        m.ErrorReply("same", "unknown_request", "no request 'same' of this connection is in flight"),
+    ],
+)
+def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_replies(answer: m.ClientReply) -> None:
+    """A stream closed early sends an Abort, and the replica's answer, and any reply of the old
+    request still on its way, comes after the client may have reused the id: none of them may end
+    or fail the new request (they did: a generate() after a closed stream under the same id
+    returned the old output with finish "abort", or failed with unknown_request)."""
+    clock = [0.0]
+    session = Session(["ipc://a"], lambda i, frame: True, failover_after=4.0, clock=lambda: clock[0])
+    session.submit(m.Generate("same", prompt="hi"), timeout=None)
+    session.receive(0, CLIENT_REPLY.encode(m.Delta("same", 0, 0, "old", m.pack_ids([5, 6, 7]))))
+    session.cancel("same")
+    new = session.submit(m.Generate("same", prompt="hi"), timeout=None)
+    late = m.Delta("same", 3, 3, "!!!", m.pack_ids([8, 9, 10]))  # sent before the Abort arrived
+    for reply in (late, answer):
+        session.receive(0, CLIENT_REPLY.encode(reply))
+        assert not new.is_done and new.error is None and not new.ready
+    session.receive(0, CLIENT_REPLY.encode(m.Delta("same", 0, 0, "new", m.pack_ids([1, 2, 3]))))
+    session.receive(
+        0, CLIENT_REPLY.encode(m.Delta("same", 3, 3, "er", m.pack_ids([4]), finish_reason="stop"))
+    )
+    assert new.finish_reason == "stop" and "".join(d.text for d in new.ready) == "newer"
+    # An Abort a dead replica never answers frees the id after failover_after.
+    session.submit(m.Generate("gone", prompt="hi"), timeout=None)
+    session.cancel("gone")
+    clock[0] = 5.0
+    session.tick()
+    again = session.submit(m.Generate("gone", prompt="hi"), timeout=None)
+    session.receive(
+        0, CLIENT_REPLY.encode(m.Delta("gone", 0, 0, "ok", m.pack_ids([3]), finish_reason="stop"))
+    )
+    assert again.finish_reason == "stop"
+
+
 def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None:
     """A tokenizer killed mid-handshake drops it once and answers after its restart: requests
     stay in flight. A wrong server key drops every retry: after HANDSHAKE_DROPS_FOR_S of drops with

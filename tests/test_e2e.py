@@ -159,6 +159,24 @@ def test_cancellation_frees_everything(smol_run) -> None:
     assert wait_idle(smol_run) == (0, 0, 0.0)
 
 
+def test_a_request_id_reused_after_a_closed_stream_gets_its_own_output(smol_run) -> None:
+    """Closing a stream aborts it, and the tokenizer's answer to that Abort (or the stream's own
+    last delta, still on its way) comes after the next request under the same id is sent: the
+    new request must finish with its own, whole output (it ended early with the old output and
+    finish "abort" every time, or failed with unknown_request)."""
+    sampling = dict(max_tokens=12, temperature=0.0, ignore_eos=True, timeout=120)
+    with Client(smol_run.run_dir) as client:
+        reference = client.generate("Name three colours:", **sampling)
+        for i in range(12):
+            stream = client.stream("Name three colours:", request_id="reused", **sampling)
+            for _ in range(1 + i % 3):  # closed after one, two or three deltas
+                next(stream)
+            stream.close()
+            again = client.generate("Name three colours:", request_id="reused", **sampling)
+            assert (again.finish_reason, again.token_ids) == ("length", reference.token_ids), i
+    assert wait_idle(smol_run) == (0, 0, 0.0)
+
+
 def test_a_probe_is_answered_with_the_requests_its_connection_does_not_hold(smol_run) -> None:
     """The client's resubmission rule rests on this answer: a connection asking about its own
     request in flight hears nothing of it; about an id it never sent, or about another
