@@ -9,6 +9,8 @@ sharing, chunking, preemption and recompute are all checked by comparing outputs
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -781,8 +783,9 @@ def test_min_tokens_suppresses_eos_and_stop_ids_in_the_plan() -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_preemption_resumes_with_the_same_outputs(overlap: bool) -> None:
+def test_preemption_resumes_with_the_same_outputs(overlap: bool, caplog: pytest.LogCaptureFixture) -> None:
     # 3 sequences, blocks for about two: the latest arrival gets preempted and recomputes.
+    caplog.set_level(logging.DEBUG, logger="services.scheduler.state")
     config = small_config(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=64)
     params = [engine_params(max_tokens=30, seed=s, ignore_eos=True) for s in range(3)]
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7] for i in range(3)]
@@ -792,6 +795,10 @@ def test_preemption_resumes_with_the_same_outputs(overlap: bool) -> None:
         sched.add(Request(f"s{i}", 0, np.array(prompts[i], np.int32), params[i]))
     outs = drive(sched, executor, overlap)
     assert sched.num_preemptions > 0 and (executor.num_placeholders > 0) == overlap
+    preempted = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert len(preempted) == sched.num_preemptions and all(
+        re.match(r"request s\d preempted at \d+ output", p) for p in preempted
+    )
     for i in range(3):
         assert tokens_of(outs[f"s{i}"]) == reference_outputs(prompts[i], [], params[i], 64)
     assert_no_leaks(sched)

@@ -10,6 +10,7 @@ puts every running sequence back for recompute; the group resumes when a worker 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -168,6 +169,13 @@ class SchedulerProcess(StageProcess):
             )
             self.refuse(submit, code, str(exc))
             return
+        self.log.debug(
+            "request %s queued: %d prompt tokens, %d output tokens already%s",
+            submit.request_id,
+            len(request.prompt_ids),
+            len(request.output_ids),
+            f", adapter {submit.params.adapter}" if submit.params.adapter else "",
+        )
         if not self.core.config.pooling:  # an embedding's vector goes to its tokenizer, no detokenizer
             self.needs_full_history[submit.request_id] = request
         if finished is not None:  # a resubmission that had already met its end: its history, finished
@@ -192,6 +200,7 @@ class SchedulerProcess(StageProcess):
             self.refuse(submit, "invalid_request", error)
 
     def refuse(self, submit: m.SubmitRequest, code: str, message: str) -> None:
+        self.log.debug("request %s refused (%s): %s", submit.request_id, code, message)
         self.send_failure(submit.tokenizer_id, submit.request_id, code, message)
 
     def send_failure(self, tokenizer_id: int, request_id: str, code: str, message: str) -> None:
@@ -202,6 +211,7 @@ class SchedulerProcess(StageProcess):
         self.early = [s for s in self.early if s.request_id != request_id]
         self.needs_full_history.pop(request_id, None)
         if self.core is not None and self.core.abort(request_id):
+            self.log.debug("request %s aborted", request_id)
             self.detokenizers[shard_of(request_id, len(self.detokenizers))].put(m.DropRequests([request_id]))
 
     def report_progress(self, query: m.QueryRequests) -> None:
@@ -479,6 +489,10 @@ class SchedulerProcess(StageProcess):
             self.emit_embeddings(outputs)
             return
         self.num_tokens += len(outputs)  # one new token per output
+        if self.log.isEnabledFor(logging.DEBUG):  # the per-step path: no loop unless asked
+            for request_id, reason in zip(outputs.request_ids, outputs.finish_reasons, strict=True):
+                if reason is not None:
+                    self.log.debug("request %s finished: %s", request_id, reason)
         for shard, messages in detokenizer_messages(
             outputs, self.needs_full_history, len(self.detokenizers)
         ).items():

@@ -9,6 +9,7 @@ Every change of the running line (a request starts running, leaves it or is pree
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockManager
@@ -16,6 +17,8 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.lora_residency import LoraResidency
 from services.scheduler.plan import PlanTable
 from services.scheduler.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.scheduler.grammars import Grammars
@@ -59,6 +62,11 @@ class SchedulerState:
     def preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it back in line (the caller took it out of
         `running`); it keeps its outputs and recomputes prompt + outputs when readmitted."""
+        log.debug(
+            "request %s preempted at %d output tokens: it recomputes them when readmitted",
+            req.request_id,
+            req.num_output_tokens,
+        )
         self.release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1

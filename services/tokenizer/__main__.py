@@ -290,6 +290,9 @@ class TokenizerProcess(StageProcess):
                 message = f"no request {request.request_id!r} of this connection is in flight"
                 self.send(Reply(identity, m.ErrorReply(request.request_id, "unknown_request", message)))
                 return
+            self.log.debug(
+                "request %r (engine id %s) aborted by its client", request.request_id, entry.submit.request_id
+            )
             self._abort_upstream(entry.submit.request_id)
             self._forget_images(entry.submit.request_id)
             final = m.Delta(
@@ -305,6 +308,14 @@ class TokenizerProcess(StageProcess):
             self.send(
                 Reply(entry.identity, m.ErrorReply(entry.request_id, "overloaded", "engine queue is full"))
             )
+            return
+        self.log.debug(
+            "request %r (engine id %s): %d prompt tokens to engine group %d",
+            entry.request_id,
+            entry.submit.request_id,
+            len(entry.submit.prompt_ids) // 4,
+            entry.group,
+        )
 
     def on_fetched(self) -> None:
         """Requests whose remote images came (each, tokenized now, goes on to an encoder), or
@@ -386,6 +397,8 @@ class TokenizerProcess(StageProcess):
                     self._abort_orphan(delta.request_id)
                 reply = self.core.relay(delta)
                 if reply is not None:
+                    if delta.finish_reason is not None:
+                        self.log.debug("request %s finished: %s", delta.request_id, delta.finish_reason)
                     self.send(reply)
         elif isinstance(message, m.UntrackedRequests):
             # The detokenizer restarted and gets tokens it cannot place: ours are being
@@ -401,6 +414,9 @@ class TokenizerProcess(StageProcess):
                 return
             reply = self.core.fail(message)
             if reply is not None:
+                self.log.debug(
+                    "request %s failed upstream (%s): %s", message.request_id, message.code, message.message
+                )
                 self.send(reply)
         elif isinstance(message, m.RequestProgress):
             redrive, failed = self.core.on_progress(message, time.monotonic())
