@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -84,6 +85,22 @@ REQUEST_LATENCY_BUCKETS = (
     960.0, 1920.0, 7680.0,
 )  # fmt: skip
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)  # vLLM's request_num_preemptions
+STEP_TOKEN_BUCKETS = (
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+)  # iteration_tokens_total
 # Exported only by runs on CUDA; a dashboard panel over them is empty on the CPU.
 CUDA_ONLY = (f"{PREFIX}gpu_memory_allocated_bytes", f"{PREFIX}gpu_memory_reserved_bytes")
 
@@ -387,6 +404,16 @@ class HttpMetrics:
         return "other"
 
 
+class FinishedTimes(NamedTuple):
+    """A request this scheduler finished, as vLLM's per-request engine histograms see it: its
+    preemptions, and, where its first step and first token were here, seconds from its first
+    step to its first token (prefill) and to its last (inference)."""
+
+    num_preemptions: int
+    prefill_s: float | None
+    inference_s: float | None
+
+
 class EngineMetrics:
     """Metrics a scheduler observes: time in the waiting queue, prefix-cache lookups, and the
     workers' time per step."""
@@ -431,6 +458,28 @@ class EngineMetrics:
             registry=registry,
         ).labels(*values)
         self.preemptions_seen = 0
+        # vLLM's per-request engine histograms: from the scheduler's first step of a request to
+        # its first token and to its last, and its preemptions; and the tokens of each step.
+        self.prefill_time = Histogram(
+            f"{PREFIX}request_prefill_time_seconds",
+            "A finished request's time from its first step to its first output token",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self.inference_time = Histogram(
+            f"{PREFIX}request_inference_time_seconds",
+            "A finished request's time from its first step to its last output token",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self.request_preemptions = Histogram(
+            f"{PREFIX}request_num_preemptions",
+            "A finished request's preemptions",
+            labels, buckets=PREEMPTION_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self.step_tokens = Histogram(
+            f"{PREFIX}iteration_tokens_total",
+            "Tokens computed in one step (prompt and output tokens of every sequence)",
+            labels, buckets=STEP_TOKEN_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
         # Speculative decoding (docs/speculative.md), as vLLM's spec_decode_* counters: the mean
         # acceptance length is 1 + accepted tokens / drafts.
         self.spec_drafts = Counter(
@@ -476,16 +525,25 @@ class EngineMetrics:
         queue_times: deque[float],
         num_queries: int,
         num_hits: int,
-        execute_times: deque[tuple[bool, float]],
+        executed_steps: deque[tuple[bool, float, int]],
         num_preemptions: int,
+        finished: deque[FinishedTimes],
     ) -> None:
-        """Observe queue times and step times (taking them out of their deques: (whether the step
-        computed prompt tokens, seconds)), the cache's running totals and the preemptions'."""
+        """Observe queue times, steps (whether the step computed prompt tokens, its seconds and
+        tokens) and finished requests, taking each out of its deque; and take the cache's
+        running totals and the preemptions' into the counters."""
         while queue_times:
             self.queue_time.observe(queue_times.popleft())
-        while execute_times:
-            is_prefill, seconds = execute_times.popleft()
+        while executed_steps:
+            is_prefill, seconds, num_tokens = executed_steps.popleft()
             self.execute_time[is_prefill].observe(seconds)
+            self.step_tokens.observe(num_tokens)
+        while finished:
+            times = finished.popleft()
+            self.request_preemptions.observe(times.num_preemptions)
+            if times.prefill_s is not None and times.inference_s is not None:
+                self.prefill_time.observe(times.prefill_s)
+                self.inference_time.observe(times.inference_s)
         if num_queries > self.queries_seen:
             self.prefix_queries.inc(num_queries - self.queries_seen)
             self.prefix_hits.inc(num_hits - self.hits_seen)

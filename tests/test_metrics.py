@@ -116,13 +116,16 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
     observe_in_process(
         run_dir,
         f"""
+        from services.metrics import FinishedTimes
         e = EngineMetrics({MODEL!r}, 1)
         times = deque([0.003, 0.7])
-        steps = deque([(True, 0.12), (False, 0.013), (False, 0.015)])
-        e.update(times, 100, 32, steps, 1)
-        assert not times and not steps
-        e.update(times, 100, 32, steps, 1)   # nothing new: nothing counted twice
-        e.update(times, 164, 96, steps, 3)
+        steps = deque([(True, 0.12, 300), (False, 0.013, 7), (False, 0.015, 8)])
+        # Two requests run here from their first step; one that came back with output (None).
+        finished = deque([FinishedTimes(0, 0.2, 1.4), FinishedTimes(2, 0.4, 0.9), FinishedTimes(1, None, None)])
+        e.update(times, 100, 32, steps, 1, finished)
+        assert not times and not steps and not finished
+        e.update(times, 100, 32, steps, 1, finished)   # nothing new: nothing counted twice
+        e.update(times, 164, 96, steps, 3, finished)
         """,
     )
     got = scrape(registry_for_run(run_dir))
@@ -137,6 +140,18 @@ def test_engine_metrics_count_deltas_of_running_totals(tmp_path: Path) -> None:
     assert got[("brigade:step_execute_time_seconds_sum", decode)] == pytest.approx(0.028)
     assert got[("brigade:step_execute_time_seconds_count", prefill)] == 1
     assert got[("brigade:step_execute_time_seconds_sum", prefill)] == pytest.approx(0.12)
+    # vLLM's per-request engine histograms and tokens per step.
+    assert got[("brigade:request_prefill_time_seconds_count", labels)] == 2
+    assert got[("brigade:request_prefill_time_seconds_sum", labels)] == pytest.approx(0.6)
+    assert got[("brigade:request_inference_time_seconds_sum", labels)] == pytest.approx(2.3)
+    assert (
+        got[("brigade:request_inference_time_seconds_bucket", (*labels[:1], ("le", "1.0"), *labels[1:]))] == 1
+    )
+    assert got[("brigade:request_num_preemptions_count", labels)] == 3
+    assert got[("brigade:request_num_preemptions_sum", labels)] == 3
+    assert got[("brigade:request_num_preemptions_bucket", (*labels[:1], ("le", "0.0"), *labels[1:]))] == 1
+    assert got[("brigade:iteration_tokens_total_sum", labels)] == 315
+    assert got[("brigade:iteration_tokens_total_bucket", (*labels[:1], ("le", "8.0"), *labels[1:]))] == 2
     assert (
         got[
             (

@@ -804,6 +804,27 @@ def test_preemption_resumes_with_the_same_outputs(overlap: bool, caplog: pytest.
     assert_no_leaks(sched)
 
 
+def test_finished_requests_report_vllms_engine_times_and_preemptions() -> None:
+    """Each request the scheduler finishes leaves its preemptions and, where its first step and
+    first token were here, its prefill and inference seconds for the metrics (vLLM's
+    request_prefill_time / request_inference_time / request_num_preemptions); a request that came
+    back with output (resubmitted) started elsewhere and reports no times."""
+    config = small_config(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+    sched = Scheduler(config)
+    executor = FakeExecutor(sched)
+    for i in range(3):  # blocks for about two: the latest arrival is preempted
+        sched.add(make_request(f"s{i}", [1 + i, 2, 3, 4, 5, 6, 7], max_tokens=30, ignore_eos=True))
+    resubmitted = make_request("back", [9, 8, 7], max_tokens=4, ignore_eos=True)
+    resubmitted.output_ids = [5, 6]
+    sched.add(resubmitted)
+    drive(sched, executor)
+    times = list(sched.state.finished_times)
+    assert len(times) == 4 and sum(t.num_preemptions for t in times) == sched.num_preemptions > 0
+    timed = [t for t in times if t.prefill_s is not None]
+    assert len(timed) == 3  # the resubmitted one has none
+    assert all(0 <= t.prefill_s <= t.inference_s for t in timed)
+
+
 def test_worker_loss_recomputes_and_ignores_the_lost_step() -> None:
     sched = Scheduler(small_config(block_size=4))
     executor = FakeExecutor(sched)

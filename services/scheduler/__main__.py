@@ -554,8 +554,9 @@ class SchedulerProcess(StageProcess):
                 core.queue_times,
                 core.num_prefix_query_tokens,
                 core.num_prefix_hit_tokens,
-                self.pipeline.execute_times,
+                self.pipeline.executed_steps,
                 core.num_preemptions,
+                core.state.finished_times,
             )
             lora = core.state.lora
             self.metrics.update_lora(self.adapters.num_loads, lora.num_swaps, lora.num_prefetches)

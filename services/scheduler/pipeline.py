@@ -87,7 +87,8 @@ class StepPipeline:
         self.next_step_id = 0  # consecutive: a placeholder means "sampled in step_id - 1"
         self.num_planned_ahead = 0
         # (computed prompt tokens, the worker's execute_s) of each applied step, for the metrics.
-        self.execute_times: deque[tuple[bool, float]] = deque(maxlen=MAX_EXECUTE_TIMES)
+        # Each step's (whether it computed prompt tokens, the worker's seconds, its tokens).
+        self.executed_steps: deque[tuple[bool, float, int]] = deque(maxlen=MAX_EXECUTE_TIMES)
         # When the last result came, while steps kept coming: None once `advance` found nothing to
         # run (the scheduler's loop may also skip `advance` while idle without clearing it; the
         # first step after that carries a prompt, which is never timed) or the workers were lost.
@@ -152,7 +153,7 @@ class StepPipeline:
                 return StepOutputs.empty()
             step = entry.step
             has_prompt = step.num_decodes + step.num_verifying < step.num_seqs
-            self.execute_times.append((has_prompt, header.execute_s))
+            self.executed_steps.append((has_prompt, header.execute_s, step.num_tokens))
             if (
                 self.core.speculation is not None
                 and not has_prompt

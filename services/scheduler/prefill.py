@@ -95,7 +95,8 @@ class Prefill:
             # A request's wait is counted once: not again after a preemption, nor when it comes back
             # with output (resubmitted to a restarted scheduler, or resumed through another tokenizer).
             if req.num_preemptions == 0 and req.num_output_tokens == 0:
-                self.queue_times.append(time.monotonic() - req.arrival_time)
+                req.scheduled_at = time.monotonic()
+                self.queue_times.append(req.scheduled_at - req.arrival_time)
             blocks.acquire(hits)
             req.block_ids = hits
             req.num_registered_blocks = len(hits)

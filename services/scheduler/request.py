@@ -80,6 +80,7 @@ class Request:
         "block_hashes",
         "block_ids",
         "finish_reason",
+        "first_token_at",
         "grammar",
         "grammar_future",
         "images",
@@ -96,6 +97,7 @@ class Request:
         "prompt_scores",
         "request_id",
         "row",
+        "scheduled_at",
         "seed",
         "speculation_kept",
         "speculation_steps_off",
@@ -135,6 +137,11 @@ class Request:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
         self.num_preemptions = 0
+        # When this scheduler first scheduled it and when its first output token came, for the
+        # per-request prefill and inference times; None for a request that came back with output
+        # (resubmitted, or resumed through another tokenizer): its start was elsewhere.
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of the tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache

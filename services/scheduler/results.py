@@ -241,6 +241,11 @@ class Results:
         # (when, seconds from arrival) of each first output token, for the autoscaler's TTFT.
         self.first_token_times: deque[tuple[float, float]] = deque(maxlen=FIRST_TOKEN_TIMES_KEPT)
 
+    def _on_first_token(self, req: Request, now: float) -> None:
+        self.first_token_times.append((now, now - req.arrival_time))
+        if req.scheduled_at is not None:
+            req.first_token_at = now
+
     def recent_ttft_p90(self, window_s: float = TTFT_WINDOW_S) -> float:
         """The 90th percentile of the times to first token of the last `window_s` seconds (from
         the scheduler's receipt of each request), or 0.0 when no request got one in it."""
@@ -346,7 +351,7 @@ class Results:
         if np.count_nonzero(is_first):
             now = time.monotonic()
             for j in np.flatnonzero(is_first).tolist():
-                self.first_token_times.append((now, now - seqs[int(sampled[j])].arrival_time))
+                self._on_first_token(seqs[int(sampled[j])], now)
         # Finish checks, vectorized over the batch; only candidates get a look in Python.
         candidates = num_tokens >= check_from
         eos_token_ids = state.eos_token_ids
@@ -445,6 +450,8 @@ class Results:
             proposal = step.proposals[i - step.num_decodes]
             assert self.speculation is not None  # only it proposes
             self.speculation.applied(req, len(proposal), num_emitted)
+            if req.num_output_tokens == 0 and num_emitted:  # its first step verified proposals
+                self._on_first_token(req, time.monotonic())
             reason = None
             history = table.history.get(row)  # only rows that apply penalties have one
             k = req.params.logprobs or 0

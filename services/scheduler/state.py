@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
+from collections import deque
 from typing import TYPE_CHECKING
 
+from services.metrics import FinishedTimes
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.lora_residency import LoraResidency
@@ -22,6 +25,10 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.scheduler.grammars import Grammars
+
+
+# Finished requests whose times the next heartbeat has not taken into the metrics yet.
+FINISHED_TIMES_KEPT = 4096
 
 
 def sort_key(req: Request) -> tuple[int, int]:
@@ -46,6 +53,7 @@ class SchedulerState:
         self.compiling: list[Request] = []  # constrained, their grammar still compiling (arrival order)
         self.line_version = 0
         self.num_preemptions = 0
+        self.finished_times: deque[FinishedTimes] = deque(maxlen=FINISHED_TIMES_KEPT)
         self.lora = LoraResidency(config.max_loras, max(config.lora_slots, config.max_loras))
 
     def start_running(self, req: Request) -> None:
@@ -95,6 +103,8 @@ class SchedulerState:
         self.release(req)
         req.status = status
         del self.requests[req.request_id]
+        if status is RequestStatus.FINISHED:
+            self.finished_times.append(times_of(req, time.monotonic()))
 
     def release(self, req: Request) -> None:
         """Free a request's row and blocks, first offering its full computed blocks to the cache."""
@@ -168,3 +178,9 @@ class SchedulerState:
             if victim is req:
                 return False
         return True
+
+
+def times_of(req: Request, now: float) -> FinishedTimes:
+    if req.scheduled_at is None or req.first_token_at is None:
+        return FinishedTimes(req.num_preemptions, None, None)
+    return FinishedTimes(req.num_preemptions, req.first_token_at - req.scheduled_at, now - req.scheduled_at)
