@@ -495,6 +495,13 @@ class EngineMetrics:
             registry=registry,
         ).labels(*values)
         self.spec_seen = (0, 0, 0)
+        self.spec_accepted_per_pos = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens the target model agreed with, by their position in the proposal (from 0)",
+            [*labels, "position"],
+            registry=registry,
+        )
+        self.spec_values = values
         self.spec_acceptance_length = Histogram(
             f"{PREFIX}spec_decode_acceptance_length",
             "Tokens each verification emitted: its accepted proposals and the target's next token",
@@ -558,7 +565,10 @@ class EngineMetrics:
         """Take the scheduler's running totals of verifications into the counters, and each
         verification's acceptance length (taking them out of their deque) into the histogram."""
         while acceptance_lengths:
-            self.spec_acceptance_length.observe(acceptance_lengths.popleft())
+            length = acceptance_lengths.popleft()
+            self.spec_acceptance_length.observe(length)
+            for position in range(length - 1):  # its accepted proposals, the first ones
+                self.spec_accepted_per_pos.labels(*self.spec_values, str(position)).inc()
         totals = (num_drafts, num_draft_tokens, num_accepted_tokens)
         counters = (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
         for counter, total, seen in zip(counters, totals, self.spec_seen, strict=True):

@@ -348,7 +348,7 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[i
 
 def spec_decode_counters(port: int) -> dict[str, float]:
     """The spec_decode_* counters, and the acceptance length histogram's _count and _sum, summed
-    over engines, read once the heartbeat brought them."""
+    over engines (the per-position counter as `NAME[position]`), read once the heartbeat brought them."""
     deadline = time.monotonic() + 30
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -359,7 +359,9 @@ def spec_decode_counters(port: int) -> dict[str, float]:
                 if sample.name.startswith("brigade:spec_decode_") and sample.name.endswith(
                     ("_total", "_count", "_sum")
                 ):
-                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+                    position = sample.labels.get("position")
+                    name = sample.name if position is None else f"{sample.name}[{position}]"
+                    counters[name] = counters.get(name, 0.0) + sample.value
         if counters.get("brigade:spec_decode_num_drafts_total") or time.monotonic() > deadline:
             return counters
         time.sleep(0.5)

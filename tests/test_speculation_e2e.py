@@ -136,6 +136,12 @@ def test_seeded_sampled_requests_speculate_and_keep_their_text(
     # The acceptance length histogram has one observation per verification, of accepted + 1.
     assert counters["brigade:spec_decode_acceptance_length_count"] == drafts
     assert counters["brigade:spec_decode_acceptance_length_sum"] == drafts + accepted
+    # vLLM's per-position counter: every accepted token at its position, each position accepted
+    # no more often than the one before it (a proposal is accepted from its start).
+    per_pos = [
+        counters.get(f"brigade:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0) for i in range(5)
+    ]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True) and per_pos[0] > 0
 
 
 def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(
