@@ -147,7 +147,10 @@ class Supervisor:
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
             self.run.publish(
-                self.config, model_dir, max_model_len=served_max_model_len(self.config, model_dir)
+                self.config,
+                model_dir,
+                max_model_len=served_max_model_len(self.config, model_dir),
+                topology=self.transitions.current,
             )
             self.run.hand_over(self.config)
         except Refused as exc:
