@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -26,7 +26,7 @@ from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
 from ipc.shm import RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
-from ipc.topology import Topology
+from ipc.topology import StageSpec, Topology
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
@@ -371,6 +371,24 @@ class Run:
                 ring.close()
                 ring.unlink()
                 self.rings.remove(ring)
+
+    def remove_sockets(self, stages: Iterable[StageSpec]) -> None:
+        """The ipc:// socket files that `stages` bound in the run dir, once a hot reload has
+        retired them and they have stopped: nothing links to them any more, and they stayed until
+        the run ended. tcp:// links have none; a file on another node's run dir goes with the
+        cleanup of that node (supervision/ray_stages.py)."""
+        bound_by = {
+            "tokenizer": (Endpoints.tokenizer, Endpoints.tokenizer_in),
+            "detokenizer": (Endpoints.detokenizer_in,),
+            "scheduler": (Endpoints.scheduler_in, Endpoints.scheduler_workers),
+            "encoder": (Endpoints.encoder,),
+        }
+        for stage in stages:
+            for link in bound_by.get(stage.kind, ()):
+                bind = link(self.endpoints, stage.index).bind
+                path = Path(bind.removeprefix("ipc://"))
+                if bind.startswith("ipc://") and path.parent == self.run_dir:
+                    path.unlink(missing_ok=True)
 
     def remove_embedding_caches(self, num_encoders: int) -> None:
         """Unlink the embedding caches (ipc/embedding_cache.py) of encoder replicas 0 to

@@ -164,6 +164,7 @@ class Transitions:
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
         self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.stages.stop(removed, STOP_GRACE_S)
+        self.run.remove_sockets(step.removed)  # the retired groups' stages' too
         for stage in removed:
             log.info("retired %s", stage.name)
 

@@ -318,3 +318,26 @@ def test_a_tokenizer_added_with_engine_groups_serves_at_once(tmp_path: Path, tin
     log = run_dir.with_name(run_dir.name + ".log").read_text()
     assert "lost upstream" not in log
     assert_clean(run_dir)
+
+
+def test_retired_stages_leave_no_socket_files(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """tokenizer.replicas, detokenizer.replicas and engine.data_parallel 2 -> 1 by hot reload: the
+    retired tokenizer's, detokenizer's and scheduler's socket files are gone once they are
+    retired (they stayed in the run dir until the run stopped), the remaining ones are there, and
+    the run serves on with the same text."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, 2, 2, data_parallel=2, threads=1)
+    run_dir = tmp_path / "run"
+    retired = ["tokenizer-1", "tokenizer-1-in", "detokenizer-1-in", "scheduler-1-in", "scheduler-1-workers"]
+    remaining = ["tokenizer-0", "tokenizer-0-in", "detokenizer-0-in", "scheduler-0-in", "scheduler-0-workers"]
+    with brigade_run(run_dir, config=str(config)) as run:
+        assert {f"{name}.sock" for name in retired + remaining} <= {p.name for p in run_dir.glob("*.sock")}
+        reference = streams(run_dir)
+        write_config(config, tiny_model_dir, 1, 1, data_parallel=1, threads=1)
+        run.process.send_signal(signal.SIGHUP)
+        run.wait_for_line("reload applied", 120)
+        sockets = {p.name for p in run_dir.glob("*.sock")}
+        assert not sockets & {f"{name}.sock" for name in retired}, sorted(sockets)
+        assert {f"{name}.sock" for name in remaining} <= sockets, sorted(sockets)
+        assert streams(run_dir) == reference
+    assert_clean(run_dir)

@@ -244,8 +244,12 @@ def test_a_tokenizer_restarted_in_the_middle_of_a_change_reads_the_topology_of_t
 
 def test_a_removed_tokenizer_is_told_to_drain_and_stops_after_everyone_routes_around_it(tmp_path: Path):
     harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
+    sockets = ["tokenizer-0.sock", "tokenizer-0-in.sock", "tokenizer-1.sock", "tokenizer-1-in.sock"]
+    for name in sockets:  # what the processes would have bound
+        (harness.run_dir / name).touch()
     try:
         harness.transitions.change(with_setting(harness.loop.config, "tokenizer.replicas", 1))
+        assert sorted(p.name for p in harness.run_dir.glob("*.sock")) == sorted(sockets[:2])
         shutdowns = harness.commands(m.Shutdown)
         assert [name for _, name, _ in shutdowns] == ["tokenizer-1"]
         changes = harness.topologies()
