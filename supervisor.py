@@ -354,11 +354,20 @@ class Supervisor:
         self.run.remove_embedding_caches(
             max(self.transitions.most_encoders, self.config.encoder.num_encoders)
         )
-        self.stages.close()
+        left = self.stages.close()
         close_context(self.ctx, 0)
         claimed = self.run.run_dir_lock is not None  # a refused start removes nothing of the live run
         self.run.release(keep_keys=bool(self.config.network.keys_dir))
-        log.info("stopped; shared memory and sockets removed" if claimed else "stopped")
+        if not claimed:
+            log.info("stopped")
+        elif left:
+            log.warning(
+                "stopped; shared memory and sockets removed on this host, but not (or not surely) on: %s; "
+                "this host's leftovers are swept at the next start",
+                "; ".join(left),
+            )
+        else:
+            log.info("stopped; shared memory and sockets removed")
 
 
 def ready_lines(config: Config, num_stages: int, run: Run) -> str:

@@ -99,3 +99,27 @@ def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog
     assert "status.json written again" in caplog.text
     rows = json.loads((tmp_path / STATUS_FILE).read_text())
     assert rows[0]["name"] == "tokenizer-0" and rows[0]["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    ("left", "expected"),
+    [
+        ([], "stopped; shared memory and sockets removed"),
+        (["node abc (its cleanup did not finish in 30s)"], "but not (or not surely) on: node abc (its cleanup"),
+    ],
+)
+def test_the_stop_line_names_what_the_stage_set_could_not_clean_up(
+    run_dir: Path, caplog, left: list[str], expected: str
+):
+    """A Ray node whose end-of-run cleanup timed out (RayStageSet.close returns it) is named in the
+    supervisor's last line, a warning; it said "shared memory and sockets removed" all the same."""
+    from supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None, []), None, [], run_dir, "text")
+    supervisor.run.claim_run_dir()
+    supervisor.stages.close = lambda: left  # what the stage set reports it could not remove
+    with caplog.at_level(logging.INFO, logger="supervisor"):
+        supervisor.stop()
+    [line] = [r for r in caplog.records if r.getMessage().startswith("stopped")]
+    assert expected in line.getMessage()
+    assert line.levelno == (logging.WARNING if left else logging.INFO)
