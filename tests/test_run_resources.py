@@ -105,7 +105,10 @@ def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog
     ("left", "expected"),
     [
         ([], "stopped; shared memory and sockets removed"),
-        (["node abc (its cleanup did not finish in 30s)"], "but not (or not surely) on: node abc (its cleanup"),
+        (
+            ["node abc (its cleanup did not finish in 30s)"],
+            "but not (or not surely) on: node abc (its cleanup",
+        ),
     ],
 )
 def test_the_stop_line_names_what_the_stage_set_could_not_clean_up(
