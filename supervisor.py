@@ -295,8 +295,10 @@ class Supervisor:
             return
         if stage.kind == "detokenizer":
             # The tokenizers re-drive the shard: only their journals still know the requests the
-            # scheduler finished whose last text died with the detokenizer.
-            shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), self.config.detokenizer.replicas)
+            # scheduler finished whose last text died with the detokenizer. By the shard count the
+            # schedulers send by now: in the middle of a reload the config's may not be it yet.
+            num_shards = self.transitions.current.num_detokenizers
+            shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), num_shards)
             for other in self.stages.of_kind("tokenizer"):
                 self.command(other, shard)
         elif stage.kind == "scheduler":

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from ipc import messages as m
 from ipc.config import load_config
 from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
+from ipc.sockets import close_context
+from ipc.topology import Topology
 from services.stage import RUN_FILE, read_run_info
 from services.stage_rows import STATUS_FILE
+from supervision.live_settings import with_setting
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageHandle
@@ -126,3 +130,26 @@ def test_the_stop_line_names_what_the_stage_set_could_not_clean_up(
     [line] = [r for r in caplog.records if r.getMessage().startswith("stopped")]
     assert expected in line.getMessage()
     assert line.levelno == (logging.WARNING if left else logging.INFO)
+
+
+def test_a_detokenizer_restarted_in_the_middle_of_a_reload_is_re_driven_by_the_current_shard_count(
+    run_dir: Path,
+):
+    """detokenizer.replicas 1 -> 2 while the added shard starts: run.json's config says 2, but the
+    schedulers still send every request to shard 0. detokenizer-0 restarting then has the
+    tokenizers resubmit the requests of shard 0 of 1 (all of them), not of 0 of 2 (about half:
+    the rest waited for the stall watchdog)."""
+    from supervisor import Supervisor
+
+    config = load_config(None, [])
+    supervisor = Supervisor(with_setting(config, "detokenizer.replicas", 2), None, [], run_dir, "text")
+    supervisor.transitions.current = Topology.of(config)
+    sent: list[tuple[str, object]] = []
+    supervisor.command = lambda stage, message: sent.append((stage.name, message))
+    for spec in Topology.of(config).stages():
+        supervisor.stages.add(spec)
+    restarted = supervisor.stages["detokenizer-0"]
+    restarted.num_restarts = 1
+    supervisor.on_ready(restarted, "")
+    assert ("tokenizer-0", m.ResubmitShard(0, 1)) in sent
+    close_context(supervisor.ctx, 0)
