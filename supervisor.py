@@ -364,8 +364,9 @@ class Supervisor:
             log.info("stopped")
         elif left:
             log.warning(
-                "stopped; shared memory and sockets removed on this host, but not (or not surely) on: %s; "
-                "this host's leftovers are swept at the next start",
+                "stopped; the run dir's sockets and files removed, but the cleanup did not finish on: %s; "
+                "the run's shared memory there (and off this host the run dir's files) may be left, "
+                "this host's is swept at the next start",
                 "; ".join(left),
             )
         else:

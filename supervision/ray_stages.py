@@ -511,8 +511,9 @@ class RayStageSet(StageSet):
         # Every live node cleans up before the request that keeps the nodes is dropped: were it
         # dropped first, Ray's autoscaler could end an idle node in the middle. A node that goes
         # anyway took its leftovers with it, and the other nodes' cleanups still finish (waited
-        # for, not read: one failure must not abandon the rest). A cluster that went away took
-        # them all; this host's are swept at the next start (sweep_stale_runs).
+        # for together, then each read: one failure must not abandon the rest). A cluster that
+        # went away took them all; this host's are swept at the next start (sweep_stale_runs).
+        # What did not finish, or failed, goes back to the supervisor's last line.
         left: list[str] = []
         try:
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]

@@ -111,7 +111,7 @@ def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog
         ([], "stopped; shared memory and sockets removed"),
         (
             ["node abc (its cleanup did not finish in 30s)"],
-            "but not (or not surely) on: node abc (its cleanup",
+            "the cleanup did not finish on: node abc (its cleanup",
         ),
     ],
 )
