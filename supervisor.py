@@ -147,7 +147,10 @@ class Supervisor:
             self.control = RouterSocket(self.ctx, self.run.endpoints.supervisor(), CONTROL_UP, CONTROL_DOWN)
             self.auth_failures.watch(self.control)
             self.run.publish(
-                self.config, model_dir, max_model_len=served_max_model_len(self.config, model_dir)
+                self.config,
+                model_dir,
+                max_model_len=served_max_model_len(self.config, model_dir),
+                topology=self.transitions.current,
             )
             self.run.hand_over(self.config)
         except Refused as exc:
@@ -292,8 +295,10 @@ class Supervisor:
             return
         if stage.kind == "detokenizer":
             # The tokenizers re-drive the shard: only their journals still know the requests the
-            # scheduler finished whose last text died with the detokenizer.
-            shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), self.config.detokenizer.replicas)
+            # scheduler finished whose last text died with the detokenizer. By the shard count the
+            # schedulers send by now: in the middle of a reload the config's may not be it yet.
+            num_shards = self.transitions.current.num_detokenizers
+            shard = m.ResubmitShard(int(stage.name.rsplit("-", 1)[1]), num_shards)
             for other in self.stages.of_kind("tokenizer"):
                 self.command(other, shard)
         elif stage.kind == "scheduler":
@@ -351,11 +356,21 @@ class Supervisor:
         self.run.remove_embedding_caches(
             max(self.transitions.most_encoders, self.config.encoder.num_encoders)
         )
-        self.stages.close()
+        left = self.stages.close()
         close_context(self.ctx, 0)
         claimed = self.run.run_dir_lock is not None  # a refused start removes nothing of the live run
         self.run.release(keep_keys=bool(self.config.network.keys_dir))
-        log.info("stopped; shared memory and sockets removed" if claimed else "stopped")
+        if not claimed:
+            log.info("stopped")
+        elif left:
+            log.warning(
+                "stopped; the run dir's sockets and files removed, but the cleanup did not finish on: %s; "
+                "the run's shared memory there (and off this host the run dir's files) may be left, "
+                "this host's is swept at the next start",
+                "; ".join(left),
+            )
+        else:
+            log.info("stopped; shared memory and sockets removed")
 
 
 def ready_lines(config: Config, num_stages: int, run: Run) -> str:

@@ -90,9 +90,12 @@ class StageSpec:
 @dataclass(frozen=True)
 class Transition:
     """What turns one topology into another, in the order the supervisor carries it out:
-    1. start `added` (in start order) and wait until they are ready;
+    1. start the `added` detokenizers, engine groups and encoders (in start order) and wait
+       until they are ready;
     2. tell every stage `during`: the new counts, with the engine groups in `draining` still
-       running but no longer taking new requests;
+       running but no longer taking new requests; then start the `added` tokenizers and
+       gateways, which read `during` from run.json, so that they take requests only once every
+       group they route to is up and every stage that answers them links to them;
     3. let the groups in `draining` finish what they run, stop their stages, and tell every
        stage `after` (the tokenizers move whatever was left on those groups to the others);
     4. stop the rest of `removed` (in stop order).

@@ -38,7 +38,7 @@ class Peers:
     ) -> None:
         self.ctx = ctx
         self.stage = stage
-        self.topology = Topology.of(stage.config, stage.info.network.hosts)
+        self.topology = stage.topology
         self.tokenizers: list[PushQueue] = []
         self.schedulers: list[PushQueue] = []
         self.detokenizers: list[PushQueue] = []

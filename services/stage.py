@@ -27,6 +27,7 @@ from ipc.codec import CONTROL_DOWN, CONTROL_UP, Codec, MalformedMessage
 from ipc.config import Config
 from ipc.endpoints import Endpoints, Link, NetworkPlan
 from ipc.sockets import DealerSocket, PushQueue, close_context
+from ipc.topology import Topology
 from services import privileges
 from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 from services.cpu_cores import light_stage_cores, pin_process, usable_cores
@@ -55,6 +56,10 @@ class RunInfo(msgspec.Struct, frozen=True):
     # The longest sequence served (supervision/preflight.py served_max_model_len): below
     # model.max_model_len where the model or its draft model has fewer positions; 0 = that.
     max_model_len: int = 0
+    # The run's topology as the supervisor holds it now (ipc/topology.py): during a hot reload it
+    # lags the config, which has the new counts before the stages they add are up, and it counts
+    # the engine groups still draining. None in a run.json written without it (a test's).
+    topology: Topology | None = None
 
     @property
     def served_max_model_len(self) -> int:
@@ -138,6 +143,13 @@ class Stage:
     @property
     def config(self) -> Config:
         return self.info.config
+
+    @property
+    def topology(self) -> Topology:
+        """The run's topology when this process read run.json: the one its peers link by (a stage
+        started or restarted in the middle of a hot reload must not go by the new config, whose
+        added stages may not be up yet); the config's where run.json has none."""
+        return self.info.topology or Topology.of(self.config, self.info.network.hosts)
 
     def relink(self, hosts: dict[str, str]) -> Endpoints:
         """Take the run's new stage hosts (TopologyChanged): this stage's endpoints are re-planned from

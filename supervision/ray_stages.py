@@ -33,7 +33,7 @@ from typing import IO, Any
 import posix_ipc
 import ray
 from ray.autoscaler.sdk import request_resources
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -495,10 +495,13 @@ class RayStageSet(StageSet):
             self.rings.setdefault(spec.group, []).append(spec)
         return []
 
-    def close(self) -> None:
-        """No actor, placement group or shared memory of the run is left on any node."""
+    def close(self) -> list[str]:
+        """No actor, placement group or shared memory of the run is left on any node. Returns the
+        nodes whose cleanup did not finish within CALL_TIMEOUT_S or failed, or that the cluster
+        could not be reached: their shared memory (and off this host their run dir's files) may
+        be left."""
         if not ray.is_initialized():
-            return
+            return []
         for host in self.hosts:
             with contextlib.suppress(RayError):
                 ray.kill(host, no_restart=True)
@@ -508,20 +511,36 @@ class RayStageSet(StageSet):
         # Every live node cleans up before the request that keeps the nodes is dropped: were it
         # dropped first, Ray's autoscaler could end an idle node in the middle. A node that goes
         # anyway took its leftovers with it, and the other nodes' cleanups still finish (waited
-        # for, not read: one failure must not abandon the rest). A cluster that went away took
-        # them all; this host's are swept at the next start (sweep_stale_runs).
-        with contextlib.suppress(RayError, ConnectionError):
+        # for together, then each read: one failure must not abandon the rest). A cluster that
+        # went away took them all; this host's are swept at the next start (sweep_stale_runs).
+        # What did not finish, or failed, goes back to the supervisor's last line.
+        left: list[str] = []
+        try:
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-            cleanups = [
+            cleanups = {
                 _clean_node.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-                ).remote(f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host)
+                ).remote(f"{SHM_PREFIX}{self.run_id}-", str(self.run_dir), self.supervisor_host): node
                 for node in nodes
+            }
+            done, pending = ray.wait(list(cleanups), num_returns=len(cleanups), timeout=CALL_TIMEOUT_S)
+            left += [
+                f"node {cleanups[ref]} (its cleanup did not finish in {CALL_TIMEOUT_S:.0f}s)"
+                for ref in pending
             ]
-            ray.wait(cleanups, num_returns=len(cleanups), timeout=CALL_TIMEOUT_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayTaskError as exc:  # the cleanup itself failed; a node that died took its leftovers
+                    left.append(f"node {cleanups[ref]} (its cleanup failed: {exc.cause!r})")
+                except RayError:
+                    pass
+        except (RayError, ConnectionError) as exc:
+            left.append(f"every node (the cluster could not be reached: {exc})")
         if self.requested_groups:
             self.request_resources(0)  # a stopped run keeps no nodes up
         ray.shutdown()
+        return left
 
     # -- processes -------------------------------------------------------------------------------
 

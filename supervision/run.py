@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -26,6 +26,7 @@ from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
 from ipc.shm import RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
+from ipc.topology import StageSpec, Topology
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
@@ -265,11 +266,13 @@ class Run:
         model_dir: Path | None = None,
         is_ready: bool | None = None,
         max_model_len: int = 0,
+        topology: Topology | None = None,
     ) -> None:
         """run.json, which new stages read at start and clients read the tokenizers from: first
-        with `model_dir` and the longest sequence served (`max_model_len`, 0 = the config's),
-        then again for a new config or once ready. Raises Refused when it cannot be written (a
-        full disk), and then nothing changed."""
+        with `model_dir`, the longest sequence served (`max_model_len`, 0 = the config's) and the
+        run's `topology`, then again for a new config or once ready (`publish_topology` for a new
+        topology). Raises Refused when it cannot be written (a full disk), and then nothing
+        changed."""
         if self.info is None:
             assert model_dir is not None, "the first run.json names the model"
             keys = self.network_plan.keys
@@ -290,6 +293,7 @@ class Run:
         info = msgspec.structs.replace(
             info,
             config=config,
+            topology=info.topology if topology is None else topology,
             tokenizers=[str(self.endpoints.tokenizer(i)) for i in range(config.tokenizer.replicas)],
             is_ready=info.is_ready if is_ready is None else is_ready,
         )
@@ -297,6 +301,20 @@ class Run:
             write_run_info(self.run_dir, info)
         except OSError as exc:
             raise Refused(f"could not write {self.run_dir / RUN_FILE}: {exc.strerror}") from None
+        self.info = info
+
+    def publish_topology(self, topology: Topology) -> None:
+        """The run's new topology in run.json, for the stages that start or restart from now on:
+        they link and route by it, not by the config (which a hot reload changes before the
+        stages it adds are up). A run.json that cannot be written keeps the one before: a stage
+        started meanwhile hears the new one at its Ready (TopologyChanged) all the same."""
+        assert self.info is not None  # published at start
+        info = msgspec.structs.replace(self.info, topology=topology)
+        try:
+            write_run_info(self.run_dir, info)
+        except OSError as exc:
+            log.error("could not write the new topology to %s: %s", self.run_dir / RUN_FILE, exc.strerror)
+            return
         self.info = info
 
     # -- shared memory ---------------------------------------------------------------------------
@@ -353,6 +371,24 @@ class Run:
                 ring.close()
                 ring.unlink()
                 self.rings.remove(ring)
+
+    def remove_sockets(self, stages: Iterable[StageSpec]) -> None:
+        """The ipc:// socket files that `stages` bound in the run dir, once a hot reload has
+        retired them and they have stopped: nothing links to them any more, and they stayed until
+        the run ended. tcp:// links have none; a file on another node's run dir goes with the
+        cleanup of that node (supervision/ray_stages.py)."""
+        bound_by = {
+            "tokenizer": (Endpoints.tokenizer, Endpoints.tokenizer_in),
+            "detokenizer": (Endpoints.detokenizer_in,),
+            "scheduler": (Endpoints.scheduler_in, Endpoints.scheduler_workers),
+            "encoder": (Endpoints.encoder,),
+        }
+        for stage in stages:
+            for link in bound_by.get(stage.kind, ()):
+                bind = link(self.endpoints, stage.index).bind
+                path = Path(bind.removeprefix("ipc://"))
+                if bind.startswith("ipc://") and path.parent == self.run_dir:
+                    path.unlink(missing_ok=True)
 
     def remove_embedding_caches(self, num_encoders: int) -> None:
         """Unlink the embedding caches (ipc/embedding_cache.py) of encoder replicas 0 to

@@ -223,8 +223,10 @@ class StageSet:
         """Bring the Prometheus files of stages on other hosts into this run's metrics dir (there
         are none here: every stage writes to it directly)."""
 
-    def close(self) -> None:
-        """Release what `place` reserved, once every stage has stopped."""
+    def close(self) -> list[str]:
+        """Release what `place` reserved, once every stage has stopped. Returns what could not be
+        cleaned up, one description each (none here: the supervisor removes this host's files)."""
+        return []
 
     # -- processes -------------------------------------------------------------------------------
 

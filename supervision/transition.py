@@ -19,7 +19,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.config import Config
-from ipc.topology import Topology, diff
+from ipc.topology import StageSpec, Topology, diff
 from services.audit import AuditLog
 from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
 from supervision.preflight import Refused, check_encoders, check_layout
@@ -31,6 +31,8 @@ STOP_GRACE_S = 5.0
 PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
 # ... and those that hear it too: a gateway's client connects to tokenizer replicas added live.
 TOPOLOGY_KINDS = (*PEER_KINDS, "gateway")
+# The stages that take requests from clients: a hot reload starts those it adds last.
+ENTRY_KINDS = ("tokenizer", "gateway")
 
 log = logging.getLogger("supervisor")
 
@@ -63,13 +65,15 @@ class Transitions:
         self.most_encoders = self.current.num_encoders
         stages.on_group_moved = self.move_group
 
-    def broadcast(self, topology: Topology) -> None:
-        """Make `topology` the current one and tell every stage that keeps peer links, and the
-        gateways."""
+    def broadcast(self, topology: Topology, kinds: tuple[str, ...] = TOPOLOGY_KINDS) -> None:
+        """Make `topology` the current one, in run.json for the stages that start from now on, and
+        tell the running stages of `kinds` (by default every stage that keeps peer links, and the
+        gateways)."""
         self.current = topology
         self.most_encoders = max(self.most_encoders, topology.num_encoders)
+        self.run.publish_topology(topology)
         for stage in self.stages:
-            if stage.kind in TOPOLOGY_KINDS:
+            if stage.kind in kinds:
                 self.watch.command(stage, m.TopologyChanged(topology))
 
     def move_group(self, group: int, address: str) -> None:
@@ -115,14 +119,20 @@ class Transitions:
             self.stages.create_rings,
         )
         self.run.hand_over(config)  # the new rings, to supervisor.run_as
-        added = [self.stages.add(spec) for spec in step.added]
-        for stage in added:
-            self.stages.spawn(stage)
-        self.watch.wait_ready(added)
+        # Downstream first, as at start: the added detokenizer shards, engine groups and encoders
+        # are up, and every stage links to them and to the tokenizer replicas about to start,
+        # before an added tokenizer takes a request. One started with them routed by the new
+        # config to engine groups not up yet, and its replies found no link back (the others
+        # link to the tokenizers of the current topology): its requests waited for the watchdog.
+        self.start_stages([spec for spec in step.added if spec.kind not in ENTRY_KINDS])
         # Schedulers move every live request to its new detokenizer shard (full history, so the
         # new shard rebuilds its text; receivers drop what they already have by position).
-        # Tokenizers route new requests to the groups that still take them.
-        self.broadcast(step.during)
+        # Tokenizers route new requests to the groups that still take them. A PUSH to a tokenizer
+        # replica not up yet keeps what it is sent until it is.
+        self.broadcast(step.during, PEER_KINDS)
+        # They read `during` from run.json (Stage.topology): the groups up and routed now.
+        self.start_stages([spec for spec in step.added if spec.kind in ENTRY_KINDS])
+        self.broadcast(step.during, ("gateway",))  # the tokenizer replicas added are up now
         for stage in self.stages:
             self.watch.command(stage, reconfigure_message(config))
         if step.draining:
@@ -154,8 +164,16 @@ class Transitions:
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
         self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.stages.stop(removed, STOP_GRACE_S)
+        self.run.remove_sockets(step.removed)  # the retired groups' stages' too
         for stage in removed:
             log.info("retired %s", stage.name)
+
+    def start_stages(self, specs: list[StageSpec]) -> None:
+        """Spawn the stages `specs` name, in their order, and watch until they are up."""
+        added = [self.stages.add(spec) for spec in specs]
+        for stage in added:
+            self.stages.spawn(stage)
+        self.watch.wait_ready(added)
 
     def place_groups(self, old: Config, config: Config) -> Config:
         """Room for the engine groups that `config` adds: `config`, or, when the cluster has no

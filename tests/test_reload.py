@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from client import Client
+from services.stage import read_run_info
 from tests.conftest import REPO_ROOT
 from tests.harness import Run, assert_clean, brigade_run, free_port
 
@@ -263,4 +264,80 @@ def test_a_gateway_sends_to_tokenizer_replicas_added_live(tmp_path: Path, tiny_m
             assert complete() == reference
         finally:
             os.kill(first, signal.SIGCONT)
+    assert_clean(run_dir)
+
+
+def test_a_tokenizer_added_with_engine_groups_serves_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """engine.data_parallel 1 -> 2 and tokenizer.replicas 1 -> 2 in one reload, with clients
+    pointed at tokenizer-1 from the moment run.json names it: each request completes within
+    seconds of tokenizer-1 being up, with the text tokenizer-0 gave, and none is re-driven. The
+    new replica started with the group and routed by the new config to group 1 before it was up,
+    and the detokenizer, which knew only tokenizer-0 until the new group was up, dropped its
+    replies: every request waited about 20 s for the stall watchdog (tokenizer.stall_timeout_s
+    10 s, two answers in a row) to resubmit it."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, 1, 1, data_parallel=1, threads=1)
+    run_dir = tmp_path / "run"
+    prompts = [f"request {i}:" for i in range(NUM_REQUESTS)]
+
+    def generate(client: Client, prompt: str) -> str:
+        return client.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120).text
+
+    with brigade_run(run_dir, config=str(config)) as run:
+        with Client(run_dir) as client:
+            reference = [generate(client, prompt) for prompt in prompts]
+        write_config(config, tiny_model_dir, 2, 1, data_parallel=2, threads=1)
+        run.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while len(endpoints := read_run_info(run_dir).tokenizers) < 2:  # published before it starts
+            assert time.monotonic() < deadline, "run.json never named tokenizer-1"
+            time.sleep(0.01)
+        done_at: list[float] = [0.0] * NUM_REQUESTS
+
+        def one(i: int, has_output: Callable[[], None]) -> str:
+            has_output()  # all sent at once, before tokenizer-1 is up
+            with Client(endpoints=[endpoints[1]], failover_after=60.0, unavailable_after=120.0) as client:
+                text = generate(client, prompts[i])
+            done_at[i] = time.monotonic()
+            return text
+
+        up_at: list[float] = []
+
+        def watch_tokenizer_1() -> None:
+            deadline = time.monotonic() + 120
+            while not up_at and time.monotonic() < deadline:
+                if any(r["name"] == "tokenizer-1" and r["state"] == "running" for r in run.read_status()):
+                    up_at.append(time.monotonic())
+                time.sleep(0.01)
+
+        assert concurrently(one, during=watch_tokenizer_1) == reference
+        assert up_at, "tokenizer-1 did not come up"
+        waits = [round(t - up_at[0], 1) for t in done_at]
+        assert max(waits) < 5.0, f"seconds from tokenizer-1 up to each request's end: {waits}"
+        run.wait_for_line("reload applied", 60)
+    log = run_dir.with_name(run_dir.name + ".log").read_text()
+    assert "lost upstream" not in log
+    assert_clean(run_dir)
+
+
+def test_retired_stages_leave_no_socket_files(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """tokenizer.replicas, detokenizer.replicas and engine.data_parallel 2 -> 1 by hot reload: the
+    retired tokenizer's, detokenizer's and scheduler's socket files are gone once they are
+    retired (they stayed in the run dir until the run stopped), the remaining ones are there, and
+    the run serves on with the same text."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, 2, 2, data_parallel=2, threads=1)
+    run_dir = tmp_path / "run"
+    retired = ["tokenizer-1", "tokenizer-1-in", "detokenizer-1-in", "scheduler-1-in", "scheduler-1-workers"]
+    remaining = ["tokenizer-0", "tokenizer-0-in", "detokenizer-0-in", "scheduler-0-in", "scheduler-0-workers"]
+    with brigade_run(run_dir, config=str(config)) as run:
+        assert {f"{name}.sock" for name in retired + remaining} <= {p.name for p in run_dir.glob("*.sock")}
+        reference = streams(run_dir)
+        write_config(config, tiny_model_dir, 1, 1, data_parallel=1, threads=1)
+        run.process.send_signal(signal.SIGHUP)
+        run.wait_for_line("reload applied", 120)
+        sockets = {p.name for p in run_dir.glob("*.sock")}
+        assert not sockets & {f"{name}.sock" for name in retired}, sorted(sockets)
+        assert {f"{name}.sock" for name in remaining} <= sockets, sorted(sockets)
+        assert streams(run_dir) == reference
     assert_clean(run_dir)

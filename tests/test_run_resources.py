@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from ipc import messages as m
 from ipc.config import load_config
 from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
+from ipc.sockets import close_context
+from ipc.topology import Topology
 from services.stage import RUN_FILE, read_run_info
 from services.stage_rows import STATUS_FILE
+from supervision.live_settings import with_setting
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageHandle
@@ -99,3 +103,53 @@ def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog
     assert "status.json written again" in caplog.text
     rows = json.loads((tmp_path / STATUS_FILE).read_text())
     assert rows[0]["name"] == "tokenizer-0" and rows[0]["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    ("left", "expected"),
+    [
+        ([], "stopped; shared memory and sockets removed"),
+        (
+            ["node abc (its cleanup did not finish in 30s)"],
+            "the cleanup did not finish on: node abc (its cleanup",
+        ),
+    ],
+)
+def test_the_stop_line_names_what_the_stage_set_could_not_clean_up(
+    run_dir: Path, caplog, left: list[str], expected: str
+):
+    """A Ray node whose end-of-run cleanup timed out (RayStageSet.close returns it) is named in the
+    supervisor's last line, a warning; it said "shared memory and sockets removed" all the same."""
+    from supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None, []), None, [], run_dir, "text")
+    supervisor.run.claim_run_dir()
+    supervisor.stages.close = lambda: left  # what the stage set reports it could not remove
+    with caplog.at_level(logging.INFO, logger="supervisor"):
+        supervisor.stop()
+    [line] = [r for r in caplog.records if r.getMessage().startswith("stopped")]
+    assert expected in line.getMessage()
+    assert line.levelno == (logging.WARNING if left else logging.INFO)
+
+
+def test_a_detokenizer_restarted_in_the_middle_of_a_reload_is_re_driven_by_the_current_shard_count(
+    run_dir: Path,
+):
+    """detokenizer.replicas 1 -> 2 while the added shard starts: run.json's config says 2, but the
+    schedulers still send every request to shard 0. detokenizer-0 restarting then has the
+    tokenizers resubmit the requests of shard 0 of 1 (all of them), not of 0 of 2 (about half:
+    the rest waited for the stall watchdog)."""
+    from supervisor import Supervisor
+
+    config = load_config(None, [])
+    supervisor = Supervisor(with_setting(config, "detokenizer.replicas", 2), None, [], run_dir, "text")
+    supervisor.transitions.current = Topology.of(config)
+    sent: list[tuple[str, object]] = []
+    supervisor.command = lambda stage, message: sent.append((stage.name, message))
+    for spec in Topology.of(config).stages():
+        supervisor.stages.add(spec)
+    restarted = supervisor.stages["detokenizer-0"]
+    restarted.num_restarts = 1
+    supervisor.on_ready(restarted, "")
+    assert ("tokenizer-0", m.ResubmitShard(0, 1)) in sent
+    close_context(supervisor.ctx, 0)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ipc import messages as m
@@ -17,6 +18,7 @@ from ipc.config import Config, load_config
 from ipc.shm import new_run_id
 from ipc.topology import Topology
 from services.audit import AuditLog
+from services.stage import read_run_info
 from supervision.live_settings import with_setting
 from supervision.preflight import Refused
 from supervision.run import Run
@@ -32,9 +34,11 @@ class RecordedStages(StageSet):
     def __init__(self, config: Config, run_dir: Path, events: list[Event]) -> None:
         super().__init__(config, run_dir, "text")
         self.events = events
+        self.topology_at_spawn: dict[str, Topology | None] = {}  # what the stage reads from run.json
 
     def launch(self, stage: StageHandle) -> None:
         self.events.append(("spawn", stage.name))
+        self.topology_at_spawn[stage.name] = read_run_info(self.run_dir).topology
 
     def stop(self, stages: Iterable[StageHandle], grace_s: float, sig: int = signal.SIGTERM) -> None:
         names = sorted(s.name for s in stages)
@@ -48,14 +52,22 @@ class Loop:
     def __init__(self, config: Config, events: list[Event]) -> None:
         self.config = config
         self.events = events
+        # Each once, at the change's next wait for stages to come up or for loads.
+        self.meanwhile: list[Callable[[], None]] = []
 
     def tick(self) -> None:
         pass
 
     def read_control(self, timeout: float) -> None:
-        pass
+        self.run_meanwhile()
+
+    def run_meanwhile(self) -> None:
+        while self.meanwhile:
+            self.meanwhile.pop(0)()
 
     def wait_ready(self, stages: list[StageHandle]) -> None:
+        if stages:
+            self.run_meanwhile()
         for stage in stages:
             stage.on_ready(0.0)
         self.events.append(("ready", *sorted(s.name for s in stages)))
@@ -73,7 +85,7 @@ class Harness:
         (model_dir / "config.json").write_text(json.dumps({"vocab_size": 64}))
         self.run = Run(self.run_dir, new_run_id())
         self.run.claim_shared_memory()
-        self.run.publish(config, model_dir)
+        self.run.publish(config, model_dir, topology=Topology.of(config))
         self.events: list[Event] = []
         self.stages = RecordedStages(config, self.run_dir, self.events)
         self.loop = Loop(config, self.events)
@@ -134,17 +146,18 @@ def test_new_stages_are_up_before_anyone_routes_to_them_and_a_group_drains_befor
     changes = harness.topologies()
     reconfigures = harness.commands(m.Reconfigure)
     stopped = harness.index(("stop", "gpu_worker-1-0", "scheduler-1"))
-    assert spawned < ready < changes[0][0]
-    # During: every peer-keeping stage hears the new counts, group 1 still there but not routed.
+    # During: every peer-keeping stage hears the new counts, group 1 still there but not routed,
+    # before the added tokenizer starts; it reads them from run.json (and hears them at Ready).
     during = [c for c in changes if c[2].num_groups == 2]
     assert sorted(name for _, name, _ in during) == [
         "detokenizer-0",
         "scheduler-0",
         "scheduler-1",
         "tokenizer-0",
-        "tokenizer-1",
     ]
     assert all(t.num_routed_groups == 1 and t.num_tokenizers == 2 for _, _, t in during)
+    assert max(i for i, _, _ in during) < spawned < ready
+    assert harness.stages.topology_at_spawn["tokenizer-1"] == during[0][2]
     # Every stage gets the live settings, then group 1 stops, then the rest hear it is gone.
     every_stage = [s.name for s in Topology.of(old).stages()] + ["tokenizer-1"]
     assert sorted(name for _, name, _ in reconfigures) == sorted(every_stage)
@@ -171,10 +184,72 @@ def test_new_stages_are_up_before_anyone_routes_to_them_and_a_group_drains_befor
     assert event["changes"] == {"tokenizer.replicas": [1, 2], "engine.data_parallel": [2, 1]}
 
 
+def test_added_tokenizers_start_once_the_added_groups_are_up_and_everyone_links_to_them(tmp_path: Path):
+    """engine.data_parallel 1 -> 2 with tokenizer.replicas 1 -> 2: the new group is up and every
+    peer-keeping stage links to both tokenizers and routes to both groups before tokenizer-1
+    starts, and tokenizer-1 reads that topology from run.json. It started with the group and went
+    by the new config: it routed to group 1 before it was up, and the detokenizer, which still
+    knew one tokenizer, dropped its replies, so its requests waited for the stall watchdog."""
+    harness = Harness(tmp_path, small_config())
+    try:
+        old = harness.loop.config
+        new = with_setting(with_setting(old, "tokenizer.replicas", 2), "engine.data_parallel", 2)
+        harness.transitions.change(new)
+        group_ready = harness.index(("ready", "gpu_worker-1-0", "scheduler-1"))
+        spawned, ready = harness.index(("spawn", "tokenizer-1")), harness.index(("ready", "tokenizer-1"))
+        changes = harness.topologies()
+        peers = [(i, name) for i, name, t in changes if name != "tokenizer-1"]
+        assert all(t == Topology.of(new) for _, _, t in changes)
+        assert sorted(name for _, name in peers) == [
+            "detokenizer-0",
+            "scheduler-0",
+            "scheduler-1",
+            "tokenizer-0",
+        ]
+        assert group_ready < min(i for i, _ in peers) and max(i for i, _ in peers) < spawned < ready
+        assert harness.stages.topology_at_spawn["tokenizer-1"] == Topology.of(new)
+        # The group started while the old topology was current, as the rest of the run had it.
+        assert harness.stages.topology_at_spawn["scheduler-1"] == Topology.of(old)
+    finally:
+        harness.close()
+
+
+def test_a_tokenizer_restarted_in_the_middle_of_a_change_reads_the_topology_of_that_moment(tmp_path: Path):
+    """A tokenizer that crashed and restarts while a reload waits for added engine groups to come
+    up, or for retired ones to drain, reads from run.json the topology the rest of the run has
+    then (Stage.topology), not the new config's counts: it routes to no group that is not up yet,
+    nor to one that is draining, and links to every group still running."""
+    harness = Harness(tmp_path, small_config())
+    try:
+        old = harness.loop.config
+        restarted: list[Topology | None] = []
+
+        def restart_tokenizer() -> None:
+            harness.stages.spawn(harness.stages["tokenizer-0"])
+            restarted.append(harness.stages.topology_at_spawn["tokenizer-0"])
+            assert harness.run.info is not None and harness.run.info.config == harness.loop.config
+
+        harness.loop.meanwhile.append(restart_tokenizer)  # while group 1 starts
+        grown = with_setting(old, "engine.data_parallel", 2)
+        harness.transitions.change(grown)
+        assert restarted == [Topology.of(old)]
+
+        harness.loop.meanwhile.append(restart_tokenizer)  # while group 1 drains
+        harness.transitions.change(old)
+        draining = msgspec.structs.replace(Topology.of(old), num_groups=2)
+        assert restarted[1] == draining and restarted[1].num_routed_groups == 1
+    finally:
+        harness.close()
+
+
 def test_a_removed_tokenizer_is_told_to_drain_and_stops_after_everyone_routes_around_it(tmp_path: Path):
     harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
+    sockets = ["tokenizer-0.sock", "tokenizer-0-in.sock", "tokenizer-1.sock", "tokenizer-1-in.sock"]
+    for name in sockets:  # what the processes would have bound
+        (harness.run_dir / name).touch()
     try:
         harness.transitions.change(with_setting(harness.loop.config, "tokenizer.replicas", 1))
+        assert sorted(p.name for p in harness.run_dir.glob("*.sock")) == sorted(sockets[:2])
         shutdowns = harness.commands(m.Shutdown)
         assert [name for _, name, _ in shutdowns] == ["tokenizer-1"]
         changes = harness.topologies()

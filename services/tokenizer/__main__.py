@@ -83,7 +83,9 @@ class TokenizerProcess(StageProcess):
         self.core = TokenizerCore(
             tokenizer,
             tokenizer_id=stage.index,
-            num_groups=config.engine.data_parallel,
+            # Only the groups up and taking requests now: the config may already count groups a
+            # hot reload is still starting, or leave out ones still draining.
+            num_groups=stage.topology.num_routed_groups,
             max_model_len=stage.info.served_max_model_len,  # within the model's and its draft's
             max_prompt_chars=config.tokenizer.max_prompt_chars,
             max_messages=config.tokenizer.max_messages,
