@@ -308,6 +308,69 @@ def test_bad_embedding_requests_get_openai_400s(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    """vLLM's /score and /rerank with an embedding model: each pair's cosine similarity, here
+    against sentence-transformers' vectors of the same texts (computed apart from the engine)."""
+    url = gateway_url(minilm_run)
+    similarity = cosines(sentence_vectors[:, None, :], sentence_vectors[None, :, :])  # [i, j]
+    query, documents = TEXTS[0], TEXTS[1:]
+    for path in ("/score", "/v1/score"):
+        status, reply = post(url, path, {"model": "minilm", "text_1": query, "text_2": documents})
+        assert status == 200 and reply["object"] == "list", reply
+        assert [d["index"] for d in reply["data"]] == [0, 1, 2]
+        np.testing.assert_allclose([d["score"] for d in reply["data"]], similarity[0, 1:], atol=1e-4)
+    # Pairwise: equal lists; and one pair of single texts.
+    status, reply = post(url, "/score", {"text_1": TEXTS[:2], "text_2": TEXTS[2:]})
+    assert status == 200, reply
+    np.testing.assert_allclose(
+        [d["score"] for d in reply["data"]], [similarity[0, 2], similarity[1, 3]], atol=1e-4
+    )
+    status, reply = post(url, "/v1/score", {"text_1": TEXTS[1], "text_2": TEXTS[1]})
+    assert status == 200 and abs(reply["data"][0]["score"] - 1.0) < 1e-4, reply
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        status, reply = post(
+            url, path, {"model": "minilm", "query": query, "documents": documents, "top_n": 2}
+        )
+        assert status == 200, reply
+        best = np.argsort(-similarity[0, 1:], kind="stable")[:2].tolist()
+        assert [r["index"] for r in reply["results"]] == best
+        assert [r["document"]["text"] for r in reply["results"]] == [documents[i] for i in best]
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in reply["results"]], similarity[0, 1:][best], atol=1e-4
+        )
+        assert reply["usage"]["total_tokens"] > 0
+    status, reply = post(url, "/rerank", {"query": query, "documents": documents, "return_documents": False})
+    assert status == 200 and len(reply["results"]) == 3 and all("document" not in r for r in reply["results"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "as many texts as text_2"),
+        ("/score", {"text_1": [], "text_2": "c"}, "text_1", "must not be empty"),
+        ("/score", {"text_1": "a"}, "text_2", "text_2"),
+        ("/score", {"text_1": "a", "text_2": ["b", " ".join(["word"] * 270)]}, "text_2", "over the 256"),
+        ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),
+        ("/rerank", {"query": " ".join(["word"] * 270), "documents": ["b"]}, "query", "over the 256"),
+        ("/v1/rerank", {"query": 3, "documents": ["b"]}, "query", "str"),
+    ],
+)
+def test_bad_score_and_rerank_requests_get_400s_naming_the_field(
+    minilm_run: Run, path: str, body: dict, param: str, message: str
+) -> None:
+    status, reply = post(gateway_url(minilm_run), path, body)
+    assert status == 400, reply
+    assert re.search(message, reply["error"]["message"]), reply
+    assert reply["error"]["param"] == param, reply
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_truncate_prompt_tokens_embeds_an_input_the_model_would_refuse(minilm_run: Run) -> None:
     """vLLM's truncate_prompt_tokens: the last k tokens, a text keeping its [CLS] and [SEP] (the
     vector equals the one of those token ids, which the tests above check against

@@ -1474,6 +1474,8 @@ def test_metrics_label_each_route_by_its_path(gw: Gateway) -> None:
         ("GET", f"/v1/models/{gw.model}", None, 200),
         ("GET", "/tokenizer_info", None, 200),
         ("POST", "/v1/embeddings", {"input": "hi"}, 400),
+        ("POST", "/score", {"text_1": "hi", "text_2": "ho"}, 400),  # a generating run: no vectors
+        ("POST", "/v1/rerank", {"query": "hi", "documents": ["ho"]}, 400),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
         ("GET", "/no/such/route", None, 404),
     ]

@@ -41,7 +41,7 @@ from starlette.types import Send
 
 from client.async_sdk import AsyncClient
 from client.errors import BrigadeError, InvalidRequest
-from client.sdk import StreamDelta, chat_message, tools_text
+from client.sdk import EmbedResult, StreamDelta, chat_message, tools_text
 from ipc import messages as m
 from ipc.json_depth import check_json_depth
 from ipc.validation import (
@@ -500,17 +500,9 @@ class Gateway:
         """OpenAI's /v1/embeddings: one vector per input, the inputs run together (client.embed)."""
         body = await self.read_body(request, p.EmbeddingRequest)
         inputs = embedding_inputs(body.input)
-        if self.num_in_flight >= self.settings.max_concurrent_requests:
-            raise ApiError(429, f"this replica is serving {self.num_in_flight} requests, its limit; retry after "
-                           f"{RETRY_AFTER_S}s", code="too_many_requests",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
-        self.num_in_flight += 1
         try:
-            result = await self.client.embed(
-                inputs, dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens
-            )
-        except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
-            error = from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
+            result = await self.embed(inputs, body.dimensions, body.truncate_prompt_tokens)
+        except ApiError as error:
             # What a 400 here can be about: one input of several, the vector size, else the input.
             if error.status == 400:
                 named = EMBEDDING_INPUT_NAMED.match(error.message)
@@ -525,9 +517,7 @@ class Gateway:
                         ),
                         "input",
                     )
-            raise error from None
-        finally:
-            self.num_in_flight -= 1
+            raise
         data = [
             p.EmbeddingData(i, base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
                             else v.tolist())
@@ -535,6 +525,27 @@ class Gateway:
         ]  # fmt: skip
         usage = p.EmbeddingUsage(result.prompt_tokens, result.prompt_tokens)
         return self.finish(request, json_response(p.EmbeddingResponse(data, self.settings.model, usage)))
+
+    async def embed(
+        self, inputs: list[str] | list[list[int]], dimensions: int | None, truncate_prompt_tokens: int | None
+    ) -> EmbedResult:
+        """The inputs' vectors (client.embed), counted in flight (429 at the replica's limit); the
+        SDK's and the engine's refusals as ApiErrors without a param (the caller names it)."""
+        if self.num_in_flight >= self.settings.max_concurrent_requests:
+            raise ApiError(429, f"this replica is serving {self.num_in_flight} requests, its limit; retry after "
+                           f"{RETRY_AFTER_S}s", code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        self.num_in_flight += 1
+        try:
+            return await self.client.embed(
+                inputs, dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens
+            )
+        except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
+            raise (
+                from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)
+            ) from None
+        finally:
+            self.num_in_flight -= 1
 
     def openai_writer(
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat

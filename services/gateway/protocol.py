@@ -152,6 +152,28 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's: embed the last k tokens (-1: the model's limit)
 
 
+class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's /score: text_1 against each text_2 (one text_1), or pairwise (equal lists)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str = ""
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class RerankRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents by their score against the query."""
+
+    query: str
+    documents: list[str]
+    model: str = ""
+    top_n: int | None = None  # the best top_n; none, or 0, for all
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
@@ -320,6 +342,42 @@ class EmbeddingResponse(msgspec.Struct):
     model: str
     usage: EmbeddingUsage
     object: Literal["list"] = "list"
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    score: float
+    object: Literal["score"] = "score"
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(msgspec.Struct):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
 
 
 class ModelCard(msgspec.Struct):

@@ -14,17 +14,20 @@ from services.gateway.app import Gateway
 from services.gateway.errors import ApiError
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesApi
+from services.gateway.scoring import ScoringApi
 
 
 def build_app(gateway: Gateway) -> ASGIApp:
     settings = gateway.settings
     store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
                           settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
-    messages, responses = MessagesApi(gateway), ResponsesApi(gateway, store)
+    messages, responses, scoring = MessagesApi(gateway), ResponsesApi(gateway, store), ScoringApi(gateway)
     routes = [
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
+        *(Route(path, scoring.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/v1/messages", messages.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
