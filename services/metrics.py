@@ -350,6 +350,7 @@ class HttpMetrics:
             "/rerank",
             "/v1/rerank",
             "/v2/rerank",
+            "/invocations",
             "/v1/messages",
             "/v1/messages/count_tokens",
             "/v1/responses",

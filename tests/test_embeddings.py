@@ -343,6 +343,20 @@ def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
         assert reply["usage"]["total_tokens"] > 0
     status, reply = post(url, "/rerank", {"query": query, "documents": documents, "return_documents": False})
     assert status == 200 and len(reply["results"]) == 3 and all("document" not in r for r in reply["results"])
+    # SageMaker's /invocations picks each of these APIs by its body's fields.
+    for body, path, key in (
+        ({"input": TEXTS, "encoding_format": "float"}, "/v1/embeddings", "data"),
+        ({"text_1": query, "text_2": documents}, "/score", "data"),
+        ({"query": query, "documents": documents}, "/rerank", "results"),
+    ):
+        status, via = post(url, "/invocations", body)
+        status_direct, direct = post(url, path, body)
+        assert status == status_direct == 200, via
+        got, want = via[key], direct[key]
+        assert [d["index"] for d in got] == [d["index"] for d in want]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a.get("embedding", a.get("score", a.get("relevance_score"))),
+                                       b.get("embedding", b.get("score", b.get("relevance_score"))), atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.slow

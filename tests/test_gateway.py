@@ -1448,6 +1448,38 @@ def test_vllms_ping_version_and_load(gw: Gateway) -> None:
     assert loads == {0}
 
 
+def test_sagemakers_invocations_serve_each_api_by_its_body(gw: Gateway) -> None:
+    """vLLM's /invocations: the body's fields choose the API; each answer equals that API's own,
+    streamed too; a body that names none is a 400 saying what to give; the key is still needed."""
+    chat = {"model": gw.model, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    completion = {"model": gw.model, "prompt": "Buckets hold", "max_tokens": 8, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        status, _, direct = gw.request("POST", path, body)
+        status_via, _, via = gw.request("POST", "/invocations", body)
+        assert status == status_via == 200, via
+        direct_reply, via_reply = json.loads(direct), json.loads(via)
+        assert via_reply["object"] == direct_reply["object"]
+        assert via_reply["choices"][0] == direct_reply["choices"][0]
+    status, headers, streamed = gw.request("POST", "/invocations", {**chat, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    chunks = [json.loads(e["data"]) for e in parse_sse(streamed.decode()) if e["data"] != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert (
+        text
+        == json.loads(gw.request("POST", "/v1/chat/completions", chat)[2])["choices"][0]["message"]["content"]
+    )
+    status, _, body = gw.request("POST", "/invocations", {"input": "hi"})
+    assert status == 400 and "embedding" in json.loads(body)["error"]["message"]  # a generating run
+    for bad, message in (
+        ({"temperature": 0}, "give messages"),
+        (b"[1, 2]", "JSON object"),
+        (b"{", "JSON object"),
+    ):
+        status, _, body = gw.request("POST", "/invocations", bad)
+        assert status == 400 and message in json.loads(body)["error"]["message"], body
+    assert gw.request("POST", "/invocations", chat, headers={"authorization": ""})[0] == 401
+
+
 def test_metrics_page_filters_by_name_and_gzips(gw: Gateway) -> None:
     """As prometheus_client's own server: `name[]` picks families by sample name, and a scraper
     that accepts gzip gets it."""
@@ -1476,6 +1508,7 @@ def test_metrics_label_each_route_by_its_path(gw: Gateway) -> None:
         ("POST", "/v1/embeddings", {"input": "hi"}, 400),
         ("POST", "/score", {"text_1": "hi", "text_2": "ho"}, 400),  # a generating run: no vectors
         ("POST", "/v1/rerank", {"query": "hi", "documents": ["ho"]}, 400),
+        ("POST", "/invocations", {"prompt": "hi", "max_tokens": 1}, 200),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
         ("GET", "/no/such/route", None, 404),
     ]

@@ -26,7 +26,7 @@ import importlib.metadata
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
@@ -320,11 +320,19 @@ class Gateway:
             )
 
     async def read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+        """The body decoded as `kind`, from a caller with a key, within the size and time limits."""
+        return await self._admitted_read(request, lambda: self._read_body(request, kind))
+
+    async def read_raw(self, request: Request) -> bytes:
+        """The body's bytes, as read_body reads them, not decoded."""
+        return await self._admitted_read(request, lambda: self.read_bytes(request))
+
+    async def _admitted_read(self, request: Request, read: Callable[[], Awaitable[Any]]) -> Any:
         self.check_key(request)
         client = self.client_of(request)
         self.check_oversized(request, client)
         try:
-            return await self._read_body(request, kind)
+            return await read()
         except OversizedRequest as exc:
             self.oversized.record(client)
             raise exc.error from None
@@ -346,7 +354,8 @@ class Gateway:
             headers={"Retry-After": str(wait_s), "connection": "close"},
         )
 
-    async def _read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+    async def read_bytes(self, request: Request) -> bytes:
+        """The request's body, within gateway.max_body_bytes and gateway.body_timeout_s."""
         limit = self.settings.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > DRAIN_FACTOR * limit:
@@ -383,7 +392,10 @@ class Gateway:
             raise OversizedRequest(
                 ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
             )
-        data = b"".join(chunks)
+        return b"".join(chunks)
+
+    async def _read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+        data = await self.read_bytes(request)
         # Every message is an object: a body with no more "{" than the limit needs no count.
         if "messages" in kind.__struct_fields__ and data.count(b"{") > self.settings.max_messages:
             self.check_message_count(data)

@@ -12,6 +12,7 @@ from services.gateway.access_log import AccessLogMiddleware
 from services.gateway.anthropic import MessagesApi
 from services.gateway.app import Gateway
 from services.gateway.errors import ApiError
+from services.gateway.invocations import invocations
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
@@ -46,6 +47,9 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
     ]
+    endpoints = {"chat": gateway.chat, "completions": gateway.completions, "embeddings": gateway.embeddings,
+                 "score": scoring.score, "rerank": scoring.rerank}  # fmt: skip
+    routes.append(Route("/invocations", invocations(gateway, endpoints), methods=["POST"]))
     handlers = {
         HTTPException: gateway.on_http_exception,
         ApiError: gateway.on_api_error,
