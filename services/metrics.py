@@ -464,28 +464,32 @@ class EngineMetrics:
             registry=registry,
         ).labels(*values)
         self.preemptions_seen = 0
+
         # vLLM's per-request engine histograms: from the scheduler's first step of a request to
         # its first token and to its last, and its preemptions; and the tokens of each step.
-        self.prefill_time = Histogram(
-            f"{PREFIX}request_prefill_time_seconds",
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                f"{PREFIX}{name}", documentation, labels, buckets=buckets, registry=registry
+            ).labels(*values)
+
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
             "A finished request's time from its first step to its first output token",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
-        ).labels(*values)  # fmt: skip
-        self.inference_time = Histogram(
-            f"{PREFIX}request_inference_time_seconds",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
             "A finished request's time from its first step to its last output token",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
-        ).labels(*values)  # fmt: skip
-        self.request_preemptions = Histogram(
-            f"{PREFIX}request_num_preemptions",
-            "A finished request's preemptions",
-            labels, buckets=PREEMPTION_BUCKETS, registry=registry,
-        ).labels(*values)  # fmt: skip
-        self.step_tokens = Histogram(
-            f"{PREFIX}iteration_tokens_total",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_preemptions = histogram(
+            "request_num_preemptions", "A finished request's preemptions", PREEMPTION_BUCKETS
+        )
+        self.step_tokens = histogram(
+            "iteration_tokens_total",
             "Tokens computed in one step (prompt and output tokens of every sequence)",
-            labels, buckets=STEP_TOKEN_BUCKETS, registry=registry,
-        ).labels(*values)  # fmt: skip
+            STEP_TOKEN_BUCKETS,
+        )
         # Speculative decoding (docs/speculative.md), as vLLM's spec_decode_* counters: the mean
         # acceptance length is 1 + accepted tokens / drafts.
         self.spec_drafts = Counter(
