@@ -1,0 +1,64 @@
+"""The client SDK and CLI used as a demanding user uses them, against one real run of the tiny
+random Llama (no gateway): output piped into a reader that goes away. Each request it leaves
+must stop computing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.harness import Run, assert_clean, brigade_run, free_port
+from tests.test_client_process import metric, tiny_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+WAIT_S = 120.0  # every wait in these tests has this deadline unless it says otherwise
+ABORTED = 'finished_reason="abort"'
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Run]:
+    run_dir = tmp_path_factory.mktemp("hostile-run")
+    port = free_port()
+    with brigade_run(run_dir, *tiny_args(tiny_model_dir, port), "gateway.replicas=0") as run:
+        run.metrics_port = port
+        yield run
+    assert_clean(run_dir)
+
+
+def wait_for_aborts(run: Run, at_least: float) -> None:
+    """The run has counted `at_least` aborted requests: what a client left did not run on."""
+    deadline = time.monotonic() + WAIT_S
+    while metric(run, "brigade:request_success_total", ABORTED) < at_least:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.2)
+
+
+def test_cli_output_into_a_closed_pipe_stops_quietly_and_aborts(tiny_run: Run) -> None:
+    """`python -m client generate ... | head -c 10`: once head exits, the next write fails. The
+    CLI must end at once with the shell's SIGPIPE status and no traceback (it printed
+    BrokenPipeError's, and another "Exception ignored" at exit), its request aborted."""
+    aborted = metric(tiny_run, "brigade:request_success_total", ABORTED)
+    argv = ["--run", str(tiny_run.run_dir), "generate", "Once upon a time", "--max-tokens", "1900"]
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "client", *argv, "--temperature", "0"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert cli.stdout is not None
+        assert len(cli.stdout.read(10)) == 10
+        cli.stdout.close()  # the reader is gone, as `head -c 10` after its ten bytes
+        _, stderr = cli.communicate(timeout=WAIT_S)
+    finally:
+        cli.kill()
+        cli.wait(30)
+    assert (cli.returncode, stderr.decode()) == (141, "")
+    wait_for_aborts(tiny_run, aborted + 1)
