@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 import uuid
 import weakref
@@ -1106,11 +1107,17 @@ class ClientBase:
 class Client(ClientBase):
     """Synchronous client of a running Brigade: one DEALER per tokenizer replica.
 
-    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
+    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread. The
+    exception is `close()`, which may come from any thread (a main thread shutting down its
+    workers): a stream open in another thread then raises ClientClosed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Held while the sockets are used, so that close() from another thread waits for the
+        # stream's thread to leave them (at most one poll, `_tick_s`) instead of closing a socket
+        # under its poll or send: that failed the stream with a bare ZMQError, or worse.
+        self._io_lock = threading.RLock()
         self._poller = zmq.Poller()
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
@@ -1124,25 +1131,27 @@ class Client(ClientBase):
             self._index[sock] = i
 
     def _send(self, replica: int, frame: bytes) -> bool:
-        self._check_open()
-        try:
-            self._sockets[replica].send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+        with self._io_lock:
+            self._check_open()
+            try:
+                self._sockets[replica].send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
 
     def _pump(self, timeout: float) -> None:
-        self._check_open()
-        for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
-            i = self._index[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.session.receive(i, frames[0])
-        self._read_handshakes()
-        self.session.tick()
+        with self._io_lock:
+            self._check_open()
+            for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
+                i = self._index[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.session.receive(i, frames[0])
+            self._read_handshakes()
+            self.session.tick()
 
     def stream(
         self,
@@ -1246,7 +1255,8 @@ class Client(ClientBase):
         return check.replies()
 
     def close(self) -> None:
-        self._close()
+        with self._io_lock:
+            self._close()
 
     def __enter__(self) -> Client:
         return self

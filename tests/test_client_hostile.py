@@ -1,17 +1,19 @@
 """The client SDK and CLI used as a demanding user uses them, against one real run of the tiny
-random Llama (no gateway): output piped into a reader that goes away. Each request it leaves
-must stop computing."""
+random Llama (no gateway): output piped into a reader that goes away, a client closed from
+another thread while a stream is read. Each request it leaves must stop computing."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from client import Client, ClientClosed
 from tests.conftest import REPO_ROOT
 from tests.harness import Run, assert_clean, brigade_run, free_port
 from tests.test_client_process import metric, tiny_args
@@ -19,6 +21,8 @@ from tests.test_client_process import metric, tiny_args
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 WAIT_S = 120.0  # every wait in these tests has this deadline unless it says otherwise
+# Long enough (about 1900 tokens of "time time ...") that it is still running when the test acts.
+LONG = dict(max_tokens=1900, temperature=0.0, ignore_eos=True)
 ABORTED = 'finished_reason="abort"'
 
 
@@ -62,3 +66,36 @@ def test_cli_output_into_a_closed_pipe_stops_quietly_and_aborts(tiny_run: Run) -
         cli.wait(30)
     assert (cli.returncode, stderr.decode()) == (141, "")
     wait_for_aborts(tiny_run, aborted + 1)
+
+
+def test_closing_a_client_from_another_thread_ends_its_stream_with_client_closed(tiny_run: Run) -> None:
+    """A main thread shutting down closes the client a worker thread streams from: the worker
+    gets ClientClosed (it got a bare zmq.ZMQError, "Socket operation on non-socket", from a
+    socket closed under its poll), and the request is aborted."""
+    aborted = metric(tiny_run, "brigade:request_success_total", ABORTED)
+    outcomes: list[BaseException | str] = []
+    client = Client(tiny_run.run_dir, timeout=WAIT_S)
+    first_delta = threading.Event()
+
+    def read() -> None:
+        try:
+            for _ in client.stream("Once upon a time", **LONG):
+                first_delta.set()
+            outcomes.append("finished")
+        except BaseException as exc:  # whatever it is, the test names it
+            outcomes.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert first_delta.wait(WAIT_S), "no delta came"
+        time.sleep(0.2)  # well inside the stream, the reader in its poll
+        client.close()
+        reader.join(WAIT_S)
+        assert not reader.is_alive(), "the stream hung after close()"
+    finally:
+        client.close()
+    assert len(outcomes) == 1 and isinstance(outcomes[0], ClientClosed), outcomes
+    wait_for_aborts(tiny_run, aborted + 1)
+    with Client(tiny_run.run_dir) as fresh:  # the run serves on
+        assert fresh.generate("Hello", max_tokens=2, timeout=WAIT_S).finish_reason == "length"
