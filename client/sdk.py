@@ -281,6 +281,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     values = {name: _convert(name, value, _PARAM_TYPES[name]) for name, value in sampling.items()}
+    if values.get("top_k") == -1:  # vLLM's and SGLang's "no top-k", as the gateway takes it too
+        values["top_k"] = 0
     for name, value in values.items():
         _check_int_range(name, value)
     for i, stop in enumerate(values.get("stop", [])):
