@@ -38,7 +38,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
 from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_process_alive
 from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
 from ipc.ports import is_loopback
-from ipc.sockets import configure_socket
+from ipc.sockets import DEFAULT_MAX_MSG_BYTES, configure_socket
 from ipc.structured_output import from_structured_outputs
 from ipc.validation import InvalidParams
 
@@ -781,11 +781,18 @@ class Session:
         if generate.request_id in self.requests:
             raise InvalidRequest(f"request {generate.request_id} is already in flight")
         try:
-            CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
+            frame = CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
         except Exception as exc:  # whatever the encoder refuses is this request's fault alone
             raise InvalidRequest(
                 f"request {generate.request_id} cannot be encoded: {type(exc).__name__}: {exc}"
             ) from None
+        # A tokenizer drops the connection of a bigger message unread: the request would be
+        # resubmitted after every probe, unanswered, until its timeout (forever without one).
+        if len(frame) > DEFAULT_MAX_MSG_BYTES:
+            raise InvalidRequest(
+                f"request {generate.request_id:.80} is {len(frame)} bytes encoded; a tokenizer reads "
+                f"at most {DEFAULT_MAX_MSG_BYTES} (its prompt, messages, tools or id are too long)"
+            )
         state = RequestState(generate, None if timeout is None else now + timeout, now)
         self.requests[state.request_id] = state
         try:

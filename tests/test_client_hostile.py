@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, ClientClosed
+from client import Client, ClientClosed, InvalidRequest
 from tests.conftest import REPO_ROOT
 from tests.harness import Run, assert_clean, brigade_run, free_port
 from tests.test_client_process import metric, tiny_args
@@ -99,3 +99,17 @@ def test_closing_a_client_from_another_thread_ends_its_stream_with_client_closed
     wait_for_aborts(tiny_run, aborted + 1)
     with Client(tiny_run.run_dir) as fresh:  # the run serves on
         assert fresh.generate("Hello", max_tokens=2, timeout=WAIT_S).finish_reason == "length"
+
+
+def test_a_request_too_big_for_the_tokenizer_is_refused_before_sending(tiny_run: Run) -> None:
+    """A tokenizer drops, unread, the connection that sends a message over its 64 MiB limit: a
+    72 MB prompt was resubmitted after every probe (a 72 MB send each time) until its timeout,
+    RequestTimeout (or forever without one). The SDK refuses it at once, naming the size, and
+    serves on."""
+    with Client(tiny_run.run_dir) as client:
+        start = time.monotonic()
+        with pytest.raises(InvalidRequest, match="bytes encoded; a tokenizer reads at most"):
+            client.generate("ab " * (24 << 20), max_tokens=2, timeout=20)
+        assert time.monotonic() - start < 10
+        assert client.session.requests == {} and client.session.num_failovers == 0
+        assert client.generate("Hello", max_tokens=2, timeout=WAIT_S).finish_reason == "length"
