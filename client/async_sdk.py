@@ -131,7 +131,7 @@ class AsyncClient(ClientBase):
                 await wakeup.wait()
         finally:
             self._wakeups.pop(state.request_id, None)
-            self.session.cancel(state.request_id)
+            self._end(state.request_id)
 
     async def generate(
         self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any

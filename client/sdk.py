@@ -1104,6 +1104,17 @@ class ClientBase:
                 is_dropped = event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                 self.session.on_handshake(replica, handshake_failure(event, self._has_keys), is_dropped)
 
+    def _end(self, request_id: str) -> None:
+        """Forget a request nobody reads any more, aborting it unless it finished. When the
+        collector has closed the sockets first (a stream left open at exit, or in a reference
+        cycle with its client), there is nothing to send the Abort through, and no need: the
+        tokenizer aborts the requests of a connection that went away. Sending raised
+        ClientClosed there, printed as "Exception ignored" for every such stream."""
+        if self._closer.alive:
+            self.session.cancel(request_id)
+        else:
+            self.session.requests.pop(request_id, None)
+
     def _close(self) -> None:
         """Abort what is in flight (a stream still read raises ClientClosed), then close the
         sockets (bounded by CLOSE_LINGER_MS)."""
@@ -1189,7 +1200,7 @@ class Client(ClientBase):
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 self._pump(self._tick_s if state.replica is not None else 0.005)
         finally:
-            self.session.cancel(state.request_id)
+            self._end(state.request_id)
 
     def generate(
         self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any
@@ -1250,7 +1261,7 @@ class Client(ClientBase):
             return embed_result([state.result() for state in states])
         finally:
             for state in states:
-                self.session.cancel(state.request_id)
+                self._end(state.request_id)
 
     @staticmethod
     def _collect(deltas: Iterator[StreamDelta]) -> GenerateResult:

@@ -113,3 +113,42 @@ def test_a_request_too_big_for_the_tokenizer_is_refused_before_sending(tiny_run:
         assert time.monotonic() - start < 10
         assert client.session.requests == {} and client.session.num_failovers == 0
         assert client.generate("Hello", max_tokens=2, timeout=WAIT_S).finish_reason == "length"
+
+
+LEFT_OPEN_AT_EXIT = """
+import sys
+from client import Client
+
+run_dir = sys.argv[1]
+client = Client(run_dir)
+stream = client.stream("Once upon a time", max_tokens=1900, temperature=0.0, ignore_eos=True)
+next(stream)
+
+
+class Job:  # a client and its stream in a reference cycle: only the collector frees them
+    pass
+
+
+job = Job()
+job.client, job.me = Client(run_dir), job
+job.stream = job.client.stream("Once upon a time", max_tokens=1900, temperature=0.0, ignore_eos=True)
+next(job.stream)
+print("streaming", flush=True)
+"""
+
+
+def test_a_script_that_exits_with_streams_open_says_nothing_and_aborts_them(tiny_run: Run) -> None:
+    """A script that ends with a stream still open (a global, or in a cycle with its client) is
+    torn down by the collector, which closes the client's sockets before the stream: each
+    stream printed "Exception ignored ... ClientClosed" with its traceback at exit. It must exit
+    silently, and the tokenizer, seeing the connection go, aborts both requests."""
+    aborted = metric(tiny_run, "brigade:request_success_total", ABORTED)
+    script = subprocess.run(
+        [sys.executable, "-c", LEFT_OPEN_AT_EXIT, str(tiny_run.run_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert (script.returncode, script.stdout, script.stderr) == (0, "streaming\n", "")
+    wait_for_aborts(tiny_run, aborted + 2)
