@@ -1,9 +1,13 @@
 """The client SDK and CLI used as a demanding user uses them, against one real run of the tiny
 random Llama (no gateway): output piped into a reader that goes away, a client closed from
-another thread while a stream is read. Each request it leaves must stop computing."""
+another thread, streams and clients dropped without closing, a request too big to send. Each
+request left behind must stop computing."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, ClientClosed, InvalidRequest
+from client import AsyncClient, Client, ClientClosed, InvalidRequest
 from tests.conftest import REPO_ROOT
 from tests.harness import Run, assert_clean, brigade_run, free_port
 from tests.test_client_process import metric, tiny_args
@@ -152,3 +156,39 @@ def test_a_script_that_exits_with_streams_open_says_nothing_and_aborts_them(tiny
     )
     assert (script.returncode, script.stdout, script.stderr) == (0, "streaming\n", "")
     wait_for_aborts(tiny_run, aborted + 2)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_async_clients_dropped_without_close_are_freed(tiny_run: Run) -> None:
+    """An AsyncClient made per job and dropped without close() (as one drops an httpx client):
+    its reader task held it, so each one kept its context, sockets and descriptors, and woke 20
+    times a second, for as long as the event loop ran. Once idle, a dropped client is freed."""
+
+    async def jobs() -> tuple[int, int, int]:
+        before = open_descriptors()
+        for _ in range(20):
+            client = AsyncClient(tiny_run.run_dir)
+            assert (await client.generate("Hello", max_tokens=2, timeout=WAIT_S)).finish_reason == "length"
+            del client
+        deadline = time.monotonic() + 10  # a reader notices it has nothing to do within a tick
+        while len(asyncio.all_tasks()) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        gc.collect()
+        return before, open_descriptors(), len(asyncio.all_tasks())
+
+    before, after, tasks = asyncio.run(jobs())
+    assert tasks == 1, "readers of dropped clients still run"
+    assert after <= before + 2, (before, after)
+
+    async def after_idle() -> list[str]:  # a kept client serves on once its reader stopped
+        async with AsyncClient(tiny_run.run_dir) as client:
+            first = await client.generate("Hello", max_tokens=2, timeout=WAIT_S)
+            await asyncio.sleep(0.5)  # idle: its reader ends
+            replies = await client.health(timeout=WAIT_S)
+            second = await client.generate("Hello", max_tokens=2, timeout=WAIT_S)
+            return [first.finish_reason, second.finish_reason, str(len(replies))]
+
+    assert asyncio.run(after_idle()) == ["length", "length", "1"]
