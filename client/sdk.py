@@ -49,6 +49,7 @@ INT64_RANGE = (-(2**63), 2**63 - 1)
 INT32_RANGE = (-(2**31), 2**31 - 1)
 MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
 RUN_CHECK_INTERVAL_S = 0.5  # how often a client with requests in flight checks that its run is alive
+RUN_ENDED = "the Brigade run ended (its supervisor is gone)"
 CLOSE_LINGER_MS = 100  # lets the aborts of a closing client out, and bounds how long closing takes
 
 Prompt = str | Sequence[int]
@@ -597,6 +598,8 @@ class HealthCheck:
         replicas = self.session.replicas
         if time.monotonic() - self.start >= self.timeout or all(r.health_at >= self.start for r in replicas):
             return None
+        if self.session.run_has_ended():  # no replica will answer: say so now, not at the timeout
+            return None
         self.unsent = {i for i in self.unsent if not self.session.probe(i)}
         return 0.005 if self.unsent else self.tick_s
 
@@ -604,6 +607,8 @@ class HealthCheck:
         """The replies that came back during the check; ServerUnavailable when none did."""
         start = self.start
         replies = [r.health for r in self.session.replicas if r.health is not None and r.health_at >= start]
+        if not replies and self.session.run_has_ended():
+            raise ServerUnavailable(RUN_ENDED)
         if not replies:
             raise ServerUnavailable(f"no tokenizer answered a health check within {self.timeout:.0f}s")
         return replies
@@ -973,9 +978,13 @@ class Session:
         if not pending:
             return
         self._run_checked_at = now
-        if not self._is_run_alive():
+        if self.run_has_ended():
             for state in pending:
-                state.error = ServerUnavailable("the Brigade run ended (its supervisor is gone)")
+                state.error = ServerUnavailable(RUN_ENDED)
+
+    def run_has_ended(self) -> bool:
+        """Whether the run's supervisor is known to be gone (False when the client cannot tell)."""
+        return self._is_run_alive is not None and not self._is_run_alive()
 
     def _resubmit_missing(self, replica: int, request_ids: list[str], now: float) -> None:
         """The replica answered a probe without these requests: a restart lost them, or they were

@@ -935,6 +935,22 @@ def test_a_dead_run_fails_requests_at_once(fakes, run_dir: Path) -> None:
         assert time.monotonic() - start < 10
 
 
+def test_a_health_check_of_a_dead_run_says_so_at_once(fakes, run_dir: Path) -> None:
+    """`brigade health` against a run whose supervisor is gone (run.json left behind) waited out
+    its whole timeout and said "no tokenizer answered"; a probe learns at once that the run
+    ended. The fake is silent, as the stages of a killed run are."""
+    fake = fakes()
+    fake.is_dead = True
+    write_run_json(run_dir, [fake.endpoint], supervisor_pid=dead_pid())
+    with Client(run_dir) as client:
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="run ended"):
+            client.health(timeout=30)
+        assert time.monotonic() - start < 5
+    out = run_cli("--run", str(run_dir), "--timeout", "30", "health")
+    assert (out.returncode, out.stderr) == (1, "error: the Brigade run ended (its supervisor is gone)\n")
+
+
 def test_a_live_run_is_waited_for(fakes, run_dir: Path) -> None:
     fake = fakes(mode="hang")
     write_run_json(run_dir, [fake.endpoint], supervisor_pid=os.getpid())
