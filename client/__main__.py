@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head -c 10`); the client's close has aborted the request.
+        # Stop quietly, as `cat` does: stdout points to /dev/null so that the interpreter's last
+        # flush at exit does not fail on the pipe again and print "Exception ignored".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # what a process killed by SIGPIPE exits with: the shell's convention
     return 0
 
 

@@ -44,6 +44,7 @@ class AsyncClient(ClientBase):
         self._wakeups: dict[str, asyncio.Event] = {}
         self._reader: asyncio.Task | None = None
         self._readable: asyncio.Event | None = None  # the reader task's (bound to its loop)
+        self._num_polling = 0  # health checks and adapter commands waiting for replies
 
     def _send(self, replica: int, frame: bytes) -> bool:
         self._check_open()
@@ -80,6 +81,11 @@ class AsyncClient(ClientBase):
                     state = self.session.requests.get(request_id)
                     if state is None or state.ready or state.is_done:
                         event.set()
+                if not self.session.requests and not self._num_polling:
+                    # Nothing waits for a reply: the next request starts another reader. A running
+                    # reader holds its client, so an idle client dropped without close() was kept
+                    # alive, sockets and all, ticking forever.
+                    return
                 is_unsent = any(s.replica is None and not s.is_done for s in self.session.requests.values())
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 with contextlib.suppress(TimeoutError):
@@ -131,7 +137,7 @@ class AsyncClient(ClientBase):
                 await wakeup.wait()
         finally:
             self._wakeups.pop(state.request_id, None)
-            self.session.cancel(state.request_id)
+            self._end(state.request_id)
 
     async def generate(
         self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any
@@ -189,11 +195,21 @@ class AsyncClient(ClientBase):
 
     async def health(self, timeout: float = 5.0) -> list[m.HealthReply]:
         """Ask every replica; the replies that came back within `timeout` (ServerUnavailable if none)."""
-        self._ensure_reader()
         check = HealthCheck(self.session, timeout, self._tick_s)
-        while (wait := check.next_wait()) is not None:
-            await asyncio.sleep(wait)
+        async with self._polling():
+            while (wait := check.next_wait()) is not None:
+                await asyncio.sleep(wait)
         return check.replies()
+
+    @contextlib.asynccontextmanager
+    async def _polling(self) -> AsyncIterator[None]:
+        """Keeps the reader running while the caller polls the session for replies."""
+        self._num_polling += 1
+        try:
+            self._ensure_reader()
+            yield
+        finally:
+            self._num_polling -= 1
 
     async def adapter_command(
         self,
@@ -209,16 +225,16 @@ class AsyncClient(ClientBase):
         answer, whose `code` is "" when done; ServerUnavailable when none comes within `timeout`.
         `inplace` loads over an adapter of that name that no request uses."""
         command = m.AdapterCommand(uuid.uuid4().hex, op, name, path, wait, inplace)  # type: ignore[arg-type]
-        self._ensure_reader()
         deadline = time.monotonic() + timeout
         is_sent = False
         try:
-            while time.monotonic() < deadline:
-                is_sent = is_sent or self.session.send_adapter_command(command)
-                reply = self.session.adapter_replies.pop(command.request_id, None)
-                if reply is not None:
-                    return reply
-                await asyncio.sleep(0.005 if not is_sent else 0.02)
+            async with self._polling():
+                while time.monotonic() < deadline:
+                    is_sent = is_sent or self.session.send_adapter_command(command)
+                    reply = self.session.adapter_replies.pop(command.request_id, None)
+                    if reply is not None:
+                        return reply
+                    await asyncio.sleep(0.005 if not is_sent else 0.02)
         finally:
             self.session.adapter_replies.pop(command.request_id, None)
         raise ServerUnavailable(f"no answer to the LoRA adapter command ({op}) within {timeout:.0f}s")

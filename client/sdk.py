@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 import uuid
 import weakref
@@ -37,7 +38,7 @@ from ipc.codec import CLIENT_REPLY, CLIENT_REQUEST, MalformedMessage
 from ipc.endpoints import InsecureRunDir, check_private, check_run_file, default_run_dir, is_process_alive
 from ipc.keys import BadKeyFile, CurveKeys, load_public_key, load_secret_file
 from ipc.ports import is_loopback
-from ipc.sockets import configure_socket
+from ipc.sockets import DEFAULT_MAX_MSG_BYTES, configure_socket
 from ipc.structured_output import from_structured_outputs
 from ipc.validation import InvalidParams
 
@@ -48,6 +49,7 @@ INT64_RANGE = (-(2**63), 2**63 - 1)
 INT32_RANGE = (-(2**31), 2**31 - 1)
 MAX_STASHED_DELTAS = 1024  # out-of-order deltas kept per request while waiting for the gap to fill
 RUN_CHECK_INTERVAL_S = 0.5  # how often a client with requests in flight checks that its run is alive
+RUN_ENDED = "the Brigade run ended (its supervisor is gone)"
 CLOSE_LINGER_MS = 100  # lets the aborts of a closing client out, and bounds how long closing takes
 
 Prompt = str | Sequence[int]
@@ -280,6 +282,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     values = {name: _convert(name, value, _PARAM_TYPES[name]) for name, value in sampling.items()}
+    if values.get("top_k") == -1:  # vLLM's and SGLang's "no top-k", as the gateway takes it too
+        values["top_k"] = 0
     for name, value in values.items():
         _check_int_range(name, value)
     for i, stop in enumerate(values.get("stop", [])):
@@ -594,6 +598,8 @@ class HealthCheck:
         replicas = self.session.replicas
         if time.monotonic() - self.start >= self.timeout or all(r.health_at >= self.start for r in replicas):
             return None
+        if self.session.run_has_ended():  # no replica will answer: say so now, not at the timeout
+            return None
         self.unsent = {i for i in self.unsent if not self.session.probe(i)}
         return 0.005 if self.unsent else self.tick_s
 
@@ -601,6 +607,8 @@ class HealthCheck:
         """The replies that came back during the check; ServerUnavailable when none did."""
         start = self.start
         replies = [r.health for r in self.session.replicas if r.health is not None and r.health_at >= start]
+        if not replies and self.session.run_has_ended():
+            raise ServerUnavailable(RUN_ENDED)
         if not replies:
             raise ServerUnavailable(f"no tokenizer answered a health check within {self.timeout:.0f}s")
         return replies
@@ -778,11 +786,18 @@ class Session:
         if generate.request_id in self.requests:
             raise InvalidRequest(f"request {generate.request_id} is already in flight")
         try:
-            CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
+            frame = CLIENT_REQUEST.encode(generate)  # a request that cannot be sent is never registered
         except Exception as exc:  # whatever the encoder refuses is this request's fault alone
             raise InvalidRequest(
                 f"request {generate.request_id} cannot be encoded: {type(exc).__name__}: {exc}"
             ) from None
+        # A tokenizer drops the connection of a bigger message unread: the request would be
+        # resubmitted after every probe, unanswered, until its timeout (forever without one).
+        if len(frame) > DEFAULT_MAX_MSG_BYTES:
+            raise InvalidRequest(
+                f"request {generate.request_id:.80} is {len(frame)} bytes encoded; a tokenizer reads "
+                f"at most {DEFAULT_MAX_MSG_BYTES} (its prompt, messages, tools or id are too long)"
+            )
         state = RequestState(generate, None if timeout is None else now + timeout, now)
         self.requests[state.request_id] = state
         try:
@@ -963,9 +978,13 @@ class Session:
         if not pending:
             return
         self._run_checked_at = now
-        if not self._is_run_alive():
+        if self.run_has_ended():
             for state in pending:
-                state.error = ServerUnavailable("the Brigade run ended (its supervisor is gone)")
+                state.error = ServerUnavailable(RUN_ENDED)
+
+    def run_has_ended(self) -> bool:
+        """Whether the run's supervisor is known to be gone (False when the client cannot tell)."""
+        return self._is_run_alive is not None and not self._is_run_alive()
 
     def _resubmit_missing(self, replica: int, request_ids: list[str], now: float) -> None:
         """The replica answered a probe without these requests: a restart lost them, or they were
@@ -1094,6 +1113,17 @@ class ClientBase:
                 is_dropped = event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                 self.session.on_handshake(replica, handshake_failure(event, self._has_keys), is_dropped)
 
+    def _end(self, request_id: str) -> None:
+        """Forget a request nobody reads any more, aborting it unless it finished. When the
+        collector has closed the sockets first (a stream left open at exit, or in a reference
+        cycle with its client), there is nothing to send the Abort through, and no need: the
+        tokenizer aborts the requests of a connection that went away. Sending raised
+        ClientClosed there, printed as "Exception ignored" for every such stream."""
+        if self._closer.alive:
+            self.session.cancel(request_id)
+        else:
+            self.session.requests.pop(request_id, None)
+
     def _close(self) -> None:
         """Abort what is in flight (a stream still read raises ClientClosed), then close the
         sockets (bounded by CLOSE_LINGER_MS)."""
@@ -1106,11 +1136,17 @@ class ClientBase:
 class Client(ClientBase):
     """Synchronous client of a running Brigade: one DEALER per tokenizer replica.
 
-    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread.
+    Not thread-safe: use one Client per thread. Streams may be interleaved in one thread. The
+    exception is `close()`, which may come from any thread (a main thread shutting down its
+    workers): a stream open in another thread then raises ClientClosed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Held while the sockets are used, so that close() from another thread waits for the
+        # stream's thread to leave them (at most one poll, `_tick_s`) instead of closing a socket
+        # under its poll or send: that failed the stream with a bare ZMQError, or worse.
+        self._io_lock = threading.RLock()
         self._poller = zmq.Poller()
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
@@ -1124,25 +1160,27 @@ class Client(ClientBase):
             self._index[sock] = i
 
     def _send(self, replica: int, frame: bytes) -> bool:
-        self._check_open()
-        try:
-            self._sockets[replica].send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+        with self._io_lock:
+            self._check_open()
+            try:
+                self._sockets[replica].send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
 
     def _pump(self, timeout: float) -> None:
-        self._check_open()
-        for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
-            i = self._index[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.session.receive(i, frames[0])
-        self._read_handshakes()
-        self.session.tick()
+        with self._io_lock:
+            self._check_open()
+            for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
+                i = self._index[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.session.receive(i, frames[0])
+            self._read_handshakes()
+            self.session.tick()
 
     def stream(
         self,
@@ -1171,7 +1209,7 @@ class Client(ClientBase):
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 self._pump(self._tick_s if state.replica is not None else 0.005)
         finally:
-            self.session.cancel(state.request_id)
+            self._end(state.request_id)
 
     def generate(
         self, prompt: Prompt, *, timeout: float | None = None, request_id: str | None = None, **sampling: Any
@@ -1232,7 +1270,7 @@ class Client(ClientBase):
             return embed_result([state.result() for state in states])
         finally:
             for state in states:
-                self.session.cancel(state.request_id)
+                self._end(state.request_id)
 
     @staticmethod
     def _collect(deltas: Iterator[StreamDelta]) -> GenerateResult:
@@ -1246,7 +1284,8 @@ class Client(ClientBase):
         return check.replies()
 
     def close(self) -> None:
-        self._close()
+        with self._io_lock:
+            self._close()
 
     def __enter__(self) -> Client:
         return self

@@ -263,6 +263,19 @@ def test_invalid_sampling_argument_is_an_invalid_request(fakes) -> None:
         client.generate("x", no_such_param=1)
 
 
+def test_top_k_minus_one_disables_top_k_as_in_vllm(fakes, run_dir: Path) -> None:
+    """vLLM's and SGLang's clients send top_k=-1 for "no top-k", and the gateway takes it: the
+    SDK and the CLI must too (the tokenizer refused it, "top_k must be in [0, ...]"), sending
+    Brigade's 0."""
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        assert client.generate("x", top_k=-1, max_tokens=2).finish_reason == "length"
+    write_run_json(run_dir, [fake.endpoint])
+    out = run_cli("--run", str(run_dir), "generate", "x", "--top-k", "-1", "--max-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    assert [r.params.top_k for r in fake.requests(m.Generate)] == [0, 0]
+
+
 def test_timeout_raises_and_aborts(fakes) -> None:
     fake = fakes(mode="hang")
     with Client(endpoints=[fake.endpoint]) as client:
@@ -920,6 +933,22 @@ def test_a_dead_run_fails_requests_at_once(fakes, run_dir: Path) -> None:
         with pytest.raises(ServerUnavailable, match="run ended"):
             client.generate("x", timeout=30)
         assert time.monotonic() - start < 10
+
+
+def test_a_health_check_of_a_dead_run_says_so_at_once(fakes, run_dir: Path) -> None:
+    """`brigade health` against a run whose supervisor is gone (run.json left behind) waited out
+    its whole timeout and said "no tokenizer answered"; a probe learns at once that the run
+    ended. The fake is silent, as the stages of a killed run are."""
+    fake = fakes()
+    fake.is_dead = True
+    write_run_json(run_dir, [fake.endpoint], supervisor_pid=dead_pid())
+    with Client(run_dir) as client:
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="run ended"):
+            client.health(timeout=30)
+        assert time.monotonic() - start < 5
+    out = run_cli("--run", str(run_dir), "--timeout", "30", "health")
+    assert (out.returncode, out.stderr) == (1, "error: the Brigade run ended (its supervisor is gone)\n")
 
 
 def test_a_live_run_is_waited_for(fakes, run_dir: Path) -> None:
