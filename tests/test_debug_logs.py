@@ -14,7 +14,7 @@ import pytest
 from client import Client
 from tests.harness import Run, assert_clean, brigade_run
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def wait_for_lines(run: Run, patterns: list[str], timeout: float = 30.0) -> list[str]:
