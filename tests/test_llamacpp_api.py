@@ -40,7 +40,7 @@ def stream(gw: Gateway, **body) -> list[dict]:
     status, _, data = gw.request("POST", "/completion", {**body, "stream": True})
     assert status == 200, data
     events = [json.loads(e["data"]) for e in parse_sse(data.decode()) if "data" in e]
-    assert events and all(not e["stop"] for e in events[:-1]) and events[-1]["stop"], events
+    assert events and events[-1]["stop"], events
     return events
 
 
@@ -82,6 +82,7 @@ def test_completion_greedy_equals_v1_completions_streamed_and_not(gw: Gateway, h
     )
 
     events = stream(gw, prompt=PROMPT, **settings)
+    assert all(e["stop"] is False for e in events[:-1])
     assert "".join(e["content"] for e in events) == reply["content"]
     assert [t for e in events for t in e["tokens"]] == reply["tokens"]  # a stream always has them
     last = events[-1]
@@ -144,6 +145,24 @@ def test_token_id_and_mixed_prompts(gw: Gateway, hf_tokenizer) -> None:
     assert (
         mixed["content"] == completion(gw, prompt=head_ids + tail_ids, temperature=0, n_predict=8)["content"]
     )
+
+
+def test_a_batch_of_prompts_answers_a_list(gw: Gateway, hf_tokenizer) -> None:
+    ids = hf_tokenizer(PROMPT, add_special_tokens=False).input_ids
+    want = completion(gw, prompt=PROMPT, temperature=0, n_predict=6)["content"]
+    for prompts in ([ids, ids], [ids, PROMPT], [PROMPT, {"prompt_string": PROMPT}], [PROMPT, "Hello"]):
+        status, replies = post(gw, "/completion", {"prompt": prompts, "temperature": 0, "n_predict": 6})
+        assert status == 200 and isinstance(replies, list) and [r["index"] for r in replies] == [0, 1], (
+            replies
+        )
+        assert replies[0]["content"] == want and all(r["stop_type"] == "limit" for r in replies)
+    assert replies[1]["content"] == completion(gw, prompt="Hello", temperature=0, n_predict=6)["content"]
+    assert completion(gw, prompt={"prompt_string": PROMPT}, temperature=0, n_predict=6)["content"] == want
+    events = stream(gw, prompt=[PROMPT, ids], temperature=0, n_predict=6)
+    lasts = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in lasts) == [0, 1] and events[-1] in lasts
+    for index in (0, 1):
+        assert "".join(e["content"] for e in events if e["index"] == index) == want
 
 
 def test_n_probs_are_the_top_logprobs_of_v1_completions(gw: Gateway) -> None:
@@ -218,7 +237,8 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
         "n_predict below -1": {"prompt": PROMPT, "n_predict": -2},
         "no prompt": {"n_predict": 2},
         "an empty prompt": {"prompt": []},
-        "several prompts": {"prompt": ["a", "b"]},
+        "token ids beside a list": {"prompt": [1, [2, 3]]},
+        "an image": {"prompt": {"prompt_string": "hi <__media__>", "multimodal_data": ["iVBORw0KGgo="]}},
         "a grammar that does not parse": {"prompt": PROMPT, "grammar": "root ::= ((("},
         "n_probs past the limit": {"prompt": PROMPT, "n_probs": 1000},
         "a bad logit bias": {"prompt": PROMPT, "logit_bias": [[1, "much"]]},

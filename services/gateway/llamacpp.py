@@ -46,8 +46,9 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     takes_adapter: ClassVar[bool] = True  # its model may name a LoRA adapter (Gateway.check_model)
     # A string, token ids, or one list mixing strings and token ids (its strings tokenized
-    # without special tokens, in place).
-    prompt: str | list[str | int | list[int]]
+    # without special tokens, in place); {"prompt_string": ...}; or a list of such prompts (a
+    # list of replies). A top-level list holding a token id is one prompt.
+    prompt: str | dict[str, Any] | list[str | int | list[str | int] | dict[str, Any]]
     model: str = ""
     n_predict: int = -1  # -1: until eos or the context's end
     temperature: float | None = None
@@ -137,33 +138,33 @@ class LlamaCompletions:
     async def completion(self, request: Request) -> Response:
         gw = self.gateway
         body = await gw.read_body(request, LlamaCompletionRequest)
-        prompt = await self.prompt_of(body.prompt)
+        prompts, is_batch = await self.prompts_of(body.prompt)
         settings = self.generation_settings(body)
-        plan = self.plan(body, prompt, settings, header_seed(request.headers.get(SEED_HEADER)))
+        plan = self.plan(body, prompts, settings, header_seed(request.headers.get(SEED_HEADER)))
         model = gw.with_adapter(body.model, plan)
         if plan.seed is not None:
             settings["seed"] = plan.seed
-        writer = LlamaWriter(gw, body, model, settings, plan.aliases, prompt_only=body.n_predict == 0)
+        prompt_only = body.n_predict == 0
+        writer = LlamaWriter(gw, body, model, settings, plan, is_batch=is_batch, prompt_only=prompt_only)
         return gw.run(request, plan, body.stream, writer)
 
-    async def prompt_of(self, prompt: str | list[str | int | list[int]]) -> str | list[int]:
-        """One prompt: a text, or token ids (a mixed list's texts encoded, on a worker thread)."""
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
+    async def prompts_of(self, prompt: Any) -> tuple[list[str] | list[list[int]], bool]:
+        """The request's prompts, all texts or all token ids (then a text among them is encoded,
+        on a worker thread, as the tokenizer encodes a completion's), and whether it is a batch."""
+        if isinstance(prompt, list) and not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        if any(isinstance(x, list) for x in prompt) or (
-            all(isinstance(x, str) for x in prompt) and len(prompt) > 1
-        ):
-            raise invalid("prompt: one prompt per request (a string, token ids, or both mixed in one list)",
-                          "prompt")  # fmt: skip
-        if all(isinstance(x, int) for x in prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        return await asyncio.to_thread(self._mixed_ids, prompt)  # type: ignore[arg-type]
+        is_batch = isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
+        if isinstance(prompt, list) and not is_batch and not all(isinstance(x, (int, str)) for x in prompt):
+            raise invalid("prompt: a list with token ids is one prompt, of token ids and texts", "prompt")
+        entries = [prompt_entry(x) for x in prompt] if is_batch else [prompt_entry(prompt)]
+        if all(isinstance(x, str) for x in entries):
+            return entries, is_batch  # type: ignore[return-value]
+        return await asyncio.to_thread(lambda: [self._ids(x) for x in entries]), is_batch
 
-    def _mixed_ids(self, prompt: list[str | int]) -> list[int]:
+    def _ids(self, prompt: str | list[str | int]) -> list[int]:
+        parts = [prompt] if isinstance(prompt, str) else prompt
         ids: list[int] = []
-        for part in prompt:
+        for part in parts:
             ids.extend(self.gateway.tokenizer.encode(part) if isinstance(part, str) else [part])
         return ids
 
@@ -189,7 +190,7 @@ class LlamaCompletions:
     def plan(
         self,
         body: LlamaCompletionRequest,
-        prompt: str | list[int],
+        prompts: list[str] | list[list[int]],
         settings: dict[str, Any],
         resumed_seed: int | None,
     ) -> Plan:
@@ -208,7 +209,7 @@ class LlamaCompletions:
         # reply leaves out (LlamaWriter.prompt_only).
         max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(body.n_predict, body.n_predict)
         request = p.CompletionRequest(
-            prompt=prompt,
+            prompt=prompts[0] if len(prompts) == 1 else prompts,
             max_tokens=max_tokens,
             temperature=temperature,
             top_k=settings["top_k"],
@@ -357,6 +358,20 @@ def _byte_alphabet() -> dict[str, int]:
     return chars
 
 
+def prompt_entry(entry: Any) -> str | list[str | int]:
+    """One prompt of a request: a text, or token ids and texts to encode in place."""
+    if isinstance(entry, dict):
+        if entry.get("multimodal_data"):
+            raise invalid("prompt: multimodal_data: this endpoint reads no images or audio", "prompt")
+        text = entry.get("prompt_string")
+        if not isinstance(text, str):
+            raise invalid('prompt: a JSON prompt is {"prompt_string": TEXT}', "prompt")
+        entry = text
+    if isinstance(entry, (str, list)) and not entry:
+        raise invalid("prompt must not be empty", "prompt")
+    return entry
+
+
 def renamed(error: ApiError) -> ApiError:
     """A completions refusal with llama.cpp's names for the fields it translated."""
     for ours, theirs in (("guided_json", "json_schema"), ("guided_grammar", "grammar"), ("logprobs", "n_probs"),
@@ -369,15 +384,18 @@ def renamed(error: ApiError) -> ApiError:
 
 
 class LlamaWriter:
-    """The ReplyWriter (app.py) of a /completion: llama.cpp's JSON, or its events."""
+    """The ReplyWriter (app.py) of a /completion: llama.cpp's JSON (a list of them for a batch of
+    prompts), or its events (each with its prompt's `index`; each prompt's last one on its own)."""
 
     def __init__(self, gateway: Gateway, body: LlamaCompletionRequest, model: str, settings: dict[str, Any],
-                 aliases: dict[str, str], prompt_only: bool) -> None:  # fmt: skip
+                 plan: Plan, *, is_batch: bool, prompt_only: bool) -> None:  # fmt: skip
         self.gateway = gateway
-        self.aliases = aliases
+        self.aliases = plan.aliases
+        self.num_prompts = len(plan.jobs)
         self.body = body
         self.model = model
         self.settings = settings
+        self.is_batch = is_batch
         self.prompt_only = prompt_only  # n_predict 0: the one token the engine samples is left out
         self.started = time.monotonic()
         self.first_output_at: float | None = None
@@ -464,10 +482,10 @@ class LlamaWriter:
                 return "word", word
         return "eos", ""
 
-    def reply(self, out: Generated, content: str, token_ids: list[int], probabilities: list[dict[str, Any]],
+    def reply(self, index: int, content: str, token_ids: list[int], probabilities: list[dict[str, Any]],
               stop: bool) -> dict[str, Any]:  # fmt: skip
         body: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "content": content,
             "tokens": token_ids,
             "stop": stop,
@@ -478,21 +496,24 @@ class LlamaWriter:
         return body
 
     async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
-        out = Generated()
+        outs = [Generated() for _ in range(self.num_prompts)]
         item = first
         while item is not None:
-            self.add(out, item[1])
+            self.add(outs[item[0]], item[1])
             item = await anext(feed, None)
             if item is not None:
                 timer.on_output(item)
-        tokens = out.token_ids if self.body.return_tokens else []
-        body = self.reply(out, out.text, tokens, out.probabilities, True)
-        return _encoder.encode({**body, **await self.final(out)})
+        replies = []
+        for index, out in enumerate(outs):
+            tokens = out.token_ids if self.body.return_tokens else []
+            body = self.reply(index, out.text, tokens, out.probabilities, True)
+            replies.append({**body, **await self.final(out)})
+        return _encoder.encode(replies if self.is_batch else replies[0])
 
     async def events(
         self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
     ) -> AsyncGenerator[bytes, None]:
-        out = Generated()
+        outs = [Generated() for _ in range(self.num_prompts)]
         try:
             item = await first
         except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
@@ -500,9 +521,12 @@ class LlamaWriter:
             return
         timer.on_output(item)
         while item is not None:
-            text, ids, probabilities = self.add(out, item[1])
+            index, delta = item
+            text, ids, probabilities = self.add(outs[index], delta)
             if text or ids:
-                yield data_event(self.reply(out, text, ids, probabilities, False))
+                yield data_event(self.reply(index, text, ids, probabilities, False))
+            if delta.finish_reason is not None:
+                yield data_event({**self.reply(index, "", [], [], True), **await self.final(outs[index])})
             try:
                 item = await anext(feed, None)
             except BrigadeError as exc:
@@ -510,7 +534,6 @@ class LlamaWriter:
                 return
             if item is not None:
                 timer.on_output(item)
-        yield data_event({**self.reply(out, "", [], [], True), **await self.final(out)})
 
     def error_body(self, error: ApiError) -> bytes:
         return llama_error_body(renamed(error))
