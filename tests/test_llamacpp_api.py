@@ -158,6 +158,7 @@ def test_a_batch_of_prompts_answers_a_list(gw: Gateway, hf_tokenizer) -> None:
         assert replies[0]["content"] == want and all(r["stop_type"] == "limit" for r in replies)
     assert replies[1]["content"] == completion(gw, prompt="Hello", temperature=0, n_predict=6)["content"]
     assert completion(gw, prompt={"prompt_string": PROMPT}, temperature=0, n_predict=6)["content"] == want
+    assert completion(gw, prompt=[PROMPT], temperature=0, n_predict=6)["content"] == want  # one: no list
     events = stream(gw, prompt=[PROMPT, ids], temperature=0, n_predict=6)
     lasts = [e for e in events if e["stop"]]
     assert sorted(e["index"] for e in lasts) == [0, 1] and events[-1] in lasts

@@ -150,16 +150,17 @@ class LlamaCompletions:
 
     async def prompts_of(self, prompt: Any) -> tuple[list[str] | list[list[int]], bool]:
         """The request's prompts, all texts or all token ids (then a text among them is encoded,
-        on a worker thread, as the tokenizer encodes a completion's), and whether it is a batch."""
+        on a worker thread, as the tokenizer encodes a completion's), and whether they are several
+        (answered with a list, as llama.cpp answers a list of one prompt with that prompt's reply)."""
         if isinstance(prompt, list) and not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        is_batch = isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
-        if isinstance(prompt, list) and not is_batch and not all(isinstance(x, (int, str)) for x in prompt):
+        is_list = isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
+        if isinstance(prompt, list) and not is_list and not all(isinstance(x, (int, str)) for x in prompt):
             raise invalid("prompt: a list with token ids is one prompt, of token ids and texts", "prompt")
-        entries = [prompt_entry(x) for x in prompt] if is_batch else [prompt_entry(prompt)]
+        entries = [prompt_entry(x) for x in prompt] if is_list else [prompt_entry(prompt)]
         if all(isinstance(x, str) for x in entries):
-            return entries, is_batch  # type: ignore[return-value]
-        return await asyncio.to_thread(lambda: [self._ids(x) for x in entries]), is_batch
+            return entries, len(entries) > 1  # type: ignore[return-value]
+        return await asyncio.to_thread(lambda: [self._ids(x) for x in entries]), len(entries) > 1
 
     def _ids(self, prompt: str | list[str | int]) -> list[int]:
         parts = [prompt] if isinstance(prompt, str) else prompt
