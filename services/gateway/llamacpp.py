@@ -25,7 +25,7 @@ from starlette.responses import Response
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
 from services.gateway import protocol as p
-from services.gateway.app import JSON, Feed, Gateway
+from services.gateway.app import BRIGADE_VERSION, JSON, Feed, Gateway
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
@@ -35,7 +35,6 @@ from services.gateway.metrics import RequestTimer
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 # llama.cpp bans a token with a bias of `false`; the engine's bias range ends at -100.
 BANNED_BIAS = -100.0
-BUILD_INFO = "brigade (llama.cpp server API)"
 
 _encoder = msgspec.json.Encoder()
 
@@ -323,7 +322,7 @@ class LlamaCompletions:
             "model_alias": settings.model,
             "model_path": settings.model,
             "chat_template": gw.tokenizer.chat_template or "",
-            "build_info": BUILD_INFO,
+            "build_info": f"brigade {BRIGADE_VERSION}",
         }
         return gw.finish(request, Response(_encoder.encode(body), media_type=JSON))
 
