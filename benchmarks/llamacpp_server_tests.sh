@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run llama.cpp's own server tests (tools/server/tests: chat, completion, Responses, Anthropic)
+# Run llama.cpp's own server tests (tools/server/tests: chat, completion, Responses, Anthropic,
+# tokenize)
 # against a running Brigade gateway, as an external server. See docs/gateway.md for the failures
 # to expect (all specific to llama.cpp's test model, flags or endpoints).
 #
@@ -32,4 +33,4 @@ cd "$TESTS"
 DEBUG_EXTERNAL=1 PORT="$PORT" PYTHONPATH="$HERE:$TESTS" "$WORK/venv/bin/python" -m pytest \
   -p llamacpp_tests_plugin -p no:cacheprovider --timeout 120 -q -rf \
   unit/test_chat_completion.py unit/test_completion.py unit/test_compat_oai_responses.py \
-  unit/test_compat_anthropic.py "$@"
+  unit/test_compat_anthropic.py unit/test_tokenize.py "$@"

@@ -4,7 +4,11 @@ does beyond OpenAI's API, so that the tests reach the API checks behind it:
 
 - llama.cpp also serves its OpenAI routes without `/v1`; Brigade serves them under `/v1` only, as
   OpenAI does. llama.cpp's own routes (`/completion`, `/tokenize`, `/apply-template`, ...) stay as
-  they are and answer 404.
+  they are (Brigade serves the first ones: docs/gateway.md, "llama.cpp's own API").
+- A test's server preset gives a request's defaults with server flags an external server does not
+  get: `--n-predict` (the cap of a `/completion` without `n_predict`, which would otherwise
+  generate to the end of the context) and `--seed` (the seed of one without `seed`). A
+  `/completion` body without them gets the preset's.
 - The tests name models llama.cpp ignores ("test", "gpt-3.5-turbo-instruct"); Brigade, as OpenAI
   and Anthropic do, answers 404 model_not_found for a model it does not serve, so the requests
   name the one it serves (BRIGADE_MODEL, default the embedded model's name). A null model stays
@@ -38,7 +42,24 @@ def served_model(body: Any) -> Any:
     return body
 
 
+def with_server_defaults(send: Any) -> Any:
+    """`send` (make_request or make_stream_request), a /completion body given the preset's
+    n_predict and seed where it has none."""
+
+    def bounded(
+        self: utils.ServerProcess, method: str, path: str, data: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if path == "/completion" and isinstance(data, dict):
+            defaults = {"n_predict": self.n_predict, "seed": self.seed}
+            data = {**{k: v for k, v in defaults.items() if v is not None}, **data}
+        return send(self, method, path, data, *args, **kwargs)
+
+    return bounded
+
+
 utils.ServerProcess.make_url = make_url
+utils.ServerProcess.make_request = with_server_defaults(utils.ServerProcess.make_request)
+utils.ServerProcess.make_stream_request = with_server_defaults(utils.ServerProcess.make_stream_request)
 requests.post = lambda url, *args, json=None, **kwargs: _post(url, *args, json=served_model(json), **kwargs)
 httpx.Client.build_request = lambda self, *args, json=None, **kwargs: _build_request(
     self, *args, json=served_model(json), **kwargs

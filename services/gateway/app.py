@@ -832,7 +832,10 @@ class Gateway:
         return Response(body, headers=dict(headers))
 
     async def tokenize(self, request: Request) -> Response:
-        body = await self.read_body(request, p.TokenizeRequest)
+        return await self.tokenize_body(request, await self.read_body(request, p.TokenizeRequest))
+
+    async def tokenize_body(self, request: Request, body: p.TokenizeRequest) -> Response:
+        """vLLM's /tokenize of a body read already (llama.cpp's shares the path: llamacpp.py)."""
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt and messages", "prompt")
         if body.messages is None:
@@ -983,9 +986,9 @@ class Gateway:
                 "(tokenizer.max_prompt_chars)",
                 "tokens",
             )
-        return self.finish(
-            request, json_response({"prompt": await asyncio.to_thread(self._detokenize, body)})
-        )
+        text = await asyncio.to_thread(self._detokenize, body)
+        # vLLM's clients read `prompt`, llama.cpp's `content`: both are answered.
+        return self.finish(request, json_response({"prompt": text, "content": text}))
 
     def _detokenize(self, body: p.DetokenizeRequest) -> str:
         vocab = self.tokenizer.vocab_size

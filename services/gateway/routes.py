@@ -13,6 +13,7 @@ from services.gateway.anthropic import MessagesApi
 from services.gateway.app import Gateway
 from services.gateway.errors import ApiError
 from services.gateway.invocations import invocations
+from services.gateway.llamacpp import LlamaCompletions, with_llama_errors
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
@@ -23,6 +24,7 @@ def build_app(gateway: Gateway) -> ASGIApp:
     store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
                           settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
     messages, responses, scoring = MessagesApi(gateway), ResponsesApi(gateway, store), ScoringApi(gateway)
+    llama = LlamaCompletions(gateway)
     routes = [
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
@@ -43,9 +45,14 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/version", gateway.version, methods=["GET"]),
         Route("/load", gateway.load, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
-        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/tokenize", llama.tokenize, methods=["POST"]),  # vLLM's body, or llama.cpp's
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
+        # llama.cpp's own API (llamacpp.py), its refusals in its error shape
+        Route("/completion", with_llama_errors(gateway, llama.completion), methods=["POST"]),
+        Route("/completions", with_llama_errors(gateway, llama.completion), methods=["POST"]),
+        Route("/apply-template", with_llama_errors(gateway, llama.apply_template), methods=["POST"]),
+        Route("/props", with_llama_errors(gateway, llama.props), methods=["GET"]),
     ]
     endpoints = {"chat": gateway.chat, "completions": gateway.completions, "embeddings": gateway.embeddings,
                  "score": scoring.score, "rerank": scoring.rerank}  # fmt: skip

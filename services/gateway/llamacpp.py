@@ -1,0 +1,546 @@
+"""llama.cpp's own server API (not its OpenAI one): `/completion`, `/tokenize` and `/detokenize`
+in its shapes, `/apply-template` and `/props`, for clients written against llama-server.
+
+A `/completion` request is translated into a /v1/completions request (`CompletionRequest`) and
+planned by `plan_completion`, so sampling, seeds, stop strings, the output constraint and the
+engine's refusals are the completions path's own; `Gateway.run` runs it, and `LlamaWriter` writes
+the reply in llama.cpp's shapes (its `stop_type`, `timings`, `completion_probabilities`, and
+its events without `[DONE]`). Errors are llama.cpp's `{"error": {"code", "message", "type"}}`,
+`code` the HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from client.errors import BrigadeError
+from client.sdk import StreamDelta
+from services.gateway import protocol as p
+from services.gateway.app import BRIGADE_VERSION, JSON, Feed, Gateway
+from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
+from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
+from services.gateway.metrics import RequestTimer
+
+# llama.cpp's sampling defaults (tools/server/README.md), used where a request leaves them out,
+# so that a llama.cpp client samples as it would there and generation_settings says what was used.
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+# llama.cpp bans a token with a bias of `false`; the engine's bias range ends at -100.
+BANNED_BIAS = -100.0
+
+_encoder = msgspec.json.Encoder()
+
+
+class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """llama.cpp's POST /completion body (the fields Brigade acts on; others are ignored, as
+    llama.cpp ignores fields it does not know)."""
+
+    takes_adapter: ClassVar[bool] = True  # its model may name a LoRA adapter (Gateway.check_model)
+    # A string, token ids, or one list mixing strings and token ids (its strings tokenized
+    # without special tokens, in place); {"prompt_string": ...}; or a list of such prompts (a
+    # list of replies). A top-level list holding a token id is one prompt.
+    prompt: str | dict[str, Any] | list[str | int | list[str | int] | dict[str, Any]]
+    model: str = ""
+    n_predict: int = -1  # -1: until eos or the context's end
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int = -1  # -1: a random seed
+    stop: list[str] | None = None
+    stream: bool = False
+    ignore_eos: bool = False
+    n_probs: int = 0
+    json_schema: Any = None
+    grammar: str | None = None
+    # [[id or text, bias or false], ...] or {"id or text": bias}
+    logit_bias: list[list[Any]] | dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    cache_prompt: bool = True  # accepted: Brigade's prefix cache is always on
+    return_tokens: bool = False
+
+
+class AnyTokenizeRequest(p.TokenizeRequest, frozen=True, kw_only=True):
+    """A POST /tokenize body of either API: llama.cpp's has `content` (and these options),
+    vLLM's `prompt` or `messages`."""
+
+    content: str | None = None
+    add_special: bool = False  # llama.cpp's default: no BOS
+    with_pieces: bool = False
+
+
+LLAMA_TOKENIZE_FIELDS = frozenset({"content", "add_special", "with_pieces"})
+
+
+class LlamaApplyTemplateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    messages: list[p.ChatMessageIn]
+
+
+def llama_error_body(error: ApiError) -> bytes:
+    kind = "exceed_context_size_error" if error.code == "context_length_exceeded" else None
+    body = {
+        "code": error.status,
+        "message": error.message,
+        "type": kind or ERROR_TYPES.get(error.status, "server_error"),
+    }
+    return _encoder.encode({"error": body})
+
+
+def llama_error_response(error: ApiError) -> Response:
+    return Response(llama_error_body(error), error.status, error.headers, media_type=JSON)
+
+
+def with_llama_errors(
+    gateway: Gateway, handler: Callable[[Request], Awaitable[Response]]
+) -> Callable[[Request], Awaitable[Response]]:
+    """`handler`, its refusals (the API key, the body, the plan) in llama.cpp's error shape."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return gateway.finish(request, llama_error_response(error))
+
+    return guarded
+
+
+@dataclass
+class Generated:
+    """One /completion's output so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    probabilities: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class LlamaCompletions:
+    """llama.cpp's endpoints, on a `Gateway`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    # -- /completion ---------------------------------------------------------------------------
+
+    async def completion(self, request: Request) -> Response:
+        gw = self.gateway
+        body = await gw.read_body(request, LlamaCompletionRequest)
+        prompts, is_batch = await self.prompts_of(body.prompt)
+        settings = self.generation_settings(body)
+        plan = self.plan(body, prompts, settings, header_seed(request.headers.get(SEED_HEADER)))
+        model = gw.with_adapter(body.model, plan)
+        if plan.seed is not None:
+            settings["seed"] = plan.seed
+        prompt_only = body.n_predict == 0
+        writer = LlamaWriter(gw, body, model, settings, plan, is_batch=is_batch, prompt_only=prompt_only)
+        return gw.run(request, plan, body.stream, writer)
+
+    async def prompts_of(self, prompt: Any) -> tuple[list[str] | list[list[int]], bool]:
+        """The request's prompts, all texts or all token ids (then a text among them is encoded,
+        on a worker thread, as the tokenizer encodes a completion's), and whether they are several
+        (answered with a list, as llama.cpp answers a list of one prompt with that prompt's reply)."""
+        if isinstance(prompt, list) and not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        is_list = isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
+        if isinstance(prompt, list) and not is_list and not all(isinstance(x, (int, str)) for x in prompt):
+            raise invalid("prompt: a list with token ids is one prompt, of token ids and texts", "prompt")
+        entries = [prompt_entry(x) for x in prompt] if is_list else [prompt_entry(prompt)]
+        if all(isinstance(x, str) for x in entries):
+            return entries, len(entries) > 1  # type: ignore[return-value]
+        return await asyncio.to_thread(lambda: [self._ids(x) for x in entries]), len(entries) > 1
+
+    def _ids(self, prompt: str | list[str | int]) -> list[int]:
+        parts = [prompt] if isinstance(prompt, str) else prompt
+        ids: list[int] = []
+        for part in parts:
+            ids.extend(self.gateway.tokenizer.encode(part) if isinstance(part, str) else [part])
+        return ids
+
+    def generation_settings(self, body: LlamaCompletionRequest) -> dict[str, Any]:
+        """What the request samples with: its fields, llama.cpp's defaults for those it leaves out."""
+        given = {name: getattr(body, name) for name in LLAMA_DEFAULTS if getattr(body, name) is not None}
+        settings: dict[str, Any] = {**LLAMA_DEFAULTS, **given}
+        settings.update(
+            n_ctx=self.gateway.settings.max_model_len,
+            n_predict=body.n_predict,
+            model=body.model or self.gateway.settings.model,
+            seed=body.seed,
+            stop=list(body.stop or []),
+            stream=body.stream,
+            ignore_eos=body.ignore_eos,
+            n_probs=body.n_probs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repeat_penalty=body.repeat_penalty if body.repeat_penalty is not None else 1.0,
+        )
+        return settings
+
+    def plan(
+        self,
+        body: LlamaCompletionRequest,
+        prompts: list[str] | list[list[int]],
+        settings: dict[str, Any],
+        resumed_seed: int | None,
+    ) -> Plan:
+        """The /v1/completions plan of the same request (plan_completion), its field names mapped
+        back to llama.cpp's in its refusals."""
+        if body.n_predict < -1:
+            raise invalid(f"n_predict must be -1 (no limit) or >= 0, got {body.n_predict}", "n_predict")
+        if body.n_probs < 0:
+            raise invalid(f"n_probs must be >= 0, got {body.n_probs}", "n_probs")
+        if body.seed < -1:
+            raise invalid(f"seed must be -1 (random) or >= 0, got {body.seed}", "seed")
+        if body.json_schema is not None and body.grammar is not None:
+            raise invalid("give json_schema or grammar, not both", "grammar")
+        temperature = max(settings["temperature"], 0.0)  # llama.cpp: below 0 samples greedily
+        # n_predict 0 evaluates the prompt alone: the engine always samples a token, which the
+        # reply leaves out (LlamaWriter.prompt_only).
+        max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(body.n_predict, body.n_predict)
+        request = p.CompletionRequest(
+            prompt=prompts[0] if len(prompts) == 1 else prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=settings["top_k"],
+            top_p=settings["top_p"],
+            min_p=settings["min_p"],
+            seed=None if body.seed == -1 else body.seed,
+            stop=body.stop,
+            stream=body.stream,
+            ignore_eos=body.ignore_eos,
+            logprobs=body.n_probs or None,
+            logit_bias=self.logit_bias(body.logit_bias),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repeat_penalty,
+            guided_json=body.json_schema,
+            guided_grammar=body.grammar,
+        )
+        try:
+            plan = plan_completion(request, resumed_seed)
+        except ApiError as error:
+            raise renamed(error) from None
+        plan.aliases.update(max_tokens="n_predict", logprobs="n_probs", repetition_penalty="repeat_penalty")
+        return plan
+
+    def logit_bias(self, value: list[list[Any]] | dict[str, Any] | None) -> dict[int, float] | None:
+        """llama.cpp's biases ([[token, bias], ...] or {token: bias}; a token as its id or a text,
+        whose every token gets the bias; `false` bans it) as the engine's {id: bias}."""
+        if value is None:
+            return None
+        pairs = list(value.items()) if isinstance(value, dict) else value
+        out: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise invalid("logit_bias: each entry is [token, bias]", "logit_bias")
+            token, bias = pair
+            if bias is False:
+                bias = BANNED_BIAS
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise invalid(f"logit_bias: a bias is a number or false, got {bias!r}", "logit_bias")
+            if isinstance(token, str) and token.lstrip("-").isdigit() and isinstance(value, dict):
+                ids = [int(token)]
+            elif isinstance(token, str):
+                ids = self.gateway.tokenizer.encode(token)
+            elif isinstance(token, int) and not isinstance(token, bool):
+                ids = [token]
+            else:
+                raise invalid(f"logit_bias: a token is an id or a text, got {token!r}", "logit_bias")
+            for token_id in ids:
+                out[token_id] = float(bias)
+        return out
+
+    # -- tokens and templates ------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """llama.cpp's /tokenize where the body has `content`, else vLLM's (Gateway.tokenize)."""
+        gw = self.gateway
+        try:
+            body = await gw.read_body(request, AnyTokenizeRequest)
+        except ApiError as error:  # a refusal of llama.cpp's fields is in its shape
+            if error.param in LLAMA_TOKENIZE_FIELDS:
+                return gw.finish(request, llama_error_response(error))
+            raise
+        if body.content is None:
+            return await gw.tokenize_body(request, body)
+        try:
+            ids = await asyncio.to_thread(self._tokenize, body.content, body.add_special)
+        except ApiError as error:
+            return gw.finish(request, llama_error_response(error))
+        if body.with_pieces:
+            reply: dict[str, Any] = {"tokens": [{"id": i, "piece": self._piece(i)} for i in ids]}
+        else:
+            reply = {"tokens": ids}
+        return gw.finish(request, Response(_encoder.encode(reply), media_type=JSON))
+
+    def _tokenize(self, content: str, add_special: bool) -> list[int]:
+        """Encode (on a worker thread) under the budget a completion request has."""
+        limit = self.gateway.settings.max_prompt_chars
+        if len(content) > limit:
+            raise invalid(f"content: {len(content)} characters; the limit is {limit} (tokenizer.max_prompt_chars)",
+                          "content", "context_length_exceeded")  # fmt: skip
+        return self.gateway.tokenizer.encode(content, add_special_tokens=add_special)
+
+    def _piece(self, token_id: int) -> str | list[int]:
+        """A token's text, or its bytes where they are not whole UTF-8 (as llama.cpp gives it)."""
+        token = self.gateway.tokenizer.id_to_token(token_id) or ""
+        data = token_bytes(self.gateway.tokenizer.decode([token_id], skip_special_tokens=False), token)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return list(data)
+
+    async def apply_template(self, request: Request) -> Response:
+        gw = self.gateway
+        body = await gw.read_body(request, LlamaApplyTemplateRequest)
+        if not body.messages:
+            raise invalid("messages must not be empty", "messages")
+        chat = await asyncio.to_thread(gw._render_chat, body.messages, True, False)
+        return gw.finish(request, Response(_encoder.encode({"prompt": chat.text}), media_type=JSON))
+
+    async def props(self, request: Request) -> Response:
+        gw = self.gateway
+        gw.check_key(request)
+        settings = gw.settings
+        body = {
+            "default_generation_settings": {
+                "n_ctx": settings.max_model_len,
+                "params": {**LLAMA_DEFAULTS, "n_predict": -1, "seed": -1},
+            },
+            "total_slots": settings.max_concurrent_requests,
+            "model_alias": settings.model,
+            "model_path": settings.model,
+            "chat_template": gw.tokenizer.chat_template or "",
+            "build_info": f"brigade {BRIGADE_VERSION}",
+        }
+        return gw.finish(request, Response(_encoder.encode(body), media_type=JSON))
+
+
+def token_bytes(text: str, token: str) -> bytes:
+    """A token's bytes: its decoded text's, except a byte-level token that is part of a UTF-8
+    character (its text decodes to U+FFFD): then the bytes its symbols stand for (GPT-2's byte
+    alphabet), or `<0xNN>` of SentencePiece's byte fallback."""
+    if "\ufffd" not in text:
+        return text.encode()
+    if token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:-1], 16)])
+    alphabet = _byte_alphabet()
+    if all(c in alphabet for c in token):
+        return bytes(alphabet[c] for c in token)
+    return text.encode()
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE: the character that stands for each byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def prompt_entry(entry: Any) -> str | list[str | int]:
+    """One prompt of a request: a text, or token ids and texts to encode in place."""
+    if isinstance(entry, dict):
+        if entry.get("multimodal_data"):
+            raise invalid("prompt: multimodal_data: this endpoint reads no images or audio", "prompt")
+        text = entry.get("prompt_string")
+        if not isinstance(text, str):
+            raise invalid('prompt: a JSON prompt is {"prompt_string": TEXT}', "prompt")
+        entry = text
+    if isinstance(entry, (str, list)) and not entry:
+        raise invalid("prompt must not be empty", "prompt")
+    return entry
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A completions refusal with llama.cpp's names for the fields it translated."""
+    for ours, theirs in (("guided_json", "json_schema"), ("guided_grammar", "grammar"), ("logprobs", "n_probs"),
+                         ("max_tokens", "n_predict")):  # fmt: skip
+        if error.param == ours:
+            error.param = theirs
+            # "guided_grammar: grammar: ..." (the field, then the compiler's kind) names it once
+            error.message = error.message.replace(f"{ours}: {theirs}: ", f"{theirs}: ").replace(ours, theirs)
+    return error
+
+
+class LlamaWriter:
+    """The ReplyWriter (app.py) of a /completion: llama.cpp's JSON (a list of them for a batch of
+    prompts), or its events (each with its prompt's `index`; each prompt's last one on its own)."""
+
+    def __init__(self, gateway: Gateway, body: LlamaCompletionRequest, model: str, settings: dict[str, Any],
+                 plan: Plan, *, is_batch: bool, prompt_only: bool) -> None:  # fmt: skip
+        self.gateway = gateway
+        self.aliases = plan.aliases
+        self.num_prompts = len(plan.jobs)
+        self.body = body
+        self.model = model
+        self.settings = settings
+        self.is_batch = is_batch
+        self.prompt_only = prompt_only  # n_predict 0: the one token the engine samples is left out
+        self.started = time.monotonic()
+        self.first_output_at: float | None = None
+
+    def add(self, out: Generated, delta: StreamDelta) -> tuple[str, list[int], list[dict[str, Any]]]:
+        """Take one delta into `out`; the text, ids and probabilities it adds."""
+        if self.first_output_at is None:
+            self.first_output_at = time.monotonic()
+        if delta.usage is not None:
+            out.prompt_tokens, out.cached_tokens = delta.usage.prompt_tokens, delta.usage.cached_tokens
+        if delta.finish_reason is not None:
+            out.finish_reason = delta.finish_reason
+        if self.prompt_only:
+            return "", [], []
+        probabilities = self.probabilities(delta) if self.body.n_probs else []
+        out.text += delta.text
+        out.token_ids += delta.token_ids
+        out.probabilities += probabilities
+        return delta.text, list(delta.token_ids), probabilities
+
+    def probabilities(self, delta: StreamDelta) -> list[dict[str, Any]]:
+        """llama.cpp's completion_probabilities of the delta's tokens: each token and its top n_probs."""
+        tokenizer = self.gateway.tokenizer
+        out = []
+        for k, token_id in enumerate(delta.token_ids):
+            tops = delta.top_logprobs[k] if delta.top_logprobs else {}
+            best = sorted(tops.items(), key=lambda x: -x[1])[: self.body.n_probs]
+            logprob = delta.logprobs[k] if delta.logprobs else tops.get(token_id, -math.inf)
+            out.append({**self.token_entry(tokenizer, token_id, logprob),
+                        "top_logprobs": [self.token_entry(tokenizer, i, lp) for i, lp in best]})  # fmt: skip
+        return out
+
+    @staticmethod
+    def token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        data = token_bytes(text, tokenizer.id_to_token(token_id) or "")
+        return {"id": token_id, "token": text, "bytes": list(data), "logprob": logprob}
+
+    async def final(self, out: Generated) -> dict[str, Any]:
+        """The last reply's fields: how generation stopped, the counts, the timings."""
+        stop_type, stopping_word = await self.stop_of(out)
+        now = time.monotonic()
+        first = self.first_output_at if self.first_output_at is not None else now
+        predicted_n = len(out.token_ids)
+        prompt_ms, predicted_ms = (first - self.started) * 1e3, (now - first) * 1e3
+        prompt_n = out.prompt_tokens - out.cached_tokens
+        n_ctx = self.gateway.settings.max_model_len
+        return {
+            "model": self.model,
+            "tokens_predicted": predicted_n,
+            "tokens_evaluated": out.prompt_tokens,
+            "tokens_cached": out.cached_tokens,
+            "generation_settings": self.settings,
+            "has_new_line": "\n" in out.text,
+            "truncated": stop_type == "limit" and out.prompt_tokens + predicted_n >= n_ctx,
+            "stop_type": stop_type,
+            "stopping_word": stopping_word,
+            "timings": {
+                "cache_n": out.cached_tokens,
+                "prompt_n": prompt_n,
+                "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
+                "predicted_n": predicted_n,
+                "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms else 0.0,
+            },
+        }
+
+    async def stop_of(self, out: Generated) -> tuple[str, str]:
+        """llama.cpp's stop_type and stopping_word. The engine says `stop` both for eos and for a
+        stop string; the string is the one the text of every token continues the content with
+        (the content is cut where it starts)."""
+        if out.finish_reason == "length" or self.prompt_only:
+            return "limit", ""
+        if out.finish_reason != "stop":
+            return "none", ""
+        if self.body.stop:
+            whole = await asyncio.to_thread(self.gateway.tokenizer.decode, out.token_ids)
+            rest = whole[len(out.text) :] if whole.startswith(out.text) else ""
+            word = next((s for s in self.body.stop if s and rest.startswith(s)), None)
+            if word is not None:
+                return "word", word
+        return "eos", ""
+
+    def reply(self, index: int, content: str, token_ids: list[int], probabilities: list[dict[str, Any]],
+              stop: bool) -> dict[str, Any]:  # fmt: skip
+        body: dict[str, Any] = {
+            "index": index,
+            "content": content,
+            "tokens": token_ids,
+            "stop": stop,
+            "id_slot": -1,
+        }
+        if self.body.n_probs:
+            body["completion_probabilities"] = probabilities
+        return body
+
+    async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
+        outs = [Generated() for _ in range(self.num_prompts)]
+        item = first
+        while item is not None:
+            self.add(outs[item[0]], item[1])
+            item = await anext(feed, None)
+            if item is not None:
+                timer.on_output(item)
+        replies = []
+        for index, out in enumerate(outs):
+            tokens = out.token_ids if self.body.return_tokens else []
+            body = self.reply(index, out.text, tokens, out.probabilities, True)
+            replies.append({**body, **await self.final(out)})
+        return _encoder.encode(replies if self.is_batch else replies[0])
+
+    async def events(
+        self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
+    ) -> AsyncGenerator[bytes, None]:
+        outs = [Generated() for _ in range(self.num_prompts)]
+        try:
+            item = await first
+        except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
+            yield self.error_event(from_engine(exc, self.aliases))
+            return
+        timer.on_output(item)
+        while item is not None:
+            index, delta = item
+            text, ids, probabilities = self.add(outs[index], delta)
+            if text or ids:
+                yield data_event(self.reply(index, text, ids, probabilities, False))
+            if delta.finish_reason is not None:
+                yield data_event({**self.reply(index, "", [], [], True), **await self.final(outs[index])})
+            try:
+                item = await anext(feed, None)
+            except BrigadeError as exc:
+                yield self.error_event(from_engine(exc, self.aliases))
+                return
+            if item is not None:
+                timer.on_output(item)
+
+    def error_body(self, error: ApiError) -> bytes:
+        return llama_error_body(renamed(error))
+
+    def error_event(self, error: ApiError) -> bytes:
+        return b"data: " + llama_error_body(renamed(error)) + b"\n\n"
+
+
+def data_event(body: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
