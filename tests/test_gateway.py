@@ -1513,6 +1513,8 @@ def test_metrics_label_each_route_by_its_path(gw: Gateway) -> None:
         ("POST", "/score", {"text_1": "hi", "text_2": "ho"}, 400),  # a generating run: no vectors
         ("POST", "/v1/rerank", {"query": "hi", "documents": ["ho"]}, 400),
         ("POST", "/invocations", {"prompt": "hi", "max_tokens": 1}, 200),
+        ("POST", "/completion", {"prompt": "hi", "n_predict": 1}, 200),  # llama.cpp's own API
+        ("GET", "/props", None, 200),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
         ("GET", "/no/such/route", None, 404),
     ]
