@@ -187,6 +187,36 @@ def test_yarn_rope_matches_hfs(params: dict) -> None:
     torch.testing.assert_close(rope_cos_sin(rope, 64, 256, torch.float32, torch.device("cpu")), expected)
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_rope_by_layer_type_matches_hfs(truncate: bool) -> None:
+    """Gemma 3's rope_parameters nested by layer type, YaRN on the full layers: HF reads
+    `truncate` from the top level of rope_parameters only, so a layer type's own is ignored."""
+    from transformers import Gemma3TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from services.gpu_worker.architectures import ModelConfig
+    from services.gpu_worker.model import rope_cos_sin
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 64}
+    rope_parameters = {
+        "full_attention": {**yarn, "truncate": truncate},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    config = Gemma3TextConfig(**{**COMMON, "head_dim": 32, "rope_parameters": rope_parameters})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, layer_type="full_attention")
+    config_dict = {
+        **config.to_dict(),
+        "architectures": ["Gemma3ForCausalLM"],
+        "layer_types": ["full_attention"],
+    }
+    parsed = ModelConfig.from_dict({**config_dict, "num_hidden_layers": 1})
+    freqs = torch.outer(torch.arange(256, dtype=torch.float32), inv_freq)
+    expected = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    torch.testing.assert_close(
+        rope_cos_sin(parsed.ropes[0], 32, 256, torch.float32, torch.device("cpu")), expected
+    )
+
+
 @pytest.mark.parametrize(
     ("class_name", "config_bias", "want"),
     [

@@ -454,7 +454,13 @@ def _ropes(d: dict, family: str, layer_types: list[str]) -> tuple[tuple[RopeConf
     scaling); v5 configs nest rope_parameters by layer type."""
     params = d.get("rope_parameters") or {}
     if set(params) & set(LAYER_TYPES):
-        by_type = {t: _rope({**params[t]}, d) for t in LAYER_TYPES if t in params}
+        # HF's _compute_yarn_parameters reads YaRN's `truncate` from the top level of
+        # rope_parameters, never a layer type's own dict: a nested truncate is ignored (True).
+        by_type = {
+            t: _rope({**params[t], "truncate": params.get("truncate", True)}, d)
+            for t in LAYER_TYPES
+            if t in params
+        }
     elif family == "gemma3":
         by_type = {
             "full_attention": _rope(_rope_dict(d), d, default_theta=1_000_000.0),
