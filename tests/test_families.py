@@ -73,6 +73,28 @@ FAMILIES = {
 }  # fmt: skip
 
 
+# Configs beyond FAMILIES' that benchmarks/config_fuzz.py found run wrongly or refused: name ->
+# (transformers config class name, its arguments beyond COMMON).
+CONFIG_EDGES = {
+    # Dynamic NTK scales only past max_position_embeddings (256): the default rope up to there.
+    "llama-dynamic-rope": ("LlamaConfig", dict(
+        head_dim=HEAD_DIM, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    )),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("edge", sorted(CONFIG_EDGES))
+def test_config_edges_match_hf(edge: str, tmp_path: Path) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    class_name, extra = CONFIG_EDGES[edge]
+    config = getattr(transformers, class_name)(**{**COMMON, **extra})
+    path = save_random_model(config, tmp_path / edge, seed=40, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    check_against_hf(hf, ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK))
+
+
 def save_random_family_model(family: str, out: Path) -> Path:
     """A random model of `family` saved as HF safetensors (see save_random_model)."""
     import transformers

@@ -41,7 +41,7 @@ MODEL_TYPES = {
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
     "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -402,6 +402,11 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta, mrope_section=mrope_section)
+    if rope_type == "dynamic":
+        # HF's dynamic NTK scales the base only while a sequence is longer than
+        # max_position_embeddings, which no sequence served here is (max_model_len is at most
+        # that): up to it, the default rope exactly.
+        return RopeConfig(theta)
     if rope_type == "linear":
         return RopeConfig(theta, "linear", factor=float(params["factor"]))
     if rope_type == "llama3":
