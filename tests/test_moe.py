@@ -453,6 +453,15 @@ def test_unknown_moe_routing_is_refused_by_name(changes: dict, message: str) -> 
         ModelConfig.from_dict(config)
 
 
+def test_gpt_oss_swiglu_limit_of_zero_is_refused() -> None:
+    """HF clamps the gate and up at any swiglu_limit (0: up is 0); a limit of 0 is Brigade's "no
+    clamp", so a limit that is not positive is refused by name rather than run unclamped."""
+    config = random_moe_config("gpt-oss", swiglu_limit=0.0).to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    with pytest.raises(UnsupportedModel, match=r"swiglu_limit=0\.0"):
+        ModelConfig.from_dict(config)
+
+
 @pytest.fixture(scope="module", params=["qwen2-moe-shared-expert", "gpt-oss"])
 def served_moe_dir(request, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen2-MoE (shared expert, a dense layer), and a random gpt-oss (sinks, a sliding

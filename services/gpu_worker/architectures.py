@@ -541,6 +541,11 @@ def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
     if family == "mixtral":  # one size for every expert; the top-k are always renormalized
         return MoeConfig(num_experts, top_k, int(d["intermediate_size"]), True, 0, (True,) * num_layers)
     if family == "gpt_oss":  # GptOssTopKRouter and GptOssExperts (defaults: GptOssConfig's)
+        if float(d.get("swiglu_limit", 7.0)) <= 0:
+            # HF clamps at any limit (0: up to 0, the gate below 0); our 0 means no clamp.
+            raise UnsupportedModel(
+                f"unsupported swiglu_limit={d['swiglu_limit']!r} (gpt_oss); supported: a positive limit"
+            )
         return MoeConfig(
             num_experts, top_k, int(d["intermediate_size"]), False, 0, (True,) * num_layers,
             router_bias=True, softmax_after_topk=True, expert_bias=True,
@@ -566,7 +571,7 @@ DEEPSEEK_ROUTING = {
 
 def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
     """DeepSeek-V2 / V3's mixture, as DeepseekV2Moe / DeepseekV3MoE compute it: the first
-    first_k_dense_replace layers (and, with moe_layer_freq, the layers off its stride) dense."""
+    first_k_dense_replace layers dense."""
     scoring, methods, group_score_top = DEEPSEEK_ROUTING[family]
     topk_method = d.get("topk_method") or methods[0]
     if (d.get("scoring_func") or scoring) != scoring or topk_method not in methods:
@@ -594,11 +599,18 @@ def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
     expert_size = int(d["moe_intermediate_size"])
     first_dense = int(d.get("first_k_dense_replace") or 0)
     frequency = int(d.get("moe_layer_freq") or 1)
+    if frequency != 1:
+        # transformers' DeepseekV2/V3DecoderLayer makes every layer from first_k_dense_replace on a
+        # mixture, DeepSeek's own code only every moe_layer_freq-th: the two run it differently.
+        raise UnsupportedModel(
+            f"unsupported moe_layer_freq={frequency} ({family}): transformers ignores it and DeepSeek's own "
+            "code does not; supported: 1 (every DeepSeek checkpoint's)"
+        )
     return MoeConfig(
         num_experts, top_k, expert_size,
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=expert_size * int(d.get("n_shared_experts") or 0),
-        sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
         shared_expert_gated=False,
         scoring=scoring,
         num_groups=num_groups,

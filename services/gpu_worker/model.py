@@ -598,12 +598,13 @@ def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
 
 def is_empty_shared_expert(layer: LlamaLayer, key: str) -> bool:
     """A weight of a shared expert of width 0: Qwen2MoeSparseMoeBlock builds its shared expert
-    (zero-width projections) and shared_expert_gate even at shared_expert_intermediate_size 0,
-    where their product adds nothing, so the checkpoint has them and the model needs none."""
+    (zero-width projections) and shared_expert_gate even at shared_expert_intermediate_size 0, and
+    DeepSeek's MoE its shared_experts at n_shared_experts 0; they add nothing, so the checkpoint
+    has them and the model needs none."""
     return (
         layer.moe is not None
         and layer.moe.shared_expert_intermediate_size == 0
-        and key.startswith(("mlp.shared_expert.", "mlp.shared_expert_gate."))
+        and key.startswith(("mlp.shared_expert.", "mlp.shared_expert_gate.", "mlp.shared_experts."))
     )
 
 
