@@ -112,6 +112,8 @@ def test_moe_triton_backend_matches_hf(family: str, tmp_path: Path) -> None:
 MOE_CONFIG_EDGES = {
     # Qwen2MoeSparseMoeBlock builds a zero-width shared expert and its gate anyway: in the checkpoint.
     "qwen2-moe-no-shared-expert": ("qwen2-moe-shared-expert", dict(shared_expert_intermediate_size=0)),
+    # GptOssExperts never read hidden_act (their activation is the clamped SwiGLU).
+    "gpt-oss-hidden-act-gelu": ("gpt-oss", dict(hidden_act="gelu")),
 }
 
 

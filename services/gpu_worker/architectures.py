@@ -232,6 +232,8 @@ class ModelConfig:
         is_gemma = family in ("gemma2", "gemma3")
         has_attention_bias = bool(d.get("attention_bias", family == "gpt_oss"))  # GptOssConfig's default
         activation_name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if family == "gpt_oss":
+            activation_name = "silu"  # GptOssExperts' clamped SwiGLU whatever hidden_act says, as HF
         if activation_name not in ACTIVATIONS:
             raise UnsupportedModel(
                 f"unsupported activation {activation_name!r} ({architecture}); supported: {sorted(ACTIVATIONS)}"
