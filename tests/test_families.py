@@ -80,6 +80,8 @@ CONFIG_EDGES = {
     "llama-dynamic-rope": ("LlamaConfig", dict(
         head_dim=HEAD_DIM, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
     )),
+    # HF's NewGELUActivation: the tanh approximation of GELU, written out.
+    "mistral-gelu-new": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=None, hidden_act="gelu_new")),
 }  # fmt: skip
 
 
