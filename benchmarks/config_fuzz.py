@@ -250,7 +250,8 @@ def deepseek(draw: Draw, v3: bool) -> dict:
     config = common(draw)
     heads = draw.pick([1, 2, 3, 4])
     experts = draw.pick([2, 4, 8, 12])
-    groups = draw.pick([g for g in (1, 2, 4) if experts % g == 0])
+    # V3 scores a group by its best two experts (HF fails on a group of one).
+    groups = draw.pick([g for g in (1, 2, 4) if experts % g == 0 and (not v3 or experts // g >= 2)])
     top_k = draw.pick([1, 2, min(3, experts)])
     config.update(
         num_attention_heads=heads, num_key_value_heads=heads, hidden_size=draw.pick([48, 64, 72, 96]),
