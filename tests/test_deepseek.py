@@ -104,6 +104,16 @@ def test_deepseek_matches_hf(deepseek_dir: tuple[str, Path], absorbed_decode: bo
     check_against_hf(load_hf(path), runner)
 
 
+@pytest.mark.parametrize("variant", ["v3", "v2-lite"])
+def test_deepseek_without_shared_experts_matches_hf(variant: str, tmp_path: Path) -> None:
+    """n_shared_experts 0: HF still builds (and saves) a zero-width shared_experts MLP, which adds
+    nothing; the checkpoint loads and runs as HF's."""
+    path = save_deepseek(random_deepseek_config(variant, n_shared_experts=0), tmp_path / variant, seed=4)
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    assert runner.model.config.moe.shared_expert_intermediate_size == 0
+    check_against_hf(load_hf(path), runner)
+
+
 def test_deepseek_triton_experts_match_hf(tmp_path: Path) -> None:
     """On the Triton backend (in the interpreter on CPU tensors) a V3's experts run as the fused
     grouped GEMMs, with the routed_scaling_factor in the routing weights; latent attention stays
@@ -306,13 +316,18 @@ def test_a_lora_adapter_on_latent_attention_is_refused_by_name(tmp_path: Path) -
         )  # fmt: skip
 
 
-def test_moe_layer_freq_makes_the_layers_off_its_stride_dense() -> None:
-    """DeepSeek's own rule (transformers reads only first_k_dense_replace): a layer is a mixture
-    from first_k_dense_replace on, where its index is a multiple of moe_layer_freq."""
-    config = {**random_deepseek_config("v3", num_hidden_layers=6).to_dict(), "moe_layer_freq": 2}
-    moe = ModelConfig.from_dict(config).moe
+@pytest.mark.parametrize("variant", ["v3", "v2-lite"])
+def test_moe_layer_freq_other_than_one_is_refused(variant: str) -> None:
+    """transformers reads only first_k_dense_replace (every later layer a mixture), DeepSeek's
+    own code makes the layers off moe_layer_freq's stride dense: a checkpoint with another
+    moe_layer_freq than 1 (every DeepSeek checkpoint's) runs one way or the other, so it is
+    refused by name; 1 is the same under both rules."""
+    config = {**random_deepseek_config(variant, num_hidden_layers=6).to_dict(), "moe_layer_freq": 2}
+    with pytest.raises(UnsupportedModel, match=r"moe_layer_freq=2"):
+        ModelConfig.from_dict(config)
+    moe = ModelConfig.from_dict({**config, "moe_layer_freq": 1}).moe
     assert isinstance(moe, MoeConfig)
-    assert moe.sparse_layers == (False, False, True, False, True, False)
+    assert moe.sparse_layers == (False, True, True, True, True, True)
 
 
 # variant -> (config changes, whether kv_b_proj is split into attn_k_b / attn_v_b as today's

@@ -73,6 +73,30 @@ FAMILIES = {
 }  # fmt: skip
 
 
+# Configs beyond FAMILIES' that benchmarks/config_fuzz.py found run wrongly or refused: name ->
+# (transformers config class name, its arguments beyond COMMON).
+CONFIG_EDGES = {
+    # Dynamic NTK scales only past max_position_embeddings (256): the default rope up to there.
+    "llama-dynamic-rope": ("LlamaConfig", dict(
+        head_dim=HEAD_DIM, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    )),
+    # HF's NewGELUActivation: the tanh approximation of GELU, written out.
+    "mistral-gelu-new": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=None, hidden_act="gelu_new")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("edge", sorted(CONFIG_EDGES))
+def test_config_edges_match_hf(edge: str, tmp_path: Path) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    class_name, extra = CONFIG_EDGES[edge]
+    config = getattr(transformers, class_name)(**{**COMMON, **extra})
+    path = save_random_model(config, tmp_path / edge, seed=40, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    check_against_hf(hf, ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK))
+
+
 def save_random_family_model(family: str, out: Path) -> Path:
     """A random model of `family` saved as HF safetensors (see save_random_model)."""
     import transformers
@@ -185,6 +209,36 @@ def test_yarn_rope_matches_hfs(params: dict) -> None:
     freqs = torch.outer(positions, inv_freq)
     expected = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
     torch.testing.assert_close(rope_cos_sin(rope, 64, 256, torch.float32, torch.device("cpu")), expected)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_rope_by_layer_type_matches_hfs(truncate: bool) -> None:
+    """Gemma 3's rope_parameters nested by layer type, YaRN on the full layers: HF reads
+    `truncate` from the top level of rope_parameters only, so a layer type's own is ignored."""
+    from transformers import Gemma3TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from services.gpu_worker.architectures import ModelConfig
+    from services.gpu_worker.model import rope_cos_sin
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 64}
+    rope_parameters = {
+        "full_attention": {**yarn, "truncate": truncate},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    config = Gemma3TextConfig(**{**COMMON, "head_dim": 32, "rope_parameters": rope_parameters})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, layer_type="full_attention")
+    config_dict = {
+        **config.to_dict(),
+        "architectures": ["Gemma3ForCausalLM"],
+        "layer_types": ["full_attention"],
+    }
+    parsed = ModelConfig.from_dict({**config_dict, "num_hidden_layers": 1})
+    freqs = torch.outer(torch.arange(256, dtype=torch.float32), inv_freq)
+    expected = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    torch.testing.assert_close(
+        rope_cos_sin(parsed.ropes[0], 32, 256, torch.float32, torch.device("cpu")), expected
+    )
 
 
 @pytest.mark.parametrize(

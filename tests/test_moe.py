@@ -107,6 +107,28 @@ def test_moe_triton_backend_matches_hf(family: str, tmp_path: Path) -> None:
     check_against_hf(hf, runner)
 
 
+# Configs beyond FAMILIES' that benchmarks/config_fuzz.py found run wrongly or refused: (family,
+# overrides of its FAMILIES entry).
+MOE_CONFIG_EDGES = {
+    # Qwen2MoeSparseMoeBlock builds a zero-width shared expert and its gate anyway: in the checkpoint.
+    "qwen2-moe-no-shared-expert": ("qwen2-moe-shared-expert", dict(shared_expert_intermediate_size=0)),
+    # GptOssExperts never read hidden_act (their activation is the clamped SwiGLU).
+    "gpt-oss-hidden-act-gelu": ("gpt-oss", dict(hidden_act="gelu")),
+}
+
+
+@pytest.mark.parametrize("edge", sorted(MOE_CONFIG_EDGES))
+def test_moe_config_edges_match_hf(edge: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    family, overrides = MOE_CONFIG_EDGES[edge]
+    config = random_moe_config(family, **overrides)
+    path = save_random_model(config, tmp_path / edge, seed=70, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK)
+    check_against_hf(hf, runner)
+
+
 def test_router_matches_hf_routing_on_ties_and_normalization():
     """Softmax in float32 then the top k, renormalized only with norm_topk_prob."""
     from services.gpu_worker.architectures import MoeConfig
@@ -430,6 +452,15 @@ def test_gpt_oss_router_takes_the_top_k_logits_then_softmaxes_them() -> None:
 def test_unknown_moe_routing_is_refused_by_name(changes: dict, message: str) -> None:
     config = {**random_moe_config("qwen3-moe-norm-topk").to_dict(), **changes}
     with pytest.raises(UnsupportedModel, match=message):
+        ModelConfig.from_dict(config)
+
+
+def test_gpt_oss_swiglu_limit_of_zero_is_refused() -> None:
+    """HF clamps the gate and up at any swiglu_limit (0: up is 0); a limit of 0 is Brigade's "no
+    clamp", so a limit that is not positive is refused by name rather than run unclamped."""
+    config = random_moe_config("gpt-oss", swiglu_limit=0.0).to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    with pytest.raises(UnsupportedModel, match=r"swiglu_limit=0\.0"):
         ModelConfig.from_dict(config)
 
 

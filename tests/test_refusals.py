@@ -63,12 +63,12 @@ REFUSED = {
     ),
     "unknown model_type": ({"architectures": None, "model_type": "falcon"}, "model_type 'falcon'"),
     "rope scaling": (
-        {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}},
-        "unsupported rope scaling type 'dynamic'",
+        {"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 4.0, "rope_theta": 10000.0}},
+        "unsupported rope scaling type 'ntk-by-parts'",
     ),
-    "dynamic rope (old rope_scaling key)": (
-        {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
-        "unsupported rope scaling type 'dynamic'",
+    "rope scaling (old rope_scaling key)": (
+        {"rope_parameters": None, "rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}},
+        "unsupported rope scaling type 'ntk-by-parts'",
     ),
     "activation": ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
     "quantization config": (

@@ -41,9 +41,13 @@ MODEL_TYPES = {
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
     "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# gelu_new and gelu_fast are HF's own spellings of the same tanh approximation.
+ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+}  # fmt: skip
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).
 ALL_PROJECTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe", "gpt_oss")
@@ -232,6 +236,8 @@ class ModelConfig:
         is_gemma = family in ("gemma2", "gemma3")
         has_attention_bias = bool(d.get("attention_bias", family == "gpt_oss"))  # GptOssConfig's default
         activation_name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if family == "gpt_oss":
+            activation_name = "silu"  # GptOssExperts' clamped SwiGLU whatever hidden_act says, as HF
         if activation_name not in ACTIVATIONS:
             raise UnsupportedModel(
                 f"unsupported activation {activation_name!r} ({architecture}); supported: {sorted(ACTIVATIONS)}"
@@ -402,6 +408,11 @@ def _rope(params: dict, d: dict, default_theta: float = 10000.0) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta, mrope_section=mrope_section)
+    if rope_type == "dynamic":
+        # HF's dynamic NTK scales the base only while a sequence is longer than
+        # max_position_embeddings, which no sequence served here is (max_model_len is at most
+        # that): up to it, the default rope exactly.
+        return RopeConfig(theta)
     if rope_type == "linear":
         return RopeConfig(theta, "linear", factor=float(params["factor"]))
     if rope_type == "llama3":
@@ -454,7 +465,13 @@ def _ropes(d: dict, family: str, layer_types: list[str]) -> tuple[tuple[RopeConf
     scaling); v5 configs nest rope_parameters by layer type."""
     params = d.get("rope_parameters") or {}
     if set(params) & set(LAYER_TYPES):
-        by_type = {t: _rope({**params[t]}, d) for t in LAYER_TYPES if t in params}
+        # HF's _compute_yarn_parameters reads YaRN's `truncate` from the top level of
+        # rope_parameters, never a layer type's own dict: a nested truncate is ignored (True).
+        by_type = {
+            t: _rope({**params[t], "truncate": params.get("truncate", True)}, d)
+            for t in LAYER_TYPES
+            if t in params
+        }
     elif family == "gemma3":
         by_type = {
             "full_attention": _rope(_rope_dict(d), d, default_theta=1_000_000.0),
@@ -530,6 +547,11 @@ def _moe(d: dict, family: str, num_layers: int) -> MoeConfig | None:
     if family == "mixtral":  # one size for every expert; the top-k are always renormalized
         return MoeConfig(num_experts, top_k, int(d["intermediate_size"]), True, 0, (True,) * num_layers)
     if family == "gpt_oss":  # GptOssTopKRouter and GptOssExperts (defaults: GptOssConfig's)
+        if float(d.get("swiglu_limit", 7.0)) <= 0:
+            # HF clamps at any limit (0: up to 0, the gate below 0); our 0 means no clamp.
+            raise UnsupportedModel(
+                f"unsupported swiglu_limit={d['swiglu_limit']!r} (gpt_oss); supported: a positive limit"
+            )
         return MoeConfig(
             num_experts, top_k, int(d["intermediate_size"]), False, 0, (True,) * num_layers,
             router_bias=True, softmax_after_topk=True, expert_bias=True,
@@ -555,7 +577,7 @@ DEEPSEEK_ROUTING = {
 
 def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
     """DeepSeek-V2 / V3's mixture, as DeepseekV2Moe / DeepseekV3MoE compute it: the first
-    first_k_dense_replace layers (and, with moe_layer_freq, the layers off its stride) dense."""
+    first_k_dense_replace layers dense."""
     scoring, methods, group_score_top = DEEPSEEK_ROUTING[family]
     topk_method = d.get("topk_method") or methods[0]
     if (d.get("scoring_func") or scoring) != scoring or topk_method not in methods:
@@ -583,11 +605,18 @@ def _deepseek_moe(d: dict, family: str, num_layers: int) -> MoeConfig:
     expert_size = int(d["moe_intermediate_size"])
     first_dense = int(d.get("first_k_dense_replace") or 0)
     frequency = int(d.get("moe_layer_freq") or 1)
+    if frequency != 1:
+        # transformers' DeepseekV2/V3DecoderLayer makes every layer from first_k_dense_replace on a
+        # mixture, DeepSeek's own code only every moe_layer_freq-th: the two run it differently.
+        raise UnsupportedModel(
+            f"unsupported moe_layer_freq={frequency} ({family}): transformers ignores it and DeepSeek's own "
+            "code does not; supported: 1 (every DeepSeek checkpoint's)"
+        )
     return MoeConfig(
         num_experts, top_k, expert_size,
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=expert_size * int(d.get("n_shared_experts") or 0),
-        sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
         shared_expert_gated=False,
         scoring=scoring,
         num_groups=num_groups,

@@ -596,6 +596,18 @@ def expert_slots(layer: LlamaLayer, key: str) -> torch.Tensor | None:
     return {"gate_proj": gate_up[:size], "up_proj": gate_up[size:], "down_proj": down}.get(parts[-2])
 
 
+def is_empty_shared_expert(layer: LlamaLayer, key: str) -> bool:
+    """A weight of a shared expert of width 0: Qwen2MoeSparseMoeBlock builds its shared expert
+    (zero-width projections) and shared_expert_gate even at shared_expert_intermediate_size 0, and
+    DeepSeek's MoE its shared_experts at n_shared_experts 0; they add nothing, so the checkpoint
+    has them and the model needs none."""
+    return (
+        layer.moe is not None
+        and layer.moe.shared_expert_intermediate_size == 0
+        and key.startswith(("mlp.shared_expert.", "mlp.shared_expert_gate.", "mlp.shared_experts."))
+    )
+
+
 class LlamaModel:
     """Owns the weights and runs one step: tokens in, logits of the sampled rows out.
 
@@ -858,6 +870,8 @@ class LlamaModel:
                 dst = whole.narrow(0, start, size)
             elif plain.get(key) is not None:
                 dst = plain[key]
+            elif is_empty_shared_expert(layer, key):
+                return
             else:
                 raise KeyError(f"unexpected weight {name}")
         if dst.shape != tensor.shape:
