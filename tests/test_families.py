@@ -82,6 +82,14 @@ CONFIG_EDGES = {
     )),
     # HF's NewGELUActivation: the tanh approximation of GELU, written out.
     "mistral-gelu-new": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=None, hidden_act="gelu_new")),
+    # Phi-4-mini's partial rotary: 12 of each head's 16 dimensions rotate (refused before), with
+    # the default rope and with LongRoPE (its factors then of the 12 dimensions' 6 frequencies).
+    "phi3-partial-rotary": ("Phi3Config", dict(tie_word_embeddings=False, partial_rotary_factor=0.75)),
+    "phi3-partial-rotary-longrope": ("Phi3Config", dict(
+        tie_word_embeddings=True, original_max_position_embeddings=64, partial_rotary_factor=0.75,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": _longrope_factors(3)[:6], "long_factor": _longrope_factors(4)[:6]},
+    )),
 }  # fmt: skip
 
 

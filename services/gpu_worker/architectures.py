@@ -178,6 +178,11 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2 / 3)
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
     attention_scale: float = 0.0  # the softmax scale; 0 = head_dim ** -0.5
+    # Phi-3's partial rotary (partial_rotary_factor): the first rotary_dim dimensions of each q
+    # and k head rotate, the rest pass through; 0: the whole head. The loader reorders each head's
+    # q and k rows (rotary_order) so that the kernels' whole-head rotation, with frequency 0 for
+    # the passing pairs (model.rope_cos_sin), computes it.
+    rotary_dim: int = 0
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax; 0 = none
     final_softcap: float = 0.0  # the same on the logits
     fused_weights: bool = False  # qkv_proj and gate_up_proj in the checkpoint (Phi-3)
@@ -242,12 +247,15 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"unsupported activation {activation_name!r} ({architecture}); supported: {sorted(ACTIVATIONS)}"
             )
-        if (
-            d.get("partial_rotary_factor", 1.0) != 1.0
-            or _rope_dict(d).get("partial_rotary_factor", 1.0) != 1.0
-        ):
+        rotary_factor = float(_rope_dict(d).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * rotary_factor)
+        # Only Phi-3's HF class rotates part of each head (Phi-4-mini: 0.75); the others' ignore
+        # the field, or fail on it.
+        if rotary_dim != head_dim and (family != "phi3" or rotary_dim <= 0 or rotary_dim % 2):
             raise UnsupportedModel(
-                "unsupported partial_rotary_factor (rotary over part of each head); supported: 1.0"
+                f"unsupported partial_rotary_factor {rotary_factor:g} ({architecture}): rotary over "
+                f"{rotary_dim} of each head's {head_dim} dimensions; supported: 1.0, and for Phi-3 "
+                "an even number of dimensions"
             )
         if d.get("use_bidirectional_attention"):
             raise UnsupportedModel(
@@ -290,6 +298,7 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),

@@ -33,13 +33,20 @@ log = logging.getLogger(__name__)
 
 
 def rope_cos_sin(
-    rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
+    rope: RopeConfig,
+    head_dim: int,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rotary_dim: int = 0,
 ) -> torch.Tensor:
     """[max_pos, D] table: cos of each (position, frequency) in the first half, sin in the second.
     LongRoPE's is [2 * max_pos, D]: the short factors' rows, then the long factors' (a token of a
     sequence in the long regime rotates by row max_pos + position: attention.rotary_rows).
-    Computed in float32 as HF does (modeling_rope_utils), then cast."""
-    dim = head_dim
+    Computed in float32 as HF does (modeling_rope_utils), then cast. With a partial rotary
+    (rotary_dim < D) the frequencies are those of rotary_dim dimensions, then frequency 0 (cos 1,
+    sin 0) for the pairs that pass through (the heads' rows are in rotary_order)."""
+    dim = rotary_dim or head_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freqs = [1.0 / (rope.theta**exponent)]
     if rope.rope_type == "linear":
@@ -63,10 +70,29 @@ def rope_cos_sin(
         ]
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])
-    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    if rope.attention_factor != 1.0:
-        table = table * rope.attention_factor
-    return table.to(dtype=dtype, device=device)
+    cos, sin = freqs.cos() * rope.attention_factor, freqs.sin() * rope.attention_factor
+    passing = (head_dim - dim) // 2
+    if passing:
+        cos = torch.cat((cos, cos.new_ones(len(cos), passing)), dim=-1)
+        sin = torch.cat((sin, sin.new_zeros(len(sin), passing)), dim=-1)
+    return torch.cat((cos, sin), dim=-1).to(dtype=dtype, device=device)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dimensions that makes HF's partial rotary (pairs (i, i + R/2) of the
+    first R dimensions rotate, the rest pass) a whole-head one (pairs (j, j + D/2)): position j
+    takes dimension order[j]. q and k heads reordered alike keep every q . k, so attention sees
+    the same scores; the passing dimensions fill the pairs past R/2, whose frequency is 0."""
+    half, rotary_half = head_dim // 2, rotary_dim // 2
+    passing = torch.arange(rotary_dim, head_dim)
+    return torch.cat(
+        (
+            torch.arange(rotary_half),
+            passing[: half - rotary_half],
+            torch.arange(rotary_half, rotary_dim),
+            passing[half - rotary_half :],
+        )
+    )
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -656,7 +682,10 @@ class LlamaModel:
         kinds = list(zip(config.layer_windows, config.layer_ropes, strict=True))
         self.layer_kinds = [self.attention_kinds.index(kind) for kind in kinds]
         max_positions = config.max_position_embeddings
-        tables = [rope_cos_sin(r, config.head_dim, max_positions, dtype, device) for r in config.ropes]
+        tables = [
+            rope_cos_sin(r, config.head_dim, max_positions, dtype, device, config.rotary_dim)
+            for r in config.ropes
+        ]
         self.kind_ops = []
         for window, rope in self.attention_kinds:
             shapes = Shapes(
@@ -868,6 +897,10 @@ class LlamaModel:
             elif key in merged:
                 whole, start, size = merged[key]
                 dst = whole.narrow(0, start, size)
+                if c.rotary_dim and key.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+                    heads = tensor.reshape(-1, c.head_dim, *tensor.shape[1:])  # this rank's whole heads
+                    order = rotary_order(c.head_dim, c.rotary_dim)
+                    tensor = heads.index_select(1, order).reshape(tensor.shape)
             elif plain.get(key) is not None:
                 dst = plain[key]
             elif is_empty_shared_expert(layer, key):
