@@ -241,6 +241,17 @@ def test_structured_outputs_regex_and_choice_through_extra_body(
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
     else:  # cut by max_tokens: a prefix of an object, never free text
         assert reply.choices[0].message.content.lstrip().startswith("{"), reply
+    # llama-server's top-level grammar and json_schema, which its clients send to /v1 as well.
+    reply = chat(
+        gw, [{"role": "user", "content": "Is water wet?"}], temperature, seed, max_tokens=12,
+        extra_body={"grammar": grammar},
+    )  # fmt: skip
+    assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
+    reply = chat(gw, ASK_PERSON, temperature, seed, max_tokens=60, extra_body={"json_schema": PERSON})
+    if reply.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    else:
+        assert reply.choices[0].message.content.lstrip().startswith("{"), reply
 
 
 def test_json_cut_by_max_tokens_finishes_with_length(gw: Gateway) -> None:
@@ -565,6 +576,9 @@ BAD = {
         "guided_regex",
     ),
     "two_guided": ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    "guided_and_llama_grammar": ({"guided_grammar": 'start: "a"', "grammar": 'start: "a"'}, "grammar"),
+    "llama_grammar_matches_nothing": ({"grammar": "start: start"}, "grammar"),
+    "llama_json_schema_not_a_schema": ({"json_schema": 3}, "json_schema"),
     "bad_guided_regex": ({"guided_regex": "(unclosed"}, "guided_regex"),
     "empty_guided_choice": ({"guided_choice": []}, "guided_choice"),
     "guided_json_not_a_schema": ({"guided_json": 3}, "guided_json"),
@@ -627,7 +641,11 @@ def test_bad_structured_and_tool_input_gets_400_naming_the_field(gw: Gateway, ca
     assert status == 400, (status, error)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
-    vllm_fields = [key for key in body if key == "structured_outputs" or key.startswith("guided_")]
+    vllm_fields = [
+        key
+        for key in body
+        if key in ("structured_outputs", "grammar", "json_schema") or key.startswith("guided_")
+    ]
     extra_body = {key: body.pop(key) for key in vllm_fields} or None
     with pytest.raises(openai.BadRequestError):  # the openai client sees it as such
         gw.client.chat.completions.create(model="", extra_body=extra_body, **body)

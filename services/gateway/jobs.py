@@ -144,22 +144,22 @@ def _compiles(spec: StructuredOutput, field: str) -> StructuredOutput:
     return spec
 
 
+# The fields that each give one kind of structured_outputs: vLLM's older guided_* (which vLLM has
+# since dropped, and clients still send), and llama-server's json_schema and grammar.
+OPTION_FIELDS = {**{f"guided_{kind}": kind for kind in KINDS}, "json_schema": "json", "grammar": "grammar"}
+
+
 def _constraint_options(req: SamplingFields) -> tuple[dict[str, Any] | None, str]:
-    """vLLM's `structured_outputs`, or its older `guided_json` / `guided_regex` / `guided_choice`
-    / `guided_grammar` (which vLLM has since dropped, and clients still send) as the same options;
-    and the field they came from."""
-    guided = {kind: value for kind in KINDS if (value := getattr(req, f"guided_{kind}")) is not None}
-    if not guided:
+    """vLLM's `structured_outputs`, or one of the fields that give one kind of it
+    (OPTION_FIELDS) as the same options; and the field they came from."""
+    given = [field for field in OPTION_FIELDS if getattr(req, field) is not None]
+    if not given:
         return req.structured_outputs, "structured_outputs"
-    fields = [f"guided_{kind}" for kind in guided]
     if req.structured_outputs is not None:
-        raise invalid(f"give structured_outputs or {fields[0]}, not both", fields[0])
-    if len(fields) > 1:
-        raise invalid(
-            f"give one of guided_json, guided_regex, guided_choice and guided_grammar, got {fields}",
-            fields[1],
-        )
-    return guided, fields[0]
+        raise invalid(f"give structured_outputs or {given[0]}, not both", given[0])
+    if len(given) > 1:
+        raise invalid(f"give one of {', '.join(OPTION_FIELDS)}, got {given}", given[1])
+    return {OPTION_FIELDS[given[0]]: getattr(req, given[0])}, given[0]
 
 
 def _structured(req: SamplingFields) -> tuple[StructuredOutput | None, str]:
@@ -174,9 +174,7 @@ def _structured(req: SamplingFields) -> tuple[StructuredOutput | None, str]:
     except InvalidParams as exc:
         if options_field == "structured_outputs":
             raise _named(exc) from None
-        message = str(exc).replace(
-            f"structured_outputs.{options_field.removeprefix('guided_')}", options_field
-        )
+        message = str(exc).replace(f"structured_outputs.{OPTION_FIELDS[options_field]}", options_field)
         raise invalid(message, options_field) from None
     if from_format is not None and from_options is not None:
         raise invalid(f"give response_format or {options_field}, not both", options_field)

@@ -109,6 +109,9 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # llama-server's top-level fields for the same, which its clients send to /v1 too
+    json_schema: Any = None  # a JSON schema (guided_json)
+    grammar: str | None = None  # a grammar, GBNF or lark (guided_grammar)
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
