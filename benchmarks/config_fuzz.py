@@ -181,7 +181,10 @@ def gemma(draw: Draw, gemma3: bool) -> dict:
 
 def phi3(draw: Draw) -> dict:
     config = common(draw, explicit_head_dim=False)
-    half = head_dim_of(config) // 2
+    head_dim = head_dim_of(config)
+    if draw.chance(0.3):  # Phi-4-mini's partial rotary: LongRoPE's factors are then the rotary part's
+        config["partial_rotary_factor"] = draw.pick([0.5, 0.75])
+    half = int(head_dim * config.get("partial_rotary_factor", 1.0)) // 2
     if draw.chance(0.7):
         original = draw.pick([16, 32, 64])
         config["original_max_position_embeddings"] = original
@@ -189,8 +192,6 @@ def phi3(draw: Draw) -> dict:
                                      "short_factor": draw.floats(half, 1, 2), "long_factor": draw.floats(half, 1, 4)}  # fmt: skip
     if draw.chance(0.3):
         config["sliding_window"] = draw.pick([5, 12])
-    if draw.chance(0.2):
-        config["partial_rotary_factor"] = 0.5
     return config
 
 
