@@ -82,6 +82,8 @@ CONFIG_EDGES = {
     )),
     # HF's NewGELUActivation: the tanh approximation of GELU, written out.
     "mistral-gelu-new": ("MistralConfig", dict(head_dim=HEAD_DIM, sliding_window=None, hidden_act="gelu_new")),
+    # HF's GELUActivation: exact GELU (erf), refused before.
+    "llama-gelu": ("LlamaConfig", dict(head_dim=HEAD_DIM, hidden_act="gelu")),
     # Phi-4-mini's partial rotary: 12 of each head's 16 dimensions rotate (refused before), with
     # the default rope and with LongRoPE (its factors then of the 12 dimensions' 6 frequencies).
     "phi3-partial-rotary": ("Phi3Config", dict(tie_word_embeddings=False, partial_rotary_factor=0.75)),

@@ -43,10 +43,10 @@ MODEL_TYPES = {
 }  # fmt: skip
 ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")  # "su" is longrope's old name
 # HF activation names -> the gate activation the model applies (the MLP is always gated).
-# gelu_new and gelu_fast are HF's own spellings of the same tanh approximation.
+# gelu_new and gelu_fast are HF's own spellings of the same tanh approximation; gelu is exact (erf).
 ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
 }  # fmt: skip
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose attention_bias gives q, k, v and o_proj biases (as their HF classes read it).

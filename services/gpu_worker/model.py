@@ -409,6 +409,8 @@ def multiplies_like(blocks: Blocks, weight: torch.Tensor) -> bool:
     return torch.allclose(blocks.multiply(probe), expected, rtol=1e-4, atol=tolerance)
 
 
+# architectures.ACTIVATIONS' gate activations: SiLU, GELU's tanh approximation, and exact GELU (erf).
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 FUSED_WEIGHTS = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's
 # An expert's own weight, as `moe_weight_name` spells it: (layer, expert, projection).
 EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -1207,7 +1209,7 @@ class LlamaModel:
             hidden = hidden * torch.tensor(c.embed_scale, dtype=hidden.dtype)
         if images is not None:
             hidden[images.tokens] = images.embeddings.to(hidden.device, hidden.dtype)
-        activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
+        activation = ACTIVATION_FUNCTIONS[c.activation]
         residual = None
         meta = metas[0]
         # A decode step of a few sequences runs all its layers in one C++ op
