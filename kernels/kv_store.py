@@ -39,6 +39,7 @@ def _store_kv_kernel(
     num_kv_heads,
     block_size,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -46,8 +47,8 @@ def _store_kv_kernel(
     if slot < 0:
         return
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < num_kv_heads
+    dims = tl.arange(0, BLOCK_D)[None, :]  # a power of two, past HEAD_DIM (96, 80) masked off
+    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
     # int64 offsets: block * block_stride overflows int32 for caches over 2^31 elements.
     dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_token
     dst += heads * stride_cache_head + dims
@@ -64,7 +65,6 @@ def store_kv_triton(
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and slot_mapping.shape == (num_tokens,)
-    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     if num_tokens == 0:
         return
@@ -73,5 +73,6 @@ def store_kv_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), num_warps=4,
     )  # fmt: skip

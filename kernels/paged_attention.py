@@ -115,6 +115,7 @@ def _paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -159,9 +160,12 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     is_row = (rows // GROUP < BLOCK_Q) & (q_idx < q_len)
     q_pos = context_len + q_idx
-    dims = tl.arange(0, HEAD_DIM)
+    # Head dimensions in a power of two (tl.arange, tl.dot); past HEAD_DIM (96, 80) zeros, which
+    # add nothing to a score and are never stored.
+    dims = tl.arange(0, BLOCK_D)
+    is_dim = dims < HEAD_DIM
     q_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=is_row[:, None], other=0.0)
+    q = tl.load(q_ptr + q_offs, mask=is_row[:, None] & is_dim[None, :], other=0.0)
 
     # Causality bounds the keys this tile can see: up to the position of its last query row.
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
@@ -195,7 +199,7 @@ def _paged_attention_kernel(
         is_first_split = split == 0
         m_i = tl.where(is_first_split, sink, m_i)
         l_i = tl.where(is_first_split, 1.0, l_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         is_key = offs_n < kv_hi
@@ -203,7 +207,8 @@ def _paged_attention_kernel(
         block_id = tl.load(block_tables_ptr + seq * stride_bt + offs_n // KV_BLOCK_SIZE, mask=is_key, other=0)
         kv_offs = block_id.to(tl.int64) * stride_cache_block + (offs_n % KV_BLOCK_SIZE) * stride_cache_token
         kv_offs = kv_offs[:, None] + kv_head * stride_cache_head + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=is_key[:, None], other=0.0)
+        kv_mask = is_key[:, None] & is_dim[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP > 0.0:
             # cap * tanh(score / cap) on the natural-log scale, via tanh(x) = 1 - 2 / (exp(2x) + 1).
@@ -217,7 +222,7 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=is_key[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -227,11 +232,15 @@ def _paged_attention_kernel(
         out_offs = (
             (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         )
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None])
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
     else:
         # Partials are [S, Hq, NUM_SPLITS, (D)] fp32 with a base-2 log-sum-exp; -inf marks an empty split.
         part = (seq.to(tl.int64) * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_row[:, None])
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=is_row[:, None] & is_dim[None, :],
+        )
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(partial_lse_ptr + part, lse, mask=is_row)
 
@@ -245,6 +254,7 @@ def _merge_splits_kernel(
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -256,14 +266,17 @@ def _merge_splits_kernel(
     # Some split holds the query's own key, so the max is finite and empty splits (all before the
     # window, or past the context) get weight exp2(-inf) = 0.
     weight = tl.math.exp2(lse - tl.max(lse, axis=0))
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    is_dim = dims < HEAD_DIM
     partial = tl.load(
         partial_out_ptr + (part + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=is_split[:, None],
+        mask=is_split[:, None] & is_dim[None, :],
         other=0.0,
     )
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=is_dim
+    )
 
 
 def _check_shapes(
@@ -273,7 +286,6 @@ def _check_shapes(
     head_dim = q.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.shape[3] == head_dim and q.shape[1] % k_cache.shape[2] == 0
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16 (tl.dot)"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     return q.shape[1] // k_cache.shape[2]
 
@@ -281,6 +293,11 @@ def _check_shapes(
 def _dot_precision(q: torch.Tensor) -> str:
     # fp32 models expect fp32 attention; tl.dot would otherwise round fp32 operands to tf32.
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    """The head dimensions a tile holds: a power of two (tl.arange), at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _launch_config(head_dim: int, is_decode: bool) -> tuple[int, int]:
@@ -331,7 +348,7 @@ def paged_decode_triton(
     if num_splits is None:
         # The block table's width bounds every context length without a device-to-host sync.
         num_splits = _auto_num_splits(num_seqs * num_kv_heads, block_tables.shape[1] * block_size, q.device)
-    block_n, num_warps = _launch_config(head_dim, is_decode=True)
+    block_n, num_warps = _launch_config(_block_d(head_dim), is_decode=True)
     if num_splits > 1:
         partial_out = torch.empty(
             num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
@@ -345,7 +362,7 @@ def paged_decode_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, window,
-        KV_BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
+        KV_BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_Q=1, BLOCK_N=block_n,
         IS_DECODE=True, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
@@ -354,7 +371,8 @@ def paged_decode_triton(
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=1,
         )  # fmt: skip
     return out
 
@@ -386,14 +404,14 @@ def paged_prefill_triton(
     # K/V tile is reused by all of them.
     block_m = max(64, triton.next_power_of_2(group))
     block_q = block_m // group
-    block_n, num_warps = _launch_config(head_dim, is_decode=False)
+    block_n, num_warps = _launch_config(_block_d(head_dim), is_decode=False)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, 1)](
         q, k_cache, v_cache, out, out, out, block_tables, query_start_loc, seq_lens,
         out if sinks is None else sinks, seq_lens if image_tails is None else image_tails, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, window,
-        KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim,
+        KV_BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IS_DECODE=False, NUM_SPLITS=1, DOT_PRECISION=_dot_precision(q), SOFTCAP=float(softcap),
         HAS_SINKS=sinks is not None, HAS_IMAGES=image_tails is not None, num_warps=num_warps, num_stages=2,

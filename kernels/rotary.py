@@ -53,11 +53,20 @@ def rotary_ref(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_t, stride_h, row, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr
+    x_ptr,
+    stride_t,
+    stride_h,
+    row,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
+    dims = tl.arange(0, BLOCK_HALF)[None, :]  # a power of two, past HALF masked off
+    mask = (heads < num_heads) & (dims < HALF)
     ptr1 = x_ptr + row * stride_t + heads * stride_h + dims
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -81,13 +90,15 @@ def _rotary_kernel(
     num_q_heads,
     num_k_heads,
     HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     MROPE_TEMPORAL_END: tl.constexpr,
     MROPE_HEIGHT_END: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, HALF)[None, :]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    is_dim = dims < HALF
     if MROPE_TEMPORAL_END > 0:
         # M-RoPE: frequencies [0, TEMPORAL_END) take the temporal position, then the height's up
         # to HEIGHT_END, the width's after; the table is gathered per frequency.
@@ -98,10 +109,10 @@ def _rotary_kernel(
     else:
         pos = tl.load(positions_ptr + row).to(tl.int64)
     # One cos/sin row serves every head of this token: load it once, keep it in registers.
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + dims).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims).to(tl.float32)
-    _rotate_heads(q_ptr, stride_qt, stride_qh, row, num_q_heads, cos, sin, HALF, BLOCK_QH)
-    _rotate_heads(k_ptr, stride_kt, stride_kh, row, num_k_heads, cos, sin, HALF, BLOCK_KH)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + dims, mask=is_dim, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims, mask=is_dim, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, stride_qt, stride_qh, row, num_q_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_QH)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, row, num_k_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_KH)
 
 
 def rotary_triton(
@@ -118,7 +129,7 @@ def rotary_triton(
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim and positions.shape == expected_positions
     assert not mrope_section or (len(mrope_section) == 3 and sum(mrope_section) == head_dim // 2)
     assert positions.stride(-1) == 1
-    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert head_dim >= 2 and head_dim % 2 == 0, "head_dim must be even"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
     assert cos_sin.shape[1] == head_dim
     if num_tokens == 0:
@@ -131,6 +142,7 @@ def rotary_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         num_q_heads, k.shape[1],
         HALF=head_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         MROPE_TEMPORAL_END=temporal_end, MROPE_HEIGHT_END=height_end,

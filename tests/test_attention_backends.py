@@ -20,7 +20,8 @@ from ipc.shm import new_run_id
 from services.common.images import ImageRules
 from services.gpu_worker.attention import TorchOps, TritonOps
 from services.gpu_worker.model_runner import ModelRunner
-from tests.test_families import check_against_hf, load_family
+from tests.conftest import save_random_model
+from tests.test_families import BLOCK, COMMON, check_against_hf, load_family
 from tests.test_kernels import has_cpu_kernels
 from tests.test_model import PlanBuilder, runner_logits
 
@@ -89,6 +90,24 @@ def test_triton_backend_families_match_hf(family: str, tmp_path: Path) -> None:
     logits over prefill, decode, a prefix hit and preemption."""
     hf, runner = load_family(family, tmp_path / family, backend="triton")
     assert all(isinstance(ops, TritonOps) for ops in runner.model.kind_ops)
+    check_against_hf(hf, runner)
+
+
+@pytest.mark.timeout(600)
+def test_triton_backend_serves_head_sizes_no_power_of_two(tmp_path: Path) -> None:
+    """A Phi-3 with 48-dimension heads (Phi-3-mini's are 96), a partial rotary over 36 of them:
+    the Triton kernels pad each head to a power of two and mask the rest. HF's greedy tokens and
+    logits over prefill, decode, a prefix hit and preemption."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    config = Phi3Config(**{**COMMON, "hidden_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
+                           "partial_rotary_factor": 0.75, "tie_word_embeddings": False})  # fmt: skip
+    path = save_random_model(config, tmp_path / "phi3", seed=48, std=0.08, embed_std=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(path, dtype="float32", kv_cache_bytes=2 << 20, block_size=BLOCK, backend="triton")
+    assert runner.model.config.head_dim == 48 and all(
+        isinstance(ops, TritonOps) for ops in runner.model.kind_ops
+    )
     check_against_hf(hf, runner)
 
 

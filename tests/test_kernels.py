@@ -99,7 +99,8 @@ def test_rotary_ref_matches_hf():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (6, 2, 32), (9, 3, 64), (4, 1, 64)]
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 16), (6, 2, 32), (9, 3, 64), (4, 1, 64), (4, 2, 96), (3, 1, 80)],  # 96: Phi-3-mini's
 )
 def test_rotary_triton(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int):
     torch.manual_seed(num_q_heads * head_dim)
@@ -205,7 +206,10 @@ def test_store_kv_ref_matches_flat_indexing():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(1, 16, 16), (3, 64, 8), (4, 32, 16)])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "block_size"),
+    [(1, 16, 16), (3, 64, 8), (4, 32, 16), (2, 96, 16), (3, 80, 8)],
+)
 def test_store_kv_triton(dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int):
     torch.manual_seed(num_kv_heads * head_dim)
     num_tokens, num_blocks = 13, 5
@@ -324,6 +328,10 @@ ATTENTION_SHAPES = [
     (torch.float32, 4, 1, 32),
     (torch.float16, 8, 2, 64),
     (torch.float16, 6, 2, 32),
+    # Head sizes no power of two: Phi-3-mini's 96, and 80; and 8, under tl.dot's 16.
+    (torch.float32, 4, 2, 96),
+    (torch.float16, 3, 1, 80),
+    (torch.float32, 2, 1, 8),
 ]
 
 
