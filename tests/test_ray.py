@@ -512,7 +512,7 @@ def test_two_nodes_metrics_with_the_same_pids_are_both_counted(tmp_path: Path) -
 
     node_run = tmp_path / "node"
     metrics.metrics_dir(node_run).mkdir(parents=True)
-    observe_in_process(node_run, "EngineMetrics('m', 0).update(deque([0.5]), 40, 8, deque(), 0)")
+    observe_in_process(node_run, "EngineMetrics('m', 0).update(deque([0.5]), 40, 8, deque(), 0, deque())")
     files = read_node_metrics(metrics.metrics_dir(node_run))
     sizes = {path.name: path.stat().st_size for path in metrics.metrics_dir(node_run).glob("*.db")}
     assert files and all(len(data) < sizes[name] for name, data in files.items())  # the used part only
