@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +18,7 @@ from services.gpu_worker.architectures import ModelConfig, MoeConfig
 from services.gpu_worker.huge_pages import HUGE_PAGE_BYTES, SWITCH, huge_page_empty, huge_page_zeros
 from services.gpu_worker.model import LlamaLayer, Shard, paged_kv_cache
 from services.gpu_worker.parallel import Parallel
+from tests.conftest import REPO_ROOT
 
 CPU = torch.device("cpu")
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -59,10 +65,21 @@ def test_a_large_tensor_starts_on_a_huge_page_in_memory_asked_for_as_huge_pages(
 
 
 def test_switched_off_the_memory_is_torchs() -> None:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(SWITCH, "0")
-        tensor = huge_page_zeros((1 << 21,), torch.float32, CPU)
-    mapping = mapping_of(tensor.data_ptr())
+    """In a fresh process: in this one, heap memory that numpy freed (it madvises its arrays of
+    4 MB or more) may come back to torch's allocator still marked for huge pages."""
+    code = textwrap.dedent(
+        """
+        import json, torch
+        from services.gpu_worker.huge_pages import huge_page_zeros
+        from tests.test_huge_pages import mapping_of
+        tensor = huge_page_zeros((1 << 21,), torch.float32, torch.device("cpu"))
+        print(json.dumps(mapping_of(tensor.data_ptr())))
+        """
+    )
+    env = {**os.environ, SWITCH: "0", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)  # fmt: skip
+    mapping = json.loads(done.stdout)
     assert mapping is not None
     if THP_SETTING.exists() and "[madvise]" in THP_SETTING.read_text() and "THPeligible" in mapping:
         assert mapping["THPeligible"] == 0, mapping  # torch's allocator asks for none
