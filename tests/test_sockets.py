@@ -308,9 +308,14 @@ def test_router_try_send_tells_a_full_peer_from_a_gone_one(ctx, owned, run_dir):
     sock.send(C.CLIENT_REQUEST.encode(m.Abort("hello")))
     identity, _ = router.recv(WAIT)
     reply = m.ErrorReply("r", "c", "x" * 1000)
-    t0 = time.monotonic()
-    results = [router.try_send(identity, reply) for _ in range(2000)]
-    assert time.monotonic() - t0 < 1.0  # never waits out send_timeout_ms
+    results, slowest = [], 0.0
+    for _ in range(2000):
+        t0 = time.monotonic()
+        results.append(router.try_send(identity, reply))
+        slowest = max(slowest, time.monotonic() - t0)
+    # No call waits out send_timeout_ms (2 s); each call alone, since a loaded host (CI's) may
+    # take longer than that for all 2000 together.
+    assert slowest < 1.0, slowest
     assert results[0] is Sent.OK and results[-1] is Sent.FULL
     assert set(results) == {Sent.OK, Sent.FULL}
     num_sent = results.count(Sent.OK)
