@@ -471,3 +471,20 @@ def test_chat_template_kwargs_reach_the_template(smollm2_dir: Path, tmp_path: Pa
     )
     with pytest.raises(RequestError, match=r"chat_template_kwargs: \['messages'\] are set by the server"):
         prompt(chat_template_kwargs={"messages": []})
+
+
+def test_a_client_id_reused_after_its_request_ended_gets_a_new_engine_id(core_factory) -> None:
+    """The old request's abort and detokenizer drop are still on their way upstream when the
+    connection sends a new request under the same id: the engine must know the two apart, or
+    the old drop erases the new request's detokenizer state (a stall until the watchdog)."""
+    core = core_factory()
+    first = core.admit(b"c", m.Generate("r", prompt="x"))
+    assert first.submit.request_id == engine_id(0, b"c", "r")
+    assert core.abort(b"c", "r") is first
+    second = core.admit(b"c", m.Generate("r", prompt="x"))
+    assert second.submit.request_id not in (first.submit.request_id, engine_id(0, b"mallory", "r"))
+    reply = core.relay(m.Delta(first.submit.request_id, 0, 0, "old", m.pack_ids([5])))
+    assert reply is None  # a late delta of the old request does not reach the new one
+    assert core.fail(m.RequestFailed(second.submit.request_id, "internal", "boom")).message.request_id == "r"
+    third = core.admit(b"c", m.Generate("r", prompt="x"))
+    assert len({first.submit.request_id, second.submit.request_id, third.submit.request_id}) == 3

@@ -19,7 +19,7 @@ import hashlib
 import json
 import random
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -68,13 +68,20 @@ MAX_CHECKED_CONSTRAINTS = 256
 # Encodings of a request's images, when their embeddings keep leaving the cache before its
 # prefill (too many images in flight for encoder.cache_bytes), before it fails.
 MAX_ENCODINGS = 3
+# Client ids whose request ended lately, remembered so that a new request under the same id gets
+# another engine id: the old one's drop, still on its way to the detokenizer beside the
+# scheduler's outputs, must not hit the new request's state. Older ones are long settled.
+MAX_FORGOTTEN_KEYS = 4096
 
 
-def engine_id(tokenizer_id: int, identity: bytes, request_id: str) -> str:
+def engine_id(tokenizer_id: int, identity: bytes, request_id: str, generation: int = 0) -> str:
     """The id the engine knows a client's request by: unique per (tokenizer, connection, client
-    id), fixed size whatever the client chose, and the same when that connection resubmits its
-    request, so the scheduler replaces the running copy."""
+    id, generation), fixed size whatever the client chose, and the same when that connection
+    resubmits its request, so the scheduler replaces the running copy. A connection that reuses a
+    client id after its request ended gets the next generation (`TokenizerCore.admit`)."""
     key = len(identity).to_bytes(2, "little") + identity + request_id.encode()
+    if generation:
+        key += b"\0" + str(generation).encode()
     return f"{tokenizer_id}-{hashlib.blake2b(key, digest_size=12).hexdigest()}"
 
 
@@ -140,6 +147,9 @@ class JournalEntry:
     # having died (`Generate.resume_output_ids`): that replica observed the prompt and the first
     # token, so this one observes neither again, and times only the tokens it delivers itself.
     num_resumed_tokens: int = 0
+    # How many earlier requests of this connection under the same client id this replica
+    # remembers (`engine_id`'s generation).
+    generation: int = 0
 
 
 @dataclass
@@ -227,6 +237,8 @@ class TokenizerCore:
         self.group_loads = [0.0] * num_groups  # reported by the supervisor (GroupLoads)
         self.journal: dict[str, JournalEntry] = {}  # by engine id
         self.engine_ids: dict[tuple[bytes, str], str] = {}  # (identity, client's request id) -> engine id
+        # (identity, client's request id) -> the generation of its last request, which ended
+        self.forgotten_keys: OrderedDict[tuple[bytes, str], int] = OrderedDict()
         self.num_unknown_deltas = 0
         self.num_gaps = 0
         self.num_finished = 0
@@ -305,8 +317,9 @@ class TokenizerCore:
             # Seeds are fixed here, once, so a resubmitted request samples the same tokens.
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         key = (identity, request.request_id)
-        engine = engine_id(self.tokenizer_id, identity, request.request_id)
-        old = self.journal.get(engine)
+        old = self.journal.get(self.engine_ids.get(key, ""))
+        generation = old.generation if old else self.forgotten_keys.pop(key, -1) + 1
+        engine = engine_id(self.tokenizer_id, identity, request.request_id, generation)
         group = old.group if old else self._least_loaded_group()
         submit = m.SubmitRequest(
             request_id=engine,
@@ -329,6 +342,7 @@ class TokenizerCore:
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
             num_resumed_tokens=len(resume_ids),
+            generation=generation,
         )
         if image_urls:
             entry.unfetched = (request, tools)
@@ -776,7 +790,11 @@ class TokenizerCore:
 
     def _forget(self, engine_id: str) -> JournalEntry:
         entry = self.journal.pop(engine_id)
-        del self.engine_ids[entry.identity, entry.request_id]
+        key = (entry.identity, entry.request_id)
+        del self.engine_ids[key]
+        self.forgotten_keys[key] = entry.generation
+        if len(self.forgotten_keys) > MAX_FORGOTTEN_KEYS:
+            self.forgotten_keys.popitem(last=False)
         return entry
 
     # -- engine side ---------------------------------------------------------------------------
