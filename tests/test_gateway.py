@@ -275,6 +275,14 @@ def test_sampling_parameters_take_effect(gw: Gateway) -> None:
         extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True},
     )  # fmt: skip
     assert reply.choices[0].text == sampled.text
+    # vLLM's clients send top_k -1 for "no top-k": the same tokens as 0
+    no_top_k = [
+        api.completions.create(
+            **base, temperature=0.8, seed=1234, extra_body={"top_k": k, "ignore_eos": True}
+        )
+        for k in (-1, 0)
+    ]
+    assert no_top_k[0].choices[0].text == no_top_k[1].choices[0].text
 
     greedy = api.completions.create(**base, temperature=0, extra_body={"ignore_eos": True})
     word = greedy.choices[0].text.strip().split()[1] if len(greedy.choices[0].text.split()) > 1 else None

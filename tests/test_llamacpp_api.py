@@ -264,3 +264,6 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
     # Unknown fields are ignored, as llama.cpp ignores them; the gateway still serves.
     reply = completion(gw, prompt=PROMPT, n_predict=2, cache_prompt=False, samplers=["top_k"], mirostat=0)
     assert reply["tokens_predicted"] == 2
+    # llama.cpp turns top-k off for any top_k <= 0, not only vLLM's -1: the same tokens as 0.
+    sampled = [completion(gw, prompt=PROMPT, n_predict=8, seed=7, top_k=k)["content"] for k in (-5, 0)]
+    assert sampled[0] == sampled[1]

@@ -93,7 +93,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         # None where the request sets none: the tokenizer takes the model's default (generation_config).
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's -1 also disables
+        "top_k": req.top_k,  # vLLM's -1 ("no top-k") is the SDK's too (make_params)
         "min_p": req.min_p,
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,

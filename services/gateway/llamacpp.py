@@ -212,7 +212,7 @@ class LlamaCompletions:
             prompt=prompts[0] if len(prompts) == 1 else prompts,
             max_tokens=max_tokens,
             temperature=temperature,
-            top_k=settings["top_k"],
+            top_k=max(settings["top_k"], 0),  # llama.cpp: 0 or below is no top-k
             top_p=settings["top_p"],
             min_p=settings["min_p"],
             seed=None if body.seed == -1 else body.seed,
