@@ -361,6 +361,46 @@ def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_llama_cpp_embedding_endpoints_normalize_as_it_does(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    """llama.cpp's /embedding and /embeddings: `[{"index", "embedding": [vector]}]` from `input`
+    or `content`, each vector normalized per `embd_normalize` (computed here from
+    sentence-transformers' vectors); its /reranking is vLLM's /rerank."""
+    url = gateway_url(minilm_run)
+    status, reply = post(url, "/embedding", {"content": TEXTS[0]})
+    assert status == 200 and [entry["index"] for entry in reply] == [0] and len(reply[0]["embedding"]) == 1
+    assert cosines(np.array(reply[0]["embedding"][0]), sentence_vectors[0]) >= MIN_COSINE
+    want = sentence_vectors.astype(np.float64)
+    norms = {
+        2: want / np.linalg.norm(want, axis=1, keepdims=True),
+        1: want / np.abs(want).sum(axis=1, keepdims=True),
+        0: want * (32760.0 / np.abs(want).max(axis=1, keepdims=True)),
+        3: want / (np.abs(want) ** 3).sum(axis=1, keepdims=True) ** (1 / 3),
+    }
+    for norm, expected in norms.items():
+        status, reply = post(url, "/embeddings", {"input": TEXTS, "embd_normalize": norm})
+        assert status == 200 and [entry["index"] for entry in reply] == list(range(len(TEXTS)))
+        got = np.array([entry["embedding"][0] for entry in reply])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-3 * np.abs(expected).max())
+    status, reply = post(url, "/embedding", {"content": TEXTS[0], "embd_normalize": -1})
+    np.testing.assert_allclose(np.linalg.norm(reply[0]["embedding"][0]), 1.0, atol=1e-5)  # the model's own
+    for body, message in (
+        ({"embd_normalize": 2}, "input"),
+        ({"input": "a", "embd_normalize": -2}, "embd_normalize"),
+    ):
+        status, reply = post(url, "/embedding", body)
+        assert status == 400 and reply["error"]["code"] == 400 and message in reply["error"]["message"], reply
+    query, documents = TEXTS[0], TEXTS[1:]
+    status, ranked = post(url, "/reranking", {"query": query, "documents": documents})
+    assert (
+        status == 200
+        and ranked["results"] == post(url, "/rerank", {"query": query, "documents": documents})[1]["results"]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("path", "body", "param", "message"),
     [

@@ -2324,3 +2324,68 @@ def test_an_image_for_a_model_that_reads_none_is_a_400(gw: Gateway) -> None:
         gw.openai().chat.completions.create(
             model=gw.model, messages=[{"role": "user", "content": [audio]}], max_tokens=2
         )
+
+
+def test_every_token_count_of_a_chat_is_the_prompt_the_engine_runs(gw: Gateway) -> None:
+    """vLLM's /tokenize (with tools and chat_template_kwargs), llama.cpp's and OpenAI's
+    input_tokens count a chat as the tokenizer stage renders it for generation: a developer
+    message (the system role to the template), a past tool call and its result, the tools
+    offered (not under tool_choice none), template variables. The engine's prompt_tokens is the
+    independent side: another process renders it."""
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "developer", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21C"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    cases = [
+        {"messages": messages},
+        {"messages": messages, "tools": tools},
+        {"messages": messages, "tools": tools, "tool_choice": "none"},
+        {"messages": messages, "chat_template_kwargs": {"custom_flag": True}},
+    ]
+    counts = set()
+    for body in cases:
+        reply = gw.openai().chat.completions.create(
+            model=gw.model, max_tokens=1, temperature=0, **{k: v for k, v in body.items() if k != "chat_template_kwargs"},
+            extra_body={"chat_template_kwargs": body["chat_template_kwargs"]} if "chat_template_kwargs" in body else None,
+        )  # fmt: skip
+        engine = reply.usage.prompt_tokens
+        counts.add(engine)
+        if body.get("tool_choice") != "none":  # vLLM's /tokenize offers every tool it is given
+            status, _, data = gw.request(
+                "POST", "/tokenize", {k: v for k, v in body.items() if k != "tool_choice"}
+            )
+            assert status == 200 and json.loads(data)["count"] == engine, (body, data)
+        for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+            status, _, data = gw.request("POST", path, {"model": gw.model, **body})
+            assert status == 200, data
+            assert json.loads(data) == {"object": "response.input_tokens", "input_tokens": engine}, (
+                path,
+                body,
+            )
+    assert len(counts) >= 2  # the tools change the prompt: the cases are not all one count
+
+    # OpenAI's /v1/responses/input_tokens through its client, a chained response's turns included
+    api = gw.openai()
+    kwargs = {"instructions": SYSTEM, "input": CHAT}
+    first = api.responses.create(model=gw.model, max_output_tokens=16, temperature=0, **kwargs)
+    assert api.responses.input_tokens.count(**kwargs).input_tokens == first.usage.input_tokens
+    follow = {"input": "And one about rain.", "previous_response_id": first.id}
+    second = api.responses.create(model=gw.model, max_output_tokens=16, temperature=0, **follow)
+    counted = api.responses.input_tokens.count(**follow)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == second.usage.input_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens
+    # llama.cpp serves the OpenAI routes without /v1 too
+    for path, body in (("/chat/completions", {"messages": CHAT}), ("/responses", {"input": "Hi"})):
+        status, _, data = gw.request("POST", path, {"model": gw.model, "max_tokens": 2, **body})
+        assert status == 200 and json.loads(data)["model"] == gw.model, (path, data)
+    status, _, data = gw.request("GET", "/models")  # each replica has its own `created`
+    assert status == 200 and [m["id"] for m in json.loads(data)["data"]] == [gw.model]
+    assert gw.request("GET", "/v1/health")[::2] == gw.request("GET", "/health")[::2]

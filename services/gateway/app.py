@@ -44,6 +44,7 @@ from client.errors import BrigadeError, InvalidRequest
 from client.sdk import EmbedResult, StreamDelta, chat_message, tools_text
 from ipc import messages as m
 from ipc.json_depth import check_json_depth
+from ipc.structured_output import tool_functions
 from ipc.validation import (
     InvalidParams,
     PromptTooLong,
@@ -56,8 +57,13 @@ from services.audit import ApiKeyFailures
 from services.common.harmony import speaks_harmony
 from services.common.image_fetch import FETCH_THREADS, NOT_FETCHED, RemoteImages, fetch_outcome, is_remote
 from services.common.images import ImageError, ImageRules, decode_data_url, image_size
-from services.common.text import TemplateTimeout, Tokenizer
-from services.common.tools_prompt import auto_tool_format, template_content, tool_parser_for
+from services.common.text import ReservedTemplateKwargs, TemplateTimeout, Tokenizer
+from services.common.tools_prompt import (
+    auto_tool_format,
+    template_messages,
+    template_renders_tools,
+    tool_parser_for,
+)
 from services.gateway import protocol as p
 from services.gateway.access_log import AccessLog, AccessRecord, access_record, key_id
 from services.gateway.connection import client_cert_name
@@ -190,6 +196,26 @@ class _MessageList(msgspec.Struct):
 
 
 @dataclass
+class ChatToRender:
+    """A chat to render as a generation prompt: the tools offered (None under tool_choice none)
+    and the template's variables (chat_template_kwargs)."""
+
+    messages: list[p.ChatMessageIn]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+
+
+def chat_to_render(body: p.ChatCompletionRequest) -> ChatToRender:
+    """A chat completion request's prompt, as plan_chat sends it to the tokenizer stage."""
+    effort = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort is not None else {}
+    template_kwargs = {**effort, **(body.chat_template_kwargs or {})} or None
+    tools = body.tools if body.tool_choice != "none" else None
+    return ChatToRender(body.messages, True, body.continue_final_message, tools, template_kwargs)
+
+
+@dataclass
 class RenderedChat:
     """A /tokenize chat rendered by its template, before its images' tokens: their files where
     their sizes count (b"" for an http(s) image until it is fetched), and the http(s) ones to
@@ -265,8 +291,11 @@ class Gateway:
         is_harmony = speaks_harmony(
             settings.reasoning_parser, tokenizer.architectures, tokenizer.chat_template, has_token
         )
-        # The tokenizer decides both alike (services/tokenizer/core.py).
+        # The tokenizer decides these alike (services/tokenizer/core.py).
         self.auto_tool_format = "harmony" if is_harmony else auto_tool_format(tokenizer.chat_template)
+        self.renders_tools = tokenizer.chat_template is not None and template_renders_tools(
+            tokenizer.chat_template
+        )
         self.reasoning = reasoning_style(
             settings.reasoning_parser,
             lambda: tokenizer.apply_chat_template(
@@ -839,18 +868,39 @@ class Gateway:
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt and messages", "prompt")
         if body.messages is None:
+            if body.tools is not None or body.chat_template_kwargs is not None:
+                raise invalid("tools and chat_template_kwargs go with messages, not a prompt", "prompt")
             ids, token_strs = await asyncio.to_thread(self._tokenize_prompt, body)
         else:
-            chat = await asyncio.to_thread(
-                self._render_chat, body.messages, body.add_generation_prompt, body.continue_final_message
-            )
-            if chat.urls:  # waited for here, on the loop: no worker thread is held while they come
-                for index, data in (await self._fetch_images(chat.urls)).items():
-                    chat.files[index] = data
-            ids, token_strs = await asyncio.to_thread(self._encode_chat, chat, body.return_token_strs)
+            ids, token_strs = await self.chat_ids(
+                ChatToRender(body.messages, body.add_generation_prompt, body.continue_final_message, body.tools,
+                             body.chat_template_kwargs),
+                body.return_token_strs,
+            )  # fmt: skip
         reply = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
         reply["token_strs"] = token_strs
         return self.finish(request, json_response(reply))
+
+    async def chat_input_tokens(self, request: Request) -> Response:
+        """llama.cpp's /chat/completions/input_tokens: a chat completion request's prompt length,
+        as the tokenizer stage renders it, without running the model."""
+        body = await self.read_body(request, p.ChatCompletionRequest)
+        return self.finish(request, json_response(await self.input_tokens(chat_to_render(body))))
+
+    async def input_tokens(self, chat: ChatToRender) -> dict[str, Any]:
+        """OpenAI's `response.input_tokens` object of a chat."""
+        ids, _ = await self.chat_ids(chat, False)
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+    async def chat_ids(
+        self, chat: ChatToRender, return_token_strs: bool
+    ) -> tuple[list[int], list[str | None] | None]:
+        """A chat's prompt ids, rendered and encoded as the tokenizer stage does for generation."""
+        rendered = await asyncio.to_thread(self._render_chat, chat)
+        if rendered.urls:  # waited for here, on the loop: no worker thread is held while they come
+            for index, data in (await self._fetch_images(rendered.urls)).items():
+                rendered.files[index] = data
+        return await asyncio.to_thread(self._encode_chat, rendered, return_token_strs)
 
     def _tokenize_prompt(self, body: p.TokenizeRequest) -> tuple[list[int], list[str | None] | None]:
         """Encode (on a worker thread) under the budget a completion request has."""
@@ -860,19 +910,23 @@ class Gateway:
         ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
         return ids, self._token_strs(ids, body.return_token_strs)
 
-    def _render_chat(
-        self, chat: list[p.ChatMessageIn], add_generation_prompt: bool, continue_final_message: bool
-    ) -> RenderedChat:
+    def _render_chat(self, chat: ChatToRender) -> RenderedChat:
         """Check and render a chat (on a worker thread) under the budgets a generation request
-        has, its images checked as the tokenizer stage admits them."""
+        has, as the tokenizer stage renders it (services/tokenizer/core.py, `_prompt_ids`), its
+        images checked as that stage admits them."""
         limit = self.settings.max_prompt_chars
+        if chat.tools is not None:
+            try:
+                tool_functions(chat.tools)  # the shape the template and the instruction read
+            except InvalidParams as exc:
+                raise invalid(str(exc), "tools") from None
         with budget_errors("messages"):
             try:
-                messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(chat)]
+                messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(chat.messages)]
             except InvalidRequest as exc:
                 raise invalid(str(exc), "messages") from None
             check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
-            if continue_final_message:  # as the tokenizer stage refuses it for generation
+            if chat.continue_final_message:  # as the tokenizer stage refuses it for generation
                 try:
                     check_continuable(messages)
                 except InvalidParams as exc:
@@ -887,15 +941,20 @@ class Gateway:
             if images and self.image_rules is None:
                 raise invalid("this model reads no images", "messages")
             files, urls = self._image_files(images)
+            rendered, template_tools = template_messages(messages, chat.tools, self.renders_tools)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    [{"role": x.role, "content": template_content(x)} for x in messages],
-                    add_generation_prompt=add_generation_prompt,
+                    rendered,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    tools=template_tools,
                     timeout_s=self.settings.template_timeout_s,
-                    continue_final_message=continue_final_message,
+                    template_kwargs=chat.template_kwargs,
+                    continue_final_message=chat.continue_final_message,
                 )
             except TemplateTimeout as exc:
                 raise invalid(f"messages: {exc}", "messages") from None
+            except ReservedTemplateKwargs as exc:
+                raise invalid(str(exc), "chat_template_kwargs") from None
             except Exception as exc:  # a template may raise on unusual conversations
                 raise invalid(f"chat template failed: {exc}", "messages") from None
             check_prompt_chars(len(text), limit, " once rendered by the chat template")

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
 from services.gateway import protocol as p
-from services.gateway.app import BRIGADE_VERSION, JSON, Feed, Gateway
+from services.gateway.app import BRIGADE_VERSION, JSON, ChatToRender, Feed, Gateway, embedding_inputs
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
@@ -80,6 +81,16 @@ class AnyTokenizeRequest(p.TokenizeRequest, frozen=True, kw_only=True):
 
 
 LLAMA_TOKENIZE_FIELDS = frozenset({"content", "add_special", "with_pieces"})
+
+
+class LlamaEmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """llama.cpp's /embedding body: `input` (OpenAI's forms) or `content`, and how to normalize."""
+
+    model: str = ""
+    input: str | list[str | int | list[int]] | None = None
+    content: str | list[str | int | list[int]] | None = None
+    # llama.cpp's: -1 none, 0 max absolute scaled to int16's range, 2 euclidean, else that p-norm
+    embd_normalize: int = 2
 
 
 class LlamaApplyTemplateRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +272,32 @@ class LlamaCompletions:
                 out[token_id] = float(bias)
         return out
 
+    # -- /embedding ----------------------------------------------------------------------------
+
+    async def embedding(self, request: Request) -> Response:
+        """llama.cpp's /embedding and /embeddings: `[{"index", "embedding": [vector]}]`, each
+        vector the run's (/v1/embeddings'), normalized as `embd_normalize` says. Every norm is
+        scale-free, so it is the same whether or not the model normalized the vector first;
+        only -1 (none) returns a model-normalized vector as the model left it."""
+        gw = self.gateway
+        body = await gw.read_body(request, LlamaEmbeddingRequest)
+        prompt = body.input if body.input is not None else body.content
+        if prompt is None:
+            raise invalid('"input" or "content" must be provided', "input")
+        if body.embd_normalize < -1:
+            raise invalid(f"embd_normalize must be -1 (none), 0 (int16 range) or a p-norm's p >= 1, got "
+                          f"{body.embd_normalize}", "embd_normalize")  # fmt: skip
+        try:
+            result = await gw.embed(embedding_inputs(prompt), None, None)
+        except ApiError as error:
+            error.param = error.param or "input"
+            raise
+        reply = [
+            {"index": i, "embedding": [embd_normalized(vector, body.embd_normalize).tolist()]}
+            for i, vector in enumerate(result.embeddings)
+        ]
+        return gw.finish(request, Response(_encoder.encode(reply), media_type=JSON))
+
     # -- tokens and templates ------------------------------------------------------------------
 
     async def tokenize(self, request: Request) -> Response:
@@ -306,7 +343,7 @@ class LlamaCompletions:
         body = await gw.read_body(request, LlamaApplyTemplateRequest)
         if not body.messages:
             raise invalid("messages must not be empty", "messages")
-        chat = await asyncio.to_thread(gw._render_chat, body.messages, True, False)
+        chat = await asyncio.to_thread(gw._render_chat, ChatToRender(body.messages))
         return gw.finish(request, Response(_encoder.encode({"prompt": chat.text}), media_type=JSON))
 
     async def props(self, request: Request) -> Response:
@@ -325,6 +362,19 @@ class LlamaCompletions:
             "build_info": f"brigade {BRIGADE_VERSION}",
         }
         return gw.finish(request, Response(_encoder.encode(body), media_type=JSON))
+
+
+def embd_normalized(vector: np.ndarray, norm: int) -> np.ndarray:
+    """llama.cpp's `common_embd_normalize`: -1 none, 0 the largest absolute value scaled to
+    32760 (int16's range), else divided by its p-norm (2: euclidean)."""
+    values = vector.astype(np.float64)
+    if norm == -1:
+        scale = 1.0
+    elif norm == 0:
+        scale = float(np.abs(values).max(initial=0.0)) / 32760.0
+    else:
+        scale = float(np.sum(np.abs(values) ** norm) ** (1.0 / norm))
+    return (values / scale if scale > 0 else np.zeros_like(values)).astype(np.float32)
 
 
 def token_bytes(text: str, token: str) -> bytes:

@@ -187,6 +187,10 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    # vLLM's, for messages: the tools offered (rendered as a chat completion offers them) and
+    # more chat template variables
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway import protocol as p
-from services.gateway.app import Gateway, json_response
+from services.gateway.app import Gateway, chat_to_render, json_response
 from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
@@ -485,6 +485,32 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         req = await self.gateway.read_body(request, ResponsesRequest)
+        conversation, requested = await self._conversation(req)
+        try:
+            plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
+        except ApiError as error:
+            raise renamed(error) from None
+        plan.aliases.update(
+            {"max_tokens": "max_output_tokens", "prompt": "input", "structured": "text.format"}
+        )
+        model = self.gateway.with_adapter(requested, plan)
+        reply = ResponsesReply(req, model, conversation, self.store)
+        return run_translated(self.gateway, request, plan, model, reply, req.stream)
+
+    async def input_tokens(self, request: Request) -> Response:
+        """OpenAI's /v1/responses/input_tokens: the prompt length of a response request (its
+        previous responses' turns included), without running the model."""
+        req = await self.gateway.read_body(request, ResponsesRequest)
+        conversation, _ = await self._conversation(req)
+        try:
+            chat = chat_to_render(chat_request(req, conversation))
+            return self.gateway.finish(request, json_response(await self.gateway.input_tokens(chat)))
+        except ApiError as error:
+            raise renamed(error) from None
+
+    async def _conversation(self, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str]:
+        """The request's turns after its previous responses', and the model it names (a chain
+        that names none goes on with its previous response's)."""
         conversation: list[dict[str, Any]] = []
         requested = req.model
         if req.previous_response_id is not None:
@@ -498,17 +524,7 @@ class ResponsesApi:
                 # adapter's stays selected), if that is still served.
                 requested = str(previous.response.get("model", ""))
                 await self.gateway.check_model(requested, ResponsesRequest.takes_adapter)
-        conversation = [*conversation, *input_messages(req.input)]
-        try:
-            plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
-        except ApiError as error:
-            raise renamed(error) from None
-        plan.aliases.update(
-            {"max_tokens": "max_output_tokens", "prompt": "input", "structured": "text.format"}
-        )
-        model = self.gateway.with_adapter(requested, plan)
-        reply = ResponsesReply(req, model, conversation, self.store)
-        return run_translated(self.gateway, request, plan, model, reply, req.stream)
+        return [*conversation, *input_messages(req.input)], requested
 
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)

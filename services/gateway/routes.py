@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
@@ -19,6 +23,13 @@ from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
 
 
+def at(
+    endpoint: Callable[[Request], Awaitable[Response]], *paths: str, methods: list[str] | None = None
+) -> list[Route]:
+    """One endpoint served at several paths (POST unless `methods` says otherwise)."""
+    return [Route(path, endpoint, methods=methods or ["POST"]) for path in paths]
+
+
 def build_app(gateway: Gateway) -> ASGIApp:
     settings = gateway.settings
     store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
@@ -26,21 +37,24 @@ def build_app(gateway: Gateway) -> ASGIApp:
     messages, responses, scoring = MessagesApi(gateway), ResponsesApi(gateway, store), ScoringApi(gateway)
     llama = LlamaCompletions(gateway)
     routes = [
-        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        # llama.cpp serves the OpenAI routes without /v1 too, and its own names beside vLLM's
+        *at(gateway.chat, "/v1/chat/completions", "/chat/completions"),
+        *at(gateway.chat_input_tokens, "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
-        *(Route(path, scoring.score, methods=["POST"]) for path in ("/score", "/v1/score")),
-        *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        *at(scoring.score, "/score", "/v1/score"),
+        *at(scoring.rerank, "/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking"),
         Route("/v1/messages", messages.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-        Route("/v1/responses", responses.create, methods=["POST"]),
+        *at(responses.create, "/v1/responses", "/responses"),
+        *at(responses.input_tokens, "/v1/responses/input_tokens", "/responses/input_tokens"),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
-        Route("/v1/models", gateway.models, methods=["GET"]),
+        *at(gateway.models, "/v1/models", "/models", methods=["GET"]),
         Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
         Route("/v1/models/{model_id:path}", gateway.model, methods=["GET"]),
-        Route("/health", gateway.health, methods=["GET"]),
+        *at(gateway.health, "/health", "/v1/health", methods=["GET"]),
         Route("/ping", gateway.health, methods=["GET", "POST"]),
         Route("/version", gateway.version, methods=["GET"]),
         Route("/load", gateway.load, methods=["GET"]),
@@ -49,10 +63,10 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
         # llama.cpp's own API (llamacpp.py), its refusals in its error shape
-        Route("/completion", with_llama_errors(gateway, llama.completion), methods=["POST"]),
-        Route("/completions", with_llama_errors(gateway, llama.completion), methods=["POST"]),
+        *at(with_llama_errors(gateway, llama.completion), "/completion", "/completions"),
         Route("/apply-template", with_llama_errors(gateway, llama.apply_template), methods=["POST"]),
         Route("/props", with_llama_errors(gateway, llama.props), methods=["GET"]),
+        *at(with_llama_errors(gateway, llama.embedding), "/embedding", "/embeddings"),
     ]
     endpoints = {"chat": gateway.chat, "completions": gateway.completions, "embeddings": gateway.embeddings,
                  "score": scoring.score, "rerank": scoring.rerank}  # fmt: skip
