@@ -20,11 +20,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from client.errors import InvalidRequest
-from client.sdk import chat_message
-from services.common.tools_prompt import template_messages, template_renders_tools
 from services.gateway import protocol as p
-from services.gateway.app import JSON, Gateway
+from services.gateway.app import JSON, Gateway, chat_to_render
 from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
@@ -110,6 +107,7 @@ class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
     system: str | list[TextBlock] | None = None
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingConfigIn | None = None
 
 
 class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
@@ -120,7 +118,6 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
-    thinking: ThinkingConfigIn | None = None
 
 
 def _text(blocks: str | list[TextBlock]) -> str:
@@ -240,9 +237,8 @@ def _continues_prefill(req: CountTokensRequest) -> bool:
 def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range
         raise invalid(f"temperature must be in [0, 1], got {req.temperature:g}", "temperature")
-    tools, tool_choice, parallel = _tools(req)
     body = {
-        "messages": _chat_messages(req),
+        **_prompt_fields(req),
         "max_tokens": req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -251,10 +247,19 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         # was (stop_sequence); AnthropicReply cuts it off.
         "stop": req.stop_sequences,
         "include_stop_str_in_output": bool(req.stop_sequences),
+        "response_format": _response_format(req.output_config),
+    }
+    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
+
+
+def _prompt_fields(req: CountTokensRequest) -> dict[str, Any]:
+    """The chat completion fields that make a Messages request's prompt."""
+    tools, tool_choice, parallel = _tools(req)
+    return {
+        "messages": _chat_messages(req),
         "tools": tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
-        "response_format": _response_format(req.output_config),
         # A last message of the assistant's is its prefill: the reply continues it (Anthropic's).
         "continue_final_message": _continues_prefill(req) or None,
         # The chat template's switch (Qwen3's): disabled closes an empty think block in the prompt.
@@ -262,7 +267,6 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         if req.thinking is None
         else {"enable_thinking": req.thinking.type != "disabled"},
     }
-    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
 
 
 # -- replies ----------------------------------------------------------------------------------
@@ -444,23 +448,9 @@ class MessagesApi:
         through the template or the tools instruction), without running the model."""
         try:
             req = await self.gateway.read_body(request, CountTokensRequest)
-            messages = _chat_messages(req)
-            tools, tool_choice, _ = _tools(req)
-            try:
-                wire = [chat_message(i, m) for i, m in enumerate(messages)]
-            except InvalidRequest as exc:
-                raise invalid(str(exc), "messages") from None
-            template = self.gateway.tokenizer.chat_template
-            renders = template is not None and template_renders_tools(template)
-            offered = tools if tool_choice != "none" else None
-            rendered, template_tools = template_messages(wire, offered, renders)
-            try:
-                text = self.gateway.tokenizer.apply_chat_template(
-                    rendered, tools=template_tools, continue_final_message=_continues_prefill(req)
-                )
-            except Exception as exc:  # a template may raise on unusual conversations
-                raise invalid(f"chat template failed: {exc}", "messages") from None
-            count = len(self.gateway.tokenizer.encode(text))
+            fields = {k: v for k, v in _prompt_fields(req).items() if v is not None}
+            chat = chat_to_render(msgspec.convert(fields, p.ChatCompletionRequest))
+            count = (await self.gateway.input_tokens(chat))["input_tokens"]
             return self.gateway.finish(
                 request, Response(msgspec.json.encode({"input_tokens": count}), 200, media_type=JSON)
             )
