@@ -2389,3 +2389,34 @@ def test_every_token_count_of_a_chat_is_the_prompt_the_engine_runs(gw: Gateway) 
     status, _, data = gw.request("GET", "/models")  # each replica has its own `created`
     assert status == 200 and [m["id"] for m in json.loads(data)["data"]] == [gw.model]
     assert gw.request("GET", "/v1/health")[::2] == gw.request("GET", "/health")[::2]
+
+
+@pytest.mark.timeout(300)
+def test_priority_orders_the_waiting_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """vLLM's `priority`: with one sequence running at a time, of two requests waiting behind it
+    the lower priority runs first, though it came second."""
+    port = free_port()
+    with brigade_run(
+        tmp_path / "run", f"model.path={tiny_model_dir}", f"gateway.port={port}", "engine.max_num_seqs=1"
+    ):
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+        finished: list[str] = []
+
+        def complete(name: str, priority: int) -> None:
+            api.completions.create(model=str(tiny_model_dir), prompt=name, max_tokens=4,
+                                   extra_body={"priority": priority, "ignore_eos": True})  # fmt: skip
+            finished.append(name)
+
+        blocker = api.completions.create(
+            model=str(tiny_model_dir), prompt="hold", max_tokens=MAX_MODEL_LEN - 16, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(blocker))  # it runs: the one slot is taken
+        with ThreadPoolExecutor(2) as pool:
+            later = pool.submit(complete, "later", 5)
+            time.sleep(0.5)  # "later" waits first
+            sooner = pool.submit(complete, "sooner", -5)
+            time.sleep(0.5)
+            blocker.close()  # the slot frees with both waiting
+            later.result(timeout=60), sooner.result(timeout=60)
+        assert finished == ["sooner", "later"]

@@ -107,6 +107,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "speculate": req.speculate,
+        "priority": req.priority,
     }
 
 
