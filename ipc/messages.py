@@ -96,6 +96,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # False: never verify proposals for this request (speculative decoding, docs/speculative.md),
     # e.g. one that measures its own decode speed; its output is the same either way.
     speculate: bool = True
+    # vLLM's: requests share prefix-cached blocks only with requests of the same salt (a tenant
+    # that must not learn, by timing, what others' prompts begin with); "" = the common cache.
+    cache_salt: str = ""
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):

@@ -45,6 +45,7 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
 MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name: bounded before it reaches an error message
+MAX_CACHE_SALT_CHARS = 1024  # hashed into the request's prefix-cache keys
 # The fields a request may leave None for the tokenizer to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -98,6 +99,8 @@ def validate_params(
         _check_structured(params)
     if not isinstance(params.adapter, str) or len(params.adapter) > MAX_ADAPTER_NAME_CHARS:
         raise InvalidParams(f"adapter must be a name of at most {MAX_ADAPTER_NAME_CHARS} characters")
+    if not isinstance(params.cache_salt, str) or len(params.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidParams(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 
 def validate_prompt_ids(

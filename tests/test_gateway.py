@@ -319,6 +319,28 @@ def test_unseeded_sampled_requests_get_a_seed_that_reproduces_them(gw: Gateway) 
     assert status == 200 and "x-brigade-seed" not in headers  # greedy needs no seed
 
 
+def test_cache_salt_keeps_prefix_cached_blocks_to_its_own_requests(gw: Gateway) -> None:
+    """vLLM's cache_salt: a prompt computed under one salt is a prefix-cache hit again under that
+    salt only; another salt, or none, computes it afresh (and the same greedy text either way)."""
+    api = gw.openai()
+    prompt = "Salted tenants keep their prefixes apart from one another. " * 6  # several full blocks
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt is not None else {})}
+        reply = api.completions.create(
+            model=gw.model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra
+        )
+        details = reply.usage.prompt_tokens_details
+        return (details.cached_tokens if details else 0), reply.choices[0].text
+
+    first, text = cached("tenant-a")
+    again, same = cached("tenant-a")
+    assert again > first and same == text  # its own blocks again
+    assert [cached(salt) for salt in ("tenant-b", None)] == [(first, text)] * 2  # nothing of tenant-a's
+    status, error = gw.error("/v1/completions", {"prompt": "x", "max_tokens": 1, "cache_salt": "s" * 2000})
+    assert status == 400 and error["param"] == "cache_salt", error
+
+
 def test_n_choices_share_the_prompt_and_seeded_ones_reproduce(gw: Gateway) -> None:
     api = gw.openai()
     prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks

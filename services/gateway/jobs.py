@@ -108,6 +108,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "logprobs": logprobs,
         "speculate": req.speculate,
         "priority": req.priority,
+        "cache_salt": req.cache_salt or "",
     }
 
 

@@ -102,6 +102,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs, top-N at each position
     speculate: bool = True  # Brigade's: false opts the request out of speculative decoding
     priority: int = 0  # vLLM's: lower is scheduled first (ties first come, first served)
+    cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar

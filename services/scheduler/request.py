@@ -203,11 +203,16 @@ class Request:
     def hash_root(self) -> bytes:
         """Where its block-hash chain starts: the long regime's blocks hold other keys than the
         short one's for the same tokens, and a LoRA adapter's other keys and values than the base
-        model's or another adapter's, so none of them share cached blocks."""
+        model's or another adapter's, so none of them share cached blocks; nor do requests of
+        different cache salts."""
         root = LONG_ROPE_HASH_ROOT if self.is_long_rope else b""
         if self.params.adapter:
             adapter = f"lora adapter {self.params.adapter} load {self.adapter_load}".encode()
             root = hashlib.blake2b(root + adapter, digest_size=16).digest()
+        if self.params.cache_salt:
+            root = hashlib.blake2b(
+                root + b"cache salt " + self.params.cache_salt.encode(), digest_size=16
+            ).digest()
         return root
 
     @property
