@@ -1386,6 +1386,38 @@ BAD_BODIES = {
         "prompt_logprobs",
         "invalid_value",
     ),
+    # vLLM's fields that change the output and are not served: refused, not ignored
+    **{
+        f"unserved {name}": (json.dumps({"prompt": "hi", name: value}).encode(), name, "invalid_value")
+        for name, value in (
+            ("use_beam_search", True),
+            ("length_penalty", 0.5),
+            ("bad_words", ["hi"]),
+            ("allowed_token_ids", [1, 2]),
+            ("logits_processors", ["x"]),
+            ("truncate_prompt_tokens", 4),
+            ("return_token_ids", True),
+            ("prompt_embeds", "AAAA"),
+        )
+    },
+    **{
+        f"unserved chat {name}": (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], name: value}).encode(),
+            name,
+            "invalid_value",
+        )
+        for name, value in (
+            ("add_generation_prompt", False),
+            ("add_special_tokens", True),
+            ("chat_template", "{{ messages }}"),
+            ("echo", True),
+        )
+    },
+    "unserved continuous_usage_stats": (
+        b'{"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}',
+        "stream_options.continuous_usage_stats",
+        "invalid_value",
+    ),
 }
 
 

@@ -86,7 +86,39 @@ def header_seed(value: str | None) -> int | None:
     return seed
 
 
+# vLLM's request fields that Brigade does not serve, with the values that ask for nothing: set to
+# anything else, each would change what the request returns, so it is refused by name rather
+# than ignored as unknown fields are.
+UNSERVED_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "truncate_prompt_tokens": None,
+    "return_token_ids": False,
+    "prompt_embeds": None,
+}
+UNSERVED_CHAT_FIELDS: dict[str, Any] = {
+    "add_generation_prompt": True,
+    "add_special_tokens": False,
+    "chat_template": None,  # vLLM too refuses one unless its server trusts them
+    "echo": False,
+}
+
+
+def _refuse_unserved(req: SamplingFields, fields: dict[str, Any]) -> None:
+    for name, asks_nothing in fields.items():
+        if getattr(req, name) != asks_nothing:
+            raise invalid(f"{name} is not supported by this server", name)
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise invalid(
+            "continuous_usage_stats is not supported by this server", "stream_options.continuous_usage_stats"
+        )
+
+
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
+    _refuse_unserved(req, UNSERVED_FIELDS)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {
         "max_tokens": max_tokens,
@@ -312,6 +344,7 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     _check_n(req.n, 1)
+    _refuse_unserved(req, UNSERVED_CHAT_FIELDS)
     messages = [sdk_message(i, message) for i, message in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = (req.top_logprobs or 0) if req.logprobs else 0

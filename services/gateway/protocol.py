@@ -43,6 +43,7 @@ def nulls_as_defaults(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: not served (refused, jobs.UNSERVED_FIELDS)
 
 
 class ImageUrl(msgspec.Struct, frozen=True):
@@ -102,6 +103,16 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs, top-N at each position
     speculate: bool = True  # Brigade's: false opts the request out of speculative decoding
     priority: int = 0  # vLLM's: lower is scheduled first (ties first come, first served)
+    # vLLM's fields that Brigade does not serve, each of which changes what a request returns:
+    # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: int | None = None
+    return_token_ids: bool = False
+    prompt_embeds: Any = None
     cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
@@ -129,6 +140,11 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
     # vLLM's: the reply continues the last (assistant) message instead of starting a new turn.
     continue_final_message: bool = False
+    # vLLM's, not served (refused where they differ from these, jobs.UNSERVED_FIELDS)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    echo: bool = False
     # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
     # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
