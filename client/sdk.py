@@ -414,8 +414,16 @@ def make_generate(
     continue_final = sampling.pop("continue_final_message", False)
     if continue_final is not False and (messages is None or continue_final is not True):
         raise InvalidRequest("continue_final_message: true or false, for a chat (messages)")
+    generation_prompt = sampling.pop("add_generation_prompt", True)
+    if generation_prompt is not True and (messages is None or generation_prompt is not False):
+        raise InvalidRequest("add_generation_prompt: true or false, for a chat (messages)")
+    truncate = _convert("truncate_prompt_tokens", sampling.pop("truncate_prompt_tokens", None) or 0, int)
+    if truncate < -1:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as leave room for one output token) "
+                             f"or >= 1, got {truncate}")  # fmt: skip
     request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools,
-                         chat_template_kwargs=template_kwargs, continue_final_message=continue_final)  # fmt: skip
+                         chat_template_kwargs=template_kwargs, continue_final_message=continue_final,
+                         add_generation_prompt=generation_prompt, truncate_prompt_tokens=truncate)  # fmt: skip
     if messages is not None:
         request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):

@@ -232,6 +232,13 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # chat only: the model continues the last message, an assistant's prefill, rather than
     # starting a turn of its own (transformers' continue_final_message: no generation prompt).
     continue_final_message: bool = False
+    # chat only: False renders the conversation without the template's generation prompt (vLLM's
+    # add_generation_prompt), for a model or a test that writes the turn's opening itself.
+    add_generation_prompt: bool = True
+    # The prompt's last this many tokens only (vLLM's truncate_prompt_tokens for generation; -1:
+    # as many as leave room for one output token); 0 = the whole prompt. An embedding input's is
+    # EmbedOptions.truncate.
+    truncate_prompt_tokens: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):

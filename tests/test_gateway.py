@@ -341,6 +341,49 @@ def test_cache_salt_keeps_prefix_cached_blocks_to_its_own_requests(gw: Gateway) 
     assert status == 400 and error["param"] == "cache_salt", error
 
 
+def test_truncate_prompt_tokens_and_no_generation_prompt(gw: Gateway, hf_tokenizer) -> None:
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens (-1: all that leave room for
+    one output token), and a chat's add_generation_prompt false renders no generation prompt:
+    each the same tokens and text as the prompt cut or rendered here and sent as token ids."""
+    api = gw.openai()
+    greedy = {"model": gw.model, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    def as_ids(ids: list[int]) -> tuple[int, str]:
+        reply = api.completions.create(prompt=ids, **greedy)
+        return reply.usage.prompt_tokens, reply.choices[0].text
+
+    def with_extra(extra: dict, **kwargs) -> dict:
+        return {**greedy, **kwargs, "extra_body": {**greedy["extra_body"], **extra}}
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = hf_tokenizer.encode(prompt)
+    cut = api.completions.create(prompt=prompt, **with_extra({"truncate_prompt_tokens": 10}))
+    assert (cut.usage.prompt_tokens, cut.choices[0].text) == as_ids(ids[-10:])
+    longest = hf_tokenizer.encode("word " * (MAX_MODEL_LEN + 50))
+    fitted = api.completions.create(
+        prompt=longest, **with_extra({"truncate_prompt_tokens": -1}, max_tokens=1)
+    )
+    assert fitted.usage.prompt_tokens == MAX_MODEL_LEN - 1
+
+    rendered = hf_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+    chat_ids = hf_tokenizer.encode(rendered, add_special_tokens=False)
+    assert chat_ids != hf_tokenizer.encode(
+        hf_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    bare = api.chat.completions.create(messages=CHAT, **with_extra({"add_generation_prompt": False}))
+    assert (bare.usage.prompt_tokens, bare.choices[0].message.content) == as_ids(chat_ids)
+    status, _, data = gw.request("POST", "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert status == 200 and json.loads(data)["tokens"] == chat_ids
+    both = api.chat.completions.create(
+        messages=CHAT, **with_extra({"add_generation_prompt": False, "truncate_prompt_tokens": 5})
+    )
+    assert (both.usage.prompt_tokens, both.choices[0].message.content) == as_ids(chat_ids[-5:])
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        status, error = gw.error(path, {**body, "max_tokens": 2, "truncate_prompt_tokens": -2})
+        assert status == 400 and error["param"] == "truncate_prompt_tokens", error
+
+
 def test_n_choices_share_the_prompt_and_seeded_ones_reproduce(gw: Gateway) -> None:
     api = gw.openai()
     prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks
@@ -1395,7 +1438,6 @@ BAD_BODIES = {
             ("bad_words", ["hi"]),
             ("allowed_token_ids", [1, 2]),
             ("logits_processors", ["x"]),
-            ("truncate_prompt_tokens", 4),
             ("return_token_ids", True),
             ("prompt_embeds", "AAAA"),
         )
@@ -1407,7 +1449,6 @@ BAD_BODIES = {
             "invalid_value",
         )
         for name, value in (
-            ("add_generation_prompt", False),
             ("add_special_tokens", True),
             ("chat_template", "{{ messages }}"),
             ("echo", True),

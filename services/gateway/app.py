@@ -212,7 +212,9 @@ def chat_to_render(body: p.ChatCompletionRequest) -> ChatToRender:
     effort = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort is not None else {}
     template_kwargs = {**effort, **(body.chat_template_kwargs or {})} or None
     tools = body.tools if body.tool_choice != "none" else None
-    return ChatToRender(body.messages, True, body.continue_final_message, tools, template_kwargs)
+    return ChatToRender(
+        body.messages, body.add_generation_prompt, body.continue_final_message, tools, template_kwargs
+    )
 
 
 @dataclass

@@ -95,12 +95,10 @@ UNSERVED_FIELDS: dict[str, Any] = {
     "bad_words": None,
     "allowed_token_ids": None,
     "logits_processors": None,
-    "truncate_prompt_tokens": None,
     "return_token_ids": False,
     "prompt_embeds": None,
 }
 UNSERVED_CHAT_FIELDS: dict[str, Any] = {
-    "add_generation_prompt": True,
     "add_special_tokens": False,
     "chat_template": None,  # vLLM too refuses one unless its server trusts them
     "echo": False,
@@ -140,6 +138,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "logprobs": logprobs,
         "speculate": req.speculate,
         "priority": req.priority,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "cache_salt": req.cache_salt or "",
     }
 
@@ -360,6 +359,8 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
         sampling["chat_template_kwargs"] = {**effort, **(req.chat_template_kwargs or {})}
     if req.continue_final_message:
         sampling["continue_final_message"] = True
+    if not req.add_generation_prompt:
+        sampling["add_generation_prompt"] = False
     seed = _seed(req, sampling, resumed_seed)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", "structured": constrained_by or "structured"}
     if req.max_completion_tokens is not None:

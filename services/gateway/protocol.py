@@ -103,6 +103,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs, top-N at each position
     speculate: bool = True  # Brigade's: false opts the request out of speculative decoding
     priority: int = 0  # vLLM's: lower is scheduled first (ties first come, first served)
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: all that fit)
     # vLLM's fields that Brigade does not serve, each of which changes what a request returns:
     # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
     use_beam_search: bool = False
@@ -110,7 +111,6 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: Any = None
-    truncate_prompt_tokens: int | None = None
     return_token_ids: bool = False
     prompt_embeds: Any = None
     cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
@@ -140,8 +140,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
     # vLLM's: the reply continues the last (assistant) message instead of starting a new turn.
     continue_final_message: bool = False
-    # vLLM's, not served (refused where they differ from these, jobs.UNSERVED_FIELDS)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # vLLM's: false renders no generation prompt
+    # vLLM's, not served (refused where they differ from these, jobs.UNSERVED_CHAT_FIELDS)
     add_special_tokens: bool = False
     chat_template: str | None = None
     echo: bool = False

@@ -367,10 +367,20 @@ class TokenizerCore:
             prompt_ids, image_sizes
         )
         if request.params.embed is not None:
+            limit = self.embedding.max_input_tokens if self.embedding is not None else 0
+            whole = min(limit or self.max_model_len, self.max_model_len)
             prompt_ids = self._truncated(
-                prompt_ids, request.params.embed.truncate, request.prompt is not None
+                prompt_ids, request.params.embed.truncate, whole, request.prompt is not None
             )
             self._check_input_length(len(prompt_ids))
+        elif request.truncate_prompt_tokens:
+            if entry.image_starts:
+                raise RequestError(
+                    "invalid_request", "truncate_prompt_tokens cannot cut a prompt with images"
+                )
+            prompt_ids = self._truncated(
+                prompt_ids, request.truncate_prompt_tokens, self.max_model_len - 1, request.prompt is not None
+            )
         try:
             validate_prompt_ids(
                 prompt_ids,
@@ -506,19 +516,18 @@ class TokenizerCore:
                 f"dimensions must be 1..{self.embedding.width} (the model's vector size), got {embed.dimensions}",
             )
 
-    def _truncated(self, prompt_ids: list[int], truncate: int, is_text: bool) -> list[int]:
-        """An embedding input's last `truncate` tokens (-1: the last the model reads), as vLLM's
-        truncate_prompt_tokens; the whole input for 0. A text keeps the special tokens its
-        tokenizer put around it ([CLS] ... [SEP]: CLS pooling reads the first), and loses
-        content from the left; token ids are cut as they are."""
+    def _truncated(self, prompt_ids: list[int], truncate: int, whole: int, is_text: bool) -> list[int]:
+        """A prompt's last `truncate` tokens (-1: the last `whole`), as vLLM's
+        truncate_prompt_tokens; the whole prompt for 0. A text keeps the special tokens its
+        tokenizer put around it ([CLS] ... [SEP]: CLS pooling reads the first; a BOS), and loses
+        content from the left; token ids and a rendered chat are cut as they are."""
         if truncate == 0:
             return prompt_ids
         if truncate < -1:
             raise RequestError(
                 "invalid_request", f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}"
             )
-        limit = self.embedding.max_input_tokens if self.embedding is not None else 0
-        keep = truncate if truncate > 0 else min(limit or self.max_model_len, self.max_model_len)
+        keep = truncate if truncate > 0 else whole
         if len(prompt_ids) <= keep:
             return prompt_ids
         head = tail = 0
@@ -666,6 +675,7 @@ class TokenizerCore:
                     timeout_s=self.template_timeout_s,
                     template_kwargs=request.chat_template_kwargs,
                     continue_final_message=request.continue_final_message,
+                    add_generation_prompt=request.add_generation_prompt,
                 )
             except TemplateTimeout as exc:
                 raise RequestError("invalid_request", f"messages: {exc}") from None
