@@ -68,6 +68,7 @@ class StreamDelta:
     tools: m.ParsedTools | None = None  # the last delta of a chat with tools: content and calls
     prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked: on the first delta
     embedding: bytes = b""  # an embedding request's vector (packed float32), on its final delta
+    prompt_token_ids: list[int] | None = None  # with return_prompt_ids asked: on the first delta
 
 
 @dataclass
@@ -81,6 +82,7 @@ class GenerateResult:
     tools: m.ParsedTools | None = None  # with tools: the text cut into content and tool calls
     prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked
     embedding: bytes = b""  # an embedding request's vector, packed float32
+    prompt_token_ids: list[int] | None = None  # with return_prompt_ids asked: the prompt the engine ran
 
     @property
     def tool_calls(self) -> list[m.ToolCall]:
@@ -417,13 +419,15 @@ def make_generate(
     generation_prompt = sampling.pop("add_generation_prompt", True)
     if generation_prompt is not True and (messages is None or generation_prompt is not False):
         raise InvalidRequest("add_generation_prompt: true or false, for a chat (messages)")
+    return_prompt_ids = _convert("return_prompt_ids", sampling.pop("return_prompt_ids", False), bool)
     truncate = _convert("truncate_prompt_tokens", sampling.pop("truncate_prompt_tokens", None) or 0, int)
     if truncate < -1:
         raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as leave room for one output token) "
                              f"or >= 1, got {truncate}")  # fmt: skip
     request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools,
                          chat_template_kwargs=template_kwargs, continue_final_message=continue_final,
-                         add_generation_prompt=generation_prompt, truncate_prompt_tokens=truncate)  # fmt: skip
+                         add_generation_prompt=generation_prompt, truncate_prompt_tokens=truncate,
+                         return_prompt_ids=return_prompt_ids)  # fmt: skip
     if messages is not None:
         request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):
@@ -585,6 +589,7 @@ def collect_result(deltas: Sequence[StreamDelta]) -> GenerateResult:
         last.tools,
         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
         last.embedding,
+        next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None), None),
     )
 
 
@@ -641,6 +646,7 @@ class RequestState:
         self.usage: m.Usage | None = None
         self.tools: m.ParsedTools | None = None
         self.prompt_logprobs: m.PromptLogprobs | None = None
+        self.prompt_token_ids: list[int] | None = None
         self.embedding = b""
         self.error: BrigadeError | None = None
         self.ready: deque[StreamDelta] = deque()
@@ -682,8 +688,11 @@ class RequestState:
         top_logprobs = delta.top_logprobs[skip:]
         text = delta.text[self.num_chars - delta.char_offset :]
         # They belong to output token 0: taken with it, once.
-        prompt_logprobs = delta.prompt_logprobs if skip == 0 and delta.token_index == 0 else None
+        is_first = skip == 0 and delta.token_index == 0
+        prompt_logprobs = delta.prompt_logprobs if is_first else None
         self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
+        prompt_ids = m.unpack_ids(delta.prompt_ids).tolist() if is_first and delta.prompt_ids else None
+        self.prompt_token_ids = self.prompt_token_ids or prompt_ids
         self.token_ids += ids
         self.logprobs += logprobs
         self.top_logprobs += top_logprobs
@@ -704,6 +713,7 @@ class RequestState:
                     delta.tools,
                     prompt_logprobs,
                     delta.embedding,
+                    prompt_ids,
                 )
             )
 
@@ -719,6 +729,7 @@ class RequestState:
             self.tools,
             self.prompt_logprobs,
             self.embedding,
+            self.prompt_token_ids,
         )
 
 

@@ -239,6 +239,9 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # as many as leave room for one output token); 0 = the whole prompt. An embedding input's is
     # EmbedOptions.truncate.
     truncate_prompt_tokens: int = 0
+    # The prompt's token ids come back with the first output (Delta.prompt_ids; vLLM's
+    # return_token_ids), as the engine ran them: rendered, tokenized, truncated.
+    return_prompt_ids: bool = False
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):
@@ -289,6 +292,7 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     # An embedding request's vector, packed float32, on its one (final) delta. It comes from the
     # scheduler straight to the tokenizer: the detokenizer has nothing to do for it.
     embedding: bytes = b""
+    prompt_ids: bytes = b""  # packed int32: on the delta of token_index 0, when asked (return_prompt_ids)
 
 
 class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):

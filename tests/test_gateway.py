@@ -384,6 +384,52 @@ def test_truncate_prompt_tokens_and_no_generation_prompt(gw: Gateway, hf_tokeniz
         assert status == 400 and error["param"] == "truncate_prompt_tokens", error
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm_does(gw: Gateway, hf_tokenizer) -> None:
+    """vLLM's return_token_ids: completions' choices carry `prompt_token_ids` and `token_ids`,
+    chat's response `prompt_token_ids` and each choice `token_ids`; streamed, a choice's first
+    chunk the prompt's and every chunk its new ids. The prompt ids are what HF's tokenizer and
+    chat template make here; the output ids are those the logprobs name (`token_id:N`)."""
+    api = gw.openai()
+    prompt = "The quick brown fox"
+    asked = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    reply = api.completions.create(model=gw.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                                   n=2, extra_body=asked)  # fmt: skip
+    for choice in reply.choices:
+        assert choice.prompt_token_ids == hf_tokenizer.encode(prompt)
+        assert choice.token_ids == [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+        assert hf_tokenizer.decode(choice.token_ids) == choice.text and len(choice.token_ids) == 6
+    plain = api.completions.create(model=gw.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert (
+        "token_ids" not in plain.choices[0].model_dump() or plain.choices[0].model_dump()["token_ids"] is None
+    )
+
+    chunks = list(api.completions.create(model=gw.model, prompt=prompt, max_tokens=6, temperature=0,
+                                         stream=True, extra_body=asked))  # fmt: skip
+    opened = [c.choices[0] for c in chunks if c.choices and getattr(c.choices[0], "prompt_token_ids", None)]
+    assert len(opened) == 1 and opened[0].prompt_token_ids == hf_tokenizer.encode(prompt)
+    streamed = [i for c in chunks for choice in c.choices for i in (getattr(choice, "token_ids", None) or [])]
+    assert streamed == reply.choices[0].token_ids
+
+    chat_prompt = hf_tokenizer.encode(
+        hf_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    chat = api.chat.completions.create(
+        model=gw.model, messages=CHAT, max_tokens=6, temperature=0, extra_body=asked
+    )
+    assert chat.prompt_token_ids == chat_prompt and len(chat.choices[0].token_ids) == 6
+    chat_chunks = list(api.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=6, temperature=0,
+                                                   stream=True, extra_body=asked))  # fmt: skip
+    assert (
+        chat_chunks[0].prompt_token_ids == chat_prompt and chat_chunks[0].choices[0].delta.role == "assistant"
+    )
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chat_chunks[1:])
+    chat_streamed = [
+        i for c in chat_chunks for ch in c.choices for i in (getattr(ch, "token_ids", None) or [])
+    ]
+    assert chat_streamed == chat.choices[0].token_ids
+
+
 def test_n_choices_share_the_prompt_and_seeded_ones_reproduce(gw: Gateway) -> None:
     api = gw.openai()
     prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks
@@ -1438,7 +1484,6 @@ BAD_BODIES = {
             ("bad_words", ["hi"]),
             ("allowed_token_ids", [1, 2]),
             ("logits_processors", ["x"]),
-            ("return_token_ids", True),
             ("prompt_embeds", "AAAA"),
         )
     },

@@ -160,6 +160,7 @@ def to_piece(delta: StreamDelta) -> Piece:
         delta.finish_reason,
         delta.tools,
         delta.prompt_logprobs,
+        delta.prompt_token_ids,
     )
 
 
@@ -523,6 +524,7 @@ class Gateway:
         fmt = ChatFormat(
             model, names, plan.logprobs, parser, plan.call_id_base,
             prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning, prefill=plan.prefill,
+            return_token_ids=body.return_token_ids,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
@@ -535,8 +537,9 @@ class Gateway:
             {job.index: job.prompt for job in plan.jobs if job.prompt is not None} if plan.echo else None
         )
         fmt = CompletionFormat(
-            model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only
-        )
+            model, names, plan.logprobs, echo_prompts, plan.prompt_logprobs, plan.is_prompt_only,
+            return_token_ids=body.return_token_ids,
+        )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 
     async def embeddings(self, request: Request) -> Response:

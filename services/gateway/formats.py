@@ -31,6 +31,7 @@ class Piece:
     finish_reason: str | None = None
     tools: m.ParsedTools | None = None  # the last piece of a chat with tools: the tokenizer's parse
     prompt_logprobs: m.PromptLogprobs | None = None  # the first piece, when they were asked for
+    prompt_ids: list[int] | None = None  # the first piece, when they were asked for (return_token_ids)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ChoiceOutput:
     finish_reason: str | None = None
     tools: m.ParsedTools | None = None
     prompt_logprobs: m.PromptLogprobs | None = None
+    prompt_ids: list[int] | None = None
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
@@ -53,6 +55,7 @@ class ChoiceOutput:
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.tools = piece.tools or self.tools
         self.prompt_logprobs = piece.prompt_logprobs or self.prompt_logprobs
+        self.prompt_ids = piece.prompt_ids or self.prompt_ids
 
     def piece(self) -> Piece:
         return Piece(
@@ -63,6 +66,7 @@ class ChoiceOutput:
             self.finish_reason,
             self.tools,
             self.prompt_logprobs,
+            self.prompt_ids,
         )
 
 
@@ -173,6 +177,7 @@ class ChatFormat:
         prompt_top_n: int | None = None,
         reasoning: ReasoningStyle | None = None,
         prefill: str | None = None,
+        return_token_ids: bool = False,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -190,6 +195,10 @@ class ChatFormat:
         self.reasoning = reasoning  # splits reasoning_content off before the tool parser reads
         self.reasoning_streams: dict[int, ReasoningStream] = {}
         self.prefill = prefill  # the assistant's text the reply continues, if it continues one
+        # vLLM's: the prompt's ids on the response (a stream's chunk that opens a choice: the
+        # role then comes with the choice's first output, once the prompt is known), each
+        # choice's or chunk's output ids on it
+        self.return_token_ids = return_token_ids
 
     def _tool_stream(self, index: int) -> ToolCallStream:
         assert self.tool_parser is not None
@@ -236,6 +245,8 @@ class ChatFormat:
         return p.ChatLogprobs(content)
 
     def first_chunk(self, index: int) -> msgspec.Struct | None:
+        if self.return_token_ids:
+            return None  # it opens with the first output, which brings the prompt's ids
         return self._chunk([p.ChatChunkChoice(index, p.ChatDelta(role="assistant", content=""))])
 
     def chunks(self, index: int, piece: Piece, text_offset: int) -> list[msgspec.Struct]:
@@ -256,10 +267,17 @@ class ChatFormat:
             content, tool_calls = merge_tool_deltas(items)
             reasoning = (reasoning or "") + "".join(item.get("reasoning_content", "") for item in items)
         out: list[msgspec.Struct] = []
+        opens = self.return_token_ids and piece.prompt_ids is not None
         has_news = bool(content or tool_calls or reasoning or piece.token_ids)
-        if has_news or reason is None:
+        if has_news or reason is None or opens:
             delta = p.ChatDelta(content=content, tool_calls=tool_calls, reasoning_content=reasoning or None)
-            out.append(self._chunk([p.ChatChunkChoice(index, delta, self._logprobs(piece))]))
+            choice = p.ChatChunkChoice(index, delta, self._logprobs(piece))
+            chunk = self._chunk([choice])
+            if self.return_token_ids:
+                choice.token_ids = piece.token_ids
+            if opens:
+                delta.role, chunk.prompt_token_ids = "assistant", piece.prompt_ids
+            out.append(chunk)
         if reason is not None:
             out.append(self._chunk([p.ChatChunkChoice(index, p.ChatDelta(), None, reason)]))
         return out
@@ -308,7 +326,11 @@ class ChatFormat:
                 )
                 message.content = content if content or message.content is not None else None
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
+            if self.return_token_ids:
+                out[-1].token_ids = piece.token_ids
         reply = p.ChatCompletion(self.id, self.created, self.model, out, usage)
+        if self.return_token_ids and choices:  # one prompt: vLLM gives it once
+            reply.prompt_token_ids = choices[0].prompt_ids or []
         if self.prompt_top_n is not None and choices:  # one prompt: vLLM gives it once
             reply.prompt_logprobs = prompt_logprobs_out(
                 choices[0].prompt_logprobs, self.prompt_top_n, self.names
@@ -330,6 +352,8 @@ class CompletionFormat:
         echo_prompts: dict[int, str | list[int]] | None = None,
         prompt_top_n: int | None = None,
         is_prompt_only: bool = False,
+        *,
+        return_token_ids: bool = False,
     ) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -339,6 +363,7 @@ class CompletionFormat:
         self.echo_prompts = echo_prompts
         self.prompt_top_n = prompt_top_n  # None: no prompt_logprobs in the reply
         self.is_prompt_only = is_prompt_only
+        self.return_token_ids = return_token_ids  # vLLM's: the prompt's and the output's ids per choice
 
     def _logprobs(self, piece: Piece, text_offset: int) -> p.CompletionLogprobs | None:
         if self.top_n is None:
@@ -406,7 +431,12 @@ class CompletionFormat:
         reason = piece.finish_reason
         choices = []
         if piece.text or piece.token_ids or reason is None:
-            choices.append(p.CompletionChoice(index, piece.text, self._logprobs(piece, text_offset), None))
+            choice = p.CompletionChoice(index, piece.text, self._logprobs(piece, text_offset), None)
+            if self.return_token_ids:
+                choice.token_ids = piece.token_ids
+                if piece.prompt_ids is not None:
+                    choice.prompt_token_ids = piece.prompt_ids
+            choices.append(choice)
         if reason is not None:
             choices.append(p.CompletionChoice(index, "", None, reason))
         return [p.Completion(self.id, self.created, self.model, [choice], None) for choice in choices]
@@ -419,12 +449,15 @@ class CompletionFormat:
         for index, choice in enumerate(choices):
             piece = choice.piece()
             if self.is_prompt_only:
-                piece = Piece("", [], [], [], piece.finish_reason, prompt_logprobs=piece.prompt_logprobs)
+                piece = Piece("", [], [], [], piece.finish_reason, prompt_logprobs=piece.prompt_logprobs,
+                              prompt_ids=piece.prompt_ids)  # fmt: skip
             if self.echo_prompts is None:
                 text, logprobs = piece.text, self._logprobs(piece, 0)
             else:
                 text, logprobs = self._echo(index, piece)
             finished = p.CompletionChoice(index, text, logprobs, piece.finish_reason)
+            if self.return_token_ids:
+                finished.prompt_token_ids, finished.token_ids = piece.prompt_ids or [], piece.token_ids
             if self.prompt_top_n is not None:
                 finished.prompt_logprobs = prompt_logprobs_out(
                     piece.prompt_logprobs, self.prompt_top_n, self.names

@@ -95,7 +95,6 @@ UNSERVED_FIELDS: dict[str, Any] = {
     "bad_words": None,
     "allowed_token_ids": None,
     "logits_processors": None,
-    "return_token_ids": False,
     "prompt_embeds": None,
 }
 UNSERVED_CHAT_FIELDS: dict[str, Any] = {
@@ -139,6 +138,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "speculate": req.speculate,
         "priority": req.priority,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
+        "return_prompt_ids": req.return_token_ids,
         "cache_salt": req.cache_salt or "",
     }
 

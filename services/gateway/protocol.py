@@ -104,6 +104,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     speculate: bool = True  # Brigade's: false opts the request out of speculative decoding
     priority: int = 0  # vLLM's: lower is scheduled first (ties first come, first served)
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: all that fit)
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the reply
     # vLLM's fields that Brigade does not serve, each of which changes what a request returns:
     # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
     use_beam_search: bool = False
@@ -111,7 +112,6 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: Any = None
-    return_token_ids: bool = False
     prompt_embeds: Any = None
     cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
@@ -285,6 +285,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids: asked for only
 
 
 class ChatCompletion(msgspec.Struct):
@@ -296,6 +297,7 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # asked for only
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -314,6 +316,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -324,6 +327,7 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: UsageOut | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # a choice's first chunk, when asked
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -339,6 +343,10 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # asked for only
+    # vLLM's return_token_ids: the prompt as the engine ran it (a stream's first chunk of the
+    # choice), and the output's ids
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct):

@@ -150,6 +150,7 @@ class JournalEntry:
     # How many earlier requests of this connection under the same client id this replica
     # remembers (`engine_id`'s generation).
     generation: int = 0
+    returns_prompt_ids: bool = False  # Generate.return_prompt_ids
 
 
 @dataclass
@@ -343,6 +344,7 @@ class TokenizerCore:
             num_encodings=int(bool(image_files)),
             num_resumed_tokens=len(resume_ids),
             generation=generation,
+            returns_prompt_ids=request.return_prompt_ids,
         )
         if image_urls:
             entry.unfetched = (request, tools)
@@ -829,6 +831,8 @@ class TokenizerCore:
             # stream starts (Anthropic's message_start); the last delta's usage is the final count.
             usage = m.Usage(len(entry.submit.prompt_ids) // 4, len(new_ids))
             fresh = msgspec.structs.replace(fresh, usage=usage)
+        if fresh.token_index == 0 and entry.returns_prompt_ids:
+            fresh = msgspec.structs.replace(fresh, prompt_ids=entry.submit.prompt_ids)
         entry.output_ids.extend(new_ids.tolist())
         entry.num_chars += len(fresh.text)
         now = time.monotonic()
@@ -880,6 +884,7 @@ class TokenizerCore:
             tools=fresh.tools,
             prompt_logprobs=entry.prompt_logprobs,
             embedding=fresh.embedding,
+            prompt_ids=entry.submit.prompt_ids if entry.returns_prompt_ids else b"",
         )
         return Reply(entry.identity, whole)
 
