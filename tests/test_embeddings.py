@@ -261,9 +261,9 @@ def test_cli_embed_prints_json_lines(
     assert lines[2]["prompt_tokens"] > 0
 
 
-def post(url: str, path: str, body: object) -> tuple[int, dict]:
+def post(url: str, path: str, body: object, timeout_s: float = 60) -> tuple[int, dict]:
     host, port = url.removeprefix("http://").split("/")[0].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
         response = conn.getresponse()
@@ -403,6 +403,26 @@ def test_truncate_prompt_tokens_embeds_an_input_the_model_would_refuse(minilm_ru
         status, want = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": [kept]})
         assert status == 200, want
         assert cosines([reply["data"][0]["embedding"]], [want["data"][0]["embedding"]]).min() > 0.9999
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_call_of_openais_2048_inputs_is_served_on_an_idle_engine(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    """OpenAI's most inputs a call, each an engine request of its own: more than the scheduler's
+    queue holds (engine.max_num_waiting, 1024), so the SDK sends them a window at a time; sent
+    all at once, the call was refused as overloaded (429, "retry later") on an idle engine, as
+    every retry would be. Through the gateway (the asyncio SDK) and the sync SDK, the vectors in
+    input order and each sentence-transformers' own."""
+    inputs = TEXTS * (2048 // len(TEXTS))
+    want = np.tile(sentence_vectors, (2048 // len(TEXTS), 1))
+    status, reply = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": inputs}, 300)
+    assert status == 200, reply
+    assert [d["index"] for d in reply["data"]] == list(range(2048))
+    assert cosines(np.array([d["embedding"] for d in reply["data"]]), want).min() >= MIN_COSINE
+    with Client(minilm_run.run_dir) as client:
+        assert cosines(client.embed(inputs, timeout=300).embeddings, want).min() >= MIN_COSINE
 
 
 @pytest.mark.slow
