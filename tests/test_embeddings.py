@@ -367,10 +367,26 @@ def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
         ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "as many texts as text_2"),
         ("/score", {"text_1": [], "text_2": "c"}, "text_1", "must not be empty"),
         ("/score", {"text_1": "a"}, "text_2", "text_2"),
-        ("/score", {"text_1": "a", "text_2": ["b", " ".join(["word"] * 270)]}, "text_2", "over the 256"),
+        # One text of several: named by its own field and index, in the message and the param
+        # (not by its place among all of the call's texts, as the engine numbers them).
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b", " ".join(["word"] * 270)]},
+            "text_2[1]",
+            r"^text_2\[1\]: .*over the 256",
+        ),
+        ("/score", {"text_1": "a", "text_2": ""}, "text_2", r"^text_2 is empty"),
+        ("/score", {"text_1": ["a", ""], "text_2": ["b", "c"]}, "text_1[1]", r"^text_1\[1\] is empty"),
+        ("/rerank", {"query": "a", "documents": ["b", ""]}, "documents[1]", r"^documents\[1\] is empty"),
+        ("/rerank", {"query": "", "documents": ["b"]}, "query", r"^query is empty"),
         ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),
-        ("/rerank", {"query": " ".join(["word"] * 270), "documents": ["b"]}, "query", "over the 256"),
+        (
+            "/rerank",
+            {"query": " ".join(["word"] * 270), "documents": ["b"]},
+            "query",
+            r"^query: .*over the 256",
+        ),
         ("/v1/rerank", {"query": 3, "documents": ["b"]}, "query", "str"),
     ],
 )
@@ -381,6 +397,26 @@ def test_bad_score_and_rerank_requests_get_400s_naming_the_field(
     assert status == 400, reply
     assert re.search(message, reply["error"]["message"]), reply
     assert reply["error"]["param"] == param, reply
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_call_of_openais_2048_inputs_is_served_on_an_idle_engine(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    """OpenAI's most inputs a call, each an engine request of its own: more than the scheduler's
+    queue holds (engine.max_num_waiting, 1024), so the SDK sends them a window at a time; sent
+    all at once, the call was refused as overloaded (429, "retry later") on an idle engine, as
+    every retry would be. Through the gateway (the asyncio SDK) and the sync SDK, the vectors in
+    input order and each sentence-transformers' own."""
+    inputs = TEXTS * (2048 // len(TEXTS))
+    want = np.tile(sentence_vectors, (2048 // len(TEXTS), 1))
+    status, reply = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": inputs}, 300)
+    assert status == 200, reply
+    assert [d["index"] for d in reply["data"]] == list(range(2048))
+    assert cosines(np.array([d["embedding"] for d in reply["data"]]), want).min() >= MIN_COSINE
+    with Client(minilm_run.run_dir) as client:
+        assert cosines(client.embed(inputs, timeout=300).embeddings, want).min() >= MIN_COSINE
 
 
 @pytest.mark.slow
@@ -403,26 +439,6 @@ def test_truncate_prompt_tokens_embeds_an_input_the_model_would_refuse(minilm_ru
         status, want = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": [kept]})
         assert status == 200, want
         assert cosines([reply["data"][0]["embedding"]], [want["data"][0]["embedding"]]).min() > 0.9999
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_call_of_openais_2048_inputs_is_served_on_an_idle_engine(
-    minilm_run: Run, sentence_vectors: np.ndarray
-) -> None:
-    """OpenAI's most inputs a call, each an engine request of its own: more than the scheduler's
-    queue holds (engine.max_num_waiting, 1024), so the SDK sends them a window at a time; sent
-    all at once, the call was refused as overloaded (429, "retry later") on an idle engine, as
-    every retry would be. Through the gateway (the asyncio SDK) and the sync SDK, the vectors in
-    input order and each sentence-transformers' own."""
-    inputs = TEXTS * (2048 // len(TEXTS))
-    want = np.tile(sentence_vectors, (2048 // len(TEXTS), 1))
-    status, reply = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": inputs}, 300)
-    assert status == 200, reply
-    assert [d["index"] for d in reply["data"]] == list(range(2048))
-    assert cosines(np.array([d["embedding"] for d in reply["data"]]), want).min() >= MIN_COSINE
-    with Client(minilm_run.run_dir) as client:
-        assert cosines(client.embed(inputs, timeout=300).embeddings, want).min() >= MIN_COSINE
 
 
 @pytest.mark.slow
