@@ -170,3 +170,13 @@ def test_image_sizes_over_the_pixel_limit_are_refused_from_the_header(
         with pytest.raises(ImageError, match=problem):
             read(data, MAX_PIXELS)
     assert image_size(png_header(300, 200), MAX_PIXELS) == (300, 200)
+
+
+def test_an_image_type_the_encoder_refuses_is_refused_from_the_header() -> None:
+    """The tokenizer reads the size of a Qwen2.5-VL image from its header: a type the encoder
+    does not decode (BMP, TIFF) is refused there too, as the encoder refuses it, rather than
+    counted and sent on to be refused by the encoder."""
+    for image, fmt in ((noise(8, 8), "BMP"), (noise(8, 8), "TIFF")):
+        for read in (image_size, open_image):
+            with pytest.raises(ImageError, match=f"type {fmt} is not supported"):
+                read(encoded(image, fmt), MAX_PIXELS)

@@ -81,8 +81,6 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     (HF's convert_to_rgb). Its size is checked from the header, before the pixels are decoded, so
     a small file that would decode to a huge image costs nothing."""
     image = _open_header(data, max_pixels)
-    if image.format not in FORMATS:
-        raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:  # what PIL raises for truncated or corrupt data
@@ -97,14 +95,15 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """(width, height) of an image file, from its header alone (the tokenizer's count of its
     tokens; the encoder decodes it whole, with every check of `open_image`), refused as the encoder
-    would refuse it where that header says more than `max_pixels` pixels."""
+    would refuse it where that header says more than `max_pixels` pixels or a type it does not
+    read."""
     with _open_header(data, max_pixels) as image:
         return image.size
 
 
 def _open_header(data: bytes, max_pixels: int) -> Image.Image:
     """The image in `data`, opened from its header (no pixel decoded yet), its size within
-    `max_pixels` (encoder.max_image_pixels)."""
+    `max_pixels` (encoder.max_image_pixels), of a type a request may send."""
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
@@ -113,6 +112,9 @@ def _open_header(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageError(f"image: over the {max_pixels}-pixel limit ({exc})") from None
     except OSError:  # UnidentifiedImageError, or a header PIL cannot parse
         raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
+    if image.format not in FORMATS:
+        image.close()
+        raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
     width, height = image.size
     if width * height > max_pixels:
         image.close()
