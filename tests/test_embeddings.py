@@ -16,9 +16,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -417,6 +419,49 @@ def test_a_call_of_openais_2048_inputs_is_served_on_an_idle_engine(
     assert cosines(np.array([d["embedding"] for d in reply["data"]]), want).min() >= MIN_COSINE
     with Client(minilm_run.run_dir) as client:
         assert cosines(client.embed(inputs, timeout=300).embeddings, want).min() >= MIN_COSINE
+
+
+def engine_counts(url: str) -> dict[str, float]:
+    """The gateway's /metrics: finished requests by finish reason, and those running or waiting."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    origin = url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{origin}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "brigade:request_success_total":
+                reason = sample.labels["finished_reason"]
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+            elif sample.name in ("brigade:num_requests_running", "brigade:num_requests_waiting"):
+                counts["in_engine"] = counts.get("in_engine", 0.0) + sample.value
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_client_gone_before_its_vectors_aborts_its_inputs(minilm_run: Run) -> None:
+    """A call of 2048 inputs (~140 tokens each, 200 a step: a step each) whose client goes away
+    once the engine runs them: the gateway aborts the inputs still in the engine, as vLLM cancels
+    a request whose client went away, rather than computing minutes of vectors for nobody ahead
+    of every later call."""
+    url = gateway_url(minilm_run)
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    before = engine_counts(url)
+    body = json.dumps({"model": "minilm", "input": [f"{i}: " + " ".join(TEXTS * 5) for i in range(2048)]})
+    head = f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 60
+        while engine_counts(url).get("stop", 0.0) == before.get("stop", 0.0):  # its first vectors are in
+            assert time.monotonic() < deadline, "the engine computed none of the call's inputs"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while (counts := engine_counts(url))["in_engine"] or counts.get("abort", 0.0) == before.get("abort", 0.0):
+        assert time.monotonic() < deadline, f"the inputs of a call whose client is gone still run: {counts}"
+        time.sleep(0.1)
+    assert counts.get("stop", 0.0) - before.get("stop", 0.0) < 2048, counts
 
 
 @pytest.mark.slow

@@ -43,13 +43,13 @@ class ScoringApi:
         self.gateway = gateway
 
     async def vectors(
-        self, texts: list[str], truncate_prompt_tokens: int | None, fields: list[str]
+        self, request: Request, texts: list[str], truncate_prompt_tokens: int | None, fields: list[str]
     ) -> tuple[np.ndarray, int]:
         """The texts' vectors and prompt tokens; a refusal of one text names it by its field
         (`fields[i]` for text i) in its message and param: the SDK's `input[i]` counts the texts
         of all fields together, which the caller never sent as such."""
         try:
-            result = await self.gateway.embed(texts, None, truncate_prompt_tokens)
+            result = await self.gateway.embed(request, texts, None, truncate_prompt_tokens)
         except ApiError as error:
             if error.status == 400:
                 named = INPUT_NAMED.search(error.message)
@@ -73,7 +73,7 @@ class ScoringApi:
                 "text_1",
             )
         vectors, prompt_tokens = await self.vectors(
-            firsts + seconds, body.truncate_prompt_tokens, first_fields + second_fields
+            request, firsts + seconds, body.truncate_prompt_tokens, first_fields + second_fields
         )
         first_of = (lambda i: vectors[0]) if len(firsts) == 1 else (lambda i: vectors[i])
         data = [p.ScoreData(i, cosine(first_of(i), vectors[len(firsts) + i])) for i in range(len(seconds))]
@@ -89,7 +89,7 @@ class ScoringApi:
         if body.top_n is not None and body.top_n < 0:
             raise invalid(f"top_n must be 0 (all) or more, got {body.top_n}", "top_n")
         vectors, prompt_tokens = await self.vectors(
-            [body.query, *documents], body.truncate_prompt_tokens, ["query", *document_fields]
+            request, [body.query, *documents], body.truncate_prompt_tokens, ["query", *document_fields]
         )
         scores = [cosine(vectors[0], vector) for vector in vectors[1:]]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])  # stable: ties keep their order
