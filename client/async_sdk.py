@@ -13,6 +13,7 @@ import zmq
 
 from client.errors import BrigadeError, ServerUnavailable
 from client.sdk import (
+    MAX_EMBEDS_IN_FLIGHT,
     ClientBase,
     EmbedInput,
     EmbedResult,
@@ -20,11 +21,13 @@ from client.sdk import (
     HealthCheck,
     Prompt,
     StreamDelta,
+    check_seconds,
     collect_result,
     embed_error,
     embed_result,
     make_embeds,
     make_generate,
+    seconds_left,
 )
 from ipc import messages as m
 
@@ -175,11 +178,18 @@ class AsyncClient(ClientBase):
         timeout: float | None = None,
     ) -> EmbedResult:
         """One vector per input (see `Client.embed`), the inputs sent together."""
+        timeout = timeout if timeout is not None else self.timeout
+        check_seconds("timeout", timeout, optional=True)
+        deadline = None if timeout is None else time.monotonic() + timeout  # the whole call's
         requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
+        room = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # sent that many at a time (see there)
+
+        async def embed_one(request: m.Generate) -> GenerateResult:
+            async with room:
+                return await self._collect(self._stream(request, seconds_left(deadline)))
+
         # Every input's outcome, so that a refusal names the input it is about (embed_error).
-        outcomes = await asyncio.gather(
-            *(self._collect(self._stream(r, timeout)) for r in requests), return_exceptions=True
-        )
+        outcomes = await asyncio.gather(*map(embed_one, requests), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, BrigadeError):
                 raise outcome

@@ -503,6 +503,18 @@ class EmbedResult:
 
 
 EmbedInput = str | Sequence[int] | Sequence[str | Sequence[int]]
+# At most this many of one embed call's inputs are in the engine at once; the others are sent as
+# those finish. Each input is a request of its own, and an OpenAI call may hold 2048: sent all at
+# once they overflowed the scheduler's queue (engine.max_num_waiting, 1024 by default), and the
+# call was refused as overloaded on an idle engine, every retry alike. 256 keeps four steps of the
+# default max_num_seqs (64) waiting, which is all the batching the engine can do with them.
+MAX_EMBEDS_IN_FLIGHT = 256
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """A call's time left before `deadline` (time.monotonic), for the next request it sends;
+    0 once it has passed (that request then times out at once)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def make_embeds(
@@ -1274,12 +1286,19 @@ class Client(ClientBase):
         `truncate_prompt_tokens` (vLLM's) embeds each input's last that many tokens, -1 its last
         the model reads (else an input that is too long is refused)."""
         timeout = timeout if timeout is not None else self.timeout
+        check_seconds("timeout", timeout, optional=True)
+        deadline = None if timeout is None else time.monotonic() + timeout  # the whole call's
         requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
         states: list[RequestState] = []
         try:
-            for request in requests:  # all sent before any is waited for
-                states.append(self.session.submit(request, timeout))
-            while not all(state.is_done for state in states):
+            while True:
+                # Sent MAX_EMBEDS_IN_FLIGHT at a time, each as soon as there is room, before any
+                # is waited for (the engine batches those in flight).
+                num_in_flight = sum(not state.is_done for state in states)
+                for request in requests[len(states) : len(states) + MAX_EMBEDS_IN_FLIGHT - num_in_flight]:
+                    states.append(self.session.submit(request, seconds_left(deadline)))
+                if len(states) == len(requests) and all(state.is_done for state in states):
+                    break
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 unsent = any(state.replica is None for state in states)
                 self._pump(0.005 if unsent else self._tick_s)

@@ -16,9 +16,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -261,9 +263,9 @@ def test_cli_embed_prints_json_lines(
     assert lines[2]["prompt_tokens"] > 0
 
 
-def post(url: str, path: str, body: object) -> tuple[int, dict]:
+def post(url: str, path: str, body: object, timeout_s: float = 60) -> tuple[int, dict]:
     host, port = url.removeprefix("http://").split("/")[0].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
         response = conn.getresponse()
@@ -407,10 +409,26 @@ def test_llama_cpp_embedding_endpoints_normalize_as_it_does(
         ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "as many texts as text_2"),
         ("/score", {"text_1": [], "text_2": "c"}, "text_1", "must not be empty"),
         ("/score", {"text_1": "a"}, "text_2", "text_2"),
-        ("/score", {"text_1": "a", "text_2": ["b", " ".join(["word"] * 270)]}, "text_2", "over the 256"),
+        # One text of several: named by its own field and index, in the message and the param
+        # (not by its place among all of the call's texts, as the engine numbers them).
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b", " ".join(["word"] * 270)]},
+            "text_2[1]",
+            r"^text_2\[1\]: .*over the 256",
+        ),
+        ("/score", {"text_1": "a", "text_2": ""}, "text_2", r"^text_2 is empty"),
+        ("/score", {"text_1": ["a", ""], "text_2": ["b", "c"]}, "text_1[1]", r"^text_1\[1\] is empty"),
+        ("/rerank", {"query": "a", "documents": ["b", ""]}, "documents[1]", r"^documents\[1\] is empty"),
+        ("/rerank", {"query": "", "documents": ["b"]}, "query", r"^query is empty"),
         ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),
-        ("/rerank", {"query": " ".join(["word"] * 270), "documents": ["b"]}, "query", "over the 256"),
+        (
+            "/rerank",
+            {"query": " ".join(["word"] * 270), "documents": ["b"]},
+            "query",
+            r"^query: .*over the 256",
+        ),
         ("/v1/rerank", {"query": 3, "documents": ["b"]}, "query", "str"),
     ],
 )
@@ -421,6 +439,69 @@ def test_bad_score_and_rerank_requests_get_400s_naming_the_field(
     assert status == 400, reply
     assert re.search(message, reply["error"]["message"]), reply
     assert reply["error"]["param"] == param, reply
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_call_of_openais_2048_inputs_is_served_on_an_idle_engine(
+    minilm_run: Run, sentence_vectors: np.ndarray
+) -> None:
+    """OpenAI's most inputs a call, each an engine request of its own: more than the scheduler's
+    queue holds (engine.max_num_waiting, 1024), so the SDK sends them a window at a time; sent
+    all at once, the call was refused as overloaded (429, "retry later") on an idle engine, as
+    every retry would be. Through the gateway (the asyncio SDK) and the sync SDK, the vectors in
+    input order and each sentence-transformers' own."""
+    inputs = TEXTS * (2048 // len(TEXTS))
+    want = np.tile(sentence_vectors, (2048 // len(TEXTS), 1))
+    status, reply = post(gateway_url(minilm_run), "/v1/embeddings", {"model": "minilm", "input": inputs}, 300)
+    assert status == 200, reply
+    assert [d["index"] for d in reply["data"]] == list(range(2048))
+    assert cosines(np.array([d["embedding"] for d in reply["data"]]), want).min() >= MIN_COSINE
+    with Client(minilm_run.run_dir) as client:
+        assert cosines(client.embed(inputs, timeout=300).embeddings, want).min() >= MIN_COSINE
+
+
+def engine_counts(url: str) -> dict[str, float]:
+    """The gateway's /metrics: finished requests by finish reason, and those running or waiting."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    origin = url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{origin}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "brigade:request_success_total":
+                reason = sample.labels["finished_reason"]
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+            elif sample.name in ("brigade:num_requests_running", "brigade:num_requests_waiting"):
+                counts["in_engine"] = counts.get("in_engine", 0.0) + sample.value
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_client_gone_before_its_vectors_aborts_its_inputs(minilm_run: Run) -> None:
+    """A call of 2048 inputs (~140 tokens each, 200 a step: a step each) whose client goes away
+    once the engine runs them: the gateway aborts the inputs still in the engine, as vLLM cancels
+    a request whose client went away, rather than computing minutes of vectors for nobody ahead
+    of every later call."""
+    url = gateway_url(minilm_run)
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    before = engine_counts(url)
+    body = json.dumps({"model": "minilm", "input": [f"{i}: " + " ".join(TEXTS * 5) for i in range(2048)]})
+    head = f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 60
+        while engine_counts(url).get("stop", 0.0) == before.get("stop", 0.0):  # its first vectors are in
+            assert time.monotonic() < deadline, "the engine computed none of the call's inputs"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while (counts := engine_counts(url))["in_engine"] or counts.get("abort", 0.0) == before.get("abort", 0.0):
+        assert time.monotonic() < deadline, f"the inputs of a call whose client is gone still run: {counts}"
+        time.sleep(0.1)
+    assert counts.get("stop", 0.0) - before.get("stop", 0.0) < 2048, counts
 
 
 @pytest.mark.slow

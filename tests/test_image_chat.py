@@ -212,11 +212,22 @@ def test_image_chats_through_the_openai_client_give_hfs_tokens(
             "must be a data: URL": "ftp://example.com/cat.png",
         }
         for message, image_url in bad.items():
-            content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Hi"}]
-            with pytest.raises(openai.BadRequestError, match=message):
+            content = [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": image_url}}]
+            with pytest.raises(openai.BadRequestError, match=message) as refused:
                 api.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2
+                    model="tiny",
+                    messages=[
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": content},
+                    ],
+                    max_tokens=2,
                 )
+            # Named where the request has it, whichever stage refused it (the encoder numbers
+            # a request's images as they come: it said images[0]).
+            error = refused.value.body
+            assert error["message"].startswith("messages[1].content[1]: ") and error["param"] == "messages", (
+                error
+            )
         # ... and the run goes on serving.
         assert_hfs(served(api, other_image), expected["other"])
     assert_clean(run_dir)
@@ -271,17 +282,29 @@ def test_admission_parks_a_chat_with_images_until_its_encoder_answers(tiny_gemma
         and "encoder.cache_bytes" in reply.message.message
     )
 
-    # An encoder's refusal is the client's 400; no encoder in time, a 503.
-    for error, code in (("images[0]: the image/png data is truncated", "invalid_request"),
-                        ("timeout: no encoder answered in 60s", "unavailable")):  # fmt: skip
-        entry = core.admit(b"c", chat(m.ChatMessage("user", [picture])))
+    # An encoder's refusal is the client's 400, naming the image where the request has it (the
+    # encoder numbers the request's images: images[1] is the second); no encoder in time, a 503.
+    two_pictures = chat(
+        m.ChatMessage("user", [picture]), m.ChatMessage("assistant", "Noise."),
+        m.ChatMessage("user", [m.TextPart("And this?"), picture]),
+    )  # fmt: skip
+    for error, code, said in (
+        ("images[1]: the image/png data is truncated", "invalid_request",
+         "messages[2].content[1]: the image/png data is truncated"),
+        ("timeout: no encoder answered in 60s", "unavailable", "timeout: no encoder answered in 60s"),
+    ):  # fmt: skip
+        entry = core.admit(b"c", two_pictures)
         reply = core.on_encoded(entry.submit.request_id, -1, [], [], error)
-        assert isinstance(reply, Reply) and reply.message.code == code and reply.message.message == error
+        assert isinstance(reply, Reply) and reply.message.code == code and reply.message.message == said
         assert entry.submit.request_id not in core.journal
 
 
-def test_admission_refuses_images_it_cannot_serve(tiny_gemma3_vlm_dir: Path, tiny_model_dir: Path) -> None:
+def test_admission_refuses_images_it_cannot_serve(
+    tiny_gemma3_vlm_dir: Path, tiny_qwen25vl_dir: Path, tiny_model_dir: Path
+) -> None:
     picture = m.ImagePart(data_url(png(20, 20, seed=0)))
+    bmp = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(bmp, format="BMP")
     refusals = [
         (vlm_core(tiny_gemma3_vlm_dir), chat(m.ChatMessage("assistant", [picture])), "user turns only"),
         (vlm_core(tiny_gemma3_vlm_dir, num_encoders=0), chat(m.ChatMessage("user", [picture])),
@@ -291,6 +314,11 @@ def test_admission_refuses_images_it_cannot_serve(tiny_gemma3_vlm_dir: Path, tin
          "spells the image token"),
         (vlm_core(tiny_gemma3_vlm_dir), chat(m.ChatMessage("user", [m.ImagePart("data:image/png;base64,@@")])),
          r"messages\[0\].content\[0\]: image_url: the data URL is not valid base64"),
+        # Qwen2.5-VL's image tokens take the image's size, read from its header here: a type the
+        # encoder would refuse is refused with it, naming the image.
+        (vlm_core(tiny_qwen25vl_dir),
+         chat(m.ChatMessage("user", [picture, m.ImagePart(data_url(bmp.getvalue(), "image/bmp"))])),
+         r"^messages\[0\].content\[1\]: image: type BMP is not supported"),
     ]  # fmt: skip
     for core, request, message in refusals:
         with pytest.raises(RequestError, match=message) as caught:

@@ -170,3 +170,50 @@ def test_image_sizes_over_the_pixel_limit_are_refused_from_the_header(
         with pytest.raises(ImageError, match=problem):
             read(data, MAX_PIXELS)
     assert image_size(png_header(300, 200), MAX_PIXELS) == (300, 200)
+
+
+def oriented(fmt: str, orientation: int) -> bytes:
+    """A 50x37 image (not square: a quarter turn shows) tagged with EXIF `orientation`."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(noise(50, 37, seed=orientation), fmt, exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_an_image_is_turned_upright_by_its_exif_orientation_as_hf_loads_it(
+    tiny_gemma3_vlm_dir: Path, tiny_qwen25vl_dir: Path, fmt: str
+) -> None:
+    """A phone's portrait photo is stored sideways and tagged (EXIF orientation 6). HF's
+    load_image, the reference for a data URL, turns every tagged image upright, as any viewer
+    shows it; the encoder's pixels are its, and the tokenizer's size from the header (which sets
+    Qwen2.5-VL's image tokens) is the upright one too. Before, the model was given the image as
+    stored: sideways, mirrored or upside down."""
+    from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
+
+    hf = AutoImageProcessor.from_pretrained(tiny_gemma3_vlm_dir)
+    rules = ImageRules.from_dir(tiny_gemma3_vlm_dir)
+    for orientation in range(1, 9):
+        data = oriented(fmt, orientation)
+        reference = load_image(data_url(data))
+        assert reference.size == ((50, 37) if orientation < 5 else (37, 50)), orientation
+        got = open_image(data, MAX_PIXELS)
+        assert got.size == reference.size == image_size(data, MAX_PIXELS), orientation
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference))
+        expected = hf(images=reference, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(rules.pixels(got), expected, rtol=0, atol=1e-6)
+    qwen = ImageRules.from_dir(tiny_qwen25vl_dir)
+    sideways = oriented(fmt, 6)
+    assert qwen.tile_tokens(image_size(sideways, MAX_PIXELS)) == [
+        qwen.pixels_tokens(tile) for tile in qwen.tiles(open_image(sideways, MAX_PIXELS))
+    ]
+
+
+def test_an_image_type_the_encoder_refuses_is_refused_from_the_header() -> None:
+    """The tokenizer reads the size of a Qwen2.5-VL image from its header: a type the encoder
+    does not decode (BMP, TIFF) is refused there too, as the encoder refuses it, rather than
+    counted and sent on to be refused by the encoder."""
+    for image, fmt in ((noise(8, 8), "BMP"), (noise(8, 8), "TIFF")):
+        for read in (image_size, open_image):
+            with pytest.raises(ImageError, match=f"type {fmt} is not supported"):
+                read(encoded(image, fmt), MAX_PIXELS)

@@ -43,6 +43,18 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # What a request may send. GIF gives its first frame, as HF's loader does.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+# EXIF's Orientation tag, and the transposition that shows an image of each value upright (PIL's
+# ImageOps.exif_transpose table): a phone's portrait photo is stored sideways, tagged 6.
+EXIF_ORIENTATION = 0x0112
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 _DATA_URL = re.compile(
     r"data:(?P<media>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,"
 )
@@ -77,16 +89,18 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
-    """The image in `data`, decoded whole and converted to RGB with any transparency over white
-    (HF's convert_to_rgb). Its size is checked from the header, before the pixels are decoded, so
-    a small file that would decode to a huge image costs nothing."""
+    """The image in `data`, decoded whole, turned upright as its EXIF orientation says (as HF's
+    load_image and any image viewer show it), and converted to RGB with any transparency over
+    white (HF's convert_to_rgb). Its size is checked from the header, before the pixels are
+    decoded, so a small file that would decode to a huge image costs nothing."""
     image = _open_header(data, max_pixels)
-    if image.format not in FORMATS:
-        raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
+    upright = UPRIGHT.get(_orientation(image))
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:  # what PIL raises for truncated or corrupt data
         raise ImageError(f"image: the {FORMATS[image.format]} data is truncated or corrupt ({exc})") from None
+    if upright is not None:
+        image = image.transpose(upright)
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if not has_alpha:
         return image.convert("RGB")
@@ -97,14 +111,34 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """(width, height) of an image file, from its header alone (the tokenizer's count of its
     tokens; the encoder decodes it whole, with every check of `open_image`), refused as the encoder
-    would refuse it where that header says more than `max_pixels` pixels."""
+    would refuse it where that header says more than `max_pixels` pixels or a type it does not
+    read."""
     with _open_header(data, max_pixels) as image:
-        return image.size
+        width, height = image.size
+        # Turned a quarter (EXIF 5 to 8), the upright image that open_image gives is its height wide.
+        return (height, width) if _orientation(image) in (5, 6, 7, 8) else (width, height)
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1 to 8) of an image opened from its header, 1 where it has none or an
+    unreadable one. Read from the header alone (a JPEG's APP1, a WebP's EXIF chunk, a PNG's eXIf
+    before its pixel data), so that the tokenizer, which counts an image's tokens from its size
+    before it is decoded, and the encoder, which decodes it, turn it alike."""
+    raw = image.info.get("exif")
+    if not raw:
+        return 1
+    try:
+        exif = Image.Exif()
+        exif.load(raw)
+        orientation = exif.get(EXIF_ORIENTATION, 1)
+    except Exception:  # malformed EXIF: PIL raises whatever its parser hits; the pixels are still good
+        return 1
+    return orientation if orientation in range(1, 9) else 1
 
 
 def _open_header(data: bytes, max_pixels: int) -> Image.Image:
     """The image in `data`, opened from its header (no pixel decoded yet), its size within
-    `max_pixels` (encoder.max_image_pixels)."""
+    `max_pixels` (encoder.max_image_pixels), of a type a request may send."""
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
@@ -113,6 +147,9 @@ def _open_header(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageError(f"image: over the {max_pixels}-pixel limit ({exc})") from None
     except OSError:  # UnidentifiedImageError, or a header PIL cannot parse
         raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
+    if image.format not in FORMATS:
+        image.close()
+        raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
     width, height = image.size
     if width * height > max_pixels:
         image.close()

@@ -77,10 +77,12 @@ from services.gateway.runner import run_jobs
 from services.gateway.sse import (
     DONE,
     SSE_HEADERS,
+    ClientGone,
     Cursor,
     WatchedResponse,
     event,
     settle,
+    unless_disconnected,
     wait_first,
     with_keepalive,
 )
@@ -547,7 +549,7 @@ class Gateway:
         body = await self.read_body(request, p.EmbeddingRequest)
         inputs = embedding_inputs(body.input)
         try:
-            result = await self.embed(inputs, body.dimensions, body.truncate_prompt_tokens)
+            result = await self.embed(request, inputs, body.dimensions, body.truncate_prompt_tokens)
         except ApiError as error:
             # What a 400 here can be about: one input of several, the vector size, else the input.
             if error.status == 400:
@@ -573,19 +575,29 @@ class Gateway:
         return self.finish(request, json_response(p.EmbeddingResponse(data, self.settings.model, usage)))
 
     async def embed(
-        self, inputs: list[str] | list[list[int]], dimensions: int | None, truncate_prompt_tokens: int | None
+        self,
+        request: Request,
+        inputs: list[str] | list[list[int]],
+        dimensions: int | None,
+        truncate_prompt_tokens: int | None,
     ) -> EmbedResult:
         """The inputs' vectors (client.embed), counted in flight (429 at the replica's limit); the
-        SDK's and the engine's refusals as ApiErrors without a param (the caller names it)."""
+        SDK's and the engine's refusals as ApiErrors without a param (the caller names it). A
+        client that goes away first aborts the inputs still in the engine (a 499 for nobody)."""
         if self.num_in_flight >= self.settings.max_concurrent_requests:
             raise ApiError(429, f"this replica is serving {self.num_in_flight} requests, its limit; retry after "
                            f"{RETRY_AFTER_S}s", code="too_many_requests",
                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         self.num_in_flight += 1
         try:
-            return await self.client.embed(
-                inputs, dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens
+            return await unless_disconnected(
+                request.receive,
+                self.client.embed(
+                    inputs, dimensions=dimensions, truncate_prompt_tokens=truncate_prompt_tokens
+                ),
             )
+        except ClientGone:
+            raise ApiError(CLIENT_CLOSED, "the client closed the connection before its reply") from None
         except BrigadeError as exc:  # the SDK's checks (InvalidRequest) and the engine's refusals
             raise (
                 from_engine(exc, {}) if not isinstance(exc, InvalidRequest) else invalid(str(exc), None)

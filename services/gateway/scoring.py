@@ -20,11 +20,14 @@ from services.gateway.errors import ApiError, invalid
 INPUT_NAMED = re.compile(r"input\[(\d+)\]")
 
 
-def texts_of(value: str | list[str], field: str) -> list[str]:
-    texts = [value] if isinstance(value, str) else value
-    if not texts:
+def texts_of(value: str | list[str], field: str) -> tuple[list[str], list[str]]:
+    """A field's texts, and the name of each as a refusal names it: `field` for a lone text,
+    `field[i]` for one of a list (as /v1/embeddings names `input[i]`)."""
+    if isinstance(value, str):
+        return [value], [field]
+    if not value:
         raise invalid(f"{field} must not be empty", field)
-    return texts
+    return value, [f"{field}[{i}]" for i in range(len(value))]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -40,16 +43,21 @@ class ScoringApi:
         self.gateway = gateway
 
     async def vectors(
-        self, texts: list[str], truncate_prompt_tokens: int | None, fields: list[str]
+        self, request: Request, texts: list[str], truncate_prompt_tokens: int | None, fields: list[str]
     ) -> tuple[np.ndarray, int]:
-        """The texts' vectors and prompt tokens; an engine refusal of one text names its field
-        (`fields[i]` for text i)."""
+        """The texts' vectors and prompt tokens; a refusal of one text names it by its field
+        (`fields[i]` for text i) in its message and param: the SDK's `input[i]` counts the texts
+        of all fields together, which the caller never sent as such."""
         try:
-            result = await self.gateway.embed(texts, None, truncate_prompt_tokens)
+            result = await self.gateway.embed(request, texts, None, truncate_prompt_tokens)
         except ApiError as error:
             if error.status == 400:
                 named = INPUT_NAMED.search(error.message)
-                error.param = fields[int(named[1])] if named and int(named[1]) < len(fields) else fields[0]
+                if named and int(named[1]) < len(fields):
+                    error.param = fields[int(named[1])]
+                    error.message = INPUT_NAMED.sub(error.param, error.message, count=1)
+                else:  # every text refused alike (too long, say): the request's first field
+                    error.param = fields[0].split("[")[0]
                 if "truncate_prompt_tokens" in error.message:
                     error.param = "truncate_prompt_tokens"
             raise
@@ -57,16 +65,15 @@ class ScoringApi:
 
     async def score(self, request: Request) -> Response:
         body = await self.gateway.read_body(request, p.ScoreRequest)
-        firsts, seconds = texts_of(body.text_1, "text_1"), texts_of(body.text_2, "text_2")
+        firsts, first_fields = texts_of(body.text_1, "text_1")
+        seconds, second_fields = texts_of(body.text_2, "text_2")
         if len(firsts) != 1 and len(firsts) != len(seconds):
             raise invalid(
                 f"text_1 must be one text, or as many texts as text_2 (got {len(firsts)} and {len(seconds)})",
                 "text_1",
             )
         vectors, prompt_tokens = await self.vectors(
-            firsts + seconds,
-            body.truncate_prompt_tokens,
-            ["text_1"] * len(firsts) + ["text_2"] * len(seconds),
+            request, firsts + seconds, body.truncate_prompt_tokens, first_fields + second_fields
         )
         first_of = (lambda i: vectors[0]) if len(firsts) == 1 else (lambda i: vectors[i])
         data = [p.ScoreData(i, cosine(first_of(i), vectors[len(firsts) + i])) for i in range(len(seconds))]
@@ -78,11 +85,11 @@ class ScoringApi:
 
     async def rerank(self, request: Request) -> Response:
         body = await self.gateway.read_body(request, p.RerankRequest)
-        documents = texts_of(body.documents, "documents")
+        documents, document_fields = texts_of(body.documents, "documents")
         if body.top_n is not None and body.top_n < 0:
             raise invalid(f"top_n must be 0 (all) or more, got {body.top_n}", "top_n")
         vectors, prompt_tokens = await self.vectors(
-            [body.query, *documents], body.truncate_prompt_tokens, ["query"] + ["documents"] * len(documents)
+            request, [body.query, *documents], body.truncate_prompt_tokens, ["query", *document_fields]
         )
         scores = [cosine(vectors[0], vector) for vector in vectors[1:]]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])  # stable: ties keep their order

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -21,6 +21,8 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway.errors import invalid
 from services.gateway.formats import Piece
+
+T = TypeVar("T")
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -134,6 +136,32 @@ async def settle(pending: asyncio.Future[Any]) -> None:
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its reply (`unless_disconnected`)."""
+
+
+async def unless_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, awaited while watching the connection (its body read already): a
+    client that goes away first cancels it, and with it the engine requests it made (the SDK
+    aborts the requests of a cancelled call), and ClientGone is raised. A whole reply that takes
+    long (the vectors of many inputs) would otherwise be computed for nobody."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    if work.cancelled() or not work.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise ClientGone
+    return work.result()
 
 
 class WatchedResponse(Response):

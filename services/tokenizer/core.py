@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -72,6 +73,18 @@ MAX_ENCODINGS = 3
 # another engine id: the old one's drop, still on its way to the detokenizer beside the
 # scheduler's outputs, must not hit the new request's state. Older ones are long settled.
 MAX_FORGOTTEN_KEYS = 4096
+# The image an encoder's or a fetcher's refusal is about, as they number a request's images.
+IMAGE_NUMBERED = re.compile(r"^images\[(\d+)\]")
+
+
+def named_image(error: str, fields: list[str]) -> str:
+    """An encoder's or a fetcher's refusal of a request's image ("images[1]: ..."), naming the
+    image where the request has it ("messages[2].content[0]: ..."), as the tokenizer's own
+    refusals of images do; the gateway's param is then `messages`."""
+    numbered = IMAGE_NUMBERED.match(error)
+    if numbered is None or int(numbered[1]) >= len(fields):
+        return error
+    return fields[int(numbered[1])] + error[numbered.end() :]
 
 
 def engine_id(tokenizer_id: int, identity: bytes, request_id: str, generation: int = 0) -> str:
@@ -136,6 +149,9 @@ class JournalEntry:
     # nothing upstream has it to resubmit or to ask about, so a resubmission always carries the
     # prompt tokenized once, here.
     image_files: list[bytes] = field(default_factory=list)
+    # Where each image is in the request (messages[1].content[0]), which names it in a refusal:
+    # the encoder and the fetcher number the images as they come (images[3]).
+    image_fields: list[str] = field(default_factory=list)
     image_starts: list[int] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
     image_grid_widths: list[int] = field(default_factory=list)
@@ -268,7 +284,7 @@ class TokenizerCore:
         self._check_task(request)
         self._check_inputs(request)
         tools = self._tools(request)
-        image_files, image_urls = self._image_files(request)
+        image_files, image_urls, image_fields = self._image_files(request)
         params = request.params
         if params.embed is not None:  # one step, which "samples" the end of the request
             params = msgspec.structs.replace(params, max_tokens=1)
@@ -339,6 +355,7 @@ class TokenizerCore:
             output_ids=resume_ids.tolist(),
             num_chars=request.resume_num_chars,
             image_files=image_files,
+            image_fields=image_fields,
             image_urls=image_urls,
             is_encoding=bool(image_files),
             num_encodings=int(bool(image_files)),
@@ -363,7 +380,7 @@ class TokenizerCore:
     def _tokenize(self, entry: JournalEntry, request: m.Generate, tools: list[dict] | None) -> None:
         """Give `entry` its prompt, and each image tile's place in it, from its request and
         its image files (every one in). Raises RequestError."""
-        image_sizes = self._image_sizes(entry.image_files)
+        image_sizes = self._image_sizes(entry.image_files, entry.image_fields)
         prompt_ids = self._prompt_ids(request, tools, image_sizes)
         entry.image_starts, entry.image_tokens, entry.image_grid_widths = self._image_tiles(
             prompt_ids, image_sizes
@@ -558,13 +575,14 @@ class TokenizerCore:
                 f"reads ({embedding.max_input_from})",
             )
 
-    def _image_files(self, request: m.Generate) -> tuple[list[bytes], dict[int, str]]:
+    def _image_files(self, request: m.Generate) -> tuple[list[bytes], dict[int, str], list[str]]:
         """The files of a chat's images, in order, each decoded from its data URL within
-        encoder.max_image_bytes (the encoder decodes the image itself); and the http(s) URLs to
-        fetch, by index (b"" in the files until then), each checked against the run's policy.
-        Raises RequestError."""
+        encoder.max_image_bytes (the encoder decodes the image itself); the http(s) URLs to
+        fetch, by index (b"" in the files until then), each checked against the run's policy;
+        and each image's place in the request (`messages[i].content[k]`). Raises RequestError."""
         files: list[bytes] = []
         urls: dict[int, str] = {}
+        fields: list[str] = []
         for i, message in enumerate(request.messages or ()):
             if not isinstance(message.content, list):
                 continue
@@ -572,6 +590,7 @@ class TokenizerCore:
                 if not isinstance(part, m.ImagePart):
                     continue
                 field = f"messages[{i}].content[{k}]"
+                fields.append(field)
                 if message.role != "user":
                     raise RequestError("invalid_request", f"{field}: images are read in user turns only")
                 if self.image_rules is None:
@@ -592,17 +611,20 @@ class TokenizerCore:
                     raise RequestError("invalid_request", f"{field}: {exc}") from None
                 urls[len(files)] = part.url
                 files.append(b"")
-        return files, urls
+        return files, urls, fields
 
-    def _image_sizes(self, files: list[bytes]) -> list[tuple[int, int] | None]:
+    def _image_sizes(self, files: list[bytes], fields: list[str]) -> list[tuple[int, int] | None]:
         """Each image's (width, height), read from its header where the model's image tokens
-        depend on it; None where they do not."""
+        depend on it; None where they do not. A refusal names the image (`fields`)."""
         if self.image_rules is None or not self.image_rules.needs_sizes:
             return [None] * len(files)
-        try:
-            return [image_size(data, self.max_image_pixels) for data in files]
-        except ImageError as exc:
-            raise RequestError("invalid_request", f"messages: {exc}") from None
+        sizes: list[tuple[int, int] | None] = []
+        for data, field_name in zip(files, fields, strict=True):
+            try:
+                sizes.append(image_size(data, self.max_image_pixels))
+            except ImageError as exc:
+                raise RequestError("invalid_request", f"{field_name}: {exc}") from None
+        return sizes
 
     def _image_tiles(
         self, prompt_ids: list[int], sizes: list[tuple[int, int] | None]
@@ -914,7 +936,7 @@ class TokenizerCore:
             return None
         if error:
             code = "unavailable" if error.startswith("timeout") else "invalid_request"
-            return self.fail(m.RequestFailed(request_id, code, error))
+            return self.fail(m.RequestFailed(request_id, code, named_image(error, entry.image_fields)))
         if len(refs) != len(entry.image_starts):
             return self.fail(
                 m.RequestFailed(
@@ -943,7 +965,9 @@ class TokenizerCore:
         if entry is None or entry.unfetched is None:
             return None
         if error:
-            return self.fail(m.RequestFailed(request_id, "invalid_request", error))
+            return self.fail(
+                m.RequestFailed(request_id, "invalid_request", named_image(error, entry.image_fields))
+            )
         for index, data in files.items():
             entry.image_files[index] = data
         (request, tools), entry.unfetched, entry.image_urls = entry.unfetched, None, {}
