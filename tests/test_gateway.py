@@ -380,8 +380,9 @@ def test_truncate_prompt_tokens_and_no_generation_prompt(gw: Gateway, hf_tokeniz
     )
     assert (both.usage.prompt_tokens, both.choices[0].message.content) == as_ids(chat_ids[-5:])
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
-        status, error = gw.error(path, {**body, "max_tokens": 2, "truncate_prompt_tokens": -2})
-        assert status == 400 and error["param"] == "truncate_prompt_tokens", error
+        for truncate in (-2, MAX_MODEL_LEN + 1):  # vLLM refuses a truncation past the model's length too
+            status, error = gw.error(path, {**body, "max_tokens": 2, "truncate_prompt_tokens": truncate})
+            assert status == 400 and error["param"] == "truncate_prompt_tokens", error
 
 
 def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm_does(gw: Gateway, hf_tokenizer) -> None:

@@ -546,6 +546,11 @@ class TokenizerCore:
             raise RequestError(
                 "invalid_request", f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}"
             )
+        if truncate > self.max_model_len:
+            raise RequestError(
+                "invalid_request",
+                f"truncate_prompt_tokens {truncate} is over the model's length, max_model_len {self.max_model_len}",
+            )
         keep = truncate if truncate > 0 else whole
         if len(prompt_ids) <= keep:
             return prompt_ids
