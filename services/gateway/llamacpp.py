@@ -288,7 +288,7 @@ class LlamaCompletions:
             raise invalid(f"embd_normalize must be -1 (none), 0 (int16 range) or a p-norm's p >= 1, got "
                           f"{body.embd_normalize}", "embd_normalize")  # fmt: skip
         try:
-            result = await gw.embed(embedding_inputs(prompt), None, None)
+            result = await gw.embed(request, embedding_inputs(prompt), None, None)
         except ApiError as error:
             error.param = error.param or "input"
             raise
