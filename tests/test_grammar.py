@@ -195,6 +195,16 @@ def test_json_object_gives_an_object(compiler, model):
         assert isinstance(json.loads(walk(compiler, model, spec, seed)[0]), dict)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_schema_true_allows_any_json_value(compiler, model, strict):
+    """`true` is JSON Schema's "anything" (as `{}`); it was refused with the engine's words about
+    its options ("Expecting object schema to apply options")."""
+    spec = from_response_format({"type": "json_schema", "json_schema": {"schema": True, "strict": strict}})
+    check_constraint(spec)
+    for seed in range(3):
+        json.loads(walk(compiler, model, spec, seed)[0])
+
+
 def test_regex_choice_and_grammar_outputs(compiler, model):
     regex = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2,4}")
     choices = ["yes", "no", 'say "maybe"', "ünïcode"]

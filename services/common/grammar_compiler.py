@@ -142,7 +142,10 @@ def grammar_text(spec: StructuredOutput) -> str:
     try:
         if spec.kind == "json":
             options = {**JSON_LAYOUT, "lenient": not spec.strict}
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, overrides=options)
+            # The schema `true` allows any value, as `{}` does; the engine applies its options to
+            # an object schema only, and would refuse it with words about those options.
+            schema = "{}" if spec.spec.strip() == "true" else spec.spec
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
