@@ -388,6 +388,23 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(gw: Gatewa
             assert [name for name, _ in whole] == ["get_weather"]  # named from the start: cut or not, a call
 
 
+def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(gw: Gateway) -> None:
+    """A stop string inside a forced call's JSON (here the key "city") ends the output midway:
+    the reply keeps the call with the arguments written so far, streamed or not, but its
+    finish_reason stays `stop`. It used to be `tool_calls`, which tells the client to run the
+    call, and the openai client's parsing helpers then failed on the arguments ('{"')."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        kwargs = {"max_tokens": 40, "tools": TOOLS, "tool_choice": tool_choice, "stop": ["city"]}
+        choice = chat(gw, ASK_WEATHER, 0.0, None, **kwargs).choices[0]
+        whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert choice.finish_reason == "stop", (tool_choice, whole)
+        assert [name for name, _ in whole] == ["get_weather"] and whole[0][1].endswith('{"'), whole
+        content, streamed, finish = streamed_chat(gw, ASK_WEATHER, 0.0, None, **kwargs)
+        assert (content, finish) == ("", "stop")
+        assert [(c["name"], c["arguments"]) for c in streamed] == whole
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_function_call(gw: Gateway, stream: bool) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
