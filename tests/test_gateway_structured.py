@@ -14,11 +14,18 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from client import Client
+from client.async_sdk import AsyncClient
 from ipc.structured_output import MAX_PARALLEL_CALLS
+from services.audit import ApiKeyFailures, AuditLog
+from services.common.text import Tokenizer
 from services.common.tool_parsers import ToolParser
-from tests.harness import assert_clean, brigade_run, free_port
+from services.gateway.app import Gateway as AppGateway
+from services.gateway.app import GatewaySettings
+from services.metrics import HttpMetrics
+from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -403,6 +410,48 @@ def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(gw: 
         content, streamed, finish = streamed_chat(gw, ASK_WEATHER, 0.0, None, **kwargs)
         assert (content, finish) == ("", "stop")
         assert [(c["name"], c["arguments"]) for c in streamed] == whole
+
+
+def test_a_constrained_reply_of_a_deepseek_r1_style_model_is_content_not_reasoning(
+    gw: Gateway, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A deepseek_r1 template opens the think block in the prompt, so an output is reasoning until
+    its `</think>`. A constrained output is the grammar's from its first token: its JSON used to
+    come back as `reasoning_content` with content null, and a streamed forced call as reasoning
+    text with no `tool_calls` at all. (SmolLM2's template opens no think block: an in-process
+    gateway on this run reads its outputs as deepseek_r1.)"""
+
+    def make_gateway() -> AppGateway:
+        settings = GatewaySettings(
+            model="", max_model_len=2048, api_keys=frozenset(), max_concurrent_requests=16,
+            max_body_bytes=1 << 20, run_dir=tmp_path, key_failures=ApiKeyFailures(AuditLog(tmp_path / "audit.jsonl", "r1")),
+            max_prompt_chars=100_000, max_messages=100, template_timeout_s=5.0, body_timeout_s=30.0,
+            reasoning_parser="deepseek_r1", max_costly_compiles=0,
+        )  # fmt: skip
+        return AppGateway(
+            settings, AsyncClient(gw.run.run_dir), Tokenizer(smollm2_dir), HttpMetrics(CollectorRegistry())
+        )
+
+    with gateway_in_thread(make_gateway) as url:
+        r1 = Gateway(gw.run, int(url.rsplit(":", 1)[1]))
+        response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        message = chat(r1, ASK_PERSON, 0.0, None, max_tokens=100, response_format=response_format)
+        message = message.choices[0].message
+        assert message.reasoning_content is None, message
+        jsonschema.validate(json.loads(message.content), PERSON)
+        content, calls, finish = streamed_chat(
+            r1, ASK_PERSON, 0.0, None, max_tokens=100, response_format=response_format
+        )
+        assert content == message.content
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        content, calls, finish = streamed_chat(
+            r1, ASK_WEATHER, 0.0, None, max_tokens=40, tools=TOOLS, tool_choice=named
+        )
+        assert (content, finish) == ("", "tool_calls"), calls
+        check_calls([(c["name"], c["arguments"]) for c in calls])
+        # Unconstrained, the same gateway reads the output as reasoning: no `</think>`, all of it.
+        plain = chat(r1, ASK_PERSON, 0.0, None, max_tokens=8).choices[0].message
+        assert plain.content in (None, "") and plain.reasoning_content, plain
 
 
 @pytest.mark.parametrize("stream", [False, True])
