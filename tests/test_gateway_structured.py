@@ -11,6 +11,7 @@ import re
 import threading
 from pathlib import Path
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -410,6 +411,22 @@ def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(gw: 
         content, streamed, finish = streamed_chat(gw, ASK_WEATHER, 0.0, None, **kwargs)
         assert (content, finish) == ("", "stop")
         assert [(c["name"], c["arguments"]) for c in streamed] == whole
+    # Anthropic's Messages say so too, whole and streamed: the whole reply's stop sequence ends
+    # the call's arguments, not its (empty) text, and it said end_turn.
+    messages = anthropic.Anthropic(
+        base_url=gw.url, api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0
+    ).messages
+    body = {
+        "model": "", "max_tokens": 40, "messages": ASK_WEATHER, "stop_sequences": ["city"],
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}], "tool_choice": {"type": "any"},
+        "extra_body": {"temperature": 0.0},
+    }  # fmt: skip
+    reply = messages.create(**body)
+    with messages.stream(**body) as stream:
+        streamed_reply = stream.get_final_message()
+    for message in (reply, streamed_reply):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "city"), message
+        assert [block.type for block in message.content] == ["tool_use"], message
 
 
 def test_a_constrained_reply_of_a_deepseek_r1_style_model_is_content_not_reasoning(
