@@ -210,6 +210,15 @@ def test_json_object_output_is_an_object(gw: Gateway, temperature: float, seed: 
         assert choice.message.content.startswith("{")
 
 
+def test_vllm_json_object_option_is_response_format_json_object(gw: Gateway) -> None:
+    """vLLM's `structured_outputs: {"json_object": true}` was a 400 ("unknown field(s)")."""
+    options = {"structured_outputs": {"json_object": True}}
+    reply = chat(gw, ASK_PERSON, 1.0, 5, max_tokens=30, extra_body=options).choices[0]
+    same = chat(gw, ASK_PERSON, 1.0, 5, max_tokens=30, response_format={"type": "json_object"}).choices[0]
+    assert (reply.message.content, reply.finish_reason) == (same.message.content, same.finish_reason)
+    assert reply.message.content.startswith("{")
+
+
 @pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
 def test_structured_outputs_regex_and_choice_through_extra_body(
     gw: Gateway, temperature: float, seed: int | None
