@@ -7,7 +7,7 @@ tokenizer translate without loading anything heavy:
 - OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint);
 - vLLM `structured_outputs`: exactly one of `json` (a schema, as an object or its text), `regex`,
-  `choice` (a list of strings) or `grammar` (EBNF / GBNF, or Lark);
+  `choice` (a list of strings), `grammar` (EBNF / GBNF, or Lark) or `json_object: true`;
 - OpenAI `tools` + `tool_choice` `required` or a named function: the schema that forces the call
   (`for_tool_choice`).
 
@@ -55,6 +55,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _EXTENDING = ("properties", "patternProperties", "additionalProperties", *_COMBINED)
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
+# vLLM's `structured_outputs.json_object: true`: any JSON object, as response_format json_object.
+JSON_OBJECT_OPTION = "json_object"
 
 
 def canonical_schema(schema: Any, field: str) -> str:
@@ -98,13 +100,19 @@ def from_structured_outputs(options: Mapping[str, Any] | None) -> StructuredOutp
         return None
     if not isinstance(options, Mapping):
         raise InvalidParams("structured_outputs: must be an object")
-    unknown = sorted(set(options) - set(KINDS))
+    fields = [*KINDS, JSON_OBJECT_OPTION]
+    unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise InvalidParams(f"structured_outputs: unknown field(s) {unknown}; use one of {list(KINDS)}")
-    given = [k for k in KINDS if options.get(k) is not None]
+        raise InvalidParams(f"structured_outputs: unknown field(s) {unknown}; use one of {fields}")
+    json_object = options.get(JSON_OBJECT_OPTION)
+    if json_object is not None and not isinstance(json_object, bool):
+        raise InvalidParams(f"structured_outputs.{JSON_OBJECT_OPTION}: must be a boolean")
+    given = [k for k in KINDS if options.get(k) is not None] + ([JSON_OBJECT_OPTION] if json_object else [])
     if len(given) != 1:
-        raise InvalidParams(f"structured_outputs: set exactly one of {list(KINDS)}, got {given}")
+        raise InvalidParams(f"structured_outputs: set exactly one of {fields}, got {given}")
     kind = given[0]
+    if kind == JSON_OBJECT_OPTION:
+        return StructuredOutput("json", JSON_OBJECT_SCHEMA)
     value = options[kind]
     field = f"structured_outputs.{kind}"
     if kind == "json":

@@ -11,14 +11,22 @@ import re
 import threading
 from pathlib import Path
 
+import anthropic
 import jsonschema
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from client import Client
+from client.async_sdk import AsyncClient
 from ipc.structured_output import MAX_PARALLEL_CALLS
+from services.audit import ApiKeyFailures, AuditLog
+from services.common.text import Tokenizer
 from services.common.tool_parsers import ToolParser
-from tests.harness import assert_clean, brigade_run, free_port
+from services.gateway.app import Gateway as AppGateway
+from services.gateway.app import GatewaySettings
+from services.metrics import HttpMetrics
+from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -200,6 +208,15 @@ def test_json_object_output_is_an_object(gw: Gateway, temperature: float, seed: 
     else:  # a small model may fill an object until max_tokens: then it says so
         assert choice.finish_reason == "length"
         assert choice.message.content.startswith("{")
+
+
+def test_vllm_json_object_option_is_response_format_json_object(gw: Gateway) -> None:
+    """vLLM's `structured_outputs: {"json_object": true}` was a 400 ("unknown field(s)")."""
+    options = {"structured_outputs": {"json_object": True}}
+    reply = chat(gw, ASK_PERSON, 1.0, 5, max_tokens=30, extra_body=options).choices[0]
+    same = chat(gw, ASK_PERSON, 1.0, 5, max_tokens=30, response_format={"type": "json_object"}).choices[0]
+    assert (reply.message.content, reply.finish_reason) == (same.message.content, same.finish_reason)
+    assert reply.message.content.startswith("{")
 
 
 @pytest.mark.parametrize(("temperature", "seed"), SAMPLED, ids=SAMPLED_IDS)
@@ -386,6 +403,81 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(gw: Gatewa
             assert choice.finish_reason == "length"
         if tool_choice == named:
             assert [name for name, _ in whole] == ["get_weather"]  # named from the start: cut or not, a call
+
+
+def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(gw: Gateway) -> None:
+    """A stop string inside a forced call's JSON (here the key "city") ends the output midway:
+    the reply keeps the call with the arguments written so far, streamed or not, but its
+    finish_reason stays `stop`. It used to be `tool_calls`, which tells the client to run the
+    call, and the openai client's parsing helpers then failed on the arguments ('{"')."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        kwargs = {"max_tokens": 40, "tools": TOOLS, "tool_choice": tool_choice, "stop": ["city"]}
+        choice = chat(gw, ASK_WEATHER, 0.0, None, **kwargs).choices[0]
+        whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert choice.finish_reason == "stop", (tool_choice, whole)
+        assert [name for name, _ in whole] == ["get_weather"] and whole[0][1].endswith('{"'), whole
+        content, streamed, finish = streamed_chat(gw, ASK_WEATHER, 0.0, None, **kwargs)
+        assert (content, finish) == ("", "stop")
+        assert [(c["name"], c["arguments"]) for c in streamed] == whole
+    # Anthropic's Messages say so too, whole and streamed: the whole reply's stop sequence ends
+    # the call's arguments, not its (empty) text, and it said end_turn.
+    messages = anthropic.Anthropic(
+        base_url=gw.url, api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0
+    ).messages
+    body = {
+        "model": "", "max_tokens": 40, "messages": ASK_WEATHER, "stop_sequences": ["city"],
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}], "tool_choice": {"type": "any"},
+        "extra_body": {"temperature": 0.0},
+    }  # fmt: skip
+    reply = messages.create(**body)
+    with messages.stream(**body) as stream:
+        streamed_reply = stream.get_final_message()
+    for message in (reply, streamed_reply):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "city"), message
+        assert [block.type for block in message.content] == ["tool_use"], message
+
+
+def test_a_constrained_reply_of_a_deepseek_r1_style_model_is_content_not_reasoning(
+    gw: Gateway, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A deepseek_r1 template opens the think block in the prompt, so an output is reasoning until
+    its `</think>`. A constrained output is the grammar's from its first token: its JSON used to
+    come back as `reasoning_content` with content null, and a streamed forced call as reasoning
+    text with no `tool_calls` at all. (SmolLM2's template opens no think block: an in-process
+    gateway on this run reads its outputs as deepseek_r1.)"""
+
+    def make_gateway() -> AppGateway:
+        settings = GatewaySettings(
+            model="", max_model_len=2048, api_keys=frozenset(), max_concurrent_requests=16,
+            max_body_bytes=1 << 20, run_dir=tmp_path, key_failures=ApiKeyFailures(AuditLog(tmp_path / "audit.jsonl", "r1")),
+            max_prompt_chars=100_000, max_messages=100, template_timeout_s=5.0, body_timeout_s=30.0,
+            reasoning_parser="deepseek_r1", max_costly_compiles=0,
+        )  # fmt: skip
+        return AppGateway(
+            settings, AsyncClient(gw.run.run_dir), Tokenizer(smollm2_dir), HttpMetrics(CollectorRegistry())
+        )
+
+    with gateway_in_thread(make_gateway) as url:
+        r1 = Gateway(gw.run, int(url.rsplit(":", 1)[1]))
+        response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        message = chat(r1, ASK_PERSON, 0.0, None, max_tokens=100, response_format=response_format)
+        message = message.choices[0].message
+        assert message.reasoning_content is None, message
+        jsonschema.validate(json.loads(message.content), PERSON)
+        content, calls, finish = streamed_chat(
+            r1, ASK_PERSON, 0.0, None, max_tokens=100, response_format=response_format
+        )
+        assert content == message.content
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        content, calls, finish = streamed_chat(
+            r1, ASK_WEATHER, 0.0, None, max_tokens=40, tools=TOOLS, tool_choice=named
+        )
+        assert (content, finish) == ("", "tool_calls"), calls
+        check_calls([(c["name"], c["arguments"]) for c in calls])
+        # Unconstrained, the same gateway reads the output as reasoning: no `</think>`, all of it.
+        plain = chat(r1, ASK_PERSON, 0.0, None, max_tokens=8).choices[0].message
+        assert plain.content in (None, "") and plain.reasoning_content, plain
 
 
 @pytest.mark.parametrize("stream", [False, True])

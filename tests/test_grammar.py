@@ -195,6 +195,28 @@ def test_json_object_gives_an_object(compiler, model):
         assert isinstance(json.loads(walk(compiler, model, spec, seed)[0]), dict)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_schema_true_allows_any_json_value(compiler, model, strict):
+    """`true` is JSON Schema's "anything" (as `{}`); it was refused with the engine's words about
+    its options ("Expecting object schema to apply options")."""
+    spec = from_response_format({"type": "json_schema", "json_schema": {"schema": True, "strict": strict}})
+    check_constraint(spec)
+    for seed in range(3):
+        json.loads(walk(compiler, model, spec, seed)[0])
+
+
+def test_gbnf_code_point_escapes_mean_their_characters(compiler, model):
+    """llama.cpp's GBNF writes a character as `\\uXXXX` or `\\UXXXXXXXX`, in strings and classes.
+    llguidance's converter stripped their leading zeros (`\\u0042` -> `\\u42`), which its own
+    parser refused: "invalid hexadecimal digit", a 400 for a valid grammar."""
+    grammar = StructuredOutput(
+        "grammar", r'root ::= "\u0041" [\u00e9-\u00ea] "\U0001F600" [\u005D\u002D] "\\u0041"'
+    )
+    check_constraint(grammar)
+    for seed in range(4):
+        assert re.fullmatch(r"A[éê]😀[\]-]\\u0041", walk(compiler, model, grammar, seed)[0])
+
+
 def test_regex_choice_and_grammar_outputs(compiler, model):
     regex = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2,4}")
     choices = ["yes", "no", 'say "maybe"', "ünïcode"]

@@ -187,6 +187,18 @@ def test_json_schema_and_grammar_constrain_the_output(gw: Gateway) -> None:
     assert json.loads(reply["content"]) in ("yes", "no") and reply["stop_type"] == "eos"
     reply = completion(gw, prompt=PROMPT, temperature=0, n_predict=16, grammar='root ::= "yes" | "no"')
     assert reply["content"] in ("yes", "no")
+    # llama-server's `grammar` is "" unless set, and its clients send it so: no grammar (it was
+    # a 400, "grammar: must be a non-empty string"), on /completion and /v1 alike.
+    plain = completion(gw, prompt=PROMPT, temperature=0, n_predict=8)
+    assert (
+        completion(gw, prompt=PROMPT, temperature=0, n_predict=8, grammar="")["content"] == plain["content"]
+    )
+    reply = completion(
+        gw, prompt=PROMPT, temperature=0, n_predict=16, json_schema={"enum": ["yes"]}, grammar=""
+    )
+    assert reply["content"] == '"yes"'
+    v1 = v1_completion(gw, prompt=PROMPT, temperature=0, max_tokens=8, grammar="")
+    assert v1["text"] == plain["content"]
 
 
 def test_tokenize_detokenize_in_both_apis_shapes(gw: Gateway, hf_tokenizer) -> None:

@@ -57,6 +57,9 @@ def test_structured_outputs_forms():
     assert choice.kind == "choice" and json.loads(choice.spec) == ["a", 'b"']
     grammar = from_structured_outputs({"grammar": 'root ::= "x"', "json": None})
     assert grammar == StructuredOutput("grammar", 'root ::= "x"')
+    # vLLM's json_object (false is not set), as OpenAI's response_format json_object.
+    assert from_structured_outputs({"json_object": True}) == from_response_format({"type": "json_object"})
+    assert from_structured_outputs({"json_object": False, "regex": "a"}) == StructuredOutput("regex", "a")
 
 
 def test_struct_round_trips_on_the_wire():
@@ -95,6 +98,8 @@ def test_bad_response_format(form, message):
         ({"choice": ["a"] * 2000}, "at most"),
         ({"regex": ""}, "non-empty string"),
         ({"grammar": 3}, "non-empty string"),
+        ({"json_object": True, "regex": "a"}, "exactly one"),
+        ({"json_object": "yes"}, "json_object: must be a boolean"),
     ],
 )
 def test_bad_structured_outputs(form, message):

@@ -98,6 +98,35 @@ def test_forced_formats():
     assert cut.tool_calls[1]["function"]["arguments"] == '{"tz' and cut.content is None
     cut = ToolParser("required").parse(REQUIRED[: REQUIRED.index("get_time") - 5], "r")
     assert calls(cut) == [("get_weather", WEATHER)] and cut.content is None  # '{"' leaked here once
+    assert not required.has_cut_call and not named.has_cut_call
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (ToolParser("named", function_name="get_weather"), '{"city": "Paris", "'),
+        (ToolParser("required"), REQUIRED[: REQUIRED.index('"tz"') + 3]),
+    ],
+    ids=["named", "required"],
+)
+def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(parser: ToolParser, text: str):
+    """A stop string that cuts a forced call leaves the engine's `stop` (whole and streamed): the
+    call keeps the arguments written so far, and `tool_calls` would tell a client to run a call
+    whose arguments are not JSON."""
+    parsed = parser.parse(text, "r")
+    assert parsed.tool_calls and parsed.has_cut_call
+    assert finish_reason("stop", bool(parsed.tool_calls) and not parsed.has_cut_call) == "stop"
+    stream = ToolCallStream(parser, "r")
+    stream.feed(text)
+    stream.finish()
+    assert stream.has_tool_calls and not stream.has_finished_calls
+    whole = ToolCallStream(parser, "r")
+    whole.feed(json.dumps(WEATHER) if parser.format == "named" else REQUIRED)
+    whole.finish()
+    assert whole.has_finished_calls
+
+
+def test_forced_format_errors():
     with pytest.raises(ValueError, match="function_name"):
         ToolParser("named")
     with pytest.raises(ValueError, match="unknown tool call format"):

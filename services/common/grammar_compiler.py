@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput
 from ipc.validation import InvalidParams
@@ -133,6 +134,32 @@ def load_grammar_tokenizer(
     )
 
 
+# A GBNF escape of a code point, or an escaped backslash (matched first, so that `\\u0041` stays
+# a backslash and the text "u0041").
+_GBNF_CODE_POINT = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+
+
+def gbnf_code_points(grammar: str) -> str:
+    r"""GBNF's `\uXXXX` and `\UXXXXXXXX` escapes rewritten as `\xHH` (below 0x100) or the character
+    itself. llguidance's GBNF converter strips their leading zeros (`\u0042` -> `\u42`), which its
+    own Lark parser then refuses ("invalid hexadecimal digit"), and `\u0000` loses its digits. A
+    character at or above 0x100 is never GBNF syntax, so it can stand for itself; a surrogate or
+    a code point past Unicode is left for the converter to refuse."""
+
+    def plain(match: re.Match[str]) -> str:
+        body = match.group(1)
+        if body == "\\":
+            return match.group(0)
+        code = int(body[1:], 16)
+        if code < 0x100:
+            return f"\\x{code:02x}"
+        if 0xD800 <= code < 0xE000 or code > 0x10FFFF:
+            return match.group(0)
+        return chr(code)
+
+    return _GBNF_CODE_POINT.sub(plain, grammar)
+
+
 def grammar_text(spec: StructuredOutput) -> str:
     """The engine's grammar for a constraint (no compile yet); raises GrammarError on bad text."""
     # Checked here too: a constraint may arrive straight off the wire, not through the API forms.
@@ -142,7 +169,10 @@ def grammar_text(spec: StructuredOutput) -> str:
     try:
         if spec.kind == "json":
             options = {**JSON_LAYOUT, "lenient": not spec.strict}
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, overrides=options)
+            # The schema `true` allows any value, as `{}` does; the engine applies its options to
+            # an object schema only, and would refuse it with words about those options.
+            schema = "{}" if spec.spec.strip() == "true" else spec.spec
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
@@ -152,7 +182,8 @@ def grammar_text(spec: StructuredOutput) -> str:
                 "start: " + " | ".join(json.dumps(c) for c in choices)
             )
         if spec.kind == "grammar":
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.spec))
+            lark = spec.spec if is_lark_syntax(spec.spec) else any_to_lark(gbnf_code_points(spec.spec))
+            return llguidance.LLMatcher.grammar_from_lark(lark)
     except Exception as e:  # the engine's parsers raise ValueError or their own error types
         raise GrammarError(f"{spec.kind}: {short_error(str(e))}") from None
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")

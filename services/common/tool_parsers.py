@@ -81,15 +81,20 @@ class ParsedOutput:
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning: str | None = None  # harmony's analysis channel; the other formats have none
+    # A call the output ends inside (a forced call cut by max_tokens or by a stop string): it is
+    # reported with the arguments written so far, but the output did not finish its calls.
+    has_cut_call: bool = False
 
 
 def call_id(request_id: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
 
 
-def finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
-    """OpenAI's finish_reason: tool_calls when the output made calls and was not cut short."""
-    return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
+def finish_reason(engine_reason: str, has_finished_calls: bool) -> str:
+    """OpenAI's finish_reason: tool_calls when the output made calls, each one complete, and was
+    not cut short. A stop string that cuts a forced call leaves the engine's `stop` and a call whose
+    arguments are not valid JSON: `tool_calls` would tell the client to run it."""
+    return "tool_calls" if has_finished_calls and engine_reason == "stop" else engine_reason
 
 
 # ------------------------------------------------------------------ the JSON scanner
@@ -402,6 +407,7 @@ class ToolParser:
         calls = []
         content = []
         reasoning = []
+        has_cut_call = False
         for s in self.segments(text, final=True):
             if isinstance(s, Reasoning):
                 reasoning.append(text[s.start : s.end])
@@ -414,10 +420,11 @@ class ToolParser:
                 end = s.args_end if s.args_end is not None else len(text)
                 arguments = text[s.args_start : end] if s.args_start is not None else ""
                 calls.append(_tool_call(call_id(request_id, len(calls)), s.name or "", arguments))
+                has_cut_call = has_cut_call or not s.complete
         joined = "".join(content)
         thought = "".join(reasoning) or None
         if calls or self.format in FORCED:
-            return ParsedOutput(joined.strip() or None, calls, thought)
+            return ParsedOutput(joined.strip() or None, calls, thought, has_cut_call)
         return ParsedOutput(joined, [], thought)
 
 
@@ -442,12 +449,18 @@ class ToolCallStream:
         self._content_sent: dict[int, int] = {}  # content (or reasoning) piece start -> characters sent
         self._call_index: dict[int, int] = {}  # call start -> its index
         self._args_sent: list[int] = []  # per call index: characters of its arguments sent
+        self._has_cut_call = False  # at finish: the output ended inside an announced call
         # A harmony stream's output is long (its reasoning): each step scans only the new text.
         self._scan = harmony.ScanState() if parser.format == "harmony" else None
 
     @property
     def has_tool_calls(self) -> bool:
         return bool(self._call_index)
+
+    @property
+    def has_finished_calls(self) -> bool:
+        """After `finish()`: the stream announced calls and the output ended none of them midway."""
+        return self.has_tool_calls and not self._has_cut_call
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
@@ -475,6 +488,8 @@ class ToolCallStream:
                     self._content_sent[s.start] = end - s.start
                 continue
             index = self._call_index.get(s.start)
+            if final and not s.complete and (index is not None or s.name is not None):
+                self._has_cut_call = True
             if index is None:
                 if s.name is None:
                     break  # its header can only go out with the name

@@ -341,15 +341,20 @@ class AnthropicReply:
     async def whole(self, completion: p.ChatCompletion) -> bytes:
         choice = completion.choices[0]
         text = choice.message.content or ""
+        calls = choice.message.tool_calls or []
         self.stop_sequence = self._stop_hit(text, choice.finish_reason)
         if self.stop_sequence is not None:
             text = text[: -len(self.stop_sequence)]
+        elif not text and calls:
+            # A forced call's output is its calls: a stop sequence that cut it ends the last one's
+            # arguments (a stream finds it in the raw text, `piece`).
+            self.stop_sequence = self._stop_hit(calls[-1].function.arguments, choice.finish_reason)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         if choice.message.reasoning_content:  # a reasoning model's thinking (reasoning.py): first
             content.insert(
                 0, {"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""}
             )
-        for call in choice.message.tool_calls or []:
+        for call in calls:
             content.append({"type": "tool_use", "id": call.id, "name": call.function.name,
                             "input": _tool_input(call.function.arguments)})  # fmt: skip
         self.stop_reason = self._stop_reason(choice.finish_reason)

@@ -71,7 +71,7 @@ from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, 
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_chat, plan_completion, sdk_message
 from services.gateway.metrics import RequestTimer
-from services.gateway.reasoning import reasoning_style
+from services.gateway.reasoning import ReasoningStyle, reasoning_style
 from services.gateway.refusal_limits import SMALL_BODY_BYTES, RecentRefusals, is_costly_refusal
 from services.gateway.runner import run_jobs
 from services.gateway.sse import (
@@ -310,6 +310,16 @@ class Gateway:
             is_harmony,
         )
 
+    def reasoning_for(self, plan: Plan) -> ReasoningStyle | None:
+        """How to read a chat's output for reasoning. A constrained output (a schema, a regex, a
+        forced call) is the grammar's from its first token, so it does not start inside the think
+        block a deepseek_r1 template opens: read that way, a JSON reply or a forced call was all
+        `reasoning_content` (content null, a stream's calls lost). It is content until a
+        `<think>` it writes itself, as qwen3's reading has it."""
+        if self.reasoning == "deepseek_r1" and is_constrained(plan):
+            return "qwen3"
+        return self.reasoning
+
     # -- plumbing ----------------------------------------------------------------------------
 
     async def on_http_exception(self, request: Request, exc: HTTPException) -> Response:
@@ -525,7 +535,7 @@ class Gateway:
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None
         fmt = ChatFormat(
             model, names, plan.logprobs, parser, plan.call_id_base,
-            prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning, prefill=plan.prefill,
+            prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning_for(plan), prefill=plan.prefill,
             return_token_ids=body.return_token_ids,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))

@@ -263,7 +263,9 @@ class ChatFormat:
             if reason is not None:
                 items += stream.finish()
                 # What was streamed decides: a call once announced stays a call.
-                reason = finish_reason("stop" if reason == "tool_calls" else reason, stream.has_tool_calls)
+                reason = finish_reason(
+                    "stop" if reason == "tool_calls" else reason, stream.has_finished_calls
+                )
             content, tool_calls = merge_tool_deltas(items)
             reasoning = (reasoning or "") + "".join(item.get("reasoning_content", "") for item in items)
         out: list[msgspec.Struct] = []
@@ -294,7 +296,9 @@ class ChatFormat:
             p.ToolCallOut(c["id"], p.FunctionCallOut(c["function"]["name"], c["function"]["arguments"]))
             for c in parsed.tool_calls
         ]
-        reason = piece.finish_reason and finish_reason(piece.finish_reason, bool(calls))
+        reason = piece.finish_reason and finish_reason(
+            piece.finish_reason, bool(calls) and not parsed.has_cut_call
+        )
         return p.ChatMessageOut("assistant", parsed.content, tool_calls=calls or msgspec.UNSET), reason
 
     def _chunk(

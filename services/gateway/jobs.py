@@ -185,7 +185,12 @@ OPTION_FIELDS = {**{f"guided_{kind}": kind for kind in KINDS}, "json_schema": "j
 def _constraint_options(req: SamplingFields) -> tuple[dict[str, Any] | None, str]:
     """vLLM's `structured_outputs`, or one of the fields that give one kind of it
     (OPTION_FIELDS) as the same options; and the field they came from."""
-    given = [field for field in OPTION_FIELDS if getattr(req, field) is not None]
+    # llama-server's `grammar` is "" unless set, and its clients send it so to /v1 too: no grammar.
+    given = [
+        field
+        for field in OPTION_FIELDS
+        if getattr(req, field) is not None and not (field == "grammar" and req.grammar == "")
+    ]
     if not given:
         return req.structured_outputs, "structured_outputs"
     if req.structured_outputs is not None:

@@ -213,7 +213,9 @@ class LlamaCompletions:
             raise invalid(f"n_probs must be >= 0, got {body.n_probs}", "n_probs")
         if body.seed < -1:
             raise invalid(f"seed must be -1 (random) or >= 0, got {body.seed}", "seed")
-        if body.json_schema is not None and body.grammar is not None:
+        # llama-server's `grammar` is "" unless set, and its clients send it so: no grammar.
+        grammar = body.grammar or None
+        if body.json_schema is not None and grammar is not None:
             raise invalid("give json_schema or grammar, not both", "grammar")
         temperature = max(settings["temperature"], 0.0)  # llama.cpp: below 0 samples greedily
         # n_predict 0 evaluates the prompt alone: the engine always samples a token, which the
@@ -236,7 +238,7 @@ class LlamaCompletions:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repeat_penalty,
             guided_json=body.json_schema,
-            guided_grammar=body.grammar,
+            guided_grammar=grammar,
         )
         try:
             plan = plan_completion(request, resumed_seed)

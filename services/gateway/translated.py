@@ -65,7 +65,13 @@ def chat_format(gateway: Gateway, plan: Plan, model: str) -> ChatFormat:
     names = TokenNames(gateway.tokenizer, False)
     parser = tool_parser_for(plan.tools, gateway.auto_tool_format) if plan.tools is not None else None
     return ChatFormat(
-        model, names, None, parser, plan.call_id_base, reasoning=gateway.reasoning, prefill=plan.prefill
+        model,
+        names,
+        None,
+        parser,
+        plan.call_id_base,
+        reasoning=gateway.reasoning_for(plan),
+        prefill=plan.prefill,
     )
 
 

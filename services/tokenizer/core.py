@@ -925,7 +925,7 @@ class TokenizerCore:
         calls = [
             m.ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls
         ]
-        reason = finish_reason(final.finish_reason or "stop", bool(calls))
+        reason = finish_reason(final.finish_reason or "stop", bool(calls) and not parsed.has_cut_call)
         return msgspec.structs.replace(
             final, finish_reason=reason, tools=m.ParsedTools(parsed.content, calls)
         )
