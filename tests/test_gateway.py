@@ -1486,6 +1486,7 @@ BAD_BODIES = {
             ("allowed_token_ids", [1, 2]),
             ("logits_processors", ["x"]),
             ("prompt_embeds", "AAAA"),
+            ("guided_whitespace_pattern", " *"),
         )
     },
     **{
@@ -1498,6 +1499,8 @@ BAD_BODIES = {
             ("add_special_tokens", True),
             ("chat_template", "{{ messages }}"),
             ("echo", True),
+            ("functions", [{"name": "f", "parameters": {}}]),
+            ("function_call", "auto"),
         )
     },
     "unserved continuous_usage_stats": (

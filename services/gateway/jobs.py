@@ -96,18 +96,23 @@ UNSERVED_FIELDS: dict[str, Any] = {
     "allowed_token_ids": None,
     "logits_processors": None,
     "prompt_embeds": None,
+    "guided_whitespace_pattern": None,
 }
 UNSERVED_CHAT_FIELDS: dict[str, Any] = {
     "add_special_tokens": False,
     "chat_template": None,  # vLLM too refuses one unless its server trusts them
     "echo": False,
+    # OpenAI's deprecated forms of tools and tool_choice, whose replies have their own shape
+    "functions": None,
+    "function_call": None,
 }
 
 
 def _refuse_unserved(req: SamplingFields, fields: dict[str, Any]) -> None:
     for name, asks_nothing in fields.items():
         if getattr(req, name) != asks_nothing:
-            raise invalid(f"{name} is not supported by this server", name)
+            hint = " (use tools and tool_choice)" if name.startswith("function") else ""
+            raise invalid(f"{name} is not supported by this server{hint}", name)
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         raise invalid(
             "continuous_usage_stats is not supported by this server", "stream_options.continuous_usage_stats"

@@ -113,6 +113,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     logits_processors: Any = None
     prompt_embeds: Any = None
+    guided_whitespace_pattern: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
@@ -145,6 +146,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     add_special_tokens: bool = False
     chat_template: str | None = None
     echo: bool = False
+    functions: Any = None
+    function_call: Any = None
     # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
     # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
