@@ -6,6 +6,7 @@ together, and the same prompt under each must not share KV blocks through the pr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -628,4 +629,71 @@ def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path:
         assert [
             int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens
         ] == expected
+    assert_clean(run_dir)
+
+
+def test_an_adapter_file_that_is_no_regular_file_is_refused_and_the_run_serves_on(
+    lora_serving, tmp_path: Path
+) -> None:
+    """lora_path at a FIFO (a .gguf, or a PEFT directory whose adapter_config.json or safetensors
+    is one) or at a device: the worker reads adapters on its step loop, and opening a FIFO that no
+    one writes would block it, and every request of the run with it, for good. Each is a 400
+    naming the file, within a deadline, and the base model and a loaded adapter serve on."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, {"sql-lora": adapters["sql-lora"]})
+    prompt = np.random.default_rng(5).integers(3, TINY_VOCAB_SIZE, 19).tolist()
+    expected = {name: greedy(model, prompt) for name, model in references.items()}
+    fifo_gguf = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo_gguf)
+    fifo_config = tmp_path / "fifo-config"
+    fifo_config.mkdir()
+    shutil.copy(adapters["sql-lora"] / "adapter_model.safetensors", fifo_config)
+    os.mkfifo(fifo_config / "adapter_config.json")
+    fifo_weights = tmp_path / "fifo-weights"
+    fifo_weights.mkdir()
+    shutil.copy(adapters["sql-lora"] / "adapter_config.json", fifo_weights)
+    os.mkfifo(fifo_weights / "adapter_model.safetensors")
+    device = tmp_path / "zero.gguf"
+    device.symlink_to("/dev/zero")
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        f"lora.adapters={{sql-lora: {adapters['sql-lora']}}}", "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+
+    def release_fifos() -> None:
+        """A worker blocked opening a FIFO (the check missing) is released, so that the run stops."""
+        for fifo in (
+            fifo_gguf,
+            fifo_config / "adapter_config.json",
+            fifo_weights / "adapter_model.safetensors",
+        ):
+            with contextlib.suppress(OSError):  # no reader: nothing blocked on it
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    with brigade_run(run_dir, *overrides) as run:
+        # A deadline on every call: without the check the load never answers, nor does the run.
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=60, max_retries=0)
+        refusals = [
+            ("pipe", fifo_gguf, r"/pipe\.gguf is not a regular file \(a FIFO, a device or a socket\)"),
+            ("config", fifo_config, r"/fifo-config/adapter_config\.json is not a regular file"),
+            ("weights", fifo_weights, r"/fifo-weights/adapter_model\.safetensors is not a regular file"),
+            ("zero", device, r"/zero\.gguf is not a regular file"),
+        ]
+        try:
+            for name, path, message in refusals:
+                with pytest.raises(
+                    openai.BadRequestError, match=rf"adapter '{name}': \S*{message}"
+                ) as refused:
+                    api.post(
+                        "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str
+                    )
+                assert refused.value.body["param"] == "lora_path", refused.value.body
+        finally:
+            release_fifos()
+        assert {card.id for card in api.models.list().data} == {"base", "sql-lora"}
+        for model in ("base", "sql-lora"):
+            assert greedy_token_ids(api, (model, prompt)) == expected[model], model
     assert_clean(run_dir)
