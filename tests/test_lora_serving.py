@@ -697,3 +697,40 @@ def test_an_adapter_file_that_is_no_regular_file_is_refused_and_the_run_serves_o
         for model in ("base", "sql-lora"):
             assert greedy_token_ids(api, (model, prompt)) == expected[model], model
     assert_clean(run_dir)
+
+
+def test_a_new_run_in_the_same_run_dir_serves_its_own_lora_adapters(lora_serving, tmp_path: Path) -> None:
+    """The scheduler's table of adapters (lora-adapters-<group>.json) carries adapters across a
+    scheduler restart within one run, not into the next run of that run dir: a run stopped after
+    loading one adapter and unloading another, then started again with another lora.adapters,
+    serves the adapters its config lists, from the paths it gives."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, adapters)
+    prompt = np.random.default_rng(6).integers(3, TINY_VOCAB_SIZE, 22).tolist()
+    expected = {name: greedy(model, prompt) for name, model in references.items()}
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+
+    def served(api: openai.OpenAI) -> set[str]:
+        return {card.id for card in api.models.list().data}
+
+    with brigade_run(run_dir, *overrides, f"lora.adapters={{sql-lora: {adapters['sql-lora']}}}") as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120, max_retries=0)
+        body = {"lora_name": "extra-lora", "lora_path": str(adapters["chat-lora"])}
+        api.post("/load_lora_adapter", body=body, cast_to=str)
+        api.post("/unload_lora_adapter", body={"lora_name": "sql-lora"}, cast_to=str)
+        assert served(api) == {"base", "extra-lora"}
+    assert_clean(run_dir)
+
+    # The next run lists sql-lora again, under chat-lora's weights this time.
+    with brigade_run(run_dir, *overrides, f"lora.adapters={{sql-lora: {adapters['chat-lora']}}}") as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120, max_retries=0)
+        assert served(api) == {"base", "sql-lora"}
+        assert greedy_token_ids(api, ("sql-lora", prompt)) == expected["chat-lora"]
+    assert_clean(run_dir)
+    assert not list(run_dir.glob("lora-adapters-*")), "a stopped run leaves no table of adapters"
