@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import Client, InvalidRequest
+from client import Client, ModelNotFound
 from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, save_random_model
 from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters, stage_processes
 from tests.test_e2e import gateway_url
@@ -216,7 +216,7 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
                 timeout=300,
             )
             assert result.token_ids == expected["chat-lora"]
-            with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'no-such-lora'"):
+            with pytest.raises(ModelNotFound, match="unknown LoRA adapter 'no-such-lora'"):
                 client.generate(prompt, adapter="no-such-lora", max_tokens=2, timeout=60)
         accepted = spec_decode_counters(metrics_port).get("brigade:spec_decode_num_accepted_tokens_total", 0)
         assert (accepted > 0) == (speculation == "ngram"), accepted
@@ -618,7 +618,21 @@ def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path:
         api.post("/load_lora_adapter", body=body, cast_to=str)
         config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    chat-lora: {adapters['chat-lora']}\n")
         run.process.send_signal(signal.SIGHUP)
+        # The gateway's list still names sql-lora (nothing asked the engine since): a request for
+        # it passes the gateway's check, and once the reload has unloaded it the scheduler
+        # refuses it, with the 404 of a name never served, not a 400 naming no parameter.
         deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                greedy_token_ids(api, ("sql-lora", prompt))
+            except openai.NotFoundError as refused:
+                assert refused.body["code"] == "model_not_found", refused.body
+                assert refused.body["param"] == "model", refused.body
+                assert "unknown LoRA adapter 'sql-lora'" in refused.body["message"], refused.body
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("sql-lora still served after the reload")
         while served() != {"base", "chat-lora", "extra-lora"} and time.monotonic() < deadline:
             time.sleep(0.5)
         assert served() == {"base", "chat-lora", "extra-lora"}

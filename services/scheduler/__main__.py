@@ -149,7 +149,9 @@ class SchedulerProcess(StageProcess):
             return
         refusal = self.adapters.refusal(submit.params.adapter) if submit.params.adapter else ""
         if refusal:
-            self.refuse(submit, "invalid_request", refusal)
+            # A name the gateway found served may have been unloaded since (a hot reload, another
+            # replica's unload): the same 404 as a name it never knew, not a bad parameter.
+            self.refuse(submit, "model_not_found", refusal)
             return
         request = Request(
             request_id=submit.request_id,
