@@ -17,6 +17,12 @@ class PromptTooLong(InvalidRequest):
     code = "prompt_too_long"
 
 
+class ModelNotFound(InvalidRequest):
+    """A LoRA adapter (`adapter=`) the engine does not serve, or one being unloaded."""
+
+    code = "model_not_found"
+
+
 class Overloaded(BrigadeError):
     code = "overloaded"
 
@@ -48,7 +54,7 @@ class UntrustedRunDir(BrigadeError):
 
 
 _BY_CODE: dict[str, type[BrigadeError]] = {
-    cls.code: cls for cls in (InvalidRequest, PromptTooLong, Overloaded, ServerUnavailable)
+    cls.code: cls for cls in (InvalidRequest, PromptTooLong, ModelNotFound, Overloaded, ServerUnavailable)
 }
 
 

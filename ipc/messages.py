@@ -200,6 +200,7 @@ class Usage(msgspec.Struct, array_like=True, gc=False):
 ErrorCode = Literal[
     "invalid_request",  # malformed message or invalid parameter
     "prompt_too_long",
+    "model_not_found",  # a LoRA adapter the scheduler does not serve (unloaded since the name was checked)
     "overloaded",
     "unknown_request",
     "unavailable",

@@ -33,6 +33,22 @@ from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 from services.cpu_cores import light_stage_cores, pin_process, usable_cores
 
 RUN_FILE = "run.json"
+# The scheduler's table of LoRA adapters, one per engine group (services/scheduler/adapters.py):
+# it carries the adapters loaded at run time across a scheduler's restart within a run, and the
+# supervisor removes it with the run, so that the next run of the run dir serves its lora.adapters.
+LORA_TABLE_PREFIX = "lora-adapters-"
+
+
+def lora_table_path(run_dir: Path, group: int) -> Path:
+    """Engine group `group`'s table of LoRA adapters."""
+    return run_dir / f"{LORA_TABLE_PREFIX}{group}.json"
+
+
+def lora_table_files(run_dir: Path) -> list[Path]:
+    """Every engine group's table of LoRA adapters in `run_dir`, a half-written one (.tmp) too."""
+    return list(run_dir.glob(f"{LORA_TABLE_PREFIX}*.json*"))
+
+
 # Set by the supervisor for the stages it spawns; stages that tests start on their own lack it.
 SUPERVISOR_PID_ENV = "BRIGADE_SUPERVISOR_PID"
 # Set when a stage's parent is not the supervisor: on a Ray node its parent is the stage's host

@@ -42,7 +42,7 @@ from ipc.endpoints import DIST_PORT_ENV, SHM_PREFIX
 from ipc.shm import SHM_DIR, ShmRing, unlink_ring
 from ipc.topology import StageSpec
 from services.metrics import METRICS_DIR, METRICS_DIR_ENV
-from services.stage import PARENT_PID_ENV, RUN_FILE
+from services.stage import PARENT_PID_ENV, RUN_FILE, lora_table_files
 from supervision.preflight import Refused
 from supervision.stages import REPO_ROOT, RingSpec, StageHandle, StageSet, free_tcp_port
 
@@ -207,7 +207,7 @@ def clean_node(shm_prefix: str, run_dir: str, supervisor_host: str) -> list[str]
                 removed.append(entry)
     if boot_id() != supervisor_host:
         root = Path(run_dir)
-        for path in [root / RUN_FILE, *root.glob("*.sock")]:
+        for path in [root / RUN_FILE, *root.glob("*.sock"), *lora_table_files(root)]:
             path.unlink(missing_ok=True)
         shutil.rmtree(root / METRICS_DIR, ignore_errors=True)
     return removed

@@ -32,7 +32,7 @@ from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
-from services.stage import RUN_FILE, RunInfo, write_run_info
+from services.stage import RUN_FILE, RunInfo, lora_table_files, write_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused, check_hosts
 from supervision.stages import REPO_ROOT, RingSpec
@@ -174,8 +174,9 @@ class Run:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass
-        for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock")]:
-            stale.unlink(missing_ok=True)  # a dead run's leftovers
+        # A dead run's leftovers; its tables of LoRA adapters would replace this run's lora.adapters.
+        for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock"), *lora_table_files(self.run_dir)]:
+            stale.unlink(missing_ok=True)
 
     def claim_shared_memory(self) -> None:
         """Before any shared memory of the run exists: its lock tells sweeps that it is alive;
@@ -412,7 +413,12 @@ class Run:
             self.gateway_port.close()
         if self.run_dir_lock is None:
             return
-        for path in [*self.run_dir.glob("*.sock"), self.run_dir / RUN_FILE, self.run_dir / STATUS_FILE]:
+        for path in [
+            *self.run_dir.glob("*.sock"),
+            self.run_dir / RUN_FILE,
+            self.run_dir / STATUS_FILE,
+            *lora_table_files(self.run_dir),
+        ]:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         if not keep_keys:

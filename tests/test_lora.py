@@ -497,6 +497,22 @@ def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
         make_runner(base, {"corrupt": corrupt})
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"r": True}, r"r must be an integer >= 1, got True"),  # JSON's true is a Python int
+        ({"lora_alpha": "16"}, r"lora_alpha must be a number, got '16'"),
+        ({"lora_alpha": None}, r"lora_alpha must be a number, got None"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_refused_by_name(lora_models, tmp_path, changes, message):
+    """Named, not a TypeError from the scaling's arithmetic, nor a rank of True taken as 1."""
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad", **changes)
+    with pytest.raises(AdapterError, match=rf"'bad': {message}"):
+        make_runner(base, {"bad": bad})
+
+
 def test_an_adapter_copied_in_ahead_serves_a_later_step_without_a_swap(lora_models):
     """Two slots, three adapters in host memory. A step whose row uses slot 0 names a third
     adapter for slot 1 in its header's lora_prefetch: the worker starts that copy with the step,

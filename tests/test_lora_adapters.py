@@ -156,6 +156,38 @@ def test_an_unload_refuses_or_waits_for_the_requests_using_its_adapter(tmp_path:
     assert h.adapters.refusal("chat") == ""
 
 
+def test_a_reload_that_replaces_an_adapter_in_use_at_full_capacity_loads_the_new_one_after(
+    tmp_path: Path,
+) -> None:
+    """A hot reload that lists chat instead of sql, with every place taken (sql, and tool loaded
+    through the endpoint) and a request on sql: the unload of sql waits for the request, and the
+    load of chat waits for the room it frees, instead of being refused for want of it."""
+    h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
+    h.command("load", "tool", "/a/tool")
+    for rank in (0, 1):
+        h.adapters.on_loaded(m.AdapterLoaded(rank, "tool"))
+    h.users["sql"] = 1
+    num_replies = len(h.replies)
+    h.adapters.reload({"sql": "/a/sql"}, {"chat": "/a/chat"}, world_size=2, workers_up=True)
+    assert len(h.replies) == num_replies, h.replies[num_replies:]  # nothing refused
+    assert m.LoadAdapter(m.AdapterSource("chat", "/a/chat")) not in h.sent and h.adapters.has_pending
+    h.users["sql"] = 0
+    h.adapters.poll()
+    assert h.forgotten == ["sql"]
+    assert h.sent[-2:] == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("chat", "/a/chat"))]
+    for rank in (0, 1):
+        h.adapters.on_loaded(m.AdapterLoaded(rank, "chat"))
+    assert h.adapters.loaded == {"tool": "/a/tool", "chat": "/a/chat"} and not h.adapters.has_pending
+    # One whose unload gives up (still in use after lora.unload_wait_s) leaves the load to be
+    # refused for want of room, as a load without it is: the reply is logged.
+    h.users["chat"] = 1
+    h.adapters.reload({"chat": "/a/chat"}, {"sql": "/a/sql"}, world_size=2, workers_up=True)
+    h.now += 10.0
+    h.adapters.poll()
+    assert [reply.code for reply in h.replies[-2:]] == ["adapter_in_use", "invalid_request"]
+    assert "unload one first" in h.replies[-1].message and not h.adapters.has_pending
+
+
 def test_a_restarted_scheduler_reads_back_the_list(tmp_path: Path) -> None:
     h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
     h.command("load", "chat", "/a/chat", world_size=1)

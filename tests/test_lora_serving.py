@@ -6,6 +6,7 @@ together, and the same prompt under each must not share KV blocks through the pr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import Client, InvalidRequest
+from client import Client, ModelNotFound
 from tests.conftest import REPO_ROOT, TINY_VOCAB_SIZE, save_random_model
 from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters, stage_processes
 from tests.test_e2e import gateway_url
@@ -215,7 +216,7 @@ def test_adapters_selected_by_model_name_match_peft(lora_serving, tmp_path: Path
                 timeout=300,
             )
             assert result.token_ids == expected["chat-lora"]
-            with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'no-such-lora'"):
+            with pytest.raises(ModelNotFound, match="unknown LoRA adapter 'no-such-lora'"):
                 client.generate(prompt, adapter="no-such-lora", max_tokens=2, timeout=60)
         accepted = spec_decode_counters(metrics_port).get("brigade:spec_decode_num_accepted_tokens_total", 0)
         assert (accepted > 0) == (speculation == "ngram"), accepted
@@ -617,7 +618,21 @@ def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path:
         api.post("/load_lora_adapter", body=body, cast_to=str)
         config.write_text(f"lora:\n  max_loras: 2\n  adapters:\n    chat-lora: {adapters['chat-lora']}\n")
         run.process.send_signal(signal.SIGHUP)
+        # The gateway's list still names sql-lora (nothing asked the engine since): a request for
+        # it passes the gateway's check, and once the reload has unloaded it the scheduler
+        # refuses it, with the 404 of a name never served, not a 400 naming no parameter.
         deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                greedy_token_ids(api, ("sql-lora", prompt))
+            except openai.NotFoundError as refused:
+                assert refused.body["code"] == "model_not_found", refused.body
+                assert refused.body["param"] == "model", refused.body
+                assert "unknown LoRA adapter 'sql-lora'" in refused.body["message"], refused.body
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("sql-lora still served after the reload")
         while served() != {"base", "chat-lora", "extra-lora"} and time.monotonic() < deadline:
             time.sleep(0.5)
         assert served() == {"base", "chat-lora", "extra-lora"}
@@ -629,3 +644,107 @@ def test_a_hot_reload_of_lora_adapters_loads_and_unloads(lora_serving, tmp_path:
             int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens
         ] == expected
     assert_clean(run_dir)
+
+
+def test_an_adapter_file_that_is_no_regular_file_is_refused_and_the_run_serves_on(
+    lora_serving, tmp_path: Path
+) -> None:
+    """lora_path at a FIFO (a .gguf, or a PEFT directory whose adapter_config.json or safetensors
+    is one) or at a device: the worker reads adapters on its step loop, and opening a FIFO that no
+    one writes would block it, and every request of the run with it, for good. Each is a 400
+    naming the file, within a deadline, and the base model and a loaded adapter serve on."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, {"sql-lora": adapters["sql-lora"]})
+    prompt = np.random.default_rng(5).integers(3, TINY_VOCAB_SIZE, 19).tolist()
+    expected = {name: greedy(model, prompt) for name, model in references.items()}
+    fifo_gguf = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo_gguf)
+    fifo_config = tmp_path / "fifo-config"
+    fifo_config.mkdir()
+    shutil.copy(adapters["sql-lora"] / "adapter_model.safetensors", fifo_config)
+    os.mkfifo(fifo_config / "adapter_config.json")
+    fifo_weights = tmp_path / "fifo-weights"
+    fifo_weights.mkdir()
+    shutil.copy(adapters["sql-lora"] / "adapter_config.json", fifo_weights)
+    os.mkfifo(fifo_weights / "adapter_model.safetensors")
+    device = tmp_path / "zero.gguf"
+    device.symlink_to("/dev/zero")
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        f"lora.adapters={{sql-lora: {adapters['sql-lora']}}}", "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+
+    def release_fifos() -> None:
+        """A worker blocked opening a FIFO (the check missing) is released, so that the run stops."""
+        for fifo in (
+            fifo_gguf,
+            fifo_config / "adapter_config.json",
+            fifo_weights / "adapter_model.safetensors",
+        ):
+            with contextlib.suppress(OSError):  # no reader: nothing blocked on it
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    with brigade_run(run_dir, *overrides) as run:
+        # A deadline on every call: without the check the load never answers, nor does the run.
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=60, max_retries=0)
+        refusals = [
+            ("pipe", fifo_gguf, r"/pipe\.gguf is not a regular file \(a FIFO, a device or a socket\)"),
+            ("config", fifo_config, r"/fifo-config/adapter_config\.json is not a regular file"),
+            ("weights", fifo_weights, r"/fifo-weights/adapter_model\.safetensors is not a regular file"),
+            ("zero", device, r"/zero\.gguf is not a regular file"),
+        ]
+        try:
+            for name, path, message in refusals:
+                with pytest.raises(
+                    openai.BadRequestError, match=rf"adapter '{name}': \S*{message}"
+                ) as refused:
+                    api.post(
+                        "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str
+                    )
+                assert refused.value.body["param"] == "lora_path", refused.value.body
+        finally:
+            release_fifos()
+        assert {card.id for card in api.models.list().data} == {"base", "sql-lora"}
+        for model in ("base", "sql-lora"):
+            assert greedy_token_ids(api, (model, prompt)) == expected[model], model
+    assert_clean(run_dir)
+
+
+def test_a_new_run_in_the_same_run_dir_serves_its_own_lora_adapters(lora_serving, tmp_path: Path) -> None:
+    """The scheduler's table of adapters (lora-adapters-<group>.json) carries adapters across a
+    scheduler restart within one run, not into the next run of that run dir: a run stopped after
+    loading one adapter and unloading another, then started again with another lora.adapters,
+    serves the adapters its config lists, from the paths it gives."""
+    import openai
+
+    base, adapters = lora_serving
+    references = peft_references(base, adapters)
+    prompt = np.random.default_rng(6).integers(3, TINY_VOCAB_SIZE, 22).tolist()
+    expected = {name: greedy(model, prompt) for name, model in references.items()}
+    overrides = (
+        f"model.path={base}", "model.dtype=float32", "model.max_model_len=256", "lora.max_loras=2",
+        "gateway.served_model_name=base",
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+
+    def served(api: openai.OpenAI) -> set[str]:
+        return {card.id for card in api.models.list().data}
+
+    with brigade_run(run_dir, *overrides, f"lora.adapters={{sql-lora: {adapters['sql-lora']}}}") as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120, max_retries=0)
+        body = {"lora_name": "extra-lora", "lora_path": str(adapters["chat-lora"])}
+        api.post("/load_lora_adapter", body=body, cast_to=str)
+        api.post("/unload_lora_adapter", body={"lora_name": "sql-lora"}, cast_to=str)
+        assert served(api) == {"base", "extra-lora"}
+    assert_clean(run_dir)
+
+    # The next run lists sql-lora again, under chat-lora's weights this time.
+    with brigade_run(run_dir, *overrides, f"lora.adapters={{sql-lora: {adapters['chat-lora']}}}") as run:
+        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=120, max_retries=0)
+        assert served(api) == {"base", "sql-lora"}
+        assert greedy_token_ids(api, ("sql-lora", prompt)) == expected["chat-lora"]
+    assert_clean(run_dir)
+    assert not list(run_dir.glob("lora-adapters-*")), "a stopped run leaves no table of adapters"

@@ -97,6 +97,8 @@ def from_engine(exc: BrigadeError, aliases: dict[str, str]) -> ApiError:
             param=param,
             code="context_length_exceeded" if code == "prompt_too_long" else "invalid_value",
         )
+    if code == "model_not_found":  # a LoRA adapter unloaded since the gateway checked the name
+        return ApiError(404, message, param="model", code="model_not_found")
     if code == "overloaded":
         return ApiError(429, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if code == "timeout":

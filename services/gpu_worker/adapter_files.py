@@ -4,6 +4,8 @@ in lora.py because lora_gguf.py builds on lora.py: lora.py importing it back wou
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,8 +28,26 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         raise AdapterError(
             f"adapter {name!r}: {model.config.architecture} (multi-head latent attention) takes no adapters"
         )
-    if str(path).endswith(".gguf"):
-        rank, weights = read_gguf_adapter(name, Path(path), model, max_rank)
+    path = Path(path)
+    is_gguf = str(path).endswith(".gguf")
+    for file in [path] if is_gguf else [path / "adapter_config.json", path / "adapter_model.safetensors"]:
+        refuse_unless_regular_file(name, file)
+    if is_gguf:
+        rank, weights = read_gguf_adapter(name, path, model, max_rank)
     else:
-        rank, weights = read_peft_adapter(name, Path(path), model, max_rank)
+        rank, weights = read_peft_adapter(name, path, model, max_rank)
     return LoraAdapter(name, rank, {key: shard_pair(model, key, *pair) for key, pair in weights.items()})
+
+
+def refuse_unless_regular_file(name: str, file: Path) -> None:
+    """Refuse an adapter file that is a FIFO, a device or a socket: the worker reads adapters on
+    its step loop, and opening a FIFO no one writes (or reading /dev/zero, a tty...) blocks it, and
+    with it every request of the engine group, for good. A file that cannot be stat'ed is left to
+    the format's reader, whose message says why it cannot be read."""
+    try:
+        mode = os.stat(file).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, a device or a socket)"
+        raise AdapterError(f"adapter {name!r}: {file} is {kind}")

@@ -204,8 +204,12 @@ def check_adapter_config(name: str, config: dict, max_rank: int) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}, only LORA is served")
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    # JSON's true is a Python int: a rank of True would pass as 1.
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"adapter {name!r}: r must be an integer >= 1, got {rank!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     if rank > max_rank:
         raise AdapterError(f"adapter {name!r}: rank {rank} is over lora.max_rank ({max_rank})")
     if config.get("modules_to_save"):

@@ -45,7 +45,7 @@ from services.scheduler.grammars import Grammars
 from services.scheduler.pipeline import RingExecutor, StepPipeline, StepTooLate, WorkerLost
 from services.scheduler.proposers import DraftModelProposer, NgramProposer, Proposer
 from services.scheduler.request import Request
-from services.stage import StageProcess
+from services.stage import StageProcess, lora_table_path
 
 BLOCKED_POLL_MS = 50  # work that could not be planned now: look again soon
 COMPILE_POLL_MS = 1  # while a grammar compiles: its request starts as soon as it is done
@@ -96,7 +96,7 @@ class SchedulerProcess(StageProcess):
         self.adapters = Adapters(
             max(lora.max_cpu_loras, lora.max_loras),
             lora.adapters,
-            stage.run_dir / f"lora-adapters-{self.group}.json",
+            lora_table_path(stage.run_dir, self.group),
             lora.unload_wait_s,
             stage.info.model,
             users=self.num_adapter_users,
@@ -149,7 +149,9 @@ class SchedulerProcess(StageProcess):
             return
         refusal = self.adapters.refusal(submit.params.adapter) if submit.params.adapter else ""
         if refusal:
-            self.refuse(submit, "invalid_request", refusal)
+            # A name the gateway found served may have been unloaded since (a hot reload, another
+            # replica's unload): the same 404 as a name it never knew, not a bad parameter.
+            self.refuse(submit, "model_not_found", refusal)
             return
         request = Request(
             request_id=submit.request_id,

@@ -75,6 +75,10 @@ class Adapters:
         self.unloading: dict[str, PendingUnload] = {}  # by adapter name
         self.num_loads = 0  # loaded at run time, since this scheduler started
         self.loads_of: dict[str, int] = {}  # name -> how many times loaded at run time (0: static)
+        # A hot reload's loads that wait for room its unloads (waiting for their requests) will
+        # make, with the reload's world size and whether the workers were up.
+        self.reload_loads: list[m.AdapterSource] = []
+        self.reload_workers: tuple[int, bool] = (0, False)
 
     def _saved(self) -> dict[str, str] | None:
         """The list a scheduler of this group wrote before it restarted, if any."""
@@ -124,10 +128,14 @@ class Adapters:
     def reload(self, old: dict[str, str], new: dict[str, str], world_size: int, workers_up: bool) -> None:
         """A hot reload changed lora.adapters from `old` to `new`: the adapters it adds are loaded
         and those it removes unloaded (waiting for their requests), as the endpoints do; adapters
-        loaded through the endpoints and never listed stay."""
+        loaded through the endpoints and never listed stay. An added adapter for which only the
+        removed ones make room is loaded once they are unloaded: an edit that replaces an adapter
+        in use at full capacity is not refused for want of the room it frees."""
         for name in old.keys() - new.keys():
             if name in self.loaded:
                 self._unload(RELOAD, m.AdapterCommand(RELOAD[1], "unload", name))
+        # Loads an earlier reload left waiting go on if this edit still lists them.
+        loads = [source for source in self.reload_loads if new.get(source.name) == source.path]
         for name, path in new.items():
             if old.get(name) == path:
                 continue
@@ -135,7 +143,23 @@ class Adapters:
                 message = f"the LoRA adapter {name!r} moved to {path!r}: unload it, then load it again"
                 self._answer(RELOAD, "invalid_request", message)
             elif name not in self.loaded:
-                self._load(RELOAD, m.AdapterCommand(RELOAD[1], "load", name, path), world_size, workers_up)
+                loads.append(m.AdapterSource(name, path))
+        self.reload_loads, self.reload_workers = loads, (world_size, workers_up)
+        self._start_reload_loads()
+
+    def _start_reload_loads(self) -> None:
+        """Start the reload's loads there is room for; while a reload's unload waits for its
+        requests, the rest wait for the room it will free (one that gives up leaves them to be
+        refused, and logged, as a load without room is)."""
+        unloads_pending = any(pending.reply_to == RELOAD for pending in self.unloading.values())
+        waiting = []
+        for source in self.reload_loads:
+            if unloads_pending and len(self.loaded) + len(self.loading) >= self.capacity:
+                waiting.append(source)
+                continue
+            command = m.AdapterCommand(RELOAD[1], "load", source.name, source.path)
+            self._load(RELOAD, command, *self.reload_workers)
+        self.reload_loads = waiting
 
     def _answer(self, reply_to: ReplyTo, code: str = "", message: str = "", param: str = "") -> None:
         self.reply(reply_to[0], m.AdapterReply(reply_to[1], code, message, dict(self.loaded), param))
@@ -246,6 +270,8 @@ class Adapters:
             self._answer(pending.reply_to)
         if any(now >= pending.deadline for pending in self.loading.values()):
             self.fail_loads("the engine's workers did not answer the load in time")
+        if self.reload_loads:
+            self._start_reload_loads()
 
     def _forget(self, name: str) -> None:
         """Unload `name`, which no request uses, here and in every worker."""
@@ -263,4 +289,4 @@ class Adapters:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.loading or self.unloading)
+        return bool(self.loading or self.unloading or self.reload_loads)
