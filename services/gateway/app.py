@@ -619,8 +619,7 @@ class Gateway:
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
     ) -> OpenAIWriter:
         cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return OpenAIWriter(self, plan, fmt, cursor, include_usage)
+        return OpenAIWriter(self, plan, fmt, cursor, body.stream_options or p.StreamOptions())
 
     def admit(self, request: Request, plan: Plan) -> str:
         """Refuse a request (429) when this replica is at its concurrency limit, or when it is
@@ -750,9 +749,14 @@ class Gateway:
 
     async def stream_events(self, first: asyncio.Future[tuple[int, StreamDelta] | None],
                             feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan,
-                            fmt: ChatFormat | CompletionFormat, cursor: Cursor, include_usage: bool,
+                            fmt: ChatFormat | CompletionFormat, cursor: Cursor, options: p.StreamOptions,
                             timer: Any) -> AsyncGenerator[bytes, None]:  # fmt: skip
+        """The stream's events. With vLLM's continuous_usage_stats (and include_usage) every chunk
+        of a choice carries that choice's usage so far: its prompt's tokens (which come with its
+        first output) and its output tokens."""
         usages = {}
+        continuous = options.include_usage and options.continuous_usage_stats
+        so_far: dict[int, m.Usage] = {}
         if not cursor.is_resumed:
             for job in plan.jobs:
                 chunk = fmt.first_chunk(job.index)
@@ -769,6 +773,11 @@ class Gateway:
             index, delta = item
             if delta.usage is not None:
                 usages[index] = delta.usage
+            if continuous:  # a choice's first and last outputs bring its usage, the others add theirs
+                known = so_far.get(index, m.Usage(0, 0))
+                so_far[index] = delta.usage or m.Usage(
+                    known.prompt_tokens, known.completion_tokens + len(delta.token_ids)
+                )
             text_offset = cursor.chars(index)
             whole = to_piece(delta)
             piece = cursor.advance(index, whole)
@@ -777,6 +786,8 @@ class Gateway:
             )
             if piece is not None:
                 for chunk in fmt.chunks(index, piece, text_offset):
+                    if continuous:
+                        chunk.usage = usage_out({index: so_far[index]}, {index: 0})
                     yield event(chunk, cursor.event_id())
             try:
                 item = await anext(feed, None)
@@ -785,7 +796,7 @@ class Gateway:
                 break
             if item is not None:
                 timer.on_output(item)
-        if include_usage and usages:
+        if options.include_usage and usages:
             yield event(
                 fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
             )
@@ -1146,12 +1157,12 @@ class OpenAIWriter:
     """Chat completions and completions: OpenAI's JSON, or its events with resumable ids."""
 
     def __init__(self, gateway: Gateway, plan: Plan, fmt: ChatFormat | CompletionFormat, cursor: Cursor,
-                 include_usage: bool) -> None:  # fmt: skip
+                 stream_options: p.StreamOptions) -> None:  # fmt: skip
         self.gateway = gateway
         self.plan = plan
         self.fmt = fmt
         self.cursor = cursor
-        self.include_usage = include_usage
+        self.stream_options = stream_options
 
     async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
         return msgspec.json.encode(await self.gateway.collect(first, feed, self.plan, self.fmt, timer))
@@ -1160,7 +1171,7 @@ class OpenAIWriter:
         self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
     ) -> AsyncGenerator[bytes, None]:
         return self.gateway.stream_events(
-            first, feed, self.plan, self.fmt, self.cursor, self.include_usage, timer
+            first, feed, self.plan, self.fmt, self.cursor, self.stream_options, timer
         )
 
     def error_body(self, error: ApiError) -> bytes:

@@ -113,10 +113,6 @@ def _refuse_unserved(req: SamplingFields, fields: dict[str, Any]) -> None:
         if getattr(req, name) != asks_nothing:
             hint = " (use tools and tool_choice)" if name.startswith("function") else ""
             raise invalid(f"{name} is not supported by this server{hint}", name)
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise invalid(
-            "continuous_usage_stats is not supported by this server", "stream_options.continuous_usage_stats"
-        )
 
 
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def nulls_as_defaults(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: not served (refused, jobs.UNSERVED_FIELDS)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
 class ImageUrl(msgspec.Struct, frozen=True):
