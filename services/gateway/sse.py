@@ -174,15 +174,5 @@ class WatchedResponse(Response):
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self.work(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await work
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+        with contextlib.suppress(ClientGone, OSError):  # OSError: the socket went while sending
+            await unless_disconnected(receive, self.work(send))
