@@ -267,3 +267,8 @@ def test_unreadable_gguf_files_are_refused(lora_models, tmp_path):
     error = runner.load_lora(m.AdapterSource("gone", str(tmp_path / "gone.gguf")))
     assert error.startswith("adapter 'gone': cannot read") and "gone.gguf as GGUF" in error
     assert set(runner.lora_host) == {"qv-r8"}
+    # A GGUF file is read as one whatever its name says (llama.cpp's files come as .GGUF too).
+    for renamed in ("upper.GGUF", "no-extension"):
+        (tmp_path / renamed).write_bytes(garbage.read_bytes())
+        error = runner.load_lora(m.AdapterSource(renamed, str(tmp_path / renamed)))
+        assert "as GGUF" in error, error

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) -> LoraAdapter:
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or a llama.cpp
-    GGUF LoRA file (a path ending in .gguf, lora_gguf.py), checked against `model` and cut to this
+    GGUF LoRA file (a file, or a path ending in .gguf in any case; lora_gguf.py), checked against `model` and cut to this
     rank's shard; AdapterError says why one does not fit."""
     if model.config.fused_weights:
         raise AdapterError(
@@ -29,7 +29,7 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
             f"adapter {name!r}: {model.config.architecture} (multi-head latent attention) takes no adapters"
         )
     path = Path(path)
-    is_gguf = str(path).endswith(".gguf")
+    is_gguf = path.suffix.lower() == ".gguf" or path.is_file()  # a PEFT adapter is a directory
     for file in [path] if is_gguf else [path / "adapter_config.json", path / "adapter_model.safetensors"]:
         refuse_unless_regular_file(name, file)
     if is_gguf:
