@@ -2582,3 +2582,47 @@ def test_priority_orders_the_waiting_requests(tmp_path: Path, tiny_model_dir: Pa
             blocker.close()  # the slot frees with both waiting
             later.result(timeout=60), sooner.result(timeout=60)
         assert finished == ["sooner", "later"]
+
+
+def test_requests_naming_unknown_models_share_the_engines_adapter_lists(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A model name the gateway does not know is looked up in the engine (another replica may
+    have loaded it): 50 such requests at once ask the engine at most twice, not 50 times, and
+    each reads a list asked for after it came (one loaded meanwhile is found)."""
+    import asyncio
+
+    from ipc import messages as m
+
+    class Engine:
+        """The adapter commands of an AsyncClient, answered after 50 ms."""
+
+        def __init__(self) -> None:
+            self.lists = 0
+            self.adapters: list[str] = []
+
+        async def adapter_command(self, op: str, *args: Any, **kwargs: Any) -> m.AdapterReply:
+            self.lists += 1
+            answer = {name: f"/adapters/{name}" for name in self.adapters}  # as it has them when asked
+            await asyncio.sleep(0.05)
+            return m.AdapterReply("", adapters=answer)
+
+    settings = GatewaySettings(
+        model="base", max_model_len=MAX_MODEL_LEN, api_keys=frozenset(), max_concurrent_requests=4,
+        max_body_bytes=MAX_BODY_BYTES, run_dir=tmp_path, key_failures=ApiKeyFailures(AuditLog(tmp_path / "a", "t")),
+        max_prompt_chars=MAX_PROMPT_CHARS, max_messages=MAX_MESSAGES, template_timeout_s=5.0,
+        body_timeout_s=BODY_TIMEOUT_S, max_loras=2,
+    )  # fmt: skip
+    engine = Engine()
+    gateway = AppGateway(settings, engine, Tokenizer(tiny_model_dir), HttpMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+
+    async def flood() -> None:
+        await asyncio.gather(*(gateway.refresh_adapters() for _ in range(50)))
+        assert engine.lists == 1
+        first = asyncio.ensure_future(gateway.refresh_adapters())
+        await asyncio.sleep(0.01)  # its list is asked; an adapter is loaded elsewhere; then more come
+        engine.adapters.append("sql-lora")
+        await asyncio.gather(first, *(gateway.refresh_adapters() for _ in range(49)))
+        assert engine.lists == 3 and gateway.adapters == ["sql-lora"]
+
+    asyncio.run(flood())

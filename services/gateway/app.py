@@ -291,6 +291,9 @@ class Gateway:
         # them): a model name not in it is looked up again before it is a 404, since another
         # replica may have loaded it.
         self.adapters: list[str] = list(settings.adapters)
+        # refresh_adapters' question to the engine, and when it went out (None: not yet)
+        self._adapter_listing: asyncio.Future[None] | None = None
+        self._adapter_asked_at: float | None = None
         self.started = int(time.time())
         has_token = lambda tag: len(tokenizer.encode(tag)) == 1  # noqa: E731
         is_harmony = speaks_harmony(
@@ -845,10 +848,27 @@ class Gateway:
         return reply
 
     async def refresh_adapters(self) -> None:
-        """The adapters the engine serves now (another gateway replica may have loaded some)."""
-        if self.settings.max_loras:
-            with contextlib.suppress(ApiError):  # the engine unreachable: what was known stands
-                await self.adapter_command("list")
+        """The adapters the engine serves now (another gateway replica may have loaded some).
+        Callers share one question to the engine: each waits for one asked after it came, so a
+        flood of requests naming unknown models costs the engine a list or two at a time, not one
+        each, and no caller reads an answer older than itself."""
+        if not self.settings.max_loras:
+            return
+        came = time.monotonic()
+        while True:
+            listing, asked_at = self._adapter_listing, self._adapter_asked_at
+            if listing is not None and not listing.done() and (asked_at is None or asked_at >= came):
+                await asyncio.shield(listing)  # its question goes, or went, out after this caller came
+                return
+            if listing is not None and not listing.done():  # asked before this caller came
+                await asyncio.shield(listing)
+                continue
+            self._adapter_listing, self._adapter_asked_at = asyncio.ensure_future(self._list_adapters()), None
+
+    async def _list_adapters(self) -> None:
+        self._adapter_asked_at = time.monotonic()
+        with contextlib.suppress(ApiError):  # the engine unreachable: what was known stands
+            await self.adapter_command("list")
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body = await self.read_body(request, p.LoadLoraAdapterRequest)
