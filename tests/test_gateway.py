@@ -1336,6 +1336,12 @@ BAD_BODIES = {
         "invalid_value",
     ),
     "invalid utf-8": (b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
+    "number past float range": (b'{"prompt": "hi", "temperature": 1e999}', "temperature", "invalid_type"),
+    "nested number past float range": (
+        b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -1e400}}',
+        "logit_bias",
+        "invalid_type",
+    ),
     "echoed logprobs over the limit": (
         b'{"prompt": "hi", "echo": true, "logprobs": 21}',
         "logprobs",
