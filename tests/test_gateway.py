@@ -1556,6 +1556,40 @@ def test_a_client_gone_before_its_body_is_whole_counts_as_499_not_a_500(gw: Gate
     assert gw.request("GET", "/health")[0] == 200
 
 
+def test_a_client_gone_with_a_pipelined_request_queued_counts_as_499_and_is_aborted(gw: Gateway) -> None:
+    """A request with another pipelined behind it on its connection: the client leaves (closes
+    mid-stream, or sent garbage after it, which uvicorn answers with a 400 and a close) while the
+    first one runs. It is aborted and counted as 499, not written to the closed connection (a
+    logged 500) with its engine work left to run to its end."""
+    path = "/v1/completions"
+    before = {status: http_requests_count(gw, path, status) for status in (499, 500)}
+
+    def post(body: dict) -> bytes:
+        data = json.dumps({"model": gw.model, "ignore_eos": True, **body}).encode()
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode() + data
+
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(post({"prompt": "Once", "max_tokens": 1000, "stream": True}) + health)
+        received = b""
+        while b"data: " not in received:  # the stream runs; the health check waits behind it
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(post({"prompt": "Once", "max_tokens": 500}) + b"GARBAGE\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+    deadline = time.monotonic() + 60
+    while http_requests_count(gw, path, 499) < before[499] + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert http_requests_count(gw, path, 499) == before[499] + 2
+    assert http_requests_count(gw, path, 500) == before[500]
+    assert wait_idle(gw.run, timeout=30) == (0, 0.0)
+
+
 def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> None:
     pids = sorted(gw.run.stage_pids("gateway"))
     body = {"model": gw.model, "prompt": "hi", "max_tokens": 2, "stream": True}

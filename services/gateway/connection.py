@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 HEADERS_TOO_LARGE = (
@@ -41,6 +41,7 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
             self.header_tail = b""  # their last bytes so far: an end of headers split between reads
             self.header_begun = False  # a byte other than CR / LF came (the parser skips empty lines)
+            self.running_cycle: RequestResponseCycle | None = None  # the request whose app runs
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -108,8 +109,19 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             self._headers_done()
             super().on_headers_complete()
 
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+            self.running_cycle = cycle
+            super()._start_asgi_task(cycle, app)
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._headers_done()
+            # uvicorn tells only `self.cycle` that the client is gone, and with a pipelined request
+            # queued that is the queued one: the running request would never see its disconnect
+            # (its engine work ran on) and would write to the closed transport (a logged 500).
+            running = self.running_cycle
+            if running is not None and running is not self.cycle and not running.response_complete:
+                running.disconnected = True
+                running.message_event.set()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
