@@ -1593,6 +1593,26 @@ def test_a_client_gone_with_a_pipelined_request_queued_counts_as_499_and_is_abor
     assert wait_idle(gw.run, timeout=30) == (0, 0.0)
 
 
+def stalled_stream(gw: Gateway) -> socket.socket:
+    """A connection with a stream of megabytes requested on it, more than the kernel buffers of both
+    ends hold (16 choices with 20 alternatives a token: about 0.7 kB an event each), its receive
+    window small."""
+    body = json.dumps(
+        {"model": gw.model, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 8, "n": 16, "logprobs": 20,
+         "ignore_eos": True, "stream": True}
+    ).encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    sock.settimeout(HTTP_TIMEOUT_S)
+    sock.connect(("127.0.0.1", gw.port))
+    sock.sendall(head + body)
+    return sock
+
+
 def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_aborted(gw: Gateway) -> None:
     """A client that keeps its connection open but reads nothing of its stream: once the socket
     buffers are full its writes wait, and after gateway.write_timeout_s without a byte taken the
@@ -1600,21 +1620,7 @@ def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_abort
     max_concurrent_requests slot and its output for as long as the connection stays open."""
     path = "/v1/completions"
     before = http_requests_count(gw, path, 499)
-    # Megabytes of output, more than the kernel buffers of both ends hold: 16 choices with
-    # 20 alternatives a token (about 0.7 kB an event each).
-    body = json.dumps(
-        {"model": gw.model, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 8, "n": 16, "logprobs": 20,
-         "ignore_eos": True, "stream": True}
-    ).encode()  # fmt: skip
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
-        sock.settimeout(HTTP_TIMEOUT_S)
-        sock.connect(("127.0.0.1", gw.port))
-        sock.sendall(head + body)
+    with stalled_stream(gw) as sock:
         deadline = time.monotonic() + HTTP_TIMEOUT_S
         while http_requests_count(gw, path, 499) == before and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -1625,6 +1631,27 @@ def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_abort
                 received += chunk
     assert received.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in received
     assert wait_idle(gw.run, timeout=30) == (0, 0.0)  # its choices were aborted
+
+
+def test_a_slow_reader_that_keeps_taking_bytes_is_served_to_the_end(gw: Gateway) -> None:
+    """A client reading a few kB a second, far slower than the stream comes: the kernel's send
+    buffer stays full for many write_timeout_s (it takes bytes from the gateway again only once a
+    third of it is free), but the client takes some in each, so it is not dropped."""
+    path = "/v1/completions"
+    before = http_requests_count(gw, path, 200)
+    received = b""
+    with stalled_stream(gw) as sock:
+        slow_until = time.monotonic() + 4 * WRITE_TIMEOUT_S
+        while time.monotonic() < slow_until:
+            chunk = sock.recv(4096)
+            assert chunk, f"dropped after {len(received)} bytes"
+            received += chunk
+            time.sleep(0.5)
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"dropped after {len(received)} bytes"
+            received += chunk
+    assert http_requests_count(gw, path, 200) == before + 1
 
 
 def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> None:

@@ -17,6 +17,10 @@ verified certificate's subject as ASGI's TLS extension names it: `extensions.tls
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import sys
+import termios
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -132,9 +136,20 @@ def guarded_protocol(
             self._write_resumed()
             super().resume_writing()
 
+        def _unsent(self) -> int:
+            """Bytes not yet taken by the client: the transport's buffer and the kernel's send
+            queue. The kernel's alone shows a slow reader's progress: it has room for the
+            transport's bytes again only once a third of its buffer (megabytes) is free."""
+            unsent = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                unsent += int.from_bytes(queued, sys.byteorder, signed=True)
+            return unsent
+
         def _arm_write_timer(self) -> None:
             self._write_resumed()
-            self.unsent_bytes = self.transport.get_write_buffer_size()
+            self.unsent_bytes = self._unsent()
             self.write_timer = self.loop.call_later(write_timeout_s, self._check_reader)
 
         def _write_resumed(self) -> None:
@@ -149,7 +164,7 @@ def guarded_protocol(
             self.write_timer = None
             # Not spared while closing: uvicorn closes a kept-alive connection gracefully, and a
             # graceful close waits for the buffer to be sent.
-            if self.transport.get_write_buffer_size() < self.unsent_bytes:
+            if self._unsent() < self.unsent_bytes:
                 self._arm_write_timer()
             else:
                 self.transport.abort()
