@@ -195,11 +195,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     responses_max_age_s: Seconds = 7 * 86400.0
     # Slow clients (slowloris): the request line and headers must arrive within header_timeout_s
     # and in at most max_header_bytes, the body within body_timeout_s; an idle kept-alive
-    # connection is closed after keep_alive_timeout_s.
+    # connection is closed after keep_alive_timeout_s. A client that stops reading its response
+    # (its writes stay blocked for write_timeout_s) is treated as gone: the connection is dropped.
     header_timeout_s: Seconds = 10.0
     max_header_bytes: Positive = 64 * 1024
     body_timeout_s: Seconds = 60.0
     keep_alive_timeout_s: Seconds = 5.0
+    write_timeout_s: Seconds = 30.0
     # A client with max_oversized_requests requests refused for their size (body bytes, messages,
     # prompt characters, nesting) within oversized_window_s gets 429 for its large bodies, before
     # they are read, until the oldest leaves the window (services/gateway/refusal_limits.py); 0 = off.

@@ -3,6 +3,7 @@ replicas on one port), driven by the real `openai` package, curl and raw HTTP co
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.client
 import importlib.metadata
@@ -55,6 +56,7 @@ MAX_BODY_BYTES = 6 * MAX_PROMPT_CHARS + (1 << 20)  # services/gateway/__main__.p
 MAX_MESSAGES = 64
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 3.0
 HTTP_TIMEOUT_S = 120.0
 SSE_KEEPALIVE_S = 0.2  # short, so that a stream waiting a moment sends keep-alive comments
 CHAT = [{"role": "user", "content": "Write a haiku about buckets."}]
@@ -159,6 +161,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
             f"tokenizer.max_messages={MAX_MESSAGES}",
             f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
             f"gateway.body_timeout_s={BODY_TIMEOUT_S}",
+            f"gateway.write_timeout_s={WRITE_TIMEOUT_S}",
             f"gateway.sse_keepalive_s={SSE_KEEPALIVE_S}",
             # Forced: SmolLM2's tokenizer has no <think> token (auto would choose none); the regex
             # in test_reasoning_is_split_off_streamed_and_not makes the model write a think block.
@@ -1479,6 +1482,12 @@ BAD_BODIES = {
         "invalid_value",
     ),
     "invalid utf-8": (b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
+    "number past float range": (b'{"prompt": "hi", "temperature": 1e999}', "temperature", "invalid_type"),
+    "nested number past float range": (
+        b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -1e400}}',
+        "logit_bias",
+        "invalid_type",
+    ),
     "echoed logprobs over the limit": (
         b'{"prompt": "hi", "echo": true, "logprobs": 21}',
         "logprobs",
@@ -1718,6 +1727,101 @@ def test_a_client_gone_before_its_body_is_whole_counts_as_499_not_a_500(gw: Gate
     assert http_requests_count(gw, "/v1/chat/completions", 499) == before[499] + 2
     assert http_requests_count(gw, "/v1/chat/completions", 500) == before[500]
     assert gw.request("GET", "/health")[0] == 200
+
+
+def test_a_client_gone_with_a_pipelined_request_queued_counts_as_499_and_is_aborted(gw: Gateway) -> None:
+    """A request with another pipelined behind it on its connection: the client leaves (closes
+    mid-stream, or sent garbage after it, which uvicorn answers with a 400 and a close) while the
+    first one runs. It is aborted and counted as 499, not written to the closed connection (a
+    logged 500) with its engine work left to run to its end."""
+    path = "/v1/completions"
+    before = {status: http_requests_count(gw, path, status) for status in (499, 500)}
+
+    def post(body: dict) -> bytes:
+        data = json.dumps({"model": gw.model, "ignore_eos": True, **body}).encode()
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode() + data
+
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(post({"prompt": "Once", "max_tokens": 1000, "stream": True}) + health)
+        received = b""
+        while b"data: " not in received:  # the stream runs; the health check waits behind it
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(post({"prompt": "Once", "max_tokens": 500}) + b"GARBAGE\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+    deadline = time.monotonic() + 60
+    while http_requests_count(gw, path, 499) < before[499] + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert http_requests_count(gw, path, 499) == before[499] + 2
+    assert http_requests_count(gw, path, 500) == before[500]
+    assert wait_idle(gw.run, timeout=30) == (0, 0.0)
+
+
+def stalled_stream(gw: Gateway) -> socket.socket:
+    """A connection with a stream of megabytes requested on it, more than the kernel buffers of both
+    ends hold (16 choices with 20 alternatives a token: about 0.7 kB an event each), its receive
+    window small."""
+    body = json.dumps(
+        {"model": gw.model, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 8, "n": 16, "logprobs": 20,
+         "ignore_eos": True, "stream": True}
+    ).encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    sock.settimeout(HTTP_TIMEOUT_S)
+    sock.connect(("127.0.0.1", gw.port))
+    sock.sendall(head + body)
+    return sock
+
+
+def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_aborted(gw: Gateway) -> None:
+    """A client that keeps its connection open but reads nothing of its stream: once the socket
+    buffers are full its writes wait, and after gateway.write_timeout_s without a byte taken the
+    connection is dropped and the request aborted (a 499), rather than holding its
+    max_concurrent_requests slot and its output for as long as the connection stays open."""
+    path = "/v1/completions"
+    before = http_requests_count(gw, path, 499)
+    with stalled_stream(gw) as sock:
+        deadline = time.monotonic() + HTTP_TIMEOUT_S
+        while http_requests_count(gw, path, 499) == before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert http_requests_count(gw, path, 499) == before + 1, "the stalled stream was not dropped"
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):  # what the kernel holds, then the end (or a reset)
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in received
+    assert wait_idle(gw.run, timeout=30) == (0, 0.0)  # its choices were aborted
+
+
+def test_a_slow_reader_that_keeps_taking_bytes_is_served_to_the_end(gw: Gateway) -> None:
+    """A client reading a few kB a second, far slower than the stream comes: the kernel's send
+    buffer stays full for many write_timeout_s (it takes bytes from the gateway again only once a
+    third of it is free), but the client takes some in each, so it is not dropped."""
+    path = "/v1/completions"
+    before = http_requests_count(gw, path, 200)
+    received = b""
+    with stalled_stream(gw) as sock:
+        slow_until = time.monotonic() + 4 * WRITE_TIMEOUT_S
+        while time.monotonic() < slow_until:
+            chunk = sock.recv(4096)
+            assert chunk, f"dropped after {len(received)} bytes"
+            received += chunk
+            time.sleep(0.5)
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"dropped after {len(received)} bytes"
+            received += chunk
+    assert http_requests_count(gw, path, 200) == before + 1
 
 
 def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> None:

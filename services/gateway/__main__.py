@@ -162,7 +162,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         uvicorn.Config(
             build_app(gateway),
             loop="none",
-            http=guarded_protocol(config.header_timeout_s, config.max_header_bytes),
+            http=guarded_protocol(config.header_timeout_s, config.max_header_bytes, config.write_timeout_s),
             timeout_keep_alive=config.keep_alive_timeout_s,
             lifespan="off",
             access_log=False,

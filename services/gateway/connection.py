@@ -5,7 +5,9 @@ part of a request line or of its headers and then stalls (slowloris) is held for
 headers may grow without bound. The protocol here gives every request `header_timeout_s` from its
 first byte (or from the connection's opening) to complete its headers, in at most
 `max_header_bytes`; past either, the client gets 408 or 431 and the connection is closed. The body
-has its own deadline where it is read (Gateway.read_body).
+has its own deadline where it is read (Gateway.read_body). A client that stops reading its response
+while the connection stays open would hold its request forever (uvicorn has no write deadline):
+one whose writes stay blocked while it takes no bytes for `write_timeout_s` is dropped.
 
 Over HTTPS with client certificates (gateway.tls.client_ca), each request's scope carries the
 verified certificate's subject as ASGI's TLS extension names it: `extensions.tls.client_cert_name`
@@ -15,9 +17,13 @@ verified certificate's subject as ASGI's TLS extension names it: `extensions.tls
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import sys
+import termios
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 HEADERS_TOO_LARGE = (
@@ -31,8 +37,11 @@ SHORT_NAMES = {
 }  # fmt: skip
 
 
-def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a header deadline and a header size limit."""
+def guarded_protocol(
+    header_timeout_s: float, max_header_bytes: int, write_timeout_s: float = 30.0
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a header deadline, a header size limit and a write
+    deadline."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -41,6 +50,9 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
             self.header_tail = b""  # their last bytes so far: an end of headers split between reads
             self.header_begun = False  # a byte other than CR / LF came (the parser skips empty lines)
+            self.running_cycle: RequestResponseCycle | None = None  # the request whose app runs
+            self.write_timer: asyncio.TimerHandle | None = None  # armed while writes are paused
+            self.unsent_bytes = 0  # the transport's buffer when the write timer was armed
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -108,8 +120,65 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
             self._headers_done()
             super().on_headers_complete()
 
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+            self.running_cycle = cycle
+            super()._start_asgi_task(cycle, app)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            # The transport's buffer is over its high-water mark (the kernel's send buffer full
+            # before it): the response's next write waits until the client reads. One that reads
+            # nothing for write_timeout_s would hold its request (a max_concurrent_requests slot,
+            # and its output queued here) for as long as it keeps the connection open.
+            self._arm_write_timer()
+
+        def resume_writing(self) -> None:
+            self._write_resumed()
+            super().resume_writing()
+
+        def _unsent(self) -> int:
+            """Bytes not yet taken by the client: the transport's buffer and the kernel's send
+            queue. The kernel's alone shows a slow reader's progress: it has room for the
+            transport's bytes again only once a third of its buffer (megabytes) is free."""
+            unsent = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                unsent += int.from_bytes(queued, sys.byteorder, signed=True)
+            return unsent
+
+        def _arm_write_timer(self) -> None:
+            self._write_resumed()
+            self.unsent_bytes = self._unsent()
+            self.write_timer = self.loop.call_later(write_timeout_s, self._check_reader)
+
+        def _write_resumed(self) -> None:
+            if self.write_timer is not None:
+                self.write_timer.cancel()
+                self.write_timer = None
+
+        def _check_reader(self) -> None:
+            """Writes have waited write_timeout_s: a client that took some bytes meanwhile reads
+            slowly, and gets another write_timeout_s; one that took none is gone (the connection is
+            dropped, unsent bytes and all, and its request aborted: a 499)."""
+            self.write_timer = None
+            # Not spared while closing: uvicorn closes a kept-alive connection gracefully, and a
+            # graceful close waits for the buffer to be sent.
+            if self._unsent() < self.unsent_bytes:
+                self._arm_write_timer()
+            else:
+                self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._headers_done()
+            self._write_resumed()
+            # uvicorn tells only `self.cycle` that the client is gone, and with a pipelined request
+            # queued that is the queued one: the running request would never see its disconnect
+            # (its engine work ran on) and would write to the closed transport (a logged 500).
+            running = self.running_cycle
+            if running is not None and running is not self.cycle and not running.response_complete:
+                running.disconnected = True
+                running.message_event.set()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol

@@ -72,6 +72,8 @@ def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> Api
     text = str(exc)
     match = _PATH_IN_ERROR.search(text)
     path = match.group(1).lstrip(".") if match else ""
+    # msgspec writes a mapping's key as `[...]` (`logit_bias[...]`): the field is the mapping.
+    path = path.partition("[...]")[0]
     problem = _PATH_IN_ERROR.sub("", text).replace("`", "")
     missing = re.match(r"Object missing required field (\w+)", problem)
     if missing:

@@ -28,7 +28,12 @@ def nulls_as_defaults(data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct
     `stream`, `logprobs`, `min_tokens`, ...) read as the field's default, as vLLM's request models
     read it; None when the body has no such null (its first decode's error stands). Raises
     msgspec's errors for what is wrong besides."""
-    body = msgspec.json.decode(data)
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.ValidationError:
+        # A number past float64's range (1e999): untyped, its path reads `$[...]`, where the first,
+        # typed decode named the field (`temperature: number out of range`).
+        return None
     if not isinstance(body, dict):
         return None
     fields = msgspec.inspect.type_info(kind).fields  # type: ignore[union-attr]
