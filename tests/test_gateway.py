@@ -1547,6 +1547,20 @@ def test_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
     assert error["param"] == param and error["code"] == code, error
 
 
+def test_a_body_with_a_byte_order_mark_or_in_utf16_is_read(gw: Gateway) -> None:
+    """JSON with a UTF-8 byte-order mark, or in UTF-16 or UTF-32 (what some Windows clients send;
+    Python's json, behind vLLM's server, reads them): the same reply as the plain UTF-8 body."""
+    body = {"model": gw.model, "prompt": "Buckets \u2603", "max_tokens": 3, "temperature": 0}
+    text = json.dumps(body)
+    want = gw.request("POST", "/v1/completions", text.encode())
+    assert want[0] == 200
+    for data in (b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16"), text.encode("utf-16-le"),
+                 text.encode("utf-32")):  # fmt: skip
+        status, _, reply = gw.request("POST", "/v1/completions", data)
+        assert status == 200, reply
+        assert json.loads(reply)["choices"] == json.loads(want[2])["choices"]
+
+
 def test_null_reads_as_the_default_as_vllms_server_reads_it(gw: Gateway) -> None:
     """Clients that forward optional parameters send null for those not set; vLLM's request models
     take it as the default, for fields that otherwise take no null too (`n`, `stream`, booleans,

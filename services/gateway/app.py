@@ -23,6 +23,7 @@ import base64
 import collections
 import contextlib
 import importlib.metadata
+import json
 import logging
 import re
 import time
@@ -442,7 +443,7 @@ class Gateway:
         return b"".join(chunks)
 
     async def _read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
-        data = await self.read_bytes(request)
+        data = as_utf8(await self.read_bytes(request))
         # Every message is an object: a body with no more "{" than the limit needs no count.
         if "messages" in kind.__struct_fields__ and data.count(b"{") > self.settings.max_messages:
             self.check_message_count(data)
@@ -1128,6 +1129,21 @@ Feed = AsyncIterator[tuple[int, StreamDelta]]  # run_jobs: (choice index, delta)
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
 # The input of several a refusal is about, as the SDK's embed names it ("input[1]: ...").
 EMBEDDING_INPUT_NAMED = re.compile(r"input\[\d+\]")
+
+
+def as_utf8(data: bytes) -> bytes:
+    """A JSON body in UTF-8: one with a byte-order mark, or in UTF-16 or UTF-32, which Python's
+    json (behind vLLM's server) reads, is re-encoded first. One that does not decode is left as
+    it is, for the decoder to say what is wrong with it."""
+    if data[:1] in (b"{", b"[") and data[1:2] != b"\0":  # UTF-8 without a mark, nearly every body
+        return data
+    encoding = json.detect_encoding(data)
+    if encoding == "utf-8":
+        return data
+    try:
+        return data.decode(encoding).encode()
+    except UnicodeDecodeError:
+        return data
 
 
 def embedding_inputs(value: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:
