@@ -1127,6 +1127,24 @@ def test_responses_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -
     assert (error["param"] or "").startswith(param) and error["code"] == code, error
 
 
+def test_a_responses_refusal_names_the_input_item_not_the_chat_message(gw: Gateway) -> None:
+    """Responses run as chats: instructions become the first chat message, and a refusal that
+    the chat path words by its message index names the `input` item it came from."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    body = {
+        "instructions": SYSTEM,
+        "input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [image]}],
+        "max_output_tokens": 4,
+    }
+    for stream in (False, True):
+        status, _, data = gw.request("POST", "/v1/responses", {**body, "stream": stream})
+        error = (
+            json.loads(data)["error"] if status != 200 else json.loads(parse_sse(data.decode())[-1]["data"])
+        )
+        message = error.get("message") or error.get("error", {}).get("message", "")
+        assert message.startswith("input[1].content[0]"), (stream, error)
+
+
 def test_unknown_response_ids_get_404(gw: Gateway) -> None:
     # Only ids the store makes name a file: "..", "run" or "status" reach nothing of the run dir.
     for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/run"),

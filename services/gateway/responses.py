@@ -22,6 +22,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -155,9 +156,16 @@ def _required(field: str, value: str | None) -> str:
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     """`input` -> chat messages (the SDK's dicts). Consecutive function calls join the assistant
     turn before them, as one chat turn with several tool_calls."""
+    return input_turns(items)[0]
+
+
+def input_turns(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`input` -> chat messages, and the field each came from (`input[i]`), which names it
+    in a refusal of the chat path (`renamed`)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
     for i, item in enumerate(items):
         field = f"input[{i}]"
         if item.type == "message":
@@ -166,6 +174,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                     f"{field}.role must be one of {list(ROLES)}, got {item.role!r}", f"{field}.role"
                 )
             messages.append({"role": item.role, "content": _item_content(f"{field}.content", item.content)})
+            origins.append(field)
         elif item.type == "function_call":
             call = {
                 "id": _required(f"{field}.call_id", item.call_id),
@@ -178,6 +187,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 last["tool_calls"] = [*(last.get("tool_calls") or []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(field)
         elif item.type == "reasoning":
             continue  # earlier thinking: not part of the prompt (the module's docstring)
         elif item.type == "function_call_output":
@@ -186,13 +196,14 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             )
             messages.append({"role": "tool", "tool_call_id": _required(f"{field}.call_id", item.call_id),
                              "content": output})  # fmt: skip
+            origins.append(field)
         else:
             raise invalid(
                 f"{field}.type: must be message, reasoning, function_call or function_call_output, got "
                 f"{item.type!r}",
                 f"{field}.type",
             )
-    return messages
+    return messages, origins
 
 
 def _chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -230,9 +241,20 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return fmt  # json_object, or a type the chat path refuses naming it
 
 
-def renamed(error: ApiError) -> ApiError:
-    """A chat-path error, in the Responses API's field names."""
-    message, param = error.message, error.param
+_MESSAGE = re.compile(r"^messages\[(\d+)\]")
+
+
+def renamed(error: ApiError, origins: Sequence[str] = ()) -> ApiError:
+    """A chat-path error, in the Responses API's field names: `messages[i]` is the field that
+    chat message came from (`origins`: `input[k]`, `instructions`, a previous response's turn)."""
+
+    def placed(text: str) -> str:
+        match = _MESSAGE.match(text)
+        if match is None or int(match[1]) >= len(origins):
+            return text
+        return origins[int(match[1])] + text[match.end() :]
+
+    message, param = placed(error.message), placed(error.param) if error.param is not None else None
     for pattern, name in _RENAMES:
         message = pattern.sub(name, message)
         param = pattern.sub(name, param) if param is not None else None
@@ -266,8 +288,9 @@ class ResponsesReply:
     """The Translation (translated.py) of one Responses request; stores the response when done."""
 
     def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict[str, Any]],
-                 store: ResponseStore) -> None:  # fmt: skip
+                 store: ResponseStore, origins: Sequence[str] = ()) -> None:  # fmt: skip
         self.req = req
+        self.origins = origins  # where each chat message came from (renamed)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
@@ -465,10 +488,10 @@ class ResponsesReply:
         return [*out, self._event(kind, response=body)]
 
     def error_body(self, error: ApiError) -> bytes:
-        return error.body()
+        return renamed(error, self.origins).body()
 
     def error_event(self, error: ApiError) -> bytes:
-        return self._event("error", **_error_fields(error))
+        return self._event("error", **_error_fields(renamed(error, self.origins)))
 
 
 # -- the endpoints ----------------------------------------------------------------------------
@@ -485,32 +508,33 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         req = await self.gateway.read_body(request, ResponsesRequest)
-        conversation, requested = await self._conversation(req)
+        conversation, origins, requested = await self._conversation(req)
         try:
             plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
         except ApiError as error:
-            raise renamed(error) from None
+            raise renamed(error, origins) from None
         plan.aliases.update(
             {"max_tokens": "max_output_tokens", "prompt": "input", "structured": "text.format"}
         )
         model = self.gateway.with_adapter(requested, plan)
-        reply = ResponsesReply(req, model, conversation, self.store)
+        reply = ResponsesReply(req, model, conversation, self.store, origins)
         return run_translated(self.gateway, request, plan, model, reply, req.stream)
 
     async def input_tokens(self, request: Request) -> Response:
         """OpenAI's /v1/responses/input_tokens: the prompt length of a response request (its
         previous responses' turns included), without running the model."""
         req = await self.gateway.read_body(request, ResponsesRequest)
-        conversation, _ = await self._conversation(req)
+        conversation, origins, _ = await self._conversation(req)
         try:
             chat = chat_to_render(chat_request(req, conversation))
             return self.gateway.finish(request, json_response(await self.gateway.input_tokens(chat)))
         except ApiError as error:
-            raise renamed(error) from None
+            raise renamed(error, origins) from None
 
-    async def _conversation(self, req: ResponsesRequest) -> tuple[list[dict[str, Any]], str]:
-        """The request's turns after its previous responses', and the model it names (a chain
-        that names none goes on with its previous response's)."""
+    async def _conversation(self, req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str], str]:
+        """The request's turns after its previous responses'; where each chat message of the
+        request (instructions first) comes from, for refusals (`renamed`); and the model it
+        names (a chain that names none goes on with its previous response's)."""
         conversation: list[dict[str, Any]] = []
         requested = req.model
         if req.previous_response_id is not None:
@@ -524,7 +548,13 @@ class ResponsesApi:
                 # adapter's stays selected), if that is still served.
                 requested = str(previous.response.get("model", ""))
                 await self.gateway.check_model(requested, ResponsesRequest.takes_adapter)
-        return [*conversation, *input_messages(req.input)], requested
+        turns, origins = input_turns(req.input)
+        earlier = [f"previous_response_id's turn {k}" for k in range(len(conversation))]
+        return (
+            [*conversation, *turns],
+            ["instructions"] * bool(req.instructions) + earlier + origins,
+            requested,
+        )
 
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)
