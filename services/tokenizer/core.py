@@ -335,7 +335,7 @@ class TokenizerCore:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         key = (identity, request.request_id)
         old = self.journal.get(self.engine_ids.get(key, ""))
-        generation = old.generation if old else self.forgotten_keys.pop(key, -1) + 1
+        generation = old.generation if old else self.forgotten_keys.get(key, -1) + 1
         engine = engine_id(self.tokenizer_id, identity, request.request_id, generation)
         group = old.group if old else self._least_loaded_group()
         submit = m.SubmitRequest(
@@ -374,6 +374,7 @@ class TokenizerCore:
         if self.sampler is not None and self.sampler.wants(time.monotonic()):
             entry.sample = []
         self.journal[engine] = entry
+        self.forgotten_keys.pop(key, None)  # only now: a refused request leaves the generation known
         self.engine_ids[key] = engine
         return entry
 
@@ -397,8 +398,9 @@ class TokenizerCore:
                 raise RequestError(
                     "invalid_request", "truncate_prompt_tokens cannot cut a prompt with images"
                 )
+            # Generation encodes no special tokens of its own: the prompt is cut as it is.
             prompt_ids = self._truncated(
-                prompt_ids, request.truncate_prompt_tokens, self.max_model_len - 1, request.prompt is not None
+                prompt_ids, request.truncate_prompt_tokens, self.max_model_len - 1, False
             )
         try:
             validate_prompt_ids(
