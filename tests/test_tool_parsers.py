@@ -126,6 +126,21 @@ def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(pars
     assert whole.has_finished_calls
 
 
+def test_an_auto_call_announced_then_cut_does_not_finish_with_tool_calls():
+    """A hermes call whose name went out while streaming, then cut (a stop string, max_tokens):
+    the whole output reads it as text, and the stream, which announced it, must not finish with
+    `tool_calls` either."""
+    parser = ToolParser("hermes")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert not parser.parse(text, "r").tool_calls
+    stream = ToolCallStream(parser, "r")
+    for k in range(0, len(text), 7):
+        stream.feed(text[k : k + 7])
+    stream.finish()
+    assert stream.has_tool_calls and not stream.has_finished_calls
+    assert finish_reason("stop", stream.has_finished_calls) == "stop"
+
+
 def test_forced_format_errors():
     with pytest.raises(ValueError, match="function_name"):
         ToolParser("named")

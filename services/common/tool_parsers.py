@@ -480,6 +480,8 @@ class ToolCallStream:
                 continue
             if isinstance(s, Content):
                 end = min([s.end, *(p for p in self._call_index if s.start <= p < s.end)])
+                if final and end < s.end:  # a call announced while streaming that the whole reads as text
+                    self._has_cut_call = True
                 sent = self._content_sent.get(s.start, 0)
                 if sent == 0 and self.has_tool_calls and not self.text[s.start : end].strip():
                     continue
