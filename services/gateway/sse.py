@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -74,13 +75,14 @@ class Cursor:
         skip_chars = max(0, self.resume_after[index][1] - chars)
         if skip_tokens == 0 and skip_chars == 0:
             return piece
-        fresh = Piece(
-            piece.text[skip_chars:],
-            piece.token_ids[skip_tokens:],
-            piece.logprobs[skip_tokens:],
-            piece.top_logprobs[skip_tokens:],
-            piece.finish_reason,
-            piece.tools,
+        fresh = dataclasses.replace(
+            piece,
+            text=piece.text[skip_chars:],
+            token_ids=piece.token_ids[skip_tokens:],
+            logprobs=piece.logprobs[skip_tokens:],
+            top_logprobs=piece.top_logprobs[skip_tokens:],
+            prompt_ids=None,  # the client had the piece's start, which brought them
+            prompt_logprobs=None,
         )
         if not fresh.text and not fresh.token_ids and fresh.finish_reason is None:
             return None
@@ -152,14 +154,16 @@ async def unless_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # Whatever ended the wait (the client gone, or this task cancelled at shutdown), the
+        # work is cancelled and waited for, so that its engine requests are aborted now.
         if not work.done():
             work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
-    if work.cancelled() or not work.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
+    if watch.done() and not watch.cancelled() and work.cancelled():
         raise ClientGone
     return work.result()
 
