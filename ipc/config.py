@@ -202,6 +202,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     body_timeout_s: Seconds = 60.0
     keep_alive_timeout_s: Seconds = 5.0
     write_timeout_s: Seconds = 30.0
+    # Whether an API client may set vLLM's `priority` (as vLLM's --scheduling-policy priority):
+    # one that may can put its requests ahead of every other client's, and theirs first in line
+    # to be preempted; off, a non-zero priority is a 400. The SDK's clients always may.
+    accept_priority: bool = False
     # A client with max_oversized_requests requests refused for their size (body bytes, messages,
     # prompt characters, nesting) within oversized_window_s gets 429 for its large bodies, before
     # they are read, until the oldest leaves the window (services/gateway/refusal_limits.py); 0 = off.

@@ -342,6 +342,11 @@ def test_cache_salt_keeps_prefix_cached_blocks_to_its_own_requests(gw: Gateway) 
     assert [cached(salt) for salt in ("tenant-b", None)] == [(first, text)] * 2  # nothing of tenant-a's
     status, error = gw.error("/v1/completions", {"prompt": "x", "max_tokens": 1, "cache_salt": "s" * 2000})
     assert status == 400 and error["param"] == "cache_salt", error
+    # vLLM's priority only where the operator lets clients reorder each other's requests
+    status, error = gw.error("/v1/completions", {"prompt": "x", "max_tokens": 1, "priority": -1})
+    assert status == 400 and error["param"] == "priority" and "gateway.accept_priority" in error["message"], (
+        error
+    )
 
 
 def test_truncate_prompt_tokens_and_no_generation_prompt(gw: Gateway, hf_tokenizer) -> None:
@@ -444,14 +449,27 @@ def test_continuous_usage_stats_count_every_chunk(gw: Gateway) -> None:
         (api.completions.create, {"prompt": "Once upon a time"}),
         (api.chat.completions.create, {"messages": CHAT}),
     ):
-        chunks = list(create(model=gw.model, max_tokens=8, temperature=0, stream=True, stream_options=options,
-                             extra_body={"ignore_eos": True, "return_token_ids": True}, **kwargs))  # fmt: skip
-        total = chunks[-1].usage
-        assert not chunks[-1].choices and total.completion_tokens == 8
-        seen = 0
-        for chunk in chunks[:-1]:
-            seen += len(getattr(chunk.choices[0], "token_ids", None) or [])
-            assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (total.prompt_tokens, seen)
+        for return_token_ids in (True, False):  # without: the ids counted from the logprobs
+            chunks = list(create(model=gw.model, max_tokens=8, temperature=0, stream=True, stream_options=options,
+                                 logprobs=True if "messages" in kwargs else 0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": return_token_ids},
+                                 **kwargs))  # fmt: skip
+            total = chunks[-1].usage
+            assert not chunks[-1].choices and total.completion_tokens == 8
+            seen = 0
+            for chunk in chunks[:-1]:
+                logprobs = chunk.choices[0].logprobs
+                seen += (
+                    len((logprobs.content if "messages" in kwargs else logprobs.tokens) or [])
+                    if logprobs
+                    else 0
+                )
+                assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (
+                    total.prompt_tokens,
+                    seen,
+                )
+            if "messages" in kwargs:
+                assert chunks[0].choices[0].delta.role == "assistant"
         plain = list(create(model=gw.model, max_tokens=4, stream=True, stream_options={"include_usage": True},
                             **kwargs))  # fmt: skip
         assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage.completion_tokens == 4
@@ -1551,6 +1569,8 @@ BAD_BODIES = {
             ("echo", True),
             ("functions", [{"name": "f", "parameters": {}}]),
             ("function_call", "auto"),
+            ("documents", [{"title": "t", "text": "x"}]),
+            ("include_reasoning", False),
         )
     },
 }
@@ -1563,6 +1583,21 @@ def test_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
     status, error = gw.error(path, body)
     assert status == 400, error
     assert error["param"] == param and error["code"] == code, error
+
+
+def test_vllms_own_defaults_of_unserved_fields_are_served(gw: Gateway) -> None:
+    """Clients that send whole vLLM request models send its defaults of the fields not served
+    here: those ask for nothing and are served, only other values are refused."""
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
+                "guided_whitespace_pattern": None, "allowed_token_ids": None}  # fmt: skip
+    chat_defaults = {"add_special_tokens": False, "echo": False, "documents": None, "include_reasoning": True,
+                     "functions": [], "function_call": "none"}  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", **defaults}),
+        ("/v1/chat/completions", {"messages": CHAT, **defaults, **chat_defaults}),
+    ):
+        status, _, data = gw.request("POST", path, {"model": gw.model, "max_tokens": 2, **body})
+        assert status == 200, (path, data)
 
 
 def test_a_body_with_a_byte_order_mark_or_in_utf16_is_read(gw: Gateway) -> None:
@@ -2679,6 +2714,10 @@ def test_every_token_count_of_a_chat_is_the_prompt_the_engine_runs(gw: Gateway) 
     second = api.responses.create(model=gw.model, max_output_tokens=16, temperature=0, **follow)
     counted = api.responses.input_tokens.count(**follow)
     assert counted.object == "response.input_tokens" and counted.input_tokens == second.usage.input_tokens
+    # OpenAI's takes a previous response alone: its conversation, as /tokenize renders it
+    alone = api.responses.input_tokens.count(previous_response_id=first.id).input_tokens
+    history = [*CHAT, {"role": "assistant", "content": first.output_text}]
+    assert alone == json.loads(gw.request("POST", "/tokenize", {"messages": history})[2])["count"]
     assert second.usage.input_tokens > first.usage.input_tokens
     # llama.cpp serves the OpenAI routes without /v1 too
     for path, body in (("/chat/completions", {"messages": CHAT}), ("/responses", {"input": "Hi"})):
@@ -2691,12 +2730,14 @@ def test_every_token_count_of_a_chat_is_the_prompt_the_engine_runs(gw: Gateway) 
 
 @pytest.mark.timeout(300)
 def test_priority_orders_the_waiting_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """vLLM's `priority`: with one sequence running at a time, of two requests waiting behind it
-    the lower priority runs first, though it came second."""
+    """vLLM's `priority`, where gateway.accept_priority lets clients set it: with one sequence
+    running at a time, of two requests waiting behind it the lower priority runs first, though
+    it came second. (Off by default: the gw fixture's run refuses it, below.)"""
     port = free_port()
     with brigade_run(
-        tmp_path / "run", f"model.path={tiny_model_dir}", f"gateway.port={port}", "engine.max_num_seqs=1"
-    ):
+        tmp_path / "run", f"model.path={tiny_model_dir}", f"gateway.port={port}", "engine.max_num_seqs=1",
+        "model.max_model_len=8192", "gateway.accept_priority=true",
+    ) as run:  # fmt: skip
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
         finished: list[str] = []
 
@@ -2705,16 +2746,21 @@ def test_priority_orders_the_waiting_requests(tmp_path: Path, tiny_model_dir: Pa
                                    extra_body={"priority": priority, "ignore_eos": True})  # fmt: skip
             finished.append(name)
 
+        def wait_for_waiting(count: int) -> None:
+            deadline = time.monotonic() + 60
+            while sum(r["queue_depth"] for r in run.read_status() if r["kind"] == "scheduler") < count:
+                assert time.monotonic() < deadline, f"{count} requests never waited"
+                time.sleep(0.05)
+
         blocker = api.completions.create(
-            model=str(tiny_model_dir), prompt="hold", max_tokens=MAX_MODEL_LEN - 16, stream=True,
-            extra_body={"ignore_eos": True},
+            model=str(tiny_model_dir), prompt="hold", max_tokens=8000, stream=True, extra_body={"ignore_eos": True}
         )  # fmt: skip
-        next(iter(blocker))  # it runs: the one slot is taken
+        next(iter(blocker))  # it runs: the one slot is taken, for the 8000 tokens it may take
         with ThreadPoolExecutor(2) as pool:
             later = pool.submit(complete, "later", 5)
-            time.sleep(0.5)  # "later" waits first
+            wait_for_waiting(1)
             sooner = pool.submit(complete, "sooner", -5)
-            time.sleep(0.5)
+            wait_for_waiting(2)
             blocker.close()  # the slot frees with both waiting
             later.result(timeout=60), sooner.result(timeout=60)
         assert finished == ["sooner", "later"]

@@ -146,6 +146,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         adapters=tuple(stage.config.lora.adapters),
         access_log=AccessLog(config.access_log, stage.name) if config.access_log.path else None,
         max_loras=stage.config.lora.max_loras,
+        accept_priority=config.accept_priority,
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,
         max_image_bytes=stage.config.encoder.max_image_bytes,
         max_image_pixels=stage.config.encoder.max_image_pixels,

@@ -135,6 +135,7 @@ class GatewaySettings:
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
     access_log: AccessLog | None = None  # gateway.access_log (services/gateway/access_log.py)
     max_loras: int = 0  # lora.max_loras: 0 = adapters off, none can be loaded at run time
+    accept_priority: bool = False  # gateway.accept_priority: clients may set vLLM's priority
     # How long a LoRA adapter command may take: an unload waits up to lora.unload_wait_s for its
     # requests, and the tokenizer gives the engine groups a margin beyond that.
     adapter_command_timeout_s: float = 300.0
@@ -533,6 +534,7 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         body = await self.read_body(request, p.ChatCompletionRequest)
+        self.check_priority(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
         model = self.with_adapter(body.model, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
@@ -546,6 +548,7 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_body(request, p.CompletionRequest)
+        self.check_priority(body)
         plan = plan_completion(body, header_seed(request.headers.get(SEED_HEADER)))
         model = self.with_adapter(body.model, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
@@ -557,6 +560,13 @@ class Gateway:
             return_token_ids=body.return_token_ids,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
+
+    def check_priority(self, body: p.SamplingFields) -> None:
+        """vLLM's priority only where the operator lets clients reorder each other's requests."""
+        if body.priority and not self.settings.accept_priority:
+            raise invalid(
+                "priority scheduling is not enabled on this server (gateway.accept_priority)", "priority"
+            )
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's /v1/embeddings: one vector per input, the inputs run together (client.embed)."""
@@ -757,15 +767,18 @@ class Gateway:
                             timer: Any) -> AsyncGenerator[bytes, None]:  # fmt: skip
         """The stream's events. With vLLM's continuous_usage_stats (and include_usage) every chunk
         of a choice carries that choice's usage so far: its prompt's tokens (which come with its
-        first output) and its output tokens."""
+        first output) and its output tokens; a chat choice's opening chunk (its role) then waits
+        for that first output."""
         usages = {}
         continuous = options.include_usage and options.continuous_usage_stats
         so_far: dict[int, m.Usage] = {}
-        if not cursor.is_resumed:
-            for job in plan.jobs:
-                chunk = fmt.first_chunk(job.index)
+        unopened = set() if cursor.is_resumed else {job.index for job in plan.jobs}
+        if not continuous:
+            for index in sorted(unopened):
+                chunk = fmt.first_chunk(index)
                 if chunk is not None:
                     yield event(chunk, cursor.event_id())
+            unopened.clear()
         try:
             item = await first
         except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
@@ -789,6 +802,14 @@ class Gateway:
                 index, whole.text[: len(whole.text) - len(piece.text)] if piece is not None else whole.text
             )
             if piece is not None:
+                if index in unopened:  # continuous usage: the role's chunk counts the prompt
+                    unopened.discard(index)
+                    opening = fmt.first_chunk(index)
+                    if opening is not None:
+                        opening.usage = usage_out(
+                            {index: m.Usage(so_far[index].prompt_tokens, 0)}, {index: 0}
+                        )
+                        yield event(opening, cursor.event_id())
                 for chunk in fmt.chunks(index, piece, text_offset):
                     if continuous:
                         chunk.usage = usage_out({index: so_far[index]}, {index: 0})

@@ -434,7 +434,7 @@ class CompletionFormat:
         finish_reason and no text."""
         reason = piece.finish_reason
         choices = []
-        if piece.text or piece.token_ids or reason is None:
+        if piece.text or piece.token_ids or reason is None or (self.return_token_ids and piece.prompt_ids):
             choice = p.CompletionChoice(index, piece.text, self._logprobs(piece, text_offset), None)
             if self.return_token_ids:
                 choice.token_ids = piece.token_ids

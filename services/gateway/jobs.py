@@ -86,31 +86,34 @@ def header_seed(value: str | None) -> int | None:
     return seed
 
 
-# vLLM's request fields that Brigade does not serve, with the values that ask for nothing: set to
-# anything else, each would change what the request returns, so it is refused by name rather
-# than ignored as unknown fields are.
-UNSERVED_FIELDS: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
-    "logits_processors": None,
-    "prompt_embeds": None,
-    "guided_whitespace_pattern": None,
+# vLLM's request fields that Brigade does not serve, with the values that ask for nothing (unset,
+# or vLLM's own default, which clients that send whole request models send): set to anything
+# else, each would change what the request returns, so it is refused by name rather than ignored
+# as unknown fields are.
+UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (None, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "prompt_embeds": (None,),
+    "guided_whitespace_pattern": (None,),
 }
-UNSERVED_CHAT_FIELDS: dict[str, Any] = {
-    "add_special_tokens": False,
-    "chat_template": None,  # vLLM too refuses one unless its server trusts them
-    "echo": False,
+UNSERVED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "add_special_tokens": (False,),
+    "chat_template": (None,),  # vLLM too refuses one unless its server trusts them
+    "echo": (False,),
+    "documents": (None, []),  # a RAG template's variable
+    "include_reasoning": (True,),
     # OpenAI's deprecated forms of tools and tool_choice, whose replies have their own shape
-    "functions": None,
-    "function_call": None,
+    "functions": (None, []),
+    "function_call": (None, "none"),
 }
 
 
-def _refuse_unserved(req: SamplingFields, fields: dict[str, Any]) -> None:
+def _refuse_unserved(req: SamplingFields, fields: dict[str, tuple[Any, ...]]) -> None:
     for name, asks_nothing in fields.items():
-        if getattr(req, name) != asks_nothing:
+        if getattr(req, name) not in asks_nothing:
             hint = " (use tools and tool_choice)" if name.startswith("function") else ""
             raise invalid(f"{name} is not supported by this server{hint}", name)
 

@@ -153,6 +153,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     echo: bool = False
     functions: Any = None
     function_call: Any = None
+    documents: Any = None
+    include_reasoning: bool = True
     # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
     # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None

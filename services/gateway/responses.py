@@ -114,6 +114,12 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     reasoning: ReasoningConfig | None = None
 
 
+class InputTokensRequest(ResponsesRequest, frozen=True, kw_only=True):
+    """/v1/responses/input_tokens' body: OpenAI's takes a previous response alone, no input."""
+
+    input: str | list[InputItem] = []
+
+
 def _item_text(field: str, content: str | list[ContentPartIn] | None) -> str:
     if content is None:
         raise invalid(f"{field}: required", field, "missing_required_parameter")
@@ -523,7 +529,7 @@ class ResponsesApi:
     async def input_tokens(self, request: Request) -> Response:
         """OpenAI's /v1/responses/input_tokens: the prompt length of a response request (its
         previous responses' turns included), without running the model."""
-        req = await self.gateway.read_body(request, ResponsesRequest)
+        req = await self.gateway.read_body(request, InputTokensRequest)
         conversation, origins, _ = await self._conversation(req)
         try:
             chat = chat_to_render(chat_request(req, conversation))
