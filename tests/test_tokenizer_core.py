@@ -488,3 +488,14 @@ def test_a_client_id_reused_after_its_request_ended_gets_a_new_engine_id(core_fa
     assert core.fail(m.RequestFailed(second.submit.request_id, "internal", "boom")).message.request_id == "r"
     third = core.admit(b"c", m.Generate("r", prompt="x"))
     assert len({first.submit.request_id, second.submit.request_id, third.submit.request_id}) == 3
+    # A retry refused at admission (here: a bad truncation) does not lose the count: the next
+    # admitted request under the id still gets an engine id of its own.
+    core.abort(b"c", "r")
+    with pytest.raises(RequestError):
+        core.admit(b"c", m.Generate("r", prompt="x", truncate_prompt_tokens=-5))
+    fourth = core.admit(b"c", m.Generate("r", prompt="x"))
+    assert fourth.submit.request_id not in {
+        first.submit.request_id,
+        second.submit.request_id,
+        third.submit.request_id,
+    }
