@@ -188,6 +188,15 @@ def test_mode_none_forwards_the_engine_defaults(tokenizer) -> None:
     assert {name: getattr(params, name) for name in ENGINE_DEFAULTS} == ENGINE_DEFAULTS
 
 
+PARAM_NAMES = {f.name for f in msgspec.structs.fields(m.SamplingParams)}
+
+
+def params_of(sampling: dict) -> m.SamplingParams:
+    """The SamplingParams of a plan's keyword arguments, which also carry the request's own
+    (Generate's: truncation, prompt ids...)."""
+    return make_params({k: v for k, v in sampling.items() if k in PARAM_NAMES})
+
+
 def test_sdk_and_gateway_send_unset_fields_as_none() -> None:
     """The tokenizer can only apply the model's defaults to fields the client left unset."""
     params = make_params({"max_tokens": 4})
@@ -196,12 +205,13 @@ def test_sdk_and_gateway_send_unset_fields_as_none() -> None:
     plan = plan_completion(msgspec.convert({"model": "m", "prompt": "hi"}, CompletionRequest), None)
     sampling = plan.jobs[0].sampling
     assert all(sampling[name] is None for name in ENGINE_DEFAULTS)
-    assert make_params(dict(sampling)).temperature is None
+    assert params_of(sampling).temperature is None
     explicit = plan_completion(
         msgspec.convert({"model": "m", "prompt": "hi", "temperature": 0.3, "top_k": -1}, CompletionRequest),
         None,
     )
-    assert (explicit.jobs[0].sampling["temperature"], explicit.jobs[0].sampling["top_k"]) == (0.3, 0)
+    explicit_params = params_of(explicit.jobs[0].sampling)
+    assert (explicit_params.temperature, explicit_params.top_k) == (0.3, 0)  # vLLM's -1: no top-k
 
 
 def test_fill_defaults_keeps_every_set_field() -> None:
