@@ -395,9 +395,12 @@ def test_llama_cpp_embedding_endpoints_normalize_as_it_does(
         assert status == 400 and reply["error"]["code"] == 400 and message in reply["error"]["message"], reply
     query, documents = TEXTS[0], TEXTS[1:]
     status, ranked = post(url, "/reranking", {"query": query, "documents": documents})
-    assert (
-        status == 200
-        and ranked["results"] == post(url, "/rerank", {"query": query, "documents": documents})[1]["results"]
+    assert status == 200
+    want = post(url, "/rerank", {"query": query, "documents": documents})[1]["results"]
+    # The same ranking; the scores to float32's rounding (the vectors come from batches of other sizes)
+    assert [r["index"] for r in ranked["results"]] == [r["index"] for r in want]
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in ranked["results"]], [r["relevance_score"] for r in want], atol=1e-5
     )
 
 
