@@ -274,9 +274,11 @@ def _structured(sampling: dict[str, Any]) -> None:
 def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     """SamplingParams from keyword arguments, type-checked here so that a wrong type is a clear
     error naming the field, with a client-chosen seed when sampling is random so that a request
-    resubmitted after a failover samples exactly the same tokens. An output constraint is
+    resubmitted after a failover samples exactly the same tokens; a keyword given as None is left
+    at its default. An output constraint is
     `structured=StructuredOutput(...)` or one of its shorthands (`_structured`)."""
-    sampling = dict(sampling)
+    # None is the field's default, as JSON null is to the gateway (adapter=None: the base model).
+    sampling = {name: value for name, value in sampling.items() if value is not None}
     _structured(sampling)
     unknown = sorted(set(sampling) - _PARAM_TYPES.keys())
     if unknown:

@@ -801,6 +801,19 @@ def test_integral_values_convert_where_the_field_is_a_number(fakes) -> None:
     assert m.unpack_ids(second.prompt_token_ids).tolist() == [0, 1, 2]
 
 
+def test_keywords_given_as_none_take_their_defaults(fakes) -> None:
+    """adapter=None (a caller passing "no adapter" through), stop=None, top_k=None: each is
+    the field's default, as the gateway takes JSON null; a wrong type beside them still fails."""
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        client.generate("x", adapter=None, stop=None, top_k=None, max_tokens=3, temperature=0.0)
+        with pytest.raises(InvalidRequest, match="stop"):
+            client.generate("x", adapter=None, stop=7)
+    (sent,) = fake.requests(m.Generate)
+    assert sent.params.adapter == "" and sent.params.stop == [] and sent.params.top_k is None
+    assert sent.params.max_tokens == 3
+
+
 def test_an_error_without_a_request_id_fails_the_unanswered_request(fakes) -> None:
     """A tokenizer that could not read a request answers with an empty id; the request it sent
     must fail at once, not wait for a reply that never comes."""
