@@ -217,6 +217,19 @@ def test_gbnf_code_point_escapes_mean_their_characters(compiler, model):
         assert re.fullmatch(r"A[éê]😀[\]-]\\u0041", walk(compiler, model, grammar, seed)[0])
 
 
+def test_a_gbnf_rule_named_start_is_a_rule_like_any_other(compiler, model):
+    """llguidance's converter names GBNF's `root` rule `start`, and took any grammar with a line
+    `start ::=` for its own Lark: a valid llama.cpp grammar with a rule of that name was a 400
+    ("Expected token '_'" or "Rule 'start' already exists"). Names inside strings, classes and
+    comments stay as written."""
+    grammar = StructuredOutput(
+        "grammar", 'root ::= "start" start # start here\nstart ::= [0-9] start-0\nstart-0 ::= "[start]"\n'
+    )
+    check_constraint(grammar)
+    for seed in range(3):
+        assert re.fullmatch(r"start[0-9]\[start\]", walk(compiler, model, grammar, seed)[0])
+
+
 def test_regex_choice_and_grammar_outputs(compiler, model):
     regex = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2,4}")
     choices = ["yes", "no", 'say "maybe"', "ünïcode"]
@@ -416,6 +429,10 @@ def test_a_refused_token_raises_with_its_position(compiler, model):
         (StructuredOutput("json", "{not json"), "json"),
         (StructuredOutput("regex", "(ab"), "regex"),
         (StructuredOutput("grammar", 'root ::= "a" undefined_rule'), "undefined_rule"),
+        (StructuredOutput("grammar", 'start ::= "a"'), "No 'root' rule"),
+        # The engine's own words named an option no request can set, or its internal types.
+        (StructuredOutput("json", '{"oneOf": [{"type": "number"}, {"type": "integer"}]}'), "strict: false"),
+        (StructuredOutput("json", '{"type": "integer", "minimum": 1e20}'), "beyond 64-bit integers"),
     ],
 )
 def test_a_constraint_that_does_not_compile_errors_clearly(compiler, model, spec, message):

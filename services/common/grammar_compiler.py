@@ -43,7 +43,7 @@ from pathlib import Path
 
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ipc.structured_output import MAX_SPEC_BYTES, StructuredOutput
 from ipc.validation import InvalidParams
@@ -139,6 +139,27 @@ def load_grammar_tokenizer(
 _GBNF_CODE_POINT = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 
 
+# llguidance's own Lark: a `%llguidance` header or a `start:` rule (GBNF's `start ::=` is not one).
+_LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:(?!:=))")
+# GBNF's pieces that hold no rule name (string literals, character classes, comments), or a name.
+_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|([A-Za-z0-9_-]+)')
+
+
+def grammar_lark(grammar: str) -> str:
+    """A `grammar` constraint as the engine's Lark: llguidance's Lark as given, else GBNF converted.
+    The converter names GBNF's `root` rule `start`, so a GBNF rule of that name (a valid llama.cpp
+    grammar) is renamed first, and its `\\u` escapes rewritten (`gbnf_code_points`)."""
+    if _LARK_SYNTAX.search(grammar):
+        return grammar
+    names = {match.group(1) for match in _GBNF_PIECE.finditer(grammar) if match.group(1)}
+    if "start" in names:
+        fresh = next(f"start-{i}" for i in range(len(names) + 1) if f"start-{i}" not in names)
+        grammar = _GBNF_PIECE.sub(
+            lambda match: fresh if match.group(1) == "start" else match.group(0), grammar
+        )
+    return gbnf_to_lark(gbnf_code_points(grammar))
+
+
 def gbnf_code_points(grammar: str) -> str:
     r"""GBNF's `\uXXXX` and `\UXXXXXXXX` escapes rewritten as `\xHH` (below 0x100) or the character
     itself. llguidance's GBNF converter strips their leading zeros (`\u0042` -> `\u42`), which its
@@ -182,8 +203,7 @@ def grammar_text(spec: StructuredOutput) -> str:
                 "start: " + " | ".join(json.dumps(c) for c in choices)
             )
         if spec.kind == "grammar":
-            lark = spec.spec if is_lark_syntax(spec.spec) else any_to_lark(gbnf_code_points(spec.spec))
-            return llguidance.LLMatcher.grammar_from_lark(lark)
+            return llguidance.LLMatcher.grammar_from_lark(grammar_lark(spec.spec))
     except Exception as e:  # the engine's parsers raise ValueError or their own error types
         raise GrammarError(f"{spec.kind}: {short_error(str(e))}") from None
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")
@@ -391,8 +411,25 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+# Engine messages that name the engine's own options or types, in the request's words instead.
+_ENGINE_WORDS = (
+    (
+        re.compile(r"oneOf constraints are not supported\..*"),
+        "oneOf cannot be enforced exactly (its branches are not proven to exclude each other): "
+        "use anyOf, or strict: false to take oneOf as anyOf",
+    ),
+    (
+        re.compile(r"Failed to generate regex for integer range: .*"),
+        "an integer's minimum or maximum beyond 64-bit integers (+-9223372036854775807) cannot be enforced",
+    ),
+)
+
+
 def short_error(message: str) -> str:
     """An engine message on one line, without the marker where a verbose one would put the
-    parser state, and within MAX_ERROR_CHARS."""
+    parser state, in the request's words where the engine's name its internals, and within
+    MAX_ERROR_CHARS."""
     message = " ".join(message.replace("<non-verbose/>", "").split())
+    for pattern, words in _ENGINE_WORDS:
+        message = pattern.sub(words, message)
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
