@@ -117,7 +117,8 @@ def validate_prompt_ids(
         return
     # Failure path only: name the first bad id and where it is.
     index, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= int(t) < vocab_size)
-    raise InvalidParams(f"prompt token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
+    what = "prompt" if generates else "input"
+    raise InvalidParams(f"{what} token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
 
 
 def chat_chars(messages: Sequence[ChatMessage]) -> int:
@@ -171,11 +172,13 @@ def check_chat_budget(
 
 
 def _check_prompt_len(num_prompt_tokens: int, max_model_len: int, generates: bool) -> None:
+    # An embedding's text is its `input` (the API's field), a generation's its prompt.
+    what = "prompt" if generates else "input"
     if num_prompt_tokens < 1:
-        raise InvalidParams("prompt is empty: at least one prompt token is required")
+        raise InvalidParams(f"{what} is empty: at least one {what} token is required")
     if not generates and num_prompt_tokens > max_model_len:
         raise PromptTooLong(
-            f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: an input may "
+            f"input has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: an input may "
             f"have at most {max_model_len}"
         )
     if generates and num_prompt_tokens >= max_model_len:

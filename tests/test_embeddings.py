@@ -235,12 +235,12 @@ def test_sdk_embed_sync_and_async(minilm_run: Run, sentence_vectors: np.ndarray)
             client.embed(TEXTS[0], dimensions=385, timeout=120)
         with pytest.raises(InvalidRequest, match="serves embeddings only"):
             client.generate("Hello", max_tokens=4, timeout=120)
-        with pytest.raises(InvalidRequest, match=r"^input\[1\]: prompt token id 999999 at index 0"):
+        with pytest.raises(InvalidRequest, match=r"^input\[1\]: input token id 999999 at index 0"):
             client.embed([[1, 2], [999999], [3]], timeout=120)
 
     async def embed_async() -> np.ndarray:
         async with AsyncClient(minilm_run.run_dir) as client:
-            with pytest.raises(InvalidRequest, match=r"^input\[1\]: prompt token id 999999 at index 0"):
+            with pytest.raises(InvalidRequest, match=r"^input\[1\]: input token id 999999 at index 0"):
                 await client.embed([[1, 2], [999999], [3]], timeout=120)
             return (await client.embed(TEXTS, timeout=120)).embeddings
 
@@ -290,7 +290,7 @@ def post(url: str, path: str, body: object, timeout_s: float = 60) -> tuple[int,
         ({"input": [[1, 2, 999999]]}, "input", "out of the vocabulary"),
         # One input of several: named, in the message and the param (each input is a request of
         # its own, whose refusal says only where in that input the id is).
-        ({"input": [[1, 2], [999999]]}, "input[1]", r"^input\[1\]: prompt token id 999999 at index 0 is out"),
+        ({"input": [[1, 2], [999999]]}, "input[1]", r"^input\[1\]: input token id 999999 at index 0 is out"),
         ({"input": ["a", ""]}, "input[1]", r"^input\[1\] is empty"),
         # Every input refused alike: the request's own fault, not an input's.
         ({"input": ["a", "b"], "dimensions": 385}, "dimensions", r"^dimensions must be 1\.\.384"),

@@ -203,8 +203,13 @@ def test_prompt_ids(as_array: bool):
         validate_prompt_ids(ids([1] * MAX_LEN), VOCAB, MAX_LEN)
     # An embedding's input has no output to make room for: it may fill the context, not more.
     validate_prompt_ids(ids([1] * MAX_LEN), VOCAB, MAX_LEN, generates=False)
-    with pytest.raises(PromptTooLong, match=rf"at most {MAX_LEN}$"):
+    # ... and is named as the embeddings API names it (its `input`), not a prompt.
+    with pytest.raises(PromptTooLong, match=rf"^input has {MAX_LEN + 1} tokens .* at most {MAX_LEN}$"):
         validate_prompt_ids(ids([1] * (MAX_LEN + 1)), VOCAB, MAX_LEN, generates=False)
+    with pytest.raises(InvalidParams, match=r"^input is empty"):
+        validate_prompt_ids(ids([]), VOCAB, MAX_LEN, generates=False)
+    with pytest.raises(InvalidParams, match=rf"^input token id {VOCAB} at index 1"):
+        validate_prompt_ids(ids([0, VOCAB]), VOCAB, MAX_LEN, generates=False)
 
 
 def test_importing_validation_does_not_import_torch():
