@@ -39,6 +39,7 @@ from services.gateway.anthropic import AnthropicReply, MessagesRequest
 from services.gateway.anthropic import chat_request as anthropic_chat_request
 from services.gateway.app import Gateway as AppGateway
 from services.gateway.app import GatewaySettings
+from services.gateway.errors import ApiError
 from services.gateway.jobs import plan_chat
 from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
@@ -1306,13 +1307,46 @@ def test_reasoning_is_a_thinking_block_in_anthropic_messages_streamed_and_not(gw
         assert "".join(b.text for b in final.content if b.type == "text") == text
 
 
+def test_anthropic_errors_name_the_anthropic_message_not_the_chat_one() -> None:
+    """A chat-path error names `messages[i]` of the chat request, where `system` is a message
+    of its own and each tool_result block one more: its index is put back in the request's terms."""
+    body = {
+        "max_tokens": 4,
+        "system": "Be brief.",
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}},
+                                              {"type": "tool_use", "id": "t2", "name": "w", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sun"},
+                                         {"type": "tool_result", "tool_use_id": "t2", "content": "rain"},
+                                         {"type": "text", "text": "And tomorrow?"}]},
+        ],
+    }  # fmt: skip
+    chat, origins = anthropic_chat_request(msgspec.convert(body, MessagesRequest))
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "user"]
+    reply = AnthropicReply("m", [], origins)
+    expected = {
+        0: "system: bad",
+        1: "messages[0]: bad",
+        3: "messages[2].content[0]: bad",
+        4: "messages[2].content[1]: bad",
+        5: "messages[2]: bad",
+        9: "messages[9]: bad",  # out of range: left as it is
+    }
+    for index, want in expected.items():
+        error = ApiError(400, f"messages[{index}]: bad", param=f"messages[{index}]")
+        assert msgspec.json.decode(reply.error_body(error))["error"]["message"] == want
+        assert msgspec.json.decode(reply.error_event(error).split(b"data: ")[1])["error"]["message"] == want
+
+
 def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
     """Anthropic's `thinking` switch is Qwen3's template variable (chat_template_kwargs, which
     test_tokenizer_core.py shows reaching the template): what the chat path is planned with."""
 
     def kwargs_for(body: dict) -> dict | None:
         request = msgspec.convert({"max_tokens": 4, "messages": CHAT, **body}, MessagesRequest)
-        (job,) = plan_chat(anthropic_chat_request(request), None).jobs
+        (job,) = plan_chat(anthropic_chat_request(request)[0], None).jobs
         return job.sampling.get("chat_template_kwargs")
 
     assert kwargs_for({"thinking": {"type": "disabled"}}) == {"enable_thinking": False}

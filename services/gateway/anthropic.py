@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -25,7 +26,7 @@ from services.gateway.app import JSON, Gateway, chat_to_render
 from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
-from services.gateway.translated import named_event, run_translated
+from services.gateway.translated import at_origin, named_event, run_translated
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -124,16 +125,17 @@ def _text(blocks: str | list[TextBlock]) -> str:
     return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
 
 
-def _turns(i: int, message: MessageIn) -> list[dict[str, Any]]:
+def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]:
     """One Anthropic message -> chat messages: a user's tool results become `tool` turns (before
-    its text: they answer the calls just made), an assistant's tool uses its `tool_calls`."""
+    its text: they answer the calls just made), an assistant's tool uses its `tool_calls`; and the
+    field each came from (`messages[i]`, a tool result's `messages[i].content[k]`)."""
     if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
+        return [{"role": message.role, "content": message.content}], [f"messages[{i}]"]
     if not message.content:
         raise invalid(
             f"messages[{i}].content: at least one content block is required", f"messages[{i}].content"
         )
-    texts, calls, results = [], [], []
+    texts, calls, results, result_fields = [], [], [], []
     for k, block in enumerate(message.content):
         field = f"messages[{i}].content[{k}]"
         if isinstance(block, TextBlock):
@@ -153,27 +155,32 @@ def _turns(i: int, message: MessageIn) -> list[dict[str, Any]]:
             content = _text(block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": f"Error: {content}" if block.is_error else content})  # fmt: skip
+            result_fields.append(field)
     text = "".join(texts)
     if message.role == "assistant":
         # A turn that only calls tools has no content (null, as OpenAI's).
-        return [
-            {
-                "role": "assistant",
-                "content": None if calls and not text else text,
-                "tool_calls": calls or None,
-            }
-        ]
-    return results + ([{"role": "user", "content": text}] if text or not results else [])
+        turn = {
+            "role": "assistant",
+            "content": None if calls and not text else text,
+            "tool_calls": calls or None,
+        }
+        return [turn], [f"messages[{i}]"]
+    if text or not results:
+        return [*results, {"role": "user", "content": text}], [*result_fields, f"messages[{i}]"]
+    return results, result_fields
 
 
-def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+def _chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat messages of a request, and the field each came from (`at_origin`)."""
     if not req.messages:
         raise invalid("messages: at least one message is required", "messages")
     system = _text(req.system) if req.system is not None else ""
-    messages = [{"role": "system", "content": system}] if system else []
+    messages, origins = ([{"role": "system", "content": system}], ["system"]) if system else ([], [])
     for i, message in enumerate(req.messages):
-        messages += _turns(i, message)
-    return messages
+        turns, fields = _turns(i, message)
+        messages += turns
+        origins += fields
+    return messages, origins
 
 
 def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, bool]:
@@ -234,11 +241,14 @@ def _continues_prefill(req: CountTokensRequest) -> bool:
     )
 
 
-def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
+def chat_request(req: MessagesRequest) -> tuple[p.ChatCompletionRequest, list[str]]:
+    """The chat completion a Messages request runs as, and the field each of its messages came
+    from (`at_origin`)."""
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range
         raise invalid(f"temperature must be in [0, 1], got {req.temperature:g}", "temperature")
+    fields, origins = _prompt_fields(req)
     body = {
-        **_prompt_fields(req),
+        **fields,
         "max_tokens": req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -249,14 +259,16 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         "include_stop_str_in_output": bool(req.stop_sequences),
         "response_format": _response_format(req.output_config),
     }
-    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest)
+    return msgspec.convert({k: v for k, v in body.items() if v is not None}, p.ChatCompletionRequest), origins
 
 
-def _prompt_fields(req: CountTokensRequest) -> dict[str, Any]:
-    """The chat completion fields that make a Messages request's prompt."""
+def _prompt_fields(req: CountTokensRequest) -> tuple[dict[str, Any], list[str]]:
+    """The chat completion fields that make a Messages request's prompt, and the field each chat
+    message came from."""
     tools, tool_choice, parallel = _tools(req)
-    return {
-        "messages": _chat_messages(req),
+    messages, origins = _chat_messages(req)
+    fields = {
+        "messages": messages,
         "tools": tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
@@ -267,13 +279,15 @@ def _prompt_fields(req: CountTokensRequest) -> dict[str, Any]:
         if req.thinking is None
         else {"enable_thinking": req.thinking.type != "disabled"},
     }
+    return fields, origins
 
 
 # -- replies ----------------------------------------------------------------------------------
 
 
-def error_body(error: ApiError) -> bytes:
-    message = _anthropic_field(error.message)
+def error_body(error: ApiError, origins: Sequence[str] = ()) -> bytes:
+    """Anthropic's error JSON; `origins`: the field each chat message came from (`at_origin`)."""
+    message = _anthropic_field(at_origin(error.message, origins))
     kind = ERROR_TYPES.get(error.status, "api_error")
     return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})
 
@@ -291,8 +305,9 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 class AnthropicReply:
     """The Translation (translated.py) of one Messages request."""
 
-    def __init__(self, model: str, stop_sequences: list[str]) -> None:
+    def __init__(self, model: str, stop_sequences: list[str], origins: Sequence[str] = ()) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
+        self.origins = origins  # the field each chat message came from, for errors (`at_origin`)
         self.model = model
         self.stop_sequences = stop_sequences
         self.text = ""  # the engine's output so far, stop sequence included
@@ -422,10 +437,10 @@ class AnthropicReply:
         ]
 
     def error_body(self, error: ApiError) -> bytes:
-        return error_body(error)
+        return error_body(error, self.origins)
 
     def error_event(self, error: ApiError) -> bytes:
-        return b"event: error\ndata: " + error_body(error) + b"\n\n"
+        return b"event: error\ndata: " + error_body(error, self.origins) + b"\n\n"
 
 
 # -- the endpoints ----------------------------------------------------------------------------
@@ -435,29 +450,35 @@ class MessagesApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def _error(self, request: Request, error: ApiError) -> Response:
-        return self.gateway.finish(request, Response(error_body(error), error.status, error.headers, JSON))
+    def _error(self, request: Request, error: ApiError, origins: Sequence[str] = ()) -> Response:
+        body = error_body(error, origins)
+        return self.gateway.finish(request, Response(body, error.status, error.headers, JSON))
 
     async def messages(self, request: Request) -> Response:
+        origins: list[str] = []
         try:
             req = await self.gateway.read_body(request, MessagesRequest)
-            plan = plan_chat(chat_request(req), header_seed(request.headers.get(SEED_HEADER)))
+            chat, origins = chat_request(req)
+            plan = plan_chat(chat, header_seed(request.headers.get(SEED_HEADER)))
             model = self.gateway.with_adapter(req.model, plan)
-            reply = AnthropicReply(model, list(req.stop_sequences or []))
+            reply = AnthropicReply(model, list(req.stop_sequences or []), origins)
             return run_translated(self.gateway, request, plan, model, reply, req.stream)
         except ApiError as error:
-            return self._error(request, error)
+            return self._error(request, error, origins)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's length in tokens as the tokenizer stage renders it (chat template, tools
         through the template or the tools instruction), without running the model."""
+        origins: list[str] = []
         try:
             req = await self.gateway.read_body(request, CountTokensRequest)
-            fields = {k: v for k, v in _prompt_fields(req).items() if v is not None}
-            chat = chat_to_render(msgspec.convert(fields, p.ChatCompletionRequest))
-            count = (await self.gateway.input_tokens(chat))["input_tokens"]
+            fields, origins = _prompt_fields(req)
+            chat = msgspec.convert(
+                {k: v for k, v in fields.items() if v is not None}, p.ChatCompletionRequest
+            )
+            count = (await self.gateway.input_tokens(chat_to_render(chat)))["input_tokens"]
             return self.gateway.finish(
                 request, Response(msgspec.json.encode({"input_tokens": count}), 200, media_type=JSON)
             )
         except ApiError as error:
-            return self._error(request, error)
+            return self._error(request, error, origins)

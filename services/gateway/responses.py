@@ -35,7 +35,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.response_store import ResponseStore, StoredResponse
-from services.gateway.translated import named_event, run_translated
+from services.gateway.translated import at_origin, named_event, run_translated
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -247,20 +247,11 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return fmt  # json_object, or a type the chat path refuses naming it
 
 
-_MESSAGE = re.compile(r"^messages\[(\d+)\]")
-
-
 def renamed(error: ApiError, origins: Sequence[str] = ()) -> ApiError:
     """A chat-path error, in the Responses API's field names: `messages[i]` is the field that
     chat message came from (`origins`: `input[k]`, `instructions`, a previous response's turn)."""
-
-    def placed(text: str) -> str:
-        match = _MESSAGE.match(text)
-        if match is None or int(match[1]) >= len(origins):
-            return text
-        return origins[int(match[1])] + text[match.end() :]
-
-    message, param = placed(error.message), placed(error.param) if error.param is not None else None
+    message = at_origin(error.message, origins)
+    param = at_origin(error.param, origins) if error.param is not None else None
     for pattern, name in _RENAMES:
         message = pattern.sub(name, message)
         param = pattern.sub(name, param) if param is not None else None

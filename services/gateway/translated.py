@@ -13,7 +13,8 @@ taken back in the X-Brigade-Seed header, as for chat.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import re
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -31,6 +32,19 @@ from services.gateway.jobs import Plan
 from services.gateway.metrics import RequestTimer
 
 _encoder = msgspec.json.Encoder()
+
+
+_CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\]")
+
+
+def at_origin(text: str, origins: Sequence[str]) -> str:
+    """A chat-path error's message or param with its leading `messages[i]` named as the field of
+    the translated request that chat message came from (`origins[i]`): a system prompt or a tool
+    result is a chat message of its own, so the chat path's index is not the request's."""
+    match = _CHAT_MESSAGE.match(text)
+    if match is None or int(match[1]) >= len(origins):
+        return text
+    return origins[int(match[1])] + text[match.end() :]
 
 
 def named_event(name: str, body: object) -> bytes:
