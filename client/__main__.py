@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with client:
             if args.command == "health":
-                return _health(client, args.timeout or 5.0)
+                return _health(client, 5.0 if args.timeout is None else args.timeout)
             elif args.command == "embed":
                 result = client.embed(args.texts, dimensions=args.dimensions)
                 for index, vector in enumerate(result.embeddings):

@@ -507,6 +507,9 @@ def test_cli_health_fails_for_a_replica_that_does_not_answer(fakes, run_dir: Pat
     hung.is_dead = False
     out = run_cli("--run", str(run_dir), "--timeout", "5", "health")
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 2 and not out.stderr, out
+    # --timeout 0 is no time at all, as for a request (it was taken as unset: 5 s).
+    out = run_cli("--run", str(run_dir), "--timeout", "0", "health")
+    assert out.returncode == 1 and "within 0s" in out.stderr, out
 
 
 def test_cli_errors_are_one_line(fakes, run_dir: Path) -> None:
