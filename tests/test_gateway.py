@@ -1619,6 +1619,17 @@ def test_bad_input_gets_400_naming_the_field(gw: Gateway, case: str) -> None:
     assert error["param"] == param and error["code"] == code, error
 
 
+def test_a_compressed_body_is_refused_by_its_encoding_not_as_bad_json(gw: Gateway) -> None:
+    """A gzip body was parsed as JSON and refused as `invalid_json`, which sends its sender
+    looking for a fault in its JSON: 415, naming the encoding. Identity is the body as it is."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    status, _, data = gw.request("POST", "/v1/completions", gzip.compress(body), {"content-encoding": "gzip"})
+    error = json.loads(data)["error"]
+    assert status == 415 and error["code"] == "unsupported_media_type" and "'gzip'" in error["message"], error
+    status, _, data = gw.request("POST", "/v1/completions", body, {"content-encoding": "identity"})
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1, data
+
+
 def test_vllms_own_defaults_of_unserved_fields_are_served(gw: Gateway) -> None:
     """Clients that send whole vLLM request models send its defaults of the fields not served
     here: those ask for nothing and are served, only other values are refused."""

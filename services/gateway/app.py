@@ -441,6 +441,15 @@ class Gateway:
             raise OversizedRequest(
                 ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
             )
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # Read first, so that the connection stays usable; decompressing is not offered (a
+            # small compressed body can expand past every limit before it is checked).
+            raise ApiError(
+                415,
+                f"request bodies with Content-Encoding {encoding[:40]!r} are not supported: send it uncompressed",
+                code="unsupported_media_type",
+            )
         return b"".join(chunks)
 
     async def _read_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
