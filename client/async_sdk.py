@@ -183,13 +183,26 @@ class AsyncClient(ClientBase):
         deadline = None if timeout is None else time.monotonic() + timeout  # the whole call's
         requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
         room = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # sent that many at a time (see there)
+        refused = False
 
-        async def embed_one(request: m.Generate) -> GenerateResult:
-            async with room:
-                return await self._collect(self._stream(request, seconds_left(deadline)))
+        async def embed_one(request: m.Generate) -> GenerateResult | None:
+            nonlocal refused
+            async with room:  # taken in the inputs' order (the semaphore's waiters are FIFO)
+                if refused:  # the call fails: what is not sent yet is not (None)
+                    return None
+                try:
+                    return await self._collect(self._stream(request, seconds_left(deadline)))
+                except BrigadeError:
+                    refused = True
+                    raise
 
-        # Every input's outcome, so that a refusal names the input it is about (embed_error).
-        outcomes = await asyncio.gather(*map(embed_one, requests), return_exceptions=True)
+        # The outcome of every input sent (a prefix of them), so that a refusal names the input
+        # it is about (embed_error).
+        outcomes = [
+            o
+            for o in await asyncio.gather(*map(embed_one, requests), return_exceptions=True)
+            if o is not None
+        ]
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, BrigadeError):
                 raise outcome

@@ -566,11 +566,11 @@ def make_embeds(
 
 
 def embed_error(errors: Sequence[BrigadeError | None]) -> BrigadeError | None:
-    """What `embed` raises for its inputs' outcomes (None where one succeeded): the first
-    input's error. Each input is a request of its own, whose refusal knows nothing of the others,
-    so where some inputs of several are refused, it names the input (`input[1]: prompt token id
-    ...`); one refusal of every input alike is the request's own (its dimensions) and is kept as
-    it is."""
+    """What `embed` raises for the outcomes of the inputs it sent, in order (None where one
+    succeeded; after a refusal the others are not sent): the first input's error. Each input is a
+    request of its own, whose refusal knows nothing of the others, so where some inputs of several
+    are refused, it names the input (`input[1]: input token id ...`); one refusal of every input
+    sent, alike, is the request's own (its dimensions) and is kept as it is."""
     failed = [(i, error) for i, error in enumerate(errors) if error is not None]
     if not failed:
         return None
@@ -1295,11 +1295,14 @@ class Client(ClientBase):
         try:
             while True:
                 # Sent MAX_EMBEDS_IN_FLIGHT at a time, each as soon as there is room, before any
-                # is waited for (the engine batches those in flight).
+                # is waited for (the engine batches those in flight). Once one is refused the
+                # call fails: the inputs not sent yet are not (`embed_error` reads those sent).
+                refused = any(state.error is not None for state in states)
                 num_in_flight = sum(not state.is_done for state in states)
-                for request in requests[len(states) : len(states) + MAX_EMBEDS_IN_FLIGHT - num_in_flight]:
+                room = 0 if refused else MAX_EMBEDS_IN_FLIGHT - num_in_flight
+                for request in requests[len(states) : len(states) + room]:
                     states.append(self.session.submit(request, seconds_left(deadline)))
-                if len(states) == len(requests) and all(state.is_done for state in states):
+                if (refused or len(states) == len(requests)) and all(state.is_done for state in states):
                     break
                 # Not sent yet (no replica connected so far): retry soon rather than at the next tick.
                 unsent = any(state.replica is None for state in states)

@@ -126,6 +126,15 @@ class FakeTokenizer:
             self._send(identity, m.ErrorReply(request.request_id, self.mode[6:], "refused by the fake"))
         elif self.mode == "garbled":
             self._send(identity, m.ErrorReply("", "invalid_request", "malformed message"))
+        elif request.params.embed is not None:  # one vector of the prompt's length, or refused
+            if (request.prompt or "").startswith("bad"):
+                self._send(
+                    identity, m.ErrorReply(request.request_id, "invalid_request", "refused by the fake")
+                )
+            else:
+                vector = np.full(4, len(request.prompt or ""), "<f4").tobytes()
+                self._send(identity, m.Delta(request.request_id, 0, 0, "", b"", finish_reason="stop",
+                                             usage=m.Usage(1, 0), embedding=vector))  # fmt: skip
         elif self.mode != "hang":
             prompt = request.prompt or "".join(msg.role for msg in request.messages or [])
             ids = expected_ids(prompt, request.params.max_tokens)
@@ -733,6 +742,37 @@ def test_wrongly_typed_timeouts_of_embed_health_and_the_client_are_refused(fakes
         with pytest.raises(InvalidRequest, match="bytes"):
             client.embed(b"abc")
         assert client.session.requests == {}
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_an_embed_call_stops_sending_once_an_input_is_refused(fakes, monkeypatch, use_async: bool) -> None:
+    """Each input is a request of its own, sent a window at a time: once one is refused the call
+    fails, and the inputs after the window are not sent to be computed for nobody."""
+    import client.async_sdk
+    import client.sdk
+
+    for module in (client.sdk, client.async_sdk):
+        monkeypatch.setattr(module, "MAX_EMBEDS_IN_FLIGHT", 4)
+    fake = fakes()
+    texts = ["a", "bad", *(f"text {i}" for i in range(40))]
+
+    async def embed_async(inputs: list[str]):
+        async with AsyncClient(endpoints=[fake.endpoint]) as sdk:
+            return await sdk.embed(inputs, timeout=30)
+
+    def embed(inputs: list[str]):
+        if use_async:
+            return asyncio.run(embed_async(inputs))
+        with Client(endpoints=[fake.endpoint]) as sdk:
+            return sdk.embed(inputs, timeout=30)
+
+    ok = embed(["a", "bb", "ccc"])
+    assert ok.embeddings[:, 0].tolist() == [1.0, 2.0, 3.0]
+    sent_before = len(fake.requests(m.Generate))
+    with pytest.raises(InvalidRequest, match=r"^input\[1\]: refused by the fake"):
+        embed(texts)
+    sent = len(fake.requests(m.Generate)) - sent_before
+    assert 2 <= sent <= 2 + 4, f"{sent} of {len(texts)} inputs sent after input[1] was refused"
 
 
 def test_a_closed_client_says_so(fakes) -> None:
