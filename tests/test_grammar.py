@@ -228,6 +228,10 @@ def test_a_gbnf_rule_named_start_is_a_rule_like_any_other(compiler, model):
     check_constraint(grammar)
     for seed in range(3):
         assert re.fullmatch(r"start[0-9]\[start\]", walk(compiler, model, grammar, seed)[0])
+    # A token reference's look inside a string is text, not a reference.
+    quoted = StructuredOutput("grammar", 'root ::= "<[1]>" [<|]')
+    check_constraint(quoted)
+    assert re.fullmatch(r"<\[1\]>[<|]", walk(compiler, model, quoted, 0)[0])
 
 
 def test_regex_choice_and_grammar_outputs(compiler, model):
@@ -430,6 +434,8 @@ def test_a_refused_token_raises_with_its_position(compiler, model):
         (StructuredOutput("regex", "(ab"), "regex"),
         (StructuredOutput("grammar", 'root ::= "a" undefined_rule'), "undefined_rule"),
         (StructuredOutput("grammar", 'start ::= "a"'), "No 'root' rule"),
+        (StructuredOutput("grammar", 'root ::= "a" <[1]>'), "token references such as <[1]>"),
+        (StructuredOutput("grammar", "root ::= x\nx ::= <|im_end|>"), "token references such as <|im_end|>"),
         # The engine's own words named an option no request can set, or its internal types.
         (StructuredOutput("json", '{"oneOf": [{"type": "number"}, {"type": "integer"}]}'), "strict: false"),
         (StructuredOutput("json", '{"type": "integer", "minimum": 1e20}'), "beyond 64-bit integers"),

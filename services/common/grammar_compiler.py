@@ -141,8 +141,11 @@ _GBNF_CODE_POINT = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 
 # llguidance's own Lark: a `%llguidance` header or a `start:` rule (GBNF's `start ::=` is not one).
 _LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:(?!:=))")
-# GBNF's pieces that hold no rule name (string literals, character classes, comments), or a name.
-_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|([A-Za-z0-9_-]+)')
+# GBNF's pieces that hold no rule name (string literals, character classes, comments), a token
+# reference (`<[id]>`, `<|name|>`: the second group), or a name (the first).
+_GBNF_PIECE = re.compile(
+    r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|(<\[[^\]>]*\]>|<\|[^|>]*\|>)|([A-Za-z0-9_-]+)'
+)
 
 
 def grammar_lark(grammar: str) -> str:
@@ -151,11 +154,18 @@ def grammar_lark(grammar: str) -> str:
     grammar) is renamed first, and its `\\u` escapes rewritten (`gbnf_code_points`)."""
     if _LARK_SYNTAX.search(grammar):
         return grammar
-    names = {match.group(1) for match in _GBNF_PIECE.finditer(grammar) if match.group(1)}
+    pieces = list(_GBNF_PIECE.finditer(grammar))
+    token = next((match.group(1) for match in pieces if match.group(1)), None)
+    if token is not None:  # the converter's words were "Expected name"
+        raise ValueError(
+            f"token references such as {token[:40]} are not supported in GBNF here; the same grammar in "
+            "Lark (a `start:` rule) takes them"
+        )
+    names = {match.group(2) for match in pieces if match.group(2)}
     if "start" in names:
         fresh = next(f"start-{i}" for i in range(len(names) + 1) if f"start-{i}" not in names)
         grammar = _GBNF_PIECE.sub(
-            lambda match: fresh if match.group(1) == "start" else match.group(0), grammar
+            lambda match: fresh if match.group(2) == "start" else match.group(0), grammar
         )
     return gbnf_to_lark(gbnf_code_points(grammar))
 
