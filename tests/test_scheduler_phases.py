@@ -75,9 +75,11 @@ def test_admission_queues_in_priority_order_and_refuses_overload():
     assert [r.request_id for r in state.waiting] == ["b", "a", "c", "x"]
     with pytest.raises(Overloaded, match="max_num_waiting=3"):
         admission.add(request("d", [1]))
-    with pytest.raises(PromptTooLong, match="max_model_len=64"):
+    # The refusal goes back to the request it is about: its words do not repeat the engine's
+    # id for it (which the client never chose: a user read "request 'cmpl-..#0': ...").
+    with pytest.raises(PromptTooLong, match=r"^64 prompt \+ 0 output tokens .* max_model_len=64$"):
         admission.add(request("a", list(range(1, 65))))  # a resubmission is not overload
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match=r"^the prompt is empty$"):
         admission.add(request("e", []))
     assert set(state.requests) == {"a", "b", "c", "x"}
 

@@ -38,7 +38,7 @@ class Admission:
         state = self.state
         config = state.config
         if not req.num_prompt_tokens:
-            raise ValueError(f"request {req.request_id!r} has an empty prompt")
+            raise ValueError("the prompt is empty")
         old = state.requests.get(req.request_id)
         if req.output_ids:
             reason = finish_reason(
@@ -69,7 +69,7 @@ class Admission:
         if config.pooling and req.num_prompt_tokens > budget:
             # An embedding input runs whole in one step (mean pooling reads all of it at once).
             raise PromptTooLong(
-                f"request {req.request_id!r}: an embedding input of {req.num_prompt_tokens} tokens is over "
+                f"an embedding input of {req.num_prompt_tokens} tokens is over "
                 f"the {budget} one step holds (engine.max_num_batched_tokens)"
             )
         end = 0
@@ -82,22 +82,22 @@ class Admission:
                 or (image.grid_width and image.num_tokens % image.grid_width)
             ):
                 raise ValueError(
-                    f"request {req.request_id!r}: its images overlap, lie outside its prompt, or have "
+                    "the images overlap, lie outside the prompt, or have "
                     "a grid width that does not divide their tokens"
                 )
             if image.num_tokens > budget:
                 raise ValueError(
-                    f"request {req.request_id!r}: an image of {image.num_tokens} tokens is over the {budget} "
+                    f"an image of {image.num_tokens} tokens is over the {budget} "
                     "one step holds (engine.max_num_batched_tokens)"
                 )
             end = image.start + image.num_tokens
         generates = req.params.embed is None  # an embedding's input may fill the context: no output
         if req.num_tokens + generates > config.max_model_len:
             raise PromptTooLong(
-                f"request {req.request_id!r}: {req.num_prompt_tokens} prompt + {req.num_output_tokens} output "
+                f"{req.num_prompt_tokens} prompt + {req.num_output_tokens} output "
                 f"tokens leave no room under max_model_len={config.max_model_len}"
                 if generates
-                else f"request {req.request_id!r}: an input of {req.num_prompt_tokens} tokens is over "
+                else f"an input of {req.num_prompt_tokens} tokens is over "
                 f"max_model_len={config.max_model_len}"
             )
         spec = req.params.structured
