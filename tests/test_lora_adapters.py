@@ -89,6 +89,7 @@ def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_re
     h.now += LOAD_TIMEOUT_S
     h.adapters.poll()
     assert h.last()[0] == "unavailable" and "did not answer the load in time" in h.last()[1]
+    assert h.sent[-1] == m.UnloadAdapter("late")  # a worker still reading it drops it
     h.command("load", "more", "/a/more")
     h.adapters.on_loaded(m.AdapterLoaded(0, "more"))
     h.adapters.on_loaded(m.AdapterLoaded(1, "more"))

@@ -25,9 +25,10 @@ from services.gpu_worker.parallel import init_parallel
 from services.stage import Stage, StageProcess
 
 READ_TIMEOUT_S = 0.5
-# With the encoder in this process, how long the loop waits for a step before it looks at the
-# encoder's socket again: what an image may wait for an idle worker to start on it.
-ENCODER_POLL_S = 0.005
+# With the encoder in this process, or an adapter being read, how long the loop waits for a step
+# before it looks again: what an image may wait for an idle worker to start on it, or a load to
+# be answered.
+POLL_S = 0.005
 HELLO_RETRY_S = 2.0
 # A collective waits this long for the slowest rank: loading skew at start, and rank 0 blocked on
 # a full result ring for up to step_timeout_s while the others wait in the next step.
@@ -108,7 +109,10 @@ class WorkerProcess(StageProcess):
 
     def on_scheduler(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
         """The scheduler's adapter commands, between steps: they change the adapters in host
-        memory, never a slot (only a step's header does)."""
+        memory, never a slot (only a step's header does). A load is read on the runner's reader
+        thread while steps go on, and answered here once it is over."""
+        for name, error in runner.finished_lora_loads():
+            scheduler.send(m.AdapterLoaded(self.args.rank, name, error))
         while True:
             try:
                 command = scheduler.recv(0)
@@ -119,8 +123,7 @@ class WorkerProcess(StageProcess):
             if command is None:
                 return
             if isinstance(command, m.LoadAdapter):
-                error = runner.load_lora(command.adapter)
-                scheduler.send(m.AdapterLoaded(self.args.rank, command.adapter.name, error))
+                runner.start_lora_load(command.adapter)
             elif isinstance(command, m.UnloadAdapter):
                 runner.unload_lora(command.name)
 
@@ -143,7 +146,8 @@ class WorkerProcess(StageProcess):
                 while encoder.queue:
                     encoder.serve_one()
             try:
-                with step_ring.read(rank, READ_TIMEOUT_S if encoder is None else ENCODER_POLL_S) as view:
+                polls = encoder is not None or runner.lora_reads
+                with step_ring.read(rank, POLL_S if polls else READ_TIMEOUT_S) as view:
                     header = STEP_HEADER.decode(view.header)
                     started = time.perf_counter()
                     try:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
+LORA_OFF = "LoRA adapters are off (lora.max_loras is 0)"
 DEFAULT_MAX_NUM_SEQS = 1024  # plan-table rows (the scheduler's max_num_seqs) a plan may name
 # The plan arrays of a step's images (ipc/step_plan.py), which come together.
 IMAGE_ARRAYS = (
@@ -154,6 +155,10 @@ class ModelRunner:
         self.lora_copies: dict[int, Future[None]] = {}
         self.num_lora_prefetches = 0
         self._lora_copier = ThreadPoolExecutor(1, "lora-prefetch") if self.lora is not None else None
+        # Adapters loaded at run time, read from disk and checked off the step loop (a large
+        # adapter takes seconds, which would stall every running request): name -> its read.
+        self.lora_reads: dict[str, tuple[m.AdapterSource, Future[LoraAdapter | str]]] = {}
+        self._lora_reader = ThreadPoolExecutor(1, "lora-read") if self.lora is not None else None
         self._lora_stream = (
             torch.cuda.Stream(self.device) if self.lora is not None and self.device.type == "cuda" else None
         )
@@ -280,30 +285,64 @@ class ModelRunner:
         return slots
 
     def load_lora(self, source: m.AdapterSource) -> str:
-        """An adapter loaded at run time: checked against the model as at start, then kept in host
-        memory until a step's header puts it in a slot. The refusal's message, or "" when loaded."""
+        """An adapter loaded at run time, read here and now (a worker's start, tests): see
+        start_lora_load. The refusal's message, or "" when loaded."""
         if self.lora is None:
-            return "LoRA adapters are off (lora.max_loras is 0)"
+            return LORA_OFF
+        return self._keep_lora(source, self._read_lora(source))
+
+    def start_lora_load(self, source: m.AdapterSource) -> None:
+        """Start reading an adapter loaded at run time on the reader thread, while steps run;
+        finished_lora_loads answers it."""
+        if self._lora_reader is None:
+            refused: Future[LoraAdapter | str] = Future()
+            refused.set_result(LORA_OFF)
+            self.lora_reads[source.name] = (source, refused)
+        else:
+            self.lora_reads[source.name] = (source, self._lora_reader.submit(self._read_lora, source))
+
+    def finished_lora_loads(self) -> list[tuple[str, str]]:
+        """(name, refusal or "") of each started load whose read is over, the adapter now kept."""
+        finished = []
+        for name in [name for name, (_, read) in self.lora_reads.items() if read.done()]:
+            source, read = self.lora_reads.pop(name)
+            finished.append((name, self._keep_lora(source, read.result())))
+        return finished
+
+    def _read_lora(self, source: m.AdapterSource) -> LoraAdapter | str:
+        """The adapter from its files, checked against the model; or why it is refused."""
+        assert self.lora is not None
         try:
-            adapter = load_adapter(source.name, source.path, self.model, self.lora.max_rank)
+            return load_adapter(source.name, source.path, self.model, self.lora.max_rank)
         except AdapterError as exc:
             return str(exc)
         except Exception as exc:  # a file no check foresaw: this adapter is refused, the worker serves on
             log.exception("loading LoRA adapter %r failed", source.name)
             return f"adapter {source.name!r}: {type(exc).__name__}: {exc}"[:1000]
+
+    def _keep_lora(self, source: m.AdapterSource, read: LoraAdapter | str) -> str:
+        """Keep a read adapter in host memory until a step's header puts it in a slot."""
+        if isinstance(read, str):
+            return read
+        assert self.lora is not None
         # An older adapter of this name (unloaded, no request uses it) must not pass for this one
         # in its slot: the slot is emptied, and the next header that names it copies this one in.
         self._finish_lora_copies(list(self.lora_copies))
         for slot, name in enumerate(self.lora.names):
             if name == source.name:
                 self.lora.clear(slot)
-        self.lora_host[source.name] = (source.path, adapter)
+        self.lora_host[source.name] = (source.path, read)
         log.info("LoRA adapter %s (%s) loaded", source.name, source.path)
         return ""
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter `name`. A slot that holds it keeps its weights until a header swaps
-        another in: a step already published may still name it, for a row aborted since."""
+        """Forget adapter `name`, and a load of it still being read (the scheduler gave up on it:
+        it is not answered). A slot that holds it keeps its weights until a header swaps another
+        in: a step already published may still name it, for a row aborted since."""
+        pending = self.lora_reads.pop(name, None)
+        if pending is not None:
+            pending[1].cancel()
+            log.info("LoRA adapter %s: its load was dropped before it finished", name)
         if self.lora_host.pop(name, None) is not None:
             log.info("LoRA adapter %s unloaded", name)
 

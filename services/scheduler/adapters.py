@@ -281,10 +281,12 @@ class Adapters:
         self.to_workers(m.UnloadAdapter(name))
 
     def fail_loads(self, reason: str) -> None:
-        """The workers were lost: the loads in progress fail (a restarted worker loads only the
-        adapters of the table, which they never joined)."""
-        for pending in self.loading.values():
+        """The workers were lost, or did not answer in time: the loads in progress fail (a
+        restarted worker loads only the adapters of the table, which they never joined), and a
+        worker still reading one drops it."""
+        for name, pending in self.loading.items():
             self._answer(pending.reply_to, "unavailable", f"{reason}; try again")
+            self.to_workers(m.UnloadAdapter(name))
         self.loading.clear()
 
     @property
