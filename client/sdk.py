@@ -362,7 +362,8 @@ def tools_text(tools: Any) -> str:
 def chat_message(i: int, message: Any) -> m.ChatMessage:
     """One chat message (a dict) -> the wire form. Assistant `tool_calls` may come in OpenAI's
     shape, `{"id", "type", "function": {"name", "arguments"}}`, or flat (`{"id", "name", "arguments"}`);
-    so may image parts: `{"type": "image_url", "image_url": {"url"}}` or `{"type": "image_url", "url"}`."""
+    so may image parts: `{"type": "image_url", "image_url": {"url"}}` or `{"type": "image_url", "url"}`.
+    An assistant turn's thinking is `reasoning` (vLLM's name) or `reasoning_content`."""
     if isinstance(message, dict) and isinstance(message.get("content"), list):
         parts = [
             {"type": "image_url", "url": part["image_url"].get("url")}
@@ -371,6 +372,8 @@ def chat_message(i: int, message: Any) -> m.ChatMessage:
             for part in message["content"]
         ]
         message = {**message, "content": parts}
+    if isinstance(message, dict) and "reasoning" not in message and "reasoning_content" in message:
+        message = {**message, "reasoning": message["reasoning_content"]}  # DeepSeek's, llama.cpp's name
     if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
         calls = [
             {"id": c.get("id"), **c["function"]}
@@ -387,6 +390,8 @@ def chat_message(i: int, message: Any) -> m.ChatMessage:
         raise InvalidRequest(
             f"messages[{i}].content is required (only an assistant's tool calls may go without)"
         )
+    if converted.reasoning is not None:
+        _check_text(f"messages[{i}].reasoning", converted.reasoning)
     return converted
 
 

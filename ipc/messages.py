@@ -135,14 +135,16 @@ def content_text(content: str | list[ContentPart] | None) -> str:
 class ChatMessage(msgspec.Struct, gc=False):
     """One turn. content may be None where OpenAI allows it (an assistant turn that only calls
     tools), or parts (text and images, in order); `tool_calls` are an assistant's calls,
-    `tool_call_id` names the call a `tool` turn answers. Fields are appended with defaults, so
-    older encodings still decode."""
+    `tool_call_id` names the call a `tool` turn answers, `reasoning` is an assistant turn's
+    thinking (the chat template reads it as `reasoning_content`, and decides whether to render
+    it). Fields are appended with defaults, so older encodings still decode."""
 
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
 
 
 ToolChoice = Literal["none", "auto", "required", "function"]

@@ -126,7 +126,7 @@ def chat_chars(messages: Sequence[ChatMessage]) -> int:
     total = 0
     for message in messages:
         total += len(message.role) + len(content_text(message.content))
-        total += len(message.name or "") + len(message.tool_call_id or "")
+        total += len(message.name or "") + len(message.tool_call_id or "") + len(message.reasoning or "")
         for call in message.tool_calls or ():
             total += len(call.id) + len(call.name) + len(call.arguments)
     return total

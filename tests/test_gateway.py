@@ -1194,6 +1194,17 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
         assert re.fullmatch("[a-z ]{1,20}", message.reasoning_content), message
         assert re.fullmatch("[a-z ]{1,20}", message.content), message
         assert (reasoning, content) == (message.reasoning_content, message.content)
+        # Under vLLM's newer name too, whole and streamed.
+        assert message.reasoning == message.reasoning_content, message
+        assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices) == reasoning
+        # include_reasoning false (vLLM's): the same output, its thinking left out of the reply.
+        hidden = {**kwargs, "extra_body": {**kwargs["extra_body"], "include_reasoning": False}}
+        without = sdk.chat.completions.create(**hidden).choices[0].message
+        assert (without.reasoning, without.reasoning_content, without.content) == (None, None, message.content)
+        hidden_chunks = list(sdk.chat.completions.create(stream=True, **hidden))
+        deltas = [c.choices[0].delta for c in hidden_chunks if c.choices]
+        assert not any(getattr(d, "reasoning", None) or getattr(d, "reasoning_content", None) for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == message.content
     plain = sdk.chat.completions.create(model=gw.model, messages=CHAT, max_tokens=4, temperature=0)
     assert plain.choices[0].message.reasoning_content is None  # no think block: all content
     # A prefill that opened the think block: the reply starts in the reasoning, and its </think>
@@ -1226,7 +1237,8 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
     assert status == 400 and error["message"].startswith("chat_template_kwargs: ['messages']"), error
     assert error["param"] == "chat_template_kwargs", error
     # Earlier thinking sent back (a Responses reasoning item, an Anthropic thinking block) is
-    # accepted and left out of the prompt.
+    # accepted: a Responses item dropped (as vLLM does), a thinking block the turn's reasoning,
+    # which SmolLM2's template does not render (test_tokenizer_core: one that does).
     thought = {
         "type": "reasoning",
         "id": "rs_1",
@@ -1604,7 +1616,6 @@ BAD_BODIES = {
             ("functions", [{"name": "f", "parameters": {}}]),
             ("function_call", "auto"),
             ("documents", [{"title": "t", "text": "x"}]),
-            ("include_reasoning", False),
         )
     },
 }

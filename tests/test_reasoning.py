@@ -8,10 +8,12 @@ import json
 import random
 from unittest.mock import ANY
 
+import msgspec
 import pytest
 
 from services.gateway import protocol as p
-from services.gateway.anthropic import AnthropicReply
+from services.gateway.anthropic import AnthropicReply, MessagesRequest
+from services.gateway.anthropic import chat_request as anthropic_chat_request
 from services.gateway.formats import ChatFormat, ChoiceOutput, Piece
 from services.gateway.reasoning import ReasoningStream, reasoning_style, split_reasoning
 from services.gateway.response_store import ResponseStore
@@ -133,3 +135,50 @@ def test_responses_and_messages_carry_the_thinking_streamed_and_not(tmp_path) ->
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     thinking = "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta")
     assert (starts, thinking) == (["thinking", "text"], "the sky is blue")
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_the_chat_reply_names_the_thinking_both_ways_or_leaves_it_out(include: bool) -> None:
+    """The chat reply's thinking under vLLM's `reasoning` and DeepSeek's and llama.cpp's
+    `reasoning_content`, whole and streamed; with include_reasoning false, under neither, the
+    content the same."""
+    output = "<think>the sky is blue</think>Blue."
+    fmt = ChatFormat("m", None, None, reasoning="qwen3", include_reasoning=include)  # type: ignore[arg-type]
+    choice = ChoiceOutput()
+    choice.add(Piece(output, [], [], [], "stop"))
+    message = json.loads(msgspec.json.encode(fmt.whole([choice], p.UsageOut(3, 9, 12))))["choices"][0][
+        "message"
+    ]
+    want = "the sky is blue" if include else None
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (want, want, "Blue.")
+    deltas = [
+        json.loads(msgspec.json.encode(chunk))["choices"][0]["delta"]
+        for k, c in enumerate(output)
+        for chunk in fmt.chunks(0, Piece(c, [], [], [], "stop" if k == len(output) - 1 else None), 0)
+    ]
+    for name in ("reasoning", "reasoning_content"):
+        assert "".join(d.get(name, "") for d in deltas) == (want or "")
+    assert "".join(d.get("content") or "" for d in deltas) == "Blue."
+
+
+def thought(text: str) -> dict[str, str]:
+    return {"type": "thinking", "thinking": text, "signature": "s"}
+
+
+def test_thinking_sent_back_to_the_messages_api_is_the_assistant_turns_reasoning() -> None:
+    """Anthropic's thinking blocks in an assistant message: that chat turn's reasoning, which
+    the chat template renders or not (test_tokenizer_core); a turn without any has none."""
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": [thought("sum"), thought(" it"), {"type": "text", "text": "4"}]},
+            {"role": "user", "content": "and 3+3?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "6"}]},
+        ],
+    }
+    chat, _ = anthropic_chat_request(msgspec.convert(body, MessagesRequest))
+    assert [(x.role, x.reasoning) for x in chat.messages] == [
+        ("user", None), ("assistant", "sum it"), ("user", None), ("assistant", None),
+    ]  # fmt: skip

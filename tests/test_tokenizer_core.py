@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from client.sdk import chat_message
 from ipc import messages as m
 from ipc.endpoints import shard_of
 from services.common.text import Tokenizer
@@ -471,6 +472,35 @@ def test_chat_template_kwargs_reach_the_template(smollm2_dir: Path, tmp_path: Pa
     )
     with pytest.raises(RequestError, match=r"chat_template_kwargs: \['messages'\] are set by the server"):
         prompt(chat_template_kwargs={"messages": []})
+
+
+# Qwen3's way with earlier thinking: an assistant turn's reasoning_content in a think block.
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [REASONING_TEMPLATE, REASONING_TEMPLATE + "{% if tools %}{% endif %}"])
+def test_an_assistant_turns_reasoning_reaches_the_template(smollm2_dir: Path, tmp_path: Path, template) -> None:
+    """An assistant turn's thinking sent back (`reasoning` or `reasoning_content` in the
+    gateway's and the SDK's messages) is the template's `reasoning_content`, whether the
+    template renders tools or not, and counts against the prompt's character budget."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(template)
+    core = TokenizerCore(Tokenizer(tmp_path), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=7)
+    for said in ({"reasoning": "sum it"}, {"reasoning_content": "sum it"}):
+        chat = [chat_message(0, {"role": "user", "content": "2+2?"}),
+                chat_message(1, {"role": "assistant", "content": "4", **said})]  # fmt: skip
+        entry = core.admit(b"c", m.Generate(f"r{len(core.journal)}", messages=chat))
+        prompt = core.tokenizer.decode(m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False)
+        assert "<|im_start|>assistant\n<think>sum it</think>4<|im_end|>" in prompt, prompt
+    long_thought = [m.ChatMessage("user", "hi"), m.ChatMessage("assistant", "ok", reasoning="x" * 1000)]
+    with pytest.raises(RequestError, match=r"^prompt: 1017 characters in the messages"):
+        core.admit(b"c", m.Generate("long", messages=long_thought))
 
 
 def test_a_client_id_reused_after_its_request_ended_gets_a_new_engine_id(core_factory) -> None:

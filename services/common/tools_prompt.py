@@ -84,7 +84,7 @@ def template_messages(
     """
     if renders_tools:
         return [_openai_message(x) for x in messages], tools
-    out = [{"role": template_role(x.role), "content": _flat_content(x)} for x in messages]
+    out = [{"role": template_role(x.role), "content": _flat_content(x), **_reasoning(x)} for x in messages]
     if tools:
         instruction = tools_instruction(tools)
         if out[0]["role"] == "system":
@@ -121,8 +121,21 @@ def _flat_content(message: ChatMessage) -> str | list[dict[str, str]]:
     return "\n".join(([content] if content else []) + calls)
 
 
+def _reasoning(message: ChatMessage) -> dict[str, str]:
+    """An assistant turn's thinking under the names chat templates read it by: Qwen3's, Kimi's,
+    GLM's and MiniMax's `reasoning_content` (vLLM passes `reasoning` too). A template renders
+    what it wants of it: most, only after the last user turn (interleaved thinking)."""
+    if message.reasoning is None:
+        return {}
+    return {"reasoning_content": message.reasoning, "reasoning": message.reasoning}
+
+
 def _openai_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": template_role(message.role), "content": template_content(message)}
+    out: dict[str, Any] = {
+        "role": template_role(message.role),
+        "content": template_content(message),
+        **_reasoning(message),
+    }
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

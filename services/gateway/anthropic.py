@@ -5,8 +5,9 @@ system message, `tool_use` blocks an assistant's `tool_calls`, `tool_result` blo
 `tools` / `tool_choice` OpenAI's (auto -> auto, any -> required, tool -> the named function,
 none -> none). The reply comes back as content blocks (`thinking` for a reasoning model's
 thinking, services/gateway/reasoning.py; `text`, `tool_use`) with Anthropic's stop reasons, or as
-its stream events (`thinking_delta`); `thinking` blocks sent back in `messages` are dropped, and
-the `thinking` parameter sets the chat template's `enable_thinking`. Errors are `{"type": "error", "error": {"type", "message"}}`.
+its stream events (`thinking_delta`); `thinking` blocks sent back in an assistant's message are
+its chat turn's `reasoning` (the chat template decides whether to render them), and the
+`thinking` parameter sets the chat template's `enable_thinking`. Errors are `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", froze
 
 
 class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", frozen=True):
-    """An earlier turn's thinking, which clients send back: dropped, as the chat templates of
-    reasoning models leave earlier thinking out of the prompt."""
+    """An earlier assistant turn's thinking, which clients send back: that chat turn's
+    `reasoning`, which a reasoning model's chat template renders or leaves out (most keep only
+    the thinking after the last user turn: a tool-calling loop's)."""
 
     thinking: str = ""
     signature: str = ""
@@ -136,13 +138,13 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
         raise invalid(
             f"messages[{i}].content: at least one content block is required", f"messages[{i}].content"
         )
-    texts, calls, results, result_fields = [], [], [], []
+    texts, thinking, calls, results, result_fields = [], [], [], [], []
     for k, block in enumerate(message.content):
         field = f"messages[{i}].content[{k}]"
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ThinkingBlock):
-            continue
+            thinking.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise invalid(f"{field}: tool_use blocks belong to assistant messages", f"{field}.type")
@@ -165,6 +167,8 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
             "content": None if calls and not text else text,
             "tool_calls": calls or None,
         }
+        if thinking:
+            turn["reasoning"] = "".join(thinking)
         return [turn], [f"messages[{i}]"]
     if text or not results:
         return [*results, {"role": "user", "content": text}], [*result_fields, f"messages[{i}]"]

@@ -551,7 +551,7 @@ class Gateway:
         fmt = ChatFormat(
             model, names, plan.logprobs, parser, plan.call_id_base,
             prompt_top_n=plan.prompt_logprobs, reasoning=self.reasoning_for(plan), prefill=plan.prefill,
-            return_token_ids=body.return_token_ids,
+            return_token_ids=body.return_token_ids, include_reasoning=body.include_reasoning,
         )  # fmt: skip
         return self.run(request, plan, body.stream, self.openai_writer(request, body, plan, fmt))
 

@@ -178,6 +178,7 @@ class ChatFormat:
         reasoning: ReasoningStyle | None = None,
         prefill: str | None = None,
         return_token_ids: bool = False,
+        include_reasoning: bool = True,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -194,6 +195,7 @@ class ChatFormat:
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.reasoning = reasoning  # splits reasoning_content off before the tool parser reads
         self.reasoning_streams: dict[int, ReasoningStream] = {}
+        self.include_reasoning = include_reasoning  # false: split off all the same, and dropped
         self.prefill = prefill  # the assistant's text the reply continues, if it continues one
         # vLLM's: the prompt's ids on the response (a stream's chunk that opens a choice: the
         # role then comes with the choice's first output, once the prompt is known), each
@@ -255,8 +257,7 @@ class ChatFormat:
         reason = piece.finish_reason
         reasoning, text = self._split(index, piece.text, final=reason is not None)
         if self.tool_parser is None:
-            content = text if text or (reason is None and not reasoning) else None
-            tool_calls = None
+            content, tool_calls = text, None
         else:
             stream = self._tool_stream(index)
             items = stream.feed(text)
@@ -268,11 +269,16 @@ class ChatFormat:
                 )
             content, tool_calls = merge_tool_deltas(items)
             reasoning = (reasoning or "") + "".join(item.get("reasoning_content", "") for item in items)
+        reasoning = (reasoning or None) if self.include_reasoning else None
+        if self.tool_parser is None:
+            content = text if text or (reason is None and not reasoning) else None
         out: list[msgspec.Struct] = []
         opens = self.return_token_ids and piece.prompt_ids is not None
         has_news = bool(content or tool_calls or reasoning or piece.token_ids)
         if has_news or reason is None or opens:
-            delta = p.ChatDelta(content=content, tool_calls=tool_calls, reasoning_content=reasoning or None)
+            delta = p.ChatDelta(
+                content=content, tool_calls=tool_calls, reasoning=reasoning, reasoning_content=reasoning
+            )
             choice = p.ChatChunkChoice(index, delta, self._logprobs(piece))
             chunk = self._chunk([choice])
             if self.return_token_ids:
@@ -319,16 +325,17 @@ class ChatFormat:
                 message = p.ChatMessageOut(
                     "assistant", piece.tools.content, tool_calls=tool_calls_out(piece.tools)
                 )
+            reasoning: str | msgspec.UnsetType | None = msgspec.UNSET
             if self.reasoning == "harmony":
                 # The tokenizer's parse (of a chat with tools) has the content and the calls,
                 # the same parser's reading of the same text the reasoning.
                 assert self.tool_parser is not None
-                message.reasoning_content = self.tool_parser.parse(piece.text, "").reasoning
+                reasoning = self.tool_parser.parse(piece.text, "").reasoning
             elif self.reasoning is not None:
-                message.reasoning_content, content = split_reasoning(
-                    self.reasoning, message.content or "", self.prefill
-                )
+                reasoning, content = split_reasoning(self.reasoning, message.content or "", self.prefill)
                 message.content = content if content or message.content is not None else None
+            if reasoning is not msgspec.UNSET:
+                message.reasoning = message.reasoning_content = reasoning if self.include_reasoning else None
             out.append(p.ChatChoice(index, message, self._logprobs(piece), piece.finish_reason))
             if self.return_token_ids:
                 out[-1].token_ids = piece.token_ids

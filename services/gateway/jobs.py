@@ -104,7 +104,6 @@ UNSERVED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),  # vLLM too refuses one unless its server trusts them
     "echo": (False,),
     "documents": (None, []),  # a RAG template's variable
-    "include_reasoning": (True,),
     # OpenAI's deprecated forms of tools and tool_choice, whose replies have their own shape
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -304,6 +303,9 @@ def sdk_message(i: int, message: ChatMessageIn) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:
+        out["reasoning"] = reasoning
     return out
 
 

@@ -79,6 +79,10 @@ class ChatMessageIn(msgspec.Struct, frozen=True):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer names the call it answers
+    # An assistant turn's thinking, which the chat template may render (interleaved thinking):
+    # `reasoning` is vLLM's name since 0.11, `reasoning_content` DeepSeek's and llama.cpp's.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +151,7 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     # vLLM's: the reply continues the last (assistant) message instead of starting a new turn.
     continue_final_message: bool = False
     add_generation_prompt: bool = True  # vLLM's: false renders no generation prompt
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
     # vLLM's, not served (refused where they differ from these, jobs.UNSERVED_CHAT_FIELDS)
     add_special_tokens: bool = False
     chat_template: str | None = None
@@ -154,7 +159,6 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     functions: Any = None
     function_call: Any = None
     documents: Any = None
-    include_reasoning: bool = True
     # OpenAI's: how long a reasoning model thinks; the chat template reads it as `reasoning_effort`
     # (gpt-oss's writes it into the system message), an entry of chat_template_kwargs overrides it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -274,7 +278,10 @@ class ChatMessageOut(msgspec.Struct):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # absent when there are none
-    # A reasoning model's thinking (services/gateway/reasoning.py); absent without a reasoning parser.
+    # A reasoning model's thinking (services/gateway/reasoning.py), under both names clients read
+    # (vLLM's `reasoning`, DeepSeek's and llama.cpp's `reasoning_content`); absent without a
+    # reasoning parser.
+    reasoning: str | msgspec.UnsetType | None = msgspec.UNSET
     reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
@@ -314,6 +321,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     """Stream deltas carry only what is new (OpenAI omits role after the first chunk)."""
 
     role: str | None = None
+    reasoning: str | None = None  # both names, as ChatMessageOut's
     reasoning_content: str | None = None
     content: str | None = None
     # {"index", "id", "type", "function": {"name", "arguments"}}: a call's first delta has its
