@@ -6,10 +6,13 @@ and the token endpoints against transformers' tokenizer of the model dir."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from tests import test_gateway
+from tests.harness import assert_clean, brigade_run, free_port
 from tests.test_gateway import MAX_MODEL_LEN, Gateway, parse_sse
 
 pytestmark = pytest.mark.timeout(600)
@@ -279,3 +282,130 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
     # llama.cpp turns top-k off for any top_k <= 0, not only vLLM's -1: the same tokens as 0.
     sampled = [completion(gw, prompt=PROMPT, n_predict=8, seed=7, top_k=k)["content"] for k in (-5, 0)]
     assert sampled[0] == sampled[1]
+
+
+# -- /infill ------------------------------------------------------------------------------------
+
+FIM = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<|file_sep|>"]  # SmolLM2 has <reponame>
+FIM_CONTEXT = 4096  # over llama-server's batch of 2048: room for other files beside the gap
+
+
+@pytest.fixture(scope="module")
+def fim_gw(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    """A run of a tiny random Llama whose tokenizer is SmolLM2's plus FIM tokens (a code model's)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("fim-llama")
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in FIM])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    shutil.copy(smollm2_dir / "tokenizer_config.json", model_dir / "tokenizer_config.json")
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=FIM_CONTEXT,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    run_dir, port = tmp_path_factory.mktemp("fim-run"), free_port()
+    with brigade_run(
+        run_dir, f"model.path={model_dir}", f"model.max_model_len={FIM_CONTEXT}", f"gateway.port={port}"
+    ) as run:
+        yield Gateway(run, port, str(model_dir))
+    assert_clean(run_dir)
+
+
+def expected_infill(
+    tokenizer, prefix: str, suffix: str, prompt: str = "", files=(), n_predict: int = -1
+) -> list[int]:
+    """The prompt llama-server builds (tools/server/README.md, "POST /infill"), written out from
+    its description: the repository-level pattern of other files, then <PRE>prefix prompt
+    <SUF>suffix<MID>; the prefix cut to its last 1536 tokens (3/4 of the batch of 2048), the
+    suffix to its first 512 - 2 - len(prompt), the files to their last tokens as the context allows."""
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    token = tokenizer.convert_tokens_to_ids
+    extra = [token("<reponame>"), *ids("myproject\n")]
+    for filename, text in files:
+        extra += [token("<|file_sep|>"), *ids(filename + "\n"), *ids(text)]
+    extra += [token("<|file_sep|>"), *ids("filename\n")]
+    prompt_ids = ids(prompt)
+    gap = [token("<fim_prefix>"), *ids(prefix)[-1536:], *prompt_ids, token("<fim_suffix>"),
+           *ids(suffix)[: 512 - 2 - len(prompt_ids)], token("<fim_middle>")]  # fmt: skip
+    room = min(FIM_CONTEXT - 2048 - 2 * max(n_predict, 0), FIM_CONTEXT - 1 - len(gap))
+    return [*extra[max(0, len(extra) - room) :], *gap]
+
+
+def test_infill_fills_the_gap_as_a_completion_of_llama_servers_prompt(fim_gw: Gateway) -> None:
+    """An /infill is the /completion of the prompt llama-server builds from the code around the
+    gap (built here independently with transformers' tokenizer): the same greedy tokens, the
+    same prompt length, streamed and not; a long prefix and suffix are cut, other files given
+    in the repository-level pattern and cut to the context's room."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fim_gw.model)
+    cases = {
+        "short": dict(prefix="def add(a, b):\n    return ", suffix="\n\nprint(add(1, 2))\n"),
+        "with a prompt and files": dict(
+            prefix="import math\n\ndef area(r):\n", suffix="\n", prompt="    return",
+            files=[("geometry.py", "PI = 3.14159\n"), ("util.py", "def square(x):\n    return x * x\n")],
+        ),
+        "cut": dict(
+            prefix="x = 1\n" * 700, suffix="y = 2\n" * 300, n_predict=8,
+            files=[(f"f{k}.py", "z = 3\n" * 300) for k in range(4)],
+        ),
+    }  # fmt: skip
+    for name, case in cases.items():
+        case.setdefault("n_predict", 8)
+        want_prompt = expected_infill(tokenizer, **case)
+        body = {
+            "input_prefix": case["prefix"], "input_suffix": case["suffix"], "prompt": case.get("prompt", ""),
+            "input_extra": [{"filename": f, "text": t} for f, t in case.get("files", [])],
+            "n_predict": case["n_predict"], "temperature": 0, "return_tokens": True,
+        }  # fmt: skip
+        status, reply = post(fim_gw, "/infill", body)
+        assert status == 200, (name, reply)
+        want = completion(
+            fim_gw, prompt=want_prompt, n_predict=body["n_predict"], temperature=0, return_tokens=True
+        )
+        assert reply["tokens_evaluated"] == len(want_prompt), name
+        assert (reply["content"], reply["tokens"]) == (want["content"], want["tokens"]), name
+        status, _, data = fim_gw.request("POST", "/infill", {**body, "stream": True})
+        events = [json.loads(e["data"]) for e in parse_sse(data.decode()) if "data" in e]
+        assert status == 200 and events[-1]["stop"], (name, events[-1:])
+        assert "".join(e["content"] for e in events) == want["content"], name
+    assert len(expected_infill(tokenizer, **cases["cut"])) < FIM_CONTEXT  # the cut case was cut
+
+
+def test_infill_refusals_are_llama_cpp_errors(gw: Gateway, fim_gw: Gateway) -> None:
+    """A model without FIM tokens (SmolLM2's tokenizer) cannot fill a gap: 501, naming the missing
+    tokens, as llama-server answers. Bad bodies: 400 naming the field; the run serves on."""
+    status, reply = post(gw, "/infill", {"input_prefix": "a", "input_suffix": "b"})
+    message = assert_llama_error(status, reply, 501, "not_supported_error")
+    assert message == (
+        "Infill is not supported by this model: prefix token is missing. suffix token is missing. "
+        "middle token is missing."
+    )
+    for body, field in [
+        ({"input_suffix": "b"}, "input_prefix"),
+        ({"input_prefix": "a"}, "input_suffix"),
+        ({"input_prefix": "a", "input_suffix": "b", "prompt": [1, 2]}, "prompt"),
+        ({"input_prefix": "a", "input_suffix": "b", "input_extra": {"text": "x"}}, "input_extra"),
+        ({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"filename": "a.py"}]}, "text"),
+        (
+            {"input_prefix": "a", "input_suffix": "b", "input_extra": [{"text": "x", "filename": 3}]},
+            "filename",
+        ),
+        ({"input_prefix": ["a", 10**9], "input_suffix": "b"}, "prompt"),
+        ({"input_prefix": "a", "input_suffix": "b", "n_predict": -2}, "n_predict"),
+    ]:
+        status, reply = post(fim_gw, "/infill", body)
+        assert field in assert_llama_error(status, reply, 400), (body, reply)
+    status, reply = post(
+        fim_gw, "/infill", {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 2}
+    )
+    assert status == 200 and reply["tokens_predicted"] == 2, reply

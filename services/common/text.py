@@ -166,6 +166,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
 

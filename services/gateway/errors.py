@@ -33,6 +33,7 @@ ERROR_TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_supported_error",
     503: "server_error",
     504: "server_error",
 }

@@ -1,12 +1,14 @@
-"""llama.cpp's own server API (not its OpenAI one): `/completion`, `/tokenize` and `/detokenize`
-in its shapes, `/apply-template` and `/props`, for clients written against llama-server.
+"""llama.cpp's own server API (not its OpenAI one): `/completion`, `/infill`, `/tokenize` and
+`/detokenize` in its shapes, `/apply-template` and `/props`, for clients written against
+llama-server.
 
 A `/completion` request is translated into a /v1/completions request (`CompletionRequest`) and
 planned by `plan_completion`, so sampling, seeds, stop strings, the output constraint and the
 engine's refusals are the completions path's own; `Gateway.run` runs it, and `LlamaWriter` writes
 the reply in llama.cpp's shapes (its `stop_type`, `timings`, `completion_probabilities`, and
-its events without `[DONE]`). Errors are llama.cpp's `{"error": {"code", "message", "type"}}`,
-`code` the HTTP status.
+its events without `[DONE]`). An `/infill` (code editors' fill-in-the-middle) is a /completion
+whose prompt is built from the code around the gap with the model's FIM tokens (`infill_prompt`).
+Errors are llama.cpp's `{"error": {"code", "message", "type"}}`, `code` the HTTP status.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import msgspec
@@ -69,6 +72,89 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     repeat_penalty: float | None = None
     cache_prompt: bool = True  # accepted: Brigade's prefix cache is always on
     return_tokens: bool = False
+
+
+class InfillChunk(msgspec.Struct, frozen=True):
+    """A file of `input_extra`: context from elsewhere in the project."""
+
+    text: str
+    filename: str = "tmp"
+
+
+class LlamaInfillRequest(LlamaCompletionRequest, frozen=True, kw_only=True):
+    """llama.cpp's POST /infill body: /completion's fields, the code before and after the gap, and
+    other files for context. `prompt` goes on from the prefix, before the suffix (where
+    llama-server puts it)."""
+
+    prompt: str = ""  # type: ignore[assignment]  # /completion's many forms: one text here
+    input_prefix: str | list[str | int] | None = None
+    input_suffix: str | list[str | int] | None = None
+    input_extra: list[InfillChunk] = []
+
+
+# The texts of the fill-in-the-middle tokens in the vocabularies llama.cpp recognises, by role:
+# a model whose tokenizer has a prefix, a suffix and a middle token can fill a gap. With a repo
+# and a file separator token too, other files are given in the repository-level pattern.
+FIM_TOKENS = {
+    "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+               "<|code_prefix|>", "<|prefix|>"),
+    "suffix": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+               "<|code_suffix|>", "<|suffix|>"),
+    "middle": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+               "<|code_middle|>", "<|middle|>"),
+    "repo": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "file_sep": ("<|file_sep|>",),
+}  # fmt: skip
+# What llama-server's batch (its default n_batch) holds of the code around the gap: three
+# quarters for the prefix, the rest for the prompt and the suffix; other files fill the context
+# beyond it.
+FIM_BATCH_TOKENS = 2048
+# Between two files of input_extra for a model without a file separator token.
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+
+
+def fim_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """Each FIM role's token id in this tokenizer (the first of its texts it has), or None."""
+    return {
+        role: next((i for text in texts if (i := tokenizer.token_to_id(text)) is not None), None)
+        for role, texts in FIM_TOKENS.items()
+    }
+
+
+def infill_prompt(
+    tokenizer: Any, fim: dict[str, int | None], body: LlamaInfillRequest, context_tokens: int
+) -> list[int]:
+    """The token ids llama-server builds for an /infill: other files (repository-level with the
+    repo and file separator tokens, else separated by SNIPPET_SEPARATOR) then
+    `<PRE>prefix prompt<SUF>suffix<MID>`, the prefix cut to its last tokens and the suffix to its
+    first as FIM_BATCH_TOKENS allows, the files to their last tokens as the context allows."""
+
+    def ids(text: str | list[str | int]) -> list[int]:
+        parts = [text] if isinstance(text, str) else text
+        return [i for part in parts for i in (tokenizer.encode(part) if isinstance(part, str) else [part])]
+
+    assert body.input_prefix is not None and body.input_suffix is not None
+    prefix, suffix, prompt = ids(body.input_prefix), ids(body.input_suffix), ids(body.prompt)
+    extra: list[int] = []
+    if fim["repo"] is not None:
+        extra += [fim["repo"], *ids("myproject\n")]
+    for chunk in body.input_extra:
+        if fim["file_sep"] is not None:
+            extra += [fim["file_sep"], *ids(chunk.filename + "\n")]
+        else:
+            extra += ids(SNIPPET_SEPARATOR)
+        extra += ids(chunk.text)
+    if fim["file_sep"] is not None:
+        extra += [fim["file_sep"], *ids("filename\n")]
+    batch = min(FIM_BATCH_TOKENS, context_tokens)
+    prefix = prefix[max(0, len(prefix) - 3 * (batch // 4)) :]
+    suffix = suffix[: max(0, batch // 4 - (2 + len(prompt)))]
+    start = tokenizer.encode("", add_special_tokens=True)  # BOS, for a model that starts with one
+    gap = [*start, fim["prefix"], *prefix, *prompt, fim["suffix"], *suffix, fim["middle"]]
+    # The files fill what the context has left after the gap and the reply (with at least one
+    # token to generate, where llama-server would overflow it).
+    room = min(context_tokens - batch - 2 * max(body.n_predict, 0), context_tokens - 1 - len(gap))
+    return [*(extra[len(extra) - room :] if room > 0 else []), *gap]
 
 
 class AnyTokenizeRequest(p.TokenizeRequest, frozen=True, kw_only=True):
@@ -146,9 +232,40 @@ class LlamaCompletions:
     # -- /completion ---------------------------------------------------------------------------
 
     async def completion(self, request: Request) -> Response:
-        gw = self.gateway
-        body = await gw.read_body(request, LlamaCompletionRequest)
+        body = await self.gateway.read_body(request, LlamaCompletionRequest)
         prompts, is_batch = await self.prompts_of(body.prompt)
+        return self.complete(request, body, prompts, is_batch)
+
+    async def infill(self, request: Request) -> Response:
+        """Fill the gap between `input_prefix` and `input_suffix` (llama.vim's and llama.vscode's
+        completions): a /completion of `infill_prompt`."""
+        gw = self.gateway
+        body = await gw.read_body(request, LlamaInfillRequest)
+        fim = self.fim
+        missing = [
+            f"{role} token is missing." for role in ("prefix", "suffix", "middle") if fim[role] is None
+        ]
+        if missing:
+            raise ApiError(501, f"Infill is not supported by this model: {' '.join(missing)}")
+        for name in ("input_prefix", "input_suffix"):
+            if getattr(body, name) is None:
+                raise invalid(f'"{name}" is required', name, "missing_required_parameter")
+        context = gw.settings.max_model_len
+        ids = await asyncio.to_thread(infill_prompt, gw.tokenizer, fim, body, context)
+        return self.complete(request, body, [ids], False)
+
+    @cached_property
+    def fim(self) -> dict[str, int | None]:
+        return fim_token_ids(self.gateway.tokenizer)
+
+    def complete(
+        self,
+        request: Request,
+        body: LlamaCompletionRequest,
+        prompts: list[str] | list[list[int]],
+        is_batch: bool,
+    ) -> Response:
+        gw = self.gateway
         settings = self.generation_settings(body)
         plan = self.plan(body, prompts, settings, header_seed(request.headers.get(SEED_HEADER)))
         model = gw.with_adapter(body.model, plan)

@@ -64,6 +64,7 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
         # llama.cpp's own API (llamacpp.py), its refusals in its error shape
         *at(with_llama_errors(gateway, llama.completion), "/completion", "/completions"),
+        Route("/infill", with_llama_errors(gateway, llama.infill), methods=["POST"]),
         Route("/apply-template", with_llama_errors(gateway, llama.apply_template), methods=["POST"]),
         Route("/props", with_llama_errors(gateway, llama.props), methods=["GET"]),
         *at(with_llama_errors(gateway, llama.embedding), "/embedding", "/embeddings"),
