@@ -117,8 +117,7 @@ def validate_prompt_ids(
         return
     # Failure path only: name the first bad id and where it is.
     index, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= int(t) < vocab_size)
-    what = "prompt" if generates else "input"
-    raise InvalidParams(f"{what} token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
+    raise InvalidParams(f"{_prompt_word(generates)} token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
 
 
 def chat_chars(messages: Sequence[ChatMessage]) -> int:
@@ -171,9 +170,13 @@ def check_chat_budget(
     check_prompt_chars(num_chars, max_chars, " in the messages, their tool calls and the tools")
 
 
+def _prompt_word(generates: bool) -> str:
+    """An embedding's text is its `input` (the API's field), a generation's its prompt."""
+    return "prompt" if generates else "input"
+
+
 def _check_prompt_len(num_prompt_tokens: int, max_model_len: int, generates: bool) -> None:
-    # An embedding's text is its `input` (the API's field), a generation's its prompt.
-    what = "prompt" if generates else "input"
+    what = _prompt_word(generates)
     if num_prompt_tokens < 1:
         raise InvalidParams(f"{what} is empty: at least one {what} token is required")
     if not generates and num_prompt_tokens > max_model_len:
