@@ -409,3 +409,64 @@ def test_infill_refusals_are_llama_cpp_errors(gw: Gateway, fim_gw: Gateway) -> N
         fim_gw, "/infill", {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 2}
     )
     assert status == 200 and reply["tokens_predicted"] == 2, reply
+
+
+# Code as a grammar makes the tiny model write it: lines indented 0, 4, 2 and 0 spaces.
+CODE = "if x:\n    y = 1\n  z = 2\nw = 3\n"
+CODE_GRAMMAR = "root ::= " + json.dumps(CODE)
+
+
+def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
+    """llama.vim's n_indent (its cursor line's indentation): the first line after a new line
+    whose text starts with fewer spaces ends the output, cut where its text starts (llama-server
+    keeps the indentation); streamed and not; without it the whole text comes back."""
+    body = {"prompt": PROMPT, "grammar": CODE_GRAMMAR, "temperature": 0, "n_predict": 64}
+    assert completion(gw, **body)["content"] == CODE
+    for n_indent, want in (
+        (4, "if x:\n    y = 1\n  "),
+        (2, "if x:\n    y = 1\n  z = 2\n"),
+        (1, "if x:\n    y = 1\n  z = 2\n"),
+    ):
+        reply = completion(gw, **body, n_indent=n_indent)
+        assert (reply["content"], reply["stop_type"]) == (want, "limit"), (n_indent, reply)
+        assert reply["generation_settings"]["n_indent"] == n_indent
+        events = stream(gw, **body, n_indent=n_indent)
+        assert "".join(e["content"] for e in events) == want and events[-1]["stop_type"] == "limit"
+    assert completion(gw, **body, n_indent=0)["content"] == CODE  # 0: no limit
+
+
+def test_t_max_predict_ms_ends_the_output_at_a_new_line_past_it(gw: Gateway) -> None:
+    """llama.vim's t_max_predict_ms: once generating has taken longer, the next delta with a new
+    line ends the output (a prefix of what it would have been, ending with that line); its
+    engine request is aborted as a disconnected client's is."""
+    body = {"prompt": PROMPT, "grammar": 'root ::= ("line\\n")+', "temperature": 0, "n_predict": 200}
+    whole = completion(gw, **body)["content"]
+    for reply in (completion(gw, **body, t_max_predict_ms=1), stream(gw, **body, t_max_predict_ms=1)):
+        last = reply[-1] if isinstance(reply, list) else reply
+        text = "".join(e["content"] for e in reply) if isinstance(reply, list) else reply["content"]
+        assert text.endswith("\n") and whole.startswith(text) and len(text) < len(whole), text
+        assert last["stop_type"] == "limit" and last["tokens_predicted"] < 200, last
+
+
+def test_response_fields_pick_the_last_replys_fields(gw: Gateway, hf_tokenizer) -> None:
+    """llama-server's response_fields: the last reply holds exactly the paths it has, each under
+    its path (a nested one unnested); one it has not is left out. `prompt` is the prompt's text
+    (token ids decoded, special tokens kept)."""
+    fields = [
+        "content",
+        "generation_settings/n_predict",
+        "prompt",
+        "timings/predicted_n",
+        "nope",
+        "timings/nope",
+    ]
+    reply = completion(gw, prompt=PROMPT, n_predict=4, temperature=0, response_fields=fields)
+    assert set(reply) == {"content", "generation_settings/n_predict", "prompt", "timings/predicted_n"}
+    assert reply["generation_settings/n_predict"] == 4 and reply["timings/predicted_n"] == 4
+    assert reply["prompt"] == PROMPT and reply["content"]
+    ids = hf_tokenizer(PROMPT, add_special_tokens=False).input_ids
+    assert completion(gw, prompt=[2, *ids], n_predict=1)["prompt"] == hf_tokenizer.decode([2, *ids])
+    last = stream(gw, prompt=PROMPT, n_predict=4, response_fields=["stop", "stop_type", "tokens_predicted"])[
+        -1
+    ]
+    assert last == {"stop": True, "stop_type": "limit", "tokens_predicted": 4}  # a stream's last event too

@@ -41,6 +41,7 @@ LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 BANNED_BIAS = -100.0
 
 _encoder = msgspec.json.Encoder()
+_ABSENT = object()  # a response_fields path the reply does not have
 
 
 class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +73,12 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     repeat_penalty: float | None = None
     cache_prompt: bool = True  # accepted: Brigade's prefix cache is always on
     return_tokens: bool = False
+    # Code completion's limits (llama.vim's): a line the output starts with less indentation ends
+    # it, cut where the line's text starts; past this many ms of generating, a new line ends it.
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
+    # The last reply's fields to give, each a key or a path ("timings/prompt_n"), under its name.
+    response_fields: list[str] | None = None
 
 
 class InfillChunk(msgspec.Struct, frozen=True):
@@ -221,6 +228,7 @@ class Generated:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    lines_checked: int = 0  # where the next line to check for n_indent starts in `text`
 
 
 class LlamaCompletions:
@@ -312,6 +320,8 @@ class LlamaCompletions:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repeat_penalty=body.repeat_penalty if body.repeat_penalty is not None else 1.0,
+            n_indent=body.n_indent,
+            t_max_predict_ms=body.t_max_predict_ms,
         )
         return settings
 
@@ -566,13 +576,17 @@ class LlamaWriter:
         self.settings = settings
         self.is_batch = is_batch
         self.prompt_only = prompt_only  # n_predict 0: the one token the engine samples is left out
+        self.prompts = [job.prompt for job in plan.jobs]
         self.started = time.monotonic()
         self.first_output_at: float | None = None
 
     def add(self, out: Generated, delta: StreamDelta) -> tuple[str, list[int], list[dict[str, Any]]]:
-        """Take one delta into `out`; the text, ids and probabilities it adds."""
+        """Take one delta into `out`; the text, ids and probabilities it adds. An output this
+        writer ended (n_indent, t_max_predict_ms) takes no more."""
         if self.first_output_at is None:
             self.first_output_at = time.monotonic()
+        if out.finish_reason is not None:
+            return "", [], []
         if delta.usage is not None:
             out.prompt_tokens, out.cached_tokens = delta.usage.prompt_tokens, delta.usage.cached_tokens
         if delta.finish_reason is not None:
@@ -580,10 +594,31 @@ class LlamaWriter:
         if self.prompt_only:
             return "", [], []
         probabilities = self.probabilities(delta) if self.body.n_probs else []
+        start = len(out.text)
         out.text += delta.text
         out.token_ids += delta.token_ids
         out.probabilities += probabilities
-        return delta.text, list(delta.token_ids), probabilities
+        self.apply_limits(out, "\n" in delta.text)
+        return out.text[start:], list(delta.token_ids), probabilities
+
+    def apply_limits(self, out: Generated, wrote_new_line: bool) -> None:
+        """llama-server's code completion limits: a line that starts (its first character after
+        the indentation) with fewer than n_indent spaces or tabs ends the output, cut where that
+        character is; past t_max_predict_ms of generating, a delta with a new line ends it. The
+        engine's request is aborted once every output has ended (the feed is closed)."""
+        if self.body.n_indent > 0:
+            while (line_end := out.text.find("\n", out.lines_checked)) >= 0:
+                start = line_end + 1
+                text_at = start + len(out.text[start:]) - len(out.text[start:].lstrip(" \t"))
+                if text_at == len(out.text):  # the line's text has not started yet
+                    break
+                out.lines_checked = start
+                if text_at - start < self.body.n_indent:
+                    out.text, out.finish_reason = out.text[:text_at], "length"
+                    return
+        generating_ms = (time.monotonic() - (self.first_output_at or time.monotonic())) * 1e3
+        if self.body.t_max_predict_ms > 0 and wrote_new_line and generating_ms > self.body.t_max_predict_ms:
+            out.finish_reason = "length"
 
     def probabilities(self, delta: StreamDelta) -> list[dict[str, Any]]:
         """llama.cpp's completion_probabilities of the delta's tokens: each token and its top n_probs."""
@@ -603,9 +638,26 @@ class LlamaWriter:
         data = token_bytes(text, tokenizer.id_to_token(token_id) or "")
         return {"id": token_id, "token": text, "bytes": list(data), "logprob": logprob}
 
-    async def final(self, out: Generated) -> dict[str, Any]:
-        """The last reply's fields: how generation stopped, the counts, the timings."""
+    def fields(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The last reply as `response_fields` asks: each path's value under the path, where the
+        reply has it (llama-server leaves out the others, without an error)."""
+        if not self.body.response_fields:
+            return reply
+        picked = {}
+        for path in self.body.response_fields:
+            value: Any = reply
+            for key in path.split("/"):
+                value = value.get(key, _ABSENT) if isinstance(value, dict) else _ABSENT
+            if value is not _ABSENT:
+                picked[path] = value
+        return picked
+
+    async def final(self, index: int, out: Generated) -> dict[str, Any]:
+        """The last reply's fields: the prompt, how generation stopped, the counts, the timings."""
         stop_type, stopping_word = await self.stop_of(out)
+        prompt = self.prompts[index]
+        if not isinstance(prompt, str):  # token ids (llama-server gives their text, special tokens too)
+            prompt = await asyncio.to_thread(self.gateway.tokenizer.decode, prompt, False)
         now = time.monotonic()
         first = self.first_output_at if self.first_output_at is not None else now
         predicted_n = len(out.token_ids)
@@ -614,6 +666,7 @@ class LlamaWriter:
         n_ctx = self.gateway.settings.max_model_len
         return {
             "model": self.model,
+            "prompt": prompt,
             "tokens_predicted": predicted_n,
             "tokens_evaluated": out.prompt_tokens,
             "tokens_cached": out.cached_tokens,
@@ -669,6 +722,8 @@ class LlamaWriter:
         item = first
         while item is not None:
             self.add(outs[item[0]], item[1])
+            if all(out.finish_reason is not None for out in outs):
+                break  # the feed's end, or every output ended here: its close aborts the rest
             item = await anext(feed, None)
             if item is not None:
                 timer.on_output(item)
@@ -676,7 +731,7 @@ class LlamaWriter:
         for index, out in enumerate(outs):
             tokens = out.token_ids if self.body.return_tokens else []
             body = self.reply(index, out.text, tokens, out.probabilities, True)
-            replies.append({**body, **await self.final(out)})
+            replies.append(self.fields({**body, **await self.final(index, out)}))
         return _encoder.encode(replies if self.is_batch else replies[0])
 
     async def events(
@@ -691,11 +746,16 @@ class LlamaWriter:
         timer.on_output(item)
         while item is not None:
             index, delta = item
-            text, ids, probabilities = self.add(outs[index], delta)
+            out = outs[index]
+            was_over = out.finish_reason is not None
+            text, ids, probabilities = self.add(out, delta)
             if text or ids:
                 yield data_event(self.reply(index, text, ids, probabilities, False))
-            if delta.finish_reason is not None:
-                yield data_event({**self.reply(index, "", [], [], True), **await self.final(outs[index])})
+            if out.finish_reason is not None and not was_over:
+                last = {**self.reply(index, "", [], [], True), **await self.final(index, out)}
+                yield data_event(self.fields(last))
+            if all(out.finish_reason is not None for out in outs):
+                return  # every output ended (here or by the engine): the feed's close aborts the rest
             try:
                 item = await anext(feed, None)
             except BrigadeError as exc:
