@@ -13,6 +13,7 @@ import os
 import pwd
 import re
 import stat
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -505,6 +506,19 @@ def served_model_name(config: Config) -> str:
     return config.gateway.served_model_name or config.model.path or EMBEDDED_MODEL
 
 
+MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name: bounded before it reaches an error message
+
+
+def adapter_name_problem(name: str) -> str:
+    """Why `name` cannot name a LoRA adapter ("" when it can): empty, too long, or with control
+    characters (a newline would split the log lines and status output that name it)."""
+    if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
+        return f"must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
+    if any(unicodedata.category(char) == "Cc" for char in name):
+        return f"must not contain control characters (newlines, tabs...), got {name!r}"
+    return ""
+
+
 def check_lora(config: Config) -> None:
     """Adapters that could never be loaded, or a list with adapters off, are refused here."""
     lora = config.lora
@@ -529,7 +543,9 @@ def check_lora(config: Config) -> None:
             f"({capacity}) allow (0 = adapters off)"
         )
     for name, path in lora.adapters.items():
-        if not name or not os.path.isabs(path):
+        if problem := adapter_name_problem(name):
+            raise ConfigError(f"lora.adapters: an adapter's name {problem}")
+        if not os.path.isabs(path):
             raise ConfigError(
                 f"lora.adapters.{name}: expected an absolute adapter directory or .gguf file, got {path!r}"
             )

@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ipc.config import MAX_ADAPTER_NAME_CHARS
 from ipc.messages import ChatMessage, SamplingParams, StructuredOutput, content_text
 
 MAX_MAX_TOKENS = 1_000_000
@@ -44,7 +45,6 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
-MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name: bounded before it reaches an error message
 MAX_CACHE_SALT_CHARS = 1024  # hashed into the request's prefix-cache keys
 # The fields a request may leave None for the tokenizer to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -117,7 +117,9 @@ def validate_prompt_ids(
         return
     # Failure path only: name the first bad id and where it is.
     index, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= int(t) < vocab_size)
-    raise InvalidParams(f"{_prompt_word(generates)} token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})")
+    raise InvalidParams(
+        f"{_prompt_word(generates)} token id {bad} at index {index} is out of the vocabulary [0, {vocab_size})"
+    )
 
 
 def chat_chars(messages: Sequence[ChatMessage]) -> int:

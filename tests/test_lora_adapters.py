@@ -52,6 +52,12 @@ def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) ->
     for name, path, message, param in [
         ("", "/a/x", "lora_name must be a name of 1 to 256 characters", "lora_name"),
         ("x" * 257, "/a/x", "lora_name must be a name of 1 to 256 characters", "lora_name"),
+        (
+            "a\nb",
+            "/a/x",
+            "lora_name must not contain control characters (newlines, tabs...), got 'a\\nb'",
+            "lora_name",
+        ),
         ("base", "/a/x", "lora_name 'base' is the base model's name", "lora_name"),
         ("sql", "/a/sql", "lora_name 'sql': that LoRA adapter is already loaded", "lora_name"),
         (

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ipc.codec import RESULT_HEADER, STEP_HEADER
-from ipc.config import MAX_LORA_SLOTS, Config
+from ipc.config import MAX_ADAPTER_NAME_CHARS, MAX_LORA_SLOTS, Config
 from ipc.messages import ResultHeader, StepHeader
 from ipc.shm import ShmRing, new_run_id
 from ipc.step_plan import (
@@ -21,7 +21,7 @@ from ipc.step_plan import (
     plan_limits,
     result_limits,
 )
-from ipc.validation import MAX_ADAPTER_NAME_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from services.scheduler.lora_residency import MAX_PREFETCHES_PER_STEP
 from services.scheduler.pipeline import RingExecutor
 from supervision.run import result_slot_bytes, step_slot_bytes

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from ipc import messages as m
-from ipc.validation import MAX_ADAPTER_NAME_CHARS
+from ipc.config import adapter_name_problem
 
 LOAD_TIMEOUT_S = 120.0  # every worker answers a load within this, or it fails (a worker lost meanwhile)
 
@@ -198,8 +198,8 @@ class Adapters:
         name neither counts that adapter nor finds the name taken."""
         if self.capacity == 0:
             return "", "LoRA adapters are off (lora.max_loras is 0)"
-        if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
-            return "lora_name", f"lora_name must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
+        if problem := adapter_name_problem(name):
+            return "lora_name", f"lora_name {problem}"
         if name == self.base_model:
             return "lora_name", f"lora_name {name!r} is the base model's name"
         if name in self.loading or (name in self.loaded and not replaces):
