@@ -1196,11 +1196,18 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
         assert (reasoning, content) == (message.reasoning_content, message.content)
         # Under vLLM's newer name too, whole and streamed.
         assert message.reasoning == message.reasoning_content, message
-        assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices) == reasoning
+        assert (
+            "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices)
+            == reasoning
+        )
         # include_reasoning false (vLLM's): the same output, its thinking left out of the reply.
         hidden = {**kwargs, "extra_body": {**kwargs["extra_body"], "include_reasoning": False}}
         without = sdk.chat.completions.create(**hidden).choices[0].message
-        assert (without.reasoning, without.reasoning_content, without.content) == (None, None, message.content)
+        assert (without.reasoning, without.reasoning_content, without.content) == (
+            None,
+            None,
+            message.content,
+        )
         hidden_chunks = list(sdk.chat.completions.create(stream=True, **hidden))
         deltas = [c.choices[0].delta for c in hidden_chunks if c.choices]
         assert not any(getattr(d, "reasoning", None) or getattr(d, "reasoning_content", None) for d in deltas)

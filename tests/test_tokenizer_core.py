@@ -484,19 +484,25 @@ REASONING_TEMPLATE = (
 
 
 @pytest.mark.parametrize("template", [REASONING_TEMPLATE, REASONING_TEMPLATE + "{% if tools %}{% endif %}"])
-def test_an_assistant_turns_reasoning_reaches_the_template(smollm2_dir: Path, tmp_path: Path, template) -> None:
+def test_an_assistant_turns_reasoning_reaches_the_template(
+    smollm2_dir: Path, tmp_path: Path, template
+) -> None:
     """An assistant turn's thinking sent back (`reasoning` or `reasoning_content` in the
     gateway's and the SDK's messages) is the template's `reasoning_content`, whether the
     template renders tools or not, and counts against the prompt's character budget."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
     (tmp_path / "chat_template.jinja").write_text(template)
-    core = TokenizerCore(Tokenizer(tmp_path), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=7)
+    core = TokenizerCore(
+        Tokenizer(tmp_path), 0, 1, max_model_len=256, max_prompt_chars=1000, default_max_tokens=7
+    )
     for said in ({"reasoning": "sum it"}, {"reasoning_content": "sum it"}):
         chat = [chat_message(0, {"role": "user", "content": "2+2?"}),
                 chat_message(1, {"role": "assistant", "content": "4", **said})]  # fmt: skip
         entry = core.admit(b"c", m.Generate(f"r{len(core.journal)}", messages=chat))
-        prompt = core.tokenizer.decode(m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False)
+        prompt = core.tokenizer.decode(
+            m.unpack_ids(entry.submit.prompt_ids).tolist(), skip_special_tokens=False
+        )
         assert "<|im_start|>assistant\n<think>sum it</think>4<|im_end|>" in prompt, prompt
     long_thought = [m.ChatMessage("user", "hi"), m.ChatMessage("assistant", "ok", reasoning="x" * 1000)]
     with pytest.raises(RequestError, match=r"^prompt: 1017 characters in the messages"):
