@@ -99,6 +99,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # vLLM's: requests share prefix-cached blocks only with requests of the same salt (a tenant
     # that must not learn, by timing, what others' prompts begin with); "" = the common cache.
     cache_salt: str = ""
+    # vLLM's allowed_token_ids: every sampled token is one of these (None: any token). With a
+    # grammar, a token must satisfy both (services/scheduler/grammars.py).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: texts the output never contains, as vLLM bans them (token by token, see
+    # services/scheduler/request.py `BadWords`). The tokenizer stage tokenizes them into
+    # `bad_words_ids` (each word as it is and with a leading space), which is all the scheduler
+    # reads; a client gives `bad_words` only.
+    bad_words: list[str] = []
+    bad_words_ids: list[list[int]] = []
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):

@@ -16,6 +16,13 @@ Decisions:
   character that reaches the chat template: contents, roles, names, tool call ids, names and
   arguments, and the tools JSON. The tokenizer and the gateway's /tokenize render and encode on one
   thread, so a request past it is refused before any of that work (`check_chat_budget`).
+- `allowed_token_ids` (vLLM's) is a non-empty list of vocabulary ids, at most the vocabulary's
+  size of them (repeats are allowed, as vLLM allows them). `bad_words` (vLLM's) are at most
+  MAX_BAD_WORDS texts of 1 to MAX_BAD_WORD_CHARS characters; the tokenizer tokenizes each (twice:
+  as it is, and with a leading space) into `bad_words_ids`, which a client never sends: at most
+  2 x MAX_BAD_WORDS sequences of 1 to MAX_BAD_WORD_TOKENS vocabulary ids. Whether an allowed token
+  is left once eos and stop ids are held back (min_tokens) or bad words ban some is the
+  scheduler's to say (it knows the model's eos ids; services/scheduler/admission.py).
 - A `structured` constraint is checked for its form here (kind, text, size); whether it compiles is
   the grammar engine's to say (services/common/grammar_compiler.py `check_constraint`, which the
   tokenizer calls next). It cannot be combined with `min_tokens` or `ignore_eos`: the grammar decides
@@ -46,6 +53,12 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive: seeds travel as int64
 MAX_ABS_PRIORITY = 2**31
 MAX_CACHE_SALT_CHARS = 1024  # hashed into the request's prefix-cache keys
+# vLLM's bad_words: each word is matched token by token at every sampled position, so their number
+# and length are bounded (vLLM bounds them after tokenization: 128 sequences, 1024 tokens).
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 256  # one tokenized bad word: a word of MAX_BAD_WORD_CHARS in byte tokens, say
+MAX_BAD_WORDS_IDS = 2 * MAX_BAD_WORDS  # each word as it is and with a leading space
 # The fields a request may leave None for the tokenizer to fill (ipc/sampling_defaults.py).
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -95,6 +108,10 @@ def validate_params(
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
         if not isinstance(getattr(params, name), bool):
             raise InvalidParams(f"{name} must be a bool, got {getattr(params, name)!r}")
+    if params.allowed_token_ids is not None:
+        _check_allowed_token_ids(params.allowed_token_ids, vocab_size)
+    _check_bad_words(params.bad_words)
+    _check_bad_words_ids(params.bad_words_ids, vocab_size)
     if params.structured is not None:
         _check_structured(params)
     if not isinstance(params.adapter, str) or len(params.adapter) > MAX_ADAPTER_NAME_CHARS:
@@ -215,11 +232,50 @@ def _check_float(name: str, value: Any, lo: float, hi: float, *, low_open: bool 
 
 
 def _check_token_ids(name: str, ids: Any, vocab_size: int, max_count: int) -> None:
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidParams(f"{name} must be a list of token ids, got {type(ids).__name__}")
     if len(ids) > max_count:
         raise InvalidParams(f"{name} has {len(ids)} entries, at most {max_count} are allowed")
     for token_id in ids:
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:
             raise InvalidParams(f"{name} entry {token_id!r} is not a token id in [0, {vocab_size})")
+
+
+def _check_allowed_token_ids(ids: Any, vocab_size: int) -> None:
+    """At least one id (vLLM refuses an empty list too: nothing could be sampled), each in the
+    vocabulary, and no more of them than the vocabulary has tokens."""
+    _check_token_ids("allowed_token_ids", ids, vocab_size, vocab_size)
+    if not ids:
+        raise InvalidParams("allowed_token_ids must not be empty: it would leave no token to sample")
+
+
+def _check_bad_words(words: Any) -> None:
+    if not isinstance(words, (list, tuple)):
+        raise InvalidParams(f"bad_words must be a list of strings, got {type(words).__name__}")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidParams(f"bad_words has {len(words)} entries, at most {MAX_BAD_WORDS} are allowed")
+    for i, word in enumerate(words):
+        if not isinstance(word, str):
+            raise InvalidParams(f"bad_words[{i}] must be a string, got {type(word).__name__}")
+        if not word.strip():
+            raise InvalidParams(f"bad_words[{i}] is empty or only whitespace: it would ban nothing")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidParams(
+                f"bad_words[{i}] has {len(word)} characters, at most {MAX_BAD_WORD_CHARS} are allowed"
+            )
+
+
+def _check_bad_words_ids(sequences: Any, vocab_size: int) -> None:
+    if not isinstance(sequences, (list, tuple)):
+        raise InvalidParams(f"bad_words_ids must be a list of token id lists, got {type(sequences).__name__}")
+    if len(sequences) > MAX_BAD_WORDS_IDS:
+        raise InvalidParams(
+            f"bad_words_ids has {len(sequences)} entries, at most {MAX_BAD_WORDS_IDS} are allowed"
+        )
+    for i, ids in enumerate(sequences):
+        _check_token_ids(f"bad_words_ids[{i}]", ids, vocab_size, MAX_BAD_WORD_TOKENS)
+        if not ids:
+            raise InvalidParams(f"bad_words_ids[{i}] is empty: a bad word has at least one token")
 
 
 def _check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:

@@ -104,6 +104,25 @@ BAD: list[tuple[str, Any]] = [
     ("adapter", "x" * 257),
     ("adapter", 3),
     ("speculate", "no"),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [VOCAB]),
+    ("allowed_token_ids", [0, -1]),
+    ("allowed_token_ids", [1.0]),
+    ("allowed_token_ids", [True]),
+    ("allowed_token_ids", [*range(VOCAB), 0]),  # more entries than the vocabulary has tokens
+    ("allowed_token_ids", 5),
+    ("bad_words", [""]),
+    ("bad_words", ["  \n"]),
+    ("bad_words", ["x" * 257]),
+    ("bad_words", ["a"] * 65),
+    ("bad_words", [3]),
+    ("bad_words", "word"),
+    ("bad_words_ids", [[]]),
+    ("bad_words_ids", [[VOCAB]]),
+    ("bad_words_ids", [[-1]]),
+    ("bad_words_ids", [[1] * 257]),
+    ("bad_words_ids", [[1]] * 129),
+    ("bad_words_ids", [5]),
 ]
 
 
@@ -147,6 +166,14 @@ EDGES: list[dict[str, Any]] = [
     {"priority": -(2**31)},
     {"structured": StructuredOutput("json", '{"type":"object"}')},
     {"structured": StructuredOutput("choice", '["a","b"]'), "stop_token_ids": [0]},
+    {"allowed_token_ids": None},
+    {"allowed_token_ids": [0]},
+    {"allowed_token_ids": [VOCAB - 1, VOCAB - 1]},
+    {"allowed_token_ids": list(range(VOCAB))},
+    {"allowed_token_ids": [1, 2], "structured": StructuredOutput("regex", "[0-9]+")},
+    {"bad_words": ["x" * 256, *["a"] * 63]},
+    {"bad_words": [" leading space", "two words", "\u2603"]},
+    {"bad_words_ids": [[0], [VOCAB - 1] * 256, *[[1]] * 126]},
 ]
 
 
