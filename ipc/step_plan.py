@@ -28,7 +28,7 @@ import numpy as np
 
 from ipc.config import MAX_SPECULATIVE_TOKENS
 from ipc.shm import ALIGN
-from ipc.validation import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from ipc.validation import MAX_BAD_WORDS_IDS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 IMAGE_KEY_BYTES = 16  # ipc/embedding_cache.py KEY_BYTES (that module maps shared memory: not imported here)
 
@@ -317,8 +317,9 @@ EMITTED_ARRAYS = ("emitted_ids", "emitted_logprobs", "num_emitted", "emitted_top
 MAX_CONSTRAINED_PROPOSALS = 4 * MAX_SPECULATIVE_TOKENS
 
 # The most logit-bias entries one row's plan carries: the user's, plus -inf on eos and stop ids
-# while min_tokens holds (eos ids: a handful per model).
-MAX_BIAS_ENTRIES_PER_ROW = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + 64
+# while min_tokens holds (eos ids: a handful per model) and on the tokens its bad words ban (one
+# per tokenized word at most).
+MAX_BIAS_ENTRIES_PER_ROW = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + 64 + MAX_BAD_WORDS_IDS
 
 
 def plan_limits(

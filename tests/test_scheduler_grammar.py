@@ -82,6 +82,7 @@ def make_core(model, tokenizer, grammars: Grammars | None = None, **overrides: o
         "num_blocks": 256,
         "max_model_len": 256,
         "eos_token_ids": tuple(model["eos"]),
+        "vocab_size": model["vocab"],
     }
     return Scheduler(
         scheduler_config(**{**values, **overrides}),
@@ -103,10 +104,10 @@ def allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 class MaskedWorker:
-    """Runs plans like a worker that samples under the grammar bitmask: a constrained row picks,
-    by a hash of (seed, position), one of the tokens its bitmask row allows, eos first once the
-    output is long enough (so walks end); an unconstrained row picks a plain token. Also checks
-    every plan's grammar arrays."""
+    """Runs plans like a worker that samples under the grammar bitmask: a masked row picks, by a
+    hash of (seed, position), one of the tokens its bitmask row allows, eos first where it may (so
+    walks end); an unmasked row picks a plain token. Neither picks a token its logit bias bans
+    (-inf). Also checks every plan's grammar arrays, and keeps each mask row's tokens."""
 
     def __init__(self, model: dict) -> None:
         self.vocab = model["vocab"]
@@ -114,6 +115,7 @@ class MaskedWorker:
         self.results: deque[tuple[ResultHeader, dict[str, np.ndarray]]] = deque()
         self.num_masked_rows = 0
         self.num_placeholder_rows_constrained = 0
+        self.masks: list[tuple[str, set[int]]] = []  # (request id, allowed tokens) of each mask row
 
     def publish(self, step_id: int, step: ScheduledStep) -> None:
         header, a = build_plan(step, step_id, BLOCK)
@@ -126,11 +128,18 @@ class MaskedWorker:
             },
         )
         masks = {}
+        bans = {}
+        for i in range(header.num_seqs):
+            span = slice(a["bias_offsets"][i], a["bias_offsets"][i + 1])
+            banned = a["bias_ids"][span][a["bias_values"][span] == -np.inf]
+            if len(banned):
+                bans[i] = set(banned.tolist())
         if "grammar_rows" in a:
             assert sizes[Dim.CONSTRAINED] == len(a["grammar_rows"]) > 0
             assert a["is_sampled"][a["grammar_rows"]].all()
             for i, row in zip(a["grammar_rows"].tolist(), a["grammar_bitmask"], strict=True):
                 masks[i] = allowed(row, self.vocab)
+                self.masks.append((step.seqs[i].request_id, set(masks[i].tolist())))
                 if i < step.num_decodes and a["input_ids"][i] == PLACEHOLDER_TOKEN:
                     self.num_placeholder_rows_constrained += 1
         sampled = np.full(header.num_seqs, -1, np.int32)
@@ -138,13 +147,15 @@ class MaskedWorker:
             position = int(a["sample_positions"][i])
             h = (int(a["seeds"][i]) * 1_000_003 + position * 7919) % 2**31
             if i in masks:
-                ok = masks[i]
+                ok = np.setdiff1d(masks[i], list(bans.get(i, ())))
                 assert len(ok), "an all-zero bitmask row"
                 eos_ok = [e for e in self.eos if e in set(ok.tolist())]
                 sampled[i] = eos_ok[0] if eos_ok and h % 3 else ok[h % len(ok)]
                 self.num_masked_rows += 1
             else:
                 sampled[i] = 100 + h % 1000
+                while sampled[i] in bans.get(i, ()):
+                    sampled[i] += 1
         arrays = {
             "sampled_ids": sampled,
             "sampled_logprobs": np.zeros(header.num_seqs, np.float32),
@@ -452,3 +463,268 @@ def test_a_constrained_decode_takes_no_draft_model_places(model, tokenizer):
     step = core.schedule()
     assert step is not None and step.num_decodes == 1
     assert [req.request_id for req in step.seqs] == ["json", "plain"] and len(step.proposals) == 1
+
+
+# -- allowed_token_ids and bad_words ------------------------------------------------------------
+
+
+def packed(tokens, vocab: int) -> np.ndarray:
+    """The bitmask row allowing `tokens`, packed independently of the scheduler's code."""
+    bits = np.zeros(vocab_words(vocab) * 32, np.uint8)
+    bits[list(tokens)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def test_allowed_token_ids_mask_every_sampled_row_and_decode_ahead(model, tokenizer):
+    """A request with allowed_token_ids gets the same mask row at every sampled position, exactly
+    its ids, and samples nothing else; the mask does not depend on the last token, so its decodes
+    are planned ahead of their samples (placeholders) as a plain request's are."""
+    core = make_core(model, tokenizer)
+    ids = [5, 17, 300, 4000, 17]
+    core.add(request("allowed", None, allowed_token_ids=ids, max_tokens=20))
+    core.add(request("plain", None, max_tokens=12))
+    worker = MaskedWorker(model)
+    got = drive(core, worker)
+    assert got["finished"] == {"allowed": "length", "plain": "length"}
+    assert len(got["outputs"]["allowed"]) == 20 and set(got["outputs"]["allowed"]) <= set(ids)
+    rows = [tokens for rid, tokens in worker.masks if rid == "allowed"]
+    assert len(rows) == 20 and all(tokens == set(ids) for tokens in rows)
+    assert not any(rid == "plain" for rid, _ in worker.masks)
+    assert worker.num_placeholder_rows_constrained > 0  # decoded ahead, with its mask
+    assert core.table.num_allowed_rows == 0 and not core.table.allowed.any()
+
+
+def test_a_grammar_with_allowed_token_ids_masks_with_both(model, tokenizer):
+    """Each bitmask row of a constrained request with allowed_token_ids is its grammar's mask
+    (a matcher rebuilt independently from the outputs so far) AND its allowed tokens; the output
+    follows the schema in allowed tokens only."""
+    compiled = GrammarCompiler(tokenizer).compile_now(JSON_SPEC)
+    # Every token but those with a digit above 2 in their text: "n" is written in 0, 1 and 2.
+    hf = model["hf"]
+    ids = [t for t in range(model["vocab"]) if not set(hf.decode([t])) & set("3456789")]
+    assert 40_000 < len(ids) < model["vocab"]
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC, allowed_token_ids=ids))
+    while core.num_compiling:
+        core.poll_grammars()
+        time.sleep(0.002)
+    worker = MaskedWorker(model)
+    outputs: list[int] = []
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        _, plan = build_plan(step, 0, BLOCK)
+        expected = np.zeros((1, vocab_words(model["vocab"])), np.int32)
+        GrammarMatcher(compiled, outputs).fill(expected, 0)
+        expected &= packed(ids, model["vocab"])
+        assert plan["grammar_rows"].tolist() == [0] and np.array_equal(plan["grammar_bitmask"], expected)
+        worker.publish(0, step)
+        with worker.result() as (_, arrays):
+            out = core.update(step, arrays["sampled_ids"], arrays["sampled_logprobs"])
+        assert not out.failures
+        outputs += [o.new_token_ids[0] for o in out]
+    assert set(outputs) <= set(ids) and len(outputs) > 5
+    value = json.loads(text(model, outputs))
+    jsonschema.validate(value, SCHEMA)
+    assert set(str(value["n"])) <= set("012")
+
+
+def test_allowed_token_ids_that_no_grammar_token_satisfies_fail_that_request_alone(model, tokenizer):
+    """Where the grammar and allowed_token_ids together allow nothing, the request fails saying
+    so (its field first, where the gateway reads it), its token goes nowhere, and the others run
+    on; the worker is never given an all-zero row."""
+    digits = [model["hf"].token_to_id(d) for d in "123"]
+    core = make_core(model, tokenizer)
+    core.add(request("json", JSON_SPEC))
+    core.add(request("digits", JSON_SPEC, allowed_token_ids=digits))
+    core.add(request("plain", None, max_tokens=5))
+    got = drive(core, MaskedWorker(model))
+    assert got["failed"] == {
+        "digits": "invalid_request: allowed_token_ids: no token is left to sample at output position 0: "
+        "allowed_token_ids and structured.json together allow none"
+    }
+    assert "digits" not in got["outputs"] and "digits" not in core.requests
+    assert got["finished"] == {"json": "stop", "plain": "length"}
+    assert core.table.num_allowed_rows == 0 and core.table.num_grammar_rows == 0
+
+
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused_at_admission(model, tokenizer):
+    eos = model["eos"][0]
+    core = make_core(model, tokenizer)
+    with pytest.raises(
+        ValueError,
+        match=r"^allowed_token_ids: every allowed token is eos or a stop token id, which min_tokens",
+    ):
+        core.add(request("eos-only", None, allowed_token_ids=[eos], min_tokens=2))
+    with pytest.raises(
+        ValueError, match=r"^allowed_token_ids: every allowed token is eos or a stop token id"
+    ):
+        core.add(request("stops", None, allowed_token_ids=[7, eos], stop_token_ids=[7], min_tokens=1))
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: bad_words ban every allowed token"):
+        core.add(request("banned", None, allowed_token_ids=[7, 8], bad_words_ids=[[7], [8], [9, 10]]))
+    assert not core.requests
+    core.add(request("ignore-eos", None, allowed_token_ids=[eos], min_tokens=2, ignore_eos=True))
+    core.add(request("eos-later", None, allowed_token_ids=[eos], min_tokens=2, output_ids=[eos, eos]))
+    core.add(request("one-left", None, allowed_token_ids=[7, 8], bad_words_ids=[[7]]))
+    assert set(core.requests) == {"ignore-eos", "eos-later", "one-left"}
+    unknown = Scheduler(scheduler_config(max_num_seqs=8, block_size=BLOCK, num_blocks=256, max_model_len=256))
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: this engine does not know its vocabulary"):
+        unknown.add(request("x", None, allowed_token_ids=[7]))
+
+
+def banned_by(bad_words: list[list[int]], outputs: list[int]) -> set[int]:
+    """vLLM's rule, written out again: a word's last token is banned where the output ends with
+    the word's other tokens (a one-token word everywhere)."""
+    return {
+        w[-1]
+        for w in bad_words
+        if len(w) - 1 <= len(outputs) and outputs[len(outputs) - len(w) + 1 :] == w[:-1]
+    }
+
+
+class PreferringWorker(MaskedWorker):
+    """Samples each row's `prefer[seed]` token for its output position (cycling) unless the
+    plan's bias bans it (-inf) or its mask refuses it; then 900 + the position. Records the bans
+    each sampled row's plan gave it."""
+
+    def __init__(self, model: dict, prefer: dict[int, list[int]]) -> None:
+        super().__init__(model)
+        self.prefer = prefer
+        self.bans: list[tuple[int, int, set[int]]] = []  # (seed, output position, banned)
+
+    def publish(self, step_id: int, step: ScheduledStep) -> None:
+        header, a = build_plan(step, step_id, BLOCK)
+        masks = dict(
+            zip(
+                a.get("grammar_rows", np.zeros(0, np.int32)).tolist(),
+                a.get("grammar_bitmask", []),
+                strict=True,
+            )
+        )
+        sampled = np.full(header.num_seqs, -1, np.int32)
+        for i in np.flatnonzero(a["is_sampled"]).tolist():
+            span = slice(a["bias_offsets"][i], a["bias_offsets"][i + 1])
+            banned = set(a["bias_ids"][span][a["bias_values"][span] == -np.inf].tolist())
+            if i in masks:
+                banned |= set(range(self.vocab)) - set(allowed(masks[i], self.vocab).tolist())
+            seed, position = (
+                int(a["seeds"][i]),
+                int(a["sample_positions"][i]) - step.seqs[i].num_prompt_tokens,
+            )
+            self.bans.append((seed, position, banned))
+            want = self.prefer[seed][position % len(self.prefer[seed])]
+            sampled[i] = want if want not in banned else 900 + position
+        self.results.append(
+            (
+                ResultHeader(step_id, header.num_seqs),
+                {
+                    "sampled_ids": sampled,
+                    "sampled_logprobs": np.zeros(header.num_seqs, np.float32),
+                    "top_ids": np.zeros((header.num_seqs, 0), np.int32),
+                    "top_logprobs": np.zeros((header.num_seqs, 0), np.float32),
+                },
+            )
+        )
+
+
+BAD_WORDS = [[11], [21, 22], [31, 32, 33], [41, 42]]
+WANTS = [21, 22, 11, 31, 32, 33, 21, 21, 22, 41, 7, 31, 32, 31, 32, 33]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bad_words_ban_each_words_last_token_after_its_others(model, tokenizer, overlap):
+    """A worker that wants to write every bad word is kept from each: a one-token word never
+    comes, a longer one's last token is banned exactly where the output ends with its other
+    tokens (checked against the rule computed anew from the outputs at every step). Only the
+    output counts: the prompt ends with 41, and 42 is not banned at the first token. A request
+    with multi-token bad words is never decoded ahead of its sample, and its output is the same
+    with the pipeline overlapping steps or not."""
+    core = make_core(model, tokenizer)
+    prompt = np.array([3, 4, 41], np.int32)
+    req = Request(
+        "bad",
+        0,
+        prompt,
+        fill_defaults(SamplingParams(max_tokens=len(WANTS), seed=1, bad_words_ids=BAD_WORDS)),
+    )
+    core.add(req)
+    core.add(request("plain", None, max_tokens=8, seed=2))
+    prefer = [42, *WANTS[1:]]
+    worker = PreferringWorker(model, {1: prefer, 2: [11, 22, 33]})
+    got = drive(core, worker, overlap=overlap)
+    out = got["outputs"]["bad"]
+    assert len(out) == len(WANTS) and out[0] == 42  # 41 ended the prompt, not the output
+    for seed, position, banned in worker.bans:
+        if seed == 1:
+            assert banned == banned_by(BAD_WORDS, out[:position]), position
+        else:
+            assert banned == set()  # the plain request's bias is its own
+    assert 11 not in out
+    for word in BAD_WORDS:
+        assert not any(out[k : k + len(word)] == word for k in range(len(out))), word
+    # The output a worker gets that writes what it wants wherever the rule does not ban it.
+    expected: list[int] = []
+    for position, want in enumerate(prefer):
+        expected.append(900 + position if want in banned_by(BAD_WORDS, expected) else want)
+    assert out == expected and expected.count(900 + 7) == 0 and 900 + 8 in expected  # 21 21 22: 22 banned
+    assert got["outputs"]["plain"][:3] == [11, 22, 33]  # another request's bad words are not its own
+    assert worker.num_placeholder_rows_constrained == 0
+    assert core.table.num_bad_word_rows == 0 and core.table.num_bias_rows == 0
+
+
+def test_a_request_with_multi_token_bad_words_sits_out_steps_planned_ahead(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add(request("one-token", None, bad_words_ids=[[11]]))
+    core.add(request("plain", None))
+    step = core.schedule()
+    core.update(step, np.array([5, 6], np.int32), np.zeros(2, np.float32))
+    assert core.can_plan_ahead  # a one-token bad word is a static bias
+    core.add(request("multi", None, bad_words_ids=[[11], [12, 13]]))
+    step = core.schedule()
+    core.update(step, np.array([5, 6, 7], np.int32), np.zeros(3, np.float32))
+    assert not core.can_plan_ahead
+    core.schedule()  # in flight: the next plan decodes the others ahead, not "multi"
+    ahead = core.schedule()
+    assert ahead is not None and sorted(r.request_id for r in ahead.seqs) == ["one-token", "plain"]
+
+
+def test_speculation_keeps_allowed_tokens_and_bad_words_exact(model, tokenizer):
+    """Proposals are cut at the first token allowed_token_ids refuse, and where a bad word would
+    ban other tokens further along the span than at its first position (the plan gives the whole
+    span its first position's bias); the allowed row's mask is named once per verified position."""
+    ids = [5, 6, 7, 8, 9]
+    allowed_req = request("allowed", None, allowed_token_ids=ids, max_tokens=30)
+    bad_req = request("bad", None, bad_words_ids=[[50, 51]], max_tokens=30)
+    p_allowed, p_bad = allowed_req.num_prompt_tokens, bad_req.num_prompt_tokens
+    assert p_allowed != p_bad
+    proposer = ListedProposer({p_allowed + 1: [6, 7, 40, 8], p_bad + 1: [60, 50, 51, 61]})
+    core = make_core(model, tokenizer, proposer=proposer)
+    core.add(allowed_req)
+    core.add(bad_req)
+    prefill = core.schedule()
+    assert prefill is not None and not prefill.proposals
+    core.update(prefill, np.array([5, 70], np.int32), np.zeros(2, np.float32))
+    step = core.schedule()
+    assert step is not None
+    by_id = {step.seqs[i].request_id: p.tolist() for i, p in enumerate(step.proposals, step.num_decodes)}
+    # 40 is not allowed; after 60 50 the bad word would ban 51 at the next position, not at the first.
+    assert by_id == {"allowed": [6, 7], "bad": [60]}
+    _, plan = build_plan(step, 1, BLOCK)
+    row = [r.request_id for r in step.seqs].index("allowed")
+    assert plan["grammar_rows"].tolist() == [row] * 3
+    assert all(np.array_equal(mask, packed(ids, model["vocab"])) for mask in plan["grammar_bitmask"])
+
+
+def test_a_row_with_allowed_token_ids_verifies_a_draft_models_places(model, tokenizer):
+    """Its mask is the same at every position: a draft's places are verified under it, as a
+    grammar's could not be; a request with multi-token bad words decodes one token per step."""
+    core = make_core(model, tokenizer, proposer=DraftModelProposer(num_tokens=4))
+    core.add(request("allowed", None, allowed_token_ids=[5, 6, 7]))
+    core.add(request("bad", None, bad_words_ids=[[50, 51]]))
+    prefill = core.schedule()
+    core.update(prefill, np.array([5, 7], np.int32), np.zeros(2, np.float32))
+    step = core.schedule()
+    assert step is not None and step.num_decodes == 1 and len(step.proposals) == 1
+    assert [req.request_id for req in step.seqs] == ["bad", "allowed"]
+    _, plan = build_plan(step, 1, BLOCK)
+    assert plan["grammar_rows"].tolist() == [1] * (1 + len(step.proposals[0]))

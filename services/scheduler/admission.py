@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 
 from services.common.grammar_compiler import GrammarError
-from services.scheduler.grammars import matcher_for
+from services.scheduler.grammars import allowed_mask, matcher_for
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import RequestOutput, finish_reason
 from services.scheduler.state import SchedulerState, sort_key
@@ -100,6 +100,9 @@ class Admission:
                 else f"an input of {req.num_prompt_tokens} tokens is over "
                 f"max_model_len={config.max_model_len}"
             )
+        if req.params.allowed_token_ids is not None and req.allowed_mask is None:
+            self._check_allowed(req)
+            req.allowed_mask = allowed_mask(req.params.allowed_token_ids, state.mask_words)
         spec = req.params.structured
         if spec is not None:
             if state.grammars is None:
@@ -134,6 +137,28 @@ class Admission:
         req.status = RequestStatus.WAITING
         bisect.insort(state.waiting, req, key=sort_key)
         return None
+
+    def _check_allowed(self, req: Request) -> None:
+        """Refuse allowed_token_ids that leave nothing to sample at some position whatever the
+        output: every allowed token a one-token bad word, or, under min_tokens, eos (unless
+        ignore_eos) or a stop id. Conflicts that depend on the output (a grammar's, a longer bad
+        word's) fail the request where they happen (grammars.py `GrammarPlan`)."""
+        p = req.params
+        assert p.allowed_token_ids is not None
+        if not self.state.mask_words:
+            raise ValueError("allowed_token_ids: this engine does not know its vocabulary's size")
+        left = set(p.allowed_token_ids)
+        if req.bad_words is not None:
+            left -= set(req.bad_words.always)
+            if not left:
+                raise ValueError("allowed_token_ids: bad_words ban every allowed token")
+        if p.min_tokens > req.num_output_tokens:
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.state.eos_token_ids)
+            if left <= held:
+                raise ValueError(
+                    "allowed_token_ids: every allowed token is eos or a stop token id, which min_tokens "
+                    f"holds back for the first {p.min_tokens} tokens: nothing could be sampled"
+                )
 
     def poll_compiling(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Queue the constrained requests whose compile is done, in arrival order. Returns those

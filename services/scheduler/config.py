@@ -1,6 +1,7 @@
 """What one engine group's scheduler is sized by: the engine's settings as configured
 (`EngineConfig`: sequence, token and waiting-queue limits, prefix caching) and what the workers'
-model gives in their hellos (block size, KV blocks, context, eos ids, sliding window, LongRoPE)."""
+model gives in their hellos (block size, KV blocks, context, eos ids, vocabulary, sliding window,
+LongRoPE)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class SchedulerConfig:
     # the workers' slots for them (LoraConfig.num_slots: one spare where adapters outnumber them).
     max_loras: int = 0
     lora_slots: int = 0
+    # The model's vocabulary (the lm_head's width, which bitmask rows cover): allowed_token_ids
+    # become a static bitmask row of this width (0: unknown, and such requests are refused).
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -94,6 +98,7 @@ class SchedulerConfig:
             normalize=first.normalize,
             max_loras=max_loras,
             lora_slots=max(lora_slots, max_loras),
+            vocab_size=first.vocab_size,
         )
 
     def with_max_num_waiting(self, max_num_waiting: int) -> SchedulerConfig:

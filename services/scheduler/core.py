@@ -19,13 +19,15 @@ flight: the scheduler process's pipeline). A running sequence whose sample is in
 decodes that token without knowing it: the plan carries a placeholder that the worker fills in
 from its own previous sample. `update()` applies results in order; whatever was planned for a
 sequence that finishes, leaves or is preempted meanwhile is dropped by its row's epoch. A
-sequence that applies penalties or is constrained by a grammar, or whose sample in flight is its
-last by length, sits such a step out (its history, or its grammar bitmask, would need the unknown
-token; or there is nothing left to decode).
+sequence that applies penalties, is constrained by a grammar or has bad words of several tokens,
+or whose sample in flight is its last by length, sits such a step out (its history, its grammar
+bitmask or its bad words' bans would need the unknown token; or there is nothing left to decode).
+allowed_token_ids are a static bitmask row: such a sequence decodes ahead.
 
 Structured output (grammars.py): a constrained request compiles its grammar outside the queue
 (`poll_grammars` lets it in, or fails it), each step's plan carries the bitmask rows of its
-constrained sampled rows, and `update()` advances their matchers.
+constrained sampled rows (and of those with allowed_token_ids), and `update()` advances their
+matchers. Bad words (request.py `BadWords`) are -inf entries of the plan's logit bias.
 """
 
 from __future__ import annotations
@@ -259,9 +261,17 @@ class Scheduler:
             steady=None if chunks.num_new or proposals else decodes.steady,
             grammar=(
                 plan_grammar(
-                    state.grammars, seqs, table.constrained.take(rows), is_sampled, num_decodes, proposals
+                    state.grammars,
+                    state.mask_words,
+                    seqs,
+                    table.constrained.take(rows) | table.allowed.take(rows),
+                    is_sampled,
+                    starts + new_array,
+                    state.config.eos_token_ids,
+                    num_decodes,
+                    proposals,
                 )
-                if table.num_grammar_rows
+                if table.num_grammar_rows or table.num_allowed_rows
                 else None
             ),
             prompt_spans=tuple(prompt_spans),

@@ -170,17 +170,20 @@ class SteadyDecode:
 
     @property
     def can_plan_ahead(self) -> bool:
-        """False while some running sequence applies penalties or is constrained: planned ahead,
-        it would sit out every other step, so the caller rather plans synchronously until it
-        leaves."""
+        """False while some running sequence applies penalties, is constrained by a grammar or
+        has bad words of several tokens: planned ahead, it would sit out every other step, so the
+        caller rather plans synchronously until it leaves. A row with allowed_token_ids alone is
+        no reason: its mask is the same at every position."""
         table = self.state.table
-        return not table.history and not table.num_grammar_rows
+        return not table.history and not table.num_grammar_rows and not table.num_bad_word_rows
 
     def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray, limits: np.ndarray) -> np.ndarray:
         """Which of these rows, each with a sample in flight, `known` tokens and its LENGTH_LIMIT,
         may decode that sample before it is known: not when it is the last one by length, nor
         when the row applies penalties (the worker would need the unknown token in its history),
-        nor when it is constrained (its grammar bitmask depends on that token)."""
+        nor when it is constrained (its grammar bitmask depends on that token), nor when it has
+        bad words of several tokens (which of their last tokens are banned depends on it).
+        allowed_token_ids' mask does not depend on it: such a row decodes ahead."""
         allowed = known + 1 < limits
         table = self.state.table
         long_from = self.state.config.long_rope_from
@@ -191,6 +194,8 @@ class SteadyDecode:
             allowed &= table.needs_history.take(rows) == 0
         if table.num_grammar_rows:
             allowed &= ~table.constrained.take(rows)
+        if table.num_bad_word_rows:
+            allowed &= ~table.bad_words.take(rows)
         return allowed
 
     def _recompute_past_short_rope(self) -> None:

@@ -112,6 +112,11 @@ class PlanTable:
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Rows under a grammar (structured output): their matcher is the request's `grammar`.
         self.constrained = np.zeros(num_rows, np.bool_)
+        # Rows with allowed_token_ids: their static bitmask row is the request's `allowed_mask`.
+        self.allowed = np.zeros(num_rows, np.bool_)
+        # Rows with bad words of several tokens, whose bans depend on the last sampled tokens
+        # (Request.bad_words): like penalty and grammar rows, never planned ahead.
+        self.bad_words = np.zeros(num_rows, np.bool_)
         # Rows whose tokens rotate with LongRoPE's long factors (Request.is_long_rope).
         self.long_rope = np.zeros(num_rows, np.bool_)
         # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
@@ -128,6 +133,8 @@ class PlanTable:
         self.num_logprob_rows = 0
         self.num_bias_rows = 0
         self.num_grammar_rows = 0
+        self.num_allowed_rows = 0
+        self.num_bad_word_rows = 0
         self.num_long_rope_rows = 0
         self.num_lora_rows = 0
         self.num_rope_delta_rows = 0
@@ -146,12 +153,15 @@ class PlanTable:
         self.floats[:, row] = [getattr(p, name) for name in FLOAT_COLUMNS]
         self.seeds[row] = req.seed
         needs_history = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        bias = static_bias(req)
+        has_bad_words = req.bad_words is not None and bool(req.bad_words.prefixes)
+        needs_bias = bool(bias) or p.min_tokens > 0 or has_bad_words
         self.ints[:, row] = (
             p.top_k,
             p.logprobs,
             req.last_token_id,
             needs_history,
-            bool(p.logit_bias) or p.min_tokens > 0,
+            needs_bias,
             NEVER if p.ignore_eos else req.num_prompt_tokens + p.min_tokens,
             num_computed,
             self._length_limit(req),
@@ -164,10 +174,16 @@ class PlanTable:
         self.request_ids[row] = req.request_id
         self.output_ids[row] = req.output_ids
         self.num_logprob_rows += p.logprobs > 0
-        self.num_bias_rows += bool(p.logit_bias) or p.min_tokens > 0
+        self.num_bias_rows += needs_bias
         if req.grammar is not None:
             self.constrained[row] = True
             self.num_grammar_rows += 1
+        if req.allowed_mask is not None:
+            self.allowed[row] = True
+            self.num_allowed_rows += 1
+        if has_bad_words:
+            self.bad_words[row] = True
+            self.num_bad_word_rows += 1
         if req.is_long_rope:
             self.long_rope[row] = True
             self.num_long_rope_rows += 1
@@ -184,11 +200,8 @@ class PlanTable:
             buf = np.empty(self.max_model_len, np.int32)
             buf[: req.num_tokens] = req.all_token_ids
             self.history[row] = buf
-        if p.logit_bias:
-            self.bias[row] = (
-                np.array(list(p.logit_bias), np.int32),
-                np.array(list(p.logit_bias.values()), np.float32),
-            )
+        if bias:
+            self.bias[row] = (np.array(list(bias), np.int32), np.array(list(bias.values()), np.float32))
 
     def _length_limit(self, req: Request) -> int:
         """Context length at which the request stops for "length" (max_tokens None: the model's)."""
@@ -206,6 +219,10 @@ class PlanTable:
         self.num_bias_rows -= self.needs_bias[req.row] != 0
         self.num_grammar_rows -= self.constrained[req.row]
         self.constrained[req.row] = False
+        self.num_allowed_rows -= self.allowed[req.row]
+        self.allowed[req.row] = False
+        self.num_bad_word_rows -= self.bad_words[req.row]
+        self.bad_words[req.row] = False
         self.num_long_rope_rows -= self.long_rope[req.row]
         self.long_rope[req.row] = False
         self.num_lora_rows -= self.lora_slots[req.row] >= 0
@@ -283,7 +300,7 @@ class ScheduledStep:
     # decode; its SteadyLine then); -1 otherwise. Caches of such steps hold for that version.
     line_version: int = -1
     steady: SteadyLine | None = None
-    grammar: GrammarPlan | None = None  # the constrained sampled rows, when there are any
+    grammar: GrammarPlan | None = None  # the masked sampled rows (grammar, allowed_token_ids), if any
     # Prompt logprobs: (plan index, first position, count) of each prefill chunk's positions whose
     # logits score the next prompt token (Request.scores_from), in plan order.
     prompt_spans: tuple[tuple[int, int, int], ...] = ()
@@ -524,11 +541,22 @@ def _history(step: ScheduledStep) -> dict[str, np.ndarray]:
     return {"history_offsets": offsets, "history_ids": history, "history_prompt_lens": prompt_lens}
 
 
+def static_bias(req: Request) -> dict[int, float]:
+    """The logit bias a request has at every position: params.logit_bias, and -inf on the tokens
+    of its one-token bad words."""
+    bias = req.params.logit_bias
+    if req.bad_words is not None and req.bad_words.always:
+        bias = {**bias, **dict.fromkeys(req.bad_words.always, -np.inf)}
+    return bias
+
+
 def _logit_bias(step: ScheduledStep, sample_positions: np.ndarray) -> dict[str, np.ndarray]:
-    """Ragged logit bias: params.logit_bias, plus -inf on eos and stop ids below min_tokens.
+    """Ragged logit bias: the static one (`static_bias`), plus -inf on the tokens banned at the
+    row's sample position (`Request.bans`: eos and stop ids below min_tokens, bad words).
 
     The outputs before the sampled one are counted from its position, not from the request:
-    a decode planned ahead samples one past the output still in flight."""
+    a decode planned ahead samples one past the output still in flight (a row whose bans depend
+    on its outputs, a multi-token bad word's, is never planned ahead)."""
     num_seqs = len(step.seqs)
     lens = np.zeros(num_seqs, np.int32)
     ids: list[np.ndarray] = []
@@ -538,12 +566,9 @@ def _logit_bias(step: ScheduledStep, sample_positions: np.ndarray) -> dict[str, 
     users = np.flatnonzero(table.needs_bias.take(step.rows)).tolist() if table.num_bias_rows else []
     for i in users:
         req = step.seqs[i]
-        p = req.params
-        if int(sample_positions[i]) - req.num_prompt_tokens < p.min_tokens:
-            suppressed = list(p.stop_token_ids)
-            if not p.ignore_eos:
-                suppressed.extend(step.eos_token_ids)
-            bias = {**p.logit_bias, **dict.fromkeys(suppressed, -np.inf)}
+        bans = req.bans(int(sample_positions[i]), step.eos_token_ids)
+        if bans:
+            bias = {**static_bias(req), **dict.fromkeys(bans, -np.inf)}
             ids.append(np.array(list(bias), np.int32))
             values.append(np.array(list(bias.values()), np.float32))
         elif req.row in static:

@@ -65,6 +65,39 @@ class PromptScores:
         self.top_logprobs += tops[skip:]
 
 
+class BadWords:
+    """A request's tokenized bad words (params.bad_words_ids), banned as vLLM bans them: at each
+    sampled position, a word's last token is banned where the output so far ends with the word's
+    other tokens; a one-token word is banned everywhere (`always`). Only the output counts, never
+    the prompt: a word whose first tokens end the prompt is not banned at the first output token.
+
+    `always` goes into the request's static logit bias (-inf); the multi-token words depend on
+    the last sampled tokens, so a request that has one is never planned ahead of its sample
+    (services/scheduler/decode.py) and each step asks `banned` afresh."""
+
+    __slots__ = ("always", "longest", "prefixes")
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        self.always = sorted({int(ids[0]) for ids in sequences if len(ids) == 1})
+        # (the word's tokens but its last, its last), once each
+        words = {tuple(int(t) for t in ids) for ids in sequences if len(ids) > 1}
+        self.prefixes = [(list(word[:-1]), word[-1]) for word in sorted(words)]
+        self.longest = max((len(prefix) for prefix, _ in self.prefixes), default=0)
+
+    def banned(self, output_ids: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
+        """The last tokens of the multi-token words whose other tokens end `output_ids` followed
+        by `extra` (a verifying span's proposals before a position), in the words' order."""
+        if not self.prefixes:
+            return []
+        tail = list(output_ids[-self.longest :]) + [int(t) for t in extra] if len(extra) else output_ids
+        n = len(tail)
+        return [
+            last
+            for prefix, last in self.prefixes
+            if len(prefix) <= n and tail[n - 1] == prefix[-1] and list(tail[n - len(prefix) :]) == prefix
+        ]
+
+
 class Request:
     """Owns a request's token history (prompt + outputs so far), its KV blocks and its progress.
 
@@ -75,8 +108,10 @@ class Request:
 
     __slots__ = (
         "adapter_load",
+        "allowed_mask",
         "arrival_order",
         "arrival_time",
+        "bad_words",
         "block_hashes",
         "block_ids",
         "finish_reason",
@@ -164,6 +199,10 @@ class Request:
         # which stays in step with output_ids (services/scheduler/grammars.py).
         self.grammar_future: Future[CompiledGrammar] | None = None
         self.grammar: GrammarMatcher | None = None
+        # params.allowed_token_ids as a packed bitmask row (the grammar's layout), made once at
+        # admission (services/scheduler/grammars.py `allowed_mask`); None: any token.
+        self.allowed_mask: np.ndarray | None = None
+        self.bad_words = BadWords(params.bad_words_ids) if params.bad_words_ids else None
         # Prompt logprobs, collected as its prompt chunks compute. A resubmission that carries
         # outputs asks for none: its client got them with its first output token.
         self.prompt_scores = (
@@ -191,6 +230,21 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else int(self.prompt_ids[-1])
+
+    def bans(self, sample_position: int, eos_token_ids: Sequence[int]) -> list[int]:
+        """The tokens that may not be sampled at `sample_position` (a context length) besides
+        the static ones (logit_bias, one-token bad words): while the output is shorter than
+        min_tokens, its stop ids and (unless ignore_eos) eos; and the last tokens of the bad words
+        whose other tokens end the output so far (`BadWords.banned`)."""
+        p = self.params
+        bans = []
+        if sample_position - len(self.prompt_ids) < p.min_tokens:
+            bans.extend(p.stop_token_ids)
+            if not p.ignore_eos:
+                bans.extend(eos_token_ids)
+        if self.bad_words is not None and self.bad_words.prefixes:
+            bans.extend(self.bad_words.banned(self.output_ids))
+        return bans
 
     @property
     def scores_from(self) -> int | None:

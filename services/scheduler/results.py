@@ -376,9 +376,13 @@ class Results:
                 req.params, token_list[j], req.num_output_tokens, req.num_tokens, eos_token_ids, max_model_len
             )
         failures: list[RequestFailure] = []
+        unmasked: set[int] = set()  # entries whose row had nothing to sample: failed, not advanced
+        empty = step.grammar.empty if step.grammar is not None else None
+        if empty:
+            finishing = self._fail_empty(seqs, sampled, empty, reasons, finishing, failures, unmasked)
         if table.num_grammar_rows:
             finishing = self._advance_grammars(
-                seqs, sampled, sampled_rows, token_list, reasons, finishing, failures
+                seqs, sampled, sampled_rows, token_list, reasons, finishing, failures, unmasked
             )
         tops: list[list[dict[int, float]]] = [NO_TOP_LOGPROBS] * num_sampled
         if top_ids is not None and top_logprobs is not None and num_logprobs is not None:
@@ -442,9 +446,12 @@ class Results:
         ) = columns
         max_model_len = state.config.max_model_len
         failures: list[RequestFailure] = []
+        empty = step.grammar.empty if step.grammar is not None else {}
         for i in verifying.tolist():
             req = step.seqs[i]
             failure = None
+            # The first position of its span whose row had nothing to sample (none: past the span)
+            empty_at, empty_message = empty.get(i, (len(step.proposals[i - step.num_decodes]) + 1, ""))
             row = req.row
             num_emitted = int(emitted.counts[i])
             proposal = step.proposals[i - step.num_decodes]
@@ -462,6 +469,11 @@ class Results:
                     strict=True,
                 )
             ):
+                if j == empty_at:  # its draw here was under no mask: the request fails before it
+                    failure = RequestFailure(
+                        req.request_id, req.tokenizer_id, "invalid_request", empty_message
+                    )
+                    break
                 req.output_ids.append(token)
                 if history is not None:
                     history[req.num_tokens - 1] = token
@@ -550,6 +562,29 @@ class Results:
                 )
             at += count
 
+    @staticmethod
+    def _fail_empty(
+        seqs: list[Request],
+        sampled: np.ndarray,
+        empty: dict[int, tuple[int, str]],
+        reasons: list[str | None],
+        finishing: list[int],
+        failures: list[RequestFailure],
+        unmasked: set[int],
+    ) -> list[int]:
+        """Fail the entries whose mask row had no token left (grammars.py `GrammarPlan.empty`):
+        their token was drawn under no mask and goes nowhere. Returns `finishing` without them;
+        adds them to `unmasked`."""
+        for j, i in enumerate(sampled.tolist()):
+            if i in empty:
+                req = seqs[i]
+                failures.append(
+                    RequestFailure(req.request_id, req.tokenizer_id, "invalid_request", empty[i][1])
+                )
+                reasons[j] = None
+                unmasked.add(j)
+        return [j for j in finishing if j not in unmasked]
+
     def _advance_grammars(
         self,
         seqs: list[Request],
@@ -559,15 +594,19 @@ class Results:
         reasons: list[str | None],
         finishing: list[int],
         failures: list[RequestFailure],
+        unmasked: set[int],
     ) -> list[int]:
         """Advance the matchers of the constrained rows by their new token (`advance_grammar`);
         returns `finishing` with the rows whose grammar is now complete. Appends their failures
-        to `failures`; the reasons of those stay None."""
+        to `failures`; the reasons of those stay None. The `unmasked` entries (failed already)
+        are left alone."""
         constrained = np.flatnonzero(self.state.table.constrained.take(sampled_rows)).tolist()
         if not constrained:
             return finishing
         ending = set(finishing)
         for j in constrained:
+            if j in unmasked:
+                continue
             reasons[j], failure = advance_grammar(seqs[int(sampled[j])], tokens[j], reasons[j])
             if failure is not None:
                 failures.append(failure)

@@ -226,14 +226,27 @@ class Speculation:
             ban_end = req.num_prompt_tokens + req.params.min_tokens
             if start + 1 < ban_end:
                 limit = min(limit, ban_end - start - 2)
-            if req.grammar is not None:
-                if self.proposer.drafts_in_worker:
-                    continue  # its span's masks would need tokens only the worker will know
+            depends_on_tokens = req.grammar is not None or (
+                req.bad_words is not None and bool(req.bad_words.prefixes)
+            )
+            if depends_on_tokens and self.proposer.drafts_in_worker:
+                continue  # its span's masks or bans would need tokens only the worker will know
+            is_masked = req.grammar is not None or req.allowed_mask is not None
+            if is_masked:
                 limit = min(limit, constrained_room)
             proposal = self.proposer.propose(req.all_token_ids, limit)
+            if req.allowed_mask is not None and not self.proposer.drafts_in_worker:
+                # A proposal outside allowed_token_ids could never be emitted: nor could those after it.
+                outside = np.flatnonzero(~_is_allowed(req.allowed_mask, proposal))
+                proposal = proposal[: outside[0]] if len(outside) else proposal
             if req.grammar is not None:
                 # A proposal the grammar refuses could never be emitted: nor could those after it.
                 proposal = proposal[: req.grammar.num_valid(proposal)]
+            if req.bad_words is not None and req.bad_words.prefixes:
+                # The plan gives the span's every position the bias of its first (plan.py
+                # `_logit_bias`): it must not reach a position where bad words ban other tokens.
+                proposal = proposal[: _same_bans(req, proposal)]
+            if is_masked:
                 constrained_room -= len(proposal)
             if not len(proposal):
                 continue
@@ -262,3 +275,22 @@ class Speculation:
         self.tried = self.tried * ACCEPTANCE_DECAY + num_judged
         req.speculation_kept = req.speculation_kept * ACCEPTANCE_DECAY + num_kept
         req.speculation_tried = req.speculation_tried * ACCEPTANCE_DECAY + num_judged
+
+
+def _is_allowed(mask: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Whether each of `tokens` is allowed by the bitmask row `mask`."""
+    ids = tokens.astype(np.int64)
+    return ((mask.view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(np.bool_)
+
+
+def _same_bans(req: Request, proposal: np.ndarray) -> int:
+    """How many of `proposal`, from the first, keep the tokens `req`'s bad words ban at each
+    position of the span the same as at its first position (and are not banned there)."""
+    assert req.bad_words is not None
+    output = req.output_ids
+    first = req.bad_words.banned(output)
+    banned = set(first) | set(req.bad_words.always)
+    for m in range(len(proposal)):
+        if int(proposal[m]) in banned or req.bad_words.banned(output, proposal[: m + 1]) != first:
+            return m
+    return len(proposal)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from ipc.step_plan import vocab_words
 from services.metrics import FinishedTimes
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
@@ -50,6 +51,10 @@ class SchedulerState:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
         self.grammars = grammars  # None: the engine refuses structured output
+        # 32-bit words of a bitmask row (a grammar's, or allowed_token_ids'); 0: no vocabulary known
+        self.mask_words = (
+            vocab_words(config.vocab_size) if config.vocab_size else grammars.words if grammars else 0
+        )
         self.compiling: list[Request] = []  # constrained, their grammar still compiling (arrival order)
         self.line_version = 0
         self.num_preemptions = 0
