@@ -535,3 +535,51 @@ def test_a_client_id_reused_after_its_request_ended_gets_a_new_engine_id(core_fa
         second.submit.request_id,
         third.submit.request_id,
     }
+
+
+def test_bad_words_are_tokenized_as_vllm_tokenizes_them(core_factory, smollm2_dir: Path) -> None:
+    """Each word, its leading whitespace stripped, as it encodes alone and, where that gives
+    another first token and as many tokens, with a leading space: computed here with HF
+    transformers' tokenizer. The ids travel with the request, resubmissions too."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    words = ["hello", "  Hello world", "zzz", "<|im_end|>", "\u2603"]
+    expected = []
+    for word in words:
+        bare = hf.encode(word.lstrip(), add_special_tokens=False)
+        spaced = hf.encode(" " + word.lstrip(), add_special_tokens=False)
+        expected.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            expected.append(spaced)
+    assert len(expected) == 9  # "<|im_end|>" once: with a space it is two tokens, not one
+    core = core_factory()
+    entry = core.admit(b"c", m.Generate("r", prompt="x", params=m.SamplingParams(bad_words=words)))
+    assert entry.submit.params.bad_words_ids == expected
+    assert entry.submit.params.bad_words == words
+    (again,) = core.resubmissions(entry.group)
+    assert again.params.bad_words_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (m.SamplingParams(bad_words_ids=[[5]]), "^bad_words_ids are the tokenizer's to make from bad_words"),
+        (m.SamplingParams(bad_words=["ok", " \t"]), r"^bad_words\[1\] is empty or only whitespace"),
+        (m.SamplingParams(bad_words=["x" * 257]), r"^bad_words\[0\] has 257 characters, at most 256"),
+        (m.SamplingParams(bad_words=["\u2603" * 86]), r"^bad_words\[0\] is 258 tokens long, at most 256"),
+        (m.SamplingParams(bad_words=["w"] * 65), "^bad_words has 65 entries, at most 64"),
+        (m.SamplingParams(allowed_token_ids=[]), "^allowed_token_ids must not be empty"),
+        (
+            m.SamplingParams(allowed_token_ids=[49152]),
+            r"^allowed_token_ids entry 49152 is not a token id in \[0, 49152\)",
+        ),
+    ],
+)
+def test_bad_allowed_token_ids_and_bad_words_are_refused_naming_the_field(
+    core_factory, params: m.SamplingParams, message: str
+) -> None:
+    core = core_factory()
+    with pytest.raises(RequestError, match=message) as info:
+        core.admit(b"c", m.Generate("r", prompt="x", params=params))
+    assert info.value.code == "invalid_request" and not core.journal

@@ -34,6 +34,7 @@ from ipc.json_depth import check_json_depth
 from ipc.sampling_defaults import fill_defaults
 from ipc.structured_output import for_tool_choice, tool_functions
 from ipc.validation import (
+    MAX_BAD_WORD_TOKENS,
     InvalidParams,
     PromptTooLong,
     check_chat_budget,
@@ -96,6 +97,34 @@ def engine_id(tokenizer_id: int, identity: bytes, request_id: str, generation: i
     if generation:
         key += b"\0" + str(generation).encode()
     return f"{tokenizer_id}-{hashlib.blake2b(key, digest_size=12).hexdigest()}"
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words (its SamplingParams.update_from_tokenizer): each word, its
+    leading whitespace stripped, as it encodes alone (at the start of a text), and with a leading
+    space (in the middle of one) where that gives another first token and as many tokens (vLLM's
+    rule: a variant of another length would ban a token other than the word's own last). Raises
+    InvalidParams naming the word: one that encodes to no token, to more than
+    MAX_BAD_WORD_TOKENS, or to an id outside the vocabulary."""
+    sequences = []
+    for i, word in enumerate(words):
+        bare = word.lstrip()
+        ids = tokenizer.encode(bare)
+        if not ids:
+            raise InvalidParams(f"bad_words[{i}] encodes to no token: it would ban nothing")
+        if len(ids) > MAX_BAD_WORD_TOKENS:
+            raise InvalidParams(
+                f"bad_words[{i}] is {len(ids)} tokens long, at most {MAX_BAD_WORD_TOKENS} are allowed"
+            )
+        sequences.append(ids)
+        spaced = tokenizer.encode(" " + bare)
+        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+            sequences.append(spaced)
+    vocab_size = tokenizer.vocab_size
+    outside = [t for ids in sequences for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise InvalidParams(f"bad_words: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    return sequences
 
 
 class RequestError(Exception):
@@ -306,6 +335,14 @@ class TokenizerCore:
             )
             if params.structured is not None:
                 self._check_constraint(params.structured)
+            if params.bad_words_ids:
+                raise InvalidParams(
+                    "bad_words_ids are the tokenizer's to make from bad_words: give bad_words"
+                )
+            if params.bad_words:
+                params = msgspec.structs.replace(
+                    params, bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words)
+                )
             resume_ids = m.unpack_ids(request.resume_output_ids)
             validate_prompt_ids(
                 resume_ids.tolist() or [0],
