@@ -204,7 +204,11 @@ def connect_info(
     return info
 
 
-_PARAM_TYPES = {f.name: f.type for f in msgspec.structs.fields(m.SamplingParams)}
+# What the tokenizer fills in from other fields (bad_words_ids from bad_words): a client sends none.
+_TOKENIZER_FIELDS = frozenset({"bad_words_ids"})
+_PARAM_TYPES = {
+    f.name: f.type for f in msgspec.structs.fields(m.SamplingParams) if f.name not in _TOKENIZER_FIELDS
+}
 
 
 def _convert(name: str, value: Any, type_: Any) -> Any:
@@ -292,6 +296,8 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
         _check_int_range(name, value)
     for i, stop in enumerate(values.get("stop", [])):
         _check_text(f"stop[{i}]", stop)
+    for i, word in enumerate(values.get("bad_words", [])):
+        _check_text(f"bad_words[{i}]", word)
     params = m.SamplingParams(**values)
     # An unset temperature may turn out random (the model's default): it gets a seed too.
     if params.seed is None and (params.temperature is None or params.temperature > 0):

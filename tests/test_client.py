@@ -714,6 +714,11 @@ def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None
         ({"timeout": float("nan")}, "timeout"),
         ({"timeout": -1}, "timeout"),
         ({"continue_final_message": True}, "continue_final_message"),  # a prompt has no final message
+        ({"allowed_token_ids": ["5"]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"bad_words_ids": [[5]]}, "unknown sampling parameter.*bad_words_ids"),  # the tokenizer's to make
     ],
 )
 def test_wrongly_typed_arguments_are_refused_before_sending(fakes, kwargs: dict, field: str) -> None:
@@ -836,11 +841,14 @@ def test_an_endpoint_zmq_cannot_take_is_an_invalid_request_and_the_cli_exits(end
 def test_integral_values_convert_where_the_field_is_a_number(fakes) -> None:
     fake = fakes()
     with Client(endpoints=[fake.endpoint]) as client:
-        client.generate("x", max_tokens=2, temperature=1, top_p=1, logit_bias={5: 1}, stop_token_ids=(7,))
+        client.generate("x", max_tokens=2, temperature=1, top_p=1, logit_bias={5: 1}, stop_token_ids=(7,),
+                        allowed_token_ids=(5, 7), bad_words=("no", "never"))  # fmt: skip
         client.generate(np.arange(3, dtype=np.int64), max_tokens=2)
     first, second = fake.requests(m.Generate)
     assert first.params.temperature == 1.0 and first.params.logit_bias == {5: 1.0}
     assert first.params.stop_token_ids == [7]
+    assert first.params.allowed_token_ids == [5, 7] and first.params.bad_words == ["no", "never"]
+    assert first.params.bad_words_ids == [] and second.params.allowed_token_ids is None
     assert m.unpack_ids(second.prompt_token_ids).tolist() == [0, 1, 2]
 
 
@@ -878,6 +886,7 @@ def test_an_error_without_a_request_id_fails_the_unanswered_request(fakes) -> No
         {"messages": [{"role": "user", "content": "a\udfffb"}]},
         {"prompt": "x", "stop": "\ud800"},
         {"prompt": "x", "request_id": "\ud800"},
+        {"prompt": "x", "bad_words": ["ok", "\ud800"]},
     ],
 )
 def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
@@ -900,6 +909,7 @@ def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
         ({"prompt": "x", "max_tokens": 2**64}, "max_tokens"),
         ({"prompt": "x", "logit_bias": {2**70: 1.0}}, "logit_bias"),
         ({"prompt": "x", "stop_token_ids": [1, -(2**63) - 1]}, "stop_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [1, 2**63]}, "allowed_token_ids"),
         ({"prompt": "x", "seed": 2**64 + 5}, "seed"),
     ],
 )
