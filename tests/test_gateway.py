@@ -1603,13 +1603,59 @@ BAD_BODIES = {
         for name, value in (
             ("use_beam_search", True),
             ("length_penalty", 0.5),
-            ("bad_words", ["hi"]),
-            ("allowed_token_ids", [1, 2]),
             ("logits_processors", ["x"]),
             ("prompt_embeds", "AAAA"),
             ("guided_whitespace_pattern", " *"),
         )
     },
+    # vLLM's allowed_token_ids and bad_words, served: a bad one is refused naming it (the gateway's
+    # decoding for a wrong type, the engine's checks for a bad value)
+    **{
+        f"{name} {case}": (json.dumps({"prompt": "hi", name: value}).encode(), param, code)
+        for name, case, value, param, code in (
+            ("allowed_token_ids", "empty", [], "allowed_token_ids", "invalid_value"),
+            ("allowed_token_ids", "negative", [5, -1], "allowed_token_ids", "invalid_value"),
+            ("allowed_token_ids", "out of the vocabulary", [49152], "allowed_token_ids", "invalid_value"),
+            ("allowed_token_ids", "past the wire's int64", [2**63], "allowed_token_ids", "invalid_value"),
+            (
+                "allowed_token_ids",
+                "more than the vocabulary",
+                [7] * 49153,
+                "allowed_token_ids",
+                "invalid_value",
+            ),
+            ("allowed_token_ids", "of strings", ["a"], "allowed_token_ids[0]", "invalid_type"),
+            ("allowed_token_ids", "not a list", 5, "allowed_token_ids", "invalid_type"),
+            ("bad_words", "empty string", ["ok", ""], "bad_words", "invalid_value"),
+            ("bad_words", "whitespace only", [" \t"], "bad_words", "invalid_value"),
+            ("bad_words", "too long", ["x" * 257], "bad_words", "invalid_value"),
+            ("bad_words", "too many tokens", ["\u2603" * 86], "bad_words", "invalid_value"),
+            ("bad_words", "too many", ["w"] * 65, "bad_words", "invalid_value"),
+            ("bad_words", "of numbers", [3], "bad_words[0]", "invalid_type"),
+            ("bad_words", "a string", "word", "bad_words", "invalid_type"),
+        )
+    },
+    "chat allowed_token_ids empty": (
+        b'{"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": []}',
+        "allowed_token_ids",
+        "invalid_value",
+    ),
+    "chat bad_words empty string": (
+        b'{"messages": [{"role": "user", "content": "x"}], "bad_words": [""]}',
+        "bad_words",
+        "invalid_value",
+    ),
+    # the scheduler's refusals: nothing could ever be sampled before min_tokens (eos is 2), or at all
+    "allowed_token_ids held back by min_tokens": (
+        b'{"prompt": "hi", "allowed_token_ids": [2], "min_tokens": 3}',
+        "allowed_token_ids",
+        "invalid_value",
+    ),
+    "allowed_token_ids all bad words": (
+        b'{"prompt": "hi", "allowed_token_ids": [913], "bad_words": [" water"]}',
+        "allowed_token_ids",
+        "invalid_value",
+    ),
     **{
         f"unserved chat {name}": (
             json.dumps({"messages": [{"role": "user", "content": "x"}], name: value}).encode(),
@@ -1661,6 +1707,214 @@ def test_vllms_own_defaults_of_unserved_fields_are_served(gw: Gateway) -> None:
     ):
         status, _, data = gw.request("POST", path, {"model": gw.model, "max_tokens": 2, **body})
         assert status == 200, (path, data)
+
+
+# -- vLLM's allowed_token_ids and bad_words ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path):
+    """The served tiny model in HF transformers (float32): the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_next_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """HF's log-softmax over the vocabulary of the token after `ids`."""
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, -1).tolist()
+
+
+def vllm_bad_words_ids(hf_tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words, written out with HF's tokenizer: each word stripped of
+    leading whitespace, then with a leading space where that is another first token and as long."""
+    out = []
+    for word in words:
+        bare = hf_tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = hf_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
+def hf_greedy_under(hf_model, prompt: list[int], num_tokens: int, score) -> list[int]:
+    """Greedy decoding with HF where `score(logprobs, outputs)` gives each candidate's score
+    (None: not allowed); asserts every pick wins by a margin float rounding cannot close."""
+    outputs: list[int] = []
+    for _ in range(num_tokens):
+        logprobs = hf_next_logprobs(hf_model, prompt + outputs)
+        scored = sorted(
+            ((value, t) for t, lp in enumerate(logprobs) if (value := score(t, lp, outputs)) is not None),
+            reverse=True,
+        )
+        assert scored[0][0] - scored[1][0] > 1e-3, (outputs, scored[:2])
+        outputs.append(scored[0][1])
+    return outputs
+
+
+WORDS = [" water", " fire", " the", " and", ".", " bucket", " kin", " passed"]
+PASSED_PROMPT = "The bucket brigade passed"
+
+
+def test_allowed_token_ids_greedy_is_the_argmax_over_them_with_penalties_and_bias(
+    gw: Gateway, hf_tokenizer, hf_model
+) -> None:
+    """Greedy output under allowed_token_ids is, step by step, the best allowed token of HF's
+    logits with the same presence and frequency penalties and logit bias; every token is an
+    allowed one, and its logprob is the raw distribution's (as under a grammar's mask: the
+    engine reports logprobs before bias, penalties and masks)."""
+    prompt = hf_tokenizer.encode(PASSED_PROMPT)
+    allowed = [hf_tokenizer.encode(w)[0] for w in WORDS]
+    assert all(len(hf_tokenizer.encode(w)) == 1 for w in WORDS)
+    bias = {allowed[4]: 0.5}
+    body = {"model": gw.model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 0,
+            "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {str(t): v for t, v in bias.items()},
+            "allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    status, _, data = gw.request("POST", "/v1/completions", body)
+    assert status == 200, data
+    choice = json.loads(data)["choices"][0]
+    got = choice["token_ids"]
+
+    def score(t: int, lp: float, outputs: list[int]) -> float | None:
+        if t not in allowed:
+            return None
+        count = outputs.count(t)
+        return lp + bias.get(t, 0.0) - (1.0 * (count > 0) + 0.5 * count)
+
+    expected = hf_greedy_under(hf_model, prompt, 10, score)
+    assert got == expected and set(got) <= set(allowed)
+    assert len(set(got)) >= 4  # the penalties move it along: not one token over and over
+    free = {key: value for key, value in body.items() if key != "allowed_token_ids"}
+    status, _, data = gw.request("POST", "/v1/completions", free)
+    assert status == 200 and set(json.loads(data)["choices"][0]["token_ids"]) - set(
+        allowed
+    )  # the mask did choose
+    for k, logprob in enumerate(choice["logprobs"]["token_logprobs"]):
+        raw = hf_next_logprobs(hf_model, prompt + got[:k])[got[k]]
+        assert abs(logprob - raw) < 1e-3, (k, logprob, raw)
+
+
+def test_allowed_token_ids_sampled_with_seeds_on_chat(gw: Gateway, hf_tokenizer) -> None:
+    """Sampled chat completions under allowed_token_ids give allowed tokens only, for every seed
+    (which still tell the outputs apart), the same tokens streamed and again with a seed."""
+    api = gw.openai()
+    allowed = [hf_tokenizer.encode(w)[0] for w in WORDS]
+    outputs = {}
+    for seed in range(4):
+        reply = api.chat.completions.create(
+            model=gw.model, messages=CHAT, max_tokens=12, temperature=1.0, seed=seed,
+            extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+        )  # fmt: skip
+        ids = reply.choices[0].token_ids
+        assert ids and set(ids) <= set(allowed), (seed, ids)
+        outputs[seed] = ids
+    assert len({tuple(ids) for ids in outputs.values()}) > 1
+    chunks = list(api.chat.completions.create(
+        model=gw.model, messages=CHAT, max_tokens=12, temperature=1.0, seed=2, stream=True,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    ))  # fmt: skip
+    streamed = [i for c in chunks for ch in c.choices for i in (getattr(ch, "token_ids", None) or [])]
+    assert streamed == outputs[2]
+
+
+def test_allowed_token_ids_with_a_json_schema_satisfy_both(gw: Gateway, hf_tokenizer) -> None:
+    """A json_schema response under allowed_token_ids that leave "n" the digits 0, 1 and 2 only:
+    valid JSON of the schema, written in allowed tokens; and a set that no token the schema
+    starts with is in fails the request, naming allowed_token_ids."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    allowed = [t for t in range(len(hf_tokenizer)) if set(hf_tokenizer.decode([t])) <= set('{}":, 012n')]
+    allowed += [hf_tokenizer.eos_token_id]
+    assert 50 < len(allowed) < 2000
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    for temperature, seed in ((0.0, None), (1.0, 5)):
+        reply = gw.openai().chat.completions.create(
+            model=gw.model, messages=CHAT, max_tokens=40, temperature=temperature, seed=seed,
+            response_format=response_format, extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, schema)
+        assert set(str(value["n"])) <= set("012") and set(choice.token_ids) <= set(allowed)
+    digits = [hf_tokenizer.encode(d)[0] for d in "123"]
+    status, error = gw.error(
+        "/v1/chat/completions",
+        {"model": gw.model, "messages": CHAT, "max_tokens": 10, "response_format": response_format,
+         "allowed_token_ids": digits},
+    )  # fmt: skip
+    assert status == 400 and error["param"] == "allowed_token_ids", error
+    assert "no token is left to sample at output position 0" in error["message"], error
+
+
+def test_bad_words_are_never_generated(gw: Gateway, hf_tokenizer, hf_model) -> None:
+    """Greedy output with bad_words is HF's greedy output where, at each step, the bad words'
+    tokens are banned by vLLM's rule (a one-token word always; a longer word's last token where
+    the output ends with its others), computed here from HF's tokenization. The words are taken
+    from the output without them: a one-token word and a two-token one that it contains."""
+    api = gw.openai()
+    prompt = hf_tokenizer.encode(PASSED_PROMPT)
+    free = api.completions.create(model=gw.model, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]  # fmt: skip
+    assert free.token_ids == hf_greedy_under(hf_model, prompt, 12, lambda t, lp, out: lp)
+    one = hf_tokenizer.decode(free.token_ids[2:3]).strip()  # the output's third token, as a word
+    bad = vllm_bad_words_ids(hf_tokenizer, [one])
+    assert [free.token_ids[2]] in bad
+    # Two tokens the output has side by side, whose text tokenizes back to them (bare or spaced).
+    two = next(
+        text
+        for k in range(len(free.token_ids) - 1)
+        if free.token_ids[k + 1] != free.token_ids[2]
+        and free.token_ids[k : k + 2]
+        in vllm_bad_words_ids(hf_tokenizer, [text := hf_tokenizer.decode(free.token_ids[k : k + 2]).strip()])
+    )
+    for words in ([one], [two], [one, two]):
+        sequences = vllm_bad_words_ids(hf_tokenizer, words)
+
+        def score(t: int, lp: float, out: list[int], sequences=sequences) -> float | None:
+            banned = {
+                w[-1] for w in sequences if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1 :] == w[:-1]
+            }
+            return None if t in banned else lp
+
+        reply = api.completions.create(model=gw.model, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"bad_words": words, "return_token_ids": True, "ignore_eos": True})  # fmt: skip
+        got = reply.choices[0].token_ids
+        assert got == hf_greedy_under(hf_model, prompt, 12, score), words
+        assert got != free.token_ids
+        for word in sequences:
+            assert not any(got[k : k + len(word)] == word for k in range(len(got))), (words, word)
+    # A chat's reply here starts with newlines: the assistant's turn is continued from some text.
+    turns = [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": PASSED_PROMPT}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    chat_free = api.chat.completions.create(model=gw.model, messages=turns, max_tokens=12, temperature=0,
+                                            extra_body=extra).choices[0]  # fmt: skip
+    word = next(text for t in chat_free.token_ids if (text := hf_tokenizer.decode([t]).strip()))
+    chat = api.chat.completions.create(model=gw.model, messages=turns, max_tokens=12, temperature=0,
+                                       extra_body={**extra, "bad_words": [word]}).choices[0]  # fmt: skip
+    banned = {w[0] for w in vllm_bad_words_ids(hf_tokenizer, [word]) if len(w) == 1}
+    assert banned & set(chat_free.token_ids) and not banned & set(chat.token_ids), (word, banned)
+    assert chat.token_ids != chat_free.token_ids
+
+
+def test_bad_allowed_token_ids_and_bad_words_leave_the_engine_serving(gw: Gateway) -> None:
+    """After every refusal above (and one that fails mid-stream), the engine serves as before."""
+    for case in sorted(BAD_BODIES):
+        if case.startswith(("allowed_token_ids", "bad_words", "chat allowed", "chat bad")):
+            body, param, _ = BAD_BODIES[case]
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            status, error = gw.error(path, body)
+            assert status == 400 and error["param"] == param, (case, error)
+    status, _, data = gw.request(
+        "POST", "/v1/completions", {"model": gw.model, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    )
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 3, data
 
 
 def test_a_body_with_a_byte_order_mark_or_in_utf16_is_read(gw: Gateway) -> None:

@@ -93,8 +93,6 @@ def header_seed(value: str | None) -> int | None:
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (None, 1.0),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "logits_processors": (None, []),
     "prompt_embeds": (None,),
     "guided_whitespace_pattern": (None,),
@@ -143,6 +141,9 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "return_prompt_ids": req.return_token_ids,
         "cache_salt": req.cache_salt or "",
+        # vLLM's; the tokenizer stage tokenizes bad_words and checks both (ipc/validation.py)
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": list(req.bad_words or []),
     }
 
 

@@ -118,12 +118,12 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
     logits_processors: Any = None
     prompt_embeds: Any = None
     guided_whitespace_pattern: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cached blocks are shared only under the same salt
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: texts the output never contains
     # Output constraints (ipc/structured_output.py translates and checks them, naming the field).
     response_format: dict[str, Any] | None = None  # OpenAI: json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar
