@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from client import Client
+from services.common.text import Tokenizer
 from tests.harness import assert_clean, brigade_run, free_port, spec_decode_counters
 from tests.test_e2e import gateway_url
 
@@ -99,17 +100,43 @@ def serve_all(
 def test_ngram_speculation_never_changes_a_greedy_output(
     tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> None:
-    plain, plain_counters = serve_all(tmp_path_factory, GREEDY_REQUESTS)
+    tokenizer = Tokenizer(smollm2_dir)
+    # Restating under vLLM's allowed_token_ids (the text's own tokens: proposals are accepted, and
+    # each verified position is masked) and bad_words (proposals are cut where a word's bans
+    # would differ along the span).
+    allowed = sorted({*tokenizer.encode(TEXT), *tokenizer.encode(RESTATE), *tokenizer.eos_token_ids})
+    # Each of these tokenizes with and without a leading space into as many tokens, so that vLLM's
+    # rule bans both forms (" lighthouse" is one token, "lighthouse" two: vLLM bans only the latter).
+    bad_words = ["keeper", "great lamp", "past the rocks"]
+    requests = [
+        *GREEDY_REQUESTS,
+        (RESTATE, {"allowed_token_ids": allowed}),
+        (RESTATE, {"bad_words": bad_words}),
+    ]
+    plain, plain_counters = serve_all(tmp_path_factory, requests)
     speculated, counters = serve_all(
-        tmp_path_factory, GREEDY_REQUESTS, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
+        tmp_path_factory, requests, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
     )
     assert not plain_counters.get("brigade:spec_decode_num_drafts_total")
-    for (prompt, sampling), i in zip(GREEDY_REQUESTS, range(0, 2 * len(GREEDY_REQUESTS), 2), strict=True):
+    for (prompt, sampling), i in zip(requests, range(0, 2 * len(requests), 2), strict=True):
         for stream in (0, 1):
             assert speculated[i + stream] == plain[i + stream], f"{prompt[:40]!r} {sampling} stream={stream}"
     # The stop string ended its request; the structured one follows its schema.
     assert plain[4][2] == "stop" and "logbook" not in plain[4][1]
     jsonschema.validate(json.loads(plain[8][1]), WORDS)
+    assert set(plain[10][0]) <= set(allowed) and len(plain[10][0]) > 10
+    sequences = []  # vLLM's tokenization of the bad words (services/tokenizer/core.py bad_words_ids)
+    for word in bad_words:
+        bare, spaced = tokenizer.encode(word), tokenizer.encode(" " + word)
+        sequences += [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+    def contains(tokens: list[int], ids: list[int]) -> bool:
+        return any(tokens[k : k + len(ids)] == ids for k in range(len(tokens)))
+
+    assert len(sequences) == 6 and any(
+        contains(plain[0][0], ids) for ids in sequences
+    )  # the restatement writes one
+    assert not any(contains(plain[12][0], ids) for ids in sequences) and len(plain[12][0]) > 10
     assert counters["brigade:spec_decode_num_drafts_total"] > 0
     assert counters["brigade:spec_decode_num_draft_tokens_total"] > 0
     assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
