@@ -49,20 +49,23 @@ def serve(
     num_logprobs: int,
     overlap: bool = True,
     on_step: Callable[[Scheduler], None] | None = None,
+    params: dict[str, dict[str, object]] | None = None,
     **config: int,
 ) -> tuple[Scheduler, RunnerExecutor, dict[str, Served]]:
-    """Every prompt greedily to max_tokens (one for all, or by id), added at once; `config`
-    overrides the SchedulerConfig (by default: the runner's block size, pool, max_model_len,
-    window and LongRoPE length)."""
+    """Every prompt greedily to max_tokens (one for all, or by id), added at once, with more
+    sampling parameters by id where `params` has some; `config` overrides the SchedulerConfig (by
+    default: the runner's block size, pool, max_model_len, window, LongRoPE length, vocabulary)."""
     settings = dict(
         max_num_seqs=4, max_num_batched_tokens=256, block_size=runner.block_size,
         num_blocks=runner.num_kv_blocks, max_model_len=runner.max_model_len,
         sliding_window=runner.sliding_window, long_rope_from=runner.long_rope_from,
+        vocab_size=runner.vocab_size,
     )  # fmt: skip
     sched = Scheduler(scheduler_config(**{**settings, **config}))
     for rid, prompt in prompts.items():
         limit = max_tokens if isinstance(max_tokens, int) else max_tokens[rid]
-        req = make_request(rid, prompt, temperature=0.0, max_tokens=limit, logprobs=num_logprobs)
+        more = (params or {}).get(rid, {})
+        req = make_request(rid, prompt, temperature=0.0, max_tokens=limit, logprobs=num_logprobs, **more)
         assert sched.add(req) is None
     executor = RunnerExecutor(runner, runner.block_size)
     pipeline = StepPipeline(sched, executor, on_failed=refuse_nothing, overlap=overlap)

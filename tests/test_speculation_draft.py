@@ -112,9 +112,19 @@ PROMPTS = {
 }
 
 
-def serve_in_process(runner: ModelRunner, **config) -> tuple[object, dict[str, list[int]]]:
+def serve_in_process(
+    runner: ModelRunner, params: dict[str, dict] | None = None, **config
+) -> tuple[object, dict[str, list[int]]]:
     sched, _, outputs = in_process_engine.serve(
-        runner, PROMPTS, 24, 0, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=96, **config
+        runner,
+        PROMPTS,
+        24,
+        0,
+        params=params,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+        **config,
     )
     return sched, {rid: tokens for rid, (tokens, _, _) in outputs.items()}
 
@@ -135,6 +145,40 @@ def test_greedy_outputs_with_the_draft_equal_those_without(pair: tuple[Path, Pat
         assert spec is not None and spec.num_draft_tokens > spec.num_accepted_tokens > 0, num_blocks
         if num_blocks == 12:
             assert sched.num_preemptions > 0
+
+
+def test_allowed_token_ids_and_bad_words_with_the_draft_equal_those_without(
+    pair: tuple[Path, Path], monkeypatch
+) -> None:
+    """vLLM's allowed_token_ids (a mask the draft's places are verified under, position by
+    position, in the real sampler) and bad words (one-token ones: a fixed bias, which drafted
+    rows keep; longer ones: no drafting) give the same tokens with the draft as without, and
+    those are HF's greedy tokens over the allowed ones (the target, step by step)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(Speculation, "acceptance_rate", lambda self, req: 0.9)
+    target, draft = pair
+    _, free = serve_in_process(runner_of(target))
+    allowed = list(range(3, 256, 4))
+    params = {
+        "short": {"allowed_token_ids": allowed},
+        "long": {"bad_words_ids": [[free["long"][3]], [free["long"][6], free["long"][7]]]},
+        "mid": {"allowed_token_ids": allowed, "bad_words_ids": [[allowed[5]]]},
+    }
+    _, plain = serve_in_process(runner_of(target), params)
+    sched, got = serve_in_process(runner_of(target, draft), params, proposer=DraftModelProposer(3))
+    assert got == plain
+    spec = sched.speculation
+    assert spec is not None and spec.num_draft_tokens > 0
+    assert set(got["short"]) <= set(allowed) and set(got["mid"]) <= set(allowed) - {allowed[5]}
+    assert free["long"][3] not in got["long"] and got["long"] != free["long"]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    history = list(PROMPTS["short"])
+    for token in got["short"]:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([history])).logits[0, -1].float()
+        assert token == allowed[int(logits[allowed].argmax())]
+        history.append(token)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
