@@ -548,6 +548,23 @@ def test_allowed_token_ids_that_no_grammar_token_satisfies_fail_that_request_alo
     assert core.table.num_allowed_rows == 0 and core.table.num_grammar_rows == 0
 
 
+def test_allowed_eos_is_held_back_until_min_tokens(model, tokenizer):
+    """Under min_tokens the plan's bias bans eos and the stop ids in the row that allowed_token_ids
+    mask: a worker that takes eos wherever it may still writes min_tokens tokens first (each the
+    other allowed one), then ends on eos; a stop id among the allowed ends a request the same way."""
+    eos = model["eos"][0]
+    core = make_core(model, tokenizer)
+    core.add(request("eos", None, allowed_token_ids=[eos, 7], min_tokens=3, max_tokens=30))
+    core.add(
+        request("stop-id", None, allowed_token_ids=[9, 7], stop_token_ids=[9], min_tokens=2, max_tokens=30)
+    )
+    worker = PreferringWorker(model, {})
+    worker.prefer = {req.seed: [eos] if rid == "eos" else [9] for rid, req in core.requests.items()}
+    got = drive(core, worker)
+    assert got["outputs"]["eos"] == [7, 7, 7, eos] and got["finished"]["eos"] == "stop"
+    assert got["outputs"]["stop-id"] == [7, 7, 9] and got["finished"]["stop-id"] == "stop"
+
+
 def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused_at_admission(model, tokenizer):
     eos = model["eos"][0]
     core = make_core(model, tokenizer)
@@ -584,8 +601,9 @@ def banned_by(bad_words: list[list[int]], outputs: list[int]) -> set[int]:
 
 class PreferringWorker(MaskedWorker):
     """Samples each row's `prefer[seed]` token for its output position (cycling) unless the
-    plan's bias bans it (-inf) or its mask refuses it; then 900 + the position. Records the bans
-    each sampled row's plan gave it."""
+    plan's bias bans it (-inf) or its mask refuses it; then the least token its mask allows and
+    its bias does not ban, or without a mask 900 + the position. Records the bans each sampled
+    row's plan gave it."""
 
     def __init__(self, model: dict, prefer: dict[int, list[int]]) -> None:
         super().__init__(model)
@@ -613,7 +631,12 @@ class PreferringWorker(MaskedWorker):
             )
             self.bans.append((seed, position, banned))
             want = self.prefer[seed][position % len(self.prefer[seed])]
-            sampled[i] = want if want not in banned else 900 + position
+            if want not in banned:
+                sampled[i] = want
+            elif i in masks:
+                sampled[i] = min(set(allowed(masks[i], self.vocab).tolist()) - banned)
+            else:
+                sampled[i] = 900 + position
         self.results.append(
             (
                 ResultHeader(step_id, header.num_seqs),
