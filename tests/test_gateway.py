@@ -45,6 +45,7 @@ from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
 from services.metrics import HttpMetrics
 from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread
+from tests.test_tokenizer_core import vllm_bad_words_ids
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -1728,19 +1729,6 @@ def hf_next_logprobs(hf_model, ids: list[int]) -> list[float]:
     with torch.inference_mode():
         logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
     return torch.log_softmax(logits, -1).tolist()
-
-
-def vllm_bad_words_ids(hf_tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's tokenization of bad words, written out with HF's tokenizer: each word stripped of
-    leading whitespace, then with a leading space where that is another first token and as long."""
-    out = []
-    for word in words:
-        bare = hf_tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = hf_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        out.append(bare)
-        if spaced[0] != bare[0] and len(spaced) == len(bare):
-            out.append(spaced)
-    return out
 
 
 def hf_greedy_under(hf_model, prompt: list[int], num_tokens: int, score) -> list[int]:

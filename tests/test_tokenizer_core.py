@@ -537,6 +537,19 @@ def test_a_client_id_reused_after_its_request_ended_gets_a_new_engine_id(core_fa
     }
 
 
+def vllm_bad_words_ids(hf_tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words, written out with HF's tokenizer: each word stripped of
+    leading whitespace, then with a leading space where that is another first token and as long."""
+    out = []
+    for word in words:
+        bare = hf_tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = hf_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 def test_bad_words_are_tokenized_as_vllm_tokenizes_them(core_factory, smollm2_dir: Path) -> None:
     """Each word, its leading whitespace stripped, as it encodes alone and, where that gives
     another first token and as many tokens, with a leading space: computed here with HF
@@ -545,13 +558,7 @@ def test_bad_words_are_tokenized_as_vllm_tokenizes_them(core_factory, smollm2_di
 
     hf = AutoTokenizer.from_pretrained(smollm2_dir)
     words = ["hello", "  Hello world", "zzz", "<|im_end|>", "\u2603"]
-    expected = []
-    for word in words:
-        bare = hf.encode(word.lstrip(), add_special_tokens=False)
-        spaced = hf.encode(" " + word.lstrip(), add_special_tokens=False)
-        expected.append(bare)
-        if spaced[0] != bare[0] and len(spaced) == len(bare):
-            expected.append(spaced)
+    expected = vllm_bad_words_ids(hf, words)
     assert len(expected) == 9  # "<|im_end|>" once: with a space it is two tokens, not one
     core = core_factory()
     entry = core.admit(b"c", m.Generate("r", prompt="x", params=m.SamplingParams(bad_words=words)))
