@@ -336,7 +336,7 @@ def expected_infill(
     prompt_ids = ids(prompt)
     gap = [token("<fim_prefix>"), *ids(prefix)[-1536:], *prompt_ids, token("<fim_suffix>"),
            *ids(suffix)[: 512 - 2 - len(prompt_ids)], token("<fim_middle>")]  # fmt: skip
-    room = min(FIM_CONTEXT - 2048 - 2 * max(n_predict, 0), FIM_CONTEXT - 1 - len(gap))
+    room = min(FIM_CONTEXT - 2048 - 2 * max(n_predict, 0), FIM_CONTEXT - max(n_predict, 1) - len(gap))
     return [*extra[max(0, len(extra) - room) :], *gap]
 
 
@@ -358,6 +358,8 @@ def test_infill_fills_the_gap_as_a_completion_of_llama_servers_prompt(fim_gw: Ga
             prefix="x = 1\n" * 700, suffix="y = 2\n" * 300, n_predict=8,
             files=[(f"f{k}.py", "z = 3\n" * 300) for k in range(4)],
         ),
+        # Files under the room but over half of it: all of them (a negative cut kept only a tail).
+        "files in the room": dict(prefix="a = 1\n", suffix="", files=[("big.py", "z = 3\n" * 375)]),
     }  # fmt: skip
     for name, case in cases.items():
         case.setdefault("n_predict", 8)
@@ -379,6 +381,33 @@ def test_infill_fills_the_gap_as_a_completion_of_llama_servers_prompt(fim_gw: Ga
         assert status == 200 and events[-1]["stop"], (name, events[-1:])
         assert "".join(e["content"] for e in events) == want["content"], name
     assert len(expected_infill(tokenizer, **cases["cut"])) < FIM_CONTEXT  # the cut case was cut
+
+
+def test_infill_in_a_short_context_leaves_room_to_generate(fim_gw: Gateway) -> None:
+    """Where llama-server's batch of 2048 would overflow the context (a prefix of 3/4 of it and a
+    suffix of 1/4, plus the FIM tokens), the prefix is cut further from its start, then the suffix
+    from its end, so that the prompt leaves room for n_predict tokens (at least one, at most half
+    the context); the prefix kept is the code nearest the gap."""
+    from services.common.text import Tokenizer
+    from services.gateway.llamacpp import LlamaInfillRequest, fim_token_ids, infill_prompt
+
+    tokenizer = Tokenizer(fim_gw.model)
+    fim = fim_token_ids(tokenizer)
+    prefix, suffix = "x = 1\n" * 800, "y = 2\n" * 800
+    prefix_ids, suffix_ids = tokenizer.encode(prefix), tokenizer.encode(suffix)
+    for context, n_predict, reserve in ((512, 16, 16), (2048, -1, 1), (2050, 4000, 1025), (4096, 8, 8)):
+        body = LlamaInfillRequest(input_prefix=prefix, input_suffix=suffix, n_predict=n_predict)
+        ids = infill_prompt(tokenizer, fim, body, context)
+        assert len(ids) <= context - reserve, (context, len(ids))
+        at_prefix, at_suffix, at_middle = (ids.index(fim[role]) for role in ("prefix", "suffix", "middle"))
+        assert at_middle == len(ids) - 1 and (at_prefix == 0) == (
+            context < 4096
+        )  # other files: room only there
+        kept_prefix, kept_suffix = ids[at_prefix + 1 : at_suffix], ids[at_suffix + 1 : at_middle]
+        assert kept_prefix == prefix_ids[len(prefix_ids) - len(kept_prefix) :] and kept_prefix
+        assert kept_suffix == suffix_ids[: len(kept_suffix)]
+        if context == 4096:  # no overflow: llama-server's own cut, 1536 and 510 tokens
+            assert (len(kept_prefix), len(kept_suffix)) == (1536, 510)
 
 
 def test_infill_refusals_are_llama_cpp_errors(gw: Gateway, fim_gw: Gateway) -> None:
@@ -421,7 +450,8 @@ def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
     whose text starts with fewer spaces ends the output, cut where its text starts (llama-server
     keeps the indentation); streamed and not; without it the whole text comes back."""
     body = {"prompt": PROMPT, "grammar": CODE_GRAMMAR, "temperature": 0, "n_predict": 64}
-    assert completion(gw, **body)["content"] == CODE
+    whole = completion(gw, **body)
+    assert whole["content"] == CODE
     for n_indent, want in (
         (4, "if x:\n    y = 1\n  "),
         (2, "if x:\n    y = 1\n  z = 2\n"),
@@ -430,6 +460,9 @@ def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
         reply = completion(gw, **body, n_indent=n_indent)
         assert (reply["content"], reply["stop_type"]) == (want, "limit"), (n_indent, reply)
         assert reply["generation_settings"]["n_indent"] == n_indent
+        # Cut before the engine's last output: the prompt's counts come from its first.
+        assert reply["tokens_evaluated"] == whole["tokens_evaluated"] > 0
+        assert reply["timings"]["prompt_n"] == reply["tokens_evaluated"] - reply["tokens_cached"]
         events = stream(gw, **body, n_indent=n_indent)
         assert "".join(e["content"] for e in events) == want and events[-1]["stop_type"] == "limit"
     assert completion(gw, **body, n_indent=0)["content"] == CODE  # 0: no limit

@@ -259,8 +259,11 @@ class DetokenizerCore:
             top_logprobs=update.top_logprobs[skip : skip + n],
             finish_reason=out.finish_reason,
         )
-        if out.finish_reason is not None:
+        if out.finish_reason is not None or token_index == 0:
+            # The first output's usage says the prompt's size and its prefix-cache hits (what a
+            # reply cut short by the gateway, or a stream's start, has of them); the last's is final.
             delta.usage = Usage(request.prompt_tokens, detok.num_tokens, request.cached_tokens)
+        if out.finish_reason is not None:
             del self._requests[update.request_id]
             self._remember_finished(update.request_id)
         if not n and not out.text and out.finish_reason is None:

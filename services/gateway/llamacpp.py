@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, ClassVar
 
 import msgspec
@@ -128,19 +128,34 @@ def fim_token_ids(tokenizer: Any) -> dict[str, int | None]:
     }
 
 
+def mixed_ids(tokenizer: Any, prompt: str | list[str | int]) -> list[int]:
+    """A text's ids, or a list's: its token ids as they are, its texts encoded in place."""
+    parts = [prompt] if isinstance(prompt, str) else prompt
+    return [i for part in parts for i in (tokenizer.encode(part) if isinstance(part, str) else [part])]
+
+
+def bos_ids(tokenizer: Any) -> list[int]:
+    """[BOS] for a tokenizer that starts a text with it (as llama-server's prompts start), else []."""
+    bos = tokenizer.special_tokens_map.get("bos_token")
+    bos_id = tokenizer.token_to_id(bos) if bos else None
+    return (
+        [bos_id]
+        if bos_id is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos_id]
+        else []
+    )
+
+
 def infill_prompt(
     tokenizer: Any, fim: dict[str, int | None], body: LlamaInfillRequest, context_tokens: int
 ) -> list[int]:
     """The token ids llama-server builds for an /infill: other files (repository-level with the
     repo and file separator tokens, else separated by SNIPPET_SEPARATOR) then
     `<PRE>prefix prompt<SUF>suffix<MID>`, the prefix cut to its last tokens and the suffix to its
-    first as FIM_BATCH_TOKENS allows, the files to their last tokens as the context allows."""
-
-    def ids(text: str | list[str | int]) -> list[int]:
-        parts = [text] if isinstance(text, str) else text
-        return [i for part in parts for i in (tokenizer.encode(part) if isinstance(part, str) else [part])]
-
+    first as FIM_BATCH_TOKENS allows, the files to their last tokens as the context allows. Where
+    llama-server would overflow a short context, the prefix (then the suffix) is cut further so
+    that the prompt leaves room for n_predict tokens (at least one, at most half the context)."""
     assert body.input_prefix is not None and body.input_suffix is not None
+    ids = partial(mixed_ids, tokenizer)
     prefix, suffix, prompt = ids(body.input_prefix), ids(body.input_suffix), ids(body.prompt)
     extra: list[int] = []
     if fim["repo"] is not None:
@@ -156,12 +171,16 @@ def infill_prompt(
     batch = min(FIM_BATCH_TOKENS, context_tokens)
     prefix = prefix[max(0, len(prefix) - 3 * (batch // 4)) :]
     suffix = suffix[: max(0, batch // 4 - (2 + len(prompt)))]
-    start = tokenizer.encode("", add_special_tokens=True)  # BOS, for a model that starts with one
+    start = bos_ids(tokenizer)
+    reserve = min(max(body.n_predict, 1), context_tokens // 2)
+    over = len(start) + 3 + len(prefix) + len(prompt) + len(suffix) + reserve - context_tokens
+    if over > 0:
+        cut = min(over, len(prefix))
+        prefix, suffix = prefix[cut:], suffix[: max(0, len(suffix) - (over - cut))]
     gap = [*start, fim["prefix"], *prefix, *prompt, fim["suffix"], *suffix, fim["middle"]]
-    # The files fill what the context has left after the gap and the reply (with at least one
-    # token to generate, where llama-server would overflow it).
-    room = min(context_tokens - batch - 2 * max(body.n_predict, 0), context_tokens - 1 - len(gap))
-    return [*(extra[len(extra) - room :] if room > 0 else []), *gap]
+    # The files fill what the context has left after the gap and the reply.
+    room = min(context_tokens - batch - 2 * max(body.n_predict, 0), context_tokens - reserve - len(gap))
+    return [*(extra[max(0, len(extra) - room) :] if room > 0 else []), *gap]
 
 
 class AnyTokenizeRequest(p.TokenizeRequest, frozen=True, kw_only=True):
@@ -295,14 +314,8 @@ class LlamaCompletions:
         entries = [prompt_entry(x) for x in prompt] if is_list else [prompt_entry(prompt)]
         if all(isinstance(x, str) for x in entries):
             return entries, len(entries) > 1  # type: ignore[return-value]
-        return await asyncio.to_thread(lambda: [self._ids(x) for x in entries]), len(entries) > 1
-
-    def _ids(self, prompt: str | list[str | int]) -> list[int]:
-        parts = [prompt] if isinstance(prompt, str) else prompt
-        ids: list[int] = []
-        for part in parts:
-            ids.extend(self.gateway.tokenizer.encode(part) if isinstance(part, str) else [part])
-        return ids
+        tokenizer = self.gateway.tokenizer
+        return await asyncio.to_thread(lambda: [mixed_ids(tokenizer, x) for x in entries]), len(entries) > 1
 
     def generation_settings(self, body: LlamaCompletionRequest) -> dict[str, Any]:
         """What the request samples with: its fields, llama.cpp's defaults for those it leaves out."""
