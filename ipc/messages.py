@@ -712,9 +712,12 @@ class AdapterSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class LoadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
     """Scheduler -> worker: check the adapter against the model and keep it in host memory, ready
-    to be copied into a slot (the step header's lora_slots); the worker answers AdapterLoaded."""
+    to be copied into a slot (the step header's lora_slots); the worker answers AdapterLoaded
+    with the same `load_id` (the scheduler's count of its loads), so that a late answer to a load
+    given up on is never taken for a later load of the same name."""
 
     adapter: AdapterSource
+    load_id: int = 0
 
 
 class UnloadAdapter(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: not array_like
@@ -729,6 +732,7 @@ class AdapterLoaded(msgspec.Struct, tag=True, gc=False):  # beside WorkerHello: 
     rank: int
     name: str
     error: str = ""
+    load_id: int = 0  # the LoadAdapter's
 
 
 WorkerInput = Union[WorkerHello, LoadAdapter, UnloadAdapter]

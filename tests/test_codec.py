@@ -150,12 +150,12 @@ EXAMPLES: dict[str, list] = {
             [2],
             adapters=[m.AdapterSource("sql", "/adapters/sql")],
         ),
-        m.LoadAdapter(m.AdapterSource("sql", "/adapters/sql")),
+        m.LoadAdapter(m.AdapterSource("sql", "/adapters/sql"), load_id=3),
         m.UnloadAdapter("sql"),
     ],
     "WORKER_OUTPUT": [
         m.WorkerHello(0, 2, 44, "smol", "float32", "cpu", 512, 16, 49152, 2048, [2]),
-        m.AdapterLoaded(0, "sql", "adapter 'sql': rank 128 is over lora.max_rank (64)"),
+        m.AdapterLoaded(0, "sql", "adapter 'sql': rank 128 is over lora.max_rank (64)", load_id=3),
     ],
     "STEP_HEADER": [
         m.StepHeader(7, 100, 4, 5),

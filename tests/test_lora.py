@@ -582,7 +582,7 @@ def test_adapters_beyond_the_slots_swap_in_from_host_memory(lora_models):
         runner.execute(arrays, msgspec.structs.replace(header, lora_slots=["nope"]))
 
 
-def finished_loads(runner: ModelRunner, timeout_s: float = 60.0) -> list[tuple[str, str]]:
+def finished_loads(runner: ModelRunner, timeout_s: float = 60.0) -> list[tuple[str, int, str]]:
     """The runner's loads whose read is over, once there is one (or none after timeout_s)."""
     deadline = time.monotonic() + timeout_s
     while not (finished := runner.finished_lora_loads()) and time.monotonic() < deadline:
@@ -592,9 +592,9 @@ def finished_loads(runner: ModelRunner, timeout_s: float = 60.0) -> list[tuple[s
 
 def test_an_adapter_loaded_at_run_time_is_read_while_steps_run(lora_models, monkeypatch):
     """A load (POST /v1/load_lora_adapter) reads and checks the adapter's files on the runner's
-    reader thread: steps run, with their adapters, while a read is in flight (here held on an
-    event, as a large adapter's read takes seconds), and the load is answered and serves once it
-    is over. An unload of a name still being read drops that read, unanswered."""
+    own thread: steps run, with their adapters, while a read is in flight (here held on an
+    event, as a large adapter's read would be), and the load is answered, with its load id, and
+    serves once it is over. An unload of a name still being read drops that read, unanswered."""
     base, paths, references = lora_models
     runner = make_runner(base, {"qv-r8": paths["qv-r8"]}, max_loras=2)
     go_on = threading.Event()
@@ -605,7 +605,7 @@ def test_an_adapter_loaded_at_run_time_is_read_while_steps_run(lora_models, monk
         return real_load_adapter(*args, **kwargs)
 
     monkeypatch.setattr(model_runner, "load_adapter", held_load_adapter)
-    runner.start_lora_load(m.AdapterSource("ogd-r4", str(paths["ogd-r4"])))
+    runner.start_lora_load(m.AdapterSource("ogd-r4", str(paths["ogd-r4"])), load_id=7)
     runner.start_lora_load(m.AdapterSource("dropped", str(paths["ogd-r4"])))
     runner.unload_lora("dropped")
     builder = PlanBuilder(BLOCK)
@@ -615,7 +615,7 @@ def test_an_adapter_loaded_at_run_time_is_read_while_steps_run(lora_models, monk
         check_lora_step(runner, builder, references, [(0, histories[0][-1:])], {0: "qv-r8"}, histories)
         assert runner.finished_lora_loads() == [] and "ogd-r4" not in runner.lora_host
     go_on.set()
-    assert finished_loads(runner) == [("ogd-r4", "")] and not runner.lora_reads
+    assert finished_loads(runner) == [("ogd-r4", 7, "")] and not runner.lora_reads
     assert set(runner.lora_host) == {"qv-r8", "ogd-r4"}  # "dropped" never joined
     arrays, header = lora_plan(
         runner, builder, [(1, [5, 6, 7, 8], True)], {1: "ogd-r4"}, slots=["qv-r8", "ogd-r4"]
@@ -623,5 +623,5 @@ def test_an_adapter_loaded_at_run_time_is_read_while_steps_run(lora_models, monk
     expected = reference_logits(references["ogd-r4"], [5, 6, 7, 8])
     torch.testing.assert_close(step_logits(runner, arrays, header)[0], expected, atol=2e-4, rtol=2e-4)
     runner.start_lora_load(m.AdapterSource("bad", str(paths["ogd-r4"].parent / "nowhere")))
-    [(name, refusal)] = finished_loads(runner)
+    [(name, _, refusal)] = finished_loads(runner)
     assert name == "bad" and "nowhere" in refusal  # refused, with the reader's reason

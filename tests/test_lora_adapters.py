@@ -43,6 +43,10 @@ class Harness:
         command = m.AdapterCommand(f"c{len(self.replies)}", op, name, path, wait, inplace)  # type: ignore[arg-type]
         self.adapters.command(m.AdapterRequest(0, command), world_size, workers_up=True)
 
+    def answer(self, rank: int, name: str) -> None:
+        """Worker `rank`'s success for the load of `name` in progress (its load id)."""
+        self.adapters.on_loaded(m.AdapterLoaded(rank, name, load_id=self.adapters.loading[name].load_id))
+
     def last(self) -> tuple[str, str]:
         return self.replies[-1].code, self.replies[-1].message
 
@@ -79,15 +83,15 @@ def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) ->
 def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_reason(tmp_path: Path) -> None:
     h = Harness(tmp_path / "list.json")
     h.command("load", "sql", "/a/sql")
-    assert h.sent == [m.LoadAdapter(m.AdapterSource("sql", "/a/sql"))] and h.replies == []
-    h.adapters.on_loaded(m.AdapterLoaded(0, "sql"))
+    assert h.sent == [m.LoadAdapter(m.AdapterSource("sql", "/a/sql"), 1)] and h.replies == []
+    h.adapters.on_loaded(m.AdapterLoaded(0, "sql", load_id=1))
     assert h.replies == [] and h.adapters.refusal("sql").startswith("unknown LoRA adapter 'sql'")
-    h.adapters.on_loaded(m.AdapterLoaded(1, "sql"))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "sql", load_id=1))
     assert h.last() == ("", "") and h.replies[-1].adapters == {"sql": "/a/sql"}
     assert h.adapters.refusal("sql") == ""
     h.command("load", "bad", "/a/bad")
-    h.adapters.on_loaded(m.AdapterLoaded(0, "bad", "adapter 'bad': rank 128 is over lora.max_rank (64)"))
-    h.adapters.on_loaded(m.AdapterLoaded(1, "bad"))
+    h.adapters.on_loaded(m.AdapterLoaded(0, "bad", "adapter 'bad': rank 128 is over lora.max_rank (64)", 2))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "bad", load_id=2))
     assert h.last() == ("invalid_request", "adapter 'bad': rank 128 is over lora.max_rank (64)")
     assert h.replies[-1].param == "lora_path"  # what the workers found in the adapter's files
     assert h.sent[-1] == m.UnloadAdapter("bad")  # the rank that did load it forgets it
@@ -96,9 +100,18 @@ def test_a_load_serves_once_every_rank_has_it_and_a_refusal_names_the_workers_re
     h.adapters.poll()
     assert h.last()[0] == "unavailable" and "did not answer the load in time" in h.last()[1]
     assert h.sent[-1] == m.UnloadAdapter("late")  # a worker still reading it drops it
+    # Asked again at once: the answers to the load given up on (load 3) are not this one's (4).
+    h.command("load", "late", "/a/late-v2")
+    assert h.sent[-1] == m.LoadAdapter(m.AdapterSource("late", "/a/late-v2"), 4)
+    h.adapters.on_loaded(m.AdapterLoaded(0, "late", load_id=3))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "late", load_id=3))
+    assert h.last()[0] == "unavailable" and h.adapters.refusal("late").startswith("unknown LoRA adapter")
+    h.adapters.on_loaded(m.AdapterLoaded(0, "late", "adapter 'late': no such file", 4))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "late", load_id=4))
+    assert h.last() == ("invalid_request", "adapter 'late': no such file")
     h.command("load", "more", "/a/more")
-    h.adapters.on_loaded(m.AdapterLoaded(0, "more"))
-    h.adapters.on_loaded(m.AdapterLoaded(1, "more"))
+    h.adapters.on_loaded(m.AdapterLoaded(0, "more", load_id=5))
+    h.adapters.on_loaded(m.AdapterLoaded(1, "more", load_id=5))
     h.command("load", "third", "/a/third")
     assert h.last() == (
         "invalid_request",
@@ -120,10 +133,10 @@ def test_load_inplace_replaces_an_adapter_no_request_uses(tmp_path: Path) -> Non
     h.command("load", "sql", "sql-v2", inplace=True)  # a bad request replaces nothing
     assert h.last()[0] == "invalid_request" and h.sent == [] and h.adapters.refusal("sql") == ""
     h.command("load", "sql", "/a/sql-v2", inplace=True)
-    assert h.sent == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("sql", "/a/sql-v2"))]
+    assert h.sent == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("sql", "/a/sql-v2"), 1)]
     assert h.forgotten == ["sql"] and h.adapters.refusal("sql").startswith("unknown LoRA adapter")
     for rank in (0, 1):
-        h.adapters.on_loaded(m.AdapterLoaded(rank, "sql"))
+        h.answer(rank, "sql")
     assert h.last() == ("", "") and h.replies[-1].adapters == {"sql": "/a/sql-v2"}
     # Its requests' prefix-cache blocks are kept apart from the first load's (Request.hash_root).
     assert h.adapters.load_count("sql") == 1 and h.adapters.load_count("never") == 0
@@ -132,7 +145,7 @@ def test_load_inplace_replaces_an_adapter_no_request_uses(tmp_path: Path) -> Non
     )
     assert one.hash_root != two.hash_root
     h.command("load", "new", "/a/new", inplace=True)  # nothing to replace: an ordinary load
-    assert h.sent[-1] == m.LoadAdapter(m.AdapterSource("new", "/a/new"))
+    assert h.sent[-1] == m.LoadAdapter(m.AdapterSource("new", "/a/new"), 2)
 
 
 def test_an_unload_refuses_or_waits_for_the_requests_using_its_adapter(tmp_path: Path) -> None:
@@ -172,18 +185,19 @@ def test_a_reload_that_replaces_an_adapter_in_use_at_full_capacity_loads_the_new
     h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
     h.command("load", "tool", "/a/tool")
     for rank in (0, 1):
-        h.adapters.on_loaded(m.AdapterLoaded(rank, "tool"))
+        h.answer(rank, "tool")
     h.users["sql"] = 1
     num_replies = len(h.replies)
     h.adapters.reload({"sql": "/a/sql"}, {"chat": "/a/chat"}, world_size=2, workers_up=True)
     assert len(h.replies) == num_replies, h.replies[num_replies:]  # nothing refused
-    assert m.LoadAdapter(m.AdapterSource("chat", "/a/chat")) not in h.sent and h.adapters.has_pending
+    assert not any(isinstance(c, m.LoadAdapter) and c.adapter.name == "chat" for c in h.sent)
+    assert h.adapters.has_pending
     h.users["sql"] = 0
     h.adapters.poll()
     assert h.forgotten == ["sql"]
-    assert h.sent[-2:] == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("chat", "/a/chat"))]
+    assert h.sent[-2:] == [m.UnloadAdapter("sql"), m.LoadAdapter(m.AdapterSource("chat", "/a/chat"), 2)]
     for rank in (0, 1):
-        h.adapters.on_loaded(m.AdapterLoaded(rank, "chat"))
+        h.answer(rank, "chat")
     assert h.adapters.loaded == {"tool": "/a/tool", "chat": "/a/chat"} and not h.adapters.has_pending
     # One whose unload gives up (still in use after lora.unload_wait_s) leaves the load to be
     # refused for want of room, as a load without it is: the reply is logged.
@@ -198,7 +212,7 @@ def test_a_reload_that_replaces_an_adapter_in_use_at_full_capacity_loads_the_new
 def test_a_restarted_scheduler_reads_back_the_list(tmp_path: Path) -> None:
     h = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
     h.command("load", "chat", "/a/chat", world_size=1)
-    h.adapters.on_loaded(m.AdapterLoaded(0, "chat"))
+    h.answer(0, "chat")
     h.command("unload", "sql")
     again = Harness(tmp_path / "list.json", static={"sql": "/a/sql"})
     assert again.adapters.loaded == {"chat": "/a/chat"}

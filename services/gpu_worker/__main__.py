@@ -109,10 +109,9 @@ class WorkerProcess(StageProcess):
 
     def on_scheduler(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
         """The scheduler's adapter commands, between steps: they change the adapters in host
-        memory, never a slot (only a step's header does). A load is read on the runner's reader
-        thread while steps go on, and answered here once it is over."""
-        for name, error in runner.finished_lora_loads():
-            scheduler.send(m.AdapterLoaded(self.args.rank, name, error))
+        memory, never a slot (only a step's header does). A load is read on a thread of its own
+        while steps go on, and answered here once it is over, after the commands that came
+        meanwhile (an unload of its name drops it unanswered)."""
         while True:
             try:
                 command = scheduler.recv(0)
@@ -121,11 +120,13 @@ class WorkerProcess(StageProcess):
                 self.log.warning("dropped a malformed scheduler message: %s", exc)
                 continue
             if command is None:
-                return
+                break
             if isinstance(command, m.LoadAdapter):
-                runner.start_lora_load(command.adapter)
+                runner.start_lora_load(command.adapter, command.load_id)
             elif isinstance(command, m.UnloadAdapter):
                 runner.unload_lora(command.name)
+        for name, load_id, error in runner.finished_lora_loads():
+            scheduler.send(m.AdapterLoaded(self.args.rank, name, error, load_id))
 
     def serve_steps(self, runner: ModelRunner, scheduler: DealerSocket) -> None:
         stage, group, rank = self.stage, self.stage.index, self.args.rank

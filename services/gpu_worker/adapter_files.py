@@ -41,9 +41,9 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
 
 def refuse_unless_regular_file(name: str, file: Path) -> None:
     """Refuse an adapter file that is a FIFO, a device or a socket: opening a FIFO no one writes
-    (or reading /dev/zero, a tty...) blocks the worker's reader thread, and every load after it,
-    for good (at the worker's start, the worker itself). A file that cannot be stat'ed is left to
-    the format's reader, whose message says why it cannot be read."""
+    (or reading /dev/zero, a tty...) never returns: at the worker's start it would hold the
+    worker, at run time its load's reader thread. A file that cannot be stat'ed is left to the
+    format's reader, whose message says why it cannot be read."""
     try:
         mode = os.stat(file).st_mode
     except OSError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -156,9 +157,8 @@ class ModelRunner:
         self.num_lora_prefetches = 0
         self._lora_copier = ThreadPoolExecutor(1, "lora-prefetch") if self.lora is not None else None
         # Adapters loaded at run time, read from disk and checked off the step loop (a large
-        # adapter takes seconds, which would stall every running request): name -> its read.
-        self.lora_reads: dict[str, tuple[m.AdapterSource, Future[LoraAdapter | str]]] = {}
-        self._lora_reader = ThreadPoolExecutor(1, "lora-read") if self.lora is not None else None
+        # adapter's read would stall every running request): name -> (source, load id, its read).
+        self.lora_reads: dict[str, tuple[m.AdapterSource, int, Future[LoraAdapter | str]]] = {}
         self._lora_stream = (
             torch.cuda.Stream(self.device) if self.lora is not None and self.device.type == "cuda" else None
         )
@@ -291,22 +291,26 @@ class ModelRunner:
             return LORA_OFF
         return self._keep_lora(source, self._read_lora(source))
 
-    def start_lora_load(self, source: m.AdapterSource) -> None:
-        """Start reading an adapter loaded at run time on the reader thread, while steps run;
+    def start_lora_load(self, source: m.AdapterSource, load_id: int = 0) -> None:
+        """Start reading an adapter loaded at run time, on a thread of its own (a daemon: a read
+        that hangs, a dead network mount, holds up neither later loads nor the worker's exit);
         finished_lora_loads answers it."""
-        if self._lora_reader is None:
-            refused: Future[LoraAdapter | str] = Future()
-            refused.set_result(LORA_OFF)
-            self.lora_reads[source.name] = (source, refused)
+        read: Future[LoraAdapter | str] = Future()
+        if self.lora is None:
+            read.set_result(LORA_OFF)
         else:
-            self.lora_reads[source.name] = (source, self._lora_reader.submit(self._read_lora, source))
+            threading.Thread(
+                target=lambda: read.set_result(self._read_lora(source)), name="lora-read", daemon=True
+            ).start()
+        self.lora_reads[source.name] = (source, load_id, read)
 
-    def finished_lora_loads(self) -> list[tuple[str, str]]:
-        """(name, refusal or "") of each started load whose read is over, the adapter now kept."""
+    def finished_lora_loads(self) -> list[tuple[str, int, str]]:
+        """(name, load id, refusal or "") of each started load whose read is over, the adapter
+        now kept."""
         finished = []
-        for name in [name for name, (_, read) in self.lora_reads.items() if read.done()]:
-            source, read = self.lora_reads.pop(name)
-            finished.append((name, self._keep_lora(source, read.result())))
+        for name in [name for name, (*_, read) in self.lora_reads.items() if read.done()]:
+            source, load_id, read = self.lora_reads.pop(name)
+            finished.append((name, load_id, self._keep_lora(source, read.result())))
         return finished
 
     def _read_lora(self, source: m.AdapterSource) -> LoraAdapter | str:
@@ -337,12 +341,11 @@ class ModelRunner:
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter `name`, and a load of it still being read (the scheduler gave up on it:
-        it is not answered). A slot that holds it keeps its weights until a header swaps another
-        in: a step already published may still name it, for a row aborted since."""
-        pending = self.lora_reads.pop(name, None)
-        if pending is not None:
-            pending[1].cancel()
-            log.info("LoRA adapter %s: its load was dropped before it finished", name)
+        it is not answered; its thread reads on, to no one). A slot that holds it keeps its
+        weights until a header swaps another in: a step already published may still name it, for
+        a row aborted since."""
+        if self.lora_reads.pop(name, None) is not None:
+            log.info("LoRA adapter %s: its load was dropped before it was answered", name)
         if self.lora_host.pop(name, None) is not None:
             log.info("LoRA adapter %s unloaded", name)
 

@@ -34,6 +34,7 @@ RELOAD: ReplyTo = (-1, "lora.adapters reload")  # a hot reload's commands: their
 class PendingLoad:
     reply_to: ReplyTo
     adapter: m.AdapterSource
+    load_id: int  # what the workers' answers must carry: an answer to an earlier load is stale
     waiting: set[int]  # the ranks that have not answered
     deadline: float
     error: str = ""
@@ -74,6 +75,7 @@ class Adapters:
         self.loading: dict[str, PendingLoad] = {}  # by adapter name
         self.unloading: dict[str, PendingUnload] = {}  # by adapter name
         self.num_loads = 0  # loaded at run time, since this scheduler started
+        self.num_load_commands = 0  # LoadAdapters sent: the next one's load_id
         self.loads_of: dict[str, int] = {}  # name -> how many times loaded at run time (0: static)
         # A hot reload's loads that wait for room its unloads (waiting for their requests) will
         # make, with the reload's world size and whether the workers were up.
@@ -187,10 +189,12 @@ class Adapters:
                 return
             self._forget(name)  # then loaded again: a replacement the workers refuse leaves it unloaded
         adapter = m.AdapterSource(name, path)
+        self.num_load_commands += 1
+        load_id = self.num_load_commands
         self.loading[name] = PendingLoad(
-            reply_to, adapter, set(range(world_size)), self.clock() + LOAD_TIMEOUT_S
+            reply_to, adapter, load_id, set(range(world_size)), self.clock() + LOAD_TIMEOUT_S
         )
-        self.to_workers(m.LoadAdapter(adapter))
+        self.to_workers(m.LoadAdapter(adapter, load_id))
 
     def _load_refusal(self, name: str, path: str, replaces: bool = False) -> tuple[str, str]:
         """Why a load is refused, as (the field it is about, or "" for the engine's state; the
@@ -214,9 +218,10 @@ class Adapters:
         return "", ""
 
     def on_loaded(self, answer: m.AdapterLoaded) -> None:
-        """A worker's answer to a load: the adapter serves once every rank has it."""
+        """A worker's answer to a load: the adapter serves once every rank has it. An answer to
+        a load given up on (timed out, then asked again under the same name) is not this one's."""
         pending = self.loading.get(answer.name)
-        if pending is None:
+        if pending is None or pending.load_id != answer.load_id:
             return
         pending.waiting.discard(answer.rank)
         pending.error = pending.error or answer.error
