@@ -236,6 +236,10 @@ def _check_token_ids(name: str, ids: Any, vocab_size: int, max_count: int) -> No
         raise InvalidParams(f"{name} must be a list of token ids, got {type(ids).__name__}")
     if len(ids) > max_count:
         raise InvalidParams(f"{name} has {len(ids)} entries, at most {max_count} are allowed")
+    # Whole lists at C speed (a vocabulary's worth of allowed_token_ids is checked on the
+    # scheduler's loop too); the loop below only finds what is wrong.
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return
     for token_id in ids:
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:
             raise InvalidParams(f"{name} entry {token_id!r} is not a token id in [0, {vocab_size})")

@@ -147,12 +147,15 @@ class Admission:
         assert p.allowed_token_ids is not None
         if not self.state.mask_words:
             raise ValueError("allowed_token_ids: this engine does not know its vocabulary's size")
+        holds_back = p.min_tokens > req.num_output_tokens
+        if not holds_back and (req.bad_words is None or not req.bad_words.always):
+            return  # nothing bans a token at every position (a set of a vocabulary's ids is not free)
         left = set(p.allowed_token_ids)
         if req.bad_words is not None:
             left -= set(req.bad_words.always)
             if not left:
                 raise ValueError("allowed_token_ids: bad_words ban every allowed token")
-        if p.min_tokens > req.num_output_tokens:
+        if holds_back:
             held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.state.eos_token_ids)
             if left <= held:
                 raise ValueError(

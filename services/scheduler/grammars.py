@@ -70,10 +70,9 @@ def matcher_for(req: Request, future: Future[CompiledGrammar]) -> GrammarMatcher
 
 def allowed_mask(token_ids: Sequence[int], words: int) -> np.ndarray:
     """A bitmask row (the grammar matcher's layout) allowing exactly `token_ids`."""
-    ids = np.asarray(token_ids, np.int64)
-    packed = np.zeros(words, np.uint32)
-    np.bitwise_or.at(packed, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
-    return packed.view(np.int32)
+    allowed = np.zeros(32 * words, np.bool_)
+    allowed[np.asarray(token_ids, np.int64)] = True
+    return np.packbits(allowed, bitorder="little").view(np.int32)
 
 
 def _clear(row: np.ndarray, token_ids: Sequence[int]) -> None:
