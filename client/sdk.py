@@ -378,7 +378,7 @@ def chat_message(i: int, message: Any) -> m.ChatMessage:
             for part in message["content"]
         ]
         message = {**message, "content": parts}
-    if isinstance(message, dict) and "reasoning" not in message and "reasoning_content" in message:
+    if isinstance(message, dict) and message.get("reasoning") is None and "reasoning_content" in message:
         message = {**message, "reasoning": message["reasoning_content"]}  # DeepSeek's, llama.cpp's name
     if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
         calls = [

@@ -507,15 +507,19 @@ def served_model_name(config: Config) -> str:
 
 
 MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name: bounded before it reaches an error message
+LORA_OFF = "LoRA adapters are off (lora.max_loras is 0)"  # what a load is told then, wherever it is refused
+# Unicode's control, format (bidi overrides, zero-width), line and paragraph separator categories.
+UNPRINTED_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 
 
 def adapter_name_problem(name: str) -> str:
-    """Why `name` cannot name a LoRA adapter ("" when it can): empty, too long, or with control
-    characters (a newline would split the log lines and status output that name it)."""
+    """Why `name` cannot name a LoRA adapter ("" when it can): empty, too long, or with control,
+    format or separator characters (a newline, U+2028, would split the log lines and status
+    output that name it; a bidi override would make them read otherwise)."""
     if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
         return f"must be a name of 1 to {MAX_ADAPTER_NAME_CHARS} characters"
-    if any(unicodedata.category(char) == "Cc" for char in name):
-        return f"must not contain control characters (newlines, tabs...), got {name!r}"
+    if any(unicodedata.category(char) in UNPRINTED_CATEGORIES for char in name):
+        return f"must not contain control characters (newlines, tabs, bidi overrides...), got {name!r}"
     return ""
 
 

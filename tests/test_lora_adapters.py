@@ -59,9 +59,23 @@ def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) ->
         (
             "a\nb",
             "/a/x",
-            "lora_name must not contain control characters (newlines, tabs...), got 'a\\nb'",
+            "lora_name must not contain control characters (newlines, tabs, bidi overrides...), got 'a\\nb'",
             "lora_name",
         ),
+        (
+            "a\u2028b",
+            "/a/x",
+            "lora_name must not contain control characters (newlines, tabs, bidi overrides...), "
+            "got 'a\\u2028b'",
+            "lora_name",
+        ),  # a line separator
+        (
+            "a\u202eb",
+            "/a/x",
+            "lora_name must not contain control characters (newlines, tabs, bidi overrides...), "
+            "got 'a\\u202eb'",
+            "lora_name",
+        ),  # a right-to-left override
         ("base", "/a/x", "lora_name 'base' is the base model's name", "lora_name"),
         ("sql", "/a/sql", "lora_name 'sql': that LoRA adapter is already loaded", "lora_name"),
         (

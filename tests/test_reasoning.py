@@ -159,6 +159,15 @@ def test_the_chat_reply_names_the_thinking_both_ways_or_leaves_it_out(include: b
     for name in ("reasoning", "reasoning_content"):
         assert "".join(d.get(name, "") for d in deltas) == (want or "")
     assert "".join(d.get("content") or "" for d in deltas) == "Blue."
+    # Token by token: a token of thinking left out is no delta at all (not an empty one).
+    tokens = ["<think>", "the sky", " is blue", "</think>", "Blue."]
+    fmt = ChatFormat("m", None, None, reasoning="qwen3", include_reasoning=include)  # type: ignore[arg-type]
+    chunks = [
+        c
+        for k, t in enumerate(tokens)
+        for c in fmt.chunks(0, Piece(t, [], [], [], "stop" if k == 4 else None), 0)
+    ]
+    assert len(chunks) == (len(tokens) + 1 if include else len(tokens) + 1 - 2), chunks
 
 
 def thought(text: str) -> dict[str, str]:

@@ -692,7 +692,7 @@ def test_bad_words_ban_each_words_last_token_after_its_others(model, tokenizer, 
     assert out == expected and expected.count(900 + 7) == 0 and 900 + 8 in expected  # 21 21 22: 22 banned
     assert got["outputs"]["plain"][:3] == [11, 22, 33]  # another request's bad words are not its own
     assert worker.num_placeholder_rows_constrained == 0
-    assert core.table.num_bad_word_rows == 0 and core.table.num_bias_rows == 0
+    assert core.table.num_bad_word_prefix_rows == 0 and core.table.num_bias_rows == 0
 
 
 def test_a_request_with_multi_token_bad_words_sits_out_steps_planned_ahead(model, tokenizer):

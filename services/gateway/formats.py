@@ -269,13 +269,19 @@ class ChatFormat:
                 )
             content, tool_calls = merge_tool_deltas(items)
             reasoning = (reasoning or "") + "".join(item.get("reasoning_content", "") for item in items)
+        # Thinking left out (include_reasoning false): a delta of nothing else is not sent, unless
+        # it carries what was asked of its tokens (logprobs, ids).
+        left_out = bool(reasoning) and not self.include_reasoning
         reasoning = (reasoning or None) if self.include_reasoning else None
         if self.tool_parser is None:
             content = text if text or (reason is None and not reasoning) else None
         out: list[msgspec.Struct] = []
         opens = self.return_token_ids and piece.prompt_ids is not None
         has_news = bool(content or tool_calls or reasoning or piece.token_ids)
-        if has_news or reason is None or opens:
+        says_nothing = left_out and not (
+            text or tool_calls or self.top_n is not None or self.return_token_ids
+        )
+        if not says_nothing and (has_news or reason is None or opens):
             delta = p.ChatDelta(
                 content=content, tool_calls=tool_calls, reasoning=reasoning, reasoning_content=reasoning
             )

@@ -247,7 +247,7 @@ class Generated:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    lines_checked: int = 0  # where the next line to check for n_indent starts in `text`
+    lines_checked: int = 0  # where the last line n_indent has checked starts in `text` (0: none yet)
 
 
 class LlamaCompletions:

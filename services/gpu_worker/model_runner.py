@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ipc import messages as m
-from ipc.config import MAX_SPECULATIVE_TOKENS
+from ipc.config import LORA_OFF, MAX_SPECULATIVE_TOKENS
 from ipc.embedding_cache import EmbeddingCache
 from ipc.messages import DRAFT_TOKEN, PLACEHOLDER_TOKEN, SlotRef, StepHeader
 from ipc.step_plan import (
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
-LORA_OFF = "LoRA adapters are off (lora.max_loras is 0)"
 DEFAULT_MAX_NUM_SEQS = 1024  # plan-table rows (the scheduler's max_num_seqs) a plan may name
 # The plan arrays of a step's images (ipc/step_plan.py), which come together.
 IMAGE_ARRAYS = (

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from ipc import messages as m
-from ipc.config import adapter_name_problem
+from ipc.config import LORA_OFF, adapter_name_problem
 
 LOAD_TIMEOUT_S = 120.0  # every worker answers a load within this, or it fails (a worker lost meanwhile)
 
@@ -201,7 +201,7 @@ class Adapters:
         message), or ("", "") when it may go ahead; one that `replaces` the loaded adapter of its
         name neither counts that adapter nor finds the name taken."""
         if self.capacity == 0:
-            return "", "LoRA adapters are off (lora.max_loras is 0)"
+            return "", LORA_OFF
         if problem := adapter_name_problem(name):
             return "lora_name", f"lora_name {problem}"
         if name == self.base_model:

@@ -175,7 +175,7 @@ class SteadyDecode:
         caller rather plans synchronously until it leaves. A row with allowed_token_ids alone is
         no reason: its mask is the same at every position."""
         table = self.state.table
-        return not table.history and not table.num_grammar_rows and not table.num_bad_word_rows
+        return not table.history and not table.num_grammar_rows and not table.num_bad_word_prefix_rows
 
     def _may_plan_ahead(self, rows: np.ndarray, known: np.ndarray, limits: np.ndarray) -> np.ndarray:
         """Which of these rows, each with a sample in flight, `known` tokens and its LENGTH_LIMIT,
@@ -194,8 +194,8 @@ class SteadyDecode:
             allowed &= table.needs_history.take(rows) == 0
         if table.num_grammar_rows:
             allowed &= ~table.constrained.take(rows)
-        if table.num_bad_word_rows:
-            allowed &= ~table.bad_words.take(rows)
+        if table.num_bad_word_prefix_rows:
+            allowed &= ~table.bad_word_prefixes.take(rows)
         return allowed
 
     def _recompute_past_short_rope(self) -> None:

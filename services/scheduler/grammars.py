@@ -75,6 +75,12 @@ def allowed_mask(token_ids: Sequence[int], words: int) -> np.ndarray:
     return np.packbits(allowed, bitorder="little").view(np.int32)
 
 
+def is_allowed(mask: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Whether each of `tokens` is allowed by the bitmask row `mask`."""
+    ids = tokens.astype(np.int64)
+    return ((mask.view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(np.bool_)
+
+
 def _clear(row: np.ndarray, token_ids: Sequence[int]) -> None:
     """Disallow `token_ids` in a bitmask row, in place."""
     ids = np.asarray(token_ids, np.int64)

@@ -116,7 +116,7 @@ class PlanTable:
         self.allowed = np.zeros(num_rows, np.bool_)
         # Rows with bad words of several tokens, whose bans depend on the last sampled tokens
         # (Request.bad_words): like penalty and grammar rows, never planned ahead.
-        self.bad_words = np.zeros(num_rows, np.bool_)
+        self.bad_word_prefixes = np.zeros(num_rows, np.bool_)
         # Rows whose tokens rotate with LongRoPE's long factors (Request.is_long_rope).
         self.long_rope = np.zeros(num_rows, np.bool_)
         # Each row's LoRA adapter slot (Request.lora_slot), -1 for none.
@@ -134,7 +134,7 @@ class PlanTable:
         self.num_bias_rows = 0
         self.num_grammar_rows = 0
         self.num_allowed_rows = 0
-        self.num_bad_word_rows = 0
+        self.num_bad_word_prefix_rows = 0
         self.num_long_rope_rows = 0
         self.num_lora_rows = 0
         self.num_rope_delta_rows = 0
@@ -182,8 +182,8 @@ class PlanTable:
             self.allowed[row] = True
             self.num_allowed_rows += 1
         if has_bad_words:
-            self.bad_words[row] = True
-            self.num_bad_word_rows += 1
+            self.bad_word_prefixes[row] = True
+            self.num_bad_word_prefix_rows += 1
         if req.is_long_rope:
             self.long_rope[row] = True
             self.num_long_rope_rows += 1
@@ -221,8 +221,8 @@ class PlanTable:
         self.constrained[req.row] = False
         self.num_allowed_rows -= self.allowed[req.row]
         self.allowed[req.row] = False
-        self.num_bad_word_rows -= self.bad_words[req.row]
-        self.bad_words[req.row] = False
+        self.num_bad_word_prefix_rows -= self.bad_word_prefixes[req.row]
+        self.bad_word_prefixes[req.row] = False
         self.num_long_rope_rows -= self.long_rope[req.row]
         self.long_rope[req.row] = False
         self.num_lora_rows -= self.lora_slots[req.row] >= 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipc.step_plan import MAX_CONSTRAINED_PROPOSALS
+from services.scheduler.grammars import is_allowed
 from services.scheduler.proposers import Proposer
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
@@ -237,7 +238,7 @@ class Speculation:
             proposal = self.proposer.propose(req.all_token_ids, limit)
             if req.allowed_mask is not None and not self.proposer.drafts_in_worker:
                 # A proposal outside allowed_token_ids could never be emitted: nor could those after it.
-                outside = np.flatnonzero(~_is_allowed(req.allowed_mask, proposal))
+                outside = np.flatnonzero(~is_allowed(req.allowed_mask, proposal))
                 proposal = proposal[: outside[0]] if len(outside) else proposal
             if req.grammar is not None:
                 # A proposal the grammar refuses could never be emitted: nor could those after it.
@@ -275,12 +276,6 @@ class Speculation:
         self.tried = self.tried * ACCEPTANCE_DECAY + num_judged
         req.speculation_kept = req.speculation_kept * ACCEPTANCE_DECAY + num_kept
         req.speculation_tried = req.speculation_tried * ACCEPTANCE_DECAY + num_judged
-
-
-def _is_allowed(mask: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Whether each of `tokens` is allowed by the bitmask row `mask`."""
-    ids = tokens.astype(np.int64)
-    return ((mask.view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(np.bool_)
 
 
 def _same_bans(req: Request, proposal: np.ndarray) -> int:
