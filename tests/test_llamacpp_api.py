@@ -288,6 +288,7 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
 
 FIM = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<|file_sep|>"]  # SmolLM2 has <reponame>
 FIM_CONTEXT = 4096  # over llama-server's batch of 2048: room for other files beside the gap
+FIM_MAX_CHARS = 100_000  # tokenizer.max_prompt_chars: the text an /infill may bring
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +312,11 @@ def fim_gw(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
     LlamaForCausalLM(config).save_pretrained(model_dir)
     run_dir, port = tmp_path_factory.mktemp("fim-run"), free_port()
     with brigade_run(
-        run_dir, f"model.path={model_dir}", f"model.max_model_len={FIM_CONTEXT}", f"gateway.port={port}"
+        run_dir,
+        f"model.path={model_dir}",
+        f"model.max_model_len={FIM_CONTEXT}",
+        f"gateway.port={port}",
+        f"tokenizer.max_prompt_chars={FIM_MAX_CHARS}",
     ) as run:
         yield Gateway(run, port, str(model_dir))
     assert_clean(run_dir)
@@ -434,6 +439,15 @@ def test_infill_refusals_are_llama_cpp_errors(gw: Gateway, fim_gw: Gateway) -> N
     ]:
         status, reply = post(fim_gw, "/infill", body)
         assert field in assert_llama_error(status, reply, 400), (body, reply)
+    # Text past tokenizer.max_prompt_chars, counted over the prefix, suffix, prompt and files.
+    files = [{"filename": "a.py", "text": "y" * (FIM_MAX_CHARS // 2)}]
+    status, reply = post(
+        fim_gw,
+        "/infill",
+        {"input_prefix": "x" * (FIM_MAX_CHARS // 2), "input_suffix": "", "input_extra": files},
+    )
+    message = assert_llama_error(status, reply, 400, "exceed_context_size_error")
+    assert message.startswith(f"prompt: {FIM_MAX_CHARS + 4} characters in the code and the files"), message
     status, reply = post(
         fim_gw, "/infill", {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 2}
     )

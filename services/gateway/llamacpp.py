@@ -28,8 +28,17 @@ from starlette.responses import Response
 
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
+from ipc.validation import check_prompt_chars
 from services.gateway import protocol as p
-from services.gateway.app import BRIGADE_VERSION, JSON, ChatToRender, Feed, Gateway, embedding_inputs
+from services.gateway.app import (
+    BRIGADE_VERSION,
+    JSON,
+    ChatToRender,
+    Feed,
+    Gateway,
+    budget_errors,
+    embedding_inputs,
+)
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
@@ -277,6 +286,14 @@ class LlamaCompletions:
         for name in ("input_prefix", "input_suffix"):
             if getattr(body, name) is None:
                 raise invalid(f'"{name}" is required', name, "missing_required_parameter")
+        texts = [body.input_prefix, body.input_suffix, body.prompt]
+        texts += [text for chunk in body.input_extra for text in (chunk.filename, chunk.text)]
+        num_chars = sum(len(part) for text in texts for part in ([text] if isinstance(text, str) else text)
+                        if isinstance(part, str))  # fmt: skip
+        with budget_errors("input_prefix"):  # the budget of every text the gateway encodes
+            check_prompt_chars(
+                num_chars, gw.settings.max_prompt_chars, " in the code and the files around the gap"
+            )
         context = gw.settings.max_model_len
         ids = await asyncio.to_thread(infill_prompt, gw.tokenizer, fim, body, context)
         return self.complete(request, body, [ids], False)
