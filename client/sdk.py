@@ -284,6 +284,10 @@ def make_params(sampling: dict[str, Any]) -> m.SamplingParams:
     # None is the field's default, as JSON null is to the gateway (adapter=None: the base model).
     sampling = {name: value for name, value in sampling.items() if value is not None}
     _structured(sampling)
+    # A whole SamplingParams' fields (asdict of one) carry the tokenizer's at their default: empty.
+    for name in _TOKENIZER_FIELDS & sampling.keys():
+        if sampling.pop(name):
+            raise InvalidRequest(f"{name} are the tokenizer's to make from bad_words: give bad_words")
     unknown = sorted(set(sampling) - _PARAM_TYPES.keys())
     if unknown:
         raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}")

@@ -718,7 +718,7 @@ def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None
         ({"allowed_token_ids": 5}, "allowed_token_ids"),
         ({"bad_words": "word"}, "bad_words"),
         ({"bad_words": [3]}, "bad_words"),
-        ({"bad_words_ids": [[5]]}, "unknown sampling parameter.*bad_words_ids"),  # the tokenizer's to make
+        ({"bad_words_ids": [[5]]}, "^bad_words_ids are the tokenizer's to make from bad_words"),
     ],
 )
 def test_wrongly_typed_arguments_are_refused_before_sending(fakes, kwargs: dict, field: str) -> None:
