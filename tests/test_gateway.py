@@ -1593,6 +1593,11 @@ BAD_BODIES = {
         "prompt_logprobs",
         "invalid_value",
     ),
+    "beam search prompt over max_model_len": (
+        json.dumps({"prompt": [5] * MAX_MODEL_LEN, "use_beam_search": True}).encode(),
+        "prompt",
+        "context_length_exceeded",
+    ),
     "prompt_logprobs with stream": (
         b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}',
         "prompt_logprobs",
@@ -1602,11 +1607,75 @@ BAD_BODIES = {
     **{
         f"unserved {name}": (json.dumps({"prompt": "hi", name: value}).encode(), name, "invalid_value")
         for name, value in (
-            ("use_beam_search", True),
-            ("length_penalty", 0.5),
             ("logits_processors", ["x"]),
             ("prompt_embeds", "AAAA"),
             ("guided_whitespace_pattern", " *"),
+        )
+    },
+    # vLLM's beam search: a width past what the engine's logprobs can rank, a bad length_penalty,
+    # and each field that beams cannot honour, refused by name rather than ignored
+    **{
+        f"beam search {case}": (json.dumps({"prompt": "hi", **body}).encode(), param, "invalid_value")
+        for case, body, param in (
+            ("wider than 2 x n logprobs allow", {"use_beam_search": True, "n": 11}, "n"),
+            ("length_penalty without it", {"length_penalty": 0.5}, "length_penalty"),
+            (
+                "length_penalty out of range",
+                {"use_beam_search": True, "length_penalty": 1e3},
+                "length_penalty",
+            ),
+            ("max_tokens 0", {"use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+            *(
+                (f"with {name}", {"use_beam_search": True, name: value}, name)
+                for name, value in (
+                    ("stream", True),
+                    ("stop", ["."]),
+                    ("stop_token_ids", [5]),
+                    ("min_tokens", 2),
+                    ("logit_bias", {"5": 1.0}),
+                    ("frequency_penalty", 0.5),
+                    ("repetition_penalty", 1.2),
+                    ("allowed_token_ids", [5, 6]),
+                    ("bad_words", ["water"]),
+                    ("response_format", {"type": "json_object"}),
+                    ("echo", True),
+                    ("prompt_logprobs", 1),
+                )
+            ),
+        )
+    },
+    **{
+        f"chat beam search {case}": (
+            json.dumps({"messages": messages, "use_beam_search": True, **body}).encode(),
+            param,
+            "invalid_value",
+        )
+        for case, messages, body, param in (
+            (
+                "with tools",
+                [{"role": "user", "content": "x"}],
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                "tools",
+            ),
+            (
+                "with max_completion_tokens 0",
+                [{"role": "user", "content": "x"}],
+                {"max_completion_tokens": 0},
+                "max_completion_tokens",
+            ),
+            (
+                "with an image",
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+                        ],
+                    }
+                ],
+                {},
+                "messages",
+            ),
         )
     },
     # vLLM's allowed_token_ids and bad_words, served: a bad one is refused naming it (the gateway's
