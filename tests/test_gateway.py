@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import http.client
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -1593,6 +1594,11 @@ BAD_BODIES = {
         "prompt_logprobs",
         "invalid_value",
     ),
+    "beam search prompt over max_model_len": (
+        json.dumps({"prompt": [5] * MAX_MODEL_LEN, "use_beam_search": True}).encode(),
+        "prompt",
+        "context_length_exceeded",
+    ),
     "prompt_logprobs with stream": (
         b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}',
         "prompt_logprobs",
@@ -1602,11 +1608,75 @@ BAD_BODIES = {
     **{
         f"unserved {name}": (json.dumps({"prompt": "hi", name: value}).encode(), name, "invalid_value")
         for name, value in (
-            ("use_beam_search", True),
-            ("length_penalty", 0.5),
             ("logits_processors", ["x"]),
             ("prompt_embeds", "AAAA"),
             ("guided_whitespace_pattern", " *"),
+        )
+    },
+    # vLLM's beam search: a width past what the engine's logprobs can rank, a bad length_penalty,
+    # and each field that beams cannot honour, refused by name rather than ignored
+    **{
+        f"beam search {case}": (json.dumps({"prompt": "hi", **body}).encode(), param, "invalid_value")
+        for case, body, param in (
+            ("wider than 2 x n logprobs allow", {"use_beam_search": True, "n": 11}, "n"),
+            ("length_penalty without it", {"length_penalty": 0.5}, "length_penalty"),
+            (
+                "length_penalty out of range",
+                {"use_beam_search": True, "length_penalty": 1e3},
+                "length_penalty",
+            ),
+            ("max_tokens 0", {"use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+            *(
+                (f"with {name}", {"use_beam_search": True, name: value}, name)
+                for name, value in (
+                    ("stream", True),
+                    ("stop", ["."]),
+                    ("stop_token_ids", [5]),
+                    ("min_tokens", 2),
+                    ("logit_bias", {"5": 1.0}),
+                    ("frequency_penalty", 0.5),
+                    ("repetition_penalty", 1.2),
+                    ("allowed_token_ids", [5, 6]),
+                    ("bad_words", ["water"]),
+                    ("response_format", {"type": "json_object"}),
+                    ("echo", True),
+                    ("prompt_logprobs", 1),
+                )
+            ),
+        )
+    },
+    **{
+        f"chat beam search {case}": (
+            json.dumps({"messages": messages, "use_beam_search": True, **body}).encode(),
+            param,
+            "invalid_value",
+        )
+        for case, messages, body, param in (
+            (
+                "with tools",
+                [{"role": "user", "content": "x"}],
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                "tools",
+            ),
+            (
+                "with max_completion_tokens 0",
+                [{"role": "user", "content": "x"}],
+                {"max_completion_tokens": 0},
+                "max_completion_tokens",
+            ),
+            (
+                "with an image",
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+                        ],
+                    }
+                ],
+                {},
+                "messages",
+            ),
         )
     },
     # vLLM's allowed_token_ids and bad_words, served: a bad one is refused naming it (the gateway's
@@ -2232,6 +2302,185 @@ def test_bad_headers_and_oversized_bodies_never_crash_a_replica(gw: Gateway) -> 
     assert gw.request("GET", "/health")[0] == 200
 
 
+# -- vLLM's beam search ----------------------------------------------------------------------
+
+BEAM_TIE = 1e-3  # candidates' scores closer than this may be ordered differently by HF and the engine
+EOS = 2  # the tiny model's (and SmolLM2's <|im_end|>)
+
+
+def hf_beam_search(
+    hf_model,
+    prompt: list[int],
+    width: int,
+    max_tokens: int,
+    length_penalty: float = 1.0,
+    ignore_eos: bool = False,
+) -> tuple[list[tuple[list[int], float, str]], bool]:
+    """vLLM's beam search written out over HF's logits: each step, every live beam's top 2 x
+    width tokens are its candidates; one ending in eos (unless ignore_eos) is complete, the rest
+    keep the best `width` by cumulative logprob; at the end complete and live beams are ranked by
+    cumulative / (prompt + output tokens, less a last eos) ** length_penalty. Returns the best
+    `width` as (tokens, cumulative logprob, finish_reason), and whether some cut along the way
+    fell between two candidates closer than BEAM_TIE (where the engine may choose otherwise)."""
+    import torch
+
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float, str]] = []
+    is_near_tie = False
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cumulative in live:
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            values, ids = torch.log_softmax(logits, -1).topk(2 * width + 1)
+            # Which tokens are candidates matters only where eos is about to be in or out of them:
+            # no token past a beam's top 2 x width could make the live cut.
+            if EOS in ids[-2:].tolist() and not ignore_eos:
+                is_near_tie |= float(values[-2] - values[-1]) < BEAM_TIE
+            for logprob, token in zip(values[: 2 * width].tolist(), ids[: 2 * width].tolist(), strict=True):
+                if token == EOS and not ignore_eos:
+                    done.append(([*tokens, token], cumulative + logprob, "stop"))
+                else:
+                    candidates.append((cumulative + logprob, [*tokens, token]))
+        candidates.sort(key=lambda c: -c[0])
+        if len(candidates) > width:
+            is_near_tie |= candidates[width - 1][0] - candidates[width][0] < BEAM_TIE
+        live = [(tokens, cumulative) for cumulative, tokens in candidates[:width]]
+        if not live:
+            break
+    ranked = sorted(
+        done + [(tokens, cumulative, "length") for tokens, cumulative in live],
+        key=lambda b: -beam_score(len(prompt), b[0], b[1], length_penalty),
+    )
+    scores = [beam_score(len(prompt), tokens, cumulative, length_penalty) for tokens, cumulative, _ in ranked]
+    if len(ranked) > width:
+        is_near_tie |= scores[width - 1] - scores[width] < BEAM_TIE
+    return ranked[:width], is_near_tie
+
+
+def beam_score(num_prompt: int, tokens: list[int], cumulative: float, length_penalty: float) -> float:
+    seq_len = num_prompt + len(tokens) - (1 if tokens and tokens[-1] == EOS else 0)
+    return cumulative / seq_len**length_penalty
+
+
+def hf_cumulative(hf_model, prompt: list[int], tokens: list[int]) -> float:
+    """The sum of HF's logprobs of `tokens` after `prompt` (teacher forcing)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+    return float(logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
+
+
+def check_beams(
+    hf_model, hf_tokenizer, choices: list[dict], prompt: list[int], max_tokens: int, length_penalty: float = 1.0,
+    ignore_eos: bool = False,
+) -> list[list[int]]:  # fmt: skip
+    """One prompt's beam search choices (token ids and logprobs asked) against HF's: the same
+    beams, best first, where no near-tie could reorder them; else each beam's cumulative logprob
+    is HF's for its tokens, the beams are ranked by their scores, and the best is as good as
+    HF's best. The choices' token ids."""
+    width = len(choices)
+    want, is_near_tie = hf_beam_search(hf_model, prompt, width, max_tokens, length_penalty, ignore_eos)
+    got = [choice["token_ids"] for choice in choices]
+    cumulative = [sum(choice["logprobs"]["token_logprobs"]) for choice in choices]
+    for choice, tokens, total in zip(choices, got, cumulative, strict=True):
+        assert choice["text"] == hf_tokenizer.decode(tokens, skip_special_tokens=True)
+        assert len(choice["logprobs"]["token_logprobs"]) == len(tokens) <= max_tokens
+        assert abs(total - hf_cumulative(hf_model, prompt, tokens)) < 1e-3, (tokens, total)
+        ends_in_eos = tokens[-1] == EOS and not ignore_eos
+        assert choice["finish_reason"] == ("stop" if ends_in_eos else "length"), choice
+    scores = [beam_score(len(prompt), t, c, length_penalty) for t, c in zip(got, cumulative, strict=True)]
+    assert all(a >= b - 1e-4 for a, b in itertools.pairwise(scores)), scores
+    if is_near_tie:
+        assert scores[0] >= beam_score(len(prompt), want[0][0], want[0][1], length_penalty) - BEAM_TIE
+    else:
+        assert got == [tokens for tokens, _, _ in want]
+        assert [c["finish_reason"] for c in choices] == [reason for _, _, reason in want]
+        for total, (_, hf_total, _) in zip(cumulative, want, strict=True):
+            assert abs(total - hf_total) < 1e-3
+    return got
+
+
+def beam_reply(api: openai.OpenAI, **kwargs) -> dict:
+    extra = kwargs.pop("extra_body", {})
+    reply = api.completions.create(
+        logprobs=1, extra_body={"use_beam_search": True, "return_token_ids": True, **extra}, **kwargs
+    )
+    return reply.model_dump()
+
+
+def test_beam_search_returns_hf_transformers_beams_best_first(gw: Gateway, hf_tokenizer, hf_model) -> None:
+    """use_beam_search on /v1/completions: n beams per prompt, as vLLM's beam search finds them over
+    the same weights in HF transformers (texts, token ids, cumulative logprobs, finish reasons);
+    prompts counted once each and every returned beam's tokens in the usage."""
+    api = gw.openai()
+    prompts = [hf_tokenizer.encode(PASSED_PROMPT), hf_tokenizer.encode("Once upon a time")]
+    reply = beam_reply(api, model=gw.model, prompt=prompts, n=3, max_tokens=4)
+    choices = reply["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    assert [choices[0]["prompt_token_ids"], choices[3]["prompt_token_ids"]] == prompts
+    outputs = [check_beams(hf_model, hf_tokenizer, choices[3 * k : 3 * k + 3], prompts[k], 4) for k in (0, 1)]
+    assert len({tuple(t) for t in outputs[0]}) == 3  # n distinct beams
+    assert reply["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])
+    assert reply["usage"]["completion_tokens"] == sum(len(t) for beams in outputs for t in beams)
+    # One beam, no eos in reach: greedy decoding, as a temperature-0 request gives it.
+    one = beam_reply(api, model=gw.model, prompt="Once upon a time", n=1, max_tokens=4)
+    greedy = api.completions.create(
+        model=gw.model,
+        prompt="Once upon a time",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert one["choices"][0]["token_ids"] == greedy.choices[0].token_ids
+    check_beams(hf_model, hf_tokenizer, one["choices"], prompts[1], 4)
+
+
+def test_beam_search_eos_ignore_eos_and_length_penalty(gw: Gateway, hf_tokenizer, hf_model) -> None:
+    """A prompt ending in eos makes eos the likeliest next token of the tiny model: that beam is
+    complete at once ("stop", its eos in token_ids, not in the text). length_penalty decides
+    whether it outranks the longer beams (vLLM's score); with ignore_eos eos is a token as any."""
+    api = gw.openai()
+    prompt = [*hf_tokenizer.encode(PASSED_PROMPT), EOS]
+    body = {"model": gw.model, "prompt": prompt, "n": 2, "max_tokens": 3}
+    rankings = {}
+    for penalty in (1.0, 3.0):
+        reply = beam_reply(api, **body, extra_body={"length_penalty": penalty})
+        rankings[penalty] = check_beams(hf_model, hf_tokenizer, reply["choices"], prompt, 3, penalty)
+    assert rankings[1.0][0] == [EOS]  # the complete beam first: its score counts only the prompt's length
+    assert [EOS] not in rankings[3.0]  # the longer beams win, their length raised to the third
+    reply = beam_reply(api, **body, extra_body={"ignore_eos": True, "length_penalty": 0.0})
+    ignored = check_beams(hf_model, hf_tokenizer, reply["choices"], prompt, 3, 0.0, ignore_eos=True)
+    assert ignored[1] == [EOS] * 3 and reply["choices"][1]["text"] == ""  # eos after eos: "length"
+
+
+def test_beam_search_on_chat_and_at_max_model_len(gw: Gateway, hf_tokenizer, hf_model) -> None:
+    """A chat's beams (its prompt rendered once, by the tokenizer stage); a beam that reaches
+    max_model_len ends there with "length", before max_tokens."""
+    api = gw.openai()
+    reply = api.chat.completions.create(
+        model=gw.model, messages=CHAT, n=2, max_tokens=3, logprobs=True, top_logprobs=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True},
+    ).model_dump()  # fmt: skip
+    prompt = reply["prompt_token_ids"]
+    assert all(len(x["top_logprobs"]) == 2 for c in reply["choices"] for x in c["logprobs"]["content"])
+    as_completions = [
+        {"token_ids": c["token_ids"], "text": c["message"]["content"], "finish_reason": c["finish_reason"],
+         "logprobs": {"token_logprobs": [x["logprob"] for x in c["logprobs"]["content"]]}}
+        for c in reply["choices"]
+    ]  # fmt: skip
+    outputs = check_beams(hf_model, hf_tokenizer, as_completions, prompt, 3)
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+    assert reply["usage"]["completion_tokens"] == sum(map(len, outputs))
+
+    long_prompt = hf_tokenizer.encode(" bucket" * (MAX_MODEL_LEN - 2))[: MAX_MODEL_LEN - 2]
+    reply = beam_reply(api, model=gw.model, prompt=long_prompt, n=2, max_tokens=10)
+    assert [c["finish_reason"] for c in reply["choices"]] == ["length", "length"]
+    assert [len(c["token_ids"]) for c in reply["choices"]] == [2, 2]
+
+
 # -- hostile input: every request gets an answer, and none can stall the others (issue #29) -------
 
 
@@ -2776,6 +3025,50 @@ def test_a_client_that_drops_is_aborted_and_its_kv_freed(gw: Gateway, stream: bo
     while abort_count(gw) < aborts + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert abort_count(gw) >= aborts + 1, f"not aborted (KV freed {freed_after:.1f}s after the drop)"
+
+
+def finished_count(gw: Gateway) -> float:
+    """The requests the tokenizers saw finish, for any reason."""
+    metrics = gw.request("GET", "/metrics")[2].decode()
+    return sum(float(v) for v in re.findall(r"^brigade:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+def test_a_beam_search_whose_client_drops_sends_no_more_steps(gw: Gateway) -> None:
+    """A beam search is many one-token requests, one per beam a step: a client that goes away
+    mid-search stops it (a 499), and no step is sent after (an orphan search would go on to
+    max_tokens with nobody to answer)."""
+    assert wait_idle(gw.run) == (0, 0.0)
+    path = "/v1/completions"
+    gone = http_requests_count(gw, path, 499)
+    started = finished_count(gw)
+    body = json.dumps(
+        {"model": gw.model, "prompt": "Count: 1 2 3", "max_tokens": MAX_MODEL_LEN - 16, "n": 4,
+         "use_beam_search": True, "ignore_eos": True}
+    ).encode()  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=HTTP_TIMEOUT_S)
+    conn.request("POST", path, body, {"authorization": f"Bearer {CONFIG_KEY}"})
+    deadline = time.monotonic() + 60
+    while finished_count(gw) < started + 12:  # a few steps of 4 beams are done
+        assert time.monotonic() < deadline, "the search never stepped"
+        time.sleep(0.05)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    # Steps come back to back (each a few ms here): a search going on would finish more every
+    # half second, for many seconds (max_tokens of them).
+    stop_by = time.monotonic() + 3.0
+    last = finished_count(gw)
+    while True:
+        time.sleep(0.5)
+        now = finished_count(gw)
+        if now == last:
+            break
+        assert time.monotonic() < stop_by, "steps were still sent seconds after the client left"
+        last = now
+    deadline = time.monotonic() + 10
+    while http_requests_count(gw, path, 499) == gone:
+        assert time.monotonic() < deadline, "the drop was not noticed"
+        time.sleep(0.05)
+    assert wait_idle(gw.run) == (0, 0.0)
 
 
 # -- gateway crashes --------------------------------------------------------------------------

@@ -103,6 +103,8 @@ async def control_loop(
         elif isinstance(command, m.TopologyChanged):
             # Tokenizer replicas a hot reload added: run.json lists them once they are up.
             gateway.client.add_replicas(read_run_info(stage.run_dir).tokenizers)
+        elif isinstance(command, m.Reconfigure):
+            gateway.settings.default_max_tokens = command.default_max_tokens
         load = m.StageLoad(num_in_flight=gateway.num_in_flight)
         control.heartbeat(gateway.num_responses, has_work=False, load=load)
         gateway.settings.key_failures.flush()
@@ -134,6 +136,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         max_prompt_chars=stage.config.tokenizer.max_prompt_chars,
         max_messages=stage.config.tokenizer.max_messages,
         template_timeout_s=stage.config.tokenizer.template_timeout_s,
+        default_max_tokens=stage.config.tokenizer.default_max_tokens,
         body_timeout_s=config.body_timeout_s,
         responses_max_stored=config.responses_max_stored,
         responses_max_age_s=config.responses_max_age_s,

@@ -67,6 +67,7 @@ from services.common.tools_prompt import (
 )
 from services.gateway import protocol as p
 from services.gateway.access_log import AccessLog, AccessRecord, access_record, key_id
+from services.gateway.beam_search import beam_search_feed
 from services.gateway.connection import client_cert_name
 from services.gateway.errors import RETRY_AFTER_S, ApiError, from_decode_error, from_engine, invalid
 from services.gateway.formats import ChatFormat, ChoiceOutput, CompletionFormat, Piece, TokenNames, usage_out
@@ -143,6 +144,9 @@ class GatewaySettings:
     max_image_bytes: int = 10 << 20
     # encoder.max_image_pixels: /tokenize sizes an image from its header, refused over this limit.
     max_image_pixels: int = 40_000_000
+    # tokenizer.default_max_tokens (hot-reloadable: a Reconfigure updates it): how far a chat's beam
+    # search without max_tokens goes, as far as the tokenizer lets a sampled chat reply go.
+    default_max_tokens: int = 256
 
 
 def json_response(
@@ -697,7 +701,7 @@ class Gateway:
 
         async def work(send: Send) -> None:
             timer = RequestTimer(self.metrics)
-            feed = observed_choices(run_jobs(self.client, plan.jobs), plan, self.choices_metrics)
+            feed = observed_choices(self.choices(plan), plan, self.choices_metrics)
             record = access_record(request.scope)
             if record is not None:
                 feed = metered(feed, plan, record)
@@ -754,6 +758,14 @@ class Gateway:
                 self.count(path, status)
 
         return WatchedResponse(work)
+
+    def choices(self, plan: Plan) -> Feed:
+        """The plan's choices as they come: its jobs' samples, or the beams of its beam search."""
+        if plan.beam is None:
+            return run_jobs(self.client, plan.jobs)
+        settings = self.settings
+        return beam_search_feed(self.client, plan.jobs, plan.beam, self.tokenizer, settings.max_model_len,
+                                settings.default_max_tokens)  # fmt: skip
 
     async def collect(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
                       plan: Plan, fmt: ChatFormat | CompletionFormat, timer: Any) -> msgspec.Struct:  # fmt: skip

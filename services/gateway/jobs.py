@@ -29,6 +29,7 @@ from ipc.structured_output import (
 )
 from ipc.validation import MAX_LOGPROBS, InvalidParams
 from services.common.grammar_compiler import GrammarError, check_constraint
+from services.gateway.beam_search import BeamSearch, beam_search_of
 from services.gateway.errors import ApiError, invalid
 from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
 
@@ -71,6 +72,8 @@ class Plan:
     # chat with continue_final_message: the assistant's text that the reply continues, which the
     # reasoning parser reads as already written
     prefill: str | None = None
+    # vLLM's use_beam_search: the jobs' choices are the search's beams (beam_search.py), not samples
+    beam: BeamSearch | None = None
 
 
 def header_seed(value: str | None) -> int | None:
@@ -91,8 +94,6 @@ def header_seed(value: str | None) -> int | None:
 # else, each would change what the request returns, so it is refused by name rather than ignored
 # as unknown fields are.
 UNSERVED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (None, 1.0),
     "logits_processors": (None, []),
     "prompt_embeds": (None,),
     "guided_whitespace_pattern": (None,),
@@ -373,7 +374,19 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
         sampling["continue_final_message"] = True
     if not req.add_generation_prompt:
         sampling["add_generation_prompt"] = False
+    beam = beam_search_of(
+        req,
+        max_tokens=max_tokens,
+        max_tokens_field="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+        top_n=top_n,
+        constrained_by=constrained_by,
+    )
+    if beam is not None and any(isinstance(message["content"], list) for message in messages):
+        # Every step after the first sends the prompt's token ids, which carry no image.
+        raise invalid("images are not supported with use_beam_search", "messages")
     seed = _seed(req, sampling, resumed_seed)
+    if beam is not None:
+        seed = None  # a search samples nothing: no seed to send back
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", "structured": constrained_by or "structured"}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
@@ -390,6 +403,7 @@ def plan_chat(req: ChatCompletionRequest, resumed_seed: int | None) -> Plan:
         _call_id_base(req, seed),
         req.prompt_logprobs,
         prefill=_text_of(messages[-1]["content"]) if req.continue_final_message else None,
+        beam=beam,
     )
 
 
@@ -436,7 +450,16 @@ def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:
     if structured is not None:
         sampling["structured"] = structured
     aliases["structured"] = constrained_by or "structured"
+    beam = beam_search_of(
+        req,
+        max_tokens=req.max_tokens,
+        max_tokens_field="max_tokens",
+        top_n=top_n,
+        constrained_by=constrained_by,
+    )
     seed = _seed(req, sampling, resumed_seed)
+    if beam is not None:
+        seed = None  # a search samples nothing: no seed to send back
     jobs = _jobs([(p, None) for p in prompts], req.n, sampling, seed)
     return Plan(
         jobs,
@@ -446,4 +469,5 @@ def plan_completion(req: CompletionRequest, resumed_seed: int | None) -> Plan:
         prompt_logprobs=req.prompt_logprobs,
         echo=req.echo,
         is_prompt_only=is_prompt_only,
+        beam=beam,
     )
