@@ -56,77 +56,127 @@ SAMPLED_REQUESTS = [
     ),
 ]
 SETTINGS = ("model.dtype=float32", "model.max_model_len=1024", "engine.max_num_batched_tokens=64")
+SPECULATE = ("speculative.method=ngram", "speculative.num_speculative_tokens=5")
+# Top logprobs: verification returns them at each token it emits.
+LOGPROBS_REQUESTS = [(RESTATE, {"logprobs": 3}), (RESTATE, {"temperature": 0.7, "seed": 3, "logprobs": 2})]
+# Each of these tokenizes with and without a leading space into as many tokens, so that vLLM's
+# rule bans both forms (" lighthouse" is one token, "lighthouse" two: vLLM bans only the latter).
+BAD_WORDS = ["keeper", "great lamp", "past the rocks"]
 
 
-def serve_all(
-    tmp_path_factory: pytest.TempPathFactory, requests: list[tuple[str, dict]], *overrides: str
-) -> tuple[list[tuple], dict[str, float]]:
-    """Every request, streamed and not, all at once; their (token ids, text, finish reason, top
-    logprobs or None), and the run's spec_decode_* counters. Every request has a logprob for each
-    of its tokens, and top logprobs for each where it asks for them."""
-    run_dir = tmp_path_factory.mktemp("spec")
+def restricted_requests(tokenizer: Tokenizer) -> list[tuple[str, dict]]:
+    """Restating under vLLM's allowed_token_ids (the text's own tokens: proposals are accepted, and
+    each verified position is masked) and bad_words (proposals are cut where a word's bans would
+    differ along the span)."""
+    allowed = sorted({*tokenizer.encode(TEXT), *tokenizer.encode(RESTATE), *tokenizer.eos_token_ids})
+    return [(RESTATE, {"allowed_token_ids": allowed}), (RESTATE, {"bad_words": BAD_WORDS})]
+
+
+def serve_all(run_dir: Path, requests: list[tuple[str, dict]]) -> dict[int, tuple]:
+    """Every request, streamed and not, all at once, on the run: for each (request index, stream)
+    its (token ids, text, finish reason, top logprobs or None). Every request has a logprob for
+    each of its tokens, and top logprobs for each where it asks for them."""
+    jobs = [(prompt, sampling, stream) for prompt, sampling in requests for stream in (False, True)]
+
+    def one(job: tuple[str, dict, bool]) -> tuple:
+        prompt, sampling, stream = job
+        messages = [{"role": "user", "content": prompt}]
+        with Client(run_dir) as client:
+            args = dict(max_tokens=NEW_TOKENS, timeout=300) | {"temperature": 0.0, **sampling}
+            if stream:
+                deltas = list(client.stream_chat(messages, **args))
+                logprobs = [x for d in deltas for x in d.logprobs or []]
+                assert len(logprobs) == sum(len(d.token_ids) for d in deltas)
+                tops = [x for d in deltas for x in d.top_logprobs or []] or None
+                return (
+                    [t for d in deltas for t in d.token_ids],
+                    "".join(d.text for d in deltas),
+                    deltas[-1].finish_reason,
+                    tops,
+                )
+            result = client.chat(messages, **args)
+            assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+            assert all(x <= 0.0 for x in result.logprobs)
+            return result.token_ids, result.text, result.finish_reason, result.top_logprobs
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return dict(zip(range(len(jobs)), pool.map(one, jobs), strict=True))
+
+
+def all_requests(smollm2_dir: Path) -> list[tuple[str, dict]]:
+    return [
+        *GREEDY_REQUESTS,
+        *restricted_requests(Tokenizer(smollm2_dir)),
+        *SAMPLED_REQUESTS,
+        *LOGPROBS_REQUESTS,
+    ]
+
+
+class Served:
+    """What one run answered to every request of this module, all at once: `outputs[i]` is
+    request i's (non-streamed, streamed) outputs, as serve_all gives them; `counters` are the
+    run's spec_decode_* counters after them."""
+
+    def __init__(
+        self, requests: list[tuple[str, dict]], results: dict[int, tuple], counters: dict[str, float]
+    ):
+        self.requests = requests
+        self.outputs = [(results[2 * i], results[2 * i + 1]) for i in range(len(requests))]
+        self.counters = counters
+
+    def of(self, subset: list[tuple[str, dict]]) -> list[tuple]:
+        """The outputs of these requests (each as listed in this module), non-streamed then streamed."""
+        first = next(i for i in range(len(self.requests)) if self.requests[i : i + len(subset)] == subset)
+        return [out for pair in self.outputs[first : first + len(subset)] for out in pair]
+
+
+@pytest.fixture(scope="module")
+def without_speculation(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Served:
+    requests = all_requests(smollm2_dir)
+    run_dir = tmp_path_factory.mktemp("spec-off")
     metrics_port = free_port()
-    with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", *overrides) as run:
-        jobs = [(prompt, sampling, stream) for prompt, sampling in requests for stream in (False, True)]
-
-        def one(job: tuple[str, dict, bool]) -> tuple:
-            prompt, sampling, stream = job
-            messages = [{"role": "user", "content": prompt}]
-            with Client(run.run_dir) as client:
-                args = dict(max_tokens=NEW_TOKENS, timeout=300) | {"temperature": 0.0, **sampling}
-                if stream:
-                    deltas = list(client.stream_chat(messages, **args))
-                    logprobs = [x for d in deltas for x in d.logprobs or []]
-                    assert len(logprobs) == sum(len(d.token_ids) for d in deltas)
-                    tops = [x for d in deltas for x in d.top_logprobs or []] or None
-                    return (
-                        [t for d in deltas for t in d.token_ids],
-                        "".join(d.text for d in deltas),
-                        deltas[-1].finish_reason,
-                        tops,
-                    )
-                result = client.chat(messages, **args)
-                assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
-                assert all(x <= 0.0 for x in result.logprobs)
-                return result.token_ids, result.text, result.finish_reason, result.top_logprobs
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(one, jobs))
-        counters = spec_decode_counters(metrics_port)
+    with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}") as run:
+        results = serve_all(run.run_dir, requests)
+        served = Served(requests, results, spec_decode_counters(metrics_port))
     assert_clean(run_dir)
-    return results, counters
+    return served
+
+
+@pytest.fixture(scope="module")
+def ngram_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    """A run with n-gram speculation, and its metrics port."""
+    run_dir = tmp_path_factory.mktemp("spec-ngram")
+    metrics_port = free_port()
+    with brigade_run(run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", *SPECULATE) as run:
+        yield run, metrics_port
+    assert_clean(run_dir)
+
+
+@pytest.fixture(scope="module")
+def with_speculation(ngram_run, smollm2_dir: Path) -> Served:
+    run, metrics_port = ngram_run
+    requests = all_requests(smollm2_dir)
+    results = serve_all(run.run_dir, requests)
+    return Served(requests, results, spec_decode_counters(metrics_port))
 
 
 def test_ngram_speculation_never_changes_a_greedy_output(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+    without_speculation: Served, with_speculation: Served, smollm2_dir: Path
 ) -> None:
     tokenizer = Tokenizer(smollm2_dir)
-    # Restating under vLLM's allowed_token_ids (the text's own tokens: proposals are accepted, and
-    # each verified position is masked) and bad_words (proposals are cut where a word's bans
-    # would differ along the span).
-    allowed = sorted({*tokenizer.encode(TEXT), *tokenizer.encode(RESTATE), *tokenizer.eos_token_ids})
-    # Each of these tokenizes with and without a leading space into as many tokens, so that vLLM's
-    # rule bans both forms (" lighthouse" is one token, "lighthouse" two: vLLM bans only the latter).
-    bad_words = ["keeper", "great lamp", "past the rocks"]
-    requests = [
-        *GREEDY_REQUESTS,
-        (RESTATE, {"allowed_token_ids": allowed}),
-        (RESTATE, {"bad_words": bad_words}),
-    ]
-    plain, plain_counters = serve_all(tmp_path_factory, requests)
-    speculated, counters = serve_all(
-        tmp_path_factory, requests, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
-    )
-    assert not plain_counters.get("brigade:spec_decode_num_drafts_total")
+    requests = [*GREEDY_REQUESTS, *restricted_requests(tokenizer)]
+    plain, speculated = without_speculation.of(requests), with_speculation.of(requests)
+    assert not without_speculation.counters.get("brigade:spec_decode_num_drafts_total")
     for (prompt, sampling), i in zip(requests, range(0, 2 * len(requests), 2), strict=True):
         for stream in (0, 1):
             assert speculated[i + stream] == plain[i + stream], f"{prompt[:40]!r} {sampling} stream={stream}"
     # The stop string ended its request; the structured one follows its schema.
     assert plain[4][2] == "stop" and "logbook" not in plain[4][1]
     jsonschema.validate(json.loads(plain[8][1]), WORDS)
+    allowed = requests[5][1]["allowed_token_ids"]
     assert set(plain[10][0]) <= set(allowed) and len(plain[10][0]) > 10
     sequences = []  # vLLM's tokenization of the bad words (services/tokenizer/core.py bad_words_ids)
-    for word in bad_words:
+    for word in BAD_WORDS:
         bare, spaced = tokenizer.encode(word), tokenizer.encode(" " + word)
         sequences += [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
 
@@ -137,25 +187,24 @@ def test_ngram_speculation_never_changes_a_greedy_output(
         contains(plain[0][0], ids) for ids in sequences
     )  # the restatement writes one
     assert not any(contains(plain[12][0], ids) for ids in sequences) and len(plain[12][0]) > 10
+    counters = with_speculation.counters
     assert counters["brigade:spec_decode_num_drafts_total"] > 0
     assert counters["brigade:spec_decode_num_draft_tokens_total"] > 0
     assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
 
 
 def test_seeded_sampled_requests_speculate_and_keep_their_text(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+    without_speculation: Served, with_speculation: Served
 ) -> None:
     """Sampled requests verify proposals by rejection sampling: they complete with a logprob for
     every token, proposals were verified and some accepted, and each seeded request emits what it
     emits without speculation, token for token."""
-    plain, _ = serve_all(tmp_path_factory, SAMPLED_REQUESTS)
-    speculated, counters = serve_all(
-        tmp_path_factory, SAMPLED_REQUESTS, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
-    )
+    plain, speculated = without_speculation.of(SAMPLED_REQUESTS), with_speculation.of(SAMPLED_REQUESTS)
     assert speculated == plain
     assert all(finish in ("stop", "length") for _, _, finish, _ in speculated)
     jsonschema.validate(json.loads(plain[6][1]), WORDS)
     assert plain[0] == plain[1]  # streamed or not, the same seed gives the same text
+    counters = with_speculation.counters
     drafts = counters["brigade:spec_decode_num_drafts_total"]
     accepted = counters["brigade:spec_decode_num_accepted_tokens_total"]
     assert drafts > 0 and accepted > 0
@@ -171,52 +220,46 @@ def test_seeded_sampled_requests_speculate_and_keep_their_text(
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True) and per_pos[0] > 0
 
 
-def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
-) -> None:
+def test_a_request_that_opts_out_through_the_openai_client_does_not_speculate(ngram_run) -> None:
     """`speculate: false` in the openai client's extra_body reaches the scheduler: the restating
     request verifies nothing, and the same request without it verifies proposals, with the
     same text."""
     import openai
 
-    run_dir = tmp_path_factory.mktemp("spec-opt-out")
-    metrics_port = free_port()
+    run, metrics_port = ngram_run
     prompt = [{"role": "user", "content": RESTATE}]
-    with brigade_run(
-        run_dir, *SETTINGS, f"supervisor.metrics_port={metrics_port}", "speculative.method=ngram"
-    ) as run:
-        api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
+    api = openai.OpenAI(base_url=gateway_url(run), api_key="none", timeout=300)
 
-        def chat(**extra: object) -> str:
-            reply = api.chat.completions.create(
-                model=api.models.list().data[0].id,
-                messages=prompt,  # type: ignore[arg-type]
-                max_tokens=NEW_TOKENS,
-                temperature=0.0,
-                extra_body=extra,
-            )
-            return reply.choices[0].message.content or ""
+    def chat(**extra: object) -> str:
+        reply = api.chat.completions.create(
+            model=api.models.list().data[0].id,
+            messages=prompt,  # type: ignore[arg-type]
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            extra_body=extra,
+        )
+        return reply.choices[0].message.content or ""
 
-        opted_out = chat(speculate=False)
-        assert not spec_decode_counters(metrics_port).get("brigade:spec_decode_num_drafts_total")
-        assert chat() == opted_out
-        assert spec_decode_counters(metrics_port)["brigade:spec_decode_num_drafts_total"] > 0
-    assert_clean(run_dir)
+    def drafts() -> float:
+        return spec_decode_counters(metrics_port).get("brigade:spec_decode_num_drafts_total", 0.0)
+
+    before = drafts()
+    opted_out = chat(speculate=False)
+    assert drafts() == before
+    assert chat() == opted_out
+    assert drafts() > before
 
 
 def test_requests_with_top_logprobs_speculate_and_keep_them(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+    without_speculation: Served, with_speculation: Served
 ) -> None:
     """Verification returns the top logprobs at each token it emits: a greedy and a seeded
     sampled request asking for them speculate (proposals accepted), and emit the tokens and the
     top logprobs (the same ids, the values within float32 noise: a verification computes several
     positions in one pass) that they emit without speculation."""
-    requests = [(RESTATE, {"logprobs": 3}), (RESTATE, {"temperature": 0.7, "seed": 3, "logprobs": 2})]
-    plain, _ = serve_all(tmp_path_factory, requests)
-    speculated, counters = serve_all(
-        tmp_path_factory, requests, "speculative.method=ngram", "speculative.num_speculative_tokens=5"
-    )
-    assert counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
+    requests = LOGPROBS_REQUESTS
+    plain, speculated = without_speculation.of(requests), with_speculation.of(requests)
+    assert with_speculation.counters["brigade:spec_decode_num_accepted_tokens_total"] > 0
     for (_, sampling), i in zip(requests, range(0, 2 * len(requests), 2), strict=True):
         for stream in (0, 1):
             want, got = plain[i + stream], speculated[i + stream]
