@@ -228,6 +228,15 @@ def _lane_order() -> tuple[np.ndarray, np.ndarray]:
     return i % 4, 2 * v + i // 4
 
 
+def _nibble_order() -> tuple[np.ndarray, np.ndarray]:
+    """For byte b of a packed 4-bit block: the weights k whose nibbles it holds, low and high (the
+    byte of weight k is 4 word + position / 2, its nibble position % 2: `_lane_order`)."""
+    word, position = _lane_order()
+    order = np.empty((2, BLOCK_WEIGHTS // 2), dtype=np.intp)
+    order[position % 2, 4 * word + position // 2] = np.arange(BLOCK_WEIGHTS)
+    return order[0], order[1]
+
+
 def mxfp4_half_scales(exponents: np.ndarray) -> np.ndarray:
     """MXFP4's E8M0 exponents e (uint8) -> 2^(e - 128) in float32, half of each block's scale
     (ggml's e8m0_to_fp32_half): the kernels' values are the E2M1 values doubled (cpu_ops.cpp,
@@ -268,17 +277,13 @@ def to_lanes(blocks: np.ndarray, fmt: str) -> np.ndarray:
         halves = np.ascontiguousarray(grouped[:, :, : 4 if fmt == "Q4_1" else 2]).view(np.float16)
         scales = halves[..., 0].astype(np.float32)
     quants = grouped[:, :, -32:] if fmt == "Q8_0" else grouped[:, :, -16:]
-    word, position = _lane_order()
     if fmt in ("Q4_1", "MXFP4"):
-        k = np.arange(BLOCK_WEIGHTS)
         # GGUF: weight k < 16 is the low nibble of byte k, weight k >= 16 the high nibble of byte k - 16.
-        values = np.where(k < 16, quants[..., k % 16] & 0x0F, quants[..., k % 16] >> 4)
-        target = 4 * word + position // 2  # byte of the nibble
-        reordered = np.zeros_like(quants)
-        for low_or_high in (0, 1):
-            chosen = position % 2 == low_or_high
-            reordered[..., target[chosen]] |= (values[..., chosen] << (4 * low_or_high)).astype(np.uint8)
+        values = np.concatenate((quants & 0x0F, quants >> 4), axis=-1)
+        low, high = _nibble_order()
+        reordered = values[..., low] | (values[..., high] << 4)
     else:  # Q8_0
+        word, position = _lane_order()
         half = position // 4  # vectors 0-1 read the first 16 bytes, 2-3 the second
         target = 16 * half + 4 * word + position % 4
         reordered = np.empty_like(quants)

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -126,3 +127,18 @@ def test_untied_head_and_qkv_bias_are_loaded(tmp_path: Path):
     assert model.lm_head is not model.embed
     torch.testing.assert_close(model.lm_head, hf.lm_head.weight.data)
     torch.testing.assert_close(model.layers[0].qkv_bias[:64], hf.model.layers[0].self_attn.q_proj.bias.data)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_dequantize_blocks_is_ggufs_bit_for_bit(fmt: str):
+    """The loader's whole-weight dequantization of the formats it does itself equals gguf's own,
+    bit for bit, on random blocks: every scale a float16 of any kind (subnormal, inf, NaN too)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[fmt]
+    rows = np.random.default_rng(7).integers(0, 256, (9, 5 * GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        got, want = loader.dequantize_blocks(rows, fmt), dequantize(rows, qtype)
+    assert got.dtype == np.float32 and got.shape == want.shape == (9, 5 * 32)
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
