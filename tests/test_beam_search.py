@@ -15,7 +15,7 @@ import pytest
 from client.errors import BrigadeError, InvalidRequest
 from client.sdk import StreamDelta
 from ipc import messages as m
-from services.gateway.beam_search import STEP_TIMEOUT_S, BeamSearch, beam_search_feed
+from services.gateway.beam_search import STEP_TIMEOUT_S, Beam, BeamSearch, advance, beam_search_feed
 from services.gateway.jobs import Job
 
 PROMPT = [10, 11, 12]
@@ -139,3 +139,15 @@ def test_a_cancelled_search_closes_every_step_in_flight() -> None:
         assert client.num_open == 0 and client.num_started == 4
 
     asyncio.run(asyncio.wait_for(cancel_midway(), 10))
+
+
+def test_live_beams_are_ranked_by_score_as_vllm_ranks_them() -> None:
+    """With ignore_eos an eos stays live, and its eos does not count in its length (vLLM's
+    sort key): of eos at -5.0 and token 7 at -5.4 after 9 prompt tokens, 7 scores -5.4 / 10 and
+    eos -5.0 / 9, so 7 is kept though its cumulative logprob is lower."""
+    search = BeamSearch(1, 1.0, True, 4, 2, True)
+    live, completed = advance([Beam()], [{EOS: -5.0, 7: -5.4}], [], search, frozenset({EOS}), 9)
+    assert [beam.tokens for beam in live] == [[7]] and completed == []
+    search = BeamSearch(1, 0.0, True, 4, 2, True)  # no length penalty: by cumulative logprob
+    live, _ = advance([Beam()], [{EOS: -5.0, 7: -5.4}], [], search, frozenset({EOS}), 9)
+    assert [beam.tokens for beam in live] == [[EOS]]

@@ -2341,11 +2341,15 @@ def hf_beam_search(
                 if token == EOS and not ignore_eos:
                     done.append(([*tokens, token], cumulative + logprob, "stop"))
                 else:
-                    candidates.append((cumulative + logprob, [*tokens, token]))
+                    # vLLM ranks the live ones by score too: the same as by cumulative logprob
+                    # unless ignore_eos keeps an eos among them, whose eos is not in its length
+                    child = [*tokens, token]
+                    score = beam_score(len(prompt), child, cumulative + logprob, length_penalty)
+                    candidates.append((score, cumulative + logprob, child))
         candidates.sort(key=lambda c: -c[0])
         if len(candidates) > width:
             is_near_tie |= candidates[width - 1][0] - candidates[width][0] < BEAM_TIE
-        live = [(tokens, cumulative) for cumulative, tokens in candidates[:width]]
+        live = [(tokens, cumulative) for _, cumulative, tokens in candidates[:width]]
         if not live:
             break
     ranked = sorted(
@@ -2454,6 +2458,8 @@ def test_beam_search_eos_ignore_eos_and_length_penalty(gw: Gateway, hf_tokenizer
     reply = beam_reply(api, **body, extra_body={"ignore_eos": True, "length_penalty": 0.0})
     ignored = check_beams(hf_model, hf_tokenizer, reply["choices"], prompt, 3, 0.0, ignore_eos=True)
     assert ignored[1] == [EOS] * 3 and reply["choices"][1]["text"] == ""  # eos after eos: "length"
+    reply = beam_reply(api, **body, extra_body={"ignore_eos": True})  # live beams with eos ranked by score
+    check_beams(hf_model, hf_tokenizer, reply["choices"], prompt, 3, 1.0, ignore_eos=True)
 
 
 def test_beam_search_on_chat_and_at_max_model_len(gw: Gateway, hf_tokenizer, hf_model) -> None:

@@ -393,7 +393,7 @@ def test_gpt_oss_chat_speaks_harmony_through_real_processes(harmony_model_dir: P
     call on the commentary channel as tool_calls with finish_reason tool_calls, the same
     streamed; and a conversation with tools, an earlier call, its result and a reasoning effort
     is rendered as transformers renders it with the same template; Responses takes
-    `reasoning.effort`, and an effort no API has is a 400 naming its field."""
+    `reasoning.effort`, and an effort no API has is a 400 naming its field, as is beam search."""
     import openai
     from transformers import AutoTokenizer
 
@@ -445,6 +445,11 @@ def test_gpt_oss_chat_speaks_harmony_through_real_processes(harmony_model_dir: P
         assert response.reasoning.effort == "low"
         for bad, param in (
             (lambda: sdk.chat.completions.create(**base, reasoning_effort="extreme"), "reasoning_effort"),
+            # beams are decoded by the gateway, without the markers a harmony reply is read from
+            (
+                lambda: sdk.chat.completions.create(**base, extra_body={"use_beam_search": True}),
+                "use_beam_search",
+            ),
             (
                 lambda: sdk.responses.create(model="m", input="Hi", reasoning={"effort": "extreme"}),
                 "reasoning.effort",

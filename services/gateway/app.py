@@ -306,6 +306,7 @@ class Gateway:
             settings.reasoning_parser, tokenizer.architectures, tokenizer.chat_template, has_token
         )
         # The tokenizer decides these alike (services/tokenizer/core.py).
+        self.is_harmony = is_harmony
         self.auto_tool_format = "harmony" if is_harmony else auto_tool_format(tokenizer.chat_template)
         self.renders_tools = tokenizer.chat_template is not None and template_renders_tools(
             tokenizer.chat_template
@@ -549,6 +550,10 @@ class Gateway:
         body = await self.read_body(request, p.ChatCompletionRequest)
         self.check_priority(body)
         plan = plan_chat(body, header_seed(request.headers.get(SEED_HEADER)))
+        if plan.beam is not None and self.is_harmony:
+            # A harmony reply is read from its channel tokens, which a sampled chat keeps and ends
+            # at <|return|> or <|call|> (the tokenizer's own settings for it); beams are decoded here.
+            raise invalid("use_beam_search is not supported for a harmony (gpt-oss) chat", "use_beam_search")
         model = self.with_adapter(body.model, plan)
         names = TokenNames(self.tokenizer, body.return_tokens_as_token_ids)
         parser = tool_parser_for(plan.tools, self.auto_tool_format) if plan.tools is not None else None

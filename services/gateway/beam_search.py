@@ -65,6 +65,7 @@ class BeamSearch:
     max_tokens: int | None  # None: the tokenizer's default_max_tokens (a chat's), as for a sampled reply
     num_logprobs: int  # asked of each step: the 2 x width candidates, or the reply's top-N if more
     skip_special_tokens: bool
+    top_n: int = 0  # the reply's top logprobs a token: all a beam keeps of each step's
 
 
 def beam_search_of(
@@ -103,7 +104,7 @@ def beam_search_of(
     for name in _unservable(req, constrained_by):
         raise invalid(f"{name} is not supported with use_beam_search", name)
     return BeamSearch(
-        req.n, penalty, req.ignore_eos, max_tokens, max(2 * req.n, top_n), req.skip_special_tokens
+        req.n, penalty, req.ignore_eos, max_tokens, max(2 * req.n, top_n), req.skip_special_tokens, top_n
     )
 
 
@@ -152,21 +153,26 @@ def advance(
     live: list[Beam], tops: Sequence[dict[int, float]], completed: list[Beam], search: BeamSearch,
     eos_ids: frozenset[int], num_prompt: int,
 ) -> tuple[list[Beam], list[Beam]]:  # fmt: skip
-    """One step: the next live beams (the best `width` by cumulative logprob) and the completed
-    ones, from each live beam's top logprobs (`tops`, in the same order)."""
-    candidates: list[tuple[float, int, int, float]] = []
+    """One step: the next live beams (the best `width` by score, as vLLM ranks them: all of one
+    length, so by cumulative logprob, but for an eos kept live by ignore_eos, which does not count
+    in the length) and the completed ones, from each live beam's top logprobs (`tops`, in the
+    same order)."""
+    candidates: list[tuple[float, int, int, float, dict[int, float]]] = []
     completed = list(completed)
     for i, (beam, top) in enumerate(zip(live, tops, strict=True)):
+        ranked = sorted(top.items(), key=lambda x: -x[1])
+        kept = dict(ranked[: search.top_n])  # not the whole of every step: a beam may run long
         # The top 2 x width only, as vLLM: more (for the reply's top-N) would admit other eos candidates.
-        best = sorted(top.items(), key=lambda x: -x[1])[: 2 * search.width]
-        for token, logprob in best:
+        for token, logprob in ranked[: 2 * search.width]:
             if token in eos_ids and not search.ignore_eos:
-                completed.append(_child(beam, top, token, logprob, "stop"))
+                completed.append(_child(beam, kept, token, logprob, "stop"))
             else:
-                candidates.append((beam.cumulative + logprob, i, token, logprob))
+                seq_len = num_prompt + len(beam.tokens) + (token not in eos_ids)
+                score_of = (beam.cumulative + logprob) / seq_len**search.length_penalty
+                candidates.append((score_of, i, token, logprob, kept))
     candidates.sort(key=lambda x: -x[0])  # stable: ties keep the beams' and the tokens' order
     next_live = [
-        _child(live[i], tops[i], token, logprob) for _, i, token, logprob in candidates[: search.width]
+        _child(live[i], kept, token, logprob) for _, i, token, logprob, kept in candidates[: search.width]
     ]
     # A complete beam's score never changes: only the best `width` can ever be returned.
     completed.sort(key=lambda b: -score(b, num_prompt, eos_ids, search.length_penalty))
