@@ -24,7 +24,7 @@ import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -37,10 +37,18 @@ from services.common.text import Tokenizer
 from services.gateway.errors import invalid
 from services.gateway.protocol import SamplingFields
 
-if TYPE_CHECKING:
-    from services.gateway.jobs import Job
-
 T = TypeVar("T")
+
+
+class Job(Protocol):
+    """What a search reads of a choice's job (jobs.Job, which plans the search: jobs.py imports
+    this module, so it is not imported here)."""
+
+    prompt_index: int
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+
 
 # Each step asks the engine for 2 x width logprobs, and it gives at most MAX_LOGPROBS.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
