@@ -517,3 +517,84 @@ def test_response_fields_pick_the_last_replys_fields(gw: Gateway, hf_tokenizer) 
         -1
     ]
     assert last == {"stop": True, "stop_type": "limit", "tokens_predicted": 4}  # a stream's last event too
+
+
+def assert_rates(timings: dict) -> None:
+    """llama-server's derived rates agree with the counts and times they come from."""
+    for kind in ("prompt", "predicted"):
+        n, ms = timings[f"{kind}_n"], timings[f"{kind}_ms"]
+        assert ms >= 0 and n >= 0, timings
+        assert timings[f"{kind}_per_second"] == pytest.approx(n / ms * 1e3 if ms else 0.0), timings
+        assert timings[f"{kind}_per_token_ms"] == pytest.approx(ms / n if n else 0.0), timings
+
+
+def test_timings_per_token_on_a_chat_stream_through_the_openai_client(gw: Gateway) -> None:
+    """llama-server's timings_per_token (what its web UI sends, for a live tokens-per-second
+    figure): every chunk of output carries the choice's timings so far, counting the tokens sent
+    until then; the usage chunk the request's, agreeing with its usage. The opening chunk has none."""
+    api = gw.openai()
+    chunks = list(
+        api.chat.completions.create(
+            model=gw.model,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,  # each chunk's tokens, counted
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"timings_per_token": True, "ignore_eos": True},
+        )
+    )
+    opening, *outputs, usage_chunk = chunks
+    assert opening.choices[0].delta.role == "assistant" and "timings" not in (opening.model_extra or {})
+    sent, last_ms = 0, -1.0
+    for chunk in outputs:
+        timings = chunk.model_extra["timings"]
+        sent += len(chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs else 0
+        assert timings["predicted_n"] == sent, (timings, chunk)
+        assert timings["predicted_ms"] >= last_ms and timings["prompt_ms"] > 0
+        last_ms = timings["predicted_ms"]
+        assert_rates(timings)
+    assert sent == 8
+    usage, timings = usage_chunk.usage, usage_chunk.model_extra["timings"]
+    assert timings["predicted_n"] == usage.completion_tokens == 8
+    assert timings["cache_n"] == usage.prompt_tokens_details.cached_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == usage.prompt_tokens
+    assert_rates(timings)
+
+    plain = list(
+        api.chat.completions.create(
+            model=gw.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=3, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert all("timings" not in (chunk.model_extra or {}) for chunk in plain)  # OpenAI's shapes otherwise
+
+
+def test_timings_of_a_whole_reply_count_every_choice(gw: Gateway) -> None:
+    """A reply (not streamed) with timings_per_token carries the request's timings: its prompt
+    counted once, the tokens of all its choices."""
+    status, reply = post(gw, "/v1/completions", {"model": gw.model, "prompt": PROMPT, "max_tokens": 5, "n": 2,
+                                                 "ignore_eos": True, "timings_per_token": True})  # fmt: skip
+    assert status == 200, reply
+    usage, timings = reply["usage"], reply["timings"]
+    assert timings["predicted_n"] == usage["completion_tokens"] == 10
+    assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+    assert timings["cache_n"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert_rates(timings)
+    status, plain = post(gw, "/v1/completions", {"model": gw.model, "prompt": PROMPT, "max_tokens": 2})
+    assert status == 200 and "timings" not in plain
+
+
+def test_completion_stream_with_timings_per_token(gw: Gateway) -> None:
+    """/completion's events with timings_per_token each carry the output's timings so far (the
+    tokens sent until then); without it only the last event has them, as llama-server sends."""
+    events = stream(gw, prompt=PROMPT, n_predict=6, temperature=0, ignore_eos=True, timings_per_token=True)
+    sent = 0
+    for partial in events[:-1]:
+        sent += len(partial["tokens"])
+        assert partial["timings"]["predicted_n"] == sent, partial
+        assert_rates(partial["timings"])
+    assert sent == 6 and events[-1]["timings"]["predicted_n"] == 6
+    plain = stream(gw, prompt=PROMPT, n_predict=3, temperature=0)
+    assert all("timings" not in partial for partial in plain[:-1]) and "timings" in plain[-1]

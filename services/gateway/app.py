@@ -88,6 +88,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
+from services.gateway.timings import RequestTimings
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage_rows import read_status
 
@@ -651,7 +652,9 @@ class Gateway:
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
     ) -> OpenAIWriter:
         cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
-        return OpenAIWriter(self, plan, fmt, cursor, body.stream_options or p.StreamOptions())
+        return OpenAIWriter(
+            self, plan, fmt, cursor, body.stream_options or p.StreamOptions(), body.timings_per_token
+        )
 
     def admit(self, request: Request, plan: Plan) -> str:
         """Refuse a request (429) when this replica is at its concurrency limit, or when it is
@@ -773,7 +776,9 @@ class Gateway:
                                 settings.default_max_tokens)  # fmt: skip
 
     async def collect(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
-                      plan: Plan, fmt: ChatFormat | CompletionFormat, timer: Any) -> msgspec.Struct:  # fmt: skip
+                      plan: Plan, fmt: ChatFormat | CompletionFormat, timer: Any,
+                      timings: RequestTimings | None = None) -> msgspec.Struct:  # fmt: skip
+        """The whole reply; with `timings` (llama-server's timings_per_token), the request's."""
         choices = [ChoiceOutput() for _ in plan.jobs]
         usages = {}
         item = first
@@ -782,19 +787,25 @@ class Gateway:
             choices[index].add(to_piece(delta))
             if delta.usage is not None:
                 usages[index] = delta.usage
+            if timings is not None:
+                timings.add(index, delta, time.monotonic())
             item = await anext(feed, None)
             if item is not None:
                 timer.on_output(item)
-        return fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+        reply = fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+        if timings is not None:
+            reply.timings = timings.of_request(time.monotonic())  # type: ignore[attr-defined]
+        return reply
 
     async def stream_events(self, first: asyncio.Future[tuple[int, StreamDelta] | None],
                             feed: AsyncIterator[tuple[int, StreamDelta]], plan: Plan,
                             fmt: ChatFormat | CompletionFormat, cursor: Cursor, options: p.StreamOptions,
-                            timer: Any) -> AsyncGenerator[bytes, None]:  # fmt: skip
+                            timer: Any, timings: RequestTimings | None = None) -> AsyncGenerator[bytes, None]:  # fmt: skip
         """The stream's events. With vLLM's continuous_usage_stats (and include_usage) every chunk
         of a choice carries that choice's usage so far: its prompt's tokens (which come with its
         first output) and its output tokens; a chat choice's opening chunk (its role) then waits
-        for that first output."""
+        for that first output. With `timings` (llama-server's timings_per_token) every chunk of a
+        choice's output carries the choice's timings so far, and the usage chunk the request's."""
         usages = {}
         continuous = options.include_usage and options.continuous_usage_stats
         so_far: dict[int, m.Usage] = {}
@@ -816,6 +827,8 @@ class Gateway:
             index, delta = item
             if delta.usage is not None:
                 usages[index] = delta.usage
+            if timings is not None:
+                timings.add(index, delta, time.monotonic())
             if continuous:  # a choice's first and last outputs bring its usage, the others add theirs
                 known = so_far.get(index, m.Usage(0, 0))
                 so_far[index] = delta.usage or m.Usage(
@@ -839,6 +852,8 @@ class Gateway:
                 for chunk in fmt.chunks(index, piece, text_offset):
                     if continuous:
                         chunk.usage = usage_out({index: so_far[index]}, {index: 0})
+                    if timings is not None:
+                        chunk.timings = timings.of_choice(index, time.monotonic())
                     yield event(chunk, cursor.event_id())
             try:
                 item = await anext(feed, None)
@@ -848,9 +863,10 @@ class Gateway:
             if item is not None:
                 timer.on_output(item)
         if options.include_usage and usages:
-            yield event(
-                fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
-            )
+            chunk = fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+            if timings is not None:
+                chunk.timings = timings.of_request(time.monotonic())  # type: ignore[attr-defined]
+            yield event(chunk)
         yield DONE
 
     # -- the rest of the API -----------------------------------------------------------------
@@ -1240,22 +1256,30 @@ class OpenAIWriter:
     """Chat completions and completions: OpenAI's JSON, or its events with resumable ids."""
 
     def __init__(self, gateway: Gateway, plan: Plan, fmt: ChatFormat | CompletionFormat, cursor: Cursor,
-                 stream_options: p.StreamOptions) -> None:  # fmt: skip
+                 stream_options: p.StreamOptions, timings_per_token: bool = False) -> None:  # fmt: skip
         self.gateway = gateway
         self.plan = plan
         self.fmt = fmt
         self.cursor = cursor
         self.stream_options = stream_options
+        self.timings_per_token = timings_per_token
 
     async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
-        return msgspec.json.encode(await self.gateway.collect(first, feed, self.plan, self.fmt, timer))
+        reply = await self.gateway.collect(first, feed, self.plan, self.fmt, timer, self.timings(timer))
+        return msgspec.json.encode(reply)
 
     def events(
         self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
     ) -> AsyncGenerator[bytes, None]:
         return self.gateway.stream_events(
-            first, feed, self.plan, self.fmt, self.cursor, self.stream_options, timer
+            first, feed, self.plan, self.fmt, self.cursor, self.stream_options, timer, self.timings(timer)
         )
+
+    def timings(self, timer: RequestTimer) -> RequestTimings | None:
+        """llama-server's timings, where the request asks for them (timings_per_token)."""
+        if not self.timings_per_token:
+            return None
+        return RequestTimings(timer.arrival, {job.index: job.prompt_index for job in self.plan.jobs})
 
     def error_body(self, error: ApiError) -> bytes:
         return error.body()

@@ -42,6 +42,7 @@ from services.gateway.app import (
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
+from services.gateway.timings import llama_timings
 
 # llama.cpp's sampling defaults (tools/server/README.md), used where a request leaves them out,
 # so that a llama.cpp client samples as it would there and generation_settings says what was used.
@@ -88,6 +89,7 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     t_max_predict_ms: int = 0
     # The last reply's fields to give, each a key or a path ("timings/prompt_n"), under its name.
     response_fields: list[str] | None = None
+    timings_per_token: bool = False  # every streamed event carries its output's timings so far
 
 
 class InfillChunk(msgspec.Struct, frozen=True):
@@ -688,11 +690,7 @@ class LlamaWriter:
         prompt = self.prompts[index]
         if not isinstance(prompt, str):  # token ids (llama-server gives their text, special tokens too)
             prompt = await asyncio.to_thread(self.gateway.tokenizer.decode, prompt, False)
-        now = time.monotonic()
-        first = self.first_output_at if self.first_output_at is not None else now
         predicted_n = len(out.token_ids)
-        prompt_ms, predicted_ms = (first - self.started) * 1e3, (now - first) * 1e3
-        prompt_n = out.prompt_tokens - out.cached_tokens
         n_ctx = self.gateway.settings.max_model_len
         return {
             "model": self.model,
@@ -705,18 +703,16 @@ class LlamaWriter:
             "truncated": stop_type == "limit" and out.prompt_tokens + predicted_n >= n_ctx,
             "stop_type": stop_type,
             "stopping_word": stopping_word,
-            "timings": {
-                "cache_n": out.cached_tokens,
-                "prompt_n": prompt_n,
-                "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
-                "predicted_n": predicted_n,
-                "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms else 0.0,
-            },
+            "timings": self.timings(out),
         }
+
+    def timings(self, out: Generated) -> dict[str, Any]:
+        """An output's timings so far (a dict: response_fields picks its paths)."""
+        now = time.monotonic()
+        first = self.first_output_at if self.first_output_at is not None else now
+        timings = llama_timings(out.cached_tokens, out.prompt_tokens - out.cached_tokens,
+                                (first - self.started) * 1e3, len(out.token_ids), (now - first) * 1e3)  # fmt: skip
+        return msgspec.structs.asdict(timings)
 
     async def stop_of(self, out: Generated) -> tuple[str, str]:
         """llama.cpp's stop_type and stopping_word. The engine says `stop` both for eos and for a
@@ -780,7 +776,10 @@ class LlamaWriter:
             was_over = out.finish_reason is not None
             text, ids, probabilities = self.add(out, delta)
             if text or ids:
-                yield data_event(self.reply(index, text, ids, probabilities, False))
+                reply = self.reply(index, text, ids, probabilities, False)
+                if self.body.timings_per_token:
+                    reply["timings"] = self.timings(out)
+                yield data_event(reply)
             if out.finish_reason is not None and not was_over:
                 last = {**self.reply(index, "", [], [], True), **await self.final(index, out)}
                 yield data_event(self.fields(last))

@@ -114,6 +114,8 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0  # vLLM's: lower is scheduled first (ties first come, first served)
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: all that fit)
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the reply
+    # llama-server's: every streamed chunk (and the reply) carries `timings` (services/gateway/timings.py)
+    timings_per_token: bool = False
     # vLLM's fields that Brigade does not serve, each of which changes what a request returns:
     # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
     use_beam_search: bool = False
@@ -297,6 +299,21 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
+class Timings(msgspec.Struct):
+    """llama-server's `timings` (services/gateway/timings.py): the prompt's tokens computed (not
+    found cached) and its time to the first output, the output's tokens and their time since."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
@@ -315,6 +332,7 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # asked for only
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET  # llama-server's timings_per_token
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -346,6 +364,7 @@ class ChatCompletionChunk(msgspec.Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # a choice's first chunk, when asked
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET  # llama-server's timings_per_token
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -375,6 +394,7 @@ class Completion(msgspec.Struct):
     usage: UsageOut | None
     object: Literal["text_completion"] = "text_completion"
     system_fingerprint: str | None = None
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET  # llama-server's timings_per_token
 
 
 class EmbeddingData(msgspec.Struct):
