@@ -1,17 +1,25 @@
 """What a stopping run lets finish (supervisor.py `Supervisor.drain`): every call admitted before
 the drain, including the later requests of a call made of several (a beam search's steps, the
 choices sent after a prompt's first, an embedding call's later windows: m.Generate.continues),
-while new calls are refused. The drain's own logic against stage handles fed scripted loads,
-and a gateway's later choices against a recording client."""
+while new calls are refused. The drain's own logic against stage handles fed scripted loads, a
+gateway's later choices against a recording client, and a beam search under way when a real run
+gets SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from client.sdk import StreamDelta
 from ipc import messages as m
@@ -20,6 +28,7 @@ from services.gateway.jobs import Job
 from services.gateway.runner import run_jobs
 from supervision.stages import StageHandle
 from supervisor import Supervisor
+from tests.harness import brigade_run, free_port
 
 # -- the drain's logic, no process --------------------------------------------------------------
 
@@ -172,3 +181,83 @@ def test_choices_after_a_prompts_first_continue_the_admitted_call() -> None:
         ("prompt 1", True),
     ]
     assert [c for _, c in client.sent[:2]] == [False, False]  # the first choices go together, first
+
+
+# -- a real run -----------------------------------------------------------------------------------
+
+# Long enough (about 15 s on 2 cores) that the search goes on well past the gateway's own
+# graceful stop (STOP_GRACE_S, then SIGKILL), had the drain ended between two of its steps.
+BEAM_TOKENS = 1500
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def logged_at(line: str) -> float:
+    """A stage's or the supervisor's log line's time (`2024-05-01 12:00:00,123 INFO ...`)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_beam_search_under_way_at_sigterm_finishes_and_new_calls_are_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    port = free_port()
+    overrides = (f"model.path={tiny_model_dir}", f"gateway.port={port}", "supervisor.drain_timeout_s=120")
+    with brigade_run(tmp_path / "run", *overrides) as run:
+        body = {
+            "model": str(tiny_model_dir),
+            "prompt": "Once upon a time",
+            "n": 3,
+            "max_tokens": BEAM_TOKENS,
+            "ignore_eos": True,  # every beam runs its whole length: the search takes its time
+            "use_beam_search": True,
+            "return_token_ids": True,
+        }
+        status, calm = post(port, "/v1/completions", body)
+        assert status == 200, calm
+        outcome: list[tuple[int, dict, float]] = []
+
+        def search() -> None:
+            try:
+                status, reply = post(port, "/v1/completions", body)
+            except (OSError, http.client.HTTPException) as exc:  # the gateway stopped under it
+                status, reply = 0, {"error": repr(exc)}
+            outcome.append((status, reply, time.time()))
+
+        thread = threading.Thread(target=search)
+        thread.start()
+        time.sleep(1.0)  # admitted, with most of its steps to go
+        sigterm_at = time.time()
+        run.process.send_signal(signal.SIGTERM)
+        run.wait_for_line("signal received: draining", 30)
+        # A new call is refused while the search goes on (once the tokenizer has the Shutdown).
+        deadline = time.monotonic() + 10
+        while True:
+            status, refused = post(
+                port, "/v1/completions", {**body, "use_beam_search": False, "max_tokens": 1}
+            )
+            if status != 200 or time.monotonic() > deadline:
+                break
+        assert status == 503 and "shutting down" in refused["error"]["message"], refused
+        status, refused = post(port, "/v1/completions", {**body, "max_tokens": 2})  # a new search
+        assert status == 503 and "shutting down" in refused["error"]["message"], refused
+        thread.join(300)
+        assert outcome, "the search did not end"
+        status, reply, replied_at = outcome[0]
+        assert status == 200, reply
+        assert replied_at > sigterm_at + 1.0, "the search ended too soon to say that the drain kept it"
+        assert [c["token_ids"] for c in reply["choices"]] == [c["token_ids"] for c in calm["choices"]]
+        assert [c["text"] for c in reply["choices"]] == [c["text"] for c in calm["choices"]]
+        drained = run.wait_for_line("drained: nothing in flight", 60)
+        # Not before the search's reply (the log's clock is the same wall clock, to the ms).
+        assert logged_at(drained) >= replied_at - 0.05, drained
+        assert run.process.wait(120) == 0
