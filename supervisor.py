@@ -331,16 +331,24 @@ class Supervisor:
     # -- stop ----------------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Let in-flight requests finish, up to the grace period; a second signal cuts it short."""
+        """Let what is in flight finish, up to the grace period; a second signal cuts it short.
+
+        The tokenizers refuse new requests from now on but take the later requests of a call
+        they admitted (m.Generate.continues). Between two of those (a beam search's steps, an
+        embedding call's windows) no tokenizer holds any of the call, so the drain waits for the
+        gateways' HTTP calls as well, and counts only loads reported since it began."""
         tokenizers = self.stages.of_kind("tokenizer")
+        counted = [*tokenizers, *self.stages.of_kind("gateway")]
+        self.read_control(0.0)  # the loads already sent, which none of the checks below believes
+        began = time.monotonic()
         for stage in tokenizers:
             self.command(stage, m.Shutdown())
-        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        deadline = began + self.config.supervisor.drain_timeout_s
         num_signals = len(self.signals)
         while time.monotonic() < deadline and len(self.signals) == num_signals:
             self.read_control(0.2)
-            in_flight = sum(s.load.num_in_flight for s in tokenizers)
-            if in_flight == 0:
+            if all(stage.has_drained(began) for stage in counted):
+                log.info("drained: nothing in flight")
                 return
         log.info("drain ended with requests still in flight")
 

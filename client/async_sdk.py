@@ -184,17 +184,22 @@ class AsyncClient(ClientBase):
         requests = make_embeds(inputs, dimensions, truncate_prompt_tokens)
         room = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # sent that many at a time (see there)
         refused = False
+        num_served = 0
 
         async def embed_one(request: m.Generate) -> GenerateResult | None:
-            nonlocal refused
+            nonlocal refused, num_served
             async with room:  # taken in the inputs' order (the semaphore's waiters are FIFO)
                 if refused:  # the call fails: what is not sent yet is not (None)
                     return None
+                # Past the first window (see there): the run admitted the call.
+                request.continues = num_served > 0
                 try:
-                    return await self._collect(self._stream(request, seconds_left(deadline)))
+                    result = await self._collect(self._stream(request, seconds_left(deadline)))
                 except BrigadeError:
                     refused = True
                     raise
+                num_served += 1
+                return result
 
         # The outcome of every input sent (a prefix of them), so that a refusal names the input
         # it is about (embed_error).

@@ -437,6 +437,8 @@ def make_generate(
     if generation_prompt is not True and (messages is None or generation_prompt is not False):
         raise InvalidRequest("add_generation_prompt: true or false, for a chat (messages)")
     return_prompt_ids = _convert("return_prompt_ids", sampling.pop("return_prompt_ids", False), bool)
+    # A later request of a call the run admitted (m.Generate.continues): a stopping run finishes it.
+    continues = _convert("continues", sampling.pop("continues", False), bool)
     truncate = _convert("truncate_prompt_tokens", sampling.pop("truncate_prompt_tokens", None) or 0, int)
     if truncate < -1:
         raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as leave room for one output token) "
@@ -444,7 +446,7 @@ def make_generate(
     request = m.Generate(request_id=request_id or uuid.uuid4().hex, params=make_params(sampling), tools=tools,
                          chat_template_kwargs=template_kwargs, continue_final_message=continue_final,
                          add_generation_prompt=generation_prompt, truncate_prompt_tokens=truncate,
-                         return_prompt_ids=return_prompt_ids)  # fmt: skip
+                         return_prompt_ids=return_prompt_ids, continues=continues)  # fmt: skip
     if messages is not None:
         request.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     elif isinstance(prompt, str):
@@ -1315,7 +1317,11 @@ class Client(ClientBase):
                 refused = any(state.error is not None for state in states)
                 num_in_flight = sum(not state.is_done for state in states)
                 room = 0 if refused else MAX_EMBEDS_IN_FLIGHT - num_in_flight
+                # Past the first window an input goes once an earlier one was served: the run
+                # admitted the call, and a stopping run lets it finish (m.Generate.continues).
+                continues = any(state.finish_reason is not None for state in states)
                 for request in requests[len(states) : len(states) + room]:
+                    request.continues = continues
                     states.append(self.session.submit(request, seconds_left(deadline)))
                 if (refused or len(states) == len(requests)) and all(state.is_done for state in states):
                     break

@@ -254,6 +254,13 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # The prompt's token ids come back with the first output (Delta.prompt_ids; vLLM's
     # return_token_ids), as the engine ran them: rendered, tokenized, truncated.
     return_prompt_ids: bool = False
+    # A later request of one call whose first request a tokenizer already admitted (a beam
+    # search's next step, a choice sent after its prompt's first, an embedding call's inputs past
+    # its first window). A draining tokenizer (the run is stopping) refuses new requests but
+    # takes these, so that the call it admitted finishes rather than failing midway with a 503.
+    # A client that sets it on a new call only keeps the drain going until its deadline
+    # (supervisor.drain_timeout_s), which bounds every drain anyway.
+    continues: bool = False
 
 
 class Abort(msgspec.Struct, tag=True, gc=False):

@@ -74,7 +74,7 @@ class StageHandle:
     health: Health = field(default_factory=lambda: Health.started(0.0))
     load: m.StageLoad = field(default_factory=m.StageLoad)
     tokens_rate: float = 0.0
-    rate_at: float = 0.0
+    load_at: float = 0.0  # when `load` came (0: none from this process yet)
     state: str = "starting"
     last_stderr_line: str = ""
     stderr_pump: threading.Thread | None = None
@@ -101,11 +101,18 @@ class StageHandle:
         """Its liveness and load; the tokens per second average over heartbeats (0.3 to the newest)."""
         self.health.on_beat(now, beat.progress, beat.has_work)
         new_tokens = beat.load.tokens_total - self.load.tokens_total
-        if self.rate_at and new_tokens >= 0:
-            instant = new_tokens / max(now - self.rate_at, 1e-3)
+        if self.load_at and new_tokens >= 0:
+            instant = new_tokens / max(now - self.load_at, 1e-3)
             self.tokens_rate = 0.7 * self.tokens_rate + 0.3 * instant
-        self.rate_at = now
-        self.load = beat.load
+        self.load, self.load_at = beat.load, now
+
+    def has_drained(self, since: float) -> bool:
+        """Whether it reported nothing in flight in a load that came after `since` (when the run
+        began to drain): an older one may predate a call admitted just before the drain. A stage
+        that is down says nothing more, and is not waited for."""
+        if not (self.is_ready and self.is_alive):
+            return True
+        return self.load_at >= since and self.load.num_in_flight == 0
 
     def restart_after(self, delay_s: float) -> None:
         """It went down (exited, hung, or taken down with its group): it starts again in `delay_s`."""
@@ -235,7 +242,7 @@ class StageSet:
         now = time.monotonic()
         stage.is_ready, stage.state, stage.started_at, stage.restart_at = False, "starting", now, None
         stage.health = Health.started(now)
-        stage.load, stage.rate_at = m.StageLoad(), 0.0
+        stage.load, stage.load_at = m.StageLoad(), 0.0
         log.info("started %s (pid %d)", stage.name, stage.pid)
 
     def launch(self, stage: StageHandle) -> None:

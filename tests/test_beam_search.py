@@ -42,6 +42,7 @@ class ScriptedClient:
         self.num_open = 0
         self.num_started = 0
         self.timeouts: list[float | None] = []
+        self.continues: list[bool] = []  # each step's m.Generate.continues, as sent
         self.all_hanging = asyncio.Event()
         self.num_hanging = 0
 
@@ -50,6 +51,7 @@ class ScriptedClient:
         self.num_open += 1
         self.num_started += 1
         self.timeouts.append(timeout)
+        self.continues.append(sampling.get("continues", False))
         try:
             ids = list(prompt)
             output = len(ids) - len(PROMPT)
@@ -90,6 +92,14 @@ def test_every_step_has_a_deadline_and_the_beams_come_best_first() -> None:
     assert all(delta.finish_reason == "length" and len(delta.token_ids) == 5 for _, delta in out)
     assert client.num_started == 1 + 4 * 3 and client.timeouts == [STEP_TIMEOUT_S] * client.num_started
     assert client.num_open == 0
+
+
+def test_every_step_after_the_first_continues_the_admitted_search() -> None:
+    """The first step is the call's first request, which a stopping run refuses; the later ones
+    continue it (m.Generate.continues), which a stopping run takes: a search under way finishes."""
+    client = ScriptedClient()
+    asyncio.run(run(client))
+    assert client.continues == [False] + [True] * 4 * 3
 
 
 def test_without_max_tokens_it_searches_as_far_as_the_tokenizers_default() -> None:

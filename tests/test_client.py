@@ -719,6 +719,7 @@ def test_session_waits_out_one_dropped_handshake_but_not_a_run_of_them() -> None
         ({"bad_words": "word"}, "bad_words"),
         ({"bad_words": [3]}, "bad_words"),
         ({"bad_words_ids": [[5]]}, "^bad_words_ids are the tokenizer's to make from bad_words"),
+        ({"continues": "yes"}, "continues"),
     ],
 )
 def test_wrongly_typed_arguments_are_refused_before_sending(fakes, kwargs: dict, field: str) -> None:
@@ -778,6 +779,43 @@ def test_an_embed_call_stops_sending_once_an_input_is_refused(fakes, monkeypatch
         embed(texts)
     sent = len(fake.requests(m.Generate)) - sent_before
     assert 2 <= sent <= 2 + 4, f"{sent} of {len(texts)} inputs sent after input[1] was refused"
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_an_embed_calls_inputs_past_its_first_window_continue_the_call(
+    fakes, monkeypatch, use_async: bool
+) -> None:
+    """The first window's inputs go as a new call, which a stopping run refuses; those sent once
+    an earlier one was served continue a call the run admitted (m.Generate.continues), which a
+    stopping run takes: the call finishes instead of failing midway."""
+    import client.async_sdk
+    import client.sdk
+
+    for module in (client.sdk, client.async_sdk):
+        monkeypatch.setattr(module, "MAX_EMBEDS_IN_FLIGHT", 4)
+    fake = fakes()
+    texts = [f"text {i:02}" for i in range(10)]
+
+    async def embed_async():
+        async with AsyncClient(endpoints=[fake.endpoint]) as sdk:
+            return await sdk.embed(texts, timeout=30)
+
+    if use_async:
+        result = asyncio.run(embed_async())
+    else:
+        with Client(endpoints=[fake.endpoint]) as sdk:
+            result = sdk.embed(texts, timeout=30)
+    assert len(result.embeddings) == len(texts)
+    continues = {r.prompt: r.continues for r in fake.requests(m.Generate)}
+    assert [continues[text] for text in texts] == [False] * 4 + [True] * 6
+
+
+def test_continues_is_sent_as_given_and_off_by_default(fakes) -> None:
+    fake = fakes()
+    with Client(endpoints=[fake.endpoint]) as client:
+        client.generate("first", max_tokens=2)
+        client.generate("later", max_tokens=2, continues=True)
+    assert [(r.prompt, r.continues) for r in fake.requests(m.Generate)] == [("first", False), ("later", True)]
 
 
 def test_a_closed_client_says_so(fakes) -> None:

@@ -12,9 +12,11 @@ complete and the live beams are ranked by `cumulative_logprob / seq_len ** lengt
 Beam search samples nothing: every step runs greedily whatever the request's temperature, top_p,
 top_k, min_p or seed. The first step of each prompt sends it as the request gave it (text,
 token ids or a chat) and takes back its token ids; every later step sends token ids, so nothing
-is rendered or tokenized again. Each step's requests wait at most STEP_TIMEOUT_S; an error of any
-of them fails the whole search, and the others are aborted, as they are when the client goes away
-(cancelling the feed cancels every step in flight, and the SDK aborts a cancelled request).
+is rendered or tokenized again, and goes as a continuation of a call the run admitted
+(m.Generate.continues), so that a run stopping meanwhile finishes the search. Each step's
+requests wait at most STEP_TIMEOUT_S; an error of any of them fails the whole search, and the
+others are aborted, as they are when the client goes away (cancelling the feed cancels every
+step in flight, and the SDK aborts a cancelled request).
 """
 
 from __future__ import annotations
@@ -259,11 +261,14 @@ async def _search(
     # The engine takes prompts of at most max_model_len - 1 tokens: a beam that long ends there.
     num_steps = min(max_model_len - num_prompt, max_tokens)
     live, completed = advance([Beam()], [first.top], [], search, eos_ids, num_prompt)
+    # The run admitted the search with its first step: a stopping run takes the next ones
+    # (m.Generate.continues), so that the search ends as it would have, not with a 503 midway.
+    later = {**step, "continues": True}
     for _ in range(num_steps - 1):
         if not live:
             break
         outputs = await _all(
-            _step(client, np.concatenate((prompt_ids, np.asarray(beam.tokens, np.int32))), None, step)
+            _step(client, np.concatenate((prompt_ids, np.asarray(beam.tokens, np.int32))), None, later)
             for beam in live
         )
         live, completed = advance(live, [o.top for o in outputs], completed, search, eos_ids, num_prompt)

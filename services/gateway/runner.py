@@ -2,7 +2,8 @@
 
 The first choice of each prompt is submitted alone; the others follow once it has produced its
 first delta, when its prompt's KV blocks are computed and in the prefix cache, so n choices
-share one prefill. Closing the feed (a client disconnect cancels it) aborts every job. Any
+share one prefill. They go as continuations of an admitted call (m.Generate.continues), which a
+stopping run still takes. Closing the feed (a client disconnect cancels it) aborts every job. Any
 exception a job raises ends the request with an error: a job task that died silently would
 leave the feed waiting forever, the client without a byte, and the request's slot taken.
 """
@@ -34,7 +35,9 @@ async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[
         if not is_leader:
             await prefilled[job.prompt_index].wait()
         try:
-            stream = client.stream(job.prompt, messages=job.messages, **job.sampling)
+            # A later choice goes once the call was admitted (its first choice's first delta;
+            # after an error the call fails and this one is aborted): a stopping run finishes it.
+            stream = client.stream(job.prompt, messages=job.messages, continues=not is_leader, **job.sampling)
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     prefilled[job.prompt_index].set()

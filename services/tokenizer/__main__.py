@@ -257,7 +257,9 @@ class TokenizerProcess(StageProcess):
             return
         identity, request = received
         if isinstance(request, m.Generate):
-            if self.is_draining:
+            # A call admitted before the drain takes its next requests (m.Generate.continues):
+            # refused midway, it would fail although it was running.
+            if self.is_draining and not request.continues:
                 self.send(
                     Reply(
                         identity, m.ErrorReply(request.request_id, "unavailable", "server is shutting down")
@@ -450,7 +452,7 @@ class TokenizerProcess(StageProcess):
         elif isinstance(command, m.TopologyChanged):
             self.on_topology(command.topology)
         elif isinstance(command, m.Shutdown):
-            self.is_draining = True  # finish what is in flight, refuse anything new
+            self.is_draining = True  # finish what is in flight and the calls it belongs to, refuse new ones
         elif isinstance(command, m.ResubmitAll) and command.group < len(self.schedulers):
             submissions = self.core.resubmissions(command.group)
             self.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
