@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -335,8 +336,11 @@ class ControlChannel:
         return command
 
 
-def install_stop_handler() -> list[bool]:
-    """SIGTERM / SIGINT set a flag that the stage's loop checks (then it exits cleanly)."""
+def install_stop_handler(wakeup: socket.socket) -> list[bool]:
+    """SIGTERM / SIGINT set a flag that the stage's loop checks (then it exits cleanly), and write
+    a byte to `wakeup`: Python runs a handler only once the native call it interrupted returns,
+    and pyzmq resumes an interrupted poll, so a loop blocked in one would otherwise notice the
+    flag only at the poll's timeout (an idle scheduler's: its next heartbeat)."""
     stopping = [False]
 
     def on_signal(signum: int, frame: object) -> None:
@@ -344,6 +348,7 @@ def install_stop_handler() -> list[bool]:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
     return stopping
 
 
@@ -371,13 +376,19 @@ class StageProcess:
         self.ctx = zmq.Context()
         self.control = ControlChannel(self.ctx, self.stage)
         self.stopping = [False]  # set by SIGTERM / SIGINT once `run` starts
+        # Readable once a stop signal came: a stage registers `stop_fd` in the poll its loop waits
+        # in, so that the wait ends at the signal (install_stop_handler).
+        self.stop_reader, self.stop_writer = socket.socketpair()
+        for end in (self.stop_reader, self.stop_writer):
+            end.setblocking(False)
+        self.stop_fd = self.stop_reader.fileno()
         self.num_malformed = 0  # messages on the stage's own inputs that did not decode
 
     def run(self) -> None:
         """Serve until SIGTERM / SIGINT, then close."""
         if self.confines_writes:
             confine_writes(self.stage)
-        self.stopping = install_stop_handler()
+        self.stopping = install_stop_handler(self.stop_writer)
         self.serve()
         self.close()
 
@@ -411,3 +422,6 @@ class StageProcess:
     def close(self) -> None:
         self.log.info("stopping%s", self.drain())
         close_context(self.ctx, self.stop_linger_ms)
+        signal.set_wakeup_fd(-1)
+        self.stop_reader.close()
+        self.stop_writer.close()

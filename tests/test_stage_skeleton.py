@@ -6,6 +6,7 @@ SIGTERM leaves its loop, closes its context and exits 0."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +23,13 @@ from ipc.endpoints import Endpoints
 from ipc.shm import new_run_id
 from services.stage import RunInfo, write_run_info
 from tests.conftest import REPO_ROOT
+from tests.harness import brigade_run
+from tests.harness import stop as harness_stop
 
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 60.0
+LONG_HEARTBEAT_S = 120
 
 
 def receive(supervisor: zmq.Socket, wanted: type, deadline: float) -> m.Ready | m.Heartbeat:
@@ -73,3 +77,19 @@ def test_stage_counts_malformed_input_and_stops_cleanly_on_sigterm(smollm2_dir: 
             process.kill()
             process.wait()
         ctx.destroy(linger=0)
+
+
+def test_every_stage_stops_cleanly_whatever_its_poll_waits_for(tmp_path: Path) -> None:
+    """SIGTERM wakes a stage blocked in its poll (services/stage.py install_stop_handler). An idle
+    scheduler polls until its next heartbeat is due, and pyzmq resumes an interrupted poll: with a
+    heartbeat interval longer than the supervisor's stop grace, a scheduler that noticed the signal
+    only at the poll's timeout was SIGKILLed at every stop, never leaving its loop."""
+    with brigade_run(tmp_path / "run", f"supervisor.heartbeat_interval_s={LONG_HEARTBEAT_S}") as run:
+        time.sleep(1.0)  # the scheduler is in its idle poll
+        harness_stop(run)
+    assert run.process.returncode == 0
+    log = (tmp_path / "run.log").read_text()
+    for stage in ("tokenizer-0", "scheduler-0", "gpu_worker-0-0", "detokenizer-0"):
+        assert re.search(rf"\[{stage} pid=\d+\] stopping", log), (
+            f"{stage} did not leave its loop:\n{log[-3000:]}"
+        )

@@ -34,6 +34,7 @@ class DetokenizerProcess(StageProcess):
         self.num_batches = 0
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.poller.register(self.stop_fd, zmq.POLLIN)
 
     def start(self) -> None:
         self.control.ready(shard=str(self.stage.index))

@@ -105,7 +105,7 @@ class SchedulerProcess(StageProcess):
             on_unloaded=self.forget_adapter,
         )
         self.poller = zmq.Poller()
-        for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket):
+        for sock in (self.inbox.socket, self.workers.socket, self.control.socket.socket, self.stop_fd):
             self.poller.register(sock, zmq.POLLIN)
 
     # -- inputs --------------------------------------------------------------------------------

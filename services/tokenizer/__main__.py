@@ -139,6 +139,7 @@ class TokenizerProcess(StageProcess):
         self.poller.register(self.clients.socket, zmq.POLLIN)
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.control.socket.socket, zmq.POLLIN)
+        self.poller.register(self.stop_fd, zmq.POLLIN)
         for socket in self.encoders.sockets if self.encoders is not None else ():
             self.poller.register(socket, zmq.POLLIN)
         if self.fetcher is not None:
