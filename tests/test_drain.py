@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import json
 import signal
 import threading
 import time
@@ -29,6 +28,7 @@ from services.gateway.runner import run_jobs
 from supervision.stages import StageHandle
 from supervisor import Supervisor
 from tests.harness import brigade_run, free_port
+from tests.test_embeddings import post as post_json
 
 # -- the drain's logic, no process --------------------------------------------------------------
 
@@ -191,13 +191,7 @@ BEAM_TOKENS = 1500
 
 
 def post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-        reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
-    finally:
-        conn.close()
+    return post_json(f"http://127.0.0.1:{port}", path, body, timeout_s=300)
 
 
 def logged_at(line: str) -> float:
