@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from client.errors import ServerUnavailable
 from client.sdk import StreamDelta
 from ipc import messages as m
 from ipc.config import load_config
@@ -181,6 +182,32 @@ def test_choices_after_a_prompts_first_continue_the_admitted_call() -> None:
         ("prompt 1", True),
     ]
     assert [c for _, c in client.sent[:2]] == [False, False]  # the first choices go together, first
+
+
+class RefusingClient(RecordingClient):
+    """Refuses every prompt's first request, as a stopping run refuses a new call."""
+
+    async def stream(
+        self, prompt: Any, *, messages: Any = None, **sampling: Any
+    ) -> AsyncIterator[StreamDelta]:
+        self.sent.append((prompt, sampling.get("continues", False)))
+        await asyncio.sleep(0)
+        raise ServerUnavailable("server is shutting down")
+        yield  # an async generator, as the SDK's stream
+
+
+def test_a_refused_first_choice_sends_no_other() -> None:
+    """The call fails with its first choice's refusal; its other choices are not sent at all
+    (as continuations, a stopping run would take them for nothing)."""
+    client = RefusingClient()
+    jobs = [Job(j, 0, "prompt", None, {}) for j in range(4)]
+
+    async def run() -> list[tuple[int, StreamDelta]]:
+        return [item async for item in run_jobs(client, jobs)]  # type: ignore[arg-type]
+
+    with pytest.raises(ServerUnavailable, match="shutting down"):
+        asyncio.run(run())
+    assert client.sent == [("prompt", False)]
 
 
 # -- a real run -----------------------------------------------------------------------------------

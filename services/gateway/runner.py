@@ -29,11 +29,14 @@ async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[
     feed: asyncio.Queue[tuple[int, StreamDelta | None, BrigadeError | None]] = asyncio.Queue()
     prefilled = {job.prompt_index: asyncio.Event() for job in jobs}
     leaders = {job.prompt_index: job.index for job in reversed(jobs)}
+    refused: set[int] = set()  # prompts whose first choice failed: the call fails, nothing more is sent
 
     async def run(job: Job) -> None:
         is_leader = leaders[job.prompt_index] == job.index
         if not is_leader:
             await prefilled[job.prompt_index].wait()
+            if job.prompt_index in refused:
+                return
         try:
             # A later choice goes once the call was admitted (its first choice's first delta;
             # after an error the call fails and this one is aborted): a stopping run finishes it.
@@ -43,12 +46,18 @@ async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[
                     prefilled[job.prompt_index].set()
                     feed.put_nowait((job.index, delta, None))
         except BrigadeError as exc:
-            prefilled[job.prompt_index].set()
-            feed.put_nowait((job.index, None, exc))
+            fail(job, is_leader, exc)
         except Exception as exc:  # a bug, or input no check foresaw: the request fails, loudly
             log.exception("choice %d of a request failed", job.index)
-            prefilled[job.prompt_index].set()
-            feed.put_nowait((job.index, None, BrigadeError(f"internal error: {type(exc).__name__}: {exc}")))
+            fail(job, is_leader, BrigadeError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def fail(job: Job, is_leader: bool, error: BrigadeError) -> None:
+        if is_leader and not prefilled[job.prompt_index].is_set():
+            # Refused before its first output (too long, overloaded, a stopping run): its other
+            # choices would be refused too, or, as continuations, taken by a stopping run for nothing.
+            refused.add(job.prompt_index)
+        prefilled[job.prompt_index].set()
+        feed.put_nowait((job.index, None, error))
 
     tasks = [asyncio.create_task(run(job)) for job in jobs]
     try:
