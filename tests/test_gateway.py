@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,8 +33,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+import services.gateway.app
 from client import Client
 from client.async_sdk import AsyncClient
+from client.errors import Overloaded
+from client.sdk import StreamDelta
+from ipc import messages as m
 from services.audit import ApiKeyFailures, AuditLog
 from services.common.text import Tokenizer
 from services.gateway.anthropic import AnthropicReply, MessagesRequest
@@ -1433,6 +1438,39 @@ def test_a_bug_in_a_reply_formatter_is_a_logged_500_not_a_dropped_connection(
     assert [r.getMessage() for r in failures] == ["/v1/responses failed"] * 2 + ["/v1/messages failed"] * 2
 
 
+def test_a_stream_that_fails_midway_ends_with_its_error(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine error after a stream's first output is its last event before [DONE]: no usage
+    chunk (include_usage, timings_per_token) follows it as though the request had ended well."""
+
+    async def fails_after_one_delta(client, jobs):
+        yield 0, StreamDelta("Hi", [5], usage=m.Usage(3, 0))
+        raise Overloaded("the engine gave up")
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", fails_after_one_delta)
+    body = {
+        "model": gw.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "timings_per_token": True,
+    }
+    with in_process_gateway(gw, tmp_path) as url:
+        for path, extra in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        ):
+            request = urllib.request.Request(f"{url}{path}", json.dumps({**body, **extra}).encode(),
+                                             {"content-type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
+                assert reply.status == 200
+                text = reply.read().decode()
+            *datas, done = [e["data"] for e in parse_sse(text)]
+            chunks = [json.loads(data) for data in datas]
+            assert done == "[DONE]" and "the engine gave up" in chunks[-1]["error"]["message"], chunks
+            assert not [chunk for chunk in chunks if chunk.get("choices") == []], chunks  # no usage chunk
+
+
 def test_developer_role_is_the_system_role(gw: Gateway) -> None:
     as_system, _ = chat_sampled(gw, [{"role": "system", "content": SYSTEM}, *CHAT], 12)
     as_developer, _ = chat_sampled(gw, [{"role": "developer", "content": SYSTEM}, *CHAT], 12)
@@ -1641,6 +1679,7 @@ BAD_BODIES = {
                     ("response_format", {"type": "json_object"}),
                     ("echo", True),
                     ("prompt_logprobs", 1),
+                    ("timings_per_token", True),
                 )
             ),
         )

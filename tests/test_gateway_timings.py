@@ -24,9 +24,17 @@ def test_each_choice_counts_its_tokens_and_the_request_counts_each_prompt_once()
     assert first.prompt_per_token_ms == pytest.approx(500 / 6)
 
     whole = timings.of_request(now=102.5)
-    # prompt 0 counted once, with the most any of its choices found cached (as `usage`), and prompt 1
-    assert (whole.cache_n, whole.prompt_n, whole.predicted_n) == (8, 2 + 6, 7)
+    # prompt 0 counted once, with what the cache held before the call (choice 1 found the blocks
+    # choice 0 had just computed), and prompt 1
+    assert (whole.cache_n, whole.prompt_n, whole.predicted_n) == (4, 6 + 6, 7)
     assert whole.prompt_ms == pytest.approx(500.0) and whole.predicted_ms == pytest.approx(2000.0)
+
+
+def test_a_prompt_only_request_outputs_no_token() -> None:
+    """max_tokens 0 (echo): the one token the engine samples is not the reply's."""
+    timings = RequestTimings(arrival=0.0, prompt_of={0: 0}, is_prompt_only=True)
+    timings.add(0, StreamDelta("x", [9], finish_reason="length", usage=m.Usage(5, 1)), now=1.0)
+    assert timings.of_choice(0, now=1.0).predicted_n == timings.of_request(now=1.0).predicted_n == 0
 
 
 def test_a_choice_without_output_yet_has_zero_rates() -> None:

@@ -857,9 +857,10 @@ class Gateway:
                     yield event(chunk, cursor.event_id())
             try:
                 item = await anext(feed, None)
-            except BrigadeError as exc:
+            except BrigadeError as exc:  # the stream ends with it: no usage follows a failure
                 yield b"data: " + from_engine(exc, plan.aliases).body() + b"\n\n"
-                break
+                yield DONE
+                return
             if item is not None:
                 timer.on_output(item)
         if options.include_usage and usages:
@@ -1279,7 +1280,8 @@ class OpenAIWriter:
         """llama-server's timings, where the request asks for them (timings_per_token)."""
         if not self.timings_per_token:
             return None
-        return RequestTimings(timer.arrival, {job.index: job.prompt_index for job in self.plan.jobs})
+        prompt_of = {job.index: job.prompt_index for job in self.plan.jobs}
+        return RequestTimings(timer.arrival, prompt_of, is_prompt_only=self.plan.is_prompt_only)
 
     def error_body(self, error: ApiError) -> bytes:
         return error.body()

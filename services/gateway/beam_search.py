@@ -136,6 +136,8 @@ def _unservable(req: SamplingFields, constrained_by: str) -> list[str]:
         "bad_words": bool(req.bad_words),
         constrained_by: bool(constrained_by),
         "tools": getattr(req, "tools", None) is not None,
+        # every beam comes at the search's end: an output's time and rate would mean nothing
+        "timings_per_token": req.timings_per_token,
     }
     return [name for name, is_set in given.items() if is_set]
 

@@ -259,6 +259,7 @@ class Generated:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     lines_checked: int = 0  # where the last line n_indent has checked starts in `text` (0: none yet)
+    first_output_at: float | None = None  # its prompt's time ends here, its generation's starts
 
 
 class LlamaCompletions:
@@ -610,13 +611,12 @@ class LlamaWriter:
         self.prompt_only = prompt_only  # n_predict 0: the one token the engine samples is left out
         self.prompts = [job.prompt for job in plan.jobs]
         self.started = time.monotonic()
-        self.first_output_at: float | None = None
 
     def add(self, out: Generated, delta: StreamDelta) -> tuple[str, list[int], list[dict[str, Any]]]:
         """Take one delta into `out`; the text, ids and probabilities it adds. An output this
         writer ended (n_indent, t_max_predict_ms) takes no more."""
-        if self.first_output_at is None:
-            self.first_output_at = time.monotonic()
+        if out.first_output_at is None:
+            out.first_output_at = time.monotonic()
         if out.finish_reason is not None:
             return "", [], []
         if delta.usage is not None:
@@ -648,7 +648,7 @@ class LlamaWriter:
                 if text_at - start < self.body.n_indent:
                     out.text, out.finish_reason = out.text[:text_at], "length"
                     return
-        generating_ms = (time.monotonic() - (self.first_output_at or time.monotonic())) * 1e3
+        generating_ms = (time.monotonic() - (out.first_output_at or time.monotonic())) * 1e3
         if self.body.t_max_predict_ms > 0 and wrote_new_line and generating_ms > self.body.t_max_predict_ms:
             out.finish_reason = "length"
 
@@ -709,7 +709,7 @@ class LlamaWriter:
     def timings(self, out: Generated) -> dict[str, Any]:
         """An output's timings so far (a dict: response_fields picks its paths)."""
         now = time.monotonic()
-        first = self.first_output_at if self.first_output_at is not None else now
+        first = out.first_output_at if out.first_output_at is not None else now
         timings = llama_timings(out.cached_tokens, out.prompt_tokens - out.cached_tokens,
                                 (first - self.started) * 1e3, len(out.token_ids), (now - first) * 1e3)  # fmt: skip
         return msgspec.structs.asdict(timings)

@@ -2,9 +2,9 @@
 
 llama.cpp's clients (its web UI, wllama, agent harnesses) read them to show a live tokens-per-second
 figure: `/completion` replies carry them, and with `timings_per_token: true` every streamed chunk
-does, on llama-server's OpenAI routes too. Brigade's prompt time runs from the request's arrival
-at the gateway to its first output (queueing included, as a client sees it); the output's from
-that first output to now.
+does, on llama-server's OpenAI routes too. Brigade's prompt time runs from when the gateway starts
+running the request (its body read and checked) to its first output, queueing included, as a
+client sees it; the output's from that first output to now.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from client.sdk import StreamDelta
 from ipc import messages as m
 from services.gateway import protocol as p
-from services.gateway.formats import usage_out
 
 
 def llama_timings(
@@ -37,16 +36,18 @@ class RequestTimings:
     """The timings of an OpenAI-route request's choices as their outputs come (`add`): each
     choice's own (a stream's chunks), or the whole request's (its reply, its usage chunk)."""
 
-    def __init__(self, arrival: float, prompt_of: dict[int, int]) -> None:
+    def __init__(self, arrival: float, prompt_of: dict[int, int], *, is_prompt_only: bool = False) -> None:
         self.arrival = arrival
         self.prompt_of = prompt_of  # choice index -> prompt index (n choices share a prompt)
+        self.is_prompt_only = is_prompt_only  # max_tokens 0: the one token the engine samples is not output
         self.first_output_at: dict[int, float] = {}
         self.num_tokens = dict.fromkeys(prompt_of, 0)
         self.usages: dict[int, m.Usage] = {}  # the prompt's counts come with a choice's first output
 
     def add(self, index: int, delta: StreamDelta, now: float) -> None:
         self.first_output_at.setdefault(index, now)
-        self.num_tokens[index] += len(delta.token_ids)
+        if not self.is_prompt_only:
+            self.num_tokens[index] += len(delta.token_ids)
         if delta.usage is not None:
             self.usages[index] = delta.usage
 
@@ -62,13 +63,19 @@ class RequestTimings:
         )
 
     def of_request(self, now: float) -> p.Timings:
-        """Every prompt counted once (as `usage`), every choice's tokens; from the first output."""
-        usage = usage_out(self.usages, self.prompt_of)
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        """Every prompt counted once, with what the cache held for it before the call (the
+        fewest cached tokens any of its choices found: a later choice finds the blocks its
+        sibling just computed), every choice's tokens; from the first output."""
+        prompt_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}
+        for index, usage in self.usages.items():
+            prompt = self.prompt_of[index]
+            prompt_tokens[prompt] = usage.prompt_tokens
+            cached[prompt] = min(cached.get(prompt, usage.cached_tokens), usage.cached_tokens)
         first = min(self.first_output_at.values(), default=now)
         return llama_timings(
-            cached,
-            usage.prompt_tokens - cached,
+            sum(cached.values()),
+            sum(prompt_tokens.values()) - sum(cached.values()),
             (first - self.arrival) * 1e3,
             sum(self.num_tokens.values()),
             (now - first) * 1e3,
