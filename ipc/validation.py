@@ -150,6 +150,26 @@ def chat_chars(messages: Sequence[ChatMessage]) -> int:
     return total
 
 
+# A chat template knows these roles (developer: as system).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def check_chat_messages(messages: Sequence[ChatMessage]) -> None:
+    """A chat as every path that renders one takes it (generation, /tokenize, input_tokens): at
+    least one message, each of a known role and with content."""
+    if not messages:
+        raise InvalidParams("messages must not be empty")
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidParams(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}"
+            )
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidParams(
+                f"messages[{i}].content is required (only an assistant's tool calls may go without)"
+            )
+
+
 def check_continuable(messages: Sequence[ChatMessage]) -> None:
     """continue_final_message: the last message is an assistant's text, which the reply goes on
     from (a turn that calls tools is finished: its calls would be cut off or written as text)."""

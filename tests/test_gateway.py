@@ -1471,6 +1471,35 @@ def test_a_stream_that_fails_midway_ends_with_its_error(
             assert not [chunk for chunk in chunks if chunk.get("choices") == []], chunks  # no usage chunk
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [], "tools": [TOOL]}, "messages"),
+        ("/v1/chat/completions/input_tokens", {"messages": [], "tools": [TOOL]}, "messages"),
+        ("/v1/responses/input_tokens", {"input": [], "tools": [{"type": "function", "name": "f"}]}, "input"),
+        ("/tokenize", {"messages": [{"role": "x", "content": "hi"}]}, "messages[0].role"),
+        ("/apply-template", {"messages": [{"role": "user", "content": "hi"}, {"role": "x", "content": "hi"}]},
+         "messages[1].role"),
+    ],
+)  # fmt: skip
+def test_a_chat_rendered_without_generating_is_checked_as_generation_checks_it(
+    gw: Gateway, path: str, body: dict, named: str
+) -> None:
+    """/tokenize, /apply-template and the input_tokens routes render a chat as generation does,
+    and refuse what generation refuses, naming the field (an empty chat with tools was a 500)."""
+    status, _, data = gw.request("POST", path, {"model": gw.model, **body})
+    reply = json.loads(data)
+    assert status == 400, reply
+    error = reply["error"]
+    assert error.get("param", named) == named and named.split(".")[-1].split("[")[0] in error["message"], (
+        error
+    )
+
+
 def test_developer_role_is_the_system_role(gw: Gateway) -> None:
     as_system, _ = chat_sampled(gw, [{"role": "system", "content": SYSTEM}, *CHAT], 12)
     as_developer, _ = chat_sampled(gw, [{"role": "developer", "content": SYSTEM}, *CHAT], 12)

@@ -50,6 +50,7 @@ from ipc.validation import (
     InvalidParams,
     PromptTooLong,
     check_chat_budget,
+    check_chat_messages,
     check_continuable,
     check_message_count,
     check_prompt_chars,
@@ -1048,6 +1049,11 @@ class Gateway:
                 messages = [chat_message(i, sdk_message(i, x)) for i, x in enumerate(chat.messages)]
             except InvalidRequest as exc:
                 raise invalid(str(exc), "messages") from None
+            try:  # as the tokenizer stage refuses it for generation
+                check_chat_messages(messages)
+            except InvalidParams as exc:
+                named = str(exc).split(" ", 1)[0]  # "messages[2].role must be one of ..."
+                raise invalid(str(exc), named if named.startswith("messages[") else "messages") from None
             check_chat_budget(messages, "", max_chars=limit, max_messages=self.settings.max_messages)
             if chat.continue_final_message:  # as the tokenizer stage refuses it for generation
                 try:

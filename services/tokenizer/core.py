@@ -38,6 +38,7 @@ from ipc.validation import (
     InvalidParams,
     PromptTooLong,
     check_chat_budget,
+    check_chat_messages,
     check_continuable,
     check_prompt_chars,
     validate_params,
@@ -60,7 +61,6 @@ from services.metrics import FinishedRequest, RequestMetrics
 from services.request_sample import RequestSampler
 
 MAX_REQUEST_ID_CHARS = 256
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # developer: as system
 # Resubmissions of a quiet request that bring no progress before it is failed: one that the
 # engine keeps losing is a bug to report, not something to retry forever.
 MAX_REDRIVES = 3
@@ -704,24 +704,12 @@ class TokenizerCore:
             raise RequestError("invalid_request", "set exactly one of prompt, messages, prompt_token_ids")
         if request.messages is None:
             return
-        if not request.messages:
-            raise RequestError("invalid_request", "messages must not be empty")
-        for i, message in enumerate(request.messages):
-            if message.role not in CHAT_ROLES:
-                raise RequestError(
-                    "invalid_request",
-                    f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}",
-                )
-            if message.content is None and not (message.role == "assistant" and message.tool_calls):
-                raise RequestError(
-                    "invalid_request",
-                    f"messages[{i}].content is required (only an assistant's tool calls may go without)",
-                )
-        if request.continue_final_message:
-            try:
+        try:
+            check_chat_messages(request.messages)
+            if request.continue_final_message:
                 check_continuable(request.messages)
-            except InvalidParams as exc:
-                raise RequestError("invalid_request", str(exc)) from None
+        except InvalidParams as exc:
+            raise RequestError("invalid_request", str(exc)) from None
 
     def _prompt_ids(
         self, request: m.Generate, tools: list[dict] | None, image_sizes: list[tuple[int, int] | None]
