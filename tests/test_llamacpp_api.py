@@ -602,3 +602,13 @@ def test_completion_stream_with_timings_per_token(gw: Gateway) -> None:
     assert sent == 6 and events[-1]["timings"]["predicted_n"] == 6
     plain = stream(gw, prompt=PROMPT, n_predict=3, temperature=0)
     assert all("timings" not in partial for partial in plain[:-1]) and "timings" in plain[-1]
+
+
+def test_max_tokens_limits_a_completion_that_gives_no_n_predict(gw: Gateway) -> None:
+    """llama-server reads OpenAI's max_tokens where n_predict is not given (clients written for
+    /v1 send it); n_predict wins where both are."""
+    reply = completion(gw, prompt=PROMPT, temperature=0, ignore_eos=True, max_tokens=3)
+    assert reply["tokens_predicted"] == 3 and reply["stop_type"] == "limit"
+    assert reply["generation_settings"]["n_predict"] == 3
+    both = completion(gw, prompt=PROMPT, temperature=0, ignore_eos=True, max_tokens=3, n_predict=5)
+    assert both["tokens_predicted"] == 5

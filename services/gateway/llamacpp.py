@@ -64,7 +64,10 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     # list of replies). A top-level list holding a token id is one prompt.
     prompt: str | dict[str, Any] | list[str | int | list[str | int] | dict[str, Any]]
     model: str = ""
-    n_predict: int = -1  # -1: until eos or the context's end
+    # How many tokens to generate (-1, unset: until eos or the context's end); llama-server takes
+    # OpenAI's max_tokens where n_predict is not given, as clients written for /v1 send it.
+    n_predict: int | None = None
+    max_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -90,6 +93,14 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The last reply's fields to give, each a key or a path ("timings/prompt_n"), under its name.
     response_fields: list[str] | None = None
     timings_per_token: bool = False  # every streamed event carries its output's timings so far
+
+    @property
+    def num_to_predict(self) -> int:
+        """n_predict, else max_tokens, else -1."""
+        for given in (self.n_predict, self.max_tokens):
+            if given is not None:
+                return given
+        return -1
 
 
 class InfillChunk(msgspec.Struct, frozen=True):
@@ -183,14 +194,14 @@ def infill_prompt(
     prefix = prefix[max(0, len(prefix) - 3 * (batch // 4)) :]
     suffix = suffix[: max(0, batch // 4 - (2 + len(prompt)))]
     start = bos_ids(tokenizer)
-    reserve = min(max(body.n_predict, 1), context_tokens // 2)
+    reserve = min(max(body.num_to_predict, 1), context_tokens // 2)
     over = len(start) + 3 + len(prefix) + len(prompt) + len(suffix) + reserve - context_tokens
     if over > 0:
         cut = min(over, len(prefix))
         prefix, suffix = prefix[cut:], suffix[: max(0, len(suffix) - (over - cut))]
     gap = [*start, fim["prefix"], *prefix, *prompt, fim["suffix"], *suffix, fim["middle"]]
     # The files fill what the context has left after the gap and the reply.
-    room = min(context_tokens - batch - 2 * max(body.n_predict, 0), context_tokens - reserve - len(gap))
+    room = min(context_tokens - batch - 2 * max(body.num_to_predict, 0), context_tokens - reserve - len(gap))
     return [*(extra[max(0, len(extra) - room) :] if room > 0 else []), *gap]
 
 
@@ -318,7 +329,7 @@ class LlamaCompletions:
         model = gw.with_adapter(body.model, plan)
         if plan.seed is not None:
             settings["seed"] = plan.seed
-        prompt_only = body.n_predict == 0
+        prompt_only = body.num_to_predict == 0
         writer = LlamaWriter(gw, body, model, settings, plan, is_batch=is_batch, prompt_only=prompt_only)
         return gw.run(request, plan, body.stream, writer)
 
@@ -343,7 +354,7 @@ class LlamaCompletions:
         settings: dict[str, Any] = {**LLAMA_DEFAULTS, **given}
         settings.update(
             n_ctx=self.gateway.settings.max_model_len,
-            n_predict=body.n_predict,
+            n_predict=body.num_to_predict,
             model=body.model or self.gateway.settings.model,
             seed=body.seed,
             stop=list(body.stop or []),
@@ -367,8 +378,8 @@ class LlamaCompletions:
     ) -> Plan:
         """The /v1/completions plan of the same request (plan_completion), its field names mapped
         back to llama.cpp's in its refusals."""
-        if body.n_predict < -1:
-            raise invalid(f"n_predict must be -1 (no limit) or >= 0, got {body.n_predict}", "n_predict")
+        if body.num_to_predict < -1:
+            raise invalid(f"n_predict must be -1 (no limit) or >= 0, got {body.num_to_predict}", "n_predict")
         if body.n_probs < 0:
             raise invalid(f"n_probs must be >= 0, got {body.n_probs}", "n_probs")
         if body.seed < -1:
@@ -380,7 +391,9 @@ class LlamaCompletions:
         temperature = max(settings["temperature"], 0.0)  # llama.cpp: below 0 samples greedily
         # n_predict 0 evaluates the prompt alone: the engine always samples a token, which the
         # reply leaves out (LlamaWriter.prompt_only).
-        max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(body.n_predict, body.n_predict)
+        max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(
+            body.num_to_predict, body.num_to_predict
+        )
         request = p.CompletionRequest(
             prompt=prompts[0] if len(prompts) == 1 else prompts,
             max_tokens=max_tokens,
