@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -333,24 +334,32 @@ class Supervisor:
     def drain(self) -> None:
         """Let what is in flight finish, up to the grace period; a second signal cuts it short.
 
-        The tokenizers refuse new requests from now on but take the later requests of a call
-        they admitted (m.Generate.continues). Between two of those (a beam search's steps, an
-        embedding call's windows) no tokenizer holds any of the call, so the drain waits for the
-        gateways' HTTP calls as well, and counts only loads reported since it began."""
-        tokenizers = self.stages.of_kind("tokenizer")
-        counted = [*tokenizers, *self.stages.of_kind("gateway")]
-        self.read_control(0.0)  # the loads already sent, which none of the checks below believes
-        began = time.monotonic()
+        The gateways refuse new calls first (Shutdown); once each says so, the tokenizers refuse
+        new requests, but take those that continue a call admitted before (m.Generate.continues:
+        a beam search's next step, an embedding call's next window, and whatever a draining
+        gateway sends). Between two requests of such a call no tokenizer holds any of it, so the
+        drain waits for the gateways' calls as well. Each stage reports its load as it takes
+        the Shutdown and whenever that changes after."""
+        gateways, tokenizers = self.stages.of_kind("gateway"), self.stages.of_kind("tokenizer")
+        deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        num_signals = len(self.signals)
+
+        def wait_until(done: Callable[[], bool]) -> bool:
+            while time.monotonic() < deadline and len(self.signals) == num_signals:
+                if done():
+                    return True
+                self.read_control(0.2)
+            return False
+
+        for stage in gateways:
+            self.command(stage, m.Shutdown())
+        wait_until(lambda: all(stage.is_draining for stage in gateways))
         for stage in tokenizers:
             self.command(stage, m.Shutdown())
-        deadline = began + self.config.supervisor.drain_timeout_s
-        num_signals = len(self.signals)
-        while time.monotonic() < deadline and len(self.signals) == num_signals:
-            self.read_control(0.2)
-            if all(stage.has_drained(began) for stage in counted):
-                log.info("drained: nothing in flight")
-                return
-        log.info("drain ended with requests still in flight")
+        if wait_until(lambda: all(stage.has_drained for stage in [*gateways, *tokenizers])):
+            log.info("drained: nothing in flight")
+        else:
+            log.info("drain ended with requests still in flight")
 
     def stop(self) -> None:
         """Stop the stages in order and remove what this supervisor created (supervision/run.py):

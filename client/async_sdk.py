@@ -48,6 +48,9 @@ class AsyncClient(ClientBase):
         self._reader: asyncio.Task | None = None
         self._readable: asyncio.Event | None = None  # the reader task's (bound to its loop)
         self._num_polling = 0  # health checks and adapter commands waiting for replies
+        # Every request sent from now on continues a call its sender admitted before (a draining
+        # gateway's, which admits no new call): a stopping run takes it (m.Generate.continues).
+        self.continues_calls = False
 
     def _send(self, replica: int, frame: bytes) -> bool:
         self._check_open()
@@ -125,6 +128,8 @@ class AsyncClient(ClientBase):
 
     async def _stream(self, generate: m.Generate, timeout: float | None) -> AsyncIterator[StreamDelta]:
         self._ensure_reader()
+        if self.continues_calls:
+            generate.continues = True
         state = self.session.submit(generate, timeout if timeout is not None else self.timeout)
         wakeup = self._wakeups[state.request_id] = asyncio.Event()
         try:

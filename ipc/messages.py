@@ -620,6 +620,9 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # A scheduler's p90 seconds from receiving a request to its first token, over the last 30 s
     # (0.0: none in that time); the autoscaler's TTFT signal.
     ttft_p90_s: float = 0.0
+    # A tokenizer that took the run's Shutdown: its num_in_flight now holds every call it will
+    # take, which is what the supervisor's drain waits on (an earlier load may miss one).
+    is_draining: bool = False
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -106,13 +106,21 @@ class StageHandle:
             self.tokens_rate = 0.7 * self.tokens_rate + 0.3 * instant
         self.load, self.load_at = beat.load, now
 
-    def has_drained(self, since: float) -> bool:
-        """Whether it reported nothing in flight in a load that came after `since` (when the run
-        began to drain): an older one may predate a call admitted just before the drain. A stage
-        that is down says nothing more, and is not waited for."""
-        if not (self.is_ready and self.is_alive):
-            return True
-        return self.load_at >= since and self.load.num_in_flight == 0
+    @property
+    def is_draining(self) -> bool:
+        """Whether it said it took the drain's Shutdown, or is down (it says nothing more, and is
+        not waited for)."""
+        return self.load.is_draining or self.is_down
+
+    @property
+    def has_drained(self) -> bool:
+        """Whether it reported nothing in flight since it took the drain's Shutdown (a load sent
+        before may miss a call it admitted meanwhile), or is down."""
+        return self.is_down or (self.load.is_draining and self.load.num_in_flight == 0)
+
+    @property
+    def is_down(self) -> bool:
+        return not (self.is_ready and self.is_alive)
 
     def restart_after(self, delay_s: float) -> None:
         """It went down (exited, hung, or taken down with its group): it starts again in `delay_s`."""

@@ -818,6 +818,23 @@ def test_continues_is_sent_as_given_and_off_by_default(fakes) -> None:
     assert [(r.prompt, r.continues) for r in fake.requests(m.Generate)] == [("first", False), ("later", True)]
 
 
+def test_an_async_client_whose_calls_all_continue_marks_every_request(fakes) -> None:
+    """A draining gateway's client (continues_calls): every request it still sends belongs to a
+    call the gateway admitted before, which a stopping run takes, embedding inputs included."""
+    fake = fakes()
+
+    async def send() -> None:
+        async with AsyncClient(endpoints=[fake.endpoint]) as sdk:
+            await sdk.generate("before", max_tokens=2, timeout=30)
+            sdk.continues_calls = True
+            await sdk.generate("after", max_tokens=2, timeout=30)
+            await sdk.embed(["an input"], timeout=30)
+
+    asyncio.run(send())
+    sent = [(r.prompt, r.continues) for r in fake.requests(m.Generate)]
+    assert sent == [("before", False), ("after", True), ("an input", True)]
+
+
 def test_a_closed_client_says_so(fakes) -> None:
     fake = fakes()
     client = Client(endpoints=[fake.endpoint])

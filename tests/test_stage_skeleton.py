@@ -80,7 +80,8 @@ def test_stage_counts_malformed_input_and_stops_cleanly_on_sigterm(smollm2_dir: 
 
 
 def test_every_stage_stops_cleanly_whatever_its_poll_waits_for(tmp_path: Path) -> None:
-    """SIGTERM wakes a stage blocked in its poll (services/stage.py install_stop_handler). An idle
+    """SIGTERM wakes a stage blocked in its poll (services/stage.py install_stop_handler), and the
+    drain before it needs no heartbeat to come (a tokenizer reports when it drains). An idle
     scheduler polls until its next heartbeat is due, and pyzmq resumes an interrupted poll: with a
     heartbeat interval longer than the supervisor's stop grace, a scheduler that noticed the signal
     only at the poll's timeout was SIGKILLed at every stop, never leaving its loop."""
@@ -89,6 +90,8 @@ def test_every_stage_stops_cleanly_whatever_its_poll_waits_for(tmp_path: Path) -
         harness_stop(run)
     assert run.process.returncode == 0
     log = (tmp_path / "run.log").read_text()
+    # Nor does the drain wait for a heartbeat: a tokenizer reports its load when it takes the Shutdown.
+    assert "drained: nothing in flight" in log, log[-3000:]
     for stage in ("tokenizer-0", "scheduler-0", "gpu_worker-0-0", "detokenizer-0"):
         assert re.search(rf"\[{stage} pid=\d+\] stopping", log), (
             f"{stage} did not leave its loop:\n{log[-3000:]}"

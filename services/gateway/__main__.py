@@ -40,6 +40,8 @@ from services.tls import RotatingTls
 
 API_KEYS_ENV = "BRIGADE_API_KEYS"  # comma-separated; added to gateway.api_keys
 LISTEN_BACKLOG = 2048
+# The longest the control loop leaves the supervisor's commands unread.
+COMMAND_POLL_S = 0.1
 # glibc's mallopt parameters, and its ceiling on the mmap threshold (64-bit).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MAX_MMAP_THRESHOLD = 32 << 20
@@ -90,27 +92,34 @@ async def control_loop(
     url: str,
     tls: RotatingTls | None,
 ) -> None:
-    """Ready once the server listens; then heartbeats, rotated certificates, and Shutdown stops
-    the server."""
+    """Ready once the server listens; then heartbeats, rotated certificates, and the run's drain
+    (Shutdown: new calls are refused, those in flight finish; SIGTERM stops the server)."""
     while not server.started:
         await asyncio.sleep(0.01)
     control.ready(url=url)
     stage.log.info("serving the OpenAI API at %s", url)
+    reported_in_flight = -1
     while not server.should_exit:
         command = control.command()
         if isinstance(command, m.Shutdown):
-            server.should_exit = True
+            gateway.drain()
         elif isinstance(command, m.TopologyChanged):
             # Tokenizer replicas a hot reload added: run.json lists them once they are up.
             gateway.client.add_replicas(read_run_info(stage.run_dir).tokenizers)
         elif isinstance(command, m.Reconfigure):
             gateway.settings.default_max_tokens = command.default_max_tokens
-        load = m.StageLoad(num_in_flight=gateway.num_in_flight)
-        control.heartbeat(gateway.num_responses, has_work=False, load=load)
+        load = m.StageLoad(num_in_flight=gateway.num_in_flight, is_draining=gateway.is_draining)
+        # While the run drains, every change of what is in flight is reported at once: the
+        # supervisor's drain ends on it rather than on the next heartbeat.
+        force = gateway.is_draining and gateway.num_in_flight != reported_in_flight
+        control.heartbeat(gateway.num_responses, has_work=False, load=load, force=force)
+        if force:
+            reported_in_flight = gateway.num_in_flight
         gateway.settings.key_failures.flush()
         if tls is not None and (outcome := tls.poll()) is not None:
             gateway.metrics.tls_reloads.labels(outcome).inc()
-        await asyncio.sleep(control.interval / 2)
+        # Commands wait on this loop: a long heartbeat interval must not delay the drain's Shutdown.
+        await asyncio.sleep(min(control.interval / 2, COMMAND_POLL_S))
 
 
 async def serve(stage: Stage, control_channel: ControlChannel) -> None:

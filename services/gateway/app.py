@@ -290,6 +290,9 @@ class Gateway:
             settings.model, max_model_len=settings.max_model_len, registry=self.metrics.registry
         )
         self.num_in_flight = 0
+        # The run is stopping (the supervisor's Shutdown): new calls are refused, those in flight
+        # finish, and num_in_flight, which the drain waits on, counts only them.
+        self.is_draining = False
         self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
         )
@@ -628,10 +631,7 @@ class Gateway:
         """The inputs' vectors (client.embed), counted in flight (429 at the replica's limit); the
         SDK's and the engine's refusals as ApiErrors without a param (the caller names it). A
         client that goes away first aborts the inputs still in the engine (a 499 for nobody)."""
-        if self.num_in_flight >= self.settings.max_concurrent_requests:
-            raise ApiError(429, f"this replica is serving {self.num_in_flight} requests, its limit; retry after "
-                           f"{RETRY_AFTER_S}s", code="too_many_requests",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        self.check_room()
         self.num_in_flight += 1
         try:
             return await unless_disconnected(
@@ -661,13 +661,7 @@ class Gateway:
         """Refuse a request (429) when this replica is at its concurrency limit, or when it is
         constrained and its client is past its costly compiles; else count it in flight.
         Returns the client, for `on_refused`."""
-        if self.num_in_flight >= self.settings.max_concurrent_requests:
-            raise ApiError(
-                429,
-                f"this replica is serving {self.num_in_flight} requests, its limit; retry after {RETRY_AFTER_S}s",
-                code="too_many_requests",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+        self.check_room()
         client = self.client_of(request)
         if is_constrained(plan):
             wait_s = self.costly_constraints.retry_after_s(client)
@@ -682,6 +676,27 @@ class Gateway:
                 )
         self.num_in_flight += 1  # here, not in work(): requests arriving together all see it
         return client
+
+    def drain(self) -> None:
+        """The run is stopping: refuse new calls, and let those admitted finish, every request
+        they still send taken by the stopping tokenizers (the supervisor shuts those down once
+        every gateway drains, so a call's first request sent before is taken as new)."""
+        self.is_draining = True
+        self.client.continues_calls = True
+
+    def check_room(self) -> None:
+        """Refuse a new call while the run stops (503, as a stopping tokenizer refuses one), or at
+        this replica's concurrency limit (429)."""
+        if self.is_draining:
+            raise ApiError(503, "server is shutting down", code="unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        if self.num_in_flight >= self.settings.max_concurrent_requests:
+            raise ApiError(
+                429,
+                f"this replica is serving {self.num_in_flight} requests, its limit; retry after {RETRY_AFTER_S}s",
+                code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def client_of(self, request: Request) -> str:
         """Who sent a request, for per-client budgets: its client certificate's subject under
