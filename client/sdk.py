@@ -212,11 +212,15 @@ _PARAM_TYPES = {
 
 
 def _convert(name: str, value: Any, type_: Any) -> Any:
-    """`value` as `type_`, strictly (16.0 is not an int, "16" is not a number), or InvalidRequest."""
+    """`value` as `type_`, strictly (16.0 is not an int, "16" is not a number), or InvalidRequest;
+    an integer past the wire's 64 bits is refused naming `name` (not by the encoder, later)."""
     try:
-        return msgspec.convert(value, type_)
+        converted = msgspec.convert(value, type_)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"{name}={value!r:.80} has the wrong type: {exc}") from None
+    if isinstance(converted, int):  # a list's are checked by its own field (token ids by index)
+        _check_int_range(name, converted)
+    return converted
 
 
 def _check_int_range(name: str, value: Any) -> None:

@@ -966,6 +966,7 @@ def test_a_bad_text_does_not_poison_the_client(fakes, kwargs: dict) -> None:
         ({"prompt": "x", "stop_token_ids": [1, -(2**63) - 1]}, "stop_token_ids"),
         ({"prompt": "x", "allowed_token_ids": [1, 2**63]}, "allowed_token_ids"),
         ({"prompt": "x", "seed": 2**64 + 5}, "seed"),
+        ({"prompt": "x", "truncate_prompt_tokens": 2**64}, "truncate_prompt_tokens"),
     ],
 )
 def test_integers_wider_than_the_wire_are_refused_naming_the_field(fakes, kwargs: dict, field: str) -> None:

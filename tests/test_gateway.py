@@ -2589,6 +2589,13 @@ def test_integers_past_the_wire_get_400_naming_the_field(gw: Gateway) -> None:
                 model=gw.model, messages=CHAT, max_tokens=2, extra_body={"stop_token_ids": [2**64]}
             ),
         ),
+        (
+            "truncate_prompt_tokens",
+            lambda: api.completions.create(
+                model=gw.model, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 2**64}
+            ),
+        ),
+        ("dimensions", lambda: api.embeddings.create(model=gw.model, input="hi", dimensions=2**64)),
     ]
     for param, call in calls:
         with pytest.raises(openai.BadRequestError) as bad:
