@@ -930,6 +930,33 @@ ANTHROPIC_BAD_BODIES = {
         {"max_tokens": 4, "messages": CHAT, "thinking": {"type": "sometimes"}},
         "thinking.type",
     ),
+    # Refusals of what the request translates into name Anthropic's fields, not chat's.
+    "too many stop sequences": (
+        {"max_tokens": 4, "messages": CHAT, "stop_sequences": [f"s{i}" for i in range(100)]},
+        "stop_sequences has 100 strings",
+    ),
+    "an empty stop sequence": ({"max_tokens": 4, "messages": CHAT, "stop_sequences": [""]}, "stop_sequences"),
+    "a forced tool with an output format": (
+        {
+            "max_tokens": 4,
+            "messages": CHAT,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "f"},
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        },
+        "tool_choice {'type': 'tool', 'name': 'f'} forces a tool call, which cannot be combined with "
+        "output_config.format",
+    ),
+    "any tool with an output format": (
+        {
+            "max_tokens": 4,
+            "messages": CHAT,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"},
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        },
+        "tool_choice {'type': 'any'}",
+    ),
 }
 
 

@@ -219,6 +219,14 @@ def test_tokenize_detokenize_in_both_apis_shapes(gw: Gateway, hf_tokenizer) -> N
     assert b"".join(pieces) == text.encode()
     assert any(isinstance(t["piece"], list) for t in reply["tokens"])  # the snowman is split in bytes
 
+    # parse_special (llama.cpp's, default true): false reads a special token's text as text.
+    special = f"{hf_tokenizer.eos_token}x"
+    parsed = hf_tokenizer(special, add_special_tokens=False).input_ids
+    plain = hf_tokenizer(special, add_special_tokens=False, split_special_tokens=True).input_ids
+    assert parsed[0] == hf_tokenizer.eos_token_id and plain != parsed
+    assert post(gw, "/tokenize", {"content": special}) == (200, {"tokens": parsed})
+    assert post(gw, "/tokenize", {"content": special, "parse_special": False}) == (200, {"tokens": plain})
+
     assert_llama_error(*post(gw, "/tokenize", {"content": 5}), 400)
     status, vllm = post(gw, "/tokenize", {"prompt": text})  # vLLM's, as before
     assert (

@@ -153,12 +153,23 @@ class Tokenizer:
     def special_token_ids(self) -> list[int]:
         return sorted(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """`parse_special` False: a special token's text in `text` is encoded as plain text
+        (llama.cpp's /tokenize option), not as that token."""
+        tok = self._tok if parse_special else self._plain_tok
         if len(text) >= GIL_FREE_ENCODE_CHARS:
             # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
             # gateway thread encoding a long prompt does not stall the replica's event loop.
-            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _plain_tok(self) -> HFTokenizer:
+        """A copy that reads special tokens' texts as text: a setting of the tokenizer object,
+        which the threads encoding with the shared one must not see changed."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

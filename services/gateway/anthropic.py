@@ -45,6 +45,14 @@ TOOL_CHOICES: dict[str, str] = {"auto": "auto", "any": "required", "none": "none
 # The chat path's names for a tool's fields, in its error messages -> Anthropic's.
 _CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description)?")
 _CHAT_FORMAT_FIELD = re.compile(r"response_format(\.json_schema)?")
+# Chat's names for the rest of what a Messages request translates into (ipc/validation.py's stop
+# checks, jobs.py's forced tool choice), and Anthropic's.
+_CHAT_NAMES = [
+    (re.compile(r"\bstop\b(?= has | strings )"), "stop_sequences"),
+    (re.compile(r"tool_choice \{'type': 'function', 'function': \{'name': ('[^']*'|\"[^\"]*\")\}\}"),
+     r"tool_choice {'type': 'tool', 'name': \1}"),
+    (re.compile(r"tool_choice 'required'"), "tool_choice {'type': 'any'}"),
+]  # fmt: skip
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -217,7 +225,10 @@ def _anthropic_field(text: str) -> str:
         field = {"parameters": "input_schema", None: ""}.get(match.group(2), match.group(2))
         return f"tools[{match.group(1)}].{field}" if field else f"tools[{match.group(1)}]"
 
-    return _CHAT_FORMAT_FIELD.sub("output_config.format", _CHAT_TOOL_FIELD.sub(rename, text))
+    text = _CHAT_FORMAT_FIELD.sub("output_config.format", _CHAT_TOOL_FIELD.sub(rename, text))
+    for pattern, name in _CHAT_NAMES:
+        text = pattern.sub(name, text)
+    return text
 
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:

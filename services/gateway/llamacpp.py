@@ -211,10 +211,11 @@ class AnyTokenizeRequest(p.TokenizeRequest, frozen=True, kw_only=True):
 
     content: str | None = None
     add_special: bool = False  # llama.cpp's default: no BOS
+    parse_special: bool = True  # false: special tokens' texts in `content` are plain text
     with_pieces: bool = False
 
 
-LLAMA_TOKENIZE_FIELDS = frozenset({"content", "add_special", "with_pieces"})
+LLAMA_TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pieces"})
 
 
 class LlamaEmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -487,7 +488,7 @@ class LlamaCompletions:
         if body.content is None:
             return await gw.tokenize_body(request, body)
         try:
-            ids = await asyncio.to_thread(self._tokenize, body.content, body.add_special)
+            ids = await asyncio.to_thread(self._tokenize, body.content, body.add_special, body.parse_special)
         except ApiError as error:
             return gw.finish(request, llama_error_response(error))
         if body.with_pieces:
@@ -496,13 +497,15 @@ class LlamaCompletions:
             reply = {"tokens": ids}
         return gw.finish(request, Response(_encoder.encode(reply), media_type=JSON))
 
-    def _tokenize(self, content: str, add_special: bool) -> list[int]:
+    def _tokenize(self, content: str, add_special: bool, parse_special: bool) -> list[int]:
         """Encode (on a worker thread) under the budget a completion request has."""
         limit = self.gateway.settings.max_prompt_chars
         if len(content) > limit:
             raise invalid(f"content: {len(content)} characters; the limit is {limit} (tokenizer.max_prompt_chars)",
                           "content", "context_length_exceeded")  # fmt: skip
-        return self.gateway.tokenizer.encode(content, add_special_tokens=add_special)
+        return self.gateway.tokenizer.encode(
+            content, add_special_tokens=add_special, parse_special=parse_special
+        )
 
     def _piece(self, token_id: int) -> str | list[int]:
         """A token's text, or its bytes where they are not whole UTF-8 (as llama.cpp gives it)."""
