@@ -1713,6 +1713,8 @@ BAD_BODIES = {
         f"beam search {case}": (json.dumps({"prompt": "hi", **body}).encode(), param, "invalid_value")
         for case, body, param in (
             ("wider than 2 x n logprobs allow", {"use_beam_search": True, "n": 11}, "n"),
+            # "" is a 400 without beams too; a search would have dropped it unsaid
+            ("with an empty stop string", {"use_beam_search": True, "stop": ""}, "stop"),
             ("length_penalty without it", {"length_penalty": 0.5}, "length_penalty"),
             (
                 "length_penalty out of range",

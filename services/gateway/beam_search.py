@@ -125,7 +125,7 @@ def _unservable(req: SamplingFields, constrained_by: str) -> list[str]:
         "stream": req.stream,  # no beam is final before the last step (vLLM refuses it too)
         "echo": getattr(req, "echo", False),
         "prompt_logprobs": req.prompt_logprobs is not None,
-        "stop": bool(req.stop),
+        "stop": req.stop not in (None, []),
         "stop_token_ids": bool(req.stop_token_ids),
         "min_tokens": bool(req.min_tokens),
         "presence_penalty": bool(req.presence_penalty),
