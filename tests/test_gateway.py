@@ -2182,6 +2182,9 @@ def test_sagemakers_invocations_serve_each_api_by_its_body(gw: Gateway) -> None:
         direct_reply, via_reply = json.loads(direct), json.loads(via)
         assert via_reply["object"] == direct_reply["object"]
         assert via_reply["choices"][0] == direct_reply["choices"][0]
+    # A null field names no API: a completion whose client sends `messages: null` is a completion.
+    status, _, via = gw.request("POST", "/invocations", {**completion, "messages": None})
+    assert status == 200 and json.loads(via)["object"] == "text_completion", via
     status, headers, streamed = gw.request("POST", "/invocations", {**chat, "stream": True})
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     chunks = [json.loads(e["data"]) for e in parse_sse(streamed.decode()) if e["data"] != "[DONE]"]

@@ -54,7 +54,9 @@ def invocations(gateway: Gateway, endpoints: dict[str, Endpoint]) -> Endpoint:
             raise invalid(str(exc), None, "invalid_json") from None
         except (msgspec.DecodeError, msgspec.ValidationError):
             raise invalid("the body must be a JSON object", None, "invalid_json") from None
-        name = next((name for keys, name in APIS if keys <= fields.keys()), None)
+        # A field given as null is not given (each API takes null as its default).
+        given = {key for key, value in fields.items() if bytes(value) != b"null"}
+        name = next((name for keys, name in APIS if keys <= given), None)
         if name is None:
             raise invalid(f"/invocations takes the body of one API: give {NAMED}", None)
         return await endpoints[name](Request(request.scope, replaying(body, request.receive)))
