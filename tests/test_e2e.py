@@ -212,12 +212,18 @@ def test_a_probe_is_answered_with_the_requests_its_connection_does_not_hold(smol
     assert wait_idle(smol_run) == (0, 0, 0.0)
 
 
+ORPHAN_TOKENS = 1000  # with its 4 prompt tokens, within smol_run's 1024
+# A scheduler's load reaches status.json within a heartbeat (0.5 s) and the file's refresh (1 s).
+STATUS_LAG_S = 2.5
+
+
 def test_a_running_copy_nobody_waits_for_is_aborted(smol_run) -> None:
     """A tokenizer that died left its requests running; their clients resubmit them on new
     connections (new engine ids), so the old copies compute for nobody. The restarted tokenizer,
     which gets their deltas, aborts them. Here the orphan is pushed straight to the scheduler,
     under an engine id no tokenizer journals: it must stop within a small fraction of the time
-    its 900 tokens take (timed on a real request, in this run); without the abort it runs on."""
+    its 1000 tokens take (timed on a real request, in this run), or within the time its load
+    takes to reach status.json where that is longer; without the abort it runs on."""
     with Client(smol_run.run_dir) as client:
         started = time.monotonic()
         client.generate("Once upon a time", max_tokens=64, temperature=0.0, ignore_eos=True, timeout=120)
@@ -230,19 +236,21 @@ def test_a_running_copy_nobody_waits_for_is_aborted(smol_run) -> None:
             request_id=engine_id(0, b"a connection that died", "orphan"),
             tokenizer_id=0,
             prompt_ids=m.pack_ids([1, 2, 3, 4]),
-            params=fill_defaults(m.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)),
+            params=fill_defaults(
+                m.SamplingParams(max_tokens=ORPHAN_TOKENS, temperature=0.0, ignore_eos=True)
+            ),
         )
         assert scheduler.put(orphan)
         started = time.monotonic()
-        full_s = 900 * per_token_s
+        full_s = ORPHAN_TOKENS * per_token_s
         seen_running_s = 0.0  # when the scheduler last reported a running request
-        while time.monotonic() < started + 0.3 * full_s:
+        while time.monotonic() < started + full_s:
             if scheduler_load(smol_run, from_file=True)[0]:
                 seen_running_s = time.monotonic() - started
             time.sleep(0.05)
     finally:
         ctx.destroy(linger=0)
-    assert seen_running_s < 0.15 * full_s, (seen_running_s, full_s)
+    assert seen_running_s < max(0.15 * full_s, STATUS_LAG_S), (seen_running_s, full_s)
     assert wait_idle(smol_run) == (0, 0, 0.0)
 
 
