@@ -289,6 +289,7 @@ class ControlChannel:
         )
         self.last_beat = 0.0
         self.num_malformed = 0  # commands that did not decode: counted into each heartbeat
+        self.reported_in_flight = -1  # while draining: the last num_in_flight sent
         audit = AuditLog(audit_log_path(stage.run_dir, stage.config.observability.audit_log), stage.name)
         self.auth_failures = AuthFailures(audit, stage.log)
 
@@ -308,7 +309,13 @@ class ControlChannel:
     def heartbeat(
         self, progress: int, has_work: bool, load: m.StageLoad | None = None, force: bool = False
     ) -> None:
+        """Send one every heartbeat interval, or now if `force`. While the stage drains, every
+        change of what it has in flight goes at once: the supervisor's drain ends on it rather
+        than on the next heartbeat."""
         now = time.monotonic()
+        if load is not None and load.is_draining and load.num_in_flight != self.reported_in_flight:
+            force = True
+            self.reported_in_flight = load.num_in_flight
         if force or now - self.last_beat >= self.interval:
             self.last_beat = now
             if self.stage.is_supervised and os.getppid() != self.stage.parent_pid:

@@ -5,6 +5,7 @@ SIGTERM leaves its loop, closes its context and exits 0."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from ipc.codec import CONTROL_UP
 from ipc.config import load_config
 from ipc.endpoints import Endpoints
 from ipc.shm import new_run_id
-from services.stage import RunInfo, write_run_info
+from services.stage import ControlChannel, RunInfo, Stage, write_run_info
 from tests.conftest import REPO_ROOT
 from tests.harness import brigade_run
 from tests.harness import stop as harness_stop
@@ -96,3 +97,29 @@ def test_every_stage_stops_cleanly_whatever_its_poll_waits_for(tmp_path: Path) -
         assert re.search(rf"\[{stage} pid=\d+\] stopping", log), (
             f"{stage} did not leave its loop:\n{log[-3000:]}"
         )
+
+
+def test_a_draining_stage_reports_each_change_of_its_load_at_once(tmp_path: Path) -> None:
+    """Between heartbeats a draining stage still reports every change of what it has in flight (the
+    supervisor's drain ends on it), and only a change: an unchanged count waits for the interval."""
+    config = load_config(None, (f"supervisor.heartbeat_interval_s={LONG_HEARTBEAT_S}",))
+    endpoints = Endpoints(tmp_path, new_run_id())
+    info = RunInfo(endpoints.run_id, os.getpid(), "", "test", [], config)
+    stage = Stage("tokenizer-0", 0, tmp_path, info, endpoints, logging.getLogger("test"), False, os.getpid())
+    ctx = zmq.Context()
+    try:
+        supervisor = ctx.socket(zmq.ROUTER)
+        supervisor.bind(endpoints.supervisor().bind)
+        control = ControlChannel(ctx, stage)
+        control.heartbeat(0, has_work=False, load=m.StageLoad(num_in_flight=3))  # the first one goes
+        assert receive(supervisor, m.Heartbeat, time.monotonic() + WAIT_S).load.num_in_flight == 3
+        sent = []
+        for in_flight, is_draining in [(2, False), (2, True), (2, True), (1, True), (1, True), (0, True)]:
+            control.heartbeat(
+                0, has_work=False, load=m.StageLoad(num_in_flight=in_flight, is_draining=is_draining)
+            )
+            while supervisor.poll(200):
+                sent.append(CONTROL_UP.decode(supervisor.recv_multipart()[1]).load.num_in_flight)
+        assert sent == [2, 1, 0]
+    finally:
+        ctx.destroy(linger=0)

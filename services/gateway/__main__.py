@@ -98,7 +98,6 @@ async def control_loop(
         await asyncio.sleep(0.01)
     control.ready(url=url)
     stage.log.info("serving the OpenAI API at %s", url)
-    reported_in_flight = -1
     while not server.should_exit:
         command = control.command()
         if isinstance(command, m.Shutdown):
@@ -109,12 +108,7 @@ async def control_loop(
         elif isinstance(command, m.Reconfigure):
             gateway.settings.default_max_tokens = command.default_max_tokens
         load = m.StageLoad(num_in_flight=gateway.num_in_flight, is_draining=gateway.is_draining)
-        # While the run drains, every change of what is in flight is reported at once: the
-        # supervisor's drain ends on it rather than on the next heartbeat.
-        force = gateway.is_draining and gateway.num_in_flight != reported_in_flight
-        control.heartbeat(gateway.num_responses, has_work=False, load=load, force=force)
-        if force:
-            reported_in_flight = gateway.num_in_flight
+        control.heartbeat(gateway.num_responses, has_work=False, load=load)
         gateway.settings.key_failures.flush()
         if tls is not None and (outcome := tls.poll()) is not None:
             gateway.metrics.tls_reloads.labels(outcome).inc()

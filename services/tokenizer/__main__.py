@@ -131,7 +131,6 @@ class TokenizerProcess(StageProcess):
         self.adapter_command_ids = itertools.count()
         self.num_events = 0
         self.is_draining = False
-        self.reported_in_flight = -1  # while draining: the last num_in_flight heartbeated
         self.last_keepalive = 0.0
         # Replies that slow clients' sockets refused (their queues are full), by client identity.
         self.held: dict[bytes, Backlog] = {}
@@ -525,16 +524,12 @@ class TokenizerProcess(StageProcess):
             self.expire_adapter_commands()
 
     def heartbeat(self) -> None:
-        num_in_flight = len(self.core.journal)
         load = m.StageLoad(
-            num_in_flight=num_in_flight, num_malformed=self.num_malformed, is_draining=self.is_draining
+            num_in_flight=len(self.core.journal),
+            num_malformed=self.num_malformed,
+            is_draining=self.is_draining,
         )
-        # While the run drains, every change of what is in flight is reported at once: the
-        # supervisor's drain ends on it rather than on the next heartbeat.
-        force = self.is_draining and num_in_flight != self.reported_in_flight
-        self.control.heartbeat(self.num_events, has_work=False, load=load, force=force)
-        if force:
-            self.reported_in_flight = num_in_flight
+        self.control.heartbeat(self.num_events, has_work=False, load=load)
 
     def drain(self) -> str:
         """The run is stopping or this replica is retired: every client hears it now instead of
