@@ -808,7 +808,7 @@ class Gateway:
             item = await anext(feed, None)
             if item is not None:
                 timer.on_output(item)
-        reply = fmt.whole(choices, usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+        reply = fmt.whole(choices, usage_out(usages, plan.prompt_of))
         if timings is not None:
             reply.timings = timings.of_request(time.monotonic())  # type: ignore[attr-defined]
         return reply
@@ -880,7 +880,7 @@ class Gateway:
             if item is not None:
                 timer.on_output(item)
         if options.include_usage and usages:
-            chunk = fmt.usage_chunk(usage_out(usages, {job.index: job.prompt_index for job in plan.jobs}))
+            chunk = fmt.usage_chunk(usage_out(usages, plan.prompt_of))
             if timings is not None:
                 chunk.timings = timings.of_request(time.monotonic())  # type: ignore[attr-defined]
             yield event(chunk)
@@ -1301,8 +1301,7 @@ class OpenAIWriter:
         """llama-server's timings, where the request asks for them (timings_per_token)."""
         if not self.timings_per_token:
             return None
-        prompt_of = {job.index: job.prompt_index for job in self.plan.jobs}
-        return RequestTimings(timer.arrival, prompt_of, is_prompt_only=self.plan.is_prompt_only)
+        return RequestTimings(timer.arrival, self.plan.prompt_of, is_prompt_only=self.plan.is_prompt_only)
 
     def error_body(self, error: ApiError) -> bytes:
         return error.body()
@@ -1315,7 +1314,7 @@ async def metered(feed: Feed, plan: Plan, record: AccessRecord) -> Feed:
     """`feed`, counting its tokens (and with include_text keeping its text) into the request's
     access log record."""
     usages: dict[int, m.Usage] = {}
-    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    prompt_of = plan.prompt_of
     if record.include_text:
         leaders = {job.prompt_index: job for job in reversed(plan.jobs)}
         record.prompt = [job.messages if job.messages is not None else job.prompt for job in leaders.values()]
@@ -1334,7 +1333,7 @@ async def observed_choices(feed: Feed, plan: Plan, metrics: ChoicesMetrics) -> F
     """`feed`, observing each prompt's `n` and its longest choice once all its choices finished
     (vLLM observes a request with n choices once, when its last one ends). A request that fails
     or whose client goes away first is not observed: the tokenizers count its choices."""
-    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    prompt_of = plan.prompt_of
     n_of = collections.Counter(prompt_of.values())
     left = dict(n_of)
     num_tokens = dict.fromkeys(prompt_of, 0)

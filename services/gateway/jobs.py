@@ -75,6 +75,11 @@ class Plan:
     # vLLM's use_beam_search: the jobs' choices are the search's beams (beam_search.py), not samples
     beam: BeamSearch | None = None
 
+    @property
+    def prompt_of(self) -> dict[int, int]:
+        """Each choice's prompt (choice index -> prompt index): the n choices of a prompt share it."""
+        return {job.index: job.prompt_index for job in self.jobs}
+
 
 def header_seed(value: str | None) -> int | None:
     """The seed a client sends back (X-Brigade-Seed) to resume a sampled request exactly."""

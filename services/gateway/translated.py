@@ -127,7 +127,7 @@ def run_translated(
 async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, plan: Plan,
                         fmt: ChatFormat, translation: Translation,
                         timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
-    prompt_of = {job.index: job.prompt_index for job in plan.jobs}
+    prompt_of = plan.prompt_of
     # The opening waits for the first output, which carries the prompt's length (Anthropic's
     # message_start counts it); keep-alive comments cover a long wait.
     try:
