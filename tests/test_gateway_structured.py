@@ -436,6 +436,15 @@ def test_a_forced_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(gw: 
     for message in (reply, streamed_reply):
         assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "city"), message
         assert [block.type for block in message.content] == ["tool_use"], message
+    # A stop sequence before the call is named ("name", a key of the forced calls' JSON) leaves no
+    # call: the whole reply said end_turn, reading only the parsed message.
+    body["stop_sequences"] = ["name"]
+    reply = messages.create(**body)
+    with messages.stream(**body) as stream:
+        streamed_reply = stream.get_final_message()
+    for message in (reply, streamed_reply):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "name"), message
+    assert reply.content == streamed_reply.content, (reply, streamed_reply)
 
 
 def test_a_constrained_reply_of_a_deepseek_r1_style_model_is_content_not_reasoning(

@@ -373,13 +373,8 @@ class AnthropicReply:
         choice = completion.choices[0]
         text = choice.message.content or ""
         calls = choice.message.tool_calls or []
-        self.stop_sequence = self._stop_hit(text, choice.finish_reason)
-        if self.stop_sequence is not None:
-            text = text[: -len(self.stop_sequence)]
-        elif not text and calls:
-            # A forced call's output is its calls: a stop sequence that cut it ends the last one's
-            # arguments (a stream finds it in the raw text, `piece`).
-            self.stop_sequence = self._stop_hit(calls[-1].function.arguments, choice.finish_reason)
+        # `piece` has read the engine's output (found and cut a stop sequence) before the chat
+        # format parsed it into text and calls, as in a stream.
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         if choice.message.reasoning_content:  # a reasoning model's thinking (reasoning.py): first
             content.insert(

@@ -793,14 +793,17 @@ class Gateway:
 
     async def collect(self, first: tuple[int, StreamDelta] | None, feed: AsyncIterator[tuple[int, StreamDelta]],
                       plan: Plan, fmt: ChatFormat | CompletionFormat, timer: Any,
-                      timings: RequestTimings | None = None) -> msgspec.Struct:  # fmt: skip
-        """The whole reply; with `timings` (llama-server's timings_per_token), the request's."""
+                      timings: RequestTimings | None = None,
+                      read: Callable[[Piece], Piece] = lambda piece: piece) -> msgspec.Struct:  # fmt: skip
+        """The whole reply; with `timings` (llama-server's timings_per_token), the request's. Each
+        piece of output goes through `read` first, as a stream's would (a translated API's own
+        reading: Anthropic's cut of a stop sequence)."""
         choices = [ChoiceOutput() for _ in plan.jobs]
         usages = {}
         item = first
         while item is not None:
             index, delta = item
-            choices[index].add(to_piece(delta))
+            choices[index].add(read(to_piece(delta)))
             if delta.usage is not None:
                 usages[index] = delta.usage
             if timings is not None:

@@ -99,7 +99,9 @@ class TranslatedWriter:
         self.gateway = gateway
 
     async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
-        completion = await self.gateway.collect(first, feed, self.plan, self.fmt, timer)
+        completion = await self.gateway.collect(
+            first, feed, self.plan, self.fmt, timer, read=self.translation.piece
+        )
         assert isinstance(completion, p.ChatCompletion)
         return await self.translation.whole(completion)
 
