@@ -672,6 +672,7 @@ class RequestState:
         self.sent_at = now
         self.heard_at = now  # last sign of life from the replica running it
         self.is_acked = False  # the replica running it has answered for it by id
+        self.is_admitted = False  # a replica has streamed output of it (a refusal admits nothing)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
@@ -696,9 +697,14 @@ class RequestState:
         return self.finish_reason is not None or self.error is not None
 
     def resubmission(self) -> m.Generate:
-        """The same request, continuing after what was already received."""
+        """The same request, continuing after what was already received. Once the run has admitted
+        it, it continues an admitted call (m.Generate.continues): a stopping run finishes it on
+        whichever replica it fails over to."""
         return msgspec.structs.replace(
-            self.generate, resume_output_ids=m.pack_ids(self.token_ids), resume_num_chars=self.num_chars
+            self.generate,
+            resume_output_ids=m.pack_ids(self.token_ids),
+            resume_num_chars=self.num_chars,
+            continues=self.generate.continues or self.is_admitted,
         )
 
     def apply(self, delta: m.Delta) -> None:
@@ -930,6 +936,7 @@ class Session:
             return
         state.heard_at, state.is_acked = now, True
         if isinstance(reply, m.Delta):
+            state.is_admitted = True
             state.apply(reply)
         elif reply.code == "unavailable" and self._has_other_live_replica(replica):
             rep.is_suspect = True  # draining or shutting down: another replica takes it

@@ -331,6 +331,8 @@ def test_failover_resumes_on_another_replica(fakes) -> None:
     assert resumed.request_id == first.request_id and resumed.params == first.params
     assert m.unpack_ids(resumed.resume_output_ids).tolist() == expected_ids("failover", 7)
     assert resumed.resume_num_chars == len(expected_text("failover", 7))
+    # The run admitted it: a stopping run finishes it on the replica it moved to.
+    assert (first.continues, resumed.continues) == (False, True)
     assert dying.requests(m.Health), "the silent replica was probed before failing over"
 
 
@@ -1087,6 +1089,18 @@ def test_every_replica_stopping_fails_the_request_instead_of_bouncing(fakes) -> 
         with pytest.raises(ServerUnavailable, match="refused by the fake"):
             client.generate("x", timeout=10)
     assert len(a.requests(m.Generate)) + len(b.requests(m.Generate)) == 2
+
+
+def test_a_request_a_stopping_replica_refused_is_not_a_continuation_elsewhere(fakes) -> None:
+    """A refusal admits nothing: the replica that takes the request next sees a new request, which
+    a stopping run refuses too (unlike a failover after output, which continues an admitted call)."""
+    stopping, live = fakes(0, mode="error:unavailable"), fakes(1)
+    with Client(endpoints=[stopping.endpoint, live.endpoint]) as client:
+        client.health()
+        client.session._next = 0  # the round robin starts on the stopping one
+        assert client.generate("moved", max_tokens=3).token_ids == expected_ids("moved", 3)
+    ((refused,), (taken,)) = stopping.requests(m.Generate), live.requests(m.Generate)
+    assert taken.request_id == refused.request_id and (refused.continues, taken.continues) == (False, False)
 
 
 def test_async_stream_chat(fakes) -> None:
