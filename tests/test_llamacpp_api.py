@@ -169,6 +169,34 @@ def test_a_batch_of_prompts_answers_a_list(gw: Gateway, hf_tokenizer) -> None:
         assert "".join(e["content"] for e in events if e["index"] == index) == want
 
 
+def test_n_cmpl_answers_each_prompts_completions_in_a_list(gw: Gateway) -> None:
+    """llama-server's n_cmpl (or OpenAI's n): that many completions of each prompt, a list in
+    prompt-major order whose j-th completion of a prompt samples with the seed plus j, as a single
+    request with that seed does."""
+    sampled = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": 6}
+    alone = {
+        (prompt, seed): completion(gw, prompt=prompt, seed=seed, **sampled)["content"]
+        for prompt in (PROMPT, "Hello") for seed in (5, 6, 7)
+    }  # fmt: skip
+    assert len({alone[PROMPT, seed] for seed in (5, 6, 7)}) > 1, alone  # the seeds sample differently
+    for field in ("n_cmpl", "n"):
+        status, replies = post(gw, "/completion", {"prompt": PROMPT, field: 3, "seed": 5, **sampled})
+        assert status == 200 and [r["index"] for r in replies] == [0, 1, 2], replies
+        assert [r["content"] for r in replies] == [alone[PROMPT, seed] for seed in (5, 6, 7)], field
+    body = {"prompt": [PROMPT, "Hello"], "n_cmpl": 2, "n": 3, "seed": 5, **sampled}  # n_cmpl wins
+    status, replies = post(gw, "/completion", body)
+    want = [alone[prompt, seed] for prompt in (PROMPT, "Hello") for seed in (5, 6)]
+    assert status == 200 and [r["content"] for r in replies] == want, replies
+    events = stream(gw, **body)
+    assert ["".join(e["content"] for e in events if e["index"] == i) for i in range(4)] == want
+    assert (
+        completion(gw, prompt=PROMPT, n_cmpl=1, seed=5, **sampled)["content"] == alone[PROMPT, 5]
+    )  # no list
+    for field in ("n_cmpl", "n"):
+        status, reply = post(gw, "/completion", {"prompt": PROMPT, field: 0})
+        assert assert_llama_error(status, reply, 400).startswith(f"{field} must be >= 1"), reply
+
+
 def test_n_probs_are_the_top_logprobs_of_v1_completions(gw: Gateway) -> None:
     reply = completion(gw, prompt=PROMPT, temperature=0, n_predict=4, n_probs=3, return_tokens=True)
     want = v1_completion(gw, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)["logprobs"]

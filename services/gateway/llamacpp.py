@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The last reply's fields to give, each a key or a path ("timings/prompt_n"), under its name.
     response_fields: list[str] | None = None
     timings_per_token: bool = False  # every streamed event carries its output's timings so far
+    # Completions of each prompt (llama-server's n_cmpl, which takes OpenAI's n where it is not
+    # given); more than one reply in all is a list, each prompt's right after one another.
+    n_cmpl: int | None = None
+    n: int | None = None
 
     @property
     def num_to_predict(self) -> int:
@@ -101,6 +106,11 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
             if given is not None:
                 return given
         return -1
+
+    @property
+    def num_completions(self) -> int:
+        """n_cmpl, else n, else 1."""
+        return next((given for given in (self.n_cmpl, self.n) if given is not None), 1)
 
 
 class InfillChunk(msgspec.Struct, frozen=True):
@@ -331,6 +341,7 @@ class LlamaCompletions:
         if plan.seed is not None:
             settings["seed"] = plan.seed
         prompt_only = body.num_to_predict == 0
+        is_batch = is_batch or len(plan.jobs) > 1
         writer = LlamaWriter(gw, body, model, settings, plan, is_batch=is_batch, prompt_only=prompt_only)
         return gw.run(request, plan, body.stream, writer)
 
@@ -397,6 +408,7 @@ class LlamaCompletions:
         )
         request = p.CompletionRequest(
             prompt=prompts[0] if len(prompts) == 1 else prompts,
+            n=body.num_completions,
             max_tokens=max_tokens,
             temperature=temperature,
             top_k=max(settings["top_k"], 0),  # llama.cpp: 0 or below is no top-k
@@ -417,6 +429,8 @@ class LlamaCompletions:
         try:
             plan = plan_completion(request, resumed_seed)
         except ApiError as error:
+            if error.param == "n" and body.n_cmpl is not None:
+                error.param, error.message = "n_cmpl", re.sub(r"^n\b", "n_cmpl", error.message)
             raise renamed(error) from None
         plan.aliases.update(max_tokens="n_predict", logprobs="n_probs", repetition_penalty="repeat_penalty")
         return plan
