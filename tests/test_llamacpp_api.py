@@ -607,6 +607,34 @@ def test_timings_per_token_on_a_chat_stream_through_the_openai_client(gw: Gatewa
     assert all("timings" not in (chunk.model_extra or {}) for chunk in plain)  # OpenAI's shapes otherwise
 
 
+def test_timings_per_token_on_a_responses_stream(gw: Gateway) -> None:
+    """The Responses API's stream with timings_per_token, as llama-server's: each chunk's last event
+    carries its timings so far, and `response.completed` (or `.incomplete`) the request's, agreeing
+    with its usage;
+    without the field, no timings."""
+    api = gw.openai()
+    body = {"model": gw.model, "input": PROMPT, "max_output_tokens": 8, "temperature": 0, "stream": True}
+    events = list(api.responses.create(**body, extra_body={"timings_per_token": True}))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    completed = events[-1]  # response.incomplete where max_output_tokens cut it
+    assert completed.type in ("response.completed", "response.incomplete") and deltas, events
+    last_n, last_ms = 0, -1.0
+    for event in deltas:  # one chunk each, whose last event it is
+        timings = event.model_extra["timings"]
+        assert timings["predicted_n"] > last_n and timings["predicted_ms"] >= last_ms, timings
+        last_n, last_ms = timings["predicted_n"], timings["predicted_ms"]
+        assert timings["prompt_ms"] > 0
+        assert_rates(timings)
+    usage, timings = completed.response.usage, completed.model_extra["timings"]
+    assert timings["predicted_n"] == last_n == usage.output_tokens, (timings, usage)
+    assert timings["cache_n"] == usage.input_tokens_details.cached_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == usage.input_tokens
+    assert_rates(timings)
+    assert "".join(e.delta for e in deltas) == completed.response.output_text
+    plain = list(api.responses.create(**body))
+    assert plain and all("timings" not in (e.model_extra or {}) for e in plain)  # OpenAI's shapes otherwise
+
+
 def test_timings_of_a_whole_reply_count_every_choice(gw: Gateway) -> None:
     """A reply (not streamed) with timings_per_token carries the request's timings: its prompt
     counted once (with what the cache held before the call: a later choice finds the blocks its

@@ -435,7 +435,8 @@ class AnthropicReply:
                 self.stop_reason = self._stop_reason(choice.finish_reason)
         return out
 
-    async def closing(self, usage: p.UsageOut) -> list[bytes]:
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
+        # Anthropic's events have no timings (llama-server gives none on this API either).
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},

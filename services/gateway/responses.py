@@ -107,6 +107,9 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    # llama-server's: each chunk's last event carries its timings so far, response.completed the
+    # request's (a stream only, as llama-server)
+    timings_per_token: bool = False
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -297,6 +300,7 @@ class ResponsesReply:
         self.open_item: dict[str, Any] | None = None  # the item the stream is adding to
         self.finish_reason: str | None = None
         self.sequence_number = 0
+        self.last_event: tuple[str, dict[str, Any]] = ("", {})  # the kind and body _event made last
 
     def body(self, status: str, usage: p.UsageOut | None) -> dict[str, Any]:
         req = self.req
@@ -402,6 +406,7 @@ class ResponsesReply:
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
+        self.last_event = (kind, body)
         return named_event(kind, body)
 
     def opening(self, usage: p.UsageOut | None) -> list[bytes]:  # usage comes at the end here
@@ -474,15 +479,19 @@ class ResponsesReply:
                     out.append(self._event("response.function_call_arguments.delta", item_id=self.open_item["id"],
                                            output_index=len(self.output) - 1, delta=arguments))  # fmt: skip
             self.finish_reason = choice.finish_reason or self.finish_reason
+        if out and chunk.timings is not msgspec.UNSET:  # on the chunk's last event, as llama-server
+            kind, body = self.last_event
+            out[-1] = named_event(kind, {**body, "timings": msgspec.structs.asdict(chunk.timings)})
         return out
 
-    async def closing(self, usage: p.UsageOut) -> list[bytes]:
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
         out = self._close()
         if not self.output:  # an empty reply is still one (empty) message, as the whole reply has it
             out += self._open(self._message_item()) + self._close()
         body = await self._finish(usage)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-        return [*out, self._event(kind, response=body)]
+        timed = {} if timings is None else {"timings": msgspec.structs.asdict(timings)}
+        return [*out, self._event(kind, response=body, **timed)]
 
     def error_body(self, error: ApiError) -> bytes:
         return renamed(error, self.origins).body()
@@ -515,7 +524,7 @@ class ResponsesApi:
         )
         model = self.gateway.with_adapter(requested, plan)
         reply = ResponsesReply(req, model, conversation, self.store, origins)
-        return run_translated(self.gateway, request, plan, model, reply, req.stream)
+        return run_translated(self.gateway, request, plan, model, reply, req.stream, req.timings_per_token)
 
     async def input_tokens(self, request: Request) -> Response:
         """OpenAI's /v1/responses/input_tokens: the prompt length of a response request (its

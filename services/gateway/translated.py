@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
@@ -30,6 +31,7 @@ from services.gateway.errors import ApiError, from_engine
 from services.gateway.formats import ChatFormat, Piece, TokenNames, usage_out
 from services.gateway.jobs import Plan
 from services.gateway.metrics import RequestTimer
+from services.gateway.timings import RequestTimings
 
 _encoder = msgspec.json.Encoder()
 
@@ -66,9 +68,14 @@ class Translation(Protocol):
         the prompt (None only for a request that ended with no output)."""
         ...
 
-    def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]: ...
+    def chunk(self, chunk: p.ChatCompletionChunk) -> list[bytes]:
+        """A chat chunk's events; with llama-server's timings_per_token the chunk carries its
+        choice's `timings` so far, which an API that has them gives (the Responses API's do)."""
+        ...
 
-    async def closing(self, usage: p.UsageOut) -> list[bytes]: ...
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
+        """The stream's last events; `timings` the request's (timings_per_token), or None."""
+        ...
 
     def error_body(self, error: ApiError) -> bytes: ...
 
@@ -92,11 +99,13 @@ def chat_format(gateway: Gateway, plan: Plan, model: str) -> ChatFormat:
 class TranslatedWriter:
     """The ReplyWriter (app.py) of a translated request: the chat reply, through `translation`."""
 
-    def __init__(self, plan: Plan, fmt: ChatFormat, translation: Translation, gateway: Gateway) -> None:
+    def __init__(self, plan: Plan, fmt: ChatFormat, translation: Translation, gateway: Gateway,
+                 timings_per_token: bool) -> None:  # fmt: skip
         self.plan = plan
         self.fmt = fmt
         self.translation = translation
         self.gateway = gateway
+        self.timings_per_token = timings_per_token  # llama-server's field: a stream's timings
 
     async def whole(self, first: tuple[int, StreamDelta] | None, feed: Feed, timer: RequestTimer) -> bytes:
         completion = await self.gateway.collect(
@@ -108,7 +117,9 @@ class TranslatedWriter:
     def events(
         self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
     ) -> AsyncGenerator[bytes, None]:
-        return stream_events(first, feed, self.plan, self.fmt, self.translation, timer)
+        plan = self.plan
+        timings = RequestTimings(timer.arrival, plan.prompt_of) if self.timings_per_token else None
+        return stream_events(first, feed, plan, self.fmt, self.translation, timer, timings)
 
     def error_body(self, error: ApiError) -> bytes:
         return self.translation.error_body(error)
@@ -117,18 +128,19 @@ class TranslatedWriter:
         return self.translation.error_event(error)
 
 
-def run_translated(
-    gateway: Gateway, request: Request, plan: Plan, model: str, translation: Translation, stream: bool
-) -> Response:
+def run_translated(gateway: Gateway, request: Request, plan: Plan, model: str, translation: Translation,
+                   stream: bool, timings_per_token: bool = False) -> Response:  # fmt: skip
     """Run `plan` as Gateway.run does chat, with `translation`'s replies; `model` is the name the
-    reply gives (Gateway.with_adapter's)."""
-    writer = TranslatedWriter(plan, chat_format(gateway, plan, model), translation, gateway)
+    reply gives (Gateway.with_adapter's); `timings_per_token` (llama-server's) times a stream."""
+    writer = TranslatedWriter(
+        plan, chat_format(gateway, plan, model), translation, gateway, timings_per_token
+    )
     return gateway.run(request, plan, stream, writer)
 
 
 async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, plan: Plan,
-                        fmt: ChatFormat, translation: Translation,
-                        timer: RequestTimer) -> AsyncGenerator[bytes, None]:  # fmt: skip
+                        fmt: ChatFormat, translation: Translation, timer: RequestTimer,
+                        timings: RequestTimings | None) -> AsyncGenerator[bytes, None]:  # fmt: skip
     prompt_of = plan.prompt_of
     # The opening waits for the first output, which carries the prompt's length (Anthropic's
     # message_start counts it); keep-alive comments cover a long wait.
@@ -146,7 +158,11 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], f
         index, delta = item
         if delta.usage is not None:
             usages[index] = delta.usage
+        if timings is not None:
+            timings.add(index, delta, time.monotonic())
         for chunk in fmt.chunks(index, translation.piece(to_piece(delta)), 0):
+            if timings is not None:
+                chunk.timings = timings.of_choice(index, time.monotonic())
             for data in translation.chunk(chunk):
                 yield data
         try:
@@ -156,5 +172,6 @@ async def stream_events(first: asyncio.Future[tuple[int, StreamDelta] | None], f
             return
         if item is not None:
             timer.on_output(item)
-    for data in await translation.closing(usage_out(usages, prompt_of)):
+    request_timings = None if timings is None else timings.of_request(time.monotonic())
+    for data in await translation.closing(usage_out(usages, prompt_of), request_timings):
         yield data
