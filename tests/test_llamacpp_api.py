@@ -128,6 +128,20 @@ def test_stop_type_eos_limit_and_word(gw: Gateway, hf_tokenizer) -> None:
     banned = completion(gw, prompt=PROMPT, temperature=0, n_predict=1, return_tokens=True,
                         logit_bias=[[first, False]])  # fmt: skip
     assert banned["tokens"][0] != first
+    # A token as its text, in either form: every token of the text gets the bias. An object's key
+    # is an id only in ASCII digits, as llama.cpp's strtol reads it ("²" is text, once a 500).
+    text = hf_tokenizer.decode([first])
+    assert hf_tokenizer(text, add_special_tokens=False).input_ids == [first], text  # the test's premise
+    for bias in ([[text, False]], {text: False}):
+        reply = completion(gw, prompt=PROMPT, temperature=0, n_predict=1, return_tokens=True, logit_bias=bias)
+        assert reply["tokens"][0] != first, (bias, reply)
+    for key in ("\u00b2", "\u0661\u0662", "-\u00b3"):
+        assert (
+            completion(gw, prompt=PROMPT, temperature=0, n_predict=1, logit_bias={key: 1.0})[
+                "tokens_predicted"
+            ]
+            == 1
+        )
 
     # n_predict -1: until eos or the context's end (a bias on eos ends it at once); 0: the prompt alone.
     assert completion(gw, prompt=PROMPT, temperature=0, logit_bias=[[eos, 100]])["stop_type"] == "eos"
@@ -294,12 +308,18 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
         "a grammar that does not parse": {"prompt": PROMPT, "grammar": "root ::= ((("},
         "n_probs past the limit": {"prompt": PROMPT, "n_probs": 1000},
         "a bad logit bias": {"prompt": PROMPT, "logit_bias": [[1, "much"]]},
+        "logit bias texts over the prompt's budget": {
+            "prompt": PROMPT,
+            "logit_bias": [["hello world ", 0.5]] * (test_gateway.MAX_PROMPT_CHARS // 12 + 1),
+        },
         "a token id past the vocabulary": {"prompt": [10**9]},
     }
     for name, body in cases.items():
         for path in ("/completion", "/completions"):
             status, reply = post(gw, path, body)
             assert_llama_error(status, reply, 400), name
+    status, reply = post(gw, "/completion", cases["logit bias texts over the prompt's budget"])
+    assert "characters of token texts" in assert_llama_error(status, reply, 400)
     status, reply = post(gw, "/completion", {"prompt": PROMPT, "grammar": "root ::= ((("})
     assert assert_llama_error(status, reply, 400).startswith("grammar: Expected")
     status, reply = post(gw, "/completion", {"prompt": [1] * (MAX_MODEL_LEN + 8)})

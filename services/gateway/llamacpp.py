@@ -53,6 +53,7 @@ BANNED_BIAS = -100.0
 
 _encoder = msgspec.json.Encoder()
 _ABSENT = object()  # a response_fields path the reply does not have
+_TOKEN_ID = re.compile(r"[+-]?[0-9]+")  # a logit_bias key that names a token by its id
 
 
 class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,7 +296,7 @@ class LlamaCompletions:
     async def completion(self, request: Request) -> Response:
         body = await self.gateway.read_body(request, LlamaCompletionRequest)
         prompts, is_batch = await self.prompts_of(body.prompt)
-        return self.complete(request, body, prompts, is_batch)
+        return await self.complete(request, body, prompts, is_batch)
 
     async def infill(self, request: Request) -> Response:
         """Fill the gap between `input_prefix` and `input_suffix` (llama.vim's and llama.vscode's
@@ -321,13 +322,13 @@ class LlamaCompletions:
             )
         context = gw.settings.max_model_len
         ids = await asyncio.to_thread(infill_prompt, gw.tokenizer, fim, body, context)
-        return self.complete(request, body, [ids], False)
+        return await self.complete(request, body, [ids], False)
 
     @cached_property
     def fim(self) -> dict[str, int | None]:
         return fim_token_ids(self.gateway.tokenizer)
 
-    def complete(
+    async def complete(
         self,
         request: Request,
         body: LlamaCompletionRequest,
@@ -336,7 +337,8 @@ class LlamaCompletions:
     ) -> Response:
         gw = self.gateway
         settings = self.generation_settings(body)
-        plan = self.plan(body, prompts, settings, header_seed(request.headers.get(SEED_HEADER)))
+        bias = await self.logit_bias(body.logit_bias)
+        plan = self.plan(body, prompts, settings, bias, header_seed(request.headers.get(SEED_HEADER)))
         model = gw.with_adapter(body.model, plan)
         if plan.seed is not None:
             settings["seed"] = plan.seed
@@ -386,10 +388,11 @@ class LlamaCompletions:
         body: LlamaCompletionRequest,
         prompts: list[str] | list[list[int]],
         settings: dict[str, Any],
+        logit_bias: dict[int, float] | None,
         resumed_seed: int | None,
     ) -> Plan:
         """The /v1/completions plan of the same request (plan_completion), its field names mapped
-        back to llama.cpp's in its refusals."""
+        back to llama.cpp's in its refusals; `logit_bias` is the body's, read (`logit_bias`)."""
         if body.num_to_predict < -1:
             raise invalid(f"n_predict must be -1 (no limit) or >= 0, got {body.num_to_predict}", "n_predict")
         if body.n_probs < 0:
@@ -419,7 +422,7 @@ class LlamaCompletions:
             stream=body.stream,
             ignore_eos=body.ignore_eos,
             logprobs=body.n_probs or None,
-            logit_bias=self.logit_bias(body.logit_bias),
+            logit_bias=logit_bias,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repeat_penalty,
@@ -435,13 +438,16 @@ class LlamaCompletions:
         plan.aliases.update(max_tokens="n_predict", logprobs="n_probs", repetition_penalty="repeat_penalty")
         return plan
 
-    def logit_bias(self, value: list[list[Any]] | dict[str, Any] | None) -> dict[int, float] | None:
+    async def logit_bias(self, value: list[list[Any]] | dict[str, Any] | None) -> dict[int, float] | None:
         """llama.cpp's biases ([[token, bias], ...] or {token: bias}; a token as its id or a text,
-        whose every token gets the bias; `false` bans it) as the engine's {id: bias}."""
+        whose every token gets the bias; `false` bans it) as the engine's {id: bias}. A key of the
+        object form is an id where it is a whole number in ASCII digits, as llama.cpp's strtol reads
+        it, else a text. The texts count against tokenizer.max_prompt_chars and are encoded on a
+        worker thread, as a prompt's are: the event loop serves every other connection meanwhile."""
         if value is None:
             return None
         pairs = list(value.items()) if isinstance(value, dict) else value
-        out: dict[int, float] = {}
+        biases: list[tuple[str | int, float]] = []
         for pair in pairs:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise invalid("logit_bias: each entry is [token, bias]", "logit_bias")
@@ -450,16 +456,22 @@ class LlamaCompletions:
                 bias = BANNED_BIAS
             if isinstance(bias, bool) or not isinstance(bias, (int, float)):
                 raise invalid(f"logit_bias: a bias is a number or false, got {bias!r}", "logit_bias")
-            if isinstance(token, str) and token.lstrip("-").isdigit() and isinstance(value, dict):
-                ids = [int(token)]
-            elif isinstance(token, str):
-                ids = self.gateway.tokenizer.encode(token)
-            elif isinstance(token, int) and not isinstance(token, bool):
-                ids = [token]
-            else:
+            if isinstance(token, str) and isinstance(value, dict) and _TOKEN_ID.fullmatch(token):
+                token = int(token)
+            elif isinstance(token, bool) or not isinstance(token, (str, int)):
                 raise invalid(f"logit_bias: a token is an id or a text, got {token!r}", "logit_bias")
-            for token_id in ids:
-                out[token_id] = float(bias)
+            biases.append((token, float(bias)))
+        texts = [token for token, _ in biases if isinstance(token, str)]
+        max_chars = self.gateway.settings.max_prompt_chars
+        if (num_chars := sum(map(len, texts))) > max_chars:
+            raise invalid(f"logit_bias: {num_chars} characters of token texts; the limit is {max_chars} "
+                          "(tokenizer.max_prompt_chars)", "logit_bias")  # fmt: skip
+        encode = self.gateway.tokenizer.encode
+        encoded = iter(await asyncio.to_thread(lambda: [encode(text) for text in texts]) if texts else [])
+        out: dict[int, float] = {}
+        for token, bias in biases:
+            for token_id in next(encoded) if isinstance(token, str) else [token]:
+                out[token_id] = bias
         return out
 
     # -- /embedding ----------------------------------------------------------------------------
