@@ -5,6 +5,7 @@ and the token endpoints against transformers' tokenizer of the model dir."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -696,3 +697,32 @@ def test_max_tokens_limits_a_completion_that_gives_no_n_predict(gw: Gateway) -> 
     assert reply["generation_settings"]["n_predict"] == 3
     both = completion(gw, prompt=PROMPT, temperature=0, ignore_eos=True, max_tokens=3, n_predict=5)
     assert both["tokens_predicted"] == 5
+
+
+def test_a_bug_in_a_llama_cpp_route_is_a_500_in_llama_cpps_shape() -> None:
+    """A handler that fails (a bug) answers llama.cpp's error shape, as its refusals do, not the
+    OpenAI routes' (llama.cpp's clients read `error.code` and `error.type`)."""
+    from starlette.requests import Request
+
+    from services.gateway.llamacpp import with_llama_errors
+
+    class Counter:  # the Gateway's one method the wrapper uses (it counts responses)
+        def __init__(self) -> None:
+            self.statuses: list[int] = []
+
+        def finish(self, request, response):
+            self.statuses.append(response.status_code)
+            return response
+
+    async def broken(request: Request):
+        raise ValueError("a bug")
+
+    gateway = Counter()
+    guarded = with_llama_errors(gateway, broken)
+    request = Request({"type": "http", "method": "POST", "path": "/completion", "headers": []})
+    response = asyncio.run(guarded(request))
+    reply = json.loads(response.body)
+    assert response.status_code == 500 and gateway.statuses == [500]
+    assert reply == {
+        "error": {"code": 500, "message": "internal error: ValueError: a bug", "type": "server_error"}
+    }

@@ -39,6 +39,7 @@ from services.gateway.app import (
     Gateway,
     budget_errors,
     embedding_inputs,
+    internal_error,
 )
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
@@ -260,12 +261,16 @@ def llama_error_response(error: ApiError) -> Response:
 def with_llama_errors(
     gateway: Gateway, handler: Callable[[Request], Awaitable[Response]]
 ) -> Callable[[Request], Awaitable[Response]]:
-    """`handler`, its refusals (the API key, the body, the plan) in llama.cpp's error shape."""
+    """`handler`, its refusals (the API key, the body, the plan) and its failures (a bug's 500) in
+    llama.cpp's error shape."""
 
     async def guarded(request: Request) -> Response:
         try:
             return await handler(request)
         except ApiError as error:
+            return gateway.finish(request, llama_error_response(error))
+        except Exception as exc:
+            error = internal_error(f"{request.method} {request.url.path}", exc)
             return gateway.finish(request, llama_error_response(error))
 
     return guarded
