@@ -69,6 +69,9 @@ class StreamDelta:
     prompt_logprobs: m.PromptLogprobs | None = None  # with prompt_logprobs asked: on the first delta
     embedding: bytes = b""  # an embedding request's vector (packed float32), on its final delta
     prompt_token_ids: list[int] | None = None  # with return_prompt_ids asked: on the first delta
+    # with report_prompt_progress asked: a delta of no output, before the first, that says only how
+    # much of the prompt is computed
+    prompt_progress: m.PromptProgress | None = None
 
 
 @dataclass
@@ -723,6 +726,10 @@ class RequestState:
         del self._stash[:-MAX_STASHED_DELTAS]
 
     def _take(self, delta: m.Delta) -> None:
+        if delta.prompt_progress is not None:  # a report of no output, which means nothing after some
+            if not self.token_ids and not self.num_chars:
+                self.ready.append(StreamDelta("", [], prompt_progress=delta.prompt_progress))
+            return
         skip = len(self.token_ids) - delta.token_index
         ids = m.unpack_ids(delta.token_ids)[skip:].tolist()
         logprobs = np.frombuffer(delta.logprobs, "<f4")[skip:].tolist()

@@ -108,6 +108,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # reads; a client gives `bad_words` only.
     bad_words: list[str] = []
     bad_words_ids: list[list[int]] = []
+    # llama-server's return_progress: until its first output the request's scheduler reports how
+    # much of its prompt is computed (Delta.prompt_progress), when its prefill starts and after
+    # each chunk, for a client's progress bar over a long prompt.
+    report_prompt_progress: bool = False
 
 
 class ToolCall(msgspec.Struct, frozen=True, gc=False):
@@ -293,6 +297,16 @@ class AdapterCommand(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 ClientRequest = Union[Generate, Abort, Health, AdapterCommand]
 
 
+class PromptProgress(msgspec.Struct, array_like=True, gc=False):
+    """How much of a request's prompt its scheduler has computed, before its first output: of
+    `total` tokens, `cached` were found in the prefix cache and `processed` are computed, those
+    included (llama-server's prompt_progress)."""
+
+    total: int
+    cached: int
+    processed: int
+
+
 class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """A piece of one request's output. `token_index` and `char_offset` are absolute positions
     of the first token / character in this delta (docs/architecture.md invariant 2)."""
@@ -312,6 +326,9 @@ class Delta(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fa
     # scheduler straight to the tokenizer: the detokenizer has nothing to do for it.
     embedding: bytes = b""
     prompt_ids: bytes = b""  # packed int32: on the delta of token_index 0, when asked (return_prompt_ids)
+    # SamplingParams.report_prompt_progress: a delta of no output that says only this, from the
+    # scheduler straight to the tokenizer (as an embedding's), which forwards it until the first output
+    prompt_progress: PromptProgress | None = None
 
 
 class ErrorReply(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -89,7 +89,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.gateway.timings import RequestTimings
+from services.gateway.timings import RequestTimings, progress_out
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage_rows import read_status
 
@@ -844,36 +844,40 @@ class Gateway:
         timer.on_output(item)
         while item is not None:
             index, delta = item
-            if delta.usage is not None:
-                usages[index] = delta.usage
-            if timings is not None:
-                timings.add(index, delta, time.monotonic())
-            if continuous:  # a choice's first and last outputs bring its usage, the others add theirs
-                known = so_far.get(index, m.Usage(0, 0))
-                so_far[index] = delta.usage or m.Usage(
-                    known.prompt_tokens, known.completion_tokens + len(delta.token_ids)
+            if delta.prompt_progress is not None:  # return_progress: the prompt, before any output
+                yield event(fmt.progress_chunk(index, progress_out(delta.prompt_progress, timer.arrival)))
+            else:
+                if delta.usage is not None:
+                    usages[index] = delta.usage
+                if timings is not None:
+                    timings.add(index, delta, time.monotonic())
+                if continuous:  # a choice's first and last outputs bring its usage, the others add theirs
+                    known = so_far.get(index, m.Usage(0, 0))
+                    so_far[index] = delta.usage or m.Usage(
+                        known.prompt_tokens, known.completion_tokens + len(delta.token_ids)
+                    )
+                text_offset = cursor.chars(index)
+                whole = to_piece(delta)
+                piece = cursor.advance(index, whole)
+                fmt.skip(
+                    index,
+                    whole.text[: len(whole.text) - len(piece.text)] if piece is not None else whole.text,
                 )
-            text_offset = cursor.chars(index)
-            whole = to_piece(delta)
-            piece = cursor.advance(index, whole)
-            fmt.skip(
-                index, whole.text[: len(whole.text) - len(piece.text)] if piece is not None else whole.text
-            )
-            if piece is not None:
-                if index in unopened:  # continuous usage: the role's chunk counts the prompt
-                    unopened.discard(index)
-                    opening = fmt.first_chunk(index)
-                    if opening is not None:
-                        opening.usage = usage_out(
-                            {index: m.Usage(so_far[index].prompt_tokens, 0)}, {index: 0}
-                        )
-                        yield event(opening, cursor.event_id())
-                for chunk in fmt.chunks(index, piece, text_offset):
-                    if continuous:
-                        chunk.usage = usage_out({index: so_far[index]}, {index: 0})
-                    if timings is not None:
-                        chunk.timings = timings.of_choice(index, time.monotonic())
-                    yield event(chunk, cursor.event_id())
+                if piece is not None:
+                    if index in unopened:  # continuous usage: the role's chunk counts the prompt
+                        unopened.discard(index)
+                        opening = fmt.first_chunk(index)
+                        if opening is not None:
+                            opening.usage = usage_out(
+                                {index: m.Usage(so_far[index].prompt_tokens, 0)}, {index: 0}
+                            )
+                            yield event(opening, cursor.event_id())
+                    for chunk in fmt.chunks(index, piece, text_offset):
+                        if continuous:
+                            chunk.usage = usage_out({index: so_far[index]}, {index: 0})
+                        if timings is not None:
+                            chunk.timings = timings.of_choice(index, time.monotonic())
+                        yield event(chunk, cursor.event_id())
             try:
                 item = await anext(feed, None)
             except BrigadeError as exc:  # the stream ends with it: no usage follows a failure

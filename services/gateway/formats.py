@@ -299,6 +299,12 @@ class ChatFormat:
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return self._chunk([], usage)
 
+    def progress_chunk(self, index: int, progress: p.PromptProgressOut) -> msgspec.Struct:
+        """Choice `index`'s prompt progress (return_progress), on a role-only delta, as llama-server's."""
+        chunk = self._chunk([p.ChatChunkChoice(index, p.ChatDelta(role="assistant"))])
+        chunk.prompt_progress = progress
+        return chunk
+
     def _harmony_message(self, index: int, piece: Piece) -> tuple[p.ChatMessageOut, str | None]:
         """A harmony chat whose output no tokenizer parse came with (no tools, or tool_choice
         none): its content and any calls, and the finish_reason they make."""
@@ -460,6 +466,11 @@ class CompletionFormat:
 
     def usage_chunk(self, usage: p.UsageOut) -> msgspec.Struct:
         return p.Completion(self.id, self.created, self.model, [], usage)
+
+    def progress_chunk(self, index: int, progress: p.PromptProgressOut) -> msgspec.Struct:
+        """Choice `index`'s prompt progress (return_progress), on a choice of no text."""
+        choice = p.CompletionChoice(index, "", None, None)
+        return p.Completion(self.id, self.created, self.model, [choice], None, prompt_progress=progress)
 
     def whole(self, choices: list[ChoiceOutput], usage: p.UsageOut) -> msgspec.Struct:
         out = []

@@ -150,6 +150,8 @@ def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dic
         # vLLM's; the tokenizer stage tokenizes bad_words and checks both (ipc/validation.py)
         "allowed_token_ids": req.allowed_token_ids,
         "bad_words": list(req.bad_words or []),
+        # a stream's, as llama-server's (a whole reply has nothing to show it in); not beams'
+        "report_prompt_progress": req.return_progress and req.stream and not req.use_beam_search,
     }
 
 

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
+from ipc import messages as m
 from ipc.validation import check_prompt_chars
 from services.gateway import protocol as p
 from services.gateway.app import (
@@ -44,7 +45,7 @@ from services.gateway.app import (
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
-from services.gateway.timings import llama_timings
+from services.gateway.timings import llama_timings, progress_out
 
 # llama.cpp's sampling defaults (tools/server/README.md), used where a request leaves them out,
 # so that a llama.cpp client samples as it would there and generation_settings says what was used.
@@ -96,6 +97,7 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The last reply's fields to give, each a key or a path ("timings/prompt_n"), under its name.
     response_fields: list[str] | None = None
     timings_per_token: bool = False  # every streamed event carries its output's timings so far
+    return_progress: bool = False  # a stream reports its prompt's progress before the first output
     # Completions of each prompt (llama-server's n_cmpl, which takes OpenAI's n where it is not
     # given); more than one reply in all is a list, each prompt's right after one another.
     n_cmpl: int | None = None
@@ -425,6 +427,7 @@ class LlamaCompletions:
             seed=None if body.seed == -1 else body.seed,
             stop=body.stop,
             stream=body.stream,
+            return_progress=body.return_progress,
             ignore_eos=body.ignore_eos,
             logprobs=body.n_probs or None,
             logit_bias=logit_bias,
@@ -777,6 +780,11 @@ class LlamaWriter:
                 return "word", word
         return "eos", ""
 
+    def progress_event(self, index: int, progress: m.PromptProgress, timer: RequestTimer) -> dict[str, Any]:
+        """llama-server's event of a prompt's progress (return_progress): no output, the counts."""
+        return {**self.reply(index, "", [], [], False), "tokens_predicted": 0, "tokens_evaluated": progress.total,
+                "prompt_progress": msgspec.structs.asdict(progress_out(progress, timer.arrival))}  # fmt: skip
+
     def reply(self, index: int, content: str, token_ids: list[int], probabilities: list[dict[str, Any]],
               stop: bool) -> dict[str, Any]:  # fmt: skip
         body: dict[str, Any] = {
@@ -819,19 +827,22 @@ class LlamaWriter:
         timer.on_output(item)
         while item is not None:
             index, delta = item
-            out = outs[index]
-            was_over = out.finish_reason is not None
-            text, ids, probabilities = self.add(out, delta)
-            if text or ids:
-                reply = self.reply(index, text, ids, probabilities, False)
-                if self.body.timings_per_token:
-                    reply["timings"] = self.timings(out)
-                yield data_event(reply)
-            if out.finish_reason is not None and not was_over:
-                last = {**self.reply(index, "", [], [], True), **await self.final(index, out)}
-                yield data_event(self.fields(last))
-            if all(out.finish_reason is not None for out in outs):
-                return  # every output ended (here or by the engine): the feed's close aborts the rest
+            if delta.prompt_progress is not None:  # return_progress: the prompt, before any output
+                yield data_event(self.progress_event(index, delta.prompt_progress, timer))
+            else:
+                out = outs[index]
+                was_over = out.finish_reason is not None
+                text, ids, probabilities = self.add(out, delta)
+                if text or ids:
+                    reply = self.reply(index, text, ids, probabilities, False)
+                    if self.body.timings_per_token:
+                        reply["timings"] = self.timings(out)
+                    yield data_event(reply)
+                if out.finish_reason is not None and not was_over:
+                    last = {**self.reply(index, "", [], [], True), **await self.final(index, out)}
+                    yield data_event(self.fields(last))
+                if all(out.finish_reason is not None for out in outs):
+                    return  # every output ended (here or by the engine): the feed's close aborts the rest
             try:
                 item = await anext(feed, None)
             except BrigadeError as exc:

@@ -116,6 +116,8 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the reply
     # llama-server's: every streamed chunk (and the reply) carries `timings` (services/gateway/timings.py)
     timings_per_token: bool = False
+    # llama-server's: a stream reports its prompt's progress before the first output (prompt_progress)
+    return_progress: bool = False
     # vLLM's fields that Brigade does not serve, each of which changes what a request returns:
     # refused by name (jobs.UNSERVED_FIELDS) where set, not ignored as unknown fields are.
     use_beam_search: bool = False
@@ -355,6 +357,16 @@ class ChatChunkChoice(msgspec.Struct):
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
+class PromptProgressOut(msgspec.Struct):
+    """llama-server's prompt_progress: of `total` prompt tokens, `cache` were found in the prefix
+    cache and `processed` are computed, those included; `time_ms` since the request arrived."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
 class ChatCompletionChunk(msgspec.Struct):
     id: str
     created: int
@@ -365,6 +377,7 @@ class ChatCompletionChunk(msgspec.Struct):
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # a choice's first chunk, when asked
     timings: Timings | msgspec.UnsetType = msgspec.UNSET  # llama-server's timings_per_token
+    prompt_progress: PromptProgressOut | msgspec.UnsetType = msgspec.UNSET  # llama-server's return_progress
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -395,6 +408,7 @@ class Completion(msgspec.Struct):
     object: Literal["text_completion"] = "text_completion"
     system_fingerprint: str | None = None
     timings: Timings | msgspec.UnsetType = msgspec.UNSET  # llama-server's timings_per_token
+    prompt_progress: PromptProgressOut | msgspec.UnsetType = msgspec.UNSET  # llama-server's return_progress
 
 
 class EmbeddingData(msgspec.Struct):

@@ -43,7 +43,8 @@ async def run_jobs(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[tuple[
             stream = client.stream(job.prompt, messages=job.messages, continues=not is_leader, **job.sampling)
             async with contextlib.aclosing(stream):
                 async for delta in stream:
-                    prefilled[job.prompt_index].set()
+                    if delta.prompt_progress is None:  # a report of progress is no output yet
+                        prefilled[job.prompt_index].set()
                     feed.put_nowait((job.index, delta, None))
         except BrigadeError as exc:
             fail(job, is_leader, exc)

@@ -1,4 +1,5 @@
-"""llama-server's `timings`: how long a request's prompt and its output took, and their rates.
+"""llama-server's `timings`: how long a request's prompt and its output took, and their rates; and
+its `prompt_progress`, how much of a prompt is computed before the first output (return_progress).
 
 llama.cpp's clients (its web UI, wllama, agent harnesses) read them to show a live tokens-per-second
 figure: `/completion` replies carry them, and with `timings_per_token: true` every streamed chunk
@@ -8,6 +9,8 @@ client sees it; the output's from that first output to now.
 """
 
 from __future__ import annotations
+
+import time
 
 from client.sdk import StreamDelta
 from ipc import messages as m
@@ -80,3 +83,10 @@ class RequestTimings:
             sum(self.num_tokens.values()),
             (now - first) * 1e3,
         )
+
+
+def progress_out(progress: m.PromptProgress, arrival: float) -> p.PromptProgressOut:
+    """llama-server's prompt_progress (return_progress) of the engine's report; its time from the
+    request's arrival at the gateway, as `prompt_ms`'s."""
+    elapsed_ms = int((time.monotonic() - arrival) * 1e3)
+    return p.PromptProgressOut(progress.total, progress.cached, progress.processed, elapsed_ms)

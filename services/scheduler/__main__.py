@@ -531,6 +531,20 @@ class SchedulerProcess(StageProcess):
             if 0 <= tokenizer_id < len(self.tokenizers):
                 self.tokenizers[tokenizer_id].put(m.DeltaBatch(deltas))
 
+    def emit_prompt_progress(self) -> None:
+        """The prompt progress of requests that asked for it (report_prompt_progress), each as a
+        delta of no output straight to its tokenizer, which forwards it until the first output."""
+        assert self.core is not None
+        batches: dict[int, list[m.Delta]] = defaultdict(list)
+        for req, processed in self.core.state.prompt_progress:
+            progress = m.PromptProgress(req.num_prompt_tokens, req.num_cached_tokens, processed)
+            delta = m.Delta(req.request_id, 0, 0, "", b"", prompt_progress=progress)
+            batches[req.tokenizer_id].append(delta)
+        self.core.state.prompt_progress.clear()
+        for tokenizer_id, deltas in batches.items():
+            if 0 <= tokenizer_id < len(self.tokenizers):
+                self.tokenizers[tokenizer_id].put(m.DeltaBatch(deltas))
+
     # -- loop ----------------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
@@ -593,6 +607,8 @@ class SchedulerProcess(StageProcess):
                 outputs = self.pipeline.advance()
             except WorkerLost as exc:
                 self.on_worker_lost(str(exc), is_late=isinstance(exc, StepTooLate))
+        if self.core is not None and self.core.state.prompt_progress:
+            self.emit_prompt_progress()
         if outputs is None:
             self.poller.poll(self.idle_poll_ms())
         else:

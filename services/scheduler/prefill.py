@@ -103,6 +103,8 @@ class Prefill:
             # Usage's cached prompt tokens: a preempted or resubmitted request looks up its output
             # so far too, whose hits are no prompt tokens (vLLM's never exceed the prompt).
             req.num_cached_tokens = min(done, req.num_prompt_tokens)
+            if req.params.report_prompt_progress and req.num_output_tokens == 0:
+                state.prompt_progress.append((req, done))  # its prefill starts: the cache's part
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += done
             state.grow(req, done + n)

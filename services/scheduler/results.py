@@ -284,14 +284,20 @@ class Results:
         live = None if is_all_live else table.epoch.take(rows) == step.row_epochs
         # Prompt blocks filled by this step join the prefix cache at once, for requests that
         # arrive while this one runs; blocks of generated tokens join when the sequence leaves.
-        # Not a verifying row's: its blocks may hold rejected proposals.
+        # Not a verifying row's: its blocks may hold rejected proposals. A chunk of a request
+        # that asked for its prompt's progress, before its first output, is reported.
         first_chunk = step.num_decodes + step.num_verifying
-        if state.blocks.enable_prefix_caching and first_chunk < len(seqs):
-            ends = step.starts + step.num_new_tokens
+        if first_chunk < len(seqs):
+            ends = (step.starts + step.num_new_tokens).tolist()
+            is_caching = state.blocks.enable_prefix_caching
             for i in range(first_chunk, len(seqs)):
                 req = seqs[i]
-                if (live is None or live[i]) and ends[i] // bs > req.num_registered_blocks:
-                    state.register_blocks(req, int(ends[i]) // bs)
+                if live is not None and not live[i]:
+                    continue
+                if is_caching and ends[i] // bs > req.num_registered_blocks:
+                    state.register_blocks(req, ends[i] // bs)
+                if req.params.report_prompt_progress and req.num_output_tokens == 0:
+                    state.prompt_progress.append((req, ends[i]))
         if step.prompt_spans and prompt_scores is not None:
             self._keep_prompt_scores(step, live, prompt_scores)
         if live is None and step.num_decodes == len(seqs):  # steady decode: all of them

@@ -60,6 +60,9 @@ class SchedulerState:
         self.num_preemptions = 0
         self.finished_times: deque[FinishedTimes] = deque(maxlen=FINISHED_TIMES_KEPT)
         self.lora = LoraResidency(config.max_loras, max(config.lora_slots, config.max_loras))
+        # (request, prompt tokens computed) to report, of requests that asked for their prompt's
+        # progress (report_prompt_progress): when a prefill starts and after each of its chunks
+        self.prompt_progress: list[tuple[Request, int]] = []
 
     def start_running(self, req: Request) -> None:
         """Put an admitted request (its row assigned) into the running line."""

@@ -47,9 +47,12 @@ class _Held:
 
     def join(self, delta: m.Delta) -> bool:
         """Take `delta` into this held delta when it continues it; False when it does not (this
-        one is final, or there is a gap between them: a new request under the same id)."""
+        one is final, or there is a gap between them: a new request under the same id) or either
+        is a report of prompt progress (no output, and the first output's fields come with it)."""
         if (
             self.last.finish_reason is not None
+            or self.last.prompt_progress is not None
+            or delta.prompt_progress is not None
             or delta.token_index != self.first.token_index + self.num_tokens
             or delta.char_offset != self.first.char_offset + self.num_chars
         ):

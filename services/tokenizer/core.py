@@ -865,12 +865,24 @@ class TokenizerCore:
 
     # -- engine side ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _relay_prompt_progress(entry: JournalEntry, progress: m.PromptProgress) -> Reply | None:
+        """A stream's prompt progress goes to its client until its first output (the output comes
+        through the detokenizer, the progress straight from the scheduler: either may come first).
+        It shows the scheduler runs the request: the watchdog need not ask."""
+        if not entry.is_stream or entry.output_ids or entry.num_chars:
+            return None
+        entry.progress_at = time.monotonic()
+        return Reply(entry.identity, m.Delta(entry.request_id, 0, 0, "", b"", prompt_progress=progress))
+
     def relay(self, delta: m.Delta) -> Reply | None:
         """Trim a delta to what the client lacks; journal it; the reply to send (if any)."""
         entry = self.journal.get(delta.request_id)
         if entry is None:
             self.num_unknown_deltas += 1
             return None
+        if delta.prompt_progress is not None:
+            return self._relay_prompt_progress(entry, delta.prompt_progress)
         fresh = trim_delta(delta, len(entry.output_ids), entry.num_chars)
         if fresh is None:
             return None
