@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,8 @@ def test_n_cmpl_answers_each_prompts_completions_in_a_list(gw: Gateway) -> None:
         status, replies = post(gw, "/completion", {"prompt": PROMPT, field: 3, "seed": 5, **sampled})
         assert status == 200 and [r["index"] for r in replies] == [0, 1, 2], replies
         assert [r["content"] for r in replies] == [alone[PROMPT, seed] for seed in (5, 6, 7)], field
+        # Each says the seed it was sampled with, which reproduces it alone (as llama-server's).
+        assert [r["generation_settings"]["seed"] for r in replies] == [5, 6, 7], replies
     body = {"prompt": [PROMPT, "Hello"], "n_cmpl": 2, "n": 3, "seed": 5, **sampled}  # n_cmpl wins
     status, replies = post(gw, "/completion", body)
     want = [alone[prompt, seed] for prompt in (PROMPT, "Hello") for seed in (5, 6)]
@@ -290,6 +293,17 @@ def test_apply_template_and_props(gw: Gateway, hf_tokenizer) -> None:
     status, reply = post(gw, "/apply-template", {"messages": messages})
     want = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert status == 200 and reply == {"prompt": want}
+    # The rest of a chat request's body renders as it would for generation (it was once ignored).
+    status, reply = post(gw, "/apply-template", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and reply["prompt"] == hf_tokenizer.apply_chat_template(messages, tokenize=False)
+    tool = {"type": "function", "function": {"name": "paint_wall", "description": "Paints a wall.",
+                                              "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+    status, reply = post(gw, "/apply-template", {"messages": messages, "tools": [tool]})
+    assert status == 200 and "paint_wall" in reply["prompt"] and reply["prompt"] != want, reply
+    status, reply = post(
+        gw, "/apply-template", {"messages": messages, "tools": [tool], "tool_choice": "none"}
+    )
+    assert status == 200 and reply == {"prompt": want}
 
     status, _, data = gw.request("GET", "/props")
     props = json.loads(data)
@@ -314,6 +328,8 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
             "logit_bias": [["hello world ", 0.5]] * (test_gateway.MAX_PROMPT_CHARS // 12 + 1),
         },
         "a token id past the vocabulary": {"prompt": [10**9]},
+        "a negative n_indent": {"prompt": PROMPT, "n_indent": -5},
+        "t_max_predict_ms below -1": {"prompt": PROMPT, "t_max_predict_ms": -5},
     }
     for name, body in cases.items():
         for path in ("/completion", "/completions"):
@@ -537,6 +553,19 @@ def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
         events = stream(gw, **body, n_indent=n_indent)
         assert "".join(e["content"] for e in events) == want and events[-1]["stop_type"] == "limit"
     assert completion(gw, **body, n_indent=0)["content"] == CODE  # 0: no limit
+    assert_every_replica_idle(gw)  # a reply cut short here gave its slot back (it once never did)
+
+
+def assert_every_replica_idle(gw: Gateway, timeout: float = 10.0) -> None:
+    """Every gateway replica's /load comes back to 0: none keeps a finished request's slot (the
+    connections spread over the replicas, so twenty in a row reach each of them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [json.loads(gw.request("GET", "/load")[2])["server_load"] for _ in range(20)]
+        if not any(loads):
+            return
+        assert time.monotonic() < deadline, f"a replica still counts requests in flight: {loads}"
+        time.sleep(0.2)
 
 
 def test_t_max_predict_ms_ends_the_output_at_a_new_line_past_it(gw: Gateway) -> None:
@@ -697,6 +726,11 @@ def test_max_tokens_limits_a_completion_that_gives_no_n_predict(gw: Gateway) -> 
     assert reply["generation_settings"]["n_predict"] == 3
     both = completion(gw, prompt=PROMPT, temperature=0, ignore_eos=True, max_tokens=3, n_predict=5)
     assert both["tokens_predicted"] == 5
+    # OpenAI's newer name too (once ignored: the output ran to the context's end), before max_tokens.
+    newer = completion(
+        gw, prompt=PROMPT, temperature=0, ignore_eos=True, max_completion_tokens=2, max_tokens=4
+    )
+    assert newer["tokens_predicted"] == 2 and newer["generation_settings"]["n_predict"] == 2
 
 
 def test_a_bug_in_a_llama_cpp_route_is_a_500_in_llama_cpps_shape() -> None:

@@ -776,10 +776,14 @@ class Gateway:
                 status = CLIENT_CLOSED
                 raise
             finally:
-                await settle(first)
-                await feed.aclose()
-                self.num_in_flight -= 1
-                self.count(path, status)
+                # Once the whole reply is sent the client may close, and the disconnect watch then
+                # cancels this task: the cleanup (which aborts what the engine still runs for a
+                # reply its writer ended early) finishes regardless, and the request is counted.
+                try:
+                    await asyncio.shield(close_feed(first, feed))
+                finally:
+                    self.num_in_flight -= 1
+                    self.count(path, status)
 
         return WatchedResponse(work)
 
@@ -1253,6 +1257,12 @@ def embedding_inputs(value: str | list[str | int | list[int]]) -> list[str] | li
     if len(value) > MAX_EMBEDDING_INPUTS:
         raise invalid(f"input holds {len(value)} inputs, over the limit of {MAX_EMBEDDING_INPUTS}", "input")
     return value  # type: ignore[return-value]
+
+
+async def close_feed(first: asyncio.Future[Any], feed: Feed) -> None:
+    """End a request's feed: its first item's wait, then the feed (aborting its engine requests)."""
+    await settle(first)
+    await feed.aclose()
 
 
 def internal_error(path: str, exc: Exception) -> ApiError:

@@ -35,10 +35,10 @@ from services.gateway import protocol as p
 from services.gateway.app import (
     BRIGADE_VERSION,
     JSON,
-    ChatToRender,
     Feed,
     Gateway,
     budget_errors,
+    chat_to_render,
     embedding_inputs,
     internal_error,
 )
@@ -71,6 +71,7 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     # How many tokens to generate (-1, unset: until eos or the context's end); llama-server takes
     # OpenAI's max_tokens where n_predict is not given, as clients written for /v1 send it.
     n_predict: int | None = None
+    max_completion_tokens: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
@@ -105,8 +106,9 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def num_to_predict(self) -> int:
-        """n_predict, else max_tokens, else -1."""
-        for given in (self.n_predict, self.max_tokens):
+        """n_predict, else OpenAI's max_completion_tokens, else its max_tokens, else -1 (the
+        names llama-server reads it by, in its order)."""
+        for given in (self.n_predict, self.max_completion_tokens, self.max_tokens):
             if given is not None:
                 return given
         return -1
@@ -240,10 +242,6 @@ class LlamaEmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     content: str | list[str | int | list[int]] | None = None
     # llama.cpp's: -1 none, 0 max absolute scaled to int16's range, 2 euclidean, else that p-norm
     embd_normalize: int = 2
-
-
-class LlamaApplyTemplateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    messages: list[p.ChatMessageIn]
 
 
 def llama_error_body(error: ApiError) -> bytes:
@@ -406,6 +404,11 @@ class LlamaCompletions:
             raise invalid(f"n_probs must be >= 0, got {body.n_probs}", "n_probs")
         if body.seed < -1:
             raise invalid(f"seed must be -1 (random) or >= 0, got {body.seed}", "seed")
+        if body.n_indent < 0:
+            raise invalid(f"n_indent must be >= 0 (0: no limit), got {body.n_indent}", "n_indent")
+        if body.t_max_predict_ms < -1:
+            raise invalid(f"t_max_predict_ms must be >= -1 (0 or -1: no limit), got {body.t_max_predict_ms}",
+                          "t_max_predict_ms")  # fmt: skip
         # llama-server's `grammar` is "" unless set, and its clients send it so: no grammar.
         grammar = body.grammar or None
         if body.json_schema is not None and grammar is not None:
@@ -552,10 +555,12 @@ class LlamaCompletions:
 
     async def apply_template(self, request: Request) -> Response:
         gw = self.gateway
-        body = await gw.read_body(request, LlamaApplyTemplateRequest)
+        # A chat request's body, as llama-server reads it: its tools, chat_template_kwargs and
+        # add_generation_prompt render as they would for generation.
+        body = await gw.read_body(request, p.ChatCompletionRequest)
         if not body.messages:
             raise invalid("messages must not be empty", "messages")
-        chat = await asyncio.to_thread(gw._render_chat, ChatToRender(body.messages))
+        chat = await asyncio.to_thread(gw._render_chat, chat_to_render(body))
         return gw.finish(request, Response(_encoder.encode({"prompt": chat.text}), media_type=JSON))
 
     async def props(self, request: Request) -> Response:
@@ -660,6 +665,7 @@ class LlamaWriter:
         self.is_batch = is_batch
         self.prompt_only = prompt_only  # n_predict 0: the one token the engine samples is left out
         self.prompts = [job.prompt for job in plan.jobs]
+        self.seeds = [job.sampling.get("seed") for job in plan.jobs]  # n_cmpl's j-th: the seed + j
         self.started = time.monotonic()
 
     def add(self, out: Generated, delta: StreamDelta) -> tuple[str, list[int], list[dict[str, Any]]]:
@@ -748,7 +754,9 @@ class LlamaWriter:
             "tokens_predicted": predicted_n,
             "tokens_evaluated": out.prompt_tokens,
             "tokens_cached": out.cached_tokens,
-            "generation_settings": self.settings,
+            "generation_settings": self.settings
+            if self.seeds[index] is None
+            else {**self.settings, "seed": self.seeds[index]},
             "has_new_line": "\n" in out.text,
             "truncated": stop_type == "limit" and out.prompt_tokens + predicted_n >= n_ctx,
             "stop_type": stop_type,
