@@ -30,6 +30,7 @@ from ipc.topology import StageSpec, Topology
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
+from services.gateway.response_store import RESPONSES_DIR
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
 from services.stage import RUN_FILE, RunInfo, lora_table_files, write_run_info
@@ -174,9 +175,11 @@ class Run:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass
-        # A dead run's leftovers; its tables of LoRA adapters would replace this run's lora.adapters.
+        # A dead run's leftovers; its tables of LoRA adapters would replace this run's lora.adapters,
+        # and its stored responses (its clients' conversations) are no business of this run's.
         for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock"), *lora_table_files(self.run_dir)]:
             stale.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir / RESPONSES_DIR, ignore_errors=True)
 
     def claim_shared_memory(self) -> None:
         """Before any shared memory of the run exists: its lock tells sweeps that it is alive;
@@ -421,6 +424,7 @@ class Run:
         ]:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
+        shutil.rmtree(self.run_dir / RESPONSES_DIR, ignore_errors=True)  # its clients' conversations
         if not keep_keys:
             shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
         # The lock file stays: unlinking it would let a supervisor that opened it meanwhile lock

@@ -1106,12 +1106,17 @@ def test_responses_function_call_round_trip_and_the_store(gw: Gateway) -> None:
 
 def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway) -> None:
     api = gw.openai(max_retries=5)
-    first = api.responses.create(model=gw.model, input=CHAT, max_output_tokens=8, temperature=0)
+    # metadata at OpenAI's bounds (16 pairs, keys of 64 characters, values of 512) is kept whole
+    metadata = {f"{i:064d}": "v" * 512 for i in range(16)}
+    first = api.responses.create(
+        model=gw.model, input=CHAT, max_output_tokens=8, temperature=0, metadata=metadata
+    )
     # Whichever replica stored it, one of these reads is served by the other one, and one by a
     # replica restarted after SIGKILL.
     for replica in (0, 1):
         killed = kill_gateways(gw, [replica])
-        assert api.responses.retrieve(first.id).output_text == first.output_text
+        stored = api.responses.retrieve(first.id)
+        assert stored.output_text == first.output_text and stored.metadata == metadata
         gw.run.wait_for_restart(killed, 120)
     follow = api.responses.create(
         model=gw.model, previous_response_id=first.id, input="And another?", max_output_tokens=8,
@@ -1167,6 +1172,22 @@ RESPONSES_BAD_BODIES = {
     "negative max_output_tokens": (
         {"input": "hi", "max_output_tokens": -3},
         "max_output_tokens",
+        "invalid_value",
+    ),
+    # Stored with the response: OpenAI's bounds (a 6 MB value was once stored whole).
+    "metadata of 17 pairs": (
+        {"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}},
+        "metadata",
+        "invalid_value",
+    ),
+    "a metadata key of 65 characters": (
+        {"input": "hi", "metadata": {"k" * 65: "v"}},
+        "metadata",
+        "invalid_value",
+    ),
+    "a metadata value of 513 characters": (
+        {"input": "hi", "metadata": {"k": "v" * 513}},
+        "metadata",
         "invalid_value",
     ),
 }

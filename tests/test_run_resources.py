@@ -15,6 +15,7 @@ from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
 from ipc.sockets import close_context
 from ipc.topology import Topology
+from services.gateway.response_store import RESPONSES_DIR
 from services.stage import RUN_FILE, read_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.live_settings import with_setting
@@ -41,6 +42,26 @@ def test_a_claimed_run_dir_refuses_a_second_run_and_its_release_leaves_the_first
     first.release(keep_keys=False)
     assert not (run_dir / "tokenizer-0.sock").exists() and not (run_dir / RUN_FILE).exists()
     Run(run_dir, new_run_id()).claim_run_dir()  # the lock went with its holder's release
+
+
+def test_stored_responses_end_with_their_run(run_dir: Path):
+    """A dead run's stored responses (its clients' conversations) are gone when the next run claims
+    the run dir, and a run's own when it is released: a new run serves none of them."""
+    stale = run_dir / RESPONSES_DIR / ("resp_" + "0" * 32 + ".json")
+    stale.parent.mkdir()
+    stale.write_text("{}")
+    refused = Run(run_dir, new_run_id())
+    holder = Run(run_dir, new_run_id())
+    holder.claim_run_dir()
+    assert not stale.parent.exists()
+    stale.parent.mkdir()
+    stale.write_text("{}")  # this run's
+    with pytest.raises(Refused):
+        refused.claim_run_dir()
+    refused.release(keep_keys=False)
+    assert stale.exists()  # a refused supervisor touches nothing of the live run
+    holder.release(keep_keys=False)
+    assert not stale.parent.exists()
 
 
 def test_run_json_is_published_with_the_config_and_the_tokenizers(run_dir: Path, tmp_path: Path):

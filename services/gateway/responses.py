@@ -503,6 +503,24 @@ class ResponsesReply:
 # -- the endpoints ----------------------------------------------------------------------------
 
 
+# OpenAI's bounds of `metadata`, which is stored with the response and given back with it
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits: 16 pairs at most, keys of 64 characters and values of 512 at most."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise invalid(f"metadata: a key of {len(key)} characters; at most {MAX_METADATA_KEY}", "metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise invalid(f"metadata[{key!r}]: a value of {len(value)} characters; at most {MAX_METADATA_VALUE}",
+                          "metadata")  # fmt: skip
+
+
 def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id {response_id[:80]!r} not found.", code="not_found")
 
@@ -514,6 +532,7 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         req = await self.gateway.read_body(request, ResponsesRequest)
+        check_metadata(req.metadata)
         conversation, origins, requested = await self._conversation(req)
         try:
             plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))

@@ -18,7 +18,7 @@ from services.gateway.app import Gateway
 from services.gateway.errors import ApiError
 from services.gateway.invocations import invocations
 from services.gateway.llamacpp import LlamaCompletions, with_llama_errors
-from services.gateway.response_store import ResponseStore
+from services.gateway.response_store import RESPONSES_DIR, ResponseStore
 from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
 
@@ -32,7 +32,7 @@ def at(
 
 def build_app(gateway: Gateway) -> ASGIApp:
     settings = gateway.settings
-    store = ResponseStore(settings.run_dir / "responses", settings.responses_max_stored,
+    store = ResponseStore(settings.run_dir / RESPONSES_DIR, settings.responses_max_stored,
                           settings.responses_max_age_s, 2 * settings.max_body_bytes)  # fmt: skip
     messages, responses, scoring = MessagesApi(gateway), ResponsesApi(gateway, store), ScoringApi(gateway)
     llama = LlamaCompletions(gateway)
