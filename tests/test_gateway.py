@@ -1665,6 +1665,16 @@ BAD_BODIES = {
     "token id out of vocab": (b'{"prompt": [99999999]}', "prompt", "invalid_value"),
     "bad logit bias key": (b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", "invalid_type"),
     "speculate not a bool": (b'{"prompt": "hi", "speculate": "no"}', "speculate", "invalid_type"),
+    "stream_options without stream": (
+        b'{"prompt": "hi", "stream_options": {"include_usage": true}}',
+        "stream_options",
+        "invalid_value",
+    ),
+    "chat stream_options without stream": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "stream": false, "stream_options": {}}',
+        "stream_options",
+        "invalid_value",
+    ),
     "unknown content part": (
         b'{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
         "messages[0].content[0].type",

@@ -123,6 +123,8 @@ def _refuse_unserved(req: SamplingFields, fields: dict[str, tuple[Any, ...]]) ->
 
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
     _refuse_unserved(req, UNSERVED_FIELDS)
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
+        raise invalid("stream_options can only be given with stream: true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {
         "max_tokens": max_tokens,
