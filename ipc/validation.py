@@ -33,6 +33,7 @@ Decisions:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,6 +213,11 @@ def check_chat_budget(
 def _prompt_word(generates: bool) -> str:
     """An embedding's text is its `input` (the API's field), a generation's its prompt."""
     return "prompt" if generates else "input"
+
+
+# The counts of _check_prompt_len's refusal, read back from its message (which is what crosses
+# the stages) where an API reports them apart (llama.cpp's exceed_context_size_error).
+PROMPT_TOO_LONG_COUNTS = re.compile(r"\b(?:prompt|input) has (\d+) tokens but max_model_len is (\d+)\b")
 
 
 def _check_prompt_len(num_prompt_tokens: int, max_model_len: int, generates: bool) -> None:

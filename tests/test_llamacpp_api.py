@@ -58,10 +58,13 @@ def v1_completion(gw: Gateway, **body) -> dict:
 def assert_llama_error(
     status: int, reply: dict, want_status: int, want_type: str = "invalid_request_error"
 ) -> str:
-    """llama.cpp's error shape: {"error": {"code": status, "message", "type"}}; the message."""
+    """llama.cpp's error shape: {"error": {"code": status, "message", "type"}}, a prompt of more
+    tokens than the context with their counts as well; the message."""
     assert status == want_status, reply
     error = reply["error"]
-    assert set(error) == {"code", "message", "type"} and error["code"] == want_status, error
+    shape = {"code", "message", "type"}
+    counts = {"n_prompt_tokens", "n_ctx"} if want_type == "exceed_context_size_error" else set()
+    assert set(error) - counts == shape and error["code"] == want_status, error
     assert error["type"] == want_type, error
     return error["message"]
 
@@ -341,6 +344,7 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
     assert assert_llama_error(status, reply, 400).startswith("grammar: Expected")
     status, reply = post(gw, "/completion", {"prompt": [1] * (MAX_MODEL_LEN + 8)})
     assert_llama_error(status, reply, 400, "exceed_context_size_error")
+    assert (reply["error"]["n_prompt_tokens"], reply["error"]["n_ctx"]) == (MAX_MODEL_LEN + 8, MAX_MODEL_LEN)
     status, _, data = gw.request("POST", "/completion", {"prompt": PROMPT, "stream": True, "n_predict": -2})
     assert_llama_error(status, json.loads(data), 400)
     # The API keys hold here as on every generating endpoint.

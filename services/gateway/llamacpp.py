@@ -30,7 +30,7 @@ from starlette.responses import Response
 from client.errors import BrigadeError
 from client.sdk import StreamDelta
 from ipc import messages as m
-from ipc.validation import check_prompt_chars
+from ipc.validation import PROMPT_TOO_LONG_COUNTS, check_prompt_chars
 from services.gateway import protocol as p
 from services.gateway.app import (
     BRIGADE_VERSION,
@@ -246,11 +246,14 @@ class LlamaEmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 def llama_error_body(error: ApiError) -> bytes:
     kind = "exceed_context_size_error" if error.code == "context_length_exceeded" else None
-    body = {
+    body: dict[str, Any] = {
         "code": error.status,
         "message": error.message,
         "type": kind or ERROR_TYPES.get(error.status, "server_error"),
     }
+    if kind and (counts := PROMPT_TOO_LONG_COUNTS.search(error.message)):
+        # llama-server's: the web UI shows them for a prompt past the context
+        body["n_prompt_tokens"], body["n_ctx"] = int(counts[1]), int(counts[2])
     return _encoder.encode({"error": body})
 
 
