@@ -1616,6 +1616,18 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
     assert unknown.value.body["param"] == "model" and unknown.value.body["code"] == "model_not_found"
     status, error = gw.error("/v1/audio/speech", {})
     assert status == 404 and error["code"] == "not_found"
+    # A method the route does not take: 405 with its Allow header (RFC 9110), in the shape of the
+    # API the path belongs to (llama.cpp's, Anthropic's, OpenAI's).
+    for method, path, shape in (("PUT", "/v1/models", {"message", "type", "param", "code"}),
+                                ("GET", "/completion", {"code", "message", "type"}),
+                                ("GET", "/v1/messages", {"type", "message"})):  # fmt: skip
+        status, headers, data = gw.request(method, path)
+        body = json.loads(data)
+        error = body["error"]
+        assert status == 405 and set(error) == shape and headers["allow"], (path, headers, body)
+        assert set(headers["allow"].replace(" ", "").split(",")) >= {"GET" if method == "PUT" else "POST"}
+    status, _, data = gw.request("POST", "/v1/messages/batches", {})
+    assert status == 404 and json.loads(data)["type"] == "error", data  # Anthropic's error shape
     with pytest.raises(openai.APIStatusError) as huge:
         api.completions.create(model=gw.model, prompt="x" * (MAX_BODY_BYTES + 10), max_tokens=1)
     assert huge.value.status_code == 413

@@ -337,12 +337,14 @@ class Gateway:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    async def on_http_exception(self, request: Request, exc: HTTPException) -> Response:
+    @staticmethod
+    def http_error(request: Request, exc: HTTPException) -> ApiError:
+        """The router's refusal (no route, a method the route does not take: its Allow header)."""
         if exc.status_code == 404:
-            error = ApiError(404, f"no route {request.url.path}", code="not_found")
-        else:
-            error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        return self.finish(request, error_response(error))
+            return ApiError(404, f"no route {request.url.path}", code="not_found")
+        code = "method_not_allowed" if exc.status_code == 405 else None
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code,
+                        headers=dict(exc.headers or {}))  # fmt: skip
 
     async def on_api_error(self, request: Request, exc: ApiError) -> Response:
         return self.finish(request, error_response(exc))

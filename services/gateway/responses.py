@@ -512,7 +512,9 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
     if not metadata:
         return
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise invalid(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", "metadata")
+        raise invalid(
+            f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", "metadata"
+        )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY:
             raise invalid(f"metadata: a key of {len(key)} characters; at most {MAX_METADATA_KEY}", "metadata")

@@ -14,10 +14,11 @@ from starlette.types import ASGIApp
 
 from services.gateway.access_log import AccessLogMiddleware
 from services.gateway.anthropic import MessagesApi
-from services.gateway.app import Gateway
+from services.gateway.anthropic import error_body as anthropic_error_body
+from services.gateway.app import JSON, Gateway, error_response
 from services.gateway.errors import ApiError
 from services.gateway.invocations import invocations
-from services.gateway.llamacpp import LlamaCompletions, with_llama_errors
+from services.gateway.llamacpp import LlamaCompletions, llama_error_response, with_llama_errors
 from services.gateway.response_store import RESPONSES_DIR, ResponseStore
 from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
@@ -62,18 +63,34 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/tokenize", llama.tokenize, methods=["POST"]),  # vLLM's body, or llama.cpp's
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
-        # llama.cpp's own API (llamacpp.py), its refusals in its error shape
+    ]
+    llama_routes = [  # llama.cpp's own API (llamacpp.py), its refusals in its error shape
         *at(with_llama_errors(gateway, llama.completion), "/completion", "/completions"),
         Route("/infill", with_llama_errors(gateway, llama.infill), methods=["POST"]),
         Route("/apply-template", with_llama_errors(gateway, llama.apply_template), methods=["POST"]),
         Route("/props", with_llama_errors(gateway, llama.props), methods=["GET"]),
         *at(with_llama_errors(gateway, llama.embedding), "/embedding", "/embeddings"),
     ]
+    routes += llama_routes
     endpoints = {"chat": gateway.chat, "completions": gateway.completions, "embeddings": gateway.embeddings,
                  "score": scoring.score, "rerank": scoring.rerank}  # fmt: skip
     routes.append(Route("/invocations", invocations(gateway, endpoints), methods=["POST"]))
+    llama_paths = {route.path for route in llama_routes}
+
+    async def on_http_exception(request: Request, exc: HTTPException) -> Response:
+        """The router's refusals, in the shape of the API the path belongs to."""
+        error = gateway.http_error(request, exc)
+        path = request.url.path
+        if path in llama_paths:
+            response = llama_error_response(error)
+        elif path.startswith("/v1/messages"):
+            response = Response(anthropic_error_body(error), error.status, error.headers, media_type=JSON)
+        else:
+            response = error_response(error)
+        return gateway.finish(request, response)
+
     handlers = {
-        HTTPException: gateway.on_http_exception,
+        HTTPException: on_http_exception,
         ApiError: gateway.on_api_error,
         Exception: gateway.on_crash,
     }
