@@ -189,6 +189,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Port = 8000
     api_keys: list[str] = []  # [] = open, unless BRIGADE_API_KEYS lists some
+    # Web pages of these origins may call the API from a browser (CORS; "*" = any, vLLM's and
+    # llama-server's default). [] = none: a page the user visits cannot use a server on their host.
+    cors_origins: list[str] = []
     served_model_name: str = ""  # "" = the model's name
     max_concurrent_requests: Positive = 512  # per replica; past it, 429
     # /v1/responses kept for previous_response_id and GET, in <run-dir>/responses (every replica's)

@@ -46,7 +46,7 @@ from services.gateway.anthropic import chat_request as anthropic_chat_request
 from services.gateway.app import Gateway as AppGateway
 from services.gateway.app import GatewaySettings
 from services.gateway.errors import ApiError
-from services.gateway.jobs import plan_chat
+from services.gateway.jobs import SEED_HEADER, plan_chat
 from services.gateway.refusal_limits import SMALL_BODY_BYTES
 from services.gateway.responses import ResponsesReply
 from services.metrics import HttpMetrics
@@ -3562,3 +3562,36 @@ def test_requests_naming_unknown_models_share_the_engines_adapter_lists(
         assert engine.lists == 3 and gateway.adapters == ["sql-lora"]
 
     asyncio.run(flood())
+
+
+def test_cors_is_off_by_default_and_serves_the_configured_origins(gw: Gateway, tmp_path: Path) -> None:
+    """gateway.cors_origins: a browser page of a listed origin may call the API (its preflight is
+    answered before any API key is asked for, and replies name the origin and expose the seed
+    header); another origin's preflight is refused. Off by default: no page may."""
+
+    def call(url: str, method: str, path: str, headers: dict[str, str], body: dict | None = None):
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+
+    page = "http://ui.example"
+    preflight = {"origin": page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    status, headers, _ = call(gw.url, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 405 and "access-control-allow-origin" not in headers  # off by default
+    with in_process_gateway(gw, tmp_path, cors_origins=(page,)) as url:
+        status, headers, _ = call(url, "OPTIONS", "/v1/chat/completions", preflight)
+        assert status == 200 and headers["access-control-allow-origin"] == page, headers
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        body = {"model": gw.model, "prompt": "hi", "max_tokens": 2, "temperature": 1.0}
+        status, headers, data = call(url, "POST", "/v1/completions", {"origin": page}, body)
+        assert status == 200 and headers["access-control-allow-origin"] == page, data
+        assert SEED_HEADER.lower() in headers["access-control-expose-headers"].lower()
+        status, headers, _ = call(
+            url, "OPTIONS", "/v1/chat/completions", {**preflight, "origin": "http://evil.example"}
+        )
+        assert status == 400 and "access-control-allow-origin" not in headers

@@ -151,6 +151,7 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
         oversized_window_s=config.oversized_window_s,
         adapters=tuple(stage.config.lora.adapters),
         access_log=AccessLog(config.access_log, stage.name) if config.access_log.path else None,
+        cors_origins=tuple(config.cors_origins),
         max_loras=stage.config.lora.max_loras,
         accept_priority=config.accept_priority,
         adapter_command_timeout_s=stage.config.lora.unload_wait_s + ADAPTER_COMMAND_MARGIN_S + 30.0,

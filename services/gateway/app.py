@@ -137,6 +137,7 @@ class GatewaySettings:
     oversized_window_s: float = 60.0
     adapters: tuple[str, ...] = ()  # lora.adapters' names: each is a model name too (docs/lora.md)
     access_log: AccessLog | None = None  # gateway.access_log (services/gateway/access_log.py)
+    cors_origins: tuple[str, ...] = ()  # gateway.cors_origins: browser pages that may call the API
     max_loras: int = 0  # lora.max_loras: 0 = adapters off, none can be loaded at run time
     accept_priority: bool = False  # gateway.accept_priority: clients may set vLLM's priority
     # How long a LoRA adapter command may take: an unload waits up to lora.unload_wait_s for its

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -18,6 +19,7 @@ from services.gateway.anthropic import error_body as anthropic_error_body
 from services.gateway.app import JSON, Gateway, error_response
 from services.gateway.errors import ApiError
 from services.gateway.invocations import invocations
+from services.gateway.jobs import SEED_HEADER
 from services.gateway.llamacpp import LlamaCompletions, llama_error_response, with_llama_errors
 from services.gateway.response_store import RESPONSES_DIR, ResponseStore
 from services.gateway.responses import ResponsesApi
@@ -94,5 +96,10 @@ def build_app(gateway: Gateway) -> ASGIApp:
         ApiError: gateway.on_api_error,
         Exception: gateway.on_crash,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
-    return AccessLogMiddleware(app, settings.access_log) if settings.access_log is not None else app
+    app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    if settings.access_log is not None:
+        app = AccessLogMiddleware(app, settings.access_log)
+    if settings.cors_origins:  # outermost: a preflight is answered here, before any key is asked for
+        app = CORSMiddleware(app, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                             allow_headers=["*"], expose_headers=[SEED_HEADER, "Retry-After"])  # fmt: skip
+    return app
