@@ -34,6 +34,9 @@ from services.audit import AuditLog, CurveFailureMonitor, audit_log_path
 from services.cpu_cores import light_stage_cores, pin_process, usable_cores
 
 RUN_FILE = "run.json"
+# The gateways' stored /v1/responses (services/gateway/response_store.py): every replica's, kept
+# across a replica's restart within a run; the supervisor removes them with the run.
+RESPONSES_DIR = "responses"
 # The scheduler's table of LoRA adapters, one per engine group (services/scheduler/adapters.py):
 # it carries the adapters loaded at run time across a scheduler's restart within a run, and the
 # supervisor removes it with the run, so that the next run of the run dir serves its lora.adapters.

@@ -30,10 +30,9 @@ from ipc.topology import StageSpec, Topology
 from services.audit import AUDIT_FILE
 from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
-from services.gateway.response_store import RESPONSES_DIR
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
-from services.stage import RUN_FILE, RunInfo, lora_table_files, write_run_info
+from services.stage import RESPONSES_DIR, RUN_FILE, RunInfo, lora_table_files, write_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused, check_hosts
 from supervision.stages import REPO_ROOT, RingSpec

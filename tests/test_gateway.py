@@ -770,6 +770,18 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
         assert "".join(stream.text_stream) == full[: full.index(stop)]
         final = stream.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    # With tools offered (tool_choice auto) the whole reply's text is the tokenizer's parse of the
+    # output, stop sequence included: cut there too, as the stream cuts it (it once was not).
+    tooled = seeded | {"tools": [{"name": "paint_wall", "input_schema": {"type": "object"}}]}
+    text = client.messages.create(**tooled).content
+    assert [b.type for b in text] == ["text"] and len(text[0].text) > 6, text  # the test's premise
+    stop = text[0].text[len(text[0].text) // 2 :][:3]
+    stopped = client.messages.create(**tooled | {"stop_sequences": [stop]})
+    with client.messages.stream(**tooled | {"stop_sequences": [stop]}) as stream:
+        final = stream.get_final_message()
+    for message in (stopped, final):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), message
+        assert message.content[0].text == text[0].text[: text[0].text.index(stop)], message
 
     shaped = client.messages.create(
         **kwargs | {"max_tokens": 32}, output_config={"format": {"type": "json_schema", "schema": NUMBER}}

@@ -15,8 +15,7 @@ from ipc.endpoints import make_run_dir
 from ipc.shm import ShmRing, new_run_id
 from ipc.sockets import close_context
 from ipc.topology import Topology
-from services.gateway.response_store import RESPONSES_DIR
-from services.stage import RUN_FILE, read_run_info
+from services.stage import RESPONSES_DIR, RUN_FILE, read_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.live_settings import with_setting
 from supervision.preflight import Refused

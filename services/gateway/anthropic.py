@@ -374,7 +374,10 @@ class AnthropicReply:
         text = choice.message.content or ""
         calls = choice.message.tool_calls or []
         # `piece` has read the engine's output (found and cut a stop sequence) before the chat
-        # format parsed it into text and calls, as in a stream.
+        # format parsed it into text and calls, as in a stream; but with tools the text is the
+        # tokenizer's parse of the whole output, which still ends with the stop sequence.
+        if self.stop_sequence is not None and text.endswith(self.stop_sequence):
+            text = text[: -len(self.stop_sequence)]
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         if choice.message.reasoning_content:  # a reasoning model's thinking (reasoning.py): first
             content.insert(
@@ -435,7 +438,7 @@ class AnthropicReply:
                 self.stop_reason = self._stop_reason(choice.finish_reason)
         return out
 
-    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None = None) -> list[bytes]:
         # Anthropic's events have no timings (llama-server gives none on this API either).
         delta = {
             "type": "message_delta",

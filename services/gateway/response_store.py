@@ -22,7 +22,6 @@ import msgspec
 
 from services.gateway.protocol import ChatMessageIn
 
-RESPONSES_DIR = "responses"  # under the run directory; the supervisor empties it when a run starts
 SUFFIX = ".json"
 TMP_PREFIX = "."  # temporary files: hidden, never read as responses
 # A temporary file older than this was left by a replica killed mid-write.

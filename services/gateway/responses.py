@@ -484,7 +484,7 @@ class ResponsesReply:
             out[-1] = named_event(kind, {**body, "timings": msgspec.structs.asdict(chunk.timings)})
         return out
 
-    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None = None) -> list[bytes]:
         out = self._close()
         if not self.output:  # an empty reply is still one (empty) message, as the whole reply has it
             out += self._open(self._message_item()) + self._close()

@@ -21,9 +21,10 @@ from services.gateway.errors import ApiError
 from services.gateway.invocations import invocations
 from services.gateway.jobs import SEED_HEADER
 from services.gateway.llamacpp import LlamaCompletions, llama_error_response, with_llama_errors
-from services.gateway.response_store import RESPONSES_DIR, ResponseStore
+from services.gateway.response_store import ResponseStore
 from services.gateway.responses import ResponsesApi
 from services.gateway.scoring import ScoringApi
+from services.stage import RESPONSES_DIR
 
 
 def at(

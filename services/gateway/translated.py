@@ -73,7 +73,7 @@ class Translation(Protocol):
         choice's `timings` so far, which an API that has them gives (the Responses API's do)."""
         ...
 
-    async def closing(self, usage: p.UsageOut, timings: p.Timings | None) -> list[bytes]:
+    async def closing(self, usage: p.UsageOut, timings: p.Timings | None = None) -> list[bytes]:
         """The stream's last events; `timings` the request's (timings_per_token), or None."""
         ...
 
