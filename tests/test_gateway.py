@@ -1632,12 +1632,14 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
     # API the path belongs to (llama.cpp's, Anthropic's, OpenAI's).
     for method, path, shape in (("PUT", "/v1/models", {"message", "type", "param", "code"}),
                                 ("GET", "/completion", {"code", "message", "type"}),
-                                ("GET", "/v1/messages", {"type", "message"})):  # fmt: skip
+                                ("GET", "/v1/messages", {"type", "message"}),
+                                ("POST", "/v1/responses/resp_x", {"message", "type", "param", "code"})):  # fmt: skip
         status, headers, data = gw.request(method, path)
         body = json.loads(data)
         error = body["error"]
         assert status == 405 and set(error) == shape and headers["allow"], (path, headers, body)
-        assert set(headers["allow"].replace(" ", "").split(",")) >= {"GET" if method == "PUT" else "POST"}
+        allowed = {"PUT": {"GET"}, "GET": {"POST"}, "POST": {"GET", "DELETE"}}[method]
+        assert set(headers["allow"].replace(" ", "").split(",")) >= allowed, headers
     status, _, data = gw.request("POST", "/v1/messages/batches", {})
     assert status == 404 and json.loads(data)["type"] == "error", data  # Anthropic's error shape
     with pytest.raises(openai.APIStatusError) as huge:
@@ -1695,7 +1697,7 @@ BAD_BODIES = {
         "invalid_value",
     ),
     "chat stream_options without stream": (
-        b'{"messages": [{"role": "user", "content": "hi"}], "stream": false, "stream_options": {}}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "stream": false, "stream_options": {"include_usage": false, "continuous_usage_stats": true}}',
         "stream_options",
         "invalid_value",
     ),
@@ -3607,3 +3609,37 @@ def test_cors_is_off_by_default_and_serves_the_configured_origins(gw: Gateway, t
             url, "OPTIONS", "/v1/chat/completions", {**preflight, "origin": "http://evil.example"}
         )
         assert status == 400 and "access-control-allow-origin" not in headers
+
+
+def test_a_first_output_that_overtakes_the_last_prompt_report_completes_it(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """return_progress: the engine's reports come straight from the scheduler, the output through
+    the detokenizer, and the tokenizer drops a report that comes after output; a stream whose first
+    output overtook the last report still hears that the whole prompt is done, before the output."""
+
+    async def output_first(client, jobs):
+        yield 0, StreamDelta("", [], prompt_progress=m.PromptProgress(30, 0, 10))
+        yield 0, StreamDelta("Hi", [5], usage=m.Usage(30, 1))
+        yield 0, StreamDelta("!", [6], finish_reason="length", usage=m.Usage(30, 2))
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", output_first)
+    body = {"model": gw.model, "stream": True, "return_progress": True, "max_tokens": 2}
+    with in_process_gateway(gw, tmp_path) as url:
+        for path, extra in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+            ("/completion", {"prompt": "x"}),
+        ):
+            request = urllib.request.Request(f"{url}{path}", json.dumps({**body, **extra}).encode(),
+                                             {"content-type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
+                events = [
+                    json.loads(e["data"]) for e in parse_sse(reply.read().decode()) if e["data"] != "[DONE]"
+                ]
+            reports = [
+                (i, e["prompt_progress"]["processed"]) for i, e in enumerate(events) if "prompt_progress" in e
+            ]
+            first_text = next(i for i, e in enumerate(events) if "Hi" in json.dumps(e))
+            assert [processed for _, processed in reports] == [10, 30], (path, events)
+            assert reports[-1][0] < first_text, (path, events)

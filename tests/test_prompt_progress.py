@@ -19,6 +19,7 @@ from client.sdk import RequestState
 from ipc import messages as m
 from ipc.sockets import Sent
 from services.common.text import Tokenizer
+from services.gateway.timings import PromptReports
 from services.scheduler.core import Scheduler
 from services.scheduler.request import Request
 from services.tokenizer.backlog import Backlog
@@ -70,7 +71,7 @@ def test_the_scheduler_reports_a_prefills_start_and_each_chunk_until_the_first_o
     drive(sched, executor)
 
 
-def test_a_held_report_is_never_joined_with_output() -> None:
+def test_a_held_report_is_replaced_by_a_newer_one_and_never_joined_with_output() -> None:
     report = m.Delta("r", 0, 0, "", b"", prompt_progress=m.PromptProgress(10, 0, 5))
     later = m.Delta("r", 0, 0, "", b"", prompt_progress=m.PromptProgress(10, 0, 10))
     first = m.Delta("r", 0, 0, "Hi", m.pack_ids([7]), prompt_ids=m.pack_ids([1, 2]))
@@ -84,8 +85,8 @@ def test_a_held_report_is_never_joined_with_output() -> None:
         return Sent.OK
 
     assert backlog.flush(send, 0.0) is Sent.OK
-    # Each report on its own, and the first output whole, with its first-output fields.
-    assert sent == [report, later, first]
+    # The latest report only, and the first output whole, with its first-output fields.
+    assert sent == [later, first]
 
 
 def test_the_sdk_gives_reports_as_deltas_of_no_output_until_the_first() -> None:
@@ -147,6 +148,30 @@ def check_reports(reports: list[dict], total: int) -> None:
     assert all(r["time_ms"] >= 0 for r in reports)
 
 
+def sse(port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> list[dict]:
+    """A streamed POST's events (each with its `data`, and its `id` where it has one)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    data = response.read().decode()
+    conn.close()
+    assert response.status == 200, data
+    return parse_sse(data)
+
+
+def test_prompt_reports_end_with_the_whole_prompt_whatever_came_first() -> None:
+    """The first output may overtake the last report (they come by different paths, and the
+    tokenizer drops a report after output): the gateway then says the whole prompt is done."""
+    reports = PromptReports()
+    reports.report(0, m.PromptProgress(40, 8, 8))
+    reports.report(0, m.PromptProgress(40, 8, 24))
+    assert reports.completing(0) == m.PromptProgress(40, 8, 40)
+    assert reports.completing(0) is None  # once
+    reports.report(1, m.PromptProgress(40, 0, 40))
+    assert reports.completing(1) is None  # it said so itself
+    assert reports.completing(2) is None  # it asked for none
+
+
 def test_a_stream_reports_its_prompts_progress_through_the_gateway(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -192,6 +217,14 @@ def test_a_stream_reports_its_prompts_progress_through_the_gateway(
         whole = api.chat.completions.create(**{**body, "stream": False, "stream_options": None},
                                             extra_body={"return_progress": True})  # fmt: skip
         assert whole.choices[0].message.content == text and "prompt_progress" not in (whole.model_extra or {})
+
+        # A stream resumed after some of its output (Last-Event-ID) hears no progress again.
+        raw = {**body, "return_progress": True, "stream_options": None}
+        events = sse(port, "/v1/chat/completions", raw)
+        ids = [e["id"] for e in events if "id" in e and "prompt_progress" not in e["data"]]
+        resumed = sse(port, "/v1/chat/completions", raw, {"last-event-id": ids[1]})
+        assert any("prompt_progress" in e["data"] for e in events), events
+        assert resumed and not any("prompt_progress" in e["data"] for e in resumed), resumed
 
         # llama.cpp's own /completion: its events of no output carry the reports.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)

@@ -89,7 +89,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.gateway.timings import RequestTimings, progress_out
+from services.gateway.timings import PromptReports, RequestTimings, progress_out
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage_rows import read_status
 
@@ -294,6 +294,7 @@ class Gateway:
         # The run is stopping (the supervisor's Shutdown): new calls are refused, those in flight
         # finish, and num_in_flight, which the drain waits on, counts only them.
         self.is_draining = False
+        self.cleanups: set[asyncio.Future[None]] = set()  # requests' feeds closing (Gateway.run)
         self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
         )
@@ -782,8 +783,11 @@ class Gateway:
                 # Once the whole reply is sent the client may close, and the disconnect watch then
                 # cancels this task: the cleanup (which aborts what the engine still runs for a
                 # reply its writer ended early) finishes regardless, and the request is counted.
+                cleanup = asyncio.ensure_future(close_feed(first, feed))
+                self.cleanups.add(cleanup)  # held: a shielded task must be referenced to finish
+                cleanup.add_done_callback(self.cleanups.discard)
                 try:
-                    await asyncio.shield(close_feed(first, feed))
+                    await asyncio.shield(cleanup)
                 finally:
                     self.num_in_flight -= 1
                     self.count(path, status)
@@ -833,6 +837,7 @@ class Gateway:
         for that first output. With `timings` (llama-server's timings_per_token) every chunk of a
         choice's output carries the choice's timings so far, and the usage chunk the request's."""
         usages = {}
+        reports = PromptReports()
         continuous = options.include_usage and options.continuous_usage_stats
         so_far: dict[int, m.Usage] = {}
         unopened = set() if cursor.is_resumed else {job.index for job in plan.jobs}
@@ -852,8 +857,12 @@ class Gateway:
         while item is not None:
             index, delta = item
             if delta.prompt_progress is not None:  # return_progress: the prompt, before any output
-                yield event(fmt.progress_chunk(index, progress_out(delta.prompt_progress, timer.arrival)))
+                if not cursor.is_resumed:  # a resumed stream had its output: no progress is news
+                    progress = progress_out(reports.report(index, delta.prompt_progress), timer.arrival)
+                    yield event(fmt.progress_chunk(index, progress))
             else:
+                if (whole_prompt := reports.completing(index)) is not None:
+                    yield event(fmt.progress_chunk(index, progress_out(whole_prompt, timer.arrival)))
                 if delta.usage is not None:
                     usages[index] = delta.usage
                 if timings is not None:

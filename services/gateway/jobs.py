@@ -31,7 +31,13 @@ from ipc.validation import MAX_LOGPROBS, InvalidParams
 from services.common.grammar_compiler import GrammarError, check_constraint
 from services.gateway.beam_search import BeamSearch, beam_search_of
 from services.gateway.errors import ApiError, invalid
-from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    SamplingFields,
+    StreamOptions,
+)
 
 MAX_SEED = 2**63  # seeds travel as int64 (ipc.validation)
 MAX_CHOICES = 64  # prompts x n per HTTP request
@@ -123,7 +129,8 @@ def _refuse_unserved(req: SamplingFields, fields: dict[str, tuple[Any, ...]]) ->
 
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
     _refuse_unserved(req, UNSERVED_FIELDS)
-    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
+    # As vLLM refuses it (an empty object, which says nothing, passes there too)
+    if req.stream_options is not None and req.stream_options != StreamOptions() and not req.stream:
         raise invalid("stream_options can only be given with stream: true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {

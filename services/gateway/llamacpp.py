@@ -45,7 +45,7 @@ from services.gateway.app import (
 from services.gateway.errors import ERROR_TYPES, ApiError, from_engine, invalid
 from services.gateway.jobs import SEED_HEADER, Plan, header_seed, plan_completion
 from services.gateway.metrics import RequestTimer
-from services.gateway.timings import llama_timings, progress_out
+from services.gateway.timings import PromptReports, llama_timings, progress_out
 
 # llama.cpp's sampling defaults (tools/server/README.md), used where a request leaves them out,
 # so that a llama.cpp client samples as it would there and generation_settings says what was used.
@@ -830,6 +830,7 @@ class LlamaWriter:
         self, first: asyncio.Future[tuple[int, StreamDelta] | None], feed: Feed, timer: RequestTimer
     ) -> AsyncGenerator[bytes, None]:
         outs = [Generated() for _ in range(self.num_prompts)]
+        reports = PromptReports()
         try:
             item = await first
         except BrigadeError as exc:  # after the keep-alive wait: the 200 is already sent
@@ -839,8 +840,12 @@ class LlamaWriter:
         while item is not None:
             index, delta = item
             if delta.prompt_progress is not None:  # return_progress: the prompt, before any output
-                yield data_event(self.progress_event(index, delta.prompt_progress, timer))
+                yield data_event(
+                    self.progress_event(index, reports.report(index, delta.prompt_progress), timer)
+                )
             else:
+                if (whole_prompt := reports.completing(index)) is not None:
+                    yield data_event(self.progress_event(index, whole_prompt, timer))
                 out = outs[index]
                 was_over = out.finish_reason is not None
                 text, ids, probabilities = self.add(out, delta)

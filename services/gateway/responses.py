@@ -583,6 +583,10 @@ class ResponsesApi:
             requested,
         )
 
+    async def stored(self, request: Request) -> Response:
+        """GET or DELETE of a stored response: one route, so that a 405 there allows both."""
+        return await (self.delete if request.method == "DELETE" else self.retrieve)(request)
+
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)
         response_id = request.path_params["response_id"]

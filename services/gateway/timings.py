@@ -90,3 +90,24 @@ def progress_out(progress: m.PromptProgress, arrival: float) -> p.PromptProgress
     request's arrival at the gateway, as `prompt_ms`'s."""
     elapsed_ms = int((time.monotonic() - arrival) * 1e3)
     return p.PromptProgressOut(progress.total, progress.cached, progress.processed, elapsed_ms)
+
+
+class PromptReports:
+    """A stream's prompt progress reports (return_progress), by choice: each passed on as it comes,
+    and one of the whole prompt where the first output overtook the last (the reports come
+    straight from the scheduler, the output through the detokenizer, and the tokenizer drops a
+    report that comes after output), so that a client's last report says 100%."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, m.PromptProgress] = {}
+
+    def report(self, index: int, progress: m.PromptProgress) -> m.PromptProgress:
+        self.last[index] = progress
+        return progress
+
+    def completing(self, index: int) -> m.PromptProgress | None:
+        """At choice `index`'s first output: the whole prompt's report, if its last said less."""
+        last = self.last.pop(index, None)
+        if last is None or last.processed >= last.total:
+            return None
+        return m.PromptProgress(last.total, last.cached, last.total)

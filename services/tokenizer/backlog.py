@@ -48,7 +48,11 @@ class _Held:
     def join(self, delta: m.Delta) -> bool:
         """Take `delta` into this held delta when it continues it; False when it does not (this
         one is final, or there is a gap between them: a new request under the same id) or either
-        is a report of prompt progress (no output, and the first output's fields come with it)."""
+        is a report of prompt progress and the other output (the first output's fields come with
+        it). A newer report replaces a held one: a slow client gets the latest, not one a chunk."""
+        if self.last.prompt_progress is not None and delta.prompt_progress is not None:
+            self.reply = self.first = self.last = delta
+            return True
         if (
             self.last.finish_reason is not None
             or self.last.prompt_progress is not None
