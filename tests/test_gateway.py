@@ -1919,6 +1919,18 @@ def test_a_compressed_body_is_refused_by_its_encoding_not_as_bad_json(gw: Gatewa
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1, data
 
 
+def test_a_lone_surrogate_escape_is_named_not_called_truncated(gw: Gateway) -> None:
+    """JSON's `\\ud83d` without its low half is no character; the decoder calls such a body
+    "truncated", which sends its sender looking for a cut connection. A whole pair is served."""
+    for text, escape in ((r"hi \ud83d!", r"\ud83d"), (r"\\\ude00 hi", r"\ude00")):
+        status, error = gw.error("/v1/completions", b'{"prompt": "' + text.encode() + b'"}')
+        assert status == 400 and error["code"] == "invalid_json", error
+        assert f"{escape} at byte" in error["message"] and "surrogate" in error["message"], error
+    body = rb'{"prompt": "hi \ud83d\ude00 \\ud800", "max_tokens": 1}'
+    status, _, data = gw.request("POST", "/v1/completions", body)
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1, data
+
+
 def test_vllms_own_defaults_of_unserved_fields_are_served(gw: Gateway) -> None:
     """Clients that send whole vLLM request models send its defaults of the fields not served
     here: those ask for nothing and are served, only other values are refused."""
@@ -3265,6 +3277,30 @@ def test_last_event_id_resumes_exactly_greedy_and_sampled(gw: Gateway) -> None:
             assert "".join(texts[:cut]) + "".join(text_of(e) for e in rest[:-1]) == full, cut
             ids = [e["id"] for e in events[:cut]] + [e["id"] for e in rest[:-1]]
             assert ids == sorted(ids, key=lambda i: tuple(int(x) for x in i.split("."))), ids
+
+
+def test_a_resumption_that_cannot_continue_the_stream_is_refused(gw: Gateway) -> None:
+    """A sampled stream resumed without its seed would sample other tokens and send their tail: a
+    400 naming X-Brigade-Seed (a seed in the body is its seed). An id past the whole output (of
+    another request) resumes nothing: an error event, not a silent empty stream."""
+    sampled = {"model": gw.model, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
+               "stream": True, "ignore_eos": True}  # fmt: skip
+    status, error = gw.error("/v1/completions", sampled, {"last-event-id": "1.3"})
+    assert status == 400 and error["param"] == "X-Brigade-Seed", error
+    _, events = gw.curl_stream({**sampled, "seed": 7}, {"last-event-id": "1.3"})
+    assert events[-1]["data"] == "[DONE]" and "error" not in events[-2]["data"], events
+    greedy = {**sampled, "temperature": 0}
+    _, events = gw.curl_stream(greedy)
+    last_id = [e["id"] for e in events if e["id"]][-1]
+    tokens, chars = (int(x) for x in last_id.split("."))
+    _, events = gw.curl_stream(greedy, {"last-event-id": last_id})  # at the end: only the finish
+    assert events[-1]["data"] == "[DONE]" and "error" not in events[-2]["data"], events
+    for past in (f"{tokens + 1}.{chars}", f"{tokens}.{chars + 1}"):
+        _, events = gw.curl_stream(greedy, {"last-event-id": past})
+        assert events[-1]["data"] == "[DONE]", events
+        error = json.loads(events[-2]["data"])["error"]
+        assert error["param"] == "Last-Event-ID" and f"ended at {tokens}.{chars}" in error["message"], error
+        assert "".join(text_of(e) for e in events[:-2]) == "", events
 
 
 def text_of(event: dict) -> str:

@@ -481,11 +481,11 @@ class Gateway:
             try:
                 body = p.nulls_as_defaults(data, kind)
             except (msgspec.DecodeError, msgspec.ValidationError) as again:
-                raise from_decode_error(again) from None
+                raise from_decode_error(again, data) from None
             if body is None:
-                raise from_decode_error(exc) from None
+                raise from_decode_error(exc, data) from None
         except msgspec.DecodeError as exc:
-            raise from_decode_error(exc) from None
+            raise from_decode_error(exc, data) from None
         await self.check_model(getattr(body, "model", ""), getattr(kind, "takes_adapter", False))
         if isinstance(body, p.ChatCompletionRequest):
             self.check_chat_budget(body)
@@ -657,6 +657,18 @@ class Gateway:
         self, request: Request, body: p.SamplingFields, plan: Plan, fmt: ChatFormat | CompletionFormat
     ) -> OpenAIWriter:
         cursor = Cursor(len(plan.jobs), request.headers.get("last-event-id") if body.stream else None)
+        if (
+            cursor.is_resumed
+            and plan.seed is not None
+            and body.seed is None
+            and SEED_HEADER not in request.headers
+        ):
+            # A new seed samples other tokens, and the client would be sent their tail.
+            raise invalid(
+                "a sampled stream resumes only with the seed it was sampled with: send back the "
+                f"{SEED_HEADER} header of its first response (or give the body a seed)",
+                "X-Brigade-Seed",
+            )
         return OpenAIWriter(
             self, plan, fmt, cursor, body.stream_options or p.StreamOptions(), body.timings_per_token
         )
@@ -902,6 +914,10 @@ class Gateway:
                 return
             if item is not None:
                 timer.on_output(item)
+        if (overrun := cursor.overrun()) is not None:
+            yield b"data: " + invalid(overrun, "Last-Event-ID").body() + b"\n\n"
+            yield DONE
+            return
         if options.include_usage and usages:
             chunk = fmt.usage_chunk(usage_out(usages, plan.prompt_of))
             if timings is not None:

@@ -13,6 +13,12 @@ from services.gateway.protocol import ErrorBody, ErrorResponse
 
 # msgspec says "Expected `float | null`, got `str` - at `$.temperature`"
 _PATH_IN_ERROR = re.compile(r" - at (?:`key` in )?`\$(.*?)`")
+# A `\uXXXX` escape of half a UTF-16 surrogate pair without its other half (after an even run of
+# backslashes, so not an escaped backslash): msgspec calls such a body "truncated".
+_LONE_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F])"
+    rb"|(?<![\\]u[dD][89abAB][0-9a-fA-F]{2})(?<!\\)(?:\\\\)*(\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
 # The engine's messages about a field start with its name (ipc/validation.py); others ("this model
 # serves embeddings only") name none.
 _LEADING_FIELD = re.compile(r"^([A-Za-z_]+)\b")
@@ -67,9 +73,18 @@ def invalid(message: str, param: str | None, code: str | None = "invalid_value")
     return ApiError(400, message, param=param, code=code)
 
 
-def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> ApiError:
+def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError, data: bytes = b"") -> ApiError:
     """A body that is not JSON, or not the request's shape: 400 naming the field."""
     if not isinstance(exc, msgspec.ValidationError):
+        lone = _LONE_SURROGATE.search(data)
+        if lone:
+            group = 1 if lone.group(1) else 2
+            return invalid(
+                f"request body is not valid JSON: {lone.group(group).decode()} at byte {lone.start(group)} is "
+                "half of a UTF-16 surrogate pair without its other half, which is no character",
+                None,
+                "invalid_json",
+            )
         return invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
     text = str(exc)
     match = _PATH_IN_ERROR.search(text)

@@ -88,6 +88,20 @@ class Cursor:
             return None
         return fresh
 
+    def overrun(self) -> str | None:
+        """Once the output has ended: what the Last-Event-ID claimed past it (an id of another
+        request, or a rerun that did not reproduce the first), or None."""
+        past = [
+            f"choice {index} ended at {tokens}.{chars}, not after {resume_tokens}.{resume_chars}"
+            for index, ((tokens, chars), (resume_tokens, resume_chars)) in enumerate(
+                zip(self.positions, self.resume_after, strict=True)
+            )
+            if tokens < resume_tokens or chars < resume_chars
+        ]
+        if not past:
+            return None
+        return "Last-Event-ID lies past this request's output (" + "; ".join(past) + "): nothing to resume"
+
     def chars(self, index: int) -> int:
         """Characters of choice `index` before the piece just advanced past (for text offsets)."""
         return self.positions[index][1]
