@@ -120,6 +120,13 @@ def test_the_tokenizer_forwards_a_streams_reports_until_its_first_output(smollm2
     assert (
         core.relay(m.Delta(whole, 0, 0, "", b"", prompt_progress=progress)) is None
     )  # nothing to show it in
+    # A prefill again (preempted, or its scheduler restarted) says less: the client's bar never
+    # steps back, and goes on once the prefill passes what it was told.
+    for processed, is_news in ((0, False), (2, False), (3, True)):
+        again = core.relay(
+            m.Delta(streamed, 0, 0, "", b"", prompt_progress=m.PromptProgress(4, 0, processed))
+        )
+        assert (again is not None) == is_news, processed
     assert core.relay(m.Delta(streamed, 0, 0, "Hi", m.pack_ids([5]))) is not None
     assert core.relay(m.Delta(streamed, 0, 0, "", b"", prompt_progress=m.PromptProgress(4, 0, 4))) is None
     assert core.journal[streamed].output_ids == [5]  # a report changes nothing of the output

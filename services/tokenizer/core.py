@@ -166,6 +166,7 @@ class JournalEntry:
     num_redrives: int = 0
     starting_since: float | None = None
     sample: list[str] | None = None  # the output text so far of a request in the MLflow sample
+    prompt_processed: int = -1  # of the last prompt progress report sent (return_progress)
     # Cuts the finished output into content and tool calls (a request with tools, unless its
     # tool_choice is none); `text` then holds the whole output, streamed or not.
     tool_parser: ToolParser | None = None
@@ -869,10 +870,15 @@ class TokenizerCore:
     def _relay_prompt_progress(entry: JournalEntry, progress: m.PromptProgress) -> Reply | None:
         """A stream's prompt progress goes to its client until its first output (the output comes
         through the detokenizer, the progress straight from the scheduler: either may come first).
-        It shows the scheduler runs the request: the watchdog need not ask."""
+        It shows the scheduler runs the request: the watchdog need not ask. A report that says
+        no more than one sent before (a prefill again after a preemption or a restart) is not
+        news: the client's progress never steps back."""
         if not entry.is_stream or entry.output_ids or entry.num_chars:
             return None
         entry.progress_at = time.monotonic()
+        if progress.processed <= entry.prompt_processed:
+            return None
+        entry.prompt_processed = progress.processed
         return Reply(entry.identity, m.Delta(entry.request_id, 0, 0, "", b"", prompt_progress=progress))
 
     def relay(self, delta: m.Delta) -> Reply | None:
