@@ -37,6 +37,8 @@ RUN_FILE = "run.json"
 # The gateways' stored /v1/responses (services/gateway/response_store.py): every replica's, kept
 # across a replica's restart within a run; the supervisor removes them with the run.
 RESPONSES_DIR = "responses"
+# The gateways' streams recorded for replay (services/gateway/stream_replay.py), likewise.
+STREAMS_DIR = "streams"
 # The scheduler's table of LoRA adapters, one per engine group (services/scheduler/adapters.py):
 # it carries the adapters loaded at run time across a scheduler's restart within a run, and the
 # supervisor removes it with the run, so that the next run of the run dir serves its lora.adapters.

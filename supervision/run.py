@@ -32,7 +32,7 @@ from services.common.pooling import embedding_of
 from services.common.vision_language import language_model_config
 from services.metrics import METRICS_DIR
 from services.privileges import resolve_user
-from services.stage import RESPONSES_DIR, RUN_FILE, RunInfo, lora_table_files, write_run_info
+from services.stage import RESPONSES_DIR, RUN_FILE, STREAMS_DIR, RunInfo, lora_table_files, write_run_info
 from services.stage_rows import STATUS_FILE
 from supervision.preflight import Refused, check_hosts
 from supervision.stages import REPO_ROOT, RingSpec
@@ -179,6 +179,7 @@ class Run:
         for stale in [self.run_dir / RUN_FILE, *self.run_dir.glob("*.sock"), *lora_table_files(self.run_dir)]:
             stale.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / RESPONSES_DIR, ignore_errors=True)
+        shutil.rmtree(self.run_dir / STREAMS_DIR, ignore_errors=True)
 
     def claim_shared_memory(self) -> None:
         """Before any shared memory of the run exists: its lock tells sweeps that it is alive;
@@ -424,6 +425,7 @@ class Run:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / METRICS_DIR, ignore_errors=True)
         shutil.rmtree(self.run_dir / RESPONSES_DIR, ignore_errors=True)  # its clients' conversations
+        shutil.rmtree(self.run_dir / STREAMS_DIR, ignore_errors=True)
         if not keep_keys:
             shutil.rmtree(self.run_dir / CURVE_DIR, ignore_errors=True)  # this run's keys die with it
         # The lock file stays: unlinking it would let a supervisor that opened it meanwhile lock

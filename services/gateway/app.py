@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Send
 
 from client.async_sdk import AsyncClient
@@ -82,6 +82,7 @@ from services.gateway.sse import (
     SSE_HEADERS,
     ClientGone,
     Cursor,
+    RecordedResponse,
     WatchedResponse,
     event,
     settle,
@@ -89,8 +90,10 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
+from services.gateway.stream_replay import CONVERSATION_HEADER, MAX_ID_CHARS, StreamReplay
 from services.gateway.timings import PromptReports, RequestTimings, progress_out
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
+from services.stage import STREAMS_DIR
 from services.stage_rows import read_status
 
 JSON = "application/json"
@@ -295,6 +298,7 @@ class Gateway:
         # finish, and num_in_flight, which the drain waits on, counts only them.
         self.is_draining = False
         self.cleanups: set[asyncio.Future[None]] = set()  # requests' feeds closing (Gateway.run)
+        self.streams = StreamReplay(settings.run_dir / STREAMS_DIR)  # llama-server's resumable streams
         self.costly_constraints = RecentRefusals(
             settings.max_costly_compiles, settings.costly_compile_window_s
         )
@@ -734,7 +738,11 @@ class Gateway:
         """Run `plan` and answer with `writer`'s replies: admission (`admit`), metrics, keep-alive,
         and the disconnect watch that cancels the engine requests. An engine error before anything
         is sent gets its own status; a bug becomes a logged 500 (or, after a stream's 200, a logged
-        error event that ends the stream), never a dropped connection."""
+        error event that ends the stream), never a dropped connection. A stream with
+        X-Conversation-Id is recorded for replay and outlives its connection (stream_replay.py)."""
+        conversation_id = request.headers.get(CONVERSATION_HEADER) if stream else None
+        if conversation_id is not None and not 0 < len(conversation_id) <= MAX_ID_CHARS:
+            raise invalid(f"X-Conversation-Id must have 1 to {MAX_ID_CHARS} characters", "X-Conversation-Id")
         client = self.admit(request, plan)
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
         path = request.url.path
@@ -804,6 +812,8 @@ class Gateway:
                     self.num_in_flight -= 1
                     self.count(path, status)
 
+        if conversation_id is not None:
+            return RecordedResponse(work, lambda: self.streams.start(conversation_id))
         return WatchedResponse(work)
 
     def choices(self, plan: Plan) -> Feed:
@@ -924,6 +934,42 @@ class Gateway:
                 chunk.timings = timings.of_request(time.monotonic())  # type: ignore[attr-defined]
             yield event(chunk)
         yield DONE
+
+    # -- llama-server's resumable streams (stream_replay.py) ------------------------------------
+
+    async def replay_stream(self, request: Request) -> Response:
+        """GET /v1/stream?conv_id=ID&from=N: the stream's bytes from N, then live to its end."""
+        self.check_key(request)
+        conversation_id = request.query_params.get("conv_id", "")
+        if not conversation_id:
+            raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
+        offset_text = request.query_params.get("from", "0") or "0"
+        if not offset_text.isascii() or not offset_text.isdigit():
+            raise invalid(f"from must be a byte offset (0 or more), got {offset_text[:40]!r}", "from")
+        chunks = self.streams.open_replay(conversation_id, int(offset_text))
+        if chunks is None:
+            raise ApiError(
+                404, f"no stream of conversation {conversation_id[:80]!r} (or it expired)", code="not_found"
+            )
+        return self.finish(request, StreamingResponse(chunks, headers=SSE_HEADERS))
+
+    async def lookup_streams(self, request: Request) -> Response:
+        """POST /v1/streams/lookup {"conversation_ids": [...]}: the streams of those ids."""
+        try:
+            body = msgspec.json.decode(await self.read_raw(request), type=p.StreamLookupRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise from_decode_error(exc) from None
+        sessions = await asyncio.to_thread(self.streams.lookup, body.conversation_ids)
+        return self.finish(request, Response(msgspec.json.encode(sessions), media_type=JSON))
+
+    async def stop_stream(self, request: Request) -> Response:
+        """DELETE /v1/stream?conv_id=ID: stop the stream and forget it (204, whether it was there)."""
+        self.check_key(request)
+        conversation_id = request.query_params.get("conv_id", "")
+        if not conversation_id:
+            raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
+        self.streams.stop(conversation_id)
+        return self.finish(request, Response(status_code=204))
 
     # -- the rest of the API -----------------------------------------------------------------
 

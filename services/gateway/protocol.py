@@ -492,6 +492,12 @@ class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
     wait: bool = True
 
 
+class StreamLookupRequest(msgspec.Struct):
+    """llama-server's POST /v1/streams/lookup: the conversations whose streams a client asks about."""
+
+    conversation_ids: list[str] = []
+
+
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"

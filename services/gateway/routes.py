@@ -65,6 +65,10 @@ def build_app(gateway: Gateway) -> ASGIApp:
         Route("/tokenize", llama.tokenize, methods=["POST"]),  # vLLM's body, or llama.cpp's
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/tokenizer_info", gateway.tokenizer_info, methods=["GET"]),
+        # llama-server's resumable streams (stream_replay.py)
+        Route("/v1/stream", gateway.replay_stream, methods=["GET"]),
+        Route("/v1/stream", gateway.stop_stream, methods=["DELETE"]),
+        Route("/v1/streams/lookup", gateway.lookup_streams, methods=["POST"]),
     ]
     llama_routes = [  # llama.cpp's own API (llamacpp.py), its refusals in its error shape
         *at(with_llama_errors(gateway, llama.completion), "/completion", "/completions"),

@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 import msgspec
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.errors import invalid
 from services.gateway.formats import Piece
+from services.gateway.stream_replay import Recorder, StreamStopped
 
 T = TypeVar("T")
 
@@ -180,6 +181,49 @@ async def unless_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
     if watch.done() and not watch.cancelled() and work.cancelled():
         raise ClientGone
     return work.result()
+
+
+class RecordedResponse(Response):
+    """Runs `work(send)` for a stream recorded for replay (stream_replay.py): to the stream's end
+    whether or not its client stays, each chunk sent to the client while it is there and recorded
+    by the Recorder that `record()` starts with the 200. A stream deleted or replaced meanwhile,
+    or one nobody can read any more (its client gone, its record full), stops: its engine requests
+    are aborted as a closed stream's."""
+
+    def __init__(self, work: Callable[[Send], Awaitable[None]], record: Callable[[], Recorder]) -> None:
+        self.work = work
+        self.record = record
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
+        recorder: Recorder | None = None
+        is_connected = True
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal recorder, is_connected
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                recorder = self.record()
+            elif recorder is not None:
+                recorder.write(message.get("body", b""))
+            is_connected = is_connected and not gone.done()
+            if is_connected:
+                try:
+                    await send(message)
+                except OSError:
+                    is_connected = False
+            if recorder is not None and not is_connected and recorder.record.is_truncated:
+                raise StreamStopped
+
+        try:
+            with contextlib.suppress(OSError):  # StreamStopped is one
+                await self.work(send_and_record)
+        finally:
+            if recorder is not None:
+                recorder.finish()
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
 
 
 class WatchedResponse(Response):

@@ -1,0 +1,133 @@
+"""llama-server's resumable streams (services/gateway/stream_replay.py), end to end on the run of
+tests/test_gateway.py (two gateway replicas behind one port, so a replay often reads a stream
+another replica runs): a stream POSTed with X-Conversation-Id runs on after its client leaves and
+is replayed, whole or from an offset, live or ended; lookup, DELETE, replacement and bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests import test_gateway
+from tests.test_gateway import CHAT, CONFIG_KEY, HTTP_TIMEOUT_S, MAX_MODEL_LEN, Gateway, parse_sse, wait_idle
+
+pytestmark = pytest.mark.timeout(600)
+
+gw = test_gateway.gw
+
+
+def chat_body(gw: Gateway, max_tokens: int) -> dict:
+    return {"model": gw.model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+
+
+def leave_after_first_event(gw: Gateway, body: dict, conversation_id: str) -> bytes:
+    """POST a stream with the id, read up to its first event, and close the connection."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        f"X-Conversation-Id: {conversation_id}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(head + data)
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    return received
+
+
+def lookup(gw: Gateway, *ids: str) -> list[dict]:
+    status, _, data = gw.request("POST", "/v1/streams/lookup", {"conversation_ids": list(ids)})
+    assert status == 200, data
+    return json.loads(data)
+
+
+def replay(gw: Gateway, conversation_id: str, offset: int = 0) -> tuple[int, bytes]:
+    status, _, data = gw.request("GET", f"/v1/stream?conv_id={conversation_id}&from={offset}")
+    return status, data
+
+
+def content(sse: bytes) -> str:
+    events = [e for e in parse_sse(sse.decode()) if e.get("data") and e["data"] != "[DONE]"]
+    return "".join(
+        (choice.get("delta") or {}).get("content") or ""
+        for e in events
+        for choice in json.loads(e["data"])["choices"]
+    )
+
+
+def wait_done(gw: Gateway, conversation_id: str) -> dict:
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        sessions = lookup(gw, conversation_id)
+        if sessions and sessions[0]["is_done"]:
+            return sessions[0]
+        time.sleep(0.2)
+    raise AssertionError(f"stream {conversation_id} did not end")
+
+
+def test_a_stream_outlives_its_client_and_is_replayed_whole_or_from_an_offset(gw: Gateway) -> None:
+    body = chat_body(gw, 24)
+    _, expected_events = gw.curl_stream(body)  # not recorded: the oracle
+    expected = "".join(
+        (json.loads(e["data"])["choices"][0].get("delta") or {}).get("content") or ""
+        for e in expected_events
+        if e["data"] != "[DONE]" and json.loads(e["data"])["choices"]
+    )
+    leave_after_first_event(gw, body, "conv-a::model")
+    # While it runs, and once it ended: a replay from 0 is the whole stream, live to its end.
+    status, live = replay(gw, "conv-a::model")
+    assert status == 200 and live.endswith(b"data: [DONE]\n\n"), live[-200:]
+    assert content(live) == expected
+    session = wait_done(gw, "conv-a")  # the id matches its ::model variant, as llama-server's
+    assert session["conversation_id"] == "conv-a::model" and session["total_bytes"] == len(live), session
+    assert 0 < session["started_at"] <= session["completed_at"], session
+    for _ in range(4):  # two replicas: either reads the other's stream
+        offset = len(live) // 3
+        status, tail = replay(gw, "conv-a::model", offset)
+        assert status == 200 and tail == live[offset:]
+    assert lookup(gw, "conv-b", "conv-a::other", "") == []  # only what is asked about, exactly
+    assert wait_idle(gw.run) == (0, 0.0)
+
+
+def test_delete_and_replacement_stop_a_running_stream(gw: Gateway) -> None:
+    long_body = chat_body(gw, MAX_MODEL_LEN - 64)
+    leave_after_first_event(gw, long_body, "conv-del")
+    assert lookup(gw, "conv-del")[0]["is_done"] is False
+    status, _, _ = gw.request("DELETE", "/v1/stream?conv_id=conv-del")
+    assert status == 204
+    assert lookup(gw, "conv-del") == []
+    assert replay(gw, "conv-del")[0] == 404
+    assert wait_idle(gw.run, timeout=30) == (0, 0.0)  # its engine request was aborted
+    assert gw.request("DELETE", "/v1/stream?conv_id=conv-del")[0] == 204  # again: nothing there
+
+    leave_after_first_event(gw, long_body, "conv-re")
+    first_start = lookup(gw, "conv-re")[0]["started_at"]
+    leave_after_first_event(gw, chat_body(gw, 4), "conv-re")  # the same id: replaces it
+    session = wait_done(gw, "conv-re")
+    status, data = replay(gw, "conv-re")
+    assert status == 200 and len(data) == session["total_bytes"] and session["started_at"] >= first_start
+    assert len(content(data)) < 200 and data.endswith(b"data: [DONE]\n\n")  # the short one's
+    assert wait_idle(gw.run, timeout=30) == (0, 0.0)  # the long one was stopped
+
+
+def test_bad_replay_requests_get_clear_errors(gw: Gateway) -> None:
+    for path, param in (("/v1/stream", "conv_id"), ("/v1/stream?conv_id=x&from=-1", "from"),
+                        ("/v1/stream?conv_id=x&from=ab", "from")):  # fmt: skip
+        status, _, data = gw.request("GET", path)
+        assert status == 400 and json.loads(data)["error"]["param"] == param, data
+    status, _, data = gw.request("GET", "/v1/stream?conv_id=never-seen")
+    assert status == 404 and "never-seen" in json.loads(data)["error"]["message"], data
+    status, error = gw.error("/v1/streams/lookup", b'{"conversation_ids": "x"}')
+    assert status == 400 and error["param"] == "conversation_ids", error
+    status, error = gw.error("/v1/chat/completions", chat_body(gw, 2), {"x-conversation-id": "x" * 513})
+    assert status == 400 and error["param"] == "X-Conversation-Id", error
+    status, _, data = gw.request("GET", "/v1/stream?conv_id=x", headers={"authorization": "Bearer nope"})
+    assert status == 401, data
