@@ -3098,25 +3098,27 @@ def test_a_client_whose_constraints_keep_costing_too_much_gets_429(gw: Gateway) 
     assert re.fullmatch("[0-9]{4}", reply.choices[0].text)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
 def test_a_client_whose_requests_keep_being_too_large_gets_429_before_its_body_is_read(
-    gw: Gateway, tmp_path: Path
+    gw: Gateway, tmp_path: Path, path: str
 ) -> None:
     """Each chat over a size budget (here 25x tokenizer.max_messages) is read and measured whole
     before its 400; sent in a loop, megabytes at a time, that slowed 16 normal streams 1.6x. Past
     gateway.max_oversized_requests such refusals within the window, the client's large bodies get
-    a 429 with Retry-After, answered before the body is read; its small requests are served."""
-    oversized = json.dumps(
-        {"model": gw.model, "messages": [{"role": "user", "content": "a" * 64}] * (25 * MAX_MESSAGES)}
-    ).encode()
+    a 429 with Retry-After, answered before the body is read; its small requests are served. The
+    Responses API's input items count as the chat's messages they become."""
+    turns = [{"role": "user", "content": "a" * 64}] * (25 * MAX_MESSAGES)
+    field = "messages" if path == "/v1/chat/completions" else "input"
+    oversized = json.dumps({"model": gw.model, field: turns}).encode()
     assert len(oversized) > SMALL_BODY_BYTES
     small = json.dumps({"model": gw.model, "messages": CHAT, "max_tokens": 2, "temperature": 0}).encode()
     with in_process_gateway(gw, tmp_path, max_oversized_requests=2, oversized_window_s=60.0) as url:
         port = int(url.rsplit(":", 1)[1])
 
-        def post(body: bytes) -> tuple[int, dict[str, str], str]:
+        def post(body: bytes, route: str = path) -> tuple[int, dict[str, str], str]:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
             try:
-                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                conn.request("POST", route, body, {"content-type": "application/json"})
                 reply = conn.getresponse()
                 return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read().decode()
             finally:
@@ -3125,11 +3127,12 @@ def test_a_client_whose_requests_keep_being_too_large_gets_429_before_its_body_i
         for _ in range(2):
             status, _, text = post(oversized)
             assert status == 400 and "tokenizer.max_messages" in text, text
+            assert json.loads(text)["error"]["param"] == field, text
         status, headers, text = post(oversized)
         assert status == 429 and "gateway.max_oversized_requests" in text, text
         assert 1 <= int(headers["retry-after"]) <= 60
         assert headers["connection"] == "close"
-        status, _, text = post(small)
+        status, _, text = post(small, "/v1/chat/completions")
         assert status == 200, text
         assert json.loads(text)["choices"][0]["finish_reason"] == "length"
 

@@ -508,6 +508,16 @@ class Gateway:
         except InvalidParams as exc:
             raise OversizedRequest(invalid(str(exc), "messages")) from None
 
+    def check_translated_chat(self, request: Request, num_messages: int, field: str) -> None:
+        """A chat built from another API's body (Responses' input items) with more messages than
+        tokenizer.max_messages: refused here, and counted against its client as a body too large
+        (gateway.max_oversized_requests), rather than after all the work of building its request."""
+        try:
+            check_message_count(num_messages, self.settings.max_messages)
+        except InvalidParams as exc:
+            self.oversized.record(self.client_of(request))
+            raise invalid(str(exc), field) from None
+
     def check_chat_budget(self, body: p.ChatCompletionRequest) -> None:
         """A chat over the tokenizer's budget (tokenizer.max_prompt_chars, all the text that
         reaches the template) is refused here, with the tokenizer's own check and message, before

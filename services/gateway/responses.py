@@ -193,7 +193,9 @@ def input_turns(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], lis
             }  # fmt: skip
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+                if last.get("tool_calls") is None:
+                    last["tool_calls"] = []
+                last["tool_calls"].append(call)  # in place: a copy each call is quadratic in them
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origins.append(field)
@@ -536,6 +538,7 @@ class ResponsesApi:
         req = await self.gateway.read_body(request, ResponsesRequest)
         check_metadata(req.metadata)
         conversation, origins, requested = await self._conversation(req)
+        self.gateway.check_translated_chat(request, len(conversation), "input")
         try:
             plan = plan_chat(chat_request(req, conversation), header_seed(request.headers.get(SEED_HEADER)))
         except ApiError as error:
@@ -552,6 +555,7 @@ class ResponsesApi:
         previous responses' turns included), without running the model."""
         req = await self.gateway.read_body(request, InputTokensRequest)
         conversation, origins, _ = await self._conversation(req)
+        self.gateway.check_translated_chat(request, len(conversation), "input")
         try:
             chat = chat_to_render(chat_request(req, conversation))
             return self.gateway.finish(request, json_response(await self.gateway.input_tokens(chat)))
