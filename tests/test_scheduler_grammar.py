@@ -312,15 +312,22 @@ def test_an_uncompilable_constraint_fails_alone(model, tokenizer):
     assert "bad-again" not in core.requests
 
 
-@pytest.mark.parametrize("cause", ["mask_budget", "engine_limit"])
+@pytest.mark.parametrize("cause", ["mask_budget", "engine_limit", "no_finite_match"])
 def test_a_constraint_too_costly_to_generate_fails_alone_with_its_reason(model, tokenizer, cause):
     """`(a{600}){611}` under llguidance's own limits takes 0.15-0.3 s per mask (every other
     request's step waited for it); under a lower lexer fuel the engine gives up on its first
     token. Either way it used to finish "error" with no reason, or not at all; now it fails alone,
-    with its reason, and the others run to their ends."""
+    with its reason, and the others run to their ends. A grammar with no finite match passes the
+    compile and fails at its first token on the engine's item limit: the constraint's fault too
+    (it was an "internal" failure, a 500)."""
+    constraint = StructuredOutput("regex", "(a{600}){611}")
     if cause == "mask_budget":
         limits, filler = llguidance.LLParserLimits(), BitmaskFiller(budget_s=0.05)
         reason = r"invalid_request: structured\.regex: too complex: .* \(structured\.mask_timeout_ms\)"
+    elif cause == "no_finite_match":
+        limits, filler = llguidance.LLParserLimits(), BitmaskFiller()
+        constraint = StructuredOutput("grammar", 'root ::= "a" root')
+        reason = r"invalid_request: structured\.grammar: while generating: .* refused by the grammar: parser error: Too many items.*"
     else:
         limits, filler = parser_limits(), BitmaskFiller()
         reason = r"invalid_request: structured\.regex: while generating: token \d+ at output position 0 refused by the grammar: lexer error: too many expressions constructed"
@@ -328,7 +335,7 @@ def test_a_constraint_too_costly_to_generate_fails_alone_with_its_reason(model, 
     grammars = Grammars(GrammarCompiler(tokenizer, budgets=budgets), model["vocab"], filler)
     core = make_core(model, tokenizer, grammars)
     core.add(request("json", JSON_SPEC))
-    core.add(request("slow", StructuredOutput("regex", "(a{600}){611}")))
+    core.add(request("slow", constraint))
     core.add(request("plain", None, max_tokens=5))
     got = drive(core, MaskedWorker(model))
     assert set(got["failed"]) == {"slow"}

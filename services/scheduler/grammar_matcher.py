@@ -59,8 +59,10 @@ class GrammarMatcher:
                 raise GrammarViolation(
                     f"token {int(token)} at output position {self.num_tokens} refused by the grammar: {error}",
                     # The engine names its limits so ("lexer error: too many expressions
-                    # constructed", "... too complex"); a plain refusal is "... doesn't satisfy".
-                    over_limits="lexer error" in error or "too complex" in error.lower(),
+                    # constructed", "... too complex", "parser error: Too many items" for a
+                    # grammar with no finite match); a plain refusal is "... doesn't satisfy".
+                    over_limits="lexer error" in error
+                    or any(limit in error.lower() for limit in ("too complex", "too many items")),
                 )
             self.num_tokens += 1
 
