@@ -3010,6 +3010,29 @@ def test_headers_over_the_limit_get_431_however_they_arrive(gw: Gateway) -> None
         assert read_to_close(sock).startswith(b"HTTP/1.1 200"), len(under)
 
 
+def test_a_chunked_bodys_trailers_count_against_the_header_limit(gw: Gateway) -> None:
+    """A chunked body may end with trailer fields, which uvicorn kept, each one, however many
+    (megabytes of tiny fields grew a replica by hundreds of MB): past max_header_bytes (64 KiB
+    here) 431 and closed; a few are served as without them."""
+    body = json.dumps({"model": gw.model, "prompt": "Hi", "max_tokens": 2}).encode()
+    head = (
+        (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+            f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            f"{len(body):x}\r\n"
+        ).encode()
+        + body
+        + b"\r\n0\r\n"
+    )
+    for trailers, status in ((b"a:b\r\n" * 20000, 431), (b"X-Checksum: abc\r\n", 200)):
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+            sock.sendall(head)
+            with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                sock.sendall(trailers + b"\r\n")
+            got = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", read_to_close(sock))]
+            assert got == [status], (len(trailers), got)
+
+
 def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
     body = json.dumps({"prompt": "x" * 200, "max_tokens": 1}).encode()
     head = (

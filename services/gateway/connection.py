@@ -48,6 +48,7 @@ def guarded_protocol(
             super().__init__(*args, **kwargs)
             self.header_timer: asyncio.TimerHandle | None = None
             self.header_bytes: int | None = None  # received of the headers being read; None: not reading any
+            self.trailer_bytes = 0  # of the request's trailer fields (after a chunked body)
             self.header_tail = b""  # their last bytes so far: an end of headers split between reads
             self.header_begun = False  # a byte other than CR / LF came (the parser skips empty lines)
             self.running_cycle: RequestResponseCycle | None = None  # the request whose app runs
@@ -116,8 +117,21 @@ def guarded_protocol(
                 self.header_tail = seen[-3:] if self.header_begun else b""
             super().data_received(data)
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self.header_bytes is not None:
+                super().on_header(name, value)
+                return
+            # A field after the headers: a chunked body's trailer. uvicorn appends each to the
+            # request's headers, unbounded and outside every body limit (20 MB of "a:b" lines
+            # grew a replica by 430 MB); nothing here reads them, so they are counted against
+            # max_header_bytes and dropped.
+            self.trailer_bytes += len(name) + len(value) + 4
+            if self.trailer_bytes > max_header_bytes:
+                self._refuse(HEADERS_TOO_LARGE)
+
         def on_headers_complete(self) -> None:
             self._headers_done()
+            self.trailer_bytes = 0
             super().on_headers_complete()
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
