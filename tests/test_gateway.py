@@ -3288,20 +3288,24 @@ def test_last_event_id_resumes_exactly_greedy_and_sampled(gw: Gateway) -> None:
          "ignore_eos": True},
         {"model": gw.model, "messages": CHAT, "max_tokens": 24, "temperature": 1.0, "stream": True,
          "ignore_eos": True, "logprobs": True},
+        # the role's chunk comes with the first output here: its id is the position before it
+        {"model": gw.model, "messages": CHAT, "max_tokens": 24, "temperature": 0, "stream": True,
+         "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     ):  # fmt: skip
         headers, events = gw.curl_stream(body)
         assert events[-1]["data"] == "[DONE]"
         seed = headers.get("x-brigade-seed")
         texts = [text_of(e) for e in events[:-1]]
         full = "".join(texts)
-        for cut in (1, len(events) // 2, len(events) - 2):
+        with_ids = [k + 1 for k, e in enumerate(events) if e["id"]]  # cuts after an event with an id
+        for cut in (with_ids[0], with_ids[len(with_ids) // 2], with_ids[-1]):
             resume_headers = {"last-event-id": events[cut - 1]["id"]}
             if seed is not None:
                 resume_headers["x-brigade-seed"] = seed
             _, rest = gw.curl_stream(body, resume_headers)
             assert rest[-1]["data"] == "[DONE]"
             assert "".join(texts[:cut]) + "".join(text_of(e) for e in rest[:-1]) == full, cut
-            ids = [e["id"] for e in events[:cut]] + [e["id"] for e in rest[:-1]]
+            ids = [e["id"] for e in events[:cut] + rest[:-1] if e["id"]]
             assert ids == sorted(ids, key=lambda i: tuple(int(x) for x in i.split("."))), ids
 
 

@@ -905,6 +905,8 @@ class Gateway:
                         known.prompt_tokens, known.completion_tokens + len(delta.token_ids)
                     )
                 text_offset = cursor.chars(index)
+                # A choice's opening chunk sent with its first output is at the position before it.
+                opening_id = cursor.event_id() if index in unopened else None
                 whole = to_piece(delta)
                 piece = cursor.advance(index, whole)
                 fmt.skip(
@@ -919,7 +921,7 @@ class Gateway:
                             opening.usage = usage_out(
                                 {index: m.Usage(so_far[index].prompt_tokens, 0)}, {index: 0}
                             )
-                            yield event(opening, cursor.event_id())
+                            yield event(opening, opening_id)
                     for chunk in fmt.chunks(index, piece, text_offset):
                         if continuous:
                             chunk.usage = usage_out({index: so_far[index]}, {index: 0})
