@@ -956,7 +956,7 @@ class Gateway:
         if not conversation_id:
             raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
         offset_text = request.query_params.get("from", "0") or "0"
-        if not offset_text.isascii() or not offset_text.isdigit():
+        if not offset_text.isascii() or not offset_text.isdigit() or len(offset_text) > 18:
             raise invalid(f"from must be a byte offset (0 or more), got {offset_text[:40]!r}", "from")
         chunks = self.streams.open_replay(conversation_id, int(offset_text))
         if chunks is None:

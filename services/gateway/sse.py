@@ -22,7 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.errors import invalid
 from services.gateway.formats import Piece
-from services.gateway.stream_replay import Recorder, StreamStopped
+from services.gateway.stream_replay import STOP_CHECK_S, Recorder
 
 T = TypeVar("T")
 
@@ -184,11 +184,11 @@ async def unless_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
 
 
 class RecordedResponse(Response):
-    """Runs `work(send)` for a stream recorded for replay (stream_replay.py): to the stream's end
-    whether or not its client stays, each chunk sent to the client while it is there and recorded
-    by the Recorder that `record()` starts with the 200. A stream deleted or replaced meanwhile,
-    or one nobody can read any more (its client gone, its record full), stops: its engine requests
-    are aborted as a closed stream's."""
+    """Runs `work(send)` for a stream recorded for replay (stream_replay.py): the Recorder that
+    `record()` makes claims the stream's id at once, records the bytes of its 200, and the work
+    runs to its end whether or not the client stays (sent what it sends while it is there). It
+    stops, its engine requests aborted as a closed stream's, when the stream is deleted or
+    replaced, or once nobody can read the rest (its client gone and its recording over)."""
 
     def __init__(self, work: Callable[[Send], Awaitable[None]], record: Callable[[], Recorder]) -> None:
         self.work = work
@@ -196,34 +196,39 @@ class RecordedResponse(Response):
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        recorder = await asyncio.to_thread(self.record)
         gone = asyncio.ensure_future(_disconnected(receive))
-        recorder: Recorder | None = None
-        is_connected = True
+        was_streamed = is_complete = False
 
         async def send_and_record(message: Message) -> None:
-            nonlocal recorder, is_connected
-            if message["type"] == "http.response.start" and message["status"] == 200:
-                recorder = self.record()
-            elif recorder is not None:
+            nonlocal was_streamed, is_complete
+            if message["type"] == "http.response.start":
+                was_streamed = message["status"] == 200
+            elif was_streamed:
                 recorder.write(message.get("body", b""))
-            is_connected = is_connected and not gone.done()
-            if is_connected:
-                try:
+                is_complete = not message.get("more_body", False)
+            if not gone.done():
+                with contextlib.suppress(OSError):
                     await send(message)
-                except OSError:
-                    is_connected = False
-            if recorder is not None and not is_connected and recorder.record.is_truncated:
-                raise StreamStopped
 
+        async def stopped() -> None:
+            while not recorder.is_stopped() and not (gone.done() and not recorder.is_recording):
+                await asyncio.sleep(STOP_CHECK_S)
+
+        work = asyncio.ensure_future(self.work(send_and_record))
+        stop = asyncio.ensure_future(stopped())
         try:
-            with contextlib.suppress(OSError):  # StreamStopped is one
-                await self.work(send_and_record)
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if recorder is not None:
-                recorder.finish()
-            gone.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gone
+            is_connected = not gone.done()
+            for task in (work, stop, gone):  # the work cancelled aborts its engine requests
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if was_streamed and not is_complete and is_connected:
+                with contextlib.suppress(Exception):  # the client is told the stream ends here
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            recorder.finish(was_streamed=was_streamed, is_interrupted=not is_complete)
 
 
 class WatchedResponse(Response):

@@ -7,15 +7,16 @@ replica that writes it, when it started and ended), so that every gateway replic
 stream: `GET /v1/stream?conv_id=ID&from=N` sends the bytes from offset N and then, until the
 stream ends, each new one as it comes; `POST /v1/streams/lookup` says which of the ids a client
 names have a stream (each id also matches its `ID::model` variants); `DELETE /v1/stream?conv_id=ID`
-stops the stream and forgets it. A stream with the id of a live one replaces it (the old one is
-stopped). While it is recorded a stream runs to its end whether or not its client stays, and
-stops when it is deleted or replaced: the writer notices at its next event or keep-alive, since
-the record it wrote is then gone or another's.
+stops the stream and forgets it. A stream claims its id when its request comes, replacing a
+stream of the id (which stops). While it is recorded a stream runs to its end whether or not its
+client stays; it stops when it is deleted or replaced (its request looks every STOP_CHECK_S
+whether the record it wrote is gone or another's), or once nobody can read the rest.
 
-A record is written whole (a temporary file renamed); a stream's bytes past `MAX_BYTES` are not
-kept (the replay then ends with an error event, and a stream nobody reads any more is stopped).
-Ended streams are forgotten `TTL_S` after their end, and a stream whose writer died (its replica
-killed) ends, for its readers, with an error event.
+A record is written whole (a temporary file renamed); a stream's first `MAX_BYTES` are kept (past
+them a replay ends with an error event: llama-server keeps the last 4 MiB instead). A request
+refused before its stream began leaves no stream. Ended streams are forgotten `TTL_S` after their
+end; a stream whose writer died, or was stopped with its replica, ends its replays with an error
+event. A disk that refuses a stream's files costs it its recording, never its reply.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import time
 import uuid
@@ -32,10 +34,15 @@ from typing import BinaryIO
 
 import msgspec
 
+log = logging.getLogger(__name__)
+
 CONVERSATION_HEADER = "x-conversation-id"
-MAX_BYTES = 4 << 20  # of one stream, as llama-server keeps
+MAX_BYTES = 4 << 20  # of one stream (llama-server keeps as many)
 TTL_S = 300.0  # an ended stream is kept this long, as llama-server
-POLL_S = 0.05  # how often a reader at the end of the bytes looks for more
+POLL_S = 0.1  # how often a reader at the end of the bytes looks for more
+STOP_CHECK_S = 0.25  # how often a recorded stream's request looks whether it was stopped
+PRUNE_INTERVAL_S = 60.0  # how often a replica forgets streams past TTL_S (as llama-server's GC)
+TMP_PREFIX = "."
 MAX_ID_CHARS = 512
 
 
@@ -46,6 +53,7 @@ class StreamRecord(msgspec.Struct):
     started_at: float  # unix seconds
     completed_at: float = 0.0  # 0 while it runs
     is_truncated: bool = False  # its bytes passed MAX_BYTES: the rest is not kept
+    is_interrupted: bool = False  # it ended before its end (its replica stopping)
 
 
 class StreamSession(msgspec.Struct):
@@ -56,11 +64,6 @@ class StreamSession(msgspec.Struct):
     total_bytes: int
     started_at: int
     completed_at: int
-
-
-class StreamStopped(ConnectionError):
-    """The stream was deleted or replaced, or nobody can read the rest: its writer stops it, as
-    one whose connection went away (its engine requests are aborted)."""
 
 
 def _is_alive(pid: int) -> bool:
@@ -74,49 +77,80 @@ def _is_alive(pid: int) -> bool:
 
 
 class Recorder:
-    """The writing end of one stream: appends its bytes, and notices when it is stopped."""
+    """The writing end of one stream: claims its id when the request comes (a stream of the id
+    that runs is replaced: it stops), appends the bytes of its 200, and says when it is stopped.
+    A disk that refuses a write costs the stream its recording, never its reply."""
 
     def __init__(self, streams: StreamReplay, conversation_id: str) -> None:
         self.streams = streams
         self.key = streams.key(conversation_id)
         self.record = StreamRecord(conversation_id, uuid.uuid4().hex, os.getpid(), time.time())
         self.num_bytes = 0
-        self.data = streams.create(self.key)
-        self.record_inode = streams.write_record(self.key, self.record)
+        self.data: BinaryIO | None = None
+        self.is_claimed = False  # its record written: the id is this stream's
+        try:
+            self.data = streams.create(self.key)
+            streams.write_record(self.key, self.record)
+            self.is_claimed = True
+        except OSError as exc:
+            self._fail(exc)
 
     @property
+    def is_recording(self) -> bool:
+        return self.data is not None and not self.record.is_truncated
+
+    def _fail(self, exc: OSError) -> None:
+        log.warning("stream %r is not recorded for replay: %s", self.record.conversation_id[:80], exc)
+        if self.data is not None:
+            self.data.close()
+            self.data = None
+
     def is_stopped(self) -> bool:
-        """Deleted or replaced since it began (its record gone or another's)."""
-        try:
-            return os.stat(self.streams.record_path(self.key)).st_ino != self.record_inode
-        except OSError:
-            return True
+        """Deleted or replaced since it came (its record gone, or another stream's)."""
+        if not self.is_claimed:
+            return False  # never recorded: nothing can stop it but its client
+        record = self.streams.read_record(self.key)
+        return record is None or record.token != self.record.token
 
     def write(self, chunk: bytes) -> None:
-        if self.is_stopped:
-            raise StreamStopped
-        if not chunk or self.record.is_truncated:
+        if not chunk or not self.is_recording:
             return
-        if self.num_bytes + len(chunk) > MAX_BYTES:
-            self.record.is_truncated = True
-            self.record_inode = self.streams.write_record(self.key, self.record)
-            return
-        self.data.write(chunk)
-        self.data.flush()
-        self.num_bytes += len(chunk)
+        assert self.data is not None
+        try:
+            if self.num_bytes + len(chunk) > MAX_BYTES:
+                self.record.is_truncated = True
+                self.streams.write_record(self.key, self.record)
+                return
+            self.data.write(chunk)
+            self.data.flush()
+            self.num_bytes += len(chunk)
+        except OSError as exc:
+            self._fail(exc)
 
-    def finish(self) -> None:
-        self.data.close()
-        if self.is_stopped:
-            return
-        self.record.completed_at = time.time()
-        self.streams.write_record(self.key, self.record)
+    def finish(self, *, was_streamed: bool, is_interrupted: bool) -> None:
+        """The request ended: a stream that ran records its end; one that never began (refused
+        before its 200) is forgotten, as llama-server forgets it."""
+        if self.data is not None:
+            self.data.close()
+            self.data = None
+        try:
+            if not self.is_claimed or self.is_stopped():
+                return
+            if not was_streamed:
+                self.streams.remove(self.key)
+                return
+            self.record.completed_at = time.time()
+            self.record.is_interrupted = is_interrupted
+            self.streams.write_record(self.key, self.record)
+        except OSError as exc:
+            log.warning("stream %r: its end is not recorded: %s", self.record.conversation_id[:80], exc)
 
 
 class StreamReplay:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._decoder = msgspec.json.Decoder(StreamRecord)
+        self.pruned_at = -PRUNE_INTERVAL_S
 
     @staticmethod
     def key(conversation_id: str) -> str:
@@ -129,22 +163,23 @@ class StreamReplay:
     def data_path(self, key: str) -> Path:
         return self.directory / f"{key}.sse"
 
-    def _replace(self, path: Path, data: bytes) -> int:
-        """Write `path` whole (a temporary file renamed over it); its new inode."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def _replace(self, path: Path, data: bytes) -> None:
+        """Write `path` whole (a temporary file renamed over it)."""
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-        return os.stat(path).st_ino
 
-    def write_record(self, key: str, record: StreamRecord) -> int:
-        return self._replace(self.record_path(key), msgspec.json.encode(record))
+    def write_record(self, key: str, record: StreamRecord) -> None:
+        self._replace(self.record_path(key), msgspec.json.encode(record))
 
     def create(self, key: str) -> BinaryIO:
         """A new, empty file for a stream's bytes; one of a stream it replaces stays open for its
         writer and readers until they notice."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.prune()
+        if time.monotonic() - self.pruned_at >= PRUNE_INTERVAL_S:
+            self.pruned_at = time.monotonic()
+            self.prune()
         self._replace(self.data_path(key), b"")
         return open(self.data_path(key), "ab")  # the Recorder closes it
 
@@ -180,8 +215,11 @@ class StreamReplay:
         return sessions
 
     def stop(self, conversation_id: str) -> None:
-        """Forget the stream (its writer stops at its next event); nothing if there is none."""
-        key = self.key(conversation_id)
+        """Forget the stream (its writer notices within STOP_CHECK_S and stops); nothing if
+        there is none."""
+        self.remove(self.key(conversation_id))
+
+    def remove(self, key: str) -> None:
         self.record_path(key).unlink(missing_ok=True)
         self.data_path(key).unlink(missing_ok=True)
 
@@ -195,6 +233,10 @@ class StreamReplay:
         try:
             data = open(self.data_path(key), "rb")  # noqa: SIM115 (the replay closes it)
         except OSError:
+            return None
+        again = self.read_record(key)
+        if again is None or again.token != record.token:  # replaced meanwhile: its bytes may be the new one's
+            data.close()
             return None
         return self._replay(key, record.token, data, offset)
 
@@ -210,32 +252,41 @@ class StreamReplay:
                 record = self.read_record(key)
                 if record is None or record.token != token:
                     return  # deleted or replaced
+                ended = record.completed_at > 0 or record.is_truncated or not _is_alive(record.writer_pid)
+                if not ended:
+                    await asyncio.sleep(POLL_S)
+                    continue
+                if data.read(1):  # bytes came before the record said it ended
+                    continue
                 if record.is_truncated:
                     yield _error_event(f"this stream passed {MAX_BYTES} bytes: its replay ends here")
-                    return
-                if record.completed_at > 0:
-                    if not data.read(1):  # the last bytes came before the record said so
-                        return
-                    continue
-                if not _is_alive(record.writer_pid):
+                elif record.is_interrupted or record.completed_at == 0:
                     yield _error_event("the gateway replica that ran this stream stopped before its end")
-                    return
-                await asyncio.sleep(POLL_S)
+                return
         finally:
             data.close()
 
     def prune(self) -> None:
-        """Forget streams ended TTL_S ago, and those whose writer died as long ago."""
+        """Forget streams ended TTL_S ago and those whose writer died as long ago, and files a
+        killed writer left (temporary ones, bytes without a record)."""
         cutoff = time.time() - TTL_S
-        for path in self.directory.glob("*.json"):
-            record = self.read_record(path.stem)
-            if record is None:
-                continue
-            ended = record.completed_at or (0.0 if _is_alive(record.writer_pid) else record.started_at)
-            if ended and ended < cutoff:
+        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
+            for entry in entries:
                 with contextlib.suppress(OSError):
-                    path.unlink()
-                    self.data_path(path.stem).unlink(missing_ok=True)
+                    if entry.name.endswith(".json") and not entry.name.startswith(TMP_PREFIX):
+                        record = self.read_record(entry.name[: -len(".json")])
+                        if record is None:
+                            continue
+                        ended = record.completed_at or (
+                            0.0 if _is_alive(record.writer_pid) else record.started_at
+                        )
+                        if ended and ended < cutoff:
+                            self.remove(entry.name[: -len(".json")])
+                    elif entry.stat().st_mtime < cutoff and (
+                        entry.name.startswith(TMP_PREFIX)
+                        or not self.record_path(entry.name.removesuffix(".sse")).exists()
+                    ):
+                        os.unlink(entry.path)
 
 
 def _error_event(message: str) -> bytes:
