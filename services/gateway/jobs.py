@@ -129,7 +129,7 @@ def _refuse_unserved(req: SamplingFields, fields: dict[str, tuple[Any, ...]]) ->
 
 def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
     _refuse_unserved(req, UNSERVED_FIELDS)
-    # As vLLM refuses it (an empty object, which says nothing, passes there too)
+    # vLLM refuses any non-empty object without stream; one of the defaults asks for nothing here.
     if req.stream_options is not None and req.stream_options != StreamOptions() and not req.stream:
         raise invalid("stream_options can only be given with stream: true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
