@@ -225,13 +225,17 @@ def test_a_stream_reports_its_prompts_progress_through_the_gateway(
                                             extra_body={"return_progress": True})  # fmt: skip
         assert whole.choices[0].message.content == text and "prompt_progress" not in (whole.model_extra or {})
 
-        # A stream resumed after some of its output (Last-Event-ID) hears no progress again.
+        # A stream resumed after some of its output (Last-Event-ID) hears no progress again; one
+        # resumed before any (after its role's chunk) does.
         raw = {**body, "return_progress": True, "stream_options": None}
         events = sse(port, "/v1/chat/completions", raw)
         ids = [e["id"] for e in events if "id" in e and "prompt_progress" not in e["data"]]
         resumed = sse(port, "/v1/chat/completions", raw, {"last-event-id": ids[1]})
         assert any("prompt_progress" in e["data"] for e in events), events
         assert resumed and not any("prompt_progress" in e["data"] for e in resumed), resumed
+        assert ids[0] == "0.0", ids
+        resumed = sse(port, "/v1/chat/completions", raw, {"last-event-id": ids[0]})
+        assert any("prompt_progress" in e["data"] for e in resumed), resumed
 
         # llama.cpp's own /completion: its events of no output carry the reports.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)

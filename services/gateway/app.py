@@ -889,7 +889,7 @@ class Gateway:
         while item is not None:
             index, delta = item
             if delta.prompt_progress is not None:  # return_progress: the prompt, before any output
-                if not cursor.is_resumed:  # a resumed stream had its output: no progress is news
+                if not cursor.resumes_after_output(index):  # else the client had the prompt done
                     progress = progress_out(reports.report(index, delta.prompt_progress), timer.arrival)
                     yield event(fmt.progress_chunk(index, progress))
             else:

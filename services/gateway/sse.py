@@ -89,6 +89,10 @@ class Cursor:
             return None
         return fresh
 
+    def resumes_after_output(self, index: int) -> bool:
+        """The client had some of choice `index`'s output before it resumed."""
+        return self.resume_after[index] != (0, 0)
+
     def overrun(self) -> str | None:
         """Once the output has ended: what the Last-Event-ID claimed past it (an id of another
         request, or a rerun that did not reproduce the first), or None."""
