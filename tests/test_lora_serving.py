@@ -444,6 +444,17 @@ def test_adapters_loaded_and_unloaded_at_run_time(lora_serving, tmp_path: Path) 
         assert served() == {"base": None, "sql-lora": "base", "chat-lora": "base"}
         assert complete("chat-lora") == expected["chat-lora"]
         assert complete("base") == expected["base"]
+
+        # A scheduler that does not answer (stopped): the model list is what the gateway knew,
+        # within the listing's few seconds rather than lora.unload_wait_s (minutes).
+        scheduler = run.stage_pids("scheduler")[0]
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            probe = openai.OpenAI(base_url=gateway_url(run), api_key="secret", timeout=30, max_retries=0)
+            assert {card.id for card in probe.models.list().data} == {"base", "sql-lora", "chat-lora"}
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(scheduler, signal.SIGCONT)
     assert_clean(run_dir)
 
 

@@ -97,6 +97,7 @@ from services.stage import STREAMS_DIR
 from services.stage_rows import read_status
 
 JSON = "application/json"
+ADAPTER_LIST_TIMEOUT_S = 5.0  # how long a model list waits for the engine's adapters
 DRAIN_FACTOR = 4  # bodies up to this many times the limit are read to their end before the 413
 CLIENT_CLOSED = 499  # the status nginx logs for a client that went away before the reply
 
@@ -1013,12 +1014,18 @@ class Gateway:
     # -- LoRA adapters at run time (docs/lora.md) ---------------------------------------------
 
     async def adapter_command(
-        self, op: str, name: str = "", path: str = "", wait: bool = True, inplace: bool = False
-    ) -> m.AdapterReply:
+        self, op: str, name: str = "", path: str = "", wait: bool = True, inplace: bool = False,
+        timeout: float | None = None,
+    ) -> m.AdapterReply:  # fmt: skip
         """The engine's answer to a LoRA adapter command; the list of adapters it gives is kept."""
         try:
             reply = await self.client.adapter_command(
-                op, name, path, wait=wait, inplace=inplace, timeout=self.settings.adapter_command_timeout_s
+                op,
+                name,
+                path,
+                wait=wait,
+                inplace=inplace,
+                timeout=timeout or self.settings.adapter_command_timeout_s,
             )
         except BrigadeError as exc:
             raise from_engine(exc, {}) from None
@@ -1045,8 +1052,10 @@ class Gateway:
 
     async def _list_adapters(self) -> None:
         self._adapter_asked_at = time.monotonic()
-        with contextlib.suppress(ApiError):  # the engine unreachable: what was known stands
-            await self.adapter_command("list")
+        # The engine unreachable, or a scheduler not answering (restarting): what was known stands,
+        # after a probe's wait rather than an unload's (/v1/models is what probes ask).
+        with contextlib.suppress(ApiError):
+            await self.adapter_command("list", timeout=ADAPTER_LIST_TIMEOUT_S)
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body = await self.read_body(request, p.LoadLoraAdapterRequest)
