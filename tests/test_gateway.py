@@ -1921,11 +1921,16 @@ def test_a_compressed_body_is_refused_by_its_encoding_not_as_bad_json(gw: Gatewa
 
 def test_a_lone_surrogate_escape_is_named_not_called_truncated(gw: Gateway) -> None:
     """JSON's `\\ud83d` without its low half is no character; the decoder calls such a body
-    "truncated", which sends its sender looking for a cut connection. A whole pair is served."""
-    for text, escape in ((r"hi \ud83d!", r"\ud83d"), (r"\\\ude00 hi", r"\ude00")):
+    "truncated", which sends its sender looking for a cut connection. A whole pair is served. (A
+    low half alone the decoder names itself.)"""
+    for text, escape in (
+        (r"hi \ud83d!", r"\ud83d at byte"),
+        (r"\\\ud83d hi", r"\ud83d at byte"),
+        (r"a \ude00", "surrogate pair"),
+    ):
         status, error = gw.error("/v1/completions", b'{"prompt": "' + text.encode() + b'"}')
         assert status == 400 and error["code"] == "invalid_json", error
-        assert f"{escape} at byte" in error["message"] and "surrogate" in error["message"], error
+        assert escape in error["message"] and "surrogate" in error["message"], error
     body = rb'{"prompt": "hi \ud83d\ude00 \\ud800", "max_tokens": 1}'
     status, _, data = gw.request("POST", "/v1/completions", body)
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1, data

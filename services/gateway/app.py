@@ -162,6 +162,19 @@ def json_response(
     return Response(msgspec.json.encode(body), status, headers, media_type=JSON)
 
 
+def conversation_of(request: Request) -> str | None:
+    """llama-server's X-Conversation-Id, as UTF-8 (HTTP hands headers over as Latin-1); none if
+    absent or empty (llama-server records no stream for an empty one)."""
+    value = request.headers.get(CONVERSATION_HEADER)
+    if not value:
+        return None
+    with contextlib.suppress(UnicodeError):
+        value = value.encode("latin-1").decode("utf-8")
+    if len(value) > MAX_ID_CHARS:
+        raise invalid(f"X-Conversation-Id must have at most {MAX_ID_CHARS} characters", "X-Conversation-Id")
+    return value
+
+
 def error_response(error: ApiError) -> Response:
     return Response(error.body(), error.status, error.headers, media_type=JSON)
 
@@ -751,9 +764,7 @@ class Gateway:
         is sent gets its own status; a bug becomes a logged 500 (or, after a stream's 200, a logged
         error event that ends the stream), never a dropped connection. A stream with
         X-Conversation-Id is recorded for replay and outlives its connection (stream_replay.py)."""
-        conversation_id = request.headers.get(CONVERSATION_HEADER) if stream else None
-        if conversation_id is not None and not 0 < len(conversation_id) <= MAX_ID_CHARS:
-            raise invalid(f"X-Conversation-Id must have 1 to {MAX_ID_CHARS} characters", "X-Conversation-Id")
+        conversation_id = conversation_of(request) if stream else None
         client = self.admit(request, plan)
         headers = {SEED_HEADER: str(plan.seed)} if plan.seed is not None else {}
         path = request.url.path
@@ -981,7 +992,13 @@ class Gateway:
         conversation_id = request.query_params.get("conv_id", "")
         if not conversation_id:
             raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
-        self.streams.stop(conversation_id)
+        try:
+            self.streams.stop(conversation_id)
+        except OSError as exc:
+            log.warning("stream %r could not be stopped: %s", conversation_id[:80], exc)
+            raise ApiError(
+                503, f"the stream could not be stopped: {exc.strerror}", code="stream_store"
+            ) from None
         return self.finish(request, Response(status_code=204))
 
     # -- the rest of the API -----------------------------------------------------------------

@@ -3,6 +3,7 @@ mapping from decode failures and the engine's error codes to them."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import msgspec
@@ -13,12 +14,10 @@ from services.gateway.protocol import ErrorBody, ErrorResponse
 
 # msgspec says "Expected `float | null`, got `str` - at `$.temperature`"
 _PATH_IN_ERROR = re.compile(r" - at (?:`key` in )?`\$(.*?)`")
-# A `\uXXXX` escape of half a UTF-16 surrogate pair without its other half (after an even run of
-# backslashes, so not an escaped backslash): msgspec calls such a body "truncated".
-_LONE_SURROGATE = re.compile(
-    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F])"
-    rb"|(?<![\\]u[dD][89abAB][0-9a-fA-F]{2})(?<!\\)(?:\\\\)*(\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-)
+# A `\uXXXX` escape of a high surrogate not followed by another escape: msgspec calls a body
+# with one "truncated" (a low half alone it names itself).
+_UNPAIRED_HIGH = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u)")
+MAX_SURROGATE_CANDIDATES = 64  # escaped backslashes before such text: past these, not said
 # The engine's messages about a field start with its name (ipc/validation.py); others ("this model
 # serves embeddings only") name none.
 _LEADING_FIELD = re.compile(r"^([A-Za-z_]+)\b")
@@ -73,15 +72,27 @@ def invalid(message: str, param: str | None, code: str | None = "invalid_value")
     return ApiError(400, message, param=param, code=code)
 
 
+def _lone_surrogate(data: bytes) -> tuple[int, str] | None:
+    """The first escape of a high surrogate with no other half, and where: an escape is a
+    backslash after an even run of them (after an odd run it is an escaped backslash, then text)."""
+    for escape in itertools.islice(_UNPAIRED_HIGH.finditer(data), MAX_SURROGATE_CANDIDATES):
+        start = escape.start()
+        run = 0
+        while start - run > 0 and data[start - run - 1] == 0x5C:  # backslashes before it
+            run += 1
+        if run % 2 == 0:
+            return start, escape[0].decode()
+    return None
+
+
 def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError, data: bytes = b"") -> ApiError:
     """A body that is not JSON, or not the request's shape: 400 naming the field."""
     if not isinstance(exc, msgspec.ValidationError):
-        lone = _LONE_SURROGATE.search(data)
-        if lone:
-            group = 1 if lone.group(1) else 2
+        lone = _lone_surrogate(data) if "truncated" in str(exc) else None
+        if lone is not None:
             return invalid(
-                f"request body is not valid JSON: {lone.group(group).decode()} at byte {lone.start(group)} is "
-                "half of a UTF-16 surrogate pair without its other half, which is no character",
+                f"request body is not valid JSON: {lone[1]} at byte {lone[0]} is half of a UTF-16 "
+                "surrogate pair without its other half, which is no character",
                 None,
                 "invalid_json",
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from services.gateway.formats import Piece
 from services.gateway.stream_replay import STOP_CHECK_S, Recorder
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -32,6 +34,12 @@ SSE_HEADERS = {
     "x-accel-buffering": "no",
 }
 DONE = b"data: [DONE]\n\n"
+# A recorded stream stopped (DELETE /v1/stream, or another stream of its id) before its 200.
+STOPPED_BODY = msgspec.json.encode(
+    {"error": {"message": "this stream was stopped (DELETE /v1/stream) or replaced by another of its "
+               "X-Conversation-Id before it began", "type": "invalid_request_error", "param": None,
+               "code": "stream_stopped"}}
+)  # fmt: skip
 # An SSE comment line: clients skip it, proxies see traffic. No blank line after it: a blank line
 # ends an event, and the openai client, once it has seen an `id:`, reads an event of no data
 # there and fails to decode it as JSON.
@@ -227,11 +235,16 @@ class RecordedResponse(Response):
             is_connected = not gone.done()
             for task in (work, stop, gone):  # the work cancelled aborts its engine requests
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
-            if was_streamed and not is_complete and is_connected:
-                with contextlib.suppress(Exception):  # the client is told the stream ends here
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if work.done() and not work.cancelled() and work.exception() is not None:
+                log.error("a recorded stream's request failed", exc_info=work.exception())
+            if is_connected and not is_complete:  # stopped: the client is told so, or that its stream ends
+                with contextlib.suppress(Exception):
+                    if was_streamed:
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    else:
+                        await Response(STOPPED_BODY, 409, media_type="application/json")(scope, receive, send)
             recorder.finish(was_streamed=was_streamed, is_interrupted=not is_complete)
 
 

@@ -40,6 +40,9 @@ CONVERSATION_HEADER = "x-conversation-id"
 MAX_BYTES = 4 << 20  # of one stream (llama-server keeps as many)
 TTL_S = 300.0  # an ended stream is kept this long, as llama-server
 POLL_S = 0.1  # how often a reader at the end of the bytes looks for more
+IDLE_S = (
+    120.0  # a replay of a live stream that grows no byte for this long ends (keep-alives come every few s)
+)
 STOP_CHECK_S = 0.25  # how often a recorded stream's request looks whether it was stopped
 PRUNE_INTERVAL_S = 60.0  # how often a replica forgets streams past TTL_S (as llama-server's GC)
 TMP_PREFIX = "."
@@ -109,7 +112,10 @@ class Recorder:
         """Deleted or replaced since it came (its record gone, or another stream's)."""
         if not self.is_claimed:
             return False  # never recorded: nothing can stop it but its client
-        record = self.streams.read_record(self.key)
+        try:
+            record = self.streams.read_record(self.key)
+        except OSError:
+            return False  # unreadable for now: not a stop
         return record is None or record.token != self.record.token
 
     def write(self, chunk: bytes) -> None:
@@ -119,7 +125,8 @@ class Recorder:
         try:
             if self.num_bytes + len(chunk) > MAX_BYTES:
                 self.record.is_truncated = True
-                self.streams.write_record(self.key, self.record)
+                if not self.is_stopped():
+                    self.streams.write_record(self.key, self.record)
                 return
             self.data.write(chunk)
             self.data.flush()
@@ -165,7 +172,7 @@ class StreamReplay:
 
     def _replace(self, path: Path, data: bytes) -> None:
         """Write `path` whole (a temporary file renamed over it)."""
-        tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -187,10 +194,22 @@ class StreamReplay:
         return Recorder(self, conversation_id)
 
     def read_record(self, key: str) -> StreamRecord | None:
+        """The stream's record; None if there is none (or it is not one). An error other than
+        its absence (EMFILE, EIO) is raised: it says nothing of the stream."""
         try:
             return self._decoder.decode(self.record_path(key).read_bytes())
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        except (FileNotFoundError, NotADirectoryError, msgspec.DecodeError, msgspec.ValidationError):
             return None
+
+    def live_record(self, key: str) -> StreamRecord | None:
+        """The record, if it is of a stream still kept (not past TTL_S since its end)."""
+        try:
+            record = self.read_record(key)
+        except OSError:
+            return None
+        if record is None or 0 < _ended_at(record) < time.time() - TTL_S:
+            return None
+        return record
 
     def lookup(self, conversation_ids: list[str]) -> list[StreamSession]:
         """The streams of the ids asked about (each id's own, and its `ID::model` variants); the
@@ -198,7 +217,7 @@ class StreamReplay:
         wanted = [cid for cid in conversation_ids if cid]
         sessions = []
         for path in sorted(self.directory.glob("*.json")) if wanted else ():
-            record = self.read_record(path.stem)
+            record = self.live_record(path.stem)
             if record is None:
                 continue
             cid = record.conversation_id
@@ -227,42 +246,48 @@ class StreamReplay:
         """The stream's bytes from `offset`, then each new one until it ends; None if there is no
         such stream."""
         key = self.key(conversation_id)
-        record = self.read_record(key)
+        record = self.live_record(key)
         if record is None or record.conversation_id != conversation_id:
             return None
         try:
             data = open(self.data_path(key), "rb")  # noqa: SIM115 (the replay closes it)
         except OSError:
             return None
-        again = self.read_record(key)
+        again = self.live_record(key)
         if again is None or again.token != record.token:  # replaced meanwhile: its bytes may be the new one's
             data.close()
             return None
         return self._replay(key, record.token, data, offset)
 
     async def _replay(self, key: str, token: str, data: BinaryIO, offset: int) -> AsyncIterator[bytes]:
+        last_bytes_at = time.monotonic()
         try:
             while True:
                 data.seek(offset)
                 chunk = data.read(1 << 16)
                 if chunk:
                     offset += len(chunk)
+                    last_bytes_at = time.monotonic()
                     yield chunk
                     continue
-                record = self.read_record(key)
-                if record is None or record.token != token:
-                    return  # deleted or replaced
-                ended = record.completed_at > 0 or record.is_truncated or not _is_alive(record.writer_pid)
-                if not ended:
-                    await asyncio.sleep(POLL_S)
-                    continue
-                if data.read(1):  # bytes came before the record said it ended
-                    continue
-                if record.is_truncated:
-                    yield _error_event(f"this stream passed {MAX_BYTES} bytes: its replay ends here")
-                elif record.is_interrupted or record.completed_at == 0:
-                    yield _error_event("the gateway replica that ran this stream stopped before its end")
-                return
+                with contextlib.suppress(OSError):  # unreadable for now: looked at again
+                    record = self.read_record(key)
+                    if record is None or record.token != token:
+                        return  # deleted or replaced
+                    if record.completed_at > 0 or record.is_truncated or not _is_alive(record.writer_pid):
+                        if data.read(1):  # bytes came before the record said it ended
+                            continue
+                        if record.is_truncated:
+                            yield _error_event(f"this stream passed {MAX_BYTES} bytes: its replay ends here")
+                        elif record.is_interrupted or record.completed_at == 0:
+                            yield _error_event(
+                                "the gateway replica that ran this stream stopped before its end"
+                            )
+                        return
+                if time.monotonic() - last_bytes_at > IDLE_S:
+                    yield _error_event(f"this stream sent nothing for {IDLE_S:.0f} s: its replay ends here")
+                    return
+                await asyncio.sleep(POLL_S)
         finally:
             data.close()
 
@@ -275,11 +300,7 @@ class StreamReplay:
                 with contextlib.suppress(OSError):
                     if entry.name.endswith(".json") and not entry.name.startswith(TMP_PREFIX):
                         record = self.read_record(entry.name[: -len(".json")])
-                        if record is None:
-                            continue
-                        ended = record.completed_at or (
-                            0.0 if _is_alive(record.writer_pid) else record.started_at
-                        )
+                        ended = _ended_at(record) if record is not None else entry.stat().st_mtime
                         if ended and ended < cutoff:
                             self.remove(entry.name[: -len(".json")])
                     elif entry.stat().st_mtime < cutoff and (
@@ -287,6 +308,11 @@ class StreamReplay:
                         or not self.record_path(entry.name.removesuffix(".sse")).exists()
                     ):
                         os.unlink(entry.path)
+
+
+def _ended_at(record: StreamRecord) -> float:
+    """When the stream ended (its writer's death counts from its start), or 0.0 while it runs."""
+    return record.completed_at or (0.0 if _is_alive(record.writer_pid) else record.started_at)
 
 
 def _error_event(message: str) -> bytes:
