@@ -102,6 +102,8 @@ def test_a_stream_outlives_its_client_and_is_replayed_whole_or_from_an_offset(gw
         offset = len(live) // 3
         status, tail = replay(gw, "conv-a::model", offset)
         assert status == 200 and tail == live[offset:]
+    for offset in (len(live), 10**17):  # at or past the end (past any file's largest offset)
+        assert replay(gw, "conv-a::model", offset) == (200, b"")
     assert lookup(gw, "conv-b", "conv-a::other", "") == []  # only what is asked about, exactly
     assert wait_idle(gw.run) == (0, 0.0)
 

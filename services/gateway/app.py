@@ -90,7 +90,7 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.gateway.stream_replay import CONVERSATION_HEADER, MAX_ID_CHARS, StreamReplay
+from services.gateway.stream_replay import CONVERSATION_HEADER, MAX_BYTES, MAX_ID_CHARS, StreamReplay
 from services.gateway.timings import PromptReports, RequestTimings, progress_out
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage import STREAMS_DIR
@@ -970,7 +970,9 @@ class Gateway:
         offset_text = request.query_params.get("from", "0") or "0"
         if not offset_text.isascii() or not offset_text.isdigit() or len(offset_text) > 18:
             raise invalid(f"from must be a byte offset (0 or more), got {offset_text[:40]!r}", "from")
-        chunks = self.streams.open_replay(conversation_id, int(offset_text))
+        # No stream's file reaches past MAX_BYTES + 1: a later offset reads as that one (a seek
+        # past the file system's largest file fails).
+        chunks = self.streams.open_replay(conversation_id, min(int(offset_text), MAX_BYTES + 1))
         if chunks is None:
             raise ApiError(
                 404, f"no stream of conversation {conversation_id[:80]!r} (or it expired)", code="not_found"
