@@ -175,6 +175,14 @@ def conversation_of(request: Request) -> str | None:
     return value
 
 
+def conversation_param(request: Request) -> str:
+    """The `conv_id` of `/v1/stream`: the X-Conversation-Id its stream was posted with."""
+    conversation_id = request.query_params.get("conv_id", "")
+    if not conversation_id:
+        raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
+    return conversation_id
+
+
 def error_response(error: ApiError) -> Response:
     return Response(error.body(), error.status, error.headers, media_type=JSON)
 
@@ -964,9 +972,7 @@ class Gateway:
     async def replay_stream(self, request: Request) -> Response:
         """GET /v1/stream?conv_id=ID&from=N: the stream's bytes from N, then live to its end."""
         self.check_key(request)
-        conversation_id = request.query_params.get("conv_id", "")
-        if not conversation_id:
-            raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
+        conversation_id = conversation_param(request)
         offset_text = request.query_params.get("from", "0") or "0"
         if not offset_text.isascii() or not offset_text.isdigit() or len(offset_text) > 18:
             raise invalid(f"from must be a byte offset (0 or more), got {offset_text[:40]!r}", "from")
@@ -991,9 +997,7 @@ class Gateway:
     async def stop_stream(self, request: Request) -> Response:
         """DELETE /v1/stream?conv_id=ID: stop the stream and forget it (204, whether it was there)."""
         self.check_key(request)
-        conversation_id = request.query_params.get("conv_id", "")
-        if not conversation_id:
-            raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
+        conversation_id = conversation_param(request)
         try:
             self.streams.stop(conversation_id)
         except OSError as exc:

@@ -34,6 +34,8 @@ from typing import BinaryIO
 
 import msgspec
 
+from ipc.endpoints import is_process_alive
+
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "x-conversation-id"
@@ -67,16 +69,6 @@ class StreamSession(msgspec.Struct):
     total_bytes: int
     started_at: int
     completed_at: int
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Recorder:
@@ -227,7 +219,7 @@ class StreamReplay:
                 total = os.stat(self.data_path(path.stem)).st_size
             except OSError:
                 continue
-            is_done = record.completed_at > 0 or not _is_alive(record.writer_pid)
+            is_done = record.completed_at > 0 or not is_process_alive(record.writer_pid)
             sessions.append(
                 StreamSession(cid, is_done, total, int(record.started_at), int(record.completed_at))
             )
@@ -274,7 +266,11 @@ class StreamReplay:
                     record = self.read_record(key)
                     if record is None or record.token != token:
                         return  # deleted or replaced
-                    if record.completed_at > 0 or record.is_truncated or not _is_alive(record.writer_pid):
+                    if (
+                        record.completed_at > 0
+                        or record.is_truncated
+                        or not is_process_alive(record.writer_pid)
+                    ):
                         if data.read(1):  # bytes came before the record said it ended
                             continue
                         if record.is_truncated:
@@ -312,7 +308,7 @@ class StreamReplay:
 
 def _ended_at(record: StreamRecord) -> float:
     """When the stream ended (its writer's death counts from its start), or 0.0 while it runs."""
-    return record.completed_at or (0.0 if _is_alive(record.writer_pid) else record.started_at)
+    return record.completed_at or (0.0 if is_process_alive(record.writer_pid) else record.started_at)
 
 
 def _error_event(message: str) -> bytes:
