@@ -501,6 +501,27 @@ def test_missing_or_corrupt_files_are_refused(lora_models, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "config, message",
+    [
+        (b'{"r": 8, "lora_alpha": "\xff"}', r"'utf-8' codec can't decode byte 0xff"),
+        (b"[" * 100_000 + b"]" * 100_000, r"maximum recursion depth exceeded"),
+        (b'{"r": 8, "lora_alpha": ' + b"9" * 5000 + b"}", r"Exceeds the limit \(4300 digits\)"),
+    ],
+    ids=["not-utf-8", "nested-too-deep", "integer-of-5000-digits"],
+)
+def test_unreadable_adapter_configs_are_refused_naming_the_file(lora_models, tmp_path, config, message):
+    """JSON's decoder raises other than JSONDecodeError for these: refused as unreadable, not a
+    UnicodeDecodeError / RecursionError that takes down a worker loading it at its start."""
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad")
+    (bad / "adapter_config.json").write_bytes(config)
+    with pytest.raises(
+        AdapterError, match=rf"^adapter 'bad': cannot read .*adapter_config\.json: .*{message}"
+    ):
+        make_runner(base, {"bad": bad})
+
+
+@pytest.mark.parametrize(
     "changes, message",
     [
         ({"r": True}, r"r must be an integer >= 1, got True"),  # JSON's true is a Python int

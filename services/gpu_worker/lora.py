@@ -124,7 +124,9 @@ def read_peft_adapter(
 
     try:
         config = json.loads((path / "adapter_config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    # ValueError: not JSON, not UTF-8 or an integer of too many digits; RecursionError: nested
+    # too deep. Each an unreadable config, not a worker's crash.
+    except (OSError, ValueError, RecursionError) as exc:
         raise AdapterError(f"adapter {name!r}: cannot read {path / 'adapter_config.json'}: {exc}") from None
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
