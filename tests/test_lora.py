@@ -527,6 +527,8 @@ def test_unreadable_adapter_configs_are_refused_naming_the_file(lora_models, tmp
         ({"r": True}, r"r must be an integer >= 1, got True"),  # JSON's true is a Python int
         ({"lora_alpha": "16"}, r"lora_alpha must be a number, got '16'"),
         ({"lora_alpha": None}, r"lora_alpha must be a number, got None"),
+        ({"target_modules": [["q_proj"]]}, r"target_modules must be .* got \[\['q_proj'\]\]"),
+        ({"target_modules": [1, "v_proj"]}, r"target_modules must be .* got \[1, 'v_proj'\]"),
     ],
 )
 def test_config_values_of_the_wrong_type_are_refused_by_name(lora_models, tmp_path, changes, message):

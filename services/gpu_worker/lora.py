@@ -220,6 +220,17 @@ def check_adapter_config(name: str, config: dict, max_rank: int) -> None:
             "only LoRA deltas on q/k/v/o/gate/up/down are"
         )
     targets = config.get("target_modules")
+    # PEFT's: a module name or regex, or a list of names (None: its defaults for the architecture).
+    # Refused otherwise by name, not a TypeError from the set or sort below.
+    if not (
+        targets is None
+        or isinstance(targets, str)
+        or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        raise AdapterError(
+            f"adapter {name!r}: target_modules must be a module name, a regex or a list of module names, "
+            f"got {targets!r}"
+        )
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGET_MODULES))
         if unknown:
