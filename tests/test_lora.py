@@ -539,6 +539,36 @@ def test_config_values_of_the_wrong_type_are_refused_by_name(lora_models, tmp_pa
         make_runner(base, {"bad": bad})
 
 
+@pytest.mark.parametrize(
+    "value, config, message",
+    [
+        (float("nan"), {}, r"lora_A holds NaN or infinite values"),
+        (float("inf"), {}, r"lora_A holds NaN or infinite values"),
+        (1e300, {}, r"lora_A holds NaN or infinite values \(in float32\)"),  # float64, past float32's range
+        (None, {"lora_alpha": 1e308}, r"lora_B times the scaling 1\.25e\+307 is past float32's range"),
+    ],
+    ids=["nan", "inf", "float64-past-float32", "alpha-past-float32"],
+)
+def test_adapters_of_non_finite_weights_are_refused_naming_the_module(
+    lora_models, tmp_path, value, config, message
+):
+    """Served, they made every token of the adapter's requests NaN, and the sampler's argmax
+    picked a token of NaN logits all the same: garbage output, no error."""
+    from safetensors.torch import load_file, save_file
+
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad", **config)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    if value is not None:
+        key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+        tensors[key] = tensors[key].double()
+        tensors[key][2, 3] = value
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    where = "model.layers.1.v_proj" if value is not None else "model.layers.0.q_proj"
+    with pytest.raises(AdapterError, match=rf"^adapter 'bad': {where}: {message}"):
+        make_runner(base, {"bad": bad})
+
+
 def test_an_adapter_copied_in_ahead_serves_a_later_step_without_a_swap(lora_models):
     """Two slots, three adapters in host memory. A step whose row uses slot 0 names a third
     adapter for slot 1 in its header's lora_prefetch: the worker starts that copy with the step,

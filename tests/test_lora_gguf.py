@@ -243,6 +243,14 @@ BAD_FILES = {
         dict(tensors=V_PAIR, fields={"adapter.alora.invocation_tokens": [5, 6]}),
         r"activated LoRA \(adapter\.alora\.invocation_tokens\) is not supported",
     ),
+    "nan-values": (
+        dict(tensors={**V_PAIR, "blk.0.attn_v.weight.lora_b": np.full((32, 4), np.nan, np.float32)}),
+        r"blk\.0\.attn_v\.weight: lora_b holds NaN or infinite values",
+    ),
+    "inf-values": (
+        dict(tensors={**V_PAIR, "blk.0.attn_v.weight.lora_a": np.full((4, 64), -np.inf, np.float32)}),
+        r"blk\.0\.attn_v\.weight: lora_a holds NaN or infinite values",
+    ),
     "no-tensors": (dict(tensors={}), r"holds no LoRA tensors"),
 }  # fmt: skip
 

@@ -157,7 +157,7 @@ def read_peft_adapter(
             raise AdapterError(f"adapter {name!r}: {where} has lora_A or lora_B but not both")
         a, b = pair["A"], pair["B"]
         check_pair_shapes(name, where, ("lora_A", "lora_B"), a, b, rank, shapes[(layer, module)])
-        weights[(layer, module)] = (a.float(), b.float() * scaling)
+        weights[(layer, module)] = scaled_pair(name, where, ("lora_A", "lora_B"), a, b, scaling)
     if not weights:
         raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     return rank, weights
@@ -180,6 +180,24 @@ def check_pair_shapes(
             f"adapter {name!r}: {where}: {kinds[0]} {tuple(a.shape)} / {kinds[1]} {tuple(b.shape)}, the "
             f"base model needs ({rank}, {in_features}) / ({out_features}, {rank})"
         )
+
+
+def scaled_pair(
+    name: str, where: str, kinds: tuple[str, str], a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B * scaling) in float32, refused where either holds a NaN or an infinity, or the
+    scaling takes B past float32's range: served, such a pair makes every token of its requests
+    NaN, and the sampler picks some token of NaN logits all the same: garbage, not an error."""
+    a, b = a.float(), b.float()
+    for kind, tensor in zip(kinds, (a, b), strict=True):
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"adapter {name!r}: {where}: {kind} holds NaN or infinite values (in float32)")
+    scaled = b * scaling
+    if not torch.isfinite(scaled).all():
+        raise AdapterError(
+            f"adapter {name!r}: {where}: {kinds[1]} times the scaling {scaling:g} is past float32's range"
+        )
+    return a, scaled
 
 
 def shard_pair(

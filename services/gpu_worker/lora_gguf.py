@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.gpu_worker.lora import PEFT_WEIGHT_NAME, AdapterError, check_pair_shapes, module_shapes
+from services.gpu_worker.lora import (
+    PEFT_WEIGHT_NAME,
+    AdapterError,
+    check_pair_shapes,
+    module_shapes,
+    scaled_pair,
+)
 
 if TYPE_CHECKING:
     from services.gpu_worker.model import LlamaModel
@@ -128,7 +134,7 @@ def read_gguf_adapter(
             raise AdapterError(f"adapter {name!r}: {where}: rank {rank} is over lora.max_rank ({max_rank})")
         b = torch.from_numpy(np.ascontiguousarray(_hf_rows(f"{where}.lora_b", b.numpy(), rows_config)))
         scaling = alpha / rank if alpha else 1.0
-        weights[(layer, module)] = (a, b * scaling)
+        weights[(layer, module)] = scaled_pair(name, where, ("lora_a", "lora_b"), a, b, scaling)
     rank = max(a.shape[0] for a, _ in weights.values())
     padded = {
         key: (
