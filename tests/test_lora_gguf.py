@@ -251,6 +251,18 @@ BAD_FILES = {
         dict(tensors={**V_PAIR, "blk.0.attn_v.weight.lora_a": np.full((4, 64), -np.inf, np.float32)}),
         r"blk\.0\.attn_v\.weight: lora_a holds NaN or infinite values",
     ),
+    "alpha-string": (
+        dict(tensors=V_PAIR, fields={"adapter.lora.alpha": "sixteen"}),
+        r"adapter\.lora\.alpha must be a finite number, got 'sixteen'",
+    ),
+    "alpha-array": (
+        dict(tensors=V_PAIR, fields={"adapter.lora.alpha": [8.0, 16.0]}),
+        r"adapter\.lora\.alpha must be a finite number, got \[8\.0, 16\.0\]",
+    ),
+    "alpha-nan": (
+        dict(tensors=V_PAIR, fields={"adapter.lora.alpha": float("nan")}),
+        r"adapter\.lora\.alpha must be a finite number, got nan",
+    ),
     "no-tensors": (dict(tensors={}), r"holds no LoRA tensors"),
 }  # fmt: skip
 

@@ -93,7 +93,12 @@ def read_gguf_adapter(
         raise AdapterError(
             f"adapter {name!r}: general.architecture {arch!r}, the base model ({base}) needs {expected!r}"
         )
-    alpha = float(_field(reader, "adapter.lora.alpha") or 0.0)
+    alpha = _field(reader, "adapter.lora.alpha")
+    alpha = 0.0 if alpha is None else alpha
+    # llama.cpp reads it as a float32 (and aborts on another type); a string, an array or a
+    # bool here would be a ValueError / TypeError naming nothing, or taken as a number.
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {name!r}: adapter.lora.alpha must be a finite number, got {alpha!r}")
     shapes = module_shapes(model, whole=True)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for tensor in reader.tensors:
