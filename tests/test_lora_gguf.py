@@ -263,6 +263,15 @@ BAD_FILES = {
         dict(tensors=V_PAIR, fields={"adapter.lora.alpha": float("nan")}),
         r"adapter\.lora\.alpha must be a finite number, got nan",
     ),
+    "rank-0": (
+        dict(
+            tensors={
+                "blk.0.attn_v.weight.lora_a": np.zeros((0, 64), np.float32),
+                "blk.0.attn_v.weight.lora_b": np.zeros((32, 0), np.float32),
+            }
+        ),
+        r"blk\.0\.attn_v\.weight: rank 0 \(lora_a \(0, 64\)\): no LoRA weights",
+    ),
     "no-tensors": (dict(tensors={}), r"holds no LoRA tensors"),
 }  # fmt: skip
 

@@ -135,6 +135,10 @@ def read_gguf_adapter(
         a, b = torch.from_numpy(pair["a"]), torch.from_numpy(pair["b"])
         rank = b.shape[-1]  # llama.cpp's: lora_b's columns
         check_pair_shapes(name, where, ("lora_a", "lora_b"), a, b, rank, shapes[(layer, module)])
+        if rank < 1:  # alpha / rank below would divide by zero
+            raise AdapterError(
+                f"adapter {name!r}: {where}: rank 0 (lora_a {tuple(a.shape)}): no LoRA weights"
+            )
         if rank > max_rank:
             raise AdapterError(f"adapter {name!r}: {where}: rank {rank} is over lora.max_rank ({max_rank})")
         b = torch.from_numpy(np.ascontiguousarray(_hf_rows(f"{where}.lora_b", b.numpy(), rows_config)))
