@@ -7,6 +7,7 @@ Adapters that do not fit the base model are refused, naming what does not fit.""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -566,6 +567,25 @@ def test_adapters_of_non_finite_weights_are_refused_naming_the_module(
     save_file(tensors, str(bad / "adapter_model.safetensors"))
     where = "model.layers.1.v_proj" if value is not None else "model.layers.0.q_proj"
     with pytest.raises(AdapterError, match=rf"^adapter 'bad': {where}: {message}"):
+        make_runner(base, {"bad": bad})
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
+def test_adapters_of_integer_or_bool_weights_are_refused_naming_the_tensor(lora_models, tmp_path, dtype):
+    """Not cast to float32 and served: an integer or bool tensor is no LoRA weight (GGUF's I8 /
+    I32 are refused alike). Float16, bfloat16, float64 and float8 weights are cast and served."""
+    from safetensors.torch import load_file, save_file
+
+    base, paths, _ = lora_models
+    bad = edited_adapter(paths["qv-r8"], tmp_path / "bad")
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    tensors[key] = (tensors[key] * 100).to(dtype)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        AdapterError, match=rf"^adapter 'bad': {re.escape(key)} is {name}: LoRA weights are floating point"
+    ):
         make_runner(base, {"bad": bad})
 
 

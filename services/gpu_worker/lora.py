@@ -149,6 +149,11 @@ def read_peft_adapter(
             )
         if (layer, module) not in shapes:
             raise AdapterError(f"adapter {name!r}: {key}: the base model has no such module")
+        if not tensor.dtype.is_floating_point:
+            # Cast to float32 it would load: an integer (say, quantized without its scales) or
+            # bool tensor is no LoRA weight, and would serve garbage without a word.
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise AdapterError(f"adapter {name!r}: {key} is {dtype}: LoRA weights are floating point")
         pairs.setdefault((layer, module), {})[kind] = tensor
     weights = {}
     for (layer, module), pair in sorted(pairs.items()):
