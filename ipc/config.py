@@ -556,6 +556,8 @@ def check_lora(config: Config) -> None:
             raise ConfigError(
                 f"lora.adapters.{name}: expected an absolute adapter directory or .gguf file, got {path!r}"
             )
+        if "\0" in path:  # no file's path holds one: the worker's open would raise ValueError at its start
+            raise ConfigError(f"lora.adapters.{name}: a path must not contain a NUL character, got {path!r}")
         if name == served_model_name(config):
             raise ConfigError(f"lora.adapters.{name}: the served model's name; name the adapter otherwise")
 

@@ -81,6 +81,8 @@ def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
         match=r"^lora\.adapters\.sql: expected an absolute adapter directory or \.gguf file, got 'a/b'",
     ):
         load_config(None, ["lora.max_loras=1", "lora.adapters={sql: a/b}"])
+    with pytest.raises(ConfigError, match=r"^lora\.adapters\.sql: a path must not contain a NUL character"):
+        load_config(None, ["lora.max_loras=1", 'lora.adapters={sql: "/a/b\\0c"}'])
     with pytest.raises(ConfigError, match=r"^lora\.adapters: an adapter's name must not contain control"):
         load_config(None, ["lora.max_loras=1", 'lora.adapters={"a\\tb": /adapters/sql}'])
     with pytest.raises(ConfigError, match=r"^lora\.adapters: an adapter's name must be a name of 1 to 256"):

@@ -84,6 +84,12 @@ def test_loads_are_refused_by_name_before_any_worker_is_asked(tmp_path: Path) ->
             "lora_path must be an absolute adapter directory or .gguf file, got 'a/new'",
             "lora_path",
         ),
+        (
+            "new",
+            "/a/new\0.gguf",
+            "lora_path must not contain a NUL character, got '/a/new\\x00.gguf'",
+            "lora_path",
+        ),  # answered here, not a worker's ValueError: embedded null byte
     ]:
         h.command("load", name, path)
         assert h.last() == ("invalid_request", message) and h.replies[-1].param == param

@@ -210,6 +210,8 @@ class Adapters:
             return "lora_name", f"lora_name {name!r}: that LoRA adapter is already loaded"
         if not Path(path).is_absolute():
             return "lora_path", f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
+        if "\0" in path:  # no file's path holds one: the worker's open would raise ValueError
+            return "lora_path", f"lora_path must not contain a NUL character, got {path!r}"
         if len(self.loaded) - replaces + len(self.loading) >= self.capacity:
             return "", (
                 f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
