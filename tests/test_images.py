@@ -172,6 +172,42 @@ def test_image_sizes_over_the_pixel_limit_are_refused_from_the_header(
     assert image_size(png_header(300, 200), MAX_PIXELS) == (300, 200)
 
 
+def png_with_chunks(*chunks: tuple[bytes, bytes]) -> bytes:
+    """A valid 4x4 PNG with `chunks` (kind, body) between its IHDR and its pixel data."""
+    data = encoded(noise(4, 4), "PNG")
+    extra = b"".join(
+        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        for kind, body in chunks
+    )
+    return data[:33] + extra + data[33:]  # 8 bytes of signature, 25 of IHDR
+
+
+BOMB = zlib.compress(b"a" * (8 << 20), 9)  # 8 KB that inflate to 8 MB
+
+
+@pytest.mark.parametrize(
+    ("chunks", "problem"),
+    [
+        ([(b"zTXt", b"k\0\0" + BOMB)], "Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK"),
+        ([(b"iCCP", b"p\0\0" + BOMB)], "Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK"),
+        ([(b"pHYs", b"\0")], "Truncated pHYs chunk"),
+    ],
+    ids=["ztxt-bomb", "iccp-bomb", "truncated-phys"],
+)
+def test_png_header_chunks_pil_refuses_are_refused_by_name(
+    chunks: list[tuple[bytes, bytes]], problem: str
+) -> None:
+    """PIL's Image.open raises ValueError for these, not OSError: it reached the tokenizer, the
+    gateway's /tokenize and the encoder as an internal error (a 500), not the client's 400."""
+    data = png_with_chunks(*chunks)
+    for read in (image_size, open_image):
+        with pytest.raises(
+            ImageError, match=rf"^image: its header is corrupt or over PIL's limits \({problem}"
+        ):
+            read(data, MAX_PIXELS)
+    assert open_image(png_with_chunks((b"tEXt", b"Comment\0fine")), MAX_PIXELS).size == (4, 4)
+
+
 def oriented(fmt: str, orientation: int) -> bytes:
     """A 50x37 image (not square: a quarter turn shows) tagged with EXIF `orientation`."""
     exif = Image.Exif()

@@ -147,6 +147,11 @@ def _open_header(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageError(f"image: over the {max_pixels}-pixel limit ({exc})") from None
     except OSError:  # UnidentifiedImageError, or a header PIL cannot parse
         raise ImageError(f"image: not an image of a supported type ({', '.join(FORMATS.values())})") from None
+    except ValueError as exc:
+        # A header chunk PIL refuses while opening: a PNG's zTXt / iTXt / iCCP that decompresses
+        # past its MAX_TEXT_CHUNK (a small file's bomb), text chunks past MAX_TEXT_MEMORY, a
+        # truncated pHYs. The request's fault, a 400, not an internal error of the stage.
+        raise ImageError(f"image: its header is corrupt or over PIL's limits ({exc})") from None
     if image.format not in FORMATS:
         image.close()
         raise ImageError(f"image: type {image.format} is not supported ({', '.join(FORMATS.values())})")
