@@ -409,6 +409,41 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 
 
 MAX_CONFIG_BYTES = 1 << 20
+# Every value of a file within MAX_CONFIG_BYTES takes a byte or more of it; only YAML aliases
+# (of aliases) make more.
+MAX_CONFIG_VALUES = MAX_CONFIG_BYTES
+
+
+def _check_expansion(raw: Any) -> None:
+    """A YAML alias can name a list many times over, or a node inside itself: a few hundred bytes
+    that expand to millions of values (the "billion laughs"), or without end. Refused here, before
+    the checks' messages, a reload's comparison and its audit line, or run.json would expand them
+    (a reload that compared a node containing itself ended the run with a RecursionError)."""
+    count = 0
+    enclosing: set[int] = set()  # ids of the containers on the path to the node being walked
+    stack: list[tuple[Any, str, bool]] = [(raw, "", False)]
+    while stack:
+        node, path, is_exit = stack.pop()
+        if is_exit:
+            enclosing.discard(id(node))
+            continue
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"{path or 'the top level'}: the config expands to more than {MAX_CONFIG_VALUES} values "
+                "(YAML aliases of aliases?)"
+            )
+        if isinstance(node, dict):
+            children = [(f"{path}.{key}" if path else str(key), value) for key, value in node.items()]
+        elif isinstance(node, list):
+            children = [(f"{path}[{index}]", value) for index, value in enumerate(node)]
+        else:
+            continue
+        if id(node) in enclosing:
+            raise ConfigError(f"{path}: contains itself (a YAML alias of an anchor around it)")
+        enclosing.add(id(node))
+        stack.append((node, path, True))
+        stack.extend((child, child_path, False) for child_path, child in reversed(children))
 
 
 def _read_config_bytes(path: str | Path, regular_file_only: bool) -> bytes:
@@ -735,6 +770,7 @@ def load_config(
     _rename_deprecated_sections(raw)
     for assignment in overrides:
         apply_override(raw, assignment)
+    _check_expansion(raw)
     try:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:

@@ -373,3 +373,25 @@ def test_the_encoder_in_the_worker_is_refused_beside_an_encoder_stage_or_on_ray(
         load_config(None, overrides)
     config = load_config(None, ["encoder.in_worker=true"])
     assert config.encoder.num_encoders == 1 and config.encoder.replicas == 0
+
+
+@pytest.mark.timeout(30)
+def test_yaml_aliases_that_expand_without_bound_are_refused(tmp_path) -> None:
+    """A few hundred bytes of aliases of aliases ("billion laughs") in the one free-form field
+    took seconds and hundreds of MB to put into an error message; one level more, all the memory."""
+    levels = ["&a0 [t, t, t, t, t, t, t, t, t]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 8)]
+    path = tmp_path / "laughs.yaml"
+    path.write_text(f"model:\n  override_generation_config:\n    temperature: [{', '.join(levels)}]\n")
+    with pytest.raises(
+        ConfigError, match=r"^model\.override_generation_config\.temperature\[.*expands to more"
+    ):
+        load_config(path)
+    path.write_text("model:\n  override_generation_config:\n    temperature: &x [*x]\n")
+    with pytest.raises(
+        ConfigError, match=r"^model\.override_generation_config\.temperature\[0\]: contains itself"
+    ):
+        load_config(path)
+    # An alias used twice, not around itself, is ordinary YAML.
+    path.write_text("gateway:\n  api_keys: &keys [k1, k2]\n  cors_origins: *keys\n")
+    assert load_config(path).gateway.cors_origins == ["k1", "k2"]

@@ -112,3 +112,18 @@ def test_with_autoscale_on_a_reload_keeps_the_autoscalers_group_count(tmp_path: 
     assert config.engine.data_parallel == 3
     [event] = audit_events(tmp_path / "audit.jsonl")
     assert event["applied"] == {"engine.max_num_waiting": [running.engine.max_num_waiting, 9]}
+
+
+def test_a_reload_of_a_file_with_a_node_inside_itself_is_refused_not_fatal(tmp_path: Path):
+    """A YAML alias of an anchor around it makes a value that contains itself: comparing it with
+    the running config raised RecursionError out of the supervisor's watch loop, ending the run."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"tokenizer": {"replicas": 1}}))
+    running = load_config(path)
+    path.write_text(
+        "tokenizer:\n  replicas: 2\nmodel:\n  override_generation_config: &x\n    temperature: 0.5\n    top_p: *x\n"
+    )
+    audit = AuditLog(tmp_path / "audit.jsonl", "supervisor")
+    assert ConfigFile(str(path), []).live_settings(running, audit) is None
+    [event] = audit_events(tmp_path / "audit.jsonl")
+    assert event["error"].startswith("model.override_generation_config.top_p: contains itself")
