@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import pwd
 import re
@@ -485,6 +486,26 @@ def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
         raise ConfigError(f"{path} is nested too deeply to be a config") from None
 
 
+def check_finite(struct: msgspec.Struct, prefix: str = "") -> None:
+    """Every number of the typed fields is finite: run.json, which every stage reads the config
+    from, is JSON, where .inf becomes null, so that a stage's first start would fail to read it.
+    (model.override_generation_config, untyped, refuses them in check_generation_overrides.)"""
+    for field in msgspec.structs.fields(struct):
+        path, value = f"{prefix}{field.name}", getattr(struct, field.name)
+        if isinstance(value, msgspec.Struct):
+            check_finite(value, path + ".")
+            continue
+        if isinstance(value, float):
+            numbers = {path: value}
+        elif field.type == dict[str, float]:
+            numbers = {f"{path}.{key}": amount for key, amount in value.items()}
+        else:
+            continue
+        for where, number in numbers.items():
+            if not math.isfinite(number):
+                raise ConfigError(f"{where}: expected a finite number, got {number!r}")
+
+
 def check_timeouts(config: Config) -> None:
     """The supervisor must not give up on a stage before that stage could give up on what it waits
     for: the scheduler waits up to step_timeout_s on its workers (then kills them itself), and
@@ -775,6 +796,7 @@ def load_config(
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw)) from None
+    check_finite(config)
     check_timeouts(config)
     check_engine(config)
     check_lora(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -395,3 +396,23 @@ def test_yaml_aliases_that_expand_without_bound_are_refused(tmp_path) -> None:
     # An alias used twice, not around itself, is ordinary YAML.
     path.write_text("gateway:\n  api_keys: &keys [k1, k2]\n  cors_origins: *keys\n")
     assert load_config(path).gateway.cors_origins == ["k1", "k2"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "supervisor.hang_timeout_s=.inf",
+        "gateway.body_timeout_s=.inf",
+        "autoscale.scale_down_window_s=.inf",
+        "cluster.engine_cpus=.inf",
+        "cluster.engine_resources.accel=.inf",
+    ],
+)
+def test_infinite_numbers_are_refused_since_run_json_cannot_carry_them(override: str) -> None:
+    """Every stage reads the config from run.json, JSON, where inf is written as null: a run
+    started with one failed at its stages' first start, on a float that was null."""
+    path = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: expected a finite number, got inf$"):
+        load_config(None, [override])
+    config = load_config(None, [override.replace(".inf", "1.0e+9")])
+    assert msgspec.json.decode(msgspec.json.encode(config), type=Config) == config
