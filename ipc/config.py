@@ -747,6 +747,24 @@ def check_gateway_tls(config: Config) -> None:
         )
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listening on every address, each one's port included
+
+
+def check_metrics_port(config: Config) -> None:
+    """The supervisor's /metrics binds its port before the gateways start: on the gateways' own
+    port and address it took that port from them, and every gateway failed to start on it."""
+    gateway, supervisor = config.gateway, config.supervisor
+    if not gateway.replicas or supervisor.metrics_port != gateway.port or config.cluster.backend != "local":
+        return
+    metrics_host = supervisor.metrics_host or gateway.host
+    if metrics_host == gateway.host or metrics_host in WILDCARD_HOSTS or gateway.host in WILDCARD_HOSTS:
+        raise ConfigError(
+            f"supervisor.metrics_port: {supervisor.metrics_port} is gateway.port too (/metrics on "
+            f"{metrics_host!r}, the gateways on {gateway.host!r}): set another port for one of them, "
+            "or supervisor.metrics_port 0 for no /metrics"
+        )
+
+
 def check_network(config: Config) -> None:
     """tcp:// links: CURVE unless only this host can reach them, and ports that fit the layout
     (ipc/endpoints.py gives each link kind a block of PORTS_PER_KIND ports from port_base)."""
@@ -805,6 +823,7 @@ def load_config(
     check_cluster(config)
     check_network(config)
     check_gateway_tls(config)
+    check_metrics_port(config)
     check_autoscale(config)
     check_run_as(config)
     return config

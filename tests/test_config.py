@@ -416,3 +416,23 @@ def test_infinite_numbers_are_refused_since_run_json_cannot_carry_them(override:
         load_config(None, [override])
     config = load_config(None, [override.replace(".inf", "1.0e+9")])
     assert msgspec.json.decode(msgspec.json.encode(config), type=Config) == config
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["gateway.port=8001"],
+        ["supervisor.metrics_port=8000"],
+        ["supervisor.metrics_port=8000", "supervisor.metrics_host=0.0.0.0"],
+        ["supervisor.metrics_port=8000", "gateway.host=0.0.0.0", "supervisor.metrics_host=127.0.0.1"],
+    ],
+)
+def test_metrics_on_the_gateways_port_and_address_is_refused(overrides: list[str]) -> None:
+    """The supervisor binds /metrics before the gateways start: on their port and address it
+    took the port, and every gateway failed to start with 'address in use'."""
+    with pytest.raises(ConfigError, match=r"^supervisor\.metrics_port: 800[01] is gateway\.port too"):
+        load_config(None, overrides)
+    # Apart: no gateways, no /metrics, or two addresses of this host.
+    load_config(None, [*overrides, "gateway.replicas=0"])
+    load_config(None, [*overrides, "supervisor.metrics_port=0"])
+    load_config(None, ["supervisor.metrics_port=8000", "supervisor.metrics_host=10.0.0.5"])
