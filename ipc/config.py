@@ -380,10 +380,35 @@ def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
     return f"{where}: {problem}" if where else problem
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, but a key given twice in one mapping is an error: PyYAML keeps the last,
+    so a second `engine:` section silently dropped every setting of the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, whose keys this mapping may override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                is_repeated = key in seen
+            except TypeError:  # unhashable: SafeLoader's own construct_mapping says so
+                continue
+            if is_repeated:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_scalar(text: str) -> Any:
     """`--set` values are YAML scalars: 3, 0.5, true, bfloat16, [0, 1]."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return yaml.load(text, Loader=_ConfigLoader) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set value {text!r} is not a YAML scalar: {exc}") from None
 
@@ -479,7 +504,7 @@ def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
             f"{path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
         ) from None
     try:
-        return yaml.safe_load(text) or {}
+        return yaml.load(text, Loader=_ConfigLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     except RecursionError:

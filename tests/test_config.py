@@ -436,3 +436,26 @@ def test_metrics_on_the_gateways_port_and_address_is_refused(overrides: list[str
     load_config(None, [*overrides, "gateway.replicas=0"])
     load_config(None, [*overrides, "supervisor.metrics_port=0"])
     load_config(None, ["supervisor.metrics_port=8000", "supervisor.metrics_host=10.0.0.5"])
+
+
+@pytest.mark.parametrize(
+    ("content", "key"),
+    [
+        ("engine:\n  max_num_seqs: 8\ntokenizer:\n  replicas: 2\nengine:\n  block_size: 32\n", "engine"),
+        ("engine:\n  max_num_seqs: 8\n  max_num_seqs: 16\n", "max_num_seqs"),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path, content: str, key: str) -> None:
+    """YAML keeps the last of two equal keys: a second `engine:` section silently dropped all of
+    the first one's settings."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(content)
+    with pytest.raises(
+        ConfigError, match=rf"(?s)is not valid YAML: .*found duplicate key '{key}'.*line [35]"
+    ):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"(?s)^--set value .*found duplicate key 'a'"):
+        load_config(None, ["lora.max_loras=2", "lora.adapters={a: /x, a: /y}"])
+    # A merge key's values may be overridden: that is what it is for.
+    path.write_text("tokenizer: &base {replicas: 2}\ndetokenizer:\n  <<: *base\n  replicas: 3\n")
+    assert load_config(path).detokenizer.replicas == 3
