@@ -504,7 +504,9 @@ def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
             f"{path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
         ) from None
     try:
-        return yaml.load(text, Loader=_ConfigLoader) or {}
+        raw = yaml.load(text, Loader=_ConfigLoader)
+        # An empty file is all defaults; `[]`, `false` or `0` are not mappings (load_config refuses them).
+        return {} if raw is None else raw
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     except RecursionError:

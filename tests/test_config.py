@@ -459,3 +459,16 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path, content: str, key:
     # A merge key's values may be overridden: that is what it is for.
     path.write_text("tokenizer: &base {replicas: 2}\ndetokenizer:\n  <<: *base\n  replicas: 3\n")
     assert load_config(path).detokenizer.replicas == 3
+
+
+@pytest.mark.parametrize("content", ["[]\n", "false\n", "0\n", "''\n"])
+def test_an_empty_value_at_the_top_is_no_mapping_either(tmp_path, content: str) -> None:
+    """Only an empty file (or one of comments) is all defaults: `[]` or `false` read as one, so
+    that a reload of a config file truncated to such a value put every live setting back to its
+    default."""
+    path = tmp_path / "top.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=r"the top level must be a mapping of sections$"):
+        load_config(path)
+    path.write_text("# all defaults\n")
+    assert load_config(path) == Config()
