@@ -411,6 +411,8 @@ def _parse_scalar(text: str) -> Any:
         return yaml.load(text, Loader=_ConfigLoader) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set value {text!r} is not a YAML scalar: {exc}") from None
+    except RecursionError:  # as a file's, in _read_yaml
+        raise ConfigError(f"--set value {text[:40]!r}... is nested too deeply to be a config value") from None
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:

@@ -472,3 +472,10 @@ def test_an_empty_value_at_the_top_is_no_mapping_either(tmp_path, content: str) 
         load_config(path)
     path.write_text("# all defaults\n")
     assert load_config(path) == Config()
+
+
+def test_a_set_value_nested_too_deeply_is_a_config_error() -> None:
+    """A file nested too deeply was refused, but the same value after --set ended the start with
+    a RecursionError traceback."""
+    with pytest.raises(ConfigError, match=r"^--set value '\[\[\[.*is nested too deeply"):
+        load_config(None, ["engine.devices=" + "[" * 2000 + "]" * 2000])
