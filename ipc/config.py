@@ -421,6 +421,10 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if not sep or not key:
         raise ConfigError(f"--set expects key.path=value, got {assignment!r}")
     parts = key.strip().split(".")
+    if "" in parts:  # msgspec would name the field "" (`engine.: unknown field`), or nothing at all
+        raise ConfigError(
+            f"--set expects key.path=value with a field name between every two dots, got {assignment!r}"
+        )
     if parts[0] in DEPRECATED_SECTIONS:
         new = DEPRECATED_SECTIONS[parts[0]]
         logging.getLogger("brigade.config").warning(

@@ -479,3 +479,12 @@ def test_a_set_value_nested_too_deeply_is_a_config_error() -> None:
     a RecursionError traceback."""
     with pytest.raises(ConfigError, match=r"^--set value '\[\[\[.*is nested too deeply"):
         load_config(None, ["engine.devices=" + "[" * 2000 + "]" * 2000])
+
+
+@pytest.mark.parametrize("override", [" =5", ".engine=5", "engine.=5", "engine..max_num_seqs=5"])
+def test_a_set_key_with_an_empty_field_name_is_refused_as_such(override: str) -> None:
+    """These were refused as `: unknown field` or `engine.: unknown field`, naming no field."""
+    with pytest.raises(
+        ConfigError, match=r"^--set expects key\.path=value with a field name between every two dots"
+    ):
+        load_config(None, [override])
