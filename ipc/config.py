@@ -26,7 +26,11 @@ from ipc.ports import PORT_SPAN, PORTS_PER_KIND, is_loopback
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+# Waits take their timeouts up to threading.TIMEOUT_MAX (~292 years on Linux), sockets as much:
+# past it, Event.wait and settimeout raise OverflowError (the MLflow sink's thread died on
+# observability.mlflow.interval_s 1.0e+10, an image fetch on encoder.remote_image_timeout_s).
+MAX_SECONDS = 1e9  # ~31 years
+Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_SECONDS)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 

@@ -401,9 +401,8 @@ def test_yaml_aliases_that_expand_without_bound_are_refused(tmp_path) -> None:
 @pytest.mark.parametrize(
     "override",
     [
-        "supervisor.hang_timeout_s=.inf",
-        "gateway.body_timeout_s=.inf",
         "autoscale.scale_down_window_s=.inf",
+        "autoscale.target_running=.inf",
         "cluster.engine_cpus=.inf",
         "cluster.engine_resources.accel=.inf",
     ],
@@ -488,3 +487,21 @@ def test_a_set_key_with_an_empty_field_name_is_refused_as_such(override: str) ->
         ConfigError, match=r"^--set expects key\.path=value with a field name between every two dots"
     ):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "observability.mlflow.interval_s=1.0e+10",
+        "encoder.remote_image_timeout_s=1.0e+10",
+        "supervisor.hang_timeout_s=.inf",
+        "gateway.body_timeout_s=.inf",
+    ],
+)
+def test_timeouts_beyond_what_a_wait_takes_are_refused(override: str) -> None:
+    """threading.Event.wait and socket timeouts raise OverflowError past ~292 years: the MLflow
+    sink's thread died on such an interval, an image fetch on such a timeout."""
+    path = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: expected float <= 1000000000\.0, got "):
+        load_config(None, [override])
+    assert load_config(None, [f"{path}=1.0e+8"])
