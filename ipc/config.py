@@ -381,7 +381,19 @@ def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
     value = _lookup(raw, where)
     if value is not _MISSING and ", got" not in problem and not problem.startswith("invalid enum value"):
         problem += f", got {value!r}"
+    elif isinstance(value, str) and problem.endswith(", got str"):
+        problem += f" {value[:80]!r}"
+        if problem.startswith("expected float") and _is_exponent_text(value):
+            # YAML 1.1 (PyYAML's) reads 1e-3 or 1.0e3 as text: its floats need a dot and a signed exponent.
+            problem += " (YAML reads it as text: write 1.0e-3 or 1.0e+3 for a number with an exponent)"
     return f"{where}: {problem}" if where else problem
+
+
+def _is_exponent_text(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and "e" in text.lower()
+    except ValueError:
+        return False
 
 
 class _ConfigLoader(yaml.SafeLoader):

@@ -505,3 +505,22 @@ def test_timeouts_beyond_what_a_wait_takes_are_refused(override: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: expected float <= 1000000000\.0, got "):
         load_config(None, [override])
     assert load_config(None, [f"{path}=1.0e+8"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "engine.step_timeout_s=1e2",
+            "engine.step_timeout_s: expected float, got str '1e2' (YAML reads it as text: write 1.0e-3 or 1.0e+3",
+        ),
+        ("engine.max_num_seqs=abc", "engine.max_num_seqs: expected int, got str 'abc'"),
+        ("engine.max_num_seqs=", "engine.max_num_seqs: expected int, got str ''"),
+    ],
+)
+def test_a_string_where_a_number_goes_is_shown(override: str, message: str) -> None:
+    """`expected float, got str` for a value written 1e2 did not say what was read, nor that YAML
+    1.1 reads an exponent without a dot and a sign as text."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(message)
