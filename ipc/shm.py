@@ -114,8 +114,16 @@ class ShmRing:
         size = CONTROL_BYTES + num_slots * slot_bytes
         segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         geometry = [MAGIC, VERSION, num_slots, slot_bytes, num_readers, 0, 0, os.getpid()]
-        ring = cls(name, segment, is_owner=True, geometry=geometry)
-        ring._make_semaphores(0)
+        try:
+            ring = cls(name, segment, is_owner=True, geometry=geometry)
+            ring._make_semaphores(0)
+        except BaseException:
+            # A segment too large to map (ENOMEM) or semaphores the system refuses: nothing of
+            # the ring stays in /dev/shm for a later run's sweep to find.
+            if segment.fd >= 0:
+                segment.close_fd()
+            unlink_ring(name)
+            raise
         return ring
 
     @classmethod

@@ -364,7 +364,18 @@ class Run:
                 RingSpec(group, step, RING_SLOTS, step_slot_bytes(config, vocab_size), engine.tensor_parallel)
             )
             specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(config, pooled_width), 1))
-        self.rings += create(specs)
+        try:
+            self.rings += create(specs)
+        except (OSError, ValueError, OverflowError) as exc:
+            # Sized by the config: an engine.max_num_seqs or model.max_model_len far past what the
+            # host can map (ENOMEM, a size over the address space) is the config's fault, not a bug.
+            largest = max(specs, key=lambda spec: spec.slot_bytes)
+            raise Refused(
+                f"the engine groups' shared-memory rings could not be made ({exc}): each step slot "
+                f"takes {largest.slot_bytes} bytes, {RING_SLOTS} slots a ring, at engine.max_num_seqs "
+                f"{engine.max_num_seqs}, engine.max_num_batched_tokens {engine.max_num_batched_tokens} "
+                f"and model.max_model_len {config.model.max_model_len}; lower them"
+            ) from None
 
     def remove_rings(self, groups: range | None = None) -> None:
         """Unlink the rings of engine groups `groups` (retired), or all of them (the run ends)."""

@@ -232,7 +232,16 @@ class StageSet:
 
     def create_rings(self, specs: list[RingSpec]) -> list[ShmRing]:
         """The engine groups' shared-memory rings, on this host; the supervisor unlinks them."""
-        return [ShmRing.create(s.name, s.num_slots, s.slot_bytes, s.num_readers) for s in specs]
+        rings: list[ShmRing] = []
+        try:
+            for spec in specs:
+                rings.append(ShmRing.create(spec.name, spec.num_slots, spec.slot_bytes, spec.num_readers))
+        except BaseException:  # none of them, rather than some the run does not know to unlink
+            for ring in rings:
+                ring.close()
+                ring.unlink()
+            raise
+        return rings
 
     def gather_metrics(self) -> None:
         """Bring the Prometheus files of stages on other hosts into this run's metrics dir (there

@@ -281,3 +281,13 @@ def test_sweep_removes_dead_runs_only(cleanup):
     live.kill()
     live.wait(WAIT)
     assert {n for n in sweep_stale_runs() if other_namespace_run in n} == live_objects
+
+
+def test_a_ring_too_large_to_map_leaves_nothing_in_dev_shm(run_id):
+    """A config can size a ring past the address space (engine.max_num_seqs of 2**40): the
+    segment is made (tmpfs files are sparse), its mapping fails. The error reaches the caller,
+    and neither the segment nor a semaphore stays for a later run's sweep."""
+    name = f"/brigade-{run_id}-step-0"
+    with pytest.raises(OSError):
+        ShmRing.create(name, num_slots=2, slot_bytes=1 << 50, num_readers=1)  # 2 PiB, past x86-64's 128 TiB
+    assert not run_objects(run_id)

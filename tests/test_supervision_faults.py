@@ -119,6 +119,11 @@ def test_non_utf8_config_at_start_is_a_clean_config_error(tmp_path: Path) -> Non
             ["engine.tensor_parallel=4"],  # SmolLM2-135M has 3 KV heads
             "engine.tensor_parallel=4 cannot split",
         ),
+        (
+            # Rings sized past the address space: mapping them fails after the segment is made.
+            ["engine.max_num_seqs=1099511627776"],
+            "shared-memory rings could not be made ([Errno 12] Cannot allocate memory): each step slot",
+        ),
     ],
 )
 def test_config_the_model_cannot_run_is_refused_before_any_stage_starts(
