@@ -400,25 +400,38 @@ class _ConfigLoader(yaml.SafeLoader):
     """yaml.SafeLoader, but a key given twice in one mapping is an error: PyYAML keeps the last,
     so a second `engine:` section silently dropped every setting of the first."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, whose keys this mapping may override
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                is_repeated = key in seen
-            except TypeError:  # unhashable: SafeLoader's own construct_mapping says so
-                continue
-            if is_repeated:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"found duplicate key {key!r}",
-                    key_node.start_mark,
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Each mapping's own keys, the first time it is flattened: flattening copies the keys of a
+        # `<<: *base` (which the mapping may override) into its node, and a mapping merged into
+        # another is flattened before it is built.
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = (
+                    "="
+                    if key_node.tag == "tag:yaml.org,2002:value"
+                    else self.construct_object(key_node, deep=True)
                 )
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+                try:
+                    is_repeated = key in seen
+                except TypeError:  # unhashable: SafeLoader's own construct_mapping says so
+                    continue
+                if is_repeated:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r}",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+        super().flatten_mapping(node)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -631,6 +644,17 @@ def adapter_name_problem(name: str) -> str:
     return ""
 
 
+def adapter_path_problem(path: str) -> str:
+    """Why `path` cannot name a LoRA adapter's files ("" when it can): relative (to which
+    process's directory?), or holding a NUL, which no file's path does (a worker's open would
+    raise ValueError)."""
+    if not os.path.isabs(path):
+        return f"must be an absolute adapter directory or .gguf file, got {path!r}"
+    if "\0" in path:
+        return f"must not contain a NUL character, got {path!r}"
+    return ""
+
+
 def check_lora(config: Config) -> None:
     """Adapters that could never be loaded, or a list with adapters off, are refused here."""
     lora = config.lora
@@ -657,12 +681,8 @@ def check_lora(config: Config) -> None:
     for name, path in lora.adapters.items():
         if problem := adapter_name_problem(name):
             raise ConfigError(f"lora.adapters: an adapter's name {problem}")
-        if not os.path.isabs(path):
-            raise ConfigError(
-                f"lora.adapters.{name}: expected an absolute adapter directory or .gguf file, got {path!r}"
-            )
-        if "\0" in path:  # no file's path holds one: the worker's open would raise ValueError at its start
-            raise ConfigError(f"lora.adapters.{name}: a path must not contain a NUL character, got {path!r}")
+        if problem := adapter_path_problem(path):
+            raise ConfigError(f"lora.adapters.{name}: the path {problem}")
         if name == served_model_name(config):
             raise ConfigError(f"lora.adapters.{name}: the served model's name; name the adapter otherwise")
 

@@ -6,6 +6,7 @@ start or a change are `Refused`, with what to do about them."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -367,12 +368,14 @@ class Run:
         try:
             self.rings += create(specs)
         except (OSError, ValueError, OverflowError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise Refused(f"the engine groups' shared-memory rings could not be made: {exc}") from None
             # Sized by the config: an engine.max_num_seqs or model.max_model_len far past what the
             # host can map (ENOMEM, a size over the address space) is the config's fault, not a bug.
-            largest = max(specs, key=lambda spec: spec.slot_bytes)
+            largest_slot = max(spec.slot_bytes for spec in specs)
             raise Refused(
                 f"the engine groups' shared-memory rings could not be made ({exc}): each step slot "
-                f"takes {largest.slot_bytes} bytes, {RING_SLOTS} slots a ring, at engine.max_num_seqs "
+                f"takes {largest_slot} bytes, {RING_SLOTS} slots a ring, at engine.max_num_seqs "
                 f"{engine.max_num_seqs}, engine.max_num_batched_tokens {engine.max_num_batched_tokens} "
                 f"and model.max_model_len {config.model.max_model_len}; lower them"
             ) from None

@@ -90,17 +90,23 @@ class Transitions:
         """Apply `config`'s replica and engine group counts without dropping a request, in the
         order of ipc/topology.py's Transition. The live settings reach every stage as
         Reconfigure once the new stages are up. Raises Refused, having changed nothing, when
-        run.json cannot take the new config or the gateway port cannot be held."""
+        run.json cannot take the new config, the gateway port cannot be held or the added engine
+        groups' rings cannot be made."""
         old = self.watch.config
         assert self.run.info is not None  # published at start
         if config.encoder.num_encoders > old.encoder.num_encoders:
             check_encoders(config, Path(self.run.info.model_dir))  # as at start: preflight.check_model
         if config.engine.data_parallel > self.current.num_groups:
             config = self.place_groups(old, config)
+        added_groups = range(self.current.num_groups, config.engine.data_parallel)
         try:
+            self.run.create_rings(
+                config, Path(self.run.info.model_dir), added_groups, self.stages.create_rings
+            )
             self.run.claim_gateway_port(config)  # gateway replicas from none; port and host are not live
             self.run.publish(config)
         except Refused:
+            self.run.remove_rings(added_groups)  # those it made
             self.stages.release_groups(old.engine)  # what place_groups reserved
             raise
         self.watch.config = config
@@ -112,12 +118,6 @@ class Transitions:
         if changes:
             self.audit.rescale(changes)
         step = diff(self.current, Topology.of(config, self.current.hosts))
-        self.run.create_rings(
-            config,
-            Path(self.run.info.model_dir),
-            range(self.current.num_groups, config.engine.data_parallel),
-            self.stages.create_rings,
-        )
         self.run.hand_over(config)  # the new rings, to supervisor.run_as
         # Downstream first, as at start: the added detokenizer shards, engine groups and encoders
         # are up, and every stage links to them and to the tokenizer replicas about to start,

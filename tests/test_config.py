@@ -79,10 +79,10 @@ def test_lora_adapters_must_be_absolute_and_fit_the_slots() -> None:
     )
     with pytest.raises(
         ConfigError,
-        match=r"^lora\.adapters\.sql: expected an absolute adapter directory or \.gguf file, got 'a/b'",
+        match=r"^lora\.adapters\.sql: the path must be an absolute adapter directory or \.gguf file, got 'a/b'",
     ):
         load_config(None, ["lora.max_loras=1", "lora.adapters={sql: a/b}"])
-    with pytest.raises(ConfigError, match=r"^lora\.adapters\.sql: a path must not contain a NUL character"):
+    with pytest.raises(ConfigError, match=r"^lora\.adapters\.sql: the path must not contain a NUL character"):
         load_config(None, ["lora.max_loras=1", 'lora.adapters={sql: "/a/b\\0c"}'])
     with pytest.raises(ConfigError, match=r"^lora\.adapters: an adapter's name must not contain control"):
         load_config(None, ["lora.max_loras=1", 'lora.adapters={"a\\tb": /adapters/sql}'])
@@ -458,6 +458,12 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path, content: str, key:
     # A merge key's values may be overridden: that is what it is for.
     path.write_text("tokenizer: &base {replicas: 2}\ndetokenizer:\n  <<: *base\n  replicas: 3\n")
     assert load_config(path).detokenizer.replicas == 3
+    # A merged mapping that overrides a merge of its own: merging it elsewhere first copies its
+    # base's keys into it, which is no key given twice.
+    path.write_text(
+        "tokenizer: &one {replicas: 1}\ndetokenizer:\n  <<: &two\n    <<: *one\n    replicas: 2\nencoder: *two\n"
+    )
+    assert load_config(path).encoder.replicas == load_config(path).detokenizer.replicas == 2
 
 
 @pytest.mark.parametrize("content", ["[]\n", "false\n", "0\n", "''\n"])

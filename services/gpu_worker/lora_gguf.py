@@ -95,8 +95,9 @@ def read_gguf_adapter(
         )
     alpha = _field(reader, "adapter.lora.alpha")
     alpha = 0.0 if alpha is None else alpha
-    # llama.cpp reads it as a float32 (and aborts on another type); a string, an array or a
-    # bool here would be a ValueError / TypeError naming nothing, or taken as a number.
+    # llama.cpp reads it as a float32 and aborts on another type; an integer is taken here as
+    # the number it is, but a string, an array or a bool would be a ValueError / TypeError
+    # naming nothing, or read as a number it is not.
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise AdapterError(f"adapter {name!r}: adapter.lora.alpha must be a finite number, got {alpha!r}")
     shapes = module_shapes(model, whole=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from ipc import messages as m
-from ipc.config import LORA_OFF, adapter_name_problem
+from ipc.config import LORA_OFF, adapter_name_problem, adapter_path_problem
 
 LOAD_TIMEOUT_S = 120.0  # every worker answers a load within this, or it fails (a worker lost meanwhile)
 
@@ -208,10 +208,8 @@ class Adapters:
             return "lora_name", f"lora_name {name!r} is the base model's name"
         if name in self.loading or (name in self.loaded and not replaces):
             return "lora_name", f"lora_name {name!r}: that LoRA adapter is already loaded"
-        if not Path(path).is_absolute():
-            return "lora_path", f"lora_path must be an absolute adapter directory or .gguf file, got {path!r}"
-        if "\0" in path:  # no file's path holds one: the worker's open would raise ValueError
-            return "lora_path", f"lora_path must not contain a NUL character, got {path!r}"
+        if problem := adapter_path_problem(path):
+            return "lora_path", f"lora_path {problem}"
         if len(self.loaded) - replaces + len(self.loading) >= self.capacity:
             return "", (
                 f"{self.capacity} LoRA adapters are loaded, as many as lora.max_cpu_loras (or lora.max_loras) "
