@@ -367,8 +367,8 @@ class Run:
             specs.append(RingSpec(group, result, RING_SLOTS, result_slot_bytes(config, pooled_width), 1))
         try:
             self.rings += create(specs)
-        except (OSError, ValueError, OverflowError) as exc:
-            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+        except (OSError, ValueError, OverflowError, posix_ipc.Error) as exc:
+            if isinstance(exc, OSError | posix_ipc.Error) and getattr(exc, "errno", None) != errno.ENOMEM:
                 raise Refused(f"the engine groups' shared-memory rings could not be made: {exc}") from None
             # Sized by the config: an engine.max_num_seqs or model.max_model_len far past what the
             # host can map (ENOMEM, a size over the address space) is the config's fault, not a bug.

@@ -6,11 +6,13 @@ keeps every request (tests/test_reload.py checks the same with real processes an
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
+import posix_ipc
 import pytest
 
 from ipc import messages as m
@@ -272,3 +274,25 @@ def test_a_change_run_json_cannot_take_is_refused_with_nothing_changed(harness: 
     assert harness.loop.config is old
     assert harness.events == []
     assert harness.transitions.current == Topology.of(old)
+
+
+def test_a_change_whose_rings_cannot_be_made_is_refused_with_nothing_changed(harness: Harness):
+    """A third engine group's result ring name already held in /dev/shm (here by a squatter; on
+    a host short of memory, ENOMEM): the change is refused before run.json or the watch take the
+    new group count, and the group's step ring, made before, is not left behind."""
+    old = harness.loop.config
+    squatter = posix_ipc.SharedMemory(harness.run.endpoints.result_ring(2), posix_ipc.O_CREX, size=4096)
+    try:
+        rings_before = list(harness.run.rings)
+        with pytest.raises(
+            Refused, match=r"rings could not be made: Shared memory with the specified name already exists"
+        ):
+            harness.transitions.change(with_setting(old, "engine.data_parallel", 3))
+        assert harness.loop.config is old
+        assert read_run_info(harness.run_dir).config.engine.data_parallel == 2
+        assert harness.events == []
+        assert harness.run.rings == rings_before
+        left = [n for n in os.listdir("/dev/shm") if harness.run.endpoints.step_ring(2).lstrip("/") in n]
+        assert not left, left
+    finally:
+        squatter.unlink()
