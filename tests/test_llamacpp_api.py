@@ -15,7 +15,7 @@ import pytest
 
 from tests import test_gateway
 from tests.harness import assert_clean, brigade_run, free_port
-from tests.test_gateway import MAX_MODEL_LEN, Gateway, parse_sse
+from tests.test_gateway import MAX_MODEL_LEN, Gateway, abort_count, parse_sse, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -539,7 +539,8 @@ CODE_GRAMMAR = "root ::= " + json.dumps(CODE)
 def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
     """llama.vim's n_indent (its cursor line's indentation): the first line after a new line
     whose text starts with fewer spaces ends the output, cut where its text starts (llama-server
-    keeps the indentation); streamed and not; without it the whole text comes back."""
+    keeps the indentation); streamed and not; without it the whole text comes back. A cut reply's
+    engine request is aborted as a disconnected client's is."""
     body = {"prompt": PROMPT, "grammar": CODE_GRAMMAR, "temperature": 0, "n_predict": 64}
     whole = completion(gw, **body)
     assert whole["content"] == CODE
@@ -558,6 +559,25 @@ def test_n_indent_ends_the_output_at_a_line_indented_less(gw: Gateway) -> None:
         assert "".join(e["content"] for e in events) == want and events[-1]["stop_type"] == "limit"
     assert completion(gw, **body, n_indent=0)["content"] == CODE  # 0: no limit
     assert_every_replica_idle(gw)  # a reply cut short here gave its slot back (it once never did)
+    # The cut reply's engine request is aborted (one more abort each), not generated to its end: a
+    # grammar whose text goes on far past the cut (30 more lines), so the engine cannot finish first.
+    tail = {**body, "grammar": "root ::= " + json.dumps("if x:\n    y = 1\n" + "z = 2\n" * 30), "n_indent": 4}
+    for send in (completion, stream):
+        assert wait_idle(gw.run) == (0, 0.0)
+        aborts = abort_count(gw)
+        reply = send(gw, **tail)
+        text = "".join(e["content"] for e in reply) if isinstance(reply, list) else reply["content"]
+        assert text == "if x:\n    y = 1\n", (send.__name__, text)
+        assert aborts_after(gw, aborts) == aborts + 1, f"{send.__name__}: the engine request was not aborted"
+
+
+def aborts_after(gw: Gateway, aborts: float, timeout: float = 30.0) -> float:
+    """The engine's aborted requests (request_success_total{finished_reason="abort"}) once there
+    are more than `aborts`, or at the deadline."""
+    deadline = time.monotonic() + timeout
+    while (count := abort_count(gw)) <= aborts and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return count
 
 
 def assert_every_replica_idle(gw: Gateway, timeout: float = 10.0) -> None:
@@ -575,14 +595,18 @@ def assert_every_replica_idle(gw: Gateway, timeout: float = 10.0) -> None:
 def test_t_max_predict_ms_ends_the_output_at_a_new_line_past_it(gw: Gateway) -> None:
     """llama.vim's t_max_predict_ms: once generating has taken longer, the next delta with a new
     line ends the output (a prefix of what it would have been, ending with that line); its
-    engine request is aborted as a disconnected client's is."""
+    engine request is aborted as a disconnected client's is (one more abort each, streamed and not)."""
     body = {"prompt": PROMPT, "grammar": 'root ::= ("line\\n")+', "temperature": 0, "n_predict": 200}
     whole = completion(gw, **body)["content"]
-    for reply in (completion(gw, **body, t_max_predict_ms=1), stream(gw, **body, t_max_predict_ms=1)):
+    for send in (completion, stream):
+        assert wait_idle(gw.run) == (0, 0.0)
+        aborts = abort_count(gw)
+        reply = send(gw, **body, t_max_predict_ms=1)
         last = reply[-1] if isinstance(reply, list) else reply
         text = "".join(e["content"] for e in reply) if isinstance(reply, list) else reply["content"]
         assert text.endswith("\n") and whole.startswith(text) and len(text) < len(whole), text
         assert last["stop_type"] == "limit" and last["tokens_predicted"] < 200, last
+        assert aborts_after(gw, aborts) == aborts + 1, f"{send.__name__}: the engine request was not aborted"
 
 
 def test_response_fields_pick_the_last_replys_fields(gw: Gateway, hf_tokenizer) -> None:
