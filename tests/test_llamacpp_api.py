@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -317,29 +318,38 @@ def test_apply_template_and_props(gw: Gateway, hf_tokenizer) -> None:
 
 
 def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway) -> None:
-    cases = {
-        "a wrong type": {"prompt": PROMPT, "n_predict": "ten"},
-        "n_predict below -1": {"prompt": PROMPT, "n_predict": -2},
-        "no prompt": {"n_predict": 2},
-        "an empty prompt": {"prompt": []},
-        "token ids beside a list": {"prompt": [1, [2, 3]]},
-        "an image": {"prompt": {"prompt_string": "hi <__media__>", "multimodal_data": ["iVBORw0KGgo="]}},
-        "a grammar that does not parse": {"prompt": PROMPT, "grammar": "root ::= ((("},
-        "n_probs past the limit": {"prompt": PROMPT, "n_probs": 1000},
-        "a bad logit bias": {"prompt": PROMPT, "logit_bias": [[1, "much"]]},
-        "logit bias texts over the prompt's budget": {
-            "prompt": PROMPT,
-            "logit_bias": [["hello world ", 0.5]] * (test_gateway.MAX_PROMPT_CHARS // 12 + 1),
-        },
-        "a token id past the vocabulary": {"prompt": [10**9]},
-        "a negative n_indent": {"prompt": PROMPT, "n_indent": -5},
-        "t_max_predict_ms below -1": {"prompt": PROMPT, "t_max_predict_ms": -5},
+    """Each refusal is llama.cpp's 400 invalid_request_error whose message starts with the field
+    it refuses, by llama.cpp's name (n_probs, not the engine's logprobs), on both paths."""
+    cases = {  # name: (the field the message starts with, the body)
+        "a wrong type": ("n_predict", {"prompt": PROMPT, "n_predict": "ten"}),
+        "n_predict below -1": ("n_predict", {"prompt": PROMPT, "n_predict": -2}),
+        "no prompt": ("prompt", {"n_predict": 2}),
+        "an empty prompt": ("prompt", {"prompt": []}),
+        "token ids beside a list": ("prompt", {"prompt": [1, [2, 3]]}),
+        "an image": (
+            "prompt",
+            {"prompt": {"prompt_string": "hi <__media__>", "multimodal_data": ["iVBORw0KGgo="]}},
+        ),
+        "a grammar that does not parse": ("grammar", {"prompt": PROMPT, "grammar": "root ::= ((("}),
+        "n_probs past the limit": ("n_probs", {"prompt": PROMPT, "n_probs": 1000}),
+        "a bad logit bias": ("logit_bias", {"prompt": PROMPT, "logit_bias": [[1, "much"]]}),
+        "logit bias texts over the prompt's budget": (
+            "logit_bias",
+            {
+                "prompt": PROMPT,
+                "logit_bias": [["hello world ", 0.5]] * (test_gateway.MAX_PROMPT_CHARS // 12 + 1),
+            },
+        ),
+        "a token id past the vocabulary": ("prompt", {"prompt": [10**9]}),
+        "a negative n_indent": ("n_indent", {"prompt": PROMPT, "n_indent": -5}),
+        "t_max_predict_ms below -1": ("t_max_predict_ms", {"prompt": PROMPT, "t_max_predict_ms": -5}),
     }
-    for name, body in cases.items():
+    for name, (field, body) in cases.items():
         for path in ("/completion", "/completions"):
             status, reply = post(gw, path, body)
-            assert_llama_error(status, reply, 400), name
-    status, reply = post(gw, "/completion", cases["logit bias texts over the prompt's budget"])
+            message = assert_llama_error(status, reply, 400)
+            assert re.match(rf"{field}\b", message), (name, path, field, message)
+    status, reply = post(gw, "/completion", cases["logit bias texts over the prompt's budget"][1])
     assert "characters of token texts" in assert_llama_error(status, reply, 400)
     status, reply = post(gw, "/completion", {"prompt": PROMPT, "grammar": "root ::= ((("})
     assert assert_llama_error(status, reply, 400).startswith("grammar: Expected")
@@ -347,7 +357,7 @@ def test_bad_requests_are_llama_cpp_errors_and_the_gateway_serves_on(gw: Gateway
     assert_llama_error(status, reply, 400, "exceed_context_size_error")
     assert (reply["error"]["n_prompt_tokens"], reply["error"]["n_ctx"]) == (MAX_MODEL_LEN + 8, MAX_MODEL_LEN)
     status, _, data = gw.request("POST", "/completion", {"prompt": PROMPT, "stream": True, "n_predict": -2})
-    assert_llama_error(status, json.loads(data), 400)
+    assert assert_llama_error(status, json.loads(data), 400).startswith("n_predict ")
     # The API keys hold here as on every generating endpoint.
     for path in ("/completion", "/apply-template"):
         status, reply = post(gw, path, {"prompt": PROMPT, "messages": []}, {"authorization": "Bearer wrong"})
