@@ -727,15 +727,23 @@ def test_timings_per_token_on_a_responses_stream(gw: Gateway) -> None:
 def test_timings_of_a_whole_reply_count_every_choice(gw: Gateway) -> None:
     """A reply (not streamed) with timings_per_token carries the request's timings: its prompt
     counted once (with what the cache held before the call: a later choice finds the blocks its
-    sibling just computed, which `usage` counts), the tokens of all its choices."""
-    status, reply = post(gw, "/v1/completions", {"model": gw.model, "prompt": PROMPT, "max_tokens": 5, "n": 2,
-                                                 "ignore_eos": True, "timings_per_token": True})  # fmt: skip
-    assert status == 200, reply
-    usage, timings = reply["usage"], reply["timings"]
-    assert timings["predicted_n"] == usage["completion_tokens"] == 10
-    assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
-    assert timings["cache_n"] <= usage["prompt_tokens_details"]["cached_tokens"]
-    assert_rates(timings)
+    sibling just computed, which `usage` counts), the tokens of all its choices. A new prompt's
+    cache_n is 0; the same prompt again finds its whole blocks cached, cache_n as `usage` says."""
+    prompt = "Timings: " + " ".join([PROMPT] * 6)  # new to this run; over two blocks of 16 tokens
+    body = {"model": gw.model, "prompt": prompt, "max_tokens": 5, "n": 2, "ignore_eos": True,
+            "timings_per_token": True}  # fmt: skip
+    for again in (False, True):
+        status, reply = post(gw, "/v1/completions", body)
+        assert status == 200, reply
+        usage, timings = reply["usage"], reply["timings"]
+        assert timings["predicted_n"] == usage["completion_tokens"] == 10
+        assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if again:
+            assert timings["cache_n"] == cached >= 16, (usage, timings)
+        else:
+            assert timings["cache_n"] == 0 and timings["prompt_n"] == usage["prompt_tokens"], (usage, timings)
+        assert_rates(timings)
     status, echoed = post(gw, "/v1/completions", {"model": gw.model, "prompt": PROMPT, "max_tokens": 0,
                                                   "echo": True, "timings_per_token": True})  # fmt: skip
     assert status == 200 and echoed["usage"]["completion_tokens"] == echoed["timings"]["predicted_n"] == 0
