@@ -32,6 +32,14 @@ Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 MAX_SECONDS = 1e9  # ~31 years
 Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_SECONDS)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# A stage's processes (replicas, engine groups): past a few hundred a typo (an extra zero or
+# three) would fork until the host runs out of processes or memory, long before any check says so.
+MAX_PROCESSES_PER_STAGE = 256
+Replicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_PROCESSES_PER_STAGE)]
+ReplicasOrNone = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROCESSES_PER_STAGE)]
+# Ranks of one engine group: each rank reads every step slot, and a ring has room for 504 readers;
+# 64 is past any real host or Ray placement of one group.
+MAX_TENSOR_PARALLEL = 64
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
@@ -63,8 +71,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Literal["cpu", "cuda"] = "cpu"
-    data_parallel: Positive = 1
-    tensor_parallel: Positive = 1
+    data_parallel: Replicas = 1
+    tensor_parallel: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
     # A mixture of experts' experts divided among the tensor-parallel ranks, whole, rather than
     # each expert's columns split over every rank (services/gpu_worker/model.py Shard).
     expert_parallel: bool = False
@@ -91,7 +99,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    replicas: Positive = 1
+    replicas: Replicas = 1
     default_max_tokens: Positive = 256
     # A request's work budget on the single-threaded tokenizer (and the gateway's /tokenize): all
     # the text that reaches the chat template (tool calls and tools JSON included) and the prompt
@@ -140,14 +148,14 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    replicas: Positive = 1
+    replicas: Replicas = 1
 
 
 class EncoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The encoder stage (services/encoder/): a vision-language model's vision tower. 0 replicas:
     none (a text model, or a vision-language model served for text only)."""
 
-    replicas: NonNegative = 0
+    replicas: ReplicasOrNone = 0
     # No encoder stage: the worker of engine group 0 (rank 0) runs the tower between its steps, as
     # an in-process vision tower would: the baseline benchmarks/encoder_bench.py measures the stage
     # against. It serves the endpoint and the cache of encoder 0. Needs replicas 0.
@@ -190,7 +198,7 @@ class AccessLogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    replicas: NonNegative = 1  # HTTP processes sharing one port (SO_REUSEPORT); 0 = no HTTP API
+    replicas: ReplicasOrNone = 1  # HTTP processes sharing one port (SO_REUSEPORT); 0 = no HTTP API
     host: str = "127.0.0.1"
     port: Port = 8000
     api_keys: list[str] = []  # [] = open, unless BRIGADE_API_KEYS lists some
@@ -316,8 +324,8 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default, when engine.data_parallel alone sets it."""
 
     enabled: bool = False
-    min_groups: Positive = 1
-    max_groups: Positive = 4  # and no more than the host's devices (or cores) on the local backend
+    min_groups: Replicas = 1
+    max_groups: Replicas = 4  # and no more than the host's devices (or cores) on the local backend
     # Targets per group; a group above any of them asks for more groups. 0 = not a signal.
     target_waiting: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0  # requests waiting in its scheduler
     target_running: NonNegativeFloat = 0.0  # sequences in its running batch
@@ -584,6 +592,12 @@ def check_timeouts(config: Config) -> None:
         raise ConfigError(
             f"supervisor.heartbeat_interval_s ({beat:g}) must be below supervisor.hang_timeout_s ({hang:g}), "
             "or every stage looks hung between two heartbeats"
+        )
+    first, most = config.supervisor.backoff_initial_s, config.supervisor.backoff_max_s
+    if first > most:
+        raise ConfigError(
+            f"supervisor.backoff_initial_s ({first:g}) must be at most supervisor.backoff_max_s ({most:g}): "
+            "the wait before a restart starts at the first and doubles up to the second"
         )
 
 

@@ -62,6 +62,12 @@ def test_every_field_is_documented() -> None:
             "lora.adapters: 1 adapters, more than lora.max_cpu_loras / lora.max_loras (0)",
         ),
         ("lora.max_loras=33", "lora.max_loras: at most 32 slots"),
+        # A process count with extra zeros would fork until the host gives out.
+        ("gateway.replicas=100000", "gateway.replicas: expected int <= 256, got 100000"),
+        ("tokenizer.replicas=257", "tokenizer.replicas: expected int <= 256, got 257"),
+        ("engine.data_parallel=1000", "engine.data_parallel: expected int <= 256, got 1000"),
+        ("engine.tensor_parallel=600", "engine.tensor_parallel: expected int <= 64, got 600"),
+        ("autoscale.max_groups=4096", "autoscale.max_groups: expected int <= 256, got 4096"),
     ],
 )
 def test_errors_name_the_field(override: str, message: str) -> None:
@@ -182,6 +188,17 @@ def test_heartbeat_interval_must_be_below_hang_timeout() -> None:
             None,
             ["engine.step_timeout_s=1", "supervisor.hang_timeout_s=4", "supervisor.heartbeat_interval_s=5"],
         )
+
+
+def test_restart_backoff_cannot_start_above_its_ceiling() -> None:
+    """The wait before a restart starts at backoff_initial_s and doubles up to backoff_max_s; a
+    start above the ceiling would silently wait the ceiling every time."""
+    with pytest.raises(
+        ConfigError,
+        match=r"supervisor.backoff_initial_s \(9\) must be at most supervisor.backoff_max_s \(5\)",
+    ):
+        load_config(None, ["supervisor.backoff_initial_s=9"])
+    assert load_config(None, ["supervisor.backoff_initial_s=5"]).supervisor.backoff_initial_s == 5
 
 
 def test_int8_activations_are_off_by_default_and_only_on_the_cpu_in_float32() -> None:
