@@ -62,6 +62,10 @@ class SlotOverflow(ValueError):
     """The arrays and header do not fit in one slot."""
 
 
+class RingGeometryError(ValueError):
+    """A ring of no slots, or more readers than its control page tracks."""
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -109,7 +113,7 @@ class ShmRing:
         """Create the segment and its semaphores; the creator owns them (reset, unlink).
         `slot_bytes` must hold a slot's arrays (each 64-byte aligned), directory and header."""
         if not 1 <= num_readers <= MAX_READERS or num_slots < 1:
-            raise ValueError(f"bad ring geometry: {num_slots} slots, {num_readers} readers")
+            raise RingGeometryError(f"bad ring geometry: {num_slots} slots, {num_readers} readers")
         slot_bytes = _align(slot_bytes + SLOT_PREFIX_BYTES)
         size = CONTROL_BYTES + num_slots * slot_bytes
         segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)

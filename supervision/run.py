@@ -25,7 +25,7 @@ from ipc.config import EMBEDDED_MODEL, Config, served_model_name
 from ipc.endpoints import SHM_PREFIX, Endpoints, NetworkPlan, free_port_base
 from ipc.keys import SECRET_SUFFIX, BadKeyFile, create_key_files, load_run_keys
 from ipc.ports import PORT_SPAN
-from ipc.shm import RunLock, ShmRing, sweep_stale_runs
+from ipc.shm import RingGeometryError, RunLock, ShmRing, sweep_stale_runs
 from ipc.step_plan import STEP_PLAN, STEP_RESULT, plan_limits, result_limits
 from ipc.topology import StageSpec, Topology
 from services.audit import AUDIT_FILE
@@ -368,10 +368,14 @@ class Run:
         try:
             self.rings += create(specs)
         except (OSError, ValueError, OverflowError, posix_ipc.Error) as exc:
-            if isinstance(exc, OSError | posix_ipc.Error) and getattr(exc, "errno", None) != errno.ENOMEM:
+            is_size = getattr(exc, "errno", None) == errno.ENOMEM or (
+                isinstance(exc, ValueError | OverflowError) and not isinstance(exc, RingGeometryError)
+            )
+            if not is_size:
                 raise Refused(f"the engine groups' shared-memory rings could not be made: {exc}") from None
             # Sized by the config: an engine.max_num_seqs or model.max_model_len far past what the
-            # host can map (ENOMEM, a size over the address space) is the config's fault, not a bug.
+            # host can map (ENOMEM, a size over the address space or posix_ipc's "size is
+            # invalid") is the config's fault, not a bug.
             largest_slot = max(spec.slot_bytes for spec in specs)
             raise Refused(
                 f"the engine groups' shared-memory rings could not be made ({exc}): each step slot "

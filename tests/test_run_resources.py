@@ -110,6 +110,37 @@ def test_rings_of_retired_groups_go_and_the_rest_stay(run_dir: Path, tmp_path: P
     run.release(keep_keys=False)
 
 
+@pytest.mark.parametrize(
+    ("readers", "slot_bytes", "advice"),
+    [
+        (600, None, False),  # more readers than a ring tracks: not the sizes' fault
+        (1, 2**63, True),  # a segment no host maps: lower the sizes
+    ],
+)
+def test_ring_refusals_advise_lowering_the_sizes_only_when_the_sizes_are_at_fault(
+    run_dir: Path, tmp_path: Path, readers: int, slot_bytes: int | None, advice: bool
+):
+    run = Run(run_dir, new_run_id())
+    run.claim_shared_memory()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    config = load_config(None, ["engine.max_num_seqs=4", "model.max_model_len=64"])
+
+    def create(specs):
+        return [ShmRing.create(s.name, s.num_slots, slot_bytes or s.slot_bytes, readers) for s in specs]
+
+    try:
+        with pytest.raises(Refused, match="rings could not be made") as info:
+            run.create_rings(config, model_dir, range(1), create)
+        assert ("lower them" in str(info.value)) == advice
+        assert run.rings == [] and not any(
+            Path("/dev/shm").glob(run.endpoints.step_ring(0).lstrip("/") + "*")
+        )
+    finally:
+        run.release(keep_keys=False)
+
+
 def test_status_survives_a_failing_write_and_says_so_once(tmp_path: Path, caplog):
     (tmp_path / "file").write_text("")
     writer = StatusWriter(tmp_path / "file")  # a run dir that is a file: every write fails
