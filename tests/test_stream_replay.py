@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from services.gateway.stream_replay import _is_asked_about
 from tests import test_gateway
 from tests.test_gateway import (
     CHAT,
@@ -151,6 +152,12 @@ def test_bad_replay_requests_get_clear_errors(gw: Gateway) -> None:
     assert status == 404 and "never-seen" in json.loads(data)["error"]["message"], data
     status, error = gw.error("/v1/streams/lookup", b'{"conversation_ids": "x"}')
     assert status == 400 and error["param"] == "conversation_ids", error
+    for ids in (["x"] * 1025, ["x" * 513]):
+        status, error = gw.error("/v1/streams/lookup", json.dumps({"conversation_ids": ids}).encode())
+        assert status == 400 and error["param"] == "conversation_ids", error
+    for method in ("GET", "DELETE"):
+        status, _, data = gw.request(method, "/v1/stream?conv_id=" + "x" * 513)
+        assert status == 400 and json.loads(data)["error"]["param"] == "conv_id", (method, data)
     status, error = gw.error("/v1/chat/completions", chat_body(gw, 2), {"x-conversation-id": "x" * 513})
     assert status == 400 and error["param"] == "X-Conversation-Id", error
     # An empty one records nothing, as llama-server's: the stream is served as any other.
@@ -183,3 +190,12 @@ def test_a_stream_whose_recording_fails_is_still_served(gw: Gateway) -> None:
         if aside.exists():
             aside.rename(streams)
     assert wait_idle(gw.run) == (0, 0.0)
+
+
+def test_a_lookup_matches_ids_and_their_model_variants_only() -> None:
+    wanted = {"conv-a", "b::x"}
+    assert _is_asked_about("conv-a", wanted) and _is_asked_about("conv-a::model", wanted)
+    assert _is_asked_about("b::x::model", wanted) and _is_asked_about("conv-a::m::n", wanted)
+    assert not _is_asked_about("conv-ab", wanted) and not _is_asked_about("conv", wanted)
+    assert not _is_asked_about("b", wanted) and not _is_asked_about("b::y", wanted)
+    assert not _is_asked_about("x::conv-a", wanted) and not _is_asked_about("conv-a:model", wanted)

@@ -90,7 +90,13 @@ from services.gateway.sse import (
     wait_first,
     with_keepalive,
 )
-from services.gateway.stream_replay import CONVERSATION_HEADER, MAX_BYTES, MAX_ID_CHARS, StreamReplay
+from services.gateway.stream_replay import (
+    CONVERSATION_HEADER,
+    MAX_BYTES,
+    MAX_ID_CHARS,
+    MAX_LOOKUP_IDS,
+    StreamReplay,
+)
 from services.gateway.timings import PromptReports, RequestTimings, progress_out
 from services.metrics import ChoicesMetrics, HttpMetrics, registry_for_run, scrape_page
 from services.stage import STREAMS_DIR
@@ -170,9 +176,7 @@ def conversation_of(request: Request) -> str | None:
         return None
     with contextlib.suppress(UnicodeError):
         value = value.encode("latin-1").decode("utf-8")
-    if len(value) > MAX_ID_CHARS:
-        raise invalid(f"X-Conversation-Id must have at most {MAX_ID_CHARS} characters", "X-Conversation-Id")
-    return value
+    return checked_conversation_id(value, "X-Conversation-Id")
 
 
 def conversation_param(request: Request) -> str:
@@ -180,7 +184,13 @@ def conversation_param(request: Request) -> str:
     conversation_id = request.query_params.get("conv_id", "")
     if not conversation_id:
         raise invalid("conv_id is required: the stream's X-Conversation-Id", "conv_id")
-    return conversation_id
+    return checked_conversation_id(conversation_id, "conv_id")
+
+
+def checked_conversation_id(value: str, field: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise invalid(f"{field} must have at most {MAX_ID_CHARS} characters", field)
+    return value
 
 
 def error_response(error: ApiError) -> Response:
@@ -991,7 +1001,14 @@ class Gateway:
             body = msgspec.json.decode(await self.read_raw(request), type=p.StreamLookupRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
-        sessions = await asyncio.to_thread(self.streams.lookup, body.conversation_ids)
+        ids = body.conversation_ids
+        if len(ids) > MAX_LOOKUP_IDS:
+            raise invalid(
+                f"at most {MAX_LOOKUP_IDS} conversation_ids a lookup, got {len(ids)}", "conversation_ids"
+            )
+        for conversation_id in ids:
+            checked_conversation_id(conversation_id, "conversation_ids")
+        sessions = await asyncio.to_thread(self.streams.lookup, ids)
         return self.finish(request, Response(msgspec.json.encode(sessions), media_type=JSON))
 
     async def stop_stream(self, request: Request) -> Response:

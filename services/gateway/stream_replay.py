@@ -49,6 +49,7 @@ STOP_CHECK_S = 0.25  # how often a recorded stream's request looks whether it wa
 PRUNE_INTERVAL_S = 60.0  # how often a replica forgets streams past TTL_S (as llama-server's GC)
 TMP_PREFIX = "."
 MAX_ID_CHARS = 512
+MAX_LOOKUP_IDS = 1024  # ids one /v1/streams/lookup asks about (a web UI's conversation list)
 
 
 class StreamRecord(msgspec.Struct):
@@ -206,14 +207,14 @@ class StreamReplay:
     def lookup(self, conversation_ids: list[str]) -> list[StreamSession]:
         """The streams of the ids asked about (each id's own, and its `ID::model` variants); the
         ids of others are never listed."""
-        wanted = [cid for cid in conversation_ids if cid]
+        wanted = {cid for cid in conversation_ids if cid}
         sessions = []
         for path in sorted(self.directory.glob("*.json")) if wanted else ():
             record = self.live_record(path.stem)
             if record is None:
                 continue
             cid = record.conversation_id
-            if not any(cid == w or cid.startswith(f"{w}::") for w in wanted):
+            if not _is_asked_about(cid, wanted):
                 continue
             try:
                 total = os.stat(self.data_path(path.stem)).st_size
@@ -314,3 +315,16 @@ def _ended_at(record: StreamRecord) -> float:
 def _error_event(message: str) -> bytes:
     error = {"message": message, "type": "server_error", "param": None, "code": "stream_replay"}
     return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
+
+
+def _is_asked_about(conversation_id: str, wanted: set[str]) -> bool:
+    """`conversation_id` is one of `wanted`, or `W::model` of one: each prefix ending at a `::`
+    is looked up once, so that a lookup of many ids against many streams stays linear."""
+    if conversation_id in wanted:
+        return True
+    at = conversation_id.find("::")
+    while at >= 0:
+        if conversation_id[:at] in wanted:
+            return True
+        at = conversation_id.find("::", at + 1)
+    return False
