@@ -570,6 +570,28 @@ def test_adapters_of_non_finite_weights_are_refused_naming_the_module(
         make_runner(base, {"bad": bad})
 
 
+def test_adapters_past_the_slots_dtype_range_are_refused_naming_the_module(lora_models, tmp_path):
+    """Finite in float32 but past float16's 65504, an A copied into a float16 model's slots was an
+    infinity, and its requests' tokens NaN; bfloat16 slots hold float32's range and take it."""
+    from safetensors.torch import load_file, save_file
+
+    base, paths, _ = lora_models
+    big = edited_adapter(paths["qv-r8"], tmp_path / "big")
+    tensors = load_file(str(big / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    tensors[key][2, 3] = 1e5
+    save_file(tensors, str(big / "adapter_model.safetensors"))
+    with pytest.raises(
+        AdapterError,
+        match=r"^adapter 'big': model.layers.1.v_proj: A holds values past float16's range \(65504\)",
+    ):
+        ModelRunner(
+            base, dtype="float16", kv_cache_bytes=2 << 20, block_size=BLOCK, max_loras=1, max_lora_rank=64,
+            lora_adapters={"big": str(big)},
+        )  # fmt: skip
+    assert make_runner(base, {"big": big}, lora_dtype="bfloat16").lora.names[0] == "big"
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
 def test_adapters_of_integer_or_bool_weights_are_refused_naming_the_tensor(lora_models, tmp_path, dtype):
     """Not cast to float32 and served: an integer or bool tensor is no LoRA weight (GGUF's I8 /

@@ -9,6 +9,8 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from services.gpu_worker.lora import AdapterError, LoraAdapter, read_peft_adapter, shard_pair
 from services.gpu_worker.lora_gguf import read_gguf_adapter
 
@@ -16,10 +18,13 @@ if TYPE_CHECKING:
     from services.gpu_worker.model import LlamaModel
 
 
-def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) -> LoraAdapter:
+def load_adapter(
+    name: str, path: str | Path, model: LlamaModel, max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or a llama.cpp
-    GGUF LoRA file (a file, or a path ending in .gguf in any case; lora_gguf.py), checked against `model` and cut to this
-    rank's shard; AdapterError says why one does not fit."""
+    GGUF LoRA file (a file, or a path ending in .gguf in any case; lora_gguf.py), checked against `model`,
+    and against the range of the slots' `dtype`, and cut to this rank's shard; AdapterError says
+    why one does not fit."""
     if model.config.fused_weights:
         raise AdapterError(
             f"adapter {name!r}: {model.config.architecture} (fused qkv_proj) takes no adapters"
@@ -36,7 +41,25 @@ def load_adapter(name: str, path: str | Path, model: LlamaModel, max_rank: int) 
         rank, weights = read_gguf_adapter(name, path, model, max_rank)
     else:
         rank, weights = read_peft_adapter(name, path, model, max_rank)
+    check_range(name, weights, dtype)
     return LoraAdapter(name, rank, {key: shard_pair(model, key, *pair) for key, pair in weights.items()})
+
+
+def check_range(
+    name: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Refuse an adapter finite in float32 whose A or scaled B is past what slots of `dtype` hold
+    (float16: 65504): copied into a slot it would be an infinity, and its requests NaN."""
+    largest = torch.finfo(dtype).max
+    if largest >= torch.finfo(torch.float32).max:
+        return
+    for (layer, module), pair in weights.items():
+        for kind, tensor in zip(("A", "B times the scaling"), pair, strict=True):
+            if tensor.numel() and tensor.abs().max().item() > largest:
+                raise AdapterError(
+                    f"adapter {name!r}: model.layers.{layer}.{module}: {kind} holds values past "
+                    f"{str(dtype).removeprefix('torch.')}'s range ({largest:g}), the adapter slots' dtype"
+                )
 
 
 def refuse_unless_regular_file(name: str, file: Path) -> None:

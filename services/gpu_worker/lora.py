@@ -28,6 +28,8 @@ from kernels.lora import BLOCK_M, group_rows, lora_add_ref, lora_add_triton
 from services.gpu_worker.huge_pages import huge_page_zeros
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from services.gpu_worker.model import LlamaModel
 
 # The projections an adapter may target, and the merged weight of the model each one is part of.
@@ -120,7 +122,7 @@ def read_peft_adapter(
 ) -> tuple[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:
     """(rank, (layer, module) -> (A, B * scaling)) of a PEFT adapter directory, whole (not
     sharded), every pair checked against the model's shapes."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     try:
         config = json.loads((path / "adapter_config.json").read_text())
@@ -131,14 +133,49 @@ def read_peft_adapter(
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     check_adapter_config(name, config, max_rank)
-    try:
-        tensors = load_file(str(path / "adapter_model.safetensors"))
-    except Exception as exc:  # safetensors raises its own error types for a bad header
-        raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {exc}") from None
     rank, scaling = config["r"], lora_scaling(config)
     shapes = module_shapes(model, whole=True)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    try:
+        # The header first: a file whose tensors do not fit is refused before any is read (a
+        # valid file of gigabytes would be read whole only to be refused).
+        with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as file:
+            pairs = adapter_pairs(name, file.keys(), shapes)
+            for (layer, module), pair in sorted(pairs.items()):
+                where = f"model.layers.{layer}.{module}"
+                if set(pair) != {"A", "B"}:
+                    raise AdapterError(f"adapter {name!r}: {where} has lora_A or lora_B but not both")
+                a_shape, b_shape = (file.get_slice(pair[kind]).get_shape() for kind in ("A", "B"))
+                check_pair_shapes(
+                    name, where, ("lora_A", "lora_B"), a_shape, b_shape, rank, shapes[(layer, module)]
+                )
+            tensors = {key: file.get_tensor(key) for pair in pairs.values() for key in pair.values()}
+    except AdapterError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {exc}") from None
+    weights = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        for key in pair.values():
+            if not tensors[key].dtype.is_floating_point:
+                # Cast to float32 it would load: an integer (say, quantized without its scales) or
+                # bool tensor is no LoRA weight, and would serve garbage without a word.
+                dtype = str(tensors[key].dtype).removeprefix("torch.")
+                raise AdapterError(f"adapter {name!r}: {key} is {dtype}: LoRA weights are floating point")
+        where = f"model.layers.{layer}.{module}"
+        a, b = tensors[pair["A"]], tensors[pair["B"]]
+        weights[(layer, module)] = scaled_pair(name, where, ("lora_A", "lora_B"), a, b, scaling)
+    if not weights:
+        raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    return rank, weights
+
+
+def adapter_pairs(
+    name: str, keys: list[str], shapes: dict[tuple[int, str], tuple[int, int]]
+) -> dict[tuple[int, str], dict[str, str]]:
+    """The names of each module's lora_A ("A") and lora_B ("B") among a PEFT adapter's weights,
+    refused by name where one is no LoRA weight of a module the base model has (`shapes`)."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for key in keys:
         match = PEFT_WEIGHT_NAME.fullmatch(key)
         if match is None:
             raise AdapterError(f"adapter {name!r}: weight {key} is not a LoRA A/B of a q/k/v/o/gate/up/down")
@@ -149,40 +186,26 @@ def read_peft_adapter(
             )
         if (layer, module) not in shapes:
             raise AdapterError(f"adapter {name!r}: {key}: the base model has no such module")
-        if not tensor.dtype.is_floating_point:
-            # Cast to float32 it would load: an integer (say, quantized without its scales) or
-            # bool tensor is no LoRA weight, and would serve garbage without a word.
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            raise AdapterError(f"adapter {name!r}: {key} is {dtype}: LoRA weights are floating point")
-        pairs.setdefault((layer, module), {})[kind] = tensor
-    weights = {}
-    for (layer, module), pair in sorted(pairs.items()):
-        where = f"model.layers.{layer}.{module}"
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"adapter {name!r}: {where} has lora_A or lora_B but not both")
-        a, b = pair["A"], pair["B"]
-        check_pair_shapes(name, where, ("lora_A", "lora_B"), a, b, rank, shapes[(layer, module)])
-        weights[(layer, module)] = scaled_pair(name, where, ("lora_A", "lora_B"), a, b, scaling)
-    if not weights:
-        raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
-    return rank, weights
+        pairs.setdefault((layer, module), {})[kind] = key
+    return pairs
 
 
 def check_pair_shapes(
     name: str,
     where: str,
     kinds: tuple[str, str],
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a_shape: Sequence[int],
+    b_shape: Sequence[int],
     rank: int,
     shape: tuple[int, int],
 ) -> None:
     """Refuse an A [rank, in] / B [out, rank] pair whose shapes do not fit the base model's (in,
     out) `shape`, naming the module (`where`) and its A and B as the file calls them (`kinds`)."""
     in_features, out_features = shape
-    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if a_shape != (rank, in_features) or b_shape != (out_features, rank):
         raise AdapterError(
-            f"adapter {name!r}: {where}: {kinds[0]} {tuple(a.shape)} / {kinds[1]} {tuple(b.shape)}, the "
+            f"adapter {name!r}: {where}: {kinds[0]} {a_shape} / {kinds[1]} {b_shape}, the "
             f"base model needs ({rank}, {in_features}) / ({out_features}, {rank})"
         )
 
@@ -275,6 +298,7 @@ class LoraSlots:
         self, model: LlamaModel, max_loras: int, max_rank: int, dtype: torch.dtype | None = None
     ) -> None:
         dtype = model.dtype if dtype is None else dtype
+        self.dtype = dtype
         if model.is_triton and dtype != model.dtype:
             raise ValueError(
                 f"lora.dtype {str(dtype).removeprefix('torch.')}: the Triton backend keeps adapters in the "

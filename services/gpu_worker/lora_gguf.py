@@ -135,7 +135,7 @@ def read_gguf_adapter(
             raise AdapterError(f"adapter {name!r}: {where} has lora_a or lora_b but not both")
         a, b = torch.from_numpy(pair["a"]), torch.from_numpy(pair["b"])
         rank = b.shape[-1]  # llama.cpp's: lora_b's columns
-        check_pair_shapes(name, where, ("lora_a", "lora_b"), a, b, rank, shapes[(layer, module)])
+        check_pair_shapes(name, where, ("lora_a", "lora_b"), a.shape, b.shape, rank, shapes[(layer, module)])
         if rank < 1:  # alpha / rank below would divide by zero
             raise AdapterError(
                 f"adapter {name!r}: {where}: rank 0 (lora_a {tuple(a.shape)}): no LoRA weights"

@@ -276,7 +276,7 @@ class ModelRunner:
             return None
         slots = LoraSlots(self.model, max_loras, max_rank, self.dtype if dtype == "auto" else DTYPES[dtype])
         for name, path in adapters.items():
-            self.lora_host[name] = (path, load_adapter(name, path, self.model, max_rank))
+            self.lora_host[name] = (path, load_adapter(name, path, self.model, max_rank, slots.dtype))
         for slot, name in enumerate(list(self.lora_host)[:max_loras]):
             path, adapter = self.lora_host[name]
             slots.load(slot, adapter, path)
@@ -316,7 +316,7 @@ class ModelRunner:
         """The adapter from its files, checked against the model; or why it is refused."""
         assert self.lora is not None
         try:
-            return load_adapter(source.name, source.path, self.model, self.lora.max_rank)
+            return load_adapter(source.name, source.path, self.model, self.lora.max_rank, self.lora.dtype)
         except AdapterError as exc:
             return str(exc)
         except Exception as exc:  # a file no check foresaw: this adapter is refused, the worker serves on
