@@ -441,11 +441,42 @@ class _ConfigLoader(yaml.SafeLoader):
                 seen.add(key)
         super().flatten_mapping(node)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        # YAML 1.1 reads `010` as octal 8 and `1:30` as base 60 (90): a config meaning ten or one
+        # minute thirty would silently get another number.
+        digits = node.value.replace("_", "").lstrip("+-")
+        if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads in YAML 1.1 as {super().construct_yaml_int(node)} (a leading 0 is "
+                "octal, a colon base 60): write the number without them",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        if ":" in node.value:  # base 60 as well: `1:30.5` is 90.5
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads in YAML 1.1 as {super().construct_yaml_float(node)} (a colon is base 60): "
+                "write the number without it",
+                node.start_mark,
+            )
+        return super().construct_yaml_float(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
+
 
 def _parse_scalar(text: str) -> Any:
     """`--set` values are YAML scalars: 3, 0.5, true, bfloat16, [0, 1]."""
     try:
         return yaml.load(text, Loader=_ConfigLoader) if text.strip() else ""
+    except yaml.constructor.ConstructorError as exc:
+        raise ConfigError(f"--set value {text!r}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set value {text!r} is not a YAML scalar: {exc}") from None
     except RecursionError:  # as a file's, in _read_yaml

@@ -268,7 +268,10 @@ def test_error_mapping(fakes, code: str, error: type[BrigadeError]) -> None:
 
 def test_invalid_sampling_argument_is_an_invalid_request(fakes) -> None:
     fake = fakes()
-    with Client(endpoints=[fake.endpoint]) as client, pytest.raises(InvalidRequest):
+    with (
+        Client(endpoints=[fake.endpoint]) as client,
+        pytest.raises(InvalidRequest, match=r"unknown sampling parameter\(s\): no_such_param$"),
+    ):
         client.generate("x", no_such_param=1)
 
 

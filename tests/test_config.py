@@ -483,6 +483,26 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path, content: str, key:
     assert load_config(path).encoder.replicas == load_config(path).detokenizer.replicas == 2
 
 
+@pytest.mark.parametrize(
+    ("value", "read_as"), [("010", "8"), ("-010", "-8"), ("0_10", "8"), ("1:30", "90"), ("1:30.5", "90.5")]
+)
+def test_numbers_yaml_1_1_reads_as_octal_or_base_60_are_refused(tmp_path, value: str, read_as: str) -> None:
+    """PyYAML reads YAML 1.1: `max_num_seqs: 010` was 8 and `drain_timeout_s: 1:30` 90, silently."""
+    path = tmp_path / "numbers.yaml"
+    field = "max_num_seqs" if "." not in value else "step_timeout_s"
+    path.write_text(f"engine:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"(?s)'{value}' reads in YAML 1.1 as {read_as} .*line 2"):
+        load_config(path)
+    with pytest.raises(
+        ConfigError, match=rf"^--set value '{value}': '{value}' reads in YAML 1.1 as {read_as} "
+    ):
+        load_config(None, [f"engine.{field}={value}"])
+    path.write_text("engine:\n  max_num_seqs: 10\n  step_timeout_s: 0.5\n")  # and plain numbers read as ever
+    config = load_config(path, ["gateway.port=0x1f40", "engine.block_size=1_6"])
+    assert (config.engine.max_num_seqs, config.engine.step_timeout_s) == (10, 0.5)
+    assert (config.gateway.port, config.engine.block_size) == (8000, 16)
+
+
 @pytest.mark.parametrize("content", ["[]\n", "false\n", "0\n", "''\n"])
 def test_an_empty_value_at_the_top_is_no_mapping_either(tmp_path, content: str) -> None:
     """Only an empty file (or one of comments) is all defaults: `[]` or `false` read as one, so
