@@ -443,40 +443,55 @@ class _ConfigLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         # YAML 1.1 reads `010` as octal 8 and `1:30` as base 60 (90): a config meaning ten or one
-        # minute thirty would silently get another number.
+        # minute thirty would silently get another number (`07` reads the same either way).
+        number = self._number(node, super().construct_yaml_int)
         digits = node.value.replace("_", "").lstrip("+-")
-        if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()):
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"{node.value!r} reads in YAML 1.1 as {super().construct_yaml_int(node)} (a leading 0 is "
-                "octal, a colon base 60): write the number without them",
-                node.start_mark,
-            )
-        return super().construct_yaml_int(node)
+        if ":" in digits:
+            raise AmbiguousNumber(node, number, "base 60, for the colon")
+        if len(digits) > 1 and digits[0] == "0" and digits.isdigit() and int(digits, 8) != int(digits, 10):
+            raise AmbiguousNumber(node, number, "octal, for the leading 0")
+        return number
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        number = self._number(node, super().construct_yaml_float)
         if ":" in node.value:  # base 60 as well: `1:30.5` is 90.5
+            raise AmbiguousNumber(node, number, "base 60, for the colon")
+        return number
+
+    @staticmethod
+    def _number(node: yaml.ScalarNode, construct: Any) -> Any:
+        # An explicit `!!int abc` or `!!int 08` reaches the constructor unchecked by the resolver.
+        try:
+            return construct(node)
+        except ValueError:
             raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"{node.value!r} reads in YAML 1.1 as {super().construct_yaml_float(node)} (a colon is base 60): "
-                "write the number without it",
-                node.start_mark,
-            )
-        return super().construct_yaml_float(node)
+                None, None, f"{node.value!r} is not the number its tag says", node.start_mark
+            ) from None
+
+
+class AmbiguousNumber(yaml.constructor.ConstructorError):
+    """A number YAML 1.1 reads otherwise than it looks (octal, base 60)."""
+
+    def __init__(self, node: yaml.ScalarNode, number: float, why: str) -> None:
+        super().__init__(
+            None,
+            None,
+            f"{node.value!r} reads in YAML 1.1 as {number} ({why}): write the number without it, or quote "
+            "it if it is text",
+            node.start_mark,
+        )
 
 
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 _ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, key: str) -> Any:
     """`--set` values are YAML scalars: 3, 0.5, true, bfloat16, [0, 1]."""
     try:
         return yaml.load(text, Loader=_ConfigLoader) if text.strip() else ""
     except yaml.constructor.ConstructorError as exc:
-        raise ConfigError(f"--set value {text!r}: {exc.problem}") from None
+        raise ConfigError(f"--set {key}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set value {text!r} is not a YAML scalar: {exc}") from None
     except RecursionError:  # as a file's, in _read_yaml
@@ -505,7 +520,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{key}: {part} is not a section")
         node = child
-    node[parts[-1]] = _parse_scalar(value)
+    node[parts[-1]] = _parse_scalar(value, key.strip())
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -581,6 +596,9 @@ def _read_yaml(path: str | Path, regular_file_only: bool = False) -> Any:
         raw = yaml.load(text, Loader=_ConfigLoader)
         # An empty file is all defaults; `[]`, `false` or `0` are not mappings (load_config refuses them).
         return {} if raw is None else raw
+    except AmbiguousNumber as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise ConfigError(f"{path}: line {line}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     except RecursionError:

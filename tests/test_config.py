@@ -470,7 +470,7 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path, content: str, key:
         ConfigError, match=rf"(?s)is not valid YAML: .*found duplicate key '{key}'.*line [35]"
     ):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"(?s)^--set value .*found duplicate key 'a'"):
+    with pytest.raises(ConfigError, match=r"^--set lora.adapters: found duplicate key 'a'"):
         load_config(None, ["lora.max_loras=2", "lora.adapters={a: /x, a: /y}"])
     # A merge key's values may be overridden: that is what it is for.
     path.write_text("tokenizer: &base {replicas: 2}\ndetokenizer:\n  <<: *base\n  replicas: 3\n")
@@ -491,16 +491,28 @@ def test_numbers_yaml_1_1_reads_as_octal_or_base_60_are_refused(tmp_path, value:
     path = tmp_path / "numbers.yaml"
     field = "max_num_seqs" if "." not in value else "step_timeout_s"
     path.write_text(f"engine:\n  {field}: {value}\n")
-    with pytest.raises(ConfigError, match=rf"(?s)'{value}' reads in YAML 1.1 as {read_as} .*line 2"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: line 2: '{value}' reads in YAML 1.1 as {read_as} "
+    ):
         load_config(path)
     with pytest.raises(
-        ConfigError, match=rf"^--set value '{value}': '{value}' reads in YAML 1.1 as {read_as} "
+        ConfigError, match=rf"^--set engine.{field}: '{value}' reads in YAML 1.1 as {read_as} "
     ):
         load_config(None, [f"engine.{field}={value}"])
-    path.write_text("engine:\n  max_num_seqs: 10\n  step_timeout_s: 0.5\n")  # and plain numbers read as ever
-    config = load_config(path, ["gateway.port=0x1f40", "engine.block_size=1_6"])
-    assert (config.engine.max_num_seqs, config.engine.step_timeout_s) == (10, 0.5)
-    assert (config.gateway.port, config.engine.block_size) == (8000, 16)
+
+
+def test_numbers_that_read_the_same_either_way_load_as_ever(tmp_path) -> None:
+    path = tmp_path / "numbers.yaml"
+    path.write_text("engine:\n  max_num_seqs: 10\n  step_timeout_s: 0.5\n  tensor_parallel: 01\n")
+    config = load_config(
+        path, ["gateway.port=0x1f4a", "engine.block_size=1_6", "engine.max_num_batched_tokens=07"]
+    )
+    engine = config.engine
+    assert (engine.max_num_seqs, engine.step_timeout_s, engine.tensor_parallel) == (10, 0.5, 1)
+    assert (config.gateway.port, engine.block_size, engine.max_num_batched_tokens) == (8010, 16, 7)
+    # A tag that says number over what is none is a config error too, not a ValueError's traceback.
+    with pytest.raises(ConfigError, match=r"^--set engine.max_num_seqs: '08' is not the number its tag says"):
+        load_config(None, ["engine.max_num_seqs=!!int 08"])
 
 
 @pytest.mark.parametrize("content", ["[]\n", "false\n", "0\n", "''\n"])
