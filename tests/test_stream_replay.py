@@ -106,6 +106,8 @@ def test_a_stream_outlives_its_client_and_is_replayed_whole_or_from_an_offset(gw
     for offset in (len(live), 10**17):  # at or past the end (past any file's largest offset)
         assert replay(gw, "conv-a::model", offset) == (200, b"")
     assert lookup(gw, "conv-b", "conv-a::other", "") == []  # only what is asked about, exactly
+    # A long conversation list, with an id too long to name a stream, is answered all the same.
+    assert lookup(gw, "x" * 513, *map(str, range(2000)), "conv-a") == [session]
     assert wait_idle(gw.run) == (0, 0.0)
 
 
@@ -152,9 +154,6 @@ def test_bad_replay_requests_get_clear_errors(gw: Gateway) -> None:
     assert status == 404 and "never-seen" in json.loads(data)["error"]["message"], data
     status, error = gw.error("/v1/streams/lookup", b'{"conversation_ids": "x"}')
     assert status == 400 and error["param"] == "conversation_ids", error
-    for ids in (["x"] * 1025, ["x" * 513]):
-        status, error = gw.error("/v1/streams/lookup", json.dumps({"conversation_ids": ids}).encode())
-        assert status == 400 and error["param"] == "conversation_ids", error
     for method in ("GET", "DELETE"):
         status, _, data = gw.request(method, "/v1/stream?conv_id=" + "x" * 513)
         assert status == 400 and json.loads(data)["error"]["param"] == "conv_id", (method, data)

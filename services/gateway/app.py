@@ -94,7 +94,6 @@ from services.gateway.stream_replay import (
     CONVERSATION_HEADER,
     MAX_BYTES,
     MAX_ID_CHARS,
-    MAX_LOOKUP_IDS,
     StreamReplay,
 )
 from services.gateway.timings import PromptReports, RequestTimings, progress_out
@@ -1001,14 +1000,7 @@ class Gateway:
             body = msgspec.json.decode(await self.read_raw(request), type=p.StreamLookupRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise from_decode_error(exc) from None
-        ids = body.conversation_ids
-        if len(ids) > MAX_LOOKUP_IDS:
-            raise invalid(
-                f"at most {MAX_LOOKUP_IDS} conversation_ids a lookup, got {len(ids)}", "conversation_ids"
-            )
-        for conversation_id in ids:
-            checked_conversation_id(conversation_id, "conversation_ids")
-        sessions = await asyncio.to_thread(self.streams.lookup, ids)
+        sessions = await asyncio.to_thread(self.streams.lookup, body.conversation_ids)
         return self.finish(request, Response(msgspec.json.encode(sessions), media_type=JSON))
 
     async def stop_stream(self, request: Request) -> Response:

@@ -49,7 +49,6 @@ STOP_CHECK_S = 0.25  # how often a recorded stream's request looks whether it wa
 PRUNE_INTERVAL_S = 60.0  # how often a replica forgets streams past TTL_S (as llama-server's GC)
 TMP_PREFIX = "."
 MAX_ID_CHARS = 512
-MAX_LOOKUP_IDS = 1024  # ids one /v1/streams/lookup asks about (a web UI's conversation list)
 
 
 class StreamRecord(msgspec.Struct):
@@ -207,7 +206,8 @@ class StreamReplay:
     def lookup(self, conversation_ids: list[str]) -> list[StreamSession]:
         """The streams of the ids asked about (each id's own, and its `ID::model` variants); the
         ids of others are never listed."""
-        wanted = {cid for cid in conversation_ids if cid}
+        # An id past MAX_ID_CHARS names no stream (none is recorded under one): it matches nothing.
+        wanted = {cid for cid in conversation_ids if 0 < len(cid) <= MAX_ID_CHARS}
         sessions = []
         for path in sorted(self.directory.glob("*.json")) if wanted else ():
             record = self.live_record(path.stem)
