@@ -116,6 +116,8 @@ class ShmRing:
             raise RingGeometryError(f"bad ring geometry: {num_slots} slots, {num_readers} readers")
         slot_bytes = _align(slot_bytes + SLOT_PREFIX_BYTES)
         size = CONTROL_BYTES + num_slots * slot_bytes
+        if size >= 1 << 63:  # posix_ipc would take the size modulo 2^64 and make a small segment
+            raise ValueError(f"a ring of {size} bytes is past any address space")
         segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         geometry = [MAGIC, VERSION, num_slots, slot_bytes, num_readers, 0, 0, os.getpid()]
         try:

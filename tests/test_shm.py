@@ -291,3 +291,11 @@ def test_a_ring_too_large_to_map_leaves_nothing_in_dev_shm(run_id):
     with pytest.raises(OSError):
         ShmRing.create(name, num_slots=2, slot_bytes=1 << 50, num_readers=1)  # 2 PiB, past x86-64's 128 TiB
     assert not run_objects(run_id)
+
+
+def test_a_ring_past_64_bits_is_refused_not_made_small(run_id):
+    """posix_ipc takes a segment's size modulo 2**64: four slots of 2**62 bytes made a ring of a
+    few bytes' worth of segment, whose first write would have been past its end."""
+    with pytest.raises(ValueError, match="past any address space"):
+        ShmRing.create(f"/brigade-{run_id}-step-0", num_slots=4, slot_bytes=1 << 62, num_readers=1)
+    assert not run_objects(run_id)
