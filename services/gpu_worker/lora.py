@@ -217,14 +217,16 @@ def scaled_pair(
     scaling takes B past float32's range: served, such a pair makes every token of its requests
     NaN, and the sampler picks some token of NaN logits all the same: garbage, not an error."""
     a, b = a.float(), b.float()
-    for kind, tensor in zip(kinds, (a, b), strict=True):
-        if not torch.isfinite(tensor).all():
-            raise AdapterError(f"adapter {name!r}: {where}: {kind} holds NaN or infinite values (in float32)")
     scaled = b * scaling
-    if not torch.isfinite(scaled).all():
-        raise AdapterError(
-            f"adapter {name!r}: {where}: {kinds[1]} times the scaling {scaling:g} is past float32's range"
-        )
+    # One scan of B on the way in: a finite scaling keeps a NaN or an infinity of B non-finite,
+    # and B itself is looked at again only to say which went wrong.
+    for kind, tensor in zip(kinds, (a, scaled), strict=True):
+        if not torch.isfinite(tensor).all():
+            if tensor is scaled and torch.isfinite(b).all():
+                raise AdapterError(
+                    f"adapter {name!r}: {where}: {kinds[1]} times the scaling {scaling:g} is past float32's range"
+                )
+            raise AdapterError(f"adapter {name!r}: {where}: {kind} holds NaN or infinite values (in float32)")
     return a, scaled
 
 
