@@ -361,6 +361,60 @@ def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
                                        b.get("embedding", b.get("score", b.get("relevance_score"))), atol=1e-5)  # fmt: skip
 
 
+# Vectors of unequal lengths, so that a dot product ranks them otherwise than the cosine does.
+SCORED_VECTORS = {"q": [1.0, 0.0, 0.0], "a": [10.0, 10.0, 0.0], "b": [0.9, 0.1, 0.0], "c": [-1.0, 0.2, 0.0],
+                  "d": [0.0, 0.0, 0.0]}  # fmt: skip
+
+
+def scoring_reply(path: str, body: dict) -> dict:
+    """ScoringApi's reply to `body`, on a gateway whose embed gives SCORED_VECTORS' vectors."""
+    import msgspec
+
+    from client.sdk import EmbedResult
+    from services.gateway.scoring import ScoringApi
+
+    class Gateway:
+        settings = type("Settings", (), {"model": "m"})
+
+        async def read_body(self, request, kind):
+            return msgspec.convert(body, kind)
+
+        async def embed(self, request, texts, dimensions, truncate_prompt_tokens):
+            return EmbedResult(np.array([SCORED_VECTORS[t] for t in texts], np.float32), len(texts))
+
+        def finish(self, request, response):
+            return response
+
+    api = ScoringApi(Gateway())
+    return json.loads(asyncio.run(getattr(api, path)(None)).body)
+
+
+def test_score_and_rerank_rank_by_cosine_similarity() -> None:
+    """Each pair's cosine similarity (numpy's, here; 0 for a zero vector), not the dot product;
+    pairwise for equal lists; the rerank best first, cut to top_n (0: all)."""
+    v = {text: np.array(vector) for text, vector in SCORED_VECTORS.items()}
+
+    def cos(x: str, y: str) -> float:
+        norms = np.linalg.norm(v[x]) * np.linalg.norm(v[y])
+        return float(v[x] @ v[y] / norms) if norms else 0.0
+
+    reply = scoring_reply("score", {"text_1": "q", "text_2": ["a", "b", "c"]})
+    np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("q", t) for t in "abc"], rtol=1e-6)
+    reply = scoring_reply("score", {"text_1": ["a", "b"], "text_2": ["b", "c"]})
+    np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("a", "b"), cos("b", "c")], rtol=1e-6)
+    documents = ["a", "b", "c", "d"]
+    want = sorted(range(4), key=lambda i: -cos("q", documents[i]))
+    assert want == [1, 0, 3, 2]
+    for top_n, count in ((None, 4), (0, 4), (2, 2)):
+        reply = scoring_reply("rerank", {"query": "q", "documents": documents, "top_n": top_n})
+        results = reply["results"]
+        assert [r["index"] for r in results] == want[:count]
+        assert [r["document"]["text"] for r in results] == [documents[i] for i in want[:count]]
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in results], [cos("q", documents[i]) for i in want[:count]], atol=1e-6
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_llama_cpp_embedding_endpoints_normalize_as_it_does(
