@@ -167,6 +167,33 @@ def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.nd
         runner.execute(*builder.plan([(0, ids[0][:2], True)]))  # seq 0 again, after its input
 
 
+def test_worker_pools_each_input_of_a_batch_as_hfs_states(tmp_path: Path) -> None:
+    """The worker alone, three inputs of unequal lengths in one step of a small random Qwen2: each
+    row's last, mean or first (CLS) token state, pooled here by numpy from HF's own states of
+    each input run alone; none of a neighbour's tokens in it."""
+    import transformers
+
+    from services.gpu_worker.model_runner import ModelRunner
+    from tests.test_families import BLOCK, COMMON
+    from tests.test_model import PlanBuilder
+
+    model_dir = save_random_model(transformers.Qwen2Config(**COMMON), tmp_path / "qwen2", seed=8, std=0.1)
+    prompts = [[5, 9, 12, 7, 3], [4, 8, 15, 16, 23, 42, 11, 6, 30], [17, 2, 19]]
+    states = hf_states(model_dir, prompts)
+    for pooling, pool in (
+        ("last", lambda s: s[-1]),
+        ("mean", lambda s: s.mean(axis=0)),
+        ("cls", lambda s: s[0]),
+    ):
+        embedding = Embedding(pooling, False, COMMON["hidden_size"])
+        runner = ModelRunner(
+            model_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=BLOCK, embedding=embedding
+        )
+        plan = PlanBuilder(runner.block_size).plan([(i, p, True) for i, p in enumerate(prompts)])
+        got = runner.execute(*plan)["pooled"]
+        np.testing.assert_allclose(got, np.stack([pool(s) for s in states]), rtol=1e-4, atol=1e-5)
+
+
 # -- all-MiniLM-L6-v2 through the whole pipeline ---------------------------------------------
 
 
