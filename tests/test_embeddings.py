@@ -140,6 +140,14 @@ def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> 
     )
     np.testing.assert_allclose(outputs.embeddings[0], [3 / 13, 4 / 13, 12 / 13], rtol=1e-6)
     assert not sched.has_work
+    # A model that does not normalize (model.normalize: false): the first values as they are.
+    sched = Scheduler(SchedulerConfig(EngineConfig(), pooling="mean", normalize=False))
+    sched.add(embed_request("c", 3, dimensions=2))
+    step = sched.schedule()
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    np.testing.assert_array_equal(outputs.embeddings[0], [3.0, 4.0])
 
 
 def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.ndarray) -> None:
