@@ -175,6 +175,33 @@ def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.nd
         runner.execute(*builder.plan([(0, ids[0][:2], True)]))  # seq 0 again, after its input
 
 
+def test_truncate_keeps_a_texts_last_tokens_inside_its_cls_and_sep() -> None:
+    """The tokenizer stage alone, MiniLM's tokenizer (HF's ids here): truncate k keeps [CLS], the
+    text's last k - 2 content tokens and [SEP]; -1 the model's 256; token ids are cut as they are."""
+    from transformers import AutoTokenizer
+
+    from ipc import messages as m
+    from services.common.text import Tokenizer
+    from services.tokenizer.core import TokenizerCore
+
+    model_dir = minilm_dir()
+    core = TokenizerCore(
+        Tokenizer(model_dir), 0, 1, max_model_len=512, max_prompt_chars=10_000, default_max_tokens=1,
+        embedding=embedding_of(ModelConfig(), model_dir),
+    )  # fmt: skip
+    text = " ".join(f"w{i}" for i in range(270))
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
+
+    def admitted(truncate: int, **prompt: object) -> list[int]:
+        params = SamplingParams(embed=EmbedOptions(truncate=truncate))
+        request = m.Generate(f"r{len(core.journal)}", params=params, **prompt)
+        return m.unpack_ids(core.admit(b"c", request).submit.prompt_ids).tolist()
+
+    for truncate, kept in ((10, 8), (-1, 254)):
+        assert admitted(truncate, prompt=text) == [ids[0], *ids[-1 - kept : -1], ids[-1]]
+    assert admitted(10, prompt_token_ids=m.pack_ids(ids)) == ids[-10:]
+
+
 def test_worker_pools_each_input_of_a_batch_as_hfs_states(tmp_path: Path) -> None:
     """The worker alone, three inputs of unequal lengths in one step of a small random Qwen2: each
     row's last, mean or first (CLS) token state, pooled here by numpy from HF's own states of
