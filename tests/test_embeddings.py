@@ -103,6 +103,13 @@ def test_config_overrides_and_refusals(tmp_path: Path) -> None:
     # Newer sentence-transformers' one pooling_mode key; with no Normalize module, no normalizing.
     (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
     assert embedding_of(ModelConfig(), decoder) == Embedding("last", False, 64)
+    # Each pooling as sentence-transformers 6's Pooling.get_config_dict() saves it, and by the
+    # older saves' keys.
+    for mode, old_key, want in (("cls", "cls_token", "cls"), ("mean", "mean_tokens", "mean"),
+                                ("lasttoken", "lasttoken", "last")):  # fmt: skip
+        for saved in ({"embedding_dimension": 64, "pooling_mode": mode}, {f"pooling_mode_{old_key}": True}):
+            (decoder / "1_Pooling" / "config.json").write_text(json.dumps(saved))
+            assert embedding_of(ModelConfig(), decoder).pooling == want, saved
 
 
 def test_finish_vector_truncates_then_normalizes() -> None:
