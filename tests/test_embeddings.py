@@ -189,7 +189,7 @@ def test_truncate_keeps_a_texts_last_tokens_inside_its_cls_and_sep() -> None:
 
     from ipc import messages as m
     from services.common.text import Tokenizer
-    from services.tokenizer.core import TokenizerCore
+    from services.tokenizer.core import RequestError, TokenizerCore
 
     model_dir = minilm_dir()
     core = TokenizerCore(
@@ -199,14 +199,18 @@ def test_truncate_keeps_a_texts_last_tokens_inside_its_cls_and_sep() -> None:
     text = " ".join(f"w{i}" for i in range(270))
     ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
 
-    def admitted(truncate: int, **prompt: object) -> list[int]:
-        params = SamplingParams(embed=EmbedOptions(truncate=truncate))
+    def admitted(truncate: int, dimensions: int = 0, **prompt: object) -> list[int]:
+        params = SamplingParams(embed=EmbedOptions(dimensions, truncate))
         request = m.Generate(f"r{len(core.journal)}", params=params, **prompt)
         return m.unpack_ids(core.admit(b"c", request).submit.prompt_ids).tolist()
 
     for truncate, kept in ((10, 8), (-1, 254)):
         assert admitted(truncate, prompt=text) == [ids[0], *ids[-1 - kept : -1], ids[-1]]
     assert admitted(10, prompt_token_ids=m.pack_ids(ids)) == ids[-10:]
+    # `dimensions` up to the model's 384 values, the whole vector among them.
+    assert admitted(10, 384, prompt=text) == admitted(10, prompt=text)
+    with pytest.raises(RequestError, match=r"dimensions must be 1\.\.384"):
+        admitted(10, 385, prompt=text)
 
 
 def test_worker_pools_each_input_of_a_batch_as_hfs_states(tmp_path: Path) -> None:
@@ -471,10 +475,9 @@ def test_score_and_rerank_rank_by_cosine_similarity() -> None:
     np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("q", t) for t in "abc"], rtol=1e-6)
     reply = scoring_reply("score", {"text_1": ["a", "b"], "text_2": ["b", "c"]})
     np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("a", "b"), cos("b", "c")], rtol=1e-6)
-    documents = ["a", "b", "c", "d"]
-    want = sorted(range(4), key=lambda i: -cos("q", documents[i]))
-    assert want == [1, 0, 3, 2]
-    for top_n, count in ((None, 4), (0, 4), (2, 2)):
+    documents = ["a", "b", "c", "d", "b"]  # the two b's tie: in the order given
+    want = [1, 4, 0, 3, 2]
+    for top_n, count in ((None, 5), (0, 5), (2, 2)):
         reply = scoring_reply("rerank", {"query": "q", "documents": documents, "top_n": top_n})
         results = reply["results"]
         assert [r["index"] for r in results] == want[:count]
