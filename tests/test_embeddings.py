@@ -9,6 +9,7 @@ with task auto against HF's last-token state and sentence-transformers' own enco
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 import importlib.util
 import json
@@ -439,27 +440,50 @@ SCORED_VECTORS = {"q": [1.0, 0.0, 0.0], "a": [10.0, 10.0, 0.0], "b": [0.9, 0.1, 
                   "d": [0.0, 0.0, 0.0]}  # fmt: skip
 
 
-def scoring_reply(path: str, body: dict) -> dict:
-    """ScoringApi's reply to `body`, on a gateway whose embed gives SCORED_VECTORS' vectors."""
-    import msgspec
+class StubGateway:
+    """The gateway's parts its embedding endpoints use, `embed` giving SCORED_VECTORS' vectors."""
 
-    from client.sdk import EmbedResult
+    settings = type("Settings", (), {"model": "m"})
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    async def read_body(self, request, kind):
+        import msgspec
+
+        return msgspec.convert(self.body, kind)
+
+    async def embed(self, request, texts, dimensions, truncate_prompt_tokens):
+        from client.sdk import EmbedResult
+
+        return EmbedResult(np.array([SCORED_VECTORS[t] for t in texts], np.float32), len(texts))
+
+    def finish(self, request, response):
+        return response
+
+
+def scoring_reply(path: str, body: dict) -> dict:
+    """ScoringApi's reply to `body`, on the StubGateway."""
     from services.gateway.scoring import ScoringApi
 
-    class Gateway:
-        settings = type("Settings", (), {"model": "m"})
+    return json.loads(asyncio.run(getattr(ScoringApi(StubGateway(body)), path)(None)).body)
 
-        async def read_body(self, request, kind):
-            return msgspec.convert(body, kind)
 
-        async def embed(self, request, texts, dimensions, truncate_prompt_tokens):
-            return EmbedResult(np.array([SCORED_VECTORS[t] for t in texts], np.float32), len(texts))
+def test_embeddings_reply_each_vector_in_input_order_as_floats_or_base64() -> None:
+    """/v1/embeddings' data: each input's vector at its index, as floats, or as base64 of its
+    little-endian float32 bytes (what the openai client asks for and decodes so)."""
+    from services.gateway.app import Gateway
 
-        def finish(self, request, response):
-            return response
-
-    api = ScoringApi(Gateway())
-    return json.loads(asyncio.run(getattr(api, path)(None)).body)
+    want = np.array([SCORED_VECTORS[t] for t in "bca"], np.float32)
+    for encoding in ("float", "base64"):
+        body = {"input": ["b", "c", "a"], "encoding_format": encoding}
+        data = json.loads(asyncio.run(Gateway.embeddings(StubGateway(body), None)).body)["data"]
+        assert [d["index"] for d in data] == [0, 1, 2]
+        got = [
+            np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if encoding == "base64" else d["embedding"]
+            for d in data
+        ]
+        np.testing.assert_array_equal(np.array(got), want)
 
 
 def test_score_and_rerank_rank_by_cosine_similarity() -> None:
