@@ -244,6 +244,16 @@ def test_group_limited_routing_matches_hfs_router(variant: str) -> None:
     logits = x @ router.weight.T
     unlimited = torch.topk(logits if bias is None else torch.sigmoid(logits) + bias, 2)[1]
     assert not torch.equal(unlimited.sort(dim=-1)[0], experts.sort(dim=-1)[0])
+    if variant == "v3":
+        # Biases so negative that every choice value is below 0 (HF's choice is the same, it only
+        # shifts them): the dropped groups' experts must be -inf to it, not 0, or they win.
+        with torch.no_grad():
+            router.e_score_correction_bias.sub_(3.0)
+        _, hf_weights, hf_experts = router(x)
+        weights, experts = moe_route(torch.nn.functional.linear(x, router.weight), moe, bias)
+        hf_order, order = hf_experts.argsort(dim=-1), experts.argsort(dim=-1)
+        assert torch.equal(experts.gather(1, order), hf_experts.gather(1, hf_order))
+        torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,8 @@ def test_a_restarted_writer_keeps_finished_slots_and_drops_a_cut_off_one(cache_n
     # The second write cut off by a crash: its sequence number left odd.
     crashed = EmbeddingCache.attach(cache_name)
     crashed._words[refs[1].slot, 0] += 1
+    # A write under way (odd) reads as nothing, even to a ref of its own number.
+    assert crashed.read(SlotRef(refs[1].slot, refs[1].sequence + 1), key(2)) is None
     crashed.close()
     # A new writer finds 1 cached (no recompute: the same ref) and 2 gone, written anew.
     again = put_from_another_process(cache_name, 3, [1, 2])

@@ -9,6 +9,7 @@ with task auto against HF's last-token state and sentence-transformers' own enco
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 import importlib.util
 import json
@@ -103,6 +104,13 @@ def test_config_overrides_and_refusals(tmp_path: Path) -> None:
     # Newer sentence-transformers' one pooling_mode key; with no Normalize module, no normalizing.
     (decoder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
     assert embedding_of(ModelConfig(), decoder) == Embedding("last", False, 64)
+    # Each pooling as sentence-transformers 6's Pooling.get_config_dict() saves it, and by the
+    # older saves' keys.
+    for mode, old_key, want in (("cls", "cls_token", "cls"), ("mean", "mean_tokens", "mean"),
+                                ("lasttoken", "lasttoken", "last")):  # fmt: skip
+        for saved in ({"embedding_dimension": 64, "pooling_mode": mode}, {f"pooling_mode_{old_key}": True}):
+            (decoder / "1_Pooling" / "config.json").write_text(json.dumps(saved))
+            assert embedding_of(ModelConfig(), decoder).pooling == want, saved
 
 
 def test_finish_vector_truncates_then_normalizes() -> None:
@@ -140,6 +148,14 @@ def test_scheduler_never_chunks_an_embedding_input_and_finishes_its_vector() -> 
     )
     np.testing.assert_allclose(outputs.embeddings[0], [3 / 13, 4 / 13, 12 / 13], rtol=1e-6)
     assert not sched.has_work
+    # A model that does not normalize (model.normalize: false): the first values as they are.
+    sched = Scheduler(SchedulerConfig(EngineConfig(), pooling="mean", normalize=False))
+    sched.add(embed_request("c", 3, dimensions=2))
+    step = sched.schedule()
+    outputs = sched.update(
+        step, np.zeros(1, np.int32), np.zeros(1, np.float32), pooled=np.array([[3.0, 4.0, 12.0]])
+    )
+    np.testing.assert_array_equal(outputs.embeddings[0], [3.0, 4.0])
 
 
 def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.ndarray) -> None:
@@ -165,6 +181,64 @@ def test_worker_pools_minilm_and_refuses_a_chunked_input(sentence_vectors: np.nd
     assert cosines(result["pooled"], sentence_vectors).min() >= MIN_COSINE
     with pytest.raises(InvalidPlan, match="whole in one step"):
         runner.execute(*builder.plan([(0, ids[0][:2], True)]))  # seq 0 again, after its input
+
+
+def test_truncate_keeps_a_texts_last_tokens_inside_its_cls_and_sep() -> None:
+    """The tokenizer stage alone, MiniLM's tokenizer (HF's ids here): truncate k keeps [CLS], the
+    text's last k - 2 content tokens and [SEP]; -1 the model's 256; token ids are cut as they are."""
+    from transformers import AutoTokenizer
+
+    from ipc import messages as m
+    from services.common.text import Tokenizer
+    from services.tokenizer.core import RequestError, TokenizerCore
+
+    model_dir = minilm_dir()
+    core = TokenizerCore(
+        Tokenizer(model_dir), 0, 1, max_model_len=512, max_prompt_chars=10_000, default_max_tokens=1,
+        embedding=embedding_of(ModelConfig(), model_dir),
+    )  # fmt: skip
+    text = " ".join(f"w{i}" for i in range(270))
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
+
+    def admitted(truncate: int, dimensions: int = 0, **prompt: object) -> list[int]:
+        params = SamplingParams(embed=EmbedOptions(dimensions, truncate))
+        request = m.Generate(f"r{len(core.journal)}", params=params, **prompt)
+        return m.unpack_ids(core.admit(b"c", request).submit.prompt_ids).tolist()
+
+    for truncate, kept in ((10, 8), (-1, 254)):
+        assert admitted(truncate, prompt=text) == [ids[0], *ids[-1 - kept : -1], ids[-1]]
+    assert admitted(10, prompt_token_ids=m.pack_ids(ids)) == ids[-10:]
+    # `dimensions` up to the model's 384 values, the whole vector among them.
+    assert admitted(10, 384, prompt=text) == admitted(10, prompt=text)
+    with pytest.raises(RequestError, match=r"dimensions must be 1\.\.384"):
+        admitted(10, 385, prompt=text)
+
+
+def test_worker_pools_each_input_of_a_batch_as_hfs_states(tmp_path: Path) -> None:
+    """The worker alone, three inputs of unequal lengths in one step of a small random Qwen2: each
+    row's last, mean or first (CLS) token state, pooled here by numpy from HF's own states of
+    each input run alone; none of a neighbour's tokens in it."""
+    import transformers
+
+    from services.gpu_worker.model_runner import ModelRunner
+    from tests.test_families import BLOCK, COMMON
+    from tests.test_model import PlanBuilder
+
+    model_dir = save_random_model(transformers.Qwen2Config(**COMMON), tmp_path / "qwen2", seed=8, std=0.1)
+    prompts = [[5, 9, 12, 7, 3], [4, 8, 15, 16, 23, 42, 11, 6, 30], [17, 2, 19]]
+    states = hf_states(model_dir, prompts)
+    for pooling, pool in (
+        ("last", lambda s: s[-1]),
+        ("mean", lambda s: s.mean(axis=0)),
+        ("cls", lambda s: s[0]),
+    ):
+        embedding = Embedding(pooling, False, COMMON["hidden_size"])
+        runner = ModelRunner(
+            model_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=BLOCK, embedding=embedding
+        )
+        plan = PlanBuilder(runner.block_size).plan([(i, p, True) for i, p in enumerate(prompts)])
+        got = runner.execute(*plan)["pooled"]
+        np.testing.assert_allclose(got, np.stack([pool(s) for s in states]), rtol=1e-4, atol=1e-5)
 
 
 # -- all-MiniLM-L6-v2 through the whole pipeline ---------------------------------------------
@@ -359,6 +433,82 @@ def test_score_and_rerank_are_sentence_transformers_cosine_similarities(
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a.get("embedding", a.get("score", a.get("relevance_score"))),
                                        b.get("embedding", b.get("score", b.get("relevance_score"))), atol=1e-5)  # fmt: skip
+
+
+# Vectors of unequal lengths, so that a dot product ranks them otherwise than the cosine does.
+SCORED_VECTORS = {"q": [1.0, 0.0, 0.0], "a": [10.0, 10.0, 0.0], "b": [0.9, 0.1, 0.0], "c": [-1.0, 0.2, 0.0],
+                  "d": [0.0, 0.0, 0.0]}  # fmt: skip
+
+
+class StubGateway:
+    """The gateway's parts its embedding endpoints use, `embed` giving SCORED_VECTORS' vectors."""
+
+    settings = type("Settings", (), {"model": "m"})
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    async def read_body(self, request, kind):
+        import msgspec
+
+        return msgspec.convert(self.body, kind)
+
+    async def embed(self, request, texts, dimensions, truncate_prompt_tokens):
+        from client.sdk import EmbedResult
+
+        return EmbedResult(np.array([SCORED_VECTORS[t] for t in texts], np.float32), len(texts))
+
+    def finish(self, request, response):
+        return response
+
+
+def scoring_reply(path: str, body: dict) -> dict:
+    """ScoringApi's reply to `body`, on the StubGateway."""
+    from services.gateway.scoring import ScoringApi
+
+    return json.loads(asyncio.run(getattr(ScoringApi(StubGateway(body)), path)(None)).body)
+
+
+def test_embeddings_reply_each_vector_in_input_order_as_floats_or_base64() -> None:
+    """/v1/embeddings' data: each input's vector at its index, as floats, or as base64 of its
+    little-endian float32 bytes (what the openai client asks for and decodes so)."""
+    from services.gateway.app import Gateway
+
+    want = np.array([SCORED_VECTORS[t] for t in "bca"], np.float32)
+    for encoding in ("float", "base64"):
+        body = {"input": ["b", "c", "a"], "encoding_format": encoding}
+        data = json.loads(asyncio.run(Gateway.embeddings(StubGateway(body), None)).body)["data"]
+        assert [d["index"] for d in data] == [0, 1, 2]
+        got = [
+            np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if encoding == "base64" else d["embedding"]
+            for d in data
+        ]
+        np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_score_and_rerank_rank_by_cosine_similarity() -> None:
+    """Each pair's cosine similarity (numpy's, here; 0 for a zero vector), not the dot product;
+    pairwise for equal lists; the rerank best first, cut to top_n (0: all)."""
+    v = {text: np.array(vector) for text, vector in SCORED_VECTORS.items()}
+
+    def cos(x: str, y: str) -> float:
+        norms = np.linalg.norm(v[x]) * np.linalg.norm(v[y])
+        return float(v[x] @ v[y] / norms) if norms else 0.0
+
+    reply = scoring_reply("score", {"text_1": "q", "text_2": ["a", "b", "c"]})
+    np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("q", t) for t in "abc"], rtol=1e-6)
+    reply = scoring_reply("score", {"text_1": ["a", "b"], "text_2": ["b", "c"]})
+    np.testing.assert_allclose([d["score"] for d in reply["data"]], [cos("a", "b"), cos("b", "c")], rtol=1e-6)
+    documents = ["a", "b", "c", "d", "b"]  # the two b's tie: in the order given
+    want = [1, 4, 0, 3, 2]
+    for top_n, count in ((None, 5), (0, 5), (2, 2)):
+        reply = scoring_reply("rerank", {"query": "q", "documents": documents, "top_n": top_n})
+        results = reply["results"]
+        assert [r["index"] for r in results] == want[:count]
+        assert [r["document"]["text"] for r in results] == [documents[i] for i in want[:count]]
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in results], [cos("q", documents[i]) for i in want[:count]], atol=1e-6
+        )
 
 
 @pytest.mark.slow
