@@ -14,6 +14,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -136,7 +137,9 @@ def start(tmp: Path, model: Path, mtls: bool) -> Iterator[TlsRun]:
     ]
     if mtls:  # and the access log with the text, which the other run leaves out
         overrides += [f"gateway.tls.client_ca={ca.cert_path}", "gateway.access_log.include_text=true"]
-    with brigade_run(run_dir, *overrides) as run:
+    config = tmp / "brigade.yaml"  # the default config, in a file a test may edit to reload
+    shutil.copyfile(REPO_ROOT / "configs" / "default.yaml", config)
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
         ready = next(line for line in run.log if line.startswith("Brigade ready:"))
         assert f"https://127.0.0.1:{port}/v1" in ready
         yield TlsRun(run, port, str(model), ca, server, access_log, certs)
@@ -374,6 +377,23 @@ def test_rotation_mid_traffic(mtls_run: TlsRun) -> None:
     assert status == 200
     assert 'brigade:gateway_tls_reloads_total{outcome="refused"} 2.0' in metrics.decode()
     assert 'brigade:gateway_tls_reloads_total{outcome="applied"} 1.0' in metrics.decode()
+
+    # A hot reload that adds a gateway replica now: the new replica could not load the files, and
+    # a stage failing its first start ended the whole run. The reload is refused, the run serves on.
+    run, config = mtls_run.run, mtls_run.run.run_dir.parent / "brigade.yaml"
+    config.write_text(config.read_text() + "gateway:\n  replicas: 2\n")
+    run.process.send_signal(signal.SIGHUP)
+    line = run.wait_for_line("reload: replica and engine group counts stay as they were", 60)
+    assert "gateway.tls.keyfile" in line and "is encrypted" in line, line
+    assert run.process.poll() is None and mtls_run.served_subject() == "server-rotated"
+    assert mtls_run.request("GET", "/v1/models", client_cert=mtls_run.client_cert)[0] == 200
+    # With a good pair on disk again, the same reload adds the replica.
+    replace_file(mtls_run.server.key, rotated.key.read_bytes())
+    wait_for(lambda: audit.read_text().count('"tls_reload","outcome":"applied"') == 2)
+    run.process.send_signal(signal.SIGHUP)
+    run.wait_for_line("reload applied: gateway.replicas", 120)
+    assert [r["state"] for r in run.status() if r["kind"] == "gateway"] == ["running", "running"]
+    assert mtls_run.served_subject() == "server-rotated"
 
 
 def supervisor_argv(tmp_path: Path, cert: Path, key: Path, client_ca: Path) -> list[str]:
