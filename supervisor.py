@@ -125,6 +125,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
         self.status = StatusWriter(run_dir)
+        self.is_serving = False  # every stage came up once: a stop from now on drains first
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -164,15 +165,19 @@ class Supervisor:
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         self.mlflow = start_mlflow(self.config, self.run)
+        self.is_serving = True
         print(ready_lines(self.config, len(self.stages), self.run), flush=True)
 
     def wait_ready(self, stages: list[StageHandle]) -> None:
-        """Watch until `stages` are up (at start, and new stages of a topology change)."""
+        """Watch until `stages` are up (at start, and new stages of a topology change). A signal
+        at start stops the run at once; one during a topology change (a hot reload, the
+        autoscaler) lets the change finish, and the watch loop then drains the run as at any
+        other time: requests are in flight. A second signal stops it at once."""
         timeout_s = self.config.supervisor.start_timeout_s
         deadline = last_note = time.monotonic()
         deadline += timeout_s
         while not all(s.is_ready for s in stages):
-            if self.signals:
+            if self.signals and (not self.is_serving or len(self.signals) > 1):
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 waiting = [s.name for s in stages if not s.is_ready]
@@ -462,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        log.info("interrupted before the stages were up")
+        if supervisor.is_serving:
+            log.warning("stopping without a drain, in the middle of a topology change")
+        else:
+            log.info("interrupted before the stages were up")
     finally:
         supervisor.stop()
     return code
