@@ -45,6 +45,7 @@ CHAT = [{"role": "user", "content": "Name a colour of the sea."}]
 LOG_MAX_BYTES = 16 << 10
 LOG_BACKUPS = 20
 CURL = shutil.which("curl")
+HEADER_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -134,6 +135,7 @@ def start(tmp: Path, model: Path, mtls: bool) -> Iterator[TlsRun]:
         f"gateway.access_log.path={access_log}",
         f"gateway.access_log.max_bytes={LOG_MAX_BYTES}",
         f"gateway.access_log.backups={LOG_BACKUPS}",
+        f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
     ]
     if mtls:  # and the access log with the text, which the other run leaves out
         overrides += [f"gateway.tls.client_ca={ca.cert_path}", "gateway.access_log.include_text=true"]
@@ -195,6 +197,23 @@ def test_plain_http_is_refused_when_tls_is_on(tls_run: TlsRun) -> None:
     assert isinstance(error, ssl.SSLCertVerificationError)
     status, _, _ = tls_run.request("GET", "/v1/models")
     assert status == 200  # the server is serving: the refusals above were the protocol's
+
+
+def test_a_connection_without_a_handshake_is_closed_at_the_header_deadline(tls_run: TlsRun) -> None:
+    """A client that opens connections and never says ClientHello (slowloris at the TLS layer)
+    held each one for asyncio's 60 s handshake timeout: gateway.header_timeout_s started only
+    once a handshake was done. The replica serves on meanwhile."""
+    start = time.monotonic()
+    idle = [socket.create_connection(("127.0.0.1", tls_run.port), timeout=30) for _ in range(20)]
+    try:
+        assert tls_run.request("GET", "/v1/models")[0] == 200
+        for sock in idle:
+            assert sock.recv(1) == b""  # closed by the server, not timed out here
+        assert time.monotonic() - start < HEADER_TIMEOUT_S + 5
+    finally:
+        for sock in idle:
+            sock.close()
+    assert tls_run.request("GET", "/v1/models")[0] == 200
 
 
 @pytest.mark.skipif(CURL is None, reason="curl is not installed")
