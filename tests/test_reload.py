@@ -170,7 +170,7 @@ def test_engine_groups_are_added_and_retired_live_without_losing_requests(
 def test_a_stop_during_a_scale_up_drains_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     """SIGTERM while a hot reload's new stages come up: the supervisor stopped at once, without a
     drain ("interrupted before the stages were up"), and every stream in flight failed. Now the
-    change finishes, then the run drains as at any other stop."""
+    run drains first, as at any other stop."""
     config = tmp_path / "brigade.yaml"
     write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)
     run_dir = tmp_path / "run"
@@ -184,7 +184,7 @@ def test_a_stop_during_a_scale_up_drains_the_run(tmp_path: Path, tiny_model_dir:
 
         texts = streams(run_dir, during=scale_up_then_stop, new_tokens=200)
         assert all(texts), texts  # every stream whole: none failed
-        run.wait_for_line("signal received: draining", 60)
+        run.wait_for_line("signal received during a topology change: draining", 60)
         run.wait_for_line("drained: nothing in flight", 120)
         assert run.process.wait(60) == 0
     assert_clean(run_dir)
