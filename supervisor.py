@@ -125,6 +125,8 @@ class Supervisor:
         self.signals: list[int] = []
         self.loads_sent_at = 0.0
         self.status = StatusWriter(run_dir)
+        self.is_serving = False  # every stage came up once: a stop from now on drains first
+        self.is_stopping = False  # draining: a gateway or tokenizer that comes up now stops too
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -164,15 +166,22 @@ class Supervisor:
         except Refused as exc:
             raise GiveUp(str(exc)) from None
         self.mlflow = start_mlflow(self.config, self.run)
+        self.is_serving = True
         print(ready_lines(self.config, len(self.stages), self.run), flush=True)
 
     def wait_ready(self, stages: list[StageHandle]) -> None:
-        """Watch until `stages` are up (at start, and new stages of a topology change)."""
+        """Watch until `stages` are up (at start, and new stages of a topology change). A signal
+        stops the run: at start at once, during a topology change (a hot reload, the autoscaler)
+        once it has drained what is in flight, within supervisor.drain_timeout_s as at any other
+        stop (the stages not up yet are not waited for)."""
         timeout_s = self.config.supervisor.start_timeout_s
         deadline = last_note = time.monotonic()
         deadline += timeout_s
         while not all(s.is_ready for s in stages):
             if self.signals:
+                if self.is_serving and len(self.signals) == 1:
+                    log.info("signal received during a topology change: draining")
+                    self.drain()
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 waiting = [s.name for s in stages if not s.is_ready]
@@ -288,6 +297,10 @@ class Supervisor:
         was_restart = stage.num_restarts > 0
         stage.on_ready(time.monotonic(), protections)
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
+        if self.is_stopping and stage.kind in ("gateway", "tokenizer"):
+            # Up in the middle of the drain (a topology change's, or a restart): it takes no new
+            # calls either, and the drain waits for what it says it holds, not for its deadline.
+            self.command(stage, m.Shutdown())
         if stage.kind in PEER_KINDS:
             # It sized its links from run.json's config, which does not show engine groups
             # still retiring, nor a group that moved after it read run.json (Transitions.move_group).
@@ -342,6 +355,7 @@ class Supervisor:
         the Shutdown and whenever that changes after."""
         gateways, tokenizers = self.stages.of_kind("gateway"), self.stages.of_kind("tokenizer")
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
+        self.is_stopping = True
         num_signals = len(self.signals)
 
         def wait_until(done: Callable[[], bool]) -> bool:
@@ -462,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        log.info("interrupted before the stages were up")
+        if supervisor.is_serving:
+            log.info("stopping in the middle of a topology change")
+        else:
+            log.info("interrupted before the stages were up")
     finally:
         supervisor.stop()
     return code

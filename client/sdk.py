@@ -133,6 +133,8 @@ def read_run(run: Path | str | None = None) -> ConnectInfo:
         raise UntrustedRunDir(f"refusing to trust {run_file}: {exc}") from None
     except (OSError, ValueError) as exc:
         raise ServerUnavailable(f"cannot read {run_file}: {exc}") from None
+    if not isinstance(info, dict):  # `null`, a list: damaged, or no run's file
+        raise ServerUnavailable(f"cannot read {run_file}: not a Brigade run file")
     endpoints = info.get("tokenizers") or []
     if not endpoints:
         raise ServerUnavailable(f"{run_file} lists no tokenizers")

@@ -304,7 +304,10 @@ class Endpoints:
 
 
 def is_process_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not, nor does a
+    number that is no process id (from a damaged file: 0 and -1 would name process groups)."""
+    if not 0 < pid < 1 << 31:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 FileStamp = tuple[int, int, int] | None  # mtime_ns, size, inode; None = missing
 
 
+class TlsFileError(ssl.SSLError):
+    """A file of gateway.tls that does not load, and why (ssl.SSLError's str is its args tuple)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def _stamp(path: str) -> FileStamp:
     try:
         st = os.stat(path)
@@ -38,19 +45,59 @@ def _stamp(path: str) -> FileStamp:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
+def _pem_fault(config: GatewayTlsConfig) -> str | None:
+    """Which of the pair is not PEM of its kind (ssl says only "PEM lib", naming no file)."""
+    for field, marker, kind in (("certfile", b"-----BEGIN CERTIFICATE-----", "certificate"),
+                                ("keyfile", b"PRIVATE KEY-----", "private key")):  # fmt: skip
+        path = getattr(config, field)
+        try:
+            with open(path, "rb") as file:
+                if marker not in file.read(1 << 20):
+                    return f"gateway.tls.{field}: {path!r} holds no PEM {kind}"
+        except OSError:
+            return None
+    return None
+
+
 def build_context(config: GatewayTlsConfig) -> ssl.SSLContext:
     """A server context from the files as they are now; raises ssl.SSLError or OSError."""
     for field in ("certfile", "keyfile", "client_ca"):
         path = getattr(config, field)
-        if path and not os.path.isfile(path):  # ssl's own error names no file
+        if path and not os.path.exists(path):  # ssl's own error names no file
             raise FileNotFoundError(f"gateway.tls.{field}: no file {path!r} (from {os.getcwd()})")
+        if path and not os.path.isfile(path):
+            raise OSError(f"gateway.tls.{field}: {path!r} is not a regular file")
+
+    def no_passphrase() -> bytes:
+        # Without a callback OpenSSL asks for the passphrase on the controlling terminal, where
+        # there is one: the supervisor's check, or a replica's event loop at a rotation, would
+        # wait there for ever.
+        raise TlsFileError(
+            f"gateway.tls.keyfile: {config.keyfile!r} is encrypted, and Brigade takes no passphrase: "
+            "give it the key unencrypted (openssl pkey -in KEY -out KEY.plain), readable by the run's user only"
+        )
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(config.certfile, config.keyfile)
+    try:
+        context.load_cert_chain(config.certfile, config.keyfile, password=no_passphrase)
+    except ssl.SSLError as exc:
+        fault = _pem_fault(config) if "PEM lib" in str(exc) else None
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            fault = f"gateway.tls.keyfile: {config.keyfile!r} is not the key of {config.certfile!r}"
+        if fault is None:
+            raise
+        raise TlsFileError(fault) from None
     if config.client_ca:
-        context.load_verify_locations(cafile=config.client_ca)
+        no_ca = f"gateway.tls.client_ca: {config.client_ca!r} holds no CA certificate"
+        try:
+            context.load_verify_locations(cafile=config.client_ca)
+        except ssl.SSLError as exc:
+            raise TlsFileError(
+                no_ca if "NO_CERTIFICATE" in str(exc) else f"{no_ca} that loads: {exc}"
+            ) from None
         if not context.get_ca_certs():
-            raise ssl.SSLError(f"{config.client_ca} holds no CA certificate")
+            raise TlsFileError(no_ca)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 

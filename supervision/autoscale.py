@@ -22,6 +22,16 @@ from typing import Literal
 
 from ipc.config import AutoscaleConfig
 
+# More groups than any backend holds: what an infinite sample asks for (decide bounds it).
+MOST_GROUPS = float(1 << 31)
+
+
+def _bounded(groups: float) -> float:
+    """A number of groups that `math.ceil` takes: the heartbeats are other processes' numbers,
+    and one inf (OverflowError) ended the supervisor's watch loop, and the run. NaN (which `max`
+    keeps or drops by its place) and negatives ask for none; inf, for as many as the bounds allow."""
+    return 0.0 if math.isnan(groups) or groups < 0 else min(groups, MOST_GROUPS)
+
 
 @dataclass(frozen=True)
 class GroupLoad:
@@ -66,7 +76,7 @@ class AutoscalePolicy:
         ttfts = [g.ttft_s for g in loads if g.ttft_s is not None]
         if config.target_ttft_s and ttfts:
             needed["ttft"] = current * max(ttfts) / config.target_ttft_s
-        return needed
+        return {name: _bounded(value) for name, value in needed.items()}
 
     def decide(self, current: int, loads: Sequence[GroupLoad], limit: int | None = None) -> Decision | None:
         """The change `loads` (one per running group) ask of `current` groups, or None. `limit`

@@ -173,6 +173,12 @@ def _print_status(run_dir: Path, as_json: bool, watch: bool) -> int:
         except FileNotFoundError:  # no run, or it stopped (status.json goes with it)
             print(f"no live Brigade run in {run_dir}", file=sys.stderr)
             return 1
+        except OSError as exc:  # not a directory, unreadable, a directory in the file's place
+            print(f"no Brigade run to read in {run_dir}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        except msgspec.DecodeError as exc:  # the supervisor replaces it whole: not one of its files
+            print(f"{run_dir / STATUS_FILE} is not a Brigade status file ({exc})", file=sys.stderr)
+            return 1
         pid = supervisor_pid(run_dir)
         if pid is not None and not is_process_alive(pid) and _age_s(run_dir / STATUS_FILE) > STALE_STATUS_S:
             print(f"no live Brigade run in {run_dir}: its supervisor (pid {pid}) is gone", file=sys.stderr)

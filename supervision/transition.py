@@ -22,7 +22,7 @@ from ipc.config import Config
 from ipc.topology import StageSpec, Topology, diff
 from services.audit import AuditLog
 from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
-from supervision.preflight import Refused, check_encoders, check_layout
+from supervision.preflight import Refused, check_encoders, check_layout, check_tls_files
 from supervision.run import Run
 from supervision.stages import StageHandle, StageSet
 
@@ -90,10 +90,16 @@ class Transitions:
         """Apply `config`'s replica and engine group counts without dropping a request, in the
         order of ipc/topology.py's Transition. The live settings reach every stage as
         Reconfigure once the new stages are up. Raises Refused, having changed nothing, when
-        run.json cannot take the new config, the gateway port cannot be held or the added engine
-        groups' rings cannot be made."""
+        run.json cannot take the new config, the gateway port cannot be held, gateway.tls's
+        files do not load for an added gateway replica, or the added engine groups' rings cannot
+        be made."""
         old = self.watch.config
         assert self.run.info is not None  # published at start
+        if config.gateway.replicas > old.gateway.replicas:
+            # An added replica loads gateway.tls's files as they are now: a set the running
+            # replicas refused at a rotation (they serve on with the last good one) would fail
+            # its start, and a stage that fails its first start ends the run.
+            check_tls_files(config)
         if config.encoder.num_encoders > old.encoder.num_encoders:
             check_encoders(config, Path(self.run.info.model_dir))  # as at start: preflight.check_model
         if config.engine.data_parallel > self.current.num_groups:

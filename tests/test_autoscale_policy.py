@@ -5,8 +5,10 @@ stage set's cores or CUDA devices); contradicting settings are refused when the 
 
 from __future__ import annotations
 
+import math
 import os
 
+import msgspec
 import pytest
 
 from ipc.config import AutoscaleConfig, ConfigError, load_config
@@ -148,6 +150,21 @@ def test_a_load_around_the_target_stays_in_the_hysteresis_band(clock: FakeClock)
     policy = AutoscalePolicy(CONFIG, clock)
     groups, decisions = run(policy, clock, 2, waiting(7), seconds=600)
     assert groups == 2 and decisions == []
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -math.inf, -3.0])
+def test_a_non_finite_or_negative_load_sample_is_bounded_not_raised(clock: FakeClock, bad: float) -> None:
+    """A heartbeat's kv_usage or ttft of inf made math.ceil raise OverflowError in the
+    supervisor's watch loop. inf asks for the most groups the bounds allow; NaN and negatives
+    ask for none."""
+    config = AutoscaleConfig(**{**msgspec.structs.asdict(CONFIG), "target_ttft_s": 1.0})
+    for load in (GroupLoad(0, 0, bad), GroupLoad(0, 0, 0.0, bad), GroupLoad(-5, -5, bad, bad)):
+        policy = AutoscalePolicy(config, clock)
+        decision = policy.decide(2, [load, IDLE])
+        if bad == math.inf:
+            assert decision is not None and decision.target == CONFIG.max_groups, decision
+        else:
+            assert decision is None, decision  # the window is not full yet: no change
 
 
 def test_cooldowns_space_the_scale_ups(clock: FakeClock) -> None:

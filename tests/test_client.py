@@ -353,6 +353,11 @@ def test_requests_spread_across_replicas(fakes) -> None:
 def test_no_tokenizer_is_server_unavailable(run_dir: Path) -> None:
     with pytest.raises(ServerUnavailable, match=r"no run\.json"):
         Client(run_dir)
+    for damaged in ("null", "[]", '"run"'):  # was AttributeError: 'NoneType' object has no attribute 'get'
+        (run_dir / "run.json").write_text(damaged)
+        with pytest.raises(ServerUnavailable, match="not a Brigade run file"):
+            Client(run_dir)
+    (run_dir / "run.json").unlink()
     with Client(
         endpoints=[f"ipc://{run_dir}/nobody.sock"], failover_after=0.1, unavailable_after=0.4
     ) as client:

@@ -4,16 +4,22 @@ the test CA and a client certificate), curl, and http.client over `ssl`."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import http.client
 import json
 import multiprocessing
 import os
+import pty
+import select
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from pathlib import Path
 import httpx2
 import openai
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from client import Client
 from ipc.config import AccessLogConfig
@@ -38,6 +45,7 @@ CHAT = [{"role": "user", "content": "Name a colour of the sea."}]
 LOG_MAX_BYTES = 16 << 10
 LOG_BACKUPS = 20
 CURL = shutil.which("curl")
+HEADER_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -127,10 +135,13 @@ def start(tmp: Path, model: Path, mtls: bool) -> Iterator[TlsRun]:
         f"gateway.access_log.path={access_log}",
         f"gateway.access_log.max_bytes={LOG_MAX_BYTES}",
         f"gateway.access_log.backups={LOG_BACKUPS}",
+        f"gateway.header_timeout_s={HEADER_TIMEOUT_S}",
     ]
     if mtls:  # and the access log with the text, which the other run leaves out
         overrides += [f"gateway.tls.client_ca={ca.cert_path}", "gateway.access_log.include_text=true"]
-    with brigade_run(run_dir, *overrides) as run:
+    config = tmp / "brigade.yaml"  # the default config, in a file a test may edit to reload
+    shutil.copyfile(REPO_ROOT / "configs" / "default.yaml", config)
+    with brigade_run(run_dir, *overrides, config=str(config)) as run:
         ready = next(line for line in run.log if line.startswith("Brigade ready:"))
         assert f"https://127.0.0.1:{port}/v1" in ready
         yield TlsRun(run, port, str(model), ca, server, access_log, certs)
@@ -186,6 +197,23 @@ def test_plain_http_is_refused_when_tls_is_on(tls_run: TlsRun) -> None:
     assert isinstance(error, ssl.SSLCertVerificationError)
     status, _, _ = tls_run.request("GET", "/v1/models")
     assert status == 200  # the server is serving: the refusals above were the protocol's
+
+
+def test_a_connection_without_a_handshake_is_closed_at_the_header_deadline(tls_run: TlsRun) -> None:
+    """A client that opens connections and never says ClientHello (slowloris at the TLS layer)
+    held each one for asyncio's 60 s handshake timeout: gateway.header_timeout_s started only
+    once a handshake was done. The replica serves on meanwhile."""
+    start = time.monotonic()
+    idle = [socket.create_connection(("127.0.0.1", tls_run.port), timeout=30) for _ in range(20)]
+    try:
+        assert tls_run.request("GET", "/v1/models")[0] == 200
+        for sock in idle:
+            assert sock.recv(1) == b""  # closed by the server, not timed out here
+        assert time.monotonic() - start < HEADER_TIMEOUT_S + 5
+    finally:
+        for sock in idle:
+            sock.close()
+    assert tls_run.request("GET", "/v1/models")[0] == 200
 
 
 @pytest.mark.skipif(CURL is None, reason="curl is not installed")
@@ -332,7 +360,8 @@ def wait_for(check, timeout: float = 30.0) -> None:
 
 def test_rotation_mid_traffic(mtls_run: TlsRun) -> None:
     """A new pair on disk: a stream in flight goes on over its connection, new connections get
-    the new certificate; then a pair that does not match is refused and the last good one kept."""
+    the new certificate; then a pair that does not match, or an encrypted key, is refused and the
+    last good one kept."""
     assert mtls_run.served_subject() == "server"
     api = mtls_run.openai(mtls_run.client_cert)
     stream = api.completions.create(
@@ -357,32 +386,127 @@ def test_rotation_mid_traffic(mtls_run: TlsRun) -> None:
     audit = mtls_run.run.run_dir / "audit.log"
     wait_for(lambda: '"tls_reload","outcome":"refused"' in audit.read_text())
     assert mtls_run.served_subject() == "server-rotated"
+    # The rotated key, encrypted: refused with the reason (not asked for on a terminal, nor "Invalid argument").
+    replace_file(mtls_run.server.key, encrypted_copy(rotated.key).read_bytes())
+    wait_for(lambda: audit.read_text().count('"tls_reload","outcome":"refused"') == 2)
+    refusals = [json.loads(line) for line in audit.read_text().splitlines() if '"tls_reload"' in line]
+    assert "is encrypted, and Brigade takes no passphrase" in refusals[-1]["error"], refusals[-1]
+    assert mtls_run.served_subject() == "server-rotated"
     status, _, metrics = mtls_run.request("GET", "/metrics", client_cert=mtls_run.client_cert)
     assert status == 200
-    assert 'brigade:gateway_tls_reloads_total{outcome="refused"} 1.0' in metrics.decode()
+    assert 'brigade:gateway_tls_reloads_total{outcome="refused"} 2.0' in metrics.decode()
     assert 'brigade:gateway_tls_reloads_total{outcome="applied"} 1.0' in metrics.decode()
 
+    # A hot reload that adds a gateway replica now: the new replica could not load the files, and
+    # a stage failing its first start ended the whole run. The reload is refused, the run serves on.
+    run, config = mtls_run.run, mtls_run.run.run_dir.parent / "brigade.yaml"
+    config.write_text(config.read_text() + "gateway:\n  replicas: 2\n")
+    run.process.send_signal(signal.SIGHUP)
+    line = run.wait_for_line("reload: replica and engine group counts stay as they were", 60)
+    assert "gateway.tls.keyfile" in line and "is encrypted" in line, line
+    assert run.process.poll() is None and mtls_run.served_subject() == "server-rotated"
+    assert mtls_run.request("GET", "/v1/models", client_cert=mtls_run.client_cert)[0] == 200
+    # With a good pair on disk again, the same reload adds the replica.
+    replace_file(mtls_run.server.key, rotated.key.read_bytes())
+    wait_for(lambda: audit.read_text().count('"tls_reload","outcome":"applied"') == 2)
+    run.process.send_signal(signal.SIGHUP)
+    run.wait_for_line("reload applied: gateway.replicas", 120)
+    assert [r["state"] for r in run.status() if r["kind"] == "gateway"] == ["running", "running"]
+    assert mtls_run.served_subject() == "server-rotated"
 
-@pytest.mark.parametrize("broken", ["missing_key", "key_of_another_certificate", "ca_without_certificates"])
+
+def supervisor_argv(tmp_path: Path, cert: Path, key: Path, client_ca: Path) -> list[str]:
+    return [sys.executable, "supervisor.py", "--run-dir", str(tmp_path / "run"), "--set", f"gateway.port={free_port()}",
+            "--set", "supervisor.metrics_port=0", "--set", f"gateway.tls.certfile={cert}",
+            "--set", f"gateway.tls.keyfile={key}", "--set", f"gateway.tls.client_ca={client_ca}"]  # fmt: skip
+
+
+def encrypted_copy(key: Path) -> Path:
+    """`key` encrypted with a passphrase, as `openssl pkey -aes256` writes it."""
+    private = serialization.load_pem_private_key(key.read_bytes(), None)
+    encrypted = key.with_name("encrypted.key")
+    encrypted.write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase"),
+    ))  # fmt: skip
+    return encrypted
+
+
+# Each a way an operator's files go wrong, and what the refusal must name (ssl's own errors name
+# no file: "[SSL] PEM lib (_ssl.c:3905)", "[Errno 22] Invalid argument" for an encrypted key).
+BROKEN = {
+    "missing_key": "gateway.tls.keyfile: no file '{key}'",
+    "key_of_another_certificate": "gateway.tls.keyfile: '{key}' is not the key of '{cert}'",
+    "ca_without_certificates": "gateway.tls.client_ca: '{client_ca}' holds no CA certificate",
+    "empty_certificate": "gateway.tls.certfile: '{cert}' holds no PEM certificate",
+    "certificate_as_key": "gateway.tls.keyfile: '{key}' holds no PEM private key",
+    "certificate_is_a_directory": "gateway.tls.certfile: '{cert}' is not a regular file",
+    "encrypted_key": "gateway.tls.keyfile: '{key}' is encrypted, and Brigade takes no passphrase",
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
 def test_the_supervisor_refuses_certificate_files_that_do_not_load(tmp_path: Path, broken: str) -> None:
     ca = CertificateAuthority(tmp_path, "ca")
     server, other = ca.issue("server", server=True), ca.issue("other", server=True)
-    key, client_ca = server.key, ca.cert_path
+    cert, key, client_ca = server.cert, server.key, ca.cert_path
     if broken == "missing_key":
         key = tmp_path / "no-such.key"
     elif broken == "key_of_another_certificate":
         key = other.key
-    else:
+    elif broken == "ca_without_certificates":
         client_ca = tmp_path / "empty.pem"
         client_ca.write_text("")
+    elif broken == "empty_certificate":
+        cert = tmp_path / "empty.crt"
+        cert.write_text("")
+    elif broken == "certificate_as_key":
+        key = server.cert
+    elif broken == "certificate_is_a_directory":
+        cert = tmp_path / "certs.d"
+        cert.mkdir()
+    else:
+        key = encrypted_copy(server.key)
     done = subprocess.run(
-        [sys.executable, "supervisor.py", "--run-dir", str(tmp_path / "run"), "--set", f"gateway.port={free_port()}",
-         "--set", "supervisor.metrics_port=0", "--set", f"gateway.tls.certfile={server.cert}",
-         "--set", f"gateway.tls.keyfile={key}", "--set", f"gateway.tls.client_ca={client_ca}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        supervisor_argv(tmp_path, cert, key, client_ca),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert errors and errors[0].startswith("error: gateway.tls: the certificate files do not load: "), errors
-    if broken == "missing_key":  # named: ssl's own error names no file
-        assert f"gateway.tls.keyfile: no file '{key}'" in errors[0], errors
+    assert BROKEN[broken].format(cert=cert, key=key, client_ca=client_ca) in errors[0], errors
+
+
+def test_an_encrypted_key_is_refused_not_prompted_for_on_the_terminal(tmp_path: Path) -> None:
+    """Started from a terminal, OpenSSL asked for the key's passphrase there ("Enter PEM pass
+    phrase:"), and the supervisor (or a replica's event loop, at a rotation) waited for ever."""
+    ca = CertificateAuthority(tmp_path, "ca")
+    server = ca.issue("server", server=True)
+    key = encrypted_copy(server.key)
+    primary, secondary = pty.openpty()
+
+    def with_the_terminal() -> None:  # the pty, the child's controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    argv = supervisor_argv(tmp_path, server.cert, key, ca.cert_path)
+    child = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=secondary, stdout=secondary, stderr=secondary,
+                             preexec_fn=with_the_terminal)  # fmt: skip
+    os.close(secondary)
+    output = b""
+    deadline = time.monotonic() + 90
+    try:
+        while child.poll() is None and time.monotonic() < deadline:
+            if select.select([primary], [], [], 0.5)[0]:
+                with contextlib.suppress(OSError):
+                    output += os.read(primary, 4096)
+        assert child.poll() == 1, f"still running after 90 s: {output.decode(errors='replace')[-2000:]}"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        os.close(primary)
+    assert b"pass phrase" not in output and b"is encrypted, and Brigade takes no passphrase" in output, output

@@ -167,6 +167,29 @@ def test_engine_groups_are_added_and_retired_live_without_losing_requests(
     assert_clean(run_dir)
 
 
+def test_a_stop_during_a_scale_up_drains_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGTERM while a hot reload's new stages come up: the supervisor stopped at once, without a
+    drain ("interrupted before the stages were up"), and every stream in flight failed. Now the
+    run drains first, as at any other stop."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, "supervisor.drain_timeout_s=120", config=str(config)) as run:
+
+        def scale_up_then_stop() -> None:
+            write_config(config, tiny_model_dir, tokenizers=2, detokenizers=1)
+            run.process.send_signal(signal.SIGHUP)
+            run.wait_for_line("started tokenizer-1", 60)
+            run.process.send_signal(signal.SIGTERM)
+
+        texts = streams(run_dir, during=scale_up_then_stop, new_tokens=200)
+        assert all(texts), texts  # every stream whole: none failed
+        run.wait_for_line("signal received during a topology change: draining", 60)
+        run.wait_for_line("drained: nothing in flight", 120)
+        assert run.process.wait(60) == 0
+    assert_clean(run_dir)
+
+
 def test_a_retired_gateway_finishes_its_streams_within_the_drain_timeout(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from supervision.live_settings import with_setting
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageHandle
-from supervision.status import StatusWriter
+from supervision.status import StatusWriter, status
 
 
 @pytest.fixture
@@ -204,3 +205,31 @@ def test_a_detokenizer_restarted_in_the_middle_of_a_reload_is_re_driven_by_the_c
     supervisor.on_ready(restarted, "")
     assert ("tokenizer-0", m.ResubmitShard(0, 1)) in sent
     close_context(supervisor.ctx, 0)
+
+
+def test_status_of_a_damaged_or_dead_run_dir_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    """`supervisor.py status` printed a traceback on a status.json that is not one (empty, cut
+    short, a directory in its place) or a run dir that is a file, and run.json's pid, if too
+    large for os.kill, raised OverflowError (0 and -1 named process groups: "alive")."""
+    runs = {
+        name: tmp_path / name for name in ("empty", "cut", "object", "dir", "pid_huge", "pid_0", "pid_-1")
+    }
+    for path in runs.values():
+        path.mkdir(mode=0o700)
+    (runs["empty"] / STATUS_FILE).write_text("")
+    (runs["cut"] / STATUS_FILE).write_text('[{"name": "tokeni')
+    (runs["object"] / STATUS_FILE).write_text("{}")
+    (runs["dir"] / STATUS_FILE).mkdir()
+    runs["file"] = tmp_path / "file"
+    runs["file"].write_text("")
+    for name, pid in (("pid_huge", 1 << 64), ("pid_0", 0), ("pid_-1", -1)):
+        (runs[name] / STATUS_FILE).write_text("[]")
+        (runs[name] / RUN_FILE).write_text(json.dumps({"supervisor_pid": pid}))
+        os.utime(runs[name] / STATUS_FILE, (0, 0))  # not rewritten for long: its supervisor was killed
+    for name, path in runs.items():
+        for as_json in (False, True):
+            assert status(path, as_json, watch=False) == 1, name
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1 and str(path) in err, (name, err)
+            if name.startswith("pid_"):
+                assert "its supervisor (pid" in err and "is gone" in err, (name, err)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import socket
 from pathlib import Path
@@ -183,6 +184,14 @@ async def serve(stage: Stage, control_channel: ControlChannel) -> None:
     host = f"[{config.host}]" if ":" in config.host else config.host
     url = f"{'https' if tls else 'http'}://{host}:{config.port}/v1"
     control = asyncio.create_task(control_loop(stage, control_channel, server, gateway, url, tls))
+    if tls is not None:
+        # The header deadline starts once a connection's handshake is done (its protocol is made
+        # then): a connection that never finishes one would be held for asyncio's own handshake
+        # timeout, 60 s, not header_timeout_s. uvicorn takes no handshake timeout of its own.
+        loop = asyncio.get_running_loop()
+        loop.create_server = functools.partial(  # type: ignore[method-assign]
+            loop.create_server, ssl_handshake_timeout=config.header_timeout_s
+        )
     try:
         await server.serve(sockets=[sock])
     finally:
