@@ -4,6 +4,7 @@ edit) without dropping or changing a single request; unsafe changes are logged, 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -17,7 +18,7 @@ import yaml
 
 from client import Client
 from services.stage import read_run_info
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import Run, assert_clean, brigade_run, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -364,3 +365,50 @@ def test_retired_stages_leave_no_socket_files(tmp_path: Path, tiny_model_dir: Pa
         assert {f"{name}.sock" for name in remaining} <= sockets, sorted(sockets)
         assert streams(run_dir) == reference
     assert_clean(run_dir)
+
+
+def test_stages_a_reload_adds_that_fail_to_start_are_taken_back_and_the_run_serves_on(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A reload whose new stages fail their first start (here: the model's files went bad since
+    the run started) ended the run, undrained, as a bad config does at start. Now the setting that
+    added them stays as it was and the rest of the change goes on: engine.data_parallel 1 -> 2
+    with unreadable weights stays 1 (its rings go) while tokenizer.replicas 1 -> 2 applies, then
+    tokenizer.replicas 2 -> 3 with an unreadable tokenizer stays 2. No stream in flight is lost
+    or changed."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = tmp_path / "brigade.yaml"
+    write_config(config, model_dir, 1, 1, data_parallel=1, threads=1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, config=str(config)) as run:
+        run_id = read_run_info(run_dir).run_id
+        reference = streams(run_dir)
+        (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+
+        def grow() -> None:
+            write_config(config, model_dir, 2, 1, data_parallel=2, threads=1)  # the file watch sees it
+
+        assert streams(run_dir, during=grow) == reference
+        line = run.wait_for_line("engine.data_parallel stays 1", 120)
+        assert "gpu_worker-1-0 failed to start" in line, line
+        run.wait_for_line("reload applied: tokenizer.replicas\n", 60)
+        wait_for_stages(run, tokenizers=2, detokenizers=1, schedulers=1)
+        assert not {r["name"] for r in run.status()} & {"scheduler-1", "gpu_worker-1-0"}
+        assert not [name for name in brigade_shm_objects() if f"{run_id}-step-1" in name]
+        assert streams(run_dir) == reference  # over both tokenizers, on group 0
+
+        (model_dir / "tokenizer.json").write_text("{")
+
+        def grow_tokenizers() -> None:
+            write_config(config, model_dir, 3, 1, data_parallel=1, threads=1)
+
+        assert streams(run_dir, during=grow_tokenizers) == reference
+        line = run.wait_for_line("tokenizer.replicas stays 2", 120)
+        assert "tokenizer-2 failed to start" in line, line
+        run.wait_for_line("reload applied: nothing", 60)
+        wait_for_stages(run, tokenizers=2, detokenizers=1, schedulers=1)
+        assert streams(run_dir) == reference
+        assert run.process.poll() is None  # the run serves on
+    assert run.process.returncode == 0
+    assert_clean(run_dir, run_id)
