@@ -354,6 +354,9 @@ class Supervisor:
         gateway sends). Between two requests of such a call no tokenizer holds any of it, so the
         drain waits for the gateways' calls as well. Each stage reports its load as it takes
         the Shutdown and whenever that changes after."""
+        if len(self.signals) > 1:  # came in the middle of a topology change
+            log.info("second signal: stopping without a drain")
+            return
         gateways, tokenizers = self.stages.of_kind("gateway"), self.stages.of_kind("tokenizer")
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
         self.is_stopping = True

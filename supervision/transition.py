@@ -47,6 +47,7 @@ class Watch(Protocol):
     """What a change needs of the supervisor's watch loop, which goes on while it waits."""
 
     config: Config  # the run's config: a change replaces it once run.json has the new one
+    signals: list[int]  # SIGINT/SIGTERM received: a second one cuts the change's waits short
 
     def tick(self) -> None: ...
 
@@ -190,7 +191,7 @@ class Transitions:
                 s.is_alive for s in removed_gateways
             )
 
-        while is_draining() and time.monotonic() < deadline:
+        while is_draining() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
         self.stages.remove([s for s in removed if s.kind != "gateway"])
@@ -199,6 +200,12 @@ class Transitions:
         self.run.remove_sockets([*step.removed, *taken_back])  # the retired groups' stages' too
         for stage in removed:
             log.info("retired %s", stage.name)
+
+    def is_cut_short(self) -> bool:
+        """A second signal came: the run stops now (supervisor.py), and so does what a change
+        waits for: a retiring group's or a removed replica's requests, a group's placement. A
+        first one lets them finish within supervisor.drain_timeout_s, as the run's drain does."""
+        return len(self.watch.signals) > 1
 
     def start_stages(self, specs: list[StageSpec]) -> dict[str, str]:
         """Spawn the stages `specs` name, in their order, and watch until they are up. A stage that
@@ -254,6 +261,8 @@ class Transitions:
             self.stages.place_groups(config.engine)
             deadline = time.monotonic() + config.cluster.placement_timeout_s
             while self.stages.unplaced():
+                if self.is_cut_short():
+                    raise Refused("the run is stopping")
                 if time.monotonic() > deadline:
                     raise Refused(
                         f"engine groups {self.stages.unplaced()} found no room within "
@@ -272,6 +281,10 @@ class Transitions:
         config = self.watch.config
         retiring = [s for s in self.stages if s.group in groups]
         schedulers = [s for s in retiring if s.kind == "scheduler"]
+        log.info(
+            "retiring engine groups %d-%d: they finish what they run, within %gs",
+            groups.start, groups.stop - 1, config.supervisor.drain_timeout_s,
+        )  # fmt: skip
         # Loads from after the TopologyChanged: a request sent just before it is counted too.
         self.watch.read_control(2 * config.supervisor.heartbeat_interval_s)
         deadline = time.monotonic() + config.supervisor.drain_timeout_s
@@ -279,7 +292,7 @@ class Transitions:
         def is_busy() -> bool:
             return any(s.load.num_running or s.load.num_waiting for s in schedulers)
 
-        while is_busy() and time.monotonic() < deadline:
+        while is_busy() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.stages.remove(retiring)
         self.stages.stop(retiring, STOP_GRACE_S)

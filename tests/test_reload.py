@@ -3,6 +3,7 @@ edit) without dropping or changing a single request; unsafe changes are logged, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -412,3 +413,43 @@ def test_stages_a_reload_adds_that_fail_to_start_are_taken_back_and_the_run_serv
         assert run.process.poll() is None  # the run serves on
     assert run.process.returncode == 0
     assert_clean(run_dir, run_id)
+
+
+def test_a_second_signal_while_an_engine_group_retires_stops_the_run_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """engine.data_parallel 2 -> 1 while both groups run streams, group 1's frozen, with a long
+    drain timeout; SIGTERM twice while group 1 retires: the second signal ("stopping now") waited for the
+    retirement's drain_timeout_s, and then for the run's own drain as well. Now the run stops at
+    once."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, 1, 1, GROUP_TOKENS + 64, data_parallel=2, threads=1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, "supervisor.drain_timeout_s=300", config=str(config)) as run:
+        outputs: list[str] = []
+
+        def one(i: int) -> None:
+            with contextlib.suppress(Exception), Client(run_dir, unavailable_after=5.0) as client:
+                for delta in client.stream(
+                    f"request {i}:", max_tokens=GROUP_TOKENS, ignore_eos=True, timeout=300
+                ):
+                    outputs.append(delta.text)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(outputs) < 8:
+            assert time.monotonic() < deadline, "the streams never started"
+            time.sleep(0.1)
+        # Group 1 frozen: what it runs never finishes, as a long request's would not.
+        [worker] = [row["pid"] for row in run.status() if row["name"] == "gpu_worker-1-0"]
+        os.kill(worker, signal.SIGSTOP)
+        write_config(config, tiny_model_dir, 1, 1, GROUP_TOKENS + 64, data_parallel=1, threads=1)
+        run.wait_for_line("retiring engine groups 1-1", 60)
+        run.process.send_signal(signal.SIGTERM)
+        time.sleep(1)  # two signals pending at once are one
+        run.process.send_signal(signal.SIGTERM)
+        run.wait_for_line("second signal: stopping now", 10)
+        assert run.process.wait(30) == 0
+    assert_clean(run_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class Loop:
         # Stages that fail their first start; the stages in `up_first` come up before they do.
         self.failing: set[str] = set()
         self.up_first: set[str] = set()
+        self.signals: list[int] = []
 
     def tick(self) -> None:
         pass
@@ -350,5 +352,24 @@ def test_added_stages_that_fail_to_start_take_their_setting_back_and_the_rest_go
             {"engine.data_parallel": [2, 1]},
             {"tokenizer.replicas": [3, 1]},
         ]
+    finally:
+        harness.close()
+
+
+def test_a_second_signal_cuts_a_retiring_groups_wait_short(tmp_path: Path):
+    """engine.data_parallel 2 -> 1 while group 1 keeps running a request, with a long drain
+    timeout: two signals during the wait (the operator's "stop now") ended nothing until
+    supervisor.drain_timeout_s was over. Now the second one ends the wait, and group 1 stops."""
+    harness = Harness(tmp_path, small_config("engine.data_parallel=2", "supervisor.drain_timeout_s=60"))
+    try:
+        harness.stages["scheduler-1"].load = m.StageLoad(num_running=1)
+        harness.loop.meanwhile = [
+            lambda: harness.loop.signals.append(signal.SIGTERM),
+            lambda: harness.loop.signals.append(signal.SIGTERM),
+        ]
+        started = time.monotonic()
+        harness.transitions.change(with_setting(harness.loop.config, "engine.data_parallel", 1))
+        assert time.monotonic() - started < 10
+        assert ("stop", "gpu_worker-1-0", "scheduler-1") in harness.events
     finally:
         harness.close()
