@@ -166,15 +166,15 @@ class Supervisor:
         self.is_serving = True
         print(ready_lines(self.config, len(self.stages), self.run), flush=True)
 
-    def wait_ready(self, stages: list[StageHandle]) -> None:
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None:
         """Watch until `stages` are up (at start, and new stages of a topology change). A signal
         stops the run: at start at once, during a topology change (a hot reload, the autoscaler)
         once it has drained what is in flight, within supervisor.drain_timeout_s as at any other
         stop (the stages not up yet are not waited for). Raises StartFailed for a stage that fails
-        its first start or is not up within supervisor.start_timeout_s."""
+        its first start or is not up within supervisor.start_timeout_s of `since` (now)."""
         timeout_s = self.config.supervisor.start_timeout_s
-        deadline = last_note = time.monotonic()
-        deadline += timeout_s
+        last_note = time.monotonic()
+        deadline = (last_note if since is None else since) + timeout_s
         while not all(s.is_ready for s in stages):
             if self.signals:
                 if self.is_serving and len(self.signals) == 1:
@@ -254,6 +254,10 @@ class Supervisor:
 
     def schedule_restart(self, stage: StageHandle, reason: str) -> None:
         delay = self.policy.on_failure(stage.failures)
+        if delay is None and not stage.was_ever_ready:  # killed by a signal each time it started
+            raise StartFailed(
+                f"{stage.name} failed to start {len(stage.failures)} times (last: {reason})", [stage.name]
+            )
         if delay is None:
             raise GiveUp(
                 f"{stage.name} failed {len(stage.failures)} times within {self.policy.period_s:.0f}s "

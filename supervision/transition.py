@@ -53,7 +53,7 @@ class Watch(Protocol):
 
     def read_control(self, timeout: float) -> None: ...
 
-    def wait_ready(self, stages: list[StageHandle]) -> None: ...
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None: ...
 
     def command(self, stage: StageHandle, message: m.ControlDown) -> None: ...
 
@@ -134,6 +134,8 @@ class Transitions:
         before = self.current
         step = diff(before, Topology.of(config, before.hosts))
         attempted = step.added
+        # An encoder replica makes its embedding cache as it starts, whether it is taken back or not.
+        self.most_encoders = max(self.most_encoders, step.after.num_encoders)
         self.run.hand_over(config)  # the new rings, to supervisor.run_as
         # Downstream first, as at start: the added detokenizer shards, engine groups and encoders
         # are up, and every stage links to them and to the tokenizer replicas about to start,
@@ -213,13 +215,14 @@ class Transitions:
         of the stage set, with those of its setting not up yet (a group's scheduler would wait for
         its workers in vain). Returns those settings, each with why."""
         added = [self.stages.add(spec) for spec in specs]
+        started = time.monotonic()
         for stage in added:
             self.stages.spawn(stage)
         failed: dict[str, str] = {}  # setting path -> why
         while True:
             waiting = [s for s in added if self.stages.get(s.name) is s]
             try:
-                self.watch.wait_ready(waiting)
+                self.watch.wait_ready(waiting, since=started)
                 return failed
             except StartFailed as exc:
                 if not set(exc.names) <= {stage.name for stage in waiting}:
@@ -247,7 +250,10 @@ class Transitions:
         for path, why in failed.items():
             log.error("%s stays %s (the rest of the change goes on): %s", path, get_setting(old, path), why)
         self.audit.rescale({path: [get_setting(attempted, path), get_setting(old, path)] for path in failed})
-        self.run.publish(config)
+        try:
+            self.run.publish(config)
+        except Refused as exc:  # the change is half made: it goes on, by the config it keeps
+            log.error("run.json still names the counts taken back: %s", exc)
         self.watch.config = config
         return config, diff(before, Topology.of(config, before.hosts))
 

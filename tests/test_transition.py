@@ -73,7 +73,7 @@ class Loop:
         while self.meanwhile:
             self.meanwhile.pop(0)()
 
-    def wait_ready(self, stages: list[StageHandle]) -> None:
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None:
         if failed := sorted(s.name for s in stages if s.name in self.failing):
             for stage in stages:
                 if stage.name in self.up_first:
@@ -371,5 +371,56 @@ def test_a_second_signal_cuts_a_retiring_groups_wait_short(tmp_path: Path):
         harness.transitions.change(with_setting(harness.loop.config, "engine.data_parallel", 1))
         assert time.monotonic() - started < 10
         assert ("stop", "gpu_worker-1-0", "scheduler-1") in harness.events
+    finally:
+        harness.close()
+
+
+def test_an_added_stage_killed_by_a_signal_at_each_start_fails_its_start(tmp_path: Path):
+    """A stage never ready that a signal kills each time it starts (a segfault, the OOM killer)
+    is restarted, and once the restart intensity is spent the supervisor gave up with a GiveUp that
+    a topology change cannot tell from any other: the run ended. It is a StartFailed now, which a
+    change takes back (and which ends the run at its start, as before); a stage that was ready once
+    still ends the run with a plain GiveUp."""
+    from supervisor import GiveUp, Supervisor
+
+    config = small_config("supervisor.restart_intensity=0")
+    supervisor = Supervisor(config, None, [], tmp_path, "text")
+    try:
+        stage = supervisor.stages.add(Topology.of(config).stages()[0])
+        with pytest.raises(
+            StartFailed, match=r"failed to start 1 times \(last: killed by signal 9\)"
+        ) as failed:
+            supervisor.on_failure(stage, "killed by signal 9")
+        assert failed.value.names == [stage.name]
+        stage.on_ready(0.0)
+        stage.failures.clear()
+        with pytest.raises(GiveUp) as gave_up:
+            supervisor.on_failure(stage, "exited with code -9")
+        assert not isinstance(gave_up.value, StartFailed)
+        # start_timeout_s bounds a change's start as a whole: a wait again after a failure keeps
+        # the deadline of the first.
+        waiting = supervisor.stages.add(Topology.of(config).stages()[1])
+        timeout_s = config.supervisor.start_timeout_s
+        with pytest.raises(StartFailed, match="did not come up") as late:
+            supervisor.wait_ready([waiting], since=time.monotonic() - timeout_s - 1)
+        assert late.value.names == [waiting.name]
+    finally:
+        supervisor.ctx.term()
+
+
+def test_an_encoder_taken_back_still_has_its_embedding_cache_removed_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An encoder replica makes its embedding cache in shared memory as it starts; one taken
+    back was left out of the count of caches the run removes at its end (`most_encoders`)."""
+    monkeypatch.setattr(
+        "supervision.transition.check_encoders", lambda config, model_dir: None
+    )  # no VLM here
+    harness = Harness(tmp_path, small_config("encoder.replicas=1"))
+    try:
+        harness.loop.failing = {"encoder-1"}
+        harness.transitions.change(with_setting(harness.loop.config, "encoder.replicas", 2))
+        assert harness.loop.config.encoder.replicas == 1
+        assert harness.transitions.most_encoders == 2
     finally:
         harness.close()
