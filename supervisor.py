@@ -47,7 +47,8 @@ from services.mlflow_sink import MlflowSink
 from services.stage import AuthFailures, setup_logging
 from supervision.backends import make_stage_set
 from supervision.group_scaler import GroupScaler
-from supervision.policy import RestartPolicy, is_fatal_start_failure
+from supervision.live_settings import get_setting
+from supervision.policy import GiveUp, RestartPolicy, StartFailed, is_fatal_start_failure
 from supervision.preflight import Refused, check_layout, check_model, check_tls_files, served_max_model_len
 from supervision.reload import ConfigFile
 from supervision.run import Run, prepare_model
@@ -56,10 +57,6 @@ from supervision.status import StatusWriter, status
 from supervision.transition import PEER_KINDS, STOP_GRACE_S, Transitions
 
 log = logging.getLogger("supervisor")
-
-
-class GiveUp(Exception):
-    """The run cannot go on (a stage failed too often, or cannot start at all); the run ends."""
 
 
 SECRET_FIELD = re.compile(r"(^|_)(keys?|secret|password)$")
@@ -169,14 +166,15 @@ class Supervisor:
         self.is_serving = True
         print(ready_lines(self.config, len(self.stages), self.run), flush=True)
 
-    def wait_ready(self, stages: list[StageHandle]) -> None:
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None:
         """Watch until `stages` are up (at start, and new stages of a topology change). A signal
         stops the run: at start at once, during a topology change (a hot reload, the autoscaler)
         once it has drained what is in flight, within supervisor.drain_timeout_s as at any other
-        stop (the stages not up yet are not waited for)."""
+        stop (the stages not up yet are not waited for). Raises StartFailed for a stage that fails
+        its first start or is not up within supervisor.start_timeout_s of `since` (now)."""
         timeout_s = self.config.supervisor.start_timeout_s
-        deadline = last_note = time.monotonic()
-        deadline += timeout_s
+        last_note = time.monotonic()
+        deadline = (last_note if since is None else since) + timeout_s
         while not all(s.is_ready for s in stages):
             if self.signals:
                 if self.is_serving and len(self.signals) == 1:
@@ -185,7 +183,7 @@ class Supervisor:
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 waiting = [s.name for s in stages if not s.is_ready]
-                raise GiveUp(f"stages did not come up within {timeout_s:.0f}s: {waiting}")
+                raise StartFailed(f"stages did not come up within {timeout_s:.0f}s: {waiting}", waiting)
             self.tick()
             waiting = [s.name for s in stages if not s.is_ready]
             if waiting and time.monotonic() - last_note > 5:
@@ -214,8 +212,9 @@ class Supervisor:
             if stage.restart_at is not None:
                 continue  # it went down with a peer handled before it in this round
             if is_fatal_start_failure(stage.was_ever_ready, code):
-                raise GiveUp(
-                    f"{stage.name} failed to start (exit code {code}): {stage.last_words() or 'no message'}"
+                raise StartFailed(
+                    f"{stage.name} failed to start (exit code {code}): {stage.last_words() or 'no message'}",
+                    [stage.name],
                 )
             self.on_failure(stage, f"exited with code {code}")
         hang_timeout_s = self.config.supervisor.hang_timeout_s
@@ -255,6 +254,10 @@ class Supervisor:
 
     def schedule_restart(self, stage: StageHandle, reason: str) -> None:
         delay = self.policy.on_failure(stage.failures)
+        if delay is None and not stage.was_ever_ready:  # killed by a signal each time it started
+            raise StartFailed(
+                f"{stage.name} failed to start {len(stage.failures)} times (last: {reason})", [stage.name]
+            )
         if delay is None:
             raise GiveUp(
                 f"{stage.name} failed {len(stage.failures)} times within {self.policy.period_s:.0f}s "
@@ -340,7 +343,9 @@ class Supervisor:
             log.error("reload: replica and engine group counts stay as they were: %s", exc)
             self.audit.reload({}, error=str(exc))
             return
-        log.info("reload applied: %s", ", ".join(live))
+        # A count whose added stages did not start stayed as it was (logged by the change).
+        applied = [path for path in live if get_setting(self.config, path) == get_setting(config, path)]
+        log.info("reload applied: %s", ", ".join(applied) or "nothing")
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -353,6 +358,9 @@ class Supervisor:
         gateway sends). Between two requests of such a call no tokenizer holds any of it, so the
         drain waits for the gateways' calls as well. Each stage reports its load as it takes
         the Shutdown and whenever that changes after."""
+        if len(self.signals) > 1:  # came in the middle of a topology change
+            log.info("second signal: stopping without a drain")
+            return
         gateways, tokenizers = self.stages.of_kind("gateway"), self.stages.of_kind("tokenizer")
         deadline = time.monotonic() + self.config.supervisor.drain_timeout_s
         self.is_stopping = True

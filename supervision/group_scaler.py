@@ -72,7 +72,7 @@ class GroupScaler:
             error = str(exc)
         groups = self.watch.config.engine.data_parallel
         if groups != decision.target and not error:
-            error = "the added engine groups found no room (see the log)"
+            error = "the added engine groups found no room or did not come up (see the log)"
         if error:
             log.error("autoscale: engine groups stay %d: %s", groups, error)
         self.target = groups

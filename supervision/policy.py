@@ -44,6 +44,20 @@ class RestartPolicy:
         return min(self.backoff_initial_s * 2 ** (len(failures) - 1), self.backoff_max_s)
 
 
+class GiveUp(Exception):
+    """The run cannot go on (a stage failed too often, or cannot start at all); the run ends."""
+
+
+class StartFailed(GiveUp):
+    """Stages `names` failed their first start, or did not come up within
+    supervisor.start_timeout_s. At the run's start the run ends; a topology change takes back the
+    settings that added them instead (supervision/transition.py)."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
+
+
 def is_fatal_start_failure(has_been_ready: bool, returncode: int) -> bool:
     """A stage that exits with an error before it was ever ready, on its first start, failed on
     something a restart will not change (its config, its model): restarting it would only loop.

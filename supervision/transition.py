@@ -19,9 +19,10 @@ import msgspec
 
 from ipc import messages as m
 from ipc.config import Config
-from ipc.topology import StageSpec, Topology, diff
+from ipc.topology import STOP_ORDER, StageSpec, Topology, Transition, diff
 from services.audit import AuditLog
 from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
+from supervision.policy import StartFailed
 from supervision.preflight import Refused, check_encoders, check_layout, check_tls_files
 from supervision.run import Run
 from supervision.stages import StageHandle, StageSet
@@ -33,6 +34,11 @@ PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
 TOPOLOGY_KINDS = (*PEER_KINDS, "gateway")
 # The stages that take requests from clients: a hot reload starts those it adds last.
 ENTRY_KINDS = ("tokenizer", "gateway")
+# The setting whose count adds each kind of stage: one whose added stages fail to start goes back.
+SETTING_OF_KIND = {
+    "tokenizer": "tokenizer.replicas", "detokenizer": "detokenizer.replicas", "gateway": "gateway.replicas",
+    "encoder": "encoder.replicas", "scheduler": "engine.data_parallel", "gpu_worker": "engine.data_parallel",
+}  # fmt: skip
 
 log = logging.getLogger("supervisor")
 
@@ -41,12 +47,13 @@ class Watch(Protocol):
     """What a change needs of the supervisor's watch loop, which goes on while it waits."""
 
     config: Config  # the run's config: a change replaces it once run.json has the new one
+    signals: list[int]  # SIGINT/SIGTERM received: a second one cuts the change's waits short
 
     def tick(self) -> None: ...
 
     def read_control(self, timeout: float) -> None: ...
 
-    def wait_ready(self, stages: list[StageHandle]) -> None: ...
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None: ...
 
     def command(self, stage: StageHandle, message: m.ControlDown) -> None: ...
 
@@ -92,7 +99,8 @@ class Transitions:
         Reconfigure once the new stages are up. Raises Refused, having changed nothing, when
         run.json cannot take the new config, the gateway port cannot be held, gateway.tls's
         files do not load for an added gateway replica, or the added engine groups' rings cannot
-        be made."""
+        be made. A setting whose added stages do not start stays at `old`'s value, and the rest of
+        the change goes on (`take_back`)."""
         old = self.watch.config
         assert self.run.info is not None  # published at start
         if config.gateway.replicas > old.gateway.replicas:
@@ -123,29 +131,49 @@ class Transitions:
         }
         if changes:
             self.audit.rescale(changes)
-        step = diff(self.current, Topology.of(config, self.current.hosts))
+        before = self.current
+        step = diff(before, Topology.of(config, before.hosts))
+        attempted = step.added
+        # An encoder replica makes its embedding cache as it starts, whether it is taken back or not.
+        self.most_encoders = max(self.most_encoders, step.after.num_encoders)
         self.run.hand_over(config)  # the new rings, to supervisor.run_as
         # Downstream first, as at start: the added detokenizer shards, engine groups and encoders
         # are up, and every stage links to them and to the tokenizer replicas about to start,
         # before an added tokenizer takes a request. One started with them routed by the new
         # config to engine groups not up yet, and its replies found no link back (the others
         # link to the tokenizers of the current topology): its requests waited for the watchdog.
-        self.start_stages([spec for spec in step.added if spec.kind not in ENTRY_KINDS])
+        failed = self.start_stages([spec for spec in step.added if spec.kind not in ENTRY_KINDS])
+        if failed:  # no stage has heard of the ones added with them: they just stop
+            attempted_groups = config.engine.data_parallel
+            config, step = self.take_back(failed, old, config, before)
+            known = {spec.name for spec in [*before.stages(), *step.during.stages()]}
+            taken_back = [stage for stage in self.stages if stage.name not in known]
+            self.stages.remove(taken_back)
+            self.stages.stop(taken_back, STOP_GRACE_S)
+            self.stages.release_groups(config.engine)
+            self.run.remove_rings(range(config.engine.data_parallel, attempted_groups))
         # Schedulers move every live request to its new detokenizer shard (full history, so the
         # new shard rebuilds its text; receivers drop what they already have by position).
         # Tokenizers route new requests to the groups that still take them. A PUSH to a tokenizer
         # replica not up yet keeps what it is sent until it is.
         self.broadcast(step.during, PEER_KINDS)
         # They read `during` from run.json (Stage.topology): the groups up and routed now.
-        self.start_stages([spec for spec in step.added if spec.kind in ENTRY_KINDS])
+        failed = self.start_stages([spec for spec in step.added if spec.kind in ENTRY_KINDS])
+        if failed:  # stopped with the removed replicas below, which may have taken calls already
+            config, step = self.take_back(failed, old, config, before)
+            self.broadcast(step.during, PEER_KINDS)
         self.broadcast(step.during, ("gateway",))  # the tokenizer replicas added are up now
         for stage in self.stages:
             self.watch.command(stage, reconfigure_message(config))
         if step.draining:
             self.retire_groups(step.draining)
             self.broadcast(step.after)  # the tokenizers move what was left on them
-        # The retired groups' stages are gone already; the removed replicas go now.
-        removed = [stage for spec in step.removed if (stage := self.stages.get(spec.name))]
+        # The retired groups' stages are gone already; the removed replicas go now, and the
+        # entry replicas taken back.
+        kept = {spec.name for spec in step.after.stages()}
+        removed = sorted(
+            (s for s in self.stages if s.name not in kept), key=lambda s: STOP_ORDER.index(s.kind)
+        )
         removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
         drain_timeout_s = config.supervisor.drain_timeout_s
         for stage in removed_tokenizers:
@@ -165,21 +193,69 @@ class Transitions:
                 s.is_alive for s in removed_gateways
             )
 
-        while is_draining() and time.monotonic() < deadline:
+        while is_draining() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
         self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.stages.stop(removed, STOP_GRACE_S)
-        self.run.remove_sockets(step.removed)  # the retired groups' stages' too
+        taken_back = [spec for spec in attempted if spec.name not in kept]
+        self.run.remove_sockets([*step.removed, *taken_back])  # the retired groups' stages' too
         for stage in removed:
             log.info("retired %s", stage.name)
 
-    def start_stages(self, specs: list[StageSpec]) -> None:
-        """Spawn the stages `specs` name, in their order, and watch until they are up."""
+    def is_cut_short(self) -> bool:
+        """A second signal came: the run stops now (supervisor.py), and so does what a change
+        waits for: a retiring group's or a removed replica's requests, a group's placement. A
+        first one lets them finish within supervisor.drain_timeout_s, as the run's drain does."""
+        return len(self.watch.signals) > 1
+
+    def start_stages(self, specs: list[StageSpec]) -> dict[str, str]:
+        """Spawn the stages `specs` name, in their order, and watch until they are up. A stage that
+        fails its first start, or is not up within supervisor.start_timeout_s, is stopped and out
+        of the stage set, with those of its setting not up yet (a group's scheduler would wait for
+        its workers in vain). Returns those settings, each with why."""
         added = [self.stages.add(spec) for spec in specs]
+        started = time.monotonic()
         for stage in added:
             self.stages.spawn(stage)
-        self.watch.wait_ready(added)
+        failed: dict[str, str] = {}  # setting path -> why
+        while True:
+            waiting = [s for s in added if self.stages.get(s.name) is s]
+            try:
+                self.watch.wait_ready(waiting, since=started)
+                return failed
+            except StartFailed as exc:
+                if not set(exc.names) <= {stage.name for stage in waiting}:
+                    raise  # a stage this change did not start
+                for stage in waiting:
+                    if stage.name in exc.names:
+                        failed.setdefault(SETTING_OF_KIND[stage.kind], str(exc))
+                gone = [
+                    s
+                    for s in waiting
+                    if s.name in exc.names or (SETTING_OF_KIND[s.kind] in failed and not s.is_ready)
+                ]
+                self.stages.remove(gone)
+                self.stages.stop(gone, STOP_GRACE_S)
+
+    def take_back(
+        self, failed: dict[str, str], old: Config, config: Config, before: Topology
+    ) -> tuple[Config, Transition]:
+        """`config` with the settings in `failed` (whose added stages did not start) back at
+        `old`'s values, in run.json and as the run's config, and the transition to it from
+        `before`."""
+        attempted = config
+        for path in failed:
+            config = with_setting(config, path, get_setting(old, path))
+        for path, why in failed.items():
+            log.error("%s stays %s (the rest of the change goes on): %s", path, get_setting(old, path), why)
+        self.audit.rescale({path: [get_setting(attempted, path), get_setting(old, path)] for path in failed})
+        try:
+            self.run.publish(config)
+        except Refused as exc:  # the change is half made: it goes on, by the config it keeps
+            log.error("run.json still names the counts taken back: %s", exc)
+        self.watch.config = config
+        return config, diff(before, Topology.of(config, before.hosts))
 
     def place_groups(self, old: Config, config: Config) -> Config:
         """Room for the engine groups that `config` adds: `config`, or, when the cluster has no
@@ -191,6 +267,8 @@ class Transitions:
             self.stages.place_groups(config.engine)
             deadline = time.monotonic() + config.cluster.placement_timeout_s
             while self.stages.unplaced():
+                if self.is_cut_short():
+                    raise Refused("the run is stopping")
                 if time.monotonic() > deadline:
                     raise Refused(
                         f"engine groups {self.stages.unplaced()} found no room within "
@@ -209,6 +287,10 @@ class Transitions:
         config = self.watch.config
         retiring = [s for s in self.stages if s.group in groups]
         schedulers = [s for s in retiring if s.kind == "scheduler"]
+        log.info(
+            "retiring engine groups %d-%d: they finish what they run, within %gs",
+            groups.start, groups.stop - 1, config.supervisor.drain_timeout_s,
+        )  # fmt: skip
         # Loads from after the TopologyChanged: a request sent just before it is counted too.
         self.watch.read_control(2 * config.supervisor.heartbeat_interval_s)
         deadline = time.monotonic() + config.supervisor.drain_timeout_s
@@ -216,7 +298,7 @@ class Transitions:
         def is_busy() -> bool:
             return any(s.load.num_running or s.load.num_waiting for s in schedulers)
 
-        while is_busy() and time.monotonic() < deadline:
+        while is_busy() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.stages.remove(retiring)
         self.stages.stop(retiring, STOP_GRACE_S)

@@ -3,7 +3,9 @@ edit) without dropping or changing a single request; unsafe changes are logged, 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -17,7 +19,7 @@ import yaml
 
 from client import Client
 from services.stage import read_run_info
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, brigade_shm_objects
 from tests.harness import Run, assert_clean, brigade_run, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -363,4 +365,91 @@ def test_retired_stages_leave_no_socket_files(tmp_path: Path, tiny_model_dir: Pa
         assert not sockets & {f"{name}.sock" for name in retired}, sorted(sockets)
         assert {f"{name}.sock" for name in remaining} <= sockets, sorted(sockets)
         assert streams(run_dir) == reference
+    assert_clean(run_dir)
+
+
+def test_stages_a_reload_adds_that_fail_to_start_are_taken_back_and_the_run_serves_on(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A reload whose new stages fail their first start (here: the model's files went bad since
+    the run started) ended the run, undrained, as a bad config does at start. Now the setting that
+    added them stays as it was and the rest of the change goes on: engine.data_parallel 1 -> 2
+    with unreadable weights stays 1 (its rings go) while tokenizer.replicas 1 -> 2 applies, then
+    tokenizer.replicas 2 -> 3 with an unreadable tokenizer stays 2. No stream in flight is lost
+    or changed."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = tmp_path / "brigade.yaml"
+    write_config(config, model_dir, 1, 1, data_parallel=1, threads=1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, config=str(config)) as run:
+        run_id = read_run_info(run_dir).run_id
+        reference = streams(run_dir)
+        (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+
+        def grow() -> None:
+            write_config(config, model_dir, 2, 1, data_parallel=2, threads=1)  # the file watch sees it
+
+        assert streams(run_dir, during=grow) == reference
+        line = run.wait_for_line("engine.data_parallel stays 1", 120)
+        assert "gpu_worker-1-0 failed to start" in line, line
+        run.wait_for_line("reload applied: tokenizer.replicas\n", 60)
+        wait_for_stages(run, tokenizers=2, detokenizers=1, schedulers=1)
+        assert not {r["name"] for r in run.status()} & {"scheduler-1", "gpu_worker-1-0"}
+        assert not [name for name in brigade_shm_objects() if f"{run_id}-step-1" in name]
+        assert streams(run_dir) == reference  # over both tokenizers, on group 0
+
+        (model_dir / "tokenizer.json").write_text("{")
+
+        def grow_tokenizers() -> None:
+            write_config(config, model_dir, 3, 1, data_parallel=1, threads=1)
+
+        assert streams(run_dir, during=grow_tokenizers) == reference
+        line = run.wait_for_line("tokenizer.replicas stays 2", 120)
+        assert "tokenizer-2 failed to start" in line, line
+        run.wait_for_line("reload applied: nothing", 60)
+        wait_for_stages(run, tokenizers=2, detokenizers=1, schedulers=1)
+        assert streams(run_dir) == reference
+        assert run.process.poll() is None  # the run serves on
+    assert run.process.returncode == 0
+    assert_clean(run_dir, run_id)
+
+
+def test_a_second_signal_while_an_engine_group_retires_stops_the_run_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """engine.data_parallel 2 -> 1 while both groups run streams, group 1's frozen, with a long
+    drain timeout; SIGTERM twice while group 1 retires: the second signal ("stopping now") waited for the
+    retirement's drain_timeout_s, and then for the run's own drain as well. Now the run stops at
+    once."""
+    config = tmp_path / "brigade.yaml"
+    write_config(config, tiny_model_dir, 1, 1, GROUP_TOKENS + 64, data_parallel=2, threads=1)
+    run_dir = tmp_path / "run"
+    with brigade_run(run_dir, "supervisor.drain_timeout_s=300", config=str(config)) as run:
+        outputs: list[str] = []
+
+        def one(i: int) -> None:
+            with contextlib.suppress(Exception), Client(run_dir, unavailable_after=5.0) as client:
+                for delta in client.stream(
+                    f"request {i}:", max_tokens=GROUP_TOKENS, ignore_eos=True, timeout=300
+                ):
+                    outputs.append(delta.text)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(outputs) < 8:
+            assert time.monotonic() < deadline, "the streams never started"
+            time.sleep(0.1)
+        # Group 1 frozen: what it runs never finishes, as a long request's would not.
+        [worker] = [row["pid"] for row in run.status() if row["name"] == "gpu_worker-1-0"]
+        os.kill(worker, signal.SIGSTOP)
+        write_config(config, tiny_model_dir, 1, 1, GROUP_TOKENS + 64, data_parallel=1, threads=1)
+        run.wait_for_line("retiring engine groups 1-1", 60)
+        run.process.send_signal(signal.SIGTERM)
+        time.sleep(1)  # two signals pending at once are one
+        run.process.send_signal(signal.SIGTERM)
+        run.wait_for_line("second signal: stopping now", 10)
+        assert run.process.wait(30) == 0
     assert_clean(run_dir)

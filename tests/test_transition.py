@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ipc.topology import Topology
 from services.audit import AuditLog
 from services.stage import read_run_info
 from supervision.live_settings import with_setting
+from supervision.policy import StartFailed
 from supervision.preflight import Refused
 from supervision.run import Run
 from supervision.stages import StageHandle, StageSet
@@ -56,6 +58,10 @@ class Loop:
         self.events = events
         # Each once, at the change's next wait for stages to come up or for loads.
         self.meanwhile: list[Callable[[], None]] = []
+        # Stages that fail their first start; the stages in `up_first` come up before they do.
+        self.failing: set[str] = set()
+        self.up_first: set[str] = set()
+        self.signals: list[int] = []
 
     def tick(self) -> None:
         pass
@@ -67,7 +73,13 @@ class Loop:
         while self.meanwhile:
             self.meanwhile.pop(0)()
 
-    def wait_ready(self, stages: list[StageHandle]) -> None:
+    def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None:
+        if failed := sorted(s.name for s in stages if s.name in self.failing):
+            for stage in stages:
+                if stage.name in self.up_first:
+                    stage.on_ready(0.0)
+            self.failing -= set(failed)
+            raise StartFailed(f"{failed[0]} failed to start (exit code 1): no model", failed)
         if stages:
             self.run_meanwhile()
         for stage in stages:
@@ -296,3 +308,119 @@ def test_a_change_whose_rings_cannot_be_made_is_refused_with_nothing_changed(har
         assert not left, left
     finally:
         squatter.unlink()
+
+
+def test_added_stages_that_fail_to_start_take_their_setting_back_and_the_rest_goes_on(tmp_path: Path):
+    """engine.data_parallel 1 -> 2, detokenizer.replicas 1 -> 2 and tokenizer.replicas 1 -> 3,
+    where gpu_worker-1-0 and tokenizer-2 fail their first start (tokenizer-1 is up by then): the
+    failure ended the run. Now engine.data_parallel and tokenizer.replicas stay 1: group 1 stops
+    (its scheduler was still waiting for the worker) before anyone hears of it, and its rings go;
+    tokenizer-1 is told to drain and stops after everyone routes around it; detokenizer-1 stays."""
+    harness = Harness(tmp_path, small_config())
+    try:
+        old = harness.loop.config
+        new = with_setting(old, "engine.data_parallel", 2)
+        new = with_setting(with_setting(new, "detokenizer.replicas", 2), "tokenizer.replicas", 3)
+        harness.loop.failing = {"gpu_worker-1-0", "tokenizer-2"}
+        harness.loop.up_first = {"detokenizer-1", "tokenizer-1"}
+        harness.transitions.change(new)
+
+        kept = with_setting(old, "detokenizer.replicas", 2)
+        assert harness.loop.config == kept
+        assert harness.run.info is not None and harness.run.info.config == kept
+        assert harness.transitions.current == Topology.of(kept)
+        assert sorted(s.name for s in harness.stages) == sorted(s.name for s in Topology.of(kept).stages())
+        assert {r.name for r in harness.run.rings} == {
+            harness.run.endpoints.step_ring(0),
+            harness.run.endpoints.result_ring(0),
+        }
+        assert len(harness.stages.dist_ports) == 1  # group 1's reservation went back too
+        group_stopped = harness.index(("stop", "gpu_worker-1-0", "scheduler-1"))
+        changes = harness.topologies()
+        assert all(t.num_groups == 1 and t.num_detokenizers == 2 for _, _, t in changes)
+        assert min(i for i, _, _ in changes) > group_stopped
+        # The peers heard of three tokenizers before tokenizer-1 and -2 started, then of one again,
+        # before the gateways (none here) and before tokenizer-1 was told to drain.
+        assert [t.num_tokenizers for _, name, t in changes if name == "detokenizer-0"] == [3, 1]
+        [(shutdown_at, name, _)] = harness.commands(m.Shutdown)
+        assert name == "tokenizer-1"
+        assert max(i for i, _, t in changes if t.num_tokenizers == 1) < shutdown_at
+        assert shutdown_at < harness.index(("stop", "tokenizer-1"))
+        events = [json.loads(line) for line in harness.audit_path.read_text().splitlines()]
+        assert [e["changes"] for e in events] == [
+            {"detokenizer.replicas": [1, 2], "tokenizer.replicas": [1, 3], "engine.data_parallel": [1, 2]},
+            {"engine.data_parallel": [2, 1]},
+            {"tokenizer.replicas": [3, 1]},
+        ]
+    finally:
+        harness.close()
+
+
+def test_a_second_signal_cuts_a_retiring_groups_wait_short(tmp_path: Path):
+    """engine.data_parallel 2 -> 1 while group 1 keeps running a request, with a long drain
+    timeout: two signals during the wait (the operator's "stop now") ended nothing until
+    supervisor.drain_timeout_s was over. Now the second one ends the wait, and group 1 stops."""
+    harness = Harness(tmp_path, small_config("engine.data_parallel=2", "supervisor.drain_timeout_s=60"))
+    try:
+        harness.stages["scheduler-1"].load = m.StageLoad(num_running=1)
+        harness.loop.meanwhile = [
+            lambda: harness.loop.signals.append(signal.SIGTERM),
+            lambda: harness.loop.signals.append(signal.SIGTERM),
+        ]
+        started = time.monotonic()
+        harness.transitions.change(with_setting(harness.loop.config, "engine.data_parallel", 1))
+        assert time.monotonic() - started < 10
+        assert ("stop", "gpu_worker-1-0", "scheduler-1") in harness.events
+    finally:
+        harness.close()
+
+
+def test_an_added_stage_killed_by_a_signal_at_each_start_fails_its_start(tmp_path: Path):
+    """A stage never ready that a signal kills each time it starts (a segfault, the OOM killer)
+    is restarted, and once the restart intensity is spent the supervisor gave up with a GiveUp that
+    a topology change cannot tell from any other: the run ended. It is a StartFailed now, which a
+    change takes back (and which ends the run at its start, as before); a stage that was ready once
+    still ends the run with a plain GiveUp."""
+    from supervisor import GiveUp, Supervisor
+
+    config = small_config("supervisor.restart_intensity=0")
+    supervisor = Supervisor(config, None, [], tmp_path, "text")
+    try:
+        stage = supervisor.stages.add(Topology.of(config).stages()[0])
+        with pytest.raises(
+            StartFailed, match=r"failed to start 1 times \(last: killed by signal 9\)"
+        ) as failed:
+            supervisor.on_failure(stage, "killed by signal 9")
+        assert failed.value.names == [stage.name]
+        stage.on_ready(0.0)
+        stage.failures.clear()
+        with pytest.raises(GiveUp) as gave_up:
+            supervisor.on_failure(stage, "exited with code -9")
+        assert not isinstance(gave_up.value, StartFailed)
+        # start_timeout_s bounds a change's start as a whole: a wait again after a failure keeps
+        # the deadline of the first.
+        waiting = supervisor.stages.add(Topology.of(config).stages()[1])
+        timeout_s = config.supervisor.start_timeout_s
+        with pytest.raises(StartFailed, match="did not come up") as late:
+            supervisor.wait_ready([waiting], since=time.monotonic() - timeout_s - 1)
+        assert late.value.names == [waiting.name]
+    finally:
+        supervisor.ctx.term()
+
+
+def test_an_encoder_taken_back_still_has_its_embedding_cache_removed_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An encoder replica makes its embedding cache in shared memory as it starts; one taken
+    back was left out of the count of caches the run removes at its end (`most_encoders`)."""
+    monkeypatch.setattr(
+        "supervision.transition.check_encoders", lambda config, model_dir: None
+    )  # no VLM here
+    harness = Harness(tmp_path, small_config("encoder.replicas=1"))
+    try:
+        harness.loop.failing = {"encoder-1"}
+        harness.transitions.change(with_setting(harness.loop.config, "encoder.replicas", 2))
+        assert harness.loop.config.encoder.replicas == 1
+        assert harness.transitions.most_encoders == 2
+    finally:
+        harness.close()

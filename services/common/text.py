@@ -144,9 +144,11 @@ class Tokenizer:
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return sorted(ids)
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included (transformers' len(tokenizer))."""
+        """Number of ids, added tokens included (transformers' len(tokenizer)). Once: the
+        tokenizer stage reads it for every request, and tokenizers 0.23.1 (our floor) counts the
+        vocabulary on each call, some 20 ms for SmolLM2's."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @cached_property
