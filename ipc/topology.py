@@ -27,7 +27,9 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, gc=False):
     `num_groups` engine groups have stages; the first `num_routed_groups` of them take new
     requests, and the rest are retiring (they finish what they run, then stop). `hosts` maps the
     name of each stage that runs on another host than the supervisor's to that host's address.
-    `num_encoders` run a vision-language model's vision tower for the tokenizers.
+    `num_encoders` run a vision-language model's vision tower for the tokenizers. Clients find
+    the tokenizer replicas that take requests in run.json's list: while a change removes some,
+    `num_tokenizers` still counts them (they finish what they hold).
     """
 
     num_tokenizers: int
@@ -93,12 +95,15 @@ class Transition:
     1. start the `added` detokenizers, engine groups and encoders (in start order) and wait
        until they are ready;
     2. tell every stage `during`: the new counts, with the engine groups in `draining` still
-       running but no longer taking new requests; then start the `added` tokenizers and
-       gateways, which read `during` from run.json, so that they take requests only once every
-       group they route to is up and every stage that answers them links to them;
+       running but no longer taking new requests, and the removed tokenizer replicas still
+       linked (they finish their streams, whose replies come back from the detokenizers and the
+       schedulers); then start the `added` tokenizers and gateways, which read `during` from
+       run.json, so that they take requests only once every group they route to is up and every
+       stage that answers them links to them;
     3. let the groups in `draining` finish what they run, stop their stages, and tell every
-       stage `after` (the tokenizers move whatever was left on those groups to the others);
-    4. stop the rest of `removed` (in stop order).
+       stage (the tokenizers move whatever was left on those groups to the others);
+    4. let the removed tokenizer and gateway replicas finish what they hold, tell every stage
+       `after`, and stop the rest of `removed` (in stop order).
     `moved` names the stages now placed on another host: their links follow `during`."""
 
     added: list[StageSpec]
@@ -121,7 +126,10 @@ def diff(old: Topology, new: Topology) -> Transition:
         (s for s in old.stages() if s.name not in new_names), key=lambda s: STOP_ORDER.index(s.kind)
     )
     during = msgspec.structs.replace(
-        new, num_groups=max(old.num_groups, new.num_groups), num_routed_groups=new.num_routed_groups
+        new,
+        num_groups=max(old.num_groups, new.num_groups),
+        num_routed_groups=new.num_routed_groups,
+        num_tokenizers=max(old.num_tokenizers, new.num_tokenizers),
     )
     moved = {name: host for name, host in new.hosts.items() if old.hosts.get(name) != host}
     return Transition(added, during, range(new.num_groups, old.num_groups), new, removed, moved)

@@ -43,6 +43,12 @@ SETTING_OF_KIND = {
 log = logging.getLogger("supervisor")
 
 
+def keep_tokenizers(topology: Topology, linked: int) -> Topology:
+    """`topology` with the links to `linked` tokenizer replicas kept: those a change removes (or
+    takes back) finish what they hold first, and their replies come through those links."""
+    return msgspec.structs.replace(topology, num_tokenizers=max(topology.num_tokenizers, linked))
+
+
 class Watch(Protocol):
     """What a change needs of the supervisor's watch loop, which goes on while it waits."""
 
@@ -160,14 +166,16 @@ class Transitions:
         # They read `during` from run.json (Stage.topology): the groups up and routed now.
         failed = self.start_stages([spec for spec in step.added if spec.kind in ENTRY_KINDS])
         if failed:  # stopped with the removed replicas below, which may have taken calls already
+            linked = step.during.num_tokenizers
             config, step = self.take_back(failed, old, config, before)
-            self.broadcast(step.during, PEER_KINDS)
-        self.broadcast(step.during, ("gateway",))  # the tokenizer replicas added are up now
+            self.broadcast(keep_tokenizers(step.during, linked), PEER_KINDS)
+        self.broadcast(self.current, ("gateway",))  # the tokenizer replicas added are up now
         for stage in self.stages:
             self.watch.command(stage, reconfigure_message(config))
         if step.draining:
             self.retire_groups(step.draining)
-            self.broadcast(step.after)  # the tokenizers move what was left on them
+            # The tokenizers move what was left on them; the removed tokenizer replicas drain below.
+            self.broadcast(keep_tokenizers(step.after, self.current.num_tokenizers))
         # The retired groups' stages are gone already; the removed replicas go now, and the
         # entry replicas taken back.
         kept = {spec.name for spec in step.after.stages()}
@@ -196,6 +204,8 @@ class Transitions:
         while is_draining() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
+        if self.current.num_tokenizers != step.after.num_tokenizers:  # the links to them close
+            self.broadcast(msgspec.structs.replace(self.current, num_tokenizers=step.after.num_tokenizers))
         self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.stages.stop(removed, STOP_GRACE_S)
         taken_back = [spec for spec in attempted if spec.name not in kept]

@@ -28,6 +28,7 @@ NUM_REQUESTS = 8
 T = TypeVar("T")
 NEW_TOKENS = 48
 GROUP_TOKENS = 1000  # long enough that a group retired mid-stream still runs some
+LONG_TOKENS = 400  # long enough that a tokenizer replica removed mid-stream still holds some
 
 
 def write_config(
@@ -66,8 +67,12 @@ def concurrently(one: Callable[[int, Callable[[], None]], T], during=None) -> li
     return results  # type: ignore[return-value]
 
 
-def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[str]:
-    """NUM_REQUESTS greedy streams; `during()` runs once every stream has produced output."""
+def streams(
+    run_dir: Path, during=None, new_tokens: int = NEW_TOKENS, may_fail_over: bool = True
+) -> list[str]:
+    """NUM_REQUESTS greedy streams; `during()` runs once every stream has produced output. With
+    `may_fail_over` False, a stream its tokenizer replica went silent on (the client resubmitted
+    it to another) fails the test: the client's failover would hide a lost reply."""
 
     def one(i: int, has_output: Callable[[], None]) -> str:
         with Client(run_dir, failover_after=3.0, unavailable_after=120.0) as client:
@@ -78,6 +83,7 @@ def streams(run_dir: Path, during=None, new_tokens: int = NEW_TOKENS) -> list[st
                 text.append(delta.text)
                 if len(text) == 1:
                     has_output()
+            assert may_fail_over or client.session.num_failovers == 0, f"request {i} failed over"
             return "".join(text)
 
     return concurrently(one, during)
@@ -118,7 +124,12 @@ def test_replicas_change_live_without_losing_requests(tmp_path: Path, tiny_model
         def scale_down() -> None:
             write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1)  # the file watch sees it
 
-        assert streams(run_dir, during=scale_down) == reference
+        # Long enough to outlast the reload: the removed tokenizer replica finishes the streams it
+        # holds, so every stage keeps its link to it until then (no stream fails over).
+        long_reference = streams(run_dir, new_tokens=LONG_TOKENS)
+        assert (
+            streams(run_dir, during=scale_down, new_tokens=LONG_TOKENS, may_fail_over=False) == long_reference
+        )
         wait_for_stages(run, tokenizers=1, detokenizers=1)
 
         write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1, max_model_len=256)

@@ -256,7 +256,9 @@ def test_a_tokenizer_restarted_in_the_middle_of_a_change_reads_the_topology_of_t
         harness.close()
 
 
-def test_a_removed_tokenizer_is_told_to_drain_and_stops_after_everyone_routes_around_it(tmp_path: Path):
+def test_a_removed_tokenizer_drains_linked_and_stops_after_its_links_close(tmp_path: Path):
+    """Its streams' replies come back from the detokenizers and the schedulers: they keep their
+    links to it while it drains, and close them only before it stops."""
     harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
     sockets = ["tokenizer-0.sock", "tokenizer-0-in.sock", "tokenizer-1.sock", "tokenizer-1-in.sock"]
     for name in sockets:  # what the processes would have bound
@@ -266,10 +268,16 @@ def test_a_removed_tokenizer_is_told_to_drain_and_stops_after_everyone_routes_ar
         assert sorted(p.name for p in harness.run_dir.glob("*.sock")) == sorted(sockets[:2])
         shutdowns = harness.commands(m.Shutdown)
         assert [name for _, name, _ in shutdowns] == ["tokenizer-1"]
+        drain_at = shutdowns[0][0]
         changes = harness.topologies()
-        assert changes and all(t.num_tokenizers == 1 for _, _, t in changes)
+        assert {t.num_tokenizers for i, _, t in changes if i < drain_at} == {2}
+        closed = [(i, name) for i, name, t in changes if t.num_tokenizers == 1]
+        peers = {s.name for s in harness.stages if s.kind in PEER_KINDS}
+        assert {name for _, name in closed} >= peers and all(i > drain_at for i, _ in closed)
         stopped = harness.index(("stop", "tokenizer-1"))
-        assert max(i for i, _, _ in changes) < shutdowns[0][0] < stopped
+        assert max(i for i, _ in closed) < stopped
+        assert harness.transitions.current.num_tokenizers == 1
+        assert read_run_info(harness.run_dir).topology == harness.transitions.current
         assert not any(e[0] == "spawn" for e in harness.events)
         assert "tokenizer-1" not in {s.name for s in harness.stages}
     finally:
@@ -339,13 +347,14 @@ def test_added_stages_that_fail_to_start_take_their_setting_back_and_the_rest_go
         changes = harness.topologies()
         assert all(t.num_groups == 1 and t.num_detokenizers == 2 for _, _, t in changes)
         assert min(i for i, _, _ in changes) > group_stopped
-        # The peers heard of three tokenizers before tokenizer-1 and -2 started, then of one again,
-        # before the gateways (none here) and before tokenizer-1 was told to drain.
-        assert [t.num_tokenizers for _, name, t in changes if name == "detokenizer-0"] == [3, 1]
+        # The peers heard of three tokenizers before tokenizer-1 and -2 started, and keep their
+        # links to tokenizer-1 (it may have taken calls already) until it has drained; then they
+        # hear of one, and it stops.
+        assert [t.num_tokenizers for _, name, t in changes if name == "detokenizer-0"] == [3, 3, 1]
         [(shutdown_at, name, _)] = harness.commands(m.Shutdown)
         assert name == "tokenizer-1"
-        assert max(i for i, _, t in changes if t.num_tokenizers == 1) < shutdown_at
-        assert shutdown_at < harness.index(("stop", "tokenizer-1"))
+        assert shutdown_at < min(i for i, _, t in changes if t.num_tokenizers == 1)
+        assert max(i for i, _, _ in changes) < harness.index(("stop", "tokenizer-1"))
         events = [json.loads(line) for line in harness.audit_path.read_text().splitlines()]
         assert [e["changes"] for e in events] == [
             {"detokenizer.replicas": [1, 2], "tokenizer.replicas": [1, 3], "engine.data_parallel": [1, 2]},
