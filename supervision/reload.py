@@ -45,6 +45,9 @@ class ConfigFile:
         """`config` with the live settings the file has now, and their paths; None, logged and
         audited, when it does not load or changes no live setting. Every changed setting that
         needs a restart is logged and kept at its old value."""
+        # Taken before the read: a SIGHUP's read counts as the file watch's look too (or the watch
+        # would apply the same edit again), and an edit made during the read is still seen.
+        self.signature = file_signature(self.path)
         try:
             # Only a regular file, read without blocking: a FIFO put in its place must not stop
             # the watch loop (no restarts, no signals) until someone writes to it.

@@ -47,6 +47,22 @@ def test_a_file_that_goes_away_is_no_change_and_its_return_is(tmp_path: Path):
     assert config_file.has_changed()
 
 
+def test_an_edit_a_sighup_read_is_not_read_again_by_the_file_watch(tmp_path: Path):
+    """An operator edits the file and sends SIGHUP: the watch saw the same edit at its next look
+    and applied it a second time (a failed start taken back was tried twice)."""
+    path = tmp_path / "config.yaml"
+    path.write_text("tokenizer:\n  replicas: 1\n")
+    config_file = ConfigFile(str(path), [])
+    running = load_config(str(path))
+    path.write_text("tokenizer:\n  replicas: 2\n")
+    audit = AuditLog(tmp_path / "audit.jsonl", "supervisor")
+    reloaded = config_file.live_settings(running, audit)  # the SIGHUP's read
+    assert reloaded is not None and reloaded[1] == ["tokenizer.replicas"]
+    assert not config_file.has_changed()
+    path.write_text("tokenizer:\n  replicas: 3\n")
+    assert config_file.has_changed()  # the next edit is seen
+
+
 def test_only_live_settings_are_taken_and_the_rest_is_audited_as_refused(tmp_path: Path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"tokenizer": {"replicas": 1}}))
