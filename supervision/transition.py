@@ -79,9 +79,11 @@ class Transitions:
         stages.on_group_moved = self.move_group
 
     def broadcast(self, topology: Topology, kinds: tuple[str, ...] = TOPOLOGY_KINDS) -> None:
-        """Make `topology` the current one, in run.json for the stages that start from now on, and
-        tell the running stages of `kinds` (by default every stage that keeps peer links, and the
-        gateways)."""
+        """Make `topology`'s counts the current ones, in run.json for the stages that start from
+        now on, and tell the running stages of `kinds` (by default every stage that keeps peer
+        links, and the gateways). The hosts stay those of `current`: only `move_group` changes
+        them, and a group may move while a change waits for its stages."""
+        topology = msgspec.structs.replace(topology, hosts=self.current.hosts)
         self.current = topology
         self.most_encoders = max(self.most_encoders, topology.num_encoders)
         self.run.publish_topology(topology)
@@ -97,7 +99,8 @@ class Transitions:
         names = [s.name for s in self.stages if s.group == group]
         hosts = self.run.move_stages(self.watch.config, names, address)
         log.info("engine group %d moved to a node at %s: its links follow", group, address)
-        self.broadcast(msgspec.structs.replace(self.current, hosts=hosts))
+        self.current = msgspec.structs.replace(self.current, hosts=hosts)
+        self.broadcast(self.current)
 
     def change(self, config: Config) -> None:
         """Apply `config`'s replica and engine group counts without dropping a request, in the

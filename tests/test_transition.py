@@ -433,3 +433,24 @@ def test_an_encoder_taken_back_still_has_its_embedding_cache_removed_at_the_end(
         assert harness.transitions.most_encoders == 2
     finally:
         harness.close()
+
+
+def test_a_group_moved_while_a_change_waits_keeps_its_new_host(tmp_path: Path):
+    """Engine group 1 is placed on another node (its node died) while a reload's added
+    detokenizer starts: the change's next TopologyChanged carried the hosts from before the change
+    began, and sent every stage's links to group 1 back to the dead node."""
+    config = small_config("engine.data_parallel=2", "network.transport=tcp", "network.host=0.0.0.0")
+    harness = Harness(tmp_path, config)
+    try:
+        harness.loop.meanwhile.append(lambda: harness.transitions.move_group(1, "127.0.0.2"))
+        harness.transitions.change(with_setting(config, "detokenizer.replicas", 2))
+        moved = {"scheduler-1": "127.0.0.2", "gpu_worker-1-0": "127.0.0.2"}
+        assert harness.transitions.current.hosts == moved
+        info = read_run_info(harness.run_dir)
+        assert info.topology is not None and info.topology.hosts == moved
+        heard = harness.topologies()
+        counts = [t.num_detokenizers for _, _, t in heard]
+        assert counts[0] == 1 and counts[-1] == 2 and counts == sorted(counts)  # the move, the change
+        assert all(t.hosts == moved for _, _, t in heard)
+    finally:
+        harness.close()
