@@ -17,10 +17,13 @@ RECONFIGURED: dict[str, str] = {
     "engine.max_num_waiting": "max_num_waiting",
     "lora.adapters": "lora_adapters",
 }
-# The counts of ipc/topology.py's Topology.of: a change starts or retires stages.
-TOPOLOGY_SETTINGS = (
-    "tokenizer.replicas", "detokenizer.replicas", "gateway.replicas", "encoder.replicas", "engine.data_parallel",
-)  # fmt: skip
+# The counts of ipc/topology.py's Topology.of, by the kind of stage a change of each starts or
+# retires (a setting whose added stages fail to start goes back: supervision/transition.py).
+SETTING_OF_KIND = {
+    "tokenizer": "tokenizer.replicas", "detokenizer": "detokenizer.replicas", "gateway": "gateway.replicas",
+    "encoder": "encoder.replicas", "scheduler": "engine.data_parallel", "gpu_worker": "engine.data_parallel",
+}  # fmt: skip
+TOPOLOGY_SETTINGS = tuple(dict.fromkeys(SETTING_OF_KIND.values()))
 LIVE_SETTINGS = (*RECONFIGURED, *TOPOLOGY_SETTINGS)
 
 

@@ -21,7 +21,13 @@ from ipc import messages as m
 from ipc.config import Config
 from ipc.topology import STOP_ORDER, StageSpec, Topology, Transition, diff
 from services.audit import AuditLog
-from supervision.live_settings import TOPOLOGY_SETTINGS, get_setting, reconfigure_message, with_setting
+from supervision.live_settings import (
+    SETTING_OF_KIND,
+    TOPOLOGY_SETTINGS,
+    get_setting,
+    reconfigure_message,
+    with_setting,
+)
 from supervision.policy import StartFailed
 from supervision.preflight import Refused, check_encoders, check_layout, check_tls_files
 from supervision.run import Run
@@ -34,11 +40,6 @@ PEER_KINDS = ("tokenizer", "detokenizer", "scheduler")
 TOPOLOGY_KINDS = (*PEER_KINDS, "gateway")
 # The stages that take requests from clients: a hot reload starts those it adds last.
 ENTRY_KINDS = ("tokenizer", "gateway")
-# The setting whose count adds each kind of stage: one whose added stages fail to start goes back.
-SETTING_OF_KIND = {
-    "tokenizer": "tokenizer.replicas", "detokenizer": "detokenizer.replicas", "gateway": "gateway.replicas",
-    "encoder": "encoder.replicas", "scheduler": "engine.data_parallel", "gpu_worker": "engine.data_parallel",
-}  # fmt: skip
 
 log = logging.getLogger("supervisor")
 
