@@ -157,9 +157,9 @@ class Transitions:
             attempted_groups = config.engine.data_parallel
             config, step = self.take_back(failed, old, config, before)
             known = {spec.name for spec in [*before.stages(), *step.during.stages()]}
-            taken_back = [stage for stage in self.stages if stage.name not in known]
-            self.stages.remove(taken_back)
-            self.stages.stop(taken_back, STOP_GRACE_S)
+            unheard_of = [stage for stage in self.stages if stage.name not in known]
+            self.stages.remove(unheard_of)
+            self.stages.stop(unheard_of, STOP_GRACE_S)
             self.stages.release_groups(config.engine)
             self.run.remove_rings(range(config.engine.data_parallel, attempted_groups))
         # Schedulers move every live request to its new detokenizer shard (full history, so the
