@@ -1,8 +1,9 @@
 """Changing a live run's topology: ipc/topology.py's `Transition`, carried out against the stage set.
 
 A hot reload of the replica and engine group counts (`Transitions.change`) starts the new stages
-before anyone routes to them, and stops removed ones only after everyone routes around them, a
-removed engine group only after it has drained: no request is dropped. An engine group the
+before anyone routes to them, and stops removed ones only after no new request goes to them and
+what they hold has drained (everyone keeps the links its replies need until then): no request is
+dropped. An engine group the
 cluster placed on another node (`Transitions.move_group`) takes its links along. The running
 stages hear each new topology as `TopologyChanged`. Every wait here goes on watching the run
 (`Watch`): a stage that dies meanwhile is restarted as at any other time."""
