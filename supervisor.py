@@ -300,9 +300,11 @@ class Supervisor:
         was_restart = stage.num_restarts > 0
         stage.on_ready(time.monotonic(), protections)
         log.info("%s up (pid %d)%s", stage.name, stage.pid, " after restart" if was_restart else "")
-        if self.is_stopping and stage.kind in ("gateway", "tokenizer"):
-            # Up in the middle of the drain (a topology change's, or a restart): it takes no new
-            # calls either, and the drain waits for what it says it holds, not for its deadline.
+        is_draining = self.is_stopping or stage.name in self.transitions.draining
+        if is_draining and stage.kind in ("gateway", "tokenizer"):
+            # Up in the middle of the run's drain or of its removal by a topology change (started
+            # then, or restarted): it takes no new calls either, and the drain waits for what it
+            # says it holds, not for its deadline.
             self.command(stage, m.Shutdown())
         if stage.kind in PEER_KINDS:
             # It sized its links from run.json's config, which does not show engine groups

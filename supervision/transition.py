@@ -78,6 +78,10 @@ class Transitions:
         self.current = Topology.of(watch.config)  # with the stages' hosts once placed (start)
         # Each encoder replica's embedding cache outlives the replica (run.remove_embedding_caches).
         self.most_encoders = self.current.num_encoders
+        # The removed tokenizer replicas told to drain and not stopped yet: one that restarts
+        # meanwhile (a crash) is told again once it is up (Supervisor.on_ready), or it would take
+        # new calls from the clients that still know it.
+        self.draining: set[str] = set()
         stages.on_group_moved = self.move_group
 
     def broadcast(self, topology: Topology, kinds: tuple[str, ...] = TOPOLOGY_KINDS) -> None:
@@ -189,6 +193,7 @@ class Transitions:
         )
         removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
         drain_timeout_s = config.supervisor.drain_timeout_s
+        self.draining = {stage.name for stage in removed_tokenizers}
         for stage in removed_tokenizers:
             self.watch.command(stage, m.Shutdown())
         # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
@@ -212,6 +217,7 @@ class Transitions:
         if self.current.num_tokenizers != step.after.num_tokenizers:  # the links to them close
             self.broadcast(msgspec.structs.replace(self.current, num_tokenizers=step.after.num_tokenizers))
         self.stages.remove([s for s in removed if s.kind != "gateway"])
+        self.draining = set()
         self.stages.stop(removed, STOP_GRACE_S)
         taken_back = [spec for spec in attempted if spec.name not in kept]
         self.run.remove_sockets([*step.removed, *taken_back])  # the retired groups' stages' too

@@ -284,6 +284,40 @@ def test_a_removed_tokenizer_drains_linked_and_stops_after_its_links_close(tmp_p
         harness.close()
 
 
+def test_a_removed_tokenizer_that_restarts_while_it_drains_is_told_to_drain_again(tmp_path: Path):
+    """tokenizer-1, removed, crashes during its drain and is restarted: it came up taking new calls
+    from the clients that still knew it, and what they sent kept the drain waiting to its
+    deadline. Once up it hears Shutdown again (Supervisor.on_ready), while the drain lasts only."""
+    from supervisor import Supervisor
+
+    harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
+    try:
+        seen: list[set[str]] = []
+        harness.loop.meanwhile.append(lambda: seen.append(set(harness.transitions.draining)))
+        harness.transitions.change(with_setting(harness.loop.config, "tokenizer.replicas", 1))
+        assert seen == [{"tokenizer-1"}] and harness.transitions.draining == set()
+    finally:
+        harness.close()
+    config = small_config("tokenizer.replicas=2")
+    supervisor = Supervisor(config, None, [], tmp_path / "supervisor-run", "text")
+    sent: list[tuple[str, object]] = []
+    supervisor.command = lambda stage, message: sent.append((stage.name, message))  # type: ignore[method-assign]
+    try:
+        tokenizers = [
+            supervisor.stages.add(spec) for spec in Topology.of(config).stages() if spec.kind == "tokenizer"
+        ]
+        supervisor.transitions.draining = {"tokenizer-1"}
+        for stage in tokenizers:
+            supervisor.on_ready(stage, "")
+        assert [name for name, message in sent if isinstance(message, m.Shutdown)] == ["tokenizer-1"]
+        supervisor.transitions.draining = set()
+        sent.clear()
+        supervisor.on_ready(tokenizers[1], "")
+        assert not [message for _, message in sent if isinstance(message, m.Shutdown)]
+    finally:
+        supervisor.ctx.term()
+
+
 def test_a_change_run_json_cannot_take_is_refused_with_nothing_changed(harness: Harness):
     old = harness.loop.config
     (harness.run_dir / "run.json").unlink()
