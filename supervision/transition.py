@@ -207,7 +207,9 @@ class Transitions:
         deadline = time.monotonic() + drain_timeout_s
 
         def is_draining() -> bool:
-            return any(s.load.num_in_flight for s in removed_tokenizers) or any(
+            # By loads sent since the Shutdown, as the run's drain: one sent before it may miss
+            # a call the replica admitted meanwhile, whose replies need the links kept.
+            return not all(s.has_drained for s in removed_tokenizers) or any(
                 s.is_alive for s in removed_gateways
             )
 

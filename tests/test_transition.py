@@ -50,6 +50,15 @@ class RecordedStages(StageSet):
             self.events.append(("stop", *names))
 
 
+class Running:
+    """A process that has not exited (RecordedStages launches none)."""
+
+    pid = 0
+
+    def poll(self) -> None:
+        return None
+
+
 class Loop:
     """The supervisor's side: commands recorded, every new stage ready at once, nothing in flight."""
 
@@ -62,6 +71,8 @@ class Loop:
         self.failing: set[str] = set()
         self.up_first: set[str] = set()
         self.signals: list[int] = []
+        # Stages that report nothing at a Shutdown (the others at once: draining, none in flight).
+        self.silent_at_shutdown: set[str] = set()
 
     def tick(self) -> None:
         pass
@@ -70,8 +81,10 @@ class Loop:
         self.run_meanwhile()
 
     def run_meanwhile(self) -> None:
-        while self.meanwhile:
-            self.meanwhile.pop(0)()
+        """Those queued before this wait (one may queue another for the next)."""
+        queued, self.meanwhile = self.meanwhile, []
+        for action in queued:
+            action()
 
     def wait_ready(self, stages: list[StageHandle], since: float | None = None) -> None:
         if failed := sorted(s.name for s in stages if s.name in self.failing):
@@ -88,6 +101,8 @@ class Loop:
 
     def command(self, stage: StageHandle, message: m.ControlDown) -> None:
         self.events.append(("command", stage.name, message))
+        if isinstance(message, m.Shutdown) and stage.name not in self.silent_at_shutdown:
+            stage.load = m.StageLoad(is_draining=True)
 
 
 class Harness:
@@ -280,6 +295,31 @@ def test_a_removed_tokenizer_drains_linked_and_stops_after_its_links_close(tmp_p
         assert read_run_info(harness.run_dir).topology == harness.transitions.current
         assert not any(e[0] == "spawn" for e in harness.events)
         assert "tokenizer-1" not in {s.name for s in harness.stages}
+    finally:
+        harness.close()
+
+
+def test_a_removed_tokenizer_is_waited_for_by_the_loads_it_sends_after_its_shutdown(tmp_path: Path):
+    """Its last load before the Shutdown said nothing in flight, but it admitted a call between
+    that load and the Shutdown: the wait took the old load, and closed the links the call's
+    replies needed at once. Now only a load sent since the Shutdown counts."""
+    harness = Harness(tmp_path, small_config("tokenizer.replicas=2"))
+    try:
+        harness.loop.silent_at_shutdown = {"tokenizer-1"}
+        removed = harness.stages["tokenizer-1"]
+        removed.process = Running()  # a stage that is down is not waited for
+
+        def report(in_flight: int) -> None:
+            removed.load = m.StageLoad(num_in_flight=in_flight, is_draining=True)
+            harness.events.append(("load", removed.name, in_flight))
+            if in_flight:
+                harness.loop.meanwhile.append(lambda: report(in_flight - 1))
+
+        harness.loop.meanwhile.append(lambda: report(1))
+        harness.transitions.change(with_setting(harness.loop.config, "tokenizer.replicas", 1))
+        drained = harness.index(("load", "tokenizer-1", 0))
+        closed = [i for i, _, t in harness.topologies() if t.num_tokenizers == 1]
+        assert closed and drained < min(closed)
     finally:
         harness.close()
 
