@@ -181,21 +181,23 @@ class Transitions:
         self.broadcast(self.current, ("gateway",))  # the tokenizer replicas added are up now
         for stage in self.stages:
             self.watch.command(stage, reconfigure_message(config))
-        if step.draining:
-            self.retire_groups(step.draining)
-            # The tokenizers move what was left on them; the removed tokenizer replicas drain below.
-            self.broadcast(keep_tokenizers(step.after, self.current.num_tokenizers))
-        # The retired groups' stages are gone already; the removed replicas go now, and the
-        # entry replicas taken back.
+        # The removed tokenizer replicas (and those taken back) take no new calls from now, while
+        # any groups retire too; they finish what they hold, with their links kept, below.
         kept = {spec.name for spec in step.after.stages()}
-        removed = sorted(
-            (s for s in self.stages if s.name not in kept), key=lambda s: STOP_ORDER.index(s.kind)
-        )
-        removed_tokenizers = [s for s in removed if s.kind == "tokenizer"]
-        drain_timeout_s = config.supervisor.drain_timeout_s
+        removed_tokenizers = [s for s in self.stages if s.kind == "tokenizer" and s.name not in kept]
         self.draining = {stage.name for stage in removed_tokenizers}
         for stage in removed_tokenizers:
             self.watch.command(stage, m.Shutdown())
+        if step.draining:
+            self.retire_groups(step.draining)
+            # The tokenizers move what was left on them, the removed replicas too.
+            self.broadcast(keep_tokenizers(step.after, self.current.num_tokenizers))
+        # The retired groups' stages are gone already; the removed replicas go now, and the
+        # entry replicas taken back.
+        removed = sorted(
+            (s for s in self.stages if s.name not in kept), key=lambda s: STOP_ORDER.index(s.kind)
+        )
+        drain_timeout_s = config.supervisor.drain_timeout_s
         # A gateway stops accepting at SIGTERM and finishes its open requests (uvicorn's graceful
         # shutdown, bounded by drain_timeout_s); the other replicas keep the port. Its streams
         # may run on tokenizers that stay, so it is waited for itself, out of the stage set first

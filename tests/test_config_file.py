@@ -54,12 +54,13 @@ def test_an_edit_a_sighup_read_is_not_read_again_by_the_file_watch(tmp_path: Pat
     path.write_text("tokenizer:\n  replicas: 1\n")
     config_file = ConfigFile(str(path), [])
     running = load_config(str(path))
-    path.write_text("tokenizer:\n  replicas: 2\n")
+    # Each edit changes the size: the test must not hang on the filesystem's mtime resolution.
+    path.write_text("tokenizer:\n  replicas: 2  # edited\n")
     audit = AuditLog(tmp_path / "audit.jsonl", "supervisor")
     reloaded = config_file.live_settings(running, audit)  # the SIGHUP's read
     assert reloaded is not None and reloaded[1] == ["tokenizer.replicas"]
     assert not config_file.has_changed()
-    path.write_text("tokenizer:\n  replicas: 3\n")
+    path.write_text("tokenizer:\n  replicas: 3  # edited again\n")
     assert config_file.has_changed()  # the next edit is seen
 
 

@@ -299,6 +299,23 @@ def test_a_removed_tokenizer_drains_linked_and_stops_after_its_links_close(tmp_p
         harness.close()
 
 
+def test_a_removed_tokenizer_takes_no_new_calls_while_groups_retire(tmp_path: Path):
+    """tokenizer.replicas 2 -> 1 with engine.data_parallel 2 -> 1: tokenizer-1 heard its Shutdown
+    only after group 1 had drained (up to drain_timeout_s), taking new calls all that while. It
+    hears it before the retirement now, and keeps its links until it has drained itself."""
+    harness = Harness(tmp_path, small_config("tokenizer.replicas=2", "engine.data_parallel=2"))
+    try:
+        new = with_setting(harness.loop.config, "tokenizer.replicas", 1)
+        harness.transitions.change(with_setting(new, "engine.data_parallel", 1))
+        [(shutdown_at, name, _)] = harness.commands(m.Shutdown)
+        assert name == "tokenizer-1"
+        assert shutdown_at < harness.index(("stop", "gpu_worker-1-0", "scheduler-1"))
+        heard = [t for _, name, t in harness.topologies() if name == "tokenizer-0"]
+        assert [(t.num_groups, t.num_tokenizers) for t in heard] == [(2, 2), (1, 2), (1, 1)]
+    finally:
+        harness.close()
+
+
 def test_a_removed_tokenizer_is_waited_for_by_the_loads_it_sends_after_its_shutdown(tmp_path: Path):
     """Its last load before the Shutdown said nothing in flight, but it admitted a call between
     that load and the Shutdown: the wait took the old load, and closed the links the call's
