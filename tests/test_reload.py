@@ -134,6 +134,8 @@ def test_replicas_change_live_without_losing_requests(tmp_path: Path, tiny_model
             streams(run_dir, during=scale_down, new_tokens=LONG_TOKENS, may_fail_over=False) == long_reference
         )
         wait_for_stages(run, tokenizers=1, detokenizers=1)
+        drained = run.wait_for_line("draining:", 60)  # tokenizer-1's: the one replica removed
+        assert "tokenizer-1" in drained and int(drained.split("draining: ")[1].split()[0]) > 0, drained
 
         write_config(config, tiny_model_dir, tokenizers=1, detokenizers=1, max_model_len=256)
         run.process.send_signal(signal.SIGHUP)

@@ -452,8 +452,11 @@ class TokenizerProcess(StageProcess):
             self.core.default_max_tokens = command.default_max_tokens
         elif isinstance(command, m.TopologyChanged):
             self.on_topology(command.topology)
-        elif isinstance(command, m.Shutdown):
+        elif isinstance(command, m.Shutdown) and not self.is_draining:
             self.is_draining = True  # finish what is in flight and the calls it belongs to, refuse new ones
+            self.log.info(
+                "draining: %d requests in flight finish, new calls are refused", len(self.core.journal)
+            )
         elif isinstance(command, m.ResubmitAll) and command.group < len(self.schedulers):
             submissions = self.core.resubmissions(command.group)
             self.log.info("scheduler %d restarted: resubmitting %d requests", command.group, len(submissions))
