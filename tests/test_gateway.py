@@ -794,6 +794,36 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
     jsonschema.validate(json.loads(shaped.content[0].text), NUMBER)
 
 
+def test_anthropic_names_the_stop_sequence_the_engine_stopped_at_when_one_ends_another(gw: Gateway) -> None:
+    """Two stop sequences ending at the same place, one a suffix of the other: the engine stops at
+    the one that starts first (the longer), whatever their order; the reply ends before it and
+    names it, as chat's text ends there, not at the shorter one, leaking the longer's start."""
+    client = anthropic_client(gw)
+    seeded = {"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+              "extra_body": {"temperature": 1.0}, "extra_headers": {"x-brigade-seed": "7"}}  # fmt: skip
+    full = client.messages.create(**seeded).content[0].text
+    # The first place where a 4-character sequence and its last 3 characters first occur (so
+    # that the engine stops there, on either).
+    at = next(
+        i
+        for i in range(1, len(full) - 4)
+        if full.find(full[i : i + 4]) == i and full.find(full[i + 1 : i + 4]) == i + 1
+    )
+    longer, shorter = full[at : at + 4], full[at + 1 : at + 4]
+    stops = {"stop_sequences": [shorter, longer]}
+    whole = client.messages.create(**seeded | stops)
+    with client.messages.stream(**seeded | stops) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    chat = gw.openai().chat.completions.create(model=gw.model, messages=seeded["messages"], max_tokens=12,
+                                               temperature=1.0, seed=7, stop=[shorter, longer])  # fmt: skip
+    assert chat.choices[0].message.content == full[:at]
+    for message in (whole, final):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", longer), message
+        assert message.content[0].text == full[:at], message
+    assert streamed == full[:at]
+
+
 def test_anthropic_input_tokens_leave_out_the_prompt_caches_reads(gw: Gateway, hf_tokenizer) -> None:
     """Anthropic's input_tokens count the prompt's tokens not read from the cache (the prompt is
     input_tokens + cache_read_input_tokens, which clients add up to track their context): a

@@ -349,7 +349,9 @@ class AnthropicReply:
     def _stop_hit(self, text: str, finish_reason: str | None) -> str | None:
         if finish_reason != "stop":
             return None
-        return next((s for s in self.stop_sequences if text.endswith(s)), None)
+        # Of the sequences the text ends with (one may end another), the engine stopped at the one
+        # that starts first, the longest (services/detokenizer/core.py): its start must not stay.
+        return max((s for s in self.stop_sequences if text.endswith(s)), key=len, default=None)
 
     def _stop_reason(self, finish_reason: str | None) -> str:
         if self.stop_sequence is not None:
