@@ -1104,6 +1104,20 @@ def test_responses_equal_chat_streamed_and_not(gw: Gateway) -> None:
     jsonschema.validate(json.loads(shaped.output_text), NUMBER)
 
 
+def test_responses_tool_choice_auto_without_tools_is_the_default(gw: Gateway) -> None:
+    """`auto` is the Responses API's default tool_choice, which every reply gives back: a client
+    that sends it (or a reply's settings) without tools is served as one that leaves it out."""
+    api = gw.openai()
+    kwargs = {"input": CHAT, "max_output_tokens": 4, "temperature": 0}
+    want = api.responses.create(model=gw.model, **kwargs)
+    assert want.tool_choice == "auto"
+    for tools in ({}, {"tools": []}):
+        got = api.responses.create(model=gw.model, **kwargs, tool_choice="auto", **tools)
+        assert (got.output_text, got.tool_choice) == (want.output_text, "auto")
+        final = response_events(gw, **kwargs, tool_choice="auto", **tools)[-1].response
+        assert (final.status, final.output_text) == (want.status, want.output_text), final
+
+
 def test_responses_function_call_round_trip_and_the_store(gw: Gateway) -> None:
     api = gw.openai(max_retries=0)
     tools = [
