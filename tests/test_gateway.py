@@ -711,6 +711,11 @@ def anthropic_client(gw: Gateway, **kwargs) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=gw.url, api_key=CONFIG_KEY, timeout=HTTP_TIMEOUT_S, **kwargs)
 
 
+def anthropic_prompt(usage: anthropic.types.Usage | anthropic.types.MessageDeltaUsage) -> int:
+    """A Messages reply's prompt length: Anthropic's input_tokens leave out the cache's reads."""
+    return (usage.input_tokens or 0) + (usage.cache_read_input_tokens or 0)
+
+
 def chat_greedy(gw: Gateway, messages: list[dict], max_tokens: int, **kwargs):
     reply = gw.openai().chat.completions.create(
         model=gw.model, messages=messages, max_tokens=max_tokens, **{"temperature": 0} | kwargs
@@ -733,7 +738,7 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == want.message.content
     assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.finish_reason]
-    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (
+    assert (anthropic_prompt(reply.usage), reply.usage.output_tokens) == (
         usage.prompt_tokens,
         usage.completion_tokens,
     )
@@ -745,11 +750,11 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
         final = stream.get_final_message()
     assert streamed == want.message.content and final.content[0].text == streamed
     assert final.stop_reason == reply.stop_reason and final.usage.output_tokens == usage.completion_tokens
-    assert final.usage.input_tokens == usage.prompt_tokens
+    assert anthropic_prompt(final.usage) == usage.prompt_tokens
     # message_start already counts the prompt, as Anthropic's does (agents track their context by it).
     with client.messages.stream(**kwargs) as stream:
         starts = [event for event in stream if event.type == "message_start"]
-    assert [s.message.usage.input_tokens for s in starts] == [usage.prompt_tokens]
+    assert [anthropic_prompt(s.message.usage) for s in starts] == [usage.prompt_tokens]
 
     # The tiny model's greedy chat is newlines; sampled with one seed (X-Brigade-Seed, as for
     # chat) it is varied text, the same only if the prompt's tokens are.
@@ -789,6 +794,55 @@ def test_anthropic_messages_equal_chat_streamed_and_not_with_stop_sequences(gw: 
     jsonschema.validate(json.loads(shaped.content[0].text), NUMBER)
 
 
+def test_anthropic_names_the_stop_sequence_the_engine_stopped_at_when_one_ends_another(gw: Gateway) -> None:
+    """Two stop sequences ending at the same place, one a suffix of the other: the engine stops at
+    the one that starts first (the longer), whatever their order; the reply ends before it and
+    names it, as chat's text ends there, not at the shorter one, leaking the longer's start."""
+    client = anthropic_client(gw)
+    seeded = {"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+              "extra_body": {"temperature": 1.0}, "extra_headers": {"x-brigade-seed": "7"}}  # fmt: skip
+    full = client.messages.create(**seeded).content[0].text
+    # The first place where a 4-character sequence and its last 3 characters first occur (so
+    # that the engine stops there, on either).
+    at = next(
+        i
+        for i in range(1, len(full) - 4)
+        if full.find(full[i : i + 4]) == i and full.find(full[i + 1 : i + 4]) == i + 1
+    )
+    longer, shorter = full[at : at + 4], full[at + 1 : at + 4]
+    stops = {"stop_sequences": [shorter, longer]}
+    whole = client.messages.create(**seeded | stops)
+    with client.messages.stream(**seeded | stops) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    chat = gw.openai().chat.completions.create(model=gw.model, messages=seeded["messages"], max_tokens=12,
+                                               temperature=1.0, seed=7, stop=[shorter, longer])  # fmt: skip
+    assert chat.choices[0].message.content == full[:at]
+    for message in (whole, final):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", longer), message
+        assert message.content[0].text == full[:at], message
+    assert streamed == full[:at]
+
+
+def test_anthropic_input_tokens_leave_out_the_prompt_caches_reads(gw: Gateway, hf_tokenizer) -> None:
+    """Anthropic's input_tokens count the prompt's tokens not read from the cache (the prompt is
+    input_tokens + cache_read_input_tokens, which clients add up to track their context): a
+    prompt sent again, its blocks cached, must not count them twice, whole or streamed."""
+    client = anthropic_client(gw)
+    messages = [{"role": "user", "content": "The cache test: " + "ten green bottles " * 8}]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = len(hf_tokenizer(text, add_special_tokens=False).input_ids)
+    kwargs = {"model": gw.model, "messages": messages, "max_tokens": 2}
+    client.messages.create(**kwargs)  # its blocks are cached for the next
+    reply = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        starts = [event.message.usage for event in stream if event.type == "message_start"]
+        final = stream.get_final_message()
+    for usage in (reply.usage, *starts, final.usage):
+        assert usage.cache_read_input_tokens and usage.cache_read_input_tokens < prompt, usage  # the premise
+        assert usage.input_tokens + usage.cache_read_input_tokens == prompt, usage
+
+
 def test_an_assistant_prefill_is_continued_by_chat_anthropic_and_tokenize(gw: Gateway, hf_tokenizer) -> None:
     """A last message of the assistant's is continued, not answered: Anthropic's Messages API does
     it always, chat with vLLM's continue_final_message. The prompt is transformers' rendering with
@@ -819,7 +873,7 @@ def test_an_assistant_prefill_is_continued_by_chat_anthropic_and_tokenize(gw: Ga
     )  # fmt: skip
     assert reply.content[0].text == want
     counted = anthropic_client(gw).messages.count_tokens(model=gw.model, messages=prefill)
-    assert counted.input_tokens == len(ids) == reply.usage.input_tokens
+    assert counted.input_tokens == len(ids) == anthropic_prompt(reply.usage)
 
     # Nothing to continue: a user's last message, or an assistant's that calls tools.
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -882,9 +936,9 @@ def test_anthropic_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:
                                                       "parameters": t["input_schema"]}} for t in tools]  # fmt: skip
     want, usage = chat_sampled(gw, chat_messages, 16, tools=openai_tools)
     counted = client.messages.count_tokens(model=gw.model, messages=answer, tools=tools)
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == anthropic_prompt(reply.usage)
     got_text = "".join(b.text for b in reply.content if b.type == "text")
-    assert got_text == (want.message.content or "") and reply.usage.input_tokens == usage.prompt_tokens
+    assert got_text == (want.message.content or "") and anthropic_prompt(reply.usage) == usage.prompt_tokens
 
 
 ANTHROPIC_BAD_BODIES = {
@@ -1048,6 +1102,20 @@ def test_responses_equal_chat_streamed_and_not(gw: Gateway) -> None:
         text={"format": {"type": "json_schema", "name": "number", "schema": NUMBER, "strict": True}},
     )  # fmt: skip
     jsonschema.validate(json.loads(shaped.output_text), NUMBER)
+
+
+def test_responses_tool_choice_auto_without_tools_is_the_default(gw: Gateway) -> None:
+    """`auto` is the Responses API's default tool_choice, which every reply gives back: a client
+    that sends it (or a reply's settings) without tools is served as one that leaves it out."""
+    api = gw.openai()
+    kwargs = {"input": CHAT, "max_output_tokens": 4, "temperature": 0}
+    want = api.responses.create(model=gw.model, **kwargs)
+    assert want.tool_choice == "auto"
+    for tools in ({}, {"tools": []}):
+        got = api.responses.create(model=gw.model, **kwargs, tool_choice="auto", **tools)
+        assert (got.output_text, got.tool_choice) == (want.output_text, "auto")
+        final = response_events(gw, **kwargs, tool_choice="auto", **tools)[-1].response
+        assert (final.status, final.output_text) == (want.status, want.output_text), final
 
 
 def test_responses_function_call_round_trip_and_the_store(gw: Gateway) -> None:
@@ -1333,7 +1401,7 @@ def test_reasoning_is_split_off_streamed_and_not(gw: Gateway) -> None:
         model=gw.model, max_tokens=4, messages=[*CHAT, {"role": "assistant", "content": thinking}, *CHAT]
     )
     assert (
-        reply.usage.input_tokens
+        anthropic_prompt(reply.usage)
         == sdk.chat.completions.create(
             model=gw.model, max_tokens=1, messages=[*CHAT, said, *CHAT]
         ).usage.prompt_tokens

@@ -318,6 +318,20 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _usage(usage: p.UsageOut | None) -> dict[str, int]:
+    """Anthropic's usage: its `input_tokens` are the prompt's tokens not read from the cache, which
+    `cache_read_input_tokens` counts (the prompt is their sum, as clients that track their context
+    add them up); a stream's message_delta carries all three, as the whole reply does."""
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": cached,
+    }
+
+
 class AnthropicReply:
     """The Translation (translated.py) of one Messages request."""
 
@@ -335,7 +349,9 @@ class AnthropicReply:
     def _stop_hit(self, text: str, finish_reason: str | None) -> str | None:
         if finish_reason != "stop":
             return None
-        return next((s for s in self.stop_sequences if text.endswith(s)), None)
+        # Of the sequences the text ends with (one may end another), the engine stopped at the one
+        # that starts first, the longest (services/detokenizer/core.py): its start must not stay.
+        return max((s for s in self.stop_sequences if text.endswith(s)), key=len, default=None)
 
     def _stop_reason(self, finish_reason: str | None) -> str:
         if self.stop_sequence is not None:
@@ -361,13 +377,8 @@ class AnthropicReply:
             "content": content,
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence,
-            "usage": {
-                "input_tokens": usage.prompt_tokens if usage else 0,
-                "output_tokens": usage.completion_tokens if usage else 0,
-                "cache_read_input_tokens": usage.prompt_tokens_details.cached_tokens
-                if usage and usage.prompt_tokens_details else 0,
-            },
-        }  # fmt: skip
+            "usage": _usage(usage),
+        }
 
     async def whole(self, completion: p.ChatCompletion) -> bytes:
         choice = completion.choices[0]
@@ -443,7 +454,7 @@ class AnthropicReply:
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-            "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens},
+            "usage": _usage(usage),
         }
         return [
             *self._close(),

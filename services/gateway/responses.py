@@ -265,13 +265,18 @@ def renamed(error: ApiError, origins: Sequence[str] = ()) -> ApiError:
 
 def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> p.ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    tools, tool_choice = _chat_tools(req), _chat_tool_choice(req.tool_choice)
+    if tool_choice == "auto" and not tools:
+        # The Responses API's default (every reply gives it back): with no tools it asks for
+        # nothing, where chat's `auto` without tools is a 400.
+        tool_choice = None
     body = {
         "messages": system + conversation,
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "tools": _chat_tools(req),
-        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "tools": tools,
+        "tool_choice": tool_choice,
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
