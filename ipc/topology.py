@@ -99,11 +99,12 @@ class Transition:
        linked (they finish their streams, whose replies come back from the detokenizers and the
        schedulers); then start the `added` tokenizers and gateways, which read `during` from
        run.json, so that they take requests only once every group they route to is up and every
-       stage that answers them links to them;
+       stage that answers them links to them; tell the removed tokenizers to take no new calls;
     3. let the groups in `draining` finish what they run, stop their stages, and tell every
        stage (the tokenizers move whatever was left on those groups to the others);
     4. let the removed tokenizer and gateway replicas finish what they hold, tell every stage
-       `after`, and stop the rest of `removed` (in stop order).
+       `after` (the links to the removed tokenizers close), and stop the rest of `removed` (in
+       stop order).
     `moved` names the stages now placed on another host: their links follow `during`."""
 
     added: list[StageSpec]
