@@ -95,24 +95,25 @@ class Transition:
     1. start the `added` detokenizers, engine groups and encoders (in start order) and wait
        until they are ready;
     2. tell every stage `during`: the new counts, with the engine groups in `draining` still
-       running but no longer taking new requests, and the removed tokenizer replicas still
-       linked (they finish their streams, whose replies come back from the detokenizers and the
-       schedulers); then start the `added` tokenizers and gateways, which read `during` from
-       run.json, so that they take requests only once every group they route to is up and every
-       stage that answers them links to them; tell the removed tokenizers to take no new calls;
+       running but no longer taking new requests (the supervisor keeps the removed tokenizer
+       replicas linked beside it until step 4: they finish their streams, whose replies come
+       back from the detokenizers and the schedulers); then start the `added` tokenizers and
+       gateways, which read `during` from run.json, so that they take requests only once every
+       group they route to is up and every stage that answers them links to them; tell the
+       removed tokenizers to take no new calls;
     3. let the groups in `draining` finish what they run, stop their stages, and tell every
        stage (the tokenizers move whatever was left on those groups to the others);
     4. let the removed tokenizer and gateway replicas finish what they hold, tell every stage
        `after` (the links to the removed tokenizers close), and stop the rest of `removed` (in
        stop order).
-    `moved` names the stages now placed on another host: their links follow `during`."""
+    The stages' hosts are `new`'s in `during` and `after`: a stage placed on another host is
+    linked there."""
 
     added: list[StageSpec]
     during: Topology
     draining: range
     after: Topology
     removed: list[StageSpec]
-    moved: dict[str, str]
 
 
 def diff(old: Topology, new: Topology) -> Transition:
@@ -130,7 +131,5 @@ def diff(old: Topology, new: Topology) -> Transition:
         new,
         num_groups=max(old.num_groups, new.num_groups),
         num_routed_groups=new.num_routed_groups,
-        num_tokenizers=max(old.num_tokenizers, new.num_tokenizers),
     )
-    moved = {name: host for name, host in new.hosts.items() if old.hosts.get(name) != host}
-    return Transition(added, during, range(new.num_groups, old.num_groups), new, removed, moved)
+    return Transition(added, during, range(new.num_groups, old.num_groups), new, removed)

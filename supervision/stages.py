@@ -64,6 +64,7 @@ class StageHandle:
     argv: list[str]
     env: dict[str, str]
     group: int = -1  # engine group of schedulers and workers
+    index: int = 0  # which replica of its kind (StageSpec.index)
     process: subprocess.Popen | None = None
     is_ready: bool = False
     was_ever_ready: bool = False
@@ -178,7 +179,7 @@ class StageSet:
         if spec.rank is not None:
             argv += ["--rank", str(spec.rank)]
         env = {**os.environ, **self.stage_env(spec.group, spec.rank)}
-        stage = StageHandle(spec.name, spec.kind, argv, env, group=spec.group)
+        stage = StageHandle(spec.name, spec.kind, argv, env, group=spec.group, index=spec.index)
         self.stages[spec.name] = stage
         return stage
 

@@ -45,12 +45,6 @@ ENTRY_KINDS = ("tokenizer", "gateway")
 log = logging.getLogger("supervisor")
 
 
-def keep_tokenizers(topology: Topology, linked: int) -> Topology:
-    """`topology` with the links to `linked` tokenizer replicas kept: those a change removes (or
-    takes back) finish what they hold first, and their replies come through those links."""
-    return msgspec.structs.replace(topology, num_tokenizers=max(topology.num_tokenizers, linked))
-
-
 class Watch(Protocol):
     """What a change needs of the supervisor's watch loop, which goes on while it waits."""
 
@@ -88,8 +82,15 @@ class Transitions:
         """Make `topology`'s counts the current ones, in run.json for the stages that start from
         now on, and tell the running stages of `kinds` (by default every stage that keeps peer
         links, and the gateways). The hosts stay those of `current`: only `move_group` changes
-        them, and a group may move while a change waits for its stages."""
-        topology = msgspec.structs.replace(topology, hosts=self.current.hosts)
+        them, and a group may move while a change waits for its stages. Every tokenizer replica
+        still in the stage set stays linked, whatever `topology` counts: one that a change
+        removes or takes back finishes what it holds first, and its replies need those links."""
+        linked = max((s.index + 1 for s in self.stages if s.kind == "tokenizer"), default=0)
+        topology = msgspec.structs.replace(
+            topology,
+            hosts=self.current.hosts,
+            num_tokenizers=max(topology.num_tokenizers, linked),
+        )
         self.current = topology
         self.most_encoders = max(self.most_encoders, topology.num_encoders)
         self.run.publish_topology(topology)
@@ -175,9 +176,8 @@ class Transitions:
         # They read `during` from run.json (Stage.topology): the groups up and routed now.
         failed = self.start_stages([spec for spec in step.added if spec.kind in ENTRY_KINDS])
         if failed:  # stopped with the removed replicas below, which may have taken calls already
-            linked = step.during.num_tokenizers
             config, step = self.take_back(failed, old, config, before)
-            self.broadcast(keep_tokenizers(step.during, linked), PEER_KINDS)
+            self.broadcast(step.during, PEER_KINDS)
         self.broadcast(self.current, ("gateway",))  # the tokenizer replicas added are up now
         for stage in self.stages:
             self.watch.command(stage, reconfigure_message(config))
@@ -191,7 +191,7 @@ class Transitions:
         if step.draining:
             self.retire_groups(step.draining)
             # The tokenizers move what was left on them, the removed replicas too.
-            self.broadcast(keep_tokenizers(step.after, self.current.num_tokenizers))
+            self.broadcast(step.after)
         # The retired groups' stages are gone already; the removed replicas go now, and the
         # entry replicas taken back.
         removed = sorted(
@@ -218,10 +218,10 @@ class Transitions:
         while is_draining() and time.monotonic() < deadline and not self.is_cut_short():
             self.watch.read_control(0.2)
         self.watch.read_control(1.0)  # let in-flight batches to the old shards land first
-        if self.current.num_tokenizers != step.after.num_tokenizers:  # the links to them close
-            self.broadcast(msgspec.structs.replace(self.current, num_tokenizers=step.after.num_tokenizers))
         self.stages.remove([s for s in removed if s.kind != "gateway"])
         self.draining = set()
+        if self.current.num_tokenizers != step.after.num_tokenizers:  # the links to them close
+            self.broadcast(step.after)
         self.stages.stop(removed, STOP_GRACE_S)
         taken_back = [spec for spec in attempted if spec.name not in kept]
         self.run.remove_sockets([*step.removed, *taken_back])  # the retired groups' stages' too

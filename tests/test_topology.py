@@ -65,7 +65,7 @@ def test_routed_groups_must_be_some_of_the_groups(groups, routed):
 def test_the_same_topology_is_no_transition():
     t = topology(tokenizers=2, groups=2)
     step = diff(t, t)
-    assert (step.added, step.removed, step.moved, list(step.draining)) == ([], [], {}, [])
+    assert (step.added, step.removed, list(step.draining)) == ([], [], [])
     assert step.during == step.after == t
 
 
@@ -94,10 +94,10 @@ def test_removed_replicas_stop_from_the_entry_of_requests_to_their_exit():
     assert names(step.removed) == [
         "gateway-1", "tokenizer-1", "tokenizer-2", "detokenizer-1", "detokenizer-2"
     ]  # fmt: skip
-    # The removed tokenizer replicas finish what they hold: the stages answering them keep their
-    # links until then. The schedulers move every request off the removed detokenizer shards.
-    assert step.during.num_tokenizers == 3 and step.during.num_detokenizers == 1
-    assert step.after.num_tokenizers == 1
+    # The schedulers move every request off the removed detokenizer shards. (The supervisor keeps
+    # the removed tokenizer replicas linked while they finish: tests/test_transition.py.)
+    assert step.during.num_detokenizers == step.after.num_detokenizers == 1
+    assert step.during.num_tokenizers == step.after.num_tokenizers == 1
 
 
 def test_a_reload_that_grows_one_count_and_shrinks_another():
@@ -109,11 +109,10 @@ def test_a_reload_that_grows_one_count_and_shrinks_another():
     assert list(step.draining) == []
 
 
-def test_a_group_placed_on_another_node_moves_only_its_stages():
+def test_a_group_placed_on_another_node_is_linked_there_and_nothing_starts_or_stops():
     old = topology(groups=2, hosts={"scheduler-1": "10.0.0.2", "gpu_worker-1-0": "10.0.0.2"})
     new = topology(groups=2, hosts={"scheduler-1": "10.0.0.9", "gpu_worker-1-0": "10.0.0.9"})
     step = diff(old, new)
-    assert step.moved == {"scheduler-1": "10.0.0.9", "gpu_worker-1-0": "10.0.0.9"}
     assert step.added == [] and step.removed == []
     assert step.during.hosts == new.hosts
 
