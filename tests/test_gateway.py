@@ -1547,8 +1547,10 @@ def test_a_bug_in_a_reply_formatter_is_a_logged_500_not_a_dropped_connection(
             api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4)
         assert failed.value.body["code"] == "internal" and "a formatter bug" in failed.value.body["message"]
         events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4, stream=True))
-        assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
-        assert events[-1].code == "internal" and "a formatter bug" in events[-1].message
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "internal"
+        assert "a formatter bug" in failed.error.message
 
         client = anthropic.Anthropic(base_url=url, api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
         with pytest.raises(anthropic.InternalServerError) as failed:
@@ -1597,6 +1599,30 @@ def test_a_stream_that_fails_midway_ends_with_its_error(
             chunks = [json.loads(data) for data in datas]
             assert done == "[DONE]" and "the engine gave up" in chunks[-1]["error"]["message"], chunks
             assert not [chunk for chunk in chunks if chunk.get("choices") == []], chunks  # no usage chunk
+
+
+def test_a_responses_stream_that_fails_midway_ends_with_response_failed(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI's Responses stream ends with one terminal event: an engine error after the start is
+    `response.failed`, its response `failed` with the `error` (code, message) and the output so far,
+    not a bare `error` event that leaves a client waiting for the response's end."""
+
+    async def fails_after_one_delta(client, jobs):
+        yield 0, StreamDelta("Hi", [5], usage=m.Usage(3, 0))
+        raise Overloaded("the engine gave up")
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", fails_after_one_delta)
+    with in_process_gateway(gw, tmp_path) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.failed", events
+    assert "error" not in [e.type for e in events]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.id == events[0].response.id
+    assert failed.error.code == "overloaded" and "the engine gave up" in failed.error.message
+    assert failed.output_text == "Hi"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -308,8 +308,11 @@ class ResponsesReply:
         self.finish_reason: str | None = None
         self.sequence_number = 0
         self.last_event: tuple[str, dict[str, Any]] = ("", {})  # the kind and body _event made last
+        self.opened = False  # response.created is sent: a failure is then response.failed
 
-    def body(self, status: str, usage: p.UsageOut | None) -> dict[str, Any]:
+    def body(
+        self, status: str, usage: p.UsageOut | None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         req = self.req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
@@ -318,7 +321,7 @@ class ResponsesReply:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "error": None,
+            "error": error,
             "incomplete_details": incomplete,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -418,6 +421,7 @@ class ResponsesReply:
 
     def opening(self, usage: p.UsageOut | None) -> list[bytes]:  # usage comes at the end here
         body = self.body("in_progress", None)
+        self.opened = True
         return [
             self._event("response.created", response=body),
             self._event("response.in_progress", response=body),
@@ -504,7 +508,14 @@ class ResponsesReply:
         return renamed(error, self.origins).body()
 
     def error_event(self, error: ApiError) -> bytes:
-        return self._event("error", **_error_fields(renamed(error, self.origins)))
+        """A stream's failure. Once response.created is out, OpenAI's stream ends with the one
+        terminal event a client waits for, `response.failed`, its response `failed` with the
+        `error`; before it there is no response to fail, so a bare `error` event says why."""
+        error = renamed(error, self.origins)
+        if not self.opened:
+            return self._event("error", **_error_fields(error))
+        failed = self.body("failed", None, {"code": error.code or "server_error", "message": error.message})
+        return self._event("response.failed", response=failed)
 
 
 # -- the endpoints ----------------------------------------------------------------------------
