@@ -1625,6 +1625,28 @@ def test_a_responses_stream_that_fails_midway_ends_with_response_failed(
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_a_response_cut_inside_its_reasoning_has_no_message_item(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_output_tokens reached inside the think block (the in-process replica reads qwen3's):
+    the output is the reasoning item alone, `incomplete`, as OpenAI's, streamed and not; no empty
+    message item follows it."""
+
+    async def cut_while_thinking(client, jobs):
+        yield 0, StreamDelta("<think>", [5], usage=m.Usage(3, 1))
+        yield 0, StreamDelta("still going", [6], finish_reason="length", usage=m.Usage(3, 2))
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", cut_while_thinking)
+    with in_process_gateway(gw, tmp_path) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        reply = api.responses.create(model=gw.model, input=CHAT, max_output_tokens=2)
+        events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=2, stream=True))
+    for response in (reply, events[-1].response):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert [(item.type, item.status) for item in response.output] == [("reasoning", "incomplete")]
+        assert response.output[0].content[0].text == "still going" and response.output_text == ""
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 

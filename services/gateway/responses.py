@@ -397,7 +397,10 @@ class ResponsesReply:
             item = self._reasoning_item()
             item["content"] = [{"type": "reasoning_text", "text": choice.message.reasoning_content}]
             self.output.append(item)
-        if text or not calls:
+        # A message only with text, or when it would be the reply's only item: a reply cut
+        # (max_output_tokens) inside its reasoning is that reasoning item alone, as OpenAI's and
+        # as the stream (`closing`) has it, not one with an empty message after it.
+        if text or (not self.output and not calls):
             item = self._message_item()
             item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
             self.output.append(item)
