@@ -1270,6 +1270,11 @@ RESPONSES_BAD_BODIES = {
         "metadata",
         "invalid_value",
     ),
+    # OpenAI's ranges: temperature [0, 2] (chat takes vLLM's, up to 100), top_p (0, 1]
+    "temperature past OpenAI's 2": ({"input": "hi", "temperature": 2.5}, "temperature", "invalid_value"),
+    "a negative temperature": ({"input": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
+    "top_p of 0": ({"input": "hi", "top_p": 0}, "top_p", "invalid_value"),
+    "top_p past 1": ({"input": "hi", "top_p": 1.5}, "top_p", "invalid_value"),
 }
 
 

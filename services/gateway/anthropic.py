@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from services.gateway import protocol as p
 from services.gateway.app import JSON, Gateway, chat_to_render
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, check_range, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.translated import at_origin, named_event, run_translated
@@ -260,8 +260,7 @@ def _continues_prefill(req: CountTokensRequest) -> bool:
 def chat_request(req: MessagesRequest) -> tuple[p.ChatCompletionRequest, list[str]]:
     """The chat completion a Messages request runs as, and the field each of its messages came
     from (`at_origin`)."""
-    if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range
-        raise invalid(f"temperature must be in [0, 1], got {req.temperature:g}", "temperature")
+    check_range("temperature", req.temperature, 0.0, 1.0)  # Anthropic's range
     fields, origins = _prompt_fields(req)
     body = {
         **fields,

@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from services.gateway import protocol as p
 from services.gateway.app import Gateway, chat_to_render, json_response
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, check_range, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.response_store import ResponseStore, StoredResponse
@@ -264,6 +264,8 @@ def renamed(error: ApiError, origins: Sequence[str] = ()) -> ApiError:
 
 
 def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> p.ChatCompletionRequest:
+    # OpenAI's range; top_p's (0, 1] is the engine's own, which refuses it naming top_p.
+    check_range("temperature", req.temperature, 0.0, 2.0)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     tools, tool_choice = _chat_tools(req), _chat_tool_choice(req.tool_choice)
     if tool_choice == "auto" and not tools:
