@@ -980,6 +980,44 @@ ANTHROPIC_BAD_BODIES = {
         {"max_tokens": 4, "messages": [{"role": "user", "content": []}]},
         "messages[0].content",
     ),
+    # Anthropic refuses these too: an empty turn (but a last assistant one, a prefill of
+    # nothing), a tool result that answers no earlier call, a user's thinking.
+    "empty content": (
+        {"max_tokens": 4, "messages": [{"role": "user", "content": ""}]},
+        "messages[0].content: must not be empty",
+    ),
+    "an empty assistant turn before the last": (
+        {"max_tokens": 4, "messages": [*CHAT, {"role": "assistant", "content": ""}, *CHAT]},
+        "messages[1].content: must not be empty",
+    ),
+    "a tool_result answering no tool_use": (
+        {
+            "max_tokens": 4,
+            "messages": [
+                *CHAT,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"}]},
+            ],
+        },
+        "messages[2].content[0]: tool_result's tool_use_id 't2' matches no tool_use block",
+    ),
+    "a tool_result before any tool_use": (
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}],
+        },
+        "messages[0].content[0]: tool_result's tool_use_id 't1' matches no tool_use block",
+    ),
+    "thinking from the user": (
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "hm"}]}],
+        },
+        "messages[0].content[0]: thinking blocks belong to assistant messages",
+    ),
     "not JSON": (b"{", "JSON"),
     # Anthropic's structured outputs are strict: a keyword that cannot be enforced is refused.
     "schema keyword not enforced": (
@@ -1497,6 +1535,14 @@ def test_anthropic_errors_name_the_anthropic_message_not_the_chat_one() -> None:
         error = ApiError(400, f"messages[{index}]: bad", param=f"messages[{index}]")
         assert msgspec.json.decode(reply.error_body(error))["error"]["message"] == want
         assert msgspec.json.decode(reply.error_event(error).split(b"data: ")[1])["error"]["message"] == want
+
+
+def test_anthropic_empty_last_assistant_turn_is_still_accepted() -> None:
+    """Anthropic's exception to its non-empty content: the last message, an assistant's prefill
+    of nothing (test_anthropic_bad_input_gets_400_in_anthropics_shape: an empty turn before it)."""
+    body = {"max_tokens": 4, "messages": [*CHAT, {"role": "assistant", "content": ""}]}
+    chat, _ = anthropic_chat_request(msgspec.convert(body, MessagesRequest))
+    assert [(x.role, x.content) for x in chat.messages][-1] == ("assistant", "")
 
 
 def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:

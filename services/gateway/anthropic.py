@@ -136,11 +136,19 @@ def _text(blocks: str | list[TextBlock]) -> str:
     return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
 
 
-def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]:
+def _turns(
+    i: int, message: MessageIn, tool_use_ids: set[str], last: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
     """One Anthropic message -> chat messages: a user's tool results become `tool` turns (before
     its text: they answer the calls just made), an assistant's tool uses its `tool_calls`; and the
-    field each came from (`messages[i]`, a tool result's `messages[i].content[k]`)."""
+    field each came from (`messages[i]`, a tool result's `messages[i].content[k]`).
+    `tool_use_ids` are the earlier assistant messages' tool_use ids, which a tool result must
+    answer; this message's are added to them. `last`: the request's last message, the one an
+    assistant's may leave empty (a prefill of nothing), as Anthropic's."""
     if isinstance(message.content, str):
+        if not message.content and not (last and message.role == "assistant"):
+            # Anthropic's 400: an empty turn renders as nothing the model could answer or continue
+            raise invalid(f"messages[{i}].content: must not be empty", f"messages[{i}].content")
         return [{"role": message.role, "content": message.content}], [f"messages[{i}]"]
     if not message.content:
         raise invalid(
@@ -152,10 +160,13 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ThinkingBlock):
+            if message.role != "assistant":  # the model's own thinking; a user has none to send
+                raise invalid(f"{field}: thinking blocks belong to assistant messages", f"{field}.type")
             thinking.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise invalid(f"{field}: tool_use blocks belong to assistant messages", f"{field}.type")
+            tool_use_ids.add(block.id)
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
                 {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
@@ -163,6 +174,14 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
         else:
             if message.role != "user":
                 raise invalid(f"{field}: tool_result blocks belong to user messages", f"{field}.type")
+            if block.tool_use_id not in tool_use_ids:
+                # Anthropic's 400: a result that answers no call would reach the template as a
+                # tool turn with nothing to pair it with.
+                raise invalid(
+                    f"{field}: tool_result's tool_use_id {block.tool_use_id[:80]!r} matches no tool_use "
+                    "block of an earlier assistant message",
+                    f"{field}.tool_use_id",
+                )
             content = _text(block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": f"Error: {content}" if block.is_error else content})  # fmt: skip
@@ -189,8 +208,9 @@ def _chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[
         raise invalid("messages: at least one message is required", "messages")
     system = _text(req.system) if req.system is not None else ""
     messages, origins = ([{"role": "system", "content": system}], ["system"]) if system else ([], [])
+    tool_use_ids: set[str] = set()
     for i, message in enumerate(req.messages):
-        turns, fields = _turns(i, message)
+        turns, fields = _turns(i, message, tool_use_ids, last=i == len(req.messages) - 1)
         messages += turns
         origins += fields
     return messages, origins
