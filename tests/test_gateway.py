@@ -1805,6 +1805,7 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
         body = json.loads(data)
         error = body["error"]
         assert status == 405 and set(error) == shape and headers["allow"], (path, headers, body)
+        assert error["type"] == "invalid_request_error", body  # the client's error, not a server's
         allowed = {"PUT": {"GET"}, "GET": {"POST"}, "POST": {"GET", "DELETE"}}[method]
         assert set(headers["allow"].replace(" ", "").split(",")) >= allowed, headers
     status, _, data = gw.request("POST", "/v1/messages/batches", {})
