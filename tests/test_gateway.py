@@ -980,6 +980,44 @@ ANTHROPIC_BAD_BODIES = {
         {"max_tokens": 4, "messages": [{"role": "user", "content": []}]},
         "messages[0].content",
     ),
+    # Anthropic refuses these too: an empty turn (but a last assistant one, a prefill of
+    # nothing), a tool result that answers no earlier call, a user's thinking.
+    "empty content": (
+        {"max_tokens": 4, "messages": [{"role": "user", "content": ""}]},
+        "messages[0].content: must not be empty",
+    ),
+    "an empty assistant turn before the last": (
+        {"max_tokens": 4, "messages": [*CHAT, {"role": "assistant", "content": ""}, *CHAT]},
+        "messages[1].content: must not be empty",
+    ),
+    "a tool_result answering no tool_use": (
+        {
+            "max_tokens": 4,
+            "messages": [
+                *CHAT,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"}]},
+            ],
+        },
+        "messages[2].content[0]: tool_result's tool_use_id 't2' matches no tool_use block",
+    ),
+    "a tool_result before any tool_use": (
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}],
+        },
+        "messages[0].content[0]: tool_result's tool_use_id 't1' matches no tool_use block",
+    ),
+    "thinking from the user": (
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "hm"}]}],
+        },
+        "messages[0].content[0]: thinking blocks belong to assistant messages",
+    ),
     "not JSON": (b"{", "JSON"),
     # Anthropic's structured outputs are strict: a keyword that cannot be enforced is refused.
     "schema keyword not enforced": (
@@ -1270,6 +1308,11 @@ RESPONSES_BAD_BODIES = {
         "metadata",
         "invalid_value",
     ),
+    # OpenAI's ranges: temperature [0, 2] (chat takes vLLM's, up to 100), top_p (0, 1]
+    "temperature past OpenAI's 2": ({"input": "hi", "temperature": 2.5}, "temperature", "invalid_value"),
+    "a negative temperature": ({"input": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
+    "top_p of 0": ({"input": "hi", "top_p": 0}, "top_p", "invalid_value"),
+    "top_p past 1": ({"input": "hi", "top_p": 1.5}, "top_p", "invalid_value"),
 }
 
 
@@ -1494,6 +1537,14 @@ def test_anthropic_errors_name_the_anthropic_message_not_the_chat_one() -> None:
         assert msgspec.json.decode(reply.error_event(error).split(b"data: ")[1])["error"]["message"] == want
 
 
+def test_anthropic_empty_last_assistant_turn_is_still_accepted() -> None:
+    """Anthropic's exception to its non-empty content: the last message, an assistant's prefill
+    of nothing (test_anthropic_bad_input_gets_400_in_anthropics_shape: an empty turn before it)."""
+    body = {"max_tokens": 4, "messages": [*CHAT, {"role": "assistant", "content": ""}]}
+    chat, _ = anthropic_chat_request(msgspec.convert(body, MessagesRequest))
+    assert [(x.role, x.content) for x in chat.messages][-1] == ("assistant", "")
+
+
 def test_anthropic_thinking_sets_the_templates_enable_thinking() -> None:
     """Anthropic's `thinking` switch is Qwen3's template variable (chat_template_kwargs, which
     test_tokenizer_core.py shows reaching the template): what the chat path is planned with."""
@@ -1547,8 +1598,10 @@ def test_a_bug_in_a_reply_formatter_is_a_logged_500_not_a_dropped_connection(
             api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4)
         assert failed.value.body["code"] == "internal" and "a formatter bug" in failed.value.body["message"]
         events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4, stream=True))
-        assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
-        assert events[-1].code == "internal" and "a formatter bug" in events[-1].message
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "internal"
+        assert "a formatter bug" in failed.error.message
 
         client = anthropic.Anthropic(base_url=url, api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
         with pytest.raises(anthropic.InternalServerError) as failed:
@@ -1597,6 +1650,52 @@ def test_a_stream_that_fails_midway_ends_with_its_error(
             chunks = [json.loads(data) for data in datas]
             assert done == "[DONE]" and "the engine gave up" in chunks[-1]["error"]["message"], chunks
             assert not [chunk for chunk in chunks if chunk.get("choices") == []], chunks  # no usage chunk
+
+
+def test_a_responses_stream_that_fails_midway_ends_with_response_failed(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI's Responses stream ends with one terminal event: an engine error after the start is
+    `response.failed`, its response `failed` with the `error` (code, message) and the output so far,
+    not a bare `error` event that leaves a client waiting for the response's end."""
+
+    async def fails_after_one_delta(client, jobs):
+        yield 0, StreamDelta("Hi", [5], usage=m.Usage(3, 0))
+        raise Overloaded("the engine gave up")
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", fails_after_one_delta)
+    with in_process_gateway(gw, tmp_path) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=4, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.failed", events
+    assert "error" not in [e.type for e in events]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.id == events[0].response.id
+    assert failed.error.code == "overloaded" and "the engine gave up" in failed.error.message
+    assert failed.output_text == "Hi"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_response_cut_inside_its_reasoning_has_no_message_item(
+    gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_output_tokens reached inside the think block (the in-process replica reads qwen3's):
+    the output is the reasoning item alone, `incomplete`, as OpenAI's, streamed and not; no empty
+    message item follows it."""
+
+    async def cut_while_thinking(client, jobs):
+        yield 0, StreamDelta("<think>", [5], usage=m.Usage(3, 1))
+        yield 0, StreamDelta("still going", [6], finish_reason="length", usage=m.Usage(3, 2))
+
+    monkeypatch.setattr(services.gateway.app, "run_jobs", cut_while_thinking)
+    with in_process_gateway(gw, tmp_path) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=HTTP_TIMEOUT_S, max_retries=0)
+        reply = api.responses.create(model=gw.model, input=CHAT, max_output_tokens=2)
+        events = list(api.responses.create(model=gw.model, input=CHAT, max_output_tokens=2, stream=True))
+    for response in (reply, events[-1].response):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert [(item.type, item.status) for item in response.output] == [("reasoning", "incomplete")]
+        assert response.output[0].content[0].text == "still going" and response.output_text == ""
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -1706,6 +1805,7 @@ def test_every_error_status_through_the_openai_client(gw: Gateway, hf_tokenizer)
         body = json.loads(data)
         error = body["error"]
         assert status == 405 and set(error) == shape and headers["allow"], (path, headers, body)
+        assert error["type"] == "invalid_request_error", body  # the client's error, not a server's
         allowed = {"PUT": {"GET"}, "GET": {"POST"}, "POST": {"GET", "DELETE"}}[method]
         assert set(headers["allow"].replace(" ", "").split(",")) >= allowed, headers
     status, _, data = gw.request("POST", "/v1/messages/batches", {})

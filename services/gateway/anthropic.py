@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from services.gateway import protocol as p
 from services.gateway.app import JSON, Gateway, chat_to_render
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, check_range, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.translated import at_origin, named_event, run_translated
@@ -34,6 +34,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",  # a method the route does not take: the client's error
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -136,11 +137,19 @@ def _text(blocks: str | list[TextBlock]) -> str:
     return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
 
 
-def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]:
+def _turns(
+    i: int, message: MessageIn, tool_use_ids: set[str], last: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
     """One Anthropic message -> chat messages: a user's tool results become `tool` turns (before
     its text: they answer the calls just made), an assistant's tool uses its `tool_calls`; and the
-    field each came from (`messages[i]`, a tool result's `messages[i].content[k]`)."""
+    field each came from (`messages[i]`, a tool result's `messages[i].content[k]`).
+    `tool_use_ids` are the earlier assistant messages' tool_use ids, which a tool result must
+    answer; this message's are added to them. `last`: the request's last message, the one an
+    assistant's may leave empty (a prefill of nothing), as Anthropic's."""
     if isinstance(message.content, str):
+        if not message.content and not (last and message.role == "assistant"):
+            # Anthropic's 400: an empty turn renders as nothing the model could answer or continue
+            raise invalid(f"messages[{i}].content: must not be empty", f"messages[{i}].content")
         return [{"role": message.role, "content": message.content}], [f"messages[{i}]"]
     if not message.content:
         raise invalid(
@@ -152,10 +161,13 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ThinkingBlock):
+            if message.role != "assistant":  # the model's own thinking; a user has none to send
+                raise invalid(f"{field}: thinking blocks belong to assistant messages", f"{field}.type")
             thinking.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise invalid(f"{field}: tool_use blocks belong to assistant messages", f"{field}.type")
+            tool_use_ids.add(block.id)
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
                 {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
@@ -163,6 +175,14 @@ def _turns(i: int, message: MessageIn) -> tuple[list[dict[str, Any]], list[str]]
         else:
             if message.role != "user":
                 raise invalid(f"{field}: tool_result blocks belong to user messages", f"{field}.type")
+            if block.tool_use_id not in tool_use_ids:
+                # Anthropic's 400: a result that answers no call would reach the template as a
+                # tool turn with nothing to pair it with.
+                raise invalid(
+                    f"{field}: tool_result's tool_use_id {block.tool_use_id[:80]!r} matches no tool_use "
+                    "block of an earlier assistant message",
+                    f"{field}.tool_use_id",
+                )
             content = _text(block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": f"Error: {content}" if block.is_error else content})  # fmt: skip
@@ -189,8 +209,9 @@ def _chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[
         raise invalid("messages: at least one message is required", "messages")
     system = _text(req.system) if req.system is not None else ""
     messages, origins = ([{"role": "system", "content": system}], ["system"]) if system else ([], [])
+    tool_use_ids: set[str] = set()
     for i, message in enumerate(req.messages):
-        turns, fields = _turns(i, message)
+        turns, fields = _turns(i, message, tool_use_ids, last=i == len(req.messages) - 1)
         messages += turns
         origins += fields
     return messages, origins
@@ -260,8 +281,7 @@ def _continues_prefill(req: CountTokensRequest) -> bool:
 def chat_request(req: MessagesRequest) -> tuple[p.ChatCompletionRequest, list[str]]:
     """The chat completion a Messages request runs as, and the field each of its messages came
     from (`at_origin`)."""
-    if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range
-        raise invalid(f"temperature must be in [0, 1], got {req.temperature:g}", "temperature")
+    check_range("temperature", req.temperature, 0.0, 1.0)  # Anthropic's range
     fields, origins = _prompt_fields(req)
     body = {
         **fields,

@@ -72,6 +72,14 @@ def invalid(message: str, param: str | None, code: str | None = "invalid_value")
     return ApiError(400, message, param=param, code=code)
 
 
+def check_range(name: str, value: float | None, low: float, high: float) -> None:
+    """A 400 naming `name` unless `value` (when given) is in [low, high]: an API's own range for a
+    sampling parameter, tighter than the engine's (ipc/validation.py takes vLLM's temperature up
+    to 100, which chat keeps; Anthropic's is [0, 1], the Responses API's [0, 2])."""
+    if value is not None and not low <= value <= high:
+        raise invalid(f"{name} must be in [{low:g}, {high:g}], got {value:g}", name)
+
+
 def _lone_surrogate(data: bytes) -> tuple[int, str] | None:
     """The first escape of a high surrogate with no other half, and where: an escape is a
     backslash after an even run of them (after an odd run it is an escaped backslash, then text)."""

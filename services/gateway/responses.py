@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from services.gateway import protocol as p
 from services.gateway.app import Gateway, chat_to_render, json_response
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, check_range, invalid
 from services.gateway.formats import Piece
 from services.gateway.jobs import SEED_HEADER, header_seed, plan_chat
 from services.gateway.response_store import ResponseStore, StoredResponse
@@ -264,6 +264,8 @@ def renamed(error: ApiError, origins: Sequence[str] = ()) -> ApiError:
 
 
 def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> p.ChatCompletionRequest:
+    # OpenAI's range; top_p's (0, 1] is the engine's own, which refuses it naming top_p.
+    check_range("temperature", req.temperature, 0.0, 2.0)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     tools, tool_choice = _chat_tools(req), _chat_tool_choice(req.tool_choice)
     if tool_choice == "auto" and not tools:
@@ -308,8 +310,11 @@ class ResponsesReply:
         self.finish_reason: str | None = None
         self.sequence_number = 0
         self.last_event: tuple[str, dict[str, Any]] = ("", {})  # the kind and body _event made last
+        self.opened = False  # response.created is sent: a failure is then response.failed
 
-    def body(self, status: str, usage: p.UsageOut | None) -> dict[str, Any]:
+    def body(
+        self, status: str, usage: p.UsageOut | None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         req = self.req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
@@ -318,7 +323,7 @@ class ResponsesReply:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "error": None,
+            "error": error,
             "incomplete_details": incomplete,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -394,7 +399,10 @@ class ResponsesReply:
             item = self._reasoning_item()
             item["content"] = [{"type": "reasoning_text", "text": choice.message.reasoning_content}]
             self.output.append(item)
-        if text or not calls:
+        # A message only with text, or when it would be the reply's only item: a reply cut
+        # (max_output_tokens) inside its reasoning is that reasoning item alone, as OpenAI's and
+        # as the stream (`closing`) has it, not one with an empty message after it.
+        if text or (not self.output and not calls):
             item = self._message_item()
             item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
             self.output.append(item)
@@ -418,6 +426,7 @@ class ResponsesReply:
 
     def opening(self, usage: p.UsageOut | None) -> list[bytes]:  # usage comes at the end here
         body = self.body("in_progress", None)
+        self.opened = True
         return [
             self._event("response.created", response=body),
             self._event("response.in_progress", response=body),
@@ -504,7 +513,14 @@ class ResponsesReply:
         return renamed(error, self.origins).body()
 
     def error_event(self, error: ApiError) -> bytes:
-        return self._event("error", **_error_fields(renamed(error, self.origins)))
+        """A stream's failure. Once response.created is out, OpenAI's stream ends with the one
+        terminal event a client waits for, `response.failed`, its response `failed` with the
+        `error`; before it there is no response to fail, so a bare `error` event says why."""
+        error = renamed(error, self.origins)
+        if not self.opened:
+            return self._event("error", **_error_fields(error))
+        failed = self.body("failed", None, {"code": error.code or "server_error", "message": error.message})
+        return self._event("response.failed", response=failed)
 
 
 # -- the endpoints ----------------------------------------------------------------------------
