@@ -1245,7 +1245,9 @@ def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway
     assert follow.output_text == want.message.content
 
 
-def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(gw: Gateway) -> None:
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time_and_it_cannot_be_cancelled(
+    gw: Gateway,
+) -> None:
     api = gw.openai()
     said = [
         {"role": "user", "content": "Name a colour."},
@@ -1287,6 +1289,11 @@ def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(gw: Gateway)
     unstored = api.responses.create(model=gw.model, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         api.responses.input_items.list(unstored.id)
+    # Every response here ends within its request: there is none in the background to cancel.
+    with pytest.raises(openai.BadRequestError, match="background"):
+        api.responses.cancel(first.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.cancel(unstored.id)
 
 
 RESPONSES_BAD_BODIES = {

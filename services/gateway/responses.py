@@ -693,6 +693,17 @@ class ResponsesApi:
         }
         return self.gateway.finish(request, json_response(body))
 
+    async def cancel(self, request: Request) -> Response:
+        """OpenAI's POST /v1/responses/{id}/cancel cancels a `background` response; this gateway
+        answers every response before its request ends (a `background` request runs as any
+        other), so a stored one is refused as OpenAI refuses a response not in the background."""
+        self.gateway.check_key(request)
+        response_id = request.path_params["response_id"]
+        if await asyncio.to_thread(self.store.get, response_id) is None:
+            raise _not_found(response_id)
+        raise ApiError(400, "Only responses created with background=true can be cancelled; this server "
+                       "runs every response to its end within its request.", code="invalid_request")  # fmt: skip
+
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)
         response_id = request.path_params["response_id"]
