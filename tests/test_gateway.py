@@ -1245,6 +1245,57 @@ def test_stored_responses_are_shared_by_replicas_and_survive_sigkill(gw: Gateway
     assert follow.output_text == want.message.content
 
 
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time_and_it_cannot_be_cancelled(
+    gw: Gateway,
+) -> None:
+    api = gw.openai()
+    said = [
+        {"role": "user", "content": "Name a colour."},
+        {"type": "message", "role": "assistant", "content": "Blue.", "id": "msg_mine"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And another?"}]},
+    ]
+    first = api.responses.create(model=gw.model, input=said, max_output_tokens=2)
+    # Two pages of two (the client follows has_more with `after`), oldest first.
+    listed = list(api.responses.input_items.list(first.id, order="asc", limit=2))
+    assert [(item.type, item.role, item.content[0].text) for item in listed] == [
+        ("message", "user", "Name a colour."), ("message", "assistant", "Blue."), ("message", "user", "And another?")
+    ]  # fmt: skip
+    assert listed[1].id == "msg_mine" and len({item.id for item in listed}) == 3
+    assert [item.content[0].type for item in listed] == ["input_text", "output_text", "input_text"]
+    newest_first = api.responses.input_items.list(first.id)  # OpenAI's default order: desc
+    assert [item.id for item in newest_first.data] == [item.id for item in reversed(listed)]
+    assert not newest_first.has_more and newest_first.first_id == listed[2].id
+    before = api.responses.input_items.list(  # this client takes no `before` of its own
+        first.id, order="asc", limit=1, extra_query={"before": listed[2].id}
+    )
+    assert [item.id for item in before.data] == [listed[1].id] and before.has_more
+    # A string input is one user message; a follow-up lists its own input, not its chain's.
+    follow = api.responses.create(
+        model=gw.model, input="Why?", previous_response_id=first.id, max_output_tokens=2
+    )
+    [only] = api.responses.input_items.list(follow.id).data
+    assert (only.type, only.role, only.content[0].text) == ("message", "user", "Why?")
+    # Bad queries name their parameter; an id not stored is a 404, as GET of the response.
+    for query, param in [
+        ({"limit": 0}, "limit"),
+        ({"order": "sideways"}, "order"),
+        ({"after": "msg_x"}, "after"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as bad:
+            api.responses.input_items.list(first.id, **query)
+        assert bad.value.body["param"] == param, bad.value.body
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list(f"resp_{'0' * 32}")
+    unstored = api.responses.create(model=gw.model, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list(unstored.id)
+    # Every response here ends within its request: there is none in the background to cancel.
+    with pytest.raises(openai.BadRequestError, match="background"):
+        api.responses.cancel(first.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.cancel(unstored.id)
+
+
 RESPONSES_BAD_BODIES = {
     "no input": ({}, "input", "missing_required_parameter"),
     "unknown item type": (

@@ -1,4 +1,5 @@
-"""Stored /v1/responses replies, for `previous_response_id` and GET / DELETE /v1/responses/{id}.
+"""Stored /v1/responses replies, for `previous_response_id`, GET / DELETE /v1/responses/{id} and
+GET /v1/responses/{id}/input_items.
 
 One msgspec-JSON file per response in a directory of the run (`<run-dir>/responses`), so every
 gateway replica of the run sees every stored response and a replica restarted after SIGKILL still
@@ -37,6 +38,7 @@ class StoredResponse(msgspec.Struct):
     created_at: float
     response: dict[str, Any]
     conversation: list[ChatMessageIn]
+    input_items: list[dict[str, Any]] = []  # its own input, as GET .../input_items lists it
 
 
 class ResponseStore:

@@ -66,6 +66,7 @@ class InputItem(msgspec.Struct, frozen=True):
     function_call: call_id, name, arguments; function_call_output: call_id, output)."""
 
     type: str = "message"
+    id: str | None = None  # kept for GET /v1/responses/{id}/input_items, which makes one where none
     role: str | None = None
     content: str | list[ContentPartIn] | None = None
     call_id: str | None = None
@@ -160,6 +161,36 @@ def _required(field: str, value: str | None) -> str:
     if value is None:
         raise invalid(f"{field}: required", field, "missing_required_parameter")
     return value
+
+
+# An input item's id prefix, by type, where the client gave it none (as OpenAI's ids read).
+_ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def listed_input_items(items: str | list[InputItem]) -> list[dict[str, Any]]:
+    """`input` as GET /v1/responses/{id}/input_items lists it: each item with an id (the
+    client's, or one made here) and status `completed`, a message's text content as one part."""
+    if isinstance(items, str):
+        items = [InputItem(role="user", content=items)]
+    listed: list[dict[str, Any]] = []
+    for item in items:
+        fields = {name: value for name, value in msgspec.to_builtins(item).items() if value is not None}
+        if item.id is None:
+            fields["id"] = f"{_ITEM_ID_PREFIXES.get(item.type, 'item')}_{uuid.uuid4().hex}"
+        if isinstance(item.content, str):
+            part_type = "output_text" if item.role == "assistant" else "input_text"
+            fields["content"] = [{"type": part_type, "text": item.content}]
+        elif isinstance(fields.get("content"), list):
+            fields["content"] = [
+                {k: v for k, v in part.items() if v is not None} for part in fields["content"]
+            ]
+        listed.append({**fields, "status": "completed"})
+    return listed
 
 
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -383,7 +414,7 @@ class ResponsesReply:
             said["content"] = "".join(texts) if texts or not calls else None
             said["tool_calls"] = calls or None
             conversation = msgspec.convert([*self.conversation, said], list[p.ChatMessageIn])
-            entry = StoredResponse(time.time(), body, conversation)
+            entry = StoredResponse(time.time(), body, conversation, listed_input_items(self.req.input))
             await asyncio.to_thread(self.store.put, self.id, entry)
         return body
 
@@ -546,6 +577,17 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
                           "metadata")  # fmt: skip
 
 
+def _query_int(text: str, name: str, low: int, high: int) -> int:
+    """A query parameter that must be an integer in [low, high]: a 400 naming it otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise invalid(f"{name} must be an integer, got {text[:80]!r}", name) from None
+    if not low <= value <= high:
+        raise invalid(f"{name} must be in [{low}, {high}], got {value}", name)
+    return value
+
+
 def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id {response_id[:80]!r} not found.", code="not_found")
 
@@ -611,6 +653,56 @@ class ResponsesApi:
     async def stored(self, request: Request) -> Response:
         """GET or DELETE of a stored response: one route, so that a 405 there allows both."""
         return await (self.delete if request.method == "DELETE" else self.retrieve)(request)
+
+    async def input_items(self, request: Request) -> Response:
+        """OpenAI's GET /v1/responses/{id}/input_items: a stored response's own input items (not
+        its previous responses'), a page at a time: `limit` 1-100 (20), `order` `desc` (OpenAI's
+        default) or `asc`, and `after` / `before` an item id of the list in that order."""
+        self.gateway.check_key(request)
+        query = request.query_params
+        limit = _query_int(query.get("limit", "20"), "limit", 1, 100)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid(f"order must be 'asc' or 'desc', got {order[:80]!r}", "order")
+        response_id = request.path_params["response_id"]
+        entry = await asyncio.to_thread(self.store.get, response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        ids = [item.get("id") for item in items]
+        start, stop = 0, len(items)
+        for cursor in ("after", "before"):
+            if (item_id := query.get(cursor)) is not None:
+                if item_id not in ids:
+                    raise invalid(f"{cursor}: no input item {item_id[:80]!r} in this response", cursor)
+                if cursor == "after":
+                    start = ids.index(item_id) + 1
+                else:
+                    stop = ids.index(item_id)
+        if "before" in query and "after" not in query:  # the page just before the cursor
+            first = max(start, stop - limit)
+            page, has_more = items[first:stop], first > start
+        else:
+            page, has_more = items[start : start + limit], start + limit < stop
+        body = {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": has_more,
+        }
+        return self.gateway.finish(request, json_response(body))
+
+    async def cancel(self, request: Request) -> Response:
+        """OpenAI's POST /v1/responses/{id}/cancel cancels a `background` response; this gateway
+        answers every response before its request ends (a `background` request runs as any
+        other), so a stored one is refused as OpenAI refuses a response not in the background."""
+        self.gateway.check_key(request)
+        response_id = request.path_params["response_id"]
+        if await asyncio.to_thread(self.store.get, response_id) is None:
+            raise _not_found(response_id)
+        raise ApiError(400, "Only responses created with background=true can be cancelled; this server "
+                       "runs every response to its end within its request.", code="invalid_request")  # fmt: skip
 
     async def retrieve(self, request: Request) -> Response:
         self.gateway.check_key(request)

@@ -53,6 +53,8 @@ def build_app(gateway: Gateway) -> ASGIApp:
         *at(responses.create, "/v1/responses", "/responses"),
         *at(responses.input_tokens, "/v1/responses/input_tokens", "/responses/input_tokens"),
         Route("/v1/responses/{response_id}", responses.stored, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         *at(gateway.models, "/v1/models", "/models", methods=["GET"]),
         Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
