@@ -3259,10 +3259,14 @@ def test_a_chunked_bodys_trailers_count_against_the_header_limit(gw: Gateway) ->
             assert got == [status], (len(trailers), got)
 
 
-def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
+@pytest.mark.parametrize(
+    ("path", "error_type"),
+    [("/v1/completions", b'"type":"invalid_request_error"'), ("/v1/messages", b'"type":"timeout_error"')],
+)
+def test_a_trickled_body_is_cut_off_with_408(gw: Gateway, path: str, error_type: bytes) -> None:
     body = json.dumps({"prompt": "x" * 200, "max_tokens": 1}).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CONFIG_KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", gw.port), timeout=0.5) as sock:
@@ -3292,7 +3296,7 @@ def test_a_trickled_body_is_cut_off_with_408(gw: Gateway) -> None:
                 break
             reply += more
     assert reply.startswith(b"HTTP/1.1 408"), reply
-    assert b"gateway.body_timeout_s" in reply
+    assert b"gateway.body_timeout_s" in reply and error_type in reply.replace(b" ", b""), reply
 
 
 def stream_texts(gw: Gateway, prompts: list[str], max_tokens: int) -> list[tuple[str, int]]:

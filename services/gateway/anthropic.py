@@ -35,6 +35,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",  # a method the route does not take: the client's error
+    408: "timeout_error",  # the body did not arrive within gateway.body_timeout_s
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
