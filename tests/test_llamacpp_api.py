@@ -293,6 +293,16 @@ def test_tokenize_detokenize_in_both_apis_shapes(gw: Gateway, hf_tokenizer) -> N
     }
 
 
+def test_detokenize_keeps_special_tokens(gw: Gateway, hf_tokenizer) -> None:
+    """llama-server's /detokenize renders every token, special ones too (as vLLM's does): a text
+    with special tokens comes back from /tokenize then /detokenize as it was (they were dropped)."""
+    text = "<|im_start|>user\nHi there<|im_end|>"
+    status, reply = post(gw, "/tokenize", {"content": text})
+    assert status == 200 and hf_tokenizer.eos_token_id in reply["tokens"], reply
+    status, reply = post(gw, "/detokenize", {"tokens": reply["tokens"]})
+    assert status == 200 and reply == {"prompt": text, "content": text}, reply
+
+
 def test_apply_template_and_props(gw: Gateway, hf_tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
     status, reply = post(gw, "/apply-template", {"messages": messages})
