@@ -156,6 +156,19 @@ def test_stop_type_eos_limit_and_word(gw: Gateway, hf_tokenizer) -> None:
     assert nothing["content"] == "" and nothing["tokens_predicted"] == 0 and nothing["stop_type"] == "limit"
 
 
+def test_empty_stop_strings_are_left_out(gw: Gateway) -> None:
+    """llama-server skips an empty stop string (some clients send `[""]` for none): it was a 400."""
+    settings = {"prompt": PROMPT, "temperature": 0, "n_predict": STOP_WORD_SCAN}
+    whole = completion(gw, **settings)["content"]
+    reply = completion(gw, **settings, stop=[""])
+    assert reply["content"] == whole and reply["stop_type"] == "limit", reply
+    assert reply["generation_settings"]["stop"] == []
+    word = next(w for w in whole.split()[1:] if len(w) >= 2)
+    for reply in (completion(gw, **settings, stop=["", word]), stream(gw, **settings, stop=["", word])[-1]):
+        assert reply["stop_type"] == "word" and reply["stopping_word"] == word, reply
+        assert reply["generation_settings"]["stop"] == [word]
+
+
 def test_token_id_and_mixed_prompts(gw: Gateway, hf_tokenizer) -> None:
     ids = hf_tokenizer(PROMPT, add_special_tokens=False).input_ids
     by_text = completion(gw, prompt=PROMPT, temperature=0, n_predict=8)

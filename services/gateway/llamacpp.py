@@ -78,7 +78,7 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     min_p: float | None = None
     seed: int = -1  # -1: a random seed
-    stop: list[str] | None = None
+    stop: list[str] | None = None  # its empty strings are left out, as llama-server leaves them
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
@@ -112,6 +112,12 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
             if given is not None:
                 return given
         return -1
+
+    @property
+    def stop_words(self) -> list[str]:
+        """`stop` without its empty strings: llama-server skips them (a client's `[""]` means no
+        stop string), where the engine refuses one."""
+        return [word for word in self.stop or [] if word]
 
     @property
     def num_completions(self) -> int:
@@ -379,7 +385,7 @@ class LlamaCompletions:
             n_predict=body.num_to_predict,
             model=body.model or self.gateway.settings.model,
             seed=body.seed,
-            stop=list(body.stop or []),
+            stop=body.stop_words,
             stream=body.stream,
             ignore_eos=body.ignore_eos,
             n_probs=body.n_probs,
@@ -431,7 +437,7 @@ class LlamaCompletions:
             top_p=settings["top_p"],
             min_p=settings["min_p"],
             seed=None if body.seed == -1 else body.seed,
-            stop=body.stop,
+            stop=body.stop_words or None,
             stream=body.stream,
             return_progress=body.return_progress,
             ignore_eos=body.ignore_eos,
@@ -783,10 +789,10 @@ class LlamaWriter:
             return "limit", ""
         if out.finish_reason != "stop":
             return "none", ""
-        if self.body.stop:
+        if self.body.stop_words:
             whole = await asyncio.to_thread(self.gateway.tokenizer.decode, out.token_ids)
             rest = whole[len(out.text) :] if whole.startswith(out.text) else ""
-            word = next((s for s in self.body.stop if s and rest.startswith(s)), None)
+            word = next((s for s in self.body.stop_words if rest.startswith(s)), None)
             if word is not None:
                 return "word", word
         return "eos", ""
