@@ -169,6 +169,19 @@ def test_empty_stop_strings_are_left_out(gw: Gateway) -> None:
         assert reply["generation_settings"]["stop"] == [word]
 
 
+def test_n_predict_past_the_context_generates_to_its_end(gw: Gateway) -> None:
+    """llama-server takes any n_predict and stops at the context's end, as for -1: a huge one was a
+    400 naming the engine's range."""
+    near_full = [284] * (MAX_MODEL_LEN - 8)  # " and"s: a few tokens of room left
+    settings = {"prompt": near_full, "seed": 3, "ignore_eos": True}
+    unlimited = completion(gw, **settings, n_predict=-1)
+    for n_predict in (10**12, MAX_MODEL_LEN + 1):
+        reply = completion(gw, **settings, n_predict=n_predict)
+        assert reply["content"] == unlimited["content"] and reply["stop_type"] == "limit", reply
+        assert reply["truncated"] is True and reply["generation_settings"]["n_predict"] == n_predict
+        assert reply["tokens_predicted"] + reply["tokens_evaluated"] == MAX_MODEL_LEN
+
+
 def test_token_id_and_mixed_prompts(gw: Gateway, hf_tokenizer) -> None:
     ids = hf_tokenizer(PROMPT, add_special_tokens=False).input_ids
     by_text = completion(gw, prompt=PROMPT, temperature=0, n_predict=8)

@@ -424,10 +424,10 @@ class LlamaCompletions:
             raise invalid("give json_schema or grammar, not both", "grammar")
         temperature = max(settings["temperature"], 0.0)  # llama.cpp: below 0 samples greedily
         # n_predict 0 evaluates the prompt alone: the engine always samples a token, which the
-        # reply leaves out (LlamaWriter.prompt_only).
-        max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(
-            body.num_to_predict, body.num_to_predict
-        )
+        # reply leaves out (LlamaWriter.prompt_only). llama-server takes any n_predict and stops
+        # at the context's end, so one past the context is -1's limit (not the engine's range's 400).
+        context = self.gateway.settings.max_model_len
+        max_tokens = {-1: context, 0: 1}.get(body.num_to_predict, min(body.num_to_predict, context))
         request = p.CompletionRequest(
             prompt=prompts[0] if len(prompts) == 1 else prompts,
             n=body.num_completions,
