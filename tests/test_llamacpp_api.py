@@ -169,6 +169,19 @@ def test_empty_stop_strings_are_left_out(gw: Gateway) -> None:
         assert reply["generation_settings"]["stop"] == [word]
 
 
+def test_a_stop_string_not_in_a_list_is_one_stop_string(gw: Gateway) -> None:
+    """`stop: "word"` (OpenAI's form, which clients also send here) stops at that word; it was a
+    400 (llama-server reads only a list)."""
+    settings = {"prompt": PROMPT, "temperature": 0, "n_predict": STOP_WORD_SCAN}
+    whole = completion(gw, **settings)["content"]
+    word = next(w for w in whole.split()[1:] if len(w) >= 2)
+    for reply in (completion(gw, **settings, stop=word), stream(gw, **settings, stop=word)[-1]):
+        assert reply["stop_type"] == "word" and reply["stopping_word"] == word, reply
+        assert reply["generation_settings"]["stop"] == [word]
+    assert completion(gw, **settings, stop=word)["content"] == whole[: whole.index(word)]
+    assert completion(gw, **settings, stop="")["content"] == whole
+
+
 def test_n_predict_past_the_context_generates_to_its_end(gw: Gateway) -> None:
     """llama-server takes any n_predict and stops at the context's end, as for -1: a huge one was a
     400 naming the engine's range."""

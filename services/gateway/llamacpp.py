@@ -78,7 +78,9 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     min_p: float | None = None
     seed: int = -1  # -1: a random seed
-    stop: list[str] | None = None  # its empty strings are left out, as llama-server leaves them
+    # Its empty strings are left out, as llama-server leaves them; one string is one stop string
+    # (llama-server reads only a list, but a client that sends a string means that one).
+    stop: str | list[str] | None = None
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
@@ -115,9 +117,10 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def stop_words(self) -> list[str]:
-        """`stop` without its empty strings: llama-server skips them (a client's `[""]` means no
-        stop string), where the engine refuses one."""
-        return [word for word in self.stop or [] if word]
+        """`stop` as a list, without its empty strings: llama-server skips them (a client's `[""]`
+        means no stop string), where the engine refuses one."""
+        words = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [word for word in words if word]
 
     @property
     def num_completions(self) -> int:
