@@ -156,6 +156,45 @@ def test_stop_type_eos_limit_and_word(gw: Gateway, hf_tokenizer) -> None:
     assert nothing["content"] == "" and nothing["tokens_predicted"] == 0 and nothing["stop_type"] == "limit"
 
 
+def test_empty_stop_strings_are_left_out(gw: Gateway) -> None:
+    """llama-server skips an empty stop string (some clients send `[""]` for none): it was a 400."""
+    settings = {"prompt": PROMPT, "temperature": 0, "n_predict": STOP_WORD_SCAN}
+    whole = completion(gw, **settings)["content"]
+    reply = completion(gw, **settings, stop=[""])
+    assert reply["content"] == whole and reply["stop_type"] == "limit", reply
+    assert reply["generation_settings"]["stop"] == []
+    word = next(w for w in whole.split()[1:] if len(w) >= 2)
+    for reply in (completion(gw, **settings, stop=["", word]), stream(gw, **settings, stop=["", word])[-1]):
+        assert reply["stop_type"] == "word" and reply["stopping_word"] == word, reply
+        assert reply["generation_settings"]["stop"] == [word]
+
+
+def test_a_stop_string_not_in_a_list_is_one_stop_string(gw: Gateway) -> None:
+    """`stop: "word"` (OpenAI's form, which clients also send here) stops at that word; it was a
+    400 (llama-server reads only a list)."""
+    settings = {"prompt": PROMPT, "temperature": 0, "n_predict": STOP_WORD_SCAN}
+    whole = completion(gw, **settings)["content"]
+    word = next(w for w in whole.split()[1:] if len(w) >= 2)
+    for reply in (completion(gw, **settings, stop=word), stream(gw, **settings, stop=word)[-1]):
+        assert reply["stop_type"] == "word" and reply["stopping_word"] == word, reply
+        assert reply["generation_settings"]["stop"] == [word]
+    assert completion(gw, **settings, stop=word)["content"] == whole[: whole.index(word)]
+    assert completion(gw, **settings, stop="")["content"] == whole
+
+
+def test_n_predict_past_the_context_generates_to_its_end(gw: Gateway) -> None:
+    """llama-server takes any n_predict and stops at the context's end, as for -1: a huge one was a
+    400 naming the engine's range."""
+    near_full = [284] * (MAX_MODEL_LEN - 8)  # " and"s: a few tokens of room left
+    settings = {"prompt": near_full, "seed": 3, "ignore_eos": True}
+    unlimited = completion(gw, **settings, n_predict=-1)
+    for n_predict in (10**12, MAX_MODEL_LEN + 1):
+        reply = completion(gw, **settings, n_predict=n_predict)
+        assert reply["content"] == unlimited["content"] and reply["stop_type"] == "limit", reply
+        assert reply["truncated"] is True and reply["generation_settings"]["n_predict"] == n_predict
+        assert reply["tokens_predicted"] + reply["tokens_evaluated"] == MAX_MODEL_LEN
+
+
 def test_token_id_and_mixed_prompts(gw: Gateway, hf_tokenizer) -> None:
     ids = hf_tokenizer(PROMPT, add_special_tokens=False).input_ids
     by_text = completion(gw, prompt=PROMPT, temperature=0, n_predict=8)
@@ -291,6 +330,16 @@ def test_tokenize_detokenize_in_both_apis_shapes(gw: Gateway, hf_tokenizer) -> N
         "prompt": hf_tokenizer.decode(want),
         "content": hf_tokenizer.decode(want),
     }
+
+
+def test_detokenize_keeps_special_tokens(gw: Gateway, hf_tokenizer) -> None:
+    """llama-server's /detokenize renders every token, special ones too (as vLLM's does): a text
+    with special tokens comes back from /tokenize then /detokenize as it was (they were dropped)."""
+    text = "<|im_start|>user\nHi there<|im_end|>"
+    status, reply = post(gw, "/tokenize", {"content": text})
+    assert status == 200 and hf_tokenizer.eos_token_id in reply["tokens"], reply
+    status, reply = post(gw, "/detokenize", {"tokens": reply["tokens"]})
+    assert status == 200 and reply == {"prompt": text, "content": text}, reply
 
 
 def test_apply_template_and_props(gw: Gateway, hf_tokenizer) -> None:

@@ -1336,7 +1336,9 @@ class Gateway:
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid(f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
-        return self.tokenizer.decode(body.tokens)
+        # Special tokens are kept, as both APIs give them (llama-server renders every token's
+        # piece, vLLM decodes with HF's default): /tokenize then /detokenize gives the text back.
+        return self.tokenizer.decode(body.tokens, skip_special_tokens=False)
 
     async def tokenizer_info(self, request: Request) -> Response:
         """vLLM's: the tokenizer's configuration (tokenizer_config.json, special tokens as their

@@ -78,7 +78,9 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     min_p: float | None = None
     seed: int = -1  # -1: a random seed
-    stop: list[str] | None = None
+    # Its empty strings are left out, as llama-server leaves them; one string is one stop string
+    # (llama-server reads only a list, but a client that sends a string means that one).
+    stop: str | list[str] | None = None
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
@@ -112,6 +114,13 @@ class LlamaCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
             if given is not None:
                 return given
         return -1
+
+    @property
+    def stop_words(self) -> list[str]:
+        """`stop` as a list, without its empty strings: llama-server skips them (a client's `[""]`
+        means no stop string), where the engine refuses one."""
+        words = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [word for word in words if word]
 
     @property
     def num_completions(self) -> int:
@@ -379,7 +388,7 @@ class LlamaCompletions:
             n_predict=body.num_to_predict,
             model=body.model or self.gateway.settings.model,
             seed=body.seed,
-            stop=list(body.stop or []),
+            stop=body.stop_words,
             stream=body.stream,
             ignore_eos=body.ignore_eos,
             n_probs=body.n_probs,
@@ -418,10 +427,10 @@ class LlamaCompletions:
             raise invalid("give json_schema or grammar, not both", "grammar")
         temperature = max(settings["temperature"], 0.0)  # llama.cpp: below 0 samples greedily
         # n_predict 0 evaluates the prompt alone: the engine always samples a token, which the
-        # reply leaves out (LlamaWriter.prompt_only).
-        max_tokens = {-1: self.gateway.settings.max_model_len, 0: 1}.get(
-            body.num_to_predict, body.num_to_predict
-        )
+        # reply leaves out (LlamaWriter.prompt_only). llama-server takes any n_predict and stops
+        # at the context's end, so one past the context is -1's limit (not the engine's range's 400).
+        context = self.gateway.settings.max_model_len
+        max_tokens = {-1: context, 0: 1}.get(body.num_to_predict, min(body.num_to_predict, context))
         request = p.CompletionRequest(
             prompt=prompts[0] if len(prompts) == 1 else prompts,
             n=body.num_completions,
@@ -431,7 +440,7 @@ class LlamaCompletions:
             top_p=settings["top_p"],
             min_p=settings["min_p"],
             seed=None if body.seed == -1 else body.seed,
-            stop=body.stop,
+            stop=body.stop_words or None,
             stream=body.stream,
             return_progress=body.return_progress,
             ignore_eos=body.ignore_eos,
@@ -783,10 +792,10 @@ class LlamaWriter:
             return "limit", ""
         if out.finish_reason != "stop":
             return "none", ""
-        if self.body.stop:
+        if self.body.stop_words:
             whole = await asyncio.to_thread(self.gateway.tokenizer.decode, out.token_ids)
             rest = whole[len(out.text) :] if whole.startswith(out.text) else ""
-            word = next((s for s in self.body.stop if s and rest.startswith(s)), None)
+            word = next((s for s in self.body.stop_words if rest.startswith(s)), None)
             if word is not None:
                 return "word", word
         return "eos", ""
