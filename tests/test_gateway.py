@@ -48,7 +48,7 @@ from services.gateway.app import GatewaySettings
 from services.gateway.errors import ApiError
 from services.gateway.jobs import SEED_HEADER, plan_chat
 from services.gateway.refusal_limits import SMALL_BODY_BYTES
-from services.gateway.responses import ResponsesReply
+from services.gateway.responses import InputItem, ResponsesReply, listed_input_items
 from services.metrics import HttpMetrics
 from tests.harness import assert_clean, brigade_run, free_port, gateway_in_thread
 from tests.test_tokenizer_core import vllm_bad_words_ids
@@ -1294,6 +1294,27 @@ def test_a_stored_responses_input_items_are_listed_a_page_at_a_time_and_it_canno
         api.responses.cancel(first.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.cancel(unstored.id)
+
+
+def test_input_items_are_listed_with_the_fields_each_was_sent_with() -> None:
+    items = msgspec.convert(
+        [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {
+                "type": "function_call_output",
+                "call_id": "c1",
+                "output": [{"type": "input_text", "text": "ok"}],
+            },
+        ],
+        list[InputItem],
+    )
+    call, result = listed_input_items(items)
+    assert call["id"].startswith("fc_") and result["id"].startswith("fco_")
+    assert {k: call[k] for k in ("type", "call_id", "name", "arguments", "status")} == {
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "status": "completed"
+    }  # fmt: skip
+    assert "role" not in call and "content" not in call  # fields it was not sent with
+    assert result["output"] == [{"type": "input_text", "text": "ok"}]
 
 
 RESPONSES_BAD_BODIES = {

@@ -185,10 +185,9 @@ def listed_input_items(items: str | list[InputItem]) -> list[dict[str, Any]]:
         if isinstance(item.content, str):
             part_type = "output_text" if item.role == "assistant" else "input_text"
             fields["content"] = [{"type": part_type, "text": item.content}]
-        elif isinstance(fields.get("content"), list):
-            fields["content"] = [
-                {k: v for k, v in part.items() if v is not None} for part in fields["content"]
-            ]
+        for name in ("content", "output"):  # parts as sent: the fields a part has
+            if isinstance(fields.get(name), list):
+                fields[name] = [{k: v for k, v in part.items() if v is not None} for part in fields[name]]
         listed.append({**fields, "status": "completed"})
     return listed
 
