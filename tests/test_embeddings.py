@@ -511,6 +511,30 @@ def test_score_and_rerank_rank_by_cosine_similarity() -> None:
         )
 
 
+def test_score_and_rerank_refuse_more_texts_than_an_embeddings_call_may_send() -> None:
+    """/v1/embeddings' cap on one call's inputs holds for each list of /score and /rerank too: a
+    call of 20,000 documents was served, holding the engine for minutes, where the same texts
+    sent to /v1/embeddings were refused at once."""
+    from services.gateway.app import MAX_EMBEDDING_INPUTS
+    from services.gateway.errors import ApiError
+
+    too_many = ["a"] * (MAX_EMBEDDING_INPUTS + 1)
+    for path, body, field in (
+        ("rerank", {"query": "q", "documents": too_many}, "documents"),
+        ("score", {"text_1": "q", "text_2": too_many}, "text_2"),
+        ("score", {"text_1": too_many, "text_2": too_many}, "text_1"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            scoring_reply(path, body)
+        assert refused.value.status == 400 and refused.value.param == field
+        assert f"over the limit of {MAX_EMBEDDING_INPUTS}" in refused.value.message
+    at_the_limit = ["a"] * MAX_EMBEDDING_INPUTS
+    assert (
+        len(scoring_reply("rerank", {"query": "q", "documents": at_the_limit})["results"])
+        == MAX_EMBEDDING_INPUTS
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_llama_cpp_embedding_endpoints_normalize_as_it_does(
