@@ -486,6 +486,20 @@ def test_embeddings_reply_each_vector_in_input_order_as_floats_or_base64() -> No
         np.testing.assert_array_equal(np.array(got), want)
 
 
+def test_embeddings_refuse_vllms_add_special_tokens_false() -> None:
+    """vLLM's add_special_tokens: false asks for a text's vector without its special tokens;
+    the engine always adds them, so it is refused (400, naming the field) rather than ignored,
+    which answered a different vector than the one asked for. true (vLLM's default) is served."""
+    from services.gateway.app import Gateway
+    from services.gateway.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(Gateway.embeddings(StubGateway({"input": ["a"], "add_special_tokens": False}), None))
+    assert refused.value.status == 400 and refused.value.param == "add_special_tokens"
+    served = asyncio.run(Gateway.embeddings(StubGateway({"input": ["a"], "add_special_tokens": True}), None))
+    assert json.loads(served.body)["data"][0]["embedding"] == SCORED_VECTORS["a"]
+
+
 def test_score_and_rerank_rank_by_cosine_similarity() -> None:
     """Each pair's cosine similarity (numpy's, here; 0 for a zero vector), not the dot product;
     pairwise for equal lists; the rerank best first, cut to top_n (0: all)."""
