@@ -486,6 +486,20 @@ def test_embeddings_reply_each_vector_in_input_order_as_floats_or_base64() -> No
         np.testing.assert_array_equal(np.array(got), want)
 
 
+def test_embeddings_refuse_vllms_add_special_tokens_false() -> None:
+    """vLLM's add_special_tokens: false asks for a text's vector without its special tokens;
+    the engine always adds them, so it is refused (400, naming the field) rather than ignored,
+    which answered a different vector than the one asked for. true (vLLM's default) is served."""
+    from services.gateway.app import Gateway
+    from services.gateway.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(Gateway.embeddings(StubGateway({"input": ["a"], "add_special_tokens": False}), None))
+    assert refused.value.status == 400 and refused.value.param == "add_special_tokens"
+    served = asyncio.run(Gateway.embeddings(StubGateway({"input": ["a"], "add_special_tokens": True}), None))
+    assert json.loads(served.body)["data"][0]["embedding"] == SCORED_VECTORS["a"]
+
+
 def test_score_and_rerank_rank_by_cosine_similarity() -> None:
     """Each pair's cosine similarity (numpy's, here; 0 for a zero vector), not the dot product;
     pairwise for equal lists; the rerank best first, cut to top_n (0: all)."""
@@ -509,6 +523,30 @@ def test_score_and_rerank_rank_by_cosine_similarity() -> None:
         np.testing.assert_allclose(
             [r["relevance_score"] for r in results], [cos("q", documents[i]) for i in want[:count]], atol=1e-6
         )
+
+
+def test_score_and_rerank_refuse_more_texts_than_an_embeddings_call_may_send() -> None:
+    """/v1/embeddings' cap on one call's inputs holds for each list of /score and /rerank too: a
+    call of 20,000 documents was served, holding the engine for minutes, where the same texts
+    sent to /v1/embeddings were refused at once."""
+    from services.gateway.app import MAX_EMBEDDING_INPUTS
+    from services.gateway.errors import ApiError
+
+    too_many = ["a"] * (MAX_EMBEDDING_INPUTS + 1)
+    for path, body, field in (
+        ("rerank", {"query": "q", "documents": too_many}, "documents"),
+        ("score", {"text_1": "q", "text_2": too_many}, "text_2"),
+        ("score", {"text_1": too_many, "text_2": too_many}, "text_1"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            scoring_reply(path, body)
+        assert refused.value.status == 400 and refused.value.param == field
+        assert f"over the limit of {MAX_EMBEDDING_INPUTS}" in refused.value.message
+    at_the_limit = ["a"] * MAX_EMBEDDING_INPUTS
+    assert (
+        len(scoring_reply("rerank", {"query": "q", "documents": at_the_limit})["results"])
+        == MAX_EMBEDDING_INPUTS
+    )
 
 
 @pytest.mark.slow

@@ -643,6 +643,13 @@ class Gateway:
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's /v1/embeddings: one vector per input, the inputs run together (client.embed)."""
         body = await self.read_body(request, p.EmbeddingRequest)
+        if not body.add_special_tokens:
+            # The engine tokenizes each text with its special tokens (CLS/SEP, BOS) and pools
+            # over them: ignoring false answered a vector other than the one asked for.
+            raise invalid(
+                "add_special_tokens: false is not supported: a text is embedded with its special tokens",
+                "add_special_tokens",
+            )
         inputs = embedding_inputs(body.input)
         try:
             result = await self.embed(request, inputs, body.dimensions, body.truncate_prompt_tokens)

@@ -189,6 +189,9 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: embed the last k tokens (-1: the model's limit)
+    # vLLM's: false embeds a text without its special tokens, which the engine always adds
+    # (services/gateway/app.py refuses false rather than answer with the other vector).
+    add_special_tokens: bool = True
 
 
 class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):

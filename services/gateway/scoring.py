@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway import protocol as p
-from services.gateway.app import Gateway, json_response
+from services.gateway.app import MAX_EMBEDDING_INPUTS, Gateway, json_response
 from services.gateway.errors import ApiError, invalid
 
 # The index of the input an engine refusal names (client.embed: "input[3] ...").
@@ -27,6 +27,10 @@ def texts_of(value: str | list[str], field: str) -> tuple[list[str], list[str]]:
         return [value], [field]
     if not value:
         raise invalid(f"{field} must not be empty", field)
+    # /v1/embeddings' cap on one call's inputs: without it here, /score and /rerank were a way
+    # round it (20,000 documents held the engine for minutes on one call).
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise invalid(f"{field} holds {len(value)} texts, over the limit of {MAX_EMBEDDING_INPUTS}", field)
     return value, [f"{field}[{i}]" for i in range(len(value))]
 
 
