@@ -279,6 +279,11 @@ def test_admission_parks_a_chat_until_its_remote_images_are_fetched(tiny_gemma3_
     assert entry.submit.prompt_ids == b"" and entry.image_starts == []
     assert core.resubmissions(0) == [] and core.stalled(time.monotonic() + 3600) == {}
     engine = entry.submit.request_id
+    # An encoder's answer before the fetch ends answers what this replica's previous process
+    # asked for the same request (a resubmission after a restart has the same engine id): it
+    # is dropped, where it failed the request ("the encoder gave 1 tiles for 0").
+    assert core.on_encoded(engine, 0, [b"a" * 16], [m.SlotRef(0, 2)], "") is None
+    assert core.journal[engine] is entry and entry.is_encoding
     assert core.on_fetched(engine, {1: IMAGE}, "") is entry
     assert entry.image_files == [inline, IMAGE] and not entry.image_urls and entry.is_encoding
     assert len(entry.image_starts) == 2 and entry.submit.prompt_ids and entry.unfetched is None

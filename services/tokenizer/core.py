@@ -982,7 +982,10 @@ class TokenizerCore:
         each image's embeddings are, to send on; or the failure to send its client (a bad image
         is a 400: invalid_request); None when the request is gone (aborted)."""
         entry = self.journal.get(request_id)
-        if entry is None or not entry.is_encoding:
+        if entry is None or not entry.is_encoding or entry.unfetched is not None:
+            # Still fetching its images, it has asked no encoder yet: this answers the same
+            # request as this replica's previous process asked it (an engine id outlives a
+            # restart), and the one it asks for once they are in comes after.
             return None
         if error:
             code = "unavailable" if error.startswith("timeout") else "invalid_request"
